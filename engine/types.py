@@ -1,0 +1,146 @@
+"""Shared contracts between the engine's subsystems: sampling parameters, runner steps, requests, events.
+
+This module is the seam between the scheduler/loop, the runners (numpy reference and CUDA) and the
+HTTP server. It holds plain dataclasses and Protocols only; it must not import numpy, CUDA or any
+other engine module, so every layer can depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class MemraError(Exception):
+    """A user-facing error: the message is shown as is (CLI) or sent in an error body (HTTP).
+
+    ``code`` is a stable machine-readable string (``context_length_exceeded``, ``invalid_model`` ...)
+    and ``param`` names the offending field when there is one.
+    """
+
+    def __init__(self, message: str, *, code: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class ConfigError(MemraError):
+    """A YAML/TOML/config.json problem; the message names the file and the key path."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="config_error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``temperature == 0`` means greedy (argmax).
+
+    Penalties follow the OpenAI/vLLM definitions: ``presence_penalty`` and ``frequency_penalty``
+    apply to generated tokens; ``repetition_penalty`` (> 1 discourages) applies to prompt and
+    generated tokens, dividing positive logits and multiplying negative ones.
+    ``seed=None`` means fresh entropy chosen at submission (the engine fills it in so a request's
+    random stream never depends on what it is batched with).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class StepItem:
+    """One sequence's share of a runner step: a prefill chunk or a single decode token.
+
+    ``token_ids`` are the new tokens to run, at positions ``start_pos .. start_pos+len-1``. The KV of
+    positions ``< start_pos`` is already in the cache blocks listed in ``block_table`` (a prefix-cache
+    hit or earlier chunks); the runner writes the new positions' KV into the same table, which the
+    scheduler has sized to cover ``start_pos + len(token_ids)``.
+    ``sample`` is true when the last token's logits must be sampled (last prefill chunk or decode).
+    ``history`` is every token id of the sequence so far (prompt + generated), used for penalties;
+    ``num_generated`` counts generated tokens so far (the sampler's random-stream counter);
+    ``prompt_len`` splits history into prompt and generated parts.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    sample: bool
+    sampling: SamplingParams
+    history: Sequence[int] = ()
+    prompt_len: int = 0
+    num_generated: int = 0
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Executes model steps over a paged KV cache. Implemented by ReferenceRunner and CudaRunner.
+
+    The runner owns the KV memory (``num_blocks`` blocks of ``block_size`` tokens); the scheduler owns
+    which block belongs to whom. ``step`` returns one sampled token id per item (``None`` where
+    ``item.sample`` is false). A runner must produce the same greedy tokens for an item whether it is
+    stepped alone or together with others.
+    """
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    backend: str  # "reference" | "cuda"
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]: ...
+
+
+@dataclass
+class GenerationRequest:
+    """What a client asked the engine for, already tokenized."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: up to the context length
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    tenant: str = "default"
+    cache_salt: str = ""  # extra isolation inside a tenant (vLLM's cache_salt)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class TokenEvent:
+    """Pushed to a request's outbox after each engine step that produced output for it.
+
+    ``text`` is the newly releasable text (valid UTF-8; stop-string candidates held back).
+    The last event of a request has ``finish_reason`` set: ``stop`` (EOS or stop string),
+    ``length`` (max_tokens or context), ``abort`` (client gone / shutdown) or ``error``
+    (then ``error`` holds a MemraError).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: MemraError | None = None
+    ttft_s: float | None = None  # set on the first event: seconds from submit to first token
