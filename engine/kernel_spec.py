@@ -1,0 +1,73 @@
+"""KernelSpec: everything that determines one specialised CUDA kernel (template + parameters).
+
+A spec is the unit the render -> cache -> NVRTC pipeline works on. Its ``params`` are the only
+values the Jinja2 template sees (never YAML or engine objects), and launch geometry that both the
+kernel and the host need (threads per block, tile sizes) is read from the same ``params`` so the two
+cannot disagree. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_NAME_OK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel to build: ``kernels/<template>.cu.j2`` rendered with ``params``.
+
+    ``entry`` is the ``extern "C"`` function name, built from the template and the parameters that
+    matter (e.g. ``gemv_q4_1__n576_k1536_t256``) so cubins and profiles are readable. Templates must
+    define exactly that symbol: the template receives it as ``{{ entry }}``.
+    ``options`` are extra NVRTC options (e.g. ``-DFOO``); the arch comes from the device profile.
+    """
+
+    template: str
+    entry: str
+    params: dict[str, Any] = field(default_factory=dict)
+    options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _NAME_OK.match(self.entry):
+            raise ValueError(f"kernel entry name {self.entry!r} is not a C identifier")
+        if not _NAME_OK.match(self.template):
+            raise ValueError(f"kernel template name {self.template!r} is not a plain identifier")
+
+    def __hash__(self) -> int:
+        return hash((self.template, self.entry, _freeze(self.params), self.options))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KernelSpec):
+            return NotImplemented
+        return (self.template, self.entry, _freeze(self.params), self.options) == (
+            other.template,
+            other.entry,
+            _freeze(other.params),
+            other.options,
+        )
+
+    def describe(self) -> str:
+        """One line for logs and `memra warmup --list`."""
+        return f"{self.entry} ({self.template} {json.dumps(self.params, sort_keys=True)})"
+
+
+def entry_name(template: str, **parts: Any) -> str:
+    """Readable entry point name: ``entry_name("gemv_q8_0", n=576, k=1536, t=256)`` ->
+    ``gemv_q8_0__n576_k1536_t256``. Values are sanitised to identifier characters."""
+    bits = []
+    for key, value in parts.items():
+        text = re.sub(r"[^A-Za-z0-9]", "", str(value).replace(".", "p").replace("-", "m"))
+        bits.append(f"{key}{text}")
+    return f"{template}__{'_'.join(bits)}" if bits else template
