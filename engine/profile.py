@@ -1,0 +1,220 @@
+"""Device profiles (device_profiles/*.yaml): match rules, arch, roofline numbers, per-kernel tuning.
+
+``select(device)`` picks the named profile whose name patterns and compute capability match the
+detected GPU, else the generic profile of that compute capability (with a warning), else the
+nearest lower generic one. ``TUNING_SCHEMA`` lists every tuning section a kernel may read, with
+defaults, so a profile cannot carry a misspelt knob. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+from engine.schema import Field, ListOf, MapOf, load_yaml, validate
+from engine.types import ConfigError
+
+log = logging.getLogger("memra.profile")
+
+
+def _power_of_two(v: int) -> str | None:
+    return None if v > 0 and v & (v - 1) == 0 else f"expected a power of two, got {v}"
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else f"expected a positive number, got {v}"
+
+
+def _fraction(v: float) -> str | None:
+    return None if 0.0 < v <= 1.0 else f"expected a number in (0, 1], got {v}"
+
+
+def _arch(v: str) -> str | None:
+    return (
+        None
+        if v.startswith("sm_") and v[3:].rstrip("af").isdigit()
+        else f"expected an arch like sm_90a, got {v!r}"
+    )
+
+
+def _knob(default: int) -> Field:
+    return Field(int, default=default, check=_positive)
+
+
+# Every tuning section a kernel template may read. Adding a knob here is how a kernel gets one.
+TUNING_SCHEMA: dict[str, Field] = {
+    "gemv": Field(
+        {"threads": _knob(256), "rows_per_block": _knob(4), "max_batch": _knob(8)},
+        default={"threads": 256, "rows_per_block": 4, "max_batch": 8},
+    ),
+    "gemm": Field(
+        {
+            "tile_m": _knob(128),
+            "tile_n": _knob(128),
+            "tile_k": _knob(32),
+            "stages": _knob(3),
+            "warps": _knob(8),
+        },
+        default={"tile_m": 128, "tile_n": 128, "tile_k": 32, "stages": 3, "warps": 8},
+    ),
+    "attention_prefill": Field(
+        {"block_q": _knob(64), "block_kv": _knob(64), "warps": _knob(4)},
+        default={"block_q": 64, "block_kv": 64, "warps": 4},
+    ),
+    "attention_decode": Field(
+        {"block_kv": _knob(64), "warps": _knob(4), "split_kv_tokens": _knob(512)},
+        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512},
+    ),
+    "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
+    "norm": Field({"threads": _knob(256)}, default={"threads": 256}),
+    "sampling": Field({"threads": _knob(1024)}, default={"threads": 1024}),
+}
+
+PROFILE_SCHEMA: dict[str, Field] = {
+    "name": Field(str, required=True),
+    "description": Field(str, default=""),
+    "generic": Field(bool, default=False),
+    "match": Field(
+        {
+            "names": Field(ListOf(str), default=[]),
+            "compute_capability": Field(str, required=True),
+        },
+        required=True,
+    ),
+    "arch": Field(str, required=True, check=_arch),
+    "sm_count": Field(int, default=0),
+    "memory_gb": Field(float, default=0.0),
+    "memory_bandwidth_gbs": Field(float, required=True, check=_positive),
+    "tensor_tflops_bf16": Field(float, required=True, check=_positive),
+    "kv_memory_fraction": Field(float, default=0.85, check=_fraction),
+    "kv_block_size": Field(int, default=16, check=_power_of_two),
+    "prefill_chunk_tokens": Field(int, default=2048, check=_positive),
+    "max_running": Field(int, default=64, check=_positive),
+    "cuda_graph_batch_sizes": Field(ListOf(int), default=[1, 2, 4, 8, 16, 24, 32, 48, 64]),
+    "tuning": Field(TUNING_SCHEMA, default={k: f.default for k, f in TUNING_SCHEMA.items()}),
+    "notes": Field(MapOf(str), default={}),
+}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int = 0
+    total_memory: int = 0  # bytes
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    path: Path
+    arch: str
+    compute_capability: str
+    name_patterns: tuple[str, ...]
+    generic: bool
+    description: str
+    sm_count: int
+    memory_bandwidth_gbs: float
+    tensor_tflops_bf16: float
+    kv_memory_fraction: float
+    kv_block_size: int
+    prefill_chunk_tokens: int
+    max_running: int
+    cuda_graph_batch_sizes: tuple[int, ...]
+    tuning: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def tune(self, section: str) -> dict[str, Any]:
+        return dict(self.tuning[section])
+
+
+def load_profile(path: Path) -> DeviceProfile:
+    data = validate(load_yaml(path), PROFILE_SCHEMA, path)
+    # sections omitted from a partial `tuning:` mapping still get their defaults
+    tuning = {k: dict(f.default) for k, f in TUNING_SCHEMA.items()}
+    for k, v in data["tuning"].items():
+        tuning[k].update(v)
+    sizes = sorted(set(data["cuda_graph_batch_sizes"]))
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"{path}: cuda_graph_batch_sizes: expected positive batch sizes, got {sizes}")
+    if data["name"] != path.stem:
+        raise ConfigError(f"{path}: name: {data['name']!r} must equal the file name {path.stem!r}")
+    return DeviceProfile(
+        name=data["name"],
+        path=path,
+        arch=data["arch"],
+        compute_capability=data["match"]["compute_capability"],
+        name_patterns=tuple(data["match"]["names"]),
+        generic=data["generic"],
+        description=data["description"],
+        sm_count=data["sm_count"],
+        memory_bandwidth_gbs=float(data["memory_bandwidth_gbs"]),
+        tensor_tflops_bf16=float(data["tensor_tflops_bf16"]),
+        kv_memory_fraction=float(data["kv_memory_fraction"]),
+        kv_block_size=data["kv_block_size"],
+        prefill_chunk_tokens=data["prefill_chunk_tokens"],
+        max_running=data["max_running"],
+        cuda_graph_batch_sizes=tuple(sizes),
+        tuning=tuning,
+    )
+
+
+@lru_cache(maxsize=4)
+def _load_all(root: str) -> dict[str, DeviceProfile]:
+    profiles = {}
+    for path in sorted(Path(root).glob("*.yaml")):
+        p = load_profile(path)
+        profiles[p.name] = p
+    return profiles
+
+
+def all_profiles(root: Path | None = None) -> dict[str, DeviceProfile]:
+    return _load_all(str(root or paths.profiles_dir()))
+
+
+def get_profile(name: str, root: Path | None = None) -> DeviceProfile:
+    profiles = all_profiles(root)
+    if name not in profiles:
+        raise ConfigError(f"unknown device profile {name!r}; available: {', '.join(sorted(profiles))}")
+    return profiles[name]
+
+
+def select(device: DeviceInfo, override: str | None = None, root: Path | None = None) -> DeviceProfile:
+    """The profile for ``device``: ``override`` if given, else a named match, else a generic one."""
+    if override:
+        return get_profile(override, root)
+    profiles = all_profiles(root).values()
+    for p in profiles:
+        if not p.generic and p.compute_capability == device.cc:
+            if any(fnmatch.fnmatch(device.name.lower(), f"*{pat.lower()}*") for pat in p.name_patterns):
+                return p
+    generics = sorted((p for p in profiles if p.generic), key=lambda p: _cc_tuple(p.compute_capability))
+    exact = [p for p in generics if p.compute_capability == device.cc]
+    if exact:
+        log.warning(
+            "no tuned profile for %s (cc %s); using generic profile %s", device.name, device.cc, exact[0].name
+        )
+        return exact[0]
+    lower = [p for p in generics if _cc_tuple(p.compute_capability) <= device.compute_capability]
+    if lower:
+        chosen = lower[-1]
+        log.warning("no profile for %s (cc %s); falling back to %s", device.name, device.cc, chosen.name)
+        return chosen
+    raise ConfigError(
+        f"GPU {device.name} (compute capability {device.cc}) is older than every memra profile (sm_80+)"
+    )
+
+
+def _cc_tuple(cc: str) -> tuple[int, int]:
+    major, minor = cc.split(".")
+    return int(major), int(minor)
