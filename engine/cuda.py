@@ -1,0 +1,441 @@
+"""The only CUDA driver user: devices, context, memory, streams, events, modules, launches, graphs.
+
+Everything else in memra reaches the GPU through this module, so CI (no GPU, maybe no driver)
+imports engine.* freely: ``cuda.bindings.driver`` is imported lazily, and ``detect_devices()``
+returns ``[]`` when the driver or a GPU is missing. Every failing driver call raises CudaError
+naming the function and the CUresult. Launch arguments are packed once into a reusable buffer
+(``KernelArgs``, tinygrad-style ``kernelParams`` = array of pointers into one byte buffer) and
+can be updated in place, so a launch costs one ``cuLaunchKernel`` and no per-call packing.
+Must not import other engine modules except engine.profile (for the plain DeviceInfo).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from engine.profile import DeviceInfo
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed: ``func`` is the driver function, ``result`` the CUresult name."""
+
+    def __init__(self, func: str, result: str, detail: str = ""):
+        super().__init__(f"{func} failed: {result}" + (f" ({detail})" if detail else ""))
+        self.func = func
+        self.result = result
+
+
+class CudaUnavailable(CudaError):
+    """No usable CUDA driver or GPU on this machine."""
+
+
+@lru_cache(maxsize=1)
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except Exception as exc:  # ImportError, or the bindings failing to load
+        raise CudaUnavailable("import cuda.bindings.driver", type(exc).__name__, str(exc)) from exc
+    return driver
+
+
+def _name(result: Any) -> str:
+    try:
+        return result.name
+    except AttributeError:
+        return str(result)
+
+
+def _call(func: str, *args: Any) -> Any:
+    """Call ``driver.<func>(*args)``; raise CudaError unless CUDA_SUCCESS; return the payload."""
+    drv = _driver()
+    out = getattr(drv, func)(*args)
+    err = out[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaError(func, _name(err))
+    if len(out) == 1:
+        return None
+    return out[1] if len(out) == 2 else out[1:]
+
+
+_initialised = False
+
+
+def init() -> None:
+    """cuInit(0) once. Raises CudaUnavailable when the driver library or a GPU is missing."""
+    global _initialised
+    if _initialised:
+        return
+    try:
+        drv = _driver()
+        (err,) = drv.cuInit(0)
+    except CudaUnavailable:
+        raise
+    except Exception as exc:  # the driver library itself cannot be found / loaded
+        raise CudaUnavailable("cuInit", type(exc).__name__, str(exc)) from exc
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaUnavailable("cuInit", _name(err))
+    _initialised = True
+
+
+def _attr(dev: Any, attr: str) -> int:
+    drv = _driver()
+    return int(_call("cuDeviceGetAttribute", getattr(drv.CUdevice_attribute, attr), dev))
+
+
+def device_info(ordinal: int = 0) -> DeviceInfo:
+    init()
+    dev = _call("cuDeviceGet", ordinal)
+    raw = _call("cuDeviceGetName", 256, dev)
+    name = bytes(raw).split(b"\x00", 1)[0].decode(errors="replace").strip()
+    major = _attr(dev, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
+    minor = _attr(dev, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
+    sms = _attr(dev, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+    total = int(_call("cuDeviceTotalMem", dev))
+    return DeviceInfo(name=name, compute_capability=(major, minor), sm_count=sms, total_memory=total)
+
+
+def detect_devices() -> list[DeviceInfo]:
+    """Every visible GPU, or [] when there is no driver, no GPU, or the bindings are missing."""
+    try:
+        init()
+        count = int(_call("cuDeviceGetCount"))
+        return [device_info(i) for i in range(count)]
+    except CudaError:
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# context, memory
+
+
+class Context:
+    """The primary context of one device, made current on the calling thread."""
+
+    def __init__(self, ordinal: int = 0):
+        init()
+        self.ordinal = ordinal
+        self.device = _call("cuDeviceGet", ordinal)
+        self.handle = _call("cuDevicePrimaryCtxRetain", self.device)
+        self.info = device_info(ordinal)
+        self.make_current()
+
+    def make_current(self) -> None:
+        _call("cuCtxSetCurrent", self.handle)
+
+    def synchronize(self) -> None:
+        _call("cuCtxSynchronize")
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device memory in bytes."""
+        free, total = _call("cuMemGetInfo")
+        return int(free), int(total)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            try:
+                _call("cuCtxSynchronize")
+            finally:
+                _call("cuDevicePrimaryCtxRelease", self.device)
+                self.handle = None
+
+
+class DeviceBuffer:
+    """``nbytes`` of device memory (cuMemAlloc); ``ptr`` is the CUdeviceptr as an int."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(int(nbytes), 1)
+        self._handle = _call("cuMemAlloc", self.nbytes)
+        self.ptr = int(self._handle)
+
+    def free(self) -> None:
+        if self._handle is not None:
+            _call("cuMemFree", self._handle)
+            self._handle = None
+            self.ptr = 0
+
+    def __del__(self) -> None:  # best effort; the context may already be gone at exit
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+def alloc(nbytes: int) -> DeviceBuffer:
+    return DeviceBuffer(nbytes)
+
+
+def memset(ptr: int, value: int, nbytes: int, stream: Stream | None = None) -> None:
+    """Set ``nbytes`` at ``ptr`` to the byte ``value``."""
+    if stream is None:
+        _call("cuMemsetD8", ptr, value & 0xFF, nbytes)
+    else:
+        _call("cuMemsetD8Async", ptr, value & 0xFF, nbytes, stream.handle)
+
+
+def _host_ptr(arr: np.ndarray) -> int:
+    if not arr.flags.c_contiguous:
+        raise ValueError("host arrays passed to the device must be C-contiguous")
+    return int(arr.ctypes.data)
+
+
+def htod(ptr: int, host: np.ndarray | bytes | memoryview, stream: Stream | None = None) -> None:
+    """Copy a host array/bytes into device memory at ``ptr`` (async on ``stream`` if given:
+    the host memory must then stay alive and unchanged until the stream reaches the copy)."""
+    arr = np.frombuffer(host, dtype=np.uint8) if isinstance(host, (bytes, memoryview)) else host
+    arr = np.ascontiguousarray(arr)
+    if arr.nbytes == 0:
+        return
+    if stream is None:
+        _call("cuMemcpyHtoD", ptr, _host_ptr(arr), arr.nbytes)
+    else:
+        _call("cuMemcpyHtoDAsync", ptr, _host_ptr(arr), arr.nbytes, stream.handle)
+
+
+def dtoh(host: np.ndarray, ptr: int, stream: Stream | None = None) -> np.ndarray:
+    """Copy ``host.nbytes`` from device ``ptr`` into ``host`` (which must be contiguous)."""
+    if host.nbytes == 0:
+        return host
+    if stream is None:
+        _call("cuMemcpyDtoH", _host_ptr(host), ptr, host.nbytes)
+    else:
+        _call("cuMemcpyDtoHAsync", _host_ptr(host), ptr, host.nbytes, stream.handle)
+    return host
+
+
+def dtod(dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
+    if stream is None:
+        _call("cuMemcpyDtoD", dst, src, nbytes)
+    else:
+        _call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle)
+
+
+class PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc) viewed as a numpy array: fast, truly async copies.
+
+    Used for the per-step inputs (token ids, positions, block tables) and the sampled ids, so one
+    small H2D and one small D2H per step never go through a staging copy.
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(int(nbytes), 1)
+        self.ptr = int(_call("cuMemHostAlloc", self.nbytes, 0))
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        self.bytes = np.frombuffer(raw, dtype=np.uint8)
+
+    def view(self, dtype: Any, count: int, offset: int = 0) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        if offset + count * itemsize > self.nbytes:
+            raise ValueError(f"pinned view of {count} x {dtype} at {offset} exceeds {self.nbytes} bytes")
+        return self.bytes[offset : offset + count * itemsize].view(dtype)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.bytes = np.zeros(0, dtype=np.uint8)
+            _call("cuMemFreeHost", self.ptr)
+            self.ptr = 0
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# streams, events
+
+
+class Stream:
+    def __init__(self) -> None:
+        drv = _driver()
+        self.handle = _call("cuStreamCreate", drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+
+    def synchronize(self) -> None:
+        _call("cuStreamSynchronize", self.handle)
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            _call("cuStreamDestroy", self.handle)
+            self.handle = None
+
+
+class Event:
+    def __init__(self, timing: bool = True) -> None:
+        drv = _driver()
+        flags = 0 if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = _call("cuEventCreate", flags)
+
+    def record(self, stream: Stream) -> None:
+        _call("cuEventRecord", self.handle, stream.handle)
+
+    def synchronize(self) -> None:
+        _call("cuEventSynchronize", self.handle)
+
+    def elapsed_ms(self, start: Event) -> float:
+        """Milliseconds from ``start`` to this event (both recorded, this one synchronised)."""
+        return float(_call("cuEventElapsedTime", start.handle, self.handle))
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            _call("cuEventDestroy", self.handle)
+            self.handle = None
+
+
+# ---------------------------------------------------------------------------------------------
+# modules, kernels, launches
+
+# argument kinds a kernel signature may use -> struct format (native alignment, 8-byte slots)
+ARG_FORMATS = {"ptr": "Q", "u64": "Q", "i64": "q", "i32": "i", "u32": "I", "f32": "f"}
+
+
+class KernelArgs:
+    """A kernel's arguments packed once: an 8-byte slot per argument plus the ``void*[]`` that
+    ``cuLaunchKernel``'s kernelParams wants. ``set(i, v)`` rewrites one slot in place."""
+
+    def __init__(self, kinds: Sequence[str], values: Sequence[Any] | None = None):
+        for k in kinds:
+            if k not in ARG_FORMATS:
+                raise ValueError(f"unknown kernel argument kind {k!r}; expected one of {sorted(ARG_FORMATS)}")
+        self.kinds = tuple(kinds)
+        n = max(len(self.kinds), 1)
+        self._buf = (ctypes.c_uint64 * n)()
+        self._ptrs = (ctypes.c_void_p * n)()
+        base = ctypes.addressof(self._buf)
+        for i in range(n):
+            self._ptrs[i] = base + 8 * i
+        self.address = ctypes.addressof(self._ptrs)
+        if values is not None:
+            self.set_all(values)
+
+    def set(self, i: int, value: Any) -> None:
+        fmt = ARG_FORMATS[self.kinds[i]]
+        if fmt in "Qq":
+            value = int(value)
+        packed = struct.pack("<" + fmt, value)
+        ctypes.memmove(ctypes.addressof(self._buf) + 8 * i, packed, len(packed))
+
+    def set_all(self, values: Sequence[Any]) -> None:
+        if len(values) != len(self.kinds):
+            raise ValueError(f"kernel takes {len(self.kinds)} arguments ({self.kinds}), got {len(values)}")
+        for i, v in enumerate(values):
+            self.set(i, v)
+
+    def get(self, i: int) -> Any:
+        fmt = ARG_FORMATS[self.kinds[i]]
+        raw = ctypes.string_at(ctypes.addressof(self._buf) + 8 * i, struct.calcsize(fmt))
+        return struct.unpack("<" + fmt, raw)[0]
+
+
+class Function:
+    """One ``extern "C"`` kernel of a loaded module."""
+
+    def __init__(self, module: Module, name: str):
+        self.module = module
+        self.name = name
+        self.handle = _call("cuModuleGetFunction", module.handle, name.encode())
+        self._max_smem = 0
+
+    def ensure_smem(self, nbytes: int) -> None:
+        """Raise the dynamic shared memory limit when a launch asks for more than 48 KiB."""
+        if nbytes > 48 * 1024 and nbytes > self._max_smem:
+            drv = _driver()
+            attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _call("cuFuncSetAttribute", self.handle, attr, nbytes)
+            self._max_smem = nbytes
+
+
+class Module:
+    """A cubin loaded into the current context (cuModuleLoadData)."""
+
+    def __init__(self, cubin: bytes, label: str = ""):
+        self.label = label
+        try:
+            self.handle = _call("cuModuleLoadData", cubin)
+        except CudaError as exc:
+            raise CudaError(exc.func, exc.result, f"module {label}") from exc
+
+    def function(self, name: str) -> Function:
+        try:
+            return Function(self, name)
+        except CudaError as exc:
+            raise CudaError(exc.func, exc.result, f"kernel {name!r} in module {self.label}") from exc
+
+    def unload(self) -> None:
+        if self.handle is not None:
+            _call("cuModuleUnload", self.handle)
+            self.handle = None
+
+
+def launch(
+    fn: Function,
+    grid: Sequence[int],
+    block: Sequence[int],
+    args: KernelArgs,
+    smem: int = 0,
+    stream: Stream | None = None,
+) -> None:
+    """Launch ``fn`` over ``grid`` x ``block`` with pre-packed ``args`` and ``smem`` dynamic bytes."""
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    b = tuple(block) + (1,) * (3 - len(block))
+    if smem:
+        fn.ensure_smem(smem)
+    drv = _driver()
+    (err,) = drv.cuLaunchKernel(
+        fn.handle, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream.handle if stream else 0, args.address, 0
+    )
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaError("cuLaunchKernel", _name(err), f"kernel {fn.name} grid {g} block {b} smem {smem}")
+
+
+# ---------------------------------------------------------------------------------------------
+# graphs
+
+
+class Graph:
+    """An instantiated CUDA graph captured from a stream: ``with capture(stream) as g: ...``."""
+
+    def __init__(self) -> None:
+        self.graph = None
+        self.exec = None
+
+    def launch(self, stream: Stream) -> None:
+        if self.exec is None:
+            raise CudaError("cuGraphLaunch", "CUDA_ERROR_INVALID_VALUE", "graph was never instantiated")
+        _call("cuGraphLaunch", self.exec, stream.handle)
+
+    def destroy(self) -> None:
+        if self.exec is not None:
+            _call("cuGraphExecDestroy", self.exec)
+            self.exec = None
+        if self.graph is not None:
+            _call("cuGraphDestroy", self.graph)
+            self.graph = None
+
+
+class capture:
+    """Context manager: stream capture (thread-local mode) -> cuGraph -> instantiated Graph."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.graph = Graph()
+
+    def __enter__(self) -> Graph:
+        drv = _driver()
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _call("cuStreamBeginCapture", self.stream.handle, mode)
+        return self.graph
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        graph = _call("cuStreamEndCapture", self.stream.handle)
+        if exc_type is not None:
+            if graph is not None:
+                _call("cuGraphDestroy", graph)
+            return
+        self.graph.graph = graph
+        self.graph.exec = _call("cuGraphInstantiate", graph, 0)
