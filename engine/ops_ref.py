@@ -1,0 +1,286 @@
+"""Reference (numpy, float32) implementations of every graph op: the oracle for the CUDA kernels.
+
+One pure function per op of ``engine.graph.OPS`` plus the small pieces they are built from (RoPE
+frequency tables, the paged-KV write and gather). Activations are 2-D ``[tokens, features]``
+float32 arrays in token order; weights are row-major ``[out, in]`` float32 as the weight readers
+return them. Nothing here keeps state: the KV cache arrays are passed in and written in place.
+
+Must not import CUDA or any engine module other than ``engine.types`` (kernel tests import this
+module on machines with and without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.types import ConfigError
+
+F32 = np.float32
+
+
+def embed(ids: Sequence[int] | np.ndarray, table: np.ndarray) -> np.ndarray:
+    """``out[t] = table[ids[t]]``: ``ids`` [T] ints, ``table`` [vocab, hidden] -> [T, hidden] f32."""
+    idx = np.asarray(ids, dtype=np.int64)
+    return np.asarray(table[idx], dtype=F32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * w``; x [T, H], w [H] -> [T, H]."""
+    x = np.asarray(x, dtype=F32)
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=F32)
+    return (x * (1.0 / np.sqrt(ms + F32(eps)))).astype(F32) * np.asarray(w, dtype=F32)
+
+
+def head_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, head_dim: int) -> np.ndarray:
+    """RMSNorm of every ``head_dim`` slice (Qwen3 q/k norm): x [T, n*head_dim], w [head_dim]."""
+    t, width = x.shape
+    if width % head_dim:
+        raise ValueError(f"head_rmsnorm: width {width} is not a multiple of head_dim {head_dim}")
+    out = rmsnorm(x.reshape(t, width // head_dim, head_dim), w, eps)
+    return out.reshape(t, width)
+
+
+def linear(x: np.ndarray, w: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w.T (+ residual)``: x [T, in], w [out, in], residual [T, out] -> [T, out] f32."""
+    out = np.matmul(x, w.T)
+    if residual is not None:
+        out = out + residual
+    return out.astype(F32, copy=False)
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """SwiGLU gate: ``silu(g) * u`` with ``silu(g) = g * sigmoid(g)``; same shapes in and out."""
+    g = np.asarray(g, dtype=F32)
+    sig = F32(0.5) * (F32(1.0) + np.tanh(F32(0.5) * g))  # overflow-free sigmoid
+    return (g * sig * u).astype(F32, copy=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(
+    rope_dim: int,
+    theta: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    freq_factors: np.ndarray | None = None,
+) -> np.ndarray:
+    """Inverse frequencies ``theta ** (-2i / rope_dim)`` for ``i < rope_dim/2``, as float64.
+
+    ``rope_scaling`` is a HF config ``rope_scaling`` mapping: ``rope_type``/``type`` ``default``,
+    ``linear`` (``factor``) or ``llama3`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``), computed exactly as transformers does. ``freq_factors``
+    is the GGUF ``rope_freqs`` tensor [rope_dim/2]: llama.cpp divides each frequency by it (this is
+    how GGUF files carry Llama-3 scaling). Raises ConfigError for an unsupported scaling type.
+    """
+    if rope_dim % 2:
+        raise ConfigError(f"rope_dim must be even, got {rope_dim}")
+    inv = 1.0 / (float(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind == "default":
+            pass
+        elif kind == "linear":
+            inv = inv / float(rope_scaling["factor"])
+        elif kind == "llama3":
+            inv = _llama3_inv_freq(inv, rope_scaling)
+        else:
+            raise ConfigError(
+                f"rope_scaling.rope_type {kind!r} is not supported (supported: default, linear, llama3)"
+            )
+    if freq_factors is not None:
+        ff = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+        if ff.shape[0] != inv.shape[0]:
+            raise ConfigError(f"rope_freqs has {ff.shape[0]} entries, expected rope_dim/2 = {inv.shape[0]}")
+        inv = inv / ff
+    return inv
+
+
+def _llama3_inv_freq(inv: np.ndarray, cfg: Mapping[str, Any]) -> np.ndarray:
+    try:
+        factor = float(cfg["factor"])
+        low = float(cfg["low_freq_factor"])
+        high = float(cfg["high_freq_factor"])
+        old_len = float(cfg["original_max_position_embeddings"])
+    except KeyError as exc:
+        raise ConfigError(f"rope_scaling (llama3) is missing key {exc.args[0]!r}") from None
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions: Sequence[int] | np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``/``sin`` of ``pos * inv_freq``: [P, rope_dim/2] float32 each (angles in float64)."""
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+
+def rope_apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, head_dim: int, style: str) -> np.ndarray:
+    """Rotate the first ``rope_dim = 2 * cos.shape[1]`` dims of every head of x [T, n*head_dim].
+
+    ``cos``/``sin`` are the per-token rows [T, rope_dim/2] (see ``rope_tables``). ``style``:
+    ``neox`` pairs dim ``i`` with ``i + rope_dim/2`` (HF rotate_half); ``interleaved`` pairs
+    ``2i`` with ``2i+1`` (GGUF llama, whose converter permuted the q/k rows). Dims past rope_dim
+    pass through. Returns a new array.
+    """
+    t, width = x.shape
+    half = cos.shape[1]
+    xh = x.reshape(t, width // head_dim, head_dim)
+    out = xh.copy()
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    if style == "neox":
+        a, b = xh[..., :half], xh[..., half : 2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half : 2 * half] = b * c + a * s
+    elif style == "interleaved":
+        a, b = xh[..., 0 : 2 * half : 2], xh[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2] = a * c - b * s
+        out[..., 1 : 2 * half : 2] = b * c + a * s
+    else:
+        raise ConfigError(f"unknown rope style {style!r} (expected neox or interleaved)")
+    return out.reshape(t, width)
+
+
+def rope(
+    q: np.ndarray,
+    k: np.ndarray,
+    positions: Sequence[int] | np.ndarray,
+    *,
+    head_dim: int,
+    rope_dim: int,
+    theta: float,
+    style: str,
+    rope_scaling: Mapping[str, Any] | None = None,
+    freq_factors: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The graph's ``rope`` op: rotate q [T, heads*hd] and k [T, kv_heads*hd] at ``positions`` [T]."""
+    inv = rope_inv_freq(rope_dim, theta, rope_scaling, freq_factors)
+    cos, sin = rope_tables(positions, inv)
+    return (
+        rope_apply(q, cos, sin, head_dim=head_dim, style=style),
+        rope_apply(k, cos, sin, head_dim=head_dim, style=style),
+    )
+
+
+def permute_for_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (HF -> GGUF): turns neox pairing into interleaved pairing.
+
+    ``rope_apply(x @ permute(W).T, style="interleaved") == permute_rows(rope_apply(x @ W.T, "neox"))``.
+    """
+    out, inp = w.shape
+    return w.reshape(n_heads, 2, out // n_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged KV cache and attention
+
+
+def slot_indices(
+    block_table: Sequence[int], positions: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(block, offset) of each position: ``block_table[pos // block_size]``, ``pos % block_size``."""
+    table = np.asarray(block_table, dtype=np.int64)
+    pos = np.asarray(positions, dtype=np.int64)
+    need = int(pos.max()) // block_size + 1 if pos.size else 0
+    if need > table.shape[0]:
+        raise ValueError(
+            f"block_table has {table.shape[0]} blocks of {block_size}; position {int(pos.max())} needs {need}"
+        )
+    return table[pos // block_size], pos % block_size
+
+
+def write_kv(
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    block_table: Sequence[int],
+    start_pos: int,
+) -> None:
+    """Store k, v [T, kv_heads*hd] at positions ``start_pos..start_pos+T-1`` of the paged cache.
+
+    ``k_cache``/``v_cache`` are one layer's [num_blocks, block_size, kv_heads, head_dim]; written
+    in place.
+    """
+    _, block_size, kvh, hd = k_cache.shape
+    t = k.shape[0]
+    blocks, offs = slot_indices(block_table, np.arange(start_pos, start_pos + t), block_size)
+    k_cache[blocks, offs] = k.reshape(t, kvh, hd)
+    v_cache[blocks, offs] = v.reshape(t, kvh, hd)
+
+
+def gather_kv(
+    k_cache: np.ndarray, v_cache: np.ndarray, block_table: Sequence[int], length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``0..length-1`` of one sequence as contiguous [length, kv_heads, head_dim] arrays."""
+    block_size = k_cache.shape[1]
+    nb = -(-length // block_size)
+    table = np.asarray(block_table[:nb], dtype=np.int64)
+    if table.shape[0] < nb:
+        raise ValueError(f"block_table has {table.shape[0]} blocks; length {length} needs {nb}")
+    kvh, hd = k_cache.shape[2:]
+    k = k_cache[table].reshape(nb * block_size, kvh, hd)[:length]
+    v = v_cache[table].reshape(nb * block_size, kvh, hd)[:length]
+    return k, v
+
+
+def attention_dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float) -> np.ndarray:
+    """Causal GQA attention of T queries at positions ``start_pos..`` over L = start_pos+T keys.
+
+    q [T, heads, hd], k/v [L, kv_heads, hd] (heads a multiple of kv_heads; query head ``h`` reads
+    kv head ``h // (heads // kv_heads)``). Softmax in float32 with the row max subtracted.
+    Returns [T, heads*hd].
+    """
+    t, heads, hd = q.shape
+    length, kvh, _ = k.shape
+    g = heads // kvh
+    # [kvh, T*g, hd] @ [kvh, hd, L] -> [kvh, T*g, L]; row r = t*g + j is query head kv*g + j.
+    qg = q.reshape(t, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, t * g, hd)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)) * F32(scale)
+    qpos = start_pos + np.repeat(np.arange(t), g)
+    mask = np.arange(length)[None, :] > qpos[:, None]
+    scores[:, mask] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v.transpose(1, 0, 2))  # [kvh, T*g, hd]
+    out = out.reshape(kvh, t, g, hd).transpose(1, 0, 2, 3).reshape(t, heads * hd)
+    return out.astype(F32, copy=False)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_table: Sequence[int],
+    start_pos: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float | None = None,
+) -> np.ndarray:
+    """The graph's ``attention`` op over one layer's paged cache (one sequence).
+
+    q [T, heads*hd], k/v [T, kv_heads*hd] are the new tokens at positions ``start_pos..``; they are
+    written into ``k_cache``/``v_cache`` [num_blocks, block_size, kv_heads, hd] through
+    ``block_table`` first, then each query attends causally over positions ``<= its own``.
+    ``scale`` defaults to ``1/sqrt(head_dim)``. Returns [T, heads*hd] f32.
+    """
+    write_kv(k_cache, v_cache, k, v, block_table, start_pos)
+    t = q.shape[0]
+    kk, vv = gather_kv(k_cache, v_cache, block_table, start_pos + t)
+    s = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return attention_dense(q.reshape(t, heads, head_dim), kk, vv, start_pos, s)

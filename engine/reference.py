@@ -1,0 +1,321 @@
+"""ReferenceRunner: executes a model's op graph in numpy float32 over a paged KV cache (CPU backend).
+
+It is the oracle every CUDA kernel and the CUDA runner are checked against, and the backend CI
+serves with. Weights are dequantised to float32 once at construction; each op of
+``model.graph.ops()`` runs through ``engine.ops_ref``; nothing is fused. Items of a step run one
+after another, so an item's output never depends on the other items of the step.
+
+Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engine import ops_ref
+from engine.sampling import sample, validate_sampling
+from engine.types import MemraError, SamplingParams, StepItem
+
+# Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
+DEFAULT_KV_BYTES = 512 * 1024 * 1024
+
+
+class ReferenceRunner:
+    """Runner protocol implementation in numpy (``backend = "reference"``).
+
+    ``model`` is an ``engine.model.LoadedModel`` (anything with ``graph``, ``dims``, ``rope_style``,
+    ``has(tensor, layer)`` and ``dequantize(tensor, layer)``). ``max_model_len`` defaults to the
+    model's context; ``num_blocks`` to at least one full-length sequence or DEFAULT_KV_BYTES of
+    cache, whichever is more. The KV cache is ``k_cache``/``v_cache``:
+    [layers, num_blocks, block_size, kv_heads, head_dim] float32.
+    """
+
+    backend = "reference"
+
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+    ):
+        d = model.dims
+        self.model = model
+        self.layers = int(d["layers"])
+        self.heads = int(d["heads"])
+        self.kv_heads = int(d["kv_heads"])
+        self.head_dim = int(d["head_dim"])
+        self.vocab = int(d["vocab"])
+        self.eps = float(d["rms_eps"])
+        if block_size < 1:
+            raise MemraError(f"block_size must be >= 1, got {block_size}", param="block_size")
+        self.block_size = int(block_size)
+        self.max_model_len = int(max_model_len or d["context"])
+        if self.max_model_len < 1:
+            raise MemraError(f"max_model_len must be >= 1, got {self.max_model_len}", param="max_model_len")
+        block_bytes = 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * 4
+        if num_blocks is None:
+            num_blocks = max(-(-self.max_model_len // self.block_size), DEFAULT_KV_BYTES // block_bytes)
+        if num_blocks < 1:
+            raise MemraError(f"num_blocks must be >= 1, got {num_blocks}", param="num_blocks")
+        self.num_blocks = int(num_blocks)
+        self.k_cache, self.v_cache = self._new_cache(self.num_blocks)
+        self.ops = model.graph.ops()
+        self._schedule = self._build_schedule()
+        self._weights: dict[tuple[str, int | None], np.ndarray] = {}
+        self._load_weights()
+        self._rope_cos, self._rope_sin = self._rope_tables()
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _new_cache(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        shape = (self.layers, num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def _load_weights(self) -> None:
+        by_file: dict[str, np.ndarray] = {}  # tied tensors (lm_head = embed) share one array
+
+        def load(tensor: str, layer: int | None) -> None:
+            key = (tensor, layer)
+            if key in self._weights:
+                return
+            fname = self.model.file_name(tensor, layer) if hasattr(self.model, "file_name") else repr(key)
+            if fname not in by_file:
+                arr = np.asarray(self.model.dequantize(tensor, layer), dtype=np.float32)
+                by_file[fname] = np.ascontiguousarray(arr)
+            self._weights[key] = by_file[fname]
+
+        for op, per_layer in self.ops:
+            layers = range(self.layers) if per_layer else [None]
+            for layer in layers:
+                for w in op.weights:
+                    load(w, layer)
+                ff = op.attrs.get("freq_factors")
+                if ff and self.model.has(ff, None):
+                    load(ff, None)
+
+    def _rope_tables(self) -> dict[str | None, tuple[np.ndarray, np.ndarray]]:
+        """cos/sin [max_model_len, rope_dim/2] per rope op variant (with/without freq factors)."""
+        d = self.model.dims
+        rope_dim = int(d.get("rope_dim") or self.head_dim)
+        positions = np.arange(self.max_model_len)
+        cos: dict[str | None, np.ndarray] = {}
+        sin: dict[str | None, np.ndarray] = {}
+        for op, _ in self.ops:
+            if op.op != "rope":
+                continue
+            ff_name = op.attrs.get("freq_factors")
+            ff = self._weights.get((ff_name, None)) if ff_name else None
+            key = ff_name if ff is not None else None
+            if key in cos:
+                continue
+            inv = ops_ref.rope_inv_freq(rope_dim, float(d["rope_theta"]), d.get("rope_scaling"), ff)
+            cos[key], sin[key] = ops_ref.rope_tables(positions, inv)
+        return cos, sin
+
+    # -- execution ----------------------------------------------------------------------------
+
+    def _forward(
+        self,
+        tokens: Sequence[int],
+        start_pos: int,
+        block_table: Sequence[int],
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        all_logits: bool,
+    ) -> np.ndarray:
+        """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
+        unless ``all_logits``)."""
+        t = len(tokens)
+        pos = slice(start_pos, start_pos + t)
+        env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
+        w = self._weights
+        hd = self.head_dim
+        for o, layer in self._schedule:
+            name = o.op
+            if name == "embed":
+                env[o.outputs[0]] = ops_ref.embed(env[o.inputs[0]], w[(o.weights[0], layer)])
+            elif name == "rmsnorm":
+                env[o.outputs[0]] = ops_ref.rmsnorm(env[o.inputs[0]], w[(o.weights[0], layer)], self.eps)
+            elif name == "head_rmsnorm":
+                env[o.outputs[0]] = ops_ref.head_rmsnorm(
+                    env[o.inputs[0]], w[(o.weights[0], layer)], self.eps, hd
+                )
+            elif name == "linear":
+                x = env[o.inputs[0]]
+                res = env[o.attrs["residual"]] if "residual" in o.attrs else None
+                if not all_logits and o.outputs == ("logits",):
+                    x = x[-1:]
+                    res = res[-1:] if res is not None else None
+                outs = [ops_ref.linear(x, w[(wn, layer)], res) for wn in o.weights]
+                for out_name, val in zip(o.outputs, outs, strict=True):
+                    env[out_name] = val
+            elif name == "rope":
+                ff = o.attrs.get("freq_factors")
+                key = ff if ff in self._rope_cos else None
+                cos, sin = self._rope_cos[key][pos], self._rope_sin[key][pos]
+                style = self.model.rope_style
+                q, k = (env[n] for n in o.inputs)
+                env[o.outputs[0]] = ops_ref.rope_apply(q, cos, sin, head_dim=hd, style=style)
+                env[o.outputs[1]] = ops_ref.rope_apply(k, cos, sin, head_dim=hd, style=style)
+            elif name == "attention":
+                q, k, v = (env[n] for n in o.inputs)
+                env[o.outputs[0]] = ops_ref.attention(
+                    q,
+                    k,
+                    v,
+                    k_cache[layer],
+                    v_cache[layer],
+                    block_table,
+                    start_pos,
+                    heads=self.heads,
+                    kv_heads=self.kv_heads,
+                    head_dim=hd,
+                )
+            elif name == "silu_mul":
+                env[o.outputs[0]] = ops_ref.silu_mul(env[o.inputs[0]], env[o.inputs[1]])
+            else:  # the graph loader only admits known ops; a new op must be added here
+                raise MemraError(
+                    f"reference backend has no implementation of op {name!r}", code="internal_error"
+                )
+        return env["logits"]
+
+    def _build_schedule(self) -> list[tuple[Any, int | None]]:
+        """(op, layer) in execution order: each per-layer op once per layer, in graph order."""
+        sched: list[tuple[Any, int | None]] = []
+        i, ops = 0, self.ops
+        while i < len(ops):
+            if not ops[i][1]:
+                sched.append((ops[i][0], None))
+                i += 1
+                continue
+            j = i
+            while j < len(ops) and ops[j][1]:
+                j += 1
+            for layer in range(self.layers):
+                sched.extend((op, layer) for op, _ in ops[i:j])
+            i = j
+        return sched
+
+    def _check_item(self, item: StepItem) -> None:
+        n = len(item.token_ids)
+        if n == 0:
+            raise MemraError(
+                f"seq {item.seq_id}: a step item needs at least one token", code="internal_error"
+            )
+        if item.start_pos < 0:
+            raise MemraError(f"seq {item.seq_id}: start_pos {item.start_pos} < 0", code="internal_error")
+        end = item.start_pos + n
+        if end > self.max_model_len:
+            raise MemraError(
+                f"seq {item.seq_id}: {end} tokens exceed the maximum context length {self.max_model_len}",
+                code="context_length_exceeded",
+            )
+        need = -(-end // self.block_size)
+        table = item.block_table
+        if len(table) < need:
+            raise MemraError(
+                f"seq {item.seq_id}: block_table has {len(table)} blocks, {end} positions need {need}",
+                code="internal_error",
+            )
+        for b in table[:need]:
+            if not 0 <= b < self.num_blocks:
+                raise MemraError(
+                    f"seq {item.seq_id}: block {b} is out of range (num_blocks={self.num_blocks})",
+                    code="internal_error",
+                )
+        for tok in item.token_ids:
+            if not 0 <= tok < self.vocab:
+                raise MemraError(f"token id {tok} is out of range (vocab size {self.vocab})", param="prompt")
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        """Run every item (prefill chunk or decode token); sample the last token where asked."""
+        for item in items:
+            self._check_item(item)
+        out: list[int | None] = []
+        for item in items:
+            logits = self._forward(
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, False
+            )
+            if not item.sample:
+                out.append(None)
+                continue
+            seed = item.sampling.seed if item.sampling.seed is not None else item.seq_id
+            out.append(
+                sample(
+                    logits[-1],
+                    item.sampling,
+                    item.history,
+                    item.prompt_len,
+                    item.num_generated,
+                    seed,
+                )
+            )
+        return out
+
+    # -- conveniences -------------------------------------------------------------------------
+
+    def _scratch(self, length: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        nb = max(1, -(-length // self.block_size))
+        k, v = self._new_cache(nb)
+        return k, v, list(range(nb))
+
+    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
+        k, v, table = self._scratch(n)
+        return self._forward(list(token_ids), 0, table, k, v, True)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Generate up to ``max_tokens`` ids after ``prompt_ids`` in a private cache.
+
+        Stops early after emitting a token in ``stop_token_ids`` (it is included) or at
+        ``max_model_len``. Sampling uses seed ``sampling.seed`` (0 when None).
+        """
+        sampling = sampling or SamplingParams(temperature=0.0)
+        validate_sampling(sampling)
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise MemraError("generate needs a non-empty prompt", param="prompt")
+        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
+        if len(prompt) >= self.max_model_len:
+            raise MemraError(
+                f"prompt of {len(prompt)} tokens leaves no room in the context ({self.max_model_len})",
+                code="context_length_exceeded",
+            )
+        k, v, table = self._scratch(total)
+        seed = sampling.seed if sampling.seed is not None else 0
+        history = list(prompt)
+        out: list[int] = []
+        chunk, pos = prompt, 0
+        stops = set(stop_token_ids)
+        while len(out) < max_tokens and pos + len(chunk) <= total:
+            logits = self._forward(chunk, pos, table, k, v, False)
+            pos += len(chunk)
+            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
+            out.append(tok)
+            history.append(tok)
+            if tok in stops or pos >= total:
+                break
+            chunk = [tok]
+        return out
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Reference KV bytes one token occupies (K and V, all layers, float32)."""
+    d = model.dims
+    return 2 * int(d["layers"]) * int(d["kv_heads"]) * int(d["head_dim"]) * 4
+
+
+__all__ = ["ReferenceRunner", "kv_bytes_per_token"]

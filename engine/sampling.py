@@ -1,0 +1,159 @@
+"""Host-side token sampling: SamplingParams validation and the numpy sampler (reference semantics).
+
+``sample`` applies, in order: repetition penalty (prompt + generated tokens, Hugging Face
+semantics), presence/frequency penalties (generated tokens, OpenAI semantics), greedy argmax when
+``temperature == 0``, else temperature, top-k, top-p, min-p and one draw from a counter-based
+random stream keyed by ``(seed, num_generated)``, so a request's randomness never depends on what it
+is batched with or on how its prompt was chunked. A device sampler must reproduce these semantics.
+
+Must not import CUDA or any engine module other than ``engine.types``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.types import MemraError, SamplingParams
+
+MAX_TEMPERATURE = 100.0
+_U64 = (1 << 64) - 1
+
+
+def _bad(param: str, message: str) -> MemraError:
+    return MemraError(message, code="invalid_request_error", param=param)
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise MemraError(param=<field>) when a field is out of range; return None when all are valid.
+
+    Ranges: temperature 0..100 (0 = greedy); top_p in (0, 1]; top_k an int >= 0, or -1 (both mean
+    off); min_p in [0, 1]; presence/frequency penalties in [-2, 2]; repetition_penalty in (0, 10];
+    seed None or an int (any value; it is reduced modulo 2**64).
+    """
+    t = _check_real("temperature", params.temperature)
+    if not 0.0 <= t <= MAX_TEMPERATURE:
+        raise _bad("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {t:g}")
+    p = _check_real("top_p", params.top_p)
+    if not 0.0 < p <= 1.0:
+        raise _bad("top_p", f"top_p must be in (0, 1], got {p:g}")
+    k = params.top_k
+    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+        raise _bad("top_k", f"top_k must be an integer >= 0 (0 or -1 = off), got {k!r}")
+    mp = _check_real("min_p", params.min_p)
+    if not 0.0 <= mp <= 1.0:
+        raise _bad("min_p", f"min_p must be in [0, 1], got {mp:g}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _check_real(name, getattr(params, name))
+        if not -2.0 <= v <= 2.0:
+            raise _bad(name, f"{name} must be between -2 and 2, got {v:g}")
+    r = _check_real("repetition_penalty", params.repetition_penalty)
+    if not 0.0 < r <= 10.0:
+        raise _bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {r:g}")
+    seed = params.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad("seed", f"seed must be an integer, got {seed!r}")
+
+
+def apply_penalties(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int], prompt_len: int
+) -> np.ndarray:
+    """Penalised copy of ``logits`` [vocab] f32 (no copy when no penalty is set).
+
+    Repetition penalty ``r``: every distinct token of ``history`` (prompt and generated) has its
+    logit divided by ``r`` when positive and multiplied by ``r`` when negative. Then for generated
+    tokens (``history[prompt_len:]``) with count ``c``: ``logit -= frequency_penalty * c +
+    presence_penalty * (c > 0)``.
+    """
+    if not params.uses_penalties or len(history) == 0:
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    vocab = out.shape[0]
+    hist = np.asarray(history, dtype=np.int64)
+    hist = hist[(hist >= 0) & (hist < vocab)]
+    if params.repetition_penalty != 1.0 and hist.size:
+        seen = np.unique(hist)
+        vals = out[seen]
+        r = np.float32(params.repetition_penalty)
+        out[seen] = np.where(vals < 0, vals * r, vals / r)
+    gen = np.asarray(history[prompt_len:], dtype=np.int64)
+    gen = gen[(gen >= 0) & (gen < vocab)]
+    if gen.size and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        counts = np.bincount(gen, minlength=vocab).astype(np.float32)
+        out -= np.float32(params.frequency_penalty) * counts
+        out -= np.float32(params.presence_penalty) * (counts > 0)
+    return out
+
+
+def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a non-greedy draw uses: softmax(logits / T) after top-k, top-p, min-p.
+
+    ``logits`` are already penalised. Returns float64 probabilities [vocab] summing to 1, zero for
+    masked tokens. top-k keeps every token whose logit is >= the k-th largest; top-p keeps the
+    smallest prefix of the descending order whose mass reaches ``top_p`` (the top token always
+    stays); min-p drops tokens whose probability is below ``min_p * max probability``.
+    """
+    x = np.asarray(logits, dtype=np.float64) / max(float(params.temperature), 1e-6)
+    vocab = x.shape[0]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    x = x - np.max(x)
+    p = np.exp(x)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sorted_p = p[order]
+        before = np.cumsum(sorted_p) - sorted_p  # mass strictly ahead of each token
+        drop = order[before >= params.top_p]
+        p[drop] = 0.0
+        p /= p.sum()
+    if params.min_p > 0.0:
+        p[p < params.min_p * p.max()] = 0.0
+        p /= p.sum()
+    return p
+
+
+def rng_for(seed: int, num_generated: int) -> np.random.Generator:
+    """The random stream of one sampling step: Philox keyed by ``seed``, counter at the step index.
+
+    The step index sits in the counter's second 64-bit word, so consecutive steps' streams never
+    overlap for the handful of draws one step makes.
+    """
+    return np.random.Generator(np.random.Philox(key=int(seed) & _U64, counter=int(num_generated) << 64))
+
+
+def sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    prompt_len: int = 0,
+    num_generated: int = 0,
+    seed: int | None = None,
+) -> int:
+    """Choose the next token from ``logits`` [vocab] f32 (see the module docstring for the order).
+
+    ``history`` is prompt + generated token ids, ``prompt_len`` splits it, ``num_generated`` is the
+    step counter of the random stream and ``seed`` its key (``params.seed`` when None; 0 if both
+    are None). Greedy ties go to the lowest token id.
+    """
+    x = apply_penalties(np.asarray(logits, dtype=np.float32), params, history, prompt_len)
+    if params.greedy:
+        return int(np.argmax(x))
+    p = filtered_probs(x, params)
+    key = seed if seed is not None else (params.seed if params.seed is not None else 0)
+    u = rng_for(key, num_generated).random()
+    cdf = np.cumsum(p)
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    idx = min(idx, p.shape[0] - 1)
+    while p[idx] == 0.0 and idx > 0:  # u landed on the end of the cdf: step back to a kept token
+        idx -= 1
+    return idx
