@@ -1,0 +1,209 @@
+"""The model-family and device-profile DSL: shipped files load; bad files fail with file + key path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import graph, paths, profile
+from engine.model import dims_for_size, match_quant, resolve_dims
+from engine.types import ConfigError, MemraError
+
+
+def test_shipped_families_load():
+    fams = graph.all_families()
+    assert {"llama", "qwen3"} <= set(fams)
+    for name in ("bf16", "f16", "q8_0", "q4_0", "q4_1", "q4_k_m", "q6_k"):
+        assert name in fams["llama"].quants and name in fams["qwen3"].quants
+    q3_ops = [op.op for op, _ in fams["qwen3"].ops()]
+    assert q3_ops.count("head_rmsnorm") == 2
+    assert q3_ops.index("head_rmsnorm") < q3_ops.index("rope")
+    assert fams["qwen3"].rope_style == {"hf": "neox", "gguf": "neox"}
+    assert fams["llama"].rope_style == {"hf": "neox", "gguf": "interleaved"}
+    assert "rope_freqs" not in fams["qwen3"].tensors
+
+
+def test_q4_1_combo_matches_smollm2_layout():
+    g = graph.load_family("llama")
+    combo = match_quant(g, {"embed": {"q8_0"}, "wq": {"q4_1"}, "w_down": {"q4_1"}}, "x.gguf")
+    assert combo.name == "q4_1"
+    with pytest.raises(MemraError, match="Supported combos"):
+        match_quant(g, {"wq": {"q2_k"}}, "x.gguf")
+
+
+def test_dims_from_hf_and_gguf_metadata():
+    g = graph.load_family("qwen3")
+    hf = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "rms_norm_eps": 1e-6,
+    }
+    d = resolve_dims(g, "hf", hf, "config.json")
+    assert d["q_dim"] == 128 and d["kv_dim"] == 64 and d["tie_embeddings"] is False
+    gg = {
+        "general.architecture": "qwen3",
+        "qwen3.embedding_length": 64,
+        "qwen3.block_count": 2,
+        "qwen3.attention.head_count": 4,
+        "qwen3.feed_forward_length": 128,
+        "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+    }
+    d = resolve_dims(g, "gguf", gg, "m.gguf", tensor_shape=lambda k: (300, 64), has_tensor=lambda k: False)
+    assert d["vocab"] == 300 and d["kv_heads"] == 4 and d["tie_embeddings"] is True and d["head_dim"] == 128
+    with pytest.raises(MemraError, match=r"config.json: missing field 'hidden_size'"):
+        resolve_dims(g, "hf", {k: v for k, v in hf.items() if k != "hidden_size"}, "config.json")
+    with pytest.raises(MemraError, match="expected int"):
+        resolve_dims(g, "hf", {**hf, "hidden_size": "big"}, "config.json")
+
+
+def test_sizes_resolve():
+    assert dims_for_size("qwen3", "qwen3-4b")["q_dim"] == 4096
+    assert dims_for_size("llama", "smollm2-135m")["kv_dim"] == 192
+
+
+def _family_copy(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    shutil.copytree(paths.models_dir(), root)
+    graph._load_family.cache_clear()
+    return root
+
+
+def _one_line_error(fn) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn()
+    text = str(info.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize(
+    "old,new,expect",
+    [
+        (
+            "  hidden:       {hf: hidden_size,",
+            "  hiden:       {hf: hidden_size,",
+            r"llama.yaml: .*'hidden' is not a dim",
+        ),
+        (
+            "rope_style: {hf: neox",
+            "rope_styel: {hf: neox",
+            r"llama.yaml: rope_styel: unknown key \(did you mean 'rope_style'\?\)",
+        ),
+        (
+            "kind: matrix, shape: [q_dim, hidden]}",
+            "kind: matrx, shape: [q_dim, hidden]}",
+            r"llama.yaml: tensors.wq.kind: expected one of",
+        ),
+        (
+            '  wq:         {hf: "model.layers.{i}.self_attn.q_proj.weight", gguf: "blk.{i}.attn_q.weight", ',
+            "  wq:         {",
+            r"llama.yaml: tensors.wq: a tensor needs a name pattern",
+        ),
+        (
+            "layers:       {hf: num_hidden_layers,",
+            "layers:       {hf: 7,",
+            r"llama.yaml: dims.layers.hf: expected string, got int 7",
+        ),
+        (
+            "{op: silu_mul, in: [g, u], out: m}",
+            "{op: silu_mul, in: [g, z], out: m}",
+            r"llama.yaml: graph\[1\].body\[7\].in: value 'z' is used before",
+        ),
+        (
+            "q8_0:   {default: q8_0}",
+            "q8_0:   {default: q8_1}",
+            r"llama.yaml: quants.q8_0.default: unknown storage type 'q8_1'",
+        ),
+        (
+            "{op: attention, in: [q, k, v], out: a}",
+            "{op: atention, in: [q, k, v], out: a}",
+            r"graph\[1\].body\[3\].op: unknown op 'atention'",
+        ),
+    ],
+)
+def test_bad_family_yaml_names_file_and_key(tmp_path, old, new, expect):
+    root = _family_copy(tmp_path)
+    f = root / "llama.yaml"
+    text = f.read_text()
+    assert old in text
+    f.write_text(text.replace(old, new, 1))
+    msg = _one_line_error(lambda: graph.load_family("llama", root))
+    assert str(f) in msg
+    assert pytest.importorskip("re").search(expect, msg), msg
+
+
+def test_invalid_yaml_syntax_is_reported(tmp_path):
+    root = _family_copy(tmp_path)
+    (root / "llama.yaml").write_text("family: llama\ndims: {hidden: [\n")
+    msg = _one_line_error(lambda: graph.load_family("llama", root))
+    assert "invalid YAML at line" in msg
+
+
+def test_extends_cycle_and_bad_edit(tmp_path):
+    root = _family_copy(tmp_path)
+    q = root / "qwen3.yaml"
+    q.write_text(
+        q.read_text().replace("after: {op: linear, out: [q, k, v]}", "after: {op: linear, out: [q, k, w]}")
+    )
+    msg = _one_line_error(lambda: graph.load_family("qwen3", root))
+    assert "qwen3.yaml: graph_edits[0]: no op in the parent graph matches" in msg
+
+
+def test_profiles_load_and_select():
+    ps = profile.all_profiles()
+    assert {"h100", "h200", "rtx-pro-6000", "rtx-5090"} <= set(ps)
+    assert {f"generic-sm{n}" for n in (80, 86, 89, 90, 120)} <= set(ps)
+    assert ps["h200"].arch == "sm_90a" and ps["rtx-5090"].arch == "sm_120a"
+    assert profile.select(profile.DeviceInfo("NVIDIA H200", (9, 0))).name == "h200"
+    assert profile.select(profile.DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0))).name == "h100"
+    assert (
+        profile.select(profile.DeviceInfo("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0))).name
+        == "rtx-pro-6000"
+    )
+    assert profile.select(profile.DeviceInfo("NVIDIA GeForce RTX 4090", (8, 9))).name == "generic-sm89"
+    assert profile.select(profile.DeviceInfo("NVIDIA A800", (8, 7))).name == "generic-sm86"
+    assert profile.select(profile.DeviceInfo("anything", (9, 0)), override="rtx-5090").name == "rtx-5090"
+    with pytest.raises(ConfigError, match="unknown device profile 'nope'"):
+        profile.get_profile("nope")
+    with pytest.raises(ConfigError, match="older than every memra profile"):
+        profile.select(profile.DeviceInfo("old", (7, 5)))
+
+
+@pytest.mark.parametrize(
+    "old,new,expect",
+    [
+        ("arch: sm_90a", "arch: 90", r"h200.yaml: arch: expected string, got int 90"),
+        (
+            "gemv: {threads: 256",
+            "gemv: {thread: 256",
+            r"h200.yaml: tuning.gemv.thread: unknown key \(did you mean 'threads'\?\)",
+        ),
+        (
+            "kv_block_size: 16",
+            "kv_block_size: 12",
+            r"h200.yaml: kv_block_size: expected a power of two, got 12",
+        ),
+        (
+            "memory_bandwidth_gbs: 4100",
+            "memory_bandwith_gbs: 4100",
+            r"h200.yaml: memory_bandwith_gbs: unknown key",
+        ),
+    ],
+)
+def test_bad_profile_yaml(tmp_path, old, new, expect):
+    import re
+
+    root = tmp_path / "profiles"
+    shutil.copytree(paths.profiles_dir(), root)
+    f = root / "h200.yaml"
+    f.write_text(f.read_text().replace(old, new, 1))
+    profile._load_all.cache_clear()
+    msg = _one_line_error(lambda: profile.all_profiles(root))
+    assert re.search(expect, msg), msg
