@@ -34,7 +34,8 @@ class LoadedModel:
     quant: QuantCombo
     weights: Any  # engine.weights.WeightSource
     path: Path
-    tensor_dtypes: dict[str, str]  # family tensor key -> storage type (first layer's for per-layer tensors)
+    # storage type per family tensor key ("wq": first layer's) and per layer ("wq@3"), as engine.plan reads it
+    tensor_dtypes: dict[str, str]
 
     @property
     def name(self) -> str:
@@ -291,6 +292,8 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
             _check_shape(model, key, layer)
             dtype = model.info(key, layer).dtype
             model.tensor_dtypes.setdefault(key, dtype)
+            if layer is not None:
+                model.tensor_dtypes[f"{key}@{layer}"] = dtype
             if spec.kind != "vector" and model.file_name(key, layer) == spec.file_name(fmt, layer):
                 found.setdefault(key, set()).add(dtype)
     model.quant = match_quant(graph, found, source, quant)

@@ -1,0 +1,67 @@
+"""Choose and build a runner: the CUDA runner when a GPU is present, else the numpy reference.
+
+``detect()`` never raises on a machine without CUDA; ``create_runner`` reports which backend it
+picked and why on stderr. Must not import cuda.bindings directly (engine.cuda does).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from engine import env
+from engine.profile import DeviceInfo, DeviceProfile, select
+from engine.types import MemraError
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+@dataclass
+class Detected:
+    devices: list[DeviceInfo]
+    error: str | None = None
+
+
+def detect() -> Detected:
+    """Every CUDA device the driver reports; [] with the reason when there is no usable driver."""
+    try:
+        from engine import cuda
+    except Exception as exc:  # cuda-bindings missing or broken
+        return Detected([], f"cuda-bindings unavailable: {exc}")
+    try:
+        return Detected(cuda.detect_devices())
+    except Exception as exc:
+        return Detected([], str(exc))
+
+
+def choose_profile(device: DeviceInfo, override: str | None = None) -> DeviceProfile:
+    return select(device, override or env.MEMRA_DEVICE_PROFILE.get() or None)
+
+
+def create_runner(model: Any, backend: str = "auto", device_profile: str | None = None, **kwargs: Any):
+    """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
+    if backend not in BACKENDS:
+        raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
+    if backend in ("auto", "cuda"):
+        found = detect()
+        if found.devices:
+            profile = choose_profile(found.devices[0], device_profile)
+            from engine.runner_cuda import CudaRunner
+
+            print(
+                f"memra: backend cuda on {found.devices[0].name} (profile {profile.name}, {profile.arch})",
+                file=sys.stderr,
+            )
+            return CudaRunner(model, profile, **kwargs)
+        if backend == "cuda":
+            raise MemraError(
+                f"--backend cuda: no CUDA device found ({found.error or 'the driver lists none'})"
+            )
+        print(
+            "memra: no CUDA device found; running the numpy reference backend (slow, for correctness)",
+            file=sys.stderr,
+        )
+    from engine.reference import ReferenceRunner
+
+    return ReferenceRunner(model, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
