@@ -1,0 +1,469 @@
+"""Plan: a ModelGraph + dims + quant combo + device profile, lowered to weights, buffers and launches.
+
+``build_plan`` works from dims alone (no weights, no GPU), so `memra warmup` can list every kernel
+(``kernel_specs(plan)``) and golden tests can pin a plan's text (``describe(plan)``). The plan says
+how weights are uploaded (q|k|v and gate|up fused into one matrix when their storage types agree;
+raw GGUF blocks uploaded as-is), which activation values share which arena buffer, and for each
+graph op the kernel launches of the two run modes:
+
+- ``decode``: ``n`` rows, one token per sequence (replayed from a CUDA graph per batch bucket);
+- ``prefill``: ``n`` tokens of one sequence (eager, chunked); the head (final norm, lm_head,
+  sampling) then runs on the last row only, with the decode-mode kernels at ``n = 1``.
+
+Launch arguments are symbolic (``Arg``) so the runner binds pointers once per bucket/chunk. Which
+kernel serves an op comes from the kernel engineer's ``engine.kernel_catalog`` through the adapter
+``_CatalogAdapter`` below; that is the only place that knows catalog function names.
+Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.graph import ModelGraph, Op, QuantCombo, evaluate
+from engine.kernel_spec import KernelSpec
+from engine.profile import DeviceProfile
+from engine.types import ConfigError
+
+# bytes per block and elements per block of each storage type (GGUF layouts; floats are 1-element)
+BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q8_0": (32, 34),
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+
+ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+MODES = ("decode", "prefill")
+
+
+def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
+    """Bytes of a row-major [rows, cols] tensor stored as ``dtype`` (cols a multiple of the block)."""
+    if dtype not in BLOCK_LAYOUT:
+        raise ConfigError(f"storage type {dtype!r} has no known block layout")
+    elems, nbytes = BLOCK_LAYOUT[dtype]
+    if cols % elems:
+        raise ConfigError(f"a {dtype} row of {cols} values is not a whole number of {elems}-value blocks")
+    return rows * (cols // elems) * nbytes
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """One device allocation: ``parts`` (family tensor keys, in order) concatenated by rows."""
+
+    key: str  # plan name: "embed", "L3.wq|wk|wv", "final_norm" ...
+    layer: int | None
+    parts: tuple[str, ...]
+    dtype: str
+    rows: int  # output features (sum over parts); vectors: 1
+    cols: int  # input features; vectors: length
+    part_rows: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return storage_nbytes(self.dtype, self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class Value:
+    """An activation: ``width`` elements per token at column ``offset`` of arena buffer ``buffer``
+    (row stride ``ld`` elements), so fused q|k|v outputs are views into one buffer."""
+
+    name: str
+    buffer: str
+    offset: int
+    width: int
+    ld: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """An arena buffer of ``rows`` x ``width`` elements (``rows`` 0: the plan's ``max_tokens``;
+    logits only ever hold the sampled rows, so they get the largest graph bucket)."""
+
+    name: str
+    dtype: str
+    width: int  # elements per token
+    rows: int = 0
+
+    def nbytes(self, tokens: int) -> int:
+        return self.width * (self.rows or tokens) * ACT_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A symbolic kernel argument the runner resolves to a pointer or number.
+
+    kind: ``value`` (pointer to value ``ref`` row 0; ``row="last"`` -> row n-1), ``weight``,
+    ``kv`` (``ref`` = "k"|"v", ``layer``), ``input`` (a per-step static input buffer: tokens,
+    positions, slots, block_tables, ctx_lens, temperature, top_p, top_k, min_p, seeds, counters,
+    out_ids), ``shape`` (``ref`` = n, nseq, max_blocks, block_size, max_ctx), ``const``.
+    """
+
+    kind: str
+    ref: Any
+    ctype: str = "ptr"  # engine.cuda.ARG_FORMATS key
+    layer: int | None = None
+    row: str = "first"
+
+
+# a grid dimension: an int, an expression over the shape names (n, nseq, max_ctx ...), or a callable
+GridDim = int | str | Callable[[Mapping[str, int]], int]
+
+
+@dataclass(frozen=True)
+class Launch:
+    spec: KernelSpec
+    grid: tuple[GridDim, ...]
+    block: tuple[int, ...]
+    args: tuple[Arg, ...]
+    smem: int = 0
+
+    def grid_for(self, shape: Mapping[str, int]) -> tuple[int, ...]:
+        out = []
+        for g in self.grid:
+            if callable(g):
+                out.append(int(g(shape)))
+            elif isinstance(g, str):
+                out.append(int(evaluate(g, dict(shape))))
+            else:
+                out.append(int(g))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One graph op at one layer, with its launches per mode."""
+
+    op: Op
+    layer: int | None
+    head: bool  # part of the head (after the last layer): runs on the last row in prefill
+    launches: dict[str, tuple[Launch, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    family: str
+    dims: dict[str, Any]
+    quant: str
+    profile: str
+    rope_style: str
+    weights: tuple[WeightPlan, ...]
+    buffers: tuple[BufferPlan, ...]
+    values: dict[str, Value]
+    steps: tuple[Step, ...]
+    sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" -> launches on logits
+    max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
+    block_size: int
+    graph_batch_sizes: tuple[int, ...]
+
+    def weight(self, key: str) -> WeightPlan:
+        for w in self.weights:
+            if w.key == key:
+                return w
+        raise KeyError(key)
+
+    def buffer_offsets(self) -> dict[str, int]:
+        """Byte offset of each buffer in the one activation arena (256-byte aligned)."""
+        out, off = {}, 0
+        for b in self.buffers:
+            out[b.name] = off
+            off += _align(b.nbytes(self.max_tokens))
+        return out
+
+    def arena_bytes(self) -> int:
+        return sum(_align(b.nbytes(self.max_tokens)) for b in self.buffers)
+
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def kernel_specs(plan: Plan) -> list[KernelSpec]:
+    """Every kernel the plan can launch, deduplicated, in first-use order (what warmup builds)."""
+    seen: dict[KernelSpec, None] = {}
+    for step in plan.steps:
+        for mode in MODES:
+            for launch in step.launches.get(mode, ()):
+                seen.setdefault(launch.spec, None)
+    for launches in plan.sampling.values():
+        for launch in launches:
+            seen.setdefault(launch.spec, None)
+    return list(seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+
+
+def _full_dims(dims: Mapping[str, Any]) -> dict[str, Any]:
+    d = dict(dims)
+    for key in ("hidden", "layers", "heads", "intermediate", "vocab"):
+        if key not in d:
+            raise ConfigError(f"plan: dims lack {key!r} (have {', '.join(sorted(d))})")
+    d.setdefault("kv_heads", d["heads"])
+    d.setdefault("head_dim", d["hidden"] // d["heads"])
+    d.setdefault("q_dim", d["heads"] * d["head_dim"])
+    d.setdefault("kv_dim", d["kv_heads"] * d["head_dim"])
+    d.setdefault("rope_dim", d["head_dim"])
+    d.setdefault("rms_eps", 1e-5)
+    d.setdefault("rope_theta", 10000.0)
+    d.setdefault("rope_scaling", None)
+    d.setdefault("tie_embeddings", False)
+    if d.get("rope_dim") in (None, 0):
+        d["rope_dim"] = d["head_dim"]
+    return d
+
+
+def _tensor_shape(graph: ModelGraph, key: str, dims: Mapping[str, Any]) -> tuple[int, ...]:
+    spec = graph.tensors[key]
+    if spec.shape is None:
+        raise ConfigError(f"{graph.path}: tensors.{key}: a shape is needed to plan without weights")
+    return tuple(int(evaluate(s, dict(dims))) for s in spec.shape)
+
+
+def _dtype_of(
+    graph: ModelGraph,
+    quant: QuantCombo,
+    key: str,
+    layer: int | None,
+    tensor_dtypes: Mapping[str, str] | None,
+) -> str:
+    spec = graph.tensors[key]
+    if spec.kind == "vector":
+        return "f32"  # norms are uploaded dequantised to f32 whatever the file holds
+    if tensor_dtypes:
+        name = f"{key}@{layer}" if layer is not None else key
+        if name in tensor_dtypes:
+            return tensor_dtypes[name]
+        if key in tensor_dtypes:
+            return tensor_dtypes[key]
+    allowed = quant.allowed(key)
+    return allowed[0]
+
+
+def build_plan(
+    graph: ModelGraph,
+    dims: Mapping[str, Any],
+    quant: QuantCombo,
+    profile: DeviceProfile,
+    tensor_dtypes: Mapping[str, str] | None = None,
+    rope_style: str = "neox",
+    catalog: Any = None,
+) -> Plan:
+    """Lower ``graph`` for ``profile``.
+
+    ``tensor_dtypes`` maps ``"<tensor key>@<layer>"`` (or ``"<tensor key>"`` for all layers) to the
+    storage type read from a file; without it each tensor takes its combo's first allowed type and
+    vectors are f32. ``catalog`` replaces ``engine.kernel_catalog`` (tests). Raises ConfigError.
+    """
+    d = _full_dims(dims)
+    adapter = _CatalogAdapter(catalog, profile, d, rope_style)
+    chunk = profile.prefill_chunk_tokens
+    max_tokens = max(chunk, max(profile.cuda_graph_batch_sizes))
+    ops = graph.ops()
+    last_layer_index = max((i for i, (_, per) in enumerate(ops) if per), default=-1)
+
+    weights: dict[str, WeightPlan] = {}
+    buffers: dict[str, BufferPlan] = {}
+    values: dict[str, Value] = {}
+    steps: list[Step] = []
+
+    def value_for(name: str, width: int, buffer: str | None = None, offset: int = 0, ld: int | None = None):
+        dtype = adapter.act_dtype(name)
+        buf = buffer or name
+        if buf not in buffers:
+            rows = max(profile.cuda_graph_batch_sizes) if name == "logits" else 0
+            buffers[buf] = BufferPlan(buf, dtype, ld or width, rows)
+        v = Value(name, buf, offset, width, ld or width, dtype)
+        old = values.get(name)
+        if old is not None and (old.width, old.buffer, old.offset, old.ld) != (
+            v.width,
+            v.buffer,
+            v.offset,
+            v.ld,
+        ):
+            # a name re-bound with another layout (e.g. q after a fused qkv then a norm) keeps
+            # the first binding; kernels that write it use the first layout
+            return old
+        values.setdefault(name, v)
+        return values[name]
+
+    def plan_weight(op: Op, layer: int | None) -> list[WeightPlan]:
+        """The weight allocations for an op (fused when the storage types agree)."""
+        dts = [_dtype_of(graph, quant, w, layer, tensor_dtypes) for w in op.weights]
+        shapes = [_tensor_shape(graph, w, d) for w in op.weights]
+        groups: list[list[int]] = []
+        if (
+            op.op == "linear"
+            and len(op.weights) > 1
+            and len(set(dts)) == 1
+            and len({s[1] for s in shapes}) == 1
+        ):
+            groups = [list(range(len(op.weights)))]
+        else:
+            groups = [[i] for i in range(len(op.weights))]
+        out = []
+        for g in groups:
+            parts = tuple(op.weights[i] for i in g)
+            resolved = [graph.tensors[p].tied_to if _tied(graph, p, d) else p for p in parts]
+            base = "|".join(resolved if len(parts) == 1 else parts)
+            key = f"L{layer}.{base}" if layer is not None else base
+            shape = shapes[g[0]]
+            if len(shape) == 1:
+                rows, cols, prow = 1, shape[0], (1,)
+            else:
+                prow = tuple(shapes[i][0] for i in g)
+                rows, cols = sum(prow), shape[1]
+            if key not in weights:
+                weights[key] = WeightPlan(key, layer, tuple(resolved), dts[g[0]], rows, cols, prow)
+            out.append(weights[key])
+        return out
+
+    schedule: list[tuple[Op, int | None, bool]] = []
+    for index, (op, per_layer) in enumerate(ops):
+        if not per_layer:
+            schedule.append((op, None, index > last_layer_index))
+        elif index == 0 or not ops[index - 1][1]:  # first op of a repeat body: expand layer-major
+            body = [o for o, _ in _run_of_layer_ops(ops, index)]
+            schedule.extend((o, layer, False) for layer in range(d["layers"]) for o in body)
+    for op, layer, head in schedule:
+        ws = plan_weight(op, layer) if op.weights else []
+        ins = [values[n] for n in op.inputs if n in values]
+        outs = _bind_outputs(op, ws, ins, d, value_for)
+        launches = {mode: tuple(adapter.launches(op, layer, mode, ins, outs, ws)) for mode in MODES}
+        steps.append(Step(op, layer, head, launches))
+
+    if "logits" not in values:
+        raise ConfigError(f"{graph.path}: graph never produces logits")
+    sampling = adapter.sampling(values["logits"])
+    return Plan(
+        family=graph.family,
+        dims=d,
+        quant=quant.name,
+        profile=profile.name,
+        rope_style=rope_style,
+        weights=tuple(weights.values()),
+        buffers=tuple(buffers.values()),
+        values=values,
+        steps=tuple(steps),
+        sampling=sampling,
+        max_tokens=max_tokens,
+        block_size=profile.kv_block_size,
+        graph_batch_sizes=profile.cuda_graph_batch_sizes,
+    )
+
+
+def _run_of_layer_ops(ops: list[tuple[Op, bool]], start: int) -> list[tuple[Op, bool]]:
+    end = start
+    while end < len(ops) and ops[end][1]:
+        end += 1
+    return ops[start:end]
+
+
+def _tied(graph: ModelGraph, key: str, d: Mapping[str, Any]) -> bool:
+    spec = graph.tensors[key]
+    return spec.tied_to is not None and bool(d.get("tie_embeddings"))
+
+
+def _bind_outputs(
+    op: Op, ws: list[WeightPlan], ins: list[Value], d: Mapping[str, Any], value_for
+) -> list[Value]:
+    if op.op == "embed":
+        return [value_for(op.outputs[0], d["hidden"])]
+    if op.op == "linear":
+        if len(ws) == 1 and len(op.outputs) > 1:  # fused: outputs are column views of one buffer
+            w = ws[0]
+            buf = "+".join(op.outputs)
+            outs, off = [], 0
+            for name, rows in zip(op.outputs, w.part_rows, strict=True):
+                outs.append(value_for(name, rows, buffer=buf, offset=off, ld=w.rows))
+                off += rows
+            return outs
+        return [value_for(name, w.rows) for name, w in zip(op.outputs, ws, strict=True)]
+    if op.op in ("rmsnorm", "head_rmsnorm", "silu_mul", "attention"):
+        return [value_for(op.outputs[0], ins[0].width)]
+    if op.op == "rope":
+        return list(ins)
+    raise ConfigError(f"plan: op {op.op!r} is not supported by the CUDA plan")
+
+
+# ---------------------------------------------------------------------------------------------
+# catalog adapter
+
+
+class _CatalogAdapter:
+    """Maps (op, mode, values, weights) to ``Launch``es through ``engine.kernel_catalog``.
+
+    This is the one seam with the kernel engineer's catalog: a change in the catalog's API is a
+    change here only.
+    """
+
+    def __init__(self, catalog: Any, profile: DeviceProfile, dims: Mapping[str, Any], rope_style: str):
+        if catalog is None:
+            from engine import kernel_catalog as catalog  # type: ignore[no-redef]
+        self.cat = catalog
+        self.profile = profile
+        self.dims = dims
+        self.rope_style = rope_style
+
+    def act_dtype(self, value: str) -> str:
+        fn = getattr(self.cat, "activation_dtype", None)
+        return fn(value) if fn else "f32"
+
+    def launches(
+        self, op: Op, layer: int | None, mode: str, ins: list[Value], outs: list[Value], ws: list[WeightPlan]
+    ):
+        return self.cat.plan_op(
+            op=op,
+            layer=layer,
+            mode=mode,
+            inputs=ins,
+            outputs=outs,
+            weights=ws,
+            dims=self.dims,
+            profile=self.profile,
+            rope_style=self.rope_style,
+        )
+
+    def sampling(self, logits: Value) -> dict[str, tuple[Launch, ...]]:
+        return {
+            kind: tuple(
+                self.cat.plan_sampling(kind=kind, logits=logits, dims=self.dims, profile=self.profile)
+            )
+            for kind in ("greedy", "sample")
+        }
+
+
+def describe(plan: Plan) -> str:
+    """A stable text rendering (golden tests, `memra plan`): weights, buffers, steps, kernels."""
+    lines = [
+        f"plan {plan.family} {plan.quant} on {plan.profile}: max_tokens={plan.max_tokens} block={plan.block_size}"
+    ]
+    for w in plan.weights:
+        lines.append(f"weight {w.key} {w.dtype} [{w.rows}, {w.cols}] {w.nbytes} B")
+    for b in plan.buffers:
+        lines.append(f"buffer {b.name} {b.dtype} x{b.width}")
+    for s in plan.steps:
+        where = f"L{s.layer}" if s.layer is not None else ("head" if s.head else "pre")
+        for mode in MODES:
+            names = ",".join(launch.spec.entry for launch in s.launches.get(mode, ()))
+            lines.append(f"step {where} {s.op.op} {mode}: {names}")
+    for kind, launches in plan.sampling.items():
+        lines.append(f"sampling {kind}: {','.join(launch.spec.entry for launch in launches)}")
+    return "\n".join(lines)

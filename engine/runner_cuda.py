@@ -1,0 +1,451 @@
+"""CudaRunner: executes a Plan on one GPU over a paged bf16 KV cache; decode is CUDA-graph replay.
+
+Weights are uploaded as the plan says (fused q|k|v and gate|up, raw GGUF blocks, bf16 as bf16,
+norm vectors as f32). One activation arena holds every plan buffer for the largest step; the KV
+cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step runs its prefill
+items eagerly (one chunk at a time, the head on the last row only), then the decode rows through
+the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
+block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
+of the sampled ids (rows with penalties are re-sampled on the host from their logits). All
+driver calls go through engine.cuda.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine import cuda
+from engine.compile import KernelBuilder
+from engine.plan import Arg, Launch, Plan, build_plan, kernel_specs
+from engine.profile import DeviceProfile, select
+from engine.sampling import sample
+from engine.types import MemraError, StepItem
+
+log = logging.getLogger("memra.runner_cuda")
+
+# per-row inputs in the packed input block, in order: (name, dtype); block tables come last
+_ROW_INPUTS = (
+    ("tokens", np.int32),
+    ("positions", np.int32),
+    ("slots", np.int32),
+    ("ctx_lens", np.int32),
+    ("temperature", np.float32),
+    ("top_p", np.float32),
+    ("top_k", np.int32),
+    ("min_p", np.float32),
+    ("seeds", np.uint64),
+    ("counters", np.int32),
+    ("out_ids", np.int32),
+)
+
+
+@dataclass
+class _Bound:
+    fn: cuda.Function
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    smem: int
+    args: cuda.KernelArgs
+
+
+class CudaRunner:
+    """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
+
+    ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
+    model's, limited by the KV cache); ``num_blocks`` fixes the KV block count (tests) instead of
+    sizing it from free memory; ``use_graphs=False`` runs decode eagerly (the bit-exact check).
+    """
+
+    backend = "cuda"
+
+    def __init__(
+        self,
+        model: Any,
+        profile: DeviceProfile | None = None,
+        device: int = 0,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        use_graphs: bool = True,
+        catalog: Any = None,
+        builder: KernelBuilder | None = None,
+    ):
+        self.ctx = cuda.Context(device)
+        self.profile = profile or select(self.ctx.info)
+        self.model = model
+        dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
+        self.plan: Plan = build_plan(
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
+        )
+        self.use_graphs = use_graphs
+        self.stream = cuda.Stream()
+        self.block_size = self.plan.block_size
+        self._load_kernels(builder)
+        self._upload_weights()
+        self._alloc_arena()
+        self._alloc_kv(max_model_len, num_blocks)
+        self._alloc_inputs()
+        self._graphs: dict[tuple[int, str], tuple[cuda.Graph, list[_Bound]]] = {}
+        self._eager: dict[tuple[str, int, str], list[_Bound]] = {}
+
+    # ----------------------------------------------------------------------------- setup
+
+    def _load_kernels(self, builder: KernelBuilder | None) -> None:
+        builder = builder or KernelBuilder(self.profile.arch)
+        stats = builder.build_all(kernel_specs(self.plan))
+        log.info("kernels: %s", stats.summary())
+        self._modules: list[cuda.Module] = []
+        self._fns: dict[Any, cuda.Function] = {}
+        for k in stats.kernels:
+            mod = cuda.Module(k.cubin, k.spec.entry)
+            self._modules.append(mod)
+            self._fns[k.spec] = mod.function(k.spec.entry)
+
+    def _upload_weights(self) -> None:
+        m = self.model
+        self._weights: dict[str, cuda.DeviceBuffer] = {}
+        for w in self.plan.weights:
+            chunks = []
+            for part in w.parts:
+                spec = m.graph.tensors[part]
+                if spec.kind == "vector":
+                    chunks.append(
+                        np.ascontiguousarray(m.dequantize(part, w.layer), dtype=np.float32).view(np.uint8)
+                    )
+                    continue
+                info = m.info(part, w.layer)
+                if info.dtype != w.dtype:
+                    raise MemraError(
+                        f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan expects "
+                        f"{w.dtype}",
+                        code="invalid_model",
+                    )
+                chunks.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
+            data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            if data.nbytes != w.nbytes:
+                raise MemraError(
+                    f"{m.path}: weight {w.key} has {data.nbytes} bytes, the plan expects {w.nbytes}",
+                    code="invalid_model",
+                )
+            buf = cuda.alloc(w.nbytes)
+            cuda.htod(buf.ptr, np.ascontiguousarray(data))
+            self._weights[w.key] = buf
+
+    def _alloc_arena(self) -> None:
+        self.arena = cuda.alloc(self.plan.arena_bytes())
+        cuda.memset(self.arena.ptr, 0, self.arena.nbytes)
+        offs = self.plan.buffer_offsets()
+        self._value_ptr: dict[str, int] = {}
+        self._value_rowbytes: dict[str, int] = {}
+        for name, v in self.plan.values.items():
+            item = np.dtype(
+                {"f32": np.float32, "bf16": np.uint16, "f16": np.float16, "i32": np.int32}[v.dtype]
+            ).itemsize
+            self._value_ptr[name] = self.arena.ptr + offs[v.buffer] + v.offset * item
+            self._value_rowbytes[name] = v.ld * item
+
+    def _alloc_kv(self, max_model_len: int | None, kv_blocks: int | None) -> None:
+        d = self.plan.dims
+        per_block_layer = self.block_size * d["kv_heads"] * d["head_dim"] * 2  # bf16
+        per_block = per_block_layer * 2 * d["layers"]
+        if kv_blocks is None:
+            free, _ = self.ctx.mem_info()
+            kv_blocks = int(free * self.profile.kv_memory_fraction) // per_block
+        total_blocks = int(kv_blocks) + 1  # + the padding sink
+        if kv_blocks < 1:
+            raise MemraError("not enough free GPU memory for one KV cache block", code="out_of_memory")
+        self._kv_layer_bytes = total_blocks * per_block_layer
+        self.kv = cuda.alloc(self._kv_layer_bytes * 2 * d["layers"])
+        cuda.memset(self.kv.ptr, 0, self.kv.nbytes)
+        self.num_blocks = int(kv_blocks)
+        self._sink_block = self.num_blocks  # hidden from the scheduler
+        cap = self.num_blocks * self.block_size
+        self.max_model_len = min(int(max_model_len or d.get("context", cap)), cap)
+        self._table_ld = (self.max_model_len + self.block_size - 1) // self.block_size
+
+    def _alloc_inputs(self) -> None:
+        rows = self.plan.max_tokens
+        layout, off = {}, 0
+        for name, dt in _ROW_INPUTS:
+            off = (off + 7) // 8 * 8
+            layout[name] = (off, dt)
+            off += rows * np.dtype(dt).itemsize
+        off = (off + 7) // 8 * 8
+        self._tables_off = off
+        self._max_rows = max(self.plan.graph_batch_sizes)
+        total = off + self._max_rows * self._table_ld * 4
+        self._in_dev = cuda.alloc(total)
+        self._in_host = cuda.PinnedBuffer(total)
+        self._in_host.bytes[:] = 0
+        self._views = {n: self._in_host.view(dt, rows, o) for n, (o, dt) in layout.items()}
+        self._in_off = {n: o for n, (o, _) in layout.items()}
+        self._in_off["block_tables"] = off
+        self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, off)
+
+    # ----------------------------------------------------------------------------- binding
+
+    def _resolve(self, arg: Arg, shape: dict[str, int]) -> Any:
+        if arg.kind == "value":
+            ptr = self._value_ptr[arg.ref]
+            if arg.row == "last":
+                ptr += (shape["n"] - 1) * self._value_rowbytes[arg.ref]
+            return ptr
+        if arg.kind == "weight":
+            return self._weights[arg.ref].ptr
+        if arg.kind == "kv":
+            idx = 2 * arg.layer + (0 if arg.ref == "k" else 1)
+            return self.kv.ptr + idx * self._kv_layer_bytes
+        if arg.kind == "input":
+            return self._in_dev.ptr + self._in_off[arg.ref]
+        if arg.kind == "shape":
+            return shape[arg.ref]
+        if arg.kind == "const":
+            return arg.ref
+        raise MemraError(
+            f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
+        )
+
+    def _bind(self, launch: Launch, shape: dict[str, int]) -> _Bound:
+        values = [self._resolve(a, shape) for a in launch.args]
+        args = cuda.KernelArgs([a.ctype for a in launch.args], values)
+        return _Bound(self._fns[launch.spec], launch.grid_for(shape), launch.block, launch.smem, args)
+
+    def _shape(self, n: int, nseq: int) -> dict[str, int]:
+        return {
+            "n": n,
+            "nseq": nseq,
+            "max_blocks": self._table_ld,
+            "block_size": self.block_size,
+            "max_ctx": self.max_model_len,
+        }
+
+    def _bind_pass(self, mode: str, n: int, nseq: int, head_only: bool, sampling: str) -> list[_Bound]:
+        shape = self._shape(n, nseq)
+        bound = []
+        for step in self.plan.steps:
+            if head_only and not step.head:
+                continue
+            if mode == "prefill" and step.head:
+                continue
+            for launch in step.launches["decode" if head_only else mode]:
+                bound.append(self._bind(launch, shape))
+        if mode == "decode" or head_only:
+            for launch in self.plan.sampling[sampling]:
+                bound.append(self._bind(launch, shape))
+        return bound
+
+    def _run(self, bound: list[_Bound]) -> None:
+        for b in bound:
+            cuda.launch(b.fn, b.grid, b.block, b.args, b.smem, self.stream)
+
+    # ----------------------------------------------------------------------------- steps
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        out: list[int | None] = [None] * len(items)
+        decode: list[int] = []
+        for i, it in enumerate(items):
+            if len(it.token_ids) == 1 and it.start_pos > 0:
+                decode.append(i)
+            else:
+                out[i] = self._prefill(it)
+        limit = self._max_rows
+        for lo in range(0, len(decode), limit):
+            rows = decode[lo : lo + limit]
+            ids = self._decode([items[i] for i in rows])
+            for i, tok in zip(rows, ids, strict=True):
+                out[i] = tok if items[i].sample else None
+        return out
+
+    def _check_item(self, it: StepItem) -> None:
+        end = it.start_pos + len(it.token_ids)
+        if end > self.max_model_len:
+            raise MemraError(
+                f"sequence {it.seq_id} needs {end} positions; max_model_len is {self.max_model_len}",
+                code="context_length_exceeded",
+            )
+        need = (end + self.block_size - 1) // self.block_size
+        if len(it.block_table) < need:
+            raise MemraError(
+                f"sequence {it.seq_id}: block table has {len(it.block_table)} blocks, {need} needed",
+                code="internal_error",
+            )
+
+    def _fill_sampling(self, row: int, it: StepItem) -> None:
+        v = self._views
+        s = it.sampling
+        v["temperature"][row] = s.temperature
+        v["top_p"][row] = s.top_p
+        v["top_k"][row] = s.top_k
+        v["min_p"][row] = s.min_p
+        v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
+        v["counters"][row] = it.num_generated
+
+    def _sampling_kind(self, items: Sequence[StepItem]) -> str:
+        return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+
+    def _upload_inputs(self, rows: int) -> None:
+        nbytes = self._tables_off + rows * self._table_ld * 4
+        _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
+
+    def _read_ids(self, rows: int) -> np.ndarray:
+        ids = self._views["out_ids"][:rows]
+        cuda.dtoh(ids, self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+        self.stream.synchronize()
+        return ids.copy()
+
+    def _decode(self, items: Sequence[StepItem]) -> list[int]:
+        n = len(items)
+        bucket = next(b for b in self.plan.graph_batch_sizes if b >= n)
+        v = self._views
+        ld = self._table_ld
+        tables = self._tables[: bucket * ld].reshape(bucket, ld)
+        tables[:] = self._sink_block
+        for r, it in enumerate(items):
+            self._check_item(it)
+            pos = it.start_pos
+            v["tokens"][r] = it.token_ids[0]
+            v["positions"][r] = pos
+            v["ctx_lens"][r] = pos + 1
+            bt = list(it.block_table)
+            tables[r, : len(bt)] = bt[:ld]
+            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            self._fill_sampling(r, it)
+        for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
+            v["tokens"][r] = 0
+            v["positions"][r] = 0
+            v["ctx_lens"][r] = 1
+            v["slots"][r] = self._sink_block * self.block_size
+            v["temperature"][r] = 0.0
+            v["top_p"][r] = 1.0
+            v["top_k"][r] = 0
+            v["min_p"][r] = 0.0
+            v["seeds"][r] = 0
+            v["counters"][r] = 0
+        kind = self._sampling_kind(items)
+        self._upload_inputs(bucket)
+        if self.use_graphs:
+            graph = self._graph(bucket, kind)
+            graph.launch(self.stream)
+        else:
+            key = ("decode", bucket, kind)
+            if key not in self._eager:
+                self._eager[key] = self._bind_pass("decode", bucket, bucket, False, kind)
+            self._run(self._eager[key])
+        ids = [int(x) for x in self._read_ids(n)]
+        return self._host_sample_penalised(items, ids)
+
+    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
+        """Rows with penalties are re-sampled on the host from their logits (engine.sampling), the
+        one path that copies logits back; every other row keeps the GPU's id."""
+        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
+        if not rows:
+            return ids
+        logits = self.read_logits(max(rows) + 1)
+        for r in rows:
+            it = items[r]
+            ids[r] = sample(logits[r], it.sampling, it.history, it.prompt_len, it.num_generated)
+        return ids
+
+    def read_logits(self, rows: int) -> np.ndarray:
+        """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
+        v = self.plan.values["logits"]
+        dt = np.float32 if v.dtype == "f32" else np.uint16
+        host = np.empty((rows, v.ld), dtype=dt)
+        self.stream.synchronize()
+        cuda.dtoh(host, self._value_ptr["logits"])
+        if dt is np.uint16:
+            host = (host.astype(np.uint32) << 16).view(np.float32)
+        return host[:, v.offset : v.offset + v.width].astype(np.float32)
+
+    def _graph(self, bucket: int, kind: str) -> cuda.Graph:
+        key = (bucket, kind)
+        if key not in self._graphs:
+            bound = self._bind_pass("decode", bucket, bucket, False, kind)
+            self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
+            self.stream.synchronize()
+            with cuda.capture(self.stream) as graph:
+                self._run(bound)
+            self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
+        return self._graphs[key][0]
+
+    def _prefill(self, it: StepItem) -> int | None:
+        self._check_item(it)
+        v = self._views
+        chunk = self.profile.prefill_chunk_tokens
+        toks = list(it.token_ids)
+        bt = list(it.block_table)
+        ld = self._table_ld
+        result = None
+        for lo in range(0, len(toks), chunk):
+            part = toks[lo : lo + chunk]
+            n = len(part)
+            start = it.start_pos + lo
+            pos = np.arange(start, start + n, dtype=np.int64)
+            v["tokens"][:n] = part
+            v["positions"][:n] = pos
+            blocks = np.asarray(bt, dtype=np.int64)[pos // self.block_size]
+            v["slots"][:n] = blocks * self.block_size + pos % self.block_size
+            v["ctx_lens"][0] = start + n
+            row = self._tables[:ld]
+            row[:] = self._sink_block
+            row[: min(len(bt), ld)] = bt[:ld]
+            self._fill_sampling(0, it)
+            self._upload_inputs(1)
+            key = ("prefill", n, "")
+            bound = self._eager.get(key) or self._bind_pass("prefill", n, 1, False, "")
+            if len(self._eager) < 64:
+                self._eager[key] = bound
+            self._run(bound)
+            last = lo + n >= len(toks)
+            if last and it.sample:
+                x_rows = self._head_input_rows(n)
+                for _name, ptr, rowbytes in x_rows if n > 1 else ():
+                    cuda.dtod(ptr, ptr + (n - 1) * rowbytes, rowbytes, self.stream)
+                kind = self._sampling_kind([it])
+                hkey = ("head", 1, kind)
+                if hkey not in self._eager:
+                    self._eager[hkey] = self._bind_pass("decode", 1, 1, True, kind)
+                self._run(self._eager[hkey])
+                result = self._host_sample_penalised([it], [int(self._read_ids(1)[0])])[0]
+        if result is None:
+            self.stream.synchronize()
+        return result
+
+    def _head_input_rows(self, n: int) -> list[tuple[str, int, int]]:
+        """Values the head reads that the layers produced: moved from row n-1 to row 0."""
+        produced_in_head: set[str] = set()
+        needed: list[str] = []
+        for step in self.plan.steps:
+            if not step.head:
+                continue
+            for name in step.op.inputs:
+                if name not in produced_in_head and name not in needed:
+                    needed.append(name)
+            produced_in_head.update(step.op.outputs)
+        return [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
+
+    # ----------------------------------------------------------------------------- teardown
+
+    def close(self) -> None:
+        """Free every device allocation, graph and module of this runner (idempotent)."""
+        self.stream.synchronize()
+        for graph, _ in self._graphs.values():
+            graph.destroy()
+        self._graphs.clear()
+        self._eager.clear()
+        for buf in list(self._weights.values()) + [self.arena, self.kv, self._in_dev]:
+            buf.free()
+        self._weights.clear()
+        self._in_host.free()
+        for mod in self._modules:
+            mod.unload()
+        self._modules.clear()
+        self._fns.clear()
+
+
+def _call_htod(ptr: int, host: np.ndarray, stream: cuda.Stream) -> None:
+    cuda.htod(ptr, host, stream)
