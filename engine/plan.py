@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.graph import ModelGraph, Op, QuantCombo, evaluate
-from engine.kernel_spec import KernelSpec
+from engine.kernel_spec import KernelSpec, entry_name
 from engine.profile import DeviceProfile
 from engine.types import ConfigError
 
@@ -342,7 +342,11 @@ def build_plan(
         elif index == 0 or not ops[index - 1][1]:  # first op of a repeat body: expand layer-major
             body = [o for o, _ in _run_of_layer_ops(ops, index)]
             schedule.extend((o, layer, False) for layer in range(d["layers"]) for o in body)
-    for op, layer, head in schedule:
+    for pos, (op, layer, head) in enumerate(schedule):
+        if op.op == "rope":
+            attn = next((o for o, lay, _ in schedule[pos:] if o.op == "attention" and lay == layer), None)
+            if attn is not None and attn.inputs[2] in values:
+                adapter.rope_v[layer] = values[attn.inputs[2]]
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
         outs = _bind_outputs(op, ws, ins, d, value_for)
@@ -404,50 +408,213 @@ def _bind_outputs(
 
 
 # ---------------------------------------------------------------------------------------------
-# catalog adapter
+# lowering: ops -> launches
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _v(value: Value, row: str = "first") -> Arg:
+    return Arg("value", value.name, "ptr", row=row)
+
+
+def _w(weight: WeightPlan) -> Arg:
+    return Arg("weight", weight.key)
+
+
+NULL = Arg("const", 0, "ptr")
+ROWS = Arg("shape", "n", "i32")
 
 
 class _CatalogAdapter:
-    """Maps (op, mode, values, weights) to ``Launch``es through ``engine.kernel_catalog``.
+    """Lowers one graph op in one mode to ``Launch``es with the kernels' documented argument lists.
 
-    This is the one seam with the kernel engineer's catalog: a change in the catalog's API is a
-    change here only.
+    KernelSpecs come from ``engine.kernel_catalog`` when it offers ``spec(template, **params)``;
+    until then (and for templates it does not cover) ``_spec`` below builds the spec from the
+    template's documented params. This class is the only place that knows template argument
+    orders; the kernel files' header comments are its contract.
     """
 
     def __init__(self, catalog: Any, profile: DeviceProfile, dims: Mapping[str, Any], rope_style: str):
         if catalog is None:
-            from engine import kernel_catalog as catalog  # type: ignore[no-redef]
+            try:
+                from engine import kernel_catalog as catalog  # type: ignore[no-redef]
+            except ImportError:
+                catalog = None
         self.cat = catalog
         self.profile = profile
         self.dims = dims
         self.rope_style = rope_style
+        self.pending_norm: dict[tuple[Any, str, str], WeightPlan] = {}  # (layer, mode, value) -> norm
+        self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
+
+    # -- specs
+
+    def _spec(self, template: str, name_parts: dict[str, Any], **params: Any) -> KernelSpec:
+        fn = getattr(self.cat, "spec", None) if self.cat is not None else None
+        if fn is not None:
+            return fn(template, **params)
+        return KernelSpec(template, entry_name(template, **name_parts), params)
+
+    def tune(self, section: str) -> dict[str, Any]:
+        return self.profile.tune(section)
 
     def act_dtype(self, value: str) -> str:
-        fn = getattr(self.cat, "activation_dtype", None)
-        return fn(value) if fn else "f32"
+        return "f32" if value == "logits" else "bf16"
 
-    def launches(
-        self, op: Op, layer: int | None, mode: str, ins: list[Value], outs: list[Value], ws: list[WeightPlan]
-    ):
-        return self.cat.plan_op(
-            op=op,
-            layer=layer,
-            mode=mode,
-            inputs=ins,
-            outputs=outs,
-            weights=ws,
-            dims=self.dims,
-            profile=self.profile,
-            rope_style=self.rope_style,
+    # -- ops
+
+    def launches(self, op: Op, layer, mode: str, ins: list[Value], outs: list[Value], ws: list[WeightPlan]):
+        fn = getattr(self, f"_op_{op.op}", None)
+        if fn is None:
+            raise ConfigError(f"plan: op {op.op!r} has no CUDA lowering")
+        return fn(op, layer, mode, ins, outs, ws)
+
+    def _op_embed(self, op, layer, mode, ins, outs, ws):
+        w = ws[0]
+        t = self.tune("elementwise")["threads"]
+        spec = self._spec(
+            "embed", {"q": w.dtype, "h": w.cols, "t": t}, quant=w.dtype, hidden=w.cols, threads=t
         )
+        args = (_v(outs[0]), _w(w), Arg("input", "tokens"), ROWS)
+        return [Launch(spec, ("n",), (t,), args)]
+
+    def _op_rmsnorm(self, op, layer, mode, ins, outs, ws):
+        w = ws[0]
+        t = self.tune("norm")["threads"]
+        eps = float(self.dims["rms_eps"])
+        spec = self._spec(
+            "rmsnorm",
+            {"n": w.cols, "t": t, "e": f"{eps:g}"},
+            n=w.cols,
+            eps=repr(eps),
+            threads=t,
+            residual=False,
+        )
+        args = (_v(outs[0]), _v(ins[0]), NULL, _w(w), ROWS)
+        return [Launch(spec, ("n",), (t,), args)]
+
+    def _op_linear(self, op, layer, mode, ins, outs, ws):
+        # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
+        tg = self.tune("gemv")
+        res_name = op.attrs.get("residual")
+        launches = []
+        col = 0
+        for w in ws:
+            out = outs[col]
+            col += len(w.parts)
+            residual = res_name is not None
+            out_dtype = self.act_dtype(out.name)
+            bmax = tg["max_batch"]
+            rpb = tg["rows_per_block"]
+            spec = self._spec(
+                "gemv",
+                {
+                    "q": w.dtype,
+                    "n": w.rows,
+                    "k": w.cols,
+                    "b": bmax,
+                    "t": tg["threads"],
+                    "r": int(residual),
+                    "o": out_dtype,
+                },
+                quant=w.dtype,
+                n=w.rows,
+                k=w.cols,
+                bmax=bmax,
+                threads=tg["threads"],
+                rows_per_block=rpb,
+                residual=residual,
+                out_dtype=out_dtype,
+            )
+            res = Arg("value", res_name) if residual else NULL
+            args = (_v(out), _w(w), _v(ins[0]), res, ROWS)
+            grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+            launches.append(Launch(spec, grid, (tg["threads"],), args))
+        return launches
+
+    def _op_head_rmsnorm(self, op, layer, mode, ins, outs, ws):
+        # fused into the rope kernel that follows (qk_norm); remember which value it normalises
+        if outs[0].name != ins[0].name:
+            raise ConfigError(
+                "plan: head_rmsnorm must write its input in place (out == in) to fuse into rope"
+            )
+        self.pending_norm[(layer, mode, ins[0].name)] = ws[0]
+        return []
+
+    def _op_rope(self, op, layer, mode, ins, outs, ws):
+        d = self.dims
+        q, k = ins
+        v = self.rope_v.get(layer)
+        if v is None:
+            raise ConfigError("plan: rope is not followed by an attention op (the KV write needs its v)")
+        qn = self.pending_norm.pop((layer, mode, q.name), None)
+        kn = self.pending_norm.pop((layer, mode, k.name), None)
+        if (qn is None) != (kn is None):
+            raise ConfigError("plan: head_rmsnorm on only one of q and k is not supported by the CUDA plan")
+        t = self.tune("elementwise")["threads"]
+        theta = float(d["rope_theta"])
+        eps = float(d["rms_eps"])
+        params = dict(
+            heads=d["heads"],
+            kv_heads=d["kv_heads"],
+            head_dim=d["head_dim"],
+            rope_dim=d["rope_dim"],
+            theta=repr(theta),
+            style=self.rope_style,
+            q_stride=q.ld,
+            kv_stride=k.ld,
+            qk_norm=qn is not None,
+            eps=repr(eps),
+            freq_factors=False,
+            kv_write=True,
+            threads=t,
+        )
+        name = {
+            "h": d["heads"],
+            "kv": d["kv_heads"],
+            "d": d["head_dim"],
+            "s": self.rope_style[0],
+            "qs": q.ld,
+            "ks": k.ld,
+            "n": int(qn is not None),
+        }
+        spec = self._spec("rope", name, **params)
+        args = (
+            _v(q),
+            _v(k),
+            _v(v),
+            Arg("input", "positions"),
+            _w(qn) if qn else NULL,
+            _w(kn) if kn else NULL,
+            NULL,
+            Arg("kv", "k", layer=layer),
+            Arg("kv", "v", layer=layer),
+            Arg("input", "slots"),
+            ROWS,
+        )
+        return [Launch(spec, ("n",), (t,), args)]
+
+    def _op_silu_mul(self, op, layer, mode, ins, outs, ws):
+        g, u = ins
+        t = self.tune("elementwise")["threads"]
+        inter = g.width
+        spec = self._spec("silu_mul", {"i": inter, "s": g.ld, "t": t}, inter=inter, in_stride=g.ld, threads=t)
+        args = (_v(outs[0]), _v(g), _v(u), ROWS)
+        return [Launch(spec, (_cdiv(inter, 8 * t), "n"), (t,), args)]
+
+    def _op_attention(self, op, layer, mode, ins, outs, ws):
+        fn = getattr(self.cat, "attention_launches", None) if self.cat is not None else None
+        if fn is None:
+            raise ConfigError("plan: no attention kernel in engine.kernel_catalog yet")
+        return fn(self, op, layer, mode, ins, outs)
 
     def sampling(self, logits: Value) -> dict[str, tuple[Launch, ...]]:
-        return {
-            kind: tuple(
-                self.cat.plan_sampling(kind=kind, logits=logits, dims=self.dims, profile=self.profile)
-            )
-            for kind in ("greedy", "sample")
-        }
+        fn = getattr(self.cat, "sampling_launches", None) if self.cat is not None else None
+        if fn is None:
+            raise ConfigError("plan: no sampling kernels in engine.kernel_catalog yet")
+        return fn(self, logits)
 
 
 def describe(plan: Plan) -> str:

@@ -1,0 +1,152 @@
+"""engine.plan: weights fused, values laid out, launches lowered and deduplicated (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.graph import load_family
+from engine.kernel_spec import KernelSpec
+from engine.model import dims_for_size
+from engine.plan import Arg, Launch, build_plan, describe, kernel_specs, storage_nbytes
+from engine.profile import get_profile
+from engine.render import render
+from engine.types import ConfigError
+
+
+class FakeAttention:
+    """Stands in for catalog kernels not written yet (attention, sampling)."""
+
+    def attention_launches(self, adapter, op, layer, mode, ins, outs):
+        spec = KernelSpec("fake_attention", f"fake_attention_{mode}")
+        args = (Arg("value", ins[0].name), Arg("kv", "k", layer=layer), Arg("value", outs[0].name))
+        return [Launch(spec, ("nseq",), (128,), args)]
+
+    def sampling_launches(self, adapter, logits):
+        return {
+            kind: (
+                Launch(KernelSpec("fake_sample", f"fake_{kind}"), ("n",), (1024,), (Arg("value", "logits"),)),
+            )
+            for kind in ("greedy", "sample")
+        }
+
+
+def plan_for(family: str, size: str, quant: str = "bf16", profile: str = "h200", **kw):
+    graph = load_family(family)
+    return build_plan(
+        graph,
+        dims_for_size(family, size),
+        graph.quant(quant),
+        get_profile(profile),
+        catalog=FakeAttention(),
+        **kw,
+    )
+
+
+def test_qwen3_fuses_qkv_and_gate_up_and_orders_steps_layer_major():
+    plan = plan_for("qwen3", "qwen3-0.6b")
+    keys = [w.key for w in plan.weights]
+    assert "L0.wq|wk|wv" in keys and "L27.w_gate|w_up" in keys
+    qkv = plan.weight("L0.wq|wk|wv")
+    assert (qkv.rows, qkv.cols, qkv.part_rows) == (2048 + 1024 + 1024, 1024, (2048, 1024, 1024))
+    assert qkv.nbytes == 4096 * 1024 * 2
+    # tied lm_head reuses the embedding allocation
+    assert "lm_head" not in keys and "embed" in keys
+    layers = [s.layer for s in plan.steps if s.layer is not None]
+    assert layers == sorted(layers)  # layer 0's ops, then layer 1's ...
+    q, k, v = plan.values["q"], plan.values["k"], plan.values["v"]
+    assert q.buffer == k.buffer == v.buffer and (q.offset, k.offset, v.offset) == (0, 2048, 3072)
+    assert q.ld == k.ld == 4096
+
+
+def test_qwen3_head_norms_fuse_into_rope_with_kv_write():
+    plan = plan_for("qwen3", "qwen3-0.6b")
+    step_ops = [(s.op.op, len(s.launches["decode"])) for s in plan.steps if s.layer == 0]
+    assert ("head_rmsnorm", 0) in step_ops
+    rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope").launches["decode"][0]
+    assert rope.spec.params["qk_norm"] is True and rope.spec.params["kv_write"] is True
+    assert rope.spec.params["q_stride"] == 4096
+    weights = [a.ref for a in rope.args if a.kind == "weight"]
+    assert weights == ["L3.q_norm", "L3.k_norm"]
+    kv = [(a.ref, a.layer) for a in rope.args if a.kind == "kv"]
+    assert kv == [("k", 3), ("v", 3)]
+
+
+def test_llama_rope_has_no_qk_norm_and_interleaved_style_for_gguf():
+    plan = plan_for("llama", "smollm2-135m", quant="q4_1", rope_style="interleaved")
+    rope = next(s for s in plan.steps if s.op.op == "rope").launches["prefill"][0]
+    assert rope.spec.params["qk_norm"] is False and rope.spec.params["style"] == "interleaved"
+    qkv = plan.weight("L0.wq|wk|wv")
+    assert qkv.dtype == "q4_1" and qkv.nbytes == storage_nbytes("q4_1", 576 + 192 + 192, 576)
+
+
+def test_unequal_storage_types_are_not_fused():
+    graph = load_family("llama")
+    dims = dims_for_size("llama", "smollm2-135m")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    plan = build_plan(
+        graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes=dtypes, catalog=FakeAttention()
+    )
+    keys = {w.key for w in plan.weights}
+    assert "L0.wq|wk" not in keys and "L0.wq" in keys and "L0.wv" in keys and "L0.w_gate|w_up" in keys
+    linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
+    assert len(linear.launches["decode"]) == 3  # wq, wk, wv separately
+
+
+def test_residual_linear_writes_in_place_and_logits_are_f32():
+    plan = plan_for("llama", "smollm2-135m")
+    wo = [s for s in plan.steps if s.layer == 0 and s.op.op == "linear"][1].launches["decode"][0]
+    assert wo.spec.params["residual"] is True
+    assert [a.ref for a in wo.args if a.kind == "value"] == ["x", "a", "x"]
+    head = [s for s in plan.steps if s.head]
+    assert [s.op.op for s in head] == ["rmsnorm", "linear"]
+    assert head[-1].launches["decode"][0].spec.params["out_dtype"] == "f32"
+    assert plan.values["logits"].dtype == "f32"
+    logits_buf = next(b for b in plan.buffers if b.name == "logits")
+    assert logits_buf.rows == max(get_profile("h200").cuda_graph_batch_sizes)
+
+
+def test_kernel_specs_are_deduplicated_and_grids_evaluate():
+    plan = plan_for("llama", "smollm2-135m")
+    specs = kernel_specs(plan)
+    assert len(specs) == len(set(specs))
+    # 30 layers share their kernels: a handful of distinct specs, not hundreds
+    assert len(specs) < 20
+    gemv = next(s for s in plan.steps if s.op.op == "linear").launches["decode"][0]
+    assert gemv.grid_for({"n": 9})[1] == 2  # ceil(9 / max_batch 8)
+
+
+@pytest.mark.parametrize(
+    "family,size,quant",
+    [("qwen3", "qwen3-0.6b", "bf16"), ("llama", "smollm2-135m", "q4_1"), ("llama", "llama3-8b", "q8_0")],
+)
+def test_every_real_template_spec_renders(family, size, quant):
+    plan = plan_for(family, size, quant)
+    real = [s for s in kernel_specs(plan) if not s.template.startswith("fake_")]
+    assert {s.template for s in real} >= {"embed", "rmsnorm", "gemv", "rope", "silu_mul"}
+    for spec in real:
+        src = render(spec)
+        assert spec.entry in src
+
+
+def test_arena_and_describe_are_stable():
+    plan = plan_for("qwen3", "qwen3-0.6b")
+    offs = plan.buffer_offsets()
+    assert all(o % 256 == 0 for o in offs.values())
+    assert plan.arena_bytes() >= sum(b.nbytes(plan.max_tokens) for b in plan.buffers)
+    text = describe(plan)
+    assert text == describe(plan_for("qwen3", "qwen3-0.6b"))
+    assert "weight L0.wq|wk|wv bf16 [4096, 1024]" in text
+
+
+def test_missing_dims_and_unknown_storage_fail_clearly():
+    graph = load_family("llama")
+    with pytest.raises(ConfigError, match="dims lack 'vocab'"):
+        build_plan(
+            graph,
+            {"hidden": 8, "layers": 1, "heads": 1, "intermediate": 8},
+            graph.quant("bf16"),
+            get_profile("h200"),
+            catalog=FakeAttention(),
+        )
+    with pytest.raises(ConfigError, match="whole number"):
+        storage_nbytes("q4_0", 2, 48)
