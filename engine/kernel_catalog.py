@@ -1,0 +1,609 @@
+"""Kernel catalog: (template, params) -> KernelSpec, plus each kernel's launch contract.
+
+``spec(template, **params)`` validates a template's parameters (names, types, the divisibility
+rules the kernel relies on) and names its entry point; ``choice(...)`` adds the launch contract
+(argument list, grid as a function of the row count, block, dynamic shared memory) as a
+``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
+list (pointer / int / float, in order), which engine/plan.py binds. ``attention_launches`` and
+``sampling_launches`` lower the attention op and the sampler for plan.py's adapter.
+``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
+
+Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
+weights are f32. Quantised weights are GGUF rows uploaded unchanged. Must not import CUDA, numpy
+or gguf (the GPU check script imports this on a machine without gguf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kernel_spec import KernelSpec, entry_name
+from engine.types import ConfigError
+
+# storage types the gemv/embed decoders handle, with (elements, bytes) per GGUF block
+QUANTS: dict[str, tuple[int, int]] = {
+    "bf16": (8, 16),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q4_k": (256, 144),
+    "q6_k": (256, 210),
+}
+ROPE_STYLES = ("neox", "interleaved")
+
+
+@dataclass(frozen=True)
+class KernelDoc:
+    """A template's contract: ``params`` (name -> python type) and ``args`` ((name, ctype) in
+    order; ctype is an engine.cuda.ARG_FORMATS key: ptr, i32, f32...), ``name`` the params that
+    form the entry name, ``grid``/``block``/``smem`` in words (the builders below compute them)."""
+
+    params: dict[str, type]
+    args: tuple[tuple[str, str], ...]
+    name: tuple[str, ...]
+    grid: str
+    block: str
+    smem: str = "static only"
+
+
+P, I, F = "ptr", "i32", "f32"
+KERNELS: dict[str, KernelDoc] = {
+    "gemv": KernelDoc(
+        dict(
+            quant=str, n=int, k=int, bmax=int, threads=int, rows_per_block=int, residual=bool, out_dtype=str
+        ),
+        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I)),
+        ("quant", "n", "k", "bmax", "threads", "residual", "out_dtype"),
+        "(ceil(n / rows_per_block), ceil(rows / bmax))",
+        "(threads,)",
+    ),
+    "gemm": KernelDoc(
+        dict(n=int, k=int, tile_m=int, tile_n=int, tile_k=int, stages=int, warps=int, residual=bool),
+        (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I)),
+        ("n", "k", "tile_m", "tile_n", "tile_k", "stages", "residual"),
+        "(ceil(n / tile_n), ceil(rows / tile_m))",
+        "(warps * 32,)",
+        "stages * (tile_m + tile_n) * (tile_k + 8) * 2 bytes dynamic (opt-in above 48 KB)",
+    ),
+    "rmsnorm": KernelDoc(
+        dict(n=int, eps=float, threads=int, residual=bool),
+        (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I)),
+        ("n", "eps", "threads", "residual"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "embed": KernelDoc(
+        dict(quant=str, hidden=int, threads=int),
+        (("out", P), ("table", P), ("ids", P), ("rows", I)),
+        ("quant", "hidden", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "rope": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            rope_dim=int,
+            theta=float,
+            style=str,
+            q_stride=int,
+            kv_stride=int,
+            qk_norm=bool,
+            eps=float,
+            freq_factors=bool,
+            kv_write=bool,
+            threads=int,
+        ),
+        (
+            ("q", P),
+            ("k", P),
+            ("v", P),
+            ("positions", P),
+            ("q_norm", P),
+            ("k_norm", P),
+            ("freq", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("slots", P),
+            ("rows", I),
+        ),
+        (
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "rope_dim",
+            "style",
+            "q_stride",
+            "kv_stride",
+            "qk_norm",
+            "kv_write",
+        ),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "silu_mul": KernelDoc(
+        dict(inter=int, in_stride=int, threads=int),
+        (("out", P), ("g", P), ("u", P), ("rows", I)),
+        ("inter", "in_stride", "threads"),
+        "(ceil(inter / (8 * threads)), rows)",
+        "(threads,)",
+    ),
+    "attention": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            block_size=int,
+            split=int,
+            scale=float,
+            q_stride=int,
+            out_stride=int,
+            mode=str,
+            direct=bool,
+            warps=int,
+        ),
+        (
+            ("out", P),
+            ("part_o", P),
+            ("part_ml", P),
+            ("q", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("block_tables", P),
+            ("positions", P),
+            ("max_blocks", I),
+            ("max_splits", I),
+        ),
+        ("heads", "kv_heads", "head_dim", "block_size", "split", "q_stride", "out_stride", "mode", "direct"),
+        "(rows, kv_heads, 1 if direct else max_splits)",
+        "(warps * 32,)",
+    ),
+    "attention_combine": KernelDoc(
+        dict(heads=int, head_dim=int, split=int, out_stride=int),
+        (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I)),
+        ("heads", "head_dim", "split", "out_stride"),
+        "(rows, heads)",
+        "(head_dim,)",
+    ),
+    "argmax": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (("out", P), ("logits", P), ("rows", I)),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "sample": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (
+            ("out", P),
+            ("logits", P),
+            ("temperature", P),
+            ("top_k", P),
+            ("top_p", P),
+            ("min_p", P),
+            ("seed", P),
+            ("step", P),
+            ("rows", I),
+        ),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "penalties": KernelDoc(
+        dict(vocab=int, threads=int),
+        (
+            ("logits", P),
+            ("counts", P),
+            ("prompt_mask", P),
+            ("presence", P),
+            ("frequency", P),
+            ("repetition", P),
+            ("rows", I),
+        ),
+        ("vocab", "threads"),
+        "(ceil(vocab / threads), rows)",
+        "(threads,)",
+    ),
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fail(template: str, msg: str) -> ConfigError:
+    return ConfigError(f"kernel {template}: {msg}")
+
+
+def _check(template: str, p: dict[str, Any]) -> None:
+    """The shape rules each kernel relies on; a violation is a ConfigError naming the parameter."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise _fail(template, msg)
+
+    if "threads" in p:
+        need(
+            p["threads"] % 32 == 0 and 32 <= p["threads"] <= 1024,
+            f"threads={p['threads']} must be 32..1024, a multiple of 32",
+        )
+    if template in ("gemv", "embed"):
+        q = p["quant"]
+        need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
+        cols = p["k"] if template == "gemv" else p["hidden"]
+        need(
+            cols % QUANTS[q][0] == 0 and cols % 32 == 0 or (q == "bf16" and cols % 8 == 0),
+            f"row length {cols} is not a multiple of the {q} block ({QUANTS[q][0]})",
+        )
+    if template == "gemv":
+        warps = p["threads"] // 32
+        need(
+            p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
+            f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
+        )
+        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
+        need(1 <= p["bmax"] <= 32, f"bmax={p['bmax']} must be 1..32")
+    if template == "gemm":
+        need(p["warps"] in (4, 8), f"warps={p['warps']} must be 4 or 8")
+        need(
+            p["k"] % p["tile_k"] == 0 and p["tile_k"] % 16 == 0,
+            f"k={p['k']} must be a multiple of tile_k={p['tile_k']} (a multiple of 16)",
+        )
+        need(
+            p["tile_m"] % 32 == 0 and p["tile_n"] % (16 * (p["warps"] // 2)) == 0,
+            f"tiles {p['tile_m']}x{p['tile_n']} do not split over {p['warps']} warps",
+        )
+        need(p["stages"] >= 2, "stages must be >= 2")
+    if template == "rmsnorm":
+        need(p["n"] % 8 == 0, f"n={p['n']} must be a multiple of 8")
+    if template == "silu_mul":
+        need(p["inter"] % 8 == 0 and p["in_stride"] % 8 == 0, "inter and in_stride must be multiples of 8")
+    if template == "rope":
+        need(p["style"] in ROPE_STYLES, f"style {p['style']!r} must be one of {ROPE_STYLES}")
+        need(
+            p["rope_dim"] % 2 == 0 and p["rope_dim"] <= p["head_dim"],
+            f"rope_dim={p['rope_dim']} must be even and <= head_dim",
+        )
+        need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
+    if template in ("attention", "attention_combine"):
+        need(
+            p["head_dim"] % 32 == 0 and p["head_dim"] <= 256,
+            f"head_dim={p['head_dim']} must be a multiple of 32, <= 256",
+        )
+    if template == "attention":
+        need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
+        need(p["mode"] in ("decode", "prefill"), f"mode {p['mode']!r} must be decode or prefill")
+        group = p["heads"] // p["kv_heads"]
+        need(
+            p["warps"] * group * (p["head_dim"] + 2) * 4 <= 48 * 1024,
+            "warps * group * head_dim too large for shared memory",
+        )
+        need(p["split"] % (4 * p["warps"]) == 0, f"split={p['split']} must be a multiple of 4 * warps")
+
+
+def spec(template: str, **params: Any) -> KernelSpec:
+    """The KernelSpec of ``template`` with ``params`` (exactly the template's documented params).
+    Floats are rendered through ``repr(float(x))`` so "1e-6", 1e-06 and 1.0e-6 give one spec."""
+    doc = KERNELS.get(template)
+    if doc is None:
+        raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
+    missing = set(doc.params) - set(params)
+    extra = set(params) - set(doc.params)
+    if missing or extra:
+        raise _fail(template, f"missing params {sorted(missing)}, unknown params {sorted(extra)}")
+    norm: dict[str, Any] = {}
+    for key, typ in doc.params.items():
+        value = params[key]
+        try:
+            if typ is float:
+                norm[key] = repr(float(value))
+            elif typ is bool:
+                norm[key] = bool(value)
+            elif typ is int:
+                if isinstance(value, bool) or int(value) != value:
+                    raise ValueError
+                norm[key] = int(value)
+            else:
+                norm[key] = str(value)
+        except (TypeError, ValueError):
+            raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
+        if typ is int and norm[key] <= 0 and key not in ():
+            raise _fail(template, f"param {key}={value!r} must be positive")
+    _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
+    parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
+    name = entry_name(template, **parts)
+    return KernelSpec(template, name, norm)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A spec plus how to launch it: ``args`` ((name, ctype) in order), ``grid(rows)`` -> 3-tuple,
+    ``block`` and dynamic ``smem`` bytes (raise the function's max-dynamic-smem attribute first
+    when > 48 KB)."""
+
+    spec: KernelSpec
+    args: tuple[tuple[str, str], ...]
+    grid: Callable[..., tuple[int, int, int]]
+    block: tuple[int, int, int]
+    smem: int = 0
+
+
+def gemm_smem(p: Mapping[str, Any]) -> int:
+    return int(p["stages"]) * (int(p["tile_m"]) + int(p["tile_n"])) * (int(p["tile_k"]) + 8) * 2
+
+
+def choice(template: str, **params: Any) -> KernelChoice:
+    """``spec`` plus the launch contract. ``grid(rows, **runtime)``: runtime is ``max_splits`` for
+    split attention."""
+    s = spec(template, **params)
+    p = s.params
+    doc = KERNELS[template]
+    smem = 0
+    if template == "gemv":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["n"], p["rows_per_block"]), _cdiv(rows, p["bmax"]), 1)
+
+        block = (p["threads"], 1, 1)
+    elif template == "gemm":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1)
+
+        block = (p["warps"] * 32, 1, 1)
+        smem = gemm_smem(p)
+    elif template == "silu_mul":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["inter"], 8 * p["threads"]), rows, 1)
+
+        block = (p["threads"], 1, 1)
+    elif template == "penalties":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["vocab"], p["threads"]), rows, 1)
+
+        block = (p["threads"], 1, 1)
+    elif template == "attention":
+
+        def grid(rows: int, max_splits: int = 1, **_: int) -> tuple[int, int, int]:
+            return (rows, p["kv_heads"], 1 if p["direct"] else max_splits)
+
+        block = (p["warps"] * 32, 1, 1)
+    elif template == "attention_combine":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (rows, p["heads"], 1)
+
+        block = (p["head_dim"], 1, 1)
+    else:  # one block per row
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (rows, 1, 1)
+
+        block = (p["threads"], 1, 1)
+    return KernelChoice(s, doc.args, grid, block, smem)
+
+
+# ---- builders from dims + profile tuning (what plan.py and the tests use) ----
+
+
+def linear_params(
+    quant: str,
+    n: int,
+    k: int,
+    tuning: Mapping[str, Any],
+    *,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    bmax: int | None = None,
+) -> dict[str, Any]:
+    g = tuning["gemv"]
+    return dict(
+        quant=quant,
+        n=n,
+        k=k,
+        bmax=bmax or g["max_batch"],
+        threads=g["threads"],
+        rows_per_block=g["rows_per_block"],
+        residual=residual,
+        out_dtype=out_dtype,
+    )
+
+
+def gemm_params(n: int, k: int, tuning: Mapping[str, Any], *, residual: bool = False) -> dict[str, Any]:
+    g = dict(tuning["gemm"])
+    if k % g["tile_k"]:
+        g["tile_k"] = 32 if k % 32 == 0 else 16
+    return dict(
+        n=n, k=k, residual=residual, **{x: g[x] for x in ("tile_m", "tile_n", "tile_k", "stages", "warps")}
+    )
+
+
+def attention_params(
+    dims: Mapping[str, Any],
+    tuning: Mapping[str, Any],
+    block_size: int,
+    *,
+    mode: str,
+    direct: bool,
+    q_stride: int,
+    out_stride: int,
+) -> dict[str, Any]:
+    a = tuning["attention_decode"]
+    warps = a["warps"]
+    split = max(4 * warps, a["split_kv_tokens"] // (4 * warps) * 4 * warps)
+    return dict(
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        block_size=block_size,
+        split=split,
+        scale=float(dims["head_dim"]) ** -0.5,
+        q_stride=q_stride,
+        out_stride=out_stride,
+        mode=mode,
+        direct=direct,
+        warps=warps,
+    )
+
+
+def rope_params(
+    dims: Mapping[str, Any],
+    tuning: Mapping[str, Any],
+    style: str,
+    *,
+    q_stride: int,
+    kv_stride: int,
+    qk_norm: bool,
+    kv_write: bool = True,
+    freq_factors: bool = False,
+) -> dict[str, Any]:
+    return dict(
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        rope_dim=dims.get("rope_dim") or dims["head_dim"],
+        theta=float(dims["rope_theta"]),
+        style=style,
+        q_stride=q_stride,
+        kv_stride=kv_stride,
+        qk_norm=qk_norm,
+        eps=float(dims["rms_eps"]),
+        freq_factors=freq_factors,
+        kv_write=kv_write,
+        threads=tuning["elementwise"]["threads"],
+    )
+
+
+def all_specs(
+    dims: Mapping[str, Any],
+    storage_types: Iterable[str],
+    tuning: Mapping[str, Any],
+    *,
+    block_size: int = 16,
+    rope_styles: Iterable[str] = ROPE_STYLES,
+    qk_norm: bool = False,
+) -> list[KernelSpec]:
+    """Every kernel a model of ``dims`` can use with weights in ``storage_types`` (only the types
+    this catalog supports; others are skipped), deduplicated, in a stable order."""
+    d = dict(dims)
+    d.setdefault("rope_dim", d["head_dim"])
+    hidden, inter, vocab = d["hidden"], d["intermediate"], d["vocab"]
+    q_dim, kv_dim = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    qkv = q_dim + 2 * kv_dim
+    types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
+    shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
+    out: dict[KernelSpec, None] = {}
+    el, nm, sm = tuning["elementwise"]["threads"], tuning["norm"]["threads"], tuning["sampling"]["threads"]
+    for t in types:
+        ok = QUANTS[t][0]
+        if hidden % ok == 0:
+            out[spec("embed", quant=t, hidden=hidden, threads=el)] = None
+        for n, k, res in shapes:
+            if k % ok == 0:
+                out[spec("gemv", **linear_params(t, n, k, tuning, residual=res))] = None
+                out[spec("gemv", **linear_params(t, n, k, tuning, residual=res, bmax=1))] = None
+        if hidden % ok == 0:
+            out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32"))] = None
+            out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
+    for n, k, res in shapes:
+        out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
+    for res in (False, True):
+        out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
+    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
+    for style in rope_styles:
+        out[spec("rope", **rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm))] = (
+            None
+        )
+    for mode in ("decode", "prefill"):
+        for direct in (True, False):
+            out[
+                spec(
+                    "attention",
+                    **attention_params(
+                        d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim
+                    ),
+                )
+            ] = None
+    split = attention_params(
+        d, tuning, block_size, mode="decode", direct=False, q_stride=qkv, out_stride=q_dim
+    )["split"]
+    out[
+        spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim)
+    ] = None
+    out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("penalties", vocab=vocab, threads=el)] = None
+    return list(out)
+
+
+# ---- lowering hooks called by engine/plan.py's _CatalogAdapter ----
+
+
+def attention_launches(adapter: Any, op: Any, layer: int | None, mode: str, ins: list, outs: list) -> list:
+    """One ``attention`` launch (direct: one block per (row, kv head) covers the whole context, so
+    no scratch is needed). Decode rows are sequences; prefill rows are one sequence's tokens."""
+    from engine.plan import Arg, Launch  # plan imports this module lazily; no cycle at import time
+
+    q, out = ins[0], outs[0]
+    p = attention_params(
+        adapter.dims,
+        adapter.profile.tuning,
+        adapter.profile.kv_block_size,
+        mode=mode,
+        direct=True,
+        q_stride=q.ld,
+        out_stride=out.ld,
+    )
+    s = spec("attention", **p)
+    null = Arg("const", 0, "ptr")
+
+    def value(v: Any) -> Any:
+        return Arg("value", v.name)
+
+    args = (
+        value(out),
+        null,
+        null,
+        value(q),
+        Arg("kv", "k", layer=layer),
+        Arg("kv", "v", layer=layer),
+        Arg("input", "block_tables"),
+        Arg("input", "positions"),
+        Arg("shape", "max_blocks", "i32"),
+        Arg("const", 1, "i32"),
+    )
+    return [Launch(s, ("n", p["kv_heads"], 1), (p["warps"] * 32,), args)]
+
+
+def sampling_launches(adapter: Any, logits: Any) -> dict[str, tuple]:
+    """``greedy``: argmax into out_ids; ``sample``: temperature/top-k/top-p/min-p sampling (greedy
+    rows inside it take the argmax). Penalties are not applied here (see the ``penalties`` kernel)."""
+    from engine.plan import Arg, Launch
+
+    t = adapter.profile.tuning["sampling"]["threads"]
+    vocab = logits.width
+    lg = Arg("value", logits.name)
+    out = Arg("input", "out_ids")
+    rows = Arg("shape", "n", "i32")
+    g = spec("argmax", vocab=vocab, ld=logits.ld, threads=t)
+    s = spec("sample", vocab=vocab, ld=logits.ld, threads=t)
+    sargs = (
+        out,
+        lg,
+        Arg("input", "temperature"),
+        Arg("input", "top_k"),
+        Arg("input", "top_p"),
+        Arg("input", "min_p"),
+        Arg("input", "seeds"),
+        Arg("input", "counters"),
+        rows,
+    )
+    return {
+        "greedy": (Launch(g, ("n",), (t,), (out, lg, rows)),),
+        "sample": (Launch(s, ("n",), (t,), sargs),),
+    }

@@ -1,0 +1,148 @@
+"""Every kernel template renders and NVRTC-compiles for every profile arch, for every family's
+sizes and supported storage types (GPU-free; skipped where NVRTC or the CUDA headers are missing)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine import kernel_catalog as kc
+from engine.compile import KernelBuilder
+from engine.graph import all_families
+from engine.kcache import KernelCache
+from engine.profile import all_profiles
+from engine.render import render
+from engine.types import ConfigError
+
+
+def _nvrtc_ok() -> bool:
+    try:
+        from engine import nvrtc
+
+        nvrtc.version()
+        nvrtc.include_dirs()
+        return True
+    except Exception:
+        return False
+
+
+def _family_cases():
+    """(family, size, dims, storage types, rope styles, qk_norm) for every `sizes:` entry."""
+    cases = []
+    for fam, graph in sorted(all_families().items()):
+        types: set[str] = set()
+        for combo in graph.quants.values():
+            types.update(combo.default)
+            for allowed in combo.per_tensor.values():
+                types.update(allowed)
+        qk_norm = any(op.op == "head_rmsnorm" for op, _ in graph.ops())
+        styles = sorted(set(graph.rope_style.values()))
+        for size, dims in sorted(graph.sizes.items()):
+            d = dict(dims)
+            d.setdefault("head_dim", d["hidden"] // d["heads"])
+            d.setdefault("rms_eps", 1e-5 if fam == "llama" else 1e-6)
+            d.setdefault("rope_theta", 10000.0)
+            cases.append((fam, size, d, sorted(types), styles, qk_norm))
+    return cases
+
+
+PRIMARY_ARCH = "sm_90a"
+
+
+def _variant(s) -> tuple:
+    """What changes the code (not just constants) of a spec: template, storage type, flags."""
+    return (s.template,) + tuple(
+        sorted(
+            (k, v)
+            for k, v in s.params.items()
+            if isinstance(v, (bool, str)) and k not in ("eps", "theta", "scale")
+        )
+    )
+
+
+def _specs_by_arch(full: bool = False):
+    """Every spec of every profile, deduplicated per arch. Unless ``full``, archs other than
+    PRIMARY_ARCH keep one spec per code variant (sizes only change constants), which keeps the
+    CI compile under a minute on 2 cores while every template x storage type x flag x arch compiles."""
+    by_arch: dict[str, dict] = {}
+    for prof in all_profiles().values():
+        specs = by_arch.setdefault(prof.arch, {})
+        for _fam, _size, dims, types, styles, qk in _family_cases():
+            for s in kc.all_specs(
+                dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
+            ):
+                specs[s] = None
+    out = {}
+    for arch, specs in by_arch.items():
+        if full or arch == PRIMARY_ARCH:
+            out[arch] = list(specs)
+        else:
+            out[arch] = list({_variant(s): s for s in reversed(list(specs))}.values())
+    return out
+
+
+def test_every_template_is_in_the_catalog():
+    from engine import paths
+
+    templates = {p.name[: -len(".cu.j2")] for p in paths.kernels_dir().glob("*.cu.j2")}
+    assert templates == set(kc.KERNELS)
+
+
+def test_all_specs_render_and_cover_every_template():
+    specs = [s for ss in _specs_by_arch(full=True).values() for s in ss]
+    assert {s.template for s in specs} == set(kc.KERNELS)
+    for s in dict.fromkeys(specs):
+        src = render(s)
+        assert f"{s.entry}(" in src and "{{" not in src
+
+
+def test_spec_validation_names_the_problem():
+    with pytest.raises(ConfigError, match="q5_k"):
+        kc.spec(
+            "gemv",
+            quant="q5_k",
+            n=64,
+            k=256,
+            bmax=1,
+            threads=256,
+            rows_per_block=4,
+            residual=False,
+            out_dtype="bf16",
+        )
+    with pytest.raises(ConfigError, match="missing params"):
+        kc.spec("rmsnorm", n=64)
+    with pytest.raises(ConfigError, match="multiple of"):
+        kc.spec("rmsnorm", n=60, eps=1e-5, threads=256, residual=False)
+    a = kc.spec("rmsnorm", n=64, eps="1e-6", threads=256, residual=True)
+    b = kc.spec("rmsnorm", n=64, eps=1.0e-6, threads=256, residual=True)
+    assert a == b and a.entry == b.entry
+
+
+def test_choice_launch_contract():
+    c = kc.choice(
+        "gemv",
+        quant="q4_1",
+        n=1000,
+        k=576,
+        bmax=8,
+        threads=256,
+        rows_per_block=4,
+        residual=True,
+        out_dtype="bf16",
+    )
+    assert c.grid(17) == (250, 3, 1) and c.block == (256, 1, 1)
+    assert [a for a, _ in c.args] == ["out", "w", "x", "residual", "rows"]
+    g = kc.choice("gemm", n=576, k=1536, tile_m=128, tile_n=128, tile_k=32, stages=3, warps=8, residual=False)
+    assert g.smem == 3 * 256 * 40 * 2 and g.grid(300) == (5, 3, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_all_kernels_compile_for_every_arch(tmp_path):
+    jobs = max(2, os.cpu_count() or 2)
+    for arch, specs in sorted(_specs_by_arch().items()):
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=jobs, progress=None)
+        assert stats.compiled + stats.hits == len(specs)
+        assert all(k.cubin for k in stats.kernels)
