@@ -7,8 +7,9 @@ raw GGUF blocks uploaded as-is), which activation values share which arena buffe
 graph op the kernel launches of the two run modes:
 
 - ``decode``: ``n`` rows, one token per sequence (replayed from a CUDA graph per batch bucket);
+  ``decode1`` is the same at n = 1 with batch-1 GEMVs;
 - ``prefill``: ``n`` tokens of one sequence (eager, chunked); the head (final norm, lm_head,
-  sampling) then runs on the last row only, with the decode-mode kernels at ``n = 1``.
+  sampling) then runs on the last row only, with the ``decode1`` kernels.
 
 Launch arguments are symbolic (``Arg``) so the runner binds pointers once per bucket/chunk. Which
 kernel serves an op comes from the kernel engineer's ``engine.kernel_catalog`` through the adapter
@@ -45,7 +46,7 @@ BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
 }
 
 ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
-MODES = ("decode", "prefill")
+MODES = ("decode1", "decode", "prefill")
 
 
 def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
@@ -108,8 +109,9 @@ class Arg:
 
     kind: ``value`` (pointer to value ``ref`` row 0; ``row="last"`` -> row n-1), ``weight``,
     ``kv`` (``ref`` = "k"|"v", ``layer``), ``input`` (a per-step static input buffer: tokens,
-    positions, slots, block_tables, ctx_lens, temperature, top_p, top_k, min_p, seeds, counters,
-    out_ids), ``shape`` (``ref`` = n, nseq, max_blocks, block_size, max_ctx), ``const``.
+    positions, slots, block_tables, temperature, top_p, top_k, min_p, seeds, counters, out_ids),
+    ``scratch`` (a ``ScratchPlan`` buffer), ``shape`` (``ref`` = n, nseq, max_blocks, block_size,
+    max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``.
     """
 
     kind: str
@@ -117,6 +119,21 @@ class Arg:
     ctype: str = "ptr"  # engine.cuda.ARG_FORMATS key
     layer: int | None = None
     row: str = "first"
+
+
+@dataclass(frozen=True)
+class ScratchPlan:
+    """A runner-owned device buffer outside the arena: ``fixed`` bytes plus ``per_split`` bytes for
+    every ``split`` tokens of max_model_len (attention partials). ``fill="iota"``: int32 0, 1, 2 ..."""
+
+    name: str
+    fixed: int = 0
+    per_split: int = 0
+    split: int = 1
+    fill: str = ""
+
+    def nbytes(self, max_model_len: int) -> int:
+        return self.fixed + self.per_split * -(-max_model_len // self.split)
 
 
 # a grid dimension: an int, an expression over the shape names (n, nseq, max_ctx ...), or a callable
@@ -165,6 +182,7 @@ class Plan:
     values: dict[str, Value]
     steps: tuple[Step, ...]
     sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" -> launches on logits
+    scratch: tuple[ScratchPlan, ...]
     max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
     block_size: int
     graph_batch_sizes: tuple[int, ...]
@@ -265,17 +283,20 @@ def build_plan(
     tensor_dtypes: Mapping[str, str] | None = None,
     rope_style: str = "neox",
     catalog: Any = None,
+    prefill_linear: str = "gemm",
 ) -> Plan:
     """Lower ``graph`` for ``profile``.
 
     ``tensor_dtypes`` maps ``"<tensor key>@<layer>"`` (or ``"<tensor key>"`` for all layers) to the
     storage type read from a file; without it each tensor takes its combo's first allowed type and
-    vectors are f32. ``catalog`` replaces ``engine.kernel_catalog`` (tests). Raises ConfigError.
+    vectors are f32. ``catalog`` replaces ``engine.kernel_catalog`` (tests). ``prefill_linear``:
+    "gemm" (tensor cores; quantised weights dequantised to a bf16 scratch first) or "gemv" (the
+    decode kernel over row groups; slower, a fallback). Raises ConfigError.
     """
     d = _full_dims(dims)
-    adapter = _CatalogAdapter(catalog, profile, d, rope_style)
     chunk = profile.prefill_chunk_tokens
     max_tokens = max(chunk, max(profile.cuda_graph_batch_sizes))
+    adapter = _CatalogAdapter(catalog, profile, d, rope_style, max_tokens, prefill_linear)
     ops = graph.ops()
     last_layer_index = max((i for i, (_, per) in enumerate(ops) if per), default=-1)
 
@@ -367,6 +388,7 @@ def build_plan(
         values=values,
         steps=tuple(steps),
         sampling=sampling,
+        scratch=tuple(adapter.scratch.values()),
         max_tokens=max_tokens,
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
@@ -430,13 +452,28 @@ ROWS = Arg("shape", "n", "i32")
 class _CatalogAdapter:
     """Lowers one graph op in one mode to ``Launch``es with the kernels' documented argument lists.
 
-    KernelSpecs come from ``engine.kernel_catalog`` when it offers ``spec(template, **params)``;
-    until then (and for templates it does not cover) ``_spec`` below builds the spec from the
-    template's documented params. This class is the only place that knows template argument
-    orders; the kernel files' header comments are its contract.
+    KernelSpecs come from ``engine.kernel_catalog.spec(template, **params)`` (which validates the
+    params and names the entry point); without a catalog ``_spec`` builds them directly. Argument
+    orders follow each template's header comment and ``kernel_catalog.KERNELS``. Decode keeps
+    split-KV attention + combine (parallel at batch 1 and long contexts); prefill uses the direct
+    attention; ``decode1`` (batch 1, and the prefill head) uses bmax=1 GEMVs.
     """
 
-    def __init__(self, catalog: Any, profile: DeviceProfile, dims: Mapping[str, Any], rope_style: str):
+    def __init__(
+        self,
+        catalog: Any,
+        profile: DeviceProfile,
+        dims: Mapping[str, Any],
+        rope_style: str,
+        max_tokens: int = 2048,
+        prefill_linear: str = "gemm",
+    ):
+        if prefill_linear not in ("gemm", "gemv"):
+            raise ConfigError(f"plan: prefill_linear must be gemm or gemv, got {prefill_linear!r}")
+        self.max_tokens = max_tokens
+        self.max_rows = max(profile.cuda_graph_batch_sizes)
+        self.prefill_linear = prefill_linear
+        self.scratch: dict[str, ScratchPlan] = {}
         if catalog is None:
             try:
                 from engine import kernel_catalog as catalog  # type: ignore[no-redef]
@@ -453,7 +490,7 @@ class _CatalogAdapter:
 
     def _spec(self, template: str, name_parts: dict[str, Any], **params: Any) -> KernelSpec:
         fn = getattr(self.cat, "spec", None) if self.cat is not None else None
-        if fn is not None:
+        if fn is not None:  # the catalog validates params and names the entry point
             return fn(template, **params)
         return KernelSpec(template, entry_name(template, **name_parts), params)
 
@@ -495,7 +532,67 @@ class _CatalogAdapter:
         args = (_v(outs[0]), _v(ins[0]), NULL, _w(w), ROWS)
         return [Launch(spec, ("n",), (t,), args)]
 
+    def _need_scratch(self, sp: ScratchPlan) -> None:
+        old = self.scratch.get(sp.name)
+        if old is None or sp.nbytes(1 << 20) > old.nbytes(1 << 20):
+            self.scratch[sp.name] = sp
+
     def _op_linear(self, op, layer, mode, ins, outs, ws):
+        if mode == "prefill" and self.prefill_linear == "gemm":
+            return self._linear_gemm(op, mode, ins, outs, ws)
+        return self._linear_gemv(op, mode, ins, outs, ws)
+
+    def _linear_gemm(self, op, mode, ins, outs, ws):
+        tg = self.tune("gemm")
+        res_name = op.attrs.get("residual")
+        launches = []
+        col = 0
+        for w in ws:
+            out = outs[col]
+            col += len(w.parts)
+            if self.act_dtype(out.name) != "bf16" or w.cols % tg["tile_k"]:
+                return self._linear_gemv(op, mode, ins, outs, ws)  # f32 logits / odd k: the GEMV handles it
+            wptr = _w(w)
+            if w.dtype != "bf16":  # dequantise into a bf16 scratch with the embed kernel (ids 0..n-1)
+                t = self.tune("elementwise")["threads"]
+                deq = self._spec(
+                    "embed", {"q": w.dtype, "h": w.cols, "t": t}, quant=w.dtype, hidden=w.cols, threads=t
+                )
+                self._need_scratch(ScratchPlan("dequant", fixed=w.rows * w.cols * 2))
+                self._need_scratch(ScratchPlan("iota", fixed=w.rows * 4, fill="iota"))
+                dargs = (Arg("scratch", "dequant"), wptr, Arg("scratch", "iota"), Arg("const", w.rows, "i32"))
+                launches.append(Launch(deq, (w.rows,), (t,), dargs))
+                wptr = Arg("scratch", "dequant")
+            residual = res_name is not None
+            p = dict(
+                n=w.rows,
+                k=w.cols,
+                tile_m=tg["tile_m"],
+                tile_n=tg["tile_n"],
+                tile_k=tg["tile_k"],
+                stages=tg["stages"],
+                warps=tg["warps"],
+                residual=residual,
+            )
+            name = {
+                "n": w.rows,
+                "k": w.cols,
+                "m": tg["tile_m"],
+                "tn": tg["tile_n"],
+                "tk": tg["tile_k"],
+                "s": tg["stages"],
+                "w": tg["warps"],
+                "r": int(residual),
+            }
+            spec = self._spec("gemm", name, **p)
+            smem = tg["stages"] * (tg["tile_m"] + tg["tile_n"]) * (tg["tile_k"] + 8) * 2
+            res = Arg("value", res_name) if residual else NULL
+            args = (_v(out), _v(ins[0]), wptr, res, ROWS)
+            grid = (_cdiv(w.rows, tg["tile_n"]), f"(n + {tg['tile_m'] - 1}) // {tg['tile_m']}")
+            launches.append(Launch(spec, grid, (32 * tg["warps"],), args, smem))
+        return launches
+
+    def _linear_gemv(self, op, mode, ins, outs, ws):
         # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
         tg = self.tune("gemv")
         res_name = op.attrs.get("residual")
@@ -506,7 +603,7 @@ class _CatalogAdapter:
             col += len(w.parts)
             residual = res_name is not None
             out_dtype = self.act_dtype(out.name)
-            bmax = tg["max_batch"]
+            bmax = 1 if mode == "decode1" else tg["max_batch"]
             rpb = tg["rows_per_block"]
             spec = self._spec(
                 "gemv",
@@ -605,16 +702,83 @@ class _CatalogAdapter:
         return [Launch(spec, (_cdiv(inter, 8 * t), "n"), (t,), args)]
 
     def _op_attention(self, op, layer, mode, ins, outs, ws):
-        fn = getattr(self.cat, "attention_launches", None) if self.cat is not None else None
-        if fn is None:
-            raise ConfigError("plan: no attention kernel in engine.kernel_catalog yet")
-        return fn(self, op, layer, mode, ins, outs)
+        d = self.dims
+        q, _k, _v_ = ins
+        out = outs[0]
+        heads, kvh, hd = d["heads"], d["kv_heads"], d["head_dim"]
+        scale = float(hd) ** -0.5
+        common = dict(
+            heads=heads,
+            kv_heads=kvh,
+            head_dim=hd,
+            block_size=self.profile.kv_block_size,
+            scale=repr(scale),
+            q_stride=q.ld,
+            out_stride=out.ld,
+        )
+        cache = (
+            Arg("kv", "k", layer=layer),
+            Arg("kv", "v", layer=layer),
+            Arg("input", "block_tables"),
+            Arg("input", "positions"),
+            Arg("shape", "max_blocks", "i32"),
+        )
+        if mode == "prefill":
+            warps = self.tune("attention_prefill")["warps"]
+            spec = self._spec(
+                "attention",
+                {"m": "p", "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
+                split=16 * warps,
+                mode="prefill",
+                direct=True,
+                warps=warps,
+                **common,
+            )
+            args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),)
+            return [Launch(spec, ("n", kvh, 1), (32 * warps,), args)]
+        tune = self.tune("attention_decode")
+        warps, split = tune["warps"], tune["split_kv_tokens"]
+        spec = self._spec(
+            "attention",
+            {"m": "d", "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld, "s": split},
+            split=split,
+            mode="decode",
+            direct=False,
+            warps=warps,
+            **common,
+        )
+        rows = self.max_rows
+        self._need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
+        self._need_scratch(ScratchPlan("attn_ml", per_split=rows * heads * 2 * 4, split=split))
+        splits = Arg("shape", f"splits:{split}", "i32")
+        part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
+        args = (NULL,) + part + (_v(q),) + cache + (splits,)
+        grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
+        comb = self._spec(
+            "attention_combine",
+            {"h": heads, "d": hd, "s": split, "os": out.ld},
+            heads=heads,
+            head_dim=hd,
+            split=split,
+            out_stride=out.ld,
+        )
+        cargs = (_v(out),) + part + (Arg("input", "positions"), splits)
+        return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
 
     def sampling(self, logits: Value) -> dict[str, tuple[Launch, ...]]:
-        fn = getattr(self.cat, "sampling_launches", None) if self.cat is not None else None
-        if fn is None:
-            raise ConfigError("plan: no sampling kernels in engine.kernel_catalog yet")
-        return fn(self, logits)
+        t = self.tune("sampling")["threads"]
+        vocab = logits.width
+        if logits.ld != vocab or logits.dtype != "f32":
+            raise ConfigError("plan: the sampler needs contiguous f32 logits")
+        amax = self._spec("argmax", {"v": vocab, "t": t}, vocab=vocab, ld=logits.ld, threads=t)
+        samp = self._spec("sample", {"v": vocab, "t": t}, vocab=vocab, ld=logits.ld, threads=t)
+        out = Arg("input", "out_ids")
+        greedy = Launch(amax, ("n",), (t,), (out, _v(logits), ROWS))
+        inputs = tuple(
+            Arg("input", n) for n in ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
+        )
+        sample = Launch(samp, ("n",), (t,), (out, _v(logits)) + inputs + (ROWS,))
+        return {"greedy": (greedy,), "sample": (sample,)}
 
 
 def describe(plan: Plan) -> str:

@@ -28,19 +28,19 @@ from engine.types import MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
 
-# per-row inputs in the packed input block, in order: (name, dtype); block tables come last
+# the packed input block, in order: (name, dtype, per token (prefill length) or per decode row);
+# block tables come last so a step uploads one contiguous prefix
 _ROW_INPUTS = (
-    ("tokens", np.int32),
-    ("positions", np.int32),
-    ("slots", np.int32),
-    ("ctx_lens", np.int32),
-    ("temperature", np.float32),
-    ("top_p", np.float32),
-    ("top_k", np.int32),
-    ("min_p", np.float32),
-    ("seeds", np.uint64),
-    ("counters", np.int32),
-    ("out_ids", np.int32),
+    ("tokens", np.int32, True),
+    ("positions", np.int32, True),
+    ("slots", np.int32, True),
+    ("temperature", np.float32, False),
+    ("top_p", np.float32, False),
+    ("top_k", np.int32, False),
+    ("min_p", np.float32, False),
+    ("seeds", np.uint64, False),
+    ("counters", np.uint64, False),
+    ("out_ids", np.int32, False),
 )
 
 
@@ -89,6 +89,7 @@ class CudaRunner:
         self._alloc_arena()
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
+        self._alloc_scratch()
         self._graphs: dict[tuple[int, str], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple[str, int, str], list[_Bound]] = {}
 
@@ -168,23 +169,31 @@ class CudaRunner:
         self._table_ld = (self.max_model_len + self.block_size - 1) // self.block_size
 
     def _alloc_inputs(self) -> None:
-        rows = self.plan.max_tokens
+        self._max_rows = max(self.plan.graph_batch_sizes)
         layout, off = {}, 0
-        for name, dt in _ROW_INPUTS:
+        for name, dt, per_token in _ROW_INPUTS:
+            rows = self.plan.max_tokens if per_token else self._max_rows
             off = (off + 7) // 8 * 8
-            layout[name] = (off, dt)
+            layout[name] = (off, dt, rows)
             off += rows * np.dtype(dt).itemsize
         off = (off + 7) // 8 * 8
         self._tables_off = off
-        self._max_rows = max(self.plan.graph_batch_sizes)
         total = off + self._max_rows * self._table_ld * 4
         self._in_dev = cuda.alloc(total)
         self._in_host = cuda.PinnedBuffer(total)
         self._in_host.bytes[:] = 0
-        self._views = {n: self._in_host.view(dt, rows, o) for n, (o, dt) in layout.items()}
-        self._in_off = {n: o for n, (o, _) in layout.items()}
+        self._views = {n: self._in_host.view(dt, rows, o) for n, (o, dt, rows) in layout.items()}
+        self._in_off = {n: o for n, (o, _, _) in layout.items()}
         self._in_off["block_tables"] = off
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, off)
+
+    def _alloc_scratch(self) -> None:
+        self._scratch: dict[str, cuda.DeviceBuffer] = {}
+        for sp in self.plan.scratch:
+            buf = cuda.alloc(sp.nbytes(self.max_model_len))
+            if sp.fill == "iota":
+                cuda.htod(buf.ptr, np.arange(buf.nbytes // 4, dtype=np.int32))
+            self._scratch[sp.name] = buf
 
     # ----------------------------------------------------------------------------- binding
 
@@ -202,7 +211,11 @@ class CudaRunner:
         if arg.kind == "input":
             return self._in_dev.ptr + self._in_off[arg.ref]
         if arg.kind == "shape":
+            if arg.ref.startswith("splits:"):
+                return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
             return shape[arg.ref]
+        if arg.kind == "scratch":
+            return self._scratch[arg.ref].ptr
         if arg.kind == "const":
             return arg.ref
         raise MemraError(
@@ -231,9 +244,9 @@ class CudaRunner:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            for launch in step.launches["decode" if head_only else mode]:
+            for launch in step.launches["decode1" if head_only else mode]:
                 bound.append(self._bind(launch, shape))
-        if mode == "decode" or head_only:
+        if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
                 bound.append(self._bind(launch, shape))
         return bound
@@ -309,15 +322,13 @@ class CudaRunner:
             pos = it.start_pos
             v["tokens"][r] = it.token_ids[0]
             v["positions"][r] = pos
-            v["ctx_lens"][r] = pos + 1
-            bt = list(it.block_table)
-            tables[r, : len(bt)] = bt[:ld]
+            bt = list(it.block_table)[:ld]
+            tables[r, : len(bt)] = bt
             v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
             self._fill_sampling(r, it)
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
             v["positions"][r] = 0
-            v["ctx_lens"][r] = 1
             v["slots"][r] = self._sink_block * self.block_size
             v["temperature"][r] = 0.0
             v["top_p"][r] = 1.0
@@ -333,7 +344,7 @@ class CudaRunner:
         else:
             key = ("decode", bucket, kind)
             if key not in self._eager:
-                self._eager[key] = self._bind_pass("decode", bucket, bucket, False, kind)
+                self._eager[key] = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind)
             self._run(self._eager[key])
         ids = [int(x) for x in self._read_ids(n)]
         return self._host_sample_penalised(items, ids)
@@ -364,7 +375,7 @@ class CudaRunner:
     def _graph(self, bucket: int, kind: str) -> cuda.Graph:
         key = (bucket, kind)
         if key not in self._graphs:
-            bound = self._bind_pass("decode", bucket, bucket, False, kind)
+            bound = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind)
             self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
             self.stream.synchronize()
             with cuda.capture(self.stream) as graph:
@@ -381,6 +392,7 @@ class CudaRunner:
         ld = self._table_ld
         result = None
         for lo in range(0, len(toks), chunk):
+            self.stream.synchronize()  # the previous chunk's H2D must have read the pinned inputs
             part = toks[lo : lo + chunk]
             n = len(part)
             start = it.start_pos + lo
@@ -389,10 +401,9 @@ class CudaRunner:
             v["positions"][:n] = pos
             blocks = np.asarray(bt, dtype=np.int64)[pos // self.block_size]
             v["slots"][:n] = blocks * self.block_size + pos % self.block_size
-            v["ctx_lens"][0] = start + n
             row = self._tables[:ld]
             row[:] = self._sink_block
-            row[: min(len(bt), ld)] = bt[:ld]
+            row[: min(len(bt), ld)] = bt[: min(len(bt), ld)]
             self._fill_sampling(0, it)
             self._upload_inputs(1)
             key = ("prefill", n, "")
@@ -408,7 +419,7 @@ class CudaRunner:
                 kind = self._sampling_kind([it])
                 hkey = ("head", 1, kind)
                 if hkey not in self._eager:
-                    self._eager[hkey] = self._bind_pass("decode", 1, 1, True, kind)
+                    self._eager[hkey] = self._bind_pass("decode1", 1, 1, True, kind)
                 self._run(self._eager[hkey])
                 result = self._host_sample_penalised([it], [int(self._read_ids(1)[0])])[0]
         if result is None:
@@ -437,7 +448,9 @@ class CudaRunner:
             graph.destroy()
         self._graphs.clear()
         self._eager.clear()
-        for buf in list(self._weights.values()) + [self.arena, self.kv, self._in_dev]:
+        for buf in (
+            list(self._weights.values()) + list(self._scratch.values()) + [self.arena, self.kv, self._in_dev]
+        ):
             buf.free()
         self._weights.clear()
         self._in_host.free()
@@ -445,6 +458,10 @@ class CudaRunner:
             mod.unload()
         self._modules.clear()
         self._fns.clear()
+
+
+def _decode_mode(bucket: int) -> str:
+    return "decode1" if bucket == 1 else "decode"
 
 
 def _call_htod(ptr: int, host: np.ndarray, stream: cuda.Stream) -> None:

@@ -160,6 +160,124 @@ def check_graph_vs_eager(runner, batch: int) -> dict:
     return res
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _f32(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def smoke_cuda() -> dict:
+    """engine.cuda on its own: copies, a plan-lowered silu_mul and gemv vs numpy, graph == eager."""
+    from engine import cuda
+    from engine.compile import KernelBuilder
+    from engine.graph import Op
+    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.profile import select
+
+    ctx = cuda.Context(0)
+    prof = select(ctx.info)
+    stream = cuda.Stream()
+    res: dict = {}
+    host = np.arange(1 << 20, dtype=np.float32)
+    buf = cuda.alloc(host.nbytes)
+    cuda.htod(buf.ptr, host)
+    back = np.empty_like(host)
+    cuda.dtoh(back, buf.ptr)
+    res["copy_roundtrip"] = bool(np.array_equal(host, back))
+    cuda.memset(buf.ptr, 0, host.nbytes)
+    cuda.dtoh(back, buf.ptr)
+    res["memset"] = bool(not back.any())
+    pinned = cuda.PinnedBuffer(4096)
+    pinned.view(np.int32, 16)[:] = np.arange(16)
+    cuda.htod(buf.ptr, pinned.bytes[:64], stream)
+    stream.synchronize()
+    cuda.dtoh(back[:16], buf.ptr)
+    res["pinned_async"] = bool(np.array_equal(back[:16].view(np.int32), np.arange(16)))
+
+    ad = _CatalogAdapter(object(), prof, {"rms_eps": 1e-5}, "neox")
+    rows, k, n, inter = 3, 1024, 3072, 1536
+    g_val = Value("g", "gu", 0, inter, 2 * inter, "bf16")
+    u_val = Value("u", "gu", inter, inter, 2 * inter, "bf16")
+    m_val = Value("m", "m", 0, inter, inter, "bf16")
+    silu = ad.launches(Op("silu_mul", ("g", "u"), ("m",)), 0, "decode", [g_val, u_val], [m_val], [])[0]
+    w = WeightPlan("W", 0, ("w",), "bf16", n, k, (n,))
+    x_val = Value("x", "x", 0, k, k, "bf16")
+    y_val = Value("y", "y", 0, n, n, "bf16")
+    gemv = ad.launches(Op("linear", ("x",), ("y",), ("w",)), 0, "decode", [x_val], [y_val], [w])[0]
+    t0 = time.perf_counter()
+    stats = KernelBuilder(prof.arch).build_all([silu.spec, gemv.spec])
+    res["compile_s"] = round(time.perf_counter() - t0, 2)
+    fns = {kk.spec: cuda.Module(kk.cubin, kk.spec.entry).function(kk.spec.entry) for kk in stats.kernels}
+    rng = np.random.default_rng(0)
+    gu = _bf16(rng.normal(0, 1, (rows, 2 * inter)))
+    xs = _bf16(rng.normal(0, 1, (rows, k)))
+    ws = _bf16(rng.normal(0, 0.05, (n, k)))
+    d_gu, d_m, d_x, d_w, d_y = (
+        cuda.alloc(a) for a in (gu.nbytes, rows * inter * 2, xs.nbytes, ws.nbytes, rows * n * 2)
+    )
+    for d, a in ((d_gu, gu), (d_x, xs), (d_w, ws)):
+        cuda.htod(d.ptr, a)
+    ptrs = {"g": d_gu.ptr, "u": d_gu.ptr + inter * 2, "m": d_m.ptr, "x": d_x.ptr, "y": d_y.ptr}
+
+    def bind(launch):
+        vals = []
+        for a in launch.args:
+            if a.kind == "value":
+                vals.append(ptrs[a.ref])
+            elif a.kind == "weight":
+                vals.append(d_w.ptr)
+            elif a.kind == "shape":
+                vals.append(rows)
+            else:
+                vals.append(a.ref)
+        return (
+            fns[launch.spec],
+            launch.grid_for({"n": rows}),
+            launch.block,
+            cuda.KernelArgs([a.ctype for a in launch.args], vals),
+        )
+
+    bound = [bind(silu), bind(gemv)]
+
+    def run():
+        for fn, grid, block, args in bound:
+            cuda.launch(fn, grid, block, args, 0, stream)
+
+    run()
+    stream.synchronize()
+    m_out = np.empty((rows, inter), np.uint16)
+    y_out = np.empty((rows, n), np.uint16)
+    cuda.dtoh(m_out, d_m.ptr)
+    cuda.dtoh(y_out, d_y.ptr)
+    g, u = _f32(gu[:, :inter]), _f32(gu[:, inter:])
+    res["silu_mul_rel"] = rel(_f32(m_out), g / (1 + np.exp(-g)) * u)
+    res["gemv_rel"] = rel(_f32(y_out), _f32(xs).astype(np.float64) @ _f32(ws).T.astype(np.float64))
+    with cuda.capture(stream) as graph:
+        run()
+    cuda.memset(d_y.ptr, 0xFF, rows * n * 2)
+    graph.launch(stream)
+    stream.synchronize()
+    y2 = np.empty_like(y_out)
+    cuda.dtoh(y2, d_y.ptr)
+    res["graph_equals_eager"] = bool(np.array_equal(y2, y_out))
+    e0, e1 = cuda.Event(), cuda.Event()
+    e0.record(stream)
+    for _ in range(100):
+        graph.launch(stream)
+    e1.record(stream)
+    e1.synchronize()
+    res["graph_us"] = e1.elapsed_ms(e0) * 10.0
+    res["gemv_gbs"] = ws.nbytes / (res["graph_us"] * 1e-6) / 1e9
+    res["ok"] = all(res[k] for k in ("copy_roundtrip", "memset", "pinned_async", "graph_equals_eager")) and (
+        res["gemv_rel"] < 1e-2 and res["silu_mul_rel"] < 1e-2
+    )
+    graph.destroy()
+    return res
+
+
 def stage(results: dict, key: str, fn):
     t0 = time.perf_counter()
     try:
@@ -178,6 +296,7 @@ def main() -> int:
     ap.add_argument("--models", default="tiny-llama,tiny-qwen3,qwen3-0.6b,smollm2-135m")
     ap.add_argument("--bench", default="qwen3-0.6b,smollm2-135m")
     ap.add_argument("--kv-blocks", type=int, default=12000)
+    ap.add_argument("--smoke-only", action="store_true", help="stop after the engine.cuda smoke stage")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,6 +312,10 @@ def main() -> int:
         return {"devices": [d.__dict__ for d in devs], "profile": prof, "ok": prof == "h200"}
 
     stage(results, "devices", devices)
+    stage(results, "smoke_cuda", smoke_cuda)
+    if args.smoke_only:
+        (out / "gpu_runner_check.json").write_text(json.dumps(results, indent=1, default=str))
+        return 0
     import bench_runner
 
     from engine.model import load_model

@@ -1,0 +1,197 @@
+"""CudaRunner's host logic on a fake driver (no GPU): binding, buckets, padding, graph reuse, inputs."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import cuda as real_cuda
+from engine.compile import KernelBuilder
+from engine.kcache import KernelCache
+from engine.types import SamplingParams, StepItem
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+from test_runner_cuda import write_tiny_llama  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class FakeDriver:
+    """Just enough of engine.cuda: allocations get distinct fake addresses, launches are recorded."""
+
+    def __init__(self):
+        self.next_ptr = 1 << 32
+        self.launches: list[tuple[str, tuple, tuple]] = []
+        self.graph_launches = 0
+        self.captures = 0
+        self.capturing = False
+        self.h2d: list[int] = []
+
+    def module(self):
+        fake = self
+        m = types.SimpleNamespace(KernelArgs=real_cuda.KernelArgs, CudaError=real_cuda.CudaError)
+
+        class Buf:
+            def __init__(self, n):
+                self.nbytes = max(int(n), 1)
+                self.ptr = fake.next_ptr
+                fake.next_ptr += (self.nbytes + 255) // 256 * 256
+
+            def free(self):
+                pass
+
+        class Ctx:
+            def __init__(self, ordinal=0):
+                self.info = real_cuda.DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30)
+
+            def mem_info(self):
+                return (100 << 30, 141 << 30)
+
+            def synchronize(self):
+                pass
+
+        class Stream:
+            def synchronize(self):
+                pass
+
+        class Fn:
+            def __init__(self, name):
+                self.name = name
+
+        class Mod:
+            def __init__(self, cubin, label=""):
+                self.label = label
+
+            def function(self, name):
+                return Fn(name)
+
+            def unload(self):
+                pass
+
+        class Graph:
+            def launch(self, stream):
+                fake.graph_launches += 1
+
+            def destroy(self):
+                pass
+
+        class Capture:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                fake.captures += 1
+                fake.capturing = True
+                return Graph()
+
+            def __exit__(self, *exc):
+                fake.capturing = False
+
+        class Pinned:
+            def __init__(self, n):
+                self.nbytes = n
+                self.bytes = np.zeros(n, np.uint8)
+
+            def view(self, dtype, count, offset=0):
+                return self.bytes[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+            def free(self):
+                pass
+
+        def launch(fn, grid, block, args, smem=0, stream=None):
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            assert all(isinstance(g, int) and g >= 1 for g in grid), (fn.name, grid)
+            fake.launches.append((fn.name, grid, tuple(block)))
+
+        m.Context, m.Stream, m.Module, m.capture, m.PinnedBuffer = Ctx, Stream, Mod, Capture, Pinned
+        m.alloc = Buf
+        m.launch = launch
+        m.memset = lambda *a, **k: None
+        m.htod = lambda ptr, host, stream=None: fake.h2d.append(np.asarray(host).nbytes)
+        m.dtoh = lambda host, ptr, stream=None: host
+        m.dtod = lambda *a, **k: None
+        m.DeviceBuffer = Buf
+        m.Graph = Graph
+        m.Function = Fn
+        return m
+
+
+@pytest.fixture()
+def fake(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    write_tiny_llama(tmp_path / "m")
+    builder = KernelBuilder(
+        "sm_90a",
+        KernelCache(tmp_path / "cache"),
+        compiler=lambda *a: (b"\0cubin", ""),
+        compiler_version=(13, 0),
+    )
+    runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
+    return runner, drv
+
+
+def test_prefill_runs_layers_then_head_at_one_row(fake):
+    runner, drv = fake
+    out = runner.step([StepItem(0, list(range(1, 21)), 0, [0, 1], True, GREEDY)])
+    assert out == [0]  # the fake D2H leaves the pinned out_ids at 0
+    names = [n for n, _, _ in drv.launches]
+    assert names[0].startswith("embed") and names[-1].startswith("argmax")
+    assert drv.launches[0][1] == (20, 1, 1)  # embed: one block per token
+    assert drv.launches[-1][1] == (1, 1, 1)  # the head samples the last row only
+    assert any(n.startswith("gemm") for n in names) and drv.graph_launches == 0
+
+
+def test_decode_pads_to_the_bucket_and_replays_one_graph(fake):
+    runner, drv = fake
+    items = [StepItem(i, [5], 3 + i, [2 * i, 2 * i + 1], True, GREEDY) for i in range(3)]
+    runner.step(items)
+    runner.step(items)
+    assert drv.captures == 1 and drv.graph_launches == 2  # bucket 4 captured once, replayed
+    assert runner._views["slots"][:4].tolist() == [
+        0 * 16 + 3,
+        2 * 16 + 4,
+        4 * 16 + 5,
+        runner._sink_block * 16,
+    ]
+    tables = runner._tables[: 4 * runner._table_ld].reshape(4, -1)
+    assert tables[1, :2].tolist() == [2, 3] and (tables[3] == runner._sink_block).all()
+    grids = {n: g for n, g, _ in drv.launches if n.startswith("attention__")}
+    assert all(g[0] == 4 for g in grids.values())
+
+
+def test_eager_decode_issues_the_same_launches_as_the_graph(fake):
+    runner, drv = fake
+    items = [StepItem(0, [5], 7, [0], True, GREEDY)]
+    runner.step(items)  # captures bucket 1: one warm run + the captured run
+    graph_run = list(drv.launches)
+    drv.launches.clear()
+    runner.use_graphs = False
+    runner.step(items)
+    assert drv.launches == graph_run[: len(drv.launches)] and len(graph_run) == 2 * len(drv.launches)
+    assert any("bmax1" in n for n, _, _ in drv.launches)  # batch 1 uses the batch-1 GEMV
+
+
+def test_sampled_rows_use_the_sample_kernel_and_one_small_upload(fake):
+    runner, drv = fake
+    drv.h2d.clear()
+    hot = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    runner.step([StepItem(0, [5], 7, [0], True, hot)])
+    assert any(n.startswith("sample") for n, _, _ in drv.launches)
+    assert len(drv.h2d) == 1 and drv.h2d[0] < 64 * 1024
+    assert runner._views["temperature"][0] == pytest.approx(0.8) and runner._views["seeds"][0] == 3
+
+
+def test_context_overflow_is_a_clear_error(fake):
+    from engine.types import MemraError
+
+    runner, _ = fake
+    with pytest.raises(MemraError, match="max_model_len"):
+        runner.step([StepItem(0, [1], 600, list(range(40)), True, GREEDY)])
