@@ -1,0 +1,116 @@
+"""Read single or split GGUF files through gguf.GGUFReader (memory-mapped) behind the WeightSource API.
+
+Shapes are converted from GGUF's ``ne`` order (innermost first) to numpy row-major order.
+Metadata values are converted to plain Python lazily, once per key (tokenizer arrays are large).
+Must not import CUDA or engine modules beyond engine.weights.source/engine.quant/engine.types.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import quant
+from engine.types import MemraError
+from engine.weights.source import TensorInfo, WeightSource
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def split_files(path: Path) -> list[Path]:
+    """All shards of a split GGUF given any one of them, in order; ``[path]`` for a plain file."""
+    m = _SPLIT.match(path.name)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise MemraError(f"{path}: split GGUF is missing shard(s) {', '.join(missing)} in {path.parent}")
+    return files
+
+
+def _open_reader(f: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(f, "r")
+    except FileNotFoundError:
+        raise MemraError(f"{f}: no such file") from None
+    except Exception as e:  # gguf raises ValueError/IndexError/KeyError etc. on bad files
+        size = f.stat().st_size if f.exists() else 0
+        raise MemraError(
+            f"{f}: cannot read GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}"
+        ) from None
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """Read-only mapping of GGUF KV metadata; each value is converted on first access and cached."""
+
+    def __init__(self, fields: Mapping[str, Any]):
+        self._fields = {k: v for k, v in fields.items() if not k.startswith("GGUF.")}
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._cache:
+            return self._cache[key]
+        field = self._fields[key]
+        try:
+            value = field.contents()
+        except Exception as e:
+            raise MemraError(f"GGUF metadata key {key!r} cannot be decoded: {e}") from None
+        self._cache[key] = value
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def array_len(self, key: str) -> int:
+        """Length of an array-valued key without converting it."""
+        return len(self._fields[key].data)
+
+
+class GGUFSource(WeightSource):
+    """One GGUF model (possibly split). ``metadata`` comes from the first shard."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files = split_files(path)
+        self.path = self.files[0]
+        self._readers = [_open_reader(f) for f in self.files]
+        self.metadata = GGUFMetadata(self._readers[0].fields)
+        self._infos = {}
+        self._where: dict[str, tuple[int, int, int]] = {}
+        for ri, (f, r) in enumerate(zip(self.files, self._readers)):
+            size = f.stat().st_size
+            for t in r.tensors:
+                dtype = t.tensor_type.name.lower()
+                if dtype not in quant.BLOCK_SIZES:
+                    raise MemraError(f"{f}: tensor {t.name!r} has unsupported type {t.tensor_type.name}")
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                nbytes = int(t.n_bytes)
+                if t.data_offset + nbytes > size:
+                    raise MemraError(
+                        f"{f}: truncated file: tensor {t.name!r} ends at byte {t.data_offset + nbytes} but the file has {size}"
+                    )
+                if t.name in self._infos:
+                    raise MemraError(f"{f}: tensor {t.name!r} appears in more than one shard")
+                self._infos[t.name] = TensorInfo(t.name, dtype, shape, nbytes)
+                self._where[t.name] = (ri, int(t.data_offset), nbytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        self.info(name)
+        ri, off, n = self._where[name]
+        return self._readers[ri].data[off : off + n]
+
+    def close(self) -> None:
+        self._readers = []

@@ -1,0 +1,83 @@
+"""The WeightSource contract shared by the safetensors and GGUF readers: names, infos, raw bytes.
+
+Must not import CUDA, the model graph or the tokenizer; only numpy, engine.quant and engine.types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import quant
+from engine.types import MemraError
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header facts. ``shape`` is numpy/PyTorch row-major ([out, in] for a linear)."""
+
+    name: str
+    dtype: str  # one of engine.quant.BLOCK_SIZES
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class WeightSource:
+    """A model checkpoint opened read-only and memory-mapped.
+
+    Subclasses fill ``format``, ``path``, ``files``, ``metadata`` and ``_infos`` and implement
+    ``raw``. ``raw`` never copies; ``array`` and ``dequantize`` build on it.
+    """
+
+    format: str
+    path: Path
+    files: list[Path]
+    metadata: Mapping[str, Any]
+    _infos: dict[str, TensorInfo]
+
+    def tensor_names(self) -> list[str]:
+        return list(self._infos)
+
+    def has(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise MemraError(
+                f"{self.path}: no tensor named {name!r} ({len(self._infos)} tensors in the checkpoint)"
+            ) from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a 1-D uint8 memory-mapped view (no copy)."""
+        raise NotImplementedError
+
+    def array(self, name: str) -> np.ndarray:
+        """f32/f16 as their numpy dtype, bf16 as uint16 raw bits, in row-major shape; quantised -> MemraError."""
+        info = self.info(name)
+        dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(info.dtype)
+        if dt is None:
+            raise MemraError(f"{self.path}: tensor {name!r} is {info.dtype}; use dequantize() or raw()")
+        return self.raw(name).view(dt).reshape(info.shape)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor decoded to float32 in row-major shape (a new array)."""
+        info = self.info(name)
+        return quant.dequantize(self.raw(name), info.dtype, info.shape)
+
+    def close(self) -> None:
+        """Drop references to the memory maps (views handed out stay valid until collected)."""
+
+    def __enter__(self) -> WeightSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.format} {self.path} {len(self._infos)} tensors>"
