@@ -256,6 +256,15 @@ class ReferenceRunner:
             )
         return out
 
+    def run_logits(self, item: StepItem) -> np.ndarray:
+        """Run one item like ``step`` (its KV lands in the runner's cache) but return the logits of
+        every one of its tokens, [len(token_ids), vocab] f32, instead of sampling. For tests that
+        compare chunkings, block tables or another backend position by position."""
+        self._check_item(item)
+        return self._forward(
+            item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, True
+        )
+
     # -- conveniences -------------------------------------------------------------------------
 
     def _scratch(self, length: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
