@@ -1,0 +1,183 @@
+"""Anthropic-compatible resources: /v1/messages (streaming event sequence) and /v1/messages/count_tokens.
+
+Must not import the engine loop; generation goes through generation.Run.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+
+import falcon
+
+from . import sse
+from .generation import Run, chat_prompt, check_model, encode, error_of
+from .http_common import disconnect_probe, read_json, send_json, start_sse
+from .schemas import ChatSpec, parse_anthropic
+from .state import AppState
+from .tool_calls import Call, Text, ToolCallParser
+
+
+def _tool_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+def _allowed(spec: ChatSpec) -> set[str] | None:
+    if spec.tool_choice == "none" or not spec.tools:
+        return None
+    if spec.tool_choice == "named":
+        return {spec.tool_name or ""}
+    return {t["function"]["name"] for t in spec.tools}
+
+
+class Messages:
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        st = self.state
+        st.require_ready()
+        spec = parse_anthropic(read_json(req, st))
+        check_model(st, spec.model)
+        ids = encode(st, chat_prompt(st, spec))
+        run = Run(st, req.context.tenant, spec, ids, param="messages", disconnected=disconnect_probe(req),
+                  id_prefix="msg_")
+        run.submit()
+        if spec.stream:
+            start_sse(resp)
+            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close)
+            return
+        try:
+            self._complete(run, spec, resp)
+        finally:
+            run.close()
+
+    def _stop_reason(self, run: Run, spec: ChatSpec, reason: str, emitted: str, has_calls: bool):
+        """Anthropic stop_reason and stop_sequence from the engine finish reason."""
+        if has_calls and reason == "stop":
+            return "tool_use", None
+        if reason == "length":
+            return "max_tokens", None
+        eos = set(getattr(self.state.tokenizer, "eos_token_ids", ()) or ())
+        if spec.stop and not (run.generated_ids and run.generated_ids[-1] in eos):
+            try:
+                full = self.state.tokenizer.decode(run.generated_ids)
+            except Exception:
+                full = ""
+            tail = full[max(0, len(emitted) - 8):]
+            hits = [(tail.find(s), s) for s in spec.stop if s in tail]
+            if hits:
+                return "stop_sequence", min(hits)[1]
+        return "end_turn", None
+
+    def _usage(self, run: Run) -> dict:
+        u = run.usage
+        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+
+    def _complete(self, run: Run, spec: ChatSpec, resp: falcon.Response) -> None:
+        parts, last = [], None
+        for ev in run.events():
+            if ev is not None:
+                parts.append(ev.text)
+                last = ev
+        if last is None:
+            resp.status = falcon.code_to_http_status(499)
+            return
+        if last.finish_reason in ("error", "abort"):
+            raise error_of(last)
+        text = "".join(parts)
+        allowed = _allowed(spec)
+        evs = [Text(text)]
+        if allowed is not None:
+            p = ToolCallParser(allowed, id_factory=_tool_id)
+            evs = p.feed(text) + p.finish()
+        content = []
+        for e in evs:
+            if isinstance(e, Text):
+                if e.text:
+                    content.append({"type": "text", "text": e.text})
+            else:
+                content.append({"type": "tool_use", "id": e.id, "name": e.name, "input": json.loads(e.arguments)})
+        has_calls = any(c["type"] == "tool_use" for c in content)
+        reason, seq = self._stop_reason(run, spec, last.finish_reason, text, has_calls)
+        send_json(resp, {"id": run.id, "type": "message", "role": "assistant", "model": self.state.model_info.id,
+                         "content": content, "stop_reason": reason, "stop_sequence": seq,
+                         "usage": self._usage(run)})
+
+    def _stream(self, run: Run, spec: ChatSpec) -> Iterator[bytes]:
+        yield sse.OK_COMMENT
+        u0 = self._usage(run)
+        u0["output_tokens"] = 0
+        yield sse.event("message_start", {"type": "message_start", "message": {
+            "id": run.id, "type": "message", "role": "assistant", "content": [], "model": self.state.model_info.id,
+            "stop_reason": None, "stop_sequence": None, "usage": u0}})
+        yield sse.event("ping", {"type": "ping"})
+        allowed = _allowed(spec)
+        parser = ToolCallParser(allowed, id_factory=_tool_id) if allowed is not None else None
+        index = -1
+        text_open = False
+        has_calls = False
+        emitted: list[str] = []
+
+        def emit(evs) -> Iterator[bytes]:
+            nonlocal index, text_open, has_calls
+            for e in evs:
+                if isinstance(e, Text):
+                    if not e.text:
+                        continue
+                    emitted.append(e.text)
+                    if not text_open:
+                        index += 1
+                        text_open = True
+                        yield sse.event("content_block_start", {"type": "content_block_start", "index": index,
+                                                                "content_block": {"type": "text", "text": ""}})
+                    yield sse.event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                            "delta": {"type": "text_delta", "text": e.text}})
+                elif isinstance(e, Call):
+                    if text_open:
+                        yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
+                        text_open = False
+                    index += 1
+                    has_calls = True
+                    yield sse.event("content_block_start", {"type": "content_block_start", "index": index,
+                                                            "content_block": {"type": "tool_use", "id": e.id,
+                                                                              "name": e.name, "input": {}}})
+                    yield sse.event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                            "delta": {"type": "input_json_delta",
+                                                                      "partial_json": e.arguments}})
+                    yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+        for ev in run.events():
+            if ev is None:
+                yield sse.event("ping", {"type": "ping"})
+                continue
+            if ev.text:
+                yield from emit(parser.feed(ev.text) if parser else [Text(ev.text)])
+            if ev.finish_reason is None:
+                continue
+            if parser:
+                yield from emit(parser.finish())
+            if text_open:
+                yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
+            if ev.finish_reason in ("error", "abort"):
+                yield sse.event("error", error_of(ev).anthropic_body())
+                return
+            reason, seq = self._stop_reason(run, spec, ev.finish_reason, "".join(emitted), has_calls)
+            yield sse.event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                              "usage": {"output_tokens": run.usage.completion_tokens}})
+            yield sse.event("message_stop", {"type": "message_stop"})
+
+
+class CountTokens:
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        st = self.state
+        st.require_ready()
+        spec = parse_anthropic(read_json(req, st), count_only=True)
+        check_model(st, spec.model)
+        send_json(resp, {"input_tokens": len(encode(st, chat_prompt(st, spec)))})

@@ -1,0 +1,76 @@
+"""HTTP API errors and their OpenAI / Anthropic JSON shapes.
+
+Must not import falcon resources or the engine; only engine.types.
+"""
+
+from __future__ import annotations
+
+from engine.types import MemraError
+
+# MemraError.code -> (HTTP status, OpenAI error type, Anthropic error type)
+_CODE_MAP: dict[str, tuple[int, str, str]] = {
+    "context_length_exceeded": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_request_error": (400, "invalid_request_error", "invalid_request_error"),
+    "unsupported_parameter": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_type": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_value": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_json": (400, "invalid_request_error", "invalid_request_error"),
+    "invalid_api_key": (401, "authentication_error", "authentication_error"),
+    "model_not_found": (404, "invalid_request_error", "not_found_error"),
+    "not_found": (404, "invalid_request_error", "not_found_error"),
+    "request_too_large": (413, "invalid_request_error", "request_too_large"),
+    "overloaded": (429, "rate_limit_error", "rate_limit_error"),
+    "tenant_limit": (429, "rate_limit_error", "rate_limit_error"),
+    "draining": (503, "server_error", "overloaded_error"),
+    "loading": (503, "server_error", "overloaded_error"),
+    "engine_dead": (503, "server_error", "api_error"),
+}
+
+
+class ApiError(Exception):
+    """An error answered as an HTTP status with an error body; ``headers`` are added to the response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        err_type: str = "invalid_request_error",
+        anthropic_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type
+        self.anthropic_type = anthropic_type
+        self.headers = dict(headers or {})
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request_error") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+def from_memra(err: MemraError, *, retry_after_s: int = 1) -> ApiError:
+    """Map an engine MemraError to an ApiError (unknown codes are 500 engine errors)."""
+    status, otype, atype = _CODE_MAP.get(err.code, (500, "server_error", "api_error"))
+    headers = {}
+    if status in (429, 503):
+        headers["Retry-After"] = str(retry_after_s)
+    return ApiError(
+        status, err.message, code=err.code, param=err.param, err_type=otype, anthropic_type=atype, headers=headers
+    )
+
+
+def from_code(code: str, message: str, param: str | None = None) -> ApiError:
+    return from_memra(MemraError(message, code=code, param=param))

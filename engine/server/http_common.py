@@ -1,0 +1,48 @@
+"""Helpers shared by the resources: body reading under limits, disconnect probe, JSON responses.
+
+Must not import the engine loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import falcon
+
+from .body import parse_json_body
+from .errors import ApiError
+from .state import AppState
+
+
+def read_json(req: falcon.Request, state: AppState) -> dict:
+    limit = state.config.max_body_bytes
+    if req.content_length is not None and req.content_length > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large",
+                       anthropic_type="request_too_large")
+    raw = req.bounded_stream.read(limit + 1)
+    return parse_json_body(raw, max_bytes=limit, max_depth=state.config.max_json_depth)
+
+
+def disconnect_probe(req: falcon.Request) -> Callable[[], bool] | None:
+    """waitress (with channel_request_lookahead > 0) exposes a client-disconnected check."""
+    fn = req.env.get("waitress.client_disconnected")
+    return fn if callable(fn) else None
+
+
+def send_json(resp: falcon.Response, obj: dict, status: int = 200) -> None:
+    resp.status = falcon.code_to_http_status(status)
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = json.dumps(obj, ensure_ascii=False).encode()
+
+
+def start_sse(resp: falcon.Response) -> None:
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+
+
+def usage_openai(u) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

@@ -1,0 +1,466 @@
+"""Validate OpenAI and Anthropic request bodies into plain request specs (typed, bounded, param-named 400s).
+
+Unknown top-level fields are accepted and ignored; a known field with a wrong type or value, or an
+unsupported feature (logprobs, n>1, logit_bias ...), is a 400 naming the field. Must not import the
+engine loop or falcon.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.types import SamplingParams
+
+from .errors import ApiError, bad_request
+
+MAX_STOP = 16
+MAX_STOP_LEN = 512
+MAX_TOOLS = 128
+_MISSING = object()
+
+
+@dataclass
+class GenSpec:
+    """What every endpoint extracts: sampling, limits, stop, streaming options."""
+
+    model: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    cache_salt: str = ""
+
+
+@dataclass
+class ChatSpec(GenSpec):
+    messages: list[dict] = field(default_factory=list)  # template-ready messages
+    tools: list[dict] | None = None  # OpenAI function tools
+    tool_choice: str = "auto"  # auto | none | required | named
+    tool_name: str | None = None  # for tool_choice == "named"
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class CompletionSpec(GenSpec):
+    prompt: str | list[int] = ""
+
+
+def _unsupported(param: str, what: str) -> ApiError:
+    return ApiError(400, f"`{param}` {what} is not supported by this server", code="unsupported_parameter", param=param)
+
+
+def _type_err(param: str, expected: str, value: Any) -> ApiError:
+    shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__
+    return ApiError(400, f"`{param}` must be {expected}, got {shown}", code="invalid_type", param=param)
+
+
+def get_number(body: dict, name: str, default, *, lo: float, hi: float, integer: bool = False,
+               lo_open: bool = False, prefix: str = ""):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    p = prefix + name
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        if integer and isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+            v = int(v)
+        else:
+            raise _type_err(p, kind, v)
+    if v < lo or v > hi or (lo_open and v == lo):
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        raise ApiError(400, f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", code="invalid_value", param=p)
+    return int(v) if integer else float(v)
+
+
+def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_err(prefix + name, "a boolean", v)
+    return v
+
+
+def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024, prefix: str = "") -> str | None:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, str):
+        raise _type_err(prefix + name, "a string", v)
+    if len(v) > max_len:
+        raise ApiError(400, f"`{prefix + name}` is longer than {max_len} characters", code="invalid_value",
+                       param=prefix + name)
+    return v
+
+
+def get_stop(body: dict, name: str) -> list[str]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _type_err(name, "a string or a list of strings", v)
+    if len(v) > MAX_STOP:
+        raise ApiError(400, f"`{name}` has {len(v)} entries; at most {MAX_STOP} are allowed", code="invalid_value",
+                       param=name)
+    for s in v:
+        if not s or len(s) > MAX_STOP_LEN:
+            raise ApiError(400, f"`{name}` entries must be 1..{MAX_STOP_LEN} characters", code="invalid_value",
+                           param=name)
+    return list(dict.fromkeys(v))
+
+
+def _reject_unsupported_openai(body: dict) -> None:
+    if body.get("logprobs") not in (None, False, 0):
+        raise _unsupported("logprobs", "(log probabilities)")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _unsupported("top_logprobs", "(log probabilities)")
+    if body.get("n") not in (None, 1):
+        raise _unsupported("n", "other than 1")
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("best_of", "other than 1")
+    if body.get("logit_bias") not in (None, {}):
+        raise _unsupported("logit_bias", "(non-empty)")
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix", "(insertion)")
+    if body.get("echo") not in (None, False):
+        raise _unsupported("echo", "(prompt echo)")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") != "text":
+            raise _unsupported("response_format", "other than {\"type\": \"text\"}")
+
+
+def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    return SamplingParams(
+        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=temp_hi),
+        top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=get_number({"top_k": top_k}, "top_k", 0, lo=0, hi=1 << 31, integer=True),
+        min_p=get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        presence_penalty=get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=get_number(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
+        seed=get_number(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1, integer=True),
+    )
+
+
+def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None) -> None:
+    _reject_unsupported_openai(body)
+    spec.model = get_str(body, "model", None, max_len=256)
+    spec.sampling = _sampling(body)
+    mt = get_number(body, "max_completion_tokens", None, lo=1, hi=1 << 31, integer=True)
+    if mt is None:
+        mt = get_number(body, "max_tokens", max_tokens_default, lo=1, hi=1 << 31, integer=True)
+    spec.max_tokens = mt
+    spec.stop = get_stop(body, "stop")
+    spec.stream = get_bool(body, "stream", False)
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _type_err("stream_options", "an object", so)
+        spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
+    spec.ignore_eos = get_bool(body, "ignore_eos", False)
+    spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
+    get_str(body, "user", None, max_len=4096)  # accepted, ignored
+
+
+# ---------------------------------------------------------------- chat messages
+
+
+def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
+    """OpenAI message content: a string or a list of text parts -> one string."""
+    if content is None:
+        if allow_none:
+            return ""
+        raise bad_request(f"`{param}` is required", param)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            p = f"{param}[{j}]"
+            if not isinstance(part, dict):
+                raise _type_err(p, "a content part object", part)
+            ptype = part.get("type")
+            if ptype != "text":
+                raise ApiError(400, f"`{p}.type` {json.dumps(ptype)[:40]} is not supported (only \"text\")",
+                               code="unsupported_parameter", param=f"{p}.type")
+            t = part.get("text")
+            if not isinstance(t, str):
+                raise _type_err(f"{p}.text", "a string", t)
+            out.append(t)
+        return "".join(out)
+    raise _type_err(param, "a string or a list of content parts", content)
+
+
+def _tool_calls_in(tcs: Any, param: str) -> list[dict]:
+    if not isinstance(tcs, list):
+        raise _type_err(param, "a list", tcs)
+    out = []
+    for j, tc in enumerate(tcs):
+        p = f"{param}[{j}]"
+        if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+            raise _type_err(p, "a tool call object with `function`", tc)
+        fn = tc["function"]
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise _type_err(f"{p}.function.name", "a string", name)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # keep the string; templates that need a mapping will say so
+        out.append({"id": str(tc.get("id", "")), "type": "function", "function": {"name": name, "arguments": args}})
+    return out
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_openai_messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    msgs = []
+    for i, m in enumerate(raw):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_err(p, "a message object", m)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ApiError(400, f"`{p}.role` must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
+                           code="invalid_value", param=f"{p}.role")
+        if role == "developer":
+            role = "system"
+        msg: dict = {"role": role}
+        if role == "assistant":
+            msg["content"] = _text_of(m.get("content"), f"{p}.content", allow_none=True)
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{p}.tool_calls")
+        else:
+            msg["content"] = _text_of(m.get("content"), f"{p}.content")
+        if role == "tool":
+            tcid = m.get("tool_call_id", "")
+            if not isinstance(tcid, str):
+                raise _type_err(f"{p}.tool_call_id", "a string", tcid)
+            msg["tool_call_id"] = tcid
+        name = m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
+        msgs.append(msg)
+    return msgs
+
+
+def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
+    """Returns (tools, tool_choice kind, named tool)."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "function") != "function":
+                raise ApiError(400, f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                               code="invalid_value", param=f"tools[{i}]")
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad_request(f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise _type_err(f"tools[{i}].function.parameters", "an object", fn["parameters"])
+        tools = tools or None
+    tc = body.get("tool_choice")
+    names = {t["function"]["name"] for t in tools or []}
+    if tc is None:
+        return tools, ("auto" if tools else "none"), None
+    if isinstance(tc, str):
+        if tc not in ("auto", "none", "required"):
+            raise ApiError(400, "`tool_choice` must be auto, none, required or a named function",
+                           code="invalid_value", param="tool_choice")
+        if tc != "none" and not tools:
+            raise bad_request(f"`tool_choice` {tc!r} needs `tools`", "tool_choice")
+        return tools, tc, None
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise bad_request("`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name")
+        return tools, "named", name
+    raise _type_err("tool_choice", "a string or an object", tc)
+
+
+def parse_chat(body: dict) -> ChatSpec:
+    spec = ChatSpec()
+    _common_openai(body, spec, None)
+    spec.messages = parse_openai_messages(body.get("messages"))
+    spec.tools, spec.tool_choice, spec.tool_name = parse_openai_tools(body)
+    get_bool(body, "parallel_tool_calls", True)  # accepted; several calls are parsed either way
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise _type_err("chat_template_kwargs", "an object", kw)
+        for k in ("messages", "tools", "add_generation_prompt", "tokenize"):
+            kw.pop(k, None)
+        spec.template_kwargs = kw
+    return spec
+
+
+def parse_completion(body: dict) -> CompletionSpec:
+    spec = CompletionSpec()
+    _common_openai(body, spec, 16)
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise bad_request("`prompt` is required", "prompt")
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            pass
+        else:
+            raise ApiError(400, "`prompt` must be a string, a list of token ids, or a list of exactly one of those "
+                           "(batched prompts are not supported)", code="unsupported_parameter", param="prompt")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
+            raise _type_err("prompt", "a non-empty list of non-negative token ids", prompt)
+    elif not isinstance(prompt, str):
+        raise _type_err("prompt", "a string or a list of token ids", prompt)
+    spec.prompt = prompt
+    return spec
+
+
+# ---------------------------------------------------------------- Anthropic
+
+
+def _anthropic_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, b in enumerate(content):
+            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+                raise ApiError(400, f"`{param}[{j}]` must be a text block", code="invalid_value", param=f"{param}[{j}]")
+            out.append(b["text"])
+        return "".join(out)
+    raise _type_err(param, "a string or a list of text blocks", content)
+
+
+def parse_anthropic_messages(body: dict) -> list[dict]:
+    msgs: list[dict] = []
+    system = body.get("system")
+    if system is not None:
+        msgs.append({"role": "system", "content": _anthropic_text(system, "system")})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    for i, m in enumerate(raw):
+        p = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise _type_err(p, "a message object", m)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise ApiError(400, f"`{p}.role` must be user or assistant", code="invalid_value", param=f"{p}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            msgs.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _type_err(f"{p}.content", "a string or a list of content blocks", content)
+        texts: list[str] = []
+        calls: list[dict] = []
+        for j, b in enumerate(content):
+            bp = f"{p}.content.{j}"
+            if not isinstance(b, dict):
+                raise _type_err(bp, "a content block", b)
+            bt = b.get("type")
+            if bt == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _type_err(f"{bp}.text", "a string", b.get("text"))
+                texts.append(b["text"])
+            elif bt == "tool_use" and role == "assistant":
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise bad_request(f"`{bp}` needs a string `name` and an object `input`", bp)
+                calls.append({"id": str(b.get("id", "")), "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif bt == "tool_result" and role == "user":
+                if texts:
+                    msgs.append({"role": "user", "content": "".join(texts)})
+                    texts = []
+                rc = b.get("content", "")
+                msgs.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                             "content": _anthropic_text(rc, f"{bp}.content")})
+            else:
+                raise ApiError(400, f"`{bp}.type` {json.dumps(bt)[:40]} is not supported here",
+                               code="unsupported_parameter", param=f"{bp}.type")
+        if role == "assistant":
+            msg: dict = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            msgs.append(msg)
+        elif texts:
+            msgs.append({"role": "user", "content": "".join(texts)})
+    return msgs
+
+
+def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
+    tools = body.get("tools")
+    out = None
+    if tools is not None:
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+        out = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+                raise bad_request(f"`tools.{i}.name` must be a non-empty string", f"tools.{i}.name")
+            schema = t.get("input_schema", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise _type_err(f"tools.{i}.input_schema", "an object", schema)
+            fn = {"name": t["name"], "parameters": schema}
+            if isinstance(t.get("description"), str):
+                fn["description"] = t["description"]
+            out.append({"type": "function", "function": fn})
+        out = out or None
+    tc = body.get("tool_choice")
+    if tc is None:
+        return out, ("auto" if out else "none"), None
+    if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
+        raise ApiError(400, "`tool_choice.type` must be auto, any, tool or none", code="invalid_value",
+                       param="tool_choice")
+    kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
+    if kind != "none" and not out:
+        raise bad_request("`tool_choice` needs `tools`", "tool_choice")
+    name = None
+    if kind == "named":
+        name = tc.get("name")
+        if name not in {t["function"]["name"] for t in out or []}:
+            raise bad_request("`tool_choice.name` must name one of `tools`", "tool_choice.name")
+    return out, kind, name
+
+
+def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
+    spec = ChatSpec()
+    spec.model = get_str(body, "model", None, max_len=256)
+    spec.messages = parse_anthropic_messages(body)
+    spec.tools, spec.tool_choice, spec.tool_name = parse_anthropic_tools(body)
+    if count_only:
+        return spec
+    mt = get_number(body, "max_tokens", None, lo=1, hi=1 << 31, integer=True)
+    if mt is None:
+        raise bad_request("`max_tokens` is required", "max_tokens")
+    spec.max_tokens = mt
+    spec.sampling = SamplingParams(
+        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=1.0),
+        top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
+    )
+    spec.stop = get_stop(body, "stop_sequences")
+    spec.stream = get_bool(body, "stream", False)
+    md = body.get("metadata")
+    if md is not None and not isinstance(md, dict):
+        raise _type_err("metadata", "an object", md)
+    return spec

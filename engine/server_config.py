@@ -1,0 +1,247 @@
+"""HTTP server configuration from TOML (+ MEMRA_MODELS), and the API-key file (add/list/revoke).
+
+Server TOML (every key optional)::
+
+    [server]
+    host = "127.0.0.1"          port = 8000
+    max_body_bytes = 4194304    max_json_depth = 64
+    keepalive_s = 5.0           drain_timeout_s = 30.0
+    max_running = 64            threads = 0            # 0: max_running + 8
+    retry_after_s = 1           keys_file = "keys.toml"  # relative to this file
+    [models]
+    smol = "/models/SmolLM2-135M-Instruct-Q4_1.gguf"
+
+Keys file (written by ``add_key``/``revoke_key``; keys stored only as sha256)::
+
+    [[key]]
+    id = "key_1a2b3c4d"  sha256 = "<hex>"  tenant = "acme"
+    max_concurrency = 4  cache_salt = "acme"  created = 1733150000
+
+Must not import the engine loop, falcon or waitress.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engine import env
+from engine.types import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    sha256: str
+    tenant: str
+    max_concurrency: int = 0  # 0: unlimited (engine admission still applies)
+    cache_salt: str = ""
+    created: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_json_depth: int = 64
+    keepalive_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    max_running: int = 64
+    threads: int = 0
+    retry_after_s: int = 1
+    keys_file: str | None = None
+    models: dict[str, str] = field(default_factory=dict)
+    keys: tuple[ApiKey, ...] = ()  # used when keys_file is None (tests); else read from keys_file
+    system_fingerprint: str = "fp_memra"
+
+    @property
+    def waitress_threads(self) -> int:
+        return self.threads if self.threads > 0 else self.max_running + 8
+
+    def load_keys(self) -> tuple[ApiKey, ...]:
+        if self.keys_file:
+            return tuple(read_keys(self.keys_file))
+        return self.keys
+
+    def tenant_limits(self) -> dict[str, int]:
+        """Per-tenant concurrency limits (max over the tenant's keys) to hand to the engine config."""
+        out: dict[str, int] = {}
+        for k in self.load_keys():
+            if k.max_concurrency > 0:
+                out[k.tenant] = max(out.get(k.tenant, 0), k.max_concurrency)
+        return out
+
+
+_SERVER_TYPES = {
+    "host": str, "port": int, "max_body_bytes": int, "max_json_depth": int, "keepalive_s": float,
+    "drain_timeout_s": float, "max_running": int, "threads": int, "retry_after_s": int, "keys_file": str,
+    "system_fingerprint": str,
+}
+
+
+def parse_models_env(value: str, source: str = "MEMRA_MODELS") -> dict[str, str]:
+    """``alias=path,alias2=path2`` -> {alias: path}."""
+    out: dict[str, str] = {}
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        alias, sep, path = part.partition("=")
+        if not sep or not alias.strip() or not path.strip():
+            raise ConfigError(f"{source}: entry {part!r} is not alias=path")
+        out[alias.strip()] = path.strip()
+    return out
+
+
+def load_server_config(path: str | os.PathLike | None = None, **overrides) -> ServerConfig:
+    """Read the TOML file (if given), then MEMRA_MODELS, then keyword overrides (CLI flags)."""
+    values: dict = {}
+    models: dict[str, str] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read server config ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+        unknown = set(data) - {"server", "models"}
+        if unknown:
+            raise ConfigError(f"{p}: unknown table(s) {sorted(unknown)}; expected [server] and [models]")
+        for key, v in (data.get("server") or {}).items():
+            kind = _SERVER_TYPES.get(key)
+            if kind is None:
+                raise ConfigError(f"{p}: server.{key} is not a known setting ({', '.join(sorted(_SERVER_TYPES))})")
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise ConfigError(f"{p}: server.{key} must be {kind.__name__}, got {v!r}")
+            values[key] = v
+        if "keys_file" in values and not os.path.isabs(values["keys_file"]):
+            values["keys_file"] = str(p.parent / values["keys_file"])
+        for alias, mp in (data.get("models") or {}).items():
+            if not isinstance(mp, str):
+                raise ConfigError(f"{p}: models.{alias} must be a path string")
+            models[alias] = mp
+    models.update(parse_models_env(env.MEMRA_MODELS.get()))
+    values["models"] = models
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = ServerConfig(**values)
+    _validate(cfg, str(path or "<defaults>"))
+    return cfg
+
+
+def _validate(cfg: ServerConfig, src: str) -> None:
+    if not (0 <= cfg.port <= 65535):
+        raise ConfigError(f"{src}: server.port {cfg.port} is not in 0..65535")
+    for name in ("max_body_bytes", "max_json_depth", "max_running"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{src}: server.{name} must be >= 1")
+    if cfg.keepalive_s <= 0 or cfg.drain_timeout_s < 0:
+        raise ConfigError(f"{src}: server.keepalive_s must be > 0 and server.drain_timeout_s >= 0")
+
+
+# ---------------------------------------------------------------- keys file
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def read_keys(path: str | os.PathLike) -> list[ApiKey]:
+    """Parse the keys file; a missing file means no keys. Raises ConfigError naming the entry."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    out = []
+    for i, e in enumerate(data.get("key") or []):
+        try:
+            k = ApiKey(id=str(e["id"]), sha256=str(e["sha256"]).lower(), tenant=str(e["tenant"]),
+                       max_concurrency=int(e.get("max_concurrency", 0)), cache_salt=str(e.get("cache_salt", "")),
+                       created=int(e.get("created", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{p}: key[{i}] is missing or has a bad field ({exc}); needs id, sha256, tenant") from None
+        if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256):
+            raise ConfigError(f"{p}: key[{i}].sha256 is not a 64-digit hex sha256")
+        out.append(k)
+    return out
+
+
+def _q(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def write_keys(path: str | os.PathLike, keys: list[ApiKey]) -> None:
+    """Atomically rewrite the keys file (temp file in the same folder, fsync, rename; mode 0600)."""
+    p = Path(path)
+    lines = ["# memra API keys: sha256 hashes only. Edit with `memra keys add/list/revoke`.", ""]
+    for k in keys:
+        lines += ["[[key]]", f"id = {_q(k.id)}", f"sha256 = {_q(k.sha256)}", f"tenant = {_q(k.tenant)}",
+                  f"max_concurrency = {int(k.max_concurrency)}", f"cache_salt = {_q(k.cache_salt)}",
+                  f"created = {int(k.created)}", ""]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=str(p.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def add_key(path: str | os.PathLike, tenant: str, *, max_concurrency: int = 0, cache_salt: str | None = None,
+            key: str | None = None) -> tuple[str, ApiKey]:
+    """Create a key for ``tenant``; returns (plaintext key, shown once, and its stored entry)."""
+    if not tenant or any(c in tenant for c in '"\\\n'):
+        raise ConfigError(f"keys: tenant name {tenant!r} must be non-empty without quotes or newlines")
+    if max_concurrency < 0:
+        raise ConfigError("keys: max_concurrency must be >= 0")
+    key = key or "sk-memra-" + secrets.token_urlsafe(32)
+    h = hash_key(key)
+    keys = read_keys(path)
+    if any(k.sha256 == h for k in keys):
+        raise ConfigError(f"{path}: this key already exists")
+    entry = ApiKey(id="key_" + h[:8], sha256=h, tenant=tenant, max_concurrency=max_concurrency,
+                   cache_salt=tenant if cache_salt is None else cache_salt, created=int(time.time()))
+    write_keys(path, keys + [entry])
+    return key, entry
+
+
+def list_keys(path: str | os.PathLike) -> list[ApiKey]:
+    return read_keys(path)
+
+
+def revoke_key(path: str | os.PathLike, key_id: str) -> ApiKey:
+    """Remove the entry whose id (or sha256) is ``key_id``; raises ConfigError when none matches."""
+    keys = read_keys(path)
+    keep = [k for k in keys if key_id not in (k.id, k.sha256)]
+    if len(keep) == len(keys):
+        raise ConfigError(f"{path}: no key with id {key_id!r} (see `memra keys list`)")
+    gone = next(k for k in keys if key_id in (k.id, k.sha256))
+    write_keys(path, keep)
+    return gone
+
+
+__all__ = ["ApiKey", "ServerConfig", "load_server_config", "parse_models_env", "read_keys", "write_keys",
+           "add_key", "list_keys", "revoke_key", "hash_key", "replace"]
