@@ -90,7 +90,7 @@ class GGUFSource(WeightSource):
         self.metadata = GGUFMetadata(self._readers[0].fields)
         self._infos = {}
         self._where: dict[str, tuple[int, int, int]] = {}
-        for ri, (f, r) in enumerate(zip(self.files, self._readers)):
+        for ri, (f, r) in enumerate(zip(self.files, self._readers, strict=True)):
             size = f.stat().st_size
             for t in r.tensors:
                 dtype = t.tensor_type.name.lower()

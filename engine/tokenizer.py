@@ -1,0 +1,287 @@
+"""Load a tokenizer for a WeightSource (tokenizer.json or GGUF vocab/merges), chat templates, streaming decode.
+
+Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers`` and engine.chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from engine.chat_template import render_chat_template
+from engine.types import ConfigError, MemraError
+from engine.weights.source import WeightSource
+
+#: End-of-turn tokens that stop generation when present in the vocabulary as special tokens
+#: (the same idea as llama.cpp's end-of-generation set).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
+
+_QWEN2_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split(regex: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The HF pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` name."""
+    if pre in ("gpt-2", "default", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # SmolLM/StarCoder: single digits, then the GPT-2 regex
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in ("qwen2", "qwen3"):
+        return _split(_QWEN2_RE)
+    if pre in ("llama-bpe", "llama3"):
+        return _split(_LLAMA3_RE)
+    raise MemraError(
+        f"unsupported GGUF tokenizer.ggml.pre {pre!r}; supported: default, gpt-2, smollm, qwen2, llama-bpe",
+        code="invalid_model",
+    )
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces, never emitting half a UTF-8 character."""
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tok
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window re-decoded for context
+        self._read = 0  # ids up to here have been emitted
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add ``ids``; return the newly complete text ('' while a character is still incomplete)."""
+        self._ids.extend(int(i) for i in ids)
+        prev = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(text) <= len(prev) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prev) :]
+
+    def flush(self) -> str:
+        """Whatever is left (an incomplete tail decodes with U+FFFD); resets nothing else."""
+        prev = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return text[len(prev) :] if text.startswith(prev) else text
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus BOS/EOS policy and the model's chat template."""
+
+    def __init__(
+        self,
+        tk: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        add_bos: bool,
+        eos_token_ids: frozenset[int],
+        chat_template: str | None,
+    ):
+        self.hf = tk
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos and bos_token_id is not None
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted."""
+        ids = list(self.hf.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.hf.id_to_token(int(i))
+
+    @property
+    def bos_token(self) -> str:
+        return (self.id_to_token(self.bos_token_id) or "") if self.bos_token_id is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        return (self.id_to_token(min(self.eos_token_ids)) or "") if self.eos_token_ids else ""
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render the conversation with the model's template (ChatML when it has none)."""
+        template_kwargs.setdefault("bos_token", self.bos_token)
+        template_kwargs.setdefault("eos_token", self.eos_token)
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)
+
+
+def _end_of_turn_ids(tk: tokenizers.Tokenizer) -> set[int]:
+    specials = {t.content for t in tk.get_added_tokens_decoder().values() if t.special}
+    return {tk.token_to_id(t) for t in END_OF_TURN_TOKENS if t in specials}
+
+
+def _gguf_tokenizer(source: WeightSource) -> Tokenizer:
+    md = source.metadata
+    model = md.get("tokenizer.ggml.model")
+    if model is None:
+        raise MemraError(
+            f"{source.path}: GGUF has no tokenizer (tokenizer.ggml.model missing)", code="invalid_model"
+        )
+    if model != "gpt2":
+        raise MemraError(
+            f"{source.path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
+            "use the HF checkpoint directory with tokenizer.json instead",
+            code="invalid_model",
+        )
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+    pre = md.get("tokenizer.ggml.pre", "default")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    tk = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+    )
+    tk.pre_tokenizer = _pre_tokenizer(pre)
+    tk.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tokens[i], special=types[i] == 3, normalized=False)
+        for i in range(len(tokens))
+        if types[i] in (3, 4)
+    ]
+    tk.add_tokens(added)
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    eos = {
+        md[k]
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if k in md
+    }
+    eos |= _end_of_turn_ids(tk)
+    return Tokenizer(
+        tk,
+        bos_token_id=bos,
+        add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        eos_token_ids=frozenset(int(e) for e in eos),
+        chat_template=md.get("tokenizer.chat_template"),
+    )
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read JSON: {e}") from None
+
+
+def _token_str(v: Any) -> str | None:
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def _ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _hf_tokenizer(source: WeightSource) -> Tokenizer:
+    d = source.path
+    tj = d / "tokenizer.json"
+    if not tj.is_file():
+        raise MemraError(
+            f"{d}: no tokenizer.json (only HF fast tokenizers are supported)", code="invalid_model"
+        )
+    try:
+        tk = tokenizers.Tokenizer.from_file(str(tj))
+    except Exception as e:
+        raise MemraError(f"{tj}: cannot load tokenizer: {e}", code="invalid_model") from None
+    cfg = _json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    added = cfg.get("added_tokens_decoder") or {}
+    missing = [
+        AddedToken(v["content"], special=bool(v.get("special")), normalized=False)
+        for v in added.values()
+        if isinstance(v, dict) and tk.token_to_id(v.get("content", "")) is None
+    ]
+    if missing:
+        tk.add_tokens(missing)
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{name, template}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    model_cfg = source.metadata
+    bos_str = _token_str(cfg.get("bos_token"))
+    bos = tk.token_to_id(bos_str) if bos_str else None
+    if bos is None and model_cfg.get("bos_token_id") is not None:
+        bos = int(model_cfg["bos_token_id"])
+    if "add_bos_token" in cfg:
+        add_bos = bool(cfg["add_bos_token"])
+    else:  # a post-processor (e.g. Llama 3's TemplateProcessing) may add it
+        probe = tk.encode("a", add_special_tokens=True).ids
+        add_bos = bos is not None and bool(probe) and probe[0] == bos
+    eos: set[int] = set()
+    eos_str = _token_str(cfg.get("eos_token"))
+    if eos_str and tk.token_to_id(eos_str) is not None:
+        eos.add(tk.token_to_id(eos_str))
+    eos |= set(_ids(model_cfg.get("eos_token_id")))
+    eos |= set(_ids((model_cfg.get("_generation_config") or {}).get("eos_token_id")))
+    eos |= _end_of_turn_ids(tk)
+    return Tokenizer(
+        tk, bos_token_id=bos, add_bos=add_bos, eos_token_ids=frozenset(eos), chat_template=template
+    )
+
+
+def load_tokenizer(source: WeightSource) -> Tokenizer:
+    """The tokenizer of ``source`` (GGUF: built from tokenizer.ggml.*; HF dir: tokenizer.json + configs)."""
+    if source.format == "gguf":
+        return _gguf_tokenizer(source)
+    return _hf_tokenizer(source)
