@@ -154,6 +154,8 @@ class KernelBuilder:
             workers = jobs or env.MEMRA_COMPILE_JOBS.get() or (os.cpu_count() or 1)
             done = 0
             lock = threading.Lock()
+            tty = bool(progress is not None and getattr(progress, "isatty", lambda: False)())
+            step = max(1, len(misses) // 4)  # without a terminal: a line per quarter
 
             def one(item: tuple[KernelSpec, str, str]) -> tuple[KernelSpec, CompiledKernel, float]:
                 nonlocal done
@@ -161,8 +163,12 @@ class KernelBuilder:
                 kernel, dt = self._compile(spec, source, key)
                 with lock:
                     done += 1
-                    if progress is not None:
-                        progress.write(f"\rmemra: compiling kernels for {self.arch}: {done}/{len(misses)}")
+                    if progress is not None and (tty or done == len(misses) or done % step == 0):
+                        end = "" if tty else "\n"
+                        lead = "\r" if tty else ""
+                        progress.write(
+                            f"{lead}memra: compiling kernels for {self.arch}: {done}/{len(misses)}{end}"
+                        )
                         progress.flush()
                 return spec, kernel, dt
 
@@ -170,7 +176,7 @@ class KernelBuilder:
                 for spec, kernel, dt in pool.map(one, misses):
                     results[spec] = kernel
                     stats.compile_seconds += dt
-            if progress is not None:
+            if progress is not None and tty:
                 progress.write("\n")
             stats.compiled = len(misses)
         stats.kernels = [results[s] for s in unique]

@@ -213,10 +213,10 @@ def _merge_parent(child: dict, parent: dict, file: Path) -> dict:
     """Apply a child family's delta to its parent's raw YAML."""
     merged = copy.deepcopy(parent)
     merged["family"] = child["family"]
-    for key in ("description", "matches", "rope_style", "quants"):
+    for key in ("description", "matches", "rope_style", "quants", "sizes"):
         if key in child:
             merged[key] = child[key]
-    for key in ("dims", "tensors", "sizes"):
+    for key in ("dims", "tensors"):
         base = dict(merged.get(key) or {})
         for name, value in (child.get(key) or {}).items():
             if value is None:
