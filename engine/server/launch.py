@@ -1,0 +1,115 @@
+"""`memra serve` and `memra keys`: turn CLI flags + memra.toml into a running server.
+
+Builds the model -> tokenizer -> runner -> Engine stack in the loader thread that run_server
+starts (so /health says "loading" meanwhile), and maps API-key tenants to engine concurrency
+limits. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from engine.server.model_info import ModelInfo
+from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
+from engine.types import ConfigError, MemraError
+
+DEFAULT_ALIAS = "default"
+
+
+def _model_and_aliases(args: argparse.Namespace, cfg: ServerConfig) -> tuple[str | None, tuple[str, ...]]:
+    """(model path or None for the embedded default, names the model answers to)."""
+    if args.model:
+        aliases = [a for a, p in cfg.models.items() if Path(p).expanduser() == Path(args.model).expanduser()]
+        return args.model, tuple(aliases) + (DEFAULT_ALIAS,)
+    paths = {str(Path(p).expanduser()) for p in cfg.models.values()}
+    if len(paths) > 1:
+        raise ConfigError(
+            "memra serves one model per process; the config/MEMRA_MODELS name several different paths "
+            f"({', '.join(sorted(paths))}). Run one `memra serve` per model."
+        )
+    if paths:
+        return paths.pop(), tuple(cfg.models) + (DEFAULT_ALIAS,)
+    return None, (DEFAULT_ALIAS,)
+
+
+def build_engine(
+    model_arg: str | None,
+    aliases: tuple[str, ...],
+    cfg: ServerConfig,
+    backend: str,
+    device_profile: str | None,
+    quant: str | None = None,
+):
+    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests."""
+    from engine.cli import load_stack
+    from engine.loop import Engine, EngineConfig
+
+    model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
+    keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
+    limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
+    engine = Engine(
+        runner, tokenizer, EngineConfig(max_running=cfg.max_running, tenant_max_concurrency=limits)
+    )
+    engine.start()
+    model_id = model.path.stem if model.path.suffix == ".gguf" else model.path.name
+    info = ModelInfo(
+        id=model_id,
+        context_length=int(runner.max_model_len),
+        backend=runner.backend,
+        created=int(time.time()),
+        aliases=tuple(a for a in aliases if a != model_id),
+    )
+    return engine, tokenizer, info
+
+
+def serve_from_cli(args: argparse.Namespace) -> int:
+    from engine.server.serve import run_server
+
+    cfg = load_server_config(args.config, host=args.host, port=args.port)
+    model_arg, aliases = _model_and_aliases(args, cfg)
+    if model_arg is None:
+        # fetch the default model before the server starts, so a download problem is a clear CLI error
+        from engine.default_model import default_model_path
+
+        model_arg = str(default_model_path())
+    print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
+    return run_server(
+        cfg, lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant)
+    )
+
+
+def _keys_path(args: argparse.Namespace) -> Path:
+    cfg_path = Path(args.config)
+    if cfg_path.exists():
+        cfg = load_server_config(cfg_path)
+        if cfg.keys_file:
+            return Path(cfg.keys_file)
+        raise ConfigError(f"{cfg_path}: set server.keys_file (the TOML file holding API keys) to manage keys")
+    # no config yet: the named file itself is the keys file
+    return cfg_path
+
+
+def keys_from_cli(args: argparse.Namespace) -> int:
+    path = _keys_path(args)
+    if args.action == "add":
+        if not args.tenant:
+            raise MemraError("memra keys add needs --tenant NAME", param="tenant")
+        key, entry = add_key(path, args.tenant, max_concurrency=args.max_concurrency or 0)
+        print(f"added {entry.id} for tenant {entry.tenant} to {path}")
+        print(f"key (shown once, store it now): {key}")
+    elif args.action == "list":
+        keys = list_keys(path) if path.exists() else []
+        if not keys:
+            print(f"no keys in {path}")
+        for k in keys:
+            limit = k.max_concurrency or "unlimited"
+            print(f"{k.id}  tenant={k.tenant}  max_concurrency={limit}  created={k.created}")
+    else:
+        if not args.name:
+            raise MemraError("memra keys revoke needs --name KEY_ID (see `memra keys list`)", param="name")
+        gone = revoke_key(path, args.name)
+        print(f"revoked {gone.id} (tenant {gone.tenant})")
+    return 0
