@@ -48,20 +48,20 @@ class KernelDoc:
     smem: str = "static only"
 
 
-P, I, F = "ptr", "i32", "f32"
+P, I32 = "ptr", "i32"
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
             quant=str, n=int, k=int, bmax=int, threads=int, rows_per_block=int, residual=bool, out_dtype=str
         ),
-        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I)),
+        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         ("quant", "n", "k", "bmax", "threads", "residual", "out_dtype"),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
     ),
     "gemm": KernelDoc(
         dict(n=int, k=int, tile_m=int, tile_n=int, tile_k=int, stages=int, warps=int, residual=bool),
-        (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I)),
+        (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         ("n", "k", "tile_m", "tile_n", "tile_k", "stages", "residual"),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
@@ -69,14 +69,14 @@ KERNELS: dict[str, KernelDoc] = {
     ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool),
-        (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I)),
+        (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I32)),
         ("n", "eps", "threads", "residual"),
         "(rows,)",
         "(threads,)",
     ),
     "embed": KernelDoc(
         dict(quant=str, hidden=int, threads=int),
-        (("out", P), ("table", P), ("ids", P), ("rows", I)),
+        (("out", P), ("table", P), ("ids", P), ("rows", I32)),
         ("quant", "hidden", "threads"),
         "(rows,)",
         "(threads,)",
@@ -108,7 +108,7 @@ KERNELS: dict[str, KernelDoc] = {
             ("k_cache", P),
             ("v_cache", P),
             ("slots", P),
-            ("rows", I),
+            ("rows", I32),
         ),
         (
             "heads",
@@ -126,7 +126,7 @@ KERNELS: dict[str, KernelDoc] = {
     ),
     "silu_mul": KernelDoc(
         dict(inter=int, in_stride=int, threads=int),
-        (("out", P), ("g", P), ("u", P), ("rows", I)),
+        (("out", P), ("g", P), ("u", P), ("rows", I32)),
         ("inter", "in_stride", "threads"),
         "(ceil(inter / (8 * threads)), rows)",
         "(threads,)",
@@ -154,8 +154,8 @@ KERNELS: dict[str, KernelDoc] = {
             ("v_cache", P),
             ("block_tables", P),
             ("positions", P),
-            ("max_blocks", I),
-            ("max_splits", I),
+            ("max_blocks", I32),
+            ("max_splits", I32),
         ),
         ("heads", "kv_heads", "head_dim", "block_size", "split", "q_stride", "out_stride", "mode", "direct"),
         "(rows, kv_heads, 1 if direct else max_splits)",
@@ -163,14 +163,14 @@ KERNELS: dict[str, KernelDoc] = {
     ),
     "attention_combine": KernelDoc(
         dict(heads=int, head_dim=int, split=int, out_stride=int),
-        (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I)),
+        (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
         ("heads", "head_dim", "split", "out_stride"),
         "(rows, heads)",
         "(head_dim,)",
     ),
     "argmax": KernelDoc(
         dict(vocab=int, ld=int, threads=int),
-        (("out", P), ("logits", P), ("rows", I)),
+        (("out", P), ("logits", P), ("rows", I32)),
         ("vocab", "ld", "threads"),
         "(rows,)",
         "(threads,)",
@@ -186,7 +186,7 @@ KERNELS: dict[str, KernelDoc] = {
             ("min_p", P),
             ("seed", P),
             ("step", P),
-            ("rows", I),
+            ("rows", I32),
         ),
         ("vocab", "ld", "threads"),
         "(rows,)",
@@ -201,7 +201,7 @@ KERNELS: dict[str, KernelDoc] = {
             ("presence", P),
             ("frequency", P),
             ("repetition", P),
-            ("rows", I),
+            ("rows", I32),
         ),
         ("vocab", "threads"),
         "(ceil(vocab / threads), rows)",
