@@ -1,0 +1,210 @@
+"""`memra bench`: compile (cold/warm), load, runner prefill/decode with roofline fractions, and the
+engine loop under concurrency (aggregate tok/s, TTFT p50/p99). JSON plus a short table.
+
+The raw-runner measurements live in engine/runner_bench.py; this module adds what sits around them.
+Must not import CUDA (runners do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engine.types import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def bench_engine(
+    engine: Any,
+    concurrency: int,
+    prompt_len: int = 440,
+    gen_tokens: int = 128,
+    vocab: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """``concurrency`` requests submitted at once through the engine loop (closed batch); each has a
+    distinct random prompt (no prefix hits) and generates exactly ``gen_tokens`` (ignore_eos)."""
+    import random
+
+    rng = random.Random(seed)
+    reqs = [
+        GenerationRequest(
+            request_id=f"bench-{uuid.uuid4().hex[:8]}",
+            prompt_ids=[rng.randrange(100, vocab) for _ in range(prompt_len)],
+            sampling=GREEDY,
+            max_tokens=gen_tokens,
+            ignore_eos=True,
+            cache_salt=uuid.uuid4().hex,
+        )
+        for _ in range(concurrency)
+    ]
+    ttfts: list[float] = []
+    itls: list[float] = []
+    generated = [0] * concurrency
+    lock = threading.Lock()
+
+    def consume(i: int, handle: Any, t0: float) -> None:
+        last = None
+        for ev in handle:
+            now = time.perf_counter()
+            if ev.token_ids:
+                with lock:
+                    if last is None:
+                        ttfts.append(now - t0)
+                    else:
+                        itls.append(now - last)
+                last = now
+            if ev.usage is not None:
+                generated[i] = ev.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    threads = []
+    for i, r in enumerate(reqs):
+        h = engine.submit(r)
+        th = threading.Thread(target=consume, args=(i, h, t0), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    total = sum(generated)
+    return {
+        "kind": "engine",
+        "concurrency": concurrency,
+        "prompt_tokens": prompt_len,
+        "gen_tokens": gen_tokens,
+        "wall_s": round(wall, 3),
+        "generated": total,
+        "aggregate_tok_s": round(total / wall, 1),
+        "ttft_p50_ms": round(1e3 * percentile(ttfts, 0.5), 1),
+        "ttft_p99_ms": round(1e3 * percentile(ttfts, 0.99), 1),
+        "itl_p50_ms": round(1e3 * percentile(itls, 0.5), 2),
+        "itl_p99_ms": round(1e3 * percentile(itls, 0.99), 2),
+    }
+
+
+def bench_compile(model: Any, profile: Any) -> dict:
+    """Cold (empty cache) and warm (all hits) build of every kernel the model's plan needs."""
+    from engine.compile import KernelBuilder
+    from engine.kcache import KernelCache
+    from engine.plan import build_plan, kernel_specs
+
+    plan = build_plan(model.graph, model.dims, model.quant, profile, model.tensor_dtypes, model.rope_style)
+    specs = kernel_specs(plan)
+    with tempfile.TemporaryDirectory() as tmp:
+        builder = KernelBuilder(profile.arch, KernelCache(Path(tmp)), no_compile=False)
+        cold = builder.build_all(specs, progress=None)
+        warm = builder.build_all(specs, progress=None)
+    return {
+        "kind": "compile",
+        "kernels": len(specs),
+        "cold_s": round(cold.seconds, 2),
+        "warm_s": round(warm.seconds, 3),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        k = r["kind"]
+        if k == "compile":
+            out.append(
+                f"compile   {r['kernels']} kernels: cold {r['cold_s']:.2f} s, warm {r['warm_s']:.3f} s"
+            )
+        elif k == "load":
+            out.append(f"load      {r['seconds']:.2f} s ({r['backend']})")
+        elif k == "decode":
+            out.append(
+                f"decode    batch {r['batch']:>3} depth {r['depth']:>5}: {r['tok_s']:>9.1f} tok/s  "
+                f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline"
+            )
+        elif k == "prefill":
+            out.append(
+                f"prefill   {r['tokens']:>5} tokens: {r['tok_s']:>9.1f} tok/s  {r['tflops']:>6.1f} TFLOP/s  "
+                f"{100 * r['roofline_fraction']:5.1f}% of tensor-core peak"
+            )
+        elif k == "engine":
+            out.append(
+                f"engine    concurrency {r['concurrency']:>3}: {r['aggregate_tok_s']:>9.1f} tok/s aggregate, "
+                f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.1f} ms"
+            )
+    return "\n".join(out)
+
+
+def bench_from_cli(args: argparse.Namespace) -> int:
+    from engine.backend import create_runner
+    from engine.cli import resolve_model_path
+    from engine.loop import Engine, EngineConfig
+    from engine.model import load_model
+
+    path = resolve_model_path(args.model)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    model = load_model(path, quant=args.quant)
+    runner = create_runner(model, args.backend, args.device_profile)
+    rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
+    if runner.backend == "cuda":
+        rows.insert(0, bench_compile(model, runner.profile))
+        from engine import runner_bench
+
+        quick = args.quick
+        rows += runner_bench.run_all(
+            runner,
+            batches=(1, 8) if quick else (1, 8, 32),
+            depths=(0,) if quick else (0, 4096),
+            prefills=(512,) if quick else (512, 4096),
+            steps=16 if quick else 64,
+        )
+    if args.concurrency:
+        levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        engine = Engine(
+            runner, _NullTokenizer(), EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048)
+        )
+        engine.start()
+        try:
+            gen = 16 if runner.backend == "reference" or args.quick else 128
+            plen = 64 if runner.backend == "reference" else 440
+            bench_engine(engine, 1, plen, 4, vocab=int(model.dims["vocab"]))  # warm-up (graph capture)
+            for c in levels:
+                rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))
+        finally:
+            engine.shutdown(10)
+    result = {"model": str(path), "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(table(rows))
+    print(json.dumps(result), file=sys.stderr)
+    return 0
+
+
+class _NullTokenizer:
+    """Benchmarks need token ids only: no detokenisation cost in the measured loop."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> Any:
+        class _D:
+            def push(self, ids: list[int]) -> str:
+                return ""
+
+            def flush(self) -> str:
+                return ""
+
+        return _D()
