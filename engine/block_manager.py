@@ -1,0 +1,278 @@
+"""Paged-KV block manager: per-sequence block tables, refcounts, and a tenant-salted prefix cache.
+
+The runner owns the KV memory; this module only decides which block id belongs to whom. A block is
+in exactly one of three states:
+
+* free   - refcount 0, no content hash, in the free list;
+* cached - refcount 0, holds the KV of a full block whose chained hash is registered, in the LRU
+           (reusable by a prefix hit, evictable when a fresh block is needed);
+* used   - refcount > 0, listed in the tables of exactly ``refcount`` sequences.
+
+Prefix-cache keys are chained over FULL blocks: ``hash_i = H(hash_{i-1}, tokens of block i)`` with
+``hash_{-1}`` derived from ``(tenant, cache_salt)``, so a tenant can never hit another tenant's blocks.
+A block is registered only by :meth:`BlockManager.commit`, i.e. after the step that wrote its KV.
+Pure Python: must not import numpy, CUDA or other engine modules (``engine.types`` aside).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_HASH_VERSION = b"memra-prefix-v1"
+
+
+def cache_salt_hash(tenant: str, cache_salt: str = "") -> bytes:
+    """The chain seed for a (tenant, cache_salt) pair; length-prefixed so no two pairs collide."""
+    t, s = tenant.encode(), cache_salt.encode()
+    payload = b"%s|%d:%s|%d:%s" % (_HASH_VERSION, len(t), t, len(s), s)
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """``H(prev, tokens)``: the prefix-cache key of one full block given its predecessor's key."""
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Number of blocks needed to hold ``num_tokens`` positions."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class _SeqBlocks:
+    salt: bytes
+    table: list[int] = field(default_factory=list)
+    # Chain hashes of the leading full blocks whose KV is written (only kept with the cache enabled).
+    hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks that are full and written: read-only, safe to share.
+    committed: int = 0
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and keeps the prefix cache. Not thread-safe: one owner thread."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; front = evicted first
+        self._by_hash: dict[bytes, int] = {}
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self.evictions = 0
+
+    # ----- counters -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks holding reusable cached KV (evictable)."""
+        return len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a new allocation can take: free plus evictable cached."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def table(self, seq_id: int) -> list[int]:
+        """The sequence's block table (the live list; copy it before handing it out)."""
+        return self._seqs[seq_id].table
+
+    # ----- prefix cache ---------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int], salt: bytes) -> list[int]:
+        """Cached block ids covering a prefix of ``token_ids``; never the block of the last token.
+
+        The hit is capped at ``(len(token_ids) - 1) // block_size`` blocks so at least one token is
+        left to run (its logits are needed). Takes no references.
+        """
+        if not self.enable_prefix_cache:
+            return []
+        bs = self.block_size
+        limit = (len(token_ids) - 1) // bs
+        hits: list[int] = []
+        prev = salt
+        for i in range(limit):
+            prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_hash.get(prev)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ----- allocation -----------------------------------------------------------------------------
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], salt: bytes, *, headroom_blocks: int = 0
+    ) -> int | None:
+        """Give a new sequence a table covering all of ``token_ids``, reusing cached prefix blocks.
+
+        Succeeds only if, after the allocation, ``headroom_blocks`` more blocks would still be
+        available. Returns the number of prefix-hit tokens (KV already present), or ``None`` when the
+        blocks are not there (then nothing changed).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        hits = self.match_prefix(token_ids, salt)
+        needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
+        hits_from_lru = sum(1 for b in hits if self._ref[b] == 0)
+        if self.num_available - hits_from_lru < needed_new + headroom_blocks:
+            return None
+        seq = _SeqBlocks(salt=salt)
+        for b in hits:  # take references first so the fresh allocations below cannot evict them
+            self._acquire(b)
+            seq.table.append(b)
+            seq.hashes.append(self._hash[b])  # type: ignore[arg-type]
+        seq.committed = len(hits)
+        for _ in range(needed_new):
+            seq.table.append(self._take_fresh())
+        self._seqs[seq_id] = seq
+        return len(hits) * self.block_size
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Extend the table to cover ``num_tokens`` positions; False (unchanged) if blocks ran out."""
+        seq = self._seqs[seq_id]
+        need = blocks_for(num_tokens, self.block_size) - len(seq.table)
+        if need <= 0:
+            return True
+        if need > self.num_available:
+            return False
+        for _ in range(need):
+            seq.table.append(self._take_fresh())
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> int:
+        """Start ``child_id`` sharing the parent's committed (full, written, read-only) blocks.
+
+        Returns the number of tokens whose KV the child shares; the child recomputes the rest into
+        fresh blocks (there is no KV copy in the Runner protocol, so partial blocks are not shared).
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        parent = self._seqs[parent_id]
+        child = _SeqBlocks(salt=parent.salt, hashes=list(parent.hashes), committed=parent.committed)
+        for b in parent.table[: parent.committed]:
+            self._ref[b] += 1
+            child.table.append(b)
+        self._seqs[child_id] = child
+        return parent.committed * self.block_size
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Record that positions ``< num_computed`` now hold written KV; cache newly full blocks.
+
+        Call after the runner step that wrote them. A block whose key is already cached (another
+        sequence computed the same prefix concurrently) stays private and is freed normally.
+        """
+        seq = self._seqs[seq_id]
+        bs = self.block_size
+        full = min(num_computed // bs, len(seq.table))
+        if self.enable_prefix_cache:
+            prev = seq.hashes[-1] if seq.hashes else seq.salt
+            for i in range(len(seq.hashes), full):
+                prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
+                seq.hashes.append(prev)
+                block = seq.table[i]
+                if prev not in self._by_hash and self._hash[block] is None:
+                    self._hash[block] = prev
+                    self._by_hash[prev] = block
+        seq.committed = max(seq.committed, full)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (no-op for an unknown id). Cached blocks go to the LRU tail.
+
+        Blocks are released last-first so that, among one sequence's blocks, the deepest prefix
+        blocks are evicted before the shallow ones other prompts are likelier to share.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for b in reversed(seq.table):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash[b] is not None:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    # ----- internals ------------------------------------------------------------------------------
+    def _acquire(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._lru[block]
+        self._ref[block] += 1
+
+    def _take_fresh(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._lru:
+            block, _ = self._lru.popitem(last=False)
+            del self._by_hash[self._hash[block]]  # type: ignore[arg-type]
+            self._hash[block] = None
+            self.evictions += 1
+        else:  # callers check availability first; reaching here is a bug
+            raise AssertionError("BlockManager: no block available")
+        self._ref[block] = 1
+        return block
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any block-state invariant is broken (see module docstring)."""
+        n = self.num_blocks
+        free_set = set(self._free)
+        lru_set = set(self._lru)
+        assert len(free_set) == len(self._free), "a block is twice in the free list"
+        assert not (free_set & lru_set), "a block is both free and cached"
+        owners = [0] * n
+        for sid, seq in self._seqs.items():
+            assert len(set(seq.table)) == len(seq.table), f"seq {sid}: a block appears twice in its table"
+            assert seq.committed <= len(seq.table), (
+                f"seq {sid}: committed {seq.committed} > table {len(seq.table)}"
+            )
+            if self.enable_prefix_cache:
+                assert len(seq.hashes) == seq.committed, f"seq {sid}: {len(seq.hashes)} hashes != committed"
+            for b in seq.table:
+                assert 0 <= b < n, f"seq {sid}: block id {b} out of range"
+                owners[b] += 1
+        shared_ok: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for b in seq.table[: seq.committed]:
+                shared_ok[b] = shared_ok.get(b, 0) + 1
+        used = 0
+        for b in range(n):
+            ref = self._ref[b]
+            assert ref == owners[b], f"block {b}: refcount {ref} != {owners[b]} owning tables"
+            if ref > 0:
+                used += 1
+                assert b not in free_set and b not in lru_set, f"block {b} is referenced but free/cached"
+                if ref > 1:
+                    assert shared_ok.get(b, 0) == ref, (
+                        f"block {b} shared by {ref} tables but writable in some"
+                    )
+            else:
+                in_free, in_lru = b in free_set, b in lru_set
+                assert in_free != in_lru, f"block {b}: unreferenced but free={in_free} cached={in_lru}"
+                assert in_lru == (self._hash[b] is not None), f"block {b}: cached state and hash disagree"
+        assert used + len(free_set) + len(lru_set) == n, "free + cached + used != total"
+        for h, b in self._by_hash.items():
+            assert self._hash[b] == h, f"hash map points at block {b} holding a different key"
+        assert sum(1 for h in self._hash if h is not None) == len(self._by_hash), "unmapped hashed block"
+        for b in free_set:
+            assert self._hash[b] is None, f"free block {b} still has a hash"

@@ -1,0 +1,531 @@
+"""The engine loop: one thread owns the runner; requests come in through an inbox, tokens go out
+through per-request outboxes.
+
+Each step: drain the inbox (submit/abort/shutdown), schedule, ``runner.step``, append sampled tokens,
+check stop conditions, detokenize incrementally, push TokenEvents. The thread blocks on the inbox
+only when it has nothing to run. HTTP threads call ``submit``/``abort`` and read ``RequestHandle``s;
+they never touch the runner. A runner exception fails only the requests of that step; one with a
+true ``fatal`` attribute (or a bug in the loop itself) stops the engine and marks it unhealthy.
+Must not import numpy or CUDA.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
+from engine.scheduler import Scheduled, Scheduler, Sequence
+from engine.stop import StopChecker
+from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
+
+log = logging.getLogger("memra.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling limits. ``tenant_max_concurrency`` caps running+waiting requests per tenant."""
+
+    max_running: int = 64
+    max_waiting: int = 256
+    prefill_chunk_tokens: int = 512
+    max_step_tokens: int = 2048
+    tenant_max_concurrency: dict[str, int] = field(default_factory=dict)
+    enable_prefix_cache: bool = True
+
+    def validate(self) -> None:
+        for name in ("max_running", "max_waiting", "prefill_chunk_tokens", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_tokens < self.max_running:
+            raise ConfigError(
+                f"engine config: max_step_tokens ({self.max_step_tokens}) must be >= max_running "
+                f"({self.max_running}) so every running sequence can decode each step"
+            )
+        for tenant, cap in self.tenant_max_concurrency.items():
+            if cap < 1:
+                raise ConfigError(
+                    f"engine config: tenant_max_concurrency[{tenant!r}] must be >= 1, got {cap}"
+                )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot. KV blocks: ``free`` hold nothing, ``cached`` hold reusable prefix KV with no
+    owner (evictable), ``used`` are owned by sequences; free + cached + used == total."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_blocks_used: int
+    kv_block_size: int
+    prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
+    prefix_hit_tokens: int  # of those, tokens whose prefill was skipped
+    prefix_evictions: int
+    steps: int
+    step_failures: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    preemptions: int
+    finished: int  # ended by stop or length
+    aborted: int
+    errors: int  # ended by error
+    healthy: bool
+    draining: bool
+
+
+class RequestHandle:
+    """A request's outbox. Read with ``get``/iteration from any one thread."""
+
+    def __init__(self, engine: Engine, request_id: str):
+        self.request_id = request_id
+        self._engine = engine
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> TokenEvent:
+        """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""
+        event = self._events.get(timeout=timeout)
+        if event.finish_reason is not None:
+            self.finished = True
+        return event
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while not self.finished:
+            yield self.get()
+
+    def cancel(self) -> None:
+        self._engine.abort(self.request_id)
+
+
+@dataclass
+class _ReqState:
+    handle: RequestHandle
+    submitted: float
+    stop: StopChecker | None = None
+    first_event_sent: bool = False
+
+
+class Engine:
+    """The public engine API (see docs/engine-loop.md). All methods but the loop are thread-safe."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Any,
+        config: EngineConfig = EngineConfig(),
+        *,
+        on_step: Callable[[Engine], None] | None = None,
+    ):
+        config.validate()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.on_step = on_step  # test hook: called in the engine thread after every step
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_running=config.max_running,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            max_step_tokens=config.max_step_tokens,
+        )
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()  # engine state (scheduler, blocks, counters) vs stats/invariants
+        self._admit_lock = threading.Lock()  # submit-side bookkeeping below
+        self._seq_ids = itertools.count()
+        self._handles: dict[str, RequestHandle] = {}  # in flight: submitted, no final event yet
+        self._tenant_inflight: dict[str, int] = {}
+        self._inbox_submits = 0
+        self._waiting_seen = 0
+        self._closed = False
+        self._draining = False
+        self._crash: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._live: dict[str, Sequence] = {}  # engine thread only
+        self._cancel_at: float | None = None
+        self._n = dict.fromkeys(
+            ("steps", "step_failures", "prompt", "generated", "finished", "aborted", "errors"), 0
+        )
+
+    # ----- public API -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._admit_lock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self._crash is None
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Validate and enqueue a request; raises MemraError (context_length_exceeded, overloaded,
+        tenant_limit, draining, engine_error, invalid_request_error)."""
+        max_tokens = self._validate(req)
+        sampling = (
+            req.sampling
+            if req.sampling.seed is not None
+            else replace(req.sampling, seed=secrets.randbits(63))
+        )
+        with self._admit_lock:
+            if self._crash is not None:
+                raise MemraError(
+                    f"the engine has stopped after an internal error: {self._crash}", code="engine_error"
+                )
+            if self._draining or self._closed:
+                raise MemraError("the engine is draining and accepts no new requests", code="draining")
+            if req.request_id in self._handles:
+                raise MemraError(f"request id {req.request_id!r} is already in flight", param="request_id")
+            if self._inbox_submits + self._waiting_seen >= self.config.max_waiting:
+                raise MemraError(
+                    f"the server is overloaded ({self.config.max_waiting} requests already waiting); retry later",
+                    code="overloaded",
+                )
+            cap = self.config.tenant_max_concurrency.get(req.tenant)
+            if cap is not None and self._tenant_inflight.get(req.tenant, 0) >= cap:
+                raise MemraError(
+                    f"tenant {req.tenant!r} already has {cap} requests in flight (its limit)",
+                    code="tenant_limit",
+                )
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request=req,
+                sampling=sampling,
+                token_ids=list(req.prompt_ids),
+                prompt_len=len(req.prompt_ids),
+                max_tokens=max_tokens,
+                salt=cache_salt_hash(req.tenant, req.cache_salt),
+            )
+            handle = RequestHandle(self, req.request_id)
+            seq.state = _ReqState(handle=handle, submitted=time.perf_counter())
+            self._handles[req.request_id] = handle
+            self._tenant_inflight[req.tenant] = self._tenant_inflight.get(req.tenant, 0) + 1
+            self._inbox_submits += 1
+            self._inbox.put(("submit", seq))  # under the lock: inbox order == seq_id (arrival) order
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown or finished ids are ignored). Its blocks are freed
+        before the next step and its final event has ``finish_reason="abort"``."""
+        self._inbox.put(("abort", request_id))
+
+    def drain(self) -> None:
+        """Stop admitting: ``submit`` raises ``draining``; in-flight requests continue."""
+        with self._admit_lock:
+            self._draining = True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop admitting, let in-flight requests finish, abort whatever is left near the deadline,
+        and join the thread; returns within about ``timeout_s`` unless one runner step is longer."""
+        deadline = time.monotonic() + timeout_s
+        cancel_at = deadline - min(0.5, timeout_s / 4)
+        with self._admit_lock:
+            self._draining = True
+            thread = self._thread
+            if thread is None:
+                self._closed = True
+        if thread is None:
+            self._close_out("abort")
+            return
+        self._inbox.put(("shutdown", cancel_at))
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s, c, b = self.scheduler, self.scheduler.counters, self.blocks
+            return EngineStats(
+                running=len(s.running),
+                waiting=len(s.waiting) + self._inbox_submits,
+                kv_blocks_total=b.num_blocks,
+                kv_blocks_free=b.num_free,
+                kv_blocks_cached=b.num_cached,
+                kv_blocks_used=b.num_used,
+                kv_block_size=b.block_size,
+                prefix_query_tokens=c.prefix_query_tokens,
+                prefix_hit_tokens=c.prefix_hit_tokens,
+                prefix_evictions=b.evictions,
+                steps=self._n["steps"],
+                step_failures=self._n["step_failures"],
+                prompt_tokens_total=self._n["prompt"],
+                generated_tokens_total=self._n["generated"],
+                preemptions=c.preemptions,
+                finished=self._n["finished"],
+                aborted=self._n["aborted"],
+                errors=self._n["errors"],
+                healthy=self.healthy,
+                draining=self._draining,
+            )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block manager or the queues are inconsistent."""
+        with self._lock:
+            self.blocks.check_invariants()
+            s = self.scheduler
+            assert all(a.seq_id < b.seq_id for a, b in zip(s.running, s.running[1:], strict=False)), (
+                "running not oldest-first"
+            )
+            assert all(a.seq_id < b.seq_id for a, b in zip(s.waiting, s.waiting[1:], strict=False)), (
+                "waiting not oldest-first"
+            )
+            assert len(s.running) <= self.config.max_running, "more running sequences than max_running"
+            for seq in s.running:
+                assert seq.running and self.blocks.has_seq(seq.seq_id), (
+                    f"running seq {seq.seq_id} has no blocks"
+                )
+                covered = len(self.blocks.table(seq.seq_id)) * self.blocks.block_size
+                assert covered >= seq.num_computed, (
+                    f"seq {seq.seq_id}: table covers {covered} < {seq.num_computed}"
+                )
+                assert seq.num_computed < len(seq.token_ids), f"seq {seq.seq_id}: nothing left to run"
+            for seq in s.waiting:
+                assert not seq.running and not self.blocks.has_seq(seq.seq_id), (
+                    f"waiting seq {seq.seq_id} holds blocks"
+                )
+            owners = {seq.seq_id for seq in s.running}
+            assert set(self.blocks._seqs) == owners, "block tables exist for sequences that are not running"
+
+    # ----- validation -----------------------------------------------------------------------------
+    def _validate(self, req: GenerationRequest) -> int:
+        """Check what can be checked without the engine thread; return the resolved max_tokens."""
+        n = len(req.prompt_ids)
+        limit = self.runner.max_model_len
+        kv_tokens = self.blocks.num_blocks * self.blocks.block_size
+        if n == 0:
+            raise MemraError("the prompt is empty", param="prompt")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if isinstance(vocab, int) and any(not (0 <= t < vocab) for t in req.prompt_ids):
+            raise MemraError(
+                f"the prompt holds token ids outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        if req.max_tokens is None:
+            max_tokens = min(limit, kv_tokens) - n
+            if max_tokens < 1:
+                raise MemraError(
+                    f"the prompt has {n} tokens, leaving no room to generate: the context length is {limit} "
+                    f"tokens and the KV cache holds {kv_tokens}",
+                    code="context_length_exceeded",
+                    param="messages",
+                )
+            return max_tokens
+        max_tokens = req.max_tokens
+        if max_tokens < 1:
+            raise MemraError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if n + max_tokens > limit:
+            raise MemraError(
+                f"this model's maximum context length is {limit} tokens, but the request needs "
+                f"{n + max_tokens} ({n} in the prompt + {max_tokens} max_tokens)",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        need = blocks_for(n + max_tokens, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise MemraError(
+                f"the request needs {n + max_tokens} tokens ({n} in the prompt + {max_tokens} max_tokens) = "
+                f"{need} KV blocks, but the whole KV cache holds {self.blocks.num_blocks} blocks ({kv_tokens} tokens)",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    # ----- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        reason = "abort"
+        try:
+            while True:
+                self._drain_inbox(block=not self.scheduler.has_work() and self._cancel_at is None)
+                if self._cancel_at is not None and (
+                    not self.scheduler.has_work() or time.monotonic() >= self._cancel_at
+                ):
+                    break
+                if self.scheduler.has_work():
+                    self._step()
+        except BaseException as exc:  # a fatal runner error or a bug in the loop
+            log.exception("engine loop stopped")
+            self._crash = exc
+            reason = "error"
+        finally:
+            with self._admit_lock:
+                self._closed = True
+            self._close_out(reason)
+
+    def _close_out(self, reason: str) -> None:
+        """End every request still known (live or in the inbox) with ``reason``."""
+        error = None
+        if reason == "error":
+            error = MemraError(f"the engine stopped: {self._crash}", code="engine_error")
+        with self._lock:
+            for seq in list(self._live.values()):
+                try:
+                    self._finish(seq, reason, error=error)
+                except Exception:  # state may be broken after a crash: still tell the client
+                    self._live.pop(seq.request.request_id, None)
+                    seq.state.handle._events.put(
+                        TokenEvent(
+                            seq.request.request_id, [], "", finish_reason=reason, usage=Usage(), error=error
+                        )
+                    )
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    with self._admit_lock:
+                        self._inbox_submits -= 1
+                    self._live[payload.request.request_id] = payload
+                    self._finish(payload, reason, error=error)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            with self._lock:
+                if kind == "submit":
+                    with self._admit_lock:
+                        self._inbox_submits -= 1
+                    self._live[payload.request.request_id] = payload
+                    self.scheduler.add(payload)
+                    self._n["prompt"] += payload.prompt_len
+                elif kind == "abort":
+                    seq = self._live.get(payload)
+                    if seq is not None:
+                        self._finish(seq, "abort")
+                elif kind == "shutdown":
+                    self._cancel_at = payload
+                self._waiting_seen = len(self.scheduler.waiting)
+
+    def _step(self) -> None:
+        with self._lock:
+            batch = self.scheduler.schedule()
+            self._waiting_seen = len(self.scheduler.waiting)
+            items = [self._item(s) for s in batch]
+        if not batch:  # cannot happen with a consistent scheduler; avoid a busy spin if it does
+            time.sleep(0.001)
+            return
+        try:
+            sampled = self.runner.step(items)
+            if len(sampled) != len(items):
+                raise RuntimeError(f"runner returned {len(sampled)} results for {len(items)} items")
+        except Exception as exc:
+            if getattr(exc, "fatal", False):
+                raise
+            log.exception("runner step failed; failing its %d request(s)", len(batch))
+            with self._lock:
+                self._n["step_failures"] += 1
+                err = MemraError(f"the engine failed while running this request: {exc}", code="engine_error")
+                for s in batch:
+                    self._finish(s.seq, "error", error=err)
+        else:
+            with self._lock:
+                self._n["steps"] += 1
+                for s, token in zip(batch, sampled, strict=True):
+                    self._advance(s, token)
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _item(self, s: Scheduled) -> StepItem:
+        seq = s.seq
+        return StepItem(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[s.start : s.start + s.count],
+            start_pos=s.start,
+            block_table=list(self.blocks.table(seq.seq_id)),
+            sample=s.sample,
+            sampling=seq.sampling,
+            history=seq.token_ids,  # live list, valid for the duration of the step
+            prompt_len=seq.prompt_len,
+            num_generated=seq.num_generated,
+        )
+
+    def _advance(self, s: Scheduled, token: int | None) -> None:
+        seq = s.seq
+        seq.num_computed = s.start + s.count
+        self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        if not s.sample:
+            return
+        if not isinstance(token, int):
+            raise TypeError(f"runner returned {token!r} for a sampled item of sequence {seq.seq_id}")
+        st: _ReqState = seq.state
+        if st.stop is None:
+            req = seq.request
+            eos = frozenset() if req.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+            decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
+            st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
+        seq.token_ids.append(token)
+        self._n["generated"] += 1
+        text, reason = st.stop.push(token)
+        if reason is None and (
+            seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
+        ):
+            text += st.stop.finish()
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, token_ids=[token], text=text)
+        else:
+            st.handle._events.put(TokenEvent(seq.request.request_id, [token], text, ttft_s=self._ttft(st)))
+
+    def _ttft(self, st: _ReqState) -> float | None:
+        if st.first_event_sent:
+            return None
+        st.first_event_sent = True
+        return time.perf_counter() - st.submitted
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        *,
+        token_ids: list[int] | None = None,
+        text: str = "",
+        error: MemraError | None = None,
+    ) -> None:
+        """Remove the sequence, free its blocks, release its limits, then push its final event."""
+        rid = seq.request.request_id
+        if self._live.pop(rid, None) is None:
+            return
+        self.scheduler.remove(seq)
+        st: _ReqState = seq.state
+        usage = Usage(
+            prompt_tokens=seq.prompt_len,
+            completion_tokens=seq.num_generated,
+            cached_tokens=seq.cached_tokens or 0,
+        )
+        key = {"stop": "finished", "length": "finished", "abort": "aborted"}.get(reason, "errors")
+        self._n[key] += 1
+        with self._admit_lock:
+            self._handles.pop(rid, None)
+            tenant = seq.request.tenant
+            left = self._tenant_inflight.get(tenant, 1) - 1
+            if left > 0:
+                self._tenant_inflight[tenant] = left
+            else:
+                self._tenant_inflight.pop(tenant, None)
+        st.handle._events.put(
+            TokenEvent(
+                rid,
+                token_ids or [],
+                text,
+                finish_reason=reason,
+                usage=usage,
+                error=error,
+                ttft_s=self._ttft(st),
+            )
+        )

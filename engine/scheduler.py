@@ -1,0 +1,174 @@
+"""Continuous-batching scheduler: which sequences run in the next step, and which tokens of each.
+
+Policy per step (see docs/engine-loop.md):
+
+1. decode rows of running sequences, oldest first, one token each; when a row needs a new KV block
+   and none is left, the YOUNGEST running sequence is preempted (recompute: blocks released, its
+   written full blocks stay in the prefix cache, it goes back to the head of the waiting queue);
+2. prefill chunks of running sequences still prefilling, oldest first, under
+   ``prefill_chunk_tokens`` (and ``max_step_tokens`` overall);
+3. admission of waiting sequences strictly in arrival order (the oldest waiting request is never
+   overtaken, so nobody starves), each needing blocks for its whole known sequence plus one block of
+   headroom; skipped in a step that preempted (no thrashing).
+
+Every running sequence holds blocks for all of its known tokens, so only decode rows allocate.
+Pure Python: must not import numpy, CUDA or the loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+from engine.block_manager import BlockManager, blocks_for
+from engine.types import GenerationRequest, SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's scheduling state. ``token_ids`` is prompt + generated; KV of ``< num_computed`` is written."""
+
+    seq_id: int
+    request: GenerationRequest
+    sampling: SamplingParams  # with the seed filled in
+    token_ids: list[int]
+    prompt_len: int
+    max_tokens: int  # resolved (never None)
+    salt: bytes
+    num_computed: int = 0
+    cached_tokens: int | None = None  # prefix hit at first admission (usage.cached_tokens)
+    running: bool = False
+    state: Any = None  # loop-side state (handle, stop checker, timings)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is not yet written (1 for a decode row)."""
+        return len(self.token_ids) - self.num_computed
+
+    def __lt__(self, other: Sequence) -> bool:  # arrival order = seq_id order
+        return self.seq_id < other.seq_id
+
+
+@dataclass
+class Scheduled:
+    """One sequence's share of a step: tokens ``start .. start+count-1``; ``sample`` on the last chunk."""
+
+    seq: Sequence
+    start: int
+    count: int
+    sample: bool
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    admissions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues (both sorted oldest first) over a BlockManager."""
+
+    def __init__(
+        self, blocks: BlockManager, *, max_running: int, prefill_chunk_tokens: int, max_step_tokens: int
+    ):
+        self.blocks = blocks
+        self.max_running = max_running
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_step_tokens = max_step_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+        self.preempted_this_step: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished/aborted sequence from its queue and release its blocks."""
+        if seq.running:
+            self.running.remove(seq)
+            seq.running = False
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        victim.running = False
+        self.blocks.free(victim.seq_id)
+        victim.num_computed = 0
+        bisect.insort(self.waiting, victim)
+        self.counters.preemptions += 1
+        self.preempted_this_step.append(victim)
+
+    def schedule(self) -> list[Scheduled]:
+        """Decide the next step. Decode rows come first in the returned list, then prefill chunks."""
+        out: list[Scheduled] = []
+        self.preempted_this_step = []
+        budget = self.max_step_tokens
+        # 1. decode rows (remaining == 1), oldest first; preempt the youngest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.remaining != 1:
+                i += 1
+                continue
+            while not self.blocks.grow(seq.seq_id, seq.num_computed + 1):
+                victim = self.running[-1]  # youngest; never one already scheduled (those are older)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if not seq.running:
+                break  # seq was the youngest and is preempted: nothing after it
+            out.append(Scheduled(seq, seq.num_computed, 1, True))
+            budget -= 1
+            i += 1
+        # 2. continue chunked prefills, oldest first.
+        prefill = min(self.prefill_chunk_tokens, budget)
+        for seq in self.running:
+            if prefill <= 0:
+                break
+            if seq.remaining <= 1:
+                continue
+            n = min(seq.remaining, prefill)
+            out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
+            prefill -= n
+        # 3. admit waiting sequences in strict arrival order.
+        while (
+            self.waiting
+            and prefill > 0
+            and len(self.running) < self.max_running
+            and not self.preempted_this_step
+        ):
+            seq = self.waiting[0]
+            total = len(seq.token_ids)
+            # One block of headroom for decode growth, unless the sequence can never grow past this.
+            max_blocks = blocks_for(seq.prompt_len + seq.max_tokens, self.blocks.block_size)
+            headroom = 1 if blocks_for(total, self.blocks.block_size) < max_blocks else 0
+            hit = self.blocks.allocate(seq.seq_id, seq.token_ids, seq.salt, headroom_blocks=headroom)
+            if hit is None:
+                break  # the oldest waits for space; younger ones must not jump ahead
+            self.waiting.pop(0)
+            bisect.insort(self.running, seq)
+            seq.running = True
+            seq.num_computed = hit
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(hit, seq.prompt_len)
+            c = self.counters
+            c.admissions += 1
+            c.prefix_query_tokens += total
+            c.prefix_hit_tokens += hit
+            n = min(seq.remaining, prefill)
+            out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
+            prefill -= n
+        return out
