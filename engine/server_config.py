@@ -28,7 +28,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import env
@@ -85,8 +85,16 @@ class ServerConfig:
 
 
 _SERVER_TYPES = {
-    "host": str, "port": int, "max_body_bytes": int, "max_json_depth": int, "keepalive_s": float,
-    "drain_timeout_s": float, "max_running": int, "threads": int, "retry_after_s": int, "keys_file": str,
+    "host": str,
+    "port": int,
+    "max_body_bytes": int,
+    "max_json_depth": int,
+    "keepalive_s": float,
+    "drain_timeout_s": float,
+    "max_running": int,
+    "threads": int,
+    "retry_after_s": int,
+    "keys_file": str,
     "system_fingerprint": str,
 }
 
@@ -123,7 +131,9 @@ def load_server_config(path: str | os.PathLike | None = None, **overrides) -> Se
         for key, v in (data.get("server") or {}).items():
             kind = _SERVER_TYPES.get(key)
             if kind is None:
-                raise ConfigError(f"{p}: server.{key} is not a known setting ({', '.join(sorted(_SERVER_TYPES))})")
+                raise ConfigError(
+                    f"{p}: server.{key} is not a known setting ({', '.join(sorted(_SERVER_TYPES))})"
+                )
             if kind is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
             if not isinstance(v, kind) or isinstance(v, bool):
@@ -172,11 +182,18 @@ def read_keys(path: str | os.PathLike) -> list[ApiKey]:
     out = []
     for i, e in enumerate(data.get("key") or []):
         try:
-            k = ApiKey(id=str(e["id"]), sha256=str(e["sha256"]).lower(), tenant=str(e["tenant"]),
-                       max_concurrency=int(e.get("max_concurrency", 0)), cache_salt=str(e.get("cache_salt", "")),
-                       created=int(e.get("created", 0)))
+            k = ApiKey(
+                id=str(e["id"]),
+                sha256=str(e["sha256"]).lower(),
+                tenant=str(e["tenant"]),
+                max_concurrency=int(e.get("max_concurrency", 0)),
+                cache_salt=str(e.get("cache_salt", "")),
+                created=int(e.get("created", 0)),
+            )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{p}: key[{i}] is missing or has a bad field ({exc}); needs id, sha256, tenant") from None
+            raise ConfigError(
+                f"{p}: key[{i}] is missing or has a bad field ({exc}); needs id, sha256, tenant"
+            ) from None
         if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256):
             raise ConfigError(f"{p}: key[{i}].sha256 is not a 64-digit hex sha256")
         out.append(k)
@@ -192,9 +209,16 @@ def write_keys(path: str | os.PathLike, keys: list[ApiKey]) -> None:
     p = Path(path)
     lines = ["# memra API keys: sha256 hashes only. Edit with `memra keys add/list/revoke`.", ""]
     for k in keys:
-        lines += ["[[key]]", f"id = {_q(k.id)}", f"sha256 = {_q(k.sha256)}", f"tenant = {_q(k.tenant)}",
-                  f"max_concurrency = {int(k.max_concurrency)}", f"cache_salt = {_q(k.cache_salt)}",
-                  f"created = {int(k.created)}", ""]
+        lines += [
+            "[[key]]",
+            f"id = {_q(k.id)}",
+            f"sha256 = {_q(k.sha256)}",
+            f"tenant = {_q(k.tenant)}",
+            f"max_concurrency = {int(k.max_concurrency)}",
+            f"cache_salt = {_q(k.cache_salt)}",
+            f"created = {int(k.created)}",
+            "",
+        ]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=str(p.parent))
     try:
@@ -210,8 +234,14 @@ def write_keys(path: str | os.PathLike, keys: list[ApiKey]) -> None:
         raise
 
 
-def add_key(path: str | os.PathLike, tenant: str, *, max_concurrency: int = 0, cache_salt: str | None = None,
-            key: str | None = None) -> tuple[str, ApiKey]:
+def add_key(
+    path: str | os.PathLike,
+    tenant: str,
+    *,
+    max_concurrency: int = 0,
+    cache_salt: str | None = None,
+    key: str | None = None,
+) -> tuple[str, ApiKey]:
     """Create a key for ``tenant``; returns (plaintext key, shown once, and its stored entry)."""
     if not tenant or any(c in tenant for c in '"\\\n'):
         raise ConfigError(f"keys: tenant name {tenant!r} must be non-empty without quotes or newlines")
@@ -222,8 +252,14 @@ def add_key(path: str | os.PathLike, tenant: str, *, max_concurrency: int = 0, c
     keys = read_keys(path)
     if any(k.sha256 == h for k in keys):
         raise ConfigError(f"{path}: this key already exists")
-    entry = ApiKey(id="key_" + h[:8], sha256=h, tenant=tenant, max_concurrency=max_concurrency,
-                   cache_salt=tenant if cache_salt is None else cache_salt, created=int(time.time()))
+    entry = ApiKey(
+        id="key_" + h[:8],
+        sha256=h,
+        tenant=tenant,
+        max_concurrency=max_concurrency,
+        cache_salt=tenant if cache_salt is None else cache_salt,
+        created=int(time.time()),
+    )
     write_keys(path, keys + [entry])
     return key, entry
 
@@ -243,5 +279,15 @@ def revoke_key(path: str | os.PathLike, key_id: str) -> ApiKey:
     return gone
 
 
-__all__ = ["ApiKey", "ServerConfig", "load_server_config", "parse_models_env", "read_keys", "write_keys",
-           "add_key", "list_keys", "revoke_key", "hash_key", "replace"]
+__all__ = [
+    "ApiKey",
+    "ServerConfig",
+    "load_server_config",
+    "parse_models_env",
+    "read_keys",
+    "write_keys",
+    "add_key",
+    "list_keys",
+    "revoke_key",
+    "hash_key",
+]

@@ -110,6 +110,7 @@ class FakeEngine:
         while True:
             if stop_ev.wait(self.delay_s) if self.delay_s else stop_ev.is_set():
                 h.q.put(TokenEvent(req.request_id, [], "", "abort", Usage(len(req.prompt_ids), n, 0)))
+                self.finished.append(req.request_id)
                 return
             if self.forever:
                 chunk = "x"
@@ -122,8 +123,15 @@ class FakeEngine:
                 self.finished.append(req.request_id)
                 return
             n += 1
-            h.q.put(TokenEvent(req.request_id, [ord(chunk[0]) if chunk else 1], chunk, None,
-                               ttft_s=(time.monotonic() - t0) if first else None))
+            h.q.put(
+                TokenEvent(
+                    req.request_id,
+                    [ord(chunk[0]) if chunk else 1],
+                    chunk,
+                    None,
+                    ttft_s=(time.monotonic() - t0) if first else None,
+                )
+            )
             first = False
         h.q.put(TokenEvent(req.request_id, [0], "", self.finish_reason, Usage(len(req.prompt_ids), n, 2)))
         self.finished.append(req.request_id)

@@ -6,12 +6,12 @@ import json
 
 import falcon.testing
 import pytest
+from server_fakes import FakeEngine, FakeTokenizer
 
 from engine.server.app import app_state, create_app
 from engine.server.model_info import ModelInfo
 from engine.server_config import ApiKey, ServerConfig, hash_key
 from engine.types import MemraError
-from server_fakes import FakeEngine, FakeTokenizer
 
 INFO = ModelInfo("smol", context_length=2048, backend="fake", created=1, aliases=("smol-alias",))
 
@@ -55,8 +55,11 @@ def test_chat_nonstream_shape_and_usage():
 
 def test_request_id_echoed_and_defaults():
     c, eng = make()
-    r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                        headers={"x-request-id": "abc-123"})
+    r = c.simulate_post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-request-id": "abc-123"},
+    )
     assert r.headers["x-request-id"] == "abc-123"
     req = eng.submitted[0]
     assert req.sampling.temperature == 1.0 and req.sampling.seed is None
@@ -113,10 +116,19 @@ def test_completions_and_prompt_forms():
     assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == "Hello, world!" and ev[-1] == "[DONE]"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logprobs", True), ("top_logprobs", 3), ("n", 2), ("best_of", 2), ("logit_bias", {"1": 5}),
-    ("response_format", {"type": "json_object"}), ("suffix", "x"), ("echo", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("n", 2),
+        ("best_of", 2),
+        ("logit_bias", {"1": 5}),
+        ("response_format", {"type": "json_object"}),
+        ("suffix", "x"),
+        ("echo", True),
+    ],
+)
 def test_unsupported_fields_named(field, value):
     c, _ = make()
     body = {"prompt": "a", field: value}
@@ -127,12 +139,29 @@ def test_unsupported_fields_named(field, value):
         assert r.status_code == 400 and r.json["error"]["param"] == field
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", "hot"), ("temperature", 3), ("top_p", 0), ("top_k", 1.5), ("max_tokens", 0),
-    ("max_tokens", "5"), ("stop", 5), ("stop", ["x"] * 17), ("seed", 1.5), ("stream", "yes"),
-    ("presence_penalty", 9), ("repetition_penalty", 0), ("min_p", 2), ("stream_options", 3),
-    ("ignore_eos", 1), ("cache_salt", 5), ("tools", "x"), ("tool_choice", "maybe"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", "hot"),
+        ("temperature", 3),
+        ("top_p", 0),
+        ("top_k", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", "5"),
+        ("stop", 5),
+        ("stop", ["x"] * 17),
+        ("seed", 1.5),
+        ("stream", "yes"),
+        ("presence_penalty", 9),
+        ("repetition_penalty", 0),
+        ("min_p", 2),
+        ("stream_options", 3),
+        ("ignore_eos", 1),
+        ("cache_salt", 5),
+        ("tools", "x"),
+        ("tool_choice", "maybe"),
+    ],
+)
 def test_wrong_types_named(field, value):
     c, _ = make()
     r = chat(c, **{field: value})
@@ -142,8 +171,18 @@ def test_wrong_types_named(field, value):
 
 def test_unknown_fields_ignored_and_passthrough_options():
     c, eng = make()
-    r = chat(c, some_future_field={"a": 1}, user="u1", ignore_eos=True, cache_salt="s1", min_p=0.1,
-             repetition_penalty=1.2, response_format={"type": "text"}, n=1, logprobs=False)
+    r = chat(
+        c,
+        some_future_field={"a": 1},
+        user="u1",
+        ignore_eos=True,
+        cache_salt="s1",
+        min_p=0.1,
+        repetition_penalty=1.2,
+        response_format={"type": "text"},
+        n=1,
+        logprobs=False,
+    )
     assert r.status_code == 200, r.text
     req = eng.submitted[0]
     assert req.ignore_eos and req.cache_salt.endswith("s1") and req.sampling.repetition_penalty == 1.2
@@ -151,9 +190,13 @@ def test_unknown_fields_ignored_and_passthrough_options():
 
 def test_message_validation():
     c, _ = make()
-    for msgs, param in [([], "messages"), ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-                        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
-                        ([{"role": "user"}], "messages[0].content"), (["x"], "messages[0]")]:
+    for msgs, param in [
+        ([], "messages"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
+        ([{"role": "user"}], "messages[0].content"),
+        (["x"], "messages[0]"),
+    ]:
         r = c.simulate_post("/v1/chat/completions", json={"messages": msgs})
         assert r.status_code == 400 and r.json["error"]["param"] == param, (msgs, r.text)
 
@@ -173,8 +216,10 @@ def test_max_tokens_clamped_to_context():
     assert req.max_tokens == INFO.context_length - len(req.prompt_ids)
 
 
-@pytest.mark.parametrize("code,status", [("overloaded", 429), ("tenant_limit", 429), ("draining", 503),
-                                         ("context_length_exceeded", 400)])
+@pytest.mark.parametrize(
+    "code,status",
+    [("overloaded", 429), ("tenant_limit", 429), ("draining", 503), ("context_length_exceeded", 400)],
+)
 def test_engine_submit_errors(code, status):
     eng = FakeEngine()
     eng.submit_error = MemraError("nope", code=code)
@@ -204,8 +249,10 @@ def test_unknown_route_is_json_404():
 
 
 def _keys_config(**kw):
-    keys = (ApiKey("key_a", hash_key("secret-a"), "acme", max_concurrency=1, cache_salt="acme-salt"),
-            ApiKey("key_b", hash_key("secret-b"), "beta"))
+    keys = (
+        ApiKey("key_a", hash_key("secret-a"), "acme", max_concurrency=1, cache_salt="acme-salt"),
+        ApiKey("key_b", hash_key("secret-b"), "beta"),
+    )
     return ServerConfig(keys=keys, keepalive_s=0.3, **kw)
 
 
@@ -213,18 +260,33 @@ def test_auth_bearer_and_x_api_key_and_tenant():
     c, eng = make(config=_keys_config())
     r = chat(c)
     assert r.status_code == 401 and r.json["error"]["code"] == "invalid_api_key"
-    r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
-                        headers={"Authorization": "Bearer wrong"})
+    r = c.simulate_post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": "Bearer wrong"},
+    )
     assert r.status_code == 401
-    r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
-                        headers={"Authorization": "Bearer secret-a"})
+    r = c.simulate_post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": "Bearer secret-a"},
+    )
     assert r.status_code == 200
     assert eng.submitted[-1].tenant == "acme" and eng.submitted[-1].cache_salt == "acme-salt"
-    r = c.simulate_post("/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
-                        headers={"x-api-key": "secret-b"})
+    r = c.simulate_post(
+        "/v1/messages",
+        json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+        headers={"x-api-key": "secret-b"},
+    )
     assert r.status_code == 200 and eng.submitted[-1].tenant == "beta"
-    r = c.simulate_post("/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 401 and r.json["type"] == "error" and r.json["error"]["type"] == "authentication_error"
+    r = c.simulate_post(
+        "/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert (
+        r.status_code == 401
+        and r.json["type"] == "error"
+        and r.json["error"]["type"] == "authentication_error"
+    )
     assert c.simulate_get("/health").status_code == 200
     assert c.simulate_get("/admin/kv").status_code == 401
     assert c.simulate_get("/admin/kv", headers={"Authorization": "Bearer secret-b"}).status_code == 200
@@ -237,9 +299,6 @@ def test_tenant_concurrency_limit():
     hdr = {"Authorization": "Bearer secret-a"}
     body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
     app = c.app
-    # open one stream (do not consume), then a second request from the same tenant is refused
-    r1 = falcon.testing.simulate_request(app, "POST", "/v1/chat/completions", json=body, headers=hdr,
-                                         _stream_result=False) if False else None  # noqa: F841
     from engine.server.auth import Tenant
 
     state = app_state(app)
@@ -248,15 +307,27 @@ def test_tenant_concurrency_limit():
     assert r.status_code == 429 and r.json["error"]["code"] == "tenant_limit" and r.headers["retry-after"]
     state.release(Tenant("acme", 1))
     eng.forever = False
-    assert c.simulate_post("/v1/chat/completions", json={**body, "stream": False}, headers=hdr).status_code == 200
+    assert (
+        c.simulate_post("/v1/chat/completions", json={**body, "stream": False}, headers=hdr).status_code
+        == 200
+    )
 
 
 def test_body_limits():
     c, _ = make(config=ServerConfig(max_body_bytes=1000))
     r = c.simulate_post("/v1/chat/completions", body=b"{" + b" " * 2000 + b"}")
     assert r.status_code == 413
-    for raw in [b"\xff\xfe{}", b"{bad", b'{"a": NaN}', b'{"a": 1' + b"0" * 60 + b"}", b"[1]",
-                b"[" * 500 + b"]" * 500, b'{"messages": "\\ud800"}', b"", b'{"a": 1e999}']:
+    for raw in [
+        b"\xff\xfe{}",
+        b"{bad",
+        b'{"a": NaN}',
+        b'{"a": 1' + b"0" * 60 + b"}",
+        b"[1]",
+        b"[" * 500 + b"]" * 500,
+        b'{"messages": "\\ud800"}',
+        b"",
+        b'{"a": 1e999}',
+    ]:
         r = c.simulate_post("/v1/chat/completions", body=raw)
         assert r.status_code == 400, (raw[:20], r.status_code, r.text)
         assert r.json["error"]["code"] == "invalid_json"
@@ -318,11 +389,13 @@ def test_draining_refuses_new_requests():
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
 
 
 def _split(text, n=3):
-    return lambda req: [text[i:i + n] for i in range(0, len(text), n)]
+    return lambda req: [text[i : i + n] for i in range(0, len(text), n)]
 
 
 def test_chat_tool_call_nonstream_and_stream():
@@ -352,7 +425,11 @@ def test_tool_choice_none_and_named_mismatch():
     tools2 = TOOLS + [{"type": "function", "function": {"name": "other"}}]
     r = chat(c, tools=tools2, tool_choice={"type": "function", "function": {"name": "other"}})
     ch = r.json["choices"][0]
-    assert ch["finish_reason"] == "stop" and ch["message"]["content"] == CALL_TEXT and "tool_calls" not in ch["message"]
+    assert (
+        ch["finish_reason"] == "stop"
+        and ch["message"]["content"] == CALL_TEXT
+        and "tool_calls" not in ch["message"]
+    )
     assert "You must call the tool `other`" in "".join(chr(i) for i in eng.submitted[1].prompt_ids)
     r = chat(c, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert r.status_code == 400 and r.json["error"]["param"] == "tool_choice.function.name"
@@ -362,15 +439,28 @@ def test_malformed_tool_call_is_content():
     bad = 'x <tool_call>{"name": "get_weather", "arguments": {"city": </tool_call> y'
     c, _ = make(FakeEngine(script=_split(bad)))
     r = chat(c, tools=TOOLS)
-    assert r.json["choices"][0]["message"]["content"] == bad and r.json["choices"][0]["finish_reason"] == "stop"
+    assert (
+        r.json["choices"][0]["message"]["content"] == bad and r.json["choices"][0]["finish_reason"] == "stop"
+    )
 
 
 def test_assistant_tool_history_accepted():
     c, eng = make()
-    msgs = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"P"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"P"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     r = c.simulate_post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS})
     assert r.status_code == 200, r.text
     assert '"city": "P"' in "".join(chr(i) for i in eng.submitted[0].prompt_ids)
@@ -392,14 +482,20 @@ def anth_events(text):
 
 def test_anthropic_nonstream_and_validation():
     c, eng = make()
-    r = anth(c, system=[{"type": "text", "text": "be brief"}], stop_sequences=["END"], top_k=3, temperature=0.2)
+    r = anth(
+        c, system=[{"type": "text", "text": "be brief"}], stop_sequences=["END"], top_k=3, temperature=0.2
+    )
     b = r.json
     assert b["type"] == "message" and b["id"].startswith("msg_") and b["role"] == "assistant"
     assert b["content"] == [{"type": "text", "text": "Hello, world!"}]
     assert b["stop_reason"] == "end_turn" and b["usage"]["output_tokens"] == 4
     assert eng.submitted[0].stop == ["END"] and eng.submitted[0].sampling.top_k == 3
     r = c.simulate_post("/v1/messages", json={"messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 400 and r.json["type"] == "error" and r.json["error"]["type"] == "invalid_request_error"
+    assert (
+        r.status_code == 400
+        and r.json["type"] == "error"
+        and r.json["error"]["type"] == "invalid_request_error"
+    )
     assert "max_tokens" in r.json["error"]["message"]
     r = anth(c, max_tokens=2)
     assert r.json["stop_reason"] == "max_tokens"
@@ -414,8 +510,14 @@ def test_anthropic_stream_event_sequence_with_tool_use():
     assert names[:2] == ["message_start", "ping"]
     assert names[-2:] == ["message_delta", "message_stop"]
     collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1] or n != "content_block_delta"]
-    assert collapsed[2:-2] == ["content_block_start", "content_block_delta", "content_block_stop",
-                               "content_block_start", "content_block_delta", "content_block_stop"]
+    assert collapsed[2:-2] == [
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+    ]
     text = "".join(e["delta"]["text"] for n, e in evs if n == "content_block_delta" and e["index"] == 0)
     assert text == "Let me check."
     start = next(e for n, e in evs if n == "content_block_start" and e["index"] == 1)
@@ -430,9 +532,14 @@ def test_anthropic_stream_event_sequence_with_tool_use():
 
 def test_anthropic_tool_result_history_and_count_tokens():
     c, eng = make()
-    msgs = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": 1}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": 1}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]
     r = anth(c, messages=msgs)
     assert r.status_code == 200, r.text
     prompt = "".join(chr(i) for i in eng.submitted[0].prompt_ids)
@@ -451,6 +558,7 @@ def test_anthropic_stop_sequence_reason():
 
     def produce(req, h):
         from engine.types import TokenEvent, Usage
+
         h.q.put(TokenEvent(req.request_id, [97], "a"))
         h.q.put(TokenEvent(req.request_id, [69, 78, 68], "", "stop", Usage(3, 4, 0)))
         eng.finished.append(req.request_id)

@@ -41,8 +41,15 @@ class Messages:
         spec = parse_anthropic(read_json(req, st))
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
-        run = Run(st, req.context.tenant, spec, ids, param="messages", disconnected=disconnect_probe(req),
-                  id_prefix="msg_")
+        run = Run(
+            st,
+            req.context.tenant,
+            spec,
+            ids,
+            param="messages",
+            disconnected=disconnect_probe(req),
+            id_prefix="msg_",
+        )
         run.submit()
         if spec.stream:
             start_sse(resp)
@@ -65,7 +72,7 @@ class Messages:
                 full = self.state.tokenizer.decode(run.generated_ids)
             except Exception:
                 full = ""
-            tail = full[max(0, len(emitted) - 8):]
+            tail = full[max(0, len(emitted) - 8) :]
             hits = [(tail.find(s), s) for s in spec.stop if s in tail]
             if hits:
                 return "stop_sequence", min(hits)[1]
@@ -73,8 +80,12 @@ class Messages:
 
     def _usage(self, run: Run) -> dict:
         u = run.usage
-        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": u.prompt_tokens,
+            "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens,
+            "cache_creation_input_tokens": 0,
+        }
 
     def _complete(self, run: Run, spec: ChatSpec, resp: falcon.Response) -> None:
         parts, last = [], None
@@ -99,20 +110,45 @@ class Messages:
                 if e.text:
                     content.append({"type": "text", "text": e.text})
             else:
-                content.append({"type": "tool_use", "id": e.id, "name": e.name, "input": json.loads(e.arguments)})
+                content.append(
+                    {"type": "tool_use", "id": e.id, "name": e.name, "input": json.loads(e.arguments)}
+                )
         has_calls = any(c["type"] == "tool_use" for c in content)
         reason, seq = self._stop_reason(run, spec, last.finish_reason, text, has_calls)
-        send_json(resp, {"id": run.id, "type": "message", "role": "assistant", "model": self.state.model_info.id,
-                         "content": content, "stop_reason": reason, "stop_sequence": seq,
-                         "usage": self._usage(run)})
+        send_json(
+            resp,
+            {
+                "id": run.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.state.model_info.id,
+                "content": content,
+                "stop_reason": reason,
+                "stop_sequence": seq,
+                "usage": self._usage(run),
+            },
+        )
 
     def _stream(self, run: Run, spec: ChatSpec) -> Iterator[bytes]:
         yield sse.OK_COMMENT
         u0 = self._usage(run)
         u0["output_tokens"] = 0
-        yield sse.event("message_start", {"type": "message_start", "message": {
-            "id": run.id, "type": "message", "role": "assistant", "content": [], "model": self.state.model_info.id,
-            "stop_reason": None, "stop_sequence": None, "usage": u0}})
+        yield sse.event(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": run.id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": self.state.model_info.id,
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": u0,
+                },
+            },
+        )
         yield sse.event("ping", {"type": "ping"})
         allowed = _allowed(spec)
         parser = ToolCallParser(allowed, id_factory=_tool_id) if allowed is not None else None
@@ -131,22 +167,44 @@ class Messages:
                     if not text_open:
                         index += 1
                         text_open = True
-                        yield sse.event("content_block_start", {"type": "content_block_start", "index": index,
-                                                                "content_block": {"type": "text", "text": ""}})
-                    yield sse.event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                            "delta": {"type": "text_delta", "text": e.text}})
+                        yield sse.event(
+                            "content_block_start",
+                            {
+                                "type": "content_block_start",
+                                "index": index,
+                                "content_block": {"type": "text", "text": ""},
+                            },
+                        )
+                    yield sse.event(
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "text_delta", "text": e.text},
+                        },
+                    )
                 elif isinstance(e, Call):
                     if text_open:
                         yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
                         text_open = False
                     index += 1
                     has_calls = True
-                    yield sse.event("content_block_start", {"type": "content_block_start", "index": index,
-                                                            "content_block": {"type": "tool_use", "id": e.id,
-                                                                              "name": e.name, "input": {}}})
-                    yield sse.event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                            "delta": {"type": "input_json_delta",
-                                                                      "partial_json": e.arguments}})
+                    yield sse.event(
+                        "content_block_start",
+                        {
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {"type": "tool_use", "id": e.id, "name": e.name, "input": {}},
+                        },
+                    )
+                    yield sse.event(
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": e.arguments},
+                        },
+                    )
                     yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
 
         for ev in run.events():
@@ -165,9 +223,14 @@ class Messages:
                 yield sse.event("error", error_of(ev).anthropic_body())
                 return
             reason, seq = self._stop_reason(run, spec, ev.finish_reason, "".join(emitted), has_calls)
-            yield sse.event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                              "usage": {"output_tokens": run.usage.completion_tokens}})
+            yield sse.event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": {"output_tokens": run.usage.completion_tokens},
+                },
+            )
             yield sse.event("message_stop", {"type": "message_stop"})
 
 

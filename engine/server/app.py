@@ -51,15 +51,23 @@ class _Middleware:
         req.context.tenant = None
         if req.path in _OPEN_PATHS:
             return
-        tenant = self.state.keyring.authenticate(presented_key(req.get_header("Authorization"),
-                                                               req.get_header("x-api-key")))
+        tenant = self.state.keyring.authenticate(
+            presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
+        )
         if tenant is None:
-            raise ApiError(401, "Invalid or missing API key (send `Authorization: Bearer <key>` or `x-api-key`)",
-                           code="invalid_api_key", err_type="authentication_error",
-                           anthropic_type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "Invalid or missing API key (send `Authorization: Bearer <key>` or `x-api-key`)",
+                code="invalid_api_key",
+                err_type="authentication_error",
+                anthropic_type="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         req.context.tenant = tenant
 
-    def process_response(self, req: falcon.Request, resp: falcon.Response, resource, req_succeeded: bool) -> None:
+    def process_response(
+        self, req: falcon.Request, resp: falcon.Response, resource, req_succeeded: bool
+    ) -> None:
         endpoint = getattr(req, "uri_template", None) or "unmatched"
         try:
             status = int(str(resp.status).split()[0])
@@ -100,14 +108,32 @@ def build_app(state: AppState) -> falcon.App:
             msg = f"{msg}: {ex.description}"
         if status == 404:
             msg = f"no route {req.method} {req.path}"
-        _render_error(req, resp, ApiError(status, msg, code=code, err_type="invalid_request_error",
-                                          anthropic_type="not_found_error" if status == 404 else
-                                          "invalid_request_error", headers=dict(ex.headers or {})))
+        _render_error(
+            req,
+            resp,
+            ApiError(
+                status,
+                msg,
+                code=code,
+                err_type="invalid_request_error",
+                anthropic_type="not_found_error" if status == 404 else "invalid_request_error",
+                headers=dict(ex.headers or {}),
+            ),
+        )
 
     def unexpected(req, resp, ex, params):
         log.exception("unhandled error on %s %s", req.method, req.path)
-        _render_error(req, resp, ApiError(500, f"internal server error ({type(ex).__name__})", code="engine_error",
-                                          err_type="server_error", anthropic_type="api_error"))
+        _render_error(
+            req,
+            resp,
+            ApiError(
+                500,
+                f"internal server error ({type(ex).__name__})",
+                code="engine_error",
+                err_type="server_error",
+                anthropic_type="api_error",
+            ),
+        )
 
     app.add_error_handler(Exception, unexpected)
     app.add_error_handler(falcon.HTTPError, http_error)

@@ -47,22 +47,32 @@ def _check(value: object, max_depth: int) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise bad_request("string contains an invalid unicode escape (lone surrogate)", code="invalid_json") from None
+                raise bad_request(
+                    "string contains an invalid unicode escape (lone surrogate)", code="invalid_json"
+                ) from None
 
 
 def parse_json_body(raw: bytes, *, max_bytes: int, max_depth: int) -> dict:
     """Decode ``raw`` into a JSON object. Raises ApiError 413/400 naming the problem."""
     if len(raw) > max_bytes:
-        raise ApiError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large",
-                       anthropic_type="request_too_large")
+        raise ApiError(
+            413,
+            f"request body exceeds {max_bytes} bytes",
+            code="request_too_large",
+            anthropic_type="request_too_large",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+        raise bad_request(
+            f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json"
+        ) from None
     if not text.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        data = json.loads(
+            text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+        )
     except RecursionError:
         raise bad_request(f"JSON nesting deeper than {max_depth} levels", code="invalid_json") from None
     except ValueError as exc:

@@ -51,7 +51,9 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}
+        }
 
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
@@ -68,7 +70,13 @@ def from_memra(err: MemraError, *, retry_after_s: int = 1) -> ApiError:
     if status in (429, 503):
         headers["Retry-After"] = str(retry_after_s)
     return ApiError(
-        status, err.message, code=err.code, param=err.param, err_type=otype, anthropic_type=atype, headers=headers
+        status,
+        err.message,
+        code=err.code,
+        param=err.param,
+        err_type=otype,
+        anthropic_type=atype,
+        headers=headers,
     )
 
 

@@ -28,8 +28,13 @@ _TEMPLATE_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyE
 def check_model(state: AppState, name: str | None) -> None:
     mi = state.model_info
     if name and mi is not None and not mi.matches(name):
-        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{mi.id}`",
-                       code="model_not_found", param="model", anthropic_type="not_found_error")
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{mi.id}`",
+            code="model_not_found",
+            param="model",
+            anthropic_type="not_found_error",
+        )
 
 
 def chat_prompt(state: AppState, spec: ChatSpec) -> str:
@@ -43,8 +48,9 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
         else:
             messages.insert(0, {"role": "system", "content": instr})
     try:
-        return state.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                   **spec.template_kwargs)
+        return state.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, **spec.template_kwargs
+        )
     except MemraError as exc:
         raise bad_request(f"chat template: {exc.message}", "messages") from None
     except Exception as exc:
@@ -60,8 +66,17 @@ def encode(state: AppState, text: str) -> list[int]:
 class Run:
     """A submitted request. Iterate ``events()``; always call ``close()`` (idempotent)."""
 
-    def __init__(self, state: AppState, tenant: Tenant, spec: GenSpec, prompt_ids: list[int], *,
-                 param: str, disconnected: Callable[[], bool] | None, id_prefix: str):
+    def __init__(
+        self,
+        state: AppState,
+        tenant: Tenant,
+        spec: GenSpec,
+        prompt_ids: list[int],
+        *,
+        param: str,
+        disconnected: Callable[[], bool] | None,
+        id_prefix: str,
+    ):
         self.state = state
         self.tenant = tenant
         self.spec = spec
@@ -82,8 +97,13 @@ class Run:
         if n == 0:
             raise bad_request("the prompt is empty", param)
         if n >= ctx:
-            raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
-                           f"(leaving no room to generate)", code="context_length_exceeded", param=param)
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
+                f"(leaving no room to generate)",
+                code="context_length_exceeded",
+                param=param,
+            )
         room = ctx - n
         self.max_tokens = min(spec.max_tokens, room) if spec.max_tokens else room
 
@@ -94,9 +114,14 @@ class Run:
         if self.spec.cache_salt:
             salt = f"{salt}\x1f{self.spec.cache_salt}"
         req = GenerationRequest(
-            request_id=self.id, prompt_ids=self.prompt_ids, sampling=self.spec.sampling,
-            max_tokens=self.max_tokens, stop=list(self.spec.stop), ignore_eos=self.spec.ignore_eos,
-            tenant=self.tenant.name, cache_salt=salt,
+            request_id=self.id,
+            prompt_ids=self.prompt_ids,
+            sampling=self.spec.sampling,
+            max_tokens=self.max_tokens,
+            stop=list(self.spec.stop),
+            ignore_eos=self.spec.ignore_eos,
+            tenant=self.tenant.name,
+            cache_salt=salt,
         )
         try:
             self.handle = st.engine.submit(req)
@@ -114,20 +139,24 @@ class Run:
     def events(self) -> Iterator[TokenEvent | None]:
         """TokenEvents until the final one; ``None`` when a keep-alive is due. Stops early if the client left."""
         keepalive = self.state.config.keepalive_s
-        last_out = time.monotonic()
+        last_out = last_probe = time.monotonic()
         while True:
             try:
                 ev = self.handle.get(timeout=POLL_S)
             except queue.Empty:
+                ev = None
+            now = time.monotonic()
+            if now - last_probe >= POLL_S:  # probe even while tokens flow (non-streaming requests)
+                last_probe = now
                 if self.disconnected():
                     self.client_gone = True
                     self.close()
                     return
-                if time.monotonic() - last_out >= keepalive:
-                    last_out = time.monotonic()
+            if ev is None:
+                if now - last_out >= keepalive:
+                    last_out = now
                     yield None
                 continue
-            now = time.monotonic()
             k = len(ev.token_ids)
             if k:
                 if self._last is None:
@@ -159,8 +188,13 @@ class Run:
                 pass
             self.client_gone = True
         u = self.usage
-        self.state.metrics.finish(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
-                                  time.monotonic() - self._t0, self.client_gone)
+        self.state.metrics.finish(
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.cached_tokens,
+            time.monotonic() - self._t0,
+            self.client_gone,
+        )
         self.state.metrics.add_in_flight(-1)
         self.state.release(self.tenant)
 
@@ -170,5 +204,10 @@ def error_of(ev: TokenEvent) -> ApiError:
         return from_memra(ev.error)
     if ev.finish_reason == "abort":
         return from_code("draining", "the request was aborted by the server (shutdown)")
-    return ApiError(500, "the engine failed this request", code="engine_error", err_type="server_error",
-                    anthropic_type="api_error")
+    return ApiError(
+        500,
+        "the engine failed this request",
+        code="engine_error",
+        err_type="server_error",
+        anthropic_type="api_error",
+    )

@@ -18,8 +18,12 @@ from .state import AppState
 def read_json(req: falcon.Request, state: AppState) -> dict:
     limit = state.config.max_body_bytes
     if req.content_length is not None and req.content_length > limit:
-        raise ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large",
-                       anthropic_type="request_too_large")
+        raise ApiError(
+            413,
+            f"request body exceeds {limit} bytes",
+            code="request_too_large",
+            anthropic_type="request_too_large",
+        )
     raw = req.bounded_stream.read(limit + 1)
     return parse_json_body(raw, max_bytes=limit, max_depth=state.config.max_json_depth)
 
@@ -43,6 +47,9 @@ def start_sse(resp: falcon.Response) -> None:
 
 
 def usage_openai(u) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }

@@ -42,8 +42,15 @@ class ChatCompletions:
         spec = parse_chat(read_json(req, st))
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
-        run = Run(st, req.context.tenant, spec, ids, param="messages", disconnected=disconnect_probe(req),
-                  id_prefix="chatcmpl-")
+        run = Run(
+            st,
+            req.context.tenant,
+            spec,
+            ids,
+            param="messages",
+            disconnected=disconnect_probe(req),
+            id_prefix="chatcmpl-",
+        )
         run.submit()
         if spec.stream:
             start_sse(resp)
@@ -55,8 +62,13 @@ class ChatCompletions:
             run.close()
 
     def _base(self, run: Run, obj: str) -> dict:
-        return {"id": run.id, "object": obj, "created": run.created, "model": self.state.model_info.id,
-                "system_fingerprint": self.state.config.system_fingerprint}
+        return {
+            "id": run.id,
+            "object": obj,
+            "created": run.created,
+            "model": self.state.model_info.id,
+            "system_fingerprint": self.state.config.system_fingerprint,
+        }
 
     def _complete(self, run: Run, spec: ChatSpec, resp: falcon.Response) -> None:
         parts: list[str] = []
@@ -82,11 +94,19 @@ class ChatCompletions:
             content = "".join(e.text for e in evs if isinstance(e, Text))
         msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
         if calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
         body = self._base(run, "chat.completion")
-        body["choices"] = [{"index": 0, "message": msg, "logprobs": None,
-                            "finish_reason": _finish(last.finish_reason, bool(calls))}]
+        body["choices"] = [
+            {
+                "index": 0,
+                "message": msg,
+                "logprobs": None,
+                "finish_reason": _finish(last.finish_reason, bool(calls)),
+            }
+        ]
         body["usage"] = usage_openai(run.usage)
         send_json(resp, body)
 
@@ -112,11 +132,25 @@ class ChatCompletions:
                     if e.text:
                         yield self._chunk(run, {"content": e.text}, usage=iu)
                 else:
-                    yield self._chunk(run, {"tool_calls": [{"index": n_calls, "id": e.id, "type": "function",
-                                                            "function": {"name": e.name, "arguments": ""}}]},
-                                      usage=iu)
-                    yield self._chunk(run, {"tool_calls": [{"index": n_calls,
-                                                            "function": {"arguments": e.arguments}}]}, usage=iu)
+                    yield self._chunk(
+                        run,
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": n_calls,
+                                    "id": e.id,
+                                    "type": "function",
+                                    "function": {"name": e.name, "arguments": ""},
+                                }
+                            ]
+                        },
+                        usage=iu,
+                    )
+                    yield self._chunk(
+                        run,
+                        {"tool_calls": [{"index": n_calls, "function": {"arguments": e.arguments}}]},
+                        usage=iu,
+                    )
                     n_calls += 1
 
         for ev in run.events():
@@ -154,13 +188,24 @@ class Completions:
         if isinstance(spec.prompt, list):
             vocab = int(getattr(st.tokenizer, "vocab_size", 1 << 31))
             if max(spec.prompt) >= vocab:
-                raise ApiError(400, f"`prompt` has a token id >= vocab size {vocab}", code="invalid_value",
-                               param="prompt")
+                raise ApiError(
+                    400,
+                    f"`prompt` has a token id >= vocab size {vocab}",
+                    code="invalid_value",
+                    param="prompt",
+                )
             ids = list(spec.prompt)
         else:
             ids = encode(st, spec.prompt)
-        run = Run(st, req.context.tenant, spec, ids, param="prompt", disconnected=disconnect_probe(req),
-                  id_prefix="cmpl-")
+        run = Run(
+            st,
+            req.context.tenant,
+            spec,
+            ids,
+            param="prompt",
+            disconnected=disconnect_probe(req),
+            id_prefix="cmpl-",
+        )
         run.submit()
         if spec.stream:
             start_sse(resp)
@@ -178,16 +223,27 @@ class Completions:
             if last.finish_reason in ("error", "abort"):
                 raise error_of(last)
             body = self._base(run)
-            body["choices"] = [{"index": 0, "text": "".join(parts), "logprobs": None,
-                                "finish_reason": _finish(last.finish_reason, False)}]
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "text": "".join(parts),
+                    "logprobs": None,
+                    "finish_reason": _finish(last.finish_reason, False),
+                }
+            ]
             body["usage"] = usage_openai(run.usage)
             send_json(resp, body)
         finally:
             run.close()
 
     def _base(self, run: Run) -> dict:
-        return {"id": run.id, "object": "text_completion", "created": run.created,
-                "model": self.state.model_info.id, "system_fingerprint": self.state.config.system_fingerprint}
+        return {
+            "id": run.id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": self.state.model_info.id,
+            "system_fingerprint": self.state.config.system_fingerprint,
+        }
 
     def _chunk(self, run: Run, text: str, finish: str | None, iu: bool) -> bytes:
         c = self._base(run)
@@ -210,7 +266,9 @@ class Completions:
                 yield sse.DONE
                 return
             if ev.text or ev.finish_reason:
-                yield self._chunk(run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu)
+                yield self._chunk(
+                    run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu
+                )
             if ev.finish_reason:
                 if iu:
                     c = self._base(run)
@@ -222,9 +280,16 @@ class Completions:
 
 def _model_obj(state: AppState, name: str) -> dict:
     mi = state.model_info
-    return {"id": name, "object": "model", "created": mi.created, "owned_by": "memra",
-            "context_length": mi.context_length, "max_model_len": mi.context_length, "backend": mi.backend,
-            "root": mi.id}
+    return {
+        "id": name,
+        "object": "model",
+        "created": mi.created,
+        "owned_by": "memra",
+        "context_length": mi.context_length,
+        "max_model_len": mi.context_length,
+        "backend": mi.backend,
+        "root": mi.id,
+    }
 
 
 class Models:
@@ -239,6 +304,11 @@ class Models:
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
         self.state.require_ready()
         if not self.state.model_info.matches(model_id):
-            raise ApiError(404, f"The model `{model_id}` does not exist", code="model_not_found", param="model",
-                           anthropic_type="not_found_error")
+            raise ApiError(
+                404,
+                f"The model `{model_id}` does not exist",
+                code="model_not_found",
+                param="model",
+                anthropic_type="not_found_error",
+            )
         send_json(resp, _model_obj(self.state, model_id))

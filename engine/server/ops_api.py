@@ -79,8 +79,16 @@ class AdminKV:
         if st.engine is None:
             raise ApiError(503, "model is still loading", code="loading", err_type="server_error")
         s = _stats(st)
-        fields = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached",
-                  "prefix_query_tokens", "prefix_hit_tokens", "preemptions")
+        fields = (
+            "running",
+            "waiting",
+            "kv_blocks_total",
+            "kv_blocks_free",
+            "kv_blocks_cached",
+            "prefix_query_tokens",
+            "prefix_hit_tokens",
+            "preemptions",
+        )
         out: dict = {f: getattr(s, f, None) for f in fields}
         total, free = out["kv_blocks_total"] or 0, out["kv_blocks_free"] or 0
         out["kv_blocks_used"] = total - free if total else None
@@ -126,7 +134,9 @@ class Detokenize:
         body = read_json(req, st)
         toks = body.get("tokens")
         vocab = int(getattr(st.tokenizer, "vocab_size", 1 << 31))
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
             raise bad_request("`tokens` must be a list of integers", "tokens")
         if any(t < 0 or t >= vocab for t in toks):
             raise bad_request(f"`tokens` entries must be in 0..{vocab - 1}", "tokens")

@@ -50,7 +50,9 @@ class CompletionSpec(GenSpec):
 
 
 def _unsupported(param: str, what: str) -> ApiError:
-    return ApiError(400, f"`{param}` {what} is not supported by this server", code="unsupported_parameter", param=param)
+    return ApiError(
+        400, f"`{param}` {what} is not supported by this server", code="unsupported_parameter", param=param
+    )
 
 
 def _type_err(param: str, expected: str, value: Any) -> ApiError:
@@ -58,8 +60,17 @@ def _type_err(param: str, expected: str, value: Any) -> ApiError:
     return ApiError(400, f"`{param}` must be {expected}, got {shown}", code="invalid_type", param=param)
 
 
-def get_number(body: dict, name: str, default, *, lo: float, hi: float, integer: bool = False,
-               lo_open: bool = False, prefix: str = ""):
+def get_number(
+    body: dict,
+    name: str,
+    default,
+    *,
+    lo: float,
+    hi: float,
+    integer: bool = False,
+    lo_open: bool = False,
+    prefix: str = "",
+):
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
@@ -72,7 +83,9 @@ def get_number(body: dict, name: str, default, *, lo: float, hi: float, integer:
             raise _type_err(p, kind, v)
     if v < lo or v > hi or (lo_open and v == lo):
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise ApiError(400, f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", code="invalid_value", param=p)
+        raise ApiError(
+            400, f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", code="invalid_value", param=p
+        )
     return int(v) if integer else float(v)
 
 
@@ -85,15 +98,21 @@ def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     return v
 
 
-def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024, prefix: str = "") -> str | None:
+def get_str(
+    body: dict, name: str, default: str | None, *, max_len: int = 1024, prefix: str = ""
+) -> str | None:
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, str):
         raise _type_err(prefix + name, "a string", v)
     if len(v) > max_len:
-        raise ApiError(400, f"`{prefix + name}` is longer than {max_len} characters", code="invalid_value",
-                       param=prefix + name)
+        raise ApiError(
+            400,
+            f"`{prefix + name}` is longer than {max_len} characters",
+            code="invalid_value",
+            param=prefix + name,
+        )
     return v
 
 
@@ -106,12 +125,20 @@ def get_stop(body: dict, name: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise _type_err(name, "a string or a list of strings", v)
     if len(v) > MAX_STOP:
-        raise ApiError(400, f"`{name}` has {len(v)} entries; at most {MAX_STOP} are allowed", code="invalid_value",
-                       param=name)
+        raise ApiError(
+            400,
+            f"`{name}` has {len(v)} entries; at most {MAX_STOP} are allowed",
+            code="invalid_value",
+            param=name,
+        )
     for s in v:
         if not s or len(s) > MAX_STOP_LEN:
-            raise ApiError(400, f"`{name}` entries must be 1..{MAX_STOP_LEN} characters", code="invalid_value",
-                           param=name)
+            raise ApiError(
+                400,
+                f"`{name}` entries must be 1..{MAX_STOP_LEN} characters",
+                code="invalid_value",
+                param=name,
+            )
     return list(dict.fromkeys(v))
 
 
@@ -133,7 +160,7 @@ def _reject_unsupported_openai(body: dict) -> None:
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") != "text":
-            raise _unsupported("response_format", "other than {\"type\": \"text\"}")
+            raise _unsupported("response_format", 'other than {"type": "text"}')
 
 
 def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
@@ -191,8 +218,12 @@ def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
                 raise _type_err(p, "a content part object", part)
             ptype = part.get("type")
             if ptype != "text":
-                raise ApiError(400, f"`{p}.type` {json.dumps(ptype)[:40]} is not supported (only \"text\")",
-                               code="unsupported_parameter", param=f"{p}.type")
+                raise ApiError(
+                    400,
+                    f'`{p}.type` {json.dumps(ptype)[:40]} is not supported (only "text")',
+                    code="unsupported_parameter",
+                    param=f"{p}.type",
+                )
             t = part.get("text")
             if not isinstance(t, str):
                 raise _type_err(f"{p}.text", "a string", t)
@@ -219,7 +250,9 @@ def _tool_calls_in(tcs: Any, param: str) -> list[dict]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 pass  # keep the string; templates that need a mapping will say so
-        out.append({"id": str(tc.get("id", "")), "type": "function", "function": {"name": name, "arguments": args}})
+        out.append(
+            {"id": str(tc.get("id", "")), "type": "function", "function": {"name": name, "arguments": args}}
+        )
     return out
 
 
@@ -236,8 +269,12 @@ def parse_openai_messages(raw: Any) -> list[dict]:
             raise _type_err(p, "a message object", m)
         role = m.get("role")
         if role not in _ROLES:
-            raise ApiError(400, f"`{p}.role` must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
-                           code="invalid_value", param=f"{p}.role")
+            raise ApiError(
+                400,
+                f"`{p}.role` must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
+                code="invalid_value",
+                param=f"{p}.role",
+            )
         if role == "developer":
             role = "system"
         msg: dict = {"role": role}
@@ -267,11 +304,17 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
             raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "function") != "function":
-                raise ApiError(400, f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                               code="invalid_value", param=f"tools[{i}]")
+                raise ApiError(
+                    400,
+                    f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}',
+                    code="invalid_value",
+                    param=f"tools[{i}]",
+                )
             fn = t.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise bad_request(f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name")
+                raise bad_request(
+                    f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name"
+                )
             if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
                 raise _type_err(f"tools[{i}].function.parameters", "an object", fn["parameters"])
         tools = tools or None
@@ -281,8 +324,12 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         return tools, ("auto" if tools else "none"), None
     if isinstance(tc, str):
         if tc not in ("auto", "none", "required"):
-            raise ApiError(400, "`tool_choice` must be auto, none, required or a named function",
-                           code="invalid_value", param="tool_choice")
+            raise ApiError(
+                400,
+                "`tool_choice` must be auto, none, required or a named function",
+                code="invalid_value",
+                param="tool_choice",
+            )
         if tc != "none" and not tools:
             raise bad_request(f"`tool_choice` {tc!r} needs `tools`", "tool_choice")
         return tools, tc, None
@@ -290,7 +337,9 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         fn = tc.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or name not in names:
-            raise bad_request("`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name")
+            raise bad_request(
+                "`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name"
+            )
         return tools, "named", name
     raise _type_err("tool_choice", "a string or an object", tc)
 
@@ -323,8 +372,13 @@ def parse_completion(body: dict) -> CompletionSpec:
         elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             pass
         else:
-            raise ApiError(400, "`prompt` must be a string, a list of token ids, or a list of exactly one of those "
-                           "(batched prompts are not supported)", code="unsupported_parameter", param="prompt")
+            raise ApiError(
+                400,
+                "`prompt` must be a string, a list of token ids, or a list of exactly one of those "
+                "(batched prompts are not supported)",
+                code="unsupported_parameter",
+                param="prompt",
+            )
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
             raise _type_err("prompt", "a non-empty list of non-negative token ids", prompt)
@@ -344,7 +398,9 @@ def _anthropic_text(content: Any, param: str) -> str:
         out = []
         for j, b in enumerate(content):
             if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                raise ApiError(400, f"`{param}[{j}]` must be a text block", code="invalid_value", param=f"{param}[{j}]")
+                raise ApiError(
+                    400, f"`{param}[{j}]` must be a text block", code="invalid_value", param=f"{param}[{j}]"
+                )
             out.append(b["text"])
         return "".join(out)
     raise _type_err(param, "a string or a list of text blocks", content)
@@ -364,7 +420,9 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
             raise _type_err(p, "a message object", m)
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise ApiError(400, f"`{p}.role` must be user or assistant", code="invalid_value", param=f"{p}.role")
+            raise ApiError(
+                400, f"`{p}.role` must be user or assistant", code="invalid_value", param=f"{p}.role"
+            )
         content = m.get("content")
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})
@@ -385,18 +443,32 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
             elif bt == "tool_use" and role == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise bad_request(f"`{bp}` needs a string `name` and an object `input`", bp)
-                calls.append({"id": str(b.get("id", "")), "type": "function",
-                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+                calls.append(
+                    {
+                        "id": str(b.get("id", "")),
+                        "type": "function",
+                        "function": {"name": b["name"], "arguments": b.get("input", {})},
+                    }
+                )
             elif bt == "tool_result" and role == "user":
                 if texts:
                     msgs.append({"role": "user", "content": "".join(texts)})
                     texts = []
                 rc = b.get("content", "")
-                msgs.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
-                             "content": _anthropic_text(rc, f"{bp}.content")})
+                msgs.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": str(b.get("tool_use_id", "")),
+                        "content": _anthropic_text(rc, f"{bp}.content"),
+                    }
+                )
             else:
-                raise ApiError(400, f"`{bp}.type` {json.dumps(bt)[:40]} is not supported here",
-                               code="unsupported_parameter", param=f"{bp}.type")
+                raise ApiError(
+                    400,
+                    f"`{bp}.type` {json.dumps(bt)[:40]} is not supported here",
+                    code="unsupported_parameter",
+                    param=f"{bp}.type",
+                )
         if role == "assistant":
             msg: dict = {"role": "assistant", "content": "".join(texts)}
             if calls:
@@ -429,8 +501,12 @@ def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | Non
     if tc is None:
         return out, ("auto" if out else "none"), None
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
-        raise ApiError(400, "`tool_choice.type` must be auto, any, tool or none", code="invalid_value",
-                       param="tool_choice")
+        raise ApiError(
+            400,
+            "`tool_choice.type` must be auto, any, tool or none",
+            code="invalid_value",
+            param="tool_choice",
+        )
     kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
     if kind != "none" and not out:
         raise bad_request("`tool_choice` needs `tools`", "tool_choice")

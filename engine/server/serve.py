@@ -24,13 +24,21 @@ from .state import AppState
 log = logging.getLogger("memra.server")
 
 
-def make_waitress(app, config: ServerConfig, *, host: str | None = None, port: int | None = None) -> BaseWSGIServer:
+def make_waitress(
+    app, config: ServerConfig, *, host: str | None = None, port: int | None = None
+) -> BaseWSGIServer:
     """A waitress server sized from the admission limit, with read-ahead so client disconnects are seen."""
     return waitress.create_server(
-        app, host=host or config.host, port=config.port if port is None else port,
-        threads=config.waitress_threads, channel_request_lookahead=1,
-        max_request_body_size=config.max_body_bytes, ident="memra", connection_limit=config.waitress_threads + 64,
-        cleanup_interval=5, channel_timeout=120,
+        app,
+        host=host or config.host,
+        port=config.port if port is None else port,
+        threads=config.waitress_threads,
+        channel_request_lookahead=1,
+        max_request_body_size=config.max_body_bytes,
+        ident="memra",
+        connection_limit=config.waitress_threads + 64,
+        cleanup_interval=5,
+        channel_timeout=120,
     )
 
 
@@ -71,7 +79,9 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
             log.warning("engine.drain failed: %s", exc)
     clean = state.wait_idle(timeout_s)
     if not clean:
-        log.warning("drain: %d request(s) still running after %.0f s; aborting them", state.in_flight, timeout_s)
+        log.warning(
+            "drain: %d request(s) still running after %.0f s; aborting them", state.in_flight, timeout_s
+        )
     if eng is not None:
         try:
             eng.shutdown(timeout_s=10.0)
@@ -81,8 +91,13 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
     return clean
 
 
-def run_server(config: ServerConfig, load_model: Callable[[], tuple[Any, Any, Any]], *,
-               install_signals: bool = True, stop_event: threading.Event | None = None) -> int:
+def run_server(
+    config: ServerConfig,
+    load_model: Callable[[], tuple[Any, Any, Any]],
+    *,
+    install_signals: bool = True,
+    stop_event: threading.Event | None = None,
+) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop_event``). ``load_model() -> (engine, tokenizer, ModelInfo)``
     runs in a background thread while /health answers 503 {"status": "loading"}.
     Exit code: 0 after a clean drain, 1 if the model failed to load or the drain timed out.
@@ -90,8 +105,11 @@ def run_server(config: ServerConfig, load_model: Callable[[], tuple[Any, Any, An
     state = AppState(config)
     app = build_app(state)
     if not state.keyring.enabled:
-        log.warning("no API keys configured: the server is open to anyone who can reach %s:%d",
-                    config.host, config.port)
+        log.warning(
+            "no API keys configured: the server is open to anyone who can reach %s:%d",
+            config.host,
+            config.port,
+        )
     server = make_waitress(app, config)
     stop = stop_event or threading.Event()
     result = {"code": 0}
@@ -127,8 +145,9 @@ def run_server(config: ServerConfig, load_model: Callable[[], tuple[Any, Any, An
     threading.Thread(target=load, daemon=True, name="model-load").start()
     srv_thread = threading.Thread(target=server.run, daemon=True, name="waitress")
     srv_thread.start()
-    log.info("listening on http://%s:%d (%d threads)", config.host, server.effective_port,
-             config.waitress_threads)
+    log.info(
+        "listening on http://%s:%d (%d threads)", config.host, server.effective_port, config.waitress_threads
+    )
     try:
         while not stop.wait(0.5):
             pass

@@ -17,8 +17,13 @@ from .model_info import ModelInfo
 
 
 class AppState:
-    def __init__(self, config: ServerConfig, engine: Any = None, tokenizer: Any = None,
-                 model_info: ModelInfo | None = None):
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: Any = None,
+        tokenizer: Any = None,
+        model_info: ModelInfo | None = None,
+    ):
         self.config = config
         self.keyring = Keyring(config)
         self.metrics = Metrics()
@@ -59,8 +64,10 @@ class AppState:
         with self._lock:
             n = self._tenant_active.get(tenant.name, 0)
             if tenant.max_concurrency and n >= tenant.max_concurrency:
-                raise from_code("tenant_limit",
-                                f"tenant {tenant.name!r} already has {n} requests in flight (limit {tenant.max_concurrency})")
+                raise from_code(
+                    "tenant_limit",
+                    f"tenant {tenant.name!r} already has {n} requests in flight (limit {tenant.max_concurrency})",
+                )
             self._tenant_active[tenant.name] = n + 1
             self._in_flight += 1
 

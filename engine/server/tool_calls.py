@@ -85,7 +85,7 @@ class ToolCallParser:
             self._ws += s
             return
         out.append(Text(self._ws + stripped))
-        self._ws = s[len(stripped):]
+        self._ws = s[len(stripped) :]
 
     def _close_block(self, out: list, body: str, closed: bool) -> None:
         parsed = parse_block(body, self.allowed)
@@ -111,19 +111,19 @@ class ToolCallParser:
                         self._text(out, OPEN + self._buf)
                         self._buf = ""
                     break
-                body, self._buf = self._buf[:i], self._buf[i + len(CLOSE):]
+                body, self._buf = self._buf[:i], self._buf[i + len(CLOSE) :]
                 self._in_block = False
                 self._close_block(out, body, True)
                 continue
             i = self._buf.find(OPEN)
             if i >= 0:
                 self._text(out, self._buf[:i])
-                self._buf = self._buf[i + len(OPEN):]
+                self._buf = self._buf[i + len(OPEN) :]
                 self._in_block = True
                 continue
             keep = _held_prefix_len(self._buf, OPEN)
             self._text(out, self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._buf = self._buf[len(self._buf) - keep :]
             break
         return _merge(out)
 
@@ -155,7 +155,11 @@ def _merge(events: list[Text | Call]) -> list[Text | Call]:
 def tool_instruction(kind: str, name: str | None) -> str:
     """System text added for tool_choice ``required`` / named."""
     if kind == "named":
-        return (f"You must call the tool `{name}` now. Reply with exactly one <tool_call></tool_call> block "
-                f"containing a JSON object with \"name\": \"{name}\" and \"arguments\".")
-    return ("You must call one of the provided tools now. Reply with <tool_call></tool_call> blocks, each "
-            "containing a JSON object with \"name\" and \"arguments\".")
+        return (
+            f"You must call the tool `{name}` now. Reply with exactly one <tool_call></tool_call> block "
+            f'containing a JSON object with "name": "{name}" and "arguments".'
+        )
+    return (
+        "You must call one of the provided tools now. Reply with <tool_call></tool_call> blocks, each "
+        'containing a JSON object with "name" and "arguments".'
+    )
