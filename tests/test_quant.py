@@ -1,0 +1,87 @@
+"""engine.quant against gguf.quants (random blocks of every type and real SmolLM2 blocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from engine import quant
+from engine.types import MemraError
+from tests.fixtures.quant_blocks import F16_FIELDS, random_blocks
+
+QUANTS = list(F16_FIELDS)
+
+
+def test_block_sizes_match_gguf() -> None:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    for name, size in quant.BLOCK_SIZES.items():
+        assert GGML_QUANT_SIZES[T[name.upper()]] == size
+
+
+@pytest.mark.parametrize("dtype", QUANTS)
+def test_dequantize_matches_gguf_on_random_blocks(dtype: str) -> None:
+    elems, _ = quant.BLOCK_SIZES[dtype]
+    raw = random_blocks(dtype, 4 * 6, seed=hash(dtype) % 1000)
+    ref = gguf_dequantize(raw.reshape(4, -1), T[dtype.upper()])
+    got = quant.dequantize(raw, dtype, (4, 6 * elems))
+    assert got.dtype == np.float32 and got.shape == (4, 6 * elems)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_array_max_ulp(got, ref.astype(np.float32), maxulp=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_plain_types(dtype: str) -> None:
+    x = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    raw = np.frombuffer(quant.quantize_reference(x, dtype), np.uint8)
+    ref = gguf_dequantize(gguf_quantize(x, T[dtype.upper()]).reshape(3, -1).view(np.uint8), T[dtype.upper()])
+    np.testing.assert_array_equal(quant.dequantize(raw, dtype, x.shape), ref)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "bf16", "f16"])
+def test_quantize_reference_is_byte_identical_to_gguf(dtype: str) -> None:
+    x = np.random.default_rng(1).normal(size=(4, 128)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    ours = np.frombuffer(quant.quantize_reference(x, dtype), np.uint8)
+    theirs = gguf_quantize(x, T[dtype.upper()]).reshape(-1).view(np.uint8)
+    np.testing.assert_array_equal(ours, theirs)
+    back = quant.dequantize(ours, dtype, x.shape)
+    tol = {"q8_0": 0.02, "q5_0": 0.15, "q5_1": 0.15, "bf16": 0.01, "f16": 0.002}.get(dtype, 0.35)
+    assert np.abs(back - x).max() < tol
+
+
+def test_errors() -> None:
+    with pytest.raises(MemraError, match="needs 34 bytes"):
+        quant.dequantize(np.zeros(33, np.uint8), "q8_0", (32,))
+    with pytest.raises(MemraError, match="multiple of its block size 32"):
+        quant.dequantize(np.zeros(34, np.uint8), "q8_0", (1, 31))
+    with pytest.raises(MemraError, match="unsupported tensor dtype 'iq2_xs'"):
+        quant.dequantize(np.zeros(4, np.uint8), "iq2_xs", (1,))
+    with pytest.raises(MemraError, match="does not support 'q4_k'"):
+        quant.quantize_reference(np.zeros((1, 256), np.float32), "q4_k")
+
+
+@pytest.mark.parametrize(
+    "name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "output_norm.weight"]
+)
+def test_real_smollm2_blocks(smollm2_path, name: str) -> None:
+    from engine.weights import open_weights
+
+    src = open_weights(smollm2_path)
+    info = src.info(name)
+    rows = min(info.shape[0], 64) if len(info.shape) == 2 else None
+    raw = src.raw(name)
+    if rows is not None:
+        raw = raw[: rows * info.nbytes // info.shape[0]]
+        shape = (rows, info.shape[1])
+    else:
+        shape = info.shape
+    ref = gguf_dequantize(
+        np.asarray(raw).reshape(shape[0], -1) if rows else np.asarray(raw).view(np.float32),
+        T[info.dtype.upper()],
+    )
+    got = quant.dequantize(raw, info.dtype, shape)
+    np.testing.assert_array_max_ulp(got, np.asarray(ref, np.float32).reshape(shape), maxulp=1)

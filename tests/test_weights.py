@@ -1,0 +1,161 @@
+"""engine.weights: safetensors (single/sharded), GGUF (single/split), shapes, dtypes and error messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.types import ConfigError, MemraError
+from engine.weights import open_weights
+from tests.fixtures.checkpoints import Dims, bf16_round, hf_tensor_specs, permute_qk, write_safetensors
+
+
+def test_safetensors_dir(tiny_qwen3_dir: Path) -> None:
+    src = open_weights(tiny_qwen3_dir)
+    assert src.format == "safetensors" and src.files == [tiny_qwen3_dir / "model.safetensors"]
+    assert src.metadata["architectures"] == ["Qwen3ForCausalLM"]
+    assert src.metadata["_generation_config"]["eos_token_id"] == [2, 0]
+    info = src.info("model.layers.0.self_attn.k_proj.weight")
+    assert (info.dtype, info.shape, info.nbytes) == ("bf16", (32, 64), 32 * 64 * 2)
+    assert src.info("model.layers.1.self_attn.q_norm.weight").shape == (16,)
+    assert src.has("lm_head.weight") and not src.has("nope")
+    raw = src.raw("model.norm.weight")
+    assert raw.dtype == np.uint8 and raw.size == 128 and not raw.flags.owndata
+    bits = src.array("model.norm.weight")
+    assert bits.dtype == np.uint16 and bits.shape == (64,)
+    specs = {n: g for n, _, g in hf_tensor_specs(Dims(), "qwen3")}
+    np.testing.assert_array_equal(
+        src.dequantize("model.norm.weight"), bf16_round(specs["model.norm.weight"]())
+    )
+    with pytest.raises(MemraError, match="no tensor named 'nope'"):
+        src.info("nope")
+
+
+def test_sharded_safetensors(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    d = tmp_path / "sharded"
+    d.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", d)
+    specs = hf_tensor_specs(Dims(), "llama")
+    half = len(specs) // 2
+    write_safetensors(d / "model-00001-of-00002.safetensors", specs[:half])
+    write_safetensors(d / "model-00002-of-00002.safetensors", specs[half:])
+    wm = {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, (n, _, _) in enumerate(specs)}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    src, ref = open_weights(d), open_weights(tiny_llama_dir)
+    assert len(src.files) == 2 and sorted(src.tensor_names()) == sorted(ref.tensor_names())
+    for name in ref.tensor_names():
+        np.testing.assert_array_equal(src.array(name), ref.array(name))
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(
+        MemraError, match="model-00002-of-00002.safetensors: shard listed in the index is missing"
+    ):
+        open_weights(d)
+
+
+def test_gguf_matches_safetensors(tiny_llama_dir: Path, tiny_llama_gguf: Path) -> None:
+    hf, gg = open_weights(tiny_llama_dir), open_weights(tiny_llama_gguf)
+    assert gg.format == "gguf" and gg.metadata["llama.block_count"] == 2
+    assert gg.metadata["llama.attention.head_count_kv"] == 2
+    assert gg.info("blk.0.attn_q.weight").shape == (64, 64)
+    assert gg.info("blk.0.ffn_down.weight").shape == (64, 128)
+    assert gg.info("blk.0.ffn_down.weight").dtype == "q8_0"
+    assert gg.info("blk.0.attn_norm.weight").dtype == "f32"
+    down = gg.dequantize("blk.0.ffn_down.weight")
+    np.testing.assert_allclose(down, hf.dequantize("model.layers.0.mlp.down_proj.weight"), atol=5e-4)
+    k = hf.dequantize("model.layers.0.self_attn.k_proj.weight")
+    np.testing.assert_allclose(gg.dequantize("blk.0.attn_k.weight"), permute_qk(k, 2), atol=5e-4)
+    with pytest.raises(MemraError, match="use dequantize"):
+        gg.array("blk.0.ffn_down.weight")
+
+
+def test_smollm2_gguf(smollm2_path: Path) -> None:
+    src = open_weights(smollm2_path)
+    md = src.metadata
+    assert md["general.architecture"] == "llama" and md["llama.block_count"] == 30
+    assert md["tokenizer.ggml.pre"] == "smollm" and md["tokenizer.ggml.add_bos_token"] is False
+    toks = md["tokenizer.ggml.tokens"]
+    assert md["tokenizer.ggml.tokens"] is toks and len(toks) == 49152  # converted once, cached
+    assert src.info("token_embd.weight") == src.info("token_embd.weight")
+    assert (src.info("token_embd.weight").dtype, src.info("token_embd.weight").shape) == (
+        "q8_0",
+        (49152, 576),
+    )
+    assert (src.info("blk.0.attn_k.weight").dtype, src.info("blk.0.attn_k.weight").shape) == (
+        "q4_1",
+        (192, 576),
+    )
+    assert src.info("blk.0.ffn_up.weight").shape == (1536, 576) and not src.has("output.weight")
+    assert src.array("output_norm.weight").dtype == np.float32
+
+
+def test_split_gguf(tmp_path: Path) -> None:
+    import gguf
+
+    parts = []
+    for i in range(2):
+        p = tmp_path / f"m-{i + 1:05d}-of-00002.gguf"
+        w = gguf.GGUFWriter(str(p), "llama")
+        w.add_uint16("split.no", i)
+        w.add_tensor(f"t{i}.weight", np.full((2, 3), i, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        parts.append(p)
+    src = open_weights(parts[1])
+    assert src.files == parts and src.tensor_names() == ["t0.weight", "t1.weight"]
+    assert src.info("t1.weight").shape == (2, 3)
+    np.testing.assert_array_equal(src.dequantize("t1.weight"), np.ones((2, 3), np.float32))
+    parts[1].unlink()
+    with pytest.raises(MemraError, match="missing shard.*m-00002-of-00002.gguf"):
+        open_weights(parts[0])
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(MemraError, match="no such file or directory"):
+        open_weights(tmp_path / "absent.gguf")
+    with pytest.raises(MemraError, match="not a model directory"):
+        open_weights(tmp_path)
+
+
+def test_bad_config_json(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config.json: config.json is not valid JSON"):
+        open_weights(d)
+
+
+def test_truncated_safetensors(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(MemraError, match=r"model.safetensors: truncated file: tensor 'lm_head.weight'"):
+        open_weights(d)
+    f.write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    with pytest.raises(MemraError, match="corrupt safetensors header"):
+        open_weights(d)
+    f.write_bytes(struct.pack("<Q", 4) + b"{x]}")
+    with pytest.raises(MemraError, match="corrupt safetensors header"):
+        open_weights(d)
+
+
+def test_truncated_and_corrupt_gguf(tmp_path: Path, tiny_llama_gguf: Path) -> None:
+    data = tiny_llama_gguf.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:-5000])
+    with pytest.raises(MemraError, match=r"bad.gguf: .*truncated"):
+        open_weights(bad)
+    bad.write_bytes(data[:200])
+    with pytest.raises(MemraError, match=r"bad.gguf: cannot read GGUF file"):
+        open_weights(bad)
+    bad.write_bytes(b"XXXX" + data[4:])
+    with pytest.raises(MemraError, match=r"bad.gguf: cannot read GGUF file.*magic"):
+        open_weights(bad)
