@@ -277,3 +277,22 @@ def test_drain_finishes_in_flight_then_refuses(served):
     d.join(5)
     assert result["r"].choices[0].message.content == "Hello, world!"
     assert eng.drained and not eng.alive
+
+
+def test_disconnect_while_engine_silent_is_noticed(served):
+    """No tokens flow (long prefill): waitress's read-ahead still reveals the hang-up within ~POLL_S."""
+    if not served.scripted:
+        pytest.skip("needs a scripted engine")
+    eng = served.engine
+    eng.delay_s = 30.0  # first token would come after 30 s
+    s = _raw_request(
+        served.url, "/v1/chat/completions", {"model": served.model, "messages": MSG, "stream": True}
+    )
+    got = b""
+    while b": ok" not in got:
+        got += s.recv(4096)
+    s.close()
+    t0 = time.monotonic()
+    assert _wait(lambda: len(eng.aborted) == 1, timeout=3.0)
+    assert time.monotonic() - t0 < 2.0
+    eng.delay_s = 0.0

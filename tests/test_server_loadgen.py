@@ -1,0 +1,151 @@
+"""tools/loadgen.py against a fake-engine waitress server, and run_server's loading -> ready lifecycle."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from server_fakes import FakeEngine, FakeTokenizer
+
+from engine.server.app import create_app
+from engine.server.model_info import ModelInfo
+from engine.server.serve import BackgroundServer, run_server
+from engine.server_config import ServerConfig
+
+_spec = importlib.util.spec_from_file_location("loadgen", Path(__file__).parents[1] / "tools" / "loadgen.py")
+loadgen = importlib.util.module_from_spec(_spec)
+sys.modules["loadgen"] = loadgen  # dataclasses look the module up while the class is built
+_spec.loader.exec_module(loadgen)
+
+
+def test_refuses_non_loopback():
+    for url in ("http://10.1.2.3:8000", "http://8.8.8.8", "https://127.0.0.1:1", "ftp://127.0.0.1"):
+        with pytest.raises(SystemExit):
+            loadgen.check_loopback(url)
+    assert loadgen.check_loopback("http://127.0.0.1:9") == ("127.0.0.1", 9)
+
+
+@pytest.mark.parametrize("mode", [["--concurrency", "4"], ["--rate", "200"]])
+def test_loadgen_reports_and_disconnects(mode, tmp_path, capsys):
+    eng = FakeEngine(script=lambda r: ["tok "] * 40, delay_s=0.01)
+    app = create_app(eng, FakeTokenizer(), ModelInfo("m", 4096, "fake", 1), ServerConfig())
+    with BackgroundServer(app) as srv:
+        out = tmp_path / "s.json"
+        rc = loadgen.main(
+            [
+                "--url",
+                srv.url,
+                "--model",
+                "m",
+                "--requests",
+                "24",
+                "--prompt-words",
+                "2,20",
+                "--disconnect-fraction",
+                "0.5",
+                "--seed",
+                "3",
+                "--json",
+                str(out),
+                *mode,
+            ]
+        )
+        s = json.loads(out.read_text())
+        assert rc == 0 and s["requests"] == 24 and s["ok"] == 24 and s["errors"] == {}
+        assert 0 < s["disconnected"] < 24 and s["ttft_p50_s"] is not None and s["itl_p99_s"] is not None
+        t = time.monotonic() + 5
+        while len(eng.aborted) < s["disconnected"] and time.monotonic() < t:
+            time.sleep(0.05)
+        assert len(eng.aborted) == s["disconnected"]
+    assert "TTFT p50 / p99" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_run_server_health_loading_then_ready():
+    port = _free_port()
+    gate = threading.Event()
+    stop = threading.Event()
+
+    def load():
+        gate.wait(5)
+        return FakeEngine(), FakeTokenizer(), ModelInfo("m", 4096, "fake", 1)
+
+    rc = {}
+    t = threading.Thread(
+        target=lambda: rc.setdefault(
+            "v", run_server(ServerConfig(port=port), load, install_signals=False, stop_event=stop)
+        ),
+        daemon=True,
+    )
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            status, body = _get(url + "/health")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert (status, body) == (503, {"status": "loading"})
+    gate.set()
+    deadline = time.monotonic() + 5
+    while _get(url + "/health")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _get(url + "/ready")[0] == 200
+    stop.set()
+    t.join(5)
+    assert rc["v"] == 0
+
+
+def test_run_server_load_failure_reported():
+    port = _free_port()
+    stop = threading.Event()
+
+    def load():
+        raise RuntimeError("no such model file")
+
+    rc = {}
+    t = threading.Thread(
+        target=lambda: rc.setdefault(
+            "v", run_server(ServerConfig(port=port), load, install_signals=False, stop_event=stop)
+        ),
+        daemon=True,
+    )
+    t.start()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            status, body = _get(f"http://127.0.0.1:{port}/health")
+            if body.get("status") == "error":
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert status == 503 and "no such model file" in body["error"]
+    stop.set()
+    t.join(5)
+    assert rc["v"] == 1
