@@ -6,6 +6,7 @@ The checkpoint is a tiny random Llama written here (bf16 safetensors by hand, no
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -25,8 +26,10 @@ def _bf16_bytes(a: np.ndarray) -> bytes:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
 
 
-def write_tiny_llama(path, seed: int = 0) -> None:
-    d = DIMS
+def write_checkpoint(path, family: str = "llama", dims: dict | None = None, seed: int = 0) -> None:
+    """A random HF checkpoint (config.json + bf16 model.safetensors, tied embeddings) of ``family``
+    (llama or qwen3) with ``dims`` (hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)."""
+    d = dims or DIMS
     rng = np.random.default_rng(seed)
     h, i, v = d["hidden"], d["intermediate"], d["vocab"]
     q, kv = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
@@ -46,9 +49,15 @@ def write_tiny_llama(path, seed: int = 0) -> None:
                 p + "mlp.down_proj.weight": (h, i),
             }
         )
+        if family == "qwen3":
+            tensors[p + "self_attn.q_norm.weight"] = (d["head_dim"],)
+            tensors[p + "self_attn.k_norm.weight"] = (d["head_dim"],)
     header, blobs, off = {}, [], 0
     for name, shape in tensors.items():
-        arr = rng.uniform(0.7, 1.3, shape) if len(shape) == 1 else rng.normal(0, 0.05, shape)
+        if len(shape) == 1:
+            arr = rng.uniform(0.7, 1.3, shape).astype(np.float32)
+        else:
+            arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)
         raw = _bf16_bytes(arr)
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + len(raw)]}
         blobs.append(raw)
@@ -56,9 +65,9 @@ def write_tiny_llama(path, seed: int = 0) -> None:
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    _write_at_offsets(path / "model.safetensors", [struct.pack("<Q", len(head)) + head] + blobs)
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
         "hidden_size": h,
         "intermediate_size": i,
         "num_hidden_layers": d["layers"],
@@ -66,12 +75,38 @@ def write_tiny_llama(path, seed: int = 0) -> None:
         "num_key_value_heads": d["kv_heads"],
         "head_dim": d["head_dim"],
         "vocab_size": v,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6 if family == "qwen3" else 1e-5,
+        "rope_theta": 1e6 if family == "qwen3" else 1e5,
         "tie_word_embeddings": True,
     }
     (path / "config.json").write_text(json.dumps(config))
+
+
+def _write_at_offsets(file, parts: list[bytes]) -> None:
+    """Write ``parts`` back to back with explicit offsets (os.pwrite, partial writes retried) and
+    check the header reads back: one sandboxed filesystem was seen misplacing buffered writes."""
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        off = 0
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                done = os.pwrite(fd, view, off)
+                off += done
+                view = view[done:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        json.loads(f.read(n))
+    if os.path.getsize(file) != off:
+        raise OSError(f"{file}: wrote {off} bytes, the file has {os.path.getsize(file)}")
+
+
+def write_tiny_llama(path, seed: int = 0) -> None:
+    write_checkpoint(path, "llama", DIMS, seed)
 
 
 @pytest.fixture(scope="module")
