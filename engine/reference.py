@@ -243,17 +243,8 @@ class ReferenceRunner:
             if not item.sample:
                 out.append(None)
                 continue
-            seed = item.sampling.seed if item.sampling.seed is not None else item.seq_id
-            out.append(
-                sample(
-                    logits[-1],
-                    item.sampling,
-                    item.history,
-                    item.prompt_len,
-                    item.num_generated,
-                    seed,
-                )
-            )
+            # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
+            out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:
