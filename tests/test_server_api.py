@@ -567,3 +567,21 @@ def test_anthropic_stop_sequence_reason():
     r = anth(c, stop_sequences=["END"])
     assert r.json["stop_reason"] == "stop_sequence" and r.json["stop_sequence"] == "END"
     eng._produce = orig
+
+
+def test_exception_midstream_becomes_error_chunk():
+    eng = FakeEngine()
+    c, _ = make(eng)
+    orig = eng._produce
+
+    def produce(req, h):
+        from engine.types import TokenEvent
+
+        h.q.put(TokenEvent(req.request_id, [65], "A"))
+        h.q.put("not an event")  # makes the stream code raise
+
+    eng._produce = produce
+    ev = sse_data(chat(c, stream=True).text)
+    assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "engine_error"
+    assert app_state(c.app).in_flight == 0 and eng.aborted  # the request was cancelled
+    eng._produce = orig

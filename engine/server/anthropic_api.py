@@ -53,7 +53,7 @@ class Messages:
         run.submit()
         if spec.stream:
             start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close)
+            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.anthropic_stream_error)
             return
         try:
             self._complete(run, spec, resp)

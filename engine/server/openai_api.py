@@ -54,7 +54,7 @@ class ChatCompletions:
         run.submit()
         if spec.stream:
             start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close)
+            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)
             return
         try:
             self._complete(run, spec, resp)
@@ -209,7 +209,7 @@ class Completions:
         run.submit()
         if spec.stream:
             start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close)
+            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)
             return
         try:
             parts, last = [], None

@@ -34,7 +34,7 @@ def make_waitress(
         port=config.port if port is None else port,
         threads=config.waitress_threads,
         channel_request_lookahead=1,
-        max_request_body_size=config.max_body_bytes,
+        max_request_body_size=2 * config.max_body_bytes + 65536,  # ours answers JSON 413 below this
         ident="memra",
         connection_limit=config.waitress_threads + 64,
         cleanup_interval=5,

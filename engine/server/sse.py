@@ -6,11 +6,13 @@ Falcon's SSE helpers are ASGI-only, so frames are written by hand. Must not impo
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 
 OK_COMMENT = b": ok\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("memra.server")
 
 
 def data(obj: dict) -> bytes:
@@ -28,16 +30,34 @@ class ClosingStream:
     would skip its ``finally`` if it was closed before its first ``next()``.
     """
 
-    def __init__(self, chunks: Iterator[bytes], on_close: Callable[[], None]):
+    def __init__(
+        self,
+        chunks: Iterator[bytes],
+        on_close: Callable[[], None],
+        on_error: Callable[[BaseException], bytes] | None = None,
+    ):
         self._chunks = chunks
         self._on_close = on_close
+        self._on_error = on_error
         self._closed = False
+        self._failed = False
 
     def __iter__(self) -> ClosingStream:
         return self
 
     def __next__(self) -> bytes:
-        return next(self._chunks)
+        if self._failed:
+            raise StopIteration
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            raise
+        except Exception as exc:  # a bug mid-stream: tell the client in-band instead of cutting the socket
+            log.exception("error while streaming a response")
+            self._failed = True
+            if self._on_error is None:
+                raise
+            return self._on_error(exc)
 
     def close(self) -> None:
         if self._closed:
@@ -49,3 +69,26 @@ class ClosingStream:
                 close()
         finally:
             self._on_close()
+
+
+def openai_stream_error(exc: BaseException) -> bytes:
+    err = {
+        "message": f"internal error while streaming ({type(exc).__name__})",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_error",
+    }
+    return data({"error": err}) + DONE
+
+
+def anthropic_stream_error(exc: BaseException) -> bytes:
+    return event(
+        "error",
+        {
+            "type": "error",
+            "error": {
+                "type": "api_error",
+                "message": f"internal error while streaming ({type(exc).__name__})",
+            },
+        },
+    )
