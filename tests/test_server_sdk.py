@@ -51,7 +51,44 @@ def fake_factory():
     return app, eng, True, "smol"
 
 
-APP_FACTORIES = [fake_factory]
+class _ChatTokenizer:
+    """engine.fake_runner's tokenizer plus a plain chat template (what the server needs)."""
+
+    def __init__(self):
+        from engine.fake_runner import FakeTokenizer as RunnerTokenizer
+
+        self._t = RunnerTokenizer()
+        self.eos_token_ids = self._t.eos_token_ids
+        self.vocab_size = self._t.vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def encode(self, text, add_special_tokens=False):
+        return self._t.encode(text)
+
+    def apply_chat_template(self, messages, *, tools=None, add_generation_prompt=True, **kw):
+        return (
+            "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages).replace("\n", " | ")
+            + "assistant: "
+        )
+
+
+def engine_loop_factory():
+    """The real engine loop (scheduler, paged KV, stop strings) over engine.fake_runner's FakeRunner."""
+    from engine.fake_runner import FakeRunner
+    from engine.loop import Engine, EngineConfig
+
+    tok = _ChatTokenizer()
+    runner = FakeRunner(num_blocks=512, block_size=16, max_model_len=2048, vocab_size=128, step_delay_s=0.01)
+    eng = Engine(runner, tok, EngineConfig(max_running=8))
+    eng.start()
+    cfg = ServerConfig(keys=(ApiKey("key_t", hash_key(KEY), "t1", cache_salt="t1"),), keepalive_s=0.5)
+    app = create_app(eng, tok, ModelInfo("fake-runner", 2048, "fake", 1), cfg)
+    return app, eng, False, "fake-runner"
+
+
+APP_FACTORIES = [fake_factory, engine_loop_factory]
 
 
 @dataclass
@@ -74,6 +111,9 @@ def served(request):
     app, eng, scripted, model = request.param()
     with BackgroundServer(app) as srv:
         yield Served(srv.url, eng, scripted, model, app)
+    if not scripted:
+        eng.check_invariants()
+        eng.shutdown(timeout_s=5.0)
 
 
 MSG = [{"role": "user", "content": "Say hello."}]

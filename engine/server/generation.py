@@ -59,8 +59,11 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
         raise
 
 
-def encode(state: AppState, text: str) -> list[int]:
-    return list(state.tokenizer.encode(text, add_special_tokens=False))
+def encode(state: AppState, text: str, param: str = "messages") -> list[int]:
+    try:
+        return list(state.tokenizer.encode(text, add_special_tokens=False))
+    except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
+        raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 
 
 class Run:

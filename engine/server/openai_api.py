@@ -196,7 +196,7 @@ class Completions:
                 )
             ids = list(spec.prompt)
         else:
-            ids = encode(st, spec.prompt)
+            ids = encode(st, spec.prompt, "prompt")
         run = Run(
             st,
             req.context.tenant,
