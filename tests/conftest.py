@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fixtures.checkpoints import write_llama_gguf, write_llama_safetensors, write_qwen3_safetensors
 
 from engine.types import MemraError
-from tests.fixtures.checkpoints import write_llama_gguf, write_llama_safetensors, write_qwen3_safetensors
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +37,11 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama of ``tiny_llama_dir`` as a q8_0 GGUF (q/k rows permuted as llama.cpp does)."""
     return write_llama_gguf(tmp_path_factory.mktemp("tiny_llama_gguf") / "tiny-llama.q8_0.gguf", quant="q8_0")
+
+
+@pytest.fixture(scope="session")
+def smollm2_source(smollm2_path: Path):
+    """The SmolLM2 GGUF opened once per session (opening costs ~2 s: the reader parses 100k vocab strings)."""
+    from engine.weights import open_weights
+
+    return open_weights(smollm2_path)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.quant_blocks import F16_FIELDS, random_blocks
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from engine import quant
 from engine.types import MemraError
-from tests.fixtures.quant_blocks import F16_FIELDS, random_blocks
 
 QUANTS = list(F16_FIELDS)
 
@@ -67,10 +67,8 @@ def test_errors() -> None:
 @pytest.mark.parametrize(
     "name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "output_norm.weight"]
 )
-def test_real_smollm2_blocks(smollm2_path, name: str) -> None:
-    from engine.weights import open_weights
-
-    src = open_weights(smollm2_path)
+def test_real_smollm2_blocks(smollm2_source, name: str) -> None:
+    src = smollm2_source
     info = src.info(name)
     rows = min(info.shape[0], 64) if len(info.shape) == 2 else None
     raw = src.raw(name)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.checkpoints import Dims, bf16_round, hf_tensor_specs, permute_qk, write_safetensors
 
 from engine.types import ConfigError, MemraError
 from engine.weights import open_weights
-from tests.fixtures.checkpoints import Dims, bf16_round, hf_tensor_specs, permute_qk, write_safetensors
 
 
 def test_safetensors_dir(tiny_qwen3_dir: Path) -> None:
@@ -73,8 +73,8 @@ def test_gguf_matches_safetensors(tiny_llama_dir: Path, tiny_llama_gguf: Path) -
         gg.array("blk.0.ffn_down.weight")
 
 
-def test_smollm2_gguf(smollm2_path: Path) -> None:
-    src = open_weights(smollm2_path)
+def test_smollm2_gguf(smollm2_source) -> None:
+    src = smollm2_source
     md = src.metadata
     assert md["general.architecture"] == "llama" and md["llama.block_count"] == 30
     assert md["tokenizer.ggml.pre"] == "smollm" and md["tokenizer.ggml.add_bos_token"] is False

