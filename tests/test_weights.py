@@ -159,3 +159,50 @@ def test_truncated_and_corrupt_gguf(tmp_path: Path, tiny_llama_gguf: Path) -> No
     bad.write_bytes(b"XXXX" + data[4:])
     with pytest.raises(MemraError, match=r"bad.gguf: cannot read GGUF file.*magic"):
         open_weights(bad)
+
+
+def test_fixture_writers_are_deterministic(
+    tmp_path: Path, tiny_llama_dir: Path, tiny_llama_gguf: Path
+) -> None:
+    from fixtures.checkpoints import write_llama_gguf, write_llama_safetensors
+
+    again = write_llama_safetensors(tmp_path / "again")
+    assert (again / "model.safetensors").read_bytes() == (tiny_llama_dir / "model.safetensors").read_bytes()
+    assert (
+        write_llama_gguf(tmp_path / "again.gguf", quant="q8_0").read_bytes() == tiny_llama_gguf.read_bytes()
+    )
+    other = write_llama_safetensors(tmp_path / "other", seed=1, num_hidden_layers=1, tie_word_embeddings=True)
+    src = open_weights(other)
+    assert src.metadata["num_hidden_layers"] == 1 and not src.has("lm_head.weight")
+    assert src.info("model.embed_tokens.weight").shape == (384, 64)
+
+
+@pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_llama_gguf_quants(tmp_path: Path, tiny_llama_dir: Path, quant: str) -> None:
+    from fixtures.checkpoints import write_llama_gguf
+
+    gg = open_weights(write_llama_gguf(tmp_path / f"m.{quant}.gguf", quant=quant))
+    assert gg.info("blk.1.ffn_gate.weight").dtype == quant and gg.info("output.weight").shape == (384, 64)
+    ref = open_weights(tiny_llama_dir).dequantize("model.layers.1.mlp.gate_proj.weight")
+    tol = {"f32": 0, "f16": 1e-4, "bf16": 0}.get(quant, 0.01)
+    np.testing.assert_allclose(gg.dequantize("blk.1.ffn_gate.weight"), ref, atol=tol)
+
+
+def test_make_checkpoint_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_checkpoint", Path(__file__).parent.parent / "tools" / "make_checkpoint.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--shape", "smollm2-135m", "--layers", "1", "--out", str(tmp_path / "m")]) == 0
+    src = open_weights(tmp_path / "m")
+    assert src.metadata["hidden_size"] == 576 and src.metadata["num_key_value_heads"] == 3
+    assert src.info("model.embed_tokens.weight").shape == (49152, 576)
+    assert src.info("model.layers.0.mlp.down_proj.weight").shape == (576, 1536) and not src.has(
+        "lm_head.weight"
+    )
+    w = src.dequantize("model.layers.0.self_attn.q_proj.weight")
+    assert abs(float(w.std()) - 0.02) < 0.001
+    assert "0.0" in capsys.readouterr().out

@@ -1,0 +1,62 @@
+"""Write a full-size random-weight HF checkpoint (real shapes, bf16) for GPU tests and benchmarks.
+
+Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf16] [--seed 0] [--layers N]
+
+Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
+norms ~ 1 + N(0, 0.05), streamed tensor by tensor in 2048-row chunks so memory stays bounded.
+The tokenizer is the fixtures' tiny 384-token BPE (ids are valid in the larger vocab); feed token
+ids directly for throughput work. Must not import torch or CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fixtures.checkpoints import Dims, hf_config, hf_tensor_specs, write_safetensors, write_tokenizer_files  # noqa: E402
+
+SHAPES: dict[str, tuple[str, Dims]] = {
+    "smollm2-135m": ("llama", Dims(576, 30, 9, 3, 64, 1536, 49152, 100000.0, 1e-5, 8192, True)),
+    "llama3-8b": ("llama", Dims(4096, 32, 32, 8, 128, 14336, 128256, 500000.0, 1e-5, 8192, False)),
+    "qwen3-0.6b": ("qwen3", Dims(1024, 28, 16, 8, 128, 3072, 151936, 1000000.0, 1e-6, 40960, True)),
+    "qwen3-4b": ("qwen3", Dims(2560, 36, 32, 8, 128, 9728, 151936, 1000000.0, 1e-6, 40960, True)),
+    "qwen3-8b": ("qwen3", Dims(4096, 36, 32, 8, 128, 12288, 151936, 1000000.0, 1e-6, 40960, False)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16"])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (0 = the real one)")
+    args = ap.parse_args(argv)
+    family, dims = SHAPES[args.shape]
+    if args.layers:
+        from dataclasses import replace
+
+        dims = replace(dims, num_hidden_layers=args.layers)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    (out / "config.json").write_text(json.dumps(hf_config(dims, family), indent=2), encoding="utf-8")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [2, 0]}))
+    write_tokenizer_files(out)
+    specs = hf_tensor_specs(dims, family, args.seed)
+    write_safetensors(out / "model.safetensors", specs)
+    n = sum(math.prod(s) for _, s, _ in specs)
+    dt = time.perf_counter() - t0
+    size = (out / "model.safetensors").stat().st_size
+    print(f"{args.shape}: {n / 1e9:.3f} B params, {size / 2**30:.2f} GiB in {dt:.1f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
