@@ -42,6 +42,21 @@ def make_waitress(
     )
 
 
+def stop_waitress(server: BaseWSGIServer, thread: threading.Thread | None, timeout_s: float = 5.0) -> None:
+    """Close every socket from inside waitress's own loop thread (so its select never sees a closed fd),
+    wait for the loop to end, then stop the worker threads."""
+    from waitress import wasyncore
+
+    sock_map = server._map
+    try:
+        server.trigger.pull_trigger(lambda: wasyncore.close_all(sock_map))
+    except Exception:  # trigger already gone: close from here
+        wasyncore.close_all(sock_map)
+    if thread is not None:
+        thread.join(timeout_s)
+    server.task_dispatcher.shutdown(timeout=timeout_s)
+
+
 class BackgroundServer:
     """waitress in a daemon thread (tests, embedding). ``url`` is http://host:port."""
 
@@ -59,10 +74,8 @@ class BackgroundServer:
         self.close()
 
     def close(self) -> None:
-        try:
-            self.server.close()
-        except Exception:
-            pass
+        if self._thread.is_alive():
+            stop_waitress(self.server, self._thread)
 
 
 def drain_and_stop(state: AppState, timeout_s: float) -> bool:
@@ -152,8 +165,5 @@ def run_server(
         while not stop.wait(0.5):
             pass
     finally:
-        try:
-            server.close()
-        except Exception:
-            pass
+        stop_waitress(server, srv_thread)
     return result["code"]
