@@ -363,6 +363,10 @@ def build_plan(
         elif index == 0 or not ops[index - 1][1]:  # first op of a repeat body: expand layer-major
             body = [o for o, _ in _run_of_layer_ops(ops, index)]
             schedule.extend((o, layer, False) for layer in range(d["layers"]) for o in body)
+    if _needs_freq_factors(graph, d, tensor_dtypes):
+        half = int(d["rope_dim"]) // 2
+        weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
+        adapter.freq = weights[ROPE_FREQ]
     for pos, (op, layer, head) in enumerate(schedule):
         if op.op == "rope":
             attn = next((o for o, lay, _ in schedule[pos:] if o.op == "attention" and lay == layer), None)
@@ -393,6 +397,23 @@ def build_plan(
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
     )
+
+
+ROPE_FREQ = "rope_freq"  # a computed weight: per-pair divisors of theta^(-2i/rope_dim), f32 [rope_dim/2]
+
+
+def _needs_freq_factors(
+    graph: ModelGraph, d: Mapping[str, Any], tensor_dtypes: Mapping[str, str] | None
+) -> bool:
+    """Llama-3/linear ``rope_scaling`` (HF) or a GGUF ``rope_freqs`` tensor the file carries."""
+    scaling = d.get("rope_scaling") or {}
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        return True
+    for op, _ in graph.ops():
+        tensor = op.attrs.get("freq_factors") if op.op == "rope" else None
+        if tensor and tensor_dtypes and tensor in tensor_dtypes:
+            return True
+    return False
 
 
 def _run_of_layer_ops(ops: list[tuple[Op, bool]], start: int) -> list[tuple[Op, bool]]:
@@ -474,6 +495,7 @@ class _CatalogAdapter:
         self.max_rows = max(profile.cuda_graph_batch_sizes)
         self.prefill_linear = prefill_linear
         self.scratch: dict[str, ScratchPlan] = {}
+        self.freq: WeightPlan | None = None  # set by build_plan when RoPE frequencies are scaled
         if catalog is None:
             try:
                 from engine import kernel_catalog as catalog  # type: ignore[no-redef]
@@ -664,7 +686,7 @@ class _CatalogAdapter:
             kv_stride=k.ld,
             qk_norm=qn is not None,
             eps=repr(eps),
-            freq_factors=False,
+            freq_factors=self.freq is not None,
             kv_write=True,
             threads=t,
         )
@@ -685,7 +707,7 @@ class _CatalogAdapter:
             Arg("input", "positions"),
             _w(qn) if qn else NULL,
             _w(kn) if kn else NULL,
-            NULL,
+            _w(self.freq) if self.freq is not None else NULL,
             Arg("kv", "k", layer=layer),
             Arg("kv", "v", layer=layer),
             Arg("input", "slots"),

@@ -21,7 +21,7 @@ import numpy as np
 
 from engine import cuda
 from engine.compile import KernelBuilder
-from engine.plan import Arg, Launch, Plan, build_plan, kernel_specs
+from engine.plan import ROPE_FREQ, Arg, Launch, Plan, build_plan, kernel_specs
 from engine.profile import DeviceProfile, select
 from engine.sampling import sample
 from engine.types import MemraError, StepItem
@@ -110,6 +110,9 @@ class CudaRunner:
         m = self.model
         self._weights: dict[str, cuda.DeviceBuffer] = {}
         for w in self.plan.weights:
+            if w.key == ROPE_FREQ:
+                self._weights[w.key] = self._upload_array(self._rope_freq_factors())
+                continue
             chunks = []
             for part in w.parts:
                 spec = m.graph.tensors[part]
@@ -135,6 +138,26 @@ class CudaRunner:
             buf = cuda.alloc(w.nbytes)
             cuda.htod(buf.ptr, np.ascontiguousarray(data))
             self._weights[w.key] = buf
+
+    def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
+        data = np.ascontiguousarray(data)
+        buf = cuda.alloc(data.nbytes)
+        cuda.htod(buf.ptr, data)
+        return buf
+
+    def _rope_freq_factors(self) -> np.ndarray:
+        """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
+        from engine import ops_ref
+
+        d, m = self.plan.dims, self.model
+        rope_dim, theta = int(d["rope_dim"]), float(d["rope_theta"])
+        ff = None
+        tensor = next((op.attrs.get("freq_factors") for op, _ in m.graph.ops() if op.op == "rope"), None)
+        if tensor and m.has(tensor):
+            ff = m.dequantize(tensor)
+        inv = ops_ref.rope_inv_freq(rope_dim, theta, d.get("rope_scaling"), ff)
+        base = ops_ref.rope_inv_freq(rope_dim, theta)
+        return (base / inv).astype(np.float32)
 
     def _alloc_arena(self) -> None:
         self.arena = cuda.alloc(self.plan.arena_bytes())

@@ -171,3 +171,22 @@ def test_sampling_kinds_use_argmax_and_sample():
     assert [launch.spec.template for launch in plan.sampling["greedy"]] == ["argmax"]
     (sample,) = plan.sampling["sample"]
     assert [a.ref for a in sample.args if a.kind == "input"][:1] == ["out_ids"]
+
+
+def test_llama3_rope_scaling_adds_frequency_divisors_to_rope():
+    graph = load_family("llama")
+    dims = dict(dims_for_size("llama", "llama3-8b"))
+    dims["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plan = build_plan(graph, dims, graph.quant("bf16"), get_profile("h200"))
+    assert plan.weight("rope_freq").cols == 64
+    rope = next(s for s in plan.steps if s.op.op == "rope").launches["decode"][0]
+    assert rope.spec.params["freq_factors"] is True
+    assert rope.args[6].kind == "weight" and rope.args[6].ref == "rope_freq"
+    plain = plan_for("llama", "llama3-8b")
+    assert "rope_freq" not in {w.key for w in plain.weights}
