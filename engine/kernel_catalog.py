@@ -32,6 +32,15 @@ QUANTS: dict[str, tuple[int, int]] = {
     "q6_k": (256, 210),
 }
 ROPE_STYLES = ("neox", "interleaved")
+# gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
+STAGED_DEFAULT: dict[str, bool] = {
+    "bf16": False,
+    "q8_0": True,
+    "q4_0": True,
+    "q4_1": True,
+    "q4_k": False,
+    "q6_k": True,
+}
 
 
 @dataclass(frozen=True)
@@ -46,18 +55,29 @@ class KernelDoc:
     grid: str
     block: str
     smem: str = "static only"
+    defaults: dict[str, Any] | None = None  # optional params, filled in by spec()
 
 
 P, I32 = "ptr", "i32"
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
-            quant=str, n=int, k=int, bmax=int, threads=int, rows_per_block=int, residual=bool, out_dtype=str
+            quant=str,
+            n=int,
+            k=int,
+            bmax=int,
+            threads=int,
+            rows_per_block=int,
+            residual=bool,
+            out_dtype=str,
+            stage=bool,
         ),
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
-        ("quant", "n", "k", "bmax", "threads", "residual", "out_dtype"),
+        ("quant", "n", "k", "bmax", "threads", "residual", "out_dtype", "stage"),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
+        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage)",
+        {"stage": None},  # None: STAGED_DEFAULT[quant]
     ),
     "gemm": KernelDoc(
         dict(n=int, k=int, tile_m=int, tile_n=int, tile_k=int, stages=int, warps=int, residual=bool),
@@ -290,6 +310,11 @@ def spec(template: str, **params: Any) -> KernelSpec:
     doc = KERNELS.get(template)
     if doc is None:
         raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
+    params = dict(params)
+    for key, value in (doc.defaults or {}).items():
+        params.setdefault(key, value)
+    if template == "gemv" and params.get("stage") is None and params.get("quant") in STAGED_DEFAULT:
+        params["stage"] = STAGED_DEFAULT[params["quant"]]
     missing = set(doc.params) - set(params)
     extra = set(params) - set(doc.params)
     if missing or extra:
@@ -400,9 +425,11 @@ def linear_params(
     residual: bool = False,
     out_dtype: str = "bf16",
     bmax: int | None = None,
+    stage: bool | None = None,
 ) -> dict[str, Any]:
     g = tuning["gemv"]
     return dict(
+        stage=STAGED_DEFAULT.get(quant, False) if stage is None else stage,
         quant=quant,
         n=n,
         k=k,

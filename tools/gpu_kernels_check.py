@@ -207,8 +207,8 @@ def check_gemv(K: Kernels, rng, quick: bool):
             else:
                 raw = (torch.randn(n * k, device=DEV) * 0.05).to(torch.bfloat16).view(torch.uint8)
             wbytes = raw.numel()
-            for rows, bmax in ((1, 1), (8, 8)):
-                c = kc.choice("gemv", **kc.linear_params(qt, n, k, TUNING, bmax=bmax))
+            for rows, bmax, stage in ((1, 1, False), (1, 1, True), (8, 8, False), (8, 8, True)):
+                c = kc.choice("gemv", **kc.linear_params(qt, n, k, TUNING, bmax=bmax, stage=stage))
                 x = torch.randn(rows, k, device=DEV).to(torch.bfloat16)
                 out = torch.empty(rows, n, device=DEV, dtype=torch.bfloat16)
                 ms = bench(
