@@ -183,6 +183,7 @@ class Plan:
     steps: tuple[Step, ...]
     sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" -> launches on logits
     scratch: tuple[ScratchPlan, ...]
+    short_context: int  # decode rows all below this position use the attention ``short`` launches
     max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
     block_size: int
     graph_batch_sizes: tuple[int, ...]
@@ -216,8 +217,8 @@ def kernel_specs(plan: Plan) -> list[KernelSpec]:
     """Every kernel the plan can launch, deduplicated, in first-use order (what warmup builds)."""
     seen: dict[KernelSpec, None] = {}
     for step in plan.steps:
-        for mode in MODES:
-            for launch in step.launches.get(mode, ()):
+        for launches in step.launches.values():
+            for launch in launches:
                 seen.setdefault(launch.spec, None)
     for launches in plan.sampling.values():
         for launch in launches:
@@ -376,6 +377,8 @@ def build_plan(
         ins = [values[n] for n in op.inputs if n in values]
         outs = _bind_outputs(op, ws, ins, d, value_for)
         launches = {mode: tuple(adapter.launches(op, layer, mode, ins, outs, ws)) for mode in MODES}
+        if op.op == "attention":  # decode variant for short contexts (every row's position < split)
+            launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
 
     if "logits" not in values:
@@ -393,6 +396,7 @@ def build_plan(
         steps=tuple(steps),
         sampling=sampling,
         scratch=tuple(adapter.scratch.values()),
+        short_context=profile.tune("attention_decode")["split_kv_tokens"],
         max_tokens=max_tokens,
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
@@ -745,13 +749,15 @@ class _CatalogAdapter:
             Arg("input", "positions"),
             Arg("shape", "max_blocks", "i32"),
         )
-        if mode == "prefill":
-            warps = self.tune("attention_prefill")["warps"]
+        if mode in ("prefill", "short"):
+            # direct: one block per (row, kv head) covers the whole key range, no combine
+            warps = self.tune("attention_prefill" if mode == "prefill" else "attention_decode")["warps"]
+            kmode = "prefill" if mode == "prefill" else "decode"
             spec = self._spec(
                 "attention",
-                {"m": "p", "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
+                {"m": kmode[0], "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
                 split=16 * warps,
-                mode="prefill",
+                mode=kmode,
                 direct=True,
                 warps=warps,
                 **common,

@@ -90,8 +90,8 @@ class CudaRunner:
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
-        self._graphs: dict[tuple[int, str], tuple[cuda.Graph, list[_Bound]]] = {}
-        self._eager: dict[tuple[str, int, str], list[_Bound]] = {}
+        self._graphs: dict[tuple[int, str, bool], tuple[cuda.Graph, list[_Bound]]] = {}
+        self._eager: dict[tuple, list[_Bound]] = {}
 
     # ----------------------------------------------------------------------------- setup
 
@@ -259,7 +259,9 @@ class CudaRunner:
             "max_ctx": self.max_model_len,
         }
 
-    def _bind_pass(self, mode: str, n: int, nseq: int, head_only: bool, sampling: str) -> list[_Bound]:
+    def _bind_pass(
+        self, mode: str, n: int, nseq: int, head_only: bool, sampling: str, short: bool = False
+    ) -> list[_Bound]:
         shape = self._shape(n, nseq)
         bound = []
         for step in self.plan.steps:
@@ -267,7 +269,10 @@ class CudaRunner:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            for launch in step.launches["decode1" if head_only else mode]:
+            key = "decode1" if head_only else mode
+            if short and "short" in step.launches:
+                key = "short"
+            for launch in step.launches[key]:
                 bound.append(self._bind(launch, shape))
         if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
@@ -360,14 +365,15 @@ class CudaRunner:
             v["seeds"][r] = 0
             v["counters"][r] = 0
         kind = self._sampling_kind(items)
+        short = max(it.start_pos for it in items) < self.plan.short_context
         self._upload_inputs(bucket)
         if self.use_graphs:
-            graph = self._graph(bucket, kind)
+            graph = self._graph(bucket, kind, short)
             graph.launch(self.stream)
         else:
-            key = ("decode", bucket, kind)
+            key = ("decode", bucket, kind, short)
             if key not in self._eager:
-                self._eager[key] = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind)
+                self._eager[key] = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind, short)
             self._run(self._eager[key])
         ids = [int(x) for x in self._read_ids(n)]
         return self._host_sample_penalised(items, ids)
@@ -395,10 +401,10 @@ class CudaRunner:
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str) -> cuda.Graph:
-        key = (bucket, kind)
+    def _graph(self, bucket: int, kind: str, short: bool) -> cuda.Graph:
+        key = (bucket, kind, short)
         if key not in self._graphs:
-            bound = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind)
+            bound = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind, short)
             self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
             self.stream.synchronize()
             with cuda.capture(self.stream) as graph:

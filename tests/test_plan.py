@@ -190,3 +190,12 @@ def test_llama3_rope_scaling_adds_frequency_divisors_to_rope():
     assert rope.args[6].kind == "weight" and rope.args[6].ref == "rope_freq"
     plain = plan_for("llama", "llama3-8b")
     assert "rope_freq" not in {w.key for w in plain.weights}
+
+
+def test_short_context_decode_uses_direct_attention_without_combine():
+    plan = plan_for("llama", "smollm2-135m")
+    step = next(s for s in plan.steps if s.op.op == "attention")
+    (short,) = step.launches["short"]
+    assert short.spec.params["direct"] is True and short.spec.params["mode"] == "decode"
+    assert plan.short_context == get_profile("h200").tune("attention_decode")["split_kv_tokens"]
+    assert short.spec in kernel_specs(plan)
