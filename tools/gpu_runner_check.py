@@ -307,6 +307,15 @@ def main() -> int:
             return check_correctness(name, runner, ref)
 
         stage(results, f"{name}:correctness", correct)
+        if name.startswith("tiny"):  # past split_kv_tokens: split-KV attention + combine, chunked prefill
+
+            def long(holder=holder, runner=runner, name=name):
+                from engine.reference import ReferenceRunner
+
+                ref = ReferenceRunner(holder["model"], num_blocks=128, max_model_len=2048)
+                return check_correctness(name, runner, ref, prompt_len=700, decode=3)
+
+            stage(results, f"{name}:correctness_long", long)
         for b in (1, 8):
             stage(
                 results,
