@@ -207,3 +207,19 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
         MemraError, match="unsupported GGUF tokenizer.ggml.pre 'mystery'; supported: .*smollm.*qwen2"
     ):
         load_tokenizer(open_weights(make("gpt2", "mystery")))
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt-2", ["Hello", "Ġ12345", "Ġworld", "'s"]),
+        ("smollm", ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'s"]),
+        ("qwen2", ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'S"]),
+        ("llama-bpe", ["Hello", "Ġ", "123", "45", "Ġworld", "'S"]),
+    ],
+)
+def test_pre_tokenizer_by_gguf_name(pre: str, pieces: list[str]) -> None:
+    from engine.tokenizer import _pre_tokenizer
+
+    text = "Hello 12345 world's" if pre in ("gpt-2", "smollm") else "Hello 12345 world'S"
+    assert [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str(text)] == pieces
