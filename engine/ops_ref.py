@@ -234,28 +234,37 @@ def gather_kv(
     return k, v
 
 
+ATTN_QUERY_CHUNK = 256  # queries per score block: bounds memory at [kv_heads, 256*group, L] floats
+
+
 def attention_dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float) -> np.ndarray:
     """Causal GQA attention of T queries at positions ``start_pos..`` over L = start_pos+T keys.
 
     q [T, heads, hd], k/v [L, kv_heads, hd] (heads a multiple of kv_heads; query head ``h`` reads
-    kv head ``h // (heads // kv_heads)``). Softmax in float32 with the row max subtracted.
+    kv head ``h // (heads // kv_heads)``). Query ``t`` sees keys ``0..start_pos+t``. Softmax in
+    float32 with the row max subtracted; queries are processed ATTN_QUERY_CHUNK at a time.
     Returns [T, heads*hd].
     """
     t, heads, hd = q.shape
-    length, kvh, _ = k.shape
+    kvh = k.shape[1]
     g = heads // kvh
-    # [kvh, T*g, hd] @ [kvh, hd, L] -> [kvh, T*g, L]; row r = t*g + j is query head kv*g + j.
-    qg = q.reshape(t, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, t * g, hd)
-    scores = np.matmul(qg, k.transpose(1, 2, 0)) * F32(scale)
-    qpos = start_pos + np.repeat(np.arange(t), g)
-    mask = np.arange(length)[None, :] > qpos[:, None]
-    scores[:, mask] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, v.transpose(1, 0, 2))  # [kvh, T*g, hd]
-    out = out.reshape(kvh, t, g, hd).transpose(1, 0, 2, 3).reshape(t, heads * hd)
-    return out.astype(F32, copy=False)
+    out = np.empty((t, heads * hd), dtype=F32)
+    kt = k.transpose(1, 2, 0)  # [kvh, hd, L]
+    vt = v.transpose(1, 0, 2)  # [kvh, L, hd]
+    for c0 in range(0, t, ATTN_QUERY_CHUNK):
+        c1 = min(t, c0 + ATTN_QUERY_CHUNK)
+        n, length = c1 - c0, start_pos + c1  # later keys are masked for every query of the chunk
+        # [kvh, n*g, hd] @ [kvh, hd, L] -> [kvh, n*g, L]; row r = i*g + j is query head kv*g + j.
+        qg = q[c0:c1].reshape(n, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, n * g, hd)
+        scores = np.matmul(qg, kt[:, :, :length]) * F32(scale)
+        qpos = start_pos + c0 + np.repeat(np.arange(n), g)
+        scores[:, np.arange(length)[None, :] > qpos[:, None]] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = np.matmul(scores, vt[:, :length])  # [kvh, n*g, hd]
+        out[c0:c1] = o.reshape(kvh, n, g, hd).transpose(1, 0, 2, 3).reshape(n, heads * hd)
+    return out
 
 
 def attention(

@@ -181,3 +181,16 @@ def test_write_kv_rejects_short_block_table():
     kc = np.zeros((4, 2, 1, 2), np.float32)
     with pytest.raises(ValueError, match="block_table"):
         ops_ref.write_kv(kc, kc.copy(), rand(5, 2), rand(5, 2), [0, 1], 0)
+
+
+def test_attention_query_chunking_is_exact_across_chunk_edges(monkeypatch):
+    heads, kv_heads, hd, t, start = 4, 2, 4, 9, 3
+    q = rand(t, heads, hd)
+    k, v = rand(start + t, kv_heads, hd), rand(start + t, kv_heads, hd)
+    want = _attention_loop(
+        q.reshape(t, -1), k.reshape(start + t, -1), v.reshape(start + t, -1), start, heads, kv_heads, hd
+    )
+    for chunk in (1, 2, 4, 256):
+        monkeypatch.setattr(ops_ref, "ATTN_QUERY_CHUNK", chunk)
+        got = ops_ref.attention_dense(q, k, v, start, 1 / math.sqrt(hd))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"chunk {chunk}")
