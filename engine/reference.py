@@ -97,8 +97,8 @@ class ReferenceRunner:
                 if ff and self.model.has(ff, None):
                     load(ff, None)
 
-    def _rope_tables(self) -> dict[str | None, tuple[np.ndarray, np.ndarray]]:
-        """cos/sin [max_model_len, rope_dim/2] per rope op variant (with/without freq factors)."""
+    def _rope_tables(self) -> tuple[dict[str | None, np.ndarray], dict[str | None, np.ndarray]]:
+        """cos and sin tables [max_model_len, rope_dim/2], keyed by the freq-factor tensor (None: none)."""
         d = self.model.dims
         rope_dim = int(d.get("rope_dim") or self.head_dim)
         positions = np.arange(self.max_model_len)
