@@ -27,7 +27,7 @@ def _bad(param: str, message: str) -> MemraError:
 
 
 def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
         raise _bad(name, f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -46,7 +46,7 @@ def validate_sampling(params: SamplingParams) -> None:
     if not 0.0 < p <= 1.0:
         raise _bad("top_p", f"top_p must be in (0, 1], got {p:g}")
     k = params.top_k
-    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < -1:
         raise _bad("top_k", f"top_k must be an integer >= 0 (0 or -1 = off), got {k!r}")
     mp = _check_real("min_p", params.min_p)
     if not 0.0 <= mp <= 1.0:
@@ -59,7 +59,7 @@ def validate_sampling(params: SamplingParams) -> None:
     if not 0.0 < r <= 10.0:
         raise _bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {r:g}")
     seed = params.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise _bad("seed", f"seed must be an integer, got {seed!r}")
 
 
