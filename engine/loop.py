@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import queue
 import secrets
 import threading
@@ -424,6 +425,8 @@ class Engine:
             sampled = self.runner.step(items)
             if len(sampled) != len(items):
                 raise RuntimeError(f"runner returned {len(sampled)} results for {len(items)} items")
+            # numpy integers are fine; None (or anything else) for a sampled item fails the step
+            sampled = [operator.index(t) if s.sample else None for s, t in zip(batch, sampled, strict=True)]
         except Exception as exc:
             if getattr(exc, "fatal", False):
                 raise
@@ -456,13 +459,12 @@ class Engine:
         )
 
     def _advance(self, s: Scheduled, token: int | None) -> None:
+        """Apply one item's result: KV written up to the chunk's end, plus the sampled token if any."""
         seq = s.seq
         seq.num_computed = s.start + s.count
         self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-        if not s.sample:
+        if token is None:
             return
-        if not isinstance(token, int):
-            raise TypeError(f"runner returned {token!r} for a sampled item of sequence {seq.seq_id}")
         st: _ReqState = seq.state
         if st.stop is None:
             req = seq.request
@@ -526,6 +528,6 @@ class Engine:
                 finish_reason=reason,
                 usage=usage,
                 error=error,
-                ttft_s=self._ttft(st),
+                ttft_s=self._ttft(st) if seq.num_generated else None,
             )
         )

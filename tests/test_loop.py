@@ -351,3 +351,31 @@ def test_handle_get_times_out():
     h = e.submit(req("a", [5]))
     with pytest.raises(queue.Empty):
         h.get(timeout=0.01)
+
+
+class _BadRunner(FakeRunner):
+    """Returns None for sampled items on its second step, numpy-style ints otherwise."""
+
+    def step(self, items):
+        out = super().step(items)
+        if self.steps == 2:
+            return [None for _ in out]
+        return [_Int(t) if t is not None else None for t in out]
+
+
+class _Int:
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+def test_runner_returning_garbage_fails_the_step_not_the_engine():
+    e = make_engine(_BadRunner(num_blocks=64, block_size=4, max_model_len=256))
+    first = collect(e.submit(req("a", [5, 6, 7], max_tokens=5)))
+    assert first[-1].finish_reason == "error" and tokens(first) == FakeRunner.reference_generate([5, 6, 7], 1)
+    ok = collect(e.submit(req("b", [5, 6, 7], max_tokens=5)))
+    assert tokens(ok) == FakeRunner.reference_generate([5, 6, 7], 5) and e.healthy
+    assert all(type(t) is int for t in tokens(ok))
+    e.shutdown(2)
