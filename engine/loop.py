@@ -477,8 +477,9 @@ class Engine:
         if reason is None and (
             seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
         ):
-            text += st.stop.finish()
-            reason = "length"
+            tail, matched = st.stop.finish()
+            text += tail
+            reason = "stop" if matched else "length"
         if reason is not None:
             self._finish(seq, reason, token_ids=[token], text=text)
         else:

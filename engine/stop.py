@@ -64,11 +64,16 @@ class StopChecker:
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         if token_id in self.stop_token_ids:
-            return self.finish(), "stop"
+            return self.finish()[0], "stop"
         text, matched = self.strings.feed(self.decoder.push([token_id]))
         return text, ("stop" if matched else None)
 
-    def finish(self) -> str:
-        """Flush the decoder and the holdback at the end of a request (length or stop token)."""
+    def finish(self) -> tuple[str, bool]:
+        """Flush the decoder and the holdback at the end of a request: ``(text, a stop string matched)``.
+
+        The decoder's tail (bytes it was holding) can itself complete a stop string.
+        """
+        if self.strings.matched:
+            return "", True
         text, matched = self.strings.feed(self.decoder.flush())
-        return text if matched else text + self.strings.flush()
+        return (text, True) if matched else (text + self.strings.flush(), False)

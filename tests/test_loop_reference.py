@@ -58,3 +58,34 @@ def test_reference_greedy_alone_equals_batched_with_cache_chunks_and_preemption(
     again, stats = run(model, [PROMPTS, PROMPTS], 64, max_running=8)
     assert [toks for toks, _ in again] == solo + solo
     assert [cached for _, cached in again] == [0] * 4 + [12, 4, 0, 8]
+
+
+def test_real_tokenizer_text_and_stop_string(model):
+    """The engine's text path over engine.tokenizer: events concatenate to decode(tokens); a stop
+    string taken from the middle of that text cuts the output right before it."""
+    from engine.reference import ReferenceRunner
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model.weights)
+    runner = ReferenceRunner(model, num_blocks=32, block_size=4, max_model_len=64)
+    e = Engine(runner, tok, EngineConfig(), on_step=lambda e: e.check_invariants())
+    e.start()
+    try:
+        prompt = tok.encode("hello world, this is a test")
+        evs = list(e.submit(GenerationRequest("a", prompt, sampling=GREEDY, max_tokens=24, ignore_eos=True)))
+        ids = [t for ev in evs for t in ev.token_ids]
+        full = "".join(ev.text for ev in evs)
+        assert full == tok.decode(ids)
+        if len(full.strip()) < 6:
+            pytest.skip("the tiny model produced too little text for a stop-string check")
+        mid = len(full) // 2
+        stop = full[mid : mid + 3]
+        evs = list(
+            e.submit(
+                GenerationRequest("b", prompt, sampling=GREEDY, max_tokens=24, ignore_eos=True, stop=[stop])
+            )
+        )
+        assert evs[-1].finish_reason == "stop"
+        assert "".join(ev.text for ev in evs) == full[: full.index(stop)]
+    finally:
+        e.shutdown(5)

@@ -134,3 +134,14 @@ def test_stop_checker_hides_stop_token_text_and_flushes_utf8():
     c = StopChecker(tok.incremental_decoder(), ["é!"], set())
     out = [c.push(t) for t in tok.encode("aé!b")]
     assert "".join(t for t, _ in out) == "a" and out[-2][1] == "stop"
+
+
+def test_stop_string_completed_by_the_decoder_tail_counts():
+    tok = FakeTokenizer()
+    c = StopChecker(tok.incremental_decoder(), ["a\ufffd"], set())
+    assert c.push(tok.encode("a")[0]) == ("", None)  # "a" may start the stop string
+    assert c.push(97) == ("", None)  # a dangling UTF-8 lead byte
+    assert c.finish() == ("", True)  # flushed as U+FFFD: "a\ufffd" matches
+    c = StopChecker(tok.incremental_decoder(), ["zz"], set())
+    c.push(tok.encode("z")[0])
+    assert c.finish() == ("z", False)
