@@ -96,6 +96,10 @@ class BlockManager:
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
+    def seq_ids(self) -> set[int]:
+        """Ids of the sequences that currently own a block table."""
+        return set(self._seqs)
+
     def table(self, seq_id: int) -> list[int]:
         """The sequence's block table (the live list; copy it before handing it out)."""
         return self._seqs[seq_id].table

@@ -298,7 +298,7 @@ class Engine:
                     f"waiting seq {seq.seq_id} holds blocks"
                 )
             owners = {seq.seq_id for seq in s.running}
-            assert set(self.blocks._seqs) == owners, "block tables exist for sequences that are not running"
+            assert self.blocks.seq_ids() == owners, "block tables exist for sequences that are not running"
 
     # ----- validation -----------------------------------------------------------------------------
     def _validate(self, req: GenerationRequest) -> int:
