@@ -312,10 +312,39 @@ class ReferenceRunner:
         return out
 
 
+def set_blas_threads(n: int) -> int | None:
+    """Set the thread count of numpy's bundled OpenBLAS (process-wide); return the previous count.
+
+    Returns None (and changes nothing) when numpy's BLAS is not a bundled OpenBLAS. Multi-threaded
+    OpenBLAS degrades sharply on an oversubscribed machine (see docs/reference-backend.md), so a
+    caller sharing the CPU with other busy processes or threads may want 1.
+    """
+    import ctypes
+    import glob
+    import os
+
+    libs_dir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs_dir, "*openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                if setter is not None and getter is not None:
+                    getter.restype = ctypes.c_int
+                    previous = int(getter())
+                    setter(ctypes.c_int(max(1, int(n))))
+                    return previous
+    return None
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """Reference KV bytes one token occupies (K and V, all layers, float32)."""
     d = model.dims
     return 2 * int(d["layers"]) * int(d["kv_heads"]) * int(d["head_dim"]) * 4
 
 
-__all__ = ["ReferenceRunner", "kv_bytes_per_token"]
+__all__ = ["ReferenceRunner", "kv_bytes_per_token", "set_blas_threads"]
