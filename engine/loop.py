@@ -440,7 +440,14 @@ class Engine:
             with self._lock:
                 self._n["steps"] += 1
                 for s, token in zip(batch, sampled, strict=True):
-                    self._advance(s, token)
+                    try:
+                        self._advance(s, token)
+                    except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
+                        log.exception("post-processing failed for request %s", s.seq.request.request_id)
+                        err = MemraError(
+                            f"the engine failed while decoding this request: {exc}", code="engine_error"
+                        )
+                        self._finish(s.seq, "error", error=err)
         if self.on_step is not None:
             self.on_step(self)
 

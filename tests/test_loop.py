@@ -379,3 +379,31 @@ def test_runner_returning_garbage_fails_the_step_not_the_engine():
     assert tokens(ok) == FakeRunner.reference_generate([5, 6, 7], 5) and e.healthy
     assert all(type(t) is int for t in tokens(ok))
     e.shutdown(2)
+
+
+class _PickyTokenizer(FakeTokenizer):
+    def incremental_decoder(self, skip_special_tokens=True):
+        dec = super().incremental_decoder(skip_special_tokens)
+        picky = dec.push
+
+        def push(ids):
+            if 50 in ids:
+                raise ValueError("token 50 is not decodable")
+            return picky(ids)
+
+        dec.push = push
+        return dec
+
+
+def test_a_decoding_error_fails_only_that_request():
+    e = Engine(FakeRunner(), _PickyTokenizer(), EngineConfig(max_running=8, max_step_tokens=32))
+    e.start()
+    prompts = [[b, 9, 9] for b in range(2, 60)]
+    bad = next(p for p in prompts if 50 in FakeRunner.reference_generate(p, 6))
+    good = next(p for p in prompts if 50 not in FakeRunner.reference_generate(p, 6))
+    hb, hg = e.submit(req("bad", bad, max_tokens=6)), e.submit(req("good", good, max_tokens=6))
+    assert collect(hb)[-1].error.code == "engine_error"
+    assert tokens(collect(hg)) == FakeRunner.reference_generate(good, 6)
+    assert e.healthy
+    assert_idle_clean(e)
+    e.shutdown(2)
