@@ -81,8 +81,11 @@ def test_batched_greedy_equals_solo_greedy():
         solo.append(tokens(collect(e.submit(req(f"s{i}", p, max_tokens=20)))))
         e.shutdown(2)
     # batched, with a KV cache small enough to force preemption and chunking
-    e = make_engine(FakeRunner(num_blocks=30, block_size=4, max_model_len=128), prefill_chunk_tokens=8)
+    e = make_engine(
+        FakeRunner(num_blocks=30, block_size=4, max_model_len=128), start=False, prefill_chunk_tokens=8
+    )
     handles = [e.submit(req(f"b{i}", p, max_tokens=20)) for i, p in enumerate(prompts)]
+    e.start()  # all queued first: the batching (and the preemption asserted below) is deterministic
     batched = [tokens(collect(h)) for h in handles]
     assert batched == solo
     assert e.runner.max_items > 1 and e.stats().preemptions > 0
@@ -299,7 +302,7 @@ def test_shutdown_is_bounded_and_aborts_the_rest():
     hs[0].get(timeout=5)
     t0 = time.monotonic()
     e.shutdown(timeout_s=0.5)
-    assert time.monotonic() - t0 < 0.8
+    assert time.monotonic() - t0 < 1.0  # bound 0.5 s, slack for a loaded CI machine
     assert not e.alive
     assert all(collect(h, timeout=1)[-1].finish_reason == "abort" for h in hs)
     with pytest.raises(MemraError) as ei:

@@ -32,7 +32,6 @@ def run(model, waves, num_blocks, **cfg):
     runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=64)
     tok = FakeTokenizer(eos_token_ids=frozenset())
     e = Engine(runner, tok, EngineConfig(**cfg), on_step=lambda e: e.check_invariants())
-    e.start()
     outs = []
     try:
         for w, prompts in enumerate(waves):
@@ -40,6 +39,7 @@ def run(model, waves, num_blocks, **cfg):
                 e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=GREEDY, max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(prompts)
             ]
+            e.start()  # after the first wave is queued, so its batching does not depend on timing
             for h in handles:
                 evs = list(h)
                 assert evs[-1].finish_reason == "length", evs[-1].error
