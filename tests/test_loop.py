@@ -271,8 +271,9 @@ def test_abort_frees_blocks_and_is_idempotent():
 
 def test_runner_error_fails_only_that_step():
     r = FakeRunner(num_blocks=64, block_size=4, max_model_len=256, fail_steps=[3])
-    e = make_engine(r)
+    e = make_engine(r, start=False)
     hs = [e.submit(req(f"r{i}", range(2, 12), max_tokens=6)) for i in range(2)]
+    e.start()  # both queued first, so both are in the failing step
     finals = [collect(h)[-1] for h in hs]
     assert [f.finish_reason for f in finals] == ["error", "error"]
     assert finals[0].error.code == "engine_error"
