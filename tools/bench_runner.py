@@ -28,7 +28,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def layer_matrix_params(plan: Any) -> int:
-    """Elements of the per-layer matrices plus the lm_head (the 2*params*tokens FLOP count)."""
+    """Elements of the per-layer matrices (the 2*params*tokens FLOP count; the lm_head runs on one
+    row per prefill, so it is left out)."""
     total = 0
     for w in plan.weights:
         if w.rows > 1 and (w.layer is not None):
