@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fixtures.checkpoints import write_llama_gguf, write_llama_safetensors, write_qwen3_safetensors
+from fixtures.checkpoints import (
+    write_llama_gguf,
+    write_llama_safetensors,
+    write_qwen3_gguf,
+    write_qwen3_safetensors,
+)
 
 from engine.types import MemraError
 
@@ -45,3 +50,9 @@ def smollm2_source(smollm2_path: Path):
     from engine.weights import open_weights
 
     return open_weights(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 of ``tiny_qwen3_dir`` as a q8_0 GGUF (arch qwen3, q/k not permuted)."""
+    return write_qwen3_gguf(tmp_path_factory.mktemp("tiny_qwen3_gguf") / "tiny-qwen3.q8_0.gguf", quant="q8_0")

@@ -206,3 +206,14 @@ def test_make_checkpoint_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     w = src.dequantize("model.layers.0.self_attn.q_proj.weight")
     assert abs(float(w.std()) - 0.02) < 0.001
     assert "0.0" in capsys.readouterr().out
+
+
+def test_qwen3_gguf_matches_safetensors(tiny_qwen3_dir: Path, tiny_qwen3_gguf: Path) -> None:
+    hf, gg = open_weights(tiny_qwen3_dir), open_weights(tiny_qwen3_gguf)
+    assert gg.metadata["general.architecture"] == "qwen3" and gg.metadata["qwen3.attention.key_length"] == 16
+    assert len(gg.tensor_names()) == len(hf.tensor_names())
+    np.testing.assert_array_equal(
+        gg.dequantize("blk.1.attn_k_norm.weight"), hf.dequantize("model.layers.1.self_attn.k_norm.weight")
+    )
+    q = hf.dequantize("model.layers.0.self_attn.q_proj.weight")
+    np.testing.assert_allclose(gg.dequantize("blk.0.attn_q.weight"), q, atol=5e-4)  # not permuted
