@@ -107,12 +107,17 @@ class Tokenizer:
         bos_token_id: int | None,
         add_bos: bool,
         eos_token_ids: frozenset[int],
+        eos_token_id: int | None = None,
         chat_template: str | None,
     ):
         self.hf = tk
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos and bos_token_id is not None
         self.eos_token_ids = eos_token_ids
+        #: the model's own EOS (tokenizer_config eos_token / tokenizer.ggml.eos_token_id), for templates
+        self.eos_token_id = (
+            eos_token_id if eos_token_id is not None else (min(eos_token_ids) if eos_token_ids else None)
+        )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
 
@@ -138,7 +143,7 @@ class Tokenizer:
 
     @property
     def eos_token(self) -> str:
-        return (self.id_to_token(min(self.eos_token_ids)) or "") if self.eos_token_ids else ""
+        return (self.id_to_token(self.eos_token_id) or "") if self.eos_token_id is not None else ""
 
     def apply_chat_template(
         self,
@@ -211,6 +216,7 @@ def _gguf_tokenizer(source: WeightSource) -> Tokenizer:
         bos_token_id=bos,
         add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
         eos_token_ids=frozenset(int(e) for e in eos),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         chat_template=md.get("tokenizer.chat_template"),
     )
 
@@ -270,13 +276,21 @@ def _hf_tokenizer(source: WeightSource) -> Tokenizer:
         add_bos = bos is not None and bool(probe) and probe[0] == bos
     eos: set[int] = set()
     eos_str = _token_str(cfg.get("eos_token"))
-    if eos_str and tk.token_to_id(eos_str) is not None:
-        eos.add(tk.token_to_id(eos_str))
+    primary = tk.token_to_id(eos_str) if eos_str else None
+    if primary is None and _ids(model_cfg.get("eos_token_id")):
+        primary = _ids(model_cfg.get("eos_token_id"))[0]
+    if primary is not None:
+        eos.add(primary)
     eos |= set(_ids(model_cfg.get("eos_token_id")))
     eos |= set(_ids((model_cfg.get("_generation_config") or {}).get("eos_token_id")))
     eos |= _end_of_turn_ids(tk)
     return Tokenizer(
-        tk, bos_token_id=bos, add_bos=add_bos, eos_token_ids=frozenset(eos), chat_template=template
+        tk,
+        bos_token_id=bos,
+        add_bos=add_bos,
+        eos_token_ids=frozenset(eos),
+        eos_token_id=primary,
+        chat_template=template,
     )
 
 

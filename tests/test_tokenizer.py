@@ -35,6 +35,7 @@ def test_smollm2_properties(smol) -> None:
     assert {2} <= smol.eos_token_ids and 1 not in smol.eos_token_ids
     assert smol.token_to_id("<|im_start|>") == 1 and smol.token_to_id("<|im_end|>") == 2
     assert smol.id_to_token(2) == "<|im_end|>"
+    assert smol.eos_token_id == 2 and smol.eos_token == "<|im_end|>" and smol.bos_token == "<|im_start|>"
     assert smol.encode("<|im_start|>user<|im_end|>")[0] == 1
     assert smol.encode("<|im_start|>user<|im_end|>")[-1] == 2
     assert smol.encode("hi", add_special_tokens=True) == smol.encode("hi")  # add_bos_token is false
@@ -150,6 +151,7 @@ def test_hf_dir_tokenizer(tiny_qwen3_dir: Path) -> None:
     assert tok.vocab_size == 384
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
     assert tok.eos_token_ids == frozenset({0, 2})  # tokenizer_config eos + generation_config [2, 0]
+    assert tok.eos_token_id == 2 and tok.eos_token == "<|im_end|>" and tok.bos_token_id == 0
     assert not tok.add_bos
     text = "What is the capital of France? 42"
     assert tok.decode(tok.encode(text)) == text
