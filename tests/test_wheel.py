@@ -36,9 +36,9 @@ def test_wheel_carries_data_and_works_outside_checkout(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     code = (
         "import engine, engine.paths as p, engine.graph as g, engine.profile as pr;"
-        "assert str(p.models_dir()).startswith({!r}), p.models_dir();"
+        f"assert str(p.models_dir()).startswith({str(site)!r}), p.models_dir();"
         "print(sorted(g.all_families()), len(pr.all_profiles()), len(list(p.kernels_dir().glob('*.cu.j2'))))"
-    ).format(str(site))
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
