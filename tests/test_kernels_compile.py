@@ -146,3 +146,29 @@ def test_all_kernels_compile_for_every_arch(tmp_path):
         stats = builder.build_all(specs, jobs=jobs, progress=None)
         assert stats.compiled + stats.hits == len(specs)
         assert all(k.cubin for k in stats.kernels)
+
+
+def _signature_params(source: str, entry: str) -> list[str]:
+    start = source.index(f"{entry}(") + len(entry) + 1
+    depth, i = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+    return [p.strip() for p in source[start : i - 1].split(",")]
+
+
+def test_catalog_args_match_kernel_signatures():
+    """KERNELS[t].args is the launch contract: same count, pointers where the kernel takes a
+    pointer, ints where it takes an int."""
+    seen = set()
+    for s in _specs_by_arch()[PRIMARY_ARCH]:
+        if _variant(s) in seen:
+            continue
+        seen.add(_variant(s))
+        params = _signature_params(render(s), s.entry)
+        args = kc.KERNELS[s.template].args
+        assert len(params) == len(args), (s.entry, params)
+        for (name, ctype), decl in zip(args, params, strict=True):
+            assert ("*" in decl) == (ctype == "ptr"), (s.entry, name, decl)
+            if ctype == "i32":
+                assert decl.split()[0] == "int", (s.entry, name, decl)
