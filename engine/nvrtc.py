@@ -99,14 +99,17 @@ def compile_to_cubin(
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(err, "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # NVRTC writes into the buffer: it must be a fresh mutable one. (A `b" " * n` bytes object is
+        # immutable, and for n == 1 it is CPython's shared b" " singleton: writing into it corrupts
+        # every b" " in the process.)
+        buf = bytearray(max(size, 1))
         (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.rstrip(b"\x00").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise NvrtcError(f"NVRTC failed to compile {name} for {arch} ({result.name})", log, source_path)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
         return bytes(cubin), log

@@ -117,3 +117,16 @@ def test_real_nvrtc_compiles_and_reports_errors(kroot, tmp_path):
         b.get(KernelSpec("broken", "broken__x"))
     text = str(info.value)
     assert "NVRTC log" in text and "rendered source:" in text and "broken__x" in text
+
+
+def test_nvrtc_does_not_corrupt_interned_bytes(kroot, tmp_path):
+    """NVRTC writes its log and cubin into caller buffers; they must be fresh bytearrays. Writing into
+    `b" " * 1` (CPython's shared single-byte object) once turned every b" " in the process into NUL."""
+    nvrtc = pytest.importorskip("engine.nvrtc")
+    try:
+        nvrtc.version()
+    except nvrtc.NvrtcUnavailable as exc:
+        pytest.skip(f"NVRTC not available: {exc}")
+    cubin, log = nvrtc.compile_to_cubin('extern "C" __global__ void k() {}', "k", "sm_90a")
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    assert b" " == bytes([32]) and b"\x00" == bytes([0])
