@@ -357,7 +357,9 @@ def test_health_ready_metrics_admin():
     assert "memra_inter_token_latency_seconds_count 8" in m
     assert "memra_prefix_cache_hit_ratio 0.4" in m and "memra_kv_cache_usage_ratio 0.1" in m
     kv = c.simulate_get("/admin/kv")
-    assert kv.status_code == 200 and kv.json["invariants_ok"] and kv.json["kv_blocks_used"] == 10
+    assert (
+        kv.status_code == 200 and kv.json["invariants_ok"] and kv.json["kv_blocks_used"] == 5
+    )  # total - free - cached (cached prefix blocks are not in use)
     eng.invariant_error = "block 3 double-owned"
     kv = c.simulate_get("/admin/kv")
     assert kv.status_code == 500 and kv.json["invariant_error"] == "block 3 double-owned"
