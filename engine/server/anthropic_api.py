@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import falcon
 
 from . import sse
-from .generation import Run, chat_prompt, check_model, encode, error_of
-from .http_common import disconnect_probe, read_json, send_json, start_sse
+from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
+from .http_common import read_json, send_json, start_run, start_sse
 from .schemas import ChatSpec, parse_anthropic
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
@@ -21,14 +21,6 @@ from .tool_calls import Call, Text, ToolCallParser
 
 def _tool_id() -> str:
     return "toolu_" + secrets.token_hex(12)
-
-
-def _allowed(spec: ChatSpec) -> set[str] | None:
-    if spec.tool_choice == "none" or not spec.tools:
-        return None
-    if spec.tool_choice == "named":
-        return {spec.tool_name or ""}
-    return {t["function"]["name"] for t in spec.tools}
 
 
 class Messages:
@@ -41,16 +33,7 @@ class Messages:
         spec = parse_anthropic(read_json(req, st))
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
-        run = Run(
-            st,
-            req.context.tenant,
-            spec,
-            ids,
-            param="messages",
-            disconnected=disconnect_probe(req),
-            id_prefix="msg_",
-        )
-        run.submit()
+        run = start_run(st, req, spec, ids, param="messages", id_prefix="msg_")
         if spec.stream:
             start_sse(resp)
             resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.anthropic_stream_error)
@@ -99,7 +82,7 @@ class Messages:
         if last.finish_reason in ("error", "abort"):
             raise error_of(last)
         text = "".join(parts)
-        allowed = _allowed(spec)
+        allowed = allowed_tools(spec)
         evs = [Text(text)]
         if allowed is not None:
             p = ToolCallParser(allowed, id_factory=_tool_id)
@@ -150,7 +133,7 @@ class Messages:
             },
         )
         yield sse.event("ping", {"type": "ping"})
-        allowed = _allowed(spec)
+        allowed = allowed_tools(spec)
         parser = ToolCallParser(allowed, id_factory=_tool_id) if allowed is not None else None
         index = -1
         text_open = False

@@ -66,6 +66,15 @@ def encode(state: AppState, text: str, param: str = "messages") -> list[int]:
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 
 
+def allowed_tools(spec: ChatSpec) -> set[str] | None:
+    """Tool names a parsed call may use (None: tool calls are not parsed at all)."""
+    if spec.tool_choice == "none" or not spec.tools:
+        return None
+    if spec.tool_choice == "named":
+        return {spec.tool_name or ""}
+    return {t["function"]["name"] for t in spec.tools}
+
+
 class Run:
     """A submitted request. Iterate ``events()``; always call ``close()`` (idempotent)."""
 

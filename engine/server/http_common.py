@@ -12,6 +12,7 @@ import falcon
 
 from .body import parse_json_body
 from .errors import ApiError
+from .generation import Run
 from .state import AppState
 
 
@@ -53,3 +54,20 @@ def usage_openai(u) -> dict:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+
+
+def start_run(
+    state: AppState, req: falcon.Request, spec, ids: list[int], *, param: str, id_prefix: str
+) -> Run:
+    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it."""
+    run = Run(
+        state,
+        req.context.tenant,
+        spec,
+        ids,
+        param=param,
+        disconnected=disconnect_probe(req),
+        id_prefix=id_prefix,
+    )
+    run.submit()
+    return run

@@ -11,19 +11,11 @@ import falcon
 
 from . import sse
 from .errors import ApiError
-from .generation import Run, chat_prompt, check_model, encode, error_of
-from .http_common import disconnect_probe, read_json, send_json, start_sse, usage_openai
+from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
+from .http_common import read_json, send_json, start_run, start_sse, usage_openai
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
-
-
-def _allowed_tools(spec: ChatSpec) -> set[str] | None:
-    if spec.tool_choice == "none" or not spec.tools:
-        return None
-    if spec.tool_choice == "named":
-        return {spec.tool_name or ""}
-    return {t["function"]["name"] for t in spec.tools}
 
 
 def _finish(reason: str, has_calls: bool) -> str:
@@ -42,16 +34,7 @@ class ChatCompletions:
         spec = parse_chat(read_json(req, st))
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
-        run = Run(
-            st,
-            req.context.tenant,
-            spec,
-            ids,
-            param="messages",
-            disconnected=disconnect_probe(req),
-            id_prefix="chatcmpl-",
-        )
-        run.submit()
+        run = start_run(st, req, spec, ids, param="messages", id_prefix="chatcmpl-")
         if spec.stream:
             start_sse(resp)
             resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)
@@ -84,7 +67,7 @@ class ChatCompletions:
         if last.finish_reason in ("error", "abort"):
             raise error_of(last)
         text = "".join(parts)
-        allowed = _allowed_tools(spec)
+        allowed = allowed_tools(spec)
         calls: list[Call] = []
         content = text
         if allowed is not None:
@@ -121,7 +104,7 @@ class ChatCompletions:
         iu = spec.include_usage
         yield sse.OK_COMMENT
         yield self._chunk(run, {"role": "assistant", "content": ""}, usage=iu)
-        allowed = _allowed_tools(spec)
+        allowed = allowed_tools(spec)
         parser = ToolCallParser(allowed) if allowed is not None else None
         n_calls = 0
 
@@ -197,16 +180,7 @@ class Completions:
             ids = list(spec.prompt)
         else:
             ids = encode(st, spec.prompt, "prompt")
-        run = Run(
-            st,
-            req.context.tenant,
-            spec,
-            ids,
-            param="prompt",
-            disconnected=disconnect_probe(req),
-            id_prefix="cmpl-",
-        )
-        run.submit()
+        run = start_run(st, req, spec, ids, param="prompt", id_prefix="cmpl-")
         if spec.stream:
             start_sse(resp)
             resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)

@@ -90,7 +90,11 @@ class AdminKV:
             "preemptions",
         )
         out: dict = {f: getattr(s, f, None) for f in fields}
-        total, free, cached = out["kv_blocks_total"] or 0, out["kv_blocks_free"] or 0, out["kv_blocks_cached"] or 0
+        total, free, cached = (
+            out["kv_blocks_total"] or 0,
+            out["kv_blocks_free"] or 0,
+            out["kv_blocks_cached"] or 0,
+        )
         # blocks owned by sequences; cached prefix blocks with no owner are reusable, not in use
         out["kv_blocks_used"] = getattr(s, "kv_blocks_used", total - free - cached) if total else None
         try:
