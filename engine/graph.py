@@ -25,6 +25,24 @@ FLOAT_TYPES = ("f32", "f16", "bf16")
 QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 STORAGE_TYPES = FLOAT_TYPES + QUANT_TYPES
 
+# (elements per block, bytes per block) of each storage type: GGUF block layouts, floats are
+# 1-element blocks. engine/quant.py documents each layout's fields.
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q8_0": (32, 34),
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+
 TENSOR_KINDS = ("matrix", "embedding", "vector")
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")

@@ -23,27 +23,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.graph import ModelGraph, Op, QuantCombo, evaluate
+from engine.graph import BLOCK_SIZES, ModelGraph, Op, QuantCombo, evaluate
 from engine.kernel_spec import KernelSpec, entry_name
 from engine.profile import DeviceProfile
 from engine.types import ConfigError
-
-# bytes per block and elements per block of each storage type (GGUF layouts; floats are 1-element)
-BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q8_0": (32, 34),
-    "q2_k": (256, 84),
-    "q3_k": (256, 110),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
 
 ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 MODES = ("decode1", "decode", "prefill")
@@ -51,9 +34,9 @@ MODES = ("decode1", "decode", "prefill")
 
 def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
     """Bytes of a row-major [rows, cols] tensor stored as ``dtype`` (cols a multiple of the block)."""
-    if dtype not in BLOCK_LAYOUT:
+    if dtype not in BLOCK_SIZES:
         raise ConfigError(f"storage type {dtype!r} has no known block layout")
-    elems, nbytes = BLOCK_LAYOUT[dtype]
+    elems, nbytes = BLOCK_SIZES[dtype]
     if cols % elems:
         raise ConfigError(f"a {dtype} row of {cols} values is not a whole number of {elems}-value blocks")
     return rows * (cols // elems) * nbytes

@@ -48,24 +48,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine.graph import BLOCK_SIZES as _BLOCK_SIZES
 from engine.types import MemraError
 
-#: dtype -> (elements per block, bytes per block)
-BLOCK_SIZES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q8_0": (32, 34),
-    "q2_k": (256, 84),
-    "q3_k": (256, 110),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
+#: dtype -> (elements per block, bytes per block); defined with the storage types in engine.graph
+BLOCK_SIZES = _BLOCK_SIZES
 
 
 def nbytes_for(dtype: str, shape: Sequence[int]) -> int:
