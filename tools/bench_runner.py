@@ -1,162 +1,20 @@
-"""Measure a Runner: decode tok/s (batch x context depth) and prefill tok/s, each against the roofline.
+"""Benchmark a CudaRunner alone (no engine loop): decode at batch x depth and prefill, with roofline fractions.
 
-Decode at depth D: every row decodes at position D over D tokens of KV already in the cache (the
-KV's contents do not change the work, so the cache is not pre-filled: fresh blocks are used);
-the roofline fraction is (weight bytes + KV bytes read) / step time / profile.memory_bandwidth_gbs.
-Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
-2 * params * P FLOPs / time / profile.tensor_tflops_bf16. Times are wall-clock around whole
-``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
-repeats after warm-up. Usage (GPU machine):
+    PYTHONPATH=. python tools/bench_runner.py MODEL_DIR_OR_GGUF [--json out.json] [--steps 64]
 
-    PYTHONPATH=. python tools/bench_runner.py MODEL_DIR_OR_GGUF [--json out.json]
-
-Must not import CUDA itself (the runner does).
+The measurements are engine.runner_bench's (the same ones `memra bench` reports).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from typing import Any
+from pathlib import Path
 
-from engine.types import SamplingParams, StepItem
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def layer_matrix_params(plan: Any) -> int:
-    """Elements of the per-layer matrices (the 2*params*tokens FLOP count; the lm_head runs on one
-    row per prefill, so it is left out)."""
-    total = 0
-    for w in plan.weights:
-        if w.rows > 1 and (w.layer is not None):
-            total += w.rows * w.cols
-    return total
-
-
-def streamed_weight_bytes(plan: Any) -> int:
-    """Bytes one decode step must read: every weight once (the embedding table only when it is
-    also the lm_head: an untied table is gathered a row per token)."""
-    tied = bool(plan.dims.get("tie_embeddings"))
-    total = 0
-    for w in plan.weights:
-        if w.key == "embed" and not tied:
-            total += w.cols * 2  # about one row per token
-            continue
-        total += w.nbytes
-    return total
-
-
-def kv_bytes_read(plan: Any, batch: int, depth: int) -> int:
-    d = plan.dims
-    return batch * (depth + 1) * d["layers"] * 2 * d["kv_dim"] * 2
-
-
-def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
-    per = -(-length // runner.block_size)
-    if per * batch > runner.num_blocks:
-        raise SystemExit(f"benchmark needs {per * batch} KV blocks, runner has {runner.num_blocks}")
-    return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
-
-
-def bench_decode(runner: Any, batch: int, depth: int, steps: int = 64, repeats: int = 3) -> dict:
-    tables = _blocks_for(runner, batch, depth + steps + 1)
-
-    def items(pos: int) -> list[StepItem]:
-        return [
-            StepItem(
-                seq_id=b,
-                token_ids=[(7 * b + pos) % 100 + 1],
-                start_pos=pos,
-                block_table=tables[b],
-                sample=True,
-                sampling=GREEDY,
-            )
-            for b in range(batch)
-        ]
-
-    start = max(depth, 1)
-    for i in range(3):  # warm-up: graph capture for this bucket
-        runner.step(items(start + i))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(steps):
-            runner.step(items(start + i))
-        times.append((time.perf_counter() - t0) / steps)
-    t = statistics.median(times)
-    plan = runner.plan
-    nbytes = streamed_weight_bytes(plan) + kv_bytes_read(plan, batch, depth)
-    bw = plan_profile(runner).memory_bandwidth_gbs * 1e9
-    return {
-        "kind": "decode",
-        "batch": batch,
-        "depth": depth,
-        "step_ms": t * 1e3,
-        "tok_s": batch / t,
-        "bytes_per_step": nbytes,
-        "achieved_gbs": nbytes / t / 1e9,
-        "roofline_fraction": nbytes / t / bw,
-    }
-
-
-def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
-    table = _blocks_for(runner, 1, tokens)[0]
-    ids = [(i * 31) % 1000 + 1 for i in range(tokens)]
-    item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY)
-    runner.step([item])
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.step([item])
-        times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    flops = 2 * layer_matrix_params(runner.plan) * tokens
-    peak = plan_profile(runner).tensor_tflops_bf16 * 1e12
-    return {
-        "kind": "prefill",
-        "tokens": tokens,
-        "ms": t * 1e3,
-        "tok_s": tokens / t,
-        "tflops": flops / t / 1e12,
-        "roofline_fraction": flops / t / peak,
-    }
-
-
-def plan_profile(runner: Any) -> Any:
-    return runner.profile
-
-
-def run_all(
-    runner: Any, batches=(1, 8, 32), depths=(0, 4096), prefills=(512, 4096), steps: int = 64
-) -> list[dict]:
-    rows = []
-    for depth in depths:
-        for batch in batches:
-            if depth + steps + 2 > runner.max_model_len:
-                continue
-            rows.append(bench_decode(runner, batch, depth, steps))
-    for p in prefills:
-        if p <= runner.max_model_len:
-            rows.append(bench_prefill(runner, p))
-    return rows
-
-
-def table(rows: list[dict], title: str = "") -> str:
-    out = [title] if title else []
-    out.append(f"{'what':<24}{'tok/s':>12}{'time':>12}{'roofline':>10}")
-    for r in rows:
-        if r["kind"] == "decode":
-            what = f"decode b={r['batch']} d={r['depth']}"
-            when = f"{r['step_ms']:.3f} ms"
-        else:
-            what = f"prefill {r['tokens']}"
-            when = f"{r['ms']:.1f} ms"
-        out.append(f"{what:<24}{r['tok_s']:>12.1f}{when:>12}{100 * r['roofline_fraction']:>9.1f}%")
-    return "\n".join(out)
+from engine import runner_bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine.runner_cuda import CudaRunner
 
     runner = CudaRunner(load_model(args.model), max_model_len=args.max_model_len)
-    rows = run_all(runner, steps=args.steps)
+    rows = runner_bench.run_all(runner, steps=args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "profile": runner.profile.name, "rows": rows}, f, indent=1)
-    print(table(rows, f"{args.model} on {runner.profile.name}"))
+    print(runner_bench.table(rows, f"{args.model} on {runner.profile.name}"))
     return 0
 
 

@@ -270,8 +270,7 @@ def main() -> int:
     if args.smoke_only:
         (out / "gpu_runner_check.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
-    import bench_runner
-
+    from engine import runner_bench as bench_runner
     from engine.model import load_model
     from engine.runner_cuda import CudaRunner
 
