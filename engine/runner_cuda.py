@@ -13,6 +13,7 @@ driver calls go through engine.cuda.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ class CudaRunner:
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
+        self._ctx_thread = threading.get_ident()
         self.profile = profile or select(self.ctx.info)
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
@@ -286,6 +288,12 @@ class CudaRunner:
     # ----------------------------------------------------------------------------- steps
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        # a CUDA context is current per thread: the engine loop steps from its own thread, not
+        # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
+        me = threading.get_ident()
+        if me != self._ctx_thread:
+            self.ctx.make_current()
+            self._ctx_thread = me
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         for i, it in enumerate(items):
