@@ -159,7 +159,7 @@ def run_server(
     srv_thread = threading.Thread(target=server.run, daemon=True, name="waitress")
     srv_thread.start()
     log.info(
-        "listening on http://%s:%d (%d threads)", config.host, server.effective_port, config.waitress_threads
+        "listening on http://%s:%s (%d threads)", config.host, server.effective_port, config.waitress_threads
     )
     try:
         while not stop.wait(0.5):
