@@ -50,8 +50,17 @@ def build_engine(
     model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
+    profile = getattr(runner, "profile", None)  # the CUDA runner's device profile sets the prefill budget
+    chunk = profile.prefill_chunk_tokens if profile is not None else EngineConfig.prefill_chunk_tokens
     engine = Engine(
-        runner, tokenizer, EngineConfig(max_running=cfg.max_running, tenant_max_concurrency=limits)
+        runner,
+        tokenizer,
+        EngineConfig(
+            max_running=cfg.max_running,
+            prefill_chunk_tokens=chunk,
+            max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
+            tenant_max_concurrency=limits,
+        ),
     )
     engine.start()
     model_id = model.path.stem if model.path.suffix == ".gguf" else model.path.name
