@@ -22,26 +22,31 @@ import numpy as np
 
 from engine import cuda
 from engine.compile import KernelBuilder
-from engine.plan import ROPE_FREQ, Arg, Launch, Plan, build_plan, kernel_specs
+from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, Arg, Launch, Plan, build_plan, kernel_specs
 from engine.profile import DeviceProfile, select
-from engine.sampling import sample
+from engine.sampling import penalty_entries, sample
 from engine.types import MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
 
-# the packed input block, in order: (name, dtype, per token (prefill length) or per decode row);
-# block tables come last so a step uploads one contiguous prefix
+# the packed input block, in order: (name, dtype, rows: "token" (a prefill pass's rows), "row" (a
+# decode row / prefill sequence) or "row+1" (sequence boundaries)); block tables come last so a
+# step uploads one contiguous prefix; the penalty entries follow them and are uploaded only when used
 _ROW_INPUTS = (
-    ("tokens", np.int32, True),
-    ("positions", np.int32, True),
-    ("slots", np.int32, True),
-    ("temperature", np.float32, False),
-    ("top_p", np.float32, False),
-    ("top_k", np.int32, False),
-    ("min_p", np.float32, False),
-    ("seeds", np.uint64, False),
-    ("counters", np.uint64, False),
-    ("out_ids", np.int32, False),
+    ("tokens", np.int32, "token"),
+    ("positions", np.int32, "token"),
+    ("slots", np.int32, "token"),
+    ("seq_starts", np.int32, "row+1"),
+    ("temperature", np.float32, "row"),
+    ("top_p", np.float32, "row"),
+    ("top_k", np.int32, "row"),
+    ("min_p", np.float32, "row"),
+    ("seeds", np.uint64, "row"),
+    ("counters", np.int32, "row"),
+    ("presence", np.float32, "row"),
+    ("frequency", np.float32, "row"),
+    ("repetition", np.float32, "row"),
+    ("out_ids", np.int32, "row"),
 )
 
 
@@ -94,6 +99,16 @@ class CudaRunner:
         self._alloc_scratch()
         self._graphs: dict[tuple[int, str, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
+        self._head_inputs: list[tuple[str, int, int]] | None = None
+        self._pen_count = 0
+        # varlen prefill: the plan's prefill attention reads seq_starts, so one pass may hold
+        # several sequences (else each pass is one sequence's chunk)
+        self._varlen = any(
+            a.kind == "input" and a.ref == "seq_starts"
+            for st in self.plan.steps
+            for la in st.launches.get("prefill", ())
+            for a in la.args
+        )
 
     # ----------------------------------------------------------------------------- setup
 
@@ -195,22 +210,28 @@ class CudaRunner:
 
     def _alloc_inputs(self) -> None:
         self._max_rows = max(self.plan.graph_batch_sizes)
+        counts = {"token": self.plan.max_tokens, "row": self._max_rows, "row+1": self._max_rows + 1}
         layout, off = {}, 0
-        for name, dt, per_token in _ROW_INPUTS:
-            rows = self.plan.max_tokens if per_token else self._max_rows
+        for name, dt, kind in _ROW_INPUTS:
+            rows = counts[kind]
             off = (off + 7) // 8 * 8
             layout[name] = (off, dt, rows)
             off += rows * np.dtype(dt).itemsize
-        off = (off + 7) // 8 * 8
+        off = (off + 15) // 16 * 16
         self._tables_off = off
-        total = off + self._max_rows * self._table_ld * 4
+        off += self._max_rows * self._table_ld * 4
+        off = (off + 15) // 16 * 16
+        self._pen_off = off
+        total = off + (4 + 3 * PENALTY_CAPACITY) * 4
         self._in_dev = cuda.alloc(total)
         self._in_host = cuda.PinnedBuffer(total)
         self._in_host.bytes[:] = 0
         self._views = {n: self._in_host.view(dt, rows, o) for n, (o, dt, rows) in layout.items()}
         self._in_off = {n: o for n, (o, _, _) in layout.items()}
-        self._in_off["block_tables"] = off
-        self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, off)
+        self._in_off["block_tables"] = self._tables_off
+        self._in_off["pen_entries"] = self._pen_off
+        self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
+        self._pen = self._in_host.view(np.int32, 4 + 3 * PENALTY_CAPACITY, self._pen_off)
 
     def _alloc_scratch(self) -> None:
         self._scratch: dict[str, cuda.DeviceBuffer] = {}
@@ -252,26 +273,34 @@ class CudaRunner:
         args = cuda.KernelArgs([a.ctype for a in launch.args], values)
         return _Bound(self._fns[launch.spec], launch.grid_for(shape), launch.block, launch.smem, args)
 
-    def _shape(self, n: int, nseq: int) -> dict[str, int]:
+    def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
         return {
             "n": n,
             "nseq": nseq,
+            "max_q": max_q,
             "max_blocks": self._table_ld,
             "block_size": self.block_size,
             "max_ctx": self.max_model_len,
         }
 
     def _bind_pass(
-        self, mode: str, n: int, nseq: int, head_only: bool, sampling: str, short: bool = False
+        self,
+        mode: str,
+        n: int,
+        nseq: int,
+        head_only: bool,
+        sampling: str,
+        short: bool = False,
+        max_q: int = 1,
     ) -> list[_Bound]:
-        shape = self._shape(n, nseq)
+        shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
             if head_only and not step.head:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = "decode1" if head_only else mode
+            key = _decode_mode(n) if head_only else mode
             if short and "short" in step.launches:
                 key = "short"
             for launch in step.launches[key]:
@@ -296,11 +325,16 @@ class CudaRunner:
             self._ctx_thread = me
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
+        prefill: list[int] = []
         for i, it in enumerate(items):
+            self._check_item(it)
             if len(it.token_ids) == 1 and it.start_pos > 0:
                 decode.append(i)
             else:
-                out[i] = self._prefill(it)
+                prefill.append(i)
+        for sub in self._prefill_passes([items[i] for i in prefill]):
+            for idx, tok in self._run_prefill_pass(sub).items():
+                out[prefill[idx]] = tok
         limit = self._max_rows
         for lo in range(0, len(decode), limit):
             rows = decode[lo : lo + limit]
@@ -332,13 +366,55 @@ class CudaRunner:
         v["min_p"][row] = s.min_p
         v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
         v["counters"][row] = it.num_generated
+        v["presence"][row] = s.presence_penalty
+        v["frequency"][row] = s.frequency_penalty
+        v["repetition"][row] = s.repetition_penalty
+
+    def _clear_sampling(self, row: int) -> None:
+        v = self._views
+        v["temperature"][row] = 0.0
+        v["top_p"][row] = 1.0
+        v["top_k"][row] = 0
+        v["min_p"][row] = 0.0
+        v["seeds"][row] = 0
+        v["counters"][row] = 0
+        v["presence"][row] = 0.0
+        v["frequency"][row] = 0.0
+        v["repetition"][row] = 1.0
 
     def _sampling_kind(self, items: Sequence[StepItem]) -> str:
-        return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
+        host: more penalty entries than the device buffer holds, so those rows are re-sampled on
+        the host from their logits after a plain sample pass."""
+        if not any(it.sampling.uses_penalties for it in items):
+            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+        vocab = self.plan.values["logits"].width
+        parts, total = [], 0
+        for r, it in enumerate(items):
+            if not it.sampling.uses_penalties:
+                continue
+            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
+            parts.append((r, toks, info))
+            total += toks.size
+        if total > PENALTY_CAPACITY:
+            return "host"
+        ent = self._pen[4 : 4 + 3 * total].reshape(total, 3)
+        at = 0
+        for r, toks, info in parts:
+            ent[at : at + toks.size, 0] = r
+            ent[at : at + toks.size, 1] = toks
+            ent[at : at + toks.size, 2] = info
+            at += toks.size
+        self._pen[0] = total
+        self._pen_count = total
+        return "penalised"
 
-    def _upload_inputs(self, rows: int) -> None:
+    def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
         _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
+        if kind == "penalised":
+            lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
+            _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
 
     def _read_ids(self, rows: int) -> np.ndarray:
         ids = self._views["out_ids"][:rows]
@@ -354,7 +430,6 @@ class CudaRunner:
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
         tables[:] = self._sink_block
         for r, it in enumerate(items):
-            self._check_item(it)
             pos = it.start_pos
             v["tokens"][r] = it.token_ids[0]
             v["positions"][r] = pos
@@ -366,29 +441,27 @@ class CudaRunner:
             v["tokens"][r] = 0
             v["positions"][r] = 0
             v["slots"][r] = self._sink_block * self.block_size
-            v["temperature"][r] = 0.0
-            v["top_p"][r] = 1.0
-            v["top_k"][r] = 0
-            v["min_p"][r] = 0.0
-            v["seeds"][r] = 0
-            v["counters"][r] = 0
+            self._clear_sampling(r)
         kind = self._sampling_kind(items)
+        launch_kind = "sample" if kind == "host" else kind
         short = max(it.start_pos for it in items) < self.plan.short_context
-        self._upload_inputs(bucket)
+        self._upload_inputs(bucket, kind)
         if self.use_graphs:
-            graph = self._graph(bucket, kind, short)
+            graph = self._graph(bucket, launch_kind, short)
             graph.launch(self.stream)
         else:
-            key = ("decode", bucket, kind, short)
+            key = ("decode", bucket, launch_kind, short)
             if key not in self._eager:
-                self._eager[key] = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind, short)
+                self._eager[key] = self._bind_pass(
+                    _decode_mode(bucket), bucket, bucket, False, launch_kind, short
+                )
             self._run(self._eager[key])
         ids = [int(x) for x in self._read_ids(n)]
-        return self._host_sample_penalised(items, ids)
+        return self._host_sample_penalised(items, ids) if kind == "host" else ids
 
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
-        """Rows with penalties are re-sampled on the host from their logits (engine.sampling), the
-        one path that copies logits back; every other row keeps the GPU's id."""
+        """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
+        step has more penalty entries than the device buffer holds; every other row keeps its id."""
         rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
         if not rows:
             return ids
@@ -420,61 +493,101 @@ class CudaRunner:
             self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
         return self._graphs[key][0]
 
-    def _prefill(self, it: StepItem) -> int | None:
-        self._check_item(it)
-        v = self._views
-        chunk = self.profile.prefill_chunk_tokens
-        toks = list(it.token_ids)
-        bt = list(it.block_table)
-        ld = self._table_ld
-        result = None
-        for lo in range(0, len(toks), chunk):
-            self.stream.synchronize()  # the previous chunk's H2D must have read the pinned inputs
-            part = toks[lo : lo + chunk]
-            n = len(part)
-            start = it.start_pos + lo
-            pos = np.arange(start, start + n, dtype=np.int64)
-            v["tokens"][:n] = part
-            v["positions"][:n] = pos
-            blocks = np.asarray(bt, dtype=np.int64)[pos // self.block_size]
-            v["slots"][:n] = blocks * self.block_size + pos % self.block_size
-            row = self._tables[:ld]
-            row[:] = self._sink_block
-            row[: min(len(bt), ld)] = bt[: min(len(bt), ld)]
-            self._fill_sampling(0, it)
-            self._upload_inputs(1)
-            key = ("prefill", n, "")
-            bound = self._eager.get(key) or self._bind_pass("prefill", n, 1, False, "")
-            if len(self._eager) < 64:
-                self._eager[key] = bound
-            self._run(bound)
-            last = lo + n >= len(toks)
-            if last and it.sample:
-                x_rows = self._head_input_rows(n)
-                for _name, ptr, rowbytes in x_rows if n > 1 else ():
-                    cuda.dtod(ptr, ptr + (n - 1) * rowbytes, rowbytes, self.stream)
-                kind = self._sampling_kind([it])
-                hkey = ("head", 1, kind)
-                if hkey not in self._eager:
-                    self._eager[hkey] = self._bind_pass("decode1", 1, 1, True, kind)
-                self._run(self._eager[hkey])
-                result = self._host_sample_penalised([it], [int(self._read_ids(1)[0])])[0]
-        if result is None:
-            self.stream.synchronize()
-        return result
+    # ----------------------------------------------------------------------------- prefill
 
-    def _head_input_rows(self, n: int) -> list[tuple[str, int, int]]:
-        """Values the head reads that the layers produced: moved from row n-1 to row 0."""
-        produced_in_head: set[str] = set()
-        needed: list[str] = []
-        for step in self.plan.steps:
-            if not step.head:
-                continue
-            for name in step.op.inputs:
-                if name not in produced_in_head and name not in needed:
-                    needed.append(name)
-            produced_in_head.update(step.op.outputs)
-        return [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
+    def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:
+        """Pack the prefill items into passes of at most ``prefill_chunk_tokens`` rows: each entry is
+        (item index, item, lo, hi), the item's tokens lo..hi-1. A long item is split over consecutive
+        passes (its earlier chunk's KV is in the cache before the next pass). With a plan whose
+        prefill attention is not varlen, every pass holds one sequence."""
+        chunk = self.profile.prefill_chunk_tokens
+        max_seqs = self._max_rows if self._varlen else 1
+        passes: list[list[tuple[int, StepItem, int, int]]] = []
+        cur: list[tuple[int, StepItem, int, int]] = []
+        used = 0
+        for idx, it in enumerate(items):
+            lo, n = 0, len(it.token_ids)
+            while lo < n:
+                if used == chunk or len(cur) == max_seqs:
+                    passes.append(cur)
+                    cur, used = [], 0
+                take = min(n - lo, chunk - used)
+                cur.append((idx, it, lo, lo + take))
+                used += take
+                lo += take
+        if cur:
+            passes.append(cur)
+        return passes
+
+    def _run_prefill_pass(self, segs: list[tuple[int, StepItem, int, int]]) -> dict[int, int]:
+        """One eager prefill pass over several sequences' chunks, then the head on the last row of
+        every chunk that ends its item with ``sample`` set. Returns {item index: sampled id}."""
+        self.stream.synchronize()  # the previous pass's H2D must have read the pinned inputs
+        v = self._views
+        ld = self._table_ld
+        n = sum(hi - lo for _, _, lo, hi in segs)
+        nseq = len(segs)
+        tables = self._tables[: nseq * ld].reshape(nseq, ld)
+        tables[:] = self._sink_block
+        row, max_q = 0, 0
+        heads: list[tuple[int, StepItem, int]] = []  # (item index, item, pass row of its last token)
+        for s, (idx, it, lo, hi) in enumerate(segs):
+            m = hi - lo
+            pos = np.arange(it.start_pos + lo, it.start_pos + hi, dtype=np.int64)
+            bt = np.asarray(it.block_table, dtype=np.int64)
+            v["tokens"][row : row + m] = np.asarray(it.token_ids[lo:hi], dtype=np.int64)
+            v["positions"][row : row + m] = pos
+            v["slots"][row : row + m] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            v["seq_starts"][s] = row
+            k = min(len(bt), ld)
+            tables[s, :k] = bt[:k]
+            if hi == len(it.token_ids) and it.sample:
+                heads.append((idx, it, row + m - 1))
+            row += m
+            max_q = max(max_q, m)
+        v["seq_starts"][nseq] = row
+        for r, (_, it, _) in enumerate(heads):
+            self._fill_sampling(r, it)
+        hitems = [it for _, it, _ in heads]
+        kind = self._sampling_kind(hitems) if hitems else "greedy"
+        self._upload_inputs(nseq, kind)
+        key = ("prefill", n, nseq, max_q)
+        bound = self._eager.get(key) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
+        if len(self._eager) < 64:
+            self._eager[key] = bound
+        self._run(bound)
+        if not heads:
+            self.stream.synchronize()
+            return {}
+        for r, (_, _, src) in enumerate(heads):  # gather the head rows to 0..k-1 (src >= r, ascending)
+            if src != r:
+                for _name, ptr, rowbytes in self._head_input_rows():
+                    cuda.dtod(ptr + r * rowbytes, ptr + src * rowbytes, rowbytes, self.stream)
+        k = len(heads)
+        launch_kind = "sample" if kind == "host" else kind
+        hkey = ("head", k, launch_kind)
+        if hkey not in self._eager:
+            self._eager[hkey] = self._bind_pass(_decode_mode(k), k, k, True, launch_kind)
+        self._run(self._eager[hkey])
+        ids = [int(x) for x in self._read_ids(k)]
+        if kind == "host":
+            ids = self._host_sample_penalised(hitems, ids)
+        return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
+
+    def _head_input_rows(self) -> list[tuple[str, int, int]]:
+        """Values the head reads that the layers produced (moved to rows 0..k-1 before the head)."""
+        if self._head_inputs is None:
+            produced_in_head: set[str] = set()
+            needed: list[str] = []
+            for step in self.plan.steps:
+                if not step.head:
+                    continue
+                for name in step.op.inputs:
+                    if name not in produced_in_head and name not in needed:
+                        needed.append(name)
+                produced_in_head.update(step.op.outputs)
+            self._head_inputs = [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
+        return self._head_inputs
 
     # ----------------------------------------------------------------------------- teardown
 

@@ -93,6 +93,32 @@ def apply_penalties(
     return out
 
 
+def penalty_entries(
+    params: SamplingParams, history: Sequence[int], prompt_len: int, vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sparse form of ``apply_penalties`` for the GPU penalties kernel: ``(tokens, info)`` int32
+    arrays over the distinct tokens the penalties touch, ``info = 2 * generated_count + in_history``
+    (``in_history`` only matters when a repetition penalty is set). Empty when no penalty is set."""
+    empty = np.zeros(0, dtype=np.int32)
+    if not params.uses_penalties or len(history) == 0:
+        return empty, empty
+    hist = np.asarray(history, dtype=np.int64)
+    hist = hist[(hist >= 0) & (hist < vocab)]
+    gen = np.asarray(history[prompt_len:], dtype=np.int64)
+    gen = gen[(gen >= 0) & (gen < vocab)]
+    rep = params.repetition_penalty != 1.0
+    pf = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    toks = np.unique(hist) if rep else (np.unique(gen) if pf else empty.astype(np.int64))
+    if toks.size == 0:
+        return empty, empty
+    counts = np.zeros(toks.size, dtype=np.int64)
+    if pf and gen.size:
+        g, c = np.unique(gen, return_counts=True)
+        counts[np.searchsorted(toks, g)] = c
+    info = counts * 2 + (1 if rep else 0)
+    return toks.astype(np.int32), info.astype(np.int32)
+
+
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution a non-greedy draw uses: softmax(logits / T) after top-k, top-p, min-p.
 

@@ -112,6 +112,7 @@ def test_every_real_template_spec_renders(family, size, quant):
         "attention_combine",
         "argmax",
         "sample",
+        "penalties",
     }
     for spec in real:
         src = render(spec)

@@ -195,3 +195,56 @@ def test_context_overflow_is_a_clear_error(fake):
     runner, _ = fake
     with pytest.raises(MemraError, match="max_model_len"):
         runner.step([StepItem(0, [1], 600, list(range(40)), True, GREEDY)])
+
+
+def test_penalised_rows_run_the_penalties_kernel_with_uploaded_entries(fake):
+    runner, drv = fake
+    drv.h2d.clear()
+    pen = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5)
+    hist = [5, 9, 9, 4, 9]  # prompt 5 9 9, generated 4 9
+    items = [
+        StepItem(0, [9], 5, [0], True, pen, history=hist, prompt_len=3, num_generated=2),
+        StepItem(1, [3], 8, [1], True, GREEDY, history=[3] * 9, prompt_len=8, num_generated=1),
+    ]
+    runner.step(items)
+    names = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("penalties") for n in names) and any(n.startswith("sample") for n in names)
+    assert not any(n.startswith("argmax") for n in names)
+    assert len(drv.h2d) == 2  # the row inputs, then the entries (header + 3 tokens x 3 int32)
+    assert drv.h2d[1] == (4 + 3 * 3) * 4
+    ent = runner._pen[4 : 4 + 9].reshape(3, 3)
+    assert runner._pen[0] == 3
+    assert ent.tolist() == [[0, 4, 2 * 1 + 1], [0, 5, 1], [0, 9, 2 * 1 + 1]]
+    assert runner._views["repetition"][:2].tolist() == pytest.approx([1.3, 1.0])
+    assert runner._views["counters"].dtype == np.int32  # the sample kernel reads int32 counters
+
+
+def test_prefill_items_pack_into_passes_by_chunk(fake):
+    runner, _ = fake
+    chunk = runner.profile.prefill_chunk_tokens
+    mk = lambda i, n: StepItem(i, [1] * n, 0, list(range(64)), True, GREEDY)  # noqa: E731
+    items = [mk(0, 10), mk(1, chunk + 5), mk(2, 7)]
+    runner._varlen = True
+    passes = runner._prefill_passes(items)
+    spans = [[(idx, lo, hi) for idx, _, lo, hi in p] for p in passes]
+    assert spans == [[(0, 0, 10), (1, 0, chunk - 10)], [(1, chunk - 10, chunk + 5), (2, 0, 7)]]
+    runner._varlen = False  # a plan without varlen prefill attention: one sequence per pass
+    spans = [[(idx, lo, hi) for idx, _, lo, hi in p] for p in runner._prefill_passes(items)]
+    assert spans == [[(0, 0, 10)], [(1, 0, chunk)], [(1, chunk, chunk + 5)], [(2, 0, 7)]]
+
+
+def test_a_varlen_pass_sets_seq_starts_and_samples_every_finished_sequence(fake):
+    runner, drv = fake
+    runner._varlen = True
+    items = [
+        StepItem(0, list(range(1, 11)), 0, [0], True, GREEDY),
+        StepItem(1, list(range(1, 6)), 16, [1, 2], False, GREEDY),  # a middle chunk: no sample
+        StepItem(2, list(range(1, 8)), 0, [3], True, GREEDY),
+    ]
+    out = runner.step(items)
+    assert out == [0, None, 0]
+    assert runner._views["seq_starts"][:4].tolist() == [0, 10, 15, 22]
+    assert runner._views["positions"][10:15].tolist() == [16, 17, 18, 19, 20]
+    assert runner._views["slots"][10:15].tolist() == [2 * 16 + i for i in range(5)]
+    assert drv.launches[0][1] == (22, 1, 1)  # embed over every row of the pass
+    assert drv.launches[-1][1] == (2, 1, 1)  # the head samples the two finished sequences

@@ -159,3 +159,49 @@ def test_validate_accepts_edges():
         SP(seed=2**70),
     ):
         assert validate_sampling(sp) is None
+
+
+def _apply_entries(logits, params, toks, info):
+    """What the GPU penalties kernel does with penalty_entries (same f32 operation order)."""
+    out = logits.copy()
+    r = np.float32(params.repetition_penalty)
+    for tok, inf in zip(toks, info, strict=True):
+        x = out[tok]
+        if inf & 1 and r != 1:
+            x = x / r if x > 0 else x * r
+        c = inf >> 1
+        if c > 0:
+            x = np.float32(x - np.float32(params.frequency_penalty) * np.float32(c))
+            x = np.float32(x - np.float32(params.presence_penalty))
+        out[tok] = x
+    return out
+
+
+def test_penalty_entries_reproduce_apply_penalties():
+    from engine.sampling import apply_penalties, penalty_entries
+
+    rng = np.random.default_rng(7)
+    vocab = 500
+    seen_kinds = set()
+    for _ in range(300):
+        kw = {}
+        if rng.random() < 0.6:
+            kw["repetition_penalty"] = float(rng.uniform(0.5, 2))
+        if rng.random() < 0.6:
+            kw["presence_penalty"] = float(rng.uniform(-2, 2))
+        if rng.random() < 0.6:
+            kw["frequency_penalty"] = float(rng.uniform(-2, 2))
+        params = SamplingParams(temperature=1.0, **kw)
+        hist = [int(t) for t in rng.integers(0, 60, rng.integers(0, 50))]
+        prompt_len = int(rng.integers(0, len(hist) + 1))
+        logits = rng.standard_normal(vocab).astype(np.float32)
+        toks, info = penalty_entries(params, hist, prompt_len, vocab)
+        assert len(set(toks.tolist())) == len(toks)  # one entry per token: no write races on the GPU
+        seen_kinds.add(tuple(sorted(kw)))
+        np.testing.assert_allclose(
+            _apply_entries(logits, params, toks, info),
+            apply_penalties(logits, params, hist, prompt_len),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+    assert len(seen_kinds) == 8

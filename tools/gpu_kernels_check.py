@@ -507,18 +507,35 @@ def check_sampling(K: Kernels, rng):
     RESULTS.append({"kernel": cs.spec.entry + "#deterministic", "ok": bool((again == got).all())})
     ms = bench(lambda: K.launch(cs, args, S), 10)
     RESULTS.append({"kernel": cs.spec.entry + "#bench", "rows": S, "ms": ms})
-    # penalties
-    cp = kc.choice("penalties", vocab=V, threads=TUNING["elementwise"]["threads"])
-    counts = rng.integers(0, 3, (S, V)).astype(np.int32) * (rng.random((S, V)) < 0.01)
-    pmask = (rng.random((S, V)) < 0.01).astype(np.uint8)
-    pres, freq, rep = (rng.uniform(0, 1, S).astype(np.float32) for _ in range(3))
-    rep = (1 + rep).astype(np.float32)
+    # penalties: sparse entries from engine.sampling.penalty_entries, checked against apply_penalties
+    from engine.sampling import apply_penalties, penalty_entries
+    from engine.types import SamplingParams
+
+    cp = kc.choice("penalties", ld=V, threads=TUNING["elementwise"]["threads"])
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            repetition_penalty=float(rng.uniform(1.0, 2.0)) if r % 2 == 0 else 1.0,
+            presence_penalty=float(rng.uniform(-1, 1)) if r % 3 else 0.0,
+            frequency_penalty=float(rng.uniform(-1, 1)) if r % 4 else 0.0,
+        )
+        for r in range(S)
+    ]
+    hists = [list(rng.integers(0, V, 300)) for _ in range(S)]
+    rows_e = []
+    for r in range(S):
+        toks, info = penalty_entries(params[r], hists[r], 200, V)
+        rows_e.append(np.stack([np.full_like(toks, r), toks, info], axis=1))
+    ent = np.concatenate(rows_e).astype(np.int32)
+    buf = np.zeros(4 + ent.size, dtype=np.int32)
+    buf[0] = len(ent)
+    buf[4:] = ent.reshape(-1)
+    pres = np.array([p.presence_penalty for p in params], np.float32)
+    freq = np.array([p.frequency_penalty for p in params], np.float32)
+    rep = np.array([p.repetition_penalty for p in params], np.float32)
     lt2 = f32(logits)
-    K.launch(cp, [lt2, i32(counts), torch.from_numpy(pmask).to(DEV), f32(pres), f32(freq), f32(rep), S], S)
-    ref = logits.astype(np.float64).copy()
-    seen = (counts > 0) | (pmask > 0)
-    ref = np.where(seen, np.where(ref > 0, ref / rep[:, None], ref * rep[:, None]), ref)
-    ref -= freq[:, None] * counts + pres[:, None] * (counts > 0)
+    K.launch(cp, [lt2, i32(buf), f32(pres), f32(freq), f32(rep), len(ent)], S)
+    ref = np.stack([apply_penalties(logits[r], params[r], hists[r], 200) for r in range(S)])
     record(cp.spec.entry, host(lt2), ref, 1e-6)
 
 
