@@ -32,6 +32,7 @@ QUANTS: dict[str, tuple[int, int]] = {
     "q6_k": (256, 210),
 }
 ROPE_STYLES = ("neox", "interleaved")
+PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however many entries there are)
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
 STAGED_DEFAULT: dict[str, bool] = {
     "bf16": False,
@@ -213,18 +214,17 @@ KERNELS: dict[str, KernelDoc] = {
         "(threads,)",
     ),
     "penalties": KernelDoc(
-        dict(vocab=int, threads=int),
+        dict(ld=int, threads=int),
         (
             ("logits", P),
-            ("counts", P),
-            ("prompt_mask", P),
+            ("entries", P),
             ("presence", P),
             ("frequency", P),
             ("repetition", P),
-            ("rows", I32),
+            ("capacity", I32),
         ),
-        ("vocab", "threads"),
-        "(ceil(vocab / threads), rows)",
+        ("ld", "threads"),
+        "(PENALTY_BLOCKS,)  (a grid-stride loop over the entry count read from entries[0])",
         "(threads,)",
     ),
 }
@@ -389,7 +389,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     elif template == "penalties":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["vocab"], p["threads"]), rows, 1)
+            return (PENALTY_BLOCKS, 1, 1)
 
         block = (p["threads"], 1, 1)
     elif template == "attention":
@@ -564,7 +564,7 @@ def all_specs(
     ] = None
     out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
-    out[spec("penalties", vocab=vocab, threads=el)] = None
+    out[spec("penalties", ld=vocab, threads=el)] = None
     return list(out)
 
 

@@ -386,6 +386,9 @@ def build_plan(
     )
 
 
+PENALTY_CAPACITY = 65536  # (row, token) penalty entries one step can upload; more -> host sampling
+PENALTY_BLOCKS = 64  # engine.kernel_catalog.PENALTY_BLOCKS
+
 ROPE_FREQ = "rope_freq"  # a computed weight: per-pair divisors of theta^(-2i/rope_dim), f32 [rope_dim/2]
 
 
@@ -789,7 +792,14 @@ class _CatalogAdapter:
             Arg("input", n) for n in ("temperature", "top_k", "top_p", "min_p", "seeds", "counters")
         )
         sample = Launch(samp, ("n",), (t,), (out, _v(logits)) + inputs + (ROWS,))
-        return {"greedy": (greedy,), "sample": (sample,)}
+        # penalised: the sparse penalties kernel (entries uploaded per step) in place, then sample
+        et = self.tune("elementwise")["threads"]
+        pen = self._spec("penalties", {"v": vocab, "t": et}, ld=logits.ld, threads=et)
+        pargs = (_v(logits), Arg("input", "pen_entries")) + tuple(
+            Arg("input", n) for n in ("presence", "frequency", "repetition")
+        ) + (Arg("const", PENALTY_CAPACITY, "i32"),)
+        penalise = Launch(pen, (PENALTY_BLOCKS,), (et,), pargs)
+        return {"greedy": (greedy,), "sample": (sample,), "penalised": (penalise, sample)}
 
 
 def describe(plan: Plan) -> str:
