@@ -68,6 +68,7 @@ def write_checkpoint(path, family: str = "llama", dims: dict | None = None, seed
     _write_at_offsets(path / "model.safetensors", [struct.pack("<Q", len(head)) + head] + blobs)
     config = {
         "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
+        "model_type": family,
         "hidden_size": h,
         "intermediate_size": i,
         "num_hidden_layers": d["layers"],
