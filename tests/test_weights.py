@@ -206,6 +206,10 @@ def test_make_checkpoint_tool(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     w = src.dequantize("model.layers.0.self_attn.q_proj.weight")
     assert abs(float(w.std()) - 0.02) < 0.001
     assert "0.0" in capsys.readouterr().out
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(src)  # the word-level tokenizer: every id decodes to text
+    assert tok.decode([49151]) == "w49151" and tok.encode("<|im_start|>user alpha") == [1, 3, 6]
 
 
 def test_qwen3_gguf_matches_safetensors(tiny_qwen3_dir: Path, tiny_qwen3_gguf: Path) -> None:

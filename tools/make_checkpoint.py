@@ -4,8 +4,9 @@ Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf1
 
 Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
 norms ~ 1 + N(0, 0.05), streamed tensor by tensor in 2048-row chunks so memory stays bounded.
-The tokenizer is the fixtures' tiny 384-token BPE (ids are valid in the larger vocab); feed token
-ids directly for throughput work. Must not import torch or CUDA.
+The tokenizer (``--tokenizer``) is by default a word-level one covering the whole vocabulary, so every
+sampled id decodes to text (HTTP streaming benchmarks see one chunk per token); ``tiny`` writes the
+fixtures' 384-token BPE instead. Must not import torch or CUDA.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0 = the real one)")
+    ap.add_argument("--tokenizer", default="words", choices=["words", "tiny"], help="words: one word per id")
     args = ap.parse_args(argv)
     family, dims = SHAPES[args.shape]
     if args.layers:
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     (out / "config.json").write_text(json.dumps(hf_config(dims, family), indent=2), encoding="utf-8")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [2, 0]}))
-    write_tokenizer_files(out)
+    write_tokenizer_files(out, words_vocab=dims.vocab_size if args.tokenizer == "words" else 0)
     specs = hf_tensor_specs(dims, family, args.seed)
     write_safetensors(out / "model.safetensors", specs)
     n = sum(math.prod(s) for _, s, _ in specs)
