@@ -160,7 +160,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     model = load_model(path, quant=args.quant)
     runner = create_runner(model, args.backend, args.device_profile)
     rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
-    if runner.backend == "cuda":
+    if runner.backend == "cuda" and not getattr(args, "skip_runner", False):
         rows.insert(0, bench_compile(model, runner.profile))
         from engine import runner_bench
 
@@ -179,8 +179,10 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         )
         engine.start()
         try:
-            gen = 16 if runner.backend == "reference" or args.quick else 128
-            plen = 64 if runner.backend == "reference" else 440
+            gen = getattr(args, "gen_tokens", None) or (
+                16 if runner.backend == "reference" or args.quick else 128
+            )
+            plen = getattr(args, "prompt_tokens", None) or (64 if runner.backend == "reference" else 440)
             bench_engine(engine, 1, plen, 4, vocab=int(model.dims["vocab"]))  # warm-up (graph capture)
             for c in levels:
                 rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))

@@ -1,4 +1,5 @@
-"""The real thing on CPU: `memra serve` (subprocess, waitress, loopback) on the numpy reference backend
+"""The real thing: `memra serve` (subprocess, waitress, loopback) on the numpy reference backend (or
+the one MEMRA_TEST_BACKEND names: tools/gpu_serve_check.sh runs it with cuda)
 with the real SmolLM2-135M-Instruct GGUF, driven by the official openai and anthropic SDKs, then a
 load test (200 requests, 16 concurrent, 20% disconnected mid-stream) after which every KV block is
 free again.
@@ -22,6 +23,8 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 pytestmark = pytest.mark.slow
+# the backend under test: reference in CI; the GPU session runs this file with MEMRA_TEST_BACKEND=cuda
+BACKEND = os.environ.get("MEMRA_TEST_BACKEND", "reference")
 
 
 def _free_port() -> int:
@@ -71,7 +74,7 @@ def server(smollm2_path, tmp_path_factory):
             "--config",
             str(cfg),
             "--backend",
-            "reference",
+            BACKEND,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

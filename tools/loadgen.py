@@ -64,6 +64,8 @@ def one_request(
     disconnect_after: int | None,
     timeout_s: float,
     rng: random.Random,
+    temperature: float = 0.7,
+    ignore_eos: bool = False,
 ) -> Result:
     res = Result(prompt_words=prompt_words)
     prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
@@ -74,7 +76,8 @@ def one_request(
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "temperature": 0.7,
+            "temperature": temperature,
+            **({"ignore_eos": True} if ignore_eos else {}),
         }
     )
     headers = {"Content-Type": "application/json"}
@@ -198,7 +201,19 @@ def run(args: argparse.Namespace) -> dict:
 
     def do(i: int) -> None:
         words, disc, r = plan[i]
-        res = one_request(host, port, args.model, args.api_key, words, args.max_tokens, disc, args.timeout, r)
+        res = one_request(
+            host,
+            port,
+            args.model,
+            args.api_key,
+            words,
+            args.max_tokens,
+            disc,
+            args.timeout,
+            r,
+            getattr(args, "temperature", 0.7),
+            getattr(args, "ignore_eos", False),
+        )
         with lock:
             results.append(res)
 
@@ -244,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-words", default="8,64,256", help="comma-separated prompt lengths, chosen at random"
     )
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument(
+        "--ignore-eos", action="store_true", help="generate exactly --max-tokens (the engine bench's workload)"
+    )
     ap.add_argument(
         "--disconnect-fraction", type=float, default=0.0, help="fraction that hang up after 1-4 chunks"
     )
