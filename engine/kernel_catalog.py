@@ -81,12 +81,40 @@ KERNELS: dict[str, KernelDoc] = {
         {"stage": None},  # None: STAGED_DEFAULT[quant]
     ),
     "gemm": KernelDoc(
-        dict(n=int, k=int, tile_m=int, tile_n=int, tile_k=int, stages=int, warps=int, residual=bool),
+        dict(
+            n=int,
+            k=int,
+            tile_m=int,
+            tile_n=int,
+            tile_k=int,
+            stages=int,
+            warps=int,
+            warps_m=int,
+            split_k=int,
+            residual=bool,
+            out_dtype=str,
+            quant=str,
+        ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
-        ("n", "k", "tile_m", "tile_n", "tile_k", "stages", "residual"),
+        (
+            "quant",
+            "n",
+            "k",
+            "tile_m",
+            "tile_n",
+            "tile_k",
+            "stages",
+            "warps",
+            "warps_m",
+            "split_k",
+            "residual",
+            "out_dtype",
+        ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
-        "stages * (tile_m + tile_n) * (tile_k + 8) * 2 bytes dynamic (opt-in above 48 KB)",
+        "max(stages * (tile_m + tile_n) * (tile_k + 8) * 2, (split_k - 1) * tile_m * tile_n * 4) bytes"
+        " dynamic (opt-in above 48 KB)",
+        {"warps_m": 2, "split_k": 1, "out_dtype": "bf16", "quant": "bf16"},
     ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool),
@@ -267,16 +295,32 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(1 <= p["bmax"] <= 32, f"bmax={p['bmax']} must be 1..32")
     if template == "gemm":
-        need(p["warps"] in (4, 8), f"warps={p['warps']} must be 4 or 8")
+        q, wm, ks = p["quant"], p["warps_m"], p["split_k"]
         need(
-            p["k"] % p["tile_k"] == 0 and p["tile_k"] % 16 == 0,
-            f"k={p['k']} must be a multiple of tile_k={p['tile_k']} (a multiple of 16)",
+            q in QUANTS,
+            f"storage type {q!r} has no fused GEMM decoder; supported: {', '.join(QUANTS)}",
+        )
+        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
+        need(
+            1 <= p["warps"] <= 16 and p["warps"] % (wm * ks) == 0,
+            f"warps={p['warps']} must be 1..16, a multiple of warps_m * split_k = {wm * ks}",
+        )
+        wn = p["warps"] // (wm * ks)
+        need(
+            p["tile_k"] % (16 * ks) == 0 and p["k"] % p["tile_k"] == 0,
+            f"k={p['k']} must be a multiple of tile_k={p['tile_k']}, itself a multiple of 16 * split_k",
         )
         need(
-            p["tile_m"] % 32 == 0 and p["tile_n"] % (16 * (p["warps"] // 2)) == 0,
-            f"tiles {p['tile_m']}x{p['tile_n']} do not split over {p['warps']} warps",
+            p["tile_m"] % (16 * wm) == 0 and p["tile_n"] % (16 * wn) == 0,
+            f"tiles {p['tile_m']}x{p['tile_n']} do not split into 16-multiples over {wm}x{wn} warps",
         )
+        if q != "bf16":
+            need(
+                p["tile_k"] % 32 == 0 and p["k"] % QUANTS[q][0] == 0,
+                f"{q} weights need tile_k a multiple of 32 and k a multiple of {QUANTS[q][0]}",
+            )
         need(p["stages"] >= 2, "stages must be >= 2")
+        need(gemm_smem(p) <= GEMM_SMEM_MAX, f"{gemm_smem(p)} bytes of shared memory > {GEMM_SMEM_MAX}")
     if template == "rmsnorm":
         need(p["n"] % 8 == 0, f"n={p['n']} must be a multiple of 8")
     if template == "silu_mul":
@@ -356,8 +400,14 @@ class KernelChoice:
     smem: int = 0
 
 
+GEMM_SMEM_MAX = 227 * 1024  # the sm_90 per-block opt-in limit; consumer profiles keep tiles near 100 KB
+
+
 def gemm_smem(p: Mapping[str, Any]) -> int:
-    return int(p["stages"]) * (int(p["tile_m"]) + int(p["tile_n"])) * (int(p["tile_k"]) + 8) * 2
+    """The gemm's dynamic shared memory: the pipeline, or the split-K reduction if larger."""
+    pipe = int(p["stages"]) * (int(p["tile_m"]) + int(p["tile_n"])) * (int(p["tile_k"]) + 8) * 2
+    red = (int(p.get("split_k", 1)) - 1) * int(p["tile_m"]) * int(p["tile_n"]) * 4
+    return max(pipe, red)
 
 
 def choice(template: str, **params: Any) -> KernelChoice:
@@ -441,12 +491,30 @@ def linear_params(
     )
 
 
-def gemm_params(n: int, k: int, tuning: Mapping[str, Any], *, residual: bool = False) -> dict[str, Any]:
-    g = dict(tuning["gemm"])
+GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
+
+
+def gemm_params(
+    n: int,
+    k: int,
+    tuning: Mapping[str, Any],
+    *,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    quant: str = "bf16",
+    section: str = "gemm",
+) -> dict[str, Any]:
+    """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
+    batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
+    split_k) that divides it (the check still rejects a k no tile fits)."""
+    g = {"warps_m": 2, "split_k": 1, **dict(tuning[section])}
     if k % g["tile_k"]:
-        g["tile_k"] = 32 if k % 32 == 0 else 16
+        for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):
+            if k % tk == 0 and (quant == "bf16" or tk % 32 == 0):
+                g["tile_k"] = tk
+                break
     return dict(
-        n=n, k=k, residual=residual, **{x: g[x] for x in ("tile_m", "tile_n", "tile_k", "stages", "warps")}
+        n=n, k=k, residual=residual, out_dtype=out_dtype, quant=quant, **{x: g[x] for x in GEMM_KNOBS}
     )
 
 
@@ -539,6 +607,11 @@ def all_specs(
             out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
+        if "gemm_decode" in tuning:
+            out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
+        for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
+            if t != "bf16" and k % QUANTS[t][0] == 0:
+                out[spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=t))] = None
     for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None

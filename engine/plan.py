@@ -554,18 +554,24 @@ class _CatalogAdapter:
             return self._linear_gemm(op, mode, ins, outs, ws)
         return self._linear_gemv(op, mode, ins, outs, ws)
 
-    def _linear_gemm(self, op, mode, ins, outs, ws):
-        tg = self.tune("gemm")
+    def _linear_gemm(self, op, mode, ins, outs, ws, section="gemm"):
+        # section: the profile tuning ("gemm" for prefill, "gemm_decode" for wide decode buckets)
+        tg = {"warps_m": 2, "split_k": 1, **self.tune(section)}
         res_name = op.attrs.get("residual")
+        residual = res_name is not None
         launches = []
         col = 0
         for w in ws:
             out = outs[col]
             col += len(w.parts)
-            if self.act_dtype(out.name) != "bf16" or w.cols % tg["tile_k"]:
-                return self._linear_gemv(op, mode, ins, outs, ws)  # f32 logits / odd k: the GEMV handles it
+            out_dtype = self.act_dtype(out.name)
+            # f32 outputs without a residual are the logits: the GEMV handles them (one row in prefill)
+            if out_dtype != "bf16" and not residual:
+                return self._linear_gemv(op, mode, ins, outs, ws)
+            quant = w.dtype
+            p = self._gemm_params(w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
             wptr = _w(w)
-            if w.dtype != "bf16":  # dequantise into a bf16 scratch with the embed kernel (ids 0..n-1)
+            if p is None and quant != "bf16":  # fallback: dequantise into a bf16 scratch (embed, ids 0..n-1)
                 t = self.tune("elementwise")["threads"]
                 deq = self._spec(
                     "embed", {"q": w.dtype, "h": w.cols, "t": t}, quant=w.dtype, hidden=w.cols, threads=t
@@ -575,34 +581,53 @@ class _CatalogAdapter:
                 dargs = (Arg("scratch", "dequant"), wptr, Arg("scratch", "iota"), Arg("const", w.rows, "i32"))
                 launches.append(Launch(deq, (w.rows,), (t,), dargs))
                 wptr = Arg("scratch", "dequant")
-            residual = res_name is not None
-            p = dict(
-                n=w.rows,
-                k=w.cols,
-                tile_m=tg["tile_m"],
-                tile_n=tg["tile_n"],
-                tile_k=tg["tile_k"],
-                stages=tg["stages"],
-                warps=tg["warps"],
-                residual=residual,
-            )
+                quant = "bf16"
+                p = self._gemm_params(w, tg, residual, out_dtype, quant)
+            if p is None:  # odd k: the GEMV handles it
+                return self._linear_gemv(op, mode, ins, outs, ws)
             name = {
+                "q": quant,
                 "n": w.rows,
                 "k": w.cols,
-                "m": tg["tile_m"],
-                "tn": tg["tile_n"],
-                "tk": tg["tile_k"],
-                "s": tg["stages"],
-                "w": tg["warps"],
+                "m": p["tile_m"],
+                "tn": p["tile_n"],
+                "tk": p["tile_k"],
+                "s": p["stages"],
+                "w": p["warps"],
+                "wm": p["warps_m"],
+                "ks": p["split_k"],
                 "r": int(residual),
+                "o": out_dtype,
             }
             spec = self._spec("gemm", name, **p)
-            smem = tg["stages"] * (tg["tile_m"] + tg["tile_n"]) * (tg["tile_k"] + 8) * 2
+            smem = max(
+                p["stages"] * (p["tile_m"] + p["tile_n"]) * (p["tile_k"] + 8) * 2,
+                (p["split_k"] - 1) * p["tile_m"] * p["tile_n"] * 4,
+            )  # kernel_catalog.gemm_smem
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _v(ins[0]), wptr, res, ROWS)
-            grid = (_cdiv(w.rows, tg["tile_n"]), f"(n + {tg['tile_m'] - 1}) // {tg['tile_m']}")
-            launches.append(Launch(spec, grid, (32 * tg["warps"],), args, smem))
+            grid = (_cdiv(w.rows, p["tile_n"]), f"(n + {p['tile_m'] - 1}) // {p['tile_m']}")
+            launches.append(Launch(spec, grid, (32 * p["warps"],), args, smem))
         return launches
+
+    def _gemm_params(self, w, tg, residual, out_dtype, quant):
+        """The gemm params for weight ``w`` from tuning ``tg``, or None when no gemm variant fits
+        (a storage type without a fused decoder, a k no tile divides: the caller falls back)."""
+        gp = getattr(self.cat, "gemm_params", None) if self.cat is not None else None
+        if gp is None:  # a catalog without gemm_params: the tuning as is, bf16 only
+            if quant != "bf16" or w.cols % tg["tile_k"]:
+                return None
+            knobs = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
+            p = dict(n=w.rows, k=w.cols, residual=residual, out_dtype=out_dtype, quant=quant)
+            return {**p, **{x: tg[x] for x in knobs}}
+        if quant not in getattr(self.cat, "QUANTS", {"bf16": None}):
+            return None
+        try:
+            p = gp(w.rows, w.cols, {"gemm": tg}, residual=residual, out_dtype=out_dtype, quant=quant)
+            self.cat.spec("gemm", **p)
+        except ConfigError:
+            return None
+        return p
 
     def _linear_gemv(self, op, mode, ins, outs, ws):
         # one launch per weight allocation; a fused allocation writes its outputs' shared buffer

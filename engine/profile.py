@@ -59,8 +59,42 @@ TUNING_SCHEMA: dict[str, Field] = {
             "tile_k": _knob(32),
             "stages": _knob(3),
             "warps": _knob(8),
+            "warps_m": _knob(2),
+            "split_k": _knob(1),
         },
-        default={"tile_m": 128, "tile_n": 128, "tile_k": 32, "stages": 3, "warps": 8},
+        default={
+            "tile_m": 128,
+            "tile_n": 128,
+            "tile_k": 32,
+            "stages": 3,
+            "warps": 8,
+            "warps_m": 2,
+            "split_k": 1,
+        },
+    ),
+    # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
+    # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks)
+    "gemm_decode": Field(
+        {
+            "tile_m": _knob(64),
+            "tile_n": _knob(16),
+            "tile_k": _knob(128),
+            "stages": _knob(4),
+            "warps": _knob(8),
+            "warps_m": _knob(2),
+            "split_k": _knob(4),
+            "min_rows": _knob(16),
+        },
+        default={
+            "tile_m": 64,
+            "tile_n": 16,
+            "tile_k": 128,
+            "stages": 4,
+            "warps": 8,
+            "warps_m": 2,
+            "split_k": 4,
+            "min_rows": 16,
+        },
     ),
     "attention_prefill": Field(
         {"block_q": _knob(64), "block_kv": _knob(64), "warps": _knob(4)},

@@ -172,3 +172,61 @@ def test_catalog_args_match_kernel_signatures():
             assert ("*" in decl) == (ctype == "ptr"), (s.entry, name, decl)
             if ctype == "i32":
                 assert decl.split()[0] == "int", (s.entry, name, decl)
+
+
+def _gemm_variant_specs():
+    """The gemm code variants: bf16 / every GGUF type with a decoder, bf16 / f32 out, residual,
+    in-block split-K (the wide-decode tuning), tails (n not a multiple of tile_n, odd n)."""
+    base = dict(tile_m=128, tile_n=128, tile_k=32, stages=3, warps=8)
+    dec = dict(tile_m=64, tile_n=16, tile_k=128, stages=4, warps=8, warps_m=2, split_k=4)
+    out = [
+        kc.spec("gemm", n=2560, k=4096, residual=True, **base),
+        kc.spec("gemm", n=1000, k=512, residual=True, out_dtype="f32", **base),
+        kc.spec("gemm", n=999, k=256, residual=False, **base),
+        kc.spec("gemm", n=2560, k=9728, residual=True, **dec),
+        kc.spec("gemm", n=19456, k=2560, residual=False, out_dtype="f32", **dec),
+    ]
+    for q in kc.QUANTS:
+        if q != "bf16":
+            out.append(kc.spec("gemm", n=6144, k=2560, residual=False, quant=q, **{**base, "tile_k": 64}))
+    return out
+
+
+def test_gemm_validation_and_launch_contract():
+    with pytest.raises(ConfigError, match="no fused GEMM decoder"):
+        kc.spec(
+            "gemm",
+            n=64,
+            k=256,
+            tile_m=64,
+            tile_n=64,
+            tile_k=32,
+            stages=2,
+            warps=4,
+            residual=False,
+            quant="iq2_xs",
+        )
+    with pytest.raises(ConfigError, match="split_k"):
+        kc.spec(
+            "gemm", n=64, k=256, tile_m=64, tile_n=64, tile_k=32, stages=2, warps=8, split_k=4, residual=False
+        )
+    with pytest.raises(ConfigError, match="shared memory"):
+        kc.spec("gemm", n=64, k=256, tile_m=256, tile_n=256, tile_k=128, stages=4, warps=8, residual=False)
+    c = kc.choice(
+        "gemm", n=2560, k=9728, tile_m=64, tile_n=16, tile_k=128, stages=4, warps=8, split_k=4, residual=True
+    )
+    assert c.grid(100) == (160, 2, 1) and c.block == (256, 1, 1)
+    assert c.smem == max(4 * (64 + 16) * 136 * 2, 3 * 64 * 16 * 4)
+    p = kc.gemm_params(
+        2560, 4096, {"gemm_decode": {**dict(c.spec.params), "min_rows": 16}}, section="gemm_decode"
+    )
+    assert p["split_k"] == 4 and p["tile_k"] == 128 and p["quant"] == "bf16"
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_gemm_variants_compile_for_every_arch(tmp_path):
+    specs = _gemm_variant_specs()
+    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)

@@ -156,15 +156,56 @@ def test_attention_decode_splits_prefill_direct_and_scratch_is_sized_by_context(
     assert scratch["attn_o"].nbytes(4096) == 8 * rows * 16 * 128 * 4
 
 
-def test_quantised_prefill_dequantises_into_scratch_before_the_gemm():
+def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
     plan = plan_for("llama", "smollm2-135m", quant="q8_0")
+    linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
+    (gemm,) = linear.launches["prefill"]
+    assert gemm.spec.template == "gemm" and gemm.spec.params["quant"] == "q8_0"
+    assert gemm.args[2].kind == "weight"
+    assert gemm.smem == 4 * (128 + 128) * (32 + 8) * 2
+    assert not {sp.name for sp in plan.scratch} & {"dequant", "iota"}
+    assert [launch.spec.template for launch in linear.launches["decode"]] == ["gemv"]
+
+
+def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder():
+    import types
+
+    from engine import kernel_catalog as kc
+
+    def bf16_only(n, k, tuning, **kw):
+        if kw.get("quant", "bf16") != "bf16":
+            raise ConfigError("no fused decoder")
+        return kc.gemm_params(n, k, tuning, **kw)
+
+    cat = types.SimpleNamespace(**{x: getattr(kc, x) for x in dir(kc) if not x.startswith("__")})
+    cat.gemm_params = bf16_only
+    plan = plan_for("llama", "smollm2-135m", quant="q8_0", catalog=cat)
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     deq, gemm = linear.launches["prefill"]
     assert deq.spec.template == "embed" and deq.spec.params["quant"] == "q8_0"
     assert gemm.spec.template == "gemm" and gemm.args[2].kind == "scratch"
-    assert gemm.smem == 4 * (128 + 128) * (32 + 8) * 2
+    assert gemm.spec.params["quant"] == "bf16"
     assert {sp.name for sp in plan.scratch} >= {"dequant", "iota"}
-    assert [launch.spec.template for launch in linear.launches["decode"]] == ["gemv"]
+
+
+def test_linear_gemm_lowers_with_the_wide_decode_tuning():
+    from engine import kernel_catalog as kc
+    from engine.graph import Op
+    from engine.plan import Value, WeightPlan, _CatalogAdapter
+
+    prof = get_profile("h200")
+    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
+    ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
+    outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
+    ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
+    (dec,) = adapter._linear_gemm(op, "decode", ins, outs, ws, section="gemm_decode")
+    (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
+    t = prof.tune("gemm_decode")
+    assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
+    assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == prof.tune("gemm")["split_k"]
+    assert dec.grid_for({"n": 100}) == (2560 // t["tile_n"], -(-100 // t["tile_m"]))
+    assert dec.smem == kc.gemm_smem(dec.spec.params) and dec.spec != pre.spec
 
 
 def test_sampling_kinds_use_argmax_and_sample():

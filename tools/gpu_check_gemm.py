@@ -1,0 +1,433 @@
+"""Check and time the tensor-core gemm kernel: bf16 prefill, wide decode (split-K), fused GGUF.
+
+Run on a GPU machine: ``PYTHONPATH=. python3 tools/gpu_check_gemm.py --out DIR [--quick]``.
+Correctness: every variant (bf16 / f32 out, residual aliasing out, M and N tails, the wide-decode
+tuning, every GGUF type with a decoder vs ``engine.quant.dequantize``) on fresh random inputs from
+a fixed seed, outputs poisoned with NaN, relative L2 error against numpy (bf16 out: 1e-2, f32 out:
+5e-3 -- inputs are bf16-rounded, so the error is accumulation order and the output rounding).
+Timings (CUDA events, median after warm-up): TFLOP/s against the 787 TFLOP/s bf16 peak next to
+torch.matmul on the same shape, for a sweep of tile configs per Qwen3-4B / 0.6B shape, so the best
+can go into device_profiles/h200.yaml; the wide-decode configs in GB/s of weight bytes read (of
+4100 GB/s) at M = 16..128; the fused quantised GEMM (q8_0, q4_k, q6_k) at M = 512 and 4096.
+Writes DIR/gpu_check_gemm.json and DIR/gpu_check_gemm.txt; every check catches its own exception.
+Uses torch only to allocate, time and as the matmul baseline (never imported by the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_kernels_check import DEV, Kernels, bench, bf, bf_round, check, f32, host, nan_like  # noqa: E402
+
+from engine import kernel_catalog as kc  # noqa: E402
+from engine import quant  # noqa: E402
+from engine.profile import get_profile  # noqa: E402
+
+PROFILE = get_profile("h200")
+TUNING = PROFILE.tuning
+PEAK_TFLOPS = 787.0
+PEAK_GBS = 4100.0
+BUDGET_S = 80.0  # stop timing (not checking) past this many seconds
+T0 = time.time()
+RESULTS: list[dict] = []
+KNOBS = kc.GEMM_KNOBS
+
+# Qwen3-4B and Qwen3-0.6B linear shapes (n, k, residual): q|k|v, o_proj, gate|up, down
+SHAPES_4B = [(6144, 2560, False), (2560, 4096, True), (19456, 2560, False), (2560, 9728, True)]
+SHAPES_06B = [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False), (1024, 3072, True)]
+# prefill sweep: (tile_m, tile_n, tile_k, stages, warps, warps_m, split_k)
+PREFILL_CONFIGS = [
+    (128, 128, 32, 4, 8, 2, 1),
+    (128, 128, 64, 3, 8, 2, 1),
+    (128, 256, 32, 4, 8, 2, 1),
+    (256, 128, 32, 4, 8, 4, 1),
+    (64, 128, 64, 4, 4, 2, 1),
+    (128, 64, 64, 4, 4, 2, 1),
+]
+DECODE_CONFIGS = [
+    (64, 16, 128, 4, 8, 2, 4),
+    (32, 16, 128, 4, 8, 2, 4),
+    (16, 16, 256, 4, 8, 1, 8),
+    (64, 32, 128, 4, 8, 2, 2),
+    (128, 16, 128, 4, 8, 2, 4),
+    (32, 32, 128, 6, 8, 2, 2),
+]
+
+
+def elapsed() -> float:
+    return time.time() - T0
+
+
+def cfg_dict(cfg) -> dict:
+    return dict(zip(KNOBS, cfg, strict=True))
+
+
+def section_cfg(section: str) -> tuple:
+    t = {"warps_m": 2, "split_k": 1, **TUNING[section]}
+    return tuple(t[x] for x in KNOBS)
+
+
+def choice(n, k, cfg, **kw) -> kc.KernelChoice:
+    """The gemm choice for config ``cfg`` (tile_k adjusted by gemm_params when k needs it)."""
+    return kc.choice("gemm", **kc.gemm_params(n, k, {"gemm": cfg_dict(cfg)}, **kw))
+
+
+def record(name: str, out=None, ref=None, tol: float = 0.0, **extra) -> None:
+    row = {"check": name, **extra}
+    if out is not None:
+        nan = int(np.isnan(out).sum())
+        o = np.nan_to_num(out)
+        err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
+        row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def guarded(name: str, fn) -> None:
+    try:
+        fn()
+    except Exception as exc:
+        RESULTS.append(
+            {"check": name, "ok": False, "error": f"{exc}", "trace": traceback.format_exc()[-3000:]}
+        )
+        print(RESULTS[-1]["trace"], file=sys.stderr, flush=True)
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+
+
+# ---- random weights in a storage type: (raw bytes on the device, dequantised f64 on the host) ----
+
+KQUANT_F16 = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def random_weight(qt: str, n: int, k: int, rng, host_ref: bool = True):
+    if qt == "bf16":
+        w = bf_round(rng.standard_normal((n, k)) * 0.05)
+        return bf(w), w
+    if qt in KQUANT_F16:  # random bytes with sane f16 scales (no K-quant quantiser exists)
+        elems, nbytes = kc.QUANTS[qt]
+        nb = n * k // elems
+        raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+        for off in KQUANT_F16[qt]:
+            raw[:, off : off + 2] = (
+                (rng.uniform(0.2, 1.0, nb) * 0.002).astype(np.float16).view(np.uint8).reshape(nb, 2)
+            )
+        raw = raw.reshape(-1)
+    else:  # round-to-nearest quantisation of a normal matrix (byte-identical to gguf.quants.quantize)
+        raw = np.frombuffer(
+            quant.quantize_reference(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qt), np.uint8
+        )
+    deq = quant.dequantize(raw, qt, (n, k)).astype(np.float64) if host_ref else None
+    return torch.from_numpy(raw.copy()).to(DEV), deq
+
+
+def run(K: Kernels, c: kc.KernelChoice, out, a, w, residual, m: int) -> None:
+    K.launch(c, [out, a, w, residual if residual is not None else 0, m], m)
+
+
+def bench_graph(fns, reps: int = 10) -> float:
+    """Median milliseconds per call of the callables ``fns``, captured back to back into one CUDA
+    graph (no Python launch overhead between kernels; cycling through several weight copies keeps a
+    memory-bound kernel from reading a weight out of the 50 MB L2). Falls back to timing each call
+    eagerly when capture fails."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for fn in fns:
+                fn()
+        return bench(g.replay, reps) / len(fns)
+    except Exception as exc:  # capture not possible here: eager timing (includes launch gaps)
+        print(f"graph capture failed ({exc}); timing eagerly", file=sys.stderr)
+        torch.cuda.synchronize()
+        return bench(lambda: [fn() for fn in fns], reps) / len(fns)
+
+
+# ---- correctness ----
+
+
+def check_one(K, rng, m, n, k, cfg, *, residual=False, out_dtype="bf16", qt="bf16", label=""):
+    c = choice(n, k, cfg, residual=residual, out_dtype=out_dtype, quant=qt)
+    a = bf_round(rng.standard_normal((m, k)))
+    wd, w = random_weight(qt, n, k, rng)
+    ref = a @ w.T
+    tdt = torch.float32 if out_dtype == "f32" else torch.bfloat16
+    if residual:  # h = h + o: the residual aliases out
+        r = rng.standard_normal((m, n))
+        if out_dtype == "bf16":
+            r = bf_round(r)
+        out = (f32(r) if out_dtype == "f32" else bf(r)).to(tdt)
+        ref = ref + r
+        res = out
+    else:
+        out, res = nan_like((m, n), tdt), None
+    run(K, c, out, bf(a), wd, res, m)
+    tol = 5e-3 if out_dtype == "f32" else 1e-2
+    record(
+        f"check {label} {qt} m={m} n={n} k={k} res={int(residual)} out={out_dtype}",
+        host(out),
+        ref,
+        tol,
+        entry=c.spec.entry,
+        smem=c.smem,
+    )
+
+
+def correctness(K, quick):
+    pre, dec = section_cfg("gemm"), section_cfg("gemm_decode")
+    cases = []
+    for m in (1, 7, 100, 513):  # M tails; n=1000 is not a multiple of tile_n, 999 is odd
+        cases.append(dict(m=m, n=1000, k=512, cfg=pre, residual=m % 2 == 1, label="prefill"))
+    cases.append(dict(m=130, n=999, k=256, cfg=pre, label="prefill odd-n"))
+    cases.append(dict(m=300, n=576, k=1536, cfg=pre, residual=True, out_dtype="f32", label="prefill"))
+    cases.append(dict(m=64, n=1000, k=512, cfg=pre, out_dtype="f32", label="prefill"))
+    for m in (16, 33, 100, 128):
+        cases.append(dict(m=m, n=2560, k=1024, cfg=dec, residual=True, label="decode"))
+    cases.append(dict(m=48, n=1000, k=512, cfg=dec, out_dtype="f32", residual=True, label="decode"))
+    for cfg in PREFILL_CONFIGS + DECODE_CONFIGS:  # every swept config, once, with a tail
+        cases.append(dict(m=77, n=1040, k=1024, cfg=cfg, residual=True, label=f"cfg{cfg}"))
+    for qt in kc.QUANTS:  # every GGUF type the catalog has a decoder for
+        if qt == "bf16":
+            continue
+        for m in (1, 100, 513):
+            cases.append(dict(m=m, n=576, k=1024, cfg=pre, qt=qt, residual=m == 100, label="prefill"))
+        cases.append(dict(m=40, n=1000, k=512, cfg=dec, qt=qt, label="decode"))
+    for case in cases:
+        case = dict(case)
+        m, n, k, cfg = case.pop("m"), case.pop("n"), case.pop("k"), case.pop("cfg")
+        guarded(
+            f"check {case.get('label')} m={m} n={n}",
+            lambda m=m, n=n, k=k, cfg=cfg, case=case: check_one(
+                K, np.random.default_rng(1000 + m + n), m, n, k, cfg, **case
+            ),
+        )
+
+
+# ---- timing ----
+
+
+def time_prefill(K, quick):
+    ms_list = (512, 4096) if quick else (512, 2048, 4096)
+    for n, k, residual in SHAPES_4B + SHAPES_06B:
+        for m in ms_list:
+            if elapsed() > BUDGET_S:
+                record(f"prefill m={m} n={n} k={k}", skipped="time budget")
+                continue
+            a = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            w = (torch.randn(n, k, device=DEV) * 0.05).to(torch.bfloat16)
+            out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+            tms = bench_graph([lambda a=a, w=w: torch.matmul(a, w.T)] * 3)
+            fl = 2 * m * n * k
+            best = None
+            for cfg in PREFILL_CONFIGS:
+
+                def one(cfg=cfg, a=a, w=w, out=out, m=m, n=n, k=k, residual=residual, fl=fl, tms=tms):
+                    c = choice(n, k, cfg, residual=residual)
+                    ms = bench_graph([lambda: run(K, c, out, a, w, out if residual else None, m)] * 3)
+                    tf = fl / ms / 1e9
+                    record(
+                        f"prefill m={m} n={n} k={k} cfg={cfg}",
+                        m=m,
+                        n=n,
+                        k=k,
+                        cfg=list(cfg),
+                        ms=ms,
+                        TFLOPs=tf,
+                        peak_frac=tf / PEAK_TFLOPS,
+                        torch_TFLOPs=fl / tms / 1e9,
+                        of_torch=tms / ms,
+                    )
+                    return tf
+
+                before = len(RESULTS)
+                guarded(f"prefill m={m} n={n} k={k} cfg={cfg}", one)
+                row = RESULTS[before] if len(RESULTS) > before else {}
+                if "TFLOPs" in row and (best is None or row["TFLOPs"] > best[1]):
+                    best = (cfg, row["TFLOPs"])
+            if best:
+                record(
+                    f"BEST prefill m={m} n={n} k={k}",
+                    best_cfg=list(best[0]),
+                    TFLOPs=best[1],
+                    torch_TFLOPs=fl / tms / 1e9,
+                    of_torch=best[1] / (fl / tms / 1e9),
+                )
+
+
+def time_decode(K, quick):
+    for n, k, residual in SHAPES_4B:
+        wbytes = n * k * 2
+        copies = max(4, -(-200_000_000 // wbytes))  # > 4x the L2 in flight per graph replay
+        ws = [(torch.randn(n, k, device=DEV) * 0.05).to(torch.bfloat16) for _ in range(copies)]
+        for m in (16, 32, 64, 128):
+            if elapsed() > BUDGET_S:
+                record(f"decode m={m} n={n} k={k}", skipped="time budget")
+                continue
+            a = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            out = torch.randn(m, n, device=DEV).to(torch.bfloat16)
+            tms = bench_graph([lambda a=a, w=w: torch.matmul(a, w.T) for w in ws])
+            for cfg in DECODE_CONFIGS:
+
+                def one(
+                    cfg=cfg, a=a, out=out, m=m, n=n, k=k, residual=residual, ws=ws, wbytes=wbytes, tms=tms
+                ):
+                    c = choice(n, k, cfg, residual=residual)
+                    ms = bench_graph(
+                        [lambda w=w: run(K, c, out, a, w, out if residual else None, m) for w in ws]
+                    )
+                    gbs = wbytes / ms / 1e6
+                    record(
+                        f"decode m={m} n={n} k={k} cfg={cfg}",
+                        m=m,
+                        n=n,
+                        k=k,
+                        cfg=list(cfg),
+                        ms=ms,
+                        GBs=gbs,
+                        bw_frac=gbs / PEAK_GBS,
+                        torch_GBs=wbytes / tms / 1e6,
+                        of_torch=tms / ms,
+                    )
+
+                guarded(f"decode m={m} n={n} k={k} cfg={cfg}", one)
+        ws.clear()
+        torch.cuda.empty_cache()
+
+
+def time_quant(K, quick):
+    rng = np.random.default_rng(7)
+    pre = section_cfg("gemm")
+    cfgs = [pre, (pre[0], pre[1], 64, pre[3], pre[4], pre[5], 1)]
+    for qt in ("q8_0", "q4_k", "q6_k"):
+        if qt not in kc.QUANTS:
+            record(f"quant {qt}", ok=False, error="no decoder in kernel_catalog.QUANTS")
+            continue
+        for n, k, residual in SHAPES_4B:
+            wd, _ = random_weight(qt, n, k, rng, host_ref=False)
+            for m in (512, 4096):
+                if elapsed() > BUDGET_S:
+                    record(f"quant {qt} m={m} n={n} k={k}", skipped="time budget")
+                    continue
+                a = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+                out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+                wb = (torch.randn(n, k, device=DEV) * 0.05).to(torch.bfloat16)
+                tms = bench_graph([lambda a=a, wb=wb: torch.matmul(a, wb.T)] * 2)
+                fl = 2 * m * n * k
+                for cfg in cfgs:
+
+                    def one(
+                        cfg=cfg, qt=qt, a=a, out=out, wd=wd, m=m, n=n, k=k, residual=residual, fl=fl, tms=tms
+                    ):
+                        c = choice(n, k, cfg, residual=residual, quant=qt)
+                        ms = bench_graph([lambda: run(K, c, out, a, wd, out if residual else None, m)] * 2)
+                        tf = fl / ms / 1e9
+                        record(
+                            f"quant {qt} m={m} n={n} k={k} cfg={cfg}",
+                            m=m,
+                            n=n,
+                            k=k,
+                            cfg=list(cfg),
+                            ms=ms,
+                            TFLOPs=tf,
+                            peak_frac=tf / PEAK_TFLOPS,
+                            torch_bf16_TFLOPs=fl / tms / 1e9,
+                        )
+
+                    guarded(f"quant {qt} m={m} n={n} k={k} cfg={cfg}", one)
+
+
+def precompile(K: Kernels, quick: bool) -> None:
+    """Build every spec the timing uses in parallel (NVRTC misses), so timing is not compile-bound."""
+    specs = []
+    for n, k, res in SHAPES_4B + SHAPES_06B:
+        specs += [choice(n, k, cfg, residual=res).spec for cfg in PREFILL_CONFIGS]
+    for n, k, res in SHAPES_4B:
+        specs += [choice(n, k, cfg, residual=res).spec for cfg in DECODE_CONFIGS]
+        pre = section_cfg("gemm")
+        for qt in ("q8_0", "q4_k", "q6_k"):
+            if qt in kc.QUANTS:
+                for cfg in (pre, (pre[0], pre[1], 64, pre[3], pre[4], pre[5], 1)):
+                    specs.append(choice(n, k, cfg, residual=res, quant=qt).spec)
+    stats = K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
+    record("precompile", specs=len(specs), compiled=stats.compiled, hits=stats.hits, seconds=elapsed())
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"profile h200 gemm={TUNING['gemm']} gemm_decode={TUNING['gemm_decode']}"]
+    keys = (
+        "rel_err",
+        "nans",
+        "ok",
+        "ms",
+        "TFLOPs",
+        "peak_frac",
+        "torch_TFLOPs",
+        "of_torch",
+        "GBs",
+        "bw_frac",
+        "torch_GBs",
+        "torch_bf16_TFLOPs",
+        "best_cfg",
+        "skipped",
+        "error",
+    )
+    for r in rows:
+        extra = " ".join(
+            f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r
+        )
+        lines.append(f"{r['check'][:84]:84s} {extra}")
+    bad = [r["check"] for r in rows if r.get("ok") is False]
+    lines.append(f"{len(bad)} failing: {bad}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of: check,prefill,decode,quant")
+    args = ap.parse_args()
+    torch.zeros(1, device=DEV)
+    from cuda.bindings import driver as drv
+
+    check(drv.cuInit(0))
+    print(torch.cuda.get_device_name(), file=sys.stderr)
+    K = Kernels("/tmp/memra-kcache")
+    guarded("precompile", lambda: precompile(K, args.quick))
+    steps = {
+        "check": lambda: correctness(K, args.quick),
+        "prefill": lambda: time_prefill(K, args.quick),
+        "decode": lambda: time_decode(K, args.quick),
+        "quant": lambda: time_quant(K, args.quick),
+    }
+    for name, fn in steps.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        t = time.time()
+        guarded(name, fn)
+        print(f"{name}: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check_gemm.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    text = table(RESULTS)
+    with open(os.path.join(args.out, "gpu_check_gemm.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 1 if any(r.get("ok") is False for r in RESULTS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
