@@ -221,3 +221,22 @@ def test_qwen3_gguf_matches_safetensors(tiny_qwen3_dir: Path, tiny_qwen3_gguf: P
     )
     q = hf.dequantize("model.layers.0.self_attn.q_proj.weight")
     np.testing.assert_allclose(gg.dequantize("blk.0.attn_q.weight"), q, atol=5e-4)  # not permuted
+
+
+def test_make_checkpoint_random_gguf_mix(tmp_path: Path) -> None:
+    import importlib.util
+
+    from engine.model import load_model
+
+    spec = importlib.util.spec_from_file_location(
+        "make_checkpoint", Path(__file__).parent.parent / "tools" / "make_checkpoint.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "q.gguf"
+    assert mod.main(["--shape", "qwen3-0.6b", "--layers", "2", "--gguf", "q4_k_m", "--out", str(out)]) == 0
+    m = load_model(out)
+    assert m.quant.name == "q4_k_m"
+    assert m.info("wq", 0).dtype == "q4_k" and m.info("wv", 0).dtype == "q6_k" and m.info("wv", 1).dtype == "q4_k"
+    w = m.dequantize("w_down", 1)
+    assert np.isfinite(w).all() and 1e-3 < float(np.abs(w).mean()) < 0.1

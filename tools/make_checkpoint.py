@@ -1,6 +1,7 @@
 """Write a full-size random-weight HF checkpoint (real shapes, bf16) for GPU tests and benchmarks.
 
 Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf16] [--seed 0] [--layers N]
+       python tools/make_checkpoint.py --shape qwen3-4b --gguf q4_k_m --out FILE.gguf   (random blocks)
 
 Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
 norms ~ 1 + N(0, 0.05), streamed tensor by tensor in 2048-row chunks so memory stays bounded.
@@ -20,7 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fixtures.checkpoints import Dims, hf_config, hf_tensor_specs, write_safetensors, write_tokenizer_files  # noqa: E402
+from fixtures.checkpoints import (  # noqa: E402
+    Dims,
+    hf_config,
+    hf_tensor_specs,
+    write_random_gguf,
+    write_safetensors,
+    write_tokenizer_files,
+)
 
 SHAPES: dict[str, tuple[str, Dims]] = {
     "smollm2-135m": ("llama", Dims(576, 30, 9, 3, 64, 1536, 49152, 100000.0, 1e-5, 8192, True)),
@@ -39,12 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0 = the real one)")
     ap.add_argument("--tokenizer", default="words", choices=["words", "tiny"], help="words: one word per id")
+    ap.add_argument("--gguf", default=None, metavar="QUANT", help="write OUT as a random-block GGUF of QUANT instead")
     args = ap.parse_args(argv)
     family, dims = SHAPES[args.shape]
     if args.layers:
         from dataclasses import replace
 
         dims = replace(dims, num_hidden_layers=args.layers)
+    if args.gguf:
+        t0 = time.perf_counter()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_random_gguf(args.out, family, dims, args.gguf, args.seed)
+        size = args.out.stat().st_size
+        print(f"{args.shape} {args.gguf}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {args.out}")
+        return 0
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
