@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the lent GPU, in priority order, each stage
-# time-boxed so the whole call ends inside the device tool's 10-minute limit. Results under $OUT
-# (at most 8 files come back): profiles.txt, runner.log, kernels.log, kernels.json, q4b.log, q4b.json, pytest.log.
-#   bash tools/gpu_session.sh            (on the GPU machine, from the repo root)
+# time-boxed so the call ends inside the device tool's 10-minute limit. Every stage's log goes to
+# /tmp/res/<stage>.log; after each stage $OUT/res.tgz is rewritten (the tool returns at most 8
+# files, and what is under $OUT comes back even when the call is killed).
+#   STAGES="checks pytest bf16 quant runner" bash tools/gpu_session.sh     (on the GPU machine)
 set -u
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" /tmp/res
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
 else
   export PYTHONPATH=.
 fi
-export PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache
+export PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache MEMRA_DEFAULT_MODEL=${MEMRA_DEFAULT_MODEL:-/nonexistent.gguf}
 t0=$(date +%s)
-left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > "$OUT/profiles.txt" 2>&1
-timeout 200 python3 tools/gpu_runner_check.py --out /tmp/runner_out > "$OUT/runner.log" 2>&1
-cat /tmp/runner_out/*.txt >> "$OUT/runner.log" 2>/dev/null
-echo "after runner check: $(left) s left" >> "$OUT/runner.log"
-timeout $(( $(left) > 150 ? 130 : 60 )) python3 tools/gpu_kernels_check.py --out /tmp/kern_out --quick > "$OUT/kernels.log" 2>&1
-cat /tmp/kern_out/table.txt >> "$OUT/kernels.log" 2>/dev/null; cp /tmp/kern_out/results.json "$OUT/kernels.json" 2>/dev/null
-if [ "$(left)" -gt 150 ]; then
-  { time python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b; } > "$OUT/q4b.log" 2>&1
-  timeout $(( $(left) - 40 )) python3 -m engine.cli bench /dev/shm/q4b --backend cuda --quick --concurrency 1,8,32 --json "$OUT/q4b.json" >> "$OUT/q4b.log" 2>&1
-fi
-timeout $(( $(left) > 45 ? 40 : 5 )) python3 -m pytest -q tests/gpu -p no:cacheprovider > "$OUT/pytest.log" 2>&1
-echo "total $(( $(date +%s) - t0 )) s" >> "$OUT/pytest.log"
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
+pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> /tmp/res/times.log; tar czf "$OUT/res.tgz" -C /tmp/res . 2>/dev/null; }
+box() { local want=$1; local l; l=$(left); [ "$l" -lt 20 ] && echo 1 && return; [ "$want" -gt $(( l - 10 )) ] && want=$(( l - 10 )); echo "$want"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > /tmp/res/profiles.log 2>&1
+for st in ${STAGES:-checks pytest bf16 quant runner}; do
+  case $st in
+  checks)
+    for c in gemm attention gemv; do
+      [ -f tools/gpu_check_$c.py ] && timeout "$(box 100)" python3 tools/gpu_check_$c.py --out /tmp/res/$c > /tmp/res/check_$c.log 2>&1
+      pack check_$c
+    done
+    timeout "$(box 90)" python3 tools/gpu_kernels_check.py --out /tmp/res/kern --quick > /tmp/res/kernels.log 2>&1; pack kernels ;;
+  pytest)
+    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest.log 2>&1; pack pytest ;;
+  bf16)
+    [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > /tmp/res/bf16.log 2>&1
+    timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} --concurrency 1,8,32 --json /tmp/res/bf16.json >> /tmp/res/bf16.log 2>&1; pack bf16 ;;
+  quant)
+    for q in q8_0 q4_k_m; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/$q.log 2>&1
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q.json >> /tmp/res/$q.log 2>&1; pack $q
+    done ;;
+  runner)
+    timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner > /tmp/res/runner.log 2>&1; pack runner ;;
+  esac
+done
+echo "total $(( $(date +%s) - t0 )) s" >> /tmp/res/times.log; pack end
