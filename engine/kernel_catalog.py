@@ -25,10 +25,15 @@ from engine.types import ConfigError
 # storage types the gemv/embed decoders handle, with (elements, bytes) per GGUF block
 QUANTS: dict[str, tuple[int, int]] = {
     "bf16": (8, 16),
+    "f16": (8, 16),
+    "f32": (8, 32),
     "q8_0": (32, 34),
     "q4_0": (32, 18),
     "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
     "q4_k": (256, 144),
+    "q5_k": (256, 176),
     "q6_k": (256, 210),
 }
 ROPE_STYLES = ("neox", "interleaved")
@@ -36,10 +41,15 @@ PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however 
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
 STAGED_DEFAULT: dict[str, bool] = {
     "bf16": False,
+    "f16": False,
+    "f32": False,
     "q8_0": True,
     "q4_0": True,
     "q4_1": True,
+    "q5_0": True,
+    "q5_1": True,
     "q4_k": False,
+    "q5_k": False,
     "q6_k": True,
 }
 
@@ -72,13 +82,14 @@ KERNELS: dict[str, KernelDoc] = {
             residual=bool,
             out_dtype=str,
             stage=bool,
+            unroll=int,
         ),
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
-        ("quant", "n", "k", "bmax", "threads", "residual", "out_dtype", "stage"),
+        ("quant", "n", "k", "bmax", "threads", "rows_per_block", "residual", "out_dtype", "stage", "unroll"),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
         "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage)",
-        {"stage": None},  # None: STAGED_DEFAULT[quant]
+        {"stage": None, "unroll": 2},  # stage None: STAGED_DEFAULT[quant]
     ),
     "gemm": KernelDoc(
         dict(
@@ -283,10 +294,11 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
         cols = p["k"] if template == "gemv" else p["hidden"]
         need(
-            cols % QUANTS[q][0] == 0 and cols % 32 == 0 or (q == "bf16" and cols % 8 == 0),
+            cols % QUANTS[q][0] == 0 and cols % 32 == 0 or (q in ("bf16", "f16", "f32") and cols % 8 == 0),
             f"row length {cols} is not a multiple of the {q} block ({QUANTS[q][0]})",
         )
     if template == "gemv":
+        need(1 <= p["unroll"] <= 8, f"unroll={p['unroll']} must be 1..8")
         warps = p["threads"] // 32
         need(
             p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
@@ -488,6 +500,7 @@ def linear_params(
         rows_per_block=g["rows_per_block"],
         residual=residual,
         out_dtype=out_dtype,
+        unroll=g.get("unroll", 2),
     )
 
 

@@ -170,6 +170,7 @@ class Plan:
     max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
     block_size: int
     graph_batch_sizes: tuple[int, ...]
+    wide_rows: int = 0  # decode buckets of at least this many rows use the WIDE launches (0: none)
 
     def weight(self, key: str) -> WeightPlan:
         for w in self.weights:
@@ -351,6 +352,7 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         adapter.freq = weights[ROPE_FREQ]
+    wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
     for pos, (op, layer, head) in enumerate(schedule):
         if op.op == "rope":
             attn = next((o for o, lay, _ in schedule[pos:] if o.op == "attention" and lay == layer), None)
@@ -360,6 +362,8 @@ def build_plan(
         ins = [values[n] for n in op.inputs if n in values]
         outs = _bind_outputs(op, ws, ins, d, value_for)
         launches = {mode: tuple(adapter.launches(op, layer, mode, ins, outs, ws)) for mode in MODES}
+        if wide_rows:
+            launches[WIDE] = tuple(adapter.wide_launches(op, layer, ins, outs, ws))
         if op.op == "attention":  # decode variant for short contexts (every row's position < split)
             launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
@@ -383,11 +387,38 @@ def build_plan(
         max_tokens=max_tokens,
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
+        wide_rows=wide_rows,
     )
 
 
 PENALTY_CAPACITY = 65536  # (row, token) penalty entries one step can upload; more -> host sampling
 PENALTY_BLOCKS = 64  # engine.kernel_catalog.PENALTY_BLOCKS
+
+WIDE = "decode_wide"  # the launches key of wide decode buckets: linear layers as tensor-core GEMMs
+
+
+def _wide_decode_rows(
+    graph: ModelGraph,
+    quant: QuantCombo,
+    d: Mapping[str, Any],
+    profile: DeviceProfile,
+    tensor_dtypes: Mapping[str, str] | None,
+) -> int:
+    """The smallest decode bucket that runs its linear layers as GEMMs (``tuning.gemm_decode
+    .min_rows``), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
+    keep the GEMV, which reads them once per ``gemv.max_batch`` rows)."""
+    rows = int(profile.tune("gemm_decode").get("min_rows", 0))
+    if not rows or max(profile.cuda_graph_batch_sizes) < rows:
+        return 0
+    for op, _ in graph.ops():
+        if op.op != "linear":
+            continue
+        for key in op.weights:
+            for layer in range(int(d["layers"])):
+                if _dtype_of(graph, quant, key, layer, tensor_dtypes) != "bf16":
+                    return 0
+    return rows
+
 
 ROPE_FREQ = "rope_freq"  # a computed weight: per-pair divisors of theta^(-2i/rope_dim), f32 [rope_dim/2]
 
@@ -571,6 +602,8 @@ class _CatalogAdapter:
             quant = w.dtype
             p = self._gemm_params(w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
             wptr = _w(w)
+            if p is None and section != "gemm":  # decode never dequantises a whole matrix per step
+                return self._linear_gemv(op, mode, ins, outs, ws)
             if p is None and quant != "bf16":  # fallback: dequantise into a bf16 scratch (embed, ids 0..n-1)
                 t = self.tune("elementwise")["threads"]
                 deq = self._spec(
@@ -652,6 +685,8 @@ class _CatalogAdapter:
                     "t": tg["threads"],
                     "r": int(residual),
                     "o": out_dtype,
+                    "rp": rpb,
+                    "u": tg.get("unroll", 2),
                 },
                 quant=w.dtype,
                 n=w.rows,
@@ -661,6 +696,7 @@ class _CatalogAdapter:
                 rows_per_block=rpb,
                 residual=residual,
                 out_dtype=out_dtype,
+                unroll=tg.get("unroll", 2),
             )
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(ins[0]), res, ROWS)
@@ -803,6 +839,15 @@ class _CatalogAdapter:
         )
         cargs = (_v(out),) + part + (Arg("input", "positions"), splits)
         return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
+
+    def wide_launches(self, op, layer, ins, outs, ws):
+        """The WIDE (large decode bucket) lowering: bf16 linear layers as gemm_decode GEMMs, the
+        norms and SiLU-mul materialised as in prefill (the GEMMs read them), the rest as decode."""
+        if op.op == "linear":
+            return self._linear_gemm(op, WIDE, ins, outs, ws, section="gemm_decode")
+        if op.op in ("rmsnorm", "silu_mul"):
+            return self.launches(op, layer, "prefill", ins, outs, ws)
+        return self.launches(op, layer, WIDE, ins, outs, ws)
 
     def sampling(self, logits: Value) -> dict[str, tuple[Launch, ...]]:
         t = self.tune("sampling")["threads"]

@@ -49,8 +49,8 @@ def _knob(default: int) -> Field:
 # Every tuning section a kernel template may read. Adding a knob here is how a kernel gets one.
 TUNING_SCHEMA: dict[str, Field] = {
     "gemv": Field(
-        {"threads": _knob(256), "rows_per_block": _knob(4), "max_batch": _knob(8)},
-        default={"threads": 256, "rows_per_block": 4, "max_batch": 8},
+        {"threads": _knob(256), "rows_per_block": _knob(4), "max_batch": _knob(8), "unroll": _knob(2)},
+        default={"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
     ),
     "gemm": Field(
         {

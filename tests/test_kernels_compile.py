@@ -98,10 +98,10 @@ def test_all_specs_render_and_cover_every_template():
 
 
 def test_spec_validation_names_the_problem():
-    with pytest.raises(ConfigError, match="q5_k"):
+    with pytest.raises(ConfigError, match="q2_k"):
         kc.spec(
             "gemv",
-            quant="q5_k",
+            quant="q2_k",
             n=64,
             k=256,
             bmax=1,
