@@ -186,9 +186,9 @@ def check_one(K, rng, m, n, k, cfg, *, residual=False, out_dtype="bf16", qt="bf1
     )
 
 
-def correctness(K, quick):
+def correctness_cases() -> list[dict]:
     pre, dec = section_cfg("gemm"), section_cfg("gemm_decode")
-    cases = []
+    cases = [dict(m=513, n=2560, k=9728, cfg=pre, residual=True, label="prefill 4B down")]
     for m in (1, 7, 100, 513):  # M tails; n=1000 is not a multiple of tile_n, 999 is odd
         cases.append(dict(m=m, n=1000, k=512, cfg=pre, residual=m % 2 == 1, label="prefill"))
     cases.append(dict(m=130, n=999, k=256, cfg=pre, label="prefill odd-n"))
@@ -205,7 +205,11 @@ def correctness(K, quick):
         for m in (1, 100, 513):
             cases.append(dict(m=m, n=576, k=1024, cfg=pre, qt=qt, residual=m == 100, label="prefill"))
         cases.append(dict(m=40, n=1000, k=512, cfg=dec, qt=qt, label="decode"))
-    for case in cases:
+    return cases
+
+
+def correctness(K, quick):
+    for case in correctness_cases():
         case = dict(case)
         m, n, k, cfg = case.pop("m"), case.pop("n"), case.pop("k"), case.pop("cfg")
         guarded(
@@ -361,6 +365,9 @@ def precompile(K: Kernels, quick: bool) -> None:
             if qt in kc.QUANTS:
                 for cfg in (pre, (pre[0], pre[1], 64, pre[3], pre[4], pre[5], 1)):
                     specs.append(choice(n, k, cfg, residual=res, quant=qt).spec)
+    for c in correctness_cases():
+        kw = {x: c[x] for x in ("residual", "out_dtype") if x in c}
+        specs.append(choice(c["n"], c["k"], c["cfg"], quant=c.get("qt", "bf16"), **kw).spec)
     stats = K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
     record("precompile", specs=len(specs), compiled=stats.compiled, hits=stats.hits, seconds=elapsed())
 
