@@ -876,6 +876,7 @@ def describe(plan: Plan) -> str:
     """A stable text rendering (golden tests, `memra plan`): weights, buffers, steps, kernels."""
     lines = [
         f"plan {plan.family} {plan.quant} on {plan.profile}: max_tokens={plan.max_tokens} block={plan.block_size}"
+        + (f" wide_rows={plan.wide_rows}" if plan.wide_rows else "")
     ]
     for w in plan.weights:
         lines.append(f"weight {w.key} {w.dtype} [{w.rows}, {w.cols}] {w.nbytes} B")
@@ -883,7 +884,7 @@ def describe(plan: Plan) -> str:
         lines.append(f"buffer {b.name} {b.dtype} x{b.width}")
     for s in plan.steps:
         where = f"L{s.layer}" if s.layer is not None else ("head" if s.head else "pre")
-        for mode in MODES:
+        for mode in MODES + ((WIDE,) if plan.wide_rows else ()):
             names = ",".join(launch.spec.entry for launch in s.launches.get(mode, ()))
             lines.append(f"step {where} {s.op.op} {mode}: {names}")
     for kind, launches in plan.sampling.items():

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import cuda
 from engine.compile import KernelBuilder
-from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, Arg, Launch, Plan, build_plan, kernel_specs
+from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, build_plan, kernel_specs
 from engine.profile import DeviceProfile, select
 from engine.sampling import penalty_entries, sample
 from engine.types import MemraError, StepItem
@@ -300,7 +300,7 @@ class CudaRunner:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = _decode_mode(n) if head_only else mode
+            key = _decode_mode(n, self.plan.wide_rows) if head_only else mode
             if short and "short" in step.launches:
                 key = "short"
             for launch in step.launches[key]:
@@ -453,7 +453,7 @@ class CudaRunner:
             key = ("decode", bucket, launch_kind, short)
             if key not in self._eager:
                 self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket), bucket, bucket, False, launch_kind, short
+                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
                 )
             self._run(self._eager[key])
         ids = [int(x) for x in self._read_ids(n)]
@@ -485,7 +485,7 @@ class CudaRunner:
     def _graph(self, bucket: int, kind: str, short: bool) -> cuda.Graph:
         key = (bucket, kind, short)
         if key not in self._graphs:
-            bound = self._bind_pass(_decode_mode(bucket), bucket, bucket, False, kind, short)
+            bound = self._bind_pass(_decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short)
             self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
             self.stream.synchronize()
             with cuda.capture(self.stream) as graph:
@@ -567,7 +567,7 @@ class CudaRunner:
         launch_kind = "sample" if kind == "host" else kind
         hkey = ("head", k, launch_kind)
         if hkey not in self._eager:
-            self._eager[hkey] = self._bind_pass(_decode_mode(k), k, k, True, launch_kind)
+            self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
         self._run(self._eager[hkey])
         ids = [int(x) for x in self._read_ids(k)]
         if kind == "host":
@@ -610,8 +610,11 @@ class CudaRunner:
         self._fns.clear()
 
 
-def _decode_mode(bucket: int) -> str:
-    return "decode1" if bucket == 1 else "decode"
+def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
+    """The launches key of a decode pass of ``bucket`` rows (WIDE from ``plan.wide_rows`` up)."""
+    if bucket == 1:
+        return "decode1"
+    return WIDE if wide_rows and bucket >= wide_rows else "decode"
 
 
 def _call_htod(ptr: int, host: np.ndarray, stream: cuda.Stream) -> None:

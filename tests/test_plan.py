@@ -241,3 +241,18 @@ def test_short_context_decode_uses_direct_attention_without_combine():
     assert short.spec.params["direct"] is True and short.spec.params["mode"] == "decode"
     assert plan.short_context == get_profile("h200").tune("attention_decode")["split_kv_tokens"]
     assert short.spec in kernel_specs(plan)
+
+
+def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
+    from engine.plan import WIDE
+
+    plan = plan_for("qwen3", "qwen3-4b")
+    assert plan.wide_rows == 16  # h200: tuning.gemm_decode.min_rows
+    for step in plan.steps:
+        wide = [la.spec.template for la in step.launches[WIDE]]
+        if step.op.op == "linear" and step.op.outputs != ("logits",):
+            assert wide and set(wide) == {"gemm"}, step.op
+        if step.op.op in ("rmsnorm", "silu_mul"):  # materialised: the GEMMs read them
+            assert wide == [step.op.op], step.op
+    # quantised matrices keep the GEMV in every bucket
+    assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0

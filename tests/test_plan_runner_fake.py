@@ -248,3 +248,16 @@ def test_a_varlen_pass_sets_seq_starts_and_samples_every_finished_sequence(fake)
     assert runner._views["slots"][10:15].tolist() == [2 * 16 + i for i in range(5)]
     assert drv.launches[0][1] == (22, 1, 1)  # embed over every row of the pass
     assert drv.launches[-1][1] == (2, 1, 1)  # the head samples the two finished sequences
+
+
+def test_wide_buckets_replay_the_gemm_graph_and_small_ones_the_gemv(fake):
+    runner, drv = fake
+    assert runner.plan.wide_rows == 16
+    items = [StepItem(i, [5], 3, [i], True, GREEDY) for i in range(12)]  # bucket 16
+    runner.use_graphs = False
+    runner.step(items)
+    names = {n.split("__")[0] for n, _, _ in drv.launches}
+    assert "gemm" in names and "rmsnorm" in names
+    drv.launches.clear()
+    runner.step(items[:5])  # bucket 8: the GEMV
+    assert not any(n.startswith("gemm") for n, _, _ in drv.launches)
