@@ -83,13 +83,33 @@ KERNELS: dict[str, KernelDoc] = {
             out_dtype=str,
             stage=bool,
             unroll=int,
+            prologue=str,
+            x_stride=int,
+            eps=float,
+            u_off=int,
         ),
+        # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
-        ("quant", "n", "k", "bmax", "threads", "rows_per_block", "residual", "out_dtype", "stage", "unroll"),
+        (
+            "quant",
+            "n",
+            "k",
+            "bmax",
+            "threads",
+            "rows_per_block",
+            "residual",
+            "out_dtype",
+            "stage",
+            "unroll",
+            "prologue",
+            "x_stride",
+            "u_off",
+        ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
         "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage)",
-        {"stage": None, "unroll": 2},  # stage None: STAGED_DEFAULT[quant]
+        # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
+        {"stage": None, "unroll": 2, "prologue": "none", "x_stride": 0, "eps": 0.0, "u_off": 0},
     ),
     "gemm": KernelDoc(
         dict(
@@ -299,6 +319,16 @@ def _check(template: str, p: dict[str, Any]) -> None:
         )
     if template == "gemv":
         need(1 <= p["unroll"] <= 8, f"unroll={p['unroll']} must be 1..8")
+        pro, xs = p["prologue"], p["x_stride"] or p["k"]
+        need(pro in ("none", "norm", "silu"), f"prologue {pro!r} must be none, norm or silu")
+        need(p["x_stride"] >= 0 and p["u_off"] >= 0 and xs % 8 == 0 and xs >= p["k"], f"x_stride={xs} must be a multiple of 8 and >= k={p['k']}")
+        if pro == "norm":
+            need(p["eps"] > 0, f"the norm prologue needs eps > 0, got {p['eps']}")
+        if pro == "silu":
+            need(
+                p["u_off"] % 8 == 0 and p["u_off"] >= p["k"] and p["u_off"] + p["k"] <= xs,
+                f"silu prologue: u_off={p['u_off']} must be a multiple of 8 in [k, x_stride - k]",
+            )
         warps = p["threads"] // 32
         need(
             p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
@@ -391,7 +421,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
                 norm[key] = str(value)
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
-        if typ is int and norm[key] <= 0 and key not in ():
+        if typ is int and norm[key] <= 0 and not (template == "gemv" and key in ("x_stride", "u_off")):
             raise _fail(template, f"param {key}={value!r} must be positive")
     _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
     parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
@@ -427,7 +457,6 @@ def choice(template: str, **params: Any) -> KernelChoice:
     split attention."""
     s = spec(template, **params)
     p = s.params
-    doc = KERNELS[template]
     smem = 0
     if template == "gemv":
 
@@ -472,7 +501,15 @@ def choice(template: str, **params: Any) -> KernelChoice:
             return (rows, 1, 1)
 
         block = (p["threads"], 1, 1)
-    return KernelChoice(s, doc.args, grid, block, smem)
+    return KernelChoice(s, kernel_args(s), grid, block, smem)
+
+
+def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
+    """The spec's argument list: KERNELS[template].args, plus norm_w for a norm-prologue gemv."""
+    args = KERNELS[s.template].args
+    if s.template == "gemv" and s.params.get("prologue") == "norm":
+        args = args + (("norm_w", P),)
+    return args
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
@@ -618,6 +655,18 @@ def all_specs(
         if hidden % ok == 0:
             out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32"))] = None
             out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
+        # the decode GEMVs with fused prologues: rmsnorm before qkv / gate|up / lm_head, SiLU-mul
+        # before the down projection (x = the fused gate|up buffer)
+        norm = dict(prologue="norm", x_stride=hidden, eps=d["rms_eps"])
+        silu = dict(prologue="silu", x_stride=2 * inter, u_off=inter)
+        for bm in (None, 1):
+            if hidden % ok == 0:
+                for n, od in ((qkv, "bf16"), (2 * inter, "bf16"), (vocab, "f32")):
+                    p = linear_params(t, n, hidden, tuning, out_dtype=od, bmax=bm)
+                    out[spec("gemv", **p, **norm)] = None
+            if inter % ok == 0:
+                p = linear_params(t, hidden, inter, tuning, residual=True, bmax=bm)
+                out[spec("gemv", **p, **silu)] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
         if "gemm_decode" in tuning:

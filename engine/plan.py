@@ -352,6 +352,7 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         adapter.freq = weights[ROPE_FREQ]
+    adapter.fusable = _prologue_fusable(schedule)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
     for pos, (op, layer, head) in enumerate(schedule):
         if op.op == "rope":
@@ -389,6 +390,39 @@ def build_plan(
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
         wide_rows=wide_rows,
     )
+
+
+PROLOGUE_MODES = ("decode1", "decode")  # the modes whose GEMVs absorb rmsnorm / silu_mul
+
+
+def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> set[tuple[int, int | None]]:
+    """(id(op), layer) of the rmsnorm / silu_mul ops whose output only linear layers read (as their
+    x) before it is written again, in the same head/non-head part, while nothing rewrites the op's
+    inputs in between: in decode modes those get no launch; the GEMVs compute them while loading x."""
+    out: set[tuple[int, int | None]] = set()
+    for i, (op, layer, head) in enumerate(schedule):
+        if op.op not in ("rmsnorm", "silu_mul") or len(op.outputs) != 1:
+            continue
+        name = op.outputs[0]
+        readers, ok, src_changed = 0, True, False
+        for o, _lay, h in schedule[i + 1 :]:
+            if name in o.inputs or o.attrs.get("residual") == name:
+                ok = (
+                    o.op == "linear"
+                    and o.inputs[0] == name
+                    and o.attrs.get("residual") != name
+                    and h == head
+                    and not src_changed
+                )
+                if not ok:
+                    break
+                readers += 1
+            if name in o.outputs:
+                break  # redefined: later reads see the new value
+            src_changed = src_changed or any(src in o.outputs for src in op.inputs)
+        if ok and readers:
+            out.add((id(op), layer))
+    return out
 
 
 PENALTY_CAPACITY = 65536  # (row, token) penalty entries one step can upload; more -> host sampling
@@ -527,6 +561,10 @@ class _CatalogAdapter:
         self.dims = dims
         self.rope_style = rope_style
         self.pending_norm: dict[tuple[Any, str, str], WeightPlan] = {}  # (layer, mode, value) -> norm
+        # decode-mode GEMV prologues: (id(op), layer) of the fusable rmsnorm/silu_mul ops (build_plan
+        # sets it) and (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset)
+        self.fusable: set[tuple[int, int | None]] = set()
+        self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
 
     # -- specs
@@ -564,6 +602,18 @@ class _CatalogAdapter:
         w = ws[0]
         t = self.tune("norm")["threads"]
         eps = float(self.dims["rms_eps"])
+        self.prologue.pop((mode, outs[0].name), None)
+        x = ins[0]
+        if (
+            mode in PROLOGUE_MODES
+            and (id(op), layer) in self.fusable
+            and w.dtype == "f32"
+            and x.width == w.cols
+            and x.ld % 8 == 0
+            and x.offset % 8 == 0
+        ):  # fused into the GEMVs that read the output (they normalise x while loading it)
+            self.prologue[(mode, outs[0].name)] = ("norm", x, w)
+            return []
         spec = self._spec(
             "rmsnorm",
             {"n": w.cols, "t": t, "e": f"{eps:g}"},
@@ -675,6 +725,18 @@ class _CatalogAdapter:
             out_dtype = self.act_dtype(out.name)
             bmax = 1 if mode == "decode1" else tg["max_batch"]
             rpb = tg["rows_per_block"]
+            pro = self.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
+            xv, extra, pp = ins[0], (), {}
+            if pro is not None and pro[1].width == w.cols:
+                xv = pro[1]
+                pp = dict(prologue=pro[0], x_stride=xv.ld)
+                if pro[0] == "norm":
+                    pp["eps"] = repr(float(self.dims["rms_eps"]))
+                    extra = (_w(pro[2]),)
+                else:
+                    pp["u_off"] = pro[2]
+            elif pro is not None:
+                raise ConfigError(f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}")
             spec = self._spec(
                 "gemv",
                 {
@@ -687,6 +749,7 @@ class _CatalogAdapter:
                     "o": out_dtype,
                     "rp": rpb,
                     "u": tg.get("unroll", 2),
+                    **({"p": pp["prologue"]} if pp else {}),
                 },
                 quant=w.dtype,
                 n=w.rows,
@@ -697,9 +760,10 @@ class _CatalogAdapter:
                 residual=residual,
                 out_dtype=out_dtype,
                 unroll=tg.get("unroll", 2),
+                **pp,
             )
             res = Arg("value", res_name) if residual else NULL
-            args = (_v(out), _w(w), _v(ins[0]), res, ROWS)
+            args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
             launches.append(Launch(spec, grid, (tg["threads"],), args))
         return launches
@@ -770,6 +834,22 @@ class _CatalogAdapter:
         g, u = ins
         t = self.tune("elementwise")["threads"]
         inter = g.width
+        self.prologue.pop((mode, outs[0].name), None)
+        off = u.offset - g.offset
+        if (
+            mode in PROLOGUE_MODES
+            and (id(op), layer) in self.fusable
+            and g.buffer == u.buffer
+            and g.ld == u.ld
+            and u.width == inter
+            and off >= inter
+            and off + inter <= g.ld
+            and off % 8 == 0
+            and g.offset % 8 == 0
+            and g.ld % 8 == 0
+        ):  # fused into the down projection's GEMV (x = silu(gate) * up while loading)
+            self.prologue[(mode, outs[0].name)] = ("silu", g, off)
+            return []
         spec = self._spec("silu_mul", {"i": inter, "s": g.ld, "t": t}, inter=inter, in_stride=g.ld, threads=t)
         args = (_v(outs[0]), _v(g), _v(u), ROWS)
         return [Launch(spec, (_cdiv(inter, 8 * t), "n"), (t,), args)]

@@ -166,7 +166,7 @@ def test_catalog_args_match_kernel_signatures():
             continue
         seen.add(_variant(s))
         params = _signature_params(render(s), s.entry)
-        args = kc.KERNELS[s.template].args
+        args = kc.kernel_args(s)
         assert len(params) == len(args), (s.entry, params)
         for (name, ctype), decl in zip(args, params, strict=True):
             assert ("*" in decl) == (ctype == "ptr"), (s.entry, name, decl)

@@ -88,8 +88,9 @@ def test_kernel_specs_are_deduplicated_and_grids_evaluate():
     plan = plan_for("llama", "smollm2-135m")
     specs = kernel_specs(plan)
     assert len(specs) == len(set(specs))
-    # 30 layers share their kernels: a handful of distinct specs, not hundreds
-    assert len(specs) < 30
+    # 30 layers share their kernels: a handful of distinct specs, not hundreds (the decode GEMVs
+    # with fused norm / SiLU prologues and the wide-decode GEMMs add a few)
+    assert len(specs) < 34
     gemv = next(s for s in plan.steps if s.op.op == "linear").launches["decode"][0]
     assert gemv.grid_for({"n": 9})[1] == 2  # ceil(9 / max_batch 8)
 
@@ -256,3 +257,50 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
             assert wide == [step.op.op], step.op
     # quantised matrices keep the GEMV in every bucket
     assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0
+
+
+@pytest.mark.parametrize(
+    "family,size,quant", [("llama", "smollm2-135m", "q4_1"), ("qwen3", "qwen3-0.6b", "bf16")]
+)
+def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant):
+    plan = plan_for(family, size, quant)
+    for step in plan.steps:
+        if step.op.op in ("rmsnorm", "silu_mul"):
+            assert step.launches["decode1"] == () and step.launches["decode"] == ()
+            assert len(step.launches["prefill"]) == 1  # prefill (GEMM) keeps the kernels
+    for mode in ("decode1", "decode"):
+        pro = {}
+        for step in plan.steps:
+            if step.op.op == "linear":
+                (lin,) = step.launches[mode][:1]
+                pro[step.op.inputs[0]] = lin.spec.params["prologue"]
+                if lin.spec.params["prologue"] == "norm":
+                    # x is the norm's input (the residual stream), the norm weight a trailing arg
+                    assert lin.args[-1].kind == "weight" and float(lin.spec.params["eps"]) > 0
+                if lin.spec.params["prologue"] == "silu":
+                    assert lin.spec.params["u_off"] == plan.dims["intermediate"]
+        assert set(pro.values()) == {"norm", "silu", "none"}, pro
+        head = [s for s in plan.steps if s.head]
+        assert head[-1].launches[mode][0].spec.params["prologue"] == "norm"  # final norm in lm_head
+
+
+def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
+    from engine.graph import Op
+    from engine.plan import _prologue_fusable
+
+    norm = Op("rmsnorm", ("h",), ("hn",), ("n",))
+    lin = Op("linear", ("hn",), ("q",), ("wq",))
+    other = Op("rope", ("hn", "q"), ("q",))
+    writes_h = Op("linear", ("q",), ("h",), ("wo",), {"residual": "h"})
+    assert _prologue_fusable([(norm, 0, False), (lin, 0, False)]) == {(id(norm), 0)}
+    assert _prologue_fusable([(norm, 0, False), (lin, 0, False), (other, 0, False)]) == set()
+    # h changes between the norm and a later reader: that reader would see the new h
+    assert (
+        _prologue_fusable([(norm, 0, False), (lin, 0, False), (writes_h, 0, False), (lin, 0, False)]) == set()
+    )
+    # the reader is in the head, the norm is not (the prefill head runs only head steps)
+    assert _prologue_fusable([(norm, None, False), (lin, None, True)]) == set()
+    # a redefinition ends the scan: later readers belong to the new value
+    assert _prologue_fusable([(norm, 0, False), (lin, 0, False), (norm, 1, False), (other, 1, False)]) == {
+        (id(norm), 0)
+    }

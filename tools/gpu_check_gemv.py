@@ -165,6 +165,65 @@ def check_gemv(K, rng, quick):
         guarded(f"gemv {qt} setup", one)
 
 
+def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro):
+    """The decode fusions: rmsnorm (x raw, norm weight f32) or silu_mul (x = [gate | up] rows)."""
+    eps = 1e-6
+    if pro == "norm":
+        knobs = dict(prologue="norm", x_stride=k, eps=eps)
+        x = bf_round(rng.standard_normal((rows, k)) * 3.0)
+        nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        inv = 1.0 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+        xin = bf_round(x * inv * nw)
+        residual = False
+    else:
+        knobs = dict(prologue="silu", x_stride=2 * k, u_off=k)
+        x = bf_round(rng.standard_normal((rows, 2 * k)) * 2.0)
+        g, u = x[:, :k], x[:, k:]
+        xin = bf_round(g / (1.0 + np.exp(-g)) * u)
+        residual = True
+    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **knobs)
+    r = bf_round(rng.standard_normal((rows, n)))
+    out = bf(r) if residual else nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
+    args = [out, raw_t, bf(x), out if residual else 0, rows]
+    if pro == "norm":
+        args.append(torch.from_numpy(nw).to(DEV))
+    K.launch(c, args, rows)
+    ref = xin @ deq.T + (r if residual else 0)
+    record(
+        c.spec.entry,
+        host(out),
+        ref,
+        TOL[od],
+        check=f"gemv_{pro}",
+        quant=qt,
+        rows=rows,
+        bmax=bmax,
+        residual=residual,
+        out_dtype=od,
+        stage=c.spec.params["stage"],
+    )
+
+
+PRO_CASES = ((1, 1, "bf16"), (1, 1, "f32"), (3, 8, "bf16"), (8, 8, "f32"), (13, 8, "bf16"))
+
+
+def check_prologues(K, rng, quick):
+    n, k = 1003, 2560
+    for qt in kc.QUANTS:
+
+        def one(qt=qt):
+            raw, deq = random_weight(qt, n, k, rng)
+            raw_t = torch.from_numpy(raw).to(DEV)
+            for pro in ("norm", "silu"):
+                for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
+                    guarded(
+                        f"gemv {qt} {pro} rows={rows}",
+                        lambda a=(rows, bmax, od, pro): prologue_case(K, rng, qt, raw_t, deq, n, k, *a),
+                    )
+
+        guarded(f"gemv prologue {qt} setup", one)
+
+
 def check_embed(K, rng):
     hidden, vocab, rows = 2560, 300, 7
     for qt in kc.QUANTS:
@@ -231,13 +290,15 @@ def time_gemv(K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, **knob
     bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
     c = gemv_choice(qt, n, k, bmax=bmax, od=od, **knobs)
     ws, size = weight_copies(qt, n, k)
-    x = torch.randn(rows, k, device=DEV).to(torch.bfloat16)
+    xs = c.spec.params["x_stride"] or k
+    x = torch.randn(rows, xs, device=DEV).to(torch.bfloat16)
     out = torch.empty(rows, n, device=DEV, dtype=torch.float32 if od == "f32" else torch.bfloat16)
+    extra = [torch.ones(k, device=DEV)] if c.spec.params["prologue"] == "norm" else []
     K.fn(c)  # compile/load outside the timing
 
     def run():
         for w in ws:
-            K.launch(c, [out, w, x, 0, rows], rows)
+            K.launch(c, [out, w, x, 0, rows, *extra], rows)
 
     us = bench_ms(graphed(run)) * 1e3 / len(ws)
     gbs = size / (us * 1e-6) / 1e9
@@ -254,6 +315,7 @@ def time_gemv(K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, **knob
         "gbs": round(gbs, 1),
         "frac_peak": round(gbs / PEAK_GBS, 3),
         "copies": len(ws),
+        "prologue": c.spec.params["prologue"],
         **{x: c.spec.params[x] for x in ("threads", "rows_per_block", "unroll", "stage", "bmax")},
     }
     if torch_ref and qt == "bf16":
@@ -295,6 +357,28 @@ def check_bandwidth(K, quick):
                     f"time {qt} {model} {n}x{k} rows={rows}",
                     lambda a=(qt, n, k, rows, model, od): time_gemv(
                         K, a[0], a[1], a[2], a[3], model=a[4], od=a[5]
+                    ),
+                )
+
+
+FUSED_TIMES = (  # Qwen3-4B decode GEMVs with their prologue, next to the plain ones in the table
+    ("norm", 6144, 2560, {}),
+    ("norm", 19456, 2560, {}),
+    ("silu", 2560, 9728, {"x_stride": 19456, "u_off": 9728}),
+    ("norm", 151936, 2560, {}),
+)
+
+
+def check_fused_times(K, quick):
+    for qt in ("bf16",) if quick else ("bf16", "q8_0", "q4_k", "q6_k"):
+        for pro, n, k, kn in FUSED_TIMES:
+            od = "f32" if n == 151936 else "bf16"
+            knobs = {"prologue": pro, **({"eps": 1e-6, "x_stride": k} if pro == "norm" else kn)}
+            for rows in (1, 8):
+                guarded(
+                    f"time {qt} {pro} {n}x{k} rows={rows}",
+                    lambda a=(qt, n, k, rows, od, knobs): time_gemv(
+                        K, a[0], a[1], a[2], a[3], model="qwen3-4b", od=a[4], **a[5]
                     ),
                 )
 
@@ -352,6 +436,29 @@ def prebuild(K, quick):
                     specs.append(gemv_choice(qt, n, k, bmax=bmax, od=od).spec)
                 except Exception:
                     pass
+    for qt in kc.QUANTS:
+        for _rows, bmax, od in PRO_CASES:
+            specs.append(
+                gemv_choice(qt, 1003, 2560, bmax=bmax, od=od, prologue="norm", x_stride=2560, eps=1e-6).spec
+            )
+            specs.append(
+                gemv_choice(
+                    qt,
+                    1003,
+                    2560,
+                    bmax=bmax,
+                    residual=True,
+                    od=od,
+                    prologue="silu",
+                    x_stride=5120,
+                    u_off=2560,
+                ).spec
+            )
+        for pro, n, k, kn in FUSED_TIMES:
+            od = "f32" if n == 151936 else "bf16"
+            knobs = {"prologue": pro, **({"eps": 1e-6, "x_stride": k} if pro == "norm" else kn)}
+            for bmax in (1, g["max_batch"]):
+                specs.append(gemv_choice(qt, n, k, bmax=bmax, od=od, **knobs).spec)
     for n, k in [(6144, 2560), (2560, 9728), (1024, 3072), (576, 1536)]:
         for threads in (128, 256, 512):
             for rpb in (1, 2, 4, 8):
@@ -381,12 +488,13 @@ def table() -> str:
     lines.append("worst rel err per type: " + ", ".join(f"{q} {e:.1e}" for q, e in worst.items()))
     lines.append("")
     lines.append(
-        f"{'model':<13} {'type':<5} {'n x k':<13} {'rows':>4} {'us':>8} {'GB/s':>7} {'%4100':>6} {'torch GB/s':>10}"
+        f"{'model':<13} {'type':<10} {'n x k':<13} {'rows':>4} {'us':>8} {'GB/s':>7} {'%4100':>6} {'torch GB/s':>10}"
     )
     for r in RESULTS:
         if r.get("check") == "gemv_time" and r["model"] != "sweep":
             lines.append(
-                f"{r['model']:<13} {r['quant']:<5} {str(r['n']) + 'x' + str(r['k']):<13} {r['rows']:>4} "
+                f"{r['model']:<13} {r['quant'] + ('+' + r['prologue'] if r.get('prologue', 'none') != 'none' else ''):<10} "
+                f"{str(r['n']) + 'x' + str(r['k']):<13} {r['rows']:>4} "
                 f"{r['us']:>8.2f} {r['gbs']:>7.0f} {100 * r['frac_peak']:>5.1f}% {r.get('torch_gbs', ''):>10}"
             )
     sw = [r for r in RESULTS if r.get("model") == "sweep"]
@@ -417,8 +525,10 @@ def main() -> int:
     guarded("prebuild", lambda: prebuild(K, args.quick))
     print(f"prebuild {time.time() - t0:.1f}s", flush=True)
     check_gemv(K, rng, args.quick)
+    check_prologues(K, rng, args.quick)
     check_embed(K, rng)
     check_bandwidth(K, args.quick)
+    check_fused_times(K, args.quick)
     sweep_bf16(K, args.quick)
     with open(os.path.join(args.out, f"{NAME}.json"), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1), "results": RESULTS}, f, indent=1)
