@@ -587,6 +587,8 @@ class _CatalogAdapter:
         fn = getattr(self, f"_op_{op.op}", None)
         if fn is None:
             raise ConfigError(f"plan: op {op.op!r} has no CUDA lowering")
+        for o in outs:  # a value written again is no longer a pending GEMV prologue (rmsnorm and
+            self.prologue.pop((mode, o.name), None)  # silu_mul set theirs again in their lowering)
         return fn(op, layer, mode, ins, outs, ws)
 
     def _op_embed(self, op, layer, mode, ins, outs, ws):
@@ -736,7 +738,9 @@ class _CatalogAdapter:
                 else:
                     pp["u_off"] = pro[2]
             elif pro is not None:
-                raise ConfigError(f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}")
+                raise ConfigError(
+                    f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
+                )
             spec = self._spec(
                 "gemv",
                 {
