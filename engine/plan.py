@@ -587,9 +587,11 @@ class _CatalogAdapter:
         fn = getattr(self, f"_op_{op.op}", None)
         if fn is None:
             raise ConfigError(f"plan: op {op.op!r} has no CUDA lowering")
-        for o in outs:  # a value written again is no longer a pending GEMV prologue (rmsnorm and
-            self.prologue.pop((mode, o.name), None)  # silu_mul set theirs again in their lowering)
-        return fn(op, layer, mode, ins, outs, ws)
+        launches = fn(op, layer, mode, ins, outs, ws)
+        if op.op not in ("rmsnorm", "silu_mul"):  # (those set or drop their own pending prologue)
+            for o in outs:  # a value written again is no longer a pending GEMV prologue
+                self.prologue.pop((mode, o.name), None)
+        return launches
 
     def _op_embed(self, op, layer, mode, ins, outs, ws):
         w = ws[0]
