@@ -144,6 +144,8 @@ def bench(fn, reps: int = 50) -> float:
 # ---- random quantised weights: random bytes with sane f16 scale fields ----
 
 F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
+# the types this script checks (tools/gpu_check_gemv.py checks every type of kc.QUANTS)
+CHECKED_TYPES = ("bf16",) + tuple(F16_FIELDS)
 
 
 def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -173,7 +175,7 @@ def bf_round(x: np.ndarray) -> np.ndarray:
 
 
 def check_gemv(K: Kernels, rng, quick: bool):
-    for qt in kc.QUANTS:
+    for qt in CHECKED_TYPES:
         n, k = 1536, 2048
         raw, deq = random_weight(qt, n, k, rng)
         w = torch.from_numpy(raw).to(DEV)
@@ -192,7 +194,7 @@ def check_gemv(K: Kernels, rng, quick: bool):
             record(c.spec.entry, host(out), ref, 1e-2, rows=rows)
     # bandwidth: llama3-8b gate|up (28672 x 4096) and qwen3 lm_head-sized (151936 x 2560) shapes
     shapes = [(28672, 4096)] if quick else [(28672, 4096), (4096, 14336), (151936, 2560)]
-    for qt in kc.QUANTS:
+    for qt in CHECKED_TYPES:
         for n, k in shapes:
             if qt == "bf16" and n * k > 200e6:
                 continue
@@ -247,7 +249,7 @@ def check_rmsnorm(K: Kernels, rng):
 
 
 def check_embed(K: Kernels, rng):
-    for qt in kc.QUANTS:
+    for qt in CHECKED_TYPES:
         hidden, vocab, rows = 1024, 300, 9
         raw, deq = random_weight(qt, vocab, hidden, rng)
         ids = rng.integers(0, vocab, rows)
