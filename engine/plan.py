@@ -352,7 +352,9 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         adapter.freq = weights[ROPE_FREQ]
-    adapter.fusable = _prologue_fusable(schedule)
+    tg = profile.tune("gemv")
+    kinds = {k for k, on in (("rmsnorm", tg.get("fuse_norm")), ("silu_mul", tg.get("fuse_silu"))) if on}
+    adapter.fusable = {key for key, kind in _prologue_fusable(schedule).items() if kind in kinds}
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
     for pos, (op, layer, head) in enumerate(schedule):
         if op.op == "rope":
@@ -395,11 +397,12 @@ def build_plan(
 PROLOGUE_MODES = ("decode1", "decode")  # the modes whose GEMVs absorb rmsnorm / silu_mul
 
 
-def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> set[tuple[int, int | None]]:
+def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> dict[tuple[int, int | None], str]:
     """(id(op), layer) of the rmsnorm / silu_mul ops whose output only linear layers read (as their
     x) before it is written again, in the same head/non-head part, while nothing rewrites the op's
-    inputs in between: in decode modes those get no launch; the GEMVs compute them while loading x."""
-    out: set[tuple[int, int | None]] = set()
+    inputs in between, mapped to the op kind: in decode modes those get no launch when the profile's
+    gemv tuning enables that kind (fuse_norm / fuse_silu); the GEMVs compute them while loading x."""
+    out: dict[tuple[int, int | None], str] = {}
     for i, (op, layer, head) in enumerate(schedule):
         if op.op not in ("rmsnorm", "silu_mul") or len(op.outputs) != 1:
             continue
@@ -421,7 +424,7 @@ def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> set[tuple[
                 break  # redefined: later reads see the new value
             src_changed = src_changed or any(src in o.outputs for src in op.inputs)
         if ok and readers:
-            out.add((id(op), layer))
+            out[(id(op), layer)] = op.op
     return out
 
 

@@ -49,8 +49,24 @@ def _knob(default: int) -> Field:
 # Every tuning section a kernel template may read. Adding a knob here is how a kernel gets one.
 TUNING_SCHEMA: dict[str, Field] = {
     "gemv": Field(
-        {"threads": _knob(256), "rows_per_block": _knob(4), "max_batch": _knob(8), "unroll": _knob(2)},
-        default={"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
+        {
+            "threads": _knob(256),
+            "rows_per_block": _knob(4),
+            "max_batch": _knob(8),
+            "unroll": _knob(2),
+            # fold rmsnorm / silu_mul into the decode GEMV's x loads (off: on the H200 the prologues
+            # cost more than the kernels they replace, tools/gpu_check_gemv.py, 2026-12-02)
+            "fuse_norm": Field(bool, default=False),
+            "fuse_silu": Field(bool, default=False),
+        },
+        default={
+            "threads": 256,
+            "rows_per_block": 4,
+            "max_batch": 8,
+            "unroll": 2,
+            "fuse_norm": False,
+            "fuse_silu": False,
+        },
     ),
     "gemm": Field(
         {

@@ -71,10 +71,11 @@ def test_several_prefill_sequences_in_one_pass_equal_one_pass_each(runner):
     ids = runner.step(
         [StepItem(i, p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     )
-    logits = runner.read_logits(3)
-    for i in range(3):
-        assert ids[i] == alone[i][0]
-        assert _rel(logits[i], alone[i][1]) < 1e-2
+    assert ids == [a[0] for a in alone]
+    if runner._varlen:  # one pass, one head over the three finished rows (else one pass each)
+        logits = runner.read_logits(3)
+        for i in range(3):
+            assert _rel(logits[i], alone[i][1]) < 1e-2
 
 
 def test_a_step_mixing_prefill_and_decode_matches_separate_steps(runner):
