@@ -45,6 +45,9 @@ def cuda_greedy(
 
 @pytest.mark.slow
 def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys):
+    """Teacher-forced along the reference's own greedy tokens: at each of the 64 positions the CUDA
+    argmax must equal the reference's, except at a near-tie of the reference logits (printed).
+    The free-running CUDA greedy text is compared too and its first divergence reported."""
     from engine.model import load_model
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
@@ -55,28 +58,42 @@ def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys):
     text = tok.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}])
     prompt = tok.encode(text)
     ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
+    seq = list(prompt)
+    want_ids, want_logits = [], []
+    for _ in range(64):
+        lg = ref.forward_logits(seq)[-1]
+        want_ids.append(int(np.argmax(lg)))
+        want_logits.append(lg)
+        seq.append(want_ids[-1])
     runner = CudaRunner(model, num_blocks=64, max_model_len=512)
+    table = list(range(10))
     try:
-        got, got_logits = cuda_greedy(runner, prompt, 64, list(range(10)))
+        free, _ = cuda_greedy(runner, prompt, 64, table)
+        forced = [runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]]
+        rels = [_rel(runner.read_logits(1)[0], want_logits[0])]
+        cur = prompt + [want_ids[0]]
+        for i in range(1, 64):
+            forced.append(runner.step([StepItem(0, [cur[-1]], len(cur) - 1, table, True, GREEDY)])[0])
+            rels.append(_rel(runner.read_logits(1)[0], want_logits[i]))
+            cur.append(want_ids[i])
     finally:
         runner.close()
-    seq = list(prompt)
-    for i, t in enumerate(got):
-        want_logits = ref.forward_logits(seq)[-1]
-        want = int(np.argmax(want_logits))
-        rel = _rel(got_logits[i], want_logits)
-        if t != want:
-            gap = float(want_logits[want] - want_logits[t])
-            with capsys.disabled():
-                print(
-                    f"\nSmolLM2 greedy diverges at token {i}: cuda {t} vs reference {want}, logit gap {gap:.4f}"
-                )
-            assert gap < TIE, f"token {i}: cuda {t} vs reference {want}, gap {gap:.4f} is no near-tie"
-            return
-        assert rel < 5e-2, f"token {i}: logits relative error {rel:.3g}"
-        seq.append(t)
+    ties = []
+    for i, (got, want) in enumerate(zip(forced, want_ids, strict=True)):
+        if got != want:
+            gap = float(want_logits[i][want] - want_logits[i][got])
+            assert gap < TIE, f"position {i}: cuda {got} vs reference {want}, gap {gap:.4f} is no near-tie"
+            ties.append((i, round(gap, 4)))
+    diverge = next((i for i, (a, b) in enumerate(zip(free, want_ids, strict=True)) if a != b), None)
     with capsys.disabled():
-        print(f"\nSmolLM2: 64 greedy tokens equal; text {tok.decode(got)!r}")
+        print(
+            f"\nSmolLM2 64 positions teacher-forced: {64 - len(ties)} argmax equal, near-ties {ties}; "
+            f"logits rel err max {max(rels):.4f}; free-running greedy "
+            + ("equal for all 64 tokens" if diverge is None else f"first differs at token {diverge}")
+            + f"; cuda text {tok.decode(free)!r}"
+        )
+    assert max(rels) < 5e-2
+    assert len(ties) <= 4
 
 
 @pytest.mark.slow
