@@ -70,6 +70,8 @@ class KernelDoc:
 
 
 P, I32 = "ptr", "i32"
+# bool params left out of the entry name while false (added after the names in golden plans)
+_QUIET_NAME: dict[str, tuple[str, ...]] = {"gemv": ("xsmem", "prefetch"), "gemm": ("swizzle", "fragbuf")}
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
@@ -87,6 +89,8 @@ KERNELS: dict[str, KernelDoc] = {
             x_stride=int,
             eps=float,
             u_off=int,
+            xsmem=bool,
+            prefetch=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -104,12 +108,23 @@ KERNELS: dict[str, KernelDoc] = {
             "prologue",
             "x_stride",
             "u_off",
+            "xsmem",
+            "prefetch",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
-        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage)",
+        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem",
         # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
-        {"stage": None, "unroll": 2, "prologue": "none", "x_stride": 0, "eps": 0.0, "u_off": 0},
+        {
+            "stage": None,
+            "unroll": 2,
+            "prologue": "none",
+            "x_stride": 0,
+            "eps": 0.0,
+            "u_off": 0,
+            "xsmem": False,
+            "prefetch": False,
+        },
     ),
     "gemm": KernelDoc(
         dict(
@@ -125,6 +140,8 @@ KERNELS: dict[str, KernelDoc] = {
             residual=bool,
             out_dtype=str,
             quant=str,
+            swizzle=bool,
+            fragbuf=bool,
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         (
@@ -140,12 +157,14 @@ KERNELS: dict[str, KernelDoc] = {
             "split_k",
             "residual",
             "out_dtype",
+            "swizzle",
+            "fragbuf",
         ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
-        "max(stages * (tile_m + tile_n) * (tile_k + 8) * 2, (split_k - 1) * tile_m * tile_n * 4) bytes"
-        " dynamic (opt-in above 48 KB)",
-        {"warps_m": 2, "split_k": 1, "out_dtype": "bf16", "quant": "bf16"},
+        "max(stages * (tile_m + tile_n) * (tile_k + (0 if swizzle else 8)) * 2,"
+        " (split_k - 1) * tile_m * tile_n * 4) bytes dynamic (opt-in above 48 KB)",
+        {"warps_m": 2, "split_k": 1, "out_dtype": "bf16", "quant": "bf16", "swizzle": False, "fragbuf": False},
     ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool),
@@ -297,6 +316,25 @@ def _fail(template: str, msg: str) -> ConfigError:
     return ConfigError(f"kernel {template}: {msg}")
 
 
+GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a spec keeps xsmem off
+
+
+def gemv_smem(p: Mapping[str, Any]) -> int:
+    """The gemv's dynamic shared memory: the staged x rows (xsmem), else 0."""
+    return int(p["bmax"]) * int(p["k"]) * 2 if p.get("xsmem") else 0
+
+
+def gemv_static_smem(p: Mapping[str, Any]) -> int:
+    """The gemv's static shared memory in bytes (reduction, staged chunks)."""
+    warps = int(p["threads"]) // 32
+    elems, nbytes = QUANTS[p["quant"]]
+    chunk = {8: 32 * nbytes, 32: 32 * nbytes, 256: 4 * nbytes}[elems]
+    total = warps * int(p["bmax"]) * 4
+    if p.get("stage"):
+        total += warps * ((chunk + 32 + 15) // 16 * 16)
+    return total
+
+
 def _check(template: str, p: dict[str, Any]) -> None:
     """The shape rules each kernel relies on; a violation is a ConfigError naming the parameter."""
 
@@ -336,6 +374,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
         )
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(1 <= p["bmax"] <= 32, f"bmax={p['bmax']} must be 1..32")
+        # the residual is bf16 and may alias out: an f32 out would be read as bf16 and overrun it
+        need(not (p["residual"] and p["out_dtype"] == "f32"), "residual needs out_dtype bf16")
+        need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
+        need(
+            gemv_smem(p) <= GEMV_XSMEM_MAX,
+            f"xsmem: bmax={p['bmax']} x k={p['k']} bf16 rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
+        )
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]
         need(
@@ -425,6 +470,9 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} must be positive")
     _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
     parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
+    for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
+        if not norm[key]:
+            parts.pop(key, None)
     name = entry_name(template, **parts)
     return KernelSpec(template, name, norm)
 
@@ -447,7 +495,8 @@ GEMM_SMEM_MAX = 227 * 1024  # the sm_90 per-block opt-in limit; consumer profile
 
 def gemm_smem(p: Mapping[str, Any]) -> int:
     """The gemm's dynamic shared memory: the pipeline, or the split-K reduction if larger."""
-    pipe = int(p["stages"]) * (int(p["tile_m"]) + int(p["tile_n"])) * (int(p["tile_k"]) + 8) * 2
+    pad = 0 if p.get("swizzle") else 8
+    pipe = int(p["stages"]) * (int(p["tile_m"]) + int(p["tile_n"])) * (int(p["tile_k"]) + pad) * 2
     red = (int(p.get("split_k", 1)) - 1) * int(p["tile_m"]) * int(p["tile_n"]) * 4
     return max(pipe, red)
 
@@ -464,6 +513,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
             return (_cdiv(p["n"], p["rows_per_block"]), _cdiv(rows, p["bmax"]), 1)
 
         block = (p["threads"], 1, 1)
+        smem = gemv_smem(p)
     elif template == "gemm":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -541,7 +591,7 @@ def linear_params(
     )
 
 
-GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
+GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k", "swizzle", "fragbuf")
 
 
 def gemm_params(
@@ -557,7 +607,7 @@ def gemm_params(
     """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
     batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
     split_k) that divides it (the check still rejects a k no tile fits)."""
-    g = {"warps_m": 2, "split_k": 1, **dict(tuning[section])}
+    g = {"warps_m": 2, "split_k": 1, "swizzle": False, "fragbuf": False, **dict(tuning[section])}
     if k % g["tile_k"]:
         for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):
             if k % tk == 0 and (quant == "bf16" or tk % 32 == 0):

@@ -189,6 +189,15 @@ def _gemm_variant_specs():
     for q in kc.QUANTS:
         if q != "bf16":
             out.append(kc.spec("gemm", n=6144, k=2560, residual=False, quant=q, **{**base, "tile_k": 64}))
+    # swizzled smem (tile_k 32: 4 chunks a row, 64 / 128: the r & 7 XOR) and double-buffered fragments
+    sw = dict(swizzle=True, fragbuf=True)
+    out += [
+        kc.spec("gemm", n=2560, k=4096, residual=True, **{**base, **sw}),
+        kc.spec("gemm", n=999, k=256, residual=False, out_dtype="f32", **{**base, "tile_k": 64, **sw}),
+        kc.spec("gemm", n=2560, k=9728, residual=True, **{**dec, **sw}),
+        kc.spec("gemm", n=6144, k=2560, residual=False, quant="q4_k", **{**base, "tile_k": 64, **sw}),
+        kc.spec("gemm", n=6144, k=2560, residual=False, **{**base, "tile_k": 64, "swizzle": True}),
+    ]
     return out
 
 
@@ -226,6 +235,48 @@ def test_gemm_validation_and_launch_contract():
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_gemm_variants_compile_for_every_arch(tmp_path):
     specs = _gemm_variant_specs()
+    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+def _gemv_variant_specs():
+    """The gemv options the plan does not pick by default (x rows staged in shared memory with the
+    prologue applied once per block, the staged path's chunk prefetch) on every storage type."""
+    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    out = []
+    for q in kc.QUANTS:
+        staged = kc.STAGED_DEFAULT[q]
+        p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
+        silu = dict(prologue="silu", x_stride=5120, u_off=2560)
+        out.append(kc.spec("gemv", **p, xsmem=True, prefetch=staged, **silu))
+        p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
+        out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
+        if staged:
+            p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
+            out.append(kc.spec("gemv", **p, prefetch=True))
+    return out
+
+
+def test_gemv_options_validation_and_smem():
+    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    p = kc.linear_params("q8_0", 1024, 2560, tun)
+    with pytest.raises(ConfigError, match="residual needs out_dtype bf16"):
+        kc.spec("gemv", **{**p, "residual": True, "out_dtype": "f32"})
+    with pytest.raises(ConfigError, match="prefetch"):
+        kc.spec("gemv", **{**p, "stage": False, "prefetch": True})
+    with pytest.raises(ConfigError, match="xsmem"):
+        kc.spec("gemv", **{**p, "k": 12288, "xsmem": True})
+    plain = kc.choice("gemv", **p)
+    assert plain.smem == 0 and "xsmem" not in plain.spec.entry and "prefetch" not in plain.spec.entry
+    c = kc.choice("gemv", **p, xsmem=True)
+    assert c.smem == 8 * 2560 * 2 and c.spec.entry.endswith("_xsmem1")
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_gemv_variants_compile_for_every_arch(tmp_path):
+    specs = _gemv_variant_specs()
     for arch in sorted({prof.arch for prof in all_profiles().values()}):
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)

@@ -1,4 +1,4 @@
-"""CPU transliterations of kernels/_quant.cuh.j2's decode_unit for the q5 family (word loads, shifts
+"""CPU transliterations of kernels/_quant.cuh.j2's decode_unit for the q5 family and q4_k (word loads, shifts
 and masks exactly as the CUDA code does them) checked against engine.quant.dequantize, so a bit
 layout mistake shows up without a GPU. Keep them in step with the template."""
 
@@ -51,16 +51,36 @@ def _q5_1(row: np.ndarray, u: int):
     return q, d, m
 
 
+def _scale_min_k4(y: int, z: int, w: int, s: int) -> tuple[int, int]:
+    """get_scale_min_k4 as the template's shift version: bytes 0-3, 4-7, 8-11 in words y, z, w."""
+    t = 8 * (s & 3)
+    lo, mid, hi = (y >> t) & 0xFF, (z >> t) & 0xFF, (w >> t) & 0xFF
+    if s < 4:
+        return lo & 63, mid & 63
+    return (hi & 0xF) | ((lo >> 6) << 4), (hi >> 4) | ((mid >> 6) << 4)
+
+
+def _q4_k(row: np.ndarray, u: int):
+    sb, s = u >> 3, u & 7
+    b = 144 * sb
+    dm = _u32(row, b)
+    scale, mn = _scale_min_k4(_u32(row, b + 4), _u32(row, b + 8), _u32(row, b + 12), s)
+    d = _h2f(dm & 0xFFFF) * scale
+    m = -_h2f(dm >> 16) * mn
+    w = [_u32(row, b + 16 + 32 * (s >> 1) + 4 * i) for i in range(8)]
+    sh = (s & 1) * 4
+    q = [0.0] * 32
+    for i in range(8):
+        for j in range(4):
+            q[4 * i + j] = float((w[i] >> (8 * j + sh)) & 0xF)
+    return q, d, m
+
+
 def _q5_k(row: np.ndarray, u: int):
     sb, s = u >> 3, u & 7
     b = 176 * sb
     dm = _u32(row, b)
-    sc = [int(x) for x in row[b + 4 : b + 16]]
-    if s < 4:
-        scale, mn = sc[s] & 63, sc[s + 4] & 63
-    else:
-        scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4)
-        mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4)
+    scale, mn = _scale_min_k4(_u32(row, b + 4), _u32(row, b + 8), _u32(row, b + 12), s)
     d = _h2f(dm & 0xFFFF) * scale
     m = -_h2f(dm >> 16) * mn
     hw = [_u32(row, b + 16 + 4 * i) for i in range(8)]
@@ -73,13 +93,15 @@ def _q5_k(row: np.ndarray, u: int):
     return q, d, m
 
 
-@pytest.mark.parametrize("qt,fn", [("q5_0", _q5_0), ("q5_1", _q5_1), ("q5_k", _q5_k)])
+@pytest.mark.parametrize(
+    "qt,fn", [("q5_0", _q5_0), ("q5_1", _q5_1), ("q4_k", _q4_k), ("q5_k", _q5_k)]
+)
 def test_decode_unit_transliteration_matches_engine_quant(qt, fn):
     rng = np.random.default_rng(7)
     elems, nbytes = quant.BLOCK_SIZES[qt]
     k = 512
     raw = rng.integers(0, 256, size=(k // elems, nbytes), dtype=np.uint8)
-    f16_fields = {"q5_0": [0], "q5_1": [0, 2], "q5_k": [0, 2]}[qt]
+    f16_fields = {"q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2]}[qt]
     for off in f16_fields:  # finite scales (random bytes could be inf/NaN)
         raw[:, off : off + 2] = rng.uniform(0.1, 1.0, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
     row = raw.reshape(-1)
