@@ -77,6 +77,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps": _knob(8),
             "warps_m": _knob(2),
             "split_k": _knob(1),
+            # XOR-swizzled unpadded smem tiles / register double-buffered fragments (kernels/gemm.cu.j2)
+            "swizzle": Field(bool, default=False),
+            "fragbuf": Field(bool, default=False),
         },
         default={
             "tile_m": 128,
@@ -86,6 +89,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps": 8,
             "warps_m": 2,
             "split_k": 1,
+            "swizzle": False,
+            "fragbuf": False,
         },
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
@@ -100,6 +105,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps_m": _knob(2),
             "split_k": _knob(4),
             "min_rows": _knob(16),
+            "swizzle": Field(bool, default=False),
+            "fragbuf": Field(bool, default=False),
         },
         default={
             "tile_m": 64,

@@ -44,27 +44,41 @@ KNOBS = kc.GEMM_KNOBS
 # Qwen3-4B and Qwen3-0.6B linear shapes (n, k, residual): q|k|v, o_proj, gate|up, down
 SHAPES_4B = [(6144, 2560, False), (2560, 4096, True), (19456, 2560, False), (2560, 9728, True)]
 SHAPES_06B = [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False), (1024, 3072, True)]
-# prefill sweep: (tile_m, tile_n, tile_k, stages, warps, warps_m, split_k)
+# prefill sweep: (tile_m, tile_n, tile_k, stages, warps, warps_m, split_k, swizzle, fragbuf); the
+# first is the first GPU run's best (padded smem, single-buffered fragments) as the baseline
 PREFILL_CONFIGS = [
-    (128, 128, 32, 4, 8, 2, 1),
-    (128, 128, 64, 3, 8, 2, 1),
-    (128, 256, 32, 4, 8, 2, 1),
-    (256, 128, 32, 4, 8, 4, 1),
-    (64, 128, 64, 4, 4, 2, 1),
-    (128, 64, 64, 4, 4, 2, 1),
+    (128, 128, 64, 3, 8, 2, 1, False, False),
+    (128, 128, 64, 3, 8, 2, 1, True, False),
+    (128, 128, 64, 3, 8, 2, 1, True, True),
+    (128, 128, 64, 4, 8, 2, 1, True, True),
+    (128, 128, 32, 4, 8, 2, 1, True, True),
+    (128, 256, 64, 3, 8, 2, 1, True, True),  # 64x64 warp tiles from here on
+    (256, 128, 64, 3, 8, 4, 1, True, True),
+    (128, 128, 64, 4, 4, 2, 1, True, True),
+    (64, 128, 64, 4, 4, 2, 1, True, True),  # warp 32x64: more blocks for n=1024/2560 at m=512
+    (128, 64, 64, 4, 4, 2, 1, True, True),
 ]
 DECODE_CONFIGS = [
-    (64, 16, 128, 4, 8, 2, 4),
-    (32, 16, 128, 4, 8, 2, 4),
-    (16, 16, 256, 4, 8, 1, 8),
-    (64, 32, 128, 4, 8, 2, 2),
-    (128, 16, 128, 4, 8, 2, 4),
-    (32, 32, 128, 6, 8, 2, 2),
+    (32, 32, 128, 6, 8, 2, 2, False, False),  # the first run's best
+    (32, 32, 128, 6, 8, 2, 2, True, True),
+    (32, 32, 128, 8, 8, 2, 2, True, True),
+    (64, 32, 128, 4, 8, 2, 2, False, False),
+    (64, 32, 128, 4, 8, 2, 2, True, True),
+    (32, 64, 128, 4, 8, 2, 2, True, True),
+    (16, 32, 256, 4, 8, 1, 4, True, True),
+    (16, 16, 256, 4, 8, 1, 8, True, True),
 ]
 
 
 def elapsed() -> float:
     return time.time() - T0
+
+
+def cs(cfg) -> str:
+    """Compact config name: tile_m x tile_n x tile_k / stages / warps / warps_m / split_k (+sw, +fb)."""
+    c = cfg_dict(cfg)
+    flags = ("+sw" if c["swizzle"] else "") + ("+fb" if c["fragbuf"] else "")
+    return f"{c['tile_m']}x{c['tile_n']}x{c['tile_k']}/s{c['stages']}/w{c['warps']}/wm{c['warps_m']}/k{c['split_k']}{flags}"
 
 
 def cfg_dict(cfg) -> dict:
@@ -74,6 +88,14 @@ def cfg_dict(cfg) -> dict:
 def section_cfg(section: str) -> tuple:
     t = {"warps_m": 2, "split_k": 1, **TUNING[section]}
     return tuple(t[x] for x in KNOBS)
+
+
+def quant_cfgs() -> list[tuple]:
+    """The profile's prefill config, with tile_k 64, and both swizzled + double-buffered."""
+    pre = cfg_dict(section_cfg("gemm"))
+    out = [pre, {**pre, "tile_k": 64}]
+    out += [{**c, "swizzle": True, "fragbuf": True} for c in out]
+    return list(dict.fromkeys(tuple(c[x] for x in KNOBS) for c in out))
 
 
 def choice(n, k, cfg, **kw) -> kc.KernelChoice:
@@ -198,14 +220,30 @@ def correctness_cases() -> list[dict]:
         cases.append(dict(m=m, n=2560, k=1024, cfg=dec, residual=True, label="decode"))
     cases.append(dict(m=48, n=1000, k=512, cfg=dec, out_dtype="f32", residual=True, label="decode"))
     for cfg in PREFILL_CONFIGS + DECODE_CONFIGS:  # every swept config, once, with a tail
-        cases.append(dict(m=77, n=1040, k=1024, cfg=cfg, residual=True, label=f"cfg{cfg}"))
+        cases.append(dict(m=77, n=1040, k=1024, cfg=cfg, residual=True, label=f"cfg {cs(cfg)}"))
+    # swizzled smem + double-buffered fragments: tails, odd n, f32 out, tile_k 32 / 64 / 128
+    spre, sdec = swz(pre), swz(dec)
+    cases.append(dict(m=513, n=2560, k=9728, cfg=spre, residual=True, label="sw prefill 4B down"))
+    cases.append(dict(m=130, n=999, k=256, cfg=spre, label="sw prefill odd-n"))
+    cases.append(dict(m=300, n=576, k=1536, cfg=spre, residual=True, out_dtype="f32", label="sw prefill"))
+    cases.append(dict(m=7, n=1000, k=512, cfg=swz(pre, tile_k=32), residual=True, label="sw tk32 prefill"))
+    for m in (16, 100):
+        cases.append(dict(m=m, n=2560, k=1024, cfg=sdec, residual=True, label="sw decode"))
+    cases.append(dict(m=48, n=1000, k=512, cfg=sdec, out_dtype="f32", residual=True, label="sw decode"))
     for qt in kc.QUANTS:  # every GGUF type the catalog has a decoder for
         if qt == "bf16":
             continue
         for m in (1, 100, 513):
             cases.append(dict(m=m, n=576, k=1024, cfg=pre, qt=qt, residual=m == 100, label="prefill"))
+        cases.append(dict(m=100, n=576, k=1024, cfg=spre, qt=qt, residual=True, label="sw prefill"))
         cases.append(dict(m=40, n=1000, k=512, cfg=dec, qt=qt, label="decode"))
     return cases
+
+
+def swz(cfg: tuple, **over) -> tuple:
+    """``cfg`` with swizzled smem and double-buffered fragments (plus any knob overrides)."""
+    c = {**cfg_dict(cfg), "swizzle": True, "fragbuf": True, **over}
+    return tuple(c[x] for x in KNOBS)
 
 
 def correctness(K, quick):
@@ -243,7 +281,7 @@ def time_prefill(K, quick):
                     ms = bench_graph([lambda: run(K, c, out, a, w, out if residual else None, m)] * 3)
                     tf = fl / ms / 1e9
                     record(
-                        f"prefill m={m} n={n} k={k} cfg={cfg}",
+                        f"prefill m={m} n={n} k={k} cfg={cs(cfg)}",
                         m=m,
                         n=n,
                         k=k,
@@ -257,14 +295,14 @@ def time_prefill(K, quick):
                     return tf
 
                 before = len(RESULTS)
-                guarded(f"prefill m={m} n={n} k={k} cfg={cfg}", one)
+                guarded(f"prefill m={m} n={n} k={k} cfg={cs(cfg)}", one)
                 row = RESULTS[before] if len(RESULTS) > before else {}
                 if "TFLOPs" in row and (best is None or row["TFLOPs"] > best[1]):
                     best = (cfg, row["TFLOPs"])
             if best:
                 record(
                     f"BEST prefill m={m} n={n} k={k}",
-                    best_cfg=list(best[0]),
+                    best_cfg=cs(best[0]),
                     TFLOPs=best[1],
                     torch_TFLOPs=fl / tms / 1e9,
                     of_torch=best[1] / (fl / tms / 1e9),
@@ -294,7 +332,7 @@ def time_decode(K, quick):
                     )
                     gbs = wbytes / ms / 1e6
                     record(
-                        f"decode m={m} n={n} k={k} cfg={cfg}",
+                        f"decode m={m} n={n} k={k} cfg={cs(cfg)}",
                         m=m,
                         n=n,
                         k=k,
@@ -306,15 +344,14 @@ def time_decode(K, quick):
                         of_torch=tms / ms,
                     )
 
-                guarded(f"decode m={m} n={n} k={k} cfg={cfg}", one)
+                guarded(f"decode m={m} n={n} k={k} cfg={cs(cfg)}", one)
         ws.clear()
         torch.cuda.empty_cache()
 
 
 def time_quant(K, quick):
     rng = np.random.default_rng(7)
-    pre = section_cfg("gemm")
-    cfgs = [pre, (pre[0], pre[1], 64, pre[3], pre[4], pre[5], 1)]
+    cfgs = quant_cfgs()
     for qt in ("q8_0", "q4_k", "q6_k"):
         if qt not in kc.QUANTS:
             record(f"quant {qt}", ok=False, error="no decoder in kernel_catalog.QUANTS")
@@ -339,7 +376,7 @@ def time_quant(K, quick):
                         ms = bench_graph([lambda: run(K, c, out, a, wd, out if residual else None, m)] * 2)
                         tf = fl / ms / 1e9
                         record(
-                            f"quant {qt} m={m} n={n} k={k} cfg={cfg}",
+                            f"quant {qt} m={m} n={n} k={k} cfg={cs(cfg)}",
                             m=m,
                             n=n,
                             k=k,
@@ -350,7 +387,7 @@ def time_quant(K, quick):
                             torch_bf16_TFLOPs=fl / tms / 1e9,
                         )
 
-                    guarded(f"quant {qt} m={m} n={n} k={k} cfg={cfg}", one)
+                    guarded(f"quant {qt} m={m} n={n} k={k} cfg={cs(cfg)}", one)
 
 
 def precompile(K: Kernels, quick: bool) -> None:
@@ -360,10 +397,9 @@ def precompile(K: Kernels, quick: bool) -> None:
         specs += [choice(n, k, cfg, residual=res).spec for cfg in PREFILL_CONFIGS]
     for n, k, res in SHAPES_4B:
         specs += [choice(n, k, cfg, residual=res).spec for cfg in DECODE_CONFIGS]
-        pre = section_cfg("gemm")
         for qt in ("q8_0", "q4_k", "q6_k"):
             if qt in kc.QUANTS:
-                for cfg in (pre, (pre[0], pre[1], 64, pre[3], pre[4], pre[5], 1)):
+                for cfg in quant_cfgs():
                     specs.append(choice(n, k, cfg, residual=res, quant=qt).spec)
     for c in correctness_cases():
         kw = {x: c[x] for x in ("residual", "out_dtype") if x in c}
@@ -372,8 +408,81 @@ def precompile(K: Kernels, quick: bool) -> None:
     record("precompile", specs=len(specs), compiled=stats.compiled, hits=stats.hits, seconds=elapsed())
 
 
+def _best_overall(rows: list[dict], metric: str, ref: str) -> tuple[str, float] | None:
+    """The config with the best geometric mean of metric / ref over the shapes every config ran."""
+    by_cfg: dict[str, dict[tuple, float]] = {}
+    for r in rows:
+        if metric in r and ref in r and r.get(ref):
+            by_cfg.setdefault(cs(r["cfg"]), {})[(r["m"], r["n"], r["k"])] = r[metric] / r[ref]
+    if not by_cfg:
+        return None
+    common = set.intersection(*(set(v) for v in by_cfg.values()))
+    if not common:
+        return None
+    score = {c: float(np.exp(np.mean([np.log(v[s]) for s in common]))) for c, v in by_cfg.items()}
+    best = max(score, key=score.get)
+    return best, score[best]
+
+
+def headline(rows: list[dict]) -> str:
+    """Best per prefill shape vs torch, best decode GB/s per (M, shape), best quant TFLOP/s, and the
+    configs with the best geometric mean (what to put in device_profiles/h200.yaml)."""
+    pre = [r for r in rows if r["check"].startswith("prefill ") and "TFLOPs" in r]
+    dec = [r for r in rows if r["check"].startswith("decode ") and "GBs" in r]
+    qua = [r for r in rows if r["check"].startswith("quant ") and "TFLOPs" in r]
+    bad = [r["check"] for r in rows if r.get("ok") is False]
+    checks = [r for r in rows if "ok" in r]
+    out = [f"HEADLINE  checks: {len(checks) - len(bad)}/{len(checks)} ok; failing: {bad}"]
+    base_p, base_d = cs(PREFILL_CONFIGS[0]), cs(DECODE_CONFIGS[0])
+
+    def best_of(group, metric):
+        best: dict[tuple, dict] = {}
+        base: dict[tuple, float] = {}
+        for r in group:
+            key = (r.get("quant", ""), r["m"], r["n"], r["k"])
+            if key not in best or r[metric] > best[key][metric]:
+                best[key] = r
+            if cs(r["cfg"]) in (base_p, base_d):
+                base[key] = r[metric]
+        return best, base
+
+    b, base = best_of(pre, "TFLOPs")
+    out.append(f"prefill bf16 (TFLOP/s; baseline = {base_p})")
+    for (_, m, n, k), r in sorted(b.items(), key=lambda x: (x[0][2], x[0][3], x[0][1])):
+        out.append(
+            f"  m={m:5d} n={n:6d} k={k:5d}  best {r['TFLOPs']:6.1f} ({r['TFLOPs'] / PEAK_TFLOPS:.0%} peak)"
+            f"  torch {r['torch_TFLOPs']:6.1f}  of_torch {r['of_torch']:.2f}"
+            f"  baseline {base.get(('', m, n, k), float('nan')):6.1f}  cfg {cs(r['cfg'])}"
+        )
+    b, base = best_of(dec, "GBs")
+    out.append(f"wide decode bf16 (weight GB/s of {PEAK_GBS:.0f}; baseline = {base_d})")
+    for (_, m, n, k), r in sorted(b.items(), key=lambda x: (x[0][2], x[0][3], x[0][1])):
+        out.append(
+            f"  m={m:5d} n={n:6d} k={k:5d}  best {r['GBs']:6.0f} ({r['bw_frac']:.0%})  torch {r['torch_GBs']:6.0f}"
+            f"  baseline {base.get(('', m, n, k), float('nan')):6.0f}  cfg {cs(r['cfg'])}"
+        )
+    for r in qua:
+        r.setdefault("quant", r["check"].split()[1])
+    b, _ = best_of(qua, "TFLOPs")
+    out.append("quantised prefill (TFLOP/s, fused W-tile decode)")
+    for (q, m, n, k), r in sorted(b.items()):
+        out.append(
+            f"  {q:5s} m={m:5d} n={n:6d} k={k:5d}  best {r['TFLOPs']:6.1f}"
+            f"  torch bf16 {r['torch_bf16_TFLOPs']:6.1f}  cfg {cs(r['cfg'])}"
+        )
+    for name, group, metric, ref in (
+        ("gemm", pre, "TFLOPs", "torch_TFLOPs"),
+        ("gemm_decode", dec, "GBs", "torch_GBs"),
+        ("gemm (quant)", qua, "TFLOPs", "torch_bf16_TFLOPs"),
+    ):
+        bo = _best_overall(group, metric, ref)
+        if bo:
+            out.append(f"best overall {name}: {bo[0]}  (geomean {bo[1]:.3f} of torch)")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"profile h200 gemm={TUNING['gemm']} gemm_decode={TUNING['gemm_decode']}"]
+    lines = [headline(rows), "", f"profile h200 gemm={TUNING['gemm']} gemm_decode={TUNING['gemm_decode']}"]
     keys = (
         "rel_err",
         "nans",
