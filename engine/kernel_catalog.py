@@ -71,7 +71,10 @@ class KernelDoc:
 
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
-_QUIET_NAME: dict[str, tuple[str, ...]] = {"gemv": ("xsmem", "prefetch"), "gemm": ("swizzle", "fragbuf")}
+_QUIET_NAME: dict[str, tuple[str, ...]] = {
+    "gemv": ("xsmem", "prefetch"),
+    "gemm": ("swizzle", "fragbuf", "qprefetch"),
+}
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
@@ -142,6 +145,7 @@ KERNELS: dict[str, KernelDoc] = {
             quant=str,
             swizzle=bool,
             fragbuf=bool,
+            qprefetch=bool,
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         (
@@ -159,12 +163,21 @@ KERNELS: dict[str, KernelDoc] = {
             "out_dtype",
             "swizzle",
             "fragbuf",
+            "qprefetch",
         ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
         "max(stages * (tile_m + tile_n) * (tile_k + (0 if swizzle else 8)) * 2,"
         " (split_k - 1) * tile_m * tile_n * 4) bytes dynamic (opt-in above 48 KB)",
-        {"warps_m": 2, "split_k": 1, "out_dtype": "bf16", "quant": "bf16", "swizzle": False, "fragbuf": False},
+        {
+            "warps_m": 2,
+            "split_k": 1,
+            "out_dtype": "bf16",
+            "quant": "bf16",
+            "swizzle": False,
+            "fragbuf": False,
+            "qprefetch": False,
+        },
     ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool),
@@ -317,6 +330,17 @@ def _fail(template: str, msg: str) -> ConfigError:
 
 
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a spec keeps xsmem off
+
+
+def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int) -> dict[str, bool]:
+    """The gemv tuning's xsmem / prefetch switches for one spec (xsmem only where the x rows fit,
+    prefetch only on the staged path); empty when both are off (the default entry names)."""
+    out = {}
+    if g.get("xsmem") and bmax * k * 2 <= GEMV_XSMEM_MAX:
+        out["xsmem"] = True
+    if g.get("prefetch") and stage:
+        out["prefetch"] = True
+    return out
 
 
 def gemv_smem(p: Mapping[str, Any]) -> int:
@@ -577,8 +601,10 @@ def linear_params(
     stage: bool | None = None,
 ) -> dict[str, Any]:
     g = tuning["gemv"]
+    st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     return dict(
-        stage=STAGED_DEFAULT.get(quant, False) if stage is None else stage,
+        **gemv_options(g, st, bmax or g["max_batch"], k),
+        stage=st,
         quant=quant,
         n=n,
         k=k,
@@ -591,7 +617,9 @@ def linear_params(
     )
 
 
-GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k", "swizzle", "fragbuf")
+# bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
+GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
+GEMM_KNOBS += ("swizzle", "fragbuf", "qprefetch")
 
 
 def gemm_params(
@@ -607,7 +635,8 @@ def gemm_params(
     """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
     batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
     split_k) that divides it (the check still rejects a k no tile fits)."""
-    g = {"warps_m": 2, "split_k": 1, "swizzle": False, "fragbuf": False, **dict(tuning[section])}
+    off = {"swizzle": False, "fragbuf": False, "qprefetch": False}
+    g = {"warps_m": 2, "split_k": 1, **off, **dict(tuning[section])}
     if k % g["tile_k"]:
         for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):
             if k % tk == 0 and (quant == "bf16" or tk % 32 == 0):

@@ -746,6 +746,11 @@ class _CatalogAdapter:
                 raise ConfigError(
                     f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
                 )
+            opts = {}
+            go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
+            if go is not None:  # xsmem / prefetch from the tuning (off by default)
+                staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
+                opts = go(tg, staged, bmax, w.cols)
             spec = self._spec(
                 "gemv",
                 {
@@ -770,11 +775,13 @@ class _CatalogAdapter:
                 out_dtype=out_dtype,
                 unroll=tg.get("unroll", 2),
                 **pp,
+                **opts,
             )
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
-            launches.append(Launch(spec, grid, (tg["threads"],), args))
+            smem = bmax * w.cols * 2 if opts.get("xsmem") else 0  # kernel_catalog.gemv_smem
+            launches.append(Launch(spec, grid, (tg["threads"],), args, smem))
         return launches
 
     def _op_head_rmsnorm(self, op, layer, mode, ins, outs, ws):

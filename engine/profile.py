@@ -58,6 +58,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             # cost more than the kernels they replace, tools/gpu_check_gemv.py, 2026-12-02)
             "fuse_norm": Field(bool, default=False),
             "fuse_silu": Field(bool, default=False),
+            # stage the x rows (after a prologue) in shared memory once per block where bmax * k * 2
+            # fits (kernel_catalog.GEMV_XSMEM_MAX); prefetch the next chunk on the staged path
+            "xsmem": Field(bool, default=False),
+            "prefetch": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -66,6 +70,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "unroll": 2,
             "fuse_norm": False,
             "fuse_silu": False,
+            "xsmem": False,
+            "prefetch": False,
         },
     ),
     "gemm": Field(
@@ -80,6 +86,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             # XOR-swizzled unpadded smem tiles / register double-buffered fragments (kernels/gemm.cu.j2)
             "swizzle": Field(bool, default=False),
             "fragbuf": Field(bool, default=False),
+            "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
         },
         default={
             "tile_m": 128,
@@ -91,6 +98,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "split_k": 1,
             "swizzle": False,
             "fragbuf": False,
+            "qprefetch": False,
         },
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
@@ -107,6 +115,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "min_rows": _knob(16),
             "swizzle": Field(bool, default=False),
             "fragbuf": Field(bool, default=False),
+            "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
         },
         default={
             "tile_m": 64,

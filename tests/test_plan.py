@@ -320,3 +320,36 @@ def test_the_h200_profile_keeps_separate_norm_and_silu_kernels_in_decode():
     for step in plan.steps:
         if step.op.op in ("rmsnorm", "silu_mul"):
             assert len(step.launches["decode"]) == 1 and len(step.launches["decode1"]) == 1
+
+
+def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
+    import dataclasses
+
+    from engine import kernel_catalog as kc
+
+    prof = get_profile("h200")
+    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True}}
+    graph = load_family("qwen3")
+    plan = build_plan(
+        graph,
+        dims_for_size("qwen3", "qwen3-4b"),
+        graph.quant("q8_0"),
+        dataclasses.replace(prof, tuning=tuning),
+    )
+    seen = 0
+    for step in plan.steps:
+        for mode in ("decode1", "decode"):
+            for la in step.launches[mode]:
+                if la.spec.template != "gemv":
+                    continue
+                p = la.spec.params
+                fits = p["bmax"] * p["k"] * 2 <= kc.GEMV_XSMEM_MAX
+                assert p["xsmem"] is fits and la.smem == (p["bmax"] * p["k"] * 2 if fits else 0)
+                assert p["prefetch"] is p["stage"]
+                seen += 1
+    assert seen
+    # off by default: the h200 plan's gemv entry names and launches are the measured ones
+    for step in plan_for("qwen3", "qwen3-4b", "q8_0").steps:
+        for la in step.launches["decode"]:
+            if la.spec.template == "gemv":
+                assert not la.spec.params["xsmem"] and la.smem == 0

@@ -93,9 +93,7 @@ def _q5_k(row: np.ndarray, u: int):
     return q, d, m
 
 
-@pytest.mark.parametrize(
-    "qt,fn", [("q5_0", _q5_0), ("q5_1", _q5_1), ("q4_k", _q4_k), ("q5_k", _q5_k)]
-)
+@pytest.mark.parametrize("qt,fn", [("q5_0", _q5_0), ("q5_1", _q5_1), ("q4_k", _q4_k), ("q5_k", _q5_k)])
 def test_decode_unit_transliteration_matches_engine_quant(qt, fn):
     rng = np.random.default_rng(7)
     elems, nbytes = quant.BLOCK_SIZES[qt]
