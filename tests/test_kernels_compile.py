@@ -191,11 +191,18 @@ def _gemm_variant_specs():
             out.append(kc.spec("gemm", n=6144, k=2560, residual=False, quant=q, **{**base, "tile_k": 64}))
     # swizzled smem (tile_k 32: 4 chunks a row, 64 / 128: the r & 7 XOR) and double-buffered fragments
     sw = dict(swizzle=True, fragbuf=True)
+    qp = dict(tile_k=128, qprefetch=True, **sw)
     out += [
         kc.spec("gemm", n=2560, k=4096, residual=True, **{**base, **sw}),
         kc.spec("gemm", n=999, k=256, residual=False, out_dtype="f32", **{**base, "tile_k": 64, **sw}),
         kc.spec("gemm", n=2560, k=9728, residual=True, **{**dec, **sw}),
         kc.spec("gemm", n=6144, k=2560, residual=False, quant="q4_k", **{**base, "tile_k": 64, **sw}),
+        # W-tile register prefetch: load_raw formats (q4_k, q5_k) and the plain decode_unit path (q6_k)
+        *(
+            kc.spec("gemm", n=6144, k=2560, residual=True, quant=q, **{**base, **qp})
+            for q in ("q4_k", "q5_k", "q6_k")
+            if q in kc.QUANTS
+        ),
         kc.spec("gemm", n=6144, k=2560, residual=False, **{**base, "tile_k": 64, "swizzle": True}),
     ]
     return out

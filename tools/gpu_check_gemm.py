@@ -67,6 +67,8 @@ DECODE_CONFIGS = [
     (32, 64, 128, 4, 8, 2, 2, True, True),
     (16, 32, 256, 4, 8, 1, 4, True, True),
     (16, 16, 256, 4, 8, 1, 8, True, True),
+    (16, 16, 256, 6, 8, 1, 8, True, True),  # n=2560: 160 blocks, 2 per SM resident, 40 KB of W in flight each
+    (32, 16, 256, 4, 8, 2, 4, True, True),
 ]
 
 
@@ -77,12 +79,14 @@ def elapsed() -> float:
 def cs(cfg) -> str:
     """Compact config name: tile_m x tile_n x tile_k / stages / warps / warps_m / split_k (+sw, +fb)."""
     c = cfg_dict(cfg)
-    flags = ("+sw" if c["swizzle"] else "") + ("+fb" if c["fragbuf"] else "")
+    flags = "".join(f"+{t}" for t, x in (("sw", "swizzle"), ("fb", "fragbuf"), ("qp", "qprefetch")) if c[x])
     return f"{c['tile_m']}x{c['tile_n']}x{c['tile_k']}/s{c['stages']}/w{c['warps']}/wm{c['warps_m']}/k{c['split_k']}{flags}"
 
 
 def cfg_dict(cfg) -> dict:
-    return dict(zip(KNOBS, cfg, strict=True))
+    """Config tuple -> knobs; trailing bools left out are False."""
+    cfg = tuple(cfg)
+    return dict(zip(KNOBS, cfg + (False,) * (len(KNOBS) - len(cfg)), strict=True))
 
 
 def section_cfg(section: str) -> tuple:
@@ -91,10 +95,12 @@ def section_cfg(section: str) -> tuple:
 
 
 def quant_cfgs() -> list[tuple]:
-    """The profile's prefill config, with tile_k 64, and both swizzled + double-buffered."""
+    """The profile's prefill config and with tile_k 64, each also swizzled + double-buffered, and
+    with the W-tile register prefetch on top."""
     pre = cfg_dict(section_cfg("gemm"))
     out = [pre, {**pre, "tile_k": 64}]
     out += [{**c, "swizzle": True, "fragbuf": True} for c in out]
+    out += [{**c, "qprefetch": True} for c in out[2:]]
     return list(dict.fromkeys(tuple(c[x] for x in KNOBS) for c in out))
 
 
@@ -236,6 +242,12 @@ def correctness_cases() -> list[dict]:
         for m in (1, 100, 513):
             cases.append(dict(m=m, n=576, k=1024, cfg=pre, qt=qt, residual=m == 100, label="prefill"))
         cases.append(dict(m=100, n=576, k=1024, cfg=spre, qt=qt, residual=True, label="sw prefill"))
+        qp = swz(pre, qprefetch=True)
+        for m in (7, 513):
+            cases.append(dict(m=m, n=576, k=1024, cfg=qp, qt=qt, residual=m == 7, label="qp prefill"))
+        cases.append(
+            dict(m=300, n=1000, k=2048, cfg=swz(pre, tile_k=128, qprefetch=True), qt=qt, label="qp tk128")
+        )
         cases.append(dict(m=40, n=1000, k=512, cfg=dec, qt=qt, label="decode"))
     return cases
 
