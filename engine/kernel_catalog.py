@@ -73,7 +73,7 @@ P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": ("xsmem", "prefetch"),
-    "gemm": ("swizzle", "fragbuf", "qprefetch"),
+    "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -146,6 +146,7 @@ KERNELS: dict[str, KernelDoc] = {
             swizzle=bool,
             fragbuf=bool,
             qprefetch=bool,
+            raster=bool,
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         (
@@ -164,6 +165,7 @@ KERNELS: dict[str, KernelDoc] = {
             "swizzle",
             "fragbuf",
             "qprefetch",
+            "raster",
         ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
@@ -177,6 +179,7 @@ KERNELS: dict[str, KernelDoc] = {
             "swizzle": False,
             "fragbuf": False,
             "qprefetch": False,
+            "raster": False,
         },
     ),
     "rmsnorm": KernelDoc(
@@ -619,7 +622,7 @@ def linear_params(
 
 # bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
 GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
-GEMM_KNOBS += ("swizzle", "fragbuf", "qprefetch")
+GEMM_KNOBS += ("swizzle", "fragbuf", "qprefetch", "raster")
 
 
 def gemm_params(
@@ -635,7 +638,7 @@ def gemm_params(
     """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
     batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
     split_k) that divides it (the check still rejects a k no tile fits)."""
-    off = {"swizzle": False, "fragbuf": False, "qprefetch": False}
+    off = {"swizzle": False, "fragbuf": False, "qprefetch": False, "raster": False}
     g = {"warps_m": 2, "split_k": 1, **off, **dict(tuning[section])}
     if k % g["tile_k"]:
         for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):

@@ -87,6 +87,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "swizzle": Field(bool, default=False),
             "fragbuf": Field(bool, default=False),
             "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
+            "raster": Field(bool, default=False),  # grouped block order (8 M tiles) for L2 reuse of W
         },
         default={
             "tile_m": 128,
@@ -99,6 +100,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "swizzle": False,
             "fragbuf": False,
             "qprefetch": False,
+            "raster": False,
         },
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
@@ -116,6 +118,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "swizzle": Field(bool, default=False),
             "fragbuf": Field(bool, default=False),
             "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
+            "raster": Field(bool, default=False),  # grouped block order (8 M tiles) for L2 reuse of W
         },
         default={
             "tile_m": 64,
@@ -126,6 +129,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps_m": 2,
             "split_k": 4,
             "min_rows": 16,
+            "swizzle": False,
+            "fragbuf": False,
+            "qprefetch": False,
+            "raster": False,
         },
     ),
     "attention_prefill": Field(

@@ -204,6 +204,7 @@ def _gemm_variant_specs():
             if q in kc.QUANTS
         ),
         kc.spec("gemm", n=6144, k=2560, residual=False, **{**base, "tile_k": 64, "swizzle": True}),
+        kc.spec("gemm", n=6144, k=2560, residual=True, **{**base, "tile_k": 64, **sw, "raster": True}),
     ]
     return out
 

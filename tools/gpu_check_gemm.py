@@ -57,6 +57,10 @@ PREFILL_CONFIGS = [
     (128, 128, 64, 4, 4, 2, 1, True, True),
     (64, 128, 64, 4, 4, 2, 1, True, True),  # warp 32x64: more blocks for n=1024/2560 at m=512
     (128, 64, 64, 4, 4, 2, 1, True, True),
+    # grouped rasterisation (8 M tiles per group) on top: knobs ..., qprefetch, raster
+    (128, 128, 64, 3, 8, 2, 1, True, True, False, True),
+    (128, 128, 64, 4, 8, 2, 1, True, True, False, True),
+    (256, 128, 64, 3, 8, 4, 1, True, True, False, True),
 ]
 DECODE_CONFIGS = [
     (32, 32, 128, 6, 8, 2, 2, False, False),  # the first run's best
@@ -79,7 +83,11 @@ def elapsed() -> float:
 def cs(cfg) -> str:
     """Compact config name: tile_m x tile_n x tile_k / stages / warps / warps_m / split_k (+sw, +fb)."""
     c = cfg_dict(cfg)
-    flags = "".join(f"+{t}" for t, x in (("sw", "swizzle"), ("fb", "fragbuf"), ("qp", "qprefetch")) if c[x])
+    flags = "".join(
+        f"+{t}"
+        for t, x in (("sw", "swizzle"), ("fb", "fragbuf"), ("qp", "qprefetch"), ("r", "raster"))
+        if c[x]
+    )
     return f"{c['tile_m']}x{c['tile_n']}x{c['tile_k']}/s{c['stages']}/w{c['warps']}/wm{c['warps_m']}/k{c['split_k']}{flags}"
 
 
@@ -233,6 +241,8 @@ def correctness_cases() -> list[dict]:
     cases.append(dict(m=130, n=999, k=256, cfg=spre, label="sw prefill odd-n"))
     cases.append(dict(m=300, n=576, k=1536, cfg=spre, residual=True, out_dtype="f32", label="sw prefill"))
     cases.append(dict(m=7, n=1000, k=512, cfg=swz(pre, tile_k=32), residual=True, label="sw tk32 prefill"))
+    for m in (513, 1100, 2100):  # raster: one partial group, 8 + 1 and 16 + 1 M tiles
+        cases.append(dict(m=m, n=1000, k=512, cfg=swz(pre, raster=True), residual=m == 1100, label="raster"))
     for m in (16, 100):
         cases.append(dict(m=m, n=2560, k=1024, cfg=sdec, residual=True, label="sw decode"))
     cases.append(dict(m=48, n=1000, k=512, cfg=sdec, out_dtype="f32", residual=True, label="sw decode"))
