@@ -430,12 +430,14 @@ def precompile(K: Kernels, quick: bool) -> None:
     record("precompile", specs=len(specs), compiled=stats.compiled, hits=stats.hits, seconds=elapsed())
 
 
-def _best_overall(rows: list[dict], metric: str, ref: str) -> tuple[str, float] | None:
+def _best_overall(rows: list[dict], metric: str, ref: str) -> tuple[str, float, dict] | None:
     """The config with the best geometric mean of metric / ref over the shapes every config ran."""
     by_cfg: dict[str, dict[tuple, float]] = {}
+    knobs: dict[str, dict] = {}
     for r in rows:
         if metric in r and ref in r and r.get(ref):
             by_cfg.setdefault(cs(r["cfg"]), {})[(r["m"], r["n"], r["k"])] = r[metric] / r[ref]
+            knobs[cs(r["cfg"])] = cfg_dict(r["cfg"])
     if not by_cfg:
         return None
     common = set.intersection(*(set(v) for v in by_cfg.values()))
@@ -443,7 +445,7 @@ def _best_overall(rows: list[dict], metric: str, ref: str) -> tuple[str, float] 
         return None
     score = {c: float(np.exp(np.mean([np.log(v[s]) for s in common]))) for c, v in by_cfg.items()}
     best = max(score, key=score.get)
-    return best, score[best]
+    return best, score[best], knobs[best]
 
 
 def headline(rows: list[dict]) -> str:
@@ -499,7 +501,8 @@ def headline(rows: list[dict]) -> str:
     ):
         bo = _best_overall(group, metric, ref)
         if bo:
-            out.append(f"best overall {name}: {bo[0]}  (geomean {bo[1]:.3f} of torch)")
+            yaml = ", ".join(f"{x}: {str(v).lower() if isinstance(v, bool) else v}" for x, v in bo[2].items())
+            out.append(f"best overall {name}: {bo[0]}  (geomean {bo[1]:.3f} of torch)  yaml {{{yaml}}}")
     return "\n".join(out)
 
 
