@@ -1,18 +1,25 @@
-"""Decode GEMV (and embed) on the GPU: correctness for every storage type, bandwidth, a bf16 sweep.
+"""Decode GEMV (and embed) on the GPU: correctness for every storage type and code path, bandwidth
+per variant, fused prologues vs the separate kernels, quantised and small-shape sweeps.
 
-Run on a GPU machine: ``PYTHONPATH=. python3 tools/gpu_check_gemv.py --out DIR [--quick]``.
-Writes DIR/gpu_check_gemv.json (every row) and DIR/gpu_check_gemv.txt (a short table).
+Run on a GPU machine: ``PYTHONPATH=. python3 tools/gpu_check_gemv.py --out DIR [--quick] [--budget S]``.
+Writes DIR/gpu_check_gemv.json (every row) and DIR/gpu_check_gemv.txt (headline table first).
 
 * correctness: every kc.QUANTS type (weights = random GGUF bytes with sane f16 scales, dequantised
   by engine.quant as the reference), batch 1 (bmax 1), 3 and 8 (bmax 8), 13 (a bmax tail: two grid
-  rows, the second partial), residual in place, f32 out, staged and unstaged, unroll 1 and 4, an odd
-  n (column tail). Outputs are poisoned with NaN; fail on NaN or rel err > 1e-2. embed too.
-* bandwidth: GB/s of weight bytes (and the fraction of 4100 GB/s) for the Qwen3-4B, Qwen3-0.6B and
-  SmolLM2-135M decode shapes, batch 1 and 8: bf16 for all models, every quantised type for Qwen3-4B
-  and the 0.6B lm_head. Each timed launch reads a different copy of the weight (copies cover > 256 MB)
-  so the numbers are DRAM, not the 50 MB L2. torch.matmul (x @ W.T, bf16) is timed alongside.
-* sweep: bf16 threads x rows_per_block x unroll at batch 1 on a few shapes, to pick the profile's
-  gemv tuning.
+  rows, the second partial), residual in place, f32 out, an odd n (column tail), on every code path:
+  unstaged (unroll 4), staged, xsmem (x rows in shared memory), staged + prefetch (+ xsmem), raw-unit
+  unroll 8 (q4_k, q5_k); both prologues (norm, silu) plain and with xsmem. Outputs are poisoned with
+  NaN; fail on NaN or rel err > 1e-2. embed too.
+* bandwidth: GB/s of weight bytes (and the fraction of 4100 GB/s) of the Qwen3-4B decode shapes for
+  every type at batch 1 and 8, per variant (base = the default spec; xs, pf, u4, ...), the 0.6B
+  lm_head for the headline types, bf16 for Qwen3-0.6B / SmolLM2 too. Each timed launch reads a
+  different copy of the weight (copies cover > 256 MB, CUDA-graph replays) so the numbers are DRAM,
+  not the 50 MB L2. torch.matmul (x @ W.T, bf16) is timed alongside the bf16 base.
+* fused: rmsnorm / silu_mul kernel + plain gemv vs the prologue gemv (plain and xsmem), Qwen3-4B
+  qkv, gate|up, down, batch 1 and 8, bf16 / q8_0 / q4_k / q6_k: the verdict for tuning.gemv.fuse_*.
+* sweeps (batch 1): q8_0 / q4_k / q6_k / q4_0 threads x rows_per_block x xsmem x (prefetch | unroll)
+  on 6144x2560; bf16 threads x rows_per_block x unroll on the small latency-bound shapes.
+Timing sections run in that order and are skipped once --budget seconds (default 70) have passed.
 Each check catches its own exceptions (recorded as ok=false with the error). Needs torch (allocator,
 CUDA-event timing, matmul baseline) and cuda.bindings; never imported by the engine.
 """
@@ -116,10 +123,30 @@ CASES = (  # rows, bmax, residual, out dtype
     (8, 8, False, "f32"),
     (13, 8, True, "bf16"),
 )
+NEW_CASES = (CASES[1], CASES[2], CASES[3], CASES[6])
 
 
-def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, unroll):
-    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, stage=stage, unroll=unroll)
+RAW_TYPES = ("q4_k", "q5_k")  # decoders with load_raw/decode_raw (unroll = units in flight)
+
+
+def gemv_variants(qt):
+    """(stage, knobs) of the code paths to check: unstaged unroll 1/4, staged, and the options
+    (xsmem, prefetch, raw-unit unroll 8) with a smaller case list."""
+    out = [(False, {"unroll": 4}, CASES)]
+    if qt != "f32":
+        out.append((True, {"unroll": 2}, CASES))
+    st = kc.STAGED_DEFAULT[qt]
+    out.append((st, {"xsmem": True}, NEW_CASES))
+    if qt != "f32":
+        out.append((True, {"prefetch": True}, NEW_CASES))
+        out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
+    if qt in RAW_TYPES:
+        out.append((False, {"unroll": 8, "xsmem": True}, NEW_CASES))
+    return out
+
+
+def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, knobs):
+    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, stage=stage, **knobs)
     x = bf_round(rng.standard_normal((rows, k)))
     r = bf_round(rng.standard_normal((rows, n)))
     if residual:
@@ -140,7 +167,9 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, unr
         residual=residual,
         out_dtype=od,
         stage=c.spec.params["stage"],
-        unroll=unroll,
+        unroll=c.spec.params["unroll"],
+        xsmem=c.spec.params["xsmem"],
+        prefetch=c.spec.params["prefetch"],
     )
 
 
@@ -151,21 +180,19 @@ def check_gemv(K, rng, quick):
         def one(qt=qt):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
-            stages = (False, True) if qt != "f32" else (False,)
-            for stage in stages:
-                for unroll in (1, 4) if not stage else (2,):
-                    for rows, bmax, residual, od in CASES[:3] if quick else CASES:
-                        guarded(
-                            f"gemv {qt} rows={rows} stage={stage} unroll={unroll}",
-                            lambda a=(rows, bmax, residual, od, stage, unroll): gemv_case(
-                                K, rng, qt, raw_t, deq, n, k, *a
-                            ),
-                        )
+            for stage, knobs, cases in gemv_variants(qt):
+                for rows, bmax, residual, od in cases[:3] if quick else cases:
+                    guarded(
+                        f"gemv {qt} rows={rows} stage={stage} {knobs}",
+                        lambda a=(rows, bmax, residual, od, stage, knobs): gemv_case(
+                            K, rng, qt, raw_t, deq, n, k, *a
+                        ),
+                    )
 
         guarded(f"gemv {qt} setup", one)
 
 
-def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro):
+def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False):
     """The decode fusions: rmsnorm (x raw, norm weight f32) or silu_mul (x = [gate | up] rows)."""
     eps = 1e-6
     if pro == "norm":
@@ -180,8 +207,8 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro):
         x = bf_round(rng.standard_normal((rows, 2 * k)) * 2.0)
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
-        residual = True
-    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **knobs)
+        residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
+    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, xsmem=xsmem, **knobs)
     r = bf_round(rng.standard_normal((rows, n)))
     out = bf(r) if residual else nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
     args = [out, raw_t, bf(x), out if residual else 0, rows]
@@ -201,10 +228,12 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro):
         residual=residual,
         out_dtype=od,
         stage=c.spec.params["stage"],
+        xsmem=xsmem,
     )
 
 
 PRO_CASES = ((1, 1, "bf16"), (1, 1, "f32"), (3, 8, "bf16"), (8, 8, "f32"), (13, 8, "bf16"))
+PRO_XS = (PRO_CASES[0], PRO_CASES[1], PRO_CASES[3], PRO_CASES[4])  # the cases also run with xsmem
 
 
 def check_prologues(K, rng, quick):
@@ -215,11 +244,16 @@ def check_prologues(K, rng, quick):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
-                for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                    guarded(
-                        f"gemv {qt} {pro} rows={rows}",
-                        lambda a=(rows, bmax, od, pro): prologue_case(K, rng, qt, raw_t, deq, n, k, *a),
-                    )
+                for xsmem in (False, True):
+                    for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
+                        if xsmem and (rows, bmax, od) not in PRO_XS:
+                            continue
+                        guarded(
+                            f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
+                            lambda a=(rows, bmax, od, pro, xsmem): prologue_case(
+                                K, rng, qt, raw_t, deq, n, k, *a
+                            ),
+                        )
 
         guarded(f"gemv prologue {qt} setup", one)
 
@@ -242,12 +276,27 @@ def check_embed(K, rng):
 # ---- timing ----
 
 
+_COPIES: dict = {}
+
+
 def weight_copies(qt, n, k, min_bytes=256 << 20, max_copies=64):
-    """Random weight bytes, enough copies that one pass over them does not fit in L2."""
-    elems, nbytes = kc.QUANTS[qt]
-    size = n * k // elems * nbytes
-    copies = max(1, min(max_copies, -(-min_bytes // size)))
-    return [torch.randint(0, 256, (size,), dtype=torch.uint8, device=DEV) for _ in range(copies)], size
+    """Random weight bytes, enough copies that one pass over them does not fit in L2 (cached for the
+    latest (type, n, k): the variants of one shape share them)."""
+    key = (qt, n, k)
+    if key not in _COPIES:
+        _COPIES.clear()
+        torch.cuda.empty_cache()
+        elems, nbytes = kc.QUANTS[qt]
+        size = n * k // elems * nbytes
+        copies = max(1, min(max_copies, -(-min_bytes // size)))
+        ws = [torch.randint(0, 256, (size,), dtype=torch.uint8, device=DEV) for _ in range(copies)]
+        if qt in F16_FIELDS:  # finite f16 scales (random bytes may be inf/NaN), as in real weights
+            for w in ws:
+                blk = w.view(-1, nbytes)
+                for off in F16_FIELDS[qt]:
+                    blk[:, off + 1] = 0x1C  # an f16 high byte: ~0.004..0.008
+        _COPIES[key] = (ws, size)
+    return _COPIES[key]
 
 
 def bench_ms(fn, reps=20) -> float:
@@ -286,19 +335,42 @@ def graphed(fn):
         return fn
 
 
-def time_gemv(K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, **knobs) -> dict:
+def separate_op(K, pro, k, rows, x):
+    """The unfused decode: the rmsnorm / silu_mul kernel the prologue replaces, as a launch closure
+    (its output is the plain gemv's x)."""
+    if pro == "norm":
+        c = kc.choice("rmsnorm", n=k, eps=1e-6, threads=TUNING["norm"]["threads"], residual=False)
+        y, nw = torch.empty(rows, k, device=DEV, dtype=torch.bfloat16), torch.ones(k, device=DEV)
+        K.fn(c)
+        return y, lambda: K.launch(c, [y, x, 0, nw, rows], rows)
+    c = kc.choice("silu_mul", inter=k, in_stride=2 * k, threads=TUNING["elementwise"]["threads"])
+    y = torch.empty(rows, k, device=DEV, dtype=torch.bfloat16)
+    K.fn(c)
+    return y, lambda: K.launch(c, [y, x, x[:, k:], rows], rows)
+
+
+def time_gemv(
+    K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, variant="", separate=None, **knobs
+) -> dict:
+    """GB/s of weight bytes of one gemv spec (CUDA graph over the weight copies). separate="norm" /
+    "silu": the plain gemv preceded by the rmsnorm / silu_mul kernel it would fuse (x = its input)."""
     bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
     c = gemv_choice(qt, n, k, bmax=bmax, od=od, **knobs)
     ws, size = weight_copies(qt, n, k)
     xs = c.spec.params["x_stride"] or k
+    if separate == "silu":
+        xs = 2 * k
     x = torch.randn(rows, xs, device=DEV).to(torch.bfloat16)
     out = torch.empty(rows, n, device=DEV, dtype=torch.float32 if od == "f32" else torch.bfloat16)
     extra = [torch.ones(k, device=DEV)] if c.spec.params["prologue"] == "norm" else []
     K.fn(c)  # compile/load outside the timing
+    xin, pre = (x, None) if separate is None else separate_op(K, separate, k, rows, x)
 
     def run():
         for w in ws:
-            K.launch(c, [out, w, x, 0, rows, *extra], rows)
+            if pre is not None:
+                pre()
+            K.launch(c, [out, w, xin, 0, rows, *extra], rows)
 
     us = bench_ms(graphed(run)) * 1e3 / len(ws)
     gbs = size / (us * 1e-6) / 1e9
@@ -316,7 +388,12 @@ def time_gemv(K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, **knob
         "frac_peak": round(gbs / PEAK_GBS, 3),
         "copies": len(ws),
         "prologue": c.spec.params["prologue"],
-        **{x: c.spec.params[x] for x in ("threads", "rows_per_block", "unroll", "stage", "bmax")},
+        "separate": separate or "",
+        "variant": variant,
+        **{
+            x: c.spec.params[x]
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch")
+        },
     }
     if torch_ref and qt == "bf16":
         tws = [w.view(torch.bfloat16).view(n, k) for w in ws]
@@ -332,148 +409,298 @@ def time_gemv(K, qt, n, k, rows, *, model="", od="bf16", torch_ref=False, **knob
     return row
 
 
-def check_bandwidth(K, quick):
+HEADLINE_TYPES = ("q8_0", "q4_k", "q6_k", "q4_0")
+XSMEM_MAX = kc.GEMV_XSMEM_MAX
+
+
+def timing_variants(qt, rows, k, full=True):
+    """(name, knobs) of the gemv code paths timed per shape: the default spec first."""
+    bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
+    fits = bmax * k * 2 <= XSMEM_MAX
+    out = [("base", {})]
+    if qt in ("f16", "f32"):
+        pass  # the bf16 paths with another unpack: base only
+    elif qt == "bf16":
+        if fits:
+            out.append(("xs", {"xsmem": True}))
+    elif qt in RAW_TYPES:
+        out += [("u4", {"unroll": 4})] if full else []
+        if fits:
+            out += [("xs+u4", {"xsmem": True, "unroll": 4})] + (
+                [("xs+u8", {"xsmem": True, "unroll": 8})] if full else []
+            )
+    else:
+        out += [("pf", {"stage": True, "prefetch": True})] if full else []
+        if fits:
+            out += [("xs+pf", {"stage": True, "prefetch": True, "xsmem": True})]
+    return out
+
+
+def bandwidth_jobs(quick):
+    """(label, qt, n, k, rows, model, od, variant, knobs, torch_ref) of the bandwidth table."""
+    jobs = []
     models = ["qwen3-4b"] if quick else list(SHAPES)
     for model in models:
         for i, (n, k) in enumerate(SHAPES[model]):
             od = "f32" if i == 4 else "bf16"
             for rows in (1, 8):
-                guarded(
-                    f"time bf16 {model} {n}x{k} rows={rows}",
-                    lambda a=(n, k, rows, model, od): time_gemv(
-                        K, "bf16", a[0], a[1], a[2], model=a[3], od=a[4], torch_ref=True
-                    ),
-                )
+                for vname, kn in timing_variants("bf16", rows, k) if model == "qwen3-4b" else [("base", {})]:
+                    jobs.append(("bf16", n, k, rows, model, od, vname, kn, vname == "base"))
     for qt in kc.QUANTS:
         if qt == "bf16":
             continue
-        shapes = [("qwen3-4b", s) for s in SHAPES["qwen3-4b"]] + [("qwen3-0.6b", SHAPES["qwen3-0.6b"][4])]
+        head = qt in HEADLINE_TYPES
+        shapes = [("qwen3-4b", sh) for sh in SHAPES["qwen3-4b"]]
+        if head:
+            shapes.append(("qwen3-0.6b", SHAPES["qwen3-0.6b"][4]))
         if quick:
             shapes = shapes[:1]
         for model, (n, k) in shapes:
             od = "f32" if n == 151936 else "bf16"
             for rows in (1, 8):
-                guarded(
-                    f"time {qt} {model} {n}x{k} rows={rows}",
-                    lambda a=(qt, n, k, rows, model, od): time_gemv(
-                        K, a[0], a[1], a[2], a[3], model=a[4], od=a[5]
-                    ),
-                )
+                for vname, kn in timing_variants(qt, rows, k, full=head):
+                    jobs.append((qt, n, k, rows, model, od, vname, kn, False))
+    return jobs
 
 
-FUSED_TIMES = (  # Qwen3-4B decode GEMVs with their prologue, next to the plain ones in the table
-    ("norm", 6144, 2560, {}),
-    ("norm", 19456, 2560, {}),
-    ("silu", 2560, 9728, {"x_stride": 19456, "u_off": 9728}),
-    ("norm", 151936, 2560, {}),
+def check_bandwidth(K, quick):
+    for qt, n, k, rows, model, od, vname, kn, tref in bandwidth_jobs(quick):
+        guarded(
+            f"time {qt} {model} {n}x{k} rows={rows} {vname}",
+            lambda a=(qt, n, k, rows, model, od, vname, kn, tref): time_gemv(
+                K, a[0], a[1], a[2], a[3], model=a[4], od=a[5], variant=a[6], torch_ref=a[8], **a[7]
+            ),
+        )
+
+
+FUSED_TIMES = (  # Qwen3-4B decode GEMVs with their prologue, next to rmsnorm/silu_mul + the plain gemv
+    ("norm", 6144, 2560),
+    ("norm", 19456, 2560),
+    ("silu", 2560, 9728),
 )
 
 
-def check_fused_times(K, quick):
+def fused_jobs(quick):
+    jobs = []
     for qt in ("bf16",) if quick else ("bf16", "q8_0", "q4_k", "q6_k"):
-        for pro, n, k, kn in FUSED_TIMES:
-            od = "f32" if n == 151936 else "bf16"
-            knobs = {"prologue": pro, **({"eps": 1e-6, "x_stride": k} if pro == "norm" else kn)}
+        for pro, n, k in FUSED_TIMES:
+            kn = {
+                "prologue": pro,
+                **({"eps": 1e-6, "x_stride": k} if pro == "norm" else {"x_stride": 2 * k, "u_off": k}),
+            }
             for rows in (1, 8):
-                guarded(
-                    f"time {qt} {pro} {n}x{k} rows={rows}",
-                    lambda a=(qt, n, k, rows, od, knobs): time_gemv(
-                        K, a[0], a[1], a[2], a[3], model="qwen3-4b", od=a[4], **a[5]
-                    ),
-                )
+                bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
+                # the separate kernels + each gemv variant, the fused prologue on each variant
+                for vname, vk in timing_variants(qt, rows, k, full=False):
+                    jobs.append((qt, pro, n, k, rows, "sep " + vname, {**vk}, pro))
+                    jobs.append((qt, pro, n, k, rows, "fused " + vname, {**vk, **kn}, None))
+                    if not vk.get("xsmem") and bmax * k * 2 <= XSMEM_MAX:
+                        jobs.append(
+                            (qt, pro, n, k, rows, "fused xs+" + vname, {**vk, **kn, "xsmem": True}, None)
+                        )
+    return jobs
 
 
-def sweep_bf16(K, quick):
-    shapes = [(6144, 2560), (2560, 9728), (1024, 3072), (576, 1536)]
-    if quick:
-        shapes = shapes[:1]
-    for n, k in shapes:
+def check_fused_times(K, quick):
+    for qt, pro, n, k, rows, vname, kn, sep in fused_jobs(quick):
+        guarded(
+            f"time {qt} {pro} {n}x{k} rows={rows} {vname}",
+            lambda a=(qt, n, k, rows, vname, kn, sep): time_gemv(
+                K, a[0], a[1], a[2], a[3], model="fused", variant=a[4], separate=a[6], **a[5]
+            ),
+        )
+
+
+QSWEEP_SHAPES = [(6144, 2560)]
+
+
+def qsweep_jobs(quick):
+    """Quantised batch-1 sweep: threads x rows_per_block x (xsmem, prefetch | unroll)."""
+    jobs = []
+    for qt in HEADLINE_TYPES[:1] if quick else HEADLINE_TYPES:
+        for n, k in QSWEEP_SHAPES[:1] if quick else QSWEEP_SHAPES:
+            for threads in (128, 256):
+                for rpb in (1, 2, 4):
+                    for xs in (False, True):
+                        if qt in RAW_TYPES:
+                            opts = [{"unroll": u} for u in (2, 4, 8)]
+                        else:
+                            opts = [{"stage": True, "prefetch": pf} for pf in (False, True)]
+                        for o in opts:
+                            jobs.append(
+                                (qt, n, k, {"threads": threads, "rows_per_block": rpb, "xsmem": xs, **o})
+                            )
+    return jobs
+
+
+def sweep_quant(K, quick):
+    for qt, n, k, kn in qsweep_jobs(quick):
+        guarded(
+            f"qsweep {qt} {n}x{k} {kn}",
+            lambda a=(qt, n, k, kn): time_gemv(K, a[0], a[1], a[2], 1, model="qsweep", **a[3]),
+        )
+
+
+BSWEEP_SHAPES = [(1024, 2048), (576, 576)]  # the latency-bound small shapes (the big ones: run 1)
+
+
+def bsweep_jobs(quick):
+    jobs = []
+    for n, k in BSWEEP_SHAPES[:1] if quick else BSWEEP_SHAPES:
         for threads in (128, 256, 512):
             for rpb in (1, 2, 4, 8):
                 if rpb > threads // 32:
                     continue
-                for unroll in (1, 2, 4, 8):
-                    guarded(
-                        f"sweep bf16 {n}x{k} t={threads} rpb={rpb} u={unroll}",
-                        lambda a=(n, k, threads, rpb, unroll): time_gemv(
-                            K,
-                            "bf16",
-                            a[0],
-                            a[1],
-                            1,
-                            model="sweep",
-                            threads=a[2],
-                            rows_per_block=a[3],
-                            unroll=a[4],
-                        ),
-                    )
+                for unroll in (1, 2, 4):
+                    jobs.append((n, k, {"threads": threads, "rows_per_block": rpb, "unroll": unroll}))
+    return jobs
+
+
+def sweep_bf16(K, quick):
+    for n, k, kn in bsweep_jobs(quick):
+        guarded(
+            f"sweep bf16 {n}x{k} {kn}",
+            lambda a=(n, k, kn): time_gemv(K, "bf16", a[0], a[1], 1, model="sweep", **a[2]),
+        )
 
 
 def prebuild(K, quick):
-    """Compile every spec the timing uses in parallel up front (keeps the run well under 90 s)."""
+    """Compile every spec the run uses in parallel up front (keeps the run well under 90 s)."""
     specs = []
     g = TUNING["gemv"]
-    for qt in kc.QUANTS:  # the correctness cases (check_gemv, check_embed)
+    for qt in kc.QUANTS:  # the correctness cases (check_gemv, check_prologues, check_embed)
         specs.append(kc.choice("embed", quant=qt, hidden=2560, threads=TUNING["elementwise"]["threads"]).spec)
-        for stage in (False, True) if qt != "f32" else (False,):
-            for unroll in (1, 4) if not stage else (2,):
-                for _rows, bmax, residual, od in CASES[:3] if quick else CASES:
-                    specs.append(
-                        gemv_choice(
-                            qt, 1003, 2560, bmax=bmax, residual=residual, od=od, stage=stage, unroll=unroll
-                        ).spec
-                    )
-    for qt in kc.QUANTS:  # the bandwidth shapes (check_bandwidth)
-        shp = (
-            [s for ss in SHAPES.values() for s in ss]
-            if qt == "bf16"
-            else SHAPES["qwen3-4b"] + SHAPES["qwen3-0.6b"][4:]
+        for stage, knobs, cases in gemv_variants(qt):
+            for _rows, bmax, residual, od in cases[:3] if quick else cases:
+                specs.append(
+                    gemv_choice(
+                        qt, 1003, 2560, bmax=bmax, residual=residual, od=od, stage=stage, **knobs
+                    ).spec
+                )
+        for _rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
+            for xsmem in (False, True) if (_rows, bmax, od) in PRO_XS else (False,):
+                specs.append(
+                    gemv_choice(
+                        qt,
+                        1003,
+                        2560,
+                        bmax=bmax,
+                        od=od,
+                        prologue="norm",
+                        x_stride=2560,
+                        eps=1e-6,
+                        xsmem=xsmem,
+                    ).spec
+                )
+                specs.append(
+                    gemv_choice(
+                        qt,
+                        1003,
+                        2560,
+                        bmax=bmax,
+                        residual=od == "bf16",
+                        od=od,
+                        prologue="silu",
+                        x_stride=5120,
+                        u_off=2560,
+                        xsmem=xsmem,
+                    ).spec
+                )
+    bm = lambda rows: 1 if rows == 1 else g["max_batch"]  # noqa: E731
+    for qt, n, k, rows, _m, od, _v, kn, _t in bandwidth_jobs(quick):
+        specs.append(gemv_choice(qt, n, k, bmax=bm(rows), od=od, **kn).spec)
+    for qt, _pro, n, k, rows, _v, kn, _sep in fused_jobs(quick):
+        specs.append(gemv_choice(qt, n, k, bmax=bm(rows), **kn).spec)
+    for qt, n, k, kn in qsweep_jobs(quick):
+        specs.append(gemv_choice(qt, n, k, bmax=1, **kn).spec)
+    for n, k, kn in bsweep_jobs(quick):
+        specs.append(gemv_choice("bf16", n, k, bmax=1, **kn).spec)
+    for k in (2560,):
+        specs.append(
+            kc.choice("rmsnorm", n=k, eps=1e-6, threads=TUNING["norm"]["threads"], residual=False).spec
         )
-        for n, k in shp:
-            od = "f32" if n in (151936, 49152) else "bf16"
-            for bmax in (1, g["max_batch"]):
-                try:
-                    specs.append(gemv_choice(qt, n, k, bmax=bmax, od=od).spec)
-                except Exception:
-                    pass
-    for qt in kc.QUANTS:
-        for _rows, bmax, od in PRO_CASES:
-            specs.append(
-                gemv_choice(qt, 1003, 2560, bmax=bmax, od=od, prologue="norm", x_stride=2560, eps=1e-6).spec
+    specs.append(
+        kc.choice("silu_mul", inter=9728, in_stride=2 * 9728, threads=TUNING["elementwise"]["threads"]).spec
+    )
+    specs = list(dict.fromkeys(specs))
+    print(f"prebuild: {len(specs)} specs", flush=True)
+    K.builder.build_all(specs, jobs=os.cpu_count() or 4, progress=None)
+
+
+def _pct(r) -> str:
+    return f"{100 * r['frac_peak']:.0f}%"
+
+
+def headline() -> list[str]:
+    """Per type and batch: each Qwen3-4B shape's base (default spec) -> best variant, % of 4100 GB/s."""
+    bw = [r for r in RESULTS if r.get("check") == "gemv_time" and r["model"] == "qwen3-4b"]
+    names = ["qkv", "o", "gate|up", "down", "lm_head"]
+    lines = [
+        "HEADLINE: Qwen3-4B decode GEMVs, % of 4100 GB/s of weight bytes: base (default spec) -> best [variant]"
+    ]
+    lines.append(
+        f"{'type':<6} {'rows':>4}  "
+        + "  ".join(
+            f"{nm + ' ' + str(n) + 'x' + str(k):<30}"
+            for nm, (n, k) in zip(names, SHAPES["qwen3-4b"], strict=True)
+        )
+    )
+    for qt in (
+        ("bf16",) + HEADLINE_TYPES + tuple(q for q in kc.QUANTS if q not in HEADLINE_TYPES and q != "bf16")
+    ):
+        for rows in (1, 8):
+            cells = []
+            for n, k in SHAPES["qwen3-4b"]:
+                rs = [r for r in bw if r["quant"] == qt and r["rows"] == rows and r["n"] == n and r["k"] == k]
+                if not rs:
+                    cells.append(f"{'-':<30}")
+                    continue
+                base = next((r for r in rs if r["variant"] == "base"), rs[0])
+                best = max(rs, key=lambda r: r["gbs"])
+                cell = f"{_pct(base)} -> {_pct(best)} [{best['variant']}]"
+                if qt == "bf16" and base.get("torch_gbs"):
+                    cell += f" t{100 * base['torch_gbs'] / PEAK_GBS:.0f}%"
+                cells.append(f"{cell:<30}")
+            if any(c.strip() != "-" for c in cells):
+                lines.append(f"{qt:<6} {rows:>4}  " + "  ".join(cells))
+    fz = [r for r in RESULTS if r.get("check") == "gemv_time" and r["model"] == "fused"]
+    if fz:
+        lines.append("")
+        lines.append(
+            "FUSED vs SEPARATE (us per decode step: separate = rmsnorm/silu_mul kernel + gemv; best of each)"
+        )
+        for key in dict.fromkeys(
+            (
+                r["quant"],
+                r["prologue"] if r["prologue"] != "none" else r["separate"],
+                r["n"],
+                r["k"],
+                r["rows"],
             )
-            specs.append(
-                gemv_choice(
-                    qt,
-                    1003,
-                    2560,
-                    bmax=bmax,
-                    residual=True,
-                    od=od,
-                    prologue="silu",
-                    x_stride=5120,
-                    u_off=2560,
-                ).spec
+            for r in fz
+        ):
+            qt, pro, n, k, rows = key
+            rs = [
+                r
+                for r in fz
+                if (r["quant"], r["n"], r["k"], r["rows"]) == (qt, n, k, rows)
+                and pro in (r["prologue"], r["separate"])
+            ]
+            sep = [r for r in rs if r["separate"]]
+            fus = [r for r in rs if r["prologue"] != "none"]
+            if not sep or not fus:
+                continue
+            bs, bf_ = min(sep, key=lambda r: r["us"]), min(fus, key=lambda r: r["us"])
+            verdict = "FUSE" if bf_["us"] < bs["us"] else "separate"
+            lines.append(
+                f"  {qt:<5} {pro:<4} {n}x{k} rows={rows}: separate {bs['us']:.2f}us [{bs['variant']}]  "
+                f"fused {bf_['us']:.2f}us [{bf_['variant']}]  -> {verdict}"
             )
-        for pro, n, k, kn in FUSED_TIMES:
-            od = "f32" if n == 151936 else "bf16"
-            knobs = {"prologue": pro, **({"eps": 1e-6, "x_stride": k} if pro == "norm" else kn)}
-            for bmax in (1, g["max_batch"]):
-                specs.append(gemv_choice(qt, n, k, bmax=bmax, od=od, **knobs).spec)
-    for n, k in [(6144, 2560), (2560, 9728), (1024, 3072), (576, 1536)]:
-        for threads in (128, 256, 512):
-            for rpb in (1, 2, 4, 8):
-                for unroll in (1, 2, 4, 8):
-                    if rpb <= threads // 32:
-                        specs.append(
-                            gemv_choice(
-                                "bf16", n, k, bmax=1, threads=threads, rows_per_block=rpb, unroll=unroll
-                            ).spec
-                        )
-    K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
+    return lines
 
 
 def table() -> str:
-    lines = []
+    lines = headline() + [""]
     checks = [r for r in RESULTS if "ok" in r]
     bad = [r for r in checks if not r["ok"]]
     lines.append(f"correctness: {len(checks) - len(bad)}/{len(checks)} ok")
@@ -488,25 +715,31 @@ def table() -> str:
     lines.append("worst rel err per type: " + ", ".join(f"{q} {e:.1e}" for q, e in worst.items()))
     lines.append("")
     lines.append(
-        f"{'model':<13} {'type':<10} {'n x k':<13} {'rows':>4} {'us':>8} {'GB/s':>7} {'%4100':>6} {'torch GB/s':>10}"
+        f"{'model':<13} {'type':<10} {'variant':<12} {'n x k':<13} {'rows':>4} {'us':>8} {'GB/s':>7} {'%4100':>6} {'torch GB/s':>10}"
     )
     for r in RESULTS:
-        if r.get("check") == "gemv_time" and r["model"] != "sweep":
+        if r.get("check") == "gemv_time" and r["model"] not in ("sweep", "qsweep"):
+            typ = r["quant"] + ("+" + r["prologue"] if r.get("prologue", "none") != "none" else "")
+            if r.get("separate"):
+                typ = r["separate"] + "+" + r["quant"]
             lines.append(
-                f"{r['model']:<13} {r['quant'] + ('+' + r['prologue'] if r.get('prologue', 'none') != 'none' else ''):<10} "
+                f"{r['model']:<13} {typ:<10} {r.get('variant', ''):<12} "
                 f"{str(r['n']) + 'x' + str(r['k']):<13} {r['rows']:>4} "
                 f"{r['us']:>8.2f} {r['gbs']:>7.0f} {100 * r['frac_peak']:>5.1f}% {r.get('torch_gbs', ''):>10}"
             )
-    sw = [r for r in RESULTS if r.get("model") == "sweep"]
-    if sw:
+    for model, title in (("qsweep", "quantised sweep (batch 1)"), ("sweep", "bf16 sweep (batch 1)")):
+        sw = [r for r in RESULTS if r.get("model") == model]
+        if not sw:
+            continue
         lines.append("")
-        lines.append("bf16 sweep (batch 1), best 3 per shape:")
-        for shape in dict.fromkeys((r["n"], r["k"]) for r in sw):
-            best = sorted((r for r in sw if (r["n"], r["k"]) == shape), key=lambda r: r["us"])[:3]
+        lines.append(f"{title}, best 4 per type and shape:")
+        for key in dict.fromkeys((r["quant"], r["n"], r["k"]) for r in sw):
+            best = sorted((r for r in sw if (r["quant"], r["n"], r["k"]) == key), key=lambda r: r["us"])[:4]
             lines.append(
-                f"  {shape[0]}x{shape[1]}: "
+                f"  {key[0]} {key[1]}x{key[2]}: "
                 + "; ".join(
-                    f"t={r['threads']} rpb={r['rows_per_block']} u={r['unroll']} {r['us']:.2f}us {r['gbs']:.0f}GB/s"
+                    f"t={r['threads']} rpb={r['rows_per_block']} u={r['unroll']} st={int(r['stage'])} "
+                    f"xs={int(r['xsmem'])} pf={int(r['prefetch'])} {r['us']:.2f}us {100 * r['frac_peak']:.0f}%"
                     for r in best
                 )
             )
@@ -517,6 +750,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gemv_check_out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--budget", type=float, default=70.0, help="seconds after which timing sections are skipped"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -527,9 +763,20 @@ def main() -> int:
     check_gemv(K, rng, args.quick)
     check_prologues(K, rng, args.quick)
     check_embed(K, rng)
-    check_bandwidth(K, args.quick)
-    check_fused_times(K, args.quick)
-    sweep_bf16(K, args.quick)
+    print(f"correctness done {time.time() - t0:.1f}s", flush=True)
+    # timing sections in priority order; a later one is skipped once the time budget is spent
+    for name, fn in (
+        ("bandwidth", check_bandwidth),
+        ("fused", check_fused_times),
+        ("qsweep", sweep_quant),
+        ("bsweep", sweep_bf16),
+    ):
+        if time.time() - t0 > args.budget:
+            RESULTS.append({"kernel": f"section {name}", "skipped": f"time budget {args.budget}s spent"})
+            print(f"skip {name}: budget spent", flush=True)
+            continue
+        fn(K, args.quick)
+        print(f"{name} done {time.time() - t0:.1f}s", flush=True)
     with open(os.path.join(args.out, f"{NAME}.json"), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1), "results": RESULTS}, f, indent=1)
     text = table()
