@@ -72,7 +72,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch"),
+    "gemv": ("xsmem", "prefetch", "xf32"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
 }
 KERNELS: dict[str, KernelDoc] = {
@@ -94,6 +94,7 @@ KERNELS: dict[str, KernelDoc] = {
             u_off=int,
             xsmem=bool,
             prefetch=bool,
+            xf32=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -113,6 +114,7 @@ KERNELS: dict[str, KernelDoc] = {
             "u_off",
             "xsmem",
             "prefetch",
+            "xf32",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
@@ -127,6 +129,7 @@ KERNELS: dict[str, KernelDoc] = {
             "u_off": 0,
             "xsmem": False,
             "prefetch": False,
+            "xf32": False,
         },
     ),
     "gemm": KernelDoc(
@@ -336,19 +339,30 @@ GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a s
 
 
 def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int) -> dict[str, bool]:
-    """The gemv tuning's xsmem / prefetch switches for one spec (xsmem only where the x rows fit,
-    prefetch only on the staged path); empty when both are off (the default entry names)."""
+    """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
+    fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
+    default entry names)."""
     out = {}
-    if g.get("xsmem") and bmax * k * 2 <= GEMV_XSMEM_MAX:
+    if g.get("xsmem") and bmax * k * 2 + bmax * k // 8 <= GEMV_XSMEM_MAX:
         out["xsmem"] = True
+        if g.get("xf32") and bmax * k * 4 + bmax * k // 8 <= GEMV_XSMEM_MAX:
+            out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
     return out
 
 
+GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
+
+
 def gemv_smem(p: Mapping[str, Any]) -> int:
-    """The gemv's dynamic shared memory: the staged x rows (xsmem), else 0."""
-    return int(p["bmax"]) * int(p["k"]) * 2 if p.get("xsmem") else 0
+    """The gemv's dynamic shared memory: the staged x rows (xsmem; f32 when xf32) and, for the
+    formats with a min, each unit's sum(x); else 0."""
+    if not p.get("xsmem"):
+        return 0
+    bmax, k = int(p["bmax"]), int(p["k"])
+    sums = bmax * (k // 32) * 4 if p["quant"] in GEMV_MIN_TYPES else 0
+    return bmax * k * (4 if p.get("xf32") else 2) + sums
 
 
 def gemv_static_smem(p: Mapping[str, Any]) -> int:
@@ -404,9 +418,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         # the residual is bf16 and may alias out: an f32 out would be read as bf16 and overrun it
         need(not (p["residual"] and p["out_dtype"] == "f32"), "residual needs out_dtype bf16")
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
+        need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(
             gemv_smem(p) <= GEMV_XSMEM_MAX,
-            f"xsmem: bmax={p['bmax']} x k={p['k']} bf16 rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
+            f"xsmem: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
         )
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]

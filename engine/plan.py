@@ -780,7 +780,7 @@ class _CatalogAdapter:
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
-            smem = bmax * w.cols * 2 if opts.get("xsmem") else 0  # kernel_catalog.gemv_smem
+            smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") else 0
             launches.append(Launch(spec, grid, (tg["threads"],), args, smem))
         return launches
 

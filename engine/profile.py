@@ -62,6 +62,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             # fits (kernel_catalog.GEMV_XSMEM_MAX); prefetch the next chunk on the staged path
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
+            "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
         },
         default={
             "threads": 256,
@@ -72,6 +73,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "fuse_silu": False,
             "xsmem": False,
             "prefetch": False,
+            "xf32": False,
         },
     ),
     "gemm": Field(

@@ -261,6 +261,7 @@ def _gemv_variant_specs():
         out.append(kc.spec("gemv", **p, xsmem=True, prefetch=staged, **silu))
         p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
         out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
+        out.append(kc.spec("gemv", **p, xsmem=True, xf32=True, prefetch=staged))
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
@@ -280,6 +281,10 @@ def test_gemv_options_validation_and_smem():
     assert plain.smem == 0 and "xsmem" not in plain.spec.entry and "prefetch" not in plain.spec.entry
     c = kc.choice("gemv", **p, xsmem=True)
     assert c.smem == 8 * 2560 * 2 and c.spec.entry.endswith("_xsmem1")
+    with pytest.raises(ConfigError, match="xf32"):
+        kc.spec("gemv", **{**p, "xf32": True})
+    q = kc.linear_params("q4_k", 1024, 2560, tun)
+    assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")

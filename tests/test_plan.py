@@ -328,7 +328,7 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True}}
+    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True, "xf32": True}}
     graph = load_family("qwen3")
     plan = build_plan(
         graph,
@@ -343,8 +343,9 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
                 if la.spec.template != "gemv":
                     continue
                 p = la.spec.params
-                fits = p["bmax"] * p["k"] * 2 <= kc.GEMV_XSMEM_MAX
-                assert p["xsmem"] is fits and la.smem == (p["bmax"] * p["k"] * 2 if fits else 0)
+                fits = p["bmax"] * p["k"] * 2 + p["bmax"] * p["k"] // 8 <= kc.GEMV_XSMEM_MAX
+                assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
+                assert p["xf32"] is (p["bmax"] * p["k"] * 4 + p["bmax"] * p["k"] // 8 <= kc.GEMV_XSMEM_MAX)
                 assert p["prefetch"] is p["stage"]
                 seen += 1
     assert seen

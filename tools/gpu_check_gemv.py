@@ -19,7 +19,7 @@ Writes DIR/gpu_check_gemv.json (every row) and DIR/gpu_check_gemv.txt (headline 
   qkv, gate|up, down, batch 1 and 8, bf16 / q8_0 / q4_k / q6_k: the verdict for tuning.gemv.fuse_*.
 * sweeps (batch 1): q8_0 / q4_k / q6_k / q4_0 threads x rows_per_block x xsmem x (prefetch | unroll)
   on 6144x2560; bf16 threads x rows_per_block x unroll on the small latency-bound shapes.
-Timing sections run in that order and are skipped once --budget seconds (default 70) have passed.
+Timing sections run in that order and are skipped once --budget seconds (default 65) have passed.
 Each check catches its own exceptions (recorded as ok=false with the error). Needs torch (allocator,
 CUDA-event timing, matmul baseline) and cuda.bindings; never imported by the engine.
 """
@@ -137,6 +137,7 @@ def gemv_variants(qt):
         out.append((True, {"unroll": 2}, CASES))
     st = kc.STAGED_DEFAULT[qt]
     out.append((st, {"xsmem": True}, NEW_CASES))
+    out.append((st, {"xsmem": True, "xf32": True}, NEW_CASES))
     if qt != "f32":
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
@@ -193,6 +194,7 @@ def check_gemv(K, rng, quick):
 
 
 def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False):
+    """xsmem: False, True (bf16 rows in shared memory) or "f32" (xsmem + xf32)."""
     """The decode fusions: rmsnorm (x raw, norm weight f32) or silu_mul (x = [gate | up] rows)."""
     eps = 1e-6
     if pro == "norm":
@@ -208,7 +210,8 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, xsmem=xsmem, **knobs)
+    xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
+    c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
     r = bf_round(rng.standard_normal((rows, n)))
     out = bf(r) if residual else nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
     args = [out, raw_t, bf(x), out if residual else 0, rows]
@@ -234,6 +237,8 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
 
 PRO_CASES = ((1, 1, "bf16"), (1, 1, "f32"), (3, 8, "bf16"), (8, 8, "f32"), (13, 8, "bf16"))
 PRO_XS = (PRO_CASES[0], PRO_CASES[1], PRO_CASES[3], PRO_CASES[4])  # the cases also run with xsmem
+PRO_XS32 = (PRO_CASES[1], PRO_CASES[4])  # ... and with xsmem + xf32
+PRO_PLAIN = (PRO_CASES[0], PRO_CASES[1], PRO_CASES[4])  # the cases without xsmem
 
 
 def check_prologues(K, rng, quick):
@@ -244,9 +249,9 @@ def check_prologues(K, rng, quick):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
-                for xsmem in (False, True):
+                for xsmem in (False, True, "f32"):
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                        if xsmem and (rows, bmax, od) not in PRO_XS:
+                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}[xsmem]:
                             continue
                         guarded(
                             f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
@@ -392,7 +397,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32")
         },
     }
     if torch_ref and qt == "bf16":
@@ -414,25 +419,29 @@ XSMEM_MAX = kc.GEMV_XSMEM_MAX
 
 
 def timing_variants(qt, rows, k, full=True):
-    """(name, knobs) of the gemv code paths timed per shape: the default spec first."""
+    """(name, knobs) of the gemv code paths timed per shape: the default spec first. xs: x rows in
+    shared memory (bf16), xs32: as f32; pf: staged-path prefetch; u4/u8: raw-unit unroll."""
     bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
-    fits = bmax * k * 2 <= XSMEM_MAX
+    p = {"bmax": bmax, "k": k, "quant": qt, "xsmem": True}
+    fits = kc.gemv_smem(p) <= XSMEM_MAX
+    fits32 = kc.gemv_smem({**p, "xf32": True}) <= XSMEM_MAX
     out = [("base", {})]
     if qt in ("f16", "f32"):
-        pass  # the bf16 paths with another unpack: base only
-    elif qt == "bf16":
-        if fits:
-            out.append(("xs", {"xsmem": True}))
+        return out  # the bf16 paths with another unpack: base only
+    if qt == "bf16":
+        extra = ({}, "")
     elif qt in RAW_TYPES:
-        out += [("u4", {"unroll": 4})] if full else []
-        if fits:
-            out += [("xs+u4", {"xsmem": True, "unroll": 4})] + (
-                [("xs+u8", {"xsmem": True, "unroll": 8})] if full else []
-            )
+        extra = ({"unroll": 4}, "+u4")
     else:
-        out += [("pf", {"stage": True, "prefetch": True})] if full else []
-        if fits:
-            out += [("xs+pf", {"stage": True, "prefetch": True, "xsmem": True})]
+        extra = ({"stage": True, "prefetch": True}, "+pf")
+    if full and extra[1]:
+        out.append((extra[1][1:], extra[0]))
+    if fits:
+        out.append(("xs" + extra[1], {"xsmem": True, **extra[0]}))
+    if fits32:
+        out.append(("xs32" + extra[1], {"xsmem": True, "xf32": True, **extra[0]}))
+    if full and qt in RAW_TYPES and fits32:
+        out.append(("xs32+u8", {"xsmem": True, "xf32": True, "unroll": 8}))
     return out
 
 
@@ -491,13 +500,19 @@ def fused_jobs(quick):
             for rows in (1, 8):
                 bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
                 # the separate kernels + each gemv variant, the fused prologue on each variant
-                for vname, vk in timing_variants(qt, rows, k, full=False):
+                for vname, vk in dict.fromkeys(
+                    [("base", ())]
+                    + [(v, tuple(kv.items())) for v, kv in timing_variants(qt, rows, k, full=False)[-1:]]
+                ):
+                    vk = dict(vk)
                     jobs.append((qt, pro, n, k, rows, "sep " + vname, {**vk}, pro))
                     jobs.append((qt, pro, n, k, rows, "fused " + vname, {**vk, **kn}, None))
-                    if not vk.get("xsmem") and bmax * k * 2 <= XSMEM_MAX:
-                        jobs.append(
-                            (qt, pro, n, k, rows, "fused xs+" + vname, {**vk, **kn, "xsmem": True}, None)
-                        )
+                    if not vk.get("xsmem"):
+                        for xn, xo in (("xs", {"xsmem": True}), ("xs32", {"xsmem": True, "xf32": True})):
+                            if kc.gemv_smem({"bmax": bmax, "k": k, "quant": qt, **xo}) <= XSMEM_MAX:
+                                jobs.append(
+                                    (qt, pro, n, k, rows, f"fused {xn}+{vname}", {**vk, **kn, **xo}, None)
+                                )
     return jobs
 
 
@@ -521,19 +536,19 @@ def qsweep_jobs(quick):
         for n, k in QSWEEP_SHAPES[:1] if quick else QSWEEP_SHAPES:
             for threads in (128, 256):
                 for rpb in (1, 2, 4):
-                    for xs in (False, True):
+                    for xs in ({}, {"xsmem": True, "xf32": True}):
                         if qt in RAW_TYPES:
                             opts = [{"unroll": u} for u in (2, 4, 8)]
                         else:
                             opts = [{"stage": True, "prefetch": pf} for pf in (False, True)]
                         for o in opts:
-                            jobs.append(
-                                (qt, n, k, {"threads": threads, "rows_per_block": rpb, "xsmem": xs, **o})
-                            )
+                            jobs.append((qt, n, k, {"threads": threads, "rows_per_block": rpb, **xs, **o}))
     return jobs
 
 
 def sweep_quant(K, quick):
+    specs = [gemv_choice(qt, n, k, bmax=1, **kn).spec for qt, n, k, kn in qsweep_jobs(quick)]
+    K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
     for qt, n, k, kn in qsweep_jobs(quick):
         guarded(
             f"qsweep {qt} {n}x{k} {kn}",
@@ -557,6 +572,8 @@ def bsweep_jobs(quick):
 
 
 def sweep_bf16(K, quick):
+    specs = [gemv_choice("bf16", n, k, bmax=1, **kn).spec for n, k, kn in bsweep_jobs(quick)]
+    K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
     for n, k, kn in bsweep_jobs(quick):
         guarded(
             f"sweep bf16 {n}x{k} {kn}",
@@ -565,7 +582,8 @@ def sweep_bf16(K, quick):
 
 
 def prebuild(K, quick):
-    """Compile every spec the run uses in parallel up front (keeps the run well under 90 s)."""
+    """Compile the checks' and tables' specs in parallel up front (the sweeps compile theirs when
+    their section starts, so a spent time budget skips their compiles too)."""
     specs = []
     g = TUNING["gemv"]
     for qt in kc.QUANTS:  # the correctness cases (check_gemv, check_prologues, check_embed)
@@ -577,19 +595,14 @@ def prebuild(K, quick):
                         qt, 1003, 2560, bmax=bmax, residual=residual, od=od, stage=stage, **knobs
                     ).spec
                 )
-        for _rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-            for xsmem in (False, True) if (_rows, bmax, od) in PRO_XS else (False,):
+        for case in PRO_CASES[:2] if quick else PRO_CASES:
+            _rows, bmax, od = case
+            xvs = [x for x, cs in ((False, PRO_PLAIN), (True, PRO_XS), ("f32", PRO_XS32)) if case in cs]
+            for xsmem in xvs:
+                xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
                 specs.append(
                     gemv_choice(
-                        qt,
-                        1003,
-                        2560,
-                        bmax=bmax,
-                        od=od,
-                        prologue="norm",
-                        x_stride=2560,
-                        eps=1e-6,
-                        xsmem=xsmem,
+                        qt, 1003, 2560, bmax=bmax, od=od, prologue="norm", x_stride=2560, eps=1e-6, **xo
                     ).spec
                 )
                 specs.append(
@@ -603,7 +616,7 @@ def prebuild(K, quick):
                         prologue="silu",
                         x_stride=5120,
                         u_off=2560,
-                        xsmem=xsmem,
+                        **xo,
                     ).spec
                 )
     bm = lambda rows: 1 if rows == 1 else g["max_batch"]  # noqa: E731
@@ -611,10 +624,6 @@ def prebuild(K, quick):
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), od=od, **kn).spec)
     for qt, _pro, n, k, rows, _v, kn, _sep in fused_jobs(quick):
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), **kn).spec)
-    for qt, n, k, kn in qsweep_jobs(quick):
-        specs.append(gemv_choice(qt, n, k, bmax=1, **kn).spec)
-    for n, k, kn in bsweep_jobs(quick):
-        specs.append(gemv_choice("bf16", n, k, bmax=1, **kn).spec)
     for k in (2560,):
         specs.append(
             kc.choice("rmsnorm", n=k, eps=1e-6, threads=TUNING["norm"]["threads"], residual=False).spec
@@ -739,7 +748,8 @@ def table() -> str:
                 f"  {key[0]} {key[1]}x{key[2]}: "
                 + "; ".join(
                     f"t={r['threads']} rpb={r['rows_per_block']} u={r['unroll']} st={int(r['stage'])} "
-                    f"xs={int(r['xsmem'])} pf={int(r['prefetch'])} {r['us']:.2f}us {100 * r['frac_peak']:.0f}%"
+                    f"xs={int(r['xsmem'])}{'/f32' if r['xf32'] else ''} pf={int(r['prefetch'])} "
+                    f"{r['us']:.2f}us {100 * r['frac_peak']:.0f}%"
                     for r in best
                 )
             )
@@ -751,7 +761,7 @@ def main() -> int:
     ap.add_argument("--out", default="gemv_check_out")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--budget", type=float, default=70.0, help="seconds after which timing sections are skipped"
+        "--budget", type=float, default=65.0, help="seconds after which timing sections are skipped"
     )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
