@@ -279,6 +279,33 @@ KERNELS: dict[str, KernelDoc] = {
         "(rows, kv_heads, 1 if direct else max_splits)",
         "(warps * 32,)",
     ),
+    "attention_prefill": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            block_size=int,
+            scale=float,
+            q_stride=int,
+            out_stride=int,
+            block_q=int,
+            block_kv=int,
+            warps=int,
+        ),
+        (
+            ("out", P),
+            ("q", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("block_tables", P),
+            ("positions", P),
+            ("seq_starts", P),
+            ("max_blocks", I32),
+        ),
+        ("heads", "kv_heads", "head_dim", "block_size", "q_stride", "out_stride", "block_q", "block_kv"),
+        "(ceil(max_q / block_q), heads, nseq)",
+        "(warps * 32,)",
+    ),
     "attention_combine": KernelDoc(
         dict(heads=int, head_dim=int, split=int, out_stride=int),
         (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
@@ -466,6 +493,19 @@ def _check(template: str, p: dict[str, Any]) -> None:
             p["head_dim"] % 32 == 0 and p["head_dim"] <= 256,
             f"head_dim={p['head_dim']} must be a multiple of 32, <= 256",
         )
+    if template == "attention_prefill":
+        need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
+        need(
+            p["head_dim"] % 16 == 0 and p["head_dim"] <= 256,
+            f"head_dim={p['head_dim']} must be a multiple of 16, <= 256",
+        )
+        need(p["block_q"] == 16 * p["warps"], f"block_q={p['block_q']} must be 16 * warps (16 rows per warp)")
+        need(p["block_kv"] % 16 == 0 and p["block_kv"] >= 16, f"block_kv={p['block_kv']} must be a multiple of 16")
+        need(
+            p["q_stride"] % 8 == 0 and p["out_stride"] % 2 == 0,
+            "q_stride must be a multiple of 8 (16-byte loads), out_stride even",
+        )
+        need(attention_prefill_smem(p) <= 99 * 1024, "block_q/block_kv/head_dim too large for shared memory")
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
         need(p["mode"] in ("decode", "prefill"), f"mode {p['mode']!r} must be decode or prefill")
@@ -581,6 +621,13 @@ def choice(template: str, **params: Any) -> KernelChoice:
             return (rows, p["kv_heads"], 1 if p["direct"] else max_splits)
 
         block = (p["warps"] * 32, 1, 1)
+    elif template == "attention_prefill":
+
+        def grid(rows: int, max_q: int = 1, nseq: int = 1, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(max_q, p["block_q"]), p["heads"], nseq)
+
+        block = (p["warps"] * 32, 1, 1)
+        smem = attention_prefill_smem(p)
     elif template == "attention_combine":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -662,6 +709,30 @@ def gemm_params(
                 break
     return dict(
         n=n, k=k, residual=residual, out_dtype=out_dtype, quant=quant, **{x: g[x] for x in GEMM_KNOBS}
+    )
+
+
+def attention_prefill_smem(p: Mapping[str, Any]) -> int:
+    """Dynamic shared memory of an attention_prefill spec: the Q tile and double-buffered K and V
+    tiles, rows padded by 8 elements."""
+    return (int(p["block_q"]) + 4 * int(p["block_kv"])) * (int(p["head_dim"]) + 8) * 2
+
+
+def attention_prefill_params(
+    dims: Mapping[str, Any], tuning: Mapping[str, Any], block_size: int, *, q_stride: int, out_stride: int
+) -> dict[str, Any]:
+    a = tuning["attention_prefill"]
+    return dict(
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        block_size=block_size,
+        scale=float(dims["head_dim"]) ** -0.5,
+        q_stride=q_stride,
+        out_stride=out_stride,
+        block_q=a["block_q"],
+        block_kv=a["block_kv"],
+        warps=a["warps"],
     )
 
 
@@ -788,6 +859,12 @@ def all_specs(
                     ),
                 )
             ] = None
+    out[
+        spec(
+            "attention_prefill",
+            **attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim),
+        )
+    ] = None
     split = attention_params(
         d, tuning, block_size, mode="decode", direct=False, q_stride=qkv, out_stride=q_dim
     )["split"]

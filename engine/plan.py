@@ -892,10 +892,26 @@ class _CatalogAdapter:
             Arg("input", "positions"),
             Arg("shape", "max_blocks", "i32"),
         )
-        if mode in ("prefill", "short"):
+        if mode == "prefill":
+            # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
+            pt = self.tune("attention_prefill")
+            bq, bkv, pw = pt["block_q"], pt["block_kv"], pt["warps"]
+            spec = self._spec(
+                "attention_prefill",
+                {"h": heads, "kv": kvh, "d": hd, "bq": bq, "bkv": bkv, "w": pw, "qs": q.ld, "os": out.ld},
+                block_q=bq,
+                block_kv=bkv,
+                warps=pw,
+                **common,
+            )
+            args = (_v(out), _v(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
+            grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
+            smem = (bq + 4 * bkv) * (hd + 8) * 2
+            return [Launch(spec, grid, (32 * pw,), args, smem)]
+        if mode == "short":
             # direct: one block per (row, kv head) covers the whole key range, no combine
-            warps = self.tune("attention_prefill" if mode == "prefill" else "attention_decode")["warps"]
-            kmode = "prefill" if mode == "prefill" else "decode"
+            warps = self.tune("attention_decode")["warps"]
+            kmode = "decode"
             spec = self._spec(
                 "attention",
                 {"m": kmode[0], "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},

@@ -294,3 +294,58 @@ def test_gemv_variants_compile_for_every_arch(tmp_path):
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+def _attention_variant_specs():
+    """attention_prefill for head_dim 64 / 128, GQA groups 1 / 3 / 4 / 8, a few tile shapes;
+    paged decode attention (split + combine, direct) for the same shapes."""
+    out = []
+    for heads, kvh, hd in ((9, 3, 64), (32, 8, 128), (16, 16, 64), (32, 4, 128)):
+        qs = (heads + 2 * kvh) * hd
+        common = dict(heads=heads, kv_heads=kvh, head_dim=hd, block_size=16, scale=hd**-0.5)
+        for bq, bkv, w in ((64, 64, 4), (128, 32, 8), (64, 32, 4)):
+            out.append(
+                kc.spec(
+                    "attention_prefill",
+                    **common,
+                    q_stride=qs,
+                    out_stride=heads * hd,
+                    block_q=bq,
+                    block_kv=bkv,
+                    warps=w,
+                )
+            )
+        for direct in (True, False):
+            out.append(
+                kc.spec(
+                    "attention",
+                    **common,
+                    split=512,
+                    q_stride=qs,
+                    out_stride=heads * hd,
+                    mode="decode",
+                    direct=direct,
+                    warps=4,
+                )
+            )
+        out.append(kc.spec("attention_combine", heads=heads, head_dim=hd, split=512, out_stride=heads * hd))
+    return list(dict.fromkeys(out))
+
+
+def test_attention_prefill_contract():
+    p = dict(heads=32, kv_heads=8, head_dim=128, block_size=16, scale=128**-0.5, q_stride=6144)
+    c = kc.choice("attention_prefill", **p, out_stride=4096, block_q=64, block_kv=64, warps=4)
+    assert c.grid(300, max_q=130, nseq=3) == (3, 32, 3) and c.block == (128, 1, 1)
+    assert c.smem == (64 + 4 * 64) * 136 * 2
+    assert [a for a, _ in c.args][-2:] == ["seq_starts", "max_blocks"]
+    with pytest.raises(ConfigError, match="16 \\* warps"):
+        kc.spec("attention_prefill", **p, out_stride=4096, block_q=64, block_kv=64, warps=8)
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_attention_variants_compile_for_every_arch(tmp_path):
+    specs = _attention_variant_specs()
+    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)

@@ -110,6 +110,7 @@ def test_every_real_template_spec_renders(family, size, quant):
         "rope",
         "silu_mul",
         "attention",
+        "attention_prefill",
         "attention_combine",
         "argmax",
         "sample",
@@ -143,15 +144,19 @@ def test_missing_dims_and_unknown_storage_fail_clearly():
         storage_nbytes("q4_0", 2, 48)
 
 
-def test_attention_decode_splits_prefill_direct_and_scratch_is_sized_by_context():
+def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context():
     plan = plan_for("qwen3", "qwen3-0.6b")
     step = next(s for s in plan.steps if s.layer == 0 and s.op.op == "attention")
     dec, comb = step.launches["decode"]
     assert dec.spec.params["direct"] is False and dec.spec.params["mode"] == "decode"
     assert comb.spec.template == "attention_combine"
     assert dec.grid_for({"n": 4, "max_ctx": 4096}) == (4, 8, 8)  # 4096 / split 512
-    (pre,) = step.launches["prefill"]
-    assert pre.spec.params["direct"] is True and pre.grid_for({"n": 100}) == (100, 8, 1)
+    (pre,) = step.launches["prefill"]  # varlen flash attention: (q tiles, heads, sequences)
+    assert pre.spec.template == "attention_prefill"
+    assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
+    assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
+    pt = get_profile("h200").tune("attention_prefill")
+    assert pre.smem == (pt["block_q"] + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
     assert scratch["attn_o"].nbytes(4096) == 8 * rows * 16 * 128 * 4
