@@ -365,14 +365,15 @@ def _fail(template: str, msg: str) -> ConfigError:
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a spec keeps xsmem off
 
 
-def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int) -> dict[str, bool]:
+def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16") -> dict[str, bool]:
     """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
     fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
     default entry names)."""
     out = {}
-    if g.get("xsmem") and bmax * k * 2 + bmax * k // 8 <= GEMV_XSMEM_MAX:
+    p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
+    if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
         out["xsmem"] = True
-        if g.get("xf32") and bmax * k * 4 + bmax * k // 8 <= GEMV_XSMEM_MAX:
+        if g.get("xf32") and gemv_smem({**p, "xf32": True}) <= GEMV_XSMEM_MAX:
             out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
@@ -388,8 +389,9 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     if not p.get("xsmem"):
         return 0
     bmax, k = int(p["bmax"]), int(p["k"])
-    sums = bmax * (k // 32) * 4 if p["quant"] in GEMV_MIN_TYPES else 0
-    return bmax * k * (4 if p.get("xf32") else 2) + sums
+    sums = (bmax * (k // 32) * 4 + 15) // 16 * 16 if p["quant"] in GEMV_MIN_TYPES else 0
+    # with xsmem the staged chunks and the reduction live in the same dynamic buffer (no static)
+    return bmax * k * (4 if p.get("xf32") else 2) + sums + gemv_static_smem(p)
 
 
 def gemv_static_smem(p: Mapping[str, Any]) -> int:
@@ -668,7 +670,7 @@ def linear_params(
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     return dict(
-        **gemv_options(g, st, bmax or g["max_batch"], k),
+        **gemv_options(g, st, bmax or g["max_batch"], k, quant),
         stage=st,
         quant=quant,
         n=n,

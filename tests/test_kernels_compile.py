@@ -280,11 +280,12 @@ def test_gemv_options_validation_and_smem():
     plain = kc.choice("gemv", **p)
     assert plain.smem == 0 and "xsmem" not in plain.spec.entry and "prefetch" not in plain.spec.entry
     c = kc.choice("gemv", **p, xsmem=True)
-    assert c.smem == 8 * 2560 * 2 and c.spec.entry.endswith("_xsmem1")
+    # x rows + the staged chunks (8 warps x 1120 bytes) + the reduction, all dynamic
+    assert c.smem == 8 * 2560 * 2 + 8 * 1120 + 8 * 8 * 4 and c.spec.entry.endswith("_xsmem1")
     with pytest.raises(ConfigError, match="xf32"):
         kc.spec("gemv", **{**p, "xf32": True})
     q = kc.linear_params("q4_k", 1024, 2560, tun)
-    assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4
+    assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4 + 8 * 8 * 4
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")

@@ -348,9 +348,9 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
                 if la.spec.template != "gemv":
                     continue
                 p = la.spec.params
-                fits = p["bmax"] * p["k"] * 2 + p["bmax"] * p["k"] // 8 <= kc.GEMV_XSMEM_MAX
+                fits = kc.gemv_smem({**p, "xsmem": True, "xf32": False}) <= kc.GEMV_XSMEM_MAX
                 assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
-                assert p["xf32"] is (p["bmax"] * p["k"] * 4 + p["bmax"] * p["k"] // 8 <= kc.GEMV_XSMEM_MAX)
+                assert p["xf32"] is (fits and kc.gemv_smem({**p, "xf32": True}) <= kc.GEMV_XSMEM_MAX)
                 assert p["prefetch"] is p["stage"]
                 seen += 1
     assert seen

@@ -41,6 +41,7 @@ from gpu_kernels_check import DEV, TUNING, Kernels, bf, bf_round, host, i32, nan
 
 from engine import kernel_catalog as kc  # noqa: E402
 from engine import quant  # noqa: E402
+from engine.types import ConfigError  # noqa: E402
 
 NAME = "gpu_check_gemv"
 PEAK_GBS = 4100.0
@@ -418,13 +419,22 @@ HEADLINE_TYPES = ("q8_0", "q4_k", "q6_k", "q4_0")
 XSMEM_MAX = kc.GEMV_XSMEM_MAX
 
 
+def xs_fits(qt, bmax, k, **knobs) -> bool:
+    """Whether the spec is valid (its dynamic shared memory within kc.GEMV_XSMEM_MAX)."""
+    try:
+        gemv_choice(qt, 1024, k, bmax=bmax, **knobs)
+        return True
+    except ConfigError:
+        return False
+
+
 def timing_variants(qt, rows, k, full=True):
     """(name, knobs) of the gemv code paths timed per shape: the default spec first. xs: x rows in
     shared memory (bf16), xs32: as f32; pf: staged-path prefetch; u4/u8: raw-unit unroll."""
     bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
-    p = {"bmax": bmax, "k": k, "quant": qt, "xsmem": True}
-    fits = kc.gemv_smem(p) <= XSMEM_MAX
-    fits32 = kc.gemv_smem({**p, "xf32": True}) <= XSMEM_MAX
+    st = {"stage": True} if qt not in ("bf16", "f16", "f32") and qt not in RAW_TYPES else {}
+    fits = xs_fits(qt, bmax, k, xsmem=True, **st)
+    fits32 = xs_fits(qt, bmax, k, xsmem=True, xf32=True, **st)
     out = [("base", {})]
     if qt in ("f16", "f32"):
         return out  # the bf16 paths with another unpack: base only
@@ -509,7 +519,7 @@ def fused_jobs(quick):
                     jobs.append((qt, pro, n, k, rows, "fused " + vname, {**vk, **kn}, None))
                     if not vk.get("xsmem"):
                         for xn, xo in (("xs", {"xsmem": True}), ("xs32", {"xsmem": True, "xf32": True})):
-                            if kc.gemv_smem({"bmax": bmax, "k": k, "quant": qt, **xo}) <= XSMEM_MAX:
+                            if xs_fits(qt, bmax, k, **{**vk, **xo}):
                                 jobs.append(
                                     (qt, pro, n, k, rows, f"fused {xn}+{vname}", {**vk, **kn, **xo}, None)
                                 )
