@@ -690,10 +690,15 @@ class _CatalogAdapter:
                 "o": out_dtype,
             }
             spec = self._spec("gemm", name, **p)
-            smem = max(
-                p["stages"] * (p["tile_m"] + p["tile_n"]) * (p["tile_k"] + 8) * 2,
-                (p["split_k"] - 1) * p["tile_m"] * p["tile_n"] * 4,
-            )  # kernel_catalog.gemm_smem
+            smem_of = getattr(self.cat, "gemm_smem", None) if self.cat is not None else None
+            smem = (
+                smem_of(p)
+                if smem_of is not None
+                else max(  # a catalog without gemm_smem: the padded layout
+                    p["stages"] * (p["tile_m"] + p["tile_n"]) * (p["tile_k"] + 8) * 2,
+                    (p["split_k"] - 1) * p["tile_m"] * p["tile_n"] * 4,
+                )
+            )
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _v(ins[0]), wptr, res, ROWS)
             grid = (_cdiv(w.rows, p["tile_n"]), f"(n + {p['tile_m'] - 1}) // {p['tile_m']}")
@@ -892,6 +897,8 @@ class _CatalogAdapter:
             Arg("input", "positions"),
             Arg("shape", "max_blocks", "i32"),
         )
+        # 16-byte K/V loads in decode attention (profile attention_decode.vec16)
+        vec16 = bool(self.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
         if mode == "prefill":
             # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
             pt = self.tune("attention_prefill")
@@ -919,6 +926,7 @@ class _CatalogAdapter:
                 mode=kmode,
                 direct=True,
                 warps=warps,
+                vec16=vec16,
                 **common,
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),)
@@ -932,6 +940,7 @@ class _CatalogAdapter:
             mode="decode",
             direct=False,
             warps=warps,
+            vec16=vec16,
             **common,
         )
         rows = self.max_rows
