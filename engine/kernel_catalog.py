@@ -74,6 +74,7 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": ("xsmem", "prefetch", "xf32"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
+    "attention": ("vec16",),
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -262,6 +263,7 @@ KERNELS: dict[str, KernelDoc] = {
             mode=str,
             direct=bool,
             warps=int,
+            vec16=bool,
         ),
         (
             ("out", P),
@@ -275,9 +277,10 @@ KERNELS: dict[str, KernelDoc] = {
             ("max_blocks", I32),
             ("max_splits", I32),
         ),
-        ("heads", "kv_heads", "head_dim", "block_size", "split", "q_stride", "out_stride", "mode", "direct"),
+        ("heads", "kv_heads", "head_dim", "block_size", "split", "q_stride", "out_stride", "mode", "direct", "vec16"),
         "(rows, kv_heads, 1 if direct else max_splits)",
         "(warps * 32,)",
+        defaults={"vec16": False},
     ),
     "attention_prefill": KernelDoc(
         dict(
@@ -517,6 +520,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             "warps * group * head_dim too large for shared memory",
         )
         need(p["split"] % (4 * p["warps"]) == 0, f"split={p['split']} must be a multiple of 4 * warps")
+        if p["vec16"]:  # 16-byte loads: head_dim / 8 lanes per key must divide the warp, 8 keys a warp step
+            need(p["head_dim"] in (32, 64, 128, 256), "vec16 needs head_dim 32, 64, 128 or 256")
+            need(p["q_stride"] % 8 == 0, "vec16 needs q_stride a multiple of 8")
+            need(p["split"] % (8 * p["warps"]) == 0, f"vec16: split={p['split']} must be a multiple of 8 * warps")
 
 
 def spec(template: str, **params: Any) -> KernelSpec:
@@ -750,7 +757,9 @@ def attention_params(
 ) -> dict[str, Any]:
     a = tuning["attention_decode"]
     warps = a["warps"]
-    split = max(4 * warps, a["split_kv_tokens"] // (4 * warps) * 4 * warps)
+    vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
+    step = (8 if vec16 else 4) * warps
+    split = max(step, a["split_kv_tokens"] // step * step)
     return dict(
         heads=dims["heads"],
         kv_heads=dims["kv_heads"],
@@ -763,6 +772,7 @@ def attention_params(
         mode=mode,
         direct=direct,
         warps=warps,
+        vec16=vec16,
     )
 
 

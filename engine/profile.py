@@ -142,8 +142,8 @@ TUNING_SCHEMA: dict[str, Field] = {
         default={"block_q": 64, "block_kv": 64, "warps": 4},
     ),
     "attention_decode": Field(
-        {"block_kv": _knob(64), "warps": _knob(4), "split_kv_tokens": _knob(512)},
-        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512},
+        {"block_kv": _knob(64), "warps": _knob(4), "split_kv_tokens": _knob(512), "vec16": Field(bool, default=False)},
+        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512, "vec16": False},
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
     "norm": Field({"threads": _knob(256)}, default={"threads": 256}),

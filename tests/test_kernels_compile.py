@@ -316,7 +316,7 @@ def _attention_variant_specs():
                     warps=w,
                 )
             )
-        for direct in (True, False):
+        for direct, vec16, warps in ((True, False, 4), (False, False, 4), (True, True, 4), (False, True, 8)):
             out.append(
                 kc.spec(
                     "attention",
@@ -326,7 +326,8 @@ def _attention_variant_specs():
                     out_stride=heads * hd,
                     mode="decode",
                     direct=direct,
-                    warps=4,
+                    warps=warps,
+                    vec16=vec16,
                 )
             )
         out.append(kc.spec("attention_combine", heads=heads, head_dim=hd, split=512, out_stride=heads * hd))
@@ -339,6 +340,10 @@ def test_attention_prefill_contract():
     assert c.grid(300, max_q=130, nseq=3) == (3, 32, 3) and c.block == (128, 1, 1)
     assert c.smem == (64 + 4 * 64) * 136 * 2
     assert [a for a, _ in c.args][-2:] == ["seq_starts", "max_blocks"]
+    d = dict(p, split=512, out_stride=4096, mode="decode", direct=False, warps=4)
+    assert "vec16" not in kc.spec("attention", **d).entry and kc.spec("attention", **d, vec16=True).entry.endswith("vec161")
+    with pytest.raises(ConfigError, match="vec16 needs head_dim"):
+        kc.spec("attention", **{**d, "head_dim": 96, "q_stride": 96 * 48}, vec16=True)
     with pytest.raises(ConfigError, match="16 \\* warps"):
         kc.spec("attention_prefill", **p, out_stride=4096, block_q=64, block_kv=64, warps=8)
 

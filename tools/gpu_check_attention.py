@@ -34,6 +34,7 @@ RESULTS: list[dict] = []
 T0 = time.time()
 PEAK_TFLOPS = 787.0
 COPY_GBPS = 4100.0
+BUDGET_S = 80.0  # stop timing (not checking) past this many seconds
 BS = PROFILE.kv_block_size
 QWEN3_4B = (32, 8, 128)  # heads, kv_heads, head_dim
 
@@ -145,7 +146,7 @@ def prefill_choice(heads, kvh, hd, q_stride, out_stride, bq=64, bkv=64, warps=4)
     )
 
 
-def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct) -> kc.KernelChoice:
+def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, vec16=False) -> kc.KernelChoice:
     return kc.choice(
         "attention",
         heads=heads,
@@ -159,6 +160,7 @@ def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct) ->
         mode="decode",
         direct=direct,
         warps=warps,
+        vec16=vec16,
     )
 
 
@@ -319,8 +321,10 @@ class Decode:
         self.out = nan_like((self.rows, self.out_stride))
         self.kv_bytes = 2.0 * sum(ctxs) * kvh * hd * 2
 
-    def launches(self, K: Kernels, split: int, warps: int, direct: bool):
-        c = decode_choice(self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct)
+    def launches(self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False):
+        c = decode_choice(
+            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16
+        )
         ms_ = 1 if direct else -(-self.max_ctx // split)
         po = torch.full((self.rows, self.heads, ms_, self.hd), float("nan"), device=DEV)
         pml = torch.full((self.rows, self.heads, ms_, 2), float("nan"), device=DEV)
@@ -361,13 +365,14 @@ def decode_checks(K: Kernels, quick: bool) -> None:
     variants = [(split0, w0, False), (split0, w0, True), (256, 4, False), (1024, 8, False)]
     if quick:
         variants = variants[:2]
+    variants = [v + (vec,) for vec in (False, True) for v in variants]
     for i, (label, h, kvh, hd) in enumerate(cases):
-        for split, warps, direct in variants:
-            name = f"decode {label} ctx {DECODE_CTXS} split {split} warps {warps} direct {direct}"
+        for split, warps, direct, vec in variants:
+            name = f"decode {label} ctx {DECODE_CTXS} split {split} warps {warps} direct {direct} vec16 {vec}"
 
-            def one(i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, name=name):
+            def one(i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, vec=vec, name=name):
                 dc = Decode(np.random.default_rng(2000 + i), h, kvh, hd, DECODE_CTXS, max_ctx=4100)
-                c, run = dc.launches(K, split, warps, direct)
+                c, run = dc.launches(K, split, warps, direct, vec)
                 run()
                 record(name, dc.result(), dc.reference(), 1e-2, entry=c.spec.entry)
 
@@ -385,33 +390,41 @@ def time_decode(K: Kernels, quick: bool) -> None:
     ]
     if quick:
         sweep = [(split0, w0, False), (64, w0, True)]
+    sweep = [v + (vec,) for vec in (False, True) for v in [(split0, w0, False)] + sweep]
     for b in (1, 8, 32):
         for ctx in (512, 4096):
             kv = 2.0 * b * ctx * kvh * hd * 2
             copies = int(min(32, max(1, -(-150e6 // kv))))  # > 150 MB of KV per graph: not L2-resident
             dcs = [Decode(np.random.default_rng(b * ctx + j), h, kvh, hd, [ctx] * b) for j in range(copies)]
             dc = dcs[0]
-            for split, warps, direct in dict.fromkeys([(split0, w0, False)] + sweep):
+            for split, warps, direct, vec in dict.fromkeys(sweep):
                 if not direct and split > ctx and split != split0:
                     continue
+                if time.time() - T0 > BUDGET_S:
+                    record(f"decode time b{b} ctx{ctx}: skipped (budget)")
+                    break
 
-                def one(dc=dc, dcs=dcs, split=split, warps=warps, direct=direct, b=b, ctx=ctx):
-                    ms = bench_graph([d.launches(K, split, warps, direct)[1] for d in dcs], 10)
+                def one(dc=dc, dcs=dcs, split=split, warps=warps, direct=direct, vec=vec, b=b, ctx=ctx):
+                    ms = bench_graph([d.launches(K, split, warps, direct, vec)[1] for d in dcs], 10)
                     gbps = dc.kv_bytes / ms / 1e6
                     record(
-                        f"decode time b{b} ctx{ctx} split {split} warps {warps} direct {direct}",
+                        f"decode time b{b} ctx{ctx} split {split} warps {warps} direct {direct} vec16 {vec}",
                         batch=b,
                         ctx=ctx,
                         split=split,
                         warps=warps,
                         direct=direct,
-                        profile_default=(split, warps, direct) == (split0, w0, False),
+                        vec16=vec,
+                        profile_default=(split, warps, direct, vec)
+                        == (split0, w0, False, bool(tune.get("vec16"))),
                         us=ms * 1e3,
                         GBps=gbps,
                         frac_copy=gbps / COPY_GBPS,
                     )
 
-                guarded(f"decode time b{b} ctx{ctx} split {split} warps {warps} direct {direct}", one)
+                guarded(
+                    f"decode time b{b} ctx{ctx} split {split} warps {warps} direct {direct} vec16 {vec}", one
+                )
 
 
 def precompile(K: Kernels) -> None:
@@ -422,14 +435,23 @@ def precompile(K: Kernels) -> None:
                 specs.append(prefill_choice(h, kvh, hd, (h + 2 * kvh) * hd, h * hd + pad, *tile).spec)
             except Exception:
                 pass
+    tune = PROFILE.tune("attention_decode")
+    w0 = tune["warps"]
+    split0 = max(4 * w0, tune["split_kv_tokens"] // (4 * w0) * 4 * w0)
+    used = {(split0, w0, False), (split0, w0, True), (256, 4, False), (1024, 8, False)}  # decode_checks
     for h, kvh, hd in (QWEN3_4B, (9, 3, 64), (32, 4, 128)):
-        for w in (4, 8):
-            for s in (64, 128, 256, 512, 1024, 2048):
-                for direct in (False, True):
-                    try:
-                        specs.append(decode_choice(h, kvh, hd, (h + 2 * kvh) * hd, h * hd, s, w, direct).spec)
-                    except Exception:
-                        pass
+        combos = set(used)
+        if (h, kvh, hd) == QWEN3_4B:  # time_decode's sweep
+            combos |= {(s, w, False) for w in (4, 8) for s in (128, 256, 512, 1024, 2048)}
+            combos |= {(64, 4, True), (64, 8, True)}
+        for s, w, direct in sorted(combos):
+            for vec in (False, True):
+                try:
+                    q_stride = (h + 2 * kvh) * hd
+                    specs.append(decode_choice(h, kvh, hd, q_stride, h * hd, s, w, direct, vec).spec)
+                except Exception:
+                    pass
+            if not direct:
                 specs.append(kc.spec("attention_combine", heads=h, head_dim=hd, split=s, out_stride=h * hd))
     stats = K.builder.build_all(list(dict.fromkeys(specs)), jobs=os.cpu_count() or 4, progress=None)
     record("precompile", specs=len(specs), compiled=stats.compiled, hits=stats.hits, seconds=time.time() - T0)
@@ -461,7 +483,8 @@ def table(rows: list[dict]) -> str:
                 best[key] = r
     for (b, ctx), r in sorted(best.items()):
         lines.append(
-            f"best decode b{b} ctx{ctx}: split {r['split']} warps {r['warps']} direct {r['direct']} {r['GBps']:.0f} GB/s"
+            f"best decode b{b} ctx{ctx}: split {r['split']} warps {r['warps']} direct {r['direct']} "
+            f"vec16 {r['vec16']} {r['GBps']:.0f} GB/s"
         )
     bad = [r["check"] for r in rows if r.get("ok") is False]
     lines.append(f"{len(bad)} failing" + (f": {bad}" if bad else ""))
