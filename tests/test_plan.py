@@ -150,7 +150,8 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     dec, comb = step.launches["decode"]
     assert dec.spec.params["direct"] is False and dec.spec.params["mode"] == "decode"
     assert comb.spec.template == "attention_combine"
-    assert dec.grid_for({"n": 4, "max_ctx": 4096}) == (4, 8, 8)  # 4096 / split 512
+    split = get_profile("h200").tune("attention_decode")["split_kv_tokens"]
+    assert dec.grid_for({"n": 4, "max_ctx": 4096}) == (4, 8, 4096 // split)
     (pre,) = step.launches["prefill"]  # varlen flash attention: (q tiles, heads, sequences)
     assert pre.spec.template == "attention_prefill"
     assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
@@ -159,7 +160,7 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert pre.smem == (pt["block_q"] + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
-    assert scratch["attn_o"].nbytes(4096) == 8 * rows * 16 * 128 * 4
+    assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4
 
 
 def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
