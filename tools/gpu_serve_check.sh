@@ -26,9 +26,11 @@ t0=$(date +%s)
 timeout 120 python3 -m pytest -q -s tests/gpu/test_real_models.py -k smollm2 -p no:cacheprovider > "$OUT/smollm2.log" 2>&1
 MEMRA_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -ra tests/test_serve_smollm2.py -p no:cacheprovider >> "$OUT/smollm2.log" 2>&1
 echo "smollm2 stages done at $(( $(date +%s) - t0 )) s" >> "$OUT/smollm2.log"
+[ -n "${SMOLLM2_ONLY:-}" ] && exit 0
 python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b >> "$OUT/serve.log" 2>&1
 timeout 150 python3 -m engine.cli bench /dev/shm/q4b --backend cuda --skip-runner --concurrency 32,32 --prompt-tokens 440 --gen-tokens 128 --json "$OUT/engine32.json" >> "$OUT/serve.log" 2>&1
 python3 -m engine.cli serve /dev/shm/q4b --backend cuda --port 8123 > "$OUT/memra_serve.log" 2>&1 &
+serve_pid=$!
 for i in $(seq 1 90); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
 # the first closed batch captures the CUDA graphs of every bucket: a warm-up run, then the measured one
 # (the engine bench's second c=32 row is its warm figure)
@@ -36,4 +38,5 @@ for run in warm measured; do
   timeout 100 python3 tools/loadgen.py --url http://127.0.0.1:8123 --requests 32 --concurrency 32 --prompt-words 432 --max-tokens 128 --temperature 0 --ignore-eos --json "$OUT/loadgen_$run.json" >> "$OUT/serve.log" 2>&1
 done
 timeout 100 python3 tools/loadgen.py --url http://127.0.0.1:8123 --requests 64 --concurrency 32 --prompt-words 150 --max-tokens 128 --json "$OUT/loadgen_sampled.json" >> "$OUT/serve.log" 2>&1
+kill -TERM $serve_pid; wait $serve_pid  # SIGTERM: the server drains and frees the GPU
 echo "total $(( $(date +%s) - t0 )) s" >> "$OUT/serve.log"
