@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_kernels_check import DEV, Kernels, bench, bf, bf_round, check, f32, host, nan_like  # noqa: E402
+from gpu_kernels_check import DEV, Kernels, bench, bf, bf_round, check, f32, host, nan_like, run_steps  # noqa: E402
 
 from engine import kernel_catalog as kc  # noqa: E402
 from engine import quant  # noqa: E402
@@ -554,20 +554,7 @@ def main() -> int:
         "decode": lambda: time_decode(K, args.quick),
         "quant": lambda: time_quant(K, args.quick),
     }
-    for name, fn in steps.items():
-        if args.only and name not in args.only.split(","):
-            continue
-        t = time.time()
-        guarded(name, fn)
-        print(f"{name}: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check_gemm.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    text = table(RESULTS)
-    with open(os.path.join(args.out, "gpu_check_gemm.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    return 1 if any(r.get("ok") is False for r in RESULTS) else 0
+    return run_steps("gpu_check_gemm", steps, RESULTS, table, args, guarded)
 
 
 if __name__ == "__main__":

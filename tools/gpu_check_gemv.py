@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_kernels_check import DEV, TUNING, Kernels, bf, bf_round, host, i32, nan_like, rel_err  # noqa: E402
+from gpu_kernels_check import DEV, TUNING, Kernels, bench, bf, bf_round, host, i32, nan_like, rel_err  # noqa: E402
 
 from engine import kernel_catalog as kc  # noqa: E402
 from engine import quant  # noqa: E402
@@ -310,18 +310,7 @@ def weight_copies(qt, n, k, min_bytes=256 << 20, max_copies=64):
 
 def bench_ms(fn, reps=20) -> float:
     """Median milliseconds of fn() (CUDA events) after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    return bench(fn, reps)
 
 
 def graphed(fn):

@@ -167,6 +167,25 @@ def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]
     return raw.reshape(n, -1), deq
 
 
+def run_steps(name: str, steps: dict, results: list, table, args, guarded) -> int:
+    """Run the named ``steps`` (``--only`` picks some) under ``guarded``, then write
+    ``<out>/<name>.json`` and ``<out>/<name>.txt`` (``table(results)``); 1 if any check failed."""
+    for step, fn in steps.items():
+        if args.only and step not in args.only.split(","):
+            continue
+        t = time.time()
+        guarded(step, fn)
+        print(f"{step}: {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(results)
+    with open(os.path.join(args.out, f"{name}.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 1 if any(r.get("ok") is False for r in results) else 0
+
+
 def bf_round(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).float().numpy().astype(np.float64)
 
