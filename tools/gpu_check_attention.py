@@ -16,17 +16,15 @@ torch is only the allocator / timer / reference / baseline here (never in engine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_kernels_check import DEV, PROFILE, Kernels, bench, check, i32, nan_like, run_steps  # noqa: E402
+from gpu_kernels_check import DEV, PROFILE, Kernels, Recorder, bench, check, i32, nan_like, run_steps  # noqa: E402
 
 from engine import kernel_catalog as kc  # noqa: E402
 
@@ -39,29 +37,8 @@ BS = PROFILE.kv_block_size
 QWEN3_4B = (32, 8, 128)  # heads, kv_heads, head_dim
 
 
-def record(name: str, out=None, ref=None, tol: float = 0.0, **extra) -> None:
-    row = {"check": name, **extra}
-    if out is not None:
-        nan = int(np.isnan(out).sum())
-        o = np.nan_to_num(out)
-        err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
-        row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
-    RESULTS.append(row)
-    print(json.dumps(row), flush=True)
-
-
-def guarded(name: str, fn) -> None:
-    try:
-        fn()
-    except Exception as exc:
-        RESULTS.append(
-            {"check": name, "ok": False, "error": f"{exc}", "trace": traceback.format_exc()[-3000:]}
-        )
-        print(RESULTS[-1]["trace"], file=sys.stderr, flush=True)
-        try:
-            torch.cuda.synchronize()
-        except Exception:
-            pass
+_REC = Recorder(RESULTS, "check")
+record, guarded = _REC.record, _REC.guarded
 
 
 def bench_graph(fns, reps: int = 10) -> float:

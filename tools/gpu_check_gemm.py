@@ -16,17 +16,27 @@ Uses torch only to allocate, time and as the matmul baseline (never imported by 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_kernels_check import DEV, Kernels, bench, bf, bf_round, check, f32, host, nan_like, run_steps  # noqa: E402
+from gpu_kernels_check import (  # noqa: E402
+    DEV,
+    Kernels,
+    Recorder,
+    bench,
+    bf,
+    bf_round,
+    check,
+    f32,
+    host,
+    nan_like,
+    run_steps,
+)
 
 from engine import kernel_catalog as kc  # noqa: E402
 from engine import quant  # noqa: E402
@@ -117,29 +127,8 @@ def choice(n, k, cfg, **kw) -> kc.KernelChoice:
     return kc.choice("gemm", **kc.gemm_params(n, k, {"gemm": cfg_dict(cfg)}, **kw))
 
 
-def record(name: str, out=None, ref=None, tol: float = 0.0, **extra) -> None:
-    row = {"check": name, **extra}
-    if out is not None:
-        nan = int(np.isnan(out).sum())
-        o = np.nan_to_num(out)
-        err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
-        row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
-    RESULTS.append(row)
-    print(json.dumps(row), flush=True)
-
-
-def guarded(name: str, fn) -> None:
-    try:
-        fn()
-    except Exception as exc:
-        RESULTS.append(
-            {"check": name, "ok": False, "error": f"{exc}", "trace": traceback.format_exc()[-3000:]}
-        )
-        print(RESULTS[-1]["trace"], file=sys.stderr, flush=True)
-        try:
-            torch.cuda.synchronize()
-        except Exception:
-            pass
+_REC = Recorder(RESULTS, "check")
+record, guarded = _REC.record, _REC.guarded
 
 
 # ---- random weights in a storage type: (raw bytes on the device, dequantised f64 on the host) ----

@@ -37,7 +37,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_kernels_check import DEV, TUNING, Kernels, bench, bf, bf_round, host, i32, nan_like, rel_err  # noqa: E402
+from gpu_kernels_check import (  # noqa: E402
+    DEV,
+    TUNING,
+    Kernels,
+    Recorder,
+    bench,
+    bf,
+    bf_round,
+    host,
+    i32,
+    nan_like,
+)
 
 from engine import kernel_catalog as kc  # noqa: E402
 from engine import quant  # noqa: E402
@@ -65,23 +76,8 @@ SHAPES = {  # (n, k) of the decode GEMVs: qkv, o, gate|up, down, lm_head
 }
 
 
-def record(name: str, out: np.ndarray | None, ref: np.ndarray | None, tol: float, **extra) -> dict:
-    row = {"kernel": name, **extra}
-    if out is not None:
-        nan = int(np.isnan(out).sum())
-        err = rel_err(np.nan_to_num(out), ref)
-        row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
-    RESULTS.append(row)
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def guarded(label: str, fn) -> None:
-    try:
-        fn()
-    except Exception as e:  # one failing case must not hide the others
-        traceback.print_exc()
-        record(label, None, None, 0.0, ok=False, error=f"{type(e).__name__}: {e}")
+_REC = Recorder(RESULTS, "kernel")
+record, guarded = _REC.record, _REC.guarded
 
 
 def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:

@@ -115,14 +115,47 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def record(name: str, out: np.ndarray | None, ref: np.ndarray | None, tol: float, **extra):
-    row = {"kernel": name, **extra}
-    if out is not None:
-        nan = int(np.isnan(out).sum())
-        err = rel_err(np.nan_to_num(out), ref)
-        row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
-    RESULTS.append(row)
-    print(json.dumps(row), flush=True)
+class Recorder:
+    """The result rows of one check script (shared by the tools/gpu_check_*.py scripts).
+
+    ``record`` appends a row keyed ``{key: name}``; with ``out`` it counts NaNs and the relative
+    error against ``ref`` (ok: no NaN and error <= ``tol``). ``guarded`` runs one step and turns an
+    exception into a failed row (traceback printed), so one failure does not hide the others."""
+
+    def __init__(self, results: list[dict], key: str = "kernel"):
+        self.results, self.key = results, key
+
+    def record(self, name: str, out=None, ref=None, tol: float = 0.0, **extra) -> dict:
+        row = {self.key: name, **extra}
+        if out is not None:
+            nan = int(np.isnan(out).sum())
+            err = rel_err(np.nan_to_num(out), ref)
+            row.update(rel_err=err, nans=nan, ok=bool(nan == 0 and err <= tol), tol=tol)
+        self.results.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    def guarded(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self.results.append(
+                {
+                    self.key: name,
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()[-3000:],
+                }
+            )
+            print(self.results[-1]["trace"], file=sys.stderr, flush=True)
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+
+
+_RECORDER = Recorder(RESULTS)
+record, guarded = _RECORDER.record, _RECORDER.guarded
 
 
 def bench(fn, reps: int = 50) -> float:
@@ -620,14 +653,7 @@ def main() -> int:
         if args.only and name not in args.only.split(","):
             continue
         t0 = time.time()
-        try:
-            fn()
-        except Exception as exc:
-            RESULTS.append(
-                {"kernel": name, "ok": False, "error": f"{exc}", "trace": traceback.format_exc()[-3000:]}
-            )
-            print(RESULTS[-1]["trace"], file=sys.stderr)
-            torch.cuda.synchronize()
+        guarded(name, fn)
         print(f"{name}: {time.time() - t0:.1f} s", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
