@@ -13,7 +13,7 @@ import falcon
 
 from . import sse
 from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
-from .http_common import read_json, send_json, start_run, start_sse
+from .http_common import read_json, respond, send_json, start_run
 from .schemas import ChatSpec, parse_anthropic
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
@@ -34,14 +34,7 @@ class Messages:
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
         run = start_run(st, req, spec, ids, param="messages", id_prefix="msg_")
-        if spec.stream:
-            start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.anthropic_stream_error)
-            return
-        try:
-            self._complete(run, spec, resp)
-        finally:
-            run.close()
+        respond(run, spec, resp, self._stream, self._complete, sse.anthropic_stream_error)
 
     def _stop_reason(self, run: Run, spec: ChatSpec, reason: str, emitted: str, has_calls: bool):
         """Anthropic stop_reason and stop_sequence from the engine finish reason."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import falcon
 
+from . import sse
 from .body import parse_json_body
 from .errors import ApiError
 from .generation import Run
@@ -45,6 +46,27 @@ def start_sse(resp: falcon.Response) -> None:
     resp.content_type = "text/event-stream"
     resp.set_header("Cache-Control", "no-cache")
     resp.set_header("X-Accel-Buffering", "no")
+
+
+def respond(
+    run: Run,
+    spec,
+    resp: falcon.Response,
+    stream: Callable,
+    complete: Callable,
+    stream_error: Callable,
+) -> None:
+    """Answer with ``run``: an SSE body from ``stream(run, spec)`` (errors mid-stream rendered by
+    ``stream_error``; the run is closed when the stream ends or the client goes away), or a JSON
+    body written by ``complete(run, spec, resp)``, closing the run afterwards."""
+    if spec.stream:
+        start_sse(resp)
+        resp.stream = sse.ClosingStream(stream(run, spec), run.close, stream_error)
+        return
+    try:
+        complete(run, spec, resp)
+    finally:
+        run.close()
 
 
 def usage_openai(u) -> dict:

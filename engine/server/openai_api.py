@@ -12,7 +12,7 @@ import falcon
 from . import sse
 from .errors import ApiError
 from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
-from .http_common import read_json, send_json, start_run, start_sse, usage_openai
+from .http_common import read_json, respond, send_json, start_run, usage_openai
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
@@ -35,14 +35,7 @@ class ChatCompletions:
         check_model(st, spec.model)
         ids = encode(st, chat_prompt(st, spec))
         run = start_run(st, req, spec, ids, param="messages", id_prefix="chatcmpl-")
-        if spec.stream:
-            start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)
-            return
-        try:
-            self._complete(run, spec, resp)
-        finally:
-            run.close()
+        respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
     def _base(self, run: Run, obj: str) -> dict:
         return {
@@ -181,34 +174,30 @@ class Completions:
         else:
             ids = encode(st, spec.prompt, "prompt")
         run = start_run(st, req, spec, ids, param="prompt", id_prefix="cmpl-")
-        if spec.stream:
-            start_sse(resp)
-            resp.stream = sse.ClosingStream(self._stream(run, spec), run.close, sse.openai_stream_error)
+        respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
+
+    def _complete(self, run: Run, spec, resp: falcon.Response) -> None:
+        parts, last = [], None
+        for ev in run.events():
+            if ev is not None:
+                parts.append(ev.text)
+                last = ev
+        if last is None:
+            resp.status = falcon.code_to_http_status(499)
             return
-        try:
-            parts, last = [], None
-            for ev in run.events():
-                if ev is not None:
-                    parts.append(ev.text)
-                    last = ev
-            if last is None:
-                resp.status = falcon.code_to_http_status(499)
-                return
-            if last.finish_reason in ("error", "abort"):
-                raise error_of(last)
-            body = self._base(run)
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "text": "".join(parts),
-                    "logprobs": None,
-                    "finish_reason": _finish(last.finish_reason, False),
-                }
-            ]
-            body["usage"] = usage_openai(run.usage)
-            send_json(resp, body)
-        finally:
-            run.close()
+        if last.finish_reason in ("error", "abort"):
+            raise error_of(last)
+        body = self._base(run)
+        body["choices"] = [
+            {
+                "index": 0,
+                "text": "".join(parts),
+                "logprobs": None,
+                "finish_reason": _finish(last.finish_reason, False),
+            }
+        ]
+        body["usage"] = usage_openai(run.usage)
+        send_json(resp, body)
 
     def _base(self, run: Run) -> dict:
         return {
