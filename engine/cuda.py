@@ -6,6 +6,8 @@ returns ``[]`` when the driver or a GPU is missing. Every failing driver call ra
 naming the function and the CUresult. Launch arguments are packed once into a reusable buffer
 (``KernelArgs``, tinygrad-style ``kernelParams`` = array of pointers into one byte buffer) and
 can be updated in place, so a launch costs one ``cuLaunchKernel`` and no per-call packing.
+``PreparedLaunch`` also builds the launch configuration once (``cuLaunchKernelEx``), optionally
+with programmatic dependent launch (PDL, sm_90+).
 Must not import other engine modules except engine.profile (for the plain DeviceInfo).
 """
 
@@ -391,6 +393,71 @@ def launch(
     )
     if err != drv.CUresult.CUDA_SUCCESS:
         raise CudaError("cuLaunchKernel", _name(err), f"kernel {fn.name} grid {g} block {b} smem {smem}")
+
+
+class PreparedLaunch:
+    """One launch of ``fn`` over ``grid`` x ``block`` with ``smem`` dynamic bytes on ``stream``,
+    its ``CUlaunchConfig`` built once; ``__call__(args)`` is one ``cuLaunchKernelEx``.
+
+    ``pdl=True`` adds the programmatic-stream-serialization attribute (programmatic dependent
+    launch, sm_90+): the kernel may then be launched, and its blocks scheduled, while the previous
+    kernel in the stream is still running (once all of that kernel's blocks have called
+    ``pdl_trigger()`` or exited). The kernel must call ``pdl_wait()`` (kernels/_common.cuh.j2)
+    before it reads anything a previous kernel wrote and before its first global write. Stream
+    capture records the attribute as a programmatic edge of the graph (CUDA 12.3+ drivers).
+    """
+
+    def __init__(
+        self,
+        fn: Function,
+        grid: Sequence[int],
+        block: Sequence[int],
+        smem: int = 0,
+        stream: Stream | None = None,
+        pdl: bool = False,
+    ):
+        self.fn = fn
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.smem = int(smem)
+        self.pdl = bool(pdl)
+        if self.smem:
+            fn.ensure_smem(self.smem)
+        self.config = launch_config(self.grid, self.block, self.smem, stream, self.pdl)
+
+    def __call__(self, args: KernelArgs) -> None:
+        drv = _driver()
+        (err,) = drv.cuLaunchKernelEx(self.config, self.fn.handle, args.address, 0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise CudaError(
+                "cuLaunchKernelEx",
+                _name(err),
+                f"kernel {self.fn.name} grid {self.grid} block {self.block} smem {self.smem}"
+                + (" pdl" if self.pdl else ""),
+            )
+
+
+def launch_config(
+    grid: Sequence[int], block: Sequence[int], smem: int = 0, stream: Stream | None = None, pdl: bool = False
+) -> Any:
+    """The ``CUlaunchConfig`` of a launch (no driver call: it needs no GPU or context)."""
+    drv = _driver()
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    b = tuple(block) + (1,) * (3 - len(block))
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in g)
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in b)
+    config.sharedMemBytes = int(smem)
+    config.hStream = stream.handle if stream is not None else drv.CUstream(0)
+    if pdl:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attr]  # copied into the config: set the attribute before assigning it
+        config.numAttrs = 1
+    else:
+        config.numAttrs = 0
+    return config
 
 
 # ---------------------------------------------------------------------------------------------

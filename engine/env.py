@@ -69,3 +69,9 @@ MEMRA_MODELS: EnvVar[str] = EnvVar(
 MEMRA_LOG_LEVEL: EnvVar[str] = EnvVar(
     "MEMRA_LOG_LEVEL", str, "INFO", "log level: DEBUG, INFO, WARNING, ERROR"
 )
+MEMRA_PDL: EnvVar[str] = EnvVar(
+    "MEMRA_PDL",
+    str,
+    "",
+    "1/0 forces programmatic dependent launch on/off (default: the device profile's programmatic_launch)",
+)

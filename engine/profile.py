@@ -171,6 +171,8 @@ PROFILE_SCHEMA: dict[str, Field] = {
     "prefill_chunk_tokens": Field(int, default=2048, check=_positive),
     "max_running": Field(int, default=64, check=_positive),
     "cuda_graph_batch_sizes": Field(ListOf(int), default=[1, 2, 4, 8, 16, 24, 32, 48, 64]),
+    # launch kernels with programmatic dependent launch (sm_90+; MEMRA_PDL overrides it)
+    "programmatic_launch": Field(bool, default=False),
     "tuning": Field(TUNING_SCHEMA, default={k: f.default for k, f in TUNING_SCHEMA.items()}),
     "notes": Field(MapOf(str), default={}),
 }
@@ -208,6 +210,7 @@ class DeviceProfile:
     max_running: int
     cuda_graph_batch_sizes: tuple[int, ...]
     tuning: dict[str, dict[str, Any]] = field(default_factory=dict)
+    programmatic_launch: bool = False
 
     def tune(self, section: str) -> dict[str, Any]:
         return dict(self.tuning[section])
@@ -224,6 +227,11 @@ def load_profile(path: Path) -> DeviceProfile:
         raise ConfigError(f"{path}: cuda_graph_batch_sizes: expected positive batch sizes, got {sizes}")
     if data["name"] != path.stem:
         raise ConfigError(f"{path}: name: {data['name']!r} must equal the file name {path.stem!r}")
+    if data["programmatic_launch"] and arch_number(data["arch"]) < 90:
+        raise ConfigError(
+            f"{path}: programmatic_launch: programmatic dependent launch needs sm_90 or newer, "
+            f"but arch is {data['arch']}"
+        )
     return DeviceProfile(
         name=data["name"],
         path=path,
@@ -241,7 +249,13 @@ def load_profile(path: Path) -> DeviceProfile:
         max_running=data["max_running"],
         cuda_graph_batch_sizes=tuple(sizes),
         tuning=tuning,
+        programmatic_launch=data["programmatic_launch"],
     )
+
+
+def arch_number(arch: str) -> int:
+    """sm_90a -> 90 (the arch was validated by _arch)."""
+    return int(arch[3:].rstrip("af"))
 
 
 @lru_cache(maxsize=4)

@@ -52,3 +52,23 @@ def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:
     if f"{spec.entry}(" not in source:
         raise RenderError(f"{name} rendered for {spec.entry} does not define the entry point {spec.entry}")
     return source
+
+
+def waits_first(source: str, entry: str) -> bool:
+    """Whether the body of kernel ``entry`` in ``source`` starts with ``pdl_wait();`` (comments and
+    blank lines aside): the contract of a kernel launched with programmatic dependent launch."""
+    start = source.find(f"{entry}(")
+    if start < 0:
+        return False
+    i, depth = start + len(entry) + 1, 1
+    while depth and i < len(source):
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+    body = source.find("{", i)
+    if body < 0 or source[i:body].strip():
+        return False
+    for line in source[body + 1 :].splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            return code.startswith("pdl_wait();")
+    return False

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from engine import cuda
+from engine import cuda, env
 from engine.compile import KernelBuilder
 from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, build_plan, kernel_specs
-from engine.profile import DeviceProfile, select
+from engine.profile import DeviceProfile, arch_number, select
+from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample
-from engine.types import MemraError, StepItem
+from engine.types import ConfigError, MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -57,6 +58,7 @@ class _Bound:
     block: tuple[int, ...]
     smem: int
     args: cuda.KernelArgs
+    run: cuda.PreparedLaunch  # the launch configuration built once (PDL attribute when on)
 
 
 class CudaRunner:
@@ -89,6 +91,17 @@ class CudaRunner:
             model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
         )
         self.use_graphs = use_graphs
+        self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
+        self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
+        self._pdl_warned: set[str] = set()
+        log.info(
+            "programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
+            "on" if self._pdl else "off",
+            self.profile.name,
+            self.profile.programmatic_launch,
+            env.MEMRA_PDL.get(),
+            self.ctx.info.cc,
+        )
         self.stream = cuda.Stream()
         self.block_size = self.plan.block_size
         self._load_kernels(builder)
@@ -271,7 +284,22 @@ class CudaRunner:
     def _bind(self, launch: Launch, shape: dict[str, int]) -> _Bound:
         values = [self._resolve(a, shape) for a in launch.args]
         args = cuda.KernelArgs([a.ctype for a in launch.args], values)
-        return _Bound(self._fns[launch.spec], launch.grid_for(shape), launch.block, launch.smem, args)
+        fn, grid = self._fns[launch.spec], launch.grid_for(shape)
+        pdl = self._pdl_for(launch.spec)
+        run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
+        return _Bound(fn, grid, launch.block, launch.smem, args, run)
+
+    def _pdl_for(self, spec: Any) -> bool:
+        """PDL for this kernel: on, and its source calls pdl_wait() first (a kernel that does not
+        is launched plainly, so it never runs ahead of the kernel before it)."""
+        if not self._pdl:
+            return False
+        if spec not in self._pdl_ready:
+            self._pdl_ready[spec] = waits_first(render(spec), spec.entry)
+            if not self._pdl_ready[spec] and spec.template not in self._pdl_warned:
+                self._pdl_warned.add(spec.template)  # once per template, not per spec
+                log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
+        return self._pdl_ready[spec]
 
     def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
         return {
@@ -312,7 +340,7 @@ class CudaRunner:
 
     def _run(self, bound: list[_Bound]) -> None:
         for b in bound:
-            cuda.launch(b.fn, b.grid, b.block, b.args, b.smem, self.stream)
+            b.run(b.args)
 
     # ----------------------------------------------------------------------------- steps
 
@@ -608,6 +636,31 @@ class CudaRunner:
             mod.unload()
         self._modules.clear()
         self._fns.clear()
+
+
+def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) -> bool:
+    """Programmatic dependent launch: MEMRA_PDL (1/0) if set, else the profile's
+    programmatic_launch; never on a device below compute capability 9.0 or with kernels built for
+    an arch below sm_90 (their pdl_wait() is compiled out, so an early launch would race)."""
+    raw = env.MEMRA_PDL.get().strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        want = True
+    elif raw in ("0", "false", "no", "off"):
+        want = False
+    elif raw == "":
+        want = profile.programmatic_launch
+    else:
+        raise ConfigError(f"environment variable MEMRA_PDL={raw!r}: expected 1 or 0")
+    if want and (tuple(compute_capability) < (9, 0) or arch_number(profile.arch) < 90):
+        log.warning(
+            "programmatic dependent launch needs sm_90+ (device cc %d.%d, profile %s arch %s): off",
+            compute_capability[0],
+            compute_capability[1],
+            profile.name,
+            profile.arch,
+        )
+        return False
+    return want
 
 
 def _decode_mode(bucket: int, wide_rows: int = 0) -> str:

@@ -30,6 +30,7 @@ class FakeDriver:
         self.captures = 0
         self.capturing = False
         self.h2d: list[int] = []
+        self.pdl: dict[str, bool] = {}  # kernel name -> launched with programmatic dependent launch
 
     def module(self):
         fake = self
@@ -108,8 +109,17 @@ class FakeDriver:
             fake.launches.append((fn.name, grid, tuple(block)))
 
         m.Context, m.Stream, m.Module, m.capture, m.PinnedBuffer = Ctx, Stream, Mod, Capture, Pinned
+        class Prepared:
+            def __init__(self, fn, grid, block, smem=0, stream=None, pdl=False):
+                self.fn, self.grid, self.block, self.smem, self.pdl = fn, grid, block, smem, pdl
+
+            def __call__(self, args):
+                fake.pdl[self.fn.name] = self.pdl
+                launch(self.fn, self.grid, self.block, args, self.smem)
+
         m.alloc = Buf
         m.launch = launch
+        m.PreparedLaunch = Prepared
         m.memset = lambda *a, **k: None
         m.htod = lambda ptr, host, stream=None: fake.h2d.append(np.asarray(host).nbytes)
         m.dtoh = lambda host, ptr, stream=None: host
@@ -261,3 +271,31 @@ def test_wide_buckets_replay_the_gemm_graph_and_small_ones_the_gemv(fake):
     drv.launches.clear()
     runner.step(items[:5])  # bucket 8: the GEMV
     assert not any(n.startswith("gemm") for n, _, _ in drv.launches)
+
+
+def test_launches_use_pdl_on_sm90_except_kernels_that_do_not_wait(fake, monkeypatch):
+    runner, drv = fake
+    assert runner._pdl  # the h200 profile on a cc 9.0 device
+    runner.step([StepItem(0, list(range(1, 21)), 0, [0, 1], True, GREEDY)])
+    runner.step([StepItem(0, [5], 20, [0, 1], True, GREEDY)])
+    assert drv.pdl and any(drv.pdl.values())
+    for name, pdl in drv.pdl.items():
+        assert pdl == runner._pdl_ready[next(s for s in runner._fns if s.entry == name)], name
+        if not name.startswith("gemv"):
+            assert pdl, name
+
+
+def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    monkeypatch.setenv("MEMRA_PDL", "0")
+    write_tiny_llama(tmp_path / "m")
+    builder = KernelBuilder(
+        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+    )
+    runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
+    runner.step([StepItem(0, [5, 6, 7], 0, [0], True, GREEDY)])
+    assert not runner._pdl and drv.pdl and not any(drv.pdl.values())
