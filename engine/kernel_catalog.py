@@ -28,6 +28,7 @@ QUANTS: dict[str, tuple[int, int]] = {
     "f16": (8, 16),
     "f32": (8, 32),
     "q8_0": (32, 34),
+    "q8_0r": (32, 34),  # q8_0 rows repacked at upload: k/32 f16 scales, then k int8 (quant.repack_q8_0r)
     "q4_0": (32, 18),
     "q4_1": (32, 20),
     "q5_0": (32, 22),
@@ -35,6 +36,7 @@ QUANTS: dict[str, tuple[int, int]] = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "q6_kr": (256, 210),  # q6_k rows repacked at upload: ql, qh, scales, d planes; 16-byte pitch
 }
 ROPE_STYLES = ("neox", "interleaved")
 PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however many entries there are)
@@ -44,6 +46,7 @@ STAGED_DEFAULT: dict[str, bool] = {
     "f16": False,
     "f32": False,
     "q8_0": True,
+    "q8_0r": False,
     "q4_0": True,
     "q4_1": True,
     "q5_0": True,
@@ -51,6 +54,7 @@ STAGED_DEFAULT: dict[str, bool] = {
     "q4_k": False,
     "q5_k": False,
     "q6_k": True,
+    "q6_kr": False,
 }
 
 
@@ -72,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16",),
 }
@@ -96,6 +100,7 @@ KERNELS: dict[str, KernelDoc] = {
             xsmem=bool,
             prefetch=bool,
             xf32=bool,
+            coop=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -116,6 +121,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xsmem",
             "prefetch",
             "xf32",
+            "coop",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
@@ -131,6 +137,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
+            "coop": False,
         },
     ),
     "gemm": KernelDoc(
@@ -383,7 +390,11 @@ def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: st
     return out
 
 
-GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
+GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")
+# storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
+COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr")
+# file storage type -> the device layout the coop gemv reads (kernel_catalog.upload_type)
+COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}  # x = q*d + m: the dot needs sum(x) per unit
 
 
 def gemv_smem(p: Mapping[str, Any]) -> int:
@@ -420,6 +431,11 @@ def _check(template: str, p: dict[str, Any]) -> None:
             p["threads"] % 32 == 0 and 32 <= p["threads"] <= 1024,
             f"threads={p['threads']} must be 32..1024, a multiple of 32",
         )
+    if template in ("gemv", "embed", "gemm") and p.get("quant") == "q8_0r":
+        cols = p["hidden"] if template == "embed" else p["k"]
+        need(cols % 256 == 0, f"q8_0r rows need k % 256 == 0 (16-byte aligned planes), got {cols}")
+    if template == "gemv" and p.get("quant") in COOP_LAYOUTS.values():
+        need(not p["stage"], f"{p['quant']}: a plane layout cannot be staged in chunks of whole blocks (stage=false)")
     if template in ("gemv", "embed"):
         q = p["quant"]
         need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
@@ -441,16 +457,22 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"silu prologue: u_off={p['u_off']} must be a multiple of 8 in [k, x_stride - k]",
             )
         warps = p["threads"] // 32
-        need(
-            p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
-            f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
-        )
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(1 <= p["bmax"] <= 32, f"bmax={p['bmax']} must be 1..32")
         # the residual is bf16 and may alias out: an f32 out would be read as bf16 and overrun it
         need(not (p["residual"] and p["out_dtype"] == "f32"), "residual needs out_dtype bf16")
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
+        if p["coop"]:
+            need(q in COOP_TYPES, f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}")
+            need(pro == "none", "coop gemv: no prologue (the fusions run on the classic layout only)")
+            need(not (p["stage"] or p["xsmem"] or p["prefetch"]), "coop gemv: stage, xsmem and prefetch are classic-layout options")
+            need(p["rows_per_block"] % warps == 0, f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)")
+        else:
+            need(
+                p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
+                f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
+            )
         need(
             gemv_smem(p) <= GEMV_XSMEM_MAX,
             f"xsmem: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
@@ -673,22 +695,53 @@ def linear_params(
     out_dtype: str = "bf16",
     bmax: int | None = None,
     stage: bool | None = None,
+    fused: bool = False,
 ) -> dict[str, Any]:
+    """A decode gemv's params for a weight uploaded as ``quant`` (fused: a prologue follows)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
+    layout = gemv_layout(quant, tuning, fused)
+    opts = {} if layout.get("coop") else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     return dict(
-        **gemv_options(g, st, bmax or g["max_batch"], k, quant),
-        stage=st,
+        **opts,
+        **layout,
+        stage=False if layout.get("coop") else st,
         quant=quant,
         n=n,
         k=k,
         bmax=bmax or g["max_batch"],
-        threads=g["threads"],
-        rows_per_block=g["rows_per_block"],
         residual=residual,
         out_dtype=out_dtype,
-        unroll=g.get("unroll", 2),
     )
+
+
+def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
+    """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
+    coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
+    cols % 256 == 0, q6_k the row-planar q6_kr (engine.quant.repack); else the file's layout."""
+    types = (tuning.get("gemv_coop") or {}).get("types", ())
+    if dtype == "q8_0" and "q8_0" in types and cols % 256 == 0:
+        return "q8_0r"
+    if dtype == "q6_k" and "q6_k" in types:
+        return "q6_kr"
+    return dtype
+
+
+def gemv_layout(quant: str, tuning: Mapping[str, Any], fused: bool = False) -> dict[str, Any]:
+    """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a weight uploaded as
+    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type and no
+    prologue is fused, else the classic gemv tuning."""
+    c = tuning.get("gemv_coop") or {}
+    file_type = {v: k for k, v in COOP_LAYOUTS.items()}.get(quant, quant)
+    if not fused and quant in COOP_TYPES and file_type in c.get("types", ()):
+        return dict(
+            coop=True,
+            threads=c["threads"],
+            rows_per_block=c["threads"] // 32 * c["rows_per_warp"],
+            unroll=c["unroll"],
+        )
+    g = tuning["gemv"]
+    return dict(threads=g["threads"], rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
 
 
 # bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
@@ -826,15 +879,17 @@ def all_specs(
     el, nm, sm = tuning["elementwise"]["threads"], tuning["norm"]["threads"], tuning["sampling"]["threads"]
     for t in types:
         ok = QUANTS[t][0]
+        th = upload_type(t, hidden, tuning)
         if hidden % ok == 0:
-            out[spec("embed", quant=t, hidden=hidden, threads=el)] = None
+            out[spec("embed", quant=th, hidden=hidden, threads=el)] = None
         for n, k, res in shapes:
             if k % ok == 0:
-                out[spec("gemv", **linear_params(t, n, k, tuning, residual=res))] = None
-                out[spec("gemv", **linear_params(t, n, k, tuning, residual=res, bmax=1))] = None
+                tk = upload_type(t, k, tuning)
+                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res))] = None
+                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res, bmax=1))] = None
         if hidden % ok == 0:
-            out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32"))] = None
-            out[spec("gemv", **linear_params(t, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
+            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32"))] = None
+            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
         # the decode GEMVs with fused prologues: rmsnorm before qkv / gate|up / lm_head, SiLU-mul
         # before the down projection (x = the fused gate|up buffer)
         norm = dict(prologue="norm", x_stride=hidden, eps=d["rms_eps"])
@@ -842,10 +897,10 @@ def all_specs(
         for bm in (None, 1):
             if hidden % ok == 0:
                 for n, od in ((qkv, "bf16"), (2 * inter, "bf16"), (vocab, "f32")):
-                    p = linear_params(t, n, hidden, tuning, out_dtype=od, bmax=bm)
+                    p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm, fused=True)
                     out[spec("gemv", **p, **norm)] = None
             if inter % ok == 0:
-                p = linear_params(t, hidden, inter, tuning, residual=True, bmax=bm)
+                p = linear_params(upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm, fused=True)
                 out[spec("gemv", **p, **silu)] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
@@ -853,7 +908,7 @@ def all_specs(
             out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
         for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
             if t != "bf16" and k % QUANTS[t][0] == 0:
-                out[spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=t))] = None
+                out[spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))] = None
     for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None

@@ -26,6 +26,7 @@ from typing import Any
 from engine.graph import BLOCK_SIZES, ModelGraph, Op, QuantCombo, evaluate
 from engine.kernel_spec import KernelSpec, entry_name
 from engine.profile import DeviceProfile
+from engine.quant import row_bytes
 from engine.types import ConfigError
 
 ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
@@ -39,7 +40,7 @@ def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
     elems, nbytes = BLOCK_SIZES[dtype]
     if cols % elems:
         raise ConfigError(f"a {dtype} row of {cols} values is not a whole number of {elems}-value blocks")
-    return rows * (cols // elems) * nbytes
+    return rows * row_bytes(dtype, cols)  # device layouts may pad rows (q6_kr)
 
 
 @dataclass(frozen=True)
@@ -315,10 +316,16 @@ def build_plan(
         dts = [_dtype_of(graph, quant, w, layer, tensor_dtypes) for w in op.weights]
         shapes = [_tensor_shape(graph, w, d) for w in op.weights]
         groups: list[list[int]] = []
+        # fused only when the types agree in every layer: the outputs are bound once, as column
+        # views of one buffer, so one layer's split q/k/v could not share the others' layout
+        layers = range(int(d["layers"])) if layer is not None else [None]
+        same_everywhere = all(
+            len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1 for lay in layers
+        )
         if (
             op.op == "linear"
             and len(op.weights) > 1
-            and len(set(dts)) == 1
+            and same_everywhere
             and len({s[1] for s in shapes}) == 1
         ):
             groups = [list(range(len(op.weights)))]
@@ -337,7 +344,7 @@ def build_plan(
                 prow = tuple(shapes[i][0] for i in g)
                 rows, cols = sum(prow), shape[1]
             if key not in weights:
-                weights[key] = WeightPlan(key, layer, tuple(resolved), dts[g[0]], rows, cols, prow)
+                weights[key] = WeightPlan(key, layer, tuple(resolved), adapter.upload_type(dts[g[0]], cols), rows, cols, prow)
             out.append(weights[key])
         return out
 
@@ -581,6 +588,11 @@ class _CatalogAdapter:
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)
 
+    def upload_type(self, dtype: str, cols: int) -> str:
+        """The device layout of a matrix stored as ``dtype`` (kernel_catalog.upload_type)."""
+        fn = getattr(self.cat, "upload_type", None) if self.cat is not None else None
+        return fn(dtype, cols, self.profile.tuning) if fn is not None else dtype
+
     def act_dtype(self, value: str) -> str:
         return "f32" if value == "logits" else "bf16"
 
@@ -751,11 +763,18 @@ class _CatalogAdapter:
                 raise ConfigError(
                     f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
                 )
-            opts = {}
-            go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
-            if go is not None:  # xsmem / prefetch from the tuning (off by default)
-                staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
-                opts = go(tg, staged, bmax, w.cols, w.dtype)
+            opts: dict[str, Any] = {}
+            gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
+            layout = gl(w.dtype, self.profile.tuning, bool(pp)) if gl is not None else {}
+            if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
+                rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
+                opts = dict(coop=True, stage=False)
+            else:
+                threads, unroll = tg["threads"], tg.get("unroll", 2)
+                go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
+                if go is not None:  # xsmem / prefetch from the tuning (off by default)
+                    staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
+                    opts = go(tg, staged, bmax, w.cols, w.dtype)
             spec = self._spec(
                 "gemv",
                 {
@@ -763,22 +782,23 @@ class _CatalogAdapter:
                     "n": w.rows,
                     "k": w.cols,
                     "b": bmax,
-                    "t": tg["threads"],
+                    "t": threads,
                     "r": int(residual),
                     "o": out_dtype,
                     "rp": rpb,
-                    "u": tg.get("unroll", 2),
+                    "u": unroll,
                     **({"p": pp["prologue"]} if pp else {}),
+                    **({"c": 1} if layout.get("coop") else {}),
                 },
                 quant=w.dtype,
                 n=w.rows,
                 k=w.cols,
                 bmax=bmax,
-                threads=tg["threads"],
+                threads=threads,
                 rows_per_block=rpb,
                 residual=residual,
                 out_dtype=out_dtype,
-                unroll=tg.get("unroll", 2),
+                unroll=unroll,
                 **pp,
                 **opts,
             )
@@ -786,7 +806,7 @@ class _CatalogAdapter:
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") else 0
-            launches.append(Launch(spec, grid, (tg["threads"],), args, smem))
+            launches.append(Launch(spec, grid, (threads,), args, smem))
         return launches
 
     def _op_head_rmsnorm(self, op, layer, mode, ins, outs, ws):

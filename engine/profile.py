@@ -76,6 +76,18 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xf32": False,
         },
     ),
+    # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
+    # (bf16, q4_k, q8_0; q8_0 matrices with k % 256 == 0 are then uploaded row-planar as q8_0r);
+    # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
+    "gemv_coop": Field(
+        {
+            "types": Field(ListOf(str), default=[]),
+            "threads": _knob(128),
+            "rows_per_warp": _knob(1),
+            "unroll": _knob(4),
+        },
+        default={"types": [], "threads": 128, "rows_per_warp": 1, "unroll": 4},
+    ),
     "gemm": Field(
         {
             "tile_m": _knob(128),

@@ -40,6 +40,15 @@ K-quants, 256-element super-blocks:
   ``q = (low | high << 4) - 32``; ``x = d * scales[e // 16] * q``.
 
 Plain: ``f32`` 4 B, ``f16`` 2 B, ``bf16`` 2 B (the top half of an f32) per element.
+
+Device layouts (never in a file; ``repack`` makes them from file bytes at upload):
+
+* ``q8_0r``: a q8_0 row of K elements as two planes, the K/32 f16 ``d`` of its blocks, then its K
+  int8 ``qs`` (same bytes per row as q8_0). With K % 256 == 0 both planes start 16-byte aligned,
+  so a kernel reads 16 weights per 16-byte load.
+* ``q6_kr``: a q6_k row of K elements (NB = K/256 super-blocks) as four planes, every block's
+  ``ql[128]``, then every ``qh[64]``, every ``scales[16]``, every ``d``, zero-padded to a multiple
+  of 16 bytes (``row_bytes``): each plane starts 16-byte aligned whatever NB is.
 """
 
 from __future__ import annotations
@@ -62,6 +71,60 @@ def nbytes_for(dtype: str, shape: Sequence[int]) -> int:
     if len(shape) and shape[-1] % elems:
         raise MemraError(f"{dtype} tensor row length {shape[-1]} is not a multiple of its block size {elems}")
     return n // elems * nbytes
+
+
+#: device layout -> the file storage type it is repacked from
+REPACKED_FROM: dict[str, str] = {"q8_0r": "q8_0", "q6_kr": "q6_k"}
+# the planes of each layout: (start, end) byte ranges of one file block, in plane order
+_PLANES: dict[str, tuple[tuple[int, int], ...]] = {
+    "q8_0r": ((0, 2), (2, 34)),
+    "q6_kr": ((0, 128), (128, 192), (192, 208), (208, 210)),
+}
+
+
+def row_bytes(dtype: str, cols: int) -> int:
+    """Bytes of one row of ``cols`` elements stored as ``dtype`` (a device layout's padded pitch)."""
+    elems, nbytes = _block(dtype)
+    if cols % elems:
+        raise MemraError(f"{dtype} row length {cols} is not a multiple of its block size {elems}")
+    n = cols // elems * nbytes
+    return (n + 15) // 16 * 16 if dtype == "q6_kr" else n
+
+
+def _layout(layout: str, rows: int, cols: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    if layout not in _PLANES:
+        raise MemraError(f"no device layout {layout!r}; known: {', '.join(REPACKED_FROM)}")
+    elems, nbytes = _block(REPACKED_FROM[layout])
+    if cols % elems:
+        raise MemraError(f"{layout} row length {cols} is not a multiple of its block size {elems}")
+    return cols // elems, nbytes, _PLANES[layout]
+
+
+def repack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
+    """File bytes of a [rows, cols] matrix (of type REPACKED_FROM[layout]) in device ``layout``."""
+    nb, nbytes, planes = _layout(layout, rows, cols)
+    b = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if b.size != rows * nb * nbytes:
+        raise MemraError(
+            f"{REPACKED_FROM[layout]} matrix [{rows}, {cols}] needs {rows * nb * nbytes} bytes, got {b.size}"
+        )
+    blocks = b.reshape(rows, nb, nbytes)
+    parts = [blocks[:, :, a:e].reshape(rows, -1) for a, e in planes]
+    pad = row_bytes(layout, cols) - nb * nbytes
+    if pad:
+        parts.append(np.zeros((rows, pad), np.uint8))
+    return np.concatenate(parts, axis=1).reshape(-1)
+
+
+def unpack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
+    """The inverse of ``repack``: device-layout bytes back to the file's block bytes."""
+    nb, nbytes, planes = _layout(layout, rows, cols)
+    b = np.ascontiguousarray(raw).reshape(rows, -1).view(np.uint8)
+    out, off = [], 0
+    for a, e in planes:
+        out.append(b[:, off : off + nb * (e - a)].reshape(rows, nb, e - a))
+        off += nb * (e - a)
+    return np.concatenate(out, axis=2).reshape(-1)
 
 
 def _block(dtype: str) -> tuple[int, int]:
@@ -228,9 +291,14 @@ def dequantize(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> np.ndarray:
     """
     shape = tuple(int(s) for s in shape)
     want = nbytes_for(dtype, shape)
+    if dtype in REPACKED_FROM:
+        rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        want = rows * row_bytes(dtype, shape[-1])
     b = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if b.size != want:
         raise MemraError(f"{dtype} tensor of shape {shape} needs {want} bytes, got {b.size}")
+    if dtype in REPACKED_FROM:
+        b, dtype = unpack(b, dtype, rows, shape[-1]), REPACKED_FROM[dtype]
     if dtype == "f32":
         return b.view(np.float32).reshape(shape).copy()
     if dtype == "f16":

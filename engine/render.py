@@ -54,9 +54,15 @@ def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:
     return source
 
 
+# the first line of a kernel body that reads only immutable inputs (weights) before its pdl_wait()
+PDL_PRELOAD = "// pdl: weights only before pdl_wait()"
+
+
 def waits_first(source: str, entry: str) -> bool:
     """Whether the body of kernel ``entry`` in ``source`` starts with ``pdl_wait();`` (comments and
-    blank lines aside): the contract of a kernel launched with programmatic dependent launch."""
+    blank lines aside): the contract of a kernel launched with programmatic dependent launch. A
+    body whose first line is PDL_PRELOAD (it loads weights, which no kernel writes, before its
+    ``pdl_wait();``) counts when it does call ``pdl_wait();``."""
     start = source.find(f"{entry}(")
     if start < 0:
         return False
@@ -67,7 +73,10 @@ def waits_first(source: str, entry: str) -> bool:
     body = source.find("{", i)
     if body < 0 or source[i:body].strip():
         return False
-    for line in source[body + 1 :].splitlines():
+    rest = source[body + 1 :]
+    if rest.lstrip().startswith(PDL_PRELOAD):
+        return "pdl_wait();" in rest
+    for line in rest.splitlines():
         code = line.split("//", 1)[0].strip()
         if code:
             return code.startswith("pdl_wait();")

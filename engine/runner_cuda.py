@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import cuda, env
+from engine import cuda, env, quant
 from engine.compile import KernelBuilder
 from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, build_plan, kernel_specs
 from engine.profile import DeviceProfile, arch_number, select
@@ -152,7 +152,7 @@ class CudaRunner:
                     )
                     continue
                 info = m.info(part, w.layer)
-                if info.dtype != w.dtype:
+                if info.dtype != quant.REPACKED_FROM.get(w.dtype, w.dtype):
                     raise MemraError(
                         f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan expects "
                         f"{w.dtype}",
@@ -160,6 +160,8 @@ class CudaRunner:
                     )
                 chunks.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
             data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            if w.dtype in quant.REPACKED_FROM:  # a device layout the plan chose (e.g. q8_0r)
+                data = quant.repack(data, w.dtype, w.rows, w.cols)
             if data.nbytes != w.nbytes:
                 raise MemraError(
                     f"{m.path}: weight {w.key} has {data.nbytes} bytes, the plan expects {w.nbytes}",

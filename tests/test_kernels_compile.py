@@ -265,6 +265,13 @@ def _gemv_variant_specs():
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
+    # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
+    coop = {**tun, "gemv_coop": {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}}
+    for q in kc.COOP_TYPES:
+        for bm in (1, 8):
+            p = kc.linear_params(q, 1003, 2560, coop, bmax=bm, residual=bm == 8)
+            assert p["coop"], q
+            out.append(kc.spec("gemv", **p))
     return out
 
 

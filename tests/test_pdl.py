@@ -16,7 +16,6 @@ from engine.types import ConfigError
 
 # templates whose pdl_wait() call lands separately (gemv.cu.j2); until it does the runner launches
 # them without PDL. Once it has, the test holds them to the contract too.
-PENDING = {"gemv"}
 
 
 def _specs():
@@ -50,8 +49,6 @@ def test_every_kernel_waits_before_touching_memory():
     for s in specs:
         src = render(s)
         assert "griddepcontrol.wait;" in src and "griddepcontrol.launch_dependents;" in src
-        if s.template in PENDING and not waits_first(src, s.entry):
-            continue
         assert waits_first(src, s.entry), f"{s.entry} ({s.template}) does not start with pdl_wait();"
 
 
@@ -137,3 +134,13 @@ def test_prepared_launch_builds_its_config_without_a_gpu():
     assert attr.value.programmaticStreamSerializationAllowed == 1
     plain = cuda.PreparedLaunch(fn, (1,), (32,), 0, None, pdl=False)  # type: ignore[arg-type]
     assert plain.config.numAttrs == 0 and fn.smem == [65536]
+
+
+def test_a_body_marked_pdl_preload_counts_only_with_its_wait():
+    from engine.render import PDL_PRELOAD
+
+    src = 'extern "C" __global__ void k_1(float* a) {\n    %s\n    float w = a[0];\n    pdl_wait();\n}\n'
+    assert waits_first(src % PDL_PRELOAD, "k_1")
+    assert not waits_first((src % PDL_PRELOAD).replace("pdl_wait();", ""), "k_1")
+    assert not waits_first(src % "// other comment", "k_1")
+

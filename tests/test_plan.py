@@ -335,6 +335,7 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
 
     prof = get_profile("h200")
     tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True, "xf32": True}}
+    tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": []}  # the classic layout's knobs
     graph = load_family("qwen3")
     plan = build_plan(
         graph,
@@ -360,3 +361,63 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
         for la in step.launches["decode"]:
             if la.spec.template == "gemv":
                 assert not la.spec.params["xsmem"] and la.smem == 0
+
+
+def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
+    import dataclasses
+
+    from engine import kernel_catalog as kc
+
+    prof = get_profile("h200")
+    coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}
+    graph = load_family("qwen3")
+    plan = build_plan(
+        graph,
+        dims_for_size("qwen3", "qwen3-4b"),
+        graph.quant("q8_0"),
+        dataclasses.replace(prof, tuning={**prof.tuning, "gemv_coop": coop}),
+    )
+    # every q8_0 matrix of Qwen3-4B has k % 256 == 0: uploaded row-planar, same bytes
+    mats = [w for w in plan.weights if w.rows > 1]
+    assert mats and all(w.dtype == "q8_0r" for w in mats)
+    assert all(w.nbytes == storage_nbytes("q8_0", w.rows, w.cols) for w in mats)
+    seen = {"gemv": 0, "prefill": 0}
+    for step in plan.steps:
+        for la in step.launches["decode1"] + step.launches["decode"]:
+            if la.spec.template == "gemv":
+                p = la.spec.params
+                assert p["coop"] and p["quant"] == "q8_0r" and p["threads"] == 128
+                assert p["rows_per_block"] == 8 and la.grid[0] == -(-p["n"] // 8) and la.block == (128,)
+                assert not (p["stage"] or p["xsmem"]) and "coop1" in la.spec.entry
+                seen["gemv"] += 1
+        for la in step.launches["prefill"]:
+            if la.spec.template in ("gemm", "embed"):
+                assert la.spec.params["quant"] in ("q8_0r", "bf16")
+                seen["prefill"] += 1
+    assert seen["gemv"] and seen["prefill"]
+    # a row length that is not a multiple of 256 keeps the file layout and the classic gemv
+    assert kc.upload_type("q8_0", 576, {"gemv_coop": coop}) == "q8_0"
+    assert kc.upload_type("q8_0", 2560, {"gemv_coop": {**coop, "types": []}}) == "q8_0"
+    assert not kc.gemv_layout("q8_0", {**prof.tuning, "gemv_coop": coop}).get("coop")
+    with pytest.raises(ConfigError, match="coop gemv: no prologue"):
+        kc.spec("gemv", **kc.linear_params("q4_k", 64, 512, {**prof.tuning, "gemv_coop": coop}), prologue="silu", x_stride=1024, u_off=512)
+    with pytest.raises(ConfigError, match="k % 256"):
+        kc.spec("embed", quant="q8_0r", hidden=576, threads=256)
+
+
+def test_a_fusion_is_decided_for_every_layer_at_once():
+    # q4_k_m as llama.cpp mixes it: attn_v is q6_k in every other layer. A layer whose q|k|v agree
+    # must not fuse them when another layer cannot: the outputs are bound once, and a fused launch
+    # in layer 1 would write 3 matrices' columns into layer 0's q buffer (found on the H200).
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-0.6b")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q4_k"}
+    dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
+    plan = build_plan(graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes=dtypes)
+    keys = {w.key for w in plan.weights}
+    assert not any("wq|wk" in k for k in keys) and "L1.wq" in keys and "L1.w_gate|w_up" in keys
+    for st in plan.steps:
+        for la in st.launches["prefill"] + st.launches["decode"]:
+            if la.spec.template in ("gemm", "gemv"):
+                out = plan.values[la.args[0].ref]
+                assert la.spec.params["n"] <= out.ld - out.offset, (st.layer, la.spec.entry)

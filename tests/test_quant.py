@@ -19,7 +19,23 @@ def test_block_sizes_match_gguf() -> None:
     from gguf.constants import GGML_QUANT_SIZES
 
     for name, size in quant.BLOCK_SIZES.items():
-        assert GGML_QUANT_SIZES[T[name.upper()]] == size
+        file_type = quant.REPACKED_FROM.get(name, name)  # device layouts keep their file type's sizes
+        assert GGML_QUANT_SIZES[T[file_type.upper()]] == size
+
+
+def test_q8_0r_repack_round_trips_and_dequantizes_like_q8_0() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    raw = np.frombuffer(quant.quantize_reference(x, "q8_0"), np.uint8)
+    packed = quant.repack(raw, "q8_0r", 6, 512)
+    assert packed.size == raw.size and not np.array_equal(packed, raw)
+    # row-planar: the row's 16 f16 scales first, then its 512 int8
+    assert np.array_equal(packed.reshape(6, -1)[:, :2], raw.reshape(6, 16, 34)[:, 0, :2])
+    assert np.array_equal(packed.reshape(6, -1)[:, 32:64], raw.reshape(6, 16, 34)[:, 0, 2:])
+    assert np.array_equal(quant.unpack(packed, "q8_0r", 6, 512), raw)
+    np.testing.assert_array_equal(quant.dequantize(packed, "q8_0r", (6, 512)), quant.dequantize(raw, "q8_0", (6, 512)))
+    with pytest.raises(MemraError, match="q8_0 matrix"):
+        quant.repack(raw[:-1], "q8_0r", 6, 512)
 
 
 @pytest.mark.parametrize("dtype", QUANTS)

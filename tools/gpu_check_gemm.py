@@ -137,6 +137,9 @@ KQUANT_F16 = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
 
 
 def random_weight(qt: str, n: int, k: int, rng, host_ref: bool = True):
+    if qt in quant.REPACKED_FROM:  # a device layout: the file type's weight, repacked as at upload
+        w, deq = random_weight(quant.REPACKED_FROM[qt], n, k, rng, host_ref)
+        return torch.from_numpy(quant.repack(w.cpu().numpy(), qt, n, k).copy()).to(DEV), deq
     if qt == "bf16":
         w = bf_round(rng.standard_normal((n, k)) * 0.05)
         return bf(w), w

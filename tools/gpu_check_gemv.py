@@ -58,6 +58,8 @@ NAME = "gpu_check_gemv"
 PEAK_GBS = 4100.0
 TOL = {"bf16": 1e-2, "f32": 1e-2}
 RESULTS: list[dict] = []
+TYPES: list[str] = list(kc.QUANTS)  # the storage types checked and timed (--types narrows it)
+SECTIONS: list[str] = ["bandwidth", "fused", "qsweep", "bsweep"]  # the timing sections (--sections)
 # byte offsets of the f16 scale/min fields inside one block (random bytes there could be inf/NaN)
 F16_FIELDS = {
     "q8_0": [0],
@@ -82,6 +84,9 @@ record, guarded = _REC.record, _REC.guarded
 
 def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """(raw uint8 bytes [n, row_bytes] in storage type qt, dequantised f64 [n, k])."""
+    if qt in quant.REPACKED_FROM:  # a device layout: the file type's weight, repacked as at upload
+        raw, deq = random_weight(quant.REPACKED_FROM[qt], n, k, rng)
+        return quant.repack(raw, qt, n, k).reshape(n, -1), deq
     if qt in ("bf16", "f16", "f32"):
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         if qt == "bf16":
@@ -104,8 +109,14 @@ def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]
     return raw.reshape(n, -1), deq
 
 
+# the classic gemv layout whatever the profile's gemv_coop says (coop variants ask for coop=True)
+CLASSIC = {**TUNING, "gemv_coop": {**TUNING["gemv_coop"], "types": []}}
+
+
 def gemv_choice(qt, n, k, *, bmax, residual=False, od="bf16", stage=None, **knobs):
-    p = kc.linear_params(qt, n, k, TUNING, residual=residual, out_dtype=od, bmax=bmax, stage=stage)
+    p = kc.linear_params(qt, n, k, CLASSIC, residual=residual, out_dtype=od, bmax=bmax, stage=stage)
+    if knobs.get("coop"):
+        p.update(stage=False, xsmem=False, xf32=False, prefetch=False)
     return kc.choice("gemv", **{**p, **knobs})
 
 
@@ -130,12 +141,17 @@ def gemv_variants(qt):
     """(stage, knobs) of the code paths to check: unstaged unroll 1/4, staged, and the options
     (xsmem, prefetch, raw-unit unroll 8) with a smaller case list."""
     out = [(False, {"unroll": 4}, CASES)]
-    if qt != "f32":
+    stageable = qt not in ("f32",) + tuple(kc.COOP_LAYOUTS.values())  # planes are not chunks of blocks
+    if stageable:
         out.append((True, {"unroll": 2}, CASES))
     st = kc.STAGED_DEFAULT[qt]
     out.append((st, {"xsmem": True}, NEW_CASES))
     out.append((st, {"xsmem": True, "xf32": True}, NEW_CASES))
-    if qt != "f32":
+    if qt in kc.COOP_TYPES:  # the warp-cooperative layout: rows per warp 1 and 4, unroll 1 and 4
+        for t, rpw, u in ((128, 1, 4), (256, 4, 1), (64, 2, 2)):
+            coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}
+            out.append((False, coop, CASES))
+    if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
     if qt in RAW_TYPES:
@@ -174,7 +190,7 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
 
 def check_gemv(K, rng, quick):
     n, k = 1003, 2560  # odd n: the last block's column tail
-    for qt in kc.QUANTS:
+    for qt in TYPES:
 
         def one(qt=qt):
             raw, deq = random_weight(qt, n, k, rng)
@@ -243,7 +259,7 @@ PRO_PLAIN = (PRO_CASES[0], PRO_CASES[1], PRO_CASES[4])  # the cases without xsme
 
 def check_prologues(K, rng, quick):
     n, k = 1003, 2560
-    for qt in kc.QUANTS:
+    for qt in TYPES:
 
         def one(qt=qt):
             raw, deq = random_weight(qt, n, k, rng)
@@ -265,7 +281,7 @@ def check_prologues(K, rng, quick):
 
 def check_embed(K, rng):
     hidden, vocab, rows = 2560, 300, 7
-    for qt in kc.QUANTS:
+    for qt in TYPES:
 
         def one(qt=qt):
             raw, deq = random_weight(qt, vocab, hidden, rng)
@@ -292,7 +308,7 @@ def weight_copies(qt, n, k, min_bytes=256 << 20, max_copies=64):
         _COPIES.clear()
         torch.cuda.empty_cache()
         elems, nbytes = kc.QUANTS[qt]
-        size = n * k // elems * nbytes
+        size = n * quant.row_bytes(qt, k) if qt in quant.REPACKED_FROM else n * k // elems * nbytes
         copies = max(1, min(max_copies, -(-min_bytes // size)))
         ws = [torch.randint(0, 256, (size,), dtype=torch.uint8, device=DEV) for _ in range(copies)]
         if qt in F16_FIELDS:  # finite f16 scales (random bytes may be inf/NaN), as in real weights
@@ -386,7 +402,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop")
         },
     }
     if torch_ref and qt == "bf16":
@@ -403,7 +419,7 @@ def time_gemv(
     return row
 
 
-HEADLINE_TYPES = ("q8_0", "q4_k", "q6_k", "q4_0")
+HEADLINE_TYPES = ("q8_0", "q8_0r", "q4_k", "q6_k", "q6_kr", "q4_0")
 XSMEM_MAX = kc.GEMV_XSMEM_MAX
 
 
@@ -420,7 +436,8 @@ def timing_variants(qt, rows, k, full=True):
     """(name, knobs) of the gemv code paths timed per shape: the default spec first. xs: x rows in
     shared memory (bf16), xs32: as f32; pf: staged-path prefetch; u4/u8: raw-unit unroll."""
     bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
-    st = {"stage": True} if qt not in ("bf16", "f16", "f32") and qt not in RAW_TYPES else {}
+    planes = tuple(kc.COOP_LAYOUTS.values())
+    st = {"stage": True} if qt not in ("bf16", "f16", "f32") + planes and qt not in RAW_TYPES else {}
     fits = xs_fits(qt, bmax, k, xsmem=True, **st)
     fits32 = xs_fits(qt, bmax, k, xsmem=True, xf32=True, **st)
     out = [("base", {})]
@@ -428,7 +445,7 @@ def timing_variants(qt, rows, k, full=True):
         return out  # the bf16 paths with another unpack: base only
     if qt == "bf16":
         extra = ({}, "")
-    elif qt in RAW_TYPES:
+    elif qt in RAW_TYPES or qt in planes:
         extra = ({"unroll": 4}, "+u4")
     else:
         extra = ({"stage": True, "prefetch": True}, "+pf")
@@ -440,7 +457,13 @@ def timing_variants(qt, rows, k, full=True):
         out.append(("xs32" + extra[1], {"xsmem": True, "xf32": True, **extra[0]}))
     if full and qt in RAW_TYPES and fits32:
         out.append(("xs32+u8", {"xsmem": True, "xf32": True, "unroll": 8}))
+    if qt in kc.COOP_TYPES:  # the warp-cooperative layout: threads, rows per warp, unroll
+        for t, rpw, u in COOP_SWEEP if full else COOP_SWEEP[:2]:
+            out.append((f"c{t}r{rpw}u{u}", {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}))
     return out
+
+
+COOP_SWEEP = ((128, 1, 4), (128, 2, 4), (128, 2, 2), (256, 1, 4), (64, 1, 8))
 
 
 def bandwidth_jobs(quick):
@@ -451,9 +474,9 @@ def bandwidth_jobs(quick):
         for i, (n, k) in enumerate(SHAPES[model]):
             od = "f32" if i == 4 else "bf16"
             for rows in (1, 8):
-                for vname, kn in timing_variants("bf16", rows, k) if model == "qwen3-4b" else [("base", {})]:
+                for vname, kn in timing_variants("bf16", rows, k, full=model == "qwen3-4b"):
                     jobs.append(("bf16", n, k, rows, model, od, vname, kn, vname == "base"))
-    for qt in kc.QUANTS:
+    for qt in TYPES:
         if qt == "bf16":
             continue
         head = qt in HEADLINE_TYPES
@@ -584,7 +607,7 @@ def prebuild(K, quick):
     their section starts, so a spent time budget skips their compiles too)."""
     specs = []
     g = TUNING["gemv"]
-    for qt in kc.QUANTS:  # the correctness cases (check_gemv, check_prologues, check_embed)
+    for qt in TYPES:  # the correctness cases (check_gemv, check_prologues, check_embed)
         specs.append(kc.choice("embed", quant=qt, hidden=2560, threads=TUNING["elementwise"]["threads"]).spec)
         for stage, knobs, cases in gemv_variants(qt):
             for _rows, bmax, residual, od in cases[:3] if quick else cases:
@@ -620,7 +643,7 @@ def prebuild(K, quick):
     bm = lambda rows: 1 if rows == 1 else g["max_batch"]  # noqa: E731
     for qt, n, k, rows, _m, od, _v, kn, _t in bandwidth_jobs(quick):
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), od=od, **kn).spec)
-    for qt, _pro, n, k, rows, _v, kn, _sep in fused_jobs(quick):
+    for qt, _pro, n, k, rows, _v, kn, _sep in fused_jobs(quick) if "fused" in SECTIONS else ():
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), **kn).spec)
     for k in (2560,):
         specs.append(
@@ -769,7 +792,12 @@ def main() -> int:
     ap.add_argument(
         "--budget", type=float, default=72.0, help="seconds after which timing sections are skipped"
     )
+    ap.add_argument("--types", default="", help="comma-separated storage types (default: every kc.QUANTS type)")
+    ap.add_argument("--sections", default="bandwidth,fused,qsweep,bsweep", help="timing sections to run, in order")
     args = ap.parse_args()
+    if args.types:
+        TYPES[:] = [t for t in args.types.split(",") if t in kc.QUANTS]
+    SECTIONS[:] = args.sections.split(",")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     K = Kernels(os.path.join(args.out, "kcache"))
@@ -787,6 +815,8 @@ def main() -> int:
         ("qsweep", sweep_quant),
         ("bsweep", sweep_bf16),
     ):
+        if name not in SECTIONS:
+            continue
         if time.time() - t0 > args.budget:
             RESULTS.append({"kernel": f"section {name}", "skipped": f"time budget {args.budget}s spent"})
             print(f"skip {name}: budget spent", flush=True)
