@@ -75,3 +75,10 @@ MEMRA_PDL: EnvVar[str] = EnvVar(
     "",
     "1/0 forces programmatic dependent launch on/off (default: the device profile's programmatic_launch)",
 )
+MEMRA_TUNE: EnvVar[str] = EnvVar(
+    "MEMRA_TUNE",
+    str,
+    "",
+    "device-profile tuning overrides, section.knob=value items separated by ';' "
+    "(e.g. 'gemv.fuse_norm=true; gemv_coop.unroll=4'), checked like a profile file",
+)

@@ -465,7 +465,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         if p["coop"]:
             need(q in COOP_TYPES, f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}")
-            need(pro == "none", "coop gemv: no prologue (the fusions run on the classic layout only)")
             need(not (p["stage"] or p["xsmem"] or p["prefetch"]), "coop gemv: stage, xsmem and prefetch are classic-layout options")
             need(p["rows_per_block"] % warps == 0, f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)")
         else:
@@ -695,12 +694,11 @@ def linear_params(
     out_dtype: str = "bf16",
     bmax: int | None = None,
     stage: bool | None = None,
-    fused: bool = False,
 ) -> dict[str, Any]:
-    """A decode gemv's params for a weight uploaded as ``quant`` (fused: a prologue follows)."""
+    """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    layout = gemv_layout(quant, tuning, fused)
+    layout = gemv_layout(quant, tuning)
     opts = {} if layout.get("coop") else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     return dict(
         **opts,
@@ -727,13 +725,13 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     return dtype
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], fused: bool = False) -> dict[str, Any]:
+def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a weight uploaded as
-    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type and no
-    prologue is fused, else the classic gemv tuning."""
+    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, else
+    the classic gemv tuning."""
     c = tuning.get("gemv_coop") or {}
     file_type = {v: k for k, v in COOP_LAYOUTS.items()}.get(quant, quant)
-    if not fused and quant in COOP_TYPES and file_type in c.get("types", ()):
+    if quant in COOP_TYPES and file_type in c.get("types", ()):
         return dict(
             coop=True,
             threads=c["threads"],
@@ -897,10 +895,10 @@ def all_specs(
         for bm in (None, 1):
             if hidden % ok == 0:
                 for n, od in ((qkv, "bf16"), (2 * inter, "bf16"), (vocab, "f32")):
-                    p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm, fused=True)
+                    p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm)
                     out[spec("gemv", **p, **norm)] = None
             if inter % ok == 0:
-                p = linear_params(upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm, fused=True)
+                p = linear_params(upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm)
                 out[spec("gemv", **p, **silu)] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None

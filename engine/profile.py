@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine import paths
+import yaml
+
+from engine import env, paths
 from engine.schema import Field, ListOf, MapOf, load_yaml, validate
 from engine.types import ConfigError
 
@@ -290,8 +292,40 @@ def get_profile(name: str, root: Path | None = None) -> DeviceProfile:
     return profiles[name]
 
 
+def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -> DeviceProfile:
+    """``profile`` with tuning knobs replaced: ``spec`` is ``section.knob=value`` items separated by
+    ``;`` (values in YAML: ``gemv.fuse_norm=true; gemv_coop.types=[bf16, q8_0]``), checked against
+    TUNING_SCHEMA like a profile file; an unknown knob or a bad value is a ConfigError naming it."""
+    data: dict[str, dict[str, Any]] = {}
+    for item in (s.strip() for s in spec.split(";")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        section, dot, knob = key.strip().partition(".")
+        if not sep or not dot or not knob:
+            raise ConfigError(f"{source}: {item!r}: expected section.knob=value (e.g. gemv.unroll=4)")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: {item!r}: the value is not YAML: {exc}") from exc
+        data.setdefault(section, {})[knob] = value
+    checked = validate(data, TUNING_SCHEMA, source, "tuning")
+    tuning = {k: dict(v) for k, v in profile.tuning.items()}
+    for section in data:
+        tuning[section].update({k: checked[section][k] for k in data[section]})
+    log.info("%s: tuning overrides %s", source, spec)
+    return replace(profile, tuning=tuning)
+
+
 def select(device: DeviceInfo, override: str | None = None, root: Path | None = None) -> DeviceProfile:
-    """The profile for ``device``: ``override`` if given, else a named match, else a generic one."""
+    """The profile for ``device``: ``override`` if given, else a named match, else a generic one;
+    then MEMRA_TUNE's knob overrides (``with_tuning``) when set."""
+    chosen = _select(device, override, root)
+    spec = env.MEMRA_TUNE.get()
+    return with_tuning(chosen, spec) if spec.strip() else chosen
+
+
+def _select(device: DeviceInfo, override: str | None, root: Path | None) -> DeviceProfile:
     if override:
         return get_profile(override, root)
     profiles = all_profiles(root).values()

@@ -207,3 +207,24 @@ def test_bad_profile_yaml(tmp_path, old, new, expect):
     profile._load_all.cache_clear()
     msg = _one_line_error(lambda: profile.all_profiles(root))
     assert re.search(expect, msg), msg
+
+
+def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
+    from engine.profile import DeviceInfo, select, with_tuning
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132)
+    base = select(h200)
+    monkeypatch.setenv("MEMRA_TUNE", "gemv.fuse_norm=true; gemv_coop.types=[bf16, q8_0]; gemv_coop.unroll=4")
+    tuned = select(h200)
+    assert tuned.tuning["gemv"]["fuse_norm"] is True and base.tuning["gemv"]["fuse_norm"] is False
+    assert tuned.tuning["gemv_coop"] == {**base.tuning["gemv_coop"], "types": ["bf16", "q8_0"], "unroll": 4}
+    assert tuned.tuning["gemm"] == base.tuning["gemm"] and tuned.name == "h200"
+    for bad, msg in (
+        ("gemv.fuse_nrm=true", "did you mean 'fuse_norm'"),
+        ("gemvx.unroll=2", "unknown key"),
+        ("gemv.unroll=-1", "positive"),
+        ("gemv", "expected section.knob=value"),
+        ("gemv.unroll=abc", "expected integer"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            with_tuning(base, bad)

@@ -272,6 +272,10 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, 2560, coop, bmax=bm, residual=bm == 8)
             assert p["coop"], q
             out.append(kc.spec("gemv", **p))
+            if bm == 1:  # with the fused prologues (x = rmsnorm(x) * w, or silu(gate) * up)
+                out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
+            else:
+                out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
     return out
 
 

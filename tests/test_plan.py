@@ -270,11 +270,13 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
 @pytest.mark.parametrize(
     "family,size,quant", [("llama", "smollm2-135m", "q4_1"), ("qwen3", "qwen3-0.6b", "bf16")]
 )
-def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant):
+@pytest.mark.parametrize("coop", [False, True])
+def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop):
     import dataclasses
 
     prof = get_profile("h200")
     tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True}}
+    tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": ["bf16", "q4_1"] if coop else []}
     graph = load_family(family)
     plan = build_plan(
         graph, dims_for_size(family, size), graph.quant(quant), dataclasses.replace(prof, tuning=tuning)
@@ -289,6 +291,7 @@ def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant):
             if step.op.op == "linear":
                 (lin,) = step.launches[mode][:1]
                 pro[step.op.inputs[0]] = lin.spec.params["prologue"]
+                assert lin.spec.params["coop"] is (coop and quant == "bf16")  # q4_1 has no coop decoder
                 if lin.spec.params["prologue"] == "norm":
                     # x is the norm's input (the residual stream), the norm weight a trailing arg
                     assert lin.args[-1].kind == "weight" and float(lin.spec.params["eps"]) > 0
@@ -399,8 +402,8 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     assert kc.upload_type("q8_0", 576, {"gemv_coop": coop}) == "q8_0"
     assert kc.upload_type("q8_0", 2560, {"gemv_coop": {**coop, "types": []}}) == "q8_0"
     assert not kc.gemv_layout("q8_0", {**prof.tuning, "gemv_coop": coop}).get("coop")
-    with pytest.raises(ConfigError, match="coop gemv: no prologue"):
-        kc.spec("gemv", **kc.linear_params("q4_k", 64, 512, {**prof.tuning, "gemv_coop": coop}), prologue="silu", x_stride=1024, u_off=512)
+    fused = kc.spec("gemv", **kc.linear_params("q4_k", 64, 512, {**prof.tuning, "gemv_coop": coop}), prologue="silu", x_stride=1024, u_off=512)
+    assert fused.params["coop"] and fused.params["prologue"] == "silu"
     with pytest.raises(ConfigError, match="k % 256"):
         kc.spec("embed", quant="q8_0r", hidden=576, threads=256)
 

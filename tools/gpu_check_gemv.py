@@ -224,7 +224,10 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
+    if xsmem == "coop":  # the warp-cooperative layout with the prologue
+        xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2}
+    else:
+        xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
     r = bf_round(rng.standard_normal((rows, n)))
     out = bf(r) if residual else nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
@@ -265,9 +268,9 @@ def check_prologues(K, rng, quick):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
-                for xsmem in (False, True, "f32"):
+                for xsmem in (False, True, "f32") + (("coop",) if qt in kc.COOP_TYPES else ()):
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}[xsmem]:
+                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32, "coop": PRO_CASES}[xsmem]:
                             continue
                         guarded(
                             f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
@@ -641,7 +644,7 @@ def prebuild(K, quick):
                     ).spec
                 )
     bm = lambda rows: 1 if rows == 1 else g["max_batch"]  # noqa: E731
-    for qt, n, k, rows, _m, od, _v, kn, _t in bandwidth_jobs(quick):
+    for qt, n, k, rows, _m, od, _v, kn, _t in bandwidth_jobs(quick) if "bandwidth" in SECTIONS else ():
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), od=od, **kn).spec)
     for qt, _pro, n, k, rows, _v, kn, _sep in fused_jobs(quick) if "fused" in SECTIONS else ():
         specs.append(gemv_choice(qt, n, k, bmax=bm(rows), **kn).spec)

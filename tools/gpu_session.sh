@@ -4,6 +4,7 @@
 # /tmp/res/<stage>.log; after each stage $OUT/res.tgz is rewritten (the tool returns at most 8
 # files, and what is under $OUT comes back even when the call is killed).
 #   STAGES="checks pytest bf16 quant runner" bash tools/gpu_session.sh     (on the GPU machine)
+# TAG=_x names this run's logs <stage>_x.log (an A/B in one call: MEMRA_TUNE=... TAG=_tuned ...).
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" /tmp/res
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -27,21 +28,23 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     done
     timeout "$(box 90)" python3 tools/gpu_kernels_check.py --out /tmp/res/kern --quick > /tmp/res/kernels.log 2>&1; pack kernels ;;
   pytest)
-    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest.log 2>&1; pack pytest ;;
+    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest${TAG:-}.log 2>&1; pack pytest ;;
   bf16)
-    [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > /tmp/res/bf16.log 2>&1
-    timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json /tmp/res/bf16.json >> /tmp/res/bf16.log 2>&1; pack bf16 ;;
+    [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > /tmp/res/bf16${TAG:-}.log 2>&1
+    timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json /tmp/res/bf16${TAG:-}.json >> /tmp/res/bf16${TAG:-}.log 2>&1; pack bf16 ;;
   quant)
     for q in q8_0 q4_k_m; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/$q.log 2>&1
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q.json >> /tmp/res/$q.log 2>&1; pack $q
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/$q${TAG:-}.log 2>&1
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q${TAG:-}.json >> /tmp/res/$q${TAG:-}.log 2>&1; pack $q
     done ;;
+  gemvok)  # the decode GEMV correctness checks only (every code path of TYPES, no timing)
+    timeout "$(box 120)" python3 tools/gpu_check_gemv.py --out /tmp/res/gemvok --types ${OK_TYPES:-bf16,q4_k,q8_0r,q6_kr,q4_1} --sections none > /tmp/res/check_gemvok.log 2>&1; pack gemvok ;;
   coop)  # the decode GEMV layouts side by side (classic vs warp-cooperative), correctness + GB/s
     timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out /tmp/res/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 > /tmp/res/check_coop.log 2>&1; pack coop ;;
   pdloff)  # the runner benchmark with programmatic dependent launch off (the A/B of the runner stage)
     MEMRA_PDL=0 timeout "$(box 120)" python3 tools/gpu_runner_check.py --out /tmp/res/runner_nopdl --models qwen3-0.6b,smollm2-135m > /tmp/res/runner_nopdl.log 2>&1; pack pdloff ;;
   runner)
-    timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner > /tmp/res/runner.log 2>&1; pack runner ;;
+    timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner${TAG:-} > /tmp/res/runner${TAG:-}.log 2>&1; pack runner ;;
   esac
 done
 echo "total $(( $(date +%s) - t0 )) s" >> /tmp/res/times.log; pack end
