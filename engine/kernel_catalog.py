@@ -393,6 +393,7 @@ def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: st
 GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr")
+COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsmem) up to this size
 # file storage type -> the device layout the coop gemv reads (kernel_catalog.upload_type)
 COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}  # x = q*d + m: the dot needs sum(x) per unit
 
@@ -403,6 +404,8 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     if not p.get("xsmem"):
         return 0
     bmax, k = int(p["bmax"]), int(p["k"])
+    if p.get("coop"):  # the coop layout stages only the bf16 x rows
+        return bmax * k * 2
     sums = (bmax * (k // 32) * 4 + 15) // 16 * 16 if p["quant"] in GEMV_MIN_TYPES else 0
     # with xsmem the staged chunks and the reduction live in the same dynamic buffer (no static)
     return bmax * k * (4 if p.get("xf32") else 2) + sums + gemv_static_smem(p)
@@ -465,7 +468,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         if p["coop"]:
             need(q in COOP_TYPES, f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}")
-            need(not (p["stage"] or p["xsmem"] or p["prefetch"]), "coop gemv: stage, xsmem and prefetch are classic-layout options")
+            need(not (p["stage"] or p["xf32"] or p["prefetch"]), "coop gemv: stage, xf32 and prefetch are classic-layout options")
             need(p["rows_per_block"] % warps == 0, f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)")
         else:
             need(
@@ -699,7 +702,7 @@ def linear_params(
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     layout = gemv_layout(quant, tuning)
-    opts = {} if layout.get("coop") else gemv_options(g, st, bmax or g["max_batch"], k, quant)
+    opts = coop_options(tuning, bmax or g["max_batch"], k) if layout.get("coop") else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     return dict(
         **opts,
         **layout,
@@ -723,6 +726,13 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     if dtype == "q6_k" and "q6_k" in types:
         return "q6_kr"
     return dtype
+
+
+def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool]:
+    """The coop gemv's xsmem switch for one spec: on where gemv_coop.xsmem asks for it and the
+    bmax x rows of k bf16 fit COOP_XSMEM_MAX; empty otherwise (the default entry names)."""
+    c = tuning.get("gemv_coop") or {}
+    return {"xsmem": True} if c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX else {}
 
 
 def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:

@@ -768,7 +768,7 @@ class _CatalogAdapter:
             layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
-                opts = dict(coop=True, stage=False)
+                opts = dict(coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols))
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
                 go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None

@@ -87,8 +87,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "threads": _knob(128),
             "rows_per_warp": _knob(1),
             "unroll": _knob(4),
+            "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
         },
-        default={"types": [], "threads": 128, "rows_per_warp": 1, "unroll": 4},
+        default={"types": [], "threads": 128, "rows_per_warp": 1, "unroll": 4, "xsmem": False},
     ),
     "gemm": Field(
         {

@@ -274,6 +274,7 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **p))
             if bm == 1:  # with the fused prologues (x = rmsnorm(x) * w, or silu(gate) * up)
                 out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
+                out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
             else:
                 out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
     return out

@@ -117,6 +117,7 @@ def gemv_choice(qt, n, k, *, bmax, residual=False, od="bf16", stage=None, **knob
     p = kc.linear_params(qt, n, k, CLASSIC, residual=residual, out_dtype=od, bmax=bmax, stage=stage)
     if knobs.get("coop"):
         p.update(stage=False, xsmem=False, xf32=False, prefetch=False)
+        p["coop"] = True
     return kc.choice("gemv", **{**p, **knobs})
 
 
@@ -151,6 +152,8 @@ def gemv_variants(qt):
         for t, rpw, u in ((128, 1, 4), (256, 4, 1), (64, 2, 2)):
             coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}
             out.append((False, coop, CASES))
+        coop = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": True}
+        out.append((False, coop, CASES))  # x rows staged in shared memory
     if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
@@ -224,8 +227,8 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    if xsmem == "coop":  # the warp-cooperative layout with the prologue
-        xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2}
+    if xsmem in ("coop", "coopxs"):  # the warp-cooperative layout with the prologue
+        xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -268,9 +271,9 @@ def check_prologues(K, rng, quick):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
-                for xsmem in (False, True, "f32") + (("coop",) if qt in kc.COOP_TYPES else ()):
+                for xsmem in (False, True, "f32") + (("coop", "coopxs") if qt in kc.COOP_TYPES else ()):
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32, "coop": PRO_CASES}[xsmem]:
+                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32, "coop": PRO_CASES, "coopxs": PRO_CASES}[xsmem]:
                             continue
                         guarded(
                             f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
@@ -463,6 +466,11 @@ def timing_variants(qt, rows, k, full=True):
     if qt in kc.COOP_TYPES:  # the warp-cooperative layout: threads, rows per warp, unroll
         for t, rpw, u in COOP_SWEEP if full else COOP_SWEEP[:2]:
             out.append((f"c{t}r{rpw}u{u}", {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}))
+        bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
+        for t, rpw, u in COOP_SWEEP[1:3]:  # with the x rows in shared memory, where they fit
+            if bmax * k * 2 <= kc.COOP_XSMEM_MAX:
+                kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "xsmem": True}
+                out.append((f"c{t}r{rpw}u{u}xs", kn))
     return out
 
 
