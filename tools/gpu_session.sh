@@ -33,7 +33,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > /tmp/res/bf16${TAG:-}.log 2>&1
     timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json /tmp/res/bf16${TAG:-}.json >> /tmp/res/bf16${TAG:-}.log 2>&1; pack bf16 ;;
   quant)
-    for q in q8_0 q4_k_m; do
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
       [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/$q${TAG:-}.log 2>&1
       timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q${TAG:-}.json >> /tmp/res/$q${TAG:-}.log 2>&1; pack $q
     done ;;
