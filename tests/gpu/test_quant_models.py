@@ -68,7 +68,7 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, q, layout):
             tok = runner.step([StepItem(0, [seq[-1]], len(seq) - 1, table, True, GREEDY)])[0]
             errs.append(_rel(runner.read_logits(1)[0], ref.forward_logits(seq)[-1]))
             seq.append(tok)
-        print(f"{q} {layout}: logits rel err {['%.2e' % e for e in errs]} layouts {sorted(dtypes)}")
+        print(f"{q} {layout}: logits rel err {', '.join(f'{e:.2e}' for e in errs)} layouts {sorted(dtypes)}")
         assert max(errs) < 2e-2, errs
     finally:
         runner.close()
