@@ -192,13 +192,14 @@ def smoke_cuda() -> dict:
             launch.grid_for({"n": rows}),
             launch.block,
             cuda.KernelArgs([a.ctype for a in launch.args], vals),
+            launch.smem,  # dynamic shared memory (xsmem gemv specs need it)
         )
 
     bound = [bind(silu), bind(gemv)]
 
     def run():
-        for fn, grid, block, args in bound:
-            cuda.launch(fn, grid, block, args, 0, stream)
+        for fn, grid, block, args, smem in bound:
+            cuda.launch(fn, grid, block, args, smem, stream)
 
     run()
     stream.synchronize()
