@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from fixtures.families import family_cases
 
 from engine import kernel_catalog as kc
 from engine.compile import KernelBuilder
-from engine.graph import all_families
 from engine.kcache import KernelCache
 from engine.profile import all_profiles
 from engine.render import render
@@ -25,26 +25,6 @@ def _nvrtc_ok() -> bool:
         return True
     except Exception:
         return False
-
-
-def _family_cases():
-    """(family, size, dims, storage types, rope styles, qk_norm) for every `sizes:` entry."""
-    cases = []
-    for fam, graph in sorted(all_families().items()):
-        types: set[str] = set()
-        for combo in graph.quants.values():
-            types.update(combo.default)
-            for allowed in combo.per_tensor.values():
-                types.update(allowed)
-        qk_norm = any(op.op == "head_rmsnorm" for op, _ in graph.ops())
-        styles = sorted(set(graph.rope_style.values()))
-        for size, dims in sorted(graph.sizes.items()):
-            d = dict(dims)
-            d.setdefault("head_dim", d["hidden"] // d["heads"])
-            d.setdefault("rms_eps", 1e-5 if fam == "llama" else 1e-6)
-            d.setdefault("rope_theta", 10000.0)
-            cases.append((fam, size, d, sorted(types), styles, qk_norm))
-    return cases
 
 
 PRIMARY_ARCH = "sm_90a"
@@ -68,7 +48,7 @@ def _specs_by_arch(full: bool = False):
     by_arch: dict[str, dict] = {}
     for prof in all_profiles().values():
         specs = by_arch.setdefault(prof.arch, {})
-        for _fam, _size, dims, types, styles, qk in _family_cases():
+        for _fam, _size, dims, types, styles, qk in family_cases():
             for s in kc.all_specs(
                 dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
             ):

@@ -7,39 +7,24 @@ import shutil
 from typing import Any
 
 import pytest
+from fixtures.families import family_cases
 
 from engine import kernel_catalog as kc
 from engine import paths, profile
-from engine.graph import all_families
 from engine.render import render, waits_first
 from engine.types import ConfigError
-
-# templates whose pdl_wait() call lands separately (gemv.cu.j2); until it does the runner launches
-# them without PDL. Once it has, the test holds them to the contract too.
 
 
 def _specs():
     """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning)."""
     prof = profile.get_profile("h200")
     out: dict[tuple, Any] = {}
-    for _fam, graph in sorted(all_families().items()):
-        types: set[str] = set()
-        for combo in graph.quants.values():
-            types.update(combo.default)
-            for allowed in combo.per_tensor.values():
-                types.update(allowed)
-        qk = any(op.op == "head_rmsnorm" for op, _ in graph.ops())
-        styles = sorted(set(graph.rope_style.values()))
-        for _size, dims in sorted(graph.sizes.items()):
-            d = dict(dims)
-            d.setdefault("head_dim", d["hidden"] // d["heads"])
-            d.setdefault("rms_eps", 1e-6)
-            d.setdefault("rope_theta", 10000.0)
-            for s in kc.all_specs(
-                d, sorted(types), prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
-            ):
-                flags = tuple(sorted((k, v) for k, v in s.params.items() if isinstance(v, (bool, str))))
-                out.setdefault((s.template, *flags), s)
+    for _fam, _size, d, types, styles, qk in family_cases():
+        for s in kc.all_specs(
+            d, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
+        ):
+            flags = tuple(sorted((k, v) for k, v in s.params.items() if isinstance(v, (bool, str))))
+            out.setdefault((s.template, *flags), s)
     return list(out.values())
 
 
