@@ -28,7 +28,7 @@ QUANTS: dict[str, tuple[int, int]] = {
     "f16": (8, 16),
     "f32": (8, 32),
     "q8_0": (32, 34),
-    "q8_0r": (32, 34),  # q8_0 rows repacked at upload: k/32 f16 scales, then k int8 (quant.repack_q8_0r)
+    "q8_0r": (32, 34),  # q8_0 rows repacked at upload: k/32 f16 scales, then k int8 (quant.repack)
     "q4_0": (32, 18),
     "q4_1": (32, 20),
     "q5_0": (32, 22),
@@ -390,12 +390,13 @@ def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: st
     return out
 
 
-GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")
+GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr")
 COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsmem) up to this size
-# file storage type -> the device layout the coop gemv reads (kernel_catalog.upload_type)
-COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}  # x = q*d + m: the dot needs sum(x) per unit
+# file storage type -> the device layout the coop gemv reads (upload_type), and back
+COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}
+_COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
 
 
 def gemv_smem(p: Mapping[str, Any]) -> int:
@@ -721,11 +722,10 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
     cols % 256 == 0, q6_k the row-planar q6_kr (engine.quant.repack); else the file's layout."""
     types = (tuning.get("gemv_coop") or {}).get("types", ())
-    if dtype == "q8_0" and "q8_0" in types and cols % 256 == 0:
-        return "q8_0r"
-    if dtype == "q6_k" and "q6_k" in types:
-        return "q6_kr"
-    return dtype
+    layout = COOP_LAYOUTS.get(dtype)
+    if layout is None or dtype not in types or (layout == "q8_0r" and cols % 256):
+        return dtype
+    return layout
 
 
 def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool]:
@@ -740,7 +740,7 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
     ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, else
     the classic gemv tuning."""
     c = tuning.get("gemv_coop") or {}
-    file_type = {v: k for k, v in COOP_LAYOUTS.items()}.get(quant, quant)
+    file_type = _COOP_FILE_TYPE.get(quant, quant)
     if quant in COOP_TYPES and file_type in c.get("types", ()):
         return dict(
             coop=True,

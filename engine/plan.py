@@ -311,21 +311,28 @@ def build_plan(
         values.setdefault(name, v)
         return values[name]
 
+    same_type: dict[int, bool] = {}
+
+    def same_type_every_layer(op: Op, per_layer: bool) -> bool:
+        """Whether op's weights share one storage type in every layer (once per op). A fusion is
+        decided for all layers at once: the outputs are bound once, as column views of one
+        buffer, so one layer's split q/k/v could not share the others' layout."""
+        if id(op) not in same_type:
+            layers = range(int(d["layers"])) if per_layer else [None]
+            same_type[id(op)] = all(
+                len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1 for lay in layers
+            )
+        return same_type[id(op)]
+
     def plan_weight(op: Op, layer: int | None) -> list[WeightPlan]:
         """The weight allocations for an op (fused when the storage types agree)."""
         dts = [_dtype_of(graph, quant, w, layer, tensor_dtypes) for w in op.weights]
         shapes = [_tensor_shape(graph, w, d) for w in op.weights]
         groups: list[list[int]] = []
-        # fused only when the types agree in every layer: the outputs are bound once, as column
-        # views of one buffer, so one layer's split q/k/v could not share the others' layout
-        layers = range(int(d["layers"])) if layer is not None else [None]
-        same_everywhere = all(
-            len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1 for lay in layers
-        )
         if (
             op.op == "linear"
             and len(op.weights) > 1
-            and same_everywhere
+            and same_type_every_layer(op, layer is not None)
             and len({s[1] for s in shapes}) == 1
         ):
             groups = [list(range(len(op.weights)))]

@@ -79,7 +79,8 @@ TUNING_SCHEMA: dict[str, Field] = {
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
-    # (bf16, q4_k, q8_0; q8_0 matrices with k % 256 == 0 are then uploaded row-planar as q8_0r);
+    # (bf16, q4_k, q8_0, q6_k; q8_0 matrices with k % 256 == 0 and q6_k matrices are then uploaded
+    # row-planar as q8_0r / q6_kr, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
     "gemv_coop": Field(
         {
