@@ -13,6 +13,8 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 REGISTRY: dict[str, EnvVar] = {}
+TRUE_WORDS = ("1", "true", "yes", "on")  # what a bool variable accepts as true (and as false:)
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class EnvVar(Generic[T]):
         if raw is None or raw == "":
             return self.default
         if self.kind is bool:
-            return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+            return raw.strip().lower() in TRUE_WORDS  # type: ignore[return-value]
         try:
             return self.kind(raw)  # type: ignore[no-any-return]
         except ValueError as exc:

@@ -645,9 +645,9 @@ def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) ->
     programmatic_launch; never on a device below compute capability 9.0 or with kernels built for
     an arch below sm_90 (their pdl_wait() is compiled out, so an early launch would race)."""
     raw = env.MEMRA_PDL.get().strip().lower()
-    if raw in ("1", "true", "yes", "on"):
+    if raw in env.TRUE_WORDS:
         want = True
-    elif raw in ("0", "false", "no", "off"):
+    elif raw in env.FALSE_WORDS:
         want = False
     elif raw == "":
         want = profile.programmatic_launch
