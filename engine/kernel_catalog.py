@@ -247,7 +247,7 @@ KERNELS: dict[str, KernelDoc] = {
             "qk_norm",
             "kv_write",
         ),
-        "(rows,)",
+        "(rows, ceil((heads + 2 * kv_heads) / (threads / 32)))",
         "(threads,)",
     ),
     "silu_mul": KernelDoc(
@@ -362,6 +362,11 @@ KERNELS: dict[str, KernelDoc] = {
         "(threads,)",
     ),
 }
+
+
+def rope_head_blocks(p: Mapping[str, Any]) -> int:
+    """grid.y of a rope launch: one warp per head job (q heads, k heads, then the v copies)."""
+    return _cdiv(int(p["heads"]) + 2 * int(p["kv_heads"]), int(p["threads"]) // 32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -637,6 +642,12 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["warps"] * 32, 1, 1)
         smem = gemm_smem(p)
+    elif template == "rope":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (rows, rope_head_blocks(p), 1)
+
+        block = (p["threads"], 1, 1)
     elif template == "silu_mul":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:

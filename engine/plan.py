@@ -876,7 +876,8 @@ class _CatalogAdapter:
             Arg("input", "slots"),
             ROWS,
         )
-        return [Launch(spec, ("n",), (t,), args)]
+        blocks = getattr(self.cat, "rope_head_blocks", None)  # the kernel strides by grid.y: 1 works
+        return [Launch(spec, ("n", blocks(params) if blocks else 1), (t,), args)]
 
     def _op_silu_mul(self, op, layer, mode, ins, outs, ws):
         g, u = ins
@@ -949,7 +950,7 @@ class _CatalogAdapter:
             spec = self._spec(
                 "attention",
                 {"m": kmode[0], "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
-                split=16 * warps,
+                split=self.tune("attention_decode")["split_kv_tokens"],  # one staged table chunk
                 mode=kmode,
                 direct=True,
                 warps=warps,

@@ -55,14 +55,16 @@ def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:
 
 
 # the first line of a kernel body that reads only immutable inputs (weights) before its pdl_wait()
-PDL_PRELOAD = "// pdl: weights only before pdl_wait()"
+PDL_PRELOAD = "// pdl: only weights and step inputs before pdl_wait()"
 
 
 def waits_first(source: str, entry: str) -> bool:
     """Whether the body of kernel ``entry`` in ``source`` starts with ``pdl_wait();`` (comments and
     blank lines aside): the contract of a kernel launched with programmatic dependent launch. A
-    body whose first line is PDL_PRELOAD (it loads weights, which no kernel writes, before its
-    ``pdl_wait();``) counts when it does call ``pdl_wait();``."""
+    body whose first line is PDL_PRELOAD counts when it does call ``pdl_wait();``: before the wait it
+    reads only what no kernel of the pass writes (weights; the step inputs uploaded before the pass:
+    positions, slots, block tables; KV-cache entries of earlier steps), which every kernel before the
+    previous one has finished with, since each kernel waits before it ends."""
     start = source.find(f"{entry}(")
     if start < 0:
         return False
