@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "l2_prefetch"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16",),
 }
@@ -101,6 +101,7 @@ KERNELS: dict[str, KernelDoc] = {
             prefetch=bool,
             xf32=bool,
             coop=bool,
+            l2_prefetch=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -122,6 +123,7 @@ KERNELS: dict[str, KernelDoc] = {
             "prefetch",
             "xf32",
             "coop",
+            "l2_prefetch",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
@@ -138,6 +140,7 @@ KERNELS: dict[str, KernelDoc] = {
             "prefetch": False,
             "xf32": False,
             "coop": False,
+            "l2_prefetch": False,
         },
     ),
     "gemm": KernelDoc(
@@ -392,6 +395,8 @@ def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: st
             out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
+    if g.get("l2_prefetch"):
+        out["l2_prefetch"] = True
     return out
 
 

@@ -65,6 +65,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
             "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
+            # before pdl_wait(), ask L2 for the block's weight rows (prefetch.global.L2), so the
+            # loads after the wait hit L2 (the classic layout; contiguous rows only)
+            "l2_prefetch": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -76,6 +79,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
+            "l2_prefetch": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
