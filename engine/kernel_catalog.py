@@ -287,7 +287,18 @@ KERNELS: dict[str, KernelDoc] = {
             ("max_blocks", I32),
             ("max_splits", I32),
         ),
-        ("heads", "kv_heads", "head_dim", "block_size", "split", "q_stride", "out_stride", "mode", "direct", "vec16"),
+        (
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "block_size",
+            "split",
+            "q_stride",
+            "out_stride",
+            "mode",
+            "direct",
+            "vec16",
+        ),
         "(rows, kv_heads, 1 if direct else max_splits)",
         "(warps * 32,)",
         defaults={"vec16": False},
@@ -383,7 +394,9 @@ def _fail(template: str, msg: str) -> ConfigError:
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a spec keeps xsmem off
 
 
-def gemv_options(g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16") -> dict[str, bool]:
+def gemv_options(
+    g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
+) -> dict[str, bool]:
     """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
     fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
     default entry names)."""
@@ -449,7 +462,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         cols = p["hidden"] if template == "embed" else p["k"]
         need(cols % 256 == 0, f"q8_0r rows need k % 256 == 0 (16-byte aligned planes), got {cols}")
     if template == "gemv" and p.get("quant") in COOP_LAYOUTS.values():
-        need(not p["stage"], f"{p['quant']}: a plane layout cannot be staged in chunks of whole blocks (stage=false)")
+        need(
+            not p["stage"],
+            f"{p['quant']}: a plane layout cannot be staged in chunks of whole blocks (stage=false)",
+        )
     if template in ("gemv", "embed"):
         q = p["quant"]
         need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
@@ -462,7 +478,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(1 <= p["unroll"] <= 8, f"unroll={p['unroll']} must be 1..8")
         pro, xs = p["prologue"], p["x_stride"] or p["k"]
         need(pro in ("none", "norm", "silu"), f"prologue {pro!r} must be none, norm or silu")
-        need(p["x_stride"] >= 0 and p["u_off"] >= 0 and xs % 8 == 0 and xs >= p["k"], f"x_stride={xs} must be a multiple of 8 and >= k={p['k']}")
+        need(
+            p["x_stride"] >= 0 and p["u_off"] >= 0 and xs % 8 == 0 and xs >= p["k"],
+            f"x_stride={xs} must be a multiple of 8 and >= k={p['k']}",
+        )
         if pro == "norm":
             need(p["eps"] > 0, f"the norm prologue needs eps > 0, got {p['eps']}")
         if pro == "silu":
@@ -478,9 +497,18 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         if p["coop"]:
-            need(q in COOP_TYPES, f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}")
-            need(not (p["stage"] or p["xf32"] or p["prefetch"]), "coop gemv: stage, xf32 and prefetch are classic-layout options")
-            need(p["rows_per_block"] % warps == 0, f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)")
+            need(
+                q in COOP_TYPES,
+                f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}",
+            )
+            need(
+                not (p["stage"] or p["xf32"] or p["prefetch"]),
+                "coop gemv: stage, xf32 and prefetch are classic-layout options",
+            )
+            need(
+                p["rows_per_block"] % warps == 0,
+                f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)",
+            )
         else:
             need(
                 p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
@@ -540,7 +568,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"head_dim={p['head_dim']} must be a multiple of 16, <= 256",
         )
         need(p["block_q"] == 16 * p["warps"], f"block_q={p['block_q']} must be 16 * warps (16 rows per warp)")
-        need(p["block_kv"] % 16 == 0 and p["block_kv"] >= 16, f"block_kv={p['block_kv']} must be a multiple of 16")
+        need(
+            p["block_kv"] % 16 == 0 and p["block_kv"] >= 16,
+            f"block_kv={p['block_kv']} must be a multiple of 16",
+        )
         need(
             p["q_stride"] % 8 == 0 and p["out_stride"] % 2 == 0,
             "q_stride must be a multiple of 8 (16-byte loads), out_stride even",
@@ -558,7 +589,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         if p["vec16"]:  # 16-byte loads: head_dim / 8 lanes per key must divide the warp, 8 keys a warp step
             need(p["head_dim"] in (32, 64, 128, 256), "vec16 needs head_dim 32, 64, 128 or 256")
             need(p["q_stride"] % 8 == 0, "vec16 needs q_stride a multiple of 8")
-            need(p["split"] % (8 * p["warps"]) == 0, f"vec16: split={p['split']} must be a multiple of 8 * warps")
+            need(
+                p["split"] % (8 * p["warps"]) == 0,
+                f"vec16: split={p['split']} must be a multiple of 8 * warps",
+            )
 
 
 def spec(template: str, **params: Any) -> KernelSpec:
@@ -718,8 +752,12 @@ def linear_params(
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    layout = gemv_layout(quant, tuning)
-    opts = coop_options(tuning, bmax or g["max_batch"], k) if layout.get("coop") else gemv_options(g, st, bmax or g["max_batch"], k, quant)
+    layout = gemv_layout(quant, tuning, k, bmax or g["max_batch"])
+    opts = (
+        coop_options(tuning, bmax or g["max_batch"], k)
+        if layout.get("coop")
+        else gemv_options(g, st, bmax or g["max_batch"], k, quant)
+    )
     return dict(
         **opts,
         **layout,
@@ -751,13 +789,15 @@ def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool
     return {"xsmem": True} if c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX else {}
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
+def gemv_layout(quant: str, tuning: Mapping[str, Any], k: int = 0, bmax: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a weight uploaded as
-    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, else
-    the classic gemv tuning."""
+    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, or
+    gemv_coop.small_types does and the gemv is batch 1 with k <= gemv_coop.small_k (a classic block
+    leaves lanes idle on short rows); else the classic gemv tuning."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)
-    if quant in COOP_TYPES and file_type in c.get("types", ()):
+    small = bmax == 1 and 0 < k <= c.get("small_k", 0) and file_type in c.get("small_types", ())
+    if quant in COOP_TYPES and (file_type in c.get("types", ()) or small):
         return dict(
             coop=True,
             threads=c["threads"],
@@ -924,7 +964,9 @@ def all_specs(
                     p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm)
                     out[spec("gemv", **p, **norm)] = None
             if inter % ok == 0:
-                p = linear_params(upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm)
+                p = linear_params(
+                    upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm
+                )
                 out[spec("gemv", **p, **silu)] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
@@ -932,7 +974,9 @@ def all_specs(
             out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
         for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
             if t != "bf16" and k % QUANTS[t][0] == 0:
-                out[spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))] = None
+                out[
+                    spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
+                ] = None
     for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None

@@ -320,7 +320,8 @@ def build_plan(
         if id(op) not in same_type:
             layers = range(int(d["layers"])) if per_layer else [None]
             same_type[id(op)] = all(
-                len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1 for lay in layers
+                len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1
+                for lay in layers
             )
         return same_type[id(op)]
 
@@ -351,7 +352,9 @@ def build_plan(
                 prow = tuple(shapes[i][0] for i in g)
                 rows, cols = sum(prow), shape[1]
             if key not in weights:
-                weights[key] = WeightPlan(key, layer, tuple(resolved), adapter.upload_type(dts[g[0]], cols), rows, cols, prow)
+                weights[key] = WeightPlan(
+                    key, layer, tuple(resolved), adapter.upload_type(dts[g[0]], cols), rows, cols, prow
+                )
             out.append(weights[key])
         return out
 
@@ -772,10 +775,12 @@ class _CatalogAdapter:
                 )
             opts: dict[str, Any] = {}
             gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
-            layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
+            layout = gl(w.dtype, self.profile.tuning, w.cols, bmax) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
-                opts = dict(coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols))
+                opts = dict(
+                    coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols)
+                )
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
                 go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
@@ -926,7 +931,9 @@ class _CatalogAdapter:
             Arg("shape", "max_blocks", "i32"),
         )
         # 16-byte K/V loads in decode attention (profile attention_decode.vec16)
-        vec16 = bool(self.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
+        vec16 = (
+            bool(self.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
+        )
         if mode == "prefill":
             # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
             pt = self.tune("attention_prefill")
@@ -1014,9 +1021,11 @@ class _CatalogAdapter:
         # penalised: the sparse penalties kernel (entries uploaded per step) in place, then sample
         et = self.tune("elementwise")["threads"]
         pen = self._spec("penalties", {"v": vocab, "t": et}, ld=logits.ld, threads=et)
-        pargs = (_v(logits), Arg("input", "pen_entries")) + tuple(
-            Arg("input", n) for n in ("presence", "frequency", "repetition")
-        ) + (Arg("const", PENALTY_CAPACITY, "i32"),)
+        pargs = (
+            (_v(logits), Arg("input", "pen_entries"))
+            + tuple(Arg("input", n) for n in ("presence", "frequency", "repetition"))
+            + (Arg("const", PENALTY_CAPACITY, "i32"),)
+        )
         penalise = Launch(pen, (PENALTY_BLOCKS,), (et,), pargs)
         return {"greedy": (greedy,), "sample": (sample,), "penalised": (penalise, sample)}
 

@@ -93,8 +93,20 @@ TUNING_SCHEMA: dict[str, Field] = {
             "rows_per_warp": _knob(1),
             "unroll": _knob(4),
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
+            # these types take the coop layout only at batch 1 with k <= small_k (only types whose
+            # upload layout coop does not change act on it: bf16, q4_k)
+            "small_types": Field(ListOf(str), default=[]),
+            "small_k": Field(int, default=0),
         },
-        default={"types": [], "threads": 128, "rows_per_warp": 1, "unroll": 4, "xsmem": False},
+        default={
+            "types": [],
+            "threads": 128,
+            "rows_per_warp": 1,
+            "unroll": 4,
+            "xsmem": False,
+            "small_types": [],
+            "small_k": 0,
+        },
     ),
     "gemm": Field(
         {
@@ -162,7 +174,12 @@ TUNING_SCHEMA: dict[str, Field] = {
         default={"block_q": 64, "block_kv": 64, "warps": 4},
     ),
     "attention_decode": Field(
-        {"block_kv": _knob(64), "warps": _knob(4), "split_kv_tokens": _knob(512), "vec16": Field(bool, default=False)},
+        {
+            "block_kv": _knob(64),
+            "warps": _knob(4),
+            "split_kv_tokens": _knob(512),
+            "vec16": Field(bool, default=False),
+        },
         default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512, "vec16": False},
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),

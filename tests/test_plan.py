@@ -313,9 +313,7 @@ def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
     assert set(_prologue_fusable([(norm, 0, False), (lin, 0, False)])) == {(id(norm), 0)}
     assert not _prologue_fusable([(norm, 0, False), (lin, 0, False), (other, 0, False)])
     # h changes between the norm and a later reader: that reader would see the new h
-    assert (
-        not _prologue_fusable([(norm, 0, False), (lin, 0, False), (writes_h, 0, False), (lin, 0, False)])
-    )
+    assert not _prologue_fusable([(norm, 0, False), (lin, 0, False), (writes_h, 0, False), (lin, 0, False)])
     # the reader is in the head, the norm is not (the prefill head runs only head steps)
     assert not _prologue_fusable([(norm, None, False), (lin, None, True)])
     # a redefinition ends the scan: later readers belong to the new value
@@ -402,7 +400,13 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     assert kc.upload_type("q8_0", 576, {"gemv_coop": coop}) == "q8_0"
     assert kc.upload_type("q8_0", 2560, {"gemv_coop": {**coop, "types": []}}) == "q8_0"
     assert not kc.gemv_layout("q8_0", {**prof.tuning, "gemv_coop": coop}).get("coop")
-    fused = kc.spec("gemv", **kc.linear_params("q4_k", 64, 512, {**prof.tuning, "gemv_coop": coop}), prologue="silu", x_stride=1024, u_off=512)
+    fused = kc.spec(
+        "gemv",
+        **kc.linear_params("q4_k", 64, 512, {**prof.tuning, "gemv_coop": coop}),
+        prologue="silu",
+        x_stride=1024,
+        u_off=512,
+    )
     assert fused.params["coop"] and fused.params["prologue"] == "silu"
     with pytest.raises(ConfigError, match="k % 256"):
         kc.spec("embed", quant="q8_0r", hidden=576, threads=256)
@@ -424,3 +428,29 @@ def test_a_fusion_is_decided_for_every_layer_at_once():
             if la.spec.template in ("gemm", "gemv"):
                 out = plan.values[la.args[0].ref]
                 assert la.spec.params["n"] <= out.ld - out.offset, (st.layer, la.spec.entry)
+
+
+def test_coop_small_k_rule_is_batch1_and_short_rows_only():
+    """gemv_coop.small_types take the coop layout only for batch-1 GEMVs with k <= small_k; the
+    upload layout never changes for them (a q8_0 listed there stays classic on its file layout)."""
+    from engine import kernel_catalog as kc
+
+    prof = get_profile("h200")
+    tuning = {
+        **prof.tuning,
+        "gemv_coop": {
+            **prof.tuning["gemv_coop"],
+            "types": [],
+            "small_types": ["bf16", "q8_0"],
+            "small_k": 576,
+        },
+    }
+    assert kc.gemv_layout("bf16", tuning, 576, 1)["coop"]
+    assert not kc.gemv_layout("bf16", tuning, 1536, 1).get("coop")
+    assert not kc.gemv_layout("bf16", tuning, 576, 8).get("coop")
+    assert not kc.gemv_layout("bf16", tuning).get("coop")
+    assert not kc.gemv_layout("q8_0", tuning, 512, 1).get("coop")
+    assert kc.upload_type("q8_0", 512, tuning) == "q8_0"
+    p = kc.linear_params("bf16", 960, 576, tuning, bmax=1)
+    assert p["coop"] and p["threads"] == tuning["gemv_coop"]["threads"]
+    assert not kc.linear_params("bf16", 960, 576, tuning, bmax=8).get("coop")
