@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "l2_prefetch"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "l2_prefetch", "pipeline"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16",),
 }
@@ -102,6 +102,7 @@ KERNELS: dict[str, KernelDoc] = {
             xf32=bool,
             coop=bool,
             l2_prefetch=bool,
+            pipeline=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -124,6 +125,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xf32",
             "coop",
             "l2_prefetch",
+            "pipeline",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
@@ -141,6 +143,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xf32": False,
             "coop": False,
             "l2_prefetch": False,
+            "pipeline": False,
         },
     ),
     "gemm": KernelDoc(
@@ -496,6 +499,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not (p["residual"] and p["out_dtype"] == "f32"), "residual needs out_dtype bf16")
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
+        need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         if p["coop"]:
             need(
                 q in COOP_TYPES,
@@ -783,10 +787,14 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
 
 
 def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool]:
-    """The coop gemv's xsmem switch for one spec: on where gemv_coop.xsmem asks for it and the
-    bmax x rows of k bf16 fit COOP_XSMEM_MAX; empty otherwise (the default entry names)."""
+    """The coop gemv's xsmem / pipeline switches for one spec: xsmem where gemv_coop.xsmem asks for
+    it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX, pipeline where gemv_coop.pipeline does;
+    empty otherwise (the default entry names)."""
     c = tuning.get("gemv_coop") or {}
-    return {"xsmem": True} if c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX else {}
+    out = {"xsmem": True} if c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX else {}
+    if c.get("pipeline"):
+        out["pipeline"] = True
+    return out
 
 
 def gemv_layout(quant: str, tuning: Mapping[str, Any], k: int = 0, bmax: int = 0) -> dict[str, Any]:

@@ -97,6 +97,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # upload layout coop does not change act on it: bf16, q4_k)
             "small_types": Field(ListOf(str), default=[]),
             "small_k": Field(int, default=0),
+            # issue the next `unroll` segments' loads before the current ones' FMAs
+            "pipeline": Field(bool, default=False),
         },
         default={
             "types": [],
@@ -106,6 +108,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "small_types": [],
             "small_k": 0,
+            "pipeline": False,
         },
     ),
     "gemm": Field(
