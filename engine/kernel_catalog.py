@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "l2_prefetch", "pipeline"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16",),
 }
@@ -101,7 +101,6 @@ KERNELS: dict[str, KernelDoc] = {
             prefetch=bool,
             xf32=bool,
             coop=bool,
-            l2_prefetch=bool,
             pipeline=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
@@ -124,7 +123,6 @@ KERNELS: dict[str, KernelDoc] = {
             "prefetch",
             "xf32",
             "coop",
-            "l2_prefetch",
             "pipeline",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
@@ -142,7 +140,6 @@ KERNELS: dict[str, KernelDoc] = {
             "prefetch": False,
             "xf32": False,
             "coop": False,
-            "l2_prefetch": False,
             "pipeline": False,
         },
     ),
@@ -411,8 +408,6 @@ def gemv_options(
             out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
-    if g.get("l2_prefetch"):
-        out["l2_prefetch"] = True
     return out
 
 
@@ -756,7 +751,7 @@ def linear_params(
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    layout = gemv_layout(quant, tuning, k, bmax or g["max_batch"])
+    layout = gemv_layout(quant, tuning)
     opts = (
         coop_options(tuning, bmax or g["max_batch"], k)
         if layout.get("coop")
@@ -797,15 +792,13 @@ def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool
     return out
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], k: int = 0, bmax: int = 0) -> dict[str, Any]:
+def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a weight uploaded as
-    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, or
-    gemv_coop.small_types does and the gemv is batch 1 with k <= gemv_coop.small_k (a classic block
-    leaves lanes idle on short rows); else the classic gemv tuning."""
+    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, else
+    the classic gemv tuning."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)
-    small = bmax == 1 and 0 < k <= c.get("small_k", 0) and file_type in c.get("small_types", ())
-    if quant in COOP_TYPES and (file_type in c.get("types", ()) or small):
+    if quant in COOP_TYPES and file_type in c.get("types", ()):
         return dict(
             coop=True,
             threads=c["threads"],

@@ -775,7 +775,7 @@ class _CatalogAdapter:
                 )
             opts: dict[str, Any] = {}
             gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
-            layout = gl(w.dtype, self.profile.tuning, w.cols, bmax) if gl is not None else {}
+            layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
                 opts = dict(

@@ -65,9 +65,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
             "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
-            # before pdl_wait(), ask L2 for the block's weight rows (prefetch.global.L2), so the
-            # loads after the wait hit L2 (the classic layout; contiguous rows only)
-            "l2_prefetch": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -79,7 +76,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
-            "l2_prefetch": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
@@ -93,10 +89,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "rows_per_warp": _knob(1),
             "unroll": _knob(4),
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
-            # these types take the coop layout only at batch 1 with k <= small_k (only types whose
-            # upload layout coop does not change act on it: bf16, q4_k)
-            "small_types": Field(ListOf(str), default=[]),
-            "small_k": Field(int, default=0),
             # issue the next `unroll` segments' loads before the current ones' FMAs
             "pipeline": Field(bool, default=False),
         },
@@ -106,8 +98,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "rows_per_warp": 1,
             "unroll": 4,
             "xsmem": False,
-            "small_types": [],
-            "small_k": 0,
             "pipeline": False,
         },
     ),

@@ -429,28 +429,3 @@ def test_a_fusion_is_decided_for_every_layer_at_once():
                 out = plan.values[la.args[0].ref]
                 assert la.spec.params["n"] <= out.ld - out.offset, (st.layer, la.spec.entry)
 
-
-def test_coop_small_k_rule_is_batch1_and_short_rows_only():
-    """gemv_coop.small_types take the coop layout only for batch-1 GEMVs with k <= small_k; the
-    upload layout never changes for them (a q8_0 listed there stays classic on its file layout)."""
-    from engine import kernel_catalog as kc
-
-    prof = get_profile("h200")
-    tuning = {
-        **prof.tuning,
-        "gemv_coop": {
-            **prof.tuning["gemv_coop"],
-            "types": [],
-            "small_types": ["bf16", "q8_0"],
-            "small_k": 576,
-        },
-    }
-    assert kc.gemv_layout("bf16", tuning, 576, 1)["coop"]
-    assert not kc.gemv_layout("bf16", tuning, 1536, 1).get("coop")
-    assert not kc.gemv_layout("bf16", tuning, 576, 8).get("coop")
-    assert not kc.gemv_layout("bf16", tuning).get("coop")
-    assert not kc.gemv_layout("q8_0", tuning, 512, 1).get("coop")
-    assert kc.upload_type("q8_0", 512, tuning) == "q8_0"
-    p = kc.linear_params("bf16", 960, 576, tuning, bmax=1)
-    assert p["coop"] and p["threads"] == tuning["gemv_coop"]["threads"]
-    assert not kc.linear_params("bf16", 960, 576, tuning, bmax=8).get("coop")

@@ -116,7 +116,7 @@ CLASSIC = {**TUNING, "gemv_coop": {**TUNING["gemv_coop"], "types": []}}
 def gemv_choice(qt, n, k, *, bmax, residual=False, od="bf16", stage=None, **knobs):
     p = kc.linear_params(qt, n, k, CLASSIC, residual=residual, out_dtype=od, bmax=bmax, stage=stage)
     if knobs.get("coop"):
-        p.update(stage=False, xsmem=False, xf32=False, prefetch=False)
+        p.update(stage=False, xsmem=False, xf32=False, prefetch=False, pipeline=False)
         p["coop"] = True
     return kc.choice("gemv", **{**p, **knobs})
 
@@ -154,6 +154,9 @@ def gemv_variants(qt):
             out.append((False, coop, CASES))
         coop = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": True}
         out.append((False, coop, CASES))  # x rows staged in shared memory
+        for t, rpw, u in ((128, 2, 2), (64, 1, 1)):  # the next segments' loads before the FMAs
+            coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True}
+            out.append((False, coop, CASES))
     if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
@@ -229,6 +232,7 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
     if xsmem in ("coop", "coopxs"):  # the warp-cooperative layout with the prologue
         xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
+        xo["pipeline"] = xsmem == "coop"  # the prologue with and without the load pipeline
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
