@@ -78,7 +78,7 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16",),
+    "attention": ("vec16", "rope"),
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -274,7 +274,16 @@ KERNELS: dict[str, KernelDoc] = {
             direct=bool,
             warps=int,
             vec16=bool,
+            rope=bool,
+            rope_dim=int,
+            theta=float,
+            style=str,
+            qk_norm=bool,
+            eps=float,
+            freq_factors=bool,
+            kv_stride=int,
         ),
+        # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
             ("out", P),
             ("part_o", P),
@@ -301,7 +310,17 @@ KERNELS: dict[str, KernelDoc] = {
         ),
         "(rows, kv_heads, 1 if direct else max_splits)",
         "(warps * 32,)",
-        defaults={"vec16": False},
+        defaults={
+            "vec16": False,
+            "rope": False,
+            "rope_dim": 0,
+            "theta": 10000.0,
+            "style": "neox",
+            "qk_norm": False,
+            "eps": 0.0,
+            "freq_factors": False,
+            "kv_stride": 0,
+        },
     ),
     "attention_prefill": KernelDoc(
         dict(
@@ -592,6 +611,15 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["split"] % (8 * p["warps"]) == 0,
                 f"vec16: split={p['split']} must be a multiple of 8 * warps",
             )
+        if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
+            need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
+            need(p["style"] in ROPE_STYLES, f"rope style {p['style']!r} must be one of {', '.join(ROPE_STYLES)}")
+            need(
+                p["rope_dim"] % 2 == 0 and 0 < p["rope_dim"] <= p["head_dim"],
+                f"rope_dim={p['rope_dim']} must be even and <= head_dim",
+            )
+            need(p["kv_stride"] % 8 == 0, "rope fusion needs kv_stride a multiple of 8")
+            need(not p["qk_norm"] or p["eps"] > 0, "qk_norm needs eps > 0")
 
 
 def spec(template: str, **params: Any) -> KernelSpec:
@@ -625,13 +653,24 @@ def spec(template: str, **params: Any) -> KernelSpec:
                 norm[key] = str(value)
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
-        if typ is int and norm[key] <= 0 and not (template == "gemv" and key in ("x_stride", "u_off")):
+        zero_ok = (template == "gemv" and key in ("x_stride", "u_off")) or (
+            template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope")
+        )
+        if typ is int and norm[key] <= 0 and not zero_ok:
             raise _fail(template, f"param {key}={value!r} must be positive")
     _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
     parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
     for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
         if not norm[key]:
             parts.pop(key, None)
+    if template == "attention" and norm["rope"]:  # the fused rope's shape params name it too
+        parts.update(
+            rope_dim=norm["rope_dim"],
+            style=norm["style"],
+            qk_norm=int(norm["qk_norm"]),
+            ff=int(norm["freq_factors"]),
+            kv_stride=norm["kv_stride"],
+        )
     name = entry_name(template, **parts)
     return KernelSpec(template, name, norm)
 
@@ -731,7 +770,14 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
+    if s.template == "attention" and s.params.get("rope"):
+        args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     return args
+
+
+# the rope-fused decode attention's extra args: raw k / v rows of the step (k_in, v_in: kv_stride
+# apart), the qk-norm weights, the rope frequency divisors and the cache slots (rope.cu.j2's)
+ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
@@ -987,14 +1033,13 @@ def all_specs(
         )
     for mode in ("decode", "prefill"):
         for direct in (True, False):
-            out[
-                spec(
-                    "attention",
-                    **attention_params(
-                        d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim
-                    ),
-                )
-            ] = None
+            p = attention_params(d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim)
+            out[spec("attention", **p)] = None
+            if mode == "decode" and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
+                for style in rope_styles:  # rope folded into decode attention
+                    rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
+                    fused = {k: rp[k] for k in ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors")}
+                    out[spec("attention", **p, **fused, rope=True, kv_stride=qkv)] = None
     out[
         spec(
             "attention_prefill",

@@ -586,6 +586,8 @@ class _CatalogAdapter:
         self.fusable: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
+        # layer -> (attention spec params, extra args) of a decode rope folded into the attention
+        self.rope_fused: dict[int | None, tuple[dict[str, Any], tuple[Arg, ...]]] = {}
 
     # -- specs
 
@@ -867,6 +869,29 @@ class _CatalogAdapter:
             "ks": k.ld,
             "n": int(qn is not None),
         }
+        if mode != "prefill" and self._rope_fuses(q, k):
+            # decode: the attention kernel that follows rotates q / k itself and writes the cache
+            self.rope_fused[layer] = (
+                dict(
+                    rope=True,
+                    rope_dim=d["rope_dim"],
+                    theta=repr(theta),
+                    style=self.rope_style,
+                    qk_norm=qn is not None,
+                    eps=repr(eps),
+                    freq_factors=self.freq is not None,
+                    kv_stride=k.ld,
+                ),
+                (
+                    _v(k),
+                    _v(v),
+                    _w(qn) if qn else NULL,
+                    _w(kn) if kn else NULL,
+                    _w(self.freq) if self.freq is not None else NULL,
+                    Arg("input", "slots"),
+                ),
+            )
+            return []
         spec = self._spec("rope", name, **params)
         args = (
             _v(q),
@@ -907,6 +932,13 @@ class _CatalogAdapter:
         spec = self._spec("silu_mul", {"i": inter, "s": g.ld, "t": t}, inter=inter, in_stride=g.ld, threads=t)
         args = (_v(outs[0]), _v(g), _v(u), ROWS)
         return [Launch(spec, (_cdiv(inter, 8 * t), "n"), (t,), args)]
+
+    def _rope_fuses(self, q: Value, k: Value) -> bool:
+        """Whether decode-mode rope folds into the decode attention kernel (tuning
+        attention_decode.fuse_rope, on the vec16 path the fused kernel is written for)."""
+        t = self.tune("attention_decode")
+        hd = self.dims["head_dim"]
+        return bool(t.get("fuse_rope") and t.get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0 and k.ld % 8 == 0
 
     def _op_attention(self, op, layer, mode, ins, outs, ws):
         d = self.dims
@@ -950,6 +982,8 @@ class _CatalogAdapter:
             grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
             smem = (bq + 4 * bkv) * (hd + 8) * 2
             return [Launch(spec, grid, (32 * pw,), args, smem)]
+        # decode modes: the rope before this op may be folded in (_op_rope set rope_fused)
+        rope, rope_args = self.rope_fused.get(layer, ({}, ()))
         if mode == "short":
             # direct: one block per (row, kv head) covers the whole key range, no combine
             warps = self.tune("attention_decode")["warps"]
@@ -963,8 +997,9 @@ class _CatalogAdapter:
                 warps=warps,
                 vec16=vec16,
                 **common,
+                **rope,
             )
-            args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),)
+            args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, 1), (32 * warps,), args)]
         tune = self.tune("attention_decode")
         warps, split = tune["warps"], tune["split_kv_tokens"]
@@ -977,13 +1012,14 @@ class _CatalogAdapter:
             warps=warps,
             vec16=vec16,
             **common,
+            **rope,
         )
         rows = self.max_rows
         self._need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
         self._need_scratch(ScratchPlan("attn_ml", per_split=rows * heads * 2 * 4, split=split))
         splits = Arg("shape", f"splits:{split}", "i32")
         part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
-        args = (NULL,) + part + (_v(q),) + cache + (splits,)
+        args = (NULL,) + part + (_v(q),) + cache + (splits,) + rope_args
         grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
         comb = self._spec(
             "attention_combine",

@@ -172,8 +172,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps": _knob(4),
             "split_kv_tokens": _knob(512),
             "vec16": Field(bool, default=False),
+            # decode: fold the rope kernel into the attention kernel (vec16 path only)
+            "fuse_rope": Field(bool, default=False),
         },
-        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512, "vec16": False},
+        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512, "vec16": False, "fuse_rope": False},
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
     "norm": Field({"threads": _knob(256)}, default={"threads": 256}),
