@@ -41,15 +41,46 @@ def test_qwen3_fuses_qkv_and_gate_up_and_orders_steps_layer_major():
 
 def test_qwen3_head_norms_fuse_into_rope_with_kv_write():
     plan = plan_for("qwen3", "qwen3-0.6b")
-    step_ops = [(s.op.op, len(s.launches["decode"])) for s in plan.steps if s.layer == 0]
+    step_ops = [(s.op.op, len(s.launches["prefill"])) for s in plan.steps if s.layer == 0]
     assert ("head_rmsnorm", 0) in step_ops
-    rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope").launches["decode"][0]
+    rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope").launches["prefill"][0]
     assert rope.spec.params["qk_norm"] is True and rope.spec.params["kv_write"] is True
     assert rope.spec.params["q_stride"] == 4096
     weights = [a.ref for a in rope.args if a.kind == "weight"]
     assert weights == ["L3.q_norm", "L3.k_norm"]
     kv = [(a.ref, a.layer) for a in rope.args if a.kind == "kv"]
     assert kv == [("k", 3), ("v", 3)]
+
+
+def test_decode_rope_folds_into_attention_when_the_profile_says_so():
+    """attention_decode.fuse_rope (on for h200): the decode modes launch no rope kernel; every
+    decode attention launch (short, split, wide) carries the rope params, the head-norm weights and
+    the cache slots; prefill keeps the rope kernel. With the knob off, decode launches rope again."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-0.6b")
+    prof = get_profile("h200")
+    assert prof.tuning["attention_decode"]["fuse_rope"]
+    plan = build_plan(graph, dims, graph.quant("bf16"), prof)
+    rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope")
+    attn = next(s for s in plan.steps if s.layer == 3 and s.op.op == "attention")
+    assert rope.launches["decode1"] == rope.launches["decode"] == () and rope.launches["prefill"]
+    for mode in ("decode1", "decode", "short"):
+        la = attn.launches[mode][0]
+        p = la.spec.params
+        assert p["rope"] and p["qk_norm"] and p["kv_stride"] == 4096 and p["style"] == "neox"
+        assert [a.ref for a in la.args if a.kind == "weight"] == ["L3.q_norm", "L3.k_norm"]
+        assert ("input", "slots") in [(a.kind, a.ref) for a in la.args]
+        assert len(la.args) == len(kc.kernel_args(la.spec))
+    assert attn.launches["prefill"][0].spec.template == "attention_prefill"
+    off = with_tuning(prof, "attention_decode.fuse_rope=false")
+    plan = build_plan(graph, dims, graph.quant("bf16"), off)
+    rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope")
+    attn = next(s for s in plan.steps if s.layer == 3 and s.op.op == "attention")
+    assert rope.launches["decode"][0].spec.template == "rope"
+    assert not attn.launches["decode"][0].spec.params["rope"]
 
 
 def test_llama_rope_has_no_qk_norm_and_interleaved_style_for_gguf():
@@ -236,9 +267,11 @@ def test_llama3_rope_scaling_adds_frequency_divisors_to_rope():
     }
     plan = build_plan(graph, dims, graph.quant("bf16"), get_profile("h200"))
     assert plan.weight("rope_freq").cols == 64
-    rope = next(s for s in plan.steps if s.op.op == "rope").launches["decode"][0]
+    rope = next(s for s in plan.steps if s.op.op == "rope").launches["prefill"][0]
     assert rope.spec.params["freq_factors"] is True
     assert rope.args[6].kind == "weight" and rope.args[6].ref == "rope_freq"
+    attn = next(s for s in plan.steps if s.op.op == "attention").launches["decode"][0]  # rope folded in
+    assert attn.spec.params["freq_factors"] is True and attn.args[-2].ref == "rope_freq"
     plain = plan_for("llama", "llama3-8b")
     assert "rope_freq" not in {w.key for w in plain.weights}
 
