@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -102,6 +102,7 @@ KERNELS: dict[str, KernelDoc] = {
             xf32=bool,
             coop=bool,
             pipeline=bool,
+            glu=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -124,6 +125,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xf32",
             "coop",
             "pipeline",
+            "glu",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
@@ -141,6 +143,7 @@ KERNELS: dict[str, KernelDoc] = {
             "xf32": False,
             "coop": False,
             "pipeline": False,
+            "glu": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -514,6 +517,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
+        if p["glu"]:  # silu(gate) * up stored in the gate half (the classic layout only)
+            need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")
+            need(not p["coop"] and not p["residual"], "glu: the classic layout, no residual")
+            need(p["rows_per_block"] % 2 == 0 and p["out_dtype"] == "bf16", "glu: even rows_per_block, bf16 out")
         if p["coop"]:
             need(
                 q in COOP_TYPES,
@@ -653,7 +660,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
                 norm[key] = str(value)
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
-        zero_ok = (template == "gemv" and key in ("x_stride", "u_off")) or (
+        zero_ok = (template == "gemv" and key in ("x_stride", "u_off", "glu")) or (
             template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope")
         )
         if typ is int and norm[key] <= 0 and not zero_ok:
@@ -1015,6 +1022,10 @@ def all_specs(
                     upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm
                 )
                 out[spec("gemv", **p, **silu)] = None
+            if tuning["gemv"].get("fuse_glu") and hidden % ok == 0:  # gate|up storing silu(g) * u
+                p = linear_params(t, 2 * inter, hidden, tuning, bmax=bm)
+                if not p.get("coop") and p["rows_per_block"] % 2 == 0:
+                    out[spec("gemv", **p, glu=inter)] = None
     for n, k, res in shapes:
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
         if "gemm_decode" in tuning:

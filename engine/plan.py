@@ -371,7 +371,10 @@ def build_plan(
         adapter.freq = weights[ROPE_FREQ]
     tg = profile.tune("gemv")
     kinds = {k for k, on in (("rmsnorm", tg.get("fuse_norm")), ("silu_mul", tg.get("fuse_silu"))) if on}
-    adapter.fusable = {key for key, kind in _prologue_fusable(schedule).items() if kind in kinds}
+    fusable = _prologue_fusable(schedule)
+    adapter.fusable = {key for key, kind in fusable.items() if kind in kinds}
+    if tg.get("fuse_glu"):
+        adapter.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
     for pos, (op, layer, head) in enumerate(schedule):
         if op.op == "rope":
@@ -442,6 +445,26 @@ def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> dict[tuple
             src_changed = src_changed or any(src in o.outputs for src in op.inputs)
         if ok and readers:
             out[(id(op), layer)] = op.op
+    return out
+
+
+def _glu_linears(
+    schedule: list[tuple[Op, int | None, bool]], fusable: Mapping[tuple[int, int | None], str]
+) -> set[tuple[int, int | None]]:
+    """(id(op), layer) of the linear ops directly followed by a silu_mul of exactly their two outputs
+    (gate, up) whose result only linear layers read as x (``_prologue_fusable``): their decode GEMV
+    can store silu(gate) * up itself."""
+    out = set()
+    for (op, layer, _), (nxt, nlayer, _) in zip(schedule, schedule[1:]):
+        if (
+            op.op == "linear"
+            and nxt.op == "silu_mul"
+            and nlayer == layer
+            and list(nxt.inputs) == list(op.outputs)
+            and len(op.outputs) == 2
+            and fusable.get((id(nxt), nlayer)) == "silu_mul"
+        ):
+            out.add((id(op), layer))
     return out
 
 
@@ -586,6 +609,9 @@ class _CatalogAdapter:
         self.fusable: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
+        # (id(op), layer) of the gate|up linears whose decode GEMV stores silu(gate) * up (build_plan)
+        self.glu_ops: set[tuple[int, int | None]] = set()
+        self.glu_done: dict[tuple[str, str], bool] = {}  # (mode, gate value) -> its GEMV ran glu
         # layer -> (attention spec params, extra args) of a decode rope folded into the attention
         self.rope_fused: dict[int | None, tuple[dict[str, Any], tuple[Arg, ...]]] = {}
 
@@ -664,7 +690,7 @@ class _CatalogAdapter:
     def _op_linear(self, op, layer, mode, ins, outs, ws):
         if mode == "prefill" and self.prefill_linear == "gemm":
             return self._linear_gemm(op, mode, ins, outs, ws)
-        return self._linear_gemv(op, mode, ins, outs, ws)
+        return self._linear_gemv(op, mode, ins, outs, ws, layer)
 
     def _linear_gemm(self, op, mode, ins, outs, ws, section="gemm"):
         # section: the profile tuning ("gemm" for prefill, "gemm_decode" for wide decode buckets)
@@ -748,7 +774,7 @@ class _CatalogAdapter:
             return None
         return p
 
-    def _linear_gemv(self, op, mode, ins, outs, ws):
+    def _linear_gemv(self, op, mode, ins, outs, ws, layer=None):
         # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
         tg = self.tune("gemv")
         res_name = op.attrs.get("residual")
@@ -763,7 +789,10 @@ class _CatalogAdapter:
             rpb = tg["rows_per_block"]
             pro = self.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
             xv, extra, pp = ins[0], (), {}
-            if pro is not None and pro[1].width == w.cols:
+            if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
+                xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+                pp = dict(x_stride=xv.ld)
+            elif pro is not None and pro[1].width == w.cols:
                 xv = pro[1]
                 pp = dict(prologue=pro[0], x_stride=xv.ld)
                 if pro[0] == "norm":
@@ -776,9 +805,13 @@ class _CatalogAdapter:
                     f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
                 )
             opts: dict[str, Any] = {}
+            glu = self._glu_for(op, layer, mode, w, residual, out_dtype)
+            if glu:
+                pp["glu"] = glu
             gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
             layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
+                pp.pop("glu", None)  # (glu is a classic-layout epilogue)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
                 opts = dict(
                     coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols)
@@ -801,7 +834,7 @@ class _CatalogAdapter:
                     "o": out_dtype,
                     "rp": rpb,
                     "u": unroll,
-                    **({"p": pp["prologue"]} if pp else {}),
+                    **({"p": pp["prologue"]} if pp.get("prologue") else {}),
                     **({"c": 1} if layout.get("coop") else {}),
                 },
                 quant=w.dtype,
@@ -819,9 +852,22 @@ class _CatalogAdapter:
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+            if spec.params.get("glu"):
+                self.glu_done[(mode, out.name)] = True
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") else 0
             launches.append(Launch(spec, grid, (threads,), args, smem))
         return launches
+
+    def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str) -> int:
+        """The glu epilogue width of a decode gate|up GEMV whose output only a fusable silu_mul reads
+        (tuning gemv.fuse_glu; build_plan fills glu_ops): the intermediate size, else 0."""
+        if mode not in PROLOGUE_MODES or (id(op), layer) not in self.glu_ops or residual:
+            return 0
+        if len(w.part_rows) != 2 or w.part_rows[0] != w.part_rows[1] or out_dtype != "bf16":
+            return 0
+        if self.tune("gemv")["rows_per_block"] % 2:
+            return 0
+        return w.part_rows[0]
 
     def _op_head_rmsnorm(self, op, layer, mode, ins, outs, ws):
         # fused into the rope kernel that follows (qk_norm); remember which value it normalises
@@ -915,6 +961,10 @@ class _CatalogAdapter:
         inter = g.width
         self.prologue.pop((mode, outs[0].name), None)
         off = u.offset - g.offset
+        if mode in PROLOGUE_MODES and self.glu_done.pop((mode, g.name), False):
+            # the gate|up GEMV stored silu(gate) * up in the gate half: the down GEMV reads it there
+            self.prologue[(mode, outs[0].name)] = ("glu", g, 0)
+            return []
         if (
             mode in PROLOGUE_MODES
             and (id(op), layer) in self.fusable

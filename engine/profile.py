@@ -60,6 +60,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # cost more than the kernels they replace, tools/gpu_check_gemv.py, 2026-12-02)
             "fuse_norm": Field(bool, default=False),
             "fuse_silu": Field(bool, default=False),
+            # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
+            # silu_mul launch goes and the down GEMV reads x from the gate half
+            "fuse_glu": Field(bool, default=False),
             # stage the x rows (after a prologue) in shared memory once per block where bmax * k * 2
             # fits (kernel_catalog.GEMV_XSMEM_MAX); prefetch the next chunk on the staged path
             "xsmem": Field(bool, default=False),
@@ -73,6 +76,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "unroll": 2,
             "fuse_norm": False,
             "fuse_silu": False,
+            "fuse_glu": False,
             "xsmem": False,
             "prefetch": False,
             "xf32": False,

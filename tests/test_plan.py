@@ -462,3 +462,35 @@ def test_a_fusion_is_decided_for_every_layer_at_once():
                 out = plan.values[la.args[0].ref]
                 assert la.spec.params["n"] <= out.ld - out.offset, (st.layer, la.spec.entry)
 
+
+
+def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
+    """gemv.fuse_glu: the decode gate|up GEMV gets glu = intermediate size (it stores silu(gate) * up
+    in the gate half), silu_mul gets no decode launch, and the down GEMV reads x from the gate half
+    (x_stride = 2 * intermediate, no prologue); prefill keeps silu_mul; coop-layout weights do not."""
+    from engine.profile import with_tuning
+
+    graph = load_family("llama")
+    dims = dims_for_size("llama", "smollm2-135m")
+    prof = with_tuning(get_profile("h200"), "gemv.fuse_glu=true")
+    plan = build_plan(graph, dims, graph.quant("bf16"), prof)
+    steps = [s for s in plan.steps if s.layer == 2]
+    gate_up = next(s for s in steps if s.op.op == "linear" and "w_gate" in s.op.weights[0])
+    silu = next(s for s in steps if s.op.op == "silu_mul")
+    down = next(s for s in steps if s.op.op == "linear" and "w_down" in s.op.weights[0])
+    for mode in ("decode1", "decode"):
+        (g,) = gate_up.launches[mode]
+        assert g.spec.params["glu"] == 1536 and g.spec.params["n"] == 3072 and "glu1536" in g.spec.entry
+        assert silu.launches[mode] == ()
+        (dn,) = down.launches[mode]
+        assert dn.spec.params["x_stride"] == 3072 and dn.spec.params["prologue"] == "none"
+        assert dn.args[2].ref == g.args[0].ref  # x is the gate|up output
+    assert silu.launches["prefill"] and gate_up.launches["prefill"][0].spec.template == "gemm"
+    off = build_plan(graph, dims, graph.quant("bf16"), get_profile("h200"))
+    assert not any(
+        la.spec.params.get("glu") for s in off.steps for la in s.launches["decode1"] if la.spec.template == "gemv"
+    )
+    with pytest.raises(ConfigError, match="glu"):
+        from engine import kernel_catalog as kc
+
+        kc.spec("gemv", **kc.linear_params("bf16", 3000, 576, prof.tuning), glu=1536)
