@@ -455,7 +455,7 @@ def _glu_linears(
     (gate, up) whose result only linear layers read as x (``_prologue_fusable``): their decode GEMV
     can store silu(gate) * up itself."""
     out = set()
-    for (op, layer, _), (nxt, nlayer, _) in zip(schedule, schedule[1:]):
+    for (op, layer, _), (nxt, nlayer, _) in zip(schedule, schedule[1:], strict=False):
         if (
             op.op == "linear"
             and nxt.op == "silu_mul"
