@@ -308,7 +308,7 @@ def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop)
     import dataclasses
 
     prof = get_profile("h200")
-    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True}}
+    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True, "fuse_glu": False}}
     tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": ["bf16", "q4_1"] if coop else []}
     graph = load_family(family)
     plan = build_plan(
@@ -355,11 +355,15 @@ def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
     }
 
 
-def test_the_h200_profile_keeps_separate_norm_and_silu_kernels_in_decode():
-    plan = plan_for("qwen3", "qwen3-4b")  # tuning.gemv.fuse_norm / fuse_silu are off (measured slower)
+def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_up():
+    # tuning.gemv.fuse_norm / fuse_silu are off (measured slower), fuse_glu is on
+    plan = plan_for("qwen3", "qwen3-4b")
     for step in plan.steps:
-        if step.op.op in ("rmsnorm", "silu_mul"):
+        if step.op.op == "rmsnorm":
             assert len(step.launches["decode"]) == 1 and len(step.launches["decode1"]) == 1
+        if step.op.op == "silu_mul":
+            assert step.launches["decode"] == () and step.launches["decode1"] == ()
+            assert len(step.launches["prefill"]) == 1
 
 
 def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
@@ -486,7 +490,7 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
         assert dn.spec.params["x_stride"] == 3072 and dn.spec.params["prologue"] == "none"
         assert dn.args[2].ref == g.args[0].ref  # x is the gate|up output
     assert silu.launches["prefill"] and gate_up.launches["prefill"][0].spec.template == "gemm"
-    off = build_plan(graph, dims, graph.quant("bf16"), get_profile("h200"))
+    off = build_plan(graph, dims, graph.quant("bf16"), with_tuning(get_profile("h200"), "gemv.fuse_glu=false"))
     assert not any(
         la.spec.params.get("glu") for s in off.steps for la in s.launches["decode1"] if la.spec.template == "gemv"
     )
