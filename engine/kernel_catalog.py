@@ -927,7 +927,7 @@ def attention_params(
     out_stride: int,
 ) -> dict[str, Any]:
     a = tuning["attention_decode"]
-    warps = a["warps"]
+    warps = (a.get("direct_warps") or a["warps"]) if direct else a["warps"]
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
     split = max(step, a["split_kv_tokens"] // step * step)
@@ -1046,7 +1046,7 @@ def all_specs(
         for direct in (True, False):
             p = attention_params(d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim)
             out[spec("attention", **p)] = None
-            if mode == "decode" and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
+            if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
                 for style in rope_styles:  # rope folded into decode attention
                     rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
                     fused = {k: rp[k] for k in ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors")}

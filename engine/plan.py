@@ -387,7 +387,9 @@ def build_plan(
         launches = {mode: tuple(adapter.launches(op, layer, mode, ins, outs, ws)) for mode in MODES}
         if wide_rows:
             launches[WIDE] = tuple(adapter.wide_launches(op, layer, ins, outs, ws))
-        if op.op == "attention":  # decode variant for short contexts (every row's position < split)
+        if op.op in ("attention", "rope", "head_rmsnorm"):  # decode variant for short contexts (every
+            # row's position < split): direct attention, with the rope (and the q/k head norms it
+            # applies) folded in where attention_decode.fuse_rope
             launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
 
@@ -915,8 +917,9 @@ class _CatalogAdapter:
             "ks": k.ld,
             "n": int(qn is not None),
         }
-        if mode != "prefill" and self._rope_fuses(q, k):
-            # decode: the attention kernel that follows rotates q / k itself and writes the cache
+        if mode == "short" and self._rope_fuses(q, k):
+            # short-context decode: the direct attention kernel that follows rotates q / k itself
+            # and writes the cache (the split kernels do not: every split block would redo the rope)
             self.rope_fused[layer] = (
                 dict(
                     rope=True,
@@ -1032,11 +1035,12 @@ class _CatalogAdapter:
             grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
             smem = (bq + 4 * bkv) * (hd + 8) * 2
             return [Launch(spec, grid, (32 * pw,), args, smem)]
-        # decode modes: the rope before this op may be folded in (_op_rope set rope_fused)
-        rope, rope_args = self.rope_fused.get(layer, ({}, ()))
         if mode == "short":
-            # direct: one block per (row, kv head) covers the whole key range, no combine
-            warps = self.tune("attention_decode")["warps"]
+            # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
+            # before this op may be folded in (_op_rope set rope_fused)
+            rope, rope_args = self.rope_fused.get(layer, ({}, ()))
+            t = self.tune("attention_decode")
+            warps = t.get("direct_warps") or t["warps"]
             kmode = "decode"
             spec = self._spec(
                 "attention",
@@ -1062,14 +1066,13 @@ class _CatalogAdapter:
             warps=warps,
             vec16=vec16,
             **common,
-            **rope,
         )
         rows = self.max_rows
         self._need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
         self._need_scratch(ScratchPlan("attn_ml", per_split=rows * heads * 2 * 4, split=split))
         splits = Arg("shape", f"splits:{split}", "i32")
         part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
-        args = (NULL,) + part + (_v(q),) + cache + (splits,) + rope_args
+        args = (NULL,) + part + (_v(q),) + cache + (splits,)
         grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
         comb = self._spec(
             "attention_combine",

@@ -176,10 +176,19 @@ TUNING_SCHEMA: dict[str, Field] = {
             "warps": _knob(4),
             "split_kv_tokens": _knob(512),
             "vec16": Field(bool, default=False),
-            # decode: fold the rope kernel into the attention kernel (vec16 path only)
+            # short-context decode: fold the rope kernel into the direct attention kernel (vec16)
             "fuse_rope": Field(bool, default=False),
+            # warps of the direct (short-context) kernel; 0: `warps`, which the split kernels use
+            "direct_warps": Field(int, default=0),
         },
-        default={"block_kv": 64, "warps": 4, "split_kv_tokens": 512, "vec16": False, "fuse_rope": False},
+        default={
+            "block_kv": 64,
+            "warps": 4,
+            "split_kv_tokens": 512,
+            "vec16": False,
+            "fuse_rope": False,
+            "direct_warps": 0,
+        },
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
     "norm": Field({"threads": _knob(256)}, default={"threads": 256}),

@@ -53,9 +53,10 @@ def test_qwen3_head_norms_fuse_into_rope_with_kv_write():
 
 
 def test_decode_rope_folds_into_attention_when_the_profile_says_so():
-    """attention_decode.fuse_rope (on for h200): the decode modes launch no rope kernel; every
-    decode attention launch (short, split, wide) carries the rope params, the head-norm weights and
-    the cache slots; prefill keeps the rope kernel. With the knob off, decode launches rope again."""
+    """attention_decode.fuse_rope (on for h200): short-context decode launches no rope kernel (the
+    rope step's "short" launches are empty) and the direct attention launch carries the rope params,
+    the head-norm weights and the cache slots; the split decode kernels and prefill keep the rope
+    kernel (a split block would redo the rope). With the knob off, "short" launches rope again."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
@@ -66,21 +67,25 @@ def test_decode_rope_folds_into_attention_when_the_profile_says_so():
     plan = build_plan(graph, dims, graph.quant("bf16"), prof)
     rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope")
     attn = next(s for s in plan.steps if s.layer == 3 and s.op.op == "attention")
-    assert rope.launches["decode1"] == rope.launches["decode"] == () and rope.launches["prefill"]
-    for mode in ("decode1", "decode", "short"):
-        la = attn.launches[mode][0]
-        p = la.spec.params
-        assert p["rope"] and p["qk_norm"] and p["kv_stride"] == 4096 and p["style"] == "neox"
-        assert [a.ref for a in la.args if a.kind == "weight"] == ["L3.q_norm", "L3.k_norm"]
-        assert ("input", "slots") in [(a.kind, a.ref) for a in la.args]
-        assert len(la.args) == len(kc.kernel_args(la.spec))
+    assert rope.launches["short"] == () and rope.launches["prefill"]
+    assert rope.launches["decode1"][0].spec.template == rope.launches["decode"][0].spec.template == "rope"
+    la = attn.launches["short"][0]
+    p = la.spec.params
+    assert p["rope"] and p["direct"] and p["qk_norm"] and p["kv_stride"] == 4096 and p["style"] == "neox"
+    assert p["warps"] == prof.tuning["attention_decode"]["direct_warps"] == 8
+    assert [a.ref for a in la.args if a.kind == "weight"] == ["L3.q_norm", "L3.k_norm"]
+    assert ("input", "slots") in [(a.kind, a.ref) for a in la.args]
+    assert len(la.args) == len(kc.kernel_args(la.spec))
+    for mode in ("decode1", "decode"):
+        split = attn.launches[mode][0].spec.params
+        assert not split["rope"] and not split["direct"] and split["warps"] == 4
     assert attn.launches["prefill"][0].spec.template == "attention_prefill"
     off = with_tuning(prof, "attention_decode.fuse_rope=false")
     plan = build_plan(graph, dims, graph.quant("bf16"), off)
     rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope")
     attn = next(s for s in plan.steps if s.layer == 3 and s.op.op == "attention")
-    assert rope.launches["decode"][0].spec.template == "rope"
-    assert not attn.launches["decode"][0].spec.params["rope"]
+    assert rope.launches["short"][0].spec.template == "rope"
+    assert not attn.launches["short"][0].spec.params["rope"]
 
 
 def test_llama_rope_has_no_qk_norm_and_interleaved_style_for_gguf():
@@ -270,7 +275,7 @@ def test_llama3_rope_scaling_adds_frequency_divisors_to_rope():
     rope = next(s for s in plan.steps if s.op.op == "rope").launches["prefill"][0]
     assert rope.spec.params["freq_factors"] is True
     assert rope.args[6].kind == "weight" and rope.args[6].ref == "rope_freq"
-    attn = next(s for s in plan.steps if s.op.op == "attention").launches["decode"][0]  # rope folded in
+    attn = next(s for s in plan.steps if s.op.op == "attention").launches["short"][0]  # rope folded in
     assert attn.spec.params["freq_factors"] is True and attn.args[-2].ref == "rope_freq"
     plain = plan_for("llama", "llama3-8b")
     assert "rope_freq" not in {w.key for w in plain.weights}
