@@ -43,8 +43,9 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out /tmp/res/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 > /tmp/res/check_coop.log 2>&1; pack coop ;;
   pdloff)  # the runner benchmark with programmatic dependent launch off (the A/B of the runner stage)
     MEMRA_PDL=0 timeout "$(box 120)" python3 tools/gpu_runner_check.py --out /tmp/res/runner_nopdl --models qwen3-0.6b,smollm2-135m > /tmp/res/runner_nopdl.log 2>&1; pack pdloff ;;
-  profile)  # where a decode step's time goes (host vs GPU, per kernel) and tuning A/Bs: PROFILE_ARGS
-    timeout "$(box 300)" python3 tools/gpu_decode_profile.py --out /tmp/res/profile${TAG:-} ${PROFILE_ARGS:---breakdown} > /tmp/res/profile${TAG:-}.log 2>&1; pack profile ;;
+  profile)  # where a decode step's time goes (host vs GPU, per kernel) on PROFILE_SHAPES; for tuning
+    # A/Bs run tools/gpu_decode_profile.py --variant NAME='spec' directly (specs contain spaces)
+    timeout "$(box 300)" python3 tools/gpu_decode_profile.py --out /tmp/res/profile${TAG:-} --breakdown --shapes "${PROFILE_SHAPES:-smollm2-135m,qwen3-0.6b,qwen3-4b}" > /tmp/res/profile${TAG:-}.log 2>&1; pack profile ;;
   runner)
     timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner${TAG:-} > /tmp/res/runner${TAG:-}.log 2>&1; pack runner ;;
   esac
