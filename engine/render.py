@@ -54,7 +54,8 @@ def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:
     return source
 
 
-# the first line of a kernel body that reads only immutable inputs (weights) before its pdl_wait()
+# the first line of a kernel body that reads step-invariant data (weights, step inputs, earlier
+# steps' KV) before its pdl_wait()
 PDL_PRELOAD = "// pdl: only weights and step inputs before pdl_wait()"
 
 
