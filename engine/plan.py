@@ -167,7 +167,7 @@ class Plan:
     steps: tuple[Step, ...]
     sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" -> launches on logits
     scratch: tuple[ScratchPlan, ...]
-    short_context: int  # decode rows all below this position use the attention ``short`` launches
+    short_context: int  # decode rows all below this position use the ``short`` launches (attention, rope)
     max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
     block_size: int
     graph_batch_sizes: tuple[int, ...]
