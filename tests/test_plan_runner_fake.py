@@ -299,3 +299,37 @@ def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
     runner.step([StepItem(0, [5, 6, 7], 0, [0], True, GREEDY)])
     assert not runner._pdl and drv.pdl and not any(drv.pdl.values())
+
+
+def test_short_decode_binds_the_fused_rope_attention_and_long_decode_the_rope_kernel(fake):
+    """h200 profile (fuse_rope, fuse_glu): a decode pass below split_kv_tokens launches no rope and
+    no silu_mul kernel (the direct attention rotates q/k, the gate|up GEMV stores silu(g) * u); a
+    pass past it launches the rope kernel and the split attention + combine, still without silu_mul."""
+    runner, drv = fake
+    assert runner.plan.short_context == 256
+    runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+    short = [n for n, _, _ in drv.launches]
+    assert not any(n.startswith(("rope__", "silu_mul__")) for n in short)
+    att = [n for n in short if n.startswith("attention__")]
+    assert att and all("direct1" in n and "rope_dim" in n for n in att)
+    assert any("glu" in n for n in short if n.startswith("gemv__"))
+    drv.launches.clear()
+    runner.step([StepItem(0, [5], 300, list(range(20)), True, GREEDY)])
+    long = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("rope__") for n in long) and any(n.startswith("attention_combine") for n in long)
+    assert not any(n.startswith("attention__") and "rope_dim" in n for n in long)
+    assert not any(n.startswith("silu_mul__") for n in long)
+
+
+def test_decode_profile_labels_follow_the_runner_bind_order(fake):
+    """tools/gpu_decode_profile.py names each bound launch of a pass; it must walk the plan in
+    CudaRunner._bind_pass order (its per-kernel table zips the two)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from gpu_decode_profile import pass_labels
+
+    runner, _ = fake
+    for short in (True, False):
+        bound = runner._bind_pass("decode1", 1, 1, False, "greedy", short)
+        labels = pass_labels(runner, "decode1", short, "greedy")
+        assert len(labels) == len(bound)
+        assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
