@@ -785,6 +785,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
 # the rope-fused decode attention's extra args: raw k / v rows of the step (k_in, v_in: kv_stride
 # apart), the qk-norm weights, the rope frequency divisors and the cache slots (rope.cu.j2's)
 ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")
+# the rope spec params the rope-fused attention takes over (with rope=true)
+ATTENTION_ROPE_PARAMS = ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors", "kv_stride")
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
@@ -1049,8 +1051,8 @@ def all_specs(
             if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
                 for style in rope_styles:  # rope folded into decode attention
                     rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
-                    fused = {k: rp[k] for k in ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors")}
-                    out[spec("attention", **p, **fused, rope=True, kv_stride=qkv)] = None
+                    fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS}
+                    out[spec("attention", **p, **fused, rope=True)] = None
     out[
         spec(
             "attention_prefill",

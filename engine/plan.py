@@ -613,7 +613,7 @@ class _CatalogAdapter:
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
         # (id(op), layer) of the gate|up linears whose decode GEMV stores silu(gate) * up (build_plan)
         self.glu_ops: set[tuple[int, int | None]] = set()
-        self.glu_done: dict[tuple[str, str], bool] = {}  # (mode, gate value) -> its GEMV ran glu
+        self.glu_done: set[tuple[str, str]] = set()  # (mode, gate value) whose GEMV ran glu
         # layer -> (attention spec params, extra args) of a decode rope folded into the attention
         self.rope_fused: dict[int | None, tuple[dict[str, Any], tuple[Arg, ...]]] = {}
 
@@ -807,19 +807,18 @@ class _CatalogAdapter:
                     f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
                 )
             opts: dict[str, Any] = {}
-            glu = self._glu_for(op, layer, mode, w, residual, out_dtype)
-            if glu:
-                pp["glu"] = glu
             gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
             layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
-                pp.pop("glu", None)  # (glu is a classic-layout epilogue)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
                 opts = dict(
                     coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols)
                 )
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
+                glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
+                if glu:
+                    pp["glu"] = glu
                 go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
                 if go is not None:  # xsmem / prefetch from the tuning (off by default)
                     staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
@@ -855,7 +854,7 @@ class _CatalogAdapter:
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
             if spec.params.get("glu"):
-                self.glu_done[(mode, out.name)] = True
+                self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") else 0
             launches.append(Launch(spec, grid, (threads,), args, smem))
         return launches
@@ -917,29 +916,14 @@ class _CatalogAdapter:
             "ks": k.ld,
             "n": int(qn is not None),
         }
+        norms = (_w(qn) if qn else NULL, _w(kn) if kn else NULL)
+        freq = _w(self.freq) if self.freq is not None else NULL
         if mode == "short" and self._rope_fuses(q, k):
             # short-context decode: the direct attention kernel that follows rotates q / k itself
             # and writes the cache (the split kernels do not: every split block would redo the rope)
-            self.rope_fused[layer] = (
-                dict(
-                    rope=True,
-                    rope_dim=d["rope_dim"],
-                    theta=repr(theta),
-                    style=self.rope_style,
-                    qk_norm=qn is not None,
-                    eps=repr(eps),
-                    freq_factors=self.freq is not None,
-                    kv_stride=k.ld,
-                ),
-                (
-                    _v(k),
-                    _v(v),
-                    _w(qn) if qn else NULL,
-                    _w(kn) if kn else NULL,
-                    _w(self.freq) if self.freq is not None else NULL,
-                    Arg("input", "slots"),
-                ),
-            )
+            fused = {key: params[key] for key in getattr(self.cat, "ATTENTION_ROPE_PARAMS", ())}
+            extra = (_v(k), _v(v), *norms, freq, Arg("input", "slots"))
+            self.rope_fused[layer] = ({"rope": True, **fused}, extra)
             return []
         spec = self._spec("rope", name, **params)
         args = (
@@ -947,9 +931,8 @@ class _CatalogAdapter:
             _v(k),
             _v(v),
             Arg("input", "positions"),
-            _w(qn) if qn else NULL,
-            _w(kn) if kn else NULL,
-            _w(self.freq) if self.freq is not None else NULL,
+            *norms,
+            freq,
             Arg("kv", "k", layer=layer),
             Arg("kv", "v", layer=layer),
             Arg("input", "slots"),
@@ -964,7 +947,8 @@ class _CatalogAdapter:
         inter = g.width
         self.prologue.pop((mode, outs[0].name), None)
         off = u.offset - g.offset
-        if mode in PROLOGUE_MODES and self.glu_done.pop((mode, g.name), False):
+        if mode in PROLOGUE_MODES and (mode, g.name) in self.glu_done:
+            self.glu_done.discard((mode, g.name))
             # the gate|up GEMV stored silu(gate) * up in the gate half: the down GEMV reads it there
             self.prologue[(mode, outs[0].name)] = ("glu", g, 0)
             return []
@@ -986,12 +970,15 @@ class _CatalogAdapter:
         args = (_v(outs[0]), _v(g), _v(u), ROWS)
         return [Launch(spec, (_cdiv(inter, 8 * t), "n"), (t,), args)]
 
-    def _rope_fuses(self, q: Value, k: Value) -> bool:
-        """Whether decode-mode rope folds into the decode attention kernel (tuning
-        attention_decode.fuse_rope, on the vec16 path the fused kernel is written for)."""
-        t = self.tune("attention_decode")
+    def _vec16(self, q: Value) -> bool:
+        """16-byte K/V loads in decode attention (profile attention_decode.vec16) for this q."""
         hd = self.dims["head_dim"]
-        return bool(t.get("fuse_rope") and t.get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0 and k.ld % 8 == 0
+        return bool(self.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
+
+    def _rope_fuses(self, q: Value, k: Value) -> bool:
+        """Whether short-context decode rope folds into the direct attention kernel (tuning
+        attention_decode.fuse_rope, on the vec16 path the fused kernel is written for)."""
+        return bool(self.tune("attention_decode").get("fuse_rope")) and self._vec16(q) and k.ld % 8 == 0
 
     def _op_attention(self, op, layer, mode, ins, outs, ws):
         d = self.dims
@@ -1015,10 +1002,7 @@ class _CatalogAdapter:
             Arg("input", "positions"),
             Arg("shape", "max_blocks", "i32"),
         )
-        # 16-byte K/V loads in decode attention (profile attention_decode.vec16)
-        vec16 = (
-            bool(self.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
-        )
+        vec16 = self._vec16(q)
         if mode == "prefill":
             # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
             pt = self.tune("attention_prefill")
@@ -1045,7 +1029,7 @@ class _CatalogAdapter:
             spec = self._spec(
                 "attention",
                 {"m": kmode[0], "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
-                split=self.tune("attention_decode")["split_kv_tokens"],  # one staged table chunk
+                split=t["split_kv_tokens"],  # one staged table chunk
                 mode=kmode,
                 direct=True,
                 warps=warps,
