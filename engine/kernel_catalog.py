@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -103,6 +103,7 @@ KERNELS: dict[str, KernelDoc] = {
             coop=bool,
             pipeline=bool,
             glu=int,
+            q8x=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -126,10 +127,12 @@ KERNELS: dict[str, KernelDoc] = {
             "coop",
             "pipeline",
             "glu",
+            "q8x",
         ),
         "(ceil(n / rows_per_block), ceil(rows / bmax))",
         "(threads,)",
-        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem",
+        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem, "
+        "bmax * k * 3 / 2 when q8x",
         # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
         {
             "stage": None,
@@ -144,6 +147,7 @@ KERNELS: dict[str, KernelDoc] = {
             "coop": False,
             "pipeline": False,
             "glu": 0,
+            "q8x": False,
         },
     ),
     "gemm": KernelDoc(
@@ -437,6 +441,10 @@ GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs 
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr")
 COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsmem) up to this size
+# coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
+# (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
+Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr")
+COOP_Q8X_MAX = 64 * 1024
 # file storage type -> the device layout the coop gemv reads (upload_type), and back
 COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}
 _COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
@@ -445,9 +453,11 @@ _COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
 def gemv_smem(p: Mapping[str, Any]) -> int:
     """The gemv's dynamic shared memory: the staged x rows (xsmem; f32 when xf32) and, for the
     formats with a min, each unit's sum(x); else 0."""
+    bmax, k = int(p["bmax"]), int(p["k"])
+    if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
+        return bmax * k * 3 // 2
     if not p.get("xsmem"):
         return 0
-    bmax, k = int(p["bmax"]), int(p["k"])
     if p.get("coop"):  # the coop layout stages only the bf16 x rows
         return bmax * k * 2
     sums = (bmax * (k // 32) * 4 + 15) // 16 * 16 if p["quant"] in GEMV_MIN_TYPES else 0
@@ -517,6 +527,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
+        need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
         if p["glu"]:  # silu(gate) * up stored in the gate half (the classic layout only)
             need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")
             need(not p["coop"] and not p["residual"], "glu: the classic layout, no residual")
@@ -533,6 +544,11 @@ def _check(template: str, p: dict[str, Any]) -> None:
             need(
                 p["rows_per_block"] % warps == 0,
                 f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)",
+            )
+            need(
+                not p["q8x"] or (q in Q8X_TYPES and not p["xsmem"]),
+                f"coop gemv: q8x (int8 x rows) is for {', '.join(Q8X_TYPES)} and replaces xsmem, got {q!r}"
+                f"{' with xsmem' if p['xsmem'] else ''}",
             )
         else:
             need(
@@ -808,7 +824,7 @@ def linear_params(
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     layout = gemv_layout(quant, tuning)
     opts = (
-        coop_options(tuning, bmax or g["max_batch"], k)
+        coop_options(tuning, bmax or g["max_batch"], k, quant)
         if layout.get("coop")
         else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     )
@@ -836,12 +852,17 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     return layout
 
 
-def coop_options(tuning: Mapping[str, Any], bmax: int, k: int) -> dict[str, bool]:
-    """The coop gemv's xsmem / pipeline switches for one spec: xsmem where gemv_coop.xsmem asks for
-    it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX, pipeline where gemv_coop.pipeline does;
-    empty otherwise (the default entry names)."""
+def coop_options(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> dict[str, bool]:
+    """The coop gemv's q8x / xsmem / pipeline switches for one spec on a weight uploaded as
+    ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
+    COOP_Q8X_MAX; else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
+    COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
-    out = {"xsmem": True} if c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX else {}
+    out: dict[str, bool] = {}
+    if c.get("q8x") and quant in Q8X_TYPES and bmax * k * 3 // 2 <= COOP_Q8X_MAX:
+        out["q8x"] = True
+    elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
+        out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
     return out

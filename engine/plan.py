@@ -812,7 +812,9 @@ class _CatalogAdapter:
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
                 opts = dict(
-                    coop=True, stage=False, **self.cat.coop_options(self.profile.tuning, bmax, w.cols)
+                    coop=True,
+                    stage=False,
+                    **self.cat.coop_options(self.profile.tuning, bmax, w.cols, w.dtype),
                 )
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
@@ -855,7 +857,7 @@ class _CatalogAdapter:
             grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
             if spec.params.get("glu"):
                 self.glu_done.add((mode, out.name))
-            smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") else 0
+            smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
             launches.append(Launch(spec, grid, (threads,), args, smem))
         return launches
 

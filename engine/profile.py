@@ -95,6 +95,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
             # issue the next `unroll` segments' loads before the current ones' FMAs
             "pipeline": Field(bool, default=False),
+            # q4_k / q8_0 / q6_k: int8-quantised x rows in shared memory and __dp4a dot products
+            "q8x": Field(bool, default=False),
         },
         default={
             "types": [],
@@ -103,6 +105,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "unroll": 4,
             "xsmem": False,
             "pipeline": False,
+            "q8x": False,
         },
     ),
     "gemm": Field(

@@ -395,3 +395,18 @@ def quantize_reference(x: np.ndarray, dtype: str) -> bytes:
     raise MemraError(
         f"quantize_reference does not support {dtype!r} (supported: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1)"
     )
+
+
+def q8x_round_trip(x: np.ndarray) -> np.ndarray:
+    """x rows as the coop GEMV's q8x path sees them (kernels/_gemv_coop.cuh.j2): each group of 32
+    consecutive elements quantised to int8 with ``amax = max |x|``, ``q = rint(x * (127 / amax))``,
+    and dequantised as ``q * (amax / 127)`` (all f32; a group of zeros stays zero). ``x @ W.T`` of
+    the result is what that kernel computes, up to f32 summation order."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % 32:
+        raise MemraError(f"q8x: row length {x.shape[-1]} is not a multiple of 32")
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, np.float32(1.0)), np.float32(0.0))
+    q = np.rint(g * inv.astype(np.float32))
+    return (q * (amax / np.float32(127.0))).astype(np.float32).reshape(x.shape)

@@ -99,6 +99,19 @@ def test_spec_validation_names_the_problem():
     assert a == b and a.entry == b.entry
 
 
+def test_gemv_q8x_rules_and_shared_memory():
+    base = dict(n=64, k=2560, bmax=8, threads=128, rows_per_block=8, residual=False, out_dtype="bf16", coop=True, stage=False)
+    c = kc.choice("gemv", quant="q4_k", q8x=True, **base)
+    assert c.smem == 8 * 2560 * 3 // 2 and "q8x1" in c.spec.entry
+    assert "q8x" not in kc.spec("gemv", quant="q4_k", **base).entry  # off: the measured entry names
+    with pytest.raises(ConfigError, match="q8x .* is for q4_k, q8_0r, q6_kr"):
+        kc.spec("gemv", quant="bf16", q8x=True, **base)
+    with pytest.raises(ConfigError, match="replaces xsmem"):
+        kc.spec("gemv", quant="q8_0r", q8x=True, xsmem=True, **base)
+    with pytest.raises(ConfigError, match="q8x is a coop-layout option"):
+        kc.spec("gemv", quant="q4_k", q8x=True, **{**base, "coop": False, "rows_per_block": 4})
+
+
 def test_choice_launch_contract():
     c = kc.choice(
         "gemv",

@@ -399,11 +399,44 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
                 assert p["prefetch"] is p["stage"]
                 seen += 1
     assert seen
-    # off by default: the h200 plan's gemv entry names and launches are the measured ones
+    # off by default: the h200 plan's gemv entry names and launches are the measured ones (its
+    # q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows, never xsmem)
     for step in plan_for("qwen3", "qwen3-4b", "q8_0").steps:
         for la in step.launches["decode"]:
             if la.spec.template == "gemv":
-                assert not la.spec.params["xsmem"] and la.smem == 0
+                p = la.spec.params
+                assert not p["xsmem"] and la.smem == (kc.gemv_smem(p) if p["q8x"] else 0)
+
+
+def test_gemv_coop_q8x_where_the_int8_rows_fit():
+    """gemv_coop.q8x reaches the q4_k / q8_0r / q6_kr decode GEMVs whose bmax * k * 3 / 2 bytes fit
+    COOP_Q8X_MAX (with that dynamic shared memory), never bf16 or a classic type; off, none has it."""
+    import dataclasses
+
+    from engine import kernel_catalog as kc
+
+    prof = get_profile("h200")
+    assert prof.tune("gemv_coop")["q8x"]
+    graph = load_family("qwen3")
+    for q in ("q4_k_m", "q8_0"):
+        for on in (True, False):
+            tuning = {**prof.tuning, "gemv_coop": {**prof.tune("gemv_coop"), "q8x": on}}
+            plan = build_plan(
+                graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(q), dataclasses.replace(prof, tuning=tuning)
+            )
+            got = {True: 0, False: 0}
+            for step in plan.steps:
+                for mode in ("decode1", "decode"):
+                    for la in step.launches[mode]:
+                        if la.spec.template != "gemv":
+                            continue
+                        p = la.spec.params
+                        want = on and p["quant"] in kc.Q8X_TYPES and p["bmax"] * p["k"] * 3 // 2 <= kc.COOP_Q8X_MAX
+                        assert p["q8x"] is want, (q, on, la.spec.entry)
+                        assert la.smem == (p["bmax"] * p["k"] * 3 // 2 if want else 0)
+                        got[want] += 1
+            assert got[True] if on else not got[True], (q, on, got)
+            assert got[False]  # bf16 / classic types / rows too long for the cap keep the f32 path
 
 
 def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():

@@ -99,3 +99,23 @@ def test_real_smollm2_blocks(smollm2_source, name: str) -> None:
     )
     got = quant.dequantize(raw, info.dtype, shape)
     np.testing.assert_array_max_ulp(got, np.asarray(ref, np.float32).reshape(shape), maxulp=1)
+
+
+def test_q8x_round_trip_is_the_int8_group_quantisation_the_dp4a_gemv_uses():
+    from engine.quant import q8x_round_trip
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 256)) * np.array([[1.0], [40.0], [1e-3]])).astype(np.float32)
+    x[1, 32:64] = 0.0  # an all-zero group stays zero (no division by a zero amax)
+    y = q8x_round_trip(x)
+    g, yg = x.reshape(3, -1, 32), y.reshape(3, -1, 32)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127.0)
+    assert np.all(yg[1, 1] == 0.0)
+    q = np.where(d > 0, yg / np.where(d > 0, d, 1.0), 0.0)
+    assert np.allclose(q, np.rint(q), atol=1e-3) and np.abs(q).max() <= 127.0 + 1e-3  # int8 levels
+    assert np.all(np.abs(yg - g) <= d / 2 * (1 + 1e-5) + 1e-12)  # round to nearest
+    assert np.allclose(np.abs(yg).max(axis=-1), amax[..., 0], rtol=1e-6)  # amax maps to +-127
+    assert not np.array_equal(y, x)
+    with pytest.raises(MemraError, match="multiple of 32"):
+        q8x_round_trip(np.ones((1, 48), np.float32))

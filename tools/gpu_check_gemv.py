@@ -48,6 +48,7 @@ from gpu_kernels_check import (  # noqa: E402
     host,
     i32,
     nan_like,
+    rel_err,
 )
 
 from engine import kernel_catalog as kc  # noqa: E402
@@ -57,6 +58,8 @@ from engine.types import ConfigError  # noqa: E402
 NAME = "gpu_check_gemv"
 PEAK_GBS = 4100.0
 TOL = {"bf16": 1e-2, "f32": 1e-2}
+# q8x kernels against quant.q8x_round_trip: f32 out is tight (an f32-x kernel misses it by ~4e-3)
+Q8X_TOL = {"bf16": 1e-2, "f32": 1e-4}
 RESULTS: list[dict] = []
 TYPES: list[str] = list(kc.QUANTS)  # the storage types checked and timed (--types narrows it)
 SECTIONS: list[str] = ["bandwidth", "fused", "qsweep", "bsweep"]  # the timing sections (--sections)
@@ -157,6 +160,10 @@ def gemv_variants(qt):
         for t, rpw, u in ((128, 2, 2), (64, 1, 1)):  # the next segments' loads before the FMAs
             coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True}
             out.append((False, coop, CASES))
+    if qt in kc.Q8X_TYPES:  # int8 x rows and __dp4a (checked against quant.q8x_round_trip)
+        for t, rpw, u, pipe in ((128, 2, 2, True), (128, 1, 4, False), (256, 4, 1, True), (64, 2, 2, False)):
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": pipe, "q8x": True}
+            out.append((False, q8, CASES))
     if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
@@ -175,11 +182,18 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
         out = nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
     K.launch(c, [out, raw_t, bf(x), out if residual else 0, rows], rows)
     ref = x @ deq.T + (r if residual else 0)
+    got = host(out)
+    tol, extra = TOL[od], {}
+    if knobs.get("q8x"):  # the exact twin (int8 x rows), tight for f32 out; the f32-x error recorded
+        extra = dict(q8x=True, f32x_rel_err=rel_err(np.nan_to_num(got), ref))
+        ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T + (r if residual else 0)
+        tol = Q8X_TOL[od]
     record(
         c.spec.entry,
-        host(out),
+        got,
         ref,
-        TOL[od],
+        tol,
+        **extra,
         check="gemv",
         quant=qt,
         rows=rows,
@@ -230,9 +244,11 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    if xsmem in ("coop", "coopxs"):  # the warp-cooperative layout with the prologue
+    if xsmem in ("coop", "coopxs", "coopq8"):  # the warp-cooperative layout with the prologue
         xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
-        xo["pipeline"] = xsmem == "coop"  # the prologue with and without the load pipeline
+        xo["pipeline"] = xsmem in ("coop", "coopq8")  # the prologue with and without the load pipeline
+        if xsmem == "coopq8":
+            xo["q8x"] = True
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -243,11 +259,18 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         args.append(torch.from_numpy(nw).to(DEV))
     K.launch(c, args, rows)
     ref = xin @ deq.T + (r if residual else 0)
+    got = host(out)
+    tol, extra = TOL[od], {}
+    if xsmem == "coopq8":  # the twin on the prologue's bf16 output; a flipped bf16 rounding costs ~1e-4
+        extra = dict(q8x=True, f32x_rel_err=rel_err(np.nan_to_num(got), ref))
+        ref = quant.q8x_round_trip(xin).astype(np.float64) @ deq.T + (r if residual else 0)
+        tol = 1e-3 if od == "f32" else TOL[od]
     record(
         c.spec.entry,
-        host(out),
+        got,
         ref,
-        TOL[od],
+        tol,
+        **extra,
         check=f"gemv_{pro}",
         quant=qt,
         rows=rows,
@@ -275,9 +298,10 @@ def check_prologues(K, rng, quick):
             raw, deq = random_weight(qt, n, k, rng)
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
-                for xsmem in (False, True, "f32") + (("coop", "coopxs") if qt in kc.COOP_TYPES else ()):
+                coop = ("coop", "coopxs") if qt in kc.COOP_TYPES else ()
+                for xsmem in (False, True, "f32") + coop + (("coopq8",) if qt in kc.Q8X_TYPES else ()):
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32, "coop": PRO_CASES, "coopxs": PRO_CASES}[xsmem]:
+                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):
                             continue
                         guarded(
                             f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
@@ -412,7 +436,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x")
         },
     }
     if torch_ref and qt == "bf16":
@@ -475,7 +499,16 @@ def timing_variants(qt, rows, k, full=True):
             if bmax * k * 2 <= kc.COOP_XSMEM_MAX:
                 kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "xsmem": True}
                 out.append((f"c{t}r{rpw}u{u}xs", kn))
+    if qt in kc.Q8X_TYPES:  # the f32 path with the load pipeline (the pre-q8x default), then q8x
+        out.append(("c128r2u2p", {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "pipeline": True}))
+        for t, rpw, u in Q8X_SWEEP if full else Q8X_SWEEP[:2]:
+            if bmax * k * 3 // 2 <= kc.COOP_Q8X_MAX:
+                kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True, "q8x": True}
+                out.append((f"c{t}r{rpw}u{u}q8", kn))
     return out
+
+
+Q8X_SWEEP = ((128, 2, 2), (128, 4, 2), (256, 2, 2), (128, 2, 4), (64, 4, 2))
 
 
 COOP_SWEEP = ((128, 1, 4), (128, 2, 4), (128, 2, 2), (256, 1, 4), (64, 1, 8))

@@ -1,4 +1,5 @@
-"""Quantised GGUF models through CudaRunner (skipped without a GPU): both decode GEMV layouts.
+"""Quantised GGUF models through CudaRunner (skipped without a GPU): both decode GEMV layouts, the
+cooperative one also with int8 x rows (gemv_coop.q8x: __dp4a dot products).
 
 A tiny Qwen3 GGUF of random q8_0 or q4_k_m blocks (q4_k with q6_k for attn_v / ffn_down of every
 other layer and the embedding) runs on the classic gemv and on the warp-cooperative one (whose plan
@@ -36,7 +37,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("layout", ["classic", "coop"])
+@pytest.mark.parametrize("layout", ["classic", "coop", "coop_q8x"])
 @pytest.mark.parametrize("q", ["q8_0", "q4_k_m"])
 def test_quantised_gguf_logits_match_the_reference(tmp_path, q, layout):
     from engine.model import load_model
@@ -47,14 +48,16 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, q, layout):
     path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", "qwen3", DIMS, q, seed=7)
     model = load_model(path)
     prof = select(cuda.detect_devices()[0])
-    coop = COOP if layout == "coop" else {**COOP, "types": []}
+    coop = {"classic": {**COOP, "types": []}, "coop": COOP, "coop_q8x": {**COOP, "q8x": True}}[layout]
     prof = dataclasses.replace(prof, tuning={**prof.tuning, "gemv_coop": coop})
     runner = CudaRunner(model, prof, num_blocks=64, max_model_len=512)
     try:
         dtypes = {w.dtype for w in runner.plan.weights if w.rows > 1}
         gemvs = [la.spec for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
-        if layout == "coop":
+        if layout != "classic":
             assert dtypes & {"q8_0r", "q6_kr"} and all(s.params["coop"] for s in gemvs), dtypes
+            q8x = {s.params["q8x"] for s in gemvs if s.params["quant"] != "bf16"}
+            assert q8x == {layout == "coop_q8x"}, q8x
         else:
             assert not dtypes & {"q8_0r", "q6_kr"} and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
