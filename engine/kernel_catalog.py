@@ -829,8 +829,7 @@ def linear_params(
         else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     )
     return dict(
-        **opts,
-        **layout,
+        {**layout, **opts},
         stage=False if layout.get("coop") else st,
         quant=quant,
         n=n,
@@ -852,20 +851,33 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     return layout
 
 
-def coop_options(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> dict[str, bool]:
+def coop_options(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> dict[str, Any]:
     """The coop gemv's q8x / xsmem / pipeline switches for one spec on a weight uploaded as
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
-    COOP_Q8X_MAX; else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
-    COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
+    COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
+    threads / rows_per_block); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of
+    k bf16 fit COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the
+    default names)."""
     c = tuning.get("gemv_coop") or {}
-    out: dict[str, bool] = {}
-    if c.get("q8x") and quant in Q8X_TYPES and bmax * k * 3 // 2 <= COOP_Q8X_MAX:
+    out: dict[str, Any] = {}
+    if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
+        threads = c.get("q8x_threads") or c["threads"]
+        rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
+        if (threads, rpw) != (c["threads"], c["rows_per_warp"]):
+            out.update(threads=threads, rows_per_block=threads // 32 * rpw)
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
     return out
+
+
+def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:
+    """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
+    int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""
+    c = tuning.get("gemv_coop") or {}
+    return bool(c.get("q8x")) and quant in Q8X_TYPES and bmax * k * 3 // 2 <= COOP_Q8X_MAX
 
 
 def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:

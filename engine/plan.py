@@ -371,8 +371,20 @@ def build_plan(
         adapter.freq = weights[ROPE_FREQ]
     tg = profile.tune("gemv")
     kinds = {k for k, on in (("rmsnorm", tg.get("fuse_norm")), ("silu_mul", tg.get("fuse_silu"))) if on}
-    fusable = _prologue_fusable(schedule)
+    readers: dict = {}
+    fusable = _prologue_fusable(schedule, readers)
     adapter.fusable = {key for key, kind in fusable.items() if kind in kinds}
+    if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway
+
+        def q8x_reader(o: Op, lay: int | None) -> bool:
+            for w in o.weights:
+                cols = _tensor_shape(graph, w, d)[-1]
+                dt = adapter.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols)
+                if not adapter.q8x_decode(dt, cols):
+                    return False
+            return True
+
+        adapter.fusable |= {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
     if tg.get("fuse_glu"):
         adapter.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
@@ -419,18 +431,22 @@ def build_plan(
 PROLOGUE_MODES = ("decode1", "decode")  # the modes whose GEMVs absorb rmsnorm / silu_mul
 
 
-def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> dict[tuple[int, int | None], str]:
+def _prologue_fusable(
+    schedule: list[tuple[Op, int | None, bool]], readers: dict | None = None
+) -> dict[tuple[int, int | None], str]:
     """(id(op), layer) of the rmsnorm / silu_mul ops whose output only linear layers read (as their
     x) before it is written again, in the same head/non-head part, while nothing rewrites the op's
     inputs in between, mapped to the op kind: in decode modes those get no launch when the profile's
-    gemv tuning enables that kind (fuse_norm / fuse_silu); the GEMVs compute them while loading x."""
+    gemv tuning enables that kind (fuse_norm / fuse_silu), or gemv_coop.q8x_fuse and every reader
+    is a q8x GEMV; the GEMVs compute them while loading x. ``readers``, when given, receives each
+    key's reading (linear op, layer) pairs."""
     out: dict[tuple[int, int | None], str] = {}
     for i, (op, layer, head) in enumerate(schedule):
         if op.op not in ("rmsnorm", "silu_mul") or len(op.outputs) != 1:
             continue
         name = op.outputs[0]
-        readers, ok, src_changed = 0, True, False
-        for o, _lay, h in schedule[i + 1 :]:
+        ok, src_changed, seen = True, False, []
+        for o, lay, h in schedule[i + 1 :]:
             if name in o.inputs or o.attrs.get("residual") == name:
                 ok = (
                     o.op == "linear"
@@ -441,12 +457,14 @@ def _prologue_fusable(schedule: list[tuple[Op, int | None, bool]]) -> dict[tuple
                 )
                 if not ok:
                     break
-                readers += 1
+                seen.append((o, lay))
             if name in o.outputs:
                 break  # redefined: later reads see the new value
             src_changed = src_changed or any(src in o.outputs for src in op.inputs)
-        if ok and readers:
+        if ok and seen:
             out[(id(op), layer)] = op.op
+            if readers is not None:
+                readers[(id(op), layer)] = seen
     return out
 
 
@@ -633,6 +651,16 @@ class _CatalogAdapter:
         fn = getattr(self.cat, "upload_type", None) if self.cat is not None else None
         return fn(dtype, cols, self.profile.tuning) if fn is not None else dtype
 
+    def q8x_decode(self, dtype: str, cols: int) -> bool:
+        """Whether every decode mode's GEMV on a [*, cols] weight uploaded as ``dtype`` is a coop
+        q8x GEMV (kernel_catalog.q8x_applies at bmax 1 and the gemv max_batch)."""
+        layout = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
+        applies = getattr(self.cat, "q8x_applies", None) if self.cat is not None else None
+        if layout is None or applies is None or not layout(dtype, self.profile.tuning).get("coop"):
+            return False
+        bmaxes = (1, self.tune("gemv")["max_batch"])
+        return all(applies(self.profile.tuning, b, cols, dtype) for b in bmaxes)
+
     def act_dtype(self, value: str) -> str:
         return "f32" if value == "logits" else "bf16"
 
@@ -816,6 +844,7 @@ class _CatalogAdapter:
                     stage=False,
                     **self.cat.coop_options(self.profile.tuning, bmax, w.cols, w.dtype),
                 )
+                threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue

@@ -95,8 +95,14 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
             # issue the next `unroll` segments' loads before the current ones' FMAs
             "pipeline": Field(bool, default=False),
-            # q4_k / q8_0 / q6_k: int8-quantised x rows in shared memory and __dp4a dot products
+            # q4_k / q8_0 / q6_k: int8-quantised x rows in shared memory and __dp4a dot products,
+            # with their own block shape (0: threads / rows_per_warp above)
             "q8x": Field(bool, default=False),
+            "q8x_threads": Field(int, default=0),
+            "q8x_rows_per_warp": Field(int, default=0),
+            # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
+            # (its block stages and quantises x anyway; the norm costs one more pass over x)
+            "q8x_fuse": Field(bool, default=False),
         },
         default={
             "types": [],
@@ -106,6 +112,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "pipeline": False,
             "q8x": False,
+            "q8x_threads": 0,
+            "q8x_rows_per_warp": 0,
+            "q8x_fuse": False,
         },
     ),
     "gemm": Field(

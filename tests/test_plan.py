@@ -536,3 +536,35 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
         from engine import kernel_catalog as kc
 
         kc.spec("gemv", **kc.linear_params("bf16", 3000, 576, prof.tuning), glu=1536)
+
+
+def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
+    """gemv_coop.q8x_fuse: a decode rmsnorm whose readers are all q8x GEMVs (in both decode modes)
+    gets no launch and its readers the norm prologue; a reader on the f32 path (q8x off, or its x
+    rows over COOP_Q8X_MAX at the decode bmax) keeps the rmsnorm / silu_mul launch. q8x GEMVs take
+    the q8x_threads / q8x_rows_per_warp block shape."""
+    import dataclasses
+
+    prof = get_profile("h200")
+    c = prof.tune("gemv_coop")
+    assert c["q8x_fuse"] and c["q8x"]
+    graph = load_family("qwen3")
+    for on in (True, False):
+        tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on}}
+        plan = build_plan(
+            graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), dataclasses.replace(prof, tuning=tuning)
+        )
+        for mode in ("decode1", "decode"):
+            kinds = [la.spec.template for st in plan.steps if st.layer == 0 for la in st.launches[mode]]
+            gemvs = [la.spec.params for st in plan.steps if st.layer == 0 for la in st.launches[mode] if la.spec.template == "gemv"]
+            if on:
+                assert "rmsnorm" not in kinds, (mode, kinds)
+                norm = [p for p in gemvs if p["prologue"] == "norm"]
+                assert len(norm) == 2 and all(p["q8x"] for p in norm)  # qkv and gate|up
+                for p in gemvs:
+                    if p["q8x"]:
+                        assert (p["threads"], p["rows_per_block"]) == (c["q8x_threads"], c["q8x_threads"] // 32 * c["q8x_rows_per_warp"])
+                # the down projection's x rows (k 9728) exceed the cap at bmax 8: silu_mul stays
+                assert "silu_mul" in kinds
+            else:
+                assert kinds.count("rmsnorm") == 2 and not any(p["prologue"] != "none" for p in gemvs)

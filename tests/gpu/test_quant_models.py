@@ -72,6 +72,8 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, q, layout):
             errs.append(_rel(runner.read_logits(1)[0], ref.forward_logits(seq)[-1]))
             seq.append(tok)
         print(f"{q} {layout}: logits rel err {', '.join(f'{e:.2e}' for e in errs)} layouts {sorted(dtypes)}")
-        assert max(errs) < 2e-2, errs
+        # int8 x rows add ~5.5e-3 relative error per GEMV (tools/gpu_check_gemv.py: f32x_rel_err;
+        # the q8x kernels match their numpy twin quant.q8x_round_trip to ~1e-7): a looser bound
+        assert max(errs) < (4e-2 if layout == "coop_q8x" else 2e-2), errs
     finally:
         runner.close()
