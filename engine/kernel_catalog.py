@@ -289,6 +289,7 @@ KERNELS: dict[str, KernelDoc] = {
             eps=float,
             freq_factors=bool,
             kv_stride=int,
+            qsplit=int,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -314,8 +315,9 @@ KERNELS: dict[str, KernelDoc] = {
             "mode",
             "direct",
             "vec16",
+            "qsplit",
         ),
-        "(rows, kv_heads, 1 if direct else max_splits)",
+        "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
         defaults={
             "vec16": False,
@@ -327,6 +329,7 @@ KERNELS: dict[str, KernelDoc] = {
             "eps": 0.0,
             "freq_factors": False,
             "kv_stride": 0,
+            "qsplit": 1,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -623,6 +626,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["mode"] in ("decode", "prefill"), f"mode {p['mode']!r} must be decode or prefill")
         group = p["heads"] // p["kv_heads"]
         need(
+            p["qsplit"] == 1 or (p["direct"] and group % p["qsplit"] == 0),
+            f"qsplit={p['qsplit']} (grid z over a kv head's query heads) needs direct and to divide {group}",
+        )
+        need(
             p["warps"] * group * (p["head_dim"] + 2) * 4 <= 48 * 1024,
             "warps * group * head_dim too large for shared memory",
         )
@@ -686,6 +693,8 @@ def spec(template: str, **params: Any) -> KernelSpec:
     for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
         if not norm[key]:
             parts.pop(key, None)
+    if template == "attention" and norm["qsplit"] == 1:
+        parts.pop("qsplit", None)
     if template == "attention" and norm["rope"]:  # the fused rope's shape params name it too
         parts.update(
             rope_dim=norm["rope_dim"],
@@ -763,7 +772,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     elif template == "attention":
 
         def grid(rows: int, max_splits: int = 1, **_: int) -> tuple[int, int, int]:
-            return (rows, p["kv_heads"], 1 if p["direct"] else max_splits)
+            return (rows, p["kv_heads"], p["qsplit"] if p["direct"] else max_splits)
 
         block = (p["warps"] * 32, 1, 1)
     elif template == "attention_prefill":
@@ -966,7 +975,9 @@ def attention_params(
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
     split = max(step, a["split_kv_tokens"] // step * step)
+    qs = direct_qsplit(dims["heads"] // dims["kv_heads"], tuning) if direct and mode == "decode" else 1
     return dict(
+        **({"qsplit": qs} if qs > 1 else {}),
         heads=dims["heads"],
         kv_heads=dims["kv_heads"],
         head_dim=dims["head_dim"],
@@ -980,6 +991,13 @@ def attention_params(
         warps=warps,
         vec16=vec16,
     )
+
+
+def direct_qsplit(group: int, tuning: Mapping[str, Any]) -> int:
+    """The direct decode attention's split of a kv head's ``group`` query heads over grid z: the
+    largest divisor of group up to tuning attention_decode.direct_qsplit (1: one block per kv head)."""
+    cap = int((tuning.get("attention_decode") or {}).get("direct_qsplit", 1) or 1)
+    return max(q for q in range(1, min(cap, group) + 1) if group % q == 0)
 
 
 def rope_params(

@@ -374,7 +374,7 @@ def build_plan(
     readers: dict = {}
     fusable = _prologue_fusable(schedule, readers)
     adapter.fusable = {key for key, kind in fusable.items() if kind in kinds}
-    if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway
+    if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
 
         def q8x_reader(o: Op, lay: int | None) -> bool:
             for w in o.weights:
@@ -384,7 +384,7 @@ def build_plan(
                     return False
             return True
 
-        adapter.fusable |= {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
+        adapter.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
     if tg.get("fuse_glu"):
         adapter.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
@@ -627,6 +627,9 @@ class _CatalogAdapter:
         # decode-mode GEMV prologues: (id(op), layer) of the fusable rmsnorm/silu_mul ops (build_plan
         # sets it) and (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset)
         self.fusable: set[tuple[int, int | None]] = set()
+        # ... and those fused in decode1 only (gemv_coop.q8x_fuse: every reader a batch-1 q8x GEMV;
+        # at batch 8 each block's extra pass over its x rows costs more than the launch it saves)
+        self.fusable1: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
         # (id(op), layer) of the gate|up linears whose decode GEMV stores silu(gate) * up (build_plan)
@@ -652,14 +655,18 @@ class _CatalogAdapter:
         return fn(dtype, cols, self.profile.tuning) if fn is not None else dtype
 
     def q8x_decode(self, dtype: str, cols: int) -> bool:
-        """Whether every decode mode's GEMV on a [*, cols] weight uploaded as ``dtype`` is a coop
-        q8x GEMV (kernel_catalog.q8x_applies at bmax 1 and the gemv max_batch)."""
+        """Whether the decode1 GEMV on a [*, cols] weight uploaded as ``dtype`` is a coop q8x GEMV
+        (kernel_catalog.q8x_applies at bmax 1)."""
         layout = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
         applies = getattr(self.cat, "q8x_applies", None) if self.cat is not None else None
         if layout is None or applies is None or not layout(dtype, self.profile.tuning).get("coop"):
             return False
-        bmaxes = (1, self.tune("gemv")["max_batch"])
-        return all(applies(self.profile.tuning, b, cols, dtype) for b in bmaxes)
+        return bool(applies(self.profile.tuning, 1, cols, dtype))
+
+    def _fused(self, op, layer, mode: str) -> bool:
+        """Whether the rmsnorm / silu_mul op runs inside its readers' GEMVs in this decode mode."""
+        key = (id(op), layer)
+        return key in self.fusable or (mode == "decode1" and key in self.fusable1)
 
     def act_dtype(self, value: str) -> str:
         return "f32" if value == "logits" else "bf16"
@@ -693,7 +700,7 @@ class _CatalogAdapter:
         x = ins[0]
         if (
             mode in PROLOGUE_MODES
-            and (id(op), layer) in self.fusable
+            and self._fused(op, layer, mode)
             and w.dtype == "f32"
             and x.width == w.cols
             and x.ld % 8 == 0
@@ -985,7 +992,7 @@ class _CatalogAdapter:
             return []
         if (
             mode in PROLOGUE_MODES
-            and (id(op), layer) in self.fusable
+            and self._fused(op, layer, mode)
             and g.buffer == u.buffer
             and g.ld == u.ld
             and u.width == inter
@@ -1056,6 +1063,8 @@ class _CatalogAdapter:
             rope, rope_args = self.rope_fused.get(layer, ({}, ()))
             t = self.tune("attention_decode")
             warps = t.get("direct_warps") or t["warps"]
+            dq = getattr(self.cat, "direct_qsplit", None) if self.cat is not None else None
+            qsplit = dq(heads // kvh, self.profile.tuning) if dq is not None else 1
             kmode = "decode"
             spec = self._spec(
                 "attention",
@@ -1065,11 +1074,12 @@ class _CatalogAdapter:
                 direct=True,
                 warps=warps,
                 vec16=vec16,
+                **({"qsplit": qsplit} if qsplit > 1 else {}),
                 **common,
                 **rope,
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
-            return [Launch(spec, ("n", kvh, 1), (32 * warps,), args)]
+            return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
         tune = self.tune("attention_decode")
         warps, split = tune["warps"], tune["split_kv_tokens"]
         spec = self._spec(

@@ -192,6 +192,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "fuse_rope": Field(bool, default=False),
             # warps of the direct (short-context) kernel; 0: `warps`, which the split kernels use
             "direct_warps": Field(int, default=0),
+            # direct kernel: split a kv head's query heads over up to this many blocks (grid z)
+            "direct_qsplit": Field(int, default=1),
         },
         default={
             "block_kv": 64,
@@ -200,6 +202,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "vec16": False,
             "fuse_rope": False,
             "direct_warps": 0,
+            "direct_qsplit": 1,
         },
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),

@@ -539,10 +539,9 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
 
 
 def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
-    """gemv_coop.q8x_fuse: a decode rmsnorm whose readers are all q8x GEMVs (in both decode modes)
-    gets no launch and its readers the norm prologue; a reader on the f32 path (q8x off, or its x
-    rows over COOP_Q8X_MAX at the decode bmax) keeps the rmsnorm / silu_mul launch. q8x GEMVs take
-    the q8x_threads / q8x_rows_per_warp block shape."""
+    """gemv_coop.q8x_fuse: in decode1, a rmsnorm / silu_mul whose readers are all q8x GEMVs gets no
+    launch and its readers the prologue; with q8x off, and in the batched decode mode, the launches
+    stay. q8x GEMVs take the q8x_threads / q8x_rows_per_warp block shape."""
     import dataclasses
 
     prof = get_profile("h200")
@@ -557,14 +556,37 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
         for mode in ("decode1", "decode"):
             kinds = [la.spec.template for st in plan.steps if st.layer == 0 for la in st.launches[mode]]
             gemvs = [la.spec.params for st in plan.steps if st.layer == 0 for la in st.launches[mode] if la.spec.template == "gemv"]
-            if on:
-                assert "rmsnorm" not in kinds, (mode, kinds)
-                norm = [p for p in gemvs if p["prologue"] == "norm"]
-                assert len(norm) == 2 and all(p["q8x"] for p in norm)  # qkv and gate|up
-                for p in gemvs:
-                    if p["q8x"]:
-                        assert (p["threads"], p["rows_per_block"]) == (c["q8x_threads"], c["q8x_threads"] // 32 * c["q8x_rows_per_warp"])
-                # the down projection's x rows (k 9728) exceed the cap at bmax 8: silu_mul stays
-                assert "silu_mul" in kinds
+            for p in gemvs:
+                if p["q8x"]:
+                    assert (p["threads"], p["rows_per_block"]) == (c["q8x_threads"], c["q8x_threads"] // 32 * c["q8x_rows_per_warp"])
+            if on and mode == "decode1":
+                assert "rmsnorm" not in kinds and "silu_mul" not in kinds, (mode, kinds)
+                assert sorted(p["prologue"] for p in gemvs) == ["none", "norm", "norm", "silu"]
+                assert all(p["q8x"] for p in gemvs if p["prologue"] != "none")
             else:
                 assert kinds.count("rmsnorm") == 2 and not any(p["prologue"] != "none" for p in gemvs)
+
+
+def test_direct_attention_splits_query_heads_over_grid_z():
+    """attention_decode.direct_qsplit: the short-context direct kernel gets grid z = the largest
+    divisor of heads / kv_heads up to the knob (each block one share of the kv head's query heads);
+    the split kernels and prefill keep one block per kv head."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    assert [kc.direct_qsplit(g, {"attention_decode": {"direct_qsplit": 4}}) for g in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 3, 4]
+    assert kc.direct_qsplit(4, {"attention_decode": {}}) == 1
+    with pytest.raises(ConfigError, match="qsplit=3 .* needs direct and to divide 4"):
+        kc.spec("attention", heads=32, kv_heads=8, head_dim=128, block_size=16, split=256, scale=0.1,
+                q_stride=6144, out_stride=4096, mode="decode", direct=True, warps=8, qsplit=3)
+    prof = get_profile("h200")
+    assert prof.tune("attention_decode")["direct_qsplit"] == 4
+    for size, want in (("qwen3-4b", 4), ("qwen3-0.6b", 2)):
+        for p, qs in ((prof, want), (with_tuning(prof, "attention_decode.direct_qsplit=1"), 1)):
+            graph = load_family("qwen3")
+            plan = build_plan(graph, dims_for_size("qwen3", size), graph.quant("bf16"), p)
+            short = [la for st in plan.steps for la in st.launches.get("short", ()) if la.spec.template == "attention"]
+            split = [la for st in plan.steps for la in st.launches["decode"] if la.spec.template == "attention"]
+            assert short and all(la.grid[2] == qs and la.spec.params["qsplit"] == qs for la in short)
+            assert ("qsplit" in short[0].spec.entry) is (qs > 1)
+            assert split and all(la.spec.params["qsplit"] == 1 for la in split)

@@ -123,7 +123,7 @@ def prefill_choice(heads, kvh, hd, q_stride, out_stride, bq=64, bkv=64, warps=4)
     )
 
 
-def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, vec16=False) -> kc.KernelChoice:
+def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, vec16=False, qsplit=1) -> kc.KernelChoice:
     return kc.choice(
         "attention",
         heads=heads,
@@ -138,6 +138,7 @@ def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, ve
         direct=direct,
         warps=warps,
         vec16=vec16,
+        qsplit=qsplit,
     )
 
 
@@ -298,9 +299,9 @@ class Decode:
         self.out = nan_like((self.rows, self.out_stride))
         self.kv_bytes = 2.0 * sum(ctxs) * kvh * hd * 2
 
-    def launches(self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False):
+    def launches(self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False, qsplit: int = 1):
         c = decode_choice(
-            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16
+            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16, qsplit
         )
         ms_ = 1 if direct else -(-self.max_ctx // split)
         po = torch.full((self.rows, self.heads, ms_, self.hd), float("nan"), device=DEV)
@@ -354,6 +355,18 @@ def decode_checks(K: Kernels, quick: bool) -> None:
                 record(name, dc.result(), dc.reference(), 1e-2, entry=c.spec.entry)
 
             guarded(name, one)
+        group = h // kvh
+        for qs in sorted({group, max(q for q in range(1, group) if group % q == 0)} - {1}):
+            for vec in (False, True):  # direct with the kv head's query heads split over grid z
+                name = f"decode {label} ctx {DECODE_CTXS} direct qsplit {qs} warps 8 vec16 {vec}"
+
+                def one(i=i, h=h, kvh=kvh, hd=hd, qs=qs, vec=vec, name=name):
+                    dc = Decode(np.random.default_rng(3000 + i), h, kvh, hd, DECODE_CTXS, max_ctx=4100)
+                    c, run = dc.launches(K, 256, 8, True, vec, qs)
+                    run()
+                    record(name, dc.result(), dc.reference(), 1e-2, entry=c.spec.entry)
+
+                guarded(name, one)
 
 
 def time_decode(K: Kernels, quick: bool) -> None:
