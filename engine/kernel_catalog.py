@@ -232,6 +232,7 @@ KERNELS: dict[str, KernelDoc] = {
             freq_factors=bool,
             kv_write=bool,
             threads=int,
+            v_stride=int,
         ),
         (
             ("q", P),
@@ -256,9 +257,11 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride",
             "qk_norm",
             "kv_write",
+            "v_stride",
         ),
         "(rows, ceil((heads + 2 * kv_heads) / (threads / 32)))",
         "(threads,)",
+        defaults={"v_stride": 0},
     ),
     "silu_mul": KernelDoc(
         dict(inter=int, in_stride=int, threads=int),
@@ -290,6 +293,7 @@ KERNELS: dict[str, KernelDoc] = {
             freq_factors=bool,
             kv_stride=int,
             qsplit=int,
+            v_stride=int,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -330,6 +334,7 @@ KERNELS: dict[str, KernelDoc] = {
             "freq_factors": False,
             "kv_stride": 0,
             "qsplit": 1,
+            "v_stride": 0,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -649,6 +654,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"rope_dim={p['rope_dim']} must be even and <= head_dim",
             )
             need(p["kv_stride"] % 8 == 0, "rope fusion needs kv_stride a multiple of 8")
+            need(p["v_stride"] % 8 == 0, "rope fusion needs v_stride a multiple of 8")
             need(not p["qk_norm"] or p["eps"] > 0, "qk_norm needs eps > 0")
 
 
@@ -683,8 +689,10 @@ def spec(template: str, **params: Any) -> KernelSpec:
                 norm[key] = str(value)
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
-        zero_ok = (template == "gemv" and key in ("x_stride", "u_off", "glu")) or (
-            template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope")
+        zero_ok = (
+            (template == "gemv" and key in ("x_stride", "u_off", "glu"))
+            or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
+            or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
         if typ is int and norm[key] <= 0 and not zero_ok:
             raise _fail(template, f"param {key}={value!r} must be positive")
@@ -695,6 +703,8 @@ def spec(template: str, **params: Any) -> KernelSpec:
             parts.pop(key, None)
     if template == "attention" and norm["qsplit"] == 1:
         parts.pop("qsplit", None)
+    if template in ("rope", "attention") and not norm.get("v_stride"):
+        parts.pop("v_stride", None)
     if template == "attention" and norm["rope"]:  # the fused rope's shape params name it too
         parts.update(
             rope_dim=norm["rope_dim"],
@@ -702,6 +712,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             qk_norm=int(norm["qk_norm"]),
             ff=int(norm["freq_factors"]),
             kv_stride=norm["kv_stride"],
+            **({"v_stride": norm["v_stride"]} if norm["v_stride"] else {}),
         )
     name = entry_name(template, **parts)
     return KernelSpec(template, name, norm)
@@ -811,7 +822,7 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
 # apart), the qk-norm weights, the rope frequency divisors and the cache slots (rope.cu.j2's)
 ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")
 # the rope spec params the rope-fused attention takes over (with rope=true)
-ATTENTION_ROPE_PARAMS = ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors", "kv_stride")
+ATTENTION_ROPE_PARAMS = ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors", "kv_stride", "v_stride")
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
@@ -1102,7 +1113,7 @@ def all_specs(
             if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
                 for style in rope_styles:  # rope folded into decode attention
                     rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
-                    fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS}
+                    fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS if k in rp}
                     out[spec("attention", **p, **fused, rope=True)] = None
     out[
         spec(

@@ -311,32 +311,33 @@ def build_plan(
         values.setdefault(name, v)
         return values[name]
 
-    same_type: dict[int, bool] = {}
+    fuse_groups: dict[int, list[list[int]]] = {}
 
-    def same_type_every_layer(op: Op, per_layer: bool) -> bool:
-        """Whether op's weights share one storage type in every layer (once per op). A fusion is
-        decided for all layers at once: the outputs are bound once, as column views of one
-        buffer, so one layer's split q/k/v could not share the others' layout."""
-        if id(op) not in same_type:
+    def type_runs(op: Op, per_layer: bool) -> list[list[int]]:
+        """op's weights as runs of consecutive ones that share one storage type in every layer (once
+        per op): each run is fused into one allocation. A fusion is decided for all layers at once:
+        the outputs are bound once, as column views of one buffer per run, so one layer's split
+        q/k/v could not share the others' layout. A q4_k_m file whose attn_v is q6_k in some layers
+        fuses q|k and keeps v apart."""
+        if id(op) not in fuse_groups:
             layers = range(int(d["layers"])) if per_layer else [None]
-            same_type[id(op)] = all(
-                len({_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights}) == 1
-                for lay in layers
-            )
-        return same_type[id(op)]
+            types = [[_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights] for lay in layers]
+            runs: list[list[int]] = [[0]]
+            for i in range(1, len(op.weights)):
+                if all(t[i] == t[runs[-1][0]] for t in types):
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            fuse_groups[id(op)] = runs
+        return fuse_groups[id(op)]
 
     def plan_weight(op: Op, layer: int | None) -> list[WeightPlan]:
         """The weight allocations for an op (fused when the storage types agree)."""
         dts = [_dtype_of(graph, quant, w, layer, tensor_dtypes) for w in op.weights]
         shapes = [_tensor_shape(graph, w, d) for w in op.weights]
         groups: list[list[int]] = []
-        if (
-            op.op == "linear"
-            and len(op.weights) > 1
-            and same_type_every_layer(op, layer is not None)
-            and len({s[1] for s in shapes}) == 1
-        ):
-            groups = [list(range(len(op.weights)))]
+        if op.op == "linear" and len(op.weights) > 1 and len({s[1] for s in shapes}) == 1:
+            groups = type_runs(op, layer is not None)
         else:
             groups = [[i] for i in range(len(op.weights))]
         out = []
@@ -552,15 +553,20 @@ def _bind_outputs(
     if op.op == "embed":
         return [value_for(op.outputs[0], d["hidden"])]
     if op.op == "linear":
-        if len(ws) == 1 and len(op.outputs) > 1:  # fused: outputs are column views of one buffer
-            w = ws[0]
-            buf = "+".join(op.outputs)
-            outs, off = [], 0
-            for name, rows in zip(op.outputs, w.part_rows, strict=True):
+        outs, col = [], 0
+        for w in ws:  # a fused allocation's outputs are column views of one buffer
+            names = op.outputs[col : col + len(w.parts)]
+            col += len(w.parts)
+            if len(names) == 1:
+                outs.append(value_for(names[0], w.rows))
+                continue
+            buf, off = "+".join(names), 0
+            for name, rows in zip(names, w.part_rows, strict=True):
                 outs.append(value_for(name, rows, buffer=buf, offset=off, ld=w.rows))
                 off += rows
-            return outs
-        return [value_for(name, w.rows) for name, w in zip(op.outputs, ws, strict=True)]
+        if col != len(op.outputs):
+            raise ConfigError(f"plan: linear {op.outputs} has {col} weight rows groups for {len(op.outputs)} outputs")
+        return outs
     if op.op in ("rmsnorm", "head_rmsnorm", "silu_mul", "attention"):
         return [value_for(op.outputs[0], ins[0].width)]
     if op.op == "rope":
@@ -944,6 +950,7 @@ class _CatalogAdapter:
             freq_factors=self.freq is not None,
             kv_write=True,
             threads=t,
+            **({"v_stride": v.ld} if v.ld != k.ld else {}),
         )
         name = {
             "h": d["heads"],
@@ -953,13 +960,14 @@ class _CatalogAdapter:
             "qs": q.ld,
             "ks": k.ld,
             "n": int(qn is not None),
+            **({"vs": v.ld} if v.ld != k.ld else {}),
         }
         norms = (_w(qn) if qn else NULL, _w(kn) if kn else NULL)
         freq = _w(self.freq) if self.freq is not None else NULL
-        if mode == "short" and self._rope_fuses(q, k):
+        if mode == "short" and self._rope_fuses(q, k) and v.ld % 8 == 0:
             # short-context decode: the direct attention kernel that follows rotates q / k itself
             # and writes the cache (the split kernels do not: every split block would redo the rope)
-            fused = {key: params[key] for key in getattr(self.cat, "ATTENTION_ROPE_PARAMS", ())}
+            fused = {key: params[key] for key in getattr(self.cat, "ATTENTION_ROPE_PARAMS", ()) if key in params}
             extra = (_v(k), _v(v), *norms, freq, Arg("input", "slots"))
             self.rope_fused[layer] = ({"rope": True, **fused}, extra)
             return []

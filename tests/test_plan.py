@@ -96,15 +96,25 @@ def test_llama_rope_has_no_qk_norm_and_interleaved_style_for_gguf():
     assert qkv.dtype == "q4_1" and qkv.nbytes == storage_nbytes("q4_1", 576 + 192 + 192, 576)
 
 
-def test_unequal_storage_types_are_not_fused():
+def test_unequal_storage_types_fuse_runs_of_equal_ones():
+    """q|k of one type fuse and a v of another stays apart (a q4_k_m file's q6_k attn_v); the rope
+    then reads v with its own row stride (v_stride). A type between two equal ones splits all."""
     graph = load_family("llama")
     dims = dims_for_size("llama", "llama3-8b")
     dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
     plan = build_plan(graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes=dtypes)
     keys = {w.key for w in plan.weights}
-    assert "L0.wq|wk" not in keys and "L0.wq" in keys and "L0.wv" in keys and "L0.w_gate|w_up" in keys
+    assert "L0.wq|wk" in keys and "L0.wq" not in keys and "L0.wv" in keys and "L0.w_gate|w_up" in keys
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
-    assert len(linear.launches["decode"]) == 3  # wq, wk, wv separately
+    assert len(linear.launches["decode"]) == 2  # wq|wk, then wv
+    q, k, v = (plan.values[n] for n in linear.op.outputs)
+    assert q.buffer == k.buffer != v.buffer and q.ld == k.ld == q.width + k.width and v.ld == v.width
+    rope = next(s for s in plan.steps if s.layer == 0 and s.op.op == "rope")
+    p = rope.launches["prefill"][0].spec.params
+    assert (p["q_stride"], p["kv_stride"], p["v_stride"]) == (q.ld, k.ld, v.ld)
+    assert "v_stride" in rope.launches["prefill"][0].spec.entry
+    mixed = build_plan(graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes={**dtypes, "wk": "q6_k", "wv": "q4_k"})
+    assert {"L0.wq", "L0.wk", "L0.wv"} <= {w.key for w in mixed.weights}
 
 
 def test_residual_linear_writes_in_place_and_logits_are_f32():
@@ -489,15 +499,17 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
 
 def test_a_fusion_is_decided_for_every_layer_at_once():
     # q4_k_m as llama.cpp mixes it: attn_v is q6_k in every other layer. A layer whose q|k|v agree
-    # must not fuse them when another layer cannot: the outputs are bound once, and a fused launch
-    # in layer 1 would write 3 matrices' columns into layer 0's q buffer (found on the H200).
+    # must not fuse all three when another layer cannot: the outputs are bound once, and a fused
+    # launch in layer 1 would write 3 matrices' columns into layer 0's q|k buffer (found on the
+    # H200). q|k agree in every layer: they fuse everywhere, v stays apart everywhere.
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-0.6b")
     dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q4_k"}
     dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
     plan = build_plan(graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes=dtypes)
     keys = {w.key for w in plan.weights}
-    assert not any("wq|wk" in k for k in keys) and "L1.wq" in keys and "L1.w_gate|w_up" in keys
+    assert not any("wk|wv" in k for k in keys) and "L1.wq|wk" in keys and "L1.wv" in keys
+    assert "L1.w_gate|w_up" in keys
     for st in plan.steps:
         for la in st.launches["prefill"] + st.launches["decode"]:
             if la.spec.template in ("gemm", "gemv"):
