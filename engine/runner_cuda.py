@@ -110,7 +110,7 @@ class CudaRunner:
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
-        self._graphs: dict[tuple[int, str, bool], tuple[cuda.Graph, list[_Bound]]] = {}
+        self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
         self._head_inputs: list[tuple[str, int, int]] | None = None
         self._pen_count = 0
@@ -475,6 +475,13 @@ class CudaRunner:
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = max(it.start_pos for it in items) < self.plan.short_context
+        if self.use_graphs and kind != "penalised":
+            # the graph itself copies the inputs in and the sampled ids out (pinned host memory):
+            # one driver call per step, then the wait
+            self._graph(bucket, launch_kind, short, io=True).launch(self.stream)
+            self.stream.synchronize()
+            ids = [int(x) for x in self._views["out_ids"][:n]]
+            return self._host_sample_penalised(items, ids) if kind == "host" else ids
         self._upload_inputs(bucket, kind)
         if self.use_graphs:
             graph = self._graph(bucket, launch_kind, short)
@@ -512,14 +519,24 @@ class CudaRunner:
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str, short: bool) -> cuda.Graph:
-        key = (bucket, kind, short)
+    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False) -> cuda.Graph:
+        """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
+        bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
+        read / write the pinned host buffer when the graph runs)."""
+        key = (bucket, kind, short, io)
         if key not in self._graphs:
             bound = self._bind_pass(_decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short)
+            if io:
+                self._upload_inputs(bucket, kind)
             self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
             self.stream.synchronize()
             with cuda.capture(self.stream) as graph:
+                if io:
+                    self._upload_inputs(bucket, kind)
                 self._run(bound)
+                if io:
+                    out = self._views["out_ids"][:bucket]
+                    cuda.dtoh(out, self._in_dev.ptr + self._in_off["out_ids"], self.stream)
             self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
         return self._graphs[key][0]
 

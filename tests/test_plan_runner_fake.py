@@ -29,7 +29,8 @@ class FakeDriver:
         self.graph_launches = 0
         self.captures = 0
         self.capturing = False
-        self.h2d: list[int] = []
+        self.h2d: list[int] = []  # bytes of each direct host-to-device copy
+        self.h2d_graph: list[int] = []  # ... of each one captured into a graph
         self.pdl: dict[str, bool] = {}  # kernel name -> launched with programmatic dependent launch
 
     def module(self):
@@ -121,7 +122,9 @@ class FakeDriver:
         m.launch = launch
         m.PreparedLaunch = Prepared
         m.memset = lambda *a, **k: None
-        m.htod = lambda ptr, host, stream=None: fake.h2d.append(np.asarray(host).nbytes)
+        m.htod = lambda ptr, host, stream=None: (fake.h2d_graph if fake.capturing else fake.h2d).append(
+            np.asarray(host).nbytes
+        )
         m.dtoh = lambda host, ptr, stream=None: host
         m.dtod = lambda *a, **k: None
         m.DeviceBuffer = Buf
@@ -195,8 +198,12 @@ def test_sampled_rows_use_the_sample_kernel_and_one_small_upload(fake):
     hot = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
     runner.step([StepItem(0, [5], 7, [0], True, hot)])
     assert any(n.startswith("sample") for n, _, _ in drv.launches)
-    assert len(drv.h2d) == 1 and drv.h2d[0] < 64 * 1024
+    # building the graph: one upload for the warm run and the same one captured into the graph
+    assert len(drv.h2d) == 1 and drv.h2d_graph == drv.h2d and drv.h2d[0] < 64 * 1024
     assert runner._views["temperature"][0] == pytest.approx(0.8) and runner._views["seeds"][0] == 3
+    drv.h2d.clear()
+    runner.step([StepItem(0, [6], 8, [0], True, hot)])
+    assert drv.h2d == [] and len(drv.h2d_graph) == 1  # replays copy the inputs themselves
 
 
 def test_context_overflow_is_a_clear_error(fake):

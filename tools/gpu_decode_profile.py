@@ -116,7 +116,7 @@ def profile_variant(cuda, model, profile, batches, want_breakdown: bool) -> dict
         for batch in batches:
             wall = runner_bench.bench_decode(runner, batch, 0)
             bucket = next(b for b in runner.plan.graph_batch_sizes if b >= batch)
-            graph, bound = runner._graphs[(bucket, "greedy", True)]
+            graph, bound = runner._graphs[(bucket, "greedy", True, True)]
             gpu = time_graph(cuda, graph, runner.stream, 50)
             row = {
                 "wall_us": round(wall["step_ms"] * 1e3, 1),
