@@ -565,7 +565,7 @@ def _bind_outputs(
                 outs.append(value_for(name, rows, buffer=buf, offset=off, ld=w.rows))
                 off += rows
         if col != len(op.outputs):
-            raise ConfigError(f"plan: linear {op.outputs} has {col} weight rows groups for {len(op.outputs)} outputs")
+            raise ConfigError(f"plan: the weights of linear {op.outputs} cover {col} of its {len(op.outputs)} outputs")
         return outs
     if op.op in ("rmsnorm", "head_rmsnorm", "silu_mul", "attention"):
         return [value_for(op.outputs[0], ins[0].width)]
