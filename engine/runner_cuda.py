@@ -446,11 +446,17 @@ class CudaRunner:
             lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
             _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
 
-    def _read_ids(self, rows: int) -> np.ndarray:
-        ids = self._views["out_ids"][:rows]
-        cuda.dtoh(ids, self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+    def _ids_to_host(self, rows: int) -> None:
+        """Queue the copy of the first ``rows`` sampled ids into the pinned out_ids view."""
+        cuda.dtoh(self._views["out_ids"][:rows], self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+
+    def _read_ids(self, rows: int, copied: bool = False) -> np.ndarray:
+        """The sampled ids of the last pass; ``copied``: the pass itself (an io graph) queued their
+        copy to the host, so only the wait is left."""
+        if not copied:
+            self._ids_to_host(rows)
         self.stream.synchronize()
-        return ids.copy()
+        return self._views["out_ids"][:rows].copy()
 
     def _decode(self, items: Sequence[StepItem]) -> list[int]:
         n = len(items)
@@ -475,17 +481,13 @@ class CudaRunner:
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = max(it.start_pos for it in items) < self.plan.short_context
-        if self.use_graphs and kind != "penalised":
-            # the graph itself copies the inputs in and the sampled ids out (pinned host memory):
-            # one driver call per step, then the wait
-            self._graph(bucket, launch_kind, short, io=True).launch(self.stream)
-            self.stream.synchronize()
-            ids = [int(x) for x in self._views["out_ids"][:n]]
-            return self._host_sample_penalised(items, ids) if kind == "host" else ids
-        self._upload_inputs(bucket, kind)
+        # a graph without penalty entries copies the inputs in and the sampled ids out itself
+        # (pinned host memory): one driver call per step, then the wait
+        io = self.use_graphs and kind != "penalised"
+        if not io:
+            self._upload_inputs(bucket, kind)
         if self.use_graphs:
-            graph = self._graph(bucket, launch_kind, short)
-            graph.launch(self.stream)
+            self._graph(bucket, launch_kind, short, io=io).launch(self.stream)
         else:
             key = ("decode", bucket, launch_kind, short)
             if key not in self._eager:
@@ -493,7 +495,7 @@ class CudaRunner:
                     _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
                 )
             self._run(self._eager[key])
-        ids = [int(x) for x in self._read_ids(n)]
+        ids = [int(x) for x in self._read_ids(n, copied=io)]
         return self._host_sample_penalised(items, ids) if kind == "host" else ids
 
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
@@ -535,8 +537,7 @@ class CudaRunner:
                     self._upload_inputs(bucket, kind)
                 self._run(bound)
                 if io:
-                    out = self._views["out_ids"][:bucket]
-                    cuda.dtoh(out, self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+                    self._ids_to_host(bucket)
             self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
         return self._graphs[key][0]
 
