@@ -80,6 +80,8 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
+# params left out of the entry name while at these defaults (added after the names in golden plans)
+_DEFAULT_NAME: dict[str, dict[str, Any]] = {"attention": {"qsplit": 1, "v_stride": 0}, "rope": {"v_stride": 0}}
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
@@ -701,10 +703,9 @@ def spec(template: str, **params: Any) -> KernelSpec:
     for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
         if not norm[key]:
             parts.pop(key, None)
-    if template == "attention" and norm["qsplit"] == 1:
-        parts.pop("qsplit", None)
-    if template in ("rope", "attention") and not norm.get("v_stride"):
-        parts.pop("v_stride", None)
+    for key, default in _DEFAULT_NAME.get(template, {}).items():
+        if norm[key] == default:
+            parts.pop(key, None)
     if template == "attention" and norm["rope"]:  # the fused rope's shape params name it too
         parts.update(
             rope_dim=norm["rope_dim"],
@@ -897,7 +898,7 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
     """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
     int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""
     c = tuning.get("gemv_coop") or {}
-    return bool(c.get("q8x")) and quant in Q8X_TYPES and bmax * k * 3 // 2 <= COOP_Q8X_MAX
+    return bool(c.get("q8x")) and quant in Q8X_TYPES and gemv_smem({"q8x": True, "bmax": bmax, "k": k}) <= COOP_Q8X_MAX
 
 
 def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
@@ -986,9 +987,8 @@ def attention_params(
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
     split = max(step, a["split_kv_tokens"] // step * step)
-    qs = direct_qsplit(dims["heads"] // dims["kv_heads"], tuning) if direct and mode == "decode" else 1
     return dict(
-        **({"qsplit": qs} if qs > 1 else {}),
+        qsplit=direct_qsplit(dims["heads"] // dims["kv_heads"], tuning) if direct and mode == "decode" else 1,
         heads=dims["heads"],
         kv_heads=dims["kv_heads"],
         head_dim=dims["head_dim"],

@@ -1082,7 +1082,7 @@ class _CatalogAdapter:
                 direct=True,
                 warps=warps,
                 vec16=vec16,
-                **({"qsplit": qsplit} if qsplit > 1 else {}),
+                qsplit=qsplit,
                 **common,
                 **rope,
             )
