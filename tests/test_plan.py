@@ -381,6 +381,13 @@ def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_u
             assert len(step.launches["prefill"]) == 1
 
 
+def _decode_gemvs(plan):
+    """Every decode1 / decode GEMV launch of a plan."""
+    for step in plan.steps:
+        for mode in ("decode1", "decode"):
+            yield from (la for la in step.launches[mode] if la.spec.template == "gemv")
+
+
 def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
     import dataclasses
 
@@ -397,17 +404,13 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
         dataclasses.replace(prof, tuning=tuning),
     )
     seen = 0
-    for step in plan.steps:
-        for mode in ("decode1", "decode"):
-            for la in step.launches[mode]:
-                if la.spec.template != "gemv":
-                    continue
-                p = la.spec.params
-                fits = kc.gemv_smem({**p, "xsmem": True, "xf32": False}) <= kc.GEMV_XSMEM_MAX
-                assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
-                assert p["xf32"] is (fits and kc.gemv_smem({**p, "xf32": True}) <= kc.GEMV_XSMEM_MAX)
-                assert p["prefetch"] is p["stage"]
-                seen += 1
+    for la in _decode_gemvs(plan):
+        p = la.spec.params
+        fits = kc.gemv_smem({**p, "xsmem": True, "xf32": False}) <= kc.GEMV_XSMEM_MAX
+        assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
+        assert p["xf32"] is (fits and kc.gemv_smem({**p, "xf32": True}) <= kc.GEMV_XSMEM_MAX)
+        assert p["prefetch"] is p["stage"]
+        seen += 1
     assert seen
     # off by default: the h200 plan's gemv entry names and launches are the measured ones (its
     # q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows, never xsmem)
@@ -435,16 +438,12 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
                 graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(q), dataclasses.replace(prof, tuning=tuning)
             )
             got = {True: 0, False: 0}
-            for step in plan.steps:
-                for mode in ("decode1", "decode"):
-                    for la in step.launches[mode]:
-                        if la.spec.template != "gemv":
-                            continue
-                        p = la.spec.params
-                        want = on and p["quant"] in kc.Q8X_TYPES and p["bmax"] * p["k"] * 3 // 2 <= kc.COOP_Q8X_MAX
-                        assert p["q8x"] is want, (q, on, la.spec.entry)
-                        assert la.smem == (p["bmax"] * p["k"] * 3 // 2 if want else 0)
-                        got[want] += 1
+            for la in _decode_gemvs(plan):
+                p = la.spec.params
+                want = on and p["quant"] in kc.Q8X_TYPES and p["bmax"] * p["k"] * 3 // 2 <= kc.COOP_Q8X_MAX
+                assert p["q8x"] is want, (q, on, la.spec.entry)
+                assert la.smem == (p["bmax"] * p["k"] * 3 // 2 if want else 0)
+                got[want] += 1
             assert got[True] if on else not got[True], (q, on, got)
             assert got[False]  # bf16 / classic types / rows too long for the cap keep the f32 path
 
