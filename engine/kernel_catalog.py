@@ -81,7 +81,11 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "attention": ("vec16", "rope"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
-_DEFAULT_NAME: dict[str, dict[str, Any]] = {"attention": {"qsplit": 1, "v_stride": 0}, "rope": {"v_stride": 0}}
+_DEFAULT_NAME: dict[str, dict[str, Any]] = {
+    "attention": {"qsplit": 1, "v_stride": 0},
+    "rope": {"v_stride": 0},
+    "gemv": {"ksplit": 1},
+}
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
         dict(
@@ -106,6 +110,8 @@ KERNELS: dict[str, KernelDoc] = {
             pipeline=bool,
             glu=int,
             q8x=bool,
+            ksplit=int,
+            grid_cap=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -130,8 +136,10 @@ KERNELS: dict[str, KernelDoc] = {
             "pipeline",
             "glu",
             "q8x",
+            "ksplit",
         ),
-        "(ceil(n / rows_per_block), ceil(rows / bmax))",
+        # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
+        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
         "(threads,)",
         "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem, "
         "bmax * k * 3 / 2 when q8x",
@@ -150,6 +158,8 @@ KERNELS: dict[str, KernelDoc] = {
             "pipeline": False,
             "glu": 0,
             "q8x": False,
+            "ksplit": 1,
+            "grid_cap": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -475,6 +485,14 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     return bmax * k * (4 if p.get("xf32") else 2) + sums + gemv_static_smem(p)
 
 
+def gemv_grid_x(p: Mapping[str, Any]) -> int:
+    """The gemv's grid.x: one block per rows_per_block rows, at most grid_cap (where set: a coop
+    block then loops over several row tiles)."""
+    tiles = _cdiv(int(p["n"]), int(p["rows_per_block"]))
+    cap = int(p.get("grid_cap") or 0)
+    return min(tiles, cap) if cap else tiles
+
+
 def gemv_static_smem(p: Mapping[str, Any]) -> int:
     """The gemv's static shared memory in bytes (reduction, staged chunks)."""
     warps = int(p["threads"]) // 32
@@ -552,8 +570,9 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 "coop gemv: stage, xf32 and prefetch are classic-layout options",
             )
             need(
-                p["rows_per_block"] % warps == 0,
-                f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} (rows per warp)",
+                warps % p["ksplit"] == 0 and p["rows_per_block"] % (warps // p["ksplit"]) == 0,
+                f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} "
+                f"/ ksplit={p['ksplit']} (the row groups; ksplit must divide threads/32)",
             )
             need(
                 not p["q8x"] or (q in Q8X_TYPES and not p["xsmem"]),
@@ -564,6 +583,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             need(
                 p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
                 f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
+            )
+            need(
+                p["ksplit"] == 1 and p["grid_cap"] == 0,
+                "ksplit and grid_cap are coop-layout options (coop=true)",
             )
         need(
             gemv_smem(p) <= GEMV_XSMEM_MAX,
@@ -692,7 +715,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -752,7 +775,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     if template == "gemv":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], p["rows_per_block"]), _cdiv(rows, p["bmax"]), 1)
+            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1)
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
@@ -839,13 +862,15 @@ def linear_params(
     out_dtype: str = "bf16",
     bmax: int | None = None,
     stage: bool | None = None,
+    sm_count: int = 0,
 ) -> dict[str, Any]:
-    """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after)."""
+    """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
+    ``sm_count`` sizes a capped coop grid (coop_options)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     layout = gemv_layout(quant, tuning)
     opts = (
-        coop_options(tuning, bmax or g["max_batch"], k, quant)
+        coop_options(tuning, bmax or g["max_batch"], k, quant, n=n, sm_count=sm_count)
         if layout.get("coop")
         else gemv_options(g, st, bmax or g["max_batch"], k, quant)
     )
@@ -872,21 +897,31 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     return layout
 
 
-def coop_options(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> dict[str, Any]:
-    """The coop gemv's q8x / xsmem / pipeline switches for one spec on a weight uploaded as
+def coop_options(
+    tuning: Mapping[str, Any], bmax: int, k: int, quant: str, *, n: int = 0, sm_count: int = 0
+) -> dict[str, Any]:
+    """The coop gemv's q8x / xsmem / pipeline switches for one spec on a [n, k] weight uploaded as
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
-    threads / rows_per_block); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of
-    k bf16 fit COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the
-    default names)."""
+    threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n; the
+    grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
+    set); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
+    COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
         threads = c.get("q8x_threads") or c["threads"]
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
-        if (threads, rpw) != (c["threads"], c["rows_per_warp"]):
-            out.update(threads=threads, rows_per_block=threads // 32 * rpw)
+        ksplit = int(c.get("q8x_ksplit") or 1)
+        if ksplit > 1 and n and n <= int(c.get("q8x_ksplit_max_n") or 0):
+            out["ksplit"] = ksplit
+        else:
+            ksplit = 1
+        if (threads, rpw, ksplit) != (c["threads"], c["rows_per_warp"], 1):
+            out.update(threads=threads, rows_per_block=threads // 32 // ksplit * rpw)
+        if c.get("q8x_blocks_per_sm") and sm_count:
+            out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

@@ -855,7 +855,9 @@ class _CatalogAdapter:
                 opts = dict(
                     coop=True,
                     stage=False,
-                    **self.cat.coop_options(self.profile.tuning, bmax, w.cols, w.dtype),
+                    **self.cat.coop_options(
+                        self.profile.tuning, bmax, w.cols, w.dtype, n=w.rows, sm_count=self.profile.sm_count
+                    ),
                 )
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
             else:
@@ -896,7 +898,8 @@ class _CatalogAdapter:
             )
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
-            grid = (_cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+            gx = getattr(self.cat, "gemv_grid_x", None) if self.cat is not None else None
+            grid = (gx(spec.params) if gx else _cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
             if spec.params.get("glu"):
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0

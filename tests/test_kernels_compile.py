@@ -270,6 +270,17 @@ def _gemv_variant_specs():
                 out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
             else:
                 out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
+    # q8x with k split over warp groups (n <= q8x_ksplit_max_n) and a capped grid
+    q8 = {
+        **tun,
+        "gemv_coop": {"types": ["q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "pipeline": True,
+                      "q8x": True, "q8x_threads": 256, "q8x_ksplit": 4, "q8x_ksplit_max_n": 4096, "q8x_blocks_per_sm": 4},
+    }
+    for q in kc.Q8X_TYPES:
+        for bm in (1, 8):
+            p = kc.linear_params(q, 1003, 2560, q8, bmax=bm, residual=True, sm_count=132)
+            assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
+            out.append(kc.spec("gemv", **p))
     return out
 
 

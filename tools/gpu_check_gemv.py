@@ -19,7 +19,8 @@ Writes DIR/gpu_check_gemv.json (every row) and DIR/gpu_check_gemv.txt (headline 
   qkv, gate|up, down, batch 1 and 8, bf16 / q8_0 / q4_k / q6_k: the verdict for tuning.gemv.fuse_*.
 * sweeps (batch 1): q8_0 / q4_k / q6_k / q4_0 threads x rows_per_block x xsmem x (prefetch | unroll)
   on 6144x2560; bf16 threads x rows_per_block x unroll on the small latency-bound shapes.
-Timing sections run in that order and are skipped once --budget seconds (default 72) have passed.
+Timing sections run in that order and are skipped once --budget seconds (default 72) have passed;
+--variants REGEX / --rows 1 narrow the bandwidth table to some variants / batch rows.
 Each check catches its own exceptions (recorded as ok=false with the error). Needs torch (allocator,
 CUDA-event timing, matmul baseline) and cuda.bindings; never imported by the engine.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -39,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_kernels_check import (  # noqa: E402
     DEV,
+    PROFILE,
     TUNING,
     Kernels,
     Recorder,
@@ -57,6 +60,7 @@ from engine.types import ConfigError  # noqa: E402
 
 NAME = "gpu_check_gemv"
 PEAK_GBS = 4100.0
+SMS = PROFILE.sm_count  # the capped q8x grids of the bandwidth sweep: blocks per SM x SMS
 TOL = {"bf16": 1e-2, "f32": 1e-2}
 # q8x kernels against quant.q8x_round_trip: f32 out is tight (an f32-x kernel misses it by ~4e-3)
 Q8X_TOL = {"bf16": 1e-2, "f32": 1e-4}
@@ -164,6 +168,15 @@ def gemv_variants(qt):
         for t, rpw, u, pipe in ((128, 2, 2, True), (128, 1, 4, False), (256, 4, 1, True), (64, 2, 2, False)):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": pipe, "q8x": True}
             out.append((False, q8, CASES))
+        # k split over warp groups (partial sums in shared memory) and capped grids (a block loops
+        # over several row tiles: 3 and 5 blocks for the check's rows)
+        for t, rpw, u, ks, cap in ((256, 2, 2, 2, 0), (256, 2, 2, 4, 5), (128, 2, 2, 1, 3), (256, 1, 4, 8, 0)):
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
+                  "q8x": True, "ksplit": ks, "grid_cap": cap}
+            out.append((False, q8, CASES))
+    if qt in kc.COOP_TYPES:  # ksplit and grid_cap on the f32-x coop path too
+        coop = {"coop": True, "threads": 128, "rows_per_block": 4, "unroll": 2, "pipeline": True, "ksplit": 2, "grid_cap": 3}
+        out.append((False, coop, NEW_CASES))
     if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
         out.append((True, {"prefetch": True, "xsmem": True}, NEW_CASES))
@@ -205,6 +218,7 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
         xsmem=c.spec.params["xsmem"],
         prefetch=c.spec.params["prefetch"],
         xf32=c.spec.params["xf32"],
+        grid_cap=c.spec.params["grid_cap"],
     )
 
 
@@ -436,7 +450,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap")
         },
     }
     if torch_ref and qt == "bf16":
@@ -505,7 +519,16 @@ def timing_variants(qt, rows, k, full=True):
             if bmax * k * 3 // 2 <= kc.COOP_Q8X_MAX:
                 kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True, "q8x": True}
                 out.append((f"c{t}r{rpw}u{u}q8", kn))
+        if bmax * k * 3 // 2 <= kc.COOP_Q8X_MAX:  # the profile's q8x shape with k split / capped grids
+            for ks, bps in Q8X_SPLIT_SWEEP if full else Q8X_SPLIT_SWEEP[:3]:
+                kn = {"coop": True, "threads": 256, "rows_per_block": 8 // ks * 2, "unroll": 2, "pipeline": True, "q8x": True,
+                      "ksplit": ks, "grid_cap": bps * SMS}
+                out.append((f"c256r2q8k{ks}g{bps}", kn))
     return out
+
+
+# (ksplit, blocks per SM; 0 = uncapped) of the q8x shape c256r2u2
+Q8X_SPLIT_SWEEP = ((1, 4), (2, 0), (1, 8), (2, 4), (4, 0), (4, 8), (1, 2), (2, 8))
 
 
 Q8X_SWEEP = ((128, 2, 2), (128, 4, 2), (256, 2, 2), (128, 2, 4), (64, 4, 2))
@@ -541,8 +564,14 @@ def bandwidth_jobs(quick):
     return jobs
 
 
+BANDWIDTH_FILTER: dict = {"variants": "", "rows": (1, 8)}  # --variants / --rows
+
+
 def check_bandwidth(K, quick):
+    pat = re.compile(BANDWIDTH_FILTER["variants"])
     for qt, n, k, rows, model, od, vname, kn, tref in bandwidth_jobs(quick):
+        if not pat.search(vname) or rows not in BANDWIDTH_FILTER["rows"]:
+            continue
         guarded(
             f"time {qt} {model} {n}x{k} rows={rows} {vname}",
             lambda a=(qt, n, k, rows, model, od, vname, kn, tref): time_gemv(
@@ -842,7 +871,10 @@ def main() -> int:
     )
     ap.add_argument("--types", default="", help="comma-separated storage types (default: every kc.QUANTS type)")
     ap.add_argument("--sections", default="bandwidth,fused,qsweep,bsweep", help="timing sections to run, in order")
+    ap.add_argument("--variants", default="", help="bandwidth: time only the variants whose name matches this regex")
+    ap.add_argument("--rows", default="1,8", help="bandwidth: the batch rows timed (comma-separated)")
     args = ap.parse_args()
+    BANDWIDTH_FILTER.update(variants=args.variants, rows=tuple(int(r) for r in args.rows.split(",")))
     if args.types:
         TYPES[:] = [t for t in args.types.split(",") if t in kc.QUANTS]
     SECTIONS[:] = args.sections.split(",")

@@ -40,7 +40,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   gemvok)  # the decode GEMV correctness checks only (every code path of TYPES, no timing)
     timeout "$(box 120)" python3 tools/gpu_check_gemv.py --out /tmp/res/gemvok --types ${OK_TYPES:-bf16,q4_k,q8_0r,q6_kr,q4_1} --sections none > /tmp/res/check_gemvok.log 2>&1; pack gemvok ;;
   coop)  # the decode GEMV layouts side by side (classic vs warp-cooperative), correctness + GB/s
-    timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out /tmp/res/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 > /tmp/res/check_coop.log 2>&1; pack coop ;;
+    # (GEMV_ARGS="--variants REGEX --rows 1" narrows the table)
+    timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out /tmp/res/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 ${GEMV_ARGS:-} > /tmp/res/check_coop.log 2>&1; pack coop ;;
   pdloff)  # the runner benchmark with programmatic dependent launch off (the A/B of the runner stage)
     MEMRA_PDL=0 timeout "$(box 120)" python3 tools/gpu_runner_check.py --out /tmp/res/runner_nopdl --models qwen3-0.6b,smollm2-135m > /tmp/res/runner_nopdl.log 2>&1; pack pdloff ;;
   profile)  # where a decode step's time goes (host vs GPU, per kernel) on PROFILE_SHAPES; for tuning
