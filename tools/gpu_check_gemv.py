@@ -174,6 +174,11 @@ def gemv_variants(qt):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
                   "q8x": True, "ksplit": ks, "grid_cap": cap}
             out.append((False, q8, CASES))
+    out.append((st, {"l2_prefetch": True}, NEW_CASES))  # the block's rows bulk-prefetched into L2
+    if qt in kc.Q8X_TYPES:
+        q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
+              "grid_cap": 5, "l2_prefetch": True}
+        out.append((False, q8, CASES))
     if qt in kc.COOP_TYPES:  # ksplit and grid_cap on the f32-x coop path too
         coop = {"coop": True, "threads": 128, "rows_per_block": 4, "unroll": 2, "pipeline": True, "ksplit": 2, "grid_cap": 3}
         out.append((False, coop, NEW_CASES))
@@ -450,7 +455,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap", "l2_prefetch")
         },
     }
     if torch_ref and qt == "bf16":
@@ -488,7 +493,7 @@ def timing_variants(qt, rows, k, full=True):
     st = {"stage": True} if qt not in ("bf16", "f16", "f32") + planes and qt not in RAW_TYPES else {}
     fits = xs_fits(qt, bmax, k, xsmem=True, **st)
     fits32 = xs_fits(qt, bmax, k, xsmem=True, xf32=True, **st)
-    out = [("base", {})]
+    out = [("base", {}), ("l2", {"l2_prefetch": True})]
     if qt in ("f16", "f32"):
         return out  # the bf16 paths with another unpack: base only
     if qt == "bf16":
@@ -524,6 +529,8 @@ def timing_variants(qt, rows, k, full=True):
                 kn = {"coop": True, "threads": 256, "rows_per_block": 8 // ks * 2, "unroll": 2, "pipeline": True, "q8x": True,
                       "ksplit": ks, "grid_cap": bps * SMS}
                 out.append((f"c256r2q8k{ks}g{bps}", kn))
+                if (ks, bps) == (1, 4):  # and with l2_prefetch
+                    out.append(("c256r2q8k1g4l2", {**kn, "l2_prefetch": True}))
     return out
 
 
