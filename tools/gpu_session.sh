@@ -16,7 +16,7 @@ fi
 export PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache MEMRA_DEFAULT_MODEL=${MEMRA_DEFAULT_MODEL:-/nonexistent.gguf}
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
-pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> /tmp/res/times.log; tar czf "$OUT/res.tgz" -C /tmp/res . 2>/dev/null; }
+pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> /tmp/res/times.log; tar czf "$OUT/res.tgz" --exclude=kcache -C /tmp/res . 2>/dev/null; }
 box() { local want=$1; local l; l=$(left); [ "$l" -lt 20 ] && echo 1 && return; [ "$want" -gt $(( l - 10 )) ] && want=$(( l - 10 )); echo "$want"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > /tmp/res/profiles.log 2>&1
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
