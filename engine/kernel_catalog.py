@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "l2_prefetch"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -112,7 +112,6 @@ KERNELS: dict[str, KernelDoc] = {
             q8x=bool,
             ksplit=int,
             grid_cap=int,
-            l2_prefetch=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -138,7 +137,6 @@ KERNELS: dict[str, KernelDoc] = {
             "glu",
             "q8x",
             "ksplit",
-            "l2_prefetch",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
@@ -162,7 +160,6 @@ KERNELS: dict[str, KernelDoc] = {
             "q8x": False,
             "ksplit": 1,
             "grid_cap": 0,
-            "l2_prefetch": False,
         },
     ),
     "gemm": KernelDoc(
@@ -446,12 +443,10 @@ GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a s
 def gemv_options(
     g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
 ) -> dict[str, bool]:
-    """The gemv tuning's xsmem / xf32 / prefetch / l2_prefetch switches for one spec (xsmem only
-    where the x rows fit, f32 rows where those fit, prefetch only on the staged path); empty when all
-    are off (the default entry names)."""
+    """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
+    fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
+    default entry names)."""
     out = {}
-    if g.get("l2_prefetch"):
-        out["l2_prefetch"] = True
     p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
     if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
         out["xsmem"] = True
@@ -911,8 +906,7 @@ def coop_options(
     threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
-    COOP_XSMEM_MAX; pipeline / l2_prefetch where gemv_coop asks for them; empty otherwise (the
-    default names)."""
+    COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
@@ -932,8 +926,6 @@ def coop_options(
         out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
-    if c.get("l2_prefetch"):
-        out["l2_prefetch"] = True
     return out
 
 

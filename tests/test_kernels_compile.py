@@ -258,9 +258,6 @@ def _gemv_variant_specs():
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
-        # the block's weight rows bulk-prefetched into L2 before pdl_wait (two ranges with glu)
-        out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, {"gemv": {**tun["gemv"], "l2_prefetch": True}})))
-    out.append(kc.spec("gemv", **kc.linear_params("bf16", 3072, 576, tun, bmax=1), glu=1536, l2_prefetch=True))
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
     coop = {**tun, "gemv_coop": {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}}
     for q in kc.COOP_TYPES:
@@ -284,7 +281,6 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, 2560, q8, bmax=bm, residual=True, sm_count=132)
             assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
             out.append(kc.spec("gemv", **p))
-            out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16}, l2_prefetch=True))
     return out
 
 
