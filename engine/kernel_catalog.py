@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "preload"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -84,7 +84,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1},
+    "gemv": {"ksplit": 1, "stage_rounds": 1},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -112,6 +112,8 @@ KERNELS: dict[str, KernelDoc] = {
             q8x=bool,
             ksplit=int,
             grid_cap=int,
+            preload=bool,
+            stage_rounds=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -137,6 +139,8 @@ KERNELS: dict[str, KernelDoc] = {
             "glu",
             "q8x",
             "ksplit",
+            "preload",
+            "stage_rounds",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
@@ -160,6 +164,8 @@ KERNELS: dict[str, KernelDoc] = {
             "q8x": False,
             "ksplit": 1,
             "grid_cap": 0,
+            "preload": False,
+            "stage_rounds": 1,
         },
     ),
     "gemm": KernelDoc(
@@ -443,10 +449,12 @@ GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a s
 def gemv_options(
     g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
 ) -> dict[str, bool]:
-    """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
-    fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
-    default entry names)."""
+    """The gemv tuning's xsmem / xf32 / prefetch / preload switches for one spec (xsmem only where
+    the x rows fit, f32 rows where those fit, prefetch only on the staged path, preload only off
+    it); empty when all are off (the default entry names)."""
     out = {}
+    if g.get("preload") and not stage:
+        out["preload"] = True
     p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
     if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
         out["xsmem"] = True
@@ -556,6 +564,14 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
+        need(
+            not p["preload"] or not (p["coop"] or p["stage"]),
+            "preload is an unstaged classic-layout option (coop=false, stage=false)",
+        )
+        need(
+            1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
+            f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
+        )
         if p["glu"]:  # silu(gate) * up stored in the gate half (the classic layout only)
             need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")
             need(not p["coop"] and not p["residual"], "glu: the classic layout, no residual")
@@ -905,7 +921,7 @@ def coop_options(
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
     threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
-    set); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
+    set; q8x_stage_rounds rounds of x loads in flight while staging); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
     COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
     out: dict[str, Any] = {}
@@ -922,6 +938,8 @@ def coop_options(
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * rpw)
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
+        if int(c.get("q8x_stage_rounds") or 1) > 1:
+            out["stage_rounds"] = int(c["q8x_stage_rounds"])
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

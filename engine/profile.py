@@ -68,6 +68,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
             "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
+            # unstaged path: each lane's first weight loads before pdl_wait (the previous kernel's tail)
+            "preload": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -80,6 +82,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
+            "preload": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types

@@ -258,6 +258,10 @@ def _gemv_variant_specs():
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
+        else:  # the first weight loads before pdl_wait (plain, and with the glu epilogue on bf16)
+            out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, {"gemv": {**tun["gemv"], "preload": True}})))
+    p = kc.linear_params("bf16", 3072, 576, {"gemv": {**tun["gemv"], "preload": True}}, bmax=1)
+    out.append(kc.spec("gemv", **p, glu=1536, prologue="norm", x_stride=576, eps=1e-6))
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
     coop = {**tun, "gemv_coop": {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}}
     for q in kc.COOP_TYPES:
@@ -281,6 +285,8 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, 2560, q8, bmax=bm, residual=True, sm_count=132)
             assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
             out.append(kc.spec("gemv", **p))
+            for pro in ({"prologue": "silu", "x_stride": 5120, "u_off": 2560}, {"prologue": "norm", "x_stride": 2560, "eps": 1e-6}):
+                out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro}))
     return out
 
 

@@ -155,6 +155,9 @@ def gemv_variants(qt):
     st = kc.STAGED_DEFAULT[qt]
     out.append((st, {"xsmem": True}, NEW_CASES))
     out.append((st, {"xsmem": True, "xf32": True}, NEW_CASES))
+    if not st and stageable:  # the first weight loads before pdl_wait (unstaged path)
+        out.append((False, {"preload": True}, CASES))
+        out.append((False, {"preload": True, "xsmem": True}, NEW_CASES))
     if qt in kc.COOP_TYPES:  # the warp-cooperative layout: rows per warp 1 and 4, unroll 1 and 4
         for t, rpw, u in ((128, 1, 4), (256, 4, 1), (64, 2, 2)):
             coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}
@@ -173,6 +176,10 @@ def gemv_variants(qt):
         for t, rpw, u, ks, cap in ((256, 2, 2, 2, 0), (256, 2, 2, 4, 5), (128, 2, 2, 1, 3), (256, 1, 4, 8, 0)):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
                   "q8x": True, "ksplit": ks, "grid_cap": cap}
+            out.append((False, q8, CASES))
+        for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
+            q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
+                  "grid_cap": 5, "stage_rounds": sr}
             out.append((False, q8, CASES))
     out.append((st, {"l2_prefetch": True}, NEW_CASES))  # the block's rows bulk-prefetched into L2
     if qt in kc.Q8X_TYPES:
@@ -263,11 +270,15 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    if xsmem in ("coop", "coopxs", "coopq8"):  # the warp-cooperative layout with the prologue
+    if xsmem in ("coop", "coopxs", "coopq8", "coopq8r"):  # the warp-cooperative layout with the prologue
         xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
-        xo["pipeline"] = xsmem in ("coop", "coopq8")  # the prologue with and without the load pipeline
-        if xsmem == "coopq8":
+        xo["pipeline"] = xsmem in ("coop", "coopq8", "coopq8r")  # the prologue with and without the load pipeline
+        if xsmem in ("coopq8", "coopq8r"):
             xo["q8x"] = True
+        if xsmem == "coopq8r":  # several rounds of x loads in flight while staging, a capped grid
+            xo.update(stage_rounds=3, grid_cap=7)
+    elif xsmem == "preload":
+        xo = {"preload": True}
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -318,7 +329,9 @@ def check_prologues(K, rng, quick):
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
                 coop = ("coop", "coopxs") if qt in kc.COOP_TYPES else ()
-                for xsmem in (False, True, "f32") + coop + (("coopq8",) if qt in kc.Q8X_TYPES else ()):
+                q8 = ("coopq8", "coopq8r") if qt in kc.Q8X_TYPES else ()
+                pl = ("preload",) if not kc.STAGED_DEFAULT[qt] and qt not in kc.COOP_LAYOUTS.values() else ()
+                for xsmem in (False, True, "f32") + coop + q8 + pl:
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
                         if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):
                             continue
