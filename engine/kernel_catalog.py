@@ -76,7 +76,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "preload"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -112,7 +112,6 @@ KERNELS: dict[str, KernelDoc] = {
             q8x=bool,
             ksplit=int,
             grid_cap=int,
-            preload=bool,
             stage_rounds=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
@@ -139,7 +138,6 @@ KERNELS: dict[str, KernelDoc] = {
             "glu",
             "q8x",
             "ksplit",
-            "preload",
             "stage_rounds",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
@@ -164,7 +162,6 @@ KERNELS: dict[str, KernelDoc] = {
             "q8x": False,
             "ksplit": 1,
             "grid_cap": 0,
-            "preload": False,
             "stage_rounds": 1,
         },
     ),
@@ -449,12 +446,10 @@ GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a s
 def gemv_options(
     g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
 ) -> dict[str, bool]:
-    """The gemv tuning's xsmem / xf32 / prefetch / preload switches for one spec (xsmem only where
-    the x rows fit, f32 rows where those fit, prefetch only on the staged path, preload only off
-    it); empty when all are off (the default entry names)."""
+    """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
+    fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
+    default entry names)."""
     out = {}
-    if g.get("preload") and not stage:
-        out["preload"] = True
     p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
     if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
         out["xsmem"] = True
@@ -564,10 +559,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
-        need(
-            not p["preload"] or not (p["coop"] or p["stage"]),
-            "preload is an unstaged classic-layout option (coop=false, stage=false)",
-        )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",

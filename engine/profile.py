@@ -68,8 +68,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
             "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
-            # unstaged path: each lane's first weight loads before pdl_wait (the previous kernel's tail)
-            "preload": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -82,7 +80,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
-            "preload": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
@@ -106,6 +103,15 @@ TUNING_SCHEMA: dict[str, Field] = {
             # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
             # (its block stages and quantises x anyway; the norm costs one more pass over x)
             "q8x_fuse": Field(bool, default=False),
+            # q8x: k split over q8x_ksplit warp groups of a block where the weight has n <=
+            # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights)
+            "q8x_ksplit": Field(int, default=1),
+            "q8x_ksplit_max_n": Field(int, default=0),
+            # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
+            # stages and quantises its x rows once, not once per tile); 0: one block per tile
+            "q8x_blocks_per_sm": Field(int, default=0),
+            # q8x: the x-row staging issues this many rounds of loads before quantising them
+            "q8x_stage_rounds": Field(int, default=1),
         },
         default={
             "types": [],
@@ -118,6 +124,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_threads": 0,
             "q8x_rows_per_warp": 0,
             "q8x_fuse": False,
+            "q8x_ksplit": 1,
+            "q8x_ksplit_max_n": 0,
+            "q8x_blocks_per_sm": 0,
+            "q8x_stage_rounds": 1,
         },
     ),
     "gemm": Field(

@@ -258,10 +258,7 @@ def _gemv_variant_specs():
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
-        else:  # the first weight loads before pdl_wait (plain, and with the glu epilogue on bf16)
-            out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, {"gemv": {**tun["gemv"], "preload": True}})))
-    p = kc.linear_params("bf16", 3072, 576, {"gemv": {**tun["gemv"], "preload": True}}, bmax=1)
-    out.append(kc.spec("gemv", **p, glu=1536, prologue="norm", x_stride=576, eps=1e-6))
+
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
     coop = {**tun, "gemv_coop": {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}}
     for q in kc.COOP_TYPES:

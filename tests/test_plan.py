@@ -448,6 +448,34 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
             assert got[False]  # bf16 / classic types / rows too long for the cap keep the f32 path
 
 
+def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
+    """MEMRA_TUNE-style overrides of gemv_coop.q8x_blocks_per_sm / q8x_ksplit / q8x_stage_rounds
+    pass the profile schema and land in the q8x decode GEMVs: the grid capped at blocks_per_sm *
+    sm_count (blocks loop over the row tiles), k split only where n <= q8x_ksplit_max_n (rows per
+    block divided by it), stage_rounds on every q8x spec and on no other."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    knobs = "gemv_coop.q8x_blocks_per_sm=3; gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; gemv_coop.q8x_stage_rounds=4"
+    prof = with_tuning(get_profile("h200"), knobs)
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
+    seen = {"split": 0, "whole": 0}
+    for la in _decode_gemvs(plan):
+        p = la.spec.params
+        if not p["q8x"]:
+            assert (p["grid_cap"], p["ksplit"], p["stage_rounds"]) == (0, 1, 1), la.spec.entry
+            continue
+        split = p["n"] <= 2560
+        seen["split" if split else "whole"] += 1
+        assert p["grid_cap"] == 3 * prof.sm_count and p["stage_rounds"] == 4
+        assert p["ksplit"] == (2 if split else 1) and p["rows_per_block"] == 8 // p["ksplit"] * 2
+        tiles = -(-p["n"] // p["rows_per_block"])
+        assert la.grid[0] == min(tiles, 3 * prof.sm_count) == kc.gemv_grid_x(p)
+        assert ("ksplit2" in la.spec.entry) is split and "stage_rounds4" in la.spec.entry
+    assert seen["split"] and seen["whole"], seen
+
+
 def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     import dataclasses
 

@@ -155,9 +155,6 @@ def gemv_variants(qt):
     st = kc.STAGED_DEFAULT[qt]
     out.append((st, {"xsmem": True}, NEW_CASES))
     out.append((st, {"xsmem": True, "xf32": True}, NEW_CASES))
-    if not st and stageable:  # the first weight loads before pdl_wait (unstaged path)
-        out.append((False, {"preload": True}, CASES))
-        out.append((False, {"preload": True, "xsmem": True}, NEW_CASES))
     if qt in kc.COOP_TYPES:  # the warp-cooperative layout: rows per warp 1 and 4, unroll 1 and 4
         for t, rpw, u in ((128, 1, 4), (256, 4, 1), (64, 2, 2)):
             coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}
@@ -277,8 +274,6 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
             xo["q8x"] = True
         if xsmem == "coopq8r":  # several rounds of x loads in flight while staging, a capped grid
             xo.update(stage_rounds=3, grid_cap=7)
-    elif xsmem == "preload":
-        xo = {"preload": True}
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -330,8 +325,7 @@ def check_prologues(K, rng, quick):
             for pro in ("norm", "silu"):
                 coop = ("coop", "coopxs") if qt in kc.COOP_TYPES else ()
                 q8 = ("coopq8", "coopq8r") if qt in kc.Q8X_TYPES else ()
-                pl = ("preload",) if not kc.STAGED_DEFAULT[qt] and qt not in kc.COOP_LAYOUTS.values() else ()
-                for xsmem in (False, True, "f32") + coop + q8 + pl:
+                for xsmem in (False, True, "f32") + coop + q8:
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
                         if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):
                             continue
