@@ -342,11 +342,18 @@ class Function:
         self.name = name
         self.handle = _call("cuModuleGetFunction", module.handle, name.encode())
         self._max_smem = 0
+        self._static_smem: int | None = None
 
     def ensure_smem(self, nbytes: int) -> None:
-        """Raise the dynamic shared memory limit when a launch asks for more than 48 KiB."""
-        if nbytes > 48 * 1024 and nbytes > self._max_smem:
-            drv = _driver()
+        """Raise the dynamic shared memory limit when a launch's dynamic plus the kernel's static
+        shared memory exceed 48 KiB (the default a launch may use without opting in)."""
+        if not nbytes or nbytes <= self._max_smem:
+            return
+        drv = _driver()
+        if self._static_smem is None:
+            static = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+            self._static_smem = int(_call("cuFuncGetAttribute", static, self.handle))
+        if nbytes + self._static_smem > 48 * 1024:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _call("cuFuncSetAttribute", self.handle, attr, nbytes)
             self._max_smem = nbytes
