@@ -912,8 +912,9 @@ def coop_options(
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
     threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
-    set; q8x_stage_rounds rounds of x loads in flight while staging); else xsmem where gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit
-    COOP_XSMEM_MAX; pipeline where gemv_coop.pipeline does; empty otherwise (the default names)."""
+    set; q8x_stage_rounds rounds of x loads in flight while staging); else xsmem where
+    gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
+    gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
