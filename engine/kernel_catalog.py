@@ -218,6 +218,27 @@ KERNELS: dict[str, KernelDoc] = {
             "raster": False,
         },
     ),
+    "gemm_wgmma": KernelDoc(
+        dict(
+            n=int,
+            k=int,
+            tile_n=int,
+            consumers=int,
+            m_frags=int,
+            stages=int,
+            residual=bool,
+            out_dtype=str,
+            raster=bool,
+            maxnreg=bool,
+        ),
+        # tmap_a / tmap_w: device pointers to CUtensorMaps (plan Arg kind "tmap")
+        (("out", P), ("tmap_a", P), ("tmap_w", P), ("residual", P), ("rows", I32)),
+        ("n", "k", "tile_n", "consumers", "m_frags", "stages", "residual", "out_dtype", "raster", "maxnreg"),
+        "(ceil(n / tile_n), ceil(rows / (64 * m_frags * consumers)))",
+        "((consumers + 1) * 128,)",
+        "stages * (64 * m_frags * consumers + tile_n) * 128 + 1024 bytes dynamic (opt-in above 48 KB)",
+        {"out_dtype": "bf16", "raster": True, "maxnreg": True},
+    ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool),
         (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I32)),
@@ -566,7 +587,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         if p["glu"]:  # silu(gate) * up stored in the gate half (the classic layout only)
             need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")
             need(not p["coop"] and not p["residual"], "glu: the classic layout, no residual")
-            need(p["rows_per_block"] % 2 == 0 and p["out_dtype"] == "bf16", "glu: even rows_per_block, bf16 out")
+            need(
+                p["rows_per_block"] % 2 == 0 and p["out_dtype"] == "bf16",
+                "glu: even rows_per_block, bf16 out",
+            )
         if p["coop"]:
             need(
                 q in COOP_TYPES,
@@ -598,6 +622,20 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(
             gemv_smem(p) <= GEMV_XSMEM_MAX,
             f"xsmem: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
+        )
+    if template == "gemm_wgmma":
+        tn, cons, mf = p["tile_n"], p["consumers"], p["m_frags"]
+        need(p["k"] % 64 == 0, f"k={p['k']} must be a multiple of 64 (the 128-byte swizzled k tile)")
+        need(p["n"] % 8 == 0, f"n={p['n']} must be a multiple of 8 (paired, aligned stores)")
+        need(tn % 64 == 0 and 64 <= tn <= 256, f"tile_n={tn} must be 64, 128, 192 or 256 (wgmma n, TMA box)")
+        need(cons in (1, 2) and mf in (1, 2), f"consumers={cons} and m_frags={mf} must each be 1 or 2")
+        need(mf * tn // 2 <= 128, f"m_frags * tile_n / 2 = {mf * tn // 2} accumulators per thread exceed 128")
+        need(p["stages"] >= 2, f"stages={p['stages']} must be >= 2")
+        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
+        need(
+            gemm_wgmma_smem(p) <= GEMM_SMEM_MAX,
+            f"{p['stages']} stages of {64 * mf * cons}x{tn} tiles need {gemm_wgmma_smem(p)} bytes of shared "
+            f"memory, above {GEMM_SMEM_MAX}",
         )
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]
@@ -680,7 +718,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             )
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
-            need(p["style"] in ROPE_STYLES, f"rope style {p['style']!r} must be one of {', '.join(ROPE_STYLES)}")
+            need(
+                p["style"] in ROPE_STYLES,
+                f"rope style {p['style']!r} must be one of {', '.join(ROPE_STYLES)}",
+            )
             need(
                 p["rope_dim"] % 2 == 0 and 0 < p["rope_dim"] <= p["head_dim"],
                 f"rope_dim={p['rope_dim']} must be even and <= head_dim",
@@ -773,6 +814,16 @@ def gemm_smem(p: Mapping[str, Any]) -> int:
     return max(pipe, red)
 
 
+def gemm_wgmma_tile_m(p: Mapping[str, Any]) -> int:
+    return 64 * int(p["m_frags"]) * int(p["consumers"])
+
+
+def gemm_wgmma_smem(p: Mapping[str, Any]) -> int:
+    """The wgmma gemm's dynamic shared memory: the stage ring (A and W tiles of 64 bf16 = 128-byte
+    rows) plus 1024 bytes to align it to the swizzle atom."""
+    return int(p["stages"]) * (gemm_wgmma_tile_m(p) + int(p["tile_n"])) * 128 + 1024
+
+
 def choice(template: str, **params: Any) -> KernelChoice:
     """``spec`` plus the launch contract. ``grid(rows, **runtime)``: runtime is ``max_splits`` for
     split attention."""
@@ -793,6 +844,13 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["warps"] * 32, 1, 1)
         smem = gemm_smem(p)
+    elif template == "gemm_wgmma":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1)
+
+        block = ((p["consumers"] + 1) * 128, 1, 1)
+        smem = gemm_wgmma_smem(p)
     elif template == "rope":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -853,7 +911,16 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
 # apart), the qk-norm weights, the rope frequency divisors and the cache slots (rope.cu.j2's)
 ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")
 # the rope spec params the rope-fused attention takes over (with rope=true)
-ATTENTION_ROPE_PARAMS = ("rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors", "kv_stride", "v_stride")
+ATTENTION_ROPE_PARAMS = (
+    "rope_dim",
+    "theta",
+    "style",
+    "qk_norm",
+    "eps",
+    "freq_factors",
+    "kv_stride",
+    "v_stride",
+)
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
@@ -943,7 +1010,11 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
     """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
     int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""
     c = tuning.get("gemv_coop") or {}
-    return bool(c.get("q8x")) and quant in Q8X_TYPES and gemv_smem({"q8x": True, "bmax": bmax, "k": k}) <= COOP_Q8X_MAX
+    return (
+        bool(c.get("q8x"))
+        and quant in Q8X_TYPES
+        and gemv_smem({"q8x": True, "bmax": bmax, "k": k}) <= COOP_Q8X_MAX
+    )
 
 
 def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
@@ -991,6 +1062,20 @@ def gemm_params(
     return dict(
         n=n, k=k, residual=residual, out_dtype=out_dtype, quant=quant, **{x: g[x] for x in GEMM_KNOBS}
     )
+
+
+GEMM_WGMMA_KNOBS = ("tile_n", "consumers", "m_frags", "stages", "raster", "maxnreg")
+
+
+def gemm_wgmma_params(
+    n: int, k: int, tuning: Mapping[str, Any], *, residual: bool = False, out_dtype: str = "bf16"
+) -> dict[str, Any] | None:
+    """gemm_wgmma params for a bf16 weight of n x k from the profile's ``gemm_wgmma`` section, or
+    None where it does not apply (off on this profile, k % 64, n % 8): the caller keeps "gemm"."""
+    g = tuning.get("gemm_wgmma") or {}
+    if not g.get("enabled") or k % 64 or n % 8:
+        return None
+    return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **{x: g[x] for x in GEMM_WGMMA_KNOBS})
 
 
 def attention_prefill_smem(p: Mapping[str, Any]) -> int:
@@ -1136,6 +1221,9 @@ def all_specs(
                 if not p.get("coop") and p["rows_per_block"] % 2 == 0:
                     out[spec("gemv", **p, glu=inter)] = None
     for n, k, res in shapes:
+        wg = gemm_wgmma_params(n, k, tuning, residual=res)
+        if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)
+            out[spec("gemm_wgmma", **wg)] = None
         out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
         if "gemm_decode" in tuning:
             out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
@@ -1153,7 +1241,9 @@ def all_specs(
         )
     for mode in ("decode", "prefill"):
         for direct in (True, False):
-            p = attention_params(d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim)
+            p = attention_params(
+                d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim
+            )
             out[spec("attention", **p)] = None
             if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
                 for style in rope_styles:  # rope folded into decode attention

@@ -95,7 +95,9 @@ class Arg:
     ``kv`` (``ref`` = "k"|"v", ``layer``), ``input`` (a per-step static input buffer: tokens,
     positions, slots, block_tables, temperature, top_p, top_k, min_p, seeds, counters, out_ids),
     ``scratch`` (a ``ScratchPlan`` buffer), ``shape`` (``ref`` = n, nseq, max_blocks, block_size,
-    max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``.
+    max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``, ``tmap`` (a device pointer
+    to the TMA descriptor of a bf16 matrix: ``ref`` = ("value" | "weight", name, box rows); a value's
+    map spans its buffer's rows, a weight's its rows, boxes of 64 columns).
     """
 
     kind: str
@@ -565,7 +567,9 @@ def _bind_outputs(
                 outs.append(value_for(name, rows, buffer=buf, offset=off, ld=w.rows))
                 off += rows
         if col != len(op.outputs):
-            raise ConfigError(f"plan: the weights of linear {op.outputs} cover {col} of its {len(op.outputs)} outputs")
+            raise ConfigError(
+                f"plan: the weights of linear {op.outputs} cover {col} of its {len(op.outputs)} outputs"
+            )
         return outs
     if op.op in ("rmsnorm", "head_rmsnorm", "silu_mul", "attention"):
         return [value_for(op.outputs[0], ins[0].width)]
@@ -750,6 +754,11 @@ class _CatalogAdapter:
             if out_dtype != "bf16" and not residual:
                 return self._linear_gemv(op, mode, ins, outs, ws)
             quant = w.dtype
+            if section == "gemm" and quant == "bf16":
+                wg = self._gemm_wgmma(w, ins[0], out, residual, out_dtype, res_name)
+                if wg is not None:
+                    launches.append(wg)
+                    continue
             p = self._gemm_params(w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
             wptr = _w(w)
             if p is None and section != "gemm":  # decode never dequantises a whole matrix per step
@@ -797,6 +806,38 @@ class _CatalogAdapter:
             grid = (_cdiv(w.rows, p["tile_n"]), f"(n + {p['tile_m'] - 1}) // {p['tile_m']}")
             launches.append(Launch(spec, grid, (32 * p["warps"],), args, smem))
         return launches
+
+    def _gemm_wgmma(self, w, x, out, residual, out_dtype, res_name):
+        """The Hopper TMA + wgmma GEMM launch for bf16 weight ``w`` (profile tuning gemm_wgmma), or
+        None where it does not apply. A and W reach the kernel as device tensor maps (Arg kind
+        "tmap": source, name, box rows), built by the runner at bind time."""
+        params_of = getattr(self.cat, "gemm_wgmma_params", None) if self.cat is not None else None
+        if params_of is None or x.width != w.cols:
+            return None
+        p = params_of(w.rows, w.cols, self.profile.tuning, residual=residual, out_dtype=out_dtype)
+        if p is None:
+            return None
+        name = {
+            "n": w.rows,
+            "k": w.cols,
+            "tn": p["tile_n"],
+            "c": p["consumers"],
+            "mf": p["m_frags"],
+            "s": p["stages"],
+            "r": int(residual),
+            "o": out_dtype,
+        }
+        spec = self._spec("gemm_wgmma", name, **p)
+        tile_m = self.cat.gemm_wgmma_tile_m(p)
+        args = (
+            _v(out),
+            Arg("tmap", ("value", x.name, tile_m)),
+            Arg("tmap", ("weight", w.key, p["tile_n"])),
+            Arg("value", res_name) if residual else NULL,
+            ROWS,
+        )
+        grid = (_cdiv(w.rows, p["tile_n"]), f"(n + {tile_m - 1}) // {tile_m}")
+        return Launch(spec, grid, (128 * (p["consumers"] + 1),), args, self.cat.gemm_wgmma_smem(p))
 
     def _gemm_params(self, w, tg, residual, out_dtype, quant):
         """The gemm params for weight ``w`` from tuning ``tg``, or None when no gemm variant fits
@@ -970,7 +1011,9 @@ class _CatalogAdapter:
         if mode == "short" and self._rope_fuses(q, k) and v.ld % 8 == 0:
             # short-context decode: the direct attention kernel that follows rotates q / k itself
             # and writes the cache (the split kernels do not: every split block would redo the rope)
-            fused = {key: params[key] for key in getattr(self.cat, "ATTENTION_ROPE_PARAMS", ()) if key in params}
+            fused = {
+                key: params[key] for key in getattr(self.cat, "ATTENTION_ROPE_PARAMS", ()) if key in params
+            }
             extra = (_v(k), _v(v), *norms, freq, Arg("input", "slots"))
             self.rope_fused[layer] = ({"rope": True, **fused}, extra)
             return []

@@ -159,6 +159,28 @@ TUNING_SCHEMA: dict[str, Field] = {
             "raster": False,
         },
     ),
+    # the Hopper prefill GEMM (kernels/gemm_wgmma.cu.j2: TMA + wgmma, warp-specialised) for bf16
+    # weights with k % 64 == 0, on sm_90a profiles that enable it; other linears keep "gemm"
+    "gemm_wgmma": Field(
+        {
+            "enabled": Field(bool, default=False),
+            "tile_n": _knob(256),
+            "consumers": _knob(2),  # consumer warpgroups, 64 * m_frags rows each
+            "m_frags": _knob(1),
+            "stages": _knob(4),
+            "raster": Field(bool, default=True),
+            "maxnreg": Field(bool, default=True),  # setmaxnreg: producer 40, consumers 232 registers
+        },
+        default={
+            "enabled": False,
+            "tile_n": 256,
+            "consumers": 2,
+            "m_frags": 1,
+            "stages": 4,
+            "raster": True,
+            "maxnreg": True,
+        },
+    ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
     # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks)
     "gemm_decode": Field(
@@ -303,6 +325,11 @@ def load_profile(path: Path) -> DeviceProfile:
     if data["programmatic_launch"] and arch_number(data["arch"]) < 90:
         raise ConfigError(
             f"{path}: programmatic_launch: programmatic dependent launch needs sm_90 or newer, "
+            f"but arch is {data['arch']}"
+        )
+    if tuning["gemm_wgmma"]["enabled"] and data["arch"] != "sm_90a":
+        raise ConfigError(
+            f"{path}: tuning.gemm_wgmma.enabled: wgmma and setmaxnreg exist on sm_90a only, "
             f"but arch is {data['arch']}"
         )
     return DeviceProfile(

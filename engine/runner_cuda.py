@@ -33,6 +33,7 @@ log = logging.getLogger("memra.runner_cuda")
 # the packed input block, in order: (name, dtype, rows: "token" (a prefill pass's rows), "row" (a
 # decode row / prefill sequence) or "row+1" (sequence boundaries)); block tables come last so a
 # step uploads one contiguous prefix; the penalty entries follow them and are uploaded only when used
+TMAPS_PER_POOL = 256  # TMA descriptors per device allocation (128 bytes each)
 _ROW_INPUTS = (
     ("tokens", np.int32, "token"),
     ("positions", np.int32, "token"),
@@ -110,6 +111,8 @@ class CudaRunner:
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
+        self._tmaps: dict[tuple[str, str, int], int] = {}  # (source, name, box rows) -> descriptor address
+        self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
         self._head_inputs: list[tuple[str, int, int]] | None = None
@@ -279,9 +282,35 @@ class CudaRunner:
             return self._scratch[arg.ref].ptr
         if arg.kind == "const":
             return arg.ref
+        if arg.kind == "tmap":
+            return self._tensor_map(*arg.ref)
         raise MemraError(
             f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
         )
+
+    def _tensor_map(self, source: str, name: str, box_rows: int) -> int:
+        """Device address of the TMA descriptor of value / weight ``name`` in boxes of ``box_rows``
+        x 64 (built and uploaded once, then reused by every bind)."""
+        key = (source, name, box_rows)
+        ptr = self._tmaps.get(key)
+        if ptr is not None:
+            return ptr
+        if source == "value":
+            v = self.plan.values[name]
+            buf = next(b for b in self.plan.buffers if b.name == v.buffer)
+            base, rows, cols = self._value_ptr[name], buf.rows or self.plan.max_tokens, v.width
+            row_bytes = self._value_rowbytes[name]
+        else:
+            w = next(w for w in self.plan.weights if w.key == name)
+            base, rows, cols, row_bytes = self._weights[name].ptr, w.rows, w.cols, w.cols * 2
+        desc = cuda.tensor_map_bf16(base, rows, cols, row_bytes, box_rows)
+        slot = len(self._tmaps) % TMAPS_PER_POOL
+        if slot == 0:
+            self._tmap_pools.append(cuda.alloc(TMAPS_PER_POOL * cuda.TENSOR_MAP_BYTES))
+        ptr = self._tmap_pools[-1].ptr + slot * cuda.TENSOR_MAP_BYTES
+        cuda.htod(ptr, desc)
+        self._tmaps[key] = ptr
+        return ptr
 
     def _bind(self, launch: Launch, shape: dict[str, int]) -> _Bound:
         values = [self._resolve(a, shape) for a in launch.args]
@@ -527,7 +556,9 @@ class CudaRunner:
         read / write the pinned host buffer when the graph runs)."""
         key = (bucket, kind, short, io)
         if key not in self._graphs:
-            bound = self._bind_pass(_decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short)
+            bound = self._bind_pass(
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short
+            )
             if io:
                 self._upload_inputs(bucket, kind)
             self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
@@ -647,10 +678,15 @@ class CudaRunner:
         self._graphs.clear()
         self._eager.clear()
         for buf in (
-            list(self._weights.values()) + list(self._scratch.values()) + [self.arena, self.kv, self._in_dev]
+            list(self._weights.values())
+            + list(self._scratch.values())
+            + self._tmap_pools
+            + [self.arena, self.kv, self._in_dev]
         ):
             buf.free()
         self._weights.clear()
+        self._tmap_pools.clear()
+        self._tmaps.clear()
         self._in_host.free()
         for mod in self._modules:
             mod.unload()

@@ -4,6 +4,7 @@ sizes and supported storage types (GPU-free; skipped where NVRTC or the CUDA hea
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from fixtures.families import family_cases
@@ -100,7 +101,17 @@ def test_spec_validation_names_the_problem():
 
 
 def test_gemv_q8x_rules_and_shared_memory():
-    base = dict(n=64, k=2560, bmax=8, threads=128, rows_per_block=8, residual=False, out_dtype="bf16", coop=True, stage=False)
+    base = dict(
+        n=64,
+        k=2560,
+        bmax=8,
+        threads=128,
+        rows_per_block=8,
+        residual=False,
+        out_dtype="bf16",
+        coop=True,
+        stage=False,
+    )
     c = kc.choice("gemv", quant="q4_k", q8x=True, **base)
     assert c.smem == 8 * 2560 * 3 // 2 and "q8x1" in c.spec.entry
     assert "q8x" not in kc.spec("gemv", quant="q4_k", **base).entry  # off: the measured entry names
@@ -260,7 +271,15 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **p, prefetch=True))
 
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
-    coop = {**tun, "gemv_coop": {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}}
+    coop = {
+        **tun,
+        "gemv_coop": {
+            "types": ["bf16", "q4_k", "q8_0", "q6_k"],
+            "threads": 128,
+            "rows_per_warp": 2,
+            "unroll": 4,
+        },
+    }
     for q in kc.COOP_TYPES:
         for bm in (1, 8):
             p = kc.linear_params(q, 1003, 2560, coop, bmax=bm, residual=bm == 8)
@@ -274,16 +293,31 @@ def _gemv_variant_specs():
     # q8x with k split over warp groups (n <= q8x_ksplit_max_n) and a capped grid
     q8 = {
         **tun,
-        "gemv_coop": {"types": ["q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "pipeline": True,
-                      "q8x": True, "q8x_threads": 256, "q8x_ksplit": 4, "q8x_ksplit_max_n": 4096, "q8x_blocks_per_sm": 4},
+        "gemv_coop": {
+            "types": ["q4_k", "q8_0", "q6_k"],
+            "threads": 128,
+            "rows_per_warp": 2,
+            "unroll": 2,
+            "pipeline": True,
+            "q8x": True,
+            "q8x_threads": 256,
+            "q8x_ksplit": 4,
+            "q8x_ksplit_max_n": 4096,
+            "q8x_blocks_per_sm": 4,
+        },
     }
     for q in kc.Q8X_TYPES:
         for bm in (1, 8):
             p = kc.linear_params(q, 1003, 2560, q8, bmax=bm, residual=True, sm_count=132)
             assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
             out.append(kc.spec("gemv", **p))
-            for pro in ({"prologue": "silu", "x_stride": 5120, "u_off": 2560}, {"prologue": "norm", "x_stride": 2560, "eps": 1e-6}):
-                out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro}))
+            for pro in (
+                {"prologue": "silu", "x_stride": 5120, "u_off": 2560},
+                {"prologue": "norm", "x_stride": 2560, "eps": 1e-6},
+            ):
+                out.append(
+                    kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro})
+                )
     return out
 
 
@@ -360,7 +394,9 @@ def test_attention_prefill_contract():
     assert c.smem == (64 + 4 * 64) * 136 * 2
     assert [a for a, _ in c.args][-2:] == ["seq_starts", "max_blocks"]
     d = dict(p, split=512, out_stride=4096, mode="decode", direct=False, warps=4)
-    assert "vec16" not in kc.spec("attention", **d).entry and kc.spec("attention", **d, vec16=True).entry.endswith("vec161")
+    assert "vec16" not in kc.spec("attention", **d).entry and kc.spec(
+        "attention", **d, vec16=True
+    ).entry.endswith("vec161")
     with pytest.raises(ConfigError, match="vec16 needs head_dim"):
         kc.spec("attention", **{**d, "head_dim": 96, "q_stride": 96 * 48}, vec16=True)
     with pytest.raises(ConfigError, match="16 \\* warps"):
@@ -374,3 +410,60 @@ def test_attention_variants_compile_for_every_arch(tmp_path):
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+def _wgmma_spec(**over):
+    p = dict(n=1000, k=1024, tile_n=256, consumers=2, m_frags=1, stages=4, residual=False, out_dtype="bf16")
+    return kc.spec("gemm_wgmma", **{**p, **over})
+
+
+def test_gemm_wgmma_rules_name_the_problem():
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        _wgmma_spec(k=1000)
+    with pytest.raises(ConfigError, match="tile_n=96"):
+        _wgmma_spec(tile_n=96)
+    with pytest.raises(ConfigError, match="accumulators per thread"):
+        _wgmma_spec(m_frags=2)
+    with pytest.raises(ConfigError, match="shared memory"):
+        _wgmma_spec(stages=5)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        _wgmma_spec(n=1001)
+    c = kc.choice("gemm_wgmma", **_wgmma_spec(residual=True).params)
+    assert c.block == (384, 1, 1) and c.grid(300) == (4, 3, 1)
+    assert c.smem == 4 * (128 + 256) * 128 + 1024
+    # the profile section is what turns it on; enabling it needs sm_90a
+    off = {"gemm_wgmma": {"enabled": False}}
+    assert kc.gemm_wgmma_params(2560, 4096, off) is None
+    on = {
+        "gemm_wgmma": {
+            **dict(zip(kc.GEMM_WGMMA_KNOBS, (128, 2, 1, 6, True, False), strict=True)),
+            "enabled": True,
+        }
+    }
+    assert kc.gemm_wgmma_params(2560, 4096, on)["tile_n"] == 128
+    assert kc.gemm_wgmma_params(2560, 4100, on) is None
+
+
+def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
+    from engine.profile import load_profile
+
+    src = (Path(__file__).resolve().parents[1] / "device_profiles" / "rtx-5090.yaml").read_text()
+    bad = tmp_path / "rtx-5090.yaml"
+    bad.write_text(src.replace("tuning:\n", "tuning:\n  gemm_wgmma: {enabled: true}\n", 1))
+    with pytest.raises(ConfigError, match="gemm_wgmma.enabled.*sm_90a"):
+        load_profile(bad)
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_gemm_wgmma_tile_configs_compile(tmp_path):
+    """The tile configs tools/gpu_check_gemm_wgmma.py sweeps (the profile's compiles via all_specs)."""
+    specs = [
+        _wgmma_spec(
+            tile_n=tn, consumers=c, m_frags=mf, stages=st, residual=res, out_dtype=od, maxnreg=tn * mf >= 256
+        )
+        for tn, c, mf, st in ((256, 2, 1, 3), (128, 2, 1, 6), (128, 2, 2, 4), (128, 1, 1, 8), (64, 2, 1, 8))
+        for res, od in ((False, "bf16"), (True, "f32"))
+    ]
+    builder = KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+    stats = builder.build_all(specs, jobs=2, progress=None)
+    assert stats.compiled == len(specs) and all(k.cubin for k in stats.kernels)

@@ -113,7 +113,13 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
     p = rope.launches["prefill"][0].spec.params
     assert (p["q_stride"], p["kv_stride"], p["v_stride"]) == (q.ld, k.ld, v.ld)
     assert "v_stride" in rope.launches["prefill"][0].spec.entry
-    mixed = build_plan(graph, dims, graph.quant("q4_k_m"), get_profile("h200"), tensor_dtypes={**dtypes, "wk": "q6_k", "wv": "q4_k"})
+    mixed = build_plan(
+        graph,
+        dims,
+        graph.quant("q4_k_m"),
+        get_profile("h200"),
+        tensor_dtypes={**dtypes, "wk": "q6_k", "wv": "q4_k"},
+    )
     assert {"L0.wq", "L0.wk", "L0.wv"} <= {w.key for w in mixed.weights}
 
 
@@ -148,7 +154,9 @@ def test_kernel_specs_are_deduplicated_and_grids_evaluate():
 def test_every_real_template_spec_renders(family, size, quant):
     plan = plan_for(family, size, quant)
     real = kernel_specs(plan)
-    assert {s.template for s in real} == {
+    # bf16 prefill linears take the Hopper TMA + wgmma GEMM on the h200 profile
+    wgmma = {"gemm_wgmma"} if quant == "bf16" else set()
+    assert {s.template for s in real} - wgmma == {
         "embed",
         "rmsnorm",
         "gemv",
@@ -162,6 +170,7 @@ def test_every_real_template_spec_renders(family, size, quant):
         "sample",
         "penalties",
     }
+    assert wgmma <= {s.template for s in real}
     for spec in real:
         src = render(spec)
         assert spec.entry in src
@@ -247,6 +256,7 @@ def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     from engine import kernel_catalog as kc
     from engine.graph import Op
     from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.profile import with_tuning
 
     prof = get_profile("h200")
     adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
@@ -255,12 +265,47 @@ def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
     (dec,) = adapter._linear_gemm(op, "decode", ins, outs, ws, section="gemm_decode")
-    (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
+    off = with_tuning(prof, "gemm_wgmma.enabled=false")
+    (pre,) = _CatalogAdapter(kc, off, dims_for_size("qwen3", "qwen3-4b"), "neox")._linear_gemm(
+        op, "prefill", ins, outs, ws
+    )
     t = prof.tune("gemm_decode")
     assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
     assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == prof.tune("gemm")["split_k"]
     assert dec.grid_for({"n": 100}) == (2560 // t["tile_n"], -(-100 // t["tile_m"]))
     assert dec.smem == kc.gemm_smem(dec.spec.params) and dec.spec != pre.spec
+
+
+def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
+    """On the h200 profile a bf16 prefill linear is the TMA + wgmma GEMM: A and W reach it as tensor
+    maps (value / weight, box rows = the tile's rows), the residual aliases out; where k is not a
+    multiple of 64 (or the profile turns it off) the mma.sync gemm takes the linear."""
+    from engine import kernel_catalog as kc
+    from engine.graph import Op
+    from engine.plan import Value, WeightPlan, _CatalogAdapter
+
+    prof = get_profile("h200")
+    g = prof.tune("gemm_wgmma")
+    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
+    ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
+    outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
+    ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
+    (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
+    tile_m = 64 * g["consumers"] * g["m_frags"]
+    assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
+    assert [a.kind for a in pre.args] == ["value", "tmap", "tmap", "value", "shape"]
+    assert pre.args[1].ref == ("value", "attn", tile_m) and pre.args[2].ref == (
+        "weight",
+        "L0.wo",
+        g["tile_n"],
+    )
+    assert pre.args[0].ref == pre.args[3].ref == "h"
+    assert pre.grid_for({"n": 300}) == (-(-2560 // g["tile_n"]), -(-300 // tile_m))
+    assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
+    odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
+    (mma,) = adapter._linear_gemm(op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
+    assert mma.spec.template == "gemm"
 
 
 def test_sampling_kinds_use_argmax_and_sample():
@@ -323,7 +368,10 @@ def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop)
     import dataclasses
 
     prof = get_profile("h200")
-    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True, "fuse_glu": False}}
+    tuning = {
+        **prof.tuning,
+        "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True, "fuse_glu": False},
+    }
     tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": ["bf16", "q4_1"] if coop else []}
     graph = load_family(family)
     plan = build_plan(
@@ -435,7 +483,10 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
         for on in (True, False):
             tuning = {**prof.tuning, "gemv_coop": {**prof.tune("gemv_coop"), "q8x": on}}
             plan = build_plan(
-                graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(q), dataclasses.replace(prof, tuning=tuning)
+                graph,
+                dims_for_size("qwen3", "qwen3-4b"),
+                graph.quant(q),
+                dataclasses.replace(prof, tuning=tuning),
             )
             got = {True: 0, False: 0}
             for la in _decode_gemvs(plan):
@@ -544,7 +595,6 @@ def test_a_fusion_is_decided_for_every_layer_at_once():
                 assert la.spec.params["n"] <= out.ld - out.offset, (st.layer, la.spec.entry)
 
 
-
 def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
     """gemv.fuse_glu: the decode gate|up GEMV gets glu = intermediate size (it stores silu(gate) * up
     in the gate half), silu_mul gets no decode launch, and the down GEMV reads x from the gate half
@@ -566,10 +616,15 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
         (dn,) = down.launches[mode]
         assert dn.spec.params["x_stride"] == 3072 and dn.spec.params["prologue"] == "none"
         assert dn.args[2].ref == g.args[0].ref  # x is the gate|up output
-    assert silu.launches["prefill"] and gate_up.launches["prefill"][0].spec.template == "gemm"
-    off = build_plan(graph, dims, graph.quant("bf16"), with_tuning(get_profile("h200"), "gemv.fuse_glu=false"))
+    assert silu.launches["prefill"] and gate_up.launches["prefill"][0].spec.template in ("gemm", "gemm_wgmma")
+    off = build_plan(
+        graph, dims, graph.quant("bf16"), with_tuning(get_profile("h200"), "gemv.fuse_glu=false")
+    )
     assert not any(
-        la.spec.params.get("glu") for s in off.steps for la in s.launches["decode1"] if la.spec.template == "gemv"
+        la.spec.params.get("glu")
+        for s in off.steps
+        for la in s.launches["decode1"]
+        if la.spec.template == "gemv"
     )
     with pytest.raises(ConfigError, match="glu"):
         from engine import kernel_catalog as kc
@@ -590,14 +645,26 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
     for on in (True, False):
         tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on}}
         plan = build_plan(
-            graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), dataclasses.replace(prof, tuning=tuning)
+            graph,
+            dims_for_size("qwen3", "qwen3-4b"),
+            graph.quant("q4_k_m"),
+            dataclasses.replace(prof, tuning=tuning),
         )
         for mode in ("decode1", "decode"):
             kinds = [la.spec.template for st in plan.steps if st.layer == 0 for la in st.launches[mode]]
-            gemvs = [la.spec.params for st in plan.steps if st.layer == 0 for la in st.launches[mode] if la.spec.template == "gemv"]
+            gemvs = [
+                la.spec.params
+                for st in plan.steps
+                if st.layer == 0
+                for la in st.launches[mode]
+                if la.spec.template == "gemv"
+            ]
             for p in gemvs:
                 if p["q8x"]:
-                    assert (p["threads"], p["rows_per_block"]) == (c["q8x_threads"], c["q8x_threads"] // 32 * c["q8x_rows_per_warp"])
+                    assert (p["threads"], p["rows_per_block"]) == (
+                        c["q8x_threads"],
+                        c["q8x_threads"] // 32 * c["q8x_rows_per_warp"],
+                    )
             if on and mode == "decode1":
                 assert "rmsnorm" not in kinds and "silu_mul" not in kinds, (mode, kinds)
                 assert sorted(p["prologue"] for p in gemvs) == ["none", "norm", "norm", "silu"]
@@ -613,19 +680,46 @@ def test_direct_attention_splits_query_heads_over_grid_z():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    assert [kc.direct_qsplit(g, {"attention_decode": {"direct_qsplit": 4}}) for g in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 3, 4]
+    assert [kc.direct_qsplit(g, {"attention_decode": {"direct_qsplit": 4}}) for g in (1, 2, 3, 4, 6, 8)] == [
+        1,
+        2,
+        3,
+        4,
+        3,
+        4,
+    ]
     assert kc.direct_qsplit(4, {"attention_decode": {}}) == 1
     with pytest.raises(ConfigError, match="qsplit=3 .* needs direct and to divide 4"):
-        kc.spec("attention", heads=32, kv_heads=8, head_dim=128, block_size=16, split=256, scale=0.1,
-                q_stride=6144, out_stride=4096, mode="decode", direct=True, warps=8, qsplit=3)
+        kc.spec(
+            "attention",
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            split=256,
+            scale=0.1,
+            q_stride=6144,
+            out_stride=4096,
+            mode="decode",
+            direct=True,
+            warps=8,
+            qsplit=3,
+        )
     prof = get_profile("h200")
     assert prof.tune("attention_decode")["direct_qsplit"] == 4
     for size, want in (("qwen3-4b", 4), ("qwen3-0.6b", 2)):
         for p, qs in ((prof, want), (with_tuning(prof, "attention_decode.direct_qsplit=1"), 1)):
             graph = load_family("qwen3")
             plan = build_plan(graph, dims_for_size("qwen3", size), graph.quant("bf16"), p)
-            short = [la for st in plan.steps for la in st.launches.get("short", ()) if la.spec.template == "attention"]
-            split = [la for st in plan.steps for la in st.launches["decode"] if la.spec.template == "attention"]
+            short = [
+                la
+                for st in plan.steps
+                for la in st.launches.get("short", ())
+                if la.spec.template == "attention"
+            ]
+            split = [
+                la for st in plan.steps for la in st.launches["decode"] if la.spec.template == "attention"
+            ]
             assert short and all(la.grid[2] == qs and la.spec.params["qsplit"] == qs for la in short)
             assert ("qsplit" in short[0].spec.entry) is (qs > 1)
             assert split and all(la.spec.params["qsplit"] == 1 for la in split)

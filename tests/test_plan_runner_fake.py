@@ -32,6 +32,9 @@ class FakeDriver:
         self.h2d: list[int] = []  # bytes of each direct host-to-device copy
         self.h2d_graph: list[int] = []  # ... of each one captured into a graph
         self.pdl: dict[str, bool] = {}  # kernel name -> launched with programmatic dependent launch
+        self.tensor_maps: list[
+            tuple
+        ] = []  # (ptr, rows, cols, row_bytes, box_rows) of each TMA descriptor built
 
     def module(self):
         fake = self
@@ -110,6 +113,7 @@ class FakeDriver:
             fake.launches.append((fn.name, grid, tuple(block)))
 
         m.Context, m.Stream, m.Module, m.capture, m.PinnedBuffer = Ctx, Stream, Mod, Capture, Pinned
+
         class Prepared:
             def __init__(self, fn, grid, block, smem=0, stream=None, pdl=False):
                 self.fn, self.grid, self.block, self.smem, self.pdl = fn, grid, block, smem, pdl
@@ -127,6 +131,11 @@ class FakeDriver:
         )
         m.dtoh = lambda host, ptr, stream=None: host
         m.dtod = lambda *a, **k: None
+        m.TENSOR_MAP_BYTES = real_cuda.TENSOR_MAP_BYTES
+        m.tensor_map_bf16 = lambda ptr, rows, cols, row_bytes, box_rows: (
+            fake.tensor_maps.append((ptr, rows, cols, row_bytes, box_rows))
+            or bytes(real_cuda.TENSOR_MAP_BYTES)
+        )
         m.DeviceBuffer = Buf
         m.Graph = Graph
         m.Function = Fn
@@ -301,7 +310,10 @@ def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMRA_PDL", "0")
     write_tiny_llama(tmp_path / "m")
     builder = KernelBuilder(
-        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+        "sm_90a",
+        KernelCache(tmp_path / "cache"),
+        compiler=lambda *a: (b"\0cubin", ""),
+        compiler_version=(13, 0),
     )
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
     runner.step([StepItem(0, [5, 6, 7], 0, [0], True, GREEDY)])
@@ -340,3 +352,23 @@ def test_decode_profile_labels_follow_the_runner_bind_order(fake):
         labels = pass_labels(runner, "decode1", short, "greedy")
         assert len(labels) == len(bound)
         assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
+
+
+def test_bf16_prefill_binds_the_wgmma_gemm_with_tensor_maps_built_once(fake):
+    """The h200 plan's bf16 prefill linears are gemm_wgmma launches; their A / W tensor maps are
+    encoded once per (value or weight, box rows) and reused by later passes; a value's map spans
+    its whole arena buffer (max_tokens rows), a weight's its rows."""
+    runner, drv = fake
+    runner.step([StepItem(0, list(range(1, 21)), 0, [0, 1], True, GREEDY)])
+    names = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("gemm_wgmma") for n in names)
+    built = list(drv.tensor_maps)
+    assert built and len(set(built)) == len(built)
+    runner.step([StepItem(1, list(range(1, 9)), 0, [2], True, GREEDY)])
+    assert drv.tensor_maps == built  # the second pass binds the same maps
+    weights = {runner._weights[w.key].ptr: w for w in runner.plan.weights if w.key in runner._weights}
+    for ptr, rows, cols, row_bytes, _box in built:
+        if ptr in weights:
+            assert (rows, cols, row_bytes) == (weights[ptr].rows, weights[ptr].cols, 2 * weights[ptr].cols)
+        else:
+            assert rows == runner.plan.max_tokens and row_bytes % 16 == 0 and cols % 64 == 0

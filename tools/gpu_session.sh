@@ -27,6 +27,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       pack check_$c
     done
     timeout "$(box 90)" python3 tools/gpu_kernels_check.py --out /tmp/res/kern --quick > /tmp/res/kernels.log 2>&1; pack kernels ;;
+  wgmma)  # the Hopper prefill GEMM: correctness (every tile config, tails, arena-spanning maps) + TFLOP/s
+    timeout "$(box 150)" python3 tools/gpu_check_gemm_wgmma.py --out /tmp/res/wgmma ${WGMMA_ARGS:-} > /tmp/res/check_wgmma.log 2>&1; pack wgmma ;;
   pytest)
     timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest${TAG:-}.log 2>&1; pack pytest ;;
   bf16)
