@@ -1075,7 +1075,10 @@ def gemm_wgmma_params(
     g = tuning.get("gemm_wgmma") or {}
     if not g.get("enabled") or k % 64 or n % 8:
         return None
-    return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **{x: g[x] for x in GEMM_WGMMA_KNOBS})
+    p = {x: g[x] for x in GEMM_WGMMA_KNOBS}
+    if n < int(g.get("wide_min_n") or 0):  # few wide tiles: narrower ones keep every SM busy
+        p.update(tile_n=g["narrow_tile_n"], stages=g["narrow_stages"], maxnreg=False)
+    return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **p)
 
 
 def attention_prefill_smem(p: Mapping[str, Any]) -> int:

@@ -170,6 +170,11 @@ TUNING_SCHEMA: dict[str, Field] = {
             "stages": _knob(4),
             "raster": Field(bool, default=True),
             "maxnreg": Field(bool, default=True),  # setmaxnreg: producer 40, consumers 232 registers
+            # weights with n < wide_min_n take the narrow tile (narrow_tile_n, narrow_stages, no
+            # setmaxnreg): more blocks where the wide tile leaves SMs idle (0: always wide)
+            "wide_min_n": Field(int, default=0),
+            "narrow_tile_n": _knob(128),
+            "narrow_stages": _knob(6),
         },
         default={
             "enabled": False,
@@ -179,6 +184,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "stages": 4,
             "raster": True,
             "maxnreg": True,
+            "wide_min_n": 0,
+            "narrow_tile_n": 128,
+            "narrow_stages": 6,
         },
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow

@@ -443,6 +443,20 @@ def test_gemm_wgmma_rules_name_the_problem():
     assert kc.gemm_wgmma_params(2560, 4096, on)["tile_n"] == 128
     assert kc.gemm_wgmma_params(2560, 4100, on) is None
 
+    # below wide_min_n the narrow tile (more blocks for the o / down projections' n = 2560)
+    split = {
+        "gemm_wgmma": {
+            **on["gemm_wgmma"],
+            "tile_n": 256,
+            "maxnreg": True,
+            "wide_min_n": 5120,
+            "narrow_tile_n": 128,
+            "narrow_stages": 6,
+        }
+    }
+    wide, narrow = kc.gemm_wgmma_params(6144, 2560, split), kc.gemm_wgmma_params(2560, 4096, split)
+    assert (wide["tile_n"], wide["stages"], wide["maxnreg"]) == (256, 6, True)
+    assert (narrow["tile_n"], narrow["stages"], narrow["maxnreg"]) == (128, 6, False)
 
 def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
     from engine.profile import load_profile
