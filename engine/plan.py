@@ -388,6 +388,8 @@ def build_plan(
             return True
 
         adapter.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
+    if tg.get("fuse_norm1"):  # batch 1 only: every reading GEMV applies the rmsnorm while loading x
+        adapter.fusable1 |= {k for k, kind in fusable.items() if kind == "rmsnorm"}
     if tg.get("fuse_glu"):
         adapter.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)

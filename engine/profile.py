@@ -60,6 +60,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # cost more than the kernels they replace, tools/gpu_check_gemv.py, 2026-12-02)
             "fuse_norm": Field(bool, default=False),
             "fuse_silu": Field(bool, default=False),
+            # fuse_norm at batch 1 only (decode1: one x row per block is cheap to normalise twice)
+            "fuse_norm1": Field(bool, default=False),
             # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
             # silu_mul launch goes and the down GEMV reads x from the gate half
             "fuse_glu": Field(bool, default=False),
@@ -76,6 +78,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "unroll": 2,
             "fuse_norm": False,
             "fuse_silu": False,
+            "fuse_norm1": False,
             "fuse_glu": False,
             "xsmem": False,
             "prefetch": False,
