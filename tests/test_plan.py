@@ -294,14 +294,16 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
     tile_m = 64 * g["consumers"] * g["m_frags"]
     assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
+    tn = pre.spec.params["tile_n"]
+    assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
     assert [a.kind for a in pre.args] == ["value", "tmap", "tmap", "value", "shape"]
     assert pre.args[1].ref == ("value", "attn", tile_m) and pre.args[2].ref == (
         "weight",
         "L0.wo",
-        g["tile_n"],
+        tn,
     )
     assert pre.args[0].ref == pre.args[3].ref == "h"
-    assert pre.grid_for({"n": 300}) == (-(-2560 // g["tile_n"]), -(-300 // tile_m))
+    assert pre.grid_for({"n": 300}) == (-(-2560 // tn), -(-300 // tile_m))
     assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
     odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
     (mma,) = adapter._linear_gemm(op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
@@ -723,3 +725,35 @@ def test_direct_attention_splits_query_heads_over_grid_z():
             assert short and all(la.grid[2] == qs and la.spec.params["qsplit"] == qs for la in short)
             assert ("qsplit" in short[0].spec.entry) is (qs > 1)
             assert split and all(la.spec.params["qsplit"] == 1 for la in split)
+
+
+def test_fuse_norm1_folds_rmsnorm_into_bf16_readers_at_batch_1_only():
+    """gemv.fuse_norm1: in decode1 the rmsnorm launches go (their readers, classic bf16 GEMVs, get
+    the norm prologue, the lm_head included); the batched decode mode and prefill keep them."""
+    from engine.profile import with_tuning
+
+    graph = load_family("qwen3")
+    prof = with_tuning(get_profile("h200"), "gemv.fuse_norm1=true")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
+    base = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
+
+    def kinds(p, mode, head=False):
+        return [
+            la.spec.template
+            for st in p.steps
+            if (st.head if head else st.layer == 3)
+            for la in st.launches[mode]
+        ]
+
+    assert "rmsnorm" not in kinds(plan, "decode1") and "rmsnorm" not in kinds(plan, "decode1", head=True)
+    gemvs = [
+        la.spec.params
+        for st in plan.steps
+        if st.layer == 3
+        for la in st.launches["decode1"]
+        if la.spec.template == "gemv"
+    ]
+    assert sorted(p["prologue"] for p in gemvs) == ["none", "none", "norm", "norm"]
+    assert kinds(plan, "decode") == kinds(base, "decode") and kinds(plan, "decode").count("rmsnorm") == 2
+    assert kinds(plan, "prefill") == kinds(base, "prefill")
+    assert kinds(base, "decode1").count("rmsnorm") == 2
