@@ -19,6 +19,7 @@ Must not import CUDA or numpy.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,8 +97,9 @@ class Arg:
     positions, slots, block_tables, temperature, top_p, top_k, min_p, seeds, counters, out_ids),
     ``scratch`` (a ``ScratchPlan`` buffer), ``shape`` (``ref`` = n, nseq, max_blocks, block_size,
     max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``, ``tmap`` (a device pointer
-    to the TMA descriptor of a bf16 matrix: ``ref`` = ("value" | "weight", name, box rows); a value's
-    map spans its buffer's rows, a weight's its rows, boxes of 64 columns).
+    to the TMA descriptor of a bf16 matrix: ``ref`` = ("value" | "weight", name, box rows) or
+    ("scratch", name, box rows, rows, cols); a value's map spans its buffer's rows, a weight's its
+    rows, boxes of 64 columns).
     """
 
     kind: str
@@ -128,11 +130,19 @@ GridDim = int | str | Callable[[Mapping[str, int]], int]
 
 @dataclass(frozen=True)
 class Launch:
+    """One kernel launch of a step. ``min_rows`` / ``max_rows`` (0: no bound) limit it to passes of
+    that many rows: a prefill linear may take one path for short chunks and another for long ones."""
+
     spec: KernelSpec
     grid: tuple[GridDim, ...]
     block: tuple[int, ...]
     args: tuple[Arg, ...]
     smem: int = 0
+    min_rows: int = 0
+    max_rows: int = 0
+
+    def runs_at(self, rows: int) -> bool:
+        return rows >= self.min_rows and (not self.max_rows or rows <= self.max_rows)
 
     def grid_for(self, shape: Mapping[str, int]) -> tuple[int, ...]:
         out = []
@@ -764,16 +774,18 @@ class _CatalogAdapter:
             p = self._gemm_params(w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
             wptr = _w(w)
             if p is None and section != "gemm":  # decode never dequantises a whole matrix per step
+            long_rows = self._dequant_wgmma_rows(w, section, quant)
+            wg = None
+            if long_rows:  # long chunks: the whole matrix dequantised to bf16, then the wgmma GEMM
+                wg = self._gemm_wgmma(w, ins[0], out, residual, out_dtype, res_name, source="dequant")
+            if wg is not None:
+                if p is None:  # no fused decoder: the dequantised path at every length
+                    launches += [self._dequantise(w), wg]
+                    continue
+                launches += [dataclasses.replace(la, min_rows=long_rows) for la in (self._dequantise(w), wg)]
                 return self._linear_gemv(op, mode, ins, outs, ws)
             if p is None and quant != "bf16":  # fallback: dequantise into a bf16 scratch (embed, ids 0..n-1)
-                t = self.tune("elementwise")["threads"]
-                deq = self._spec(
-                    "embed", {"q": w.dtype, "h": w.cols, "t": t}, quant=w.dtype, hidden=w.cols, threads=t
-                )
-                self._need_scratch(ScratchPlan("dequant", fixed=w.rows * w.cols * 2))
-                self._need_scratch(ScratchPlan("iota", fixed=w.rows * 4, fill="iota"))
-                dargs = (Arg("scratch", "dequant"), wptr, Arg("scratch", "iota"), Arg("const", w.rows, "i32"))
-                launches.append(Launch(deq, (w.rows,), (t,), dargs))
+                launches.append(self._dequantise(w))
                 wptr = Arg("scratch", "dequant")
                 quant = "bf16"
                 p = self._gemm_params(w, tg, residual, out_dtype, quant)
@@ -795,6 +807,7 @@ class _CatalogAdapter:
             }
             spec = self._spec("gemm", name, **p)
             smem_of = getattr(self.cat, "gemm_smem", None) if self.cat is not None else None
+            max_rows = long_rows - 1 if wg is not None else 0  # the dequantised path above takes the rest
             smem = (
                 smem_of(p)
                 if smem_of is not None
@@ -806,10 +819,29 @@ class _CatalogAdapter:
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _v(ins[0]), wptr, res, ROWS)
             grid = (_cdiv(w.rows, p["tile_n"]), f"(n + {p['tile_m'] - 1}) // {p['tile_m']}")
-            launches.append(Launch(spec, grid, (32 * p["warps"],), args, smem))
+            launches.append(Launch(spec, grid, (32 * p["warps"],), args, smem, max_rows=max_rows))
         return launches
 
-    def _gemm_wgmma(self, w, x, out, residual, out_dtype, res_name):
+    def _dequant_wgmma_rows(self, w, section, quant) -> int:
+        """The fewest prefill rows from which quantised weight ``w`` is dequantised to bf16 and
+        multiplied by the wgmma GEMM (profile gemm_wgmma.dequant_min_rows; 0: never)."""
+        if section != "gemm" or quant == "bf16" or getattr(self.cat, "gemm_wgmma_params", None) is None:
+            return 0
+        return int(self.tune("gemm_wgmma").get("dequant_min_rows") or 0)
+
+    def _dequantise(self, w) -> Launch:
+        """The whole of quantised weight ``w`` dequantised into the bf16 "dequant" scratch (the embed
+        kernel gathering rows 0..rows-1)."""
+        t = self.tune("elementwise")["threads"]
+        deq = self._spec(
+            "embed", {"q": w.dtype, "h": w.cols, "t": t}, quant=w.dtype, hidden=w.cols, threads=t
+        )
+        self._need_scratch(ScratchPlan("dequant", fixed=w.rows * w.cols * 2))
+        self._need_scratch(ScratchPlan("iota", fixed=w.rows * 4, fill="iota"))
+        dargs = (Arg("scratch", "dequant"), _w(w), Arg("scratch", "iota"), Arg("const", w.rows, "i32"))
+        return Launch(deq, (w.rows,), (t,), dargs)
+
+    def _gemm_wgmma(self, w, x, out, residual, out_dtype, res_name, source="weight"):
         """The Hopper TMA + wgmma GEMM launch for bf16 weight ``w`` (profile tuning gemm_wgmma), or
         None where it does not apply. A and W reach the kernel as device tensor maps (Arg kind
         "tmap": source, name, box rows), built by the runner at bind time."""
@@ -834,7 +866,9 @@ class _CatalogAdapter:
         args = (
             _v(out),
             Arg("tmap", ("value", x.name, tile_m)),
-            Arg("tmap", ("weight", w.key, p["tile_n"])),
+            Arg("tmap", ("weight", w.key, p["tile_n"]))
+            if source == "weight"
+            else Arg("tmap", ("scratch", source, p["tile_n"], w.rows, w.cols)),
             Arg("value", res_name) if residual else NULL,
             ROWS,
         )

@@ -178,6 +178,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "wide_min_n": Field(int, default=0),
             "narrow_tile_n": _knob(128),
             "narrow_stages": _knob(6),
+            # quantised prefill chunks of at least this many rows dequantise each matrix to a bf16
+            # scratch and run this GEMM (shorter ones keep the fused mma.sync gemm; 0: never)
+            "dequant_min_rows": Field(int, default=0),
         },
         default={
             "enabled": False,
@@ -190,6 +193,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "wide_min_n": 0,
             "narrow_tile_n": 128,
             "narrow_stages": 6,
+            "dequant_min_rows": 0,
         },
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow

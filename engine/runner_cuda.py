@@ -111,7 +111,7 @@ class CudaRunner:
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
-        self._tmaps: dict[tuple[str, str, int], int] = {}  # (source, name, box rows) -> descriptor address
+        self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
@@ -288,10 +288,11 @@ class CudaRunner:
             f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
         )
 
-    def _tensor_map(self, source: str, name: str, box_rows: int) -> int:
-        """Device address of the TMA descriptor of value / weight ``name`` in boxes of ``box_rows``
-        x 64 (built and uploaded once, then reused by every bind)."""
-        key = (source, name, box_rows)
+    def _tensor_map(self, source: str, name: str, box_rows: int, *shape: int) -> int:
+        """Device address of the TMA descriptor of value / weight / scratch ``name`` in boxes of
+        ``box_rows`` x 64 (a scratch buffer holds several matrices: ``shape`` = rows, cols), built
+        and uploaded once, then reused by every bind."""
+        key = (source, name, box_rows, *shape)
         ptr = self._tmaps.get(key)
         if ptr is not None:
             return ptr
@@ -300,6 +301,9 @@ class CudaRunner:
             buf = next(b for b in self.plan.buffers if b.name == v.buffer)
             base, rows, cols = self._value_ptr[name], buf.rows or self.plan.max_tokens, v.width
             row_bytes = self._value_rowbytes[name]
+        elif source == "scratch":
+            (rows, cols), base = shape, self._scratch[name].ptr
+            row_bytes = cols * 2
         else:
             w = next(w for w in self.plan.weights if w.key == name)
             base, rows, cols, row_bytes = self._weights[name].ptr, w.rows, w.cols, w.cols * 2
@@ -363,7 +367,8 @@ class CudaRunner:
             if short and "short" in step.launches:
                 key = "short"
             for launch in step.launches[key]:
-                bound.append(self._bind(launch, shape))
+                if launch.runs_at(n):
+                    bound.append(self._bind(launch, shape))
         if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
                 bound.append(self._bind(launch, shape))

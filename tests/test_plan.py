@@ -154,8 +154,9 @@ def test_kernel_specs_are_deduplicated_and_grids_evaluate():
 def test_every_real_template_spec_renders(family, size, quant):
     plan = plan_for(family, size, quant)
     real = kernel_specs(plan)
-    # bf16 prefill linears take the Hopper TMA + wgmma GEMM on the h200 profile
-    wgmma = {"gemm_wgmma"} if quant == "bf16" else set()
+    # prefill linears take the Hopper TMA + wgmma GEMM on the h200 profile (quantised ones for long
+    # chunks, after a dequantisation)
+    wgmma = {"gemm_wgmma"}
     assert {s.template for s in real} - wgmma == {
         "embed",
         "rmsnorm",
@@ -219,7 +220,16 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
 
 
 def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
-    plan = plan_for("llama", "smollm2-135m", quant="q8_0")
+def _short_chunks_only(**kw):
+    """The h200 plan of a q8_0 SmolLM2 without the long-chunk dequantise + wgmma path."""
+    from engine.profile import with_tuning
+
+    graph = load_family("llama")
+    prof = with_tuning(get_profile("h200"), "gemm_wgmma.dequant_min_rows=0")
+    return build_plan(graph, dims_for_size("llama", "smollm2-135m"), graph.quant("q8_0"), prof, **kw)
+
+
+    plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     (gemm,) = linear.launches["prefill"]
     assert gemm.spec.template == "gemm" and gemm.spec.params["quant"] == "q8_0"
@@ -243,7 +253,7 @@ def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_de
 
     cat = types.SimpleNamespace(**{x: getattr(kc, x) for x in dir(kc) if not x.startswith("__")})
     cat.gemm_params = bf16_only
-    plan = plan_for("llama", "smollm2-135m", quant="q8_0", catalog=cat)
+    plan = _short_chunks_only(catalog=cat)
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     deq, gemm = linear.launches["prefill"]
     assert deq.spec.template == "embed" and deq.spec.params["quant"] == "q8_0"
@@ -757,3 +767,32 @@ def test_fuse_norm1_folds_rmsnorm_into_bf16_readers_at_batch_1_only():
     assert kinds(plan, "decode") == kinds(base, "decode") and kinds(plan, "decode").count("rmsnorm") == 2
     assert kinds(plan, "prefill") == kinds(base, "prefill")
     assert kinds(base, "decode1").count("rmsnorm") == 2
+
+
+def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
+    """gemm_wgmma.dequant_min_rows: a quantised prefill linear has two paths, picked by the pass's
+    rows: from that many rows the matrix is dequantised into the bf16 scratch (embed over ids
+    0..rows-1) and multiplied by gemm_wgmma through a scratch tensor map of the matrix's shape;
+    below it the fused mma.sync gemm decodes W tiles itself. 0 turns the long path off."""
+    from engine.profile import with_tuning
+
+    prof = get_profile("h200")
+    t = prof.tune("gemm_wgmma")["dequant_min_rows"]
+    assert t > 0
+    plan = plan_for("qwen3", "qwen3-4b", "q8_0")
+    down = next(s for s in plan.steps if s.layer == 1 and s.op.op == "linear" and "w_down" in s.op.weights[0])
+    deq, wg, fused = down.launches["prefill"]
+    assert (deq.spec.template, wg.spec.template, fused.spec.template) == ("embed", "gemm_wgmma", "gemm")
+    assert deq.min_rows == wg.min_rows == t and fused.max_rows == t - 1 and not fused.min_rows
+    assert [deq.runs_at(n) for n in (1, t - 1, t, 4096)] == [False, False, True, True]
+    assert [fused.runs_at(n) for n in (1, t - 1, t)] == [True, True, False]
+    assert (deq.args[0].kind, deq.args[0].ref, deq.grid) == ("scratch", "dequant", (2560,))
+    assert wg.args[2].ref == ("scratch", "dequant", wg.spec.params["tile_n"], 2560, 9728)
+    assert wg.spec.params["residual"] and fused.spec.params["quant"] == "q8_0r"
+    assert next(sp for sp in plan.scratch if sp.name == "dequant").fixed >= 19456 * 2560 * 2
+    assert all(not la.min_rows and not la.max_rows for la in down.launches["decode"])
+    graph = load_family("qwen3")
+    off = with_tuning(prof, "gemm_wgmma.dequant_min_rows=0")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), off)
+    down = next(s for s in plan.steps if s.layer == 1 and s.op.op == "linear" and "w_down" in s.op.weights[0])
+    assert [la.spec.template for la in down.launches["prefill"]] == ["gemm"]
