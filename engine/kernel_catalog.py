@@ -1236,6 +1236,14 @@ def all_specs(
                     spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
                 ] = None
     for res in (False, True):
+            if (
+                t != "bf16"
+                and k % QUANTS[t][0] == 0
+                and wg is not None
+                and tuning["gemm_wgmma"]["dequant_min_rows"]
+            ):
+                # long chunks: the matrix dequantised to bf16 (embed over ids 0..n-1), then gemm_wgmma
+                out[spec("embed", quant=upload_type(t, k, tuning), hidden=k, threads=el)] = None
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
     for style in rope_styles:
