@@ -41,10 +41,12 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
-    # device layouts, never file types: rows repacked at upload (engine.quant.repack; q6_kr rows
-    # are padded to 16 bytes, engine.quant.row_bytes)
+    # device layouts, never file types: rows repacked at upload (engine.quant.repack; q6_kr, q4_0r
+    # and q4_1r rows are padded to 16 bytes, engine.quant.row_bytes)
     "q8_0r": (32, 34),
     "q6_kr": (256, 210),
+    "q4_0r": (32, 18),
+    "q4_1r": (32, 20),
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")

@@ -30,7 +30,9 @@ QUANTS: dict[str, tuple[int, int]] = {
     "q8_0": (32, 34),
     "q8_0r": (32, 34),  # q8_0 rows repacked at upload: k/32 f16 scales, then k int8 (quant.repack)
     "q4_0": (32, 18),
+    "q4_0r": (32, 18),  # q4_0 rows repacked at upload: a qs plane, then a d plane; 16-byte pitch
     "q4_1": (32, 20),
+    "q4_1r": (32, 20),  # q4_1 rows repacked at upload: a qs plane, then a (d, m) plane; 16-byte pitch
     "q5_0": (32, 22),
     "q5_1": (32, 24),
     "q4_k": (256, 144),
@@ -48,7 +50,9 @@ STAGED_DEFAULT: dict[str, bool] = {
     "q8_0": True,
     "q8_0r": False,
     "q4_0": True,
+    "q4_0r": False,
     "q4_1": True,
+    "q4_1r": False,
     "q5_0": True,
     "q5_1": True,
     "q4_k": False,
@@ -481,16 +485,16 @@ def gemv_options(
     return out
 
 
-GEMV_MIN_TYPES = ("q4_1", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
+GEMV_MIN_TYPES = ("q4_1", "q4_1r", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
-COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr")
+COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsmem) up to this size
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
 # (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
-Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr")
+Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 COOP_Q8X_MAX = 64 * 1024
 # file storage type -> the device layout the coop gemv reads (upload_type), and back
-COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr"}
+COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr", "q4_0": "q4_0r", "q4_1": "q4_1r"}
 _COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
 
 
@@ -963,7 +967,8 @@ def linear_params(
 def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
     coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
-    cols % 256 == 0, q6_k the row-planar q6_kr (engine.quant.repack); else the file's layout."""
+    cols % 256 == 0, q6_k / q4_0 / q4_1 the row-planar q6_kr / q4_0r / q4_1r (engine.quant.repack);
+    else the file's layout."""
     types = (tuning.get("gemv_coop") or {}).get("types", ())
     layout = COOP_LAYOUTS.get(dtype)
     if layout is None or dtype not in types or (layout == "q8_0r" and cols % 256):
@@ -1220,7 +1225,7 @@ def all_specs(
                 )
                 out[spec("gemv", **p, **silu)] = None
             if tuning["gemv"].get("fuse_glu") and hidden % ok == 0:  # gate|up storing silu(g) * u
-                p = linear_params(t, 2 * inter, hidden, tuning, bmax=bm)
+                p = linear_params(th, 2 * inter, hidden, tuning, bmax=bm)
                 if not p.get("coop") and p["rows_per_block"] % 2 == 0:
                     out[spec("gemv", **p, glu=inter)] = None
     for n, k, res in shapes:
@@ -1231,11 +1236,6 @@ def all_specs(
         if "gemm_decode" in tuning:
             out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
         for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
-            if t != "bf16" and k % QUANTS[t][0] == 0:
-                out[
-                    spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
-                ] = None
-    for res in (False, True):
             if (
                 t != "bf16"
                 and k % QUANTS[t][0] == 0
@@ -1244,6 +1244,11 @@ def all_specs(
             ):
                 # long chunks: the matrix dequantised to bf16 (embed over ids 0..n-1), then gemm_wgmma
                 out[spec("embed", quant=upload_type(t, k, tuning), hidden=k, threads=el)] = None
+            if t != "bf16" and k % QUANTS[t][0] == 0:
+                out[
+                    spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
+                ] = None
+    for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
     for style in rope_styles:

@@ -391,6 +391,7 @@ def build_plan(
 
         def q8x_reader(o: Op, lay: int | None) -> bool:
             for w in o.weights:
+                w = graph.tensors[w].tied_to if _tied(graph, w, d) else w  # a tied lm_head reads embed
                 cols = _tensor_shape(graph, w, d)[-1]
                 dt = adapter.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols)
                 if not adapter.q8x_decode(dt, cols):
@@ -773,7 +774,6 @@ class _CatalogAdapter:
                     continue
             p = self._gemm_params(w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
             wptr = _w(w)
-            if p is None and section != "gemm":  # decode never dequantises a whole matrix per step
             long_rows = self._dequant_wgmma_rows(w, section, quant)
             wg = None
             if long_rows:  # long chunks: the whole matrix dequantised to bf16, then the wgmma GEMM
@@ -783,6 +783,7 @@ class _CatalogAdapter:
                     launches += [self._dequantise(w), wg]
                     continue
                 launches += [dataclasses.replace(la, min_rows=long_rows) for la in (self._dequantise(w), wg)]
+            if p is None and section != "gemm":  # decode never dequantises a whole matrix per step
                 return self._linear_gemv(op, mode, ins, outs, ws)
             if p is None and quant != "bf16":  # fallback: dequantise into a bf16 scratch (embed, ids 0..n-1)
                 launches.append(self._dequantise(w))
@@ -806,8 +807,8 @@ class _CatalogAdapter:
                 "o": out_dtype,
             }
             spec = self._spec("gemm", name, **p)
-            smem_of = getattr(self.cat, "gemm_smem", None) if self.cat is not None else None
             max_rows = long_rows - 1 if wg is not None else 0  # the dequantised path above takes the rest
+            smem_of = getattr(self.cat, "gemm_smem", None) if self.cat is not None else None
             smem = (
                 smem_of(p)
                 if smem_of is not None

@@ -86,8 +86,8 @@ TUNING_SCHEMA: dict[str, Field] = {
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
-    # (bf16, q4_k, q8_0, q6_k; q8_0 matrices with k % 256 == 0 and q6_k matrices are then uploaded
-    # row-planar as q8_0r / q6_kr, kernel_catalog.upload_type);
+    # (bf16, q4_k, q8_0, q6_k, q4_0, q4_1; q8_0 matrices with k % 256 == 0 and q6_k / q4_0 / q4_1
+    # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
     "gemv_coop": Field(
         {
@@ -98,8 +98,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
             # issue the next `unroll` segments' loads before the current ones' FMAs
             "pipeline": Field(bool, default=False),
-            # q4_k / q8_0 / q6_k: int8-quantised x rows in shared memory and __dp4a dot products,
-            # with their own block shape (0: threads / rows_per_warp above)
+            # q4_k / q8_0 / q6_k / q4_0 / q4_1: int8-quantised x rows in shared memory and __dp4a
+            # dot products, with their own block shape (0: threads / rows_per_warp above)
             "q8x": Field(bool, default=False),
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),

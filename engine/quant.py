@@ -49,6 +49,10 @@ Device layouts (never in a file; ``repack`` makes them from file bytes at upload
 * ``q6_kr``: a q6_k row of K elements (NB = K/256 super-blocks) as four planes, every block's
   ``ql[128]``, then every ``qh[64]``, every ``scales[16]``, every ``d``, zero-padded to a multiple
   of 16 bytes (``row_bytes``): each plane starts 16-byte aligned whatever NB is.
+* ``q4_0r`` / ``q4_1r``: a q4_0 / q4_1 row of K elements (NB = K/32 blocks) as two planes, every
+  block's ``qs[16]`` (K/2 bytes, nibbles as in the file), then every ``d`` (q4_0r) or ``d, m`` pair
+  (q4_1r), zero-padded to a multiple of 16 bytes: the qs plane is 16-byte aligned for any K (a
+  kernel reads a whole block's 32 weights per 16-byte load) and the scale plane 2- / 4-byte aligned.
 """
 
 from __future__ import annotations
@@ -74,12 +78,16 @@ def nbytes_for(dtype: str, shape: Sequence[int]) -> int:
 
 
 #: device layout -> the file storage type it is repacked from
-REPACKED_FROM: dict[str, str] = {"q8_0r": "q8_0", "q6_kr": "q6_k"}
+REPACKED_FROM: dict[str, str] = {"q8_0r": "q8_0", "q6_kr": "q6_k", "q4_0r": "q4_0", "q4_1r": "q4_1"}
 # the planes of each layout: (start, end) byte ranges of one file block, in plane order
 _PLANES: dict[str, tuple[tuple[int, int], ...]] = {
     "q8_0r": ((0, 2), (2, 34)),
     "q6_kr": ((0, 128), (128, 192), (192, 208), (208, 210)),
+    "q4_0r": ((2, 18), (0, 2)),
+    "q4_1r": ((4, 20), (0, 4)),
 }
+# the layouts whose rows are zero-padded to a multiple of 16 bytes (q8_0r needs K % 256 instead)
+_PADDED_ROWS = ("q6_kr", "q4_0r", "q4_1r")
 
 
 def row_bytes(dtype: str, cols: int) -> int:
@@ -88,7 +96,7 @@ def row_bytes(dtype: str, cols: int) -> int:
     if cols % elems:
         raise MemraError(f"{dtype} row length {cols} is not a multiple of its block size {elems}")
     n = cols // elems * nbytes
-    return (n + 15) // 16 * 16 if dtype == "q6_kr" else n
+    return (n + 15) // 16 * 16 if dtype in _PADDED_ROWS else n
 
 
 def _layout(layout: str, rows: int, cols: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
@@ -120,11 +128,11 @@ def unpack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
     """The inverse of ``repack``: device-layout bytes back to the file's block bytes."""
     nb, nbytes, planes = _layout(layout, rows, cols)
     b = np.ascontiguousarray(raw).reshape(rows, -1).view(np.uint8)
-    out, off = [], 0
-    for a, e in planes:
-        out.append(b[:, off : off + nb * (e - a)].reshape(rows, nb, e - a))
+    out, off = np.empty((rows, nb, nbytes), np.uint8), 0
+    for a, e in planes:  # each plane back to its byte range of the block (planes need not be in order)
+        out[:, :, a:e] = b[:, off : off + nb * (e - a)].reshape(rows, nb, e - a)
         off += nb * (e - a)
-    return np.concatenate(out, axis=2).reshape(-1)
+    return out.reshape(-1)
 
 
 def _block(dtype: str) -> tuple[int, int]:

@@ -270,11 +270,12 @@ def _gemv_variant_specs():
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
 
-    # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr: the repacked planes)
+    # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr / q4_0r / q4_1r: the
+    # repacked planes)
     coop = {
         **tun,
         "gemv_coop": {
-            "types": ["bf16", "q4_k", "q8_0", "q6_k"],
+            "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
             "threads": 128,
             "rows_per_warp": 2,
             "unroll": 4,
@@ -294,7 +295,7 @@ def _gemv_variant_specs():
     q8 = {
         **tun,
         "gemv_coop": {
-            "types": ["q4_k", "q8_0", "q6_k"],
+            "types": ["q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
             "threads": 128,
             "rows_per_warp": 2,
             "unroll": 2,
@@ -442,7 +443,6 @@ def test_gemm_wgmma_rules_name_the_problem():
     }
     assert kc.gemm_wgmma_params(2560, 4096, on)["tile_n"] == 128
     assert kc.gemm_wgmma_params(2560, 4100, on) is None
-
     # below wide_min_n the narrow tile (more blocks for the o / down projections' n = 2560)
     split = {
         "gemm_wgmma": {
@@ -457,6 +457,7 @@ def test_gemm_wgmma_rules_name_the_problem():
     wide, narrow = kc.gemm_wgmma_params(6144, 2560, split), kc.gemm_wgmma_params(2560, 4096, split)
     assert (wide["tile_n"], wide["stages"], wide["maxnreg"]) == (256, 6, True)
     assert (narrow["tile_n"], narrow["stages"], narrow["maxnreg"]) == (128, 6, False)
+
 
 def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
     from engine.profile import load_profile

@@ -93,7 +93,8 @@ def test_llama_rope_has_no_qk_norm_and_interleaved_style_for_gguf():
     rope = next(s for s in plan.steps if s.op.op == "rope").launches["prefill"][0]
     assert rope.spec.params["qk_norm"] is False and rope.spec.params["style"] == "interleaved"
     qkv = plan.weight("L0.wq|wk|wv")
-    assert qkv.dtype == "q4_1" and qkv.nbytes == storage_nbytes("q4_1", 576 + 192 + 192, 576)
+    # the h200 coop layout takes q4_1 row-planar: the file's 360-byte rows padded to 368
+    assert qkv.dtype == "q4_1r" and qkv.nbytes == storage_nbytes("q4_1r", 576 + 192 + 192, 576) == 960 * 368
 
 
 def test_unequal_storage_types_fuse_runs_of_equal_ones():
@@ -219,7 +220,6 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4
 
 
-def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
 def _short_chunks_only(**kw):
     """The h200 plan of a q8_0 SmolLM2 without the long-chunk dequantise + wgmma path."""
     from engine.profile import with_tuning
@@ -229,6 +229,7 @@ def _short_chunks_only(**kw):
     return build_plan(graph, dims_for_size("llama", "smollm2-135m"), graph.quant("q8_0"), prof, **kw)
 
 
+def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
     plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     (gemm,) = linear.launches["prefill"]
@@ -303,9 +304,9 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
     (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
     tile_m = 64 * g["consumers"] * g["m_frags"]
-    assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
     tn = pre.spec.params["tile_n"]
     assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
+    assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
     assert [a.kind for a in pre.args] == ["value", "tmap", "tmap", "value", "shape"]
     assert pre.args[1].ref == ("value", "attn", tile_m) and pre.args[2].ref == (
         "weight",
@@ -399,7 +400,7 @@ def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop)
             if step.op.op == "linear":
                 (lin,) = step.launches[mode][:1]
                 pro[step.op.inputs[0]] = lin.spec.params["prologue"]
-                assert lin.spec.params["coop"] is (coop and quant == "bf16")  # q4_1 has no coop decoder
+                assert lin.spec.params["coop"] is coop  # bf16, and q4_1 uploaded as q4_1r
                 if lin.spec.params["prologue"] == "norm":
                     # x is the norm's input (the residual stream), the norm weight a trailing arg
                     assert lin.args[-1].kind == "weight" and float(lin.spec.params["eps"]) > 0
@@ -683,6 +684,64 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 assert all(p["q8x"] for p in gemvs if p["prologue"] != "none")
             else:
                 assert kinds.count("rmsnorm") == 2 and not any(p["prologue"] != "none" for p in gemvs)
+
+
+@pytest.mark.parametrize("quant,layout", [("q4_1", "q4_1r"), ("q4_0", "q4_0r")])
+def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(quant, layout):
+    """The h200 profile's gemv_coop.types take q4_0 / q4_1: SmolLM2's matrices are uploaded row-planar
+    (k = 576: a 16-byte padded pitch), every decode GEMV on them is a coop q8x GEMV, and at batch 1
+    q8x_fuse folds the rmsnorm / silu_mul launches into them: a short-context layer is qkv,
+    attention (with the rope), o, gate|up, down (7 launches with the classic GEMV: 2 rmsnorm more).
+    Batch 8 keeps the separate kernels (and, on the coop layout, silu_mul: no glu epilogue). The real
+    file's embedding (the tied lm_head) is q8_0, and k = 576 is no q8_0r row: a classic GEMV, so the
+    final norm keeps its launch (q8x_fuse looks through the tie to the embedding's type)."""
+    from engine import kernel_catalog as kc
+    from engine import quant as q
+
+    prof = get_profile("h200")
+    assert {"q4_0", "q4_1"} <= set(prof.tune("gemv_coop")["types"])
+    plan = plan_for("llama", "smollm2-135m", quant, tensor_dtypes={"embed": "q8_0"})
+    mats = {w.key: w for w in plan.weights if w.rows > 1}
+    assert mats.pop("embed").dtype == "q8_0"
+    assert mats and all(w.dtype == layout for w in mats.values())
+    for w in mats.values():
+        assert w.nbytes == w.rows * q.row_bytes(layout, w.cols) == storage_nbytes(layout, w.rows, w.cols)
+    assert q.row_bytes(layout, 576) == (368 if layout == "q4_1r" else 336)
+
+    def layer_launches(mode):
+        return [
+            la for st in plan.steps if st.layer == 3 for la in st.launches.get("short", st.launches[mode])
+        ]
+
+    one = layer_launches("decode1")
+    assert [la.spec.template for la in one] == ["gemv", "attention", "gemv", "gemv", "gemv"]
+    gemvs = [la.spec.params for la in one if la.spec.template == "gemv"]
+    assert [p["prologue"] for p in gemvs] == ["norm", "none", "norm", "silu"]
+    for la in (la for la in one if la.spec.template == "gemv"):
+        p = la.spec.params
+        assert (
+            p["coop"] and p["q8x"] and p["quant"] == layout and la.smem == kc.gemv_smem(p) == p["k"] * 3 // 2
+        )
+    wide = [la.spec for st in plan.steps if st.layer == 3 for la in st.launches["decode"]]
+    assert [s.template for s in wide].count("rmsnorm") == 2 and [s.template for s in wide].count(
+        "silu_mul"
+    ) == 1
+    assert all(s.params["q8x"] and s.params["prologue"] == "none" for s in wide if s.template == "gemv")
+    head = [la.spec for st in plan.steps if st.head for la in st.launches["decode1"]]
+    assert [s.template for s in head] == ["rmsnorm", "gemv"] and head[1].params["prologue"] == "none"
+    assert head[1].params["quant"] == "q8_0" and not head[1].params["coop"]
+    # with an embedding of the same type the lm_head is a q8x GEMV too, the final norm folded into it
+    tied = plan_for("llama", "smollm2-135m", quant)
+    head = [la.spec for st in tied.steps if st.head for la in st.launches["decode1"]]
+    assert (
+        [s.template for s in head] == ["gemv"]
+        and head[0].params["q8x"]
+        and head[0].params["prologue"] == "norm"
+    )
+    assert (
+        tied.weight("embed").dtype == layout
+        and tied.steps[0].launches["prefill"][0].spec.params["quant"] == layout
+    )
 
 
 def test_direct_attention_splits_query_heads_over_grid_z():

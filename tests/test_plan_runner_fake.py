@@ -372,3 +372,37 @@ def test_bf16_prefill_binds_the_wgmma_gemm_with_tensor_maps_built_once(fake):
             assert (rows, cols, row_bytes) == (weights[ptr].rows, weights[ptr].cols, 2 * weights[ptr].cols)
         else:
             assert rows == runner.plan.max_tokens and row_bytes % 16 == 0 and cols % 64 == 0
+
+
+def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(tmp_path, monkeypatch):
+    """A llama q4_1 GGUF on the h200 profile: the runner repacks every matrix to q4_1r at upload (the
+    16-byte padded pitch of k = 576: its byte count checked against the plan), a short batch-1 decode
+    runs no rmsnorm / silu_mul kernel (q8x_fuse: the q8x GEMVs normalise while staging x; the final
+    norm is in the lm_head), and a batch-3 decode (bucket 4) keeps them."""
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
+    path = write_random_gguf(tmp_path / "tiny_q4_1.gguf", "llama", dims, "q4_1", seed=5)
+    builder = KernelBuilder(
+        "sm_90a",
+        KernelCache(tmp_path / "cache"),
+        compiler=lambda *a: (b"\0cubin", ""),
+        compiler_version=(13, 0),
+    )
+    runner = rc.CudaRunner(load_model(path), num_blocks=64, max_model_len=512, builder=builder)
+    assert {w.dtype for w in runner.plan.weights if w.rows > 1} == {"q4_1r"}
+    assert sum(drv.h2d) >= sum(w.nbytes for w in runner.plan.weights)
+    runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+    one = [n for n, _, _ in drv.launches]
+    gemvs = [n for n in one if n.startswith("gemv__")]
+    assert gemvs and all("q41r" in n and "q8x1" in n for n in gemvs)  # the lm_head (tied embedding) too
+    assert not any(n.startswith(("rmsnorm__", "silu_mul__")) for n in one)
+    drv.launches.clear()
+    runner.step([StepItem(i, [5], 7, [2 * i], True, GREEDY) for i in range(3)])
+    wide = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("rmsnorm__") for n in wide) and any(n.startswith("silu_mul__") for n in wide)

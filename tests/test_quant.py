@@ -38,6 +38,33 @@ def test_q8_0r_repack_round_trips_and_dequantizes_like_q8_0() -> None:
         quant.repack(raw[:-1], "q8_0r", 6, 512)
 
 
+@pytest.mark.parametrize("layout", ["q4_0r", "q4_1r"])
+@pytest.mark.parametrize("cols", [576, 512])
+def test_q4_planar_repack_round_trips_and_dequantizes_like_gguf(layout: str, cols: int) -> None:
+    """q4_0r / q4_1r rows: the qs plane (16 bytes per block, 16-byte aligned for any k), then the
+    d (d, m) plane, zero-padded to 16 bytes (k = 576, SmolLM2's hidden size: 368 bytes, not 360);
+    repack / unpack round-trip the file bytes, and the device layout dequantises as gguf does the
+    file's."""
+    file_type = quant.REPACKED_FROM[layout]
+    rows, (elems, nbytes) = 5, quant.BLOCK_SIZES[file_type]
+    nb = cols // elems
+    raw = random_blocks(file_type, rows * nb, seed=cols + len(layout))
+    packed = quant.repack(raw, layout, rows, cols)
+    pitch = quant.row_bytes(layout, cols)
+    assert pitch % 16 == 0 and pitch - nb * nbytes < 16 and packed.size == rows * pitch
+    blocks, prow = raw.reshape(rows, nb, nbytes), packed.reshape(rows, pitch)
+    scale = nbytes - 16  # the f16 d (q4_1: d, m) in front of each block's 16 qs bytes
+    assert np.array_equal(prow[:, : 16 * nb], blocks[:, :, scale:].reshape(rows, -1))
+    assert np.array_equal(prow[:, 16 * nb : nbytes * nb], blocks[:, :, :scale].reshape(rows, -1))
+    assert not prow[:, nbytes * nb :].any()
+    assert np.array_equal(quant.unpack(packed, layout, rows, cols), raw.reshape(-1))
+    ref = gguf_dequantize(raw.reshape(rows, -1), T[file_type.upper()])
+    got = quant.dequantize(packed, layout, (rows, cols))
+    np.testing.assert_array_max_ulp(got, ref.astype(np.float32), maxulp=1)
+    with pytest.raises(MemraError, match=f"{file_type} matrix"):
+        quant.repack(raw[:-1], layout, rows, cols)
+
+
 @pytest.mark.parametrize("dtype", QUANTS)
 def test_dequantize_matches_gguf_on_random_blocks(dtype: str) -> None:
     elems, _ = quant.BLOCK_SIZES[dtype]

@@ -2,9 +2,10 @@
 cooperative one also with int8 x rows (gemv_coop.q8x: __dp4a dot products).
 
 A tiny Qwen3 GGUF of random q8_0 or q4_k_m blocks (q4_k with q6_k for attn_v / ffn_down of every
-other layer and the embedding) runs on the classic gemv and on the warp-cooperative one (whose plan
-uploads q8_0 as q8_0r and q6_k as q6_kr); prefill and decode logits must match the numpy reference
-on the same file bytes.
+other layer and the embedding), and a tiny SmolLM2-shaped llama GGUF of q4_0 or q4_1 blocks (k = 576:
+padded row-planar rows), run on the classic gemv and on the warp-cooperative one (whose plan uploads
+q8_0 as q8_0r, q6_k as q6_kr, q4_0 / q4_1 as q4_0r / q4_1r); prefill and decode logits must match
+the numpy reference on the same file bytes.
 """
 
 from __future__ import annotations
@@ -30,39 +31,67 @@ DIMS = Dims(
     intermediate_size=1536,
     vocab_size=768,
 )
-COOP = {"types": ["bf16", "q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}
+LLAMA_DIMS = Dims(
+    hidden_size=576,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=768,
+    tie_word_embeddings=True,
+)
+COOP = {
+    "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
+    "threads": 128,
+    "rows_per_warp": 2,
+    "unroll": 4,
+}
+PLANAR = {"q8_0r", "q6_kr", "q4_0r", "q4_1r"}
 
 
 def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("layout", ["classic", "coop", "coop_q8x"])
-@pytest.mark.parametrize("q", ["q8_0", "q4_k_m"])
-def test_quantised_gguf_logits_match_the_reference(tmp_path, q, layout):
+@pytest.mark.parametrize("layout", ["classic", "coop", "coop_q8x", "dequant_wgmma"])
+@pytest.mark.parametrize(
+    "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
+)
+def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
     from engine.model import load_model
     from engine.profile import select
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
 
-    path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", "qwen3", DIMS, q, seed=7)
+    dims = LLAMA_DIMS if family == "llama" else DIMS
+    path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7)
     model = load_model(path)
     prof = select(cuda.detect_devices()[0])
-    coop = {"classic": {**COOP, "types": []}, "coop": COOP, "coop_q8x": {**COOP, "q8x": True}}[layout]
-    prof = dataclasses.replace(prof, tuning={**prof.tuning, "gemv_coop": coop})
+    coop = {"classic": {**COOP, "types": []}, "coop": COOP, "coop_q8x": {**COOP, "q8x": True}}.get(layout)
+    tuning = {**prof.tuning, "gemv_coop": coop or {**COOP, "types": []}}
+    if layout == "dequant_wgmma":  # every prefill pass: matrices dequantised to bf16, then gemm_wgmma
+        if prof.arch != "sm_90a":
+            pytest.skip("gemm_wgmma needs sm_90a")
+        tuning["gemm_wgmma"] = {**tuning["gemm_wgmma"], "enabled": True, "dequant_min_rows": 1}
+    prof = dataclasses.replace(prof, tuning=tuning)
     runner = CudaRunner(model, prof, num_blocks=64, max_model_len=512)
     try:
         dtypes = {w.dtype for w in runner.plan.weights if w.rows > 1}
         gemvs = [la.spec for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
-        if layout != "classic":
-            assert dtypes & {"q8_0r", "q6_kr"} and all(s.params["coop"] for s in gemvs), dtypes
+        if layout == "dequant_wgmma":
+            pre = [la for st in runner.plan.steps for la in st.launches["prefill"] if la.runs_at(13)]
+            assert {la.spec.template for la in pre} >= {"embed", "gemm_wgmma"}
+            assert "gemm" not in {la.spec.template for la in pre}
+        elif layout != "classic":
+            assert dtypes & PLANAR and all(s.params["coop"] for s in gemvs), dtypes
             q8x = {s.params["q8x"] for s in gemvs if s.params["quant"] != "bf16"}
             assert q8x == {layout == "coop_q8x"}, q8x
         else:
-            assert not dtypes & {"q8_0r", "q6_kr"} and not any(s.params["coop"] for s in gemvs)
+            assert not dtypes & PLANAR and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
         rng = np.random.default_rng(11)
-        prompt = [int(t) for t in rng.integers(3, DIMS.vocab_size, 13)]
+        prompt = [int(t) for t in rng.integers(3, dims.vocab_size, 13)]
         table = list(range(4))
         tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]
         errs = [_rel(runner.read_logits(1)[0], ref.forward_logits(prompt)[-1])]
