@@ -178,11 +178,6 @@ def gemv_variants(qt):
             q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
                   "grid_cap": 5, "stage_rounds": sr}
             out.append((False, q8, CASES))
-    out.append((st, {"l2_prefetch": True}, NEW_CASES))  # the block's rows bulk-prefetched into L2
-    if qt in kc.Q8X_TYPES:
-        q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
-              "grid_cap": 5, "l2_prefetch": True}
-        out.append((False, q8, CASES))
     if qt in kc.COOP_TYPES:  # ksplit and grid_cap on the f32-x coop path too
         coop = {"coop": True, "threads": 128, "rows_per_block": 4, "unroll": 2, "pipeline": True, "ksplit": 2, "grid_cap": 3}
         out.append((False, coop, NEW_CASES))
@@ -218,6 +213,7 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
         **extra,
         check="gemv",
         quant=qt,
+        k=k,
         rows=rows,
         bmax=bmax,
         residual=residual,
@@ -231,23 +227,29 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
     )
 
 
+def check_shapes(qt) -> list[tuple[int, int]]:
+    """(n, k) of a type's correctness checks: an odd n (the last block's column tail), k 2560; the
+    q4_0r / q4_1r planes also at SmolLM2's k = 576, whose rows are padded to 16 bytes."""
+    return [(1003, 2560)] + ([(1003, 576)] if qt in ("q4_0r", "q4_1r") else [])
+
+
 def check_gemv(K, rng, quick):
-    n, k = 1003, 2560  # odd n: the last block's column tail
     for qt in TYPES:
+        for n, k in check_shapes(qt):
 
-        def one(qt=qt):
-            raw, deq = random_weight(qt, n, k, rng)
-            raw_t = torch.from_numpy(raw).to(DEV)
-            for stage, knobs, cases in gemv_variants(qt):
-                for rows, bmax, residual, od in cases[:3] if quick else cases:
-                    guarded(
-                        f"gemv {qt} rows={rows} stage={stage} {knobs}",
-                        lambda a=(rows, bmax, residual, od, stage, knobs): gemv_case(
-                            K, rng, qt, raw_t, deq, n, k, *a
-                        ),
-                    )
+            def one(qt=qt, n=n, k=k):
+                raw, deq = random_weight(qt, n, k, rng)
+                raw_t = torch.from_numpy(raw).to(DEV)
+                for stage, knobs, cases in gemv_variants(qt):
+                    for rows, bmax, residual, od in cases[:3] if quick else cases:
+                        guarded(
+                            f"gemv {qt} k={k} rows={rows} stage={stage} {knobs}",
+                            lambda a=(rows, bmax, residual, od, stage, knobs): gemv_case(
+                                K, rng, qt, raw_t, deq, n, k, *a
+                            ),
+                        )
 
-        guarded(f"gemv {qt} setup", one)
+            guarded(f"gemv {qt} k={k} setup", one)
 
 
 def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False):
@@ -462,7 +464,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap", "l2_prefetch")
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap")
         },
     }
     if torch_ref and qt == "bf16":
@@ -479,7 +481,9 @@ def time_gemv(
     return row
 
 
-HEADLINE_TYPES = ("q8_0", "q8_0r", "q4_k", "q6_k", "q6_kr", "q4_0")
+HEADLINE_TYPES = ("q8_0", "q8_0r", "q4_k", "q6_k", "q6_kr", "q4_0", "q4_0r", "q4_1r")
+# the types also timed on every SmolLM2-135M shape (its GGUF is q4_1; q4_0 is the sibling format)
+SMOLLM2_TYPES = ("q4_0", "q4_1", "q4_0r", "q4_1r")
 XSMEM_MAX = kc.GEMV_XSMEM_MAX
 
 
@@ -500,7 +504,7 @@ def timing_variants(qt, rows, k, full=True):
     st = {"stage": True} if qt not in ("bf16", "f16", "f32") + planes and qt not in RAW_TYPES else {}
     fits = xs_fits(qt, bmax, k, xsmem=True, **st)
     fits32 = xs_fits(qt, bmax, k, xsmem=True, xf32=True, **st)
-    out = [("base", {}), ("l2", {"l2_prefetch": True})]
+    out = [("base", {})]
     if qt in ("f16", "f32"):
         return out  # the bf16 paths with another unpack: base only
     if qt == "bf16":
@@ -536,8 +540,6 @@ def timing_variants(qt, rows, k, full=True):
                 kn = {"coop": True, "threads": 256, "rows_per_block": 8 // ks * 2, "unroll": 2, "pipeline": True, "q8x": True,
                       "ksplit": ks, "grid_cap": bps * SMS}
                 out.append((f"c256r2q8k{ks}g{bps}", kn))
-                if (ks, bps) == (1, 4):  # and with l2_prefetch
-                    out.append(("c256r2q8k1g4l2", {**kn, "l2_prefetch": True}))
     return out
 
 
@@ -568,10 +570,12 @@ def bandwidth_jobs(quick):
         shapes = [("qwen3-4b", sh) for sh in SHAPES["qwen3-4b"]]
         if head:
             shapes.append(("qwen3-0.6b", SHAPES["qwen3-0.6b"][4]))
+        if qt in SMOLLM2_TYPES:
+            shapes += [("smollm2-135m", sh) for sh in SHAPES["smollm2-135m"]]
         if quick:
             shapes = shapes[:1]
         for model, (n, k) in shapes:
-            od = "f32" if n == 151936 else "bf16"
+            od = "f32" if n in (151936, 49152) else "bf16"
             for rows in (1, 8):
                 for vname, kn in timing_variants(qt, rows, k, full=head):
                     jobs.append((qt, n, k, rows, model, od, vname, kn, False))
@@ -649,7 +653,7 @@ def qsweep_jobs(quick):
             for threads in (128, 256):
                 for rpb in (1, 2, 4):
                     for xs in ({}, {"xsmem": True, "xf32": True}):
-                        if qt in RAW_TYPES:
+                        if qt in RAW_TYPES or qt in kc.COOP_LAYOUTS.values():  # (planes are never staged)
                             opts = [{"unroll": u} for u in (2, 4, 8)]
                         else:
                             opts = [{"stage": True, "prefetch": pf} for pf in (False, True)]
@@ -702,11 +706,10 @@ def prebuild(K, quick):
         specs.append(kc.choice("embed", quant=qt, hidden=2560, threads=TUNING["elementwise"]["threads"]).spec)
         for stage, knobs, cases in gemv_variants(qt):
             for _rows, bmax, residual, od in cases[:3] if quick else cases:
-                specs.append(
-                    gemv_choice(
-                        qt, 1003, 2560, bmax=bmax, residual=residual, od=od, stage=stage, **knobs
-                    ).spec
-                )
+                for n, k in check_shapes(qt):
+                    specs.append(
+                        gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, stage=stage, **knobs).spec
+                    )
         for case in PRO_CASES[:2] if quick else PRO_CASES:
             _rows, bmax, od = case
             xvs = [x for x, cs in ((False, PRO_PLAIN), (True, PRO_XS), ("f32", PRO_XS32)) if case in cs]
@@ -756,42 +759,47 @@ def _path(r) -> tuple:
     return (r.get("quant"), bool(r.get("xsmem")), bool(r.get("xf32")), bool(r.get("prefetch")))
 
 
-def headline() -> list[str]:
-    """Per type and batch: each Qwen3-4B shape's base (default spec) -> best variant, % of 4100 GB/s
-    (BROKEN: a correctness check of that type with the same xsmem/xf32/prefetch failed)."""
-    broken = {_path(r) for r in RESULTS if r.get("ok") is False and "xsmem" in r}
-    bw = [r for r in RESULTS if r.get("check") == "gemv_time" and r["model"] == "qwen3-4b"]
+def model_table(model: str, broken: set) -> list[str]:
+    """Per type and batch: each decode shape of ``model`` (SHAPES) as base (default spec) -> best
+    variant, % of 4100 GB/s, or for the small SmolLM2 shapes us per launch (BROKEN: a correctness
+    check of that type with the same xsmem/xf32/prefetch failed)."""
+    bw = [r for r in RESULTS if r.get("check") == "gemv_time" and r["model"] == model]
+    us = model == "smollm2-135m"  # launch- and latency-bound: the time is the number to read
     names = ["qkv", "o", "gate|up", "down", "lm_head"]
-    lines = [
-        "HEADLINE: Qwen3-4B decode GEMVs, % of 4100 GB/s of weight bytes: base (default spec) -> best [variant]"
-    ]
+    unit = "us per launch" if us else "% of 4100 GB/s of weight bytes"
+    lines = [f"HEADLINE: {model} decode GEMVs, {unit}: base (default spec) -> best [variant]"]
     lines.append(
         f"{'type':<6} {'rows':>4}  "
-        + "  ".join(
-            f"{nm + ' ' + str(n) + 'x' + str(k):<30}"
-            for nm, (n, k) in zip(names, SHAPES["qwen3-4b"], strict=True)
-        )
+        + "  ".join(f"{nm + ' ' + str(n) + 'x' + str(k):<32}" for nm, (n, k) in zip(names, SHAPES[model], strict=True))
     )
-    for qt in (
-        ("bf16",) + HEADLINE_TYPES + tuple(q for q in kc.QUANTS if q not in HEADLINE_TYPES and q != "bf16")
-    ):
+    for qt in ("bf16",) + HEADLINE_TYPES + tuple(q for q in kc.QUANTS if q not in HEADLINE_TYPES and q != "bf16"):
         for rows in (1, 8):
             cells = []
-            for n, k in SHAPES["qwen3-4b"]:
+            for n, k in SHAPES[model]:
                 rs = [r for r in bw if r["quant"] == qt and r["rows"] == rows and r["n"] == n and r["k"] == k]
                 if not rs:
-                    cells.append(f"{'-':<30}")
+                    cells.append(f"{'-':<32}")
                     continue
                 base = next((r for r in rs if r["variant"] == "base"), rs[0])
                 best = max(rs, key=lambda r: r["gbs"])
-                cell = f"{_pct(base)} -> {_pct(best)} [{best['variant']}]"
+                if us:
+                    cell = f"{base['us']:.1f} -> {best['us']:.1f} [{best['variant']}]"
+                else:
+                    cell = f"{_pct(base)} -> {_pct(best)} [{best['variant']}]"
                 if _path(best) in broken:
                     cell += " BROKEN"  # that code path failed a correctness check
                 if qt == "bf16" and base.get("torch_gbs"):
                     cell += f" t{100 * base['torch_gbs'] / PEAK_GBS:.0f}%"
-                cells.append(f"{cell:<30}")
+                cells.append(f"{cell:<32}")
             if any(c.strip() != "-" for c in cells):
                 lines.append(f"{qt:<6} {rows:>4}  " + "  ".join(cells))
+    return lines
+
+
+def headline() -> list[str]:
+    """The Qwen3-4B and SmolLM2-135M tables (model_table), then the fused-vs-separate verdicts."""
+    broken = {_path(r) for r in RESULTS if r.get("ok") is False and "xsmem" in r}
+    lines = model_table("qwen3-4b", broken) + [""] + model_table("smollm2-135m", broken)
     fz = [r for r in RESULTS if r.get("check") == "gemv_time" and r["model"] == "fused"]
     if fz:
         lines.append("")
