@@ -779,7 +779,7 @@ class _CatalogAdapter:
             if long_rows:  # long chunks: the whole matrix dequantised to bf16, then the wgmma GEMM
                 wg = self._gemm_wgmma(w, ins[0], out, residual, out_dtype, res_name, source="dequant")
             if wg is not None:
-                if p is None:  # no fused decoder: the dequantised path at every length
+                if p is None or long_rows <= 1:  # (no fused decoder) the dequantised path at every length
                     launches += [self._dequantise(w), wg]
                     continue
                 launches += [dataclasses.replace(la, min_rows=long_rows) for la in (self._dequantise(w), wg)]

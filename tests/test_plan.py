@@ -855,3 +855,10 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), off)
     down = next(s for s in plan.steps if s.layer == 1 and s.op.op == "linear" and "w_down" in s.op.weights[0])
     assert [la.spec.template for la in down.launches["prefill"]] == ["gemm"]
+    every = with_tuning(prof, "gemm_wgmma.dequant_min_rows=1")  # every pass: no fused gemm at all
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), every)
+    down = next(s for s in plan.steps if s.layer == 1 and s.op.op == "linear" and "w_down" in s.op.weights[0])
+    assert [(la.spec.template, la.min_rows, la.max_rows) for la in down.launches["prefill"]] == [
+        ("embed", 0, 0),
+        ("gemm_wgmma", 0, 0),
+    ]
