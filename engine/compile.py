@@ -68,6 +68,11 @@ def _nvrtc_version() -> tuple[int, int]:
     return nvrtc.version()
 
 
+# build_all's default progress stream: sys.stderr looked up per call (a default argument bound to
+# sys.stderr at import goes stale once stderr is replaced, e.g. by a test's capture, then closed)
+STDERR = object()
+
+
 class KernelBuilder:
     """Builds kernels for one architecture (e.g. ``sm_90a``) through one cache."""
 
@@ -128,9 +133,12 @@ class KernelBuilder:
         return self.build_all([spec], progress=None).kernels[0]
 
     def build_all(
-        self, specs: Iterable[KernelSpec], jobs: int | None = None, progress: TextIO | None = sys.stderr
+        self, specs: Iterable[KernelSpec], jobs: int | None = None, progress: TextIO | None | object = STDERR
     ) -> BuildStats:
-        """Every spec (deduplicated, order kept) from the cache or compiled in parallel."""
+        """Every spec (deduplicated, order kept) from the cache or compiled in parallel; progress lines
+        go to ``progress`` (default: the sys.stderr of the moment of the call; None: none)."""
+        if progress is STDERR:
+            progress = sys.stderr
         t0 = time.perf_counter()
         unique = list(dict.fromkeys(specs))
         stats = BuildStats()

@@ -130,3 +130,25 @@ def test_nvrtc_does_not_corrupt_interned_bytes(kroot, tmp_path):
     cubin, log = nvrtc.compile_to_cubin('extern "C" __global__ void k() {}', "k", "sm_90a")
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
     assert b" " == bytes([32]) and b"\x00" == bytes([0])
+
+
+def test_build_progress_goes_to_the_stderr_of_the_call(tmp_path, monkeypatch):
+    """The progress stream is sys.stderr as it is when build_all runs, not as it was at import (a
+    replaced and closed stderr must not break a later build)."""
+    import io
+    import sys
+
+    from engine.compile import KernelBuilder
+    from engine.kcache import KernelCache
+    from engine.kernel_catalog import spec
+
+    old = io.StringIO()
+    old.close()
+    monkeypatch.setattr(sys, "stderr", old)
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    b = KernelBuilder(
+        "sm_90a", KernelCache(tmp_path), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+    )
+    b.build_all([spec("rmsnorm", n=64, eps=1e-5, threads=64, residual=False)])
+    assert "compiling kernels for sm_90a" in now.getvalue()

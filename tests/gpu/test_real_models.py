@@ -43,13 +43,27 @@ def cuda_greedy(
     return out, logits
 
 
+# (logits max relative error, near-ties allowed) per decode-GEMV activation path. "f32x": the x rows
+# stay bf16 / f32 (gemv_coop.q8x off); "q8x": the profile's default on the H200, x rows rounded to
+# int8 per 32 values before the dp4a dot products (llama.cpp's q8_1 activations do the same), which
+# SmolLM2's activation outliers make cost more: H200, 2026-12-03, fifth session: median 0.0252, max
+# 0.0960, 59 of 64 argmax equal and 5 near-ties (gaps 0.01-0.11 against noise 0.30-0.81), the
+# free-running text first differing at token 4 (a near-tie). The f32x bounds are the fourth
+# session's (max 0.0519, every argmax equal, on the classic q4_1 GEMV). A decode bug moves the
+# logits by O(1), far past either bound.
+SMOLLM2_BOUNDS = {"f32x": (8e-2, 4), "q8x": (0.15, 8)}
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys):
+@pytest.mark.parametrize("x_path", ["f32x", "q8x"])
+def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys, x_path):
     """Teacher-forced along the reference's own greedy tokens: at each of the 64 positions the CUDA
     argmax must equal the reference's, except at a near-tie of the reference logits (gap below the
-    position's bf16 logit noise; printed, at most 4).
+    position's logit noise; printed, at most SMOLLM2_BOUNDS[x_path][1]).
     The free-running CUDA greedy text is compared too and its first divergence reported."""
+    from engine import cuda
     from engine.model import load_model
+    from engine.profile import select, with_tuning
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
     from engine.tokenizer import load_tokenizer
@@ -66,7 +80,12 @@ def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys):
         want_ids.append(int(np.argmax(lg)))
         want_logits.append(lg)
         seq.append(want_ids[-1])
-    runner = CudaRunner(model, num_blocks=64, max_model_len=512)
+    prof = select(cuda.detect_devices()[0])
+    if x_path == "f32x":
+        prof = with_tuning(prof, "gemv_coop.q8x=false")
+    elif not prof.tune("gemv_coop").get("q8x"):
+        pytest.skip(f"profile {prof.name} has no q8x GEMVs")
+    runner = CudaRunner(model, prof, num_blocks=64, max_model_len=512)
     table = list(range(10))
     try:
         free, _ = cuda_greedy(runner, prompt, 64, table)
@@ -91,18 +110,16 @@ def test_smollm2_greedy_64_tokens_equal_the_reference(smollm2_path, capsys):
     diverge = next((i for i, (a, b) in enumerate(zip(free, want_ids, strict=True)) if a != b), None)
     with capsys.disabled():
         print(
-            f"\nSmolLM2 64 positions teacher-forced: {64 - len(ties) - len(bad)} argmax equal, near-ties "
+            f"\nSmolLM2 ({x_path}) 64 positions teacher-forced: {64 - len(ties) - len(bad)} argmax equal, near-ties "
             f"(position, gap, noise) {ties}, other differences {bad}; "
             f"logits rel err median {float(np.median(rels)):.4f} max {max(rels):.4f}; free-running greedy "
             + ("equal for all 64 tokens" if diverge is None else f"first differs at token {diverge}")
             + f"; cuda text {tok.decode(free)!r}"
         )
-    assert not bad, f"argmax differs beyond the logits' bf16 noise at {bad}"
-    # the real weights' activation outliers make the bf16 activations (residual stream included)
-    # cost more than on random checkpoints: max 0.0519 over the 64 positions on the H200, 2026-12-03
-    # (every argmax equal); a real decode bug moves the logits by O(1)
-    assert max(rels) < 8e-2
-    assert len(ties) <= 4
+    assert not bad, f"argmax differs beyond the logits' noise at {bad}"
+    max_rel, max_ties = SMOLLM2_BOUNDS[x_path]
+    assert max(rels) < max_rel
+    assert len(ties) <= max_ties
 
 
 @pytest.mark.slow
