@@ -80,7 +80,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -117,6 +117,7 @@ KERNELS: dict[str, KernelDoc] = {
             ksplit=int,
             grid_cap=int,
             stage_rounds=int,
+            early_w=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -143,6 +144,7 @@ KERNELS: dict[str, KernelDoc] = {
             "q8x",
             "ksplit",
             "stage_rounds",
+            "early_w",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
@@ -167,6 +169,7 @@ KERNELS: dict[str, KernelDoc] = {
             "ksplit": 1,
             "grid_cap": 0,
             "stage_rounds": 1,
+            "early_w": False,
         },
     ),
     "gemm": KernelDoc(
@@ -471,9 +474,9 @@ GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a s
 def gemv_options(
     g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
 ) -> dict[str, bool]:
-    """The gemv tuning's xsmem / xf32 / prefetch switches for one spec (xsmem only where the x rows
-    fit, f32 rows where those fit, prefetch only on the staged path); empty when all are off (the
-    default entry names)."""
+    """The gemv tuning's xsmem / xf32 / prefetch / early_w switches for one spec (xsmem only where
+    the x rows fit, f32 rows where those fit, prefetch only on the staged path, early_w (tuning
+    early_weights) only on the unstaged one); empty when all are off (the default entry names)."""
     out = {}
     p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
     if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
@@ -482,6 +485,8 @@ def gemv_options(
             out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
+    if g.get("early_weights") and not stage:
+        out["early_w"] = True
     return out
 
 
@@ -584,6 +589,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
+        need(
+            not p["early_w"] or not (p["stage"] or p["coop"]),
+            "early_w is an unstaged classic-layout option (stage=false, coop=false)",
+        )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",

@@ -70,6 +70,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),
             "prefetch": Field(bool, default=False),
             "xf32": Field(bool, default=False),  # xsmem rows as f32 where they fit
+            # unstaged path: the first weight units' loads are issued before pdl_wait (they overlap
+            # the previous kernel's tail under programmatic dependent launch)
+            "early_weights": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -83,6 +86,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": False,
             "prefetch": False,
             "xf32": False,
+            "early_weights": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types

@@ -42,18 +42,33 @@ def _variant(s) -> tuple:
     )
 
 
-def _row_variant(s) -> tuple:
-    """A code variant at one row length (k / hidden / head_dim: loop trip counts, tails, shared
-    memory) and one n mod 64 (column tails); the other sizes only change constants."""
+def _row(s) -> int:
     p = s.params
-    return (_variant(s), p.get("k", p.get("hidden", p.get("head_dim"))), p.get("n", 0) % 64)
+    return int(p.get("k", p.get("hidden", p.get("head_dim"))) or 0)
+
+
+def _primary_subset(specs: list) -> list:
+    """Per code variant: the shortest and the longest row (k / hidden / head_dim: loop trip counts,
+    unrolling, shared memory) and one spec per row tail class (row mod 256) and column tail class
+    (n mod 64); the other sizes only change constants. 510 of 2157 sm_90a specs (2026-12-04)."""
+    by_variant: dict[tuple, list] = {}
+    for s in specs:
+        by_variant.setdefault(_variant(s), []).append(s)
+    out = []
+    for group in by_variant.values():
+        group.sort(key=_row)
+        keep = {"min": group[0], "max": group[-1]}
+        for s in group:
+            keep.setdefault((_row(s) % 256, s.params.get("n", 0) % 64), s)
+        out += list(dict.fromkeys(keep.values()))
+    return out
 
 
 def _specs_by_arch(full: bool = False):
-    """Every spec of every profile, deduplicated per arch. Unless ``full``, PRIMARY_ARCH keeps one
-    spec per code variant and row length (``_row_variant``: 955 of 2157 specs, 2026-12-03) and the
-    other archs one per code variant, which keeps the CI compile to a few minutes on 2 cores while
-    every template x storage type x flag x arch compiles."""
+    """Every spec of every profile, deduplicated per arch. Unless ``full``, PRIMARY_ARCH keeps the
+    row-length and tail classes of every code variant (``_primary_subset``) and the other archs one
+    spec per code variant, which keeps the CI compile to a few minutes on 2 cores while every
+    template x storage type x flag x arch compiles."""
     by_arch: dict[str, dict] = {}
     for prof in all_profiles().values():
         specs = by_arch.setdefault(prof.arch, {})
@@ -67,10 +82,19 @@ def _specs_by_arch(full: bool = False):
         if full:
             out[arch] = list(specs)
         elif arch == PRIMARY_ARCH:
-            out[arch] = list({_row_variant(s): s for s in reversed(list(specs))}.values())
+            out[arch] = _primary_subset(list(specs))
         else:
             out[arch] = list({_variant(s): s for s in reversed(list(specs))}.values())
     return out
+
+
+def _variant_archs() -> list[str]:
+    """Where the option-variant tests compile: the oldest and the newest profile arch and
+    PRIMARY_ARCH. The templates' only arch branches are ``__CUDA_ARCH__ >= 900`` and the sm_90a
+    wgmma kernel, so the archs between compile the same source paths (test_all_kernels_compile_for_every_arch
+    still compiles every profile's own specs for every arch)."""
+    archs = sorted({prof.arch for prof in all_profiles().values()}, key=lambda a: int(a[3:].rstrip("a")))
+    return sorted({archs[0], PRIMARY_ARCH, archs[-1]})
 
 
 def test_every_template_is_in_the_catalog():
@@ -257,7 +281,7 @@ def test_gemm_validation_and_launch_contract():
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_gemm_variants_compile_for_every_arch(tmp_path):
     specs = _gemm_variant_specs()
-    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+    for arch in _variant_archs():
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
@@ -279,6 +303,11 @@ def _gemv_variant_specs():
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
+        else:  # the first weight loads before pdl_wait (gemv.early_weights), with and without a prologue
+            p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
+            out.append(kc.spec("gemv", **p, early_w=True))
+            p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
+            out.append(kc.spec("gemv", **p, early_w=True, prologue="norm", x_stride=2560, eps=1e-6))
 
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr / q4_0r / q4_1r: the
     # repacked planes)
@@ -350,12 +379,20 @@ def test_gemv_options_validation_and_smem():
         kc.spec("gemv", **{**p, "xf32": True})
     q = kc.linear_params("q4_k", 1024, 2560, tun)
     assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4 + 8 * 8 * 4
+    # early_w: the unstaged classic path only; the tuning switch skips staged types
+    with pytest.raises(ConfigError, match="early_w is an unstaged"):
+        kc.spec("gemv", **{**p, "early_w": True})
+    early = {"gemv": {**tun["gemv"], "early_weights": True}}
+    assert "early_w" not in kc.linear_params("q8_0", 1024, 2560, early)
+    e = kc.spec("gemv", **kc.linear_params("bf16", 1024, 2560, early))
+    assert e.params["early_w"] and e.entry.endswith("early_w1")
+    assert "pdl_wait();" not in render(e).split("load_units(w + (size_t)col")[0].split(e.entry)[1]
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_gemv_variants_compile_for_every_arch(tmp_path):
     specs = _gemv_variant_specs()
-    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+    for arch in _variant_archs():
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
@@ -417,7 +454,7 @@ def test_attention_prefill_contract():
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_attention_variants_compile_for_every_arch(tmp_path):
     specs = _attention_variant_specs()
-    for arch in sorted({prof.arch for prof in all_profiles().values()}):
+    for arch in _variant_archs():
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)

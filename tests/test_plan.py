@@ -862,3 +862,24 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
         ("embed", 0, 0),
         ("gemm_wgmma", 0, 0),
     ]
+
+
+def test_early_weights_marks_the_unstaged_decode_gemvs_only():
+    """gemv.early_weights: every classic unstaged decode GEMV (bf16 here, lm_head included) loads its
+    first weight units before pdl_wait; staged GGUF types and coop GEMVs do not take the option."""
+    from engine.profile import with_tuning
+
+    graph = load_family("qwen3")
+    on = with_tuning(get_profile("h200"), "gemv.early_weights=true")
+    for quant, want in (("bf16", True), ("q8_0", False)):
+        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant(quant), on)
+        gemvs = [
+            la.spec.params
+            for st in plan.steps
+            for mode in ("decode1", "decode")
+            for la in st.launches[mode]
+            if la.spec.template == "gemv"
+        ]
+        assert gemvs and all(p["early_w"] == (want and not (p["stage"] or p["coop"])) for p in gemvs)
+    off = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
+    assert not any(la.spec.params.get("early_w") for st in off.steps for la in st.launches["decode1"])
