@@ -991,7 +991,8 @@ def coop_options(
     """The coop gemv's q8x / xsmem / pipeline switches for one spec on a [n, k] weight uploaded as
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
-    threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n; the
+    threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n and
+    the file type is in q8x_ksplit_types (empty: every type); the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_stage_rounds rounds of x loads in flight while staging); else xsmem where
     gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
@@ -1003,7 +1004,13 @@ def coop_options(
         threads = c.get("q8x_threads") or c["threads"]
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
         ksplit = int(c.get("q8x_ksplit") or 1)
-        if ksplit > 1 and n and n <= int(c.get("q8x_ksplit_max_n") or 0):
+        kst = c.get("q8x_ksplit_types") or ()
+        if (
+            ksplit > 1
+            and n
+            and n <= int(c.get("q8x_ksplit_max_n") or 0)
+            and (not kst or _COOP_FILE_TYPE.get(quant, quant) in kst)
+        ):
             out["ksplit"] = ksplit
         else:
             ksplit = 1

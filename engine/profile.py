@@ -114,6 +114,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights)
             "q8x_ksplit": Field(int, default=1),
             "q8x_ksplit_max_n": Field(int, default=0),
+            "q8x_ksplit_types": Field(ListOf(str), default=[]),  # file types; empty: every q8x type
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -133,6 +134,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_fuse": False,
             "q8x_ksplit": 1,
             "q8x_ksplit_max_n": 0,
+            "q8x_ksplit_types": [],
             "q8x_blocks_per_sm": 0,
             "q8x_stage_rounds": 1,
         },
