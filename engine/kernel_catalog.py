@@ -80,7 +80,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "epi_norm"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -118,9 +118,8 @@ KERNELS: dict[str, KernelDoc] = {
             grid_cap=int,
             stage_rounds=int,
             early_w=bool,
-            epi_norm=bool,
         ),
-        # prologue "norm" adds a trailing ("norm_w", P), epi_norm (norm_out, epi_w, counter): kernel_args()
+        # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         (
             "quant",
@@ -146,7 +145,6 @@ KERNELS: dict[str, KernelDoc] = {
             "ksplit",
             "stage_rounds",
             "early_w",
-            "epi_norm",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
@@ -172,7 +170,6 @@ KERNELS: dict[str, KernelDoc] = {
             "grid_cap": 0,
             "stage_rounds": 1,
             "early_w": False,
-            "epi_norm": False,
         },
     ),
     "gemm": KernelDoc(
@@ -596,17 +593,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["early_w"] or not (p["stage"] or p["coop"]),
             "early_w is an unstaged classic-layout option (stage=false, coop=false)",
         )
-        if p["epi_norm"]:  # the next op's rmsnorm, taken by the last block (decode1 shape only)
-            need(
-                not p["coop"]
-                and not p["glu"]
-                and p["bmax"] == 1
-                and p["residual"]
-                and p["out_dtype"] == "bf16",
-                "epi_norm: the classic layout at bmax 1, with a residual and bf16 out, no glu",
-            )
-            need(p["eps"] > 0 and pro != "norm", "epi_norm needs eps > 0 and no norm prologue")
-            need(p["n"] % 8 == 0, f"epi_norm: n={p['n']} must be a multiple of 8")
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
@@ -929,8 +915,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv" and s.params.get("epi_norm"):
-        args = args + (("norm_out", P), ("epi_w", P), ("counter", P))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     return args

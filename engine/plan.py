@@ -112,8 +112,7 @@ class Arg:
 @dataclass(frozen=True)
 class ScratchPlan:
     """A runner-owned device buffer outside the arena: ``fixed`` bytes plus ``per_split`` bytes for
-    every ``split`` tokens of max_model_len (attention partials). ``fill="iota"``: int32 0, 1, 2 ...;
-    ``fill="zero"``: zeros (counters that the kernels using them reset themselves)."""
+    every ``split`` tokens of max_model_len (attention partials). ``fill="iota"``: int32 0, 1, 2 ..."""
 
     name: str
     fixed: int = 0
@@ -422,8 +421,6 @@ def build_plan(
             launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
 
-    if tg.get("fuse_norm_out") and adapter.cat is not None:
-        steps = _fold_norms_into_gemvs(steps, adapter)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -448,44 +445,6 @@ def build_plan(
 
 
 PROLOGUE_MODES = ("decode1", "decode")  # the modes whose GEMVs absorb rmsnorm / silu_mul
-
-
-def _fold_norms_into_gemvs(steps: list[Step], adapter: Any) -> list[Step]:
-    """gemv.fuse_norm_out: in decode1, an rmsnorm (without residual) right after a linear layer of
-    the same part (layers / head) whose one launch is a classic GEMV adding the residual into the
-    value the rmsnorm reads runs in that GEMV's last block (``epi_norm``, kernels/gemv.cu.j2): the
-    rmsnorm launch goes. The blocks count themselves in on the int scratch "epi_count" (zeroed at
-    allocation, reset by each last block). Other modes keep their launches."""
-    out = list(steps)
-    for i in range(1, len(out)):
-        prev, step = out[i - 1], out[i]
-        norm, gem = step.launches.get("decode1", ()), prev.launches.get("decode1", ())
-        if step.op.op != "rmsnorm" or prev.head != step.head or len(norm) != 1 or len(gem) != 1:
-            continue
-        n, g = norm[0], gem[0]
-        p = g.spec.params
-        if (
-            n.spec.template != "rmsnorm"
-            or n.spec.params["residual"]
-            or g.spec.template != "gemv"
-            or p["coop"]
-            or p["glu"]
-            or p["bmax"] != 1
-            or not p["residual"]
-            or p["out_dtype"] != "bf16"
-            or p["prologue"] == "norm"
-            or n.args[1] != g.args[0]  # the norm reads what the GEMV wrote
-            or n.spec.params["n"] != p["n"]
-        ):
-            continue
-        spec = adapter._spec("gemv", {}, **{**p, "epi_norm": True, "eps": float(n.spec.params["eps"])})
-        args = g.args + (n.args[0], n.args[3], Arg("scratch", "epi_count"))
-        out[i - 1] = dataclasses.replace(
-            prev, launches={**prev.launches, "decode1": (dataclasses.replace(g, spec=spec, args=args),)}
-        )
-        out[i] = dataclasses.replace(step, launches={**step.launches, "decode1": ()})
-        adapter._need_scratch(ScratchPlan("epi_count", fixed=4, fill="zero"))
-    return out
 
 
 def _prologue_fusable(

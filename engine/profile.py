@@ -73,9 +73,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # unstaged path: the first weight units' loads are issued before pdl_wait (they overlap
             # the previous kernel's tail under programmatic dependent launch)
             "early_weights": Field(bool, default=False),
-            # decode1: an rmsnorm right after a residual GEMV (classic layout) runs in that GEMV's
-            # last block (epi_norm) instead of its own launch
-            "fuse_norm_out": Field(bool, default=False),
         },
         default={
             "threads": 256,
@@ -90,7 +87,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "prefetch": False,
             "xf32": False,
             "early_weights": False,
-            "fuse_norm_out": False,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types

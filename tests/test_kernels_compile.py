@@ -309,10 +309,6 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
             out.append(kc.spec("gemv", **p, early_w=True, prologue="norm", x_stride=2560, eps=1e-6))
 
-    # the next op's rmsnorm in the last block (gemv.fuse_norm_out): unstaged, raw-unit and staged paths
-    for q in ("bf16", "q4_k", "q8_0"):
-        p = kc.linear_params(q, 1024, 2560, tun, bmax=1, residual=True)
-        out.append(kc.spec("gemv", **p, epi_norm=True, eps=1e-6))
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr / q4_0r / q4_1r: the
     # repacked planes)
     coop = {
@@ -383,12 +379,6 @@ def test_gemv_options_validation_and_smem():
         kc.spec("gemv", **{**p, "xf32": True})
     q = kc.linear_params("q4_k", 1024, 2560, tun)
     assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4 + 8 * 8 * 4
-    # epi_norm: the decode1 residual GEMV of the classic layout only
-    r1 = kc.linear_params("bf16", 1024, 2560, tun, bmax=1, residual=True)
-    assert kc.spec("gemv", **r1, epi_norm=True, eps=1e-6).entry.endswith("epi_norm1")
-    for bad in ({"bmax": 8}, {"residual": False}, {"eps": 0.0}, {"prologue": "norm", "eps": 1e-6}):
-        with pytest.raises(ConfigError, match="epi_norm"):
-            kc.spec("gemv", **{**r1, "epi_norm": True, "eps": 1e-6, **bad})
     # early_w: the unstaged classic path only; the tuning switch skips staged types
     with pytest.raises(ConfigError, match="early_w is an unstaged"):
         kc.spec("gemv", **{**p, "early_w": True})

@@ -140,3 +140,4 @@ def test_a_body_marked_pdl_preload_counts_only_with_its_wait():
     assert waits_first(src % PDL_PRELOAD, "k_1")
     assert not waits_first((src % PDL_PRELOAD).replace("pdl_wait();", ""), "k_1")
     assert not waits_first(src % "// other comment", "k_1")
+

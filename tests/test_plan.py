@@ -548,15 +548,10 @@ def test_q8x_ksplit_types_limits_the_k_split_to_those_file_types():
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
     knobs = "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560"
-    for extra, splits in (
-        ("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}),
-        ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"}),
-    ):
+    for extra, splits in (("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}), ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"})):
         prof = with_tuning(get_profile("h200"), knobs + extra)
         for quant in ("q8_0", "q4_k_m"):
-            gemvs = [
-                la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))
-            ]
+            gemvs = [la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))]
             short = [p for p in gemvs if p["q8x"] and p["n"] <= 2560]
             assert short and all((p["ksplit"] == 2) is (quant[:4] in splits) for p in short), (extra, quant)
 
@@ -904,44 +899,3 @@ def test_early_weights_marks_the_unstaged_decode_gemvs_only():
         assert gemvs and all(p["early_w"] == (want and not (p["stage"] or p["coop"])) for p in gemvs)
     off = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
     assert not any(la.spec.params.get("early_w") for st in off.steps for la in st.launches["decode1"])
-
-
-def test_fuse_norm_out_folds_rmsnorm_into_the_residual_gemv_before_it():
-    """gemv.fuse_norm_out: in decode1 every rmsnorm right after a residual GEMV of the same part runs
-    in that GEMV's last block (epi_norm, three trailing args, an "epi_count" zero scratch); the
-    first layer's norm (after the embedding) and the final norm (head part) keep their launches, and
-    the other modes are untouched."""
-    from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
-    graph = load_family("qwen3")
-    dims = dims_for_size("qwen3", "qwen3-0.6b")
-    base = build_plan(graph, dims, graph.quant("bf16"), get_profile("h200"))
-    plan = build_plan(
-        graph, dims, graph.quant("bf16"), with_tuning(get_profile("h200"), "gemv.fuse_norm_out=true")
-    )
-
-    def count(p, mode, template, **params):
-        return sum(
-            1
-            for st in p.steps
-            for la in st.launches[mode]
-            if la.spec.template == template and all(la.spec.params.get(k) == v for k, v in params.items())
-        )
-
-    layers = dims["layers"]
-    assert count(base, "decode1", "rmsnorm") == 2 * layers + 1
-    assert (
-        count(plan, "decode1", "rmsnorm") == 2
-        and count(plan, "decode1", "gemv", epi_norm=True) == 2 * layers - 1
-    )
-    for st in plan.steps:
-        for la in st.launches["decode1"]:
-            if la.spec.params.get("epi_norm"):
-                assert [a for a, _ in kc.kernel_args(la.spec)][-3:] == ["norm_out", "epi_w", "counter"]
-                assert len(la.args) == len(kc.kernel_args(la.spec)) and la.args[-1].ref == "epi_count"
-                assert la.spec.params["residual"] and float(la.spec.params["eps"]) == dims["rms_eps"]
-    assert [sp for sp in plan.scratch if sp.name == "epi_count"][0].fill == "zero"
-    for mode in ("decode", "prefill"):
-        assert count(plan, mode, "rmsnorm") == count(base, mode, "rmsnorm")
-        assert count(plan, mode, "gemv", epi_norm=True) == 0
