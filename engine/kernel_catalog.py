@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -118,8 +118,9 @@ KERNELS: dict[str, KernelDoc] = {
             grid_cap=int,
             stage_rounds=int,
             early_w=bool,
+            kparts=int,
         ),
-        # prologue "norm" adds a trailing ("norm_w", P): see choice() / gemv_args()
+        # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         (
             "quant",
@@ -145,9 +146,10 @@ KERNELS: dict[str, KernelDoc] = {
             "ksplit",
             "stage_rounds",
             "early_w",
+            "kparts",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
-        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
+        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
         "(threads,)",
         "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem, "
         "bmax * k * 3 / 2 when q8x",
@@ -170,6 +172,7 @@ KERNELS: dict[str, KernelDoc] = {
             "grid_cap": 0,
             "stage_rounds": 1,
             "early_w": False,
+            "kparts": 1,
         },
     ),
     "gemm": KernelDoc(
@@ -593,6 +596,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["early_w"] or not (p["stage"] or p["coop"]),
             "early_w is an unstaged classic-layout option (stage=false, coop=false)",
         )
+        if p["kparts"] != 1:  # k split over grid.z (the coop q8x layout: kernels/_gemv_coop.cuh.j2)
+            need(p["q8x"] and p["kparts"] > 1, f"kparts={p['kparts']}: a q8x coop option, > 1")
+            seg = {"q4_k": 64, "q8_0r": 16}.get(q, 32)
+            need(
+                p["k"] % (p["kparts"] * max(seg, 32)) == 0,
+                f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {max(seg, 32)}-element segments",
+            )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
@@ -846,7 +856,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     if template == "gemv":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1)
+            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), int(p["kparts"]))
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
@@ -915,6 +925,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
+    if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
+        args = args + (("kpart_sum", P), ("kpart_count", P))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     return args
@@ -994,7 +1006,8 @@ def coop_options(
     threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n and
     the file type is in q8x_ksplit_types (empty: every type); the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
-    set; q8x_stage_rounds rounds of x loads in flight while staging); else xsmem where
+    set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
+    blocks along grid.z where k >= q8x_kparts_min_k and k divides into whole segments); else xsmem where
     gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
     gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
@@ -1018,6 +1031,10 @@ def coop_options(
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * rpw)
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
+        parts = int(c.get("q8x_kparts") or 1)
+        seg = {"q4_k": 64, "q8_0r": 16}.get(quant, 32)
+        if parts > 1 and k >= int(c.get("q8x_kparts_min_k") or 0) and k % (parts * max(seg, 32)) == 0:
+            out["kparts"] = parts
         if int(c.get("q8x_stage_rounds") or 1) > 1:
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:

@@ -112,7 +112,8 @@ class Arg:
 @dataclass(frozen=True)
 class ScratchPlan:
     """A runner-owned device buffer outside the arena: ``fixed`` bytes plus ``per_split`` bytes for
-    every ``split`` tokens of max_model_len (attention partials). ``fill="iota"``: int32 0, 1, 2 ..."""
+    every ``split`` tokens of max_model_len (attention partials). ``fill="iota"``: int32 0, 1, 2 ...;
+    ``fill="zero"``: zeros (counters that the kernels using them reset themselves)."""
 
     name: str
     fixed: int = 0
@@ -938,6 +939,8 @@ class _CatalogAdapter:
                     ),
                 )
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
+                if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
+                    opts.pop("kparts", None)
             else:
                 threads, unroll = tg["threads"], tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
@@ -977,7 +980,15 @@ class _CatalogAdapter:
             res = Arg("value", res_name) if residual else NULL
             args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
             gx = getattr(self.cat, "gemv_grid_x", None) if self.cat is not None else None
-            grid = (gx(spec.params) if gx else _cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+            grid: tuple = (gx(spec.params) if gx else _cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+            parts = int(spec.params.get("kparts", 1))
+            if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
+                row_groups = _cdiv(self.max_rows, bmax)
+                self._need_scratch(ScratchPlan("kpart_sum", fixed=parts * self.max_rows * w.rows * 4))
+                tiles = _cdiv(w.rows, spec.params["rows_per_block"])
+                self._need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
+                args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
+                grid += (parts,)
             if spec.params.get("glu"):
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0

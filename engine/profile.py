@@ -120,6 +120,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_blocks_per_sm": Field(int, default=0),
             # q8x: the x-row staging issues this many rounds of loads before quantising them
             "q8x_stage_rounds": Field(int, default=1),
+            # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
+            # and streams k / q8x_kparts, the last block of a tile adds the partial sums
+            "q8x_kparts": Field(int, default=1),
+            "q8x_kparts_min_k": Field(int, default=0),
         },
         default={
             "types": [],
@@ -137,6 +141,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_types": [],
             "q8x_blocks_per_sm": 0,
             "q8x_stage_rounds": 1,
+            "q8x_kparts": 1,
+            "q8x_kparts_min_k": 0,
         },
     ),
     "gemm": Field(

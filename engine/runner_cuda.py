@@ -257,6 +257,8 @@ class CudaRunner:
             buf = cuda.alloc(sp.nbytes(self.max_model_len))
             if sp.fill == "iota":
                 cuda.htod(buf.ptr, np.arange(buf.nbytes // 4, dtype=np.int32))
+            elif sp.fill == "zero":
+                cuda.htod(buf.ptr, np.zeros(buf.nbytes // 4, dtype=np.int32))
             self._scratch[sp.name] = buf
 
     # ----------------------------------------------------------------------------- binding

@@ -358,6 +358,10 @@ def _gemv_variant_specs():
                 out.append(
                     kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro})
                 )
+    # q8x with k split over grid.z (kparts: partial sums, the last block adds them), with a prologue
+    for q in kc.Q8X_TYPES:
+        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
+        out.append(kc.spec("gemv", **{**p, "kparts": 2, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
     return out
 
 

@@ -548,10 +548,15 @@ def test_q8x_ksplit_types_limits_the_k_split_to_those_file_types():
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
     knobs = "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560"
-    for extra, splits in (("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}), ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"})):
+    for extra, splits in (
+        ("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}),
+        ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"}),
+    ):
         prof = with_tuning(get_profile("h200"), knobs + extra)
         for quant in ("q8_0", "q4_k_m"):
-            gemvs = [la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))]
+            gemvs = [
+                la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))
+            ]
             short = [p for p in gemvs if p["q8x"] and p["n"] <= 2560]
             assert short and all((p["ksplit"] == 2) is (quant[:4] in splits) for p in short), (extra, quant)
 
@@ -899,3 +904,28 @@ def test_early_weights_marks_the_unstaged_decode_gemvs_only():
         assert gemvs and all(p["early_w"] == (want and not (p["stage"] or p["coop"])) for p in gemvs)
     off = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
     assert not any(la.spec.params.get("early_w") for st in off.steps for la in st.launches["decode1"])
+
+
+def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
+    """gemv_coop.q8x_kparts / q8x_kparts_min_k: the q8x decode GEMVs with k >= min_k (the Qwen3-4B
+    down projection, k = 9728) get kparts, a third grid dimension, the partial-sum and zeroed
+    counter scratches sized for the largest decode bucket; shorter k and bmax-8 GEMVs whose x rows
+    are too long for q8x keep kparts 1."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = with_tuning(get_profile("h200"), "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192")
+    graph = load_family("qwen3")
+    for quant in ("q8_0", "q4_k_m"):
+        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
+        split = [la for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) > 1]
+        assert split and all(la.spec.params["k"] == 9728 and la.spec.params["q8x"] for la in split)
+        assert all(la.spec.params["kparts"] == 1 for la in _decode_gemvs(plan) if la.spec.params["k"] < 8192)
+        for la in split:
+            assert la.grid[2] == 4 and [a.ref for a in la.args[-2:]] == ["kpart_sum", "kpart_count"]
+            assert len(la.args) == len(kc.kernel_args(la.spec)) and "kparts4" in la.spec.entry
+        sc = {sp.name: sp for sp in plan.scratch}
+        assert sc["kpart_sum"].fixed == 4 * max(prof.cuda_graph_batch_sizes) * 2560 * 4
+        assert sc["kpart_count"].fill == "zero"
+    with pytest.raises(ConfigError, match="kparts"):
+        kc.spec("gemv", **{**split[0].spec.params, "kparts": 3})  # 9728 is not 3 whole parts
