@@ -249,6 +249,16 @@ class CudaRunner:
         self._in_off["block_tables"] = self._tables_off
         self._in_off["pen_entries"] = self._pen_off
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
+        # host-side bookkeeping that keeps a decode step's Python short: every block-table row holds
+        # the sink block past _table_len[r] entries (so a step rewrites only what changed), rows'
+        # sampling fields were last written from _row_sampling[r] (frozen params: identity = same
+        # values), and the graph bucket of each row count
+        self._tables[:] = self._sink_block
+        self._table_len = [0] * self._max_rows
+        self._row_sampling: list[Any] = [None] * self._max_rows
+        self._bucket_of = [
+            next((b for b in self.plan.graph_batch_sizes if b >= n), 0) for n in range(self._max_rows + 1)
+        ]
         self._pen = self._in_host.view(np.int32, 4 + 3 * PENALTY_CAPACITY, self._pen_off)
 
     def _alloc_scratch(self) -> None:
@@ -426,24 +436,30 @@ class CudaRunner:
     def _fill_sampling(self, row: int, it: StepItem) -> None:
         v = self._views
         s = it.sampling
+        v["counters"][row] = it.num_generated
+        if self._row_sampling[row] is s:  # the same (frozen) params as this row's last write
+            return
+        self._row_sampling[row] = s
         v["temperature"][row] = s.temperature
         v["top_p"][row] = s.top_p
         v["top_k"][row] = s.top_k
         v["min_p"][row] = s.min_p
         v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
-        v["counters"][row] = it.num_generated
         v["presence"][row] = s.presence_penalty
         v["frequency"][row] = s.frequency_penalty
         v["repetition"][row] = s.repetition_penalty
 
     def _clear_sampling(self, row: int) -> None:
         v = self._views
+        v["counters"][row] = 0
+        if self._row_sampling[row] is _CLEARED:
+            return
+        self._row_sampling[row] = _CLEARED
         v["temperature"][row] = 0.0
         v["top_p"][row] = 1.0
         v["top_k"][row] = 0
         v["min_p"][row] = 0.0
         v["seeds"][row] = 0
-        v["counters"][row] = 0
         v["presence"][row] = 0.0
         v["frequency"][row] = 0.0
         v["repetition"][row] = 1.0
@@ -496,23 +512,30 @@ class CudaRunner:
 
     def _decode(self, items: Sequence[StepItem]) -> list[int]:
         n = len(items)
-        bucket = next(b for b in self.plan.graph_batch_sizes if b >= n)
+        bucket = self._bucket_of[n]
         v = self._views
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
-        tables[:] = self._sink_block
+        lens, sink = self._table_len, self._sink_block
         for r, it in enumerate(items):
             pos = it.start_pos
             v["tokens"][r] = it.token_ids[0]
             v["positions"][r] = pos
-            bt = list(it.block_table)[:ld]
-            tables[r, : len(bt)] = bt
+            bt = it.block_table
+            k = min(len(bt), ld)
+            tables[r, :k] = bt[:k]
+            if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
+                tables[r, k : lens[r]] = sink
+            lens[r] = k
             v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
             self._fill_sampling(r, it)
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
             v["positions"][r] = 0
-            v["slots"][r] = self._sink_block * self.block_size
+            v["slots"][r] = sink * self.block_size
+            if lens[r]:
+                tables[r, : lens[r]] = sink
+                lens[r] = 0
             self._clear_sampling(r)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
@@ -531,7 +554,7 @@ class CudaRunner:
                     _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
                 )
             self._run(self._eager[key])
-        ids = [int(x) for x in self._read_ids(n, copied=io)]
+        ids = self._read_ids(n, copied=io).tolist()
         return self._host_sample_penalised(items, ids) if kind == "host" else ids
 
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
@@ -627,6 +650,7 @@ class CudaRunner:
             v["seq_starts"][s] = row
             k = min(len(bt), ld)
             tables[s, :k] = bt[:k]
+            self._table_len[s] = k
             if hi == len(it.token_ids) and it.sample:
                 heads.append((idx, it, row + m - 1))
             row += m
@@ -655,7 +679,7 @@ class CudaRunner:
         if hkey not in self._eager:
             self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
         self._run(self._eager[hkey])
-        ids = [int(x) for x in self._read_ids(k)]
+        ids = self._read_ids(k).tolist()
         if kind == "host":
             ids = self._host_sample_penalised(hitems, ids)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
@@ -699,6 +723,9 @@ class CudaRunner:
             mod.unload()
         self._modules.clear()
         self._fns.clear()
+
+
+_CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 
 
 def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) -> bool:

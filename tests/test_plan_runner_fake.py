@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -213,6 +214,48 @@ def test_sampled_rows_use_the_sample_kernel_and_one_small_upload(fake):
     drv.h2d.clear()
     runner.step([StepItem(0, [6], 8, [0], True, hot)])
     assert drv.h2d == [] and len(drv.h2d_graph) == 1  # replays copy the inputs themselves
+
+
+def test_decode_inputs_stay_exact_across_steps_that_change_rows(fake):
+    """The decode step rewrites only what changed (block-table rows past their last length, the
+    sampling fields of a row whose params object changed): whatever the order of steps (longer
+    then shorter tables, a used row turned padding, a prefill in between, other sampling params),
+    the pinned inputs equal a from-scratch fill."""
+    runner, _ = fake
+    ld, sink = runner._table_ld, runner._sink_block
+    hot = SamplingParams(temperature=0.7, top_k=5, seed=9, presence_penalty=0.0)
+
+    def check(items):
+        bucket = runner._bucket_of[len(items)]
+        want = np.full((bucket, ld), sink, np.int32)
+        for r, it in enumerate(items):
+            want[r, : len(it.block_table)] = it.block_table
+        got = runner._tables[: bucket * ld].reshape(bucket, ld)
+        assert np.array_equal(got, want)
+        v = runner._views
+        for r in range(bucket):
+            s = items[r].sampling if r < len(items) else SamplingParams(temperature=0.0)
+            assert v["temperature"][r] == pytest.approx(s.temperature) and v["top_k"][r] == s.top_k
+            assert v["seeds"][r] == (s.seed or 0 if r < len(items) else 0)
+            assert v["counters"][r] == (items[r].num_generated if r < len(items) else 0)
+
+    steps = [
+        [StepItem(0, [5], 40, [1, 2, 3], True, hot), StepItem(1, [6], 20, [4, 5], True, GREEDY)],
+        [StepItem(1, [6], 21, [4, 5], True, GREEDY), StepItem(2, [7], 3, [9], True, hot)],
+        [StepItem(2, [7], 4, [9], True, hot)],
+        [StepItem(i, [5], 9, [20 + i, 30 + i], True, hot if i % 2 else GREEDY) for i in range(4)],
+        [StepItem(i, [5], 10, [20 + i, 30 + i], True, GREEDY) for i in range(3)],  # row 3 now padding
+    ]
+    for items in steps:
+        runner.step(items)
+        check(items)
+    runner.step([StepItem(3, list(range(1, 30)), 0, [10, 11], True, hot)])  # a prefill pass between
+    items = [StepItem(2, [7], 5, [9], True, GREEDY), StepItem(0, [5], 41, [1, 2, 3], True, hot)]
+    runner.step(items)
+    check(items)
+    items = [dataclasses.replace(items[0], num_generated=4), items[1]]
+    runner.step(items)
+    check(items)
 
 
 def test_context_overflow_is_a_clear_error(fake):
