@@ -175,7 +175,11 @@ def report(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "decode_profile_out"))
-    ap.add_argument("--shapes", default="smollm2-135m,qwen3-0.6b")
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated checkpoint shapes (default smollm2-135m,qwen3-0.6b; none with --model)",
+    )
     ap.add_argument(
         "--model", action="append", default=[], help="a model path (instead of / besides --shapes)"
     )
@@ -195,7 +199,8 @@ def main() -> int:
     variants = [("default", "")] + [tuple(v.split("=", 1)) for v in args.variant]
     batches = [int(b) for b in args.batches.split(",")]
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    paths = [(s, checkpoint(s, shm / "memra-prof")) for s in args.shapes.split(",") if s]
+    shapes = args.shapes if args.shapes is not None else ("" if args.model else "smollm2-135m,qwen3-0.6b")
+    paths = [(s, checkpoint(s, shm / "memra-prof")) for s in shapes.split(",") if s and s != "none"]
     paths += [(Path(m).name, Path(m)) for m in args.model]
     results: dict = {}
     for shape, path in paths:

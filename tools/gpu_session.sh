@@ -49,6 +49,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   profile)  # where a decode step's time goes (host vs GPU, per kernel) on PROFILE_SHAPES; for tuning
     # A/Bs run tools/gpu_decode_profile.py --variant NAME='spec' directly (specs contain spaces)
     timeout "$(box 300)" python3 tools/gpu_decode_profile.py --out /tmp/res/profile${TAG:-} --breakdown --shapes "${PROFILE_SHAPES:-smollm2-135m,qwen3-0.6b,qwen3-4b}" > /tmp/res/profile${TAG:-}.log 2>&1; pack profile ;;
+  kparts)  # the q8x k split over blocks (gemv_coop.q8x_kparts): its GPU test, then the A/B on the
+    # Qwen3-4B q8_0 / q4_k_m files (QUANTS), b1 and b8, P = 2 / 4 / 8 on the long-k GEMVs
+    timeout "$(box 60)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "q8x_kparts or coop_q8x" -p no:cacheprovider > /tmp/res/kparts_test.log 2>&1
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
+      C=gemv_coop
+      timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/kparts_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
+        --variant kp2="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192" --variant kp4="$C.q8x_kparts=4; $C.q8x_kparts_min_k=8192" \
+        --variant kp8="$C.q8x_kparts=8; $C.q8x_kparts_min_k=8192" > /tmp/res/kparts_$q.log 2>&1
+    done; pack kparts ;;
   runner)
     timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner${TAG:-} > /tmp/res/runner${TAG:-}.log 2>&1; pack runner ;;
   esac
