@@ -501,6 +501,10 @@ COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsm
 # (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
 Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 COOP_Q8X_MAX = 64 * 1024
+# kparts (k split over blocks): the elements a part must hold whole. A q8x x group is 32; a q4_k
+# segment 64 consecutive elements; a q6_kr segment reads elements i and i + 64 of a 128-element
+# half of its super-block, so a part must hold whole halves.
+KPARTS_GRAIN = {"q4_k": 64, "q6_kr": 128}
 # file storage type -> the device layout the coop gemv reads (upload_type), and back
 COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr", "q4_0": "q4_0r", "q4_1": "q4_1r"}
 _COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
@@ -598,10 +602,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         )
         if p["kparts"] != 1:  # k split over grid.z (the coop q8x layout: kernels/_gemv_coop.cuh.j2)
             need(p["q8x"] and p["kparts"] > 1, f"kparts={p['kparts']}: a q8x coop option, > 1")
-            seg = {"q4_k": 64, "q8_0r": 16}.get(q, 32)
+            gran = KPARTS_GRAIN.get(q, 32)
             need(
-                p["k"] % (p["kparts"] * max(seg, 32)) == 0,
-                f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {max(seg, 32)}-element segments",
+                p["k"] % (p["kparts"] * gran) == 0,
+                f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {gran}-element units of {q}",
             )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
@@ -1032,8 +1036,11 @@ def coop_options(
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
         parts = int(c.get("q8x_kparts") or 1)
-        seg = {"q4_k": 64, "q8_0r": 16}.get(quant, 32)
-        if parts > 1 and k >= int(c.get("q8x_kparts_min_k") or 0) and k % (parts * max(seg, 32)) == 0:
+        if (
+            parts > 1
+            and k >= int(c.get("q8x_kparts_min_k") or 0)
+            and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
+        ):
             out["kparts"] = parts
         if int(c.get("q8x_stage_rounds") or 1) > 1:
             out["stage_rounds"] = int(c["q8x_stage_rounds"])

@@ -929,3 +929,26 @@ def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
         assert sc["kpart_count"].fill == "zero"
     with pytest.raises(ConfigError, match="kparts"):
         kc.spec("gemv", **{**split[0].spec.params, "kparts": 3})  # 9728 is not 3 whole parts
+
+
+def test_kparts_parts_hold_whole_units_of_each_layout():
+    """A q6_kr segment reads elements of a 128-element half super-block, a q4_k one 64 consecutive
+    elements, the others 32: kparts must cut k at those grains (a part's staged x covers exactly
+    the elements its segments read), and the tuning skips weights it cannot cut."""
+    from engine import kernel_catalog as kc
+
+    base = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    coop = {"types": ["q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    for q, k, parts, ok in (
+        ("q6_kr", 9728, 4, True),  # 19 halves of 128 per part
+        ("q6_kr", 9728 - 256 * 3, 4, False),  # 8960 / 4 = 2240: 17.5 halves
+        ("q4_k", 8960, 4, True),  # 2240 / 64 = 35 whole segments
+        ("q4_k", 8960, 8, False),  # 1120 / 64 = 17.5
+        ("q8_0r", 8960, 8, True),  # 35 x groups of 32
+    ):
+        tun = {**base, "gemv_coop": {**coop, "q8x_kparts": parts}}
+        p = kc.linear_params(q, 512, k, tun, bmax=1)
+        assert p["q8x"] and (p.get("kparts", 1) == parts) is ok, (q, k, p.get("kparts"))
+        if not ok:
+            with pytest.raises(ConfigError, match="kparts"):
+                kc.spec("gemv", **{**p, "kparts": parts})
