@@ -80,7 +80,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -119,6 +119,7 @@ KERNELS: dict[str, KernelDoc] = {
             stage_rounds=int,
             early_w=bool,
             kparts=int,
+            tile_pf=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -147,6 +148,7 @@ KERNELS: dict[str, KernelDoc] = {
             "stage_rounds",
             "early_w",
             "kparts",
+            "tile_pf",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -173,6 +175,7 @@ KERNELS: dict[str, KernelDoc] = {
             "stage_rounds": 1,
             "early_w": False,
             "kparts": 1,
+            "tile_pf": False,
         },
     ),
     "gemm": KernelDoc(
@@ -607,6 +610,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["k"] % (p["kparts"] * gran) == 0,
                 f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {gran}-element units of {q}",
             )
+        need(not p["tile_pf"] or (p["coop"] and p["pipeline"]), "tile_pf is a pipelined coop option (pipeline=true)")
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
@@ -1011,7 +1015,9 @@ def coop_options(
     the file type is in q8x_ksplit_types (empty: every type); the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
-    blocks along grid.z where k >= q8x_kparts_min_k and k divides into whole segments); else xsmem where
+    blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
+    every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
+    pipeline ask for it; else xsmem where
     gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
     gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
@@ -1036,8 +1042,10 @@ def coop_options(
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
         parts = int(c.get("q8x_kparts") or 1)
+        kpt = c.get("q8x_kparts_types") or ()
         if (
             parts > 1
+            and (not kpt or _COOP_FILE_TYPE.get(quant, quant) in kpt)
             and k >= int(c.get("q8x_kparts_min_k") or 0)
             and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
         ):
@@ -1048,6 +1056,8 @@ def coop_options(
         out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
+        if c.get("tile_prefetch"):
+            out["tile_pf"] = True
     return out
 
 

@@ -102,6 +102,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "xsmem": Field(bool, default=False),  # stage the x rows in shared memory (<= 48 KB)
             # issue the next `unroll` segments' loads before the current ones' FMAs
             "pipeline": Field(bool, default=False),
+            # with pipeline: a lane's last step of a row tile issues the block's next tile's first loads
+            "tile_prefetch": Field(bool, default=False),
             # q4_k / q8_0 / q6_k / q4_0 / q4_1: int8-quantised x rows in shared memory and __dp4a
             # dot products, with their own block shape (0: threads / rows_per_warp above)
             "q8x": Field(bool, default=False),
@@ -124,6 +126,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
             "q8x_kparts_min_k": Field(int, default=0),
+            "q8x_kparts_types": Field(ListOf(str), default=[]),  # file types; empty: every q8x type
         },
         default={
             "types": [],
@@ -132,6 +135,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "unroll": 4,
             "xsmem": False,
             "pipeline": False,
+            "tile_prefetch": False,
             "q8x": False,
             "q8x_threads": 0,
             "q8x_rows_per_warp": 0,
@@ -143,6 +147,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_stage_rounds": 1,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,
+            "q8x_kparts_types": [],
         },
     ),
     "gemm": Field(

@@ -330,6 +330,7 @@ def _gemv_variant_specs():
                 out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
             else:
                 out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
+                out.append(kc.spec("gemv", **{**p, "pipeline": True}, tile_pf=True))
     # q8x with k split over warp groups (n <= q8x_ksplit_max_n) and a capped grid
     q8 = {
         **tun,
@@ -351,6 +352,7 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, 2560, q8, bmax=bm, residual=True, sm_count=132)
             assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
             out.append(kc.spec("gemv", **p))
+            out.append(kc.spec("gemv", **p, tile_pf=True))  # the next tile's loads in the last step
             for pro in (
                 {"prologue": "silu", "x_stride": 5120, "u_off": 2560},
                 {"prologue": "norm", "x_stride": 2560, "eps": 1e-6},
@@ -363,6 +365,19 @@ def _gemv_variant_specs():
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
         out.append(kc.spec("gemv", **{**p, "kparts": 2, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
     return out
+
+
+def test_tile_prefetch_is_a_pipelined_coop_option():
+    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    for extra, want in (({}, False), ({"tile_prefetch": True}, False), ({"pipeline": True, "tile_prefetch": True}, True)):
+        p = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, **extra}}, bmax=1)
+        assert bool(p.get("tile_pf")) is want, extra
+        assert ("tile_pf1" in kc.spec("gemv", **p).entry) is want
+    with pytest.raises(ConfigError, match="tile_pf is a pipelined coop option"):
+        kc.spec("gemv", **{**p, "pipeline": False})
+    with pytest.raises(ConfigError, match="tile_pf is a pipelined coop option"):
+        kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), tile_pf=True)
 
 
 def test_gemv_options_validation_and_smem():

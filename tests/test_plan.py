@@ -931,6 +931,26 @@ def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
         kc.spec("gemv", **{**split[0].spec.params, "kparts": 3})  # 9728 is not 3 whole parts
 
 
+def test_kparts_types_limit_the_split_to_those_file_types():
+    """gemv_coop.q8x_kparts_types: the k split goes to the listed file types' weights only (q4_k /
+    q6_k of a q4_k_m file, not q8_0)."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = with_tuning(
+        get_profile("h200"),
+        "gemv_coop.q8x_kparts=2; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[q4_k, q6_k]",
+    )
+    graph = load_family("qwen3")
+    for quant, want in (("q8_0", set()), ("q4_k_m", {"q4_k"})):  # (the plan's nominal q4_k_m: all q4_k)
+        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
+        split = {la.spec.params["quant"] for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) == 2}
+        assert split == want, (quant, split)
+    for layout, want in (("q6_kr", 2), ("q8_0r", None), ("q4_k", 2), ("q4_0r", None)):  # by file type
+        p = kc.linear_params(layout, 2560, 9728, prof.tuning, bmax=1, sm_count=132)
+        assert p.get("kparts") == want, layout
+
+
 def test_kparts_parts_hold_whole_units_of_each_layout():
     """A q6_kr segment reads elements of a 128-element half super-block, a q4_k one 64 consecutive
     elements, the others 32: kparts must cut k at those grains (a part's staged x covers exactly

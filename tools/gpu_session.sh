@@ -59,6 +59,19 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
         --variant kp2="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192" --variant kp4="$C.q8x_kparts=4; $C.q8x_kparts_min_k=8192" \
         --variant kp8="$C.q8x_kparts=8; $C.q8x_kparts_min_k=8192" > /tmp/res/kparts_$q.log 2>&1
     done; pack kparts ;;
+  tilepf)  # the next row tile's loads in a tile's last step (gemv_coop.tile_prefetch): its GPU test
+    # (the same bits), then the A/B on the Qwen3-4B q8_0 / q4_k_m files (QUANTS) with unroll 4 and
+    # the k split over blocks for the q4_k / q6_k weights
+    timeout "$(box 90)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "tile_prefetch" -p no:cacheprovider > /tmp/res/tilepf_test.log 2>&1
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
+      C=gemv_coop; KP="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192; $C.q8x_kparts_types=[q4_k, q6_k]"
+      timeout "$(box 150)" python3 tools/gpu_decode_profile.py --out /tmp/res/tilepf_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
+        --variant tp="$C.tile_prefetch=true" --variant u4="$C.unroll=4" --variant tpu4="$C.tile_prefetch=true; $C.unroll=4" \
+        --variant kp2="$KP" --variant tpkp2="$C.tile_prefetch=true; $KP" > /tmp/res/tilepf_$q.log 2>&1
+    done; pack tilepf ;;
+  host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
+    timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
     timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner${TAG:-} > /tmp/res/runner${TAG:-}.log 2>&1; pack runner ;;
   esac

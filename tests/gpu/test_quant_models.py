@@ -115,3 +115,53 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         assert max(errs) < (4e-2 if layout in ("coop_q8x", "q8x_kparts") else 2e-2), errs
     finally:
         runner.close()
+
+
+def _decode_logits(runner, prompt, steps=3):
+    """Logits of a greedy prefill and `steps` decode steps (float32 arrays, in order)."""
+    table = list(range(4))
+    tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]
+    out = [np.array(runner.read_logits(1)[0])]
+    seq = prompt + [tok]
+    for _ in range(steps):
+        tok = runner.step([StepItem(0, [seq[-1]], len(seq) - 1, table, True, GREEDY)])[0]
+        out.append(np.array(runner.read_logits(1)[0]))
+        seq.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("q8x", [False, True])
+@pytest.mark.parametrize(
+    "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
+)
+def test_tile_prefetch_gives_the_same_bits(tmp_path, family, q, q8x):
+    """gemv_coop.tile_prefetch: a lane's last step of a row tile loads the block's next tile's first
+    segments; the arithmetic is unchanged, so the logits must be the same bits. A profile with
+    sm_count = 1 caps the q8x grid at two blocks, so each loops over many tiles; without q8x every
+    block has one tile (the prefetch is never taken) and the bits must match all the same."""
+    from engine.model import load_model
+    from engine.profile import select
+    from engine.runner_cuda import CudaRunner
+
+    prof = select(cuda.detect_devices()[0])
+    dims = LLAMA_DIMS if family == "llama" else DIMS
+    model = load_model(write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7))
+    base = {**COOP, "pipeline": True, "q8x": q8x, "q8x_threads": 256, "q8x_blocks_per_sm": 2}
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, dims.vocab_size, 11)]
+    logits = {}
+    for name, coop in (("off", base), ("on", {**base, "tile_prefetch": True})):
+        p = dataclasses.replace(prof, sm_count=1, tuning={**prof.tuning, "gemv_coop": coop})
+        runner = CudaRunner(model, p, num_blocks=64, max_model_len=512)
+        try:
+            gemvs = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
+            coops = [la for la in gemvs if la.spec.params["coop"]]
+            assert coops and all(la.spec.params["tile_pf"] == (name == "on") for la in coops)
+            if q8x:  # the capped grid: blocks loop over row tiles
+                assert any(la.grid[0] < -(-la.spec.params["n"] // la.spec.params["rows_per_block"]) for la in coops)
+            logits[name] = _decode_logits(runner, prompt)
+        finally:
+            runner.close()
+    for step, (a, b) in enumerate(zip(logits["off"], logits["on"])):
+        assert np.isfinite(b).all() and np.any(b != 0), step
+        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
