@@ -390,6 +390,13 @@ class Function:
             self._max_smem = nbytes
 
 
+    def resident_blocks(self, threads: int, smem: int) -> int:
+        """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory that one SM
+        holds at once (registers, shared memory, thread and block limits of the compiled kernel)."""
+        self.ensure_smem(smem)
+        return int(_call("cuOccupancyMaxActiveBlocksPerMultiprocessor", self.handle, threads, smem))
+
+
 class Module:
     """A cubin loaded into the current context (cuModuleLoadData)."""
 

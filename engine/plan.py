@@ -132,7 +132,10 @@ GridDim = int | str | Callable[[Mapping[str, int]], int]
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of a step. ``min_rows`` / ``max_rows`` (0: no bound) limit it to passes of
-    that many rows: a prefill linear may take one path for short chunks and another for long ones."""
+    that many rows: a prefill linear may take one path for short chunks and another for long ones.
+    ``fit_grid``: the kernel loops over its work (grid-stride), so the runner may shrink grid.x to
+    the blocks that are resident at once (the driver's occupancy of the compiled kernel x SMs): a
+    grid larger than that runs in waves, and the last wave's blocks finish late."""
 
     spec: KernelSpec
     grid: tuple[GridDim, ...]
@@ -141,6 +144,7 @@ class Launch:
     smem: int = 0
     min_rows: int = 0
     max_rows: int = 0
+    fit_grid: bool = False
 
     def runs_at(self, rows: int) -> bool:
         return rows >= self.min_rows and (not self.max_rows or rows <= self.max_rows)
@@ -992,7 +996,9 @@ class _CatalogAdapter:
             if spec.params.get("glu"):
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
-            launches.append(Launch(spec, grid, (threads,), args, smem))
+            # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
+            fit = bool(spec.params.get("grid_cap")) and bool(self.profile.tune("gemv_coop").get("q8x_resident_grid"))
+            launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
         return launches
 
     def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str) -> int:

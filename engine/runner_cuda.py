@@ -94,6 +94,7 @@ class CudaRunner:
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
         self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
+        self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
         log.info(
             "programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
@@ -332,9 +333,20 @@ class CudaRunner:
         values = [self._resolve(a, shape) for a in launch.args]
         args = cuda.KernelArgs([a.ctype for a in launch.args], values)
         fn, grid = self._fns[launch.spec], launch.grid_for(shape)
+        if launch.fit_grid:  # a grid-stride kernel: no more blocks than are resident at once
+            grid = (min(grid[0], self._resident_grid(fn, launch)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
         run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
         return _Bound(fn, grid, launch.block, launch.smem, args, run)
+
+    def _resident_grid(self, fn: Any, launch: Launch) -> int:
+        """The blocks of ``launch``'s kernel resident on the whole GPU at once (at least one per SM)."""
+        key = (launch.spec, launch.block, launch.smem)
+        if key not in self._resident:
+            per_sm = fn.resident_blocks(launch.block[0], launch.smem)
+            self._resident[key] = max(per_sm, 1) * self.ctx.info.sm_count
+            log.debug("%s: %d resident blocks per SM", launch.spec.entry, per_sm)
+        return self._resident[key]
 
     def _pdl_for(self, spec: Any) -> bool:
         """PDL for this kernel: on, and its source calls pdl_wait() first (a kernel that does not

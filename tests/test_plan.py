@@ -914,7 +914,9 @@ def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    prof = with_tuning(get_profile("h200"), "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192")
+    prof = with_tuning(
+        get_profile("h200"), "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[]"
+    )
     graph = load_family("qwen3")
     for quant in ("q8_0", "q4_k_m"):
         plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)

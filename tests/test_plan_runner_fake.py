@@ -36,6 +36,9 @@ class FakeDriver:
         self.tensor_maps: list[
             tuple
         ] = []  # (ptr, rows, cols, row_bytes, box_rows) of each TMA descriptor built
+        self.sm_count = 132
+        self.resident = 4  # blocks per SM the occupancy query reports
+        self.occupancy: list[tuple[str, int, int]] = []  # (kernel, threads, smem) of each query
 
     def module(self):
         fake = self
@@ -52,7 +55,7 @@ class FakeDriver:
 
         class Ctx:
             def __init__(self, ordinal=0):
-                self.info = real_cuda.DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30)
+                self.info = real_cuda.DeviceInfo("NVIDIA H200", (9, 0), fake.sm_count, 141 << 30)
 
             def mem_info(self):
                 return (100 << 30, 141 << 30)
@@ -67,6 +70,10 @@ class FakeDriver:
         class Fn:
             def __init__(self, name):
                 self.name = name
+
+            def resident_blocks(self, threads, smem):
+                fake.occupancy.append((self.name, threads, smem))
+                return fake.resident
 
         class Mod:
             def __init__(self, cubin, label=""):
@@ -449,3 +456,43 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     runner.step([StepItem(i, [5], 7, [2 * i], True, GREEDY) for i in range(3)])
     wide = [n for n, _, _ in drv.launches]
     assert any(n.startswith("rmsnorm__") for n in wide) and any(n.startswith("silu_mul__") for n in wide)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, monkeypatch, on):
+    """gemv_coop.q8x_resident_grid: the plan marks the capped q8x GEMV launches fit_grid, and the
+    runner binds them with grid.x = min(the plan's grid, resident blocks per SM (the driver's
+    occupancy query, once per kernel) x SMs); other launches, and every launch without the knob,
+    keep the plan's grid."""
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.profile import get_profile, with_tuning
+
+    drv = FakeDriver()
+    drv.sm_count, drv.resident = 2, 3
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
+    path = write_random_gguf(tmp_path / "tiny_q4_1.gguf", "llama", dims, "q4_1", seed=5)
+    builder = KernelBuilder(
+        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+    )
+    prof = with_tuning(get_profile("h200"), f"gemv_coop.q8x_resident_grid={'true' if on else 'false'}")
+    runner = rc.CudaRunner(load_model(path), prof, num_blocks=64, max_model_len=512, builder=builder)
+    launches = {la.spec.entry: la for st in runner.plan.steps for la in st.launches["decode1"]}
+    fit = {e for e, la in launches.items() if la.fit_grid}
+    assert bool(fit) is on and all(launches[e].spec.params["grid_cap"] for e in fit)
+    runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+    seen = 0
+    for name, grid, _ in drv.launches:
+        la = launches.get(name)
+        if la is None:
+            continue
+        want = la.grid_for({"n": 1})
+        if la.fit_grid:
+            want = (min(want[0], 3 * 2), *want[1:])
+            seen += want[0] < la.grid_for({"n": 1})[0]
+        assert grid[: len(want)] == want, (name, grid, want)
+    assert (seen > 0) is on
+    assert len({n for n, _, _ in drv.occupancy}) == len(drv.occupancy) == len(fit)

@@ -70,6 +70,15 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
         --variant tp="$C.tile_prefetch=true" --variant u4="$C.unroll=4" --variant tpu4="$C.tile_prefetch=true; $C.unroll=4" \
         --variant kp2="$KP" --variant tpkp2="$C.tile_prefetch=true; $KP" > /tmp/res/tilepf_$q.log 2>&1
     done; pack tilepf ;;
+  resgrid)  # capped q8x grids fitted to the resident blocks (gemv_coop.q8x_resident_grid), A/B on the
+    # Qwen3-4B q8_0 / q4_k_m files, with the profile before tile_prefetch / the q4_k k split as "prev"
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
+      C=gemv_coop
+      timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/resgrid_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
+        --variant rg="$C.q8x_resident_grid=true" --variant rg8="$C.q8x_resident_grid=true; $C.q8x_blocks_per_sm=8" \
+        --variant prev="$C.tile_prefetch=false; $C.q8x_kparts=1" > /tmp/res/resgrid_$q.log 2>&1
+    done; pack resgrid ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
