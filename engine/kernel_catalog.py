@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -120,6 +120,7 @@ KERNELS: dict[str, KernelDoc] = {
             early_w=bool,
             kparts=int,
             tile_pf=bool,
+            min_blocks=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -149,6 +150,7 @@ KERNELS: dict[str, KernelDoc] = {
             "early_w",
             "kparts",
             "tile_pf",
+            "min_blocks",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -176,6 +178,7 @@ KERNELS: dict[str, KernelDoc] = {
             "early_w": False,
             "kparts": 1,
             "tile_pf": False,
+            "min_blocks": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -612,6 +615,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             )
         need(not p["tile_pf"] or (p["coop"] and p["pipeline"]), "tile_pf is a pipelined coop option (pipeline=true)")
         need(
+            not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
+            f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
+        )
+        need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
         )
@@ -794,7 +801,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1052,6 +1059,8 @@ def coop_options(
             out["kparts"] = parts
         if int(c.get("q8x_stage_rounds") or 1) > 1:
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
+        if int(c.get("q8x_min_blocks") or 0) > 0:
+            out["min_blocks"] = int(c["q8x_min_blocks"])
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

@@ -123,6 +123,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
             # driver's occupancy x SMs), so no block waits for a second wave
             "q8x_resident_grid": Field(bool, default=False),
+            # q8x: registers capped so this many blocks fit on an SM (0: the compiler's choice)
+            "q8x_min_blocks": Field(int, default=0),
             # q8x: the x-row staging issues this many rounds of loads before quantising them
             "q8x_stage_rounds": Field(int, default=1),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
@@ -148,6 +150,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_types": [],
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
+            "q8x_min_blocks": 0,
             "q8x_stage_rounds": 1,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,

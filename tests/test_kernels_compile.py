@@ -353,6 +353,7 @@ def _gemv_variant_specs():
             assert (p["ksplit"], p["grid_cap"], p["rows_per_block"]) == (4, 528, 4), p
             out.append(kc.spec("gemv", **p))
             out.append(kc.spec("gemv", **p, tile_pf=True))  # the next tile's loads in the last step
+            out.append(kc.spec("gemv", **p, min_blocks=3))  # registers capped for 3 blocks per SM
             for pro in (
                 {"prologue": "silu", "x_stride": 5120, "u_off": 2560},
                 {"prologue": "norm", "x_stride": 2560, "eps": 1e-6},
@@ -378,6 +379,15 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
         kc.spec("gemv", **{**p, "pipeline": False})
     with pytest.raises(ConfigError, match="tile_pf is a pipelined coop option"):
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), tile_pf=True)
+    # min_blocks: the q8x tuning's register cap (__launch_bounds__ min blocks), coop only
+    mb = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, "q8x_min_blocks": 3}}, bmax=1)
+    s = kc.spec("gemv", **mb)
+    assert mb["min_blocks"] == 3 and s.entry.endswith("min_blocks3") and "__launch_bounds__(THREADS, 3)" in render(s)
+    assert "min_blocks" not in kc.spec("gemv", **p).entry
+    with pytest.raises(ConfigError, match="min_blocks=3: a coop option"):
+        kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), min_blocks=3)
+    with pytest.raises(ConfigError, match="at most 2048 threads"):
+        kc.spec("gemv", **{**mb, "min_blocks": 17})  # 17 x 128 threads
 
 
 def test_gemv_options_validation_and_smem():

@@ -79,6 +79,13 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
         --variant rg="$C.q8x_resident_grid=true" --variant rg8="$C.q8x_resident_grid=true; $C.q8x_blocks_per_sm=8" \
         --variant prev="$C.tile_prefetch=false; $C.q8x_kparts=1" > /tmp/res/resgrid_$q.log 2>&1
     done; pack resgrid ;;
+  minb)  # q8x registers capped for more resident blocks (gemv_coop.q8x_min_blocks), A/B on QUANTS
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
+      C=gemv_coop
+      timeout "$(box 100)" python3 tools/gpu_decode_profile.py --out /tmp/res/minb_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
+        --variant mb3="$C.q8x_min_blocks=3" --variant mb4="$C.q8x_min_blocks=4" --variant norg="$C.q8x_resident_grid=false" > /tmp/res/minb_$q.log 2>&1
+    done; pack minb ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
