@@ -1018,7 +1018,7 @@ def coop_options(
     """The coop gemv's q8x / xsmem / pipeline switches for one spec on a [n, k] weight uploaded as
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
-    threads / rows_per_block; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n and
+    threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n and
     the file type is in q8x_ksplit_types (empty: every type); the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
@@ -1028,6 +1028,9 @@ def coop_options(
     gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
     gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
+    # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
+    per_type = (c.get("q8x_type_tuning") or {}).get(_COOP_FILE_TYPE.get(quant, quant)) or {}
+    c = {**c, **{key: v for key, v in per_type.items() if v}}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True

@@ -44,6 +44,11 @@ def _arch(v: str) -> str | None:
     )
 
 
+def _q8x_file_types(v: dict) -> str | None:
+    bad = sorted(set(v) - {"q8_0", "q4_k", "q6_k", "q4_0", "q4_1"})
+    return f"unknown file type(s) {bad}; the q8x GEMV reads q8_0, q4_k, q6_k, q4_0, q4_1" if bad else None
+
+
 def _knob(default: int) -> Field:
     return Field(int, default=default, check=_positive)
 
@@ -109,6 +114,12 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x": Field(bool, default=False),
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),
+            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape, over the two above
+            "q8x_type_tuning": Field(
+                MapOf({"q8x_threads": Field(int, default=0), "q8x_rows_per_warp": Field(int, default=0)}),
+                default={},
+                check=_q8x_file_types,
+            ),
             # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
             # (its block stages and quantises x anyway; the norm costs one more pass over x)
             "q8x_fuse": Field(bool, default=False),
@@ -144,6 +155,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x": False,
             "q8x_threads": 0,
             "q8x_rows_per_warp": 0,
+            "q8x_type_tuning": {},
             "q8x_fuse": False,
             "q8x_ksplit": 1,
             "q8x_ksplit_max_n": 0,

@@ -520,7 +520,10 @@ def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    knobs = "gemv_coop.q8x_blocks_per_sm=3; gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; gemv_coop.q8x_stage_rounds=4"
+    knobs = (
+        "gemv_coop.q8x_blocks_per_sm=3; gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; "
+        "gemv_coop.q8x_stage_rounds=4; gemv_coop.q8x_type_tuning={}"  # 256-thread blocks for q8_0 too
+    )
     prof = with_tuning(get_profile("h200"), knobs)
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
@@ -951,6 +954,27 @@ def test_kparts_types_limit_the_split_to_those_file_types():
     for layout, want in (("q6_kr", 2), ("q8_0r", None), ("q4_k", 2), ("q4_0r", None)):  # by file type
         p = kc.linear_params(layout, 2560, 9728, prof.tuning, bmax=1, sm_count=132)
         assert p.get("kparts") == want, layout
+
+
+def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
+    """gemv_coop.q8x_type_tuning: q8_0 weights (q8_0r) take 512-thread q8x blocks while the q4_k
+    and q6_k weights keep the general q8x_threads; zero fields keep the general knob; an unknown file
+    type is a ConfigError naming it."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}}")
+    general = prof.tuning["gemv_coop"]["q8x_threads"]
+    assert general and general != 512
+    for layout, want in (("q8_0r", 512), ("q4_k", general), ("q6_kr", general)):
+        p = kc.linear_params(layout, 19456, 2560, prof.tuning, bmax=1, sm_count=132)
+        assert p["q8x"] and p["threads"] == want, layout
+        assert p["rows_per_block"] == want // 32 * prof.tuning["gemv_coop"]["q8x_rows_per_warp"], layout
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
+    assert {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]} == {(512,)}
+    with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
+        with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
 
 
 def test_kparts_parts_hold_whole_units_of_each_layout():

@@ -86,6 +86,18 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       timeout "$(box 100)" python3 tools/gpu_decode_profile.py --out /tmp/res/minb_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
         --variant mb3="$C.q8x_min_blocks=3" --variant mb4="$C.q8x_min_blocks=4" --variant norg="$C.q8x_resident_grid=false" > /tmp/res/minb_$q.log 2>&1
     done; pack minb ;;
+  down)  # the n = 2560 q8x GEMVs (o, down) on the resident grid: tile shapes and k splits, A/B per file
+    C=gemv_coop
+    for q in ${QUANTS:-q8_0 q4_k_m}; do
+      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
+      if [ $q = q8_0 ]; then
+        set -- --variant kp2="$C.q8x_kparts_types=[]" --variant ks4="$C.q8x_ksplit=4" --variant rpw1="$C.q8x_rows_per_warp=1" \
+          --variant t512="$C.q8x_threads=512" --variant bps2="$C.q8x_blocks_per_sm=2" --variant ks6144="$C.q8x_ksplit_max_n=6144"
+      else
+        set -- --variant ksall="$C.q8x_ksplit_types=[]" --variant rpw1="$C.q8x_rows_per_warp=1" --variant t512="$C.q8x_threads=512"
+      fi
+      timeout "$(box 150)" python3 tools/gpu_decode_profile.py --out /tmp/res/down_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 "$@" > /tmp/res/down_$q.log 2>&1
+    done; pack down ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
