@@ -162,6 +162,6 @@ def test_tile_prefetch_gives_the_same_bits(tmp_path, family, q, q8x):
             logits[name] = _decode_logits(runner, prompt)
         finally:
             runner.close()
-    for step, (a, b) in enumerate(zip(logits["off"], logits["on"])):
+    for step, (a, b) in enumerate(zip(logits["off"], logits["on"], strict=True)):
         assert np.isfinite(b).all() and np.any(b != 0), step
         assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
