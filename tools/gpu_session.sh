@@ -18,6 +18,15 @@ t0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
 pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> /tmp/res/times.log; tar czf "$OUT/res.tgz" --exclude=kcache -C /tmp/res . 2>/dev/null; }
 box() { local want=$1; local l; l=$(left); [ "$l" -lt 20 ] && echo 1 && return; [ "$want" -gt $(( l - 10 )) ] && want=$(( l - 10 )); echo "$want"; }
+# the Qwen3-4B-shaped GGUF of type $1 in /dev/shm (random weights, built once per machine)
+ckpt() { [ -f /dev/shm/q4b_$1.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $1 --out /dev/shm/q4b_$1.gguf > /tmp/res/mk_$1.log 2>&1; }
+# ab NAME SECONDS TYPE --variant NAME='MEMRA_TUNE spec' ...: the profile against each variant on that
+# file, b1 and b8 (tools/gpu_decode_profile.py: GPU time, wall, same-bits check), in /tmp/res/NAME_TYPE*
+ab() {
+  local name=$1 secs=$2 q=$3; shift 3; ckpt "$q"
+  timeout "$(box "$secs")" python3 tools/gpu_decode_profile.py --out /tmp/res/${name}_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 "$@" > /tmp/res/${name}_$q.log 2>&1
+}
+C=gemv_coop  # the tuning section the A/B stages vary
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > /tmp/res/profiles.log 2>&1
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
   case $st in
@@ -36,7 +45,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json /tmp/res/bf16${TAG:-}.json >> /tmp/res/bf16${TAG:-}.log 2>&1; pack bf16 ;;
   quant)
     for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/$q${TAG:-}.log 2>&1
+      ckpt $q
       timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q${TAG:-}.json >> /tmp/res/$q${TAG:-}.log 2>&1; pack $q
     done ;;
   gemvok)  # the decode GEMV correctness checks only (every code path of TYPES, no timing)
@@ -53,51 +62,32 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # Qwen3-4B q8_0 / q4_k_m files (QUANTS), b1 and b8, P = 2 / 4 / 8 on the long-k GEMVs
     timeout "$(box 60)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "q8x_kparts or coop_q8x" -p no:cacheprovider > /tmp/res/kparts_test.log 2>&1
     for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
-      C=gemv_coop
-      timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/kparts_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
-        --variant kp2="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192" --variant kp4="$C.q8x_kparts=4; $C.q8x_kparts_min_k=8192" \
-        --variant kp8="$C.q8x_kparts=8; $C.q8x_kparts_min_k=8192" > /tmp/res/kparts_$q.log 2>&1
+      ab kparts 90 $q --variant kp2="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192" --variant kp4="$C.q8x_kparts=4; $C.q8x_kparts_min_k=8192" \
+        --variant kp8="$C.q8x_kparts=8; $C.q8x_kparts_min_k=8192"
     done; pack kparts ;;
   tilepf)  # the next row tile's loads in a tile's last step (gemv_coop.tile_prefetch): its GPU test
-    # (the same bits), then the A/B on the Qwen3-4B q8_0 / q4_k_m files (QUANTS) with unroll 4 and
-    # the k split over blocks for the q4_k / q6_k weights
+    # (the same bits), then the A/B with unroll 4 and the k split over blocks for q4_k / q6_k
     timeout "$(box 90)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "tile_prefetch" -p no:cacheprovider > /tmp/res/tilepf_test.log 2>&1
+    KP="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192; $C.q8x_kparts_types=[q4_k, q6_k]"
     for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
-      C=gemv_coop; KP="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192; $C.q8x_kparts_types=[q4_k, q6_k]"
-      timeout "$(box 150)" python3 tools/gpu_decode_profile.py --out /tmp/res/tilepf_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
-        --variant tp="$C.tile_prefetch=true" --variant u4="$C.unroll=4" --variant tpu4="$C.tile_prefetch=true; $C.unroll=4" \
-        --variant kp2="$KP" --variant tpkp2="$C.tile_prefetch=true; $KP" > /tmp/res/tilepf_$q.log 2>&1
+      ab tilepf 150 $q --variant tp="$C.tile_prefetch=true" --variant u4="$C.unroll=4" --variant tpu4="$C.tile_prefetch=true; $C.unroll=4" \
+        --variant kp2="$KP" --variant tpkp2="$C.tile_prefetch=true; $KP"
     done; pack tilepf ;;
-  resgrid)  # capped q8x grids fitted to the resident blocks (gemv_coop.q8x_resident_grid), A/B on the
-    # Qwen3-4B q8_0 / q4_k_m files, with the profile before tile_prefetch / the q4_k k split as "prev"
+  resgrid)  # capped q8x grids fitted to the resident blocks (gemv_coop.q8x_resident_grid), with the
+    # profile before tile_prefetch / the q4_k k split as "prev"
     for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
-      C=gemv_coop
-      timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/resgrid_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
-        --variant rg="$C.q8x_resident_grid=true" --variant rg8="$C.q8x_resident_grid=true; $C.q8x_blocks_per_sm=8" \
-        --variant prev="$C.tile_prefetch=false; $C.q8x_kparts=1" > /tmp/res/resgrid_$q.log 2>&1
+      ab resgrid 120 $q --variant rg="$C.q8x_resident_grid=true" --variant rg8="$C.q8x_resident_grid=true; $C.q8x_blocks_per_sm=8" \
+        --variant prev="$C.tile_prefetch=false; $C.q8x_kparts=1"
     done; pack resgrid ;;
-  minb)  # q8x registers capped for more resident blocks (gemv_coop.q8x_min_blocks), A/B on QUANTS
+  minb)  # q8x registers capped for more resident blocks (gemv_coop.q8x_min_blocks)
     for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
-      C=gemv_coop
-      timeout "$(box 100)" python3 tools/gpu_decode_profile.py --out /tmp/res/minb_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 \
-        --variant mb3="$C.q8x_min_blocks=3" --variant mb4="$C.q8x_min_blocks=4" --variant norg="$C.q8x_resident_grid=false" > /tmp/res/minb_$q.log 2>&1
+      ab minb 100 $q --variant mb3="$C.q8x_min_blocks=3" --variant mb4="$C.q8x_min_blocks=4" --variant norg="$C.q8x_resident_grid=false"
     done; pack minb ;;
-  down)  # the n = 2560 q8x GEMVs (o, down) on the resident grid: tile shapes and k splits, A/B per file
-    C=gemv_coop
-    for q in ${QUANTS:-q8_0 q4_k_m}; do
-      [ -f /dev/shm/q4b_$q.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $q --out /dev/shm/q4b_$q.gguf > /tmp/res/mk_$q.log 2>&1
-      if [ $q = q8_0 ]; then
-        set -- --variant kp2="$C.q8x_kparts_types=[]" --variant ks4="$C.q8x_ksplit=4" --variant rpw1="$C.q8x_rows_per_warp=1" \
-          --variant t512="$C.q8x_threads=512" --variant bps2="$C.q8x_blocks_per_sm=2" --variant ks6144="$C.q8x_ksplit_max_n=6144"
-      else
-        set -- --variant ksall="$C.q8x_ksplit_types=[]" --variant rpw1="$C.q8x_rows_per_warp=1" --variant t512="$C.q8x_threads=512"
-      fi
-      timeout "$(box 150)" python3 tools/gpu_decode_profile.py --out /tmp/res/down_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 "$@" > /tmp/res/down_$q.log 2>&1
-    done; pack down ;;
+  down)  # the n = 2560 q8x GEMVs (o, down) on the resident grid: tile shapes and k splits
+    ab down 150 q8_0 --variant kp2="$C.q8x_kparts_types=[]" --variant ks4="$C.q8x_ksplit=4" --variant rpw1="$C.q8x_rows_per_warp=1" \
+      --variant t512="$C.q8x_threads=512" --variant bps2="$C.q8x_blocks_per_sm=2" --variant ks6144="$C.q8x_ksplit_max_n=6144"
+    ab down 150 q4_k_m --variant ksall="$C.q8x_ksplit_types=[]" --variant rpw1="$C.q8x_rows_per_warp=1" --variant t512="$C.q8x_threads=512"
+    pack down ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
