@@ -13,6 +13,7 @@ driver calls go through engine.cuda.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -333,8 +334,9 @@ class CudaRunner:
         values = [self._resolve(a, shape) for a in launch.args]
         args = cuda.KernelArgs([a.ctype for a in launch.args], values)
         fn, grid = self._fns[launch.spec], launch.grid_for(shape)
-        if launch.fit_grid:  # a grid-stride kernel: no more blocks than are resident at once
-            grid = (min(grid[0], self._resident_grid(fn, launch)), *grid[1:])
+        if launch.fit_grid:  # a grid-stride kernel: no more blocks (over all of y, z) than fit at once
+            others = math.prod(grid[1:])
+            grid = (min(grid[0], max(1, self._resident_grid(fn, launch) // others)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
         run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
         return _Bound(fn, grid, launch.block, launch.smem, args, run)
