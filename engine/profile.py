@@ -114,9 +114,16 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x": Field(bool, default=False),
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),
-            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape, over the two above
+            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape and register
+            # cap (q8x_min_blocks below), over the general knobs; 0 keeps the general one
             "q8x_type_tuning": Field(
-                MapOf({"q8x_threads": Field(int, default=0), "q8x_rows_per_warp": Field(int, default=0)}),
+                MapOf(
+                    {
+                        "q8x_threads": Field(int, default=0),
+                        "q8x_rows_per_warp": Field(int, default=0),
+                        "q8x_min_blocks": Field(int, default=0),
+                    }
+                ),
                 default={},
                 check=_q8x_file_types,
             ),

@@ -973,6 +973,10 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
     assert {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]} == {(512,)}
+    # a type's register cap (q4_k only: the q6_kr kernels spill under it)
+    capped = with_tuning(prof, "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}")
+    for layout, want in (("q4_k", 3), ("q6_kr", None), ("q8_0r", None)):
+        assert kc.linear_params(layout, 19456, 2560, capped.tuning, bmax=1).get("min_blocks") == want, layout
     with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
         with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
 

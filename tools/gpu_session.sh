@@ -88,6 +88,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t512="$C.q8x_threads=512" --variant bps2="$C.q8x_blocks_per_sm=2" --variant ks6144="$C.q8x_ksplit_max_n=6144"
     ab down 150 q4_k_m --variant ksall="$C.q8x_ksplit_types=[]" --variant rpw1="$C.q8x_rows_per_warp=1" --variant t512="$C.q8x_threads=512"
     pack down ;;
+  q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
+    # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
+    ab q4kregs 100 q4_k_m --variant q4mb3="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}"
+    pack q4kregs ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
