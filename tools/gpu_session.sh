@@ -90,7 +90,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack down ;;
   q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
     # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
-    ab q4kregs 100 q4_k_m --variant q4mb3="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}"
+    # (q6_kr: 154 registers with tile_pf, 1 block per SM; min blocks 2 gives 128 with 20 bytes of spills)
+    ab q4kregs 100 q4_k_m --variant q4mb3="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}" \
+      --variant q6mb2="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q6_k: {q8x_min_blocks: 2}}" \
+      --variant both="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}, q6_k: {q8x_min_blocks: 2}}"
     pack q4kregs ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
