@@ -389,7 +389,6 @@ class Function:
             _call("cuFuncSetAttribute", self.handle, attr, nbytes)
             self._max_smem = nbytes
 
-
     def resident_blocks(self, threads: int, smem: int) -> int:
         """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory that one SM
         holds at once (registers, shared memory, thread and block limits of the compiled kernel)."""

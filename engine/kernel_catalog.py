@@ -613,7 +613,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["k"] % (p["kparts"] * gran) == 0,
                 f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {gran}-element units of {q}",
             )
-        need(not p["tile_pf"] or (p["coop"] and p["pipeline"]), "tile_pf is a pipelined coop option (pipeline=true)")
+        need(
+            not p["tile_pf"] or (p["coop"] and p["pipeline"]),
+            "tile_pf is a pipelined coop option (pipeline=true)",
+        )
         need(
             not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
@@ -1018,8 +1021,9 @@ def coop_options(
     """The coop gemv's q8x / xsmem / pipeline switches for one spec on a [n, k] weight uploaded as
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
-    threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over q8x_ksplit warp groups where n <= q8x_ksplit_max_n and
-    the file type is in q8x_ksplit_types (empty: every type); the
+    threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over
+    q8x_ksplit warp groups where n <= q8x_ksplit_max_n and the file type is in q8x_ksplit_types
+    (empty: every type); the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:

@@ -997,7 +997,9 @@ class _CatalogAdapter:
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
             # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
-            fit = bool(spec.params.get("grid_cap")) and bool(self.profile.tune("gemv_coop").get("q8x_resident_grid"))
+            fit = bool(spec.params.get("grid_cap")) and bool(
+                self.profile.tune("gemv_coop").get("q8x_resident_grid")
+            )
             launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
         return launches
 
