@@ -1032,8 +1032,9 @@ def coop_options(
     gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
     gemv_coop.pipeline does; empty otherwise (the default names)."""
     c = tuning.get("gemv_coop") or {}
+    file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
-    per_type = (c.get("q8x_type_tuning") or {}).get(_COOP_FILE_TYPE.get(quant, quant)) or {}
+    per_type = (c.get("q8x_type_tuning") or {}).get(file_type) or {}
     c = {**c, **{key: v for key, v in per_type.items() if v}}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
@@ -1046,7 +1047,7 @@ def coop_options(
             ksplit > 1
             and n
             and n <= int(c.get("q8x_ksplit_max_n") or 0)
-            and (not kst or _COOP_FILE_TYPE.get(quant, quant) in kst)
+            and (not kst or file_type in kst)
         ):
             out["ksplit"] = ksplit
         else:
@@ -1059,7 +1060,7 @@ def coop_options(
         kpt = c.get("q8x_kparts_types") or ()
         if (
             parts > 1
-            and (not kpt or _COOP_FILE_TYPE.get(quant, quant) in kpt)
+            and (not kpt or file_type in kpt)
             and k >= int(c.get("q8x_kparts_min_k") or 0)
             and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
         ):
