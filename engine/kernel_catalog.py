@@ -1023,7 +1023,8 @@ def coop_options(
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
     threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over
     q8x_ksplit warp groups where n <= q8x_ksplit_max_n and the file type is in q8x_ksplit_types
-    (empty: every type); the
+    (empty: every type), in blocks of q8x_ksplit_threads where set; the weights without the k
+    split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
@@ -1050,8 +1051,11 @@ def coop_options(
             and (not kst or file_type in kst)
         ):
             out["ksplit"] = ksplit
+            threads = c.get("q8x_ksplit_threads") or threads
         else:
             ksplit = 1
+            if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
+                rpw = c["q8x_b1_rows_per_warp"]
         if (threads, rpw, ksplit) != (c["threads"], c["rows_per_warp"], 1):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * rpw)
         if c.get("q8x_blocks_per_sm") and sm_count:

@@ -114,14 +114,17 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x": Field(bool, default=False),
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),
-            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape and register
-            # cap (q8x_min_blocks below), over the general knobs; 0 keeps the general one
+            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape, register
+            # cap (q8x_min_blocks below), k-split threads and batch-1 rows per warp, over the
+            # general knobs; 0 keeps the general one
             "q8x_type_tuning": Field(
                 MapOf(
                     {
                         "q8x_threads": Field(int, default=0),
                         "q8x_rows_per_warp": Field(int, default=0),
                         "q8x_min_blocks": Field(int, default=0),
+                        "q8x_ksplit_threads": Field(int, default=0),
+                        "q8x_b1_rows_per_warp": Field(int, default=0),
                     }
                 ),
                 default={},
@@ -135,6 +138,12 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit": Field(int, default=1),
             "q8x_ksplit_max_n": Field(int, default=0),
             "q8x_ksplit_types": Field(ListOf(str), default=[]),  # file types; empty: every q8x type
+            # the threads of the k-split blocks (0: q8x_threads): e.g. 640 = 10 groups of 2 rows
+            # for 20-row tiles, so n = 2560 takes 128 blocks, one wave on 132 SMs
+            "q8x_ksplit_threads": Field(int, default=0),
+            # rows per warp of the bmax-1 q8x GEMVs without the k split (0: q8x_rows_per_warp):
+            # fewer registers, so more blocks of q8x_threads fit on an SM
+            "q8x_b1_rows_per_warp": Field(int, default=0),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -167,6 +176,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit": 1,
             "q8x_ksplit_max_n": 0,
             "q8x_ksplit_types": [],
+            "q8x_ksplit_threads": 0,
+            "q8x_b1_rows_per_warp": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

@@ -672,7 +672,8 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
 def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
     """gemv_coop.q8x_fuse: in decode1, a rmsnorm / silu_mul whose readers are all q8x GEMVs gets no
     launch and its readers the prologue; with q8x off, and in the batched decode mode, the launches
-    stay. q8x GEMVs take the q8x_threads / q8x_rows_per_warp block shape."""
+    stay. q8x GEMVs take the q8x_threads / q8x_rows_per_warp block shape, the k-split ones the
+    q4_k q8x_ksplit_threads."""
     import dataclasses
 
     prof = get_profile("h200")
@@ -696,8 +697,11 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 for la in st.launches[mode]
                 if la.spec.template == "gemv"
             ]
+            kst = c["q8x_type_tuning"]["q4_k"]["q8x_ksplit_threads"]  # the k-split (o, down) blocks
             for p in gemvs:
-                if p["q8x"]:
+                if p["q8x"] and p["ksplit"] > 1:
+                    assert (p["threads"], p["rows_per_block"]) == (kst, kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"])
+                elif p["q8x"]:
                     assert (p["threads"], p["rows_per_block"]) == (
                         c["q8x_threads"],
                         c["q8x_threads"] // 32 * c["q8x_rows_per_warp"],
@@ -979,6 +983,38 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
         assert kc.linear_params(layout, 19456, 2560, capped.tuning, bmax=1).get("min_blocks") == want, layout
     with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
         with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
+
+
+def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
+    """q8x_ksplit_threads: the k-split GEMVs (n <= q8x_ksplit_max_n: o, down) take their own block
+    size (640 threads = 10 groups of 2 rows: 20-row tiles, 128 blocks for n = 2560);
+    q8x_b1_rows_per_warp: the bmax-1 GEMVs without the k split take that many rows per warp, the
+    bmax-8 ones and the k-split ones keep q8x_rows_per_warp; both apply per file type."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = with_tuning(
+        get_profile("h200"),
+        "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}}",
+    )
+    c = prof.tuning["gemv_coop"]
+    assert c["q8x_ksplit"] == 2 and c["q8x_ksplit_max_n"] == 2560 and c["q8x_rows_per_warp"] == 2
+    for n, k, bmax, want in (
+        (2560, 9728, 1, (640, 20, 2)),  # down: k split, 640 threads, 2 rows per warp
+        (2560, 4096, 1, (640, 20, 2)),  # o
+        (19456, 2560, 1, (512, 16, None)),  # gate|up at batch 1: 1 row per warp
+        (19456, 2560, 8, (512, 32, None)),  # at bmax 8: the type's q8x_rows_per_warp
+    ):
+        p = kc.linear_params("q8_0r", n, k, prof.tuning, bmax=bmax, sm_count=132)
+        assert (p["threads"], p["rows_per_block"], p.get("ksplit")) == want, (n, k, bmax, p)
+    assert kc.spec("gemv", **kc.linear_params("q8_0r", 2560, 9728, prof.tuning, bmax=1)).entry
+    general = c["q8x_threads"]  # q4_k: not in the map, and not a k-split type
+    p = kc.linear_params("q4_k", 19456, 2560, prof.tuning, bmax=1, sm_count=132)
+    assert (p["threads"], p["rows_per_block"]) == (general, general // 32 * c["q8x_rows_per_warp"])
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
+    blocks = {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]}
+    assert blocks == {(512,), (640,)}, blocks
 
 
 def test_kparts_parts_hold_whole_units_of_each_layout():

@@ -11,9 +11,10 @@ NAME=SPEC`` with engine.profile.with_tuning's ``section.knob=value; ...`` overri
   depth 0), i.e. what the engine sees, host work included;
 - ``graph``: the same decode graph replayed back to back between CUDA events (GPU time only), so
   ``wall - graph`` is the host's share of a step;
-- ``kernels`` (``--breakdown``): each distinct launch of the batch-1 pass timed as a graph of 20
-  copies of itself, times how often the pass runs it; the sum against ``graph`` shows what the
-  launches between kernels cost;
+- ``kernels`` (``--breakdown``): each distinct launch of the batch-1 pass (same kernel and grid)
+  timed as a graph that runs every instance of it in the pass, each with its own layer's weights
+  (so a matrix smaller than L2 is still read from HBM, as in the step), repeated up to at least 20
+  launches; the sum against ``graph`` shows what the launches between kernels cost;
 - ``rel``: a variant's logits after a 16-token prefill and one decode step against the first
   variant's (a tuning that changes results shows here; tests/gpu checks correctness properly).
 
@@ -74,16 +75,19 @@ def breakdown(cuda, runner, bound: list, labels: list[str]) -> list[dict]:
     for b, label in zip(bound, labels, strict=True):
         key = (label, b.grid, b.block, b.smem)
         if key not in groups:
-            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "count": 0, "bound": b}
+            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "count": 0, "bound": []}
         groups[key]["count"] += 1
+        groups[key]["bound"].append(b)
     rows = []
     for g in groups.values():
-        b = g.pop("bound")
+        bs = g.pop("bound")
+        reps = -(-COPIES // len(bs))
         runner.stream.synchronize()
         with cuda.capture(runner.stream) as graph:
-            for _ in range(COPIES):
-                b.run(b.args)
-        us = time_graph(cuda, graph, runner.stream, 10) / COPIES
+            for _ in range(reps):
+                for b in bs:
+                    b.run(b.args)
+        us = time_graph(cuda, graph, runner.stream, 10) / (reps * len(bs))
         graph.destroy()
         g["us"] = round(us, 2)
         g["total_us"] = round(us * g["count"], 1)

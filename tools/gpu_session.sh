@@ -88,6 +88,22 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t512="$C.q8x_threads=512" --variant bps2="$C.q8x_blocks_per_sm=2" --variant ks6144="$C.q8x_ksplit_max_n=6144"
     ab down 150 q4_k_m --variant ksall="$C.q8x_ksplit_types=[]" --variant rpw1="$C.q8x_rows_per_warp=1" --variant t512="$C.q8x_threads=512"
     pack down ;;
+  shapes)  # q8_0 tile shapes: the batch-1 GEMVs without the k split at 1 row per warp (53 registers:
+    # 2 blocks of 512 threads per SM), the n = 2560 k-split GEMVs in 640-thread blocks (20-row tiles:
+    # 128 blocks, one wave on 132 SMs), with the per-kernel breakdown; q4_k_m: the breakdown, and the
+    # q4_k o / down GEMVs k-split in 640-thread blocks
+    T="$C.q8x_type_tuning={q8_0: {q8x_threads: 512"
+    ab shapes 280 q8_0 --breakdown --variant b1r1="$T, q8x_b1_rows_per_warp: 1}}" --variant kst640="$T, q8x_ksplit_threads: 640}}" \
+      --variant both="$T, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}}"
+    ab shapes 150 q4_k_m --breakdown --variant q4ks640="$C.q8x_ksplit_types=[q8_0, q4_k]; $T}, q4_k: {q8x_ksplit_threads: 640}}"
+    pack shapes ;;
+  q4b1)  # q4_k_m: the batch-1 q4_k / q6_k GEMVs without the k split at 1 row per warp (fewer
+    # registers, more resident blocks), on the eighth session's profile
+    T="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
+    ab q4b1 130 q4_k_m --variant q4r1="$T, q4_k: {q8x_ksplit_threads: 640, q8x_b1_rows_per_warp: 1}}" \
+      --variant q6r1="$T, q4_k: {q8x_ksplit_threads: 640}, q6_k: {q8x_b1_rows_per_warp: 1}}" \
+      --variant q46r1="$T, q4_k: {q8x_ksplit_threads: 640, q8x_b1_rows_per_warp: 1}, q6_k: {q8x_b1_rows_per_warp: 1}}"
+    pack q4b1 ;;
   q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
     # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
     # (q6_kr: 154 registers with tile_pf, 1 block per SM; min blocks 2 gives 128 with 20 bytes of spills)
