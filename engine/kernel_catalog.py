@@ -985,11 +985,11 @@ def linear_params(
     ``sm_count`` sizes a capped coop grid (coop_options)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    layout = gemv_layout(quant, tuning)
+    layout = gemv_layout(quant, tuning, n=n, bmax=bmax or g["max_batch"])
     opts = (
         coop_options(tuning, bmax or g["max_batch"], k, quant, n=n, sm_count=sm_count)
         if layout.get("coop")
-        else gemv_options(g, st, bmax or g["max_batch"], k, quant)
+        else gemv_options({**g, "threads": layout["threads"]}, st, bmax or g["max_batch"], k, quant)
     )
     return dict(
         {**layout, **opts},
@@ -1093,10 +1093,11 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
     )
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
-    """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a weight uploaded as
-    ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file type, else
-    the classic gemv tuning."""
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0) -> dict[str, Any]:
+    """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
+    uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
+    type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
+    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights)."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)
     if quant in COOP_TYPES and file_type in c.get("types", ()):
@@ -1107,7 +1108,10 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any]) -> dict[str, Any]:
             unroll=c["unroll"],
         )
     g = tuning["gemv"]
-    return dict(threads=g["threads"], rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
+    threads = g["threads"]
+    if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
+        threads = int(g["b1_short_n_threads"])
+    return dict(threads=threads, rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
 
 
 # bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)

@@ -932,7 +932,7 @@ class _CatalogAdapter:
                 )
             opts: dict[str, Any] = {}
             gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
-            layout = gl(w.dtype, self.profile.tuning) if gl is not None else {}
+            layout = gl(w.dtype, self.profile.tuning, n=w.rows, bmax=bmax) if gl is not None else {}
             if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
                 rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
                 opts = dict(
@@ -946,7 +946,7 @@ class _CatalogAdapter:
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
             else:
-                threads, unroll = tg["threads"], tg.get("unroll", 2)
+                threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
                 if glu:
                     pp["glu"] = glu

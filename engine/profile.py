@@ -78,6 +78,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             # unstaged path: the first weight units' loads are issued before pdl_wait (they overlap
             # the previous kernel's tail under programmatic dependent launch)
             "early_weights": Field(bool, default=False),
+            # the batch-1 GEMVs of weights with n <= short_n_max rows (o, down of a small model) in
+            # blocks of b1_short_n_threads (0: threads): more warps per row on a long k
+            "b1_short_n_threads": Field(int, default=0),
+            "short_n_max": Field(int, default=0),
         },
         default={
             "threads": 256,
@@ -92,6 +96,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "prefetch": False,
             "xf32": False,
             "early_weights": False,
+            "b1_short_n_threads": 0,
+            "short_n_max": 0,
         },
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types

@@ -1017,6 +1017,33 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     assert blocks == {(512,), (640,)}, blocks
 
 
+def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
+    """gemv.b1_short_n_threads / short_n_max: the classic batch-1 GEMVs of weights with n <=
+    short_n_max (Qwen3-0.6B o, down) take that block size in the plan; the longer ones (qkv,
+    gate|up, lm_head), the bmax-8 GEMVs and the coop layout keep theirs."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024; gemv.threads=256")
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
+    for mode, want in (("decode1", {1024: 512, 4096: 256, 6144: 256, 151936: 256}), ("decode", None)):
+        got = {}
+        for st in plan.steps:
+            for key in (mode, "short") if mode == "decode1" else (mode,):
+                for la in st.launches.get(key, ()):
+                    if la.spec.template == "gemv":
+                        got[la.spec.params["n"]] = la.block[0]
+        if want is None:
+            assert set(got.values()) == {256}, got
+        else:
+            assert got == want, got
+    off = with_tuning(prof, "gemv.b1_short_n_threads=0")
+    assert kc.linear_params("bf16", 1024, 3072, off.tuning, bmax=1)["threads"] == 256
+    assert kc.linear_params("bf16", 1024, 3072, prof.tuning, bmax=1)["threads"] == 512
+    assert kc.linear_params("q8_0r", 1024, 3072, prof.tuning, bmax=1)["threads"] != 512  # coop: its own
+
+
 def test_kparts_parts_hold_whole_units_of_each_layout():
     """A q6_kr segment reads elements of a 128-element half super-block, a q4_k one 64 consecutive
     elements, the others 32: kparts must cut k at those grains (a part's staged x covers exactly

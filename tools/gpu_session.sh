@@ -104,6 +104,20 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant q6r1="$T, q4_k: {q8x_ksplit_threads: 640}, q6_k: {q8x_b1_rows_per_warp: 1}}" \
       --variant q46r1="$T, q4_k: {q8x_ksplit_threads: 640, q8x_b1_rows_per_warp: 1}, q6_k: {q8x_b1_rows_per_warp: 1}}"
     pack q4b1 ;;
+  small)  # the Qwen3-0.6B-shaped bf16 decode step at batch 1: classic GEMV block shapes, the direct
+    # attention kernel's warps, the rmsnorm block, the warp-cooperative bf16 GEMV; per-kernel breakdown
+    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out /tmp/res/small --shapes qwen3-0.6b --batches 1 --breakdown \
+      --variant u4="gemv.unroll=4" --variant t128="gemv.threads=128" --variant t512="gemv.threads=512" \
+      --variant t512r8="gemv.threads=512; gemv.rows_per_block=8" --variant dw4="attention_decode.direct_warps=4" \
+      --variant nt128="norm.threads=128" --variant coopbf="$C.types=[q8_0, q4_k, q6_k, q4_0, q4_1, bf16]" > /tmp/res/small.log 2>&1
+    pack small ;;
+  shortn)  # the small bf16 shapes at batch 1: gemv.unroll 4, and the GEMVs with n <= 1024 (o, down of
+    # Qwen3-0.6B; qkv, o, down of SmolLM2) in 512- or 1024-thread blocks (gemv.b1_short_n_threads)
+    S="gemv.short_n_max=1024; gemv.b1_short_n_threads"
+    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out /tmp/res/shortn --shapes qwen3-0.6b,smollm2-135m --batches 1,8 \
+      --variant u4="gemv.unroll=4" --variant s512="$S=512" --variant u4s512="gemv.unroll=4; $S=512" \
+      --variant u4s1024="gemv.unroll=4; $S=1024" > /tmp/res/shortn.log 2>&1
+    pack shortn ;;
   q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
     # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
     # (q6_kr: 154 registers with tile_pf, 1 block per SM; min blocks 2 gives 128 with 20 bytes of spills)
