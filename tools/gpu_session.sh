@@ -118,6 +118,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant u4="gemv.unroll=4" --variant s512="$S=512" --variant u4s512="gemv.unroll=4; $S=512" \
       --variant u4s1024="gemv.unroll=4; $S=1024" > /tmp/res/shortn.log 2>&1
     pack shortn ;;
+  q6ks)  # q4_k_m: the q6_k weights with n <= 2560 (v, down) k-split too, in 640- / 512-thread blocks
+    T="$C.q8x_ksplit_types=[q8_0, q4_k, q6_k]; $C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q4_k: {q8x_ksplit_threads: 640}"
+    ab q6ks 150 q4_k_m --breakdown --variant q6ks640="$T, q6_k: {q8x_ksplit_threads: 640}}" --variant q6ks512="$T, q6_k: {q8x_ksplit_threads: 512}}"
+    pack q6ks ;;
   q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
     # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
     # (q6_kr: 154 registers with tile_pf, 1 block per SM; min blocks 2 gives 128 with 20 bytes of spills)
