@@ -123,7 +123,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab q6ks 150 q4_k_m --breakdown --variant q6ks640="$T, q6_k: {q8x_ksplit_threads: 640}}" --variant q6ks512="$T, q6_k: {q8x_ksplit_threads: 512}}"
     pack q6ks ;;
   q4kregs)  # q4_k q8x kernels capped at 80 registers (3 blocks per SM instead of 2 with tile_pf; no
-    # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): not yet measured
+    # spills at b1, 96 bytes at b8), the other types not (q6_kr spills): measured 2026-12-04, no gain at b1
     # (q6_kr: 154 registers with tile_pf, 1 block per SM; min blocks 2 gives 128 with 20 bytes of spills)
     ab q4kregs 100 q4_k_m --variant q4mb3="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}" \
       --variant q6mb2="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q6_k: {q8x_min_blocks: 2}}" \
