@@ -1022,7 +1022,7 @@ def coop_options(
     ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
     COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
     threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over
-    q8x_ksplit warp groups where n <= q8x_ksplit_max_n and the file type is in q8x_ksplit_types
+    q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n and the file type is in q8x_ksplit_types
     (empty: every type), in blocks of q8x_ksplit_threads where set; the weights without the k
     split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
@@ -1047,7 +1047,7 @@ def coop_options(
         if (
             ksplit > 1
             and n
-            and n <= int(c.get("q8x_ksplit_max_n") or 0)
+            and int(c.get("q8x_ksplit_min_n") or 0) <= n <= int(c.get("q8x_ksplit_max_n") or 0)
             and (not kst or file_type in kst)
         ):
             out["ksplit"] = ksplit

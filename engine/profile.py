@@ -121,7 +121,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),
             # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape, register
-            # cap (q8x_min_blocks below), k-split threads and batch-1 rows per warp, over the
+            # cap (q8x_min_blocks below), k-split threads / min n and batch-1 rows per warp, over the
             # general knobs; 0 keeps the general one
             "q8x_type_tuning": Field(
                 MapOf(
@@ -130,6 +130,7 @@ TUNING_SCHEMA: dict[str, Field] = {
                         "q8x_rows_per_warp": Field(int, default=0),
                         "q8x_min_blocks": Field(int, default=0),
                         "q8x_ksplit_threads": Field(int, default=0),
+                        "q8x_ksplit_min_n": Field(int, default=0),
                         "q8x_b1_rows_per_warp": Field(int, default=0),
                     }
                 ),
@@ -147,6 +148,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # the threads of the k-split blocks (0: q8x_threads): e.g. 640 = 10 groups of 2 rows
             # for 20-row tiles, so n = 2560 takes 128 blocks, one wave on 132 SMs
             "q8x_ksplit_threads": Field(int, default=0),
+            # no k split below this many rows (a small model's short weights want more, smaller tiles)
+            "q8x_ksplit_min_n": Field(int, default=0),
             # rows per warp of the bmax-1 q8x GEMVs without the k split (0: q8x_rows_per_warp):
             # fewer registers, so more blocks of q8x_threads fit on an SM
             "q8x_b1_rows_per_warp": Field(int, default=0),
@@ -183,6 +186,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_max_n": 0,
             "q8x_ksplit_types": [],
             "q8x_ksplit_threads": 0,
+            "q8x_ksplit_min_n": 0,
             "q8x_b1_rows_per_warp": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,

@@ -1015,6 +1015,13 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
     blocks = {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]}
     assert blocks == {(512,), (640,)}, blocks
+    # q8x_ksplit_min_n (per type): the h200 q4_1 weights split from n = 2048 only, so SmolLM2's
+    # short weights keep their tiles while Qwen3-4B's o / down take 640-thread k-split blocks
+    h200 = get_profile("h200").tuning
+    assert h200["gemv_coop"]["q8x_type_tuning"]["q4_1"]["q8x_ksplit_min_n"] == 2048
+    for n, k, want in ((2560, 9728, (640, 2)), (2048, 2048, (640, 2)), (576, 1536, (h200["gemv_coop"]["q8x_threads"], None))):
+        p = kc.linear_params("q4_1r", n, k, h200, bmax=1, sm_count=132)
+        assert (p["threads"], p.get("ksplit")) == want, (n, p)
 
 
 def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
