@@ -514,6 +514,8 @@ KPARTS_GRAIN = {"q4_k": 64, "q6_kr": 128}
 # file storage type -> the device layout the coop gemv reads (upload_type), and back
 COOP_LAYOUTS = {"q8_0": "q8_0r", "q6_k": "q6_kr", "q4_0": "q4_0r", "q4_1": "q4_1r"}
 _COOP_FILE_TYPE = {v: k for k, v in COOP_LAYOUTS.items()}
+# the file types whose weights a q8x GEMV reads (the keys gemv_coop.q8x_type_tuning may name)
+Q8X_FILE_TYPES = tuple(_COOP_FILE_TYPE.get(t, t) for t in Q8X_TYPES)
 
 
 def gemv_smem(p: Mapping[str, Any]) -> int:

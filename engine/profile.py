@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine import env, paths
+from engine.kernel_catalog import Q8X_FILE_TYPES
 from engine.schema import Field, ListOf, MapOf, load_yaml, validate
 from engine.types import ConfigError
 
@@ -45,8 +46,8 @@ def _arch(v: str) -> str | None:
 
 
 def _q8x_file_types(v: dict) -> str | None:
-    bad = sorted(set(v) - {"q8_0", "q4_k", "q6_k", "q4_0", "q4_1"})
-    return f"unknown file type(s) {bad}; the q8x GEMV reads q8_0, q4_k, q6_k, q4_0, q4_1" if bad else None
+    bad = sorted(set(v) - set(Q8X_FILE_TYPES))
+    return f"unknown file type(s) {bad}; the q8x GEMV reads {', '.join(Q8X_FILE_TYPES)}" if bad else None
 
 
 def _knob(default: int) -> Field:
