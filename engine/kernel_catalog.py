@@ -987,11 +987,12 @@ def linear_params(
     ``sm_count`` sizes a capped coop grid (coop_options)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    layout = gemv_layout(quant, tuning, n=n, bmax=bmax or g["max_batch"])
+    bmax = bmax or g["max_batch"]
+    layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
     opts = (
-        coop_options(tuning, bmax or g["max_batch"], k, quant, n=n, sm_count=sm_count)
+        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count)
         if layout.get("coop")
-        else gemv_options({**g, "threads": layout["threads"]}, st, bmax or g["max_batch"], k, quant)
+        else gemv_options({**g, "threads": layout["threads"]}, st, bmax, k, quant)
     )
     return dict(
         {**layout, **opts},
@@ -999,7 +1000,7 @@ def linear_params(
         quant=quant,
         n=n,
         k=k,
-        bmax=bmax or g["max_batch"],
+        bmax=bmax,
         residual=residual,
         out_dtype=out_dtype,
     )

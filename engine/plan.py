@@ -953,7 +953,7 @@ class _CatalogAdapter:
                 go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
                 if go is not None:  # xsmem / prefetch from the tuning (off by default)
                     staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
-                    opts = go(tg, staged, bmax, w.cols, w.dtype)
+                    opts = go({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
             spec = self._spec(
                 "gemv",
                 {

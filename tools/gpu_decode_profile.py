@@ -75,12 +75,12 @@ def breakdown(cuda, runner, bound: list, labels: list[str]) -> list[dict]:
     for b, label in zip(bound, labels, strict=True):
         key = (label, b.grid, b.block, b.smem)
         if key not in groups:
-            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "count": 0, "bound": []}
-        groups[key]["count"] += 1
+            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "bound": []}
         groups[key]["bound"].append(b)
     rows = []
     for g in groups.values():
         bs = g.pop("bound")
+        g["count"] = len(bs)
         reps = -(-COPIES // len(bs))
         runner.stream.synchronize()
         with cuda.capture(runner.stream) as graph:
