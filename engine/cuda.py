@@ -550,3 +550,14 @@ class capture:
             return
         self.graph.graph = graph
         self.graph.exec = _call("cuGraphInstantiate", graph, 0)
+
+
+class profiler_range:
+    """Context manager: cuProfilerStart / cuProfilerStop around the block, so a profiler started
+    with its collection off (``ncu --profile-from-start off``) sees only the launches inside."""
+
+    def __enter__(self) -> None:
+        _call("cuProfilerStart")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _call("cuProfilerStop")

@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -121,6 +121,7 @@ KERNELS: dict[str, KernelDoc] = {
             kparts=int,
             tile_pf=bool,
             min_blocks=int,
+            lanes=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -151,6 +152,7 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts",
             "tile_pf",
             "min_blocks",
+            "lanes",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -179,6 +181,7 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts": 1,
             "tile_pf": False,
             "min_blocks": 0,
+            "lanes": 32,
         },
     ),
     "gemm": KernelDoc(
@@ -644,9 +647,14 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 "coop gemv: stage, xf32 and prefetch are classic-layout options",
             )
             need(
-                warps % p["ksplit"] == 0 and p["rows_per_block"] % (warps // p["ksplit"]) == 0,
+                p["lanes"] in (4, 8, 16, 32),
+                f"coop gemv: lanes={p['lanes']} (lanes per row) must be 4, 8, 16 or 32",
+            )
+            groups = warps // max(p["ksplit"], 1) * (32 // p["lanes"] if p["lanes"] in (4, 8, 16, 32) else 1)
+            need(
+                warps % p["ksplit"] == 0 and p["rows_per_block"] % groups == 0,
                 f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} "
-                f"/ ksplit={p['ksplit']} (the row groups; ksplit must divide threads/32)",
+                f"/ ksplit={p['ksplit']} x 32 / lanes={p['lanes']} (the row groups; ksplit must divide threads/32)",
             )
             need(
                 not p["q8x"] or (q in Q8X_TYPES and not p["xsmem"]),
@@ -659,8 +667,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
             )
             need(
-                p["ksplit"] == 1 and p["grid_cap"] == 0,
-                "ksplit and grid_cap are coop-layout options (coop=true)",
+                p["ksplit"] == 1 and p["grid_cap"] == 0 and p["lanes"] == 32,
+                "ksplit, grid_cap and lanes are coop-layout options (coop=true)",
             )
         need(
             gemv_smem(p) <= GEMV_XSMEM_MAX,
@@ -1029,7 +1037,8 @@ def coop_options(
     (empty: every type), in blocks of q8x_ksplit_threads where set; the weights without the k
     split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
-    set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
+    set; q8x_lanes_per_row lanes per row (rpw rows per lane group, 32 / lanes groups per warp)
+    where set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
     every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
     pipeline ask for it; else xsmem where
@@ -1059,8 +1068,11 @@ def coop_options(
             ksplit = 1
             if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
                 rpw = c["q8x_b1_rows_per_warp"]
-        if (threads, rpw, ksplit) != (c["threads"], c["rows_per_warp"], 1):
-            out.update(threads=threads, rows_per_block=threads // 32 // ksplit * rpw)
+        lanes = int(c.get("q8x_lanes_per_row") or 32)
+        if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
+            out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
+        if lanes != 32:
+            out["lanes"] = lanes
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
         parts = int(c.get("q8x_kparts") or 1)

@@ -133,6 +133,8 @@ TUNING_SCHEMA: dict[str, Field] = {
                         "q8x_ksplit_threads": Field(int, default=0),
                         "q8x_ksplit_min_n": Field(int, default=0),
                         "q8x_b1_rows_per_warp": Field(int, default=0),
+                        "q8x_lanes_per_row": Field(int, default=0),
+                        "q8x_ksplit": Field(int, default=0),
                     }
                 ),
                 default={},
@@ -154,6 +156,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # rows per warp of the bmax-1 q8x GEMVs without the k split (0: q8x_rows_per_warp):
             # fewer registers, so more blocks of q8x_threads fit on an SM
             "q8x_b1_rows_per_warp": Field(int, default=0),
+            # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
+            # lane groups, each with its rows; a short k then takes whole steps on every lane
+            "q8x_lanes_per_row": Field(int, default=0),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -189,6 +194,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_threads": 0,
             "q8x_ksplit_min_n": 0,
             "q8x_b1_rows_per_warp": 0,
+            "q8x_lanes_per_row": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

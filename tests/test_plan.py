@@ -1024,6 +1024,35 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
         assert (p["threads"], p.get("ksplit")) == want, (n, p)
 
 
+def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
+    """gemv_coop.q8x_lanes_per_row (general or per file type): a warp becomes 32 / lanes lane
+    groups, each owning rows_per_warp rows, so a block covers 32 / lanes times the rows; the
+    kernel param ``lanes`` is in the entry name only when it is not 32; a bad value is refused."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    h200 = get_profile("h200")
+    base = kc.linear_params("q4_k", 19456, 2560, h200.tuning, bmax=1, sm_count=132)
+    assert "lanes" not in base and "lanes" not in kc.spec("gemv", **base).entry
+    prof = with_tuning(
+        h200,
+        "gemv_coop.q8x_type_tuning={q4_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1, q8x_ksplit: 4,"
+        " q8x_ksplit_threads: 640}}",
+    )
+    p = kc.linear_params("q4_k", 19456, 2560, prof.tuning, bmax=1, sm_count=132)
+    assert (p["lanes"], p["threads"], p["rows_per_block"]) == (8, 256, 32), p
+    assert "lanes8" in kc.spec("gemv", **p).entry
+    # the k-split down projection (the type's own q8x_ksplit): 640 threads = 20 warps in 4 k
+    # groups, 4 lane groups of 1 row each: 20-row tiles
+    p = kc.linear_params("q4_k", 2560, 9728, prof.tuning, bmax=1, sm_count=132)
+    assert (p["lanes"], p["threads"], p["rows_per_block"], p["ksplit"]) == (8, 640, 20, 4), p
+    assert "lanes" not in kc.linear_params("q8_0r", 19456, 2560, prof.tuning, bmax=1)  # other types
+    with pytest.raises(ConfigError, match="lanes=5"):
+        kc.spec("gemv", **{**p, "lanes": 5})
+    with pytest.raises(ConfigError, match="rows_per_block=10 must be a multiple"):
+        kc.spec("gemv", **{**p, "rows_per_block": 10})
+
+
 def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
     """gemv.b1_short_n_threads / short_n_max: the classic batch-1 GEMVs of weights with n <=
     short_n_max (Qwen3-0.6B o, down) take that block size in the plan; the longer ones (qkv,

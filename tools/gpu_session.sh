@@ -129,6 +129,32 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant q6mb2="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q6_k: {q8x_min_blocks: 2}}" \
       --variant both="$C.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}, q6_k: {q8x_min_blocks: 2}}"
     pack q4kregs ;;
+  ncu)  # Nsight Compute on one batch-1 decode step (tools/gpu_ncu_decode.py) of each NCU_QUANTS file:
+    # the first NCU_COUNT GEMV launches (layers 0..), speed of light, memory, occupancy, warp stalls,
+    # instruction mix, SASS hot spots; reports as text in /tmp/res/ncu_<type>.log (+ .ncu-rep)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for q in ${NCU_QUANTS:-q4_k_m q8_0}; do
+      ckpt $q
+      timeout "$(box 200)" "$NCU" --profile-from-start off --clock-control none --target-processes all \
+        --kernel-name regex:"${NCU_KERNELS:-gemv}" --launch-count "${NCU_COUNT:-24}" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+        --export /tmp/res/ncu_$q --force-overwrite \
+        python3 tools/gpu_ncu_decode.py --model /dev/shm/q4b_$q.gguf ${NCU_VARIANT:+--variant "$NCU_VARIANT"} > /tmp/res/ncu_$q.run.log 2>&1
+      "$NCU" --import /tmp/res/ncu_$q.ncu-rep --page details --print-units base > /tmp/res/ncu_$q.log 2>&1
+      pack ncu_$q
+    done ;;
+  lanes)  # q8x lanes per row (gemv_coop.q8x_lanes_per_row): its GPU test (against the reference),
+    # then the q4_k_m A/B with the per-kernel breakdown: q4_k with 8 / 16 lanes per row, q6_k too
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > /tmp/res/lanes_test.log 2>&1
+    pack lanes_test
+    Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1"
+    ab lanes 420 q4_k_m --breakdown --variant l8="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}}" \
+      --variant l8r2="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4, q8x_b1_rows_per_warp: 2}}" \
+      --variant l16="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 16, q8x_ksplit: 2}}" \
+      --variant l8q6="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}" \
+      --variant q6l8="$C.q8x_type_tuning={q4_k: {q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}"
+    pack lanes ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)

@@ -54,7 +54,13 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("layout", ["classic", "coop", "coop_q8x", "q8x_kparts", "dequant_wgmma"])
+# the layouts with int8 x rows (gemv_coop.q8x)
+Q8X_LAYOUTS = ("coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4")
+
+
+@pytest.mark.parametrize(
+    "layout", ["classic", "coop", "coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "dequant_wgmma"]
+)
 @pytest.mark.parametrize(
     "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
 )
@@ -74,6 +80,20 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         "coop_q8x": {**COOP, "q8x": True},
         # k split over 4 blocks where k divides (partial sums, last-block fixup, reused counters)
         "q8x_kparts": {**COOP, "q8x": True, "q8x_kparts": 4},
+        # 8 lanes per row (4 row groups per warp); then 4 lanes with the k split over warps and
+        # blocks, the pipeline, next-tile loads and a capped grid (blocks loop over row tiles)
+        "q8x_lanes8": {**COOP, "q8x": True, "q8x_lanes_per_row": 8},
+        "q8x_lanes4": {
+            **COOP,
+            "q8x": True,
+            "q8x_lanes_per_row": 4,
+            "q8x_ksplit": 2,
+            "q8x_ksplit_max_n": 1 << 20,
+            "q8x_kparts": 2,
+            "pipeline": True,
+            "tile_prefetch": True,
+            "q8x_blocks_per_sm": 1,
+        },
     }.get(layout)
     tuning = {**prof.tuning, "gemv_coop": coop or {**COOP, "types": []}}
     if layout == "dequant_wgmma":  # every prefill pass: matrices dequantised to bf16, then gemm_wgmma
@@ -94,8 +114,10 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         elif layout != "classic":
             assert dtypes & PLANAR and all(s.params["coop"] for s in gemvs), dtypes
             q8x = {s.params["q8x"] for s in gemvs if s.params["quant"] != "bf16"}
-            assert q8x == {layout in ("coop_q8x", "q8x_kparts")}, q8x
+            assert q8x == {layout in Q8X_LAYOUTS}, q8x
             assert any(s.params["kparts"] == 4 for s in gemvs) is (layout == "q8x_kparts")
+            lanes = {s.params["lanes"] for s in gemvs if s.params["q8x"]}
+            assert lanes == {{"q8x_lanes8": 8, "q8x_lanes4": 4}.get(layout, 32)} or not q8x, lanes
         else:
             assert not dtypes & PLANAR and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
@@ -112,7 +134,7 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         print(f"{q} {layout}: logits rel err {', '.join(f'{e:.2e}' for e in errs)} layouts {sorted(dtypes)}")
         # int8 x rows add ~5.5e-3 relative error per GEMV (tools/gpu_check_gemv.py: f32x_rel_err;
         # the q8x kernels match their numpy twin quant.q8x_round_trip to ~1e-7): a looser bound
-        assert max(errs) < (4e-2 if layout in ("coop_q8x", "q8x_kparts") else 2e-2), errs
+        assert max(errs) < (4e-2 if layout in Q8X_LAYOUTS else 2e-2), errs
     finally:
         runner.close()
 
