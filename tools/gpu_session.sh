@@ -155,6 +155,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant l8q6="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}" \
       --variant q6l8="$C.q8x_type_tuning={q4_k: {q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}"
     pack lanes ;;
+  lanes2)  # q4_k at 8 lanes per row (k split 4 in 640-thread blocks) with q6_k tile shapes at 8 / 16 lanes
+    L8="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
+    L16="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 16, q8x_ksplit: 2}"
+    Q6="q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1"
+    ab lanes2 400 q4_k_m --breakdown --variant l8q6="$C.q8x_type_tuning={$L8, $Q6}}" \
+      --variant q6t128="$C.q8x_type_tuning={$L8, $Q6, q8x_threads: 128}}" \
+      --variant q6ks="$C.q8x_ksplit_types=[q8_0, q4_k, q4_0, q4_1, q6_k]; $C.q8x_type_tuning={$L8, $Q6, q8x_ksplit: 4, q8x_ksplit_threads: 640}}" \
+      --variant q6l16="$C.q8x_type_tuning={$L8, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1}}" \
+      --variant l16q6="$C.q8x_type_tuning={$L16, $Q6}}"
+    pack lanes2 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
