@@ -550,7 +550,7 @@ def test_q8x_ksplit_types_limits_the_k_split_to_those_file_types():
 
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
-    knobs = "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560"
+    knobs = "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; gemv_coop.q8x_type_tuning={}"
     for extra, splits in (
         ("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}),
         ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"}),
@@ -681,7 +681,8 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
     assert c["q8x_fuse"] and c["q8x"]
     graph = load_family("qwen3")
     for on in (True, False):
-        tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on}}
+        # (without the per-type shapes: the general knobs' tiles are what is checked below)
+        tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on, "q8x_type_tuning": {}}}
         plan = build_plan(
             graph,
             dims_for_size("qwen3", "qwen3-4b"),
@@ -697,7 +698,7 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 for la in st.launches[mode]
                 if la.spec.template == "gemv"
             ]
-            kst = c["q8x_type_tuning"]["q4_k"]["q8x_ksplit_threads"]  # the k-split (o, down) blocks
+            kst = c["q8x_ksplit_threads"] or c["q8x_threads"]  # the k-split (o, down) blocks
             for p in gemvs:
                 if p["q8x"] and p["ksplit"] > 1:
                     assert (p["threads"], p["rows_per_block"]) == (kst, kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"])
@@ -1032,8 +1033,9 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
     from engine.profile import with_tuning
 
     h200 = get_profile("h200")
-    base = kc.linear_params("q4_k", 19456, 2560, h200.tuning, bmax=1, sm_count=132)
+    base = kc.linear_params("q8_0r", 19456, 2560, h200.tuning, bmax=1, sm_count=132)
     assert "lanes" not in base and "lanes" not in kc.spec("gemv", **base).entry
+    assert kc.linear_params("q4_k", 19456, 2560, h200.tuning, bmax=1, sm_count=132)["lanes"] == 8
     prof = with_tuning(
         h200,
         "gemv_coop.q8x_type_tuning={q4_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1, q8x_ksplit: 4,"

@@ -165,6 +165,11 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant q6l16="$C.q8x_type_tuning={$L8, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1}}" \
       --variant l16q6="$C.q8x_type_tuning={$L16, $Q6}}"
     pack lanes2 ;;
+  lanesq8)  # q8_0 at 16 / 8 lanes per row (the n = 2560 k-split GEMVs in 20-row tiles)
+    Q8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1"
+    ab lanesq8 200 q8_0 --variant l16="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 16, q8x_ksplit: 2}}" \
+      --variant l8="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
+    pack lanesq8 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
