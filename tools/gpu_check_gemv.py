@@ -275,13 +275,16 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    if xsmem in ("coop", "coopxs", "coopq8", "coopq8r"):  # the warp-cooperative layout with the prologue
+    q8 = xsmem in ("coopq8", "coopq8r", "coopq8l")
+    if xsmem in ("coop", "coopxs") or q8:  # the warp-cooperative layout with the prologue
         xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
-        xo["pipeline"] = xsmem in ("coop", "coopq8", "coopq8r")  # the prologue with and without the load pipeline
-        if xsmem in ("coopq8", "coopq8r"):
+        xo["pipeline"] = xsmem != "coopxs"  # the prologue with and without the load pipeline
+        if q8:
             xo["q8x"] = True
         if xsmem == "coopq8r":  # several rounds of x loads in flight while staging, a capped grid
             xo.update(stage_rounds=3, grid_cap=7)
+        if xsmem == "coopq8l":  # 8 lanes per row, next-tile loads, a capped grid
+            xo.update(threads=256, rows_per_block=32, lanes=8, tile_pf=True, grid_cap=7)
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -294,7 +297,7 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
     ref = xin @ deq.T + (r if residual else 0)
     got = host(out)
     tol, extra = TOL[od], {}
-    if xsmem in ("coopq8", "coopq8r"):  # q8x: the twin on the prologue's bf16 output (a flipped bf16
+    if q8:  # q8x: the twin on the prologue's bf16 output (a flipped bf16
         # rounding costs ~1e-4); the f32-x reference misses an int8-x kernel by ~1e-2 (2026-12-03:
         # the q4_1r silu cases of coopq8r at 0.0124 / 0.0111 against it)
         extra = dict(q8x=True, f32x_rel_err=rel_err(np.nan_to_num(got), ref))
@@ -334,7 +337,7 @@ def check_prologues(K, rng, quick):
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
                 coop = ("coop", "coopxs") if qt in kc.COOP_TYPES else ()
-                q8 = ("coopq8", "coopq8r") if qt in kc.Q8X_TYPES else ()
+                q8 = ("coopq8", "coopq8r", "coopq8l") if qt in kc.Q8X_TYPES else ()
                 for xsmem in (False, True, "f32") + coop + q8:
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
                         if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):

@@ -170,6 +170,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab lanesq8 200 q8_0 --variant l16="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 16, q8x_ksplit: 2}}" \
       --variant l8="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
     pack lanesq8 ;;
+  smolq41)  # the SmolLM2-shaped q4_1 GGUF (q4_1r GEMVs): memra bench --quick
+    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
+    timeout "$(box 90)" python3 -m engine.cli bench /dev/shm/smol_q4_1.gguf --backend cuda --quick --json /tmp/res/smol_q4_1${TAG:-}.json > /tmp/res/smol_q4_1${TAG:-}.log 2>&1
+    pack smolq41 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)

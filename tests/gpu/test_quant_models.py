@@ -82,7 +82,7 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         "q8x_kparts": {**COOP, "q8x": True, "q8x_kparts": 4},
         # 8 lanes per row (4 row groups per warp); then 4 lanes with the k split over warps and
         # blocks, the pipeline, next-tile loads and a capped grid (blocks loop over row tiles)
-        "q8x_lanes8": {**COOP, "q8x": True, "q8x_lanes_per_row": 8},
+        "q8x_lanes8": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
@@ -93,6 +93,7 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
             "pipeline": True,
             "tile_prefetch": True,
             "q8x_blocks_per_sm": 1,
+            "q8x_fuse": True,
         },
     }.get(layout)
     tuning = {**prof.tuning, "gemv_coop": coop or {**COOP, "types": []}}
