@@ -174,6 +174,15 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
     timeout "$(box 90)" python3 -m engine.cli bench /dev/shm/smol_q4_1.gguf --backend cuda --quick --json /tmp/res/smol_q4_1${TAG:-}.json > /tmp/res/smol_q4_1${TAG:-}.log 2>&1
     pack smolq41 ;;
+  norm1)  # the batch-1 norm prologue from the staging loads (one staging round: stage_rounds 2 for
+    # 256-thread blocks), q4_k in 512-thread blocks, the q4_k q|k / v GEMVs k-split, q6_k in 128-thread blocks
+    T="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
+    Q6="q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1"
+    ab norm1 300 q4_k_m --breakdown --variant sr2="$C.q8x_stage_rounds=2" \
+      --variant t512="$T, q8x_threads: 512}, $Q6}}" --variant ks5120="$C.q8x_ksplit_max_n=5120" \
+      --variant t512ks="$T, q8x_threads: 512}, $Q6}}; $C.q8x_ksplit_max_n=5120" \
+      --variant q6t128="$T}, $Q6, q8x_threads: 128}}"
+    pack norm1 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
