@@ -145,26 +145,21 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       pack ncu_$q
     done ;;
   lanes)  # q8x lanes per row (gemv_coop.q8x_lanes_per_row): its GPU test (against the reference),
-    # then the q4_k_m A/B with the per-kernel breakdown: q4_k with 8 / 16 lanes per row, q6_k too
+    # then the q4_k_m A/B with the per-kernel breakdown: q4_k at 8 / 16 lanes per row (1 or 2 rows
+    # per lane group, k split 4 / 2 in 640-thread blocks), q6_k at 8 / 16 lanes (the profile since:
+    # q4_k at 8, q6_k at 16), q6_k in 128-thread blocks or k-split
     timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > /tmp/res/lanes_test.log 2>&1
     pack lanes_test
     Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1"
-    ab lanes 420 q4_k_m --breakdown --variant l8="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}}" \
+    L8="$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
+    Q6="q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1"
+    ab lanes 500 q4_k_m --breakdown --variant l8="$C.q8x_type_tuning={$L8}" \
       --variant l8r2="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4, q8x_b1_rows_per_warp: 2}}" \
       --variant l16="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 16, q8x_ksplit: 2}}" \
-      --variant l8q6="$C.q8x_type_tuning={$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}" \
-      --variant q6l8="$C.q8x_type_tuning={q4_k: {q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1}}"
-    pack lanes ;;
-  lanes2)  # q4_k at 8 lanes per row (k split 4 in 640-thread blocks) with q6_k tile shapes at 8 / 16 lanes
-    L8="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
-    L16="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 16, q8x_ksplit: 2}"
-    Q6="q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1"
-    ab lanes2 400 q4_k_m --breakdown --variant l8q6="$C.q8x_type_tuning={$L8, $Q6}}" \
-      --variant q6t128="$C.q8x_type_tuning={$L8, $Q6, q8x_threads: 128}}" \
+      --variant l8q6="$C.q8x_type_tuning={$L8, $Q6}}" --variant q6t128="$C.q8x_type_tuning={$L8, $Q6, q8x_threads: 128}}" \
       --variant q6ks="$C.q8x_ksplit_types=[q8_0, q4_k, q4_0, q4_1, q6_k]; $C.q8x_type_tuning={$L8, $Q6, q8x_ksplit: 4, q8x_ksplit_threads: 640}}" \
-      --variant q6l16="$C.q8x_type_tuning={$L8, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1}}" \
-      --variant l16q6="$C.q8x_type_tuning={$L16, $Q6}}"
-    pack lanes2 ;;
+      --variant q6l16="$C.q8x_type_tuning={$L8, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1}}"
+    pack lanes ;;
   lanesq8)  # q8_0 at 16 / 8 lanes per row (the n = 2560 k-split GEMVs in 20-row tiles)
     Q8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1"
     ab lanesq8 200 q8_0 --variant l16="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 16, q8x_ksplit: 2}}" \
