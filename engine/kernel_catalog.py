@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "l2_first": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -122,6 +122,7 @@ KERNELS: dict[str, KernelDoc] = {
             tile_pf=bool,
             min_blocks=int,
             lanes=int,
+            l2_first=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -153,6 +154,7 @@ KERNELS: dict[str, KernelDoc] = {
             "tile_pf",
             "min_blocks",
             "lanes",
+            "l2_first",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -182,6 +184,7 @@ KERNELS: dict[str, KernelDoc] = {
             "tile_pf": False,
             "min_blocks": 0,
             "lanes": 32,
+            "l2_first": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -627,6 +630,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
         need(
+            p["l2_first"] == 0 or (p["q8x"] and 0 < p["l2_first"] <= 1024),
+            f"l2_first={p['l2_first']}: a q8x coop option, 1..1024 KB of the first tile per block",
+        )
+        need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
         )
@@ -814,7 +821,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "l2_first"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1038,7 +1045,8 @@ def coop_options(
     split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_lanes_per_row lanes per row (rpw rows per lane group, 32 / lanes groups per warp)
-    where set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
+    where set; up to q8x_l2_first KB of each block's first tile bulk-prefetched into L2 before
+    pdl_wait where set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
     every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
     pipeline ask for it; else xsmem where
@@ -1088,6 +1096,8 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
+        if int(c.get("q8x_l2_first") or 0) > 0:
+            out["l2_first"] = int(c["q8x_l2_first"])
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

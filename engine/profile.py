@@ -135,6 +135,7 @@ TUNING_SCHEMA: dict[str, Field] = {
                         "q8x_b1_rows_per_warp": Field(int, default=0),
                         "q8x_lanes_per_row": Field(int, default=0),
                         "q8x_ksplit": Field(int, default=0),
+                        "q8x_l2_first": Field(int, default=0),
                     }
                 ),
                 default={},
@@ -159,6 +160,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
             # lane groups, each with its rows; a short k then takes whole steps on every lane
             "q8x_lanes_per_row": Field(int, default=0),
+            # q8x: up to this many KB of a block's first row tile bulk-prefetched into L2 before it
+            # waits for x (0: off), so the weight stream overlaps the x prologue
+            "q8x_l2_first": Field(int, default=0),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -195,6 +199,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_min_n": 0,
             "q8x_b1_rows_per_warp": 0,
             "q8x_lanes_per_row": 0,
+            "q8x_l2_first": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

@@ -373,6 +373,11 @@ def _gemv_variant_specs():
             assert p["lanes"] == lanes, p
             out.append(kc.spec("gemv", **p))
             out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
+    # q8x with the first row tile bulk-prefetched into L2 before pdl_wait (plain, and with kparts)
+    for q in kc.Q8X_TYPES:
+        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
+        out.append(kc.spec("gemv", **p, l2_first=64))
+        out.append(kc.spec("gemv", **{**p, "kparts": 2, "l2_first": 16, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
     return out
 
 

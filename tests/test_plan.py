@@ -1051,6 +1051,13 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
     assert "lanes" not in kc.linear_params("q8_0r", 19456, 2560, prof.tuning, bmax=1)  # other types
     with pytest.raises(ConfigError, match="lanes=5"):
         kc.spec("gemv", **{**p, "lanes": 5})
+    # q8x_l2_first: up to that many KB of a block's first tile bulk-prefetched into L2 (entry name
+    # l2_first<KB>; q8x coop only, 1..1024)
+    pf = with_tuning(h200, "gemv_coop.q8x_l2_first=48")
+    s = kc.spec("gemv", **kc.linear_params("q6_kr", 2560, 9728, pf.tuning, bmax=1, sm_count=132))
+    assert s.params["l2_first"] == 48 and "l2_first48" in s.entry and "cp.async.bulk.prefetch.L2" in render(s)
+    with pytest.raises(ConfigError, match="l2_first=2048"):
+        kc.spec("gemv", **{**p, "l2_first": 2048})
     with pytest.raises(ConfigError, match="rows_per_block=10 must be a multiple"):
         kc.spec("gemv", **{**p, "rows_per_block": 10})
 

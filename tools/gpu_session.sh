@@ -178,6 +178,14 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t512ks="$T, q8x_threads: 512}, $Q6}}; $C.q8x_ksplit_max_n=5120" \
       --variant q6t128="$T}, $Q6, q8x_threads: 128}}"
     pack norm1 ;;
+  l2first)  # each q8x block's first row tile bulk-prefetched into L2 before pdl_wait
+    # (gemv_coop.q8x_l2_first KB; written in the ninth session after its device time ran out: its
+    # GPU checks first, then the A/B on QUANTS)
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > /tmp/res/l2first_test.log 2>&1
+    for q in ${QUANTS:-q4_k_m q8_0}; do
+      ab l2first 150 $q --breakdown --variant pf16="$C.q8x_l2_first=16" --variant pf48="$C.q8x_l2_first=48" \
+        --variant pf128="$C.q8x_l2_first=128"
+    done; pack l2first ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
