@@ -657,7 +657,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["lanes"] in (4, 8, 16, 32),
                 f"coop gemv: lanes={p['lanes']} (lanes per row) must be 4, 8, 16 or 32",
             )
-            groups = warps // max(p["ksplit"], 1) * (32 // p["lanes"] if p["lanes"] in (4, 8, 16, 32) else 1)
+            groups = warps // p["ksplit"] * (32 // p["lanes"])  # lanes and ksplit are checked by now
             need(
                 warps % p["ksplit"] == 0 and p["rows_per_block"] % groups == 0,
                 f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} "

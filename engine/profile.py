@@ -50,6 +50,20 @@ def _q8x_file_types(v: dict) -> str | None:
     return f"unknown file type(s) {bad}; the q8x GEMV reads {', '.join(Q8X_FILE_TYPES)}" if bad else None
 
 
+# the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning)
+Q8X_TYPE_KNOBS = (
+    "q8x_threads",
+    "q8x_rows_per_warp",
+    "q8x_min_blocks",
+    "q8x_ksplit",
+    "q8x_ksplit_threads",
+    "q8x_ksplit_min_n",
+    "q8x_b1_rows_per_warp",
+    "q8x_lanes_per_row",
+    "q8x_l2_first",
+)
+
+
 def _knob(default: int) -> Field:
     return Field(int, default=default, check=_positive)
 
@@ -121,23 +135,11 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x": Field(bool, default=False),
             "q8x_threads": Field(int, default=0),
             "q8x_rows_per_warp": Field(int, default=0),
-            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's q8x block shape, register
-            # cap (q8x_min_blocks below), k-split threads / min n and batch-1 rows per warp, over the
-            # general knobs; 0 keeps the general one
+            # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's values of the general q8x
+            # knobs named in Q8X_TYPE_KNOBS (described below), over the general ones; 0 keeps the
+            # general one
             "q8x_type_tuning": Field(
-                MapOf(
-                    {
-                        "q8x_threads": Field(int, default=0),
-                        "q8x_rows_per_warp": Field(int, default=0),
-                        "q8x_min_blocks": Field(int, default=0),
-                        "q8x_ksplit_threads": Field(int, default=0),
-                        "q8x_ksplit_min_n": Field(int, default=0),
-                        "q8x_b1_rows_per_warp": Field(int, default=0),
-                        "q8x_lanes_per_row": Field(int, default=0),
-                        "q8x_ksplit": Field(int, default=0),
-                        "q8x_l2_first": Field(int, default=0),
-                    }
-                ),
+                MapOf({knob: Field(int, default=0) for knob in Q8X_TYPE_KNOBS}),
                 default={},
                 check=_q8x_file_types,
             ),

@@ -365,7 +365,8 @@ def _gemv_variant_specs():
     for q in kc.Q8X_TYPES:
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
         out.append(kc.spec("gemv", **{**p, "kparts": 2, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
-    # q8x with 8 / 4 lanes per row: whole steps on every lane (k = 2560) and with a tail (k = 576)
+    # q8x with 8 / 4 lanes per row: whole steps on every lane (k = 2560), then k = 576 / 768 (a
+    # tail step for q4_0r / q4_1r / q4_k, whole steps for q6_kr / q8_0r)
     for q in kc.Q8X_TYPES:
         for lanes, k in ((8, 2560), (4, 2560), (8, 576 if q not in ("q4_k", "q6_kr", "q8_0r") else 768)):
             lq = {**q8, "gemv_coop": {**q8["gemv_coop"], "q8x_lanes_per_row": lanes}}

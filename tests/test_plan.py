@@ -1051,15 +1051,26 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
     assert "lanes" not in kc.linear_params("q8_0r", 19456, 2560, prof.tuning, bmax=1)  # other types
     with pytest.raises(ConfigError, match="lanes=5"):
         kc.spec("gemv", **{**p, "lanes": 5})
-    # q8x_l2_first: up to that many KB of a block's first tile bulk-prefetched into L2 (entry name
-    # l2_first<KB>; q8x coop only, 1..1024)
+    with pytest.raises(ConfigError, match="rows_per_block=10 must be a multiple"):
+        kc.spec("gemv", **{**p, "rows_per_block": 10})
+
+
+def test_q8x_l2_first_prefetches_the_first_tile_into_l2():
+    """gemv_coop.q8x_l2_first: up to that many KB of a block's first row tile bulk-prefetched into
+    L2 before pdl_wait (entry name l2_first<KB>; q8x coop only, 1..1024); off, the kernel has no
+    prefetch."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    h200 = get_profile("h200")
+    off = kc.spec("gemv", **kc.linear_params("q6_kr", 2560, 9728, h200.tuning, bmax=1, sm_count=132))
+    assert off.params["l2_first"] == 0 and "cp.async.bulk.prefetch.L2" not in render(off)
     pf = with_tuning(h200, "gemv_coop.q8x_l2_first=48")
-    s = kc.spec("gemv", **kc.linear_params("q6_kr", 2560, 9728, pf.tuning, bmax=1, sm_count=132))
+    p = kc.linear_params("q6_kr", 2560, 9728, pf.tuning, bmax=1, sm_count=132)
+    s = kc.spec("gemv", **p)
     assert s.params["l2_first"] == 48 and "l2_first48" in s.entry and "cp.async.bulk.prefetch.L2" in render(s)
     with pytest.raises(ConfigError, match="l2_first=2048"):
         kc.spec("gemv", **{**p, "l2_first": 2048})
-    with pytest.raises(ConfigError, match="rows_per_block=10 must be a multiple"):
-        kc.spec("gemv", **{**p, "rows_per_block": 10})
 
 
 def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
