@@ -261,6 +261,11 @@ class Stream:
     def synchronize(self) -> None:
         _call("cuStreamSynchronize", self.handle)
 
+    def wait(self, event: Event) -> None:
+        """Work queued on this stream from now on waits for ``event``'s last record (under stream
+        capture: this stream joins the capture, its next nodes depend on the recorded ones)."""
+        _call("cuStreamWaitEvent", self.handle, event.handle, 0)
+
     def destroy(self) -> None:
         if self.handle is not None:
             _call("cuStreamDestroy", self.handle)

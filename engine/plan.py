@@ -135,7 +135,10 @@ class Launch:
     that many rows: a prefill linear may take one path for short chunks and another for long ones.
     ``fit_grid``: the kernel loops over its work (grid-stride), so the runner may shrink grid.x to
     the blocks that are resident at once (the driver's occupancy of the compiled kernel x SMs): a
-    grid larger than that runs in waves, and the last wave's blocks finish late."""
+    grid larger than that runs in waves, and the last wave's blocks finish late. ``concurrent``:
+    the launch may run alongside the launches before it in its step (on a second stream, forked
+    before the step's first launch and joined before the next step's): it reads only what they
+    read, writes only its own output and uses no scratch (tuning decode_graph.fork_linears)."""
 
     spec: KernelSpec
     grid: tuple[GridDim, ...]
@@ -145,6 +148,7 @@ class Launch:
     min_rows: int = 0
     max_rows: int = 0
     fit_grid: bool = False
+    concurrent: bool = False
 
     def runs_at(self, rows: int) -> bool:
         return rows >= self.min_rows and (not self.max_rows or rows <= self.max_rows)
@@ -1001,7 +1005,19 @@ class _CatalogAdapter:
                 self.profile.tune("gemv_coop").get("q8x_resident_grid")
             )
             launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
-        return launches
+        return self._fork(mode, launches)
+
+    def _fork(self, mode: str, launches: list[Launch]) -> list[Launch]:
+        """A decode linear's launches after the first marked concurrent (tuning
+        decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
+        all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
+        buffer), nor in prefill."""
+        on = (self.profile.tuning.get("decode_graph") or {}).get("fork_linears")
+        if not on or mode == "prefill" or len(launches) < 2:
+            return launches
+        if any(a.kind == "scratch" for la in launches for a in la.args):
+            return launches
+        return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
 
     def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str) -> int:
         """The glu epilogue width of a decode gate|up GEMV whose output only a fusable silu_mul reads

@@ -336,6 +336,10 @@ TUNING_SCHEMA: dict[str, Field] = {
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
     "norm": Field({"threads": _knob(256)}, default={"threads": 256}),
     "sampling": Field({"threads": _knob(1024)}, default={"threads": 1024}),
+    # the decode pass's launch order: fork_linears runs the launches of one linear op's separately
+    # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
+    # read the same x and write their own outputs; the next op waits for both)
+    "decode_graph": Field({"fork_linears": Field(bool, default=False)}, default={"fork_linears": False}),
 }
 
 PROFILE_SCHEMA: dict[str, Field] = {

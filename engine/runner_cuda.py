@@ -61,6 +61,9 @@ class _Bound:
     smem: int
     args: cuda.KernelArgs
     run: cuda.PreparedLaunch  # the launch configuration built once (PDL attribute when on)
+    side: bool = False  # runs on the side stream (a concurrent launch of the plan)
+    fork: bool = False  # the side stream forks from the main one right before this launch
+    solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
 class CudaRunner:
@@ -106,6 +109,10 @@ class CudaRunner:
             self.ctx.info.cc,
         )
         self.stream = cuda.Stream()
+        # the plan's concurrent launches (tuning decode_graph.fork_linears) run on a side stream,
+        # forked from and joined back into the main one by these events (a graph captures the fork)
+        self._side = cuda.Stream()
+        self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
         self._load_kernels(builder)
         self._upload_weights()
@@ -339,7 +346,10 @@ class CudaRunner:
             grid = (min(grid[0], max(1, self._resident_grid(fn, launch) // others)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
         run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
-        return _Bound(fn, grid, launch.block, launch.smem, args, run)
+        if not launch.concurrent:
+            return _Bound(fn, grid, launch.block, launch.smem, args, run, solo=run)
+        side = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self._side, pdl)
+        return _Bound(fn, grid, launch.block, launch.smem, args, side, side=True, solo=run)
 
     def _resident_grid(self, fn: Any, launch: Launch) -> int:
         """The blocks of ``launch``'s kernel resident on the whole GPU at once (at least one per SM)."""
@@ -398,11 +408,32 @@ class CudaRunner:
         if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
                 bound.append(self._bind(launch, shape))
+        for i in range(1, len(bound)):  # a run of side launches forks before the launch ahead of it
+            if bound[i].side and not bound[i - 1].side:
+                bound[i - 1].fork = True
         return bound
 
     def _run(self, bound: list[_Bound]) -> None:
+        """Launch a bound pass in order. A side launch runs on the side stream, which forked from
+        the main one before the launch ahead of its run (so it waits for what that launch waits
+        for, not for it); the main stream joins it back before its next launch."""
+        joined = True
         for b in bound:
+            if b.side:
+                b.run(b.args)
+                joined = False
+                continue
+            if not joined:
+                self._join_ev.record(self._side)
+                self.stream.wait(self._join_ev)
+                joined = True
+            if b.fork:
+                self._fork_ev.record(self.stream)
+                self._side.wait(self._fork_ev)
             b.run(b.args)
+        if not joined:
+            self._join_ev.record(self._side)
+            self.stream.wait(self._join_ev)
 
     # ----------------------------------------------------------------------------- steps
 
@@ -718,6 +749,7 @@ class CudaRunner:
     def close(self) -> None:
         """Free every device allocation, graph and module of this runner (idempotent)."""
         self.stream.synchronize()
+        self._side.synchronize()
         for graph, _ in self._graphs.values():
             graph.destroy()
         self._graphs.clear()

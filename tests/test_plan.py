@@ -7,7 +7,7 @@ import pytest
 from engine.graph import load_family
 from engine.model import dims_for_size
 from engine.plan import build_plan, describe, kernel_specs, storage_nbytes
-from engine.profile import get_profile
+from engine.profile import get_profile, with_tuning
 from engine.render import render
 from engine.types import ConfigError
 
@@ -122,6 +122,27 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
         tensor_dtypes={**dtypes, "wk": "q6_k", "wv": "q4_k"},
     )
     assert {"L0.wq", "L0.wk", "L0.wv"} <= {w.key for w in mixed.weights}
+
+
+def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
+    """decode_graph.fork_linears: the v GEMV of a q4_k_m layer (stored apart from q|k) may run
+    alongside the q|k GEMV in decode, never in prefill; nothing else is concurrent, and with the
+    knob off nothing is."""
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    for on in (True, False):
+        prof = with_tuning(get_profile("h200"), f"decode_graph.fork_linears={str(on).lower()}")
+        plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+        qkv = [s for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
+        assert len(qkv) == dims["layers"]
+        for step in plan.steps:
+            for mode, launches in step.launches.items():
+                flags = [la.concurrent for la in launches]
+                if step in qkv and mode in ("decode1", "decode"):
+                    assert flags == [False, on], (mode, flags)
+                else:
+                    assert not any(flags), (step.op.op, step.op.outputs, mode)
 
 
 def test_residual_linear_writes_in_place_and_logits_are_f32():

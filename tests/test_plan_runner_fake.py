@@ -40,6 +40,9 @@ class FakeDriver:
         self.sm_count = 132
         self.resident = 4  # blocks per SM the occupancy query reports
         self.occupancy: list[tuple[str, int, int]] = []  # (kernel, threads, smem) of each query
+        self.streams = 0
+        # ("launch", stream id, kernel) and ("wait", waiting stream id, recording stream id), in order
+        self.order: list[tuple] = []
 
     def module(self):
         fake = self
@@ -65,8 +68,22 @@ class FakeDriver:
                 pass
 
         class Stream:
+            def __init__(self):
+                self.id = fake.streams
+                fake.streams += 1
+
             def synchronize(self):
                 pass
+
+            def wait(self, event):
+                fake.order.append(("wait", self.id, event.stream))
+
+        class Event:
+            def __init__(self, timing=True):
+                self.stream = None
+
+            def record(self, stream):
+                self.stream = stream.id
 
         class Fn:
             def __init__(self, name):
@@ -122,13 +139,16 @@ class FakeDriver:
             fake.launches.append((fn.name, grid, tuple(block)))
 
         m.Context, m.Stream, m.Module, m.capture, m.PinnedBuffer = Ctx, Stream, Mod, Capture, Pinned
+        m.Event = Event
 
         class Prepared:
             def __init__(self, fn, grid, block, smem=0, stream=None, pdl=False):
                 self.fn, self.grid, self.block, self.smem, self.pdl = fn, grid, block, smem, pdl
+                self.stream = stream.id if stream is not None else None
 
             def __call__(self, args):
                 fake.pdl[self.fn.name] = self.pdl
+                fake.order.append(("launch", self.stream, self.fn.name))
                 launch(self.fn, self.grid, self.block, args, self.smem)
 
         m.alloc = Buf
@@ -508,3 +528,48 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
             assert grid[: len(want)] == want, (name, grid, want)
     assert (seen > 0) is on
     assert len({n for n, _, _ in drv.occupancy}) == len(drv.occupancy)  # one query per kernel
+
+
+def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, monkeypatch):
+    """decode_graph.fork_linears on a q4_k_m file (v stored as q6_k apart from q|k): in every decode
+    pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
+    v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
+    stream."""
+    import engine.runner_cuda as rc
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    from engine.model import load_model
+    from engine.profile import get_profile, with_tuning
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    dims = Dims(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        vocab_size=512,
+    )
+    model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
+    builder = KernelBuilder(
+        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+    )
+    prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true")
+    runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=builder)
+    main, side = runner.stream.id, runner._side.id
+    for graphs in (True, False):
+        runner.use_graphs = graphs
+        drv.order.clear()
+        runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+        order = drv.order
+        sides = [i for i, o in enumerate(order) if o[0] == "launch" and o[1] == side]
+        assert len(sides) == (2 if graphs else 1) * dims.num_hidden_layers  # graphs: warm + captured run
+        for i in sides:
+            assert order[i][2].startswith("gemv__") and "n128_" in order[i][2]  # v: 2 kv heads x 64
+            assert order[i - 2] == ("wait", side, main)  # forked before the q|k GEMV ...
+            assert order[i - 1][:2] == ("launch", main) and "n384_" in order[i - 1][2]  # (4 + 2) x 64
+            assert order[i + 1] == ("wait", main, side)  # ... joined before the next launch
+            assert order[i + 2][:2] == ("launch", main)
+        assert all(o[1] == main for i, o in enumerate(order) if o[0] == "launch" and i not in sides)

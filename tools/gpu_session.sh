@@ -186,6 +186,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab l2first 150 $q --breakdown --variant pf16="$C.q8x_l2_first=16" --variant pf48="$C.q8x_l2_first=48" \
         --variant pf128="$C.q8x_l2_first=128"
     done; pack l2first ;;
+  attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
+    ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
+      --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
+    pack attn ;;
+  fork)  # decode_graph.fork_linears (a q4_k_m layer's v GEMV on a second stream beside q|k): its GPU
+    # test (the same bits, graphs and eager), then the A/B on the q4_k_m file with the breakdown
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > /tmp/res/fork_test.log 2>&1
+    pack fork_test
+    ab fork 200 q4_k_m --breakdown --variant fork="decode_graph.fork_linears=true" --variant nofork="decode_graph.fork_linears=false"
+    pack fork ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
