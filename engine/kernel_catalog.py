@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kernel_spec import KernelSpec, entry_name
+from engine.quant import row_bytes
 from engine.types import ConfigError
 
 # storage types the gemv/embed decoders handle, with (elements, bytes) per GGUF block
@@ -80,7 +81,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -88,7 +89,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "l2_first": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -122,7 +123,7 @@ KERNELS: dict[str, KernelDoc] = {
             tile_pf=bool,
             min_blocks=int,
             lanes=int,
-            l2_first=int,
+            wsm=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -154,7 +155,7 @@ KERNELS: dict[str, KernelDoc] = {
             "tile_pf",
             "min_blocks",
             "lanes",
-            "l2_first",
+            "wsm",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -184,7 +185,7 @@ KERNELS: dict[str, KernelDoc] = {
             "tile_pf": False,
             "min_blocks": 0,
             "lanes": 32,
-            "l2_first": 0,
+            "wsm": False,
         },
     ),
     "gemm": KernelDoc(
@@ -513,6 +514,8 @@ COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsm
 # (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
 Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 COOP_Q8X_MAX = 64 * 1024
+# wsm: the x rows and the row tile within the 227 KB of shared memory a block may have on sm_90
+WSM_SMEM_MAX = 227 * 1024
 # kparts (k split over blocks): the elements a part must hold whole. A q8x x group is 32; a q4_k
 # segment 64 consecutive elements; a q6_kr segment reads elements i and i + 64 of a 128-element
 # half of its super-block, so a part must hold whole halves.
@@ -529,7 +532,11 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     formats with a min, each unit's sum(x); else 0."""
     bmax, k = int(p["bmax"]), int(p["k"])
     if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
-        return bmax * k * 3 // 2
+        x = bmax * k * 3 // 2
+        if not p.get("wsm"):
+            return x
+        # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
+        return (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
     if not p.get("xsmem"):
         return 0
     if p.get("coop"):  # the coop layout stages only the bf16 x rows
@@ -630,8 +637,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
         need(
-            p["l2_first"] == 0 or (p["q8x"] and 0 < p["l2_first"] <= 1024),
-            f"l2_first={p['l2_first']}: a q8x coop option, 1..1024 KB of the first tile per block",
+            not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
+            "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
+        )
+        need(
+            not p["wsm"] or gemv_smem(p) <= WSM_SMEM_MAX,
+            f"wsm: {gemv_smem(p)} bytes of shared memory (x rows and a {p['rows_per_block']}-row tile) "
+            f"exceed {WSM_SMEM_MAX}",
         )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
@@ -678,7 +690,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 "ksplit, grid_cap and lanes are coop-layout options (coop=true)",
             )
         need(
-            gemv_smem(p) <= GEMV_XSMEM_MAX,
+            gemv_smem({**p, "wsm": False}) <= GEMV_XSMEM_MAX,  # (wsm's tile: its own bound above)
             f"xsmem: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
         )
     if template == "gemm_wgmma":
@@ -821,7 +833,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "l2_first"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1045,8 +1057,8 @@ def coop_options(
     split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_lanes_per_row lanes per row (rpw rows per lane group, 32 / lanes groups per warp)
-    where set; up to q8x_l2_first KB of each block's first tile bulk-prefetched into L2 before
-    pdl_wait where set; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
+    where set; the row tile bulk-copied into shared memory (wsm) where it is at most q8x_wsm_kb KB,
+    k is not split over blocks and a capped grid holds every tile in two rounds; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
     every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
     pipeline ask for it; else xsmem where
@@ -1096,13 +1108,17 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
-        if int(c.get("q8x_l2_first") or 0) > 0:
-            out["l2_first"] = int(c["q8x_l2_first"])
+        wkb = int(c.get("q8x_wsm_kb") or 0)
+        if wkb and n and out.get("kparts", 1) == 1:  # the row tile by a bulk copy into shared memory
+            rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
+            cap = int(out.get("grid_cap") or 0)
+            if rpb * row_bytes(quant, k) <= wkb * 1024 and (not cap or _cdiv(n, rpb) <= 2 * cap):
+                out["wsm"] = True
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
-        if c.get("tile_prefetch"):
+        if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
             out["tile_pf"] = True
     return out
 

@@ -60,7 +60,7 @@ Q8X_TYPE_KNOBS = (
     "q8x_ksplit_min_n",
     "q8x_b1_rows_per_warp",
     "q8x_lanes_per_row",
-    "q8x_l2_first",
+    "q8x_wsm_kb",
 )
 
 
@@ -162,9 +162,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
             # lane groups, each with its rows; a short k then takes whole steps on every lane
             "q8x_lanes_per_row": Field(int, default=0),
-            # q8x: up to this many KB of a block's first row tile bulk-prefetched into L2 before it
-            # waits for x (0: off), so the weight stream overlaps the x prologue
-            "q8x_l2_first": Field(int, default=0),
+            # q8x on sm_90: a block's row tile of up to this many KB bulk-copied into shared memory
+            # (one copy per tile, issued before the block waits for x; 0: off), where the grid holds
+            # every tile in at most two rounds and the k is not split over blocks
+            "q8x_wsm_kb": Field(int, default=0),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -201,7 +202,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_ksplit_min_n": 0,
             "q8x_b1_rows_per_warp": 0,
             "q8x_lanes_per_row": 0,
-            "q8x_l2_first": 0,
+            "q8x_wsm_kb": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

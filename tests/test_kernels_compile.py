@@ -374,12 +374,35 @@ def _gemv_variant_specs():
             assert p["lanes"] == lanes, p
             out.append(kc.spec("gemv", **p))
             out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
-    # q8x with the first row tile bulk-prefetched into L2 before pdl_wait (plain, and with kparts)
+    return out
+
+
+def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
+    """q8x with the row tile bulk-copied into shared memory (wsm: cp.async.bulk + an mbarrier,
+    sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
+    tile's copy once the current one is read): it compiles for every profile arch from sm_90, and
+    below it the source stops with an #error naming wsm."""
+    q8 = {
+        "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
+        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
+                      "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
+    }
+    specs = []
     for q in kc.Q8X_TYPES:
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
-        out.append(kc.spec("gemv", **p, l2_first=64))
-        out.append(kc.spec("gemv", **{**p, "kparts": 2, "l2_first": 16, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
-    return out
+        p = {**p, "wsm": True, "grid_cap": 7}
+        specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
+        specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
+    archs = [a for a in _variant_archs() if int(a[3:].rstrip("a")) >= 90]
+    assert "sm_90a" in archs
+    for arch in archs:
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+    with pytest.raises(Exception, match="wsm"):
+        KernelBuilder("sm_80", cache=KernelCache(tmp_path / "kc80"), no_compile=False).build_all(
+            specs[:1], jobs=1, progress=None
+        )
 
 
 def test_tile_prefetch_is_a_pipelined_coop_option():

@@ -1076,22 +1076,35 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
         kc.spec("gemv", **{**p, "rows_per_block": 10})
 
 
-def test_q8x_l2_first_prefetches_the_first_tile_into_l2():
-    """gemv_coop.q8x_l2_first: up to that many KB of a block's first row tile bulk-prefetched into
-    L2 before pdl_wait (entry name l2_first<KB>; q8x coop only, 1..1024); off, the kernel has no
-    prefetch."""
+def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
+    """gemv_coop.q8x_wsm_kb: the row tile of a q8x GEMV bulk-copied into shared memory (entry name
+    wsm1) where it fits that many KB, k is not split over blocks and a capped grid holds every tile
+    in two rounds: not the lm_head, not the kparts down projection; tile_pf is then off; the dynamic
+    shared memory grows by the tile; a tile past 227 KB is refused."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
     h200 = get_profile("h200")
-    off = kc.spec("gemv", **kc.linear_params("q6_kr", 2560, 9728, h200.tuning, bmax=1, sm_count=132))
-    assert off.params["l2_first"] == 0 and "cp.async.bulk.prefetch.L2" not in render(off)
-    pf = with_tuning(h200, "gemv_coop.q8x_l2_first=48")
-    p = kc.linear_params("q6_kr", 2560, 9728, pf.tuning, bmax=1, sm_count=132)
-    s = kc.spec("gemv", **p)
-    assert s.params["l2_first"] == 48 and "l2_first48" in s.entry and "cp.async.bulk.prefetch.L2" in render(s)
-    with pytest.raises(ConfigError, match="l2_first=2048"):
-        kc.spec("gemv", **{**p, "l2_first": 2048})
+    on = with_tuning(h200, "gemv_coop.q8x_wsm_kb=200")
+    for tun, want in ((h200.tuning, False), (on.tuning, True)):
+        p = kc.linear_params("q4_k", 5120, 2560, tun, bmax=1, sm_count=132)  # q|k: 32-row tiles
+        s = kc.spec("gemv", **p)
+        assert s.params["wsm"] is want and ("wsm1" in s.entry) is want
+        assert ("cp.async.bulk.shared::cluster" in render(s)) is want
+        x = 2560 * 3 // 2
+        assert kc.gemv_smem(s.params) == ((x + 127) // 128 * 128 + 32 * 1440 if want else x)
+        if want:
+            assert not s.params["tile_pf"]
+    assert not kc.linear_params("q6_kr", 151936, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # lm_head
+    assert kc.linear_params("q6_kr", 2560, 9728, on.tuning, bmax=1, sm_count=132)["kparts"] == 2
+    assert not kc.linear_params("q6_kr", 2560, 9728, on.tuning, bmax=1, sm_count=132).get("wsm")
+    small = with_tuning(h200, "gemv_coop.q8x_wsm_kb=16")  # a 46 KB tile does not fit in 16 KB
+    assert not kc.linear_params("q4_k", 5120, 2560, small.tuning, bmax=1, sm_count=132).get("wsm")
+    p = kc.linear_params("q4_k", 5120, 2560, on.tuning, bmax=1, sm_count=132)
+    with pytest.raises(ConfigError, match="wsm: .* exceed"):
+        kc.spec("gemv", **{**p, "rows_per_block": 256, "threads": 1024, "lanes": 4, "grid_cap": 0})
+    with pytest.raises(ConfigError, match="wsm .* without kparts or tile_pf"):
+        kc.spec("gemv", **{**p, "tile_pf": True})
 
 
 def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():

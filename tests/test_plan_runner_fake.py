@@ -535,9 +535,9 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
     pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
     v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
     stream."""
-    import engine.runner_cuda as rc
     from fixtures.checkpoints import Dims, write_random_gguf
 
+    import engine.runner_cuda as rc
     from engine.model import load_model
     from engine.profile import get_profile, with_tuning
 

@@ -176,11 +176,15 @@ def gemv_variants(qt):
             out.append((False, q8, CASES))
         # lanes per row (32 / lanes lane groups per warp, each with its rows), with the pipeline,
         # next-tile loads and capped grids; whole steps on every lane or not, with the k split
-        # (the last also with its first tile bulk-prefetched into L2: l2_first, results unchanged)
-        for t, rpw, ln, ks, cap, l2 in ((512, 1, 16, 1, 5, 0), (256, 1, 8, 1, 5, 0), (640, 1, 16, 2, 3, 0), (640, 1, 8, 4, 0, 32)):
+        for t, rpw, ln, ks, cap in ((512, 1, 16, 1, 5), (256, 1, 8, 1, 5), (640, 1, 16, 2, 3), (640, 1, 8, 4, 0)):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * (32 // ln) * rpw, "unroll": 2,
-                  "pipeline": True, "tile_pf": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln,
-                  "l2_first": l2}
+                  "pipeline": True, "tile_pf": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln}
+            out.append((False, q8, CASES))
+        # the row tile bulk-copied into shared memory (wsm): one tile per block, a capped grid (the
+        # next tile's copy once the current one is read), 8 lanes with the k split
+        for t, rpw, ln, ks, cap in ((256, 1, 8, 1, 0), (256, 2, 32, 1, 3), (640, 1, 8, 4, 2)):
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * (32 // ln) * rpw, "unroll": 2,
+                  "pipeline": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln, "wsm": True}
             out.append((False, q8, CASES))
         for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
             q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,

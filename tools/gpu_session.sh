@@ -178,14 +178,21 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t512ks="$T, q8x_threads: 512}, $Q6}}; $C.q8x_ksplit_max_n=5120" \
       --variant q6t128="$T}, $Q6, q8x_threads: 128}}"
     pack norm1 ;;
-  l2first)  # each q8x block's first row tile bulk-prefetched into L2 before pdl_wait
-    # (gemv_coop.q8x_l2_first KB; written in the ninth session after its device time ran out: its
-    # GPU checks first, then the A/B on QUANTS)
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > /tmp/res/l2first_test.log 2>&1
-    for q in ${QUANTS:-q4_k_m q8_0}; do
-      ab l2first 150 $q --breakdown --variant pf16="$C.q8x_l2_first=16" --variant pf48="$C.q8x_l2_first=48" \
-        --variant pf128="$C.q8x_l2_first=128"
-    done; pack l2first ;;
+  wsm)  # the q8x row tile bulk-copied into shared memory (gemv_coop.q8x_wsm_kb): its GPU tests, then the
+    # A/B on the q4_k_m file (the q6_k down projection with its k split over blocks and without wsm,
+    # or without the split and with wsm in 256- / 640-thread blocks) and on the q8_0 one, then the
+    # kernel checks (every wsm case against the numpy twin)
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "wsm or forked" -p no:cacheprovider > /tmp/res/wsm_test.log 2>&1
+    pack wsm_test
+    Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
+    W="$C.q8x_wsm_kb=200"
+    ab wsm 260 q4_k_m --breakdown --variant wsm="$W" --variant wsm6="$W; $C.q8x_kparts=1" \
+      --variant wsm6ks="$W; $C.q8x_kparts=1; $C.q8x_ksplit_types=[q8_0, q4_k, q4_0, q4_1, q6_k]; $C.q8x_type_tuning={$Q4, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1, q8x_ksplit: 4, q8x_ksplit_threads: 640}}"
+    pack wsm_q4
+    ab wsm 100 q8_0 --variant wsm="$W"
+    pack wsm_q8
+    timeout "$(box 150)" python3 tools/gpu_check_gemv.py --out /tmp/res/wsmok --types q4_k,q8_0r,q6_kr,q4_1r --sections none > /tmp/res/check_wsm.log 2>&1
+    pack wsmok ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
