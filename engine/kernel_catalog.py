@@ -1057,8 +1057,9 @@ def coop_options(
     split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
     grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
     set; q8x_lanes_per_row lanes per row (rpw rows per lane group, 32 / lanes groups per warp)
-    where set; the row tile bulk-copied into shared memory (wsm) where it is at most q8x_wsm_kb KB,
-    k is not split over blocks and a capped grid holds every tile in two rounds; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
+    where set; at bmax 1 the row tile bulk-copied into shared memory (wsm) where it is at most
+    q8x_wsm_kb KB, k is not split over blocks and the blocks that fit at once (the smaller of
+    q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
     blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
     every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
     pipeline ask for it; else xsmem where
@@ -1109,10 +1110,14 @@ def coop_options(
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
         wkb = int(c.get("q8x_wsm_kb") or 0)
-        if wkb and n and out.get("kparts", 1) == 1:  # the row tile by a bulk copy into shared memory
+        if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
-            cap = int(out.get("grid_cap") or 0)
-            if rpb * row_bytes(quant, k) <= wkb * 1024 and (not cap or _cdiv(n, rpb) <= 2 * cap):
+            tile = rpb * row_bytes(quant, k)
+            smem = (gemv_smem({"q8x": True, "bmax": bmax, "k": k}) + 127) // 128 * 128 + tile
+            # every tile in one round of resident blocks (a block with a second tile would wait
+            # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
+            per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
+            if tile <= wkb * 1024 and (not sm_count or _cdiv(n, rpb) <= per_sm * sm_count):
                 out["wsm"] = True
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True

@@ -162,9 +162,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
             # lane groups, each with its rows; a short k then takes whole steps on every lane
             "q8x_lanes_per_row": Field(int, default=0),
-            # q8x on sm_90: a block's row tile of up to this many KB bulk-copied into shared memory
-            # (one copy per tile, issued before the block waits for x; 0: off), where the grid holds
-            # every tile in at most two rounds and the k is not split over blocks
+            # q8x on sm_90, batch 1: a block's row tile of up to this many KB bulk-copied into shared
+            # memory (one copy, issued before the block waits for x; 0: off), where the resident
+            # blocks hold every tile at once and the k is not split over blocks
             "q8x_wsm_kb": Field(int, default=0),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile

@@ -1077,10 +1077,11 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
 
 
 def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
-    """gemv_coop.q8x_wsm_kb: the row tile of a q8x GEMV bulk-copied into shared memory (entry name
-    wsm1) where it fits that many KB, k is not split over blocks and a capped grid holds every tile
-    in two rounds: not the lm_head, not the kparts down projection; tile_pf is then off; the dynamic
-    shared memory grows by the tile; a tile past 227 KB is refused."""
+    """gemv_coop.q8x_wsm_kb: the row tile of a batch-1 q8x GEMV bulk-copied into shared memory
+    (entry name wsm1) where it fits that many KB, k is not split over blocks and the blocks that fit
+    at once hold every tile: q|k, not gate|up (608 tiles, 528 blocks) nor the lm_head, not the kparts
+    down projection, not batch 8; tile_pf is then off; the dynamic shared memory grows by the tile;
+    a tile past 227 KB is refused."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
@@ -1095,6 +1096,9 @@ def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
         assert kc.gemv_smem(s.params) == ((x + 127) // 128 * 128 + 32 * 1440 if want else x)
         if want:
             assert not s.params["tile_pf"]
+    assert not kc.linear_params("q4_k", 19456, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # gate|up
+    assert kc.linear_params("q4_k", 9728, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # 304 tiles
+    assert not kc.linear_params("q4_k", 5120, 2560, on.tuning, bmax=8, sm_count=132).get("wsm")
     assert not kc.linear_params("q6_kr", 151936, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # lm_head
     assert kc.linear_params("q6_kr", 2560, 9728, on.tuning, bmax=1, sm_count=132)["kparts"] == 2
     assert not kc.linear_params("q6_kr", 2560, 9728, on.tuning, bmax=1, sm_count=132).get("wsm")

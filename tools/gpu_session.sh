@@ -193,6 +193,17 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack wsm_q8
     timeout "$(box 150)" python3 tools/gpu_check_gemv.py --out /tmp/res/wsmok --types q4_k,q8_0r,q6_kr,q4_1r --sections none > /tmp/res/check_wsm.log 2>&1
     pack wsmok ;;
+  wsm2)  # batch-1 wsm where every tile fits one round of resident blocks (not gate|up, not the
+    # lm_head), then with the q6_k down projection k-split in 640-thread blocks instead of over two
+    # blocks (16 lanes x 2 or 8 lanes x 4 per row), on q4_k_m with the breakdown; then q8_0
+    Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
+    W="$C.q8x_wsm_kb=200"; KS="$C.q8x_kparts=1; $C.q8x_ksplit_types=[q8_0, q4_k, q4_0, q4_1, q6_k]"
+    ab wsm2 300 q4_k_m --breakdown --variant wsm1="$W" \
+      --variant wsm1q6="$W; $KS; $C.q8x_type_tuning={$Q4, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640}}" \
+      --variant wsm1q6l8="$W; $KS; $C.q8x_type_tuning={$Q4, q6_k: {q8x_lanes_per_row: 8, q8x_rows_per_warp: 1, q8x_ksplit: 4, q8x_ksplit_threads: 640}}"
+    pack wsm2_q4
+    ab wsm2 100 q8_0 --variant wsm1="$W"
+    pack wsm2_q8 ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
