@@ -81,7 +81,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -124,6 +124,7 @@ KERNELS: dict[str, KernelDoc] = {
             min_blocks=int,
             lanes=int,
             wsm=bool,
+            trigger=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -156,6 +157,7 @@ KERNELS: dict[str, KernelDoc] = {
             "min_blocks",
             "lanes",
             "wsm",
+            "trigger",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -186,6 +188,7 @@ KERNELS: dict[str, KernelDoc] = {
             "min_blocks": 0,
             "lanes": 32,
             "wsm": False,
+            "trigger": False,
         },
     ),
     "gemm": KernelDoc(
@@ -636,6 +639,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
+        need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",

@@ -340,7 +340,12 @@ TUNING_SCHEMA: dict[str, Field] = {
     # the decode pass's launch order: fork_linears runs the launches of one linear op's separately
     # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
     # read the same x and write their own outputs; the next op waits for both)
-    "decode_graph": Field({"fork_linears": Field(bool, default=False)}, default={"fork_linears": False}),
+    # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
+    # out, so the next kernel's blocks may launch and start their own loads while they run
+    "decode_graph": Field(
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
+    ),
 }
 
 PROFILE_SCHEMA: dict[str, Field] = {
