@@ -681,6 +681,10 @@ class _CatalogAdapter:
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)
 
+    def _graph_knob(self, knob: str) -> bool:
+        """A decode_graph tuning switch (off where the profile's tuning has no such section)."""
+        return bool((self.profile.tuning.get("decode_graph") or {}).get(knob))
+
     def upload_type(self, dtype: str, cols: int) -> str:
         """The device layout of a matrix stored as ``dtype`` (kernel_catalog.upload_type)."""
         fn = getattr(self.cat, "upload_type", None) if self.cat is not None else None
@@ -949,7 +953,7 @@ class _CatalogAdapter:
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
-                if mode == "decode1" and (self.profile.tuning.get("decode_graph") or {}).get("early_trigger"):
+                if mode == "decode1" and self._graph_knob("early_trigger"):
                     opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:
                 threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
@@ -1014,7 +1018,7 @@ class _CatalogAdapter:
         decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
         all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
         buffer), nor in prefill."""
-        on = (self.profile.tuning.get("decode_graph") or {}).get("fork_linears")
+        on = self._graph_knob("fork_linears")
         if not on or mode == "prefill" or len(launches) < 2:
             return launches
         if any(a.kind == "scratch" for la in launches for a in la.args):
@@ -1205,6 +1209,7 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
+                **({"trigger": True} if self._graph_knob("attention_trigger") else {}),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
