@@ -83,7 +83,7 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "trigger"),
+    "attention": ("vec16", "rope"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -356,7 +356,6 @@ KERNELS: dict[str, KernelDoc] = {
             kv_stride=int,
             qsplit=int,
             v_stride=int,
-            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -383,7 +382,6 @@ KERNELS: dict[str, KernelDoc] = {
             "direct",
             "vec16",
             "qsplit",
-            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -399,7 +397,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride": 0,
             "qsplit": 1,
             "v_stride": 0,
-            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(

@@ -341,15 +341,10 @@ TUNING_SCHEMA: dict[str, Field] = {
     # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
     # read the same x and write their own outputs; the next op waits for both)
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
-    # out, so the next kernel's blocks may launch and start their own loads while they run;
-    # attention_trigger: the short-context attention kernel does so at its start in one-row steps
+    # out, so the next kernel's blocks may launch and start their own loads while they run
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            "attention_trigger": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "attention_trigger": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

@@ -501,10 +501,6 @@ def _attention_variant_specs():
                 )
             )
         out.append(kc.spec("attention_combine", heads=heads, head_dim=hd, split=512, out_stride=heads * hd))
-        out.append(  # the one-row step's early pdl_trigger (decode_graph.attention_trigger)
-            kc.spec("attention", **common, split=512, q_stride=qs, out_stride=heads * hd, mode="decode",
-                    direct=True, warps=8, vec16=True, trigger=True)
-        )
     return list(dict.fromkeys(out))
 
 

@@ -159,27 +159,13 @@ def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
             for mode, launches in step.launches.items():
                 for la in launches:
                     if la.spec.template != "gemv":
-                        assert not la.spec.params.get("trigger", False), la.spec.entry  # (attention_trigger)
+                        assert not la.spec.params.get("trigger", False), la.spec.entry
                         continue
                     want = on and la.spec.params["coop"] and mode == "decode1"
                     assert la.spec.params.get("trigger", False) is want, (mode, la.spec.entry)
                     assert ("trigger1" in la.spec.entry) is want
                     if want:
                         assert "pdl_trigger();" in render(la.spec)
-
-
-def test_attention_trigger_marks_the_short_context_attention_only():
-    """decode_graph.attention_trigger: the short-context (direct) attention kernel calls pdl_trigger()
-    in one-row steps (a runtime grid.x == 1 check: the short launches serve every bucket)."""
-    graph = load_family("qwen3")
-    for on in (True, False):
-        prof = with_tuning(get_profile("h200"), f"decode_graph.attention_trigger={str(on).lower()}")
-        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
-        attn = [la for st in plan.steps for m, ls in st.launches.items() for la in ls if la.spec.template == "attention"]
-        short = [la for st in plan.steps for la in st.launches.get("short", ()) if la.spec.template == "attention"]
-        assert short and all(la.spec.params["trigger"] is on for la in short)
-        assert all(not la.spec.params["trigger"] for la in attn if la not in short)
-        assert ("if (gridDim.x == 1) pdl_trigger();" in render(short[0].spec)) is on
 
 
 def test_residual_linear_writes_in_place_and_logits_are_f32():

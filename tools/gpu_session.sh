@@ -214,15 +214,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
       --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > /tmp/res/trig_smol.log 2>&1
     pack trig_smol ;;
-  atrig)  # decode_graph.attention_trigger (the short-context attention kernel calls pdl_trigger() at
-    # its start in one-row steps) on the q4_k_m, q8_0 and SmolLM2-shaped q4_1 files
-    ab atrig 90 q4_k_m --variant atrig="decode_graph.attention_trigger=true"
-    ab atrig 70 q8_0 --variant atrig="decode_graph.attention_trigger=true"
-    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
-    timeout "$(box 70)" python3 tools/gpu_decode_profile.py --out /tmp/res/atrig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
-      --variant atrig="decode_graph.attention_trigger=true" > /tmp/res/atrig_smol.log 2>&1
-    grep -h "b1  \|b8  " /tmp/res/atrig_*.log > /tmp/res/atrig_summary.log
-    pack atrig ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
