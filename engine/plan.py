@@ -135,10 +135,7 @@ class Launch:
     that many rows: a prefill linear may take one path for short chunks and another for long ones.
     ``fit_grid``: the kernel loops over its work (grid-stride), so the runner may shrink grid.x to
     the blocks that are resident at once (the driver's occupancy of the compiled kernel x SMs): a
-    grid larger than that runs in waves, and the last wave's blocks finish late. ``fit_items`` (with
-    fit_grid; 0: unused): the work items (row tiles) its blocks stride over; the fitted grid is then
-    the smallest that takes the same rounds, so every block has as many items as the busiest (608
-    tiles on 528 resident blocks: 304 blocks of two, not 80 of two and 448 of one). ``concurrent``:
+    grid larger than that runs in waves, and the last wave's blocks finish late. ``concurrent``:
     the launch may run alongside the launches before it in its step (on a second stream, forked
     before the step's first launch and joined before the next step's): it reads only what they
     read, writes only its own output and uses no scratch (tuning decode_graph.fork_linears)."""
@@ -151,7 +148,6 @@ class Launch:
     min_rows: int = 0
     max_rows: int = 0
     fit_grid: bool = False
-    fit_items: int = 0
     concurrent: bool = False
 
     def runs_at(self, rows: int) -> bool:
@@ -1011,11 +1007,10 @@ class _CatalogAdapter:
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
             # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
-            ct = self.profile.tune("gemv_coop")
-            fit = bool(spec.params.get("grid_cap")) and bool(ct.get("q8x_resident_grid"))
-            # balanced: the fitted grid as small as the same rounds of tiles allow
-            items = _cdiv(w.rows, spec.params["rows_per_block"]) if fit and ct.get("q8x_balanced_grid") else 0
-            launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit, fit_items=items))
+            fit = bool(spec.params.get("grid_cap")) and bool(
+                self.profile.tune("gemv_coop").get("q8x_resident_grid")
+            )
+            launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
         return self._fork(mode, launches)
 
     def _fork(self, mode: str, launches: list[Launch]) -> list[Launch]:

@@ -172,9 +172,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
             # driver's occupancy x SMs), so no block waits for a second wave
             "q8x_resident_grid": Field(bool, default=False),
-            # with q8x_resident_grid: the fewest blocks that take the same rounds of row tiles (608
-            # tiles on 528 resident blocks: 304 blocks of two tiles, not 80 of two and 448 of one)
-            "q8x_balanced_grid": Field(bool, default=False),
             # q8x: registers capped so this many blocks fit on an SM (0: the compiler's choice)
             "q8x_min_blocks": Field(int, default=0),
             # q8x: the x-row staging issues this many rounds of loads before quantising them
@@ -208,7 +205,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_wsm_kb": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
-            "q8x_balanced_grid": False,
             "q8x_min_blocks": 0,
             "q8x_stage_rounds": 1,
             "q8x_kparts": 1,

@@ -343,10 +343,7 @@ class CudaRunner:
         fn, grid = self._fns[launch.spec], launch.grid_for(shape)
         if launch.fit_grid:  # a grid-stride kernel: no more blocks (over all of y, z) than fit at once
             others = math.prod(grid[1:])
-            gx = min(grid[0], max(1, self._resident_grid(fn, launch) // others))
-            if launch.fit_items:  # the same rounds of items on the fewest blocks
-                gx = -(-launch.fit_items // -(-launch.fit_items // gx))
-            grid = (gx, *grid[1:])
+            grid = (min(grid[0], max(1, self._resident_grid(fn, launch) // others)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
         run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
         if not launch.concurrent:

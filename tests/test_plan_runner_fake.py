@@ -573,39 +573,3 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
             assert order[i + 1] == ("wait", main, side)  # ... joined before the next launch
             assert order[i + 2][:2] == ("launch", main)
         assert all(o[1] == main for i, o in enumerate(order) if o[0] == "launch" and i not in sides)
-
-
-def test_balanced_grid_takes_the_fewest_blocks_for_the_same_rounds(tmp_path, monkeypatch):
-    """gemv_coop.q8x_balanced_grid: a fitted q8x grid becomes ceil(tiles / rounds) blocks, rounds =
-    ceil(tiles / the resident blocks), so every block has as many row tiles as the busiest one."""
-    from fixtures.checkpoints import Dims, write_random_gguf
-
-    import engine.runner_cuda as rc
-    from engine.model import load_model
-    from engine.profile import get_profile, with_tuning
-
-    drv = FakeDriver()
-    drv.sm_count, drv.resident = 2, 7  # 14 resident blocks: 60 tiles take 5 rounds of 12
-    monkeypatch.setattr(rc, "cuda", drv.module())
-    dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
-    path = write_random_gguf(tmp_path / "tiny_q4_1.gguf", "llama", dims, "q4_1", seed=5)
-    builder = KernelBuilder(
-        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
-    )
-    prof = with_tuning(get_profile("h200"), "gemv_coop.q8x_resident_grid=true; gemv_coop.q8x_balanced_grid=true")
-    runner = rc.CudaRunner(load_model(path), prof, num_blocks=64, max_model_len=512, builder=builder)
-    launches = {la.spec.entry: la for st in runner.plan.steps for la in st.launches["decode1"]}
-    fit = [la for la in launches.values() if la.fit_grid]
-    assert fit and all(la.fit_items == -(-la.spec.params["n"] // la.spec.params["rows_per_block"]) for la in fit)
-    drv.launches.clear()
-    runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
-    checked = 0
-    for name, grid, _ in drv.launches:
-        la = launches.get(name)
-        if la is None or not la.fit_grid:
-            continue
-        tiles, resident = la.fit_items, 14 // math.prod(la.grid_for({"n": 1})[1:])
-        rounds = -(-tiles // min(la.grid_for({"n": 1})[0], resident))
-        assert grid[0] == -(-tiles // rounds) and grid[0] <= resident, (name, grid, tiles)
-        checked += grid[0] < min(la.grid_for({"n": 1})[0], resident)  # fewer blocks than fit
-    assert checked

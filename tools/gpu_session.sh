@@ -214,17 +214,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
       --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > /tmp/res/trig_smol.log 2>&1
     pack trig_smol ;;
-  bal)  # gemv_coop.q8x_balanced_grid (fitted grids as small as the same rounds of tiles allow), the q4_k
-    # q|k GEMV k-split in 640-thread blocks (q8x_ksplit_max_n 5120: 20-row tiles), the q8_0 down
-    # projection's 206 KB tile in shared memory (q8x_wsm_kb 220); summary in /tmp/res/bal_summary.log
-    ab bal 200 q4_k_m --breakdown --variant bal="$C.q8x_balanced_grid=true" --variant ks5120="$C.q8x_ksplit_max_n=5120" \
-      --variant balks="$C.q8x_balanced_grid=true; $C.q8x_ksplit_max_n=5120"
-    ab bal 100 q8_0 --variant bal="$C.q8x_balanced_grid=true" --variant wsm220="$C.q8x_wsm_kb=220"
-    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
-    timeout "$(box 60)" python3 tools/gpu_decode_profile.py --out /tmp/res/bal_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
-      --variant bal="$C.q8x_balanced_grid=true" > /tmp/res/bal_smol.log 2>&1
-    grep -h "b1  \|b8  " /tmp/res/bal_*.log > /tmp/res/bal_summary.log
-    pack bal ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
