@@ -205,15 +205,15 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab wsm2 100 q8_0 --variant wsm1="$W"
     pack wsm2_q8 ;;
   trig)  # decode_graph.early_trigger (the batch-1 coop GEMVs call pdl_trigger() after their first
-    # loads: the profile's) against trigger_after_weights (once a block's weights are read) and no
-    # early trigger, on the q4_k_m, q8_0 and SmolLM2-shaped q4_1 files; summary in trig_summary.log
-    ab trig 90 q4_k_m --variant late="decode_graph.trigger_after_weights=true" --variant none="decode_graph.early_trigger=false"
-    ab trig 80 q8_0 --variant late="decode_graph.trigger_after_weights=true" --variant none="decode_graph.early_trigger=false"
+    # loads) on the q4_k_m and q8_0 files and the SmolLM2-shaped q4_1 one, with wsm off for reference
+    ab trig 110 q4_k_m --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0"
+    pack trig_q4
+    ab trig 80 q8_0 --variant trig="decode_graph.early_trigger=true"
+    pack trig_q8
     [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
-    timeout "$(box 60)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
-      --variant late="decode_graph.trigger_after_weights=true" --variant none="decode_graph.early_trigger=false" > /tmp/res/trig_smol.log 2>&1
-    grep -h "b1  \|b8  " /tmp/res/trig_*.log > /tmp/res/trig_summary.log
-    pack trig ;;
+    timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
+      --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > /tmp/res/trig_smol.log 2>&1
+    pack trig_smol ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
