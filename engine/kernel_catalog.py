@@ -81,7 +81,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm"),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -89,7 +89,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "trigger": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -124,7 +124,7 @@ KERNELS: dict[str, KernelDoc] = {
             min_blocks=int,
             lanes=int,
             wsm=bool,
-            trigger=int,
+            trigger=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -188,7 +188,7 @@ KERNELS: dict[str, KernelDoc] = {
             "min_blocks": 0,
             "lanes": 32,
             "wsm": False,
-            "trigger": 0,
+            "trigger": False,
         },
     ),
     "gemm": KernelDoc(
@@ -639,10 +639,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
-        need(
-            p["trigger"] in (0, 1, 2) and (not p["trigger"] or p["coop"]),
-            f"trigger={p['trigger']}: an early pdl_trigger (1: at the start, 2: after the weights), coop only",
-        )
+        need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
@@ -840,7 +837,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "trigger"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )

@@ -953,8 +953,8 @@ class _CatalogAdapter:
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
-                if mode == "decode1" and self._graph_knob("early_trigger"):  # the next kernel may launch
-                    opts["trigger"] = 2 if self._graph_knob("trigger_after_weights") else 1
+                if mode == "decode1" and self._graph_knob("early_trigger"):
+                    opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:
                 threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue

@@ -342,14 +342,9 @@ TUNING_SCHEMA: dict[str, Field] = {
     # read the same x and write their own outputs; the next op waits for both)
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
-    # (trigger_after_weights: once a block's weights are all read instead)
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            "trigger_after_weights": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "trigger_after_weights": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

@@ -376,8 +376,7 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
     # the early pdl_trigger of the batch-1 coop GEMVs (decode_graph.early_trigger)
     for q in kc.Q8X_TYPES:
-        for trig in (1, 2):  # at the start / once the block's weights are read
-            out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132), trigger=trig))
+        out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132), trigger=True))
     return out
 
 

@@ -159,18 +159,13 @@ def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
             for mode, launches in step.launches.items():
                 for la in launches:
                     if la.spec.template != "gemv":
-                        assert not la.spec.params.get("trigger", 0), la.spec.entry
+                        assert not la.spec.params.get("trigger", False), la.spec.entry
                         continue
                     want = on and la.spec.params["coop"] and mode == "decode1"
-                    assert la.spec.params["trigger"] == int(want), (mode, la.spec.entry)
+                    assert la.spec.params.get("trigger", False) is want, (mode, la.spec.entry)
                     assert ("trigger1" in la.spec.entry) is want
                     if want:
                         assert "pdl_trigger();" in render(la.spec)
-    late = with_tuning(get_profile("h200"), "decode_graph.early_trigger=true; decode_graph.trigger_after_weights=true")
-    plan = build_plan(graph, dims, graph.quant("q4_k_m"), late, tensor_dtypes=dtypes)
-    gemvs = [la for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
-    assert gemvs and all(la.spec.params["trigger"] == 2 and "trigger2" in la.spec.entry for la in gemvs)
-    assert "if (tile + (int)gridDim.x >= TILES) pdl_trigger();" in render(gemvs[0].spec)
 
 
 def test_residual_linear_writes_in_place_and_logits_are_f32():
