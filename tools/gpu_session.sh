@@ -214,6 +214,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
       --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > /tmp/res/trig_smol.log 2>&1
     pack trig_smol ;;
+  t320)  # q4_k GEMVs without the k split (q|k, gate|up) in 320-thread blocks: 40-row tiles, one
+    # staging round of x at k = 2560 (the norm from the staging loads), q|k in 128 blocks
+    T="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640}"
+    ab t320 150 q4_k_m --breakdown --variant t320="$T, q4_k: {q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
+    grep -h "b1  \|b8  " /tmp/res/t320_*.log > /tmp/res/t320_summary.log
+    pack t320 ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
       --variant qs2="attention_decode.direct_qsplit=2" --variant qs1="attention_decode.direct_qsplit=1"
