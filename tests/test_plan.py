@@ -1104,7 +1104,7 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
 def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
     """gemv_coop.q8x_wsm_kb: the row tile of a batch-1 q8x GEMV bulk-copied into shared memory
     (entry name wsm1) where it fits that many KB, k is not split over blocks and the blocks that fit
-    at once hold every tile: q|k, not gate|up (608 tiles, 528 blocks) nor the lm_head, not the kparts
+    at once hold every tile: q|k, not gate|up (487 tiles, 396 blocks) nor the lm_head, not the kparts
     down projection, not batch 8; tile_pf is then off; the dynamic shared memory grows by the tile;
     a tile past 227 KB is refused."""
     from engine import kernel_catalog as kc
@@ -1113,16 +1113,17 @@ def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
     h200 = get_profile("h200")
     on, off = with_tuning(h200, "gemv_coop.q8x_wsm_kb=200"), with_tuning(h200, "gemv_coop.q8x_wsm_kb=0")
     for tun, want in ((off.tuning, False), (on.tuning, True)):
-        p = kc.linear_params("q4_k", 5120, 2560, tun, bmax=1, sm_count=132)  # q|k: 32-row tiles
+        p = kc.linear_params("q4_k", 5120, 2560, tun, bmax=1, sm_count=132)  # q|k: 40-row tiles
         s = kc.spec("gemv", **p)
         assert s.params["wsm"] is want and ("wsm1" in s.entry) is want
         assert ("cp.async.bulk.shared::cluster" in render(s)) is want
-        x = 2560 * 3 // 2
-        assert kc.gemv_smem(s.params) == ((x + 127) // 128 * 128 + 32 * 1440 if want else x)
+        x, rpb = 2560 * 3 // 2, p["rows_per_block"]
+        assert kc.gemv_smem(s.params) == ((x + 127) // 128 * 128 + rpb * 1440 if want else x)
         if want:
             assert not s.params["tile_pf"]
-    assert not kc.linear_params("q4_k", 19456, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # gate|up
-    assert kc.linear_params("q4_k", 9728, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # 304 tiles
+    # gate|up: 487 tiles of 40 rows, 3 blocks of 61 KB per SM hold 396; half of it: 244 tiles
+    assert not kc.linear_params("q4_k", 19456, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")
+    assert kc.linear_params("q4_k", 9728, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")
     assert not kc.linear_params("q4_k", 5120, 2560, on.tuning, bmax=8, sm_count=132).get("wsm")
     assert not kc.linear_params("q6_kr", 151936, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # lm_head
     kp = with_tuning(h200, "gemv_coop.q8x_wsm_kb=200; gemv_coop.q8x_kparts=2")

@@ -217,8 +217,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   t320)  # q4_k GEMVs without the k split (q|k, gate|up) in 320-thread blocks: 40-row tiles, one
     # staging round of x at k = 2560 (the norm from the staging loads), q|k in 128 blocks
     T="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640}"
-    ab t320 150 q4_k_m --breakdown --variant t320="$T, q4_k: {q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
-    grep -h "b1  \|b8  " /tmp/res/t320_*.log > /tmp/res/t320_summary.log
+    Q4="q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
+    ab t320 150 q4_k_m ${T320_BREAKDOWN---breakdown} --variant t320="$T, q4_k: {q8x_threads: 320, $Q4" \
+      ${T320_MORE:+--variant t384="$T, q4_k: {q8x_threads: 384, $Q4" --variant t448="$T, q4_k: {q8x_threads: 448, $Q4"}
+    grep -h "b1  \|b8  " /tmp/res/t320_*.log > /tmp/res/t320.sum
     pack t320 ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
