@@ -1052,23 +1052,27 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
 def coop_options(
     tuning: Mapping[str, Any], bmax: int, k: int, quant: str, *, n: int = 0, sm_count: int = 0
 ) -> dict[str, Any]:
-    """The coop gemv's q8x / xsmem / pipeline switches for one spec on a [n, k] weight uploaded as
-    ``quant``: q8x where gemv_coop.q8x asks for it, the type has a dp4a path and its int8 x rows fit
-    COOP_Q8X_MAX (with the block shape gemv_coop.q8x_threads / q8x_rows_per_warp, where set, as
-    threads / rows_per_block, the file type's q8x_type_tuning entry over both; k split over
-    q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n and the file type is in q8x_ksplit_types
-    (empty: every type), in blocks of q8x_ksplit_threads where set; the weights without the k
-    split take q8x_b1_rows_per_warp rows per warp at bmax 1 where set; the
-    grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles, where both are
-    set; q8x_lanes_per_row lanes per row (rpw rows per lane group, 32 / lanes groups per warp)
-    where set; at bmax 1 the row tile bulk-copied into shared memory (wsm) where it is at most
-    q8x_wsm_kb KB, k is not split over blocks and the blocks that fit at once (the smaller of
-    q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile; q8x_stage_rounds rounds of x loads in flight while staging; k split over q8x_kparts
-    blocks along grid.z where k >= q8x_kparts_min_k, the file type is in q8x_kparts_types (empty:
-    every type) and k divides into whole segments); tile_pf where gemv_coop.tile_prefetch and
-    pipeline ask for it; else xsmem where
-    gemv_coop.xsmem asks for it and the bmax x rows of k bf16 fit COOP_XSMEM_MAX; pipeline where
-    gemv_coop.pipeline does; empty otherwise (the default names)."""
+    """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
+    all are off: the default entry names). The knobs are gemv_coop's; the file type's
+    q8x_type_tuning entry overrides the general ones.
+
+    - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
+      COOP_Q8X_MAX. Then:
+      - block shape q8x_threads / q8x_rows_per_warp where set (as threads / rows_per_block);
+      - k split over q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n and the
+        file type is in q8x_ksplit_types (empty: every type), in blocks of q8x_ksplit_threads;
+        the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
+      - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
+      - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
+      - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
+        q8x_kparts_types (empty: every type) and k divides into whole segments;
+      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks;
+      - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
+        KB, k is not split over blocks and the blocks that fit at once (the smaller of
+        q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
+    - else xsmem where gemv_coop.xsmem asks and the bf16 x rows fit COOP_XSMEM_MAX.
+    - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
+    """
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
