@@ -1121,7 +1121,8 @@ def coop_options(
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
             tile = rpb * row_bytes(quant, k)
-            smem = (gemv_smem({"q8x": True, "bmax": bmax, "k": k}) + 127) // 128 * 128 + tile
+            wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
+            smem = gemv_smem(wp)
             # every tile in one round of resident blocks (a block with a second tile would wait
             # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
             per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)

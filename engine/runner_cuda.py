@@ -62,7 +62,6 @@ class _Bound:
     args: cuda.KernelArgs
     run: cuda.PreparedLaunch  # the launch configuration built once (PDL attribute when on)
     side: bool = False  # runs on the side stream (a concurrent launch of the plan)
-    fork: bool = False  # the side stream forks from the main one right before this launch
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
@@ -408,9 +407,6 @@ class CudaRunner:
         if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
                 bound.append(self._bind(launch, shape))
-        for i in range(1, len(bound)):  # a run of side launches forks before the launch ahead of it
-            if bound[i].side and not bound[i - 1].side:
-                bound[i - 1].fork = True
         return bound
 
     def _run(self, bound: list[_Bound]) -> None:
@@ -418,7 +414,7 @@ class CudaRunner:
         the main one before the launch ahead of its run (so it waits for what that launch waits
         for, not for it); the main stream joins it back before its next launch."""
         joined = True
-        for b in bound:
+        for i, b in enumerate(bound):
             if b.side:
                 b.run(b.args)
                 joined = False
@@ -427,7 +423,7 @@ class CudaRunner:
                 self._join_ev.record(self._side)
                 self.stream.wait(self._join_ev)
                 joined = True
-            if b.fork:
+            if i + 1 < len(bound) and bound[i + 1].side:  # a run of side launches follows this one
                 self._fork_ev.record(self.stream)
                 self._side.wait(self._fork_ev)
             b.run(b.args)

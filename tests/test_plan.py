@@ -125,18 +125,23 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
     assert {"L0.wq", "L0.wk", "L0.wv"} <= {w.key for w in mixed.weights}
 
 
+def _q4_k_m_plan(tuning: str):
+    """The h200 plan (with the MEMRA_TUNE-style ``tuning`` overrides) of a Qwen3-4B q4_k_m file:
+    q4_k weights with q6_k v and down (so q|k and v are separate allocations)."""
+    graph = load_family("qwen3")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    prof = with_tuning(get_profile("h200"), tuning)
+    return build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+
+
 def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
     """decode_graph.fork_linears: the v GEMV of a q4_k_m layer (stored apart from q|k) may run
     alongside the q|k GEMV in decode, never in prefill; nothing else is concurrent, and with the
     knob off nothing is."""
-    graph = load_family("qwen3")
-    dims = dims_for_size("qwen3", "qwen3-4b")
-    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
     for on in (True, False):
-        prof = with_tuning(get_profile("h200"), f"decode_graph.fork_linears={str(on).lower()}")
-        plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+        plan = _q4_k_m_plan(f"decode_graph.fork_linears={str(on).lower()}")
         qkv = [s for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
-        assert len(qkv) == dims["layers"]
+        assert len(qkv) == dims_for_size("qwen3", "qwen3-4b")["layers"]
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 flags = [la.concurrent for la in launches]
@@ -149,12 +154,8 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
 def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
     """decode_graph.early_trigger: every decode1 coop GEMV calls pdl_trigger() after its first loads
     (entry name trigger1); the batch-8 GEMVs, the prefill and the other kernels do not."""
-    graph = load_family("qwen3")
-    dims = dims_for_size("qwen3", "qwen3-4b")
-    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
     for on in (True, False):
-        prof = with_tuning(get_profile("h200"), f"decode_graph.early_trigger={str(on).lower()}")
-        plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+        plan = _q4_k_m_plan(f"decode_graph.early_trigger={str(on).lower()}")
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 for la in launches:

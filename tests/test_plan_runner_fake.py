@@ -171,6 +171,14 @@ class FakeDriver:
         return m
 
 
+def fake_builder(tmp_path) -> KernelBuilder:
+    """A kernel builder for sm_90a whose compiler returns a placeholder cubin (the fake driver
+    never loads it)."""
+    return KernelBuilder(
+        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
+    )
+
+
 @pytest.fixture()
 def fake(tmp_path, monkeypatch):
     import engine.runner_cuda as rc
@@ -179,12 +187,7 @@ def fake(tmp_path, monkeypatch):
     drv = FakeDriver()
     monkeypatch.setattr(rc, "cuda", drv.module())
     write_tiny_llama(tmp_path / "m")
-    builder = KernelBuilder(
-        "sm_90a",
-        KernelCache(tmp_path / "cache"),
-        compiler=lambda *a: (b"\0cubin", ""),
-        compiler_version=(13, 0),
-    )
+    builder = fake_builder(tmp_path)
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
     return runner, drv
 
@@ -380,12 +383,7 @@ def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
     monkeypatch.setattr(rc, "cuda", drv.module())
     monkeypatch.setenv("MEMRA_PDL", "0")
     write_tiny_llama(tmp_path / "m")
-    builder = KernelBuilder(
-        "sm_90a",
-        KernelCache(tmp_path / "cache"),
-        compiler=lambda *a: (b"\0cubin", ""),
-        compiler_version=(13, 0),
-    )
+    builder = fake_builder(tmp_path)
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
     runner.step([StepItem(0, [5, 6, 7], 0, [0], True, GREEDY)])
     assert not runner._pdl and drv.pdl and not any(drv.pdl.values())
@@ -459,12 +457,7 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     monkeypatch.setattr(rc, "cuda", drv.module())
     dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
     path = write_random_gguf(tmp_path / "tiny_q4_1.gguf", "llama", dims, "q4_1", seed=5)
-    builder = KernelBuilder(
-        "sm_90a",
-        KernelCache(tmp_path / "cache"),
-        compiler=lambda *a: (b"\0cubin", ""),
-        compiler_version=(13, 0),
-    )
+    builder = fake_builder(tmp_path)
     runner = rc.CudaRunner(load_model(path), num_blocks=64, max_model_len=512, builder=builder)
     assert {w.dtype for w in runner.plan.weights if w.rows > 1} == {"q4_1r"}
     assert sum(drv.h2d) >= sum(w.nbytes for w in runner.plan.weights)
@@ -496,9 +489,7 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     monkeypatch.setattr(rc, "cuda", drv.module())
     dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
     path = write_random_gguf(tmp_path / "tiny_q4_1.gguf", "llama", dims, "q4_1", seed=5)
-    builder = KernelBuilder(
-        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
-    )
+    builder = fake_builder(tmp_path)
     prof = with_tuning(get_profile("h200"), f"gemv_coop.q8x_resident_grid={'true' if on else 'false'}")
     runner = rc.CudaRunner(load_model(path), prof, num_blocks=64, max_model_len=512, builder=builder)
     launches = {la.spec.entry: la for st in runner.plan.steps for la in st.launches["decode1"]}
@@ -553,9 +544,7 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
         vocab_size=512,
     )
     model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
-    builder = KernelBuilder(
-        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
-    )
+    builder = fake_builder(tmp_path)
     prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true")
     runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=builder)
     main, side = runner.stream.id, runner._side.id
