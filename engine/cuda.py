@@ -417,6 +417,11 @@ class Module:
         except CudaError as exc:
             raise CudaError(exc.func, exc.result, f"kernel {name!r} in module {self.label}") from exc
 
+    def global_address(self, name: str) -> tuple[int, int]:
+        """(device address, bytes) of the module's ``__device__`` variable ``name``."""
+        ptr, size = _call("cuModuleGetGlobal", self.handle, name.encode())
+        return int(ptr), int(size)
+
     def unload(self) -> None:
         if self.handle is not None:
             _call("cuModuleUnload", self.handle)

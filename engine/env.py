@@ -77,6 +77,12 @@ MEMRA_PDL: EnvVar[str] = EnvVar(
     "",
     "1/0 forces programmatic dependent launch on/off (default: the device profile's programmatic_launch)",
 )
+MEMRA_TRACE: EnvVar[bool] = EnvVar(
+    "MEMRA_TRACE",
+    bool,
+    False,
+    "compile every kernel with the block timeline trace (tools/gpu_trace_decode.py; slower, never for serving)",
+)
 MEMRA_TUNE: EnvVar[str] = EnvVar(
     "MEMRA_TUNE",
     str,

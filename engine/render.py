@@ -7,11 +7,13 @@ else. Must not import CUDA.
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
 
+from engine import env as memra_env
 from engine import paths
 from engine.kernel_spec import KernelSpec
 
@@ -51,7 +53,43 @@ def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:
         raise RenderError(f"{name} for {spec.entry}: {exc}") from exc
     if f"{spec.entry}(" not in source:
         raise RenderError(f"{name} rendered for {spec.entry} does not define the entry point {spec.entry}")
+    if memra_env.MEMRA_TRACE.get():
+        source = with_trace(source, spec.entry)
     return source
+
+
+TRACE_SCOPE = "MEMRA_TRACE_SCOPE"
+
+
+def trace_tag(entry: str) -> int:
+    """The tag a traced kernel's records carry (tools/gpu_trace_decode.py maps it back)."""
+    return zlib.crc32(entry.encode())
+
+
+def with_trace(source: str, entry: str) -> str:
+    """``source`` with the block timeline trace of kernels/_common.cuh.j2 switched on: MEMRA_TRACE
+    defined, and the body of kernel ``entry`` opened by a trace scope carrying its tag."""
+    body = _body_start(source, entry)
+    if body < 0:
+        raise RenderError(f"{entry}: no kernel body to trace")
+    scope = f"\n    {TRACE_SCOPE}(0x{trace_tag(entry):08x}u);  // block timeline (MEMRA_TRACE)"
+    traced = source[: body + 1] + scope + source[body + 1 :]
+    return "#define MEMRA_TRACE 1\n#define MEMRA_TRACE_SCOPE(tag) MemraTraceScope memra_trace_scope_(tag)\n" + traced
+
+
+def _body_start(source: str, entry: str) -> int:
+    """Index of the ``{`` opening kernel ``entry``'s body (-1 if there is none)."""
+    start = source.find(f"{entry}(")
+    if start < 0:
+        return -1
+    i, depth = start + len(entry) + 1, 1
+    while depth and i < len(source):
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+    body = source.find("{", i)
+    if body < 0 or source[i:body].strip():
+        return -1
+    return body
 
 
 # the first line of a kernel body that reads step-invariant data (weights, step inputs, earlier
@@ -66,17 +104,12 @@ def waits_first(source: str, entry: str) -> bool:
     reads only what no kernel of the pass writes (weights; the step inputs uploaded before the pass:
     positions, slots, block tables; KV-cache entries of earlier steps), which every kernel before the
     previous one has finished with, since each kernel waits before it ends."""
-    start = source.find(f"{entry}(")
-    if start < 0:
-        return False
-    i, depth = start + len(entry) + 1, 1
-    while depth and i < len(source):
-        depth += {"(": 1, ")": -1}.get(source[i], 0)
-        i += 1
-    body = source.find("{", i)
-    if body < 0 or source[i:body].strip():
+    body = _body_start(source, entry)
+    if body < 0:
         return False
     rest = source[body + 1 :]
+    if rest.lstrip().startswith(TRACE_SCOPE):  # the trace's scope opens the body (MEMRA_TRACE)
+        rest = rest.lstrip().split("\n", 1)[1]
     if rest.lstrip().startswith(PDL_PRELOAD):
         return "pdl_wait();" in rest
     for line in rest.splitlines():

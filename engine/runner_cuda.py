@@ -146,6 +146,34 @@ class CudaRunner:
             mod = cuda.Module(k.cubin, k.spec.entry)
             self._modules.append(mod)
             self._fns[k.spec] = mod.function(k.spec.entry)
+        self._trace: cuda.DeviceBuffer | None = None
+        if env.MEMRA_TRACE.get():  # kernels built with the block timeline trace (engine.render)
+            self._trace = cuda.alloc(8 * (8 + 6 * TRACE_RECORDS))
+            self.trace_reset()
+            for mod in self._modules:
+                addr, _ = mod.global_address("memra_trace_buf")
+                cuda.htod(addr, np.array([self._trace.ptr], dtype=np.uint64))
+
+    def trace_reset(self) -> None:
+        """Empty the block timeline trace (MEMRA_TRACE=1 builds only)."""
+        if self._trace is None:
+            raise MemraError("the kernels were not built with MEMRA_TRACE=1", code="invalid_request")
+        self.stream.synchronize()
+        cuda.htod(self._trace.ptr, np.array([0, TRACE_RECORDS] + [0] * 6, dtype=np.uint64))
+
+    def trace_read(self) -> np.ndarray:
+        """The block records written since trace_reset: u64 [n, 6] = (smid << 32 | entry tag, block,
+        start, pdl_wait return, mark, end), times in ns (kernels/_common.cuh.j2)."""
+        if self._trace is None:
+            raise MemraError("the kernels were not built with MEMRA_TRACE=1", code="invalid_request")
+        self.stream.synchronize()
+        self._side.synchronize()
+        head = cuda.dtoh(np.empty(8, dtype=np.uint64), self._trace.ptr)
+        n = int(min(head[0], TRACE_RECORDS))
+        recs = np.empty((n, 6), dtype=np.uint64)
+        if n:
+            cuda.dtoh(recs, self._trace.ptr + 64)
+        return recs
 
     def _upload_weights(self) -> None:
         m = self.model
@@ -755,6 +783,7 @@ class CudaRunner:
             + list(self._scratch.values())
             + self._tmap_pools
             + [self.arena, self.kv, self._in_dev]
+            + ([self._trace] if self._trace is not None else [])
         ):
             buf.free()
         self._weights.clear()
@@ -766,6 +795,8 @@ class CudaRunner:
         self._modules.clear()
         self._fns.clear()
 
+
+TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 

@@ -232,6 +232,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack fork_test
     ab fork 200 q4_k_m --breakdown --variant fork="decode_graph.fork_linears=true" --variant nofork="decode_graph.fork_linears=false"
     pack fork ;;
+  trace)  # a decode step's block timeline (tools/gpu_trace_decode.py) on the q4_k_m file (TRACE_Q),
+    # the profile and each TRACE_VARIANTS line (NAME=SPEC, one per line)
+    q=${TRACE_Q:-q4_k_m}; ckpt "$q"
+    args=(); while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "${TRACE_VARIANTS:-}"
+    timeout "$(box 240)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_$q --model /dev/shm/q4b_$q.gguf "${args[@]}" > /tmp/res/trace_$q.log 2>&1
+    pack trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
