@@ -121,7 +121,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-def trace_variant(cuda, model, profile, batch: int, replays: int) -> dict:
+def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | None = None) -> dict:
     from engine import runner_bench
     from engine.runner_cuda import CudaRunner, _decode_mode
     from gpu_decode_profile import pass_labels, time_graph
@@ -141,6 +141,8 @@ def trace_variant(cuda, model, profile, batch: int, replays: int) -> dict:
     finally:
         runner.close()
     res = {"wall_tok_s": round(wall["tok_s"], 1), "traced_graph_us": round(traced_us, 1), "records": len(recs)}
+    if save is not None:  # the raw records and the pass's launches, for a closer look
+        np.savez_compressed(save, records=recs, entries=np.array([e for e, _ in launches]), labels=np.array(labels))
     parts = split_launches(recs, launches, replays)
     if isinstance(parts, str):
         res["error"] = parts
@@ -205,7 +207,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             prof = with_tuning(base, spec) if spec.strip() else base
-            res = trace_variant(cuda, model, prof, args.batch, args.replays)
+            res = trace_variant(cuda, model, prof, args.batch, args.replays, out / f"records_{name}.npz")
         except Exception as exc:  # one variant's failure must not lose the others
             res = {"error": f"{type(exc).__name__}: {exc}"[:400], "traced_graph_us": None, "records": 0, "wall_tok_s": None}
         results[name] = res
