@@ -97,7 +97,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "spread",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope"),
+    "attention": ("vec16", "rope", "trigger"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -376,6 +376,7 @@ KERNELS: dict[str, KernelDoc] = {
             kv_stride=int,
             qsplit=int,
             v_stride=int,
+            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -402,6 +403,7 @@ KERNELS: dict[str, KernelDoc] = {
             "direct",
             "vec16",
             "qsplit",
+            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -417,6 +419,7 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride": 0,
             "qsplit": 1,
             "v_stride": 0,
+            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(
