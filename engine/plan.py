@@ -953,8 +953,7 @@ class _CatalogAdapter:
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
-                max_k = int((self.profile.tuning.get("decode_graph") or {}).get("early_trigger_max_k") or 0)
-                if mode == "decode1" and self._graph_knob("early_trigger") and (not max_k or w.cols <= max_k):
+                if mode == "decode1" and self._graph_knob("early_trigger"):
                     opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:
                 threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)

@@ -362,17 +362,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # the short-context decode attention calls pdl_trigger() at its start (the o
             # projection's blocks launch beside its few blocks)
             "attention_trigger": Field(bool, default=False),
-            # early_trigger only on GEMVs with k <= this (0: every one); above it the next kernel's
-            # blocks launch when this grid ends, so they spread over the freed SMs at once
-            "early_trigger_max_k": Field(int, default=0),
         },
-        default={
-            "fork_linears": False,
-            "early_trigger": False,
-            "smem_carveout": -1,
-            "attention_trigger": False,
-            "early_trigger_max_k": 0,
-        },
+        default={"fork_linears": False, "early_trigger": False, "smem_carveout": -1, "attention_trigger": False},
     ),
 }
 

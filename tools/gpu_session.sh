@@ -257,17 +257,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 150)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_carve --model /dev/shm/q4b_q4_k_m.gguf \
       --variant c100s="$CV; $SP" --variant c100sga="$CV; $SP; $GR; $AT" > /tmp/res/trace_carve.log 2>&1
     pack carve_trace ;;
-  notrigdown)  # the down projections without the early trigger (decode_graph.early_trigger_max_k
-    # 4096: the next q|k GEMV's blocks launch when down ends and spread over the SMs), the q6_k v
-    # GEMV in 320-thread blocks (fits beside a q|k block), spread (a wsm block per SM)
-    V3="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048, q8x_threads: 320}, q4_k: {q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
-    NT="decode_graph.early_trigger_max_k=4096"; SP="$C.q8x_wsm_spread=true"
-    ab notrigdown 240 q4_k_m --variant nt="$NT" --variant v320="$V3" --variant ntv320="$NT; $V3" --variant ntv320sp="$NT; $V3; $SP" \
-      --variant v320sp="$V3; $SP"
-    grep -h "b1  \|b8  " /tmp/res/notrigdown_*.log > /tmp/res/notrigdown.sum; pack notrigdown
-    timeout "$(box 150)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_ntd --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant ntv320="$NT; $V3" --variant v320sp="$V3; $SP" > /tmp/res/trace_ntd.log 2>&1
-    pack ntd_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
