@@ -97,7 +97,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "spread",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "trigger"),
+    "attention": ("vec16", "rope"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -376,7 +376,6 @@ KERNELS: dict[str, KernelDoc] = {
             kv_stride=int,
             qsplit=int,
             v_stride=int,
-            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -403,7 +402,6 @@ KERNELS: dict[str, KernelDoc] = {
             "direct",
             "vec16",
             "qsplit",
-            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -419,7 +417,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride": 0,
             "qsplit": 1,
             "v_stride": 0,
-            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(

@@ -1209,8 +1209,6 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
-                # decode_graph.attention_trigger: the next kernel may launch beside this small grid
-                **({"trigger": True} if self._graph_knob("attention_trigger") else {}),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]

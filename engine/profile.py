@@ -351,19 +351,8 @@ TUNING_SCHEMA: dict[str, Field] = {
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            # every kernel's preferred shared-memory carveout, in percent of the SM's L1 + shared
-            # memory (-1: the driver's choice per kernel). An SM runs blocks of two kernels at once
-            # only where its carveout holds both, so a kernel launched early (programmatic
-            # dependent launch) may otherwise have to wait for SMs to drain and be reconfigured
-            "smem_carveout": Field(int, default=-1),
-            # the short-context decode attention calls pdl_trigger() at its start (the o
-            # projection's blocks launch beside its few blocks)
-            "attention_trigger": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "smem_carveout": -1, "attention_trigger": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

@@ -146,10 +146,6 @@ class CudaRunner:
             mod = cuda.Module(k.cubin, k.spec.entry)
             self._modules.append(mod)
             self._fns[k.spec] = mod.function(k.spec.entry)
-        carveout = int((self.profile.tuning.get("decode_graph") or {}).get("smem_carveout", -1))
-        if carveout >= 0:  # one shared-memory configuration for every kernel (profile decode_graph)
-            for fn in self._fns.values():
-                fn.set_carveout(carveout)
         self._trace: cuda.DeviceBuffer | None = None
         if env.MEMRA_TRACE.get():  # kernels built with the block timeline trace (engine.render)
             self._trace = cuda.alloc(8 * (8 + 6 * TRACE_RECORDS))

@@ -247,16 +247,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 150)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_wsmg --model /dev/shm/q4b_q4_k_m.gguf \
       --variant both="$C.q8x_wsm_groups=true; $C.q8x_wsm_spread=true; $V6" > /tmp/res/trace_wsmg.log 2>&1
     pack wsmg_trace ;;
-  carve)  # one shared-memory carveout for every kernel (decode_graph.smem_carveout), with spread /
-    # wsm_groups / the attention's early trigger on top: A/B on the q4_k_m file, then traces
-    V6="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_k: {q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
-    CV="decode_graph.smem_carveout=100"; SP="$C.q8x_wsm_spread=true; $V6"; GR="$C.q8x_wsm_groups=true"; AT="decode_graph.attention_trigger=true"
-    ab carve 240 q4_k_m --variant c100="$CV" --variant c100a="$CV; $AT" --variant c100s="$CV; $SP" --variant c100sg="$CV; $SP; $GR" \
-      --variant c100sa="$CV; $SP; $AT" --variant c100sga="$CV; $SP; $GR; $AT"
-    grep -h "b1  \|b8  " /tmp/res/carve_*.log > /tmp/res/carve.sum; pack carve
-    timeout "$(box 150)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_carve --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant c100s="$CV; $SP" --variant c100sga="$CV; $SP; $GR; $AT" > /tmp/res/trace_carve.log 2>&1
-    pack carve_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
