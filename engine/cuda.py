@@ -394,12 +394,6 @@ class Function:
             _call("cuFuncSetAttribute", self.handle, attr, nbytes)
             self._max_smem = nbytes
 
-    def set_carveout(self, percent: int) -> None:
-        """The kernel's preferred shared-memory carveout: ``percent`` of the SM's unified L1 /
-        shared memory (a hint; the driver rounds it to a supported configuration)."""
-        attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        _call("cuFuncSetAttribute", self.handle, attr, int(percent))
-
     def resident_blocks(self, threads: int, smem: int) -> int:
         """Blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory that one SM
         holds at once (registers, shared memory, thread and block limits of the compiled kernel)."""

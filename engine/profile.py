@@ -172,10 +172,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # wsm grids of at least half the SMs: a block's shared memory padded past half an SM,
             # so each SM holds one (an early-launched grid otherwise piles onto the first SMs freed)
             "q8x_wsm_spread": Field(bool, default=False),
-            # the wsm GEMVs' preferred shared-memory carveout in percent of L1 + shared memory (-1:
-            # the driver's choice): a block of another kernel fits beside one only where the SM's
-            # carveout holds both
-            "q8x_wsm_carveout": Field(int, default=-1),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -215,7 +211,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_wsm_kb": 0,
             "q8x_wsm_groups": False,
             "q8x_wsm_spread": False,
-            "q8x_wsm_carveout": -1,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

@@ -149,11 +149,6 @@ class CudaRunner:
             mod = cuda.Module(k.cubin, k.spec.entry)
             self._modules.append(mod)
             self._fns[k.spec] = mod.function(k.spec.entry)
-        carveout = int((self.profile.tuning.get("gemv_coop") or {}).get("q8x_wsm_carveout", -1))
-        if carveout >= 0:  # the wsm GEMVs' shared-memory carveout (their tiles come by bulk copy)
-            for spec, fn in self._fns.items():
-                if spec.params.get("wsm"):
-                    fn.set_carveout(carveout)
         self._trace: cuda.DeviceBuffer | None = None
         if env.MEMRA_TRACE.get():  # kernels built with the block timeline trace (engine.render)
             self._trace = cuda.alloc(8 * (8 + 6 * TRACE_RECORDS))

@@ -259,14 +259,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_fe --model /dev/shm/q4b_q4_k_m.gguf \
       --variant fesp="$FE; $SP" > /tmp/res/trace_fe.log 2>&1
     pack fe_trace ;;
-  wsmcarve)  # the wsm GEMVs at the largest shared-memory carveout (gemv_coop.q8x_wsm_carveout 100),
-    # so a block of another kernel fits beside a spread (one per SM) wsm block
-    FE="decode_graph.fork_early=true"; SP="$C.q8x_wsm_spread=true"; CV="$C.q8x_wsm_carveout=100"
-    ab wsmcarve 200 q4_k_m --variant cv="$CV" --variant cvsp="$CV; $SP" --variant cvspfe="$CV; $SP; $FE" --variant cvfe="$CV; $FE"
-    grep -h "b1  \|b8  " /tmp/res/wsmcarve_*.log > /tmp/res/wsmcarve.sum; pack wsmcarve
-    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_wsmcarve --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant cvspfe="$CV; $SP; $FE" > /tmp/res/trace_wsmcarve.log 2>&1
-    pack wsmcarve_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
