@@ -469,17 +469,15 @@ class PreparedLaunch:
         smem: int = 0,
         stream: Stream | None = None,
         pdl: bool = False,
-        event: Event | None = None,
     ):
         self.fn = fn
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.smem = int(smem)
         self.pdl = bool(pdl)
-        self.event = event
         if self.smem:
             fn.ensure_smem(self.smem)
-        self.config = launch_config(self.grid, self.block, self.smem, stream, self.pdl, event)
+        self.config = launch_config(self.grid, self.block, self.smem, stream, self.pdl)
 
     def __call__(self, args: KernelArgs) -> None:
         drv = _driver()
@@ -494,17 +492,9 @@ class PreparedLaunch:
 
 
 def launch_config(
-    grid: Sequence[int],
-    block: Sequence[int],
-    smem: int = 0,
-    stream: Stream | None = None,
-    pdl: bool = False,
-    event: Event | None = None,
+    grid: Sequence[int], block: Sequence[int], smem: int = 0, stream: Stream | None = None, pdl: bool = False
 ) -> Any:
-    """The ``CUlaunchConfig`` of a launch (no driver call: it needs no GPU or context). ``event``
-    (timing off) adds the programmatic-event attribute: the launch records it, and it completes
-    once every block of the kernel has called ``pdl_trigger()`` or exited, so a launch on another
-    stream that waits for it may start early (it must still call ``pdl_wait()`` first)."""
+    """The ``CUlaunchConfig`` of a launch (no driver call: it needs no GPU or context)."""
     drv = _driver()
     g = tuple(grid) + (1,) * (3 - len(grid))
     b = tuple(block) + (1,) * (3 - len(block))
@@ -513,21 +503,14 @@ def launch_config(
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in b)
     config.sharedMemBytes = int(smem)
     config.hStream = stream.handle if stream is not None else drv.CUstream(0)
-    attrs = []
     if pdl:
         attr = drv.CUlaunchAttribute()
         attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
-        attrs.append(attr)
-    if event is not None:
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT
-        attr.value.programmaticEvent.event = event.handle
-        attr.value.programmaticEvent.flags = 0
-        attr.value.programmaticEvent.triggerAtBlockStart = 0
-        attrs.append(attr)
-    config.attrs = attrs  # copied into the config: set the attributes before assigning them
-    config.numAttrs = len(attrs)
+        config.attrs = [attr]  # copied into the config: set the attribute before assigning it
+        config.numAttrs = 1
+    else:
+        config.numAttrs = 0
     return config
 
 

@@ -351,14 +351,8 @@ TUNING_SCHEMA: dict[str, Field] = {
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            # the side stream forks at the programmatic event of the launch before the fork
-            # point: a concurrent launch then starts as early as the main stream's next one
-            "fork_early": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "fork_early": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

@@ -63,7 +63,6 @@ class _Bound:
     run: cuda.PreparedLaunch  # the launch configuration built once (PDL attribute when on)
     side: bool = False  # runs on the side stream (a concurrent launch of the plan)
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
-    fork: cuda.PreparedLaunch | None = None  # the launch recording the fork event (fork_early)
 
 
 class CudaRunner:
@@ -113,8 +112,6 @@ class CudaRunner:
         # forked from and joined back into the main one by these events (a graph captures the fork)
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
-        # the fork as the programmatic event of the launch two ahead of the side run
-        self._fork_early = self._pdl and bool((self.profile.tuning.get("decode_graph") or {}).get("fork_early"))
         self.block_size = self.plan.block_size
         self._load_kernels(builder)
         self._upload_weights()
@@ -443,10 +440,7 @@ class CudaRunner:
     def _run(self, bound: list[_Bound]) -> None:
         """Launch a bound pass in order. A side launch runs on the side stream, which forked from
         the main one before the launch ahead of its run (so it waits for what that launch waits
-        for, not for it); the main stream joins it back before its next launch. With
-        decode_graph.fork_early (and PDL) the fork is the programmatic event of the launch before
-        that one: the side run may then start, like the main stream's next launch, once that
-        launch's blocks have triggered (its kernels wait for it in pdl_wait())."""
+        for, not for it); the main stream joins it back before its next launch."""
         joined = True
         for i, b in enumerate(bound):
             if b.side:
@@ -458,29 +452,12 @@ class CudaRunner:
                 self.stream.wait(self._join_ev)
                 joined = True
             if i + 1 < len(bound) and bound[i + 1].side:  # a run of side launches follows this one
-                if not (self._fork_early and i > 0 and self._early_fork_ok(bound[i - 1], bound[i + 1])):
-                    self._fork_ev.record(self.stream)
+                self._fork_ev.record(self.stream)
                 self._side.wait(self._fork_ev)
-            if self._fork_early and i + 2 < len(bound) and bound[i + 2].side and not bound[i + 1].side:
-                if self._early_fork_ok(b, bound[i + 2]):  # this launch records the fork event
-                    self._forking(b)(b.args)
-                    continue
             b.run(b.args)
         if not joined:
             self._join_ev.record(self._side)
             self.stream.wait(self._join_ev)
-
-    def _early_fork_ok(self, before: _Bound, side: _Bound) -> bool:
-        """Whether the fork ahead of ``side`` may be the programmatic event of ``before``: both
-        launched with PDL (the side kernel waits for ``before`` in its pdl_wait())."""
-        return before.run.pdl and side.run.pdl and before.run.event is None
-
-    def _forking(self, b: _Bound) -> cuda.PreparedLaunch:
-        """``b``'s launch recording the fork event as its programmatic event (built once)."""
-        if b.fork is None:
-            r = b.run
-            b.fork = cuda.PreparedLaunch(r.fn, r.grid, r.block, r.smem, self.stream, r.pdl, event=self._fork_ev)
-        return b.fork
 
     # ----------------------------------------------------------------------------- steps
 

@@ -142,17 +142,13 @@ class FakeDriver:
         m.Event = Event
 
         class Prepared:
-            def __init__(self, fn, grid, block, smem=0, stream=None, pdl=False, event=None):
+            def __init__(self, fn, grid, block, smem=0, stream=None, pdl=False):
                 self.fn, self.grid, self.block, self.smem, self.pdl = fn, grid, block, smem, pdl
                 self.stream = stream.id if stream is not None else None
-                self.event = event
 
             def __call__(self, args):
                 fake.pdl[self.fn.name] = self.pdl
                 fake.order.append(("launch", self.stream, self.fn.name))
-                if self.event is not None:  # the launch records its programmatic event
-                    self.event.stream = self.stream
-                    fake.order.append(("programmatic event", self.stream, self.fn.name))
                 launch(self.fn, self.grid, self.block, args, self.smem)
 
         m.alloc = Buf
@@ -525,8 +521,7 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     assert len({n for n, _, _ in drv.occupancy}) == len(drv.occupancy)  # one query per kernel
 
 
-@pytest.mark.parametrize("early", ["false", "true"])
-def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, monkeypatch, early):
+def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, monkeypatch):
     """decode_graph.fork_linears on a q4_k_m file (v stored as q6_k apart from q|k): in every decode
     pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
     v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
@@ -550,14 +545,14 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
     )
     model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
     builder = fake_builder(tmp_path)
-    prof = with_tuning(get_profile("h200"), f"decode_graph.fork_linears=true; decode_graph.fork_early={early}")
+    prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true")
     runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=builder)
     main, side = runner.stream.id, runner._side.id
     for graphs in (True, False):
         runner.use_graphs = graphs
         drv.order.clear()
         runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
-        order = [o for o in drv.order if o[0] != "programmatic event"]
+        order = drv.order
         sides = [i for i, o in enumerate(order) if o[0] == "launch" and o[1] == side]
         assert len(sides) == (2 if graphs else 1) * dims.num_hidden_layers  # graphs: warm + captured run
         for i in sides:
@@ -567,11 +562,3 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
             assert order[i + 1] == ("wait", main, side)  # ... joined before the next launch
             assert order[i + 2][:2] == ("launch", main)
         assert all(o[1] == main for i, o in enumerate(order) if o[0] == "launch" and i not in sides)
-        # fork_early: the launch before q|k records the fork event (its programmatic event), else
-        # the fork is an event recorded right before q|k; no launch but those records one
-        progs = [i for i, o in enumerate(drv.order) if o[0] == "programmatic event"]
-        assert len(progs) == (len(sides) if early == "true" else 0)
-        for i in progs:
-            assert drv.order[i - 1][:2] == ("launch", main) and "n384_" not in drv.order[i - 1][2]
-            assert drv.order[i + 1] == ("wait", side, main)
-            assert drv.order[i + 2][:2] == ("launch", main) and "n384_" in drv.order[i + 2][2]  # then q|k

@@ -249,16 +249,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf \
       --variant spread="$C.q8x_wsm_spread=true" > /tmp/res/trace_q6fix.log 2>&1
     pack q6fix_trace ;;
-  forkearly)  # the fork at the programmatic event of the launch before q|k (decode_graph.fork_early):
-    # its GPU test (the same bits), the A/B with spread on the q4_k_m file, a trace
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > /tmp/res/fe_test.log 2>&1
-    pack fe_test
-    FE="decode_graph.fork_early=true"; SP="$C.q8x_wsm_spread=true"
-    ab fe 150 q4_k_m --variant fe="$FE" --variant fesp="$FE; $SP" --variant fespg="$FE; $SP; $C.q8x_wsm_groups=true"
-    grep -h "b1  \|b8  " /tmp/res/fe_*.log > /tmp/res/fe.sum; pack fe
-    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_fe --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant fesp="$FE; $SP" > /tmp/res/trace_fe.log 2>&1
-    pack fe_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
