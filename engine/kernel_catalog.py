@@ -81,21 +81,7 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": (
-        "xsmem",
-        "prefetch",
-        "xf32",
-        "coop",
-        "pipeline",
-        "glu",
-        "q8x",
-        "early_w",
-        "tile_pf",
-        "wsm",
-        "trigger",
-        "wsm_groups",
-        "spread",
-    ),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -139,8 +125,6 @@ KERNELS: dict[str, KernelDoc] = {
             lanes=int,
             wsm=bool,
             trigger=bool,
-            wsm_groups=bool,
-            spread=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -174,8 +158,6 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes",
             "wsm",
             "trigger",
-            "wsm_groups",
-            "spread",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -207,8 +189,6 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes": 32,
             "wsm": False,
             "trigger": False,
-            "wsm_groups": False,
-            "spread": False,
         },
     ),
     "gemm": KernelDoc(
@@ -539,9 +519,6 @@ Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 COOP_Q8X_MAX = 64 * 1024
 # wsm: the x rows and the row tile within the 227 KB of shared memory a block may have on sm_90
 WSM_SMEM_MAX = 227 * 1024
-# spread: a wsm block's dynamic shared memory at least this (over half of an sm_90 SM's 228 KB with
-# each block's 1 KB reserve), so no two blocks of the grid share an SM
-SPREAD_SMEM = 115 * 1024
 # kparts (k split over blocks): the elements a part must hold whole. A q8x x group is 32; a q4_k
 # segment 64 consecutive elements; a q6_kr segment reads elements i and i + 64 of a 128-element
 # half of its super-block, so a part must hold whole halves.
@@ -562,9 +539,7 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
         if not p.get("wsm"):
             return x
         # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
-        need = (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
-        # spread: more than half an SM's shared memory, so the block has its SM to itself
-        return max(need, SPREAD_SMEM) if p.get("spread") else need
+        return (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
     if not p.get("xsmem"):
         return 0
     if p.get("coop"):  # the coop layout stages only the bf16 x rows
@@ -668,10 +643,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
-        )
-        need(
-            not (p["wsm_groups"] or p["spread"]) or p["wsm"],
-            "wsm_groups / spread (one copy per row group / a block per SM) are wsm options",
         )
         need(
             not p["wsm"] or gemv_smem(p) <= WSM_SMEM_MAX,
@@ -1098,9 +1069,7 @@ def coop_options(
       - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks;
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB, k is not split over blocks and the blocks that fit at once (the smaller of
-        q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile;
-        with it wsm_groups (one copy per row group) where q8x_wsm_groups asks, and spread (a
-        block per SM) where q8x_wsm_spread asks and the grid is half the SMs to all of them.
+        q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
     - else xsmem where gemv_coop.xsmem asks and the bf16 x rows fit COOP_XSMEM_MAX.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
     """
@@ -1159,12 +1128,6 @@ def coop_options(
             per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
             if tile <= wkb * 1024 and (not sm_count or _cdiv(n, rpb) <= per_sm * sm_count):
                 out["wsm"] = True
-                if c.get("q8x_wsm_groups"):
-                    out["wsm_groups"] = True
-                # a grid of at least half the SMs: one block per SM (else the blocks of a grid
-                # launched early pile up on the first SMs the previous kernel frees)
-                if c.get("q8x_wsm_spread") and sm_count <= 2 * _cdiv(n, rpb) <= 2 * sm_count:
-                    out["spread"] = True
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

@@ -166,12 +166,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # memory (one copy, issued before the block waits for x; 0: off), where the resident
             # blocks hold every tile at once and the k is not split over blocks
             "q8x_wsm_kb": Field(int, default=0),
-            # wsm: one bulk copy and mbarrier per row group (a warp's rows), so its warps start as
-            # their rows land instead of after the whole tile
-            "q8x_wsm_groups": Field(bool, default=False),
-            # wsm grids of at least half the SMs: a block's shared memory padded past half an SM,
-            # so each SM holds one (an early-launched grid otherwise piles onto the first SMs freed)
-            "q8x_wsm_spread": Field(bool, default=False),
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -209,8 +203,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_b1_rows_per_warp": 0,
             "q8x_lanes_per_row": 0,
             "q8x_wsm_kb": 0,
-            "q8x_wsm_groups": False,
-            "q8x_wsm_spread": False,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

@@ -239,15 +239,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 240)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_$q --model /dev/shm/q4b_$q.gguf "${args[@]}" > /tmp/res/trace_$q.log 2>&1
     pack trace ;;
   q6fix)  # the q6_kr scale bytes by selects (no local-memory stack frame): q6_kr / q6_k GEMV
-    # correctness, the quantised-model GPU tests, then the q4_k_m A/B with spread / wsm_groups
-    # (the q6_k v GEMV now at 64 registers fits beside a q|k block) and traces
+    # correctness, the quantised-model GPU tests, the q4_k_m decode step (GPU time) and its trace
     timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/q6ok --types q6_kr,q6_k --sections none > /tmp/res/q6ok.log 2>&1; pack q6ok
     timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -p no:cacheprovider > /tmp/res/q6_pytest.log 2>&1; pack q6_pytest
-    ab q6fix 150 q4_k_m --variant spread="$C.q8x_wsm_spread=true" --variant groups="$C.q8x_wsm_groups=true" \
-      --variant both="$C.q8x_wsm_spread=true; $C.q8x_wsm_groups=true"
+    ab q6fix 100 q4_k_m
     grep -h "b1  \|b8  " /tmp/res/q6fix_*.log > /tmp/res/q6fix.sum; pack q6fix
-    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant spread="$C.q8x_wsm_spread=true" > /tmp/res/trace_q6fix.log 2>&1
+    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_q6fix.log 2>&1
     pack q6fix_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;

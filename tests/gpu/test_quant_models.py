@@ -239,3 +239,42 @@ def test_forked_v_gemv_gives_the_same_bits(tmp_path):
         for step, (a, b) in enumerate(zip(base, logits[name], strict=True)):
             assert np.isfinite(b).all() and np.any(b != 0), (name, step)
             assert np.array_equal(a, b), (name, step, float(np.max(np.abs(a - b))))
+
+
+def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
+    """MEMRA_TRACE=1 (the block timeline of tools/gpu_trace_decode.py): a replayed decode graph
+    writes one record per block of every launch, with start <= pdl_wait return <= end on one
+    clock, and the logits are the same bits as the untraced kernels'."""
+    from engine.model import load_model
+    from engine.profile import select
+    from engine.runner_cuda import CudaRunner
+
+    prof = select(cuda.detect_devices()[0])
+    model = load_model(write_random_gguf(tmp_path / "tiny_q4_k_m.gguf", "qwen3", DIMS, "q4_k_m", seed=7))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, DIMS.vocab_size, 9)]
+    logits = {}
+    for name in ("plain", "traced"):
+        if name == "traced":
+            monkeypatch.setenv("MEMRA_TRACE", "1")
+        runner = CudaRunner(model, prof, num_blocks=64, max_model_len=512)
+        try:
+            logits[name] = _decode_logits(runner, prompt)
+            if name == "traced":
+                graph, bound = next(iter(runner._graphs.values()))
+                runner.trace_reset()
+                graph.launch(runner.stream)
+                recs = runner.trace_read()
+                assert len(recs) == sum(int(np.prod(b.grid)) for b in bound)
+                start, wait, end = recs[:, 2], recs[:, 3], recs[:, 5]
+                assert np.all(start > 0) and np.all(start <= end)
+                waited = wait > 0
+                assert waited.mean() > 0.9 and np.all(start[waited] <= wait[waited])
+                assert np.all(wait[waited] <= end[waited])
+            else:
+                with pytest.raises(Exception, match="MEMRA_TRACE"):
+                    runner.trace_reset()
+        finally:
+            runner.close()
+    for step, (a, b) in enumerate(zip(logits["plain"], logits["traced"], strict=True)):
+        assert np.isfinite(b).all() and np.any(b != 0), step
+        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
