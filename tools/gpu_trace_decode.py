@@ -122,9 +122,10 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | None = None) -> dict:
+    from gpu_decode_profile import pass_labels, time_graph
+
     from engine import runner_bench
     from engine.runner_cuda import CudaRunner, _decode_mode
-    from gpu_decode_profile import pass_labels, time_graph
 
     runner = CudaRunner(model, profile, num_blocks=4096, max_model_len=8192)
     try:
