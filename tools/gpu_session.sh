@@ -246,6 +246,17 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/q6fix_*.log > /tmp/res/q6fix.sum; pack q6fix
     timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_q6fix.log 2>&1
     pack q6fix_trace ;;
+  final11)  # the eleventh session's closing checks: every GPU test, the GEMV checks of the coop
+    # types, memra bench on the Qwen3-4B q4_k_m / q8_0 files, and a trace of the q4_k_m step
+    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/gemvok --types q4_k,q8_0r,q6_kr,q4_1r,q6_k --sections none > /tmp/res/check_gemvok.log 2>&1; pack gemvok
+    for q in q4_k_m q8_0; do
+      ckpt $q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
+    done
+    timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_final --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_final.log 2>&1
+    { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/check_gemvok.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    pack final11 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
