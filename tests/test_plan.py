@@ -178,7 +178,7 @@ def test_attention_trigger_marks_the_short_attention_and_delays_the_next_gemvs_t
         attn = [la for st in p.steps for la in st.launches.get("short", ()) if la.spec.template == "attention"]
         assert attn and all(bool(la.spec.params.get("trigger")) is on for la in attn)
         seq = [la for st in p.steps for la in st.launches.get("short", st.launches["decode1"])]
-        for prev, la in zip(seq, seq[1:], strict=False):
+        for prev, la in zip(seq, seq[1:]):
             if la.spec.template != "gemv" or not la.spec.params.get("coop"):
                 continue
             late = on and prev.spec.template == "attention"
