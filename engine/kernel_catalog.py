@@ -81,22 +81,9 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": (
-        "xsmem",
-        "prefetch",
-        "xf32",
-        "coop",
-        "pipeline",
-        "glu",
-        "q8x",
-        "early_w",
-        "tile_pf",
-        "wsm",
-        "trigger",
-        "trigger_late",
-    ),
+    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "trigger"),
+    "attention": ("vec16", "rope"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -138,7 +125,6 @@ KERNELS: dict[str, KernelDoc] = {
             lanes=int,
             wsm=bool,
             trigger=bool,
-            trigger_late=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -172,7 +158,6 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes",
             "wsm",
             "trigger",
-            "trigger_late",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -204,7 +189,6 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes": 32,
             "wsm": False,
             "trigger": False,
-            "trigger_late": False,
         },
     ),
     "gemm": KernelDoc(
@@ -372,7 +356,6 @@ KERNELS: dict[str, KernelDoc] = {
             kv_stride=int,
             qsplit=int,
             v_stride=int,
-            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -399,7 +382,6 @@ KERNELS: dict[str, KernelDoc] = {
             "direct",
             "vec16",
             "qsplit",
-            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -415,7 +397,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride": 0,
             "qsplit": 1,
             "v_stride": 0,
-            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -659,10 +640,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
-        need(
-            not p["trigger_late"] or (p["coop"] and not p["trigger"]),
-            "trigger_late (pdl_trigger once the wait returns) is a coop-layout option, instead of trigger",
-        )
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",

@@ -663,7 +663,6 @@ class _CatalogAdapter:
         # at batch 8 each block's extra pass over its x rows costs more than the launch it saves)
         self.fusable1: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
-        self.prev_op: dict[str, str] = {}  # mode -> the op lowered last in it
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
         # (id(op), layer) of the gate|up linears whose decode GEMV stores silu(gate) * up (build_plan)
         self.glu_ops: set[tuple[int, int | None]] = set()
@@ -715,7 +714,6 @@ class _CatalogAdapter:
         if fn is None:
             raise ConfigError(f"plan: op {op.op!r} has no CUDA lowering")
         launches = fn(op, layer, mode, ins, outs, ws)
-        self.prev_op[mode] = op.op  # (the op a linear follows: decode_graph.attention_trigger)
         if op.op not in ("rmsnorm", "silu_mul"):  # (those set or drop their own pending prologue)
             for o in outs:  # a value written again is no longer a pending GEMV prologue
                 self.prologue.pop((mode, o.name), None)
@@ -956,10 +954,7 @@ class _CatalogAdapter:
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
                 if mode == "decode1" and self._graph_knob("early_trigger"):
-                    if self._graph_knob("attention_trigger") and self.prev_op.get(mode) == "attention":
-                        opts["trigger_late"] = True  # the attention launched it early: not its successor
-                    else:
-                        opts["trigger"] = True  # the next kernel may launch once the first loads are out
+                    opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:
                 threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
@@ -1214,8 +1209,6 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
-                # decode_graph.attention_trigger: the o projection may launch beside this small grid
-                **({"trigger": True} if self._graph_knob("attention_trigger") else {}),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]

@@ -343,15 +343,8 @@ TUNING_SCHEMA: dict[str, Field] = {
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            # the short-context decode attention calls pdl_trigger() at its start, so the o
-            # projection's blocks launch beside its few blocks and fetch their weights; that GEMV
-            # then triggers only once its wait returns (trigger_late), not the chain ahead of it
-            "attention_trigger": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "attention_trigger": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

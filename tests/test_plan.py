@@ -169,23 +169,6 @@ def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
                         assert "pdl_trigger();" in render(la.spec)
 
 
-def test_attention_trigger_marks_the_short_attention_and_delays_the_next_gemvs_trigger():
-    """decode_graph.attention_trigger: the short-context attention triggers at its start; the
-    batch-1 GEMV after it (o) then triggers after its wait (trigger_late), the others as before."""
-    plan = _q4_k_m_plan("decode_graph.attention_trigger=true")
-    base = _q4_k_m_plan("")
-    for p, on in ((plan, True), (base, False)):
-        attn = [la for st in p.steps for la in st.launches.get("short", ()) if la.spec.template == "attention"]
-        assert attn and all(bool(la.spec.params.get("trigger")) is on for la in attn)
-        seq = [la for st in p.steps for la in st.launches.get("short", st.launches["decode1"])]
-        for prev, la in zip(seq, seq[1:]):
-            if la.spec.template != "gemv" or not la.spec.params.get("coop"):
-                continue
-            late = on and prev.spec.template == "attention"
-            assert bool(la.spec.params.get("trigger_late")) is late, la.spec.entry
-            assert bool(la.spec.params.get("trigger")) is not late, la.spec.entry
-
-
 def test_residual_linear_writes_in_place_and_logits_are_f32():
     plan = plan_for("llama", "smollm2-135m")
     wo = [s for s in plan.steps if s.layer == 0 and s.op.op == "linear"][1].launches["decode"][0]

@@ -257,15 +257,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_final --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_final.log 2>&1
     { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/check_gemvok.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
     pack final11 ;;
-  attntrig)  # decode_graph.attention_trigger: the short attention triggers at its start, the o GEMV
-    # after it only once its wait returns (trigger_late): its GPU tests, the A/B, a trace
-    timeout "$(box 100)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "attention_trigger" -p no:cacheprovider > /tmp/res/at_test.log 2>&1; pack at_test
-    ab attntrig 120 q4_k_m --variant at="decode_graph.attention_trigger=true"
-    ab attntrig 100 q8_0 --variant at="decode_graph.attention_trigger=true"
-    grep -h "b1  \|b8  " /tmp/res/attntrig_*.log > /tmp/res/attntrig.sum; pack attntrig
-    timeout "$(box 90)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_at --model /dev/shm/q4b_q4_k_m.gguf \
-      --variant at="decode_graph.attention_trigger=true" > /tmp/res/trace_at.log 2>&1
-    pack at_trace ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
