@@ -1066,8 +1066,7 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks, and
-        q8x_b1_min_blocks instead for the batch-1 GEMVs without the k split;
+      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks;
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB, k is not split over blocks and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
@@ -1082,7 +1081,6 @@ def coop_options(
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
-        b1_min_blocks = 0
         threads = c.get("q8x_threads") or c["threads"]
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
         ksplit = int(c.get("q8x_ksplit") or 1)
@@ -1099,8 +1097,6 @@ def coop_options(
             ksplit = 1
             if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
                 rpw = c["q8x_b1_rows_per_warp"]
-            if bmax == 1 and c.get("q8x_b1_min_blocks"):  # (applied after the general min_blocks)
-                b1_min_blocks = int(c["q8x_b1_min_blocks"])
         lanes = int(c.get("q8x_lanes_per_row") or 32)
         if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
@@ -1121,8 +1117,6 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
-        if b1_min_blocks:
-            out["min_blocks"] = b1_min_blocks
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])

@@ -59,7 +59,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_ksplit_threads",
     "q8x_ksplit_min_n",
     "q8x_b1_rows_per_warp",
-    "q8x_b1_min_blocks",
     "q8x_lanes_per_row",
     "q8x_wsm_kb",
 )
@@ -175,9 +174,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_resident_grid": Field(bool, default=False),
             # q8x: registers capped so this many blocks fit on an SM (0: the compiler's choice)
             "q8x_min_blocks": Field(int, default=0),
-            # q8x, batch-1 GEMVs without the k split: registers capped so this many blocks fit on
-            # an SM (0: q8x_min_blocks)
-            "q8x_b1_min_blocks": Field(int, default=0),
             # q8x: the x-row staging issues this many rounds of loads before quantising them
             "q8x_stage_rounds": Field(int, default=1),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
@@ -210,7 +206,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,
-            "q8x_b1_min_blocks": 0,
             "q8x_stage_rounds": 1,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,

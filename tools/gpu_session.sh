@@ -257,24 +257,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_final --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_final.log 2>&1
     { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/check_gemvok.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
     pack final11 ;;
-  b1minblocks)  # the device NVRTC's registers of the q4_k_m plan's batch-1 GEMVs (plain and traced),
-    # then the q4_k batch-1 GEMVs without the k split capped for 3 blocks per SM (q8x_b1_min_blocks)
-    for tr in 0 1; do MEMRA_TRACE=$tr python3 - >> /tmp/res/b1mb_regs.log 2>&1 <<'PY'
-import os, re, sys
-sys.path.insert(0, "tests")
-from test_plan import _q4_k_m_plan
-from engine.plan import kernel_specs
-from engine.render import render
-from engine import nvrtc
-for s in kernel_specs(_q4_k_m_plan("")):
-    if s.template == "gemv" and s.params.get("bmax") == 1:
-        _, log = nvrtc.compile_to_cubin(render(s), s.entry, "sm_90a", list(s.options) + ["--ptxas-options=-v"])
-        print("trace", os.environ["MEMRA_TRACE"], re.findall(r"Used (\d+) registers", log), s.params["threads"], s.params["n"], s.params["k"], flush=True)
-PY
-    done
-    MB="$C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q4_k: {q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4, q8x_b1_min_blocks: 3}, q6_k: {q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640}, q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}}"
-    ab b1mb 120 q4_k_m --breakdown --variant mb3="$MB"
-    { cat /tmp/res/b1mb_regs.log; grep -h "b1  \|b8  \|gemv__quantq4k_n19456" /tmp/res/b1mb_*.log; } > /tmp/res/b1mb.sum; pack b1mb ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
   runner)
