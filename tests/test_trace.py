@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_kernels_compile import _nvrtc_ok
 from test_pdl import _specs
 
 from engine.render import TRACE_SCOPE, render, trace_tag, waits_first
@@ -32,17 +33,6 @@ def test_traced_source_opens_every_kernel_with_the_scope_and_still_waits_first(m
         assert waits_first(src, s.entry), f"{s.entry}: the trace scope hides its pdl_wait() contract"
     monkeypatch.delenv("MEMRA_TRACE")
     assert all(render(s) == plain[s.entry] for s in specs)  # off again: the plain source, same cache key
-
-
-def _nvrtc_ok() -> bool:
-    try:
-        from engine import nvrtc
-
-        nvrtc.version()
-        nvrtc.include_dirs()
-        return True
-    except Exception:
-        return False
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
