@@ -74,7 +74,7 @@ def with_trace(source: str, entry: str) -> str:
         raise RenderError(f"{entry}: no kernel body to trace")
     scope = f"\n    {TRACE_SCOPE}(0x{trace_tag(entry):08x}u);  // block timeline (MEMRA_TRACE)"
     traced = source[: body + 1] + scope + source[body + 1 :]
-    return "#define MEMRA_TRACE 1\n#define MEMRA_TRACE_SCOPE(tag) MemraTraceScope memra_trace_scope_(tag)\n" + traced
+    return "#define MEMRA_TRACE 1\n" + traced
 
 
 def _body_start(source: str, entry: str) -> int:

@@ -154,25 +154,27 @@ class CudaRunner:
                 addr, _ = mod.global_address("memra_trace_buf")
                 cuda.htod(addr, np.array([self._trace.ptr], dtype=np.uint64))
 
-    def trace_reset(self) -> None:
-        """Empty the block timeline trace (MEMRA_TRACE=1 builds only)."""
-        if self._trace is None:
-            raise MemraError("the kernels were not built with MEMRA_TRACE=1", code="invalid_request")
-        self.stream.synchronize()
-        cuda.htod(self._trace.ptr, np.array([0, TRACE_RECORDS] + [0] * 6, dtype=np.uint64))
-
-    def trace_read(self) -> np.ndarray:
-        """The block records written since trace_reset: u64 [n, 6] = (smid << 32 | entry tag, block,
-        start, pdl_wait return, mark, end), times in ns (kernels/_common.cuh.j2)."""
+    def _trace_buffer(self) -> cuda.DeviceBuffer:
+        """The trace buffer, once both streams are idle (MEMRA_TRACE=1 builds only)."""
         if self._trace is None:
             raise MemraError("the kernels were not built with MEMRA_TRACE=1", code="invalid_request")
         self.stream.synchronize()
         self._side.synchronize()
-        head = cuda.dtoh(np.empty(8, dtype=np.uint64), self._trace.ptr)
+        return self._trace
+
+    def trace_reset(self) -> None:
+        """Empty the block timeline trace."""
+        cuda.htod(self._trace_buffer().ptr, np.array([0, TRACE_RECORDS] + [0] * 6, dtype=np.uint64))
+
+    def trace_read(self) -> np.ndarray:
+        """The block records written since trace_reset: u64 [n, 6] = (smid << 32 | entry tag, block,
+        start, pdl_wait return, mark, end), times in ns (kernels/_common.cuh.j2)."""
+        buf = self._trace_buffer()
+        head = cuda.dtoh(np.empty(8, dtype=np.uint64), buf.ptr)
         n = int(min(head[0], TRACE_RECORDS))
         recs = np.empty((n, 6), dtype=np.uint64)
         if n:
-            cuda.dtoh(recs, self._trace.ptr + 64)
+            cuda.dtoh(recs, buf.ptr + 64)
         return recs
 
     def _upload_weights(self) -> None:

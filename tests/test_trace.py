@@ -57,7 +57,7 @@ def _records(blocks: list[tuple[str, int, int]], t0: int = 1000) -> np.ndarray:
     rows = []
     for entry, n, wait in blocks:
         for b in range(n):
-            rows.append([(3 << 32) | zlib.crc32(entry.encode()), b, t0, wait, 0, wait + 500])
+            rows.append([(3 << 32) | trace_tag(entry), b, t0, wait, 0, wait + 500])
     recs = np.array(rows, dtype=np.uint64)
     return recs[np.random.default_rng(0).permutation(len(recs))]
 

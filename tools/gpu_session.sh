@@ -255,7 +255,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
     done
     timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_final --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_final.log 2>&1
-    { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/check_gemvok.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/gemvok/gpu_check_gemv.txt; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
     pack final11 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;

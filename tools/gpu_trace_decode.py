@@ -30,13 +30,14 @@ import os
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine.render import trace_tag  # noqa: E402  (the tag each traced kernel's records carry)
 
 
 def split_launches(recs: np.ndarray, launches: list[tuple[str, int]], replays: int) -> list[np.ndarray] | str:
@@ -53,7 +54,7 @@ def split_launches(recs: np.ndarray, launches: list[tuple[str, int]], replays: i
     out = []
     for _ in range(replays):
         for entry, blocks in launches:
-            tag = zlib.crc32(entry.encode())
+            tag = trace_tag(entry)
             r = by_tag.get(tag)
             i = taken.get(tag, 0)
             if r is None or i + blocks > len(r):
