@@ -15,6 +15,8 @@ or gguf (the GPU check script imports this on a machine without gguf).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -89,7 +91,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -125,6 +127,7 @@ KERNELS: dict[str, KernelDoc] = {
             lanes=int,
             wsm=bool,
             trigger=bool,
+            wsm_chunk=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -158,6 +161,7 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes",
             "wsm",
             "trigger",
+            "wsm_chunk",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -189,6 +193,7 @@ KERNELS: dict[str, KernelDoc] = {
             "lanes": 32,
             "wsm": False,
             "trigger": False,
+            "wsm_chunk": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -549,6 +554,33 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     return bmax * k * (4 if p.get("xf32") else 2) + sums + gemv_static_smem(p)
 
 
+# k elements of one coop segment (a lane's unit of work per row) per storage type, off the q8x q4_k
+# path (64 there: two sub-blocks); kernels/_gemv_coop.cuh.j2's SEG
+COOP_SEG = {"bf16": 8, "q4_k": 32, "q8_0r": 16, "q6_kr": 32, "q4_0r": 32, "q4_1r": 32}
+WSM_CHUNKS_MAX = 16  # wsm_chunk: at most this many k chunks (one mbarrier each) per row tile
+
+
+def coop_step_elems(p: Mapping[str, Any]) -> int:
+    """The k elements one step of a coop GEMV's lanes covers: lanes x segments in flight x k
+    groups x a segment's elements (every step starts at a multiple of this)."""
+    q4c = p["quant"] == "q4_k" and p.get("q8x")
+    upt = max(1, int(p["unroll"]) // 2) if q4c else int(p["unroll"])
+    seg = 64 if q4c else COOP_SEG.get(p["quant"], 32)
+    return int(p.get("lanes") or 32) * upt * int(p.get("ksplit") or 1) * seg
+
+
+def wsm_chunk_elems(step: int, k: int, chunks: int) -> int:
+    """The k elements per chunk copy of a wsm row tile cut into at most ``chunks`` k chunks: the
+    smallest multiple of both the lanes' step and 256 (whole super-blocks, 16-byte plane pieces)
+    that needs no more chunks; 0 (one copy) where one chunk would hold all of k."""
+    if k % 256:  # (a chunk's plane pieces need whole super-blocks)
+        return 0
+    chunks = min(chunks, WSM_CHUNKS_MAX)
+    unit = step * 256 // math.gcd(step, 256)
+    m = unit * max(1, _cdiv(_cdiv(k, chunks), unit))
+    return m if chunks > 1 and m < k else 0
+
+
 def gemv_grid_x(p: Mapping[str, Any]) -> int:
     """The gemv's grid.x: one block per rows_per_block rows, at most grid_cap (where set: a coop
     block then loops over several row tiles)."""
@@ -644,6 +676,17 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
         )
+        if p["wsm_chunk"]:
+            wc, step = p["wsm_chunk"], coop_step_elems(p)
+            need(
+                p["wsm"]
+                and wc % 256 == 0
+                and wc % step == 0
+                and p["k"] % 256 == 0
+                and wc < p["k"] <= wc * WSM_CHUNKS_MAX,
+                f"wsm_chunk={wc}: a wsm option, a multiple of 256 and of the lanes' step ({step} "
+                f"elements) below k={p['k']} (a multiple of 256), at most {WSM_CHUNKS_MAX} chunks",
+            )
         need(
             not p["wsm"] or gemv_smem(p) <= WSM_SMEM_MAX,
             f"wsm: {gemv_smem(p)} bytes of shared memory (x rows and a {p['rows_per_block']}-row tile) "
@@ -837,7 +880,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1128,6 +1171,14 @@ def coop_options(
             per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
             if tile <= wkb * 1024 and (not sm_count or _cdiv(n, rpb) <= per_sm * sm_count):
                 out["wsm"] = True
+                if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
+                    # the tile in k chunks, one mbarrier each
+                    step = coop_step_elems(
+                        {"quant": quant, "q8x": True, "unroll": c["unroll"], "lanes": lanes, "ksplit": ksplit}
+                    )
+                    wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
+                    if wc:
+                        out["wsm_chunk"] = wc
     elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
         out["xsmem"] = True
     if c.get("pipeline"):

@@ -61,6 +61,8 @@ Q8X_TYPE_KNOBS = (
     "q8x_b1_rows_per_warp",
     "q8x_lanes_per_row",
     "q8x_wsm_kb",
+    "q8x_wsm_chunks",
+    "q8x_wsm_chunk_min_k",
 )
 
 
@@ -166,6 +168,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             # memory (one copy, issued before the block waits for x; 0: off), where the resident
             # blocks hold every tile at once and the k is not split over blocks
             "q8x_wsm_kb": Field(int, default=0),
+            # wsm: the row tile copied in up to this many k chunks, each counted on its own mbarrier
+            # (0 or 1: one copy), so the lanes start on a chunk while the later ones still land
+            "q8x_wsm_chunks": Field(int, default=0),
+            "q8x_wsm_chunk_min_k": Field(int, default=0),  # k chunks only where k is at least this
             # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
             # stages and quantises its x rows once, not once per tile); 0: one block per tile
             "q8x_blocks_per_sm": Field(int, default=0),
@@ -203,6 +209,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_b1_rows_per_warp": 0,
             "q8x_lanes_per_row": 0,
             "q8x_wsm_kb": 0,
+            "q8x_wsm_chunks": 0,
+            "q8x_wsm_chunk_min_k": 0,
             "q8x_blocks_per_sm": 0,
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,

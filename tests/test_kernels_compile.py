@@ -383,7 +383,7 @@ def _gemv_variant_specs():
 def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
     """q8x with the row tile bulk-copied into shared memory (wsm: cp.async.bulk + an mbarrier,
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
-    tile's copy once the current one is read): it compiles for every profile arch from sm_90, and
+    tile's copy once the current one is read), and in k chunks (wsm_chunk): it compiles for every profile arch from sm_90, and
     below it the source stops with an #error naming wsm."""
     q8 = {
         "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
@@ -396,6 +396,10 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
         p = {**p, "wsm": True, "grid_cap": 7}
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
+        # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
+        wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
+        assert wc and 2560 % wc, (q, wc)
+        specs.append(kc.spec("gemv", **{**p, "wsm_chunk": wc, "prologue": "norm", "eps": 1e-6}))
     archs = [a for a in _variant_archs() if int(a[3:].rstrip("a")) >= 90]
     assert "sm_90a" in archs
     for arch in archs:

@@ -1187,3 +1187,38 @@ def test_kparts_parts_hold_whole_units_of_each_layout():
         if not ok:
             with pytest.raises(ConfigError, match="kparts"):
                 kc.spec("gemv", **{**p, "kparts": parts})
+
+
+def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
+    """gemv_coop.q8x_wsm_chunks (per file type, from q8x_wsm_chunk_min_k): a wsm row tile copied in
+    k chunks, one mbarrier each: the chunk is the smallest multiple of the lanes' step and of 256
+    that needs at most that many chunks (entry name wsm_chunkN); on the h200 profile only the q4_k
+    down projection (k = 9728, a 2048-element step: five chunks, the last 1536); never where one
+    chunk holds k, k is not whole super-blocks, or wsm is off; a bad chunk is refused by name."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    h200 = get_profile("h200")
+    down = kc.linear_params("q4_k", 2560, 9728, h200.tuning, bmax=1, sm_count=132)
+    s = kc.spec("gemv", **down)
+    assert (s.params["wsm_chunk"], kc.coop_step_elems(s.params)) == (2048, 2048)
+    assert s.entry.endswith("wsm1_wsm_chunk2048")
+    src = render(s)
+    assert "#define WCH 2048" in src and "bar_wait(&wbar[s0 * SEG / WCH], wphase)" in src
+    assert "#define NCH 1" in render(kc.spec("gemv", **{**down, "wsm_chunk": 0}))  # one copy, as before
+    for q, n, k in (("q6_kr", 2560, 9728), ("q4_k", 5120, 2560), ("q4_k", 2560, 4096), ("q6_kr", 1024, 2560)):
+        assert not kc.linear_params(q, n, k, h200.tuning, bmax=1, sm_count=132).get("wsm_chunk"), (q, n, k)
+    # the general knob: four chunks at most for the types without their own (q6_k: a 2048-element
+    # step); q4_k keeps its own five from k = 8192
+    four = with_tuning(h200, "gemv_coop.q8x_wsm_chunks=4").tuning
+    assert kc.linear_params("q6_kr", 2560, 9728, four, bmax=1, sm_count=132)["wsm_chunk"] == 4096
+    assert kc.linear_params("q6_kr", 1024, 2560, four, bmax=1, sm_count=132)["wsm_chunk"] == 2048
+    assert not kc.linear_params("q4_k", 5120, 2560, four, bmax=1, sm_count=132).get("wsm_chunk")
+    assert not kc.linear_params("q6_kr", 1024, 2560, four, bmax=8, sm_count=132).get("wsm_chunk")  # no wsm
+    assert kc.wsm_chunk_elems(512, 2560, 1) == 0 and kc.wsm_chunk_elems(2048, 2560, 8) == 2048
+    assert kc.wsm_chunk_elems(2048, 2048, 8) == 0  # one step holds k
+    assert kc.wsm_chunk_elems(256, 576, 8) == 0  # k not whole super-blocks
+    assert kc.wsm_chunk_elems(256, 8192, 64) == 512  # at most WSM_CHUNKS_MAX (16) chunks
+    for bad, why in (({"wsm_chunk": 1024}, "step"), ({"wsm_chunk": 12288}, "below k"), ({"wsm": False}, "wsm option")):
+        with pytest.raises(ConfigError, match=f"wsm_chunk=.*{why}"):
+            kc.spec("gemv", **{**down, **bad})

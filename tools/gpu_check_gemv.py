@@ -145,7 +145,10 @@ NEW_CASES = (CASES[1], CASES[2], CASES[3], CASES[6])
 RAW_TYPES = ("q4_k", "q5_k")  # decoders with load_raw/decode_raw (unroll = units in flight)
 
 
-def gemv_variants(qt):
+CHECKS = ""  # --checks: a regex over a gemv variant's knobs ("" = every variant)
+
+
+def gemv_variants(qt, k=2560):
     """(stage, knobs) of the code paths to check: unstaged unroll 1/4, staged, and the options
     (xsmem, prefetch, raw-unit unroll 8) with a smaller case list."""
     out = [(False, {"unroll": 4}, CASES)]
@@ -186,6 +189,11 @@ def gemv_variants(qt):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * (32 // ln) * rpw, "unroll": 2,
                   "pipeline": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln, "wsm": True}
             out.append((False, q8, CASES))
+            # the same tile copied in k chunks, one mbarrier each (wsm_chunk: the lanes' step or
+            # whole super-blocks, whichever is longer; the last chunk shorter where k does not divide)
+            wc = kc.wsm_chunk_elems(kc.coop_step_elems({**q8, "quant": qt}), k, kc.WSM_CHUNKS_MAX)
+            if wc:
+                out.append((False, {**q8, "wsm_chunk": wc}, CASES))
         for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
             q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
                   "grid_cap": 5, "stage_rounds": sr}
@@ -252,7 +260,9 @@ def check_gemv(K, rng, quick):
             def one(qt=qt, n=n, k=k):
                 raw, deq = random_weight(qt, n, k, rng)
                 raw_t = torch.from_numpy(raw).to(DEV)
-                for stage, knobs, cases in gemv_variants(qt):
+                for stage, knobs, cases in gemv_variants(qt, k):
+                    if CHECKS and not re.search(CHECKS, str(knobs)):
+                        continue
                     for rows, bmax, residual, od in cases[:3] if quick else cases:
                         guarded(
                             f"gemv {qt} k={k} rows={rows} stage={stage} {knobs}",
@@ -721,9 +731,11 @@ def prebuild(K, quick):
     g = TUNING["gemv"]
     for qt in TYPES:  # the correctness cases (check_gemv, check_prologues, check_embed)
         specs.append(kc.choice("embed", quant=qt, hidden=2560, threads=TUNING["elementwise"]["threads"]).spec)
-        for stage, knobs, cases in gemv_variants(qt):
-            for _rows, bmax, residual, od in cases[:3] if quick else cases:
-                for n, k in check_shapes(qt):
+        for n, k in check_shapes(qt):
+            for stage, knobs, cases in gemv_variants(qt, k):
+                if CHECKS and not re.search(CHECKS, str(knobs)):
+                    continue
+                for _rows, bmax, residual, od in cases[:3] if quick else cases:
                     specs.append(
                         gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, stage=stage, **knobs).spec
                     )
@@ -912,7 +924,13 @@ def main() -> int:
     ap.add_argument("--sections", default="bandwidth,fused,qsweep,bsweep", help="timing sections to run, in order")
     ap.add_argument("--variants", default="", help="bandwidth: time only the variants whose name matches this regex")
     ap.add_argument("--rows", default="1,8", help="bandwidth: the batch rows timed (comma-separated)")
+    ap.add_argument(
+        "--checks", default="", help="only the gemv correctness variants whose knobs match this regex "
+        "(the prologue and embed checks are then skipped)"
+    )
     args = ap.parse_args()
+    global CHECKS
+    CHECKS = args.checks
     BANDWIDTH_FILTER.update(variants=args.variants, rows=tuple(int(r) for r in args.rows.split(",")))
     if args.types:
         TYPES[:] = [t for t in args.types.split(",") if t in kc.QUANTS]
@@ -924,8 +942,9 @@ def main() -> int:
     guarded("prebuild", lambda: prebuild(K, args.quick))
     print(f"prebuild {time.time() - t0:.1f}s", flush=True)
     check_gemv(K, rng, args.quick)
-    check_prologues(K, rng, args.quick)
-    check_embed(K, rng)
+    if not CHECKS:
+        check_prologues(K, rng, args.quick)
+        check_embed(K, rng)
     print(f"correctness done {time.time() - t0:.1f}s", flush=True)
     # timing sections in priority order; a later one is skipped once the time budget is spent
     for name, fn in (

@@ -246,6 +246,37 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/q6fix_*.log > /tmp/res/q6fix.sum; pack q6fix
     timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_q6fix.log 2>&1
     pack q6fix_trace ;;
+  wsmc)  # wsm row tiles copied in k chunks, one mbarrier each (gemv_coop.q8x_wsm_chunks): the wsm
+    # GEMV checks (chunked and whole), the wsm quantised-model GPU tests, then the q4_k_m / q8_0 A/B
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/wsmc_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'" > /tmp/res/wsmc_ok.log 2>&1
+    timeout "$(box 120)" python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_quant_models.py -k wsm > /tmp/res/wsmc_pytest.log 2>&1
+    { grep -h 'correctness:' /tmp/res/wsmc_ok/gpu_check_gemv.txt; tail -2 /tmp/res/wsmc_pytest.log; } > /tmp/res/wsmc.sum; pack wsmc_ok
+    ab wsmc ${WSMC_SECS:-170} q4_k_m ${WSMC_VARIANTS:---variant c4="$C.q8x_wsm_chunks=4" --variant c8="$C.q8x_wsm_chunks=8" --variant c16="$C.q8x_wsm_chunks=16"}
+    grep -h "b1  \|b8  " /tmp/res/wsmc_q4_k_m.log >> /tmp/res/wsmc.sum; pack wsmc_q4
+    ab wsmc 100 q8_0 --variant c8="$C.q8x_wsm_chunks=8" --variant c16="$C.q8x_wsm_chunks=16"
+    grep -h "b1  \|b8  " /tmp/res/wsmc_q8_0.log >> /tmp/res/wsmc.sum; pack wsmc ;;
+  wsmc2)  # k chunks on the down projections only (k >= 8192: 20-row tiles, 40-140 copies), per type
+    T8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
+    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
+    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
+    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
+    ab wsmc2 200 q4_k_m \
+      --variant dq4c2="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
+      --variant dq4c5="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
+      --variant dq6c2="$C.q8x_type_tuning={$T8, q4_k: {$T4}, q6_k: {$T6, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, $TR}" \
+      --variant both2="$C.q8x_wsm_chunks=2; $C.q8x_wsm_chunk_min_k=8192"
+    grep -h "b1  \|b8  " /tmp/res/wsmc2_q4_k_m.log > /tmp/res/wsmc2.sum; pack wsmc2 ;;
+  rounds)  # the down projections' two x staging rounds in flight at once (q8x_stage_rounds 2: the
+    # only q8x GEMVs whose x takes two rounds of their threads), alone and with q4_k down chunks
+    T8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
+    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
+    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
+    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
+    DQ4C5="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}"
+    ab rounds 200 q4_k_m --variant r2="$C.q8x_stage_rounds=2" --variant dq4c5="$DQ4C5" --variant r2c5="$C.q8x_stage_rounds=2; $DQ4C5" --breakdown
+    grep -h "b1  \|b8  " /tmp/res/rounds_q4_k_m.log > /tmp/res/rounds.sum; pack rounds_q4
+    ab rounds 100 q8_0 --variant r2="$C.q8x_stage_rounds=2"
+    grep -h "b1  \|b8  " /tmp/res/rounds_q8_0.log >> /tmp/res/rounds.sum; pack rounds ;;
   final11)  # the eleventh session's closing checks: every GPU test, the GEMV checks of the coop
     # types, memra bench on the Qwen3-4B q4_k_m / q8_0 files, and a trace of the q4_k_m step
     timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final

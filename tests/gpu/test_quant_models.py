@@ -55,11 +55,12 @@ def _rel(a, b):
 
 
 # the layouts with int8 x rows (gemv_coop.q8x)
-Q8X_LAYOUTS = ("coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm")
+Q8X_LAYOUTS = ("coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_chunks")
 
 
 @pytest.mark.parametrize(
-    "layout", ["classic", "coop", "coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "dequant_wgmma"]
+    "layout",
+    ["classic", "coop", "coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_chunks", "dequant_wgmma"],
 )
 @pytest.mark.parametrize(
     "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
@@ -86,6 +87,9 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         # row tiles bulk-copied into shared memory (capped grid: blocks loop, copying the next tile)
         "q8x_wsm": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
                     "q8x_blocks_per_sm": 1, "pipeline": True},
+        # the same, each tile copied in k chunks (one mbarrier each; the lanes start on the first)
+        "q8x_wsm_chunks": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
+                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_wsm_chunks": 16},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
@@ -121,9 +125,10 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
             assert q8x == {layout in Q8X_LAYOUTS}, q8x
             assert any(s.params["kparts"] == 4 for s in gemvs) is (layout == "q8x_kparts")
             lanes = {s.params["lanes"] for s in gemvs if s.params["q8x"]}
-            want = {"q8x_lanes8": 8, "q8x_lanes4": 4, "q8x_wsm": 8}.get(layout, 32)
+            want = {"q8x_lanes8": 8, "q8x_lanes4": 4, "q8x_wsm": 8, "q8x_wsm_chunks": 8}.get(layout, 32)
             assert lanes == {want} or layout not in Q8X_LAYOUTS, lanes
-            assert any(s.params["wsm"] for s in gemvs) is (layout == "q8x_wsm")
+            assert any(s.params["wsm"] for s in gemvs) is layout.startswith("q8x_wsm")
+            assert any(s.params["wsm_chunk"] for s in gemvs) is (layout == "q8x_wsm_chunks")
         else:
             assert not dtypes & PLANAR and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
