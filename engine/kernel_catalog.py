@@ -16,7 +16,6 @@ or gguf (the GPU check script imports this on a machine without gguf).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
