@@ -288,6 +288,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant o2="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 4096}, q6_k: {$T6}, $TR}"
     pack final12_ab
     for q in q4_k_m q8_0; do
+      ckpt $q
       timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
     done
     { tail -3 /tmp/res/pytest_final.log; grep -h "b1  \|b8  " /tmp/res/final12_q4_k_m.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
