@@ -1,4 +1,5 @@
-"""On-disk cubin cache: ``<cache>/kernels/v<N>/<arch>/<entry>-<key16>.{cu,cubin,json}``.
+"""On-disk cubin cache: ``<cache>/kernels/v<N>/<arch>/<entry>-<key16>.{cu,cubin,json}`` (the entry
+name cut to ENTRY_FILE_CHARS).
 
 Writes are atomic (temp file + rename) and the JSON metadata is written last, so a reader never
 trusts a half-written entry; an entry whose cubin is missing, truncated or whose sha256 differs from
@@ -17,6 +18,7 @@ from pathlib import Path
 from engine import paths
 
 CACHE_FORMAT = 1
+ENTRY_FILE_CHARS = 160  # the most of an entry name a cache file name carries
 
 
 def cache_key(source: str, arch: str, options: tuple[str, ...], nvrtc_version: tuple[int, int]) -> str:
@@ -54,7 +56,9 @@ class KernelCache:
         self.root = Path(root) if root else paths.cache_dir() / "kernels" / f"v{CACHE_FORMAT}"
 
     def _stem(self, arch: str, entry: str, key: str) -> Path:
-        return self.root / arch / f"{entry}-{key[:16]}"
+        # a long entry name is cut (file names stop at 255 bytes, the temp file adds ~20): the key,
+        # a hash of the source that holds the whole name, tells entries apart; the JSON keeps it
+        return self.root / arch / f"{entry[:ENTRY_FILE_CHARS]}-{key[:16]}"
 
     def source_path(self, arch: str, entry: str, key: str) -> Path:
         return self._stem(arch, entry, key).with_suffix(".cu")

@@ -82,7 +82,9 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": ("xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger"),
+    "gemv": (
+        "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger", "early_nw"
+    ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
 }
@@ -127,6 +129,7 @@ KERNELS: dict[str, KernelDoc] = {
             wsm=bool,
             trigger=bool,
             wsm_chunk=int,
+            early_nw=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -161,6 +164,7 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm",
             "trigger",
             "wsm_chunk",
+            "early_nw",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -193,6 +197,7 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm": False,
             "trigger": False,
             "wsm_chunk": 0,
+            "early_nw": False,
         },
     ),
     "gemm": KernelDoc(
@@ -671,6 +676,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
+        need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
@@ -1155,8 +1161,10 @@ def coop_options(
             and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
         ):
             out["kparts"] = parts
-        if int(c.get("q8x_stage_rounds") or 1) > 1:
+        if int(c.get("q8x_stage_rounds") or 1) > 1 and k >= int(c.get("q8x_stage_rounds_min_k") or 0):
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
+        if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
+            out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
         wkb = int(c.get("q8x_wsm_kb") or 0)

@@ -953,6 +953,8 @@ class _CatalogAdapter:
                 threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
                 if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                     opts.pop("kparts", None)
+                if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
+                    opts.pop("early_nw", None)
                 if mode == "decode1" and self._graph_knob("early_trigger"):
                     opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:

@@ -63,6 +63,8 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_kb",
     "q8x_wsm_chunks",
     "q8x_wsm_chunk_min_k",
+    "q8x_stage_rounds",
+    "q8x_stage_rounds_min_k",
 )
 
 
@@ -182,6 +184,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_min_blocks": Field(int, default=0),
             # q8x: the x-row staging issues this many rounds of loads before quantising them
             "q8x_stage_rounds": Field(int, default=1),
+            "q8x_stage_rounds_min_k": Field(int, default=0),  # q8x_stage_rounds only where k >= this
+            # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
+            # loaded before pdl_wait (weights never change), so only x is read after the wait
+            "q8x_early_norm_w": Field(bool, default=False),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
@@ -215,6 +221,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_resident_grid": False,
             "q8x_min_blocks": 0,
             "q8x_stage_rounds": 1,
+            "q8x_stage_rounds_min_k": 0,
+            "q8x_early_norm_w": False,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,
             "q8x_kparts_types": [],

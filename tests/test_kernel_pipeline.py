@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine import compile as kcompile
@@ -152,3 +154,19 @@ def test_build_progress_goes_to_the_stderr_of_the_call(tmp_path, monkeypatch):
     )
     b.build_all([spec("rmsnorm", n=64, eps=1e-5, threads=64, residual=False)])
     assert "compiling kernels for sm_90a" in now.getvalue()
+
+
+def test_cache_files_of_a_long_entry_name_fit_the_file_system(tmp_path):
+    """Entry names grow with every non-default param (a q8x GEMV with a silu prologue, k chunks and
+    early norm weights passed 230 characters, and its temp file name 255 bytes): the cache cuts
+    the name in its file names, the key keeps entries apart, the JSON keeps the whole name."""
+    cache = KernelCache(tmp_path / "c")
+    entry = "gemv__" + "_".join(f"param{i}{i}" for i in range(40))
+    assert len(entry) > 300
+    keys = [cache_key(f"src {i}", "sm_90a", (), (13, 0)) for i in range(2)]
+    for i, key in enumerate(keys):
+        cache.write_source("sm_90a", entry, key, f"// {entry} {i}")
+        path = cache.store("sm_90a", entry, key, bytes([i]) * 64)
+        assert len(path.name) < 200
+    assert [cache.load("sm_90a", entry, k) for k in keys] == [b"\x00" * 64, b"\x01" * 64]
+    assert json.loads(path.with_suffix(".json").read_text())["entry"] == entry

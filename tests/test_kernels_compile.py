@@ -374,9 +374,13 @@ def _gemv_variant_specs():
             assert p["lanes"] == lanes, p
             out.append(kc.spec("gemv", **p))
             out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
-    # the early pdl_trigger of the batch-1 coop GEMVs (decode_graph.early_trigger)
+    # the early pdl_trigger of the batch-1 coop GEMVs (decode_graph.early_trigger), and the norm
+    # weights read before pdl_wait (early_nw: one staging round in 320-thread blocks)
     for q in kc.Q8X_TYPES:
         out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132), trigger=True))
+        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132)
+        p.update(threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6)
+        out.append(kc.spec("gemv", **p))
     return out
 
 

@@ -1202,7 +1202,7 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
     down = kc.linear_params("q4_k", 2560, 9728, h200.tuning, bmax=1, sm_count=132)
     s = kc.spec("gemv", **down)
     assert (s.params["wsm_chunk"], kc.coop_step_elems(s.params)) == (2048, 2048)
-    assert s.entry.endswith("wsm1_wsm_chunk2048")
+    assert "wsm1_wsm_chunk2048" in s.entry
     src = render(s)
     assert "#define WCH 2048" in src and "bar_wait(&wbar[s0 * SEG / WCH], wphase)" in src
     assert "#define NCH 1" in render(kc.spec("gemv", **{**down, "wsm_chunk": 0}))  # one copy, as before
@@ -1222,3 +1222,29 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
     for bad, why in (({"wsm_chunk": 1024}, "step"), ({"wsm_chunk": 12288}, "below k"), ({"wsm": False}, "wsm option")):
         with pytest.raises(ConfigError, match=f"wsm_chunk=.*{why}"):
             kc.spec("gemv", **{**down, **bad})
+
+
+def test_q8x_early_norm_w_only_where_the_norm_comes_from_the_staging_loads():
+    """gemv_coop.q8x_early_norm_w (on in the h200 profile): the batch-1 q8x GEMVs whose prologue is
+    the rmsnorm (q|k|v, gate|up, lm_head) load their norm weights before pdl_wait (entry early_nw1);
+    the silu / plain ones (down, o) and the batch-8 ones do not carry it; the kernel loads them
+    early only where one staging round holds the row (norm_merged)."""
+    from engine import kernel_catalog as kc
+
+    graph = load_family("llama")
+    plan = build_plan(graph, dims_for_size("llama", "llama3-8b"), graph.quant("q8_0"), get_profile("h200"))
+    gemvs = [la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
+    norm = {s.params["early_nw"] for s in gemvs if s.params["prologue"] == "norm"}
+    other = {s.params["early_nw"] for s in gemvs if s.params["prologue"] != "norm"}
+    assert norm == {True} and other == {False}, (norm, other)
+    wide = [la.spec for st in plan.steps for la in st.launches["decode"] if la.spec.template == "gemv"]
+    assert wide and not any(s.params["early_nw"] for s in wide)
+    qkv = next(s for s in gemvs if s.params["prologue"] == "norm")
+    src = render(qkv)
+    before_wait = src.split(qkv.entry + "(")[1].split("\n    pdl_wait();")[0]
+    assert "nwe[j][0] = __ldg(" in before_wait and "raw[j].w0 = nwe[j][0];" in src
+    off = render(kc.spec("gemv", **{**qkv.params, "early_nw": False}))
+    assert "nwe" not in off
+    with pytest.raises(ConfigError, match="early_nw"):
+        kc.spec("gemv", **{**qkv.params, "q8x": False, "coop": False, "lanes": 32, "ksplit": 1, "wsm": False,
+                           "grid_cap": 0, "trigger": False, "pipeline": False})

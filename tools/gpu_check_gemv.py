@@ -291,7 +291,7 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
         g, u = x[:, :k], x[:, k:]
         xin = bf_round(g / (1.0 + np.exp(-g)) * u)
         residual = od == "bf16"  # the down projection adds the residual; an f32 out cannot alias it
-    q8 = xsmem in ("coopq8", "coopq8r", "coopq8l")
+    q8 = xsmem in ("coopq8", "coopq8r", "coopq8l", "coopq8n")
     if xsmem in ("coop", "coopxs") or q8:  # the warp-cooperative layout with the prologue
         xo = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": xsmem == "coopxs"}
         xo["pipeline"] = xsmem != "coopxs"  # the prologue with and without the load pipeline
@@ -301,6 +301,8 @@ def prologue_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, od, pro, xsmem=False
             xo.update(stage_rounds=3, grid_cap=7)
         if xsmem == "coopq8l":  # 8 lanes per row, next-tile loads, a capped grid
             xo.update(threads=256, rows_per_block=32, lanes=8, tile_pf=True, grid_cap=7)
+        if xsmem == "coopq8n":  # the norm weights loaded before pdl_wait (batch 1: one staging round)
+            xo.update(threads=320, rows_per_block=40, lanes=8, early_nw=True)
     else:
         xo = {"xsmem": bool(xsmem), "xf32": xsmem == "f32"}
     c = gemv_choice(qt, n, k, bmax=bmax, residual=residual, od=od, **xo, **knobs)
@@ -353,8 +355,10 @@ def check_prologues(K, rng, quick):
             raw_t = torch.from_numpy(raw).to(DEV)
             for pro in ("norm", "silu"):
                 coop = ("coop", "coopxs") if qt in kc.COOP_TYPES else ()
-                q8 = ("coopq8", "coopq8r", "coopq8l") if qt in kc.Q8X_TYPES else ()
+                q8 = ("coopq8", "coopq8r", "coopq8l", "coopq8n") if qt in kc.Q8X_TYPES else ()
                 for xsmem in (False, True, "f32") + coop + q8:
+                    if CHECKS and not re.search(CHECKS, str(xsmem)):
+                        continue
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
                         if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):
                             continue
@@ -925,8 +929,8 @@ def main() -> int:
     ap.add_argument("--variants", default="", help="bandwidth: time only the variants whose name matches this regex")
     ap.add_argument("--rows", default="1,8", help="bandwidth: the batch rows timed (comma-separated)")
     ap.add_argument(
-        "--checks", default="", help="only the gemv correctness variants whose knobs match this regex "
-        "(the prologue and embed checks are then skipped)"
+        "--checks", default="", help="only the gemv correctness variants whose knobs (prologue checks: "
+        "whose layout label, e.g. coopq8n) match this regex; the embed check is then skipped"
     )
     args = ap.parse_args()
     global CHECKS
@@ -942,8 +946,8 @@ def main() -> int:
     guarded("prebuild", lambda: prebuild(K, args.quick))
     print(f"prebuild {time.time() - t0:.1f}s", flush=True)
     check_gemv(K, rng, args.quick)
+    check_prologues(K, rng, args.quick)
     if not CHECKS:
-        check_prologues(K, rng, args.quick)
         check_embed(K, rng)
     print(f"correctness done {time.time() - t0:.1f}s", flush=True)
     # timing sections in priority order; a later one is skipped once the time budget is spent

@@ -277,6 +277,18 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/rounds_q4_k_m.log > /tmp/res/rounds.sum; pack rounds_q4
     ab rounds 100 q8_0 --variant r2="$C.q8x_stage_rounds=2"
     grep -h "b1  \|b8  " /tmp/res/rounds_q8_0.log >> /tmp/res/rounds.sum; pack rounds ;;
+  staging)  # the x staging after pdl_wait: the norm weights loaded before it (q8x_early_norm_w), and
+    # both staging rounds of the down projections in flight (per type, k >= 8192: not the lm_head)
+    T8="q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640"
+    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"
+    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
+    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
+    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
+    R2D="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $R2}, q6_k: {$T6, $R2}, $TR}"
+    ab staging 200 q4_k_m --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
+    grep -h "b1  \|b8  " /tmp/res/staging_q4_k_m.log > /tmp/res/staging.sum; pack staging_q4
+    ab staging 150 q8_0 --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
+    grep -h "b1  \|b8  " /tmp/res/staging_q8_0.log >> /tmp/res/staging.sum; pack staging ;;
   final12)  # the twelfth session's closing checks: every GPU test, the q4_k_m A/B of the profile (the
     # q4_k down in five k chunks) against no chunks and against the o projection in two, memra bench
     timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
