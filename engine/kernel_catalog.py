@@ -83,7 +83,19 @@ P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
-        "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger", "early_nw"
+        "xsmem",
+        "prefetch",
+        "xf32",
+        "coop",
+        "pipeline",
+        "glu",
+        "q8x",
+        "early_w",
+        "tile_pf",
+        "wsm",
+        "trigger",
+        "early_nw",
+        "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
@@ -130,6 +142,7 @@ KERNELS: dict[str, KernelDoc] = {
             trigger=bool,
             wsm_chunk=int,
             early_nw=bool,
+            early_res=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -165,6 +178,7 @@ KERNELS: dict[str, KernelDoc] = {
             "trigger",
             "wsm_chunk",
             "early_nw",
+            "early_res",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -198,6 +212,7 @@ KERNELS: dict[str, KernelDoc] = {
             "trigger": False,
             "wsm_chunk": 0,
             "early_nw": False,
+            "early_res": False,
         },
     ),
     "gemm": KernelDoc(
@@ -677,6 +692,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         )
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
+        need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
@@ -885,7 +901,10 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
+            (
+                template == "gemv"
+                and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk")
+            )
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1165,6 +1184,8 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
+        if c.get("q8x_early_residual") and bmax == 1:
+            out["early_res"] = True  # (the kernel uses it only with a residual and the k split)
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
         wkb = int(c.get("q8x_wsm_kb") or 0)

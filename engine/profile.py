@@ -188,6 +188,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
             # loaded before pdl_wait (weights never change), so only x is read after the wait
             "q8x_early_norm_w": Field(bool, default=False),
+            # q8x, batch 1, k split over warps: a block reads the residual of its first tile's
+            # outputs right after pdl_wait instead of with its last store
+            "q8x_early_residual": Field(bool, default=False),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
@@ -223,6 +226,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_stage_rounds": 1,
             "q8x_stage_rounds_min_k": 0,
             "q8x_early_norm_w": False,
+            "q8x_early_residual": False,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,
             "q8x_kparts_types": [],

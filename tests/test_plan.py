@@ -1224,15 +1224,16 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
             kc.spec("gemv", **{**down, **bad})
 
 
-def test_q8x_early_norm_w_only_where_the_norm_comes_from_the_staging_loads():
+def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
     """gemv_coop.q8x_early_norm_w (on in the h200 profile): the batch-1 q8x GEMVs whose prologue is
     the rmsnorm (q|k|v, gate|up, lm_head) load their norm weights before pdl_wait (entry early_nw1);
     the silu / plain ones (down, o) and the batch-8 ones do not carry it; the kernel loads them
-    early only where one staging round holds the row (norm_merged)."""
+    early only where one staging round holds the row (norm_merged). gemv_coop.q8x_early_residual
+    (on too): the batch-1 k-split GEMVs with a residual read it right after pdl_wait (early_res1)."""
     from engine import kernel_catalog as kc
 
-    graph = load_family("llama")
-    plan = build_plan(graph, dims_for_size("llama", "llama3-8b"), graph.quant("q8_0"), get_profile("h200"))
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), get_profile("h200"))
     gemvs = [la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
     norm = {s.params["early_nw"] for s in gemvs if s.params["prologue"] == "norm"}
     other = {s.params["early_nw"] for s in gemvs if s.params["prologue"] != "norm"}
@@ -1245,6 +1246,14 @@ def test_q8x_early_norm_w_only_where_the_norm_comes_from_the_staging_loads():
     assert "nwe[j][0] = __ldg(" in before_wait and "raw[j].w0 = nwe[j][0];" in src
     off = render(kc.spec("gemv", **{**qkv.params, "early_nw": False}))
     assert "nwe" not in off
+    # q8x_early_residual: the batch-1 k-split GEMVs with a residual (o, down) read it after pdl_wait
+    res = {(s.params["residual"] and s.params["ksplit"] > 1): set() for s in gemvs}
+    for s in gemvs:
+        res[s.params["residual"] and s.params["ksplit"] > 1].add(s.params["early_res"])
+    assert res == {True: {True}, False: {False}}, res
+    assert not any(s.params["early_res"] for s in wide)
+    down = next(s for s in gemvs if s.params["early_res"])
+    assert "v + res_first" in render(down) and "res_first" not in render(kc.spec("gemv", **{**down.params, "early_res": False}))
     with pytest.raises(ConfigError, match="early_nw"):
         kc.spec("gemv", **{**qkv.params, "q8x": False, "coop": False, "lanes": 32, "ksplit": 1, "wsm": False,
                            "grid_cap": 0, "trigger": False, "pipeline": False})

@@ -177,6 +177,8 @@ def gemv_variants(qt, k=2560):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
                   "q8x": True, "ksplit": ks, "grid_cap": cap}
             out.append((False, q8, CASES))
+            if ks > 1 and cap:  # the residual of a block's first tile read after pdl_wait (its later tiles: not)
+                out.append((False, {**q8, "early_res": True}, CASES))
         # lanes per row (32 / lanes lane groups per warp, each with its rows), with the pipeline,
         # next-tile loads and capped grids; whole steps on every lane or not, with the k split
         for t, rpw, ln, ks, cap in ((512, 1, 16, 1, 5), (256, 1, 8, 1, 5), (640, 1, 16, 2, 3), (640, 1, 8, 4, 0)):
@@ -194,6 +196,8 @@ def gemv_variants(qt, k=2560):
             wc = kc.wsm_chunk_elems(kc.coop_step_elems({**q8, "quant": qt}), k, kc.WSM_CHUNKS_MAX)
             if wc:
                 out.append((False, {**q8, "wsm_chunk": wc}, CASES))
+            if ks > 1:
+                out.append((False, {**q8, "early_res": True}, CASES))
         for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
             q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
                   "grid_cap": 5, "stage_rounds": sr}

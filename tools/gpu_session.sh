@@ -289,6 +289,14 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/staging_q4_k_m.log > /tmp/res/staging.sum; pack staging_q4
     ab staging 150 q8_0 --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
     grep -h "b1  \|b8  " /tmp/res/staging_q8_0.log >> /tmp/res/staging.sum; pack staging ;;
+  eres)  # the k-split GEMVs reading their residual right after pdl_wait (q8x_early_residual): GEMV
+    # checks of it, then the q4_k_m / q8_0 A/B
+    timeout "$(box 80)" python3 tools/gpu_check_gemv.py --out /tmp/res/eres_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "early_res" > /tmp/res/eres_ok.log 2>&1
+    grep -h 'correctness:' /tmp/res/eres_ok/gpu_check_gemv.txt > /tmp/res/eres.sum; pack eres_ok
+    for q in q4_k_m q8_0; do
+      ab eres 100 $q --variant ers="$C.q8x_early_residual=true"
+      grep -h "b1  \|b8  " /tmp/res/eres_$q.log >> /tmp/res/eres.sum; pack eres_$q
+    done ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench

@@ -87,9 +87,12 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         # row tiles bulk-copied into shared memory (capped grid: blocks loop, copying the next tile)
         "q8x_wsm": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
                     "q8x_blocks_per_sm": 1, "pipeline": True},
-        # the same, each tile copied in k chunks (one mbarrier each; the lanes start on the first)
+        # the same, each tile copied in k chunks (one mbarrier each; the lanes start on the first),
+        # with the norm weights read before pdl_wait and the k-split residual right after it
         "q8x_wsm_chunks": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
-                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_wsm_chunks": 16},
+                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_wsm_chunks": 16,
+                           "q8x_early_norm_w": True, "q8x_early_residual": True, "q8x_ksplit": 2,
+                           "q8x_ksplit_max_n": 1 << 20, "q8x_ksplit_types": ["q8_0"]},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
@@ -129,6 +132,8 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
             assert lanes == {want} or layout not in Q8X_LAYOUTS, lanes
             assert any(s.params["wsm"] for s in gemvs) is layout.startswith("q8x_wsm")
             assert any(s.params["wsm_chunk"] for s in gemvs) is (layout == "q8x_wsm_chunks")
+            early = {s.params["early_nw"] or s.params["early_res"] for s in gemvs}
+            assert (True in early) is (layout == "q8x_wsm_chunks"), early
         else:
             assert not dtypes & PLANAR and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
