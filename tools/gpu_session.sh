@@ -301,14 +301,14 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench
     timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
-    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/ok12 --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'|coopq8n" > /tmp/res/ok12.log 2>&1; pack ok12
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/ok12 --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'|coopq8n|early_res" > /tmp/res/ok12.log 2>&1; pack ok12
     T8="q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640"
     T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
     T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
     TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
-    PREV="$C.q8x_early_norm_w=false; $C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6}, $TR}"
+    PREV="$C.q8x_early_norm_w=false; $C.q8x_early_residual=false; $C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6}, $TR}"
     for q in q4_k_m q8_0; do
-      ab fin12 100 $q --variant prev="$PREV" --variant noenw="$C.q8x_early_norm_w=false"
+      ab fin12 100 $q --variant prev="$PREV"
       pack fin12_$q
     done
     for q in q4_k_m q8_0; do
@@ -316,21 +316,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
     done
     { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/ok12/gpu_check_gemv.txt; grep -h "b1  \|b8  " /tmp/res/fin12_*.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
-    pack final12 ;;
-  final12old)  # (the first closing run of the session: the q4_k down chunks against no chunks / o in 2)
-    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
-    T8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
-    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
-    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
-    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
-    ab final12 120 q4_k_m --variant nochunk="$C.q8x_type_tuning={$T8, q4_k: {$T4}, q6_k: {$T6}, $TR}" \
-      --variant o2="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 4096}, q6_k: {$T6}, $TR}"
-    pack final12_ab
-    for q in q4_k_m q8_0; do
-      ckpt $q
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
-    done
-    { tail -3 /tmp/res/pytest_final.log; grep -h "b1  \|b8  " /tmp/res/final12_q4_k_m.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
     pack final12 ;;
   final11)  # the eleventh session's closing checks: every GPU test, the GEMV checks of the coop
     # types, memra bench on the Qwen3-4B q4_k_m / q8_0 files, and a trace of the q4_k_m step
