@@ -83,19 +83,8 @@ P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
-        "xsmem",
-        "prefetch",
-        "xf32",
-        "coop",
-        "pipeline",
-        "glu",
-        "q8x",
-        "early_w",
-        "tile_pf",
-        "wsm",
-        "trigger",
-        "early_nw",
-        "early_res",
+        "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
+        "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope"),
@@ -901,10 +890,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (
-                template == "gemv"
-                and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk")
-            )
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1184,8 +1170,8 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if c.get("q8x_early_residual") and bmax == 1:
-            out["early_res"] = True  # (the kernel uses it only with a residual and the k split)
+        if c.get("q8x_early_residual") and bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+            out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
         wkb = int(c.get("q8x_wsm_kb") or 0)

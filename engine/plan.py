@@ -955,8 +955,8 @@ class _CatalogAdapter:
                     opts.pop("kparts", None)
                 if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
                     opts.pop("early_nw", None)
-                if not residual or opts.get("ksplit", 1) == 1 or opts.get("kparts", 1) > 1:
-                    opts.pop("early_res", None)  # (read early only by the k-split epilogue)
+                if not residual:  # the early residual: only a GEMV that adds one
+                    opts.pop("early_res", None)
                 if mode == "decode1" and self._graph_knob("early_trigger"):
                     opts["trigger"] = True  # the next kernel may launch once the first loads are out
             else:

@@ -27,6 +27,13 @@ ab() {
   timeout "$(box "$secs")" python3 tools/gpu_decode_profile.py --out /tmp/res/${name}_$q --model /dev/shm/q4b_$q.gguf --batches 1,8 "$@" > /tmp/res/${name}_$q.log 2>&1
 }
 C=gemv_coop  # the tuning section the A/B stages vary
+# the h200 profile's gemv_coop.q8x_type_tuning entries at the twelfth session's start, for the A/Bs
+# that replace the whole map (MEMRA_TUNE sets a knob's whole value): q8_0, q4_k, q6_k, then q4_0 / q4_1
+T8="q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640"
+T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
+T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
+TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
+CHUNK4="q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"  # the q4_k down in five k chunks (profile since)
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > /tmp/res/profiles.log 2>&1
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
   case $st in
@@ -256,35 +263,23 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab wsmc 100 q8_0 --variant c8="$C.q8x_wsm_chunks=8" --variant c16="$C.q8x_wsm_chunks=16"
     grep -h "b1  \|b8  " /tmp/res/wsmc_q8_0.log >> /tmp/res/wsmc.sum; pack wsmc ;;
   wsmc2)  # k chunks on the down projections only (k >= 8192: 20-row tiles, 40-140 copies), per type
-    T8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
-    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
-    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
-    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
     ab wsmc2 200 q4_k_m \
-      --variant dq4c2="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
-      --variant dq4c5="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
-      --variant dq6c2="$C.q8x_type_tuning={$T8, q4_k: {$T4}, q6_k: {$T6, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, $TR}" \
+      --variant dq4c2="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
+      --variant dq4c5="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6}, $TR}" \
+      --variant dq6c2="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, $TR}" \
       --variant both2="$C.q8x_wsm_chunks=2; $C.q8x_wsm_chunk_min_k=8192"
     grep -h "b1  \|b8  " /tmp/res/wsmc2_q4_k_m.log > /tmp/res/wsmc2.sum; pack wsmc2 ;;
   rounds)  # the down projections' two x staging rounds in flight at once (q8x_stage_rounds 2: the
     # only q8x GEMVs whose x takes two rounds of their threads), alone and with q4_k down chunks
-    T8="q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}"
-    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
-    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
-    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
-    DQ4C5="$C.q8x_type_tuning={$T8, q4_k: {$T4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}"
+    DQ4C5="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6}, $TR}"
     ab rounds 200 q4_k_m --variant r2="$C.q8x_stage_rounds=2" --variant dq4c5="$DQ4C5" --variant r2c5="$C.q8x_stage_rounds=2; $DQ4C5" --breakdown
     grep -h "b1  \|b8  " /tmp/res/rounds_q4_k_m.log > /tmp/res/rounds.sum; pack rounds_q4
     ab rounds 100 q8_0 --variant r2="$C.q8x_stage_rounds=2"
     grep -h "b1  \|b8  " /tmp/res/rounds_q8_0.log >> /tmp/res/rounds.sum; pack rounds ;;
   staging)  # the x staging after pdl_wait: the norm weights loaded before it (q8x_early_norm_w), and
     # both staging rounds of the down projections in flight (per type, k >= 8192: not the lm_head)
-    T8="q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640"
-    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4, q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"
-    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
-    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
-    R2D="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $R2}, q6_k: {$T6, $R2}, $TR}"
+    R2D="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, $R2}, q6_k: {$T6, $R2}, $TR}"
     ab staging 200 q4_k_m --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
     grep -h "b1  \|b8  " /tmp/res/staging_q4_k_m.log > /tmp/res/staging.sum; pack staging_q4
     ab staging 150 q8_0 --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
@@ -302,10 +297,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # without the early norm weights, memra bench
     timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
     timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/ok12 --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'|coopq8n|early_res" > /tmp/res/ok12.log 2>&1; pack ok12
-    T8="q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640"
-    T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4"
-    T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
-    TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
     PREV="$C.q8x_early_norm_w=false; $C.q8x_early_residual=false; $C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6}, $TR}"
     for q in q4_k_m q8_0; do
       ab fin12 100 $q --variant prev="$PREV"
