@@ -87,7 +87,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "trigger"),
+    "attention": ("vec16", "rope"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -374,7 +374,6 @@ KERNELS: dict[str, KernelDoc] = {
             kv_stride=int,
             qsplit=int,
             v_stride=int,
-            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -401,7 +400,6 @@ KERNELS: dict[str, KernelDoc] = {
             "direct",
             "vec16",
             "qsplit",
-            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -417,7 +415,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kv_stride": 0,
             "qsplit": 1,
             "v_stride": 0,
-            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -691,7 +688,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
         need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")
         need(
-            p["l2_prefetch"] in (0, 1, 2, 3) and (not p["l2_prefetch"] or p["coop"]),
+            p["l2_prefetch"] in (0, 1, 2) and (not p["l2_prefetch"] or p["coop"]),
             f"l2_prefetch={p['l2_prefetch']}: a coop option, 0 (off), 1 (at the block's start) or 2 (after "
             "the x staging)",
         )
@@ -849,10 +846,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             "warps * group * head_dim too large for shared memory",
         )
         need(p["split"] % (4 * p["warps"]) == 0, f"split={p['split']} must be a multiple of 4 * warps")
-        need(
-            not p["trigger"] or (p["direct"] and p["mode"] == "decode"),
-            "trigger (an early pdl_trigger at batch 1) is a direct decode option",
-        )
         if p["vec16"]:  # 16-byte loads: head_dim / 8 lanes per key must divide the warp, 8 keys a warp step
             need(p["head_dim"] in (32, 64, 128, 256), "vec16 needs head_dim 32, 64, 128 or 256")
             need(p["q_stride"] % 8 == 0, "vec16 needs q_stride a multiple of 8")

@@ -1266,8 +1266,6 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
-                # the next kernel (o) may launch at once where the grid is one row (the kernel checks)
-                **({"trigger": True} if self._graph_knob("attention_trigger") else {}),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]

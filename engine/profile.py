@@ -364,27 +364,14 @@ TUNING_SCHEMA: dict[str, Field] = {
     # out, so the next kernel's blocks may launch and start their own loads while they run
     # l2_prefetch (sm_90): the batch-1 coop GEMVs prefetch the next GEMV's weights into L2 (1: at
     # the block's start, 2: after its x staging; 0: off), at most l2_prefetch_mb MiB per weight
-    # pdl_joins: in a captured decode graph, programmatic edges across fork_linears' fork and join
-    # (engine.runner_cuda), so the forked launch and the one after the join launch early
-    # attention_trigger: the short-context decode attention calls pdl_trigger() at its start when
-    # its grid is one query row (batch 1), so the o GEMV's blocks launch and copy their tiles
     "decode_graph": Field(
         {
             "fork_linears": Field(bool, default=False),
             "early_trigger": Field(bool, default=False),
             "l2_prefetch": Field(int, default=0),
             "l2_prefetch_mb": Field(int, default=32),
-            "pdl_joins": Field(bool, default=False),
-            "attention_trigger": Field(bool, default=False),
         },
-        default={
-            "fork_linears": False,
-            "early_trigger": False,
-            "l2_prefetch": 0,
-            "l2_prefetch_mb": 32,
-            "pdl_joins": False,
-            "attention_trigger": False,
-        },
+        default={"fork_linears": False, "early_trigger": False, "l2_prefetch": 0, "l2_prefetch_mb": 32},
     ),
 }
 
@@ -471,7 +458,7 @@ def load_profile(path: Path) -> DeviceProfile:
             f"but arch is {data['arch']}"
         )
     pf = tuning["decode_graph"]["l2_prefetch"]
-    if pf not in (0, 1, 2, 3) or (pf and arch_number(data["arch"]) < 90):
+    if pf not in (0, 1, 2) or (pf and arch_number(data["arch"]) < 90):
         raise ConfigError(
             f"{path}: tuning.decode_graph.l2_prefetch: expected 0 (off), 1 or 2 on sm_90 or newer "
             f"(cp.async.bulk.prefetch.L2), got {pf} with arch {data['arch']}"

@@ -303,17 +303,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/l2pf_q4_k_m.log >> /tmp/res/l2pf.sum; pack l2pf_q4
     ab l2pf 150 q8_0 --variant pf1="$G.l2_prefetch=1" --variant pf2="$G.l2_prefetch=2"
     grep -h "b1  \|b8  " /tmp/res/l2pf_q8_0.log >> /tmp/res/l2pf.sum; pack l2pf ;;
-  joins)  # programmatic edges across the v GEMV's fork and join (decode_graph.pdl_joins) and the
-    # batch-1 attention's early trigger (attention_trigger): the same-bits GPU test, then the A/B
-    # (with an L2 prefetch by line prefetches, l2_prefetch 3, beside them)
-    timeout "$(box 90)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > /tmp/res/joins_test.log 2>&1
-    tail -2 /tmp/res/joins_test.log > /tmp/res/joins.sum; pack joins_test
-    G=decode_graph
-    ab joins 230 q4_k_m --variant att="$G.attention_trigger=true" --variant pdlj="$G.pdl_joins=true" \
-      --variant both="$G.attention_trigger=true; $G.pdl_joins=true" --variant pf3="$G.l2_prefetch=3; $G.l2_prefetch_mb=16"
-    grep -h "b1  \|b8  " /tmp/res/joins_q4_k_m.log >> /tmp/res/joins.sum; pack joins_q4
-    ab joins 120 q8_0 --variant att="$G.attention_trigger=true"
-    grep -h "b1  \|b8  " /tmp/res/joins_q8_0.log >> /tmp/res/joins.sum; pack joins ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench
