@@ -93,9 +93,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {
-        "ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "l2_prefetch": 0,
-    },
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -134,7 +132,6 @@ KERNELS: dict[str, KernelDoc] = {
             wsm_chunk=int,
             early_nw=bool,
             early_res=bool,
-            l2_prefetch=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -171,7 +168,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk",
             "early_nw",
             "early_res",
-            "l2_prefetch",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -206,7 +202,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk": 0,
             "early_nw": False,
             "early_res": False,
-            "l2_prefetch": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -688,11 +683,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
         need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")
         need(
-            p["l2_prefetch"] in (0, 1, 2) and (not p["l2_prefetch"] or p["coop"]),
-            f"l2_prefetch={p['l2_prefetch']}: a coop option, 0 (off), 1 (at the block's start) or 2 (after "
-            "the x staging)",
-        )
-        need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
         )
@@ -900,7 +890,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "l2_prefetch"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1041,15 +1031,11 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("norm_w", P),)
     if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
         args = args + (("kpart_sum", P), ("kpart_count", P))
-    if s.template == "gemv" and s.params.get("l2_prefetch"):
-        args = args + L2_PREFETCH_ARGS
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     return args
 
 
-# a gemv with l2_prefetch: the next GEMV's weight regions to prefetch into L2 (bytes 0: none)
-L2_PREFETCH_ARGS = (("pf0", P), ("pf0_bytes", "u64"), ("pf1", P), ("pf1_bytes", "u64"))
 # the rope-fused decode attention's extra args: raw k / v rows of the step (k_in, v_in: kv_stride
 # apart), the qk-norm weights, the rope frequency divisors and the cache slots (rope.cu.j2's)
 ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 from engine.graph import BLOCK_SIZES, ModelGraph, Op, QuantCombo, evaluate
@@ -433,7 +432,6 @@ def build_plan(
 
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
-    steps = _with_l2_prefetch(steps, adapter, weights)
     sampling = adapter.sampling(values["logits"])
     return Plan(
         family=graph.family,
@@ -456,57 +454,6 @@ def build_plan(
 
 
 PROLOGUE_MODES = ("decode1", "decode")  # the modes whose GEMVs absorb rmsnorm / silu_mul
-L2_PREFETCH_REGIONS = 2  # weight regions a GEMV may prefetch (kernel_catalog.L2_PREFETCH_ARGS)
-
-
-def _with_l2_prefetch(steps: list[Step], adapter: _CatalogAdapter, weights: Mapping[str, WeightPlan]) -> list[Step]:
-    """The batch-1 decode pass with each coop GEMV prefetching the next GEMV's weights into L2
-    (tuning decode_graph.l2_prefetch: 1 at the block's start, 2 after its x staging; 0 off).
-
-    The decode1 GEMVs run as a chain of stages (a launch marked concurrent runs beside the one before
-    it: q|k and v). The first coop launch of each stage gets the weights of the next stage's launches
-    (up to L2_PREFETCH_REGIONS, each cut to decode_graph.l2_prefetch_mb MiB from its start: a
-    vocabulary-sized lm_head is read in row order, so its first rows come first) as extra args. Between
-    the GEMVs, DRAM would otherwise idle while a kernel stages x, reduces and ends and the next
-    starts; the prefetch keeps it busy. Needs sm_90 (cp.async.bulk.prefetch.L2)."""
-    tuning = adapter.profile.tuning.get("decode_graph") or {}
-    when = int(tuning.get("l2_prefetch") or 0)
-    spec_fn = getattr(adapter.cat, "spec", None) if adapter.cat is not None else None
-    if not when or spec_fn is None:
-        return steps
-    cap = int(tuning.get("l2_prefetch_mb") or 0) * 2**20
-    stages: list[list[tuple[int, int]]] = []  # (step index, launch index) per stage, in launch order
-    for i, st in enumerate(steps):
-        for j, la in enumerate(st.launches.get("decode1", ())):
-            if la.spec.template != "gemv":
-                continue
-            if la.concurrent and stages:
-                stages[-1].append((i, j))
-            else:
-                stages.append([(i, j)])
-    changed: dict[tuple[int, int], Launch] = {}
-    for here, nxt in pairwise(stages):
-        issuer = next(((i, j) for i, j in here if steps[i].launches["decode1"][j].spec.params.get("coop")), None)
-        if issuer is None:
-            continue
-        la = steps[issuer[0]].launches["decode1"][issuer[1]]
-        pf: list[Arg] = []
-        for i, j in nxt[:L2_PREFETCH_REGIONS]:
-            w = weights[steps[i].launches["decode1"][j].args[1].ref]
-            nbytes = min(w.nbytes, cap) if cap else w.nbytes
-            pf += [Arg("weight", w.key), Arg("const", nbytes // 16 * 16, "u64")]
-        while len(pf) < 2 * L2_PREFETCH_REGIONS:
-            pf += [NULL, Arg("const", 0, "u64")]
-        spec = spec_fn("gemv", **{**la.spec.params, "l2_prefetch": when})
-        changed[issuer] = dataclasses.replace(la, spec=spec, args=la.args + tuple(pf))
-    out = []
-    for i, st in enumerate(steps):
-        d1 = st.launches.get("decode1", ())
-        if any((i, j) in changed for j in range(len(d1))):
-            new = tuple(changed.get((i, j), la) for j, la in enumerate(d1))
-            st = dataclasses.replace(st, launches={**st.launches, "decode1": new})
-        out.append(st)
-    return out
 
 
 def _prologue_fusable(

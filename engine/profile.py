@@ -362,16 +362,9 @@ TUNING_SCHEMA: dict[str, Field] = {
     # read the same x and write their own outputs; the next op waits for both)
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
-    # l2_prefetch (sm_90): the batch-1 coop GEMVs prefetch the next GEMV's weights into L2 (1: at
-    # the block's start, 2: after its x staging; 0: off), at most l2_prefetch_mb MiB per weight
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            "l2_prefetch": Field(int, default=0),
-            "l2_prefetch_mb": Field(int, default=32),
-        },
-        default={"fork_linears": False, "early_trigger": False, "l2_prefetch": 0, "l2_prefetch_mb": 32},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 
@@ -456,12 +449,6 @@ def load_profile(path: Path) -> DeviceProfile:
         raise ConfigError(
             f"{path}: programmatic_launch: programmatic dependent launch needs sm_90 or newer, "
             f"but arch is {data['arch']}"
-        )
-    pf = tuning["decode_graph"]["l2_prefetch"]
-    if pf not in (0, 1, 2) or (pf and arch_number(data["arch"]) < 90):
-        raise ConfigError(
-            f"{path}: tuning.decode_graph.l2_prefetch: expected 0 (off), 1 or 2 on sm_90 or newer "
-            f"(cp.async.bulk.prefetch.L2), got {pf} with arch {data['arch']}"
         )
     if tuning["gemm_wgmma"]["enabled"] and data["arch"] != "sm_90a":
         raise ConfigError(

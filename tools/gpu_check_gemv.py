@@ -177,8 +177,6 @@ def gemv_variants(qt, k=2560):
             q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
                   "q8x": True, "ksplit": ks, "grid_cap": cap}
             out.append((False, q8, CASES))
-            if ks == 4:  # the next GEMV's weights prefetched into L2 (here: its own), after the staging
-                out.append((False, {**q8, "l2_prefetch": 2}, NEW_CASES))
             if ks > 1 and cap:  # the residual of a block's first tile read after pdl_wait (its later tiles: not)
                 out.append((False, {**q8, "early_res": True}, CASES))
         # lanes per row (32 / lanes lane groups per warp, each with its rows), with the pipeline,
@@ -200,8 +198,6 @@ def gemv_variants(qt, k=2560):
                 out.append((False, {**q8, "wsm_chunk": wc}, CASES))
             if ks > 1:
                 out.append((False, {**q8, "early_res": True}, CASES))
-            if cap:  # L2 prefetch at the block's start (before pdl_wait), beside the tile copies
-                out.append((False, {**q8, "l2_prefetch": 1}, NEW_CASES))
         for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
             q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
                   "grid_cap": 5, "stage_rounds": sr}
@@ -225,11 +221,7 @@ def gemv_case(K, rng, qt, raw_t, deq, n, k, rows, bmax, residual, od, stage, kno
         out = bf(r)  # the residual aliases out (in place, as the plan does)
     else:
         out = nan_like((rows, n), torch.float32 if od == "f32" else torch.bfloat16)
-    args = [out, raw_t, bf(x), out if residual else 0, rows]
-    if knobs.get("l2_prefetch"):  # two regions: the whole weight, and its first 4 KB again
-        nbytes = raw_t.numel() * raw_t.element_size() // 16 * 16
-        args += [raw_t, nbytes, raw_t, min(nbytes, 4096)]
-    K.launch(c, args, rows)
+    K.launch(c, [out, raw_t, bf(x), out if residual else 0, rows], rows)
     ref = x @ deq.T + (r if residual else 0)
     got = host(out)
     tol, extra = TOL[od], {}

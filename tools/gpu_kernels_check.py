@@ -81,9 +81,6 @@ class Kernels:
             elif ctype == "i32":
                 vals.append(int(a))
                 types.append(ctypes.c_int)
-            elif ctype == "u64":
-                vals.append(int(a))
-                types.append(ctypes.c_uint64)
             else:
                 vals.append(float(a))
                 types.append(ctypes.c_float)

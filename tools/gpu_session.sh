@@ -292,17 +292,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab eres 100 $q --variant ers="$C.q8x_early_residual=true"
       grep -h "b1  \|b8  " /tmp/res/eres_$q.log >> /tmp/res/eres.sum; pack eres_$q
     done ;;
-  l2pf)  # the batch-1 GEMVs prefetching the next GEMV's weights into L2 (decode_graph.l2_prefetch): GEMV
-    # checks of it (the same results), then the q4_k_m / q8_0 A/B: at the block's start or after
-    # its x staging, and the per-weight cap
-    timeout "$(box 80)" python3 tools/gpu_check_gemv.py --out /tmp/res/l2pf_ok --types q4_k,q6_kr,q8_0r --sections none --checks "l2_prefetch" > /tmp/res/l2pf_ok.log 2>&1
-    grep -h 'correctness:' /tmp/res/l2pf_ok/gpu_check_gemv.txt > /tmp/res/l2pf.sum; pack l2pf_ok
-    G=decode_graph
-    ab l2pf 230 q4_k_m --variant pf1="$G.l2_prefetch=1" --variant pf2="$G.l2_prefetch=2" --variant pf2c16="$G.l2_prefetch=2; $G.l2_prefetch_mb=16" \
-      --variant pf1c64="$G.l2_prefetch=1; $G.l2_prefetch_mb=64"
-    grep -h "b1  \|b8  " /tmp/res/l2pf_q4_k_m.log >> /tmp/res/l2pf.sum; pack l2pf_q4
-    ab l2pf 150 q8_0 --variant pf1="$G.l2_prefetch=1" --variant pf2="$G.l2_prefetch=2"
-    grep -h "b1  \|b8  " /tmp/res/l2pf_q8_0.log >> /tmp/res/l2pf.sum; pack l2pf ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench
