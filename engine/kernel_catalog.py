@@ -706,12 +706,16 @@ def _check(template: str, p: dict[str, Any]) -> None:
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
         )
-        if p["glu"]:  # silu(gate) * up stored in the gate half (the classic layout only)
+        if p["glu"]:  # silu(gate) * up stored in the gate half
             need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")
-            need(not p["coop"] and not p["residual"], "glu: the classic layout, no residual")
+            need(not p["residual"], "glu: no residual")
             need(
                 p["rows_per_block"] % 2 == 0 and p["out_dtype"] == "bf16",
                 "glu: even rows_per_block, bf16 out",
+            )
+            need(
+                not p["coop"] or (p["ksplit"] == 1 and p["kparts"] == 1 and not p["wsm"]),
+                "glu: a coop gemv without ksplit, kparts or wsm (a tile's rows are two ranges)",
             )
         if p["coop"]:
             need(

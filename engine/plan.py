@@ -959,6 +959,17 @@ class _CatalogAdapter:
                     opts.pop("early_res", None)
                 if mode == "decode1" and self._graph_knob("early_trigger"):
                     opts["trigger"] = True  # the next kernel may launch once the first loads are out
+                if (
+                    mode == "decode1"
+                    and opts.get("q8x")
+                    and self.tune("gemv_coop").get("q8x_glu")
+                    and opts.get("ksplit", 1) == 1
+                    and opts.get("kparts", 1) == 1
+                    and not opts.get("wsm")
+                ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
+                    glu = self._glu_for(op, layer, mode, w, residual, out_dtype, rpb)
+                    if glu:
+                        pp["glu"] = glu
             else:
                 threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
@@ -1029,14 +1040,15 @@ class _CatalogAdapter:
             return launches
         return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
 
-    def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str) -> int:
+    def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str, rpb: int = 0) -> int:
         """The glu epilogue width of a decode gate|up GEMV whose output only a fusable silu_mul reads
-        (tuning gemv.fuse_glu; build_plan fills glu_ops): the intermediate size, else 0."""
+        (tuning gemv.fuse_glu; build_plan fills glu_ops): the intermediate size, else 0. ``rpb``:
+        the GEMV's rows per block (default: gemv.rows_per_block), which must be even."""
         if mode not in PROLOGUE_MODES or (id(op), layer) not in self.glu_ops or residual:
             return 0
         if len(w.part_rows) != 2 or w.part_rows[0] != w.part_rows[1] or out_dtype != "bf16":
             return 0
-        if self.tune("gemv")["rows_per_block"] % 2:
+        if (rpb or self.tune("gemv")["rows_per_block"]) % 2:
             return 0
         return w.part_rows[0]
 

@@ -191,6 +191,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1, k split over warps: a block reads the residual of its first tile's
             # outputs right after pdl_wait instead of with its last store
             "q8x_early_residual": Field(bool, default=False),
+            # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
+            # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
+            "q8x_glu": Field(bool, default=False),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
@@ -227,6 +230,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_stage_rounds_min_k": 0,
             "q8x_early_norm_w": False,
             "q8x_early_residual": False,
+            "q8x_glu": False,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,
             "q8x_kparts_types": [],

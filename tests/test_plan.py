@@ -716,6 +716,45 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
         kc.spec("gemv", **kc.linear_params("bf16", 3000, 576, prof.tuning), glu=1536)
 
 
+@pytest.mark.parametrize("quant", ["q4_k_m", "q8_0"])
+def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
+    """gemv_coop.q8x_glu: the batch-1 q8x gate|up GEMV of Qwen3-4B (no k split, no wsm on the h200
+    profile) gets glu = intermediate size and its grid covers intermediate / (rows_per_block / 2)
+    tiles (or the grid cap); the down GEMV reads the gate half with no prologue. Batch 8 keeps the silu prologue, and
+    the kernel source pairs the rows (GLU + l - RPB / 2) and stores through glu_sm. A coop glu with a
+    k split or wsm is refused."""
+    from engine import kernel_catalog as kc
+
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    on = build_plan(graph, dims, graph.quant(quant), with_tuning(get_profile("h200"), "gemv_coop.q8x_glu=true"))
+    off = build_plan(graph, dims, graph.quant(quant), get_profile("h200"))
+    inter = dims["intermediate"]
+    for plan, glu in ((on, True), (off, False)):
+        steps = [s for s in plan.steps if s.layer == 1]
+        gate_up = next(s for s in steps if s.op.op == "linear" and "w_gate" in s.op.weights[0])
+        down = next(s for s in steps if s.op.op == "linear" and "w_down" in s.op.weights[0])
+        (g,) = gate_up.launches["decode1"]
+        (dn,) = down.launches["decode1"]
+        assert g.spec.params["glu"] == (inter if glu else 0) and g.spec.params["q8x"]
+        assert dn.spec.params["prologue"] == ("none" if glu else "silu")
+        assert dn.spec.params["x_stride"] == 2 * inter and dn.args[2].ref == g.args[0].ref
+        (g8,) = gate_up.launches["decode"]
+        assert not g8.spec.params["glu"]
+        if glu:
+            tiles = -(-inter // (g.spec.params["rows_per_block"] // 2))
+            assert g.grid[0] == min(tiles, g.spec.params["grid_cap"] or tiles)
+            src = render(g.spec)
+            assert "GLU + l - RPB / 2" in src and "glu_sm[jj][b]" in src
+    assert [[la.spec for la in s.launches["decode"]] for s in on.steps] == [
+        [la.spec for la in s.launches["decode"]] for s in off.steps
+    ]
+    g = next(la.spec for s in on.steps for la in s.launches["decode1"] if la.spec.params.get("glu"))
+    for bad in ({"ksplit": 2, "rows_per_block": g.params["rows_per_block"] // 2}, {"wsm": True, "tile_pf": False}):
+        with pytest.raises(ConfigError, match="glu"):
+            kc.spec("gemv", **{**g.params, **bad})
+
+
 def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
     """gemv_coop.q8x_fuse: in decode1, a rmsnorm / silu_mul whose readers are all q8x GEMVs gets no
     launch and its readers the prologue; with q8x off, and in the batched decode mode, the launches

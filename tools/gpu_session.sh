@@ -292,6 +292,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab eres 100 $q --variant ers="$C.q8x_early_residual=true"
       grep -h "b1  \|b8  " /tmp/res/eres_$q.log >> /tmp/res/eres.sum; pack eres_$q
     done ;;
+  glu)  # the batch-1 q8x gate|up GEMV storing silu(gate) * up (gemv_coop.q8x_glu): its same-bits GPU
+    # test, then the q4_k_m / q8_0 A/B, alone and with both of the downs' x staging rounds in flight
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > /tmp/res/glu_test.log 2>&1
+    tail -2 /tmp/res/glu_test.log > /tmp/res/glu.sum; pack glu_test
+    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
+    GR2="$C.q8x_glu=true; $C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, $R2}, q6_k: {$T6, $R2}, $TR}"
+    for q in q4_k_m q8_0; do
+      ab glu 150 $q --variant glu="$C.q8x_glu=true" --variant glur2="$GR2"
+      grep -h "b1  \|b8  " /tmp/res/glu_$q.log >> /tmp/res/glu.sum; pack glu_$q
+    done ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench

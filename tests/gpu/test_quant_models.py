@@ -205,6 +205,46 @@ def test_tile_prefetch_gives_the_same_bits(tmp_path, family, q, q8x):
         assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
 
 
+@pytest.mark.parametrize("tile_pf", [False, True])
+@pytest.mark.parametrize(
+    "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
+)
+def test_coop_glu_gives_the_same_bits(tmp_path, family, q, tile_pf):
+    """gemv_coop.q8x_glu: the batch-1 q8x gate|up GEMV pairs its tile's gate and up rows and stores
+    silu(gate) * up (rounding both to bf16 first, as its stored rows were), and the down projection
+    reads that instead of applying the silu prologue to both halves: the logits must be the same
+    bits. sm_count = 1 caps the grid at two blocks, so each loops over many tiles (with tile_pf: the
+    next tile's paired rows loaded in the last step of the current one)."""
+    from engine.model import load_model
+    from engine.profile import select
+    from engine.runner_cuda import CudaRunner
+
+    prof = select(cuda.detect_devices()[0])
+    dims = LLAMA_DIMS if family == "llama" else DIMS
+    model = load_model(write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7))
+    base = {**COOP, "pipeline": True, "tile_prefetch": tile_pf, "q8x": True, "q8x_threads": 256,
+            "q8x_blocks_per_sm": 2, "q8x_fuse": True, "q8x_lanes_per_row": 8}
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(3, dims.vocab_size, 11)]
+    logits = {}
+    for name, coop in (("off", base), ("on", {**base, "q8x_glu": True})):
+        tuning = {**prof.tuning, "gemv_coop": coop, "gemv": {**prof.tune("gemv"), "fuse_glu": True}}
+        runner = CudaRunner(model, dataclasses.replace(prof, sm_count=1, tuning=tuning), num_blocks=64, max_model_len=512)
+        try:
+            gemvs = [la.spec for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
+            glu = [s for s in gemvs if s.params["glu"]]
+            assert len(glu) == (dims.num_hidden_layers if name == "on" else 0), [s.entry for s in glu]
+            assert all(s.params["coop"] and s.params["q8x"] for s in glu)
+            silu = [s for s in gemvs if s.params["prologue"] == "silu"]
+            assert len(silu) == (0 if name == "on" else dims.num_hidden_layers), [s.entry for s in silu]
+            logits[name] = _decode_logits(runner, prompt)
+        finally:
+            runner.close()
+    for step, (a, b) in enumerate(zip(logits["off"], logits["on"], strict=True)):
+        assert np.isfinite(b).all() and np.any(b != 0), step
+        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
+
+
 def test_forked_v_gemv_gives_the_same_bits(tmp_path):
     """decode_graph.fork_linears: a q4_k_m layer's v GEMV (q6_k, stored apart from q|k) runs on a
     second stream alongside the q|k GEMV. It reads the same x and writes its own output, so the
