@@ -718,8 +718,8 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
 
 @pytest.mark.parametrize("quant", ["q4_k_m", "q8_0"])
 def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
-    """gemv_coop.q8x_glu: the batch-1 q8x gate|up GEMV of Qwen3-4B (no k split, no wsm on the h200
-    profile) gets glu = intermediate size and its grid covers intermediate / (rows_per_block / 2)
+    """gemv_coop.q8x_glu (on in the h200 profile): the batch-1 q8x gate|up GEMV of Qwen3-4B (no k
+    split, no wsm there) gets glu = intermediate size and its grid covers intermediate / (rows_per_block / 2)
     tiles (or the grid cap); the down GEMV reads the gate half with no prologue. Batch 8 keeps the silu prologue, and
     the kernel source pairs the rows (GLU + l - RPB / 2) and stores through glu_sm. A coop glu with a
     k split or wsm is refused."""
@@ -727,8 +727,8 @@ def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
 
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
-    on = build_plan(graph, dims, graph.quant(quant), with_tuning(get_profile("h200"), "gemv_coop.q8x_glu=true"))
-    off = build_plan(graph, dims, graph.quant(quant), get_profile("h200"))
+    on = build_plan(graph, dims, graph.quant(quant), get_profile("h200"))  # (the profile has it on)
+    off = build_plan(graph, dims, graph.quant(quant), with_tuning(get_profile("h200"), "gemv_coop.q8x_glu=false"))
     inter = dims["intermediate"]
     for plan, glu in ((on, True), (off, False)):
         steps = [s for s in plan.steps if s.layer == 1]
@@ -767,8 +767,9 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
     assert c["q8x_fuse"] and c["q8x"]
     graph = load_family("qwen3")
     for on in (True, False):
-        # (without the per-type shapes: the general knobs' tiles are what is checked below)
-        tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on, "q8x_type_tuning": {}}}
+        # (without the per-type shapes: the general knobs' tiles are what is checked below; without
+        # the glu epilogue, which takes the silu prologue's place: its own test is above)
+        tuning = {**prof.tuning, "gemv_coop": {**c, "q8x": on, "q8x_type_tuning": {}, "q8x_glu": False}}
         plan = build_plan(
             graph,
             dims_for_size("qwen3", "qwen3-4b"),
