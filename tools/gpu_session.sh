@@ -302,6 +302,19 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab glu 150 $q --variant glu="$C.q8x_glu=true" --variant glur2="$GR2"
       grep -h "b1  \|b8  " /tmp/res/glu_$q.log >> /tmp/res/glu.sum; pack glu_$q
     done ;;
+  final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
+    # the session's start (no coop glu) and with 384-thread q4_k blocks, memra bench
+    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
+    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
+    T384="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {${T4/q8x_threads: 320/q8x_threads: 384}, $CHUNK4}, q6_k: {$T6}, $TR}"
+    ab fin13 130 q4_k_m --variant start="$C.q8x_glu=false" --variant t384="$T384"; pack fin13_q4_k_m
+    ab fin13 90 q8_0 --variant start="$C.q8x_glu=false"; pack fin13_q8_0
+    for q in q4_k_m q8_0; do
+      ckpt $q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
+    done
+    { tail -3 /tmp/res/pytest_final.log; grep -h "b1  \|b8  " /tmp/res/fin13_*.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    pack final13 ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench
