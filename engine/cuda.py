@@ -266,31 +266,6 @@ class Stream:
         capture: this stream joins the capture, its next nodes depend on the recorded ones)."""
         _call("cuStreamWaitEvent", self.handle, event.handle, 0)
 
-    def programmatic_deps(self) -> int:
-        """Under stream capture: this stream's dependencies on kernel nodes become programmatic
-        edges (the next node may launch once those kernels have all called pdl_trigger() or
-        exited; its pdl_wait() still waits for them to complete). For a dependency that came from
-        an event wait (a fork or join of two streams), which capture otherwise records as a full
-        edge even when the next launch has the PDL attribute. Only before a launch whose kernel
-        calls pdl_wait() first. Returns the edges made programmatic (0 when not capturing)."""
-        drv = _driver()
-        status, _id, _graph, deps, _data, n = _call("cuStreamGetCaptureInfo", self.handle)
-        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE or not n:
-            return 0
-        kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-        nodes, data, changed = list(deps[:n]), [], 0
-        for node in nodes:
-            e = drv.CUgraphEdgeData()
-            if _call("cuGraphNodeGetType", node) == kernel:
-                e.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
-                e.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-                changed += 1
-            data.append(e)
-        if changed:
-            flag = drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
-            _call("cuStreamUpdateCaptureDependencies", self.handle, nodes, data, n, flag)
-        return changed
-
     def destroy(self) -> None:
         if self.handle is not None:
             _call("cuStreamDestroy", self.handle)

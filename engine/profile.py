@@ -366,15 +366,9 @@ TUNING_SCHEMA: dict[str, Field] = {
     # read the same x and write their own outputs; the next op waits for both)
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
-    # pdl_joins: in a captured decode graph, programmatic edges across fork_linears' fork and join
-    # (engine.runner_cuda), so the forked launch and the one after the join may launch early
     "decode_graph": Field(
-        {
-            "fork_linears": Field(bool, default=False),
-            "early_trigger": Field(bool, default=False),
-            "pdl_joins": Field(bool, default=False),
-        },
-        default={"fork_linears": False, "early_trigger": False, "pdl_joins": False},
+        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
+        default={"fork_linears": False, "early_trigger": False},
     ),
 }
 

@@ -112,10 +112,6 @@ class CudaRunner:
         # forked from and joined back into the main one by these events (a graph captures the fork)
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
-        # decode_graph.pdl_joins: in a captured graph, the fork's first side launch and the launch
-        # after the join depend on the kernels across the fork / join by programmatic edges (as on
-        # one stream under PDL), not full ones: they launch early instead of after those kernels end
-        self._pdl_joins = self._pdl and bool((self.profile.tuning.get("decode_graph") or {}).get("pdl_joins"))
         self.block_size = self.plan.block_size
         self._load_kernels(builder)
         self._upload_weights()
@@ -447,25 +443,19 @@ class CudaRunner:
         """Launch a bound pass in order. A side launch runs on the side stream, which forked from
         the main one before the launch ahead of its run (so it waits for what that launch waits
         for, not for it); the main stream joins it back before its next launch."""
-        joined, forked = True, False
+        joined = True
         for i, b in enumerate(bound):
             if b.side:
-                if forked and self._pdl_joins and b.run.pdl:
-                    self._side.programmatic_deps()  # (under capture; see __init__)
-                forked = False
                 b.run(b.args)
                 joined = False
                 continue
             if not joined:
                 self._join_ev.record(self._side)
                 self.stream.wait(self._join_ev)
-                if self._pdl_joins and b.run.pdl:
-                    self.stream.programmatic_deps()
                 joined = True
             if i + 1 < len(bound) and bound[i + 1].side:  # a run of side launches follows this one
                 self._fork_ev.record(self.stream)
                 self._side.wait(self._fork_ev)
-                forked = True
             b.run(b.args)
         if not joined:
             self._join_ev.record(self._side)

@@ -302,16 +302,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab glu 150 $q --variant glu="$C.q8x_glu=true" --variant glur2="$GR2"
       grep -h "b1  \|b8  " /tmp/res/glu_$q.log >> /tmp/res/glu.sum; pack glu_$q
     done ;;
-  nowsm)  # the q6_k / q4_k down projections without the row tile in shared memory (a q8x_wsm_kb below
-    # their 160 / 110 KB tiles): their blocks then leave room for the next GEMVs' blocks (q|k, v)
-    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
-    NW6="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    NW4="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, q8x_wsm_kb: 100}, q6_k: {$T6}, $TR}"
-    NW46="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, q8x_wsm_kb: 100}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    timeout "$(box 60)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > /tmp/res/nowsm_test.log 2>&1
-    tail -1 /tmp/res/nowsm_test.log > /tmp/res/nowsm.sum
-    ab nowsm 200 q4_k_m --variant nw6="$NW6" --variant nw6j="$NW6; decode_graph.pdl_joins=true" --variant pdlj="decode_graph.pdl_joins=true"
-    grep -h "b1  \|b8  " /tmp/res/nowsm_q4_k_m.log >> /tmp/res/nowsm.sum; pack nowsm ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu) and with 384-thread q4_k blocks, memra bench
     timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
