@@ -65,7 +65,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_chunk_min_k",
     "q8x_stage_rounds",
     "q8x_stage_rounds_min_k",
-    "q8x_blocks_per_sm",
 )
 
 
