@@ -309,6 +309,11 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     B1="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, q8x_blocks_per_sm: 1}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
     ab bps1 150 q4_k_m --variant nw6="$NW6" --variant nw6b1="$B1"
     grep -h "b1  \|b8  " /tmp/res/bps1_q4_k_m.log > /tmp/res/bps1.sum; pack bps1 ;;
+  vwsm)  # on top of the profile (the q6_k down off wsm): the q6_k v GEMV's 42 KB row tiles off it too
+    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
+    V40="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 40}, $TR}"
+    ab vwsm 100 q4_k_m --variant v40="$V40"
+    grep -h "b1  \|b8  " /tmp/res/vwsm_q4_k_m.log > /tmp/res/vwsm.sum; pack vwsm ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu, the q6_k down in shared memory), memra bench (an earlier run
     # of this stage also had a variant with 384-thread q4_k blocks: q4_k_m 1341.4 -> 1368.8 us)
