@@ -302,12 +302,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       ab glu 150 $q --variant glu="$C.q8x_glu=true" --variant glur2="$GR2"
       grep -h "b1  \|b8  " /tmp/res/glu_$q.log >> /tmp/res/glu.sum; pack glu_$q
     done ;;
-  bps1)  # on top of the q6_k down off wsm: the q4_k gate|up grid at one block per SM (3-4 tiles
-    # each), so a down block fits beside each gate|up block and launches (and copies its tile) early
+  bps1)  # the q6_k down off wsm (q6_k q8x_wsm_kb 100, in the profile since), against the profile of
+    # the time; its second variant (the q4_k gate|up at one block per SM) needed a per-type
+    # q8x_blocks_per_sm (commit 3284813, reverted: 1316.5 -> 1443.9 us)
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     NW6="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    B1="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, q8x_blocks_per_sm: 1}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    ab bps1 150 q4_k_m --variant nw6="$NW6" --variant nw6b1="$B1"
+    ab bps1 150 q4_k_m --variant nw6="$NW6"
     grep -h "b1  \|b8  " /tmp/res/bps1_q4_k_m.log > /tmp/res/bps1.sum; pack bps1 ;;
   vwsm)  # on top of the profile (the q6_k down off wsm): the q6_k v GEMV's 42 KB row tiles off it too
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
