@@ -381,6 +381,12 @@ def _gemv_variant_specs():
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132)
         p.update(threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6)
         out.append(kc.spec("gemv", **p))
+        # the coop glu epilogue (gemv_coop.q8x_glu): a tile's gate and up rows paired, silu(gate) * up
+        # stored; with the next tile's loads in the last step, at batch 1 and 8
+        for bm in (1, 8):
+            p = kc.linear_params(q, 2006, 2560, q8, bmax=bm, sm_count=132)
+            p.update(threads=320, rows_per_block=40, ksplit=1, lanes=8, glu=1003, tile_pf=True)
+            out.append(kc.spec("gemv", **p))
     return out
 
 
