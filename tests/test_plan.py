@@ -1249,8 +1249,13 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
     for q, n, k in (("q6_kr", 2560, 9728), ("q4_k", 5120, 2560), ("q4_k", 2560, 4096), ("q6_kr", 1024, 2560)):
         assert not kc.linear_params(q, n, k, h200.tuning, bmax=1, sm_count=132).get("wsm_chunk"), (q, n, k)
     # the general knob: four chunks at most for the types without their own (q6_k: a 2048-element
-    # step); q4_k keeps its own five from k = 8192
+    # step, here with the general 200 KB tile limit instead of its own 100, which keeps the h200
+    # q6_k down off wsm); q4_k keeps its own five from k = 8192
+    assert not kc.linear_params("q6_kr", 2560, 9728, h200.tuning, bmax=1, sm_count=132).get("wsm")
     four = with_tuning(h200, "gemv_coop.q8x_wsm_chunks=4").tuning
+    tt = four["gemv_coop"]["q8x_type_tuning"]
+    tt = {**tt, "q6_k": {**tt["q6_k"], "q8x_wsm_kb": 0}}  # (0: the general knob)
+    four = {**four, "gemv_coop": {**four["gemv_coop"], "q8x_type_tuning": tt}}
     assert kc.linear_params("q6_kr", 2560, 9728, four, bmax=1, sm_count=132)["wsm_chunk"] == 4096
     assert kc.linear_params("q6_kr", 1024, 2560, four, bmax=1, sm_count=132)["wsm_chunk"] == 2048
     assert not kc.linear_params("q4_k", 5120, 2560, four, bmax=1, sm_count=132).get("wsm_chunk")
