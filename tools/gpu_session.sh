@@ -314,6 +314,14 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     V40="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 40}, $TR}"
     ab vwsm 100 q4_k_m --variant v40="$V40"
     grep -h "b1  \|b8  " /tmp/res/vwsm_q4_k_m.log > /tmp/res/vwsm.sum; pack vwsm ;;
+  q6down)  # the q6_k down projection now off wsm (streamed through registers): both x staging rounds
+    # in flight, the k split over 4 warp groups, 8 lanes per row
+    R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
+    Q6="q8x_rows_per_warp: 1, q8x_ksplit_threads: 640, q8x_wsm_kb: 100"
+    V() { echo "$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$1}, $TR}"; }
+    ab q6down 200 q4_k_m --variant r2="$(V "$T6, q8x_wsm_kb: 100, $R2")" \
+      --variant ks4="$(V "q8x_lanes_per_row: 16, q8x_ksplit: 4, $Q6")" --variant l8="$(V "q8x_lanes_per_row: 8, q8x_ksplit: 2, $Q6")"
+    grep -h "b1  \|b8  " /tmp/res/q6down_q4_k_m.log > /tmp/res/q6down.sum; pack q6down ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu, the q6_k down in shared memory), memra bench (an earlier run
     # of this stage also had a variant with 384-thread q4_k blocks: q4_k_m 1341.4 -> 1368.8 us)
