@@ -168,6 +168,13 @@ def _decode_logits(runner, prompt, steps=3):
     return out
 
 
+def _assert_same_bits(want, got, label=""):
+    """Each step's logits in ``got`` are finite, not all zero, and the same bits as in ``want``."""
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert np.isfinite(b).all() and np.any(b != 0), (label, step)
+        assert np.array_equal(a, b), (label, step, float(np.max(np.abs(a - b))))
+
+
 @pytest.mark.parametrize("q8x", [False, True])
 @pytest.mark.parametrize(
     "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
@@ -200,9 +207,7 @@ def test_tile_prefetch_gives_the_same_bits(tmp_path, family, q, q8x):
             logits[name] = _decode_logits(runner, prompt)
         finally:
             runner.close()
-    for step, (a, b) in enumerate(zip(logits["off"], logits["on"], strict=True)):
-        assert np.isfinite(b).all() and np.any(b != 0), step
-        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
+    _assert_same_bits(logits["off"], logits["on"])
 
 
 @pytest.mark.parametrize("tile_pf", [False, True])
@@ -240,9 +245,7 @@ def test_coop_glu_gives_the_same_bits(tmp_path, family, q, tile_pf):
             logits[name] = _decode_logits(runner, prompt)
         finally:
             runner.close()
-    for step, (a, b) in enumerate(zip(logits["off"], logits["on"], strict=True)):
-        assert np.isfinite(b).all() and np.any(b != 0), step
-        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
+    _assert_same_bits(logits["off"], logits["on"])
 
 
 def test_forked_v_gemv_gives_the_same_bits(tmp_path):
@@ -286,9 +289,7 @@ def test_forked_v_gemv_gives_the_same_bits(tmp_path):
             runner.close()
     base = logits["one stream"]
     for name in ("forked", "forked eager"):
-        for step, (a, b) in enumerate(zip(base, logits[name], strict=True)):
-            assert np.isfinite(b).all() and np.any(b != 0), (name, step)
-            assert np.array_equal(a, b), (name, step, float(np.max(np.abs(a - b))))
+        _assert_same_bits(base, logits[name], name)
 
 
 def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
@@ -325,6 +326,4 @@ def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
                     runner.trace_reset()
         finally:
             runner.close()
-    for step, (a, b) in enumerate(zip(logits["plain"], logits["traced"], strict=True)):
-        assert np.isfinite(b).all() and np.any(b != 0), step
-        assert np.array_equal(a, b), (step, float(np.max(np.abs(a - b))))
+    _assert_same_bits(logits["plain"], logits["traced"])
