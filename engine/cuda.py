@@ -370,31 +370,6 @@ def tensor_map_bf16(
     return ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES)
 
 
-def tensor_map_words(ptr: int, rows: int, row_bytes: int, box_rows: int, box_bytes: int) -> bytes:
-    """The TMA descriptor of ``rows`` rows of ``row_bytes`` raw bytes at ``ptr`` (a quantised
-    weight as stored), seen as 32-bit words, read in boxes of ``box_rows`` rows x ``box_bytes``
-    bytes without swizzle (a box lands in shared memory row after row, ``box_bytes`` apart; rows
-    past the end read as zeros). Both byte counts must be multiples of 16."""
-    drv = _driver()
-    if row_bytes % 16 or box_bytes % 16 or box_bytes // 4 > 256 or box_rows > 256:
-        raise ValueError(f"tensor map: rows of {row_bytes} bytes in boxes of {box_rows} x {box_bytes} bytes")
-    tmap = _call(
-        "cuTensorMapEncodeTiled",
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32,
-        2,
-        int(ptr),
-        [drv.cuuint64_t(int(row_bytes) // 4), drv.cuuint64_t(int(rows))],
-        [drv.cuuint64_t(int(row_bytes))],
-        [drv.cuuint32_t(int(box_bytes) // 4), drv.cuuint32_t(int(box_rows))],
-        [drv.cuuint32_t(1), drv.cuuint32_t(1)],
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
-    return ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES)
-
-
 class Function:
     """One ``extern "C"`` kernel of a loaded module."""
 

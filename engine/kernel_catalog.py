@@ -93,7 +93,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "ring": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -132,7 +132,6 @@ KERNELS: dict[str, KernelDoc] = {
             wsm_chunk=int,
             early_nw=bool,
             early_res=bool,
-            ring=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -169,7 +168,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk",
             "early_nw",
             "early_res",
-            "ring",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -204,7 +202,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk": 0,
             "early_nw": False,
             "early_res": False,
-            "ring": 0,
         },
     ),
     "gemm": KernelDoc(
@@ -552,8 +549,6 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     bmax, k = int(p["bmax"]), int(p["k"])
     if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
         x = bmax * k * 3 // 2
-        if p.get("ring"):  # + the ring's slots at the next 128-byte boundary (RING_OFF)
-            return (x + 127) // 128 * 128 + int(p["ring"]) * ring_slot_bytes(p)
         if not p.get("wsm"):
             return x
         # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
@@ -580,23 +575,6 @@ def coop_step_elems(p: Mapping[str, Any]) -> int:
     upt = max(1, int(p["unroll"]) // 2) if q4c else int(p["unroll"])
     seg = 64 if q4c else COOP_SEG.get(p["quant"], 32)
     return int(p.get("lanes") or 32) * upt * int(p.get("ksplit") or 1) * seg
-
-
-RING_SLOTS_MAX = 16  # ring: at most this many shared-memory slots
-
-
-def ring_box(p: Mapping[str, Any]) -> tuple[int, int]:
-    """A ring GEMV's TMA box: (rows, bytes per row). A slot holds one lanes' step (coop_step_elems)
-    of every row of a row tile, as one box of rows_per_block rows, or with glu two of half as many
-    (the gate rows and the up rows)."""
-    rows = int(p["rows_per_block"]) // (2 if p.get("glu") else 1)
-    return rows, coop_step_elems(p) // 256 * row_bytes(p["quant"], 256)
-
-
-def ring_slot_bytes(p: Mapping[str, Any]) -> int:
-    """The shared-memory bytes of one ring slot: its boxes, each at a 128-byte boundary."""
-    rows, cb = ring_box(p)
-    return (2 if p.get("glu") else 1) * ((rows * cb + 127) // 128 * 128)
 
 
 def wsm_chunk_elems(step: int, k: int, chunks: int) -> int:
@@ -724,32 +702,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"wsm: {gemv_smem(p)} bytes of shared memory (x rows and a {p['rows_per_block']}-row tile) "
             f"exceed {WSM_SMEM_MAX}",
         )
-        if p["ring"]:
-            step = coop_step_elems(p)
-            need(
-                p["q8x"]
-                and q == "q4_k"
-                and p["bmax"] == 1
-                and p["ksplit"] == 1
-                and p["kparts"] == 1
-                and not p["wsm"]
-                and p["pipeline"]
-                and p["tile_pf"]
-                and p["k"] % step == 0
-                and 1 <= p["ring"] <= RING_SLOTS_MAX,
-                f"ring={p['ring']}: a batch-1 q8x q4_k coop option (pipeline, tile_pf; no wsm, ksplit or "
-                f"kparts) with k={p['k']} a multiple of the lanes' step ({step} elements), 1..{RING_SLOTS_MAX} slots",
-            )
-            rows, cb = ring_box(p)
-            need(
-                rows <= 256 and cb % 16 == 0 and cb // 4 <= 256,
-                f"ring: a TMA box of {rows} rows x {cb} bytes (at most 256 rows and 256 32-bit words, "
-                "16-byte rows)",
-            )
-            need(
-                gemv_smem(p) <= WSM_SMEM_MAX,
-                f"ring: {gemv_smem(p)} bytes of shared memory (x rows and {p['ring']} slots) exceed {WSM_SMEM_MAX}",
-            )
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
@@ -942,7 +894,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "ring"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1083,8 +1035,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("norm_w", P),)
     if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
         args = args + (("kpart_sum", P), ("kpart_count", P))
-    if s.template == "gemv" and int(s.params.get("ring", 0)):
-        args = args + (("wmap", P),)  # the weight's TMA descriptor (ring_box)
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     return args
@@ -1179,8 +1129,6 @@ def coop_options(
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
     - else xsmem where gemv_coop.xsmem asks and the bf16 x rows fit COOP_XSMEM_MAX.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
-    - ring (q4_k, bmax 1, with tile_pf, no k split): the weights through q8x_ring shared-memory slots
-      by TMA boxes (ring_box), where k is whole lanes' steps and the slots fit WSM_SMEM_MAX.
     """
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
@@ -1255,15 +1203,6 @@ def coop_options(
         out["pipeline"] = True
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
             out["tile_pf"] = True
-    ring = int(c.get("q8x_ring") or 0)
-    if ring and out.get("q8x") and out.get("tile_pf") and bmax == 1 and quant == "q4_k":
-        lanes = int(out.get("lanes") or 32)
-        step = coop_step_elems({"quant": quant, "q8x": True, "unroll": c["unroll"], "lanes": lanes})
-        rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
-        rp = {"quant": quant, "q8x": True, "unroll": c["unroll"], "lanes": lanes, "ring": ring}
-        rp.update(bmax=1, k=k, rows_per_block=rpb, glu=rpb % 2 == 0)  # (glu's two boxes: the larger)
-        if out.get("ksplit", 1) == 1 and out.get("kparts", 1) == 1 and k % step == 0 and gemv_smem(rp) <= WSM_SMEM_MAX:
-            out["ring"] = ring
     return out
 
 

@@ -99,8 +99,7 @@ class Arg:
     max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``, ``tmap`` (a device pointer
     to the TMA descriptor of a bf16 matrix: ``ref`` = ("value" | "weight", name, box rows) or
     ("scratch", name, box rows, rows, cols); a value's map spans its buffer's rows, a weight's its
-    rows, boxes of 64 columns), or ("ring", weight, box rows, box bytes): the raw rows of a weight
-    as 32-bit words, in boxes of box rows x box bytes (the ring GEMV's).
+    rows, boxes of 64 columns).
     """
 
     kind: str
@@ -1019,9 +1018,6 @@ class _CatalogAdapter:
                 self._need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
                 args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
                 grid += (parts,)
-            if spec.params.get("ring"):  # the weight's TMA descriptor, in the ring's boxes
-                box_rows, box_bytes = self.cat.ring_box(spec.params)
-                args += (Arg("tmap", ("ring", w.key, box_rows, box_bytes)),)
             if spec.params.get("glu"):
                 self.glu_done.add((mode, out.name))
             smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0

@@ -65,7 +65,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_chunk_min_k",
     "q8x_stage_rounds",
     "q8x_stage_rounds_min_k",
-    "q8x_ring",
 )
 
 
@@ -195,10 +194,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
             # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
             "q8x_glu": Field(bool, default=False),
-            # q8x q4_k, sm_90, batch 1, a GEMV without wsm or a k split: its weights streamed through
-            # a ring of this many shared-memory slots, each one lanes' step of every row of a tile
-            # (one 2D TMA box per slot and row range), the first slots issued before pdl_wait; 0: off
-            "q8x_ring": Field(int, default=0),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
@@ -236,7 +231,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_early_norm_w": False,
             "q8x_early_residual": False,
             "q8x_glu": False,
-            "q8x_ring": 0,
             "q8x_kparts": 1,
             "q8x_kparts_min_k": 0,
             "q8x_kparts_types": [],

@@ -340,19 +340,12 @@ class CudaRunner:
 
     def _tensor_map(self, source: str, name: str, box_rows: int, *shape: int) -> int:
         """Device address of the TMA descriptor of value / weight / scratch ``name`` in boxes of
-        ``box_rows`` x 64 (a scratch buffer holds several matrices: ``shape`` = rows, cols), or of
-        weight ``name``'s raw rows in boxes of ``box_rows`` x ``shape[0]`` bytes (source "ring"),
-        built and uploaded once, then reused by every bind."""
+        ``box_rows`` x 64 (a scratch buffer holds several matrices: ``shape`` = rows, cols), built
+        and uploaded once, then reused by every bind."""
         key = (source, name, box_rows, *shape)
         ptr = self._tmaps.get(key)
         if ptr is not None:
             return ptr
-        if source == "ring":  # a quantised weight's raw rows in (box rows x box bytes) boxes
-            w = next(w for w in self.plan.weights if w.key == name)
-            desc = cuda.tensor_map_words(
-                self._weights[name].ptr, w.rows, quant.row_bytes(w.dtype, w.cols), box_rows, shape[0]
-            )
-            return self._store_tensor_map(key, desc)
         if source == "value":
             v = self.plan.values[name]
             buf = next(b for b in self.plan.buffers if b.name == v.buffer)
@@ -364,10 +357,7 @@ class CudaRunner:
         else:
             w = next(w for w in self.plan.weights if w.key == name)
             base, rows, cols, row_bytes = self._weights[name].ptr, w.rows, w.cols, w.cols * 2
-        return self._store_tensor_map(key, cuda.tensor_map_bf16(base, rows, cols, row_bytes, box_rows))
-
-    def _store_tensor_map(self, key: tuple, desc: bytes) -> int:
-        """``desc`` uploaded into the descriptor pool: its device address, kept under ``key``."""
+        desc = cuda.tensor_map_bf16(base, rows, cols, row_bytes, box_rows)
         slot = len(self._tmaps) % TMAPS_PER_POOL
         if slot == 0:
             self._tmap_pools.append(cuda.alloc(TMAPS_PER_POOL * cuda.TENSOR_MAP_BYTES))

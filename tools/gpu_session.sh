@@ -322,14 +322,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab q6down 200 q4_k_m --variant r2="$(V "$T6, q8x_wsm_kb: 100, $R2")" \
       --variant ks4="$(V "q8x_lanes_per_row: 16, q8x_ksplit: 4, $Q6")" --variant l8="$(V "q8x_lanes_per_row: 8, q8x_ksplit: 2, $Q6")"
     grep -h "b1  \|b8  " /tmp/res/q6down_q4_k_m.log > /tmp/res/q6down.sum; pack q6down ;;
-  ring)  # the q4_k GEMVs without wsm or a k split (the gate|up) streaming their weights through a
-    # ring of shared-memory slots by TMA boxes (gemv_coop.q8x_ring): its same-bits GPU test, then
-    # the q4_k_m A/B at RING_SLOTS slots
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "ring" -p no:cacheprovider > /tmp/res/ring_test.log 2>&1
-    tail -3 /tmp/res/ring_test.log > /tmp/res/ring.sum; pack ring_test
-    args=(); for n in ${RING_SLOTS:-2 4 6}; do args+=(--variant "ring$n=$C.q8x_ring=$n"); done
-    ab ring 240 q4_k_m "${args[@]}"
-    grep -h "b1  \|b8  " /tmp/res/ring_q4_k_m.log >> /tmp/res/ring.sum; pack ring ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu, the q6_k down in shared memory), memra bench (an earlier run
     # of this stage also had a variant with 384-thread q4_k blocks: q4_k_m 1341.4 -> 1368.8 us)

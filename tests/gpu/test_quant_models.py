@@ -248,46 +248,6 @@ def test_coop_glu_gives_the_same_bits(tmp_path, family, q, tile_pf):
     _assert_same_bits(logits["off"], logits["on"])
 
 
-@pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("slots", [1, 3])
-def test_ring_gives_the_same_bits(tmp_path, slots, glu):
-    """gemv_coop.q8x_ring: the batch-1 q4_k GEMVs without wsm or a k split stream their weights
-    through shared-memory slots by TMA boxes (one lanes' step of every row of a tile per slot) and
-    read the same segments in the same order, so the logits must be the same bits. sm_count = 1 caps
-    the grid at two blocks, so a block's stream runs over many tiles and every slot is reused many
-    times (1 slot: each chunk issued only once every warp is done with the one before)."""
-    from engine.model import load_model
-    from engine.profile import arch_number, select
-    from engine.runner_cuda import CudaRunner
-
-    prof = select(cuda.detect_devices()[0])
-    if arch_number(prof.arch) < 90:
-        pytest.skip("the ring's TMA boxes need sm_90")
-    model = load_model(write_random_gguf(tmp_path / "tiny_q4_k_m.gguf", "qwen3", DIMS, "q4_k_m", seed=7))
-    base = {**COOP, "unroll": 2, "pipeline": True, "tile_prefetch": True, "q8x": True, "q8x_threads": 256,
-            "q8x_blocks_per_sm": 2, "q8x_fuse": True, "q8x_lanes_per_row": 8, "q8x_glu": glu}
-    rng = np.random.default_rng(5)
-    prompt = [int(t) for t in rng.integers(3, DIMS.vocab_size, 11)]
-    logits = {}
-    for name, coop in (("off", base), ("on", {**base, "q8x_ring": slots})):
-        tuning = {**prof.tuning, "gemv_coop": coop, "gemv": {**prof.tune("gemv"), "fuse_glu": glu}}
-        runner = CudaRunner(model, dataclasses.replace(prof, sm_count=1, tuning=tuning), num_blocks=64, max_model_len=512)
-        try:
-            gemvs = [la.spec for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
-            ring = [s for s in gemvs if s.params["ring"]]
-            # every q4_k GEMV: q|k, o and gate|up in both layers, v and down in the odd one (the
-            # even layer's q6_k v / down and the lm_head read q6_kr, which has no ring)
-            q4k = [s for s in gemvs if s.params["quant"] == "q4_k"]
-            assert len(q4k) == 4 * DIMS.num_hidden_layers, [s.entry for s in gemvs]
-            assert ring == (q4k if name == "on" else []), [s.entry for s in ring]
-            assert all(s.params["ring"] == slots for s in ring)
-            assert sum(bool(s.params["glu"]) for s in ring) == (DIMS.num_hidden_layers if glu and name == "on" else 0)
-            logits[name] = _decode_logits(runner, prompt)
-        finally:
-            runner.close()
-    _assert_same_bits(logits["off"], logits["on"])
-
-
 def test_forked_v_gemv_gives_the_same_bits(tmp_path):
     """decode_graph.fork_linears: a q4_k_m layer's v GEMV (q6_k, stored apart from q|k) runs on a
     second stream alongside the q|k GEMV. It reads the same x and writes its own output, so the
