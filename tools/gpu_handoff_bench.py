@@ -9,9 +9,12 @@ handoff mode and replayed; the time per launch is the replay's time over the lau
 - ``plain``: ordinary stream order (a launch starts once the one before has ended);
 - ``pdl``: programmatic dependent launch, each block calling griddepcontrol.launch_dependents at
   its start and griddepcontrol.wait before its reads (what the batch-1 decode GEMVs do);
+- ``pdlw``: the PDL attribute and griddepcontrol.wait, no early trigger;
 - ``flag``: the same early launch, but instead of griddepcontrol.wait, thread 0 of each block
   spins (ld.acquire.gpu) on a counter the previous launch's blocks raise (__threadfence, then
-  atomicAdd) once they have written; the launch's last block to pass resets the counter.
+  atomicAdd) once they have written; the launch's last block to pass resets the counter. A spin
+  gives up after 2^22 polls (counted in the last column of "flags left"): a handoff that would
+  deadlock shows up there instead of hanging the GPU.
 
 The difference between ``pdl`` and ``flag`` is what a software handoff would save per kernel
 boundary of the decode step (about 180 boundaries per Qwen3-4B step). Writes handoff.txt (and
@@ -31,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(1024) chain(float* buf, unsigned* flags, int idx, int mode,
                                                           int work_ns, int prev_blocks, int last) {
-    // mode 0: griddepcontrol.wait; 1: spin on flags; 2: plain (no trigger, no wait)
-    if (mode != 2) asm volatile("griddepcontrol.launch_dependents;" :::);
+    // mode 0: trigger at the start, griddepcontrol.wait; 1: trigger, spin on flags; 2: plain (no
+    // trigger, no wait); 3: griddepcontrol.wait only (the next launch is scheduled as blocks exit)
+    if (mode < 2) asm volatile("griddepcontrol.launch_dependents;" :::);
     __shared__ float red[32];
     if (mode == 1) {
         if (threadIdx.x == 0 && idx > 0) {
@@ -49,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(1024) chain(float* buf, unsigned* f
             }
         }
         __syncthreads();
-    } else if (mode == 0) {
+    } else if (mode == 0 || mode == 3) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
     }
     float v = 0.0f;
@@ -106,7 +110,8 @@ def main() -> int:
         blocks, threads = (int(v) for v in shape.split("x"))
         for work in (int(w) for w in args.work_ns.split(",")):
             row = [f"{blocks:4d} blocks x {threads:4d} threads, work {work:5d} ns:"]
-            for mode_name, mode in (("plain", 2), ("pdl", 0), ("flag", 1)):
+            for mode_name, mode in (("plain", 2), ("pdl", 0), ("pdlw", 3), ("flag", 1)):
+                cuda.memset(flags.ptr, 0, 8 * 4)
                 launches = [cuda.PreparedLaunch(fn, (blocks,), (threads,), 0, stream, pdl=mode != 2) for _ in range(2)]
                 packed = []
                 for i in range(n):
