@@ -87,7 +87,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "table_first", "wait_first"),
+    "attention": ("vec16", "rope", "table_first"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -370,7 +370,6 @@ KERNELS: dict[str, KernelDoc] = {
             qsplit=int,
             v_stride=int,
             table_first=bool,
-            wait_first=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -398,7 +397,6 @@ KERNELS: dict[str, KernelDoc] = {
             "vec16",
             "qsplit",
             "table_first",
-            "wait_first",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -415,7 +413,6 @@ KERNELS: dict[str, KernelDoc] = {
             "qsplit": 1,
             "v_stride": 0,
             "table_first": False,
-            "wait_first": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -866,12 +863,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             need(p["kv_stride"] % 8 == 0, "rope fusion needs kv_stride a multiple of 8")
             need(p["v_stride"] % 8 == 0, "rope fusion needs v_stride a multiple of 8")
             need(not p["qk_norm"] or p["eps"] > 0, "qk_norm needs eps > 0")
-        if p["wait_first"]:  # one rope job per warp, its rows loaded right after the early wait
-            need(
-                p["rope"] and p["direct"] and p["warps"] >= group // p["qsplit"] + 2,
-                f"wait_first needs the rope-fused direct kernel with a warp per job: warps={p['warps']} "
-                f"< {group // p['qsplit']} query heads + k + v",
-            )
 
 
 def spec(template: str, **params: Any) -> KernelSpec:

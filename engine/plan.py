@@ -669,9 +669,6 @@ class _CatalogAdapter:
         self.glu_done: set[tuple[str, str]] = set()  # (mode, gate value) whose GEMV ran glu
         # layer -> (attention spec params, extra args) of a decode rope folded into the attention
         self.rope_fused: dict[int | None, tuple[dict[str, Any], tuple[Arg, ...]]] = {}
-        # the layers whose decode linear forked a launch onto the second stream (_fork): their
-        # attention launches only once the join is done, never early
-        self.forked: set[int | None] = set()
 
     # -- specs
 
@@ -1029,9 +1026,9 @@ class _CatalogAdapter:
                 self.profile.tune("gemv_coop").get("q8x_resident_grid")
             )
             launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
-        return self._fork(mode, launches, layer)
+        return self._fork(mode, launches)
 
-    def _fork(self, mode: str, launches: list[Launch], layer=None) -> list[Launch]:
+    def _fork(self, mode: str, launches: list[Launch]) -> list[Launch]:
         """A decode linear's launches after the first marked concurrent (tuning
         decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
         all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
@@ -1041,7 +1038,6 @@ class _CatalogAdapter:
             return launches
         if any(a.kind == "scratch" for la in launches for a in la.args):
             return launches
-        self.forked.add(layer)
         return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
 
     def _glu_for(self, op, layer, mode, w, residual: bool, out_dtype: str, rpb: int = 0) -> int:
@@ -1218,11 +1214,6 @@ class _CatalogAdapter:
             dq = getattr(self.cat, "direct_qsplit", None) if self.cat is not None else None
             qsplit = dq(heads // kvh, self.profile.tuning) if dq is not None else 1
             kmode = "decode"
-            order = {}  # the prologue's load order (attention_decode.table_first / wait_first)
-            if t.get("table_first"):
-                order["table_first"] = True
-            if t.get("wait_first") and rope and layer in self.forked:
-                order["wait_first"] = True  # (behind the layer's join: this kernel never launches early)
             spec = self._spec(
                 "attention",
                 {"m": kmode[0], "h": heads, "kv": kvh, "d": hd, "w": warps, "qs": q.ld},
@@ -1234,7 +1225,7 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
-                **order,
+                **({"table_first": True} if t.get("table_first") else {}),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]

@@ -350,10 +350,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # decode kernels: a block stages its first chunk's block-table entries without waiting
             # for the row's position (the two loads in flight together, one round trip less)
             "table_first": Field(bool, default=False),
-            # the rope-fused direct kernel after a fork / join (the layer's v GEMV on the second
-            # stream, decode_graph.fork_linears), which never launches early: pdl_wait first, then
-            # the q / k / v rows loaded together with the position and the block table
-            "wait_first": Field(bool, default=False),
         },
         default={
             "block_kv": 64,
@@ -364,7 +360,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "direct_warps": 0,
             "direct_qsplit": 1,
             "table_first": False,
-            "wait_first": False,
         },
     ),
     "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),

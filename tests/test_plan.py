@@ -151,14 +151,11 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
                     assert not any(flags), (step.op.op, step.op.outputs, mode)
 
 
-def test_attention_wait_first_only_behind_the_fork_and_table_first_on_every_decode_kernel():
-    """attention_decode.wait_first: the rope-fused short-context attention of a q4_k_m layer (its v
-    GEMV forked onto the second stream, so the attention launches only after the join) waits first
-    and loads its rope rows with the table; without the fork (fork_linears off, or a q8_0 file's
-    fused qkv) it keeps its loads before pdl_wait. table_first: every decode attention kernel (short
-    and split) stages its first table chunk before the position is known. The sources say so, and
-    the catalog refuses wait_first without the rope or with too few warps for one job each."""
-    from engine import kernel_catalog as kc
+def test_attention_table_first_on_every_decode_kernel():
+    """attention_decode.table_first (on for h200): every decode attention kernel, the short-context
+    direct one and the split one, stages its first table chunk at its start, before the row's
+    position is known (its own loop, outside the chunk loop that needs the position); off, the
+    source has no such loop."""
 
     def attn(plan):
         short = {la.spec for s in plan.steps for la in s.launches.get("short", ()) if la.spec.template == "attention"}
@@ -166,26 +163,16 @@ def test_attention_wait_first_only_behind_the_fork_and_table_first_on_every_deco
         assert len(short) == 1 and len(split) == 1
         return short.pop(), split.pop()
 
-    both = "attention_decode.table_first=true; attention_decode.wait_first=true"
-    short, split = attn(_q4_k_m_plan(both))
-    assert short.params["wait_first"] and short.params["table_first"] and split.params["table_first"]
-    assert not split.params["wait_first"]
-    src = render(short)
-    assert "rope_vals(pre," in src and "pre_v[e >> 5]" in src and "if (cbeg != start)  //" in src
-    assert src.index("pdl_wait();") < src.index("const int start = 0, end = ctx;")
-    short_nf, _ = attn(_q4_k_m_plan(both + "; decode_graph.fork_linears=false"))
-    assert short_nf.params["table_first"] and not short_nf.params["wait_first"]
     graph = load_family("qwen3")
-    q8 = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), with_tuning(get_profile("h200"), both))
-    short8, _ = attn(q8)
-    assert short8.params["table_first"] and not short8.params["wait_first"]
-    off, split_off = attn(_q4_k_m_plan("attention_decode.table_first=false; attention_decode.wait_first=false"))
-    assert not (off.params["table_first"] or off.params["wait_first"] or split_off.params["table_first"])
-    assert "rope_vals(pre," not in render(off) and "sm_tab[i] = tab[t0 + i]" not in render(off)
-    with pytest.raises(ConfigError, match="wait_first"):
-        kc.spec("attention", **{**short.params, "warps": 2})
-    with pytest.raises(ConfigError, match="wait_first"):
-        kc.spec("attention", **{**split.params, "wait_first": True})
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    for plan in (_q4_k_m_plan(""), build_plan(graph, dims, graph.quant("q8_0"), get_profile("h200"))):
+        for spec in attn(plan):
+            assert spec.params["table_first"] and "_table_first1" in spec.entry, spec.entry
+            src = render(spec)
+            assert "sm_tab[i] = tab[t0 + i]" in src and "if (cbeg != start)  //" in src
+            assert src.index("sm_tab[i] = tab[t0 + i]") < src.index("for (int cbeg = start;")
+    for spec in attn(_q4_k_m_plan("attention_decode.table_first=false")):
+        assert not spec.params["table_first"] and "tab[t0 + i]" not in render(spec)
 
 
 def test_early_trigger_marks_the_batch_1_coop_gemvs_only():

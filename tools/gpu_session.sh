@@ -322,16 +322,23 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     ab q6down 200 q4_k_m --variant r2="$(V "$T6, q8x_wsm_kb: 100, $R2")" \
       --variant ks4="$(V "q8x_lanes_per_row: 16, q8x_ksplit: 4, $Q6")" --variant l8="$(V "q8x_lanes_per_row: 8, q8x_ksplit: 2, $Q6")"
     grep -h "b1  \|b8  " /tmp/res/q6down_q4_k_m.log > /tmp/res/q6down.sum; pack q6down ;;
-  attn14)  # the A/B of the profile (the decode attention's table_first / wait_first on) against both
-    # off and against table_first alone on q4_k_m (its attention waits for the v GEMV's join), every
-    # GPU test on the profile, then with ATTN_Q8=1 q8_0 (no fork, so table_first only)
+  attn14)  # the A/B of the profile (the decode attention's table_first on) against it off on q4_k_m
+    # (its attention waits for the v GEMV's join), every GPU test on the profile, then with
+    # ATTN_Q8=1 q8_0. Its run in the fourteenth session also had wait_first (commit 5a28dc8: the
+    # rope-fused kernel waits first and loads its rope rows with the table): 1305.2 -> 1312.8 us
     A=attention_decode
-    ab attn14 150 q4_k_m --variant off="$A.table_first=false; $A.wait_first=false" --variant tf="$A.wait_first=false"
+    ab attn14 150 q4_k_m --variant off="$A.table_first=false"
     grep -h "b1  \|b8  " /tmp/res/attn14_q4_k_m.log > /tmp/res/attn14.sum; pack attn14_q4_k_m
     timeout "$(box 170)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_attn14.log 2>&1; pack pytest_attn14
     tail -3 /tmp/res/pytest_attn14.log >> /tmp/res/attn14.sum
     [ -n "${ATTN_Q8:-}" ] && ab attn14 120 q8_0 --variant off="$A.table_first=false"
     grep -h "b1  \|b8  " /tmp/res/attn14_q8_0.log >> /tmp/res/attn14.sum 2>/dev/null; pack attn14_q8_0 ;;
+  final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
+    for q in q4_k_m q8_0; do
+      ckpt $q
+      timeout "$(box 110)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench14_$q.json > /tmp/res/bench14_$q.log 2>&1
+      grep -h "decode\|prefill" /tmp/res/bench14_$q.log >> /tmp/res/final14.sum; pack bench14_$q
+    done ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu, the q6_k down in shared memory), memra bench (an earlier run
     # of this stage also had a variant with 384-thread q4_k blocks: q4_k_m 1341.4 -> 1368.8 us)
