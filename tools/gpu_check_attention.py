@@ -123,7 +123,9 @@ def prefill_choice(heads, kvh, hd, q_stride, out_stride, bq=64, bkv=64, warps=4)
     )
 
 
-def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, vec16=False, qsplit=1) -> kc.KernelChoice:
+def decode_choice(
+    heads, kvh, hd, q_stride, out_stride, split, warps, direct, vec16=False, qsplit=1, table_first=False
+) -> kc.KernelChoice:
     return kc.choice(
         "attention",
         heads=heads,
@@ -139,6 +141,7 @@ def decode_choice(heads, kvh, hd, q_stride, out_stride, split, warps, direct, ve
         warps=warps,
         vec16=vec16,
         qsplit=qsplit,
+        table_first=table_first,
     )
 
 
@@ -299,9 +302,11 @@ class Decode:
         self.out = nan_like((self.rows, self.out_stride))
         self.kv_bytes = 2.0 * sum(ctxs) * kvh * hd * 2
 
-    def launches(self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False, qsplit: int = 1):
+    def launches(
+        self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False, qsplit: int = 1, tf: bool = False
+    ):
         c = decode_choice(
-            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16, qsplit
+            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16, qsplit, tf
         )
         ms_ = 1 if direct else -(-self.max_ctx // split)
         po = torch.full((self.rows, self.heads, ms_, self.hd), float("nan"), device=DEV)
@@ -343,14 +348,17 @@ def decode_checks(K: Kernels, quick: bool) -> None:
     variants = [(split0, w0, False), (split0, w0, True), (256, 4, False), (1024, 8, False)]
     if quick:
         variants = variants[:2]
-    variants = [v + (vec,) for vec in (False, True) for v in variants]
+    # (table_first: the first table chunk staged before the position is known, split and direct)
+    variants = [v + (vec, False) for vec in (False, True) for v in variants]
+    variants += [(split0, w0, direct, True, True) for direct in (False, True)]
     for i, (label, h, kvh, hd) in enumerate(cases):
-        for split, warps, direct, vec in variants:
+        for split, warps, direct, vec, tf in variants:
             name = f"decode {label} ctx {DECODE_CTXS} split {split} warps {warps} direct {direct} vec16 {vec}"
+            name += " table_first" if tf else ""
 
-            def one(i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, vec=vec, name=name):
+            def one(i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, vec=vec, tf=tf, name=name):
                 dc = Decode(np.random.default_rng(2000 + i), h, kvh, hd, DECODE_CTXS, max_ctx=4100)
-                c, run = dc.launches(K, split, warps, direct, vec)
+                c, run = dc.launches(K, split, warps, direct, vec, tf=tf)
                 run()
                 record(name, dc.result(), dc.reference(), 1e-2, entry=c.spec.entry)
 
