@@ -1225,7 +1225,7 @@ class _CatalogAdapter:
                 qsplit=qsplit,
                 **common,
                 **rope,
-                **({"table_first": True} if t.get("table_first") else {}),
+                table_first=bool(t.get("table_first")),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
@@ -1240,7 +1240,7 @@ class _CatalogAdapter:
             warps=warps,
             vec16=vec16,
             **common,
-            **({"table_first": True} if tune.get("table_first") else {}),
+            table_first=bool(tune.get("table_first")),
         )
         rows = self.max_rows
         self._need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))

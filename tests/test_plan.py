@@ -169,10 +169,10 @@ def test_attention_table_first_on_every_decode_kernel():
         for spec in attn(plan):
             assert spec.params["table_first"] and "_table_first1" in spec.entry, spec.entry
             src = render(spec)
-            assert "sm_tab[i] = tab[t0 + i]" in src and "if (cbeg != start)  //" in src
-            assert src.index("sm_tab[i] = tab[t0 + i]") < src.index("for (int cbeg = start;")
+            assert "sm_tab[i] = table[t0 + i]" in src and "if (cbeg != start)  //" in src
+            assert src.index("sm_tab[i] = table[t0 + i]") < src.index("for (int cbeg = start;")
     for spec in attn(_q4_k_m_plan("attention_decode.table_first=false")):
-        assert not spec.params["table_first"] and "tab[t0 + i]" not in render(spec)
+        assert not spec.params["table_first"] and "table[t0 + i]" not in render(spec)
 
 
 def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
