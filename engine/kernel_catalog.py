@@ -16,6 +16,7 @@ or gguf (the GPU check script imports this on a machine without gguf).
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -488,6 +489,22 @@ KERNELS: dict[str, KernelDoc] = {
         "(threads,)",
     ),
 }
+# the two parts of a gemv_pair spec: each part's gemv params under its prefix
+PAIR_PARTS = ("a_", "b_")
+KERNELS["gemv_pair"] = KernelDoc(
+    {
+        **{f"{x}{k}": t for x in PAIR_PARTS for k, t in KERNELS["gemv"].params.items()},
+        "blocks_a": int,
+        "blocks_b": int,
+    },
+    # each part's gemv args, a's then b's (a norm prologue adds its norm_w): kernel_args()
+    tuple((f"{x}{name}", c) for x in PAIR_PARTS for name, c in KERNELS["gemv"].args),
+    (),  # named by pair_spec: both parts' type and shape, and a hash of their entries
+    "(blocks_a + blocks_b, ceil(rows / bmax))  (pair_spec: each part one block per row tile)",
+    "(a_threads,)  (both parts' threads)",
+    "dynamic: the larger part's (gemv_smem)",
+    {f"{x}{k}": v for x in PAIR_PARTS for k, v in (KERNELS["gemv"].defaults or {}).items()},
+)
 
 
 def rope_head_blocks(p: Mapping[str, Any]) -> int:
@@ -598,6 +615,49 @@ def gemv_grid_x(p: Mapping[str, Any]) -> int:
     tiles = _cdiv(int(p["n"]), int(p["rows_per_block"]))
     cap = int(p.get("grid_cap") or 0)
     return min(tiles, cap) if cap else tiles
+
+
+def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
+    """The gemv_pair spec running coop gemv specs ``a`` and ``b`` in one launch
+    (kernels/gemv_pair.cu.j2): blocks 0 .. blocks_a - 1 run ``a``, the rest ``b``. Both must be coop
+    GEMVs of one block shape and batch (threads, min_blocks, bmax), without a k split over blocks
+    (kparts) and with one block per row tile (no grid_cap below the tiles); a ConfigError names
+    the rule broken. The caller decides that they read the same x."""
+    for s in (a, b):
+        if s.template != "gemv" or not s.params["coop"]:
+            raise _fail("gemv_pair", f"{s.entry}: a part must be a coop gemv spec")
+        p = s.params
+        if p["kparts"] != 1:
+            raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
+        if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
+            raise _fail("gemv_pair", f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)")
+    pa, pb = a.params, b.params
+    for key in ("threads", "min_blocks", "bmax"):
+        if pa[key] != pb[key]:
+            raise _fail("gemv_pair", f"the parts' {key} differ ({pa[key]} and {pb[key]}): one launch has one")
+    smem = max(gemv_smem(pa), gemv_smem(pb))
+    if smem > WSM_SMEM_MAX:
+        raise _fail("gemv_pair", f"{smem} bytes of dynamic shared memory exceed {WSM_SMEM_MAX}")
+    params: dict[str, Any] = {f"a_{k}": v for k, v in pa.items()}
+    params.update({f"b_{k}": v for k, v in pb.items()})
+    params.update(blocks_a=gemv_grid_x(pa), blocks_b=gemv_grid_x(pb))
+    tag = zlib.crc32(f"{a.entry} {b.entry}".encode())
+    short = [f"{p['quant'].replace('_', '')}_n{p['n']}_k{p['k']}" for p in (pa, pb)]
+    return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params)
+
+
+def pair_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
+    """The two gemv specs of gemv_pair spec ``s`` (entry "part", as kernels/gemv_pair.cu.j2
+    renders them)."""
+    return tuple(  # type: ignore[return-value]
+        KernelSpec("gemv", "part", {k[len(x) :]: v for k, v in s.params.items() if k.startswith(x)})
+        for x in PAIR_PARTS
+    )
+
+
+def pair_smem(s: KernelSpec) -> int:
+    """A gemv_pair launch's dynamic shared memory: the larger part's."""
+    return max(gemv_smem(p.params) for p in pair_parts(s))
 
 
 def gemv_static_smem(p: Mapping[str, Any]) -> int:
@@ -871,6 +931,15 @@ def spec(template: str, **params: Any) -> KernelSpec:
     doc = KERNELS.get(template)
     if doc is None:
         raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
+    if template == "gemv_pair":  # each part's params through spec("gemv"), then pair_spec's rules
+        extra = set(params) - set(doc.params)
+        if extra:
+            raise _fail(template, f"unknown params {sorted(extra)}")
+        a, b = (
+            spec("gemv", **{k[len(x) :]: v for k, v in params.items() if k.startswith(x)})
+            for x in PAIR_PARTS
+        )
+        return pair_spec(a, b)
     params = dict(params)
     for key, value in (doc.defaults or {}).items():
         params.setdefault(key, value)
@@ -971,6 +1040,13 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
+    elif template == "gemv_pair":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1)
+
+        block = (p["a_threads"], 1, 1)
+        smem = pair_smem(s)
     elif template == "gemm":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -1032,7 +1108,11 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
 
 def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
-    """The spec's argument list: KERNELS[template].args, plus norm_w for a norm-prologue gemv."""
+    """The spec's argument list: KERNELS[template].args, plus norm_w for a norm-prologue gemv; a
+    gemv_pair's: its parts' lists, a's then b's, each name prefixed with its part."""
+    if s.template == "gemv_pair":
+        parts = zip(PAIR_PARTS, pair_parts(s), strict=True)
+        return tuple((f"{x}{name}", c) for x, part in parts for name, c in kernel_args(part))
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
@@ -1073,15 +1153,16 @@ def linear_params(
     bmax: int | None = None,
     stage: bool | None = None,
     sm_count: int = 0,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
-    ``sm_count`` sizes a capped coop grid (coop_options)."""
+    ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     bmax = bmax or g["max_batch"]
     layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
     opts = (
-        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count)
+        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
         if layout.get("coop")
         else gemv_options({**g, "threads": layout["threads"]}, st, bmax, k, quant)
     )
@@ -1110,7 +1191,14 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
 
 
 def coop_options(
-    tuning: Mapping[str, Any], bmax: int, k: int, quant: str, *, n: int = 0, sm_count: int = 0
+    tuning: Mapping[str, Any],
+    bmax: int,
+    k: int,
+    quant: str,
+    *,
+    n: int = 0,
+    sm_count: int = 0,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
     all are off: the default entry names). The knobs are gemv_coop's; the file type's
@@ -1132,6 +1220,9 @@ def coop_options(
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
     - else xsmem where gemv_coop.xsmem asks and the bf16 x rows fit COOP_XSMEM_MAX.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
+
+    ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
+    instead of the tuning's; the k split then stays only where it divides those warps.
     """
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
@@ -1141,7 +1232,8 @@ def coop_options(
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
-        threads = c.get("q8x_threads") or c["threads"]
+        forced = threads
+        threads = forced or c.get("q8x_threads") or c["threads"]
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
         ksplit = int(c.get("q8x_ksplit") or 1)
         kst = c.get("q8x_ksplit_types") or ()
@@ -1150,9 +1242,10 @@ def coop_options(
             and n
             and int(c.get("q8x_ksplit_min_n") or 0) <= n <= int(c.get("q8x_ksplit_max_n") or 0)
             and (not kst or file_type in kst)
+            and (not forced or (forced // 32) % ksplit == 0)
         ):
             out["ksplit"] = ksplit
-            threads = c.get("q8x_ksplit_threads") or threads
+            threads = forced or c.get("q8x_ksplit_threads") or threads
         else:
             ksplit = 1
             if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
@@ -1379,6 +1472,20 @@ def rope_params(
     )
 
 
+def _pair_of(a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: dict[str, Any]) -> KernelSpec | None:
+    """The gemv_pair of gemv params ``a`` and ``b_of(a's threads)`` (each with ``extra``), or None
+    where either is not a coop q8x GEMV or pair_spec refuses them."""
+    if not (a.get("coop") and a.get("q8x")):
+        return None
+    b = b_of(int(a["threads"]))
+    if not (b.get("coop") and b.get("q8x")):
+        return None
+    try:
+        return pair_spec(spec("gemv", **a, **extra), spec("gemv", **b, **extra))
+    except ConfigError:
+        return None
+
+
 def all_specs(
     dims: Mapping[str, Any],
     storage_types: Iterable[str],
@@ -1430,6 +1537,19 @@ def all_specs(
                 p = linear_params(th, 2 * inter, hidden, tuning, bmax=bm)
                 if not p.get("coop") and p["rows_per_block"] % 2 == 0:
                     out[spec("gemv", **p, glu=inter)] = None
+        if (tuning.get("decode_graph") or {}).get("pair_linears") and hidden % ok == 0:
+            # q|k and a separately stored v (this type, or a q4_k_m file's q6_k) in one launch
+            for u in dict.fromkeys((t, "q6_k")):
+                if u in types and hidden % QUANTS[u][0] == 0:
+                    pair = _pair_of(
+                        linear_params(th, q_dim + kv_dim, hidden, tuning, bmax=1),
+                        lambda threads, u=u: linear_params(
+                            upload_type(u, hidden, tuning), kv_dim, hidden, tuning, bmax=1, threads=threads
+                        ),
+                        norm,
+                    )
+                    if pair is not None:
+                        out[pair] = None
     for n, k, res in shapes:
         wg = gemm_wgmma_params(n, k, tuning, residual=res)
         if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)

@@ -910,123 +910,175 @@ class _CatalogAdapter:
 
     def _linear_gemv(self, op, mode, ins, outs, ws, layer=None):
         # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
+        launches, col = [], 0
+        for w in ws:
+            launches.append(self._gemv_launch(op, layer, mode, ins, outs[col], w))
+            col += len(w.parts)
+        pair = self._pair(op, layer, mode, ins, outs, ws, launches)
+        return [pair] if pair is not None else self._fork(mode, launches)
+
+    def _gemv_launch(self, op, layer, mode, ins, out, w, part_threads: int = 0) -> Launch:
+        """The GEMV launch of weight allocation ``w`` writing ``out`` (``part_threads``: a coop q8x
+        layout in blocks of that many threads, for a gemv_pair part; 0: the tuning's)."""
         tg = self.tune("gemv")
         res_name = op.attrs.get("residual")
-        launches = []
-        col = 0
-        for w in ws:
-            out = outs[col]
-            col += len(w.parts)
-            residual = res_name is not None
-            out_dtype = self.act_dtype(out.name)
-            bmax = 1 if mode == "decode1" else tg["max_batch"]
-            rpb = tg["rows_per_block"]
-            pro = self.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
-            xv, extra, pp = ins[0], (), {}
-            if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
-                xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
-                pp = dict(x_stride=xv.ld)
-            elif pro is not None and pro[1].width == w.cols:
-                xv = pro[1]
-                pp = dict(prologue=pro[0], x_stride=xv.ld)
-                if pro[0] == "norm":
-                    pp["eps"] = repr(float(self.dims["rms_eps"]))
-                    extra = (_w(pro[2]),)
-                else:
-                    pp["u_off"] = pro[2]
-            elif pro is not None:
-                raise ConfigError(
-                    f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
-                )
-            opts: dict[str, Any] = {}
-            gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
-            layout = gl(w.dtype, self.profile.tuning, n=w.rows, bmax=bmax) if gl is not None else {}
-            if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
-                rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
-                opts = dict(
-                    coop=True,
-                    stage=False,
-                    **self.cat.coop_options(
-                        self.profile.tuning, bmax, w.cols, w.dtype, n=w.rows, sm_count=self.profile.sm_count
-                    ),
-                )
-                threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
-                if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
-                    opts.pop("kparts", None)
-                if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
-                    opts.pop("early_nw", None)
-                if not residual:  # the early residual: only a GEMV that adds one
-                    opts.pop("early_res", None)
-                if mode == "decode1" and self._graph_knob("early_trigger"):
-                    opts["trigger"] = True  # the next kernel may launch once the first loads are out
-                if (
-                    mode == "decode1"
-                    and opts.get("q8x")
-                    and self.tune("gemv_coop").get("q8x_glu")
-                    and opts.get("ksplit", 1) == 1
-                    and opts.get("kparts", 1) == 1
-                    and not opts.get("wsm")
-                ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
-                    glu = self._glu_for(op, layer, mode, w, residual, out_dtype, rpb)
-                    if glu:
-                        pp["glu"] = glu
+        residual = res_name is not None
+        out_dtype = self.act_dtype(out.name)
+        bmax = 1 if mode == "decode1" else tg["max_batch"]
+        rpb = tg["rows_per_block"]
+        pro = self.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
+        xv, extra, pp = ins[0], (), {}
+        if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
+            xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+            pp = dict(x_stride=xv.ld)
+        elif pro is not None and pro[1].width == w.cols:
+            xv = pro[1]
+            pp = dict(prologue=pro[0], x_stride=xv.ld)
+            if pro[0] == "norm":
+                pp["eps"] = repr(float(self.dims["rms_eps"]))
+                extra = (_w(pro[2]),)
             else:
-                threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
-                glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
+                pp["u_off"] = pro[2]
+        elif pro is not None:
+            raise ConfigError(
+                f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
+            )
+        opts: dict[str, Any] = {}
+        gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
+        layout = gl(w.dtype, self.profile.tuning, n=w.rows, bmax=bmax) if gl is not None else {}
+        if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
+            rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
+            opts = dict(
+                coop=True,
+                stage=False,
+                **self.cat.coop_options(
+                    self.profile.tuning,
+                    bmax,
+                    w.cols,
+                    w.dtype,
+                    n=w.rows,
+                    sm_count=self.profile.sm_count,
+                    threads=part_threads,
+                ),
+            )
+            threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
+            if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
+                opts.pop("kparts", None)
+            if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
+                opts.pop("early_nw", None)
+            if not residual:  # the early residual: only a GEMV that adds one
+                opts.pop("early_res", None)
+            if mode == "decode1" and self._graph_knob("early_trigger"):
+                opts["trigger"] = True  # the next kernel may launch once the first loads are out
+            if (
+                mode == "decode1"
+                and opts.get("q8x")
+                and self.tune("gemv_coop").get("q8x_glu")
+                and opts.get("ksplit", 1) == 1
+                and opts.get("kparts", 1) == 1
+                and not opts.get("wsm")
+            ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
+                glu = self._glu_for(op, layer, mode, w, residual, out_dtype, rpb)
                 if glu:
                     pp["glu"] = glu
-                go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
-                if go is not None:  # xsmem / prefetch from the tuning (off by default)
-                    staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
-                    opts = go({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
-            spec = self._spec(
-                "gemv",
-                {
-                    "q": w.dtype,
-                    "n": w.rows,
-                    "k": w.cols,
-                    "b": bmax,
-                    "t": threads,
-                    "r": int(residual),
-                    "o": out_dtype,
-                    "rp": rpb,
-                    "u": unroll,
-                    **({"p": pp["prologue"]} if pp.get("prologue") else {}),
-                    **({"c": 1} if layout.get("coop") else {}),
-                },
-                quant=w.dtype,
-                n=w.rows,
-                k=w.cols,
-                bmax=bmax,
-                threads=threads,
-                rows_per_block=rpb,
-                residual=residual,
-                out_dtype=out_dtype,
-                unroll=unroll,
-                **pp,
-                **opts,
-            )
-            res = Arg("value", res_name) if residual else NULL
-            args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
-            gx = getattr(self.cat, "gemv_grid_x", None) if self.cat is not None else None
-            grid: tuple = (gx(spec.params) if gx else _cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
-            parts = int(spec.params.get("kparts", 1))
-            if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
-                row_groups = _cdiv(self.max_rows, bmax)
-                self._need_scratch(ScratchPlan("kpart_sum", fixed=parts * self.max_rows * w.rows * 4))
-                tiles = _cdiv(w.rows, spec.params["rows_per_block"])
-                self._need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
-                args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
-                grid += (parts,)
-            if spec.params.get("glu"):
-                self.glu_done.add((mode, out.name))
-            smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
-            # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
-            fit = bool(spec.params.get("grid_cap")) and bool(
-                self.profile.tune("gemv_coop").get("q8x_resident_grid")
-            )
-            launches.append(Launch(spec, grid, (threads,), args, smem, fit_grid=fit))
-        return self._fork(mode, launches)
+        else:
+            threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
+            glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
+            if glu:
+                pp["glu"] = glu
+            go = getattr(self.cat, "gemv_options", None) if self.cat is not None else None
+            if go is not None:  # xsmem / prefetch from the tuning (off by default)
+                staged = getattr(self.cat, "STAGED_DEFAULT", {}).get(w.dtype, False)
+                opts = go({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
+        spec = self._spec(
+            "gemv",
+            {
+                "q": w.dtype,
+                "n": w.rows,
+                "k": w.cols,
+                "b": bmax,
+                "t": threads,
+                "r": int(residual),
+                "o": out_dtype,
+                "rp": rpb,
+                "u": unroll,
+                **({"p": pp["prologue"]} if pp.get("prologue") else {}),
+                **({"c": 1} if layout.get("coop") else {}),
+            },
+            quant=w.dtype,
+            n=w.rows,
+            k=w.cols,
+            bmax=bmax,
+            threads=threads,
+            rows_per_block=rpb,
+            residual=residual,
+            out_dtype=out_dtype,
+            unroll=unroll,
+            **pp,
+            **opts,
+        )
+        res = Arg("value", res_name) if residual else NULL
+        args = (_v(out), _w(w), _v(xv), res, ROWS) + extra
+        gx = getattr(self.cat, "gemv_grid_x", None) if self.cat is not None else None
+        grid: tuple = (gx(spec.params) if gx else _cdiv(w.rows, rpb), f"(n + {bmax - 1}) // {bmax}")
+        parts = int(spec.params.get("kparts", 1))
+        if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
+            row_groups = _cdiv(self.max_rows, bmax)
+            self._need_scratch(ScratchPlan("kpart_sum", fixed=parts * self.max_rows * w.rows * 4))
+            tiles = _cdiv(w.rows, spec.params["rows_per_block"])
+            self._need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
+            args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
+            grid += (parts,)
+        if spec.params.get("glu"):
+            self.glu_done.add((mode, out.name))
+        smem = self.cat.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
+        # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
+        fit = bool(spec.params.get("grid_cap")) and bool(
+            self.profile.tune("gemv_coop").get("q8x_resident_grid")
+        )
+        return Launch(spec, grid, (threads,), args, smem, fit_grid=fit)
+
+    def _pair(self, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch | None:
+        """A batch-1 linear op's two GEMV launches as one gemv_pair launch (tuning
+        decode_graph.pair_linears; kernels/gemv_pair.cu.j2), or None where they stay apart.
+
+        The two separately stored weights of a q4_k_m layer's q|k and v read the same x: as one
+        grid they stream side by side with no stream fork or join, and the next kernel launches
+        early behind them. The second part is re-planned in the first's block shape. Pairs only
+        coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
+        every block of the pair is resident at once when a part copies its row tile to shared
+        memory (wsm: a block waiting for a slot would wait for its copy)."""
+        if mode != "decode1" or len(launches) != 2 or not self._graph_knob("pair_linears"):
+            return None
+        pair_spec = getattr(self.cat, "pair_spec", None) if self.cat is not None else None
+        a = launches[0]
+        if pair_spec is None or not self._pairable(a.spec.params):
+            return None
+        b = self._gemv_launch(op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
+        if not self._pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
+            return None
+        try:
+            spec = pair_spec(a.spec, b.spec)
+        except ConfigError:
+            return None
+        smem = self.cat.pair_smem(spec)
+        blocks = spec.params["blocks_a"] + spec.params["blocks_b"]
+        if a.spec.params["wsm"] or b.spec.params["wsm"]:
+            c = self.tune("gemv_coop")
+            per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), self.cat.WSM_SMEM_MAX // smem)
+            if self.profile.sm_count and blocks > per_sm * self.profile.sm_count:
+                return None
+        return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
+
+    @staticmethod
+    def _pairable(p: dict) -> bool:
+        """Whether a gemv spec's params allow it as a gemv_pair part (see _pair)."""
+        return (
+            bool(p.get("coop") and p.get("q8x"))
+            and not p["residual"]
+            and not p["glu"]
+            and p["kparts"] == 1
+        )
 
     def _fork(self, mode: str, launches: list[Launch]) -> list[Launch]:
         """A decode linear's launches after the first marked concurrent (tuning

@@ -370,9 +370,15 @@ TUNING_SCHEMA: dict[str, Field] = {
     # read the same x and write their own outputs; the next op waits for both)
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
+    # pair_linears: a batch-1 linear op's two coop GEMVs (a q4_k_m layer's q|k and v) as one
+    # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork)
     "decode_graph": Field(
-        {"fork_linears": Field(bool, default=False), "early_trigger": Field(bool, default=False)},
-        default={"fork_linears": False, "early_trigger": False},
+        {
+            "fork_linears": Field(bool, default=False),
+            "early_trigger": Field(bool, default=False),
+            "pair_linears": Field(bool, default=False),
+        },
+        default={"fork_linears": False, "early_trigger": False, "pair_linears": False},
     ),
 }
 

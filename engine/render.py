@@ -7,6 +7,7 @@ else. Must not import CUDA.
 
 from __future__ import annotations
 
+import re
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +25,7 @@ class RenderError(Exception):
 
 @lru_cache(maxsize=4)
 def _environment(root: str) -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(root),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -32,6 +33,23 @@ def _environment(root: str) -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
+    env.globals["part"] = _render_part
+    return env
+
+
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_][A-Za-z0-9_]*)", re.M)
+
+
+@jinja2.pass_context
+def _render_part(ctx: jinja2.runtime.Context, template: str, prefix: str, **extra: object) -> str:
+    """``{{ part("gemv.cu.j2", "a_", entry="part", pair_body=true) }}`` in a template: ``template``
+    rendered with the calling template's params named ``prefix``* (prefix dropped) plus ``extra``,
+    followed by an ``#undef`` of every macro it defines, so that a second part rendered after it
+    (in a namespace of its own) may define the same macros with other values."""
+    params = {k[len(prefix) :]: v for k, v in ctx.get_all().items() if k.startswith(prefix)}
+    source = ctx.environment.get_template(template).render(**params, **extra)
+    names = dict.fromkeys(_DEFINE.findall(source))
+    return source + "".join(f"#undef {name}\n" for name in names)
 
 
 def render(spec: KernelSpec, kernels_root: Path | None = None) -> str:

@@ -85,7 +85,33 @@ def _specs_by_arch(full: bool = False):
             out[arch] = _primary_subset(list(specs))
         else:
             out[arch] = list({_variant(s): s for s in reversed(list(specs))}.values())
+    out[PRIMARY_ARCH] += _pair_specs()
     return out
+
+
+def _pair_specs() -> list:
+    """One gemv_pair spec per (q|k type, v type) (the h200 tuning with decode_graph.pair_linears,
+    which no profile turns on yet): its parts compile alone above, the pair adds the namespaces
+    and the dispatch."""
+    from engine.profile import get_profile, with_tuning
+
+    prof = with_tuning(get_profile("h200"), "decode_graph.pair_linears=true")
+    pairs: dict[tuple, object] = {}
+    for _fam, _size, dims, types, styles, qk in family_cases():
+        for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
+            if s.template == "gemv_pair":
+                pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
+    # and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of Qwen3-4B q4_k_m
+    from engine.graph import load_family
+    from engine.model import dims_for_size
+    from engine.plan import build_plan
+
+    graph = load_family("qwen3")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+    wsm = {la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"}
+    assert len(wsm) == 1 and all(s.params["a_wsm"] and s.params["b_wsm"] for s in wsm)
+    return list(pairs.values()) + list(wsm)
 
 
 def _variant_archs() -> list[str]:

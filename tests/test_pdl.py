@@ -16,8 +16,9 @@ from engine.types import ConfigError
 
 
 def _specs():
-    """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning)."""
-    prof = profile.get_profile("h200")
+    """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning,
+    with decode_graph.pair_linears on for the gemv_pair kernels)."""
+    prof = profile.with_tuning(profile.get_profile("h200"), "decode_graph.pair_linears=true")
     out: dict[tuple, Any] = {}
     for _fam, _size, d, types, styles, qk in family_cases():
         for s in kc.all_specs(

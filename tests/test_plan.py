@@ -151,6 +151,95 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
                     assert not any(flags), (step.op.op, step.op.outputs, mode)
 
 
+def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
+    """decode_graph.pair_linears: each q4_k_m layer's q|k (q4_k) and v (q6_k) GEMVs at batch 1 are
+    one gemv_pair launch: part a is the unpaired q|k spec itself, part b the v re-planned in its
+    block shape; the args are both launches' in order, the grid their blocks, the shared memory
+    the larger. Batch 8 and prefill keep their launches (decode forked), and off nothing pairs."""
+    from engine import kernel_catalog as kc
+    from engine.render import waits_first
+
+    apart, paired = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.pair_linears=true")
+    qkv = [(s, t) for s, t in zip(apart.steps, paired.steps, strict=True) if s.op.op == "linear" and s.op.outputs[0] == "q"]
+    assert len(qkv) == dims_for_size("qwen3", "qwen3-4b")["layers"]
+    for s, t in qkv:
+        (pair,) = t.launches["decode1"]
+        qk, v = s.launches["decode1"]
+        assert pair.spec.template == "gemv_pair" and not pair.concurrent and not pair.fit_grid
+        a, b = kc.pair_parts(pair.spec)
+        assert a.params == qk.spec.params
+        assert b.params["quant"] == v.spec.params["quant"] == "q6_kr" and b.params["n"] == v.spec.params["n"]
+        assert b.params["threads"] == a.params["threads"] == pair.block[0] == 320
+        # the v part keeps its lanes and k split in the smaller block: 10-row tiles
+        assert (b.params["lanes"], b.params["ksplit"], b.params["rows_per_block"]) == (16, 2, 10)
+        assert pair.grid[0] == pair.spec.params["blocks_a"] + pair.spec.params["blocks_b"] == 128 + 103
+        assert pair.args == qk.args + v.args and len(kc.kernel_args(pair.spec)) == len(pair.args)
+        assert pair.smem == max(kc.gemv_smem(a.params), kc.gemv_smem(b.params)) == qk.smem
+        assert [la.spec for la in t.launches["decode"]] == [la.spec for la in s.launches["decode"]]
+        assert [la.concurrent for la in t.launches["decode"]] == [False, True]
+        assert t.launches["prefill"] == s.launches["prefill"]
+    assert not any(la.spec.template == "gemv_pair" for st in apart.steps for la in st.launches["decode1"])
+    spec = qkv[0][1].launches["decode1"][0].spec
+    src = render(spec)
+    assert waits_first(src, spec.entry)
+    a_src = src[src.index("namespace memra_pair_a {") : src.index("namespace memra_pair_b {")]
+    assert "#undef UPT" in a_src and "#undef K\n" in a_src and "__global__" not in a_src
+
+
+def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
+    """The tiny q4_k_m GGUF of tests/gpu/test_quant_models.py (q6_k v in layer 0, q4_k in layer 1):
+    both layers pair at batch 1, and there the v part has its unpaired spec (640-thread blocks on
+    both sides), which the GPU test's same-bits check relies on."""
+    import sys
+    from pathlib import Path
+
+    from fixtures.checkpoints import write_random_gguf
+
+    from engine import kernel_catalog as kc
+    from engine.model import load_model
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    from test_quant_models import DIMS
+
+    m = load_model(write_random_gguf(tmp_path / "tiny.gguf", "qwen3", DIMS, "q4_k_m", seed=7))
+
+    def qkv(tune):
+        prof = with_tuning(get_profile("h200"), tune)
+        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style, kc)
+        return [s.launches["decode1"] for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
+
+    apart, paired = qkv(""), qkv("decode_graph.pair_linears=true")
+    assert len(paired) == DIMS.num_hidden_layers
+    vq = []
+    for two, (pair,) in zip(apart, paired, strict=True):
+        assert [p.params for p in kc.pair_parts(pair.spec)] == [la.spec.params for la in two]
+        vq.append(two[1].spec.params["quant"])
+    assert vq == ["q6_kr", "q4_k"]
+
+
+def test_pair_spec_rules_name_the_problem():
+    from engine import kernel_catalog as kc
+
+    def gemv(**kw):
+        p = kc.linear_params("q4_k", 1024, 2560, get_profile("h200").tuning, bmax=1)
+        return kc.spec("gemv", **{**p, **kw})
+
+    a = gemv()
+    assert a.params["coop"] and a.params["q8x"] and a.params["threads"] == 640
+    with pytest.raises(ConfigError, match="threads differ"):
+        kc.pair_spec(a, gemv(threads=320, ksplit=1, rows_per_block=40))
+    with pytest.raises(ConfigError, match="kparts"):
+        kc.pair_spec(a, gemv(kparts=2))
+    with pytest.raises(ConfigError, match="grid_cap"):
+        kc.pair_spec(a, gemv(grid_cap=8))
+    with pytest.raises(ConfigError, match="coop gemv"):
+        kc.pair_spec(a, kc.spec("rmsnorm", n=64, eps=1e-6, threads=256, residual=False))
+    p = kc.pair_spec(a, a)
+    assert kc.spec("gemv_pair", **p.params) == p  # the params alone rebuild the spec
+    c = kc.choice("gemv_pair", **p.params)
+    assert c.grid(1) == (2 * p.params["blocks_a"], 1, 1) and c.block == (a.params["threads"], 1, 1)
+
+
 def test_attention_table_first_on_every_decode_kernel():
     """attention_decode.table_first (on for h200): every decode attention kernel, the short-context
     direct one and the split one, stages its first table chunk at its start, before the row's

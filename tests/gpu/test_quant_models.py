@@ -17,6 +17,7 @@ import pytest
 from fixtures.checkpoints import Dims, write_random_gguf
 
 from engine import cuda
+from engine import kernel_catalog as kc
 from engine.types import SamplingParams, StepItem
 
 pytestmark = pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")
@@ -248,11 +249,26 @@ def test_coop_glu_gives_the_same_bits(tmp_path, family, q, tile_pf):
     _assert_same_bits(logits["off"], logits["on"])
 
 
-def test_forked_v_gemv_gives_the_same_bits(tmp_path):
-    """decode_graph.fork_linears: a q4_k_m layer's v GEMV (q6_k, stored apart from q|k) runs on a
-    second stream alongside the q|k GEMV. It reads the same x and writes its own output, so the
-    logits must be the same bits as with one stream, from replayed graphs and eagerly, for one
-    sequence (decode1) and for two (decode)."""
+def _two_prompt_logits(runner, prompts):
+    """Logits of both prompts' prefill, then 3 decode steps of sequence 0 alone and 3 of both."""
+    tables = [list(range(4)), list(range(4, 8))]
+    seqs = [list(p) for p in prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        seqs[i].append(runner.step([StepItem(i, p, 0, tables[i], True, GREEDY)])[0])
+        out.append(np.array(runner.read_logits(1)[0]))
+    for rows in (1, 1, 1, 2, 2, 2):
+        items = [StepItem(i, [seqs[i][-1]], len(seqs[i]) - 1, tables[i], True, GREEDY) for i in range(rows)]
+        for i, tok in enumerate(runner.step(items)):
+            seqs[i].append(tok)
+        out.append(np.array(runner.read_logits(rows)))
+    return out
+
+
+def _q4_k_m_split_linears(tmp_path, variants, check):
+    """Logits (_two_prompt_logits) of the tiny q4_k_m file (q6_k v in every other layer, so q|k
+    and v are separate allocations) per (name, MEMRA_TUNE spec, use_graphs); ``check(name,
+    runner)`` inspects each plan first."""
     from engine.model import load_model
     from engine.profile import select, with_tuning
     from engine.runner_cuda import CudaRunner
@@ -261,35 +277,62 @@ def test_forked_v_gemv_gives_the_same_bits(tmp_path):
     model = load_model(write_random_gguf(tmp_path / "tiny_q4_k_m.gguf", "qwen3", DIMS, "q4_k_m", seed=7))
     rng = np.random.default_rng(9)
     prompts = [[int(t) for t in rng.integers(3, DIMS.vocab_size, n)] for n in (11, 6)]
-
-    def run(runner):
-        """Logits of both prompts' prefill, then 3 decode steps of sequence 0 alone and 3 of both."""
-        tables = [list(range(4)), list(range(4, 8))]
-        seqs = [list(p) for p in prompts]
-        out = []
-        for i, p in enumerate(prompts):
-            seqs[i].append(runner.step([StepItem(i, p, 0, tables[i], True, GREEDY)])[0])
-            out.append(np.array(runner.read_logits(1)[0]))
-        for rows in (1, 1, 1, 2, 2, 2):
-            items = [StepItem(i, [seqs[i][-1]], len(seqs[i]) - 1, tables[i], True, GREEDY) for i in range(rows)]
-            for i, tok in enumerate(runner.step(items)):
-                seqs[i].append(tok)
-            out.append(np.array(runner.read_logits(rows)))
-        return out
-
     logits = {}
-    for name, on, graphs in (("one stream", False, True), ("forked", True, True), ("forked eager", True, False)):
-        p = with_tuning(prof, f"decode_graph.fork_linears={str(on).lower()}")
-        runner = CudaRunner(model, p, num_blocks=64, max_model_len=512, use_graphs=graphs)
+    for name, tune, graphs in variants:
+        runner = CudaRunner(model, with_tuning(prof, tune), num_blocks=64, max_model_len=512, use_graphs=graphs)
         try:
-            forked = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.concurrent]
-            assert bool(forked) is on and all(la.spec.template == "gemv" for la in forked)
-            logits[name] = run(runner)
+            check(name, runner)
+            logits[name] = _two_prompt_logits(runner, prompts)
         finally:
             runner.close()
-    base = logits["one stream"]
+    return logits
+
+
+def test_forked_v_gemv_gives_the_same_bits(tmp_path):
+    """decode_graph.fork_linears: a q4_k_m layer's v GEMV (q6_k, stored apart from q|k) runs on a
+    second stream alongside the q|k GEMV. It reads the same x and writes its own output, so the
+    logits must be the same bits as with one stream, from replayed graphs and eagerly, for one
+    sequence (decode1) and for two (decode)."""
+
+    def check(name, runner):
+        forked = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.concurrent]
+        assert bool(forked) is (name != "one stream") and all(la.spec.template == "gemv" for la in forked)
+
+    off = "decode_graph.pair_linears=false; decode_graph.fork_linears="
+    logits = _q4_k_m_split_linears(
+        tmp_path,
+        (("one stream", off + "false", True), ("forked", off + "true", True), ("forked eager", off + "true", False)),
+        check,
+    )
     for name in ("forked", "forked eager"):
-        _assert_same_bits(base, logits[name], name)
+        _assert_same_bits(logits["one stream"], logits[name], name)
+
+
+def test_paired_q_k_and_v_gemvs_give_the_same_bits(tmp_path):
+    """decode_graph.pair_linears: a q4_k_m layer's q|k and v GEMVs (q4_k with q6_k or q4_k, in two
+    allocations) as one gemv_pair launch at batch 1, the v part re-planned in the q|k part's block
+    shape. Every block computes what its own GEMV's block would, and at these shapes the v parts
+    keep their lanes and k split (tests/test_plan.py checks it), so the logits must be the same bits
+    as the separate launches', replayed and eager; batch 2 (decode) keeps its separate launches."""
+    layers = DIMS.num_hidden_layers
+
+    def check(name, runner):
+        pairs = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"]
+        assert len(pairs) == (layers if name.startswith("paired") else 0), name
+        assert not any(la.concurrent for st in runner.plan.steps for la in st.launches["decode1"])
+        for la in pairs:
+            a, b = (p.params for p in kc.pair_parts(la.spec))
+            assert a["threads"] == b["threads"] == la.block[0] and la.grid[0] == la.spec.params["blocks_a"] + la.spec.params["blocks_b"]
+        assert not any(la.spec.template == "gemv_pair" for st in runner.plan.steps for la in st.launches["decode"])
+
+    pair = "decode_graph.fork_linears=false; decode_graph.pair_linears="
+    logits = _q4_k_m_split_linears(
+        tmp_path,
+        (("apart", pair + "false", True), ("paired", pair + "true", True), ("paired eager", pair + "true", False)),
+        check,
+    )
+    for name in ("paired", "paired eager"):
+        _assert_same_bits(logits["apart"], logits[name], name)
 
 
 def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
