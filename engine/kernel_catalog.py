@@ -1302,6 +1302,17 @@ def coop_options(
     return out
 
 
+def spread_smem(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> int:
+    """The dynamic shared memory of a gemv_pair launch of ``blocks`` blocks that needs ``smem``: at
+    least decode_graph.pair_min_smem_kb KB where all its blocks still fit at once at that size
+    (fewer blocks per SM, none waiting for a second round), else ``smem``."""
+    floor = min(int((tuning.get("decode_graph") or {}).get("pair_min_smem_kb") or 0) * 1024, WSM_SMEM_MAX)
+    if floor <= smem or not sm_count:
+        return smem
+    per_sm = min(int((tuning.get("gemv_coop") or {}).get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // floor)
+    return floor if blocks <= per_sm * sm_count else smem
+
+
 def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:
     """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
     int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""

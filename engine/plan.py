@@ -1047,7 +1047,8 @@ class _CatalogAdapter:
         early behind them. The second part is re-planned in the first's block shape. Pairs only
         coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
         every block of the pair is resident at once when a part copies its row tile to shared
-        memory (wsm: a block waiting for a slot would wait for its copy)."""
+        memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.
+        pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs."""
         if mode != "decode1" or len(launches) != 2 or not self._graph_knob("pair_linears"):
             return None
         pair_spec = getattr(self.cat, "pair_spec", None) if self.cat is not None else None
@@ -1068,6 +1069,7 @@ class _CatalogAdapter:
             per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), self.cat.WSM_SMEM_MAX // smem)
             if self.profile.sm_count and blocks > per_sm * self.profile.sm_count:
                 return None
+        smem = self.cat.spread_smem(self.profile.tuning, smem, blocks, self.profile.sm_count)
         return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
 
     @staticmethod

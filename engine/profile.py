@@ -371,14 +371,18 @@ TUNING_SCHEMA: dict[str, Field] = {
     # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
     # out, so the next kernel's blocks may launch and start their own loads while they run
     # pair_linears: a batch-1 linear op's two coop GEMVs (a q4_k_m layer's q|k and v) as one
-    # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork)
+    # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork);
+    # pair_min_smem_kb: that launch asks for at least this much dynamic shared memory (KB) where
+    # all its blocks still fit on the GPU at once, so fewer share an SM (its grid would otherwise
+    # pile onto the SMs the previous kernel frees first)
     "decode_graph": Field(
         {
             "fork_linears": Field(bool, default=False),
             "early_trigger": Field(bool, default=False),
             "pair_linears": Field(bool, default=False),
+            "pair_min_smem_kb": Field(int, default=0),
         },
-        default={"fork_linears": False, "early_trigger": False, "pair_linears": False},
+        default={"fork_linears": False, "early_trigger": False, "pair_linears": False, "pair_min_smem_kb": 0},
     ),
 }
 

@@ -562,3 +562,45 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
             assert order[i + 1] == ("wait", main, side)  # ... joined before the next launch
             assert order[i + 2][:2] == ("launch", main)
         assert all(o[1] == main for i, o in enumerate(order) if o[0] == "launch" and i not in sides)
+
+
+def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monkeypatch):
+    """decode_graph.pair_linears on a q4_k_m file: a batch-1 decode pass, graph and eager, launches
+    one gemv_pair kernel per layer on the main stream with PDL (its entry waits first), its grid the
+    two parts' blocks, and nothing on the side stream; a batch-2 pass keeps the forked v GEMV."""
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.profile import get_profile, with_tuning
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    dims = Dims(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        vocab_size=512,
+    )
+    model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
+    prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true; decode_graph.pair_linears=true")
+    runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    side = runner._side.id
+    pair = next(la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair")
+    for graphs in (True, False):
+        runner.use_graphs = graphs
+        drv.order.clear()
+        drv.launches.clear()
+        runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+        pairs = [(g, b) for n, g, b in drv.launches if n.startswith("gemv_pair__")]
+        assert len(pairs) == (2 if graphs else 1) * dims.num_hidden_layers  # graphs: warm + captured run
+        want = pair.spec.params["blocks_a"] + pair.spec.params["blocks_b"]
+        assert all(g == (want, 1, 1) and b == pair.block for g, b in pairs)
+        assert not any(o[0] == "launch" and o[1] == side for o in drv.order)
+    assert drv.pdl[pair.spec.entry] is True
+    drv.order.clear()
+    runner.step([StepItem(0, [6], 8, [0], True, GREEDY), StepItem(1, [5], 3, [1], True, GREEDY)])
+    assert any(o[0] == "launch" and o[1] == side for o in drv.order)
