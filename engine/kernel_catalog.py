@@ -1222,7 +1222,8 @@ def coop_options(
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
 
     ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
-    instead of the tuning's; the k split then stays only where it divides those warps.
+    instead of the tuning's; the k split is then the largest up to the tuning's that divides
+    those warps (q4_k's 4 becomes 2 in 320-thread blocks).
     """
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
@@ -1237,12 +1238,13 @@ def coop_options(
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
         ksplit = int(c.get("q8x_ksplit") or 1)
         kst = c.get("q8x_ksplit_types") or ()
+        if forced and ksplit > 1:  # the largest k split up to the tuning's that divides the warps
+            ksplit = max(d for d in range(1, ksplit + 1) if (forced // 32) % d == 0)
         if (
             ksplit > 1
             and n
             and int(c.get("q8x_ksplit_min_n") or 0) <= n <= int(c.get("q8x_ksplit_max_n") or 0)
             and (not kst or file_type in kst)
-            and (not forced or (forced // 32) % ksplit == 0)
         ):
             out["ksplit"] = ksplit
             threads = forced or c.get("q8x_ksplit_threads") or threads

@@ -186,6 +186,28 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
     assert "#undef UPT" in a_src and "#undef K\n" in a_src and "__global__" not in a_src
 
 
+def test_a_q4_k_v_part_keeps_a_k_split_that_divides_the_pair_warps():
+    """A q4_k_m file whose v is q4_k in some layers (llama.cpp's mix): that v pairs with q|k in
+    320-thread blocks, where q4_k's k split of 4 does not divide 10 warps, so it takes 2 (20-row
+    tiles, the 52 blocks it has alone), not 1 (40-row tiles, half the blocks)."""
+    from engine import kernel_catalog as kc
+
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
+    prof = with_tuning(get_profile("h200"), "decode_graph.pair_linears=true")
+    plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+    shapes = set()
+    for st in plan.steps:
+        if st.op.op == "linear" and st.op.outputs[0] == "q":
+            (pair,) = st.launches["decode1"]
+            _, v = kc.pair_parts(pair.spec)
+            p = v.params
+            shapes.add((p["quant"], p["threads"], p["ksplit"], p["rows_per_block"], pair.spec.params["blocks_b"]))
+    assert shapes == {("q6_kr", 320, 2, 10, 103), ("q4_k", 320, 2, 20, 52)}
+
+
 def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
     """The tiny q4_k_m GGUF of tests/gpu/test_quant_models.py (q6_k v in layer 0, q4_k in layer 1):
     both layers pair at batch 1, and there the v part has its unpaired spec (640-thread blocks on
