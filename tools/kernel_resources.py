@@ -1,0 +1,114 @@
+"""Registers, stack frame and shared memory of a plan's decode kernels, without a GPU.
+
+    python tools/kernel_resources.py --shape qwen3-4b --quant q4_k_m [--tune 'decode_graph.pair_linears=true']
+        [--mode decode1] [--profile h200]
+
+Builds the plan of a named size (engine.model.dims_for_size; a q4_k_m / q5_k_m file as llama.cpp
+and tests/fixtures/checkpoints.write_random_gguf mix it: q6_k v and down in even layers, q6_k
+embedding and head), compiles each distinct kernel of one pass mode with NVRTC for the profile's
+arch with ``--ptxas-options=-v``, and prints what ptxas chose: registers per thread, spill bytes
+(stores + loads: local memory in the kernel's loops) and shared memory (dynamic from the plan plus
+static). It then estimates how many blocks of each launch one SM holds (registers in 256-register
+warp units, shared memory with 1 KB reserved per block, threads, 32 blocks), as the occupancy
+calculator would: a number to reason with before a GPU run, not a measurement (the driver's
+cuOccupancyMaxActiveBlocksPerMultiprocessor is the truth, and the device's NVRTC may allocate
+differently). Must not import CUDA beyond NVRTC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import nvrtc  # noqa: E402
+from engine.graph import load_family  # noqa: E402
+from engine.model import dims_for_size  # noqa: E402
+from engine.plan import build_plan  # noqa: E402
+from engine.profile import get_profile, with_tuning  # noqa: E402
+from engine.render import render  # noqa: E402
+
+# per-SM limits by compute capability: (shared memory bytes, threads)
+SM_LIMITS = {"8.0": (164 * 1024, 2048), "8.6": (100 * 1024, 1536), "8.9": (100 * 1024, 1536)}
+SM_LIMITS.update({"9.0": (228 * 1024, 2048), "10.0": (228 * 1024, 2048), "12.0": (100 * 1024, 1536)})
+MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "frame": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def ptxas_resources(log: str) -> dict[str, int]:
+    """What ptxas -v reported for the one kernel of an NVRTC log: registers, stack frame, spill
+    stores / loads and static shared memory, in bytes (0 where it printed none)."""
+    if not _PTXAS["registers"].search(log):
+        raise ValueError("no 'Used N registers' line in the NVRTC log (compiled without --ptxas-options=-v?)")
+    return {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _PTXAS.items()}
+
+
+def blocks_per_sm(regs: int, threads: int, smem: int, cc: str) -> int:
+    """The blocks of a kernel one SM holds: registers (per warp, in units of 256), shared memory
+    (1 KB reserved per block), threads and the 32-block limit, whichever binds first."""
+    smem_sm, threads_sm = SM_LIMITS.get(cc, SM_LIMITS["9.0"])
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = (65536 // per_warp) // warps
+    by_smem = smem_sm // (smem + 1024)
+    return max(0, min(by_regs, by_smem, threads_sm // threads, 32))
+
+
+def mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
+    """A mix's tensor types as write_random_gguf makes them (q6_k v and down in even layers, q6_k
+    embedding and head); {} for a plain type (the plan's nominal types)."""
+    base = MIXES.get(quant)
+    if base is None:
+        return {}
+    out = {"wq": base, "wk": base, "wv": base, "wo": base, "w_gate": base, "w_up": base, "w_down": base}
+    out.update(embed="q6_k", lm_head="q6_k")
+    for layer in range(0, layers, 2):
+        out[f"wv@{layer}"] = out[f"w_down@{layer}"] = "q6_k"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="qwen3")
+    ap.add_argument("--shape", default="qwen3-4b", help="a size of the family YAML")
+    ap.add_argument("--quant", default="q4_k_m", help="a quant combo of the family YAML")
+    ap.add_argument("--profile", default="h200")
+    ap.add_argument("--tune", default="", help="MEMRA_TUNE-style overrides: 'section.knob=value; ...'")
+    ap.add_argument("--mode", default="decode1", help="the pass: decode1 (batch 1), decode, short, prefill")
+    args = ap.parse_args(argv)
+    graph = load_family(args.family)
+    dims = dims_for_size(args.family, args.shape)
+    prof = get_profile(args.profile)
+    if args.tune:
+        prof = with_tuning(prof, args.tune)
+    cc = prof.compute_capability
+    plan = build_plan(graph, dims, graph.quant(args.quant), prof, tensor_dtypes=mixed_dtypes(args.quant, dims["layers"]))
+    seen: dict = {}
+    for step in plan.steps:
+        for la in step.launches.get(args.mode, ()):
+            key = (la.spec, la.block, la.smem)
+            if key not in seen:
+                seen[key] = f"{step.op.op} {','.join(step.op.outputs)}"
+    print(f"{args.shape} {args.quant} on {prof.name} ({prof.arch}, cc {cc}), mode {args.mode}: {len(seen)} kernels")
+    print(f"{'op':<18} {'regs':>4} {'spill':>5} {'threads':>7} {'smem KB':>8} {'blk/SM':>6}  entry")
+    for (spec, block, smem), label in seen.items():
+        _, log = nvrtc.compile_to_cubin(render(spec), spec.entry, prof.arch, ["--ptxas-options=-v"])
+        r = ptxas_resources(log)
+        total = smem + r["static_smem"]
+        n = blocks_per_sm(r["registers"], block[0], total, cc)
+        spill = r["spill_stores"] + r["spill_loads"]
+        print(f"{label:<18} {r['registers']:>4} {spill:>5} {block[0]:>7} {total / 1024:>8.1f} {n:>6}  {spec.entry[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
