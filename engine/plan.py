@@ -1048,7 +1048,8 @@ class _CatalogAdapter:
         coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
         every block of the pair is resident at once when a part copies its row tile to shared
         memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.
-        pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs."""
+        pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs, and
+        pair_min_blocks sets the kernel's __launch_bounds__ minimum of blocks per SM."""
         if mode != "decode1" or len(launches) != 2 or not self._graph_knob("pair_linears"):
             return None
         pair_spec = getattr(self.cat, "pair_spec", None) if self.cat is not None else None
@@ -1058,8 +1059,12 @@ class _CatalogAdapter:
         b = self._gemv_launch(op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
         if not self._pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
             return None
+        parts = [a.spec, b.spec]
+        min_blocks = int(self.tune("decode_graph").get("pair_min_blocks") or 0)
         try:
-            spec = pair_spec(a.spec, b.spec)
+            if min_blocks:  # the pair kernel's __launch_bounds__ minimum (both parts carry it)
+                parts = [self.cat.spec("gemv", **{**p.params, "min_blocks": min_blocks}) for p in parts]
+            spec = pair_spec(*parts)
         except ConfigError:
             return None
         smem = self.cat.pair_smem(spec)

@@ -374,15 +374,24 @@ TUNING_SCHEMA: dict[str, Field] = {
     # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork);
     # pair_min_smem_kb: that launch asks for at least this much dynamic shared memory (KB) where
     # all its blocks still fit on the GPU at once, so fewer share an SM (its grid would otherwise
-    # pile onto the SMs the previous kernel frees first)
+    # pile onto the SMs the previous kernel frees first); pair_min_blocks: its __launch_bounds__
+    # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
+    # registers, and spills a q6_kr part: tools/kernel_resources.py)
     "decode_graph": Field(
         {
             "fork_linears": Field(bool, default=False),
             "early_trigger": Field(bool, default=False),
             "pair_linears": Field(bool, default=False),
             "pair_min_smem_kb": Field(int, default=0),
+            "pair_min_blocks": Field(int, default=0),
         },
-        default={"fork_linears": False, "early_trigger": False, "pair_linears": False, "pair_min_smem_kb": 0},
+        default={
+            "fork_linears": False,
+            "early_trigger": False,
+            "pair_linears": False,
+            "pair_min_smem_kb": 0,
+            "pair_min_blocks": 0,
+        },
     ),
 }
 

@@ -256,6 +256,23 @@ def test_pair_min_smem_spreads_the_pair_where_it_fits_in_one_round():
             assert smem == (want if spec.template == "gemv_pair" else old), (kb, spec.entry)
 
 
+def test_pair_min_blocks_sets_the_pair_launch_bounds():
+    """decode_graph.pair_min_blocks: both parts carry min_blocks, so the pair kernel is declared
+    __launch_bounds__(threads, N) (ptxas then fits the q6_kr part in 64 registers without spills
+    at 3); the parts are otherwise the unset pair's, and nothing else changes."""
+    from engine import kernel_catalog as kc
+
+    def pairs(tune):
+        plan = _q4_k_m_plan("decode_graph.pair_linears=true" + tune)
+        return [la for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"]
+
+    for free, three in zip(pairs(""), pairs("; decode_graph.pair_min_blocks=3"), strict=True):
+        for p, q in zip(kc.pair_parts(free.spec), kc.pair_parts(three.spec), strict=True):
+            assert q.params == {**p.params, "min_blocks": 3}
+        assert "__launch_bounds__(320, 3)" in render(three.spec) and "__launch_bounds__(320)" in render(free.spec)
+        assert (three.grid, three.block, three.smem, three.args) == (free.grid, free.block, free.smem, free.args)
+
+
 def test_pair_spec_rules_name_the_problem():
     from engine import kernel_catalog as kc
 

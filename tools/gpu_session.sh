@@ -334,13 +334,17 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     [ -n "${ATTN_Q8:-}" ] && ab attn14 120 q8_0 --variant off="$A.table_first=false"
     grep -h "b1  \|b8  " /tmp/res/attn14_q8_0.log >> /tmp/res/attn14.sum 2>/dev/null; pack attn14_q8_0 ;;
   pair15)  # the fifteenth session's q4_k_m A/Bs (written without a GPU; never run yet): q|k and v
-    # as one launch (decode_graph.pair_linears: kernels/gemv_pair.cu.j2), alone and spread to at
-    # most two blocks per SM (decode_graph.pair_min_smem_kb 76; the eleventh session's spread of
-    # q|k alone lost because the forked v then came late); first the pair's GPU tests (same bits)
+    # as one launch (decode_graph.pair_linears: kernels/gemv_pair.cu.j2): as it compiles (64
+    # registers, 36 bytes of spills in the q6_k part), with __launch_bounds__(320, 3) (64, no
+    # spills) or (320, 2) (77 registers: two blocks per SM), and spread to two blocks per SM by
+    # shared memory (pair_min_smem_kb 76; the eleventh session's spread of q|k alone lost because
+    # the forked v then came late); first the pair's GPU tests (the same bits as apart). Expect
+    # rel != 0: a q4_k v's k split is 2 in the pair, 4 alone (tests/test_plan.py)
     timeout "$(box 100)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked" -p no:cacheprovider > /tmp/res/pair15_test.log 2>&1
     tail -3 /tmp/res/pair15_test.log > /tmp/res/pair15.sum; pack pair15_test
     P=decode_graph.pair_linears=true; S=decode_graph.pair_min_smem_kb
-    ab pair15 240 q4_k_m --variant pair="$P" --variant pair76="$P; $S=76"
+    M=decode_graph.pair_min_blocks
+    ab pair15 330 q4_k_m --variant pair="$P" --variant pair3="$P; $M=3" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76"
     grep -h "b1  \|b8  \|rel" /tmp/res/pair15_q4_k_m.log >> /tmp/res/pair15.sum; pack pair15_q4_k_m ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do

@@ -328,10 +328,15 @@ def test_paired_q_k_and_v_gemvs_give_the_same_bits(tmp_path):
     pair = "decode_graph.fork_linears=false; decode_graph.pair_linears="
     logits = _q4_k_m_split_linears(
         tmp_path,
-        (("apart", pair + "false", True), ("paired", pair + "true", True), ("paired eager", pair + "true", False)),
+        (
+            ("apart", pair + "false", True),
+            ("paired", pair + "true", True),
+            ("paired eager", pair + "true", False),
+            ("paired min 2", pair + "true; decode_graph.pair_min_blocks=2", True),
+        ),
         check,
     )
-    for name in ("paired", "paired eager"):
+    for name in ("paired", "paired eager", "paired min 2"):
         _assert_same_bits(logits["apart"], logits[name], name)
 
 
