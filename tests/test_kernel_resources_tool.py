@@ -6,23 +6,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from test_kernels_compile import _nvrtc_ok
 
 _spec = importlib.util.spec_from_file_location(
     "kernel_resources", Path(__file__).parents[1] / "tools" / "kernel_resources.py"
 )
 kr = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kr)
-
-
-def _nvrtc_ok() -> bool:
-    try:
-        from engine import nvrtc
-
-        nvrtc.version()
-        nvrtc.include_dirs()
-        return True
-    except Exception:
-        return False
 
 
 LOG = """ptxas info    : 0 bytes gmem

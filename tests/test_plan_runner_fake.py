@@ -521,11 +521,10 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     assert len({n for n, _, _ in drv.occupancy}) == len(drv.occupancy)  # one query per kernel
 
 
-def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, monkeypatch):
-    """decode_graph.fork_linears on a q4_k_m file (v stored as q6_k apart from q|k): in every decode
-    pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
-    v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
-    stream."""
+def _q4_k_m_fake(tmp_path, monkeypatch, tune: str):
+    """A CudaRunner on the fake driver over a tiny Qwen3 q4_k_m GGUF (q6_k v in layer 0, so q|k
+    and v are separate allocations), the h200 profile with MEMRA_TUNE-style ``tune``: (runner,
+    driver, dims)."""
     from fixtures.checkpoints import Dims, write_random_gguf
 
     import engine.runner_cuda as rc
@@ -544,9 +543,17 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
         vocab_size=512,
     )
     model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
-    builder = fake_builder(tmp_path)
-    prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true")
-    runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=builder)
+    prof = with_tuning(get_profile("h200"), tune)
+    runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    return runner, drv, dims
+
+
+def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, monkeypatch):
+    """decode_graph.fork_linears on a q4_k_m file (v stored as q6_k apart from q|k): in every decode
+    pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
+    v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
+    stream."""
+    runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, "decode_graph.fork_linears=true")
     main, side = runner.stream.id, runner._side.id
     for graphs in (True, False):
         runner.use_graphs = graphs
@@ -568,26 +575,8 @@ def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monk
     """decode_graph.pair_linears on a q4_k_m file: a batch-1 decode pass, graph and eager, launches
     one gemv_pair kernel per layer on the main stream with PDL (its entry waits first), its grid the
     two parts' blocks, and nothing on the side stream; a batch-2 pass keeps the forked v GEMV."""
-    from fixtures.checkpoints import Dims, write_random_gguf
-
-    import engine.runner_cuda as rc
-    from engine.model import load_model
-    from engine.profile import get_profile, with_tuning
-
-    drv = FakeDriver()
-    monkeypatch.setattr(rc, "cuda", drv.module())
-    dims = Dims(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        vocab_size=512,
-    )
-    model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
-    prof = with_tuning(get_profile("h200"), "decode_graph.fork_linears=true; decode_graph.pair_linears=true")
-    runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    tune = "decode_graph.fork_linears=true; decode_graph.pair_linears=true"
+    runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, tune)
     side = runner._side.id
     pair = next(la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair")
     for graphs in (True, False):
