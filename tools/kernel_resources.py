@@ -30,6 +30,7 @@ from engine.model import dims_for_size  # noqa: E402
 from engine.plan import build_plan  # noqa: E402
 from engine.profile import get_profile, with_tuning  # noqa: E402
 from engine.render import render  # noqa: E402
+from engine.types import ConfigError  # noqa: E402
 
 # per-SM limits by compute capability: (shared memory bytes, threads)
 SM_LIMITS = {"8.0": (164 * 1024, 2048), "8.6": (100 * 1024, 1536), "8.9": (100 * 1024, 1536)}
@@ -91,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         prof = with_tuning(prof, args.tune)
     cc = prof.compute_capability
-    plan = build_plan(graph, dims, graph.quant(args.quant), prof, tensor_dtypes=mixed_dtypes(args.quant, dims["layers"]))
+    try:
+        plan = build_plan(graph, dims, graph.quant(args.quant), prof, tensor_dtypes=mixed_dtypes(args.quant, dims["layers"]))
+    except ConfigError as exc:
+        print(f"{args.shape} {args.quant}: no plan: {exc}", file=sys.stderr)
+        return 2
     seen: dict = {}
     for step in plan.steps:
         for la in step.launches.get(args.mode, ()):
