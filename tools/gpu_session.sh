@@ -344,6 +344,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     tail -3 /tmp/res/pair15_test.log > /tmp/res/pair15.sum; pack pair15_test
     P=decode_graph.pair_linears=true; S=decode_graph.pair_min_smem_kb
     M=decode_graph.pair_min_blocks
+    for v in "$P" "$P; $M=3" "$P; $M=2"; do  # what the device's NVRTC allocates (the dev machine's is newer)
+      echo "== $v" >> /tmp/res/pair15_regs.log; timeout 60 python3 tools/kernel_resources.py --tune "$v" >> /tmp/res/pair15_regs.log 2>&1
+    done
+    grep -h "==\|q,k,v" /tmp/res/pair15_regs.log >> /tmp/res/pair15.sum
     ab pair15 330 q4_k_m --variant pair="$P" --variant pair3="$P; $M=3" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76"
     grep -h "b1  \|b8  \|rel" /tmp/res/pair15_q4_k_m.log >> /tmp/res/pair15.sum; pack pair15_q4_k_m ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
