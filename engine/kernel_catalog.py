@@ -1284,8 +1284,7 @@ def coop_options(
             smem = gemv_smem(wp)
             # every tile in one round of resident blocks (a block with a second tile would wait
             # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
-            per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
-            if tile <= wkb * 1024 and (not sm_count or _cdiv(n, rpb) <= per_sm * sm_count):
+            if tile <= wkb * 1024 and one_round(tuning, smem, _cdiv(n, rpb), sm_count):
                 out["wsm"] = True
                 if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
                     # the tile in k chunks, one mbarrier each
@@ -1311,8 +1310,15 @@ def spread_smem(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int
     floor = min(int((tuning.get("decode_graph") or {}).get("pair_min_smem_kb") or 0) * 1024, WSM_SMEM_MAX)
     if floor <= smem or not sm_count:
         return smem
-    per_sm = min(int((tuning.get("gemv_coop") or {}).get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // floor)
-    return floor if blocks <= per_sm * sm_count else smem
+    return floor if one_round(tuning, floor, blocks, sm_count) else smem
+
+
+def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> bool:
+    """Whether ``blocks`` q8x GEMV blocks of ``smem`` bytes of dynamic shared memory are all on
+    the GPU at once: at most gemv_coop.q8x_blocks_per_sm (32 where unset) and 227 KB over ``smem``
+    blocks per SM, times ``sm_count`` (True where the SM count is unknown, 0)."""
+    per_sm = min(int((tuning.get("gemv_coop") or {}).get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
+    return not sm_count or blocks <= per_sm * sm_count
 
 
 def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:

@@ -1069,11 +1069,10 @@ class _CatalogAdapter:
             return None
         smem = self.cat.pair_smem(spec)
         blocks = spec.params["blocks_a"] + spec.params["blocks_b"]
-        if a.spec.params["wsm"] or b.spec.params["wsm"]:
-            c = self.tune("gemv_coop")
-            per_sm = min(int(c.get("q8x_blocks_per_sm") or 32), self.cat.WSM_SMEM_MAX // smem)
-            if self.profile.sm_count and blocks > per_sm * self.profile.sm_count:
-                return None
+        if (a.spec.params["wsm"] or b.spec.params["wsm"]) and not self.cat.one_round(
+            self.profile.tuning, smem, blocks, self.profile.sm_count
+        ):
+            return None
         smem = self.cat.spread_smem(self.profile.tuning, smem, blocks, self.profile.sm_count)
         return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
 

@@ -102,13 +102,9 @@ def _pair_specs() -> list:
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
     # and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of Qwen3-4B q4_k_m
-    from engine.graph import load_family
-    from engine.model import dims_for_size
-    from engine.plan import build_plan
+    from test_plan import _q4_k_m_plan
 
-    graph = load_family("qwen3")
-    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
-    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+    plan = _q4_k_m_plan("decode_graph.pair_linears=true")
     wsm = {la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"}
     assert len(wsm) == 1 and all(s.params["a_wsm"] and s.params["b_wsm"] for s in wsm)
     return list(pairs.values()) + list(wsm)
