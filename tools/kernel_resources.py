@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from engine import nvrtc  # noqa: E402
 from engine.graph import load_family  # noqa: E402
@@ -31,11 +32,11 @@ from engine.plan import build_plan  # noqa: E402
 from engine.profile import get_profile, with_tuning  # noqa: E402
 from engine.render import render  # noqa: E402
 from engine.types import ConfigError  # noqa: E402
+from fixtures.checkpoints import MIXES, mix_tensor_type  # noqa: E402
 
 # per-SM limits by compute capability: (shared memory bytes, threads)
 SM_LIMITS = {"8.0": (164 * 1024, 2048), "8.6": (100 * 1024, 1536), "8.9": (100 * 1024, 1536)}
 SM_LIMITS.update({"9.0": (228 * 1024, 2048), "10.0": (228 * 1024, 2048), "12.0": (100 * 1024, 1536)})
-MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}
 _PTXAS = {
     "registers": re.compile(r"Used (\d+) registers"),
     "frame": re.compile(r"(\d+) bytes stack frame"),
@@ -65,15 +66,16 @@ def blocks_per_sm(regs: int, threads: int, smem: int, cc: str) -> int:
 
 
 def mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
-    """A mix's tensor types as write_random_gguf makes them (q6_k v and down in even layers, q6_k
-    embedding and head); {} for a plain type (the plan's nominal types)."""
-    base = MIXES.get(quant)
-    if base is None:
+    """A mix's tensor types as write_random_gguf makes them (fixtures.checkpoints.mix_tensor_type:
+    q6_k v and down in even layers, q6_k embedding and head), in the plan's ``key@layer`` form; {}
+    for a plain type (the plan's nominal types)."""
+    if quant not in MIXES:
         return {}
-    out = {"wq": base, "wk": base, "wv": base, "wo": base, "w_gate": base, "w_up": base, "w_down": base}
-    out.update(embed="q6_k", lm_head="q6_k")
-    for layer in range(0, layers, 2):
-        out[f"wv@{layer}"] = out[f"w_down@{layer}"] = "q6_k"
+    keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    out = {k: mix_tensor_type(quant, k, 1) for k in keys}  # layer 1: the base type everywhere
+    out.update({k: mix_tensor_type(quant, k, -1) for k in ("embed", "lm_head")})
+    for layer in range(layers):
+        out.update({f"{k}@{layer}": t for k in ("wv", "w_down") if (t := mix_tensor_type(quant, k, layer)) != out[k]})
     return out
 
 
