@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from fixtures.checkpoints import MIXES, mix_tensor_type  # noqa: E402
+
 from engine import nvrtc  # noqa: E402
 from engine.graph import load_family  # noqa: E402
 from engine.model import dims_for_size  # noqa: E402
@@ -32,7 +34,6 @@ from engine.plan import build_plan  # noqa: E402
 from engine.profile import get_profile, with_tuning  # noqa: E402
 from engine.render import render  # noqa: E402
 from engine.types import ConfigError  # noqa: E402
-from fixtures.checkpoints import MIXES, mix_tensor_type  # noqa: E402
 
 # per-SM limits by compute capability: (shared memory bytes, threads)
 SM_LIMITS = {"8.0": (164 * 1024, 2048), "8.6": (100 * 1024, 1536), "8.9": (100 * 1024, 1536)}
