@@ -32,6 +32,21 @@ from engine.types import ConfigError
 
 ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 MODES = ("decode1", "decode", "prefill")
+# the launches of a batch-1 short-context decode pass where they differ from both decode1's and
+# short's (tuning decode_graph.pair_attention: the q|k|v pair that also runs the attention)
+SHORT1 = "short1"
+
+
+def launch_key(launches: Mapping[str, Any], mode: str, short: bool) -> str:
+    """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
+    pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
+    else "short" where it has that; otherwise the mode itself."""
+    if short:
+        if mode == "decode1" and SHORT1 in launches:
+            return SHORT1
+        if "short" in launches:
+            return "short"
+    return mode
 
 
 def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
@@ -430,6 +445,8 @@ def build_plan(
             launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
 
+    if adapter._graph_knob("pair_attention"):
+        adapter.fuse_pair_attention(steps, values)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -1075,6 +1092,58 @@ class _CatalogAdapter:
             return None
         smem = self.cat.spread_smem(self.profile.tuning, smem, blocks, self.profile.sm_count)
         return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
+
+    def fuse_pair_attention(self, steps: list[Step], values: Mapping[str, Value]) -> None:
+        """Tuning decode_graph.pair_attention: give each layer whose batch-1 q|k|v linear is one
+        gemv_pair launch and whose short-context attention is the direct rope-fused kernel a SHORT1
+        launch of kernels/gemv_pair_attention.cu.j2 that runs both, and its attention step an empty
+        SHORT1 (its rope step's short launches are already empty). The pair's q|k part must write
+        q with k right after it and its v part v, the rows the attention reads. The kernel's
+        __launch_bounds__ minimum is at least the blocks per SM its grid needs to run in one round
+        (the attention part takes registers), and its unit counters are one zeroed scratch."""
+        spec_of = getattr(self.cat, "pair_attention_spec", None) if self.cat is not None else None
+        if spec_of is None:
+            return
+        d = self.dims
+        for i, st in enumerate(steps):
+            pair = st.launches.get("decode1", ())
+            if st.op.op != "linear" or len(pair) != 1 or pair[0].spec.template != "gemv_pair":
+                continue
+            attn = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "attention"), None)
+            short = attn.launches.get("short", ()) if attn is not None else ()
+            if len(short) != 1 or not short[0].spec.params.get("rope") or not short[0].spec.params.get("direct"):
+                continue
+            la, at = pair[0], short[0]
+            parts = self.cat.pair_parts(la.spec)
+            b_out = la.args[len(self.cat.kernel_args(parts[0]))]  # part b's first arg: its out
+            q, k = values.get(at.args[3].ref), values.get(at.args[10].ref)
+            if (
+                q is None
+                or k is None
+                or la.args[0] != at.args[3]
+                or k.buffer != q.buffer
+                or k.offset != q.offset + d["heads"] * d["head_dim"]
+                or at.args[11] != b_out
+            ):
+                continue
+            blocks = la.grid[0]
+            floor = -(-blocks // self.profile.sm_count) if self.profile.sm_count else 0
+            parts = tuple(
+                self.cat.spec("gemv", **{**p.params, "min_blocks": max(floor, p.params["min_blocks"])})
+                for p in parts
+            )
+            try:
+                spec = spec_of(self.cat.pair_spec(*parts), at.spec)
+            except ConfigError:
+                continue
+            smem = la.smem + self.cat.attention_static_smem(at.spec.params)
+            if not self.cat.one_round(self.profile.tuning, smem, blocks, self.profile.sm_count):
+                continue
+            units = d["kv_heads"] * at.spec.params["qsplit"]
+            self._need_scratch(ScratchPlan("attn_count", fixed=units * 4, fill="zero"))
+            args = la.args + at.args + (Arg("scratch", "attn_count"),)
+            st.launches[SHORT1] = (Launch(spec, la.grid, la.block, args, la.smem),)
+            attn.launches[SHORT1] = ()
 
     @staticmethod
     def _pairable(p: dict) -> bool:

@@ -377,6 +377,9 @@ TUNING_SCHEMA: dict[str, Field] = {
     # pile onto the SMs the previous kernel frees first); pair_min_blocks: its __launch_bounds__
     # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
     # registers, and spills a q6_kr part: tools/kernel_resources.py)
+    # pair_attention: at batch 1 and short contexts, that launch also runs the layer's direct
+    # rope-fused attention (kernels/gemv_pair_attention.cu.j2: the block whose row tile completes a
+    # unit's q / k / v rows runs its attention), so no attention kernel follows it
     "decode_graph": Field(
         {
             "fork_linears": Field(bool, default=False),
@@ -384,6 +387,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_linears": Field(bool, default=False),
             "pair_min_smem_kb": Field(int, default=0),
             "pair_min_blocks": Field(int, default=0),
+            "pair_attention": Field(bool, default=False),
         },
         default={
             "fork_linears": False,
@@ -391,6 +395,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_linears": False,
             "pair_min_smem_kb": 0,
             "pair_min_blocks": 0,
+            "pair_attention": False,
         },
     ),
 }

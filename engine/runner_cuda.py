@@ -23,7 +23,17 @@ import numpy as np
 
 from engine import cuda, env, quant
 from engine.compile import KernelBuilder
-from engine.plan import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, build_plan, kernel_specs
+from engine.plan import (
+    PENALTY_CAPACITY,
+    ROPE_FREQ,
+    WIDE,
+    Arg,
+    Launch,
+    Plan,
+    build_plan,
+    kernel_specs,
+    launch_key,
+)
 from engine.profile import DeviceProfile, arch_number, select
 from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample
@@ -428,9 +438,7 @@ class CudaRunner:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = _decode_mode(n, self.plan.wide_rows) if head_only else mode
-            if short and "short" in step.launches:
-                key = "short"
+            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
             for launch in step.launches[key]:
                 if launch.runs_at(n):
                     bound.append(self._bind(launch, shape))

@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine.plan import launch_key  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -46,7 +47,7 @@ def pass_labels(runner, mode: str, short: bool, sampling: str) -> list[str]:
     """One label per launch of a decode pass, in CudaRunner._bind_pass order."""
     labels = []
     for step in runner.plan.steps:
-        key = "short" if short and "short" in step.launches else mode
+        key = launch_key(step.launches, mode, short)
         for launch in step.launches[key]:
             labels.append(f"{step.op.op}:{launch.spec.entry}")
     for launch in runner.plan.sampling[sampling]:
