@@ -90,24 +90,35 @@ def _specs_by_arch(full: bool = False):
 
 
 def _pair_specs() -> list:
-    """One gemv_pair spec per (q|k type, v type) (the h200 tuning with decode_graph.pair_linears,
-    which no profile turns on yet): its parts compile alone above, the pair adds the namespaces
-    and the dispatch."""
+    """One gemv_pair spec per (q|k type, v type) and gemv_pair_attention specs covering each (q|k
+    type, v type) and each (rope style, q/k norm) (the h200 tuning with decode_graph.pair_linears and
+    pair_attention, which no profile turns on yet): their parts compile alone above, the pair adds
+    the namespaces and the dispatch, the attention the unit counting and the attention part."""
     from engine.profile import get_profile, with_tuning
 
-    prof = with_tuning(get_profile("h200"), "decode_graph.pair_linears=true")
+    tune = "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    prof = with_tuning(get_profile("h200"), tune)
     pairs: dict[tuple, object] = {}
     for _fam, _size, dims, types, styles, qk in family_cases():
-        for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
+        for s in kc.all_specs(
+            dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
+        ):
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
-    # and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of Qwen3-4B q4_k_m
+            if s.template == "gemv_pair_attention":
+                pairs.setdefault(("attention", s.params["a_quant"], s.params["b_quant"]), s)
+                pairs.setdefault(("attention", s.params["c_style"], s.params["c_qk_norm"]), s)
+    # and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of Qwen3-4B
+    # q4_k_m; its gemv_pair_attention with the __launch_bounds__ minimum its 231 blocks need
     from test_plan import _q4_k_m_plan
 
-    plan = _q4_k_m_plan("decode_graph.pair_linears=true")
+    plan = _q4_k_m_plan(tune)
     wsm = {la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"}
     assert len(wsm) == 1 and all(s.params["a_wsm"] and s.params["b_wsm"] for s in wsm)
-    return list(pairs.values()) + list(wsm)
+    fused = {la.spec for st in plan.steps for la in st.launches.get("short1", ())}
+    assert len(fused) == 1 and all(s.params["a_min_blocks"] == 2 for s in fused)
+    assert any(s.template == "gemv_pair_attention" for s in pairs.values())
+    return list(pairs.values()) + list(wsm) + list(fused)
 
 
 def _variant_archs() -> list[str]:
@@ -395,13 +406,17 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, k, lq, bmax=1, residual=True, sm_count=132)
             assert p["lanes"] == lanes, p
             out.append(kc.spec("gemv", **p))
-            out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
+            out.append(
+                kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True})
+            )
     # the early pdl_trigger of the batch-1 coop GEMVs (decode_graph.early_trigger), and the norm
     # weights read before pdl_wait (early_nw: one staging round in 320-thread blocks)
     for q in kc.Q8X_TYPES:
         out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132), trigger=True))
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132)
-        p.update(threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6)
+        p.update(
+            threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6
+        )
         out.append(kc.spec("gemv", **p))
         # the coop glu epilogue (gemv_coop.q8x_glu): a tile's gate and up rows paired, silu(gate) * up
         # stored; with the next tile's loads in the last step, at batch 1 and 8
@@ -419,8 +434,15 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
     below it the source stops with an #error naming wsm."""
     q8 = {
         "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
-        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
-                      "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
+        "gemv_coop": {
+            "types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"],
+            "threads": 256,
+            "rows_per_warp": 1,
+            "unroll": 2,
+            "pipeline": True,
+            "q8x": True,
+            "q8x_lanes_per_row": 8,
+        },
     }
     specs = []
     for q in kc.Q8X_TYPES:
@@ -447,7 +469,11 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
 def test_tile_prefetch_is_a_pipelined_coop_option():
     tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
     coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
-    for extra, want in (({}, False), ({"tile_prefetch": True}, False), ({"pipeline": True, "tile_prefetch": True}, True)):
+    for extra, want in (
+        ({}, False),
+        ({"tile_prefetch": True}, False),
+        ({"pipeline": True, "tile_prefetch": True}, True),
+    ):
         p = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, **extra}}, bmax=1)
         assert bool(p.get("tile_pf")) is want, extra
         assert ("tile_pf1" in kc.spec("gemv", **p).entry) is want
@@ -458,7 +484,11 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
     # min_blocks: the q8x tuning's register cap (__launch_bounds__ min blocks), coop only
     mb = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, "q8x_min_blocks": 3}}, bmax=1)
     s = kc.spec("gemv", **mb)
-    assert mb["min_blocks"] == 3 and s.entry.endswith("min_blocks3") and "__launch_bounds__(THREADS, 3)" in render(s)
+    assert (
+        mb["min_blocks"] == 3
+        and s.entry.endswith("min_blocks3")
+        and "__launch_bounds__(THREADS, 3)" in render(s)
+    )
     assert "min_blocks" not in kc.spec("gemv", **p).entry
     with pytest.raises(ConfigError, match="min_blocks=3: a coop option"):
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), min_blocks=3)

@@ -17,8 +17,9 @@ from engine.types import ConfigError
 
 def _specs():
     """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning,
-    with decode_graph.pair_linears on for the gemv_pair kernels)."""
-    prof = profile.with_tuning(profile.get_profile("h200"), "decode_graph.pair_linears=true")
+    with decode_graph.pair_linears and pair_attention on for the gemv_pair(_attention) kernels)."""
+    tune = "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    prof = profile.with_tuning(profile.get_profile("h200"), tune)
     out: dict[tuple, Any] = {}
     for _fam, _size, d, types, styles, qk in family_cases():
         for s in kc.all_specs(
@@ -141,4 +142,3 @@ def test_a_body_marked_pdl_preload_counts_only_with_its_wait():
     assert waits_first(src % PDL_PRELOAD, "k_1")
     assert not waits_first((src % PDL_PRELOAD).replace("pdl_wait();", ""), "k_1")
     assert not waits_first(src % "// other comment", "k_1")
-
