@@ -350,6 +350,25 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "==\|q,k,v" /tmp/res/pair15_regs.log >> /tmp/res/pair15.sum
     ab pair15 330 q4_k_m --variant pair="$P" --variant pair3="$P; $M=3" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76"
     grep -h "b1  \|b8  \|rel" /tmp/res/pair15_q4_k_m.log >> /tmp/res/pair15.sum; pack pair15_q4_k_m ;;
+  pa16)  # the sixteenth session's q4_k_m A/Bs (written without a GPU; never run yet), in one call:
+    # the pair (pair15's variants pair, pair2, pair76) against the pair that also runs the short
+    # attention (decode_graph.pair_attention: kernels/gemv_pair_attention.cu.j2; its plan sets
+    # __launch_bounds__(320, 2), since the attention part takes registers), alone and spread to two
+    # blocks per SM by shared memory; first the GPU tests of both (the same bits as apart / as the
+    # pair), then the device NVRTC's registers. Expect rel != 0 against the profile (a q4_k v's k
+    # split is 2 in the pair, 4 alone) and pa's rel == pair's rel (the same bits as the pair)
+    timeout "$(box 120)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked or pair_attention" -p no:cacheprovider > /tmp/res/pa16_test.log 2>&1
+    tail -3 /tmp/res/pa16_test.log > /tmp/res/pa16.sum; pack pa16_test
+    P=decode_graph.pair_linears=true; S=decode_graph.pair_min_smem_kb; M=decode_graph.pair_min_blocks
+    A="$P; decode_graph.pair_attention=true"
+    for v in "$P" "$P; $M=2" "$A"; do  # what the device's NVRTC allocates (the dev machine's is newer)
+      echo "== $v" >> /tmp/res/pa16_regs.log
+      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> /tmp/res/pa16_regs.log 2>&1
+    done
+    grep -h "==\|q,k,v" /tmp/res/pa16_regs.log >> /tmp/res/pa16.sum
+    ab pa16 380 q4_k_m --variant pair="$P" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76" \
+      --variant pa="$A" --variant pa76="$A; $S=76"
+    grep -h "b1  \|b8  \|rel" /tmp/res/pa16_q4_k_m.log >> /tmp/res/pa16.sum; pack pa16_q4_k_m ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
