@@ -1626,3 +1626,57 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
                 "pipeline": False,
             },
         )
+
+
+def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
+    """The unit bookkeeping of gemv_pair_attention (kernels/_pair_units.cuh.j2: att_need,
+    att_holds, C integer math) compiled for the host with g++ and run over every tile of both
+    parts: each unit's count of tiles holding its rows equals att_need (else a unit would never run,
+    or run before its rows land), and every unit is held by some tile. Qwen3-4B q4_k_m (q6_k and
+    q4_k v), and a shape whose last q head's and only k head's rows share a tile."""
+    import shutil
+    import subprocess
+
+    import jinja2
+
+    from engine import kernel_catalog as kc
+    from engine import paths
+    from engine.plan import SHORT1
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    graph = load_family("qwen3")
+    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
+    dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
+    prof = with_tuning(get_profile("h200"), "decode_graph.pair_linears=true; decode_graph.pair_attention=true")
+    plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
+    params = [dict(s.params) for s in dict.fromkeys(la.spec for st in plan.steps for la in st.launches.get(SHORT1, ()))]
+    assert len(params) == 2
+    # 2 q heads of 64 rows and 1 k head in 48-row tiles: tile 2 holds rows 96..143 (q head 1 and k)
+    odd = {**params[0], "a_rows_per_block": 48, "blocks_a": 4, "b_rows_per_block": 16, "blocks_b": 4}
+    odd.update(c_heads=2, c_kv_heads=1, c_head_dim=64, c_qsplit=1)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.kernels_dir())), undefined=jinja2.StrictUndefined)
+    for p in params + [odd]:
+        body = env.get_template("_pair_units.cuh.j2").render(**p).replace("__device__ __forceinline__", "static inline")
+        units = p["c_kv_heads"] * p["c_qsplit"]
+        main = f"""
+#include <cstdio>
+int main() {{
+    int bad = 0;
+    for (int u = 0; u < {units}; ++u) {{
+        int n = 0;
+        for (int t = 0; t < {p["blocks_a"]}; ++t) n += att_holds(u, false, t);
+        for (int t = 0; t < {p["blocks_b"]}; ++t) n += att_holds(u, true, t);
+        if (n != att_need(u) || n == 0) {{ std::printf("unit %d: %d tiles, need %d\\n", u, n, att_need(u)); ++bad; }}
+    }}
+    std::printf("%d units ok\\n", {units} - bad);
+    return bad;
+}}
+"""
+        cpp = tmp_path / "units.cpp"
+        cpp.write_text(body + main)
+        subprocess.run([cxx, "-O1", "-o", str(tmp_path / "units"), str(cpp)], check=True)
+        run = subprocess.run([str(tmp_path / "units")], capture_output=True, text=True)
+        assert run.returncode == 0 and run.stdout.strip() == f"{units} units ok", run.stdout
