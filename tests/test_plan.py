@@ -1639,7 +1639,6 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
 
     import jinja2
 
-    from engine import kernel_catalog as kc
     from engine import paths
     from engine.plan import SHORT1
 
@@ -1650,16 +1649,27 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
     graph = load_family("qwen3")
     dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
     dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
-    prof = with_tuning(get_profile("h200"), "decode_graph.pair_linears=true; decode_graph.pair_attention=true")
+    prof = with_tuning(
+        get_profile("h200"), "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    )
     plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
-    params = [dict(s.params) for s in dict.fromkeys(la.spec for st in plan.steps for la in st.launches.get(SHORT1, ()))]
+    params = [
+        dict(s.params)
+        for s in dict.fromkeys(la.spec for st in plan.steps for la in st.launches.get(SHORT1, ()))
+    ]
     assert len(params) == 2
     # 2 q heads of 64 rows and 1 k head in 48-row tiles: tile 2 holds rows 96..143 (q head 1 and k)
     odd = {**params[0], "a_rows_per_block": 48, "blocks_a": 4, "b_rows_per_block": 16, "blocks_b": 4}
     odd.update(c_heads=2, c_kv_heads=1, c_head_dim=64, c_qsplit=1)
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(paths.kernels_dir())), undefined=jinja2.StrictUndefined)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(paths.kernels_dir())), undefined=jinja2.StrictUndefined
+    )
     for p in params + [odd]:
-        body = env.get_template("_pair_units.cuh.j2").render(**p).replace("__device__ __forceinline__", "static inline")
+        body = (
+            env.get_template("_pair_units.cuh.j2")
+            .render(**p)
+            .replace("__device__ __forceinline__", "static inline")
+        )
         units = p["c_kv_heads"] * p["c_qsplit"]
         main = f"""
 #include <cstdio>
