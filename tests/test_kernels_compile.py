@@ -118,7 +118,7 @@ def _pair_specs() -> list:
     fused = {la.spec for st in plan.steps for la in st.launches.get("short1", ())}
     assert len(fused) == 1 and all(s.params["a_min_blocks"] == 2 for s in fused)
     assert any(s.template == "gemv_pair_attention" for s in pairs.values())
-    return list(pairs.values()) + list(wsm) + list(fused)
+    return list(dict.fromkeys([*pairs.values(), *wsm, *fused]))
 
 
 def _variant_archs() -> list[str]:
