@@ -381,12 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
     p.add_argument("--prompt-tokens", type=int, default=None, help="engine-loop prompt length (default 440)")
-    p.add_argument(
-        "--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)"
-    )
-    p.add_argument(
-        "--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)"
-    )
+    p.add_argument("--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)")
+    p.add_argument("--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)")
     _add_backend_flags(p)
     p.set_defaults(func=cmd_bench)
 

@@ -84,19 +84,8 @@ P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
-        "xsmem",
-        "prefetch",
-        "xf32",
-        "coop",
-        "pipeline",
-        "glu",
-        "q8x",
-        "early_w",
-        "tile_pf",
-        "wsm",
-        "trigger",
-        "early_nw",
-        "early_res",
+        "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
+        "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope", "table_first"),
@@ -641,10 +630,7 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
         if p["kparts"] != 1:
             raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
         if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
-            raise _fail(
-                "gemv_pair",
-                f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)",
-            )
+            raise _fail("gemv_pair", f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)")
     pa, pb = a.params, b.params
     for key in ("threads", "min_blocks", "bmax"):
         if pa[key] != pb[key]:
@@ -950,7 +936,8 @@ def spec(template: str, **params: Any) -> KernelSpec:
         if extra:
             raise _fail(template, f"unknown params {sorted(extra)}")
         a, b = (
-            spec("gemv", **{k[len(x) :]: v for k, v in params.items() if k.startswith(x)}) for x in PAIR_PARTS
+            spec("gemv", **{k[len(x) :]: v for k, v in params.items() if k.startswith(x)})
+            for x in PAIR_PARTS
         )
         return pair_spec(a, b)
     if template == "gemv_pair_attention":  # the pair and the attention through spec(), then the rules
@@ -987,10 +974,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (
-                template == "gemv"
-                and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk")
-            )
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1206,26 +1190,15 @@ def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
     if pair.template != "gemv_pair":
         raise _fail("gemv_pair_attention", f"{pair.entry}: the first part must be a gemv_pair spec")
     c = attn.params
-    if attn.template != "attention" or not (
-        c["direct"] and c["rope"] and c["vec16"] and c["mode"] == "decode"
-    ):
-        raise _fail(
-            "gemv_pair_attention",
-            f"{attn.entry}: the attention must be the direct rope-fused vec16 decode kernel",
-        )
+    if attn.template != "attention" or not (c["direct"] and c["rope"] and c["vec16"] and c["mode"] == "decode"):
+        raise _fail("gemv_pair_attention", f"{attn.entry}: the attention must be the direct rope-fused vec16 decode kernel")
     p = pair.params
     hd, heads, kvh = c["head_dim"], c["heads"], c["kv_heads"]
     rules = (
         (p["a_bmax"] == 1, f"a_bmax={p['a_bmax']}: the attention part runs batch 1 only"),
-        (
-            c["warps"] * 32 <= p["a_threads"],
-            f"the attention's {c['warps']} warps exceed the pair's {p['a_threads']} threads",
-        ),
+        (c["warps"] * 32 <= p["a_threads"], f"the attention's {c['warps']} warps exceed the pair's {p['a_threads']} threads"),
         (kvh * c["qsplit"] <= p["a_threads"], "more attention units than threads to count them"),
-        (
-            p["a_n"] == (heads + kvh) * hd,
-            f"part a has {p['a_n']} rows, not the {heads} q and {kvh} k heads' {(heads + kvh) * hd}",
-        ),
+        (p["a_n"] == (heads + kvh) * hd, f"part a has {p['a_n']} rows, not the {heads} q and {kvh} k heads' {(heads + kvh) * hd}"),
         (p["b_n"] == kvh * hd, f"part b has {p['b_n']} rows, not the {kvh} v heads' {kvh * hd}"),
     )
     for ok, msg in rules:
@@ -1234,11 +1207,7 @@ def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
     params = dict(p)
     params.update({f"{PAIR_ATTENTION_PART}{k}": v for k, v in c.items()})
     tag = zlib.crc32(f"{pair.entry} {attn.entry}".encode())
-    return KernelSpec(
-        "gemv_pair_attention",
-        f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}",
-        params,
-    )
+    return KernelSpec("gemv_pair_attention", f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}", params)
 
 
 def pair_attention_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
@@ -1601,9 +1570,7 @@ def rope_params(
     )
 
 
-def _pair_of(
-    a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: dict[str, Any]
-) -> KernelSpec | None:
+def _pair_of(a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: dict[str, Any]) -> KernelSpec | None:
     """The gemv_pair of gemv params ``a`` and ``b_of(a's threads)`` (each with ``extra``), or None
     where either is not a coop q8x GEMV or pair_spec refuses them."""
     if not (a.get("coop") and a.get("q8x")):

@@ -957,7 +957,9 @@ class _CatalogAdapter:
             else:
                 pp["u_off"] = pro[2]
         elif pro is not None:
-            raise ConfigError(f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}")
+            raise ConfigError(
+                f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
+            )
         opts: dict[str, Any] = {}
         gl = getattr(self.cat, "gemv_layout", None) if self.cat is not None else None
         layout = gl(w.dtype, self.profile.tuning, n=w.rows, bmax=bmax) if gl is not None else {}
@@ -1109,11 +1111,7 @@ class _CatalogAdapter:
                 continue
             attn = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "attention"), None)
             short = attn.launches.get("short", ()) if attn is not None else ()
-            if (
-                len(short) != 1
-                or not short[0].spec.params.get("rope")
-                or not short[0].spec.params.get("direct")
-            ):
+            if len(short) != 1 or not short[0].spec.params.get("rope") or not short[0].spec.params.get("direct"):
                 continue
             la, at = pair[0], short[0]
             parts = self.cat.pair_parts(la.spec)
@@ -1151,7 +1149,10 @@ class _CatalogAdapter:
     def _pairable(p: dict) -> bool:
         """Whether a gemv spec's params allow it as a gemv_pair part (see _pair)."""
         return (
-            bool(p.get("coop") and p.get("q8x")) and not p["residual"] and not p["glu"] and p["kparts"] == 1
+            bool(p.get("coop") and p.get("q8x"))
+            and not p["residual"]
+            and not p["glu"]
+            and p["kparts"] == 1
         )
 
     def _fork(self, mode: str, launches: list[Launch]) -> list[Launch]:

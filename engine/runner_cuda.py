@@ -438,9 +438,7 @@ class CudaRunner:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = launch_key(
-                step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short
-            )
+            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
             for launch in step.launches[key]:
                 if launch.runs_at(n):
                     bound.append(self._bind(launch, shape))

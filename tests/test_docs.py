@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_flags_doc_lists_every_env_var():
     text = (ROOT / "docs" / "flags.md").read_text()
     documented = set(re.findall(r"^\| `(MEMRA_[A-Z_]+)`", text, flags=re.M))
-    assert documented == set(env.REGISTRY), documented ^ set(env.REGISTRY)
+    assert documented == set(env.REGISTRY), (documented ^ set(env.REGISTRY))
 
 
 def test_structure_doc_lists_every_module():

@@ -46,10 +46,7 @@ def test_tool_lists_every_decode_kernel_of_a_plan(capsys):
     assert out[0].startswith("smollm2-135m q4_1 on h200 (sm_90a, cc 9.0), mode decode1:")
     rows = [line.split() for line in out[2:]]
     assert len(rows) == int(out[0].split(": ")[1].split()[0]) and len(rows) >= 4
-    assert all(
-        0 < int(r[-6]) <= 255 and int(r[-4]) in (32, 64, 128, 256, 320, 512, 640, 1024) and int(r[-2]) >= 1
-        for r in rows
-    )
+    assert all(0 < int(r[-6]) <= 255 and int(r[-4]) in (32, 64, 128, 256, 320, 512, 640, 1024) and int(r[-2]) >= 1 for r in rows)
     assert any(r[-1].startswith("gemv__quantq41r") for r in rows)
     # k-quants need 256-element rows: SmolLM2's 576 has no q4_k_m plan, said in one line
     assert kr.main(["--family", "llama", "--shape", "smollm2-135m", "--quant", "q4_k_m"]) == 2

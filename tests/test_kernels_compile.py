@@ -100,9 +100,7 @@ def _pair_specs() -> list:
     prof = with_tuning(get_profile("h200"), tune)
     pairs: dict[tuple, object] = {}
     for _fam, _size, dims, types, styles, qk in family_cases():
-        for s in kc.all_specs(
-            dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
-        ):
+        for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
             if s.template == "gemv_pair_attention":
@@ -406,17 +404,13 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 1003, k, lq, bmax=1, residual=True, sm_count=132)
             assert p["lanes"] == lanes, p
             out.append(kc.spec("gemv", **p))
-            out.append(
-                kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True})
-            )
+            out.append(kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 32 * 8 // lanes, "tile_pf": True}))
     # the early pdl_trigger of the batch-1 coop GEMVs (decode_graph.early_trigger), and the norm
     # weights read before pdl_wait (early_nw: one staging round in 320-thread blocks)
     for q in kc.Q8X_TYPES:
         out.append(kc.spec("gemv", **kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132), trigger=True))
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, sm_count=132)
-        p.update(
-            threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6
-        )
+        p.update(threads=320, rows_per_block=40, ksplit=1, early_nw=True, prologue="norm", x_stride=2560, eps=1e-6)
         out.append(kc.spec("gemv", **p))
         # the coop glu epilogue (gemv_coop.q8x_glu): a tile's gate and up rows paired, silu(gate) * up
         # stored; with the next tile's loads in the last step, at batch 1 and 8
@@ -434,15 +428,8 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
     below it the source stops with an #error naming wsm."""
     q8 = {
         "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
-        "gemv_coop": {
-            "types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"],
-            "threads": 256,
-            "rows_per_warp": 1,
-            "unroll": 2,
-            "pipeline": True,
-            "q8x": True,
-            "q8x_lanes_per_row": 8,
-        },
+        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
+                      "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
     }
     specs = []
     for q in kc.Q8X_TYPES:
@@ -469,11 +456,7 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
 def test_tile_prefetch_is_a_pipelined_coop_option():
     tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
     coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
-    for extra, want in (
-        ({}, False),
-        ({"tile_prefetch": True}, False),
-        ({"pipeline": True, "tile_prefetch": True}, True),
-    ):
+    for extra, want in (({}, False), ({"tile_prefetch": True}, False), ({"pipeline": True, "tile_prefetch": True}, True)):
         p = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, **extra}}, bmax=1)
         assert bool(p.get("tile_pf")) is want, extra
         assert ("tile_pf1" in kc.spec("gemv", **p).entry) is want
@@ -484,11 +467,7 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
     # min_blocks: the q8x tuning's register cap (__launch_bounds__ min blocks), coop only
     mb = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, "q8x_min_blocks": 3}}, bmax=1)
     s = kc.spec("gemv", **mb)
-    assert (
-        mb["min_blocks"] == 3
-        and s.entry.endswith("min_blocks3")
-        and "__launch_bounds__(THREADS, 3)" in render(s)
-    )
+    assert mb["min_blocks"] == 3 and s.entry.endswith("min_blocks3") and "__launch_bounds__(THREADS, 3)" in render(s)
     assert "min_blocks" not in kc.spec("gemv", **p).entry
     with pytest.raises(ConfigError, match="min_blocks=3: a coop option"):
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), min_blocks=3)

@@ -131,9 +131,7 @@ def _q4_k_m_plan(tuning: str):
     graph = load_family("qwen3")
     dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
     prof = with_tuning(get_profile("h200"), tuning)
-    return build_plan(
-        graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes
-    )
+    return build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
 
 
 def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
@@ -162,11 +160,7 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
     from engine.render import waits_first
 
     apart, paired = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.pair_linears=true")
-    qkv = [
-        (s, t)
-        for s, t in zip(apart.steps, paired.steps, strict=True)
-        if s.op.op == "linear" and s.op.outputs[0] == "q"
-    ]
+    qkv = [(s, t) for s, t in zip(apart.steps, paired.steps, strict=True) if s.op.op == "linear" and s.op.outputs[0] == "q"]
     assert len(qkv) == dims_for_size("qwen3", "qwen3-4b")["layers"]
     for s, t in qkv:
         (pair,) = t.launches["decode1"]
@@ -210,9 +204,7 @@ def test_a_q4_k_v_part_keeps_a_k_split_that_divides_the_pair_warps():
             (pair,) = st.launches["decode1"]
             _, v = kc.pair_parts(pair.spec)
             p = v.params
-            shapes.add(
-                (p["quant"], p["threads"], p["ksplit"], p["rows_per_block"], pair.spec.params["blocks_b"])
-            )
+            shapes.add((p["quant"], p["threads"], p["ksplit"], p["rows_per_block"], pair.spec.params["blocks_b"]))
     assert shapes == {("q6_kr", 320, 2, 10, 103), ("q4_k", 320, 2, 20, 52)}
 
 
@@ -253,12 +245,7 @@ def test_pair_min_smem_spreads_the_pair_where_it_fits_in_one_round():
     (114 KB: one per SM); the kernel is the same and no other launch changes."""
 
     def b1(plan):
-        return [
-            (la.spec, la.smem)
-            for st in plan.steps
-            for la in st.launches["decode1"]
-            if la.spec.template.startswith("gemv")
-        ]
+        return [(la.spec, la.smem) for st in plan.steps for la in st.launches["decode1"] if la.spec.template.startswith("gemv")]
 
     pair = "decode_graph.pair_linears=true"
     base = b1(_q4_k_m_plan(pair))
@@ -282,15 +269,8 @@ def test_pair_min_blocks_sets_the_pair_launch_bounds():
     for free, three in zip(pairs(""), pairs("; decode_graph.pair_min_blocks=3"), strict=True):
         for p, q in zip(kc.pair_parts(free.spec), kc.pair_parts(three.spec), strict=True):
             assert q.params == {**p.params, "min_blocks": 3}
-        assert "__launch_bounds__(320, 3)" in render(three.spec) and "__launch_bounds__(320)" in render(
-            free.spec
-        )
-        assert (three.grid, three.block, three.smem, three.args) == (
-            free.grid,
-            free.block,
-            free.smem,
-            free.args,
-        )
+        assert "__launch_bounds__(320, 3)" in render(three.spec) and "__launch_bounds__(320)" in render(free.spec)
+        assert (three.grid, three.block, three.smem, three.args) == (free.grid, free.block, free.smem, free.args)
 
 
 def test_pair_spec_rules_name_the_problem():
@@ -411,18 +391,8 @@ def test_attention_table_first_on_every_decode_kernel():
     source has no such loop."""
 
     def attn(plan):
-        short = {
-            la.spec
-            for s in plan.steps
-            for la in s.launches.get("short", ())
-            if la.spec.template == "attention"
-        }
-        split = {
-            la.spec
-            for s in plan.steps
-            for la in s.launches.get("decode", ())
-            if la.spec.template == "attention"
-        }
+        short = {la.spec for s in plan.steps for la in s.launches.get("short", ()) if la.spec.template == "attention"}
+        split = {la.spec for s in plan.steps for la in s.launches.get("decode", ()) if la.spec.template == "attention"}
         assert len(short) == 1 and len(split) == 1
         return short.pop(), split.pop()
 
@@ -1015,9 +985,7 @@ def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
     on = build_plan(graph, dims, graph.quant(quant), get_profile("h200"))  # (the profile has it on)
-    off = build_plan(
-        graph, dims, graph.quant(quant), with_tuning(get_profile("h200"), "gemv_coop.q8x_glu=false")
-    )
+    off = build_plan(graph, dims, graph.quant(quant), with_tuning(get_profile("h200"), "gemv_coop.q8x_glu=false"))
     inter = dims["intermediate"]
     for plan, glu in ((on, True), (off, False)):
         steps = [s for s in plan.steps if s.layer == 1]
@@ -1039,10 +1007,7 @@ def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
         [la.spec for la in s.launches["decode"]] for s in off.steps
     ]
     g = next(la.spec for s in on.steps for la in s.launches["decode1"] if la.spec.params.get("glu"))
-    for bad in (
-        {"ksplit": 2, "rows_per_block": g.params["rows_per_block"] // 2},
-        {"wsm": True, "tile_pf": False},
-    ):
+    for bad in ({"ksplit": 2, "rows_per_block": g.params["rows_per_block"] // 2}, {"wsm": True, "tile_pf": False}):
         with pytest.raises(ConfigError, match="glu"):
             kc.spec("gemv", **{**g.params, **bad})
 
@@ -1080,10 +1045,7 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
             kst = c["q8x_ksplit_threads"] or c["q8x_threads"]  # the k-split (o, down) blocks
             for p in gemvs:
                 if p["q8x"] and p["ksplit"] > 1:
-                    assert (p["threads"], p["rows_per_block"]) == (
-                        kst,
-                        kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"],
-                    )
+                    assert (p["threads"], p["rows_per_block"]) == (kst, kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"])
                 elif p["q8x"]:
                     assert (p["threads"], p["rows_per_block"]) == (
                         c["q8x_threads"],
@@ -1305,8 +1267,7 @@ def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
     from engine.profile import with_tuning
 
     prof = with_tuning(
-        get_profile("h200"),
-        "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[]",
+        get_profile("h200"), "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[]"
     )
     graph = load_family("qwen3")
     for quant in ("q8_0", "q4_k_m"):
@@ -1337,9 +1298,7 @@ def test_kparts_types_limit_the_split_to_those_file_types():
     graph = load_family("qwen3")
     for quant, want in (("q8_0", set()), ("q4_k_m", {"q4_k"})):  # (the plan's nominal q4_k_m: all q4_k)
         plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
-        split = {
-            la.spec.params["quant"] for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) == 2
-        }
+        split = {la.spec.params["quant"] for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) == 2}
         assert split == want, (quant, split)
     for layout, want in (("q6_kr", 2), ("q8_0r", None), ("q4_k", 2), ("q4_0r", None)):  # by file type
         p = kc.linear_params(layout, 2560, 9728, prof.tuning, bmax=1, sm_count=132)
@@ -1364,9 +1323,7 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
     assert {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]} == {(512,)}
     # a type's register cap (q4_k only: the q6_kr kernels spill under it)
-    capped = with_tuning(
-        prof, "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}"
-    )
+    capped = with_tuning(prof, "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}")
     for layout, want in (("q4_k", 3), ("q6_kr", None), ("q8_0r", None)):
         assert kc.linear_params(layout, 19456, 2560, capped.tuning, bmax=1).get("min_blocks") == want, layout
     with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
@@ -1407,11 +1364,7 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     # short weights keep their tiles while Qwen3-4B's o / down take 640-thread k-split blocks
     h200 = get_profile("h200").tuning
     assert h200["gemv_coop"]["q8x_type_tuning"]["q4_1"]["q8x_ksplit_min_n"] == 2048
-    for n, k, want in (
-        (2560, 9728, (640, 2)),
-        (2048, 2048, (640, 2)),
-        (576, 1536, (h200["gemv_coop"]["q8x_threads"], None)),
-    ):
+    for n, k, want in ((2560, 9728, (640, 2)), (2048, 2048, (640, 2)), (576, 1536, (h200["gemv_coop"]["q8x_threads"], None))):
         p = kc.linear_params("q4_1r", n, k, h200, bmax=1, sm_count=132)
         assert (p["threads"], p.get("ksplit")) == want, (n, p)
 
@@ -1490,9 +1443,7 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    prof = with_tuning(
-        get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024; gemv.threads=256"
-    )
+    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024; gemv.threads=256")
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
     for mode, want in (("decode1", {1024: 512, 4096: 256, 6144: 256, 151936: 256}), ("decode", None)):
@@ -1570,11 +1521,7 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
     assert kc.wsm_chunk_elems(2048, 2048, 8) == 0  # one step holds k
     assert kc.wsm_chunk_elems(256, 576, 8) == 0  # k not whole super-blocks
     assert kc.wsm_chunk_elems(256, 8192, 64) == 512  # at most WSM_CHUNKS_MAX (16) chunks
-    for bad, why in (
-        ({"wsm_chunk": 1024}, "step"),
-        ({"wsm_chunk": 12288}, "below k"),
-        ({"wsm": False}, "wsm option"),
-    ):
+    for bad, why in (({"wsm_chunk": 1024}, "step"), ({"wsm_chunk": 12288}, "below k"), ({"wsm": False}, "wsm option")):
         with pytest.raises(ConfigError, match=f"wsm_chunk=.*{why}"):
             kc.spec("gemv", **{**down, **bad})
 
@@ -1608,9 +1555,7 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
     assert res == {True: {True}, False: {False}}, res
     assert not any(s.params["early_res"] for s in wide)
     down = next(s for s in gemvs if s.params["early_res"])
-    assert "v + res_first" in render(down) and "res_first" not in render(
-        kc.spec("gemv", **{**down.params, "early_res": False})
-    )
+    assert "v + res_first" in render(down) and "res_first" not in render(kc.spec("gemv", **{**down.params, "early_res": False}))
     with pytest.raises(ConfigError, match="early_nw"):
         kc.spec(
             "gemv",

@@ -175,10 +175,7 @@ def fake_builder(tmp_path) -> KernelBuilder:
     """A kernel builder for sm_90a whose compiler returns a placeholder cubin (the fake driver
     never loads it)."""
     return KernelBuilder(
-        "sm_90a",
-        KernelCache(tmp_path / "cache"),
-        compiler=lambda *a: (b"\0cubin", ""),
-        compiler_version=(13, 0),
+        "sm_90a", KernelCache(tmp_path / "cache"), compiler=lambda *a: (b"\0cubin", ""), compiler_version=(13, 0)
     )
 
 
@@ -581,9 +578,7 @@ def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monk
     tune = "decode_graph.fork_linears=true; decode_graph.pair_linears=true"
     runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, tune)
     side = runner._side.id
-    pair = next(
-        la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"
-    )
+    pair = next(la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair")
     for graphs in (True, False):
         runner.use_graphs = graphs
         drv.order.clear()
@@ -613,10 +608,7 @@ def test_pair_attention_replaces_the_attention_launch_at_batch_1_short_contexts(
     assert len(fused) == layers and all(la.spec.template == "gemv_pair_attention" for la in fused)
     assert fused[0].args[-1].ref == "attn_count"
     counters = next(sc for sc in runner.plan.scratch if sc.name == "attn_count")
-    assert (
-        counters.fill == "zero"
-        and counters.fixed == 4 * dims.num_key_value_heads * fused[0].spec.params["c_qsplit"]
-    )
+    assert counters.fill == "zero" and counters.fixed == 4 * dims.num_key_value_heads * fused[0].spec.params["c_qsplit"]
     for graphs in (True, False):
         runner.use_graphs = graphs
         drv.launches.clear()

@@ -33,9 +33,7 @@ def test_q8_0r_repack_round_trips_and_dequantizes_like_q8_0() -> None:
     assert np.array_equal(packed.reshape(6, -1)[:, :2], raw.reshape(6, 16, 34)[:, 0, :2])
     assert np.array_equal(packed.reshape(6, -1)[:, 32:64], raw.reshape(6, 16, 34)[:, 0, 2:])
     assert np.array_equal(quant.unpack(packed, "q8_0r", 6, 512), raw)
-    np.testing.assert_array_equal(
-        quant.dequantize(packed, "q8_0r", (6, 512)), quant.dequantize(raw, "q8_0", (6, 512))
-    )
+    np.testing.assert_array_equal(quant.dequantize(packed, "q8_0r", (6, 512)), quant.dequantize(raw, "q8_0", (6, 512)))
     with pytest.raises(MemraError, match="q8_0 matrix"):
         quant.repack(raw[:-1], "q8_0r", 6, 512)
 

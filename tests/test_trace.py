@@ -64,9 +64,7 @@ def _records(blocks: list[tuple[str, int, int]], t0: int = 1000) -> np.ndarray:
 
 def test_split_launches_orders_an_entrys_launches_by_their_wait():
     pass_ = [("a", 2), ("b", 3), ("a", 2)]
-    recs = _records(
-        [("a", 2, 2000), ("b", 3, 3000), ("a", 2, 4000), ("a", 2, 6000), ("b", 3, 7000), ("a", 2, 8000)]
-    )
+    recs = _records([("a", 2, 2000), ("b", 3, 3000), ("a", 2, 4000), ("a", 2, 6000), ("b", 3, 7000), ("a", 2, 8000)])
     parts = gpu_trace_decode.split_launches(recs, pass_, 2)
     assert isinstance(parts, list) and [len(p) for p in parts] == [2, 3, 2, 2, 3, 2]
     waits = [sorted({int(w) for w in p[:, 3]}) for p in parts]

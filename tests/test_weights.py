@@ -237,10 +237,6 @@ def test_make_checkpoint_random_gguf_mix(tmp_path: Path) -> None:
     assert mod.main(["--shape", "qwen3-0.6b", "--layers", "2", "--gguf", "q4_k_m", "--out", str(out)]) == 0
     m = load_model(out)
     assert m.quant.name == "q4_k_m"
-    assert (
-        m.info("wq", 0).dtype == "q4_k"
-        and m.info("wv", 0).dtype == "q6_k"
-        and m.info("wv", 1).dtype == "q4_k"
-    )
+    assert m.info("wq", 0).dtype == "q4_k" and m.info("wv", 0).dtype == "q6_k" and m.info("wv", 1).dtype == "q4_k"
     w = m.dequantize("w_down", 1)
     assert np.isfinite(w).all() and 1e-3 < float(np.abs(w).mean()) < 0.1

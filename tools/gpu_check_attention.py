@@ -303,27 +303,10 @@ class Decode:
         self.kv_bytes = 2.0 * sum(ctxs) * kvh * hd * 2
 
     def launches(
-        self,
-        K: Kernels,
-        split: int,
-        warps: int,
-        direct: bool,
-        vec16: bool = False,
-        qsplit: int = 1,
-        tf: bool = False,
+        self, K: Kernels, split: int, warps: int, direct: bool, vec16: bool = False, qsplit: int = 1, tf: bool = False
     ):
         c = decode_choice(
-            self.heads,
-            self.kvh,
-            self.hd,
-            self.q_stride,
-            self.out_stride,
-            split,
-            warps,
-            direct,
-            vec16,
-            qsplit,
-            tf,
+            self.heads, self.kvh, self.hd, self.q_stride, self.out_stride, split, warps, direct, vec16, qsplit, tf
         )
         ms_ = 1 if direct else -(-self.max_ctx // split)
         po = torch.full((self.rows, self.heads, ms_, self.hd), float("nan"), device=DEV)
@@ -373,9 +356,7 @@ def decode_checks(K: Kernels, quick: bool) -> None:
             name = f"decode {label} ctx {DECODE_CTXS} split {split} warps {warps} direct {direct} vec16 {vec}"
             name += " table_first" if tf else ""
 
-            def one(
-                i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, vec=vec, tf=tf, name=name
-            ):
+            def one(i=i, h=h, kvh=kvh, hd=hd, split=split, warps=warps, direct=direct, vec=vec, tf=tf, name=name):
                 dc = Decode(np.random.default_rng(2000 + i), h, kvh, hd, DECODE_CTXS, max_ctx=4100)
                 c, run = dc.launches(K, split, warps, direct, vec, tf=tf)
                 run()

@@ -165,84 +165,31 @@ def gemv_variants(qt, k=2560):
         coop = {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "xsmem": True}
         out.append((False, coop, CASES))  # x rows staged in shared memory
         for t, rpw, u in ((128, 2, 2), (64, 1, 1)):  # the next segments' loads before the FMAs
-            coop = {
-                "coop": True,
-                "threads": t,
-                "rows_per_block": t // 32 * rpw,
-                "unroll": u,
-                "pipeline": True,
-            }
+            coop = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True}
             out.append((False, coop, CASES))
     if qt in kc.Q8X_TYPES:  # int8 x rows and __dp4a (checked against quant.q8x_round_trip)
         for t, rpw, u, pipe in ((128, 2, 2, True), (128, 1, 4, False), (256, 4, 1, True), (64, 2, 2, False)):
-            q8 = {
-                "coop": True,
-                "threads": t,
-                "rows_per_block": t // 32 * rpw,
-                "unroll": u,
-                "pipeline": pipe,
-                "q8x": True,
-            }
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": pipe, "q8x": True}
             out.append((False, q8, CASES))
         # k split over warp groups (partial sums in shared memory) and capped grids (a block loops
         # over several row tiles: 3 and 5 blocks for the check's rows)
-        for t, rpw, u, ks, cap in (
-            (256, 2, 2, 2, 0),
-            (256, 2, 2, 4, 5),
-            (128, 2, 2, 1, 3),
-            (256, 1, 4, 8, 0),
-        ):
-            q8 = {
-                "coop": True,
-                "threads": t,
-                "rows_per_block": t // 32 // ks * rpw,
-                "unroll": u,
-                "pipeline": True,
-                "q8x": True,
-                "ksplit": ks,
-                "grid_cap": cap,
-            }
+        for t, rpw, u, ks, cap in ((256, 2, 2, 2, 0), (256, 2, 2, 4, 5), (128, 2, 2, 1, 3), (256, 1, 4, 8, 0)):
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * rpw, "unroll": u, "pipeline": True,
+                  "q8x": True, "ksplit": ks, "grid_cap": cap}
             out.append((False, q8, CASES))
-            if (
-                ks > 1 and cap
-            ):  # the residual of a block's first tile read after pdl_wait (its later tiles: not)
+            if ks > 1 and cap:  # the residual of a block's first tile read after pdl_wait (its later tiles: not)
                 out.append((False, {**q8, "early_res": True}, CASES))
         # lanes per row (32 / lanes lane groups per warp, each with its rows), with the pipeline,
         # next-tile loads and capped grids; whole steps on every lane or not, with the k split
-        for t, rpw, ln, ks, cap in (
-            (512, 1, 16, 1, 5),
-            (256, 1, 8, 1, 5),
-            (640, 1, 16, 2, 3),
-            (640, 1, 8, 4, 0),
-        ):
-            q8 = {
-                "coop": True,
-                "threads": t,
-                "rows_per_block": t // 32 // ks * (32 // ln) * rpw,
-                "unroll": 2,
-                "pipeline": True,
-                "tile_pf": True,
-                "q8x": True,
-                "ksplit": ks,
-                "grid_cap": cap,
-                "lanes": ln,
-            }
+        for t, rpw, ln, ks, cap in ((512, 1, 16, 1, 5), (256, 1, 8, 1, 5), (640, 1, 16, 2, 3), (640, 1, 8, 4, 0)):
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * (32 // ln) * rpw, "unroll": 2,
+                  "pipeline": True, "tile_pf": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln}
             out.append((False, q8, CASES))
         # the row tile bulk-copied into shared memory (wsm): one tile per block, a capped grid (the
         # next tile's copy once the current one is read), 8 lanes with the k split
         for t, rpw, ln, ks, cap in ((256, 1, 8, 1, 0), (256, 2, 32, 1, 3), (640, 1, 8, 4, 2)):
-            q8 = {
-                "coop": True,
-                "threads": t,
-                "rows_per_block": t // 32 // ks * (32 // ln) * rpw,
-                "unroll": 2,
-                "pipeline": True,
-                "q8x": True,
-                "ksplit": ks,
-                "grid_cap": cap,
-                "lanes": ln,
-                "wsm": True,
-            }
+            q8 = {"coop": True, "threads": t, "rows_per_block": t // 32 // ks * (32 // ln) * rpw, "unroll": 2,
+                  "pipeline": True, "q8x": True, "ksplit": ks, "grid_cap": cap, "lanes": ln, "wsm": True}
             out.append((False, q8, CASES))
             # the same tile copied in k chunks, one mbarrier each (wsm_chunk: the lanes' step or
             # whole super-blocks, whichever is longer; the last chunk shorter where k does not divide)
@@ -252,27 +199,11 @@ def gemv_variants(qt, k=2560):
             if ks > 1:
                 out.append((False, {**q8, "early_res": True}, CASES))
         for sr in (2, 6):  # x loads of several staging rounds in flight (b8: 10 rounds, a partial batch)
-            q8 = {
-                "coop": True,
-                "threads": 256,
-                "rows_per_block": 16,
-                "unroll": 2,
-                "pipeline": True,
-                "q8x": True,
-                "grid_cap": 5,
-                "stage_rounds": sr,
-            }
+            q8 = {"coop": True, "threads": 256, "rows_per_block": 16, "unroll": 2, "pipeline": True, "q8x": True,
+                  "grid_cap": 5, "stage_rounds": sr}
             out.append((False, q8, CASES))
     if qt in kc.COOP_TYPES:  # ksplit and grid_cap on the f32-x coop path too
-        coop = {
-            "coop": True,
-            "threads": 128,
-            "rows_per_block": 4,
-            "unroll": 2,
-            "pipeline": True,
-            "ksplit": 2,
-            "grid_cap": 3,
-        }
+        coop = {"coop": True, "threads": 128, "rows_per_block": 4, "unroll": 2, "pipeline": True, "ksplit": 2, "grid_cap": 3}
         out.append((False, coop, NEW_CASES))
     if stageable:
         out.append((True, {"prefetch": True}, NEW_CASES))
@@ -433,9 +364,7 @@ def check_prologues(K, rng, quick):
                     if CHECKS and not re.search(CHECKS, str(xsmem)):
                         continue
                     for rows, bmax, od in PRO_CASES[:2] if quick else PRO_CASES:
-                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(
-                            xsmem, PRO_CASES
-                        ):
+                        if (rows, bmax, od) not in {False: PRO_PLAIN, True: PRO_XS, "f32": PRO_XS32}.get(xsmem, PRO_CASES):
                             continue
                         guarded(
                             f"gemv {qt} {pro} rows={rows} xsmem={xsmem}",
@@ -570,21 +499,7 @@ def time_gemv(
         "variant": variant,
         **{
             x: c.spec.params[x]
-            for x in (
-                "threads",
-                "rows_per_block",
-                "unroll",
-                "stage",
-                "bmax",
-                "xsmem",
-                "prefetch",
-                "xf32",
-                "coop",
-                "pipeline",
-                "q8x",
-                "ksplit",
-                "grid_cap",
-            )
+            for x in ("threads", "rows_per_block", "unroll", "stage", "bmax", "xsmem", "prefetch", "xf32", "coop", "pipeline", "q8x", "ksplit", "grid_cap")
         },
     }
     if torch_ref and qt == "bf16":
@@ -643,44 +558,22 @@ def timing_variants(qt, rows, k, full=True):
         out.append(("xs32+u8", {"xsmem": True, "xf32": True, "unroll": 8}))
     if qt in kc.COOP_TYPES:  # the warp-cooperative layout: threads, rows per warp, unroll
         for t, rpw, u in COOP_SWEEP if full else COOP_SWEEP[:2]:
-            out.append(
-                (
-                    f"c{t}r{rpw}u{u}",
-                    {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u},
-                )
-            )
+            out.append((f"c{t}r{rpw}u{u}", {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u}))
         bmax = 1 if rows == 1 else TUNING["gemv"]["max_batch"]
         for t, rpw, u in COOP_SWEEP[1:3]:  # with the x rows in shared memory, where they fit
             if bmax * k * 2 <= kc.COOP_XSMEM_MAX:
                 kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "xsmem": True}
                 out.append((f"c{t}r{rpw}u{u}xs", kn))
     if qt in kc.Q8X_TYPES:  # the f32 path with the load pipeline (the pre-q8x default), then q8x
-        out.append(
-            ("c128r2u2p", {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "pipeline": True})
-        )
+        out.append(("c128r2u2p", {"coop": True, "threads": 128, "rows_per_block": 8, "unroll": 2, "pipeline": True}))
         for t, rpw, u in Q8X_SWEEP if full else Q8X_SWEEP[:2]:
             if bmax * k * 3 // 2 <= kc.COOP_Q8X_MAX:
-                kn = {
-                    "coop": True,
-                    "threads": t,
-                    "rows_per_block": t // 32 * rpw,
-                    "unroll": u,
-                    "pipeline": True,
-                    "q8x": True,
-                }
+                kn = {"coop": True, "threads": t, "rows_per_block": t // 32 * rpw, "unroll": u, "pipeline": True, "q8x": True}
                 out.append((f"c{t}r{rpw}u{u}q8", kn))
         if bmax * k * 3 // 2 <= kc.COOP_Q8X_MAX:  # the profile's q8x shape with k split / capped grids
             for ks, bps in Q8X_SPLIT_SWEEP if full else Q8X_SPLIT_SWEEP[:3]:
-                kn = {
-                    "coop": True,
-                    "threads": 256,
-                    "rows_per_block": 8 // ks * 2,
-                    "unroll": 2,
-                    "pipeline": True,
-                    "q8x": True,
-                    "ksplit": ks,
-                    "grid_cap": bps * SMS,
-                }
+                kn = {"coop": True, "threads": 256, "rows_per_block": 8 // ks * 2, "unroll": 2, "pipeline": True, "q8x": True,
+                      "ksplit": ks, "grid_cap": bps * SMS}
                 out.append((f"c256r2q8k{ks}g{bps}", kn))
     return out
 
@@ -914,13 +807,9 @@ def model_table(model: str, broken: set) -> list[str]:
     lines = [f"HEADLINE: {model} decode GEMVs, {unit}: base (default spec) -> best [variant]"]
     lines.append(
         f"{'type':<6} {'rows':>4}  "
-        + "  ".join(
-            f"{nm + ' ' + str(n) + 'x' + str(k):<32}" for nm, (n, k) in zip(names, SHAPES[model], strict=True)
-        )
+        + "  ".join(f"{nm + ' ' + str(n) + 'x' + str(k):<32}" for nm, (n, k) in zip(names, SHAPES[model], strict=True))
     )
-    for qt in (
-        ("bf16",) + HEADLINE_TYPES + tuple(q for q in kc.QUANTS if q not in HEADLINE_TYPES and q != "bf16")
-    ):
+    for qt in ("bf16",) + HEADLINE_TYPES + tuple(q for q in kc.QUANTS if q not in HEADLINE_TYPES and q != "bf16"):
         for rows in (1, 8):
             cells = []
             for n, k in SHAPES[model]:
@@ -1039,21 +928,13 @@ def main() -> int:
     ap.add_argument(
         "--budget", type=float, default=72.0, help="seconds after which timing sections are skipped"
     )
-    ap.add_argument(
-        "--types", default="", help="comma-separated storage types (default: every kc.QUANTS type)"
-    )
-    ap.add_argument(
-        "--sections", default="bandwidth,fused,qsweep,bsweep", help="timing sections to run, in order"
-    )
-    ap.add_argument(
-        "--variants", default="", help="bandwidth: time only the variants whose name matches this regex"
-    )
+    ap.add_argument("--types", default="", help="comma-separated storage types (default: every kc.QUANTS type)")
+    ap.add_argument("--sections", default="bandwidth,fused,qsweep,bsweep", help="timing sections to run, in order")
+    ap.add_argument("--variants", default="", help="bandwidth: time only the variants whose name matches this regex")
     ap.add_argument("--rows", default="1,8", help="bandwidth: the batch rows timed (comma-separated)")
     ap.add_argument(
-        "--checks",
-        default="",
-        help="only the gemv correctness variants whose knobs (prologue checks: "
-        "whose layout label, e.g. coopq8n) match this regex; the embed check is then skipped",
+        "--checks", default="", help="only the gemv correctness variants whose knobs (prologue checks: "
+        "whose layout label, e.g. coopq8n) match this regex; the embed check is then skipped"
     )
     args = ap.parse_args()
     global CHECKS

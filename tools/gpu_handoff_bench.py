@@ -83,9 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", type=int, default=300)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument(
-        "--shapes", default="128x640,264x320", help="blocks x threads per launch, comma-separated"
-    )
+    ap.add_argument("--shapes", default="128x640,264x320", help="blocks x threads per launch, comma-separated")
     ap.add_argument("--work-ns", default="0,2000", help="busy-wait per block, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -114,15 +112,11 @@ def main() -> int:
             row = [f"{blocks:4d} blocks x {threads:4d} threads, work {work:5d} ns:"]
             for mode_name, mode in (("plain", 2), ("pdl", 0), ("pdlw", 3), ("flag", 1)):
                 cuda.memset(flags.ptr, 0, 8 * 4)
-                launches = [
-                    cuda.PreparedLaunch(fn, (blocks,), (threads,), 0, stream, pdl=mode != 2) for _ in range(2)
-                ]
+                launches = [cuda.PreparedLaunch(fn, (blocks,), (threads,), 0, stream, pdl=mode != 2) for _ in range(2)]
                 packed = []
                 for i in range(n):
                     packed.append(
-                        cuda.KernelArgs(
-                            kinds, [buf.ptr, flags.ptr, i, mode, work, blocks if i else 0, int(i == n - 1)]
-                        )
+                        cuda.KernelArgs(kinds, [buf.ptr, flags.ptr, i, mode, work, blocks if i else 0, int(i == n - 1)])
                     )
                 with cuda.capture(stream) as graph:
                     for i in range(n):
@@ -138,10 +132,7 @@ def main() -> int:
                 us = t1.elapsed_ms(t0) * 1000.0 / args.replays / n
                 flag_left = cuda.dtoh(np.empty(8, dtype=np.uint32), flags.ptr)
                 results[(shape, work, mode_name)] = us
-                row.append(
-                    f"{mode_name} {us:6.3f}"
-                    + ("" if not flag_left.any() else f" (flags left {flag_left.tolist()})")
-                )
+                row.append(f"{mode_name} {us:6.3f}" + ("" if not flag_left.any() else f" (flags left {flag_left.tolist()})"))
                 graph.destroy()
                 print(shape, work, mode_name, f"{us:.3f}", flag_left.tolist(), flush=True)
             pdl, flag = results[(shape, work, "pdl")], results[(shape, work, "flag")]

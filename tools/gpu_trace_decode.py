@@ -98,10 +98,7 @@ def launch_rows(parts: list[np.ndarray], labels: list[str], side: list[bool], t0
 def summarise(rows: list[dict]) -> list[dict]:
     groups: dict[str, dict] = {}
     for r in rows:
-        g = groups.setdefault(
-            r["label"],
-            {"label": r["label"], "count": 0, "body": 0.0, "gap": 0.0, "mark_after_wait": 0.0, "n_mark": 0},
-        )
+        g = groups.setdefault(r["label"], {"label": r["label"], "count": 0, "body": 0.0, "gap": 0.0, "mark_after_wait": 0.0, "n_mark": 0})
         g["count"] += 1
         g["body"] += r["body"]
         g["gap"] += r["gap"] or 0.0
@@ -137,9 +134,7 @@ def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | N
         bucket = next(b for b in runner.plan.graph_batch_sizes if b >= batch)
         graph, bound = runner._graphs[(bucket, "greedy", True, True)]
         labels = pass_labels(runner, _decode_mode(bucket, runner.plan.wide_rows), True, "greedy")
-        launches = [
-            (lab.split(":", 1)[1], int(np.prod(b.grid))) for lab, b in zip(labels, bound, strict=True)
-        ]
+        launches = [(lab.split(":", 1)[1], int(np.prod(b.grid))) for lab, b in zip(labels, bound, strict=True)]
         traced_us = time_graph(cuda, graph, runner.stream, 20)
         runner.trace_reset()
         for _ in range(replays):
@@ -147,15 +142,9 @@ def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | N
         recs = runner.trace_read()
     finally:
         runner.close()
-    res = {
-        "wall_tok_s": round(wall["tok_s"], 1),
-        "traced_graph_us": round(traced_us, 1),
-        "records": len(recs),
-    }
+    res = {"wall_tok_s": round(wall["tok_s"], 1), "traced_graph_us": round(traced_us, 1), "records": len(recs)}
     if save is not None:  # the raw records and the pass's launches, for a closer look
-        np.savez_compressed(
-            save, records=recs, entries=np.array([e for e, _ in launches]), labels=np.array(labels)
-        )
+        np.savez_compressed(save, records=recs, entries=np.array([e for e, _ in launches]), labels=np.array(labels))
     parts = split_launches(recs, launches, replays)
     if isinstance(parts, str):
         res["error"] = parts
@@ -185,9 +174,7 @@ def report(name: str, res: dict) -> str:
         lines.append(
             f"{g['total_us']:8.1f}  {g['count']:5d}  {g['body_us']:6.2f}  {g['gap_us']:6.2f}  {maw:>9}  {g['label'][:100]}"
         )
-    lines.append(
-        "  launches (us from the step's first block start): start first/last, wait first/last, mark, end median/last"
-    )
+    lines.append("  launches (us from the step's first block start): start first/last, wait first/last, mark, end median/last")
     for r in res["launches"]:
         w = r["wait"] or [0, 0]
         lines.append(
@@ -224,12 +211,7 @@ def main() -> int:
             prof = with_tuning(base, spec) if spec.strip() else base
             res = trace_variant(cuda, model, prof, args.batch, args.replays, out / f"records_{name}.npz")
         except Exception as exc:  # one variant's failure must not lose the others
-            res = {
-                "error": f"{type(exc).__name__}: {exc}"[:400],
-                "traced_graph_us": None,
-                "records": 0,
-                "wall_tok_s": None,
-            }
+            res = {"error": f"{type(exc).__name__}: {exc}"[:400], "traced_graph_us": None, "records": 0, "wall_tok_s": None}
         results[name] = res
         texts.append(report(name, res))
         print(f"[{time.perf_counter() - t0:6.1f} s] {name}", flush=True)

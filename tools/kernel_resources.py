@@ -76,9 +76,7 @@ def mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
     out = {k: mix_tensor_type(quant, k, 1) for k in keys}  # layer 1: the base type everywhere
     out.update({k: mix_tensor_type(quant, k, -1) for k in ("embed", "lm_head")})
     for layer in range(layers):
-        out.update(
-            {f"{k}@{layer}": t for k in ("wv", "w_down") if (t := mix_tensor_type(quant, k, layer)) != out[k]}
-        )
+        out.update({f"{k}@{layer}": t for k in ("wv", "w_down") if (t := mix_tensor_type(quant, k, layer)) != out[k]})
     return out
 
 
@@ -98,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         prof = with_tuning(prof, args.tune)
     cc = prof.compute_capability
     try:
-        plan = build_plan(
-            graph, dims, graph.quant(args.quant), prof, tensor_dtypes=mixed_dtypes(args.quant, dims["layers"])
-        )
+        plan = build_plan(graph, dims, graph.quant(args.quant), prof, tensor_dtypes=mixed_dtypes(args.quant, dims["layers"]))
     except ConfigError as exc:
         print(f"{args.shape} {args.quant}: no plan: {exc}", file=sys.stderr)
         return 2
@@ -110,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             key = (la.spec, la.block, la.smem)
             if key not in seen:
                 seen[key] = f"{step.op.op} {','.join(step.op.outputs)}"
-    print(
-        f"{args.shape} {args.quant} on {prof.name} ({prof.arch}, cc {cc}), mode {args.mode}: {len(seen)} kernels"
-    )
+    print(f"{args.shape} {args.quant} on {prof.name} ({prof.arch}, cc {cc}), mode {args.mode}: {len(seen)} kernels")
     print(f"{'op':<18} {'regs':>4} {'spill':>5} {'threads':>7} {'smem KB':>8} {'blk/SM':>6}  entry")
     for (spec, block, smem), label in seen.items():
         _, log = nvrtc.compile_to_cubin(render(spec), spec.entry, prof.arch, ["--ptxas-options=-v"])
@@ -120,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         total = smem + r["static_smem"]
         n = blocks_per_sm(r["registers"], block[0], total, cc)
         spill = r["spill_stores"] + r["spill_loads"]
-        print(
-            f"{label:<18} {r['registers']:>4} {spill:>5} {block[0]:>7} {total / 1024:>8.1f} {n:>6}  {spec.entry[:90]}"
-        )
+        print(f"{label:<18} {r['registers']:>4} {spill:>5} {block[0]:>7} {total / 1024:>8.1f} {n:>6}  {spec.entry[:90]}")
     return 0
 
 

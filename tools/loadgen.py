@@ -261,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="generate exactly --max-tokens (the engine bench's workload)",
+        "--ignore-eos", action="store_true", help="generate exactly --max-tokens (the engine bench's workload)"
     )
     ap.add_argument(
         "--disconnect-fraction", type=float, default=0.0, help="fraction that hang up after 1-4 chunks"

@@ -47,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0 = the real one)")
     ap.add_argument("--tokenizer", default="words", choices=["words", "tiny"], help="words: one word per id")
-    ap.add_argument(
-        "--gguf", default=None, metavar="QUANT", help="write OUT as a random-block GGUF of QUANT instead"
-    )
+    ap.add_argument("--gguf", default=None, metavar="QUANT", help="write OUT as a random-block GGUF of QUANT instead")
     args = ap.parse_args(argv)
     family, dims = SHAPES[args.shape]
     if args.layers:
@@ -61,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_random_gguf(args.out, family, dims, args.gguf, args.seed)
         size = args.out.stat().st_size
-        print(
-            f"{args.shape} {args.gguf}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {args.out}"
-        )
+        print(f"{args.shape} {args.gguf}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {args.out}")
         return 0
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -61,17 +61,7 @@ Q8X_LAYOUTS = ("coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", 
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        "classic",
-        "coop",
-        "coop_q8x",
-        "q8x_kparts",
-        "q8x_lanes8",
-        "q8x_lanes4",
-        "q8x_wsm",
-        "q8x_wsm_chunks",
-        "dequant_wgmma",
-    ],
+    ["classic", "coop", "coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_chunks", "dequant_wgmma"],
 )
 @pytest.mark.parametrize(
     "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
@@ -96,32 +86,14 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         # blocks, the pipeline, next-tile loads and a capped grid (blocks loop over row tiles)
         "q8x_lanes8": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True},
         # row tiles bulk-copied into shared memory (capped grid: blocks loop, copying the next tile)
-        "q8x_wsm": {
-            **COOP,
-            "q8x": True,
-            "q8x_lanes_per_row": 8,
-            "q8x_fuse": True,
-            "q8x_wsm_kb": 200,
-            "q8x_blocks_per_sm": 1,
-            "pipeline": True,
-        },
+        "q8x_wsm": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
+                    "q8x_blocks_per_sm": 1, "pipeline": True},
         # the same, each tile copied in k chunks (one mbarrier each; the lanes start on the first),
         # with the norm weights read before pdl_wait and the k-split residual right after it
-        "q8x_wsm_chunks": {
-            **COOP,
-            "q8x": True,
-            "q8x_lanes_per_row": 8,
-            "q8x_fuse": True,
-            "q8x_wsm_kb": 200,
-            "q8x_blocks_per_sm": 1,
-            "pipeline": True,
-            "q8x_wsm_chunks": 16,
-            "q8x_early_norm_w": True,
-            "q8x_early_residual": True,
-            "q8x_ksplit": 2,
-            "q8x_ksplit_max_n": 1 << 20,
-            "q8x_ksplit_types": ["q8_0"],
-        },
+        "q8x_wsm_chunks": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
+                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_wsm_chunks": 16,
+                           "q8x_early_norm_w": True, "q8x_early_residual": True, "q8x_ksplit": 2,
+                           "q8x_ksplit_max_n": 1 << 20, "q8x_ksplit_types": ["q8_0"]},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
@@ -228,15 +200,11 @@ def test_tile_prefetch_gives_the_same_bits(tmp_path, family, q, q8x):
         p = dataclasses.replace(prof, sm_count=1, tuning={**prof.tuning, "gemv_coop": coop})
         runner = CudaRunner(model, p, num_blocks=64, max_model_len=512)
         try:
-            gemvs = [
-                la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"
-            ]
+            gemvs = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
             coops = [la for la in gemvs if la.spec.params["coop"]]
             assert coops and all(la.spec.params["tile_pf"] == (name == "on") for la in coops)
             if q8x:  # the capped grid: blocks loop over row tiles
-                assert any(
-                    la.grid[0] < -(-la.spec.params["n"] // la.spec.params["rows_per_block"]) for la in coops
-                )
+                assert any(la.grid[0] < -(-la.spec.params["n"] // la.spec.params["rows_per_block"]) for la in coops)
             logits[name] = _decode_logits(runner, prompt)
         finally:
             runner.close()
@@ -260,31 +228,16 @@ def test_coop_glu_gives_the_same_bits(tmp_path, family, q, tile_pf):
     prof = select(cuda.detect_devices()[0])
     dims = LLAMA_DIMS if family == "llama" else DIMS
     model = load_model(write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7))
-    base = {
-        **COOP,
-        "pipeline": True,
-        "tile_prefetch": tile_pf,
-        "q8x": True,
-        "q8x_threads": 256,
-        "q8x_blocks_per_sm": 2,
-        "q8x_fuse": True,
-        "q8x_lanes_per_row": 8,
-    }
+    base = {**COOP, "pipeline": True, "tile_prefetch": tile_pf, "q8x": True, "q8x_threads": 256,
+            "q8x_blocks_per_sm": 2, "q8x_fuse": True, "q8x_lanes_per_row": 8}
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(3, dims.vocab_size, 11)]
     logits = {}
     for name, coop in (("off", base), ("on", {**base, "q8x_glu": True})):
         tuning = {**prof.tuning, "gemv_coop": coop, "gemv": {**prof.tune("gemv"), "fuse_glu": True}}
-        runner = CudaRunner(
-            model, dataclasses.replace(prof, sm_count=1, tuning=tuning), num_blocks=64, max_model_len=512
-        )
+        runner = CudaRunner(model, dataclasses.replace(prof, sm_count=1, tuning=tuning), num_blocks=64, max_model_len=512)
         try:
-            gemvs = [
-                la.spec
-                for st in runner.plan.steps
-                for la in st.launches["decode1"]
-                if la.spec.template == "gemv"
-            ]
+            gemvs = [la.spec for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"]
             glu = [s for s in gemvs if s.params["glu"]]
             assert len(glu) == (dims.num_hidden_layers if name == "on" else 0), [s.entry for s in glu]
             assert all(s.params["coop"] and s.params["q8x"] for s in glu)
@@ -326,9 +279,7 @@ def _q4_k_m_split_linears(tmp_path, variants, check):
     prompts = [[int(t) for t in rng.integers(3, DIMS.vocab_size, n)] for n in (11, 6)]
     logits = {}
     for name, tune, graphs in variants:
-        runner = CudaRunner(
-            model, with_tuning(prof, tune), num_blocks=64, max_model_len=512, use_graphs=graphs
-        )
+        runner = CudaRunner(model, with_tuning(prof, tune), num_blocks=64, max_model_len=512, use_graphs=graphs)
         try:
             check(name, runner)
             logits[name] = _two_prompt_logits(runner, prompts)
@@ -350,11 +301,7 @@ def test_forked_v_gemv_gives_the_same_bits(tmp_path):
     off = "decode_graph.pair_linears=false; decode_graph.fork_linears="
     logits = _q4_k_m_split_linears(
         tmp_path,
-        (
-            ("one stream", off + "false", True),
-            ("forked", off + "true", True),
-            ("forked eager", off + "true", False),
-        ),
+        (("one stream", off + "false", True), ("forked", off + "true", True), ("forked eager", off + "true", False)),
         check,
     )
     for name in ("forked", "forked eager"):
@@ -370,20 +317,13 @@ def test_paired_q_k_and_v_gemvs_give_the_same_bits(tmp_path):
     layers = DIMS.num_hidden_layers
 
     def check(name, runner):
-        pairs = [
-            la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"
-        ]
+        pairs = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"]
         assert len(pairs) == (layers if name.startswith("paired") else 0), name
         assert not any(la.concurrent for st in runner.plan.steps for la in st.launches["decode1"])
         for la in pairs:
             a, b = (p.params for p in kc.pair_parts(la.spec))
-            assert (
-                a["threads"] == b["threads"] == la.block[0]
-                and la.grid[0] == la.spec.params["blocks_a"] + la.spec.params["blocks_b"]
-            )
-        assert not any(
-            la.spec.template == "gemv_pair" for st in runner.plan.steps for la in st.launches["decode"]
-        )
+            assert a["threads"] == b["threads"] == la.block[0] and la.grid[0] == la.spec.params["blocks_a"] + la.spec.params["blocks_b"]
+        assert not any(la.spec.template == "gemv_pair" for st in runner.plan.steps for la in st.launches["decode"])
 
     pair = "decode_graph.fork_linears=false; decode_graph.pair_linears="
     logits = _q4_k_m_split_linears(
