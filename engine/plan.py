@@ -445,8 +445,7 @@ def build_plan(
             launches["short"] = tuple(adapter.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
 
-    if adapter._graph_knob("pair_attention"):
-        adapter.fuse_pair_attention(steps, values)
+    adapter.fuse_pair_attention(steps, values)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -1102,7 +1101,7 @@ class _CatalogAdapter:
         __launch_bounds__ minimum is at least the blocks per SM its grid needs to run in one round
         (the attention part takes registers), and its unit counters are one zeroed scratch."""
         spec_of = getattr(self.cat, "pair_attention_spec", None) if self.cat is not None else None
-        if spec_of is None:
+        if spec_of is None or not self._graph_knob("pair_attention"):
             return
         d = self.dims
         for i, st in enumerate(steps):
@@ -1114,18 +1113,19 @@ class _CatalogAdapter:
             if len(short) != 1 or not short[0].spec.params.get("rope") or not short[0].spec.params.get("direct"):
                 continue
             la, at = pair[0], short[0]
-            parts = self.cat.pair_parts(la.spec)
-            b_out = la.args[len(self.cat.kernel_args(parts[0]))]  # part b's first arg: its out
-            q, k = values.get(at.args[3].ref), values.get(at.args[10].ref)
+            pa = dict(zip((n for n, _ in self.cat.kernel_args(la.spec)), la.args, strict=True))
+            aa = dict(zip((n for n, _ in self.cat.kernel_args(at.spec)), at.args, strict=True))
+            q, k = values.get(aa["q"].ref), values.get(aa["k_in"].ref)
             if (
                 q is None
                 or k is None
-                or la.args[0] != at.args[3]
+                or pa["a_out"] != aa["q"]
+                or pa["b_out"] != aa["v_in"]
                 or k.buffer != q.buffer
                 or k.offset != q.offset + d["heads"] * d["head_dim"]
-                or at.args[11] != b_out
             ):
                 continue
+            parts = self.cat.pair_parts(la.spec)
             blocks = la.grid[0]
             floor = -(-blocks // self.profile.sm_count) if self.profile.sm_count else 0
             parts = tuple(
