@@ -288,6 +288,22 @@ def _q4_k_m_split_linears(tmp_path, variants, check):
     return logits
 
 
+def _knob_keeps_the_bits(tmp_path, tune, knob, names, check):
+    """_q4_k_m_split_linears with MEMRA_TUNE ``tune`` and switch ``knob`` off (variant names[0])
+    and on (names[1]: replayed, eager, and with decode_graph.pair_min_blocks=2): every "on"
+    variant's logits must be the same bits as the "off" one's."""
+    off, on = names
+    variants = (
+        (off, f"{tune}; {knob}=false", True),
+        (on, f"{tune}; {knob}=true", True),
+        (f"{on} eager", f"{tune}; {knob}=true", False),
+        (f"{on} min 2", f"{tune}; {knob}=true; decode_graph.pair_min_blocks=2", True),
+    )
+    logits = _q4_k_m_split_linears(tmp_path, variants, check)
+    for name, _, _ in variants[1:]:
+        _assert_same_bits(logits[off], logits[name], name)
+
+
 def test_forked_v_gemv_gives_the_same_bits(tmp_path):
     """decode_graph.fork_linears: a q4_k_m layer's v GEMV (q6_k, stored apart from q|k) runs on a
     second stream alongside the q|k GEMV. It reads the same x and writes its own output, so the
@@ -325,19 +341,7 @@ def test_paired_q_k_and_v_gemvs_give_the_same_bits(tmp_path):
             assert a["threads"] == b["threads"] == la.block[0] and la.grid[0] == la.spec.params["blocks_a"] + la.spec.params["blocks_b"]
         assert not any(la.spec.template == "gemv_pair" for st in runner.plan.steps for la in st.launches["decode"])
 
-    pair = "decode_graph.fork_linears=false; decode_graph.pair_linears="
-    logits = _q4_k_m_split_linears(
-        tmp_path,
-        (
-            ("apart", pair + "false", True),
-            ("paired", pair + "true", True),
-            ("paired eager", pair + "true", False),
-            ("paired min 2", pair + "true; decode_graph.pair_min_blocks=2", True),
-        ),
-        check,
-    )
-    for name in ("paired", "paired eager", "paired min 2"):
-        _assert_same_bits(logits["apart"], logits[name], name)
+    _knob_keeps_the_bits(tmp_path, "decode_graph.fork_linears=false", "decode_graph.pair_linears", ("apart", "paired"), check)
 
 
 def test_pair_attention_gives_the_same_bits(tmp_path):
@@ -355,19 +359,8 @@ def test_pair_attention_gives_the_same_bits(tmp_path):
         assert len(fused) == (layers if name.startswith("fused") else 0), name
         assert all(la.spec.template == "gemv_pair_attention" for la in fused)
 
-    pair = "decode_graph.fork_linears=false; decode_graph.pair_linears=true; decode_graph.pair_attention="
-    logits = _q4_k_m_split_linears(
-        tmp_path,
-        (
-            ("pair", pair + "false", True),
-            ("fused", pair + "true", True),
-            ("fused eager", pair + "true", False),
-            ("fused min 2", pair + "true; decode_graph.pair_min_blocks=2", True),
-        ),
-        check,
-    )
-    for name in ("fused", "fused eager", "fused min 2"):
-        _assert_same_bits(logits["pair"], logits[name], name)
+    tune = "decode_graph.fork_linears=false; decode_graph.pair_linears=true"
+    _knob_keeps_the_bits(tmp_path, tune, "decode_graph.pair_attention", ("pair", "fused"), check)
 
 
 def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
