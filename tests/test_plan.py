@@ -1578,7 +1578,8 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
     att_holds, C integer math) compiled for the host with g++ and run over every tile of both
     parts: each unit's count of tiles holding its rows equals att_need (else a unit would never run,
     or run before its rows land), and every unit is held by some tile. Qwen3-4B q4_k_m (q6_k and
-    q4_k v), and a shape whose last q head's and only k head's rows share a tile."""
+    q4_k v; one and two query heads per unit), and a shape whose last q head's and only k head's
+    rows share a tile."""
     import shutil
     import subprocess
 
@@ -1609,7 +1610,7 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(paths.kernels_dir())), undefined=jinja2.StrictUndefined
     )
-    for p in params + [odd]:
+    for p in params + [odd, {**params[0], "c_qsplit": 2}]:  # (and two heads per unit)
         body = (
             env.get_template("_pair_units.cuh.j2")
             .render(**p)

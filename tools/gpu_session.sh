@@ -353,8 +353,9 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   pa16)  # the sixteenth session's q4_k_m A/Bs (written without a GPU; never run yet), in one call:
     # the pair (pair15's variants pair, pair2, pair76) against the pair that also runs the short
     # attention (decode_graph.pair_attention: kernels/gemv_pair_attention.cu.j2; its plan sets
-    # __launch_bounds__(320, 2), since the attention part takes registers), alone and spread to two
-    # blocks per SM by shared memory; first the GPU tests of both (the same bits as apart / as the
+    # __launch_bounds__(320, 2), since the attention part takes registers: two blocks per SM, like
+    # pair2), with one query head per unit and with two (direct_qsplit 2: 16 units, fewer blocks
+    # that run one); first the GPU tests of both (the same bits as apart / as the
     # pair), then the device NVRTC's registers; batch 1 only (nothing here changes batch 8).
     # Expect rel != 0 against the profile (a q4_k v's k split is 2 in the pair, 4 alone) and pa's
     # rel == pair's rel (the same bits as the pair)
@@ -368,7 +369,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     done
     grep -h "==\|q,k,v" /tmp/res/pa16_regs.log >> /tmp/res/pa16.sum
     # (a failed or hung test, rc != 0: the A/B of the pair variants only, so a broken kernel cannot eat the call)
-    PA=(--variant pa="$A" --variant pa76="$A; $S=76"); [ "$trc" = 0 ] || PA=()
+    PA=(--variant pa="$A" --variant paq2="$A; attention_decode.direct_qsplit=2"); [ "$trc" = 0 ] || PA=()
     BATCHES=1 ab pa16 360 q4_k_m --variant pair="$P" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76" "${PA[@]}"
     grep -h "b1  \|b8  \|rel" /tmp/res/pa16_q4_k_m.log >> /tmp/res/pa16.sum; pack pa16_q4_k_m ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
