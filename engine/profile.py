@@ -8,6 +8,7 @@ defaults, so a profile cannot carry a misspelt knob. Must not import CUDA.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 from dataclasses import dataclass, field, replace
@@ -72,9 +73,15 @@ def _knob(default: int) -> Field:
     return Field(int, default=default, check=_positive)
 
 
+def _section(fields: dict[str, Field]) -> Field:
+    """A tuning section: a mapping of ``fields`` whose own default, where a profile leaves the
+    section out, is every field's default (copied, so no two profiles share a list)."""
+    return Field(fields, default={k: copy.deepcopy(f.default) for k, f in fields.items()})
+
+
 # Every tuning section a kernel template may read. Adding a knob here is how a kernel gets one.
 TUNING_SCHEMA: dict[str, Field] = {
-    "gemv": Field(
+    "gemv": _section(
         {
             "threads": _knob(256),
             "rows_per_block": _knob(4),
@@ -101,29 +108,13 @@ TUNING_SCHEMA: dict[str, Field] = {
             # blocks of b1_short_n_threads (0: threads): more warps per row on a long k
             "b1_short_n_threads": Field(int, default=0),
             "short_n_max": Field(int, default=0),
-        },
-        default={
-            "threads": 256,
-            "rows_per_block": 4,
-            "max_batch": 8,
-            "unroll": 2,
-            "fuse_norm": False,
-            "fuse_silu": False,
-            "fuse_norm1": False,
-            "fuse_glu": False,
-            "xsmem": False,
-            "prefetch": False,
-            "xf32": False,
-            "early_weights": False,
-            "b1_short_n_threads": 0,
-            "short_n_max": 0,
-        },
+        }
     ),
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
     # (bf16, q4_k, q8_0, q6_k, q4_0, q4_1; q8_0 matrices with k % 256 == 0 and q6_k / q4_0 / q4_1
     # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
-    "gemv_coop": Field(
+    "gemv_coop": _section(
         {
             "types": Field(ListOf(str), default=[]),
             "threads": _knob(128),
@@ -199,44 +190,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             "q8x_kparts": Field(int, default=1),
             "q8x_kparts_min_k": Field(int, default=0),
             "q8x_kparts_types": Field(ListOf(str), default=[]),  # file types; empty: every q8x type
-        },
-        default={
-            "types": [],
-            "threads": 128,
-            "rows_per_warp": 1,
-            "unroll": 4,
-            "xsmem": False,
-            "pipeline": False,
-            "tile_prefetch": False,
-            "q8x": False,
-            "q8x_threads": 0,
-            "q8x_rows_per_warp": 0,
-            "q8x_type_tuning": {},
-            "q8x_fuse": False,
-            "q8x_ksplit": 1,
-            "q8x_ksplit_max_n": 0,
-            "q8x_ksplit_types": [],
-            "q8x_ksplit_threads": 0,
-            "q8x_ksplit_min_n": 0,
-            "q8x_b1_rows_per_warp": 0,
-            "q8x_lanes_per_row": 0,
-            "q8x_wsm_kb": 0,
-            "q8x_wsm_chunks": 0,
-            "q8x_wsm_chunk_min_k": 0,
-            "q8x_blocks_per_sm": 0,
-            "q8x_resident_grid": False,
-            "q8x_min_blocks": 0,
-            "q8x_stage_rounds": 1,
-            "q8x_stage_rounds_min_k": 0,
-            "q8x_early_norm_w": False,
-            "q8x_early_residual": False,
-            "q8x_glu": False,
-            "q8x_kparts": 1,
-            "q8x_kparts_min_k": 0,
-            "q8x_kparts_types": [],
-        },
+        }
     ),
-    "gemm": Field(
+    "gemm": _section(
         {
             "tile_m": _knob(128),
             "tile_n": _knob(128),
@@ -250,24 +206,11 @@ TUNING_SCHEMA: dict[str, Field] = {
             "fragbuf": Field(bool, default=False),
             "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
             "raster": Field(bool, default=False),  # grouped block order (8 M tiles) for L2 reuse of W
-        },
-        default={
-            "tile_m": 128,
-            "tile_n": 128,
-            "tile_k": 32,
-            "stages": 3,
-            "warps": 8,
-            "warps_m": 2,
-            "split_k": 1,
-            "swizzle": False,
-            "fragbuf": False,
-            "qprefetch": False,
-            "raster": False,
-        },
+        }
     ),
     # the Hopper prefill GEMM (kernels/gemm_wgmma.cu.j2: TMA + wgmma, warp-specialised) for bf16
     # weights with k % 64 == 0, on sm_90a profiles that enable it; other linears keep "gemm"
-    "gemm_wgmma": Field(
+    "gemm_wgmma": _section(
         {
             "enabled": Field(bool, default=False),
             "tile_n": _knob(256),
@@ -284,24 +227,11 @@ TUNING_SCHEMA: dict[str, Field] = {
             # quantised prefill chunks of at least this many rows dequantise each matrix to a bf16
             # scratch and run this GEMM (shorter ones keep the fused mma.sync gemm; 0: never)
             "dequant_min_rows": Field(int, default=0),
-        },
-        default={
-            "enabled": False,
-            "tile_n": 256,
-            "consumers": 2,
-            "m_frags": 1,
-            "stages": 4,
-            "raster": True,
-            "maxnreg": True,
-            "wide_min_n": 0,
-            "narrow_tile_n": 128,
-            "narrow_stages": 6,
-            "dequant_min_rows": 0,
-        },
+        }
     ),
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
     # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks)
-    "gemm_decode": Field(
+    "gemm_decode": _section(
         {
             "tile_m": _knob(64),
             "tile_n": _knob(16),
@@ -315,27 +245,10 @@ TUNING_SCHEMA: dict[str, Field] = {
             "fragbuf": Field(bool, default=False),
             "qprefetch": Field(bool, default=False),  # GGUF W-tile register prefetch (q4_k, q5_k)
             "raster": Field(bool, default=False),  # grouped block order (8 M tiles) for L2 reuse of W
-        },
-        default={
-            "tile_m": 64,
-            "tile_n": 16,
-            "tile_k": 128,
-            "stages": 4,
-            "warps": 8,
-            "warps_m": 2,
-            "split_k": 4,
-            "min_rows": 16,
-            "swizzle": False,
-            "fragbuf": False,
-            "qprefetch": False,
-            "raster": False,
-        },
+        }
     ),
-    "attention_prefill": Field(
-        {"block_q": _knob(64), "block_kv": _knob(64), "warps": _knob(4)},
-        default={"block_q": 64, "block_kv": 64, "warps": 4},
-    ),
-    "attention_decode": Field(
+    "attention_prefill": _section({"block_q": _knob(64), "block_kv": _knob(64), "warps": _knob(4)}),
+    "attention_decode": _section(
         {
             "block_kv": _knob(64),
             "warps": _knob(4),
@@ -350,21 +263,11 @@ TUNING_SCHEMA: dict[str, Field] = {
             # decode kernels: a block stages its first chunk's block-table entries without waiting
             # for the row's position (the two loads in flight together, one round trip less)
             "table_first": Field(bool, default=False),
-        },
-        default={
-            "block_kv": 64,
-            "warps": 4,
-            "split_kv_tokens": 512,
-            "vec16": False,
-            "fuse_rope": False,
-            "direct_warps": 0,
-            "direct_qsplit": 1,
-            "table_first": False,
-        },
+        }
     ),
-    "elementwise": Field({"threads": _knob(256)}, default={"threads": 256}),
-    "norm": Field({"threads": _knob(256)}, default={"threads": 256}),
-    "sampling": Field({"threads": _knob(1024)}, default={"threads": 1024}),
+    "elementwise": _section({"threads": _knob(256)}),
+    "norm": _section({"threads": _knob(256)}),
+    "sampling": _section({"threads": _knob(1024)}),
     # the decode pass's launch order: fork_linears runs the launches of one linear op's separately
     # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
     # read the same x and write their own outputs; the next op waits for both)
@@ -380,7 +283,7 @@ TUNING_SCHEMA: dict[str, Field] = {
     # pair_attention: at batch 1 and short contexts, that launch also runs the layer's direct
     # rope-fused attention (kernels/gemv_pair_attention.cu.j2: the block whose row tile completes a
     # unit's q / k / v rows runs its attention), so no attention kernel follows it
-    "decode_graph": Field(
+    "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
             "early_trigger": Field(bool, default=False),
@@ -388,15 +291,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_min_smem_kb": Field(int, default=0),
             "pair_min_blocks": Field(int, default=0),
             "pair_attention": Field(bool, default=False),
-        },
-        default={
-            "fork_linears": False,
-            "early_trigger": False,
-            "pair_linears": False,
-            "pair_min_smem_kb": 0,
-            "pair_min_blocks": 0,
-            "pair_attention": False,
-        },
+        }
     ),
 }
 
