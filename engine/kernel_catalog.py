@@ -649,10 +649,13 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
 def pair_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
     """The two gemv specs of gemv_pair spec ``s`` (entry "part", as kernels/gemv_pair.cu.j2
     renders them)."""
-    return tuple(  # type: ignore[return-value]
-        KernelSpec("gemv", "part", {k[len(x) :]: v for k, v in s.params.items() if k.startswith(x)})
-        for x in PAIR_PARTS
-    )
+    return tuple(KernelSpec("gemv", "part", _unprefixed(s.params, x)) for x in PAIR_PARTS)  # type: ignore[return-value]
+
+
+def _unprefixed(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The params named ``prefix``* of a composed spec (a gemv_pair part's, the attention's of a
+    gemv_pair_attention), the prefix dropped."""
+    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
 
 
 def pair_smem(s: KernelSpec) -> int:
@@ -931,23 +934,15 @@ def spec(template: str, **params: Any) -> KernelSpec:
     doc = KERNELS.get(template)
     if doc is None:
         raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
-    if template == "gemv_pair":  # each part's params through spec("gemv"), then pair_spec's rules
+    if template in ("gemv_pair", "gemv_pair_attention"):  # each part through spec(), then the rules
         extra = set(params) - set(doc.params)
         if extra:
             raise _fail(template, f"unknown params {sorted(extra)}")
-        a, b = (
-            spec("gemv", **{k[len(x) :]: v for k, v in params.items() if k.startswith(x)})
-            for x in PAIR_PARTS
-        )
-        return pair_spec(a, b)
-    if template == "gemv_pair_attention":  # the pair and the attention through spec(), then the rules
-        extra = set(params) - set(doc.params)
-        if extra:
-            raise _fail(template, f"unknown params {sorted(extra)}")
+        if template == "gemv_pair":
+            return pair_spec(*(spec("gemv", **_unprefixed(params, x)) for x in PAIR_PARTS))
         x = PAIR_ATTENTION_PART
         pair = spec("gemv_pair", **{k: v for k, v in params.items() if not k.startswith(x)})
-        attn = spec("attention", **{k[len(x) :]: v for k, v in params.items() if k.startswith(x)})
-        return pair_attention_spec(pair, attn)
+        return pair_attention_spec(pair, spec("attention", **_unprefixed(params, x)))
     params = dict(params)
     for key, value in (doc.defaults or {}).items():
         params.setdefault(key, value)
@@ -1214,8 +1209,7 @@ def pair_attention_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
     """The gemv_pair spec and the attention spec (entry "part") of gemv_pair_attention spec ``s``."""
     x = PAIR_ATTENTION_PART
     pair = {k: v for k, v in s.params.items() if not k.startswith(x)}
-    attn = {k[len(x) :]: v for k, v in s.params.items() if k.startswith(x)}
-    return spec("gemv_pair", **pair), KernelSpec("attention", "part", attn)
+    return spec("gemv_pair", **pair), KernelSpec("attention", "part", _unprefixed(s.params, x))
 
 
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
