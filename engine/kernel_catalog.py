@@ -646,6 +646,14 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
     return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params)
 
 
+def pair_with_min_blocks(parts: Iterable[KernelSpec], min_blocks: int) -> KernelSpec:
+    """pair_spec of gemv specs ``parts`` with both parts' __launch_bounds__ minimum of blocks per
+    SM set to ``min_blocks`` (0: each keeps its own)."""
+    if min_blocks:
+        parts = [spec("gemv", **{**p.params, "min_blocks": min_blocks}) for p in parts]
+    return pair_spec(*parts)
+
+
 def pair_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
     """The two gemv specs of gemv_pair spec ``s`` (entry "part", as kernels/gemv_pair.cu.j2
     renders them)."""

@@ -1068,19 +1068,15 @@ class _CatalogAdapter:
         pair_min_blocks sets the kernel's __launch_bounds__ minimum of blocks per SM."""
         if mode != "decode1" or len(launches) != 2 or not self._graph_knob("pair_linears"):
             return None
-        pair_spec = getattr(self.cat, "pair_spec", None) if self.cat is not None else None
         a = launches[0]
-        if pair_spec is None or not self._pairable(a.spec.params):
+        if not hasattr(self.cat, "pair_with_min_blocks") or not self._pairable(a.spec.params):
             return None
         b = self._gemv_launch(op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
         if not self._pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
             return None
-        parts = [a.spec, b.spec]
         min_blocks = int(self.tune("decode_graph").get("pair_min_blocks") or 0)
-        try:
-            if min_blocks:  # the pair kernel's __launch_bounds__ minimum (both parts carry it)
-                parts = [self.cat.spec("gemv", **{**p.params, "min_blocks": min_blocks}) for p in parts]
-            spec = pair_spec(*parts)
+        try:  # (the pair kernel's __launch_bounds__ minimum: both parts carry it)
+            spec = self.cat.pair_with_min_blocks([a.spec, b.spec], min_blocks)
         except ConfigError:
             return None
         smem = self.cat.pair_smem(spec)
@@ -1128,12 +1124,9 @@ class _CatalogAdapter:
             parts = self.cat.pair_parts(la.spec)
             blocks = la.grid[0]
             floor = -(-blocks // self.profile.sm_count) if self.profile.sm_count else 0
-            parts = tuple(
-                self.cat.spec("gemv", **{**p.params, "min_blocks": max(floor, p.params["min_blocks"])})
-                for p in parts
-            )
-            try:
-                spec = spec_of(self.cat.pair_spec(*parts), at.spec)
+            try:  # (both parts have one minimum: pair_spec's rule)
+                pair = self.cat.pair_with_min_blocks(parts, max(floor, parts[0].params["min_blocks"]))
+                spec = spec_of(pair, at.spec)
             except ConfigError:
                 continue
             smem = la.smem + self.cat.attention_static_smem(at.spec.params)
