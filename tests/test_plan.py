@@ -139,7 +139,7 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
     alongside the q|k GEMV in decode, never in prefill; nothing else is concurrent, and with the
     knob off nothing is."""
     for on in (True, False):
-        plan = _q4_k_m_plan(f"decode_graph.fork_linears={str(on).lower()}")
+        plan = _q4_k_m_plan(f"decode_graph.pair_linears=false; decode_graph.fork_linears={str(on).lower()}")
         qkv = [s for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
         assert len(qkv) == dims_for_size("qwen3", "qwen3-4b")["layers"]
         for step in plan.steps:
@@ -159,7 +159,8 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
     from engine import kernel_catalog as kc
     from engine.render import waits_first
 
-    apart, paired = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.pair_linears=true")
+    apart = _q4_k_m_plan("decode_graph.pair_linears=false")
+    paired = _q4_k_m_plan("decode_graph.pair_linears=true; decode_graph.pair_min_blocks=0")
     qkv = [(s, t) for s, t in zip(apart.steps, paired.steps, strict=True) if s.op.op == "linear" and s.op.outputs[0] == "q"]
     assert len(qkv) == dims_for_size("qwen3", "qwen3-4b")["layers"]
     for s, t in qkv:
@@ -230,7 +231,7 @@ def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
         plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style, kc)
         return [s.launches["decode1"] for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
 
-    apart, paired = qkv(""), qkv("decode_graph.pair_linears=true")
+    apart, paired = qkv("decode_graph.pair_linears=false"), qkv("decode_graph.pair_min_blocks=0")
     assert len(paired) == DIMS.num_hidden_layers
     vq = []
     for two, (pair,) in zip(apart, paired, strict=True):
@@ -266,7 +267,8 @@ def test_pair_min_blocks_sets_the_pair_launch_bounds():
         plan = _q4_k_m_plan("decode_graph.pair_linears=true" + tune)
         return [la for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"]
 
-    for free, three in zip(pairs(""), pairs("; decode_graph.pair_min_blocks=3"), strict=True):
+    assert all("__launch_bounds__(320, 2)" in render(la.spec) for la in pairs(""))  # the h200 profile's
+    for free, three in zip(pairs("; decode_graph.pair_min_blocks=0"), pairs("; decode_graph.pair_min_blocks=3"), strict=True):
         for p, q in zip(kc.pair_parts(free.spec), kc.pair_parts(three.spec), strict=True):
             assert q.params == {**p.params, "min_blocks": 3}
         assert "__launch_bounds__(320, 3)" in render(three.spec) and "__launch_bounds__(320)" in render(free.spec)
@@ -342,7 +344,7 @@ def test_pair_attention_runs_the_short_attention_in_the_batch1_pair():
     assert blocks == {231, 180}
     (counters,) = [sc for sc in fused.scratch if sc.name == "attn_count"]
     assert (counters.fixed, counters.fill) == (4 * dims["kv_heads"] * 4, "zero")
-    for tune in ("decode_graph.pair_attention=true", pair):
+    for tune in ("decode_graph.pair_linears=false; decode_graph.pair_attention=true", pair):
         assert not any(SHORT1 in st.launches for st in plan_of(tune).steps)
 
 
@@ -1577,7 +1579,8 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
     """The unit bookkeeping of gemv_pair_attention (kernels/_pair_units.cuh.j2: att_need,
     att_holds, C integer math) compiled for the host with g++ and run over every tile of both
     parts: each unit's count of tiles holding its rows equals att_need (else a unit would never run,
-    or run before its rows land), and every unit is held by some tile. Qwen3-4B q4_k_m (q6_k and
+    or run before its rows land), every unit is held by some tile, and its owner (att_owner, the
+    block that runs it) is a q tile of it that owns no other unit. Qwen3-4B q4_k_m (q6_k and
     q4_k v; one and two query heads per unit), and a shape whose last q head's and only k head's
     rows share a tile."""
     import shutil
@@ -1617,6 +1620,7 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
             .replace("__device__ __forceinline__", "static inline")
         )
         units = p["c_kv_heads"] * p["c_qsplit"]
+        ra, q_rows = p["a_rows_per_block"], p["c_heads"] * p["c_head_dim"]
         main = f"""
 #include <cstdio>
 int main() {{
@@ -1626,6 +1630,10 @@ int main() {{
         for (int t = 0; t < {p["blocks_a"]}; ++t) n += att_holds(u, false, t);
         for (int t = 0; t < {p["blocks_b"]}; ++t) n += att_holds(u, true, t);
         if (n != att_need(u) || n == 0) {{ std::printf("unit %d: %d tiles, need %d\\n", u, n, att_need(u)); ++bad; }}
+        const int own = att_owner(u);  // a q tile of the unit, running no other unit
+        if (own < 0 || own * {ra} >= {q_rows} || !att_holds(u, false, own) || (u > 0 && att_owner(u - 1) == own)) {{
+            std::printf("unit %d: owner tile %d\\n", u, own); ++bad;
+        }}
     }}
     std::printf("%d units ok\\n", {units} - bad);
     return bad;

@@ -553,7 +553,7 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
     pass, graph and eager, the side stream waits for the main one right before the q|k GEMV, runs the
     v GEMV, and the main stream waits for it before its next launch; nothing else leaves the main
     stream."""
-    runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, "decode_graph.fork_linears=true")
+    runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, "decode_graph.pair_linears=false; decode_graph.fork_linears=true")
     main, side = runner.stream.id, runner._side.id
     for graphs in (True, False):
         runner.use_graphs = graphs

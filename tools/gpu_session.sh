@@ -372,6 +372,25 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     PA=(--variant pa="$A" --variant paq2="$A; attention_decode.direct_qsplit=2"); [ "$trc" = 0 ] || PA=()
     BATCHES=1 ab pa16 360 q4_k_m --variant pair="$P" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76" "${PA[@]}"
     grep -h "b1  \|b8  \|rel" /tmp/res/pa16_q4_k_m.log >> /tmp/res/pa16.sum; pack pa16_q4_k_m ;;
+  pa17)  # the seventeenth session: the profile (since: the pair in __launch_bounds__(320, 2)) against
+    # the pair that also runs the short attention with each unit on its own block (the q tile of its
+    # middle q row waits for the unit's tiles: kernels/gemv_pair.cu.j2), one and two query heads per
+    # unit; first the fused GPU tests (rc != 0: no fused A/B), the device NVRTC's registers, then a
+    # block trace of the profile and the fused launch. Expect pa's rel == 0 (the same bits)
+    timeout "$(box 120)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or pair_attention" -p no:cacheprovider > /tmp/res/pa17_test.log 2>&1
+    trc=$?; tail -3 /tmp/res/pa17_test.log > /tmp/res/pa17.sum; echo "tests rc $trc" >> /tmp/res/pa17.sum; pack pa17_test
+    A="decode_graph.pair_attention=true"
+    for v in "decode_graph.pair_min_blocks=2" "$A"; do
+      echo "== $v" >> /tmp/res/pa17_regs.log
+      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> /tmp/res/pa17_regs.log 2>&1
+    done
+    grep -h "==\|q,k,v\|?" /tmp/res/pa17_regs.log >> /tmp/res/pa17.sum
+    if [ "$trc" = 0 ]; then
+      BATCHES=1 ab pa17 200 q4_k_m --variant pa="$A" --variant paq2="$A; attention_decode.direct_qsplit=2"
+      grep -h "b1  \|rel" /tmp/res/pa17_q4_k_m.log >> /tmp/res/pa17.sum; pack pa17_q4_k_m
+      timeout "$(box 200)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace17 --model /dev/shm/q4b_q4_k_m.gguf --variant pa="$A" > /tmp/res/trace17.log 2>&1
+      grep -h "==\|ERROR" /tmp/res/trace17/trace.txt >> /tmp/res/pa17.sum; pack trace17
+    fi ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
