@@ -85,14 +85,14 @@ def _specs_by_arch(full: bool = False):
             out[arch] = _primary_subset(list(specs))
         else:
             out[arch] = list({_variant(s): s for s in reversed(list(specs))}.values())
-    out[PRIMARY_ARCH] += _pair_specs()
+    out[PRIMARY_ARCH] = list(dict.fromkeys(out[PRIMARY_ARCH] + _pair_specs()))  # (h200's own plans pair too)
     return out
 
 
 def _pair_specs() -> list:
     """One gemv_pair spec per (q|k type, v type) and gemv_pair_attention specs covering each (q|k
-    type, v type) and each (rope style, q/k norm) (the h200 tuning with decode_graph.pair_linears and
-    pair_attention, which no profile turns on yet): their parts compile alone above, the pair adds
+    type, v type) and each (rope style, q/k norm) (the h200 tuning with decode_graph.pair_linears,
+    on in that profile, and pair_attention, on in none yet): their parts compile alone above, the pair adds
     the namespaces and the dispatch, the attention the unit counting and the attention part."""
     from engine.profile import get_profile, with_tuning
 
