@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "table_first"),
+    "attention": ("vec16", "rope", "table_first", "trigger"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -371,6 +371,7 @@ KERNELS: dict[str, KernelDoc] = {
             qsplit=int,
             v_stride=int,
             table_first=bool,
+            trigger=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
         (
@@ -398,6 +399,7 @@ KERNELS: dict[str, KernelDoc] = {
             "vec16",
             "qsplit",
             "table_first",
+            "trigger",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -414,6 +416,7 @@ KERNELS: dict[str, KernelDoc] = {
             "qsplit": 1,
             "v_stride": 0,
             "table_first": False,
+            "trigger": False,
         },
     ),
     "attention_prefill": KernelDoc(

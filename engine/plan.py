@@ -1346,6 +1346,7 @@ class _CatalogAdapter:
                 **common,
                 **rope,
                 table_first=bool(t.get("table_first")),
+                trigger=bool(t.get("trigger")),
             )
             args = (_v(out), NULL, NULL, _v(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
             return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]

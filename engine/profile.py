@@ -263,6 +263,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # decode kernels: a block stages its first chunk's block-table entries without waiting
             # for the row's position (the two loads in flight together, one round trip less)
             "table_first": Field(bool, default=False),
+            # the direct (short-context) kernel calls pdl_trigger() at its start, so the next kernel
+            # (the o GEMV) launches beside it and issues its weight loads / tile copies early
+            "trigger": Field(bool, default=False),
         }
     ),
     "elementwise": _section({"threads": _knob(256)}),

@@ -1644,3 +1644,28 @@ int main() {{
         subprocess.run([cxx, "-O1", "-o", str(tmp_path / "units"), str(cpp)], check=True)
         run = subprocess.run([str(tmp_path / "units")], capture_output=True, text=True)
         assert run.returncode == 0 and run.stdout.strip() == f"{units} units ok", run.stdout
+
+
+def test_attention_trigger_is_on_the_direct_decode_kernel_only():
+    """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
+    (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the
+    attention part do not (its pair triggers already); off, no attention kernel triggers."""
+    from engine.plan import SHORT1
+
+    def attn(plan, key):
+        return {la.spec for st in plan.steps for la in st.launches.get(key, ()) if la.spec.template.startswith("attention")}
+
+    on = _q4_k_m_plan("attention_decode.trigger=true")
+    off = _q4_k_m_plan("attention_decode.trigger=false")
+    (short,), (short_off,) = attn(on, "short"), attn(off, "short")
+    assert short.params["trigger"] and not short_off.params["trigger"]
+    assert "pdl_trigger();" in render(short)
+    assert "pdl_trigger();" not in render(short_off)
+    for spec in attn(on, "decode") | attn(on, "decode1"):
+        assert not spec.params.get("trigger"), spec.entry
+    assert short_off.entry.count("trigger") == 0  # off: the kernel name of the plans before the knob
+    fused = _q4_k_m_plan("attention_decode.trigger=true; decode_graph.pair_attention=true")
+    spec = next(la.spec for st in fused.steps for la in st.launches.get(SHORT1, ()))
+    src = render(spec)
+    part = src[src.index("namespace memra_pair_c {") : src.index("}  // namespace memra_pair_c")]
+    assert "pdl_trigger();" not in part and spec.params["c_trigger"]

@@ -391,6 +391,20 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       timeout "$(box 200)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace17 --model /dev/shm/q4b_q4_k_m.gguf --variant pa="$A" > /tmp/res/trace17.log 2>&1
       grep -h "==\|ERROR" /tmp/res/trace17/trace.txt >> /tmp/res/pa17.sum; pack trace17
     fi ;;
+  trig17)  # attention_decode.trigger (the short-context direct attention calls pdl_trigger() at its
+    # start, so the o GEMV launches beside it: the seventeenth session's trace had the o blocks
+    # start only after the attention ended, and land their weight tile 1.9 us after their wait):
+    # every GPU test with the knob on (MEMRA_TUNE), the A/B on both files, b1 and b8, then memra
+    # bench --quick on the q4_k_m file with it
+    T=attention_decode.trigger=true
+    MEMRA_TUNE="$T" timeout "$(box 170)" python3 -m pytest -q -ra tests/gpu -p no:cacheprovider > /tmp/res/trig17_test.log 2>&1
+    trc=$?; tail -2 /tmp/res/trig17_test.log > /tmp/res/trig17.sum; echo "tests rc $trc" >> /tmp/res/trig17.sum; pack trig17_test
+    for q in q4_k_m q8_0; do
+      ab trig17 100 $q --variant trig="$T"
+      grep -h "b1  \|b8  " /tmp/res/trig17_$q.log >> /tmp/res/trig17.sum; pack trig17_$q
+    done
+    MEMRA_TUNE="$T" timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json /tmp/res/bench17_trig.json > /tmp/res/bench17_trig.log 2>&1
+    grep -h "decode\|prefill" /tmp/res/bench17_trig.log >> /tmp/res/trig17.sum; pack bench17_trig ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
