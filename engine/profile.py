@@ -284,8 +284,9 @@ TUNING_SCHEMA: dict[str, Field] = {
     # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
     # registers, and spills a q6_kr part: tools/kernel_resources.py)
     # pair_attention: at batch 1 and short contexts, that launch also runs the layer's direct
-    # rope-fused attention (kernels/gemv_pair_attention.cu.j2: the block whose row tile completes a
-    # unit's q / k / v rows runs its attention), so no attention kernel follows it
+    # rope-fused attention (kernels/gemv_pair_attention.cu.j2: each unit on the q tile block of its
+    # middle q row, once its q / k / v rows have landed), so no attention kernel follows it (slower
+    # on the H200 so far: docs/PERFORMANCE.md, seventeenth session)
     "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
