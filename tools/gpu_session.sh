@@ -394,12 +394,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   trig17)  # attention_decode.trigger (the short-context direct attention calls pdl_trigger() at its
     # start, so the o GEMV launches beside it: the seventeenth session's trace had the o blocks
     # start only after the attention ended, and land their weight tile 1.9 us after their wait):
-    # the A/B on the q4_k_m file (b1, b8), every GPU test with the knob on (MEMRA_TUNE), the A/B on
+    # the A/B on the q4_k_m file (b1, b8), the runner / model GPU tests with the knob on (MEMRA_TUNE), the A/B on
     # the q8_0 file, then memra bench --quick on the q4_k_m file with it
     T=attention_decode.trigger=true
     ab trig17 100 q4_k_m --variant trig="$T"
     grep -h "b1  \|b8  " /tmp/res/trig17_q4_k_m.log > /tmp/res/trig17.sum; pack trig17_q4_k_m
-    MEMRA_TUNE="$T" timeout "$(box 160)" python3 -m pytest -q -ra tests/gpu -p no:cacheprovider > /tmp/res/trig17_test.log 2>&1
+    MEMRA_TUNE="$T" timeout "$(box 130)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_runner_features.py tests/gpu/test_quant_models.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > /tmp/res/trig17_test.log 2>&1
     trc=$?; tail -2 /tmp/res/trig17_test.log >> /tmp/res/trig17.sum; echo "tests rc $trc" >> /tmp/res/trig17.sum; pack trig17_test
     ab trig17 100 q8_0 --variant trig="$T"
     grep -h "b1  \|b8  " /tmp/res/trig17_q8_0.log >> /tmp/res/trig17.sum; pack trig17_q8_0
