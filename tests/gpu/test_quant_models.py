@@ -348,8 +348,9 @@ def test_pair_attention_gives_the_same_bits(tmp_path):
     """decode_graph.pair_attention: at batch 1 and short contexts the gemv_pair launch also runs
     the layer's direct rope-fused attention, each (kv head, qsplit) unit on the block of the q tile
     holding its middle q row, once every tile of its q / k / v rows has landed. Every unit
-    computes what its attention block would, so the logits must be the same bits as the pair followed by the attention kernel's, replayed and eager,
-    over several steps (the unit counters reset themselves); batch 2 keeps the attention kernel."""
+    computes what its attention block would, so the logits must be the same bits as the pair
+    followed by the attention kernel's, replayed and eager, over several steps (the unit counters
+    reset themselves); batch 2 keeps the attention kernel."""
     from engine.plan import SHORT1
 
     layers = DIMS.num_hidden_layers
