@@ -446,6 +446,7 @@ def build_plan(
         steps.append(Step(op, layer, head, launches))
 
     adapter.fuse_pair_attention(steps, values)
+    adapter.trigger_short1_attention(steps)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -997,6 +998,8 @@ class _CatalogAdapter:
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype, rpb)
                 if glu:
                     pp["glu"] = glu
+                    if self.tune("gemv_coop").get("q8x_glu_balance"):
+                        pp["balance"] = True  # each block's pairs as one range (no idle last round)
         else:
             threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
             glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
@@ -1137,6 +1140,24 @@ class _CatalogAdapter:
             args = la.args + at.args + (Arg("scratch", "attn_count"),)
             st.launches[SHORT1] = (Launch(spec, la.grid, la.block, args, la.smem),)
             attn.launches[SHORT1] = ()
+
+    def trigger_short1_attention(self, steps: list[Step]) -> None:
+        """Tuning attention_decode.trigger_b1: each attention step whose short-context launch is
+        the direct kernel gets a SHORT1 launch, the same kernel with ``trigger`` (pdl_trigger() at
+        its start, so the o GEMV's blocks launch beside it and fetch their weights early); the
+        other batch sizes keep the launch without it. Not where SHORT1 is already set (the
+        pair_attention fusion runs the attention itself)."""
+        if self.cat is None or not self.tune("attention_decode").get("trigger_b1"):
+            return
+        for st in steps:
+            short = st.launches.get("short", ())
+            if st.op.op != "attention" or SHORT1 in st.launches or len(short) != 1:
+                continue
+            la = short[0]
+            if not la.spec.params.get("direct") or la.spec.params.get("trigger"):
+                continue
+            spec = self._spec("attention", {}, **{**la.spec.params, "trigger": True})
+            st.launches[SHORT1] = (dataclasses.replace(la, spec=spec),)
 
     @staticmethod
     def _pairable(p: dict) -> bool:

@@ -185,6 +185,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
             # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
             "q8x_glu": Field(bool, default=False),
+            # q8x_glu: each block's gate|up pairs as one contiguous range in near-equal tiles, so no
+            # block runs a whole tile more than another (the grid rarely divides the tiles)
+            "q8x_glu_balance": Field(bool, default=False),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),
@@ -266,6 +269,8 @@ TUNING_SCHEMA: dict[str, Field] = {
             # the direct (short-context) kernel calls pdl_trigger() at its start, so the next kernel
             # (the o GEMV) launches beside it and issues its weight loads / tile copies early
             "trigger": Field(bool, default=False),
+            # the same at batch 1 only (the short pass's SHORT1 launch; b8 / b32 keep theirs)
+            "trigger_b1": Field(bool, default=False),
         }
     ),
     "elementwise": _section({"threads": _knob(256)}),

@@ -405,6 +405,19 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/trig17_q8_0.log >> /tmp/res/trig17.sum; pack trig17_q8_0
     MEMRA_TUNE="$T" timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json /tmp/res/bench17_trig.json > /tmp/res/bench17_trig.log 2>&1
     grep -h "decode\|prefill" /tmp/res/bench17_trig.log >> /tmp/res/trig17.sum; pack bench17_trig ;;
+  s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
+    # no idle last round) and attention_decode.trigger_b1 (the direct attention's pdl_trigger() at
+    # batch 1 only, a SHORT1 launch): their GPU tests (the same bits; graphs == eager with both on),
+    # then the b1 A/B on the q4_k_m file and the balance on the q8_0 file. Expect rel 0 everywhere
+    B="$C.q8x_glu_balance=true"; T="attention_decode.trigger_b1=true"
+    timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > /tmp/res/s18_test.log 2>&1
+    echo "glu tests rc $?: $(tail -1 /tmp/res/s18_test.log)" > /tmp/res/s18.sum; pack s18_test
+    MEMRA_TUNE="$B; $T" timeout "$(box 120)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > /tmp/res/s18_run.log 2>&1
+    echo "runner tests (both on) rc $?: $(tail -1 /tmp/res/s18_run.log)" >> /tmp/res/s18.sum; pack s18_run
+    BATCHES=1 ab s18 200 q4_k_m --variant bal="$B" --variant trig1="$T" --variant both="$B; $T"
+    grep -h "b1  \|rel" /tmp/res/s18_q4_k_m.log >> /tmp/res/s18.sum; pack s18_q4_k_m
+    BATCHES=1 ab s18 120 q8_0 --variant bal="$B"
+    grep -h "b1  \|rel" /tmp/res/s18_q8_0.log >> /tmp/res/s18.sum; pack s18_q8_0 ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
