@@ -85,7 +85,7 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
         "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
-        "early_nw", "early_res", "balance",
+        "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope", "table_first", "trigger"),
@@ -133,7 +133,6 @@ KERNELS: dict[str, KernelDoc] = {
             wsm_chunk=int,
             early_nw=bool,
             early_res=bool,
-            balance=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -170,7 +169,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk",
             "early_nw",
             "early_res",
-            "balance",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -205,7 +203,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk": 0,
             "early_nw": False,
             "early_res": False,
-            "balance": False,
         },
     ),
     "gemm": KernelDoc(
@@ -785,10 +782,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(
             1 <= p["stage_rounds"] <= 8 and (p["stage_rounds"] == 1 or p["q8x"]),
             f"stage_rounds={p['stage_rounds']} must be 1..8, and above 1 only with q8x",
-        )
-        need(
-            not p["balance"] or (p["glu"] and p["coop"]),
-            "balance: a coop glu gemv's option (each block's gate|up pairs as one range)",
         )
         if p["glu"]:  # silu(gate) * up stored in the gate half
             need(p["n"] == 2 * p["glu"], f"glu={p['glu']} needs n = 2 * glu, got n={p['n']}")

@@ -998,8 +998,6 @@ class _CatalogAdapter:
                 glu = self._glu_for(op, layer, mode, w, residual, out_dtype, rpb)
                 if glu:
                     pp["glu"] = glu
-                    if self.tune("gemv_coop").get("q8x_glu_balance"):
-                        pp["balance"] = True  # each block's pairs as one range (no idle last round)
         else:
             threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
             glu = self._glu_for(op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue

@@ -185,9 +185,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
             # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
             "q8x_glu": Field(bool, default=False),
-            # q8x_glu: each block's gate|up pairs as one contiguous range in near-equal tiles, so no
-            # block runs a whole tile more than another (the grid rarely divides the tiles)
-            "q8x_glu_balance": Field(bool, default=False),
             # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
             # and streams k / q8x_kparts, the last block of a tile adds the partial sums
             "q8x_kparts": Field(int, default=1),

@@ -418,10 +418,6 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 2006, 2560, q8, bmax=bm, sm_count=132)
             p.update(threads=320, rows_per_block=40, ksplit=1, lanes=8, glu=1003, tile_pf=True)
             out.append(kc.spec("gemv", **p))
-            # each block's pairs as one range (gemv_coop.q8x_glu_balance), with and without tile_pf
-            out.append(kc.spec("gemv", **{**p, "balance": True}))
-            if bm == 1:
-                out.append(kc.spec("gemv", **{**p, "balance": True, "tile_pf": False}))
     return out
 
 

@@ -1674,36 +1674,6 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
             assert st.launches[SHORT1] == ()
 
 
-def test_glu_balance_marks_the_batch_1_glu_gemvs_only():
-    """gemv_coop.q8x_glu_balance: the batch-1 coop glu GEMVs (gate|up) get ``balance`` (each
-    block's pairs as one range, kernels/_gemv_coop.cuh.j2) and a name with it; nothing else
-    changes, and the rendered tile loop runs over the block's own tiles."""
-    off, on = _q4_k_m_plan("gemv_coop.q8x_glu_balance=false"), _q4_k_m_plan("gemv_coop.q8x_glu_balance=true")
-    glu = 0
-    for s, t in zip(off.steps, on.steps, strict=True):
-        for mode, las in s.launches.items():
-            for a, b in zip(las, t.launches[mode], strict=True):
-                if a.spec.params.get("glu") and a.spec.params.get("coop"):
-                    glu += 1
-                    assert b.spec.params == {**a.spec.params, "balance": True}, b.spec.entry
-                    assert "balance1" in b.spec.entry and "balance" not in a.spec.entry
-                    assert (a.grid, a.block, a.args, a.smem) == (b.grid, b.block, b.args, b.smem)
-                    src = render(b.spec)
-                    assert "for (int tile = 0; tile < NTL; tile += 1)" in src
-                    assert "#define P0(t)" in src
-                else:
-                    assert a == b
-    assert glu == on.dims["layers"]
-
-
-def test_glu_balance_needs_a_coop_glu_gemv():
-    from engine import kernel_catalog as kc
-
-    p = kc.linear_params("q4_k", 2560, 2560, get_profile("h200").tuning, bmax=1, sm_count=132)
-    with pytest.raises(ConfigError, match="balance"):
-        kc.spec("gemv", **{**p, "balance": True})
-
-
 def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
     (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the
