@@ -945,13 +945,6 @@ def spec(template: str, **params: Any) -> KernelSpec:
     doc = KERNELS.get(template)
     if doc is None:
         raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
-    if template == "attention_gemv":  # each part through spec(), then the rules
-        extra = set(params) - set(doc.params)
-        if extra:
-            raise _fail(template, f"unknown params {sorted(extra)}")
-        return attention_gemv_spec(
-            spec("gemv", **_unprefixed(params, AG_GEMV)), spec("attention", **_unprefixed(params, AG_ATTN))
-        )
     if template in ("gemv_pair", "gemv_pair_attention"):  # each part through spec(), then the rules
         extra = set(params) - set(doc.params)
         if extra:
@@ -1068,13 +1061,6 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["a_threads"], 1, 1)
         smem = pair_smem(s if template == "gemv_pair" else pair_attention_parts(s)[0])
-    elif template == "attention_gemv":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["g_n"], p["g_rows_per_block"]), 1, p["g_kparts"])
-
-        block = (p["g_threads"], 1, 1)
-        smem = gemv_smem(attention_gemv_parts(s)[0].params)
     elif template == "gemm":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -1141,11 +1127,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     if s.template == "gemv_pair":
         parts = zip(PAIR_PARTS, pair_parts(s), strict=True)
         return tuple((f"{x}{name}", c) for x, part in parts for name, c in kernel_args(part))
-    if s.template == "attention_gemv":
-        g, a = attention_gemv_parts(s)
-        return tuple((f"{AG_GEMV}{n}", c) for n, c in kernel_args(g)) + tuple(
-            (f"{AG_ATTN}{n}", c) for n, c in kernel_args(a)
-        )
     if s.template == "gemv_pair_attention":
         pair, attn = pair_attention_parts(s)
         c_args = tuple((f"{PAIR_ATTENTION_PART}{name}", c) for name, c in kernel_args(attn))
@@ -1233,109 +1214,6 @@ def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
     params.update({f"{PAIR_ATTENTION_PART}{k}": v for k, v in c.items()})
     tag = zlib.crc32(f"{pair.entry} {attn.entry}".encode())
     return KernelSpec("gemv_pair_attention", f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}", params)
-
-
-# an attention_gemv spec's params: the o projection GEMV's under g_, the attention's under a_
-AG_GEMV, AG_ATTN = "g_", "a_"
-KERNELS["attention_gemv"] = KernelDoc(
-    {
-        **{f"{AG_GEMV}{k}": t for k, t in KERNELS["gemv"].params.items()},
-        **{f"{AG_ATTN}{k}": t for k, t in KERNELS["attention"].params.items()},
-    },
-    # the GEMV's args (with its k split's partial sums and counters), then the rope-fused attention's
-    tuple((f"{AG_GEMV}{n}", c) for n, c in KERNELS["gemv"].args)
-    + ((f"{AG_GEMV}kpart_sum", P), (f"{AG_GEMV}kpart_count", P))
-    + tuple((f"{AG_ATTN}{n}", c) for n, c in KERNELS["attention"].args)
-    + tuple((f"{AG_ATTN}{a}", P) for a in ATTENTION_ROPE_ARGS),
-    (),  # named by attention_gemv_spec: the GEMV's type and shape, and a hash of both entries
-    "(ceil(g_n / g_rows_per_block), 1, g_kparts)  (batch 1: row tile x attention unit)",
-    "(g_threads,)  (the attention runs on the first a_warps * 32)",
-    "dynamic: the GEMV's (gemv_smem); static: both parts'",
-    {
-        **{f"{AG_GEMV}{k}": v for k, v in (KERNELS["gemv"].defaults or {}).items()},
-        **{f"{AG_ATTN}{k}": v for k, v in (KERNELS["attention"].defaults or {}).items()},
-    },
-)
-
-
-def attention_gemv_spec(gemv: KernelSpec, attn: KernelSpec) -> KernelSpec:
-    """The attention_gemv spec running the batch-1 decode attention ``attn`` (direct, rope-fused,
-    vec16) and the o projection ``gemv`` after it in one launch (kernels/attention_gemv.cu.j2):
-    block (t, 1, p) runs attention unit p, then row tile t of the GEMV over k part p. The GEMV
-    must be a coop q8x one at batch 1 with one k part per attention unit (kparts = kv_heads x
-    qsplit, so part p is exactly unit p's heads), one block per row tile, no k split over warps, no
-    wsm, glu or prologue. A ConfigError names the rule broken."""
-    c, g = attn.params, gemv.params
-    if attn.template != "attention" or not (c["direct"] and c["rope"] and c["vec16"] and c["mode"] == "decode"):
-        raise _fail("attention_gemv", f"{attn.entry}: the attention must be the direct rope-fused vec16 decode kernel")
-    if gemv.template != "gemv":
-        raise _fail("attention_gemv", f"{gemv.entry}: the second part must be a gemv spec")
-    units = c["kv_heads"] * c["qsplit"]
-    rules = (
-        (g["coop"] and g["q8x"] and g["bmax"] == 1, "the GEMV must be a coop q8x GEMV at bmax 1"),
-        (g["quant"] == "q4_k", f"{g['quant']}: only a q4_k GEMV's k parts are one range per row (its L2 prefetch)"),
-        (g["kparts"] == units, f"kparts={g['kparts']}: one k part per attention unit ({units})"),
-        (g["k"] % (units * 256) == 0, f"k={g['k']} in {units} parts of whole 256-element super-blocks"),
-        (g["k"] == c["heads"] * c["head_dim"], f"k={g['k']} is not the attention's {c['heads']} x {c['head_dim']} outputs"),
-        ((g["x_stride"] or g["k"]) == c["out_stride"], "the GEMV's x rows are not the attention's out rows"),
-        (g["ksplit"] == 1 and not (g["wsm"] or g["glu"]), "the GEMV takes no ksplit, wsm or glu"),
-        (g["prologue"] == "none", f"prologue {g['prologue']!r}: the GEMV reads the attention's rows as they are"),
-        (gemv_grid_x(g) == _cdiv(g["n"], g["rows_per_block"]), "the GEMV needs one block per row tile (no grid_cap)"),
-        (c["warps"] * 32 <= g["threads"], f"the attention's {c['warps']} warps exceed the GEMV's {g['threads']} threads"),
-    )
-    for ok, msg in rules:
-        if not ok:
-            raise _fail("attention_gemv", msg)
-    params = {f"{AG_GEMV}{k}": v for k, v in g.items()}
-    params.update({f"{AG_ATTN}{k}": v for k, v in c.items()})
-    tag = zlib.crc32(f"{gemv.entry} {attn.entry}".encode())
-    short = f"{g['quant'].replace('_', '')}_n{g['n']}_k{g['k']}_p{units}"
-    return KernelSpec("attention_gemv", f"attention_gemv__{short}__h{tag:08x}", params)
-
-
-def attention_gemv_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
-    """The gemv spec and the attention spec (entry "part") of attention_gemv spec ``s``."""
-    return KernelSpec("gemv", "part", _unprefixed(s.params, AG_GEMV)), KernelSpec(
-        "attention", "part", _unprefixed(s.params, AG_ATTN)
-    )
-
-
-def attention_gemv_params(
-    o: Mapping[str, Any], attn: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0
-) -> dict[str, Any]:
-    """The o projection's gemv params ``o`` (a batch-1 coop q8x GEMV) reshaped for an
-    attention_gemv launch with attention ``attn``: k split into kv_heads x qsplit parts over the
-    grid, decode_graph.attention_o_threads threads (0: the GEMV's), lanes per row so that one step
-    of a lane group covers the whole part where it can (at most 32), attention_o_rows rows per
-    block (0: as few as keep the grid within ``sm_count`` blocks, whole row groups), no k split
-    over warps, wsm or capped grid. The result still goes through spec()."""
-    dg = tuning.get("decode_graph") or {}
-    parts = int(attn["kv_heads"]) * int(attn["qsplit"])
-    threads = int(dg.get("attention_o_threads") or o["threads"])
-    q4c = o["quant"] == "q4_k"
-    upt = max(1, int(o["unroll"]) // 2) if q4c else int(o["unroll"])
-    seg = 64 if q4c else COOP_SEG.get(o["quant"], 32)
-    lanes = max(1, min(32, int(o["k"]) // parts // (upt * seg)))
-    lanes = 1 << (lanes.bit_length() - 1)  # a power of two
-    groups = threads // 32 * (32 // lanes)
-    rows = int(dg.get("attention_o_rows") or 0)
-    if not rows:  # the fewest whole row groups per block that keep tiles x parts within the SMs
-        rows = groups * _cdiv(_cdiv(int(o["n"]) * parts, max(sm_count, 1)), groups)
-    return {
-        **o,
-        "threads": threads,
-        "rows_per_block": max(groups, rows // groups * groups),
-        "lanes": lanes,
-        "kparts": parts,
-        "ksplit": 1,
-        "wsm": False,
-        "wsm_chunk": 0,
-        "early_res": False,
-        "early_nw": False,
-        "grid_cap": 0,
-        "min_blocks": 0,
-        "tile_pf": False,
-    }
 
 
 def pair_attention_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:

@@ -446,7 +446,6 @@ def build_plan(
         steps.append(Step(op, layer, head, launches))
 
     adapter.fuse_pair_attention(steps, values)
-    adapter.fuse_attention_o(steps)
     adapter.trigger_short1_attention(steps)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
@@ -1139,53 +1138,6 @@ class _CatalogAdapter:
             args = la.args + at.args + (Arg("scratch", "attn_count"),)
             st.launches[SHORT1] = (Launch(spec, la.grid, la.block, args, la.smem),)
             attn.launches[SHORT1] = ()
-
-    def fuse_attention_o(self, steps: list[Step]) -> None:
-        """Tuning decode_graph.attention_o: each layer whose short-context attention is the direct
-        rope-fused kernel and whose next step, the o projection, is one batch-1 coop q8x GEMV
-        reading its rows gets a SHORT1 launch of kernels/attention_gemv.cu.j2 running both
-        (kernel_catalog.attention_gemv_params: the GEMV's k split over the attention's units), and
-        the o step an empty SHORT1. Not where SHORT1 is already set (pair_attention), nor where the
-        catalog refuses the pair (a ConfigError: that layer keeps its two launches)."""
-        make = getattr(self.cat, "attention_gemv_spec", None) if self.cat is not None else None
-        if make is None or not self._graph_knob("attention_o"):
-            return
-        for i, st in enumerate(steps[:-1]):
-            nxt = steps[i + 1]
-            short = st.launches.get("short", ())
-            o = nxt.launches.get("decode1", ())
-            if (
-                st.op.op != "attention"
-                or SHORT1 in st.launches
-                or len(short) != 1
-                or nxt.op.op != "linear"
-                or nxt.layer != st.layer
-                or len(o) != 1
-                or o[0].spec.template != "gemv"
-            ):
-                continue
-            at, la = short[0], o[0]
-            aa = dict(zip((n for n, _ in self.cat.kernel_args(at.spec)), at.args, strict=True))
-            ga = dict(zip((n for n, _ in self.cat.kernel_args(la.spec)), la.args, strict=True))
-            if ga["x"] != aa["out"] or not at.spec.params.get("rope") or not at.spec.params.get("direct"):
-                continue
-            try:
-                qsplit = int(self.tune("decode_graph").get("attention_o_qsplit") or 1)
-                attn = self.cat.spec("attention", **{**at.spec.params, "qsplit": qsplit})
-                tuning, sms = self.profile.tuning, self.profile.sm_count
-                g = self.cat.spec("gemv", **self.cat.attention_gemv_params(la.spec.params, attn.params, tuning, sms))
-                spec = make(g, attn)
-            except ConfigError:
-                continue
-            gp = g.params
-            tiles, parts = _cdiv(gp["n"], gp["rows_per_block"]), gp["kparts"]
-            self._need_scratch(ScratchPlan("kpart_sum", fixed=parts * self.max_rows * gp["n"] * 4))
-            self._need_scratch(ScratchPlan("kpart_count", fixed=tiles * self.max_rows * 4, fill="zero"))
-            gargs = tuple(ga[n] for n in ("out", "w", "x", "residual", "rows"))
-            gargs += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
-            smem = self.cat.gemv_smem(gp)
-            st.launches[SHORT1] = (Launch(spec, (tiles, 1, parts), (gp["threads"],), gargs + at.args, smem),)
-            nxt.launches[SHORT1] = ()
 
     def trigger_short1_attention(self, steps: list[Step]) -> None:
         """Tuning attention_decode.trigger_b1: each attention step whose short-context launch is

@@ -289,13 +289,6 @@ TUNING_SCHEMA: dict[str, Field] = {
     # rope-fused attention (kernels/gemv_pair_attention.cu.j2: each unit on the q tile block of its
     # middle q row, once its q / k / v rows have landed), so no attention kernel follows it (slower
     # on the H200 so far: docs/PERFORMANCE.md, seventeenth session)
-    # attention_o: at batch 1 and short contexts, the direct rope-fused attention and the o
-    # projection after it as one launch (kernels/attention_gemv.cu.j2: block (tile, unit) runs
-    # attention unit `unit`, then the o GEMV's row tile over that unit's k part; the partial sums
-    # meet through the k split's counters), in attention_o_threads threads (0: the o GEMV's),
-    # attention_o_rows rows per block (0: as few as keep the grid within the SMs) and
-    # attention_o_qsplit blocks per kv head (the attention's query heads split over them; each
-    # k part of the o projection is one block's heads)
     "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
@@ -304,10 +297,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_min_smem_kb": Field(int, default=0),
             "pair_min_blocks": Field(int, default=0),
             "pair_attention": Field(bool, default=False),
-            "attention_o": Field(bool, default=False),
-            "attention_o_threads": Field(int, default=0),
-            "attention_o_rows": Field(int, default=0),
-            "attention_o_qsplit": Field(int, default=1),
         }
     ),
 }

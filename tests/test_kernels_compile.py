@@ -116,11 +116,7 @@ def _pair_specs() -> list:
     fused = {la.spec for st in plan.steps for la in st.launches.get("short1", ())}
     assert len(fused) == 1 and all(s.params["a_min_blocks"] == 2 for s in fused)
     assert any(s.template == "gemv_pair_attention" for s in pairs.values())
-    # the attention + o projection launch (decode_graph.attention_o) as the A/B builds it
-    ao = _q4_k_m_plan("decode_graph.attention_o=true; decode_graph.attention_o_qsplit=2; decode_graph.attention_o_threads=320")
-    ag = {la.spec for st in ao.steps for la in st.launches.get("short1", ())}
-    assert len(ag) == 1 and all(s.template == "attention_gemv" for s in ag)
-    return list(dict.fromkeys([*pairs.values(), *wsm, *fused, *ag]))
+    return list(dict.fromkeys([*pairs.values(), *wsm, *fused]))
 
 
 def _variant_archs() -> list[str]:

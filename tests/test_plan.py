@@ -1674,64 +1674,6 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
             assert st.launches[SHORT1] == ()
 
 
-def test_attention_o_fuses_the_short_attention_and_the_o_projection_at_batch_1():
-    """decode_graph.attention_o: each layer's attention step gets a SHORT1 launch of
-    attention_gemv (grid: o row tiles x attention units; args: the o GEMV's with its k split's
-    scratch, then the attention's) and its o step an empty SHORT1; every other key of every step
-    is the plan without the knob. The attention is respecified with attention_o_qsplit; the GEMV
-    gets one q4_k k part (a whole super-block) per unit. A q8_0 file's o (q8_0r) keeps its two
-    launches, and pair_attention (SHORT1 taken) wins over it."""
-    from engine import kernel_catalog as kc
-    from engine.plan import SHORT1
-
-    tune = "decode_graph.attention_o_qsplit=2; decode_graph.attention_o_threads=320"
-    off, on = _q4_k_m_plan("decode_graph.attention_o=false"), _q4_k_m_plan(f"decode_graph.attention_o=true; {tune}")
-    steps = list(zip(off.steps, on.steps, strict=True))
-    fused = 0
-    for i, (s, t) in enumerate(steps):
-        assert {k: v for k, v in t.launches.items() if k != SHORT1} == s.launches
-        if s.op.op != "attention":
-            if not (i and steps[i - 1][0].op.op == "attention"):
-                assert SHORT1 not in t.launches
-            continue
-        fused += 1
-        (la,), (o_s, o_t) = t.launches[SHORT1], steps[i + 1]
-        assert o_t.launches[SHORT1] == () and o_s.op.op == "linear"
-        p = la.spec.params
-        assert la.spec.template == "attention_gemv" and la.grid == (8, 1, 16) and la.block == (320,)
-        assert (p["g_kparts"], p["g_rows_per_block"], p["g_lanes"], p["a_qsplit"]) == (16, 320, 4, 2)
-        assert p["g_n"] == 2560 and p["g_k"] == 4096 and p["g_quant"] == "q4_k" and p["g_residual"]
-        assert len(la.args) == len(kc.kernel_args(la.spec))
-        (at,) = s.launches["short"]
-        (o1,) = o_s.launches["decode1"]
-        assert la.args[:5] == o1.args[:5] and la.args[7:] == at.args
-        assert [a.ref for a in la.args[5:7]] == ["kpart_sum", "kpart_count"]
-        src = render(la.spec)
-        assert "cp.async.bulk.prefetch.L2" in src and src.count("pdl_wait();") >= 2
-    assert fused == on.dims["layers"]
-    scratch = {sp.name: sp for sp in on.scratch}
-    assert scratch["kpart_count"].fill == "zero" and scratch["kpart_sum"].fixed >= 16 * 2560 * 4
-    both = _q4_k_m_plan(f"decode_graph.attention_o=true; {tune}; decode_graph.pair_attention=true")
-    assert not any(la.spec.template == "attention_gemv" for st in both.steps for la in st.launches.get(SHORT1, ()))
-    graph = load_family("qwen3")
-    prof = with_tuning(get_profile("h200"), f"decode_graph.attention_o=true; {tune}")
-    q8 = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
-    assert not any(SHORT1 in st.launches for st in q8.steps)
-
-
-def test_attention_gemv_rules_name_the_problem():
-    from engine import kernel_catalog as kc
-
-    plan = _q4_k_m_plan("decode_graph.attention_o=true; decode_graph.attention_o_qsplit=2")
-    spec = next(la.spec for st in plan.steps for la in st.launches.get("short1", ()))
-    g, a = kc.attention_gemv_parts(spec)
-    assert kc.spec("attention_gemv", **spec.params) == spec
-    with pytest.raises(ConfigError, match="one k part per attention unit"):
-        kc.attention_gemv_spec(kc.spec("gemv", **{**g.params, "kparts": 8}), kc.spec("attention", **a.params))
-    with pytest.raises(ConfigError, match="direct rope-fused"):
-        kc.attention_gemv_spec(kc.spec("gemv", **g.params), kc.spec("attention", **{**a.params, "rope": False}))
-
-
 def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
     (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the

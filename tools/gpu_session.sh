@@ -420,27 +420,6 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|rel" /tmp/res/s18_q4_k_m.log >> /tmp/res/s18.sum; pack s18_q4_k_m
     BATCHES=1 ab s18 120 q8_0 --variant bal="$B"
     grep -h "b1  \|rel" /tmp/res/s18_q8_0.log >> /tmp/res/s18.sum; pack s18_q8_0 ;;
-  ao18)  # decode_graph.attention_o (the short attention and the o projection in one launch:
-    # kernels/attention_gemv.cu.j2): its GPU test (close to the two launches, the same bits
-    # replayed and eager), the device NVRTC's registers, then the b1 A/B on the q4_k_m file
-    # (qsplit 2 in 320 / 256 threads, qsplit 1) with attention_decode.trigger_b1 measured again,
-    # and a block trace of the profile and the fused launch (rc != 0: no A/B)
-    A="decode_graph.attention_o=true"; A2="$A; decode_graph.attention_o_qsplit=2"
-    timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "attention_o_launch" -p no:cacheprovider > /tmp/res/ao18_test.log 2>&1
-    trc=$?; echo "attention_o tests rc $trc: $(tail -1 /tmp/res/ao18_test.log)" > /tmp/res/ao18.sum; pack ao18_test
-    for v in "$A2; decode_graph.attention_o_threads=320" "$A2; decode_graph.attention_o_threads=256" "$A; decode_graph.attention_o_threads=320"; do
-      echo "== $v" >> /tmp/res/ao18_regs.log
-      timeout 60 python3 tools/kernel_resources.py --tune "$v" --mode short1 >> /tmp/res/ao18_regs.log 2>&1
-    done
-    grep -h "==\|attention_gemv" /tmp/res/ao18_regs.log | cut -c1-120 >> /tmp/res/ao18.sum; pack ao18_regs
-    if [ "$trc" = 0 ]; then
-      BATCHES=1 ab ao18 200 q4_k_m --variant ao2="$A2; decode_graph.attention_o_threads=320" \
-        --variant ao2t256="$A2; decode_graph.attention_o_threads=256" --variant ao1="$A; decode_graph.attention_o_threads=320" \
-        --variant trig1="attention_decode.trigger_b1=true"
-      grep -h "b1  \|rel" /tmp/res/ao18_q4_k_m.log >> /tmp/res/ao18.sum; pack ao18_q4_k_m
-      timeout "$(box 150)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace18 --model /dev/shm/q4b_q4_k_m.gguf --variant ao2="$A2; decode_graph.attention_o_threads=320" > /tmp/res/trace18.log 2>&1
-      grep -h "==\|ERROR" /tmp/res/trace18/trace.txt >> /tmp/res/ao18.sum; pack trace18
-    fi ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
