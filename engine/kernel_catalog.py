@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "table_first", "trigger"),
+    "attention": ("vec16", "rope", "table_first", "trigger", "l2_pf_lines", "l2_pf_late"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -372,8 +372,12 @@ KERNELS: dict[str, KernelDoc] = {
             v_stride=int,
             table_first=bool,
             trigger=bool,
+            l2_pf=str,
+            l2_pf_lines=bool,
+            l2_pf_late=bool,
         ),
-        # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots: see kernel_args()
+        # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
+        # see kernel_args()
         (
             ("out", P),
             ("part_o", P),
@@ -400,6 +404,8 @@ KERNELS: dict[str, KernelDoc] = {
             "qsplit",
             "table_first",
             "trigger",
+            "l2_pf_lines",
+            "l2_pf_late",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -417,6 +423,9 @@ KERNELS: dict[str, KernelDoc] = {
             "v_stride": 0,
             "table_first": False,
             "trigger": False,
+            "l2_pf": "",
+            "l2_pf_lines": False,
+            "l2_pf_late": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -924,6 +933,15 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["split"] % (8 * p["warps"]) == 0,
                 f"vec16: split={p['split']} must be a multiple of 8 * warps",
             )
+        if p["l2_pf"]:
+            need(p["direct"] and p["mode"] == "decode", "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
+            try:
+                ranges = l2_pf_ranges(p["l2_pf"])
+            except ValueError as e:
+                raise _fail("attention", f"l2_pf={p['l2_pf']!r}: {e}") from None
+            need(bool(ranges), "l2_pf names no range")
+        need(not (p["l2_pf_lines"] or p["l2_pf_late"]) or p["l2_pf"], "l2_pf_lines / l2_pf_late need l2_pf")
+        need(not p["l2_pf_late"] or p["vec16"], "l2_pf_late (the prefetch after pdl_wait) needs vec16")
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
             need(
@@ -1003,6 +1021,8 @@ def spec(template: str, **params: Any) -> KernelSpec:
             kv_stride=norm["kv_stride"],
             **({"v_stride": norm["v_stride"]} if norm["v_stride"] else {}),
         )
+    if template == "attention" and norm["l2_pf"]:  # the prefetch ranges, by a hash (they are long)
+        parts["pf"] = f"{zlib.crc32(norm['l2_pf'].encode()):08x}"
     name = entry_name(template, **parts)
     return KernelSpec(template, name, norm)
 
@@ -1138,7 +1158,29 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("kpart_sum", P), ("kpart_count", P))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
+    if s.template == "attention" and s.params.get("l2_pf"):
+        args = args + tuple((f"pf{i}", P) for i in range(1 + max(r[0] for r in l2_pf_ranges(s.params["l2_pf"]))))
     return args
+
+
+# l2_pf: at most this many weights (pointer args pf0 ..) per attention launch
+L2_PF_MAX_ARGS = 4
+
+
+def l2_pf_ranges(text: str) -> tuple[tuple[int, int, int], ...]:
+    """The ranges of an attention spec's ``l2_pf`` param: "A:OFF:BYTES" items joined by ",", each
+    BYTES bytes from byte OFF of pointer arg pfA, OFF and BYTES multiples of 16 (the bulk L2
+    prefetch's alignment), BYTES > 0. Raises ValueError naming the bad item."""
+    out = []
+    for item in filter(None, text.split(",")):
+        bits = item.split(":")
+        if len(bits) != 3 or not all(b.isdigit() for b in bits):
+            raise ValueError(f"{item!r} is not A:OFF:BYTES")
+        a, off, n = (int(b) for b in bits)
+        if a >= L2_PF_MAX_ARGS or off % 16 or n % 16 or n <= 0:
+            raise ValueError(f"{item!r}: A < {L2_PF_MAX_ARGS}, OFF and BYTES multiples of 16, BYTES > 0")
+        out.append((a, off, n))
+    return tuple(out)
 
 
 # the rope-fused decode attention's extra args: raw k / v rows of the step (k_in, v_in: kv_stride
@@ -1206,6 +1248,7 @@ def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
         (kvh * c["qsplit"] <= p["a_threads"], "more attention units than threads to count them"),
         (p["a_n"] == (heads + kvh) * hd, f"part a has {p['a_n']} rows, not the {heads} q and {kvh} k heads' {(heads + kvh) * hd}"),
         (p["b_n"] == kvh * hd, f"part b has {p['b_n']} rows, not the {kvh} v heads' {kvh * hd}"),
+        (not c["l2_pf"], "the attention part takes no l2_pf (L2 prefetch)"),
     )
     for ok, msg in rules:
         if not ok:

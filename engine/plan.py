@@ -448,6 +448,7 @@ def build_plan(
 
     adapter.fuse_pair_attention(steps, values)
     adapter.trigger_short1_attention(steps)
+    adapter.l2_prefetch_short1_attention(steps, weights)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -1157,6 +1158,71 @@ class _CatalogAdapter:
                 continue
             spec = self._spec("attention", {}, **{**la.spec.params, "trigger": True})
             st.launches[SHORT1] = (dataclasses.replace(la, spec=spec),)
+
+    def l2_prefetch_short1_attention(self, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
+        """Tuning attention_decode.l2_prefetch_o / l2_prefetch_next_kb: each attention step whose
+        batch-1 short-context launch is the direct kernel (SHORT1 where it has one, else a new
+        SHORT1 from its short launch) gets ``l2_pf`` ranges: the whole weight of the layer's next
+        linear (the o projection) and the first l2_prefetch_next_kb KB of the one after it, its
+        gate rows and its up rows half each where its batch-1 GEMV is the glu layout (tile t reads
+        gate rows t * RPB / 2 .. and the up rows as far past the gate's first, so the first tiles
+        of both halves come first). The weights are appended as pointer args pf0, pf1. Other batch
+        sizes, and steps whose SHORT1 is empty (the pair launch runs the attention), keep theirs."""
+        t = self.tune("attention_decode") if self.cat is not None else {}
+        want_o, next_kb = bool(t.get("l2_prefetch_o")), int(t.get("l2_prefetch_next_kb") or 0)
+        if not (want_o or next_kb):
+            return
+        for i, st in enumerate(steps):
+            cur = st.launches.get(SHORT1, st.launches.get("short", ()))
+            if st.op.op != "attention" or len(cur) != 1 or not cur[0].spec.params.get("direct"):
+                continue
+            later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
+            targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
+            if want_o and later:
+                o = self._weight_of(later[0], weights)
+                if o is not None:
+                    targets.append((o, [(0, o.nbytes)]))
+            if next_kb and len(later) > 1:
+                w = self._weight_of(later[1], weights)
+                if w is not None:
+                    want = next_kb * 1024
+                    glu = next(
+                        (la.spec.params.get("glu", 0) for la in later[1].launches.get("decode1", ()) if la.spec.template == "gemv"),
+                        0,
+                    )
+                    if glu and w.rows == 2 * glu:
+                        half = glu * row_bytes(w.dtype, w.cols)
+                        targets.append((w, [(0, min(want // 2, half)), (half, min(want // 2, half))]))
+                    else:
+                        targets.append((w, [(0, min(want, w.nbytes))]))
+            ranges = [
+                f"{a}:{off}:{n // 16 * 16}"
+                for a, (_, spans) in enumerate(targets)
+                for off, n in spans
+                if off % 16 == 0 and n >= 16
+            ]
+            if not ranges:
+                continue
+            la = cur[0]
+            params = {
+                **la.spec.params,
+                "l2_pf": ",".join(ranges),
+                "l2_pf_lines": bool(t.get("l2_prefetch_lines")),
+                "l2_pf_late": bool(t.get("l2_prefetch_late")) and bool(la.spec.params.get("vec16")),
+            }
+            spec = self._spec("attention", {}, **params)
+            args = la.args + tuple(_w(w) for w, _ in targets)
+            st.launches[SHORT1] = (dataclasses.replace(la, spec=spec, args=args),)
+
+    def _weight_of(self, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
+        """The matrix a linear step's batch-1 GEMV reads (its arg ``w``; None where the step is not
+        one gemv launch, as a q4_k_m q|k beside its v)."""
+        launches = step.launches.get("decode1", ())
+        if len(launches) != 1 or launches[0].spec.template != "gemv":
+            return None
+        named = dict(zip((n for n, _ in self.cat.kernel_args(launches[0].spec)), launches[0].args, strict=True))
+        w = named.get("w")
+        return weights.get(w.ref) if w is not None and w.kind == "weight" else None
 
     @staticmethod
     def _pairable(p: dict) -> bool:

@@ -34,6 +34,10 @@ def _positive(v: float) -> str | None:
     return None if v > 0 else f"expected a positive number, got {v}"
 
 
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else f"expected a number >= 0, got {v}"
+
+
 def _fraction(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else f"expected a number in (0, 1], got {v}"
 
@@ -268,6 +272,17 @@ TUNING_SCHEMA: dict[str, Field] = {
             "trigger": Field(bool, default=False),
             # the same at batch 1 only (the short pass's SHORT1 launch; b8 / b32 keep theirs)
             "trigger_b1": Field(bool, default=False),
+            # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches into L2, at
+            # its start, the layer's o projection weight (l2_prefetch_o) and the first
+            # l2_prefetch_next_kb KB of the linear after it (gate|up: half from the gate rows, half
+            # from the up rows, in its tiles' order), so they stream while the attention runs;
+            # l2_prefetch_lines: by per-line prefetch.global.L2 instead of bulk prefetches;
+            # l2_prefetch_late: after its pdl_wait (once the q|k|v GEMVs have ended and their
+            # weights are in) instead of at its start
+            "l2_prefetch_o": Field(bool, default=False),
+            "l2_prefetch_next_kb": Field(int, default=0, check=_non_negative),
+            "l2_prefetch_lines": Field(bool, default=False),
+            "l2_prefetch_late": Field(bool, default=False),
         }
     ),
     "elementwise": _section({"threads": _knob(256)}),

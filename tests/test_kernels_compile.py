@@ -550,6 +550,18 @@ def _attention_variant_specs():
         direct = out[-3].params  # (True, True, 4)
         assert direct["direct"] and direct["vec16"]
         out.append(kc.spec("attention", **{**direct, "trigger": True}))
+        # and its L2 prefetch of later weights (attention_decode.l2_prefetch_*): bulk at the start,
+        # by lines after pdl_wait
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:40960,1:160:8192"}))
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_late": True, "l2_pf_lines": True}))
+    # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with both prefetch placements
+    from test_plan import _q4_k_m_plan
+
+    for late in ("false", "true"):
+        plan = _q4_k_m_plan(
+            f"attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.l2_prefetch_late={late}"
+        )
+        out.append(next(la.spec for st in plan.steps for la in st.launches.get("short1", ()) if la.spec.params["l2_pf"]))
     return list(dict.fromkeys(out))
 
 
@@ -567,6 +579,40 @@ def test_attention_prefill_contract():
         kc.spec("attention", **{**d, "head_dim": 96, "q_stride": 96 * 48}, vec16=True)
     with pytest.raises(ConfigError, match="16 \\* warps"):
         kc.spec("attention_prefill", **p, out_stride=4096, block_q=64, block_kv=64, warps=8)
+
+
+def test_attention_l2_prefetch_args_ranges_and_rules():
+    """l2_pf: "A:OFF:BYTES" ranges read by kc.l2_pf_ranges (16-byte aligned, A < L2_PF_MAX_ARGS),
+    one pointer arg pfA per weight after the kernel's own (the signature agrees), each range
+    prefetched once, at the start or (l2_pf_late) after pdl_wait; the rules name what is wrong."""
+    assert kc.l2_pf_ranges("0:0:4096,1:160:8192") == ((0, 0, 4096), (1, 160, 8192))
+    for bad in ("0:0", "0:8:4096", "0:0:100", "0:0:0", "9:0:16", "a:0:16"):
+        with pytest.raises(ValueError):
+            kc.l2_pf_ranges(bad)
+    specs = [s for s in _attention_variant_specs() if s.template == "attention" and s.params["l2_pf"]]
+    assert len(specs) >= 4
+    for s in specs:
+        src = render(s)
+        ranges = kc.l2_pf_ranges(s.params["l2_pf"])
+        params = _signature_params(src, s.entry)
+        args = kc.kernel_args(s)
+        assert len(params) == len(args) and args[-1][0] == f"pf{max(a for a, _, _ in ranges)}", s.entry
+        assert params[-1].endswith(args[-1][0])
+        for a, off, n in ranges:
+            assert src.count(f"l2_prefetch(pf{a} + {off}ull, {n}u, t, nt);") == 1
+        body = src[src.index(f"{s.entry}(") :]
+        call = body.index("l2_prefetch_all(")
+        assert (call > body.index("pdl_wait();")) == s.params["l2_pf_late"], s.entry
+        assert body.count("l2_prefetch_all(") == 1
+        assert ('asm volatile("cp.async.bulk.prefetch.L2' in src) != s.params["l2_pf_lines"]
+    d = dict(specs[0].params)
+    with pytest.raises(ConfigError, match="l2_pf=.*A:OFF:BYTES"):
+        kc.spec("attention", **{**d, "l2_pf": "0:0"})
+    with pytest.raises(ConfigError, match="needs the direct decode kernel"):
+        kc.spec("attention", **{**d, "direct": False})
+    with pytest.raises(ConfigError, match="need l2_pf"):
+        kc.spec("attention", **{**d, "l2_pf": "", "l2_pf_late": True})
+    assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
