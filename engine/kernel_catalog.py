@@ -88,7 +88,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "table_first", "trigger", "l2_pf_lines", "l2_pf_late"),
+    "attention": ("vec16", "rope", "table_first", "trigger", "l2_pf_lines", "l2_pf_late", "l2_pf_keep"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -375,6 +375,7 @@ KERNELS: dict[str, KernelDoc] = {
             l2_pf=str,
             l2_pf_lines=bool,
             l2_pf_late=bool,
+            l2_pf_keep=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
         # see kernel_args()
@@ -406,6 +407,7 @@ KERNELS: dict[str, KernelDoc] = {
             "trigger",
             "l2_pf_lines",
             "l2_pf_late",
+            "l2_pf_keep",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -426,6 +428,7 @@ KERNELS: dict[str, KernelDoc] = {
             "l2_pf": "",
             "l2_pf_lines": False,
             "l2_pf_late": False,
+            "l2_pf_keep": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -940,7 +943,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             except ValueError as e:
                 raise _fail("attention", f"l2_pf={p['l2_pf']!r}: {e}") from None
             need(bool(ranges), "l2_pf names no range")
-        need(not (p["l2_pf_lines"] or p["l2_pf_late"]) or p["l2_pf"], "l2_pf_lines / l2_pf_late need l2_pf")
+        need(
+            not (p["l2_pf_lines"] or p["l2_pf_late"] or p["l2_pf_keep"]) or p["l2_pf"],
+            "l2_pf_lines / l2_pf_late / l2_pf_keep need l2_pf",
+        )
         need(not p["l2_pf_late"] or p["vec16"], "l2_pf_late (the prefetch after pdl_wait) needs vec16")
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")

@@ -1209,6 +1209,7 @@ class _CatalogAdapter:
                 "l2_pf": ",".join(ranges),
                 "l2_pf_lines": bool(t.get("l2_prefetch_lines")),
                 "l2_pf_late": bool(t.get("l2_prefetch_late")) and bool(la.spec.params.get("vec16")),
+                "l2_pf_keep": bool(t.get("l2_prefetch_keep")),
             }
             spec = self._spec("attention", {}, **params)
             args = la.args + tuple(_w(w) for w, _ in targets)

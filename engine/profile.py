@@ -278,11 +278,13 @@ TUNING_SCHEMA: dict[str, Field] = {
             # from the up rows, in its tiles' order), so they stream while the attention runs;
             # l2_prefetch_lines: by per-line prefetch.global.L2 instead of bulk prefetches;
             # l2_prefetch_late: after its pdl_wait (once the q|k|v GEMVs have ended and their
-            # weights are in) instead of at its start
+            # weights are in) instead of at its start; l2_prefetch_keep: the lines marked L2
+            # evict_last (not pushed out by the streams that pass before they are read)
             "l2_prefetch_o": Field(bool, default=False),
             "l2_prefetch_next_kb": Field(int, default=0, check=_non_negative),
             "l2_prefetch_lines": Field(bool, default=False),
             "l2_prefetch_late": Field(bool, default=False),
+            "l2_prefetch_keep": Field(bool, default=False),
         }
     ),
     "elementwise": _section({"threads": _knob(256)}),

@@ -554,6 +554,8 @@ def _attention_variant_specs():
         # by lines after pdl_wait
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:40960,1:160:8192"}))
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_late": True, "l2_pf_lines": True}))
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True}))
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True, "l2_pf_lines": True}))
     # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with both prefetch placements
     from test_plan import _q4_k_m_plan
 
@@ -605,13 +607,15 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
         assert (call > body.index("pdl_wait();")) == s.params["l2_pf_late"], s.entry
         assert body.count("l2_prefetch_all(") == 1
         assert ('asm volatile("cp.async.bulk.prefetch.L2' in src) != s.params["l2_pf_lines"]
+        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
     d = dict(specs[0].params)
     with pytest.raises(ConfigError, match="l2_pf=.*A:OFF:BYTES"):
         kc.spec("attention", **{**d, "l2_pf": "0:0"})
     with pytest.raises(ConfigError, match="needs the direct decode kernel"):
         kc.spec("attention", **{**d, "direct": False})
-    with pytest.raises(ConfigError, match="need l2_pf"):
-        kc.spec("attention", **{**d, "l2_pf": "", "l2_pf_late": True})
+    for opt in ("l2_pf_late", "l2_pf_lines", "l2_pf_keep"):
+        with pytest.raises(ConfigError, match="need l2_pf"):
+            kc.spec("attention", **{**d, "l2_pf": "", opt: True})
     assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 
 

@@ -409,16 +409,17 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # layer's o weight (and the gate|up's first KB) into L2 while it runs, the window the block
     # traces show DRAM idle in (attention_decode.l2_prefetch_*). The GPU test first (the same bits,
     # replayed and eager, bulk at the start and lines after pdl_wait), then the b1 A/B on the
-    # q4_k_m file: o at the start / after pdl_wait, o + 8 MB / 16 MB of gate|up, with trigger_b1,
-    # and o on the q8_0 file. Expect rel 0 everywhere.
+    # q4_k_m file: o at the start / after pdl_wait / marked evict_last, o + 8 MB / 16 MB of
+    # gate|up, with trigger_b1, and o on the q8_0 file. Expect rel 0 everywhere.
     A=attention_decode; O="$A.l2_prefetch_o=true"; L="$A.l2_prefetch_late=true"
-    timeout "$(box 120)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "l2_prefetch" -p no:cacheprovider > /tmp/res/pf19_test.log 2>&1
+    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "l2_prefetch" -p no:cacheprovider > /tmp/res/pf19_test.log 2>&1
     trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/pf19_test.log)" > /tmp/res/pf19.sum; pack pf19_test
     timeout 60 python3 tools/kernel_resources.py --tune "$O; $A.l2_prefetch_next_kb=8192" --mode short1 > /tmp/res/pf19_regs.log 2>&1
     grep -h "attention" /tmp/res/pf19_regs.log >> /tmp/res/pf19.sum
     if [ "$trc" = 0 ]; then
-      BATCHES=1 ab pf19 300 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant o8m="$O; $A.l2_prefetch_next_kb=8192" \
-        --variant o16late="$O; $L; $A.l2_prefetch_next_kb=16384" --variant olines="$O; $L; $A.l2_prefetch_lines=true" \
+      K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"
+      BATCHES=1 ab pf19 330 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant okeep="$O; $K" \
+        --variant o8m="$O; $A.l2_prefetch_next_kb=8192" --variant o16late="$O; $L; $N16" --variant o16keep="$O; $L; $K; $N16" \
         --variant otrig="$O; $A.trigger_b1=true"
       grep -h "b1  \|rel" /tmp/res/pf19_q4_k_m.log >> /tmp/res/pf19.sum; pack pf19_q4_k_m
       BATCHES=1 ab pf19 120 q8_0 --variant o="$O" --variant olate="$O; $L"

@@ -404,7 +404,7 @@ def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
 def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: at batch 1 and short contexts the
     direct attention prefetches its layer's o weight and the gate|up's first rows into L2 (bulk
-    prefetches at its start, or line prefetches after its pdl_wait). A prefetch is a hint, so the
+    prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
     from engine.plan import SHORT1
 
@@ -416,7 +416,14 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
 
     on = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=256"
     late = f"{on}; attention_decode.l2_prefetch_late=true; attention_decode.l2_prefetch_lines=true"
-    variants = (("off", "", True), ("start", on, True), ("start eager", on, False), ("late lines", late, True))
+    keep = f"{on}; attention_decode.l2_prefetch_keep=true"
+    variants = (
+        ("off", "", True),
+        ("start", on, True),
+        ("start eager", on, False),
+        ("late lines", late, True),
+        ("keep", keep, True),
+    )
     logits = _q4_k_m_split_linears(tmp_path, variants, check)
     for name, _, _ in variants[1:]:
         _assert_same_bits(logits["off"], logits[name], name)
