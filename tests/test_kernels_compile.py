@@ -697,3 +697,21 @@ def test_gemm_wgmma_tile_configs_compile(tmp_path):
     builder = KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "kcache"), no_compile=False)
     stats = builder.build_all(specs, jobs=2, progress=None)
     assert stats.compiled == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_gpu_tools_inline_sources_compile():
+    """The micro-benchmarks' own CUDA sources (tools/gpu_handoff_bench.py, tools/gpu_l2_bench.py)
+    compile for the primary arch, so a GPU session does not find a typo first."""
+    import importlib
+    import sys
+
+    from engine import nvrtc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    try:
+        for name in ("gpu_handoff_bench", "gpu_l2_bench"):
+            cubin, _ = nvrtc.compile_to_cubin(importlib.import_module(name).SOURCE, name, PRIMARY_ARCH)
+            assert cubin
+    finally:
+        sys.path.pop(0)

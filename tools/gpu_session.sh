@@ -405,24 +405,28 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  " /tmp/res/trig17_q8_0.log >> /tmp/res/trig17.sum; pack trig17_q8_0
     MEMRA_TUNE="$T" timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json /tmp/res/bench17_trig.json > /tmp/res/bench17_trig.log 2>&1
     grep -h "decode\|prefill" /tmp/res/bench17_trig.log >> /tmp/res/trig17.sum; pack bench17_trig ;;
-  pf19)  # the nineteenth session (built without a GPU): the direct batch-1 attention prefetches its
+  pf19)  # the nineteenth session (built without a GPU): tools/gpu_l2_bench.py first (does a
+    # prefetch into L2 make a later stream faster: cold / warm / after a prefetch and an idle
+    # window / prefetched beside another stream); then the direct batch-1 attention prefetches its
     # layer's o weight (and the gate|up's first KB) into L2 while it runs, the window the block
     # traces show DRAM idle in (attention_decode.l2_prefetch_*). The GPU test first (the same bits,
     # replayed and eager, bulk at the start and lines after pdl_wait), then the b1 A/B on the
     # q4_k_m file: o at the start / after pdl_wait / marked evict_last, o + 8 MB / 16 MB of
     # gate|up, with trigger_b1, and o on the q8_0 file. Expect rel 0 everywhere.
     A=attention_decode; O="$A.l2_prefetch_o=true"; L="$A.l2_prefetch_late=true"
+    timeout "$(box 60)" python3 tools/gpu_l2_bench.py --out /tmp/res/l2 > /tmp/res/l2bench.log 2>&1
+    { cat /tmp/res/l2/l2.txt 2>/dev/null || tail -5 /tmp/res/l2bench.log; } > /tmp/res/pf19.sum; pack l2bench
     timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "l2_prefetch" -p no:cacheprovider > /tmp/res/pf19_test.log 2>&1
-    trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/pf19_test.log)" > /tmp/res/pf19.sum; pack pf19_test
+    trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/pf19_test.log)" >> /tmp/res/pf19.sum; pack pf19_test
     timeout 60 python3 tools/kernel_resources.py --tune "$O; $A.l2_prefetch_next_kb=8192" --mode short1 > /tmp/res/pf19_regs.log 2>&1
     grep -h "attention" /tmp/res/pf19_regs.log >> /tmp/res/pf19.sum
     if [ "$trc" = 0 ]; then
       K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"
-      BATCHES=1 ab pf19 330 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant okeep="$O; $K" \
+      BATCHES=1 ab pf19 300 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant okeep="$O; $K" \
         --variant o8m="$O; $A.l2_prefetch_next_kb=8192" --variant o16late="$O; $L; $N16" --variant o16keep="$O; $L; $K; $N16" \
         --variant otrig="$O; $A.trigger_b1=true"
       grep -h "b1  \|rel" /tmp/res/pf19_q4_k_m.log >> /tmp/res/pf19.sum; pack pf19_q4_k_m
-      BATCHES=1 ab pf19 120 q8_0 --variant o="$O" --variant olate="$O; $L"
+      BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L"
       grep -h "b1  \|rel" /tmp/res/pf19_q8_0.log >> /tmp/res/pf19.sum; pack pf19_q8_0
     fi ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
