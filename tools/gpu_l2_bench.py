@@ -13,6 +13,9 @@ plain buffer of each --sizes MB, the median of --reps runs, time of the stream k
 - ``pf MODE dD``: after a flush, a prefetch kernel (32 blocks x 256 threads: the attention's
   grid; MODE bulk = 8 KB cp.async.bulk.prefetch.L2 pieces, lines = prefetch.global.L2 per 128
   bytes, keep = bulk with an L2 evict_last policy) and a D us busy kernel (the attention's time);
+- ``tile``: 128 blocks each bulk-copying its 1/128 of the buffer into shared memory (the o
+  projection's row tiles: 46 KB each for the Qwen3-4B q4_k o weight, 6 MB), cold and after a bulk
+  prefetch and a 3 us idle window (sizes up to 28 MB: 224 KB of shared memory a block);
 - ``beside``: after a flush, one kernel that prefetches the buffer (bulk, its blocks' share)
   while it streams another 28 MB buffer (the thirteenth session's "prefetch the next GEMV's
   weights" shape), then the stream: the time of both kernels against the two streams cold.
@@ -74,6 +77,27 @@ extern "C" __global__ void busy(int ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (u64)ns);
 }
 
+// block i copies bytes [i * per, (i + 1) * per) of src into its shared memory with one bulk copy
+// (the wsm GEMVs' row tile: the o projection's 128 blocks), waits for it, and reads one word
+extern "C" __global__ void tile_copy(const unsigned char* src, unsigned per, unsigned* out) {
+    extern __shared__ __align__(128) unsigned char tile[];
+    __shared__ __align__(8) u64 bar;
+    const unsigned b = (unsigned)__cvta_generic_to_shared(&bar), d = (unsigned)__cvta_generic_to_shared(tile);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(per) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(d), "l"(src + (u64)blockIdx.x * per), "r"(per), "r"(b) : "memory");
+    }
+    __syncthreads();
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(b) : "memory");
+    if (threadIdx.x == 0) out[blockIdx.x] = *reinterpret_cast<const unsigned*>(tile + per - 16);
+}
+
 // stream a while prefetching b (bulk, this grid's share) first
 extern "C" __global__ void __launch_bounds__(320) stream_pf(const uint4* __restrict__ a, u64 n16, unsigned* out,
                                                              const unsigned char* b, u64 nb) {
@@ -108,7 +132,9 @@ def main() -> int:
     ctx = cuda.Context(0)
     cubin, _ = nvrtc.compile_to_cubin(SOURCE, "l2bench", arch)
     mod = cuda.Module(cubin, "l2bench")
-    f_stream, f_pf, f_busy, f_spf = (mod.function(n) for n in ("stream", "prefetch", "busy", "stream_pf"))
+    f_stream, f_pf, f_busy, f_spf, f_tile = (
+        mod.function(n) for n in ("stream", "prefetch", "busy", "stream_pf", "tile_copy")
+    )
     sizes = [int(s) for s in args.sizes.split(",")]
     big = max(sizes) * MB
     buf, other, flush = cuda.alloc(big), cuda.alloc(28 * MB), cuda.alloc(256 * MB)
@@ -161,6 +187,18 @@ def main() -> int:
                     busy(delay)
 
                 row.append(f"pf {name} d{delay:g} {rate(timed(pre, lambda n=n: run_stream(buf.ptr, n)))}")
+        per = n // 128 // 16 * 16
+        if per <= 224 * 1024:
+
+            def tile(per=per) -> None:
+                cuda.launch(f_tile, (128,), (128,), cuda.KernelArgs(["ptr", "u32", "ptr"], [buf.ptr, per, out.ptr]), per, stream)
+
+            def pre_pf(n=n) -> None:
+                do_flush()
+                prefetch(n, 0)
+                busy(3.0)
+
+            row.append(f"tile copies ({per // 1024} KB x 128): cold {rate(timed(do_flush, tile))}, after pf bulk d3 {rate(timed(pre_pf, tile))}")
         both_cold = timed(do_flush, lambda n=n: (run_stream(other.ptr, 28 * MB), run_stream(buf.ptr, n)))
 
         def beside(n=n) -> None:
