@@ -1348,6 +1348,8 @@ def coop_options(
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
       - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks;
+      - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
+        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB, k is not split over blocks and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
@@ -1386,6 +1388,9 @@ def coop_options(
             if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
                 rpw = c["q8x_b1_rows_per_warp"]
         lanes = int(c.get("q8x_lanes_per_row") or 32)
+        unroll = int(c["unroll"])
+        if bmax == 1 and int(c.get("q8x_b1_unroll") or 0) and int(c["q8x_b1_unroll"]) != unroll:
+            unroll = out["unroll"] = int(c["q8x_b1_unroll"])  # segments in flight per lane and row
         if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:
@@ -1422,7 +1427,7 @@ def coop_options(
                 if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
                     # the tile in k chunks, one mbarrier each
                     step = coop_step_elems(
-                        {"quant": quant, "q8x": True, "unroll": c["unroll"], "lanes": lanes, "ksplit": ksplit}
+                        {"quant": quant, "q8x": True, "unroll": unroll, "lanes": lanes, "ksplit": ksplit}
                     )
                     wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
                     if wc:

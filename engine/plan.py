@@ -981,6 +981,7 @@ class _CatalogAdapter:
                 ),
             )
             threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
+            unroll = opts.pop("unroll", unroll)  # (q8x_b1_unroll)
             if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
                 opts.pop("kparts", None)
             if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them

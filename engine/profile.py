@@ -70,6 +70,7 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_chunk_min_k",
     "q8x_stage_rounds",
     "q8x_stage_rounds_min_k",
+    "q8x_b1_unroll",
 )
 
 
@@ -180,6 +181,9 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x: the x-row staging issues this many rounds of loads before quantising them
             "q8x_stage_rounds": Field(int, default=1),
             "q8x_stage_rounds_min_k": Field(int, default=0),  # q8x_stage_rounds only where k >= this
+            # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
+            # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
+            "q8x_b1_unroll": Field(int, default=0, check=_non_negative),
             # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
             # loaded before pdl_wait (weights never change), so only x is read after the wait
             "q8x_early_norm_w": Field(bool, default=False),

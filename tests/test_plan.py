@@ -1332,6 +1332,41 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
         with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
 
 
+def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
+    """gemv_coop.q8x_b1_unroll (per file type): the batch-1 q4_k GEMVs take that unroll (their
+    wsm k chunks follow its step); b8 and the other types keep gemv_coop.unroll; 0 keeps it."""
+    from engine import kernel_catalog as kc
+    from engine.profile import with_tuning
+
+    prof = get_profile("h200")
+    general = prof.tuning["gemv_coop"]["unroll"]
+    types = dict(prof.tuning["gemv_coop"]["q8x_type_tuning"])
+    q4 = {**types["q4_k"], "q8x_b1_unroll": 2 * general}
+    tuned = {**prof.tuning, "gemv_coop": {**prof.tuning["gemv_coop"], "q8x_type_tuning": {**types, "q4_k": q4}}}
+    for layout, n, k, bmax, want in (
+        ("q4_k", 19456, 2560, 1, 2 * general),
+        ("q4_k", 2560, 9728, 1, 2 * general),
+        ("q4_k", 19456, 2560, 8, general),
+        ("q6_kr", 2560, 9728, 1, general),
+        ("q8_0r", 19456, 2560, 1, general),
+    ):
+        p = kc.linear_params(layout, n, k, tuned, bmax=bmax, sm_count=132)
+        assert p["unroll"] == want, (layout, n, k, bmax)
+        if p.get("wsm_chunk"):  # whole steps per chunk at this unroll
+            assert p["wsm_chunk"] % kc.coop_step_elems(p) == 0
+    assert kc.linear_params("q4_k", 19456, 2560, prof.tuning, bmax=1)["unroll"] == general
+    knob = "gemv_coop.q8x_type_tuning={q4_k: {q8x_b1_unroll: 4}}"
+    plan = build_plan(
+        load_family("qwen3"),
+        dims_for_size("qwen3", "qwen3-4b"),
+        load_family("qwen3").quant("q4_k_m"),
+        with_tuning(prof, knob),
+        tensor_dtypes={"w_down": "q6_k", "wv": "q6_k"},
+    )
+    b1 = {la.spec.params["quant"]: la.spec.params["unroll"] for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"}
+    assert b1["q4_k"] == 4 and b1["q6_kr"] == general
+
+
 def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     """q8x_ksplit_threads: the k-split GEMVs (n <= q8x_ksplit_max_n: o, down) take their own block
     size (640 threads = 10 groups of 2 rows: 20-row tiles, 128 blocks for n = 2560);

@@ -429,6 +429,23 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L"
       grep -h "b1  \|rel" /tmp/res/pf19_q8_0.log >> /tmp/res/pf19.sum; pack pf19_q8_0
     fi ;;
+  u19)  # the nineteenth session (built without a GPU): the batch-1 q4_k GEMVs with twice the
+    # segments in flight per lane (gemv_coop.q8x_type_tuning q4_k q8x_b1_unroll 4: two 48-byte
+    # segment loads per lane and row a step instead of one; the ninth session's Nsight run had
+    # gate|up stalled on long scoreboards). NVRTC 13.5 here: gate|up 81 -> 82 registers, q|k|v
+    # pairs 77 / 80 -> 89 / 88, q4_k down 58 -> 78, no spills (the q6_k down at unroll 4 spills
+    # 276 bytes, so q6_k keeps 2). The GPU model tests with it on (MEMRA_TUNE), then the b1 A/B on
+    # the q4_k_m file (rel 0 expected: the same sums in the same order). U4 is the h200 profile's
+    # q8x_type_tuning with the knob added.
+    U4="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
+    MEMRA_TUNE="$U4" timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "quantised_gguf or paired" -p no:cacheprovider > /tmp/res/u19_test.log 2>&1
+    trc=$?; echo "tests (U4) rc $trc: $(tail -1 /tmp/res/u19_test.log)" > /tmp/res/u19.sum; pack u19_test
+    timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > /tmp/res/u19_regs.log 2>&1
+    grep -h "linear" /tmp/res/u19_regs.log >> /tmp/res/u19.sum
+    if [ "$trc" = 0 ]; then
+      BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4"
+      grep -h "b1  \|rel" /tmp/res/u19_q4_k_m.log >> /tmp/res/u19.sum; pack u19_q4_k_m
+    fi ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
     # no idle last round) and attention_decode.trigger_b1 (the direct attention's pdl_trigger() at
     # batch 1 only, a SHORT1 launch): their GPU tests (the same bits; graphs == eager with both on),
