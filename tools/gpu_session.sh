@@ -422,9 +422,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "attention" /tmp/res/pf19_regs.log >> /tmp/res/pf19.sum
     if [ "$trc" = 0 ]; then
       K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"
+      # (a variant costs about 2.5 s once the file is loaded; the profile and the first three run
+      # twice, to see the noise between runs of one call)
       BATCHES=1 ab pf19 300 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant okeep="$O; $K" \
         --variant o8m="$O; $A.l2_prefetch_next_kb=8192" --variant o16late="$O; $L; $N16" --variant o16keep="$O; $L; $K; $N16" \
-        --variant otrig="$O; $A.trigger_b1=true"
+        --variant otrig="$O; $A.trigger_b1=true" --variant profile2="" --variant o_2="$O" --variant olate_2="$O; $L" \
+        --variant o16late_2="$O; $L; $N16"
       grep -h "b1  \|rel" /tmp/res/pf19_q4_k_m.log >> /tmp/res/pf19.sum; pack pf19_q4_k_m
       BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L"
       grep -h "b1  \|rel" /tmp/res/pf19_q8_0.log >> /tmp/res/pf19.sum; pack pf19_q8_0
@@ -443,7 +446,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > /tmp/res/u19_regs.log 2>&1
     grep -h "linear" /tmp/res/u19_regs.log >> /tmp/res/u19.sum
     if [ "$trc" = 0 ]; then
-      BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4"
+      BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4" --variant profile2="" --variant u4_2="$U4"
       grep -h "b1  \|rel" /tmp/res/u19_q4_k_m.log >> /tmp/res/u19.sum; pack u19_q4_k_m
     fi ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
