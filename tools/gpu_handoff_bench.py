@@ -88,14 +88,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from engine import cuda, nvrtc
-    from engine.profile import select
+    from gpu_inline import inline_module
 
-    info = cuda.detect_devices()[0]
-    arch = select(info).arch
-    ctx = cuda.Context(0)
-    cubin, _ = nvrtc.compile_to_cubin(SOURCE, "chain", arch)
-    mod = cuda.Module(cubin, "chain")
+    from engine import cuda
+
+    info, ctx, mod = inline_module(SOURCE, "chain")
     fn = mod.function("chain")
     n = args.kernels
     buf = cuda.alloc((n + 2) * 1024 * 4)

@@ -124,14 +124,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    from engine import cuda, nvrtc
-    from engine.profile import select
+    from gpu_inline import inline_module
 
-    info = cuda.detect_devices()[0]
-    arch = select(info).arch
-    ctx = cuda.Context(0)
-    cubin, _ = nvrtc.compile_to_cubin(SOURCE, "l2bench", arch)
-    mod = cuda.Module(cubin, "l2bench")
+    from engine import cuda
+
+    info, ctx, mod = inline_module(SOURCE, "l2bench")
     f_stream, f_pf, f_busy, f_spf, f_tile = (
         mod.function(n) for n in ("stream", "prefetch", "busy", "stream_pf", "tile_copy")
     )
