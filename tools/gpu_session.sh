@@ -449,6 +449,20 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4" --variant profile2="" --variant u4_2="$U4"
       grep -h "b1  \|rel" /tmp/res/u19_q4_k_m.log >> /tmp/res/u19.sum; pack u19_q4_k_m
     fi ;;
+  sweep19)  # knobs measured before the q|k|v pair (seventeenth session) changed which kernels
+    # share the SMs, measured again on the profile at b1, each once (about 2.5 s a variant; a
+    # lead then gets its own A/B with repeats): the direct attention in 2 query splits / 4 warps /
+    # triggering early, the pair at 3 blocks per SM, the q4_k GEMVs at 16 / 4 lanes per row and
+    # in 256 / 384-thread blocks (the h200 type tuning otherwise)
+    A=attention_decode
+    tt() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$1, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"; }
+    BATCHES=1 ab sweep19 200 q4_k_m --variant qs2="$A.direct_qsplit=2" --variant dw4="$A.direct_warps=4" \
+      --variant trig="$A.trigger=true" --variant pmb3="decode_graph.pair_min_blocks=3" \
+      --variant l16="$(tt "${T4/q8x_lanes_per_row: 8/q8x_lanes_per_row: 16}")" \
+      --variant l4="$(tt "${T4/q8x_lanes_per_row: 8/q8x_lanes_per_row: 4}")" \
+      --variant t256="$(tt "${T4/q8x_threads: 320/q8x_threads: 256}")" \
+      --variant t384="$(tt "${T4/q8x_threads: 320/q8x_threads: 384}")" --variant profile2=""
+    grep -h "b1  \|rel" /tmp/res/sweep19_q4_k_m.log > /tmp/res/sweep19.sum; pack sweep19 ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
     # no idle last round) and attention_decode.trigger_b1 (the direct attention's pdl_trigger() at
     # batch 1 only, a SHORT1 launch): their GPU tests (the same bits; graphs == eager with both on),
