@@ -603,9 +603,9 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
         for a, off, n in ranges:
             assert src.count(f"l2_prefetch(pf{a} + {off}ull, {n}u, t, nt);") == 1
         body = src[src.index(f"{s.entry}(") :]
-        call = body.index("l2_prefetch_all(")
+        call = body.index("L2_PF_CALL();")
         assert (call > body.index("pdl_wait();")) == s.params["l2_pf_late"], s.entry
-        assert body.count("l2_prefetch_all(") == 1
+        assert body.count("L2_PF_CALL();") == 1
         assert ('asm volatile("cp.async.bulk.prefetch.L2' in src) != s.params["l2_pf_lines"]
         assert ("::evict_last" in src) == s.params["l2_pf_keep"]
     d = dict(specs[0].params)
