@@ -85,7 +85,7 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
         "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
-        "early_nw", "early_res",
+        "early_nw", "early_res", "l2_pf_lines", "l2_pf_keep",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
     "attention": ("vec16", "rope", "table_first", "trigger", "l2_pf_lines", "l2_pf_late", "l2_pf_keep"),
@@ -133,8 +133,12 @@ KERNELS: dict[str, KernelDoc] = {
             wsm_chunk=int,
             early_nw=bool,
             early_res=bool,
+            l2_pf=str,
+            l2_pf_lines=bool,
+            l2_pf_keep=bool,
         ),
-        # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count): kernel_args()
+        # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count), l2_pf
+        # pf0, pf1 ..: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         (
             "quant",
@@ -169,6 +173,8 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk",
             "early_nw",
             "early_res",
+            "l2_pf_lines",
+            "l2_pf_keep",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -203,6 +209,9 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk": 0,
             "early_nw": False,
             "early_res": False,
+            "l2_pf": "",
+            "l2_pf_lines": False,
+            "l2_pf_keep": False,
         },
     ),
     "gemm": KernelDoc(
@@ -644,6 +653,8 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
         p = s.params
         if p["kparts"] != 1:
             raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
+        if p["l2_pf"]:
+            raise _fail("gemv_pair", f"{s.entry}: a part takes no l2_pf (L2 prefetch)")
         if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
             raise _fail("gemv_pair", f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)")
     pa, pb = a.params, b.params
@@ -725,6 +736,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
             cols % QUANTS[q][0] == 0 and cols % 32 == 0 or (q in ("bf16", "f16", "f32") and cols % 8 == 0),
             f"row length {cols} is not a multiple of the {q} block ({QUANTS[q][0]})",
         )
+    if template in ("gemv", "attention"):  # l2_pf: kernels/_l2_prefetch.cuh.j2
+        if p["l2_pf"]:
+            try:
+                need(bool(l2_pf_ranges(p["l2_pf"])), "l2_pf names no range")
+            except ValueError as e:
+                raise _fail(template, f"l2_pf={p['l2_pf']!r}: {e}") from None
+        need(not (p["l2_pf_lines"] or p["l2_pf_keep"]) or p["l2_pf"], "l2_pf_lines / l2_pf_keep need l2_pf")
     if template == "gemv":
         need(1 <= p["unroll"] <= 8, f"unroll={p['unroll']} must be 1..8")
         pro, xs = p["prologue"], p["x_stride"] or p["k"]
@@ -771,6 +789,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
         need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")
+        need(not p["l2_pf"] or (p["q8x"] and p["bmax"] == 1), "l2_pf (L2 prefetch of later weights) is a batch-1 q8x coop option")
         need(
             not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
             "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
@@ -936,17 +955,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["split"] % (8 * p["warps"]) == 0,
                 f"vec16: split={p['split']} must be a multiple of 8 * warps",
             )
-        if p["l2_pf"]:
-            need(p["direct"] and p["mode"] == "decode", "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
-            try:
-                ranges = l2_pf_ranges(p["l2_pf"])
-            except ValueError as e:
-                raise _fail("attention", f"l2_pf={p['l2_pf']!r}: {e}") from None
-            need(bool(ranges), "l2_pf names no range")
-        need(
-            not (p["l2_pf_lines"] or p["l2_pf_late"] or p["l2_pf_keep"]) or p["l2_pf"],
-            "l2_pf_lines / l2_pf_late / l2_pf_keep need l2_pf",
-        )
+        need(not p["l2_pf"] or (p["direct"] and p["mode"] == "decode"), "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
+        need(not p["l2_pf_late"] or p["l2_pf"], "l2_pf_late needs l2_pf")
         need(not p["l2_pf_late"] or p["vec16"], "l2_pf_late (the prefetch after pdl_wait) needs vec16")
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
@@ -1027,7 +1037,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             kv_stride=norm["kv_stride"],
             **({"v_stride": norm["v_stride"]} if norm["v_stride"] else {}),
         )
-    if template == "attention" and norm["l2_pf"]:  # the prefetch ranges, by a hash (they are long)
+    if template in ("gemv", "attention") and norm["l2_pf"]:  # the prefetch ranges, by a hash (they are long)
         parts["pf"] = f"{zlib.crc32(norm['l2_pf'].encode()):08x}"
     name = entry_name(template, **parts)
     return KernelSpec(template, name, norm)
@@ -1164,7 +1174,7 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("kpart_sum", P), ("kpart_count", P))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
-    if s.template == "attention" and s.params.get("l2_pf"):
+    if s.template in ("gemv", "attention") and s.params.get("l2_pf"):
         args = args + tuple((f"pf{i}", P) for i in range(1 + max(r[0] for r in l2_pf_ranges(s.params["l2_pf"]))))
     return args
 

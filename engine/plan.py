@@ -449,6 +449,7 @@ def build_plan(
     adapter.fuse_pair_attention(steps, values)
     adapter.trigger_short1_attention(steps)
     adapter.l2_prefetch_short1_attention(steps, weights)
+    adapter.l2_prefetch_o_gemv(steps, weights)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
     sampling = adapter.sampling(values["logits"])
@@ -621,6 +622,15 @@ def _bind_outputs(
 
 # ---------------------------------------------------------------------------------------------
 # lowering: ops -> launches
+
+
+def _l2_pf_ranges(targets: list[tuple[WeightPlan, list[tuple[int, int]]]]) -> str:
+    """An ``l2_pf`` param (kernel_catalog.l2_pf_ranges) over ``targets``: weight a's spans as
+    "a:OFF:BYTES" items, the bytes cut to a multiple of 16, spans at an unaligned offset or under
+    16 bytes left out."""
+    return ",".join(
+        f"{a}:{off}:{n // 16 * 16}" for a, (_, spans) in enumerate(targets) for off, n in spans if off % 16 == 0 and n >= 16
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1184,30 +1194,16 @@ class _CatalogAdapter:
                 if o is not None:
                     targets.append((o, [(0, o.nbytes)]))
             if next_kb and len(later) > 1:
-                w = self._weight_of(later[1], weights)
-                if w is not None:
-                    want = next_kb * 1024
-                    glu = next(
-                        (la.spec.params.get("glu", 0) for la in later[1].launches.get("decode1", ()) if la.spec.template == "gemv"),
-                        0,
-                    )
-                    if glu and w.rows == 2 * glu:
-                        half = glu * row_bytes(w.dtype, w.cols)
-                        targets.append((w, [(0, min(want // 2, half)), (half, min(want // 2, half))]))
-                    else:
-                        targets.append((w, [(0, min(want, w.nbytes))]))
-            ranges = [
-                f"{a}:{off}:{n // 16 * 16}"
-                for a, (_, spans) in enumerate(targets)
-                for off, n in spans
-                if off % 16 == 0 and n >= 16
-            ]
+                first = self._first_bytes(later[1], weights, next_kb * 1024)
+                if first is not None:
+                    targets.append(first)
+            ranges = _l2_pf_ranges(targets)
             if not ranges:
                 continue
             la = cur[0]
             params = {
                 **la.spec.params,
-                "l2_pf": ",".join(ranges),
+                "l2_pf": ranges,
                 "l2_pf_lines": bool(t.get("l2_prefetch_lines")),
                 "l2_pf_late": bool(t.get("l2_prefetch_late")) and bool(la.spec.params.get("vec16")),
                 "l2_pf_keep": bool(t.get("l2_prefetch_keep")),
@@ -1215,6 +1211,49 @@ class _CatalogAdapter:
             spec = self._spec("attention", {}, **params)
             args = la.args + tuple(_w(w) for w, _ in targets)
             st.launches[SHORT1] = (dataclasses.replace(la, spec=spec, args=args),)
+
+    def l2_prefetch_o_gemv(self, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
+        """Tuning decode_graph.o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection
+        (the linear after the attention; a batch-1 q8x coop GEMV) prefetches the first KB of the
+        linear after it (gate|up, in its tiles' order: _first_bytes) into L2 once its own tile has
+        landed, so they stream while it computes from shared memory (``l2_pf`` on its decode1
+        launch, the weight appended as pointer arg pf0)."""
+        kb = int(self._graph_knob_value("o_prefetch_next_kb") or 0)
+        if not kb or self.cat is None:
+            return
+        for i, st in enumerate(steps):
+            if st.op.op != "attention":
+                continue
+            later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
+            o = later[0].launches.get("decode1", ()) if later else ()
+            if len(later) < 2 or len(o) != 1 or o[0].spec.template != "gemv" or not o[0].spec.params.get("q8x"):
+                continue
+            first = self._first_bytes(later[1], weights, kb * 1024)
+            if first is None:
+                continue
+            la = o[0]
+            spec = self._spec("gemv", {}, **{**la.spec.params, "l2_pf": _l2_pf_ranges([first])})
+            later[0].launches["decode1"] = (dataclasses.replace(la, spec=spec, args=la.args + (_w(first[0]),)),)
+
+    def _first_bytes(
+        self, step: Step, weights: Mapping[str, WeightPlan], nbytes: int
+    ) -> tuple[WeightPlan, list[tuple[int, int]]] | None:
+        """The first ``nbytes`` of a linear step's matrix in the order its batch-1 GEMV reads its
+        row tiles, as (weight, [(offset, bytes)]): half from the gate rows and half from the up rows
+        where the GEMV is the glu layout (tile t reads gate rows t * RPB / 2 .. and the up rows
+        as far past the gate's first), else from row 0. None where the step is not one gemv."""
+        w = self._weight_of(step, weights)
+        if w is None:
+            return None
+        glu = next((la.spec.params.get("glu", 0) for la in step.launches.get("decode1", ())), 0)
+        if glu and w.rows == 2 * glu:
+            half = glu * row_bytes(w.dtype, w.cols)
+            return w, [(0, min(nbytes // 2, half)), (half, min(nbytes // 2, half))]
+        return w, [(0, min(nbytes, w.nbytes))]
+
+    def _graph_knob_value(self, knob: str) -> Any:
+        """A decode_graph tuning value (None where the profile's tuning has no such section)."""
+        return (self.profile.tuning.get("decode_graph") or {}).get(knob)
 
     def _weight_of(self, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
         """The matrix a linear step's batch-1 GEMV reads (its arg ``w``; None where the step is not

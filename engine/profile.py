@@ -310,6 +310,8 @@ TUNING_SCHEMA: dict[str, Field] = {
     # rope-fused attention (kernels/gemv_pair_attention.cu.j2: each unit on the q tile block of its
     # middle q row, once its q / k / v rows have landed), so no attention kernel follows it (slower
     # on the H200 so far: docs/PERFORMANCE.md, seventeenth session)
+    # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
+    # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
     "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
@@ -318,6 +320,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_min_smem_kb": Field(int, default=0),
             "pair_min_blocks": Field(int, default=0),
             "pair_attention": Field(bool, default=False),
+            "o_prefetch_next_kb": Field(int, default=0, check=_non_negative),
         }
     ),
 }

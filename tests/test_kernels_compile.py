@@ -418,6 +418,10 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 2006, 2560, q8, bmax=bm, sm_count=132)
             p.update(threads=320, rows_per_block=40, ksplit=1, lanes=8, glu=1003, tile_pf=True)
             out.append(kc.spec("gemv", **p))
+        # the L2 prefetch of a later weight once x is staged (l2_pf; bulk, lines, evict_last)
+        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
+        out.append(kc.spec("gemv", **p, l2_pf="0:0:65536,0:1048576:4096"))
+        out.append(kc.spec("gemv", **p, l2_pf="0:0:4096,1:32:4096", l2_pf_lines=True, l2_pf_keep=True))
     return out
 
 
@@ -437,6 +441,7 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
         p = {**p, "wsm": True, "grid_cap": 7}
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
+        specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536", "l2_pf_keep": True}))  # once the tile landed
         # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
         wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
         assert wc and 2560 % wc, (q, wc)
@@ -593,6 +598,18 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
             kc.l2_pf_ranges(bad)
     specs = [s for s in _attention_variant_specs() if s.template == "attention" and s.params["l2_pf"]]
     assert len(specs) >= 4
+    gemvs = [s for s in _gemv_variant_specs() if s.params["l2_pf"]]
+    assert len(gemvs) == 2 * len(kc.Q8X_TYPES)
+    for s in gemvs:  # (the call once x is staged, in the kernel after the signature)
+        src = render(s)
+        params, args = _signature_params(src, s.entry), kc.kernel_args(s)
+        assert len(params) == len(args) and params[-1].endswith(args[-1][0]) and args[-1][0].startswith("pf")
+        assert src.count("L2_PF_CALL();") == 1
+        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
+    with pytest.raises(ConfigError, match="batch-1 q8x coop option"):
+        kc.spec("gemv", **{**gemvs[0].params, "bmax": 8})
+    with pytest.raises(ConfigError, match="takes no l2_pf"):
+        kc.pair_spec(gemvs[0], gemvs[0])
     for s in specs:
         src = render(s)
         ranges = kc.l2_pf_ranges(s.params["l2_pf"])
@@ -614,7 +631,7 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
     with pytest.raises(ConfigError, match="needs the direct decode kernel"):
         kc.spec("attention", **{**d, "direct": False})
     for opt in ("l2_pf_late", "l2_pf_lines", "l2_pf_keep"):
-        with pytest.raises(ConfigError, match="need l2_pf"):
+        with pytest.raises(ConfigError, match="needs? l2_pf"):
             kc.spec("attention", **{**d, "l2_pf": "", opt: True})
     assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 

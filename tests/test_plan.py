@@ -1746,6 +1746,32 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
     assert all(st.launches[SHORT1] == () for st in fused.steps if st.op.op == "attention")
 
 
+def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
+    """decode_graph.o_prefetch_next_kb: each layer's batch-1 o GEMV (decode1) takes l2_pf ranges
+    over the first KB of its layer's gate|up (half from the gate rows, half from the up rows) and
+    that weight as its last arg; every other launch is the plan's without the knob."""
+    from engine import kernel_catalog as kc
+    from engine.plan import Arg
+
+    base, plan = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.o_prefetch_next_kb=1024")
+    changed = 0
+    for s, t in zip(base.steps, plan.steps, strict=True):
+        for key, launches in s.launches.items():
+            if launches == t.launches[key]:
+                continue
+            changed += 1
+            assert key == "decode1" and s.op.op == "linear" and s.op.outputs == ("x",)
+            (la,), (new,) = launches, t.launches[key]
+            gu = plan.weight(f"L{s.layer}.w_gate|w_up")
+            assert la.args[1] == Arg("weight", f"L{s.layer}.wo")  # the o projection's GEMV
+            half = plan.dims["intermediate"] * row_bytes(gu.dtype, gu.cols)
+            assert kc.l2_pf_ranges(new.spec.params["l2_pf"]) == ((0, 0, 512 * 1024), (0, half, 512 * 1024))
+            assert new.args == la.args + (Arg("weight", gu.key),) and len(kc.kernel_args(new.spec)) == len(new.args)
+            assert new.spec.params == {**la.spec.params, "l2_pf": new.spec.params["l2_pf"]}
+            assert "L2_PF_CALL();" in render(new.spec)
+    assert changed == plan.dims["layers"]
+
+
 def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
     (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the

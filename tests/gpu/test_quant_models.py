@@ -404,7 +404,8 @@ def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
 def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: at batch 1 and short contexts the
     direct attention prefetches its layer's o weight and the gate|up's first rows into L2 (bulk
-    prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last). A prefetch is a hint, so the
+    prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last), or the
+    o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
     from engine.plan import SHORT1
 
@@ -412,7 +413,9 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
 
     def check(name, runner):
         pf = [la for st in runner.plan.steps for la in st.launches.get(SHORT1, ()) if la.spec.params.get("l2_pf")]
-        assert len(pf) == (0 if name == "off" else layers), name
+        assert len(pf) == (0 if name in ("off", "o gemv") else layers), name
+        o = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.params.get("l2_pf")]
+        assert len(o) == (layers if name == "o gemv" else 0), name
 
     on = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=256"
     late = f"{on}; attention_decode.l2_prefetch_late=true; attention_decode.l2_prefetch_lines=true"
@@ -423,6 +426,7 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
         ("start eager", on, False),
         ("late lines", late, True),
         ("keep", keep, True),
+        ("o gemv", "decode_graph.o_prefetch_next_kb=256", True),
     )
     logits = _q4_k_m_split_linears(tmp_path, variants, check)
     for name, _, _ in variants[1:]:
