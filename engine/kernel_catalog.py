@@ -1180,7 +1180,7 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
 
 
 # l2_pf: at most this many weights (pointer args pf0 ..) per attention launch
-L2_PF_MAX_ARGS = 4
+L2_PF_MAX_ARGS = 8
 
 
 def l2_pf_ranges(text: str) -> tuple[tuple[int, int, int], ...]:

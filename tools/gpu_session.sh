@@ -413,8 +413,9 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # replayed and eager, bulk at the start and lines after pdl_wait), then the b1 A/B on the
     # q4_k_m file: o at the start / after pdl_wait / marked evict_last, o + 8 MB / 16 MB of
     # gate|up, with trigger_b1; the o GEMV prefetching 8 / 16 MB of gate|up once its tile has
-    # landed (decode_graph.o_prefetch_next_kb), alone and with the attention's; then the q8_0 file.
-    # Expect rel 0 everywhere.
+    # landed (decode_graph.o_prefetch_next_kb), alone and with the attention's; every batch-1 q8x
+    # GEMV keeping the weight stream 8 / 16 / 32 MB ahead (decode_graph.l2_stream_kb); then the
+    # q8_0 file. Expect rel 0 everywhere.
     A=attention_decode; O="$A.l2_prefetch_o=true"; L="$A.l2_prefetch_late=true"
     timeout "$(box 60)" python3 tools/gpu_l2_bench.py --out /tmp/res/l2 > /tmp/res/l2bench.log 2>&1
     { cat /tmp/res/l2/l2.txt 2>/dev/null || tail -5 /tmp/res/l2bench.log; } > /tmp/res/pf19.sum; pack l2bench
@@ -423,16 +424,19 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     timeout 60 python3 tools/kernel_resources.py --tune "$O; $A.l2_prefetch_next_kb=8192" --mode short1 > /tmp/res/pf19_regs.log 2>&1
     grep -h "attention" /tmp/res/pf19_regs.log >> /tmp/res/pf19.sum
     if [ "$trc" = 0 ]; then
-      K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"; OG=decode_graph.o_prefetch_next_kb
+      K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"; OG=decode_graph.o_prefetch_next_kb; ST=decode_graph.l2_stream_kb
       # (a variant costs about 2.5 s once the file is loaded; the profile and the first three run
       # twice, to see the noise between runs of one call)
       BATCHES=1 ab pf19 300 q4_k_m --variant o="$O" --variant olate="$O; $L" --variant okeep="$O; $K" \
         --variant o8m="$O; $A.l2_prefetch_next_kb=8192" --variant o16late="$O; $L; $N16" --variant o16keep="$O; $L; $K; $N16" \
         --variant otrig="$O; $A.trigger_b1=true" --variant og8="$OG=8192" --variant og16="$OG=16384" \
         --variant o_og8="$O; $OG=8192" --variant olate_og16="$O; $L; $OG=16384" \
-        --variant profile2="" --variant o_2="$O" --variant olate_2="$O; $L" --variant o16late_2="$O; $L; $N16" --variant og8_2="$OG=8192"
+        --variant st8="$ST=8192" --variant st16="$ST=16384" --variant st32="$ST=32768" --variant o_st16="$O; $ST=16384" \
+        --variant profile2="" --variant o_2="$O" --variant olate_2="$O; $L" --variant o16late_2="$O; $L; $N16" --variant og8_2="$OG=8192" \
+        --variant st16_2="$ST=16384"
       grep -h "b1  \|rel" /tmp/res/pf19_q4_k_m.log >> /tmp/res/pf19.sum; pack pf19_q4_k_m
-      BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L" --variant og8="$OG=8192" --variant o_og8="$O; $OG=8192"
+      BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L" --variant og8="$OG=8192" --variant o_og8="$O; $OG=8192" \
+        --variant st16="$ST=16384" --variant st32="$ST=32768"
       grep -h "b1  \|rel" /tmp/res/pf19_q8_0.log >> /tmp/res/pf19.sum; pack pf19_q8_0
     fi ;;
   u19)  # the nineteenth session (built without a GPU): the batch-1 q4_k GEMVs with twice the
