@@ -313,7 +313,7 @@ TUNING_SCHEMA: dict[str, Field] = {
     # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
     # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
     # l2_stream_kb: the batch-1 pass's weights as one circular stream kept this many KB ahead in
-    # L2, each batch-1 q8x GEMV prefetching its share (Plan.l2_stream; replaces o_prefetch_next_kb)
+    # L2, each batch-1 q8x GEMV prefetching its share (engine.plan_l2.stream; replaces o_prefetch_next_kb)
     "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
