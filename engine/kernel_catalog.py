@@ -1179,12 +1179,12 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     return args
 
 
-# l2_pf: at most this many weights (pointer args pf0 ..) per attention launch
+# l2_pf: at most this many weights (pointer args pf0 ..) per launch (attention or gemv)
 L2_PF_MAX_ARGS = 8
 
 
 def l2_pf_ranges(text: str) -> tuple[tuple[int, int, int], ...]:
-    """The ranges of an attention spec's ``l2_pf`` param: "A:OFF:BYTES" items joined by ",", each
+    """The ranges of an attention or gemv spec's ``l2_pf`` param: "A:OFF:BYTES" items joined by ",", each
     BYTES bytes from byte OFF of pointer arg pfA, OFF and BYTES multiples of 16 (the bulk L2
     prefetch's alignment), BYTES > 0. Raises ValueError naming the bad item."""
     out = []

@@ -702,9 +702,13 @@ class _CatalogAdapter:
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)
 
+    def _graph_value(self, knob: str) -> Any:
+        """A decode_graph tuning value (None where the profile's tuning has no such section)."""
+        return (self.profile.tuning.get("decode_graph") or {}).get(knob)
+
     def _graph_knob(self, knob: str) -> bool:
         """A decode_graph tuning switch (off where the profile's tuning has no such section)."""
-        return bool((self.profile.tuning.get("decode_graph") or {}).get(knob))
+        return bool(self._graph_value(knob))
 
     def upload_type(self, dtype: str, cols: int) -> str:
         """The device layout of a matrix stored as ``dtype`` (kernel_catalog.upload_type)."""

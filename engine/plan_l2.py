@@ -76,8 +76,8 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
     linear after it (gate|up, in its tiles' order: _first_bytes) into L2 once its own tile has
     landed, so they stream while it computes from shared memory (``l2_pf`` on its decode1
     launch, the weight appended as pointer arg pf0)."""
-    kb = int(_graph_knob_value(ad, "o_prefetch_next_kb") or 0)
-    if not kb or ad.cat is None or _graph_knob_value(ad, "l2_stream_kb"):
+    kb = int(ad._graph_value("o_prefetch_next_kb") or 0)
+    if not kb or ad.cat is None or ad._graph_value("l2_stream_kb"):
         return
     for i, st in enumerate(steps):
         if st.op.op != "attention":
@@ -104,8 +104,8 @@ def stream(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
     them, and they go out once its tile has landed or its x is staged
     (kernels/_gemv_coop.cuh.j2). A launch that cannot carry it leaves its share to the next one.
     The gate|up of the glu layout is read as its gate and up halves side by side
-    (_first_bytes), so a stream offset in it is two ranges. Replaces o_prefetch_next_kb."""
-    d = int(_graph_knob_value(ad, "l2_stream_kb") or 0) * 1024
+    (_spans), so a stream offset in it is two ranges. Replaces o_prefetch_next_kb."""
+    d = int(ad._graph_value("l2_stream_kb") or 0) * 1024
     if not d or ad.cat is None:
         return
     # the stream: per decode1 GEMV launch (step i, launch j), the matrices it reads
@@ -140,11 +140,7 @@ def stream(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
             for w, glu, n in pieces:
                 a, b = max(lo, pos), min(hi, pos + n)
                 if a < b:
-                    if glu and w.rows == 2 * glu:  # gate and up halves side by side
-                        half = glu * row_bytes(w.dtype, w.cols)
-                        out += [(w, (a - pos) // 2, (b - a) // 2), (w, half + (a - pos) // 2, (b - a) // 2)]
-                    else:
-                        out.append((w, a - pos, b - a))
+                    out += [(w, off, size) for off, size in _spans(w, glu, a - pos, b - pos)]
                 pos += n
         return out
 
@@ -184,22 +180,23 @@ def _first_bytes(
     ad: Any, step: Step, weights: Mapping[str, WeightPlan], nbytes: int
 ) -> tuple[WeightPlan, list[tuple[int, int]]] | None:
     """The first ``nbytes`` of a linear step's matrix in the order its batch-1 GEMV reads its
-    row tiles, as (weight, [(offset, bytes)]): half from the gate rows and half from the up rows
-    where the GEMV is the glu layout (tile t reads gate rows t * RPB / 2 .. and the up rows
-    as far past the gate's first), else from row 0. None where the step is not one gemv."""
+    row tiles (_spans), as (weight, [(offset, bytes)]). None where the step is not one gemv."""
     w = _weight_of(ad, step, weights)
     if w is None:
         return None
     glu = next((la.spec.params.get("glu", 0) for la in step.launches.get("decode1", ())), 0)
+    return w, _spans(w, glu, 0, min(nbytes, w.nbytes))
+
+
+def _spans(w: WeightPlan, glu: int, a: int, b: int) -> list[tuple[int, int]]:
+    """Bytes [a, b) of matrix ``w`` in the order its batch-1 GEMV reads them, as (offset, bytes)
+    spans: a glu gate|up (``glu`` gate rows, as many up rows after them) reads its gate and up
+    halves side by side (tile t: gate rows t * RPB / 2 .., the up rows as far past the gate's
+    first), so stream offset x is byte x / 2 of each half; any other matrix in row order."""
     if glu and w.rows == 2 * glu:
         half = glu * row_bytes(w.dtype, w.cols)
-        return w, [(0, min(nbytes // 2, half)), (half, min(nbytes // 2, half))]
-    return w, [(0, min(nbytes, w.nbytes))]
-
-
-def _graph_knob_value(ad: Any, knob: str) -> Any:
-    """A decode_graph tuning value (None where the profile's tuning has no such section)."""
-    return (ad.profile.tuning.get("decode_graph") or {}).get(knob)
+        return [(a // 2, (b - a) // 2), (half + a // 2, (b - a) // 2)]
+    return [(a, b - a)]
 
 
 def _weight_of(ad: Any, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
