@@ -330,6 +330,9 @@ TUNING_SCHEMA: dict[str, Field] = {
 
 PROFILE_SCHEMA: dict[str, Field] = {
     "name": Field(str, required=True),
+    # base: another profile of the same directory whose tuning this one starts from (knob by knob:
+    # a knob written here replaces the base's); the other top-level fields are always this file's
+    "base": Field(str, default=""),
     "description": Field(str, default=""),
     "generic": Field(bool, default=False),
     "match": Field(
@@ -394,12 +397,21 @@ class DeviceProfile:
         return dict(self.tuning[section])
 
 
-def load_profile(path: Path) -> DeviceProfile:
-    data = validate(load_yaml(path), PROFILE_SCHEMA, path)
-    # sections omitted from a partial `tuning:` mapping still get their defaults
-    tuning = {k: dict(f.default) for k, f in TUNING_SCHEMA.items()}
-    for k, v in data["tuning"].items():
-        tuning[k].update(v)
+def load_profile(path: Path, _chain: tuple[str, ...] = ()) -> DeviceProfile:
+    """One profile file; a ``base:`` is loaded from the same directory (``_chain``: the files that
+    led here, so a cycle is an error, not a recursion)."""
+    raw = load_yaml(path)
+    data = validate(raw, PROFILE_SCHEMA, path)
+    if data["base"]:
+        # the base's tuning (defaults included), then only the knobs this file writes
+        tuning = copy.deepcopy(_base(path, data["base"], _chain).tuning)
+        for k, v in (raw.get("tuning") or {}).items():
+            tuning[k].update({knob: data["tuning"][k][knob] for knob in v})
+    else:
+        # sections omitted from a partial `tuning:` mapping still get their defaults
+        tuning = {k: dict(f.default) for k, f in TUNING_SCHEMA.items()}
+        for k, v in data["tuning"].items():
+            tuning[k].update(v)
     sizes = sorted(set(data["cuda_graph_batch_sizes"]))
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"{path}: cuda_graph_batch_sizes: expected positive batch sizes, got {sizes}")
@@ -434,6 +446,18 @@ def load_profile(path: Path) -> DeviceProfile:
         tuning=tuning,
         programmatic_launch=data["programmatic_launch"],
     )
+
+
+def _base(path: Path, name: str, chain: tuple[str, ...]) -> DeviceProfile:
+    """The profile ``name`` that ``path`` names as its base: a file beside it, not in ``chain``."""
+    chain = (*chain, path.stem)
+    if name in chain:
+        raise ConfigError(f"{path}: base: {name!r} leads back to itself ({' -> '.join((*chain, name))})")
+    base = path.parent / f"{name}.yaml"
+    if not base.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ConfigError(f"{path}: base: unknown profile {name!r}; available: {known}")
+    return load_profile(base, chain)
 
 
 def arch_number(arch: str) -> int:
@@ -488,8 +512,15 @@ def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -
 
 def select(device: DeviceInfo, override: str | None = None, root: Path | None = None) -> DeviceProfile:
     """The profile for ``device``: ``override`` if given, else a named match, else a generic one;
-    then MEMRA_TUNE's knob overrides (``with_tuning``) when set."""
+    with the device's own SM count where the driver gave one (the plan sizes resident grids and
+    decides what fits in one round of blocks from it: an H100 PCIe has 114 SMs, the SXM 132); then
+    MEMRA_TUNE's knob overrides (``with_tuning``) when set."""
     chosen = _select(device, override, root)
+    if device.sm_count and device.sm_count != chosen.sm_count:
+        if chosen.sm_count:
+            log.info("%s has %d SMs; profile %s says %d: using %d", device.name, device.sm_count,
+                     chosen.name, chosen.sm_count, device.sm_count)
+        chosen = replace(chosen, sm_count=device.sm_count)
     spec = env.MEMRA_TUNE.get()
     return with_tuning(chosen, spec) if spec.strip() else chosen
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,40 @@ def _one_line_error(fn) -> str:
     text = str(info.value)
     assert "\n" not in text, text
     return text
+
+
+def test_profile_base_inherits_tuning_knob_by_knob(tmp_path):
+    """``base:`` starts a profile's tuning from another's; the knobs a file writes replace the base's
+    one by one, its top-level numbers stay its own; an unknown base or a cycle names the file."""
+    ps = profile.all_profiles()
+    assert ps["h100"].tuning == ps["h200"].tuning and ps["generic-sm90"].tuning == ps["h200"].tuning
+    assert ps["h100"].memory_bandwidth_gbs == 3350 and ps["h200"].memory_bandwidth_gbs == 4100
+    root = tmp_path / "profiles"
+    shutil.copytree(paths.profiles_dir(), root)
+    h100 = root / "h100.yaml"
+    h100.write_text(h100.read_text() + "tuning:\n  gemv_coop: {q8x_wsm_kb: 64}\n  gemv: {unroll: 4}\n")
+    profile._load_all.cache_clear()
+    mine, base = profile.all_profiles(root)["h100"], profile.all_profiles(root)["h200"]
+    assert mine.tuning["gemv_coop"] == {**base.tuning["gemv_coop"], "q8x_wsm_kb": 64}
+    assert mine.tuning["gemv"] == {**base.tuning["gemv"], "unroll": 4}
+    assert mine.tuning["decode_graph"] == base.tuning["decode_graph"] and base.tuning["decode_graph"]["pair_linears"]
+    for text, expect in (
+        ("base: h300", r"h100.yaml: base: unknown profile 'h300'; available: .*h200"),
+        ("base: h100", r"h100.yaml: base: 'h100' leads back to itself \(h100 -> h100\)"),
+    ):
+        h100.write_text(re.sub(r"^base: .*$", text, h100.read_text(), flags=re.M))
+        profile._load_all.cache_clear()
+        assert re.search(expect, _one_line_error(lambda: profile.all_profiles(root))), text
+    profile._load_all.cache_clear()
+
+
+def test_select_takes_the_devices_sm_count(caplog):
+    """An H100 PCIe (114 SMs) matches h100.yaml (132, the SXM): the plan must size its grids for 114."""
+    pcie = profile.select(profile.DeviceInfo("NVIDIA H100 PCIe", (9, 0), 114))
+    assert pcie.name == "h100" and pcie.sm_count == 114
+    assert profile.select(profile.DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132)).sm_count == 132
+    assert profile.select(profile.DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0))).sm_count == 132  # unknown: the file's
+    assert profile.select(profile.DeviceInfo("NVIDIA H20", (9, 0), 78)).sm_count == 78
 
 
 @pytest.mark.parametrize(
