@@ -130,10 +130,20 @@ def table(rows: list[dict]) -> str:
             )
         elif k == "load":
             out.append(f"load      {r['seconds']:.2f} s ({r['backend']})")
+        elif k == "copy":
+            out.append(
+                f"copy      device-to-device: {r['gbs']:.0f} GB/s read + written "
+                f"(the profile's roofline: {r['profile_gbs']:.0f} GB/s)"
+            )
         elif k == "decode":
+            measured = (
+                f" ({100 * r['copy_roofline_fraction']:.1f}% of the measured copy)"
+                if "copy_roofline_fraction" in r
+                else ""
+            )
             out.append(
                 f"decode    batch {r['batch']:>3} depth {r['depth']:>5}: {r['tok_s']:>9.1f} tok/s  "
-                f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline"
+                f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline{measured}"
             )
         elif k == "prefill":
             out.append(

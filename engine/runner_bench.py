@@ -2,7 +2,9 @@
 
 Decode at depth D: every row decodes at position D over D tokens of KV already in the cache (the
 KV's contents do not change the work, so the cache is not pre-filled: fresh blocks are used);
-the roofline fraction is (weight bytes + KV bytes read) / step time / profile.memory_bandwidth_gbs.
+the roofline fraction is (weight bytes + KV bytes read) / step time / profile.memory_bandwidth_gbs,
+and, where the runner can measure it (``copy_bandwidth_gbs``: a device-to-device copy, bytes read +
+written), the same bytes over the measured copy bandwidth (``copy_roofline_fraction``).
 Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
 2 * params * P FLOPs / time / profile.tensor_tflops_bf16. Times are wall-clock around whole
 ``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
@@ -57,7 +59,20 @@ def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
     return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
 
 
-def bench_decode(runner: Any, batch: int, depth: int, steps: int = 64, repeats: int = 3) -> dict:
+def measure_copy(runner: Any) -> dict | None:
+    """The runner's measured device-to-device copy bandwidth as a bench row (None where the runner
+    has no device to measure: the reference backend)."""
+    measure = getattr(runner, "copy_bandwidth_gbs", None)
+    if measure is None:
+        return None
+    gbs = float(measure())
+    profile_gbs = plan_profile(runner).memory_bandwidth_gbs
+    return {"kind": "copy", "gbs": round(gbs, 1), "profile_gbs": profile_gbs, "ratio": round(gbs / profile_gbs, 3)}
+
+
+def bench_decode(
+    runner: Any, batch: int, depth: int, steps: int = 64, repeats: int = 3, copy_gbs: float | None = None
+) -> dict:
     tables = _blocks_for(runner, batch, depth + steps + 1)
 
     def items(pos: int) -> list[StepItem]:
@@ -86,7 +101,7 @@ def bench_decode(runner: Any, batch: int, depth: int, steps: int = 64, repeats: 
     plan = runner.plan
     nbytes = streamed_weight_bytes(plan) + kv_bytes_read(plan, batch, depth)
     bw = plan_profile(runner).memory_bandwidth_gbs * 1e9
-    return {
+    row = {
         "kind": "decode",
         "batch": batch,
         "depth": depth,
@@ -96,6 +111,9 @@ def bench_decode(runner: Any, batch: int, depth: int, steps: int = 64, repeats: 
         "achieved_gbs": nbytes / t / 1e9,
         "roofline_fraction": nbytes / t / bw,
     }
+    if copy_gbs:
+        row["copy_roofline_fraction"] = nbytes / t / (copy_gbs * 1e9)
+    return row
 
 
 def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
@@ -126,14 +144,19 @@ def plan_profile(runner: Any) -> Any:
 
 
 def run_all(
-    runner: Any, batches=(1, 8, 32), depths=(0, 4096), prefills=(512, 4096), steps: int = 64
+    runner: Any, batches=(1, 8, 32), depths=(0, 4096), prefills=(512, 4096), steps: int = 64, copy: bool = True
 ) -> list[dict]:
+    """The copy row first (where the runner measures one and ``copy``), then decode per depth and
+    batch, then prefill per length."""
     rows = []
+    copy_row = measure_copy(runner) if copy else None
+    if copy_row:
+        rows.append(copy_row)
     for depth in depths:
         for batch in batches:
             if depth + steps + 2 > runner.max_model_len:
                 continue
-            rows.append(bench_decode(runner, batch, depth, steps))
+            rows.append(bench_decode(runner, batch, depth, steps, copy_gbs=copy_row and copy_row["gbs"]))
     for p in prefills:
         if p <= runner.max_model_len:
             rows.append(bench_prefill(runner, p))
@@ -144,6 +167,9 @@ def table(rows: list[dict], title: str = "") -> str:
     out = [title] if title else []
     out.append(f"{'what':<24}{'tok/s':>12}{'time':>12}{'roofline':>10}")
     for r in rows:
+        if r["kind"] == "copy":
+            out.append(f"{'d2d copy':<24}{r['gbs']:>9.0f} GB/s (profile {r['profile_gbs']:.0f})")
+            continue
         if r["kind"] == "decode":
             what = f"decode b={r['batch']} d={r['depth']}"
             when = f"{r['step_ms']:.3f} ms"

@@ -778,6 +778,35 @@ class CudaRunner:
             self._head_inputs = [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
         return self._head_inputs
 
+    # ----------------------------------------------------------------------------- measurement
+
+    def copy_bandwidth_gbs(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+        """The device's memory bandwidth as a device-to-device copy of ``nbytes`` measures it: bytes
+        read + written / time, GB/s, the median of ``repeats`` copies after one warm-up, on this
+        runner's stream (the issue's roofline denominator; `memra bench` reports both it and the
+        profile's number). The size shrinks to an eighth of free memory where that is less, but not
+        below 256 MiB, so the copy stays several times the L2."""
+        free, _ = self.ctx.mem_info()
+        nbytes = max(min(nbytes, free // 8) // 4096 * 4096, 256 << 20)
+        src, dst = cuda.alloc(nbytes), cuda.alloc(nbytes)
+        start, end = cuda.Event(), cuda.Event()
+        try:
+            cuda.dtod(dst.ptr, src.ptr, nbytes, self.stream)
+            times = []
+            for _ in range(repeats):
+                start.record(self.stream)
+                cuda.dtod(dst.ptr, src.ptr, nbytes, self.stream)
+                end.record(self.stream)
+                end.synchronize()
+                times.append(end.elapsed_ms(start) / 1e3)
+        finally:
+            self.stream.synchronize()
+            start.destroy()
+            end.destroy()
+            src.free()
+            dst.free()
+        return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+
     # ----------------------------------------------------------------------------- teardown
 
     def close(self) -> None:
