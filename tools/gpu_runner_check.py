@@ -4,7 +4,8 @@ Run on the GPU machine (one call does everything; results as JSON + a table unde
 
     PYTHONPATH=. python tools/gpu_runner_check.py --out $OUT
 
-(a) ``engine.cuda.detect_devices()`` and ``engine.profile.select()`` (expects h200 on an H200);
+(a) ``engine.cuda.detect_devices()`` and ``engine.profile.select()`` (expects a named profile, such as
+h200 on an H200 or h100 on an H100, not a generic fallback);
 (b) random bf16 checkpoints written with numpy (a tiny Llama, a tiny Qwen3, a Qwen3-0.6B-shaped
     and a SmolLM2-135M-shaped model); CudaRunner's logits against the numpy ReferenceRunner
     (float32) on the same weights: relative L2 error of the prefill and of each greedy decode step;
@@ -263,8 +264,12 @@ def main() -> int:
 
     def devices():
         devs = cuda.detect_devices()
-        prof = select(devs[0]).name if devs else None
-        return {"devices": [d.__dict__ for d in devs], "profile": prof, "ok": prof == "h200"}
+        prof = select(devs[0]) if devs else None
+        return {
+            "devices": [d.__dict__ for d in devs],
+            "profile": prof and prof.name,
+            "ok": prof is not None and not prof.generic,
+        }
 
     stage(results, "devices", devices)
     stage(results, "smoke_cuda", smoke_cuda)
@@ -340,7 +345,7 @@ def main() -> int:
         if name in args.bench.split(","):
             stage(results, f"{name}:bench", lambda runner=runner: bench_runner.run_all(runner))
             if isinstance(results[f"{name}:bench"], list):
-                print(bench_runner.table(results[f"{name}:bench"], f"{name} (random bf16) on h200"))
+                print(bench_runner.table(results[f"{name}:bench"], f"{name} (random bf16) on {runner.profile.name}"))
         runner.close()
         holder.clear()
     (out / "gpu_runner_check.json").write_text(json.dumps(results, indent=1, default=str))
