@@ -94,7 +94,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "maxnreg": 0},
 }
 KERNELS: dict[str, KernelDoc] = {
     "gemv": KernelDoc(
@@ -127,6 +127,7 @@ KERNELS: dict[str, KernelDoc] = {
             kparts=int,
             tile_pf=bool,
             min_blocks=int,
+            maxnreg=int,
             lanes=int,
             wsm=bool,
             trigger=bool,
@@ -167,6 +168,7 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts",
             "tile_pf",
             "min_blocks",
+            "maxnreg",
             "lanes",
             "wsm",
             "trigger",
@@ -203,6 +205,7 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts": 1,
             "tile_pf": False,
             "min_blocks": 0,
+            "maxnreg": 0,
             "lanes": 32,
             "wsm": False,
             "trigger": False,
@@ -655,6 +658,8 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
             raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
         if p["l2_pf"]:
             raise _fail("gemv_pair", f"{s.entry}: a part takes no l2_pf (L2 prefetch)")
+        if p["maxnreg"]:
+            raise _fail("gemv_pair", f"{s.entry}: a part takes no maxnreg (the pair's bound is pair_min_blocks)")
         if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
             raise _fail("gemv_pair", f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)")
     pa, pb = a.params, b.params
@@ -674,7 +679,9 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
 
 def pair_with_min_blocks(parts: Iterable[KernelSpec], min_blocks: int) -> KernelSpec:
     """pair_spec of gemv specs ``parts`` with both parts' __launch_bounds__ minimum of blocks per
-    SM set to ``min_blocks`` (0: each keeps its own)."""
+    SM set to ``min_blocks`` (0: each keeps its own). A part's maxnreg is dropped: the pair kernel
+    has one register bound, its __launch_bounds__."""
+    parts = [spec("gemv", **{**p.params, "maxnreg": 0}) if p.params["maxnreg"] else p for p in parts]
     if min_blocks:
         parts = [spec("gemv", **{**p.params, "min_blocks": min_blocks}) for p in parts]
     return pair_spec(*parts)
@@ -785,6 +792,11 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(
             not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
+        )
+        need(
+            not p["maxnreg"] or (p["coop"] and not p["min_blocks"] and 24 <= p["maxnreg"] <= 255),
+            f"maxnreg={p['maxnreg']}: a coop option in 24 .. 255, not with min_blocks "
+            "(__maxnreg__ and __launch_bounds__ cannot both qualify a kernel)",
         )
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
@@ -1014,7 +1026,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "maxnreg"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -1357,7 +1369,8 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks;
+      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks, else at bmax 1
+        q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
@@ -1424,6 +1437,8 @@ def coop_options(
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         if int(c.get("q8x_min_blocks") or 0) > 0:
             out["min_blocks"] = int(c["q8x_min_blocks"])
+        elif bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
+            out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])

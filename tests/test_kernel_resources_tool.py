@@ -34,6 +34,13 @@ def test_ptxas_log_and_occupancy_arithmetic():
     assert kr.blocks_per_sm(78, 320, 61440, "9.0") == 2
     assert kr.blocks_per_sm(64, 320, 116 * 1024, "9.0") == 1
     assert kr.blocks_per_sm(32, 1024, 0, "8.6") == 1  # 1536 threads an SM
+    # one block beside another: registers per warp in units of 256 (80 x 32 = 2560 for a 77-register
+    # thread), a 640-thread block at 58 registers (64 x 32 x 20 = 40960) plus a 320-thread one at 77
+    # (25600) is 66560 > 65536; at 64 registers the second fits (20480)
+    assert kr.beside((58, 640, 121 * 1024), (77, 320, 60 * 1024), "9.0") == "regs 66560"
+    assert kr.beside((58, 640, 121 * 1024), (64, 320, 60 * 1024), "9.0") == "yes"
+    assert kr.beside((40, 640, 170 * 1024), (40, 320, 60 * 1024), "9.0") == "smem"
+    assert kr.beside((32, 1024, 0), (32, 1024, 0), "8.6") == "threads"
     mix = kr.mixed_dtypes("q4_k_m", 4)
     assert mix["wv@0"] == mix["w_down@2"] == "q6_k" and "wv@1" not in mix and mix["wv"] == "q4_k"
     assert kr.mixed_dtypes("q8_0", 4) == {}
@@ -44,9 +51,11 @@ def test_tool_lists_every_decode_kernel_of_a_plan(capsys):
     assert kr.main(["--family", "llama", "--shape", "smollm2-135m", "--quant", "q4_1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("smollm2-135m q4_1 on h200 (sm_90a, cc 9.0), mode decode1:")
-    rows = [line.split() for line in out[2:]]
+    rows = [line.split() for line in out[3:]]
     assert len(rows) == int(out[0].split(": ")[1].split()[0]) and len(rows) >= 4
-    assert all(0 < int(r[-6]) <= 255 and int(r[-4]) in (32, 64, 128, 256, 320, 512, 640, 1024) and int(r[-2]) >= 1 for r in rows)
+    assert all(0 < int(r[-7]) <= 255 and int(r[-5]) in (32, 64, 128, 256, 320, 512, 640, 1024) and int(r[-3]) >= 1 for r in rows)
+    assert all(r[-2] in ("yes", "smem", "threads", "-") or r[-2].startswith("regs") for r in rows)
+    assert sum(r[-2] == "-" for r in rows) <= 1  # only the pass's last kernel has no next one
     assert any(r[-1].startswith("gemv__quantq41r") for r in rows)
     # k-quants need 256-element rows: SmolLM2's 576 has no q4_k_m plan, said in one line
     assert kr.main(["--family", "llama", "--shape", "smollm2-135m", "--quant", "q4_k_m"]) == 2

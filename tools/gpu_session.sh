@@ -470,6 +470,30 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t256="$(tt "${T4/q8x_threads: 320/q8x_threads: 256}")" \
       --variant t384="$(tt "${T4/q8x_threads: 320/q8x_threads: 384}")" --variant profile2=""
     grep -h "b1  \|rel" /tmp/res/sweep19_q4_k_m.log > /tmp/res/sweep19.sum; pack sweep19 ;;
+  room20)  # the twentieth session (built without a GPU): room for the next layer's q|k|v pair
+    # blocks beside the down projection (docs/kernels.md, "Room beside the down projection"). A
+    # 640-thread down block at 58 / 79 registers (q4_k / q6_k) plus a 320-thread pair block at 80
+    # is more than an SM's 65 536, so the pair's early-launched blocks wait for the down to end.
+    # The GPU test first (the same bits), then the b1 A/B on the q4_k_m file: the pair at 64
+    # registers (pair_min_blocks 3), the q6_k GEMVs at batch-1 unroll 1 (the q6_k down at 58), both,
+    # and the q6_k down capped at 56 (__maxnreg__, 24 bytes of spills) beside the 80-register pair
+    # (tools/kernel_resources.py's "next" column shows which kernel's blocks fit beside which);
+    # and both downs capped at 56 (the q4_k down needs 53, no spills), so a down block also fits
+    # beside one of the gate|up's two blocks per SM
+    R6() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4$2}, q6_k: {$T6, q8x_wsm_kb: 100$1}, $TR}"; }
+    P3="decode_graph.pair_min_blocks=3"; U1="$(R6 ", q8x_b1_unroll: 1")"; CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
+    MR="$(R6 ", q8x_b1_unroll: 1$CAP")"; MR2="$(R6 ", q8x_b1_unroll: 1$CAP" "$CAP")"; MR4="$(R6 "" "$CAP")"
+    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "register_room" -p no:cacheprovider > /tmp/res/room20_test.log 2>&1
+    trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/room20_test.log)" > /tmp/res/room20.sum; pack room20_test
+    timeout 60 python3 tools/kernel_resources.py --tune "$MR2" --mode decode1 > /tmp/res/room20_regs.log 2>&1
+    timeout 60 python3 tools/kernel_resources.py --tune "$U1; $P3" --mode decode1 >> /tmp/res/room20_regs.log 2>&1
+    grep -h "linear" /tmp/res/room20_regs.log >> /tmp/res/room20.sum
+    if [ "$trc" = 0 ]; then
+      BATCHES=1 ab room20 170 q4_k_m --variant p3="$P3" --variant u1="$U1" --variant p3u1="$U1; $P3" --variant mr56="$MR" \
+        --variant mr4="$MR4" --variant mr56both="$MR2" --variant profile2="" --variant p3u1_2="$U1; $P3" --variant mr56_2="$MR" \
+        --variant mr56both_2="$MR2"
+      grep -h "b1  \|rel" /tmp/res/room20_q4_k_m.log >> /tmp/res/room20.sum; pack room20_q4_k_m
+    fi ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
     # no idle last round) and attention_decode.trigger_b1 (the direct attention's pdl_trigger() at
     # batch 1 only, a SHORT1 launch): their GPU tests (the same bits; graphs == eager with both on),

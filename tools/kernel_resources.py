@@ -12,7 +12,10 @@ static). It then estimates how many blocks of each launch one SM holds (register
 warp units, shared memory with 1 KB reserved per block, threads, 32 blocks), as the occupancy
 calculator would: a number to reason with before a GPU run, not a measurement (the driver's
 cuOccupancyMaxActiveBlocksPerMultiprocessor is the truth, and the device's NVRTC may allocate
-differently). Must not import CUDA beyond NVRTC.
+differently). The ``next`` column says whether one block of the kernel launched after it (in the
+pass's main stream) fits on an SM beside one of its blocks, or what runs out: under programmatic
+dependent launch that decides whether the next kernel's blocks start early. Must not import CUDA
+beyond NVRTC.
 """
 
 from __future__ import annotations
@@ -66,6 +69,19 @@ def blocks_per_sm(regs: int, threads: int, smem: int, cc: str) -> int:
     return max(0, min(by_regs, by_smem, threads_sm // threads, 32))
 
 
+def beside(a: tuple[int, int, int], b: tuple[int, int, int], cc: str) -> str:
+    """Whether one block of kernel ``b`` fits on an SM that holds one block of kernel ``a`` (each
+    (registers, threads, shared memory bytes)): "yes", else what runs out first. Under PDL the
+    next kernel's blocks launch while the current one runs, but only where an SM has room."""
+    smem_sm, threads_sm = SM_LIMITS.get(cc, SM_LIMITS["9.0"])
+    regs = sum(-(-max(r, 1) * 32 // 256) * 256 * -(-t // 32) for r, t, _ in (a, b))
+    if regs > 65536:
+        return f"regs {regs}"
+    if a[2] + b[2] + 2048 > smem_sm:
+        return "smem"
+    return "yes" if a[1] + b[1] <= threads_sm else "threads"
+
+
 def mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
     """A mix's tensor types as write_random_gguf makes them (fixtures.checkpoints.mix_tensor_type:
     q6_k v and down in even layers, q6_k embedding and head), in the plan's ``key@layer`` form; {}
@@ -101,24 +117,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.shape} {args.quant}: no plan: {exc}", file=sys.stderr)
         return 2
     seen: dict = {}
+    order = []  # the pass's main-stream launches in order (a concurrent one runs beside, not after)
     for step in plan.steps:
         for la in step.launches.get(args.mode, ()):
             key = (la.spec, la.block, la.smem)
             if key not in seen:
                 seen[key] = f"{step.op.op} {','.join(step.op.outputs)}"
-    print(f"{args.shape} {args.quant} on {prof.name} ({prof.arch}, cc {cc}), mode {args.mode}: {len(seen)} kernels")
-    print(f"{'op':<18} {'regs':>4} {'spill':>5} {'threads':>7} {'smem KB':>8} {'blk/SM':>6}  entry")
-    for (spec, block, smem), label in seen.items():
+            if not la.concurrent:
+                order.append(key)
+    following = {}  # a kernel -> the kernel after its first launch
+    for key, nxt in zip(order, order[1:], strict=False):
+        following.setdefault(key, nxt)
+    res: dict = {}
+    for spec, block, smem in seen:
         _, log = nvrtc.compile_to_cubin(render(spec), spec.entry, prof.arch, ["--ptxas-options=-v"])
         try:
-            r = ptxas_resources(log)
+            res[(spec, block, smem)] = ptxas_resources(log)
         except ValueError as exc:  # one odd log (seen once with the H200's NVRTC 13.0) must not hide the rest
-            print(f"{label:<18} ?  {spec.entry[:90]}: {exc}; log {log[:300]!r}")
+            res[(spec, block, smem)] = f"{exc}; log {log[:300]!r}"
+
+    def shape(key):  # (registers, threads, shared memory) of a compiled kernel, None if unknown
+        r = res.get(key)
+        return (r["registers"], key[1][0], key[2] + r["static_smem"]) if isinstance(r, dict) else None
+
+    print(f"{args.shape} {args.quant} on {prof.name} ({prof.arch}, cc {cc}), mode {args.mode}: {len(seen)} kernels")
+    print("(next: whether a block of the kernel launched after this one fits on an SM beside one of its blocks)")
+    print(f"{'op':<18} {'regs':>4} {'spill':>5} {'threads':>7} {'smem KB':>8} {'blk/SM':>6} {'next':>11}  entry")
+    for key, label in seen.items():
+        spec, block, _ = key
+        r = res[key]
+        if not isinstance(r, dict):
+            print(f"{label:<18} ?  {spec.entry[:90]}: {r}")
             continue
-        total = smem + r["static_smem"]
-        n = blocks_per_sm(r["registers"], block[0], total, cc)
+        regs, threads, total = shape(key)
+        n = blocks_per_sm(regs, threads, total, cc)
         spill = r["spill_stores"] + r["spill_loads"]
-        print(f"{label:<18} {r['registers']:>4} {spill:>5} {block[0]:>7} {total / 1024:>8.1f} {n:>6}  {spec.entry[:90]}")
+        nxt = following.get(key)
+        fit = beside(shape(key), shape(nxt), cc).replace(" ", "") if nxt and shape(nxt) else "-"
+        print(f"{label:<18} {regs:>4} {spill:>5} {threads:>7} {total / 1024:>8.1f} {n:>6} {fit:>11}  {spec.entry[:90]}")
     return 0
 
 

@@ -401,6 +401,40 @@ def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
     _assert_same_bits(logits["plain"], logits["traced"])
 
 
+def test_register_room_variants_give_the_same_bits(tmp_path):
+    """gemv_coop.q8x_b1_maxnreg (__maxnreg__ on the batch-1 q6_k GEMVs outside the pair), q6_k at
+    batch-1 unroll 1 and the pair at pair_min_blocks 3 only change registers and how many segments
+    a lane has in flight, not the sums or their order: the same logits bits, replayed and eager."""
+    import yaml
+
+    from engine.profile import select
+
+    types = dict(select(cuda.detect_devices()[0]).tuning["gemv_coop"]["q8x_type_tuning"])
+
+    def q6(**extra):
+        return "gemv_coop.q8x_type_tuning=" + yaml.safe_dump(
+            {**types, "q6_k": {**types.get("q6_k", {}), **extra}}, default_flow_style=True
+        ).strip()
+
+    def check(name, runner):
+        capped = [
+            la for st in runner.plan.steps for la in st.launches["decode1"]
+            if la.spec.template == "gemv" and la.spec.params["maxnreg"]
+        ]
+        assert bool(capped) == name.startswith("maxnreg"), name
+        assert all(la.spec.params["quant"] == "q6_kr" for la in capped)
+
+    variants = (
+        ("off", "", True),
+        ("maxnreg", q6(q8x_b1_unroll=1, q8x_b1_maxnreg=56), True),
+        ("maxnreg eager", q6(q8x_b1_unroll=1, q8x_b1_maxnreg=56), False),
+        ("unroll 1, pair min 3", f"{q6(q8x_b1_unroll=1)}; decode_graph.pair_min_blocks=3", True),
+    )
+    logits = _q4_k_m_split_linears(tmp_path, variants, check)
+    for name, _, _ in variants[1:]:
+        _assert_same_bits(logits["off"], logits[name], name)
+
+
 def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: at batch 1 and short contexts the
     direct attention prefetches its layer's o weight and the gate|up's first rows into L2 (bulk
