@@ -1372,7 +1372,8 @@ def coop_options(
       - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks, else at bmax 1
         q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
-        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads);
+        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
+        is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB, k is not split over blocks and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
@@ -1412,8 +1413,9 @@ def coop_options(
                 rpw = c["q8x_b1_rows_per_warp"]
         lanes = int(c.get("q8x_lanes_per_row") or 32)
         unroll = int(c["unroll"])
-        if bmax == 1 and int(c.get("q8x_b1_unroll") or 0) and int(c["q8x_b1_unroll"]) != unroll:
-            unroll = out["unroll"] = int(c["q8x_b1_unroll"])  # segments in flight per lane and row
+        b1_unroll = int(c.get("q8x_b1_unroll") or 0)
+        if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
+            unroll = out["unroll"] = b1_unroll  # segments in flight per lane and row
         if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:

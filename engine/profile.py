@@ -71,6 +71,7 @@ Q8X_TYPE_KNOBS = (
     "q8x_stage_rounds",
     "q8x_stage_rounds_min_k",
     "q8x_b1_unroll",
+    "q8x_b1_unroll_max_k",
     "q8x_b1_maxnreg",
     "q8x_b1_maxnreg_min_k",
 )
@@ -186,6 +187,7 @@ TUNING_SCHEMA: dict[str, Field] = {
             # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
             # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
             "q8x_b1_unroll": Field(int, default=0, check=_non_negative),
+            "q8x_b1_unroll_max_k": Field(int, default=0),  # q8x_b1_unroll only where k <= this (0: any k)
             # q8x, batch 1, where k >= q8x_b1_maxnreg_min_k: at most this many registers per thread
             # (__maxnreg__; 0: the compiler's choice), so the next kernel's blocks, launched early
             # under PDL, find registers beside this one's (a q6_k down of 640 threads at 79

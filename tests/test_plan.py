@@ -1355,6 +1355,11 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
         if p.get("wsm_chunk"):  # whole steps per chunk at this unroll
             assert p["wsm_chunk"] % kc.coop_step_elems(p) == 0
     assert kc.linear_params("q4_k", 19456, 2560, prof.tuning, bmax=1)["unroll"] == general
+    # q8x_b1_unroll_max_k: the short-k GEMVs (q|k, gate|up, o) only, the down projections keep unroll
+    short = {**q4, "q8x_b1_unroll_max_k": 4096}
+    short_k = {**tuned, "gemv_coop": {**tuned["gemv_coop"], "q8x_type_tuning": {**types, "q4_k": short}}}
+    for n, k, want in ((19456, 2560, 2 * general), (2560, 4096, 2 * general), (2560, 9728, general)):
+        assert kc.linear_params("q4_k", n, k, short_k, bmax=1, sm_count=132)["unroll"] == want, (n, k)
     knob = "gemv_coop.q8x_type_tuning={q4_k: {q8x_b1_unroll: 4}}"
     plan = build_plan(
         load_family("qwen3"),

@@ -447,13 +447,20 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # 276 bytes, so q6_k keeps 2). The GPU model tests with it on (MEMRA_TUNE), then the b1 A/B on
     # the q4_k_m file (rel 0 expected: the same sums in the same order). U4 is the h200 profile's
     # q8x_type_tuning with the knob added.
+    # U4S: the same for the k <= 4096 GEMVs only (q|k|v, o, gate|up; the q4_k down keeps 58
+    # registers), U4R: U4S with both downs capped at 56 registers (stage room20), so that every
+    # kernel's next one fits beside it (tools/kernel_resources.py, "next" column)
     U4="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
+    CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
+    U4S="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
+    U4R="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096$CAP}, q6_k: {$T6, q8x_wsm_kb: 100, q8x_b1_unroll: 1$CAP}, $TR}"
     MEMRA_TUNE="$U4" timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "quantised_gguf or paired" -p no:cacheprovider > /tmp/res/u19_test.log 2>&1
     trc=$?; echo "tests (U4) rc $trc: $(tail -1 /tmp/res/u19_test.log)" > /tmp/res/u19.sum; pack u19_test
     timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > /tmp/res/u19_regs.log 2>&1
     grep -h "linear" /tmp/res/u19_regs.log >> /tmp/res/u19.sum
     if [ "$trc" = 0 ]; then
-      BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4" --variant profile2="" --variant u4_2="$U4"
+      BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4" --variant u4s="$U4S" --variant u4r="$U4R" --variant profile2="" \
+        --variant u4_2="$U4" --variant u4s_2="$U4S" --variant u4r_2="$U4R"
       grep -h "b1  \|rel" /tmp/res/u19_q4_k_m.log >> /tmp/res/u19.sum; pack u19_q4_k_m
     fi ;;
   sweep19)  # knobs measured before the q|k|v pair (seventeenth session) changed which kernels
