@@ -221,7 +221,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     for p in profiles.values():
         kind = "generic" if p.generic else "named"
         names = ", ".join(p.name_patterns) or "-"
-        print(f"  {p.name:15s} {p.arch:8s} cc {p.compute_capability:5s} {kind:8s} matches: {names}")
+        tuned = f"  (tuning from {p.base})" if p.base else ""
+        print(f"  {p.name:15s} {p.arch:8s} cc {p.compute_capability:5s} {kind:8s} matches: {names}{tuned}")
     return 0
 
 

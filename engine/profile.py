@@ -402,6 +402,7 @@ class DeviceProfile:
     cuda_graph_batch_sizes: tuple[int, ...]
     tuning: dict[str, dict[str, Any]] = field(default_factory=dict)
     programmatic_launch: bool = False
+    base: str = ""  # the profile whose tuning this one starts from ("" for none)
 
     def tune(self, section: str) -> dict[str, Any]:
         return dict(self.tuning[section])
@@ -455,6 +456,7 @@ def load_profile(path: Path, _chain: tuple[str, ...] = ()) -> DeviceProfile:
         cuda_graph_batch_sizes=tuple(sizes),
         tuning=tuning,
         programmatic_launch=data["programmatic_launch"],
+        base=data["base"],
     )
 
 

@@ -71,4 +71,7 @@ def test_profiles_with_a_gpu_selects_h200(capsys, monkeypatch):
     dev = DeviceInfo("NVIDIA H200", (9, 0), 132, 143 * 2**30)
     monkeypatch.setattr(backend, "detect", lambda: backend.Detected([dev]))
     assert cli.main(["profiles"]) == 0
-    assert "-> profile h200 (sm_90a)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "-> profile h200 (sm_90a)" in out
+    listed = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert listed["h100"].endswith("matches: H100  (tuning from h200)") and "tuning from" not in listed["h200"]
