@@ -15,6 +15,7 @@ Must not import CUDA itself (the runner does).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
+log = logging.getLogger("memra.bench")
 
 
 def layer_matrix_params(plan: Any) -> int:
@@ -65,7 +67,11 @@ def measure_copy(runner: Any) -> dict | None:
     measure = getattr(runner, "copy_bandwidth_gbs", None)
     if measure is None:
         return None
-    gbs = float(measure())
+    try:
+        gbs = float(measure())
+    except RuntimeError as exc:  # (engine.cuda.CudaError: no room for the two buffers, say)
+        log.warning("no copy-bandwidth row: %s", exc)
+        return None
     profile_gbs = plan_profile(runner).memory_bandwidth_gbs
     return {"kind": "copy", "gbs": round(gbs, 1), "profile_gbs": profile_gbs, "ratio": round(gbs / profile_gbs, 3)}
 

@@ -68,9 +68,16 @@ def test_roofline_fractions_against_the_profile_and_the_measured_copy():
     assert "d2d copy" in runner_bench.table(rows)
 
 
-def test_no_copy_row_without_a_measurement():
-    for r, copy in ((_StubRunner(0.0, None), True), (_StubRunner(0.0, 50.0), False)):
+def test_no_copy_row_without_a_measurement(caplog):
+    failing = _StubRunner(0.0, None)
+
+    def no_room():
+        raise RuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY")
+
+    failing.copy_bandwidth_gbs = no_room
+    for r, copy in ((_StubRunner(0.0, None), True), (_StubRunner(0.0, 50.0), False), (failing, True)):
         rows = runner_bench.run_all(r, batches=(1,), depths=(0,), prefills=(), steps=2, copy=copy)
         assert [x["kind"] for x in rows] == ["decode"]
         assert "copy_roofline_fraction" not in rows[0]
         assert "measured copy" not in bench.table(rows)
+    assert "no copy-bandwidth row: cuMemAlloc failed" in caplog.text
