@@ -570,3 +570,5 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   esac
 done
 echo "total $(( $(date +%s) - t0 )) s" >> /tmp/res/times.log; pack end
+# the stages' summaries on stdout too, so the call's own output shows the numbers
+for f in /tmp/res/*.sum; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done; cat /tmp/res/times.log
