@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the lent GPU, in priority order, each stage
 # time-boxed so the call ends inside the device tool's 10-minute limit. Every stage's log goes to
-# /tmp/res/<stage>.log; after each stage $OUT/res.tgz is rewritten (the tool returns at most 8
+# $RES/<stage>.log; after each stage $OUT/res.tgz is rewritten (the tool returns at most 8
 # files, and what is under $OUT comes back even when the call is killed).
 #   STAGES="checks pytest bf16 quant runner" bash tools/gpu_session.sh     (on the GPU machine)
 # TAG=_x names this run's logs <stage>_x.log (an A/B in one call: MEMRA_TUNE=... TAG=_tuned ...).
+# DRYRUN=1 (the development machine, no GPU): every A/B variant of the named stages is checked by
+# tools/plan_variants.py (it must give a plan; the logs under $RES say how many batch-1 kernels
+# it changes), and every other command is only printed.
 set -u
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" /tmp/res
+if [ -n "${DRYRUN:-}" ]; then
+  ckpt() { :; }
+  nvidia-smi() { :; }
+  timeout() { shift; "$@"; }
+  python3() {
+    if [ "${1:-}" = tools/gpu_decode_profile.py ]; then shift; "${DRY_PY:-.venv/bin/python}" tools/plan_variants.py "$@"
+    else echo "[dry run] python3 $*" | cut -c1-160; fi
+  }
+fi
+OUT=${OUT:-/tmp/gpu_out}; RES=${RES:-/tmp/res}; mkdir -p "$OUT" "$RES"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
@@ -16,15 +28,15 @@ fi
 export PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache MEMRA_DEFAULT_MODEL=${MEMRA_DEFAULT_MODEL:-/nonexistent.gguf}
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
-pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> /tmp/res/times.log; tar czf "$OUT/res.tgz" --exclude=kcache -C /tmp/res . 2>/dev/null; }
+pack() { echo "[$1 done at $(( $(date +%s) - t0 )) s]" >> $RES/times.log; tar czf "$OUT/res.tgz" --exclude=kcache -C $RES . 2>/dev/null; }
 box() { local want=$1; local l; l=$(left); [ "$l" -lt 20 ] && echo 1 && return; [ "$want" -gt $(( l - 10 )) ] && want=$(( l - 10 )); echo "$want"; }
 # the Qwen3-4B-shaped GGUF of type $1 in /dev/shm (random weights, built once per machine)
-ckpt() { [ -f /dev/shm/q4b_$1.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $1 --out /dev/shm/q4b_$1.gguf > /tmp/res/mk_$1.log 2>&1; }
+[ -n "${DRYRUN:-}" ] || ckpt() { [ -f /dev/shm/q4b_$1.gguf ] || python3 tools/make_checkpoint.py --shape qwen3-4b --gguf $1 --out /dev/shm/q4b_$1.gguf > $RES/mk_$1.log 2>&1; }
 # ab NAME SECONDS TYPE --variant NAME='MEMRA_TUNE spec' ...: the profile against each variant on that
-# file, b1 and b8 (BATCHES=1: b1 only) (tools/gpu_decode_profile.py: GPU time, wall, same-bits check), in /tmp/res/NAME_TYPE*
+# file, b1 and b8 (BATCHES=1: b1 only) (tools/gpu_decode_profile.py: GPU time, wall, same-bits check), in $RES/NAME_TYPE*
 ab() {
   local name=$1 secs=$2 q=$3; shift 3; ckpt "$q"
-  timeout "$(box "$secs")" python3 tools/gpu_decode_profile.py --out /tmp/res/${name}_$q --model /dev/shm/q4b_$q.gguf --batches "${BATCHES:-1,8}" "$@" > /tmp/res/${name}_$q.log 2>&1
+  timeout "$(box "$secs")" python3 tools/gpu_decode_profile.py --out $RES/${name}_$q --model /dev/shm/q4b_$q.gguf --batches "${BATCHES:-1,8}" "$@" > $RES/${name}_$q.log 2>&1
 }
 C=gemv_coop  # the tuning section the A/B stages vary
 # the h200 profile's gemv_coop.q8x_type_tuning entries at the twelfth session's start, for the A/Bs
@@ -34,47 +46,47 @@ T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows
 T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
 TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
 CHUNK4="q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"  # the q4_k down in five k chunks (profile since)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > /tmp/res/profiles.log 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > $RES/profiles.log 2>&1
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
   case $st in
   checks)
     for c in gemm attention gemv; do
-      [ -f tools/gpu_check_$c.py ] && timeout "$(box 100)" python3 tools/gpu_check_$c.py --out /tmp/res/$c > /tmp/res/check_$c.log 2>&1
+      [ -f tools/gpu_check_$c.py ] && timeout "$(box 100)" python3 tools/gpu_check_$c.py --out $RES/$c > $RES/check_$c.log 2>&1
       pack check_$c
     done
-    timeout "$(box 90)" python3 tools/gpu_kernels_check.py --out /tmp/res/kern --quick > /tmp/res/kernels.log 2>&1; pack kernels ;;
+    timeout "$(box 90)" python3 tools/gpu_kernels_check.py --out $RES/kern --quick > $RES/kernels.log 2>&1; pack kernels ;;
   wgmma)  # the Hopper prefill GEMM: correctness (every tile config, tails, arena-spanning maps) + TFLOP/s
-    timeout "$(box 150)" python3 tools/gpu_check_gemm_wgmma.py --out /tmp/res/wgmma ${WGMMA_ARGS:-} > /tmp/res/check_wgmma.log 2>&1; pack wgmma ;;
+    timeout "$(box 150)" python3 tools/gpu_check_gemm_wgmma.py --out $RES/wgmma ${WGMMA_ARGS:-} > $RES/check_wgmma.log 2>&1; pack wgmma ;;
   pytest)
-    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest${TAG:-}.log 2>&1; pack pytest ;;
+    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > $RES/pytest${TAG:-}.log 2>&1; pack pytest ;;
   bf16)
-    [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > /tmp/res/bf16${TAG:-}.log 2>&1
-    timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json /tmp/res/bf16${TAG:-}.json >> /tmp/res/bf16${TAG:-}.log 2>&1; pack bf16 ;;
+    [ -d /dev/shm/q4b ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > $RES/bf16${TAG:-}.log 2>&1
+    timeout "$(box 200)" python3 -m engine.cli bench /dev/shm/q4b --backend cuda ${BENCH_FLAGS:-} $( [ "${CONC:-1,8,32}" = none ] || echo --concurrency "${CONC:-1,8,32}" ) --json $RES/bf16${TAG:-}.json >> $RES/bf16${TAG:-}.log 2>&1; pack bf16 ;;
   quant)
     for q in ${QUANTS:-q8_0 q4_k_m}; do
       ckpt $q
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/$q${TAG:-}.json >> /tmp/res/$q${TAG:-}.log 2>&1; pack $q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json $RES/$q${TAG:-}.json >> $RES/$q${TAG:-}.log 2>&1; pack $q
     done ;;
   gemvok)  # the decode GEMV correctness checks only (every code path of TYPES, no timing)
-    timeout "$(box 120)" python3 tools/gpu_check_gemv.py --out /tmp/res/gemvok --types ${OK_TYPES:-bf16,q4_k,q8_0r,q6_kr,q4_1} --sections none > /tmp/res/check_gemvok.log 2>&1; pack gemvok ;;
+    timeout "$(box 120)" python3 tools/gpu_check_gemv.py --out $RES/gemvok --types ${OK_TYPES:-bf16,q4_k,q8_0r,q6_kr,q4_1} --sections none > $RES/check_gemvok.log 2>&1; pack gemvok ;;
   coop)  # the decode GEMV layouts side by side (classic vs warp-cooperative), correctness + GB/s
     # (GEMV_ARGS="--variants REGEX --rows 1" narrows the table)
-    timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out /tmp/res/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 ${GEMV_ARGS:-} > /tmp/res/check_coop.log 2>&1; pack coop ;;
+    timeout "$(box 260)" python3 tools/gpu_check_gemv.py --out $RES/coop --types ${COOP_TYPES:-q4_k,q6_kr,q8_0r,q6_k} --sections bandwidth --budget 400 ${GEMV_ARGS:-} > $RES/check_coop.log 2>&1; pack coop ;;
   pdloff)  # the runner benchmark with programmatic dependent launch off (the A/B of the runner stage)
-    MEMRA_PDL=0 timeout "$(box 120)" python3 tools/gpu_runner_check.py --out /tmp/res/runner_nopdl --models qwen3-0.6b,smollm2-135m > /tmp/res/runner_nopdl.log 2>&1; pack pdloff ;;
+    MEMRA_PDL=0 timeout "$(box 120)" python3 tools/gpu_runner_check.py --out $RES/runner_nopdl --models qwen3-0.6b,smollm2-135m > $RES/runner_nopdl.log 2>&1; pack pdloff ;;
   profile)  # where a decode step's time goes (host vs GPU, per kernel) on PROFILE_SHAPES; for tuning
     # A/Bs run tools/gpu_decode_profile.py --variant NAME='spec' directly (specs contain spaces)
-    timeout "$(box 300)" python3 tools/gpu_decode_profile.py --out /tmp/res/profile${TAG:-} --breakdown --shapes "${PROFILE_SHAPES:-smollm2-135m,qwen3-0.6b,qwen3-4b}" > /tmp/res/profile${TAG:-}.log 2>&1; pack profile ;;
+    timeout "$(box 300)" python3 tools/gpu_decode_profile.py --out $RES/profile${TAG:-} --breakdown --shapes "${PROFILE_SHAPES:-smollm2-135m,qwen3-0.6b,qwen3-4b}" > $RES/profile${TAG:-}.log 2>&1; pack profile ;;
   kparts)  # the q8x k split over blocks (gemv_coop.q8x_kparts): its GPU test, then the A/B on the
     # Qwen3-4B q8_0 / q4_k_m files (QUANTS), b1 and b8, P = 2 / 4 / 8 on the long-k GEMVs
-    timeout "$(box 60)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "q8x_kparts or coop_q8x" -p no:cacheprovider > /tmp/res/kparts_test.log 2>&1
+    timeout "$(box 60)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "q8x_kparts or coop_q8x" -p no:cacheprovider > $RES/kparts_test.log 2>&1
     for q in ${QUANTS:-q8_0 q4_k_m}; do
       ab kparts 90 $q --variant kp2="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192" --variant kp4="$C.q8x_kparts=4; $C.q8x_kparts_min_k=8192" \
         --variant kp8="$C.q8x_kparts=8; $C.q8x_kparts_min_k=8192"
     done; pack kparts ;;
   tilepf)  # the next row tile's loads in a tile's last step (gemv_coop.tile_prefetch): its GPU test
     # (the same bits), then the A/B with unroll 4 and the k split over blocks for q4_k / q6_k
-    timeout "$(box 90)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "tile_prefetch" -p no:cacheprovider > /tmp/res/tilepf_test.log 2>&1
+    timeout "$(box 90)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "tile_prefetch" -p no:cacheprovider > $RES/tilepf_test.log 2>&1
     KP="$C.q8x_kparts=2; $C.q8x_kparts_min_k=8192; $C.q8x_kparts_types=[q4_k, q6_k]"
     for q in ${QUANTS:-q8_0 q4_k_m}; do
       ab tilepf 150 $q --variant tp="$C.tile_prefetch=true" --variant u4="$C.unroll=4" --variant tpu4="$C.tile_prefetch=true; $C.unroll=4" \
@@ -113,17 +125,17 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack q4b1 ;;
   small)  # the Qwen3-0.6B-shaped bf16 decode step at batch 1: classic GEMV block shapes, the direct
     # attention kernel's warps, the rmsnorm block, the warp-cooperative bf16 GEMV; per-kernel breakdown
-    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out /tmp/res/small --shapes qwen3-0.6b --batches 1 --breakdown \
+    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out $RES/small --shapes qwen3-0.6b --batches 1 --breakdown \
       --variant u4="gemv.unroll=4" --variant t128="gemv.threads=128" --variant t512="gemv.threads=512" \
       --variant t512r8="gemv.threads=512; gemv.rows_per_block=8" --variant dw4="attention_decode.direct_warps=4" \
-      --variant nt128="norm.threads=128" --variant coopbf="$C.types=[q8_0, q4_k, q6_k, q4_0, q4_1, bf16]" > /tmp/res/small.log 2>&1
+      --variant nt128="norm.threads=128" --variant coopbf="$C.types=[q8_0, q4_k, q6_k, q4_0, q4_1, bf16]" > $RES/small.log 2>&1
     pack small ;;
   shortn)  # the small bf16 shapes at batch 1: gemv.unroll 4, and the GEMVs with n <= 1024 (o, down of
     # Qwen3-0.6B; qkv, o, down of SmolLM2) in 512- or 1024-thread blocks (gemv.b1_short_n_threads)
     S="gemv.short_n_max=1024; gemv.b1_short_n_threads"
-    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out /tmp/res/shortn --shapes qwen3-0.6b,smollm2-135m --batches 1,8 \
+    timeout "$(box 200)" python3 tools/gpu_decode_profile.py --out $RES/shortn --shapes qwen3-0.6b,smollm2-135m --batches 1,8 \
       --variant u4="gemv.unroll=4" --variant s512="$S=512" --variant u4s512="gemv.unroll=4; $S=512" \
-      --variant u4s1024="gemv.unroll=4; $S=1024" > /tmp/res/shortn.log 2>&1
+      --variant u4s1024="gemv.unroll=4; $S=1024" > $RES/shortn.log 2>&1
     pack shortn ;;
   q6ks)  # q4_k_m: the q6_k weights with n <= 2560 (v, down) k-split too, in 640- / 512-thread blocks
     T="$C.q8x_ksplit_types=[q8_0, q4_k, q6_k]; $C.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}, q4_k: {q8x_ksplit_threads: 640}"
@@ -138,7 +150,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack q4kregs ;;
   ncu)  # Nsight Compute on one batch-1 decode step (tools/gpu_ncu_decode.py) of each NCU_QUANTS file:
     # the first NCU_COUNT GEMV launches (layers 0..), speed of light, memory, occupancy, warp stalls,
-    # instruction mix, SASS hot spots; reports as text in /tmp/res/ncu_<type>.log (+ .ncu-rep)
+    # instruction mix, SASS hot spots; reports as text in $RES/ncu_<type>.log (+ .ncu-rep)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for q in ${NCU_QUANTS:-q4_k_m q8_0}; do
       ckpt $q
@@ -146,16 +158,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
         --kernel-name regex:"${NCU_KERNELS:-gemv}" --launch-count "${NCU_COUNT:-24}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-        --export /tmp/res/ncu_$q --force-overwrite \
-        python3 tools/gpu_ncu_decode.py --model /dev/shm/q4b_$q.gguf ${NCU_VARIANT:+--variant "$NCU_VARIANT"} > /tmp/res/ncu_$q.run.log 2>&1
-      "$NCU" --import /tmp/res/ncu_$q.ncu-rep --page details --print-units base > /tmp/res/ncu_$q.log 2>&1
+        --export $RES/ncu_$q --force-overwrite \
+        python3 tools/gpu_ncu_decode.py --model /dev/shm/q4b_$q.gguf ${NCU_VARIANT:+--variant "$NCU_VARIANT"} > $RES/ncu_$q.run.log 2>&1
+      "$NCU" --import $RES/ncu_$q.ncu-rep --page details --print-units base > $RES/ncu_$q.log 2>&1
       pack ncu_$q
     done ;;
   lanes)  # q8x lanes per row (gemv_coop.q8x_lanes_per_row): its GPU test (against the reference),
     # then the q4_k_m A/B with the per-kernel breakdown: q4_k at 8 / 16 lanes per row (1 or 2 rows
     # per lane group, k split 4 / 2 in 640-thread blocks), q6_k at 8 / 16 lanes (the profile since:
     # q4_k at 8, q6_k at 16), q6_k in 128-thread blocks or k-split
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > /tmp/res/lanes_test.log 2>&1
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "lanes" -p no:cacheprovider > $RES/lanes_test.log 2>&1
     pack lanes_test
     Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1"
     L8="$Q4, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
@@ -173,8 +185,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant l8="$C.q8x_type_tuning={$Q8, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
     pack lanesq8 ;;
   smolq41)  # the SmolLM2-shaped q4_1 GGUF (q4_1r GEMVs): memra bench --quick
-    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
-    timeout "$(box 90)" python3 -m engine.cli bench /dev/shm/smol_q4_1.gguf --backend cuda --quick --json /tmp/res/smol_q4_1${TAG:-}.json > /tmp/res/smol_q4_1${TAG:-}.log 2>&1
+    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > $RES/mk_smol.log 2>&1
+    timeout "$(box 90)" python3 -m engine.cli bench /dev/shm/smol_q4_1.gguf --backend cuda --quick --json $RES/smol_q4_1${TAG:-}.json > $RES/smol_q4_1${TAG:-}.log 2>&1
     pack smolq41 ;;
   norm1)  # the batch-1 norm prologue from the staging loads (one staging round: stage_rounds 2 for
     # 256-thread blocks), q4_k in 512-thread blocks, the q4_k q|k / v GEMVs k-split, q6_k in 128-thread blocks
@@ -189,7 +201,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # A/B on the q4_k_m file (the q6_k down projection with its k split over blocks and without wsm,
     # or without the split and with wsm in 256- / 640-thread blocks) and on the q8_0 one, then the
     # kernel checks (every wsm case against the numpy twin)
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "wsm or forked" -p no:cacheprovider > /tmp/res/wsm_test.log 2>&1
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "wsm or forked" -p no:cacheprovider > $RES/wsm_test.log 2>&1
     pack wsm_test
     Q4="q4_k: {q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}"
     W="$C.q8x_wsm_kb=200"
@@ -198,7 +210,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack wsm_q4
     ab wsm 100 q8_0 --variant wsm="$W"
     pack wsm_q8
-    timeout "$(box 150)" python3 tools/gpu_check_gemv.py --out /tmp/res/wsmok --types q4_k,q8_0r,q6_kr,q4_1r --sections none > /tmp/res/check_wsm.log 2>&1
+    timeout "$(box 150)" python3 tools/gpu_check_gemv.py --out $RES/wsmok --types q4_k,q8_0r,q6_kr,q4_1r --sections none > $RES/check_wsm.log 2>&1
     pack wsmok ;;
   wsm2)  # batch-1 wsm where every tile fits one round of resident blocks (not gate|up, not the
     # lm_head), then with the q6_k down projection k-split in 640-thread blocks instead of over two
@@ -217,9 +229,9 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack trig_q4
     ab trig 80 q8_0 --variant trig="decode_graph.early_trigger=true"
     pack trig_q8
-    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > /tmp/res/mk_smol.log 2>&1
-    timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out /tmp/res/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
-      --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > /tmp/res/trig_smol.log 2>&1
+    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > $RES/mk_smol.log 2>&1
+    timeout "$(box 90)" python3 tools/gpu_decode_profile.py --out $RES/trig_smol --model /dev/shm/smol_q4_1.gguf --batches 1,8 \
+      --variant trig="decode_graph.early_trigger=true" --variant nowsm="$C.q8x_wsm_kb=0" > $RES/trig_smol.log 2>&1
     pack trig_smol ;;
   t320)  # q4_k GEMVs without the k split (q|k, gate|up) in 320-thread blocks: 40-row tiles, one
     # staging round of x at k = 2560 (the norm from the staging loads), q|k in 128 blocks
@@ -227,7 +239,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     Q4="q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows_per_warp: 1, q8x_lanes_per_row: 8, q8x_ksplit: 4}}"
     ab t320 150 q4_k_m ${T320_BREAKDOWN---breakdown} --variant t320="$T, q4_k: {q8x_threads: 320, $Q4" \
       ${T320_MORE:+--variant t384="$T, q4_k: {q8x_threads: 384, $Q4" --variant t448="$T, q4_k: {q8x_threads: 448, $Q4"}
-    grep -h "b1  \|b8  " /tmp/res/t320_*.log > /tmp/res/t320.sum
+    grep -h "b1  \|b8  " $RES/t320_*.log > $RES/t320.sum
     pack t320 ;;
   attn)  # the short-context decode attention kernel on the q4_k_m file: warps and query-head split
     ab attn 200 q4_k_m --breakdown --variant dw4="attention_decode.direct_warps=4" --variant dw16="attention_decode.direct_warps=16" \
@@ -235,7 +247,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     pack attn ;;
   fork)  # decode_graph.fork_linears (a q4_k_m layer's v GEMV on a second stream beside q|k): its GPU
     # test (the same bits, graphs and eager), then the A/B on the q4_k_m file with the breakdown
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > /tmp/res/fork_test.log 2>&1
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "forked" -p no:cacheprovider > $RES/fork_test.log 2>&1
     pack fork_test
     ab fork 200 q4_k_m --breakdown --variant fork="decode_graph.fork_linears=true" --variant nofork="decode_graph.fork_linears=false"
     pack fork ;;
@@ -243,64 +255,64 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # the profile and each TRACE_VARIANTS line (NAME=SPEC, one per line)
     q=${TRACE_Q:-q4_k_m}; ckpt "$q"
     args=(); while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "${TRACE_VARIANTS:-}"
-    timeout "$(box 240)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_$q --model /dev/shm/q4b_$q.gguf "${args[@]}" > /tmp/res/trace_$q.log 2>&1
+    timeout "$(box 240)" python3 tools/gpu_trace_decode.py --out $RES/trace_$q --model /dev/shm/q4b_$q.gguf "${args[@]}" > $RES/trace_$q.log 2>&1
     pack trace ;;
   q6fix)  # the q6_kr scale bytes by selects (no local-memory stack frame): q6_kr / q6_k GEMV
     # correctness, the quantised-model GPU tests, the q4_k_m decode step (GPU time) and its trace
-    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/q6ok --types q6_kr,q6_k --sections none > /tmp/res/q6ok.log 2>&1; pack q6ok
-    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -p no:cacheprovider > /tmp/res/q6_pytest.log 2>&1; pack q6_pytest
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out $RES/q6ok --types q6_kr,q6_k --sections none > $RES/q6ok.log 2>&1; pack q6ok
+    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -p no:cacheprovider > $RES/q6_pytest.log 2>&1; pack q6_pytest
     ab q6fix 100 q4_k_m
-    grep -h "b1  \|b8  " /tmp/res/q6fix_*.log > /tmp/res/q6fix.sum; pack q6fix
-    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_q6fix.log 2>&1
+    grep -h "b1  \|b8  " $RES/q6fix_*.log > $RES/q6fix.sum; pack q6fix
+    timeout "$(box 120)" python3 tools/gpu_trace_decode.py --out $RES/trace_q6fix --model /dev/shm/q4b_q4_k_m.gguf > $RES/trace_q6fix.log 2>&1
     pack q6fix_trace ;;
   wsmc)  # wsm row tiles copied in k chunks, one mbarrier each (gemv_coop.q8x_wsm_chunks): the wsm
     # GEMV checks (chunked and whole), the wsm quantised-model GPU tests, then the q4_k_m / q8_0 A/B
-    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/wsmc_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'" > /tmp/res/wsmc_ok.log 2>&1
-    timeout "$(box 120)" python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_quant_models.py -k wsm > /tmp/res/wsmc_pytest.log 2>&1
-    { grep -h 'correctness:' /tmp/res/wsmc_ok/gpu_check_gemv.txt; tail -2 /tmp/res/wsmc_pytest.log; } > /tmp/res/wsmc.sum; pack wsmc_ok
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out $RES/wsmc_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'" > $RES/wsmc_ok.log 2>&1
+    timeout "$(box 120)" python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_quant_models.py -k wsm > $RES/wsmc_pytest.log 2>&1
+    { grep -h 'correctness:' $RES/wsmc_ok/gpu_check_gemv.txt; tail -2 $RES/wsmc_pytest.log; } > $RES/wsmc.sum; pack wsmc_ok
     ab wsmc ${WSMC_SECS:-170} q4_k_m ${WSMC_VARIANTS:---variant c4="$C.q8x_wsm_chunks=4" --variant c8="$C.q8x_wsm_chunks=8" --variant c16="$C.q8x_wsm_chunks=16"}
-    grep -h "b1  \|b8  " /tmp/res/wsmc_q4_k_m.log >> /tmp/res/wsmc.sum; pack wsmc_q4
+    grep -h "b1  \|b8  " $RES/wsmc_q4_k_m.log >> $RES/wsmc.sum; pack wsmc_q4
     ab wsmc 100 q8_0 --variant c8="$C.q8x_wsm_chunks=8" --variant c16="$C.q8x_wsm_chunks=16"
-    grep -h "b1  \|b8  " /tmp/res/wsmc_q8_0.log >> /tmp/res/wsmc.sum; pack wsmc ;;
+    grep -h "b1  \|b8  " $RES/wsmc_q8_0.log >> $RES/wsmc.sum; pack wsmc ;;
   wsmc2)  # k chunks on the down projections only (k >= 8192: 20-row tiles, 40-140 copies), per type
     ab wsmc2 200 q4_k_m \
       --variant dq4c2="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, q6_k: {$T6}, $TR}" \
       --variant dq4c5="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6}, $TR}" \
       --variant dq6c2="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6, q8x_wsm_chunks: 2, q8x_wsm_chunk_min_k: 8192}, $TR}" \
       --variant both2="$C.q8x_wsm_chunks=2; $C.q8x_wsm_chunk_min_k=8192"
-    grep -h "b1  \|b8  " /tmp/res/wsmc2_q4_k_m.log > /tmp/res/wsmc2.sum; pack wsmc2 ;;
+    grep -h "b1  \|b8  " $RES/wsmc2_q4_k_m.log > $RES/wsmc2.sum; pack wsmc2 ;;
   rounds)  # the down projections' two x staging rounds in flight at once (q8x_stage_rounds 2: the
     # only q8x GEMVs whose x takes two rounds of their threads), alone and with q4_k down chunks
     DQ4C5="$C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6}, $TR}"
     ab rounds 200 q4_k_m --variant r2="$C.q8x_stage_rounds=2" --variant dq4c5="$DQ4C5" --variant r2c5="$C.q8x_stage_rounds=2; $DQ4C5" --breakdown
-    grep -h "b1  \|b8  " /tmp/res/rounds_q4_k_m.log > /tmp/res/rounds.sum; pack rounds_q4
+    grep -h "b1  \|b8  " $RES/rounds_q4_k_m.log > $RES/rounds.sum; pack rounds_q4
     ab rounds 100 q8_0 --variant r2="$C.q8x_stage_rounds=2"
-    grep -h "b1  \|b8  " /tmp/res/rounds_q8_0.log >> /tmp/res/rounds.sum; pack rounds ;;
+    grep -h "b1  \|b8  " $RES/rounds_q8_0.log >> $RES/rounds.sum; pack rounds ;;
   staging)  # the x staging after pdl_wait: the norm weights loaded before it (q8x_early_norm_w), and
     # both staging rounds of the down projections in flight (per type, k >= 8192: not the lm_head)
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     R2D="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, $R2}, q6_k: {$T6, $R2}, $TR}"
     ab staging 200 q4_k_m --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
-    grep -h "b1  \|b8  " /tmp/res/staging_q4_k_m.log > /tmp/res/staging.sum; pack staging_q4
+    grep -h "b1  \|b8  " $RES/staging_q4_k_m.log > $RES/staging.sum; pack staging_q4
     ab staging 150 q8_0 --variant enw="$C.q8x_early_norm_w=true" --variant r2d="$R2D" --variant both="$C.q8x_early_norm_w=true; $R2D"
-    grep -h "b1  \|b8  " /tmp/res/staging_q8_0.log >> /tmp/res/staging.sum; pack staging ;;
+    grep -h "b1  \|b8  " $RES/staging_q8_0.log >> $RES/staging.sum; pack staging ;;
   eres)  # the k-split GEMVs reading their residual right after pdl_wait (q8x_early_residual): GEMV
     # checks of it, then the q4_k_m / q8_0 A/B
-    timeout "$(box 80)" python3 tools/gpu_check_gemv.py --out /tmp/res/eres_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "early_res" > /tmp/res/eres_ok.log 2>&1
-    grep -h 'correctness:' /tmp/res/eres_ok/gpu_check_gemv.txt > /tmp/res/eres.sum; pack eres_ok
+    timeout "$(box 80)" python3 tools/gpu_check_gemv.py --out $RES/eres_ok --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "early_res" > $RES/eres_ok.log 2>&1
+    grep -h 'correctness:' $RES/eres_ok/gpu_check_gemv.txt > $RES/eres.sum; pack eres_ok
     for q in q4_k_m q8_0; do
       ab eres 100 $q --variant ers="$C.q8x_early_residual=true"
-      grep -h "b1  \|b8  " /tmp/res/eres_$q.log >> /tmp/res/eres.sum; pack eres_$q
+      grep -h "b1  \|b8  " $RES/eres_$q.log >> $RES/eres.sum; pack eres_$q
     done ;;
   glu)  # the batch-1 q8x gate|up GEMV storing silu(gate) * up (gemv_coop.q8x_glu): its same-bits GPU
     # test, then the q4_k_m / q8_0 A/B, alone and with both of the downs' x staging rounds in flight
-    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > /tmp/res/glu_test.log 2>&1
-    tail -2 /tmp/res/glu_test.log > /tmp/res/glu.sum; pack glu_test
+    timeout "$(box 120)" python3 -m pytest -q -s tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > $RES/glu_test.log 2>&1
+    tail -2 $RES/glu_test.log > $RES/glu.sum; pack glu_test
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     GR2="$C.q8x_glu=true; $C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4, $R2}, q6_k: {$T6, $R2}, $TR}"
     for q in q4_k_m q8_0; do
       ab glu 150 $q --variant glu="$C.q8x_glu=true" --variant glur2="$GR2"
-      grep -h "b1  \|b8  " /tmp/res/glu_$q.log >> /tmp/res/glu.sum; pack glu_$q
+      grep -h "b1  \|b8  " $RES/glu_$q.log >> $RES/glu.sum; pack glu_$q
     done ;;
   bps1)  # the q6_k down off wsm (q6_k q8x_wsm_kb 100, in the profile since), against the profile of
     # the time; its second variant (the q4_k gate|up at one block per SM) needed a per-type
@@ -308,12 +320,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     NW6="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
     ab bps1 150 q4_k_m --variant nw6="$NW6"
-    grep -h "b1  \|b8  " /tmp/res/bps1_q4_k_m.log > /tmp/res/bps1.sum; pack bps1 ;;
+    grep -h "b1  \|b8  " $RES/bps1_q4_k_m.log > $RES/bps1.sum; pack bps1 ;;
   vwsm)  # on top of the profile (the q6_k down off wsm): the q6_k v GEMV's 42 KB row tiles off it too
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     V40="$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 40}, $TR}"
     ab vwsm 100 q4_k_m --variant v40="$V40"
-    grep -h "b1  \|b8  " /tmp/res/vwsm_q4_k_m.log > /tmp/res/vwsm.sum; pack vwsm ;;
+    grep -h "b1  \|b8  " $RES/vwsm_q4_k_m.log > $RES/vwsm.sum; pack vwsm ;;
   q6down)  # the q6_k down projection now off wsm (streamed through registers): both x staging rounds
     # in flight, the k split over 4 warp groups, 8 lanes per row
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
@@ -321,18 +333,18 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     V() { echo "$C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$1}, $TR}"; }
     ab q6down 200 q4_k_m --variant r2="$(V "$T6, q8x_wsm_kb: 100, $R2")" \
       --variant ks4="$(V "q8x_lanes_per_row: 16, q8x_ksplit: 4, $Q6")" --variant l8="$(V "q8x_lanes_per_row: 8, q8x_ksplit: 2, $Q6")"
-    grep -h "b1  \|b8  " /tmp/res/q6down_q4_k_m.log > /tmp/res/q6down.sum; pack q6down ;;
+    grep -h "b1  \|b8  " $RES/q6down_q4_k_m.log > $RES/q6down.sum; pack q6down ;;
   attn14)  # the A/B of the profile (the decode attention's table_first on) against it off on q4_k_m
     # (its attention waits for the v GEMV's join), every GPU test on the profile, then with
     # ATTN_Q8=1 q8_0. Its run in the fourteenth session also had wait_first (commit 5a28dc8: the
     # rope-fused kernel waits first and loads its rope rows with the table): 1305.2 -> 1312.8 us
     A=attention_decode
     ab attn14 150 q4_k_m --variant off="$A.table_first=false"
-    grep -h "b1  \|b8  " /tmp/res/attn14_q4_k_m.log > /tmp/res/attn14.sum; pack attn14_q4_k_m
-    timeout "$(box 170)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_attn14.log 2>&1; pack pytest_attn14
-    tail -3 /tmp/res/pytest_attn14.log >> /tmp/res/attn14.sum
+    grep -h "b1  \|b8  " $RES/attn14_q4_k_m.log > $RES/attn14.sum; pack attn14_q4_k_m
+    timeout "$(box 170)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > $RES/pytest_attn14.log 2>&1; pack pytest_attn14
+    tail -3 $RES/pytest_attn14.log >> $RES/attn14.sum
     [ -n "${ATTN_Q8:-}" ] && ab attn14 120 q8_0 --variant off="$A.table_first=false"
-    grep -h "b1  \|b8  " /tmp/res/attn14_q8_0.log >> /tmp/res/attn14.sum 2>/dev/null; pack attn14_q8_0 ;;
+    grep -h "b1  \|b8  " $RES/attn14_q8_0.log >> $RES/attn14.sum 2>/dev/null; pack attn14_q8_0 ;;
   pair15)  # the fifteenth session's q4_k_m A/Bs (written without a GPU; never run yet): q|k and v
     # as one launch (decode_graph.pair_linears: kernels/gemv_pair.cu.j2): as it compiles (64
     # registers, 36 bytes of spills in the q6_k part), with __launch_bounds__(320, 3) (64, no
@@ -340,16 +352,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # shared memory (pair_min_smem_kb 76; the eleventh session's spread of q|k alone lost because
     # the forked v then came late); first the pair's GPU tests (the same bits as apart). Expect
     # rel != 0: a q4_k v's k split is 2 in the pair, 4 alone (tests/test_plan.py)
-    timeout "$(box 100)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked" -p no:cacheprovider > /tmp/res/pair15_test.log 2>&1
-    tail -3 /tmp/res/pair15_test.log > /tmp/res/pair15.sum; pack pair15_test
+    timeout "$(box 100)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked" -p no:cacheprovider > $RES/pair15_test.log 2>&1
+    tail -3 $RES/pair15_test.log > $RES/pair15.sum; pack pair15_test
     P=decode_graph.pair_linears=true; S=decode_graph.pair_min_smem_kb
     M=decode_graph.pair_min_blocks
     for v in "$P" "$P; $M=3" "$P; $M=2"; do  # what the device's NVRTC allocates (the dev machine's is newer)
-      echo "== $v" >> /tmp/res/pair15_regs.log; timeout 60 python3 tools/kernel_resources.py --tune "$v" >> /tmp/res/pair15_regs.log 2>&1
+      echo "== $v" >> $RES/pair15_regs.log; timeout 60 python3 tools/kernel_resources.py --tune "$v" >> $RES/pair15_regs.log 2>&1
     done
-    grep -h "==\|q,k,v" /tmp/res/pair15_regs.log >> /tmp/res/pair15.sum
+    grep -h "==\|q,k,v" $RES/pair15_regs.log >> $RES/pair15.sum
     ab pair15 330 q4_k_m --variant pair="$P" --variant pair3="$P; $M=3" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76"
-    grep -h "b1  \|b8  \|rel" /tmp/res/pair15_q4_k_m.log >> /tmp/res/pair15.sum; pack pair15_q4_k_m ;;
+    grep -h "b1  \|b8  \|rel" $RES/pair15_q4_k_m.log >> $RES/pair15.sum; pack pair15_q4_k_m ;;
   pa16)  # the sixteenth session's q4_k_m A/Bs (written without a GPU; never run yet), in one call:
     # the pair (pair15's variants pair, pair2, pair76) against the pair that also runs the short
     # attention (decode_graph.pair_attention: kernels/gemv_pair_attention.cu.j2; its plan sets
@@ -359,37 +371,37 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # pair), then the device NVRTC's registers; batch 1 only (nothing here changes batch 8).
     # Expect rel != 0 against the profile (a q4_k v's k split is 2 in the pair, 4 alone) and pa's
     # rel == pair's rel (the same bits as the pair)
-    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked or pair_attention" -p no:cacheprovider > /tmp/res/pa16_test.log 2>&1
-    trc=$?; tail -3 /tmp/res/pa16_test.log > /tmp/res/pa16.sum; echo "tests rc $trc" >> /tmp/res/pa16.sum; pack pa16_test
+    timeout "$(box 150)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or forked or pair_attention" -p no:cacheprovider > $RES/pa16_test.log 2>&1
+    trc=$?; tail -3 $RES/pa16_test.log > $RES/pa16.sum; echo "tests rc $trc" >> $RES/pa16.sum; pack pa16_test
     P=decode_graph.pair_linears=true; S=decode_graph.pair_min_smem_kb; M=decode_graph.pair_min_blocks
     A="$P; decode_graph.pair_attention=true"
     for v in "$P" "$P; $M=2" "$A"; do  # what the device's NVRTC allocates (the dev machine's is newer)
-      echo "== $v" >> /tmp/res/pa16_regs.log
-      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> /tmp/res/pa16_regs.log 2>&1
+      echo "== $v" >> $RES/pa16_regs.log
+      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> $RES/pa16_regs.log 2>&1
     done
-    grep -h "==\|q,k,v" /tmp/res/pa16_regs.log >> /tmp/res/pa16.sum
+    grep -h "==\|q,k,v" $RES/pa16_regs.log >> $RES/pa16.sum
     # (a failed or hung test, rc != 0: the A/B of the pair variants only, so a broken kernel cannot eat the call)
     PA=(--variant pa="$A" --variant paq2="$A; attention_decode.direct_qsplit=2"); [ "$trc" = 0 ] || PA=()
     BATCHES=1 ab pa16 360 q4_k_m --variant pair="$P" --variant pair2="$P; $M=2" --variant pair76="$P; $M=3; $S=76" "${PA[@]}"
-    grep -h "b1  \|b8  \|rel" /tmp/res/pa16_q4_k_m.log >> /tmp/res/pa16.sum; pack pa16_q4_k_m ;;
+    grep -h "b1  \|b8  \|rel" $RES/pa16_q4_k_m.log >> $RES/pa16.sum; pack pa16_q4_k_m ;;
   pa17)  # the seventeenth session: the profile (since: the pair in __launch_bounds__(320, 2)) against
     # the pair that also runs the short attention with each unit on its own block (the q tile of its
     # middle q row waits for the unit's tiles: kernels/gemv_pair.cu.j2), one and two query heads per
     # unit; first the fused GPU tests (rc != 0: no fused A/B), the device NVRTC's registers, then a
     # block trace of the profile and the fused launch. Expect pa's rel == 0 (the same bits)
-    timeout "$(box 120)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or pair_attention" -p no:cacheprovider > /tmp/res/pa17_test.log 2>&1
-    trc=$?; tail -3 /tmp/res/pa17_test.log > /tmp/res/pa17.sum; echo "tests rc $trc" >> /tmp/res/pa17.sum; pack pa17_test
+    timeout "$(box 120)" python3 -m pytest -q -ra -s tests/gpu/test_quant_models.py -k "paired or pair_attention" -p no:cacheprovider > $RES/pa17_test.log 2>&1
+    trc=$?; tail -3 $RES/pa17_test.log > $RES/pa17.sum; echo "tests rc $trc" >> $RES/pa17.sum; pack pa17_test
     A="decode_graph.pair_attention=true"
     for v in "decode_graph.pair_min_blocks=2" "$A"; do
-      echo "== $v" >> /tmp/res/pa17_regs.log
-      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> /tmp/res/pa17_regs.log 2>&1
+      echo "== $v" >> $RES/pa17_regs.log
+      timeout 40 python3 tools/kernel_resources.py --tune "$v" --mode "$( [ "$v" = "$A" ] && echo short1 || echo decode1 )" >> $RES/pa17_regs.log 2>&1
     done
-    grep -h "==\|q,k,v\|?" /tmp/res/pa17_regs.log >> /tmp/res/pa17.sum
+    grep -h "==\|q,k,v\|?" $RES/pa17_regs.log >> $RES/pa17.sum
     if [ "$trc" = 0 ]; then
       BATCHES=1 ab pa17 200 q4_k_m --variant pa="$A" --variant paq2="$A; attention_decode.direct_qsplit=2"
-      grep -h "b1  \|rel" /tmp/res/pa17_q4_k_m.log >> /tmp/res/pa17.sum; pack pa17_q4_k_m
-      timeout "$(box 200)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace17 --model /dev/shm/q4b_q4_k_m.gguf --variant pa="$A" > /tmp/res/trace17.log 2>&1
-      grep -h "==\|ERROR" /tmp/res/trace17/trace.txt >> /tmp/res/pa17.sum; pack trace17
+      grep -h "b1  \|rel" $RES/pa17_q4_k_m.log >> $RES/pa17.sum; pack pa17_q4_k_m
+      timeout "$(box 200)" python3 tools/gpu_trace_decode.py --out $RES/trace17 --model /dev/shm/q4b_q4_k_m.gguf --variant pa="$A" > $RES/trace17.log 2>&1
+      grep -h "==\|ERROR" $RES/trace17/trace.txt >> $RES/pa17.sum; pack trace17
     fi ;;
   trig17)  # attention_decode.trigger (the short-context direct attention calls pdl_trigger() at its
     # start, so the o GEMV launches beside it: the seventeenth session's trace had the o blocks
@@ -398,13 +410,13 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # the q8_0 file, then memra bench --quick on the q4_k_m file with it
     T=attention_decode.trigger=true
     ab trig17 100 q4_k_m --variant trig="$T"
-    grep -h "b1  \|b8  " /tmp/res/trig17_q4_k_m.log > /tmp/res/trig17.sum; pack trig17_q4_k_m
-    MEMRA_TUNE="$T" timeout "$(box 130)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_runner_features.py tests/gpu/test_quant_models.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > /tmp/res/trig17_test.log 2>&1
-    trc=$?; tail -2 /tmp/res/trig17_test.log >> /tmp/res/trig17.sum; echo "tests rc $trc" >> /tmp/res/trig17.sum; pack trig17_test
+    grep -h "b1  \|b8  " $RES/trig17_q4_k_m.log > $RES/trig17.sum; pack trig17_q4_k_m
+    MEMRA_TUNE="$T" timeout "$(box 130)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_runner_features.py tests/gpu/test_quant_models.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > $RES/trig17_test.log 2>&1
+    trc=$?; tail -2 $RES/trig17_test.log >> $RES/trig17.sum; echo "tests rc $trc" >> $RES/trig17.sum; pack trig17_test
     ab trig17 100 q8_0 --variant trig="$T"
-    grep -h "b1  \|b8  " /tmp/res/trig17_q8_0.log >> /tmp/res/trig17.sum; pack trig17_q8_0
-    MEMRA_TUNE="$T" timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json /tmp/res/bench17_trig.json > /tmp/res/bench17_trig.log 2>&1
-    grep -h "decode\|prefill" /tmp/res/bench17_trig.log >> /tmp/res/trig17.sum; pack bench17_trig ;;
+    grep -h "b1  \|b8  " $RES/trig17_q8_0.log >> $RES/trig17.sum; pack trig17_q8_0
+    MEMRA_TUNE="$T" timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json $RES/bench17_trig.json > $RES/bench17_trig.log 2>&1
+    grep -h "decode\|prefill" $RES/bench17_trig.log >> $RES/trig17.sum; pack bench17_trig ;;
   pf19)  # the nineteenth session (built without a GPU): tools/gpu_l2_bench.py first (does a
     # prefetch into L2 make a later stream faster: cold / warm / after a prefetch and an idle
     # window / prefetched beside another stream); then the direct batch-1 attention prefetches its
@@ -417,12 +429,12 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # GEMV keeping the weight stream 8 / 16 / 32 MB ahead (decode_graph.l2_stream_kb); then the
     # q8_0 file. Expect rel 0 everywhere.
     A=attention_decode; O="$A.l2_prefetch_o=true"; L="$A.l2_prefetch_late=true"
-    timeout "$(box 60)" python3 tools/gpu_l2_bench.py --out /tmp/res/l2 > /tmp/res/l2bench.log 2>&1
-    { cat /tmp/res/l2/l2.txt 2>/dev/null || tail -5 /tmp/res/l2bench.log; } > /tmp/res/pf19.sum; pack l2bench
-    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "l2_prefetch" -p no:cacheprovider > /tmp/res/pf19_test.log 2>&1
-    trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/pf19_test.log)" >> /tmp/res/pf19.sum; pack pf19_test
-    timeout 60 python3 tools/kernel_resources.py --tune "$O; $A.l2_prefetch_next_kb=8192" --mode short1 > /tmp/res/pf19_regs.log 2>&1
-    grep -h "attention" /tmp/res/pf19_regs.log >> /tmp/res/pf19.sum
+    timeout "$(box 60)" python3 tools/gpu_l2_bench.py --out $RES/l2 > $RES/l2bench.log 2>&1
+    { cat $RES/l2/l2.txt 2>/dev/null || tail -5 $RES/l2bench.log; } > $RES/pf19.sum; pack l2bench
+    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "l2_prefetch" -p no:cacheprovider > $RES/pf19_test.log 2>&1
+    trc=$?; echo "tests rc $trc: $(tail -1 $RES/pf19_test.log)" >> $RES/pf19.sum; pack pf19_test
+    timeout 60 python3 tools/kernel_resources.py --tune "$O; $A.l2_prefetch_next_kb=8192" --mode short1 > $RES/pf19_regs.log 2>&1
+    grep -h "attention" $RES/pf19_regs.log >> $RES/pf19.sum
     if [ "$trc" = 0 ]; then
       K="$A.l2_prefetch_keep=true"; N16="$A.l2_prefetch_next_kb=16384"; OG=decode_graph.o_prefetch_next_kb; ST=decode_graph.l2_stream_kb
       # (a variant costs about 2.5 s once the file is loaded; the profile and the first three run
@@ -434,10 +446,10 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
         --variant st8="$ST=8192" --variant st16="$ST=16384" --variant st32="$ST=32768" --variant o_st16="$O; $ST=16384" \
         --variant profile2="" --variant o_2="$O" --variant olate_2="$O; $L" --variant o16late_2="$O; $L; $N16" --variant og8_2="$OG=8192" \
         --variant st16_2="$ST=16384"
-      grep -h "b1  \|rel" /tmp/res/pf19_q4_k_m.log >> /tmp/res/pf19.sum; pack pf19_q4_k_m
+      grep -h "b1  \|rel" $RES/pf19_q4_k_m.log >> $RES/pf19.sum; pack pf19_q4_k_m
       BATCHES=1 ab pf19 100 q8_0 --variant o="$O" --variant olate="$O; $L" --variant og8="$OG=8192" --variant o_og8="$O; $OG=8192" \
         --variant st16="$ST=16384" --variant st32="$ST=32768"
-      grep -h "b1  \|rel" /tmp/res/pf19_q8_0.log >> /tmp/res/pf19.sum; pack pf19_q8_0
+      grep -h "b1  \|rel" $RES/pf19_q8_0.log >> $RES/pf19.sum; pack pf19_q8_0
     fi ;;
   u19)  # the nineteenth session (built without a GPU): the batch-1 q4_k GEMVs with twice the
     # segments in flight per lane (gemv_coop.q8x_type_tuning q4_k q8x_b1_unroll 4: two 48-byte
@@ -454,14 +466,14 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
     U4S="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
     U4R="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096$CAP}, q6_k: {$T6, q8x_wsm_kb: 100, q8x_b1_unroll: 1$CAP}, $TR}"
-    MEMRA_TUNE="$U4" timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "quantised_gguf or paired" -p no:cacheprovider > /tmp/res/u19_test.log 2>&1
-    trc=$?; echo "tests (U4) rc $trc: $(tail -1 /tmp/res/u19_test.log)" > /tmp/res/u19.sum; pack u19_test
-    timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > /tmp/res/u19_regs.log 2>&1
-    grep -h "linear" /tmp/res/u19_regs.log >> /tmp/res/u19.sum
+    MEMRA_TUNE="$U4" timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "quantised_gguf or paired" -p no:cacheprovider > $RES/u19_test.log 2>&1
+    trc=$?; echo "tests (U4) rc $trc: $(tail -1 $RES/u19_test.log)" > $RES/u19.sum; pack u19_test
+    timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > $RES/u19_regs.log 2>&1
+    grep -h "linear" $RES/u19_regs.log >> $RES/u19.sum
     if [ "$trc" = 0 ]; then
       BATCHES=1 ab u19 150 q4_k_m --variant u4="$U4" --variant u4s="$U4S" --variant u4r="$U4R" --variant profile2="" \
         --variant u4_2="$U4" --variant u4s_2="$U4S" --variant u4r_2="$U4R"
-      grep -h "b1  \|rel" /tmp/res/u19_q4_k_m.log >> /tmp/res/u19.sum; pack u19_q4_k_m
+      grep -h "b1  \|rel" $RES/u19_q4_k_m.log >> $RES/u19.sum; pack u19_q4_k_m
     fi ;;
   sweep19)  # knobs measured before the q|k|v pair (seventeenth session) changed which kernels
     # share the SMs, measured again on the profile at b1, each once (about 2.5 s a variant; a
@@ -476,7 +488,7 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant l4="$(tt "${T4/q8x_lanes_per_row: 8/q8x_lanes_per_row: 4}")" \
       --variant t256="$(tt "${T4/q8x_threads: 320/q8x_threads: 256}")" \
       --variant t384="$(tt "${T4/q8x_threads: 320/q8x_threads: 384}")" --variant profile2=""
-    grep -h "b1  \|rel" /tmp/res/sweep19_q4_k_m.log > /tmp/res/sweep19.sum; pack sweep19 ;;
+    grep -h "b1  \|rel" $RES/sweep19_q4_k_m.log > $RES/sweep19.sum; pack sweep19 ;;
   room20)  # the twentieth session (built without a GPU): room for the next layer's q|k|v pair
     # blocks beside the down projection (docs/kernels.md, "Room beside the down projection"). A
     # 640-thread down block at 58 / 79 registers (q4_k / q6_k) plus a 320-thread pair block at 80
@@ -487,19 +499,19 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # (tools/kernel_resources.py's "next" column shows which kernel's blocks fit beside which);
     # and both downs capped at 56 (the q4_k down needs 53, no spills), so a down block also fits
     # beside one of the gate|up's two blocks per SM
-    R6() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4$2}, q6_k: {$T6, q8x_wsm_kb: 100$1}, $TR}"; }
+    R6() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4${2:-}}, q6_k: {$T6, q8x_wsm_kb: 100${1:-}}, $TR}"; }
     P3="decode_graph.pair_min_blocks=3"; U1="$(R6 ", q8x_b1_unroll: 1")"; CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
     MR="$(R6 ", q8x_b1_unroll: 1$CAP")"; MR2="$(R6 ", q8x_b1_unroll: 1$CAP" "$CAP")"; MR4="$(R6 "" "$CAP")"
-    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "register_room" -p no:cacheprovider > /tmp/res/room20_test.log 2>&1
-    trc=$?; echo "tests rc $trc: $(tail -1 /tmp/res/room20_test.log)" > /tmp/res/room20.sum; pack room20_test
-    timeout 60 python3 tools/kernel_resources.py --tune "$MR2" --mode decode1 > /tmp/res/room20_regs.log 2>&1
-    timeout 60 python3 tools/kernel_resources.py --tune "$U1; $P3" --mode decode1 >> /tmp/res/room20_regs.log 2>&1
-    grep -h "linear" /tmp/res/room20_regs.log >> /tmp/res/room20.sum
+    timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "register_room" -p no:cacheprovider > $RES/room20_test.log 2>&1
+    trc=$?; echo "tests rc $trc: $(tail -1 $RES/room20_test.log)" > $RES/room20.sum; pack room20_test
+    timeout 60 python3 tools/kernel_resources.py --tune "$MR2" --mode decode1 > $RES/room20_regs.log 2>&1
+    timeout 60 python3 tools/kernel_resources.py --tune "$U1; $P3" --mode decode1 >> $RES/room20_regs.log 2>&1
+    grep -h "linear" $RES/room20_regs.log >> $RES/room20.sum
     if [ "$trc" = 0 ]; then
       BATCHES=1 ab room20 170 q4_k_m --variant p3="$P3" --variant u1="$U1" --variant p3u1="$U1; $P3" --variant mr56="$MR" \
         --variant mr4="$MR4" --variant mr56both="$MR2" --variant profile2="" --variant p3u1_2="$U1; $P3" --variant mr56_2="$MR" \
         --variant mr56both_2="$MR2"
-      grep -h "b1  \|rel" /tmp/res/room20_q4_k_m.log >> /tmp/res/room20.sum; pack room20_q4_k_m
+      grep -h "b1  \|rel" $RES/room20_q4_k_m.log >> $RES/room20.sum; pack room20_q4_k_m
     fi ;;
   s18)  # the eighteenth session: gemv_coop.q8x_glu_balance (each gate|up block's pairs as one range:
     # no idle last round) and attention_decode.trigger_b1 (the direct attention's pdl_trigger() at
@@ -508,39 +520,39 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # (ran once: the balance lost, q4_k_m 1253.5 -> 1288.8 us, q8_0 1502.1 -> 1549.2, and its code
     # was removed after commit a02a9ff, so this stage no longer runs as written)
     B="$C.q8x_glu_balance=true"; T="attention_decode.trigger_b1=true"
-    timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > /tmp/res/s18_test.log 2>&1
-    echo "glu tests rc $?: $(tail -1 /tmp/res/s18_test.log)" > /tmp/res/s18.sum; pack s18_test
-    MEMRA_TUNE="$B; $T" timeout "$(box 120)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > /tmp/res/s18_run.log 2>&1
-    echo "runner tests (both on) rc $?: $(tail -1 /tmp/res/s18_run.log)" >> /tmp/res/s18.sum; pack s18_run
+    timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "coop_glu" -p no:cacheprovider > $RES/s18_test.log 2>&1
+    echo "glu tests rc $?: $(tail -1 $RES/s18_test.log)" > $RES/s18.sum; pack s18_test
+    MEMRA_TUNE="$B; $T" timeout "$(box 120)" python3 -m pytest -q -ra tests/gpu/test_runner_cuda.py tests/gpu/test_pdl_launch.py -p no:cacheprovider > $RES/s18_run.log 2>&1
+    echo "runner tests (both on) rc $?: $(tail -1 $RES/s18_run.log)" >> $RES/s18.sum; pack s18_run
     BATCHES=1 ab s18 200 q4_k_m --variant bal="$B" --variant trig1="$T" --variant both="$B; $T"
-    grep -h "b1  \|rel" /tmp/res/s18_q4_k_m.log >> /tmp/res/s18.sum; pack s18_q4_k_m
+    grep -h "b1  \|rel" $RES/s18_q4_k_m.log >> $RES/s18.sum; pack s18_q4_k_m
     BATCHES=1 ab s18 120 q8_0 --variant bal="$B"
-    grep -h "b1  \|rel" /tmp/res/s18_q8_0.log >> /tmp/res/s18.sum; pack s18_q8_0 ;;
+    grep -h "b1  \|rel" $RES/s18_q8_0.log >> $RES/s18.sum; pack s18_q8_0 ;;
   final14)  # memra bench --quick on the q4_k_m file (then q8_0, as far as the budget goes)
     for q in q4_k_m q8_0; do
       ckpt $q
-      timeout "$(box 110)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench14_$q.json > /tmp/res/bench14_$q.log 2>&1
-      grep -h "decode\|prefill" /tmp/res/bench14_$q.log >> /tmp/res/final14.sum; pack bench14_$q
+      timeout "$(box 110)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json $RES/bench14_$q.json > $RES/bench14_$q.log 2>&1
+      grep -h "decode\|prefill" $RES/bench14_$q.log >> $RES/final14.sum; pack bench14_$q
     done ;;
   final13)  # the thirteenth session's closing checks: every GPU test, the A/B of the profile against
     # the session's start (no coop glu, the q6_k down in shared memory), memra bench (an earlier run
     # of this stage also had a variant with 384-thread q4_k blocks: q4_k_m 1341.4 -> 1368.8 us)
-    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
+    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > $RES/pytest_final.log 2>&1; pack pytest_final
     R2="q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192"
     START="$C.q8x_glu=false; $C.q8x_type_tuning={q8_0: {$T8, $R2}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6}, $TR}"
     ab fin13 130 q4_k_m --variant start="$START"; pack fin13_q4_k_m
     ab fin13 90 q8_0 --variant start="$START"; pack fin13_q8_0
     for q in q4_k_m q8_0; do
       ckpt $q
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json $RES/bench_$q.json > $RES/bench_$q.log 2>&1; pack bench_$q
     done
-    { tail -3 /tmp/res/pytest_final.log; grep -h "b1  \|b8  " /tmp/res/fin13_*.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    { tail -3 $RES/pytest_final.log; grep -h "b1  \|b8  " $RES/fin13_*.log; grep -h "decode\|prefill" $RES/bench_*.log; } > $RES/final.sum
     pack final13 ;;
   final12)  # the twelfth session's closing checks: every GPU test, the GEMV checks of the wsm k chunks
     # and the early norm weights, the A/B of the profile against the session's start (PREV) and
     # without the early norm weights, memra bench
-    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
-    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/ok12 --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'|coopq8n|early_res" > /tmp/res/ok12.log 2>&1; pack ok12
+    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > $RES/pytest_final.log 2>&1; pack pytest_final
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out $RES/ok12 --types q4_k,q6_kr,q8_0r,q4_1r --sections none --checks "'wsm'|coopq8n|early_res" > $RES/ok12.log 2>&1; pack ok12
     PREV="$C.q8x_early_norm_w=false; $C.q8x_early_residual=false; $C.q8x_type_tuning={q8_0: {$T8}, q4_k: {$T4}, q6_k: {$T6}, $TR}"
     for q in q4_k_m q8_0; do
       ab fin12 100 $q --variant prev="$PREV"
@@ -548,27 +560,27 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     done
     for q in q4_k_m q8_0; do
       ckpt $q
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json $RES/bench_$q.json > $RES/bench_$q.log 2>&1; pack bench_$q
     done
-    { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/ok12/gpu_check_gemv.txt; grep -h "b1  \|b8  " /tmp/res/fin12_*.log; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    { tail -3 $RES/pytest_final.log; grep -h 'correctness:' $RES/ok12/gpu_check_gemv.txt; grep -h "b1  \|b8  " $RES/fin12_*.log; grep -h "decode\|prefill" $RES/bench_*.log; } > $RES/final.sum
     pack final12 ;;
   final11)  # the eleventh session's closing checks: every GPU test, the GEMV checks of the coop
     # types, memra bench on the Qwen3-4B q4_k_m / q8_0 files, and a trace of the q4_k_m step
-    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > /tmp/res/pytest_final.log 2>&1; pack pytest_final
-    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out /tmp/res/gemvok --types q4_k,q8_0r,q6_kr,q4_1r,q6_k --sections none > /tmp/res/check_gemvok.log 2>&1; pack gemvok
+    timeout "$(box 200)" python3 -m pytest -q -ra -s tests/gpu -p no:cacheprovider > $RES/pytest_final.log 2>&1; pack pytest_final
+    timeout "$(box 100)" python3 tools/gpu_check_gemv.py --out $RES/gemvok --types q4_k,q8_0r,q6_kr,q4_1r,q6_k --sections none > $RES/check_gemvok.log 2>&1; pack gemvok
     for q in q4_k_m q8_0; do
       ckpt $q
-      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json /tmp/res/bench_$q.json > /tmp/res/bench_$q.log 2>&1; pack bench_$q
+      timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_$q.gguf --backend cuda --quick --json $RES/bench_$q.json > $RES/bench_$q.log 2>&1; pack bench_$q
     done
-    timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out /tmp/res/trace_final --model /dev/shm/q4b_q4_k_m.gguf > /tmp/res/trace_final.log 2>&1
-    { tail -3 /tmp/res/pytest_final.log; grep -h 'correctness:' /tmp/res/gemvok/gpu_check_gemv.txt; grep -h "decode\|prefill" /tmp/res/bench_*.log; } > /tmp/res/final.sum
+    timeout "$(box 60)" python3 tools/gpu_trace_decode.py --out $RES/trace_final --model /dev/shm/q4b_q4_k_m.gguf > $RES/trace_final.log 2>&1
+    { tail -3 $RES/pytest_final.log; grep -h 'correctness:' $RES/gemvok/gpu_check_gemv.txt; grep -h "decode\|prefill" $RES/bench_*.log; } > $RES/final.sum
     pack final11 ;;
   host)  # the small bf16 shapes' decode step, wall vs GPU-only (the host share per step)
-    timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out /tmp/res/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > /tmp/res/host${TAG:-}.log 2>&1; pack host ;;
+    timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out $RES/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > $RES/host${TAG:-}.log 2>&1; pack host ;;
   runner)
-    timeout "$(box 150)" python3 tools/gpu_runner_check.py --out /tmp/res/runner${TAG:-} > /tmp/res/runner${TAG:-}.log 2>&1; pack runner ;;
+    timeout "$(box 150)" python3 tools/gpu_runner_check.py --out $RES/runner${TAG:-} > $RES/runner${TAG:-}.log 2>&1; pack runner ;;
   esac
 done
-echo "total $(( $(date +%s) - t0 )) s" >> /tmp/res/times.log; pack end
+echo "total $(( $(date +%s) - t0 )) s" >> $RES/times.log; pack end
 # the stages' summaries on stdout too, so the call's own output shows the numbers
-for f in /tmp/res/*.sum; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done; cat /tmp/res/times.log
+for f in $RES/*.sum; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done; cat $RES/times.log
