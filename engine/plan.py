@@ -447,7 +447,7 @@ def build_plan(
         steps.append(Step(op, layer, head, launches))
 
     adapter.fuse_pair_attention(steps, values)
-    adapter.trigger_short1_attention(steps)
+    adapter.trigger_short1_attention(steps, weights)
     from engine import plan_l2  # (its passes import this module's types)
 
     plan_l2.apply(adapter, steps, weights)
@@ -701,6 +701,22 @@ class _CatalogAdapter:
 
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)
+
+    def o_window(self, steps: list[Step], i: int, weights: Mapping[str, WeightPlan]) -> bool:
+        """Tuning decode_graph.o_window_min_kb / o_window_max_kb: whether the batch-1 changes in
+        the attention's window (trigger_b1, the L2 prefetches of engine.plan_l2) apply to
+        attention step ``i``: its layer's o projection (the next linear, one gemv launch at batch
+        1) has a weight of at least / at most that many KB (0: no bound)."""
+        lo = int(self._graph_value("o_window_min_kb") or 0) * 1024
+        hi = int(self._graph_value("o_window_max_kb") or 0) * 1024
+        if not (lo or hi):
+            return True
+        from engine import plan_l2  # (it imports this module)
+
+        st = steps[i]
+        o_step = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"), None)
+        o = plan_l2._weight_of(self, o_step, weights) if o_step is not None else None
+        return o is not None and o.nbytes >= lo and (not hi or o.nbytes <= hi)
 
     def _graph_value(self, knob: str) -> Any:
         """A decode_graph tuning value (None where the profile's tuning has no such section)."""
@@ -1148,17 +1164,19 @@ class _CatalogAdapter:
             st.launches[SHORT1] = (Launch(spec, la.grid, la.block, args, la.smem),)
             attn.launches[SHORT1] = ()
 
-    def trigger_short1_attention(self, steps: list[Step]) -> None:
+    def trigger_short1_attention(self, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
         """Tuning attention_decode.trigger_b1: each attention step whose short-context launch is
         the direct kernel gets a SHORT1 launch, the same kernel with ``trigger`` (pdl_trigger() at
         its start, so the o GEMV's blocks launch beside it and fetch their weights early); the
         other batch sizes keep the launch without it. Not where SHORT1 is already set (the
-        pair_attention fusion runs the attention itself)."""
+        pair_attention fusion runs the attention itself), nor outside the o window (o_window)."""
         if self.cat is None or not self.tune("attention_decode").get("trigger_b1"):
             return
-        for st in steps:
+        for i, st in enumerate(steps):
             short = st.launches.get("short", ())
             if st.op.op != "attention" or SHORT1 in st.launches or len(short) != 1:
+                continue
+            if not self.o_window(steps, i, weights):
                 continue
             la = short[0]
             if not la.spec.params.get("direct") or la.spec.params.get("trigger"):

@@ -2,7 +2,8 @@
 
 The knobs (all off; docs/kernels.md, "attention option l2_pf"): attention_decode.l2_prefetch_*
 (the direct attention prefetches its layer's o weight and the gate|up's first bytes),
-decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes) and
+decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
+layers inside decode_graph.o_window_min_kb / o_window_max_kb (the adapter's o_window), and
 decode_graph.l2_stream_kb (every plain batch-1 q8x GEMV keeps the pass's weight stream D bytes
 ahead). Each pass sets a kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the
 weights it names to the launch's args as pointer args pf0, pf1 ... ``ad`` is engine.plan's
@@ -44,6 +45,8 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
         cur = st.launches.get(SHORT1, st.launches.get("short", ()))
         if st.op.op != "attention" or len(cur) != 1 or not cur[0].spec.params.get("direct"):
             continue
+        if not ad.o_window(steps, i, weights):
+            continue
         later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
         targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
         if want_o and later:
@@ -80,7 +83,7 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
     if not kb or ad.cat is None or ad._graph_value("l2_stream_kb"):
         return
     for i, st in enumerate(steps):
-        if st.op.op != "attention":
+        if st.op.op != "attention" or not ad.o_window(steps, i, weights):
             continue
         later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
         o = later[0].launches.get("decode1", ()) if later else ()

@@ -333,6 +333,12 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_min_blocks": Field(int, default=0),
             "pair_attention": Field(bool, default=False),
             "o_prefetch_next_kb": Field(int, default=0, check=_non_negative),
+            # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
+            # (attention_decode.trigger_b1 and l2_prefetch_o / l2_prefetch_next_kb, and
+            # o_prefetch_next_kb) only on layers whose o projection weight has at least / at most
+            # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
+            "o_window_min_kb": Field(int, default=0, check=_non_negative),
+            "o_window_max_kb": Field(int, default=0, check=_non_negative),
             "l2_stream_kb": Field(int, default=0, check=_non_negative),
         }
     ),

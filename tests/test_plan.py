@@ -125,12 +125,18 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
     assert {"L0.wq", "L0.wk", "L0.wv"} <= {w.key for w in mixed.weights}
 
 
+# the h200 profile's batch-1 attention-window knobs (twentieth session) off: the tests of those
+# knobs, and of the launches they would change, compare plans against the plan without them
+WINDOW_OFF = "attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+
+
 def _q4_k_m_plan(tuning: str):
-    """The h200 plan (with the MEMRA_TUNE-style ``tuning`` overrides) of a Qwen3-4B q4_k_m file:
-    q4_k weights with q6_k v and down (so q|k and v are separate allocations)."""
+    """The h200 plan, with its attention-window knobs off (WINDOW_OFF) and then the
+    MEMRA_TUNE-style ``tuning`` overrides, of a Qwen3-4B q4_k_m file: q4_k weights with q6_k v and
+    down (so q|k and v are separate allocations)."""
     graph = load_family("qwen3")
     dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q6_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
-    prof = with_tuning(get_profile("h200"), tuning)
+    prof = with_tuning(get_profile("h200"), f"{WINDOW_OFF}; {tuning}")
     return build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
 
 
@@ -314,7 +320,7 @@ def test_pair_attention_runs_the_short_attention_in_the_batch1_pair():
     dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})  # both v types
 
     def plan_of(tune):
-        prof = with_tuning(get_profile("h200"), tune)
+        prof = with_tuning(get_profile("h200"), f"{WINDOW_OFF}; {tune}")
         return build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
 
     pair = "decode_graph.pair_linears=true"
@@ -1340,8 +1346,9 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
 
     prof = get_profile("h200")
     general = prof.tuning["gemv_coop"]["unroll"]
-    types = dict(prof.tuning["gemv_coop"]["q8x_type_tuning"])
-    q4 = {**types["q4_k"], "q8x_b1_unroll": 2 * general}
+    # the profile's type tuning without its own batch-1 unrolls, then q4_k's at every k
+    types = {t: {**v, "q8x_b1_unroll": 0} for t, v in prof.tuning["gemv_coop"]["q8x_type_tuning"].items()}
+    q4 = {**types["q4_k"], "q8x_b1_unroll": 2 * general, "q8x_b1_unroll_max_k": 0}
     tuned = {**prof.tuning, "gemv_coop": {**prof.tuning["gemv_coop"], "q8x_type_tuning": {**types, "q4_k": q4}}}
     for layout, n, k, bmax, want in (
         ("q4_k", 19456, 2560, 1, 2 * general),
@@ -1354,7 +1361,11 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
         assert p["unroll"] == want, (layout, n, k, bmax)
         if p.get("wsm_chunk"):  # whole steps per chunk at this unroll
             assert p["wsm_chunk"] % kc.coop_step_elems(p) == 0
-    assert kc.linear_params("q4_k", 19456, 2560, prof.tuning, bmax=1)["unroll"] == general
+    plain = {**tuned, "gemv_coop": {**tuned["gemv_coop"], "q8x_type_tuning": types}}
+    assert kc.linear_params("q4_k", 19456, 2560, plain, bmax=1)["unroll"] == general
+    # the h200 profile: unroll 4 on k <= 4096 for q4_k, q6_k and q8_0, the downs (k 9728) keep it
+    for layout, k, want in (("q4_k", 2560, 4), ("q4_k", 9728, general), ("q6_kr", 2560, 4), ("q8_0r", 4096, 4)):
+        assert kc.linear_params(layout, 2560, k, prof.tuning, bmax=1, sm_count=132)["unroll"] == want, (layout, k)
     # q8x_b1_unroll_max_k: the short-k GEMVs (q|k, gate|up, o) only, the down projections keep unroll
     short = {**q4, "q8x_b1_unroll_max_k": 4096}
     short_k = {**tuned, "gemv_coop": {**tuned["gemv_coop"], "q8x_type_tuning": {**types, "q4_k": short}}}
@@ -1590,7 +1601,7 @@ def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
     assert not kc.linear_params("q6_kr", 2560, 9728, h200.tuning, bmax=1, sm_count=132).get("wsm")
     four = with_tuning(h200, "gemv_coop.q8x_wsm_chunks=4").tuning
     tt = four["gemv_coop"]["q8x_type_tuning"]
-    tt = {**tt, "q6_k": {**tt["q6_k"], "q8x_wsm_kb": 0}}  # (0: the general knob)
+    tt = {**tt, "q6_k": {**tt["q6_k"], "q8x_wsm_kb": 0, "q8x_b1_unroll": 0}}  # (0: the general knob)
     four = {**four, "gemv_coop": {**four["gemv_coop"], "q8x_type_tuning": tt}}
     assert kc.linear_params("q6_kr", 2560, 9728, four, bmax=1, sm_count=132)["wsm_chunk"] == 4096
     assert kc.linear_params("q6_kr", 1024, 2560, four, bmax=1, sm_count=132)["wsm_chunk"] == 2048

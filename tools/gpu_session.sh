@@ -489,6 +489,73 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t256="$(tt "${T4/q8x_threads: 320/q8x_threads: 256}")" \
       --variant t384="$(tt "${T4/q8x_threads: 320/q8x_threads: 384}")" --variant profile2=""
     grep -h "b1  \|rel" $RES/sweep19_q4_k_m.log > $RES/sweep19.sum; pack sweep19 ;;
+  u20)  # the twentieth session, after u19 on an H100 (q4_k unroll 4 on the k <= 4096 GEMVs: 1464
+    # -> 1352 / 1359 us): the next steps of that knob on the q4_k_m file. U(Q4 extra, Q6 extra)
+    # builds the type tuning; q4_k at unroll 6 (max k 4096), q6_k at unroll 4 on k <= 4096 (the
+    # pair's v, the lm_head), both, the q4_k down capped at 56 beside u4s, q4_k at 16 lanes with
+    # u4s; then q8_0 at batch-1 unroll 4 (all k / k <= 4096) on the q8_0 file
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
+    S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; S6=", q8x_b1_unroll: 6, q8x_b1_unroll_max_k: 4096"
+    CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
+    BATCHES=1 ab u20 200 q4_k_m --variant u4s="$(U "$S4")" --variant u6s="$(U "$S6")" --variant u4s_q6="$(U "$S4" "$S4")" \
+      --variant u6s_q6="$(U "$S6" "$S4")" --variant u4s_mr4="$(U "$S4$CAP")" \
+      --variant u4s_l16="$(U "${S4/, q8x_b1_unroll: 4/, q8x_lanes_per_row: 16, q8x_b1_unroll: 4}")" \
+      --variant u4s_2="$(U "$S4")" --variant u6s_2="$(U "$S6")" --variant u4s_q6_2="$(U "$S4" "$S4")"
+    grep -h "b1  \|rel" $RES/u20_q4_k_m.log > $RES/u20.sum; pack u20_q4_k_m
+    BATCHES=1 ab u20 100 q8_0 --variant q8u4="$(U "" "" ", q8x_b1_unroll: 4")" \
+      --variant q8u4s="$(U "" "" ", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096")" --variant q8u4_2="$(U "" "" ", q8x_b1_unroll: 4")"
+    grep -h "b1  \|rel" $RES/u20_q8_0.log >> $RES/u20.sum; pack u20_q8_0 ;;
+  c20)  # the twentieth session, after u20 and pf19 on an H100: the two winners together. B is the
+    # batch-1 unroll 4 on the k <= 4096 GEMVs (q4_k and q6_k: u4s_q6, 1467 -> 1351 us), then the
+    # attention's o prefetch (pf19 o: -20 us, o8m: -55, otrig: -46) and the o GEMV's gate|up
+    # prefetch (og8: -32 / -42, o_og8: -61) on top of it; the q8_0 file the same with q8_0 unroll 4
+    # on k <= 4096 (q8u4s: 1864 -> 1845)
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
+    S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode; O="$A.l2_prefetch_o=true"
+    B="$(U "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb
+    BATCHES=1 ab c20 200 q4_k_m --variant b="$B" --variant b_o="$B; $O" --variant b_o8m="$B; $O; $A.l2_prefetch_next_kb=8192" \
+      --variant b_o4m="$B; $O; $A.l2_prefetch_next_kb=4096" --variant b_otrig="$B; $O; $A.trigger_b1=true" \
+      --variant b_og8="$B; $OG=8192" --variant b_og4="$B; $OG=4096" --variant b_o_og8="$B; $O; $OG=8192" \
+      --variant b_otrig_og8="$B; $O; $A.trigger_b1=true; $OG=8192" --variant b_o8m_trig="$B; $O; $A.l2_prefetch_next_kb=8192; $A.trigger_b1=true" \
+      --variant b_2="$B" --variant b_o_og8_2="$B; $O; $OG=8192" --variant b_o8m_2="$B; $O; $A.l2_prefetch_next_kb=8192" \
+      --variant b_otrig_og8_2="$B; $O; $A.trigger_b1=true; $OG=8192"
+    grep -h "b1  \|rel" $RES/c20_q4_k_m.log > $RES/c20.sum; pack c20_q4_k_m
+    BATCHES=1 ab c20 100 q8_0 --variant b="$B" --variant b_og8="$B; $OG=8192" --variant b_o_og8="$B; $O; $OG=8192" --variant b_2="$B"
+    grep -h "b1  \|rel" $RES/c20_q8_0.log >> $RES/c20.sum; pack c20_q8_0 ;;
+  d20)  # the twentieth session: around c20's best on an H100 (B + the attention's o prefetch +
+    # trigger_b1 + the o GEMV's 8 MB of gate|up: 1467.6 -> 1305.0 / 1309.9 us; B + o + 4 MB of
+    # gate|up from the attention: 1311.8)
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
+    S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode; O="$A.l2_prefetch_o=true"; T="$A.trigger_b1=true"
+    B="$(U "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb; N4="$A.l2_prefetch_next_kb=4096"; N2="$A.l2_prefetch_next_kb=2048"
+    BATCHES=1 ab d20 150 q4_k_m --variant b_otrig_og8="$B; $O; $T; $OG=8192" --variant b_o4m_trig="$B; $O; $N4; $T" \
+      --variant b_o4m_trig_og4="$B; $O; $N4; $T; $OG=4096" --variant b_otrig_og4="$B; $O; $T; $OG=4096" \
+      --variant b_o2m_trig_og8="$B; $O; $N2; $T; $OG=8192" --variant b_o4m="$B; $O; $N4" --variant b_otrig_og16="$B; $O; $T; $OG=16384" \
+      --variant b_otrig_og8_2="$B; $O; $T; $OG=8192" --variant b_o4m_trig_2="$B; $O; $N4; $T" --variant b_otrig_og4_2="$B; $O; $T; $OG=4096"
+    grep -h "b1  \|rel" $RES/d20_q4_k_m.log > $RES/d20.sum; pack d20_q4_k_m ;;
+  r20)  # the twentieth session: the candidate profile (NEW: batch-1 unroll 4 on the k <= 4096 q4_k /
+    # q6_k / q8_0 GEMVs, the attention's o prefetch + trigger_b1 and the o GEMV's 8 MB gate|up
+    # prefetch on layers whose o weight is at most 8 MB) against the profile, b1 and b8, on every
+    # file the targets name: Qwen3-4B q4_k_m and q8_0, the SmolLM2-shaped q4_1 GGUF, the Qwen3-0.6B
+    # and SmolLM2-shaped bf16 checkpoints; NEW4 the same with the o window from 1 MB
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
+    S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode
+    NEW="$(U "$S4" "$S4" "$S4"); $A.l2_prefetch_o=true; $A.trigger_b1=true; decode_graph.o_prefetch_next_kb=8192; decode_graph.o_window_max_kb=8192"
+    NEW4="$NEW; decode_graph.o_window_min_kb=1024"
+    BATCHES=1,8 ab r20 120 q4_k_m --variant new="$NEW" --variant new_2="$NEW"
+    BATCHES=1,8 ab r20 120 q8_0 --variant new="$NEW" --variant new_2="$NEW"
+    grep -h "b1  \|b8  \|rel" $RES/r20_q4_k_m.log $RES/r20_q8_0.log > $RES/r20.sum; pack r20_4b
+    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > $RES/mk_smol.log 2>&1
+    timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out $RES/r20_small --model /dev/shm/smol_q4_1.gguf --shapes qwen3-0.6b,smollm2-135m \
+      --batches 1,8 --variant new="$NEW" --variant new4="$NEW4" --variant new_2="$NEW" > $RES/r20_small.log 2>&1
+    grep -h "b1  \|b8  \|rel" $RES/r20_small.log >> $RES/r20.sum; pack r20_small ;;
+  old20)  # the twentieth session's profile (batch-1 unroll 4 on k <= 4096, the attention window's
+    # prefetches and trigger) against the one before it (OLD), b1 and b8, on both Qwen3-4B files
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"; }
+    OLD="$(U); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+    BATCHES=1,8 ab old20 150 q4_k_m --variant old="$OLD" --variant profile2="" --variant old_2="$OLD"
+    BATCHES=1,8 ab old20 120 q8_0 --variant old="$OLD" --variant profile2=""
+    grep -h "b1  \|b8  \|rel" $RES/old20_q4_k_m.log $RES/old20_q8_0.log > $RES/old20.sum; pack old20 ;;
   room20)  # the twentieth session (built without a GPU): room for the next layer's q|k|v pair
     # blocks beside the down projection (docs/kernels.md, "Room beside the down projection"). A
     # 640-thread down block at 58 / 79 registers (q4_k / q6_k) plus a 320-thread pair block at 80

@@ -452,17 +452,23 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
         o = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.params.get("l2_pf")]
         assert len(o) == {"o gemv": layers, "stream": 3 * layers + 1}.get(name, 0), name
 
-    on = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=256"
+    # every layer of the tiny file inside the o window (the profile's is sized for Qwen3-4B's o),
+    # and the profile's own window knobs off unless a variant sets them
+    off = (
+        "decode_graph.o_window_min_kb=0; decode_graph.o_window_max_kb=0; attention_decode.l2_prefetch_o=false; "
+        "attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+    )
+    on = f"{off}; attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=256"
     late = f"{on}; attention_decode.l2_prefetch_late=true; attention_decode.l2_prefetch_lines=true"
     keep = f"{on}; attention_decode.l2_prefetch_keep=true"
     variants = (
-        ("off", "", True),
+        ("off", off, True),
         ("start", on, True),
         ("start eager", on, False),
         ("late lines", late, True),
         ("keep", keep, True),
-        ("o gemv", "decode_graph.o_prefetch_next_kb=256", True),
-        ("stream", "decode_graph.l2_stream_kb=512", True),
+        ("o gemv", f"{off}; decode_graph.o_prefetch_next_kb=256", True),
+        ("stream", f"{off}; decode_graph.l2_stream_kb=512", True),
     )
     logits = _q4_k_m_split_linears(tmp_path, variants, check)
     for name, _, _ in variants[1:]:
