@@ -1885,3 +1885,35 @@ def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     src = render(spec)
     part = src[src.index("namespace memra_pair_c {") : src.index("}  // namespace memra_pair_c")]
     assert "pdl_trigger();" not in part and spec.params["c_trigger"]
+
+
+def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
+    """decode_graph.o_window_min_kb / o_window_max_kb: the h200 profile's attention-window knobs
+    (trigger_b1, l2_prefetch_o, o_prefetch_next_kb) reach the layers whose o weight has 5-8 MB
+    (Qwen3-4B q4_k_m: 5760 KB), not a q8_0 o (10880 KB) nor a Qwen3-0.6B bf16 o (4096 KB); with
+    the window open (0 / 0) the q8_0 plan gets them too."""
+    from engine.plan import SHORT1
+
+    graph = load_family("qwen3")
+
+    def window(size, quant, tune=""):
+        prof = with_tuning(get_profile("h200"), tune) if tune else get_profile("h200")
+        plan = build_plan(graph, dims_for_size("qwen3", size), graph.quant(quant), prof)
+        attn = [la.spec.params for st in plan.steps for la in st.launches.get(SHORT1, ())]
+        o_pf = [
+            la.spec.params["l2_pf"]
+            for st in plan.steps
+            for la in st.launches.get("decode1", ())
+            if la.spec.template == "gemv" and la.spec.params.get("l2_pf")
+        ]
+        return attn, o_pf
+
+    layers = dims_for_size("qwen3", "qwen3-4b")["layers"]
+    attn, o_pf = window("qwen3-4b", "q4_k_m")
+    assert len(attn) == layers and all(p["trigger"] and p["l2_pf"].startswith("0:0:5898240") for p in attn)
+    assert len(o_pf) == layers
+    assert window("qwen3-4b", "q8_0") == ([], [])
+    assert window("qwen3-0.6b", "bf16") == ([], [])
+    attn, o_pf = window("qwen3-4b", "q8_0", "decode_graph.o_window_min_kb=0; decode_graph.o_window_max_kb=0")
+    assert len(attn) == layers and all(p["l2_pf"].startswith("0:0:11141120") for p in attn)
+    assert len(o_pf) == layers
