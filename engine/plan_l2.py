@@ -1,6 +1,7 @@
 """Plan post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches.
 
-The knobs (all off; docs/kernels.md, "attention option l2_pf"): attention_decode.l2_prefetch_*
+The knobs (docs/kernels.md, "attention option l2_pf"; the h200 profile turns on the attention's o
+prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_*
 (the direct attention prefetches its layer's o weight and the gate|up's first bytes),
 decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
 layers inside decode_graph.o_window_min_kb / o_window_max_kb (the adapter's o_window), and
