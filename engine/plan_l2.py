@@ -4,12 +4,11 @@ The knobs (docs/kernels.md, "attention option l2_pf"; the h200 profile turns on 
 prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_*
 (the direct attention prefetches its layer's o weight and the gate|up's first bytes),
 decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
-layers inside decode_graph.o_window_min_kb / o_window_max_kb (the adapter's o_window), and
-decode_graph.l2_stream_kb (every plain batch-1 q8x GEMV keeps the pass's weight stream D bytes
-ahead). Each pass sets a kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the
+layers inside decode_graph.o_window_min_kb / o_window_max_kb (the adapter's o_window). (A third
+pass, the whole weight stream kept D bytes ahead, lost 11-320 us per step and was removed in the
+twentieth session.) Each pass sets a kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the
 weights it names to the launch's args as pointer args pf0, pf1 ... ``ad`` is engine.plan's
-catalog adapter (its catalog, profile tuning and spec builder). Kept apart from engine/plan.py so
-that the experiment, if it never pays, leaves with one module. Must not import CUDA or numpy.
+catalog adapter (its catalog, profile tuning and spec builder). Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from engine.quant import row_bytes
 
 
 def apply(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
-    """Every pass the profile's tuning asks for, in order (the stream replaces the o GEMV's)."""
+    """Every pass the profile's tuning asks for, in order."""
     short1_attention(ad, steps, weights)
     o_gemv(ad, steps, weights)
-    stream(ad, steps, weights)
 
 
 def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
@@ -81,7 +79,7 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
     landed, so they stream while it computes from shared memory (``l2_pf`` on its decode1
     launch, the weight appended as pointer arg pf0)."""
     kb = int(ad._graph_value("o_prefetch_next_kb") or 0)
-    if not kb or ad.cat is None or ad._graph_value("l2_stream_kb"):
+    if not kb or ad.cat is None:
         return
     for i, st in enumerate(steps):
         if st.op.op != "attention" or not ad.o_window(steps, i, weights):
@@ -96,88 +94,6 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
         la = o[0]
         spec = ad._spec("gemv", {}, **{**la.spec.params, "l2_pf": _l2_pf_ranges([first])})
         later[0].launches["decode1"] = (dataclasses.replace(la, spec=spec, args=la.args + (_w(first[0]),)),)
-
-
-def stream(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
-    """Tuning decode_graph.l2_stream_kb = D: the batch-1 pass's weights as one circular stream
-    in the order its GEMVs read them (each layer's q|k|v, o, gate|up, down, then the lm_head,
-    then the next step's first layer), kept D bytes ahead in L2. Each batch-1 q8x GEMV launch
-    that can carry ``l2_pf`` (a plain gemv: not a pair, not another kernel) prefetches the
-    stream from where the one before it stopped (at least its own end) to its own end + D, so
-    the stream's bytes are each prefetched once, at most D ahead. Its own bytes are not among
-    them, and they go out once its tile has landed or its x is staged
-    (kernels/_gemv_coop.cuh.j2). A launch that cannot carry it leaves its share to the next one.
-    The gate|up of the glu layout is read as its gate and up halves side by side
-    (_spans), so a stream offset in it is two ranges. Replaces o_prefetch_next_kb."""
-    d = int(ad._graph_value("l2_stream_kb") or 0) * 1024
-    if not d or ad.cat is None:
-        return
-    # the stream: per decode1 GEMV launch (step i, launch j), the matrices it reads
-    reads: list[tuple[int, int, list[tuple[WeightPlan, int]]]] = []  # (step, launch, [(w, glu)])
-    for i, st in enumerate(steps):
-        if st.op.op != "linear":
-            continue
-        for j, la in enumerate(st.launches.get("decode1", ())):
-            named = dict(zip((n for n, _ in ad.cat.kernel_args(la.spec)), la.args, strict=True))
-            ws = []
-            for name, glu_key in (("w", "glu"), ("a_w", None), ("b_w", None)):
-                a = named.get(name)
-                if a is not None and a.kind == "weight" and a.ref in weights:
-                    ws.append((weights[a.ref], int(la.spec.params.get(glu_key, 0)) if glu_key else 0))
-            if ws:
-                reads.append((i, j, ws))
-    pieces: list[tuple[WeightPlan, int, int]] = []  # the stream in order: (weight, glu, bytes)
-    ends: list[int] = []  # the stream offset where each launch's reads end
-    for _, _, ws in reads:
-        for w, glu in ws:
-            pieces.append((w, glu, w.nbytes))
-        ends.append(sum(n for _, _, n in pieces))
-    total = ends[-1] if ends else 0
-    if not total:
-        return
-
-    def ranges(lo: int, hi: int) -> list[tuple[WeightPlan, int, int]]:
-        """Stream bytes [lo, hi) (mod total) as (weight, offset, bytes) ranges."""
-        out, pos = [], 0
-        for lap in (0, 1):  # [lo, hi) may wrap past the end once
-            pos = lap * total
-            for w, glu, n in pieces:
-                a, b = max(lo, pos), min(hi, pos + n)
-                if a < b:
-                    out += [(w, off, size) for off, size in _spans(w, glu, a - pos, b - pos)]
-                pos += n
-        return out
-
-    def assign(done: int) -> tuple[int, list[tuple[int, int, dict]]]:
-        """Each capable launch's ranges, the prefetches reaching stream offset ``done`` before
-        the first; and where they reach after the last."""
-        out = []
-        for (i, j, _), end in zip(reads, ends, strict=True):
-            la = steps[i].launches["decode1"][j]
-            lo, hi = max(end, done), end + min(d, total)
-            p = la.spec.params
-            if la.spec.template != "gemv" or not p.get("q8x") or p.get("bmax") != 1 or lo >= hi:
-                continue
-            targets: dict[str, tuple[WeightPlan, list[tuple[int, int]]]] = {}
-            for w, off, n in ranges(lo, hi):
-                targets.setdefault(w.key, (w, []))[1].append((off // 16 * 16, n))
-            if len(targets) > getattr(ad.cat, "L2_PF_MAX_ARGS", 1):
-                continue
-            out.append((i, j, targets))
-            done = hi
-        return done, out
-
-    # the last launches' prefetches wrap into the next step's first bytes: the first launches
-    # start where those end (a second pass from there)
-    reach, _ = assign(0)
-    for i, j, targets in assign(reach - total)[1]:
-        la = steps[i].launches["decode1"][j]
-        pf = _l2_pf_ranges(list(targets.values()))
-        if not pf:
-            continue
-        spec = ad._spec("gemv", {}, **{**la.spec.params, "l2_pf": pf})
-        new = dataclasses.replace(la, spec=spec, args=la.args + tuple(_w(w) for w, _ in targets.values()))
-        steps[i].launches["decode1"] = tuple(new if k == j else x for k, x in enumerate(steps[i].launches["decode1"]))
 
 
 def _first_bytes(
@@ -196,7 +112,7 @@ def _spans(w: WeightPlan, glu: int, a: int, b: int) -> list[tuple[int, int]]:
     """Bytes [a, b) of matrix ``w`` in the order its batch-1 GEMV reads them, as (offset, bytes)
     spans: a glu gate|up (``glu`` gate rows, as many up rows after them) reads its gate and up
     halves side by side (tile t: gate rows t * RPB / 2 .., the up rows as far past the gate's
-    first), so stream offset x is byte x / 2 of each half; any other matrix in row order."""
+    first), so their offset x is byte x / 2 of each half; any other matrix in row order."""
     if glu and w.rows == 2 * glu:
         half = glu * row_bytes(w.dtype, w.cols)
         return [(a // 2, (b - a) // 2), (half + a // 2, (b - a) // 2)]

@@ -322,8 +322,6 @@ TUNING_SCHEMA: dict[str, Field] = {
     # on the H200 so far: docs/PERFORMANCE.md, seventeenth session)
     # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
     # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
-    # l2_stream_kb: the batch-1 pass's weights as one circular stream kept this many KB ahead in
-    # L2, each batch-1 q8x GEMV prefetching its share (engine.plan_l2.stream; replaces o_prefetch_next_kb)
     "decode_graph": _section(
         {
             "fork_linears": Field(bool, default=False),
@@ -339,7 +337,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
             "o_window_min_kb": Field(int, default=0, check=_non_negative),
             "o_window_max_kb": Field(int, default=0, check=_non_negative),
-            "l2_stream_kb": Field(int, default=0, check=_non_negative),
         }
     ),
 }

@@ -1825,43 +1825,6 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
     assert changed == plan.dims["layers"]
 
 
-def test_l2_stream_prefetches_each_weight_byte_once_at_most_d_ahead():
-    """decode_graph.l2_stream_kb = D: the batch-1 q8x GEMVs (the plain ones: the q|k|v pair carries
-    none) prefetch the pass's weight stream D ahead of their own end. No byte is prefetched twice
-    (the lm_head's share wraps to the next step's first layer, where the first ranges then start),
-    a launch's ranges add up to at most D and never include its own matrix, only decode1 changes,
-    and o_prefetch_next_kb gives way to it."""
-    from engine import kernel_catalog as kc
-
-    base = _q4_k_m_plan("")
-    for kb in (8192, 32768):
-        plan = _q4_k_m_plan(f"decode_graph.l2_stream_kb={kb}; decode_graph.o_prefetch_next_kb=1024")
-        seen: dict[str, list[tuple[int, int]]] = {}
-        carriers = 0
-        for s, t in zip(base.steps, plan.steps, strict=True):
-            assert {k: v for k, v in t.launches.items() if k != "decode1"} == {k: v for k, v in s.launches.items() if k != "decode1"}
-            for old, la in zip(s.launches.get("decode1", ()), t.launches.get("decode1", ()), strict=True):
-                if not la.spec.params.get("l2_pf"):
-                    assert la == old
-                    continue
-                carriers += 1
-                p = la.spec.params
-                assert la.spec.template == "gemv" and p["q8x"] and p["bmax"] == 1
-                ranges = kc.l2_pf_ranges(p["l2_pf"])
-                pf = la.args[len(old.args) :]
-                assert la.args[: len(old.args)] == old.args and len(pf) == 1 + max(a for a, _, _ in ranges)
-                assert sum(n for _, _, n in ranges) <= kb * 1024
-                own = next(a.ref for a in old.args if a.kind == "weight")
-                for a, off, n in ranges:
-                    assert pf[a].ref != own
-                    for o2, n2 in seen.get(pf[a].ref, []):
-                        assert off + n <= o2 or o2 + n2 <= off, (pf[a].ref, off, n, o2, n2)
-                    seen.setdefault(pf[a].ref, []).append((off, n))
-        # every o, gate|up, down and the lm_head carry a share
-        assert carriers == 3 * plan.dims["layers"] + 1
-        assert sum(n for v in seen.values() for _, n in v) > (kb - 64) * 1024 * plan.dims["layers"]
-
-
 def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
     (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the

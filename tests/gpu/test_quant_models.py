@@ -439,8 +439,7 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: at batch 1 and short contexts the
     direct attention prefetches its layer's o weight and the gate|up's first rows into L2 (bulk
     prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last), or the
-    o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb), or the GEMVs keep the
-    weight stream 512 KB ahead (decode_graph.l2_stream_kb). A prefetch is a hint, so the
+    o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
     from engine.plan import SHORT1
 
@@ -448,9 +447,9 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
 
     def check(name, runner):
         pf = [la for st in runner.plan.steps for la in st.launches.get(SHORT1, ()) if la.spec.params.get("l2_pf")]
-        assert len(pf) == (0 if name in ("off", "o gemv", "stream") else layers), name
+        assert len(pf) == (0 if name in ("off", "o gemv") else layers), name
         o = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.params.get("l2_pf")]
-        assert len(o) == {"o gemv": layers, "stream": 3 * layers + 1}.get(name, 0), name
+        assert len(o) == {"o gemv": layers}.get(name, 0), name
 
     # every layer of the tiny file inside the o window (the profile's is sized for Qwen3-4B's o),
     # and the profile's own window knobs off unless a variant sets them
@@ -468,7 +467,6 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
         ("late lines", late, True),
         ("keep", keep, True),
         ("o gemv", f"{off}; decode_graph.o_prefetch_next_kb=256", True),
-        ("stream", f"{off}; decode_graph.l2_stream_kb=512", True),
     )
     logits = _q4_k_m_split_linears(tmp_path, variants, check)
     for name, _, _ in variants[1:]:
