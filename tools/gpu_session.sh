@@ -556,6 +556,16 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     BATCHES=1,8 ab old20 150 q4_k_m --variant old="$OLD" --variant profile2="" --variant old_2="$OLD"
     BATCHES=1,8 ab old20 120 q8_0 --variant old="$OLD" --variant profile2=""
     grep -h "b1  \|b8  \|rel" $RES/old20_q4_k_m.log $RES/old20_q8_0.log > $RES/old20.sum; pack old20 ;;
+  h20)  # the twentieth session's last call, lean: the profile against the one before it (OLD) on
+    # the q4_k_m file at b1, memra bench --quick on it, then the GPU tests as far as the budget goes
+    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"; }
+    OLD="$(U); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+    BATCHES=1 ab h20 90 q4_k_m --variant old="$OLD" --variant profile2="" --variant old_2="$OLD"
+    grep -h "b1  \|rel" $RES/h20_q4_k_m.log > $RES/h20.sum; pack h20_ab
+    timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json $RES/bench20_q4_k_m.json > $RES/bench20_q4_k_m.log 2>&1
+    grep -h "copy\|decode\|prefill" $RES/bench20_q4_k_m.log >> $RES/h20.sum; pack h20_bench
+    timeout "$(box 300)" python3 -m pytest -q -ra -x tests/gpu -p no:cacheprovider > $RES/pytest20.log 2>&1
+    tail -3 $RES/pytest20.log >> $RES/h20.sum; pack h20_pytest ;;
   room20)  # the twentieth session (built without a GPU): room for the next layer's q|k|v pair
     # blocks beside the down projection (docs/kernels.md, "Room beside the down projection"). A
     # 640-thread down block at 58 / 79 registers (q4_k / q6_k) plus a 320-thread pair block at 80
