@@ -713,9 +713,8 @@ class _CatalogAdapter:
             return True
         from engine import plan_l2  # (it imports this module)
 
-        st = steps[i]
-        o_step = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"), None)
-        o = plan_l2._weight_of(self, o_step, weights) if o_step is not None else None
+        later = plan_l2.linears_after(steps, i)
+        o = plan_l2._weight_of(self, later[0], weights) if later else None
         return o is not None and o.nbytes >= lo and (not hi or o.nbytes <= hi)
 
     def _graph_value(self, knob: str) -> Any:

@@ -46,7 +46,7 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
             continue
         if not ad.o_window(steps, i, weights):
             continue
-        later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
+        later = linears_after(steps, i)
         targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
         if want_o and later:
             o = _weight_of(ad, later[0], weights)
@@ -84,7 +84,7 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
     for i, st in enumerate(steps):
         if st.op.op != "attention" or not ad.o_window(steps, i, weights):
             continue
-        later = [s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "linear"]
+        later = linears_after(steps, i)
         o = later[0].launches.get("decode1", ()) if later else ()
         if len(later) < 2 or len(o) != 1 or o[0].spec.template != "gemv" or not o[0].spec.params.get("q8x"):
             continue
@@ -94,6 +94,11 @@ def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> Non
         la = o[0]
         spec = ad._spec("gemv", {}, **{**la.spec.params, "l2_pf": _l2_pf_ranges([first])})
         later[0].launches["decode1"] = (dataclasses.replace(la, spec=spec, args=la.args + (_w(first[0]),)),)
+
+
+def linears_after(steps: list[Step], i: int) -> list[Step]:
+    """The linear steps of step ``i``'s layer after it (for an attention step: o, gate|up, down)."""
+    return [s for s in steps[i + 1 :] if s.layer == steps[i].layer and s.op.op == "linear"]
 
 
 def _first_bytes(
