@@ -4,8 +4,8 @@
         --variant p3='decode_graph.pair_min_blocks=3' --variant u1='...'
 
 It takes tools/gpu_decode_profile.py's arguments too (``--model /dev/shm/q4b_q4_k_m.gguf`` names the
-shape and the quant the way tools/gpu_session.sh's checkpoints do, ``--shapes a,b`` bf16 random
-checkpoints of those sizes in whichever family has them; ``--out``, ``--batches`` and
+shape and the quant the way tools/gpu_session.sh's checkpoints do, ``--shapes a,b`` the bf16 random
+checkpoints tools/make_checkpoint.py writes for those sizes, in its SHAPES' families; ``--out``, ``--batches`` and
 ``--breakdown`` are ignored), so ``DRYRUN=1 bash tools/gpu_session.sh`` can run a session's stages
 here and catch a misspelt knob or a plan rule before device time is spent on it. For each variant
 it builds the plan of the named size (random-checkpoint tensor types, as
@@ -17,23 +17,21 @@ decode kernels (decode1 and short launches) differ from the profile's, or the er
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernel_resources  # noqa: E402
+from make_checkpoint import SHAPES  # noqa: E402  (size -> its family, as --shapes checkpoints are written)
 
 from engine.graph import load_family  # noqa: E402
 from engine.model import dims_for_size  # noqa: E402
 from engine.plan import build_plan  # noqa: E402
 from engine.profile import get_profile, with_tuning  # noqa: E402
 from engine.types import ConfigError  # noqa: E402
-
-_kr_spec = importlib.util.spec_from_file_location("kernel_resources", Path(__file__).with_name("kernel_resources.py"))
-kernel_resources = importlib.util.module_from_spec(_kr_spec)
-_kr_spec.loader.exec_module(kernel_resources)
 
 CHECKPOINT = re.compile(r"q4b_(?P<quant>\w+?)\.gguf$")  # tools/gpu_session.sh's ckpt names
 
@@ -87,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [tuple(v.split("=", 1)) for v in args.variant]
     if any(len(v) != 2 for v in variants):
         ap.error("--variant takes NAME=SPEC")
-    cases = [(family_of(s), s, "bf16") for s in args.shapes.split(",") if s and s != "none"] if args.shapes else []
+    shapes = [s for s in (args.shapes or "").split(",") if s and s != "none"]
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {unknown}; tools/make_checkpoint.py writes {sorted(SHAPES)}")
+    cases = [(SHAPES[s][0], s, "bf16") for s in shapes]
     quant = args.quant
     if quant is None and args.model and (m := CHECKPOINT.search(args.model)):
         quant = m.group("quant")
@@ -102,17 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
         failed |= any(line.startswith("FAIL") for line in lines)
     return 1 if failed else 0
-
-
-def family_of(shape: str) -> str:
-    """The model family whose YAML has size ``shape`` (qwen3 first)."""
-    for family in ("qwen3", "llama"):
-        try:
-            dims_for_size(family, shape)
-            return family
-        except (ConfigError, KeyError):
-            continue
-    raise SystemExit(f"no family has a size named {shape!r}")
 
 
 if __name__ == "__main__":
