@@ -46,6 +46,9 @@ T4="q8x_threads: 320, q8x_ksplit_threads: 640, q8x_rows_per_warp: 1, q8x_b1_rows
 T6="q8x_lanes_per_row: 16, q8x_rows_per_warp: 1, q8x_ksplit: 2, q8x_ksplit_threads: 640"
 TR="q4_0: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}, q4_1: {q8x_ksplit_threads: 640, q8x_ksplit_min_n: 2048}"
 CHUNK4="q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"  # the q4_k down in five k chunks (profile since)
+# TT [Q4 [Q6 [Q8]]]: that whole map as the twentieth session's start had it (the profile before its
+# batch-1 unroll), each type's entry extended by the ", knob: value" text given for it
+TT() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > $RES/profiles.log 2>&1
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
   case $st in
@@ -464,10 +467,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # U4S: the same for the k <= 4096 GEMVs only (q|k|v, o, gate|up; the q4_k down keeps 58
     # registers), U4R: U4S with both downs capped at 56 registers (stage room20), so that every
     # kernel's next one fits beside it (tools/kernel_resources.py, "next" column)
-    U4="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
-    U4S="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"
-    U4R="$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4, q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096$CAP}, q6_k: {$T6, q8x_wsm_kb: 100, q8x_b1_unroll: 1$CAP}, $TR}"
+    CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"; S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"
+    U4="$(TT ", q8x_b1_unroll: 4")"; U4S="$(TT "$S4")"; U4R="$(TT "$S4$CAP" ", q8x_b1_unroll: 1$CAP")"
     MEMRA_TUNE="$U4" timeout "$(box 150)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "quantised_gguf or paired" -p no:cacheprovider > $RES/u19_test.log 2>&1
     trc=$?; echo "tests (U4) rc $trc: $(tail -1 $RES/u19_test.log)" > $RES/u19.sum; pack u19_test
     timeout 60 python3 tools/kernel_resources.py --tune "$U4" --mode decode1 > $RES/u19_regs.log 2>&1
@@ -496,25 +497,23 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # builds the type tuning; q4_k at unroll 6 (max k 4096), q6_k at unroll 4 on k <= 4096 (the
     # pair's v, the lm_head), both, the q4_k down capped at 56 beside u4s, q4_k at 16 lanes with
     # u4s; then q8_0 at batch-1 unroll 4 (all k / k <= 4096) on the q8_0 file
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
     S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; S6=", q8x_b1_unroll: 6, q8x_b1_unroll_max_k: 4096"
     CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
-    BATCHES=1 ab u20 200 q4_k_m --variant u4s="$(U "$S4")" --variant u6s="$(U "$S6")" --variant u4s_q6="$(U "$S4" "$S4")" \
-      --variant u6s_q6="$(U "$S6" "$S4")" --variant u4s_mr4="$(U "$S4$CAP")" \
-      --variant u4s_l16="$(U "${S4/, q8x_b1_unroll: 4/, q8x_lanes_per_row: 16, q8x_b1_unroll: 4}")" \
-      --variant u4s_2="$(U "$S4")" --variant u6s_2="$(U "$S6")" --variant u4s_q6_2="$(U "$S4" "$S4")"
+    BATCHES=1 ab u20 200 q4_k_m --variant u4s="$(TT "$S4")" --variant u6s="$(TT "$S6")" --variant u4s_q6="$(TT "$S4" "$S4")" \
+      --variant u6s_q6="$(TT "$S6" "$S4")" --variant u4s_mr4="$(TT "$S4$CAP")" \
+      --variant u4s_l16="$(TT "${S4/, q8x_b1_unroll: 4/, q8x_lanes_per_row: 16, q8x_b1_unroll: 4}")" \
+      --variant u4s_2="$(TT "$S4")" --variant u6s_2="$(TT "$S6")" --variant u4s_q6_2="$(TT "$S4" "$S4")"
     grep -h "b1  \|rel" $RES/u20_q4_k_m.log > $RES/u20.sum; pack u20_q4_k_m
-    BATCHES=1 ab u20 100 q8_0 --variant q8u4="$(U "" "" ", q8x_b1_unroll: 4")" \
-      --variant q8u4s="$(U "" "" ", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096")" --variant q8u4_2="$(U "" "" ", q8x_b1_unroll: 4")"
+    BATCHES=1 ab u20 100 q8_0 --variant q8u4="$(TT "" "" ", q8x_b1_unroll: 4")" \
+      --variant q8u4s="$(TT "" "" ", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096")" --variant q8u4_2="$(TT "" "" ", q8x_b1_unroll: 4")"
     grep -h "b1  \|rel" $RES/u20_q8_0.log >> $RES/u20.sum; pack u20_q8_0 ;;
   c20)  # the twentieth session, after u20 and pf19 on an H100: the two winners together. B is the
     # batch-1 unroll 4 on the k <= 4096 GEMVs (q4_k and q6_k: u4s_q6, 1467 -> 1351 us), then the
     # attention's o prefetch (pf19 o: -20 us, o8m: -55, otrig: -46) and the o GEMV's gate|up
     # prefetch (og8: -32 / -42, o_og8: -61) on top of it; the q8_0 file the same with q8_0 unroll 4
     # on k <= 4096 (q8u4s: 1864 -> 1845)
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
     S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode; O="$A.l2_prefetch_o=true"
-    B="$(U "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb
+    B="$(TT "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb
     BATCHES=1 ab c20 200 q4_k_m --variant b="$B" --variant b_o="$B; $O" --variant b_o8m="$B; $O; $A.l2_prefetch_next_kb=8192" \
       --variant b_o4m="$B; $O; $A.l2_prefetch_next_kb=4096" --variant b_otrig="$B; $O; $A.trigger_b1=true" \
       --variant b_og8="$B; $OG=8192" --variant b_og4="$B; $OG=4096" --variant b_o_og8="$B; $O; $OG=8192" \
@@ -527,9 +526,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
   d20)  # the twentieth session: around c20's best on an H100 (B + the attention's o prefetch +
     # trigger_b1 + the o GEMV's 8 MB of gate|up: 1467.6 -> 1305.0 / 1309.9 us; B + o + 4 MB of
     # gate|up from the attention: 1311.8)
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
     S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode; O="$A.l2_prefetch_o=true"; T="$A.trigger_b1=true"
-    B="$(U "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb; N4="$A.l2_prefetch_next_kb=4096"; N2="$A.l2_prefetch_next_kb=2048"
+    B="$(TT "$S4" "$S4" "$S4")"; OG=decode_graph.o_prefetch_next_kb; N4="$A.l2_prefetch_next_kb=4096"; N2="$A.l2_prefetch_next_kb=2048"
     BATCHES=1 ab d20 150 q4_k_m --variant b_otrig_og8="$B; $O; $T; $OG=8192" --variant b_o4m_trig="$B; $O; $N4; $T" \
       --variant b_o4m_trig_og4="$B; $O; $N4; $T; $OG=4096" --variant b_otrig_og4="$B; $O; $T; $OG=4096" \
       --variant b_o2m_trig_og8="$B; $O; $N2; $T; $OG=8192" --variant b_o4m="$B; $O; $N4" --variant b_otrig_og16="$B; $O; $T; $OG=16384" \
@@ -540,9 +538,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # prefetch on layers whose o weight is at most 8 MB) against the profile, b1 and b8, on every
     # file the targets name: Qwen3-4B q4_k_m and q8_0, the SmolLM2-shaped q4_1 GGUF, the Qwen3-0.6B
     # and SmolLM2-shaped bf16 checkpoints; NEW4 the same with the o window from 1 MB
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
     S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode
-    NEW="$(U "$S4" "$S4" "$S4"); $A.l2_prefetch_o=true; $A.trigger_b1=true; decode_graph.o_prefetch_next_kb=8192; decode_graph.o_window_max_kb=8192"
+    NEW="$(TT "$S4" "$S4" "$S4"); $A.l2_prefetch_o=true; $A.trigger_b1=true; decode_graph.o_prefetch_next_kb=8192; decode_graph.o_window_max_kb=8192"
     NEW4="$NEW; decode_graph.o_window_min_kb=1024"
     BATCHES=1,8 ab r20 120 q4_k_m --variant new="$NEW" --variant new_2="$NEW"
     BATCHES=1,8 ab r20 120 q8_0 --variant new="$NEW" --variant new_2="$NEW"
@@ -553,15 +550,13 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     grep -h "b1  \|b8  \|rel" $RES/r20_small.log >> $RES/r20.sum; pack r20_small ;;
   old20)  # the twentieth session's profile (batch-1 unroll 4 on k <= 4096, the attention window's
     # prefetches and trigger) against the one before it (OLD), b1 and b8, on both Qwen3-4B files
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"; }
-    OLD="$(U); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+    OLD="$(TT); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
     BATCHES=1,8 ab old20 150 q4_k_m --variant old="$OLD" --variant profile2="" --variant old_2="$OLD"
     BATCHES=1,8 ab old20 120 q8_0 --variant old="$OLD" --variant profile2=""
     grep -h "b1  \|b8  \|rel" $RES/old20_q4_k_m.log $RES/old20_q8_0.log > $RES/old20.sum; pack old20 ;;
   h20)  # the twentieth session's last call, lean: the profile against the one before it (OLD) on
     # the q4_k_m file at b1, memra bench --quick on it, then the GPU tests as far as the budget goes
-    U() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4}, q6_k: {$T6, q8x_wsm_kb: 100}, $TR}"; }
-    OLD="$(U); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
+    OLD="$(TT); attention_decode.l2_prefetch_o=false; attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
     BATCHES=1 ab h20 90 q4_k_m --variant old="$OLD" --variant profile2="" --variant old_2="$OLD"
     grep -h "b1  \|rel" $RES/h20_q4_k_m.log > $RES/h20.sum; pack h20_ab
     timeout "$(box 100)" python3 -m engine.cli bench /dev/shm/q4b_q4_k_m.gguf --backend cuda --quick --json $RES/bench20_q4_k_m.json > $RES/bench20_q4_k_m.log 2>&1
@@ -578,9 +573,8 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
     # (tools/kernel_resources.py's "next" column shows which kernel's blocks fit beside which);
     # and both downs capped at 56 (the q4_k down needs 53, no spills), so a down block also fits
     # beside one of the gate|up's two blocks per SM
-    R6() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192}, q4_k: {$T4, $CHUNK4${2:-}}, q6_k: {$T6, q8x_wsm_kb: 100${1:-}}, $TR}"; }
-    P3="decode_graph.pair_min_blocks=3"; U1="$(R6 ", q8x_b1_unroll: 1")"; CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
-    MR="$(R6 ", q8x_b1_unroll: 1$CAP")"; MR2="$(R6 ", q8x_b1_unroll: 1$CAP" "$CAP")"; MR4="$(R6 "" "$CAP")"
+    P3="decode_graph.pair_min_blocks=3"; U1="$(TT "" ", q8x_b1_unroll: 1")"; CAP=", q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192"
+    MR="$(TT "" ", q8x_b1_unroll: 1$CAP")"; MR2="$(TT "$CAP" ", q8x_b1_unroll: 1$CAP")"; MR4="$(TT "$CAP")"
     timeout "$(box 100)" python3 -m pytest -q -ra tests/gpu/test_quant_models.py -k "register_room" -p no:cacheprovider > $RES/room20_test.log 2>&1
     trc=$?; echo "tests rc $trc: $(tail -1 $RES/room20_test.log)" > $RES/room20.sum; pack room20_test
     timeout 60 python3 tools/kernel_resources.py --tune "$MR2" --mode decode1 > $RES/room20_regs.log 2>&1
