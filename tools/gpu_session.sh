@@ -50,6 +50,12 @@ CHUNK4="q8x_wsm_chunks: 5, q8x_wsm_chunk_min_k: 8192"  # the q4_k down in five k
 # batch-1 unroll), each type's entry extended by the ", knob: value" text given for it
 TT() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_rounds_min_k: 8192${3:-}}, q4_k: {$T4, $CHUNK4${1:-}}, q6_k: {$T6, q8x_wsm_kb: 100${2:-}}, $TR}"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; python3 -m engine.cli profiles; } > $RES/profiles.log 2>&1
+# STAGES_H200="...": the stages to run instead of STAGES when the lent card is an H200 (the issue's
+# targets are H200 numbers; the device tool may lend an H100 for the same call). DRY_GPU names the
+# card in a dry run.
+gpu_name=${DRY_GPU:-$(command nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}
+case "$gpu_name" in *H200*) [ -n "${STAGES_H200:-}" ] && STAGES=$STAGES_H200 ;; esac
+echo "card: ${gpu_name:-unknown}; stages: ${STAGES:-checks pytest bf16 quant runner}" >> $RES/times.log
 for st in ${STAGES:-checks pytest bf16 quant runner}; do
   case $st in
   checks)
@@ -492,6 +498,26 @@ for st in ${STAGES:-checks pytest bf16 quant runner}; do
       --variant t256="$(tt "${T4/q8x_threads: 320/q8x_threads: 256}")" \
       --variant t384="$(tt "${T4/q8x_threads: 320/q8x_threads: 384}")" --variant profile2=""
     grep -h "b1  \|rel" $RES/sweep19_q4_k_m.log > $RES/sweep19.sum; pack sweep19 ;;
+  sweep21)  # the twenty-first session, on the profile as the twentieth session left it (batch-1
+    # unroll 4 on the k <= 4096 GEMVs, the attention window): a per-kernel breakdown of the
+    # profile, then knobs once each at b1 on the q4_k_m file (a lead gets its own A/B with
+    # repeats): the direct attention in 2 query splits / 4 warps, the pair at 3 blocks per SM, q4_k
+    # in 256 / 384-thread blocks and at k split 2, q6_k at 8 lanes per row, the o GEMV's gate|up
+    # prefetch at 6 / 12 MB, the attention's 2 MB of gate|up beside the o prefetch
+    S4=", q8x_b1_unroll: 4, q8x_b1_unroll_max_k: 4096"; A=attention_decode; OG=decode_graph.o_prefetch_next_kb
+    P() { TT "$S4" "$S4" "$S4"; }  # the profile's type tuning (the tests check TT + S4 is the profile)
+    T256="$(T4="${T4/q8x_threads: 320/q8x_threads: 256}"; P)"; T384="$(T4="${T4/q8x_threads: 320/q8x_threads: 384}"; P)"
+    KS2="$(T4="${T4/q8x_ksplit: 4/q8x_ksplit: 2}"; P)"; L8="$(T6="${T6/q8x_lanes_per_row: 16/q8x_lanes_per_row: 8}"; P)"
+    BATCHES=1 ab sweep21 200 q4_k_m --breakdown --variant tt="$(P)" --variant qs2="$A.direct_qsplit=2" --variant dw4="$A.direct_warps=4" \
+      --variant pmb3="decode_graph.pair_min_blocks=3" --variant t256="$T256" --variant t384="$T384" --variant ks2="$KS2" \
+      --variant q6l8="$L8" --variant og6="$OG=6144" --variant og12="$OG=12288" --variant n2m="$A.l2_prefetch_next_kb=2048" --variant profile2=""
+    grep -h "b1  \|rel" $RES/sweep21_q4_k_m.log > $RES/sweep21.sum; pack sweep21 ;;
+  small21)  # the issue's small-model targets on the profile: the SmolLM2-shaped q4_1 GGUF, the
+    # Qwen3-0.6B and SmolLM2-shaped bf16 checkpoints, b1 and b8 (GPU time and wall)
+    [ -f /dev/shm/smol_q4_1.gguf ] || python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol_q4_1.gguf > $RES/mk_smol.log 2>&1
+    timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out $RES/small21 --model /dev/shm/smol_q4_1.gguf --shapes qwen3-0.6b,smollm2-135m \
+      --batches 1,8 > $RES/small21.log 2>&1
+    grep -h "b1  \|b8  " $RES/small21.log > $RES/small21.sum; pack small21 ;;
   u20)  # the twentieth session, after u19 on an H100 (q4_k unroll 4 on the k <= 4096 GEMVs: 1464
     # -> 1352 / 1359 us): the next steps of that knob on the q4_k_m file. U(Q4 extra, Q6 extra)
     # builds the type tuning; q4_k at unroll 6 (max k 4096), q6_k at unroll 4 on k <= 4096 (the
