@@ -19,10 +19,10 @@ _spec = importlib.util.spec_from_file_location("plan_variants", ROOT / "tools" /
 pv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pv)
 
-# the A/B stages still to run (docs/PERFORMANCE.md, "twentieth session"): pf19, u19, u20, c20,
+# the A/B stages still to run (docs/PERFORMANCE.md, "twenty-first session"): pf19, u19, u20, c20,
 # d20, r20 and room20 ran, and their winners are the h200 profile now, so their variants no longer
-# differ from it
-NEXT_STAGES = "sweep19"
+# differ from it; sweep21 replaced sweep19 (whose q4_k variants drop the profile's unroll)
+NEXT_STAGES = "sweep21"
 
 
 def test_variants_are_planned_and_bad_ones_named(capsys):
@@ -71,3 +71,28 @@ def test_next_sessions_stages_dry_run_clean(tmp_path):
         # a variant that changes nothing is the profile again: only the repeats named profile*
         same = [line.split(":")[0].split()[1] for line in lines if ": 0 of " in line]
         assert all(name.startswith("profile") for name in same), (log.name, same)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize(
+    ("card", "ran"), [("NVIDIA H200", "small21"), ("NVIDIA H100 80GB HBM3", "sweep21")]
+)
+def test_stages_h200_replace_stages_only_on_an_h200(tmp_path, card, ran):
+    env = {
+        **os.environ,
+        "DRYRUN": "1",
+        "DRY_PY": sys.executable,
+        "DRY_GPU": card,
+        "STAGES": "sweep21",
+        "STAGES_H200": "small21",
+        "RES": str(tmp_path / "res"),
+        "OUT": str(tmp_path / "out"),
+    }
+    run = subprocess.run(
+        ["bash", "tools/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    times = (tmp_path / "res" / "times.log").read_text()
+    assert f"card: {card}; stages: {ran}\n" in times
+    assert f"[{ran} done at" in times
+    assert ("[sweep21 done at" in times) == (ran == "sweep21")
