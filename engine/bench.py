@@ -120,6 +120,20 @@ def bench_compile(model: Any, profile: Any) -> dict:
     }
 
 
+def device_of(runner: Any) -> dict:
+    """What ran the benchmark: the GPU's name and the device profile for a CUDA runner, the CPU
+    otherwise (a figure is only comparable with others from the same card)."""
+    info = getattr(getattr(runner, "ctx", None), "info", None)
+    profile = getattr(runner, "profile", None)
+    if info is not None:
+        name = info.name
+    else:
+        import platform
+
+        name = f"CPU {platform.machine() or 'unknown'}"
+    return {"backend": runner.backend, "name": name, "profile": getattr(profile, "name", None)}
+
+
 def table(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -198,9 +212,11 @@ def bench_from_cli(args: argparse.Namespace) -> int:
                 rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))
         finally:
             engine.shutdown(10)
-    result = {"model": str(path), "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    device = device_of(runner)
+    result = {"model": str(path), "date": time.strftime("%Y-%m-%d"), "device": device, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"device    {device['name']} ({device['backend']}, profile {device['profile'] or '-'})")
     print(table(rows))
     print(json.dumps(result), file=sys.stderr)
     return 0

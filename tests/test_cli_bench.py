@@ -23,10 +23,14 @@ def test_bench_concurrency_rows(tiny_qwen3_dir, tmp_path, capsys):
         ]
     )
     assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["device"]["backend"] == "reference" and result["device"]["name"].startswith("CPU ")
+    rows = result["rows"]
     engine_rows = [r for r in rows if r["kind"] == "engine"]
     assert [r["concurrency"] for r in engine_rows] == [1, 3]
     for r in engine_rows:
         assert r["generated"] == r["concurrency"] * r["gen_tokens"]
         assert r["aggregate_tok_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-    assert "concurrency   3" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "concurrency   3" in printed
+    assert printed.startswith(f"device    {result['device']['name']} (reference, profile -)")

@@ -200,7 +200,8 @@ def main() -> int:
     from engine.model import load_model
     from engine.profile import select, with_tuning
 
-    base = select(cuda.detect_devices()[0])
+    dev = cuda.detect_devices()[0]
+    base = select(dev)
     variants = [("default", "")] + [tuple(v.split("=", 1)) for v in args.variant]
     batches = [int(b) for b in args.batches.split(",")]
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
@@ -219,6 +220,7 @@ def main() -> int:
                 res = profile_variant(cuda, model, prof, batches, args.breakdown)
             except Exception as exc:  # one variant's failure must not lose the others
                 res = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            res["device"] = {"name": dev.name, "profile": base.name}
             logits = res.pop("logits", None)
             if logits is not None:
                 if first is None:
