@@ -41,50 +41,40 @@ def _bench_row(result: dict, kind: str, **match) -> dict | None:
     return None
 
 
-def _copy_fraction(batch: int) -> Callable[[dict], float | None]:
+def _field(kind: str, name: str, **match) -> Callable[[dict], float | None]:
+    """A row's ``name`` (the first row of that kind matching ``match``)."""
+
     def get(result: dict) -> float | None:
-        row = _bench_row(result, "decode", batch=batch, depth=0)
-        return None if row is None else row.get("copy_roofline_fraction")
+        row = _bench_row(result, kind, **match)
+        return None if row is None else row.get(name)
 
     return get
 
 
-def _b1_tok_s(result: dict) -> float | None:
-    if "profile_b1" in result:  # a decode_profile.json entry
-        return result["profile_b1"].get("tok_s")
-    row = _bench_row(result, "decode", batch=1, depth=0)
-    return None if row is None else row["tok_s"]
-
-
-def _prefill(tokens: int, field: str) -> Callable[[dict], float | None]:
-    def get(result: dict) -> float | None:
-        row = _bench_row(result, "prefill", tokens=tokens)
-        return None if row is None else row[field]
-
-    return get
+_B1_COPY = _field("decode", "copy_roofline_fraction", batch=1, depth=0)
+_B1_TOK_S = _field("decode", "tok_s", batch=1, depth=0)
+_B32_TOK_S = _field("decode", "tok_s", batch=32, depth=0)
 
 
 def _b32_over_b1(result: dict) -> float | None:
-    b1 = _bench_row(result, "decode", batch=1, depth=0)
-    b32 = _bench_row(result, "decode", batch=32, depth=0)
-    return None if b1 is None or b32 is None else b32["tok_s"] / b1["tok_s"]
-
+    b1, b32 = _B1_TOK_S(result), _B32_TOK_S(result)
+    return None if b1 is None or b32 is None else b32 / b1
 
 TARGETS = [
-    Target("qwen3-4b-bf16", "decode b1, of the measured copy", 0.75, "%", _copy_fraction(1)),
-    Target("qwen3-4b-q8_0", "decode b1, of the measured copy", 0.60, "%", _copy_fraction(1)),
-    Target("qwen3-4b-q4_k_m", "decode b1, of the measured copy", 0.50, "%", _copy_fraction(1)),
-    Target("qwen3-0.6b-bf16", "decode b1", 1500.0, "tok/s", _b1_tok_s),
-    Target("smollm2-135m-q4_1", "decode b1", 2000.0, "tok/s", _b1_tok_s),
-    Target("qwen3-4b-bf16", "prefill 512", 32000.0, "tok/s", _prefill(512, "tok_s")),
-    Target("qwen3-4b-bf16", "prefill 4096, of tensor-core peak", 0.40, "%", _prefill(4096, "roofline_fraction")),
+    Target("qwen3-4b-bf16", "decode b1, of the measured copy", 0.75, "%", _B1_COPY),
+    Target("qwen3-4b-q8_0", "decode b1, of the measured copy", 0.60, "%", _B1_COPY),
+    Target("qwen3-4b-q4_k_m", "decode b1, of the measured copy", 0.50, "%", _B1_COPY),
+    Target("qwen3-0.6b-bf16", "decode b1", 1500.0, "tok/s", _B1_TOK_S),
+    Target("smollm2-135m-q4_1", "decode b1", 2000.0, "tok/s", _B1_TOK_S),
+    Target("qwen3-4b-bf16", "prefill 512", 32000.0, "tok/s", _field("prefill", "tok_s", tokens=512)),
+    Target("qwen3-4b-bf16", "prefill 4096, of tensor-core peak", 0.40, "%", _field("prefill", "roofline_fraction", tokens=4096)),
     Target("qwen3-4b-bf16", "decode b32 aggregate over b1", 10.0, "x", _b32_over_b1),
 ]
 
 
 def load_result(spec: str) -> tuple[str, dict]:
-    """``KEY=PATH`` or ``KEY=PATH#ENTRY`` -> (KEY, result with ``device`` and, for a
-    decode_profile.json entry, ``profile_b1``)."""
+    """``KEY=PATH`` or ``KEY=PATH#ENTRY`` -> (KEY, the result as `memra bench` writes it: a
+    decode_profile.json entry becomes its batch-1 decode row and its card)."""
     key, sep, where = spec.partition("=")
     if not sep or not key or not where:
         raise SystemExit(f"--result {spec!r}: expected KEY=PATH or KEY=PATH#ENTRY")
@@ -98,7 +88,9 @@ def load_result(spec: str) -> tuple[str, dict]:
         if not isinstance(variants, dict) or "default" not in variants:
             raise SystemExit(f"--result {key}: {path} has no entry {entry!r} (has: {', '.join(data)})")
         default = variants["default"]
-        return key, {"profile_b1": default.get("b1", {}), "device": default.get("device", {})}
+        b1 = default.get("b1")
+        rows = [{"kind": "decode", "batch": 1, "depth": 0, "tok_s": b1["tok_s"]}] if b1 else []
+        return key, {"rows": rows, "device": default.get("device", {})}
     if "rows" not in data:
         raise SystemExit(f"--result {key}: {path} is not a `memra bench --json` file (no rows)")
     return key, data
