@@ -714,7 +714,7 @@ class _CatalogAdapter:
         from engine import plan_l2  # (it imports this module)
 
         later = plan_l2.linears_after(steps, i)
-        o = plan_l2._weight_of(self, later[0], weights) if later else None
+        o = plan_l2.weight_of(self, later[0], weights) if later else None
         return o is not None and o.nbytes >= lo and (not hi or o.nbytes <= hi)
 
     def _graph_value(self, knob: str) -> Any:

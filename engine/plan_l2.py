@@ -49,7 +49,7 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
         later = linears_after(steps, i)
         targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
         if want_o and later:
-            o = _weight_of(ad, later[0], weights)
+            o = weight_of(ad, later[0], weights)
             if o is not None:
                 targets.append((o, [(0, o.nbytes)]))
         if next_kb and len(later) > 1:
@@ -106,7 +106,7 @@ def _first_bytes(
 ) -> tuple[WeightPlan, list[tuple[int, int]]] | None:
     """The first ``nbytes`` of a linear step's matrix in the order its batch-1 GEMV reads its
     row tiles (_spans), as (weight, [(offset, bytes)]). None where the step is not one gemv."""
-    w = _weight_of(ad, step, weights)
+    w = weight_of(ad, step, weights)
     if w is None:
         return None
     glu = next((la.spec.params.get("glu", 0) for la in step.launches.get("decode1", ())), 0)
@@ -124,7 +124,7 @@ def _spans(w: WeightPlan, glu: int, a: int, b: int) -> list[tuple[int, int]]:
     return [(a, b - a)]
 
 
-def _weight_of(ad: Any, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
+def weight_of(ad: Any, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
     """The matrix a linear step's batch-1 GEMV reads (its arg ``w``; None where the step is not
     one gemv launch, as a q4_k_m q|k beside its v)."""
     launches = step.launches.get("decode1", ())
