@@ -54,9 +54,10 @@ TT() { echo "$C.q8x_type_tuning={q8_0: {$T8, q8x_stage_rounds: 2, q8x_stage_roun
 # targets are H200 numbers; the device tool may lend an H100 for the same call). DRY_GPU names the
 # card in a dry run.
 gpu_name=${DRY_GPU:-$(command nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}
+STAGES=${STAGES:-checks pytest bf16 quant runner}
 case "$gpu_name" in *H200*) [ -n "${STAGES_H200:-}" ] && STAGES=$STAGES_H200 ;; esac
-echo "card: ${gpu_name:-unknown}; stages: ${STAGES:-checks pytest bf16 quant runner}" >> $RES/times.log
-for st in ${STAGES:-checks pytest bf16 quant runner}; do
+echo "card: ${gpu_name:-unknown}; stages: $STAGES" >> $RES/times.log
+for st in $STAGES; do
   case $st in
   checks)
     for c in gemm attention gemv; do
