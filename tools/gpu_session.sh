@@ -691,7 +691,8 @@ for st in $STAGES; do
     timeout "$(box 120)" python3 tools/gpu_decode_profile.py --out $RES/host${TAG:-} --shapes "${HOST_SHAPES:-qwen3-0.6b,smollm2-135m}" --batches 1,8 > $RES/host${TAG:-}.log 2>&1; pack host ;;
   cli)  # the CLI on the GPU (device auto-detected): memra run greedy twice on a Qwen3-0.6B-shaped
     # random bf16 checkpoint (the two texts must be equal), then memra serve on it answering one
-    # chat completion and its metrics; $RES/cli.sum says what came back
+    # chat request (tools/loadgen.py) and /metrics; $RES/cli.sum says what came back.
+    # tools/gpu_serve_check.sh is the full serving check (real SmolLM2, SDK tests, load)
     [ -d /dev/shm/q06 ] || python3 tools/make_checkpoint.py --shape qwen3-0.6b --out /dev/shm/q06 > $RES/cli.log 2>&1
     for i in 1 2; do
       timeout "$(box 60)" python3 -m engine.cli run /dev/shm/q06 --prompt "the first words" --max-tokens 32 --stats > $RES/cli_run$i.txt 2>> $RES/cli.log
@@ -699,23 +700,11 @@ for st in $STAGES; do
     { nvidia-smi --query-gpu=name --format=csv,noheader | head -1; grep -h "backend, ready\|decode_tok_s" $RES/cli.log | tail -4
       cmp -s $RES/cli_run1.txt $RES/cli_run2.txt && echo "memra run: greedy text equal on two runs" || echo "memra run: texts differ or missing"; } > $RES/cli.sum
     python3 -m engine.cli serve /dev/shm/q06 --port 8642 >> $RES/cli.log 2>&1 & spid=$!
-    timeout "$(box 90)" python3 - >> $RES/cli.sum 2>&1 <<'PY'
-import json, time, urllib.request
-base = "http://127.0.0.1:8642"
-for _ in range(180):
-    try:
-        if urllib.request.urlopen(base + "/ready", timeout=2).status == 200:
-            break
-    except Exception:
-        time.sleep(0.5)
-model = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))["data"][0]["id"]
-body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}).encode()
-req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-out = json.load(urllib.request.urlopen(req, timeout=60))
-print("memra serve: chat completion", out["usage"], "finish", out["choices"][0]["finish_reason"])
-metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-print("memra serve: metrics lines", sum(1 for line in metrics.splitlines() if line.startswith("memra_")))
-PY
+    for i in $(seq 1 90); do curl -sf localhost:8642/ready >/dev/null && break; sleep 1; done
+    # one greedy streaming chat request through tools/loadgen.py (its table: ok / errors, TTFT)
+    timeout "$(box 90)" python3 tools/loadgen.py --url http://127.0.0.1:8642 --requests 1 --concurrency 1 --max-tokens 16 \
+      --temperature 0 --ignore-eos >> $RES/cli.sum 2>&1
+    echo "memra serve: metrics lines $(curl -sf localhost:8642/metrics | grep -c '^memra_')" >> $RES/cli.sum
     kill $spid 2>/dev/null; wait $spid 2>/dev/null; grep -h "ready in .*backend)" $RES/cli.log | tail -1 >> $RES/cli.sum; pack cli ;;
   runner)
     timeout "$(box 150)" python3 tools/gpu_runner_check.py --out $RES/runner${TAG:-} > $RES/runner${TAG:-}.log 2>&1; pack runner ;;
