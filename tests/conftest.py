@@ -1,4 +1,6 @@
-"""Shared pytest fixtures: the real SmolLM2 GGUF and tiny random checkpoints (session-scoped, written once)."""
+"""Shared pytest fixtures: the real SmolLM2 GGUF and tiny random checkpoints (session-scoped, written once),
+and the ``--compile-matrix`` switch: tests marked ``compile_matrix`` (every kernel variant x every
+profile arch through NVRTC, minutes on 2 cores) are skipped unless it is given (.ci/run's second step)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,23 @@ from fixtures.checkpoints import (
 )
 
 from engine.types import MemraError
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--compile-matrix",
+        action="store_true",
+        help="also run the tests marked compile_matrix (every kernel variant x every profile arch)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--compile-matrix"):
+        return
+    skip = pytest.mark.skip(reason="compile matrix: run with --compile-matrix (.ci/run's second step)")
+    for item in items:
+        if "compile_matrix" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

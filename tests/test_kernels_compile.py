@@ -1,5 +1,10 @@
 """Every kernel template renders and NVRTC-compiles for every profile arch, for every family's
-sizes and supported storage types (GPU-free; skipped where NVRTC or the CUDA headers are missing)."""
+sizes and supported storage types (GPU-free; skipped where NVRTC or the CUDA headers are missing).
+
+The default run renders every spec and compiles a representative set (one spec per template and
+storage type on PRIMARY_ARCH, one per template on the oldest profile arch). The exhaustive matrix
+(every code variant x every profile arch, the option variants on the oldest / primary / newest
+arch) is marked ``compile_matrix`` and runs with ``--compile-matrix`` (its own CI step)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from engine.kcache import KernelCache
 from engine.profile import all_profiles
 from engine.render import render
 from engine.types import ConfigError
+
+JOBS = max(2, os.cpu_count() or 2)  # NVRTC releases the GIL: build_all's threads compile in parallel
 
 
 def _nvrtc_ok() -> bool:
@@ -119,12 +126,16 @@ def _pair_specs() -> list:
     return list(dict.fromkeys([*pairs.values(), *wsm, *fused]))
 
 
+def _profile_archs() -> list[str]:
+    return sorted({prof.arch for prof in all_profiles().values()}, key=lambda a: int(a[3:].rstrip("a")))
+
+
 def _variant_archs() -> list[str]:
     """Where the option-variant tests compile: the oldest and the newest profile arch and
     PRIMARY_ARCH. The templates' only arch branches are ``__CUDA_ARCH__ >= 900`` and the sm_90a
     wgmma kernel, so the archs between compile the same source paths (test_all_kernels_compile_for_every_arch
     still compiles every profile's own specs for every arch)."""
-    archs = sorted({prof.arch for prof in all_profiles().values()}, key=lambda a: int(a[3:].rstrip("a")))
+    archs = _profile_archs()
     return sorted({archs[0], PRIMARY_ARCH, archs[-1]})
 
 
@@ -206,15 +217,38 @@ def test_choice_launch_contract():
     assert g.smem == 3 * 256 * 40 * 2 and g.grid(300) == (5, 3, 1)
 
 
-@pytest.mark.slow
+def _compile(arch: str, specs: list, cache: Path) -> None:
+    builder = KernelBuilder(arch, cache=KernelCache(cache), no_compile=False)
+    stats = builder.build_all(specs, jobs=JOBS, progress=None)
+    assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+def _representative_specs() -> dict[str, list]:
+    """The default run's compile set: one spec per (template, storage type) on PRIMARY_ARCH and one
+    per template on the oldest profile arch (the templates' arch branches are ``__CUDA_ARCH__ >= 900``
+    and the sm_90a wgmma kernel, which compiles only there)."""
+    by_arch = _specs_by_arch()
+    prim: dict[tuple, object] = {}
+    for s in by_arch[PRIMARY_ARCH]:
+        prim.setdefault((s.template, s.params.get("quant"), s.params.get("a_quant")), s)
+    oldest = _profile_archs()[0]
+    old = {s.template: s for s in reversed(by_arch[oldest])}
+    return {PRIMARY_ARCH: list(prim.values()), oldest: list(old.values())}
+
+
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
-def test_all_kernels_compile_for_every_arch(tmp_path):
-    jobs = max(2, os.cpu_count() or 2)
-    for arch, specs in sorted(_specs_by_arch().items()):
-        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-        stats = builder.build_all(specs, jobs=jobs, progress=None)
-        assert stats.compiled + stats.hits == len(specs)
-        assert all(k.cubin for k in stats.kernels)
+def test_representative_kernels_compile(tmp_path):
+    specs = _representative_specs()
+    assert {s.template for s in specs[PRIMARY_ARCH]} == set(kc.KERNELS)
+    for arch, ss in specs.items():
+        _compile(arch, ss, tmp_path / "kcache")
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+@pytest.mark.parametrize("arch", _profile_archs())
+def test_all_kernels_compile_for_every_arch(tmp_path, arch):
+    _compile(arch, _specs_by_arch()[arch], tmp_path / "kcache")
 
 
 def _signature_params(source: str, entry: str) -> list[str]:
@@ -309,13 +343,11 @@ def test_gemm_validation_and_launch_contract():
     assert p["split_k"] == 4 and p["tile_k"] == 128 and p["quant"] == "bf16"
 
 
+@pytest.mark.compile_matrix
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
-def test_gemm_variants_compile_for_every_arch(tmp_path):
-    specs = _gemm_variant_specs()
-    for arch in _variant_archs():
-        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-        stats = builder.build_all(specs, jobs=2, progress=None)
-        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+@pytest.mark.parametrize("arch", _variant_archs())
+def test_gemm_variants_compile_for_every_arch(tmp_path, arch):
+    _compile(arch, _gemm_variant_specs(), tmp_path / "kcache")
 
 
 def _gemv_variant_specs():
@@ -426,11 +458,10 @@ def _gemv_variant_specs():
     return out
 
 
-def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
+def _wsm_specs() -> list:
     """q8x with the row tile bulk-copied into shared memory (wsm: cp.async.bulk + an mbarrier,
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
-    tile's copy once the current one is read), and in k chunks (wsm_chunk): it compiles for every profile arch from sm_90, and
-    below it the source stops with an #error naming wsm."""
+    tile's copy once the current one is read), and in k chunks (wsm_chunk), on every q8x type."""
     q8 = {
         "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
         "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
@@ -447,16 +478,26 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
         wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
         assert wc and 2560 % wc, (q, wc)
         specs.append(kc.spec("gemv", **{**p, "wsm_chunk": wc, "prologue": "norm", "eps": 1e-6}))
-    archs = [a for a in _variant_archs() if int(a[3:].rstrip("a")) >= 90]
-    assert "sm_90a" in archs
-    for arch in archs:
-        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-        stats = builder.build_all(specs, jobs=2, progress=None)
-        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+    return specs
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_gemv_wsm_compiles_for_sm90a_and_refuses_below(tmp_path):
+    """The wsm options of one type compile for PRIMARY_ARCH (every type on every arch from sm_90:
+    the compile matrix); below sm_90 the source stops with an #error naming wsm."""
+    specs = _wsm_specs()
+    _compile(PRIMARY_ARCH, [s for s in specs if s.params["quant"] == specs[0].params["quant"]], tmp_path / "kc")
     with pytest.raises(Exception, match="wsm"):
         KernelBuilder("sm_80", cache=KernelCache(tmp_path / "kc80"), no_compile=False).build_all(
             specs[:1], jobs=1, progress=None
         )
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+@pytest.mark.parametrize("arch", [a for a in _variant_archs() if int(a[3:].rstrip("a")) >= 90])
+def test_gemv_wsm_compiles_for_sm90_and_up(tmp_path, arch):
+    _compile(arch, _wsm_specs(), tmp_path / "kcache")
 
 
 def test_tile_prefetch_is_a_pipelined_coop_option():
@@ -522,13 +563,11 @@ def test_gemv_options_validation_and_smem():
     assert "pdl_wait();" not in render(e).split("load_units(w + (size_t)col")[0].split(e.entry)[1]
 
 
+@pytest.mark.compile_matrix
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
-def test_gemv_variants_compile_for_every_arch(tmp_path):
-    specs = _gemv_variant_specs()
-    for arch in _variant_archs():
-        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-        stats = builder.build_all(specs, jobs=2, progress=None)
-        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+@pytest.mark.parametrize("arch", _variant_archs())
+def test_gemv_variants_compile_for_every_arch(tmp_path, arch):
+    _compile(arch, _gemv_variant_specs(), tmp_path / "kcache")
 
 
 def _attention_variant_specs():
@@ -650,13 +689,11 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
     assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 
 
+@pytest.mark.compile_matrix
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
-def test_attention_variants_compile_for_every_arch(tmp_path):
-    specs = _attention_variant_specs()
-    for arch in _variant_archs():
-        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-        stats = builder.build_all(specs, jobs=2, progress=None)
-        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+@pytest.mark.parametrize("arch", _variant_archs())
+def test_attention_variants_compile_for_every_arch(tmp_path, arch):
+    _compile(arch, _attention_variant_specs(), tmp_path / "kcache")
 
 
 def _wgmma_spec(**over):
@@ -715,6 +752,7 @@ def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
         load_profile(bad)
 
 
+@pytest.mark.compile_matrix
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_gemm_wgmma_tile_configs_compile(tmp_path):
     """The tile configs tools/gpu_check_gemm_wgmma.py sweeps (the profile's compiles via all_specs)."""
@@ -725,9 +763,7 @@ def test_gemm_wgmma_tile_configs_compile(tmp_path):
         for tn, c, mf, st in ((256, 2, 1, 3), (128, 2, 1, 6), (128, 2, 2, 4), (128, 1, 1, 8), (64, 2, 1, 8))
         for res, od in ((False, "bf16"), (True, "f32"))
     ]
-    builder = KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "kcache"), no_compile=False)
-    stats = builder.build_all(specs, jobs=2, progress=None)
-    assert stats.compiled == len(specs) and all(k.cubin for k in stats.kernels)
+    _compile("sm_90a", specs, tmp_path / "kcache")
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
