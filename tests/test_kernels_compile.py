@@ -755,7 +755,7 @@ def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
 @pytest.mark.compile_matrix
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_gemm_wgmma_tile_configs_compile(tmp_path):
-    """The tile configs tools/gpu_check_gemm_wgmma.py sweeps (the profile's compiles via all_specs)."""
+    """The tile configs tests/gpu/test_kernels.py::test_gemm_wgmma checks (the profile's compile via all_specs)."""
     specs = [
         _wgmma_spec(
             tile_n=tn, consumers=c, m_frags=mf, stages=st, residual=res, out_dtype=od, maxnreg=tn * mf >= 256

@@ -99,11 +99,13 @@ def test_memra_pdl_overrides_the_profile_and_needs_sm90(monkeypatch):
 
 
 def _bindings():
+    """The driver bindings as engine.cuda loads them (tests import no cuda-python themselves)."""
+    from engine import cuda
+
     try:
-        from cuda.bindings import driver
-    except Exception:
+        return cuda._driver()
+    except cuda.CudaUnavailable:
         pytest.skip("cuda-bindings not installed")
-    return driver
 
 
 class _FakeFunction:

@@ -1,7 +1,6 @@
-"""tools/plan_variants.py and ``DRYRUN=1 bash tools/gpu_session.sh``: the next GPU session's A/B
-variants give plans, checked without a GPU (a misspelt knob or a shell slip would otherwise cost
-device time: the twentieth session's room20 stage, before this check, passed two of its variants
-as the plain profile because a helper read an unset argument under ``set -u``)."""
+"""tools/plan_variants.py and ``DRYRUN=1 STAGES=variants bash tools/gpu_session.sh``: the A/B
+variants of tools/variants.txt give plans, checked without a GPU (a misspelt knob or a shell slip
+would otherwise cost device time)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,7 @@ _spec = importlib.util.spec_from_file_location("plan_variants", ROOT / "tools" /
 pv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pv)
 
-# the A/B stages still to run (docs/PERFORMANCE.md, "twenty-first session"): pf19, u19, u20, c20,
-# d20, r20 and room20 ran, and their winners are the h200 profile now, so their variants no longer
-# differ from it; sweep21 replaced sweep19 (whose q4_k variants drop the profile's unroll)
-NEXT_STAGES = "sweep21"
+NEXT_STAGES = "variants"  # the stage that runs tools/variants.txt
 
 
 def test_variants_are_planned_and_bad_ones_named(capsys):
@@ -75,7 +71,7 @@ def test_next_sessions_stages_dry_run_clean(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize(
-    ("card", "ran"), [("NVIDIA H200", "small21"), ("NVIDIA H100 80GB HBM3", "sweep21")]
+    ("card", "ran"), [("NVIDIA H200", "variants"), ("NVIDIA H100 80GB HBM3", "runner")]
 )
 def test_stages_h200_replace_stages_only_on_an_h200(tmp_path, card, ran):
     env = {
@@ -83,8 +79,8 @@ def test_stages_h200_replace_stages_only_on_an_h200(tmp_path, card, ran):
         "DRYRUN": "1",
         "DRY_PY": sys.executable,
         "DRY_GPU": card,
-        "STAGES": "sweep21",
-        "STAGES_H200": "small21",
+        "STAGES": "runner",
+        "STAGES_H200": "variants",
         "RES": str(tmp_path / "res"),
         "OUT": str(tmp_path / "out"),
     }
@@ -95,4 +91,4 @@ def test_stages_h200_replace_stages_only_on_an_h200(tmp_path, card, ran):
     times = (tmp_path / "res" / "times.log").read_text()
     assert f"card: {card}; stages: {ran}\n" in times
     assert f"[{ran} done at" in times
-    assert ("[sweep21 done at" in times) == (ran == "sweep21")
+    assert ("[runner done at" in times) == (ran == "runner")

@@ -12,10 +12,7 @@ import struct
 import numpy as np
 import pytest
 
-from engine import cuda
 from engine.types import SamplingParams, StepItem
-
-pytestmark = pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")
 
 GREEDY = SamplingParams(temperature=0.0)
 DIMS = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512)

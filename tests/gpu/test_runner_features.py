@@ -11,11 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import cuda
 from engine.sampling import apply_penalties
 from engine.types import SamplingParams, StepItem
-
-pytestmark = pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")
 
 GREEDY = SamplingParams(temperature=0.0)
 
