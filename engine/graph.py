@@ -3,7 +3,8 @@
 A family file names its dims (where to read each from config.json or GGUF metadata), its tensors
 (name patterns for both formats, kind, expected shape), its op graph, its quant combos and its known
 sizes. ``extends:`` derives a family from another with a small delta. Every problem is a ConfigError
-naming the file and key path. Must not import numpy or CUDA: this is pure configuration.
+naming the file and key path. Must not import CUDA: this is pure configuration (the storage types
+are engine.storage's).
 """
 
 from __future__ import annotations
@@ -18,36 +19,8 @@ from typing import Any
 
 from engine import paths
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
+from engine.storage import BLOCK_SIZES, FILE_TYPES  # noqa: F401  (BLOCK_SIZES: engine.plan reads it here)
 from engine.types import ConfigError
-
-# Storage types a tensor may have (GGUF names, lower case).
-FLOAT_TYPES = ("f32", "f16", "bf16")
-QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-STORAGE_TYPES = FLOAT_TYPES + QUANT_TYPES
-
-# (elements per block, bytes per block) of each storage type: GGUF block layouts, floats are
-# 1-element blocks. engine/quant.py documents each layout's fields.
-BLOCK_SIZES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q8_0": (32, 34),
-    "q2_k": (256, 84),
-    "q3_k": (256, 110),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-    # device layouts, never file types: rows repacked at upload (engine.quant.repack; q6_kr, q4_0r
-    # and q4_1r rows are padded to 16 bytes, engine.quant.row_bytes)
-    "q8_0r": (32, 34),
-    "q6_kr": (256, 210),
-    "q4_0r": (32, 18),
-    "q4_1r": (32, 20),
-}
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
 ROPE_STYLES = ("neox", "interleaved")
@@ -460,11 +433,11 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
         for key, value in spec.items():
             types = tuple(_as_list(value))
             for t in types:
-                if t not in STORAGE_TYPES:
+                if t not in FILE_TYPES:
                     raise fail(
                         file,
                         f"{where}.{key}",
-                        f"unknown storage type {t!r}; expected one of {', '.join(STORAGE_TYPES)}",
+                        f"unknown storage type {t!r}; expected one of {', '.join(FILE_TYPES)}",
                     )
             if key == "default":
                 default = types

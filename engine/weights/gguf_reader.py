@@ -2,7 +2,7 @@
 
 Shapes are converted from GGUF's ``ne`` order (innermost first) to numpy row-major order.
 Metadata values are converted to plain Python lazily, once per key (tokenizer arrays are large).
-Must not import CUDA or engine modules beyond engine.weights.source/engine.quant/engine.types.
+Must not import CUDA or engine modules beyond engine.weights.source/engine.storage/engine.types.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import quant
+from engine import storage
 from engine.types import MemraError
 from engine.weights.source import TensorInfo, WeightSource
 
@@ -94,7 +94,7 @@ class GGUFSource(WeightSource):
             size = f.stat().st_size
             for t in r.tensors:
                 dtype = t.tensor_type.name.lower()
-                if dtype not in quant.BLOCK_SIZES:
+                if dtype not in storage.FILE_TYPES:
                     raise MemraError(f"{f}: tensor {t.name!r} has unsupported type {t.tensor_type.name}")
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 nbytes = int(t.n_bytes)

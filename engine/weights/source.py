@@ -21,7 +21,7 @@ class TensorInfo:
     """One tensor's header facts. ``shape`` is numpy/PyTorch row-major ([out, in] for a linear)."""
 
     name: str
-    dtype: str  # one of engine.quant.BLOCK_SIZES
+    dtype: str  # one of engine.storage.BLOCK_SIZES
     shape: tuple[int, ...]
     nbytes: int
 
