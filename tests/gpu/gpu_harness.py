@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.quant_blocks import F16_FIELDS  # the f16 scale / min fields of each block type
 
-from engine import cuda, quant
+from engine import cuda, quant, storage
 from engine import kernel_catalog as kc
 from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
@@ -124,19 +125,6 @@ class Kernels:
 
 # ---- random weights of every storage type -----------------------------------------------------
 
-# byte offsets of the f16 scale / min fields inside one block (random bytes there could be inf/NaN)
-F16_FIELDS = {
-    "q8_0": [0],
-    "q4_0": [0],
-    "q4_1": [0, 2],
-    "q5_0": [0],
-    "q5_1": [0, 2],
-    "q4_k": [0, 2],
-    "q5_k": [0, 2],
-    "q6_k": [208],
-}
-
-
 def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """(raw uint8 bytes [n, row_bytes] in device storage type ``qt``, its dequantisation f64 [n, k]):
     random blocks with sane f16 scales, dequantised by engine.quant (the reference); a repacked
@@ -149,7 +137,7 @@ def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]
         raw = {"bf16": to_bf16(w), "f16": w.astype(np.float16), "f32": w}[qt]
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
         return raw, quant.dequantize(raw.reshape(-1), qt, (n, k)).astype(np.float64)
-    elems, nbytes = kc.QUANTS[qt]
+    elems, nbytes = storage.BLOCK_SIZES[qt]
     nb = n * k // elems
     raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
     scale = 0.002 if qt.endswith("_k") else 0.01
