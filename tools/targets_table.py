@@ -1,10 +1,10 @@
 """Issue #4's decode / prefill targets against measured results: a markdown table, each row met,
 missed or not measured, with the card each figure came from.
 
-    python tools/targets_table.py --result qwen3-4b-q4_k_m=$RES/bench20_q4_k_m.json \
+    python tools/targets_table.py --result qwen3-4b-q4_k_m=$RES/q4_k_m.json \
         --result qwen3-4b-q8_0=$RES/q8_0.json --result qwen3-4b-bf16=$RES/bf16.json \
-        --result qwen3-0.6b-bf16=$RES/small21/decode_profile.json#qwen3-0.6b \
-        --result smollm2-135m-q4_1=$RES/small21/decode_profile.json#smol_q4_1.gguf
+        --result qwen3-0.6b-bf16=$RES/profile/decode_profile.json#qwen3-0.6b \
+        --result smollm2-135m-q4_1=$RES/profile/decode_profile.json#smol_q4_1.gguf
 
 A result is a `memra bench --json` file (its rows; decode fractions against the measured copy, as the
 issue defines the roofline) or a `tools/gpu_decode_profile.py` decode_profile.json with ``#ENTRY``
