@@ -150,7 +150,7 @@ def test_gemv_option_variants(kernels, weights, device):
             err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
             if nans or not err <= tol:
                 bad.append((s.entry, rows, err, tol, nans))
-    assert len(specs) > 100 and not bad, bad
+    assert len(specs) > 20 and not bad, bad
 
 
 # ---- elementwise, embed, rope -------------------------------------------------------------------
