@@ -21,7 +21,7 @@ def test_load_config_and_models_env(tmp_path, monkeypatch):
     cfg = load_server_config(p, host="0.0.0.0")
     assert cfg.port == 9000 and cfg.host == "0.0.0.0" and cfg.keepalive_s == 2.0
     assert cfg.models == {"smol": "/m/smol2.gguf", "big": "/m/big.gguf"}
-    assert cfg.keys_file == str(tmp_path / "k.toml") and cfg.waitress_threads == 16
+    assert cfg.keys_file == str(tmp_path / "k.toml") and cfg.waitress_threads == 8 + 64 + 16
 
 
 @pytest.mark.parametrize(

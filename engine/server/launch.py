@@ -57,6 +57,7 @@ def build_engine(
         tokenizer,
         EngineConfig(
             max_running=cfg.max_running,
+            max_waiting=max(1, cfg.max_waiting + cfg.max_running),  # the HTTP layer sheds first
             prefill_chunk_tokens=chunk,
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
@@ -86,7 +87,9 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
     return run_server(
-        cfg, lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant)
+        cfg,
+        lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant),
+        raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
 
 

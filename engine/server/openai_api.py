@@ -11,7 +11,7 @@ import falcon
 
 from . import sse
 from .errors import ApiError
-from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
+from .generation import Run, allowed_tools, chat_ids, check_model, error_of, text_ids
 from .http_common import read_json, respond, send_json, start_run, usage_openai
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
 from .state import AppState
@@ -33,7 +33,7 @@ class ChatCompletions:
         st.require_ready()
         spec = parse_chat(read_json(req, st))
         check_model(st, spec.model)
-        ids = encode(st, chat_prompt(st, spec))
+        ids = chat_ids(st, spec)
         run = start_run(st, req, spec, ids, param="messages", id_prefix="chatcmpl-")
         respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
@@ -172,7 +172,7 @@ class Completions:
                 )
             ids = list(spec.prompt)
         else:
-            ids = encode(st, spec.prompt, "prompt")
+            ids = text_ids(st, spec.prompt, "prompt")
         run = start_run(st, req, spec, ids, param="prompt", id_prefix="cmpl-")
         respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
