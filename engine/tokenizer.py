@@ -204,13 +204,18 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render the conversation with the model's template (ChatML when it has none)."""
-        template_kwargs.setdefault("bos_token", self.bos_token)
-        template_kwargs.setdefault("eos_token", self.eos_token)
-        return render_chat_template(
+        for k in ("bos_token", "eos_token"):  # the model's own, never the caller's
+            if k in template_kwargs:
+                raise MemraError(
+                    f"chat template variable {k!r} cannot be set by the request", param=f"chat_template_kwargs.{k}"
+                )
+        return render_chat_template(  # other reserved names in template_kwargs are refused there
             self.chat_template,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
             **template_kwargs,
         )
 
