@@ -1,0 +1,104 @@
+"""The hostile run as a permanent suite: a real `run_server` process (tiny Qwen3 on the reference
+backend, keys for two tenants, small admission limits) attacked by tools/hostile_check.py, which
+reports its figures (requests, status counts, 5xx, leaked KV blocks, RSS before/after, health latency
+under slow connections) and fails on any regression. Loopback only; counts are CI-sized (the tool's
+defaults are the at-scale run)."""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("hostile_check", ROOT / "tools" / "hostile_check.py")
+hostile_check = importlib.util.module_from_spec(_spec)
+sys.modules["hostile_check"] = hostile_check
+_spec.loader.exec_module(hostile_check)
+
+SCRIPT = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.WARNING)
+    from engine.server.launch import build_engine
+    from engine.server.serve import run_server
+    from engine.server_config import ApiKey, ServerConfig, hash_key
+
+    keys = (ApiKey("k_a", hash_key("sk-a"), "acme"), ApiKey("k_b", hash_key("sk-b"), "beta", max_concurrency=2))
+    cfg = ServerConfig(port={port}, max_running=4, max_waiting=4, request_timeout_s=2.0, keys=keys,
+                       drain_timeout_s=2.0)
+    sys.exit(run_server(cfg, lambda: build_engine({model!r}, ("default",), cfg, "reference", None)))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_dir):
+    port = _free_port()
+    code = SCRIPT.format(port=port, model=str(tiny_qwen3_dir))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/ready")
+            if c.getresponse().status == 200:
+                break
+        except OSError:
+            pass
+        if p.poll() is not None:
+            pytest.fail("server exited: " + p.communicate()[0].decode()[-3000:])
+        time.sleep(0.1)
+    else:
+        p.kill()
+        pytest.fail("server did not become ready")
+    yield p, port
+    p.terminate()
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+def test_hostile_suite(server, capsys):
+    p, port = server
+    rc = hostile_check.main(
+        [
+            "--url", f"http://127.0.0.1:{port}",
+            "--api-key", "sk-a",
+            "--pid", str(p.pid),
+            "--oversized", "16",
+            "--slow", "300",
+            "--probes", "5",
+            "--burst", "24",
+            "--burst-tokens", "200",
+            "--load", "60",
+            "--concurrency", "8",
+            "--prompt-words", "4,16,48",
+            "--max-tokens", "12",
+            "--max-slow-close-s", "6",
+        ]
+    )
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    print(json.dumps({k: report[k] for k in ("requests", "status", "http_5xx", "kv", "rss_idle_mb",
+                                              "rss_after_oversized_mb", "rss_end_mb", "slow", "overload")}, indent=1))
+    assert rc == 0, (report["failures"], out.err[-2000:])
+    assert report["http_5xx"] == 0 and report["kv"]["leaked_blocks"] == 0 and report["kv"]["invariants_ok"]
+    assert report["overload"]["rejected_429"] > 0
+    assert report["slow"]["slow_answered_408_json"] == 300
+    assert report["load"]["disconnected"] > 0 and len(report["load"]["kinds"]) == 6
