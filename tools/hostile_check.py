@@ -124,6 +124,14 @@ def phase_oversized(c: Client, n: int, context: int, byte_limit: int) -> dict:
 
 
 def phase_slow(c: Client, n: int, probes: int, max_wait_s: float) -> dict:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < n + 256 <= hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n + 256, hard))
+    except (ImportError, ValueError, OSError):
+        pass
     socks: list[socket.socket] = []
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -103,9 +103,47 @@ def _maintenance(self: BaseWSGIServer, now: float) -> None:
             ch.will_close = True
 
 
+ACCEPT_BATCH = 64
+
+
+def _handle_accept(self: BaseWSGIServer) -> None:
+    """Accept up to ACCEPT_BATCH pending connections per loop turn (waitress takes one per poll of
+    every socket, so a flood of connections would queue health checks behind it)."""
+    for _ in range(ACCEPT_BATCH):
+        if len(self._map) >= self.adj.connection_limit:
+            return
+        try:
+            v = self.accept()
+            if v is None:
+                return
+            conn, addr = v
+            self.set_socket_options(conn)
+        except OSError:  # a bogus or already-closed socket: skip it, as waitress does
+            return
+        self.channel_class(self, conn, self.fix_addr(addr), self.adj, map=self._map)
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise the soft open-files limit towards ``want`` (capped by the hard limit); returns the soft limit."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def make_waitress(app, config: ServerConfig, *, host: str | None = None, port: int | None = None):
     """A waitress server sized from the admission limit, with read-ahead so client disconnects are
     seen, poll() instead of select() (thousands of sockets), JSON errors and receive deadlines."""
+    raise_fd_limit(config.connection_limit + config.waitress_threads + 256)
     server = waitress.create_server(
         app,
         host=host or config.host,
@@ -123,6 +161,7 @@ def make_waitress(app, config: ServerConfig, *, host: str | None = None, port: i
     server.channel_class = GuardedChannel
     server.memra_request_timeout_s = config.request_timeout_s
     server.maintenance = types.MethodType(_maintenance, server)
+    server.handle_accept = types.MethodType(_handle_accept, server)
     return server
 
 
