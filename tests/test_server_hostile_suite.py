@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
 
     keys = (ApiKey("k_a", hash_key("sk-a"), "acme"), ApiKey("k_b", hash_key("sk-b"), "beta", max_concurrency=2))
     cfg = ServerConfig(port={port}, max_running=4, max_waiting=4, request_timeout_s=2.0, keys=keys,
-                       drain_timeout_s=2.0)
+                       drain_timeout_s=2.0, max_prompt_bytes=100_000)
     sys.exit(run_server(cfg, lambda: build_engine({model!r}, ("default",), cfg, "reference", None)))
 """)
 
@@ -92,7 +92,8 @@ def test_hostile_suite(server, capsys):
             "--url", f"http://127.0.0.1:{port}",
             "--api-key", "sk-a",
             "--pid", str(p.pid),
-            "--oversized", "16",
+            "--oversized", "16",  # half 3 MB (refused unread), half 100 KB (tokenised, then refused)
+            "--prompt-byte-limit", "100000",
             "--slow", str(slow),
             "--probes", "5",
             "--burst", "24",
@@ -107,7 +108,7 @@ def test_hostile_suite(server, capsys):
     out = capsys.readouterr()
     report = json.loads(out.out)
     print(json.dumps({k: report[k] for k in ("requests", "status", "http_5xx", "kv", "rss_idle_mb",
-                                              "rss_after_oversized_mb", "rss_end_mb", "slow", "overload")}, indent=1))
+                                              "rss_after_oversized_mb", "rss_end_mb", "slow", "overload", "phase_s")}, indent=1))
     assert rc == 0, (report["failures"], out.err[-2000:])
     assert report["http_5xx"] == 0 and report["kv"]["leaked_blocks"] == 0 and report["kv"]["invariants_ok"]
     assert report["overload"]["rejected_429"] > 0

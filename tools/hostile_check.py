@@ -260,14 +260,23 @@ def run(args: argparse.Namespace) -> dict:
     byte_limit = args.prompt_byte_limit or 16 * context
     for _ in range(3):  # warm-up: first requests allocate lazily
         c.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    report: dict = {"context_length": context, "rss_idle_mb": rss_mb(args.pid)}
-    t0 = time.monotonic()
+    report: dict = {"context_length": context, "rss_idle_mb": rss_mb(args.pid), "phase_s": {}}
+    t = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.monotonic()
+        report["phase_s"][name] = round(now - t, 2)
+        t = now
+
     report["oversized"] = phase_oversized(c, args.oversized, context, byte_limit)
-    report["oversized_s"] = round(time.monotonic() - t0, 2)
     report["rss_after_oversized_mb"] = rss_mb(args.pid)
+    lap("oversized")
     report["slow"] = phase_slow(c, args.slow, args.probes, args.max_slow_close_s + 5)
+    lap("slow")
     report["http_errors"] = phase_http_errors(c)
     report["overload"] = phase_overload(c, args.burst, args.burst_tokens) if args.burst else None
+    lap("errors_and_overload")
     if args.load:
         lg = argparse.Namespace(
             url=args.url,
@@ -287,6 +296,7 @@ def run(args: argparse.Namespace) -> dict:
             mix="mixed",
         )
         report["load"] = loadgen.run(lg)
+        lap("load")
     report["kv"] = kv_after(c)
     report["rss_end_mb"] = rss_mb(args.pid)
     report["status"] = dict(sorted(c.status.items()))
