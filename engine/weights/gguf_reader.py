@@ -105,7 +105,7 @@ def _open_reader(f: Path) -> Any:
     except FileNotFoundError:
         raise MemraError(f"{f}: no such file") from None
     except _Corrupt as e:
-        raise MemraError(f"{f}: corrupt GGUF: {e}", code="invalid_model") from None
+        raise MemraError(f"{f}: cannot read GGUF file (truncated or corrupt): {e}", code="invalid_model") from None
     except Exception as e:  # gguf raises ValueError/KeyError etc. on bad files
         size = f.stat().st_size if f.exists() else 0
         raise MemraError(
