@@ -87,7 +87,8 @@ GRAPH_OUTPUT = "logits"
 @dataclass(frozen=True)
 class DimSpec:
     name: str
-    hf: str | None = None
+    hf: str | None = None  # the primary config.json path (dotted for nested keys)
+    hf_alt: tuple[str, ...] = ()  # other paths Hugging Face writes the same value under
     gguf: str | None = None
     default: Any = None
     has_default: bool = False
@@ -95,6 +96,10 @@ class DimSpec:
     expr: str | None = None
     from_tensor: tuple[str, int] | None = None
     gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
+
+    @property
+    def hf_paths(self) -> tuple[str, ...]:
+        return ((self.hf,) if self.hf else ()) + self.hf_alt
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class ModelGraph:
     graph: tuple[Op | Repeat, ...]
     quants: dict[str, QuantCombo]
     sizes: dict[str, dict[str, Any]]
+    #: config.json keys that change the math, with the values this family implements (checked on load)
+    hf_expect: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def ops(self) -> list[tuple[Op, bool]]:
         """Every op in order with a flag saying whether it runs once per layer."""
@@ -190,7 +197,7 @@ class ModelGraph:
 # schema
 
 _DIM = {
-    "hf": Field(str),
+    "hf": Field((str, list)),
     "gguf": Field(str),
     "default": Field((int, float, str, bool, type(None))),
     "type": Field(OneOf(("int", "float", "bool", "mapping")), default="int"),
@@ -224,6 +231,7 @@ _TOP = {
     "graph_edits": Field(list, default=[]),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
+    "hf_expect": Field(MapOf((list, type(None))), default={}),
 }
 
 
@@ -240,7 +248,7 @@ def _merge_parent(child: dict, parent: dict, file: Path) -> dict:
     for key in ("description", "matches", "rope_style", "quants", "sizes"):
         if key in child:
             merged[key] = child[key]
-    for key in ("dims", "tensors"):
+    for key in ("dims", "tensors", "hf_expect"):
         base = dict(merged.get(key) or {})
         for name, value in (child.get(key) or {}).items():
             if value is None:
@@ -398,9 +406,14 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
             raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
         if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
             raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
+        hf = spec.get("hf")
+        hf_paths = [hf] if isinstance(hf, str) else list(hf or [])
+        if not all(isinstance(h, str) and h for h in hf_paths):
+            raise fail(file, f"{where}.hf", "expected a config.json key or a list of them")
         dims[name] = DimSpec(
             name=name,
-            hf=spec.get("hf"),
+            hf=hf_paths[0] if hf_paths else None,
+            hf_alt=tuple(hf_paths[1:]),
             gguf=spec.get("gguf"),
             default=spec.get("default"),
             has_default="default" in spec,
@@ -567,6 +580,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
         graph=graph,
         quants=quants,
         sizes=dict(raw["sizes"]),
+        hf_expect={k: tuple(v) for k, v in (raw.get("hf_expect") or {}).items() if v is not None},
     )
 
 

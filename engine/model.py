@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import hf_config
 from engine.graph import (
     DimSpec,
     ModelGraph,
@@ -119,8 +120,14 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        key = d.hf if fmt == "hf" else (d.gguf.replace("{arch}", arch) if d.gguf else None)
-        if key:
+        if fmt == "hf":
+            key = d.hf
+            found, value, path = hf_config.lookup_any(meta, d.hf_paths, source, f"dim {d.name}")
+            if found:
+                return _cast(d, value, f"{source}: field {path!r} (dim {d.name})")
+        else:
+            key = d.gguf.replace("{arch}", arch) if d.gguf else None
+        if key and fmt != "hf":
             found, value = _meta_lookup(meta, key)
             if found and value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
@@ -265,7 +272,11 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         name = file_of(key)
         return tuple(weights.info(name).shape) if name and weights.has(name) else None
 
+    if fmt == "hf":
+        hf_config.check_expected(meta, graph.hf_expect, source, graph.family)
     dims = resolve_dims(graph, fmt, meta, source, tensor_shape=tensor_shape, has_tensor=has_tensor)
+    if "rope_scaling" in dims:
+        dims["rope_scaling"] = hf_config.canonical_rope_scaling(dims["rope_scaling"])
     model = LoadedModel(
         graph=graph,
         fmt=fmt,
