@@ -68,9 +68,14 @@ class Client:
                 self.not_json.append(f"{method} {path} -> {r.status} {hdrs.get('content-type')}")
         return r.status, hdrs, parsed, dt
 
-    def raw(self, data: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes]:
-        """Send raw bytes on a fresh socket; parse the response status, headers and body."""
+    def raw(self, data: bytes, timeout: float = 10.0, first: int = 0) -> tuple[int, dict, bytes]:
+        """Send raw bytes on a fresh socket (``first`` bytes, a pause, the rest: so the server has read
+        everything when it answers and its close is not a reset); parse status, headers and body."""
         with socket.create_connection((self.host, self.port), timeout=timeout) as s:
+            if first:
+                s.sendall(data[:first])
+                time.sleep(0.2)
+                data = data[first:]
             s.sendall(data)
             buf = b""
             while True:
@@ -183,13 +188,13 @@ def phase_http_errors(c: Client) -> dict:
     cases = {
         "bad_content_length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
         "huge_content_length": b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\n",
-        "huge_headers": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300000 + b"\r\n\r\n",
+        "huge_headers": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 262200 + b"\r\n\r\n",
         "bad_request_line": b"NONSENSE\r\n\r\n",
         "unknown_route": b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
     }
     out = {}
     for name, data in cases.items():
-        st, hdrs, body = c.raw(data)
+        st, hdrs, body = c.raw(data, first=262000 if name == "huge_headers" else 0)
         ok = hdrs.get("content-type", "").startswith("application/json")
         if ok:
             try:
@@ -299,6 +304,11 @@ def run(args: argparse.Namespace) -> dict:
         lap("load")
     report["kv"] = kv_after(c)
     report["rss_end_mb"] = rss_mb(args.pid)
+    if report["rss_idle_mb"] is not None and report["rss_end_mb"] is not None:
+        report["rss_growth_oversized_mb"] = round(report["rss_after_oversized_mb"] - report["rss_idle_mb"], 1)
+        report["rss_drift_mb"] = round(report["rss_end_mb"] - report["rss_idle_mb"], 1)
+    if report.get("load"):
+        report["tokens_per_s"] = report["load"]["tokens_per_s"]
     report["status"] = dict(sorted(c.status.items()))
     report["requests"] = sum(c.status.values()) + (report.get("load") or {}).get("requests", 0)
     load_5xx = (report.get("load") or {}).get("http_5xx", 0)
