@@ -128,8 +128,12 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-        specials = {t.content: i for i, t in tk.get_added_tokens_decoder().items() if t.special and t.content}
+        added = tk.get_added_tokens_decoder()
+        specials = {t.content: i for i, t in added.items() if t.special and t.content}
         self._special_ids = specials
+        self._special_strip = {
+            t.content: (bool(t.lstrip), bool(t.rstrip)) for t in added.values() if t.special and t.content
+        }
         self._special_re = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
             if specials
@@ -166,15 +170,21 @@ class Tokenizer:
         """Ids of a rendered chat prompt: special tokens the template wrote become their ids; text
         escaped by ``escape_specials`` (and every other piece) is tokenised as plain text. Identical to
         ``encode`` when nothing was escaped."""
-        if self._special_re is None:
-            return self.encode(text)
+        if self._special_re is None or CONTENT_MARK not in text:
+            return self.encode(text)  # nothing escaped: exactly the tokenizer's own splitting
+        parts = self._special_re.split(text)
+        for i in range(1, len(parts), 2):  # AddedToken lstrip/rstrip absorb neighbouring whitespace
+            strip_l, strip_r = self._special_strip.get(parts[i], (False, False))
+            if strip_l:
+                parts[i - 1] = parts[i - 1].rstrip()
+            if strip_r and i + 1 < len(parts):
+                parts[i + 1] = parts[i + 1].lstrip()
         ids: list[int] = []
-        for i, part in enumerate(self._special_re.split(text)):
+        for i, part in enumerate(parts):
             if i % 2:
                 ids.append(self._special_ids[part])
             elif part:
-                if CONTENT_MARK in part:
-                    part = _MARK_RUN.sub(lambda m: CONTENT_MARK if len(m.group(0)) == 2 else "", part)
+                part = _MARK_RUN.sub(lambda m: CONTENT_MARK if len(m.group(0)) == 2 else "", part)
                 ids.extend(self._text_tokenizer().encode(part, add_special_tokens=False).ids)
         return ids
 
