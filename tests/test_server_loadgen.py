@@ -134,3 +134,22 @@ def test_run_server_load_failure_exits_with_one_line():
         run_server(ServerConfig(port=_free_port()), load, install_signals=False, raise_load_error=True)
     assert str(ei.value) == "cannot load the model: RuntimeError: no such model file"
     assert time.monotonic() - t0 < 8
+
+
+def test_memra_serve_bad_model_exits_with_one_line(tmp_path):
+    """`memra serve` on a broken model exits non-zero with one error line and no traceback, as `memra run` does."""
+    import subprocess
+
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}')
+    p = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", str(bad), "--port", "0", "--backend", "reference"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    errors = [ln for ln in p.stderr.splitlines() if "error" in ln.lower()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert len(errors) == 1 and errors[0].startswith("memra: error: ") and str(bad) in errors[0], p.stderr
