@@ -55,6 +55,7 @@ def test_waitress_errors_are_json_in_the_api_shape():
 
 def test_half_sent_requests_time_out_and_do_not_starve_health():
     with _server(request_timeout_s=1.0) as srv:
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=10)  # connects, sends nothing
         socks = []
         for _ in range(200):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
@@ -75,4 +76,6 @@ def test_half_sent_requests_time_out_and_do_not_starve_health():
             body = data.partition(b"\r\n\r\n")[2]
             assert json.loads(body)["error"]["type"] == "invalid_request_error"  # Anthropic shape
             s.close()
+        assert silent.recv(4096).startswith(b"HTTP/1.1 408")
+        silent.close()
         assert time.monotonic() - t0 < 3.0

@@ -56,11 +56,16 @@ class JsonErrorTask(ErrorTask):
 
 
 class GuardedChannel(HTTPChannel):
-    """Remembers when the request being received started, so maintenance can time it out."""
+    """Remembers when the request being received started (for a new connection: when it was
+    accepted, so a socket that sends nothing is timed out too), so maintenance can time it out."""
 
     error_task_class = JsonErrorTask
     receiving_since: float | None = None
     _receiving: object = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.receiving_since = time.monotonic()
 
     def received(self, data: bytes) -> bool:
         out = super().received(data)
