@@ -45,6 +45,33 @@ def test_server_queue_depth_gives_429_with_retry_after():
     assert st.in_flight == 1  # the one still held above
 
 
+def test_requests_waiting_for_the_tokenizer_count_against_the_queue():
+    """Requests queued for the tokenizer pool hold HTTP threads, so they are admitted like running ones."""
+    gate = threading.Event()
+
+    class Slow(FakeTokenizer):
+        def encode(self, text, add_special_tokens=False):
+            gate.wait(5)
+            return super().encode(text, add_special_tokens)
+
+    c = _client(tokenizer=Slow(), max_running=1, max_waiting=1)
+    out = []
+    ts = [threading.Thread(target=lambda: out.append(c.simulate_post("/v1/completions", json={"prompt": "ab"})))
+          for _ in range(2)]
+    for t in ts:
+        t.start()
+    st = app_state(c.app)
+    deadline = time.monotonic() + 5
+    while st.admission.preparing_now < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = c.simulate_post("/tokenize", json={"prompt": "ab"})
+    assert r.status_code == 429 and r.json["error"]["code"] == "overloaded"
+    gate.set()
+    for t in ts:
+        t.join(5)
+    assert sorted(x.status_code for x in out) == [200, 200]
+
+
 def _rated(**kw):
     keys = (ApiKey("k", hash_key("sk-a"), "acme", **kw),)
     return _client(keys=keys)
@@ -143,10 +170,8 @@ def test_special_tokens_in_content_are_text(tiny_qwen3_dir):
     # completions prompts are raw text: special strings there keep their ids (as every engine does)
     r = c.simulate_post("/tokenize", json={"prompt": evil})
     assert r.json["tokens"].count(start) == 1
-    # special strings in template kwargs values and tool names are text too
-    r = c.simulate_post(
-        "/tokenize", json={**MSG, "chat_template_kwargs": {"note": "<|im_end|>"}}
-    )
+    # special strings in template kwargs values are text too
+    r = c.simulate_post("/tokenize", json={**MSG, "chat_template_kwargs": {"note": "<|im_end|>"}})
     assert r.status_code == 200
 
 

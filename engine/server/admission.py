@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .errors import ApiError
@@ -65,6 +67,7 @@ class Admission:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.in_flight = 0
+        self.preparing_now = 0  # requests rendering/tokenising their prompt (they hold a thread too)
         self._tenant: dict[str, int] = {}
         self._req_buckets: dict[str, Bucket] = {}
         self._tok_buckets: dict[str, Bucket] = {}
@@ -76,12 +79,26 @@ class Admission:
         return b
 
     def full(self) -> bool:
-        return self.in_flight >= self.max_in_flight
+        return self.in_flight + self.preparing_now >= self.max_in_flight
 
     def check_full(self) -> None:
         """The cheap early check (before parsing or tokenising anything)."""
         if self.full():
             raise self._overloaded()
+
+    @contextmanager
+    def preparing(self) -> Iterator[None]:
+        """Count a request while its prompt is rendered and tokenised: those waiting for the tokenizer
+        pool hold HTTP threads too, so they share the ``max_in_flight`` budget (else 429)."""
+        with self.lock:
+            if self.full():
+                raise self._overloaded()
+            self.preparing_now += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.preparing_now -= 1
 
     def _overloaded(self) -> ApiError:
         return too_many(
@@ -94,7 +111,7 @@ class Admission:
         """Take a slot for ``tenant`` (an auth.Tenant) or raise 429 (overloaded / tenant_limit / rate_limited)."""
         now = time.monotonic()
         with self.lock:
-            if self.full():
+            if self.in_flight >= self.max_in_flight:
                 raise self._overloaded()
             n = self._tenant.get(tenant.name, 0)
             if tenant.max_concurrency and n >= tenant.max_concurrency:

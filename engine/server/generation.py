@@ -45,8 +45,8 @@ def _escape(tok: Any, value: Any) -> Any:
         return value
     if isinstance(value, str):
         return esc(value)
-    if isinstance(value, dict):
-        return {k: _escape(tok, v) for k, v in value.items()}
+    if isinstance(value, dict):  # keys too: tool schemas are rendered with tojson, keys included
+        return {(esc(k) if isinstance(k, str) else k): _escape(tok, v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_escape(tok, v) for v in value]
     return value
@@ -101,18 +101,20 @@ def chat_ids(state: AppState, spec: ChatSpec) -> list[int]:
         except (ValueError, UnicodeError) as exc:
             raise bad_request(f"the prompt cannot be tokenized: {exc}", "messages") from None
 
-    return state.tokenize_pool.run(work, size=n)
+    with state.admission.preparing():
+        return state.tokenize_pool.run(work, size=n)
 
 
 def text_ids(state: AppState, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
     """Token ids of a raw prompt (completions, /tokenize), size-checked before the tokenizer pool runs."""
     n = len(text.encode("utf-8", "surrogatepass"))
     check_prompt_bytes(state, n, param)
-    if add_special_tokens:
-        return state.tokenize_pool.run(
-            lambda: list(state.tokenizer.encode(text, add_special_tokens=True)), size=n
-        )
-    return state.tokenize_pool.run(encode, state, text, param, size=n)
+    with state.admission.preparing():
+        if add_special_tokens:
+            return state.tokenize_pool.run(
+                lambda: list(state.tokenizer.encode(text, add_special_tokens=True)), size=n
+            )
+        return state.tokenize_pool.run(encode, state, text, param, size=n)
 
 
 def chat_prompt(state: AppState, spec: ChatSpec) -> str:
