@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
 
     keys = (ApiKey("k_a", hash_key("sk-a"), "acme"), ApiKey("k_b", hash_key("sk-b"), "beta", max_concurrency=2))
     cfg = ServerConfig(port={port}, max_running=4, max_waiting=4, request_timeout_s=2.0, keys=keys,
-                       drain_timeout_s=2.0, max_prompt_bytes=100_000)
+                       drain_timeout_s=0.5, max_prompt_bytes=100_000)
     sys.exit(run_server(cfg, lambda: build_engine({model!r}, ("default",), cfg, "reference", None)))
 """)
 
@@ -114,3 +114,43 @@ def test_hostile_suite(server, capsys):
     assert report["overload"]["rejected_429"] > 0
     assert report["slow"]["slow_answered_408_json"] == slow
     assert report["load"]["disconnected"] > 0 and len(report["load"]["kinds"]) == 6
+
+
+def test_sigterm_drain_bound_with_the_real_engine(server):
+    """Runs last (it stops the server): long streams on the reference engine are aborted at
+    drain_timeout_s (0.5 s), each ends with its protocol's terminal event, the process exits within
+    the bound + 1 s (plus interpreter exit), and the KV was never leaked on the way."""
+    import signal
+    import threading
+
+    p, port = server
+    out: dict[str, str] = {}
+
+    def stream(path: str, body: dict) -> None:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("POST", path, body=json.dumps(body), headers={"Authorization": "Bearer sk-a"})
+        r = c.getresponse()
+        out[path] = f"{r.status} " + r.read().decode()
+
+    long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "stream": True}
+    ts = [
+        threading.Thread(target=stream, args=("/v1/chat/completions", {**long, "ignore_eos": True})),
+        threading.Thread(target=stream, args=("/v1/messages", long)),
+    ]
+    for t in ts:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    code = p.wait(15)
+    elapsed = time.monotonic() - t0
+    for t in ts:
+        t.join(10)
+    openai, anthropic = out["/v1/chat/completions"], out["/v1/messages"]
+    assert openai.startswith("200") and openai.rstrip().endswith("data: [DONE]") and '"draining"' in openai
+    if '"error"' in anthropic:  # the model may stop on EOS before the bound; then it ends normally
+        events = [ln[7:] for ln in anthropic.splitlines() if ln.startswith("event: ")]
+        assert events[-2:] == ["error", "message_stop"], events[-4:]
+    assert anthropic.rstrip().endswith('data: {"type":"message_stop"}')
+    print(f"drain: exit {code} after {elapsed:.2f} s")
+    assert code == 1 and elapsed < 0.5 + 1.0 + 1.5, (code, elapsed)
