@@ -19,15 +19,19 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" build
 SHA=b179c9523d0e6a0f
 if [ "${1:-}" = hostile ]; then
+  t_start=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache
   [ -f /dev/shm/q4b/config.json ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > "$OUT/hostile_ckpt.log" 2>&1
   python3 -m engine.cli serve /dev/shm/q4b --backend cuda --port 8124 > "$OUT/hostile_serve.log" 2>&1 &
   serve_pid=$!
   for i in $(seq 1 120); do curl -sf localhost:8124/ready >/dev/null && break; sleep 1; done
-  timeout ${HOSTILE_TIMEOUT:-560} python3 tools/hostile_check.py --url http://127.0.0.1:8124 --pid $serve_pid \
+  left=$(( ${HOSTILE_BUDGET:-585} - ($(date +%s) - t_start) - 15 ))  # leave time for the SIGTERM drain
+  echo "hostile_check gets $left s" > "$OUT/hostile.log"
+  timeout $left python3 tools/hostile_check.py --url http://127.0.0.1:8124 --pid $serve_pid \
     --oversized ${OVERSIZED:-1000} --slow 1000 --burst 200 --burst-tokens 256 --load ${LOAD:-10000} \
-    --concurrency 64 --disconnect-fraction 0.2 --max-tokens 64 --json "$OUT/hostile.json" > "$OUT/hostile.log" 2>&1
+    --concurrency 64 --disconnect-fraction 0.2 --max-tokens 64 --max-duration $(( left - 90 )) \
+    --json "$OUT/hostile.json" >> "$OUT/hostile.log" 2>&1
   echo "hostile_check exit $?" >> "$OUT/hostile.log"
   t0=$(date +%s); kill -TERM $serve_pid; wait $serve_pid
   echo "memra serve exit $? after SIGTERM, $(( $(date +%s) - t0 )) s" >> "$OUT/hostile.log"

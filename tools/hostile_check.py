@@ -273,6 +273,8 @@ def run(args: argparse.Namespace) -> dict:
         now = time.monotonic()
         report["phase_s"][name] = round(now - t, 2)
         t = now
+        if args.json:  # partial figures survive an outer timeout
+            Path(args.json).write_text(json.dumps(report, indent=2))
 
     report["oversized"] = phase_oversized(c, args.oversized, context, byte_limit)
     report["rss_after_oversized_mb"] = rss_mb(args.pid)
