@@ -3,7 +3,7 @@ so allocator arenas stay with a fixed number of threads instead of every HTTP wo
 malloc knobs (``M_ARENA_MAX`` before threads start, ``malloc_trim`` after a large prompt).
 
 Prompt byte limits are checked by the callers *before* anything is submitted here. Must not import
-falcon, waitress or the engine.
+falcon, waitress or the engine loop (only engine.types).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from engine.types import MemraError
 
 log = logging.getLogger("memra.server")
 T = TypeVar("T")
@@ -75,7 +77,10 @@ class TokenizePool:
                 if size >= TRIM_AFTER_BYTES:
                     malloc_trim()
 
-        return self._executor().submit(job).result()
+        try:
+            return self._executor().submit(job).result()
+        except CancelledError:  # the pool was shut down by a drain while this request waited
+            raise MemraError("the server is shutting down; retry on another replica", code="draining") from None
 
     def shutdown(self) -> None:
         with self._lock:
