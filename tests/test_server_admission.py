@@ -39,6 +39,8 @@ def test_server_queue_depth_gives_429_with_retry_after():
     r = c.simulate_post("/v1/messages", json={**MSG, "max_tokens": 4})
     assert r.status_code == 429 and r.json["error"]["type"] == "rate_limit_error"
     assert eng.submitted == []  # refused before tokenising or submitting
+    assert c.simulate_get("/v1/models").status_code == 200  # not a generation: always answered
+    assert c.simulate_get("/health").status_code == 200
     st.release(Tenant("x"))
     eng.forever = False
     assert c.simulate_post("/v1/chat/completions", json=MSG).status_code == 200

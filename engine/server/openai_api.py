@@ -260,12 +260,12 @@ class Models:
         self.state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.state.require_ready()
+        self.state.require_ready(admit=False)
         mi = self.state.model_info
         send_json(resp, {"object": "list", "data": [_model_obj(self.state, n) for n in (mi.id, *mi.aliases)]})
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        self.state.require_ready()
+        self.state.require_ready(admit=False)
         if not self.state.model_info.matches(model_id):
             raise ApiError(
                 404,

@@ -134,7 +134,7 @@ class Detokenize:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
-        st.require_ready()
+        st.require_ready(admit=False)
         body = read_json(req, st)
         toks = body.get("tokens")
         vocab = int(getattr(st.tokenizer, "vocab_size", 1 << 31))

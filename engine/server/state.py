@@ -51,8 +51,9 @@ class AppState:
     def alive(self) -> bool:
         return self.engine is not None and bool(getattr(self.engine, "alive", True))
 
-    def require_ready(self) -> None:
-        """Raise the 503 a generation request gets while loading, draining or after the engine died."""
+    def require_ready(self, admit: bool = True) -> None:
+        """Raise the 503 a generation request gets while loading, draining or after the engine died;
+        with ``admit``, also the 429 when the server is full (before the body is even read)."""
         if self.draining:
             raise from_code("draining", "server is shutting down; retry on another replica")
         if self.engine is None:
@@ -61,7 +62,8 @@ class AppState:
             raise from_code("loading", "model is still loading")
         if not self.alive:
             raise from_code("engine_dead", "the engine has stopped; the server needs a restart")
-        self.admission.check_full()  # 429 before the body is even parsed
+        if admit:
+            self.admission.check_full()
 
     def acquire(self, tenant: Tenant, prompt_tokens: int = 0, run: Any = None) -> None:
         """Admit one request for ``tenant`` or raise 429 (see admission.Admission.admit)."""
