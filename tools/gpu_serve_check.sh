@@ -20,10 +20,11 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" build
 SHA=b179c9523d0e6a0f
 if [ "${1:-}" = hostile ]; then
   t_start=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=/tmp/mcache
-  [ -f /dev/shm/q4b/config.json ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out /dev/shm/q4b > "$OUT/hostile_ckpt.log" 2>&1
-  python3 -m engine.cli serve /dev/shm/q4b --backend cuda --port 8124 > "$OUT/hostile_serve.log" 2>&1 &
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/tmp/mcache}
+  ckpt=${CKPT:-/dev/shm/q4b}  # CKPT= and BACKEND=reference let the stage be dry-run on a CPU machine
+  [ -f $ckpt/config.json ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out $ckpt > "$OUT/hostile_ckpt.log" 2>&1
+  python3 -m engine.cli serve $ckpt --backend ${BACKEND:-cuda} --port 8124 > "$OUT/hostile_serve.log" 2>&1 &
   serve_pid=$!
   for i in $(seq 1 120); do curl -sf localhost:8124/ready >/dev/null && break; sleep 1; done
   left=$(( ${HOSTILE_BUDGET:-585} - ($(date +%s) - t_start) - 15 ))  # leave time for the SIGTERM drain
