@@ -356,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): a request that omits temperature/top_p/top_k/min_p/repetition_penalty gets "
+        "the model's own value (generation_config.json, GGUF general.sampling.*); none: memra's neutral "
+        "defaults (temperature 1, no top-p/top-k) instead",
+    )
     _add_backend_flags(p)
     p.set_defaults(func=cmd_serve)
 

@@ -439,9 +439,9 @@ class Engine:
         else:
             with self._lock:
                 self._n["steps"] += 1
-                for s, token in zip(batch, sampled, strict=True):
+                for s, token, item in zip(batch, sampled, items, strict=True):
                     try:
-                        self._advance(s, token)
+                        self._advance(s, token, item.logprobs_out)
                     except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
                         log.exception("post-processing failed for request %s", s.seq.request.request_id)
                         err = MemraError(
@@ -453,6 +453,7 @@ class Engine:
 
     def _item(self, s: Scheduled) -> StepItem:
         seq = s.seq
+        constraint = seq.request.constraint
         return StepItem(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[s.start : s.start + s.count],
@@ -463,9 +464,10 @@ class Engine:
             history=seq.token_ids,  # live list, valid for the duration of the step
             prompt_len=seq.prompt_len,
             num_generated=seq.num_generated,
+            allowed=constraint.allowed() if constraint is not None and s.sample else None,
         )
 
-    def _advance(self, s: Scheduled, token: int | None) -> None:
+    def _advance(self, s: Scheduled, token: int | None, logprobs: Any = None) -> None:
         """Apply one item's result: KV written up to the chunk's end, plus the sampled token if any."""
         seq = s.seq
         seq.num_computed = s.start + s.count
@@ -480,6 +482,9 @@ class Engine:
             st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
         seq.token_ids.append(token)
         self._n["generated"] += 1
+        if seq.request.constraint is not None:
+            seq.request.constraint.advance(token)
+        lps = [logprobs] if logprobs is not None else None
         text, reason = st.stop.push(token)
         if reason is None and (
             seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
@@ -488,9 +493,11 @@ class Engine:
             text += tail
             reason = "stop" if matched else "length"
         if reason is not None:
-            self._finish(seq, reason, token_ids=[token], text=text)
+            self._finish(seq, reason, token_ids=[token], text=text, logprobs=lps)
         else:
-            st.handle._events.put(TokenEvent(seq.request.request_id, [token], text, ttft_s=self._ttft(st)))
+            st.handle._events.put(
+                TokenEvent(seq.request.request_id, [token], text, ttft_s=self._ttft(st), logprobs=lps)
+            )
 
     def _ttft(self, st: _ReqState) -> float | None:
         if st.first_event_sent:
@@ -506,6 +513,7 @@ class Engine:
         token_ids: list[int] | None = None,
         text: str = "",
         error: MemraError | None = None,
+        logprobs: list | None = None,
     ) -> None:
         """Remove the sequence, free its blocks, release its limits, then push its final event."""
         rid = seq.request.request_id
@@ -537,5 +545,6 @@ class Engine:
                 usage=usage,
                 error=error,
                 ttft_s=self._ttft(st) if seq.num_generated else None,
+                logprobs=logprobs,
             )
         )

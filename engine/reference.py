@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from engine import ops_ref
-from engine.sampling import sample, validate_sampling
+from engine.sampling import sample, sample_item, validate_sampling
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
@@ -244,7 +244,7 @@ class ReferenceRunner:
                 out.append(None)
                 continue
             # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
-            out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
+            out.append(sample_item(logits[-1], item))
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:

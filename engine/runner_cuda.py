@@ -36,7 +36,7 @@ from engine.plan import (
 )
 from engine.profile import DeviceProfile, arch_number, select
 from engine.render import render, waits_first
-from engine.sampling import penalty_entries, sample
+from engine.sampling import penalty_entries, sample_item
 from engine.types import ConfigError, MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
@@ -547,6 +547,8 @@ class CudaRunner:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
         host: more penalty entries than the device buffer holds, so those rows are re-sampled on
         the host from their logits after a plain sample pass."""
+        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
+            return "host"
         if not any(it.sampling.uses_penalties for it in items):
             return "greedy" if all(it.sampling.greedy for it in items) else "sample"
         vocab = self.plan.values["logits"].width
@@ -639,13 +641,12 @@ class CudaRunner:
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
         """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
         step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
+        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
         if not rows:
             return ids
         logits = self.read_logits(max(rows) + 1)
         for r in rows:
-            it = items[r]
-            ids[r] = sample(logits[r], it.sampling, it.history, it.prompt_len, it.num_generated)
+            ids[r] = sample_item(logits[r], items[r])
         return ids
 
     def read_logits(self, rows: int) -> np.ndarray:
@@ -836,6 +837,11 @@ class CudaRunner:
 
 
 TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
+
+def _on_host(it: StepItem) -> bool:
+    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
+    return it.sample and (it.allowed is not None or it.sampling.needs_host)
+
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 

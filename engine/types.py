@@ -52,6 +52,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log probabilities; k >= 0: the sampled token's log probability and the k most likely
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +64,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_host(self) -> bool:
+        """Features only the host sampler (engine.sampling.sample_item) implements: logit bias and
+        log probabilities. A device sampler re-samples such rows on the host from their logits."""
+        return bool(self.logit_bias) or self.logprobs is not None
 
 
 @dataclass
@@ -74,6 +84,10 @@ class StepItem:
     ``history`` is every token id of the sequence so far (prompt + generated), used for penalties;
     ``num_generated`` counts generated tokens so far (the sampler's random-stream counter);
     ``prompt_len`` splits history into prompt and generated parts.
+    ``allowed`` (constrained decoding) is a packed int32 bitmask of ceil(vocab / 32) words, bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` may be sampled; None allows every token.
+    A runner that samples an item with ``sampling.logprobs`` set stores the result in
+    ``logprobs_out``: ``(sampled token's logprob, [(token id, logprob), ...] best first)``.
     """
 
     seq_id: int
@@ -85,6 +99,19 @@ class StepItem:
     history: Sequence[int] = ()
     prompt_len: int = 0
     num_generated: int = 0
+    allowed: object | None = None
+    logprobs_out: tuple[float, list[tuple[int, float]]] | None = None
+
+
+class TokenConstraint(Protocol):
+    """Per-request constrained decoding (engine.grammar builds one). The engine thread calls
+    ``allowed()`` before each sampled step (a packed bitmask as in StepItem.allowed, or None for
+    no constraint at this step) and ``advance(token)`` with every generated token; ``advance``
+    raises MemraError when the token breaks the constraint."""
+
+    def allowed(self) -> object | None: ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @runtime_checkable
@@ -118,6 +145,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     tenant: str = "default"
     cache_salt: str = ""  # extra isolation inside a tenant (vLLM's cache_salt)
+    constraint: TokenConstraint | None = None  # constrained decoding (structured output, forced tools)
 
 
 @dataclass
@@ -144,3 +172,5 @@ class TokenEvent:
     usage: Usage | None = None
     error: MemraError | None = None
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
+    # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

@@ -118,25 +118,33 @@ def test_completions_and_prompt_forms():
 
 @pytest.mark.parametrize(
     "field,value",
-    [
-        ("logprobs", True),
-        ("top_logprobs", 3),
-        ("n", 2),
-        ("best_of", 2),
-        ("logit_bias", {"1": 5}),
-        ("response_format", {"type": "json_object"}),
-        ("suffix", "x"),
-        ("echo", True),
-    ],
+    [("best_of", 2), ("suffix", "x"), ("echo", True)],
 )
 def test_unsupported_fields_named(field, value):
     c, _ = make()
     body = {"prompt": "a", field: value}
     r = c.simulate_post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json["error"]["param"] == field, r.text
-    if field not in ("suffix", "echo", "best_of"):
-        r = chat(c, **{field: value})
-        assert r.status_code == 400 and r.json["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema.schema"),
+    ],
+)
+def test_sampling_api_fields_validated(body, param):
+    c, _ = make()
+    r = chat(c, **body)
+    assert r.status_code == 400 and r.json["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,10 @@ import queue
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
+from engine.gen_defaults import with_defaults
 from engine.types import GenerationRequest, MemraError, TokenEvent, Usage
 
 from .auth import Tenant
@@ -88,13 +90,20 @@ class Run:
         param: str,
         disconnected: Callable[[], bool] | None,
         id_prefix: str,
+        index: int = 0,
+        response_id: str | None = None,
     ):
         self.state = state
+        self.index = index  # choice index (n > 1)
+        self.constraint = None  # a TokenConstraint (engine.grammar) set before submit, or None
+        self.logprobs: list = []  # (logprob, top) per generated token when the request asked for them
+        self._pending: list[TokenEvent] = []  # events read ahead by wait_first()
         self.tenant = tenant
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.disconnected = disconnected or (lambda: False)
-        self.id = f"{id_prefix}{uuid.uuid4().hex}"
+        self.id = response_id or f"{id_prefix}{uuid.uuid4().hex}"
+        self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.handle: Any = None
         self.finished = False
@@ -125,15 +134,21 @@ class Run:
         salt = self.tenant.cache_salt
         if self.spec.cache_salt:
             salt = f"{salt}\x1f{self.spec.cache_salt}"
+        sampling = with_defaults(
+            self.spec.sampling, self.spec.sampling_given, dict(st.model_info.generation_defaults)
+        )
+        if self.index and sampling.seed is not None:  # n > 1 with a seed: a distinct stream per choice
+            sampling = replace(sampling, seed=(sampling.seed + self.index) & ((1 << 64) - 1))
         req = GenerationRequest(
-            request_id=self.id,
+            request_id=self.request_id,
             prompt_ids=self.prompt_ids,
-            sampling=self.spec.sampling,
+            sampling=sampling,
             max_tokens=self.max_tokens,
             stop=list(self.spec.stop),
             ignore_eos=self.spec.ignore_eos,
             tenant=self.tenant.name,
             cache_salt=salt,
+            constraint=self.constraint,
         )
         try:
             self.handle = st.engine.submit(req)
@@ -148,15 +163,31 @@ class Run:
         st.metrics.add_in_flight(1)
         self._t0 = time.monotonic()
 
+    def wait_first(self) -> None:
+        """Block until the first event (the prompt's KV is then in the prefix cache for the choices
+        that follow); it is replayed by ``events()``. Returns early if the client leaves."""
+        while not self._pending and not self._closed:
+            try:
+                self._pending.append(self.handle.get(timeout=POLL_S))
+            except queue.Empty:
+                if self.disconnected():
+                    self.client_gone = True
+                    self.close()
+
     def events(self) -> Iterator[TokenEvent | None]:
         """TokenEvents until the final one; ``None`` when a keep-alive is due. Stops early if the client left."""
         keepalive = self.state.config.keepalive_s
         last_out = last_probe = time.monotonic()
         while True:
-            try:
-                ev = self.handle.get(timeout=POLL_S)
-            except queue.Empty:
-                ev = None
+            if self._pending:
+                ev = self._pending.pop(0)
+            elif self._closed:
+                return
+            else:
+                try:
+                    ev = self.handle.get(timeout=POLL_S)
+                except queue.Empty:
+                    ev = None
             now = time.monotonic()
             if now - last_probe >= POLL_S:  # probe even while tokens flow (non-streaming requests)
                 last_probe = now
@@ -177,6 +208,8 @@ class Run:
                     self.state.metrics.observe_itl((now - self._last) / k, k)
                 self._last = now
                 self.generated_ids.extend(ev.token_ids)
+                if ev.logprobs:
+                    self.logprobs.extend(ev.logprobs)
             if ev.finish_reason is not None:
                 self.finished = True
                 if ev.usage is not None:
@@ -209,6 +242,30 @@ class Run:
         )
         self.state.metrics.add_in_flight(-1)
         self.state.release(self.tenant)
+
+
+class RunGroup:
+    """The ``n`` choices of one request (n >= 1): ``runs[i]`` is choice i. Choice 0 is submitted
+    first and the rest once its prompt is prefilled, so they reuse its KV blocks through the prefix
+    cache. ``close()`` closes every run."""
+
+    def __init__(self, runs: list[Run]):
+        self.runs = runs
+        self.id = runs[0].id
+        self.created = runs[0].created
+
+    @property
+    def usage(self) -> Usage:
+        first = self.runs[0].usage
+        return Usage(
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(r.usage.completion_tokens for r in self.runs),
+            cached_tokens=first.cached_tokens,
+        )
+
+    def close(self) -> None:
+        for r in self.runs:
+            r.close()
 
 
 def error_of(ev: TokenEvent) -> ApiError:

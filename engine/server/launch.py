@@ -42,9 +42,13 @@ def build_engine(
     backend: str,
     device_profile: str | None,
     quant: str | None = None,
+    model_defaults: bool = True,
 ):
-    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests."""
+    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
+    ``model_defaults``: requests that omit a sampling parameter get the model's own value
+    (generation_config.json / GGUF general.sampling.*)."""
     from engine.cli import load_stack
+    from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
 
     model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
@@ -70,7 +74,13 @@ def build_engine(
         backend=runner.backend,
         created=int(time.time()),
         aliases=tuple(a for a in aliases if a != model_id),
+        generation_defaults=tuple(sorted(model_generation_defaults(model.weights.metadata).items()))
+        if model_defaults
+        else (),
     )
+    if info.generation_defaults:
+        shown = ", ".join(f"{k}={v:g}" for k, v in info.generation_defaults)
+        print(f"memra: the model's generation defaults apply where a request omits them: {shown}", file=sys.stderr)
     return engine, tokenizer, info
 
 
@@ -85,8 +95,12 @@ def serve_from_cli(args: argparse.Namespace) -> int:
 
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
+    use_defaults = getattr(args, "generation_config", "auto") != "none"
     return run_server(
-        cfg, lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant)
+        cfg,
+        lambda: build_engine(
+            model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, model_defaults=use_defaults
+        ),
     )
 
 

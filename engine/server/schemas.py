@@ -1,14 +1,15 @@
 """Validate OpenAI and Anthropic request bodies into plain request specs (typed, bounded, param-named 400s).
 
 Unknown top-level fields are accepted and ignored; a known field with a wrong type or value, or an
-unsupported feature (logprobs, n>1, logit_bias ...), is a 400 naming the field. Must not import the
+unsupported feature (best_of, echo, suffix ...), is a 400 naming the field. ``GenSpec.sampling_given``
+names the sampling fields the body set, so the model's generation defaults fill only the others. Must not import the
 engine loop or falcon.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.types import SamplingParams
@@ -18,6 +19,9 @@ from .errors import ApiError, bad_request
 MAX_STOP = 16
 MAX_STOP_LEN = 512
 MAX_TOOLS = 128
+MAX_N = 16
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 _MISSING = object()
 
 
@@ -33,6 +37,9 @@ class GenSpec:
     include_usage: bool = False
     ignore_eos: bool = False
     cache_salt: str = ""
+    n: int = 1  # choices; each is its own engine request sharing the prompt's KV through the prefix cache
+    sampling_given: frozenset[str] = frozenset()  # SamplingParams fields the body set explicitly
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}
 
 
 @dataclass
@@ -42,6 +49,7 @@ class ChatSpec(GenSpec):
     tool_choice: str = "auto"  # auto | none | required | named
     tool_name: str | None = None  # for tool_choice == "named"
     template_kwargs: dict = field(default_factory=dict)
+    prompt_text: str = ""  # the rendered prompt (set by the resource; reasoning detection reads it)
 
 
 @dataclass
@@ -143,24 +151,76 @@ def get_stop(body: dict, name: str) -> list[str]:
 
 
 def _reject_unsupported_openai(body: dict) -> None:
-    if body.get("logprobs") not in (None, False, 0):
-        raise _unsupported("logprobs", "(log probabilities)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "(log probabilities)")
-    if body.get("n") not in (None, 1):
-        raise _unsupported("n", "other than 1")
     if body.get("best_of") not in (None, 1):
         raise _unsupported("best_of", "other than 1")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "(non-empty)")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "(insertion)")
     if body.get("echo") not in (None, False):
         raise _unsupported("echo", "(prompt echo)")
+
+
+def get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI ``logit_bias``: {"token id": bias in [-100, 100]} -> sorted (id, bias) pairs."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise _type_err("logit_bias", "an object mapping token ids to numbers", raw)
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ApiError(
+            400, f"`logit_bias` has {len(raw)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+            code="invalid_value", param="logit_bias",
+        )
+    out = {}
+    for k, v in raw.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            tok = -1
+        if tok < 0 or str(tok) != str(k).strip():
+            raise ApiError(
+                400, f"`logit_bias` keys must be token ids (non-negative integers), got {json.dumps(k)[:40]}",
+                code="invalid_value", param="logit_bias",
+            )
+        out[tok] = get_number({str(tok): v}, str(tok), 0.0, lo=-100.0, hi=100.0, prefix="logit_bias.")
+    return tuple(sorted(out.items()))
+
+
+def get_response_format(body: dict) -> dict | None:
+    """``response_format``: None for text, else the validated json_object / json_schema object."""
     rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") != "text":
-            raise _unsupported("response_format", 'other than {"type": "text"}')
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise _type_err("response_format", "an object", rf)
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise _type_err("response_format.json_schema", "an object", js)
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _type_err("response_format.json_schema.schema", "an object", schema)
+        get_str(js, "name", None, max_len=256, prefix="response_format.json_schema.")
+        return {"type": "json_schema", "schema": schema, "strict": bool(js.get("strict", False))}
+    raise ApiError(
+        400, "`response_format.type` must be text, json_object or json_schema",
+        code="invalid_value", param="response_format.type",
+    )
+
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
+
+
+def given_fields(body: dict, names=_SAMPLING_FIELDS) -> frozenset[str]:
+    """The sampling fields ``body`` sets to a non-null value (the rest take the model's defaults)."""
+    return frozenset(n for n in names if body.get(n) is not None)
 
 
 def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
@@ -176,13 +236,28 @@ def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
         frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=get_number(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
         seed=get_number(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1, integer=True),
+        logit_bias=get_logit_bias(body),
     )
 
 
-def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None) -> None:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: ``logprobs`` (bool) + ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
+    if not chat:
+        return get_number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    on = get_bool(body, "logprobs", False)
+    top = get_number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not on:
+        raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, chat: bool = True) -> None:
     _reject_unsupported_openai(body)
     spec.model = get_str(body, "model", None, max_len=256)
-    spec.sampling = _sampling(body)
+    spec.sampling = replace(_sampling(body), logprobs=_logprobs(body, chat))
+    spec.sampling_given = given_fields(body)
+    spec.n = get_number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+    spec.response_format = get_response_format(body)
     mt = get_number(body, "max_completion_tokens", None, lo=1, hi=1 << 31, integer=True)
     if mt is None:
         mt = get_number(body, "max_tokens", max_tokens_default, lo=1, hi=1 << 31, integer=True)
@@ -362,7 +437,7 @@ def parse_chat(body: dict) -> ChatSpec:
 
 def parse_completion(body: dict) -> CompletionSpec:
     spec = CompletionSpec()
-    _common_openai(body, spec, 16)
+    _common_openai(body, spec, 16, chat=False)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad_request("`prompt` is required", "prompt")
@@ -534,6 +609,7 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
         top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
     )
+    spec.sampling_given = given_fields(body, ("temperature", "top_p", "top_k"))
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
     md = body.get("metadata")
