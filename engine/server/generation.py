@@ -77,6 +77,52 @@ def allowed_tools(spec: ChatSpec) -> set[str] | None:
     return {t["function"]["name"] for t in spec.tools}
 
 
+def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | None:
+    """What constrains ``spec``'s output, as a maker of one engine.grammar constraint per choice:
+    ``response_format`` json_object / json_schema, else (chat) tool_choice required / named forcing
+    well-formed ``<tool_call>`` blocks valid against the tools' schemas; None when unconstrained.
+    The grammar is compiled here, in the HTTP thread; a bad schema is a 400."""
+    grammar_of = None
+    rf = spec.response_format
+    forced = isinstance(spec, ChatSpec) and spec.tools and spec.tool_choice in ("required", "named")
+    if rf is None and not forced:
+        return None
+    from engine import grammar
+
+    if not grammar.available() or getattr(state.tokenizer, "hf", None) is None:
+        if rf is None:  # forced tool calls degrade to the system-prompt instruction alone
+            return None
+        why = "the llguidance package is not installed" if not grammar.available() else "no grammar support for this tokenizer"
+        raise bad_request(f"response_format is unavailable: {why}", "response_format")
+    if rf is not None:
+        grammar_of = lambda: grammar.json_grammar(rf.get("schema"))  # noqa: E731
+        param = "response_format"
+    else:
+        grammar_of = lambda: grammar.tool_call_grammar(  # noqa: E731
+            spec.tools, spec.tool_name if spec.tool_choice == "named" else None, spec.parallel_tool_calls
+        )
+        param = "tools"
+    reasoning = None
+    if isinstance(spec, ChatSpec):
+        from .reasoning import reasoning_parser_for
+
+        splitter = reasoning_parser_for(state.tokenizer, spec.prompt_text)
+        if splitter is not None:
+            reasoning = "inside" if splitter.state == "think" else "maybe"
+    try:
+        text = grammar_of()
+        first = [grammar.build_constraint(state.tokenizer, text, reasoning)]
+    except MemraError as exc:
+        raise bad_request(exc.message, param) from None
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"invalid schema: {exc}", param) from None
+
+    def make() -> Any:
+        return first.pop() if first else grammar.build_constraint(state.tokenizer, text, reasoning)
+
+    return make
+
+
 class Run:
     """A submitted request. Iterate ``events()``; always call ``close()`` (idempotent)."""
 

@@ -79,9 +79,17 @@ def usage_openai(u) -> dict:
 
 
 def start_run(
-    state: AppState, req: falcon.Request, spec, ids: list[int], *, param: str, id_prefix: str
+    state: AppState,
+    req: falcon.Request,
+    spec,
+    ids: list[int],
+    *,
+    param: str,
+    id_prefix: str,
+    constraint: Callable | None = None,
 ) -> Run:
-    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it."""
+    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it.
+    ``constraint()`` makes the run's TokenConstraint (engine.grammar)."""
     run = Run(
         state,
         req.context.tenant,
@@ -91,6 +99,8 @@ def start_run(
         disconnected=disconnect_probe(req),
         id_prefix=id_prefix,
     )
+    if constraint is not None:
+        run.constraint = constraint()
     run.submit()
     return run
 

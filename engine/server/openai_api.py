@@ -11,18 +11,22 @@ import falcon
 
 from . import sse
 from .errors import ApiError
-from .generation import Run, RunGroup, allowed_tools, chat_prompt, check_model, encode, error_of
+from .generation import (
+    Run,
+    RunGroup,
+    allowed_tools,
+    chat_prompt,
+    check_model,
+    constraint_factory,
+    encode,
+    error_of,
+)
 from .http_common import read_json, respond, send_json, start_group, usage_openai
 from .logprobs import chat_content, completion_logprobs
 from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
-
-
-def constraint_factory(state: AppState, spec) -> None:
-    """Constrained decoding for ``spec`` (set below once engine.grammar exists): None = unconstrained."""
-    return None
 
 
 def _finish(reason: str, has_calls: bool) -> str:

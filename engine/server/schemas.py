@@ -48,6 +48,7 @@ class ChatSpec(GenSpec):
     tools: list[dict] | None = None  # OpenAI function tools
     tool_choice: str = "auto"  # auto | none | required | named
     tool_name: str | None = None  # for tool_choice == "named"
+    parallel_tool_calls: bool = True  # forced tool calls: several blocks allowed
     template_kwargs: dict = field(default_factory=dict)
     prompt_text: str = ""  # the rendered prompt (set by the resource; reasoning detection reads it)
 
@@ -424,7 +425,7 @@ def parse_chat(body: dict) -> ChatSpec:
     _common_openai(body, spec, None)
     spec.messages = parse_openai_messages(body.get("messages"))
     spec.tools, spec.tool_choice, spec.tool_name = parse_openai_tools(body)
-    get_bool(body, "parallel_tool_calls", True)  # accepted; several calls are parsed either way
+    spec.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
@@ -610,6 +611,13 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
         top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
     )
     spec.sampling_given = given_fields(body, ("temperature", "top_p", "top_k"))
+    th = body.get("thinking")
+    if th is not None:  # extended thinking -> the template's enable_thinking switch
+        if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
+            raise ApiError(
+                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
+            )
+        spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
     md = body.get("metadata")
