@@ -599,6 +599,9 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     spec.model = get_str(body, "model", None, max_len=256)
     spec.messages = parse_anthropic_messages(body)
     spec.tools, spec.tool_choice, spec.tool_name = parse_anthropic_tools(body)
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict):
+        spec.parallel_tool_calls = not get_bool(tc, "disable_parallel_tool_use", False, prefix="tool_choice.")
     if count_only:
         return spec
     mt = get_number(body, "max_tokens", None, lo=1, hi=1 << 31, integer=True)
