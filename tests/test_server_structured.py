@@ -12,11 +12,11 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.slow  # about 1 s per generated token batch on the reference backend
-
 from engine.server.app import create_app
 from engine.server.serve import BackgroundServer
 from engine.server_config import ApiKey, ServerConfig, hash_key
+
+pytestmark = pytest.mark.slow  # the reference backend generates a few tokens per second
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
