@@ -153,6 +153,7 @@ class Run:
         self.created = int(time.time())
         self.handle: Any = None
         self.finished = False
+        self.finish_reason: str | None = None
         self.client_gone = False
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.generated_ids: list[int] = []
@@ -258,6 +259,7 @@ class Run:
                     self.logprobs.extend(ev.logprobs)
             if ev.finish_reason is not None:
                 self.finished = True
+                self.finish_reason = ev.finish_reason
                 if ev.usage is not None:
                     self.usage = ev.usage
                 else:
@@ -285,6 +287,7 @@ class Run:
             u.cached_tokens,
             time.monotonic() - self._t0,
             self.client_gone,
+            self.finish_reason,
         )
         self.state.metrics.add_in_flight(-1)
         self.state.release(self.tenant)
