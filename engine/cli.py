@@ -104,17 +104,20 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     t0 = time.perf_counter()
     handle = engine.submit(req)
     pieces: list[str] = []
-    first = None
+    first = None  # when the engine produced the first token (event.created_s, not when read here)
+    end = None  # ... and the last one
     last = None
     for event in handle:
         if event.text:
             out.write(event.text)
             out.flush()
             pieces.append(event.text)
-        if first is None and event.token_ids:
-            first = time.perf_counter()
+        if event.token_ids:
+            if first is None:
+                first = event.created_s
+            end = event.created_s
         last = event
-    end = time.perf_counter()
+    end = end if end is not None else time.perf_counter()
     if last is not None and last.finish_reason == "error" and last.error is not None:
         raise last.error
     usage = last.usage if last is not None else None
@@ -145,7 +148,15 @@ def _make_engine(runner: Any, tokenizer: Any):
 # subcommands
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad generation flags before anything loads (one line naming the flag)."""
+    _sampling_from_args(args)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -167,6 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []

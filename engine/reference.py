@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from engine import ops_ref
+from engine.progress import bar
 from engine.sampling import sample, sample_item, validate_sampling
 from engine.types import MemraError, SamplingParams, StepItem
 
@@ -88,7 +89,7 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
-        for op, per_layer in self.ops:
+        for op, per_layer in bar(self.ops, "memra: loading weights", unit="op"):
             layers = range(self.layers) if per_layer else [None]
             for layer in layers:
                 for w in op.weights:

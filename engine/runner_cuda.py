@@ -35,6 +35,7 @@ from engine.plan import (
     launch_key,
 )
 from engine.profile import DeviceProfile, arch_number, select
+from engine.progress import bar
 from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample_item
 from engine.types import ConfigError, MemraError, StepItem
@@ -190,7 +191,7 @@ class CudaRunner:
     def _upload_weights(self) -> None:
         m = self.model
         self._weights: dict[str, cuda.DeviceBuffer] = {}
-        for w in self.plan.weights:
+        for w in bar(self.plan.weights, "memra: loading weights", unit="tensor"):
             if w.key == ROPE_FREQ:
                 self._weights[w.key] = self._upload_array(self._rope_freq_factors())
                 continue

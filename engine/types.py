@@ -7,6 +7,7 @@ other engine module, so every layer can depend on it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -174,3 +175,5 @@ class TokenEvent:
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
     # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob), ...])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # time.perf_counter() when the engine produced the event (readers may drain the queue late)
+    created_s: float = field(default_factory=time.perf_counter)

@@ -105,14 +105,30 @@ def serve_from_cli(args: argparse.Namespace) -> int:
 
 
 def _keys_path(args: argparse.Namespace) -> Path:
+    """The keys file that ``memra keys`` edits. ``--config`` names the server config; when that
+    file does not exist yet it is created as ``[server] keys_file = "<name>.keys.toml"`` so that
+    ``memra serve --config`` reads the keys written next to it. A file that already holds
+    ``[[key]]`` tables is a keys file itself (older setups)."""
     cfg_path = Path(args.config)
     if cfg_path.exists():
+        from engine.server_config import tomllib
+
+        try:
+            if "key" in tomllib.loads(cfg_path.read_text(encoding="utf-8")):
+                return cfg_path
+        except (OSError, tomllib.TOMLDecodeError):
+            pass  # load_server_config reports it with the file name
         cfg = load_server_config(cfg_path)
         if cfg.keys_file:
             return Path(cfg.keys_file)
         raise ConfigError(f"{cfg_path}: set server.keys_file (the TOML file holding API keys) to manage keys")
-    # no config yet: the named file itself is the keys file
-    return cfg_path
+    if args.action != "add":
+        return cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    keys = cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(f'[server]\nkeys_file = "{keys.name}"\n', encoding="utf-8")
+    print(f"created {cfg_path} (server config; its API keys live in {keys})")
+    return keys
 
 
 def keys_from_cli(args: argparse.Namespace) -> int:
