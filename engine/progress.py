@@ -1,12 +1,11 @@
 """Progress bars (tqdm) on stderr for the long start-up phases: weight loading, kernel compilation.
 
 ``bar(iterable, desc)`` wraps an iterable; it draws only when stderr is a terminal (logs and tests
-stay clean) unless ``MEMRA_PROGRESS=1`` forces it. Must not import CUDA or other engine modules.
+stay clean). Must not import CUDA or other engine modules.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -15,10 +14,6 @@ T = TypeVar("T")
 
 
 def _enabled(stream: Any) -> bool:
-    if os.environ.get("MEMRA_PROGRESS") == "1":
-        return True
-    if os.environ.get("MEMRA_PROGRESS") == "0":
-        return False
     return bool(getattr(stream, "isatty", lambda: False)())
 
 

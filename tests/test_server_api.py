@@ -636,3 +636,18 @@ def test_engine_metric_families_are_extensible():
         assert fams["vllm:spec_decode_num_accepted_tokens"].samples[0].labels == {"model_name": "smol"}
     finally:
         del metrics.ENGINE_FAMILIES[n:]
+
+
+def test_chat_page_is_served_without_a_key_and_fetches_nothing_external():
+    c, _ = make()
+    r = c.simulate_get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert '<script src="/ui/chat.js">' in r.text and 'href="/ui/chat.css"' in r.text
+    js = c.simulate_get("/ui/chat.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert c.simulate_get("/ui/chat.css").status_code == 200
+    assert c.simulate_get("/ui/../app.py").status_code == 404
+    assert c.simulate_get("/ui/nope.js").status_code == 404
+    for body in (r.text, js.text):
+        assert 'src="http' not in body and 'href="http' not in body and "import " not in body
+    assert "default-src 'self'" in r.headers["content-security-policy"]

@@ -84,8 +84,8 @@
     const div = addMessage("assistant", "");
     const contentEl = div.querySelector(".content"), statsEl = div.querySelector(".stats");
     const rBox = div.querySelector(".reasoning"), rText = div.querySelector(".rtext");
-    const body = { model: $("model").value || "default", messages: history.slice(), stream: true,
-                   stream_options: { include_usage: true } };
+    const body = { messages: history.slice(), stream: true, stream_options: { include_usage: true } };
+    if ($("model").value) body.model = $("model").value;
     if ($("temperature").value !== "") body.temperature = Number($("temperature").value);
     if ($("maxtokens").value !== "") body.max_tokens = Number($("maxtokens").value);
     const headers = { "content-type": "application/json" };
