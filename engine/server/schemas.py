@@ -15,13 +15,11 @@ from typing import Any
 from engine.types import SamplingParams
 
 from .errors import ApiError, bad_request
+from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
 MAX_STOP = 16
 MAX_STOP_LEN = 512
 MAX_TOOLS = 128
-MAX_N = 16
-MAX_LOGIT_BIAS = 1024
-MAX_TOP_LOGPROBS = 20
 _MISSING = object()
 
 
@@ -160,70 +158,6 @@ def _reject_unsupported_openai(body: dict) -> None:
         raise _unsupported("echo", "(prompt echo)")
 
 
-def get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI ``logit_bias``: {"token id": bias in [-100, 100]} -> sorted (id, bias) pairs."""
-    raw = body.get("logit_bias")
-    if raw is None:
-        return ()
-    if not isinstance(raw, dict):
-        raise _type_err("logit_bias", "an object mapping token ids to numbers", raw)
-    if len(raw) > MAX_LOGIT_BIAS:
-        raise ApiError(
-            400, f"`logit_bias` has {len(raw)} entries; at most {MAX_LOGIT_BIAS} are allowed",
-            code="invalid_value", param="logit_bias",
-        )
-    out = {}
-    for k, v in raw.items():
-        try:
-            tok = int(k)
-        except ValueError:
-            tok = -1
-        if tok < 0 or str(tok) != str(k).strip():
-            raise ApiError(
-                400, f"`logit_bias` keys must be token ids (non-negative integers), got {json.dumps(k)[:40]}",
-                code="invalid_value", param="logit_bias",
-            )
-        out[tok] = get_number({str(tok): v}, str(tok), 0.0, lo=-100.0, hi=100.0, prefix="logit_bias.")
-    return tuple(sorted(out.items()))
-
-
-def get_response_format(body: dict) -> dict | None:
-    """``response_format``: None for text, else the validated json_object / json_schema object."""
-    rf = body.get("response_format")
-    if rf is None:
-        return None
-    if not isinstance(rf, dict):
-        raise _type_err("response_format", "an object", rf)
-    kind = rf.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict):
-            raise _type_err("response_format.json_schema", "an object", js)
-        schema = js.get("schema", {})
-        if not isinstance(schema, dict):
-            raise _type_err("response_format.json_schema.schema", "an object", schema)
-        get_str(js, "name", None, max_len=256, prefix="response_format.json_schema.")
-        return {"type": "json_schema", "schema": schema, "strict": bool(js.get("strict", False))}
-    raise ApiError(
-        400, "`response_format.type` must be text, json_object or json_schema",
-        code="invalid_value", param="response_format.type",
-    )
-
-
-_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-)
-
-
-def given_fields(body: dict, names=_SAMPLING_FIELDS) -> frozenset[str]:
-    """The sampling fields ``body`` sets to a non-null value (the rest take the model's defaults)."""
-    return frozenset(n for n in names if body.get(n) is not None)
-
-
 def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's "off"
@@ -241,21 +175,10 @@ def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
     )
 
 
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """Chat: ``logprobs`` (bool) + ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
-    if not chat:
-        return get_number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
-    on = get_bool(body, "logprobs", False)
-    top = get_number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
-    if top is not None and not on:
-        raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-    return (top or 0) if on else None
-
-
 def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, chat: bool = True) -> None:
     _reject_unsupported_openai(body)
     spec.model = get_str(body, "model", None, max_len=256)
-    spec.sampling = replace(_sampling(body), logprobs=_logprobs(body, chat))
+    spec.sampling = replace(_sampling(body), logprobs=get_logprobs(body, chat))
     spec.sampling_given = given_fields(body)
     spec.n = get_number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
     spec.response_format = get_response_format(body)
