@@ -123,7 +123,7 @@ def test_anthropic_forced_tool_use(srv):
     client = anthropic.Anthropic(base_url=srv[0], api_key=KEY, max_retries=0, timeout=120)
     tool = {"name": "get_weather", "description": "weather", "input_schema": WEATHER["function"]["parameters"]}
     m = client.messages.create(
-        model="default", max_tokens=60,
+        model="default", max_tokens=60, extra_body={"temperature": 0},
         messages=[{"role": "user", "content": "Hello!"}],
         tools=[tool], tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
     )
@@ -162,7 +162,7 @@ def test_n_choices_share_the_prompt_kv(srv):
         model="default", messages=long_msg, max_tokens=5, temperature=1.0, seed=11, n=3
     )
     assert [c.index for c in r.choices] == [0, 1, 2]
-    assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 5 or r.usage.completion_tokens <= 15
+    assert 3 <= r.usage.completion_tokens <= 15
     texts = {c.message.content for c in r.choices}
     assert len(texts) >= 2  # distinct seeds per choice
     # choices 1..n-1 were admitted after choice 0's prefill: their full prompt blocks were prefix-cache hits

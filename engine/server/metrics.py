@@ -12,6 +12,7 @@ Must not import falcon or the engine loop.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -158,6 +159,7 @@ class Metrics:
         self.model_name = ""
         self.prefix_caching = True
         self._stats: object | None = None
+        self._render_lock = threading.Lock()
         self._flags = (False, False)
         self.stats_fn = lambda: self._stats
         self.flags_fn = lambda: self._flags
@@ -211,5 +213,6 @@ class Metrics:
             self.v_success.labels(lm, reason).inc()
 
     def render(self, stats: object | None, *, alive: bool, draining: bool) -> str:
-        self._stats, self._flags = stats, (alive, draining)
-        return generate_latest(self.registry).decode()
+        with self._render_lock:  # the collector reads the stats this call was given
+            self._stats, self._flags = stats, (alive, draining)
+            return generate_latest(self.registry).decode()
