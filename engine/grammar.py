@@ -94,17 +94,25 @@ class GrammarConstraint:
         self.mask = allocate_token_bitmask(1, vocab)
         self.think = think
         self.phase = "on" if think is None else ("think" if inside else "maybe")
+        self.failed: str | None = None  # why the matcher cannot go on (advance raises it)
 
     def allowed(self) -> np.ndarray | None:
+        """The step's mask. Never raises and never returns an empty mask (an exception or an empty
+        mask in the runner would fail every request of the step): when the matcher cannot continue,
+        the step is left unmasked and ``advance`` fails this request alone."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        if self.phase == "think":
+        if self.phase == "think" or self.failed is not None:
             return None
         try:
             fill_next_token_bitmask(self.matcher, self.mask, 0)
-        except Exception:  # an API misuse: leave this step unmasked, advance() reports the error
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
             return None
         row = self.mask[0]
+        if self.matcher.is_error() or not row.any():
+            self.failed = self.matcher.get_error() or "no token can continue the grammar"
+            return None
         if self.phase == "maybe":
             row = row.copy()
             t = self.think[0]
@@ -112,6 +120,8 @@ class GrammarConstraint:
         return row
 
     def advance(self, token: int) -> None:
+        if self.failed is not None:
+            raise MemraError(f"the output constraint failed: {self.failed}", code="engine_error")
         if self.phase == "think":
             if token == self.think[1]:
                 self.phase = "on"

@@ -192,3 +192,16 @@ def test_tool_call_grammar_and_reasoning_phases(smol_tok):
     assert c.allowed() is None
     c = fresh(inside=False)
     _walk(c, smol_tok, '{"k": 2}')  # no block: the grammar starts at once
+
+
+def test_a_dead_matcher_fails_only_its_request(smol_tok):
+    """A grammar that cannot continue never hands the runner an empty mask (which would fail the
+    whole step): the step is left unmasked and advance() fails that request."""
+    pytest.importorskip("llguidance")
+    from engine import grammar
+
+    con = grammar.build_constraint(smol_tok, grammar.json_grammar(None))
+    assert not con.matcher.consume_token(smol_tok.encode("Hello")[0])  # the matcher is now in error
+    assert con.allowed() is None
+    with pytest.raises(MemraError, match="output constraint failed"):
+        con.advance(5)

@@ -525,6 +525,13 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     tc = body.get("tool_choice")
     if isinstance(tc, dict):
         spec.parallel_tool_calls = not get_bool(tc, "disable_parallel_tool_use", False, prefix="tool_choice.")
+    th = body.get("thinking")
+    if th is not None:  # extended thinking -> the template's enable_thinking switch
+        if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
+            raise ApiError(
+                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
+            )
+        spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     if count_only:
         return spec
     mt = get_number(body, "max_tokens", None, lo=1, hi=1 << 31, integer=True)
@@ -537,13 +544,7 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
         top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
     )
     spec.sampling_given = given_fields(body, ("temperature", "top_p", "top_k"))
-    th = body.get("thinking")
-    if th is not None:  # extended thinking -> the template's enable_thinking switch
-        if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
-            raise ApiError(
-                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
-            )
-        spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
+
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
     md = body.get("metadata")
