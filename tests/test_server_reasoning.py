@@ -158,3 +158,16 @@ def test_model_generation_defaults_fill_omitted_fields():
     c.simulate_post("/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "q"}], "top_p": 0.5})
     got = [(q.sampling.temperature, q.sampling.top_p) for q in eng.submitted]
     assert got == [(0.2, 0.9), (0.0, 0.9), (0.2, 0.5)]
+
+
+def test_streamed_choices_interleave():
+    eng = FakeEngine(script=lambda req: ["a", "b", "c", "d", "e"], delay_s=0.03)
+    app = create_app(eng, FakeTokenizer(), ModelInfo("smol", 4096, "fake", 1), ServerConfig(keepalive_s=0.3))
+    c = falcon.testing.TestClient(app)
+    r = c.simulate_post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}], "n": 2, "stream": True})
+    order = [ch["choices"][0]["index"] for ch in _sse(r.text) if ch["choices"] and ch["choices"][0]["delta"].get("content")]
+    assert sorted(order) == [0] * 5 + [1] * 5
+    assert order != sorted(order)  # choice 1's text arrives while choice 0 is still streaming
+    texts = {i: "".join(ch["choices"][0]["delta"].get("content") or "" for ch in _sse(r.text) if ch["choices"] and ch["choices"][0]["index"] == i) for i in (0, 1)}
+    assert texts == {0: "abcde", 1: "abcde"}
+    assert r.text.rstrip().endswith("data: [DONE]")

@@ -7,9 +7,10 @@ Must not import falcon; talks to the engine only through submit/RequestHandle.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -315,6 +316,80 @@ class RunGroup:
     def close(self) -> None:
         for r in self.runs:
             r.close()
+
+
+_END = object()  # interleave(): a choice's events ended
+
+
+def _pump(gen: Generator[bytes, None, bool], marker: bytes) -> Generator[bytes, None, bool | None]:
+    """Forward ``gen``'s chunks until it yields ``marker`` (it wants its next event: None) or ends
+    (its return value: True when the choice ended normally)."""
+    while True:
+        try:
+            out = next(gen)
+        except StopIteration as stop:
+            return bool(stop.value)
+        if out is marker:
+            return None
+        yield out
+
+
+def interleave(
+    group: RunGroup,
+    make: Callable[[Run, Iterator[TokenEvent | None]], Generator[bytes, None, bool]],
+    keepalive: bytes,
+) -> Generator[bytes, None, bool]:
+    """Stream a group's choices: ``make(run, events)`` is one choice's chunk generator (it yields
+    ``keepalive`` for a None event and returns True when its choice ended normally, False when the
+    stream must stop). One choice runs over ``run.events()`` directly; several are drained by one
+    thread each into a shared queue, so their chunks interleave as the engine produces them.
+    Returns False as soon as a choice fails or its client went away."""
+    runs = group.runs
+    if len(runs) == 1:
+        return (yield from make(runs[0], runs[0].events()))
+    q: queue.Queue = queue.Queue()
+    feeds: list[list[TokenEvent]] = [[] for _ in runs]
+
+    def feed(pending: list[TokenEvent]) -> Iterator[TokenEvent | None]:
+        while True:
+            yield pending.pop(0) if pending else None
+
+    def drain(i: int, run: Run) -> None:
+        try:
+            for ev in run.events():
+                if ev is not None:
+                    q.put((i, ev))
+        finally:
+            q.put((i, _END))
+
+    gens = [make(r, feed(feeds[i])) for i, r in enumerate(runs)]
+    live = set(range(len(runs)))
+    for i in range(len(runs)):  # each choice's opening chunks
+        done = yield from _pump(gens[i], keepalive)
+        if done is not None:
+            live.discard(i)
+            if not done:
+                return False
+    for i, r in enumerate(runs):
+        threading.Thread(target=drain, args=(i, r), name=f"memra-choice-{i}", daemon=True).start()
+    wait = group.runs[0].state.config.keepalive_s
+    while live:
+        try:
+            i, ev = q.get(timeout=wait)
+        except queue.Empty:
+            yield keepalive
+            continue
+        if ev is _END:
+            if i in live:  # its events stopped before a final event: the client went away
+                return False
+            continue
+        feeds[i].append(ev)
+        done = yield from _pump(gens[i], keepalive)
+        if done is not None:
+            live.discard(i)
+            if not done:
+                return False
+    return True
 
 
 def error_of(ev: TokenEvent) -> ApiError:

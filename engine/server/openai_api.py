@@ -20,6 +20,7 @@ from .generation import (
     constraint_factory,
     encode,
     error_of,
+    interleave,
 )
 from .http_common import read_json, respond, send_json, start_group, usage_openai
 from .logprobs import chat_content, completion_logprobs
@@ -125,11 +126,10 @@ class ChatCompletions:
 
     def _stream(self, group: RunGroup, spec: ChatSpec) -> Iterator[bytes]:
         yield sse.OK_COMMENT
-        for run in group.runs:  # choices run concurrently in the engine; their chunks are sent in turn
-            ok = yield from self._stream_choice(run, spec)
-            if not ok:
-                yield sse.DONE
-                return
+        ok = yield from interleave(group, lambda run, evs: self._stream_choice(run, spec, evs), sse.KEEPALIVE)
+        if not ok:
+            yield sse.DONE
+            return
         if spec.include_usage:
             c = self._base(group, "chat.completion.chunk")
             c["choices"] = []
@@ -137,8 +137,9 @@ class ChatCompletions:
             yield sse.data(c)
         yield sse.DONE
 
-    def _stream_choice(self, run: Run, spec: ChatSpec):
-        """Yield one choice's chunks; returns False when the stream must end (error, client gone)."""
+    def _stream_choice(self, run: Run, spec: ChatSpec, events):
+        """Yield one choice's chunks from ``events`` (None: yield a keep-alive); returns False when
+        the stream must end (error, client gone)."""
         iu = spec.include_usage
         tok = self.state.tokenizer
         want_lp = spec.sampling.logprobs is not None
@@ -200,7 +201,7 @@ class ChatCompletions:
             if final and parser:
                 yield from emit(parser.finish())
 
-        for ev in run.events():
+        for ev in events:
             if ev is None:
                 yield sse.KEEPALIVE
                 continue
@@ -292,38 +293,43 @@ class Completions:
         return sse.data(c)
 
     def _stream(self, group: RunGroup, spec: CompletionSpec) -> Iterator[bytes]:
-        iu = spec.include_usage
-        want_lp = spec.sampling.logprobs is not None
         yield sse.OK_COMMENT
-        for run in group.runs:
-            sent = 0
-            for ev in run.events():
-                if ev is None:
-                    yield sse.KEEPALIVE
-                    continue
-                lp = None
-                if want_lp:
-                    lp = completion_logprobs(self.state.tokenizer, ev.token_ids, ev.logprobs or [], sent)
-                if ev.finish_reason in ("error", "abort"):
-                    if ev.text:
-                        yield self._chunk(run, ev.text, None, iu, lp)
-                    yield sse.data(error_of(ev).openai_body())
-                    yield sse.DONE
-                    return
-                if ev.text or ev.finish_reason or (want_lp and ev.token_ids):
-                    yield self._chunk(
-                        run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu, lp
-                    )
-                sent += len(ev.text)
-            if not run.finished:  # the client went away
-                yield sse.DONE
-                return
-        if iu:
+        ok = yield from interleave(group, lambda run, evs: self._stream_choice(run, spec, evs), sse.KEEPALIVE)
+        if not ok:
+            yield sse.DONE
+            return
+        if spec.include_usage:
             c = self._base(group)
             c["choices"] = []
             c["usage"] = usage_openai(group.usage)
             yield sse.data(c)
         yield sse.DONE
+
+    def _stream_choice(self, run: Run, spec: CompletionSpec, events):
+        """One choice's chunks from ``events`` (None: a keep-alive); False when the stream must end."""
+        iu = spec.include_usage
+        want_lp = spec.sampling.logprobs is not None
+        sent = 0
+        for ev in events:
+            if ev is None:
+                yield sse.KEEPALIVE
+                continue
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(self.state.tokenizer, ev.token_ids, ev.logprobs or [], sent)
+            if ev.finish_reason in ("error", "abort"):
+                if ev.text:
+                    yield self._chunk(run, ev.text, None, iu, lp)
+                yield sse.data(error_of(ev).openai_body())
+                return False
+            if ev.text or ev.finish_reason or (want_lp and ev.token_ids):
+                yield self._chunk(
+                    run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu, lp
+                )
+            sent += len(ev.text)
+            if ev.finish_reason:
+                return True
+        return False  # the client went away
 
 
 def _model_obj(state: AppState, name: str) -> dict:
