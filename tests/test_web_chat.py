@@ -116,6 +116,7 @@ def test_chat_page_streams_and_stop_frees_the_request(page):
     driver.get(url + "/")
     assert driver.title == "memra chat"
     driver.find_element(By.ID, "apikey").send_keys(KEY)
+    driver.find_element(By.ID, "temperature").send_keys("0")  # greedy: the same answer every run
     # a short answer: streamed, rendered, with its token count and rate
     msg = _send(driver, "Hello there", 24)
     _wait(lambda: msg.get_attribute("data-done") == "1")
