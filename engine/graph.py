@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import paths
+from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
 
@@ -54,31 +55,7 @@ ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
 
 
-@dataclass(frozen=True)
-class OpDef:
-    """Arity rules for one op: how many inputs/outputs/weights and which attributes it takes."""
-
-    inputs: int | None  # None: any number >= 1
-    outputs: int | None  # None: same as the number of weights
-    weights: tuple[int, int]  # (min, max)
-    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor"
-    doc: str = ""
-
-
-# The op vocabulary. The reference executor and the CUDA plan each implement every op here.
-OPS: dict[str, OpDef] = {
-    "embed": OpDef(1, 1, (1, 1), doc="out[t] = table[ids[t]] (dequantised)"),
-    "rmsnorm": OpDef(1, 1, (1, 1), doc="out = x / sqrt(mean(x^2) + rms_eps) * w over the hidden axis"),
-    "head_rmsnorm": OpDef(1, 1, (1, 1), doc="rmsnorm over each head_dim slice (Qwen3 q/k norm)"),
-    "linear": OpDef(
-        1, None, (1, 8), {"residual": "value"}, doc="out_i = x @ W_i^T (+ residual); several weights fuse"
-    ),
-    "rope": OpDef(
-        2, 2, (0, 0), {"freq_factors": "tensor"}, doc="rotary embedding of q and k at each token's position"
-    ),
-    "attention": OpDef(3, 1, (0, 0), doc="causal GQA attention over the KV cache (k, v appended first)"),
-    "silu_mul": OpDef(2, 1, (0, 0), doc="out = silu(g) * u"),
-}
+# The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
 
 GRAPH_INPUTS = ("tokens",)
 GRAPH_OUTPUT = "logits"
