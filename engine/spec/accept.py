@@ -40,6 +40,14 @@ def draw(p: np.ndarray, u: float) -> int:
     return idx
 
 
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The distribution a rejected position draws from: ``max(p - q, 0)`` renormalised (``p`` when
+    that is all zero, which happens only when ``q == p``, where nothing is ever rejected)."""
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    return r / total if total > 0.0 else p
+
+
 def _row(logits: np.ndarray, item: StepItem, history: list[int]) -> np.ndarray:
     return apply_penalties(np.asarray(logits, dtype=np.float32), item.sampling, history, item.prompt_len)
 
@@ -88,8 +96,6 @@ def accept(logits: np.ndarray, item: StepItem) -> list[int]:
         if rng.random() * q[d] <= p[d] and q[d] > 0.0:
             out.append(d)
             continue
-        residual = np.maximum(p - q, 0.0)
-        total = residual.sum()
-        out.append(draw(residual / total if total > 0.0 else p, rng.random()))
+        out.append(draw(residual(p, q), rng.random()))
         break
     return out
