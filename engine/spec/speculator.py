@@ -47,6 +47,20 @@ class SpecCounters:
         return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else None
 
 
+def summary(stats: Any) -> dict[str, Any]:
+    """The speculation figures of an EngineStats (or anything with its ``spec_*`` fields), as
+    `memra run --stats` and `memra bench` print them."""
+    drafted = int(getattr(stats, "spec_draft_tokens", 0))
+    accepted = int(getattr(stats, "spec_accepted_tokens", 0))
+    rows = int(getattr(stats, "spec_verify_rows", 0))
+    return {
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "spec_mean_accepted_length": round((accepted + rows) / rows, 3) if rows else None,
+    }
+
+
 class Speculator:
     def __init__(self, proposer: Proposer, config: SpecConfig):
         self.proposer = proposer
