@@ -113,3 +113,22 @@ def test_smollm2_greedy_with_prompt_lookup_equals_plain(smollm2_path):
     spec, stats = gen(SpecConfig("ngram", k=4))
     assert spec == plain
     assert stats.spec_accepted_tokens > 0
+
+
+def test_metrics_expose_speculation_counters_with_vllm_names():
+    from types import SimpleNamespace
+
+    from engine.server.metrics import Metrics
+
+    stats = SimpleNamespace(spec_draft_tokens=40, spec_accepted_tokens=31, spec_verify_rows=12)
+    text = Metrics().render(stats, alive=True, draining=False)
+    for line in (
+        "memra_spec_draft_tokens_total 40",
+        "memra_spec_accepted_tokens_total 31",
+        "memra_spec_verify_rows_total 12",
+        "vllm:spec_decode_num_draft_tokens_total 40",
+        "vllm:spec_decode_num_accepted_tokens_total 31",
+        "vllm:spec_decode_num_drafts_total 12",
+        "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+    ):
+        assert line in text.splitlines()
