@@ -340,3 +340,52 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(model, tiny_l
         assert chi2 > 3 * chi2_critical(cells - 1)
     else:
         assert chi2 < chi2_critical(cells - 1)
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_random_load_with_speculation_aborts_and_preemption(model, tiny_llama_dir, other_draft, draft):
+    """40 requests with random prompts (shared prefixes), lengths, opt-outs, a few aborts and a small
+    cache, with a draft accepting everything or little and k up to 4: every greedy output that
+    finished equals its solo plain output, the block invariants hold after every step, and every
+    block is released."""
+    import random
+
+    from engine.reference import ReferenceRunner
+
+    rng = random.Random(7)
+    base = [rng.randrange(1, 128) for _ in range(12)]
+    prompts = [base[: rng.randrange(2, 12)] + [rng.randrange(1, 128) for _ in range(rng.randrange(1, 6))] for _ in range(40)]
+    lens = [rng.randrange(1, 30) for _ in prompts]
+    runner = ReferenceRunner(model, num_blocks=24, block_size=4, max_model_len=128)
+    path = tiny_llama_dir if draft == "self" else other_draft
+    spec = build_speculator(SpecConfig("draft", str(path), k=4, max_batch=6), model, runner)
+    e = Engine(
+        runner,
+        FakeTokenizer(eos_token_ids=frozenset()),
+        EngineConfig(max_running=8, prefill_chunk_tokens=8, max_step_tokens=24),
+        on_step=lambda e: e.check_invariants(),
+        speculator=spec,
+    )
+    handles = [
+        e.submit(GenerationRequest(f"q{i}", p, GREEDY, max_tokens=n, ignore_eos=True, speculative=i % 5 != 0))
+        for i, (p, n) in enumerate(zip(prompts, lens, strict=True))
+    ]
+    e.start()
+    for i in (3, 17, 31):
+        e.abort(f"q{i}")
+    try:
+        outs = {}
+        for i, h in enumerate(handles):
+            evs = list(h)
+            if evs[-1].finish_reason == "length":
+                outs[i] = [t for ev in evs for t in ev.token_ids]
+            else:
+                assert evs[-1].finish_reason == "abort"
+        stats = e.stats()
+    finally:
+        e.shutdown(5)
+    assert len(outs) >= 37 and stats.kv_blocks_used == 0 and stats.preemptions > 0
+    assert stats.spec_verify_rows > 0
+    assert (stats.spec_accepted_tokens == stats.spec_draft_tokens) == (draft == "self")
+    for i, toks in outs.items():
+        assert toks == runner.generate(prompts[i], lens[i]), i

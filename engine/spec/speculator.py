@@ -84,6 +84,8 @@ class Speculator:
     ) -> None:
         """Give the step's decode rows their drafts (in place). ``batch`` holds scheduler.Scheduled."""
         decode = [i for i, s in enumerate(batch) if s.sample and s.count == 1 and s.seq.remaining == 1]
+        if not decode or len(decode) > self.policy.max_batch:  # large batch: plain decode, no per-row work
+            return
         reqs: list[tuple[int, ProposeRequest]] = []
         for i in decode:
             seq = batch[i].seq
