@@ -1,9 +1,10 @@
 """The draft-model proposer: a smaller checkpoint with the target's tokenizer, run through the
 Runner protocol beside the target, with its own paged KV and its own block manager.
 
-For each row it first runs the tokens the draft has not seen yet (the prompt on the first call,
-then the tokens the target emitted since), then drafts greedily one token per draft step, all rows
-of the step batched together. It remembers which tokens its KV holds; on the next call the
+For each row it first runs the tokens the draft has not seen yet (the prompt on the first call, as
+one chunk; then the one or two tokens the target emitted since, as one-token rows so a CUDA draft
+replays its decode graphs), then drafts greedily one token per draft step, all rows of a draft step
+batched together. It remembers which tokens its KV holds; on the next call the
 positions whose tokens the target did not accept are rolled back (block-manager truncation) before
 the catch-up. Its proposals are deterministic (argmax), so verification treats them as point-mass
 proposals, which the rejection rule handles exactly for sampled requests too.
@@ -22,6 +23,7 @@ from engine.types import SamplingParams, StepItem
 
 _GREEDY = SamplingParams(temperature=0.0)
 _SALT = b"memra-draft"
+MAX_DECODE_CATCHUP = 4  # catch-ups up to this many tokens run as decode rows, one per draft step
 
 
 @dataclass
@@ -58,8 +60,7 @@ class DraftModelProposer:
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
         out = [Draft() for _ in requests]
-        rows: list[tuple[int, ProposeRequest, _Row, int]] = []  # (index, request, state, k)
-        items: list[StepItem] = []
+        active: list[tuple[int, ProposeRequest, _Row, int, list[list[int]]]] = []  # (+ chunks to run)
         for i, r in enumerate(requests):
             n = len(r.tokens)
             k = min(r.k, self.runner.max_model_len - n + 1)
@@ -69,32 +70,39 @@ class DraftModelProposer:
             if not self.blocks.grow(r.seq_id, n + k - 1):  # the draft cache is full: skip this row
                 self.release(r.seq_id)
                 continue
-            c = len(row.done)
-            items.append(self._item(r.seq_id, list(r.tokens[c:]), c, r.tokens))
-            row.done.extend(r.tokens[c:])
+            new = list(r.tokens[len(row.done) :])
+            # a short catch-up (the tokens the target emitted since the last draft) runs as one-token
+            # rows, which a CUDA runner replays from its decode graphs; a prompt runs as one chunk
+            chunks = [[t] for t in new] if row.done and len(new) <= MAX_DECODE_CATCHUP else [new]
             row.confirmed = n
-            rows.append((i, r, row, k))
-        step = 0
-        while items:
+            active.append((i, r, row, k, chunks))
+        while active:
+            items = []
+            for _i, r, row, _k, chunks in active:
+                toks = chunks.pop(0) if chunks else [out[_i].tokens[-1]]
+                items.append(self._item(r.seq_id, toks, len(row.done), row.done, sample=not chunks))
+                row.done.extend(toks)
             ids = self.runner.step(items)
-            nxt: list[StepItem] = []
-            keep: list[tuple[int, ProposeRequest, _Row, int]] = []
-            for (i, r, row, k), tok in zip(rows, ids, strict=True):
+            keep = []
+            for (i, r, row, k, chunks), tok in zip(active, ids, strict=True):
+                if chunks:  # still catching up
+                    keep.append((i, r, row, k, chunks))
+                    continue
                 out[i].tokens.append(int(tok))
-                if step + 1 < k:
-                    nxt.append(self._item(r.seq_id, [int(tok)], len(row.done), row.done))
-                    row.done.append(int(tok))
-                    keep.append((i, r, row, k))
-            items, rows, step = nxt, keep, step + 1
+                if len(out[i].tokens) < k:
+                    keep.append((i, r, row, k, chunks))
+            active = keep
         return out
 
-    def _item(self, seq_id: int, tokens: list[int], start: int, history: Sequence[int]) -> StepItem:
+    def _item(
+        self, seq_id: int, tokens: list[int], start: int, history: Sequence[int], sample: bool = True
+    ) -> StepItem:
         return StepItem(
             seq_id=seq_id,
             token_ids=tokens,
             start_pos=start,
             block_table=list(self.blocks.table(seq_id)),
-            sample=True,
+            sample=sample,
             sampling=_GREEDY,
             history=history,
         )
