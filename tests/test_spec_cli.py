@@ -132,3 +132,34 @@ def test_metrics_expose_speculation_counters_with_vllm_names():
         "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
     ):
         assert line in text.splitlines()
+
+
+def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tiny_llama_dir):
+    """`memra serve --speculative draft:PATH` stack (build_engine) behind the Falcon app: the same
+    greedy completion with and without `"speculative": false`; /metrics counts the drafts."""
+    import falcon.testing
+
+    from engine.server.app import create_app
+    from engine.server.launch import build_engine
+    from engine.server_config import ServerConfig
+    from engine.spec.config import SpecConfig
+
+    cfg = ServerConfig()
+    engine, tok, info = build_engine(
+        str(tiny_llama_dir), ("default",), cfg, "reference", None, None, SpecConfig("draft", str(tiny_llama_dir))
+    )
+    try:
+        client = falcon.testing.TestClient(create_app(engine, tok, info, cfg))
+        body = {"prompt": "the and of to in", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        on = client.simulate_post("/v1/completions", json=body)
+        assert on.status_code == 200, on.text
+        drafted = engine.stats().spec_draft_tokens
+        assert drafted > 0
+        off = client.simulate_post("/v1/completions", json={**body, "speculative": False})
+        assert off.status_code == 200, off.text
+        assert engine.stats().spec_draft_tokens == drafted  # the opted-out request drafted nothing
+        assert on.json["choices"][0]["text"] == off.json["choices"][0]["text"]
+        metrics = client.simulate_get("/metrics").text
+        assert f"vllm:spec_decode_num_draft_tokens_total {drafted}" in metrics
+    finally:
+        engine.shutdown(5)
