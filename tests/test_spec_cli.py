@@ -163,3 +163,17 @@ def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tin
         assert f"vllm:spec_decode_num_draft_tokens_total {drafted}" in metrics
     finally:
         engine.shutdown(5)
+
+
+def test_server_config_speculative_keys(tmp_path):
+    from engine.server_config import load_server_config
+    from engine.types import ConfigError
+
+    f = tmp_path / "s.toml"
+    f.write_text('[server]\nspeculative = "ngram"\nspec_tokens = 3\n')
+    cfg = load_server_config(f)
+    assert (cfg.speculative, cfg.spec_tokens) == ("ngram", 3)
+    assert load_server_config(f, speculative="mtp").speculative == "mtp"  # the flag wins
+    f.write_text("[server]\nspec_tokens = \"four\"\n")
+    with pytest.raises(ConfigError, match="server.spec_tokens must be int"):
+        load_server_config(f)

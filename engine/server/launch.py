@@ -84,8 +84,18 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     from engine.server.serve import run_server
     from engine.spec.config import parse_speculative
 
-    cfg = load_server_config(args.config, host=args.host, port=args.port)
-    spec = parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+    cfg = load_server_config(
+        args.config,
+        host=args.host,
+        port=args.port,
+        speculative=getattr(args, "speculative", None),
+        spec_tokens=getattr(args, "spec_tokens", None),
+    )
+    try:
+        spec = parse_speculative(cfg.speculative, cfg.spec_tokens)
+    except ConfigError as exc:  # name the config file when the setting came from it
+        where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
+        raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
