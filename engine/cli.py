@@ -93,6 +93,25 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="require this quant combo of the family")
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|draft:PATH|mtp",
+        help="speculative decoding: prompt lookup, a draft model with the same tokenizer, or MTP heads",
+    )
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
+
+
+def build_spec(args: argparse.Namespace, model: Any, runner: Any) -> Any:
+    """The engine's Speculator for --speculative/--spec-tokens (None without them)."""
+    from engine.spec.build import build_speculator
+    from engine.spec.config import parse_speculative
+
+    cfg = parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+    return build_speculator(cfg, model, runner, device_profile=getattr(args, "device_profile", None))
+
+
 def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
     """Stream one request through the engine to ``out``; returns (text, stats dict)."""
     req = GenerationRequest(
@@ -133,10 +152,10 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _make_engine(runner: Any, tokenizer: Any):
+def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
     from engine.loop import Engine
 
-    engine = Engine(runner, tokenizer)
+    engine = Engine(runner, tokenizer, speculator=speculator)
     engine.start()
     return engine
 
@@ -154,7 +173,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    engine = _make_engine(runner, tokenizer)
+    speculator = build_spec(args, model, runner)
+    engine = _make_engine(runner, tokenizer, speculator)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
     finally:
@@ -162,6 +182,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     print()
     if args.stats:
         stats["backend"] = runner.backend
+        if speculator is not None:
+            from engine.spec.speculator import summary
+
+            stats["speculative"] = speculator.method
+            stats.update(summary(engine.stats()))
         print("memra: " + json.dumps(stats), file=sys.stderr)
     return 0
 
@@ -357,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
@@ -366,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
     _add_sampling_flags(p)
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -385,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)")
     p.add_argument("--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)")
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("warmup", help="fill the kernel cache ahead of time (no GPU needed)")

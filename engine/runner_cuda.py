@@ -498,6 +498,17 @@ class CudaRunner:
                 out[i] = tok if items[i].sample else None
         return out
 
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        from engine.spec.cuda_verify import verify
+
+        me = threading.get_ident()
+        if me != self._ctx_thread:
+            self.ctx.make_current()
+            self._ctx_thread = me
+        return verify(self, items)
+
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)
         if end > self.max_model_len:
@@ -589,7 +600,9 @@ class CudaRunner:
         self.stream.synchronize()
         return self._views["out_ids"][:rows].copy()
 
-    def _decode(self, items: Sequence[StepItem]) -> list[int]:
+    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
         n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
@@ -618,7 +631,7 @@ class CudaRunner:
             self._clear_sampling(r)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
-        short = max(it.start_pos for it in items) < self.plan.short_context
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
         # a graph without penalty entries copies the inputs in and the sampled ids out itself
         # (pinned host memory): one driver call per step, then the wait
         io = self.use_graphs and kind != "penalised"
