@@ -231,3 +231,38 @@ def test_check_fits_says_needed_and_free():
     msg = _one_line(lambda: check_fits("m.gguf", wb, free=12 * 2**30, reserve=2**30))
     assert msg.startswith("m.gguf: the weights need 16.50 GiB on the device (experts 15.00 GiB"), msg
     assert "17.50 GiB in all, but only 12.00 GiB is free" in msg, msg
+
+
+# --- random-block GGUFs (benchmarks) and the tool's shape ----------------------------------------
+
+
+@pytest.mark.parametrize("q", ["q4_k_m", "q5_k_m", "q6_k", "q8_0"])
+def test_random_moe_gguf_quant_mixes(tmp_path, q):
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    from engine.reference import ReferenceRunner
+
+    d = Dims(256, 2, 4, 2, 64, 512, 512, 1e6, 1e-6, 256, False, 4, 2, 256, True)
+    m = load_model(write_random_gguf(tmp_path / f"m.{q}.gguf", "qwen3_moe", d, q))
+    assert m.quant.name == q and m.tensor_dtypes["router"] == "f32"
+    base = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}.get(q, q)
+    assert m.tensor_dtypes["exp_gate@1"] == base and m.info("exp_up", 1).shape == (4, 256, 256)
+    assert m.tensor_dtypes["exp_down@0"] == ("q6_k" if q.endswith("_m") else base)
+    logits = ReferenceRunner(m, num_blocks=2, block_size=4, max_model_len=8).forward_logits([5, 6])
+    assert np.isfinite(logits).all()
+
+
+def test_make_checkpoint_has_the_qwen3_30b_a3b_shape():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_checkpoint", Path(__file__).parent.parent / "tools" / "make_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    family, d = mod.SHAPES["qwen3-30b-a3b"]
+    want = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
+    assert family == "qwen3_moe"
+    got = {"hidden": d.hidden_size, "layers": d.num_hidden_layers, "heads": d.num_attention_heads,
+           "kv_heads": d.num_key_value_heads, "head_dim": d.head_dim, "intermediate": d.intermediate_size,
+           "vocab": d.vocab_size, "experts": d.num_experts, "experts_used": d.num_experts_per_tok,
+           "moe_intermediate": d.moe_intermediate_size, "norm_topk_prob": d.norm_topk_prob}
+    assert got == {k: want[k] for k in got}
