@@ -37,6 +37,11 @@ GEMV_QUANTS = {
     "q5_k": 256,
     "q6_k": 256,
 }
+# the templates this module builds, for the catalog-completeness check (tests/test_kernels_compile.py)
+KERNELS = {
+    "moe_topk": "top-k softmax routing: router logits -> expert ids (int32) and weights (f32) per token",
+    "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down (weighted sum)",
+}
 MAX_EXPERTS = 256  # moe_topk keeps E / 32 logits per lane in registers
 MAX_GRID_Y = 65535
 
