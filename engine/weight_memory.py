@@ -85,6 +85,18 @@ def weight_bytes(
     return WeightBytes(**groups)
 
 
+def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any]) -> int:
+    """Weight bytes one batch-1 decode step reads (the decode roofline's numerator): every dense
+    matrix and vector, ``experts_used / experts`` of the expert bytes (the router's picks), and the
+    embedding table only when it is the (tied) head (an untied table is gathered, not streamed)."""
+    read = weights.dense + weights.vectors
+    if weights.experts:
+        read += weights.experts * int(dims["experts_used"]) // int(dims["experts"])
+    if dims.get("tie_embeddings"):
+        read += weights.embedding
+    return read
+
+
 def check_fits(what: str, weights: WeightBytes, free: int, reserve: int = 0) -> None:
     """Raise MemraError (code ``out_of_memory``) unless ``weights.total + reserve <= free``.
 

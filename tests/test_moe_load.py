@@ -17,7 +17,7 @@ from engine.dsl_expr import evaluate
 from engine.model import dims_for_size, load_model, resolve_dims
 from engine.ops import OPS
 from engine.types import ConfigError, MemraError
-from engine.weight_memory import WeightBytes, check_fits, weight_bytes
+from engine.weight_memory import WeightBytes, check_fits, decode_read_bytes, weight_bytes
 from engine.weights import open_weights
 
 MIXED = dict(num_hidden_layers=3, mlp_only_layers=(1,))
@@ -221,8 +221,11 @@ def test_weight_bytes_count_every_expert(moe_dir):
     assert wb.experts == in_file
     q4 = weight_bytes(m.graph, dims_for_size("qwen3_moe", "qwen3-30b-a3b"), m.graph.quant("q4_k_m"))
     assert 15 * 2**30 < q4.experts < 16 * 2**30  # 48 x 128 experts x 3 x 768 x 2048 x 4.5 bits
-    bf = weight_bytes(m.graph, dims_for_size("qwen3_moe", "qwen3-30b-a3b"), m.graph.quant("bf16"))
+    d30 = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
+    bf = weight_bytes(m.graph, d30, m.graph.quant("bf16"))
     assert abs(bf.total / 2 - 30.53e9) < 0.05e9  # Qwen3-30B-A3B: 30.5 B parameters
+    active = decode_read_bytes(bf, d30) / 2  # the "A3B": ~3.3 B parameters read per token, less the 0.3 B embedding
+    assert 2.9e9 < active < 3.1e9, active
 
 
 def test_check_fits_says_needed_and_free():
@@ -266,3 +269,66 @@ def test_make_checkpoint_has_the_qwen3_30b_a3b_shape():
            "vocab": d.vocab_size, "experts": d.num_experts, "experts_used": d.num_experts_per_tok,
            "moe_intermediate": d.moe_intermediate_size, "norm_topk_prob": d.norm_topk_prob}
     assert got == {k: want[k] for k in got}
+
+
+# --- the shared expert through a family YAML (how Qwen3-Next / Qwen3.5-MoE families use the op) ---
+
+SHARED_FAMILY = """
+family: moe_shared
+extends: qwen3_moe
+matches: {hf_architectures: [SharedExpertTestForCausalLM], gguf_architectures: []}
+dims:
+  shared_intermediate: {hf: shared_expert_intermediate_size, gguf: "{arch}.expert_shared_feed_forward_length"}
+tensors:
+  sh_gate: {hf: "model.layers.{i}.mlp.shared_expert.gate_proj.weight", gguf: "blk.{i}.ffn_gate_shexp.weight", kind: matrix, shape: [shared_intermediate, hidden]}
+  sh_up: {hf: "model.layers.{i}.mlp.shared_expert.up_proj.weight", gguf: "blk.{i}.ffn_up_shexp.weight", kind: matrix, shape: [shared_intermediate, hidden]}
+  sh_down: {hf: "model.layers.{i}.mlp.shared_expert.down_proj.weight", gguf: "blk.{i}.ffn_down_shexp.weight", kind: matrix, shape: [hidden, shared_intermediate]}
+  sh_gate_inp: {hf: "model.layers.{i}.mlp.shared_expert_gate.weight", gguf: "blk.{i}.ffn_gate_inp_shexp.weight", kind: vector, shape: [hidden]}
+graph_edits:
+  - replace: {op: moe_experts}
+    with: {op: moe_experts, in: [h, expert_ids, expert_weights], weight: [exp_gate, exp_up, exp_down, sh_gate, sh_up, sh_down, sh_gate_inp], out: x, residual: x, when: sparse_mlp}
+"""
+
+
+def test_shared_expert_wiring_through_yaml(moe_dir, tmp_path, monkeypatch):
+    from engine import paths
+    from engine.ops import REFERENCE
+    from engine.ops_ref_moe import moe_experts, sigmoid, swiglu_ffn
+    from engine.reference import ReferenceRunner
+
+    root = tmp_path / "models"
+    shutil.copytree(paths.models_dir(), root)
+    (root / "moe_shared.yaml").write_text(SHARED_FAMILY)
+    monkeypatch.setattr(paths, "models_dir", lambda: root)
+    rng = np.random.default_rng(4)
+    extra = {}
+    for i in (0, 2):  # the sparse layers
+        p = f"model.layers.{i}.mlp."
+        extra[p + "shared_expert.gate_proj.weight"] = rng.standard_normal((24, 64)).astype(np.float32) * 0.2
+        extra[p + "shared_expert.up_proj.weight"] = rng.standard_normal((24, 64)).astype(np.float32) * 0.2
+        extra[p + "shared_expert.down_proj.weight"] = rng.standard_normal((64, 24)).astype(np.float32) * 0.2
+        extra[p + "shared_expert_gate.weight"] = rng.standard_normal((1, 64)).astype(np.float32) * 0.2  # HF [1, H]
+    cfg = {"architectures": ["SharedExpertTestForCausalLM"], "shared_expert_intermediate_size": 24}
+    m = load_model(_rewrite(moe_dir, tmp_path / "ckpt", replace=extra, config=cfg))
+    assert m.graph.family == "moe_shared" and m.quant.name == "f32"
+    seen = []
+    real = REFERENCE["moe_experts"]
+
+    def spy(step, op, layer):
+        h, ids, w = (step.env[n] for n in op.inputs)
+        before = step.env["x"].copy()
+        real(step, op, layer)
+        seen.append((layer, h, ids, w, before, step.env["x"].copy()))
+
+    monkeypatch.setitem(REFERENCE, "moe_experts", spy)
+    ReferenceRunner(m, num_blocks=4, block_size=4, max_model_len=16).forward_logits([5, 9, 11, 3])
+    assert [s[0] for s in seen] == [0, 2]
+    for layer, h, ids, w, before, after in seen:
+        p = f"model.layers.{layer}.mlp."
+        sg, su, sd, gi = (extra[p + n] for n in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                                                   "shared_expert.down_proj.weight", "shared_expert_gate.weight"))
+        routed = moe_experts(h, ids, w, m.dequantize("exp_gate", layer), m.dequantize("exp_up", layer),
+                             m.dequantize("exp_down", layer), residual=before)
+        shared = sigmoid(h @ gi[0])[:, None] * swiglu_ffn(h, sg, su, sd)
+        np.testing.assert_allclose(after, routed + shared, rtol=1e-5, atol=1e-6)
+        assert np.abs(shared).max() > 0.05 * np.abs(routed - before).max()
