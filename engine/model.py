@@ -67,9 +67,12 @@ class LoadedModel:
         return range(int(self.dims["layers"]))
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor the graph reads once per token (the decode roofline numerator)."""
+        """Bytes of every tensor the graph reads once per token (the decode roofline numerator). A
+        stacked (MoE expert) tensor counts the share a router picks per token: its ``top_k`` dim
+        over the stack's dim."""
         total = 0
         seen: set[str] = set()
+        top_k = next((o.attrs["top_k"] for o, _ in self.graph.ops() if "top_k" in o.attrs), None)
         for key, spec in self.graph.tensors.items():
             for layer in self.layer_range() if spec.per_layer else [None]:
                 if not self.has(key, layer):
@@ -78,7 +81,10 @@ class LoadedModel:
                 if name in seen or (key == "embed" and not self.dims.get("tie_embeddings")):
                     continue  # an untied embedding table is gathered, not streamed
                 seen.add(name)
-                total += self.weights.info(name).nbytes
+                nbytes = self.weights.info(name).nbytes
+                if spec.stack and top_k:
+                    nbytes = nbytes * int(self.dims[top_k]) // int(self.dims[spec.stack])
+                total += nbytes
         return total
 
 

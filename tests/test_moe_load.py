@@ -217,6 +217,8 @@ def test_weight_bytes_count_every_expert(moe_dir):
     wb = weight_bytes(m.graph, m.dims, m.quant, m.tensor_dtypes)
     per_layer_experts = 3 * 4 * 32 * 64 * 2  # gate, up, down x 4 experts, bf16
     assert wb.experts == 2 * per_layer_experts  # layers 0 and 2 are sparse
+    assert m.weight_bytes() == sum(m.weights.info(n).nbytes for n in m.weights.base.tensor_names()
+                                   if ".experts." not in n and n != "model.embed_tokens.weight") + wb.experts // 2
     in_file = sum(m.weights.info(n).nbytes for n in m.weights.base.tensor_names() if n.count(".") > 2 and ".experts." in n)
     assert wb.experts == in_file
     q4 = weight_bytes(m.graph, dims_for_size("qwen3_moe", "qwen3-30b-a3b"), m.graph.quant("q4_k_m"))
