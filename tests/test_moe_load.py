@@ -334,3 +334,24 @@ def test_shared_expert_wiring_through_yaml(moe_dir, tmp_path, monkeypatch):
         shared = sigmoid(h @ gi[0])[:, None] * swiglu_ffn(h, sg, su, sd)
         np.testing.assert_allclose(after, routed + shared, rtol=1e-5, atol=1e-6)
         assert np.abs(shared).max() > 0.05 * np.abs(routed - before).max()
+
+
+def test_gguf_names_are_the_gguf_packages():
+    """The family's GGUF metadata keys and tensor names are gguf's own constants for qwen3moe."""
+    import gguf
+
+    g = graph.load_family("qwen3_moe")
+    keys = gguf.Keys.LLM
+    assert g.dims["experts"].gguf == keys.EXPERT_COUNT
+    assert g.dims["experts_used"].gguf == keys.EXPERT_USED_COUNT
+    assert g.dims["moe_intermediate"].gguf == keys.EXPERT_FEED_FORWARD_LENGTH
+    assert g.dims["norm_topk_prob"].gguf == keys.EXPERT_WEIGHTS_NORM
+    arch = gguf.MODEL_ARCH.QWEN3MOE
+    assert gguf.MODEL_ARCH_NAMES[arch] in g.gguf_architectures
+    names = {gguf.TENSOR_NAMES[t].replace("{bid}", "{i}") + ".weight" for t in gguf.MODEL_TENSORS[arch]}
+    names |= {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}  # token_embd etc. name the tensor whole
+    ours = {t.gguf for t in g.tensors.values() if t.gguf}
+    dense_mlp = {"blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight", "blk.{i}.ffn_down.weight"}  # mlp_only_layers
+    assert ours - dense_mlp <= names, sorted(ours - dense_mlp - names)
+    for key in ("router", "exp_gate", "exp_up", "exp_down"):
+        assert g.tensors[key].gguf in names
