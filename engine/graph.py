@@ -1,9 +1,11 @@
 """Model-family DSL: load and validate models/<family>.yaml into a ModelGraph.
 
 A family file names its dims (where to read each from config.json or GGUF metadata), its tensors
-(name patterns for both formats, kind, expected shape), its op graph, its quant combos and its known
-sizes. ``extends:`` derives a family from another with a small delta. Every problem is a ConfigError
-naming the file and key path. Must not import numpy or CUDA: this is pure configuration.
+(name patterns for both formats, kind, expected shape, stacks such as a MoE layer's experts), its op
+graph (ops inside a repeat may run only in the layers where a ``when`` predicate holds), its quant
+combos and its known sizes. ``extends:`` derives a family from another with a small delta
+(engine.graph_extends); expressions are engine.dsl_expr's. Every problem is a ConfigError naming the
+file and key path. Must not import numpy or CUDA: this is pure configuration.
 """
 
 from __future__ import annotations
