@@ -4,8 +4,9 @@
                                                [--quants bf16,q8_0,q4_k,q6_k] [--rows 1,8,32] [--profile h100]
 
 For each storage type and token count: moe_topk, then moe_gemv glu (gate + up + silu) and down
-(weighted sum + residual) over random stacked expert weights, timed with CUDA events (median after
-warm-up). Reports microseconds and GB/s of the distinct expert bytes the step needs (the experts
+(weighted sum + residual) over random stacked expert weights, and the grouped path (glu_grouped,
+down_grouped, moe_combine: one block per expert tile for all its tokens), timed with CUDA events
+(median after warm-up). Reports microseconds and GB/s of the distinct expert bytes the step needs (the experts
 the tokens chose, each counted once) against the device profile's bandwidth: the batch-1 fraction
 is the kernel's share of the roofline on the bytes actually read. Correctness is
 tests/gpu/test_moe_kernels.py's job. Uses tools/gpu_kernels_check.py's loader (torch allocator,
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from engine import quant
-from engine.moe_kernels import expert_gemv_kernel, topk_kernel
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, topk_kernel
 from engine.profile import get_profile
 
 ROUTINGS = 16
@@ -79,14 +80,29 @@ def measure(k, qt: str, rows: int, weights, expert_bytes: int, args, rng) -> dic
         _, ids, wts = next(nxt)
         k.launch(down, [out, wd, act, ids, wts, out, rows], rows)
 
+    slots = max(256, rows * top)
+    gglu = expert_gemv_kernel("glu_grouped", qt, inter, h, top, rpb, experts=e, max_slots=slots)
+    gdown = expert_gemv_kernel("down_grouped", qt, h, inter, top, rpb, experts=e, max_slots=slots)
+    comb = combine_kernel(h, top)
+    partial = torch.empty(rows, top, h, device="cuda", dtype=torch.float32)
+
+    def run_grouped():
+        _, ids, wts = next(nxt)
+        k.launch(gglu, [act, wg, wu, x, ids, rows], rows)
+        k.launch(gdown, [partial, wd, act, ids, rows], rows)
+        k.launch(comb, [out, partial, wts, out, rows], rows)
+
     t_topk, t_glu, t_down = gk.bench(run_topk), gk.bench(run_glu), gk.bench(run_down)
+    t_grouped = gk.bench(run_grouped)
     moved = distinct * expert_bytes
     gbs = moved / ((t_topk + t_glu + t_down) * 1e-3) / 1e9
+    ggbs = moved / ((t_topk + t_grouped) * 1e-3) / 1e9
     return {
         "quant": qt, "rows": rows, "distinct_experts": distinct, "topk_us": round(t_topk * 1e3, 1),
         "glu_us": round(t_glu * 1e3, 1), "down_us": round(t_down * 1e3, 1),
         "expert_mb": round(moved / 1e6, 2), "gbs": round(gbs, 1),
         "roofline": round(gbs / args.bandwidth, 3),
+        "grouped_us": round(t_grouped * 1e3, 1), "grouped_roofline": round(ggbs / args.bandwidth, 3),
     }
 
 
@@ -119,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}; {args.profile} profile bandwidth {bw} GB/s; experts {e}, "
           f"top-k {args.top_k}, hidden {h}, inter {inter}")
-    print(f"{'quant':6} {'rows':>4} {'experts':>7} {'topk us':>8} {'glu us':>8} {'down us':>8} {'MB':>7} {'GB/s':>7} {'roof':>6}")
+    print(f"{'quant':6} {'rows':>4} {'experts':>7} {'topk us':>8} {'glu us':>8} {'down us':>8} {'MB':>7} "
+          f"{'GB/s':>7} {'roof':>6} {'grp us':>8} {'grp roof':>8}")
     for r in rows_out:
         print(f"{r['quant']:6} {r['rows']:>4} {r['distinct_experts']:>7} {r['topk_us']:>8} {r['glu_us']:>8} "
-              f"{r['down_us']:>8} {r['expert_mb']:>7} {r['gbs']:>7} {r['roofline']:>6}")
+              f"{r['down_us']:>8} {r['expert_mb']:>7} {r['gbs']:>7} {r['roofline']:>6} {r['grouped_us']:>8} "
+              f"{r['grouped_roofline']:>8}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows_out, indent=1))
     return 0

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine import quant
-from engine.moe_kernels import expert_gemv_kernel, topk_kernel
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, topk_kernel
 from engine.ops_ref_moe import moe_experts, moe_route
 
 torch = pytest.importorskip("torch")
@@ -114,6 +114,41 @@ def test_glu_and_down_match_numpy(gk, kernels, qt):
         want = ref + (r if residual else 0)
         assert not np.isnan(got).any()
         assert gk.rel_err(got, want) < 1e-2, (residual, gk.rel_err(got, want))
+
+
+@pytest.mark.parametrize("qt", QUANTS)
+@pytest.mark.parametrize("experts,rows,top_k", [(8, 20, 4), (16, 3, 2)])  # ~10 slots per expert (> SB); unchosen experts
+def test_grouped_glu_down_combine_match_numpy(gk, kernels, qt, experts, rows, top_k):
+    rng = np.random.default_rng()
+    hidden, inter = 512, 256
+    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    dev = [torch.from_numpy(r).cuda() for r in (wg_raw, wu_raw, wd_raw)]
+    ids = _ids(rng, rows, experts, top_k)
+    ids_t = gk.i32(ids)
+    x = gk.bf_round(rng.standard_normal((rows, hidden)))
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128)
+    act = gk.nan_like((rows, top_k, inter))
+    kernels.launch(glu, [act, dev[0], dev[1], gk.bf(x), ids_t, rows], rows)
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and gk.rel_err(got_act, ref_act) < 1e-2, gk.rel_err(got_act, ref_act)
+
+    a = gk.bf_round(rng.standard_normal((rows, top_k, inter)))
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    r = gk.bf_round(rng.standard_normal((rows, hidden)))
+    partial = gk.nan_like((rows, top_k, hidden), torch.float32)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128)
+    kernels.launch(down, [partial, dev[2], gk.bf(a), ids_t, rows], rows)
+    ref_partial = np.einsum("tjk,tjnk->tjn", a, wd[ids])
+    got_partial = gk.host(partial)
+    assert not np.isnan(got_partial).any() and gk.rel_err(got_partial, ref_partial) < 1e-4
+    out = gk.bf(r)  # the residual aliases out
+    kernels.launch(combine_kernel(hidden, top_k), [out, partial, gk.f32(w), out, rows], rows)
+    want = np.einsum("tj,tjn->tn", w, ref_partial) + r
+    assert gk.rel_err(gk.host(out), want) < 1e-2
 
 
 def test_sparse_mlp_end_to_end(gk, kernels):
