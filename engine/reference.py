@@ -91,8 +91,9 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
+        graph, dims = self.model.graph, self.model.dims
         for op, per_layer in self.ops:
-            layers = range(self.layers) if per_layer else [None]
+            layers = [i for i in range(self.layers) if graph.op_runs(op, dims, i)] if per_layer else [None]
             for layer in layers:
                 for w in op.weights:
                     load(w, layer)
@@ -137,7 +138,9 @@ class ReferenceRunner:
         return env["logits"]
 
     def _build_schedule(self) -> list[tuple[Any, int | None]]:
-        """(op, layer) in execution order: each per-layer op once per layer, in graph order."""
+        """(op, layer) in execution order: each per-layer op once per layer where its ``when``
+        predicate holds, in graph order."""
+        graph, dims = self.model.graph, self.model.dims
         sched: list[tuple[Any, int | None]] = []
         i, ops = 0, self.ops
         while i < len(ops):
@@ -149,7 +152,7 @@ class ReferenceRunner:
             while j < len(ops) and ops[j][1]:
                 j += 1
             for layer in range(self.layers):
-                sched.extend((op, layer) for op, _ in ops[i:j])
+                sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
             i = j
         return sched
 

@@ -23,8 +23,9 @@ class OpDef:
     inputs: int | None  # None: any number >= 1
     outputs: int | None  # None: same as the number of weights
     weights: tuple[int, int]  # (min, max)
-    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor"
+    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
     doc: str = ""
+    weight_counts: tuple[int, ...] = ()  # when set, the only weight counts allowed within (min, max)
 
 
 @dataclass
