@@ -103,8 +103,9 @@ def bench_engine(
 def bench_compile(model: Any, profile: Any) -> dict:
     """Cold (empty cache) and warm (all hits) build of every kernel the model's plan needs."""
     from engine.compile import KernelBuilder
+    from engine.ir import kernel_specs
     from engine.kcache import KernelCache
-    from engine.plan import build_plan, kernel_specs
+    from engine.plan import build_plan
 
     plan = build_plan(model.graph, model.dims, model.quant, profile, model.tensor_dtypes, model.rope_style)
     specs = kernel_specs(plan)
@@ -173,8 +174,7 @@ def table(rows: list[dict]) -> str:
 
 
 def bench_from_cli(args: argparse.Namespace) -> int:
-    from engine.backend import create_runner
-    from engine.cli import resolve_model_path
+    from engine.backend import create_runner, resolve_model_path
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 

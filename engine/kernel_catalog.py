@@ -4,8 +4,7 @@
 rules the kernel relies on) and names its entry point; ``choice(...)`` adds the launch contract
 (argument list, grid as a function of the row count, block, dynamic shared memory) as a
 ``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
-list (pointer / int / float, in order), which engine/plan.py binds. ``attention_launches`` and
-``sampling_launches`` lower the attention op and the sampler for plan.py's adapter.
+list (pointer / int / float, in order), which engine.lowering binds.
 ``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
 
 Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
@@ -1795,71 +1794,3 @@ def all_specs(
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("penalties", ld=vocab, threads=el)] = None
     return list(out)
-
-
-# ---- lowering hooks called by engine/plan.py's _CatalogAdapter ----
-
-
-def attention_launches(adapter: Any, op: Any, layer: int | None, mode: str, ins: list, outs: list) -> list:
-    """One ``attention`` launch (direct: one block per (row, kv head) covers the whole context, so
-    no scratch is needed). Decode rows are sequences; prefill rows are one sequence's tokens."""
-    from engine.plan import Arg, Launch  # plan imports this module lazily; no cycle at import time
-
-    q, out = ins[0], outs[0]
-    p = attention_params(
-        adapter.dims,
-        adapter.profile.tuning,
-        adapter.profile.kv_block_size,
-        mode=mode,
-        direct=True,
-        q_stride=q.ld,
-        out_stride=out.ld,
-    )
-    s = spec("attention", **p)
-    null = Arg("const", 0, "ptr")
-
-    def value(v: Any) -> Any:
-        return Arg("value", v.name)
-
-    args = (
-        value(out),
-        null,
-        null,
-        value(q),
-        Arg("kv", "k", layer=layer),
-        Arg("kv", "v", layer=layer),
-        Arg("input", "block_tables"),
-        Arg("input", "positions"),
-        Arg("shape", "max_blocks", "i32"),
-        Arg("const", 1, "i32"),
-    )
-    return [Launch(s, ("n", p["kv_heads"], 1), (p["warps"] * 32,), args)]
-
-
-def sampling_launches(adapter: Any, logits: Any) -> dict[str, tuple]:
-    """``greedy``: argmax into out_ids; ``sample``: temperature/top-k/top-p/min-p sampling (greedy
-    rows inside it take the argmax). Penalties are not applied here (see the ``penalties`` kernel)."""
-    from engine.plan import Arg, Launch
-
-    t = adapter.profile.tuning["sampling"]["threads"]
-    vocab = logits.width
-    lg = Arg("value", logits.name)
-    out = Arg("input", "out_ids")
-    rows = Arg("shape", "n", "i32")
-    g = spec("argmax", vocab=vocab, ld=logits.ld, threads=t)
-    s = spec("sample", vocab=vocab, ld=logits.ld, threads=t)
-    sargs = (
-        out,
-        lg,
-        Arg("input", "temperature"),
-        Arg("input", "top_k"),
-        Arg("input", "top_p"),
-        Arg("input", "min_p"),
-        Arg("input", "seeds"),
-        Arg("input", "counters"),
-        rows,
-    )
-    return {
-        "greedy": (Launch(g, ("n",), (t,), (out, lg, rows)),),
-        "sample": (Launch(s, ("n",), (t,), sargs),),
-    }

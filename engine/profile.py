@@ -21,7 +21,7 @@ import yaml
 from engine import env, paths
 from engine.kernel_catalog import Q8X_FILE_TYPES
 from engine.schema import Field, ListOf, MapOf, load_yaml, validate
-from engine.types import ConfigError
+from engine.types import ConfigError, DeviceInfo
 
 log = logging.getLogger("memra.profile")
 
@@ -370,20 +370,6 @@ PROFILE_SCHEMA: dict[str, Field] = {
     "tuning": Field(TUNING_SCHEMA, default={k: f.default for k, f in TUNING_SCHEMA.items()}),
     "notes": Field(MapOf(str), default={}),
 }
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
-
-    name: str
-    compute_capability: tuple[int, int]
-    sm_count: int = 0
-    total_memory: int = 0  # bytes
-
-    @property
-    def cc(self) -> str:
-        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
 
 
 @dataclass(frozen=True)

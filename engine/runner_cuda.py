@@ -23,17 +23,8 @@ import numpy as np
 
 from engine import cuda, env, quant
 from engine.compile import KernelBuilder
-from engine.plan import (
-    PENALTY_CAPACITY,
-    ROPE_FREQ,
-    WIDE,
-    Arg,
-    Launch,
-    Plan,
-    build_plan,
-    kernel_specs,
-    launch_key,
-)
+from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, kernel_specs, launch_key
+from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.graph import load_family
+from engine.ir import describe, kernel_specs, storage_nbytes
 from engine.model import dims_for_size
-from engine.plan import build_plan, describe, kernel_specs, storage_nbytes
+from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
 from engine.quant import row_bytes
 from engine.render import render
@@ -234,7 +235,7 @@ def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
 
     def qkv(tune):
         prof = with_tuning(get_profile("h200"), tune)
-        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style, kc)
+        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style)
         return [s.launches["decode1"] for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
 
     apart, paired = qkv("decode_graph.pair_linears=false"), qkv("decode_graph.pair_min_blocks=0")
@@ -312,7 +313,7 @@ def test_pair_attention_runs_the_short_attention_in_the_batch1_pair():
     attention step's SHORT1 is empty, and decode1 / short / decode / prefill are unchanged. Without
     pair_linears, or off, there is no SHORT1."""
     from engine import kernel_catalog as kc
-    from engine.plan import SHORT1, Arg
+    from engine.ir import SHORT1, Arg
 
     dims = dims_for_size("qwen3", "qwen3-4b")
     graph = load_family("qwen3")
@@ -355,7 +356,7 @@ def test_pair_attention_runs_the_short_attention_in_the_batch1_pair():
 
 
 def test_launch_key_picks_short1_then_short_then_the_mode():
-    from engine.plan import SHORT1, launch_key
+    from engine.ir import SHORT1, launch_key
 
     both, short_only = {"decode1": (), "short": (), SHORT1: ()}, {"decode1": (), "decode": (), "short": ()}
     assert launch_key(both, "decode1", True) == SHORT1
@@ -367,7 +368,7 @@ def test_launch_key_picks_short1_then_short_then_the_mode():
 
 def test_pair_attention_spec_rules_name_the_problem():
     from engine import kernel_catalog as kc
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     plan = _q4_k_m_plan("decode_graph.pair_linears=true; decode_graph.pair_attention=true")
     (la,) = next(st.launches[SHORT1] for st in plan.steps if st.launches.get(SHORT1))
@@ -552,19 +553,18 @@ def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
     assert [launch.spec.template for launch in linear.launches["decode"]] == ["gemv"]
 
 
-def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder():
-    import types
-
+def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder(monkeypatch):
     from engine import kernel_catalog as kc
+
+    gemm_params = kc.gemm_params
 
     def bf16_only(n, k, tuning, **kw):
         if kw.get("quant", "bf16") != "bf16":
             raise ConfigError("no fused decoder")
-        return kc.gemm_params(n, k, tuning, **kw)
+        return gemm_params(n, k, tuning, **kw)
 
-    cat = types.SimpleNamespace(**{x: getattr(kc, x) for x in dir(kc) if not x.startswith("__")})
-    cat.gemm_params = bf16_only
-    plan = _short_chunks_only(catalog=cat)
+    monkeypatch.setattr(kc, "gemm_params", bf16_only)
+    plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     deq, gemm = linear.launches["prefill"]
     assert deq.spec.template == "embed" and deq.spec.params["quant"] == "q8_0"
@@ -576,19 +576,21 @@ def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_de
 def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     from engine import kernel_catalog as kc
     from engine.graph import Op
-    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.ir import Value, WeightPlan
+    from engine.lowering.context import Lowerer
+    from engine.lowering.linear import linear_gemm
     from engine.profile import with_tuning
 
     prof = get_profile("h200")
-    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    adapter = Lowerer(prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
     op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
     ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
-    (dec,) = adapter._linear_gemm(op, "decode", ins, outs, ws, section="gemm_decode")
+    (dec,) = linear_gemm(adapter, op, "decode", ins, outs, ws, section="gemm_decode")
     off = with_tuning(prof, "gemm_wgmma.enabled=false")
-    (pre,) = _CatalogAdapter(kc, off, dims_for_size("qwen3", "qwen3-4b"), "neox")._linear_gemm(
-        op, "prefill", ins, outs, ws
+    (pre,) = linear_gemm(
+        Lowerer(off, dims_for_size("qwen3", "qwen3-4b"), "neox"), op, "prefill", ins, outs, ws
     )
     t = prof.tune("gemm_decode")
     assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
@@ -603,16 +605,18 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     multiple of 64 (or the profile turns it off) the mma.sync gemm takes the linear."""
     from engine import kernel_catalog as kc
     from engine.graph import Op
-    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.ir import Value, WeightPlan
+    from engine.lowering.context import Lowerer
+    from engine.lowering.linear import linear_gemm
 
     prof = get_profile("h200")
     g = prof.tune("gemm_wgmma")
-    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    adapter = Lowerer(prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
     op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
     ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
-    (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
+    (pre,) = linear_gemm(adapter, op, "prefill", ins, outs, ws)
     tile_m = 64 * g["consumers"] * g["m_frags"]
     tn = pre.spec.params["tile_n"]
     assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
@@ -627,7 +631,7 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     assert pre.grid_for({"n": 300}) == (-(-2560 // tn), -(-300 // tile_m))
     assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
     odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
-    (mma,) = adapter._linear_gemm(op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
+    (mma,) = linear_gemm(adapter, op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
     assert mma.spec.template == "gemm"
 
 
@@ -669,7 +673,7 @@ def test_short_context_decode_uses_direct_attention_without_combine():
 
 
 def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
-    from engine.plan import WIDE
+    from engine.ir import WIDE
 
     plan = plan_for("qwen3", "qwen3-4b")
     assert plan.wide_rows == 16  # h200: tuning.gemm_decode.min_rows
@@ -1677,7 +1681,7 @@ def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
     import jinja2
 
     from engine import paths
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -1739,7 +1743,7 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
     direct kernel with ``trigger`` on, so only the batch-1 short pass triggers early; every other
     key of every step is the plan without the knob. With pair_attention (SHORT1 already runs the
     attention) the knob adds nothing."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     off, on = _q4_k_m_plan("attention_decode.trigger_b1=false"), _q4_k_m_plan("attention_decode.trigger_b1=true")
     assert not any(SHORT1 in st.launches for st in off.steps)
@@ -1769,7 +1773,7 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
     trailing pointer args; other keys of every step are the plan's without the knobs; it keeps
     trigger_b1's trigger; the pair-attention fusion (SHORT1 empty) is left alone."""
     from engine import kernel_catalog as kc
-    from engine.plan import SHORT1, Arg
+    from engine.ir import SHORT1, Arg
 
     base = _q4_k_m_plan("")
     tune = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.trigger_b1=true"
@@ -1804,7 +1808,7 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
     over the first KB of its layer's gate|up (half from the gate rows, half from the up rows) and
     that weight as its last arg; every other launch is the plan's without the knob."""
     from engine import kernel_catalog as kc
-    from engine.plan import Arg
+    from engine.ir import Arg
 
     base, plan = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.o_prefetch_next_kb=1024")
     changed = 0
@@ -1829,7 +1833,7 @@ def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
     (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the
     attention part do not (its pair triggers already); off, no attention kernel triggers."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     def attn(plan, key):
         return {la.spec for st in plan.steps for la in st.launches.get(key, ()) if la.spec.template.startswith("attention")}
@@ -1855,7 +1859,7 @@ def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
     (trigger_b1, l2_prefetch_o, o_prefetch_next_kb) reach the layers whose o weight has 5-8 MB
     (Qwen3-4B q4_k_m: 5760 KB), not a q8_0 o (10880 KB) nor a Qwen3-0.6B bf16 o (4096 KB); with
     the window open (0 / 0) the q8_0 plan gets them too."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     graph = load_family("qwen3")
 

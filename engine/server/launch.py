@@ -44,7 +44,7 @@ def build_engine(
     quant: str | None = None,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests."""
-    from engine.cli import load_stack
+    from engine.backend import load_stack
     from engine.loop import Engine, EngineConfig
 
     model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)

@@ -351,7 +351,7 @@ def test_pair_attention_gives_the_same_bits(tmp_path):
     computes what its attention block would, so the logits must be the same bits as the pair
     followed by the attention kernel's, replayed and eager, over several steps (the unit counters
     reset themselves); batch 2 keeps the attention kernel."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     layers = DIMS.num_hidden_layers
 
@@ -441,7 +441,7 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last), or the
     o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     layers = DIMS.num_hidden_layers
 
