@@ -77,6 +77,7 @@ class KernelDoc:
     block: str
     smem: str = "static only"
     defaults: dict[str, Any] | None = None  # optional params, filled in by spec()
+    pdl: bool = True  # the body opens with pdl_wait() (or PDL_PRELOAD): KernelSpec.pdl
 
 
 P, I32 = "ptr", "i32"
@@ -673,7 +674,7 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
     params.update(blocks_a=gemv_grid_x(pa), blocks_b=gemv_grid_x(pb))
     tag = zlib.crc32(f"{a.entry} {b.entry}".encode())
     short = [f"{p['quant'].replace('_', '')}_n{p['n']}_k{p['k']}" for p in (pa, pb)]
-    return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params)
+    return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params, pdl=KERNELS["gemv_pair"].pdl)
 
 
 def pair_with_min_blocks(parts: Iterable[KernelSpec], min_blocks: int) -> KernelSpec:
@@ -1051,7 +1052,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
     if template in ("gemv", "attention") and norm["l2_pf"]:  # the prefetch ranges, by a hash (they are long)
         parts["pf"] = f"{zlib.crc32(norm['l2_pf'].encode()):08x}"
     name = entry_name(template, **parts)
-    return KernelSpec(template, name, norm)
+    return KernelSpec(template, name, norm, pdl=doc.pdl)
 
 
 @dataclass(frozen=True)
@@ -1283,7 +1284,8 @@ def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
     params = dict(p)
     params.update({f"{PAIR_ATTENTION_PART}{k}": v for k, v in c.items()})
     tag = zlib.crc32(f"{pair.entry} {attn.entry}".encode())
-    return KernelSpec("gemv_pair_attention", f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}", params)
+    entry = f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}"
+    return KernelSpec("gemv_pair_attention", entry, params, pdl=KERNELS["gemv_pair_attention"].pdl)
 
 
 def pair_attention_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
