@@ -83,7 +83,6 @@ class CudaRunner:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         use_graphs: bool = True,
-        catalog: Any = None,
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
@@ -92,7 +91,7 @@ class CudaRunner:
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
         self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style
         )
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
