@@ -6,7 +6,8 @@
                                                    # each combo's full text, to diff two checkouts
 
 A plan's text (``dump``) lists its weights, buffers, values, scratch and, for every step, mode and
-launch: the kernel's template, entry point, the sha256 of its rendered CUDA source, options, the
+launch: the kernel's template, entry point, the sha256 of its rendered CUDA code (comments left
+out: ``code_of``), options, the
 launch's grid (expressions as written), block, shared memory, row bounds, flags and its symbolic
 arguments; then the sampling launches. The golden file keeps one sha256 per combo (sources are
 hashed, never stored), so a refactor that changes no kernel and no launch leaves it byte-identical.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -100,9 +102,19 @@ def plan_of(combo: str):
 _SOURCE_SHA: dict = {}
 
 
+_COMMENT = re.compile(r"(^|\s)//.*$", re.M)
+
+
+def code_of(source: str) -> str:
+    """CUDA source without its ``//`` comments, trailing blanks and blank lines: what NVRTC
+    compiles. Template prose may change; the code may not."""
+    lines = (line.rstrip() for line in _COMMENT.sub(r"\1", source).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
 def _source_sha(spec) -> str:
     if spec not in _SOURCE_SHA:
-        _SOURCE_SHA[spec] = hashlib.sha256(render(spec).encode()).hexdigest()[:20]
+        _SOURCE_SHA[spec] = hashlib.sha256(code_of(render(spec)).encode()).hexdigest()[:20]
     return _SOURCE_SHA[spec]
 
 
