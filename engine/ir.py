@@ -25,8 +25,8 @@ from engine.types import ConfigError
 ACT_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 MODES = ("decode1", "decode", "prefill")
 # the launches of a batch-1 short-context decode pass where they differ from both decode1's and
-# short's (tuning decode_graph.pair_attention: the q|k|v pair that also runs the attention;
-# attention_decode.trigger_b1: the direct attention with its early pdl_trigger())
+# short's (attention_decode.trigger_b1: the direct attention with its early pdl_trigger(); the L2
+# prefetches of engine.lowering.l2_prefetch)
 SHORT1 = "short1"
 
 

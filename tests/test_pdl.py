@@ -18,8 +18,8 @@ from engine.types import ConfigError
 
 def _specs():
     """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning,
-    with decode_graph.pair_linears and pair_attention on for the gemv_pair(_attention) kernels)."""
-    tune = "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    with decode_graph.pair_linears on for the gemv_pair kernels)."""
+    tune = "decode_graph.pair_linears=true"
     prof = profile.with_tuning(profile.get_profile("h200"), tune)
     out: dict[tuple, Any] = {}
     for _fam, _size, d, types, styles, qk in family_cases():

@@ -2,9 +2,8 @@
 
 prefill: flash attention on tensor cores (kernels/attention_prefill.cu.j2); decode: split-KV
 partials + combine (kernels/attention.cu.j2, attention_combine.cu.j2); short (every row below
-split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it. Two
-post-passes: ``trigger_short1`` (tuning attention_decode.trigger_b1) and ``pair_attention``
-(tuning decode_graph.pair_attention). Must not import CUDA or numpy."""
+split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it. A
+post-pass, ``trigger_short1`` (tuning attention_decode.trigger_b1). Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from engine import kernel_catalog as kc
 from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, WeightPlan, val
 from engine.lowering.registry import post_pass, register, same_width
 from engine.lowering.rope import vec16
-from engine.types import ConfigError
 
 
 @register("attention", bind=same_width, short=True)
@@ -95,69 +93,17 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
 
 
-@post_pass(10)
-def pair_attention(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
-    """Tuning decode_graph.pair_attention: give each layer whose batch-1 q|k|v linear is one
-    gemv_pair launch and whose short-context attention is the direct rope-fused kernel a SHORT1
-    launch of kernels/gemv_pair_attention.cu.j2 that runs both, and its attention step an empty
-    SHORT1 (its rope step's short launches are already empty). The pair's q|k part must write
-    q with k right after it and its v part v, the rows the attention reads. The kernel's
-    __launch_bounds__ minimum is at least the blocks per SM its grid needs to run in one round
-    (the attention part takes registers), and its unit counters are one zeroed scratch."""
-    if not ctx.graph_knob("pair_attention"):
-        return
-    d = ctx.dims
-    for i, st in enumerate(steps):
-        pair = st.launches.get("decode1", ())
-        if st.op.op != "linear" or len(pair) != 1 or pair[0].spec.template != "gemv_pair":
-            continue
-        attn = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "attention"), None)
-        short = attn.launches.get("short", ()) if attn is not None else ()
-        if len(short) != 1 or not short[0].spec.params.get("rope") or not short[0].spec.params.get("direct"):
-            continue
-        la, at = pair[0], short[0]
-        pa = dict(zip((n for n, _ in kc.kernel_args(la.spec)), la.args, strict=True))
-        aa = dict(zip((n for n, _ in kc.kernel_args(at.spec)), at.args, strict=True))
-        q, k = values.get(aa["q"].ref), values.get(aa["k_in"].ref)
-        if (
-            q is None
-            or k is None
-            or pa["a_out"] != aa["q"]
-            or pa["b_out"] != aa["v_in"]
-            or k.buffer != q.buffer
-            or k.offset != q.offset + d["heads"] * d["head_dim"]
-        ):
-            continue
-        parts = kc.pair_parts(la.spec)
-        blocks = la.grid[0]
-        floor = -(-blocks // ctx.profile.sm_count) if ctx.profile.sm_count else 0
-        try:  # (both parts have one minimum: pair_spec's rule)
-            pair = kc.pair_with_min_blocks(parts, max(floor, parts[0].params["min_blocks"]))
-            spec = kc.pair_attention_spec(pair, at.spec)
-        except ConfigError:
-            continue
-        smem = la.smem + kc.attention_static_smem(at.spec.params)
-        if not kc.one_round(ctx.profile.tuning, smem, blocks, ctx.profile.sm_count):
-            continue
-        units = d["kv_heads"] * at.spec.params["qsplit"]
-        ctx.need_scratch(ScratchPlan("attn_count", fixed=units * 4, fill="zero"))
-        args = la.args + at.args + (Arg("scratch", "attn_count"),)
-        st.launches[SHORT1] = (Launch(spec, la.grid, la.block, args, la.smem),)
-        attn.launches[SHORT1] = ()
-
-
 @post_pass(20)
 def trigger_short1(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
     """Tuning attention_decode.trigger_b1: each attention step whose short-context launch is
     the direct kernel gets a SHORT1 launch, the same kernel with ``trigger`` (pdl_trigger() at
     its start, so the o GEMV's blocks launch beside it and fetch their weights early); the
-    other batch sizes keep the launch without it. Not where SHORT1 is already set (the
-    pair_attention fusion runs the attention itself), nor outside the o window (o_window)."""
+    other batch sizes keep the launch without it. Not outside the o window (o_window)."""
     if not ctx.tune("attention_decode").get("trigger_b1"):
         return
     for i, st in enumerate(steps):
         short = st.launches.get("short", ())
-        if st.op.op != "attention" or SHORT1 in st.launches or len(short) != 1:
+        if st.op.op != "attention" or len(short) != 1:
             continue
         if not ctx.o_window(steps, i, weights):
             continue
