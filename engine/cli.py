@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
+from engine.backend import load_stack
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -24,42 +25,6 @@ log = logging.getLogger("memra")
 
 def _err(msg: str) -> None:
     print(f"memra: error: {msg}", file=sys.stderr)
-
-
-# --------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
-    if model:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise MemraError(f"model path {path} does not exist", param="model")
-        return path
-    from engine.default_model import default_model_path
-
-    return default_model_path()
-
-
-def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
-    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
-    from engine.backend import create_runner
-    from engine.model import load_model
-    from engine.tokenizer import load_tokenizer
-
-    path = resolve_model_path(model_arg)
-    t0 = time.perf_counter()
-    print(f"memra: loading {path}", file=sys.stderr)
-    model = load_model(path, quant=quant)
-    tokenizer = load_tokenizer(model.weights)
-    runner = create_runner(model, backend, device_profile)
-    print(
-        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
-        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
-    return model, tokenizer, runner
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -101,15 +66,6 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         help="speculative decoding: prompt lookup, a draft model with the same tokenizer, or MTP heads",
     )
     p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
-
-
-def build_spec(args: argparse.Namespace, model: Any, runner: Any) -> Any:
-    """The engine's Speculator for --speculative/--spec-tokens (None without them)."""
-    from engine.spec.build import build_speculator
-    from engine.spec.config import parse_speculative
-
-    cfg = parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
-    return build_speculator(cfg, model, runner, device_profile=getattr(args, "device_profile", None))
 
 
 def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
@@ -173,7 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    speculator = build_spec(args, model, runner)
+    from engine.spec.build import speculator_from_args
+
+    speculator = speculator_from_args(args, model, runner)
     engine = _make_engine(runner, tokenizer, speculator)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
@@ -285,7 +243,8 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
 def warmup(targets, profiles, jobs: int | None = None, progress=sys.stderr, list_only: bool = False) -> dict:
     """Compile every kernel the plans of ``targets`` need for each profile's arch; returns a summary."""
     from engine.compile import KernelBuilder
-    from engine.plan import build_plan, kernel_specs
+    from engine.ir import kernel_specs
+    from engine.plan import build_plan
 
     by_arch: dict[str, list] = {}
     for _label, graph, dims, combo, style, dtypes in targets:

@@ -169,3 +169,17 @@ class TokenEvent:
     usage: Usage | None = None
     error: MemraError | None = None
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int = 0
+    total_memory: int = 0  # bytes
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"

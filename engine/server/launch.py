@@ -47,7 +47,7 @@ def build_engine(
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None."""
-    from engine.cli import load_stack
+    from engine.backend import load_stack
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
