@@ -614,26 +614,28 @@ def test_exception_midstream_becomes_error_chunk():
 
 
 def test_engine_metric_families_are_extensible():
-    """Another subsystem adds an engine series with one call (here the speculative-decoding counters)."""
+    """Another subsystem adds an engine series with one call (as the speculative-decoding counters do);
+    a name registered twice (here one of those) is refused."""
     from engine.server import metrics
 
     n = len(metrics.ENGINE_FAMILIES)
     try:
-        metrics.add_engine_family("vllm:spec_decode_num_draft_tokens", "draft tokens proposed", "counter", "spec_draft_tokens")
-        metrics.add_engine_family(
-            "vllm:spec_decode_num_accepted_tokens", "draft tokens accepted", "counter", lambda s: 7
-        )
+        metrics.add_engine_family("vllm:test_widgets", "widgets proposed", "counter", "test_widgets")
+        metrics.add_engine_family("vllm:test_gadgets", "gadgets accepted", "counter", lambda s: 7)
         with pytest.raises(ValueError):
             metrics.add_engine_family("vllm:spec_decode_num_draft_tokens", "again", "counter", "x")
         m = metrics.Metrics()
         m.model_name = "smol"
 
         class S:
-            spec_draft_tokens = 12
+            test_widgets = 12
+            spec_draft_tokens = 5
 
         fams = {f.name: f for f in text_string_to_metric_families(m.render(S(), alive=True, draining=False))}
-        assert fams["vllm:spec_decode_num_draft_tokens"].samples[0].value == 12
-        assert fams["vllm:spec_decode_num_accepted_tokens"].samples[0].labels == {"model_name": "smol"}
+        assert fams["vllm:test_widgets"].samples[0].value == 12
+        assert fams["vllm:test_gadgets"].samples[0].labels == {"model_name": "smol"}
+        assert fams["vllm:test_gadgets"].samples[0].value == 7
+        assert fams["vllm:spec_decode_num_draft_tokens"].samples[0].value == 5
     finally:
         del metrics.ENGINE_FAMILIES[n:]
 

@@ -197,6 +197,7 @@ class Run:
             tenant=self.tenant.name,
             cache_salt=salt,
             constraint=self.constraint,
+            speculative=self.spec.speculative,
         )
         try:
             self.handle = st.engine.submit(req)

@@ -4,9 +4,9 @@ dashboards and the Gateway API Inference Extension's endpoint picker read.
 Request-side series (HTTP counts, tokens of finished requests, TTFT/ITL/e2e histograms) are
 prometheus_client Counters/Histograms in a per-server registry; engine-side series are read from
 ``Engine.stats()`` at scrape time by a collector driven by the ``ENGINE_FAMILIES`` table. Another
-subsystem adds an engine series with one ``add_engine_family`` call (see its docstring), e.g. the
-speculative-decoding counters ``vllm:spec_decode_num_draft_tokens``. Engine stats are read with
-getattr defaults, so a partial EngineStats still renders. Thread-safe (prometheus_client is).
+subsystem adds an engine series with one ``add_engine_family`` call (see its docstring), as the
+speculative-decoding counters (``memra_spec_*``, ``vllm:spec_decode_*``) are. Engine stats are
+read with getattr defaults, so a partial EngineStats still renders. Thread-safe (prometheus_client is).
 Must not import falcon or the engine loop.
 """
 
@@ -69,8 +69,8 @@ def add_engine_family(name: str, doc: str, kind: str, value: Callable[[object], 
     """Register an engine series for every server (``value``: an EngineStats field name or a function
     of the stats). ``vllm:`` names get the ``model_name`` label unless told otherwise. Example::
 
-        add_engine_family("vllm:spec_decode_num_draft_tokens", "draft tokens proposed", "counter",
-                          "spec_draft_tokens")
+        add_engine_family("memra_spec_verify_rows", "sequence steps that verified a draft", "counter",
+                          "spec_verify_rows")
     """
     if kind not in ("gauge", "counter"):
         raise ValueError(f"kind must be gauge or counter, got {kind!r}")
@@ -111,6 +111,13 @@ for _args in (
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens", "counter", "prefix_query_tokens"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", "counter", "prefix_hit_tokens"),
     ("vllm:num_preemptions", "Cumulative number of preemptions from the engine", "counter", "preemptions"),
+    # speculative decoding (engine.spec; zero without it), under vLLM's names too for its dashboards
+    ("memra_spec_draft_tokens", "speculative tokens proposed and verified", "counter", "spec_draft_tokens"),
+    ("memra_spec_accepted_tokens", "speculative tokens accepted", "counter", "spec_accepted_tokens"),
+    ("memra_spec_verify_rows", "sequence steps that verified a draft", "counter", "spec_verify_rows"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "counter", "spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "counter", "spec_accepted_tokens"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "counter", "spec_verify_rows"),
 ):
     add_engine_family(*_args)
 
