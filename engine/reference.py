@@ -2,7 +2,8 @@
 
 It is the oracle every CUDA kernel and the CUDA runner are checked against, and the backend CI
 serves with. Weights are dequantised to float32 once at construction; each op of
-``model.graph.ops()`` runs through ``engine.ops_ref``; nothing is fused. Items of a step run one
+``model.graph.ops()`` runs through its numpy reference in ``engine.ops`` (registered by op name;
+built from ``engine.ops_ref``); nothing is fused. Items of a step run one
 after another, so an item's output never depends on the other items of the step.
 
 Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``).
@@ -16,7 +17,10 @@ from typing import Any
 import numpy as np
 
 from engine import ops_ref
-from engine.sampling import sample, validate_sampling
+from engine.ops import OPS, REFERENCE, RefStep
+from engine.progress import bar
+from engine.sampling import sample, sample_item, validate_sampling
+from engine.spec.accept import accept
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
@@ -67,7 +71,7 @@ class ReferenceRunner:
         self._schedule = self._build_schedule()
         self._weights: dict[tuple[str, int | None], np.ndarray] = {}
         self._load_weights()
-        self._rope_cos, self._rope_sin = self._rope_tables()
+        self._rope: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- construction -----------------------------------------------------------------------
 
@@ -88,33 +92,32 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
-        for op, per_layer in self.ops:
-            layers = range(self.layers) if per_layer else [None]
+        graph, dims = self.model.graph, self.model.dims
+        for op, per_layer in bar(self.ops, "memra: loading weights", unit="op"):
+            layers = [i for i in range(self.layers) if graph.op_runs(op, dims, i)] if per_layer else [None]
             for layer in layers:
                 for w in op.weights:
                     load(w, layer)
-                ff = op.attrs.get("freq_factors")
-                if ff and self.model.has(ff, None):
-                    load(ff, None)
+            for attr, kind in OPS[op.op].attrs.items():
+                name = op.attrs.get(attr)
+                if kind == "tensor" and name and self.model.has(name, None):
+                    load(name, None)
 
-    def _rope_tables(self) -> tuple[dict[str | None, np.ndarray], dict[str | None, np.ndarray]]:
-        """cos and sin tables [max_model_len, rope_dim/2], keyed by the freq-factor tensor (None: none)."""
-        d = self.model.dims
-        rope_dim = int(d.get("rope_dim") or self.head_dim)
-        positions = np.arange(self.max_model_len)
-        cos: dict[str | None, np.ndarray] = {}
-        sin: dict[str | None, np.ndarray] = {}
-        for op, _ in self.ops:
-            if op.op != "rope":
-                continue
-            ff_name = op.attrs.get("freq_factors")
-            ff = self._weights.get((ff_name, None)) if ff_name else None
-            key = ff_name if ff is not None else None
-            if key in cos:
-                continue
+    def weight(self, name: str, layer: int | None) -> np.ndarray:
+        """The float32 array of tensor ``name`` (per-layer tensors at ``layer``, else None)."""
+        return self._weights[(name, layer)]
+
+    def rope_tables(self, freq_factors: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin tables [max_model_len, rope_dim/2] for a rope op whose ``freq_factors``
+        attribute names ``freq_factors`` (None, or a tensor the file lacks: plain RoPE); cached."""
+        key = freq_factors if freq_factors and (freq_factors, None) in self._weights else None
+        if key not in self._rope:
+            d = self.model.dims
+            rope_dim = int(d.get("rope_dim") or self.head_dim)
+            ff = self._weights[(key, None)] if key else None
             inv = ops_ref.rope_inv_freq(rope_dim, float(d["rope_theta"]), d.get("rope_scaling"), ff)
-            cos[key], sin[key] = ops_ref.rope_tables(positions, inv)
-        return cos, sin
+            self._rope[key] = ops_ref.rope_tables(np.arange(self.max_model_len), inv)
+        return self._rope[key]
 
     # -- execution ----------------------------------------------------------------------------
 
@@ -129,62 +132,16 @@ class ReferenceRunner:
     ) -> np.ndarray:
         """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
         unless ``all_logits``)."""
-        t = len(tokens)
-        pos = slice(start_pos, start_pos + t)
         env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
-        w = self._weights
-        hd = self.head_dim
+        step = RefStep(self, env, start_pos, block_table, k_cache, v_cache, all_logits)
         for o, layer in self._schedule:
-            name = o.op
-            if name == "embed":
-                env[o.outputs[0]] = ops_ref.embed(env[o.inputs[0]], w[(o.weights[0], layer)])
-            elif name == "rmsnorm":
-                env[o.outputs[0]] = ops_ref.rmsnorm(env[o.inputs[0]], w[(o.weights[0], layer)], self.eps)
-            elif name == "head_rmsnorm":
-                env[o.outputs[0]] = ops_ref.head_rmsnorm(
-                    env[o.inputs[0]], w[(o.weights[0], layer)], self.eps, hd
-                )
-            elif name == "linear":
-                x = env[o.inputs[0]]
-                res = env[o.attrs["residual"]] if "residual" in o.attrs else None
-                if not all_logits and o.outputs == ("logits",):
-                    x = x[-1:]
-                    res = res[-1:] if res is not None else None
-                outs = [ops_ref.linear(x, w[(wn, layer)], res) for wn in o.weights]
-                for out_name, val in zip(o.outputs, outs, strict=True):
-                    env[out_name] = val
-            elif name == "rope":
-                ff = o.attrs.get("freq_factors")
-                key = ff if ff in self._rope_cos else None
-                cos, sin = self._rope_cos[key][pos], self._rope_sin[key][pos]
-                style = self.model.rope_style
-                q, k = (env[n] for n in o.inputs)
-                env[o.outputs[0]] = ops_ref.rope_apply(q, cos, sin, head_dim=hd, style=style)
-                env[o.outputs[1]] = ops_ref.rope_apply(k, cos, sin, head_dim=hd, style=style)
-            elif name == "attention":
-                q, k, v = (env[n] for n in o.inputs)
-                env[o.outputs[0]] = ops_ref.attention(
-                    q,
-                    k,
-                    v,
-                    k_cache[layer],
-                    v_cache[layer],
-                    block_table,
-                    start_pos,
-                    heads=self.heads,
-                    kv_heads=self.kv_heads,
-                    head_dim=hd,
-                )
-            elif name == "silu_mul":
-                env[o.outputs[0]] = ops_ref.silu_mul(env[o.inputs[0]], env[o.inputs[1]])
-            else:  # the graph loader only admits known ops; a new op must be added here
-                raise MemraError(
-                    f"reference backend has no implementation of op {name!r}", code="internal_error"
-                )
+            REFERENCE[o.op](step, o, layer)
         return env["logits"]
 
     def _build_schedule(self) -> list[tuple[Any, int | None]]:
-        """(op, layer) in execution order: each per-layer op once per layer, in graph order."""
+        """(op, layer) in execution order: each per-layer op once per layer where its ``when``
+        predicate holds, in graph order."""
+        graph, dims = self.model.graph, self.model.dims
         sched: list[tuple[Any, int | None]] = []
         i, ops = 0, self.ops
         while i < len(ops):
@@ -196,7 +153,7 @@ class ReferenceRunner:
             while j < len(ops) and ops[j][1]:
                 j += 1
             for layer in range(self.layers):
-                sched.extend((op, layer) for op, _ in ops[i:j])
+                sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
             i = j
         return sched
 
@@ -244,7 +201,33 @@ class ReferenceRunner:
                 out.append(None)
                 continue
             # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
-            out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
+            out.append(sample_item(logits[-1], item))
+        return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
+        tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
+        them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
+        for item in items:
+            self._check_item(item)
+            k = len(item.draft)
+            if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
+                raise MemraError(
+                    f"seq {item.seq_id}: the draft must be the last {k} of the item's tokens",
+                    code="internal_error",
+                )
+        out: list[list[int]] = []
+        for item in items:
+            k = len(item.draft)
+            logits = self._forward(
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0
+            )
+            if k:
+                out.append(accept(logits[-(k + 1) :], item))
+            elif item.sample:
+                out.append([sample_item(logits[-1], item)])
+            else:
+                out.append([])
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:

@@ -12,6 +12,7 @@ Server TOML (every key optional)::
     max_prompt_bytes = 0        # 0: 16 bytes per token of context
     tokenizer_threads = 1       malloc_arena_max = 2
     retry_after_s = 1           keys_file = "keys.toml"  # relative to this file
+    speculative = "ngram"       spec_tokens = 4        # or "draft:PATH" / "mtp" (docs/speculative.md)
     [models]
     smol = "/models/SmolLM2-135M-Instruct-Q4_1.gguf"
 
@@ -79,6 +80,8 @@ class ServerConfig:
     models: dict[str, str] = field(default_factory=dict)
     keys: tuple[ApiKey, ...] = ()  # used when keys_file is None (tests); else read from keys_file
     system_fingerprint: str = "fp_memra"
+    speculative: str | None = None  # `--speculative`: ngram | draft:PATH | mtp (engine.spec.config)
+    spec_tokens: int | None = None  # `--spec-tokens`
 
     @property
     def waitress_threads(self) -> int:
@@ -123,6 +126,8 @@ _SERVER_TYPES = {
     "retry_after_s": int,
     "keys_file": str,
     "system_fingerprint": str,
+    "speculative": str,
+    "spec_tokens": int,
 }
 
 

@@ -107,8 +107,10 @@ class Admission:
             self.retry_after_s,
         )
 
-    def admit(self, tenant, prompt_tokens: int) -> None:
-        """Take a slot for ``tenant`` (an auth.Tenant) or raise 429 (overloaded / tenant_limit / rate_limited)."""
+    def admit(self, tenant, prompt_tokens: int, new_request: bool = True) -> None:
+        """Take a slot for ``tenant`` (an auth.Tenant) or raise 429 (overloaded / tenant_limit / rate_limited).
+        ``new_request`` False: a further choice of an admitted request (n > 1), not charged to the
+        request bucket."""
         now = time.monotonic()
         with self.lock:
             if self.in_flight >= self.max_in_flight:
@@ -121,7 +123,7 @@ class Admission:
                     self.retry_after_s,
                 )
             rb = tb = None
-            if tenant.requests_per_minute:
+            if tenant.requests_per_minute and new_request:
                 rb = self._bucket(self._req_buckets, tenant.name, tenant.requests_per_minute)
                 w = rb.wait_s(1, now)
                 if w > 0:

@@ -16,7 +16,7 @@ from typing import Any
 from engine.server_config import ServerConfig
 from engine.types import MemraError
 
-from .app import build_app
+from .app import _STATES, build_app
 from .state import AppState
 from .tokenize_pool import limit_malloc_arenas
 from .waitress_guard import make_waitress, stop_waitress
@@ -30,7 +30,9 @@ class BackgroundServer:
     """waitress in a daemon thread (tests, embedding). ``url`` is http://host:port."""
 
     def __init__(self, app, config: ServerConfig | None = None, host: str = "127.0.0.1", port: int = 0):
-        self.server = make_waitress(app, config or ServerConfig(), host=host, port=port)
+        state = _STATES.get(id(app))  # an app from create_app: its 408s count in its metrics
+        on_timeout = (lambda: state.metrics.count_rejected("request_timeout")) if state is not None else None
+        self.server = make_waitress(app, config or ServerConfig(), host=host, port=port, on_timeout=on_timeout)
         self.port = self.server.effective_port
         self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self.server.run, daemon=True, name="waitress")
@@ -102,7 +104,7 @@ def run_server(
             config.host,
             config.port,
         )
-    server = make_waitress(app, config)
+    server = make_waitress(app, config, on_timeout=lambda: state.metrics.count_rejected("request_timeout"))
     stop = stop_event or threading.Event()
     result: dict[str, Any] = {"code": 0, "error": None}
 

@@ -29,6 +29,8 @@ class AppState:
         self.config = config
         self.keyring = Keyring(config)
         self.metrics = Metrics()
+        if model_info is not None:
+            self.metrics.model_name = model_info.id
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
@@ -41,6 +43,9 @@ class AppState:
 
     def attach(self, engine: Any, tokenizer: Any, model_info: ModelInfo) -> None:
         self.tokenizer, self.model_info = tokenizer, model_info
+        self.metrics.model_name = model_info.id
+        cfg = getattr(getattr(engine, "config", None), "enable_prefix_cache", None)
+        self.metrics.prefix_caching = True if cfg is None else bool(cfg)
         self.engine = engine  # last: readiness is "engine is not None"
 
     @property
@@ -65,9 +70,9 @@ class AppState:
         if admit:
             self.admission.check_full()
 
-    def acquire(self, tenant: Tenant, prompt_tokens: int = 0, run: Any = None) -> None:
+    def acquire(self, tenant: Tenant, prompt_tokens: int = 0, run: Any = None, new_request: bool = True) -> None:
         """Admit one request for ``tenant`` or raise 429 (see admission.Admission.admit)."""
-        self.admission.admit(tenant, prompt_tokens)
+        self.admission.admit(tenant, prompt_tokens, new_request)
         if run is not None:
             with self._runs_lock:
                 self._runs[id(run)] = run

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 import types
+from collections.abc import Callable
 
 import waitress
 from waitress.channel import HTTPChannel
@@ -104,6 +105,12 @@ def _maintenance(self: BaseWSGIServer, now: float) -> None:
             except Exception:  # the client is gone already; never let maintenance kill the loop
                 ch.will_close = True
             ch.receiving_since = None
+            on_timeout = getattr(self, "memra_on_timeout", None)
+            if on_timeout is not None:
+                try:
+                    on_timeout()
+                except Exception:  # a metrics hook must never stop the loop thread
+                    pass
         elif ch.last_activity < idle_cutoff:
             ch.will_close = True
 
@@ -145,9 +152,17 @@ def raise_fd_limit(want: int) -> int:
     return soft
 
 
-def make_waitress(app, config: ServerConfig, *, host: str | None = None, port: int | None = None):
+def make_waitress(
+    app,
+    config: ServerConfig,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    on_timeout: Callable[[], None] | None = None,
+):
     """A waitress server sized from the admission limit, with read-ahead so client disconnects are
-    seen, poll() instead of select() (thousands of sockets), JSON errors and receive deadlines."""
+    seen, poll() instead of select() (thousands of sockets), JSON errors and receive deadlines.
+    ``on_timeout()`` is called (in waitress's loop thread) for every 408 sent."""
     raise_fd_limit(config.connection_limit + config.waitress_threads + 256)
     server = waitress.create_server(
         app,
@@ -165,6 +180,7 @@ def make_waitress(app, config: ServerConfig, *, host: str | None = None, port: i
     )
     server.channel_class = GuardedChannel
     server.memra_request_timeout_s = config.request_timeout_s
+    server.memra_on_timeout = on_timeout
     server.maintenance = types.MethodType(_maintenance, server)
     server.handle_accept = types.MethodType(_handle_accept, server)
     return server
