@@ -12,7 +12,7 @@ import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
 from safetensors.numpy import save_file
 
-from engine import graph
+from engine import graph, hf_config
 from engine.dsl_expr import evaluate
 from engine.model import dims_for_size, load_model, resolve_dims
 from engine.ops import OPS
@@ -153,6 +153,10 @@ def test_config_field_alternatives_and_gguf_defaults():
         resolve_dims(g, "hf", base | {"num_local_experts": 8, "num_experts": 6}, "c")
     text = base | {"num_experts": 6}  # nested under text_config, as multimodal configs write it
     assert resolve_dims(g, "hf", {"text_config": text}, "c")["experts"] == 6
+    # hf_expect is inherited through extends (qwen3 <- llama): math the family lacks is an error
+    hf_config.check_expected(base | {"hidden_act": "silu", "use_sliding_window": False}, g.hf_expect, "c", g.family)
+    with pytest.raises(MemraError, match="'use_sliding_window' = True changes the model in a way family qwen3_moe"):
+        hf_config.check_expected(base | {"use_sliding_window": True}, g.hf_expect, "c", g.family)
     gg = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64, "qwen3moe.block_count": 2,
           "qwen3moe.attention.head_count": 4, "qwen3moe.feed_forward_length": 8, "qwen3moe.vocab_size": 10,
           "qwen3moe.expert_count": 6, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 8}
