@@ -11,13 +11,24 @@ from __future__ import annotations
 import ast
 import copy
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from engine import paths
-from engine.ops import OPS
+from engine.graph_flow import parse_graph
+from engine.graph_nodes import (  # noqa: F401  (re-exported: the DSL's node types)
+    GRAPH_INPUTS,
+    GRAPH_OUTPUT,
+    Choose,
+    DimSpec,
+    Op,
+    QuantCombo,
+    Repeat,
+    TensorSpec,
+    op_tensors,
+)
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
 
@@ -51,83 +62,15 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
+# Per-format load-time transforms of a vector into the form the ops compute with (engine.model):
+# plus_one: HF's zero-centred RMSNorm weight w becomes 1 + w (what llama.cpp's converter stores);
+# neg_exp: HF's A_log becomes A = -exp(A_log) (GGUF ssm_a).
+TENSOR_TRANSFORMS = ("plus_one", "neg_exp")
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
 
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
-
-GRAPH_INPUTS = ("tokens",)
-GRAPH_OUTPUT = "logits"
-
-
-@dataclass(frozen=True)
-class DimSpec:
-    name: str
-    hf: str | None = None
-    gguf: str | None = None
-    default: Any = None
-    has_default: bool = False
-    type: str = "int"
-    expr: str | None = None
-    from_tensor: tuple[str, int] | None = None
-    gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    hf: str | None
-    gguf: str | None
-    kind: str
-    shape: tuple[str, ...] | None
-    tied_to: str | None
-    optional: bool
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in (self.hf or "") or "{i}" in (self.gguf or "")
-
-    def pattern(self, fmt: str) -> str | None:
-        return self.hf if fmt == "hf" else self.gguf
-
-    def file_name(self, fmt: str, layer: int | None = None) -> str | None:
-        pat = self.pattern(fmt)
-        if pat is None:
-            return None
-        return pat.replace("{i}", str(layer)) if self.per_layer else pat
-
-
-@dataclass(frozen=True)
-class Op:
-    op: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    weights: tuple[str, ...] = ()
-    attrs: dict[str, str] = field(default_factory=dict)
-
-    def __hash__(self) -> int:
-        return hash((self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items()))))
-
-
-@dataclass(frozen=True)
-class Repeat:
-    count: str  # a dim name
-    body: tuple[Op, ...]
-
-
-@dataclass(frozen=True)
-class QuantCombo:
-    name: str
-    default: tuple[str, ...]
-    per_tensor: dict[str, tuple[str, ...]]
-
-    def allowed(self, tensor: str) -> tuple[str, ...]:
-        return self.per_tensor.get(tensor, self.default)
-
-    def describe(self) -> str:
-        extra = ", ".join(f"{k}: {'|'.join(v)}" for k, v in self.per_tensor.items())
-        return f"{self.name} (default {'|'.join(self.default)}{'; ' + extra if extra else ''})"
 
 
 @dataclass(frozen=True)
@@ -145,14 +88,70 @@ class ModelGraph:
     sizes: dict[str, dict[str, Any]]
 
     def ops(self) -> list[tuple[Op, bool]]:
-        """Every op in order with a flag saying whether it runs once per layer."""
+        """Every op in order with a flag saying whether it runs once per layer (every case of a
+        per-layer ``choose`` included: ``schedule`` gives what each layer runs)."""
         out: list[tuple[Op, bool]] = []
         for node in self.graph:
             if isinstance(node, Repeat):
-                out.extend((op, True) for op in node.body)
+                for inner in node.body:
+                    if isinstance(inner, Choose):
+                        out.extend((op, True) for case in inner.cases.values() for op in case)
+                    else:
+                        out.append((inner, True))
             else:
                 out.append((node, False))
         return out
+
+    @property
+    def choice_dim(self) -> str | None:
+        """The list dim a per-layer ``choose`` reads (one per family at most), or None."""
+        for node in self.graph:
+            if isinstance(node, Repeat):
+                for inner in node.body:
+                    if isinstance(inner, Choose):
+                        return inner.dim
+        return None
+
+    def block_types(self) -> tuple[str, ...]:
+        """The case names of the per-layer ``choose`` (empty without one)."""
+        for node in self.graph:
+            if isinstance(node, Repeat):
+                for inner in node.body:
+                    if isinstance(inner, Choose):
+                        return tuple(inner.cases)
+        return ()
+
+    def schedule(self, dims: dict[str, Any]) -> list[tuple[Op, int | None]]:
+        """(op, layer) in execution order: each repeat's body once per layer, with the case of a
+        ``choose`` that the layer's entry of its list dim names."""
+        sched: list[tuple[Op, int | None]] = []
+        for node in self.graph:
+            if not isinstance(node, Repeat):
+                sched.append((node, None))
+                continue
+            kinds = dims.get(self.choice_dim) if self.choice_dim else None
+            for layer in range(int(dims[node.count])):
+                kind = kinds[layer] if kinds is not None else None
+                sched.extend((op, layer) for op in node.layer_ops(kind))
+        return sched
+
+    def tensor_block_types(self) -> dict[str, frozenset[str]]:
+        """Per-layer tensors used only inside ``choose`` cases -> the block types that use them
+        (such a tensor exists only in the layers of those types)."""
+        inside: dict[str, set[str]] = {}
+        outside: set[str] = set()
+        for node in self.graph:
+            if not isinstance(node, Repeat):
+                continue
+            for inner in node.body:
+                if isinstance(inner, Choose):
+                    for case, ops in inner.cases.items():
+                        for op in ops:
+                            for w in op_tensors(op):
+                                inside.setdefault(w, set()).add(case)
+                else:
+                    outside.update(op_tensors(inner))
+        return {k: frozenset(v) for k, v in inside.items() if k not in outside}
 
     def quant(self, name: str) -> QuantCombo:
         if name not in self.quants:
@@ -170,10 +169,14 @@ _DIM = {
     "hf": Field(str),
     "gguf": Field(str),
     "default": Field((int, float, str, bool, type(None))),
-    "type": Field(OneOf(("int", "float", "bool", "mapping")), default="int"),
+    "type": Field(OneOf(("int", "float", "bool", "mapping", "list")), default="int"),
     "expr": Field(str),
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
+    "per_format": Field({"hf": Field((int, float, str, bool)), "gguf": Field((int, float, str, bool))}),
+    "pattern": Field(
+        {"interval": Field(str, required=True), "every": Field(str, required=True), "other": Field(str, required=True)}
+    ),
 }
 _TENSOR = {
     "hf": Field(str),
@@ -182,6 +185,9 @@ _TENSOR = {
     "shape": Field(ListOf(str)),
     "tied_to": Field(str),
     "optional": Field(bool, default=False),
+    "transform": Field({"hf": Field(OneOf(TENSOR_TRANSFORMS)), "gguf": Field(OneOf(TENSOR_TRANSFORMS))}),
+    "shape_gguf": Field(ListOf(str)),
+    "layers": Field(str),
 }
 _TOP = {
     "family": Field(str, required=True),
@@ -264,6 +270,9 @@ def _edit_nodes(nodes: list, pattern: dict, new: list, keep: bool) -> bool:
         node = nodes[i]
         if isinstance(node, dict) and "repeat" in node:
             hit |= _edit_nodes(node.get("body") or [], pattern, new, keep)
+        elif isinstance(node, dict) and "choose" in node:
+            for case in (node.get("cases") or {}).values():
+                hit |= _edit_nodes(case or [], pattern, new, keep)
         elif _op_matches(node, pattern):
             nodes[i : i + 1] = ([node] if keep else []) + copy.deepcopy(new)
             i += len(new) + (1 if keep else 0)
@@ -271,98 +280,6 @@ def _edit_nodes(nodes: list, pattern: dict, new: list, keep: bool) -> bool:
             continue
         i += 1
     return hit
-
-
-def _parse_op(raw: Any, file: Path, where: str) -> Op:
-    if not isinstance(raw, dict) or "op" not in raw:
-        raise fail(file, where, "expected a mapping with an `op` key")
-    name = raw["op"]
-    if name not in OPS:
-        raise fail(file, f"{where}.op", f"unknown op {name!r}; known ops: {', '.join(OPS)}")
-    d = OPS[name]
-    allowed = {"op", "in", "out", "weight"} | set(d.attrs)
-    for key in raw:
-        if key not in allowed:
-            raise fail(
-                file,
-                f"{where}.{key}",
-                f"unknown key for op {name}; expected one of: {', '.join(sorted(allowed))}",
-            )
-    inputs = tuple(_as_list(raw.get("in")))
-    outputs = tuple(_as_list(raw.get("out")))
-    weights = tuple(_as_list(raw.get("weight")))
-    for label, items in (("in", inputs), ("out", outputs), ("weight", weights)):
-        for item in items:
-            if not isinstance(item, str):
-                raise fail(file, f"{where}.{label}", f"expected names (strings), got {item!r}")
-    lo, hi = d.weights
-    if not lo <= len(weights) <= hi:
-        raise fail(file, f"{where}.weight", f"op {name} takes {lo}..{hi} weights, got {len(weights)}")
-    if d.inputs is not None and len(inputs) != d.inputs:
-        raise fail(file, f"{where}.in", f"op {name} takes {d.inputs} input(s), got {len(inputs)}")
-    want_out = d.outputs if d.outputs is not None else len(weights)
-    if len(outputs) != want_out:
-        raise fail(file, f"{where}.out", f"op {name} produces {want_out} output(s), got {len(outputs)}")
-    attrs = {k: raw[k] for k in d.attrs if k in raw}
-    for k, v in attrs.items():
-        if not isinstance(v, str):
-            raise fail(file, f"{where}.{k}", f"expected a name (string), got {v!r}")
-    return Op(name, inputs, outputs, weights, attrs)
-
-
-def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op | Repeat, ...]:
-    nodes: list[Op | Repeat] = []
-    for n, item in enumerate(raw):
-        where = f"graph[{n}]"
-        if isinstance(item, dict) and "repeat" in item:
-            extra = set(item) - {"repeat", "body"}
-            if extra:
-                raise fail(
-                    file, f"{where}.{sorted(extra)[0]}", "unknown key; a repeat has `repeat` and `body`"
-                )
-            if item["repeat"] not in dims:
-                raise fail(file, f"{where}.repeat", f"{item['repeat']!r} is not a dim of this family")
-            body = tuple(
-                _parse_op(op, file, f"{where}.body[{j}]") for j, op in enumerate(item.get("body") or [])
-            )
-            if not body:
-                raise fail(file, f"{where}.body", "a repeat needs a non-empty body")
-            nodes.append(Repeat(item["repeat"], body))
-        else:
-            nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors)
-    return tuple(nodes)
-
-
-def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec]) -> None:
-    defined = set(GRAPH_INPUTS)
-    for n, node in enumerate(nodes):
-        ops = node.body if isinstance(node, Repeat) else (node,)
-        prefix = f"graph[{n}]" + (".body" if isinstance(node, Repeat) else "")
-        for j, op in enumerate(ops):
-            where = f"{prefix}[{j}]" if isinstance(node, Repeat) else prefix
-            for name in op.inputs:
-                if name not in defined:
-                    raise fail(file, f"{where}.in", f"value {name!r} is used before any op produces it")
-            for w in op.weights:
-                if w not in tensors:
-                    raise fail(file, f"{where}.weight", f"{w!r} is not a tensor of this family")
-                if tensors[w].per_layer != isinstance(node, Repeat):
-                    scope = "inside" if tensors[w].per_layer else "outside"
-                    raise fail(
-                        file,
-                        f"{where}.weight",
-                        f"per-layer tensor rules: {w!r} must be used {scope} a repeat",
-                    )
-            for k, v in op.attrs.items():
-                kind = OPS[op.op].attrs[k]
-                if kind == "tensor" and v not in tensors:
-                    raise fail(file, f"{where}.{k}", f"{v!r} is not a tensor of this family")
-                if kind == "value" and v not in defined:
-                    raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
-            defined.update(op.outputs)
-    if GRAPH_OUTPUT not in defined:
-        raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
 
 
 def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
@@ -373,8 +290,12 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
         ft = spec.get("from_tensor")
         if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
             raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
-            raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
+        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor", "per_format", "pattern")):
+            raise fail(
+                file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor, per_format, pattern"
+            )
+        if "pattern" in spec and spec["type"] != "list":
+            raise fail(file, f"{where}.pattern", "a pattern makes a list dim: add `type: list`")
         dims[name] = DimSpec(
             name=name,
             hf=spec.get("hf"),
@@ -385,7 +306,12 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
             expr=spec.get("expr"),
             from_tensor=(ft[0], ft[1]) if ft else None,
             gguf_from_missing=spec.get("gguf_from_missing"),
+            per_format=spec.get("per_format"),
+            pattern=spec.get("pattern"),
         )
+    for name, d in dims.items():
+        if d.pattern and d.pattern["interval"] not in dims:
+            raise fail(file, f"dims.{name}.pattern.interval", f"{d.pattern['interval']!r} is not a dim of this family")
     return dims
 
 
@@ -396,10 +322,15 @@ def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
         spec = validate(spec, _TENSOR, file, where)
         if "hf" not in spec and "gguf" not in spec:
             raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
-        for part in spec.get("shape") or []:
-            for ident in _names_in(part, file, f"{where}.shape"):
-                if ident not in dims:
-                    raise fail(file, f"{where}.shape", f"{ident!r} is not a dim of this family")
+        for key in ("shape", "shape_gguf"):
+            for part in spec.get(key) or []:
+                for ident in _names_in(part, file, f"{where}.{key}"):
+                    if ident not in dims:
+                        raise fail(file, f"{where}.{key}", f"{ident!r} is not a dim of this family")
+        if spec.get("transform") and spec["kind"] != "vector":
+            raise fail(file, f"{where}.transform", "only vectors take a load-time transform")
+        if "layers" in spec and spec["layers"] not in dims:
+            raise fail(file, f"{where}.layers", f"{spec['layers']!r} is not a dim of this family")
         tensors[name] = TensorSpec(
             name=name,
             hf=spec.get("hf"),
@@ -408,6 +339,9 @@ def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
             shape=tuple(spec["shape"]) if spec.get("shape") else None,
             tied_to=spec.get("tied_to"),
             optional=spec["optional"],
+            transform=dict(spec.get("transform") or {}),
+            shapes={"gguf": tuple(spec["shape_gguf"])} if spec.get("shape_gguf") else {},
+            layers=spec.get("layers", "layers"),
         )
     for name, t in tensors.items():
         if t.tied_to is not None and t.tied_to not in tensors:
@@ -526,7 +460,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
     dims = _parse_dims(raw["dims"], file)
     tensors = _parse_tensors(raw["tensors"], file, dims)
-    graph = _parse_graph(raw["graph"], file, dims, tensors)
+    graph = parse_graph(raw["graph"], file, dims, tensors)
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:

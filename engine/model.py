@@ -60,17 +60,38 @@ class LoadedModel:
         return self.weights.info(self.file_name(tensor, layer))
 
     def dequantize(self, tensor: str, layer: int | None = None):
-        return self.weights.dequantize(self.file_name(tensor, layer))
+        """The tensor as float32, with its family's load-time transform for this format applied
+        (``plus_one``: 1 + w of a zero-centred norm; ``neg_exp``: -exp(A_log)), so every backend
+        reads the form the ops compute with."""
+        arr = self.weights.dequantize(self.file_name(tensor, layer))
+        how = self.graph.tensors[tensor].transform.get(self.fmt)
+        return apply_transform(arr, how) if how else arr
 
-    def layer_range(self) -> range:
-        return range(int(self.dims["layers"]))
+    def layer_range(self, tensor: str | None = None) -> range:
+        """Layers of the main stack, or of the count dim a per-layer tensor names (mtp_layers)."""
+        count = self.graph.tensors[tensor].layers if tensor else "layers"
+        return range(int(self.dims.get(count) or 0))
+
+    def tensor_layers(self, tensor: str) -> list[int | None]:
+        """The layers a tensor is expected in: [None] for a global tensor, else the layers of its
+        count dim whose block type (a hybrid's ``layer_types``) uses it."""
+        spec = self.graph.tensors[tensor]
+        if not spec.per_layer:
+            return [None]
+        kinds = self.graph.tensor_block_types().get(tensor)
+        types = self.dims.get(self.graph.choice_dim) if self.graph.choice_dim else None
+        if kinds is None or types is None:
+            return list(self.layer_range(tensor))
+        return [i for i in self.layer_range(tensor) if types[i] in kinds]
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the graph reads once per token (the decode roofline numerator)."""
         total = 0
         seen: set[str] = set()
         for key, spec in self.graph.tensors.items():
-            for layer in self.layer_range() if spec.per_layer else [None]:
+            if spec.layers != "layers":
+                continue  # not run per token by the graph (MTP)
+            for layer in self.tensor_layers(key):
                 if not self.has(key, layer):
                     continue
                 name = self.file_name(key, layer)
@@ -81,14 +102,31 @@ class LoadedModel:
         return total
 
 
+def apply_transform(arr, how: str):
+    """A family tensor's load-time transform (engine.graph.TENSOR_TRANSFORMS), in float32."""
+    import numpy as np
+
+    a = np.asarray(arr, dtype=np.float32)
+    if how == "plus_one":
+        return (a + np.float32(1.0)).astype(np.float32)
+    if how == "neg_exp":
+        return (-np.exp(a)).astype(np.float32)
+    raise ConfigError(f"unknown tensor transform {how!r}")
+
+
 def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
-    if key in meta:
-        return True, meta[key]
-    # HF configs nest some fields (e.g. text_config); look one level down
-    for sub in ("text_config", "llm_config"):
-        inner = meta.get(sub)
-        if isinstance(inner, dict) and key in inner:
-            return True, inner[key]
+    """A config field: at the top or one level down (text_config / llm_config); a dotted HF path
+    (``rope_parameters.rope_theta``) walks nested mappings. GGUF keys are matched whole first."""
+    roots = [meta] + [meta[sub] for sub in ("text_config", "llm_config") if isinstance(meta.get(sub), dict)]
+    for root in roots:
+        if key in root:
+            return True, root[key]
+        if "." in key:
+            node: Any = root
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is not None:
+                return True, node
     return False, None
 
 
@@ -119,11 +157,23 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
+        if d.per_format is not None and fmt in d.per_format:
+            return _cast(d, d.per_format[fmt], f"{graph.path}: dims.{d.name}.per_format")
         key = d.hf if fmt == "hf" else (d.gguf.replace("{arch}", arch) if d.gguf else None)
         if key:
             found, value = _meta_lookup(meta, key)
             if found and value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
+        if d.pattern:
+            interval = int(get(d.pattern["interval"]))
+            if interval < 1:
+                raise MemraError(
+                    f"{source}: {d.pattern['interval']} must be >= 1, got {interval}", code="invalid_model"
+                )
+            return [
+                d.pattern["every"] if (i + 1) % interval == 0 else d.pattern["other"]
+                for i in range(int(get("layers")))
+            ]
         if fmt == "gguf" and d.gguf_from_missing and has_tensor is not None:
             return not has_tensor(d.gguf_from_missing)
         if d.from_tensor and tensor_shape is not None:
@@ -151,6 +201,10 @@ def resolve_dims(
             if value is not None and not isinstance(value, dict):
                 raise MemraError(f"{where}: expected a mapping, got {value!r}", code="invalid_model")
             return value
+        if d.type == "list":
+            if not isinstance(value, (list, tuple)):
+                raise MemraError(f"{where}: expected a list, got {value!r}", code="invalid_model")
+            return list(value)
         try:
             if d.type == "int" and isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -216,16 +270,54 @@ def match_quant(
     )
 
 
+def _block_type_note(model: LoadedModel, layer: int | None) -> str:
+    dim = model.graph.choice_dim
+    if dim is None or layer is None or layer >= len(model.dims.get(dim) or ()):
+        return ""
+    return f" (its config says {dim}[{layer}] = {model.dims[dim][layer]})"
+
+
+def _check_layer_types(model: LoadedModel, source: str) -> None:
+    """A hybrid's per-layer block types: one known type per layer, and no layer holding the tensors
+    of a block type its config does not give it (the layer pattern disagrees with the file)."""
+    dim = model.graph.choice_dim
+    if dim is None:
+        return
+    types, n = model.dims[dim], int(model.dims["layers"])
+    if len(types) != n:
+        raise MemraError(
+            f"{source}: {dim} has {len(types)} entries but the model has {n} layers", code="invalid_model"
+        )
+    known = model.graph.block_types()
+    for i, t in enumerate(types):
+        if t not in known:
+            raise MemraError(
+                f"{source}: {dim}[{i}] = {t!r} is not a block type of family {model.graph.family} "
+                f"({', '.join(known)})",
+                code="invalid_model",
+            )
+    for key, kinds in model.graph.tensor_block_types().items():
+        for i, t in enumerate(types):
+            if t not in kinds and model.weights.has(model.graph.tensors[key].file_name(model.fmt, i) or ""):
+                raise MemraError(
+                    f"{model.path}: layer {i} holds {model.graph.tensors[key].file_name(model.fmt, i)!r} "
+                    f"({'/'.join(sorted(kinds))} tensor {key}) but its config says {dim}[{i}] = {t}: "
+                    "the checkpoint's layer pattern disagrees with its config",
+                    code="invalid_model",
+                )
+
+
 def _check_shape(model: LoadedModel, key: str, layer: int | None) -> None:
     spec = model.graph.tensors[key]
-    if spec.shape is None:
+    shape = spec.shape_for(model.fmt)
+    if shape is None:
         return
-    want = tuple(int(evaluate(s, model.dims)) for s in spec.shape)
+    want = tuple(int(evaluate(s, model.dims)) for s in shape)
     info = model.info(key, layer)
     if tuple(info.shape) != want:
         raise MemraError(
             f"{model.path}: tensor {model.file_name(key, layer)} has shape {tuple(info.shape)}, "
-            f"expected {want} ({key}: {list(spec.shape)})",
+            f"expected {want} ({key}: {list(shape)}){_block_type_note(model, layer)}",
             code="invalid_model",
         )
 
@@ -276,17 +368,18 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         path=path,
         tensor_dtypes={},
     )
+    _check_layer_types(model, source)
     found: dict[str, set[str]] = {}
     for key, spec in graph.tensors.items():
-        layers = list(model.layer_range()) if spec.per_layer else [None]
-        for layer in layers:
+        for layer in model.tensor_layers(key):
             if not model.has(key, layer):
                 if spec.optional or spec.pattern(fmt) is None:
                     continue
                 if key == "lm_head" and spec.tied_to and model.has(spec.tied_to, layer):
                     continue
+                why = _block_type_note(model, layer)
                 raise MemraError(
-                    f"{model.path}: tensor {spec.file_name(fmt, layer)!r} ({key}) is missing",
+                    f"{model.path}: tensor {spec.file_name(fmt, layer)!r} ({key}) is missing{why}",
                     code="invalid_model",
                 )
             _check_shape(model, key, layer)
