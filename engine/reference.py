@@ -125,8 +125,9 @@ class ReferenceRunner:
                     load(name, None)
         # tensors the graph does not run but the checkpoint carries (MTP heads): loaded and kept
         # for speculative decoding, reachable through weight(name, layer) like any other
-        for key, spec in self.model.graph.tensors.items():
-            if spec.layers == "layers" or not hasattr(self.model, "tensor_layers"):
+        run = {w for o, _ in self._schedule for w in o.weights} | {t for t, _ in self._weights}
+        for key in self.model.graph.tensors:
+            if key in run or not hasattr(self.model, "tensor_layers"):
                 continue
             for layer in self.model.tensor_layers(key):
                 if self.model.has(key, layer):
