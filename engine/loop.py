@@ -40,6 +40,9 @@ class EngineConfig:
     max_step_tokens: int = 2048
     tenant_max_concurrency: dict[str, int] = field(default_factory=dict)
     enable_prefix_cache: bool = True
+    # hybrid models: snapshot the recurrent state every this many tokens (a multiple of the KV
+    # block size; 0 = every block) and at each prompt's last cacheable block boundary
+    state_snapshot_tokens: int = 0
 
     def validate(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk_tokens", "max_step_tokens"):
@@ -49,6 +52,10 @@ class EngineConfig:
             raise ConfigError(
                 f"engine config: max_step_tokens ({self.max_step_tokens}) must be >= max_running "
                 f"({self.max_running}) so every running sequence can decode each step"
+            )
+        if self.state_snapshot_tokens < 0:
+            raise ConfigError(
+                f"engine config: state_snapshot_tokens must be >= 0, got {self.state_snapshot_tokens}"
             )
         for tenant, cap in self.tenant_max_concurrency.items():
             if cap < 1:
@@ -82,6 +89,11 @@ class EngineStats:
     errors: int  # ended by error
     healthy: bool
     draining: bool
+    # hybrid models: recurrent-state slots (live sequences + prefix-cache snapshots)
+    state_slots_total: int = 0
+    state_slots_live: int = 0
+    state_snapshots: int = 0
+    state_snapshot_evictions: int = 0
 
 
 class RequestHandle:
@@ -132,7 +144,19 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.on_step = on_step  # test hook: called in the engine thread after every step
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
+        state_slots = int(getattr(runner, "num_state_slots", 0) or 0)
+        if config.state_snapshot_tokens % runner.block_size:
+            raise ConfigError(
+                f"engine config: state_snapshot_tokens ({config.state_snapshot_tokens}) must be a multiple "
+                f"of the KV block size ({runner.block_size})"
+            )
+        self.blocks = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            config.enable_prefix_cache,
+            state_slots=state_slots,
+            snapshot_interval=config.state_snapshot_tokens,
+        )
         self.scheduler = Scheduler(
             self.blocks,
             max_running=config.max_running,
@@ -270,6 +294,10 @@ class Engine:
                 errors=self._n["errors"],
                 healthy=self.healthy,
                 draining=self._draining,
+                state_slots_total=b.state_slots,
+                state_slots_live=b.num_state_live,
+                state_snapshots=b.num_state_snapshots,
+                state_snapshot_evictions=b.state_evictions,
             )
 
     def check_invariants(self) -> None:
@@ -453,6 +481,7 @@ class Engine:
 
     def _item(self, s: Scheduled) -> StepItem:
         seq = s.seq
+        slot, restore, snaps = self.blocks.state_for_step(seq.seq_id, s.start, s.count, seq.prompt_len)
         return StepItem(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[s.start : s.start + s.count],
@@ -463,6 +492,9 @@ class Engine:
             history=seq.token_ids,  # live list, valid for the duration of the step
             prompt_len=seq.prompt_len,
             num_generated=seq.num_generated,
+            state_slot=slot,
+            state_restore=restore,
+            state_snapshots=snaps,
         )
 
     def _advance(self, s: Scheduled, token: int | None) -> None:
