@@ -43,6 +43,15 @@ def create_runner(model: Any, backend: str = "auto", device_profile: str | None 
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
+    if backend in ("auto", "cuda") and getattr(getattr(model, "graph", None), "choice_dim", None):
+        # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
+        if backend == "cuda":
+            raise MemraError(
+                f"--backend cuda: family {model.graph.family} (hybrid linear attention) has no CUDA "
+                "lowering yet; use --backend reference"
+            )
+        print(f"memra: family {model.graph.family} runs on the numpy reference backend", file=sys.stderr)
+        backend = "reference"
     if backend in ("auto", "cuda"):
         found = detect()
         if found.devices:
