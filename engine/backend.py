@@ -39,11 +39,19 @@ def choose_profile(device: DeviceInfo, override: str | None = None) -> DevicePro
     return select(device, override or env.MEMRA_DEVICE_PROFILE.get() or None)
 
 
+def _recurrent(model: Any) -> bool:
+    """Whether the model's graph has an op with recurrent state (a hybrid: no CUDA lowering yet)."""
+    from engine.ops import OPS
+
+    graph = getattr(model, "graph", None)
+    return graph is not None and any(OPS[op.op].state is not None for op, _ in graph.ops())
+
+
 def create_runner(model: Any, backend: str = "auto", device_profile: str | None = None, **kwargs: Any):
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
-    if backend in ("auto", "cuda") and getattr(getattr(model, "graph", None), "choice_dim", None):
+    if backend in ("auto", "cuda") and _recurrent(model):
         # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
         if backend == "cuda":
             raise MemraError(

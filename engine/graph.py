@@ -8,27 +8,14 @@ naming the file and key path. Must not import numpy or CUDA: this is pure config
 
 from __future__ import annotations
 
-import ast
-import copy
-import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine import paths
-from engine.graph_flow import parse_graph
-from engine.graph_nodes import (  # noqa: F401  (re-exported: the DSL's node types)
-    GRAPH_INPUTS,
-    GRAPH_OUTPUT,
-    Choose,
-    DimSpec,
-    Op,
-    QuantCombo,
-    Repeat,
-    TensorSpec,
-    op_tensors,
-)
+from engine import dsl_expr, paths
+from engine.graph_extends import merge_parent as _merge_parent
+from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
 
@@ -62,6 +49,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
+DIM_TYPES = ("int", "float", "bool", "mapping", "list")
+LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
 # Per-format load-time transforms of a vector into the form the ops compute with (engine.model):
 # plus_one: HF's zero-centred RMSNorm weight w becomes 1 + w (what llama.cpp's converter stores);
 # neg_exp: HF's A_log becomes A = -exp(A_log) (GGUF ssm_a).
@@ -71,6 +60,93 @@ FORMATS = ("hf", "gguf")
 
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
+
+GRAPH_INPUTS = ("tokens",)
+GRAPH_OUTPUT = "logits"
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    name: str
+    hf: str | None = None
+    gguf: str | None = None
+    default: Any = None
+    has_default: bool = False
+    type: str = "int"
+    expr: str | None = None
+    from_tensor: tuple[str, int] | None = None
+    gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
+    per_format: dict[str, Any] | None = None  # a constant per source format ({hf: .., gguf: ..})
+    # type list: layer i is `every` when (i + 1) % interval == 0, else `other` (HF's and llama.cpp's
+    # full_attention_interval rule), used when the file gives no explicit list
+    pattern: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    hf: str | None
+    gguf: str | None
+    kind: str
+    shape: tuple[str, ...] | None
+    tied_to: str | None
+    optional: bool
+    transform: dict[str, str] = field(default_factory=dict)  # format -> TENSOR_TRANSFORMS name
+    shapes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per-format shape overrides
+    layers: str = "layers"  # the dim counting this per-layer tensor's layers (mtp_layers...)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in (self.hf or "") or "{i}" in (self.gguf or "")
+
+    def shape_for(self, fmt: str) -> tuple[str, ...] | None:
+        return self.shapes.get(fmt, self.shape)
+
+    def pattern(self, fmt: str) -> str | None:
+        return self.hf if fmt == "hf" else self.gguf
+
+    def file_name(self, fmt: str, layer: int | None = None) -> str | None:
+        pat = self.pattern(fmt)
+        if pat is None:
+            return None
+        return pat.replace("{i}", str(layer)) if self.per_layer else pat
+
+
+@dataclass(frozen=True)
+class Op:
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    weights: tuple[str, ...] = ()
+    attrs: dict[str, str] = field(default_factory=dict)
+    # per-layer predicate (an expression over dims, `predicates` and the layer index `i`): the op
+    # runs in the layers where it is true; None runs it in every layer
+    when: str | None = None
+
+    def __hash__(self) -> int:
+        return hash(
+            (self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items())), self.when)
+        )
+
+
+@dataclass(frozen=True)
+class Repeat:
+    count: str  # a dim name
+    body: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class QuantCombo:
+    name: str
+    default: tuple[str, ...]
+    per_tensor: dict[str, tuple[str, ...]]
+
+    def allowed(self, tensor: str) -> tuple[str, ...]:
+        return self.per_tensor.get(tensor, self.default)
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k}: {'|'.join(v)}" for k, v in self.per_tensor.items())
+        return f"{self.name} (default {'|'.join(self.default)}{'; ' + extra if extra else ''})"
 
 
 @dataclass(frozen=True)
@@ -86,72 +162,44 @@ class ModelGraph:
     graph: tuple[Op | Repeat, ...]
     quants: dict[str, QuantCombo]
     sizes: dict[str, dict[str, Any]]
+    predicates: dict[str, str] = field(default_factory=dict)
+
+    def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
+        """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
+        if op.when is None or layer is None:
+            return True
+        return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+
+    def layer_ops(self, dims: dict[str, Any], layer: int) -> list[Op]:
+        """The per-layer ops that run in ``layer``, in graph order."""
+        return [op for op, per in self.ops() if per and self.op_runs(op, dims, layer)]
+
+    def tensor_layers(self, dims: dict[str, Any]) -> dict[str, list[int]]:
+        """Per-layer tensor key -> the layers in which some op reads it (as a weight or a tensor
+        attribute). A per-layer tensor no op reads maps to every layer of its count dim."""
+        layers = range(int(dims["layers"]))
+        out: dict[str, list[int]] = {}
+        runs = {id(op): [i for i in layers if self.op_runs(op, dims, i)] for op, per in self.ops() if per}
+        for op, per in self.ops():
+            if not per:
+                continue
+            names = list(op.weights) + [v for k, v in op.attrs.items() if OPS[op.op].attrs[k] == "tensor"]
+            for name in names:
+                out[name] = sorted(set(out.get(name, [])) | set(runs[id(op)]))
+        for key, spec in self.tensors.items():
+            if spec.per_layer and key not in out:
+                out[key] = list(range(int(dims.get(spec.layers) or 0)))
+        return out
 
     def ops(self) -> list[tuple[Op, bool]]:
-        """Every op in order with a flag saying whether it runs once per layer (every case of a
-        per-layer ``choose`` included: ``schedule`` gives what each layer runs)."""
+        """Every op in order with a flag saying whether it runs once per layer."""
         out: list[tuple[Op, bool]] = []
         for node in self.graph:
             if isinstance(node, Repeat):
-                for inner in node.body:
-                    if isinstance(inner, Choose):
-                        out.extend((op, True) for case in inner.cases.values() for op in case)
-                    else:
-                        out.append((inner, True))
+                out.extend((op, True) for op in node.body)
             else:
                 out.append((node, False))
         return out
-
-    @property
-    def choice_dim(self) -> str | None:
-        """The list dim a per-layer ``choose`` reads (one per family at most), or None."""
-        for node in self.graph:
-            if isinstance(node, Repeat):
-                for inner in node.body:
-                    if isinstance(inner, Choose):
-                        return inner.dim
-        return None
-
-    def block_types(self) -> tuple[str, ...]:
-        """The case names of the per-layer ``choose`` (empty without one)."""
-        for node in self.graph:
-            if isinstance(node, Repeat):
-                for inner in node.body:
-                    if isinstance(inner, Choose):
-                        return tuple(inner.cases)
-        return ()
-
-    def schedule(self, dims: dict[str, Any]) -> list[tuple[Op, int | None]]:
-        """(op, layer) in execution order: each repeat's body once per layer, with the case of a
-        ``choose`` that the layer's entry of its list dim names."""
-        sched: list[tuple[Op, int | None]] = []
-        for node in self.graph:
-            if not isinstance(node, Repeat):
-                sched.append((node, None))
-                continue
-            kinds = dims.get(self.choice_dim) if self.choice_dim else None
-            for layer in range(int(dims[node.count])):
-                kind = kinds[layer] if kinds is not None else None
-                sched.extend((op, layer) for op in node.layer_ops(kind))
-        return sched
-
-    def tensor_block_types(self) -> dict[str, frozenset[str]]:
-        """Per-layer tensors used only inside ``choose`` cases -> the block types that use them
-        (such a tensor exists only in the layers of those types)."""
-        inside: dict[str, set[str]] = {}
-        outside: set[str] = set()
-        for node in self.graph:
-            if not isinstance(node, Repeat):
-                continue
-            for inner in node.body:
-                if isinstance(inner, Choose):
-                    for case, ops in inner.cases.items():
-                        for op in ops:
-                            for w in op_tensors(op):
-                                inside.setdefault(w, set()).add(case)
-                else:
-                    outside.update(op_tensors(inner))
-        return {k: frozenset(v) for k, v in inside.items() if k not in outside}
 
     def quant(self, name: str) -> QuantCombo:
         if name not in self.quants:
@@ -168,8 +216,8 @@ class ModelGraph:
 _DIM = {
     "hf": Field(str),
     "gguf": Field(str),
-    "default": Field((int, float, str, bool, type(None))),
-    "type": Field(OneOf(("int", "float", "bool", "mapping", "list")), default="int"),
+    "default": Field((int, float, str, bool, list, type(None))),
+    "type": Field(OneOf(DIM_TYPES), default="int"),
     "expr": Field(str),
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
@@ -205,6 +253,7 @@ _TOP = {
     "tensors": Field(MapOf((dict, type(None))), default={}),
     "graph": Field(list),
     "graph_edits": Field(list, default=[]),
+    "predicates": Field(MapOf((str, type(None))), default={}),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
 }
@@ -216,70 +265,120 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _merge_parent(child: dict, parent: dict, file: Path) -> dict:
-    """Apply a child family's delta to its parent's raw YAML."""
-    merged = copy.deepcopy(parent)
-    merged["family"] = child["family"]
-    for key in ("description", "matches", "rope_style", "quants", "sizes"):
-        if key in child:
-            merged[key] = child[key]
-    for key in ("dims", "tensors"):
-        base = dict(merged.get(key) or {})
-        for name, value in (child.get(key) or {}).items():
-            if value is None:
-                base.pop(name, None)  # `name: null` removes an inherited entry
-            else:
-                base[name] = value
-        merged[key] = base
-    if "graph" in child:
-        merged["graph"] = child["graph"]
-    merged["graph"] = _apply_edits(merged["graph"], child.get("graph_edits") or [], file)
-    merged.pop("extends", None)
-    merged.pop("graph_edits", None)
-    return merged
+def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: frozenset = frozenset()) -> Op:
+    if not isinstance(raw, dict) or "op" not in raw:
+        raise fail(file, where, "expected a mapping with an `op` key")
+    name = raw["op"]
+    if name not in OPS:
+        raise fail(file, f"{where}.op", f"unknown op {name!r}; known ops: {', '.join(OPS)}")
+    d = OPS[name]
+    allowed = {"op", "in", "out", "weight", "when"} | set(d.attrs)
+    for key in raw:
+        if key not in allowed:
+            raise fail(
+                file,
+                f"{where}.{key}",
+                f"unknown key for op {name}; expected one of: {', '.join(sorted(allowed))}",
+            )
+    inputs = tuple(_as_list(raw.get("in")))
+    outputs = tuple(_as_list(raw.get("out")))
+    weights = tuple(_as_list(raw.get("weight")))
+    for label, items in (("in", inputs), ("out", outputs), ("weight", weights)):
+        for item in items:
+            if not isinstance(item, str):
+                raise fail(file, f"{where}.{label}", f"expected names (strings), got {item!r}")
+    lo, hi = d.weights
+    if not lo <= len(weights) <= hi:
+        raise fail(file, f"{where}.weight", f"op {name} takes {lo}..{hi} weights, got {len(weights)}")
+    if d.inputs is not None and len(inputs) != d.inputs:
+        raise fail(file, f"{where}.in", f"op {name} takes {d.inputs} input(s), got {len(inputs)}")
+    want_out = d.outputs if d.outputs is not None else len(weights)
+    if len(outputs) != want_out:
+        raise fail(file, f"{where}.out", f"op {name} produces {want_out} output(s), got {len(outputs)}")
+    attrs = {k: raw[k] for k in d.attrs if k in raw}
+    for k, v in attrs.items():
+        if not isinstance(v, str):
+            raise fail(file, f"{where}.{k}", f"expected a name (string), got {v!r}")
+    when = raw.get("when")
+    if when is not None:
+        if not in_repeat:
+            raise fail(file, f"{where}.when", "a `when` predicate needs a per-layer op (inside a repeat)")
+        if not isinstance(when, str):
+            raise fail(file, f"{where}.when", f"expected an expression (string), got {when!r}")
+        for ident in _names_in(when, file, f"{where}.when"):
+            if ident not in names:
+                raise fail(file, f"{where}.when", f"{ident!r} is not a dim, a predicate or `{LAYER_INDEX}`")
+    return Op(name, inputs, outputs, weights, attrs, when)
 
 
-def _op_matches(node: Any, pattern: dict) -> bool:
-    return isinstance(node, dict) and all(node.get(k) == v for k, v in pattern.items())
-
-
-def _apply_edits(graph: list, edits: list, file: Path) -> list:
-    graph = copy.deepcopy(graph)
-    for n, edit in enumerate(edits):
-        where = f"graph_edits[{n}]"
-        if not isinstance(edit, dict):
-            raise fail(file, where, "expected a mapping with after/insert, replace/with or remove")
-        keys = set(edit)
-        if keys == {"after", "insert"}:
-            pattern, new = edit["after"], _as_list(edit["insert"])
-        elif keys == {"replace", "with"}:
-            pattern, new = edit["replace"], _as_list(edit["with"])
-        elif keys == {"remove"}:
-            pattern, new = edit["remove"], []
+def _parse_graph(
+    raw: list, file: Path, dims: dict, tensors: dict, predicates: dict | None = None
+) -> tuple[Op | Repeat, ...]:
+    names = frozenset(dims) | frozenset(predicates or {}) | {LAYER_INDEX}
+    nodes: list[Op | Repeat] = []
+    for n, item in enumerate(raw):
+        where = f"graph[{n}]"
+        if isinstance(item, dict) and "repeat" in item:
+            extra = set(item) - {"repeat", "body"}
+            if extra:
+                raise fail(
+                    file, f"{where}.{sorted(extra)[0]}", "unknown key; a repeat has `repeat` and `body`"
+                )
+            if item["repeat"] not in dims:
+                raise fail(file, f"{where}.repeat", f"{item['repeat']!r} is not a dim of this family")
+            body = tuple(
+                _parse_op(op, file, f"{where}.body[{j}]", True, names)
+                for j, op in enumerate(item.get("body") or [])
+            )
+            if not body:
+                raise fail(file, f"{where}.body", "a repeat needs a non-empty body")
+            nodes.append(Repeat(item["repeat"], body))
         else:
-            raise fail(file, where, f"expected keys after+insert, replace+with or remove; got {sorted(keys)}")
-        if not _edit_nodes(graph, pattern, new, "after" in keys):
-            raise fail(file, where, f"no op in the parent graph matches {pattern}")
-    return graph
+            nodes.append(_parse_op(item, file, where))
+    _check_dataflow(nodes, file, tensors)
+    return tuple(nodes)
 
 
-def _edit_nodes(nodes: list, pattern: dict, new: list, keep: bool) -> bool:
-    hit = False
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
-        if isinstance(node, dict) and "repeat" in node:
-            hit |= _edit_nodes(node.get("body") or [], pattern, new, keep)
-        elif isinstance(node, dict) and "choose" in node:
-            for case in (node.get("cases") or {}).values():
-                hit |= _edit_nodes(case or [], pattern, new, keep)
-        elif _op_matches(node, pattern):
-            nodes[i : i + 1] = ([node] if keep else []) + copy.deepcopy(new)
-            i += len(new) + (1 if keep else 0)
-            hit = True
-            continue
-        i += 1
-    return hit
+def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec]) -> None:
+    # value -> the `when` of the op that first produced it (None: produced in every layer); a value
+    # only some layers produce may be read only by ops with the same predicate
+    defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
+    for n, node in enumerate(nodes):
+        ops = node.body if isinstance(node, Repeat) else (node,)
+        prefix = f"graph[{n}]" + (".body" if isinstance(node, Repeat) else "")
+        for j, op in enumerate(ops):
+            where = f"{prefix}[{j}]" if isinstance(node, Repeat) else prefix
+            for name in op.inputs:
+                if name not in defined:
+                    raise fail(file, f"{where}.in", f"value {name!r} is used before any op produces it")
+                if defined[name] is not None and defined[name] != op.when:
+                    raise fail(
+                        file,
+                        f"{where}.in",
+                        f"value {name!r} is produced only when {defined[name]!r} but read by an op that "
+                        f"runs when {op.when or 'always'!r}",
+                    )
+            for w in op.weights:
+                if w not in tensors:
+                    raise fail(file, f"{where}.weight", f"{w!r} is not a tensor of this family")
+                if tensors[w].per_layer != isinstance(node, Repeat):
+                    scope = "inside" if tensors[w].per_layer else "outside"
+                    raise fail(
+                        file,
+                        f"{where}.weight",
+                        f"per-layer tensor rules: {w!r} must be used {scope} a repeat",
+                    )
+            for k, v in op.attrs.items():
+                kind = OPS[op.op].attrs[k]
+                if kind == "tensor" and v not in tensors:
+                    raise fail(file, f"{where}.{k}", f"{v!r} is not a tensor of this family")
+                if kind == "value" and v not in defined:
+                    raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
+            for out in op.outputs:
+                if out not in defined or op.when is None:
+                    defined[out] = op.when
+    if GRAPH_OUTPUT not in defined:
+        raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
 
 
 def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
@@ -389,39 +488,35 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
     return combos
 
 
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-}
-
-
 def _names_in(expr: str, file: Path, where: str) -> set[str]:
     try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise fail(file, where, f"invalid expression {expr!r}") from exc
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        return dsl_expr.names_in(expr)
+    except (SyntaxError, ValueError) as exc:
+        raise fail(file, where, f"invalid expression {expr!r}: {exc}") from exc
 
 
-def evaluate(expr: str, values: dict[str, Any]) -> Any:
-    """Evaluate a dim expression (``hidden // heads``): names, integers, + - * //, nothing else."""
+def evaluate(expr: str, values: Any) -> Any:
+    """Evaluate a DSL expression (``hidden // heads``, ``layer_types[i] == 'full_attention'``) over
+    ``values``: the language of ``engine.dsl_expr``. A missing name raises KeyError."""
+    return dsl_expr.evaluate(expr, values)
 
-    def walk(node: ast.AST) -> Any:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id not in values:
-                raise KeyError(node.id)
-            return values[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
-        raise ValueError(f"unsupported expression element {ast.dump(node)} in {expr!r}")
 
-    return walk(ast.parse(str(expr), mode="eval"))
+class _LayerScope(dict):
+    """Names a ``when`` predicate sees at one layer: the dims, ``i`` and the family's predicates."""
+
+    def __init__(self, graph: ModelGraph, dims: dict[str, Any], layer: int):
+        super().__init__()
+        self._graph, self._dims, self._layer = graph, dims, layer
+
+    def __contains__(self, key: object) -> bool:
+        return key == LAYER_INDEX or key in self._graph.predicates or key in self._dims
+
+    def __getitem__(self, key: str) -> Any:
+        if key == LAYER_INDEX:
+            return self._layer
+        if key in self._graph.predicates:
+            return evaluate(self._graph.predicates[key], self)
+        return self._dims[key]
 
 
 def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dict, Path]:
@@ -460,7 +555,15 @@ def _load_family(name: str, root: str) -> ModelGraph:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
     dims = _parse_dims(raw["dims"], file)
     tensors = _parse_tensors(raw["tensors"], file, dims)
-    graph = parse_graph(raw["graph"], file, dims, tensors)
+    predicates = {k: v for k, v in (raw.get("predicates") or {}).items() if v is not None}
+    pnames = frozenset(dims) | frozenset(predicates) | {LAYER_INDEX}
+    for pname, expr in predicates.items():
+        if pname in dims or pname == LAYER_INDEX:
+            raise fail(file, f"predicates.{pname}", "a predicate name must differ from every dim and `i`")
+        for ident in _names_in(expr, file, f"predicates.{pname}"):
+            if ident not in pnames or ident == pname:
+                raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
+    graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
@@ -478,6 +581,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
         graph=graph,
         quants=quants,
         sizes=dict(raw["sizes"]),
+        predicates=predicates,
     )
 
 

@@ -73,16 +73,11 @@ class LoadedModel:
         return range(int(self.dims.get(count) or 0))
 
     def tensor_layers(self, tensor: str) -> list[int | None]:
-        """The layers a tensor is expected in: [None] for a global tensor, else the layers of its
-        count dim whose block type (a hybrid's ``layer_types``) uses it."""
-        spec = self.graph.tensors[tensor]
-        if not spec.per_layer:
+        """The layers a tensor is expected in: [None] for a global tensor, else the layers where
+        an op reading it runs (a hybrid's linear-attention weights only in its linear layers)."""
+        if not self.graph.tensors[tensor].per_layer:
             return [None]
-        kinds = self.graph.tensor_block_types().get(tensor)
-        types = self.dims.get(self.graph.choice_dim) if self.graph.choice_dim else None
-        if kinds is None or types is None:
-            return list(self.layer_range(tensor))
-        return [i for i in self.layer_range(tensor) if types[i] in kinds]
+        return list(self.graph.tensor_layers(self.dims)[tensor])
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the graph reads once per token (the decode roofline numerator)."""
@@ -115,18 +110,21 @@ def apply_transform(arr, how: str):
 
 
 def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
-    """A config field: at the top or one level down (text_config / llm_config); a dotted HF path
-    (``rope_parameters.rope_theta``) walks nested mappings. GGUF keys are matched whole first."""
-    roots = [meta] + [meta[sub] for sub in ("text_config", "llm_config") if isinstance(meta.get(sub), dict)]
-    for root in roots:
-        if key in root:
-            return True, root[key]
-        if "." in key:
-            node: Any = root
-            for part in key.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            if node is not None:
-                return True, node
+    if key in meta:
+        return True, meta[key]
+    # HF configs nest some fields (e.g. text_config); look one level down
+    for sub in ("text_config", "llm_config"):
+        inner = meta.get(sub)
+        if isinstance(inner, dict) and key in inner:
+            return True, inner[key]
+    # "a.b": field b of mapping a (transformers 5 writes rope_theta inside rope_parameters)
+    head, dot, rest = key.partition(".")
+    if dot:
+        for scope in (meta, meta.get("text_config"), meta.get("llm_config")):
+            if isinstance(scope, dict) and isinstance(scope.get(head), dict):
+                found, value = _meta_lookup(scope[head], rest)
+                if found:
+                    return True, value
     return False, None
 
 
@@ -271,38 +269,46 @@ def match_quant(
 
 
 def _block_type_note(model: LoadedModel, layer: int | None) -> str:
-    dim = model.graph.choice_dim
-    if dim is None or layer is None or layer >= len(model.dims.get(dim) or ()):
-        return ""
-    return f" (its config says {dim}[{layer}] = {model.dims[dim][layer]})"
+    """``" (its config says layer_types[3] = full_attention)"`` for a family with a pattern dim."""
+    for name, d in model.graph.dims.items():
+        if d.pattern and layer is not None and layer < len(model.dims.get(name) or ()):
+            return f" (its config says {name}[{layer}] = {model.dims[name][layer]})"
+    return ""
 
 
-def _check_layer_types(model: LoadedModel, source: str) -> None:
-    """A hybrid's per-layer block types: one known type per layer, and no layer holding the tensors
-    of a block type its config does not give it (the layer pattern disagrees with the file)."""
-    dim = model.graph.choice_dim
-    if dim is None:
-        return
-    types, n = model.dims[dim], int(model.dims["layers"])
-    if len(types) != n:
-        raise MemraError(
-            f"{source}: {dim} has {len(types)} entries but the model has {n} layers", code="invalid_model"
-        )
-    known = model.graph.block_types()
-    for i, t in enumerate(types):
-        if t not in known:
-            raise MemraError(
-                f"{source}: {dim}[{i}] = {t!r} is not a block type of family {model.graph.family} "
-                f"({', '.join(known)})",
-                code="invalid_model",
-            )
-    for key, kinds in model.graph.tensor_block_types().items():
+def _check_pattern_dims(model: LoadedModel, source: str) -> None:
+    """A per-layer pattern dim (a hybrid's ``layer_types``) has one known name per layer."""
+    n = int(model.dims["layers"])
+    for name, d in model.graph.dims.items():
+        if not d.pattern:
+            continue
+        types = model.dims[name]
+        if len(types) != n:
+            raise MemraError(f"{source}: {name} has {len(types)} entries but the model has {n} layers", code="invalid_model")
+        known = (d.pattern["other"], d.pattern["every"])
         for i, t in enumerate(types):
-            if t not in kinds and model.weights.has(model.graph.tensors[key].file_name(model.fmt, i) or ""):
+            if t not in known:
                 raise MemraError(
-                    f"{model.path}: layer {i} holds {model.graph.tensors[key].file_name(model.fmt, i)!r} "
-                    f"({'/'.join(sorted(kinds))} tensor {key}) but its config says {dim}[{i}] = {t}: "
-                    "the checkpoint's layer pattern disagrees with its config",
+                    f"{source}: {name}[{i}] = {t!r} is not a block type of family {model.graph.family} "
+                    f"({', '.join(known)})",
+                    code="invalid_model",
+                )
+
+
+def _check_layer_pattern(model: LoadedModel, layers_of: dict[str, list[int]]) -> None:
+    """No layer holds a tensor that none of its ops read (the file's layer pattern disagrees with
+    its config): a one-line MemraError naming the layer and the config entry."""
+    n = int(model.dims["layers"])
+    for key, spec in model.graph.tensors.items():
+        if not spec.per_layer or spec.layers != "layers":
+            continue
+        expected = set(layers_of[key])
+        for i in range(n):
+            fname = spec.file_name(model.fmt, i)
+            if i not in expected and fname and model.weights.has(fname):
+                raise MemraError(
+                    f"{model.path}: layer {i} holds {fname!r} ({key}), which no op of that layer reads"
+                    f"{_block_type_note(model, i)}: the checkpoint's layer pattern disagrees with its config",
                     code="invalid_model",
                 )
 
@@ -368,10 +374,13 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         path=path,
         tensor_dtypes={},
     )
-    _check_layer_types(model, source)
+    _check_pattern_dims(model, source)
+    layers_of = graph.tensor_layers(dims)  # a tensor only some layers' ops read (`when`) is needed there
+    _check_layer_pattern(model, layers_of)
     found: dict[str, set[str]] = {}
     for key, spec in graph.tensors.items():
-        for layer in model.tensor_layers(key):
+        layers = layers_of[key] if spec.per_layer else [None]
+        for layer in layers:
             if not model.has(key, layer):
                 if spec.optional or spec.pattern(fmt) is None:
                     continue

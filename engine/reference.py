@@ -69,7 +69,7 @@ class ReferenceRunner:
         self.num_blocks = int(num_blocks)
         self.k_cache, self.v_cache = self._new_cache(self.num_blocks)
         self.ops = model.graph.ops()
-        self._schedule = model.graph.schedule(d)
+        self._schedule = self._build_schedule()
         # recurrent state of a hybrid model: one array per (stateful op, layer), [slots, *shape]
         self._state_shapes = {
             (o.op, layer): OPS[o.op].state(d)  # type: ignore[misc]
@@ -178,6 +178,25 @@ class ReferenceRunner:
         for o, layer in self._schedule:
             REFERENCE[o.op](step, o, layer)
         return env["logits"]
+
+    def _build_schedule(self) -> list[tuple[Any, int | None]]:
+        """(op, layer) in execution order: each per-layer op once per layer where its ``when``
+        predicate holds, in graph order."""
+        graph, dims = self.model.graph, self.model.dims
+        sched: list[tuple[Any, int | None]] = []
+        i, ops = 0, self.ops
+        while i < len(ops):
+            if not ops[i][1]:
+                sched.append((ops[i][0], None))
+                i += 1
+                continue
+            j = i
+            while j < len(ops) and ops[j][1]:
+                j += 1
+            for layer in range(self.layers):
+                sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
+            i = j
+        return sched
 
     def _item_state(self, item: StepItem) -> dict[str, Any]:
         """The state arguments of ``_forward`` for an item, after preparing its slot: a restore

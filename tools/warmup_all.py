@@ -17,6 +17,7 @@ import time
 from engine.cli import warmup
 from engine.graph import all_families
 from engine.model import dims_for_size
+from engine.ops import OPS
 from engine.profile import all_profiles
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     for fname, graph in families.items():
         if args.family and fname not in args.family:
             continue
-        if graph.choice_dim:  # hybrid families have no CUDA lowering yet
+        if any(OPS[op.op].state is not None for op, _ in graph.ops()):  # hybrid families have no CUDA lowering yet
             continue
         for qname, combo in graph.quants.items():
             if args.quant and qname not in args.quant:
