@@ -89,6 +89,31 @@ def split_qkv(
     return q[:, heads], k[:, heads], v
 
 
+def unpack_qkvz_ba(
+    qkvz: np.ndarray, ba: np.ndarray, *, k_heads: int, v_heads: int, k_dim: int, v_dim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Qwen3-Next's fused projections -> Qwen3.5's layout.
+
+    ``qkvz`` [T, k_heads * (2 k_dim + 2 r v_dim)] holds per k head ``[q | k | v (r heads) | z (r heads)]``
+    and ``ba`` [T, k_heads * 2r] per k head ``[b (r) | a (r)]`` (r = v_heads / k_heads). Returns
+    qkv [T, 2 k_heads k_dim + v_heads v_dim] = [all q | all k | all v], z [T, v_heads v_dim],
+    b and a [T, v_heads] (transformers' ``fix_query_key_value_ordering``).
+    """
+    t = qkvz.shape[0]
+    r = v_heads // k_heads
+    g = np.asarray(qkvz, F32).reshape(t, k_heads, 2 * k_dim + 2 * r * v_dim)
+    q, k = g[..., :k_dim], g[..., k_dim : 2 * k_dim]
+    v, z = g[..., 2 * k_dim : 2 * k_dim + r * v_dim], g[..., 2 * k_dim + r * v_dim :]
+    qkv = np.concatenate([x.reshape(t, -1) for x in (q, k, v)], axis=1)
+    bag = np.asarray(ba, F32).reshape(t, k_heads, 2 * r)
+    return (
+        np.ascontiguousarray(qkv),
+        np.ascontiguousarray(z.reshape(t, -1)),
+        np.ascontiguousarray(bag[..., :r].reshape(t, v_heads)),
+        np.ascontiguousarray(bag[..., r:].reshape(t, v_heads)),
+    )
+
+
 def v_head_to_k_head(k_heads: int, v_heads: int, v_tiled: bool) -> np.ndarray:
     """Index of the k head each v head reads (grouped: h // ratio; tiled: h % k_heads)."""
     if v_heads % k_heads:

@@ -98,3 +98,24 @@ def test_v_head_orders():
     assert L.v_head_to_k_head(2, 6, True).tolist() == [0, 1, 0, 1, 0, 1]
     with pytest.raises(ValueError):
         L.v_head_to_k_head(4, 6, False)
+
+
+def test_unpack_qkvz_ba_matches_transformers_ordering():
+    torch = pytest.importorskip("torch")
+    nxt = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    kh, vh, kd, vd, t = 2, 6, 4, 3, 5
+    rng = np.random.default_rng(6)
+    qkvz = rng.standard_normal((t, kh * (2 * kd + 2 * (vh // kh) * vd))).astype(np.float32)
+    ba = rng.standard_normal((t, 2 * vh)).astype(np.float32)
+    qkv, z, b, a = L.unpack_qkvz_ba(qkvz, ba, k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd)
+
+    class Cfg:  # the attributes fix_query_key_value_ordering reads
+        num_k_heads, num_v_heads, head_k_dim, head_v_dim = kh, vh, kd, vd
+
+    q2, k2, v2, z2, b2, a2 = nxt.Qwen3NextGatedDeltaNet.fix_query_key_value_ordering(
+        Cfg, torch.tensor(qkvz[None]), torch.tensor(ba[None])
+    )
+    want = np.concatenate([x[0].reshape(t, -1).numpy() for x in (q2, k2, v2)], axis=1)
+    assert np.array_equal(qkv, want)
+    assert np.array_equal(z, z2[0].reshape(t, -1).numpy())
+    assert np.array_equal(b, b2[0].numpy()) and np.array_equal(a, a2[0].numpy())

@@ -1,6 +1,6 @@
 """The hybrid families' ops (Qwen3.5 / Qwen3-Next): the Gated DeltaNet layer's causal_conv1d and
-gated_delta_rule (both keep recurrent state per sequence), its gated_rmsnorm, and the gated full
-attention's split_heads and sigmoid_mul. Each is an OpDef plus its numpy reference over
+gated_delta_rule (both keep recurrent state per sequence), its gated_rmsnorm, Qwen3-Next's
+unpack_qkvz_ba, and the gated full attention's split_heads and sigmoid_mul. Each is an OpDef plus its numpy reference over
 ``engine.ops_ref_linear``. Must not import CUDA.
 
 Dims the ops read (models/qwen3_5.yaml): ``lin_k_heads``, ``lin_v_heads``, ``lin_k_dim``,
@@ -65,6 +65,15 @@ def _delta(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = out.reshape(n, vh * vd).astype(np.float32)
 
 
+def _unpack_qkvz_ba(s: RefStep, o, layer) -> None:
+    d = _dims(s)
+    qkvz, ba = (s.env[n] for n in o.inputs)
+    kh, vh, kd, vd = (int(d[k]) for k in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim"))
+    outs = L.unpack_qkvz_ba(qkvz, ba, k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd)
+    for name, arr in zip(o.outputs, outs, strict=True):
+        s.env[name] = arr
+
+
 def _gated_rmsnorm(s: RefStep, o, layer) -> None:
     d = _dims(s)
     x, z = (s.env[n] for n in o.inputs)
@@ -111,6 +120,11 @@ define(
         state=_delta_state,
     ),
     _delta,
+)
+define(
+    "unpack_qkvz_ba",
+    OpDef(2, 4, (0, 0), doc="[qkvz, ba] (Qwen3-Next's per-k-head fused projections) -> [qkv, z, b, a]"),
+    _unpack_qkvz_ba,
 )
 define(
     "gated_rmsnorm",
