@@ -152,3 +152,17 @@ def test_config_defaults_layer_pattern_from_interval(tmp_path):
     cfg["full_attention_interval"] = 4
     (path / "config.json").write_text(json.dumps(cfg))
     assert load_model(path).dims["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_streamed_full_size_writer_loads(tmp_path):
+    """tools/make_checkpoint.py's hybrid writer (bf16, streamed), at tiny dims: loads and runs."""
+    from fixtures.checkpoints import write_safetensors
+    from fixtures.hybrid import qwen3_5_tensor_specs
+
+    cfg = qwen3_5_config(tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(tmp_path / "model.safetensors", qwen3_5_tensor_specs(cfg, seed=1))
+    model = load_model(tmp_path)
+    assert model.quant.name == "bf16" and model.dims["tie_embeddings"]
+    logits = ReferenceRunner(model, num_blocks=4, max_model_len=64).forward_logits([1, 2, 3])
+    assert np.isfinite(logits).all()
