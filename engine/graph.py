@@ -51,9 +51,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 TENSOR_KINDS = ("matrix", "embedding", "vector")
 DIM_TYPES = ("int", "float", "bool", "mapping", "list")
 LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
-# Per-format load-time transforms of a vector into the form the ops compute with (engine.model):
-# plus_one: HF's zero-centred RMSNorm weight w becomes 1 + w (what llama.cpp's converter stores);
-# neg_exp: HF's A_log becomes A = -exp(A_log) (GGUF ssm_a).
+# load-time vector transforms (engine.model.apply_transform): 1 + w of a zero-centred norm; -exp(A_log)
 TENSOR_TRANSFORMS = ("plus_one", "neg_exp")
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
@@ -77,8 +75,7 @@ class DimSpec:
     from_tensor: tuple[str, int] | None = None
     gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
     per_format: dict[str, Any] | None = None  # a constant per source format ({hf: .., gguf: ..})
-    # type list: layer i is `every` when (i + 1) % interval == 0, else `other` (HF's and llama.cpp's
-    # full_attention_interval rule), used when the file gives no explicit list
+    # list dim absent from the file: layer i is `every` if (i + 1) % interval == 0, else `other`
     pattern: dict[str, str] | None = None
 
 
@@ -222,9 +219,7 @@ _DIM = {
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
     "per_format": Field({"hf": Field((int, float, str, bool)), "gguf": Field((int, float, str, bool))}),
-    "pattern": Field(
-        {"interval": Field(str, required=True), "every": Field(str, required=True), "other": Field(str, required=True)}
-    ),
+    "pattern": Field({k: Field(str, required=True) for k in ("interval", "every", "other")}),
 }
 _TENSOR = {
     "hf": Field(str),
@@ -256,6 +251,8 @@ _TOP = {
     "predicates": Field(MapOf((str, type(None))), default={}),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
+    # a child's HF name-prefix rewrites ("model.": "model.language_model.") over every tensor
+    "hf_rename": Field(MapOf(str), default={}),
 }
 
 
@@ -533,7 +530,11 @@ def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dic
         if parent in chain or parent == name:
             raise fail(file, "extends", f"circular extends: {' -> '.join(chain + (name, parent))}")
         parent_raw, _ = _raw_family(parent, root, chain + (name,))
-        raw = _merge_parent(raw, parent_raw, file)
+        rename, raw = raw["hf_rename"], _merge_parent(raw, parent_raw, file)
+        for spec in raw["tensors"].values():  # the child's hf_rename applies to every tensor
+            for old, new in rename.items():
+                if str(spec.get("hf", "")).startswith(old):
+                    spec["hf"] = new + spec["hf"][len(old) :]
     elif raw.get("graph_edits"):
         raise fail(file, "graph_edits", "graph_edits needs `extends:` (edits apply to a parent's graph)")
     return raw, file

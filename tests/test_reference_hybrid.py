@@ -167,3 +167,33 @@ def test_streamed_full_size_writer_loads(tmp_path):
     assert model.quant.name == "bf16" and model.dims["tie_embeddings"]
     logits = ReferenceRunner(model, num_blocks=4, max_model_len=64).forward_logits([1, 2, 3])
     assert np.isfinite(logits).all()
+
+
+def test_published_vl_checkpoint_text_model_matches_transformers(tmp_path):
+    """Qwen3.5 as published (Qwen3_5ForConditionalGeneration: text_config, model.language_model.*,
+    a vision tower we skip) saved by transformers: our logits = its text-only forward."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    ).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                p.normal_(1.0 if "linear_attn" in name else 0.0, 0.2)
+            elif name.endswith("A_log"):
+                p.uniform_(-2.0, 1.5)
+    model.save_pretrained(str(tmp_path))
+    loaded = load_model(tmp_path)
+    assert loaded.graph.family == "qwen3_5_vl"
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 128, 40)]
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    ours = ReferenceRunner(loaded, num_blocks=4, max_model_len=64).forward_logits(ids)
+    assert rel_err(ours, theirs) < 1e-4
