@@ -52,7 +52,7 @@ def _random(model, seed):
                 p.normal_(0.0, 0.5)
             elif name.endswith("A_log"):
                 p.uniform_(-2.0, 1.5)
-            elif p.ndim >= 2:
+            elif p.ndim >= 2 and "visual" not in name:
                 p.normal_(0.0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
     return model.float().eval()
 
@@ -65,17 +65,29 @@ def _random(model, seed):
     ],
 )
 def test_moe_hybrid_matches_transformers(tmp_path, models_root, cls, config, extra):
+    cfg = getattr(transformers, config)(**BASE, **extra)
+    _check(tmp_path, _random(getattr(transformers, cls)(cfg), 3))
+
+
+def test_published_moe_vl_checkpoint_matches_transformers(tmp_path, models_root):
+    """Qwen3.6-35B-A3B as published (Qwen3_5MoeForConditionalGeneration, model.language_model.*)."""
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=BASE, vision_config=vision)
+    model = _random(transformers.Qwen3_5MoeForConditionalGeneration(cfg), 4)
+    assert _check(tmp_path, model).graph.family == "qwen3_5_moe_vl"
+
+
+def _check(tmp_path, model):
     from engine.model import load_model
     from engine.reference import ReferenceRunner
 
-    cfg = getattr(transformers, config)(**BASE, **extra)
-    model = _random(getattr(transformers, cls)(cfg), 3)
     model.save_pretrained(str(tmp_path / "ckpt"))
     runner = ReferenceRunner(load_model(tmp_path / "ckpt"), num_blocks=16, block_size=16, max_model_len=256,
                              state_slots=2)
     ids = [int(t) for t in np.random.default_rng(2).integers(0, 128, 60)]
     with torch.no_grad():
-        full = model(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+        full = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].numpy()
     ours = runner.forward_logits(ids)
     assert np.abs(ours - full).max() / np.abs(full).max() < 1e-4
     got, pos = [], 0
@@ -84,3 +96,4 @@ def test_moe_hybrid_matches_transformers(tmp_path, models_root, cls, config, ext
                                               state_slot=1)))
         pos += len(chunk)
     assert np.abs(np.concatenate(got) - full).max() / np.abs(full).max() < 1e-4
+    return runner.model
