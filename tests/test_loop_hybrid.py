@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from fixtures.hybrid import write_qwen3_5_hf
+from fixtures.hybrid import write_qwen3_5_gguf, write_qwen3_5_hf
 
 from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
@@ -130,10 +130,14 @@ def test_snapshot_eviction_under_few_slots(model):
     assert outs[2][0] == outs[0][0]
 
 
-def test_memra_run_on_a_tiny_qwen3_5(hybrid_dir):
+def test_memra_run_on_a_tiny_qwen3_5(hybrid_dir, tmp_path):
     cmd = [sys.executable, "-m", "engine.cli", "run", str(hybrid_dir), "--backend", "reference",
            "--prompt", "Hello", "--max-tokens", "5", "--temperature", "0"]
     r1 = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r1.returncode == 0, r1.stderr
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r2.stdout == r1.stdout and r1.stdout.strip()
+    # the same model as llama.cpp's converter writes it (qwen35 GGUF, its own vocab)
+    gguf = write_qwen3_5_gguf(tmp_path / "m.gguf", seed=11)
+    r3 = subprocess.run([*cmd[:4], str(gguf), *cmd[5:]], capture_output=True, text=True, timeout=120)
+    assert r3.returncode == 0, r3.stderr
