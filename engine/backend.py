@@ -7,12 +7,14 @@ picked and why on stderr. Must not import cuda.bindings directly (engine.cuda do
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine import env
-from engine.profile import DeviceInfo, DeviceProfile, select
-from engine.types import MemraError
+from engine.profile import DeviceProfile, select
+from engine.types import DeviceInfo, MemraError
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -82,3 +84,34 @@ def create_runner(model: Any, backend: str = "auto", device_profile: str | None 
     from engine.reference import ReferenceRunner
 
     return ReferenceRunner(model, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    if model:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise MemraError(f"model path {path} does not exist", param="model")
+        return path
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
+    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
+    from engine.model import load_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model_path(model_arg)
+    t0 = time.perf_counter()
+    print(f"memra: loading {path}", file=sys.stderr)
+    model = load_model(path, quant=quant)
+    tokenizer = load_tokenizer(model.weights)
+    runner = create_runner(model, backend, device_profile)
+    print(
+        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
+        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return model, tokenizer, runner

@@ -1,9 +1,12 @@
 """Model-family DSL: load and validate models/<family>.yaml into a ModelGraph.
 
 A family file names its dims (where to read each from config.json or GGUF metadata), its tensors
-(name patterns for both formats, kind, expected shape), its op graph, its quant combos and its known
-sizes. ``extends:`` derives a family from another with a small delta. Every problem is a ConfigError
-naming the file and key path. Must not import numpy or CUDA: this is pure configuration.
+(name patterns for both formats, kind, expected shape, stacks such as a MoE layer's experts), its op
+graph (ops inside a repeat may run only in the layers where a ``when`` predicate holds), its quant
+combos and its known sizes. ``extends:`` derives a family from another with a small delta
+(engine.graph_extends); the dims and tensors sections are engine.graph_specs', expressions are
+engine.dsl_expr's. Every problem is a ConfigError naming the file and key path. Must not import
+numpy or CUDA: this is pure configuration.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from engine import dsl_expr, paths
 from engine.graph_extends import merge_parent as _merge_parent
+from engine.graph_specs import FORMATS, DimSpec, TensorSpec, as_list, names_in, parse_dims, parse_tensors
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
@@ -48,65 +52,14 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "q4_1r": (32, 20),
 }
 
-TENSOR_KINDS = ("matrix", "embedding", "vector")
-DIM_TYPES = ("int", "float", "bool", "mapping", "list")
 LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
-# load-time vector transforms (engine.model.apply_transform): 1 + w of a zero-centred norm; -exp(A_log)
-TENSOR_TRANSFORMS = ("plus_one", "neg_exp")
 ROPE_STYLES = ("neox", "interleaved")
-FORMATS = ("hf", "gguf")
 
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
 
 GRAPH_INPUTS = ("tokens",)
 GRAPH_OUTPUT = "logits"
-
-
-@dataclass(frozen=True)
-class DimSpec:
-    name: str
-    hf: str | None = None
-    gguf: str | None = None
-    default: Any = None
-    has_default: bool = False
-    type: str = "int"
-    expr: str | None = None
-    from_tensor: tuple[str, int] | None = None
-    gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
-    per_format: dict[str, Any] | None = None  # a constant per source format ({hf: .., gguf: ..})
-    # list dim absent from the file: layer i is `every` if (i + 1) % interval == 0, else `other`
-    pattern: dict[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    hf: str | None
-    gguf: str | None
-    kind: str
-    shape: tuple[str, ...] | None
-    tied_to: str | None
-    optional: bool
-    transform: dict[str, str] = field(default_factory=dict)  # format -> TENSOR_TRANSFORMS name
-    shapes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per-format shape overrides
-    layers: str = "layers"  # the dim counting this per-layer tensor's layers (mtp_layers...)
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in (self.hf or "") or "{i}" in (self.gguf or "")
-
-    def shape_for(self, fmt: str) -> tuple[str, ...] | None:
-        return self.shapes.get(fmt, self.shape)
-
-    def pattern(self, fmt: str) -> str | None:
-        return self.hf if fmt == "hf" else self.gguf
-
-    def file_name(self, fmt: str, layer: int | None = None) -> str | None:
-        pat = self.pattern(fmt)
-        if pat is None:
-            return None
-        return pat.replace("{i}", str(layer)) if self.per_layer else pat
 
 
 @dataclass(frozen=True)
@@ -210,28 +163,6 @@ class ModelGraph:
 # ---------------------------------------------------------------------------------------------
 # schema
 
-_DIM = {
-    "hf": Field(str),
-    "gguf": Field(str),
-    "default": Field((int, float, str, bool, list, type(None))),
-    "type": Field(OneOf(DIM_TYPES), default="int"),
-    "expr": Field(str),
-    "from_tensor": Field(list),
-    "gguf_from_missing": Field(str),
-    "per_format": Field({"hf": Field((int, float, str, bool)), "gguf": Field((int, float, str, bool))}),
-    "pattern": Field({k: Field(str, required=True) for k in ("interval", "every", "other")}),
-}
-_TENSOR = {
-    "hf": Field(str),
-    "gguf": Field(str),
-    "kind": Field(OneOf(TENSOR_KINDS), required=True),
-    "shape": Field(ListOf(str)),
-    "tied_to": Field(str),
-    "optional": Field(bool, default=False),
-    "transform": Field({"hf": Field(OneOf(TENSOR_TRANSFORMS)), "gguf": Field(OneOf(TENSOR_TRANSFORMS))}),
-    "shape_gguf": Field(ListOf(str)),
-    "layers": Field(str),
-}
 _TOP = {
     "family": Field(str, required=True),
     "extends": Field(str),
@@ -256,12 +187,6 @@ _TOP = {
 }
 
 
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
-
-
 def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: frozenset = frozenset()) -> Op:
     if not isinstance(raw, dict) or "op" not in raw:
         raise fail(file, where, "expected a mapping with an `op` key")
@@ -277,16 +202,17 @@ def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: 
                 f"{where}.{key}",
                 f"unknown key for op {name}; expected one of: {', '.join(sorted(allowed))}",
             )
-    inputs = tuple(_as_list(raw.get("in")))
-    outputs = tuple(_as_list(raw.get("out")))
-    weights = tuple(_as_list(raw.get("weight")))
+    inputs = tuple(as_list(raw.get("in")))
+    outputs = tuple(as_list(raw.get("out")))
+    weights = tuple(as_list(raw.get("weight")))
     for label, items in (("in", inputs), ("out", outputs), ("weight", weights)):
         for item in items:
             if not isinstance(item, str):
                 raise fail(file, f"{where}.{label}", f"expected names (strings), got {item!r}")
     lo, hi = d.weights
-    if not lo <= len(weights) <= hi:
-        raise fail(file, f"{where}.weight", f"op {name} takes {lo}..{hi} weights, got {len(weights)}")
+    if not lo <= len(weights) <= hi or (d.weight_counts and len(weights) not in d.weight_counts):
+        counts = " or ".join(map(str, d.weight_counts)) if d.weight_counts else f"{lo}..{hi}"
+        raise fail(file, f"{where}.weight", f"op {name} takes {counts} weights, got {len(weights)}")
     if d.inputs is not None and len(inputs) != d.inputs:
         raise fail(file, f"{where}.in", f"op {name} takes {d.inputs} input(s), got {len(inputs)}")
     want_out = d.outputs if d.outputs is not None else len(weights)
@@ -302,7 +228,7 @@ def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: 
             raise fail(file, f"{where}.when", "a `when` predicate needs a per-layer op (inside a repeat)")
         if not isinstance(when, str):
             raise fail(file, f"{where}.when", f"expected an expression (string), got {when!r}")
-        for ident in _names_in(when, file, f"{where}.when"):
+        for ident in names_in(when, file, f"{where}.when"):
             if ident not in names:
                 raise fail(file, f"{where}.when", f"{ident!r} is not a dim, a predicate or `{LAYER_INDEX}`")
     return Op(name, inputs, outputs, weights, attrs, when)
@@ -332,11 +258,14 @@ def _parse_graph(
             nodes.append(Repeat(item["repeat"], body))
         else:
             nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors)
+    _check_dataflow(nodes, file, tensors, dims)
     return tuple(nodes)
 
 
-def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec]) -> None:
+def _check_dataflow(
+    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
+) -> None:
+    dims = dims or {}
     # value -> the `when` of the op that first produced it (None: produced in every layer); a value
     # only some layers produce may be read only by ops with the same predicate
     defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
@@ -371,89 +300,13 @@ def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, Ten
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a tensor of this family")
                 if kind == "value" and v not in defined:
                     raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
+                if kind == "dim" and v not in dims:
+                    raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
             for out in op.outputs:
                 if out not in defined or op.when is None:
                     defined[out] = op.when
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
-
-
-def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
-    dims: dict[str, DimSpec] = {}
-    for name, spec in raw.items():
-        where = f"dims.{name}"
-        spec = validate(spec, _DIM, file, where)
-        ft = spec.get("from_tensor")
-        if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
-            raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor", "per_format", "pattern")):
-            raise fail(
-                file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor, per_format, pattern"
-            )
-        if "pattern" in spec and spec["type"] != "list":
-            raise fail(file, f"{where}.pattern", "a pattern makes a list dim: add `type: list`")
-        dims[name] = DimSpec(
-            name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
-            default=spec.get("default"),
-            has_default="default" in spec,
-            type=spec["type"],
-            expr=spec.get("expr"),
-            from_tensor=(ft[0], ft[1]) if ft else None,
-            gguf_from_missing=spec.get("gguf_from_missing"),
-            per_format=spec.get("per_format"),
-            pattern=spec.get("pattern"),
-        )
-    for name, d in dims.items():
-        if d.pattern and d.pattern["interval"] not in dims:
-            raise fail(file, f"dims.{name}.pattern.interval", f"{d.pattern['interval']!r} is not a dim of this family")
-    return dims
-
-
-def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
-    tensors: dict[str, TensorSpec] = {}
-    for name, spec in raw.items():
-        where = f"tensors.{name}"
-        spec = validate(spec, _TENSOR, file, where)
-        if "hf" not in spec and "gguf" not in spec:
-            raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
-        for key in ("shape", "shape_gguf"):
-            for part in spec.get(key) or []:
-                for ident in _names_in(part, file, f"{where}.{key}"):
-                    if ident not in dims:
-                        raise fail(file, f"{where}.{key}", f"{ident!r} is not a dim of this family")
-        if spec.get("transform") and spec["kind"] != "vector":
-            raise fail(file, f"{where}.transform", "only vectors take a load-time transform")
-        if "layers" in spec and spec["layers"] not in dims:
-            raise fail(file, f"{where}.layers", f"{spec['layers']!r} is not a dim of this family")
-        tensors[name] = TensorSpec(
-            name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
-            kind=spec["kind"],
-            shape=tuple(spec["shape"]) if spec.get("shape") else None,
-            tied_to=spec.get("tied_to"),
-            optional=spec["optional"],
-            transform=dict(spec.get("transform") or {}),
-            shapes={"gguf": tuple(spec["shape_gguf"])} if spec.get("shape_gguf") else {},
-            layers=spec.get("layers", "layers"),
-        )
-    for name, t in tensors.items():
-        if t.tied_to is not None and t.tied_to not in tensors:
-            raise fail(file, f"tensors.{name}.tied_to", f"{t.tied_to!r} is not a tensor of this family")
-    for name, d in dims.items():
-        if d.from_tensor and d.from_tensor[0] not in tensors:
-            raise fail(
-                file, f"dims.{name}.from_tensor", f"{d.from_tensor[0]!r} is not a tensor of this family"
-            )
-        if d.gguf_from_missing and d.gguf_from_missing not in tensors:
-            raise fail(
-                file,
-                f"dims.{name}.gguf_from_missing",
-                f"{d.gguf_from_missing!r} is not a tensor of this family",
-            )
-    return tensors
 
 
 def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]:
@@ -465,7 +318,7 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
         per: dict[str, tuple[str, ...]] = {}
         default: tuple[str, ...] = ()
         for key, value in spec.items():
-            types = tuple(_as_list(value))
+            types = tuple(as_list(value))
             for t in types:
                 if t not in STORAGE_TYPES:
                     raise fail(
@@ -485,16 +338,9 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
     return combos
 
 
-def _names_in(expr: str, file: Path, where: str) -> set[str]:
-    try:
-        return dsl_expr.names_in(expr)
-    except (SyntaxError, ValueError) as exc:
-        raise fail(file, where, f"invalid expression {expr!r}: {exc}") from exc
-
-
 def evaluate(expr: str, values: Any) -> Any:
-    """Evaluate a DSL expression (``hidden // heads``, ``layer_types[i] == 'full_attention'``) over
-    ``values``: the language of ``engine.dsl_expr``. A missing name raises KeyError."""
+    """Evaluate a DSL expression (``hidden // heads``, ``i not in mlp_only_layers``) over ``values``:
+    the language of ``engine.dsl_expr``. A missing name raises KeyError."""
     return dsl_expr.evaluate(expr, values)
 
 
@@ -554,14 +400,14 @@ def _load_family(name: str, root: str) -> ModelGraph:
     for fmt in FORMATS:
         if fmt not in raw["rope_style"]:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
-    dims = _parse_dims(raw["dims"], file)
-    tensors = _parse_tensors(raw["tensors"], file, dims)
+    dims = parse_dims(raw["dims"], file)
+    tensors = parse_tensors(raw["tensors"], file, dims)
     predicates = {k: v for k, v in (raw.get("predicates") or {}).items() if v is not None}
     pnames = frozenset(dims) | frozenset(predicates) | {LAYER_INDEX}
     for pname, expr in predicates.items():
         if pname in dims or pname == LAYER_INDEX:
             raise fail(file, f"predicates.{pname}", "a predicate name must differ from every dim and `i`")
-        for ident in _names_in(expr, file, f"predicates.{pname}"):
+        for ident in names_in(expr, file, f"predicates.{pname}"):
             if ident not in pnames or ident == pname:
                 raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
     graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)

@@ -23,6 +23,7 @@ from engine.graph import (
 from engine.types import ConfigError, MemraError
 
 _CASTS = {"int": int, "float": float, "bool": bool}
+_COPY = {list: list, dict: dict}
 
 
 @dataclass
@@ -80,9 +81,12 @@ class LoadedModel:
         return list(self.graph.tensor_layers(self.dims)[tensor])
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor the graph reads once per token (the decode roofline numerator)."""
+        """Bytes of every tensor the graph reads once per token (the decode roofline numerator). A
+        stacked (MoE expert) tensor counts the share a router picks per token: its ``top_k`` dim
+        over the stack's dim."""
         total = 0
         seen: set[str] = set()
+        top_k = next((o.attrs["top_k"] for o, _ in self.graph.ops() if "top_k" in o.attrs), None)
         for key, spec in self.graph.tensors.items():
             if spec.layers != "layers":
                 continue  # not run per token by the graph (MTP)
@@ -93,12 +97,15 @@ class LoadedModel:
                 if name in seen or (key == "embed" and not self.dims.get("tie_embeddings")):
                     continue  # an untied embedding table is gathered, not streamed
                 seen.add(name)
-                total += self.weights.info(name).nbytes
+                nbytes = self.weights.info(name).nbytes
+                if spec.stack and top_k:
+                    nbytes = nbytes * int(self.dims[top_k]) // int(self.dims[spec.stack])
+                total += nbytes
         return total
 
 
 def apply_transform(arr, how: str):
-    """A family tensor's load-time transform (engine.graph.TENSOR_TRANSFORMS), in float32."""
+    """A family tensor's load-time transform (engine.graph_specs.TENSOR_TRANSFORMS), in float32."""
     import numpy as np
 
     a = np.asarray(arr, dtype=np.float32)
@@ -155,13 +162,12 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        if d.per_format is not None and fmt in d.per_format:
-            return _cast(d, d.per_format[fmt], f"{graph.path}: dims.{d.name}.per_format")
-        key = d.hf if fmt == "hf" else (d.gguf.replace("{arch}", arch) if d.gguf else None)
-        if key:
+        keys = d.hf_keys if fmt == "hf" else ((d.gguf.replace("{arch}", arch),) if d.gguf else ())
+        for key in keys:
             found, value = _meta_lookup(meta, key)
             if found and value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
+        key = keys[0] if keys else None
         if d.pattern:
             interval = int(get(d.pattern["interval"]))
             if interval < 1:
@@ -173,15 +179,18 @@ def resolve_dims(
                 for i in range(int(get("layers")))
             ]
         if fmt == "gguf" and d.gguf_from_missing and has_tensor is not None:
+            if d.type == "list":  # the layers that lack a per-layer tensor
+                return [i for i in range(int(get("layers"))) if not has_tensor(d.gguf_from_missing, i)]
             return not has_tensor(d.gguf_from_missing)
         if d.from_tensor and tensor_shape is not None:
             shape = tensor_shape(d.from_tensor[0])
             if shape is not None:
                 return int(shape[d.from_tensor[1]])
-        if d.has_default:
-            if isinstance(d.default, str) and d.type != "mapping":
-                return _eval(d, d.default)
-            return d.default
+        for has, default in ((fmt == "gguf" and d.has_gguf_default, d.gguf_default), (d.has_default, d.default)):
+            if has:
+                if isinstance(default, str) and d.type != "mapping":
+                    return _eval(d, default)
+                return _COPY.get(type(default), lambda v: v)(default)
         raise MemraError(
             f"{source}: missing field {key!r} (needed for dim {d.name!r} of family {graph.family})",
             code="invalid_model",
@@ -320,12 +329,41 @@ def _check_shape(model: LoadedModel, key: str, layer: int | None) -> None:
         return
     want = tuple(int(evaluate(s, model.dims)) for s in shape)
     info = model.info(key, layer)
-    if tuple(info.shape) != want:
+    got = tuple(info.shape)
+    if spec.kind == "vector":  # a 1-output linear is a vector stored [1, n] by HF, [n] by GGUF
+        got, want = tuple(n for n in got if n != 1), tuple(n for n in want if n != 1)
+    if got != want:
+        name = model.file_name(key, layer)
         raise MemraError(
-            f"{model.path}: tensor {model.file_name(key, layer)} has shape {tuple(info.shape)}, "
+            f"{model.weights.file_of(name)}: tensor {name} has shape {tuple(info.shape)}, "
             f"expected {want} ({key}: {list(shape)}){_block_type_note(model, layer)}",
             code="invalid_model",
         )
+
+
+def _add_stacks(model: LoadedModel, layers_of: dict[str, list[int]]) -> None:
+    """Present every per-index (``{e}``) tensor family of the file as one stacked tensor, named by
+    its pattern with ``{e}`` kept, through engine.weights.StackedSource. Raises MemraError naming the
+    file and tensor when a member is missing or the file holds more members than the dim says."""
+    from engine.weights import StackedSource
+
+    stacked = [(k, t) for k, t in model.graph.tensors.items() if t.stack and "{e}" in (t.pattern(model.fmt) or "")]
+    if not stacked:
+        return
+    src = model.weights = StackedSource(model.weights)
+    for key, spec in stacked:
+        count = int(model.dims[spec.stack])
+        for layer in layers_of.get(key, []) if spec.per_layer else [None]:
+            name = spec.file_name(model.fmt, layer) or ""
+            extra = name.replace("{e}", str(count))
+            if src.base.has(extra):
+                field = model.graph.dims[spec.stack].hf or spec.stack
+                raise MemraError(
+                    f"{src.base.file_of(extra)}: tensor {extra!r} is beyond the {count} experts that "
+                    f"config field {field!r} declares ({key}, dim {spec.stack})",
+                    code="invalid_model",
+                )
+            src.add_stack(name, [name.replace("{e}", str(e)) for e in range(count)])
 
 
 def load_model(path: str | Path, family: str | None = None, quant: str | None = None) -> LoadedModel:
@@ -355,8 +393,8 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
             fmt, 0 if graph.tensors[key].per_layer and layer is None else layer
         )
 
-    def has_tensor(key: str) -> bool:
-        name = file_of(key)
+    def has_tensor(key: str, layer: int | None = None) -> bool:
+        name = file_of(key, layer)
         return bool(name) and weights.has(name)
 
     def tensor_shape(key: str):
@@ -377,6 +415,7 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
     _check_pattern_dims(model, source)
     layers_of = graph.tensor_layers(dims)  # a tensor only some layers' ops read (`when`) is needed there
     _check_layer_pattern(model, layers_of)
+    _add_stacks(model, layers_of)
     found: dict[str, set[str]] = {}
     for key, spec in graph.tensors.items():
         layers = layers_of[key] if spec.per_layer else [None]

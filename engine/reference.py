@@ -19,6 +19,7 @@ import numpy as np
 from engine import ops_ref
 from engine.ops import OPS, REFERENCE, RefStep
 from engine.sampling import sample, validate_sampling
+from engine.spec.accept import accept
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
@@ -271,6 +272,37 @@ class ReferenceRunner:
                 continue
             # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
             out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
+        return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
+        tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
+        them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
+        if self.num_state_slots and any(item.draft for item in items):
+            raise MemraError(
+                "verify: speculative drafts are not supported for hybrid models (no recurrent-state rollback)",
+                code="internal_error",
+            )
+        for item in items:
+            self._check_item(item)
+            k = len(item.draft)
+            if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
+                raise MemraError(
+                    f"seq {item.seq_id}: the draft must be the last {k} of the item's tokens",
+                    code="internal_error",
+                )
+        out: list[list[int]] = []
+        for item in items:
+            k = len(item.draft)
+            logits = self._forward(
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0
+            )
+            if k:
+                out.append(accept(logits[-(k + 1) :], item))
+            elif item.sample:
+                out.append([sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated)])
+            else:
+                out.append([])
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:

@@ -23,19 +23,9 @@ import numpy as np
 
 from engine import cuda, env, quant
 from engine.compile import KernelBuilder
-from engine.plan import (
-    PENALTY_CAPACITY,
-    ROPE_FREQ,
-    WIDE,
-    Arg,
-    Launch,
-    Plan,
-    build_plan,
-    kernel_specs,
-    launch_key,
-)
+from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, kernel_specs, launch_key
+from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
-from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample
 from engine.types import ConfigError, MemraError, StepItem
 
@@ -93,7 +83,6 @@ class CudaRunner:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         use_graphs: bool = True,
-        catalog: Any = None,
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
@@ -102,11 +91,10 @@ class CudaRunner:
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
         self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style
         )
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
-        self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
         log.info(
@@ -404,12 +392,10 @@ class CudaRunner:
         is launched plainly, so it never runs ahead of the kernel before it)."""
         if not self._pdl:
             return False
-        if spec not in self._pdl_ready:
-            self._pdl_ready[spec] = waits_first(render(spec), spec.entry)
-            if not self._pdl_ready[spec] and spec.template not in self._pdl_warned:
-                self._pdl_warned.add(spec.template)  # once per template, not per spec
-                log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
-        return self._pdl_ready[spec]
+        if not spec.pdl and spec.template not in self._pdl_warned:
+            self._pdl_warned.add(spec.template)  # once per template, not per spec
+            log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
+        return spec.pdl
 
     def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
         return {
@@ -497,6 +483,17 @@ class CudaRunner:
             for i, tok in zip(rows, ids, strict=True):
                 out[i] = tok if items[i].sample else None
         return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        from engine.spec.cuda_verify import verify
+
+        me = threading.get_ident()
+        if me != self._ctx_thread:
+            self.ctx.make_current()
+            self._ctx_thread = me
+        return verify(self, items)
 
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)
@@ -589,7 +586,9 @@ class CudaRunner:
         self.stream.synchronize()
         return self._views["out_ids"][:rows].copy()
 
-    def _decode(self, items: Sequence[StepItem]) -> list[int]:
+    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
         n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
@@ -618,7 +617,7 @@ class CudaRunner:
             self._clear_sampling(r)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
-        short = max(it.start_pos for it in items) < self.plan.short_context
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
         # a graph without penalty entries copies the inputs in and the sampled ids out itself
         # (pinned host memory): one driver call per step, then the wait
         io = self.use_graphs and kind != "penalised"

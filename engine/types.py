@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class MemraError(Exception):
@@ -94,6 +94,11 @@ class StepItem:
     # (n, slot): after the first n tokens of this item, also store the state into ``slot`` (a
     # snapshot at a block boundary, for the prefix cache).
     state_snapshots: Sequence[tuple[int, int]] = ()
+    # Speculative decoding (engine.spec): the last ``len(draft)`` entries of ``token_ids`` are proposed
+    # tokens to verify. ``draft_probs`` is the proposer's distribution for each of them ([k, vocab]
+    # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).
+    draft: Sequence[int] = ()
+    draft_probs: Any = None
 
 
 @runtime_checkable
@@ -116,6 +121,25 @@ class Runner(Protocol):
     def step(self, items: Sequence[StepItem]) -> list[int | None]: ...
 
 
+@runtime_checkable
+class VerifyingRunner(Runner, Protocol):
+    """A Runner that can verify speculative drafts in one step (engine.spec).
+
+    ``verify`` runs the items like ``step`` (writing the KV of every token, drafts included) and
+    returns, per item, the tokens it emits: for an item with a draft of k tokens it scores the k+1
+    positions from the one before the draft to the last draft token (logits for every verify
+    position), applies ``engine.spec.accept`` (greedy: longest prefix equal to the argmax; sampling:
+    the rejection rule) and returns the accepted drafts plus one token (1..k+1 ids). Items without a
+    draft give ``[token]`` when sampled, else ``[]``. The engine then rolls the KV of the rejected
+    positions back (block manager truncation); a runner with per-sequence state beside the paged KV
+    (recurrent layers) also implements ``spec_rollback(seq_id, num_tokens)``, which the engine calls
+    with the number of positions of the sequence that stay valid (restore the snapshot taken before
+    the verify step and replay the accepted tokens, or keep per-position snapshots).
+    """
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]: ...
+
+
 @dataclass
 class GenerationRequest:
     """What a client asked the engine for, already tokenized."""
@@ -129,6 +153,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     tenant: str = "default"
     cache_salt: str = ""  # extra isolation inside a tenant (vLLM's cache_salt)
+    speculative: bool = True  # False: never speculate for this request (when the engine does)
 
 
 @dataclass
@@ -155,3 +180,17 @@ class TokenEvent:
     usage: Usage | None = None
     error: MemraError | None = None
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int = 0
+    total_memory: int = 0  # bytes
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"

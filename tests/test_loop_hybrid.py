@@ -16,7 +16,10 @@ from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.model import load_model
 from engine.reference import ReferenceRunner
-from engine.types import GenerationRequest, SamplingParams
+from engine.spec.config import SpecConfig
+from engine.spec.proposer import NgramProposer
+from engine.spec.speculator import Speculator
+from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -128,6 +131,19 @@ def test_snapshot_eviction_under_few_slots(model):
     outs, stats = serve(model, [[a], [b], [a]], num_blocks=64, block_size=4, state_slots=4, max_tokens=3)
     assert stats.state_snapshot_evictions > 0 and stats.state_slots_live == 0
     assert outs[2][0] == outs[0][0]
+
+
+def test_speculator_with_a_hybrid_runner_is_refused(model):
+    """verify() carries no recurrent state and nothing rolls it back: refused with one line."""
+    runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=4)
+    spec = Speculator(NgramProposer(min_n=1, max_n=3), SpecConfig("ngram", k=4, ngram_min=1))
+    with pytest.raises(ConfigError, match="not supported for hybrid models") as err:
+        Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), speculator=spec)
+    assert "\n" not in str(err.value)
+    Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig()).shutdown(1)  # without: fine
+    item = StepItem(0, [5, 6, 7], 0, [0], True, GREEDY, state_slot=0, draft=[7])
+    with pytest.raises(MemraError, match="not supported for hybrid models"):
+        runner.verify([item])  # the runner refuses drafts too
 
 
 def test_memra_run_on_a_tiny_qwen3_5(hybrid_dir, tmp_path):

@@ -1,23 +1,13 @@
 """The MoE hybrids (Qwen3.5-MoE / Qwen3.6-35B-A3B, Qwen3-Next) on the numpy reference against
 transformers on tiny random checkpoints it saves: prefill and chunked prefill + decode through a
-state slot (f32 rel err < 1e-4). Their families (models/needs_moe/) need the moe_router /
-moe_experts ops and stacked expert tensors of branch moe; without them these tests skip."""
+state slot (f32 rel err < 1e-4), and the published VL checkpoint form."""
 
 from __future__ import annotations
-
-import shutil
 
 import numpy as np
 import pytest
 
-from engine import paths
-from engine.ops import OPS
 from engine.types import SamplingParams, StepItem
-
-pytestmark = pytest.mark.skipif(
-    "moe_experts" not in OPS or "moe_router" not in OPS,
-    reason="needs the moe_router / moe_experts ops (and stacked expert tensors) of branch moe",
-)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,17 +19,6 @@ BASE = dict(
     shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2, full_attention_interval=2,
     max_position_embeddings=512,
 )
-
-
-@pytest.fixture
-def models_root(tmp_path, monkeypatch):
-    """models/ with the needs_moe families beside the others, as after the merge of branch moe."""
-    root = tmp_path / "models"
-    shutil.copytree(paths.models_dir(), root, ignore=shutil.ignore_patterns("needs_moe"))
-    for f in (paths.models_dir() / "needs_moe").glob("*.yaml"):
-        shutil.copy(f, root / f.name)
-    monkeypatch.setattr(paths, "models_dir", lambda: root)
-    return root
 
 
 def _random(model, seed):
@@ -64,12 +43,12 @@ def _random(model, seed):
         ("Qwen3NextForCausalLM", "Qwen3NextConfig", {"intermediate_size": 96, "norm_topk_prob": True}),
     ],
 )
-def test_moe_hybrid_matches_transformers(tmp_path, models_root, cls, config, extra):
+def test_moe_hybrid_matches_transformers(tmp_path, cls, config, extra):
     cfg = getattr(transformers, config)(**BASE, **extra)
     _check(tmp_path, _random(getattr(transformers, cls)(cfg), 3))
 
 
-def test_published_moe_vl_checkpoint_matches_transformers(tmp_path, models_root):
+def test_published_moe_vl_checkpoint_matches_transformers(tmp_path):
     """Qwen3.6-35B-A3B as published (Qwen3_5MoeForConditionalGeneration, model.language_model.*)."""
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   num_position_embeddings=16)

@@ -23,11 +23,12 @@ class OpDef:
     inputs: int | None  # None: any number >= 1
     outputs: int | None  # None: same as the number of weights
     weights: tuple[int, int]  # (min, max)
-    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor"
+    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
     doc: str = ""
     # Recurrent state the op keeps per sequence (hybrid families): dims -> the state's shape, one
     # float32 array of that shape per layer the op runs in and per state slot (engine.reference).
     state: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+    weight_counts: tuple[int, ...] = ()  # when set, the only weight counts allowed within (min, max)
 
 
 @dataclass

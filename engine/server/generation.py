@@ -134,6 +134,7 @@ class Run:
             ignore_eos=self.spec.ignore_eos,
             tenant=self.tenant.name,
             cache_salt=salt,
+            speculative=self.spec.speculative,
         )
         try:
             self.handle = st.engine.submit(req)

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from engine.server.model_info import ModelInfo
 from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
@@ -42,12 +43,16 @@ def build_engine(
     backend: str,
     device_profile: str | None,
     quant: str | None = None,
+    spec: Any = None,
 ):
-    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests."""
-    from engine.cli import load_stack
+    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
+    ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None."""
+    from engine.backend import load_stack
     from engine.loop import Engine, EngineConfig
+    from engine.spec.build import build_speculator
 
     model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
+    speculator = build_speculator(spec, model, runner, device_profile=device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
     profile = getattr(runner, "profile", None)  # the CUDA runner's device profile sets the prefill budget
@@ -61,6 +66,7 @@ def build_engine(
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
         ),
+        speculator=speculator,
     )
     engine.start()
     model_id = model.path.stem if model.path.suffix == ".gguf" else model.path.name
@@ -76,8 +82,20 @@ def build_engine(
 
 def serve_from_cli(args: argparse.Namespace) -> int:
     from engine.server.serve import run_server
+    from engine.spec.config import parse_speculative
 
-    cfg = load_server_config(args.config, host=args.host, port=args.port)
+    cfg = load_server_config(
+        args.config,
+        host=args.host,
+        port=args.port,
+        speculative=getattr(args, "speculative", None),
+        spec_tokens=getattr(args, "spec_tokens", None),
+    )
+    try:
+        spec = parse_speculative(cfg.speculative, cfg.spec_tokens)
+    except ConfigError as exc:  # name the config file when the setting came from it
+        where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
+        raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
@@ -86,7 +104,8 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
     return run_server(
-        cfg, lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant)
+        cfg,
+        lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec),
     )
 
 

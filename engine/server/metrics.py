@@ -153,6 +153,13 @@ class Metrics:
                 g("generated_tokens_total"),
             ),
             ("memra_preemptions_total", "sequences preempted for KV space", g("preemptions")),
+            # speculative decoding (engine.spec); vLLM's names too, for dashboards built on them
+            ("memra_spec_draft_tokens_total", "speculative tokens proposed and verified", g("spec_draft_tokens")),
+            ("memra_spec_accepted_tokens_total", "speculative tokens accepted", g("spec_accepted_tokens")),
+            ("memra_spec_verify_rows_total", "sequence steps that verified a draft", g("spec_verify_rows")),
+            ("vllm:spec_decode_num_draft_tokens_total", "draft tokens", g("spec_draft_tokens")),
+            ("vllm:spec_decode_num_accepted_tokens_total", "accepted tokens", g("spec_accepted_tokens")),
+            ("vllm:spec_decode_num_drafts_total", "spec decoding drafts", g("spec_verify_rows")),
         ]
         for name, h, v in engine_counters:
             lines += [f"# HELP {name} {h}", f"# TYPE {name} counter", f"{name} {v:g}"]

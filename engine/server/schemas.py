@@ -33,6 +33,7 @@ class GenSpec:
     include_usage: bool = False
     ignore_eos: bool = False
     cache_salt: str = ""
+    speculative: bool = True  # false: this request opts out of speculative decoding
 
 
 @dataclass
@@ -196,6 +197,7 @@ def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None) ->
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
+    spec.speculative = get_bool(body, "speculative", True)
     get_str(body, "user", None, max_len=4096)  # accepted, ignored
 
 
@@ -536,6 +538,7 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     )
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
+    spec.speculative = get_bool(body, "speculative", True)
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise _type_err("metadata", "an object", md)
