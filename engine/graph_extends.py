@@ -14,7 +14,7 @@ from typing import Any
 from engine.schema import fail
 
 
-def as_list(value: Any) -> list:
+def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
@@ -55,9 +55,9 @@ def _apply_edits(graph: list, edits: list, file: Path) -> list:
             raise fail(file, where, "expected a mapping with after/insert, replace/with or remove")
         keys = set(edit)
         if keys == {"after", "insert"}:
-            pattern, new = edit["after"], as_list(edit["insert"])
+            pattern, new = edit["after"], _as_list(edit["insert"])
         elif keys == {"replace", "with"}:
-            pattern, new = edit["replace"], as_list(edit["with"])
+            pattern, new = edit["replace"], _as_list(edit["with"])
         elif keys == {"remove"}:
             pattern, new = edit["remove"], []
         else:

@@ -87,7 +87,8 @@ class CudaRunner:
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
-        self._ctx_thread = threading.get_ident()
+        self._ctx_local = threading.local()  # .current: the context is current on that thread
+        self._ctx_local.current = True
         self.profile = profile or select(self.ctx.info)
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
@@ -461,10 +462,7 @@ class CudaRunner:
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not
         # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
+        self._ensure_context()
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
@@ -490,11 +488,15 @@ class CudaRunner:
         decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
         from engine.spec.cuda_verify import verify
 
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
+        self._ensure_context()
         return verify(self, items)
+
+    def _ensure_context(self) -> None:
+        """Make the context current on the calling thread once. A thread-local flag, not a thread id:
+        ids are reused once a thread ends, and a new engine thread with an old id had no context."""
+        if not getattr(self._ctx_local, "current", False):
+            self.ctx.make_current()
+            self._ctx_local.current = True
 
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)
