@@ -5,8 +5,9 @@ expert), so its weight bytes are those of the whole file, though a decode step r
 chosen experts. ``weight_bytes(...)`` counts them from the family graph and dims alone (no file
 needed: a named size and a quant combo suffice, as for warmup), per group: ``experts`` (stacked
 tensors), ``dense`` (every other matrix), ``embedding`` and ``vectors`` (norms, f32).
-``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls both
-before it uploads anything.
+``plan_weight_bytes(plan, graph)`` groups a CUDA plan's allocations the same way (what the runner
+uploads); ``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls
+them before it allocates anything.
 
 Must not import CUDA (the caller passes the free byte count) or anything above engine.model.
 """
@@ -55,7 +56,8 @@ def weight_bytes(
     A tensor's storage type is ``tensor_dtypes["<key>@<layer>"]`` or ``tensor_dtypes["<key>"]`` (as
     ``engine.model.LoadedModel`` records a file's), else the first type ``combo`` allows for it.
     ``device_type(type, cols)`` maps a file type to the layout uploaded (a repacked layout pads
-    rows: ``engine.quant.row_bytes``); by default the file type. Per-layer tensors count in the
+    rows: ``engine.quant.row_bytes``); by default the file type. Stacked (expert) tensors keep the
+    file's layout (the expert kernels decode the file's blocks). Per-layer tensors count in the
     layers whose ops read them (a dense layer of a MoE model has no experts). A tied head counts
     once. Vectors count as f32. Raises ConfigError for a tensor without a shape.
     """
@@ -78,10 +80,25 @@ def weight_bytes(
                     raise MemraError(f"weight_bytes: no storage type for {key} (pass a quant combo)")
                 dtype = combo.allowed(key)[0]
             cols = shape[-1]
-            layout = device_type(dtype, cols) if device_type else dtype
+            layout = device_type(dtype, cols) if device_type and not spec.stack else dtype
             nbytes = prod(shape[:-1]) * quant_mod.row_bytes(layout, cols)
             group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
             groups[group] += nbytes
+    return WeightBytes(**groups)
+
+
+def plan_weight_bytes(plan: Any, graph: ModelGraph) -> WeightBytes:
+    """The device bytes of a CUDA plan's weight allocations (``engine.ir.Plan.weights``, exactly
+    what the runner uploads), grouped as ``weight_bytes`` groups them; a computed weight (RoPE
+    frequencies) counts as a vector."""
+    groups = {"experts": 0, "dense": 0, "embedding": 0, "vectors": 0}
+    for w in plan.weights:
+        spec = graph.tensors.get(w.parts[0])
+        if spec is None or spec.kind == "vector":
+            group = "vectors"
+        else:
+            group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
+        groups[group] += w.nbytes
     return WeightBytes(**groups)
 
 
