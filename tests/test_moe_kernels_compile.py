@@ -70,8 +70,9 @@ def test_builders_check_their_inputs():
     assert len(specs) == 1 + 4 * 4 + 1 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
     assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
+    assert g.grid(256) == (512, 128, 1)  # an expert's (token, slot) pairs: at most one per token
     with pytest.raises(ConfigError, match="exceed max_slots 256"):
-        g.grid(33)
+        g.grid(257)
     with pytest.raises(ConfigError, match="max_slots 100000"):
         expert_gemv_kernel("glu_grouped", "q4_k", 768, 2048, 8, experts=128, max_slots=100000)
     assert combine_kernel(2048, 8).grid(5) == (8, 5, 1)
