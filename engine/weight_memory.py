@@ -102,13 +102,21 @@ def plan_weight_bytes(plan: Any, graph: ModelGraph) -> WeightBytes:
     return WeightBytes(**groups)
 
 
-def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any]) -> int:
-    """Weight bytes one batch-1 decode step reads (the decode roofline's numerator): every dense
-    matrix and vector, ``experts_used / experts`` of the expert bytes (the router's picks), and the
-    embedding table only when it is the (tied) head (an untied table is gathered, not streamed)."""
+def active_expert_fraction(dims: Mapping[str, Any], batch: int = 1) -> float:
+    """The share of a MoE layer's expert bytes a decode step of ``batch`` rows reads: each row picks
+    ``experts_used`` of ``experts`` distinct experts, so exactly top_k / E at batch 1, and with rows
+    routed independently and uniformly the expected distinct share 1 - (1 - top_k / E) ** batch."""
+    return 1.0 - (1.0 - int(dims["experts_used"]) / int(dims["experts"])) ** max(int(batch), 1)
+
+
+def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any], batch: int = 1) -> int:
+    """Weight bytes one decode step of ``batch`` rows reads (the decode roofline's numerator): every
+    dense matrix and vector, ``active_expert_fraction`` of the expert bytes (the router's picks),
+    and the embedding table only when it is the (tied) head (an untied table is gathered, not
+    streamed)."""
     read = weights.dense + weights.vectors
     if weights.experts:
-        read += weights.experts * int(dims["experts_used"]) // int(dims["experts"])
+        read += int(weights.experts * active_expert_fraction(dims, batch))
     if dims.get("tie_embeddings"):
         read += weights.embedding
     return read

@@ -116,3 +116,21 @@ def test_shared_expert_has_no_cuda_lowering_yet(tmp_path):
 
     with pytest.raises(ConfigError, match="shared expert"):
         moe.lower_experts(None, Op(), 0, "decode", [], [], [None] * 7)
+
+
+def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
+    from engine.runner_bench import expert_weight_keys, layer_matrix_params, streamed_weight_bytes
+    from engine.weight_memory import active_expert_fraction, decode_read_bytes, plan_weight_bytes
+
+    g, d, plan = _plan("q4_k_m", profile="h100")
+    assert expert_weight_keys(plan) == {f"L{i}.exp_{p}" for i in (0, 2) for p in ("gate", "up", "down")}
+    wb = plan_weight_bytes(plan, g)
+    embed_row = plan.weight("embed").cols * 2  # an untied table: a row gathered per token
+    assert streamed_weight_bytes(plan, 1) == pytest.approx(decode_read_bytes(wb, d) + embed_row, abs=8)
+    assert decode_read_bytes(wb, d) == wb.dense + wb.vectors + wb.experts * 4 // 16
+    # 32 rows over 16 experts, top-4: nearly every expert is read
+    assert active_expert_fraction(d, 32) == pytest.approx(1 - 0.75**32)
+    assert streamed_weight_bytes(plan, 32) > 0.99 * (wb.total - wb.embedding)
+    dense = sum(w.rows * w.cols for w in plan.weights if w.layer is not None and w.rows > 1 and "exp_" not in w.key)
+    experts = sum(w.rows * w.cols for w in plan.weights if "exp_" in w.key)
+    assert layer_matrix_params(plan) == dense + experts // 4
