@@ -8,8 +8,9 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
 expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
-with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP: engine.lowering.moe lowers the
-``moe_router`` / ``moe_experts`` ops through them. ``moe_specs`` lists what a family's dims need
+with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP;
+``shared_kernel`` (kernels/moe_shared.cu.j2) adds a sigmoid-gated shared expert's output.
+engine.lowering.moe lowers the ``moe_router`` / ``moe_experts`` ops through them. ``moe_specs`` lists what a family's dims need
 (tests, tools/gpu_check_moe.py).
 
 Each builder returns a ``MoeKernel``: the spec plus ``args`` ((name, ctype) in order), ``grid(rows)``
@@ -46,6 +47,7 @@ KERNELS = {
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
+    "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
 }
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
@@ -166,6 +168,19 @@ def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256
         KernelSpec("moe_combine", entry_name("moe_combine", **name), params, pdl=True),
         (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
         lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def shared_kernel(n: int, threads: int = 256) -> MoeKernel:
+    """moe_shared: out [rows, n] += sigmoid(x[t] . gate) * y[t] (the gated shared expert)."""
+    if n < 1 or threads not in (64, 128, 256, 512, 1024):
+        raise ConfigError(f"moe_shared: bad shape n={n} threads={threads}")
+    params = {"n": n, "threads": threads}
+    return MoeKernel(
+        KernelSpec("moe_shared", entry_name("moe_shared", n=n, t=threads), params, pdl=True),
+        (("out", "ptr"), ("y", "ptr"), ("x", "ptr"), ("gate", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (rows, 1, 1),
         (threads, 1, 1),
     )
 

@@ -1,4 +1,4 @@
-"""The MoE kernels (kernels/moe_topk.cu.j2, kernels/moe_gemv.cu.j2) render for every storage type
+"""The MoE kernels (kernels/moe_topk.cu.j2, moe_gemv.cu.j2, moe_combine.cu.j2, moe_shared.cu.j2) render for every storage type
 and mode, open with pdl_wait(), and compile with NVRTC for every device profile's arch (no GPU).
 
 Every storage type's decoder compiles for the primary arch (sm_90a, in the glu kernel; down for the
@@ -12,7 +12,14 @@ import pytest
 from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
 from engine.model import dims_for_size
-from engine.moe_kernels import GEMV_QUANTS, combine_kernel, expert_gemv_kernel, moe_specs, topk_kernel
+from engine.moe_kernels import (
+    GEMV_QUANTS,
+    combine_kernel,
+    expert_gemv_kernel,
+    moe_specs,
+    shared_kernel,
+    topk_kernel,
+)
 from engine.profile import all_profiles
 from engine.render import render, waits_first
 from engine.types import ConfigError
@@ -41,6 +48,7 @@ def _all_specs():
         specs.append(expert_gemv_kernel("glu_grouped", q, 768, 2048, 8, experts=128, max_slots=256).spec)
         specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
     specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
+    specs += [shared_kernel(2048).spec]
     return specs
 
 
@@ -94,6 +102,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemv_kernel("glu_grouped", "q6_k", 768, 2048, 8, experts=128).spec,
         expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
         combine_kernel(2048, 8).spec,
+        shared_kernel(2048).spec,
     ]
     for arch in archs:
         specs = full if arch == PRIMARY_ARCH else one_each

@@ -11,7 +11,6 @@ from engine.ir import NULL, Arg, kernel_specs
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile
-from engine.types import ConfigError
 from engine.weight_memory import plan_weight_bytes, weight_bytes
 
 # a small qwen3-30b-a3b: 3 layers, the middle one dense (mlp_only_layers), k-quant friendly widths
@@ -108,14 +107,34 @@ def test_every_moe_spec_renders():
         assert f"{s.entry}(" in render(s)
 
 
-def test_shared_expert_has_no_cuda_lowering_yet(tmp_path):
-    from engine.lowering import moe
+def test_shared_expert_lowering(tmp_path, monkeypatch):
+    import shutil
 
-    class Op:
-        op, attrs = "moe_experts", {}
+    from test_moe_load import SHARED_FAMILY
 
-    with pytest.raises(ConfigError, match="shared expert"):
-        moe.lower_experts(None, Op(), 0, "decode", [], [], [None] * 7)
+    from engine import paths
+
+    root = tmp_path / "models"
+    shutil.copytree(paths.models_dir(), root)
+    (root / "moe_shared.yaml").write_text(SHARED_FAMILY)
+    g = load_family("moe_shared", root)
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL, "shared_intermediate": 128}
+    for q, prof in (("bf16", "h100"), ("q8_0", "h200")):
+        plan = build_plan(g, d, g.quant(q), get_profile(prof))
+        step = next(s for s in plan.steps if s.op.op == "moe_experts")
+        for mode in ("decode1", "decode", "prefill"):
+            names = [la.spec.template for la in step.launches[mode]]
+            assert names[-1] == "moe_shared" and "silu_mul" in names, (mode, names)
+            shared = names[names.index("moe_combine") + 1 if "moe_combine" in names else 2 :]
+            linears = [n for n in shared if n not in ("silu_mul", "moe_shared", "embed")]
+            if mode == "prefill":
+                assert set(linears) <= {"gemm", "gemm_wgmma"} and len(linears) >= 3, names
+            else:
+                assert linears == ["gemv"] * 3, names
+        last = step.launches["decode"][-1]
+        assert last.args[:4] == (Arg("value", "x"), Arg("value", "x.shared_out"), Arg("value", "h"), Arg("weight", "L0.sh_gate_inp"))
+        assert plan.weight("L0.sh_gate_inp").dtype == "f32" and plan.values["x.shared_act"].width == 128
+        assert all(s.layer != 1 for s in plan.steps if s.op.op == "moe_experts")
 
 
 def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():

@@ -7,16 +7,20 @@ moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's bl
 (decode1) the per-slot moe_gemv ``glu`` then ``down`` (+ residual), which read only the chosen
 experts' rows; in batched decode, wide decode buckets and prefill the grouped modes (one block per
 (row tile, expert) reads the expert once for all its tokens) and moe_combine (the router-weighted
-slot sum + residual). Kernel specs and argument lists come from engine.moe_kernels. The shared
-expert (seven weights) has no CUDA lowering yet: a ConfigError says so. Must not import CUDA or
-numpy.
+slot sum + residual). A shared expert (seven weights: gate, up, down and the f32 gate vector)
+runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
+moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+engine.moe_kernels. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from engine import moe_kernels as mk
 from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import gemv_launch
+from engine.lowering.linear import linear_gemm
 from engine.lowering.registry import register
 from engine.types import ConfigError
 
@@ -62,18 +66,50 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
 
 
 def bind_experts(op, ws, ins, dims, value_for):
-    return [value_for(op.outputs[0], ins[0].width)]
+    out = [value_for(op.outputs[0], ins[0].width)]
+    if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs
+        shared = ws[3].rows
+        out += [value_for(f"{op.outputs[0]}.shared_{p}", shared) for p in ("gate", "up", "act")]
+        out.append(value_for(f"{op.outputs[0]}.shared_out", ins[0].width))
+    return out
 
 
 @register("moe_experts", bind=bind_experts, wide="decode")
 def lower_experts(ctx, op, layer, mode, ins, outs, ws):
-    if len(ws) != 3:
-        raise ConfigError(
-            f"plan: moe_experts with {len(ws)} weights (a shared expert) has no CUDA lowering yet; "
-            "the reference backend runs it"
-        )
+    if len(ws) not in (3, 7):
+        raise ConfigError(f"plan: moe_experts takes 3 weights (or 7 with a shared expert), got {len(ws)}")
+    routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
+    return routed + (shared_expert(ctx, layer, mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+
+
+def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
+    """out += sigmoid(h . gate_inp) * down(silu(gate h) * up h): the dense linear paths (GEMVs in
+    decode, the GEMM in prefill), silu_mul, then moe_shared."""
+    out, g, u, act, y = outs
+    wg, wu, wd, gate = ws
+    if gate.rows != 1 or gate.cols != h.width or gate.dtype != "f32":
+        raise ConfigError(f"plan: the shared expert gate {gate.key} must be an f32 vector of {h.width}")
+    plain = SimpleNamespace(op="linear", attrs={})  # the shared projections add no residual
+
+    def linear(x, o, w):
+        if mode == "prefill" and ctx.prefill_linear == "gemm":
+            return linear_gemm(ctx, plain, mode, [x], [o], [w])
+        return [gemv_launch(ctx, plain, layer, mode, [x], o, w)]
+
+    t = ctx.tune("elementwise")["threads"]
+    silu = ctx.spec("silu_mul", inter=g.width, in_stride=g.ld, threads=t)
+    k = mk.shared_kernel(h.width)
+    return [
+        *linear(h, g, wg),
+        *linear(h, u, wu),
+        Launch(silu, (cdiv(g.width, 8 * t), "n"), (t,), (val(act), val(g), val(u), ROWS)),
+        *linear(act, y, wd),
+        Launch(k.spec, ("n",), k.block[:1], (val(out), val(y), val(h), wgt(gate), ROWS)),
+    ]
+
+
+def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     h, ids, weights = ins
-    out = outs[0]
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
     experts = wg.rows // inter

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine import cuda, quant
-from engine.moe_kernels import combine_kernel, expert_gemv_kernel, topk_kernel
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, shared_kernel, topk_kernel
 from engine.ops_ref_moe import moe_experts, moe_route
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")]
@@ -237,3 +237,17 @@ def test_sparse_mlp_end_to_end(gk):
                       wd.astype(np.float32), residual=res.astype(np.float32))
     got = gk.host(out)
     assert rel_err(got, ref) < 2e-2, rel_err(got, ref)
+
+
+def test_shared_expert_gate_and_add(gk):
+    """moe_shared: out += sigmoid(x . gate) * y, in place, per token."""
+    rng = np.random.default_rng()
+    rows, hidden = 6, 2048
+    x = bf_round(rng.standard_normal((rows, hidden)) * 0.5)
+    y = bf_round(rng.standard_normal((rows, hidden)))
+    base = bf_round(rng.standard_normal((rows, hidden)))
+    gate = (rng.standard_normal(hidden) * 0.05).astype(np.float32)
+    out = gk.bf(base)
+    gk.launch(shared_kernel(hidden), [out, gk.bf(y), gk.bf(x), gk.f32(gate), rows], rows)
+    want = base + y / (1 + np.exp(-(x @ gate.astype(np.float64))))[:, None]
+    assert rel_err(gk.host(out), want) < 1e-2
