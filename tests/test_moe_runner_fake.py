@@ -17,8 +17,20 @@ DIMS = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key
             num_experts_per_tok=2)
 
 
-@pytest.fixture(params=["bf16", "q8_0"])
-def moe_model(request, tmp_path):
+@pytest.fixture(params=["bf16", "q8_0", "shared"])
+def moe_model(request, tmp_path, monkeypatch):
+    if request.param == "shared":  # + a gated shared expert (tests/gpu/test_moe_runner.py's model)
+        import sys
+        from pathlib import Path
+
+        from engine import paths
+
+        sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+        from test_moe_runner import DIMS as GPU_DIMS
+        from test_moe_runner import _with_shared_expert
+
+        monkeypatch.setattr(paths, "models_dir", paths.models_dir)  # restored after the test
+        return load_model(_with_shared_expert(write_qwen3_moe_safetensors(tmp_path / "m", seed=3, **GPU_DIMS), tmp_path))
     if request.param == "bf16":
         return load_model(write_qwen3_moe_safetensors(tmp_path / "m", seed=3, **DIMS))
     return load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q8_0", seed=3, **DIMS))
@@ -38,7 +50,9 @@ def test_moe_prefill_and_decode_bind_every_launch(moe_model, monkeypatch, tmp_pa
     names = [n for n, _, _ in drv.launches]
     assert sum(n.startswith("moe_topk") for n in names) == 2  # layers 0 and 2; layer 1 is dense
     assert sum(n.startswith("moe_combine") for n in names) == 2
-    assert sum(n.startswith("silu_mul") for n in names) <= 1
+    shared = 2 if moe_model.graph.family == "moe_shared" else 0
+    assert sum(n.startswith("moe_shared") for n in names) == shared
+    assert sum(n.startswith("silu_mul") for n in names) <= 1 + shared  # the dense layer's (+ the shared experts')
     drv.launches.clear()
     runner.step([StepItem(0, [5], 11, [0], True, GREEDY)])
     runner.step([StepItem(0, [6], 12, [0], True, GREEDY)])
