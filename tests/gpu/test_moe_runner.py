@@ -33,10 +33,12 @@ def _rel(a, b):
 
 @pytest.fixture(scope="module", params=FORMATS)
 def moe(request, tmp_path_factory):
+    from engine import paths
     from engine.model import load_model
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
 
+    models_dir = paths.models_dir  # (the shared variant points it at a copy with its family)
     d = tmp_path_factory.mktemp(f"moe_{request.param}")
     if request.param == "shared":
         path = _with_shared_expert(write_qwen3_moe_safetensors(d / "m", seed=5, **DIMS), d)
@@ -48,6 +50,7 @@ def moe(request, tmp_path_factory):
     runner = CudaRunner(model, num_blocks=128, max_model_len=512)
     yield request.param, runner, ReferenceRunner(model, num_blocks=64, max_model_len=512)
     runner.close()
+    paths.models_dir = models_dir
 
 
 SHARED = 128  # the shared expert's width
@@ -67,7 +70,7 @@ def _with_shared_expert(path, tmp):
     root = tmp / "models"
     shutil.copytree(paths.models_dir(), root)
     (root / "moe_shared.yaml").write_text(SHARED_FAMILY)
-    paths.models_dir = lambda: root  # (module-scoped fixture: the family stays visible to its tests)
+    paths.models_dir = lambda: root  # the caller restores it
     rng = np.random.default_rng(9)
     h = DIMS["hidden_size"]
     tensors = {}
