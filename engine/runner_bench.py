@@ -135,6 +135,7 @@ def bench_decode(
         "step_ms": t * 1e3,
         "tok_s": batch / t,
         "bytes_per_step": nbytes,
+        **({"active_expert_fraction": active_expert_fraction(plan.dims, batch)} if expert_weight_keys(plan) else {}),
         "achieved_gbs": nbytes / t / 1e9,
         "roofline_fraction": nbytes / t / bw,
     }
