@@ -29,6 +29,7 @@ from engine.profile import DeviceProfile, arch_number, select
 from engine.progress import bar
 from engine.sampling import penalty_entries, sample_item
 from engine.types import ConfigError, MemraError, StepItem
+from engine.weight_memory import check_fits, plan_weight_bytes
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -113,6 +114,7 @@ class CudaRunner:
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
+        self._check_memory()
         self._load_kernels(builder)
         self._upload_weights()
         self._alloc_arena()
@@ -135,6 +137,17 @@ class CudaRunner:
         )
 
     # ----------------------------------------------------------------------------- setup
+
+    def _check_memory(self) -> None:
+        """Every weight (all experts of a MoE model) + the arena + fixed scratch + one KV block must
+        fit in free device memory: else one MemraError (out_of_memory) with bytes needed vs free,
+        before anything is allocated (engine.weight_memory)."""
+        d = self.plan.dims
+        kv_block = self.block_size * d["kv_heads"] * d["head_dim"] * 2 * 2 * d["layers"]
+        reserve = self.plan.arena_bytes() + sum(sp.fixed for sp in self.plan.scratch) + kv_block
+        free, _ = self.ctx.mem_info()
+        what = str(getattr(self.model, "path", None) or self.plan.family)
+        check_fits(what, plan_weight_bytes(self.plan, self.model.graph), free, reserve)
 
     def _load_kernels(self, builder: KernelBuilder | None) -> None:
         builder = builder or KernelBuilder(self.profile.arch)
