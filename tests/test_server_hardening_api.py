@@ -82,6 +82,9 @@ def test_n_choices_count_once_in_the_rate_buckets_but_hold_a_slot_each():
     assert c.simulate_post("/v1/completions", json={"prompt": "ab"}, headers=HDR).status_code == 200
     r = c.simulate_post("/v1/completions", json={"prompt": "ab"}, headers=HDR)
     assert r.status_code == 429 and r.json["error"]["code"] == "rate_limited"
+    c = _rated(max_concurrency=2)
+    r = c.simulate_post("/v1/completions", json={"prompt": "ab", "n": 3}, headers=HDR)
+    assert r.status_code == 429 and r.json["error"]["code"] == "tenant_limit" and "3 choices" in r.json["error"]["message"]
 
     # a 20-token prompt charged per choice would leave the third choice without budget (429)
     c = _rated(tokens_per_minute=40)
@@ -90,10 +93,11 @@ def test_n_choices_count_once_in_the_rate_buckets_but_hold_a_slot_each():
     r = c.simulate_post("/v1/completions", json={"prompt": "x" * 20}, headers=HDR)  # the output was charged
     assert r.status_code == 429 and r.json["error"]["code"] == "rate_limited"
 
-    c = _client(max_running=1, max_waiting=1)  # 2 slots: a third choice is refused, nothing leaks
+    eng = FakeEngine()
+    c = _client(eng, max_running=1, max_waiting=1)  # 2 slots: 3 choices are refused before any submit
     r = c.simulate_post("/v1/completions", json={"prompt": "ab", "n": 3, "max_tokens": 2})
     assert r.status_code == 429 and r.json["error"]["code"] == "overloaded"
-    assert app_state(c.app).in_flight == 0
+    assert app_state(c.app).in_flight == 0 and eng.submitted == []
     assert c.simulate_post("/v1/completions", json={"prompt": "ab", "n": 2, "max_tokens": 2}).status_code == 200
 
 

@@ -86,6 +86,22 @@ class Admission:
         if self.full():
             raise self._overloaded()
 
+    def check_room(self, tenant, n: int) -> None:
+        """Before submitting the ``n`` choices of one request: 429 now when the server or the tenant
+        cannot hold them all (rather than after choice 0 has been prefilled). Each choice is still
+        admitted on its own by ``admit``."""
+        with self.lock:
+            if self.in_flight + self.preparing_now + n > self.max_in_flight:
+                raise self._overloaded()
+            held = self._tenant.get(tenant.name, 0)
+            if tenant.max_concurrency and held + n > tenant.max_concurrency:
+                raise too_many(
+                    "tenant_limit",
+                    f"tenant {tenant.name!r} has {held} requests in flight; {n} choices would pass its limit "
+                    f"of {tenant.max_concurrency}",
+                    self.retry_after_s,
+                )
+
     @contextmanager
     def preparing(self) -> Iterator[None]:
         """Count a request while its prompt is rendered and tokenised: those waiting for the tokenizer
