@@ -1,6 +1,7 @@
 """Shared pytest fixtures: the real SmolLM2 GGUF and tiny random checkpoints (session-scoped, written once),
-and the ``--compile-matrix`` switch: tests marked ``compile_matrix`` (every kernel variant x every
-profile arch through NVRTC, minutes on 2 cores) are skipped unless it is given (.ci/run's second step)."""
+and the opt-in markers: tests marked ``compile_matrix`` (every kernel variant x every profile arch
+through NVRTC) or ``long`` (minutes on the reference backend) are skipped unless ``--compile-matrix``
+/ ``--long`` is given (each its own .ci/run step)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,27 @@ from fixtures.checkpoints import (
 
 from engine.types import MemraError
 
+# marker -> (option, what it is): tests carrying one of these markers are skipped unless their
+# option is given; .ci/run runs each as a step of its own after README's test command
+OPT_IN = {
+    "compile_matrix": ("--compile-matrix", "every kernel variant x every profile arch, every family's warmup"),
+    "long": ("--long", "minutes on the reference backend: server load and structured-output runs"),
+}
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--compile-matrix",
-        action="store_true",
-        help="also run the tests marked compile_matrix (every kernel variant x every profile arch)",
-    )
+    for marker, (option, what) in OPT_IN.items():
+        parser.addoption(option, action="store_true", help=f"also run the tests marked {marker} ({what})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--compile-matrix"):
-        return
-    skip = pytest.mark.skip(reason="compile matrix: run with --compile-matrix (.ci/run's second step)")
-    for item in items:
-        if "compile_matrix" in item.keywords:
-            item.add_marker(skip)
+    for marker, (option, _) in OPT_IN.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"{marker}: run with {option} (a .ci/run step of its own)")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

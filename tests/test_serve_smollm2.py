@@ -1,8 +1,8 @@
 """The real thing: `memra serve` (subprocess, waitress, loopback) on the numpy reference backend (or
 the one MEMRA_TEST_BACKEND names: tools/gpu_serve_check.sh runs it with cuda)
 with the real SmolLM2-135M-Instruct GGUF, driven by the official openai and anthropic SDKs, then a
-load test (200 requests, 16 concurrent, 20% disconnected mid-stream) after which every KV block is
-free again.
+load test (64 requests, 16 concurrent, 19 disconnected mid-stream after 1-4 chunks) after which
+every KV block is free again.
 """
 
 from __future__ import annotations
@@ -215,12 +215,14 @@ def test_auth_and_context_errors(server):
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
         _oa(server).chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "hi"}], n=2
+            model="default", messages=[{"role": "user", "content": "hi"}], n=17
         )
-    assert "n" in str(e.value)
+    assert e.value.param == "n"  # 1..16 choices
 
 
 def test_load_with_disconnects_frees_every_block(server):
+    # 64 streaming requests, 16 at a time (the server's max_running: every wave fills the batch);
+    # loadgen's seed-0 plan hangs up 19 of them after 1, 2, 3 and 4 chunks (10 / 4 / 3 / 2)
     out = subprocess.run(
         [
             sys.executable,
@@ -230,11 +232,11 @@ def test_load_with_disconnects_frees_every_block(server):
             "--api-key",
             server["key"],
             "--requests",
-            "200",
+            "64",
             "--concurrency",
             "16",
             "--disconnect-fraction",
-            "0.2",
+            "0.25",
             "--max-tokens",
             "3",
             "--prompt-words",
@@ -251,10 +253,10 @@ def test_load_with_disconnects_frees_every_block(server):
         timeout=1000,
     )
     summary = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
-    assert summary["requests"] == 200
+    assert summary["requests"] == 64
     assert not any(str(k).startswith("5") or "50" in str(k) for k in summary["errors"]), summary["errors"]
-    assert summary["disconnected"] >= 20, summary
-    assert summary["ok"] == 200, summary  # loadgen counts a deliberate hang-up as ok
+    assert summary["disconnected"] >= 15, summary
+    assert summary["ok"] == 64, summary  # loadgen counts a deliberate hang-up as ok
     deadline = time.time() + 30
     while True:
         status, kv = _get(server["base"] + "/admin/kv", server["key"])
