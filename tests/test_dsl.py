@@ -264,3 +264,24 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
     ):
         with pytest.raises(ConfigError, match=msg):
             with_tuning(base, bad)
+
+
+def test_tuning_is_one_frozen_dataclass_per_kernel_family(tmp_path):
+    """engine.tuning: each family's knobs are a frozen dataclass with its defaults; a profile's
+    values come in validated (file and key named) and read as attributes or as a Mapping."""
+    import dataclasses
+
+    from engine import tuning
+    from engine.profile import get_profile, load_profile
+
+    h200 = get_profile("h200")
+    assert set(h200.tuning) == set(tuning.SECTIONS)
+    coop = h200.tuning["gemv_coop"]
+    assert isinstance(coop, tuning.GemvCoop) and coop.q8x and coop["q8x_threads"] == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        coop.q8x = False  # type: ignore[misc]
+    assert tuning.Gemv().threads == 256 and get_profile("generic-sm80").tuning["gemv"] == tuning.Gemv()
+    bad = tmp_path / "h200.yaml"
+    bad.write_text(Path(h200.path).read_text().replace("rows_per_block: 4,", "rows_per_block: -4,", 1))
+    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv.rows_per_block: expected a positive number"):
+        load_profile(bad)
