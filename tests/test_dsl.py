@@ -285,3 +285,21 @@ def test_tuning_is_one_frozen_dataclass_per_kernel_family(tmp_path):
     bad.write_text(Path(h200.path).read_text().replace("rows_per_block: 4,", "rows_per_block: -4,", 1))
     with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv.rows_per_block: expected a positive number"):
         load_profile(bad)
+
+
+def test_every_knob_a_profile_sets_is_in_the_knob_table():
+    """docs/kernels.md "Tuning knobs": every knob some profile sets to a non-default value has its
+    line (the knob rule: non-default somewhere, with its measured gain recorded)."""
+    from engine import tuning
+    from engine.profile import all_profiles
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    table = text[text.index("## Tuning knobs") : text.index("## Catalog API")]
+    defaults = tuning.defaults()
+    missing = set()
+    for prof in all_profiles().values():
+        for section, knobs in prof.tuning.items():
+            for name, value in knobs.items():
+                if value != defaults[section][name] and name not in table:
+                    missing.add(f"{section}.{name}")
+    assert not missing, f"set in a profile but not in docs/kernels.md's knob table: {sorted(missing)}"
