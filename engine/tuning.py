@@ -91,12 +91,6 @@ class Gemv(Knobs):
     rows_per_block: int = knob(4, positive)
     max_batch: int = knob(8, positive)
     unroll: int = knob(2, positive)
-    # fold rmsnorm / silu_mul into the decode GEMV's x loads (off: on the H200 the prologues
-    # cost more than the kernels they replace, tools/gpu_check_gemv.py, 2026-12-02)
-    fuse_norm: bool = False
-    fuse_silu: bool = False
-    # fuse_norm at batch 1 only (decode1: one x row per block is cheap to normalise twice)
-    fuse_norm1: bool = False
     # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
     # silu_mul launch goes and the down GEMV reads x from the gate half
     fuse_glu: bool = False
@@ -279,10 +273,9 @@ class AttentionDecode(Knobs):
     # decode kernels: a block stages its first chunk's block-table entries without waiting
     # for the row's position (the two loads in flight together, one round trip less)
     table_first: bool = False
-    # the direct (short-context) kernel calls pdl_trigger() at its start, so the next kernel
-    # (the o GEMV) launches beside it and issues its weight loads / tile copies early
-    trigger: bool = False
-    # the same at batch 1 only (the short pass's SHORT1 launch; b8 / b32 keep theirs)
+    # batch 1 only (the short pass's SHORT1 launch; b8 / b32 keep theirs): the direct kernel
+    # calls pdl_trigger() at its start, so the next kernel (the o GEMV) launches beside it and
+    # issues its weight loads / tile copies early
     trigger_b1: bool = False
     # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches into L2, at
     # its start, the layer's o projection weight (l2_prefetch_o) and the first

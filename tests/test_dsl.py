@@ -250,13 +250,13 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), 132)
     base = select(h200)
-    monkeypatch.setenv("MEMRA_TUNE", "gemv.fuse_norm=true; gemv_coop.types=[bf16, q8_0]; gemv_coop.unroll=4")
+    monkeypatch.setenv("MEMRA_TUNE", "gemv.fuse_glu=false; gemv_coop.types=[bf16, q8_0]; gemv_coop.unroll=4")
     tuned = select(h200)
-    assert tuned.tuning["gemv"]["fuse_norm"] is True and base.tuning["gemv"]["fuse_norm"] is False
+    assert tuned.tuning["gemv"]["fuse_glu"] is False and base.tuning["gemv"]["fuse_glu"] is True
     assert tuned.tuning["gemv_coop"] == {**base.tuning["gemv_coop"], "types": ["bf16", "q8_0"], "unroll": 4}
     assert tuned.tuning["gemm"] == base.tuning["gemm"] and tuned.name == "h200"
     for bad, msg in (
-        ("gemv.fuse_nrm=true", "did you mean 'fuse_norm'"),
+        ("gemv.fuse_gl=true", "did you mean 'fuse_glu'"),
         ("gemvx.unroll=2", "unknown key"),
         ("gemv.unroll=-1", "positive"),
         ("gemv", "expected section.knob=value"),

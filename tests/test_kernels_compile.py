@@ -557,7 +557,7 @@ def _attention_variant_specs():
                 )
             )
         out.append(kc.spec("attention_combine", heads=heads, head_dim=hd, split=512, out_stride=heads * hd))
-        # the direct kernel with its early trigger (attention_decode.trigger)
+        # the direct kernel with its early trigger (attention_decode.trigger_b1)
         direct = out[-3].params  # (True, True, 4)
         assert direct["direct"] and direct["vec16"]
         out.append(kc.spec("attention", **{**direct, "trigger": True}))

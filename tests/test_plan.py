@@ -610,44 +610,6 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
     assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0
 
 
-@pytest.mark.parametrize(
-    "family,size,quant", [("llama", "smollm2-135m", "q4_1"), ("qwen3", "qwen3-0.6b", "bf16")]
-)
-@pytest.mark.parametrize("coop", [False, True])
-def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop):
-    import dataclasses
-
-    prof = get_profile("h200")
-    tuning = {
-        **prof.tuning,
-        "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True, "fuse_glu": False},
-    }
-    tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": ["bf16", "q4_1"] if coop else []}
-    graph = load_family(family)
-    plan = build_plan(
-        graph, dims_for_size(family, size), graph.quant(quant), dataclasses.replace(prof, tuning=tuning)
-    )
-    for step in plan.steps:
-        if step.op.op in ("rmsnorm", "silu_mul"):
-            assert step.launches["decode1"] == () and step.launches["decode"] == ()
-            assert len(step.launches["prefill"]) == 1  # prefill (GEMM) keeps the kernels
-    for mode in ("decode1", "decode"):
-        pro = {}
-        for step in plan.steps:
-            if step.op.op == "linear":
-                (lin,) = step.launches[mode][:1]
-                pro[step.op.inputs[0]] = lin.spec.params["prologue"]
-                assert lin.spec.params["coop"] is coop  # bf16, and q4_1 uploaded as q4_1r
-                if lin.spec.params["prologue"] == "norm":
-                    # x is the norm's input (the residual stream), the norm weight a trailing arg
-                    assert lin.args[-1].kind == "weight" and float(lin.spec.params["eps"]) > 0
-                if lin.spec.params["prologue"] == "silu":
-                    assert lin.spec.params["u_off"] == plan.dims["intermediate"]
-        assert set(pro.values()) == {"norm", "silu", "none"}, pro
-        head = [s for s in plan.steps if s.head]
-        assert head[-1].launches[mode][0].spec.params["prologue"] == "norm"  # final norm in lm_head
-
-
 def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
     from engine.graph import Op
     from engine.plan import _prologue_fusable
@@ -669,7 +631,7 @@ def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
 
 
 def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_up():
-    # tuning.gemv.fuse_norm / fuse_silu are off (measured slower), fuse_glu is on
+    # the rmsnorm launches stay (bf16 readers are no q8x GEMVs), gemv.fuse_glu is on
     plan = plan_for("qwen3", "qwen3-4b")
     for step in plan.steps:
         if step.op.op == "rmsnorm":
@@ -1102,38 +1064,6 @@ def test_direct_attention_splits_query_heads_over_grid_z():
             assert short and all(la.grid[2] == qs and la.spec.params["qsplit"] == qs for la in short)
             assert ("qsplit" in short[0].spec.entry) is (qs > 1)
             assert split and all(la.spec.params["qsplit"] == 1 for la in split)
-
-
-def test_fuse_norm1_folds_rmsnorm_into_bf16_readers_at_batch_1_only():
-    """gemv.fuse_norm1: in decode1 the rmsnorm launches go (their readers, classic bf16 GEMVs, get
-    the norm prologue, the lm_head included); the batched decode mode and prefill keep them."""
-    from engine.profile import with_tuning
-
-    graph = load_family("qwen3")
-    prof = with_tuning(get_profile("h200"), "gemv.fuse_norm1=true")
-    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
-    base = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
-
-    def kinds(p, mode, head=False):
-        return [
-            la.spec.template
-            for st in p.steps
-            if (st.head if head else st.layer == 3)
-            for la in st.launches[mode]
-        ]
-
-    assert "rmsnorm" not in kinds(plan, "decode1") and "rmsnorm" not in kinds(plan, "decode1", head=True)
-    gemvs = [
-        la.spec.params
-        for st in plan.steps
-        if st.layer == 3
-        for la in st.launches["decode1"]
-        if la.spec.template == "gemv"
-    ]
-    assert sorted(p["prologue"] for p in gemvs) == ["none", "none", "norm", "norm"]
-    assert kinds(plan, "decode") == kinds(base, "decode") and kinds(plan, "decode").count("rmsnorm") == 2
-    assert kinds(plan, "prefill") == kinds(base, "prefill")
-    assert kinds(base, "decode1").count("rmsnorm") == 2
 
 
 def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
@@ -1672,24 +1602,6 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
             assert new.spec.params == {**la.spec.params, "l2_pf": new.spec.params["l2_pf"]}
             assert "L2_PF_CALL();" in render(new.spec)
     assert changed == plan.dims["layers"]
-
-
-def test_attention_trigger_is_on_the_direct_decode_kernel_only():
-    """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
-    (so the o GEMV launches beside it); the split kernels do not; off, no attention kernel triggers."""
-
-    def attn(plan, key):
-        return {la.spec for st in plan.steps for la in st.launches.get(key, ()) if la.spec.template.startswith("attention")}
-
-    on = _q4_k_m_plan("attention_decode.trigger=true")
-    off = _q4_k_m_plan("attention_decode.trigger=false")
-    (short,), (short_off,) = attn(on, "short"), attn(off, "short")
-    assert short.params["trigger"] and not short_off.params["trigger"]
-    assert "pdl_trigger();" in render(short)
-    assert "pdl_trigger();" not in render(short_off)
-    for spec in attn(on, "decode") | attn(on, "decode1"):
-        assert not spec.params.get("trigger"), spec.entry
-    assert short_off.entry.count("trigger") == 0  # off: the kernel name of the plans before the knob
 
 
 def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
