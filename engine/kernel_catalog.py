@@ -85,10 +85,10 @@ P, I32 = "ptr", "i32"
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
         "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
-        "early_nw", "early_res", "l2_pf_lines", "l2_pf_keep",
+        "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
-    "attention": ("vec16", "rope", "table_first", "trigger", "l2_pf_lines", "l2_pf_late", "l2_pf_keep"),
+    "attention": ("vec16", "rope", "table_first", "trigger"),
 }
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
@@ -135,8 +135,6 @@ KERNELS: dict[str, KernelDoc] = {
             early_nw=bool,
             early_res=bool,
             l2_pf=str,
-            l2_pf_lines=bool,
-            l2_pf_keep=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count), l2_pf
         # pf0, pf1 ..: kernel_args()
@@ -175,8 +173,6 @@ KERNELS: dict[str, KernelDoc] = {
             "wsm_chunk",
             "early_nw",
             "early_res",
-            "l2_pf_lines",
-            "l2_pf_keep",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
@@ -213,8 +209,6 @@ KERNELS: dict[str, KernelDoc] = {
             "early_nw": False,
             "early_res": False,
             "l2_pf": "",
-            "l2_pf_lines": False,
-            "l2_pf_keep": False,
         },
     ),
     "gemm": KernelDoc(
@@ -385,9 +379,6 @@ KERNELS: dict[str, KernelDoc] = {
             table_first=bool,
             trigger=bool,
             l2_pf=str,
-            l2_pf_lines=bool,
-            l2_pf_late=bool,
-            l2_pf_keep=bool,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
         # see kernel_args()
@@ -417,9 +408,6 @@ KERNELS: dict[str, KernelDoc] = {
             "qsplit",
             "table_first",
             "trigger",
-            "l2_pf_lines",
-            "l2_pf_late",
-            "l2_pf_keep",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -438,9 +426,6 @@ KERNELS: dict[str, KernelDoc] = {
             "table_first": False,
             "trigger": False,
             "l2_pf": "",
-            "l2_pf_lines": False,
-            "l2_pf_late": False,
-            "l2_pf_keep": False,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -748,7 +733,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 need(bool(l2_pf_ranges(p["l2_pf"])), "l2_pf names no range")
             except ValueError as e:
                 raise _fail(template, f"l2_pf={p['l2_pf']!r}: {e}") from None
-        need(not (p["l2_pf_lines"] or p["l2_pf_keep"]) or p["l2_pf"], "l2_pf_lines / l2_pf_keep need l2_pf")
     if template == "gemv":
         need(1 <= p["unroll"] <= 8, f"unroll={p['unroll']} must be 1..8")
         pro, xs = p["prologue"], p["x_stride"] or p["k"]
@@ -967,8 +951,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"vec16: split={p['split']} must be a multiple of 8 * warps",
             )
         need(not p["l2_pf"] or (p["direct"] and p["mode"] == "decode"), "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
-        need(not p["l2_pf_late"] or p["l2_pf"], "l2_pf_late needs l2_pf")
-        need(not p["l2_pf_late"] or p["vec16"], "l2_pf_late (the prefetch after pdl_wait) needs vec16")
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
             need(

@@ -277,19 +277,9 @@ class AttentionDecode(Knobs):
     # calls pdl_trigger() at its start, so the next kernel (the o GEMV) launches beside it and
     # issues its weight loads / tile copies early
     trigger_b1: bool = False
-    # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches into L2, at
-    # its start, the layer's o projection weight (l2_prefetch_o) and the first
-    # l2_prefetch_next_kb KB of the linear after it (gate|up: half from the gate rows, half
-    # from the up rows, in its tiles' order), so they stream while the attention runs;
-    # l2_prefetch_lines: by per-line prefetch.global.L2 instead of bulk prefetches;
-    # l2_prefetch_late: after its pdl_wait (once the q|k|v GEMVs have ended and their
-    # weights are in) instead of at its start; l2_prefetch_keep: the lines marked L2
-    # evict_last (not pushed out by the streams that pass before they are read)
+    # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches the layer's o
+    # projection weight into L2 at its start, so it streams while the attention runs
     l2_prefetch_o: bool = False
-    l2_prefetch_next_kb: int = knob(0, non_negative)
-    l2_prefetch_lines: bool = False
-    l2_prefetch_late: bool = False
-    l2_prefetch_keep: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -330,7 +320,7 @@ class DecodeGraph(Knobs):
     pair_min_blocks: int = 0
     o_prefetch_next_kb: int = knob(0, non_negative)
     # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
-    # (attention_decode.trigger_b1 and l2_prefetch_o / l2_prefetch_next_kb, and
+    # (attention_decode.trigger_b1 and l2_prefetch_o, and
     # o_prefetch_next_kb) only on layers whose o projection weight has at least / at most
     # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
     o_window_min_kb: int = knob(0, non_negative)

@@ -411,10 +411,10 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 2006, 2560, q8, bmax=bm, sm_count=132)
             p.update(threads=320, rows_per_block=40, ksplit=1, lanes=8, glu=1003, tile_pf=True)
             out.append(kc.spec("gemv", **p))
-        # the L2 prefetch of a later weight once x is staged (l2_pf; bulk, lines, evict_last)
+        # the L2 prefetch of a later weight once x is staged (l2_pf)
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
         out.append(kc.spec("gemv", **p, l2_pf="0:0:65536,0:1048576:4096"))
-        out.append(kc.spec("gemv", **p, l2_pf="0:0:4096,1:32:4096", l2_pf_lines=True, l2_pf_keep=True))
+        out.append(kc.spec("gemv", **p, l2_pf="0:0:4096,1:32:4096"))
     return out
 
 
@@ -434,7 +434,7 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
         p = {**p, "wsm": True, "grid_cap": 7}
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
-        specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536", "l2_pf_keep": True}))  # once the tile landed
+        specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536"}))  # once the tile landed
         # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
         wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
         assert wc and 2560 % wc, (q, wc)
@@ -561,20 +561,14 @@ def _attention_variant_specs():
         direct = out[-3].params  # (True, True, 4)
         assert direct["direct"] and direct["vec16"]
         out.append(kc.spec("attention", **{**direct, "trigger": True}))
-        # and its L2 prefetch of later weights (attention_decode.l2_prefetch_*): bulk at the start,
-        # by lines after pdl_wait
+        # and its L2 prefetch of later weights (attention_decode.l2_prefetch_o), at the start
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:40960,1:160:8192"}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_late": True, "l2_pf_lines": True}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True, "l2_pf_lines": True}))
-    # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with both prefetch placements
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096"}))
+    # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with its prefetch
     from test_plan import _q4_k_m_plan
 
-    for late in ("false", "true"):
-        plan = _q4_k_m_plan(
-            f"attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.l2_prefetch_late={late}"
-        )
-        out.append(next(la.spec for st in plan.steps for la in st.launches.get("short1", ()) if la.spec.params["l2_pf"]))
+    plan = _q4_k_m_plan("attention_decode.l2_prefetch_o=true")
+    out.append(next(la.spec for st in plan.steps for la in st.launches.get("short1", ()) if la.spec.params["l2_pf"]))
     return list(dict.fromkeys(out))
 
 
@@ -597,13 +591,13 @@ def test_attention_prefill_contract():
 def test_attention_l2_prefetch_args_ranges_and_rules():
     """l2_pf: "A:OFF:BYTES" ranges read by kc.l2_pf_ranges (16-byte aligned, A < L2_PF_MAX_ARGS),
     one pointer arg pfA per weight after the kernel's own (the signature agrees), each range
-    prefetched once, at the start or (l2_pf_late) after pdl_wait; the rules name what is wrong."""
+    prefetched once, at the start, by bulk prefetches on sm_90; the rules name what is wrong."""
     assert kc.l2_pf_ranges("0:0:4096,1:160:8192") == ((0, 0, 4096), (1, 160, 8192))
     for bad in ("0:0", "0:8:4096", "0:0:100", "0:0:0", "9:0:16", "a:0:16"):
         with pytest.raises(ValueError):
             kc.l2_pf_ranges(bad)
     specs = [s for s in _attention_variant_specs() if s.template == "attention" and s.params["l2_pf"]]
-    assert len(specs) >= 4
+    assert len(specs) >= 3
     gemvs = [s for s in _gemv_variant_specs() if s.params["l2_pf"]]
     assert len(gemvs) == 2 * len(kc.Q8X_TYPES)
     for s in gemvs:  # (the call once x is staged, in the kernel after the signature)
@@ -611,7 +605,6 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
         params, args = _signature_params(src, s.entry), kc.kernel_args(s)
         assert len(params) == len(args) and params[-1].endswith(args[-1][0]) and args[-1][0].startswith("pf")
         assert src.count("L2_PF_CALL();") == 1
-        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
     with pytest.raises(ConfigError, match="batch-1 q8x coop option"):
         kc.spec("gemv", **{**gemvs[0].params, "bmax": 8})
     with pytest.raises(ConfigError, match="takes no l2_pf"):
@@ -627,18 +620,14 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
             assert src.count(f"l2_prefetch(pf{a} + {off}ull, {n}u, t, nt);") == 1
         body = src[src.index(f"{s.entry}(") :]
         call = body.index("L2_PF_CALL();")
-        assert (call > body.index("pdl_wait();")) == s.params["l2_pf_late"], s.entry
+        assert call < body.index("pdl_wait();"), s.entry
         assert body.count("L2_PF_CALL();") == 1
-        assert ('asm volatile("cp.async.bulk.prefetch.L2' in src) != s.params["l2_pf_lines"]
-        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
+        assert 'asm volatile("cp.async.bulk.prefetch.L2' in src
     d = dict(specs[0].params)
     with pytest.raises(ConfigError, match="l2_pf=.*A:OFF:BYTES"):
         kc.spec("attention", **{**d, "l2_pf": "0:0"})
     with pytest.raises(ConfigError, match="needs the direct decode kernel"):
         kc.spec("attention", **{**d, "direct": False})
-    for opt in ("l2_pf_late", "l2_pf_lines", "l2_pf_keep"):
-        with pytest.raises(ConfigError, match="needs? l2_pf"):
-            kc.spec("attention", **{**d, "l2_pf": "", opt: True})
     assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 
 

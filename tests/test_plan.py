@@ -1544,19 +1544,16 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
 
 
 def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch():
-    """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: each attention step's SHORT1 launch is
-    the direct kernel with l2_pf ranges over its own layer's o weight (whole) and the first KB of
-    its gate|up (half from the gate rows, half from the up rows GLU rows on), those weights as
-    trailing pointer args; other keys of every step are the plan's without the knobs; it keeps
-    trigger_b1's trigger."""
+    """attention_decode.l2_prefetch_o: each attention step's SHORT1 launch is the direct kernel with
+    an l2_pf range over its own layer's o weight (whole), that weight a trailing pointer arg; other
+    keys of every step are the plan's without the knob; it keeps trigger_b1's trigger."""
     from engine import kernel_catalog as kc
     from engine.ir import SHORT1, Arg
 
     base = _q4_k_m_plan("")
-    tune = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.trigger_b1=true"
+    tune = "attention_decode.l2_prefetch_o=true; attention_decode.trigger_b1=true"
     plan = _q4_k_m_plan(tune)
     trig = _q4_k_m_plan("attention_decode.trigger_b1=true")
-    inter = plan.dims["intermediate"]
     seen = 0
     for s, t, tr in zip(base.steps, plan.steps, trig.steps, strict=True):
         assert {k: v for k, v in t.launches.items() if k != SHORT1} == s.launches
@@ -1565,17 +1562,13 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
             continue
         seen += 1
         (la,), (short,) = t.launches[SHORT1], tr.launches[SHORT1]
-        o, gu = plan.weight(f"L{s.layer}.wo"), plan.weight(f"L{s.layer}.w_gate|w_up")
-        half = inter * row_bytes(gu.dtype, gu.cols)
-        assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, o.nbytes), (1, 0, 2048 * 1024), (1, half, 2048 * 1024))
+        o = plan.weight(f"L{s.layer}.wo")
+        assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, o.nbytes),)
         assert la.spec.params == {**short.spec.params, "l2_pf": la.spec.params["l2_pf"]} and la.spec.params["trigger"]
-        assert la.args == short.args + (Arg("weight", o.key), Arg("weight", gu.key))
+        assert la.args == short.args + (Arg("weight", o.key),)
         assert (la.grid, la.block, la.smem) == (short.grid, short.block, short.smem)
         assert len(kc.kernel_args(la.spec)) == len(la.args)
     assert seen == plan.dims["layers"]
-    only_next = _q4_k_m_plan("attention_decode.l2_prefetch_next_kb=1; attention_decode.l2_prefetch_late=true")
-    (la,) = next(st for st in only_next.steps if st.op.op == "attention").launches[SHORT1]
-    assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, 512), (0, half, 512)) and la.spec.params["l2_pf_late"]
 
 
 def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
