@@ -1372,16 +1372,6 @@ def coop_options(
     return out
 
 
-def spread_smem(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> int:
-    """The dynamic shared memory of a gemv_pair launch of ``blocks`` blocks that needs ``smem``: at
-    least decode_graph.pair_min_smem_kb KB where all its blocks still fit at once at that size
-    (fewer blocks per SM, none waiting for a second round), else ``smem``."""
-    floor = min(int((tuning.get("decode_graph") or {}).get("pair_min_smem_kb") or 0) * 1024, WSM_SMEM_MAX)
-    if floor <= smem or not sm_count:
-        return smem
-    return floor if one_round(tuning, floor, blocks, sm_count) else smem
-
-
 def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> bool:
     """Whether ``blocks`` q8x GEMV blocks of ``smem`` bytes of dynamic shared memory are all on
     the GPU at once: at most gemv_coop.q8x_blocks_per_sm (32 where unset) and 227 KB over ``smem``

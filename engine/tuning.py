@@ -306,9 +306,7 @@ class DecodeGraph(Knobs):
     # out, so the next kernel's blocks may launch and start their own loads while they run
     # pair_linears: a batch-1 linear op's two coop GEMVs (a q4_k_m layer's q|k and v) as one
     # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork);
-    # pair_min_smem_kb: that launch asks for at least this much dynamic shared memory (KB) where
-    # all its blocks still fit on the GPU at once, so fewer share an SM (its grid would otherwise
-    # pile onto the SMs the previous kernel frees first); pair_min_blocks: its __launch_bounds__
+    # pair_min_blocks: its __launch_bounds__
     # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
     # registers, and spills a q6_kr part: tools/kernel_resources.py)
     # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
@@ -316,7 +314,6 @@ class DecodeGraph(Knobs):
     fork_linears: bool = False
     early_trigger: bool = False
     pair_linears: bool = False
-    pair_min_smem_kb: int = 0
     pair_min_blocks: int = 0
     o_prefetch_next_kb: int = knob(0, non_negative)
     # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes

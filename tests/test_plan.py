@@ -247,23 +247,6 @@ def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
     assert vq == ["q6_kr", "q4_k"]
 
 
-def test_pair_min_smem_spreads_the_pair_where_it_fits_in_one_round():
-    """decode_graph.pair_min_smem_kb: the gemv_pair launch asks for that much dynamic shared memory
-    where all its 231 blocks still fit at once (76 KB: two per SM, 264), not where they would not
-    (114 KB: one per SM); the kernel is the same and no other launch changes."""
-
-    def b1(plan):
-        return [(la.spec, la.smem) for st in plan.steps for la in st.launches["decode1"] if la.spec.template.startswith("gemv")]
-
-    pair = "decode_graph.pair_linears=true"
-    base = b1(_q4_k_m_plan(pair))
-    for kb, want in ((76, 76 * 1024), (114, 61440), (0, 61440)):
-        got = b1(_q4_k_m_plan(f"{pair}; decode_graph.pair_min_smem_kb={kb}"))
-        assert [s for s, _ in got] == [s for s, _ in base]
-        for (spec, smem), (_, old) in zip(got, base, strict=True):
-            assert smem == (want if spec.template == "gemv_pair" else old), (kb, spec.entry)
-
-
 def test_pair_min_blocks_sets_the_pair_launch_bounds():
     """decode_graph.pair_min_blocks: both parts carry min_blocks, so the pair kernel is declared
     __launch_bounds__(threads, N) (ptxas then fits the q6_kr part in 64 registers without spills

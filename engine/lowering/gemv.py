@@ -145,9 +145,8 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     early behind them. The second part is re-planned in the first's block shape. Pairs only
     coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
-    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.
-    pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs, and
-    pair_min_blocks sets the kernel's __launch_bounds__ minimum of blocks per SM."""
+    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
+    sets the kernel's __launch_bounds__ minimum of blocks per SM."""
     if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
         return None
     a = launches[0]
@@ -167,7 +166,6 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
         ctx.profile.tuning, smem, blocks, ctx.profile.sm_count
     ):
         return None
-    smem = kc.spread_smem(ctx.profile.tuning, smem, blocks, ctx.profile.sm_count)
     return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
 
 
