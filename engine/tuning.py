@@ -94,14 +94,9 @@ class Gemv(Knobs):
     # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
     # silu_mul launch goes and the down GEMV reads x from the gate half
     fuse_glu: bool = False
-    # stage the x rows (after a prologue) in shared memory once per block where bmax * k * 2
-    # fits (kernel_catalog.GEMV_XSMEM_MAX); prefetch the next chunk on the staged path
-    xsmem: bool = False
+    # the staged path (q8_0, q4_0, q4_1, q6_k rows): the next chunk's loads in flight while the
+    # current one is decoded
     prefetch: bool = False
-    xf32: bool = False  # xsmem rows as f32 where they fit
-    # unstaged path: the first weight units' loads are issued before pdl_wait (they overlap
-    # the previous kernel's tail under programmatic dependent launch)
-    early_weights: bool = False
     # the batch-1 GEMVs of weights with n <= short_n_max rows (o, down of a small model) in
     # blocks of b1_short_n_threads (0: threads): more warps per row on a long k
     b1_short_n_threads: int = 0
@@ -118,7 +113,6 @@ class GemvCoop(Knobs):
     threads: int = knob(128, positive)
     rows_per_warp: int = knob(1, positive)
     unroll: int = knob(4, positive)
-    xsmem: bool = False  # stage the x rows in shared memory (<= 48 KB)
     # issue the next `unroll` segments' loads before the current ones' FMAs
     pipeline: bool = False
     # with pipeline: a lane's last step of a row tile issues the block's next tile's first loads

@@ -174,8 +174,6 @@ def test_gemv_q8x_rules_and_shared_memory():
     assert "q8x" not in kc.spec("gemv", quant="q4_k", **base).entry  # off: the measured entry names
     with pytest.raises(ConfigError, match="q8x .* is for q4_k, q8_0r, q6_kr"):
         kc.spec("gemv", quant="bf16", q8x=True, **base)
-    with pytest.raises(ConfigError, match="replaces xsmem"):
-        kc.spec("gemv", quant="q8_0r", q8x=True, xsmem=True, **base)
     with pytest.raises(ConfigError, match="q8x is a coop-layout option"):
         kc.spec("gemv", quant="q4_k", q8x=True, **{**base, "coop": False, "rows_per_block": 4})
 
@@ -311,26 +309,20 @@ def test_gemm_variants_compile_for_every_arch(tmp_path):
 
 
 def _gemv_variant_specs():
-    """The gemv options the plan does not pick by default (x rows staged in shared memory with the
-    prologue applied once per block, the staged path's chunk prefetch) on every storage type."""
+    """The gemv options the plan does not pick by default (the prologues, the staged path's chunk
+    prefetch) on every storage type."""
     tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
     out = []
     for q in kc.QUANTS:
         staged = kc.STAGED_DEFAULT[q]
         p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
         silu = dict(prologue="silu", x_stride=5120, u_off=2560)
-        out.append(kc.spec("gemv", **p, xsmem=True, prefetch=staged, **silu))
+        out.append(kc.spec("gemv", **p, prefetch=staged, **silu))
         p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
-        out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
-        out.append(kc.spec("gemv", **p, xsmem=True, xf32=True, prefetch=staged))
+        out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
-        else:  # the first weight loads before pdl_wait (gemv.early_weights), with and without a prologue
-            p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
-            out.append(kc.spec("gemv", **p, early_w=True))
-            p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
-            out.append(kc.spec("gemv", **p, early_w=True, prologue="norm", x_stride=2560, eps=1e-6))
 
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr / q4_0r / q4_1r: the
     # repacked planes)
@@ -350,7 +342,6 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **p))
             if bm == 1:  # with the fused prologues (x = rmsnorm(x) * w, or silu(gate) * up)
                 out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
-                out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
             else:
                 out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
                 out.append(kc.spec("gemv", **{**p, "pipeline": True}, tile_pf=True))
@@ -493,25 +484,10 @@ def test_gemv_options_validation_and_smem():
         kc.spec("gemv", **{**p, "residual": True, "out_dtype": "f32"})
     with pytest.raises(ConfigError, match="prefetch"):
         kc.spec("gemv", **{**p, "stage": False, "prefetch": True})
-    with pytest.raises(ConfigError, match="xsmem"):
-        kc.spec("gemv", **{**p, "k": 12288, "xsmem": True})
     plain = kc.choice("gemv", **p)
-    assert plain.smem == 0 and "xsmem" not in plain.spec.entry and "prefetch" not in plain.spec.entry
-    c = kc.choice("gemv", **p, xsmem=True)
-    # x rows + the staged chunks (8 warps x 1120 bytes) + the reduction, all dynamic
-    assert c.smem == 8 * 2560 * 2 + 8 * 1120 + 8 * 8 * 4 and c.spec.entry.endswith("_xsmem1")
-    with pytest.raises(ConfigError, match="xf32"):
-        kc.spec("gemv", **{**p, "xf32": True})
-    q = kc.linear_params("q4_k", 1024, 2560, tun)
-    assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4 + 8 * 8 * 4
-    # early_w: the unstaged classic path only; the tuning switch skips staged types
-    with pytest.raises(ConfigError, match="early_w is an unstaged"):
-        kc.spec("gemv", **{**p, "early_w": True})
-    early = {"gemv": {**tun["gemv"], "early_weights": True}}
-    assert "early_w" not in kc.linear_params("q8_0", 1024, 2560, early)
-    e = kc.spec("gemv", **kc.linear_params("bf16", 1024, 2560, early))
-    assert e.params["early_w"] and e.entry.endswith("early_w1")
-    assert "pdl_wait();" not in render(e).split("load_units(w + (size_t)col")[0].split(e.entry)[1]
+    assert plain.smem == 0 and "prefetch" not in plain.spec.entry
+    pf = kc.choice("gemv", **p, prefetch=True)
+    assert pf.smem == 0 and pf.spec.entry.endswith("_prefetch1")
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")

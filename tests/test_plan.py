@@ -631,13 +631,13 @@ def _decode_gemvs(plan):
             yield from (la for la in step.launches[mode] if la.spec.template == "gemv")
 
 
-def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
+def test_gemv_prefetch_knob_reaches_the_staged_decode_launches():
     import dataclasses
 
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True, "xf32": True}}
+    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "prefetch": True}}
     tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": []}  # the classic layout's knobs
     graph = load_family("qwen3")
     plan = build_plan(
@@ -649,19 +649,15 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
     seen = 0
     for la in _decode_gemvs(plan):
         p = la.spec.params
-        fits = kc.gemv_smem({**p, "xsmem": True, "xf32": False}) <= kc.GEMV_XSMEM_MAX
-        assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
-        assert p["xf32"] is (fits and kc.gemv_smem({**p, "xf32": True}) <= kc.GEMV_XSMEM_MAX)
-        assert p["prefetch"] is p["stage"]
+        assert p["prefetch"] is p["stage"] and la.smem == 0
         seen += 1
     assert seen
-    # off by default: the h200 plan's gemv entry names and launches are the measured ones (its
-    # q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows, never xsmem)
+    # the h200 plan's q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows
     for step in plan_for("qwen3", "qwen3-4b", "q8_0").steps:
         for la in step.launches["decode"]:
             if la.spec.template == "gemv":
                 p = la.spec.params
-                assert not p["xsmem"] and la.smem == (kc.gemv_smem(p) if p["q8x"] else 0)
+                assert la.smem == (kc.gemv_smem(p) if p["q8x"] else 0)
 
 
 def test_gemv_coop_q8x_where_the_int8_rows_fit():
@@ -773,7 +769,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
                 p = la.spec.params
                 assert p["coop"] and p["quant"] == "q8_0r" and p["threads"] == 128
                 assert p["rows_per_block"] == 8 and la.grid[0] == -(-p["n"] // 8) and la.block == (128,)
-                assert not (p["stage"] or p["xsmem"]) and "coop1" in la.spec.entry
+                assert not p["stage"] and "coop1" in la.spec.entry
                 seen["gemv"] += 1
         for la in step.launches["prefill"]:
             if la.spec.template in ("gemm", "embed"):
@@ -1083,27 +1079,6 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
         ("embed", 0, 0),
         ("gemm_wgmma", 0, 0),
     ]
-
-
-def test_early_weights_marks_the_unstaged_decode_gemvs_only():
-    """gemv.early_weights: every classic unstaged decode GEMV (bf16 here, lm_head included) loads its
-    first weight units before pdl_wait; staged GGUF types and coop GEMVs do not take the option."""
-    from engine.profile import with_tuning
-
-    graph = load_family("qwen3")
-    on = with_tuning(get_profile("h200"), "gemv.early_weights=true")
-    for quant, want in (("bf16", True), ("q8_0", False)):
-        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant(quant), on)
-        gemvs = [
-            la.spec.params
-            for st in plan.steps
-            for mode in ("decode1", "decode")
-            for la in st.launches[mode]
-            if la.spec.template == "gemv"
-        ]
-        assert gemvs and all(p["early_w"] == (want and not (p["stage"] or p["coop"])) for p in gemvs)
-    off = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
-    assert not any(la.spec.params.get("early_w") for st in off.steps for la in st.launches["decode1"])
 
 
 def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():

@@ -56,7 +56,6 @@ from engine.kernel_catalog.layout import (  # noqa: F401
     COOP_Q8X_MAX,
     COOP_SEG,
     COOP_TYPES,
-    COOP_XSMEM_MAX,
     GEMM_SMEM_MAX,
     GEMV_MIN_TYPES,
     GEMV_XSMEM_MAX,

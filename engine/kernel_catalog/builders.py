@@ -15,7 +15,6 @@ from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_Q8X_MAX,
     COOP_TYPES,
-    COOP_XSMEM_MAX,
     KPARTS_GRAIN,
     Q8X_TYPES,
     WSM_SMEM_MAX,
@@ -112,7 +111,6 @@ def coop_options(
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB, k is not split over blocks and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
-    - else xsmem where gemv_coop.xsmem asks and the bf16 x rows fit COOP_XSMEM_MAX.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
 
     ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
@@ -194,8 +192,6 @@ def coop_options(
                     wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
                     if wc:
                         out["wsm_chunk"] = wc
-    elif c.get("xsmem") and bmax * k * 2 <= COOP_XSMEM_MAX:
-        out["xsmem"] = True
     if c.get("pipeline"):
         out["pipeline"] = True
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)

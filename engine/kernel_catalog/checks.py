@@ -81,13 +81,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
         # the residual is bf16 and may alias out: an f32 out would be read as bf16 and overrun it
         need(not (p["residual"] and p["out_dtype"] == "f32"), "residual needs out_dtype bf16")
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
-        need(not p["xf32"] or p["xsmem"], "xf32 is an xsmem option (f32 x rows in shared memory)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
-        need(
-            not p["early_w"] or not (p["stage"] or p["coop"]),
-            "early_w is an unstaged classic-layout option (stage=false, coop=false)",
-        )
         if p["kparts"] != 1:  # k split over grid.z (the coop q8x layout: kernels/_gemv_coop.cuh.j2)
             need(p["q8x"] and p["kparts"] > 1, f"kparts={p['kparts']}: a q8x coop option, > 1")
             gran = KPARTS_GRAIN.get(q, 32)
@@ -153,8 +148,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}",
             )
             need(
-                not (p["stage"] or p["xf32"] or p["prefetch"]),
-                "coop gemv: stage, xf32 and prefetch are classic-layout options",
+                not (p["stage"] or p["prefetch"]),
+                "coop gemv: stage and prefetch are classic-layout options",
             )
             need(
                 p["lanes"] in (4, 8, 16, 32),
@@ -167,9 +162,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 f"/ ksplit={p['ksplit']} x 32 / lanes={p['lanes']} (the row groups; ksplit must divide threads/32)",
             )
             need(
-                not p["q8x"] or (q in Q8X_TYPES and not p["xsmem"]),
-                f"coop gemv: q8x (int8 x rows) is for {', '.join(Q8X_TYPES)} and replaces xsmem, got {q!r}"
-                f"{' with xsmem' if p['xsmem'] else ''}",
+                not p["q8x"] or q in Q8X_TYPES,
+                f"coop gemv: q8x (int8 x rows) is for {', '.join(Q8X_TYPES)}, got {q!r}",
             )
         else:
             need(
@@ -182,7 +176,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             )
         need(
             gemv_smem({**p, "wsm": False}) <= GEMV_XSMEM_MAX,  # (wsm's tile: its own bound above)
-            f"xsmem: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
+            f"q8x: bmax={p['bmax']} x k={p['k']} x rows exceed {GEMV_XSMEM_MAX} bytes of shared memory",
         )
     if template == "gemm_wgmma":
         tn, cons, mf = p["tile_n"], p["consumers"], p["m_frags"]

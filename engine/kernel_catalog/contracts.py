@@ -76,7 +76,7 @@ P, I32 = "ptr", "i32"
 # bool params left out of the entry name while false (added after the names in golden plans)
 _QUIET_NAME: dict[str, tuple[str, ...]] = {
     "gemv": (
-        "xsmem", "prefetch", "xf32", "coop", "pipeline", "glu", "q8x", "early_w", "tile_pf", "wsm", "trigger",
+        "prefetch", "coop", "pipeline", "glu", "q8x", "tile_pf", "wsm", "trigger",
         "early_nw", "early_res",
     ),
     "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
@@ -109,9 +109,7 @@ KERNELS: dict[str, KernelDoc] = {
             x_stride=int,
             eps=float,
             u_off=int,
-            xsmem=bool,
             prefetch=bool,
-            xf32=bool,
             coop=bool,
             pipeline=bool,
             glu=int,
@@ -119,7 +117,6 @@ KERNELS: dict[str, KernelDoc] = {
             ksplit=int,
             grid_cap=int,
             stage_rounds=int,
-            early_w=bool,
             kparts=int,
             tile_pf=bool,
             min_blocks=int,
@@ -149,16 +146,13 @@ KERNELS: dict[str, KernelDoc] = {
             "prologue",
             "x_stride",
             "u_off",
-            "xsmem",
             "prefetch",
-            "xf32",
             "coop",
             "pipeline",
             "glu",
             "q8x",
             "ksplit",
             "stage_rounds",
-            "early_w",
             "kparts",
             "tile_pf",
             "min_blocks",
@@ -173,8 +167,7 @@ KERNELS: dict[str, KernelDoc] = {
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
         "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
         "(threads,)",
-        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 2 when xsmem, "
-        "bmax * k * 3 / 2 when q8x",
+        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 3 / 2 when q8x",
         # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
         {
             "stage": None,
@@ -183,9 +176,7 @@ KERNELS: dict[str, KernelDoc] = {
             "x_stride": 0,
             "eps": 0.0,
             "u_off": 0,
-            "xsmem": False,
             "prefetch": False,
-            "xf32": False,
             "coop": False,
             "pipeline": False,
             "glu": 0,
@@ -193,7 +184,6 @@ KERNELS: dict[str, KernelDoc] = {
             "ksplit": 1,
             "grid_cap": 0,
             "stage_rounds": 1,
-            "early_w": False,
             "kparts": 1,
             "tile_pf": False,
             "min_blocks": 0,

@@ -29,25 +29,17 @@ def _fail(template: str, msg: str) -> ConfigError:
     return ConfigError(f"kernel {template}: {msg}")
 
 
-GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (bmax * k * 2 bytes); above it a spec keeps xsmem off
+GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (q8x: bmax * k * 3 / 2 bytes) at most
 
 
 def gemv_options(
     g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
 ) -> dict[str, bool]:
-    """The gemv tuning's xsmem / xf32 / prefetch / early_w switches for one spec (xsmem only where
-    the x rows fit, f32 rows where those fit, prefetch only on the staged path, early_w (tuning
-    early_weights) only on the unstaged one); empty when all are off (the default entry names)."""
+    """The gemv tuning's prefetch switch for one spec (on the staged path only); empty when off
+    (the default entry names)."""
     out = {}
-    p = {"bmax": bmax, "k": k, "quant": quant, "threads": g["threads"], "stage": stage, "xsmem": True}
-    if g.get("xsmem") and gemv_smem(p) <= GEMV_XSMEM_MAX:
-        out["xsmem"] = True
-        if g.get("xf32") and gemv_smem({**p, "xf32": True}) <= GEMV_XSMEM_MAX:
-            out["xf32"] = True
     if g.get("prefetch") and stage:
         out["prefetch"] = True
-    if g.get("early_weights") and not stage:
-        out["early_w"] = True
     return out
 
 
@@ -58,7 +50,6 @@ GEMV_MIN_TYPES = ("q4_1", "q4_1r", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the d
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 
 
-COOP_XSMEM_MAX = 48 * 1024  # coop x rows staged in shared memory (gemv_coop.xsmem) up to this size
 
 
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
@@ -91,8 +82,7 @@ Q8X_FILE_TYPES = tuple(_COOP_FILE_TYPE.get(t, t) for t in Q8X_TYPES)
 
 
 def gemv_smem(p: Mapping[str, Any]) -> int:
-    """The gemv's dynamic shared memory: the staged x rows (xsmem; f32 when xf32) and, for the
-    formats with a min, each unit's sum(x); else 0."""
+    """The gemv's dynamic shared memory: q8x's int8 x rows (and the wsm row tile); else 0."""
     bmax, k = int(p["bmax"]), int(p["k"])
     if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
         x = bmax * k * 3 // 2
@@ -100,13 +90,7 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
             return x
         # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
         return (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
-    if not p.get("xsmem"):
-        return 0
-    if p.get("coop"):  # the coop layout stages only the bf16 x rows
-        return bmax * k * 2
-    sums = (bmax * (k // 32) * 4 + 15) // 16 * 16 if p["quant"] in GEMV_MIN_TYPES else 0
-    # with xsmem the staged chunks and the reduction live in the same dynamic buffer (no static)
-    return bmax * k * (4 if p.get("xf32") else 2) + sums + gemv_static_smem(p)
+    return 0
 
 
 # k elements of one coop segment (a lane's unit of work per row) per storage type, off the q8x q4_k

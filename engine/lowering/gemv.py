@@ -98,7 +98,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
-        # xsmem / prefetch from the tuning (off by default)
+        # prefetch from the tuning (staged path)
         staged = kc.STAGED_DEFAULT.get(w.dtype, False)
         opts = kc.gemv_options({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
     spec = ctx.spec(
@@ -128,7 +128,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         grid += (parts,)
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
-    smem = kc.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
+    smem = kc.gemv_smem(spec.params) if opts.get("q8x") else 0
     # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
     fit = bool(spec.params.get("grid_cap")) and bool(
         ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
