@@ -254,7 +254,6 @@ class AttentionPrefill(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class AttentionDecode(Knobs):
-    block_kv: int = knob(64, positive)
     warps: int = knob(4, positive)
     split_kv_tokens: int = knob(512, positive)
     vec16: bool = False
