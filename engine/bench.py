@@ -159,6 +159,11 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"decode    batch {r['batch']:>3} depth {r['depth']:>5}: {r['tok_s']:>9.1f} tok/s  "
                 f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline{measured}"
+                + (
+                    f" (bytes read: {r['bytes_per_step'] / 2**30:.2f} GiB, {100 * r['active_expert_fraction']:.0f}% of the experts)"
+                    if "active_expert_fraction" in r
+                    else ""
+                )
             )
         elif k == "prefill":
             out.append(
@@ -169,8 +174,19 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"engine    concurrency {r['concurrency']:>3}: {r['aggregate_tok_s']:>9.1f} tok/s aggregate, "
                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.1f} ms"
+                + _spec_cell(r)
             )
     return "\n".join(out)
+
+
+def _spec_cell(r: dict) -> str:
+    if "speculative" not in r:
+        return ""
+    rate, mean = r["spec_acceptance_rate"], r["spec_mean_accepted_length"]
+    return (
+        f", {r['speculative']}: acceptance {'-' if rate is None else f'{100 * rate:.0f}%'}, "
+        f"mean accepted length {'-' if mean is None else f'{mean:.2f}'}"
+    )
 
 
 def bench_from_cli(args: argparse.Namespace) -> int:
@@ -197,9 +213,15 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             steps=16 if quick else 64,
         )
     if args.concurrency:
+        from engine.spec.build import speculator_from_args
+
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        speculator = speculator_from_args(args, model, runner)
         engine = Engine(
-            runner, _NullTokenizer(), EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048)
+            runner,
+            _NullTokenizer(),
+            EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048),
+            speculator=speculator,
         )
         engine.start()
         try:
@@ -209,7 +231,10 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             plen = getattr(args, "prompt_tokens", None) or (64 if runner.backend == "reference" else 440)
             bench_engine(engine, 1, plen, 4, vocab=int(model.dims["vocab"]))  # warm-up (graph capture)
             for c in levels:
+                before = engine.stats()
                 rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))
+                if speculator is not None:
+                    rows[-1].update(_spec_delta(speculator.method, before, engine.stats()))
         finally:
             engine.shutdown(10)
     device = device_of(runner)
@@ -220,6 +245,15 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     print(table(rows))
     print(json.dumps(result), file=sys.stderr)
     return 0
+
+
+def _spec_delta(method: str, before: Any, after: Any) -> dict:
+    """Speculation figures of one engine-loop row (counter differences over the row)."""
+    from engine.spec.speculator import summary
+
+    keys = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows")
+    diff = argparse.Namespace(**{k: getattr(after, k) - getattr(before, k) for k in keys})
+    return {"speculative": method, **summary(diff)}
 
 
 class _NullTokenizer:

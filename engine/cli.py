@@ -58,6 +58,16 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="require this quant combo of the family")
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|draft:PATH|mtp",
+        help="speculative decoding: prompt lookup, a draft model with the same tokenizer, or MTP heads",
+    )
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
+
+
 def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
     """Stream one request through the engine to ``out``; returns (text, stats dict)."""
     req = GenerationRequest(
@@ -69,17 +79,20 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     t0 = time.perf_counter()
     handle = engine.submit(req)
     pieces: list[str] = []
-    first = None
+    first = None  # when the engine produced the first token (event.created_s, not when read here)
+    end = None  # ... and the last one
     last = None
     for event in handle:
         if event.text:
             out.write(event.text)
             out.flush()
             pieces.append(event.text)
-        if first is None and event.token_ids:
-            first = time.perf_counter()
+        if event.token_ids:
+            if first is None:
+                first = event.created_s
+            end = event.created_s
         last = event
-    end = time.perf_counter()
+    end = end if end is not None else time.perf_counter()
     if last is not None and last.finish_reason == "error" and last.error is not None:
         raise last.error
     usage = last.usage if last is not None else None
@@ -98,10 +111,10 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _make_engine(runner: Any, tokenizer: Any):
+def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
     from engine.loop import Engine
 
-    engine = Engine(runner, tokenizer)
+    engine = Engine(runner, tokenizer, speculator=speculator)
     engine.start()
     return engine
 
@@ -110,7 +123,18 @@ def _make_engine(runner: Any, tokenizer: Any):
 # subcommands
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad generation flags before anything loads (one line naming the flag)."""
+    from engine.spec.config import parse_speculative
+
+    _sampling_from_args(args)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
+    parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -119,7 +143,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    engine = _make_engine(runner, tokenizer)
+    from engine.spec.build import speculator_from_args
+
+    speculator = speculator_from_args(args, model, runner)
+    engine = _make_engine(runner, tokenizer, speculator)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
     finally:
@@ -127,11 +154,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     print()
     if args.stats:
         stats["backend"] = runner.backend
+        if speculator is not None:
+            from engine.spec.speculator import summary
+
+            stats["speculative"] = speculator.method
+            stats.update(summary(engine.stats()))
         print("memra: " + json.dumps(stats), file=sys.stderr)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []
@@ -199,10 +232,11 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     if args.model:
         m = load_model(Path(args.model), quant=args.quant)
         return [(m.name, m.graph, m.dims, m.quant, m.rope_style, m.tensor_dtypes)]
-    if not (args.family and args.quant):
-        raise MemraError("warmup needs --model PATH, or --family F with --quant Q", param="model")
+    if not args.family:
+        raise MemraError("warmup needs --model PATH, or --family F (with --quant Q: one combo)", param="model")
     graph = load_family(args.family)
-    combo = graph.quant(args.quant)
+    # without --quant every combo: a mix's alternate types (q4_k_m's q6_k layers) are other combos' defaults
+    combos = [graph.quant(args.quant)] if args.quant else list(graph.quants.values())
     sizes = [args.size] if args.size else list(graph.sizes)
     if not sizes:
         raise MemraError(f"family {args.family} lists no sizes: pass --model PATH", param="size")
@@ -210,13 +244,14 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     styles = sorted(set(graph.rope_style.values()))
     return [
         (
-            f"{args.family}/{size}/{args.quant}/{style}",
+            f"{args.family}/{size}/{combo.name}/{style}",
             graph,
             dims_for_size(args.family, size),
             combo,
             style,
             None,
         )
+        for combo in combos
         for size in sizes
         for style in styles
     ]
@@ -322,7 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): a request that omits temperature/top_p/top_k/min_p/repetition_penalty gets "
+        "the model's own value (generation_config.json, GGUF general.sampling.*); none: memra's neutral "
+        "defaults (temperature 1, no top-p/top-k) instead",
+    )
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
@@ -332,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
     _add_sampling_flags(p)
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -351,13 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)")
     p.add_argument("--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)")
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("warmup", help="fill the kernel cache ahead of time (no GPU needed)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", default=None, help="a model file or directory")
-    g.add_argument("--family", default=None, help="a family of models/*.yaml (with --quant)")
-    p.add_argument("--quant", default=None)
+    g.add_argument("--family", default=None, help="a family of models/*.yaml")
+    p.add_argument("--quant", default=None, help="one quant combo of --family (default: all)")
     p.add_argument("--size", default=None, help="one size of the family's `sizes:` (default: all)")
     g2 = p.add_mutually_exclusive_group()
     g2.add_argument("--device-profile", default=None)

@@ -1,6 +1,6 @@
 """Reference (numpy, float32) implementations of every graph op: the oracle for the CUDA kernels.
 
-One pure function per op of ``engine.graph.OPS`` plus the small pieces they are built from (RoPE
+One pure function per op of ``engine.ops.OPS`` plus the small pieces they are built from (RoPE
 frequency tables, the paged-KV write and gather). Activations are 2-D ``[tokens, features]``
 float32 arrays in token order; weights are row-major ``[out, in]`` float32 as the weight readers
 return them. Nothing here keeps state: the KV cache arrays are passed in and written in place.

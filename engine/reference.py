@@ -2,7 +2,8 @@
 
 It is the oracle every CUDA kernel and the CUDA runner are checked against, and the backend CI
 serves with. Weights are dequantised to float32 once at construction; each op of
-``model.graph.ops()`` runs through ``engine.ops_ref``; nothing is fused. Items of a step run one
+``model.graph.ops()`` runs through its numpy reference in ``engine.ops`` (registered by op name;
+built from ``engine.ops_ref``); nothing is fused. Items of a step run one
 after another, so an item's output never depends on the other items of the step.
 
 Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``).
@@ -16,11 +17,16 @@ from typing import Any
 import numpy as np
 
 from engine import ops_ref
-from engine.sampling import sample, validate_sampling
+from engine.ops import OPS, REFERENCE, RefStep
+from engine.progress import bar
+from engine.sampling import sample, sample_item, validate_sampling
+from engine.spec.accept import accept
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
 DEFAULT_KV_BYTES = 512 * 1024 * 1024
+# Default recurrent-state budget of a hybrid model (live sequences + prefix-cache snapshots).
+DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
 class ReferenceRunner:
@@ -41,6 +47,7 @@ class ReferenceRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         max_model_len: int | None = None,
+        state_slots: int | None = None,
     ):
         d = model.dims
         self.model = model
@@ -65,15 +72,38 @@ class ReferenceRunner:
         self.k_cache, self.v_cache = self._new_cache(self.num_blocks)
         self.ops = model.graph.ops()
         self._schedule = self._build_schedule()
+        # recurrent state of a hybrid model: one array per (stateful op, layer), [slots, *shape]
+        self._state_shapes = {
+            (o.op, layer): OPS[o.op].state(d)  # type: ignore[misc]
+            for o, layer in self._schedule
+            if OPS[o.op].state is not None and layer is not None
+        }
+        self.state_bytes = sum(4 * int(np.prod(shape)) for shape in self._state_shapes.values())
+        if not self._state_shapes:
+            state_slots = 0
+        elif state_slots is None:
+            state_slots = max(4, min(1024, DEFAULT_STATE_BYTES // max(1, self.state_bytes)))
+        if state_slots < 0 or (self._state_shapes and state_slots < 1):
+            raise MemraError(f"state_slots must be >= 1 for a hybrid model, got {state_slots}", param="state_slots")
+        self.num_state_slots = int(state_slots)
+        self.states = self._new_states(self.num_state_slots)
         self._weights: dict[tuple[str, int | None], np.ndarray] = {}
         self._load_weights()
-        self._rope_cos, self._rope_sin = self._rope_tables()
+        self._rope: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- construction -----------------------------------------------------------------------
 
     def _new_cache(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
         shape = (self.layers, num_blocks, self.block_size, self.kv_heads, self.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def _new_states(self, slots: int) -> dict[tuple[str, int], np.ndarray]:
+        return {key: np.zeros((slots, *shape), np.float32) for key, shape in self._state_shapes.items()}
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy every layer's recurrent state of slot ``src`` into slot ``dst``."""
+        for arr in self.states.values():
+            arr[dst] = arr[src]
 
     def _load_weights(self) -> None:
         by_file: dict[str, np.ndarray] = {}  # tied tensors (lm_head = embed) share one array
@@ -88,33 +118,43 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
-        for op, per_layer in self.ops:
-            layers = range(self.layers) if per_layer else [None]
-            for layer in layers:
-                for w in op.weights:
-                    load(w, layer)
-                ff = op.attrs.get("freq_factors")
-                if ff and self.model.has(ff, None):
-                    load(ff, None)
+        for op, layer in bar(self._schedule, "memra: loading weights", unit="op"):
+            for w in op.weights:
+                load(w, layer)
+            for attr, kind in OPS[op.op].attrs.items():
+                name = op.attrs.get(attr)
+                if kind == "tensor" and name and self.model.has(name, None):
+                    load(name, None)
+        # tensors the graph does not run but the checkpoint carries (MTP heads): loaded and kept
+        # for speculative decoding, reachable through weight(name, layer) like any other
+        run = {w for o, _ in self._schedule for w in o.weights} | {t for t, _ in self._weights}
+        for key in self.model.graph.tensors:
+            if key in run or not hasattr(self.model, "tensor_layers"):
+                continue
+            for layer in self.model.tensor_layers(key):
+                if self.model.has(key, layer):
+                    load(key, layer)
 
-    def _rope_tables(self) -> tuple[dict[str | None, np.ndarray], dict[str | None, np.ndarray]]:
-        """cos and sin tables [max_model_len, rope_dim/2], keyed by the freq-factor tensor (None: none)."""
-        d = self.model.dims
-        rope_dim = int(d.get("rope_dim") or self.head_dim)
-        positions = np.arange(self.max_model_len)
-        cos: dict[str | None, np.ndarray] = {}
-        sin: dict[str | None, np.ndarray] = {}
-        for op, _ in self.ops:
-            if op.op != "rope":
-                continue
-            ff_name = op.attrs.get("freq_factors")
-            ff = self._weights.get((ff_name, None)) if ff_name else None
-            key = ff_name if ff is not None else None
-            if key in cos:
-                continue
+    def extra_tensors(self) -> list[tuple[str, int | None]]:
+        """(tensor, layer) of the loaded tensors the graph never runs (MTP weights)."""
+        used = {(w, layer) for o, layer in self._schedule for w in o.weights}
+        return sorted((k for k in self._weights if k not in used), key=lambda k: (k[0], k[1] or -1))
+
+    def weight(self, name: str, layer: int | None) -> np.ndarray:
+        """The float32 array of tensor ``name`` (per-layer tensors at ``layer``, else None)."""
+        return self._weights[(name, layer)]
+
+    def rope_tables(self, freq_factors: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin tables [max_model_len, rope_dim/2] for a rope op whose ``freq_factors``
+        attribute names ``freq_factors`` (None, or a tensor the file lacks: plain RoPE); cached."""
+        key = freq_factors if freq_factors and (freq_factors, None) in self._weights else None
+        if key not in self._rope:
+            d = self.model.dims
+            rope_dim = int(d.get("rope_dim") or self.head_dim)
+            ff = self._weights[(key, None)] if key else None
             inv = ops_ref.rope_inv_freq(rope_dim, float(d["rope_theta"]), d.get("rope_scaling"), ff)
-            cos[key], sin[key] = ops_ref.rope_tables(positions, inv)
-        return cos, sin
+            self._rope[key] = ops_ref.rope_tables(np.arange(self.max_model_len), inv)
+        return self._rope[key]
 
     # -- execution ----------------------------------------------------------------------------
 
@@ -126,65 +166,25 @@ class ReferenceRunner:
         k_cache: np.ndarray,
         v_cache: np.ndarray,
         all_logits: bool,
+        states: dict[tuple[str, int], np.ndarray] | None = None,
+        slot: int = 0,
+        snapshots: Sequence[tuple[int, int]] = (),
     ) -> np.ndarray:
         """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
-        unless ``all_logits``)."""
-        t = len(tokens)
-        pos = slice(start_pos, start_pos + t)
+        unless ``all_logits``). A hybrid's recurrent state is ``states[..][slot]``, updated in place;
+        ``snapshots`` (n, slot) also store the state after the first n tokens into ``slot``."""
         env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
-        w = self._weights
-        hd = self.head_dim
+        step = RefStep(
+            self, env, start_pos, block_table, k_cache, v_cache, all_logits, states, slot, snapshots
+        )
         for o, layer in self._schedule:
-            name = o.op
-            if name == "embed":
-                env[o.outputs[0]] = ops_ref.embed(env[o.inputs[0]], w[(o.weights[0], layer)])
-            elif name == "rmsnorm":
-                env[o.outputs[0]] = ops_ref.rmsnorm(env[o.inputs[0]], w[(o.weights[0], layer)], self.eps)
-            elif name == "head_rmsnorm":
-                env[o.outputs[0]] = ops_ref.head_rmsnorm(
-                    env[o.inputs[0]], w[(o.weights[0], layer)], self.eps, hd
-                )
-            elif name == "linear":
-                x = env[o.inputs[0]]
-                res = env[o.attrs["residual"]] if "residual" in o.attrs else None
-                if not all_logits and o.outputs == ("logits",):
-                    x = x[-1:]
-                    res = res[-1:] if res is not None else None
-                outs = [ops_ref.linear(x, w[(wn, layer)], res) for wn in o.weights]
-                for out_name, val in zip(o.outputs, outs, strict=True):
-                    env[out_name] = val
-            elif name == "rope":
-                ff = o.attrs.get("freq_factors")
-                key = ff if ff in self._rope_cos else None
-                cos, sin = self._rope_cos[key][pos], self._rope_sin[key][pos]
-                style = self.model.rope_style
-                q, k = (env[n] for n in o.inputs)
-                env[o.outputs[0]] = ops_ref.rope_apply(q, cos, sin, head_dim=hd, style=style)
-                env[o.outputs[1]] = ops_ref.rope_apply(k, cos, sin, head_dim=hd, style=style)
-            elif name == "attention":
-                q, k, v = (env[n] for n in o.inputs)
-                env[o.outputs[0]] = ops_ref.attention(
-                    q,
-                    k,
-                    v,
-                    k_cache[layer],
-                    v_cache[layer],
-                    block_table,
-                    start_pos,
-                    heads=self.heads,
-                    kv_heads=self.kv_heads,
-                    head_dim=hd,
-                )
-            elif name == "silu_mul":
-                env[o.outputs[0]] = ops_ref.silu_mul(env[o.inputs[0]], env[o.inputs[1]])
-            else:  # the graph loader only admits known ops; a new op must be added here
-                raise MemraError(
-                    f"reference backend has no implementation of op {name!r}", code="internal_error"
-                )
+            REFERENCE[o.op](step, o, layer)
         return env["logits"]
 
     def _build_schedule(self) -> list[tuple[Any, int | None]]:
-        """(op, layer) in execution order: each per-layer op once per layer, in graph order."""
+        """(op, layer) in execution order: each per-layer op once per layer where its ``when``
+        predicate holds, in graph order."""
+        graph, dims = self.model.graph, self.model.dims
         sched: list[tuple[Any, int | None]] = []
         i, ops = 0, self.ops
         while i < len(ops):
@@ -196,9 +196,31 @@ class ReferenceRunner:
             while j < len(ops) and ops[j][1]:
                 j += 1
             for layer in range(self.layers):
-                sched.extend((op, layer) for op, _ in ops[i:j])
+                sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
             i = j
         return sched
+
+    def _item_state(self, item: StepItem) -> dict[str, Any]:
+        """The state arguments of ``_forward`` for an item, after preparing its slot: a restore
+        copies the snapshot in, a sequence's first token (start_pos 0) starts from zeros."""
+        if not self.num_state_slots:
+            return {}
+        slot = item.state_slot
+        if slot is None or not 0 <= slot < self.num_state_slots:
+            raise MemraError(
+                f"seq {item.seq_id}: a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, "
+                f"got {slot}",
+                code="internal_error",
+            )
+        for other in [item.state_restore, *(s for _, s in item.state_snapshots)]:
+            if other is not None and not 0 <= other < self.num_state_slots:
+                raise MemraError(f"seq {item.seq_id}: state slot {other} is out of range", code="internal_error")
+        if item.state_restore is not None:
+            self.copy_state(item.state_restore, slot)
+        elif item.start_pos == 0:
+            for arr in self.states.values():
+                arr[slot] = 0.0
+        return {"states": self.states, "slot": slot, "snapshots": tuple(item.state_snapshots)}
 
     def _check_item(self, item: StepItem) -> None:
         n = len(item.token_ids)
@@ -238,13 +260,50 @@ class ReferenceRunner:
         out: list[int | None] = []
         for item in items:
             logits = self._forward(
-                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, False
+                item.token_ids,
+                item.start_pos,
+                item.block_table,
+                self.k_cache,
+                self.v_cache,
+                False,
+                **self._item_state(item),
             )
             if not item.sample:
                 out.append(None)
                 continue
             # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
-            out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
+            out.append(sample_item(logits[-1], item))
+        return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
+        tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
+        them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
+        if self.num_state_slots and any(item.draft for item in items):
+            raise MemraError(
+                "verify: speculative drafts are not supported for hybrid models (no recurrent-state rollback)",
+                code="internal_error",
+            )
+        for item in items:
+            self._check_item(item)
+            k = len(item.draft)
+            if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
+                raise MemraError(
+                    f"seq {item.seq_id}: the draft must be the last {k} of the item's tokens",
+                    code="internal_error",
+                )
+        out: list[list[int]] = []
+        for item in items:
+            k = len(item.draft)
+            logits = self._forward(
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0
+            )
+            if k:
+                out.append(accept(logits[-(k + 1) :], item))
+            elif item.sample:
+                out.append([sample_item(logits[-1], item)])
+            else:
+                out.append([])
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:
@@ -253,7 +312,13 @@ class ReferenceRunner:
         compare chunkings, block tables or another backend position by position."""
         self._check_item(item)
         return self._forward(
-            item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, True
+            item.token_ids,
+            item.start_pos,
+            item.block_table,
+            self.k_cache,
+            self.v_cache,
+            True,
+            **self._item_state(item),
         )
 
     # -- conveniences -------------------------------------------------------------------------
@@ -269,7 +334,7 @@ class ReferenceRunner:
         if not 0 < n <= self.max_model_len:
             raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
         k, v, table = self._scratch(n)
-        return self._forward(list(token_ids), 0, table, k, v, True)
+        return self._forward(list(token_ids), 0, table, k, v, True, self._new_states(1))
 
     def generate(
         self,
@@ -295,13 +360,14 @@ class ReferenceRunner:
                 code="context_length_exceeded",
             )
         k, v, table = self._scratch(total)
+        states = self._new_states(1)
         seed = sampling.seed if sampling.seed is not None else 0
         history = list(prompt)
         out: list[int] = []
         chunk, pos = prompt, 0
         stops = set(stop_token_ids)
         while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._forward(chunk, pos, table, k, v, False)
+            logits = self._forward(chunk, pos, table, k, v, False, states)
             pos += len(chunk)
             tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
             out.append(tok)

@@ -25,8 +25,10 @@ from engine.compile import KernelBuilder
 from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, Launch, Plan, kernel_specs
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
+from engine.progress import bar
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.types import ConfigError, MemraError, StepItem
+from engine.weight_memory import check_fits, plan_weight_bytes
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -85,7 +87,8 @@ class CudaRunner(StepLogic):
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
-        self._ctx_thread = threading.get_ident()
+        self._ctx_local = threading.local()  # .current: the context is current on that thread
+        self._ctx_local.current = True
         self.profile = profile or select(self.ctx.info)
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
@@ -110,6 +113,7 @@ class CudaRunner(StepLogic):
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
+        self._check_memory()
         self._load_kernels(builder)
         self._upload_weights()
         self._alloc_arena()
@@ -132,6 +136,17 @@ class CudaRunner(StepLogic):
         )
 
     # ----------------------------------------------------------------------------- setup
+
+    def _check_memory(self) -> None:
+        """Every weight (all experts of a MoE model) + the arena + fixed scratch + one KV block must
+        fit in free device memory: else one MemraError (out_of_memory) with bytes needed vs free,
+        before anything is allocated (engine.weight_memory)."""
+        d = self.plan.dims
+        kv_block = self.block_size * d["kv_heads"] * d["head_dim"] * 2 * 2 * d["layers"]
+        reserve = self.plan.arena_bytes() + sum(sp.fixed for sp in self.plan.scratch) + kv_block
+        free, _ = self.ctx.mem_info()
+        what = str(getattr(self.model, "path", None) or self.plan.family)
+        check_fits(what, plan_weight_bytes(self.plan, self.model.graph), free, reserve)
 
     def _load_kernels(self, builder: KernelBuilder | None) -> None:
         builder = builder or KernelBuilder(self.profile.arch)
@@ -177,7 +192,7 @@ class CudaRunner(StepLogic):
     def _upload_weights(self) -> None:
         m = self.model
         self._weights: dict[str, cuda.DeviceBuffer] = {}
-        for w in self.plan.weights:
+        for w in bar(self.plan.weights, "memra: loading weights", unit="tensor"):
             if w.key == ROPE_FREQ:
                 self._weights[w.key] = self._upload_array(self._rope_freq_factors())
                 continue
@@ -378,6 +393,13 @@ class CudaRunner(StepLogic):
             self.stream.wait(self._join_ev)
 
     # ----------------------------------------------------------------------------- steps
+
+    def _ensure_context(self) -> None:
+        """Make the context current on the calling thread once. A thread-local flag, not a thread id:
+        ids are reused once a thread ends, and a new engine thread with an old id had no context."""
+        if not getattr(self._ctx_local, "current", False):
+            self.ctx.make_current()
+            self._ctx_local.current = True
 
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4

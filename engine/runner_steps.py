@@ -1,6 +1,8 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
 and decode rows, each row's sampling fields, the launches of a pass bound to a shape, the sampled
-ids read back (rows with penalties re-sampled on the host). ``StepLogic`` is CudaRunner's base
+ids read back (rows with logit bias, logprobs or a constraint mask sampled on the host, and
+rows with more penalty entries than the device buffer holds re-sampled there); speculative verify
+delegated to engine.spec.cuda_verify. ``StepLogic`` is CudaRunner's base
 class; every device call goes through CudaRunner's own methods (engine.runner_cuda), so this
 module never touches the driver. Must not import CUDA.
 """
@@ -8,20 +10,24 @@ module never touches the driver. Must not import CUDA.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from engine.ir import PENALTY_CAPACITY, WIDE, Arg, launch_key
-from engine.sampling import penalty_entries, sample
+from engine.sampling import penalty_entries, sample_item
 from engine.types import MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
 
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
+
+
+def _on_host(it: StepItem) -> bool:
+    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
+    return it.sample and (it.allowed is not None or it.sampling.needs_host)
 
 
 def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
@@ -114,10 +120,7 @@ class StepLogic:
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not
         # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
+        self._ensure_context()
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
@@ -137,6 +140,14 @@ class StepLogic:
             for i, tok in zip(rows, ids, strict=True):
                 out[i] = tok if items[i].sample else None
         return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        from engine.spec.cuda_verify import verify
+
+        self._ensure_context()
+        return verify(self, items)
 
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)
@@ -187,6 +198,8 @@ class StepLogic:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
         host: more penalty entries than the device buffer holds, so those rows are re-sampled on
         the host from their logits after a plain sample pass."""
+        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
+            return "host"
         if not any(it.sampling.uses_penalties for it in items):
             return "greedy" if all(it.sampling.greedy for it in items) else "sample"
         vocab = self.plan.values["logits"].width
@@ -218,7 +231,9 @@ class StepLogic:
         self.stream.synchronize()
         return self._views["out_ids"][:rows].copy()
 
-    def _decode(self, items: Sequence[StepItem]) -> list[int]:
+    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
         n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
@@ -247,7 +262,7 @@ class StepLogic:
             self._clear_sampling(r)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
-        short = max(it.start_pos for it in items) < self.plan.short_context
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
         # a graph without penalty entries copies the inputs in and the sampled ids out itself
         # (pinned host memory): one driver call per step, then the wait
         io = self.use_graphs and kind != "penalised"
@@ -268,13 +283,12 @@ class StepLogic:
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
         """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
         step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
+        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
         if not rows:
             return ids
         logits = self.read_logits(max(rows) + 1)
         for r in rows:
-            it = items[r]
-            ids[r] = sample(logits[r], it.sampling, it.history, it.prompt_len, it.num_generated)
+            ids[r] = sample_item(logits[r], items[r])
         return ids
 
     def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:

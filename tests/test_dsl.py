@@ -144,7 +144,7 @@ def test_select_takes_the_devices_sm_count(caplog):
         (
             "layers:       {hf: num_hidden_layers,",
             "layers:       {hf: 7,",
-            r"llama.yaml: dims.layers.hf: expected string, got int 7",
+            r"llama.yaml: dims.layers.hf: expected string or list, got int 7",
         ),
         (
             "{op: silu_mul, in: [g, u], out: m}",
@@ -303,3 +303,22 @@ def test_every_knob_a_profile_sets_is_in_the_knob_table():
                 if value != defaults[section][name] and name not in table:
                     missing.add(f"{section}.{name}")
     assert not missing, f"set in a profile but not in docs/kernels.md's knob table: {sorted(missing)}"
+
+
+def test_qwen3_5_reads_rope_fields_in_both_config_forms():
+    """qwen3_5 lists the transformers-4 field and the transformers-5 rope_parameters field (one
+    mechanism, hf lists); GGUF gets llama.cpp's tiled v-head order from gguf_default."""
+    fam = graph.load_family("qwen3_5")
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96, vocab_size=128,
+                linear_value_head_dim=16)
+    old = resolve_dims(fam, "hf", {**base, "rope_theta": 5e5, "partial_rotary_factor": 0.5}, "c.json")
+    new = resolve_dims(
+        fam, "hf", {**base, "rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}}, "c.json"
+    )
+    for dims in (old, new):
+        assert (dims["rope_theta"], dims["partial_rotary_factor"], dims["v_heads_tiled"]) == (5e5, 0.5, False)
+    assert old["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    gguf = {f"qwen35.{k}": v for k, v in [("embedding_length", 64), ("block_count", 4), ("attention.head_count", 4),
+                                          ("feed_forward_length", 96), ("vocab_size", 128),
+                                          ("ssm.inner_size", 512)]}
+    assert resolve_dims(fam, "gguf", {"general.architecture": "qwen35", **gguf}, "m.gguf")["v_heads_tiled"] is True

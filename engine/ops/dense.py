@@ -1,0 +1,88 @@
+"""The dense decoder's ops (Llama, Qwen3): embed, rmsnorm, head_rmsnorm, linear, rope, attention,
+silu_mul — each an OpDef plus its numpy reference over ``engine.ops_ref``. Must not import CUDA."""
+
+from __future__ import annotations
+
+from engine import ops_ref
+from engine.ops.base import OpDef, RefStep, define
+
+
+def _embed(s: RefStep, o, layer) -> None:
+    s.env[o.outputs[0]] = ops_ref.embed(s.env[o.inputs[0]], s.weight(o.weights[0], layer))
+
+
+def _rmsnorm(s: RefStep, o, layer) -> None:
+    s.env[o.outputs[0]] = ops_ref.rmsnorm(s.env[o.inputs[0]], s.weight(o.weights[0], layer), s.runner.eps)
+
+
+def _head_rmsnorm(s: RefStep, o, layer) -> None:
+    r = s.runner
+    s.env[o.outputs[0]] = ops_ref.head_rmsnorm(
+        s.env[o.inputs[0]], s.weight(o.weights[0], layer), r.eps, r.head_dim
+    )
+
+
+def _linear(s: RefStep, o, layer) -> None:
+    x = s.env[o.inputs[0]]
+    res = s.env[o.attrs["residual"]] if "residual" in o.attrs else None
+    if not s.all_logits and o.outputs == ("logits",):
+        x = x[-1:]
+        res = res[-1:] if res is not None else None
+    for out_name, wn in zip(o.outputs, o.weights, strict=True):
+        s.env[out_name] = ops_ref.linear(x, s.weight(wn, layer), res)
+
+
+def _rope(s: RefStep, o, layer) -> None:
+    r = s.runner
+    cos, sin = r.rope_tables(o.attrs.get("freq_factors"))
+    cos, sin = cos[s.positions], sin[s.positions]
+    for src, dst in zip(o.inputs, o.outputs, strict=True):
+        s.env[dst] = ops_ref.rope_apply(s.env[src], cos, sin, head_dim=r.head_dim, style=r.model.rope_style)
+
+
+def _attention(s: RefStep, o, layer) -> None:
+    r = s.runner
+    q, k, v = (s.env[n] for n in o.inputs)
+    s.env[o.outputs[0]] = ops_ref.attention(
+        q,
+        k,
+        v,
+        s.k_cache[layer],
+        s.v_cache[layer],
+        s.block_table,
+        s.start_pos,
+        heads=r.heads,
+        kv_heads=r.kv_heads,
+        head_dim=r.head_dim,
+    )
+
+
+def _silu_mul(s: RefStep, o, layer) -> None:
+    s.env[o.outputs[0]] = ops_ref.silu_mul(s.env[o.inputs[0]], s.env[o.inputs[1]])
+
+
+define("embed", OpDef(1, 1, (1, 1), doc="out[t] = table[ids[t]] (dequantised)"), _embed)
+define(
+    "rmsnorm",
+    OpDef(1, 1, (1, 1), doc="out = x / sqrt(mean(x^2) + rms_eps) * w over the hidden axis"),
+    _rmsnorm,
+)
+define(
+    "head_rmsnorm", OpDef(1, 1, (1, 1), doc="rmsnorm over each head_dim slice (Qwen3 q/k norm)"), _head_rmsnorm
+)
+define(
+    "linear",
+    OpDef(1, None, (1, 8), {"residual": "value"}, doc="out_i = x @ W_i^T (+ residual); several weights fuse"),
+    _linear,
+)
+define(
+    "rope",
+    OpDef(2, 2, (0, 0), {"freq_factors": "tensor"}, doc="rotary embedding of q and k at each token's position"),
+    _rope,
+)
+define(
+    "attention",
+    OpDef(3, 1, (0, 0), doc="causal GQA attention over the KV cache (k, v appended first)"),
+    _attention,
+)
+define("silu_mul", OpDef(2, 1, (0, 0), doc="out = silu(g) * u"), _silu_mul)
