@@ -139,7 +139,7 @@ def _variant_gemvs(arch_sm90: bool) -> list:
 
 
 def test_gemv_option_variants(kernels, weights, device):
-    """The gemv options test_kernels_compile.py compiles (staged / xsmem / prefetch / coop / q8x /
+    """The gemv options test_kernels_compile.py compiles (staged / prefetch / coop / q8x /
     k splits / lanes / capped grids / prologues / L2 prefetch; wsm on sm_90), at batch 1 and 8."""
     specs = _variant_gemvs(device.compute_capability[0] == 9)
     kernels.prebuild(specs)
