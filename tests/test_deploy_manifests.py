@@ -40,7 +40,7 @@ def test_manifests_validate_against_their_schemas():
 
     crds = _crd_schemas()
     kinds = set()
-    for name, doc in _docs():
+    for _name, doc in _docs():
         kinds.add(doc["kind"])
         key = (doc["apiVersion"], doc["kind"])
         if key in crds:
