@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.ops import REFERENCE, RefStep
+from engine.ops import OPS, REFERENCE, RefStep
 from engine.placement import Placement
-from engine.reference import ReferenceRunner
+from engine.reference import DEFAULT_STATE_BYTES, ReferenceRunner
 from engine.sampling import sample, sample_item, validate_sampling
 from engine.types import MemraError, SamplingParams, StepItem
 
@@ -81,6 +81,17 @@ class _StageRunner(ReferenceRunner):
         return out
 
 
+def _state_slots(model: Any) -> int | None:
+    """The recurrent-state slot count the unsharded reference would pick (None: no state)."""
+    total = 0
+    for op, per in model.graph.ops():
+        shape_of = OPS[op.op].state
+        if per and shape_of is not None:
+            n = sum(1 for i in range(int(model.dims["layers"])) if model.graph.op_runs(op, model.dims, i))
+            total += n * 4 * int(np.prod(shape_of(model.dims)))
+    return max(4, min(1024, DEFAULT_STATE_BYTES // total)) if total else None
+
+
 def _live_in(schedule: Sequence[tuple[Any, int | None]]) -> list[str]:
     """Values a schedule reads before writing them (what an earlier stage must send), in order."""
     written: set[str] = {"tokens"}
@@ -108,6 +119,8 @@ class ShardedReference:
     ):
         self.model, self.placement = model, placement
         kw: dict[str, Any] = {"block_size": block_size, "max_model_len": max_model_len, "num_blocks": num_blocks}
+        if placement.split == "pp":
+            kw["state_slots"] = _state_slots(model)  # every stage hands out the same slot ids
         self.ranks: list[ReferenceRunner] = []
         full: dict = {}
         for part in placement.parts:

@@ -101,3 +101,29 @@ def test_step_through_paged_cache_matches_reference(models, split):
             item = StepItem(seq_id=1, token_ids=[tok], start_pos=item.start_pos + len(item.token_ids), block_table=table, sample=True, sampling=greedy)
         outs.append(got)
     assert outs[0] == outs[1]
+
+
+def test_pp_of_a_hybrid_keeps_each_stage_state(tmp_path):
+    from fixtures.hybrid import write_qwen3_5_hf
+
+    m = load_model(write_qwen3_5_hf(tmp_path / "h"))
+    ref = ReferenceRunner(m, **KW)
+    pl = plan_placement(m.graph, m.dims, "pp", [0, 1], tensor_dtypes=m.tensor_dtypes)
+    sr = ShardedReference(m, pl, **KW)
+    assert sr.num_state_slots == ref.num_state_slots and all(r.num_state_slots in (0, ref.num_state_slots) for r in sr.ranks)
+    assert float(np.abs(sr.forward_logits(PROMPT) - ref.forward_logits(PROMPT)).max()) == 0.0
+    greedy = SamplingParams(temperature=0.0)
+    outs = []
+    for runner in (ref, sr):
+        item = StepItem(seq_id=1, token_ids=PROMPT, start_pos=0, block_table=[0, 1, 2, 3, 4], sample=True,
+                        sampling=greedy, state_slot=2)
+        got = []
+        for _ in range(4):
+            tok = runner.step([item])[0]
+            got.append(tok)
+            item = StepItem(seq_id=1, token_ids=[tok], start_pos=item.start_pos + len(item.token_ids),
+                            block_table=[0, 1, 2, 3, 4], sample=True, sampling=greedy, state_slot=2)
+        outs.append(got)
+    assert outs[0] == outs[1]
+    with pytest.raises(Exception, match="no tensor-parallel rule"):
+        plan_placement(m.graph, m.dims, "tp", [0, 1], tensor_dtypes=m.tensor_dtypes)
