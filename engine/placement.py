@@ -55,6 +55,8 @@ TP_RULES: dict[str, tuple[str, str]] = {
 REPLICATED = ("embed", "router")
 # ops whose output is a partial sum under TP (their weights are split by input columns / by expert)
 REDUCE_WEIGHTS = ("wo", "w_down", "exp_down")
+# ops a TP split knows how to shard (what engine.sharded_reference runs per rank)
+TP_OPS = ("embed", "rmsnorm", "head_rmsnorm", "linear", "rope", "attention", "silu_mul", "moe_router", "moe_experts")
 
 
 @dataclass(frozen=True)
@@ -252,8 +254,7 @@ def _plan_tp(graph, dims, devices, entries, attn, kv_heads, kv_dtype_bytes, moe,
     heads, head_dim = int(dims["heads"]), int(dims["head_dim"])
     _divisible("heads", heads, n, fam)
     for o, _ in graph.ops():
-        if o.op not in ("embed", "rmsnorm", "head_rmsnorm", "linear", "rope", "attention", "silu_mul",
-                        "moe_router", "moe_experts"):
+        if o.op not in TP_OPS:
             raise MemraError(f"--split tp: family {fam} has op {o.op!r}, which has no tensor-parallel rule yet; use --split pp")
     if kv_heads % n == 0:
         kv_bounds = even_bounds(kv_heads, n)

@@ -25,8 +25,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     dense = load_model(write_qwen3_safetensors(root / "qwen3", num_hidden_layers=3))
     moe = load_model(write_qwen3_moe_safetensors(root / "moe", num_hidden_layers=3, mlp_only_layers=(1,)))
+    tied = load_model(write_qwen3_safetensors(root / "tied", num_hidden_layers=2, tie_word_embeddings=True))
     out = {}
-    for name, m in (("qwen3", dense), ("qwen3_moe", moe)):
+    for name, m in (("qwen3", dense), ("qwen3_moe", moe), ("qwen3_tied", tied)):
         ref = ReferenceRunner(m, **KW)
         out[name] = (m, ref, ref.forward_logits(PROMPT), ref.generate(PROMPT, 6))
     return out
@@ -37,6 +38,8 @@ CASES = [
     ("qwen3", "tp", 4, "ep", "replicated"),  # 2 K/V heads over 4 ranks: replicated K/V heads
     ("qwen3", "pp", 2, "ep", "vocab"),
     ("qwen3", "pp", 3, "ep", "vocab"),
+    ("qwen3_tied", "tp", 2, "ep", "vocab"),  # the head is a vocab slice of the replicated embedding
+    ("qwen3_tied", "pp", 2, "ep", "vocab"),  # the last stage holds the table again
     ("qwen3_moe", "tp", 2, "ep", "vocab"),
     ("qwen3_moe", "tp", 2, "cols", "vocab"),
     ("qwen3_moe", "tp", 4, "ep", "replicated"),
