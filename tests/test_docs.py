@@ -27,13 +27,20 @@ def test_structure_doc_lists_every_module():
     assert not missing, f"docs/structure.md does not describe: {sorted(missing)}"
 
 
-def test_only_two_modules_import_cuda_python():
-    """engine.cuda and engine.nvrtc are the only cuda-python users: engine, tools and tests (the GPU
-    checks included) reach the driver through them."""
-    users = []
+def test_only_cuda_nvrtc_and_nccl_touch_the_driver_or_nccl():
+    """engine.cuda (driver) and engine.nvrtc (compiler) import cuda-python; engine.nccl loads NCCL
+    (through cuda.pathfinder only, never cuda.bindings); no other module of engine, tools or tests
+    (the GPU checks included) does either: they reach the driver and NCCL through those three."""
+    users, nccl_users = [], []
     for top in ("engine", "tools", "tests"):
         for p in (ROOT / top).rglob("*.py"):
             src = p.read_text()
-            if re.search(r"^\s*(from|import) cuda\b", src, flags=re.M):
-                users.append(str(p.relative_to(ROOT)))
-    assert sorted(users) == ["engine/cuda.py", "engine/nvrtc.py"], users
+            name = str(p.relative_to(ROOT))
+            if re.search(r"^\s*(from|import) cuda\b", src, flags=re.M) or "from cuda." in src:
+                users.append(name)
+            if re.search(r"libnccl|load_nvidia_dynamic_lib\(\s*\"nccl|\bnccl[A-Z]\w*\(", src):
+                nccl_users.append(name)
+    assert sorted(users) == ["engine/cuda.py", "engine/nccl.py", "engine/nvrtc.py"], users
+    assert nccl_users == ["engine/nccl.py"], nccl_users
+    nccl_src = (ROOT / "engine" / "nccl.py").read_text()
+    assert "cuda.bindings" not in nccl_src and not re.search(r"^\s*from engine", nccl_src, flags=re.M)
