@@ -134,6 +134,16 @@ def device_of(runner: Any) -> dict:
     return {"backend": runner.backend, "name": name, "profile": getattr(profile, "name", None)}
 
 
+def memory_row(when: str) -> dict:
+    """The process's resident set now (idle: after a collection) and its peak so far, in bytes."""
+    import gc
+
+    from engine import memstat
+
+    gc.collect()
+    return {"kind": "memory", "when": when, **memstat.footprint()}
+
+
 def table(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -144,6 +154,10 @@ def table(rows: list[dict]) -> str:
             )
         elif k == "load":
             out.append(f"load      {r['seconds']:.2f} s ({r['backend']})")
+        elif k == "memory":
+            out.append(
+                f"memory    {r['when']}: RSS {r['rss_bytes'] / 1e6:.0f} MB, peak {r['peak_rss_bytes'] / 1e6:.0f} MB"
+            )
         elif k == "copy":
             out.append(
                 f"copy      device-to-device: {r['gbs']:.0f} GB/s read + written "
@@ -195,6 +209,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     model = load_model(path, quant=args.quant)
     runner = create_runner(model, args.backend, args.device_profile)
     rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
+    rows.append(memory_row("after load"))
     if runner.backend == "cuda" and not getattr(args, "skip_runner", False):
         rows.insert(0, bench_compile(model, runner.profile))
         from engine import runner_bench
@@ -232,6 +247,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
                     rows[-1].update(_spec_delta(speculator.method, before, engine.stats()))
         finally:
             engine.shutdown(10)
+    rows.append(memory_row("at the end"))
     device = device_of(runner)
     result = {"model": str(path), "date": time.strftime("%Y-%m-%d"), "device": device, "rows": rows}
     if args.json:

@@ -125,6 +125,9 @@ class CudaRunner:
         self.block_size = self.plan.block_size
         self._load_kernels(builder)
         self._upload_weights()
+        # the device holds the weights now: unmap the file so its pages leave the resident set
+        # (engine.weights: a later raw() maps it again, e.g. for a reference runner on the model)
+        model.weights.close()
         self._alloc_arena()
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
@@ -219,8 +222,11 @@ class CudaRunner:
                     code="invalid_model",
                 )
             buf = cuda.alloc(w.nbytes)
-            cuda.htod(buf.ptr, np.ascontiguousarray(data))
+            cuda.htod(buf.ptr, np.ascontiguousarray(data))  # synchronous: the source is read
             self._weights[w.key] = buf
+            del chunks, data
+            for part in w.parts:  # its file pages leave the resident set (peak RSS ~ one weight)
+                m.weights.evict(m.file_name(part, w.layer))
 
     def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
         data = np.ascontiguousarray(data)

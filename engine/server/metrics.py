@@ -1,6 +1,6 @@
 """Prometheus text exposition (hand-written): request counters, token counters, latency histograms, engine gauges.
 
-Thread-safe; must not import prometheus_client, falcon or the engine loop (engine stats are read
+Thread-safe; must not import prometheus_client, falcon or the engine loop (engine.memstat reads /proc) (engine stats are read
 with getattr defaults so a partial EngineStats still renders).
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+
+from engine import memstat
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -132,6 +134,12 @@ class Metrics:
             ("memra_prefix_cache_hit_ratio", "prefix-cache hit tokens / query tokens", hit / q if q else 0.0),
             ("memra_engine_alive", "1 while the engine thread runs", 1 if alive else 0),
             ("memra_draining", "1 after SIGTERM", 1 if draining else 0),
+            ("memra_process_resident_bytes", "resident set size of the server process", memstat.rss_bytes()),
+            (
+                "memra_process_peak_resident_bytes",
+                "largest resident set size the server process has had",
+                memstat.peak_rss_bytes(),
+            ),
         ]
         for name, h, v in gauges:
             lines += [
