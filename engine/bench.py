@@ -215,9 +215,14 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         from engine import runner_bench
 
         quick = args.quick
+        batches = getattr(args, "batches", None)
         rows += runner_bench.run_all(
             runner,
-            batches=(1, 8) if quick else (1, 8, 32),
+            batches=(
+                tuple(int(x) for x in batches.split(",") if x.strip())
+                if batches
+                else (1, 8) if quick else runner_bench.graph_buckets(runner)
+            ),
             depths=(0,) if quick else (0, 4096),
             prefills=(512,) if quick else (512, 4096),
             steps=16 if quick else 64,
