@@ -472,22 +472,34 @@ def _names_in(expr: str, file: Path, where: str) -> set[str]:
 
 
 def evaluate(expr: str, values: dict[str, Any]) -> Any:
-    """Evaluate a dim expression (``hidden // heads``): names, integers, + - * //, nothing else."""
+    """Evaluate a dim expression (``hidden // heads``): names, integers, + - * //, nothing else.
+    A name missing from ``values`` raises KeyError(name)."""
+    try:
+        return eval(_compiled(str(expr)), {"__builtins__": {}}, values)  # checked: names, numbers, + - * //
+    except NameError as exc:
+        raise KeyError(exc.name) from None
 
-    def walk(node: ast.AST) -> Any:
+
+@lru_cache(maxsize=4096)
+def _compiled(expr: str) -> Any:
+    """Parsed, checked and compiled once: launch grids are dim expressions evaluated for every new
+    step shape the runner binds."""
+    tree = ast.parse(expr, mode="eval")
+
+    def check(node: ast.AST) -> None:
         if isinstance(node, ast.Expression):
-            return walk(node.body)
+            return check(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
+            return None
         if isinstance(node, ast.Name):
-            if node.id not in values:
-                raise KeyError(node.id)
-            return values[node.id]
+            return None
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+            check(node.left)
+            return check(node.right)
         raise ValueError(f"unsupported expression element {ast.dump(node)} in {expr!r}")
 
-    return walk(ast.parse(str(expr), mode="eval"))
+    check(tree)
+    return compile(tree, "<dim expression>", "eval")
 
 
 def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dict, Path]:

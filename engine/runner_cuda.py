@@ -109,6 +109,7 @@ class CudaRunner:
         self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
+        self._launch_configs: dict[tuple, Any] = {}  # see _prepared
         log.info(
             "programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
             "on" if self._pdl else "off",
@@ -136,6 +137,7 @@ class CudaRunner:
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
+        self._prefill_bound: dict[tuple, list[_Bound]] = {}  # prefill pass shapes, least recent first
         self._head_inputs: list[tuple[str, int, int]] | None = None
         self._pen_count = 0
         # varlen prefill: the plan's prefill attention reads seq_starts, so one pass may hold
@@ -390,11 +392,21 @@ class CudaRunner:
             others = math.prod(grid[1:])
             grid = (min(grid[0], max(1, self._resident_grid(fn, launch) // others)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
-        run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
+        run = self._prepared(fn, grid, launch.block, launch.smem, self.stream, pdl)
         if not launch.concurrent:
             return _Bound(fn, grid, launch.block, launch.smem, args, run, solo=run)
-        side = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self._side, pdl)
+        side = self._prepared(fn, grid, launch.block, launch.smem, self._side, pdl)
         return _Bound(fn, grid, launch.block, launch.smem, args, side, side=True, solo=run)
+
+    def _prepared(self, fn: Any, grid: tuple, block: tuple, smem: int, stream: Any, pdl: bool) -> Any:
+        """The launch configuration, built once per (kernel, geometry, stream): a prefill of a new
+        length rebinds every launch, and most keep their grid (so a warm-prefix hit of a new tail
+        length does not pay for hundreds of driver structs)."""
+        key = (id(fn), grid, tuple(block), smem, id(stream), pdl)
+        run = self._launch_configs.get(key)
+        if run is None:
+            run = self._launch_configs[key] = cuda.PreparedLaunch(fn, grid, block, smem, stream, pdl)
+        return run
 
     def _resident_grid(self, fn: Any, launch: Launch) -> int:
         """The blocks of ``launch``'s kernel resident on the whole GPU at once (at least one per SM)."""
@@ -760,9 +772,10 @@ class CudaRunner:
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
         key = ("prefill", n, nseq, max_q)
-        bound = self._eager.get(key) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
-        if len(self._eager) < 64:
-            self._eager[key] = bound
+        bound = self._prefill_bound.pop(key, None) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
+        self._prefill_bound[key] = bound  # most recently used last: a warm-prefix tail stays bound
+        if len(self._prefill_bound) > PREFILL_SHAPES_KEPT:
+            del self._prefill_bound[next(iter(self._prefill_bound))]
         self._run(bound)
         if not heads:
             self.stream.synchronize()
@@ -836,6 +849,7 @@ class CudaRunner:
             graph.destroy()
         self._graphs.clear()
         self._eager.clear()
+        self._prefill_bound.clear()
         for buf in (
             list(self._weights.values())
             + list(self._scratch.values())
@@ -854,6 +868,7 @@ class CudaRunner:
         self._fns.clear()
 
 
+PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
