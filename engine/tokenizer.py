@@ -1,6 +1,6 @@
 """Load a tokenizer for a WeightSource (tokenizer.json or GGUF vocab/merges), chat templates, streaming decode.
 
-Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers`` and engine.chat_template.
+Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers``, engine.chat_template and engine.token_cache.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from engine.chat_template import render_chat_template
+from engine.token_cache import SegmentEncoder
 from engine.types import ConfigError, MemraError
 from engine.weights.source import WeightSource
 
@@ -120,10 +121,11 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        self._segments = SegmentEncoder(tk)  # a prompt sent again costs only its new pieces
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted."""
-        ids = list(self.hf.encode(text, add_special_tokens=False).ids)
+        ids = self._segments.encode(text)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids

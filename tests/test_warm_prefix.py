@@ -60,3 +60,67 @@ def test_prefill_of_a_new_length_reuses_launch_configs_and_recent_shapes_stay_bo
     before = len(built)
     tail(9)
     assert len(built) == before  # no new launch configuration at all
+
+
+class _Counting:
+    """A tokenizers.Tokenizer stand-in that counts the characters it is asked to encode."""
+
+    def __init__(self, hf):
+        self.hf, self.chars = hf, 0
+
+    def __getattr__(self, name):
+        return getattr(self.hf, name)
+
+    def encode(self, text, add_special_tokens=True):
+        self.chars += len(text)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _chat(tok, turns: int, words: int, seed: int = 0) -> str:
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["alpha", "beta", "12", "3.5", "ünï", "日本", "😀", "\n", "  ", "\t", "it's", "x=1;"]
+    msgs = [{"role": "system", "content": "You are helpful."}]
+    for t in range(turns):
+        role = "user" if t % 2 == 0 else "assistant"
+        msgs.append({"role": role, "content": " ".join(rng.choice(vocab) for _ in range(words))})
+    return tok.apply_chat_template(msgs)
+
+
+def test_segment_encoder_is_exact_and_encodes_only_new_pieces(tiny_qwen3_dir):
+    from engine.token_cache import SegmentEncoder
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import open_weights
+
+    tok = load_tokenizer(open_weights(tiny_qwen3_dir))
+    for seed in range(20):  # exact: the same ids as one whole-text encode
+        text = _chat(tok, 1 + seed % 5, 1 + 7 * seed, seed)
+        assert tok.encode(text) == tok.hf.encode(text, add_special_tokens=False).ids
+    counting = _Counting(tok.hf)
+    enc = SegmentEncoder(counting)
+    assert enc._split is not None  # ChatML specials: the prompt is cut at them
+    long = _chat(tok, 1, 8000)
+    counting.chars = 0
+    first = enc.encode(long)
+    assert counting.chars > 0.9 * len(long)
+    counting.chars = 0
+    assert enc.encode(long) == first and counting.chars == 0  # sent again: nothing re-encoded
+    grown = long + "<|im_start|>assistant\nsure thing<|im_end|>\n<|im_start|>user\nand more<|im_end|>\n"
+    assert enc.encode(grown) == tok.hf.encode(grown, add_special_tokens=False).ids
+    assert counting.chars < 60  # the conversation grew by a turn: only the new pieces
+
+
+def test_segment_encoder_falls_back_to_whole_texts_when_pieces_do_not_encode_alone():
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from engine.token_cache import SegmentEncoder
+
+    vocab = {"<s>": 0, "<unk>": 1, "▁a": 2, "a": 3, "▁b": 4, "b": 5, "▁": 6}
+    tk = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", continuing_subword_prefix=""))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")  # offset-dependent
+    tk.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+    enc = SegmentEncoder(tk)
+    assert enc._split is None
+    for text in ("a<s>a b", "<s>b a<s>a", "a a"):
+        assert enc.encode(text) == enc.encode(text) == tk.encode(text, add_special_tokens=False).ids
