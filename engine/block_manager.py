@@ -11,16 +11,17 @@ in exactly one of three states:
 Prefix-cache keys are chained over FULL blocks: ``hash_i = H(hash_{i-1}, tokens of block i)`` with
 ``hash_{-1}`` derived from ``(tenant, cache_salt)``, so a tenant can never hit another tenant's blocks.
 A block is registered only by :meth:`BlockManager.commit`, i.e. after the step that wrote its KV.
-Pure Python: must not import numpy, CUDA or other engine modules (``engine.types`` aside).
+Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from engine.prefix_keys import ChainMemory, chain, chain_hash  # noqa: F401 (chain_hash: re-exported)
 
 _HASH_VERSION = b"memra-prefix-v1"
 
@@ -30,13 +31,6 @@ def cache_salt_hash(tenant: str, cache_salt: str = "") -> bytes:
     t, s = tenant.encode(), cache_salt.encode()
     payload = b"%s|%d:%s|%d:%s" % (_HASH_VERSION, len(t), t, len(s), s)
     return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """``H(prev, tokens)``: the prefix-cache key of one full block given its predecessor's key."""
-    h = hashlib.blake2b(prev, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -52,6 +46,10 @@ class _SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)
     # Leading blocks that are full and written: read-only, safe to share.
     committed: int = 0
+    # Keys of the full blocks of the tokens it was admitted with (computed at admission, so a commit
+    # does not hash them again), and the live token list of its last commit (remembered at free).
+    known_keys: list[bytes] = field(default_factory=list)
+    tokens: Sequence[int] = ()
 
 
 class BlockManager:
@@ -72,6 +70,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._seqs: dict[int, _SeqBlocks] = {}
         self.evictions = 0
+        self.keys = ChainMemory(block_size)  # prefix keys of recent prompts and finished sequences
 
     # ----- counters -------------------------------------------------------------------------------
     @property
@@ -111,19 +110,18 @@ class BlockManager:
         The hit is capped at ``(len(token_ids) - 1) // block_size`` blocks so at least one token is
         left to run (its logits are needed). Takes no references.
         """
+        return self._match(token_ids, salt)[0]
+
+    def _match(self, token_ids: Sequence[int], salt: bytes) -> tuple[list[int], list[bytes]]:
+        """(hit block ids, the keys of every full block but the last token's)."""
         if not self.enable_prefix_cache:
-            return []
-        bs = self.block_size
-        limit = (len(token_ids) - 1) // bs
-        hits: list[int] = []
-        prev = salt
-        for i in range(limit):
-            prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
-            block = self._by_hash.get(prev)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return [], []
+        keys = self.keys.keys(salt, token_ids, (len(token_ids) - 1) // self.block_size)
+        blocks = list(map(self._by_hash.get, keys))
+        try:
+            return blocks[: blocks.index(None)], keys
+        except ValueError:
+            return blocks, keys
 
     # ----- allocation -----------------------------------------------------------------------------
     def allocate(
@@ -137,21 +135,24 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hits = self.match_prefix(token_ids, salt)
+        hits, keys = self._match(token_ids, salt)
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
-        hits_from_lru = sum(1 for b in hits if self._ref[b] == 0)
-        if self.num_available - hits_from_lru < needed_new + headroom_blocks:
+        ref = self._ref
+        from_lru = [b for b in hits if ref[b] == 0]
+        if self.num_available - len(from_lru) < needed_new + headroom_blocks:
             return None
-        seq = _SeqBlocks(salt=salt)
-        for b in hits:  # take references first so the fresh allocations below cannot evict them
-            self._acquire(b)
-            seq.table.append(b)
-            seq.hashes.append(self._hash[b])  # type: ignore[arg-type]
+        # take references first so the fresh allocations below cannot evict them
+        lru = self._lru
+        for b in from_lru:
+            del lru[b]
+        for b in hits:
+            ref[b] += 1
+        seq = _SeqBlocks(salt=salt, table=hits, hashes=keys[: len(hits)], known_keys=keys)
         seq.committed = len(hits)
         for _ in range(needed_new):
             seq.table.append(self._take_fresh())
         self._seqs[seq_id] = seq
-        return len(hits) * self.block_size
+        return seq.committed * self.block_size
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Extend the table to cover ``num_tokens`` positions; False (unchanged) if blocks ran out."""
@@ -212,15 +213,19 @@ class BlockManager:
         seq = self._seqs[seq_id]
         bs = self.block_size
         full = min(num_computed // bs, len(seq.table))
-        if self.enable_prefix_cache:
-            prev = seq.hashes[-1] if seq.hashes else seq.salt
-            for i in range(len(seq.hashes), full):
-                prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
-                seq.hashes.append(prev)
+        if self.enable_prefix_cache and full > len(seq.hashes):
+            seq.tokens = token_ids
+            start = len(seq.hashes)
+            known = seq.known_keys[start:full]  # computed at admission
+            if start + len(known) < full:
+                prev = known[-1] if known else (seq.hashes[-1] if seq.hashes else seq.salt)
+                known += chain(prev, token_ids, bs, start + len(known), full)
+            for i, key in enumerate(known, start):
+                seq.hashes.append(key)
                 block = seq.table[i]
-                if prev not in self._by_hash and self._hash[block] is None:
-                    self._hash[block] = prev
-                    self._by_hash[prev] = block
+                if key not in self._by_hash and self._hash[block] is None:
+                    self._hash[block] = key
+                    self._by_hash[key] = block
         seq.committed = max(seq.committed, full)
 
     def free(self, seq_id: int) -> None:
@@ -232,20 +237,18 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if seq.tokens and len(seq.hashes) > len(seq.known_keys):  # it grew past its prompt: a next
+            self.keys.remember(seq.salt, seq.tokens, seq.hashes)  # turn may extend it
+        ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
         for b in reversed(seq.table):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self._hash[b] is not None:
-                    self._lru[b] = None
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hashes[b] is not None:
+                    lru[b] = None
                 else:
-                    self._free.append(b)
+                    free.append(b)
 
     # ----- internals ------------------------------------------------------------------------------
-    def _acquire(self, block: int) -> None:
-        if self._ref[block] == 0:
-            del self._lru[block]
-        self._ref[block] += 1
-
     def _take_fresh(self) -> int:
         if self._free:
             block = self._free.popleft()

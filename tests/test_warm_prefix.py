@@ -124,3 +124,112 @@ def test_segment_encoder_falls_back_to_whole_texts_when_pieces_do_not_encode_alo
     assert enc._split is None
     for text in ("a<s>a b", "<s>b a<s>a", "a a"):
         assert enc.encode(text) == enc.encode(text) == tk.encode(text, add_special_tokens=False).ids
+
+
+def _reference_keys(salt: bytes, tokens: list[int], bs: int, n: int) -> list[bytes]:
+    from engine.prefix_keys import chain_hash
+
+    out, prev = [], salt
+    for i in range(n):
+        prev = chain_hash(prev, tokens[i * bs : (i + 1) * bs])
+        out.append(prev)
+    return out
+
+
+def test_chain_memory_recalls_shared_prefixes_and_hashes_only_the_rest():
+    import random
+
+    from engine.block_manager import cache_salt_hash
+    from engine.prefix_keys import ChainMemory
+
+    bs, rng = 4, random.Random(1)
+    mem = ChainMemory(bs, max_tokens=4000)
+    a, b = cache_salt_hash("a"), cache_salt_hash("b")
+    base = [rng.randrange(1000) for _ in range(400)]
+
+    def check(salt, tokens, n, hashed):
+        before = mem.hashed_blocks
+        assert mem.keys(salt, tokens, n) == _reference_keys(salt, tokens, bs, n)
+        assert mem.hashed_blocks - before == hashed
+
+    check(a, base, 99, 99)  # cold
+    check(a, base, 99, 0)  # the same prompt again
+    check(a, base + [5] * 40, 109, 10)  # a next turn: only its 10 new blocks
+    check(b, base, 99, 99)  # another salt never recalls a's keys
+    fork = base[:203] + [7] + base[204:]  # differs inside block 50: the first 50 are recalled
+    check(a, fork, 99, 49)
+    check(a, base[:40], 9, 0)  # a shorter prefix of a remembered prompt
+    for _ in range(50):  # many other prompts: memory stays within its bounds, still exact
+        check(a, [rng.randrange(1000) for _ in range(300)], 70, 70)
+    assert mem._tokens <= mem.max_tokens and len(mem._entries) <= mem.max_entries
+
+
+class _StubRunner:
+    backend, block_size, num_blocks, max_model_len = "stub", 16, 4096, 70000
+
+    def step(self, items):
+        return [1 if it.sample else None for it in items]
+
+
+class _NullTok:
+    eos_token_ids: frozenset[int] = frozenset()
+    vocab_size = 40000
+
+    def incremental_decoder(self, skip_special_tokens=True):
+        class _D:
+            def push(self, ids):
+                return "x"
+
+            def flush(self):
+                return ""
+
+        return _D()
+
+
+def test_warm_prefix_admission_hashes_nothing_and_costs_about_the_same_at_15k_as_at_1k():
+    import time
+
+    from engine.loop import Engine
+    from engine.types import GenerationRequest, SamplingParams
+
+    eng = Engine(_StubRunner(), _NullTok())
+    counter = iter(range(10**6))
+
+    def send(prompt, max_tokens=1):
+        h = eng.submit(
+            GenerationRequest(
+                request_id=str(next(counter)), prompt_ids=prompt, sampling=SamplingParams(0.0), max_tokens=max_tokens
+            )
+        )
+        eng._drain_inbox(False)  # the engine thread's work, run here, synchronously
+        while eng.scheduler.has_work():
+            eng._step()
+        return h
+
+    def prompt(n, seed):
+        return [(i * 7919 + seed) % 30000 + 5 for i in range(n)]
+
+    def warm_cost(n):
+        p = prompt(n, n)
+        send(p)  # cold
+        hashed = eng.blocks.keys.hashed_blocks
+        best = float("inf")
+        for _ in range(15):
+            t = time.process_time()
+            send(list(p))  # a new list, as the server's tokenizer gives
+            best = min(best, time.process_time() - t)
+        assert eng.blocks.keys.hashed_blocks == hashed  # warm: no key computed again
+        assert eng.stats().prefix_hit_tokens >= 15 * (n - 16)
+        return best
+
+    small, large = warm_cost(1000), warm_cost(15000)
+    # 15x the prompt, a small multiple of the host work (before the key memory: ~11x on this CPU)
+    assert large < 8 * small, (small, large)
+    # a conversation's next turn: prompt + generated + new tokens hashes only the new blocks
+    p = prompt(15000, 3)
+    send(p, max_tokens=40)
+    hashed = eng.blocks.keys.hashed_blocks
+    seq_tokens = p + [1] * 40  # the stub runner generates 1s
+    send(seq_tokens + prompt(100, 9))
+    assert eng.blocks.keys.hashed_blocks - hashed <= (40 + 100) // 16 + 2
+    eng.check_invariants()
