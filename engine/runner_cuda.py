@@ -38,6 +38,7 @@ from engine.profile import DeviceProfile, arch_number, select
 from engine.render import render, waits_first
 from engine.sampling import penalty_entries, sample
 from engine.types import ConfigError, MemraError, StepItem
+from engine.upload import FileUploader
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -195,9 +196,37 @@ class CudaRunner:
     def _upload_weights(self) -> None:
         m = self.model
         self._weights: dict[str, cuda.DeviceBuffer] = {}
+        # weights stored as the device reads them go straight from the file (engine.upload: pinned
+        # staging, parallel reads, no mapping); vectors and repacked layouts through numpy
+        files = FileUploader(cuda, self.stream)
         for w in self.plan.weights:
             if w.key == ROPE_FREQ:
                 self._weights[w.key] = self._upload_array(self._rope_freq_factors())
+                continue
+            if w.dtype not in quant.REPACKED_FROM and all(
+                m.graph.tensors[part].kind != "vector" for part in w.parts
+            ):
+                ranges = []
+                for part in w.parts:
+                    info = m.info(part, w.layer)
+                    if info.dtype != w.dtype:
+                        raise MemraError(
+                            f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan "
+                            f"expects {w.dtype}",
+                            code="invalid_model",
+                        )
+                    ranges.append(m.weights.location(m.file_name(part, w.layer)))
+                if sum(n for *_, n in ranges) != w.nbytes:
+                    raise MemraError(
+                        f"{m.path}: weight {w.key} has {sum(n for *_, n in ranges)} bytes, the plan "
+                        f"expects {w.nbytes}",
+                        code="invalid_model",
+                    )
+                buf = self._weights[w.key] = cuda.alloc(w.nbytes)
+                at = 0
+                for path, off, n in ranges:
+                    files.add(buf.ptr + at, path, off, n)
+                    at += n
                 continue
             chunks = []
             for part in w.parts:
@@ -229,6 +258,8 @@ class CudaRunner:
             del chunks, data
             for part in w.parts:  # its file pages leave the resident set (peak RSS ~ one weight)
                 m.weights.evict(m.file_name(part, w.layer))
+        files.finish()
+        log.info("weights: %.2f GB read from the files, %d tensors", files.bytes / 1e9, len(self._weights))
 
     def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
         data = np.ascontiguousarray(data)

@@ -108,3 +108,88 @@ def test_rss_is_reported_by_metrics_and_bench():
     row = memory_row("after load")
     assert row["kind"] == "memory" and 10e6 < row["rss_bytes"] <= row["peak_rss_bytes"]
     assert re.fullmatch(r"memory    after load: RSS \d+ MB, peak \d+ MB", table([row]))
+
+
+class _DeviceMemory:
+    """Fake device memory for the fake driver: every allocation a bytearray, htod writes into it."""
+
+    def __init__(self, drv, monkeypatch, rc):
+        self.bufs: dict[int, bytearray] = {}
+        mod = rc.cuda
+        real_alloc = mod.alloc
+
+        def alloc(n):
+            b = real_alloc(n)
+            self.bufs[b.ptr] = bytearray(b.nbytes)
+            return b
+
+        def htod(ptr, host, stream=None):
+            data = np.ascontiguousarray(host).view(np.uint8).reshape(-1).tobytes()
+            base = max(p for p in self.bufs if p <= ptr)
+            self.bufs[base][ptr - base : ptr - base + len(data)] = data
+
+        monkeypatch.setattr(mod, "alloc", alloc)
+        monkeypatch.setattr(mod, "htod", htod)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
+    from fixtures.checkpoints import write_llama_gguf
+
+    import engine.runner_cuda as rc
+    from engine import quant
+    from engine.model import load_model
+    from engine.plan import ROPE_FREQ
+
+    monkeypatch.setattr("engine.upload.CHUNK_BYTES", 4096)  # many chunks per tensor, a busy ring
+    if fmt == "gguf":
+        path = write_llama_gguf(tmp_path / "m.gguf", quant="q8_0", hidden_size=256, head_dim=64, intermediate_size=512)
+    else:
+        base.write_tiny_llama(tmp_path / "m")
+        path = tmp_path / "m"
+    drv = base.FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    mem = _DeviceMemory(drv, monkeypatch, rc)
+    model = load_model(path)
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=base.fake_builder(tmp_path))
+    m, checked = model, 0
+    for w in runner.plan.weights:
+        if w.key == ROPE_FREQ:
+            continue
+        parts = []
+        for part in w.parts:
+            if m.graph.tensors[part].kind == "vector":
+                parts.append(np.ascontiguousarray(m.dequantize(part, w.layer), dtype=np.float32).view(np.uint8))
+            else:
+                parts.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
+        want = np.concatenate(parts)
+        if w.dtype in quant.REPACKED_FROM:
+            want = quant.repack(want, w.dtype, w.rows, w.cols)
+        got = bytes(mem.bufs[runner._weights[w.key].ptr][: w.nbytes])
+        assert got == want.tobytes(), w.key
+        checked += 1
+    assert checked == len(runner.plan.weights) - sum(w.key == ROPE_FREQ for w in runner.plan.weights)
+
+
+def test_file_uploader_copies_ranges_through_a_small_ring_and_names_a_short_file(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from engine.upload import FileUploader
+
+    drv = base.FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    mem = _DeviceMemory(drv, monkeypatch, rc)
+    rng = np.random.default_rng(0)
+    f = tmp_path / "blob"
+    blob = rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    f.write_bytes(blob)
+    up = FileUploader(rc.cuda, rc.cuda.Stream(), chunk=777, depth=3)
+    ranges = [(0, 100_000), (5, 1), (99_000, 1000), (1234, 40_000)]
+    dst = [rc.cuda.alloc(n) for _, n in ranges]
+    for d, (off, n) in zip(dst, ranges, strict=True):
+        up.add(d.ptr, f, off, n)
+    up.finish()
+    for d, (off, n) in zip(dst, ranges, strict=True):
+        assert bytes(mem.bufs[d.ptr][:n]) == blob[off : off + n]
+    up.add(rc.cuda.alloc(10).ptr, f, 99_995, 10)
+    with pytest.raises(OSError, match="blob: file ends before byte 100005"):
+        up.finish()

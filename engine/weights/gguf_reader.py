@@ -141,6 +141,11 @@ class GGUFSource(WeightSource):
         mm, off, n = self._mapped(name)
         return mm[off : off + n]
 
+    def location(self, name: str) -> tuple[Path, int, int]:
+        self.info(name)
+        ri, off, n = self._where[name]
+        return self.files[ri], off, n
+
     def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
         self.info(name)
         ri, off, n = self._where[name]

@@ -135,6 +135,10 @@ class SafetensorsSource(WeightSource):
         mm, off, n = self._mapped(name)
         return mm[off : off + n]
 
+    def location(self, name: str) -> tuple[Path, int, int]:
+        self.info(name)
+        return self._where[name]
+
     def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
         self.info(name)
         f, off, n = self._where[name]

@@ -80,6 +80,11 @@ class WeightSource:
         """(the file's memory map, byte offset, byte count) of tensor ``name``."""
         raise NotImplementedError
 
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """(file, byte offset, byte count) of tensor ``name``'s stored bytes, for readers that copy
+        them without mapping the file (engine.upload)."""
+        raise NotImplementedError
+
     def evict(self, name: str) -> None:
         """Drop tensor ``name``'s pages from this process's resident set (``MADV_DONTNEED`` on the
         read-only shared map: the data stays valid and is read again from the page cache if a view
