@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,7 @@ class CudaRunner:
         catalog: Any = None,
         builder: KernelBuilder | None = None,
     ):
+        t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
         self._ctx_thread = threading.get_ident()
         self.profile = profile or select(self.ctx.info)
@@ -125,15 +127,26 @@ class CudaRunner:
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
+        t1 = time.perf_counter()
         self._load_kernels(builder)
+        t2 = time.perf_counter()
         self._upload_weights()
         # the device holds the weights now: unmap the file so its pages leave the resident set
         # (engine.weights: a later raw() maps it again, e.g. for a reference runner on the model)
         model.weights.close()
+        t3 = time.perf_counter()
         self._alloc_arena()
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
+        log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
+            "runner ready in %.2f s: context + plan %.2f s, kernels %.2f s, weights %.2f s, buffers %.2f s",
+            time.perf_counter() - t0,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            time.perf_counter() - t3,
+        )
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
