@@ -233,3 +233,30 @@ def test_warm_prefix_admission_hashes_nothing_and_costs_about_the_same_at_15k_as
     send(seq_tokens + prompt(100, 9))
     assert eng.blocks.keys.hashed_blocks - hashed <= (40 + 100) // 16 + 2
     eng.check_invariants()
+
+
+def test_warm_prefix_tool_sends_each_prompt_again_and_reports_every_send(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from server_fakes import FakeEngine, FakeTokenizer
+
+    from engine.server.app import create_app
+    from engine.server.model_info import ModelInfo
+    from engine.server.serve import BackgroundServer
+    from engine.server_config import ServerConfig
+
+    spec = importlib.util.spec_from_file_location("warm_prefix", Path(__file__).parents[1] / "tools" / "warm_prefix.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    eng = FakeEngine(script=lambda r: ["tok "])
+    app = create_app(eng, FakeTokenizer(), ModelInfo("m", 1 << 16, "fake", 1), ServerConfig())
+    with BackgroundServer(app) as srv:
+        out = tmp_path / "rows.json"
+        assert tool.main(["--url", srv.url, "--model", "m", "--words", "30,200", "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["words"] for r in rows] == [30, 200] and all(len(r["warm_ms"]) == 2 for r in rows)
+    prompts = [tuple(r.prompt_ids) for r in eng.submitted]
+    assert len(prompts) == 6 and len(set(prompts[:3])) == 1 and len(set(prompts[3:])) == 1
+    assert prompts[0] != prompts[3] and all(r.sampling.temperature == 0.0 for r in eng.submitted)
+    assert "prompt words" in capsys.readouterr().out
