@@ -162,8 +162,22 @@ class CudaRunner:
             for la in st.launches.get("prefill", ())
             for a in la.args
         )
+        self._prebind_warm_tails()
 
     # ----------------------------------------------------------------------------- setup
+
+    def _prebind_warm_tails(self) -> None:
+        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 2 ..
+        block_size tokens of one sequence (a hit stops one token short, at a block boundary; one
+        token left runs as a decode row) and the batch-1 head, so that no warm request pays for
+        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen)."""
+        t0 = time.perf_counter()
+        for n in range(2, self.block_size + 1):
+            self._prefill_bound[("prefill", n, 1, n)] = self._bind_pass("prefill", n, 1, False, "", max_q=n)
+        for kind in ("greedy", "sample"):
+            mode = _decode_mode(1, self.plan.wide_rows)
+            self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
+        log.info("warm-prefix passes bound in %.3f s", time.perf_counter() - t0)
 
     def _load_kernels(self, builder: KernelBuilder | None) -> None:
         builder = builder or KernelBuilder(self.profile.arch)

@@ -39,26 +39,30 @@ def test_prefill_of_a_new_length_reuses_launch_configs_and_recent_shapes_stay_bo
             super().__init__(fn, grid, *a, **k)
 
     monkeypatch.setattr(rc.cuda, "PreparedLaunch", Counting)
-    table = list(range(20))
+    table = list(range(24))
 
     def tail(n: int) -> list[int]:
         return runner.step([StepItem(0, list(range(1, n + 1)), 300, table, True, base.GREEDY)])
 
-    tail(3)
+    # every warm-prefix tail (2 .. block_size tokens after a hit; 1 is a decode row) was bound
+    # when the runner was built
+    bound = _calls(lambda: tail(2))
+    for n in range(2, runner.block_size + 1):
+        tail(n)
+    assert built == [] and runner.block_size == 16
+    # a new length binds every launch, but most launch configurations are shared by geometry
+    fresh = _calls(lambda: tail(21))
     first = len(built)
-    assert first > 0
-    tail(5)  # a tail of another length: its grids are those of length 3 but for the per-token ones
-    per_token = {name for name, grid in built[first:]}
-    assert len(built) - first < first / 2, (per_token, first)
-    fresh = _calls(lambda: tail(7))  # binds every launch of a new shape
-    bound = _calls(lambda: tail(7))
+    tail(23)
+    new = built[first:]
+    assert new and all(23 in grid for _, grid in new), new  # only launches with one block per token
     assert bound * 3 < fresh, (bound, fresh)
     for n in range(100, 100 + rc.PREFILL_SHAPES_KEPT + 8):  # more cold shapes than are kept
         runner.step([StepItem(1, list(range(1, n + 1)), 0, table, True, base.GREEDY)])
-    tail(9)  # a tail length first seen once the cache is full is kept all the same
-    assert _calls(lambda: tail(9)) * 3 < fresh
+    tail(25)  # a length first seen once the cache is full is kept all the same
+    assert _calls(lambda: tail(25)) * 3 < fresh
     before = len(built)
-    tail(9)
+    tail(25)
     assert len(built) == before  # no new launch configuration at all
 
 
