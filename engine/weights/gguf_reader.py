@@ -86,8 +86,8 @@ class GGUFMetadata(Mapping[str, Any]):
         for key, field in self._fields.items():
             if key not in self._cache and len(field.data) <= _DETACH_EAGER_MAX:
                 self[key]
+        self._reopen = reopen  # first: a reader in another thread then always finds one or the other
         self._fields = {}
-        self._reopen = reopen
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
