@@ -102,8 +102,9 @@ def test_rss_is_reported_by_metrics_and_bench():
     from engine.server.metrics import Metrics
 
     text = Metrics().render(None, alive=True, draining=False)
-    rss = int(re.search(r"^memra_process_resident_bytes (\d+)$", text, re.M).group(1))
-    peak = int(re.search(r"^memra_process_peak_resident_bytes (\d+)$", text, re.M).group(1))
+    num = r"([0-9.e+]+)$"  # prometheus_client writes floats (1.2e+08)
+    rss = float(re.search(r"^process_resident_memory_bytes " + num, text, re.M).group(1))
+    peak = float(re.search(r"^memra_process_peak_resident_bytes " + num, text, re.M).group(1))
     assert 10e6 < rss <= peak  # a Python process with numpy loaded holds more than 10 MB
     row = memory_row("after load")
     assert row["kind"] == "memory" and 10e6 < row["rss_bytes"] <= row["peak_rss_bytes"]

@@ -39,14 +39,14 @@ for stage in ${STAGES:-bf16 q4km serve}; do
       [ $start = warm ] && break
       kill -TERM $pid; wait $pid
     done
-    curl -s localhost:8123/metrics | grep -E "^memra_process_(peak_)?resident_bytes" | tee -a "$R/serve.txt"
+    curl -s localhost:8123/metrics | grep -E "^(process_resident_memory_bytes|memra_process_peak_resident_bytes)" | tee -a "$R/serve.txt"
     for run in warm measured; do
       timeout 120 python3 tools/loadgen.py --url http://127.0.0.1:8123 --requests 32 --concurrency 32 \
         --prompt-words 441 --max-tokens 128 --temperature 0 --ignore-eos --json "$R/loadgen_$run.json" >> "$R/serve.txt" 2>&1
     done
     timeout 200 python3 tools/warm_prefix.py --url http://127.0.0.1:8123 --words 1000,4000,15000 --repeats 5 \
       --json "$R/warm_prefix.json" >> "$R/serve.txt" 2>&1
-    curl -s localhost:8123/metrics | grep -E "^memra_process_(peak_)?resident_bytes" | tee -a "$R/serve.txt"
+    curl -s localhost:8123/metrics | grep -E "^(process_resident_memory_bytes|memra_process_peak_resident_bytes)" | tee -a "$R/serve.txt"
     echo "after the load: RSS $(ps -o rss= -p $pid) KiB" | tee -a "$R/serve.txt"
     kill -TERM $pid; wait $pid
     ;;

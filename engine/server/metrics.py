@@ -134,7 +134,8 @@ class Metrics:
             ("memra_prefix_cache_hit_ratio", "prefix-cache hit tokens / query tokens", hit / q if q else 0.0),
             ("memra_engine_alive", "1 while the engine thread runs", 1 if alive else 0),
             ("memra_draining", "1 after SIGTERM", 1 if draining else 0),
-            ("memra_process_resident_bytes", "resident set size of the server process", memstat.rss_bytes()),
+            # prometheus_client's ProcessCollector name, so dashboards and a later switch agree
+            ("process_resident_memory_bytes", "Resident memory size in bytes.", memstat.rss_bytes()),
             (
                 "memra_process_peak_resident_bytes",
                 "largest resident set size the server process has had",
