@@ -12,16 +12,21 @@ import sys
 
 
 def rss_bytes() -> int:
-    """Resident set size now, in bytes (0 where the platform does not say)."""
+    """Resident set size now, in bytes (the peak where the platform does not say)."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
+        return _max_rss()
 
 
 def peak_rss_bytes() -> int:
-    """The largest resident set size this process has had, in bytes."""
+    """The largest resident set size this process has had, in bytes (never below the current one:
+    the kernel updates its high-water mark lazily)."""
+    return max(_max_rss(), rss_bytes())
+
+
+def _max_rss() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
