@@ -230,19 +230,8 @@ class CudaRunner:
             if w.key == ROPE_FREQ:
                 self._weights[w.key] = self._upload_array(self._rope_freq_factors())
                 continue
-            if w.dtype not in quant.REPACKED_FROM and all(
-                m.graph.tensors[part].kind != "vector" for part in w.parts
-            ):
-                ranges = []
-                for part in w.parts:
-                    info = m.info(part, w.layer)
-                    if info.dtype != w.dtype:
-                        raise MemraError(
-                            f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan "
-                            f"expects {w.dtype}",
-                            code="invalid_model",
-                        )
-                    ranges.append(m.weights.location(m.file_name(part, w.layer)))
+            ranges = self._file_ranges(w)
+            if ranges is not None:
                 if sum(n for *_, n in ranges) != w.nbytes:
                     raise MemraError(
                         f"{m.path}: weight {w.key} has {sum(n for *_, n in ranges)} bytes, the plan "
@@ -287,6 +276,27 @@ class CudaRunner:
                 m.weights.evict(m.file_name(part, w.layer))
         files.finish()
         log.info("weights: %.2f GB read from the files, %d tensors", files.bytes / 1e9, len(self._weights))
+
+    def _file_ranges(self, w: Any) -> list[tuple[Any, int, int]] | None:
+        """The file byte ranges that are weight ``w``'s device bytes, in order; None when it needs
+        host work (a vector to f32, a repacked layout) or the source cannot give ranges."""
+        m = self.model
+        if w.dtype in quant.REPACKED_FROM or any(m.graph.tensors[p].kind == "vector" for p in w.parts):
+            return None
+        ranges = []
+        for part in w.parts:
+            info = m.info(part, w.layer)
+            if info.dtype != w.dtype:
+                raise MemraError(
+                    f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan "
+                    f"expects {w.dtype}",
+                    code="invalid_model",
+                )
+            got = m.weights.file_ranges(m.file_name(part, w.layer))
+            if got is None:
+                return None
+            ranges += got
+        return ranges
 
     def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
         data = np.ascontiguousarray(data)

@@ -141,10 +141,10 @@ class GGUFSource(WeightSource):
         mm, off, n = self._mapped(name)
         return mm[off : off + n]
 
-    def location(self, name: str) -> tuple[Path, int, int]:
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         self.info(name)
         ri, off, n = self._where[name]
-        return self.files[ri], off, n
+        return [(self.files[ri], off, n)]
 
     def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
         self.info(name)

@@ -135,9 +135,9 @@ class SafetensorsSource(WeightSource):
         mm, off, n = self._mapped(name)
         return mm[off : off + n]
 
-    def location(self, name: str) -> tuple[Path, int, int]:
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         self.info(name)
-        return self._where[name]
+        return [self._where[name]]
 
     def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
         self.info(name)

@@ -76,20 +76,25 @@ class WeightSource:
         info = self.info(name)
         return quant.dequantize(self.raw(name), info.dtype, info.shape)
 
-    def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
-        """(the file's memory map, byte offset, byte count) of tensor ``name``."""
-        raise NotImplementedError
+    def _mapped(self, name: str) -> tuple[np.memmap, int, int] | None:
+        """(the file's memory map, byte offset, byte count) of tensor ``name``; None where the
+        source has no single mapped range for it."""
+        return None
 
-    def location(self, name: str) -> tuple[Path, int, int]:
-        """(file, byte offset, byte count) of tensor ``name``'s stored bytes, for readers that copy
-        them without mapping the file (engine.upload)."""
-        raise NotImplementedError
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """(file, byte offset, byte count) ranges whose concatenation is tensor ``name``'s stored
+        bytes, for a reader that copies them without mapping the file (engine.upload); None where
+        the source cannot say (then use ``raw``)."""
+        return None
 
     def evict(self, name: str) -> None:
         """Drop tensor ``name``'s pages from this process's resident set (``MADV_DONTNEED`` on the
         read-only shared map: the data stays valid and is read again from the page cache if a view
         is used later). A no-op where the platform has no ``madvise``."""
-        mm, off, n = self._mapped(name)
+        where = self._mapped(name)
+        if where is None:
+            return
+        mm, off, n = where
         m = getattr(mm, "_mmap", None)
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if m is None or advice is None or n == 0 or m.closed:
