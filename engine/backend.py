@@ -7,12 +7,14 @@ picked and why on stderr. Must not import cuda.bindings directly (engine.cuda do
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine import env
-from engine.profile import DeviceInfo, DeviceProfile, select
-from engine.types import MemraError
+from engine.profile import DeviceProfile, select
+from engine.types import DeviceInfo, MemraError
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -39,10 +41,27 @@ def choose_profile(device: DeviceInfo, override: str | None = None) -> DevicePro
     return select(device, override or env.MEMRA_DEVICE_PROFILE.get() or None)
 
 
+def _recurrent(model: Any) -> bool:
+    """Whether the model's graph has an op with recurrent state (a hybrid: no CUDA lowering yet)."""
+    from engine.ops import OPS
+
+    graph = getattr(model, "graph", None)
+    return graph is not None and any(OPS[op.op].state is not None for op, _ in graph.ops())
+
+
 def create_runner(model: Any, backend: str = "auto", device_profile: str | None = None, **kwargs: Any):
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
+    if backend in ("auto", "cuda") and _recurrent(model):
+        # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
+        if backend == "cuda":
+            raise MemraError(
+                f"--backend cuda: family {model.graph.family} (hybrid linear attention) has no CUDA "
+                "lowering yet; use --backend reference"
+            )
+        print(f"memra: family {model.graph.family} runs on the numpy reference backend", file=sys.stderr)
+        backend = "reference"
     if backend in ("auto", "cuda"):
         found = detect()
         if found.devices:
@@ -65,3 +84,34 @@ def create_runner(model: Any, backend: str = "auto", device_profile: str | None 
     from engine.reference import ReferenceRunner
 
     return ReferenceRunner(model, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    if model:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise MemraError(f"model path {path} does not exist", param="model")
+        return path
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
+    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
+    from engine.model import load_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model_path(model_arg)
+    t0 = time.perf_counter()
+    print(f"memra: loading {path}", file=sys.stderr)
+    model = load_model(path, quant=quant)
+    tokenizer = load_tokenizer(model.weights)
+    runner = create_runner(model, backend, device_profile)
+    print(
+        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
+        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return model, tokenizer, runner

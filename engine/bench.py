@@ -103,8 +103,9 @@ def bench_engine(
 def bench_compile(model: Any, profile: Any) -> dict:
     """Cold (empty cache) and warm (all hits) build of every kernel the model's plan needs."""
     from engine.compile import KernelBuilder
+    from engine.ir import kernel_specs
     from engine.kcache import KernelCache
-    from engine.plan import build_plan, kernel_specs
+    from engine.plan import build_plan
 
     plan = build_plan(model.graph, model.dims, model.quant, profile, model.tensor_dtypes, model.rope_style)
     specs = kernel_specs(plan)
@@ -172,6 +173,11 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"decode    batch {r['batch']:>3} depth {r['depth']:>5}: {r['tok_s']:>9.1f} tok/s  "
                 f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline{measured}"
+                + (
+                    f" (bytes read: {r['bytes_per_step'] / 2**30:.2f} GiB, {100 * r['active_expert_fraction']:.0f}% of the experts)"
+                    if "active_expert_fraction" in r
+                    else ""
+                )
             )
         elif k == "prefill":
             out.append(
@@ -198,8 +204,7 @@ def _spec_cell(r: dict) -> str:
 
 
 def bench_from_cli(args: argparse.Namespace) -> int:
-    from engine.backend import create_runner
-    from engine.cli import resolve_model_path
+    from engine.backend import create_runner, resolve_model_path
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 
@@ -228,10 +233,10 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             steps=16 if quick else 64,
         )
     if args.concurrency:
-        from engine.cli import build_spec
+        from engine.spec.build import speculator_from_args
 
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-        speculator = build_spec(args, model, runner)
+        speculator = speculator_from_args(args, model, runner)
         engine = Engine(
             runner,
             _NullTokenizer(),

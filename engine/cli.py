@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
+from engine.backend import load_stack
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -24,42 +25,6 @@ log = logging.getLogger("memra")
 
 def _err(msg: str) -> None:
     print(f"memra: error: {msg}", file=sys.stderr)
-
-
-# --------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
-    if model:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise MemraError(f"model path {path} does not exist", param="model")
-        return path
-    from engine.default_model import default_model_path
-
-    return default_model_path()
-
-
-def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
-    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
-    from engine.backend import create_runner
-    from engine.model import load_model
-    from engine.tokenizer import load_tokenizer
-
-    path = resolve_model_path(model_arg)
-    t0 = time.perf_counter()
-    print(f"memra: loading {path}", file=sys.stderr)
-    model = load_model(path, quant=quant)
-    tokenizer = load_tokenizer(model.weights)
-    runner = create_runner(model, backend, device_profile)
-    print(
-        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
-        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
-    return model, tokenizer, runner
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -103,15 +68,6 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
 
 
-def build_spec(args: argparse.Namespace, model: Any, runner: Any) -> Any:
-    """The engine's Speculator for --speculative/--spec-tokens (None without them)."""
-    from engine.spec.build import build_speculator
-    from engine.spec.config import parse_speculative
-
-    cfg = parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
-    return build_speculator(cfg, model, runner, device_profile=getattr(args, "device_profile", None))
-
-
 def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
     """Stream one request through the engine to ``out``; returns (text, stats dict)."""
     req = GenerationRequest(
@@ -123,17 +79,20 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     t0 = time.perf_counter()
     handle = engine.submit(req)
     pieces: list[str] = []
-    first = None
+    first = None  # when the engine produced the first token (event.created_s, not when read here)
+    end = None  # ... and the last one
     last = None
     for event in handle:
         if event.text:
             out.write(event.text)
             out.flush()
             pieces.append(event.text)
-        if first is None and event.token_ids:
-            first = time.perf_counter()
+        if event.token_ids:
+            if first is None:
+                first = event.created_s
+            end = event.created_s
         last = event
-    end = time.perf_counter()
+    end = end if end is not None else time.perf_counter()
     if last is not None and last.finish_reason == "error" and last.error is not None:
         raise last.error
     usage = last.usage if last is not None else None
@@ -164,7 +123,18 @@ def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
 # subcommands
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad generation flags before anything loads (one line naming the flag)."""
+    from engine.spec.config import parse_speculative
+
+    _sampling_from_args(args)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
+    parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -173,7 +143,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    speculator = build_spec(args, model, runner)
+    from engine.spec.build import speculator_from_args
+
+    speculator = speculator_from_args(args, model, runner)
     engine = _make_engine(runner, tokenizer, speculator)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
@@ -192,6 +164,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []
@@ -259,10 +232,11 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     if args.model:
         m = load_model(Path(args.model), quant=args.quant)
         return [(m.name, m.graph, m.dims, m.quant, m.rope_style, m.tensor_dtypes)]
-    if not (args.family and args.quant):
-        raise MemraError("warmup needs --model PATH, or --family F with --quant Q", param="model")
+    if not args.family:
+        raise MemraError("warmup needs --model PATH, or --family F (with --quant Q: one combo)", param="model")
     graph = load_family(args.family)
-    combo = graph.quant(args.quant)
+    # without --quant every combo: a mix's alternate types (q4_k_m's q6_k layers) are other combos' defaults
+    combos = [graph.quant(args.quant)] if args.quant else list(graph.quants.values())
     sizes = [args.size] if args.size else list(graph.sizes)
     if not sizes:
         raise MemraError(f"family {args.family} lists no sizes: pass --model PATH", param="size")
@@ -270,13 +244,14 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     styles = sorted(set(graph.rope_style.values()))
     return [
         (
-            f"{args.family}/{size}/{args.quant}/{style}",
+            f"{args.family}/{size}/{combo.name}/{style}",
             graph,
             dims_for_size(args.family, size),
             combo,
             style,
             None,
         )
+        for combo in combos
         for size in sizes
         for style in styles
     ]
@@ -285,7 +260,8 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
 def warmup(targets, profiles, jobs: int | None = None, progress=sys.stderr, list_only: bool = False) -> dict:
     """Compile every kernel the plans of ``targets`` need for each profile's arch; returns a summary."""
     from engine.compile import KernelBuilder
-    from engine.plan import build_plan, kernel_specs
+    from engine.ir import kernel_specs
+    from engine.plan import build_plan
 
     by_arch: dict[str, list] = {}
     for _label, graph, dims, combo, style, dtypes in targets:
@@ -381,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): a request that omits temperature/top_p/top_k/min_p/repetition_penalty gets "
+        "the model's own value (generation_config.json, GGUF general.sampling.*); none: memra's neutral "
+        "defaults (temperature 1, no top-p/top-k) instead",
+    )
     _add_backend_flags(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -421,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="fill the kernel cache ahead of time (no GPU needed)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", default=None, help="a model file or directory")
-    g.add_argument("--family", default=None, help="a family of models/*.yaml (with --quant)")
-    p.add_argument("--quant", default=None)
+    g.add_argument("--family", default=None, help="a family of models/*.yaml")
+    p.add_argument("--quant", default=None, help="one quant combo of --family (default: all)")
     p.add_argument("--size", default=None, help="one size of the family's `sizes:` (default: all)")
     g2 = p.add_mutually_exclusive_group()
     g2.add_argument("--device-profile", default=None)
@@ -440,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="memra.toml")
     p.add_argument("--tenant", default=None)
     p.add_argument("--name", default=None, help="key name (add/revoke)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight per tenant (add; 0: unlimited)")
+    p.add_argument("--requests-per-minute", type=int, default=None, help="request rate limit of the key (add; 0: unlimited)")
+    p.add_argument(
+        "--tokens-per-minute", type=int, default=None, help="prompt + generated tokens per minute (add; 0: unlimited)"
+    )
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("cache", help="show (or --clear) the kernel cache")

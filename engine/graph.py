@@ -1,22 +1,24 @@
 """Model-family DSL: load and validate models/<family>.yaml into a ModelGraph.
 
 A family file names its dims (where to read each from config.json or GGUF metadata), its tensors
-(name patterns for both formats, kind, expected shape), its op graph, its quant combos and its known
-sizes. ``extends:`` derives a family from another with a small delta. Every problem is a ConfigError
-naming the file and key path. Must not import numpy or CUDA: this is pure configuration.
+(name patterns for both formats, kind, expected shape, stacks such as a MoE layer's experts), its op
+graph (ops inside a repeat may run only in the layers where a ``when`` predicate holds), its quant
+combos and its known sizes. ``extends:`` derives a family from another with a small delta
+(engine.graph_extends); the dims and tensors sections are engine.graph_specs', expressions are
+engine.dsl_expr's. Every problem is a ConfigError naming the file and key path. Must not import
+numpy or CUDA: this is pure configuration.
 """
 
 from __future__ import annotations
 
-import ast
-import copy
-import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine import paths
+from engine import dsl_expr, paths
+from engine.graph_extends import merge_parent as _merge_parent
+from engine.graph_specs import FORMATS, DimSpec, TensorSpec, as_list, names_in, parse_dims, parse_tensors
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
@@ -50,9 +52,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "q4_1r": (32, 20),
 }
 
-TENSOR_KINDS = ("matrix", "embedding", "vector")
+LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
 ROPE_STYLES = ("neox", "interleaved")
-FORMATS = ("hf", "gguf")
 
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
@@ -62,52 +63,20 @@ GRAPH_OUTPUT = "logits"
 
 
 @dataclass(frozen=True)
-class DimSpec:
-    name: str
-    hf: str | None = None
-    gguf: str | None = None
-    default: Any = None
-    has_default: bool = False
-    type: str = "int"
-    expr: str | None = None
-    from_tensor: tuple[str, int] | None = None
-    gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    hf: str | None
-    gguf: str | None
-    kind: str
-    shape: tuple[str, ...] | None
-    tied_to: str | None
-    optional: bool
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in (self.hf or "") or "{i}" in (self.gguf or "")
-
-    def pattern(self, fmt: str) -> str | None:
-        return self.hf if fmt == "hf" else self.gguf
-
-    def file_name(self, fmt: str, layer: int | None = None) -> str | None:
-        pat = self.pattern(fmt)
-        if pat is None:
-            return None
-        return pat.replace("{i}", str(layer)) if self.per_layer else pat
-
-
-@dataclass(frozen=True)
 class Op:
     op: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
     attrs: dict[str, str] = field(default_factory=dict)
+    # per-layer predicate (an expression over dims, `predicates` and the layer index `i`): the op
+    # runs in the layers where it is true; None runs it in every layer
+    when: str | None = None
 
     def __hash__(self) -> int:
-        return hash((self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items()))))
+        return hash(
+            (self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items())), self.when)
+        )
 
 
 @dataclass(frozen=True)
@@ -143,6 +112,36 @@ class ModelGraph:
     graph: tuple[Op | Repeat, ...]
     quants: dict[str, QuantCombo]
     sizes: dict[str, dict[str, Any]]
+    predicates: dict[str, str] = field(default_factory=dict)
+    #: config.json keys that change the math, with the values this family implements (checked on load)
+    hf_expect: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
+        """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
+        if op.when is None or layer is None:
+            return True
+        return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+
+    def layer_ops(self, dims: dict[str, Any], layer: int) -> list[Op]:
+        """The per-layer ops that run in ``layer``, in graph order."""
+        return [op for op, per in self.ops() if per and self.op_runs(op, dims, layer)]
+
+    def tensor_layers(self, dims: dict[str, Any]) -> dict[str, list[int]]:
+        """Per-layer tensor key -> the layers in which some op reads it (as a weight or a tensor
+        attribute). A per-layer tensor no op reads maps to every layer of its count dim."""
+        layers = range(int(dims["layers"]))
+        out: dict[str, list[int]] = {}
+        runs = {id(op): [i for i in layers if self.op_runs(op, dims, i)] for op, per in self.ops() if per}
+        for op, per in self.ops():
+            if not per:
+                continue
+            names = list(op.weights) + [v for k, v in op.attrs.items() if OPS[op.op].attrs[k] == "tensor"]
+            for name in names:
+                out[name] = sorted(set(out.get(name, [])) | set(runs[id(op)]))
+        for key, spec in self.tensors.items():
+            if spec.per_layer and key not in out:
+                out[key] = list(range(int(dims.get(spec.layers) or 0)))
+        return out
 
     def ops(self) -> list[tuple[Op, bool]]:
         """Every op in order with a flag saying whether it runs once per layer."""
@@ -166,23 +165,6 @@ class ModelGraph:
 # ---------------------------------------------------------------------------------------------
 # schema
 
-_DIM = {
-    "hf": Field(str),
-    "gguf": Field(str),
-    "default": Field((int, float, str, bool, type(None))),
-    "type": Field(OneOf(("int", "float", "bool", "mapping")), default="int"),
-    "expr": Field(str),
-    "from_tensor": Field(list),
-    "gguf_from_missing": Field(str),
-}
-_TENSOR = {
-    "hf": Field(str),
-    "gguf": Field(str),
-    "kind": Field(OneOf(TENSOR_KINDS), required=True),
-    "shape": Field(ListOf(str)),
-    "tied_to": Field(str),
-    "optional": Field(bool, default=False),
-}
 _TOP = {
     "family": Field(str, required=True),
     "extends": Field(str),
@@ -199,88 +181,23 @@ _TOP = {
     "tensors": Field(MapOf((dict, type(None))), default={}),
     "graph": Field(list),
     "graph_edits": Field(list, default=[]),
+    "predicates": Field(MapOf((str, type(None))), default={}),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
+    # a child's HF name-prefix rewrites ("model.": "model.language_model.") over every tensor
+    "hf_rename": Field(MapOf(str), default={}),
+    "hf_expect": Field(MapOf((list, type(None))), default={}),
 }
 
 
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
-
-
-def _merge_parent(child: dict, parent: dict, file: Path) -> dict:
-    """Apply a child family's delta to its parent's raw YAML."""
-    merged = copy.deepcopy(parent)
-    merged["family"] = child["family"]
-    for key in ("description", "matches", "rope_style", "quants", "sizes"):
-        if key in child:
-            merged[key] = child[key]
-    for key in ("dims", "tensors"):
-        base = dict(merged.get(key) or {})
-        for name, value in (child.get(key) or {}).items():
-            if value is None:
-                base.pop(name, None)  # `name: null` removes an inherited entry
-            else:
-                base[name] = value
-        merged[key] = base
-    if "graph" in child:
-        merged["graph"] = child["graph"]
-    merged["graph"] = _apply_edits(merged["graph"], child.get("graph_edits") or [], file)
-    merged.pop("extends", None)
-    merged.pop("graph_edits", None)
-    return merged
-
-
-def _op_matches(node: Any, pattern: dict) -> bool:
-    return isinstance(node, dict) and all(node.get(k) == v for k, v in pattern.items())
-
-
-def _apply_edits(graph: list, edits: list, file: Path) -> list:
-    graph = copy.deepcopy(graph)
-    for n, edit in enumerate(edits):
-        where = f"graph_edits[{n}]"
-        if not isinstance(edit, dict):
-            raise fail(file, where, "expected a mapping with after/insert, replace/with or remove")
-        keys = set(edit)
-        if keys == {"after", "insert"}:
-            pattern, new = edit["after"], _as_list(edit["insert"])
-        elif keys == {"replace", "with"}:
-            pattern, new = edit["replace"], _as_list(edit["with"])
-        elif keys == {"remove"}:
-            pattern, new = edit["remove"], []
-        else:
-            raise fail(file, where, f"expected keys after+insert, replace+with or remove; got {sorted(keys)}")
-        if not _edit_nodes(graph, pattern, new, "after" in keys):
-            raise fail(file, where, f"no op in the parent graph matches {pattern}")
-    return graph
-
-
-def _edit_nodes(nodes: list, pattern: dict, new: list, keep: bool) -> bool:
-    hit = False
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
-        if isinstance(node, dict) and "repeat" in node:
-            hit |= _edit_nodes(node.get("body") or [], pattern, new, keep)
-        elif _op_matches(node, pattern):
-            nodes[i : i + 1] = ([node] if keep else []) + copy.deepcopy(new)
-            i += len(new) + (1 if keep else 0)
-            hit = True
-            continue
-        i += 1
-    return hit
-
-
-def _parse_op(raw: Any, file: Path, where: str) -> Op:
+def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: frozenset = frozenset()) -> Op:
     if not isinstance(raw, dict) or "op" not in raw:
         raise fail(file, where, "expected a mapping with an `op` key")
     name = raw["op"]
     if name not in OPS:
         raise fail(file, f"{where}.op", f"unknown op {name!r}; known ops: {', '.join(OPS)}")
     d = OPS[name]
-    allowed = {"op", "in", "out", "weight"} | set(d.attrs)
+    allowed = {"op", "in", "out", "weight", "when"} | set(d.attrs)
     for key in raw:
         if key not in allowed:
             raise fail(
@@ -288,16 +205,17 @@ def _parse_op(raw: Any, file: Path, where: str) -> Op:
                 f"{where}.{key}",
                 f"unknown key for op {name}; expected one of: {', '.join(sorted(allowed))}",
             )
-    inputs = tuple(_as_list(raw.get("in")))
-    outputs = tuple(_as_list(raw.get("out")))
-    weights = tuple(_as_list(raw.get("weight")))
+    inputs = tuple(as_list(raw.get("in")))
+    outputs = tuple(as_list(raw.get("out")))
+    weights = tuple(as_list(raw.get("weight")))
     for label, items in (("in", inputs), ("out", outputs), ("weight", weights)):
         for item in items:
             if not isinstance(item, str):
                 raise fail(file, f"{where}.{label}", f"expected names (strings), got {item!r}")
     lo, hi = d.weights
-    if not lo <= len(weights) <= hi:
-        raise fail(file, f"{where}.weight", f"op {name} takes {lo}..{hi} weights, got {len(weights)}")
+    if not lo <= len(weights) <= hi or (d.weight_counts and len(weights) not in d.weight_counts):
+        counts = " or ".join(map(str, d.weight_counts)) if d.weight_counts else f"{lo}..{hi}"
+        raise fail(file, f"{where}.weight", f"op {name} takes {counts} weights, got {len(weights)}")
     if d.inputs is not None and len(inputs) != d.inputs:
         raise fail(file, f"{where}.in", f"op {name} takes {d.inputs} input(s), got {len(inputs)}")
     want_out = d.outputs if d.outputs is not None else len(weights)
@@ -307,10 +225,22 @@ def _parse_op(raw: Any, file: Path, where: str) -> Op:
     for k, v in attrs.items():
         if not isinstance(v, str):
             raise fail(file, f"{where}.{k}", f"expected a name (string), got {v!r}")
-    return Op(name, inputs, outputs, weights, attrs)
+    when = raw.get("when")
+    if when is not None:
+        if not in_repeat:
+            raise fail(file, f"{where}.when", "a `when` predicate needs a per-layer op (inside a repeat)")
+        if not isinstance(when, str):
+            raise fail(file, f"{where}.when", f"expected an expression (string), got {when!r}")
+        for ident in names_in(when, file, f"{where}.when"):
+            if ident not in names:
+                raise fail(file, f"{where}.when", f"{ident!r} is not a dim, a predicate or `{LAYER_INDEX}`")
+    return Op(name, inputs, outputs, weights, attrs, when)
 
 
-def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op | Repeat, ...]:
+def _parse_graph(
+    raw: list, file: Path, dims: dict, tensors: dict, predicates: dict | None = None
+) -> tuple[Op | Repeat, ...]:
+    names = frozenset(dims) | frozenset(predicates or {}) | {LAYER_INDEX}
     nodes: list[Op | Repeat] = []
     for n, item in enumerate(raw):
         where = f"graph[{n}]"
@@ -323,19 +253,25 @@ def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op |
             if item["repeat"] not in dims:
                 raise fail(file, f"{where}.repeat", f"{item['repeat']!r} is not a dim of this family")
             body = tuple(
-                _parse_op(op, file, f"{where}.body[{j}]") for j, op in enumerate(item.get("body") or [])
+                _parse_op(op, file, f"{where}.body[{j}]", True, names)
+                for j, op in enumerate(item.get("body") or [])
             )
             if not body:
                 raise fail(file, f"{where}.body", "a repeat needs a non-empty body")
             nodes.append(Repeat(item["repeat"], body))
         else:
             nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors)
+    _check_dataflow(nodes, file, tensors, dims)
     return tuple(nodes)
 
 
-def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec]) -> None:
-    defined = set(GRAPH_INPUTS)
+def _check_dataflow(
+    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
+) -> None:
+    dims = dims or {}
+    # value -> the `when` of the op that first produced it (None: produced in every layer); a value
+    # only some layers produce may be read only by ops with the same predicate
+    defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
         prefix = f"graph[{n}]" + (".body" if isinstance(node, Repeat) else "")
@@ -344,6 +280,13 @@ def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, Ten
             for name in op.inputs:
                 if name not in defined:
                     raise fail(file, f"{where}.in", f"value {name!r} is used before any op produces it")
+                if defined[name] is not None and defined[name] != op.when:
+                    raise fail(
+                        file,
+                        f"{where}.in",
+                        f"value {name!r} is produced only when {defined[name]!r} but read by an op that "
+                        f"runs when {op.when or 'always'!r}",
+                    )
             for w in op.weights:
                 if w not in tensors:
                     raise fail(file, f"{where}.weight", f"{w!r} is not a tensor of this family")
@@ -360,70 +303,13 @@ def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, Ten
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a tensor of this family")
                 if kind == "value" and v not in defined:
                     raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
-            defined.update(op.outputs)
+                if kind == "dim" and v not in dims:
+                    raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
+            for out in op.outputs:
+                if out not in defined or op.when is None:
+                    defined[out] = op.when
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
-
-
-def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
-    dims: dict[str, DimSpec] = {}
-    for name, spec in raw.items():
-        where = f"dims.{name}"
-        spec = validate(spec, _DIM, file, where)
-        ft = spec.get("from_tensor")
-        if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
-            raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
-            raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
-        dims[name] = DimSpec(
-            name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
-            default=spec.get("default"),
-            has_default="default" in spec,
-            type=spec["type"],
-            expr=spec.get("expr"),
-            from_tensor=(ft[0], ft[1]) if ft else None,
-            gguf_from_missing=spec.get("gguf_from_missing"),
-        )
-    return dims
-
-
-def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
-    tensors: dict[str, TensorSpec] = {}
-    for name, spec in raw.items():
-        where = f"tensors.{name}"
-        spec = validate(spec, _TENSOR, file, where)
-        if "hf" not in spec and "gguf" not in spec:
-            raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
-        for part in spec.get("shape") or []:
-            for ident in _names_in(part, file, f"{where}.shape"):
-                if ident not in dims:
-                    raise fail(file, f"{where}.shape", f"{ident!r} is not a dim of this family")
-        tensors[name] = TensorSpec(
-            name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
-            kind=spec["kind"],
-            shape=tuple(spec["shape"]) if spec.get("shape") else None,
-            tied_to=spec.get("tied_to"),
-            optional=spec["optional"],
-        )
-    for name, t in tensors.items():
-        if t.tied_to is not None and t.tied_to not in tensors:
-            raise fail(file, f"tensors.{name}.tied_to", f"{t.tied_to!r} is not a tensor of this family")
-    for name, d in dims.items():
-        if d.from_tensor and d.from_tensor[0] not in tensors:
-            raise fail(
-                file, f"dims.{name}.from_tensor", f"{d.from_tensor[0]!r} is not a tensor of this family"
-            )
-        if d.gguf_from_missing and d.gguf_from_missing not in tensors:
-            raise fail(
-                file,
-                f"dims.{name}.gguf_from_missing",
-                f"{d.gguf_from_missing!r} is not a tensor of this family",
-            )
-    return tensors
 
 
 def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]:
@@ -435,7 +321,7 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
         per: dict[str, tuple[str, ...]] = {}
         default: tuple[str, ...] = ()
         for key, value in spec.items():
-            types = tuple(_as_list(value))
+            types = tuple(as_list(value))
             for t in types:
                 if t not in STORAGE_TYPES:
                     raise fail(
@@ -455,51 +341,28 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
     return combos
 
 
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-}
+def evaluate(expr: str, values: Any) -> Any:
+    """Evaluate a DSL expression (``hidden // heads``, ``i not in mlp_only_layers``) over ``values``:
+    the language of ``engine.dsl_expr``. A missing name raises KeyError."""
+    return dsl_expr.evaluate(expr, values)
 
 
-def _names_in(expr: str, file: Path, where: str) -> set[str]:
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise fail(file, where, f"invalid expression {expr!r}") from exc
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+class _LayerScope(dict):
+    """Names a ``when`` predicate sees at one layer: the dims, ``i`` and the family's predicates."""
 
+    def __init__(self, graph: ModelGraph, dims: dict[str, Any], layer: int):
+        super().__init__()
+        self._graph, self._dims, self._layer = graph, dims, layer
 
-def evaluate(expr: str, values: dict[str, Any]) -> Any:
-    """Evaluate a dim expression (``hidden // heads``): names, integers, + - * //, nothing else.
-    A name missing from ``values`` raises KeyError(name)."""
-    try:
-        return eval(_compiled(str(expr)), {"__builtins__": {}}, values)  # checked: names, numbers, + - * //
-    except NameError as exc:
-        raise KeyError(exc.name) from None
+    def __contains__(self, key: object) -> bool:
+        return key == LAYER_INDEX or key in self._graph.predicates or key in self._dims
 
-
-@lru_cache(maxsize=4096)
-def _compiled(expr: str) -> Any:
-    """Parsed, checked and compiled once: launch grids are dim expressions evaluated for every new
-    step shape the runner binds."""
-    tree = ast.parse(expr, mode="eval")
-
-    def check(node: ast.AST) -> None:
-        if isinstance(node, ast.Expression):
-            return check(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return None
-        if isinstance(node, ast.Name):
-            return None
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            check(node.left)
-            return check(node.right)
-        raise ValueError(f"unsupported expression element {ast.dump(node)} in {expr!r}")
-
-    check(tree)
-    return compile(tree, "<dim expression>", "eval")
+    def __getitem__(self, key: str) -> Any:
+        if key == LAYER_INDEX:
+            return self._layer
+        if key in self._graph.predicates:
+            return evaluate(self._graph.predicates[key], self)
+        return self._dims[key]
 
 
 def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dict, Path]:
@@ -516,7 +379,11 @@ def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dic
         if parent in chain or parent == name:
             raise fail(file, "extends", f"circular extends: {' -> '.join(chain + (name, parent))}")
         parent_raw, _ = _raw_family(parent, root, chain + (name,))
-        raw = _merge_parent(raw, parent_raw, file)
+        rename, raw = raw["hf_rename"], _merge_parent(raw, parent_raw, file)
+        for spec in raw["tensors"].values():  # the child's hf_rename applies to every tensor
+            for old, new in rename.items():
+                if str(spec.get("hf", "")).startswith(old):
+                    spec["hf"] = new + spec["hf"][len(old) :]
     elif raw.get("graph_edits"):
         raise fail(file, "graph_edits", "graph_edits needs `extends:` (edits apply to a parent's graph)")
     return raw, file
@@ -536,9 +403,17 @@ def _load_family(name: str, root: str) -> ModelGraph:
     for fmt in FORMATS:
         if fmt not in raw["rope_style"]:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
-    dims = _parse_dims(raw["dims"], file)
-    tensors = _parse_tensors(raw["tensors"], file, dims)
-    graph = _parse_graph(raw["graph"], file, dims, tensors)
+    dims = parse_dims(raw["dims"], file)
+    tensors = parse_tensors(raw["tensors"], file, dims)
+    predicates = {k: v for k, v in (raw.get("predicates") or {}).items() if v is not None}
+    pnames = frozenset(dims) | frozenset(predicates) | {LAYER_INDEX}
+    for pname, expr in predicates.items():
+        if pname in dims or pname == LAYER_INDEX:
+            raise fail(file, f"predicates.{pname}", "a predicate name must differ from every dim and `i`")
+        for ident in names_in(expr, file, f"predicates.{pname}"):
+            if ident not in pnames or ident == pname:
+                raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
+    graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
@@ -556,6 +431,8 @@ def _load_family(name: str, root: str) -> ModelGraph:
         graph=graph,
         quants=quants,
         sizes=dict(raw["sizes"]),
+        predicates=predicates,
+        hf_expect={k: tuple(v) for k, v in (raw.get("hf_expect") or {}).items() if v is not None},
     )
 
 

@@ -32,12 +32,16 @@ class KernelSpec:
     matter (e.g. ``gemv_q4_1__n576_k1536_t256``) so cubins and profiles are readable. Templates must
     define exactly that symbol: the template receives it as ``{{ entry }}``.
     ``options`` are extra NVRTC options (e.g. ``-DFOO``); the arch comes from the device profile.
+    ``pdl``: the kernel may be launched with programmatic dependent launch (its body calls
+    ``pdl_wait()`` before it touches memory an earlier kernel of the pass writes; the catalog sets
+    it from the template's contract, tests/test_pdl.py checks it against the rendered source).
     """
 
     template: str
     entry: str
     params: dict[str, Any] = field(default_factory=dict)
     options: tuple[str, ...] = ()
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME_OK.match(self.entry):
@@ -50,7 +54,7 @@ class KernelSpec:
         where re-freezing the params per lookup cost more than the rest of a launch's binding)."""
         key = self.__dict__.get("_frozen_key")
         if key is None:
-            key = (self.template, self.entry, _freeze(self.params), self.options)
+            key = (self.template, self.entry, _freeze(self.params), self.options, self.pdl)
             object.__setattr__(self, "_frozen_key", key)
             object.__setattr__(self, "_frozen_hash", hash(key))
         return key
@@ -58,6 +62,10 @@ class KernelSpec:
     def __hash__(self) -> int:
         self._key()
         return self.__dict__["_frozen_hash"]
+
+    def __getstate__(self) -> dict:
+        # the cached hash is per process (str hashing is salted): a copy or unpickled spec recomputes it
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_frozen_")}
 
     def __eq__(self, other: object) -> bool:
         if self is other:

@@ -19,74 +19,16 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
+from engine.engine_config import EngineConfig, EngineStats
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
 
 log = logging.getLogger("memra.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Scheduling limits. ``tenant_max_concurrency`` caps running+waiting requests per tenant."""
-
-    max_running: int = 64
-    max_waiting: int = 256
-    prefill_chunk_tokens: int = 512
-    max_step_tokens: int = 2048
-    tenant_max_concurrency: dict[str, int] = field(default_factory=dict)
-    enable_prefix_cache: bool = True
-
-    def validate(self) -> None:
-        for name in ("max_running", "max_waiting", "prefill_chunk_tokens", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.max_step_tokens < self.max_running:
-            raise ConfigError(
-                f"engine config: max_step_tokens ({self.max_step_tokens}) must be >= max_running "
-                f"({self.max_running}) so every running sequence can decode each step"
-            )
-        for tenant, cap in self.tenant_max_concurrency.items():
-            if cap < 1:
-                raise ConfigError(
-                    f"engine config: tenant_max_concurrency[{tenant!r}] must be >= 1, got {cap}"
-                )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot. KV blocks: ``free`` hold nothing, ``cached`` hold reusable prefix KV with no
-    owner (evictable), ``used`` are owned by sequences; free + cached + used == total."""
-
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_blocks_used: int
-    kv_block_size: int
-    prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
-    prefix_hit_tokens: int  # of those, tokens whose prefill was skipped
-    prefix_evictions: int
-    steps: int
-    step_failures: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    preemptions: int
-    finished: int  # ended by stop or length
-    aborted: int
-    errors: int  # ended by error
-    healthy: bool
-    draining: bool
-    # speculative decoding (engine.spec; zero without it)
-    spec_draft_tokens: int = 0  # proposed and verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_verify_rows: int = 0  # rows verified with a draft (each emits accepted + 1 tokens)
 
 
 class RequestHandle:
@@ -138,11 +80,29 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.on_step = on_step  # test hook: called in the engine thread after every step
+        state_slots = int(getattr(runner, "num_state_slots", 0) or 0)
+        if config.state_snapshot_tokens % runner.block_size:
+            raise ConfigError(
+                f"engine config: state_snapshot_tokens ({config.state_snapshot_tokens}) must be a multiple "
+                f"of the KV block size ({runner.block_size})"
+            )
+        self.blocks = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            config.enable_prefix_cache,
+            state_slots=state_slots,
+            snapshot_interval=config.state_snapshot_tokens,
+        )
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
+        if speculator is not None and state_slots:
+            # verify() carries no recurrent state: a rejected draft would leave it advanced past the
+            # accepted tokens (no rollback yet)
+            raise ConfigError(
+                "speculative decoding: not supported for hybrid models (recurrent state has no rollback of rejected drafts)"
+            )
         self.spec = speculator
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.blocks,
             max_running=config.max_running,
@@ -280,6 +240,10 @@ class Engine:
                 errors=self._n["errors"],
                 healthy=self.healthy,
                 draining=self._draining,
+                state_slots_total=b.state_slots,
+                state_slots_live=b.num_state_live,
+                state_snapshots=b.num_state_snapshots,
+                state_snapshot_evictions=b.state_evictions,
                 **self._spec_stats(),
             )
 
@@ -436,14 +400,8 @@ class Engine:
             time.sleep(0.001)
             return
         if self.spec is not None:
-            self.spec.attach(
-                batch,
-                items,
-                self.blocks,
-                self._lock,
-                max_model_len=self.runner.max_model_len,
-                running=len(self.scheduler.running),
-            )
+            running, max_len = len(self.scheduler.running), self.runner.max_model_len
+            self.spec.attach(batch, items, self.blocks, self._lock, max_model_len=max_len, running=running)
         try:
             sampled = self._run_step(batch, items)
         except Exception as exc:
@@ -460,7 +418,7 @@ class Engine:
                 self._n["steps"] += 1
                 for s, it, tokens in zip(batch, items, sampled, strict=True):
                     try:
-                        self._advance(s, tokens, it.draft)
+                        self._advance(s, tokens, it)
                     except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
                         log.exception("post-processing failed for request %s", s.seq.request.request_id)
                         err = MemraError(
@@ -483,6 +441,8 @@ class Engine:
 
     def _item(self, s: Scheduled) -> StepItem:
         seq = s.seq
+        constraint = seq.request.constraint
+        slot, restore, snaps = self.blocks.state_for_step(seq.seq_id, s.start, s.count, seq.prompt_len)
         return StepItem(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[s.start : s.start + s.count],
@@ -493,11 +453,17 @@ class Engine:
             history=seq.token_ids,  # live list, valid for the duration of the step
             prompt_len=seq.prompt_len,
             num_generated=seq.num_generated,
+            allowed=constraint.allowed() if constraint is not None and s.sample else None,
+            state_slot=slot,
+            state_restore=restore,
+            state_snapshots=snaps,
         )
 
-    def _advance(self, s: Scheduled, tokens: list[int], draft: Seq[int] = ()) -> None:
+    def _advance(self, s: Scheduled, tokens: list[int], it: StepItem | None = None) -> None:
         """Apply one item's result: KV written up to the chunk's end, plus the emitted tokens if any
-        (one, or with a speculative draft the accepted drafts and the token after them)."""
+        (one, or with a speculative draft the accepted drafts and the token after them). Each token
+        advances the request's constraint; ``it.logprobs_out`` goes with a single sampled token
+        (requests that ask for logprobs or carry a constraint never speculate: engine.spec)."""
         seq = s.seq
         if not tokens:
             seq.num_computed = s.start + s.count
@@ -511,9 +477,12 @@ class Engine:
             st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
         texts: list[str] = []
         reason = None
+        constraint = seq.request.constraint
         for token in tokens:  # stop at the first token that ends the request; drop the rest
             seq.token_ids.append(token)
             self._n["generated"] += 1
+            if constraint is not None:
+                constraint.advance(token)
             text, reason = st.stop.push(token)
             if reason is None and (
                 seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
@@ -529,20 +498,19 @@ class Engine:
         # KV is garbage and their blocks go back; they never reach the prefix-cache chain)
         accepted = len(tokens) - 1
         seq.num_computed = s.start + s.count + min(accepted, kept)
-        if draft:
-            self.spec.record(seq.seq_id, len(draft), accepted)
-            self.blocks.truncate(seq.seq_id, seq.num_computed)
-            rollback = getattr(self.runner, "spec_rollback", None)
-            if rollback is not None:
-                rollback(seq.seq_id, seq.num_computed)
+        if it is not None and it.draft:
+            self.spec.settle(seq.seq_id, len(it.draft), accepted, seq.num_computed, self.blocks, self.runner)
         self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         rid = seq.request.request_id
         for token, text in zip(tokens[: kept - 1], texts, strict=False):
             st.handle._events.put(TokenEvent(rid, [token], text, ttft_s=self._ttft(st)))
+        lp = it.logprobs_out if it is not None and len(tokens) == 1 else None
+        lps = [lp] if lp is not None else None
         if reason is not None:
-            self._finish(seq, reason, token_ids=[tokens[kept - 1]], text=texts[-1])
+            self._finish(seq, reason, token_ids=[tokens[kept - 1]], text=texts[-1], logprobs=lps)
         else:
-            st.handle._events.put(TokenEvent(rid, [tokens[kept - 1]], texts[-1], ttft_s=self._ttft(st)))
+            ev = TokenEvent(rid, [tokens[kept - 1]], texts[-1], ttft_s=self._ttft(st), logprobs=lps)
+            st.handle._events.put(ev)
 
     def _ttft(self, st: _ReqState) -> float | None:
         if st.first_event_sent:
@@ -558,6 +526,7 @@ class Engine:
         token_ids: list[int] | None = None,
         text: str = "",
         error: MemraError | None = None,
+        logprobs: list | None = None,
     ) -> None:
         """Remove the sequence, free its blocks, release its limits, then push its final event."""
         rid = seq.request.request_id
@@ -591,5 +560,6 @@ class Engine:
                 usage=usage,
                 error=error,
                 ttft_s=self._ttft(st) if seq.num_generated else None,
+                logprobs=logprobs,
             )
         )

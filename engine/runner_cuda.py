@@ -16,30 +16,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from engine import cuda, env, quant
+from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.plan import (
-    PENALTY_CAPACITY,
-    ROPE_FREQ,
-    WIDE,
-    Arg,
-    Launch,
-    Plan,
-    build_plan,
-    kernel_specs,
-    launch_key,
-)
+from engine.ir import PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
-from engine.render import render, waits_first
-from engine.sampling import penalty_entries, sample
+from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
+from engine.runner_weights import WeightLoading
 from engine.types import ConfigError, MemraError, StepItem
-from engine.upload import FileUploader
+from engine.weight_memory import check_fits, plan_weight_bytes
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -77,7 +67,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner:
+class CudaRunner(StepLogic, WeightLoading):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -95,21 +85,20 @@ class CudaRunner:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         use_graphs: bool = True,
-        catalog: Any = None,
         builder: KernelBuilder | None = None,
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
-        self._ctx_thread = threading.get_ident()
+        self._ctx_local = threading.local()  # .current: the context is current on that thread
+        self._ctx_local.current = True
         self.profile = profile or select(self.ctx.info)
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
         self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style
         )
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
-        self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
         self._launch_configs: dict[tuple, Any] = {}  # see _prepared
@@ -127,10 +116,11 @@ class CudaRunner:
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
+        self._check_memory()
         t1 = time.perf_counter()
         self._load_kernels(builder)
         t2 = time.perf_counter()
-        self._upload_weights()
+        self._upload_weights(cuda)  # the module-level engine.cuda (tests put a fake driver there)
         # the device holds the weights now: unmap the file so its pages leave the resident set
         # (engine.weights: a later raw() maps it again, e.g. for a reference runner on the model)
         model.weights.close()
@@ -166,18 +156,16 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- setup
 
-    def _prebind_warm_tails(self) -> None:
-        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 2 ..
-        block_size tokens of one sequence (a hit stops one token short, at a block boundary; one
-        token left runs as a decode row) and the batch-1 head, so that no warm request pays for
-        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen)."""
-        t0 = time.perf_counter()
-        for n in range(2, self.block_size + 1):
-            self._prefill_bound[("prefill", n, 1, n)] = self._bind_pass("prefill", n, 1, False, "", max_q=n)
-        for kind in ("greedy", "sample"):
-            mode = _decode_mode(1, self.plan.wide_rows)
-            self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
-        log.info("warm-prefix passes bound in %.3f s", time.perf_counter() - t0)
+    def _check_memory(self) -> None:
+        """Every weight (all experts of a MoE model) + the arena + fixed scratch + one KV block must
+        fit in free device memory: else one MemraError (out_of_memory) with bytes needed vs free,
+        before anything is allocated (engine.weight_memory)."""
+        d = self.plan.dims
+        kv_block = self.block_size * d["kv_heads"] * d["head_dim"] * 2 * 2 * d["layers"]
+        reserve = self.plan.arena_bytes() + sum(sp.fixed for sp in self.plan.scratch) + kv_block
+        free, _ = self.ctx.mem_info()
+        what = str(getattr(self.model, "path", None) or self.plan.family)
+        check_fits(what, plan_weight_bytes(self.plan, self.model.graph), free, reserve)
 
     def _load_kernels(self, builder: KernelBuilder | None) -> None:
         builder = builder or KernelBuilder(self.profile.arch)
@@ -219,104 +207,6 @@ class CudaRunner:
         if n:
             cuda.dtoh(recs, buf.ptr + 64)
         return recs
-
-    def _upload_weights(self) -> None:
-        m = self.model
-        self._weights: dict[str, cuda.DeviceBuffer] = {}
-        # weights stored as the device reads them go straight from the file (engine.upload: pinned
-        # staging, parallel reads, no mapping); vectors and repacked layouts through numpy
-        files = FileUploader(cuda, self.stream)
-        for w in self.plan.weights:
-            if w.key == ROPE_FREQ:
-                self._weights[w.key] = self._upload_array(self._rope_freq_factors())
-                continue
-            ranges = self._file_ranges(w)
-            if ranges is not None:
-                if sum(n for *_, n in ranges) != w.nbytes:
-                    raise MemraError(
-                        f"{m.path}: weight {w.key} has {sum(n for *_, n in ranges)} bytes, the plan "
-                        f"expects {w.nbytes}",
-                        code="invalid_model",
-                    )
-                buf = self._weights[w.key] = cuda.alloc(w.nbytes)
-                at = 0
-                for path, off, n in ranges:
-                    files.add(buf.ptr + at, path, off, n)
-                    at += n
-                continue
-            chunks = []
-            for part in w.parts:
-                spec = m.graph.tensors[part]
-                if spec.kind == "vector":
-                    chunks.append(
-                        np.ascontiguousarray(m.dequantize(part, w.layer), dtype=np.float32).view(np.uint8)
-                    )
-                    continue
-                info = m.info(part, w.layer)
-                if info.dtype != quant.REPACKED_FROM.get(w.dtype, w.dtype):
-                    raise MemraError(
-                        f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan expects "
-                        f"{w.dtype}",
-                        code="invalid_model",
-                    )
-                chunks.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
-            data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-            if w.dtype in quant.REPACKED_FROM:  # a device layout the plan chose (e.g. q8_0r)
-                data = quant.repack(data, w.dtype, w.rows, w.cols)
-            if data.nbytes != w.nbytes:
-                raise MemraError(
-                    f"{m.path}: weight {w.key} has {data.nbytes} bytes, the plan expects {w.nbytes}",
-                    code="invalid_model",
-                )
-            buf = cuda.alloc(w.nbytes)
-            cuda.htod(buf.ptr, np.ascontiguousarray(data))  # synchronous: the source is read
-            self._weights[w.key] = buf
-            del chunks, data
-            for part in w.parts:  # its file pages leave the resident set (peak RSS ~ one weight)
-                m.weights.evict(m.file_name(part, w.layer))
-        files.finish()
-        log.info("weights: %.2f GB read from the files, %d tensors", files.bytes / 1e9, len(self._weights))
-
-    def _file_ranges(self, w: Any) -> list[tuple[Any, int, int]] | None:
-        """The file byte ranges that are weight ``w``'s device bytes, in order; None when it needs
-        host work (a vector to f32, a repacked layout) or the source cannot give ranges."""
-        m = self.model
-        if w.dtype in quant.REPACKED_FROM or any(m.graph.tensors[p].kind == "vector" for p in w.parts):
-            return None
-        ranges = []
-        for part in w.parts:
-            info = m.info(part, w.layer)
-            if info.dtype != w.dtype:
-                raise MemraError(
-                    f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan "
-                    f"expects {w.dtype}",
-                    code="invalid_model",
-                )
-            got = m.weights.file_ranges(m.file_name(part, w.layer))
-            if got is None:
-                return None
-            ranges += got
-        return ranges
-
-    def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
-        data = np.ascontiguousarray(data)
-        buf = cuda.alloc(data.nbytes)
-        cuda.htod(buf.ptr, data)
-        return buf
-
-    def _rope_freq_factors(self) -> np.ndarray:
-        """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
-        from engine import ops_ref
-
-        d, m = self.plan.dims, self.model
-        rope_dim, theta = int(d["rope_dim"]), float(d["rope_theta"])
-        ff = None
-        tensor = next((op.attrs.get("freq_factors") for op, _ in m.graph.ops() if op.op == "rope"), None)
-        if tensor and m.has(tensor):
-            ff = m.dequantize(tensor)
-        inv = ops_ref.rope_inv_freq(rope_dim, theta, d.get("rope_scaling"), ff)
-        base = ops_ref.rope_inv_freq(rope_dim, theta)
-        return (base / inv).astype(np.float32)
 
     def _alloc_arena(self) -> None:
         self.arena = cuda.alloc(self.plan.arena_bytes())
@@ -397,33 +287,6 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- binding
 
-    def _resolve(self, arg: Arg, shape: dict[str, int]) -> Any:
-        if arg.kind == "value":
-            ptr = self._value_ptr[arg.ref]
-            if arg.row == "last":
-                ptr += (shape["n"] - 1) * self._value_rowbytes[arg.ref]
-            return ptr
-        if arg.kind == "weight":
-            return self._weights[arg.ref].ptr
-        if arg.kind == "kv":
-            idx = 2 * arg.layer + (0 if arg.ref == "k" else 1)
-            return self.kv.ptr + idx * self._kv_layer_bytes
-        if arg.kind == "input":
-            return self._in_dev.ptr + self._in_off[arg.ref]
-        if arg.kind == "shape":
-            if arg.ref.startswith("splits:"):
-                return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
-            return shape[arg.ref]
-        if arg.kind == "scratch":
-            return self._scratch[arg.ref].ptr
-        if arg.kind == "const":
-            return arg.ref
-        if arg.kind == "tmap":
-            return self._tensor_map(*arg.ref)
-        raise MemraError(
-            f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
-        )
-
     def _tensor_map(self, source: str, name: str, box_rows: int, *shape: int) -> int:
         """Device address of the TMA descriptor of value / weight / scratch ``name`` in boxes of
         ``box_rows`` x 64 (a scratch buffer holds several matrices: ``shape`` = rows, cols), built
@@ -490,48 +353,10 @@ class CudaRunner:
         is launched plainly, so it never runs ahead of the kernel before it)."""
         if not self._pdl:
             return False
-        if spec not in self._pdl_ready:
-            self._pdl_ready[spec] = waits_first(render(spec), spec.entry)
-            if not self._pdl_ready[spec] and spec.template not in self._pdl_warned:
-                self._pdl_warned.add(spec.template)  # once per template, not per spec
-                log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
-        return self._pdl_ready[spec]
-
-    def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
-        return {
-            "n": n,
-            "nseq": nseq,
-            "max_q": max_q,
-            "max_blocks": self._table_ld,
-            "block_size": self.block_size,
-            "max_ctx": self.max_model_len,
-        }
-
-    def _bind_pass(
-        self,
-        mode: str,
-        n: int,
-        nseq: int,
-        head_only: bool,
-        sampling: str,
-        short: bool = False,
-        max_q: int = 1,
-    ) -> list[_Bound]:
-        shape = self._shape(n, nseq, max_q)
-        bound = []
-        for step in self.plan.steps:
-            if head_only and not step.head:
-                continue
-            if mode == "prefill" and step.head:
-                continue
-            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
-            for launch in step.launches[key]:
-                if launch.runs_at(n):
-                    bound.append(self._bind(launch, shape))
-        if mode != "prefill" or head_only:
-            for launch in self.plan.sampling[sampling]:
-                bound.append(self._bind(launch, shape))
-        return bound
+        if not spec.pdl and spec.template not in self._pdl_warned:
+            self._pdl_warned.add(spec.template)  # once per template, not per spec
+            log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
+        return spec.pdl
 
     def _run(self, bound: list[_Bound]) -> None:
         """Launch a bound pass in order. A side launch runs on the side stream, which forked from
@@ -557,115 +382,12 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- steps
 
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
-        # a CUDA context is current per thread: the engine loop steps from its own thread, not
-        # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
-        me = threading.get_ident()
-        if me != self._ctx_thread:
+    def _ensure_context(self) -> None:
+        """Make the context current on the calling thread once. A thread-local flag, not a thread id:
+        ids are reused once a thread ends, and a new engine thread with an old id had no context."""
+        if not getattr(self._ctx_local, "current", False):
             self.ctx.make_current()
-            self._ctx_thread = me
-        out: list[int | None] = [None] * len(items)
-        decode: list[int] = []
-        prefill: list[int] = []
-        for i, it in enumerate(items):
-            self._check_item(it)
-            if len(it.token_ids) == 1 and it.start_pos > 0:
-                decode.append(i)
-            else:
-                prefill.append(i)
-        for sub in self._prefill_passes([items[i] for i in prefill]):
-            for idx, tok in self._run_prefill_pass(sub).items():
-                out[prefill[idx]] = tok
-        limit = self._max_rows
-        for lo in range(0, len(decode), limit):
-            rows = decode[lo : lo + limit]
-            ids = self._decode([items[i] for i in rows])
-            for i, tok in zip(rows, ids, strict=True):
-                out[i] = tok if items[i].sample else None
-        return out
-
-    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
-        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
-        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
-        from engine.spec.cuda_verify import verify
-
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
-        return verify(self, items)
-
-    def _check_item(self, it: StepItem) -> None:
-        end = it.start_pos + len(it.token_ids)
-        if end > self.max_model_len:
-            raise MemraError(
-                f"sequence {it.seq_id} needs {end} positions; max_model_len is {self.max_model_len}",
-                code="context_length_exceeded",
-            )
-        need = (end + self.block_size - 1) // self.block_size
-        if len(it.block_table) < need:
-            raise MemraError(
-                f"sequence {it.seq_id}: block table has {len(it.block_table)} blocks, {need} needed",
-                code="internal_error",
-            )
-
-    def _fill_sampling(self, row: int, it: StepItem) -> None:
-        v = self._views
-        s = it.sampling
-        v["counters"][row] = it.num_generated
-        if self._row_sampling[row] is s:  # the same (frozen) params as this row's last write
-            return
-        self._row_sampling[row] = s
-        v["temperature"][row] = s.temperature
-        v["top_p"][row] = s.top_p
-        v["top_k"][row] = s.top_k
-        v["min_p"][row] = s.min_p
-        v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
-        v["presence"][row] = s.presence_penalty
-        v["frequency"][row] = s.frequency_penalty
-        v["repetition"][row] = s.repetition_penalty
-
-    def _clear_sampling(self, row: int) -> None:
-        v = self._views
-        v["counters"][row] = 0
-        if self._row_sampling[row] is _CLEARED:
-            return
-        self._row_sampling[row] = _CLEARED
-        v["temperature"][row] = 0.0
-        v["top_p"][row] = 1.0
-        v["top_k"][row] = 0
-        v["min_p"][row] = 0.0
-        v["seeds"][row] = 0
-        v["presence"][row] = 0.0
-        v["frequency"][row] = 0.0
-        v["repetition"][row] = 1.0
-
-    def _sampling_kind(self, items: Sequence[StepItem]) -> str:
-        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
-        host: more penalty entries than the device buffer holds, so those rows are re-sampled on
-        the host from their logits after a plain sample pass."""
-        if not any(it.sampling.uses_penalties for it in items):
-            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
-        vocab = self.plan.values["logits"].width
-        parts, total = [], 0
-        for r, it in enumerate(items):
-            if not it.sampling.uses_penalties:
-                continue
-            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
-            parts.append((r, toks, info))
-            total += toks.size
-        if total > PENALTY_CAPACITY:
-            return "host"
-        ent = self._pen[4 : 4 + 3 * total].reshape(total, 3)
-        at = 0
-        for r, toks, info in parts:
-            ent[at : at + toks.size, 0] = r
-            ent[at : at + toks.size, 1] = toks
-            ent[at : at + toks.size, 2] = info
-            at += toks.size
-        self._pen[0] = total
-        self._pen_count = total
-        return "penalised"
+            self._ctx_local.current = True
 
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
@@ -677,75 +399,6 @@ class CudaRunner:
     def _ids_to_host(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` sampled ids into the pinned out_ids view."""
         cuda.dtoh(self._views["out_ids"][:rows], self._in_dev.ptr + self._in_off["out_ids"], self.stream)
-
-    def _read_ids(self, rows: int, copied: bool = False) -> np.ndarray:
-        """The sampled ids of the last pass; ``copied``: the pass itself (an io graph) queued their
-        copy to the host, so only the wait is left."""
-        if not copied:
-            self._ids_to_host(rows)
-        self.stream.synchronize()
-        return self._views["out_ids"][:rows].copy()
-
-    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
-        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
-        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
-        n = len(items)
-        bucket = self._bucket_of[n]
-        v = self._views
-        ld = self._table_ld
-        tables = self._tables[: bucket * ld].reshape(bucket, ld)
-        lens, sink = self._table_len, self._sink_block
-        for r, it in enumerate(items):
-            pos = it.start_pos
-            v["tokens"][r] = it.token_ids[0]
-            v["positions"][r] = pos
-            bt = it.block_table
-            k = min(len(bt), ld)
-            tables[r, :k] = bt[:k]
-            if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
-                tables[r, k : lens[r]] = sink
-            lens[r] = k
-            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
-            self._fill_sampling(r, it)
-        for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
-            v["tokens"][r] = 0
-            v["positions"][r] = 0
-            v["slots"][r] = sink * self.block_size
-            if lens[r]:
-                tables[r, : lens[r]] = sink
-                lens[r] = 0
-            self._clear_sampling(r)
-        kind = self._sampling_kind(items)
-        launch_kind = "sample" if kind == "host" else kind
-        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
-        # a graph without penalty entries copies the inputs in and the sampled ids out itself
-        # (pinned host memory): one driver call per step, then the wait
-        io = self.use_graphs and kind != "penalised"
-        if not io:
-            self._upload_inputs(bucket, kind)
-        if self.use_graphs:
-            self._graph(bucket, launch_kind, short, io=io).launch(self.stream)
-        else:
-            key = ("decode", bucket, launch_kind, short)
-            if key not in self._eager:
-                self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
-                )
-            self._run(self._eager[key])
-        ids = self._read_ids(n, copied=io).tolist()
-        return self._host_sample_penalised(items, ids) if kind == "host" else ids
-
-    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
-        """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
-        step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
-        if not rows:
-            return ids
-        logits = self.read_logits(max(rows) + 1)
-        for r in rows:
-            it = items[r]
-            ids[r] = sample(logits[r], it.sampling, it.history, it.prompt_len, it.num_generated)
-        return ids
 
     def read_logits(self, rows: int) -> np.ndarray:
         """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
@@ -782,30 +435,6 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- prefill
 
-    def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:
-        """Pack the prefill items into passes of at most ``prefill_chunk_tokens`` rows: each entry is
-        (item index, item, lo, hi), the item's tokens lo..hi-1. A long item is split over consecutive
-        passes (its earlier chunk's KV is in the cache before the next pass). With a plan whose
-        prefill attention is not varlen, every pass holds one sequence."""
-        chunk = self.profile.prefill_chunk_tokens
-        max_seqs = self._max_rows if self._varlen else 1
-        passes: list[list[tuple[int, StepItem, int, int]]] = []
-        cur: list[tuple[int, StepItem, int, int]] = []
-        used = 0
-        for idx, it in enumerate(items):
-            lo, n = 0, len(it.token_ids)
-            while lo < n:
-                if used == chunk or len(cur) == max_seqs:
-                    passes.append(cur)
-                    cur, used = [], 0
-                take = min(n - lo, chunk - used)
-                cur.append((idx, it, lo, lo + take))
-                used += take
-                lo += take
-        if cur:
-            passes.append(cur)
-        return passes
-
     def _run_prefill_pass(self, segs: list[tuple[int, StepItem, int, int]]) -> dict[int, int]:
         """One eager prefill pass over several sequences' chunks, then the head on the last row of
         every chunk that ends its item with ``sample`` set. Returns {item index: sampled id}."""
@@ -839,12 +468,7 @@ class CudaRunner:
         hitems = [it for _, it, _ in heads]
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
-        key = ("prefill", n, nseq, max_q)
-        bound = self._prefill_bound.pop(key, None) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
-        self._prefill_bound[key] = bound  # most recently used last: a warm-prefix tail stays bound
-        if len(self._prefill_bound) > PREFILL_SHAPES_KEPT:
-            del self._prefill_bound[next(iter(self._prefill_bound))]
-        self._run(bound)
+        self._run(self._prefill_pass_bound(n, nseq, max_q))
         if not heads:
             self.stream.synchronize()
             return {}
@@ -862,21 +486,6 @@ class CudaRunner:
         if kind == "host":
             ids = self._host_sample_penalised(hitems, ids)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
-
-    def _head_input_rows(self) -> list[tuple[str, int, int]]:
-        """Values the head reads that the layers produced (moved to rows 0..k-1 before the head)."""
-        if self._head_inputs is None:
-            produced_in_head: set[str] = set()
-            needed: list[str] = []
-            for step in self.plan.steps:
-                if not step.head:
-                    continue
-                for name in step.op.inputs:
-                    if name not in produced_in_head and name not in needed:
-                        needed.append(name)
-                produced_in_head.update(step.op.outputs)
-            self._head_inputs = [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
-        return self._head_inputs
 
     # ----------------------------------------------------------------------------- measurement
 
@@ -936,10 +545,7 @@ class CudaRunner:
         self._fns.clear()
 
 
-PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
-
-_CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 
 
 def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) -> bool:
@@ -965,13 +571,6 @@ def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) ->
         )
         return False
     return want
-
-
-def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
-    """The launches key of a decode pass of ``bucket`` rows (WIDE from ``plan.wide_rows`` up)."""
-    if bucket == 1:
-        return "decode1"
-    return WIDE if wide_rows and bucket >= wide_rows else "decode"
 
 
 def _call_htod(ptr: int, host: np.ndarray, stream: cuda.Stream) -> None:

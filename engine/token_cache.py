@@ -30,9 +30,10 @@ _PROBES = (
 class SegmentEncoder:
     """``encode(text) -> ids`` equal to ``hf.encode(text, add_special_tokens=False).ids``, with the
     ids of pieces between special tokens cached (least recently used dropped past ``max_tokens``
-    cached ids in all). Thread-safe."""
+    cached ids in all). ``split=False``: whole texts are the pieces (never cut at special tokens; for
+    a tokenizer that reads special-token strings as text). Thread-safe."""
 
-    def __init__(self, hf: Any, max_tokens: int = 1 << 20, max_entries: int = 1 << 16):
+    def __init__(self, hf: Any, max_tokens: int = 1 << 20, max_entries: int = 1 << 16, *, split: bool = True):
         self.hf = hf
         self.max_tokens = max_tokens
         self.max_entries = max_entries
@@ -49,7 +50,7 @@ class SegmentEncoder:
         # every non-normalised added token, longest first: the library matches leftmost-longest,
         # so a longer token containing a plain one is never cut inside
         names = sorted({t.content for t in added}, key=len, reverse=True)
-        self._split = re.compile("|".join(re.escape(n) for n in names)) if self._plain else None
+        self._split = re.compile("|".join(re.escape(n) for n in names)) if split and self._plain else None
         if self._split is not None and not self._probe():
             self._split = None  # pieces do not encode alone as they do in context: whole texts only
 

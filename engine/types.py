@@ -7,6 +7,7 @@ other engine module, so every layer can depend on it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -52,6 +53,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log probabilities; k >= 0: the sampled token's log probability and the k most likely
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +65,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_host(self) -> bool:
+        """Features only the host sampler (engine.sampling.sample_item) implements: logit bias and
+        log probabilities. A device sampler re-samples such rows on the host from their logits."""
+        return bool(self.logit_bias) or self.logprobs is not None
 
 
 @dataclass
@@ -74,6 +85,10 @@ class StepItem:
     ``history`` is every token id of the sequence so far (prompt + generated), used for penalties;
     ``num_generated`` counts generated tokens so far (the sampler's random-stream counter);
     ``prompt_len`` splits history into prompt and generated parts.
+    ``allowed`` (constrained decoding) is a packed int32 bitmask of ceil(vocab / 32) words, bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` may be sampled; None allows every token.
+    A runner that samples an item with ``sampling.logprobs`` set stores the result in
+    ``logprobs_out``: ``(sampled token's logprob, [(token id, logprob), ...] best first)``.
     """
 
     seq_id: int
@@ -85,11 +100,33 @@ class StepItem:
     history: Sequence[int] = ()
     prompt_len: int = 0
     num_generated: int = 0
+    allowed: object | None = None
+    logprobs_out: tuple[float, list[tuple[int, float]]] | None = None
+    # --- recurrent state (hybrid models; runners without it ignore these) -------------------
+    # The sequence's live state slot. Its state continues from the previous item of the sequence,
+    # starts from zeros when ``start_pos == 0``, or is first copied from ``state_restore`` (a
+    # prefix-cache snapshot slot holding the state after ``start_pos`` tokens).
+    state_slot: int | None = None
+    state_restore: int | None = None
+    # (n, slot): after the first n tokens of this item, also store the state into ``slot`` (a
+    # snapshot at a block boundary, for the prefix cache).
+    state_snapshots: Sequence[tuple[int, int]] = ()
     # Speculative decoding (engine.spec): the last ``len(draft)`` entries of ``token_ids`` are proposed
     # tokens to verify. ``draft_probs`` is the proposer's distribution for each of them ([k, vocab]
     # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).
     draft: Sequence[int] = ()
     draft_probs: Any = None
+
+
+class TokenConstraint(Protocol):
+    """Per-request constrained decoding (engine.grammar builds one). The engine thread calls
+    ``allowed()`` before each sampled step (a packed bitmask as in StepItem.allowed, or None for
+    no constraint at this step) and ``advance(token)`` with every generated token; ``advance``
+    raises MemraError when the token breaks the constraint."""
+
+    def allowed(self) -> object | None: ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @runtime_checkable
@@ -106,6 +143,8 @@ class Runner(Protocol):
     num_blocks: int
     max_model_len: int
     backend: str  # "reference" | "cuda"
+    # A hybrid model's runner also has ``num_state_slots`` (> 0): recurrent-state slots, each one
+    # sequence's live state or one prefix-cache snapshot, handed out by the block manager.
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]: ...
 
@@ -142,6 +181,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     tenant: str = "default"
     cache_salt: str = ""  # extra isolation inside a tenant (vLLM's cache_salt)
+    constraint: TokenConstraint | None = None  # constrained decoding (structured output, forced tools)
     speculative: bool = True  # False: never speculate for this request (when the engine does)
 
 
@@ -169,3 +209,21 @@ class TokenEvent:
     usage: Usage | None = None
     error: MemraError | None = None
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
+    # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # time.perf_counter() when the engine produced the event (readers may drain the queue late)
+    created_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int = 0
+    total_memory: int = 0  # bytes
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"

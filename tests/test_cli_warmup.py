@@ -49,8 +49,8 @@ def test_warmup_then_all_hits_then_no_compile(capsys, monkeypatch, tmp_path):
 
 
 def test_warmup_needs_a_target(capsys):
-    assert cli.main(["warmup", "--family", "qwen3", "--device-profile", "h200"]) == 2
-    assert "--quant" in capsys.readouterr().err
+    assert cli.main(["warmup", "--device-profile", "h200"]) == 2
+    assert "--family" in capsys.readouterr().err
     assert cli.main(["warmup", "--family", "nosuch", "--quant", "q8_0", "--device-profile", "h200"]) == 2
     assert "unknown model family 'nosuch'" in capsys.readouterr().err
 
@@ -66,7 +66,7 @@ def test_profiles_without_gpu_lists_profiles(capsys, monkeypatch):
 
 def test_profiles_with_a_gpu_selects_h200(capsys, monkeypatch):
     from engine import backend
-    from engine.profile import DeviceInfo
+    from engine.types import DeviceInfo
 
     dev = DeviceInfo("NVIDIA H200", (9, 0), 132, 143 * 2**30)
     monkeypatch.setattr(backend, "detect", lambda: backend.Detected([dev]))

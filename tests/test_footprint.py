@@ -133,9 +133,9 @@ class _DeviceMemory:
         monkeypatch.setattr(mod, "htod", htod)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "gguf", "no-ranges"])
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf", "no-ranges", "moe-stacked"])
 def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
-    from fixtures.checkpoints import write_llama_gguf
+    from fixtures.checkpoints import write_llama_gguf, write_qwen3_moe_safetensors
 
     import engine.runner_cuda as rc
     from engine import quant
@@ -145,6 +145,12 @@ def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
     monkeypatch.setattr("engine.upload.CHUNK_BYTES", 4096)  # many chunks per tensor, a busy ring
     if fmt == "gguf":
         path = write_llama_gguf(tmp_path / "m.gguf", quant="q8_0", hidden_size=256, head_dim=64, intermediate_size=512)
+    elif fmt == "moe-stacked":  # HF per-expert tensors behind a StackedSource: its ranges are the members'
+        path = write_qwen3_moe_safetensors(
+            tmp_path / "m", seed=3, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=256,
+            num_experts=4, num_experts_per_tok=2,
+        )
     else:
         base.write_tiny_llama(tmp_path / "m")
         path = tmp_path / "m"
@@ -158,6 +164,12 @@ def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
     model = load_model(path)
     runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=base.fake_builder(tmp_path))
     m, checked = model, 0
+    if fmt == "moe-stacked":
+        from engine.weights.stacked import StackedSource
+
+        assert isinstance(m.weights, StackedSource) and m.weights._stacks
+        for name, members in m.weights._stacks.items():  # every stack goes the file path
+            assert m.weights.file_ranges(name) == [r for mb in members for r in m.weights.base.file_ranges(mb)]
     for w in runner.plan.weights:
         if w.key == ROPE_FREQ:
             continue

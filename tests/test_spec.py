@@ -4,7 +4,9 @@ Greedy with speculation (prompt lookup, a draft model accepting everything, a dr
 little) is byte-identical to plain greedy, solo and batched, through preemption and prefix-cache
 hits; the rejection rule preserves the target distribution (chi-square against the exact
 distribution, which a deliberately biased rule fails); rollback frees only rejected positions'
-blocks and never hashes them; the policy turns speculation down; the MTP error is one line.
+blocks and never hashes them; the policy turns speculation down; the MTP error is one line;
+constrained, logit-biased and logprobs requests decode plainly beside speculating rows, with the
+tokens, logprobs and constraint steps they get without a speculator.
 """
 
 from __future__ import annotations
@@ -389,3 +391,94 @@ def test_random_load_with_speculation_aborts_and_preemption(model, tiny_llama_di
     assert (stats.spec_accepted_tokens == stats.spec_draft_tokens) == (draft == "self")
     for i, toks in outs.items():
         assert toks == runner.generate(prompts[i], lens[i]), i
+
+
+# ----- requests the host sampler shapes (constraint, logit bias, logprobs) beside speculating rows ---
+
+
+class _EveryThird:
+    """A TokenConstraint allowing, at generated token n, the ids t with (t + n) % 3 == 0; records
+    what it was advanced with and fails a token it does not allow (as engine.grammar's does)."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.seen = vocab, []
+
+    def _ok(self, t: int) -> bool:
+        return (t + len(self.seen)) % 3 == 0
+
+    def allowed(self):
+        bits = np.zeros(((self.vocab + 31) // 32) * 32, dtype=np.uint8)
+        bits[[t for t in range(self.vocab) if self._ok(t)]] = 1
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    def advance(self, token: int) -> None:
+        if not self._ok(token):
+            raise MemraError(f"token {token} breaks the constraint")
+        self.seen.append(token)
+
+
+def test_constrained_biased_and_logprobs_requests_beside_speculation_match_plain(model, tiny_llama_dir, monkeypatch):
+    """With the target as its own draft (every draft accepted), the plain greedy rows speculate while
+    a constrained, a logit-biased and two logprobs requests (greedy and seeded sampling) in the same
+    batch decode one token a step through verify's plain rows: every request gets the tokens (and
+    logprobs) it gets without a speculator, and the constraint is advanced with each of them."""
+    from engine.reference import ReferenceRunner
+
+    vocab = int(model.dims["vocab"])
+    seen_rows: list[tuple[bool, bool]] = []  # per verify row: (has a draft, is shaped by the host sampler)
+
+    def go(spec):
+        runner = ReferenceRunner(model, num_blocks=64, block_size=4, max_model_len=128)
+        verify = runner.verify
+
+        def spy(items):
+            seen_rows.extend((bool(it.draft), it.allowed is not None or it.sampling.needs_host) for it in items)
+            return verify(items)
+
+        monkeypatch.setattr(runner, "verify", spy)
+        e = Engine(
+            runner,
+            FakeTokenizer(eos_token_ids=frozenset()),
+            EngineConfig(),
+            on_step=lambda e: e.check_invariants(),
+            speculator=build_speculator(spec, model, runner),
+        )
+        constraint = _EveryThird(vocab)
+        top = max(range(vocab), key=lambda t: t % 7)  # some token the model would not pick on its own
+        shaped = [
+            (GREEDY, None),
+            (GREEDY, constraint),
+            (SamplingParams(temperature=0.0, logit_bias=((top, 6.0), (3, -100.0))), None),
+            (SamplingParams(temperature=0.0, logprobs=3), None),
+            (SamplingParams(temperature=0.8, top_k=20, seed=11, logprobs=0), None),
+            (GREEDY, None),
+        ]
+        try:
+            hs = [
+                e.submit(GenerationRequest(f"r{i}", PROMPTS[i % len(PROMPTS)], sampling=s, max_tokens=12,
+                                           ignore_eos=True, constraint=c))
+                for i, (s, c) in enumerate(shaped)
+            ]
+            e.start()
+            outs = []
+            for h in hs:
+                evs = list(h)
+                assert evs[-1].finish_reason == "length", evs[-1].error
+                outs.append(([t for ev in evs for t in ev.token_ids], [ev.logprobs for ev in evs]))
+            return outs, e.stats(), constraint.seen
+        finally:
+            e.shutdown(5)
+
+    plain, _, plain_seen = go(None)
+    seen_rows.clear()
+    spec, stats, spec_seen = go(SpecConfig("draft", str(tiny_llama_dir), k=4))
+    assert spec == plain
+    assert spec_seen == plain_seen == plain[1][0]  # the constraint saw every token, in order
+    assert all((t + n) % 3 == 0 for n, t in enumerate(plain[1][0]))
+    assert all(lp is None for _, lps in plain[:3] for lp in lps) and plain[5][1][0] is None
+    for _, lps in plain[3:5]:  # one (logprob, top) per token event
+        assert all(lp is not None and len(lp) == 1 for lp in lps)
+    assert [len(lp[0][1]) for lp in plain[3][1]] == [3] * 12
+    # the plain rows accepted drafts; shaped rows went through verify steps but never carried one
+    assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert any(host for _, host in seen_rows) and not any(d and host for d, host in seen_rows)

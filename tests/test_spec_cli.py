@@ -118,20 +118,28 @@ def test_smollm2_greedy_with_prompt_lookup_equals_plain(smollm2_path):
 def test_metrics_expose_speculation_counters_with_vllm_names():
     from types import SimpleNamespace
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     from engine.server.metrics import Metrics
 
     stats = SimpleNamespace(spec_draft_tokens=40, spec_accepted_tokens=31, spec_verify_rows=12)
-    text = Metrics().render(stats, alive=True, draining=False)
-    for line in (
-        "memra_spec_draft_tokens_total 40",
-        "memra_spec_accepted_tokens_total 31",
-        "memra_spec_verify_rows_total 12",
-        "vllm:spec_decode_num_draft_tokens_total 40",
-        "vllm:spec_decode_num_accepted_tokens_total 31",
-        "vllm:spec_decode_num_drafts_total 12",
-        "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+    m = Metrics()
+    m.model_name = "smol"
+    text = m.render(stats, alive=True, draining=False)
+    samples = {
+        s.name: s for f in text_string_to_metric_families(text) for s in f.samples if "spec" in s.name
+    }
+    for name, value in (
+        ("memra_spec_draft_tokens_total", 40),
+        ("memra_spec_accepted_tokens_total", 31),
+        ("memra_spec_verify_rows_total", 12),
+        ("vllm:spec_decode_num_draft_tokens_total", 40),
+        ("vllm:spec_decode_num_accepted_tokens_total", 31),
+        ("vllm:spec_decode_num_drafts_total", 12),
     ):
-        assert line in text.splitlines()
+        assert samples[name].value == value, name
+        assert samples[name].labels == ({"model_name": "smol"} if name.startswith("vllm:") else {}), name
+    assert "# TYPE vllm:spec_decode_num_draft_tokens_total counter" in text.splitlines()
 
 
 def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tiny_llama_dir):
@@ -160,7 +168,7 @@ def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tin
         assert engine.stats().spec_draft_tokens == drafted  # the opted-out request drafted nothing
         assert on.json["choices"][0]["text"] == off.json["choices"][0]["text"]
         metrics = client.simulate_get("/metrics").text
-        assert f"vllm:spec_decode_num_draft_tokens_total {drafted}" in metrics
+        assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="{info.id}"}} {float(drafted)}' in metrics
     finally:
         engine.shutdown(5)
 

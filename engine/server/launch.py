@@ -44,10 +44,14 @@ def build_engine(
     device_profile: str | None,
     quant: str | None = None,
     spec: Any = None,
+    model_defaults: bool = True,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
-    ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None."""
-    from engine.cli import load_stack
+    ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
+    ``model_defaults``: requests that omit a sampling parameter get the model's own value
+    (generation_config.json / GGUF general.sampling.*)."""
+    from engine.backend import load_stack
+    from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
@@ -62,6 +66,7 @@ def build_engine(
         tokenizer,
         EngineConfig(
             max_running=cfg.max_running,
+            max_waiting=max(1, cfg.max_waiting + cfg.max_running),  # the HTTP layer sheds first
             prefill_chunk_tokens=chunk,
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
@@ -76,7 +81,13 @@ def build_engine(
         backend=runner.backend,
         created=int(time.time()),
         aliases=tuple(a for a in aliases if a != model_id),
+        generation_defaults=tuple(sorted(model_generation_defaults(model.weights.metadata).items()))
+        if model_defaults
+        else (),
     )
+    if info.generation_defaults:
+        shown = ", ".join(f"{k}={v:g}" for k, v in info.generation_defaults)
+        print(f"memra: the model's generation defaults apply where a request omits them: {shown}", file=sys.stderr)
     return engine, tokenizer, info
 
 
@@ -103,29 +114,68 @@ def serve_from_cli(args: argparse.Namespace) -> int:
 
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
+    use_defaults = getattr(args, "generation_config", "auto") != "none"
     return run_server(
         cfg,
-        lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec),
+        lambda: build_engine(
+            model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec, model_defaults=use_defaults
+        ),
+        raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
 
 
 def _keys_path(args: argparse.Namespace) -> Path:
+    """The keys file that ``memra keys`` edits. ``--config`` names the server config; when that
+    file does not exist yet it is created as ``[server] keys_file = "<name>.keys.toml"`` so that
+    ``memra serve --config`` reads the keys written next to it. A file that already holds
+    ``[[key]]`` tables is a keys file itself (older setups)."""
     cfg_path = Path(args.config)
     if cfg_path.exists():
+        from engine.server_config import tomllib
+
+        try:
+            if "key" in tomllib.loads(cfg_path.read_text(encoding="utf-8")):
+                return cfg_path
+        except (OSError, tomllib.TOMLDecodeError):
+            pass  # load_server_config reports it with the file name
         cfg = load_server_config(cfg_path)
         if cfg.keys_file:
             return Path(cfg.keys_file)
         raise ConfigError(f"{cfg_path}: set server.keys_file (the TOML file holding API keys) to manage keys")
-    # no config yet: the named file itself is the keys file
-    return cfg_path
+    if args.action != "add":
+        return cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    keys = cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(f'[server]\nkeys_file = "{keys.name}"\n', encoding="utf-8")
+    print(f"created {cfg_path} (server config; its API keys live in {keys})")
+    return keys
+
+
+_KEY_LIMITS = ("max_concurrency", "requests_per_minute", "tokens_per_minute")
+
+
+def _key_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The per-key limit flags of ``memra keys add``, checked before any file is read or written."""
+    limits = {}
+    for name in _KEY_LIMITS:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            flag = "--" + name.replace("_", "-")
+            raise MemraError(f"memra keys add: {flag} must be >= 0 (0: unlimited), got {value}", param=name)
+        limits[name] = value or 0
+    return limits
 
 
 def keys_from_cli(args: argparse.Namespace) -> int:
-    path = _keys_path(args)
     if args.action == "add":
         if not args.tenant:
             raise MemraError("memra keys add needs --tenant NAME", param="tenant")
-        key, entry = add_key(path, args.tenant, max_concurrency=args.max_concurrency or 0)
+        limits = _key_limits(args)
+    elif any(getattr(args, n, None) is not None for n in _KEY_LIMITS):
+        raise MemraError(f"memra keys {args.action}: the limit flags apply to `memra keys add` only")
+    path = _keys_path(args)
+    if args.action == "add":
+        key, entry = add_key(path, args.tenant, **limits)
         print(f"added {entry.id} for tenant {entry.tenant} to {path}")
         print(f"key (shown once, store it now): {key}")
     elif args.action == "list":
@@ -133,8 +183,8 @@ def keys_from_cli(args: argparse.Namespace) -> int:
         if not keys:
             print(f"no keys in {path}")
         for k in keys:
-            limit = k.max_concurrency or "unlimited"
-            print(f"{k.id}  tenant={k.tenant}  max_concurrency={limit}  created={k.created}")
+            shown = "  ".join(f"{n}={getattr(k, n) or 'unlimited'}" for n in _KEY_LIMITS)
+            print(f"{k.id}  tenant={k.tenant}  {shown}  created={k.created}")
     else:
         if not args.name:
             raise MemraError("memra keys revoke needs --name KEY_ID (see `memra keys list`)", param="name")

@@ -72,3 +72,11 @@ def build_speculator(
         file=sys.stderr,
     )
     return Speculator(DraftModelProposer(draft_runner), cfg)
+
+
+def speculator_from_args(args: Any, model: Any, runner: Any) -> Speculator | None:
+    """The engine's Speculator for a CLI namespace's --speculative/--spec-tokens (None without them)."""
+    from engine.spec.config import parse_speculative
+
+    cfg = parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+    return build_speculator(cfg, model, runner, device_profile=getattr(args, "device_profile", None))

@@ -1,13 +1,14 @@
 """What the engine loop calls to speculate: attach drafts to a step's decode rows, and account for
 what verification accepted.
 
-``attach`` picks the rows that may speculate (decode rows of requests that did not opt out), asks
-the policy how many tokens each gets this step, asks the proposer for them (outside the engine's
-state lock: a draft model runs its own steps), then, under the lock, grows each row's block table
-to hold the draft positions (never preempting, and leaving one free block per running sequence so
-plain decode rows can still grow next step) and rewrites the row's StepItem: ``token_ids`` gets
-the draft appended and ``draft`` holds it. ``record`` feeds the policy and the counters after the
-step. Must not import numpy or CUDA.
+``attach`` picks the rows that may speculate (decode rows of requests that did not opt out and
+have no constraint, logit bias or logprobs: ``may_speculate``), asks the policy how many tokens
+each gets this step, asks the proposer for them (outside the engine's state lock: a draft model
+runs its own steps), then, under the lock, grows each row's block table to hold the draft
+positions (never preempting, and leaving one free block per running sequence so plain decode rows
+can still grow next step) and rewrites the row's StepItem: ``token_ids`` gets the draft appended
+and ``draft`` holds it. ``settle`` (after the step) feeds the policy and the counters and rolls
+the rejected positions back. Must not import numpy or CUDA.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ def summary(stats: Any) -> dict[str, Any]:
     }
 
 
+def may_speculate(request: Any) -> bool:
+    """Whether a GenerationRequest's decode rows may get drafts: not when it opted out
+    (``speculative=False``), nor when it has a constraint, a logit bias or asks for logprobs. Those
+    are applied per sampled token by the host sampler (engine.sampling.sample_item), which verify
+    rows do not run; such rows decode plainly, one token a step, beside the speculating ones."""
+    sampling = request.sampling
+    return bool(getattr(request, "speculative", True)) and request.constraint is None and not sampling.needs_host
+
+
 class Speculator:
     def __init__(self, proposer: Proposer, config: SpecConfig):
         self.proposer = proposer
@@ -89,7 +99,7 @@ class Speculator:
         reqs: list[tuple[int, ProposeRequest]] = []
         for i in decode:
             seq = batch[i].seq
-            if not getattr(seq.request, "speculative", True):
+            if not may_speculate(seq.request):
                 continue
             k = self.policy.tokens_for(seq.seq_id, len(decode))
             # never draft past max_tokens or the context: the last emitted token needs no KV
@@ -156,6 +166,15 @@ class Speculator:
         c.accepted_tokens += accepted
         c.verify_rows += 1
         self.policy.record(seq_id, drafted, accepted)
+
+    def settle(self, seq_id: int, drafted: int, accepted: int, valid: int, blocks: BlockManager, runner: Any) -> None:
+        """After a verified row: count it, give back the blocks past the ``valid`` positions (the
+        rejected drafts' KV) and let a runner with per-sequence state roll back to them."""
+        self.record(seq_id, drafted, accepted)
+        blocks.truncate(seq_id, valid)
+        rollback = getattr(runner, "spec_rollback", None)
+        if rollback is not None:
+            rollback(seq_id, valid)
 
     def release(self, seq_id: int) -> None:
         """The sequence ended: drop its proposer and policy state."""

@@ -193,3 +193,52 @@ def test_verify_logits_match_plain_decode_steps(tiny, depth):
         print(f"verify rows vs batch-1 decode at depth {depth}: bit-identical={same}")
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_logprobs_and_biased_requests_beside_speculation(tiny, use_graphs):
+    """A logprobs request and a logit-biased one never speculate (engine.spec.speculator.may_speculate)
+    and are host-sampled in verify's plain rows while the other rows verify drafts: every request
+    gets the tokens it gets without a speculator, the logprobs rows their logprobs (close)."""
+    import numpy as np
+
+    from engine.loop import Engine, EngineConfig
+    from engine.runner_cuda import CudaRunner
+    from engine.spec.build import build_speculator
+    from engine.spec.config import SpecConfig
+
+    model, target, _ = tiny
+    runner = CudaRunner(model, num_blocks=512, max_model_len=1024, use_graphs=use_graphs)
+    shaped = [
+        GREEDY,
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, logit_bias=((7, 5.0),)),
+        SamplingParams(temperature=0.7, top_k=10, seed=3, logprobs=0),
+    ]
+    prompts = _prompts() + [[11, 23, 35, 47] * 5]
+
+    def go(spec):
+        e = Engine(runner, _Tok(), EngineConfig(), speculator=build_speculator(spec, model, runner))
+        hs = [
+            e.submit(GenerationRequest(f"r{i}", p, shaped[i % len(shaped)], max_tokens=32, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        e.start()
+        try:
+            evs = [list(h) for h in hs]
+            return [[t for ev in x for t in ev.token_ids] for x in evs], [[ev.logprobs for ev in x] for x in evs], e.stats()
+        finally:
+            e.shutdown(10)
+
+    try:
+        plain, plain_lp, _ = go(None)
+        spec, spec_lp, stats = go(SpecConfig("draft", str(target), k=4))
+        assert spec == plain
+        assert stats.spec_accepted_tokens > 0
+        for i in (1, 3):
+            for a, b in zip(plain_lp[i], spec_lp[i], strict=True):
+                assert a is not None and b is not None
+                assert np.isclose(a[0][0], b[0][0], atol=1e-3)
+                assert [t for t, _ in a[0][1]] == [t for t, _ in b[0][1]]
+    finally:
+        runner.close()
