@@ -33,12 +33,16 @@ _CMPOPS = {
 }
 
 
-@lru_cache(maxsize=4096)
 def parse(expr: str) -> ast.Expression:
     """Parse ``expr``; raises SyntaxError, or ValueError naming the first element outside the language.
     Cached: launch grids are dim expressions evaluated for every new step shape the runner binds, so
     the returned tree is shared and must not be mutated."""
-    tree = ast.parse(str(expr), mode="eval")
+    return _parse(str(expr))
+
+
+@lru_cache(maxsize=4096)
+def _parse(expr: str) -> ast.Expression:
+    tree = ast.parse(expr, mode="eval")
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED):
             raise ValueError(f"unsupported expression element {type(node).__name__} in {expr!r}")
