@@ -11,12 +11,9 @@ from __future__ import annotations
 import gc
 
 import numpy as np
-import pytest
 
 from engine import cuda, memstat
 from engine.types import SamplingParams, StepItem
-
-pytestmark = pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")
 
 DIMS = dict(hidden=1024, layers=8, heads=8, kv_heads=4, head_dim=128, intermediate=4096, vocab=8192)
 
