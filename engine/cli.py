@@ -31,13 +31,20 @@ def _err(msg: str) -> None:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    """The model argument (a path, or a known alias such as ``gemma3-270m``, fetched on first use),
+    or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    from engine.default_model import KNOWN_MODELS, default_model_path, known_model_path
+
     if model:
         path = Path(model).expanduser()
         if not path.exists():
-            raise MemraError(f"model path {path} does not exist", param="model")
+            if model in KNOWN_MODELS:
+                return known_model_path(model)
+            raise MemraError(
+                f"model path {path} does not exist (nor is it a known model: {', '.join(KNOWN_MODELS)})",
+                param="model",
+            )
         return path
-    from engine.default_model import default_model_path
 
     return default_model_path()
 
@@ -352,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
-    p.add_argument("model", nargs="?", help="model path (default: embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
@@ -360,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
-    p.add_argument("model", nargs="?", help="model path (default: embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
