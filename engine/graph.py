@@ -51,6 +51,8 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
+DIM_TYPES = ("int", "float", "bool", "mapping", "list")
+LAYER_TYPES_DIM = "layer_types"  # the dim naming each layer's type, read by `by_layer_type` dims
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
 
@@ -64,14 +66,22 @@ GRAPH_OUTPUT = "logits"
 @dataclass(frozen=True)
 class DimSpec:
     name: str
-    hf: str | None = None
-    gguf: str | None = None
+    hf: tuple[str, ...] = ()  # config.json fields (dotted paths), first present wins
+    gguf: tuple[str, ...] = ()  # GGUF metadata keys ({arch} replaced), first present wins
     default: Any = None
     has_default: bool = False
     type: str = "int"
     expr: str | None = None
     from_tensor: tuple[str, int] | None = None
     gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
+    by_format: dict[str, Any] | None = None  # a constant per source format ({hf: 1.0, gguf: 0.0})
+    layer_pattern: dict[str, str] | None = None  # fallback of the layer_types dim (see docs/dsl.md)
+    by_layer_type: dict[str, Any] | None = None  # per-layer: a value per entry of the layer_types dim
+
+    @property
+    def per_layer(self) -> bool:
+        """True when the dim's value is a tuple with one entry per layer (``by_layer_type``)."""
+        return self.by_layer_type is not None
 
 
 @dataclass(frozen=True)
@@ -167,13 +177,18 @@ class ModelGraph:
 # schema
 
 _DIM = {
-    "hf": Field(str),
-    "gguf": Field(str),
+    "hf": Field((str, list)),
+    "gguf": Field((str, list)),
     "default": Field((int, float, str, bool, type(None))),
-    "type": Field(OneOf(("int", "float", "bool", "mapping")), default="int"),
+    "type": Field(OneOf(DIM_TYPES), default="int"),
     "expr": Field(str),
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
+    "by_format": Field(dict),
+    "layer_pattern": Field(
+        {"period": Field(str, required=True), "every": Field(str, required=True), "other": Field(str, required=True)}
+    ),
+    "by_layer_type": Field(dict),
 }
 _TENSOR = {
     "hf": Field(str),
@@ -330,11 +345,13 @@ def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op |
             nodes.append(Repeat(item["repeat"], body))
         else:
             nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors)
+    _check_dataflow(nodes, file, tensors, dims)
     return tuple(nodes)
 
 
-def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec]) -> None:
+def _check_dataflow(
+    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict[str, DimSpec]
+) -> None:
     defined = set(GRAPH_INPUTS)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
@@ -360,6 +377,10 @@ def _check_dataflow(nodes: list[Op | Repeat], file: Path, tensors: dict[str, Ten
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a tensor of this family")
                 if kind == "value" and v not in defined:
                     raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
+                if kind == "dim" and v not in dims:
+                    raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
+                if kind == "dim" and dims[v].per_layer and not isinstance(node, Repeat):
+                    raise fail(file, f"{where}.{k}", f"per-layer dim {v!r} must be used inside a repeat")
             defined.update(op.outputs)
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
@@ -373,19 +394,46 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
         ft = spec.get("from_tensor")
         if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
             raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
-            raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
+        sources = ("hf", "gguf", "expr", "default", "from_tensor", "by_format", "layer_pattern", "by_layer_type")
+        if not any(k in spec for k in sources):
+            raise fail(file, where, f"a dim needs at least one of {', '.join(sources)}")
+        for key in ("hf", "gguf"):
+            for item in _as_list(spec.get(key)):
+                if not isinstance(item, str):
+                    raise fail(file, f"{where}.{key}", f"expected a name or a list of names, got {item!r}")
+        bf = spec.get("by_format")
+        if bf is not None and set(bf) - set(FORMATS):
+            raise fail(file, f"{where}.by_format", f"keys must be formats ({', '.join(FORMATS)}), got {sorted(bf)}")
+        if spec.get("layer_pattern") is not None and name != LAYER_TYPES_DIM:
+            raise fail(file, f"{where}.layer_pattern", f"only the {LAYER_TYPES_DIM!r} dim takes a layer_pattern")
+        blt = spec.get("by_layer_type")
+        if blt is not None:
+            if not blt:
+                raise fail(file, f"{where}.by_layer_type", "expected a value per layer type, got none")
+            for ltype, value in blt.items():
+                if not isinstance(value, (int, float, str, type(None))):
+                    raise fail(
+                        file, f"{where}.by_layer_type.{ltype}", f"expected a number, a dim expression or null, got {value!r}"
+                    )
         dims[name] = DimSpec(
             name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
+            hf=tuple(_as_list(spec.get("hf"))),
+            gguf=tuple(_as_list(spec.get("gguf"))),
             default=spec.get("default"),
             has_default="default" in spec,
             type=spec["type"],
             expr=spec.get("expr"),
             from_tensor=(ft[0], ft[1]) if ft else None,
             gguf_from_missing=spec.get("gguf_from_missing"),
+            by_format=dict(bf) if bf is not None else None,
+            layer_pattern=dict(spec["layer_pattern"]) if spec.get("layer_pattern") else None,
+            by_layer_type=dict(blt) if blt is not None else None,
         )
+    for name, d in dims.items():
+        if d.per_layer and LAYER_TYPES_DIM not in dims:
+            raise fail(file, f"dims.{name}.by_layer_type", f"needs a {LAYER_TYPES_DIM!r} dim naming each layer's type")
+        if d.layer_pattern and d.layer_pattern["period"] not in dims:
+            raise fail(file, f"dims.{name}.layer_pattern.period", f"{d.layer_pattern['period']!r} is not a dim")
     return dims
 
 
@@ -460,6 +508,7 @@ _BINOPS = {
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
     ast.FloorDiv: operator.floordiv,
+    ast.Pow: operator.pow,
 }
 
 
@@ -472,7 +521,8 @@ def _names_in(expr: str, file: Path, where: str) -> set[str]:
 
 
 def evaluate(expr: str, values: dict[str, Any]) -> Any:
-    """Evaluate a dim expression (``hidden // heads``): names, integers, + - * //, nothing else."""
+    """Evaluate a dim expression (``hidden // heads``, ``hidden ** 0.5``): names, numbers, unary minus,
+    + - * // **, nothing else."""
 
     def walk(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
@@ -485,6 +535,8 @@ def evaluate(expr: str, values: dict[str, Any]) -> Any:
             return values[node.id]
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
         raise ValueError(f"unsupported expression element {ast.dump(node)} in {expr!r}")
 
     return walk(ast.parse(str(expr), mode="eval"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.graph import (
+    LAYER_TYPES_DIM,
     DimSpec,
     ModelGraph,
     QuantCombo,
@@ -81,15 +82,27 @@ class LoadedModel:
         return total
 
 
-def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
+def _meta_lookup(meta: dict, key: str, dotted: bool = False) -> tuple[bool, Any]:
     if key in meta:
         return True, meta[key]
+    if dotted and "." in key:  # a config.json path into nested mappings (rope_parameters.full_attention.x)
+        head, rest = key.split(".", 1)
+        found, inner = _meta_lookup(meta, head)
+        if found and isinstance(inner, dict):
+            return _meta_lookup(inner, rest, dotted=True)
+        return False, None
     # HF configs nest some fields (e.g. text_config); look one level down
     for sub in ("text_config", "llm_config"):
         inner = meta.get(sub)
         if isinstance(inner, dict) and key in inner:
             return True, inner[key]
     return False, None
+
+
+def _gguf_mapping(meta: dict, prefix: str) -> dict | None:
+    """GGUF keys under ``prefix.`` as one mapping ({arch}.rope.scaling.type/factor -> {type, factor})."""
+    out = {k[len(prefix) + 1 :]: meta[k] for k in list(meta) if k.startswith(prefix + ".")}  # keys only: lazy values
+    return out or None
 
 
 def resolve_dims(
@@ -119,11 +132,20 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        key = d.hf if fmt == "hf" else (d.gguf.replace("{arch}", arch) if d.gguf else None)
-        if key:
-            found, value = _meta_lookup(meta, key)
+        if d.by_format is not None and fmt in d.by_format:
+            return _cast(d, d.by_format[fmt], f"{graph.path}: dims.{d.name}.by_format.{fmt}")
+        if d.by_layer_type is not None:
+            return _per_layer(d)
+        keys = d.hf if fmt == "hf" else tuple(k.replace("{arch}", arch) for k in d.gguf)
+        key = keys[0] if keys else None
+        for key in keys:
+            found, value = _meta_lookup(meta, key, dotted=fmt == "hf")
+            if not found and fmt == "gguf" and d.type == "mapping":
+                found, value = True, _gguf_mapping(meta, key)
             if found and value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
+        if d.layer_pattern is not None:
+            return _pattern(d)
         if fmt == "gguf" and d.gguf_from_missing and has_tensor is not None:
             return not has_tensor(d.gguf_from_missing)
         if d.from_tensor and tensor_shape is not None:
@@ -139,6 +161,45 @@ def resolve_dims(
             code="invalid_model",
         )
 
+    def _pattern(d: DimSpec) -> list[str]:
+        # layer i is `every` when (i + 1) % period == 0, else `other`; a GGUF bool list
+        # (llama.cpp's sliding_window_pattern array) marks each layer true when it is `other`
+        lp = d.layer_pattern or {}
+        n, period = int(get("layers")), get(lp["period"])
+        if isinstance(period, (list, tuple)):
+            if len(period) != n:
+                raise MemraError(
+                    f"{source}: {lp['period']} has {len(period)} entries for {n} layers", code="invalid_model"
+                )
+            return [lp["other"] if bool(p) else lp["every"] for p in period]
+        period = int(period)
+        if period < 1:
+            raise MemraError(f"{source}: {lp['period']} must be >= 1, got {period}", code="invalid_model")
+        return [lp["every"] if (i + 1) % period == 0 else lp["other"] for i in range(n)]
+
+    def _per_layer(d: DimSpec) -> tuple:
+        types = get(LAYER_TYPES_DIM)
+        n = int(get("layers"))
+        if not isinstance(types, (list, tuple)) or len(types) != n:
+            raise MemraError(
+                f"{source}: {LAYER_TYPES_DIM} must list one type per layer ({n}), got {types!r}",
+                code="invalid_model",
+            )
+        table = d.by_layer_type or {}
+        out = []
+        for i, t in enumerate(types):
+            if t not in table:
+                raise MemraError(
+                    f"{source}: layer {i} has type {t!r}, which family {graph.family} does not support "
+                    f"(dims.{d.name}.by_layer_type knows: {', '.join(table)})",
+                    code="invalid_model",
+                )
+            value = table[t]
+            if isinstance(value, str):
+                value = get(value) if value in graph.dims else _eval(d, value)
+            out.append(value if value is None else _cast(d, value, f"{graph.path}: dims.{d.name}"))
+        return tuple(out)
+
     def _eval(d: DimSpec, expr: str) -> Any:
         names = {}
         try:
@@ -147,6 +208,10 @@ def resolve_dims(
             raise ConfigError(f"{graph.path}: dims.{d.name}: {exc.args[0]!r} is not a dim") from exc
 
     def _cast(d: DimSpec, value: Any, where: str) -> Any:
+        if d.type == "list":
+            if not isinstance(value, (list, tuple)):
+                raise MemraError(f"{where}: expected a list, got {value!r}", code="invalid_model")
+            return list(value)
         if d.type == "mapping":
             if value is not None and not isinstance(value, dict):
                 raise MemraError(f"{where}: expected a mapping, got {value!r}", code="invalid_model")
@@ -188,10 +253,14 @@ def dims_for_size(family: str, size: str) -> dict[str, Any]:
         raise ConfigError(f"{graph.path}: sizes: no size {size!r}; available: {', '.join(graph.sizes)}")
     meta = dict(graph.sizes[size])
     # sizes use dim names directly: present them as an "hf" config keyed by each dim's hf field
-    fake = {}
+    fake: dict[str, Any] = {}
     for name, value in meta.items():
         d = graph.dims[name]
-        fake[d.hf or name] = value
+        *parents, leaf = (d.hf[0] if d.hf else name).split(".")
+        node = fake
+        for part in parents:  # a dotted hf path becomes nested mappings
+            node = node.setdefault(part, {})
+        node[leaf] = value
     spec_graph = graph
     dims = resolve_dims(spec_graph, "hf", fake, f"{graph.path}: sizes.{size}")
     dims.update({k: v for k, v in meta.items()})

@@ -23,7 +23,7 @@ class OpDef:
     inputs: int | None  # None: any number >= 1
     outputs: int | None  # None: same as the number of weights
     weights: tuple[int, int]  # (min, max)
-    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor"
+    attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
     doc: str = ""
 
 
@@ -52,6 +52,17 @@ class RefStep:
 
     def weight(self, name: str, layer: int | None) -> np.ndarray:
         return self.runner.weight(name, layer)
+
+    def dim(self, name: str, layer: int | None) -> Any:
+        """The model's dim ``name``; a per-layer dim (``by_layer_type``) at ``layer``."""
+        value = self.runner.model.dims[name]
+        spec = self.runner.model.graph.dims[name]
+        return value[layer] if spec.per_layer else value
+
+    def attr_dim(self, op: Any, attr: str, layer: int | None, default: Any = None) -> Any:
+        """The dim that ``op``'s attribute ``attr`` names (at ``layer``), or ``default`` when unset."""
+        name = op.attrs.get(attr)
+        return default if name is None else self.dim(name, layer)
 
 
 # (step, op, layer) -> None: reads op.inputs from step.env and writes op.outputs into it.
