@@ -51,7 +51,7 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
-DIM_TYPES = ("int", "float", "bool", "mapping", "list")
+DIM_TYPES = ("int", "float", "bool", "mapping", "list", "any")
 LAYER_TYPES_DIM = "layer_types"  # the dim naming each layer's type, read by `by_layer_type` dims
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")

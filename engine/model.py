@@ -208,6 +208,8 @@ def resolve_dims(
             raise ConfigError(f"{graph.path}: dims.{d.name}: {exc.args[0]!r} is not a dim") from exc
 
     def _cast(d: DimSpec, value: Any, where: str) -> Any:
+        if d.type == "any":  # taken as found; its reader checks it (a layer_pattern period: int or bool list)
+            return value
         if d.type == "list":
             if not isinstance(value, (list, tuple)):
                 raise MemraError(f"{where}: expected a list, got {value!r}", code="invalid_model")

@@ -144,7 +144,7 @@ def test_select_takes_the_devices_sm_count(caplog):
         (
             "layers:       {hf: num_hidden_layers,",
             "layers:       {hf: 7,",
-            r"llama.yaml: dims.layers.hf: expected string, got int 7",
+            r"llama.yaml: dims.layers.hf: expected string or list, got int 7",
         ),
         (
             "{op: silu_mul, in: [g, u], out: m}",
