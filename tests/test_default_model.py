@@ -149,3 +149,22 @@ def test_real_gemma3_file(gemma3_path: Path) -> None:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     assert h.hexdigest() == dm.KNOWN_MODELS["gemma3-270m"].sha256
+
+
+def test_cli_and_serve_take_a_known_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from engine.cli import resolve_model_path
+    from engine.server.launch import _model_and_aliases
+    from engine.server_config import load_server_config
+
+    fetched = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    fetched.write_bytes(b"GGUF")
+    asked: list[str] = []
+    monkeypatch.setattr(dm, "known_model_path", lambda alias: asked.append(alias) or fetched)
+    monkeypatch.chdir(tmp_path)  # the alias is not a path here
+    assert resolve_model_path("gemma3-270m") == fetched and asked == ["gemma3-270m"]
+    with pytest.raises(MemraError, match="does not exist \\(nor is it a known model: smollm2-135m, gemma3-270m\\)"):
+        resolve_model_path("gemma9")
+    args = argparse.Namespace(model="gemma3-270m")
+    assert _model_and_aliases(args, load_server_config(None)) == (str(fetched), ("gemma3-270m", "default"))
