@@ -8,15 +8,14 @@ naming the file and key path. Must not import numpy or CUDA: this is pure config
 
 from __future__ import annotations
 
-import ast
 import copy
-import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from engine import paths
+from engine.dim_expr import evaluate, names_in
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
@@ -56,6 +55,8 @@ LAYER_TYPES_DIM = "layer_types"  # the dim naming each layer's type, read by `by
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
 
+
+__all__ = ["evaluate"]  # re-exported: engine.model and engine.plan import it from here
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
 
@@ -445,7 +446,7 @@ def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
         if "hf" not in spec and "gguf" not in spec:
             raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
         for part in spec.get("shape") or []:
-            for ident in _names_in(part, file, f"{where}.shape"):
+            for ident in names_in(part, file, f"{where}.shape"):
                 if ident not in dims:
                     raise fail(file, f"{where}.shape", f"{ident!r} is not a dim of this family")
         tensors[name] = TensorSpec(
@@ -501,45 +502,6 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
             per[key] = types
         combos[name] = QuantCombo(name, default, per)
     return combos
-
-
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Pow: operator.pow,
-}
-
-
-def _names_in(expr: str, file: Path, where: str) -> set[str]:
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise fail(file, where, f"invalid expression {expr!r}") from exc
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-
-
-def evaluate(expr: str, values: dict[str, Any]) -> Any:
-    """Evaluate a dim expression (``hidden // heads``, ``hidden ** 0.5``): names, numbers, unary minus,
-    + - * // **, nothing else."""
-
-    def walk(node: ast.AST) -> Any:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id not in values:
-                raise KeyError(node.id)
-            return values[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        raise ValueError(f"unsupported expression element {ast.dump(node)} in {expr!r}")
-
-    return walk(ast.parse(str(expr), mode="eval"))
 
 
 def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dict, Path]:
