@@ -214,3 +214,41 @@ def test_tiny_gemma3_chunked_and_decode_past_the_window_equal_one_pass(tiny_gemm
     assert len(out) == 30
     ref = ReferenceRunner(load_model(path), max_model_len=64).forward_logits(ids[:3] + out[:-1])
     assert out == [int(i) for i in ref[2:].argmax(1)]
+
+
+def test_engine_batched_prefix_hits_and_preemption_past_the_window_equal_solo(tiny_gemma3):
+    """Through the engine loop (block size 4, window 8): prompts sharing a prefix longer than the window,
+    chunked prefill, preemption and a second wave served from the prefix cache give the solo tokens."""
+    from engine.fake_runner import FakeTokenizer
+    from engine.loop import Engine, EngineConfig
+    from engine.types import GenerationRequest
+
+    model = load_model(tiny_gemma3[0])
+    shared = [int(i) for i in np.random.default_rng(5).integers(0, 128, 14)]
+    prompts = [shared + [7, 8, 9], shared + [40], shared[:6], [3] * 13]
+
+    def run(waves, num_blocks, **cfg):
+        runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=64)
+        e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg), on_step=lambda e: e.check_invariants())
+        outs = []
+        try:
+            for w, wave in enumerate(waves):
+                handles = [
+                    e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=SamplingParams(temperature=0.0), max_tokens=10, ignore_eos=True))
+                    for i, p in enumerate(wave)
+                ]  # fmt: skip
+                e.start()
+                for h in handles:
+                    evs = list(h)
+                    assert evs[-1].finish_reason == "length", evs[-1].error
+                    outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
+            return outs, e.stats()
+        finally:
+            e.shutdown(5)
+
+    solo = [run([[p]], 32)[0][0][0] for p in prompts]
+    batched, stats = run([prompts], 14, max_running=4, prefill_chunk_tokens=6, max_step_tokens=16)
+    assert [t for t, _ in batched] == solo and stats.preemptions > 0
+    again, _ = run([prompts, prompts], 64, max_running=8)
+    assert [t for t, _ in again] == solo + solo
+    assert [c for _, c in again][4:] == [16, 12, 4, 12]  # prefix hits past the window
