@@ -87,12 +87,13 @@ def teacher_forced(runner, ids: list[int], prompt_len: int, table: list[int]) ->
 def test_teacher_forced_argmax_agrees_on_256_positions(stack, capsys):
     model, tok, ref = stack
     ids = text_ids(tok, 257)
-    want = ref.forward_logits(ids)[-256:]  # the logits after token 1 .. 256
+    want = ref.forward_logits(ids)[1:]  # the logits after tokens 1 .. 256 (token 0 is BOS)
     runner = cuda_runner(model)
     try:
-        got = teacher_forced(runner, ids, 1, list(range(64)))[: len(want)]
+        got = teacher_forced(runner, ids, 1, list(range(64)))[1:]  # row i: after token i
     finally:
         runner.close()
+    assert got.shape == want.shape == (256, model.dims["vocab"])
     agree = float(np.mean(got.argmax(1) == want.argmax(1)))
     rel = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
     with capsys.disabled():
