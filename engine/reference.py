@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import ops_ref
 from engine.ops import OPS, REFERENCE, RefStep
+from engine.ops.base import MODEL_SCALING
 from engine.sampling import sample, validate_sampling
 from engine.types import MemraError, SamplingParams, StepItem
 
@@ -105,16 +106,17 @@ class ReferenceRunner:
         return self._weights[(name, layer)]
 
     def rope_tables(
-        self, freq_factors: str | None, theta: float | None = None, scaling: dict | None = None
+        self, freq_factors: str | None, theta: float | None = None, scaling: Any = MODEL_SCALING
     ) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables [max_model_len, rope_dim/2] for a rope op whose ``freq_factors``
         attribute names ``freq_factors`` (None, or a tensor the file lacks: plain RoPE), at base
-        ``theta`` with HF-style ``scaling`` (None: the model's ``rope_theta`` / ``rope_scaling``
-        dims; a rope op's ``theta``/``scaling`` attributes pass per-layer values); cached."""
+        ``theta`` (None: the ``rope_theta`` dim) with HF-style ``scaling`` (None: none; by default
+        the ``rope_scaling`` dim). A rope op's ``theta``/``scaling`` attributes pass per-layer
+        values. Cached."""
         ff_key = freq_factors if freq_factors and (freq_factors, None) in self._weights else None
         d = self.model.dims
         theta = float(d["rope_theta"]) if theta is None else float(theta)
-        scaling = d.get("rope_scaling") if scaling is None else scaling
+        scaling = d.get("rope_scaling") if scaling is MODEL_SCALING else scaling
         key = (ff_key, theta, repr(sorted(scaling.items())) if scaling else None)
         if key not in self._rope:
             rope_dim = int(d.get("rope_dim") or self.head_dim)

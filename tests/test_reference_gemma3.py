@@ -199,6 +199,21 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3):
     np.testing.assert_array_equal(got.argmax(1), want.argmax(1))
 
 
+def test_a_layer_type_without_rope_scaling_gets_none(tiny_gemma3):
+    """A per-layer scaling of None (GGUF: only the global layers carry rope.scaling) means no scaling
+    for that layer, not the model-wide rope_scaling (here the global layers' linear x2)."""
+    import dataclasses
+
+    path, ids, want = tiny_gemma3
+    m = load_model(path)
+    pairs = zip(m.dims["layer_types"], m.dims["layer_rope_scaling"], strict=True)
+    local_none = tuple(None if t == "sliding_attention" else s for t, s in pairs)
+    assert m.dims["rope_scaling"]["rope_type"] == "linear" and local_none[0] is None
+    m2 = dataclasses.replace(m, dims=dict(m.dims, layer_rope_scaling=local_none))
+    got = ReferenceRunner(m2, max_model_len=64).forward_logits(ids)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
+
+
 def test_tiny_gemma3_chunked_and_decode_past_the_window_equal_one_pass(tiny_gemma3):
     path, ids, _ = tiny_gemma3
     runner = ReferenceRunner(load_model(path), num_blocks=64, block_size=4, max_model_len=64)

@@ -65,6 +65,9 @@ class RefStep:
         return default if name is None else self.dim(name, layer)
 
 
+# ReferenceRunner.rope_tables' default scaling: the model's rope_scaling dim (None means no scaling)
+MODEL_SCALING: Any = object()
+
 # (step, op, layer) -> None: reads op.inputs from step.env and writes op.outputs into it.
 ReferenceFn = Callable[[RefStep, Any, "int | None"], None]
 

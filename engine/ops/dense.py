@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import ops_ref
-from engine.ops.base import OpDef, RefStep, define
+from engine.ops.base import MODEL_SCALING, OpDef, RefStep, define
 
 
 def _embed(s: RefStep, o, layer) -> None:
@@ -48,9 +48,9 @@ def _linear(s: RefStep, o, layer) -> None:
 
 def _rope(s: RefStep, o, layer) -> None:
     r = s.runner
-    cos, sin = r.rope_tables(
-        o.attrs.get("freq_factors"), s.attr_dim(o, "theta", layer), s.attr_dim(o, "scaling", layer)
-    )
+    # a `scaling` attribute's value is used even when it is None (this layer type has no scaling)
+    scaling = s.attr_dim(o, "scaling", layer) if "scaling" in o.attrs else MODEL_SCALING
+    cos, sin = r.rope_tables(o.attrs.get("freq_factors"), s.attr_dim(o, "theta", layer), scaling)
     cos, sin = cos[s.positions], sin[s.positions]
     for src, dst in zip(o.inputs, o.outputs, strict=True):
         s.env[dst] = ops_ref.rope_apply(s.env[src], cos, sin, head_dim=r.head_dim, style=r.model.rope_style)
