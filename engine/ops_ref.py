@@ -95,7 +95,7 @@ def rope_inv_freq(
     inv = 1.0 / (float(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     if rope_scaling:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if kind == "default":
+        if kind in ("default", "none"):  # "none": GGUF rope.scaling.type
             pass
         elif kind == "linear":
             inv = inv / float(rope_scaling["factor"])

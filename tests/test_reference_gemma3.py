@@ -117,6 +117,9 @@ def test_gguf_dims_use_the_default_pattern_and_local_base():
     assert d["attn_window"] == (16, 0, 16, 0, 16, 0, 16)
     assert d["layer_rope_theta"] == (5e4, 1e6) * 3 + (5e4,)
     assert d["layer_rope_scaling"][1] == {"type": "linear", "factor": 8.0} and d["layer_rope_scaling"][0] is None
+    inv = ops_ref.rope_inv_freq(32, 1e6, d["layer_rope_scaling"][1])
+    np.testing.assert_allclose(inv, ops_ref.rope_inv_freq(32, 1e6) / 8.0)
+    np.testing.assert_array_equal(ops_ref.rope_inv_freq(32, 1e6, {"type": "none"}), ops_ref.rope_inv_freq(32, 1e6))
 
 
 def test_unknown_layer_type_is_a_clear_error():
