@@ -21,7 +21,7 @@ from engine.types import ConfigError, SamplingParams, StepItem
 pytestmark = [pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU"), pytest.mark.slow]
 
 GREEDY = SamplingParams(temperature=0.0)
-NO_LOWERING = re.compile(r"not supported by the CUDA plan|no CUDA lowering")
+NO_LOWERING = re.compile(r"not supported by the CUDA plan|no (CUDA )?lowering")
 WINDOW = 512
 
 TEXT = (
