@@ -270,3 +270,26 @@ def test_engine_batched_prefix_hits_and_preemption_past_the_window_equal_solo(ti
     again, _ = run([prompts, prompts], 64, max_running=8)
     assert [t for t, _ in again] == solo + solo
     assert [c for _, c in again][4:] == [16, 12, 4, 12]  # prefix hits past the window
+
+
+def test_completions_prompt_gets_the_models_bos():
+    """A raw /v1/completions prompt is encoded with the model's BOS (Gemma answers "Paris" with it and
+    "\\nA\\nA..." without); a chat prompt is the rendered template's own."""
+    import falcon.testing
+    from server_fakes import FakeEngine, FakeTokenizer
+
+    from engine.server.app import create_app
+    from engine.server.model_info import ModelInfo
+    from engine.server_config import ServerConfig
+
+    class BosTokenizer(FakeTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return ([2] if add_special_tokens else []) + super().encode(text)
+
+    engine = FakeEngine()
+    info = ModelInfo("g", context_length=2048, backend="fake", created=1, aliases=())
+    client = falcon.testing.TestClient(create_app(engine, BosTokenizer(), info, ServerConfig(keepalive_s=0.3)))
+    r = client.simulate_post("/v1/completions", json={"model": "g", "prompt": "ab"})
+    assert r.status_code == 200 and engine.submitted[-1].prompt_ids == [2, 97, 98]
+    r = client.simulate_post("/v1/chat/completions", json={"model": "g", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and engine.submitted[-1].prompt_ids[0] != 2

@@ -59,9 +59,11 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
         raise
 
 
-def encode(state: AppState, text: str, param: str = "messages") -> list[int]:
+def encode(state: AppState, text: str, param: str = "messages", add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it (a raw completion
+    prompt; a rendered chat template carries its own)."""
     try:
-        return list(state.tokenizer.encode(text, add_special_tokens=False))
+        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 

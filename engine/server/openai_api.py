@@ -172,7 +172,7 @@ class Completions:
                 )
             ids = list(spec.prompt)
         else:
-            ids = encode(st, spec.prompt, "prompt")
+            ids = encode(st, spec.prompt, "prompt", add_special_tokens=True)  # BOS, as `memra run` does
         run = start_run(st, req, spec, ids, param="prompt", id_prefix="cmpl-")
         respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
