@@ -293,3 +293,41 @@ def test_completions_prompt_gets_the_models_bos():
     assert r.status_code == 200 and engine.submitted[-1].prompt_ids == [2, 97, 98]
     r = client.simulate_post("/v1/chat/completions", json={"model": "g", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200 and engine.submitted[-1].prompt_ids[0] != 2
+
+
+def test_window_is_general_a_mistral_with_sliding_window_matches_transformers(tmp_path, monkeypatch):
+    """Any family can take the window: a llama delta whose attention reads config.json `sliding_window`
+    runs a transformers-saved MistralForCausalLM (window 6) like transformers over 24 tokens."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from engine import paths
+
+    root = tmp_path / "models"
+    shutil.copytree(Path(graph.__file__).resolve().parent.parent / "models", root)
+    (root / "mistral_swa.yaml").write_text(
+        "family: mistral_swa\nextends: llama\n"
+        "matches: {hf_architectures: [MistralForCausalLM], gguf_architectures: []}\n"
+        "dims:\n  sliding_window: {hf: sliding_window, default: 0}\n"
+        "rope_style: {hf: neox, gguf: interleaved}\n"
+        "graph_edits:\n  - replace: {op: attention}\n"
+        "    with: {op: attention, in: [q, k, v], out: a, window: sliding_window}\n"
+    )
+    monkeypatch.setattr(paths, "models_dir", lambda: root)
+    torch.manual_seed(1)
+    cfg = transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=6, max_position_embeddings=64,
+    )  # fmt: skip
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "mistral")
+    ids = [int(i) for i in np.random.default_rng(4).integers(0, 256, 24)]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    m = load_model(tmp_path / "mistral", family="mistral_swa")
+    assert m.dims["sliding_window"] == 6
+    got = ReferenceRunner(m, max_model_len=32).forward_logits(ids)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
+    full = ReferenceRunner(load_model(tmp_path / "mistral", family="llama"), max_model_len=32).forward_logits(ids)
+    assert float(np.abs(full - want).max() / np.abs(want).max()) > 1e-3  # the window matters here
