@@ -27,6 +27,7 @@ def test_wheel_carries_data_and_works_outside_checkout(tmp_path):
     for needed in (
         "engine/_data/models/llama.yaml",
         "engine/_data/models/qwen3.yaml",
+        "engine/_data/models/gemma3.yaml",
         "engine/_data/device_profiles/h200.yaml",
     ):
         assert needed in names, needed
@@ -48,4 +49,4 @@ def test_wheel_carries_data_and_works_outside_checkout(tmp_path):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert "['llama', 'qwen3'] 9" in out.stdout
+    assert "['gemma3', 'llama', 'qwen3'] 9" in out.stdout
