@@ -75,7 +75,8 @@ class DimSpec:
     expr: str | None = None
     from_tensor: tuple[str, int] | None = None
     gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
-    by_format: dict[str, Any] | None = None  # a constant per source format ({hf: 1.0, gguf: 0.0})
+    gguf_default: Any = None  # the default in a GGUF file, where it differs from `default`
+    has_gguf_default: bool = False
     layer_pattern: dict[str, str] | None = None  # fallback of the layer_types dim (see docs/dsl.md)
     by_layer_type: dict[str, Any] | None = None  # per-layer: a value per entry of the layer_types dim
 
@@ -185,7 +186,7 @@ _DIM = {
     "expr": Field(str),
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
-    "by_format": Field(dict),
+    "gguf_default": Field((int, float, str, bool, type(None))),
     "layer_pattern": Field(
         {"period": Field(str, required=True), "every": Field(str, required=True), "other": Field(str, required=True)}
     ),
@@ -395,16 +396,13 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
         ft = spec.get("from_tensor")
         if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
             raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        sources = ("hf", "gguf", "expr", "default", "from_tensor", "by_format", "layer_pattern", "by_layer_type")
+        sources = ("hf", "gguf", "expr", "default", "from_tensor", "layer_pattern", "by_layer_type")
         if not any(k in spec for k in sources):
             raise fail(file, where, f"a dim needs at least one of {', '.join(sources)}")
         for key in ("hf", "gguf"):
             for item in _as_list(spec.get(key)):
                 if not isinstance(item, str):
                     raise fail(file, f"{where}.{key}", f"expected a name or a list of names, got {item!r}")
-        bf = spec.get("by_format")
-        if bf is not None and set(bf) - set(FORMATS):
-            raise fail(file, f"{where}.by_format", f"keys must be formats ({', '.join(FORMATS)}), got {sorted(bf)}")
         if spec.get("layer_pattern") is not None and name != LAYER_TYPES_DIM:
             raise fail(file, f"{where}.layer_pattern", f"only the {LAYER_TYPES_DIM!r} dim takes a layer_pattern")
         blt = spec.get("by_layer_type")
@@ -426,7 +424,8 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
             expr=spec.get("expr"),
             from_tensor=(ft[0], ft[1]) if ft else None,
             gguf_from_missing=spec.get("gguf_from_missing"),
-            by_format=dict(bf) if bf is not None else None,
+            gguf_default=spec.get("gguf_default"),
+            has_gguf_default="gguf_default" in spec,
             layer_pattern=dict(spec["layer_pattern"]) if spec.get("layer_pattern") else None,
             by_layer_type=dict(blt) if blt is not None else None,
         )

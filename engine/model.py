@@ -132,8 +132,6 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        if d.by_format is not None and fmt in d.by_format:
-            return _cast(d, d.by_format[fmt], f"{graph.path}: dims.{d.name}.by_format.{fmt}")
         if d.by_layer_type is not None:
             return _per_layer(d)
         keys = d.hf if fmt == "hf" else tuple(k.replace("{arch}", arch) for k in d.gguf)
@@ -152,14 +150,19 @@ def resolve_dims(
             shape = tensor_shape(d.from_tensor[0])
             if shape is not None:
                 return int(shape[d.from_tensor[1]])
+        if fmt == "gguf" and d.has_gguf_default:
+            return _default(d, d.gguf_default)
         if d.has_default:
-            if isinstance(d.default, str) and d.type != "mapping":
-                return _eval(d, d.default)
-            return d.default
+            return _default(d, d.default)
         raise MemraError(
             f"{source}: missing field {key!r} (needed for dim {d.name!r} of family {graph.family})",
             code="invalid_model",
         )
+
+    def _default(d: DimSpec, value: Any) -> Any:
+        if isinstance(value, str) and d.type != "mapping":
+            return _eval(d, value)
+        return value
 
     def _pattern(d: DimSpec) -> list[str]:
         # layer i is `every` when (i + 1) % period == 0, else `other`; a GGUF bool list
