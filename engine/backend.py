@@ -7,12 +7,14 @@ picked and why on stderr. Must not import cuda.bindings directly (engine.cuda do
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine import env
-from engine.profile import DeviceInfo, DeviceProfile, select
-from engine.types import MemraError
+from engine.profile import DeviceProfile, select
+from engine.types import DeviceInfo, MemraError
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -65,3 +67,41 @@ def create_runner(model: Any, backend: str = "auto", device_profile: str | None 
     from engine.reference import ReferenceRunner
 
     return ReferenceRunner(model, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The model argument (a path, or a known alias such as ``gemma3-270m``, fetched on first use),
+    or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    from engine.default_model import KNOWN_MODELS, default_model_path, known_model_path
+
+    if model:
+        path = Path(model).expanduser()
+        if not path.exists():
+            if model in KNOWN_MODELS:
+                return known_model_path(model)
+            raise MemraError(
+                f"model path {path} does not exist (nor is it a known model: {', '.join(KNOWN_MODELS)})",
+                param="model",
+            )
+        return path
+
+    return default_model_path()
+
+
+def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
+    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
+    from engine.model import load_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model_path(model_arg)
+    t0 = time.perf_counter()
+    print(f"memra: loading {path}", file=sys.stderr)
+    model = load_model(path, quant=quant)
+    tokenizer = load_tokenizer(model.weights)
+    runner = create_runner(model, backend, device_profile)
+    print(
+        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
+        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return model, tokenizer, runner

@@ -103,8 +103,9 @@ def bench_engine(
 def bench_compile(model: Any, profile: Any) -> dict:
     """Cold (empty cache) and warm (all hits) build of every kernel the model's plan needs."""
     from engine.compile import KernelBuilder
+    from engine.ir import kernel_specs
     from engine.kcache import KernelCache
-    from engine.plan import build_plan, kernel_specs
+    from engine.plan import build_plan
 
     plan = build_plan(model.graph, model.dims, model.quant, profile, model.tensor_dtypes, model.rope_style)
     specs = kernel_specs(plan)
@@ -168,13 +169,23 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"engine    concurrency {r['concurrency']:>3}: {r['aggregate_tok_s']:>9.1f} tok/s aggregate, "
                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.1f} ms"
+                + _spec_cell(r)
             )
     return "\n".join(out)
 
 
+def _spec_cell(r: dict) -> str:
+    if "speculative" not in r:
+        return ""
+    rate, mean = r["spec_acceptance_rate"], r["spec_mean_accepted_length"]
+    return (
+        f", {r['speculative']}: acceptance {'-' if rate is None else f'{100 * rate:.0f}%'}, "
+        f"mean accepted length {'-' if mean is None else f'{mean:.2f}'}"
+    )
+
+
 def bench_from_cli(args: argparse.Namespace) -> int:
-    from engine.backend import create_runner
-    from engine.cli import resolve_model_path
+    from engine.backend import create_runner, resolve_model_path
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 
@@ -197,9 +208,15 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             steps=16 if quick else 64,
         )
     if args.concurrency:
+        from engine.spec.build import speculator_from_args
+
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        speculator = speculator_from_args(args, model, runner)
         engine = Engine(
-            runner, _NullTokenizer(), EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048)
+            runner,
+            _NullTokenizer(),
+            EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048),
+            speculator=speculator,
         )
         engine.start()
         try:
@@ -209,7 +226,10 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             plen = getattr(args, "prompt_tokens", None) or (64 if runner.backend == "reference" else 440)
             bench_engine(engine, 1, plen, 4, vocab=int(model.dims["vocab"]))  # warm-up (graph capture)
             for c in levels:
+                before = engine.stats()
                 rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))
+                if speculator is not None:
+                    rows[-1].update(_spec_delta(speculator.method, before, engine.stats()))
         finally:
             engine.shutdown(10)
     device = device_of(runner)
@@ -220,6 +240,15 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     print(table(rows))
     print(json.dumps(result), file=sys.stderr)
     return 0
+
+
+def _spec_delta(method: str, before: Any, after: Any) -> dict:
+    """Speculation figures of one engine-loop row (counter differences over the row)."""
+    from engine.spec.speculator import summary
+
+    keys = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows")
+    diff = argparse.Namespace(**{k: getattr(after, k) - getattr(before, k) for k in keys})
+    return {"speculative": method, **summary(diff)}
 
 
 class _NullTokenizer:

@@ -165,6 +165,28 @@ class BlockManager:
             seq.table.append(self._take_fresh())
         return True
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Speculative rollback: keep only the blocks covering positions ``< num_tokens``.
+
+        The blocks past them held only rejected positions: they are private (never committed,
+        since a committed block is full of accepted, written positions) and go back to the free
+        list without a hash, so a rejected token never enters the prefix-cache chain. Returns the
+        number of blocks freed. Raises ValueError if asked to drop a committed block.
+        """
+        seq = self._seqs[seq_id]
+        keep = blocks_for(max(0, num_tokens), self.block_size)
+        if keep < seq.committed:
+            raise ValueError(
+                f"sequence {seq_id}: truncating to {num_tokens} tokens would drop committed blocks"
+            )
+        dropped = seq.table[keep:]
+        del seq.table[keep:]
+        for b in reversed(dropped):
+            self._ref[b] -= 1
+            assert self._ref[b] == 0 and self._hash[b] is None, f"rolled-back block {b} is shared or cached"
+            self._free.appendleft(b)  # reused first: it is likely warm in the runner's caches
+        return len(dropped)
+
     def fork(self, parent_id: int, child_id: int) -> int:
         """Start ``child_id`` sharing the parent's committed (full, written, read-only) blocks.
 

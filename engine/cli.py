@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
+from engine.backend import load_stack
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -24,49 +25,6 @@ log = logging.getLogger("memra")
 
 def _err(msg: str) -> None:
     print(f"memra: error: {msg}", file=sys.stderr)
-
-
-# --------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The model argument (a path, or a known alias such as ``gemma3-270m``, fetched on first use),
-    or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
-    from engine.default_model import KNOWN_MODELS, default_model_path, known_model_path
-
-    if model:
-        path = Path(model).expanduser()
-        if not path.exists():
-            if model in KNOWN_MODELS:
-                return known_model_path(model)
-            raise MemraError(
-                f"model path {path} does not exist (nor is it a known model: {', '.join(KNOWN_MODELS)})",
-                param="model",
-            )
-        return path
-
-    return default_model_path()
-
-
-def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
-    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
-    from engine.backend import create_runner
-    from engine.model import load_model
-    from engine.tokenizer import load_tokenizer
-
-    path = resolve_model_path(model_arg)
-    t0 = time.perf_counter()
-    print(f"memra: loading {path}", file=sys.stderr)
-    model = load_model(path, quant=quant)
-    tokenizer = load_tokenizer(model.weights)
-    runner = create_runner(model, backend, device_profile)
-    print(
-        f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
-        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
-    return model, tokenizer, runner
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -100,6 +58,16 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="require this quant combo of the family")
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|draft:PATH|mtp",
+        help="speculative decoding: prompt lookup, a draft model with the same tokenizer, or MTP heads",
+    )
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
+
+
 def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
     """Stream one request through the engine to ``out``; returns (text, stats dict)."""
     req = GenerationRequest(
@@ -111,17 +79,20 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     t0 = time.perf_counter()
     handle = engine.submit(req)
     pieces: list[str] = []
-    first = None
+    first = None  # when the engine produced the first token (event.created_s, not when read here)
+    end = None  # ... and the last one
     last = None
     for event in handle:
         if event.text:
             out.write(event.text)
             out.flush()
             pieces.append(event.text)
-        if first is None and event.token_ids:
-            first = time.perf_counter()
+        if event.token_ids:
+            if first is None:
+                first = event.created_s
+            end = event.created_s
         last = event
-    end = time.perf_counter()
+    end = end if end is not None else time.perf_counter()
     if last is not None and last.finish_reason == "error" and last.error is not None:
         raise last.error
     usage = last.usage if last is not None else None
@@ -140,10 +111,10 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _make_engine(runner: Any, tokenizer: Any):
+def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
     from engine.loop import Engine
 
-    engine = Engine(runner, tokenizer)
+    engine = Engine(runner, tokenizer, speculator=speculator)
     engine.start()
     return engine
 
@@ -152,7 +123,18 @@ def _make_engine(runner: Any, tokenizer: Any):
 # subcommands
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad generation flags before anything loads (one line naming the flag)."""
+    from engine.spec.config import parse_speculative
+
+    _sampling_from_args(args)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
+    parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -161,7 +143,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(text)
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    engine = _make_engine(runner, tokenizer)
+    from engine.spec.build import speculator_from_args
+
+    speculator = speculator_from_args(args, model, runner)
+    engine = _make_engine(runner, tokenizer, speculator)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
     finally:
@@ -169,11 +154,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     print()
     if args.stats:
         stats["backend"] = runner.backend
+        if speculator is not None:
+            from engine.spec.speculator import summary
+
+            stats["speculative"] = speculator.method
+            stats.update(summary(engine.stats()))
         print("memra: " + json.dumps(stats), file=sys.stderr)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _check_args(args)
     model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []
@@ -267,7 +258,8 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
 def warmup(targets, profiles, jobs: int | None = None, progress=sys.stderr, list_only: bool = False) -> dict:
     """Compile every kernel the plans of ``targets`` need for each profile's arch; returns a summary."""
     from engine.compile import KernelBuilder
-    from engine.plan import build_plan, kernel_specs
+    from engine.ir import kernel_specs
+    from engine.plan import build_plan
 
     by_arch: dict[str, list] = {}
     for _label, graph, dims, combo, style, dtypes in targets:
@@ -363,7 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): a request that omits temperature/top_p/top_k/min_p/repetition_penalty gets "
+        "the model's own value (generation_config.json, GGUF general.sampling.*); none: memra's neutral "
+        "defaults (temperature 1, no top-p/top-k) instead",
+    )
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
@@ -373,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
     _add_sampling_flags(p)
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -392,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)")
     p.add_argument("--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)")
     _add_backend_flags(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("warmup", help="fill the kernel cache ahead of time (no GPU needed)")

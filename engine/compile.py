@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -160,32 +159,30 @@ class KernelBuilder:
             )
         if misses:
             workers = jobs or env.MEMRA_COMPILE_JOBS.get() or (os.cpu_count() or 1)
-            done = 0
-            lock = threading.Lock()
+            from tqdm import tqdm
+
+            # a live bar on a terminal; elsewhere tqdm's first and last lines only (mininterval)
             tty = bool(progress is not None and getattr(progress, "isatty", lambda: False)())
-            step = max(1, len(misses) // 4)  # without a terminal: a line per quarter
+            pbar = tqdm(
+                total=len(misses),
+                desc=f"memra: compiling kernels for {self.arch}",
+                unit="kernel",
+                file=progress,
+                disable=progress is None,
+                mininterval=0.1 if tty else 1e9,
+                leave=True,
+            )
 
             def one(item: tuple[KernelSpec, str, str]) -> tuple[KernelSpec, CompiledKernel, float]:
-                nonlocal done
                 spec, source, key = item
                 kernel, dt = self._compile(spec, source, key)
-                with lock:
-                    done += 1
-                    if progress is not None and (tty or done == len(misses) or done % step == 0):
-                        end = "" if tty else "\n"
-                        lead = "\r" if tty else ""
-                        progress.write(
-                            f"{lead}memra: compiling kernels for {self.arch}: {done}/{len(misses)}{end}"
-                        )
-                        progress.flush()
+                pbar.update(1)
                 return spec, kernel, dt
 
-            with ThreadPoolExecutor(max_workers=min(workers, len(misses))) as pool:
+            with pbar, ThreadPoolExecutor(max_workers=min(workers, len(misses))) as pool:
                 for spec, kernel, dt in pool.map(one, misses):
                     results[spec] = kernel
                     stats.compile_seconds += dt
-            if progress is not None and tty:
-                progress.write("\n")
             stats.compiled = len(misses)
         stats.kernels = [results[s] for s in unique]
         stats.seconds = time.perf_counter() - t0

@@ -8,7 +8,7 @@ naming the function and the CUresult. Launch arguments are packed once into a re
 can be updated in place, so a launch costs one ``cuLaunchKernel`` and no per-call packing.
 ``PreparedLaunch`` also builds the launch configuration once (``cuLaunchKernelEx``), optionally
 with programmatic dependent launch (PDL, sm_90+).
-Must not import other engine modules except engine.profile (for the plain DeviceInfo).
+Must not import other engine modules except engine.types (for the plain DeviceInfo).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.profile import DeviceInfo
+from engine.types import DeviceInfo
 
 
 class CudaError(RuntimeError):

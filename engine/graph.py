@@ -1,21 +1,22 @@
 """Model-family DSL: load and validate models/<family>.yaml into a ModelGraph.
 
 A family file names its dims (where to read each from config.json or GGUF metadata), its tensors
-(name patterns for both formats, kind, expected shape), its op graph, its quant combos and its known
-sizes. ``extends:`` derives a family from another with a small delta. Every problem is a ConfigError
-naming the file and key path. Must not import numpy or CUDA: this is pure configuration.
+(name patterns for both formats, kind, expected shape, stacks such as a MoE layer's experts), its op
+graph (ops inside a repeat may run only in the layers where a ``when`` predicate holds), its quant
+combos and its known sizes. ``extends:`` derives a family from another with a small delta
+(engine.graph_extends); expressions are engine.dsl_expr's. Every problem is a ConfigError naming the
+file and key path. Must not import numpy or CUDA: this is pure configuration.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from engine import paths
-from engine.dim_expr import evaluate, names_in
+from engine import dsl_expr, paths
+from engine.graph_extends import merge_parent as _merge_parent
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.types import ConfigError
@@ -50,13 +51,11 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 
 TENSOR_KINDS = ("matrix", "embedding", "vector")
-DIM_TYPES = ("int", "float", "bool", "mapping", "list", "any")
-LAYER_TYPES_DIM = "layer_types"  # the dim naming each layer's type, read by `by_layer_type` dims
+DIM_TYPES = ("int", "float", "bool", "mapping", "list")
+LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
 ROPE_STYLES = ("neox", "interleaved")
 FORMATS = ("hf", "gguf")
 
-
-__all__ = ["evaluate"]  # re-exported: engine.model and engine.plan import it from here
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
 
@@ -67,23 +66,23 @@ GRAPH_OUTPUT = "logits"
 @dataclass(frozen=True)
 class DimSpec:
     name: str
-    hf: tuple[str, ...] = ()  # config.json fields (dotted paths), first present wins
-    gguf: tuple[str, ...] = ()  # GGUF metadata keys ({arch} replaced), first present wins
+    hf: str | None = None  # a config.json field; "a.b" reads field b of mapping a
+    gguf: str | None = None
     default: Any = None
     has_default: bool = False
     type: str = "int"
     expr: str | None = None
     from_tensor: tuple[str, int] | None = None
-    gguf_from_missing: str | None = None  # GGUF: true when this tensor is absent (tied head)
+    # GGUF: true when this tensor is absent (tied head); for a `list` dim and a per-layer tensor,
+    # the layers that lack it
+    gguf_from_missing: str | None = None
+    hf_alternatives: tuple[str, ...] = ()  # further config.json fields tried in order after `hf`
     gguf_default: Any = None  # the default in a GGUF file, where it differs from `default`
     has_gguf_default: bool = False
-    layer_pattern: dict[str, str] | None = None  # fallback of the layer_types dim (see docs/dsl.md)
-    by_layer_type: dict[str, Any] | None = None  # per-layer: a value per entry of the layer_types dim
 
     @property
-    def per_layer(self) -> bool:
-        """True when the dim's value is a tuple with one entry per layer (``by_layer_type``)."""
-        return self.by_layer_type is not None
+    def hf_keys(self) -> tuple[str, ...]:
+        return ((self.hf,) if self.hf else ()) + self.hf_alternatives
 
 
 @dataclass(frozen=True)
@@ -95,6 +94,9 @@ class TensorSpec:
     shape: tuple[str, ...] | None
     tied_to: str | None
     optional: bool
+    # a stack of tensors along axis 0, one per index of this dim (the experts of a MoE layer); a
+    # pattern with `{e}` names one file tensor per index, a pattern without it the stacked tensor
+    stack: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -117,9 +119,14 @@ class Op:
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
     attrs: dict[str, str] = field(default_factory=dict)
+    # per-layer predicate (an expression over dims, `predicates` and the layer index `i`): the op
+    # runs in the layers where it is true; None runs it in every layer
+    when: str | None = None
 
     def __hash__(self) -> int:
-        return hash((self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items()))))
+        return hash(
+            (self.op, self.inputs, self.outputs, self.weights, tuple(sorted(self.attrs.items())), self.when)
+        )
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,35 @@ class ModelGraph:
     graph: tuple[Op | Repeat, ...]
     quants: dict[str, QuantCombo]
     sizes: dict[str, dict[str, Any]]
+    predicates: dict[str, str] = field(default_factory=dict)
+
+    def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
+        """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
+        if op.when is None or layer is None:
+            return True
+        return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+
+    def layer_ops(self, dims: dict[str, Any], layer: int) -> list[Op]:
+        """The per-layer ops that run in ``layer``, in graph order."""
+        return [op for op, per in self.ops() if per and self.op_runs(op, dims, layer)]
+
+    def tensor_layers(self, dims: dict[str, Any]) -> dict[str, list[int]]:
+        """Per-layer tensor key -> the layers in which some op reads it (as a weight or a tensor
+        attribute). A per-layer tensor no op reads maps to every layer."""
+        layers = range(int(dims["layers"]))
+        out: dict[str, list[int]] = {}
+        runs = {id(op): [i for i in layers if self.op_runs(op, dims, i)] for op, per in self.ops() if per}
+        for op, per in self.ops():
+            if not per:
+                continue
+            names = list(op.weights) + [v for k, v in op.attrs.items() if OPS[op.op].attrs[k] == "tensor"]
+            for name in names:
+                out.setdefault(name, [])
+                out[name] = sorted(set(out[name]) | set(runs[id(op)]))
+        for key, spec in self.tensors.items():
+            if spec.per_layer and key not in out:
+                out[key] = list(layers)
+        return out
 
     def ops(self) -> list[tuple[Op, bool]]:
         """Every op in order with a flag saying whether it runs once per layer."""
@@ -180,17 +216,13 @@ class ModelGraph:
 
 _DIM = {
     "hf": Field((str, list)),
-    "gguf": Field((str, list)),
-    "default": Field((int, float, str, bool, type(None))),
+    "gguf": Field(str),
+    "default": Field((int, float, str, bool, list, type(None))),
     "type": Field(OneOf(DIM_TYPES), default="int"),
     "expr": Field(str),
     "from_tensor": Field(list),
     "gguf_from_missing": Field(str),
-    "gguf_default": Field((int, float, str, bool, type(None))),
-    "layer_pattern": Field(
-        {"period": Field(str, required=True), "every": Field(str, required=True), "other": Field(str, required=True)}
-    ),
-    "by_layer_type": Field(dict),
+    "gguf_default": Field((int, float, str, bool, list, type(None))),
 }
 _TENSOR = {
     "hf": Field(str),
@@ -199,6 +231,7 @@ _TENSOR = {
     "shape": Field(ListOf(str)),
     "tied_to": Field(str),
     "optional": Field(bool, default=False),
+    "stack": Field(str),
 }
 _TOP = {
     "family": Field(str, required=True),
@@ -216,6 +249,7 @@ _TOP = {
     "tensors": Field(MapOf((dict, type(None))), default={}),
     "graph": Field(list),
     "graph_edits": Field(list, default=[]),
+    "predicates": Field(MapOf((str, type(None))), default={}),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
 }
@@ -227,77 +261,14 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _merge_parent(child: dict, parent: dict, file: Path) -> dict:
-    """Apply a child family's delta to its parent's raw YAML."""
-    merged = copy.deepcopy(parent)
-    merged["family"] = child["family"]
-    for key in ("description", "matches", "rope_style", "quants", "sizes"):
-        if key in child:
-            merged[key] = child[key]
-    for key in ("dims", "tensors"):
-        base = dict(merged.get(key) or {})
-        for name, value in (child.get(key) or {}).items():
-            if value is None:
-                base.pop(name, None)  # `name: null` removes an inherited entry
-            else:
-                base[name] = value
-        merged[key] = base
-    if "graph" in child:
-        merged["graph"] = child["graph"]
-    merged["graph"] = _apply_edits(merged["graph"], child.get("graph_edits") or [], file)
-    merged.pop("extends", None)
-    merged.pop("graph_edits", None)
-    return merged
-
-
-def _op_matches(node: Any, pattern: dict) -> bool:
-    return isinstance(node, dict) and all(node.get(k) == v for k, v in pattern.items())
-
-
-def _apply_edits(graph: list, edits: list, file: Path) -> list:
-    graph = copy.deepcopy(graph)
-    for n, edit in enumerate(edits):
-        where = f"graph_edits[{n}]"
-        if not isinstance(edit, dict):
-            raise fail(file, where, "expected a mapping with after/insert, replace/with or remove")
-        keys = set(edit)
-        if keys == {"after", "insert"}:
-            pattern, new = edit["after"], _as_list(edit["insert"])
-        elif keys == {"replace", "with"}:
-            pattern, new = edit["replace"], _as_list(edit["with"])
-        elif keys == {"remove"}:
-            pattern, new = edit["remove"], []
-        else:
-            raise fail(file, where, f"expected keys after+insert, replace+with or remove; got {sorted(keys)}")
-        if not _edit_nodes(graph, pattern, new, "after" in keys):
-            raise fail(file, where, f"no op in the parent graph matches {pattern}")
-    return graph
-
-
-def _edit_nodes(nodes: list, pattern: dict, new: list, keep: bool) -> bool:
-    hit = False
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
-        if isinstance(node, dict) and "repeat" in node:
-            hit |= _edit_nodes(node.get("body") or [], pattern, new, keep)
-        elif _op_matches(node, pattern):
-            nodes[i : i + 1] = ([node] if keep else []) + copy.deepcopy(new)
-            i += len(new) + (1 if keep else 0)
-            hit = True
-            continue
-        i += 1
-    return hit
-
-
-def _parse_op(raw: Any, file: Path, where: str) -> Op:
+def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: frozenset = frozenset()) -> Op:
     if not isinstance(raw, dict) or "op" not in raw:
         raise fail(file, where, "expected a mapping with an `op` key")
     name = raw["op"]
     if name not in OPS:
         raise fail(file, f"{where}.op", f"unknown op {name!r}; known ops: {', '.join(OPS)}")
     d = OPS[name]
-    allowed = {"op", "in", "out", "weight"} | set(d.attrs)
+    allowed = {"op", "in", "out", "weight", "when"} | set(d.attrs)
     for key in raw:
         if key not in allowed:
             raise fail(
@@ -313,8 +284,9 @@ def _parse_op(raw: Any, file: Path, where: str) -> Op:
             if not isinstance(item, str):
                 raise fail(file, f"{where}.{label}", f"expected names (strings), got {item!r}")
     lo, hi = d.weights
-    if not lo <= len(weights) <= hi:
-        raise fail(file, f"{where}.weight", f"op {name} takes {lo}..{hi} weights, got {len(weights)}")
+    if not lo <= len(weights) <= hi or (d.weight_counts and len(weights) not in d.weight_counts):
+        counts = " or ".join(map(str, d.weight_counts)) if d.weight_counts else f"{lo}..{hi}"
+        raise fail(file, f"{where}.weight", f"op {name} takes {counts} weights, got {len(weights)}")
     if d.inputs is not None and len(inputs) != d.inputs:
         raise fail(file, f"{where}.in", f"op {name} takes {d.inputs} input(s), got {len(inputs)}")
     want_out = d.outputs if d.outputs is not None else len(weights)
@@ -324,10 +296,22 @@ def _parse_op(raw: Any, file: Path, where: str) -> Op:
     for k, v in attrs.items():
         if not isinstance(v, str):
             raise fail(file, f"{where}.{k}", f"expected a name (string), got {v!r}")
-    return Op(name, inputs, outputs, weights, attrs)
+    when = raw.get("when")
+    if when is not None:
+        if not in_repeat:
+            raise fail(file, f"{where}.when", "a `when` predicate needs a per-layer op (inside a repeat)")
+        if not isinstance(when, str):
+            raise fail(file, f"{where}.when", f"expected an expression (string), got {when!r}")
+        for ident in _names_in(when, file, f"{where}.when"):
+            if ident not in names:
+                raise fail(file, f"{where}.when", f"{ident!r} is not a dim, a predicate or `{LAYER_INDEX}`")
+    return Op(name, inputs, outputs, weights, attrs, when)
 
 
-def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op | Repeat, ...]:
+def _parse_graph(
+    raw: list, file: Path, dims: dict, tensors: dict, predicates: dict | None = None
+) -> tuple[Op | Repeat, ...]:
+    names = frozenset(dims) | frozenset(predicates or {}) | {LAYER_INDEX}
     nodes: list[Op | Repeat] = []
     for n, item in enumerate(raw):
         where = f"graph[{n}]"
@@ -340,7 +324,8 @@ def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op |
             if item["repeat"] not in dims:
                 raise fail(file, f"{where}.repeat", f"{item['repeat']!r} is not a dim of this family")
             body = tuple(
-                _parse_op(op, file, f"{where}.body[{j}]") for j, op in enumerate(item.get("body") or [])
+                _parse_op(op, file, f"{where}.body[{j}]", True, names)
+                for j, op in enumerate(item.get("body") or [])
             )
             if not body:
                 raise fail(file, f"{where}.body", "a repeat needs a non-empty body")
@@ -352,9 +337,13 @@ def _parse_graph(raw: list, file: Path, dims: dict, tensors: dict) -> tuple[Op |
 
 
 def _check_dataflow(
-    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict[str, DimSpec]
+    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
 ) -> None:
-    defined = set(GRAPH_INPUTS)
+    dims = dims or {}
+    # value -> the `when` of the ops that produce it (None: every layer); a value only some layers
+    # produce may be read only by ops with the same predicate. One produced under different predicates
+    # (alternatives) counts as produced everywhere: engine.model.check_layers checks that per layer.
+    defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
         prefix = f"graph[{n}]" + (".body" if isinstance(node, Repeat) else "")
@@ -363,6 +352,13 @@ def _check_dataflow(
             for name in op.inputs:
                 if name not in defined:
                     raise fail(file, f"{where}.in", f"value {name!r} is used before any op produces it")
+                if defined[name] is not None and defined[name] != op.when:
+                    raise fail(
+                        file,
+                        f"{where}.in",
+                        f"value {name!r} is produced only when {defined[name]!r} but read by an op that "
+                        f"runs when {op.when or 'always'!r}",
+                    )
             for w in op.weights:
                 if w not in tensors:
                     raise fail(file, f"{where}.weight", f"{w!r} is not a tensor of this family")
@@ -381,9 +377,9 @@ def _check_dataflow(
                     raise fail(file, f"{where}.{k}", f"value {v!r} is used before any op produces it")
                 if kind == "dim" and v not in dims:
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
-                if kind == "dim" and dims[v].per_layer and not isinstance(node, Repeat):
-                    raise fail(file, f"{where}.{k}", f"per-layer dim {v!r} must be used inside a repeat")
-            defined.update(op.outputs)
+            for out in op.outputs:
+                prev = defined.get(out, op.when)
+                defined[out] = prev if prev == op.when else None
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
 
@@ -396,44 +392,25 @@ def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
         ft = spec.get("from_tensor")
         if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
             raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        sources = ("hf", "gguf", "expr", "default", "from_tensor", "layer_pattern", "by_layer_type")
-        if not any(k in spec for k in sources):
-            raise fail(file, where, f"a dim needs at least one of {', '.join(sources)}")
-        for key in ("hf", "gguf"):
-            for item in _as_list(spec.get(key)):
-                if not isinstance(item, str):
-                    raise fail(file, f"{where}.{key}", f"expected a name or a list of names, got {item!r}")
-        if spec.get("layer_pattern") is not None and name != LAYER_TYPES_DIM:
-            raise fail(file, f"{where}.layer_pattern", f"only the {LAYER_TYPES_DIM!r} dim takes a layer_pattern")
-        blt = spec.get("by_layer_type")
-        if blt is not None:
-            if not blt:
-                raise fail(file, f"{where}.by_layer_type", "expected a value per layer type, got none")
-            for ltype, value in blt.items():
-                if not isinstance(value, (int, float, str, type(None))):
-                    raise fail(
-                        file, f"{where}.by_layer_type.{ltype}", f"expected a number, a dim expression or null, got {value!r}"
-                    )
+        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
+            raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
+        hf_keys = _as_list(spec.get("hf"))
+        if not all(isinstance(k, str) for k in hf_keys):
+            raise fail(file, f"{where}.hf", "expected a config.json field name or a list of them")
         dims[name] = DimSpec(
             name=name,
-            hf=tuple(_as_list(spec.get("hf"))),
-            gguf=tuple(_as_list(spec.get("gguf"))),
+            hf=hf_keys[0] if hf_keys else None,
+            hf_alternatives=tuple(hf_keys[1:]),
+            gguf_default=spec.get("gguf_default"),
+            has_gguf_default="gguf_default" in spec,
+            gguf=spec.get("gguf"),
             default=spec.get("default"),
             has_default="default" in spec,
             type=spec["type"],
             expr=spec.get("expr"),
             from_tensor=(ft[0], ft[1]) if ft else None,
             gguf_from_missing=spec.get("gguf_from_missing"),
-            gguf_default=spec.get("gguf_default"),
-            has_gguf_default="gguf_default" in spec,
-            layer_pattern=dict(spec["layer_pattern"]) if spec.get("layer_pattern") else None,
-            by_layer_type=dict(blt) if blt is not None else None,
         )
-    for name, d in dims.items():
-        if d.per_layer and LAYER_TYPES_DIM not in dims:
-            raise fail(file, f"dims.{name}.by_layer_type", f"needs a {LAYER_TYPES_DIM!r} dim naming each layer's type")
-        if d.layer_pattern and d.layer_pattern["period"] not in dims:
-            raise fail(file, f"dims.{name}.layer_pattern.period", f"{d.layer_pattern['period']!r} is not a dim")
     return dims
 
 
@@ -445,7 +422,7 @@ def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
         if "hf" not in spec and "gguf" not in spec:
             raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
         for part in spec.get("shape") or []:
-            for ident in names_in(part, file, f"{where}.shape"):
+            for ident in _names_in(part, file, f"{where}.shape"):
                 if ident not in dims:
                     raise fail(file, f"{where}.shape", f"{ident!r} is not a dim of this family")
         tensors[name] = TensorSpec(
@@ -456,7 +433,17 @@ def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
             shape=tuple(spec["shape"]) if spec.get("shape") else None,
             tied_to=spec.get("tied_to"),
             optional=spec["optional"],
+            stack=spec.get("stack"),
         )
+        if spec.get("stack") is not None:
+            if spec["stack"] not in dims:
+                raise fail(file, f"{where}.stack", f"{spec['stack']!r} is not a dim of this family")
+            shape = spec.get("shape") or []
+            if not shape or shape[0] != spec["stack"]:
+                raise fail(file, f"{where}.shape", f"a stacked tensor's shape starts with its stack dim {spec['stack']!r}")
+        for fmt in FORMATS:
+            if "{e}" in (spec.get(fmt) or "") and spec.get("stack") is None:
+                raise fail(file, f"{where}.{fmt}", "a pattern with {e} needs `stack: <dim>` (the index range)")
     for name, t in tensors.items():
         if t.tied_to is not None and t.tied_to not in tensors:
             raise fail(file, f"tensors.{name}.tied_to", f"{t.tied_to!r} is not a tensor of this family")
@@ -503,6 +490,37 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
     return combos
 
 
+def _names_in(expr: str, file: Path, where: str) -> set[str]:
+    try:
+        return dsl_expr.names_in(expr)
+    except (SyntaxError, ValueError) as exc:
+        raise fail(file, where, f"invalid expression {expr!r}: {exc}") from exc
+
+
+def evaluate(expr: str, values: Any) -> Any:
+    """Evaluate a DSL expression (``hidden // heads``, ``i not in mlp_only_layers``) over ``values``:
+    the language of ``engine.dsl_expr``. A missing name raises KeyError."""
+    return dsl_expr.evaluate(expr, values)
+
+
+class _LayerScope(dict):
+    """Names a ``when`` predicate sees at one layer: the dims, ``i`` and the family's predicates."""
+
+    def __init__(self, graph: ModelGraph, dims: dict[str, Any], layer: int):
+        super().__init__()
+        self._graph, self._dims, self._layer = graph, dims, layer
+
+    def __contains__(self, key: object) -> bool:
+        return key == LAYER_INDEX or key in self._graph.predicates or key in self._dims
+
+    def __getitem__(self, key: str) -> Any:
+        if key == LAYER_INDEX:
+            return self._layer
+        if key in self._graph.predicates:
+            return evaluate(self._graph.predicates[key], self)
+        return self._dims[key]
+
+
 def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dict, Path]:
     file = root / f"{name}.yaml"
     if not file.is_file():
@@ -539,7 +557,15 @@ def _load_family(name: str, root: str) -> ModelGraph:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
     dims = _parse_dims(raw["dims"], file)
     tensors = _parse_tensors(raw["tensors"], file, dims)
-    graph = _parse_graph(raw["graph"], file, dims, tensors)
+    predicates = {k: v for k, v in (raw.get("predicates") or {}).items() if v is not None}
+    pnames = frozenset(dims) | frozenset(predicates) | {LAYER_INDEX}
+    for pname, expr in predicates.items():
+        if pname in dims or pname == LAYER_INDEX:
+            raise fail(file, f"predicates.{pname}", "a predicate name must differ from every dim and `i`")
+        for ident in _names_in(expr, file, f"predicates.{pname}"):
+            if ident not in pnames or ident == pname:
+                raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
+    graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
@@ -557,6 +583,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
         graph=graph,
         quants=quants,
         sizes=dict(raw["sizes"]),
+        predicates=predicates,
     )
 
 

@@ -4,8 +4,7 @@
 rules the kernel relies on) and names its entry point; ``choice(...)`` adds the launch contract
 (argument list, grid as a function of the row count, block, dynamic shared memory) as a
 ``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
-list (pointer / int / float, in order), which engine/plan.py binds. ``attention_launches`` and
-``sampling_launches`` lower the attention op and the sampler for plan.py's adapter.
+list (pointer / int / float, in order), which engine.lowering binds.
 ``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
 
 Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
@@ -78,6 +77,7 @@ class KernelDoc:
     block: str
     smem: str = "static only"
     defaults: dict[str, Any] | None = None  # optional params, filled in by spec()
+    pdl: bool = True  # the body opens with pdl_wait() (or PDL_PRELOAD): KernelSpec.pdl
 
 
 P, I32 = "ptr", "i32"
@@ -674,7 +674,7 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
     params.update(blocks_a=gemv_grid_x(pa), blocks_b=gemv_grid_x(pb))
     tag = zlib.crc32(f"{a.entry} {b.entry}".encode())
     short = [f"{p['quant'].replace('_', '')}_n{p['n']}_k{p['k']}" for p in (pa, pb)]
-    return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params)
+    return KernelSpec("gemv_pair", f"gemv_pair__{short[0]}__{short[1]}__h{tag:08x}", params, pdl=KERNELS["gemv_pair"].pdl)
 
 
 def pair_with_min_blocks(parts: Iterable[KernelSpec], min_blocks: int) -> KernelSpec:
@@ -694,8 +694,7 @@ def pair_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
 
 
 def _unprefixed(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    """The params named ``prefix``* of a composed spec (a gemv_pair part's, the attention's of a
-    gemv_pair_attention), the prefix dropped."""
+    """The params named ``prefix``* of a composed spec (a gemv_pair part's), the prefix dropped."""
     return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
 
 
@@ -991,15 +990,11 @@ def spec(template: str, **params: Any) -> KernelSpec:
     doc = KERNELS.get(template)
     if doc is None:
         raise ConfigError(f"no kernel template {template!r}; available: {', '.join(KERNELS)}")
-    if template in ("gemv_pair", "gemv_pair_attention"):  # each part through spec(), then the rules
+    if template == "gemv_pair":  # each part through spec(), then the rules
         extra = set(params) - set(doc.params)
         if extra:
             raise _fail(template, f"unknown params {sorted(extra)}")
-        if template == "gemv_pair":
-            return pair_spec(*(spec("gemv", **_unprefixed(params, x)) for x in PAIR_PARTS))
-        x = PAIR_ATTENTION_PART
-        pair = spec("gemv_pair", **{k: v for k, v in params.items() if not k.startswith(x)})
-        return pair_attention_spec(pair, spec("attention", **_unprefixed(params, x)))
+        return pair_spec(*(spec("gemv", **_unprefixed(params, x)) for x in PAIR_PARTS))
     params = dict(params)
     for key, value in (doc.defaults or {}).items():
         params.setdefault(key, value)
@@ -1052,7 +1047,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
     if template in ("gemv", "attention") and norm["l2_pf"]:  # the prefetch ranges, by a hash (they are long)
         parts["pf"] = f"{zlib.crc32(norm['l2_pf'].encode()):08x}"
     name = entry_name(template, **parts)
-    return KernelSpec(template, name, norm)
+    return KernelSpec(template, name, norm, pdl=doc.pdl)
 
 
 @dataclass(frozen=True)
@@ -1102,13 +1097,13 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
-    elif template in ("gemv_pair", "gemv_pair_attention"):
+    elif template == "gemv_pair":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
             return (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1)
 
         block = (p["a_threads"], 1, 1)
-        smem = pair_smem(s if template == "gemv_pair" else pair_attention_parts(s)[0])
+        smem = pair_smem(s)
     elif template == "gemm":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -1175,10 +1170,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     if s.template == "gemv_pair":
         parts = zip(PAIR_PARTS, pair_parts(s), strict=True)
         return tuple((f"{x}{name}", c) for x, part in parts for name, c in kernel_args(part))
-    if s.template == "gemv_pair_attention":
-        pair, attn = pair_attention_parts(s)
-        c_args = tuple((f"{PAIR_ATTENTION_PART}{name}", c) for name, c in kernel_args(attn))
-        return kernel_args(pair) + c_args + (("attn_count", P),)
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
@@ -1225,75 +1216,6 @@ ATTENTION_ROPE_PARAMS = (
     "kv_stride",
     "v_stride",
 )
-# a gemv_pair_attention spec's attention params carry this prefix (its gemv_pair params, a_ / b_)
-PAIR_ATTENTION_PART = "c_"
-KERNELS["gemv_pair_attention"] = KernelDoc(
-    {
-        **KERNELS["gemv_pair"].params,
-        **{f"{PAIR_ATTENTION_PART}{k}": t for k, t in KERNELS["attention"].params.items()},
-    },
-    # the pair's args, the rope-fused attention's (each prefixed c_), then the units' counters
-    KERNELS["gemv_pair"].args
-    + tuple((f"{PAIR_ATTENTION_PART}{n}", c) for n, c in KERNELS["attention"].args)
-    + tuple((f"{PAIR_ATTENTION_PART}{a}", P) for a in ATTENTION_ROPE_ARGS)
-    + (("attn_count", P),),
-    (),  # named by pair_attention_spec: the pair's name and a hash of the attention's entry
-    "(blocks_b + blocks_a, 1)  (batch 1: part b's blocks, then part a's)",
-    "(a_threads,)  (the attention runs on the first c_warps * 32)",
-    "dynamic: the pair's (pair_smem); static: the attention part's (attention_static_smem)",
-    {
-        **(KERNELS["gemv_pair"].defaults or {}),
-        **{f"{PAIR_ATTENTION_PART}{k}": v for k, v in (KERNELS["attention"].defaults or {}).items()},
-    },
-)
-
-
-def attention_static_smem(p: Mapping[str, Any]) -> int:
-    """The attention kernel's static shared memory in bytes (kernels/attention.cu.j2's arrays:
-    per-warp partial sums, the staged table chunk and, rope-fused, the rotated q / k / v rows)."""
-    warps, hd = int(p["warps"]), int(p["head_dim"])
-    group = int(p["heads"]) // int(p["kv_heads"]) // int(p.get("qsplit") or 1)
-    total = warps * group * (hd + 2) * 4 + (int(p["split"]) // int(p["block_size"]) + 2) * 4
-    if p.get("rope"):
-        total += (group + warps) * hd * 4 + 2 * hd * 2
-    return total
-
-
-def pair_attention_spec(pair: KernelSpec, attn: KernelSpec) -> KernelSpec:
-    """The gemv_pair_attention spec running gemv_pair ``pair`` (part a: the q|k rows, q heads
-    then k heads; part b: the v rows) and the batch-1 decode attention ``attn`` (direct, rope-fused,
-    vec16) in one launch (kernels/gemv_pair.cu.j2). A ConfigError names the rule broken."""
-    if pair.template != "gemv_pair":
-        raise _fail("gemv_pair_attention", f"{pair.entry}: the first part must be a gemv_pair spec")
-    c = attn.params
-    if attn.template != "attention" or not (c["direct"] and c["rope"] and c["vec16"] and c["mode"] == "decode"):
-        raise _fail("gemv_pair_attention", f"{attn.entry}: the attention must be the direct rope-fused vec16 decode kernel")
-    p = pair.params
-    hd, heads, kvh = c["head_dim"], c["heads"], c["kv_heads"]
-    rules = (
-        (p["a_bmax"] == 1, f"a_bmax={p['a_bmax']}: the attention part runs batch 1 only"),
-        (c["warps"] * 32 <= p["a_threads"], f"the attention's {c['warps']} warps exceed the pair's {p['a_threads']} threads"),
-        (kvh * c["qsplit"] <= p["a_threads"], "more attention units than threads to count them"),
-        (p["a_n"] == (heads + kvh) * hd, f"part a has {p['a_n']} rows, not the {heads} q and {kvh} k heads' {(heads + kvh) * hd}"),
-        (p["b_n"] == kvh * hd, f"part b has {p['b_n']} rows, not the {kvh} v heads' {kvh * hd}"),
-        (not c["l2_pf"], "the attention part takes no l2_pf (L2 prefetch)"),
-    )
-    for ok, msg in rules:
-        if not ok:
-            raise _fail("gemv_pair_attention", msg)
-    params = dict(p)
-    params.update({f"{PAIR_ATTENTION_PART}{k}": v for k, v in c.items()})
-    tag = zlib.crc32(f"{pair.entry} {attn.entry}".encode())
-    return KernelSpec("gemv_pair_attention", f"{pair.entry.replace('gemv_pair', 'gemv_pair_attention', 1)}__a{tag:08x}", params)
-
-
-def pair_attention_parts(s: KernelSpec) -> tuple[KernelSpec, KernelSpec]:
-    """The gemv_pair spec and the attention spec (entry "part") of gemv_pair_attention spec ``s``."""
-    x = PAIR_ATTENTION_PART
-    pair = {k: v for k, v in s.params.items() if not k.startswith(x)}
-    return spec("gemv_pair", **pair), KernelSpec("attention", "part", _unprefixed(s.params, x))
-
-
 # ---- builders from dims + profile tuning (what plan.py and the tests use) ----
 
 
@@ -1771,14 +1693,7 @@ def all_specs(
                 for style in rope_styles:  # rope folded into decode attention
                     rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
                     fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS if k in rp}
-                    attn = spec("attention", **p, **fused, rope=True)
-                    out[attn] = None
-                    if (tuning.get("decode_graph") or {}).get("pair_attention"):
-                        for pair in [s for s in out if s.template == "gemv_pair"]:
-                            try:  # (the plan also raises its __launch_bounds__ minimum per SM count)
-                                out[pair_attention_spec(pair, attn)] = None
-                            except ConfigError:
-                                pass
+                    out[spec("attention", **p, **fused, rope=True)] = None
     out[
         spec(
             "attention_prefill",
@@ -1795,71 +1710,3 @@ def all_specs(
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("penalties", ld=vocab, threads=el)] = None
     return list(out)
-
-
-# ---- lowering hooks called by engine/plan.py's _CatalogAdapter ----
-
-
-def attention_launches(adapter: Any, op: Any, layer: int | None, mode: str, ins: list, outs: list) -> list:
-    """One ``attention`` launch (direct: one block per (row, kv head) covers the whole context, so
-    no scratch is needed). Decode rows are sequences; prefill rows are one sequence's tokens."""
-    from engine.plan import Arg, Launch  # plan imports this module lazily; no cycle at import time
-
-    q, out = ins[0], outs[0]
-    p = attention_params(
-        adapter.dims,
-        adapter.profile.tuning,
-        adapter.profile.kv_block_size,
-        mode=mode,
-        direct=True,
-        q_stride=q.ld,
-        out_stride=out.ld,
-    )
-    s = spec("attention", **p)
-    null = Arg("const", 0, "ptr")
-
-    def value(v: Any) -> Any:
-        return Arg("value", v.name)
-
-    args = (
-        value(out),
-        null,
-        null,
-        value(q),
-        Arg("kv", "k", layer=layer),
-        Arg("kv", "v", layer=layer),
-        Arg("input", "block_tables"),
-        Arg("input", "positions"),
-        Arg("shape", "max_blocks", "i32"),
-        Arg("const", 1, "i32"),
-    )
-    return [Launch(s, ("n", p["kv_heads"], 1), (p["warps"] * 32,), args)]
-
-
-def sampling_launches(adapter: Any, logits: Any) -> dict[str, tuple]:
-    """``greedy``: argmax into out_ids; ``sample``: temperature/top-k/top-p/min-p sampling (greedy
-    rows inside it take the argmax). Penalties are not applied here (see the ``penalties`` kernel)."""
-    from engine.plan import Arg, Launch
-
-    t = adapter.profile.tuning["sampling"]["threads"]
-    vocab = logits.width
-    lg = Arg("value", logits.name)
-    out = Arg("input", "out_ids")
-    rows = Arg("shape", "n", "i32")
-    g = spec("argmax", vocab=vocab, ld=logits.ld, threads=t)
-    s = spec("sample", vocab=vocab, ld=logits.ld, threads=t)
-    sargs = (
-        out,
-        lg,
-        Arg("input", "temperature"),
-        Arg("input", "top_k"),
-        Arg("input", "top_p"),
-        Arg("input", "min_p"),
-        Arg("input", "seeds"),
-        Arg("input", "counters"),
-        rows,
-    )
-    return {
-        "greedy": (Launch(g, ("n",), (t,), (out, lg, rows)),),
-        "sample": (Launch(s, ("n",), (t,), sargs),),
-    }

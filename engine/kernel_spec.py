@@ -32,12 +32,16 @@ class KernelSpec:
     matter (e.g. ``gemv_q4_1__n576_k1536_t256``) so cubins and profiles are readable. Templates must
     define exactly that symbol: the template receives it as ``{{ entry }}``.
     ``options`` are extra NVRTC options (e.g. ``-DFOO``); the arch comes from the device profile.
+    ``pdl``: the kernel may be launched with programmatic dependent launch (its body calls
+    ``pdl_wait()`` before it touches memory an earlier kernel of the pass writes; the catalog sets
+    it from the template's contract, tests/test_pdl.py checks it against the rendered source).
     """
 
     template: str
     entry: str
     params: dict[str, Any] = field(default_factory=dict)
     options: tuple[str, ...] = ()
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME_OK.match(self.entry):
@@ -46,16 +50,17 @@ class KernelSpec:
             raise ValueError(f"kernel template name {self.template!r} is not a plain identifier")
 
     def __hash__(self) -> int:
-        return hash((self.template, self.entry, _freeze(self.params), self.options))
+        return hash((self.template, self.entry, _freeze(self.params), self.options, self.pdl))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, KernelSpec):
             return NotImplemented
-        return (self.template, self.entry, _freeze(self.params), self.options) == (
+        return (self.template, self.entry, _freeze(self.params), self.options, self.pdl) == (
             other.template,
             other.entry,
             _freeze(other.params),
             other.options,
+            other.pdl,
         )
 
     def describe(self) -> str:

@@ -82,6 +82,10 @@ class EngineStats:
     errors: int  # ended by error
     healthy: bool
     draining: bool
+    # speculative decoding (engine.spec; zero without it)
+    spec_draft_tokens: int = 0  # proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verify_rows: int = 0  # rows verified with a draft (each emits accepted + 1 tokens)
 
 
 class RequestHandle:
@@ -126,12 +130,17 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         *,
         on_step: Callable[[Engine], None] | None = None,
+        speculator: Any = None,
     ):
         config.validate()
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
         self.on_step = on_step  # test hook: called in the engine thread after every step
+        # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
+        if speculator is not None and not callable(getattr(runner, "verify", None)):
+            raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
+        self.spec = speculator
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.blocks,
@@ -270,7 +279,11 @@ class Engine:
                 errors=self._n["errors"],
                 healthy=self.healthy,
                 draining=self._draining,
+                **self._spec_stats(),
             )
+
+    def _spec_stats(self) -> dict[str, int]:
+        return {} if self.spec is None else self.spec.stats()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block manager or the queues are inconsistent."""
@@ -421,12 +434,11 @@ class Engine:
         if not batch:  # cannot happen with a consistent scheduler; avoid a busy spin if it does
             time.sleep(0.001)
             return
+        if self.spec is not None:
+            running, max_len = len(self.scheduler.running), self.runner.max_model_len
+            self.spec.attach(batch, items, self.blocks, self._lock, max_model_len=max_len, running=running)
         try:
-            sampled = self.runner.step(items)
-            if len(sampled) != len(items):
-                raise RuntimeError(f"runner returned {len(sampled)} results for {len(items)} items")
-            # numpy integers are fine; None (or anything else) for a sampled item fails the step
-            sampled = [operator.index(t) if s.sample else None for s, t in zip(batch, sampled, strict=True)]
+            sampled = self._run_step(batch, items)
         except Exception as exc:
             if getattr(exc, "fatal", False):
                 raise
@@ -439,9 +451,9 @@ class Engine:
         else:
             with self._lock:
                 self._n["steps"] += 1
-                for s, token in zip(batch, sampled, strict=True):
+                for s, it, tokens in zip(batch, items, sampled, strict=True):
                     try:
-                        self._advance(s, token)
+                        self._advance(s, tokens, it)
                     except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
                         log.exception("post-processing failed for request %s", s.seq.request.request_id)
                         err = MemraError(
@@ -451,8 +463,20 @@ class Engine:
         if self.on_step is not None:
             self.on_step(self)
 
+    def _run_step(self, batch: list[Scheduled], items: list[StepItem]) -> list[list[int]]:
+        """One runner call; per item the tokens it emits ([] for a prefill chunk that samples nothing).
+        A step with speculative drafts goes through ``runner.verify`` (1..k+1 tokens per draft row)."""
+        if any(it.draft for it in items):
+            return self.spec.verify(self.runner, batch, items)
+        sampled = self.runner.step(items)
+        if len(sampled) != len(items):
+            raise RuntimeError(f"runner returned {len(sampled)} results for {len(items)} items")
+        # numpy integers are fine; None (or anything else) for a sampled item fails the step
+        return [[operator.index(t)] if s.sample else [] for s, t in zip(batch, sampled, strict=True)]
+
     def _item(self, s: Scheduled) -> StepItem:
         seq = s.seq
+        constraint = seq.request.constraint
         return StepItem(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[s.start : s.start + s.count],
@@ -463,14 +487,18 @@ class Engine:
             history=seq.token_ids,  # live list, valid for the duration of the step
             prompt_len=seq.prompt_len,
             num_generated=seq.num_generated,
+            allowed=constraint.allowed() if constraint is not None and s.sample else None,
         )
 
-    def _advance(self, s: Scheduled, token: int | None) -> None:
-        """Apply one item's result: KV written up to the chunk's end, plus the sampled token if any."""
+    def _advance(self, s: Scheduled, tokens: list[int], it: StepItem | None = None) -> None:
+        """Apply one item's result: KV written up to the chunk's end, plus the emitted tokens if any
+        (one, or with a speculative draft the accepted drafts and the token after them). Each token
+        advances the request's constraint; ``it.logprobs_out`` goes with a single sampled token
+        (requests that ask for logprobs or carry a constraint never speculate: engine.spec)."""
         seq = s.seq
-        seq.num_computed = s.start + s.count
-        self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-        if token is None:
+        if not tokens:
+            seq.num_computed = s.start + s.count
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
             return
         st: _ReqState = seq.state
         if st.stop is None:
@@ -478,19 +506,42 @@ class Engine:
             eos = frozenset() if req.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
             decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
             st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
-        seq.token_ids.append(token)
-        self._n["generated"] += 1
-        text, reason = st.stop.push(token)
-        if reason is None and (
-            seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
-        ):
-            tail, matched = st.stop.finish()
-            text += tail
-            reason = "stop" if matched else "length"
+        texts: list[str] = []
+        reason = None
+        constraint = seq.request.constraint
+        for token in tokens:  # stop at the first token that ends the request; drop the rest
+            seq.token_ids.append(token)
+            self._n["generated"] += 1
+            if constraint is not None:
+                constraint.advance(token)
+            text, reason = st.stop.push(token)
+            if reason is None and (
+                seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
+            ):
+                tail, matched = st.stop.finish()
+                text += tail
+                reason = "stop" if matched else "length"
+            texts.append(text)
+            if reason is not None:
+                break
+        kept = len(texts)
+        # valid KV: the chunk, plus the accepted draft tokens that were kept (rejected positions'
+        # KV is garbage and their blocks go back; they never reach the prefix-cache chain)
+        accepted = len(tokens) - 1
+        seq.num_computed = s.start + s.count + min(accepted, kept)
+        if it is not None and it.draft:
+            self.spec.settle(seq.seq_id, len(it.draft), accepted, seq.num_computed, self.blocks, self.runner)
+        self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        rid = seq.request.request_id
+        for token, text in zip(tokens[: kept - 1], texts, strict=False):
+            st.handle._events.put(TokenEvent(rid, [token], text, ttft_s=self._ttft(st)))
+        lp = it.logprobs_out if it is not None and len(tokens) == 1 else None
+        lps = [lp] if lp is not None else None
         if reason is not None:
-            self._finish(seq, reason, token_ids=[token], text=text)
+            self._finish(seq, reason, token_ids=[tokens[kept - 1]], text=texts[-1], logprobs=lps)
         else:
-            st.handle._events.put(TokenEvent(seq.request.request_id, [token], text, ttft_s=self._ttft(st)))
+            ev = TokenEvent(rid, [tokens[kept - 1]], texts[-1], ttft_s=self._ttft(st), logprobs=lps)
+            st.handle._events.put(ev)
 
     def _ttft(self, st: _ReqState) -> float | None:
         if st.first_event_sent:
@@ -506,12 +557,15 @@ class Engine:
         token_ids: list[int] | None = None,
         text: str = "",
         error: MemraError | None = None,
+        logprobs: list | None = None,
     ) -> None:
         """Remove the sequence, free its blocks, release its limits, then push its final event."""
         rid = seq.request.request_id
         if self._live.pop(rid, None) is None:
             return
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq.seq_id)
         st: _ReqState = seq.state
         usage = Usage(
             prompt_tokens=seq.prompt_len,
@@ -537,5 +591,6 @@ class Engine:
                 usage=usage,
                 error=error,
                 ttft_s=self._ttft(st) if seq.num_generated else None,
+                logprobs=logprobs,
             )
         )

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.graph import (
-    LAYER_TYPES_DIM,
     DimSpec,
     ModelGraph,
+    Op,
     QuantCombo,
+    Repeat,
     evaluate,
     family_for_architecture,
     load_family,
@@ -24,6 +25,7 @@ from engine.graph import (
 from engine.types import ConfigError, MemraError
 
 _CASTS = {"int": int, "float": float, "bool": bool}
+_COPY = {list: list, dict: dict}
 
 
 @dataclass
@@ -67,9 +69,12 @@ class LoadedModel:
         return range(int(self.dims["layers"]))
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor the graph reads once per token (the decode roofline numerator)."""
+        """Bytes of every tensor the graph reads once per token (the decode roofline numerator). A
+        stacked (MoE expert) tensor counts the share a router picks per token: its ``top_k`` dim
+        over the stack's dim."""
         total = 0
         seen: set[str] = set()
+        top_k = next((o.attrs["top_k"] for o, _ in self.graph.ops() if "top_k" in o.attrs), None)
         for key, spec in self.graph.tensors.items():
             for layer in self.layer_range() if spec.per_layer else [None]:
                 if not self.has(key, layer):
@@ -78,31 +83,30 @@ class LoadedModel:
                 if name in seen or (key == "embed" and not self.dims.get("tie_embeddings")):
                     continue  # an untied embedding table is gathered, not streamed
                 seen.add(name)
-                total += self.weights.info(name).nbytes
+                nbytes = self.weights.info(name).nbytes
+                if spec.stack and top_k:
+                    nbytes = nbytes * int(self.dims[top_k]) // int(self.dims[spec.stack])
+                total += nbytes
         return total
 
 
-def _meta_lookup(meta: dict, key: str, dotted: bool = False) -> tuple[bool, Any]:
+def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
     if key in meta:
         return True, meta[key]
-    if dotted and "." in key:  # a config.json path into nested mappings (rope_parameters.full_attention.x)
-        head, rest = key.split(".", 1)
-        found, inner = _meta_lookup(meta, head)
-        if found and isinstance(inner, dict):
-            return _meta_lookup(inner, rest, dotted=True)
-        return False, None
     # HF configs nest some fields (e.g. text_config); look one level down
     for sub in ("text_config", "llm_config"):
         inner = meta.get(sub)
         if isinstance(inner, dict) and key in inner:
             return True, inner[key]
+    # "a.b": field b of mapping a (transformers 5 writes rope_theta inside rope_parameters)
+    head, dot, rest = key.partition(".")
+    if dot:
+        for scope in (meta, meta.get("text_config"), meta.get("llm_config")):
+            if isinstance(scope, dict) and isinstance(scope.get(head), dict):
+                found, value = _meta_lookup(scope[head], rest)
+                if found:
+                    return True, value
     return False, None
-
-
-def _gguf_mapping(meta: dict, prefix: str) -> dict | None:
-    """GGUF keys under ``prefix.`` as one mapping ({arch}.rope.scaling.type/factor -> {type, factor})."""
-    out = {k[len(prefix) + 1 :]: meta[k] for k in list(meta) if k.startswith(prefix + ".")}  # keys only: lazy values
-    return out or None
 
 
 def resolve_dims(
@@ -132,76 +136,31 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        if d.by_layer_type is not None:
-            return _per_layer(d)
-        keys = d.hf if fmt == "hf" else tuple(k.replace("{arch}", arch) for k in d.gguf)
-        key = keys[0] if keys else None
+        keys = d.hf_keys if fmt == "hf" else ((d.gguf.replace("{arch}", arch),) if d.gguf else ())
         for key in keys:
-            found, value = _meta_lookup(meta, key, dotted=fmt == "hf")
-            if not found and fmt == "gguf" and d.type == "mapping":
-                found, value = True, _gguf_mapping(meta, key)
-            if found and value is not None:
+            found, value = _meta_lookup(meta, key)
+            if not found and fmt == "gguf" and d.type == "mapping":  # {arch}.rope.scaling.type/factor
+                value = {k[len(key) + 1 :]: meta[k] for k in list(meta) if k.startswith(key + ".")} or None
+            if value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
-        if d.layer_pattern is not None:
-            return _pattern(d)
+        key = keys[0] if keys else None
         if fmt == "gguf" and d.gguf_from_missing and has_tensor is not None:
+            if d.type == "list":  # the layers that lack a per-layer tensor
+                return [i for i in range(int(get("layers"))) if not has_tensor(d.gguf_from_missing, i)]
             return not has_tensor(d.gguf_from_missing)
         if d.from_tensor and tensor_shape is not None:
             shape = tensor_shape(d.from_tensor[0])
             if shape is not None:
                 return int(shape[d.from_tensor[1]])
-        if fmt == "gguf" and d.has_gguf_default:
-            return _default(d, d.gguf_default)
-        if d.has_default:
-            return _default(d, d.default)
+        for has, default in ((fmt == "gguf" and d.has_gguf_default, d.gguf_default), (d.has_default, d.default)):
+            if has:
+                if isinstance(default, str) and d.type != "mapping":
+                    return _eval(d, default)
+                return _COPY.get(type(default), lambda v: v)(default)
         raise MemraError(
             f"{source}: missing field {key!r} (needed for dim {d.name!r} of family {graph.family})",
             code="invalid_model",
         )
-
-    def _default(d: DimSpec, value: Any) -> Any:
-        if isinstance(value, str) and d.type != "mapping":
-            return _eval(d, value)
-        return value
-
-    def _pattern(d: DimSpec) -> list[str]:
-        # layer i is `every` when (i + 1) % period == 0, else `other`; a GGUF bool list
-        # (llama.cpp's sliding_window_pattern array) marks each layer true when it is `other`
-        lp = d.layer_pattern or {}
-        n, period = int(get("layers")), get(lp["period"])
-        if isinstance(period, (list, tuple)):
-            if len(period) != n:
-                raise MemraError(
-                    f"{source}: {lp['period']} has {len(period)} entries for {n} layers", code="invalid_model"
-                )
-            return [lp["other"] if bool(p) else lp["every"] for p in period]
-        period = int(period)
-        if period < 1:
-            raise MemraError(f"{source}: {lp['period']} must be >= 1, got {period}", code="invalid_model")
-        return [lp["every"] if (i + 1) % period == 0 else lp["other"] for i in range(n)]
-
-    def _per_layer(d: DimSpec) -> tuple:
-        types = get(LAYER_TYPES_DIM)
-        n = int(get("layers"))
-        if not isinstance(types, (list, tuple)) or len(types) != n:
-            raise MemraError(
-                f"{source}: {LAYER_TYPES_DIM} must list one type per layer ({n}), got {types!r}",
-                code="invalid_model",
-            )
-        table = d.by_layer_type or {}
-        out = []
-        for i, t in enumerate(types):
-            if t not in table:
-                raise MemraError(
-                    f"{source}: layer {i} has type {t!r}, which family {graph.family} does not support "
-                    f"(dims.{d.name}.by_layer_type knows: {', '.join(table)})",
-                    code="invalid_model",
-                )
-            value = table[t]
-            if isinstance(value, str):
-                value = get(value) if value in graph.dims else _eval(d, value)
-            out.append(value if value is None else _cast(d, value, f"{graph.path}: dims.{d.name}"))
-        return tuple(out)
 
     def _eval(d: DimSpec, expr: str) -> Any:
         names = {}
@@ -211,16 +170,14 @@ def resolve_dims(
             raise ConfigError(f"{graph.path}: dims.{d.name}: {exc.args[0]!r} is not a dim") from exc
 
     def _cast(d: DimSpec, value: Any, where: str) -> Any:
-        if d.type == "any":  # taken as found; its reader checks it (a layer_pattern period: int or bool list)
+        if d.type == "mapping":
+            if value is not None and not isinstance(value, dict):
+                raise MemraError(f"{where}: expected a mapping, got {value!r}", code="invalid_model")
             return value
         if d.type == "list":
             if not isinstance(value, (list, tuple)):
                 raise MemraError(f"{where}: expected a list, got {value!r}", code="invalid_model")
             return list(value)
-        if d.type == "mapping":
-            if value is not None and not isinstance(value, dict):
-                raise MemraError(f"{where}: expected a mapping, got {value!r}", code="invalid_model")
-            return value
         try:
             if d.type == "int" and isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -231,6 +188,41 @@ def resolve_dims(
     for name in graph.dims:
         get(name)
     return values
+
+
+def check_layers(graph: ModelGraph, dims: dict[str, Any], source: str) -> None:
+    """Every layer's ops, as its ``when`` predicates select them over ``dims``, read only values
+    produced before the repeat or earlier in that layer; a predicate that cannot be evaluated
+    (``layer_types`` shorter than ``layers``) or a layer none of several alternatives serves (a
+    layer type the family does not know) is a MemraError naming the layer."""
+    outer: set[str] = {"tokens"}
+    for node in graph.graph:
+        if not isinstance(node, Repeat):
+            outer.update(node.outputs)
+            continue
+        after: set[str] = set()
+        for layer in range(int(dims[node.count])):
+            try:
+                ops = graph.layer_ops(dims, layer)
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise MemraError(
+                    f"{source}: layer {layer}: cannot evaluate the family's `when` predicates ({exc!r}); "
+                    f"predicates: {graph.predicates}",
+                    code="invalid_model",
+                ) from None
+            have = set(outer)
+            for op in ops:
+                missing = [v for v in op.inputs if v not in have]
+                if missing:
+                    scope = {p: graph.op_runs(Op(p, (), (), when=p), dims, layer) for p in graph.predicates}
+                    raise MemraError(
+                        f"{source}: layer {layer}: no op of family {graph.family} that runs there produces "
+                        f"{missing[0]!r}, which {op.op} reads (predicates at this layer: {scope})",
+                        code="invalid_model",
+                    )
+                have.update(op.outputs)
+            after |= have
+        outer |= after
 
 
 class _LazyDims(dict):
@@ -258,14 +250,10 @@ def dims_for_size(family: str, size: str) -> dict[str, Any]:
         raise ConfigError(f"{graph.path}: sizes: no size {size!r}; available: {', '.join(graph.sizes)}")
     meta = dict(graph.sizes[size])
     # sizes use dim names directly: present them as an "hf" config keyed by each dim's hf field
-    fake: dict[str, Any] = {}
+    fake = {}
     for name, value in meta.items():
         d = graph.dims[name]
-        *parents, leaf = (d.hf[0] if d.hf else name).split(".")
-        node = fake
-        for part in parents:  # a dotted hf path becomes nested mappings
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        fake[d.hf or name] = value
     spec_graph = graph
     dims = resolve_dims(spec_graph, "hf", fake, f"{graph.path}: sizes.{size}")
     dims.update({k: v for k, v in meta.items()})
@@ -296,12 +284,41 @@ def _check_shape(model: LoadedModel, key: str, layer: int | None) -> None:
         return
     want = tuple(int(evaluate(s, model.dims)) for s in spec.shape)
     info = model.info(key, layer)
-    if tuple(info.shape) != want:
+    got = tuple(info.shape)
+    if spec.kind == "vector":  # a 1-output linear is a vector stored [1, n] by HF, [n] by GGUF
+        got, want = tuple(n for n in got if n != 1), tuple(n for n in want if n != 1)
+    if got != want:
+        name = model.file_name(key, layer)
         raise MemraError(
-            f"{model.path}: tensor {model.file_name(key, layer)} has shape {tuple(info.shape)}, "
+            f"{model.weights.file_of(name)}: tensor {name} has shape {tuple(info.shape)}, "
             f"expected {want} ({key}: {list(spec.shape)})",
             code="invalid_model",
         )
+
+
+def _add_stacks(model: LoadedModel, layers_of: dict[str, list[int]]) -> None:
+    """Present every per-index (``{e}``) tensor family of the file as one stacked tensor, named by
+    its pattern with ``{e}`` kept, through engine.weights.StackedSource. Raises MemraError naming the
+    file and tensor when a member is missing or the file holds more members than the dim says."""
+    from engine.weights import StackedSource
+
+    stacked = [(k, t) for k, t in model.graph.tensors.items() if t.stack and "{e}" in (t.pattern(model.fmt) or "")]
+    if not stacked:
+        return
+    src = model.weights = StackedSource(model.weights)
+    for key, spec in stacked:
+        count = int(model.dims[spec.stack])
+        for layer in layers_of.get(key, []) if spec.per_layer else [None]:
+            name = spec.file_name(model.fmt, layer) or ""
+            extra = name.replace("{e}", str(count))
+            if src.base.has(extra):
+                field = model.graph.dims[spec.stack].hf or spec.stack
+                raise MemraError(
+                    f"{src.base.file_of(extra)}: tensor {extra!r} is beyond the {count} experts that "
+                    f"config field {field!r} declares ({key}, dim {spec.stack})",
+                    code="invalid_model",
+                )
+            src.add_stack(name, [name.replace("{e}", str(e)) for e in range(count)])
 
 
 def load_model(path: str | Path, family: str | None = None, quant: str | None = None) -> LoadedModel:
@@ -331,8 +348,8 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
             fmt, 0 if graph.tensors[key].per_layer and layer is None else layer
         )
 
-    def has_tensor(key: str) -> bool:
-        name = file_of(key)
+    def has_tensor(key: str, layer: int | None = None) -> bool:
+        name = file_of(key, layer)
         return bool(name) and weights.has(name)
 
     def tensor_shape(key: str):
@@ -350,9 +367,12 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         path=path,
         tensor_dtypes={},
     )
+    check_layers(graph, dims, source)
+    layers_of = graph.tensor_layers(dims)  # a tensor only some layers' ops read (`when`) is needed there
+    _add_stacks(model, layers_of)
     found: dict[str, set[str]] = {}
     for key, spec in graph.tensors.items():
-        layers = list(model.layer_range()) if spec.per_layer else [None]
+        layers = layers_of[key] if spec.per_layer else [None]
         for layer in layers:
             if not model.has(key, layer):
                 if spec.optional or spec.pattern(fmt) is None:

@@ -21,7 +21,7 @@ import yaml
 from engine import env, paths
 from engine.kernel_catalog import Q8X_FILE_TYPES
 from engine.schema import Field, ListOf, MapOf, load_yaml, validate
-from engine.types import ConfigError
+from engine.types import ConfigError, DeviceInfo
 
 log = logging.getLogger("memra.profile")
 
@@ -316,10 +316,6 @@ TUNING_SCHEMA: dict[str, Field] = {
     # pile onto the SMs the previous kernel frees first); pair_min_blocks: its __launch_bounds__
     # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
     # registers, and spills a q6_kr part: tools/kernel_resources.py)
-    # pair_attention: at batch 1 and short contexts, that launch also runs the layer's direct
-    # rope-fused attention (kernels/gemv_pair_attention.cu.j2: each unit on the q tile block of its
-    # middle q row, once its q / k / v rows have landed), so no attention kernel follows it (slower
-    # on the H200 so far: docs/PERFORMANCE.md, seventeenth session)
     # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
     # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
     "decode_graph": _section(
@@ -329,7 +325,6 @@ TUNING_SCHEMA: dict[str, Field] = {
             "pair_linears": Field(bool, default=False),
             "pair_min_smem_kb": Field(int, default=0),
             "pair_min_blocks": Field(int, default=0),
-            "pair_attention": Field(bool, default=False),
             "o_prefetch_next_kb": Field(int, default=0, check=_non_negative),
             # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
             # (attention_decode.trigger_b1 and l2_prefetch_o / l2_prefetch_next_kb, and
@@ -370,20 +365,6 @@ PROFILE_SCHEMA: dict[str, Field] = {
     "tuning": Field(TUNING_SCHEMA, default={k: f.default for k, f in TUNING_SCHEMA.items()}),
     "notes": Field(MapOf(str), default={}),
 }
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
-
-    name: str
-    compute_capability: tuple[int, int]
-    sm_count: int = 0
-    total_memory: int = 0  # bytes
-
-    @property
-    def cc(self) -> str:
-        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
 
 
 @dataclass(frozen=True)

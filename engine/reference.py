@@ -19,7 +19,9 @@ import numpy as np
 from engine import ops_ref
 from engine.ops import OPS, REFERENCE, RefStep
 from engine.ops.base import MODEL_SCALING
-from engine.sampling import sample, validate_sampling
+from engine.progress import bar
+from engine.sampling import sample, sample_item, validate_sampling
+from engine.spec.accept import accept
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
@@ -91,8 +93,9 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
-        for op, per_layer in self.ops:
-            layers = range(self.layers) if per_layer else [None]
+        graph, dims = self.model.graph, self.model.dims
+        for op, per_layer in bar(self.ops, "memra: loading weights", unit="op"):
+            layers = [i for i in range(self.layers) if graph.op_runs(op, dims, i)] if per_layer else [None]
             for layer in layers:
                 for w in op.weights:
                     load(w, layer)
@@ -145,7 +148,9 @@ class ReferenceRunner:
         return env["logits"]
 
     def _build_schedule(self) -> list[tuple[Any, int | None]]:
-        """(op, layer) in execution order: each per-layer op once per layer, in graph order."""
+        """(op, layer) in execution order: each per-layer op once per layer where its ``when``
+        predicate holds, in graph order."""
+        graph, dims = self.model.graph, self.model.dims
         sched: list[tuple[Any, int | None]] = []
         i, ops = 0, self.ops
         while i < len(ops):
@@ -157,7 +162,7 @@ class ReferenceRunner:
             while j < len(ops) and ops[j][1]:
                 j += 1
             for layer in range(self.layers):
-                sched.extend((op, layer) for op, _ in ops[i:j])
+                sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
             i = j
         return sched
 
@@ -205,7 +210,33 @@ class ReferenceRunner:
                 out.append(None)
                 continue
             # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
-            out.append(sample(logits[-1], item.sampling, item.history, item.prompt_len, item.num_generated))
+            out.append(sample_item(logits[-1], item))
+        return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
+        tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
+        them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
+        for item in items:
+            self._check_item(item)
+            k = len(item.draft)
+            if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
+                raise MemraError(
+                    f"seq {item.seq_id}: the draft must be the last {k} of the item's tokens",
+                    code="internal_error",
+                )
+        out: list[list[int]] = []
+        for item in items:
+            k = len(item.draft)
+            logits = self._forward(
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0
+            )
+            if k:
+                out.append(accept(logits[-(k + 1) :], item))
+            elif item.sample:
+                out.append([sample_item(logits[-1], item)])
+            else:
+                out.append([])
         return out
 
     def run_logits(self, item: StepItem) -> np.ndarray:

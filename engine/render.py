@@ -3,7 +3,7 @@
 The Jinja2 environment uses StrictUndefined, so a template that reads a parameter the spec lacks
 fails loudly with the spec's name. A template sees ``entry`` plus the spec's params and one
 function, ``part`` (another template rendered from the params under a prefix: gemv_pair's two
-GEMVs, gemv_pair_attention's attention). Must not import CUDA.
+GEMVs). Must not import CUDA.
 """
 
 from __future__ import annotations

@@ -23,20 +23,11 @@ import numpy as np
 
 from engine import cuda, env, quant
 from engine.compile import KernelBuilder
-from engine.plan import (
-    PENALTY_CAPACITY,
-    ROPE_FREQ,
-    WIDE,
-    Arg,
-    Launch,
-    Plan,
-    build_plan,
-    kernel_specs,
-    launch_key,
-)
+from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, kernel_specs, launch_key
+from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
-from engine.render import render, waits_first
-from engine.sampling import penalty_entries, sample
+from engine.progress import bar
+from engine.sampling import penalty_entries, sample_item
 from engine.types import ConfigError, MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
@@ -93,7 +84,6 @@ class CudaRunner:
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         use_graphs: bool = True,
-        catalog: Any = None,
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
@@ -102,11 +92,10 @@ class CudaRunner:
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
         self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, catalog
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style
         )
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
-        self._pdl_ready: dict[Any, bool] = {}  # spec -> its kernel calls pdl_wait() first
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
         log.info(
@@ -190,7 +179,7 @@ class CudaRunner:
     def _upload_weights(self) -> None:
         m = self.model
         self._weights: dict[str, cuda.DeviceBuffer] = {}
-        for w in self.plan.weights:
+        for w in bar(self.plan.weights, "memra: loading weights", unit="tensor"):
             if w.key == ROPE_FREQ:
                 self._weights[w.key] = self._upload_array(self._rope_freq_factors())
                 continue
@@ -404,12 +393,10 @@ class CudaRunner:
         is launched plainly, so it never runs ahead of the kernel before it)."""
         if not self._pdl:
             return False
-        if spec not in self._pdl_ready:
-            self._pdl_ready[spec] = waits_first(render(spec), spec.entry)
-            if not self._pdl_ready[spec] and spec.template not in self._pdl_warned:
-                self._pdl_warned.add(spec.template)  # once per template, not per spec
-                log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
-        return self._pdl_ready[spec]
+        if not spec.pdl and spec.template not in self._pdl_warned:
+            self._pdl_warned.add(spec.template)  # once per template, not per spec
+            log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
+        return spec.pdl
 
     def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
         return {
@@ -498,6 +485,17 @@ class CudaRunner:
                 out[i] = tok if items[i].sample else None
         return out
 
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        from engine.spec.cuda_verify import verify
+
+        me = threading.get_ident()
+        if me != self._ctx_thread:
+            self.ctx.make_current()
+            self._ctx_thread = me
+        return verify(self, items)
+
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)
         if end > self.max_model_len:
@@ -547,6 +545,8 @@ class CudaRunner:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
         host: more penalty entries than the device buffer holds, so those rows are re-sampled on
         the host from their logits after a plain sample pass."""
+        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
+            return "host"
         if not any(it.sampling.uses_penalties for it in items):
             return "greedy" if all(it.sampling.greedy for it in items) else "sample"
         vocab = self.plan.values["logits"].width
@@ -589,7 +589,9 @@ class CudaRunner:
         self.stream.synchronize()
         return self._views["out_ids"][:rows].copy()
 
-    def _decode(self, items: Sequence[StepItem]) -> list[int]:
+    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
         n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
@@ -618,7 +620,7 @@ class CudaRunner:
             self._clear_sampling(r)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
-        short = max(it.start_pos for it in items) < self.plan.short_context
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
         # a graph without penalty entries copies the inputs in and the sampled ids out itself
         # (pinned host memory): one driver call per step, then the wait
         io = self.use_graphs and kind != "penalised"
@@ -639,13 +641,12 @@ class CudaRunner:
     def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
         """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
         step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties]
+        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
         if not rows:
             return ids
         logits = self.read_logits(max(rows) + 1)
         for r in rows:
-            it = items[r]
-            ids[r] = sample(logits[r], it.sampling, it.history, it.prompt_len, it.num_generated)
+            ids[r] = sample_item(logits[r], items[r])
         return ids
 
     def read_logits(self, rows: int) -> np.ndarray:
@@ -836,6 +837,11 @@ class CudaRunner:
 
 
 TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
+
+def _on_host(it: StepItem) -> bool:
+    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
+    return it.sample and (it.allowed is not None or it.sampling.needs_host)
+
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 

@@ -1,5 +1,10 @@
 """Host-side token sampling: SamplingParams validation and the numpy sampler (reference semantics).
 
+``sample_item`` (what runners call) first adds the request's logit bias and masks the tokens a
+constraint forbids (``StepItem.allowed``, a packed bitmask), then calls ``sample``, and records the
+log probabilities the request asked for: those of the model's raw distribution, log_softmax of the
+unmodified logits, as vLLM reports them by default.
+
 ``sample`` applies, in order: repetition penalty (prompt + generated tokens, Hugging Face
 semantics), presence/frequency penalties (generated tokens, OpenAI semantics), greedy argmax when
 ``temperature == 0``, else temperature, top-k, top-p, min-p and one draw from a counter-based
@@ -16,9 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.types import MemraError, SamplingParams
+from engine.types import MemraError, SamplingParams, StepItem
 
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
 _U64 = (1 << 64) - 1
 
 
@@ -61,6 +67,15 @@ def validate_sampling(params: SamplingParams) -> None:
     seed = params.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise _bad("seed", f"seed must be an integer, got {seed!r}")
+    lp = params.logprobs
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, (int, np.integer)) or not 0 <= lp <= MAX_LOGPROBS):
+        raise _bad("top_logprobs", f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {lp!r}")
+    for tok, bias in params.logit_bias:
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+            raise _bad("logit_bias", f"logit_bias keys must be token ids >= 0, got {tok!r}")
+        b = _check_real("logit_bias", bias)
+        if not -100.0 <= b <= 100.0:
+            raise _bad("logit_bias", f"logit_bias values must be between -100 and 100, got {b:g}")
 
 
 def apply_penalties(
@@ -183,3 +198,59 @@ def sample(
     while p[idx] == 0.0 and idx > 0:  # u landed on the end of the cdf: step back to a kept token
         idx -= 1
     return idx
+
+
+def unpack_mask(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    """A packed int32 bitmask (bit ``t % 32`` of word ``t // 32``) as a bool array [vocab]."""
+    words = np.asarray(allowed).view(np.uint32).reshape(-1)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    if bits.size < vocab:
+        bits = np.concatenate([bits, np.zeros(vocab - bits.size, dtype=np.uint8)])
+    return bits[:vocab].astype(bool)
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """A copy of ``logits`` with each ``(token, value)`` of ``bias`` added (ids past the vocabulary
+    are ignored: a model's logits may be narrower than its tokenizer's id space)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    for tok, value in bias:
+        if 0 <= tok < out.shape[0]:
+            out[tok] += np.float32(value)
+    return out
+
+
+def apply_token_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``logits`` with every token the packed bitmask forbids set to -inf; MemraError when the mask
+    allows no token of this vocabulary (a constraint that cannot continue)."""
+    keep = unpack_mask(allowed, logits.shape[0])
+    if not keep.any():
+        raise MemraError("the output constraint allows no token at this point", code="engine_error")
+    return np.where(keep, np.asarray(logits, dtype=np.float32), np.float32(-np.inf))
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """log_softmax of ``logits`` [vocab]: the value at ``token`` and the ``k`` largest, best first
+    (ties by lower id)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x)
+    lp = x - (m + np.log(np.sum(np.exp(x - m))))
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        idx = np.argpartition(-lp, min(k, lp.size - 1))[:k] if k < lp.size else np.arange(lp.size)
+        idx = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
+        top = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token]), top
+
+
+def sample_item(logits: np.ndarray, item: StepItem) -> int:
+    """Sample ``item``'s next token from its raw logits [vocab]: logit bias, constraint mask, then
+    ``sample``; stores ``item.logprobs_out`` when ``item.sampling.logprobs`` is set."""
+    params = item.sampling
+    raw = np.asarray(logits, dtype=np.float32)
+    x = apply_logit_bias(raw, params.logit_bias) if params.logit_bias else raw
+    if item.allowed is not None:
+        x = apply_token_mask(x, item.allowed)
+    tok = sample(x, params, item.history, item.prompt_len, item.num_generated)
+    if params.logprobs is not None:
+        item.logprobs_out = token_logprobs(raw, tok, params.logprobs)
+    return tok

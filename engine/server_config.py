@@ -8,6 +8,7 @@ Server TOML (every key optional)::
     keepalive_s = 5.0           drain_timeout_s = 30.0
     max_running = 64            threads = 0            # 0: max_running + 8
     retry_after_s = 1           keys_file = "keys.toml"  # relative to this file
+    speculative = "ngram"       spec_tokens = 4        # or "draft:PATH" / "mtp" (docs/speculative.md)
     [models]
     smol = "/models/SmolLM2-135M-Instruct-Q4_1.gguf"
 
@@ -65,6 +66,8 @@ class ServerConfig:
     models: dict[str, str] = field(default_factory=dict)
     keys: tuple[ApiKey, ...] = ()  # used when keys_file is None (tests); else read from keys_file
     system_fingerprint: str = "fp_memra"
+    speculative: str | None = None  # `--speculative`: ngram | draft:PATH | mtp (engine.spec.config)
+    spec_tokens: int | None = None  # `--spec-tokens`
 
     @property
     def waitress_threads(self) -> int:
@@ -96,6 +99,8 @@ _SERVER_TYPES = {
     "retry_after_s": int,
     "keys_file": str,
     "system_fingerprint": str,
+    "speculative": str,
+    "spec_tokens": int,
 }
 
 

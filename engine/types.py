@@ -7,9 +7,10 @@ other engine module, so every layer can depend on it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class MemraError(Exception):
@@ -52,6 +53,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log probabilities; k >= 0: the sampled token's log probability and the k most likely
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +65,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_host(self) -> bool:
+        """Features only the host sampler (engine.sampling.sample_item) implements: logit bias and
+        log probabilities. A device sampler re-samples such rows on the host from their logits."""
+        return bool(self.logit_bias) or self.logprobs is not None
 
 
 @dataclass
@@ -74,6 +85,10 @@ class StepItem:
     ``history`` is every token id of the sequence so far (prompt + generated), used for penalties;
     ``num_generated`` counts generated tokens so far (the sampler's random-stream counter);
     ``prompt_len`` splits history into prompt and generated parts.
+    ``allowed`` (constrained decoding) is a packed int32 bitmask of ceil(vocab / 32) words, bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` may be sampled; None allows every token.
+    A runner that samples an item with ``sampling.logprobs`` set stores the result in
+    ``logprobs_out``: ``(sampled token's logprob, [(token id, logprob), ...] best first)``.
     """
 
     seq_id: int
@@ -85,6 +100,24 @@ class StepItem:
     history: Sequence[int] = ()
     prompt_len: int = 0
     num_generated: int = 0
+    allowed: object | None = None
+    logprobs_out: tuple[float, list[tuple[int, float]]] | None = None
+    # Speculative decoding (engine.spec): the last ``len(draft)`` entries of ``token_ids`` are proposed
+    # tokens to verify. ``draft_probs`` is the proposer's distribution for each of them ([k, vocab]
+    # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).
+    draft: Sequence[int] = ()
+    draft_probs: Any = None
+
+
+class TokenConstraint(Protocol):
+    """Per-request constrained decoding (engine.grammar builds one). The engine thread calls
+    ``allowed()`` before each sampled step (a packed bitmask as in StepItem.allowed, or None for
+    no constraint at this step) and ``advance(token)`` with every generated token; ``advance``
+    raises MemraError when the token breaks the constraint."""
+
+    def allowed(self) -> object | None: ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @runtime_checkable
@@ -105,6 +138,25 @@ class Runner(Protocol):
     def step(self, items: Sequence[StepItem]) -> list[int | None]: ...
 
 
+@runtime_checkable
+class VerifyingRunner(Runner, Protocol):
+    """A Runner that can verify speculative drafts in one step (engine.spec).
+
+    ``verify`` runs the items like ``step`` (writing the KV of every token, drafts included) and
+    returns, per item, the tokens it emits: for an item with a draft of k tokens it scores the k+1
+    positions from the one before the draft to the last draft token (logits for every verify
+    position), applies ``engine.spec.accept`` (greedy: longest prefix equal to the argmax; sampling:
+    the rejection rule) and returns the accepted drafts plus one token (1..k+1 ids). Items without a
+    draft give ``[token]`` when sampled, else ``[]``. The engine then rolls the KV of the rejected
+    positions back (block manager truncation); a runner with per-sequence state beside the paged KV
+    (recurrent layers) also implements ``spec_rollback(seq_id, num_tokens)``, which the engine calls
+    with the number of positions of the sequence that stay valid (restore the snapshot taken before
+    the verify step and replay the accepted tokens, or keep per-position snapshots).
+    """
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]: ...
+
+
 @dataclass
 class GenerationRequest:
     """What a client asked the engine for, already tokenized."""
@@ -118,6 +170,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     tenant: str = "default"
     cache_salt: str = ""  # extra isolation inside a tenant (vLLM's cache_salt)
+    constraint: TokenConstraint | None = None  # constrained decoding (structured output, forced tools)
+    speculative: bool = True  # False: never speculate for this request (when the engine does)
 
 
 @dataclass
@@ -144,3 +198,21 @@ class TokenEvent:
     usage: Usage | None = None
     error: MemraError | None = None
     ttft_s: float | None = None  # set on the first event: seconds from submit to first token
+    # per token of token_ids when the request asked for logprobs: (logprob, [(id, logprob), ...])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # time.perf_counter() when the engine produced the event (readers may drain the queue late)
+    created_s: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the driver says about a GPU (filled by engine.cuda; plain data here)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int = 0
+    total_memory: int = 0  # bytes
+
+    @property
+    def cc(self) -> str:
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"

@@ -66,7 +66,7 @@ def test_profiles_without_gpu_lists_profiles(capsys, monkeypatch):
 
 def test_profiles_with_a_gpu_selects_h200(capsys, monkeypatch):
     from engine import backend
-    from engine.profile import DeviceInfo
+    from engine.types import DeviceInfo
 
     dev = DeviceInfo("NVIDIA H200", (9, 0), 132, 143 * 2**30)
     monkeypatch.setattr(backend, "detect", lambda: backend.Detected([dev]))

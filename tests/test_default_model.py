@@ -154,7 +154,7 @@ def test_real_gemma3_file(gemma3_path: Path) -> None:
 def test_cli_and_serve_take_a_known_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from engine.cli import resolve_model_path
+    from engine.backend import resolve_model_path
     from engine.server.launch import _model_and_aliases
     from engine.server_config import load_server_config
 

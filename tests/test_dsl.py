@@ -245,7 +245,8 @@ def test_bad_profile_yaml(tmp_path, old, new, expect):
 
 
 def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
-    from engine.profile import DeviceInfo, select, with_tuning
+    from engine.profile import select, with_tuning
+    from engine.types import DeviceInfo
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), 132)
     base = select(h200)

@@ -90,33 +90,25 @@ def _specs_by_arch(full: bool = False):
 
 
 def _pair_specs() -> list:
-    """One gemv_pair spec per (q|k type, v type) and gemv_pair_attention specs covering each (q|k
-    type, v type) and each (rope style, q/k norm) (the h200 tuning with decode_graph.pair_linears,
-    on in that profile, and pair_attention, on in none yet): their parts compile alone above, the pair adds
-    the namespaces and the dispatch, the attention the unit counting and the attention part."""
+    """One gemv_pair spec per (q|k type, v type) (the h200 tuning with decode_graph.pair_linears, on
+    in that profile): their parts compile alone above, the pair adds the namespaces and the
+    dispatch; and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of
+    Qwen3-4B q4_k_m."""
     from engine.profile import get_profile, with_tuning
 
-    tune = "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    tune = "decode_graph.pair_linears=true"
     prof = with_tuning(get_profile("h200"), tune)
     pairs: dict[tuple, object] = {}
     for _fam, _size, dims, types, styles, qk in family_cases():
         for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
-            if s.template == "gemv_pair_attention":
-                pairs.setdefault(("attention", s.params["a_quant"], s.params["b_quant"]), s)
-                pairs.setdefault(("attention", s.params["c_style"], s.params["c_qk_norm"]), s)
-    # and the plan's (a grid of resident blocks: the row tiles in shared memory, wsm) of Qwen3-4B
-    # q4_k_m; its gemv_pair_attention with the __launch_bounds__ minimum its 231 blocks need
     from test_plan import _q4_k_m_plan
 
     plan = _q4_k_m_plan(tune)
     wsm = {la.spec for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair"}
     assert len(wsm) == 1 and all(s.params["a_wsm"] and s.params["b_wsm"] for s in wsm)
-    fused = {la.spec for st in plan.steps for la in st.launches.get("short1", ())}
-    assert len(fused) == 1 and all(s.params["a_min_blocks"] == 2 for s in fused)
-    assert any(s.template == "gemv_pair_attention" for s in pairs.values())
-    return list(dict.fromkeys([*pairs.values(), *wsm, *fused]))
+    return list(dict.fromkeys([*pairs.values(), *wsm]))
 
 
 def _variant_archs() -> list[str]:
@@ -129,10 +121,10 @@ def _variant_archs() -> list[str]:
 
 
 def test_every_template_is_in_the_catalog():
-    from engine import paths
+    from engine import moe_kernels, paths
 
     templates = {p.name[: -len(".cu.j2")] for p in paths.kernels_dir().glob("*.cu.j2")}
-    assert templates == set(kc.KERNELS)
+    assert templates == set(kc.KERNELS) | set(moe_kernels.KERNELS)  # (MoE: tests/test_moe_kernels_compile.py)
 
 
 def test_all_specs_render_and_cover_every_template():

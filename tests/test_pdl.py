@@ -3,6 +3,7 @@ pdl_wait() first), the profile field, MEMRA_PDL, and the launch configuration.""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from typing import Any
 
@@ -17,8 +18,8 @@ from engine.types import ConfigError
 
 def _specs():
     """One spec per (template, code flags) over every family's sizes and storage types (h200 tuning,
-    with decode_graph.pair_linears and pair_attention on for the gemv_pair(_attention) kernels)."""
-    tune = "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
+    with decode_graph.pair_linears on for the gemv_pair kernels)."""
+    tune = "decode_graph.pair_linears=true"
     prof = profile.with_tuning(profile.get_profile("h200"), tune)
     out: dict[tuple, Any] = {}
     for _fam, _size, d, types, styles, qk in family_cases():
@@ -37,6 +38,16 @@ def test_every_kernel_waits_before_touching_memory():
         src = render(s)
         assert "griddepcontrol.wait;" in src and "griddepcontrol.launch_dependents;" in src
         assert waits_first(src, s.entry), f"{s.entry} ({s.template}) does not start with pdl_wait();"
+        assert s.pdl, f"{s.entry}: the spec's pdl field must say what its source does (the runner reads it)"
+
+
+def test_the_spec_pdl_field_follows_the_template_contract(monkeypatch):
+    """The runner launches with PDL by ``KernelSpec.pdl`` (it never renders to look): a template
+    whose contract says it does not wait first gives specs without it."""
+    s = kc.spec("silu_mul", inter=1536, in_stride=3072, threads=256)
+    assert s.pdl and waits_first(render(s), s.entry)
+    monkeypatch.setitem(kc.KERNELS, "silu_mul", dataclasses.replace(kc.KERNELS["silu_mul"], pdl=False))
+    assert not kc.spec("silu_mul", inter=1536, in_stride=3072, threads=256).pdl
 
 
 def test_early_weight_gemv_preloads_only_weights():

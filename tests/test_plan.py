@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.graph import load_family
+from engine.ir import describe, kernel_specs, storage_nbytes
 from engine.model import dims_for_size
-from engine.plan import build_plan, describe, kernel_specs, storage_nbytes
+from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
 from engine.quant import row_bytes
 from engine.render import render
@@ -234,7 +235,7 @@ def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
 
     def qkv(tune):
         prof = with_tuning(get_profile("h200"), tune)
-        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style, kc)
+        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style)
         return [s.launches["decode1"] for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
 
     apart, paired = qkv("decode_graph.pair_linears=false"), qkv("decode_graph.pair_min_blocks=0")
@@ -304,58 +305,8 @@ def test_pair_spec_rules_name_the_problem():
     assert c.grid(1) == (2 * p.params["blocks_a"], 1, 1) and c.block == (a.params["threads"], 1, 1)
 
 
-def test_pair_attention_runs_the_short_attention_in_the_batch1_pair():
-    """decode_graph.pair_attention: each layer's batch-1 short-context pass (SHORT1) runs one
-    gemv_pair_attention launch for the q|k|v pair and the direct rope-fused attention: the pair's
-    parts (with the __launch_bounds__ minimum its grid needs to be resident in one round: 231 or
-    180 blocks on 132 SMs, 2), the attention's params and args, the zeroed unit counters; its
-    attention step's SHORT1 is empty, and decode1 / short / decode / prefill are unchanged. Without
-    pair_linears, or off, there is no SHORT1."""
-    from engine import kernel_catalog as kc
-    from engine.plan import SHORT1, Arg
-
-    dims = dims_for_size("qwen3", "qwen3-4b")
-    graph = load_family("qwen3")
-    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
-    dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})  # both v types
-
-    def plan_of(tune):
-        prof = with_tuning(get_profile("h200"), f"{WINDOW_OFF}; {tune}")
-        return build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
-
-    pair = "decode_graph.pair_linears=true"
-    base, fused = plan_of(pair), plan_of(f"{pair}; decode_graph.pair_attention=true")
-    blocks = set()
-    for s, t in zip(base.steps, fused.steps, strict=True):
-        assert {k: v for k, v in t.launches.items() if k != SHORT1} == s.launches
-        if s.op.op == "linear" and s.op.outputs[0] == "q":
-            (pl,) = s.launches["decode1"]
-            (la,) = t.launches[SHORT1]
-            attn = next(x for x in base.steps if x.layer == s.layer and x.op.op == "attention")
-            (at,) = attn.launches["short"]
-            assert la.spec.template == "gemv_pair_attention"
-            p, a = kc.pair_attention_parts(la.spec)
-            assert [q.params for q in kc.pair_parts(p)] == [
-                {**q.params, "min_blocks": 2} for q in kc.pair_parts(pl.spec)
-            ]
-            assert a.params == at.spec.params and a.params["rope"] and a.params["qsplit"] == 4
-            assert la.args == pl.args + at.args + (Arg("scratch", "attn_count"),)
-            assert (la.grid, la.block, la.smem) == (pl.grid, pl.block, pl.smem)
-            assert len(kc.kernel_args(la.spec)) == len(la.args)
-            blocks.add(la.grid[0])
-        elif s.op.op == "attention":
-            assert t.launches[SHORT1] == ()
-        else:
-            assert SHORT1 not in t.launches
-    assert blocks == {231, 180}
-    (counters,) = [sc for sc in fused.scratch if sc.name == "attn_count"]
-    assert (counters.fixed, counters.fill) == (4 * dims["kv_heads"] * 4, "zero")
-    for tune in ("decode_graph.pair_linears=false; decode_graph.pair_attention=true", pair):
-        assert not any(SHORT1 in st.launches for st in plan_of(tune).steps)
-
-
 def test_launch_key_picks_short1_then_short_then_the_mode():
-    from engine.plan import SHORT1, launch_key
+    from engine.ir import SHORT1, launch_key
 
     both, short_only = {"decode1": (), "short": (), SHORT1: ()}, {"decode1": (), "decode": (), "short": ()}
     assert launch_key(both, "decode1", True) == SHORT1
@@ -363,33 +314,6 @@ def test_launch_key_picks_short1_then_short_then_the_mode():
     assert launch_key(both, "decode", True) == "short"
     assert launch_key(short_only, "decode1", True) == "short"
     assert launch_key({"decode1": ()}, "decode1", True) == "decode1"
-
-
-def test_pair_attention_spec_rules_name_the_problem():
-    from engine import kernel_catalog as kc
-    from engine.plan import SHORT1
-
-    plan = _q4_k_m_plan("decode_graph.pair_linears=true; decode_graph.pair_attention=true")
-    (la,) = next(st.launches[SHORT1] for st in plan.steps if st.launches.get(SHORT1))
-    pair, attn = kc.pair_attention_parts(la.spec)
-    assert kc.spec("gemv_pair_attention", **la.spec.params) == la.spec  # the params alone rebuild it
-    c = kc.choice("gemv_pair_attention", **la.spec.params)
-    assert c.grid(1) == (231, 1, 1) and c.block == (320, 1, 1) and c.smem == kc.pair_smem(pair)
-
-    def att(**kw):
-        return kc.spec("attention", **{**attn.params, **kw})
-
-    with pytest.raises(ConfigError, match="direct rope-fused"):
-        kc.pair_attention_spec(pair, att(direct=False, qsplit=1))
-    with pytest.raises(ConfigError, match="direct rope-fused"):
-        kc.pair_attention_spec(pair, att(rope=False))
-    with pytest.raises(ConfigError, match="16 warps exceed the pair's 320 threads"):
-        kc.pair_attention_spec(pair, att(warps=16))
-    with pytest.raises(ConfigError, match="not the 16 q and 8 k heads"):
-        kc.pair_attention_spec(pair, att(heads=16, qsplit=2))
-    with pytest.raises(ConfigError, match="gemv_pair spec"):
-        kc.pair_attention_spec(attn, attn)
-    assert kc.attention_static_smem(attn.params) == 8 * 1 * 130 * 4 + 18 * 4 + (1 + 8) * 128 * 4 + 2 * 128 * 2
 
 
 def test_attention_table_first_on_every_decode_kernel():
@@ -552,19 +476,18 @@ def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
     assert [launch.spec.template for launch in linear.launches["decode"]] == ["gemv"]
 
 
-def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder():
-    import types
-
+def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder(monkeypatch):
     from engine import kernel_catalog as kc
+
+    gemm_params = kc.gemm_params
 
     def bf16_only(n, k, tuning, **kw):
         if kw.get("quant", "bf16") != "bf16":
             raise ConfigError("no fused decoder")
-        return kc.gemm_params(n, k, tuning, **kw)
+        return gemm_params(n, k, tuning, **kw)
 
-    cat = types.SimpleNamespace(**{x: getattr(kc, x) for x in dir(kc) if not x.startswith("__")})
-    cat.gemm_params = bf16_only
-    plan = _short_chunks_only(catalog=cat)
+    monkeypatch.setattr(kc, "gemm_params", bf16_only)
+    plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     deq, gemm = linear.launches["prefill"]
     assert deq.spec.template == "embed" and deq.spec.params["quant"] == "q8_0"
@@ -576,19 +499,21 @@ def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_de
 def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     from engine import kernel_catalog as kc
     from engine.graph import Op
-    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.ir import Value, WeightPlan
+    from engine.lowering.context import Lowerer
+    from engine.lowering.linear import linear_gemm
     from engine.profile import with_tuning
 
     prof = get_profile("h200")
-    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    adapter = Lowerer(prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
     op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
     ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
-    (dec,) = adapter._linear_gemm(op, "decode", ins, outs, ws, section="gemm_decode")
+    (dec,) = linear_gemm(adapter, op, "decode", ins, outs, ws, section="gemm_decode")
     off = with_tuning(prof, "gemm_wgmma.enabled=false")
-    (pre,) = _CatalogAdapter(kc, off, dims_for_size("qwen3", "qwen3-4b"), "neox")._linear_gemm(
-        op, "prefill", ins, outs, ws
+    (pre,) = linear_gemm(
+        Lowerer(off, dims_for_size("qwen3", "qwen3-4b"), "neox"), op, "prefill", ins, outs, ws
     )
     t = prof.tune("gemm_decode")
     assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
@@ -603,16 +528,18 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     multiple of 64 (or the profile turns it off) the mma.sync gemm takes the linear."""
     from engine import kernel_catalog as kc
     from engine.graph import Op
-    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.ir import Value, WeightPlan
+    from engine.lowering.context import Lowerer
+    from engine.lowering.linear import linear_gemm
 
     prof = get_profile("h200")
     g = prof.tune("gemm_wgmma")
-    adapter = _CatalogAdapter(kc, prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
+    adapter = Lowerer(prof, dims_for_size("qwen3", "qwen3-4b"), "neox")
     op = Op("linear", ("attn",), ("h",), ("wo",), {"residual": "h"})
     ins = [Value("attn", "attn", 0, 4096, 4096, "bf16")]
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
-    (pre,) = adapter._linear_gemm(op, "prefill", ins, outs, ws)
+    (pre,) = linear_gemm(adapter, op, "prefill", ins, outs, ws)
     tile_m = 64 * g["consumers"] * g["m_frags"]
     tn = pre.spec.params["tile_n"]
     assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
@@ -627,7 +554,7 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     assert pre.grid_for({"n": 300}) == (-(-2560 // tn), -(-300 // tile_m))
     assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
     odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
-    (mma,) = adapter._linear_gemm(op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
+    (mma,) = linear_gemm(adapter, op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
     assert mma.spec.template == "gemm"
 
 
@@ -669,7 +596,7 @@ def test_short_context_decode_uses_direct_attention_without_combine():
 
 
 def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
-    from engine.plan import WIDE
+    from engine.ir import WIDE
 
     plan = plan_for("qwen3", "qwen3-4b")
     assert plan.wide_rows == 16  # h200: tuning.gemm_decode.min_rows
@@ -1663,83 +1590,11 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
         )
 
 
-def test_pair_attention_unit_counts_match_the_tiles(tmp_path):
-    """The unit bookkeeping of gemv_pair_attention (kernels/_pair_units.cuh.j2: att_need,
-    att_holds, C integer math) compiled for the host with g++ and run over every tile of both
-    parts: each unit's count of tiles holding its rows equals att_need (else a unit would never run,
-    or run before its rows land), every unit is held by some tile, and its owner (att_owner, the
-    block that runs it) is a q tile of it that owns no other unit. Qwen3-4B q4_k_m (q6_k and
-    q4_k v; one and two query heads per unit), and a shape whose last q head's and only k head's
-    rows share a tile."""
-    import shutil
-    import subprocess
-
-    import jinja2
-
-    from engine import paths
-    from engine.plan import SHORT1
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    dims = dims_for_size("qwen3", "qwen3-4b")
-    graph = load_family("qwen3")
-    dtypes = {"wq": "q4_k", "wk": "q4_k", "wv": "q4_k", "w_gate": "q4_k", "w_up": "q4_k", "w_down": "q6_k"}
-    dtypes.update({f"wv@{lay}": "q6_k" for lay in range(0, dims["layers"], 2)})
-    prof = with_tuning(
-        get_profile("h200"), "decode_graph.pair_linears=true; decode_graph.pair_attention=true"
-    )
-    plan = build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes)
-    params = [
-        dict(s.params)
-        for s in dict.fromkeys(la.spec for st in plan.steps for la in st.launches.get(SHORT1, ()))
-    ]
-    assert len(params) == 2
-    # 2 q heads of 64 rows and 1 k head in 48-row tiles: tile 2 holds rows 96..143 (q head 1 and k)
-    odd = {**params[0], "a_rows_per_block": 48, "blocks_a": 4, "b_rows_per_block": 16, "blocks_b": 4}
-    odd.update(c_heads=2, c_kv_heads=1, c_head_dim=64, c_qsplit=1)
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(paths.kernels_dir())), undefined=jinja2.StrictUndefined
-    )
-    for p in params + [odd, {**params[0], "c_qsplit": 2}]:  # (and two heads per unit)
-        body = (
-            env.get_template("_pair_units.cuh.j2")
-            .render(**p)
-            .replace("__device__ __forceinline__", "static inline")
-        )
-        units = p["c_kv_heads"] * p["c_qsplit"]
-        ra, q_rows = p["a_rows_per_block"], p["c_heads"] * p["c_head_dim"]
-        main = f"""
-#include <cstdio>
-int main() {{
-    int bad = 0;
-    for (int u = 0; u < {units}; ++u) {{
-        int n = 0;
-        for (int t = 0; t < {p["blocks_a"]}; ++t) n += att_holds(u, false, t);
-        for (int t = 0; t < {p["blocks_b"]}; ++t) n += att_holds(u, true, t);
-        if (n != att_need(u) || n == 0) {{ std::printf("unit %d: %d tiles, need %d\\n", u, n, att_need(u)); ++bad; }}
-        const int own = att_owner(u);  // a q tile of the unit, running no other unit
-        if (own < 0 || own * {ra} >= {q_rows} || !att_holds(u, false, own) || (u > 0 && att_owner(u - 1) == own)) {{
-            std::printf("unit %d: owner tile %d\\n", u, own); ++bad;
-        }}
-    }}
-    std::printf("%d units ok\\n", {units} - bad);
-    return bad;
-}}
-"""
-        cpp = tmp_path / "units.cpp"
-        cpp.write_text(body + main)
-        subprocess.run([cxx, "-O1", "-o", str(tmp_path / "units"), str(cpp)], check=True)
-        run = subprocess.run([str(tmp_path / "units")], capture_output=True, text=True)
-        assert run.returncode == 0 and run.stdout.strip() == f"{units} units ok", run.stdout
-
-
 def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
     """attention_decode.trigger_b1: each attention step gets a SHORT1 launch, the short launch's
     direct kernel with ``trigger`` on, so only the batch-1 short pass triggers early; every other
-    key of every step is the plan without the knob. With pair_attention (SHORT1 already runs the
-    attention) the knob adds nothing."""
-    from engine.plan import SHORT1
+    key of every step is the plan without the knob."""
+    from engine.ir import SHORT1
 
     off, on = _q4_k_m_plan("attention_decode.trigger_b1=false"), _q4_k_m_plan("attention_decode.trigger_b1=true")
     assert not any(SHORT1 in st.launches for st in off.steps)
@@ -1756,10 +1611,6 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
         assert (la.grid, la.block, la.args, la.smem) == (short.grid, short.block, short.args, short.smem)
         assert "pdl_trigger();" in render(la.spec) and "pdl_trigger();" not in render(short.spec)
     assert attn == on.dims["layers"]
-    fused = _q4_k_m_plan("attention_decode.trigger_b1=true; decode_graph.pair_attention=true")
-    for st in fused.steps:
-        if st.op.op == "attention":
-            assert st.launches[SHORT1] == ()
 
 
 def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch():
@@ -1767,9 +1618,9 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
     the direct kernel with l2_pf ranges over its own layer's o weight (whole) and the first KB of
     its gate|up (half from the gate rows, half from the up rows GLU rows on), those weights as
     trailing pointer args; other keys of every step are the plan's without the knobs; it keeps
-    trigger_b1's trigger; the pair-attention fusion (SHORT1 empty) is left alone."""
+    trigger_b1's trigger."""
     from engine import kernel_catalog as kc
-    from engine.plan import SHORT1, Arg
+    from engine.ir import SHORT1, Arg
 
     base = _q4_k_m_plan("")
     tune = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.trigger_b1=true"
@@ -1795,8 +1646,6 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
     only_next = _q4_k_m_plan("attention_decode.l2_prefetch_next_kb=1; attention_decode.l2_prefetch_late=true")
     (la,) = next(st for st in only_next.steps if st.op.op == "attention").launches[SHORT1]
     assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, 512), (0, half, 512)) and la.spec.params["l2_pf_late"]
-    fused = _q4_k_m_plan(tune + "; decode_graph.pair_attention=true")
-    assert all(st.launches[SHORT1] == () for st in fused.steps if st.op.op == "attention")
 
 
 def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
@@ -1804,7 +1653,7 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
     over the first KB of its layer's gate|up (half from the gate rows, half from the up rows) and
     that weight as its last arg; every other launch is the plan's without the knob."""
     from engine import kernel_catalog as kc
-    from engine.plan import Arg
+    from engine.ir import Arg
 
     base, plan = _q4_k_m_plan(""), _q4_k_m_plan("decode_graph.o_prefetch_next_kb=1024")
     changed = 0
@@ -1827,9 +1676,7 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
 
 def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
-    (so the o GEMV launches beside it); the split kernels and, in the pair-attention launch, the
-    attention part do not (its pair triggers already); off, no attention kernel triggers."""
-    from engine.plan import SHORT1
+    (so the o GEMV launches beside it); the split kernels do not; off, no attention kernel triggers."""
 
     def attn(plan, key):
         return {la.spec for st in plan.steps for la in st.launches.get(key, ()) if la.spec.template.startswith("attention")}
@@ -1843,11 +1690,6 @@ def test_attention_trigger_is_on_the_direct_decode_kernel_only():
     for spec in attn(on, "decode") | attn(on, "decode1"):
         assert not spec.params.get("trigger"), spec.entry
     assert short_off.entry.count("trigger") == 0  # off: the kernel name of the plans before the knob
-    fused = _q4_k_m_plan("attention_decode.trigger=true; decode_graph.pair_attention=true")
-    spec = next(la.spec for st in fused.steps for la in st.launches.get(SHORT1, ()))
-    src = render(spec)
-    part = src[src.index("namespace memra_pair_c {") : src.index("}  // namespace memra_pair_c")]
-    assert "pdl_trigger();" not in part and spec.params["c_trigger"]
 
 
 def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
@@ -1855,7 +1697,7 @@ def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
     (trigger_b1, l2_prefetch_o, o_prefetch_next_kb) reach the layers whose o weight has 5-8 MB
     (Qwen3-4B q4_k_m: 5760 KB), not a q8_0 o (10880 KB) nor a Qwen3-0.6B bf16 o (4096 KB); with
     the window open (0 / 0) the q8_0 plan gets them too."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     graph = load_family("qwen3")
 

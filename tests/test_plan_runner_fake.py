@@ -370,9 +370,8 @@ def test_launches_use_pdl_on_sm90_except_kernels_that_do_not_wait(fake, monkeypa
     runner.step([StepItem(0, [5], 20, [0, 1], True, GREEDY)])
     assert drv.pdl and any(drv.pdl.values())
     for name, pdl in drv.pdl.items():
-        assert pdl == runner._pdl_ready[next(s for s in runner._fns if s.entry == name)], name
-        if not name.startswith("gemv"):
-            assert pdl, name
+        assert pdl == next(s for s in runner._fns if s.entry == name).pdl, name
+        assert pdl, name  # every template's spec says it waits first (tests/test_pdl.py)
 
 
 def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
@@ -593,40 +592,3 @@ def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monk
     drv.order.clear()
     runner.step([StepItem(0, [6], 8, [0], True, GREEDY), StepItem(1, [5], 3, [1], True, GREEDY)])
     assert any(o[0] == "launch" and o[1] == side for o in drv.order)
-
-
-def test_pair_attention_replaces_the_attention_launch_at_batch_1_short_contexts(tmp_path, monkeypatch):
-    """decode_graph.pair_attention on a q4_k_m file: a batch-1 decode pass below split_kv_tokens,
-    graph and eager, launches one gemv_pair_attention per layer (the pair's grid and block, with
-    PDL) and no attention or rope kernel; the kernel gets the pair's args, the attention's and the
-    zeroed unit counters. Past split_kv_tokens the pass runs the plain pair, the rope kernel and the
-    split attention; at batch 2 the short pass keeps the forked v GEMV and the direct attention."""
-    tune = "decode_graph.fork_linears=true; decode_graph.pair_linears=true; decode_graph.pair_attention=true"
-    runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, tune)
-    layers = dims.num_hidden_layers
-    fused = [la for st in runner.plan.steps for la in st.launches.get("short1", ())]
-    assert len(fused) == layers and all(la.spec.template == "gemv_pair_attention" for la in fused)
-    assert fused[0].args[-1].ref == "attn_count"
-    counters = next(sc for sc in runner.plan.scratch if sc.name == "attn_count")
-    assert counters.fill == "zero" and counters.fixed == 4 * dims.num_key_value_heads * fused[0].spec.params["c_qsplit"]
-    for graphs in (True, False):
-        runner.use_graphs = graphs
-        drv.launches.clear()
-        runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
-        names = [n for n, _, _ in drv.launches]
-        got = [(g, b) for n, g, b in drv.launches if n.startswith("gemv_pair_attention__")]
-        assert len(got) == (2 if graphs else 1) * layers  # graphs: warm + captured run
-        want = fused[0].spec.params["blocks_a"] + fused[0].spec.params["blocks_b"]
-        assert got[0] == ((want, 1, 1), fused[0].block)
-        assert not any(n.startswith(("attention", "rope__", "gemv_pair__")) for n in names)
-    assert drv.pdl[fused[0].spec.entry] is True
-    drv.launches.clear()
-    runner.step([StepItem(0, [5], 300, list(range(20)), True, GREEDY)])
-    long = [n for n, _, _ in drv.launches]
-    assert sum(n.startswith("gemv_pair__") for n in long) == layers  # (eager: use_graphs is off)
-    assert any(n.startswith("attention_combine") for n in long) and any(n.startswith("rope__") for n in long)
-    assert not any(n.startswith("gemv_pair_attention") for n in long)
-    drv.launches.clear()
-    runner.step([StepItem(0, [6], 8, [0], True, GREEDY), StepItem(1, [5], 3, [1], True, GREEDY)])
-    two = [n for n, _, _ in drv.launches]
-    assert not any(n.startswith("gemv_pair") for n in two) and any(n.startswith("attention__") for n in two)

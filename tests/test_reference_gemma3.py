@@ -1,5 +1,5 @@
 """Gemma 3 on the reference backend: sliding-window attention (op level, paged, past the window), the
-family's per-layer dims, and a tiny random Gemma3ForCausalLM saved by the installed transformers
+family's per-layer ops (`when` predicates), and a tiny random Gemma3ForCausalLM saved by the installed transformers
 against transformers' own fp32 logits. The real 270M GGUF is tests/test_reference_gemma3_real.py."""
 
 from __future__ import annotations
@@ -11,11 +11,21 @@ import numpy as np
 import pytest
 
 from engine import graph, ops_ref
-from engine.model import load_model, resolve_dims
+from engine.model import check_layers, load_model, resolve_dims
 from engine.reference import ReferenceRunner
 from engine.types import ConfigError, MemraError, SamplingParams, StepItem
 
 RNG = np.random.default_rng(37)
+
+
+def per_layer(g, d, op: str, attr: str) -> tuple:
+    """Each layer's value of ``op``'s attribute ``attr`` (the dim it names; None where unset), with
+    the op the family's `when` predicates run in that layer."""
+    out = []
+    for i in range(int(d["layers"])):
+        (o,) = [o for o in g.layer_ops(d, i) if o.op == op]
+        out.append(d[o.attrs[attr]] if attr in o.attrs else None)
+    return tuple(out)
 
 
 def rand(*shape):
@@ -103,56 +113,61 @@ GGUF_META = {
 
 def test_gguf_dims_use_the_default_pattern_and_local_base():
     g = graph.load_family("gemma3")
-    d = resolve_dims(g, "gguf", GGUF_META, "x.gguf", has_tensor=lambda k: False)
-    assert d["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
-    assert d["attn_window"] == (16,) * 5 + (0, 16)
-    assert d["layer_rope_theta"] == (1e4,) * 5 + (1e6, 1e4)
+    d = resolve_dims(g, "gguf", GGUF_META, "x.gguf", has_tensor=lambda k, *a: False)
+    check_layers(g, d, "x.gguf")
+    assert per_layer(g, d, "attention", "window") == (16,) * 5 + (None, 16)
+    assert per_layer(g, d, "rope", "theta") == (1e4,) * 5 + (1e6, 1e4)
     assert d["norm_offset"] == 0.0 and d["attn_scale"] == 32**-0.5 and d["embed_scale"] == 8.0
     assert d["tie_embeddings"] is True
     # llama.cpp's array form of the pattern: true marks a sliding-window layer
     meta = dict(GGUF_META, **{"gemma3.attention.sliding_window_pattern": [True, False] * 3 + [True]})
     meta["gemma3.rope.freq_base_swa"] = 5e4
     meta["gemma3.rope.scaling.type"], meta["gemma3.rope.scaling.factor"] = "linear", 8.0
-    d = resolve_dims(g, "gguf", meta, "x.gguf", has_tensor=lambda k: False)
-    assert d["attn_window"] == (16, 0, 16, 0, 16, 0, 16)
-    assert d["layer_rope_theta"] == (5e4, 1e6) * 3 + (5e4,)
-    assert d["layer_rope_scaling"][1] == {"type": "linear", "factor": 8.0} and d["layer_rope_scaling"][0] is None
-    inv = ops_ref.rope_inv_freq(32, 1e6, d["layer_rope_scaling"][1])
+    d = resolve_dims(g, "gguf", meta, "x.gguf", has_tensor=lambda k, *a: False)
+    assert per_layer(g, d, "attention", "window") == (16, None, 16, None, 16, None, 16)
+    assert per_layer(g, d, "rope", "theta") == (5e4, 1e6) * 3 + (5e4,)
+    scaling = per_layer(g, d, "rope", "scaling")
+    assert scaling[1] == {"type": "linear", "factor": 8.0} and scaling[0] is None
+    inv = ops_ref.rope_inv_freq(32, 1e6, scaling[1])
     np.testing.assert_allclose(inv, ops_ref.rope_inv_freq(32, 1e6) / 8.0)
     np.testing.assert_array_equal(ops_ref.rope_inv_freq(32, 1e6, {"type": "none"}), ops_ref.rope_inv_freq(32, 1e6))
 
 
 def test_unknown_layer_type_is_a_clear_error():
     g = graph.load_family("gemma3")
-    meta = {k.split(".", 1)[1]: v for k, v in GGUF_META.items() if k.count(".") == 1}
     hf = {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 384, "layer_types": ["sliding_attention", "chunked_attention"],
     }  # fmt: skip
-    assert meta  # (the GGUF keys are not HF fields)
-    with pytest.raises(MemraError, match=r"config.json: layer 1 has type 'chunked_attention'.*knows: sliding_attention, full_attention"):
-        resolve_dims(g, "hf", hf, "config.json")
-    with pytest.raises(MemraError, match="layer_types must list one type per layer"):
-        resolve_dims(g, "hf", dict(hf, layer_types=["full_attention"]), "config.json")
+    d = resolve_dims(g, "hf", hf, "config.json")
+    with pytest.raises(
+        MemraError,
+        match=r"config.json: layer 1: no op of family gemma3 that runs there produces 'a', which linear reads "
+        r"\(predicates at this layer: \{'sliding': False, 'full': False\}\)",
+    ):
+        check_layers(g, d, "config.json")
+    d = resolve_dims(g, "hf", dict(hf, layer_types=["full_attention"]), "config.json")
+    with pytest.raises(MemraError, match=r"config.json: layer 1: cannot evaluate the family's `when` predicates"):
+        check_layers(g, d, "config.json")
 
 
-def test_dsl_rejects_misused_per_layer_dims(tmp_path: Path):
+def test_dsl_checks_gemma3_attributes_and_predicates(tmp_path: Path):
     import shutil
 
     root = tmp_path / "models"
     shutil.copytree(Path(graph.__file__).resolve().parent.parent / "models", root)
     text = (root / "gemma3.yaml").read_text()
-    bad = text.replace("  - {op: embed, in: tokens, weight: embed, out: x, scale: embed_scale}",
-                       "  - {op: embed, in: tokens, weight: embed, out: x, scale: attn_window}")  # fmt: skip
-    (root / "gemma3.yaml").write_text(bad)
-    with pytest.raises(ConfigError, match=r"gemma3.yaml: graph\[0\].scale: per-layer dim 'attn_window' must be used inside a repeat"):
-        graph.load_family("gemma3", root)
     (root / "gemma3.yaml").write_text(text.replace("scale: embed_scale}", "scale: nope}"))
     with pytest.raises(ConfigError, match=r"graph\[0\].scale: 'nope' is not a dim of this family"):
         graph.load_family("gemma3", root)
     lines = [ln for ln in text.splitlines() if not ln.startswith("  layer_types:")]
     (root / "gemma3.yaml").write_text("\n".join(lines) + "\n")
-    with pytest.raises(ConfigError, match="needs a 'layer_types' dim"):
+    with pytest.raises(ConfigError, match=r"predicates.sliding: 'layer_types' is not a dim"):
+        graph.load_family("gemma3", root)
+    # the full layers' attention reading a value only the sliding layers produce
+    bad = text.replace("out: a, scale: attn_scale, when: full}", "out: a, scale: attn_scale, when: full}\n      - {op: add, in: [a, q], out: z, when: sliding}\n      - {op: add, in: [z, a], out: a, when: full}")
+    (root / "gemma3.yaml").write_text(bad)
+    with pytest.raises(ConfigError, match=r"value 'z' is produced only when 'sliding' but read by an op that runs when 'full'"):
         graph.load_family("gemma3", root)
 
 
@@ -195,7 +210,8 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3):
     path, ids, want = tiny_gemma3
     m = load_model(path)
     assert m.graph.family == "gemma3" and m.quant.name == "f32"
-    assert m.dims["layer_types"][5] == "full_attention" and m.dims["attn_window"][:6] == (8,) * 5 + (0,)
+    assert m.dims["layer_types"][5] == "full_attention"
+    assert per_layer(m.graph, m.dims, "attention", "window")[:6] == (8,) * 5 + (None,)
     got = ReferenceRunner(m, max_model_len=64).forward_logits(ids)
     rel = float(np.abs(got - want).max() / np.abs(want).max())
     assert rel < 1e-4, rel
@@ -203,16 +219,14 @@ def test_tiny_gemma3_matches_transformers(tiny_gemma3):
 
 
 def test_a_layer_type_without_rope_scaling_gets_none(tiny_gemma3):
-    """A per-layer scaling of None (GGUF: only the global layers carry rope.scaling) means no scaling
-    for that layer, not the model-wide rope_scaling (here the global layers' linear x2)."""
+    """A layer type's scaling of None (GGUF: only the global layers carry rope.scaling) means no
+    scaling for that layer, not the model-wide rope_scaling (here the global layers' linear x2)."""
     import dataclasses
 
     path, ids, want = tiny_gemma3
     m = load_model(path)
-    pairs = zip(m.dims["layer_types"], m.dims["layer_rope_scaling"], strict=True)
-    local_none = tuple(None if t == "sliding_attention" else s for t, s in pairs)
-    assert m.dims["rope_scaling"]["rope_type"] == "linear" and local_none[0] is None
-    m2 = dataclasses.replace(m, dims=dict(m.dims, layer_rope_scaling=local_none))
+    assert m.dims["rope_scaling"]["rope_type"] == "linear" and m.dims["rope_local_scaling"] is not None
+    m2 = dataclasses.replace(m, dims=dict(m.dims, rope_local_scaling=None))
     got = ReferenceRunner(m2, max_model_len=64).forward_logits(ids)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
 

@@ -24,6 +24,12 @@ REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden" / "gemma3_logits.npz"
 
 
+def layer_attr(g, d, op: str, attr: str) -> tuple:
+    """Each layer's value of ``op``'s attribute ``attr``, with the op the `when` predicates pick."""
+    ops = [[o for o in g.layer_ops(d, i) if o.op == op] for i in range(int(d["layers"]))]
+    return tuple(d[o.attrs[attr]] if attr in o.attrs else None for (o,) in ops)
+
+
 def _make_golden():
     spec = importlib.util.spec_from_file_location("make_golden", REPO / "tools" / "make_golden.py")
     mod = importlib.util.module_from_spec(spec)
@@ -77,8 +83,8 @@ def test_model_binds_to_the_gemma3_family(gemma):
     assert (d["layers"], d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["vocab"]) == (
         18, 640, 4, 1, 256, 262144,
     )  # fmt: skip
-    assert d["attn_window"] == ((512,) * 5 + (0,)) * 3
-    assert d["layer_rope_theta"] == ((1e4,) * 5 + (1e6,)) * 3
+    assert layer_attr(model.graph, d, "attention", "window") == ((512,) * 5 + (None,)) * 3
+    assert layer_attr(model.graph, d, "rope", "theta") == ((1e4,) * 5 + (1e6,)) * 3
     assert d["tie_embeddings"] and d["norm_offset"] == 0.0 and d["attn_scale"] == 1 / 16
     types = {k: v for k, v in model.tensor_dtypes.items() if "@" not in k}
     assert types["wq"] == types["wk"] == types["w_gate"] == types["w_up"] == "q5_0"

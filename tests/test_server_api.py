@@ -6,6 +6,7 @@ import json
 
 import falcon.testing
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeEngine, FakeTokenizer
 
 from engine.server.app import app_state, create_app
@@ -118,25 +119,33 @@ def test_completions_and_prompt_forms():
 
 @pytest.mark.parametrize(
     "field,value",
-    [
-        ("logprobs", True),
-        ("top_logprobs", 3),
-        ("n", 2),
-        ("best_of", 2),
-        ("logit_bias", {"1": 5}),
-        ("response_format", {"type": "json_object"}),
-        ("suffix", "x"),
-        ("echo", True),
-    ],
+    [("best_of", 2), ("suffix", "x"), ("echo", True)],
 )
 def test_unsupported_fields_named(field, value):
     c, _ = make()
     body = {"prompt": "a", field: value}
     r = c.simulate_post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json["error"]["param"] == field, r.text
-    if field not in ("suffix", "echo", "best_of"):
-        r = chat(c, **{field: value})
-        assert r.status_code == 400 and r.json["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema.schema"),
+    ],
+)
+def test_sampling_api_fields_validated(body, param):
+    c, _ = make()
+    r = chat(c, **body)
+    assert r.status_code == 400 and r.json["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize(
@@ -351,11 +360,26 @@ def test_health_ready_metrics_admin():
     chat(c)
     chat(c, stream=True)
     m = c.simulate_get("/metrics").text
-    assert 'memra_requests_total{endpoint="/v1/chat/completions",status="200"} 2' in m
-    assert "memra_generation_tokens_total 8" in m
-    assert "memra_time_to_first_token_seconds_count 2" in m
-    assert "memra_inter_token_latency_seconds_count 8" in m
-    assert "memra_prefix_cache_hit_ratio 0.4" in m and "memra_kv_cache_usage_ratio 0.1" in m
+    fams = {f.name: f for f in text_string_to_metric_families(m)}  # prometheus_client's own parser
+
+    def val(name, **labels):
+        fam = fams[name.removesuffix("_total").removesuffix("_count")]
+        return next(s.value for s in fam.samples if s.name == name and labels.items() <= s.labels.items())
+
+    assert val("memra_requests_total", endpoint="/v1/chat/completions", status="200") == 2
+    assert val("memra_generation_tokens_total") == 8
+    assert val("memra_time_to_first_token_seconds_count") == 2
+    assert val("memra_inter_token_latency_seconds_count") == 8
+    assert val("memra_prefix_cache_hit_ratio") == 0.4 and val("memra_kv_cache_usage_ratio") == 0.1
+    # the vLLM names (FakeStats: 100 blocks, 90 free, 5 cached -> 5 held by live sequences)
+    assert val("vllm:kv_cache_usage_perc", model_name="smol") == 0.05
+    assert val("vllm:num_requests_running") == 0 and val("vllm:num_requests_waiting") == 0
+    assert val("vllm:prefix_cache_queries_total") == 10 and val("vllm:prefix_cache_hits_total") == 4
+    assert val("vllm:generation_tokens_total", model_name="smol") == 8
+    assert val("vllm:time_to_first_token_seconds_count") == 2
+    assert val("vllm:e2e_request_latency_seconds_count") == 2
+    info = fams["vllm:cache_config_info"].samples[0]
+    assert info.value == 1 and info.labels["num_gpu_blocks"] == "100"
     kv = c.simulate_get("/admin/kv")
     assert (
         kv.status_code == 200 and kv.json["invariants_ok"] and kv.json["kv_blocks_used"] == 5
@@ -587,3 +611,45 @@ def test_exception_midstream_becomes_error_chunk():
     assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "engine_error"
     assert app_state(c.app).in_flight == 0 and eng.aborted  # the request was cancelled
     eng._produce = orig
+
+
+def test_engine_metric_families_are_extensible():
+    """Another subsystem adds an engine series with one call (as the speculative-decoding counters do);
+    a name registered twice (here one of those) is refused."""
+    from engine.server import metrics
+
+    n = len(metrics.ENGINE_FAMILIES)
+    try:
+        metrics.add_engine_family("vllm:test_widgets", "widgets proposed", "counter", "test_widgets")
+        metrics.add_engine_family("vllm:test_gadgets", "gadgets accepted", "counter", lambda s: 7)
+        with pytest.raises(ValueError):
+            metrics.add_engine_family("vllm:spec_decode_num_draft_tokens", "again", "counter", "x")
+        m = metrics.Metrics()
+        m.model_name = "smol"
+
+        class S:
+            test_widgets = 12
+            spec_draft_tokens = 5
+
+        fams = {f.name: f for f in text_string_to_metric_families(m.render(S(), alive=True, draining=False))}
+        assert fams["vllm:test_widgets"].samples[0].value == 12
+        assert fams["vllm:test_gadgets"].samples[0].labels == {"model_name": "smol"}
+        assert fams["vllm:test_gadgets"].samples[0].value == 7
+        assert fams["vllm:spec_decode_num_draft_tokens"].samples[0].value == 5
+    finally:
+        del metrics.ENGINE_FAMILIES[n:]
+
+
+def test_chat_page_is_served_without_a_key_and_fetches_nothing_external():
+    c, _ = make()
+    r = c.simulate_get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert '<script src="/ui/chat.js">' in r.text and 'href="/ui/chat.css"' in r.text
+    js = c.simulate_get("/ui/chat.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert c.simulate_get("/ui/chat.css").status_code == 200
+    assert c.simulate_get("/ui/../app.py").status_code == 404
+    assert c.simulate_get("/ui/nope.js").status_code == 404
+    for body in (r.text, js.text):
+        assert 'src="http' not in body and 'href="http' not in body and "import " not in body
+    assert "default-src 'self'" in r.headers["content-security-policy"]

@@ -263,8 +263,9 @@ def _idle(served) -> bool:
     return st.in_flight == 0 and running == 0
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts(served, stream):
+def test_client_disconnect_aborts(served, stream, n):
     eng = served.engine
     if served.scripted:
         eng.forever, eng.delay_s = True, 0.02
@@ -274,6 +275,7 @@ def test_client_disconnect_aborts(served, stream):
         "stream": stream,
         "max_tokens": 100000,
         "ignore_eos": True,
+        "n": n,
     }
     s = _raw_request(served.url, "/v1/chat/completions", body)
     if stream:
@@ -285,8 +287,8 @@ def test_client_disconnect_aborts(served, stream):
         time.sleep(0.3)
     s.close()
     if served.scripted:
-        assert _wait(lambda: len(eng.aborted) == 1), "engine never saw the abort"
-        assert eng.submitted[-1].request_id in eng.aborted
+        assert _wait(lambda: len(eng.aborted) == n), "engine never saw the abort"
+        assert {r.request_id for r in eng.submitted[-n:]} == set(eng.aborted)
         eng.forever = False
     assert _wait(lambda: _idle(served)), "request still in flight after the client left"
     m = served.openai().chat.completions.create(model=served.model, messages=MSG, max_tokens=4)

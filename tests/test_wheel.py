@@ -33,6 +33,9 @@ def test_wheel_carries_data_and_works_outside_checkout(tmp_path):
         assert needed in names, needed
     assert any(n.startswith("engine/_data/kernels/") and n.endswith(".cu.j2") for n in names)
     assert "engine/cli.py" in names and "engine/server/__init__.py" in names
+    for page in ("index.html", "chat.js", "chat.css"):  # the web chat page ships in the package
+        assert f"engine/server/static/{page}" in names, page
+    assert "engine/spec/accept.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.plan import launch_key  # noqa: E402
+from engine.ir import launch_key  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)

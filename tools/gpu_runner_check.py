@@ -129,7 +129,8 @@ def smoke_cuda() -> dict:
     from engine import cuda
     from engine.compile import KernelBuilder
     from engine.graph import Op
-    from engine.plan import Value, WeightPlan, _CatalogAdapter
+    from engine.ir import Value, WeightPlan
+    from engine.lowering.context import Lowerer
     from engine.profile import select
 
     ctx = cuda.Context(0)
@@ -152,7 +153,7 @@ def smoke_cuda() -> dict:
     cuda.dtoh(back[:16], buf.ptr)
     res["pinned_async"] = bool(np.array_equal(back[:16].view(np.int32), np.arange(16)))
 
-    ad = _CatalogAdapter(None, prof, {"rms_eps": 1e-5}, "neox")  # the real kernel catalog
+    ad = Lowerer(prof, {"rms_eps": 1e-5}, "neox")
     rows, k, n, inter = 3, 1024, 3072, 1536
     g_val = Value("g", "gu", 0, inter, 2 * inter, "bf16")
     u_val = Value("u", "gu", inter, inter, 2 * inter, "bf16")

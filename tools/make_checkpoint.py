@@ -2,6 +2,7 @@
 
 Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf16] [--seed 0] [--layers N]
        python tools/make_checkpoint.py --shape qwen3-4b --gguf q4_k_m --out FILE.gguf   (random blocks)
+       python tools/make_checkpoint.py --shape qwen3-30b-a3b --gguf q4_k_m --out FILE.gguf (MoE: 128 experts)
 
 Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
 norms ~ 1 + N(0, 0.05), streamed tensor by tensor in 2048-row chunks so memory stays bounded.
@@ -36,6 +37,11 @@ SHAPES: dict[str, tuple[str, Dims]] = {
     "qwen3-0.6b": ("qwen3", Dims(1024, 28, 16, 8, 128, 3072, 151936, 1000000.0, 1e-6, 40960, True)),
     "qwen3-4b": ("qwen3", Dims(2560, 36, 32, 8, 128, 9728, 151936, 1000000.0, 1e-6, 40960, True)),
     "qwen3-8b": ("qwen3", Dims(4096, 36, 32, 8, 128, 12288, 151936, 1000000.0, 1e-6, 40960, False)),
+    # MoE: per-expert safetensors (as published); GGUF experts stacked in ffn_{gate,up,down}_exps
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        Dims(2048, 48, 32, 4, 128, 6144, 151936, 1000000.0, 1e-6, 40960, False, 128, 8, 768, True),
+    ),
 }
 
 

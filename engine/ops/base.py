@@ -25,6 +25,7 @@ class OpDef:
     weights: tuple[int, int]  # (min, max)
     attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
     doc: str = ""
+    weight_counts: tuple[int, ...] = ()  # when set, the only weight counts allowed within (min, max)
 
 
 @dataclass
@@ -53,16 +54,10 @@ class RefStep:
     def weight(self, name: str, layer: int | None) -> np.ndarray:
         return self.runner.weight(name, layer)
 
-    def dim(self, name: str, layer: int | None) -> Any:
-        """The model's dim ``name``; a per-layer dim (``by_layer_type``) at ``layer``."""
-        value = self.runner.model.dims[name]
-        spec = self.runner.model.graph.dims[name]
-        return value[layer] if spec.per_layer else value
-
-    def attr_dim(self, op: Any, attr: str, layer: int | None, default: Any = None) -> Any:
-        """The dim that ``op``'s attribute ``attr`` names (at ``layer``), or ``default`` when unset."""
+    def attr_dim(self, op: Any, attr: str, default: Any = None) -> Any:
+        """The value of the dim that ``op``'s attribute ``attr`` names, or ``default`` when unset."""
         name = op.attrs.get(attr)
-        return default if name is None else self.dim(name, layer)
+        return default if name is None else self.runner.model.dims[name]
 
 
 # ReferenceRunner.rope_tables' default scaling: the model's rope_scaling dim (None means no scaling)

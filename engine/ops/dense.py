@@ -1,7 +1,7 @@
 """The dense decoder's ops (Llama, Qwen3, Gemma): embed, rmsnorm, head_rmsnorm, linear, rope,
 attention, silu_mul — each an OpDef plus its numpy reference over ``engine.ops_ref``.
 
-Optional attributes name dims (``kind "dim"``; a per-layer dim gives each layer its own value):
+Optional attributes name dims (``kind "dim"``; layers that differ run their own op, gated by ``when``):
 embed ``scale``, the norms' weight ``offset``, rope ``theta``/``scaling``, attention
 ``window``/``scale``. Without them each op computes what it did for Llama. Must not import CUDA."""
 
@@ -15,7 +15,7 @@ from engine.ops.base import MODEL_SCALING, OpDef, RefStep, define
 
 def _embed(s: RefStep, o, layer) -> None:
     out = ops_ref.embed(s.env[o.inputs[0]], s.weight(o.weights[0], layer))
-    scale = s.attr_dim(o, "scale", layer)
+    scale = s.attr_dim(o, "scale")
     if scale is not None:  # float32 multiplier, as transformers' Gemma embed_scale in an f32 model
         out = out * np.float32(scale)
     s.env[o.outputs[0]] = out
@@ -23,7 +23,7 @@ def _embed(s: RefStep, o, layer) -> None:
 
 def _norm_weight(s: RefStep, o, layer) -> np.ndarray:
     w = s.weight(o.weights[0], layer)
-    offset = s.attr_dim(o, "offset", layer)
+    offset = s.attr_dim(o, "offset")
     return w if not offset else np.float32(offset) + w  # Gemma: x_hat * (1 + w), formed in f32
 
 
@@ -49,8 +49,8 @@ def _linear(s: RefStep, o, layer) -> None:
 def _rope(s: RefStep, o, layer) -> None:
     r = s.runner
     # a `scaling` attribute's value is used even when it is None (this layer type has no scaling)
-    scaling = s.attr_dim(o, "scaling", layer) if "scaling" in o.attrs else MODEL_SCALING
-    cos, sin = r.rope_tables(o.attrs.get("freq_factors"), s.attr_dim(o, "theta", layer), scaling)
+    scaling = s.attr_dim(o, "scaling") if "scaling" in o.attrs else MODEL_SCALING
+    cos, sin = r.rope_tables(o.attrs.get("freq_factors"), s.attr_dim(o, "theta"), scaling)
     cos, sin = cos[s.positions], sin[s.positions]
     for src, dst in zip(o.inputs, o.outputs, strict=True):
         s.env[dst] = ops_ref.rope_apply(s.env[src], cos, sin, head_dim=r.head_dim, style=r.model.rope_style)
@@ -70,8 +70,8 @@ def _attention(s: RefStep, o, layer) -> None:
         heads=r.heads,
         kv_heads=r.kv_heads,
         head_dim=r.head_dim,
-        scale=s.attr_dim(o, "scale", layer),
-        window=s.attr_dim(o, "window", layer),
+        scale=s.attr_dim(o, "scale"),
+        window=s.attr_dim(o, "window"),
     )
 
 

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import falcon
 
 from . import sse
-from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
+from .generation import Run, allowed_tools, chat_prompt, check_model, constraint_factory, encode, error_of
 from .http_common import read_json, respond, send_json, start_run
+from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, parse_anthropic
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
@@ -32,8 +33,11 @@ class Messages:
         st.require_ready()
         spec = parse_anthropic(read_json(req, st))
         check_model(st, spec.model)
-        ids = encode(st, chat_prompt(st, spec))
-        run = start_run(st, req, spec, ids, param="messages", id_prefix="msg_")
+        spec.prompt_text = chat_prompt(st, spec)
+        ids = encode(st, spec.prompt_text)
+        run = start_run(
+            st, req, spec, ids, param="messages", id_prefix="msg_", constraint=constraint_factory(st, spec)
+        )
         respond(run, spec, resp, self._stream, self._complete, sse.anthropic_stream_error)
 
     def _stop_reason(self, run: Run, spec: ChatSpec, reason: str, emitted: str, has_calls: bool):
@@ -74,13 +78,15 @@ class Messages:
             return
         if last.finish_reason in ("error", "abort"):
             raise error_of(last)
-        text = "".join(parts)
+        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), "".join(parts))
         allowed = allowed_tools(spec)
         evs = [Text(text)]
         if allowed is not None:
             p = ToolCallParser(allowed, id_factory=_tool_id)
             evs = p.feed(text) + p.finish()
         content = []
+        if reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
         for e in evs:
             if isinstance(e, Text):
                 if e.text:
@@ -130,8 +136,49 @@ class Messages:
         parser = ToolCallParser(allowed, id_factory=_tool_id) if allowed is not None else None
         index = -1
         text_open = False
+        think_open = False
         has_calls = False
         emitted: list[str] = []
+        splitter = reasoning_parser_for(self.state.tokenizer, spec.prompt_text)
+
+        def think(r: str, close: bool) -> Iterator[bytes]:
+            nonlocal index, think_open
+            if r and not think_open:
+                index += 1
+                think_open = True
+                yield sse.event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+                    },
+                )
+            if r:
+                yield sse.event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": r}},
+                )
+            if close and think_open:
+                think_open = False
+                yield sse.event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": ""}},
+                )
+                yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+        def split(text: str, final: bool) -> Iterator[bytes]:
+            if splitter is None:
+                if text:
+                    yield from emit(parser.feed(text) if parser else [Text(text)])
+                return
+            r, c = splitter.feed(text)
+            if final:
+                r2, c2 = splitter.finish()
+                r, c = r + r2, c + c2
+            yield from think(r, bool(c) or final)
+            if c:
+                yield from emit(parser.feed(c) if parser else [Text(c)])
 
         def emit(evs) -> Iterator[bytes]:
             nonlocal index, text_open, has_calls
@@ -187,8 +234,8 @@ class Messages:
             if ev is None:
                 yield sse.event("ping", {"type": "ping"})
                 continue
-            if ev.text:
-                yield from emit(parser.feed(ev.text) if parser else [Text(ev.text)])
+            if ev.text or ev.finish_reason is not None:
+                yield from split(ev.text, ev.finish_reason is not None)
             if ev.finish_reason is None:
                 continue
             if parser:

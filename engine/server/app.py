@@ -23,10 +23,12 @@ from .model_info import ModelInfo
 from .openai_api import ChatCompletions, Completions, Models
 from .ops_api import AdminKV, Detokenize, Health, MetricsResource, Ready, Tokenize
 from .state import AppState
+from .ui import ChatPage
 
 log = logging.getLogger("memra.server")
 
-_OPEN_PATHS = ("/health", "/ready", "/metrics")
+_OPEN_PATHS = ("/health", "/ready", "/metrics", "/")
+_OPEN_PREFIXES = ("/ui/",)  # the chat page's files (the page sends the user's key with its API calls)
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -49,7 +51,7 @@ class _Middleware:
         req.context.request_id = rid if rid and _REQ_ID.match(rid) else uuid.uuid4().hex
         resp.set_header("x-request-id", req.context.request_id)
         req.context.tenant = None
-        if req.path in _OPEN_PATHS:
+        if req.path in _OPEN_PATHS or req.path.startswith(_OPEN_PREFIXES):
             return
         tenant = self.state.keyring.authenticate(
             presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
@@ -93,6 +95,9 @@ def build_app(state: AppState) -> falcon.App:
     app.add_route("/ready", Ready(state))
     app.add_route("/metrics", MetricsResource(state))
     app.add_route("/admin/kv", AdminKV(state))
+    page = ChatPage()
+    app.add_route("/", page)
+    app.add_route("/ui/{name}", page, suffix="file")
 
     def api_error(req, resp, ex, params):
         _render_error(req, resp, ex)

@@ -7,11 +7,14 @@ Must not import falcon; talks to the engine only through submit/RequestHandle.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import replace
 from typing import Any
 
+from engine.gen_defaults import with_defaults
 from engine.types import GenerationRequest, MemraError, TokenEvent, Usage
 
 from .auth import Tenant
@@ -77,6 +80,52 @@ def allowed_tools(spec: ChatSpec) -> set[str] | None:
     return {t["function"]["name"] for t in spec.tools}
 
 
+def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | None:
+    """What constrains ``spec``'s output, as a maker of one engine.grammar constraint per choice:
+    ``response_format`` json_object / json_schema, else (chat) tool_choice required / named forcing
+    well-formed ``<tool_call>`` blocks valid against the tools' schemas; None when unconstrained.
+    The grammar is compiled here, in the HTTP thread; a bad schema is a 400."""
+    grammar_of = None
+    rf = spec.response_format
+    forced = isinstance(spec, ChatSpec) and spec.tools and spec.tool_choice in ("required", "named")
+    if rf is None and not forced:
+        return None
+    from engine import grammar
+
+    if not grammar.available() or getattr(state.tokenizer, "hf", None) is None:
+        if rf is None:  # forced tool calls degrade to the system-prompt instruction alone
+            return None
+        why = "the llguidance package is not installed" if not grammar.available() else "no grammar support for this tokenizer"
+        raise bad_request(f"response_format is unavailable: {why}", "response_format")
+    if rf is not None:
+        grammar_of = lambda: grammar.json_grammar(rf.get("schema"))  # noqa: E731
+        param = "response_format"
+    else:
+        grammar_of = lambda: grammar.tool_call_grammar(  # noqa: E731
+            spec.tools, spec.tool_name if spec.tool_choice == "named" else None, spec.parallel_tool_calls
+        )
+        param = "tools"
+    reasoning = None
+    if isinstance(spec, ChatSpec):
+        from .reasoning import reasoning_parser_for
+
+        splitter = reasoning_parser_for(state.tokenizer, spec.prompt_text)
+        if splitter is not None:
+            reasoning = "inside" if splitter.state == "think" else "maybe"
+    try:
+        text = grammar_of()
+        first = [grammar.build_constraint(state.tokenizer, text, reasoning)]
+    except MemraError as exc:
+        raise bad_request(exc.message, param) from None
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"invalid schema: {exc}", param) from None
+
+    def make() -> Any:
+        return first.pop() if first else grammar.build_constraint(state.tokenizer, text, reasoning)
+
+    return make
+
+
 class Run:
     """A submitted request. Iterate ``events()``; always call ``close()`` (idempotent)."""
 
@@ -90,16 +139,24 @@ class Run:
         param: str,
         disconnected: Callable[[], bool] | None,
         id_prefix: str,
+        index: int = 0,
+        response_id: str | None = None,
     ):
         self.state = state
+        self.index = index  # choice index (n > 1)
+        self.constraint = None  # a TokenConstraint (engine.grammar) set before submit, or None
+        self.logprobs: list = []  # (logprob, top) per generated token when the request asked for them
+        self._pending: list[TokenEvent] = []  # events read ahead by wait_first()
         self.tenant = tenant
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.disconnected = disconnected or (lambda: False)
-        self.id = f"{id_prefix}{uuid.uuid4().hex}"
+        self.id = response_id or f"{id_prefix}{uuid.uuid4().hex}"
+        self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.handle: Any = None
         self.finished = False
+        self.finish_reason: str | None = None
         self.client_gone = False
         self.usage = Usage(prompt_tokens=len(prompt_ids))
         self.generated_ids: list[int] = []
@@ -127,15 +184,22 @@ class Run:
         salt = self.tenant.cache_salt
         if self.spec.cache_salt:
             salt = f"{salt}\x1f{self.spec.cache_salt}"
+        sampling = with_defaults(
+            self.spec.sampling, self.spec.sampling_given, dict(st.model_info.generation_defaults)
+        )
+        if self.index and sampling.seed is not None:  # n > 1 with a seed: a distinct stream per choice
+            sampling = replace(sampling, seed=(sampling.seed + self.index) & ((1 << 64) - 1))
         req = GenerationRequest(
-            request_id=self.id,
+            request_id=self.request_id,
             prompt_ids=self.prompt_ids,
-            sampling=self.spec.sampling,
+            sampling=sampling,
             max_tokens=self.max_tokens,
             stop=list(self.spec.stop),
             ignore_eos=self.spec.ignore_eos,
             tenant=self.tenant.name,
             cache_salt=salt,
+            constraint=self.constraint,
+            speculative=self.spec.speculative,
         )
         try:
             self.handle = st.engine.submit(req)
@@ -150,15 +214,31 @@ class Run:
         st.metrics.add_in_flight(1)
         self._t0 = time.monotonic()
 
+    def wait_first(self) -> None:
+        """Block until the first event (the prompt's KV is then in the prefix cache for the choices
+        that follow); it is replayed by ``events()``. Returns early if the client leaves."""
+        while not self._pending and not self._closed:
+            try:
+                self._pending.append(self.handle.get(timeout=POLL_S))
+            except queue.Empty:
+                if self.disconnected():
+                    self.client_gone = True
+                    self.close()
+
     def events(self) -> Iterator[TokenEvent | None]:
         """TokenEvents until the final one; ``None`` when a keep-alive is due. Stops early if the client left."""
         keepalive = self.state.config.keepalive_s
         last_out = last_probe = time.monotonic()
         while True:
-            try:
-                ev = self.handle.get(timeout=POLL_S)
-            except queue.Empty:
-                ev = None
+            if self._pending:
+                ev = self._pending.pop(0)
+            elif self._closed:
+                return
+            else:
+                try:
+                    ev = self.handle.get(timeout=POLL_S)
+                except queue.Empty:
+                    ev = None
             now = time.monotonic()
             if now - last_probe >= POLL_S:  # probe even while tokens flow (non-streaming requests)
                 last_probe = now
@@ -179,8 +259,11 @@ class Run:
                     self.state.metrics.observe_itl((now - self._last) / k, k)
                 self._last = now
                 self.generated_ids.extend(ev.token_ids)
+                if ev.logprobs:
+                    self.logprobs.extend(ev.logprobs)
             if ev.finish_reason is not None:
                 self.finished = True
+                self.finish_reason = ev.finish_reason
                 if ev.usage is not None:
                     self.usage = ev.usage
                 else:
@@ -208,9 +291,108 @@ class Run:
             u.cached_tokens,
             time.monotonic() - self._t0,
             self.client_gone,
+            self.finish_reason,
         )
         self.state.metrics.add_in_flight(-1)
         self.state.release(self.tenant)
+
+
+class RunGroup:
+    """The ``n`` choices of one request (n >= 1): ``runs[i]`` is choice i. Choice 0 is submitted
+    first and the rest once its prompt is prefilled, so they reuse its KV blocks through the prefix
+    cache. ``close()`` closes every run."""
+
+    def __init__(self, runs: list[Run]):
+        self.runs = runs
+        self.id = runs[0].id
+        self.created = runs[0].created
+
+    @property
+    def usage(self) -> Usage:
+        first = self.runs[0].usage
+        return Usage(
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(r.usage.completion_tokens for r in self.runs),
+            cached_tokens=first.cached_tokens,
+        )
+
+    def close(self) -> None:
+        for r in self.runs:
+            r.close()
+
+
+_END = object()  # interleave(): a choice's events ended
+
+
+def _pump(gen: Generator[bytes, None, bool], marker: bytes) -> Generator[bytes, None, bool | None]:
+    """Forward ``gen``'s chunks until it yields ``marker`` (it wants its next event: None) or ends
+    (its return value: True when the choice ended normally)."""
+    while True:
+        try:
+            out = next(gen)
+        except StopIteration as stop:
+            return bool(stop.value)
+        if out is marker:
+            return None
+        yield out
+
+
+def interleave(
+    group: RunGroup,
+    make: Callable[[Run, Iterator[TokenEvent | None]], Generator[bytes, None, bool]],
+    keepalive: bytes,
+) -> Generator[bytes, None, bool]:
+    """Stream a group's choices: ``make(run, events)`` is one choice's chunk generator (it yields
+    ``keepalive`` for a None event and returns True when its choice ended normally, False when the
+    stream must stop). One choice runs over ``run.events()`` directly; several are drained by one
+    thread each into a shared queue, so their chunks interleave as the engine produces them.
+    Returns False as soon as a choice fails or its client went away."""
+    runs = group.runs
+    if len(runs) == 1:
+        return (yield from make(runs[0], runs[0].events()))
+    q: queue.Queue = queue.Queue()
+    feeds: list[list[TokenEvent]] = [[] for _ in runs]
+
+    def feed(pending: list[TokenEvent]) -> Iterator[TokenEvent | None]:
+        while True:
+            yield pending.pop(0) if pending else None
+
+    def drain(i: int, run: Run) -> None:
+        try:
+            for ev in run.events():
+                if ev is not None:
+                    q.put((i, ev))
+        finally:
+            q.put((i, _END))
+
+    gens = [make(r, feed(feeds[i])) for i, r in enumerate(runs)]
+    live = set(range(len(runs)))
+    for i in range(len(runs)):  # each choice's opening chunks
+        done = yield from _pump(gens[i], keepalive)
+        if done is not None:
+            live.discard(i)
+            if not done:
+                return False
+    for i, r in enumerate(runs):
+        threading.Thread(target=drain, args=(i, r), name=f"memra-choice-{i}", daemon=True).start()
+    wait = group.runs[0].state.config.keepalive_s
+    while live:
+        try:
+            i, ev = q.get(timeout=wait)
+        except queue.Empty:
+            yield keepalive
+            continue
+        if ev is _END:
+            if i in live:  # its events stopped before a final event: the client went away
+                return False
+            continue
+        feeds[i].append(ev)
+        done = yield from _pump(gens[i], keepalive)
+        if done is not None:
+            live.discard(i)
+            if not done:
+                return False
+    return True
 
 
 def error_of(ev: TokenEvent) -> ApiError:

@@ -13,7 +13,7 @@ import falcon
 from . import sse
 from .body import parse_json_body
 from .errors import ApiError
-from .generation import Run
+from .generation import Run, RunGroup
 from .state import AppState
 
 
@@ -79,9 +79,17 @@ def usage_openai(u) -> dict:
 
 
 def start_run(
-    state: AppState, req: falcon.Request, spec, ids: list[int], *, param: str, id_prefix: str
+    state: AppState,
+    req: falcon.Request,
+    spec,
+    ids: list[int],
+    *,
+    param: str,
+    id_prefix: str,
+    constraint: Callable | None = None,
 ) -> Run:
-    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it."""
+    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it.
+    ``constraint()`` makes the run's TokenConstraint (engine.grammar)."""
     run = Run(
         state,
         req.context.tenant,
@@ -91,5 +99,47 @@ def start_run(
         disconnected=disconnect_probe(req),
         id_prefix=id_prefix,
     )
+    if constraint is not None:
+        run.constraint = constraint()
     run.submit()
     return run
+
+
+def start_group(
+    state: AppState,
+    req: falcon.Request,
+    spec,
+    ids: list[int],
+    *,
+    param: str,
+    id_prefix: str,
+    constraint: Callable | None = None,
+) -> RunGroup:
+    """Submit ``spec.n`` choices of ``ids``: choice 0 first, the others once its prompt is prefilled
+    (they then share its KV blocks through the prefix cache). ``constraint()`` makes each choice's
+    TokenConstraint. The caller must close() the group; a failed submit closes what was started."""
+    runs: list[Run] = []
+    try:
+        for i in range(max(1, spec.n)):
+            run = Run(
+                state,
+                req.context.tenant,
+                spec,
+                ids,
+                param=param,
+                disconnected=disconnect_probe(req),
+                id_prefix=id_prefix,
+                index=i,
+                response_id=runs[0].id if runs else None,
+            )
+            if constraint is not None:
+                run.constraint = constraint()
+            run.submit()
+            runs.append(run)
+            if i == 0 and spec.n > 1:
+                run.wait_first()
+    except BaseException:
+        for r in runs:
+            r.close()
+        raise
+    return RunGroup(runs)

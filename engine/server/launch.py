@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from engine.server.model_info import ModelInfo
 from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
@@ -26,7 +27,7 @@ def _model_and_aliases(args: argparse.Namespace, cfg: ServerConfig) -> tuple[str
 
         if args.model in KNOWN_MODELS and not Path(args.model).expanduser().exists():
             # a known model alias (`memra serve gemma3-270m`): the model also answers to the alias
-            from engine.cli import resolve_model_path
+            from engine.backend import resolve_model_path
 
             return str(resolve_model_path(args.model)), (args.model, DEFAULT_ALIAS)
         aliases = [a for a, p in cfg.models.items() if Path(p).expanduser() == Path(args.model).expanduser()]
@@ -49,12 +50,20 @@ def build_engine(
     backend: str,
     device_profile: str | None,
     quant: str | None = None,
+    spec: Any = None,
+    model_defaults: bool = True,
 ):
-    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests."""
-    from engine.cli import load_stack
+    """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
+    ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
+    ``model_defaults``: requests that omit a sampling parameter get the model's own value
+    (generation_config.json / GGUF general.sampling.*)."""
+    from engine.backend import load_stack
+    from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
+    from engine.spec.build import build_speculator
 
     model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
+    speculator = build_speculator(spec, model, runner, device_profile=device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
     profile = getattr(runner, "profile", None)  # the CUDA runner's device profile sets the prefill budget
@@ -68,6 +77,7 @@ def build_engine(
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
         ),
+        speculator=speculator,
     )
     engine.start()
     model_id = model.path.stem if model.path.suffix == ".gguf" else model.path.name
@@ -77,14 +87,32 @@ def build_engine(
         backend=runner.backend,
         created=int(time.time()),
         aliases=tuple(a for a in aliases if a != model_id),
+        generation_defaults=tuple(sorted(model_generation_defaults(model.weights.metadata).items()))
+        if model_defaults
+        else (),
     )
+    if info.generation_defaults:
+        shown = ", ".join(f"{k}={v:g}" for k, v in info.generation_defaults)
+        print(f"memra: the model's generation defaults apply where a request omits them: {shown}", file=sys.stderr)
     return engine, tokenizer, info
 
 
 def serve_from_cli(args: argparse.Namespace) -> int:
     from engine.server.serve import run_server
+    from engine.spec.config import parse_speculative
 
-    cfg = load_server_config(args.config, host=args.host, port=args.port)
+    cfg = load_server_config(
+        args.config,
+        host=args.host,
+        port=args.port,
+        speculative=getattr(args, "speculative", None),
+        spec_tokens=getattr(args, "spec_tokens", None),
+    )
+    try:
+        spec = parse_speculative(cfg.speculative, cfg.spec_tokens)
+    except ConfigError as exc:  # name the config file when the setting came from it
+        where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
+        raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
@@ -92,20 +120,40 @@ def serve_from_cli(args: argparse.Namespace) -> int:
 
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
+    use_defaults = getattr(args, "generation_config", "auto") != "none"
     return run_server(
-        cfg, lambda: build_engine(model_arg, aliases, cfg, args.backend, args.device_profile, args.quant)
+        cfg,
+        lambda: build_engine(
+            model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec, model_defaults=use_defaults
+        ),
     )
 
 
 def _keys_path(args: argparse.Namespace) -> Path:
+    """The keys file that ``memra keys`` edits. ``--config`` names the server config; when that
+    file does not exist yet it is created as ``[server] keys_file = "<name>.keys.toml"`` so that
+    ``memra serve --config`` reads the keys written next to it. A file that already holds
+    ``[[key]]`` tables is a keys file itself (older setups)."""
     cfg_path = Path(args.config)
     if cfg_path.exists():
+        from engine.server_config import tomllib
+
+        try:
+            if "key" in tomllib.loads(cfg_path.read_text(encoding="utf-8")):
+                return cfg_path
+        except (OSError, tomllib.TOMLDecodeError):
+            pass  # load_server_config reports it with the file name
         cfg = load_server_config(cfg_path)
         if cfg.keys_file:
             return Path(cfg.keys_file)
         raise ConfigError(f"{cfg_path}: set server.keys_file (the TOML file holding API keys) to manage keys")
-    # no config yet: the named file itself is the keys file
-    return cfg_path
+    if args.action != "add":
+        return cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    keys = cfg_path.with_name(cfg_path.stem + ".keys.toml")
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(f'[server]\nkeys_file = "{keys.name}"\n', encoding="utf-8")
+    print(f"created {cfg_path} (server config; its API keys live in {keys})")
+    return keys
 
 
 def keys_from_cli(args: argparse.Namespace) -> int:

@@ -15,6 +15,8 @@ class ModelInfo:
     backend: str
     created: int = 0
     aliases: tuple[str, ...] = ()  # other names a request's "model" may use
+    # (SamplingParams field, value) the model's files ask for; applied where a request omits the field
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
     def matches(self, name: str) -> bool:
         return name == self.id or name in self.aliases

@@ -11,8 +11,20 @@ import falcon
 
 from . import sse
 from .errors import ApiError
-from .generation import Run, allowed_tools, chat_prompt, check_model, encode, error_of
-from .http_common import read_json, respond, send_json, start_run, usage_openai
+from .generation import (
+    Run,
+    RunGroup,
+    allowed_tools,
+    chat_prompt,
+    check_model,
+    constraint_factory,
+    encode,
+    error_of,
+    interleave,
+)
+from .http_common import read_json, respond, send_json, start_group, usage_openai
+from .logprobs import chat_content, completion_logprobs
+from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
 from .state import AppState
 from .tool_calls import Call, Text, ToolCallParser
@@ -33,11 +45,15 @@ class ChatCompletions:
         st.require_ready()
         spec = parse_chat(read_json(req, st))
         check_model(st, spec.model)
-        ids = encode(st, chat_prompt(st, spec))
-        run = start_run(st, req, spec, ids, param="messages", id_prefix="chatcmpl-")
-        respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
+        prompt = chat_prompt(st, spec)
+        ids = encode(st, prompt)
+        spec.prompt_text = prompt
+        group = start_group(
+            st, req, spec, ids, param="messages", id_prefix="chatcmpl-", constraint=constraint_factory(st, spec)
+        )
+        respond(group, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
-    def _base(self, run: Run, obj: str) -> dict:
+    def _base(self, run, obj: str) -> dict:
         return {
             "id": run.id,
             "object": obj,
@@ -46,7 +62,8 @@ class ChatCompletions:
             "system_fingerprint": self.state.config.system_fingerprint,
         }
 
-    def _complete(self, run: Run, spec: ChatSpec, resp: falcon.Response) -> None:
+    def _choice(self, run: Run, spec: ChatSpec) -> dict | None:
+        """One finished choice's message (None when the client went away)."""
         parts: list[str] = []
         last = None
         for ev in run.events():
@@ -54,12 +71,11 @@ class ChatCompletions:
                 continue
             parts.append(ev.text)
             last = ev
-        if last is None:  # client went away
-            resp.status = falcon.code_to_http_status(499)
-            return
+        if last is None:
+            return None
         if last.finish_reason in ("error", "abort"):
             raise error_of(last)
-        text = "".join(parts)
+        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), "".join(parts))
         allowed = allowed_tools(spec)
         calls: list[Call] = []
         content = text
@@ -69,44 +85,84 @@ class ChatCompletions:
             calls = [e for e in evs if isinstance(e, Call)]
             content = "".join(e.text for e in evs if isinstance(e, Text))
         msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
+        if reasoning is not None:
+            msg["reasoning_content"] = msg["reasoning"] = reasoning
         if calls:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls
             ]
-        body = self._base(run, "chat.completion")
-        body["choices"] = [
-            {
-                "index": 0,
-                "message": msg,
-                "logprobs": None,
-                "finish_reason": _finish(last.finish_reason, bool(calls)),
-            }
-        ]
-        body["usage"] = usage_openai(run.usage)
+        lp = None
+        if spec.sampling.logprobs is not None:
+            lp = {"content": chat_content(self.state.tokenizer, run.generated_ids, run.logprobs)}
+        return {
+            "index": run.index,
+            "message": msg,
+            "logprobs": lp,
+            "finish_reason": _finish(last.finish_reason, bool(calls)),
+        }
+
+    def _complete(self, group: RunGroup, spec: ChatSpec, resp: falcon.Response) -> None:
+        choices = []
+        for run in group.runs:
+            c = self._choice(run, spec)
+            if c is None:  # client went away
+                resp.status = falcon.code_to_http_status(499)
+                return
+            choices.append(c)
+        body = self._base(group, "chat.completion")
+        body["choices"] = choices
+        body["usage"] = usage_openai(group.usage)
         send_json(resp, body)
 
-    def _chunk(self, run: Run, delta: dict, finish: str | None = None, usage: bool = False) -> bytes:
+    def _chunk(
+        self, run: Run, delta: dict, finish: str | None = None, usage: bool = False, logprobs=None
+    ) -> bytes:
         c = self._base(run, "chat.completion.chunk")
-        c["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        c["choices"] = [{"index": run.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
         if usage:
             c["usage"] = None
         return sse.data(c)
 
-    def _stream(self, run: Run, spec: ChatSpec) -> Iterator[bytes]:
-        iu = spec.include_usage
+    def _stream(self, group: RunGroup, spec: ChatSpec) -> Iterator[bytes]:
         yield sse.OK_COMMENT
+        ok = yield from interleave(group, lambda run, evs: self._stream_choice(run, spec, evs), sse.KEEPALIVE)
+        if not ok:
+            yield sse.DONE
+            return
+        if spec.include_usage:
+            c = self._base(group, "chat.completion.chunk")
+            c["choices"] = []
+            c["usage"] = usage_openai(group.usage)
+            yield sse.data(c)
+        yield sse.DONE
+
+    def _stream_choice(self, run: Run, spec: ChatSpec, events):
+        """Yield one choice's chunks from ``events`` (None: yield a keep-alive); returns False when
+        the stream must end (error, client gone)."""
+        iu = spec.include_usage
+        tok = self.state.tokenizer
+        want_lp = spec.sampling.logprobs is not None
         yield self._chunk(run, {"role": "assistant", "content": ""}, usage=iu)
         allowed = allowed_tools(spec)
         parser = ToolCallParser(allowed) if allowed is not None else None
+        splitter = reasoning_parser_for(tok, spec.prompt_text)
         n_calls = 0
+        pending_lp: list[dict] = []  # logprob entries not yet attached to a chunk
+
+        def lp_now():
+            if not want_lp:
+                return None
+            out = {"content": list(pending_lp)}
+            pending_lp.clear()
+            return out
 
         def emit(evs) -> Iterator[bytes]:
             nonlocal n_calls
             for e in evs:
                 if isinstance(e, Text):
                     if e.text:
-                        yield self._chunk(run, {"content": e.text}, usage=iu)
+                        yield self._chunk(run, {"content": e.text}, usage=iu, logprobs=lp_now())
                 else:
                     yield self._chunk(
                         run,
@@ -126,30 +182,43 @@ class ChatCompletions:
                         run,
                         {"tool_calls": [{"index": n_calls, "function": {"arguments": e.arguments}}]},
                         usage=iu,
+                        logprobs=lp_now(),
                     )
                     n_calls += 1
 
-        for ev in run.events():
+        def text_out(text: str, final: bool) -> Iterator[bytes]:
+            if splitter is not None:
+                r, text = splitter.feed(text)
+                if final:
+                    r2, t2 = splitter.finish()
+                    r, text = r + r2, text + t2
+                if r:
+                    yield self._chunk(
+                        run, {"reasoning_content": r, "reasoning": r}, usage=iu, logprobs=lp_now()
+                    )
+            if text:
+                yield from emit(parser.feed(text) if parser else [Text(text)])
+            if final and parser:
+                yield from emit(parser.finish())
+
+        for ev in events:
             if ev is None:
                 yield sse.KEEPALIVE
                 continue
-            if ev.text:
-                yield from emit(parser.feed(ev.text) if parser else [Text(ev.text)])
-            if ev.finish_reason is None:
+            if want_lp and ev.logprobs:
+                pending_lp.extend(chat_content(tok, ev.token_ids, ev.logprobs))
+            final = ev.finish_reason is not None
+            if ev.text or final:
+                yield from text_out(ev.text, final)
+            if not final:
                 continue
-            if parser:
-                yield from emit(parser.finish())
             if ev.finish_reason in ("error", "abort"):
                 yield sse.data(error_of(ev).openai_body())
-                yield sse.DONE
-                return
-            yield self._chunk(run, {}, _finish(ev.finish_reason, n_calls > 0), usage=iu)
-            if iu:
-                c = self._base(run, "chat.completion.chunk")
-                c["choices"] = []
-                c["usage"] = usage_openai(run.usage)
-                yield sse.data(c)
-            yield sse.DONE
+                return False
+            lp = lp_now() if pending_lp else None
+            yield self._chunk(run, {}, _finish(ev.finish_reason, n_calls > 0), usage=iu, logprobs=lp)
+            return True
+        return False  # the client went away
 
 
 class Completions:
@@ -173,33 +242,41 @@ class Completions:
             ids = list(spec.prompt)
         else:
             ids = encode(st, spec.prompt, "prompt", add_special_tokens=True)  # BOS, as `memra run` does
-        run = start_run(st, req, spec, ids, param="prompt", id_prefix="cmpl-")
-        respond(run, spec, resp, self._stream, self._complete, sse.openai_stream_error)
+        group = start_group(
+            st, req, spec, ids, param="prompt", id_prefix="cmpl-", constraint=constraint_factory(st, spec)
+        )
+        respond(group, spec, resp, self._stream, self._complete, sse.openai_stream_error)
 
-    def _complete(self, run: Run, spec, resp: falcon.Response) -> None:
-        parts, last = [], None
-        for ev in run.events():
-            if ev is not None:
-                parts.append(ev.text)
-                last = ev
-        if last is None:
-            resp.status = falcon.code_to_http_status(499)
-            return
-        if last.finish_reason in ("error", "abort"):
-            raise error_of(last)
-        body = self._base(run)
-        body["choices"] = [
-            {
-                "index": 0,
-                "text": "".join(parts),
-                "logprobs": None,
-                "finish_reason": _finish(last.finish_reason, False),
-            }
-        ]
-        body["usage"] = usage_openai(run.usage)
+    def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
+        choices = []
+        for run in group.runs:
+            parts, last = [], None
+            for ev in run.events():
+                if ev is not None:
+                    parts.append(ev.text)
+                    last = ev
+            if last is None:
+                resp.status = falcon.code_to_http_status(499)
+                return
+            if last.finish_reason in ("error", "abort"):
+                raise error_of(last)
+            lp = None
+            if spec.sampling.logprobs is not None:
+                lp = completion_logprobs(self.state.tokenizer, run.generated_ids, run.logprobs)
+            choices.append(
+                {
+                    "index": run.index,
+                    "text": "".join(parts),
+                    "logprobs": lp,
+                    "finish_reason": _finish(last.finish_reason, False),
+                }
+            )
+        body = self._base(group)
+        body["choices"] = choices
+        body["usage"] = usage_openai(group.usage)
         send_json(resp, body)
 
-    def _base(self, run: Run) -> dict:
+    def _base(self, run) -> dict:
         return {
             "id": run.id,
             "object": "text_completion",
@@ -208,37 +285,51 @@ class Completions:
             "system_fingerprint": self.state.config.system_fingerprint,
         }
 
-    def _chunk(self, run: Run, text: str, finish: str | None, iu: bool) -> bytes:
+    def _chunk(self, run: Run, text: str, finish: str | None, iu: bool, logprobs=None) -> bytes:
         c = self._base(run)
-        c["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        c["choices"] = [{"index": run.index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
         if iu:
             c["usage"] = None
         return sse.data(c)
 
-    def _stream(self, run: Run, spec: CompletionSpec) -> Iterator[bytes]:
-        iu = spec.include_usage
+    def _stream(self, group: RunGroup, spec: CompletionSpec) -> Iterator[bytes]:
         yield sse.OK_COMMENT
-        for ev in run.events():
+        ok = yield from interleave(group, lambda run, evs: self._stream_choice(run, spec, evs), sse.KEEPALIVE)
+        if not ok:
+            yield sse.DONE
+            return
+        if spec.include_usage:
+            c = self._base(group)
+            c["choices"] = []
+            c["usage"] = usage_openai(group.usage)
+            yield sse.data(c)
+        yield sse.DONE
+
+    def _stream_choice(self, run: Run, spec: CompletionSpec, events):
+        """One choice's chunks from ``events`` (None: a keep-alive); False when the stream must end."""
+        iu = spec.include_usage
+        want_lp = spec.sampling.logprobs is not None
+        sent = 0
+        for ev in events:
             if ev is None:
                 yield sse.KEEPALIVE
                 continue
+            lp = None
+            if want_lp:
+                lp = completion_logprobs(self.state.tokenizer, ev.token_ids, ev.logprobs or [], sent)
             if ev.finish_reason in ("error", "abort"):
                 if ev.text:
-                    yield self._chunk(run, ev.text, None, iu)
+                    yield self._chunk(run, ev.text, None, iu, lp)
                 yield sse.data(error_of(ev).openai_body())
-                yield sse.DONE
-                return
-            if ev.text or ev.finish_reason:
+                return False
+            if ev.text or ev.finish_reason or (want_lp and ev.token_ids):
                 yield self._chunk(
-                    run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu
+                    run, ev.text, _finish(ev.finish_reason, False) if ev.finish_reason else None, iu, lp
                 )
+            sent += len(ev.text)
             if ev.finish_reason:
-                if iu:
-                    c = self._base(run)
-                    c["choices"] = []
-                    c["usage"] = usage_openai(run.usage)
-                    yield sse.data(c)
-                yield sse.DONE
+                return True
+        return False  # the client went away
 
 
 def _model_obj(state: AppState, name: str) -> dict:

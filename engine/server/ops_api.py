@@ -10,6 +10,7 @@ import falcon
 from .errors import ApiError, bad_request
 from .generation import chat_prompt, encode
 from .http_common import read_json, send_json
+from .metrics import CONTENT_TYPE
 from .schemas import get_bool, parse_chat
 from .state import AppState
 
@@ -64,7 +65,7 @@ class MetricsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
-        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.content_type = CONTENT_TYPE
         resp.text = st.metrics.render(_stats(st), alive=st.alive, draining=st.draining)
 
 

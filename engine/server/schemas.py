@@ -1,19 +1,21 @@
 """Validate OpenAI and Anthropic request bodies into plain request specs (typed, bounded, param-named 400s).
 
 Unknown top-level fields are accepted and ignored; a known field with a wrong type or value, or an
-unsupported feature (logprobs, n>1, logit_bias ...), is a 400 naming the field. Must not import the
+unsupported feature (best_of, echo, suffix ...), is a 400 naming the field. ``GenSpec.sampling_given``
+names the sampling fields the body set, so the model's generation defaults fill only the others. Must not import the
 engine loop or falcon.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.types import SamplingParams
 
 from .errors import ApiError, bad_request
+from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
 MAX_STOP = 16
 MAX_STOP_LEN = 512
@@ -33,6 +35,10 @@ class GenSpec:
     include_usage: bool = False
     ignore_eos: bool = False
     cache_salt: str = ""
+    n: int = 1  # choices; each is its own engine request sharing the prompt's KV through the prefix cache
+    sampling_given: frozenset[str] = frozenset()  # SamplingParams fields the body set explicitly
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", ...}
+    speculative: bool = True  # false: this request opts out of speculative decoding
 
 
 @dataclass
@@ -41,7 +47,9 @@ class ChatSpec(GenSpec):
     tools: list[dict] | None = None  # OpenAI function tools
     tool_choice: str = "auto"  # auto | none | required | named
     tool_name: str | None = None  # for tool_choice == "named"
+    parallel_tool_calls: bool = True  # forced tool calls: several blocks allowed
     template_kwargs: dict = field(default_factory=dict)
+    prompt_text: str = ""  # the rendered prompt (set by the resource; reasoning detection reads it)
 
 
 @dataclass
@@ -143,24 +151,12 @@ def get_stop(body: dict, name: str) -> list[str]:
 
 
 def _reject_unsupported_openai(body: dict) -> None:
-    if body.get("logprobs") not in (None, False, 0):
-        raise _unsupported("logprobs", "(log probabilities)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "(log probabilities)")
-    if body.get("n") not in (None, 1):
-        raise _unsupported("n", "other than 1")
     if body.get("best_of") not in (None, 1):
         raise _unsupported("best_of", "other than 1")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "(non-empty)")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "(insertion)")
     if body.get("echo") not in (None, False):
         raise _unsupported("echo", "(prompt echo)")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") != "text":
-            raise _unsupported("response_format", 'other than {"type": "text"}')
 
 
 def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
@@ -176,13 +172,17 @@ def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
         frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=get_number(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
         seed=get_number(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1, integer=True),
+        logit_bias=get_logit_bias(body),
     )
 
 
-def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None) -> None:
+def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, chat: bool = True) -> None:
     _reject_unsupported_openai(body)
     spec.model = get_str(body, "model", None, max_len=256)
-    spec.sampling = _sampling(body)
+    spec.sampling = replace(_sampling(body), logprobs=get_logprobs(body, chat))
+    spec.sampling_given = given_fields(body)
+    spec.n = get_number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+    spec.response_format = get_response_format(body)
     mt = get_number(body, "max_completion_tokens", None, lo=1, hi=1 << 31, integer=True)
     if mt is None:
         mt = get_number(body, "max_tokens", max_tokens_default, lo=1, hi=1 << 31, integer=True)
@@ -196,6 +196,7 @@ def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None) ->
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
+    spec.speculative = get_bool(body, "speculative", True)
     get_str(body, "user", None, max_len=4096)  # accepted, ignored
 
 
@@ -349,7 +350,7 @@ def parse_chat(body: dict) -> ChatSpec:
     _common_openai(body, spec, None)
     spec.messages = parse_openai_messages(body.get("messages"))
     spec.tools, spec.tool_choice, spec.tool_name = parse_openai_tools(body)
-    get_bool(body, "parallel_tool_calls", True)  # accepted; several calls are parsed either way
+    spec.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
@@ -362,7 +363,7 @@ def parse_chat(body: dict) -> ChatSpec:
 
 def parse_completion(body: dict) -> CompletionSpec:
     spec = CompletionSpec()
-    _common_openai(body, spec, 16)
+    _common_openai(body, spec, 16, chat=False)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise bad_request("`prompt` is required", "prompt")
@@ -523,6 +524,16 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     spec.model = get_str(body, "model", None, max_len=256)
     spec.messages = parse_anthropic_messages(body)
     spec.tools, spec.tool_choice, spec.tool_name = parse_anthropic_tools(body)
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict):
+        spec.parallel_tool_calls = not get_bool(tc, "disable_parallel_tool_use", False, prefix="tool_choice.")
+    th = body.get("thinking")
+    if th is not None:  # extended thinking -> the template's enable_thinking switch
+        if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
+            raise ApiError(
+                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
+            )
+        spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     if count_only:
         return spec
     mt = get_number(body, "max_tokens", None, lo=1, hi=1 << 31, integer=True)
@@ -534,8 +545,11 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
         top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
     )
+    spec.sampling_given = given_fields(body, ("temperature", "top_p", "top_k"))
+
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
+    spec.speculative = get_bool(body, "speculative", True)
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise _type_err("metadata", "an object", md)

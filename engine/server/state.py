@@ -27,6 +27,8 @@ class AppState:
         self.config = config
         self.keyring = Keyring(config)
         self.metrics = Metrics()
+        if model_info is not None:
+            self.metrics.model_name = model_info.id
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_info = model_info
@@ -39,6 +41,9 @@ class AppState:
 
     def attach(self, engine: Any, tokenizer: Any, model_info: ModelInfo) -> None:
         self.tokenizer, self.model_info = tokenizer, model_info
+        self.metrics.model_name = model_info.id
+        cfg = getattr(getattr(engine, "config", None), "enable_prefix_cache", None)
+        self.metrics.prefix_caching = True if cfg is None else bool(cfg)
         self.engine = engine  # last: readiness is "engine is not None"
 
     @property

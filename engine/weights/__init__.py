@@ -12,11 +12,13 @@ from engine.types import MemraError
 from engine.weights.gguf_reader import GGUFMetadata, GGUFSource, split_files
 from engine.weights.safetensors_reader import SafetensorsSource
 from engine.weights.source import TensorInfo, WeightSource
+from engine.weights.stacked import StackedSource
 
 __all__ = [
     "GGUFMetadata",
     "GGUFSource",
     "SafetensorsSource",
+    "StackedSource",
     "TensorInfo",
     "WeightSource",
     "open_weights",

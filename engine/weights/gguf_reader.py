@@ -107,6 +107,9 @@ class GGUFSource(WeightSource):
                 self._infos[t.name] = TensorInfo(t.name, dtype, shape, nbytes)
                 self._where[t.name] = (ri, int(t.data_offset), nbytes)
 
+    def file_of(self, name: str) -> Path:
+        return self.files[self._where[name][0]] if name in self._where else self.path
+
     def raw(self, name: str) -> np.ndarray:
         self.info(name)
         ri, off, n = self._where[name]

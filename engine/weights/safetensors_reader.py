@@ -131,6 +131,9 @@ class SafetensorsSource(WeightSource):
             self._infos[name] = TensorInfo(name, ours, shape, nbytes)
             self._where[name] = (f, data_start + start, nbytes)
 
+    def file_of(self, name: str) -> Path:
+        return self._where[name][0] if name in self._where else self.path
+
     def raw(self, name: str) -> np.ndarray:
         self.info(name)
         f, off, n = self._where[name]

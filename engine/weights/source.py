@@ -53,6 +53,10 @@ class WeightSource:
                 f"{self.path}: no tensor named {name!r} ({len(self._infos)} tensors in the checkpoint)"
             ) from None
 
+    def file_of(self, name: str) -> Path:
+        """The file holding tensor ``name`` (the shard, for a split checkpoint): for error messages."""
+        return self.path
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a 1-D uint8 memory-mapped view (no copy)."""
         raise NotImplementedError

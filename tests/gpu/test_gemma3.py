@@ -159,5 +159,5 @@ def _full_attention_logits(model, ids):
 
     from engine.reference import ReferenceRunner
 
-    dims = dict(model.dims, attn_window=(0,) * int(model.dims["layers"]))
+    dims = dict(model.dims, sliding_window=0)  # window 0: none
     return ReferenceRunner(dataclasses.replace(model, dims=dims), max_model_len=1024).forward_logits(ids)

@@ -344,26 +344,6 @@ def test_paired_q_k_and_v_gemvs_give_the_same_bits(tmp_path):
     _knob_keeps_the_bits(tmp_path, "decode_graph.fork_linears=false", "decode_graph.pair_linears", ("apart", "paired"), check)
 
 
-def test_pair_attention_gives_the_same_bits(tmp_path):
-    """decode_graph.pair_attention: at batch 1 and short contexts the gemv_pair launch also runs
-    the layer's direct rope-fused attention, each (kv head, qsplit) unit on the block of the q tile
-    holding its middle q row, once every tile of its q / k / v rows has landed. Every unit
-    computes what its attention block would, so the logits must be the same bits as the pair
-    followed by the attention kernel's, replayed and eager, over several steps (the unit counters
-    reset themselves); batch 2 keeps the attention kernel."""
-    from engine.plan import SHORT1
-
-    layers = DIMS.num_hidden_layers
-
-    def check(name, runner):
-        fused = [la for st in runner.plan.steps for la in st.launches.get(SHORT1, ())]
-        assert len(fused) == (layers if name.startswith("fused") else 0), name
-        assert all(la.spec.template == "gemv_pair_attention" for la in fused)
-
-    tune = "decode_graph.fork_linears=false; decode_graph.pair_linears=true"
-    _knob_keeps_the_bits(tmp_path, tune, "decode_graph.pair_attention", ("pair", "fused"), check)
-
-
 def test_trace_records_every_block_and_keeps_the_bits(tmp_path, monkeypatch):
     """MEMRA_TRACE=1 (the block timeline of tools/gpu_trace_decode.py): a replayed decode graph
     writes one record per block of every launch, with start <= pdl_wait return <= end on one
@@ -441,7 +421,7 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
     prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last), or the
     o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
-    from engine.plan import SHORT1
+    from engine.ir import SHORT1
 
     layers = DIMS.num_hidden_layers
 

@@ -1,33 +1,27 @@
-"""Plan post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches.
+"""Lowering post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches.
 
 The knobs (docs/kernels.md, "attention option l2_pf"; the h200 profile turns on the attention's o
-prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_*
-(the direct attention prefetches its layer's o weight and the gate|up's first bytes),
+prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_* (the direct
+attention prefetches its layer's o weight and the gate|up's first bytes),
 decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
-layers inside decode_graph.o_window_min_kb / o_window_max_kb (the adapter's o_window). (A third
-pass, the whole weight stream kept D bytes ahead, lost 11-320 us per step and was removed in the
-twentieth session.) Each pass sets a kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the
-weights it names to the launch's args as pointer args pf0, pf1 ... ``ad`` is engine.plan's
-catalog adapter (its catalog, profile tuning and spec builder). Must not import CUDA or numpy.
+layers inside decode_graph.o_window_min_kb / o_window_max_kb (Lowerer.o_window). Each pass sets a
+kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the weights it names to the
+launch's args as pointer args pf0, pf1 ... Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
-from engine.plan import SHORT1, Step, WeightPlan, _w
+from engine.ir import SHORT1, Step, Value, WeightPlan, wgt
+from engine.lowering.context import linears_after, weight_of
+from engine.lowering.registry import post_pass
 from engine.quant import row_bytes
 
 
-def apply(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
-    """Every pass the profile's tuning asks for, in order."""
-    short1_attention(ad, steps, weights)
-    o_gemv(ad, steps, weights)
-
-
-def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
+@post_pass(30)
+def short1_attention(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
     """Tuning attention_decode.l2_prefetch_o / l2_prefetch_next_kb: each attention step whose
     batch-1 short-context launch is the direct kernel (SHORT1 where it has one, else a new
     SHORT1 from its short launch) gets ``l2_pf`` ranges: the whole weight of the layer's next
@@ -36,7 +30,7 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
     gate rows t * RPB / 2 .. and the up rows as far past the gate's first, so the first tiles
     of both halves come first). The weights are appended as pointer args pf0, pf1. Other batch
     sizes, and steps whose SHORT1 is empty (the pair launch runs the attention), keep theirs."""
-    t = ad.tune("attention_decode") if ad.cat is not None else {}
+    t = ctx.tune("attention_decode")
     want_o, next_kb = bool(t.get("l2_prefetch_o")), int(t.get("l2_prefetch_next_kb") or 0)
     if not (want_o or next_kb):
         return
@@ -44,16 +38,16 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
         cur = st.launches.get(SHORT1, st.launches.get("short", ()))
         if st.op.op != "attention" or len(cur) != 1 or not cur[0].spec.params.get("direct"):
             continue
-        if not ad.o_window(steps, i, weights):
+        if not ctx.o_window(steps, i, weights):
             continue
         later = linears_after(steps, i)
         targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
         if want_o and later:
-            o = weight_of(ad, later[0], weights)
+            o = weight_of(later[0], weights)
             if o is not None:
                 targets.append((o, [(0, o.nbytes)]))
         if next_kb and len(later) > 1:
-            first = _first_bytes(ad, later[1], weights, next_kb * 1024)
+            first = _first_bytes(later[1], weights, next_kb * 1024)
             if first is not None:
                 targets.append(first)
         ranges = _l2_pf_ranges(targets)
@@ -67,46 +61,42 @@ def short1_attention(ad: Any, steps: list[Step], weights: Mapping[str, WeightPla
             "l2_pf_late": bool(t.get("l2_prefetch_late")) and bool(la.spec.params.get("vec16")),
             "l2_pf_keep": bool(t.get("l2_prefetch_keep")),
         }
-        spec = ad._spec("attention", {}, **params)
-        args = la.args + tuple(_w(w) for w, _ in targets)
+        spec = ctx.spec("attention", **params)
+        args = la.args + tuple(wgt(w) for w, _ in targets)
         st.launches[SHORT1] = (dataclasses.replace(la, spec=spec, args=args),)
 
 
-def o_gemv(ad: Any, steps: list[Step], weights: Mapping[str, WeightPlan]) -> None:
+@post_pass(40)
+def o_gemv(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
     """Tuning decode_graph.o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection
     (the linear after the attention; a batch-1 q8x coop GEMV) prefetches the first KB of the
     linear after it (gate|up, in its tiles' order: _first_bytes) into L2 once its own tile has
     landed, so they stream while it computes from shared memory (``l2_pf`` on its decode1
     launch, the weight appended as pointer arg pf0)."""
-    kb = int(ad._graph_value("o_prefetch_next_kb") or 0)
-    if not kb or ad.cat is None:
+    kb = int(ctx.graph_value("o_prefetch_next_kb") or 0)
+    if not kb:
         return
     for i, st in enumerate(steps):
-        if st.op.op != "attention" or not ad.o_window(steps, i, weights):
+        if st.op.op != "attention" or not ctx.o_window(steps, i, weights):
             continue
         later = linears_after(steps, i)
         o = later[0].launches.get("decode1", ()) if later else ()
         if len(later) < 2 or len(o) != 1 or o[0].spec.template != "gemv" or not o[0].spec.params.get("q8x"):
             continue
-        first = _first_bytes(ad, later[1], weights, kb * 1024)
+        first = _first_bytes(later[1], weights, kb * 1024)
         if first is None:
             continue
         la = o[0]
-        spec = ad._spec("gemv", {}, **{**la.spec.params, "l2_pf": _l2_pf_ranges([first])})
-        later[0].launches["decode1"] = (dataclasses.replace(la, spec=spec, args=la.args + (_w(first[0]),)),)
-
-
-def linears_after(steps: list[Step], i: int) -> list[Step]:
-    """The linear steps of step ``i``'s layer after it (for an attention step: o, gate|up, down)."""
-    return [s for s in steps[i + 1 :] if s.layer == steps[i].layer and s.op.op == "linear"]
+        spec = ctx.spec("gemv", **{**la.spec.params, "l2_pf": _l2_pf_ranges([first])})
+        later[0].launches["decode1"] = (dataclasses.replace(la, spec=spec, args=la.args + (wgt(first[0]),)),)
 
 
 def _first_bytes(
-    ad: Any, step: Step, weights: Mapping[str, WeightPlan], nbytes: int
+    step: Step, weights: Mapping[str, WeightPlan], nbytes: int
 ) -> tuple[WeightPlan, list[tuple[int, int]]] | None:
     """The first ``nbytes`` of a linear step's matrix in the order its batch-1 GEMV reads its
     row tiles (_spans), as (weight, [(offset, bytes)]). None where the step is not one gemv."""
-    w = weight_of(ad, step, weights)
+    w = weight_of(step, weights)
     if w is None:
         return None
     glu = next((la.spec.params.get("glu", 0) for la in step.launches.get("decode1", ())), 0)
@@ -122,17 +112,6 @@ def _spans(w: WeightPlan, glu: int, a: int, b: int) -> list[tuple[int, int]]:
         half = glu * row_bytes(w.dtype, w.cols)
         return [(a // 2, (b - a) // 2), (half + a // 2, (b - a) // 2)]
     return [(a, b - a)]
-
-
-def weight_of(ad: Any, step: Step, weights: Mapping[str, WeightPlan]) -> WeightPlan | None:
-    """The matrix a linear step's batch-1 GEMV reads (its arg ``w``; None where the step is not
-    one gemv launch, as a q4_k_m q|k beside its v)."""
-    launches = step.launches.get("decode1", ())
-    if len(launches) != 1 or launches[0].spec.template != "gemv":
-        return None
-    named = dict(zip((n for n, _ in ad.cat.kernel_args(launches[0].spec)), launches[0].args, strict=True))
-    w = named.get("w")
-    return weights.get(w.ref) if w is not None and w.kind == "weight" else None
 
 
 def _l2_pf_ranges(targets: list[tuple[WeightPlan, list[tuple[int, int]]]]) -> str:

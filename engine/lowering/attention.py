@@ -1,0 +1,114 @@
+"""Lowering unit ``attention``: paged causal GQA attention over the KV cache.
+
+prefill: flash attention on tensor cores (kernels/attention_prefill.cu.j2); decode: split-KV
+partials + combine (kernels/attention.cu.j2, attention_combine.cu.j2); short (every row below
+split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it. A
+post-pass, ``trigger_short1`` (tuning attention_decode.trigger_b1). Must not import CUDA or numpy."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from engine import kernel_catalog as kc
+from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, WeightPlan, val
+from engine.lowering.registry import post_pass, register, same_width
+from engine.lowering.rope import vec16
+
+
+@register("attention", bind=same_width, short=True)
+def lower(ctx, op, layer, mode, ins, outs, ws):
+    d = ctx.dims
+    q, _k, _v_ = ins
+    out = outs[0]
+    heads, kvh, hd = d["heads"], d["kv_heads"], d["head_dim"]
+    common = dict(
+        heads=heads,
+        kv_heads=kvh,
+        head_dim=hd,
+        block_size=ctx.profile.kv_block_size,
+        scale=repr(float(hd) ** -0.5),
+        q_stride=q.ld,
+        out_stride=out.ld,
+    )
+    cache = (
+        Arg("kv", "k", layer=layer),
+        Arg("kv", "v", layer=layer),
+        Arg("input", "block_tables"),
+        Arg("input", "positions"),
+        Arg("shape", "max_blocks", "i32"),
+    )
+    v16 = vec16(ctx, q)
+    if mode == "prefill":
+        # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
+        pt = ctx.tune("attention_prefill")
+        bq, bkv, pw = pt["block_q"], pt["block_kv"], pt["warps"]
+        spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, **common)
+        args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
+        grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
+        smem = (bq + 4 * bkv) * (hd + 8) * 2
+        return [Launch(spec, grid, (32 * pw,), args, smem)]
+    t = ctx.tune("attention_decode")
+    if mode == "short":
+        # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
+        # before this op may be folded in (the rope unit set rope_fused)
+        rope, rope_args = ctx.rope_fused.get(layer, ({}, ()))
+        warps = t.get("direct_warps") or t["warps"]
+        qsplit = kc.direct_qsplit(heads // kvh, ctx.profile.tuning)
+        spec = ctx.spec(
+            "attention",
+            split=t["split_kv_tokens"],  # one staged table chunk
+            mode="decode",
+            direct=True,
+            warps=warps,
+            vec16=v16,
+            qsplit=qsplit,
+            **common,
+            **rope,
+            table_first=bool(t.get("table_first")),
+            trigger=bool(t.get("trigger")),
+        )
+        args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
+        return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
+    warps, split = t["warps"], t["split_kv_tokens"]
+    spec = ctx.spec(
+        "attention",
+        split=split,
+        mode="decode",
+        direct=False,
+        warps=warps,
+        vec16=v16,
+        **common,
+        table_first=bool(t.get("table_first")),
+    )
+    rows = ctx.max_rows
+    ctx.need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
+    ctx.need_scratch(ScratchPlan("attn_ml", per_split=rows * heads * 2 * 4, split=split))
+    splits = Arg("shape", f"splits:{split}", "i32")
+    part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
+    args = (NULL,) + part + (val(q),) + cache + (splits,)
+    grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
+    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld)
+    cargs = (val(out),) + part + (Arg("input", "positions"), splits)
+    return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
+
+
+@post_pass(20)
+def trigger_short1(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
+    """Tuning attention_decode.trigger_b1: each attention step whose short-context launch is
+    the direct kernel gets a SHORT1 launch, the same kernel with ``trigger`` (pdl_trigger() at
+    its start, so the o GEMV's blocks launch beside it and fetch their weights early); the
+    other batch sizes keep the launch without it. Not outside the o window (o_window)."""
+    if not ctx.tune("attention_decode").get("trigger_b1"):
+        return
+    for i, st in enumerate(steps):
+        short = st.launches.get("short", ())
+        if st.op.op != "attention" or len(short) != 1:
+            continue
+        if not ctx.o_window(steps, i, weights):
+            continue
+        la = short[0]
+        if not la.spec.params.get("direct") or la.spec.params.get("trigger"):
+            continue
+        spec = ctx.spec("attention", **{**la.spec.params, "trigger": True})
+        st.launches[SHORT1] = (dataclasses.replace(la, spec=spec),)

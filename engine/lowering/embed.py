@@ -1,0 +1,19 @@
+"""Lowering unit ``embed``: one row of the (possibly quantised) table per token, dequantised to
+bf16 (kernels/embed.cu.j2). Must not import CUDA or numpy."""
+
+from __future__ import annotations
+
+from engine.ir import ROWS, Arg, Launch, val, wgt
+from engine.lowering.registry import register
+
+
+def bind(op, ws, ins, dims, value_for):
+    return [value_for(op.outputs[0], dims["hidden"])]
+
+
+@register("embed", bind=bind)
+def lower(ctx, op, layer, mode, ins, outs, ws):
+    w = ws[0]
+    t = ctx.tune("elementwise")["threads"]
+    spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t)
+    return [Launch(spec, ("n",), (t,), (val(outs[0]), wgt(w), Arg("input", "tokens"), ROWS))]

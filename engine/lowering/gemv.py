@@ -1,0 +1,207 @@
+"""The GEMV lowering of linear layers in decode passes (kernels/gemv.cu.j2, gemv_pair.cu.j2).
+
+One launch per weight allocation: the classic layout (tuning gemv) or the warp-cooperative one
+(tuning gemv_coop, q8x: int8 x rows and dp4a), with a prologue where a decode rmsnorm / silu_mul
+was folded into it (the Lowerer's ``prologue``), a glu epilogue on a gate|up GEMV whose silu_mul
+it replaces, and at batch 1 a q4_k_m layer's two q|k / v GEMVs as one gemv_pair launch (tuning
+decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). A helper of the
+``linear`` unit. Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine import kernel_catalog as kc
+from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.lowering.context import PROLOGUE_MODES
+from engine.types import ConfigError
+
+
+def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
+    # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
+    launches, col = [], 0
+    for w in ws:
+        launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
+        col += len(w.parts)
+    paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
+    return [paired] if paired is not None else fork(ctx, mode, launches)
+
+
+def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Launch:
+    """The GEMV launch of weight allocation ``w`` writing ``out`` (``part_threads``: a coop q8x
+    layout in blocks of that many threads, for a gemv_pair part; 0: the tuning's)."""
+    tg = ctx.tune("gemv")
+    res_name = op.attrs.get("residual")
+    residual = res_name is not None
+    out_dtype = ctx.act_dtype(out.name)
+    bmax = 1 if mode == "decode1" else tg["max_batch"]
+    rpb = tg["rows_per_block"]
+    pro = ctx.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
+    xv, extra, pp = ins[0], (), {}
+    if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
+        xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+        pp = dict(x_stride=xv.ld)
+    elif pro is not None and pro[1].width == w.cols:
+        xv = pro[1]
+        pp = dict(prologue=pro[0], x_stride=xv.ld)
+        if pro[0] == "norm":
+            pp["eps"] = repr(float(ctx.dims["rms_eps"]))
+            extra = (wgt(pro[2]),)
+        else:
+            pp["u_off"] = pro[2]
+    elif pro is not None:
+        raise ConfigError(
+            f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
+        )
+    opts: dict[str, Any] = {}
+    layout = kc.gemv_layout(w.dtype, ctx.profile.tuning, n=w.rows, bmax=bmax)
+    if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
+        rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
+        opts = dict(
+            coop=True,
+            stage=False,
+            **kc.coop_options(
+                ctx.profile.tuning,
+                bmax,
+                w.cols,
+                w.dtype,
+                n=w.rows,
+                sm_count=ctx.profile.sm_count,
+                threads=part_threads,
+            ),
+        )
+        threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
+        unroll = opts.pop("unroll", unroll)  # (q8x_b1_unroll)
+        if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
+            opts.pop("kparts", None)
+        if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
+            opts.pop("early_nw", None)
+        if not residual:  # the early residual: only a GEMV that adds one
+            opts.pop("early_res", None)
+        if mode == "decode1" and ctx.graph_knob("early_trigger"):
+            opts["trigger"] = True  # the next kernel may launch once the first loads are out
+        if (
+            mode == "decode1"
+            and opts.get("q8x")
+            and ctx.tune("gemv_coop").get("q8x_glu")
+            and opts.get("ksplit", 1) == 1
+            and opts.get("kparts", 1) == 1
+            and not opts.get("wsm")
+        ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
+            glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype, rpb)
+            if glu:
+                pp["glu"] = glu
+    else:
+        threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
+        glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
+        if glu:
+            pp["glu"] = glu
+        # xsmem / prefetch from the tuning (off by default)
+        staged = kc.STAGED_DEFAULT.get(w.dtype, False)
+        opts = kc.gemv_options({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
+    spec = ctx.spec(
+        "gemv",
+        quant=w.dtype,
+        n=w.rows,
+        k=w.cols,
+        bmax=bmax,
+        threads=threads,
+        rows_per_block=rpb,
+        residual=residual,
+        out_dtype=out_dtype,
+        unroll=unroll,
+        **pp,
+        **opts,
+    )
+    res = Arg("value", res_name) if residual else NULL
+    args = (val(out), wgt(w), val(xv), res, ROWS) + extra
+    grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bmax - 1}) // {bmax}")
+    parts = int(spec.params.get("kparts", 1))
+    if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
+        row_groups = cdiv(ctx.max_rows, bmax)
+        ctx.need_scratch(ScratchPlan("kpart_sum", fixed=parts * ctx.max_rows * w.rows * 4))
+        tiles = cdiv(w.rows, spec.params["rows_per_block"])
+        ctx.need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
+        args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
+        grid += (parts,)
+    if spec.params.get("glu"):
+        ctx.glu_done.add((mode, out.name))
+    smem = kc.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
+    # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
+    fit = bool(spec.params.get("grid_cap")) and bool(
+        ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
+    )
+    return Launch(spec, grid, (threads,), args, smem, fit_grid=fit)
+
+
+def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch | None:
+    """A batch-1 linear op's two GEMV launches as one gemv_pair launch (tuning
+    decode_graph.pair_linears; kernels/gemv_pair.cu.j2), or None where they stay apart.
+
+    The two separately stored weights of a q4_k_m layer's q|k and v read the same x: as one
+    grid they stream side by side with no stream fork or join, and the next kernel launches
+    early behind them. The second part is re-planned in the first's block shape. Pairs only
+    coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
+    every block of the pair is resident at once when a part copies its row tile to shared
+    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.
+    pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs, and
+    pair_min_blocks sets the kernel's __launch_bounds__ minimum of blocks per SM."""
+    if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
+        return None
+    a = launches[0]
+    if not pairable(a.spec.params):
+        return None
+    b = gemv_launch(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
+    if not pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
+        return None
+    min_blocks = int(ctx.tune("decode_graph").get("pair_min_blocks") or 0)
+    try:  # (the pair kernel's __launch_bounds__ minimum: both parts carry it)
+        spec = kc.pair_with_min_blocks([a.spec, b.spec], min_blocks)
+    except ConfigError:
+        return None
+    smem = kc.pair_smem(spec)
+    blocks = spec.params["blocks_a"] + spec.params["blocks_b"]
+    if (a.spec.params["wsm"] or b.spec.params["wsm"]) and not kc.one_round(
+        ctx.profile.tuning, smem, blocks, ctx.profile.sm_count
+    ):
+        return None
+    smem = kc.spread_smem(ctx.profile.tuning, smem, blocks, ctx.profile.sm_count)
+    return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
+
+
+def pairable(p: dict) -> bool:
+    """Whether a gemv spec's params allow it as a gemv_pair part (see _pair)."""
+    return (
+        bool(p.get("coop") and p.get("q8x"))
+        and not p["residual"]
+        and not p["glu"]
+        and p["kparts"] == 1
+    )
+
+
+def fork(ctx, mode: str, launches: list[Launch]) -> list[Launch]:
+    """A decode linear's launches after the first marked concurrent (tuning
+    decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
+    all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
+    buffer), nor in prefill."""
+    on = ctx.graph_knob("fork_linears")
+    if not on or mode == "prefill" or len(launches) < 2:
+        return launches
+    if any(a.kind == "scratch" for la in launches for a in la.args):
+        return launches
+    return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
+
+
+def glu_for(ctx, op, layer, mode, w, residual: bool, out_dtype: str, rpb: int = 0) -> int:
+    """The glu epilogue width of a decode gate|up GEMV whose output only a fusable silu_mul reads
+    (tuning gemv.fuse_glu; build_plan fills glu_ops): the intermediate size, else 0. ``rpb``:
+    the GEMV's rows per block (default: gemv.rows_per_block), which must be even."""
+    if mode not in PROLOGUE_MODES or (id(op), layer) not in ctx.glu_ops or residual:
+        return 0
+    if len(w.part_rows) != 2 or w.part_rows[0] != w.part_rows[1] or out_dtype != "bf16":
+        return 0
+    if (rpb or ctx.tune("gemv")["rows_per_block"]) % 2:
+        return 0
+    return w.part_rows[0]

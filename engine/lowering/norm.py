@@ -1,0 +1,43 @@
+"""Lowering units ``rmsnorm`` and ``head_rmsnorm``.
+
+rmsnorm: kernels/rmsnorm.cu.j2, or no launch in a decode mode where the GEMVs that read its output
+normalise x while loading it (the Lowerer's ``prologue``). head_rmsnorm (Qwen3's per-head q / k
+norm) never launches: the rope that follows applies it (its ``qk_norm``). Must not import CUDA or
+numpy."""
+
+from __future__ import annotations
+
+from engine.ir import NULL, ROWS, Launch, val, wgt
+from engine.lowering.context import PROLOGUE_MODES
+from engine.lowering.registry import register, same_width
+from engine.types import ConfigError
+
+
+@register("rmsnorm", bind=same_width, wide="prefill")
+def lower_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
+    w = ws[0]
+    t = ctx.tune("norm")["threads"]
+    eps = float(ctx.dims["rms_eps"])
+    ctx.prologue.pop((mode, outs[0].name), None)
+    x = ins[0]
+    if (
+        mode in PROLOGUE_MODES
+        and ctx.fused(op, layer, mode)
+        and w.dtype == "f32"
+        and x.width == w.cols
+        and x.ld % 8 == 0
+        and x.offset % 8 == 0
+    ):  # fused into the GEMVs that read the output (they normalise x while loading it)
+        ctx.prologue[(mode, outs[0].name)] = ("norm", x, w)
+        return []
+    spec = ctx.spec("rmsnorm", n=w.cols, eps=repr(eps), threads=t, residual=False)
+    return [Launch(spec, ("n",), (t,), (val(outs[0]), val(ins[0]), NULL, wgt(w), ROWS))]
+
+
+@register("head_rmsnorm", bind=same_width, short=True)
+def lower_head_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
+    # fused into the rope kernel that follows (qk_norm); remember which value it normalises
+    if outs[0].name != ins[0].name:
+        raise ConfigError("plan: head_rmsnorm must write its input in place (out == in) to fuse into rope")
+    ctx.pending_norm[(layer, mode, ins[0].name)] = ws[0]
+    return []

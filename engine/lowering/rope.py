@@ -1,0 +1,81 @@
+"""Lowering unit ``rope``: in-place RoPE of q and k, the head norms before it (a pending
+head_rmsnorm), and the k / v write to the paged cache (kernels/rope.cu.j2). In a short-context
+decode pass it has no launch where the direct attention kernel that follows does its work
+(tuning attention_decode.fuse_rope): it leaves the attention the params and args for that in the
+Lowerer's ``rope_fused``. Must not import CUDA or numpy."""
+
+from __future__ import annotations
+
+from engine import kernel_catalog as kc
+from engine.ir import NULL, ROWS, Arg, Launch, Value, val, wgt
+from engine.lowering.registry import register
+from engine.types import ConfigError
+
+
+def bind(op, ws, ins, dims, value_for):
+    return list(ins)
+
+
+def vec16(ctx, q: Value) -> bool:
+    """16-byte K/V loads in decode attention (profile attention_decode.vec16) for this q."""
+    hd = ctx.dims["head_dim"]
+    return bool(ctx.tune("attention_decode").get("vec16")) and hd in (32, 64, 128, 256) and q.ld % 8 == 0
+
+
+def rope_fuses(ctx, q: Value, k: Value) -> bool:
+    """Whether short-context decode rope folds into the direct attention kernel (tuning
+    attention_decode.fuse_rope, on the vec16 path the fused kernel is written for)."""
+    return bool(ctx.tune("attention_decode").get("fuse_rope")) and vec16(ctx, q) and k.ld % 8 == 0
+
+
+@register("rope", bind=bind, short=True, attrs=("freq_factors",))
+def lower(ctx, op, layer, mode, ins, outs, ws):
+    d = ctx.dims
+    q, k = ins
+    v = ctx.rope_v.get(layer)
+    if v is None:
+        raise ConfigError("plan: rope is not followed by an attention op (the KV write needs its v)")
+    qn = ctx.pending_norm.pop((layer, mode, q.name), None)
+    kn = ctx.pending_norm.pop((layer, mode, k.name), None)
+    if (qn is None) != (kn is None):
+        raise ConfigError("plan: head_rmsnorm on only one of q and k is not supported by the CUDA plan")
+    t = ctx.tune("elementwise")["threads"]
+    params = dict(
+        heads=d["heads"],
+        kv_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        rope_dim=d["rope_dim"],
+        theta=repr(float(d["rope_theta"])),
+        style=ctx.rope_style,
+        q_stride=q.ld,
+        kv_stride=k.ld,
+        qk_norm=qn is not None,
+        eps=repr(float(d["rms_eps"])),
+        freq_factors=ctx.freq is not None,
+        kv_write=True,
+        threads=t,
+        **({"v_stride": v.ld} if v.ld != k.ld else {}),
+    )
+    norms = (wgt(qn) if qn else NULL, wgt(kn) if kn else NULL)
+    freq = wgt(ctx.freq) if ctx.freq is not None else NULL
+    if mode == "short" and rope_fuses(ctx, q, k) and v.ld % 8 == 0:
+        # short-context decode: the direct attention kernel that follows rotates q / k itself
+        # and writes the cache (the split kernels do not: every split block would redo the rope)
+        fused = {key: params[key] for key in kc.ATTENTION_ROPE_PARAMS if key in params}
+        extra = (val(k), val(v), *norms, freq, Arg("input", "slots"))
+        ctx.rope_fused[layer] = ({"rope": True, **fused}, extra)
+        return []
+    spec = ctx.spec("rope", **params)
+    args = (
+        val(q),
+        val(k),
+        val(v),
+        Arg("input", "positions"),
+        *norms,
+        freq,
+        Arg("kv", "k", layer=layer),
+        Arg("kv", "v", layer=layer),
+        Arg("input", "slots"),
+        ROWS,
+    )
+    return [Launch(spec, ("n", kc.rope_head_blocks(params)), (t,), args)]

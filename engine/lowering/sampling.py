@@ -1,0 +1,33 @@
+"""Lowering of the sampling tail on the logits (not a graph op: every plan ends with it).
+
+``greedy``: argmax into out_ids (kernels/argmax.cu.j2); ``sample``: temperature / top-k / top-p /
+min-p sampling (kernels/sample.cu.j2; greedy rows inside it take the argmax); ``penalised``: the
+sparse penalties kernel in place on the logits, then ``sample``. Must not import CUDA or numpy."""
+
+from __future__ import annotations
+
+from engine.ir import PENALTY_CAPACITY, ROWS, Arg, Launch, Value, val
+from engine.kernel_catalog import PENALTY_BLOCKS
+from engine.types import ConfigError
+
+
+def lower_sampling(ctx, logits: Value) -> dict[str, tuple[Launch, ...]]:
+    t = ctx.tune("sampling")["threads"]
+    vocab = logits.width
+    if logits.ld != vocab or logits.dtype != "f32":
+        raise ConfigError("plan: the sampler needs contiguous f32 logits")
+    amax = ctx.spec("argmax", vocab=vocab, ld=logits.ld, threads=t)
+    samp = ctx.spec("sample", vocab=vocab, ld=logits.ld, threads=t)
+    out = Arg("input", "out_ids")
+    greedy = Launch(amax, ("n",), (t,), (out, val(logits), ROWS))
+    inputs = tuple(Arg("input", n) for n in ("temperature", "top_k", "top_p", "min_p", "seeds", "counters"))
+    sample = Launch(samp, ("n",), (t,), (out, val(logits)) + inputs + (ROWS,))
+    et = ctx.tune("elementwise")["threads"]
+    pen = ctx.spec("penalties", ld=logits.ld, threads=et)
+    pargs = (
+        (val(logits), Arg("input", "pen_entries"))
+        + tuple(Arg("input", n) for n in ("presence", "frequency", "repetition"))
+        + (Arg("const", PENALTY_CAPACITY, "i32"),)
+    )
+    penalise = Launch(pen, (PENALTY_BLOCKS,), (et,), pargs)
+    return {"greedy": (greedy,), "sample": (sample,), "penalised": (penalise, sample)}

@@ -1,0 +1,187 @@
+"""KernelSpec builders for the mixture-of-experts kernels, with each kernel's launch contract.
+
+``topk_kernel``: kernels/moe_topk.cu.j2, top-k softmax routing on the device (router logits in,
+expert ids and weights out, fixed-size buffers, no host synchronisation). ``expert_gemv_kernel``:
+kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by those ids: mode
+``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
+weighted by the router and summed over the chosen experts, plus the residual), one warp per
+(token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
+``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
+expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
+with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP. The CUDA plan does not call them yet (the MoE lowering lands on the op registry);
+``moe_specs`` lists what a family's dims need, for warmup.
+
+Each builder returns a ``MoeKernel``: the spec plus ``args`` ((name, ctype) in order), ``grid(rows)``
+and ``block``, the same shape as ``engine.kernel_catalog.KernelChoice`` so launch helpers take
+either. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kernel_spec import KernelSpec, entry_name
+from engine.types import ConfigError
+
+# storage types the expert GEMV decodes (kernels/_quant.cuh.j2), with their block widths
+GEMV_QUANTS = {
+    "bf16": 8,
+    "f16": 8,
+    "f32": 8,
+    "q8_0": 32,
+    "q4_0": 32,
+    "q4_1": 32,
+    "q5_0": 32,
+    "q5_1": 32,
+    "q4_k": 256,
+    "q5_k": 256,
+    "q6_k": 256,
+}
+# the templates this module builds, for the catalog-completeness check (tests/test_kernels_compile.py)
+KERNELS = {
+    "moe_topk": "top-k softmax routing: router logits -> expert ids (int32) and weights (f32) per token",
+    "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
+    "(weighted sum), per (token, slot) or grouped by expert",
+    "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
+}
+MODES = ("glu", "down", "glu_grouped", "down_grouped")
+MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
+MAX_EXPERTS = 256  # moe_topk keeps E / 32 logits per lane in registers
+MAX_GRID_Y = 65535
+
+
+@dataclass(frozen=True)
+class MoeKernel:
+    """A spec plus how to launch it (``grid(rows)`` -> 3-tuple; rows = tokens)."""
+
+    spec: KernelSpec
+    args: tuple[tuple[str, str], ...]
+    grid: Callable[..., tuple[int, int, int]]
+    block: tuple[int, int, int]
+    smem: int = 0
+
+
+def topk_kernel(experts: int, top_k: int, normalize: bool, warps: int = 4) -> MoeKernel:
+    """moe_topk for ``experts`` router logits per token, ``top_k`` chosen, renormalised when
+    ``normalize``; one warp per token, ``warps`` tokens per block. Raises ConfigError when
+    ``experts`` > 256 or ``top_k`` is outside 1..min(32, experts)."""
+    if not 0 < experts <= MAX_EXPERTS:
+        raise ConfigError(f"moe_topk: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
+    if not 0 < top_k <= min(32, experts):
+        raise ConfigError(f"moe_topk: top_k {top_k} must be in 1..{min(32, experts)}")
+    if warps not in (1, 2, 4, 8, 16, 32):
+        raise ConfigError(f"moe_topk: warps {warps} must be a power of two up to 32")
+    params = {"experts": experts, "top_k": top_k, "normalize": bool(normalize), "warps": warps}
+    spec = KernelSpec(
+        "moe_topk", entry_name("moe_topk", e=experts, k=top_k, n=int(normalize), w=warps), params
+    )
+    return MoeKernel(
+        spec,
+        (("ids", "ptr"), ("weights", "ptr"), ("logits", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-rows // warps), 1, 1),
+        (32 * warps, 1, 1),
+    )
+
+
+def expert_gemv_kernel(
+    mode: str,
+    quant: str,
+    n: int,
+    k: int,
+    top_k: int,
+    rows_per_block: int = 4,
+    residual: bool = False,
+    experts: int = 0,
+    max_slots: int = 256,
+    slot_batch: int = 8,
+) -> MoeKernel:
+    """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
+    [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
+    residual when ``residual``), or their grouped forms for ``experts`` experts: "glu_grouped"
+    (as glu) and "down_grouped" (-> f32 partial [rows, top_k, n], summed by ``combine_kernel``),
+    for at most ``max_slots`` (rows x top_k) per launch, ``slot_batch`` slots per pass over a
+    weight row. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
+    blocks, a bad mode or shape."""
+    if mode not in MODES:
+        raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
+    if quant not in GEMV_QUANTS:
+        raise ConfigError(f"moe_gemv: storage type {quant!r} is not supported ({', '.join(GEMV_QUANTS)})")
+    if k % GEMV_QUANTS[quant]:
+        raise ConfigError(f"moe_gemv: a {quant} row of {k} values is not a whole number of {GEMV_QUANTS[quant]}-value blocks")
+    if not 0 < top_k <= 32 or n < 1 or rows_per_block not in (1, 2, 4, 8, 16):
+        raise ConfigError(f"moe_gemv: bad shape n={n} top_k={top_k} rows_per_block={rows_per_block}")
+    res = bool(residual) and mode == "down"
+    params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "rows_per_block": rows_per_block, "residual": res}
+    name = {"n": n, "k": k, "top": top_k, "r": rows_per_block, **({"res": 1} if res else {})}
+    grouped = mode.endswith("_grouped")
+    if grouped:
+        if not 0 < experts <= MAX_GRID_Y or not top_k <= max_slots <= MAX_SLOTS or slot_batch not in (1, 2, 4, 8, 16):
+            raise ConfigError(
+                f"moe_gemv {mode}: experts {experts} (1..{MAX_GRID_Y}), max_slots {max_slots} "
+                f"(top_k..{MAX_SLOTS}), slot_batch {slot_batch} (1, 2, 4, 8 or 16)"
+            )
+        params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch)
+        name.update(e=experts, ms=max_slots, sb=slot_batch)
+    spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params)
+    slots = top_k if mode == "glu" else 1
+
+    def grid(rows: int, **_: Any) -> tuple[int, int, int]:
+        if grouped:
+            if rows * top_k > max_slots:
+                raise ConfigError(f"moe_gemv {mode}: {rows} rows x top_k {top_k} exceed max_slots {max_slots}")
+            return (-(-n // rows_per_block), experts, 1)
+        if rows * slots > MAX_GRID_Y:
+            raise ConfigError(f"moe_gemv: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
+        return (-(-n // rows_per_block), rows * slots, 1)
+
+    if mode in ("glu", "glu_grouped"):
+        args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("ids", "ptr"), ("rows", "i32"))
+    elif mode == "down_grouped":
+        args = (("partial", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("rows", "i32"))
+    else:
+        args = (
+            ("out", "ptr"),
+            ("w", "ptr"),
+            ("act", "ptr"),
+            ("ids", "ptr"),
+            ("weights", "ptr"),
+            ("residual", "ptr"),
+            ("rows", "i32"),
+        )
+    return MoeKernel(spec, args, grid, (32 * rows_per_block, 1, 1))
+
+
+def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256) -> MoeKernel:
+    """moe_combine: out [rows, n] = the router-weighted sum of the f32 ``partial`` rows that
+    ``down_grouped`` wrote (+ residual, which may alias out)."""
+    if not 0 < top_k <= 32 or n < 1 or threads not in (64, 128, 256, 512, 1024):
+        raise ConfigError(f"moe_combine: bad shape n={n} top_k={top_k} threads={threads}")
+    params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads}
+    name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {})}
+    return MoeKernel(
+        KernelSpec("moe_combine", entry_name("moe_combine", **name), params),
+        (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def moe_specs(
+    dims: Mapping[str, Any], quants: list[str], rows_per_block: int = 4, max_slots: int = 256
+) -> list[KernelSpec]:
+    """Every MoE kernel a family's ``dims`` (experts, experts_used, moe_intermediate, hidden,
+    norm_topk_prob) need for each expert storage type in ``quants`` (types the GEMV cannot decode
+    are skipped), the grouped ones for up to ``max_slots`` (tokens x top_k) per launch."""
+    e, top, inter, hidden = (int(dims[x]) for x in ("experts", "experts_used", "moe_intermediate", "hidden"))
+    specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
+    for q in quants:
+        if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
+            continue
+        specs.append(expert_gemv_kernel("glu", q, inter, hidden, top, rows_per_block).spec)
+        specs.append(expert_gemv_kernel("down", q, hidden, inter, top, rows_per_block, residual=True).spec)
+        for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
+            specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
+    specs.append(combine_kernel(hidden, top).spec)
+    return list(dict.fromkeys(specs))

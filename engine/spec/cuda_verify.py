@@ -1,0 +1,93 @@
+"""Draft verification on the CUDA runner: the k+1 positions of each draft row scored in one step.
+
+Each verify position becomes its own decode row: row j of a draft item runs token ``token_ids[j]``
+at position ``start_pos + j`` over the item's block table. All rows of a step go through the
+runner's decode path at once (``CudaRunner._decode``: the captured CUDA graph of the batch bucket
+that holds them, with the pinned inputs copied in and the argmax ids copied out by the graph), so
+verification replays the same graphs and kernels as plain decoding (the verify shapes are the
+decode buckets) and a greedy row's argmax at each position has the bits of a plain decode step of
+the same batch bucket. The KV of every row is written by the rope kernel before the attention
+kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
+short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
+read those slots, so verification then uses the long-context launches.
+
+Greedy rows without penalties are accepted from the argmax ids alone; other rows read the logits
+back and go through ``engine.spec.accept`` on the host.
+
+The runner's own diff is one delegating method and a ``short_ok`` flag on ``_decode``, to stay
+out of the way of the plan/launch restructuring. Reaches the driver only through the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.spec.accept import accept, accept_greedy_ids
+from engine.types import MemraError, SamplingParams, StepItem
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def short_is_safe(plan: Any) -> bool:
+    """False where the plan's short-context decode folds the rope (and its KV write) into the
+    attention kernel: rows of one sequence in one launch would race on each other's KV slots."""
+    return not any(st.op.op == "rope" and "short" in st.launches and not st.launches["short"] for st in plan.steps)
+
+
+def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
+    """CudaRunner.verify: plain items through ``runner.step``, draft items as decode rows."""
+    out: list[list[int]] = [[] for _ in items]
+    plain = [i for i, it in enumerate(items) if not it.draft]
+    drafts = [i for i, it in enumerate(items) if it.draft]
+    for i in drafts:
+        it, k = items[i], len(items[i].draft)
+        if k >= len(it.token_ids) or list(it.token_ids[-k:]) != list(it.draft):
+            raise MemraError(
+                f"seq {it.seq_id}: the draft must be the last {k} of the item's tokens", code="internal_error"
+            )
+        if len(it.token_ids) > runner._max_rows:
+            raise MemraError(
+                f"seq {it.seq_id}: {len(it.token_ids)} verify rows exceed the largest decode bucket "
+                f"{runner._max_rows}",
+                code="internal_error",
+            )
+    if plain:
+        for i, tok in zip(plain, runner.step([items[i] for i in plain]), strict=True):
+            out[i] = [int(tok)] if items[i].sample else []
+    safe = getattr(runner, "_verify_short_ok", None)
+    if safe is None:
+        safe = runner._verify_short_ok = short_is_safe(runner.plan)
+    group: list[int] = []
+    rows = 0
+    for i in drafts + [-1]:
+        n = len(items[i].token_ids) if i >= 0 else 0
+        if group and (i < 0 or rows + n > runner._max_rows):
+            for j, toks in zip(group, _verify_group(runner, [items[j] for j in group], safe), strict=True):
+                out[j] = toks
+            group, rows = [], 0
+        if i >= 0:
+            group.append(i)
+            rows += n
+    return out
+
+
+def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[int]]:
+    rows: list[StepItem] = []
+    spans = []
+    for it in items:
+        r._check_item(it)
+        lo = len(rows)
+        for j, tok in enumerate(it.token_ids):
+            rows.append(StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY))
+        spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
+    ids = r._decode(rows, short_ok=short_ok)
+    host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
+    logits = r.read_logits(len(rows)) if host else None
+    out = []
+    for it, (lo, hi) in zip(items, spans, strict=True):
+        if logits is not None and (not it.sampling.greedy or it.sampling.uses_penalties):
+            out.append(accept(logits[lo:hi], it))
+        else:
+            out.append(accept_greedy_ids(it.draft, ids[lo:hi]))
+    return out

@@ -1,0 +1,114 @@
+"""Device memory of a model's weights: bytes per tensor group for a quant, and the fit check.
+
+A MoE model keeps every expert of every sparse layer on the device (any token may route to any
+expert), so its weight bytes are those of the whole file, though a decode step reads only the
+chosen experts. ``weight_bytes(...)`` counts them from the family graph and dims alone (no file
+needed: a named size and a quant combo suffice, as for warmup), per group: ``experts`` (stacked
+tensors), ``dense`` (every other matrix), ``embedding`` and ``vectors`` (norms, f32).
+``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls both
+before it uploads anything.
+
+Must not import CUDA (the caller passes the free byte count) or anything above engine.model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from engine import quant as quant_mod
+from engine.graph import ModelGraph, QuantCombo, evaluate
+from engine.types import MemraError
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Device bytes of a model's weights, by group (``total`` is their sum)."""
+
+    experts: int
+    dense: int
+    embedding: int
+    vectors: int
+
+    @property
+    def total(self) -> int:
+        return self.experts + self.dense + self.embedding + self.vectors
+
+    def describe(self) -> str:
+        parts = [(n, getattr(self, n)) for n in ("experts", "dense", "embedding", "vectors")]
+        return ", ".join(f"{n} {b / GIB:.2f} GiB" for n, b in parts if b)
+
+
+def weight_bytes(
+    graph: ModelGraph,
+    dims: Mapping[str, Any],
+    combo: QuantCombo | None = None,
+    tensor_dtypes: Mapping[str, str] | None = None,
+    device_type: Callable[[str, int], str] | None = None,
+) -> WeightBytes:
+    """Bytes every weight of ``graph`` at ``dims`` takes on the device.
+
+    A tensor's storage type is ``tensor_dtypes["<key>@<layer>"]`` or ``tensor_dtypes["<key>"]`` (as
+    ``engine.model.LoadedModel`` records a file's), else the first type ``combo`` allows for it.
+    ``device_type(type, cols)`` maps a file type to the layout uploaded (a repacked layout pads
+    rows: ``engine.quant.row_bytes``); by default the file type. Per-layer tensors count in the
+    layers whose ops read them (a dense layer of a MoE model has no experts). A tied head counts
+    once. Vectors count as f32. Raises ConfigError for a tensor without a shape.
+    """
+    dtypes = tensor_dtypes or {}
+    layers_of = graph.tensor_layers(dict(dims))
+    groups = {"experts": 0, "dense": 0, "embedding": 0, "vectors": 0}
+    for key, spec in graph.tensors.items():
+        if spec.optional or (spec.tied_to and dims.get("tie_embeddings")):
+            continue  # optional tensors are small extras; a tied head is its embedding
+        if spec.shape is None:
+            raise MemraError(f"{graph.path}: tensors.{key}: a shape is needed to count its bytes")
+        shape = tuple(int(evaluate(s, dims)) for s in spec.shape)
+        for layer in layers_of.get(key, []) if spec.per_layer else [None]:
+            if spec.kind == "vector":
+                groups["vectors"] += 4 * prod(shape)
+                continue
+            dtype = dtypes.get(f"{key}@{layer}") or dtypes.get(key)
+            if dtype is None:
+                if combo is None:
+                    raise MemraError(f"weight_bytes: no storage type for {key} (pass a quant combo)")
+                dtype = combo.allowed(key)[0]
+            cols = shape[-1]
+            layout = device_type(dtype, cols) if device_type else dtype
+            nbytes = prod(shape[:-1]) * quant_mod.row_bytes(layout, cols)
+            group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
+            groups[group] += nbytes
+    return WeightBytes(**groups)
+
+
+def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any]) -> int:
+    """Weight bytes one batch-1 decode step reads (the decode roofline's numerator): every dense
+    matrix and vector, ``experts_used / experts`` of the expert bytes (the router's picks), and the
+    embedding table only when it is the (tied) head (an untied table is gathered, not streamed)."""
+    read = weights.dense + weights.vectors
+    if weights.experts:
+        read += weights.experts * int(dims["experts_used"]) // int(dims["experts"])
+    if dims.get("tie_embeddings"):
+        read += weights.embedding
+    return read
+
+
+def check_fits(what: str, weights: WeightBytes, free: int, reserve: int = 0) -> None:
+    """Raise MemraError (code ``out_of_memory``) unless ``weights.total + reserve <= free``.
+
+    ``what`` names the model (its file); ``reserve`` is memory needed beside the weights (at least
+    one KV block, activation buffers). The message gives bytes needed, by group, and bytes free.
+    """
+    need = weights.total + reserve
+    if need <= free:
+        return
+    extra = f" + {reserve / GIB:.2f} GiB for KV cache and buffers" if reserve else ""
+    raise MemraError(
+        f"{what}: the weights need {weights.total / GIB:.2f} GiB on the device ({weights.describe()}){extra}, "
+        f"{need / GIB:.2f} GiB in all, but only {free / GIB:.2f} GiB is free",
+        code="out_of_memory",
+    )

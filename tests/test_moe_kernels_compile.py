@@ -1,0 +1,101 @@
+"""The MoE kernels (kernels/moe_topk.cu.j2, kernels/moe_gemv.cu.j2) render for every storage type
+and mode, open with pdl_wait(), and compile with NVRTC for every device profile's arch (no GPU).
+
+Every storage type's decoder compiles for the primary arch (sm_90a, in the glu kernel; down for the
+main types); the other archs compile one spec of each template, which keeps NVRTC to a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.compile import KernelBuilder
+from engine.kcache import KernelCache
+from engine.model import dims_for_size
+from engine.moe_kernels import GEMV_QUANTS, combine_kernel, expert_gemv_kernel, moe_specs, topk_kernel
+from engine.profile import all_profiles
+from engine.render import render, waits_first
+from engine.types import ConfigError
+
+PRIMARY_ARCH = "sm_90a"
+
+
+def _nvrtc_ok() -> bool:
+    try:
+        from engine import nvrtc
+
+        nvrtc.version()
+        nvrtc.include_dirs()
+        return True
+    except Exception:
+        return False
+
+
+def _all_specs():
+    specs = [topk_kernel(128, 8, True).spec, topk_kernel(60, 4, False, warps=2).spec]
+    for q in GEMV_QUANTS:
+        specs.append(expert_gemv_kernel("glu", q, 768, 2048, 8).spec)
+        specs.append(expert_gemv_kernel("down", q, 2048, 768, 8, residual=True).spec)
+    specs.append(expert_gemv_kernel("down", "q8_0", 64, 96, 2, rows_per_block=2).spec)  # no residual, n tail
+    for q in ("bf16", "q8_0", "q4_k", "q6_k"):
+        specs.append(expert_gemv_kernel("glu_grouped", q, 768, 2048, 8, experts=128, max_slots=256).spec)
+        specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
+    specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
+    return specs
+
+
+def test_every_moe_kernel_renders_and_waits_first():
+    for s in _all_specs():
+        src = render(s)
+        assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry
+    down = render(expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True).spec)
+    assert "#define RESIDUAL 1" in down and "block_q4_K" in down
+
+
+def test_builders_check_their_inputs():
+    with pytest.raises(ConfigError, match="1..256"):
+        topk_kernel(300, 8, True)
+    with pytest.raises(ConfigError, match="top_k 9"):
+        topk_kernel(8, 9, True)
+    with pytest.raises(ConfigError, match="not a whole number of 256"):
+        expert_gemv_kernel("glu", "q4_k", 768, 1000, 8)
+    with pytest.raises(ConfigError, match="not supported"):
+        expert_gemv_kernel("glu", "q2_k", 768, 2048, 8)
+    k = expert_gemv_kernel("glu", "q8_0", 768, 2048, 8)
+    assert k.grid(3) == (192, 24, 1) and k.block == (128, 1, 1)
+    with pytest.raises(ConfigError, match="exceed"):
+        k.grid(9000)
+    d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
+    specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
+    assert len(specs) == 1 + 4 * 4 + 1 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
+    assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
+    with pytest.raises(ConfigError, match="exceed max_slots 256"):
+        g.grid(33)
+    with pytest.raises(ConfigError, match="max_slots 100000"):
+        expert_gemv_kernel("glu_grouped", "q4_k", 768, 2048, 8, experts=128, max_slots=100000)
+    assert combine_kernel(2048, 8).grid(5) == (8, 5, 1)
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or the CUDA headers are not available")
+def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
+    archs = sorted({p.arch for p in all_profiles().values()})
+    assert PRIMARY_ARCH in archs
+    # every decoder on the primary arch in the glu kernel; down and the others' constants-only variants
+    # (other quants, top-k sizes) add nothing NVRTC has not compiled once already
+    full = [s for s in _all_specs() if s.params.get("mode") != "down" or s.params["quant"] in ("bf16", "q8_0", "q4_k", "q6_k")]
+    full = [s for s in full if s.template != "moe_topk" or s.params["experts"] == 128]
+    full = [s for s in full if not s.params.get("mode", "").endswith("_grouped") or s.params["quant"] in ("q8_0", "q4_k")]
+    one_each = [
+        full[0],
+        expert_gemv_kernel("glu", "q4_k", 768, 2048, 8).spec,
+        expert_gemv_kernel("down", "q6_k", 2048, 768, 8, residual=True).spec,
+        expert_gemv_kernel("glu_grouped", "q6_k", 768, 2048, 8, experts=128).spec,
+        expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
+        combine_kernel(2048, 8).spec,
+    ]
+    for arch in archs:
+        specs = full if arch == PRIMARY_ARCH else one_each
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)

@@ -1,0 +1,90 @@
+"""CudaRunner.verify's host logic on the fake driver of test_plan_runner_fake (no GPU): every verify
+position becomes a decode row of the same sequence (its own position, the sequence's block table),
+all draft rows of a step replay one decode bucket graph, and the argmax ids become accepted tokens."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_plan_runner_fake as base  # noqa: E402
+
+from engine.spec.cuda_verify import short_is_safe  # noqa: E402
+from engine.types import StepItem  # noqa: E402
+
+fake = base.fake
+GREEDY = base.GREEDY
+
+
+def _draft_item(seq, draft, start, table):
+    return StepItem(seq, [7, *draft], start, table, True, GREEDY, history=[1] * start + [7], draft=draft)
+
+
+def test_verify_runs_draft_positions_as_decode_rows_of_one_bucket(fake):
+    runner, drv = fake
+    # the fake D2H leaves every id at 0: a draft of zeros is accepted whole (+ the bonus 0), a
+    # draft starting with 3 is rejected at once (emits 0)
+    items = [
+        _draft_item(0, [0, 0, 0], 5, [0]),
+        StepItem(1, [9], 4, [1], True, GREEDY),  # a plain decode row in the same step
+        _draft_item(2, [3, 0], 9, [2]),
+    ]
+    out = runner.verify(items)
+    assert out == [[0, 0, 0, 0], [0], [0]]
+    v = runner._views
+    assert v["positions"][:8].tolist() == [5, 6, 7, 8, 9, 10, 11, 0]  # 7 rows padded to bucket 8
+    assert v["tokens"][:7].tolist() == [7, 0, 0, 0, 7, 3, 0]
+    assert v["slots"][:7].tolist() == [5, 6, 7, 8, 2 * 16 + 9, 2 * 16 + 10, 2 * 16 + 11]
+    tables = runner._tables[: 8 * runner._table_ld].reshape(8, -1)
+    assert tables[:7, 0].tolist() == [0, 0, 0, 0, 2, 2, 2]
+    argmax = {g for n, g, _ in drv.launches if n.startswith("argmax")}
+    assert (8, 1, 1) in argmax  # the bucket-8 graph's sampler covers every verify row
+    captures, launches = drv.captures, drv.graph_launches
+    assert runner.verify([items[0], items[2]]) == [[0, 0, 0, 0], [0]]
+    assert drv.captures == captures and drv.graph_launches == launches + 1  # replayed, not recaptured
+
+
+def test_eager_verify_without_graphs(fake):
+    runner, drv = fake
+    runner.use_graphs = False
+    assert runner.verify([_draft_item(0, [0, 5], 3, [0])]) == [[0, 0]]
+    assert drv.captures == 0 and drv.graph_launches == 0
+
+
+def test_fused_rope_short_attention_is_not_used_for_verify_rows():
+    def plan(short_rope):
+        rope = types.SimpleNamespace(op=types.SimpleNamespace(op="rope"), launches={"decode": (1,), **short_rope})
+        return types.SimpleNamespace(steps=[rope])
+
+    assert short_is_safe(plan({}))
+    assert short_is_safe(plan({"short": (1,)}))
+    assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
+
+
+def test_host_sampled_rows_beside_draft_rows(fake):
+    """A constrained row and a logprobs row in a verify step go through the plain decode path and its
+    host sampler (engine.sampling.sample_item on the read-back logits, all zero here): the mask picks
+    the only allowed token, logprobs are filled; the draft row is accepted from the argmax ids."""
+    import numpy as np
+
+    from engine.types import SamplingParams
+
+    runner, _ = fake
+    vocab = runner.plan.values["logits"].width
+    read = []
+    runner.read_logits = lambda rows: read.append(rows) or np.zeros((rows, vocab), np.float32)
+    bits = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+    bits[5] = 1
+    mask = np.packbits(bits, bitorder="little").view(np.int32)
+    items = [
+        _draft_item(0, [0, 0], 5, [0]),
+        StepItem(1, [9], 4, [1], True, GREEDY, history=[1] * 4 + [9], allowed=mask),
+        StepItem(2, [9], 4, [2], True, SamplingParams(temperature=0.0, logprobs=2), history=[1] * 4 + [9]),
+    ]
+    assert runner.verify(items) == [[0, 0, 0], [5], [0]]
+    lp, top = items[2].logprobs_out
+    assert np.isclose(lp, -np.log(vocab)) and len(top) == 2
+    assert items[0].logprobs_out is None and items[1].logprobs_out is None
+    assert read == [2]  # one read-back, for the plain step's two host rows
