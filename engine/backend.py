@@ -41,10 +41,27 @@ def choose_profile(device: DeviceInfo, override: str | None = None) -> DevicePro
     return select(device, override or env.MEMRA_DEVICE_PROFILE.get() or None)
 
 
+def _recurrent(model: Any) -> bool:
+    """Whether the model's graph has an op with recurrent state (a hybrid: no CUDA lowering yet)."""
+    from engine.ops import OPS
+
+    graph = getattr(model, "graph", None)
+    return graph is not None and any(OPS[op.op].state is not None for op, _ in graph.ops())
+
+
 def create_runner(model: Any, backend: str = "auto", device_profile: str | None = None, **kwargs: Any):
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
+    if backend in ("auto", "cuda") and _recurrent(model):
+        # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
+        if backend == "cuda":
+            raise MemraError(
+                f"--backend cuda: family {model.graph.family} (hybrid linear attention) has no CUDA "
+                "lowering yet; use --backend reference"
+            )
+        print(f"memra: family {model.graph.family} runs on the numpy reference backend", file=sys.stderr)
+        backend = "reference"
     if backend in ("auto", "cuda"):
         found = detect()
         if found.devices:

@@ -159,6 +159,11 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"decode    batch {r['batch']:>3} depth {r['depth']:>5}: {r['tok_s']:>9.1f} tok/s  "
                 f"{r['achieved_gbs']:>7.0f} GB/s  {100 * r['roofline_fraction']:5.1f}% of memory roofline{measured}"
+                + (
+                    f" (bytes read: {r['bytes_per_step'] / 2**30:.2f} GiB, {100 * r['active_expert_fraction']:.0f}% of the experts)"
+                    if "active_expert_fraction" in r
+                    else ""
+                )
             )
         elif k == "prefill":
             out.append(

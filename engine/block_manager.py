@@ -11,6 +11,13 @@ in exactly one of three states:
 Prefix-cache keys are chained over FULL blocks: ``hash_i = H(hash_{i-1}, tokens of block i)`` with
 ``hash_{-1}`` derived from ``(tenant, cache_salt)``, so a tenant can never hit another tenant's blocks.
 A block is registered only by :meth:`BlockManager.commit`, i.e. after the step that wrote its KV.
+
+Hybrid models (recurrent state beside the KV) also get **state slots** from the runner
+(``state_slots``): each is one running sequence's live state, a prefix-cache **snapshot** (the state
+after the last token of a cached block, attached to that block) or free. A prefix hit then ends at
+the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
+taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
+slots run out the least recently used snapshot is dropped (never a live state).
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.types`` aside).
 """
 
@@ -52,16 +59,41 @@ class _SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)
     # Leading blocks that are full and written: read-only, safe to share.
     committed: int = 0
+    # --- recurrent state (hybrid models) ---
+    state_slot: int | None = None  # this sequence's live state slot
+    restore: int | None = None  # pinned snapshot slot its first step starts from
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) being snapshotted
 
 
 class BlockManager:
     """Allocates KV blocks to sequences and keeps the prefix cache. Not thread-safe: one owner thread."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool = True,
+        *,
+        state_slots: int = 0,
+        snapshot_interval: int = 0,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
+        if snapshot_interval < 0 or snapshot_interval % block_size:
+            raise ValueError(
+                f"snapshot_interval must be a multiple of the block size {block_size}, got {snapshot_interval}"
+            )
+        # ----- recurrent state (hybrid models): slots live / snapshot / free -----
+        self.state_slots = state_slots
+        self.snapshot_interval = snapshot_interval or block_size
+        self._state_free: deque[int] = deque(range(state_slots))
+        self._snap_of_block: dict[int, int] = {}  # block -> snapshot slot (state after its last token)
+        self._block_of_snap: dict[int, int] = {}
+        self._snap_lru: OrderedDict[int, None] = OrderedDict()  # snapshot slots, LRU first
+        self._pinned: dict[int, int] = {}  # snapshot slot -> sequences about to restore it
+        self.state_evictions = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -123,6 +155,9 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.state_slots:  # a hybrid resumes from a state snapshot: end at the deepest one
+            while hits and hits[-1] not in self._snap_of_block:
+                hits.pop()
         return hits
 
     # ----- allocation -----------------------------------------------------------------------------
@@ -142,7 +177,16 @@ class BlockManager:
         hits_from_lru = sum(1 for b in hits if self._ref[b] == 0)
         if self.num_available - hits_from_lru < needed_new + headroom_blocks:
             return None
+        restore = self._snap_of_block[hits[-1]] if self.state_slots and hits else None
+        if self.state_slots and self._state_available(exclude=restore) < 1:
+            return None  # no live state slot for it (every slot live or pinned)
         seq = _SeqBlocks(salt=salt)
+        if self.state_slots:
+            if restore is not None:
+                self._pinned[restore] = self._pinned.get(restore, 0) + 1
+                self._snap_lru.move_to_end(restore)
+                seq.restore = restore
+            seq.state_slot = self._take_state_slot()
         for b in hits:  # take references first so the fresh allocations below cannot evict them
             self._acquire(b)
             seq.table.append(b)
@@ -195,6 +239,8 @@ class BlockManager:
         """
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id} already has blocks")
+        if self.state_slots:
+            raise ValueError("fork is not supported with recurrent state (a hybrid model)")
         parent = self._seqs[parent_id]
         child = _SeqBlocks(salt=parent.salt, hashes=list(parent.hashes), committed=parent.committed)
         for b in parent.table[: parent.committed]:
@@ -222,6 +268,8 @@ class BlockManager:
                     self._hash[block] = prev
                     self._by_hash[prev] = block
         seq.committed = max(seq.committed, full)
+        if self.state_slots:
+            self._commit_state(seq, num_computed)
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (no-op for an unknown id). Cached blocks go to the LRU tail.
@@ -232,6 +280,8 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if self.state_slots:
+            self._free_state(seq)
         for b in reversed(seq.table):
             self._ref[b] -= 1
             if self._ref[b] == 0:
@@ -254,6 +304,8 @@ class BlockManager:
             del self._by_hash[self._hash[block]]  # type: ignore[arg-type]
             self._hash[block] = None
             self.evictions += 1
+            if block in self._snap_of_block:
+                self._drop_snapshot(self._snap_of_block[block])
         else:  # callers check availability first; reaching here is a bug
             raise AssertionError("BlockManager: no block available")
         self._ref[block] = 1
@@ -302,3 +354,109 @@ class BlockManager:
         assert sum(1 for h in self._hash if h is not None) == len(self._by_hash), "unmapped hashed block"
         for b in free_set:
             assert self._hash[b] is None, f"free block {b} still has a hash"
+        if self.state_slots:
+            self._check_state_invariants()
+
+    # ----- recurrent state (hybrid models) ------------------------------------------------------
+    @property
+    def num_state_live(self) -> int:
+        """State slots holding a running sequence's live state."""
+        return sum(1 for seq in self._seqs.values() if seq.state_slot is not None)
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """State slots holding a prefix-cache snapshot."""
+        return len(self._block_of_snap)
+
+    def state_for_step(
+        self, seq_id: int, start: int, count: int, prompt_len: int
+    ) -> tuple[int | None, int | None, list[tuple[int, int]]]:
+        """(live slot, snapshot slot to restore first or None, [(n, slot)]) for the sequence's item
+        of tokens ``start .. start+count-1``: snapshots after n of them, at the block boundaries
+        that are multiples of ``snapshot_interval`` or the prompt's last cacheable boundary, each
+        into a slot freed or taken from the least recently used snapshot (skipped when none)."""
+        seq = self._seqs[seq_id]
+        if not self.state_slots:
+            return None, None, []
+        snaps: list[tuple[int, int]] = []
+        if self.enable_prefix_cache:
+            bs = self.block_size
+            tail = ((prompt_len - 1) // bs) * bs  # the deepest boundary a repeat of this prompt can hit
+            for b in range(((start // bs) + 1) * bs, start + count + 1, bs):
+                if b % self.snapshot_interval and b != tail:
+                    continue
+                block = seq.table[b // bs - 1]
+                if block in self._snap_of_block or self._state_available() < 1:
+                    continue
+                slot = self._take_state_slot()
+                seq.pending.append((b, slot))
+                snaps.append((b - start, slot))
+        return seq.state_slot, seq.restore, snaps
+
+    def _state_available(self, exclude: int | None = None) -> int:
+        evictable = sum(1 for s in self._snap_lru if not self._pinned.get(s) and s != exclude)
+        return len(self._state_free) + evictable
+
+    def _take_state_slot(self) -> int:
+        if self._state_free:
+            return self._state_free.popleft()
+        for slot in self._snap_lru:  # least recently used unpinned snapshot
+            if not self._pinned.get(slot):
+                self._drop_snapshot(slot)
+                self.state_evictions += 1
+                return self._state_free.popleft()
+        raise AssertionError("BlockManager: no state slot available")  # callers check first
+
+    def _drop_snapshot(self, slot: int) -> None:
+        block = self._block_of_snap.pop(slot)
+        del self._snap_of_block[block]
+        del self._snap_lru[slot]
+        self._state_free.append(slot)
+
+    def _commit_state(self, seq: _SeqBlocks, num_computed: int) -> None:
+        """After a step: attach the step's snapshots to their (now cached) blocks, unpin the restore."""
+        bs = self.block_size
+        for b, slot in seq.pending:
+            i = b // bs - 1
+            target = self._by_hash.get(seq.hashes[i]) if b <= num_computed and i < len(seq.hashes) else None
+            if target is None or target in self._snap_of_block:
+                self._state_free.append(slot)  # same prefix snapshotted elsewhere, or not cacheable
+                continue
+            self._snap_of_block[target] = slot
+            self._block_of_snap[slot] = target
+            self._snap_lru[slot] = None
+        seq.pending = []
+        self._unpin(seq)
+
+    def _unpin(self, seq: _SeqBlocks) -> None:
+        if seq.restore is not None:
+            left = self._pinned[seq.restore] - 1
+            if left:
+                self._pinned[seq.restore] = left
+            else:
+                del self._pinned[seq.restore]
+            seq.restore = None
+
+    def _free_state(self, seq: _SeqBlocks) -> None:
+        self._unpin(seq)
+        for _, slot in seq.pending:
+            self._state_free.append(slot)
+        seq.pending = []
+        if seq.state_slot is not None:
+            self._state_free.append(seq.state_slot)
+            seq.state_slot = None
+
+    def _check_state_invariants(self) -> None:
+        live = [seq.state_slot for seq in self._seqs.values() if seq.state_slot is not None]
+        pending = [slot for seq in self._seqs.values() for _, slot in seq.pending]
+        snaps = list(self._block_of_snap)
+        everything = list(self._state_free) + live + pending + snaps
+        assert sorted(everything) == list(range(self.state_slots)), "state slots: lost or held twice"
+        assert set(self._snap_lru) == set(snaps), "snapshot LRU and snapshot map disagree"
+        for slot, block in self._block_of_snap.items():
+            assert self._snap_of_block.get(block) == slot, f"snapshot {slot}: block map disagrees"
+            assert self._hash[block] is not None, f"snapshot {slot} is attached to uncached block {block}"
+        for slot in self._pinned:
+            assert slot in self._block_of_snap, f"pinned state slot {slot} is not a snapshot"
+        for sid, seq in self._seqs.items():
+            assert seq.state_slot is not None, f"seq {sid} has no live state slot"

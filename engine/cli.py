@@ -232,10 +232,11 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     if args.model:
         m = load_model(Path(args.model), quant=args.quant)
         return [(m.name, m.graph, m.dims, m.quant, m.rope_style, m.tensor_dtypes)]
-    if not (args.family and args.quant):
-        raise MemraError("warmup needs --model PATH, or --family F with --quant Q", param="model")
+    if not args.family:
+        raise MemraError("warmup needs --model PATH, or --family F (with --quant Q: one combo)", param="model")
     graph = load_family(args.family)
-    combo = graph.quant(args.quant)
+    # without --quant every combo: a mix's alternate types (q4_k_m's q6_k layers) are other combos' defaults
+    combos = [graph.quant(args.quant)] if args.quant else list(graph.quants.values())
     sizes = [args.size] if args.size else list(graph.sizes)
     if not sizes:
         raise MemraError(f"family {args.family} lists no sizes: pass --model PATH", param="size")
@@ -243,13 +244,14 @@ def _warmup_targets(args: argparse.Namespace) -> list[tuple[str, Any, dict, Any,
     styles = sorted(set(graph.rope_style.values()))
     return [
         (
-            f"{args.family}/{size}/{args.quant}/{style}",
+            f"{args.family}/{size}/{combo.name}/{style}",
             graph,
             dims_for_size(args.family, size),
             combo,
             style,
             None,
         )
+        for combo in combos
         for size in sizes
         for style in styles
     ]
@@ -400,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="fill the kernel cache ahead of time (no GPU needed)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", default=None, help="a model file or directory")
-    g.add_argument("--family", default=None, help="a family of models/*.yaml (with --quant)")
-    p.add_argument("--quant", default=None)
+    g.add_argument("--family", default=None, help="a family of models/*.yaml")
+    p.add_argument("--quant", default=None, help="one quant combo of --family (default: all)")
     p.add_argument("--size", default=None, help="one size of the family's `sizes:` (default: all)")
     g2 = p.add_mutually_exclusive_group()
     g2.add_argument("--device-profile", default=None)

@@ -4,8 +4,9 @@ A family file names its dims (where to read each from config.json or GGUF metada
 (name patterns for both formats, kind, expected shape, stacks such as a MoE layer's experts), its op
 graph (ops inside a repeat may run only in the layers where a ``when`` predicate holds), its quant
 combos and its known sizes. ``extends:`` derives a family from another with a small delta
-(engine.graph_extends); expressions are engine.dsl_expr's. Every problem is a ConfigError naming the
-file and key path. Must not import numpy or CUDA: this is pure configuration.
+(engine.graph_extends); the dims and tensors sections are engine.graph_specs', expressions are
+engine.dsl_expr's. Every problem is a ConfigError naming the file and key path. Must not import
+numpy or CUDA: this is pure configuration.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 from engine import dsl_expr, paths
 from engine.graph_extends import merge_parent as _merge_parent
+from engine.graph_specs import FORMATS, DimSpec, TensorSpec, as_list, names_in, parse_dims, parse_tensors
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
-from engine.types import ConfigError
+from engine.types import ConfigError, MemraError
 
 # Storage types a tensor may have (GGUF names, lower case).
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -50,66 +52,14 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "q4_1r": (32, 20),
 }
 
-TENSOR_KINDS = ("matrix", "embedding", "vector")
-DIM_TYPES = ("int", "float", "bool", "mapping", "list")
 LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
 ROPE_STYLES = ("neox", "interleaved")
-FORMATS = ("hf", "gguf")
 
 
 # The op vocabulary lives in engine.ops (one module per op family, each op with its reference).
 
 GRAPH_INPUTS = ("tokens",)
 GRAPH_OUTPUT = "logits"
-
-
-@dataclass(frozen=True)
-class DimSpec:
-    name: str
-    hf: str | None = None  # a config.json field; "a.b" reads field b of mapping a
-    gguf: str | None = None
-    default: Any = None
-    has_default: bool = False
-    type: str = "int"
-    expr: str | None = None
-    from_tensor: tuple[str, int] | None = None
-    # GGUF: true when this tensor is absent (tied head); for a `list` dim and a per-layer tensor,
-    # the layers that lack it
-    gguf_from_missing: str | None = None
-    hf_alternatives: tuple[str, ...] = ()  # further config.json fields tried in order after `hf`
-    gguf_default: Any = None  # the default in a GGUF file, where it differs from `default`
-    has_gguf_default: bool = False
-
-    @property
-    def hf_keys(self) -> tuple[str, ...]:
-        return ((self.hf,) if self.hf else ()) + self.hf_alternatives
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    hf: str | None
-    gguf: str | None
-    kind: str
-    shape: tuple[str, ...] | None
-    tied_to: str | None
-    optional: bool
-    # a stack of tensors along axis 0, one per index of this dim (the experts of a MoE layer); a
-    # pattern with `{e}` names one file tensor per index, a pattern without it the stacked tensor
-    stack: str | None = None
-
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in (self.hf or "") or "{i}" in (self.gguf or "")
-
-    def pattern(self, fmt: str) -> str | None:
-        return self.hf if fmt == "hf" else self.gguf
-
-    def file_name(self, fmt: str, layer: int | None = None) -> str | None:
-        pat = self.pattern(fmt)
-        if pat is None:
-            return None
-        return pat.replace("{i}", str(layer)) if self.per_layer else pat
 
 
 @dataclass(frozen=True)
@@ -168,7 +118,14 @@ class ModelGraph:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
         if op.when is None or layer is None:
             return True
-        return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+        try:
+            return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+        except (IndexError, TypeError) as exc:  # a per-layer list dim shorter than `layers`, ...
+            raise MemraError(
+                f"{self.path}: layer {layer}: the `when` predicate {op.when!r} cannot be evaluated over "
+                f"the model's dims ({type(exc).__name__}: {exc})",
+                code="invalid_model",
+            ) from None
 
     def layer_ops(self, dims: dict[str, Any], layer: int) -> list[Op]:
         """The per-layer ops that run in ``layer``, in graph order."""
@@ -176,7 +133,7 @@ class ModelGraph:
 
     def tensor_layers(self, dims: dict[str, Any]) -> dict[str, list[int]]:
         """Per-layer tensor key -> the layers in which some op reads it (as a weight or a tensor
-        attribute). A per-layer tensor no op reads maps to every layer."""
+        attribute). A per-layer tensor no op reads maps to every layer of its count dim."""
         layers = range(int(dims["layers"]))
         out: dict[str, list[int]] = {}
         runs = {id(op): [i for i in layers if self.op_runs(op, dims, i)] for op, per in self.ops() if per}
@@ -185,11 +142,10 @@ class ModelGraph:
                 continue
             names = list(op.weights) + [v for k, v in op.attrs.items() if OPS[op.op].attrs[k] == "tensor"]
             for name in names:
-                out.setdefault(name, [])
-                out[name] = sorted(set(out[name]) | set(runs[id(op)]))
+                out[name] = sorted(set(out.get(name, [])) | set(runs[id(op)]))
         for key, spec in self.tensors.items():
             if spec.per_layer and key not in out:
-                out[key] = list(layers)
+                out[key] = list(range(int(dims.get(spec.layers) or 0)))
         return out
 
     def ops(self) -> list[tuple[Op, bool]]:
@@ -214,25 +170,6 @@ class ModelGraph:
 # ---------------------------------------------------------------------------------------------
 # schema
 
-_DIM = {
-    "hf": Field((str, list)),
-    "gguf": Field(str),
-    "default": Field((int, float, str, bool, list, type(None))),
-    "type": Field(OneOf(DIM_TYPES), default="int"),
-    "expr": Field(str),
-    "from_tensor": Field(list),
-    "gguf_from_missing": Field(str),
-    "gguf_default": Field((int, float, str, bool, list, type(None))),
-}
-_TENSOR = {
-    "hf": Field(str),
-    "gguf": Field(str),
-    "kind": Field(OneOf(TENSOR_KINDS), required=True),
-    "shape": Field(ListOf(str)),
-    "tied_to": Field(str),
-    "optional": Field(bool, default=False),
-    "stack": Field(str),
-}
 _TOP = {
     "family": Field(str, required=True),
     "extends": Field(str),
@@ -252,13 +189,9 @@ _TOP = {
     "predicates": Field(MapOf((str, type(None))), default={}),
     "quants": Field(MapOf(dict)),
     "sizes": Field(MapOf(dict), default={}),
+    # a child's HF name-prefix rewrites ("model.": "model.language_model.") over every tensor
+    "hf_rename": Field(MapOf(str), default={}),
 }
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
 
 
 def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: frozenset = frozenset()) -> Op:
@@ -276,9 +209,9 @@ def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: 
                 f"{where}.{key}",
                 f"unknown key for op {name}; expected one of: {', '.join(sorted(allowed))}",
             )
-    inputs = tuple(_as_list(raw.get("in")))
-    outputs = tuple(_as_list(raw.get("out")))
-    weights = tuple(_as_list(raw.get("weight")))
+    inputs = tuple(as_list(raw.get("in")))
+    outputs = tuple(as_list(raw.get("out")))
+    weights = tuple(as_list(raw.get("weight")))
     for label, items in (("in", inputs), ("out", outputs), ("weight", weights)):
         for item in items:
             if not isinstance(item, str):
@@ -302,7 +235,7 @@ def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: 
             raise fail(file, f"{where}.when", "a `when` predicate needs a per-layer op (inside a repeat)")
         if not isinstance(when, str):
             raise fail(file, f"{where}.when", f"expected an expression (string), got {when!r}")
-        for ident in _names_in(when, file, f"{where}.when"):
+        for ident in names_in(when, file, f"{where}.when"):
             if ident not in names:
                 raise fail(file, f"{where}.when", f"{ident!r} is not a dim, a predicate or `{LAYER_INDEX}`")
     return Op(name, inputs, outputs, weights, attrs, when)
@@ -336,13 +269,19 @@ def _parse_graph(
     return tuple(nodes)
 
 
+def _complementary(a: str, b: str) -> bool:
+    """Whether predicates ``a`` and ``b`` are ``p`` and ``not p`` (so every layer runs one of them)."""
+    a, b = " ".join(a.split()), " ".join(b.split())
+    return a in (f"not {b}", f"not ({b})") or b in (f"not {a}", f"not ({a})")
+
+
 def _check_dataflow(
     nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
 ) -> None:
     dims = dims or {}
-    # value -> the `when` of the ops that produce it (None: every layer); a value only some layers
-    # produce may be read only by ops with the same predicate. One produced under different predicates
-    # (alternatives) counts as produced everywhere: engine.model.check_layers checks that per layer.
+    # value -> the `when` of the op that first produced it (None: produced in every layer); a value
+    # only some layers produce may be read only by ops with the same predicate. Ops under `p` and
+    # `not p` (Gemma's sliding and full attention) together produce it in every layer.
     defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
@@ -379,86 +318,12 @@ def _check_dataflow(
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
             for out in op.outputs:
                 prev = defined.get(out, op.when)
-                defined[out] = prev if prev == op.when else None
+                if op.when is None or (prev is not None and _complementary(prev, op.when)):
+                    defined[out] = None
+                elif out not in defined:
+                    defined[out] = op.when
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
-
-
-def _parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
-    dims: dict[str, DimSpec] = {}
-    for name, spec in raw.items():
-        where = f"dims.{name}"
-        spec = validate(spec, _DIM, file, where)
-        ft = spec.get("from_tensor")
-        if ft is not None and not (len(ft) == 2 and isinstance(ft[0], str) and isinstance(ft[1], int)):
-            raise fail(file, f"{where}.from_tensor", "expected [tensor_name, axis]")
-        if not any(k in spec for k in ("hf", "gguf", "expr", "default", "from_tensor")):
-            raise fail(file, where, "a dim needs at least one of hf, gguf, expr, default, from_tensor")
-        hf_keys = _as_list(spec.get("hf"))
-        if not all(isinstance(k, str) for k in hf_keys):
-            raise fail(file, f"{where}.hf", "expected a config.json field name or a list of them")
-        dims[name] = DimSpec(
-            name=name,
-            hf=hf_keys[0] if hf_keys else None,
-            hf_alternatives=tuple(hf_keys[1:]),
-            gguf_default=spec.get("gguf_default"),
-            has_gguf_default="gguf_default" in spec,
-            gguf=spec.get("gguf"),
-            default=spec.get("default"),
-            has_default="default" in spec,
-            type=spec["type"],
-            expr=spec.get("expr"),
-            from_tensor=(ft[0], ft[1]) if ft else None,
-            gguf_from_missing=spec.get("gguf_from_missing"),
-        )
-    return dims
-
-
-def _parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
-    tensors: dict[str, TensorSpec] = {}
-    for name, spec in raw.items():
-        where = f"tensors.{name}"
-        spec = validate(spec, _TENSOR, file, where)
-        if "hf" not in spec and "gguf" not in spec:
-            raise fail(file, where, "a tensor needs a name pattern: hf, gguf or both")
-        for part in spec.get("shape") or []:
-            for ident in _names_in(part, file, f"{where}.shape"):
-                if ident not in dims:
-                    raise fail(file, f"{where}.shape", f"{ident!r} is not a dim of this family")
-        tensors[name] = TensorSpec(
-            name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
-            kind=spec["kind"],
-            shape=tuple(spec["shape"]) if spec.get("shape") else None,
-            tied_to=spec.get("tied_to"),
-            optional=spec["optional"],
-            stack=spec.get("stack"),
-        )
-        if spec.get("stack") is not None:
-            if spec["stack"] not in dims:
-                raise fail(file, f"{where}.stack", f"{spec['stack']!r} is not a dim of this family")
-            shape = spec.get("shape") or []
-            if not shape or shape[0] != spec["stack"]:
-                raise fail(file, f"{where}.shape", f"a stacked tensor's shape starts with its stack dim {spec['stack']!r}")
-        for fmt in FORMATS:
-            if "{e}" in (spec.get(fmt) or "") and spec.get("stack") is None:
-                raise fail(file, f"{where}.{fmt}", "a pattern with {e} needs `stack: <dim>` (the index range)")
-    for name, t in tensors.items():
-        if t.tied_to is not None and t.tied_to not in tensors:
-            raise fail(file, f"tensors.{name}.tied_to", f"{t.tied_to!r} is not a tensor of this family")
-    for name, d in dims.items():
-        if d.from_tensor and d.from_tensor[0] not in tensors:
-            raise fail(
-                file, f"dims.{name}.from_tensor", f"{d.from_tensor[0]!r} is not a tensor of this family"
-            )
-        if d.gguf_from_missing and d.gguf_from_missing not in tensors:
-            raise fail(
-                file,
-                f"dims.{name}.gguf_from_missing",
-                f"{d.gguf_from_missing!r} is not a tensor of this family",
-            )
-    return tensors
 
 
 def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]:
@@ -470,7 +335,7 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
         per: dict[str, tuple[str, ...]] = {}
         default: tuple[str, ...] = ()
         for key, value in spec.items():
-            types = tuple(_as_list(value))
+            types = tuple(as_list(value))
             for t in types:
                 if t not in STORAGE_TYPES:
                     raise fail(
@@ -488,13 +353,6 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
             per[key] = types
         combos[name] = QuantCombo(name, default, per)
     return combos
-
-
-def _names_in(expr: str, file: Path, where: str) -> set[str]:
-    try:
-        return dsl_expr.names_in(expr)
-    except (SyntaxError, ValueError) as exc:
-        raise fail(file, where, f"invalid expression {expr!r}: {exc}") from exc
 
 
 def evaluate(expr: str, values: Any) -> Any:
@@ -535,7 +393,11 @@ def _raw_family(name: str, root: Path, chain: tuple[str, ...] = ()) -> tuple[dic
         if parent in chain or parent == name:
             raise fail(file, "extends", f"circular extends: {' -> '.join(chain + (name, parent))}")
         parent_raw, _ = _raw_family(parent, root, chain + (name,))
-        raw = _merge_parent(raw, parent_raw, file)
+        rename, raw = raw["hf_rename"], _merge_parent(raw, parent_raw, file)
+        for spec in raw["tensors"].values():  # the child's hf_rename applies to every tensor
+            for old, new in rename.items():
+                if str(spec.get("hf", "")).startswith(old):
+                    spec["hf"] = new + spec["hf"][len(old) :]
     elif raw.get("graph_edits"):
         raise fail(file, "graph_edits", "graph_edits needs `extends:` (edits apply to a parent's graph)")
     return raw, file
@@ -555,14 +417,14 @@ def _load_family(name: str, root: str) -> ModelGraph:
     for fmt in FORMATS:
         if fmt not in raw["rope_style"]:
             raise fail(file, f"rope_style.{fmt}", "required key is missing")
-    dims = _parse_dims(raw["dims"], file)
-    tensors = _parse_tensors(raw["tensors"], file, dims)
+    dims = parse_dims(raw["dims"], file)
+    tensors = parse_tensors(raw["tensors"], file, dims)
     predicates = {k: v for k, v in (raw.get("predicates") or {}).items() if v is not None}
     pnames = frozenset(dims) | frozenset(predicates) | {LAYER_INDEX}
     for pname, expr in predicates.items():
         if pname in dims or pname == LAYER_INDEX:
             raise fail(file, f"predicates.{pname}", "a predicate name must differ from every dim and `i`")
-        for ident in _names_in(expr, file, f"predicates.{pname}"):
+        for ident in names_in(expr, file, f"predicates.{pname}"):
             if ident not in pnames or ident == pname:
                 raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
     graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)

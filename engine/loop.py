@@ -19,73 +19,16 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
+from engine.engine_config import EngineConfig, EngineStats
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
 
 log = logging.getLogger("memra.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Scheduling limits. ``tenant_max_concurrency`` caps running+waiting requests per tenant."""
-
-    max_running: int = 64
-    max_waiting: int = 256
-    prefill_chunk_tokens: int = 512
-    max_step_tokens: int = 2048
-    tenant_max_concurrency: dict[str, int] = field(default_factory=dict)
-    enable_prefix_cache: bool = True
-
-    def validate(self) -> None:
-        for name in ("max_running", "max_waiting", "prefill_chunk_tokens", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.max_step_tokens < self.max_running:
-            raise ConfigError(
-                f"engine config: max_step_tokens ({self.max_step_tokens}) must be >= max_running "
-                f"({self.max_running}) so every running sequence can decode each step"
-            )
-        for tenant, cap in self.tenant_max_concurrency.items():
-            if cap < 1:
-                raise ConfigError(
-                    f"engine config: tenant_max_concurrency[{tenant!r}] must be >= 1, got {cap}"
-                )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot. KV blocks: ``free`` hold nothing, ``cached`` hold reusable prefix KV with no
-    owner (evictable), ``used`` are owned by sequences; free + cached + used == total."""
-
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_blocks_used: int
-    kv_block_size: int
-    prefix_query_tokens: int  # tokens looked up in the prefix cache at admissions
-    prefix_hit_tokens: int  # of those, tokens whose prefill was skipped
-    prefix_evictions: int
-    steps: int
-    step_failures: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    preemptions: int
-    finished: int  # ended by stop or length
-    aborted: int
-    errors: int  # ended by error
-    healthy: bool
-    draining: bool
-    # speculative decoding (engine.spec; zero without it)
-    spec_draft_tokens: int = 0  # proposed and verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_verify_rows: int = 0  # rows verified with a draft (each emits accepted + 1 tokens)
 
 
 class RequestHandle:
@@ -137,11 +80,29 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.on_step = on_step  # test hook: called in the engine thread after every step
+        state_slots = int(getattr(runner, "num_state_slots", 0) or 0)
+        if config.state_snapshot_tokens % runner.block_size:
+            raise ConfigError(
+                f"engine config: state_snapshot_tokens ({config.state_snapshot_tokens}) must be a multiple "
+                f"of the KV block size ({runner.block_size})"
+            )
+        self.blocks = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            config.enable_prefix_cache,
+            state_slots=state_slots,
+            snapshot_interval=config.state_snapshot_tokens,
+        )
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
+        if speculator is not None and state_slots:
+            # verify() carries no recurrent state: a rejected draft would leave it advanced past the
+            # accepted tokens (no rollback yet)
+            raise ConfigError(
+                "speculative decoding: not supported for hybrid models (recurrent state has no rollback of rejected drafts)"
+            )
         self.spec = speculator
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.blocks,
             max_running=config.max_running,
@@ -279,6 +240,10 @@ class Engine:
                 errors=self._n["errors"],
                 healthy=self.healthy,
                 draining=self._draining,
+                state_slots_total=b.state_slots,
+                state_slots_live=b.num_state_live,
+                state_snapshots=b.num_state_snapshots,
+                state_snapshot_evictions=b.state_evictions,
                 **self._spec_stats(),
             )
 
@@ -477,6 +442,7 @@ class Engine:
     def _item(self, s: Scheduled) -> StepItem:
         seq = s.seq
         constraint = seq.request.constraint
+        slot, restore, snaps = self.blocks.state_for_step(seq.seq_id, s.start, s.count, seq.prompt_len)
         return StepItem(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[s.start : s.start + s.count],
@@ -488,6 +454,9 @@ class Engine:
             prompt_len=seq.prompt_len,
             num_generated=seq.num_generated,
             allowed=constraint.allowed() if constraint is not None and s.sample else None,
+            state_slot=slot,
+            state_restore=restore,
+            state_snapshots=snaps,
         )
 
     def _advance(self, s: Scheduled, tokens: list[int], it: StepItem | None = None) -> None:

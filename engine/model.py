@@ -15,9 +15,7 @@ from typing import Any
 from engine.graph import (
     DimSpec,
     ModelGraph,
-    Op,
     QuantCombo,
-    Repeat,
     evaluate,
     family_for_architecture,
     load_family,
@@ -63,10 +61,24 @@ class LoadedModel:
         return self.weights.info(self.file_name(tensor, layer))
 
     def dequantize(self, tensor: str, layer: int | None = None):
-        return self.weights.dequantize(self.file_name(tensor, layer))
+        """The tensor as float32, with its family's load-time transform for this format applied
+        (``plus_one``: 1 + w of a zero-centred norm; ``neg_exp``: -exp(A_log)), so every backend
+        reads the form the ops compute with."""
+        arr = self.weights.dequantize(self.file_name(tensor, layer))
+        how = self.graph.tensors[tensor].transform.get(self.fmt)
+        return apply_transform(arr, how) if how else arr
 
-    def layer_range(self) -> range:
-        return range(int(self.dims["layers"]))
+    def layer_range(self, tensor: str | None = None) -> range:
+        """Layers of the main stack, or of the count dim a per-layer tensor names (mtp_layers)."""
+        count = self.graph.tensors[tensor].layers if tensor else "layers"
+        return range(int(self.dims.get(count) or 0))
+
+    def tensor_layers(self, tensor: str) -> list[int | None]:
+        """The layers a tensor is expected in: [None] for a global tensor, else the layers where
+        an op reading it runs (a hybrid's linear-attention weights only in its linear layers)."""
+        if not self.graph.tensors[tensor].per_layer:
+            return [None]
+        return list(self.graph.tensor_layers(self.dims)[tensor])
 
     def weight_bytes(self) -> int:
         """Bytes of every tensor the graph reads once per token (the decode roofline numerator). A
@@ -76,7 +88,9 @@ class LoadedModel:
         seen: set[str] = set()
         top_k = next((o.attrs["top_k"] for o, _ in self.graph.ops() if "top_k" in o.attrs), None)
         for key, spec in self.graph.tensors.items():
-            for layer in self.layer_range() if spec.per_layer else [None]:
+            if spec.layers != "layers":
+                continue  # not run per token by the graph (MTP)
+            for layer in self.tensor_layers(key):
                 if not self.has(key, layer):
                     continue
                 name = self.file_name(key, layer)
@@ -88,6 +102,18 @@ class LoadedModel:
                     nbytes = nbytes * int(self.dims[top_k]) // int(self.dims[spec.stack])
                 total += nbytes
         return total
+
+
+def apply_transform(arr, how: str):
+    """A family tensor's load-time transform (engine.graph_specs.TENSOR_TRANSFORMS), in float32."""
+    import numpy as np
+
+    a = np.asarray(arr, dtype=np.float32)
+    if how == "plus_one":
+        return (a + np.float32(1.0)).astype(np.float32)
+    if how == "neg_exp":
+        return (-np.exp(a)).astype(np.float32)
+    raise ConfigError(f"unknown tensor transform {how!r}")
 
 
 def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
@@ -144,6 +170,16 @@ def resolve_dims(
             if value is not None:
                 return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
         key = keys[0] if keys else None
+        if d.pattern:
+            interval = int(get(d.pattern["interval"]))
+            if interval < 1:
+                raise MemraError(
+                    f"{source}: {d.pattern['interval']} must be >= 1, got {interval}", code="invalid_model"
+                )
+            return [
+                d.pattern["every"] if (i + 1) % interval == 0 else d.pattern["other"]
+                for i in range(int(get("layers")))
+            ]
         if fmt == "gguf" and d.gguf_from_missing and has_tensor is not None:
             if d.type == "list":  # the layers that lack a per-layer tensor
                 return [i for i in range(int(get("layers"))) if not has_tensor(d.gguf_from_missing, i)]
@@ -188,41 +224,6 @@ def resolve_dims(
     for name in graph.dims:
         get(name)
     return values
-
-
-def check_layers(graph: ModelGraph, dims: dict[str, Any], source: str) -> None:
-    """Every layer's ops, as its ``when`` predicates select them over ``dims``, read only values
-    produced before the repeat or earlier in that layer; a predicate that cannot be evaluated
-    (``layer_types`` shorter than ``layers``) or a layer none of several alternatives serves (a
-    layer type the family does not know) is a MemraError naming the layer."""
-    outer: set[str] = {"tokens"}
-    for node in graph.graph:
-        if not isinstance(node, Repeat):
-            outer.update(node.outputs)
-            continue
-        after: set[str] = set()
-        for layer in range(int(dims[node.count])):
-            try:
-                ops = graph.layer_ops(dims, layer)
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                raise MemraError(
-                    f"{source}: layer {layer}: cannot evaluate the family's `when` predicates ({exc!r}); "
-                    f"predicates: {graph.predicates}",
-                    code="invalid_model",
-                ) from None
-            have = set(outer)
-            for op in ops:
-                missing = [v for v in op.inputs if v not in have]
-                if missing:
-                    scope = {p: graph.op_runs(Op(p, (), (), when=p), dims, layer) for p in graph.predicates}
-                    raise MemraError(
-                        f"{source}: layer {layer}: no op of family {graph.family} that runs there produces "
-                        f"{missing[0]!r}, which {op.op} reads (predicates at this layer: {scope})",
-                        code="invalid_model",
-                    )
-                have.update(op.outputs)
-            after |= have
-        outer |= after
 
 
 class _LazyDims(dict):
@@ -278,11 +279,57 @@ def match_quant(
     )
 
 
+def _block_type_note(model: LoadedModel, layer: int | None) -> str:
+    """``" (its config says layer_types[3] = full_attention)"`` for a family with a pattern dim."""
+    for name, d in model.graph.dims.items():
+        if d.pattern and layer is not None and layer < len(model.dims.get(name) or ()):
+            return f" (its config says {name}[{layer}] = {model.dims[name][layer]})"
+    return ""
+
+
+def _check_pattern_dims(model: LoadedModel, source: str) -> None:
+    """A per-layer pattern dim (a hybrid's ``layer_types``) has one known name per layer."""
+    n = int(model.dims["layers"])
+    for name, d in model.graph.dims.items():
+        if not d.pattern:
+            continue
+        types = model.dims[name]
+        if len(types) != n:
+            raise MemraError(f"{source}: {name} has {len(types)} entries but the model has {n} layers", code="invalid_model")
+        known = (d.pattern["other"], d.pattern["every"])
+        for i, t in enumerate(types):
+            if t not in known:
+                raise MemraError(
+                    f"{source}: {name}[{i}] = {t!r} is not a block type of family {model.graph.family} "
+                    f"({', '.join(known)})",
+                    code="invalid_model",
+                )
+
+
+def _check_layer_pattern(model: LoadedModel, layers_of: dict[str, list[int]]) -> None:
+    """No layer holds a tensor that none of its ops read (the file's layer pattern disagrees with
+    its config): a one-line MemraError naming the layer and the config entry."""
+    n = int(model.dims["layers"])
+    for key, spec in model.graph.tensors.items():
+        if not spec.per_layer or spec.layers != "layers":
+            continue
+        expected = set(layers_of[key])
+        for i in range(n):
+            fname = spec.file_name(model.fmt, i)
+            if i not in expected and fname and model.weights.has(fname):
+                raise MemraError(
+                    f"{model.path}: layer {i} holds {fname!r} ({key}), which no op of that layer reads"
+                    f"{_block_type_note(model, i)}: the checkpoint's layer pattern disagrees with its config",
+                    code="invalid_model",
+                )
+
+
 def _check_shape(model: LoadedModel, key: str, layer: int | None) -> None:
     spec = model.graph.tensors[key]
-    if spec.shape is None:
+    shape = spec.shape_for(model.fmt)
+    if shape is None:
         return
-    want = tuple(int(evaluate(s, model.dims)) for s in spec.shape)
+    want = tuple(int(evaluate(s, model.dims)) for s in shape)
     info = model.info(key, layer)
     got = tuple(info.shape)
     if spec.kind == "vector":  # a 1-output linear is a vector stored [1, n] by HF, [n] by GGUF
@@ -291,7 +338,7 @@ def _check_shape(model: LoadedModel, key: str, layer: int | None) -> None:
         name = model.file_name(key, layer)
         raise MemraError(
             f"{model.weights.file_of(name)}: tensor {name} has shape {tuple(info.shape)}, "
-            f"expected {want} ({key}: {list(spec.shape)})",
+            f"expected {want} ({key}: {list(shape)}){_block_type_note(model, layer)}",
             code="invalid_model",
         )
 
@@ -367,8 +414,9 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         path=path,
         tensor_dtypes={},
     )
-    check_layers(graph, dims, source)
+    _check_pattern_dims(model, source)
     layers_of = graph.tensor_layers(dims)  # a tensor only some layers' ops read (`when`) is needed there
+    _check_layer_pattern(model, layers_of)
     _add_stacks(model, layers_of)
     found: dict[str, set[str]] = {}
     for key, spec in graph.tensors.items():
@@ -379,8 +427,9 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
                     continue
                 if key == "lm_head" and spec.tied_to and model.has(spec.tied_to, layer):
                     continue
+                why = _block_type_note(model, layer)
                 raise MemraError(
-                    f"{model.path}: tensor {spec.file_name(fmt, layer)!r} ({key}) is missing",
+                    f"{model.path}: tensor {spec.file_name(fmt, layer)!r} ({key}) is missing{why}",
                     code="invalid_model",
                 )
             _check_shape(model, key, layer)

@@ -8,8 +8,10 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
 expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
-with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP. The CUDA plan does not call them yet (the MoE lowering lands on the op registry);
-``moe_specs`` lists what a family's dims need, for warmup.
+with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP;
+``shared_kernel`` (kernels/moe_shared.cu.j2) adds a sigmoid-gated shared expert's output.
+engine.lowering.moe lowers the ``moe_router`` / ``moe_experts`` ops through them. ``moe_specs`` lists what a family's dims need
+(tests, tools/gpu_check_moe.py).
 
 Each builder returns a ``MoeKernel``: the spec plus ``args`` ((name, ctype) in order), ``grid(rows)``
 and ``block``, the same shape as ``engine.kernel_catalog.KernelChoice`` so launch helpers take
@@ -45,6 +47,7 @@ KERNELS = {
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
+    "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
 }
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
@@ -75,7 +78,7 @@ def topk_kernel(experts: int, top_k: int, normalize: bool, warps: int = 4) -> Mo
         raise ConfigError(f"moe_topk: warps {warps} must be a power of two up to 32")
     params = {"experts": experts, "top_k": top_k, "normalize": bool(normalize), "warps": warps}
     spec = KernelSpec(
-        "moe_topk", entry_name("moe_topk", e=experts, k=top_k, n=int(normalize), w=warps), params
+        "moe_topk", entry_name("moe_topk", e=experts, k=top_k, n=int(normalize), w=warps), params, pdl=True
     )
     return MoeKernel(
         spec,
@@ -101,7 +104,8 @@ def expert_gemv_kernel(
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
     residual when ``residual``), or their grouped forms for ``experts`` experts: "glu_grouped"
     (as glu) and "down_grouped" (-> f32 partial [rows, top_k, n], summed by ``combine_kernel``),
-    for at most ``max_slots`` (rows x top_k) per launch, ``slot_batch`` slots per pass over a
+    for at most ``max_slots`` rows (tokens) per launch (an expert's (token, slot) pairs: each
+    token picks an expert at most once), ``slot_batch`` slots per pass over a
     weight row. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
     blocks, a bad mode or shape."""
     if mode not in MODES:
@@ -124,13 +128,13 @@ def expert_gemv_kernel(
             )
         params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch)
         name.update(e=experts, ms=max_slots, sb=slot_batch)
-    spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params)
+    spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
 
     def grid(rows: int, **_: Any) -> tuple[int, int, int]:
         if grouped:
-            if rows * top_k > max_slots:
-                raise ConfigError(f"moe_gemv {mode}: {rows} rows x top_k {top_k} exceed max_slots {max_slots}")
+            if rows > max_slots:
+                raise ConfigError(f"moe_gemv {mode}: {rows} rows exceed max_slots {max_slots}")
             return (-(-n // rows_per_block), experts, 1)
         if rows * slots > MAX_GRID_Y:
             raise ConfigError(f"moe_gemv: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
@@ -161,9 +165,22 @@ def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256
     params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads}
     name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {})}
     return MoeKernel(
-        KernelSpec("moe_combine", entry_name("moe_combine", **name), params),
+        KernelSpec("moe_combine", entry_name("moe_combine", **name), params, pdl=True),
         (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
         lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def shared_kernel(n: int, threads: int = 256) -> MoeKernel:
+    """moe_shared: out [rows, n] += sigmoid(x[t] . gate) * y[t] (the gated shared expert)."""
+    if n < 1 or threads not in (64, 128, 256, 512, 1024):
+        raise ConfigError(f"moe_shared: bad shape n={n} threads={threads}")
+    params = {"n": n, "threads": threads}
+    return MoeKernel(
+        KernelSpec("moe_shared", entry_name("moe_shared", n=n, t=threads), params, pdl=True),
+        (("out", "ptr"), ("y", "ptr"), ("x", "ptr"), ("gate", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (rows, 1, 1),
         (threads, 1, 1),
     )
 

@@ -111,7 +111,11 @@ def build_plan(
     values: dict[str, Value] = {}
     steps: list[Step] = []
 
-    def value_for(name: str, width: int, buffer: str | None = None, offset: int = 0, ld: int | None = None):
+    def value_for(
+        name: str, width: int, buffer: str | None = None, offset: int = 0, ld: int | None = None, dtype: str = ""
+    ):
+        if dtype:  # a unit's non-bf16 value (MoE expert ids i32, router weights f32)
+            lowerer.value_dtypes[name] = dtype
         dtype = lowerer.act_dtype(name)
         buf = buffer or name
         if buf not in buffers:
@@ -140,7 +144,7 @@ def build_plan(
         q/k/v could not share the others' layout. A q4_k_m file whose attn_v is q6_k in some layers
         fuses q|k and keeps v apart."""
         if id(op) not in fuse_groups:
-            layers = range(int(d["layers"])) if per_layer else [None]
+            layers = [lay for lay in range(int(d["layers"])) if graph.op_runs(op, d, lay)] if per_layer else [None]
             types = [[_dtype_of(graph, quant, w, lay, tensor_dtypes) for w in op.weights] for lay in layers]
             runs: list[list[int]] = [[0]]
             for i in range(1, len(op.weights)):
@@ -169,13 +173,15 @@ def build_plan(
             shape = shapes[g[0]]
             if len(shape) == 1:
                 rows, cols, prow = 1, shape[0], (1,)
+            elif len(shape) == 3:  # stacked experts [E, N, K]: E * N rows of K, experts back to back
+                prow = (shape[0] * shape[1],)
+                rows, cols = prow[0], shape[2]
             else:
                 prow = tuple(shapes[i][0] for i in g)
                 rows, cols = sum(prow), shape[1]
-            if key not in weights:
-                weights[key] = WeightPlan(
-                    key, layer, tuple(resolved), lowerer.upload_type(dts[g[0]], cols), rows, cols, prow
-                )
+            if key not in weights:  # (the expert kernels read a stack's file blocks as they are)
+                dtype = dts[g[0]] if len(shape) == 3 else lowerer.upload_type(dts[g[0]], cols)
+                weights[key] = WeightPlan(key, layer, tuple(resolved), dtype, rows, cols, prow)
             out.append(weights[key])
         return out
 
@@ -185,7 +191,9 @@ def build_plan(
             schedule.append((op, None, index > last_layer_index))
         elif index == 0 or not ops[index - 1][1]:  # first op of a repeat body: expand layer-major
             body = [o for o, _ in _run_of_layer_ops(ops, index)]
-            schedule.extend((o, layer, False) for layer in range(d["layers"]) for o in body)
+            schedule.extend(
+                (o, layer, False) for layer in range(d["layers"]) for o in body if graph.op_runs(o, d, layer)
+            )
     if _needs_freq_factors(graph, d, tensor_dtypes):
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
@@ -331,7 +339,7 @@ def _wide_decode_rows(
         if op.op != "linear":
             continue
         for key in op.weights:
-            for layer in range(int(d["layers"])):
+            for layer in (lay for lay in range(int(d["layers"])) if graph.op_runs(op, d, lay)):
                 if _dtype_of(graph, quant, key, layer, tensor_dtypes) != "bf16":
                     return 0
     return rows

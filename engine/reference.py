@@ -26,6 +26,8 @@ from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
 DEFAULT_KV_BYTES = 512 * 1024 * 1024
+# Default recurrent-state budget of a hybrid model (live sequences + prefix-cache snapshots).
+DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
 class ReferenceRunner:
@@ -46,6 +48,7 @@ class ReferenceRunner:
         num_blocks: int | None = None,
         block_size: int = 16,
         max_model_len: int | None = None,
+        state_slots: int | None = None,
     ):
         d = model.dims
         self.model = model
@@ -70,6 +73,21 @@ class ReferenceRunner:
         self.k_cache, self.v_cache = self._new_cache(self.num_blocks)
         self.ops = model.graph.ops()
         self._schedule = self._build_schedule()
+        # recurrent state of a hybrid model: one array per (stateful op, layer), [slots, *shape]
+        self._state_shapes = {
+            (o.op, layer): OPS[o.op].state(d)  # type: ignore[misc]
+            for o, layer in self._schedule
+            if OPS[o.op].state is not None and layer is not None
+        }
+        self.state_bytes = sum(4 * int(np.prod(shape)) for shape in self._state_shapes.values())
+        if not self._state_shapes:
+            state_slots = 0
+        elif state_slots is None:
+            state_slots = max(4, min(1024, DEFAULT_STATE_BYTES // max(1, self.state_bytes)))
+        if state_slots < 0 or (self._state_shapes and state_slots < 1):
+            raise MemraError(f"state_slots must be >= 1 for a hybrid model, got {state_slots}", param="state_slots")
+        self.num_state_slots = int(state_slots)
+        self.states = self._new_states(self.num_state_slots)
         self._weights: dict[tuple[str, int | None], np.ndarray] = {}
         self._load_weights()
         self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -79,6 +97,14 @@ class ReferenceRunner:
     def _new_cache(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
         shape = (self.layers, num_blocks, self.block_size, self.kv_heads, self.head_dim)
         return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def _new_states(self, slots: int) -> dict[tuple[str, int], np.ndarray]:
+        return {key: np.zeros((slots, *shape), np.float32) for key, shape in self._state_shapes.items()}
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy every layer's recurrent state of slot ``src`` into slot ``dst``."""
+        for arr in self.states.values():
+            arr[dst] = arr[src]
 
     def _load_weights(self) -> None:
         by_file: dict[str, np.ndarray] = {}  # tied tensors (lm_head = embed) share one array
@@ -93,16 +119,27 @@ class ReferenceRunner:
                 by_file[fname] = np.ascontiguousarray(arr)
             self._weights[key] = by_file[fname]
 
-        graph, dims = self.model.graph, self.model.dims
-        for op, per_layer in bar(self.ops, "memra: loading weights", unit="op"):
-            layers = [i for i in range(self.layers) if graph.op_runs(op, dims, i)] if per_layer else [None]
-            for layer in layers:
-                for w in op.weights:
-                    load(w, layer)
+        for op, layer in bar(self._schedule, "memra: loading weights", unit="op"):
+            for w in op.weights:
+                load(w, layer)
             for attr, kind in OPS[op.op].attrs.items():
                 name = op.attrs.get(attr)
                 if kind == "tensor" and name and self.model.has(name, None):
                     load(name, None)
+        # tensors the graph does not run but the checkpoint carries (MTP heads): loaded and kept
+        # for speculative decoding, reachable through weight(name, layer) like any other
+        run = {w for o, _ in self._schedule for w in o.weights} | {t for t, _ in self._weights}
+        for key in self.model.graph.tensors:
+            if key in run or not hasattr(self.model, "tensor_layers"):
+                continue
+            for layer in self.model.tensor_layers(key):
+                if self.model.has(key, layer):
+                    load(key, layer)
+
+    def extra_tensors(self) -> list[tuple[str, int | None]]:
+        """(tensor, layer) of the loaded tensors the graph never runs (MTP weights)."""
+        used = {(w, layer) for o, layer in self._schedule for w in o.weights}
+        return sorted((k for k in self._weights if k not in used), key=lambda k: (k[0], k[1] or -1))
 
     def weight(self, name: str, layer: int | None) -> np.ndarray:
         """The float32 array of tensor ``name`` (per-layer tensors at ``layer``, else None)."""
@@ -138,11 +175,17 @@ class ReferenceRunner:
         k_cache: np.ndarray,
         v_cache: np.ndarray,
         all_logits: bool,
+        states: dict[tuple[str, int], np.ndarray] | None = None,
+        slot: int = 0,
+        snapshots: Sequence[tuple[int, int]] = (),
     ) -> np.ndarray:
         """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
-        unless ``all_logits``)."""
+        unless ``all_logits``). A hybrid's recurrent state is ``states[..][slot]``, updated in place;
+        ``snapshots`` (n, slot) also store the state after the first n tokens into ``slot``."""
         env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
-        step = RefStep(self, env, start_pos, block_table, k_cache, v_cache, all_logits)
+        step = RefStep(
+            self, env, start_pos, block_table, k_cache, v_cache, all_logits, states, slot, snapshots
+        )
         for o, layer in self._schedule:
             REFERENCE[o.op](step, o, layer)
         return env["logits"]
@@ -165,6 +208,28 @@ class ReferenceRunner:
                 sched.extend((op, layer) for op, _ in ops[i:j] if graph.op_runs(op, dims, layer))
             i = j
         return sched
+
+    def _item_state(self, item: StepItem) -> dict[str, Any]:
+        """The state arguments of ``_forward`` for an item, after preparing its slot: a restore
+        copies the snapshot in, a sequence's first token (start_pos 0) starts from zeros."""
+        if not self.num_state_slots:
+            return {}
+        slot = item.state_slot
+        if slot is None or not 0 <= slot < self.num_state_slots:
+            raise MemraError(
+                f"seq {item.seq_id}: a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, "
+                f"got {slot}",
+                code="internal_error",
+            )
+        for other in [item.state_restore, *(s for _, s in item.state_snapshots)]:
+            if other is not None and not 0 <= other < self.num_state_slots:
+                raise MemraError(f"seq {item.seq_id}: state slot {other} is out of range", code="internal_error")
+        if item.state_restore is not None:
+            self.copy_state(item.state_restore, slot)
+        elif item.start_pos == 0:
+            for arr in self.states.values():
+                arr[slot] = 0.0
+        return {"states": self.states, "slot": slot, "snapshots": tuple(item.state_snapshots)}
 
     def _check_item(self, item: StepItem) -> None:
         n = len(item.token_ids)
@@ -204,7 +269,13 @@ class ReferenceRunner:
         out: list[int | None] = []
         for item in items:
             logits = self._forward(
-                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, False
+                item.token_ids,
+                item.start_pos,
+                item.block_table,
+                self.k_cache,
+                self.v_cache,
+                False,
+                **self._item_state(item),
             )
             if not item.sample:
                 out.append(None)
@@ -217,6 +288,11 @@ class ReferenceRunner:
         """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
         tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
         them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
+        if self.num_state_slots and any(item.draft for item in items):
+            raise MemraError(
+                "verify: speculative drafts are not supported for hybrid models (no recurrent-state rollback)",
+                code="internal_error",
+            )
         for item in items:
             self._check_item(item)
             k = len(item.draft)
@@ -245,7 +321,13 @@ class ReferenceRunner:
         compare chunkings, block tables or another backend position by position."""
         self._check_item(item)
         return self._forward(
-            item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, True
+            item.token_ids,
+            item.start_pos,
+            item.block_table,
+            self.k_cache,
+            self.v_cache,
+            True,
+            **self._item_state(item),
         )
 
     # -- conveniences -------------------------------------------------------------------------
@@ -261,7 +343,7 @@ class ReferenceRunner:
         if not 0 < n <= self.max_model_len:
             raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
         k, v, table = self._scratch(n)
-        return self._forward(list(token_ids), 0, table, k, v, True)
+        return self._forward(list(token_ids), 0, table, k, v, True, self._new_states(1))
 
     def generate(
         self,
@@ -287,13 +369,14 @@ class ReferenceRunner:
                 code="context_length_exceeded",
             )
         k, v, table = self._scratch(total)
+        states = self._new_states(1)
         seed = sampling.seed if sampling.seed is not None else 0
         history = list(prompt)
         out: list[int] = []
         chunk, pos = prompt, 0
         stops = set(stop_token_ids)
         while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._forward(chunk, pos, table, k, v, False)
+            logits = self._forward(chunk, pos, table, k, v, False, states)
             pos += len(chunk)
             tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
             out.append(tok)

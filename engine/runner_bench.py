@@ -2,11 +2,12 @@
 
 Decode at depth D: every row decodes at position D over D tokens of KV already in the cache (the
 KV's contents do not change the work, so the cache is not pre-filled: fresh blocks are used);
-the roofline fraction is (weight bytes + KV bytes read) / step time / profile.memory_bandwidth_gbs,
+the roofline fraction is (weight bytes read + KV bytes read) / step time / profile.memory_bandwidth_gbs
+(a MoE model's weight bytes: attention, router and dense parts plus the experts its rows route to),
 and, where the runner can measure it (``copy_bandwidth_gbs``: a device-to-device copy, bytes read +
 written), the same bytes over the measured copy bandwidth (``copy_roofline_fraction``).
 Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
-2 * params * P FLOPs / time / profile.tensor_tflops_bf16. Times are wall-clock around whole
+2 * params * P FLOPs / time / profile.tensor_tflops_bf16 (a MoE model's params: its active ones). Times are wall-clock around whole
 ``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
 repeats after warm-up. `memra bench` (engine/bench.py) and tools/bench_runner.py call these.
 
@@ -21,31 +22,51 @@ import time
 from typing import Any
 
 from engine.types import SamplingParams, StepItem
+from engine.weight_memory import active_expert_fraction
 
 GREEDY = SamplingParams(temperature=0.0)
 log = logging.getLogger("memra.bench")
 
 
+def expert_weight_keys(plan: Any) -> set[str]:
+    """The plan weights the moe_experts steps read (the stacked expert matrices)."""
+    return {
+        a.ref
+        for st in getattr(plan, "steps", ())
+        if st.op.op == "moe_experts"
+        for la in st.launches.get("decode1", ())
+        for a in la.args
+        if a.kind == "weight"
+    }
+
+
 def layer_matrix_params(plan: Any) -> int:
-    """Elements of the per-layer matrices (the 2*params*tokens FLOP count; the lm_head runs on one
-    row per prefill, so it is left out)."""
+    """Elements of the per-layer matrices one token multiplies by (the 2*params*tokens FLOP count;
+    the lm_head runs on one row per prefill, so it is left out): a MoE token uses ``experts_used``
+    of the ``experts`` stacked experts."""
+    experts = expert_weight_keys(plan)
     total = 0
     for w in plan.weights:
         if w.rows > 1 and (w.layer is not None):
-            total += w.rows * w.cols
+            n = w.rows * w.cols
+            total += n * int(plan.dims["experts_used"]) // int(plan.dims["experts"]) if w.key in experts else n
     return total
 
 
-def streamed_weight_bytes(plan: Any) -> int:
-    """Bytes one decode step must read: every weight once (the embedding table only when it is
-    also the lm_head: an untied table is gathered a row per token)."""
+def streamed_weight_bytes(plan: Any, batch: int = 1) -> int:
+    """Bytes one decode step of ``batch`` rows must read: every weight once (the embedding table
+    only when it is also the lm_head: an untied table is gathered a row per token), and of a MoE
+    model's stacked experts the share its rows route to (weight_memory.active_expert_fraction:
+    exactly top_k / E at batch 1, the expected distinct share under uniform routing above)."""
     tied = bool(plan.dims.get("tie_embeddings"))
+    experts = expert_weight_keys(plan)
+    share = active_expert_fraction(plan.dims, batch) if experts else 1.0
     total = 0
     for w in plan.weights:
         if w.key == "embed" and not tied:
             total += w.cols * 2  # about one row per token
             continue
-        total += w.nbytes
+        total += int(w.nbytes * share) if w.key in experts else w.nbytes
     return total
 
 
@@ -105,7 +126,7 @@ def bench_decode(
         times.append((time.perf_counter() - t0) / steps)
     t = statistics.median(times)
     plan = runner.plan
-    nbytes = streamed_weight_bytes(plan) + kv_bytes_read(plan, batch, depth)
+    nbytes = streamed_weight_bytes(plan, batch) + kv_bytes_read(plan, batch, depth)
     bw = plan_profile(runner).memory_bandwidth_gbs * 1e9
     row = {
         "kind": "decode",
@@ -114,6 +135,7 @@ def bench_decode(
         "step_ms": t * 1e3,
         "tok_s": batch / t,
         "bytes_per_step": nbytes,
+        **({"active_expert_fraction": active_expert_fraction(plan.dims, batch)} if expert_weight_keys(plan) else {}),
         "achieved_gbs": nbytes / t / 1e9,
         "roofline_fraction": nbytes / t / bw,
     }

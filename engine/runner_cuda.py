@@ -29,6 +29,7 @@ from engine.profile import DeviceProfile, arch_number, select
 from engine.progress import bar
 from engine.sampling import penalty_entries, sample_item
 from engine.types import ConfigError, MemraError, StepItem
+from engine.weight_memory import check_fits, plan_weight_bytes
 
 log = logging.getLogger("memra.runner_cuda")
 
@@ -87,7 +88,8 @@ class CudaRunner:
         builder: KernelBuilder | None = None,
     ):
         self.ctx = cuda.Context(device)
-        self._ctx_thread = threading.get_ident()
+        self._ctx_local = threading.local()  # .current: the context is current on that thread
+        self._ctx_local.current = True
         self.profile = profile or select(self.ctx.info)
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
@@ -112,6 +114,7 @@ class CudaRunner:
         self._side = cuda.Stream()
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
+        self._check_memory()
         self._load_kernels(builder)
         self._upload_weights()
         self._alloc_arena()
@@ -134,6 +137,17 @@ class CudaRunner:
         )
 
     # ----------------------------------------------------------------------------- setup
+
+    def _check_memory(self) -> None:
+        """Every weight (all experts of a MoE model) + the arena + fixed scratch + one KV block must
+        fit in free device memory: else one MemraError (out_of_memory) with bytes needed vs free,
+        before anything is allocated (engine.weight_memory)."""
+        d = self.plan.dims
+        kv_block = self.block_size * d["kv_heads"] * d["head_dim"] * 2 * 2 * d["layers"]
+        reserve = self.plan.arena_bytes() + sum(sp.fixed for sp in self.plan.scratch) + kv_block
+        free, _ = self.ctx.mem_info()
+        what = str(getattr(self.model, "path", None) or self.plan.family)
+        check_fits(what, plan_weight_bytes(self.plan, self.model.graph), free, reserve)
 
     def _load_kernels(self, builder: KernelBuilder | None) -> None:
         builder = builder or KernelBuilder(self.profile.arch)
@@ -461,10 +475,7 @@ class CudaRunner:
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not
         # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
+        self._ensure_context()
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
@@ -490,11 +501,15 @@ class CudaRunner:
         decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
         from engine.spec.cuda_verify import verify
 
-        me = threading.get_ident()
-        if me != self._ctx_thread:
-            self.ctx.make_current()
-            self._ctx_thread = me
+        self._ensure_context()
         return verify(self, items)
+
+    def _ensure_context(self) -> None:
+        """Make the context current on the calling thread once. A thread-local flag, not a thread id:
+        ids are reused once a thread ends, and a new engine thread with an old id had no context."""
+        if not getattr(self._ctx_local, "current", False):
+            self.ctx.make_current()
+            self._ctx_local.current = True
 
     def _check_item(self, it: StepItem) -> None:
         end = it.start_pos + len(it.token_ids)

@@ -102,6 +102,15 @@ class StepItem:
     num_generated: int = 0
     allowed: object | None = None
     logprobs_out: tuple[float, list[tuple[int, float]]] | None = None
+    # --- recurrent state (hybrid models; runners without it ignore these) -------------------
+    # The sequence's live state slot. Its state continues from the previous item of the sequence,
+    # starts from zeros when ``start_pos == 0``, or is first copied from ``state_restore`` (a
+    # prefix-cache snapshot slot holding the state after ``start_pos`` tokens).
+    state_slot: int | None = None
+    state_restore: int | None = None
+    # (n, slot): after the first n tokens of this item, also store the state into ``slot`` (a
+    # snapshot at a block boundary, for the prefix cache).
+    state_snapshots: Sequence[tuple[int, int]] = ()
     # Speculative decoding (engine.spec): the last ``len(draft)`` entries of ``token_ids`` are proposed
     # tokens to verify. ``draft_probs`` is the proposer's distribution for each of them ([k, vocab]
     # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).
@@ -134,6 +143,8 @@ class Runner(Protocol):
     num_blocks: int
     max_model_len: int
     backend: str  # "reference" | "cuda"
+    # A hybrid model's runner also has ``num_state_slots`` (> 0): recurrent-state slots, each one
+    # sequence's live state or one prefix-cache snapshot, handed out by the block manager.
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]: ...
 

@@ -5,8 +5,9 @@ expert), so its weight bytes are those of the whole file, though a decode step r
 chosen experts. ``weight_bytes(...)`` counts them from the family graph and dims alone (no file
 needed: a named size and a quant combo suffice, as for warmup), per group: ``experts`` (stacked
 tensors), ``dense`` (every other matrix), ``embedding`` and ``vectors`` (norms, f32).
-``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls both
-before it uploads anything.
+``plan_weight_bytes(plan, graph)`` groups a CUDA plan's allocations the same way (what the runner
+uploads); ``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls
+them before it allocates anything.
 
 Must not import CUDA (the caller passes the free byte count) or anything above engine.model.
 """
@@ -55,7 +56,8 @@ def weight_bytes(
     A tensor's storage type is ``tensor_dtypes["<key>@<layer>"]`` or ``tensor_dtypes["<key>"]`` (as
     ``engine.model.LoadedModel`` records a file's), else the first type ``combo`` allows for it.
     ``device_type(type, cols)`` maps a file type to the layout uploaded (a repacked layout pads
-    rows: ``engine.quant.row_bytes``); by default the file type. Per-layer tensors count in the
+    rows: ``engine.quant.row_bytes``); by default the file type. Stacked (expert) tensors keep the
+    file's layout (the expert kernels decode the file's blocks). Per-layer tensors count in the
     layers whose ops read them (a dense layer of a MoE model has no experts). A tied head counts
     once. Vectors count as f32. Raises ConfigError for a tensor without a shape.
     """
@@ -78,20 +80,43 @@ def weight_bytes(
                     raise MemraError(f"weight_bytes: no storage type for {key} (pass a quant combo)")
                 dtype = combo.allowed(key)[0]
             cols = shape[-1]
-            layout = device_type(dtype, cols) if device_type else dtype
+            layout = device_type(dtype, cols) if device_type and not spec.stack else dtype
             nbytes = prod(shape[:-1]) * quant_mod.row_bytes(layout, cols)
             group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
             groups[group] += nbytes
     return WeightBytes(**groups)
 
 
-def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any]) -> int:
-    """Weight bytes one batch-1 decode step reads (the decode roofline's numerator): every dense
-    matrix and vector, ``experts_used / experts`` of the expert bytes (the router's picks), and the
-    embedding table only when it is the (tied) head (an untied table is gathered, not streamed)."""
+def plan_weight_bytes(plan: Any, graph: ModelGraph) -> WeightBytes:
+    """The device bytes of a CUDA plan's weight allocations (``engine.ir.Plan.weights``, exactly
+    what the runner uploads), grouped as ``weight_bytes`` groups them; a computed weight (RoPE
+    frequencies) counts as a vector."""
+    groups = {"experts": 0, "dense": 0, "embedding": 0, "vectors": 0}
+    for w in plan.weights:
+        spec = graph.tensors.get(w.parts[0])
+        if spec is None or spec.kind == "vector":
+            group = "vectors"
+        else:
+            group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
+        groups[group] += w.nbytes
+    return WeightBytes(**groups)
+
+
+def active_expert_fraction(dims: Mapping[str, Any], batch: int = 1) -> float:
+    """The share of a MoE layer's expert bytes a decode step of ``batch`` rows reads: each row picks
+    ``experts_used`` of ``experts`` distinct experts, so exactly top_k / E at batch 1, and with rows
+    routed independently and uniformly the expected distinct share 1 - (1 - top_k / E) ** batch."""
+    return 1.0 - (1.0 - int(dims["experts_used"]) / int(dims["experts"])) ** max(int(batch), 1)
+
+
+def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any], batch: int = 1) -> int:
+    """Weight bytes one decode step of ``batch`` rows reads (the decode roofline's numerator): every
+    dense matrix and vector, ``active_expert_fraction`` of the expert bytes (the router's picks),
+    and the embedding table only when it is the (tied) head (an untied table is gathered, not
+    streamed)."""
     read = weights.dense + weights.vectors
     if weights.experts:
-        read += weights.experts * int(dims["experts_used"]) // int(dims["experts"])
+        read += int(weights.experts * active_expert_fraction(dims, batch))
     if dims.get("tie_embeddings"):
         read += weights.embedding
     return read

@@ -264,3 +264,22 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
     ):
         with pytest.raises(ConfigError, match=msg):
             with_tuning(base, bad)
+
+
+def test_qwen3_5_reads_rope_fields_in_both_config_forms():
+    """qwen3_5 lists the transformers-4 field and the transformers-5 rope_parameters field (one
+    mechanism, hf lists); GGUF gets llama.cpp's tiled v-head order from gguf_default."""
+    fam = graph.load_family("qwen3_5")
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96, vocab_size=128,
+                linear_value_head_dim=16)
+    old = resolve_dims(fam, "hf", {**base, "rope_theta": 5e5, "partial_rotary_factor": 0.5}, "c.json")
+    new = resolve_dims(
+        fam, "hf", {**base, "rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}}, "c.json"
+    )
+    for dims in (old, new):
+        assert (dims["rope_theta"], dims["partial_rotary_factor"], dims["v_heads_tiled"]) == (5e5, 0.5, False)
+    assert old["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    gguf = {f"qwen35.{k}": v for k, v in [("embedding_length", 64), ("block_count", 4), ("attention.head_count", 4),
+                                          ("feed_forward_length", 96), ("vocab_size", 128),
+                                          ("ssm.inner_size", 512)]}
+    assert resolve_dims(fam, "gguf", {"general.architecture": "qwen35", **gguf}, "m.gguf")["v_heads_tiled"] is True

@@ -52,10 +52,10 @@ def test_run_reports_a_malformed_moe_checkpoint_in_one_line(moe_dir, tmp_path):
     _assert_user_error(out, "model.safetensors: tensor 'model.layers.0.mlp.experts.3.gate_proj.weight'", "'num_experts'")
 
 
-def test_warmup_says_which_op_has_no_cuda_lowering():
+def test_warmup_lists_the_moe_kernels():
     out = memra("warmup", "--family", "qwen3_moe", "--quant", "q4_k_m", "--device-profile", "h100", "--list")
-    _assert_user_error(out, "moe_router")
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "moe_topk__e128_k8_n1" in out.stdout and "moe_gemv_down_grouped_q4_k" in out.stdout
 
 
 def _free_port() -> int:

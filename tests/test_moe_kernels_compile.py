@@ -1,4 +1,4 @@
-"""The MoE kernels (kernels/moe_topk.cu.j2, kernels/moe_gemv.cu.j2) render for every storage type
+"""The MoE kernels (kernels/moe_topk.cu.j2, moe_gemv.cu.j2, moe_combine.cu.j2, moe_shared.cu.j2) render for every storage type
 and mode, open with pdl_wait(), and compile with NVRTC for every device profile's arch (no GPU).
 
 Every storage type's decoder compiles for the primary arch (sm_90a, in the glu kernel; down for the
@@ -12,7 +12,14 @@ import pytest
 from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
 from engine.model import dims_for_size
-from engine.moe_kernels import GEMV_QUANTS, combine_kernel, expert_gemv_kernel, moe_specs, topk_kernel
+from engine.moe_kernels import (
+    GEMV_QUANTS,
+    combine_kernel,
+    expert_gemv_kernel,
+    moe_specs,
+    shared_kernel,
+    topk_kernel,
+)
 from engine.profile import all_profiles
 from engine.render import render, waits_first
 from engine.types import ConfigError
@@ -41,6 +48,7 @@ def _all_specs():
         specs.append(expert_gemv_kernel("glu_grouped", q, 768, 2048, 8, experts=128, max_slots=256).spec)
         specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
     specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
+    specs += [shared_kernel(2048).spec]
     return specs
 
 
@@ -70,8 +78,9 @@ def test_builders_check_their_inputs():
     assert len(specs) == 1 + 4 * 4 + 1 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
     assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
+    assert g.grid(256) == (512, 128, 1)  # an expert's (token, slot) pairs: at most one per token
     with pytest.raises(ConfigError, match="exceed max_slots 256"):
-        g.grid(33)
+        g.grid(257)
     with pytest.raises(ConfigError, match="max_slots 100000"):
         expert_gemv_kernel("glu_grouped", "q4_k", 768, 2048, 8, experts=128, max_slots=100000)
     assert combine_kernel(2048, 8).grid(5) == (8, 5, 1)
@@ -93,6 +102,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemv_kernel("glu_grouped", "q6_k", 768, 2048, 8, experts=128).spec,
         expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
         combine_kernel(2048, 8).spec,
+        shared_kernel(2048).spec,
     ]
     for arch in archs:
         specs = full if arch == PRIMARY_ARCH else one_each

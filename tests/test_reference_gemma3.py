@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import graph, ops_ref
-from engine.model import check_layers, load_model, resolve_dims
+from engine.model import _check_pattern_dims, load_model, resolve_dims
 from engine.reference import ReferenceRunner
 from engine.types import ConfigError, MemraError, SamplingParams, StepItem
 
@@ -114,7 +114,7 @@ GGUF_META = {
 def test_gguf_dims_use_the_default_pattern_and_local_base():
     g = graph.load_family("gemma3")
     d = resolve_dims(g, "gguf", GGUF_META, "x.gguf", has_tensor=lambda k, *a: False)
-    check_layers(g, d, "x.gguf")
+    assert d["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
     assert per_layer(g, d, "attention", "window") == (16,) * 5 + (None, 16)
     assert per_layer(g, d, "rope", "theta") == (1e4,) * 5 + (1e6, 1e4)
     assert d["norm_offset"] == 0.0 and d["attn_scale"] == 32**-0.5 and d["embed_scale"] == 8.0
@@ -134,21 +134,24 @@ def test_gguf_dims_use_the_default_pattern_and_local_base():
 
 
 def test_unknown_layer_type_is_a_clear_error():
+    from types import SimpleNamespace
+
     g = graph.load_family("gemma3")
     hf = {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 384, "layer_types": ["sliding_attention", "chunked_attention"],
     }  # fmt: skip
     d = resolve_dims(g, "hf", hf, "config.json")
-    with pytest.raises(
-        MemraError,
-        match=r"config.json: layer 1: no op of family gemma3 that runs there produces 'a', which linear reads "
-        r"\(predicates at this layer: \{'sliding': False, 'full': False\}\)",
-    ):
-        check_layers(g, d, "config.json")
+    with pytest.raises(MemraError, match=r"config.json: layer_types\[1\] = 'chunked_attention' is not a block type of family gemma3"):
+        _check_pattern_dims(SimpleNamespace(graph=g, dims=d), "config.json")
     d = resolve_dims(g, "hf", dict(hf, layer_types=["full_attention"]), "config.json")
-    with pytest.raises(MemraError, match=r"config.json: layer 1: cannot evaluate the family's `when` predicates"):
-        check_layers(g, d, "config.json")
+    with pytest.raises(MemraError, match="config.json: layer_types has 1 entries but the model has 2 layers"):
+        _check_pattern_dims(SimpleNamespace(graph=g, dims=d), "config.json")
+    # a GGUF pattern array shorter than the layers: the predicate names the layer
+    meta = dict(GGUF_META, **{"gemma3.attention.sliding_window_pattern": [True, False]})
+    d = resolve_dims(g, "gguf", meta, "x.gguf", has_tensor=lambda k, *a: False)
+    with pytest.raises(MemraError, match=r"gemma3.yaml: layer 2: the `when` predicate 'sliding' cannot be evaluated"):
+        g.tensor_layers(d)
 
 
 def test_dsl_checks_gemma3_attributes_and_predicates(tmp_path: Path):
@@ -162,12 +165,12 @@ def test_dsl_checks_gemma3_attributes_and_predicates(tmp_path: Path):
         graph.load_family("gemma3", root)
     lines = [ln for ln in text.splitlines() if not ln.startswith("  layer_types:")]
     (root / "gemma3.yaml").write_text("\n".join(lines) + "\n")
-    with pytest.raises(ConfigError, match=r"predicates.sliding: 'layer_types' is not a dim"):
+    with pytest.raises(ConfigError, match=r"'layer_types' is not a dim"):
         graph.load_family("gemma3", root)
     # the full layers' attention reading a value only the sliding layers produce
-    bad = text.replace("out: a, scale: attn_scale, when: full}", "out: a, scale: attn_scale, when: full}\n      - {op: add, in: [a, q], out: z, when: sliding}\n      - {op: add, in: [z, a], out: a, when: full}")
+    bad = text.replace("out: a, scale: attn_scale, when: not sliding}", "out: a, scale: attn_scale, when: not sliding}\n      - {op: add, in: [a, q], out: z, when: sliding}\n      - {op: add, in: [z, a], out: a, when: not sliding}")
     (root / "gemma3.yaml").write_text(bad)
-    with pytest.raises(ConfigError, match=r"value 'z' is produced only when 'sliding' but read by an op that runs when 'full'"):
+    with pytest.raises(ConfigError, match=r"value 'z' is produced only when 'sliding' but read by an op that runs when 'not sliding'"):
         graph.load_family("gemma3", root)
 
 

@@ -2,6 +2,7 @@
 
 Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf16] [--seed 0] [--layers N]
        python tools/make_checkpoint.py --shape qwen3-4b --gguf q4_k_m --out FILE.gguf   (random blocks)
+       python tools/make_checkpoint.py --shape qwen3.5-4b --out DIR   (the Qwen3.5 hybrid, safetensors)
        python tools/make_checkpoint.py --shape qwen3-30b-a3b --gguf q4_k_m --out FILE.gguf (MoE: 128 experts)
 
 Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
@@ -43,11 +44,46 @@ SHAPES: dict[str, tuple[str, Dims]] = {
         Dims(2048, 48, 32, 4, 128, 6144, 151936, 1000000.0, 1e-6, 40960, False, 128, 8, 768, True),
     ),
 }
+# hybrid (Gated DeltaNet + gated attention) shapes: Qwen3_5ForCausalLM config overrides
+# (tests/fixtures/hybrid.py writes them; safetensors only for now)
+HYBRID_SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen3.5-4b": (
+        "qwen3_5",
+        dict(
+            vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=32, max_position_embeddings=262144, full_attention_interval=4,
+            rope_theta=10000000.0, partial_rotary_factor=0.25, tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def write_hybrid(name: str, out: Path, seed: int, layers: int, tokenizer: str) -> None:
+    """A full-size random Qwen3.5-class HF checkpoint (bf16, streamed like the dense shapes)."""
+    from fixtures.checkpoints import write_safetensors
+    from fixtures.hybrid import qwen3_5_config, qwen3_5_tensor_specs
+
+    over = dict(HYBRID_SHAPES[name][1])
+    if layers:
+        over["num_hidden_layers"] = layers
+    cfg = qwen3_5_config(**over)
+    cfg["dtype"] = "bfloat16"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    write_tokenizer_files(out, words_vocab=cfg["vocab_size"] if tokenizer == "words" else 0)
+    specs = qwen3_5_tensor_specs(cfg, seed)
+    write_safetensors(out / "model.safetensors", specs)
+    n = sum(math.prod(s) for _, s, _ in specs)
+    size = (out / "model.safetensors").stat().st_size
+    print(f"{name}: {n / 1e9:.3f} B params, {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
     ap.add_argument("--dtype", default="bf16", choices=["bf16"])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=0)
@@ -55,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="words", choices=["words", "tiny"], help="words: one word per id")
     ap.add_argument("--gguf", default=None, metavar="QUANT", help="write OUT as a random-block GGUF of QUANT instead")
     args = ap.parse_args(argv)
+    if args.shape in HYBRID_SHAPES:
+        if args.gguf:
+            ap.error(f"--gguf: no random GGUF writer for the hybrid shape {args.shape} yet")
+        write_hybrid(args.shape, args.out, args.seed, args.layers, args.tokenizer)
+        return 0
     family, dims = SHAPES[args.shape]
     if args.layers:
         from dataclasses import replace

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plannable(graph, fname: str, profile) -> bool:
-    """Whether the CUDA plan lowers every op of the family (a family whose ops have no CUDA lowering
-    yet, such as qwen3_moe's, is skipped with a note instead of failing the whole warmup)."""
+    """Whether the CUDA plan lowers every op of the family (a family with an op that has no CUDA lowering
+    yet is skipped with a note instead of failing the whole warmup)."""
     from engine.plan import build_plan
 
     combo = next(iter(graph.quants.values()))

@@ -43,6 +43,7 @@ class Lowerer:
         self.max_rows = max(profile.cuda_graph_batch_sizes)
         self.prefill_linear = prefill_linear
         self.scratch: dict[str, ScratchPlan] = {}
+        self.value_dtypes: dict[str, str] = {}  # values a unit binds as other than bf16 (i32 ids, f32)
         self.freq: WeightPlan | None = None  # set by build_plan when RoPE frequencies are scaled
         self.profile = profile
         self.dims = dims
@@ -100,7 +101,7 @@ class Lowerer:
         return key in self.fusable or (mode == "decode1" and key in self.fusable1)
 
     def act_dtype(self, value: str) -> str:
-        return "f32" if value == "logits" else "bf16"
+        return self.value_dtypes.get(value) or ("f32" if value == "logits" else "bf16")
 
     def o_window(self, steps: list[Step], i: int, weights: Mapping[str, WeightPlan]) -> bool:
         """Tuning decode_graph.o_window_min_kb / o_window_max_kb: whether the batch-1 changes in

@@ -25,6 +25,9 @@ class OpDef:
     weights: tuple[int, int]  # (min, max)
     attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
     doc: str = ""
+    # Recurrent state the op keeps per sequence (hybrid families): dims -> the state's shape, one
+    # float32 array of that shape per layer the op runs in and per state slot (engine.reference).
+    state: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
     weight_counts: tuple[int, ...] = ()  # when set, the only weight counts allowed within (min, max)
 
 
@@ -45,6 +48,23 @@ class RefStep:
     k_cache: np.ndarray
     v_cache: np.ndarray
     all_logits: bool
+    # Recurrent state (ops with an OpDef.state): (op name, layer) -> [slots, *shape] float32; the
+    # item's sequence owns ``slot``; ``snapshots`` are (n, slot): also store the state after the
+    # item's first n tokens into that slot (prefix-cache snapshots at block boundaries).
+    states: dict[tuple[str, int], np.ndarray] | None = None
+    slot: int = 0
+    snapshots: Sequence[tuple[int, int]] = ()
+
+    def state(self, op: Any, layer: int) -> np.ndarray:
+        """The live state array of ``op`` at ``layer`` for this item's sequence (a view: write it)."""
+        if self.states is None:
+            raise RuntimeError(f"op {op.op} keeps recurrent state but the runner gave none")
+        return self.states[(op.op, layer)][self.slot]
+
+    def save_snapshot(self, op: Any, layer: int, slot: int, value: np.ndarray) -> None:
+        """Store ``op``'s state at ``layer`` into snapshot slot ``slot``."""
+        assert self.states is not None
+        self.states[(op.op, layer)][slot] = value
 
     @property
     def positions(self) -> slice:

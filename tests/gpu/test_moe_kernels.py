@@ -1,46 +1,108 @@
-"""The MoE kernels (moe_topk, moe_gemv glu/down) against the numpy reference on a real GPU.
+"""The MoE kernels (moe_topk, moe_gemv glu/down and the grouped modes, moe_combine) against the
+numpy reference on a real GPU.
 
 Fresh random inputs each run: router logits for the top-k softmax (ids exact, weights 1e-5), random
 GGUF blocks / bf16 rows for the stacked expert weights of every checked storage type (bf16, q8_0,
 q4_k, q5_k, q6_k; relative error 1e-2 for the bf16 outputs), the residual aliasing the output, and
 a whole sparse MLP (logits -> moe_topk -> glu -> down) against engine.ops_ref_moe.moe_experts.
-Launches through tools/gpu_kernels_check.py's loader (engine.compile + cuda.bindings, torch as the
-allocator); skipped without torch and a CUDA device.
+Kernels are built by engine.compile and launched through engine.cuda (the engine's only driver
+module); skipped without a CUDA device.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from engine import quant
-from engine.moe_kernels import combine_kernel, expert_gemv_kernel, topk_kernel
+from engine import cuda, quant
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, shared_kernel, topk_kernel
 from engine.ops_ref_moe import moe_experts, moe_route
 
-torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")]
+
+_NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8}
+
+
+class Arr:
+    """A device array: a DeviceBuffer with its shape and element type (bf16 | f32 | i32 | u8)."""
+
+    def __init__(self, buf, shape, dtype: str):
+        self.buf, self.shape, self.dtype, self.ptr = buf, tuple(shape), dtype, buf.ptr
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+class Kit:
+    """Device arrays and kernel launches over engine.cuda (what the tests below need)."""
+
+    def __init__(self, cache_dir):
+        from engine.compile import KernelBuilder
+        from engine.kcache import KernelCache
+        from engine.profile import select
+
+        self.ctx = cuda.Context(0)
+        self.builder = KernelBuilder(select(self.ctx.info).arch, KernelCache(cache_dir))
+        self.fns: dict = {}
+        self.mods: list = []
+
+    def _put(self, host: np.ndarray, dtype: str) -> Arr:
+        host = np.ascontiguousarray(host)
+        buf = cuda.alloc(host.nbytes)
+        cuda.htod(buf.ptr, host)
+        return Arr(buf, host.shape, dtype)
+
+    def bf(self, x) -> Arr:
+        return self._put(_bf16_bits(np.asarray(x)), "bf16")
+
+    def f32(self, x) -> Arr:
+        return self._put(np.asarray(x, dtype=np.float32), "f32")
+
+    def i32(self, x) -> Arr:
+        return self._put(np.asarray(x, dtype=np.int32), "i32")
+
+    def raw(self, x: np.ndarray) -> Arr:
+        return self._put(np.asarray(x, dtype=np.uint8), "u8")
+
+    def nan_like(self, shape, dtype: str = "bf16") -> Arr:
+        fill = np.full(shape, 0x7FC0, np.uint16) if dtype == "bf16" else np.full(shape, np.nan, np.float32)
+        return self._put(fill, dtype)
+
+    def host(self, a: Arr) -> np.ndarray:
+        self.ctx.synchronize()
+        out = cuda.dtoh(np.empty(a.shape, _NP[a.dtype]), a.ptr)
+        if a.dtype == "bf16":
+            return (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return out if a.dtype == "i32" else out.astype(np.float64)
+
+    def launch(self, k, args, rows: int) -> None:
+        if k.spec not in self.fns:
+            built = self.builder.build_all([k.spec], progress=None).kernels[0]
+            mod = cuda.Module(built.cubin, k.spec.entry)
+            self.mods.append(mod)
+            self.fns[k.spec] = mod.function(k.spec.entry)
+        vals = [a.ptr if isinstance(a, Arr) else a for a in args]
+        cuda.launch(self.fns[k.spec], k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
+        self.ctx.synchronize()
+
+
+def bf_round(x: np.ndarray) -> np.ndarray:
+    return (_bf16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
 
 QUANTS = ("bf16", "q8_0", "q4_k", "q5_k", "q6_k")
 SCALE_FIELDS = {"q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 @pytest.fixture(scope="module")
-def gk():
-    path = Path(__file__).resolve().parents[2] / "tools" / "gpu_kernels_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_kernels_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    torch.zeros(1, device="cuda")
-    mod.check(mod.drv.cuInit(0))
-    return mod
-
-
-@pytest.fixture(scope="module")
-def kernels(gk, tmp_path_factory):
-    return gk.Kernels(str(tmp_path_factory.mktemp("kcache")))
+def gk(tmp_path_factory):
+    return Kit(tmp_path_factory.mktemp("kcache"))
 
 
 def stacked_weight(qt: str, e: int, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -65,114 +127,127 @@ def _ids(rng, rows: int, experts: int, top_k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("experts,top_k,normalize", [(128, 8, True), (60, 4, False), (8, 2, True)])
-def test_topk_matches_moe_route(gk, kernels, experts, top_k, normalize):
+def test_topk_matches_moe_route(gk, experts, top_k, normalize):
     rng = np.random.default_rng()
     rows = 37
     logits = (rng.standard_normal((rows, experts)) * 2).astype(np.float32)
     logits[0] = 0.0  # every probability equal: the lowest ids win
     c = topk_kernel(experts, top_k, normalize)
-    ids = torch.full((rows, top_k), -7, dtype=torch.int32, device="cuda")
-    wts = gk.nan_like((rows, top_k), torch.float32)
-    kernels.launch(c, [ids, wts, gk.f32(logits), rows], rows)
-    torch.cuda.synchronize()
+    ids = gk.i32(np.full((rows, top_k), -7))
+    wts = gk.nan_like((rows, top_k), "f32")
+    gk.launch(c, [ids, wts, gk.f32(logits), rows], rows)
     # routing straight from logits: h = logits, router = identity
     want_ids, want_w = moe_route(logits, np.eye(experts, dtype=np.float32), top_k, normalize)
-    np.testing.assert_array_equal(ids.cpu().numpy(), want_ids)
-    np.testing.assert_allclose(wts.cpu().numpy(), want_w, rtol=1e-5, atol=1e-7)
-    assert ids.cpu().numpy()[0].tolist() == list(range(top_k))
+    np.testing.assert_array_equal(gk.host(ids), want_ids)
+    np.testing.assert_allclose(gk.host(wts), want_w, rtol=1e-5, atol=1e-7)
+    assert gk.host(ids)[0].tolist() == list(range(top_k))
 
 
 @pytest.mark.parametrize("qt", QUANTS)
-def test_glu_and_down_match_numpy(gk, kernels, qt):
+def test_glu_and_down_match_numpy(gk, qt):
     rng = np.random.default_rng()
     e, hidden, inter, top_k, rows = 8, 512, 256, 2, 3
     wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
     wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
     wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
     ids = _ids(rng, rows, e, top_k)
-    x = gk.bf_round(rng.standard_normal((rows, hidden)))
+    x = bf_round(rng.standard_normal((rows, hidden)))
     glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k)
     act = gk.nan_like((rows, top_k, inter))
-    dev = {n: torch.from_numpy(r).cuda() for n, r in (("g", wg_raw), ("u", wu_raw), ("d", wd_raw))}
+    dev = {n: gk.raw(r) for n, r in (("g", wg_raw), ("u", wu_raw), ("d", wd_raw))}
     ids_t = gk.i32(ids)
-    kernels.launch(glu, [act, dev["g"], dev["u"], gk.bf(x), ids_t, rows], rows)
+    gk.launch(glu, [act, dev["g"], dev["u"], gk.bf(x), ids_t, rows], rows)
     g = np.einsum("tk,tjnk->tjn", x, wg[ids])
     ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
     got_act = gk.host(act)
     assert not np.isnan(got_act).any()
-    assert gk.rel_err(got_act, ref_act) < 1e-2, gk.rel_err(got_act, ref_act)
+    assert rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
 
-    a = gk.bf_round(rng.standard_normal((rows, top_k, inter)))
+    a = bf_round(rng.standard_normal((rows, top_k, inter)))
     w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
-    r = gk.bf_round(rng.standard_normal((rows, hidden)))
+    r = bf_round(rng.standard_normal((rows, hidden)))
     ref = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids]))
     for residual in (False, True):
         down = expert_gemv_kernel("down", qt, hidden, inter, top_k, residual=residual)
         out = gk.bf(r) if residual else gk.nan_like((rows, hidden))  # the residual aliases out
-        kernels.launch(down, [out, dev["d"], gk.bf(a), ids_t, gk.f32(w), out if residual else 0, rows], rows)
+        gk.launch(down, [out, dev["d"], gk.bf(a), ids_t, gk.f32(w), out if residual else 0, rows], rows)
         got = gk.host(out)
         want = ref + (r if residual else 0)
         assert not np.isnan(got).any()
-        assert gk.rel_err(got, want) < 1e-2, (residual, gk.rel_err(got, want))
+        assert rel_err(got, want) < 1e-2, (residual, rel_err(got, want))
 
 
 @pytest.mark.parametrize("qt", QUANTS)
 @pytest.mark.parametrize("experts,rows,top_k", [(8, 20, 4), (16, 3, 2)])  # ~10 slots per expert (> SB); unchosen experts
-def test_grouped_glu_down_combine_match_numpy(gk, kernels, qt, experts, rows, top_k):
+def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     rng = np.random.default_rng()
     hidden, inter = 512, 256
     wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
     wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
     wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
-    dev = [torch.from_numpy(r).cuda() for r in (wg_raw, wu_raw, wd_raw)]
+    dev = [gk.raw(r) for r in (wg_raw, wu_raw, wd_raw)]
     ids = _ids(rng, rows, experts, top_k)
     ids_t = gk.i32(ids)
-    x = gk.bf_round(rng.standard_normal((rows, hidden)))
+    x = bf_round(rng.standard_normal((rows, hidden)))
     glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128)
     act = gk.nan_like((rows, top_k, inter))
-    kernels.launch(glu, [act, dev[0], dev[1], gk.bf(x), ids_t, rows], rows)
+    gk.launch(glu, [act, dev[0], dev[1], gk.bf(x), ids_t, rows], rows)
     g = np.einsum("tk,tjnk->tjn", x, wg[ids])
     ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
     got_act = gk.host(act)
-    assert not np.isnan(got_act).any() and gk.rel_err(got_act, ref_act) < 1e-2, gk.rel_err(got_act, ref_act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
 
-    a = gk.bf_round(rng.standard_normal((rows, top_k, inter)))
+    a = bf_round(rng.standard_normal((rows, top_k, inter)))
     w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
-    r = gk.bf_round(rng.standard_normal((rows, hidden)))
-    partial = gk.nan_like((rows, top_k, hidden), torch.float32)
+    r = bf_round(rng.standard_normal((rows, hidden)))
+    partial = gk.nan_like((rows, top_k, hidden), "f32")
     down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128)
-    kernels.launch(down, [partial, dev[2], gk.bf(a), ids_t, rows], rows)
+    gk.launch(down, [partial, dev[2], gk.bf(a), ids_t, rows], rows)
     ref_partial = np.einsum("tjk,tjnk->tjn", a, wd[ids])
     got_partial = gk.host(partial)
-    assert not np.isnan(got_partial).any() and gk.rel_err(got_partial, ref_partial) < 1e-4
+    assert not np.isnan(got_partial).any() and rel_err(got_partial, ref_partial) < 1e-4
     out = gk.bf(r)  # the residual aliases out
-    kernels.launch(combine_kernel(hidden, top_k), [out, partial, gk.f32(w), out, rows], rows)
+    gk.launch(combine_kernel(hidden, top_k), [out, partial, gk.f32(w), out, rows], rows)
     want = np.einsum("tj,tjn->tn", w, ref_partial) + r
-    assert gk.rel_err(gk.host(out), want) < 1e-2
+    assert rel_err(gk.host(out), want) < 1e-2
 
 
-def test_sparse_mlp_end_to_end(gk, kernels):
+def test_sparse_mlp_end_to_end(gk):
     """logits -> moe_topk -> glu -> down(+ residual) against ops_ref_moe on the same routing."""
     rng = np.random.default_rng()
     e, hidden, inter, top_k, rows, qt = 16, 256, 256, 4, 5, "q8_0"
     wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
     wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
     wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
-    h = gk.bf_round(rng.standard_normal((rows, hidden)))
-    res = gk.bf_round(rng.standard_normal((rows, hidden)))
+    h = bf_round(rng.standard_normal((rows, hidden)))
+    res = bf_round(rng.standard_normal((rows, hidden)))
     logits = (rng.standard_normal((rows, e)) * 2).astype(np.float32)
-    ids = torch.zeros((rows, top_k), dtype=torch.int32, device="cuda")
-    wts = torch.zeros((rows, top_k), dtype=torch.float32, device="cuda")
+    ids = gk.i32(np.zeros((rows, top_k)))
+    wts = gk.f32(np.zeros((rows, top_k)))
     act = gk.nan_like((rows, top_k, inter))
     out = gk.bf(res)
-    kernels.launch(topk_kernel(e, top_k, True), [ids, wts, gk.f32(logits), rows], rows)
-    dev = [torch.from_numpy(x).cuda() for x in (wg_raw, wu_raw, wd_raw)]
-    kernels.launch(expert_gemv_kernel("glu", qt, inter, hidden, top_k), [act, dev[0], dev[1], gk.bf(h), ids, rows], rows)
+    gk.launch(topk_kernel(e, top_k, True), [ids, wts, gk.f32(logits), rows], rows)
+    dev = [gk.raw(x) for x in (wg_raw, wu_raw, wd_raw)]
+    gk.launch(expert_gemv_kernel("glu", qt, inter, hidden, top_k), [act, dev[0], dev[1], gk.bf(h), ids, rows], rows)
     down = expert_gemv_kernel("down", qt, hidden, inter, top_k, residual=True)
-    kernels.launch(down, [out, dev[2], act, ids, wts, out, rows], rows)
+    gk.launch(down, [out, dev[2], act, ids, wts, out, rows], rows)
     want_ids, want_w = moe_route(logits, np.eye(e, dtype=np.float32), top_k, True)
-    np.testing.assert_array_equal(ids.cpu().numpy(), want_ids)
+    np.testing.assert_array_equal(gk.host(ids), want_ids)
     ref = moe_experts(h.astype(np.float32), want_ids, want_w, wg.astype(np.float32), wu.astype(np.float32),
                       wd.astype(np.float32), residual=res.astype(np.float32))
     got = gk.host(out)
-    assert gk.rel_err(got, ref) < 2e-2, gk.rel_err(got, ref)
+    assert rel_err(got, ref) < 2e-2, rel_err(got, ref)
+
+
+def test_shared_expert_gate_and_add(gk):
+    """moe_shared: out += sigmoid(x . gate) * y, in place, per token."""
+    rng = np.random.default_rng()
+    rows, hidden = 6, 2048
+    x = bf_round(rng.standard_normal((rows, hidden)) * 0.5)
+    y = bf_round(rng.standard_normal((rows, hidden)))
+    base = bf_round(rng.standard_normal((rows, hidden)))
+    gate = (rng.standard_normal(hidden) * 0.05).astype(np.float32)
+    out = gk.bf(base)
+    gk.launch(shared_kernel(hidden), [out, gk.bf(y), gk.bf(x), gk.f32(gate), rows], rows)
+    want = base + y / (1 + np.exp(-(x @ gate.astype(np.float64))))[:, None]
+    assert rel_err(gk.host(out), want) < 1e-2

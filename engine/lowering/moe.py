@@ -1,0 +1,152 @@
+"""Lowering units ``moe_router`` and ``moe_experts``: a Qwen3-MoE sparse MLP on the device.
+
+moe_router: the router GEMV (the dense gemv kernel, f32 logits [rows, E] into a value of their own,
+from a bf16 or f32 router matrix) then moe_topk, which writes the expert ids (i32) and weights (f32)
+into fixed-size [rows, top_k] values: no host synchronisation, so decode stays in the CUDA graph.
+moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
+(decode1) the per-slot moe_gemv ``glu`` then ``down`` (+ residual), which read only the chosen
+experts' rows; in batched decode, wide decode buckets and prefill the grouped modes (one block per
+(row tile, expert) reads the expert once for all its tokens) and moe_combine (the router-weighted
+slot sum + residual). A shared expert (seven weights: gate, up, down and the f32 gate vector)
+runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
+moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+engine.moe_kernels. Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from engine import moe_kernels as mk
+from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.lowering.gemv import gemv_launch
+from engine.lowering.linear import linear_gemm
+from engine.lowering.registry import register
+from engine.types import ConfigError
+
+RPB = 4  # warps (output rows) per block of the expert GEMVs
+TOPK_WARPS = 4  # tokens per block of moe_topk
+SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
+
+
+def _dim(ctx, op, attr: str, default=None):
+    name = op.attrs.get(attr)
+    if name is None:
+        if default is None:
+            raise ConfigError(f"plan: op {op.op} needs the attribute {attr!r}")
+        return default
+    if name not in ctx.dims:
+        raise ConfigError(f"plan: op {op.op} attribute {attr}={name!r} is not a dim")
+    return ctx.dims[name]
+
+
+def bind_router(op, ws, ins, dims, value_for):
+    top_k = int(dims[op.attrs["top_k"]])
+    experts = ws[0].rows
+    return [
+        value_for(op.outputs[0], top_k, dtype="i32"),
+        value_for(op.outputs[1], top_k, dtype="f32"),
+        value_for(f"{op.outputs[0]}.logits", experts, dtype="f32"),
+    ]
+
+
+@register("moe_router", bind=bind_router, wide="decode", attrs=("top_k", "normalize"))
+def lower_router(ctx, op, layer, mode, ins, outs, ws):
+    ids, weights, logits = outs
+    w = ws[0]
+    if ins[0].width != w.cols:
+        raise ConfigError(f"plan: moe_router reads {ins[0].name} of width {ins[0].width}, the router has {w.cols} columns")
+    top_k = int(_dim(ctx, op, "top_k"))
+    normalize = bool(_dim(ctx, op, "normalize", False))
+    gemv = gemv_launch(ctx, op, layer, mode, ins, logits, w)
+    k = mk.topk_kernel(w.rows, top_k, normalize, TOPK_WARPS)
+    grid = (f"(n + {TOPK_WARPS - 1}) // {TOPK_WARPS}",)
+    topk = Launch(k.spec, grid, k.block[:1], (val(ids), val(weights), val(logits), ROWS))
+    return [gemv, topk]
+
+
+def bind_experts(op, ws, ins, dims, value_for):
+    out = [value_for(op.outputs[0], ins[0].width)]
+    if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs
+        shared = ws[3].rows
+        out += [value_for(f"{op.outputs[0]}.shared_{p}", shared) for p in ("gate", "up", "act")]
+        out.append(value_for(f"{op.outputs[0]}.shared_out", ins[0].width))
+    return out
+
+
+@register("moe_experts", bind=bind_experts, wide="decode", attrs=("residual",))
+def lower_experts(ctx, op, layer, mode, ins, outs, ws):
+    if len(ws) not in (3, 7):
+        raise ConfigError(f"plan: moe_experts takes 3 weights (or 7 with a shared expert), got {len(ws)}")
+    routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
+    return routed + (shared_expert(ctx, layer, mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+
+
+def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
+    """out += sigmoid(h . gate_inp) * down(silu(gate h) * up h): the dense linear paths (GEMVs in
+    decode, the GEMM in prefill), silu_mul, then moe_shared."""
+    out, g, u, act, y = outs
+    wg, wu, wd, gate = ws
+    if gate.rows != 1 or gate.cols != h.width or gate.dtype != "f32":
+        raise ConfigError(f"plan: the shared expert gate {gate.key} must be an f32 vector of {h.width}")
+    plain = SimpleNamespace(op="linear", attrs={})  # the shared projections add no residual
+
+    def linear(x, o, w):
+        if mode == "prefill" and ctx.prefill_linear == "gemm":
+            return linear_gemm(ctx, plain, mode, [x], [o], [w])
+        return [gemv_launch(ctx, plain, layer, mode, [x], o, w)]
+
+    t = ctx.tune("elementwise")["threads"]
+    silu = ctx.spec("silu_mul", inter=g.width, in_stride=g.ld, threads=t)
+    k = mk.shared_kernel(h.width)
+    return [
+        *linear(h, g, wg),
+        *linear(h, u, wu),
+        Launch(silu, (cdiv(g.width, 8 * t), "n"), (t,), (val(act), val(g), val(u), ROWS)),
+        *linear(act, y, wd),
+        Launch(k.spec, ("n",), k.block[:1], (val(out), val(y), val(h), wgt(gate), ROWS)),
+    ]
+
+
+def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
+    h, ids, weights = ins
+    wg, wu, wd = ws
+    top_k, hidden, inter = ids.width, h.width, wd.cols
+    experts = wg.rows // inter
+    for w, n, k in ((wg, inter, hidden), (wu, inter, hidden), (wd, hidden, inter)):
+        if w.rows != experts * n or w.cols != k:
+            raise ConfigError(
+                f"plan: expert weight {w.key} is [{w.rows}, {w.cols}], expected [{experts} x {n}, {k}]"
+            )
+    if wg.dtype != wu.dtype:
+        raise ConfigError(f"plan: expert gate ({wg.dtype}) and up ({wu.dtype}) weights differ in storage type")
+    res_name = op.attrs.get("residual")
+    res = Arg("value", res_name) if res_name else NULL
+    ctx.need_scratch(ScratchPlan("moe_act", fixed=ctx.max_tokens * top_k * inter * 2))
+    act = Arg("scratch", "moe_act")
+    if mode == "decode1":  # per (token, slot): only the chosen experts' rows are read
+        glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB)
+        down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=bool(res_name))
+        return [
+            Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+            Launch(
+                down.spec,
+                (cdiv(hidden, RPB), "n"),
+                down.block[:1],
+                (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS),
+            ),
+        ]
+    # grouped by expert: an expert's (token, slot) pairs number at most the step's rows
+    slots = max(top_k, ctx.max_tokens)
+    if slots > mk.MAX_SLOTS:
+        raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
+    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
+    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
+    comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
+    ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
+    partial = Arg("scratch", "moe_partial")
+    return [
+        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS)),
+        Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS)),
+    ]

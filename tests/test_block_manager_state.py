@@ -1,0 +1,100 @@
+"""BlockManager with recurrent-state slots (hybrid models): live slots per sequence, snapshots at
+block boundaries attached to cached blocks, prefix hits ending at a snapshot, pinning, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager, cache_salt_hash
+
+SALT = cache_salt_hash("t")
+
+
+def run_prefill(bm, sid, tokens, chunk=None):
+    """Allocate, then 'run' the prompt in chunks (state_for_step + commit); return the snapshot
+    requests of each chunk."""
+    hit = bm.allocate(sid, tokens, SALT)
+    assert hit is not None
+    asked, pos = [], hit
+    while pos < len(tokens):
+        n = min(chunk or len(tokens), len(tokens) - pos)
+        slot, restore, snaps = bm.state_for_step(sid, pos, n, len(tokens))
+        asked.append((slot, restore, snaps))
+        pos += n
+        bm.commit(sid, tokens, pos)
+        bm.check_invariants()
+    return hit, asked
+
+
+def test_live_slots_and_snapshots_every_block():
+    bm = BlockManager(32, 4, state_slots=8)
+    toks = list(range(18))
+    hit, asked = run_prefill(bm, 0, toks, chunk=7)
+    assert hit == 0
+    # chunk [0, 7): boundary 4; [7, 14): 8, 12; [14, 18): 16
+    assert [[n for n, _ in s] for _, _, s in asked] == [[4], [1, 5], [2]]
+    assert bm.num_state_snapshots == 4 and bm.num_state_live == 1
+    bm.free(0)
+    bm.check_invariants()
+    assert bm.num_state_live == 0 and bm.num_state_snapshots == 4
+    # the same prompt: the hit is capped at (18-1)//4 = 4 blocks and that block has a snapshot
+    hit, asked = run_prefill(bm, 1, toks)
+    assert hit == 16 and asked[0][1] is not None  # restore from the snapshot of block 3
+    # a longer prompt sharing 10 tokens hits 8 (the snapshot at 8)
+    hit, _ = run_prefill(bm, 2, toks[:10] + [99, 98, 97])
+    assert hit == 8
+
+
+def test_sparse_interval_keeps_prompt_tail_and_hits_only_snapshots():
+    bm = BlockManager(64, 4, state_slots=8, snapshot_interval=16)
+    toks = list(range(30))
+    _, asked = run_prefill(bm, 0, toks)
+    assert [n for n, _ in asked[0][2]] == [16, 28]  # the interval and the tail (29 // 4 * 4)
+    bm.free(0)
+    assert run_prefill(bm, 1, toks[:20] + [7])[0] == 16  # blocks 0..3 cached, snapshot only at 16
+    with pytest.raises(ValueError):
+        BlockManager(8, 4, state_slots=2, snapshot_interval=6)
+
+
+def test_no_free_slot_means_wait_and_live_state_is_never_evicted():
+    bm = BlockManager(32, 4, state_slots=2)
+    run_prefill(bm, 0, list(range(9)))  # live + snapshots take every slot they can
+    assert bm.num_state_live == 1
+    run_prefill(bm, 1, [50 + i for i in range(9)])
+    assert bm.num_state_live == 2 and bm.num_state_snapshots == 0  # snapshots had no slot left
+    assert bm.allocate(2, [1, 2, 3], SALT) is None  # both slots live: the third waits
+    bm.free(0)
+    assert bm.allocate(2, [1, 2, 3], SALT) == 0
+    bm.check_invariants()
+
+
+def test_restore_source_is_pinned_until_the_first_commit():
+    bm = BlockManager(32, 4, state_slots=3)
+    toks = list(range(9))
+    run_prefill(bm, 0, toks)
+    bm.free(0)
+    assert bm.num_state_snapshots == 2
+    hit = bm.allocate(1, toks, SALT)
+    assert hit == 8
+    slot, restore, _ = bm.state_for_step(1, 8, 1, 9)
+    # another sequence needing slots may evict the other snapshot, never the pinned one
+    assert bm.allocate(2, [70, 71, 72], SALT) == 0
+    bm.check_invariants()
+    assert restore in bm._block_of_snap
+    bm.commit(1, toks, 9)
+    assert bm.state_for_step(1, 9, 1, 9)[1] is None  # restored once
+    bm.check_invariants()
+
+
+def test_evicting_a_cached_block_drops_its_snapshot_and_tenants_are_separate():
+    bm = BlockManager(4, 4, state_slots=6)
+    run_prefill(bm, 0, list(range(9)))
+    bm.free(0)
+    assert bm.num_state_snapshots == 2
+    other = cache_salt_hash("u")
+    assert bm.match_prefix(list(range(9)), other) == []
+    assert bm.allocate(1, list(range(100, 116)), SALT) == 0  # needs all 4 blocks: evicts both
+    assert bm.num_state_snapshots == 0
+    bm.check_invariants()
+    with pytest.raises(ValueError):
+        bm.fork(1, 2)

@@ -1,0 +1,155 @@
+"""The CUDA plan of a Qwen3-MoE model (no GPU): `when` predicates pick each layer's ops, the
+MoE lowering units' launches per mode, stacked expert weights as their file blocks, the weight
+bytes the runner checks against free memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.graph import load_family
+from engine.ir import NULL, Arg, kernel_specs
+from engine.model import dims_for_size
+from engine.plan import build_plan
+from engine.profile import get_profile
+from engine.weight_memory import plan_weight_bytes, weight_bytes
+
+# a small qwen3-30b-a3b: 3 layers, the middle one dense (mlp_only_layers), k-quant friendly widths
+SMALL = dict(hidden=256, layers=3, heads=4, kv_heads=2, head_dim=64, rope_dim=64, q_dim=256, kv_dim=128,
+             intermediate=512, moe_intermediate=256, experts=16, experts_used=4, vocab=512, mlp_only_layers=[1])
+
+
+def _plan(quant: str = "q4_k_m", profile: str = "h200", dtypes=None, **over):
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL, **over}
+    return g, d, build_plan(g, d, g.quant(quant), get_profile(profile), tensor_dtypes=dtypes)
+
+
+def _ops_by_layer(plan) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for s in plan.steps:
+        if s.layer is not None:
+            out.setdefault(s.layer, []).append(s.op.op)
+    return out
+
+
+def test_when_predicates_pick_the_ops_of_each_layer():
+    g, d, plan = _plan("bf16")
+    by_layer = _ops_by_layer(plan)
+    for layer in range(3):
+        assert by_layer[layer] == [op.op for op in g.layer_ops(d, layer)]
+    assert by_layer[0].count("moe_router") == 1 and "silu_mul" not in by_layer[0]
+    assert by_layer[1].count("silu_mul") == 1 and "moe_experts" not in by_layer[1]
+    assert by_layer[0] == by_layer[2]
+    # the weights follow: the dense MLP only in layer 1, the router and experts in 0 and 2
+    keys = {w.key for w in plan.weights}
+    assert "L1.w_gate|w_up" in keys and "L1.router" not in keys and "L0.w_gate|w_up" not in keys
+    assert {"L0.router", "L0.exp_gate", "L2.exp_down"} <= keys
+    _, _, every = _plan("bf16", decoder_sparse_step=2, mlp_only_layers=[])  # layer 1 only is sparse
+    assert [("moe_router" in ops) for ops in _ops_by_layer(every).values()] == [False, True, False]
+
+
+def test_moe_launches_per_mode():
+    _, d, plan = _plan("q8_0")
+    router = next(s for s in plan.steps if s.op.op == "moe_router")
+    experts = next(s for s in plan.steps if s.op.op == "moe_experts")
+    for mode in ("decode1", "decode", "prefill"):
+        gemv, topk = router.launches[mode]
+        assert gemv.spec.template == "gemv" and gemv.spec.params["out_dtype"] == "f32"
+        assert topk.spec.template == "moe_topk"
+        assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
+        assert topk.args[:3] == (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
+    assert [la.spec.params["mode"] for la in experts.launches["decode1"]] == ["glu", "down"]
+    glu, down = experts.launches["decode1"]
+    assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
+    assert down.args[0] == Arg("value", "x") and down.args[5] == Arg("value", "x")  # residual in place
+    for mode in ("decode", "prefill"):
+        names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches[mode]]
+        assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_combine:"]
+        assert experts.launches[mode][0].grid == (64, 16)
+        assert experts.launches[mode][0].spec.params["max_slots"] >= plan.max_tokens
+    assert all(la.spec.pdl for la in experts.launches["decode"] + router.launches["decode"])
+    ids, wts = plan.values["expert_ids"], plan.values["expert_weights"]
+    assert (ids.dtype, ids.width, wts.dtype, wts.width) == ("i32", 4, "f32", 4)
+    assert plan.values["expert_ids.logits"].dtype == "f32"
+    assert {"moe_act", "moe_partial"} <= {s.name for s in plan.scratch}
+    assert NULL not in experts.launches["prefill"][2].args[:4]
+
+
+def test_expert_stacks_keep_their_file_blocks():
+    # a q4_k_m file with q6_k expert down projections in layer 0 (as the _M mixes write them); the
+    # h200 profile repacks dense q6_k matrices (q6_kr) but the expert kernels read the file's blocks
+    dtypes = {"exp_down@0": "q6_k", "w_down@1": "q6_k"}
+    _, d, plan = _plan("q4_k_m", dtypes=dtypes)
+    w = {w.key: w for w in plan.weights}
+    assert (w["L0.exp_down"].dtype, w["L2.exp_down"].dtype, w["L0.exp_gate"].dtype) == ("q6_k", "q4_k", "q4_k")
+    assert (w["L0.exp_gate"].rows, w["L0.exp_gate"].cols) == (16 * 256, 256)
+    assert w["L1.w_down"].dtype == "q6_kr"
+    down0 = next(s for s in plan.steps if s.op.op == "moe_experts" and s.layer == 0).launches["decode1"][1]
+    assert down0.spec.params["quant"] == "q6_k"
+    assert w["L0.router"].dtype == "f32"
+    # the plan's weight bytes are what weight_memory counts (the runner's fit check)
+    from engine import kernel_catalog as kc
+
+    prof = get_profile("h200")
+    wb = weight_bytes(load_family("qwen3_moe"), d, load_family("qwen3_moe").quant("q4_k_m"), dtypes,
+                      device_type=lambda t, cols: kc.upload_type(t, cols, prof.tuning))
+    assert wb.total == plan.weight_bytes()
+    assert plan_weight_bytes(plan, load_family("qwen3_moe")) == wb
+
+
+def test_every_moe_spec_renders():
+    from engine.render import render
+
+    _, _, plan = _plan("q4_k_m", profile="h100")
+    specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
+    assert {s.template for s in specs} == {"moe_topk", "moe_gemv", "moe_combine"}
+    for s in specs:
+        assert f"{s.entry}(" in render(s)
+
+
+def test_shared_expert_lowering(tmp_path, monkeypatch):
+    import shutil
+
+    from test_moe_load import SHARED_FAMILY
+
+    from engine import paths
+
+    root = tmp_path / "models"
+    shutil.copytree(paths.models_dir(), root)
+    (root / "moe_shared.yaml").write_text(SHARED_FAMILY)
+    g = load_family("moe_shared", root)
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL, "shared_intermediate": 128}
+    for q, prof in (("bf16", "h100"), ("q8_0", "h200")):
+        plan = build_plan(g, d, g.quant(q), get_profile(prof))
+        step = next(s for s in plan.steps if s.op.op == "moe_experts")
+        for mode in ("decode1", "decode", "prefill"):
+            names = [la.spec.template for la in step.launches[mode]]
+            assert names[-1] == "moe_shared" and "silu_mul" in names, (mode, names)
+            shared = names[names.index("moe_combine") + 1 if "moe_combine" in names else 2 :]
+            linears = [n for n in shared if n not in ("silu_mul", "moe_shared", "embed")]
+            if mode == "prefill":
+                assert set(linears) <= {"gemm", "gemm_wgmma"} and len(linears) >= 3, names
+            else:
+                assert linears == ["gemv"] * 3, names
+        last = step.launches["decode"][-1]
+        assert last.args[:4] == (Arg("value", "x"), Arg("value", "x.shared_out"), Arg("value", "h"), Arg("weight", "L0.sh_gate_inp"))
+        assert plan.weight("L0.sh_gate_inp").dtype == "f32" and plan.values["x.shared_act"].width == 128
+        assert all(s.layer != 1 for s in plan.steps if s.op.op == "moe_experts")
+
+
+def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
+    from engine.runner_bench import expert_weight_keys, layer_matrix_params, streamed_weight_bytes
+    from engine.weight_memory import active_expert_fraction, decode_read_bytes, plan_weight_bytes
+
+    g, d, plan = _plan("q4_k_m", profile="h100")
+    assert expert_weight_keys(plan) == {f"L{i}.exp_{p}" for i in (0, 2) for p in ("gate", "up", "down")}
+    wb = plan_weight_bytes(plan, g)
+    embed_row = plan.weight("embed").cols * 2  # an untied table: a row gathered per token
+    assert streamed_weight_bytes(plan, 1) == pytest.approx(decode_read_bytes(wb, d) + embed_row, abs=8)
+    assert decode_read_bytes(wb, d) == wb.dense + wb.vectors + wb.experts * 4 // 16
+    # 32 rows over 16 experts, top-4: nearly every expert is read
+    assert active_expert_fraction(d, 32) == pytest.approx(1 - 0.75**32)
+    assert streamed_weight_bytes(plan, 32) > 0.99 * (wb.total - wb.embedding)
+    dense = sum(w.rows * w.cols for w in plan.weights if w.layer is not None and w.rows > 1 and "exp_" not in w.key)
+    experts = sum(w.rows * w.cols for w in plan.weights if "exp_" in w.key)
+    assert layer_matrix_params(plan) == dense + experts // 4

@@ -1,0 +1,86 @@
+"""CudaRunner on a tiny Qwen3-MoE checkpoint over the fake driver (no GPU): every MoE launch binds
+(arguments resolve, grids are whole), decode replays one graph, the expert stacks upload as the
+file's bytes, and a model that does not fit fails before any allocation with bytes needed vs free."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
+from test_plan_runner_fake import FakeDriver, fake_builder
+
+from engine.model import load_model
+from engine.types import MemraError, SamplingParams, StepItem
+
+GREEDY = SamplingParams(temperature=0.0)
+DIMS = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            intermediate_size=512, moe_intermediate_size=256, mlp_only_layers=(1,), num_experts=8,
+            num_experts_per_tok=2)
+
+
+@pytest.fixture(params=["bf16", "q8_0", "shared"])
+def moe_model(request, tmp_path, monkeypatch):
+    if request.param == "shared":  # + a gated shared expert (tests/gpu/test_moe_runner.py's model)
+        import sys
+        from pathlib import Path
+
+        from engine import paths
+
+        sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+        from test_moe_runner import DIMS as GPU_DIMS
+        from test_moe_runner import _with_shared_expert
+
+        monkeypatch.setattr(paths, "models_dir", paths.models_dir)  # restored after the test
+        return load_model(_with_shared_expert(write_qwen3_moe_safetensors(tmp_path / "m", seed=3, **GPU_DIMS), tmp_path))
+    if request.param == "bf16":
+        return load_model(write_qwen3_moe_safetensors(tmp_path / "m", seed=3, **DIMS))
+    return load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q8_0", seed=3, **DIMS))
+
+
+def _runner(monkeypatch, tmp_path, model, drv):
+    import engine.runner_cuda as rc
+
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    return rc.CudaRunner(model, num_blocks=32, max_model_len=256, builder=fake_builder(tmp_path))
+
+
+def test_moe_prefill_and_decode_bind_every_launch(moe_model, monkeypatch, tmp_path):
+    drv = FakeDriver()
+    runner = _runner(monkeypatch, tmp_path, moe_model, drv)
+    runner.step([StepItem(0, list(range(1, 12)), 0, [0], True, GREEDY)])
+    names = [n for n, _, _ in drv.launches]
+    assert sum(n.startswith("moe_topk") for n in names) == 2  # layers 0 and 2; layer 1 is dense
+    assert sum(n.startswith("moe_combine") for n in names) == 2
+    shared = 2 if moe_model.graph.family == "moe_shared" else 0
+    assert sum(n.startswith("moe_shared") for n in names) == shared
+    assert sum(n.startswith("silu_mul") for n in names) <= 1 + shared  # the dense layer's (+ the shared experts')
+    drv.launches.clear()
+    runner.step([StepItem(0, [5], 11, [0], True, GREEDY)])
+    runner.step([StepItem(0, [6], 12, [0], True, GREEDY)])
+    assert drv.captures == 1 and drv.graph_launches == 2
+    b1 = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("moe_gemv_glu_") and "grouped" not in n for n in b1)
+    drv.launches.clear()
+    runner.step([StepItem(i, [5], 11 + i, [i], True, GREEDY) for i in range(3)])
+    assert any("glu_grouped" in n for n, _, _ in drv.launches)
+    grids = [g for n, g, _ in drv.launches if "glu_grouped" in n]
+    assert grids and all(g[1] == 8 for g in grids)  # a block row per expert
+    runner.close()
+
+
+def test_a_model_that_does_not_fit_fails_before_allocating(moe_model, monkeypatch, tmp_path):
+    drv = FakeDriver()
+    module = drv.module()
+    free = 64 << 10  # far less than the weights
+    module.Context.mem_info = lambda self: (free, 80 << 30)
+    allocs = []
+    base = module.alloc
+    module.alloc = lambda n: allocs.append(n) or base(n)
+    import engine.runner_cuda as rc
+
+    monkeypatch.setattr(rc, "cuda", module)
+    with pytest.raises(MemraError) as e:
+        rc.CudaRunner(moe_model, num_blocks=32, max_model_len=256, builder=fake_builder(tmp_path))
+    msg = str(e.value)
+    assert e.value.code == "out_of_memory" and "\n" not in msg
+    assert "experts" in msg and "GiB is free" in msg and str(moe_model.path) in msg
+    assert allocs == []
