@@ -25,6 +25,41 @@ CHATML_TEMPLATE = (
 )
 
 
+#: Template variables a request's ``chat_template_kwargs`` may not set: the conversation itself, the
+#: special tokens, and the helpers the template calls (a client could otherwise forge turns or
+#: disable the template's own checks). Ordinary switches such as ``enable_thinking`` pass through.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "namespace",
+    }
+)
+
+
+def reserved_template_kwarg(name: str) -> bool:
+    """True for a template variable that request kwargs must not override (see RESERVED_TEMPLATE_KWARGS)."""
+    return name in RESERVED_TEMPLATE_KWARGS or name.startswith("_") or name.endswith("_token")
+
+
 class TemplateRaised(Exception):
     """raise_exception() called from inside a template."""
 
@@ -81,6 +116,11 @@ def render_chat_template(
 
     Raises MemraError when the template fails to compile, calls raise_exception, or errors while rendering.
     """
+    bad = sorted(k for k in template_kwargs if reserved_template_kwarg(k))
+    if bad:
+        raise MemraError(
+            f"chat template variable {bad[0]!r} cannot be set by the request", param=f"chat_template_kwargs.{bad[0]}"
+        )
     tpl = compile_template(template if template is not None else CHATML_TEMPLATE)
     ctx = dict(template_kwargs)
     ctx.update(

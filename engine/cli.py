@@ -421,7 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="memra.toml")
     p.add_argument("--tenant", default=None)
     p.add_argument("--name", default=None, help="key name (add/revoke)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight per tenant (add; 0: unlimited)")
+    p.add_argument("--requests-per-minute", type=int, default=None, help="request rate limit of the key (add; 0: unlimited)")
+    p.add_argument(
+        "--tokens-per-minute", type=int, default=None, help="prompt + generated tokens per minute (add; 0: unlimited)"
+    )
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("cache", help="show (or --clear) the kernel cache")

@@ -113,6 +113,8 @@ class ModelGraph:
     quants: dict[str, QuantCombo]
     sizes: dict[str, dict[str, Any]]
     predicates: dict[str, str] = field(default_factory=dict)
+    #: config.json keys that change the math, with the values this family implements (checked on load)
+    hf_expect: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
@@ -191,6 +193,7 @@ _TOP = {
     "sizes": Field(MapOf(dict), default={}),
     # a child's HF name-prefix rewrites ("model.": "model.language_model.") over every tensor
     "hf_rename": Field(MapOf(str), default={}),
+    "hf_expect": Field(MapOf((list, type(None))), default={}),
 }
 
 
@@ -446,6 +449,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
         quants=quants,
         sizes=dict(raw["sizes"]),
         predicates=predicates,
+        hf_expect={k: tuple(v) for k, v in (raw.get("hf_expect") or {}).items() if v is not None},
     )
 
 

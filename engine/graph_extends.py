@@ -27,7 +27,7 @@ def merge_parent(child: dict, parent: dict, file: Path) -> dict:
     for key in ("description", "matches", "rope_style", "quants", "sizes"):
         if key in child:
             merged[key] = child[key]
-    for key in ("dims", "tensors", "predicates"):
+    for key in ("dims", "tensors", "predicates", "hf_expect"):
         base = dict(merged.get(key) or {})
         for name, value in (child.get(key) or {}).items():
             if value is None:

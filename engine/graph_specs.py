@@ -24,7 +24,7 @@ FORMATS = ("hf", "gguf")
 @dataclass(frozen=True)
 class DimSpec:
     name: str
-    hf: str | None = None  # a config.json field; "a.b" reads field b of mapping a
+    hf: str | None = None  # a config.json path, dotted for nested keys (engine.hf_config reads it)
     gguf: str | None = None
     default: Any = None
     has_default: bool = False
@@ -36,7 +36,7 @@ class DimSpec:
     # GGUF: true when this tensor is absent (tied head); for a `list` dim and a per-layer tensor,
     # the layers that lack it
     gguf_from_missing: str | None = None
-    hf_alternatives: tuple[str, ...] = ()  # further config.json fields tried in order after `hf`
+    hf_alternatives: tuple[str, ...] = ()  # further paths of the same value; present ones must agree
     gguf_default: Any = None  # the default in a GGUF file, where it differs from `default`
     has_gguf_default: bool = False
 
@@ -130,7 +130,7 @@ def parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
         if "pattern" in spec and spec["type"] != "list":
             raise fail(file, f"{where}.pattern", "a pattern makes a list dim: add `type: list`")
         hf_keys = as_list(spec.get("hf"))
-        if not all(isinstance(k, str) for k in hf_keys):
+        if not all(isinstance(k, str) and k for k in hf_keys):
             raise fail(file, f"{where}.hf", "expected a config.json field name or a list of them")
         dims[name] = DimSpec(
             name=name,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import hf_config
 from engine.graph import (
     DimSpec,
     ModelGraph,
@@ -116,25 +117,6 @@ def apply_transform(arr, how: str):
     raise ConfigError(f"unknown tensor transform {how!r}")
 
 
-def _meta_lookup(meta: dict, key: str) -> tuple[bool, Any]:
-    if key in meta:
-        return True, meta[key]
-    # HF configs nest some fields (e.g. text_config); look one level down
-    for sub in ("text_config", "llm_config"):
-        inner = meta.get(sub)
-        if isinstance(inner, dict) and key in inner:
-            return True, inner[key]
-    # "a.b": field b of mapping a (transformers 5 writes rope_theta inside rope_parameters)
-    head, dot, rest = key.partition(".")
-    if dot:
-        for scope in (meta, meta.get("text_config"), meta.get("llm_config")):
-            if isinstance(scope, dict) and isinstance(scope.get(head), dict):
-                found, value = _meta_lookup(scope[head], rest)
-                if found:
-                    return True, value
-    return False, None
-
-
 def resolve_dims(
     graph: ModelGraph, fmt: str, meta: dict, source: str, tensor_shape=None, has_tensor=None
 ) -> dict[str, Any]:
@@ -162,13 +144,18 @@ def resolve_dims(
     def _resolve_one(d: DimSpec) -> Any:
         if d.expr:
             return _eval(d, d.expr)
-        keys = d.hf_keys if fmt == "hf" else ((d.gguf.replace("{arch}", arch),) if d.gguf else ())
-        for key in keys:
-            found, value = _meta_lookup(meta, key)
-            if not found and fmt == "gguf" and d.type == "mapping":  # {arch}.rope.scaling.type/factor
-                value = {k[len(key) + 1 :]: meta[k] for k in list(meta) if k.startswith(key + ".")} or None
+        if fmt == "hf":  # every listed path, read and cross-checked by engine.hf_config
+            keys = d.hf_keys
+            found, value, path = hf_config.lookup_any(meta, keys, source, f"dim {d.name}")
+            if found:
+                return _cast(d, value, f"{source}: field {path!r} (dim {d.name})")
+        else:  # GGUF metadata keys are flat
+            keys = (d.gguf.replace("{arch}", arch),) if d.gguf else ()
+            value = meta.get(keys[0]) if keys else None
+            if value is None and keys and d.type == "mapping":  # {arch}.rope.scaling.type/factor
+                value = {k[len(keys[0]) + 1 :]: meta[k] for k in list(meta) if k.startswith(keys[0] + ".")} or None
             if value is not None:
-                return _cast(d, value, f"{source}: field {key!r} (dim {d.name})")
+                return _cast(d, value, f"{source}: field {keys[0]!r} (dim {d.name})")
         key = keys[0] if keys else None
         if d.pattern:
             interval = int(get(d.pattern["interval"]))
@@ -403,7 +390,11 @@ def load_model(path: str | Path, family: str | None = None, quant: str | None = 
         name = file_of(key)
         return tuple(weights.info(name).shape) if name and weights.has(name) else None
 
+    if fmt == "hf":
+        hf_config.check_expected(meta, graph.hf_expect, source, graph.family)
     dims = resolve_dims(graph, fmt, meta, source, tensor_shape=tensor_shape, has_tensor=has_tensor)
+    if "rope_scaling" in dims:
+        dims["rope_scaling"] = hf_config.canonical_rope_scaling(dims["rope_scaling"])
     model = LoadedModel(
         graph=graph,
         fmt=fmt,

@@ -6,7 +6,11 @@ Server TOML (every key optional)::
     host = "127.0.0.1"          port = 8000
     max_body_bytes = 4194304    max_json_depth = 64
     keepalive_s = 5.0           drain_timeout_s = 30.0
-    max_running = 64            threads = 0            # 0: max_running + 8
+    max_running = 64            max_waiting = 64       # HTTP admission: running + waiting
+    threads = 0                 # 0: max_running + max_waiting + 16
+    connection_limit = 4096     request_timeout_s = 10.0   idle_timeout_s = 30.0
+    max_prompt_bytes = 0        # 0: 16 bytes per token of context
+    tokenizer_threads = 1       malloc_arena_max = 2
     retry_after_s = 1           keys_file = "keys.toml"  # relative to this file
     speculative = "ngram"       spec_tokens = 4        # or "draft:PATH" / "mtp" (docs/speculative.md)
     [models]
@@ -17,6 +21,7 @@ Keys file (written by ``add_key``/``revoke_key``; keys stored only as sha256)::
     [[key]]
     id = "key_1a2b3c4d"  sha256 = "<hex>"  tenant = "acme"
     max_concurrency = 4  cache_salt = "acme"  created = 1733150000
+    requests_per_minute = 0  tokens_per_minute = 0     # 0: unlimited
 
 Must not import the engine loop, falcon or waitress.
 """
@@ -49,6 +54,8 @@ class ApiKey:
     max_concurrency: int = 0  # 0: unlimited (engine admission still applies)
     cache_salt: str = ""
     created: int = 0
+    requests_per_minute: int = 0  # 0: unlimited
+    tokens_per_minute: int = 0  # prompt + generated tokens; 0: unlimited
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,14 @@ class ServerConfig:
     keepalive_s: float = 5.0
     drain_timeout_s: float = 30.0
     max_running: int = 64
+    max_waiting: int = 64  # requests queued beyond max_running before 429 overloaded
     threads: int = 0
+    connection_limit: int = 4096  # open sockets (slow clients included) before accept pauses
+    request_timeout_s: float = 10.0  # a request's headers + body must arrive within this
+    idle_timeout_s: float = 30.0  # an idle keep-alive connection is closed after this
+    max_prompt_bytes: int = 0  # prompt text bytes refused before tokenising; 0: 16 x context length
+    tokenizer_threads: int = 1  # the dedicated pool that renders templates and tokenises prompts
+    malloc_arena_max: int = 2  # glibc malloc arenas (set before threads start; 0: leave glibc's default)
     retry_after_s: int = 1
     keys_file: str | None = None
     models: dict[str, str] = field(default_factory=dict)
@@ -71,7 +85,13 @@ class ServerConfig:
 
     @property
     def waitress_threads(self) -> int:
-        return self.threads if self.threads > 0 else self.max_running + 8
+        """Enough for every admitted request plus spare threads that answer /health, /metrics and 429s."""
+        return self.threads if self.threads > 0 else self.max_running + self.max_waiting + 16
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests admitted at once (running + waiting); the next one gets 429 overloaded."""
+        return self.max_running + self.max_waiting
 
     def load_keys(self) -> tuple[ApiKey, ...]:
         if self.keys_file:
@@ -95,7 +115,14 @@ _SERVER_TYPES = {
     "keepalive_s": float,
     "drain_timeout_s": float,
     "max_running": int,
+    "max_waiting": int,
     "threads": int,
+    "connection_limit": int,
+    "request_timeout_s": float,
+    "idle_timeout_s": float,
+    "max_prompt_bytes": int,
+    "tokenizer_threads": int,
+    "malloc_arena_max": int,
     "retry_after_s": int,
     "keys_file": str,
     "system_fingerprint": str,
@@ -161,9 +188,19 @@ def load_server_config(path: str | os.PathLike | None = None, **overrides) -> Se
 def _validate(cfg: ServerConfig, src: str) -> None:
     if not (0 <= cfg.port <= 65535):
         raise ConfigError(f"{src}: server.port {cfg.port} is not in 0..65535")
-    for name in ("max_body_bytes", "max_json_depth", "max_running"):
+    for name in ("max_body_bytes", "max_json_depth", "max_running", "tokenizer_threads", "connection_limit"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{src}: server.{name} must be >= 1")
+    for name in ("max_waiting", "max_prompt_bytes", "malloc_arena_max", "threads"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{src}: server.{name} must be >= 0")
+    if cfg.request_timeout_s <= 0 or cfg.idle_timeout_s <= 0:
+        raise ConfigError(f"{src}: server.request_timeout_s and server.idle_timeout_s must be > 0")
+    if 0 < cfg.threads <= cfg.max_in_flight:
+        raise ConfigError(
+            f"{src}: server.threads ({cfg.threads}) must exceed max_running + max_waiting "
+            f"({cfg.max_in_flight}) so health checks and 429 answers always find a thread"
+        )
     if cfg.keepalive_s <= 0 or cfg.drain_timeout_s < 0:
         raise ConfigError(f"{src}: server.keepalive_s must be > 0 and server.drain_timeout_s >= 0")
 
@@ -173,6 +210,18 @@ def _validate(cfg: ServerConfig, src: str) -> None:
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+_KEY_FIELDS = {
+    "id",
+    "sha256",
+    "tenant",
+    "max_concurrency",
+    "cache_salt",
+    "created",
+    "requests_per_minute",
+    "tokens_per_minute",
+}
 
 
 def read_keys(path: str | os.PathLike) -> list[ApiKey]:
@@ -194,11 +243,18 @@ def read_keys(path: str | os.PathLike) -> list[ApiKey]:
                 max_concurrency=int(e.get("max_concurrency", 0)),
                 cache_salt=str(e.get("cache_salt", "")),
                 created=int(e.get("created", 0)),
+                requests_per_minute=int(e.get("requests_per_minute", 0)),
+                tokens_per_minute=int(e.get("tokens_per_minute", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"{p}: key[{i}] is missing or has a bad field ({exc}); needs id, sha256, tenant"
             ) from None
+        unknown = set(e) - _KEY_FIELDS
+        if unknown:
+            raise ConfigError(f"{p}: key[{i}] has unknown field(s) {sorted(unknown)}")
+        if min(k.max_concurrency, k.requests_per_minute, k.tokens_per_minute) < 0:
+            raise ConfigError(f"{p}: key[{i}]: limits must be >= 0 (0 = unlimited)")
         if len(k.sha256) != 64 or any(c not in "0123456789abcdef" for c in k.sha256):
             raise ConfigError(f"{p}: key[{i}].sha256 is not a 64-digit hex sha256")
         out.append(k)
@@ -222,6 +278,8 @@ def write_keys(path: str | os.PathLike, keys: list[ApiKey]) -> None:
             f"max_concurrency = {int(k.max_concurrency)}",
             f"cache_salt = {_q(k.cache_salt)}",
             f"created = {int(k.created)}",
+            f"requests_per_minute = {int(k.requests_per_minute)}",
+            f"tokens_per_minute = {int(k.tokens_per_minute)}",
             "",
         ]
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -246,12 +304,14 @@ def add_key(
     max_concurrency: int = 0,
     cache_salt: str | None = None,
     key: str | None = None,
+    requests_per_minute: int = 0,
+    tokens_per_minute: int = 0,
 ) -> tuple[str, ApiKey]:
     """Create a key for ``tenant``; returns (plaintext key, shown once, and its stored entry)."""
     if not tenant or any(c in tenant for c in '"\\\n'):
         raise ConfigError(f"keys: tenant name {tenant!r} must be non-empty without quotes or newlines")
-    if max_concurrency < 0:
-        raise ConfigError("keys: max_concurrency must be >= 0")
+    if min(max_concurrency, requests_per_minute, tokens_per_minute) < 0:
+        raise ConfigError("keys: max_concurrency, requests_per_minute and tokens_per_minute must be >= 0")
     key = key or "sk-memra-" + secrets.token_urlsafe(32)
     h = hash_key(key)
     keys = read_keys(path)
@@ -264,6 +324,8 @@ def add_key(
         max_concurrency=max_concurrency,
         cache_salt=tenant if cache_salt is None else cache_salt,
         created=int(time.time()),
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
     )
     write_keys(path, keys + [entry])
     return key, entry

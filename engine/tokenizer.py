@@ -6,6 +6,8 @@ Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers`` a
 from __future__ import annotations
 
 import json
+import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,12 @@ END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end|>",
 )
+
+#: Inserted after the first character of a special-token string found in untrusted text (message
+#: content) by ``Tokenizer.escape_specials``; ``encode_chat`` drops it and reads that text as text.
+#: A mark already in the text is doubled, so no input can forge or hide one.
+CONTENT_MARK = "\ue000"
+_MARK_RUN = re.compile(CONTENT_MARK + CONTENT_MARK + "?")
 
 _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -121,12 +129,64 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        added = tk.get_added_tokens_decoder()
+        specials = {t.content: i for i, t in added.items() if t.special and t.content}
+        self._special_ids = specials
+        self._special_strip = {
+            t.content: (bool(t.lstrip), bool(t.rstrip)) for t in added.values() if t.special and t.content
+        }
+        self._special_re = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
+            if specials
+            else None
+        )
+        self._text_tk: tokenizers.Tokenizer | None = None  # a clone that reads special strings as text
+        self._clone_lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted."""
         ids = list(self.hf.encode(text, add_special_tokens=False).ids)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def escape_specials(self, text: str) -> str:
+        """Untrusted text (message content) -> text in which no special token will be recognised by
+        ``encode_chat``: each special-token string gets CONTENT_MARK after its first character."""
+        if CONTENT_MARK in text:
+            text = text.replace(CONTENT_MARK, CONTENT_MARK + CONTENT_MARK)
+        if self._special_re is None:
+            return text
+        return self._special_re.sub(lambda m: m.group(0)[0] + CONTENT_MARK + m.group(0)[1:], text)
+
+    def _text_tokenizer(self) -> tokenizers.Tokenizer:
+        with self._clone_lock:
+            if self._text_tk is None:
+                tk = tokenizers.Tokenizer.from_str(self.hf.to_str())
+                tk.encode_special_tokens = True
+                self._text_tk = tk
+            return self._text_tk
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat prompt: special tokens the template wrote become their ids; text
+        escaped by ``escape_specials`` (and every other piece) is tokenised as plain text. Identical to
+        ``encode`` when nothing was escaped."""
+        if self._special_re is None or CONTENT_MARK not in text:
+            return self.encode(text)  # nothing escaped: exactly the tokenizer's own splitting
+        parts = self._special_re.split(text)
+        for i in range(1, len(parts), 2):  # AddedToken lstrip/rstrip absorb neighbouring whitespace
+            strip_l, strip_r = self._special_strip.get(parts[i], (False, False))
+            if strip_l:
+                parts[i - 1] = parts[i - 1].rstrip()
+            if strip_r and i + 1 < len(parts):
+                parts[i + 1] = parts[i + 1].lstrip()
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self._special_ids[part])
+            elif part:
+                part = _MARK_RUN.sub(lambda m: CONTENT_MARK if len(m.group(0)) == 2 else "", part)
+                ids.extend(self._text_tokenizer().encode(part, add_special_tokens=False).ids)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -155,13 +215,18 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render the conversation with the model's template (ChatML when it has none)."""
-        template_kwargs.setdefault("bos_token", self.bos_token)
-        template_kwargs.setdefault("eos_token", self.eos_token)
-        return render_chat_template(
+        for k in ("bos_token", "eos_token"):  # the model's own, never the caller's
+            if k in template_kwargs:
+                raise MemraError(
+                    f"chat template variable {k!r} cannot be set by the request", param=f"chat_template_kwargs.{k}"
+                )
+        return render_chat_template(  # other reserved names in template_kwargs are refused there
             self.chat_template,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
             **template_kwargs,
         )
 

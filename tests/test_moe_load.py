@@ -12,7 +12,7 @@ import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
 from safetensors.numpy import save_file
 
-from engine import graph
+from engine import graph, hf_config
 from engine.dsl_expr import evaluate
 from engine.model import dims_for_size, load_model, resolve_dims
 from engine.ops import OPS
@@ -145,8 +145,19 @@ def test_config_field_alternatives_and_gguf_defaults():
             "vocab_size": 10, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
     new = resolve_dims(g, "hf", base | {"num_local_experts": 6, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, "c")
     old = resolve_dims(g, "hf", base | {"num_experts": 6, "rope_theta": 5e5}, "c")
+    both = resolve_dims(g, "hf", base | {"num_local_experts": 6, "num_experts": 6}, "c")
     for d in (new, old):
         assert (d["experts"], d["rope_theta"], d["norm_topk_prob"], d["mlp_only_layers"]) == (6, 5e5, False, [])
+    assert both["experts"] == 6
+    # the forms of one dim are read by engine.hf_config: present paths must agree
+    with pytest.raises(MemraError, match=r"'num_experts' \(6\) and 'num_local_experts' \(8\) disagree \(dim experts\)"):
+        resolve_dims(g, "hf", base | {"num_local_experts": 8, "num_experts": 6}, "c")
+    text = base | {"num_experts": 6}  # nested under text_config, as multimodal configs write it
+    assert resolve_dims(g, "hf", {"text_config": text}, "c")["experts"] == 6
+    # hf_expect is inherited through extends (qwen3 <- llama): math the family lacks is an error
+    hf_config.check_expected(base | {"hidden_act": "silu", "use_sliding_window": False}, g.hf_expect, "c", g.family)
+    with pytest.raises(MemraError, match="'use_sliding_window' = True changes the model in a way family qwen3_moe"):
+        hf_config.check_expected(base | {"use_sliding_window": True}, g.hf_expect, "c", g.family)
     gg = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64, "qwen3moe.block_count": 2,
           "qwen3moe.attention.head_count": 4, "qwen3moe.feed_forward_length": 8, "qwen3moe.vocab_size": 10,
           "qwen3moe.expert_count": 6, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 8}

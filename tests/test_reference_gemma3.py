@@ -327,6 +327,7 @@ def test_window_is_general_a_mistral_with_sliding_window_matches_transformers(tm
         "family: mistral_swa\nextends: llama\n"
         "matches: {hf_architectures: [MistralForCausalLM], gguf_architectures: []}\n"
         "dims:\n  sliding_window: {hf: sliding_window, default: 0}\n"
+        "hf_expect: {sliding_window: null}\n"  # llama's "no window" rule: this delta implements one
         "rope_style: {hf: neox, gguf: interleaved}\n"
         "graph_edits:\n  - replace: {op: attention}\n"
         "    with: {op: attention, in: [q, k, v], out: a, window: sliding_window}\n"
@@ -346,5 +347,10 @@ def test_window_is_general_a_mistral_with_sliding_window_matches_transformers(tm
     assert m.dims["sliding_window"] == 6
     got = ReferenceRunner(m, max_model_len=32).forward_logits(ids)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
-    full = ReferenceRunner(load_model(tmp_path / "mistral", family="llama"), max_model_len=32).forward_logits(ids)
+    import dataclasses
+
+    no_window = dataclasses.replace(m, dims=dict(m.dims, sliding_window=0))
+    full = ReferenceRunner(no_window, max_model_len=32).forward_logits(ids)
     assert float(np.abs(full - want).max() / np.abs(want).max()) > 1e-3  # the window matters here
+    with pytest.raises(MemraError, match="field 'sliding_window' = 6 changes the model in a way family llama"):
+        load_model(tmp_path / "mistral", family="llama")  # plain llama refuses it rather than drop the window

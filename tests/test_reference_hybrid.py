@@ -197,3 +197,29 @@ def test_published_vl_checkpoint_text_model_matches_transformers(tmp_path):
         theirs = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].numpy()
     ours = ReferenceRunner(loaded, num_blocks=4, max_model_len=64).forward_logits(ids)
     assert rel_err(ours, theirs) < 1e-4
+
+
+def test_config_forms_and_unimplemented_keys(tmp_path):
+    """Qwen3.5's rotary settings in the transformers 4 form (top-level rope_theta /
+    partial_rotary_factor) load as the same dims as transformers 5's rope_parameters; a present pair
+    that disagrees, or a math-changing key the family lacks (hf_expect), is a one-line error."""
+    path = write_qwen3_5_hf(tmp_path, seed=5, tokenizer=False)
+    cfg = json.loads((path / "config.json").read_text())
+    v5 = load_model(path).dims
+    rp = cfg.get("rope_parameters") or {}
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    old |= {"rope_theta": rp.get("rope_theta", v5["rope_theta"]), "partial_rotary_factor": v5["partial_rotary_factor"]}
+    (path / "config.json").write_text(json.dumps(old))
+    v4 = load_model(path).dims
+    assert {k: v4[k] for k in ("rope_theta", "partial_rotary_factor", "rope_dim", "rope_scaling")} == {
+        k: v5[k] for k in ("rope_theta", "partial_rotary_factor", "rope_dim", "rope_scaling")
+    }
+    for bad, want in (
+        ({**cfg, "rope_parameters": {**rp, "rope_theta": 5.0}, "rope_theta": 7.0}, "disagree"),
+        ({**cfg, "hidden_act": "gelu"}, "'hidden_act' = 'gelu' changes the model"),
+        ({**cfg, "rope_parameters": {**rp, "rope_type": "yarn", "factor": 4.0}}, "'rope_parameters.rope_type' = 'yarn'"),
+    ):
+        (path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(MemraError, match=want) as e:
+            load_model(path)
+        assert "\n" not in str(e.value)

@@ -21,7 +21,7 @@ def test_load_config_and_models_env(tmp_path, monkeypatch):
     cfg = load_server_config(p, host="0.0.0.0")
     assert cfg.port == 9000 and cfg.host == "0.0.0.0" and cfg.keepalive_s == 2.0
     assert cfg.models == {"smol": "/m/smol2.gguf", "big": "/m/big.gguf"}
-    assert cfg.keys_file == str(tmp_path / "k.toml") and cfg.waitress_threads == 16
+    assert cfg.keys_file == str(tmp_path / "k.toml") and cfg.waitress_threads == 8 + 64 + 16
 
 
 @pytest.mark.parametrize(
@@ -95,3 +95,24 @@ def test_presented_key():
     assert presented_key("bearer  abc ", None) == "abc"
     assert presented_key(None, "xyz") == "xyz"
     assert presented_key("Basic zzz", None) is None
+
+
+def test_hardening_settings_and_tenant_rates(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text(
+        "[server]\nmax_running = 8\nmax_waiting = 4\nrequest_timeout_s = 3\nconnection_limit = 100\n"
+        "max_prompt_bytes = 5000\ntokenizer_threads = 2\nmalloc_arena_max = 0\n"
+    )
+    cfg = load_server_config(p)
+    assert cfg.max_in_flight == 12 and cfg.waitress_threads == 28 and cfg.request_timeout_s == 3.0
+    with pytest.raises(ConfigError, match="server.threads .12. must exceed"):
+        load_server_config(p, threads=12)
+    keys = tmp_path / "k.toml"
+    key, entry = add_key(keys, "acme", requests_per_minute=30, tokens_per_minute=9000)
+    got = read_keys(keys)[0]
+    assert (got.requests_per_minute, got.tokens_per_minute) == (30, 9000)
+    tenant = Keyring(load_server_config(None, keys_file=str(keys))).authenticate(key)
+    assert (tenant.requests_per_minute, tenant.tokens_per_minute) == (30, 9000)
+    keys.write_text(keys.read_text().replace("tokens_per_minute", "tokens_per_minut"))
+    with pytest.raises(ConfigError, match=r"key\[0\] has unknown field\(s\) \['tokens_per_minut'\]"):
+        read_keys(keys)

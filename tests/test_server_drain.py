@@ -91,16 +91,33 @@ def test_sigterm_drains_then_exits():
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
 def test_sigterm_drain_bound_aborts_stragglers():
+    """Stragglers are aborted at the bound: the OpenAI stream ends with an error chunk and [DONE], the
+    Anthropic one with `error` then `message_stop`, every byte arrives (the server waits for its
+    output buffers to drain before closing sockets), and the process is gone within drain + 1 s."""
     p, port = _start(drain=0.5)
     try:
         r = _stream(port)
         r.readline()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request(
+            "POST",
+            "/v1/messages",
+            body=json.dumps({"max_tokens": 64, "messages": [{"role": "user", "content": "x"}], "stream": True}),
+        )
+        ra = c.getresponse()
+        assert ra.status == 200
+        ra.readline()
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         body = r.read().decode()
         assert '"code":"draining"' in body and body.rstrip().endswith(
             "data: [DONE]"
         )  # error chunk, then DONE
+        events = [ln[7:] for ln in ra.read().decode().splitlines() if ln.startswith("event: ")]
+        assert events[-2:] == ["error", "message_stop"], events
         assert p.wait(15) == 1
+        # the drain itself is bounded at 0.5 + 1 s; interpreter exit under a loaded CI machine adds a little
+        assert time.monotonic() - t0 < 0.5 + 1.0 + 1.5
     finally:
         if p.poll() is None:
             p.kill()

@@ -120,32 +120,36 @@ def test_run_server_health_loading_then_ready():
     assert rc["v"] == 0
 
 
-def test_run_server_load_failure_reported():
-    port = _free_port()
-    stop = threading.Event()
+def test_run_server_load_failure_exits_with_one_line():
+    """A model that fails to load stops the server at once: exit code 1, or (as `memra serve` runs it)
+    the error re-raised as a one-line MemraError."""
+    from engine.types import MemraError
 
     def load():
-        raise RuntimeError("no such model file")
+        raise RuntimeError("no such model file\nsecond line")
 
-    rc = {}
-    t = threading.Thread(
-        target=lambda: rc.setdefault(
-            "v", run_server(ServerConfig(port=port), load, install_signals=False, stop_event=stop)
-        ),
-        daemon=True,
+    t0 = time.monotonic()
+    assert run_server(ServerConfig(port=_free_port()), load, install_signals=False) == 1
+    with pytest.raises(MemraError) as ei:
+        run_server(ServerConfig(port=_free_port()), load, install_signals=False, raise_load_error=True)
+    assert str(ei.value) == "cannot load the model: RuntimeError: no such model file"
+    assert time.monotonic() - t0 < 8
+
+
+def test_memra_serve_bad_model_exits_with_one_line(tmp_path):
+    """`memra serve` on a broken model exits non-zero with one error line and no traceback, as `memra run` does."""
+    import subprocess
+
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}')
+    p = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", str(bad), "--port", "0", "--backend", "reference"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])},
     )
-    t.start()
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            status, body = _get(f"http://127.0.0.1:{port}/health")
-            if body.get("status") == "error":
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert status == 503 and "no such model file" in body["error"]
-    stop.set()
-    t.join(5)
-    assert rc["v"] == 1
+    errors = [ln for ln in p.stderr.splitlines() if "error" in ln.lower()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert len(errors) == 1 and errors[0].startswith("memra: error: ") and str(bad) in errors[0], p.stderr

@@ -9,9 +9,35 @@
 # --backend cuda`, and a Qwen3-4B-shaped bf16 checkpoint through the engine loop (memra bench) and
 # through HTTP (memra serve + tools/loadgen.py) on the same workload: 32 requests at once, 432-word
 # prompts (~440 tokens), 128 tokens each, greedy, ignore_eos. Results under $OUT.
+#   stage hostile (carry .whl):           bash tools/gpu_serve_check.sh hostile
+# Stage hostile runs tools/hostile_check.py at scale against `memra serve --backend cuda` on a
+# Qwen3-4B-shaped checkpoint: 1,000 oversized prompts, 1,000 half-sent connections, a 200-request
+# overload burst, then 10,000 mixed requests (OpenAI chat/completions, Anthropic messages, streaming
+# and not) at concurrency 64 with 20 % client disconnects; $OUT/hostile.json holds the figures (5xx,
+# leaked blocks, RSS idle/after/drift, health latency, tok/s). OVERSIZED= and LOAD= shrink it.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" build
 SHA=b179c9523d0e6a0f
+if [ "${1:-}" = hostile ]; then
+  t_start=$(date +%s)
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/tmp/mcache}
+  ckpt=${CKPT:-/dev/shm/q4b}  # CKPT= and BACKEND=reference let the stage be dry-run on a CPU machine
+  [ -f $ckpt/config.json ] || python3 tools/make_checkpoint.py --shape qwen3-4b --out $ckpt > "$OUT/hostile_ckpt.log" 2>&1
+  python3 -m engine.cli serve $ckpt --backend ${BACKEND:-cuda} --port 8124 > "$OUT/hostile_serve.log" 2>&1 &
+  serve_pid=$!
+  for i in $(seq 1 120); do curl -sf localhost:8124/ready >/dev/null && break; sleep 1; done
+  left=$(( ${HOSTILE_BUDGET:-585} - ($(date +%s) - t_start) - 15 ))  # leave time for the SIGTERM drain
+  echo "hostile_check gets $left s" > "$OUT/hostile.log"
+  timeout $left python3 tools/hostile_check.py --url http://127.0.0.1:8124 --pid $serve_pid \
+    --oversized ${OVERSIZED:-1000} --slow 1000 --burst 200 --burst-tokens 256 --load ${LOAD:-10000} \
+    --concurrency 64 --disconnect-fraction 0.2 --max-tokens 64 --max-duration $(( left - 90 )) \
+    --json "$OUT/hostile.json" >> "$OUT/hostile.log" 2>&1
+  echo "hostile_check exit $?" >> "$OUT/hostile.log"
+  t0=$(date +%s); kill -TERM $serve_pid; wait $serve_pid
+  echo "memra serve exit $? after SIGTERM, $(( $(date +%s) - t0 )) s" >> "$OUT/hostile.log"
+  exit 0
+fi
 if [ "${1:-}" = a ]; then
   cp .carry/smol_a build/smol_a && cp .carry/smol_a /dev/shm/smol_a && echo "stage a: saved $(stat -c %s build/smol_a) bytes"
   exit 0

@@ -1,10 +1,14 @@
-"""Load generator for a local memra server: Poisson or closed-loop streaming chat requests, TTFT/ITL report.
+"""Load generator for a local memra server: Poisson or closed-loop requests, TTFT/ITL/status report.
 
 Loopback only (127.0.0.0/8, ::1, localhost); count and duration are bounded. Uses only the standard
 library (http.client), so it measures the server, not a client SDK. Must not import the engine.
+``--mix chat`` (default) sends streaming OpenAI chat requests; ``--mix mixed`` picks, per request,
+OpenAI chat / OpenAI completions / Anthropic messages, streaming or not; a disconnecting request
+hangs up after 1-4 chunks (streaming) or right after sending (non-streaming).
 
     python tools/loadgen.py --url http://127.0.0.1:8000 --requests 200 --concurrency 8
     python tools/loadgen.py --rate 4 --duration 60 --disconnect-fraction 0.1 --json out.json
+    python tools/loadgen.py --mix mixed --requests 10000 --concurrency 64 --disconnect-fraction 0.2
 """
 
 from __future__ import annotations
@@ -52,6 +56,71 @@ class Result:
     prompt_words: int = 0
     duration_s: float = 0.0
     disconnected: bool = False
+    status: int = 0  # HTTP status (0: none received)
+    kind: str = "chat_stream"
+
+
+KINDS = (
+    "chat_stream",
+    "chat",
+    "completions_stream",
+    "completions",
+    "messages_stream",
+    "messages",
+)
+
+
+def _request_body(kind: str, model: str, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool):
+    """(path, body) of one request of ``kind``."""
+    stream = kind.endswith("_stream")
+    extra = {"ignore_eos": True} if ignore_eos else {}
+    if kind.startswith("messages"):
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": min(temperature, 1.0),
+            "stream": stream,
+        }
+        return "/v1/messages", body
+    common = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream, **extra}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if kind.startswith("completions"):
+        return "/v1/completions", {**common, "prompt": prompt}
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
+
+
+def _read_anthropic_stream(r, res: Result, t0: float, disconnect_after: int | None) -> None:
+    last = None
+    chunks = 0
+    event = ""
+    for raw in r:
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("event: "):
+            event = line[7:]
+            if event == "message_stop":
+                res.ok = not res.error
+                return
+            continue
+        if not line.startswith("data: "):
+            continue
+        obj = json.loads(line[6:])
+        if event == "error":
+            res.error = "stream_" + str(obj.get("error", {}).get("type") or "error")
+        elif event == "message_delta":
+            res.tokens = obj.get("usage", {}).get("output_tokens", res.tokens)
+        elif event == "content_block_delta":
+            now = time.monotonic()
+            if last is None:
+                res.ttft_s = now - t0
+            else:
+                res.itl_s.append(now - last)
+            last = now
+            chunks += 1
+            if disconnect_after is not None and chunks >= disconnect_after:
+                res.disconnected = res.ok = True
+                return
 
 
 def one_request(
@@ -66,34 +135,44 @@ def one_request(
     rng: random.Random,
     temperature: float = 0.7,
     ignore_eos: bool = False,
+    kind: str = "chat_stream",
 ) -> Result:
-    res = Result(prompt_words=prompt_words)
+    res = Result(prompt_words=prompt_words, kind=kind)
     prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": temperature,
-            **({"ignore_eos": True} if ignore_eos else {}),
-        }
-    )
+    path, body = _request_body(kind, model, prompt, max_tokens, temperature, ignore_eos)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+        headers["x-api-key"] = api_key
     t0 = time.monotonic()
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        if disconnect_after is not None and not kind.endswith("_stream"):
+            time.sleep(0.05 * disconnect_after)  # hang up while the server is generating
+            res.disconnected = res.ok = True
+            return res
         r = conn.getresponse()
+        res.status = r.status
         if r.status != 200:
             try:
-                code = json.loads(r.read()).get("error", {}).get("code") or ""
+                err = json.loads(r.read())
+                code = err.get("error", {}).get("code") or err.get("error", {}).get("type") or ""
             except ValueError:
-                code = ""
+                code = "not_json"
             res.error = f"http_{r.status}" + (f"_{code}" if code else "")
+            return res
+        if not kind.endswith("_stream"):
+            obj = json.loads(r.read())
+            usage = obj.get("usage") or {}
+            res.tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
+            res.ttft_s = time.monotonic() - t0
+            res.ok = True
+            return res
+        if kind.startswith("messages"):
+            _read_anthropic_stream(r, res, t0, disconnect_after)
+            if not res.ok and not res.error:
+                res.error = "truncated_stream"
             return res
         last = None
         chunks = 0
@@ -103,16 +182,17 @@ def one_request(
                 continue
             payload = line[6:]
             if payload == "[DONE]":
-                res.ok = True
+                res.ok = not res.error
                 break
             obj = json.loads(payload)
             if "error" in obj:
                 res.error = "stream_" + str(obj["error"].get("code") or "error")
-                break
+                continue  # [DONE] still follows
             if obj.get("usage"):
                 res.tokens = obj["usage"].get("completion_tokens", res.tokens)
             ch = obj.get("choices") or []
-            if ch and ch[0].get("delta", {}).get("content"):
+            text = (ch[0].get("delta", {}).get("content") or ch[0].get("text")) if ch else None
+            if text:
                 now = time.monotonic()
                 if last is None:
                     res.ttft_s = now - t0
@@ -126,7 +206,7 @@ def one_request(
                     break
         if not res.ok and not res.error:
             res.error = "truncated_stream"
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         res.error = type(exc).__name__
     finally:
         conn.close()
@@ -149,11 +229,20 @@ def summarize(results: list[Result], wall_s: float) -> dict:
         if r.error:
             errors[r.error] = errors.get(r.error, 0) + 1
     toks = sum(r.tokens for r in results)
+    status: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    for r in results:
+        key = str(r.status) if r.status else "none"
+        status[key] = status.get(key, 0) + 1
+        kinds[r.kind] = kinds.get(r.kind, 0) + 1
     return {
         "requests": len(results),
         "ok": sum(r.ok for r in results),
         "disconnected": sum(r.disconnected for r in results),
         "errors": errors,
+        "status": status,
+        "http_5xx": sum(1 for r in results if r.status >= 500),
+        "kinds": kinds,
         "wall_s": round(wall_s, 3),
         "generated_tokens": toks,
         "tokens_per_s": round(toks / wall_s, 2) if wall_s > 0 else 0.0,
@@ -171,6 +260,7 @@ def table(s: dict) -> str:
     rows = [
         ("requests (ok / disconnected)", f"{s['requests']} ({s['ok']} / {s['disconnected']})"),
         ("errors", ", ".join(f"{k}={v}" for k, v in s["errors"].items()) or "none"),
+        ("HTTP status", ", ".join(f"{k}={v}" for k, v in sorted(s["status"].items()))),
         ("wall time", f"{s['wall_s']:.2f} s"),
         ("generated tokens", str(s["generated_tokens"])),
         ("throughput", f"{s['tokens_per_s']:.1f} tok/s"),
@@ -187,20 +277,22 @@ def run(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + min(args.duration, MAX_DURATION_S)
     rng = random.Random(args.seed)
     lengths = [int(x) for x in args.prompt_words.split(",")]
+    kinds = KINDS if getattr(args, "mix", "chat") == "mixed" else ("chat_stream",)
     plan = [
         (
             rng.choice(lengths),
             (rng.randint(1, 4) if rng.random() < args.disconnect_fraction else None),
             random.Random(rng.random()),
+            kinds[i % len(kinds)],
         )
-        for _ in range(n)
+        for i in range(n)
     ]
     results: list[Result] = []
     lock = threading.Lock()
     idx = [0]
 
     def do(i: int) -> None:
-        words, disc, r = plan[i]
+        words, disc, r, kind = plan[i]
         res = one_request(
             host,
             port,
@@ -213,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
             r,
             getattr(args, "temperature", 0.7),
             getattr(args, "ignore_eos", False),
+            kind,
         )
         with lock:
             results.append(res)
@@ -265,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--disconnect-fraction", type=float, default=0.0, help="fraction that hang up after 1-4 chunks"
+    )
+    ap.add_argument(
+        "--mix", default="chat", choices=["chat", "mixed"], help="mixed: chat/completions/messages, stream or not"
     )
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)

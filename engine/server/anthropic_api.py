@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import falcon
 
 from . import sse
-from .generation import Run, allowed_tools, chat_prompt, check_model, constraint_factory, encode, error_of
+from .generation import Run, allowed_tools, chat_ids, check_model, constraint_factory, error_of
 from .http_common import read_json, respond, send_json, start_run
 from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, parse_anthropic
@@ -33,8 +33,7 @@ class Messages:
         st.require_ready()
         spec = parse_anthropic(read_json(req, st))
         check_model(st, spec.model)
-        spec.prompt_text = chat_prompt(st, spec)
-        ids = encode(st, spec.prompt_text)
+        ids = chat_ids(st, spec)  # sets spec.prompt_text (reasoning split, grammar phases)
         run = start_run(
             st, req, spec, ids, param="messages", id_prefix="msg_", constraint=constraint_factory(st, spec)
         )
@@ -244,6 +243,7 @@ class Messages:
                 yield sse.event("content_block_stop", {"type": "content_block_stop", "index": index})
             if ev.finish_reason in ("error", "abort"):
                 yield sse.event("error", error_of(ev).anthropic_body())
+                yield sse.MESSAGE_STOP  # the stream always ends with its terminal event
                 return
             reason, seq = self._stop_reason(run, spec, ev.finish_reason, "".join(emitted), has_calls)
             yield sse.event(
@@ -266,4 +266,4 @@ class CountTokens:
         st.require_ready()
         spec = parse_anthropic(read_json(req, st), count_only=True)
         check_model(st, spec.model)
-        send_json(resp, {"input_tokens": len(encode(st, chat_prompt(st, spec)))})
+        send_json(resp, {"input_tokens": len(chat_ids(st, spec))})

@@ -100,10 +100,12 @@ def build_app(state: AppState) -> falcon.App:
     app.add_route("/ui/{name}", page, suffix="file")
 
     def api_error(req, resp, ex, params):
+        if ex.status in (408, 429):  # shed load: memra_requests_rejected_total{reason}
+            state.metrics.count_rejected(ex.code)
         _render_error(req, resp, ex)
 
     def memra_error(req, resp, ex, params):
-        _render_error(req, resp, from_memra(ex, retry_after_s=state.config.retry_after_s))
+        api_error(req, resp, from_memra(ex, retry_after_s=state.config.retry_after_s), params)
 
     def http_error(req, resp, ex, params):
         status = int(str(ex.status).split()[0]) if not isinstance(ex.status, int) else ex.status

@@ -25,6 +25,8 @@ class Tenant:
     max_concurrency: int = 0
     cache_salt: str = ""
     key_id: str = ""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
 
 
 OPEN_TENANT = Tenant("default")
@@ -81,7 +83,14 @@ class Keyring:
                 found = k
         if found is None:
             return None
-        return Tenant(found.tenant, found.max_concurrency, found.cache_salt, found.id)
+        return Tenant(
+            found.tenant,
+            found.max_concurrency,
+            found.cache_salt,
+            found.id,
+            found.requests_per_minute,
+            found.tokens_per_minute,
+        )
 
 
 def presented_key(auth_header: str | None, x_api_key: str | None) -> str | None:

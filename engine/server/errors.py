@@ -21,6 +21,7 @@ _CODE_MAP: dict[str, tuple[int, str, str]] = {
     "request_too_large": (413, "invalid_request_error", "request_too_large"),
     "overloaded": (429, "rate_limit_error", "rate_limit_error"),
     "tenant_limit": (429, "rate_limit_error", "rate_limit_error"),
+    "rate_limited": (429, "rate_limit_error", "rate_limit_error"),
     "draining": (503, "server_error", "overloaded_error"),
     "loading": (503, "server_error", "overloaded_error"),
     "engine_dead": (503, "server_error", "api_error"),

@@ -40,19 +40,99 @@ def check_model(state: AppState, name: str | None) -> None:
         )
 
 
+def _escape(tok: Any, value: Any) -> Any:
+    """Every string inside ``value`` passed through the tokenizer's ``escape_specials`` (so special
+    tokens in client text are read as text; only the template emits them)."""
+    esc = getattr(tok, "escape_specials", None)
+    if esc is None:
+        return value
+    if isinstance(value, str):
+        return esc(value)
+    if isinstance(value, dict):  # keys too: tool schemas are rendered with tojson, keys included
+        return {(esc(k) if isinstance(k, str) else k): _escape(tok, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape(tok, v) for v in value]
+    return value
+
+
+def _text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string inside ``value`` (a bound on the prompt text it becomes)."""
+    stack, n = [value], 0
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v.encode("utf-8", "surrogatepass"))
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return n
+
+
+def prompt_byte_limit(state: AppState) -> int:
+    """Prompt text refused before tokenising: ``max_prompt_bytes`` or 16 bytes per context token."""
+    lim = state.config.max_prompt_bytes
+    return lim if lim > 0 else 16 * int(state.model_info.context_length)
+
+
+def check_prompt_bytes(state: AppState, n: int, param: str) -> None:
+    lim = prompt_byte_limit(state)
+    if n > lim:
+        raise ApiError(
+            400,
+            f"the prompt text is {n} bytes; this server tokenises at most {lim} bytes "
+            f"(context length {state.model_info.context_length} tokens)",
+            code="context_length_exceeded",
+            param=param,
+        )
+
+
+def chat_ids(state: AppState, spec: ChatSpec) -> list[int]:
+    """Token ids of the rendered chat prompt: size-checked first, then rendered and tokenised on the
+    dedicated tokenizer pool; special tokens inside client text are tokenised as text. Sets
+    ``spec.prompt_text`` (the reasoning split and grammar phases read where the prompt ends)."""
+    n = _text_bytes((spec.messages, spec.tools, spec.template_kwargs))
+    check_prompt_bytes(state, n, "messages")
+
+    def work() -> list[int]:
+        text = chat_prompt(state, spec)
+        check_prompt_bytes(state, len(text.encode("utf-8", "surrogatepass")), "messages")
+        spec.prompt_text = text
+        enc = getattr(state.tokenizer, "encode_chat", None)
+        if enc is None:
+            return encode(state, text)
+        try:
+            return list(enc(text))
+        except (ValueError, UnicodeError) as exc:
+            raise bad_request(f"the prompt cannot be tokenized: {exc}", "messages") from None
+
+    with state.admission.preparing():
+        return state.tokenize_pool.run(work, size=n)
+
+
+def text_ids(state: AppState, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a raw prompt (completions, /tokenize), size-checked before the tokenizer pool runs."""
+    n = len(text.encode("utf-8", "surrogatepass"))
+    check_prompt_bytes(state, n, param)
+    with state.admission.preparing():
+        return state.tokenize_pool.run(encode, state, text, param, add_special_tokens, size=n)
+
+
 def chat_prompt(state: AppState, spec: ChatSpec) -> str:
-    """Render the chat template (tools included unless tool_choice is none)."""
-    messages = [dict(m) for m in spec.messages]
-    tools = spec.tools if spec.tool_choice != "none" else None
+    """Render the chat template (tools included unless tool_choice is none); client strings are
+    escaped with the tokenizer's ``escape_specials`` (read back as text by ``encode_chat``)."""
+    tok = state.tokenizer
+    messages = [_escape(tok, dict(m)) for m in spec.messages]
+    tools = _escape(tok, spec.tools) if spec.tool_choice != "none" else None
     if spec.tool_choice in ("required", "named"):
-        instr = tool_instruction(spec.tool_choice, spec.tool_name)
+        instr = _escape(tok, tool_instruction(spec.tool_choice, spec.tool_name))
         if messages and messages[0]["role"] == "system":
             messages[0]["content"] = (messages[0]["content"] + "\n\n" + instr).strip()
         else:
             messages.insert(0, {"role": "system", "content": instr})
     try:
-        return state.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, **spec.template_kwargs
+        return tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, **_escape(tok, spec.template_kwargs)
         )
     except MemraError as exc:
         raise bad_request(f"chat template: {exc.message}", "messages") from None
@@ -112,10 +192,17 @@ def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | No
         splitter = reasoning_parser_for(state.tokenizer, spec.prompt_text)
         if splitter is not None:
             reasoning = "inside" if splitter.state == "think" else "maybe"
-    try:
+    def compile_first() -> list:
         text = grammar_of()
-        first = [grammar.build_constraint(state.tokenizer, text, reasoning)]
+        return [text, grammar.build_constraint(state.tokenizer, text, reasoning)]
+
+    try:  # on the tokenizer pool, counted as preparing: grammar compilation is prompt-sized work too
+        with state.admission.preparing():
+            text, constraint = state.tokenize_pool.run(compile_first)
+        first = [constraint]
     except MemraError as exc:
+        if exc.code == "draining":  # the pool shut down while this request waited
+            raise
         raise bad_request(exc.message, param) from None
     except (ValueError, TypeError) as exc:
         raise bad_request(f"invalid schema: {exc}", param) from None
@@ -180,7 +267,10 @@ class Run:
 
     def submit(self) -> None:
         st = self.state
-        st.acquire(self.tenant)
+        # n > 1: one HTTP request and one prompt (shared through the prefix cache) for the rate
+        # buckets, charged to choice 0; every choice holds its own in-flight slot
+        first = self.index == 0
+        st.acquire(self.tenant, len(self.prompt_ids) if first else 0, self, new_request=first)
         salt = self.tenant.cache_salt
         if self.spec.cache_salt:
             salt = f"{salt}\x1f{self.spec.cache_salt}"
@@ -204,11 +294,11 @@ class Run:
         try:
             self.handle = st.engine.submit(req)
         except MemraError as exc:
-            st.release(self.tenant)
+            st.release(self.tenant, 0, self)
             self._closed = True
             raise from_memra(exc, retry_after_s=st.config.retry_after_s) from None
         except BaseException:
-            st.release(self.tenant)
+            st.release(self.tenant, 0, self)
             self._closed = True
             raise
         st.metrics.add_in_flight(1)
@@ -274,6 +364,14 @@ class Run:
                 self.close()
                 return
 
+    def abort(self) -> None:
+        """Ask the engine to abort (drain ran out); the stream still ends with the final event."""
+        if not self.finished and self.handle is not None:
+            try:
+                self.handle.cancel()
+            except Exception:  # never let one request stop the drain
+                pass
+
     def close(self) -> None:
         if self._closed:
             return
@@ -294,7 +392,7 @@ class Run:
             self.finish_reason,
         )
         self.state.metrics.add_in_flight(-1)
-        self.state.release(self.tenant)
+        self.state.release(self.tenant, len(self.generated_ids), self)
 
 
 class RunGroup:

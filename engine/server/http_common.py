@@ -118,6 +118,8 @@ def start_group(
     """Submit ``spec.n`` choices of ``ids``: choice 0 first, the others once its prompt is prefilled
     (they then share its KV blocks through the prefix cache). ``constraint()`` makes each choice's
     TokenConstraint. The caller must close() the group; a failed submit closes what was started."""
+    if spec.n > 1:  # every choice holds a slot: refuse now rather than after choice 0's prefill
+        state.admission.check_room(req.context.tenant, spec.n)
     runs: list[Run] = []
     try:
         for i in range(max(1, spec.n)):

@@ -73,6 +73,7 @@ def build_engine(
         tokenizer,
         EngineConfig(
             max_running=cfg.max_running,
+            max_waiting=max(1, cfg.max_waiting + cfg.max_running),  # the HTTP layer sheds first
             prefill_chunk_tokens=chunk,
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
@@ -126,6 +127,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         lambda: build_engine(
             model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec, model_defaults=use_defaults
         ),
+        raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
 
 
@@ -156,12 +158,31 @@ def _keys_path(args: argparse.Namespace) -> Path:
     return keys
 
 
+_KEY_LIMITS = ("max_concurrency", "requests_per_minute", "tokens_per_minute")
+
+
+def _key_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The per-key limit flags of ``memra keys add``, checked before any file is read or written."""
+    limits = {}
+    for name in _KEY_LIMITS:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            flag = "--" + name.replace("_", "-")
+            raise MemraError(f"memra keys add: {flag} must be >= 0 (0: unlimited), got {value}", param=name)
+        limits[name] = value or 0
+    return limits
+
+
 def keys_from_cli(args: argparse.Namespace) -> int:
-    path = _keys_path(args)
     if args.action == "add":
         if not args.tenant:
             raise MemraError("memra keys add needs --tenant NAME", param="tenant")
-        key, entry = add_key(path, args.tenant, max_concurrency=args.max_concurrency or 0)
+        limits = _key_limits(args)
+    elif any(getattr(args, n, None) is not None for n in _KEY_LIMITS):
+        raise MemraError(f"memra keys {args.action}: the limit flags apply to `memra keys add` only")
+    path = _keys_path(args)
+    if args.action == "add":
+        key, entry = add_key(path, args.tenant, **limits)
         print(f"added {entry.id} for tenant {entry.tenant} to {path}")
         print(f"key (shown once, store it now): {key}")
     elif args.action == "list":
@@ -169,8 +190,8 @@ def keys_from_cli(args: argparse.Namespace) -> int:
         if not keys:
             print(f"no keys in {path}")
         for k in keys:
-            limit = k.max_concurrency or "unlimited"
-            print(f"{k.id}  tenant={k.tenant}  max_concurrency={limit}  created={k.created}")
+            shown = "  ".join(f"{n}={getattr(k, n) or 'unlimited'}" for n in _KEY_LIMITS)
+            print(f"{k.id}  tenant={k.tenant}  {shown}  created={k.created}")
     else:
         if not args.name:
             raise MemraError("memra keys revoke needs --name KEY_ID (see `memra keys list`)", param="name")

@@ -31,6 +31,8 @@ disable_created_metrics()  # no *_created series: dashboards do not read them
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: ``memra_requests_rejected_total{reason}``: the admission 429 codes and the receive-deadline 408
+REJECT_REASONS = ("overloaded", "tenant_limit", "rate_limited", "request_timeout")
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -176,6 +178,14 @@ class Metrics:
         self.generated_tokens = Counter("memra_generation_tokens", "generated tokens of finished requests", registry=r)
         self.cached_tokens = Counter("memra_cached_prompt_tokens", "prompt tokens served from the prefix cache", registry=r)
         self.disconnects = Counter("memra_client_disconnects", "requests aborted because the client went away", registry=r)
+        self.rejected = Counter(
+            "memra_requests_rejected",
+            "requests refused before generation: 429 (overloaded, tenant_limit, rate_limited) or 408 (request_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:  # every reason present from the first scrape, at 0
+            self.rejected.labels(reason)
         self.in_flight = Gauge("memra_requests_in_flight", "HTTP generation requests being served", registry=r)
         self.ttft = Histogram("memra_time_to_first_token_seconds", "time from submit to first token", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("memra_inter_token_latency_seconds", "time between generated tokens", buckets=ITL_BUCKETS, registry=r)
@@ -191,6 +201,10 @@ class Metrics:
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def count_rejected(self, reason: str) -> None:
+        """One request refused with 429 / 408; ``reason`` is the error code (REJECT_REASONS)."""
+        self.rejected.labels(reason).inc()
 
     def add_in_flight(self, d: int) -> None:
         self.in_flight.inc(d)

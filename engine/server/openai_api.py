@@ -15,12 +15,12 @@ from .generation import (
     Run,
     RunGroup,
     allowed_tools,
-    chat_prompt,
+    chat_ids,
     check_model,
     constraint_factory,
-    encode,
     error_of,
     interleave,
+    text_ids,
 )
 from .http_common import read_json, respond, send_json, start_group, usage_openai
 from .logprobs import chat_content, completion_logprobs
@@ -45,9 +45,7 @@ class ChatCompletions:
         st.require_ready()
         spec = parse_chat(read_json(req, st))
         check_model(st, spec.model)
-        prompt = chat_prompt(st, spec)
-        ids = encode(st, prompt)
-        spec.prompt_text = prompt
+        ids = chat_ids(st, spec)  # sets spec.prompt_text (reasoning split, grammar phases)
         group = start_group(
             st, req, spec, ids, param="messages", id_prefix="chatcmpl-", constraint=constraint_factory(st, spec)
         )
@@ -241,7 +239,7 @@ class Completions:
                 )
             ids = list(spec.prompt)
         else:
-            ids = encode(st, spec.prompt, "prompt", add_special_tokens=True)  # BOS, as `memra run` does
+            ids = text_ids(st, spec.prompt, "prompt", add_special_tokens=True)  # BOS, as `memra run` does
         group = start_group(
             st, req, spec, ids, param="prompt", id_prefix="cmpl-", constraint=constraint_factory(st, spec)
         )
@@ -351,12 +349,12 @@ class Models:
         self.state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.state.require_ready()
+        self.state.require_ready(admit=False)
         mi = self.state.model_info
         send_json(resp, {"object": "list", "data": [_model_obj(self.state, n) for n in (mi.id, *mi.aliases)]})
 
     def on_get_one(self, req: falcon.Request, resp: falcon.Response, model_id: str) -> None:
-        self.state.require_ready()
+        self.state.require_ready(admit=False)
         if not self.state.model_info.matches(model_id):
             raise ApiError(
                 404,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import falcon
 
 from .errors import ApiError, bad_request
-from .generation import chat_prompt, encode
+from .generation import chat_ids, text_ids
 from .http_common import read_json, send_json
 from .metrics import CONTENT_TYPE
 from .schemas import get_bool, parse_chat
@@ -119,14 +119,13 @@ class Tokenize:
         st.require_ready()
         body = read_json(req, st)
         if "messages" in body:
-            text = chat_prompt(st, parse_chat(body))
-            ids = encode(st, text)
+            ids = chat_ids(st, parse_chat(body))
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("`prompt` (string) or `messages` is required", "prompt")
             special = get_bool(body, "add_special_tokens", False)
-            ids = list(st.tokenizer.encode(prompt, add_special_tokens=special))
+            ids = text_ids(st, prompt, "prompt", add_special_tokens=special)
         send_json(resp, {"tokens": ids, "count": len(ids), "max_model_len": st.model_info.context_length})
 
 
@@ -136,7 +135,7 @@ class Detokenize:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
-        st.require_ready()
+        st.require_ready(admit=False)
         body = read_json(req, st)
         toks = body.get("tokens")
         vocab = int(getattr(st.tokenizer, "vocab_size", 1 << 31))

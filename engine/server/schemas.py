@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.chat_template import reserved_template_kwarg
 from engine.types import SamplingParams
 
 from .errors import ApiError, bad_request
@@ -355,8 +356,11 @@ def parse_chat(body: dict) -> ChatSpec:
     if kw is not None:
         if not isinstance(kw, dict):
             raise _type_err("chat_template_kwargs", "an object", kw)
-        for k in ("messages", "tools", "add_generation_prompt", "tokenize"):
-            kw.pop(k, None)
+        for k in kw:  # the conversation, special tokens and template helpers are not the client's
+            if reserved_template_kwarg(k):
+                raise bad_request(
+                    f"`chat_template_kwargs.{k}` cannot be set by a request", f"chat_template_kwargs.{k}"
+                )
         spec.template_kwargs = kw
     return spec
 

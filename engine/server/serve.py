@@ -13,55 +13,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import waitress
-from waitress.server import BaseWSGIServer
-
 from engine.server_config import ServerConfig
+from engine.types import MemraError
 
-from .app import build_app
+from .app import _STATES, build_app
 from .state import AppState
+from .tokenize_pool import limit_malloc_arenas
+from .waitress_guard import make_waitress, stop_waitress
+
+__all__ = ["BackgroundServer", "drain_and_stop", "make_waitress", "run_server", "stop_waitress"]
 
 log = logging.getLogger("memra.server")
-
-
-def make_waitress(
-    app, config: ServerConfig, *, host: str | None = None, port: int | None = None
-) -> BaseWSGIServer:
-    """A waitress server sized from the admission limit, with read-ahead so client disconnects are seen."""
-    return waitress.create_server(
-        app,
-        host=host or config.host,
-        port=config.port if port is None else port,
-        threads=config.waitress_threads,
-        channel_request_lookahead=1,
-        max_request_body_size=2 * config.max_body_bytes + 65536,  # ours answers JSON 413 below this
-        ident="memra",
-        connection_limit=config.waitress_threads + 64,
-        cleanup_interval=5,
-        channel_timeout=120,
-    )
-
-
-def stop_waitress(server: BaseWSGIServer, thread: threading.Thread | None, timeout_s: float = 5.0) -> None:
-    """Close every socket from inside waitress's own loop thread (so its select never sees a closed fd),
-    wait for the loop to end, then stop the worker threads."""
-    from waitress import wasyncore
-
-    sock_map = server._map
-    try:
-        server.trigger.pull_trigger(lambda: wasyncore.close_all(sock_map))
-    except Exception:  # trigger already gone: close from here
-        wasyncore.close_all(sock_map)
-    if thread is not None:
-        thread.join(timeout_s)
-    server.task_dispatcher.shutdown(timeout=timeout_s)
 
 
 class BackgroundServer:
     """waitress in a daemon thread (tests, embedding). ``url`` is http://host:port."""
 
     def __init__(self, app, config: ServerConfig | None = None, host: str = "127.0.0.1", port: int = 0):
-        self.server = make_waitress(app, config or ServerConfig(), host=host, port=port)
+        state = _STATES.get(id(app))  # an app from create_app: its 408s count in its metrics
+        on_timeout = (lambda: state.metrics.count_rejected("request_timeout")) if state is not None else None
+        self.server = make_waitress(app, config or ServerConfig(), host=host, port=port, on_timeout=on_timeout)
         self.port = self.server.effective_port
         self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self.server.run, daemon=True, name="waitress")
@@ -79,10 +50,13 @@ class BackgroundServer:
 
 
 def drain_and_stop(state: AppState, timeout_s: float) -> bool:
-    """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then shut the engine down.
+    """Refuse new work, let in-flight requests finish for up to ``timeout_s``, then abort the rest
+    (their streams end with an error and the protocol's terminal event) and shut the engine down,
+    all within ``timeout_s`` + 1 s unless one engine step is longer than that.
 
     Returns True when everything finished inside the bound.
     """
+    t_end = time.monotonic() + timeout_s
     state.draining = True
     eng = state.engine
     if eng is not None:
@@ -92,15 +66,18 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
             log.warning("engine.drain failed: %s", exc)
     clean = state.wait_idle(timeout_s)
     if not clean:
-        log.warning(
-            "drain: %d request(s) still running after %.0f s; aborting them", state.in_flight, timeout_s
-        )
+        runs = state.live_runs()
+        log.warning("drain: %d request(s) still running after %.0f s; aborting them", len(runs), timeout_s)
+        for run in runs:  # abort through the engine: each stream gets its final "abort" event
+            run.abort()
     if eng is not None:
         try:
-            eng.shutdown(timeout_s=10.0)
+            eng.shutdown(timeout_s=max(0.2, min(0.5, t_end + 0.5 - time.monotonic())))
         except Exception as exc:
             log.warning("engine.shutdown failed: %s", exc)
-        state.wait_idle(2.0)  # let aborted streams write their final chunk
+    # let aborted streams write their final chunks; stop_waitress then waits for the bytes to leave
+    state.wait_idle(max(0.1, t_end + 0.7 - time.monotonic()))
+    state.tokenize_pool.shutdown()
     return clean
 
 
@@ -110,11 +87,15 @@ def run_server(
     *,
     install_signals: bool = True,
     stop_event: threading.Event | None = None,
+    raise_load_error: bool = False,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or ``stop_event``). ``load_model() -> (engine, tokenizer, ModelInfo)``
     runs in a background thread while /health answers 503 {"status": "loading"}.
-    Exit code: 0 after a clean drain, 1 if the model failed to load or the drain timed out.
+    Exit code: 0 after a clean drain, 1 if the drain bound was hit (stragglers aborted) or the model
+    failed to load: then the server stops at once and, with ``raise_load_error``, the load error is
+    re-raised as a one-line MemraError (what `memra serve` prints).
     """
+    limit_malloc_arenas(config.malloc_arena_max)  # before waitress and tokenizer threads exist
     state = AppState(config)
     app = build_app(state)
     if not state.keyring.enabled:
@@ -123,18 +104,19 @@ def run_server(
             config.host,
             config.port,
         )
-    server = make_waitress(app, config)
+    server = make_waitress(app, config, on_timeout=lambda: state.metrics.count_rejected("request_timeout"))
     stop = stop_event or threading.Event()
-    result = {"code": 0}
+    result: dict[str, Any] = {"code": 0, "error": None}
 
     def load() -> None:
         t0 = time.monotonic()
         try:
             engine, tokenizer, info = load_model()
         except Exception as exc:
-            log.exception("model load failed")
-            state.load_error = str(exc) or type(exc).__name__
-            result["code"] = 1
+            log.debug("model load failed", exc_info=True)
+            state.load_error = (str(exc) or type(exc).__name__).splitlines()[0]
+            result["code"], result["error"] = 1, exc
+            stop.set()
             return
         state.attach(engine, tokenizer, info)
         log.info("model %s ready in %.1f s (%s backend)", info.id, time.monotonic() - t0, info.backend)
@@ -166,4 +148,11 @@ def run_server(
             pass
     finally:
         stop_waitress(server, srv_thread)
+    err = result["error"]
+    if err is not None:
+        if raise_load_error:
+            if isinstance(err, MemraError):
+                raise err
+            raise MemraError(f"cannot load the model: {type(err).__name__}: {state.load_error}") from None
+        log.error("model load failed: %s", state.load_error)
     return result["code"]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 OK_COMMENT = b": ok\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
+MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'  # Anthropic's terminal event
 log = logging.getLogger("memra.server")
 
 
@@ -82,13 +83,5 @@ def openai_stream_error(exc: BaseException) -> bytes:
 
 
 def anthropic_stream_error(exc: BaseException) -> bytes:
-    return event(
-        "error",
-        {
-            "type": "error",
-            "error": {
-                "type": "api_error",
-                "message": f"internal error while streaming ({type(exc).__name__})",
-            },
-        },
-    )
+    err = {"type": "api_error", "message": f"internal error while streaming ({type(exc).__name__})"}
+    return event("error", {"type": "error", "error": err}) + MESSAGE_STOP

@@ -10,10 +10,12 @@ from typing import Any
 
 from engine.server_config import ServerConfig
 
+from .admission import Admission
 from .auth import Keyring, Tenant
 from .errors import from_code
 from .metrics import Metrics
 from .model_info import ModelInfo
+from .tokenize_pool import TokenizePool
 
 
 class AppState:
@@ -34,10 +36,10 @@ class AppState:
         self.model_info = model_info
         self.draining = False
         self.load_error: str | None = None
-        self._lock = threading.Lock()
-        self._tenant_active: dict[str, int] = {}
-        self.idle = threading.Condition(self._lock)
-        self._in_flight = 0
+        self.admission = Admission(config.max_in_flight, config.retry_after_s)
+        self.tokenize_pool = TokenizePool(config.tokenizer_threads)
+        self._runs_lock = threading.Lock()
+        self._runs: dict[int, Any] = {}  # live generation.Run objects (cancelled when a drain runs out)
 
     def attach(self, engine: Any, tokenizer: Any, model_info: ModelInfo) -> None:
         self.tokenizer, self.model_info = tokenizer, model_info
@@ -54,8 +56,9 @@ class AppState:
     def alive(self) -> bool:
         return self.engine is not None and bool(getattr(self.engine, "alive", True))
 
-    def require_ready(self) -> None:
-        """Raise the 503 a generation request gets while loading, draining or after the engine died."""
+    def require_ready(self, admit: bool = True) -> None:
+        """Raise the 503 a generation request gets while loading, draining or after the engine died;
+        with ``admit``, also the 429 when the server is full (before the body is even read)."""
         if self.draining:
             raise from_code("draining", "server is shutting down; retry on another replica")
         if self.engine is None:
@@ -64,29 +67,29 @@ class AppState:
             raise from_code("loading", "model is still loading")
         if not self.alive:
             raise from_code("engine_dead", "the engine has stopped; the server needs a restart")
+        if admit:
+            self.admission.check_full()
 
-    def acquire(self, tenant: Tenant) -> None:
-        with self._lock:
-            n = self._tenant_active.get(tenant.name, 0)
-            if tenant.max_concurrency and n >= tenant.max_concurrency:
-                raise from_code(
-                    "tenant_limit",
-                    f"tenant {tenant.name!r} already has {n} requests in flight (limit {tenant.max_concurrency})",
-                )
-            self._tenant_active[tenant.name] = n + 1
-            self._in_flight += 1
+    def acquire(self, tenant: Tenant, prompt_tokens: int = 0, run: Any = None, new_request: bool = True) -> None:
+        """Admit one request for ``tenant`` or raise 429 (see admission.Admission.admit)."""
+        self.admission.admit(tenant, prompt_tokens, new_request)
+        if run is not None:
+            with self._runs_lock:
+                self._runs[id(run)] = run
 
-    def release(self, tenant: Tenant) -> None:
-        with self._lock:
-            self._tenant_active[tenant.name] = max(0, self._tenant_active.get(tenant.name, 1) - 1)
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self.idle.notify_all()
+    def release(self, tenant: Tenant, generated_tokens: int = 0, run: Any = None) -> None:
+        if run is not None:
+            with self._runs_lock:
+                self._runs.pop(id(run), None)
+        self.admission.done(tenant, generated_tokens)
+
+    def live_runs(self) -> list[Any]:
+        with self._runs_lock:
+            return list(self._runs.values())
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.admission.in_flight
 
     def wait_idle(self, timeout: float) -> bool:
-        with self._lock:
-            return self.idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+        return self.admission.wait_idle(timeout)

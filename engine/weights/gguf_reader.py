@@ -34,17 +34,83 @@ def split_files(path: Path) -> list[Path]:
     return files
 
 
-def _open_reader(f: Path) -> Any:
+class _Corrupt(Exception):
+    """A bounds or format problem found while parsing, with the part of the file being read."""
+
+
+def _checked_reader_class() -> type:
+    """gguf.GGUFReader with every read bounds-checked and the field or tensor being parsed tracked,
+    so a corrupt file is reported by name instead of as a numpy IndexError/reshape error."""
     import gguf
 
+    class CheckedReader(gguf.GGUFReader):
+        _where = "header"
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            itemsize = int(np.empty([], dtype=dtype).itemsize)
+            end = int(offset) + itemsize * int(count)
+            if int(count) < 0 or end > len(self.data):
+                raise _Corrupt(
+                    f"{self._where}: needs bytes {int(offset)}..{end} but the file has {len(self.data)} "
+                    f"(a length or count of {int(count)} is corrupt, or the file is truncated)"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
+        def _peek_name(self, offs: int, what: str) -> str:
+            n = int(self._get(offs, np.uint64)[0])
+            if n > 65536:
+                raise _Corrupt(f"{what}: name length {n} is corrupt")
+            return bytes(self._get(offs + 8, np.uint8, n)).decode("utf-8", "replace")
+
+        def _build_fields(self, offs, count):
+            for i in range(int(count)):
+                self._where = f"metadata field #{i}"
+                self._where = f"metadata field {self._peek_name(offs, self._where)!r}"
+                offs = super()._build_fields(offs, 1)
+            return offs
+
+        def _build_tensor_info(self, offs, count):
+            fields = []
+            for i in range(int(count)):
+                self._where = f"tensor info #{i}"
+                self._where = f"tensor {self._peek_name(offs, self._where)!r} (info)"
+                offs, one = super()._build_tensor_info(offs, 1)
+                fields += one
+            return offs, fields
+
+        def _build_tensors(self, start_offs, fields):
+            tensors = []
+            for fld in fields:
+                name = bytes(fld.parts[1]).decode("utf-8", "replace")
+                self._where = f"tensor {name!r}"
+                try:
+                    super()._build_tensors(start_offs, [fld])
+                except _Corrupt:
+                    raise
+                except Exception as e:  # type, offset or shape that does not fit the file
+                    off = int(start_offs + fld.parts[5][0])
+                    raise _Corrupt(
+                        f"tensor {name!r}: data at byte {off} (file has {len(self.data)}) cannot be read: "
+                        f"{type(e).__name__}: {e}"
+                    ) from None
+                tensors += self.tensors
+            self.tensors = tensors
+
+    return CheckedReader
+
+
+def _open_reader(f: Path) -> Any:
     try:
-        return gguf.GGUFReader(f, "r")
+        return _checked_reader_class()(f, "r")
     except FileNotFoundError:
         raise MemraError(f"{f}: no such file") from None
-    except Exception as e:  # gguf raises ValueError/IndexError/KeyError etc. on bad files
+    except _Corrupt as e:
+        raise MemraError(f"{f}: cannot read GGUF file (truncated or corrupt): {e}", code="invalid_model") from None
+    except Exception as e:  # gguf raises ValueError/KeyError etc. on bad files
         size = f.stat().st_size if f.exists() else 0
         raise MemraError(
-            f"{f}: cannot read GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}"
+            f"{f}: cannot read GGUF file ({size} bytes; truncated or corrupt): {type(e).__name__}: {e}",
+            code="invalid_model",
         ) from None
 
 

@@ -1,0 +1,86 @@
+"""Broken GGUF files give one MemraError naming the file and the field or tensor that is wrong."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.types import MemraError
+from engine.weights.gguf_reader import GGUFSource
+
+
+def _write(path: Path) -> bytes:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", "tiny")
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def _error(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    with pytest.raises(MemraError) as ei:
+        GGUFSource(path)
+    msg = str(ei.value)
+    assert str(path) in msg and "\n" not in msg
+    return msg
+
+
+def test_valid_file_reads(tmp_path):
+    p = tmp_path / "ok.gguf"
+    _write(p)
+    src = GGUFSource(p)
+    assert src.info("token_embd.weight").shape == (4, 8) and src.metadata["general.name"] == "tiny"
+
+
+def test_huge_metadata_string_length_names_the_field(tmp_path):
+    p = tmp_path / "m.gguf"
+    data = bytearray(_write(p))
+    key = b"general.name"
+    at = data.index(key) + len(key) + 4  # key bytes, then the u32 value type, then the u64 length
+    assert struct.unpack_from("<Q", data, at)[0] == 4
+    struct.pack_into("<Q", data, at, 2**62)
+    msg = _error(p, bytes(data))
+    assert "'general.name'" in msg and "corrupt" in msg
+
+
+def test_huge_key_length_names_the_field_index(tmp_path):
+    p = tmp_path / "k.gguf"
+    data = bytearray(_write(p))
+    at = data.index(b"general.name") - 8
+    struct.pack_into("<Q", data, at, 2**40)
+    assert "metadata field #" in _error(p, bytes(data))
+
+
+def test_tensor_offset_past_eof_names_the_tensor(tmp_path):
+    p = tmp_path / "t.gguf"
+    data = bytearray(_write(p))
+    name = b"output_norm.weight"
+    at = data.index(name) + len(name) + 4 + 8 + 4  # n_dims u32, one u64 dim, type u32, then offset u64
+    struct.pack_into("<Q", data, at, 10**9)
+    msg = _error(p, bytes(data))
+    assert "'output_norm.weight'" in msg
+
+
+def test_truncated_file_names_the_tensor(tmp_path):
+    p = tmp_path / "cut.gguf"
+    data = _write(p)
+    msg = _error(p, data[:-8])
+    assert "'output_norm.weight'" in msg
+
+
+def test_truncated_in_metadata_names_the_field(tmp_path):
+    p = tmp_path / "cut2.gguf"
+    data = _write(p)
+    at = data.index(b"llama.block_count")
+    assert "'llama.block_count'" in _error(p, data[: at + len(b"llama.block_count") + 2])  # value cut
+    assert "metadata field #2" in _error(p, data[: at + 10])  # the key itself cut: its index
