@@ -198,11 +198,8 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         lowerer.freq = weights[ROPE_FREQ]
-    tg = profile.tune("gemv")
-    kinds = {k for k, on in (("rmsnorm", tg.get("fuse_norm")), ("silu_mul", tg.get("fuse_silu"))) if on}
     readers: dict = {}
     fusable = _prologue_fusable(schedule, readers)
-    lowerer.fusable = {key for key, kind in fusable.items() if kind in kinds}
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
 
         def q8x_reader(o: Op, lay: int | None) -> bool:
@@ -215,9 +212,7 @@ def build_plan(
             return True
 
         lowerer.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
-    if tg.get("fuse_norm1"):  # batch 1 only: every reading GEMV applies the rmsnorm while loading x
-        lowerer.fusable1 |= {k for k, kind in fusable.items() if kind == "rmsnorm"}
-    if tg.get("fuse_glu"):
+    if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
     for pos, (op, layer, head) in enumerate(schedule):
@@ -271,7 +266,7 @@ def _prologue_fusable(
     """(id(op), layer) of the rmsnorm / silu_mul ops whose output only linear layers read (as their
     x) before it is written again, in the same head/non-head part, while nothing rewrites the op's
     inputs in between, mapped to the op kind: in decode modes those get no launch when the profile's
-    gemv tuning enables that kind (fuse_norm / fuse_silu), or gemv_coop.q8x_fuse and every reader
+    gemv_coop.q8x_fuse is on and every reader
     is a q8x GEMV; the GEMVs compute them while loading x. ``readers``, when given, receives each
     key's reading (linear op, layer) pairs."""
     out: dict[tuple[int, int | None], str] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +22,11 @@ import numpy as np
 
 from engine import cuda, env, quant
 from engine.compile import KernelBuilder
-from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, WIDE, Arg, Launch, Plan, kernel_specs, launch_key
+from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, Launch, Plan, kernel_specs
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.progress import bar
-from engine.sampling import penalty_entries, sample_item
+from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.types import ConfigError, MemraError, StepItem
 from engine.weight_memory import check_fits, plan_weight_bytes
 
@@ -67,7 +66,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner:
+class CudaRunner(StepLogic):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -231,20 +230,6 @@ class CudaRunner:
         cuda.htod(buf.ptr, data)
         return buf
 
-    def _rope_freq_factors(self) -> np.ndarray:
-        """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
-        from engine import ops_ref
-
-        d, m = self.plan.dims, self.model
-        rope_dim, theta = int(d["rope_dim"]), float(d["rope_theta"])
-        ff = None
-        tensor = next((op.attrs.get("freq_factors") for op, _ in m.graph.ops() if op.op == "rope"), None)
-        if tensor and m.has(tensor):
-            ff = m.dequantize(tensor)
-        inv = ops_ref.rope_inv_freq(rope_dim, theta, d.get("rope_scaling"), ff)
-        base = ops_ref.rope_inv_freq(rope_dim, theta)
-        return (base / inv).astype(np.float32)
-
     def _alloc_arena(self) -> None:
         self.arena = cuda.alloc(self.plan.arena_bytes())
         cuda.memset(self.arena.ptr, 0, self.arena.nbytes)
@@ -324,33 +309,6 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- binding
 
-    def _resolve(self, arg: Arg, shape: dict[str, int]) -> Any:
-        if arg.kind == "value":
-            ptr = self._value_ptr[arg.ref]
-            if arg.row == "last":
-                ptr += (shape["n"] - 1) * self._value_rowbytes[arg.ref]
-            return ptr
-        if arg.kind == "weight":
-            return self._weights[arg.ref].ptr
-        if arg.kind == "kv":
-            idx = 2 * arg.layer + (0 if arg.ref == "k" else 1)
-            return self.kv.ptr + idx * self._kv_layer_bytes
-        if arg.kind == "input":
-            return self._in_dev.ptr + self._in_off[arg.ref]
-        if arg.kind == "shape":
-            if arg.ref.startswith("splits:"):
-                return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
-            return shape[arg.ref]
-        if arg.kind == "scratch":
-            return self._scratch[arg.ref].ptr
-        if arg.kind == "const":
-            return arg.ref
-        if arg.kind == "tmap":
-            return self._tensor_map(*arg.ref)
-        raise MemraError(
-            f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
-        )
-
     def _tensor_map(self, source: str, name: str, box_rows: int, *shape: int) -> int:
         """Device address of the TMA descriptor of value / weight / scratch ``name`` in boxes of
         ``box_rows`` x 64 (a scratch buffer holds several matrices: ``shape`` = rows, cols), built
@@ -412,42 +370,6 @@ class CudaRunner:
             log.warning("%s kernels do not call pdl_wait() first: launched without PDL", spec.template)
         return spec.pdl
 
-    def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
-        return {
-            "n": n,
-            "nseq": nseq,
-            "max_q": max_q,
-            "max_blocks": self._table_ld,
-            "block_size": self.block_size,
-            "max_ctx": self.max_model_len,
-        }
-
-    def _bind_pass(
-        self,
-        mode: str,
-        n: int,
-        nseq: int,
-        head_only: bool,
-        sampling: str,
-        short: bool = False,
-        max_q: int = 1,
-    ) -> list[_Bound]:
-        shape = self._shape(n, nseq, max_q)
-        bound = []
-        for step in self.plan.steps:
-            if head_only and not step.head:
-                continue
-            if mode == "prefill" and step.head:
-                continue
-            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
-            for launch in step.launches[key]:
-                if launch.runs_at(n):
-                    bound.append(self._bind(launch, shape))
-        if mode != "prefill" or head_only:
-            for launch in self.plan.sampling[sampling]:
-                bound.append(self._bind(launch, shape))
-        return bound
-
     def _run(self, bound: list[_Bound]) -> None:
         """Launch a bound pass in order. A side launch runs on the side stream, which forked from
         the main one before the launch ahead of its run (so it waits for what that launch waits
@@ -472,118 +394,12 @@ class CudaRunner:
 
     # ----------------------------------------------------------------------------- steps
 
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
-        # a CUDA context is current per thread: the engine loop steps from its own thread, not
-        # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
-        self._ensure_context()
-        out: list[int | None] = [None] * len(items)
-        decode: list[int] = []
-        prefill: list[int] = []
-        for i, it in enumerate(items):
-            self._check_item(it)
-            if len(it.token_ids) == 1 and it.start_pos > 0:
-                decode.append(i)
-            else:
-                prefill.append(i)
-        for sub in self._prefill_passes([items[i] for i in prefill]):
-            for idx, tok in self._run_prefill_pass(sub).items():
-                out[prefill[idx]] = tok
-        limit = self._max_rows
-        for lo in range(0, len(decode), limit):
-            rows = decode[lo : lo + limit]
-            ids = self._decode([items[i] for i in rows])
-            for i, tok in zip(rows, ids, strict=True):
-                out[i] = tok if items[i].sample else None
-        return out
-
-    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
-        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
-        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
-        from engine.spec.cuda_verify import verify
-
-        self._ensure_context()
-        return verify(self, items)
-
     def _ensure_context(self) -> None:
         """Make the context current on the calling thread once. A thread-local flag, not a thread id:
         ids are reused once a thread ends, and a new engine thread with an old id had no context."""
         if not getattr(self._ctx_local, "current", False):
             self.ctx.make_current()
             self._ctx_local.current = True
-
-    def _check_item(self, it: StepItem) -> None:
-        end = it.start_pos + len(it.token_ids)
-        if end > self.max_model_len:
-            raise MemraError(
-                f"sequence {it.seq_id} needs {end} positions; max_model_len is {self.max_model_len}",
-                code="context_length_exceeded",
-            )
-        need = (end + self.block_size - 1) // self.block_size
-        if len(it.block_table) < need:
-            raise MemraError(
-                f"sequence {it.seq_id}: block table has {len(it.block_table)} blocks, {need} needed",
-                code="internal_error",
-            )
-
-    def _fill_sampling(self, row: int, it: StepItem) -> None:
-        v = self._views
-        s = it.sampling
-        v["counters"][row] = it.num_generated
-        if self._row_sampling[row] is s:  # the same (frozen) params as this row's last write
-            return
-        self._row_sampling[row] = s
-        v["temperature"][row] = s.temperature
-        v["top_p"][row] = s.top_p
-        v["top_k"][row] = s.top_k
-        v["min_p"][row] = s.min_p
-        v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
-        v["presence"][row] = s.presence_penalty
-        v["frequency"][row] = s.frequency_penalty
-        v["repetition"][row] = s.repetition_penalty
-
-    def _clear_sampling(self, row: int) -> None:
-        v = self._views
-        v["counters"][row] = 0
-        if self._row_sampling[row] is _CLEARED:
-            return
-        self._row_sampling[row] = _CLEARED
-        v["temperature"][row] = 0.0
-        v["top_p"][row] = 1.0
-        v["top_k"][row] = 0
-        v["min_p"][row] = 0.0
-        v["seeds"][row] = 0
-        v["presence"][row] = 0.0
-        v["frequency"][row] = 0.0
-        v["repetition"][row] = 1.0
-
-    def _sampling_kind(self, items: Sequence[StepItem]) -> str:
-        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
-        host: more penalty entries than the device buffer holds, so those rows are re-sampled on
-        the host from their logits after a plain sample pass."""
-        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
-            return "host"
-        if not any(it.sampling.uses_penalties for it in items):
-            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
-        vocab = self.plan.values["logits"].width
-        parts, total = [], 0
-        for r, it in enumerate(items):
-            if not it.sampling.uses_penalties:
-                continue
-            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
-            parts.append((r, toks, info))
-            total += toks.size
-        if total > PENALTY_CAPACITY:
-            return "host"
-        ent = self._pen[4 : 4 + 3 * total].reshape(total, 3)
-        at = 0
-        for r, toks, info in parts:
-            ent[at : at + toks.size, 0] = r
-            ent[at : at + toks.size, 1] = toks
-            ent[at : at + toks.size, 2] = info
-            at += toks.size
-        self._pen[0] = total
-        self._pen_count = total
-        return "penalised"
 
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
@@ -595,74 +411,6 @@ class CudaRunner:
     def _ids_to_host(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` sampled ids into the pinned out_ids view."""
         cuda.dtoh(self._views["out_ids"][:rows], self._in_dev.ptr + self._in_off["out_ids"], self.stream)
-
-    def _read_ids(self, rows: int, copied: bool = False) -> np.ndarray:
-        """The sampled ids of the last pass; ``copied``: the pass itself (an io graph) queued their
-        copy to the host, so only the wait is left."""
-        if not copied:
-            self._ids_to_host(rows)
-        self.stream.synchronize()
-        return self._views["out_ids"][:rows].copy()
-
-    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
-        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
-        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
-        n = len(items)
-        bucket = self._bucket_of[n]
-        v = self._views
-        ld = self._table_ld
-        tables = self._tables[: bucket * ld].reshape(bucket, ld)
-        lens, sink = self._table_len, self._sink_block
-        for r, it in enumerate(items):
-            pos = it.start_pos
-            v["tokens"][r] = it.token_ids[0]
-            v["positions"][r] = pos
-            bt = it.block_table
-            k = min(len(bt), ld)
-            tables[r, :k] = bt[:k]
-            if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
-                tables[r, k : lens[r]] = sink
-            lens[r] = k
-            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
-            self._fill_sampling(r, it)
-        for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
-            v["tokens"][r] = 0
-            v["positions"][r] = 0
-            v["slots"][r] = sink * self.block_size
-            if lens[r]:
-                tables[r, : lens[r]] = sink
-                lens[r] = 0
-            self._clear_sampling(r)
-        kind = self._sampling_kind(items)
-        launch_kind = "sample" if kind == "host" else kind
-        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
-        # a graph without penalty entries copies the inputs in and the sampled ids out itself
-        # (pinned host memory): one driver call per step, then the wait
-        io = self.use_graphs and kind != "penalised"
-        if not io:
-            self._upload_inputs(bucket, kind)
-        if self.use_graphs:
-            self._graph(bucket, launch_kind, short, io=io).launch(self.stream)
-        else:
-            key = ("decode", bucket, launch_kind, short)
-            if key not in self._eager:
-                self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
-                )
-            self._run(self._eager[key])
-        ids = self._read_ids(n, copied=io).tolist()
-        return self._host_sample_penalised(items, ids) if kind == "host" else ids
-
-    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
-        """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
-        step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
-        if not rows:
-            return ids
-        logits = self.read_logits(max(rows) + 1)
-        for r in rows:
-            ids[r] = sample_item(logits[r], items[r])
-        return ids
 
     def read_logits(self, rows: int) -> np.ndarray:
         """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
@@ -698,30 +446,6 @@ class CudaRunner:
         return self._graphs[key][0]
 
     # ----------------------------------------------------------------------------- prefill
-
-    def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:
-        """Pack the prefill items into passes of at most ``prefill_chunk_tokens`` rows: each entry is
-        (item index, item, lo, hi), the item's tokens lo..hi-1. A long item is split over consecutive
-        passes (its earlier chunk's KV is in the cache before the next pass). With a plan whose
-        prefill attention is not varlen, every pass holds one sequence."""
-        chunk = self.profile.prefill_chunk_tokens
-        max_seqs = self._max_rows if self._varlen else 1
-        passes: list[list[tuple[int, StepItem, int, int]]] = []
-        cur: list[tuple[int, StepItem, int, int]] = []
-        used = 0
-        for idx, it in enumerate(items):
-            lo, n = 0, len(it.token_ids)
-            while lo < n:
-                if used == chunk or len(cur) == max_seqs:
-                    passes.append(cur)
-                    cur, used = [], 0
-                take = min(n - lo, chunk - used)
-                cur.append((idx, it, lo, lo + take))
-                used += take
-                lo += take
-        if cur:
-            passes.append(cur)
-        return passes
 
     def _run_prefill_pass(self, segs: list[tuple[int, StepItem, int, int]]) -> dict[int, int]:
         """One eager prefill pass over several sequences' chunks, then the head on the last row of
@@ -778,21 +502,6 @@ class CudaRunner:
         if kind == "host":
             ids = self._host_sample_penalised(hitems, ids)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
-
-    def _head_input_rows(self) -> list[tuple[str, int, int]]:
-        """Values the head reads that the layers produced (moved to rows 0..k-1 before the head)."""
-        if self._head_inputs is None:
-            produced_in_head: set[str] = set()
-            needed: list[str] = []
-            for step in self.plan.steps:
-                if not step.head:
-                    continue
-                for name in step.op.inputs:
-                    if name not in produced_in_head and name not in needed:
-                        needed.append(name)
-                produced_in_head.update(step.op.outputs)
-            self._head_inputs = [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
-        return self._head_inputs
 
     # ----------------------------------------------------------------------------- measurement
 
@@ -853,13 +562,6 @@ class CudaRunner:
 
 TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
 
-def _on_host(it: StepItem) -> bool:
-    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
-    return it.sample and (it.allowed is not None or it.sampling.needs_host)
-
-
-_CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
-
 
 def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) -> bool:
     """Programmatic dependent launch: MEMRA_PDL (1/0) if set, else the profile's
@@ -884,13 +586,6 @@ def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) ->
         )
         return False
     return want
-
-
-def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
-    """The launches key of a decode pass of ``bucket`` rows (WIDE from ``plan.wide_rows`` up)."""
-    if bucket == 1:
-        return "decode1"
-    return WIDE if wide_rows and bucket >= wide_rows else "decode"
 
 
 def _call_htod(ptr: int, host: np.ndarray, stream: cuda.Stream) -> None:

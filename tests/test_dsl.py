@@ -250,13 +250,13 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), 132)
     base = select(h200)
-    monkeypatch.setenv("MEMRA_TUNE", "gemv.fuse_norm=true; gemv_coop.types=[bf16, q8_0]; gemv_coop.unroll=4")
+    monkeypatch.setenv("MEMRA_TUNE", "gemv.fuse_glu=false; gemv_coop.types=[bf16, q8_0]; gemv_coop.unroll=4")
     tuned = select(h200)
-    assert tuned.tuning["gemv"]["fuse_norm"] is True and base.tuning["gemv"]["fuse_norm"] is False
+    assert tuned.tuning["gemv"]["fuse_glu"] is False and base.tuning["gemv"]["fuse_glu"] is True
     assert tuned.tuning["gemv_coop"] == {**base.tuning["gemv_coop"], "types": ["bf16", "q8_0"], "unroll": 4}
     assert tuned.tuning["gemm"] == base.tuning["gemm"] and tuned.name == "h200"
     for bad, msg in (
-        ("gemv.fuse_nrm=true", "did you mean 'fuse_norm'"),
+        ("gemv.fuse_gl=true", "did you mean 'fuse_glu'"),
         ("gemvx.unroll=2", "unknown key"),
         ("gemv.unroll=-1", "positive"),
         ("gemv", "expected section.knob=value"),
@@ -264,6 +264,45 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
     ):
         with pytest.raises(ConfigError, match=msg):
             with_tuning(base, bad)
+
+
+def test_tuning_is_one_frozen_dataclass_per_kernel_family(tmp_path):
+    """engine.tuning: each family's knobs are a frozen dataclass with its defaults; a profile's
+    values come in validated (file and key named) and read as attributes or as a Mapping."""
+    import dataclasses
+
+    from engine import tuning
+    from engine.profile import get_profile, load_profile
+
+    h200 = get_profile("h200")
+    assert set(h200.tuning) == set(tuning.SECTIONS)
+    coop = h200.tuning["gemv_coop"]
+    assert isinstance(coop, tuning.GemvCoop) and coop.q8x and coop["q8x_threads"] == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        coop.q8x = False  # type: ignore[misc]
+    assert tuning.Gemv().threads == 256 and get_profile("generic-sm80").tuning["gemv"] == tuning.Gemv()
+    bad = tmp_path / "h200.yaml"
+    bad.write_text(Path(h200.path).read_text().replace("rows_per_block: 4,", "rows_per_block: -4,", 1))
+    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv.rows_per_block: expected a positive number"):
+        load_profile(bad)
+
+
+def test_every_knob_a_profile_sets_is_in_the_knob_table():
+    """docs/kernels.md "Tuning knobs": every knob some profile sets to a non-default value has its
+    line (the knob rule: non-default somewhere, with its measured gain recorded)."""
+    from engine import tuning
+    from engine.profile import all_profiles
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    table = text[text.index("## Tuning knobs") : text.index("## Catalog API")]
+    defaults = tuning.defaults()
+    missing = set()
+    for prof in all_profiles().values():
+        for section, knobs in prof.tuning.items():
+            for name, value in knobs.items():
+                if value != defaults[section][name] and name not in table:
+                    missing.add(f"{section}.{name}")
+    assert not missing, f"set in a profile but not in docs/kernels.md's knob table: {sorted(missing)}"
 
 
 def test_qwen3_5_reads_rope_fields_in_both_config_forms():

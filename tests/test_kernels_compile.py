@@ -174,8 +174,6 @@ def test_gemv_q8x_rules_and_shared_memory():
     assert "q8x" not in kc.spec("gemv", quant="q4_k", **base).entry  # off: the measured entry names
     with pytest.raises(ConfigError, match="q8x .* is for q4_k, q8_0r, q6_kr"):
         kc.spec("gemv", quant="bf16", q8x=True, **base)
-    with pytest.raises(ConfigError, match="replaces xsmem"):
-        kc.spec("gemv", quant="q8_0r", q8x=True, xsmem=True, **base)
     with pytest.raises(ConfigError, match="q8x is a coop-layout option"):
         kc.spec("gemv", quant="q4_k", q8x=True, **{**base, "coop": False, "rows_per_block": 4})
 
@@ -311,26 +309,20 @@ def test_gemm_variants_compile_for_every_arch(tmp_path):
 
 
 def _gemv_variant_specs():
-    """The gemv options the plan does not pick by default (x rows staged in shared memory with the
-    prologue applied once per block, the staged path's chunk prefetch) on every storage type."""
+    """The gemv options the plan does not pick by default (the prologues, the staged path's chunk
+    prefetch) on every storage type."""
     tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
     out = []
     for q in kc.QUANTS:
         staged = kc.STAGED_DEFAULT[q]
         p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
         silu = dict(prologue="silu", x_stride=5120, u_off=2560)
-        out.append(kc.spec("gemv", **p, xsmem=True, prefetch=staged, **silu))
+        out.append(kc.spec("gemv", **p, prefetch=staged, **silu))
         p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
-        out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
-        out.append(kc.spec("gemv", **p, xsmem=True, xf32=True, prefetch=staged))
+        out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
         if staged:
             p = {**kc.linear_params(q, 1003, 2560, tun), "unroll": 4}
             out.append(kc.spec("gemv", **p, prefetch=True))
-        else:  # the first weight loads before pdl_wait (gemv.early_weights), with and without a prologue
-            p = kc.linear_params(q, 1003, 2560, tun, bmax=1, residual=True)
-            out.append(kc.spec("gemv", **p, early_w=True))
-            p = kc.linear_params(q, 1003, 2560, tun, bmax=8, out_dtype="f32")
-            out.append(kc.spec("gemv", **p, early_w=True, prologue="norm", x_stride=2560, eps=1e-6))
 
     # the warp-cooperative layout on every type it decodes (q8_0r / q6_kr / q4_0r / q4_1r: the
     # repacked planes)
@@ -350,7 +342,6 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **p))
             if bm == 1:  # with the fused prologues (x = rmsnorm(x) * w, or silu(gate) * up)
                 out.append(kc.spec("gemv", **p, prologue="norm", x_stride=2560, eps=1e-6))
-                out.append(kc.spec("gemv", **p, xsmem=True, prologue="norm", x_stride=2560, eps=1e-6))
             else:
                 out.append(kc.spec("gemv", **p, prologue="silu", x_stride=5120, u_off=2560))
                 out.append(kc.spec("gemv", **{**p, "pipeline": True}, tile_pf=True))
@@ -411,10 +402,10 @@ def _gemv_variant_specs():
             p = kc.linear_params(q, 2006, 2560, q8, bmax=bm, sm_count=132)
             p.update(threads=320, rows_per_block=40, ksplit=1, lanes=8, glu=1003, tile_pf=True)
             out.append(kc.spec("gemv", **p))
-        # the L2 prefetch of a later weight once x is staged (l2_pf; bulk, lines, evict_last)
+        # the L2 prefetch of a later weight once x is staged (l2_pf)
         p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
         out.append(kc.spec("gemv", **p, l2_pf="0:0:65536,0:1048576:4096"))
-        out.append(kc.spec("gemv", **p, l2_pf="0:0:4096,1:32:4096", l2_pf_lines=True, l2_pf_keep=True))
+        out.append(kc.spec("gemv", **p, l2_pf="0:0:4096,1:32:4096"))
     return out
 
 
@@ -434,7 +425,7 @@ def test_gemv_wsm_compiles_for_sm90_and_up_and_refuses_below(tmp_path):
         p = {**p, "wsm": True, "grid_cap": 7}
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
-        specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536", "l2_pf_keep": True}))  # once the tile landed
+        specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536"}))  # once the tile landed
         # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
         wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
         assert wc and 2560 % wc, (q, wc)
@@ -493,25 +484,10 @@ def test_gemv_options_validation_and_smem():
         kc.spec("gemv", **{**p, "residual": True, "out_dtype": "f32"})
     with pytest.raises(ConfigError, match="prefetch"):
         kc.spec("gemv", **{**p, "stage": False, "prefetch": True})
-    with pytest.raises(ConfigError, match="xsmem"):
-        kc.spec("gemv", **{**p, "k": 12288, "xsmem": True})
     plain = kc.choice("gemv", **p)
-    assert plain.smem == 0 and "xsmem" not in plain.spec.entry and "prefetch" not in plain.spec.entry
-    c = kc.choice("gemv", **p, xsmem=True)
-    # x rows + the staged chunks (8 warps x 1120 bytes) + the reduction, all dynamic
-    assert c.smem == 8 * 2560 * 2 + 8 * 1120 + 8 * 8 * 4 and c.spec.entry.endswith("_xsmem1")
-    with pytest.raises(ConfigError, match="xf32"):
-        kc.spec("gemv", **{**p, "xf32": True})
-    q = kc.linear_params("q4_k", 1024, 2560, tun)
-    assert kc.choice("gemv", **q, xsmem=True, xf32=True).smem == 8 * 2560 * 4 + 8 * 80 * 4 + 8 * 8 * 4
-    # early_w: the unstaged classic path only; the tuning switch skips staged types
-    with pytest.raises(ConfigError, match="early_w is an unstaged"):
-        kc.spec("gemv", **{**p, "early_w": True})
-    early = {"gemv": {**tun["gemv"], "early_weights": True}}
-    assert "early_w" not in kc.linear_params("q8_0", 1024, 2560, early)
-    e = kc.spec("gemv", **kc.linear_params("bf16", 1024, 2560, early))
-    assert e.params["early_w"] and e.entry.endswith("early_w1")
-    assert "pdl_wait();" not in render(e).split("load_units(w + (size_t)col")[0].split(e.entry)[1]
+    assert plain.smem == 0 and "prefetch" not in plain.spec.entry
+    pf = kc.choice("gemv", **p, prefetch=True)
+    assert pf.smem == 0 and pf.spec.entry.endswith("_prefetch1")
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
@@ -557,24 +533,18 @@ def _attention_variant_specs():
                 )
             )
         out.append(kc.spec("attention_combine", heads=heads, head_dim=hd, split=512, out_stride=heads * hd))
-        # the direct kernel with its early trigger (attention_decode.trigger)
+        # the direct kernel with its early trigger (attention_decode.trigger_b1)
         direct = out[-3].params  # (True, True, 4)
         assert direct["direct"] and direct["vec16"]
         out.append(kc.spec("attention", **{**direct, "trigger": True}))
-        # and its L2 prefetch of later weights (attention_decode.l2_prefetch_*): bulk at the start,
-        # by lines after pdl_wait
+        # and its L2 prefetch of later weights (attention_decode.l2_prefetch_o), at the start
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:40960,1:160:8192"}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_late": True, "l2_pf_lines": True}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True}))
-        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096", "l2_pf_keep": True, "l2_pf_lines": True}))
-    # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with both prefetch placements
+        out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096"}))
+    # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with its prefetch
     from test_plan import _q4_k_m_plan
 
-    for late in ("false", "true"):
-        plan = _q4_k_m_plan(
-            f"attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.l2_prefetch_late={late}"
-        )
-        out.append(next(la.spec for st in plan.steps for la in st.launches.get("short1", ()) if la.spec.params["l2_pf"]))
+    plan = _q4_k_m_plan("attention_decode.l2_prefetch_o=true")
+    out.append(next(la.spec for st in plan.steps for la in st.launches.get("short1", ()) if la.spec.params["l2_pf"]))
     return list(dict.fromkeys(out))
 
 
@@ -597,13 +567,13 @@ def test_attention_prefill_contract():
 def test_attention_l2_prefetch_args_ranges_and_rules():
     """l2_pf: "A:OFF:BYTES" ranges read by kc.l2_pf_ranges (16-byte aligned, A < L2_PF_MAX_ARGS),
     one pointer arg pfA per weight after the kernel's own (the signature agrees), each range
-    prefetched once, at the start or (l2_pf_late) after pdl_wait; the rules name what is wrong."""
+    prefetched once, at the start, by bulk prefetches on sm_90; the rules name what is wrong."""
     assert kc.l2_pf_ranges("0:0:4096,1:160:8192") == ((0, 0, 4096), (1, 160, 8192))
     for bad in ("0:0", "0:8:4096", "0:0:100", "0:0:0", "9:0:16", "a:0:16"):
         with pytest.raises(ValueError):
             kc.l2_pf_ranges(bad)
     specs = [s for s in _attention_variant_specs() if s.template == "attention" and s.params["l2_pf"]]
-    assert len(specs) >= 4
+    assert len(specs) >= 3
     gemvs = [s for s in _gemv_variant_specs() if s.params["l2_pf"]]
     assert len(gemvs) == 2 * len(kc.Q8X_TYPES)
     for s in gemvs:  # (the call once x is staged, in the kernel after the signature)
@@ -611,7 +581,6 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
         params, args = _signature_params(src, s.entry), kc.kernel_args(s)
         assert len(params) == len(args) and params[-1].endswith(args[-1][0]) and args[-1][0].startswith("pf")
         assert src.count("L2_PF_CALL();") == 1
-        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
     with pytest.raises(ConfigError, match="batch-1 q8x coop option"):
         kc.spec("gemv", **{**gemvs[0].params, "bmax": 8})
     with pytest.raises(ConfigError, match="takes no l2_pf"):
@@ -627,18 +596,14 @@ def test_attention_l2_prefetch_args_ranges_and_rules():
             assert src.count(f"l2_prefetch(pf{a} + {off}ull, {n}u, t, nt);") == 1
         body = src[src.index(f"{s.entry}(") :]
         call = body.index("L2_PF_CALL();")
-        assert (call > body.index("pdl_wait();")) == s.params["l2_pf_late"], s.entry
+        assert call < body.index("pdl_wait();"), s.entry
         assert body.count("L2_PF_CALL();") == 1
-        assert ('asm volatile("cp.async.bulk.prefetch.L2' in src) != s.params["l2_pf_lines"]
-        assert ("::evict_last" in src) == s.params["l2_pf_keep"]
+        assert 'asm volatile("cp.async.bulk.prefetch.L2' in src
     d = dict(specs[0].params)
     with pytest.raises(ConfigError, match="l2_pf=.*A:OFF:BYTES"):
         kc.spec("attention", **{**d, "l2_pf": "0:0"})
     with pytest.raises(ConfigError, match="needs the direct decode kernel"):
         kc.spec("attention", **{**d, "direct": False})
-    for opt in ("l2_pf_late", "l2_pf_lines", "l2_pf_keep"):
-        with pytest.raises(ConfigError, match="needs? l2_pf"):
-            kc.spec("attention", **{**d, "l2_pf": "", opt: True})
     assert kc.spec("attention", **d).entry != kc.spec("attention", **{**d, "l2_pf": "0:0:4096"}).entry
 
 

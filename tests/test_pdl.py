@@ -50,18 +50,6 @@ def test_the_spec_pdl_field_follows_the_template_contract(monkeypatch):
     assert not kc.spec("silu_mul", inter=1536, in_stride=3072, threads=256).pdl
 
 
-def test_early_weight_gemv_preloads_only_weights():
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2, "early_weights": True}}
-    for q in ("bf16", "q4_k"):
-        s = kc.spec("gemv", **kc.linear_params(q, 1024, 2048, tun, bmax=1, residual=True))
-        src = render(s)
-        assert s.params["early_w"] and waits_first(src, s.entry)
-        before = src[src.index(f"{s.entry}(") :].split("pdl_wait();")[0]
-        # before the wait: the weight row only (no x, out or residual access)
-        assert "load_units(w + (size_t)col" in before
-        assert not any(f"{a}[" in before or f"{a} +" in before for a in ("x", "out", "residual"))
-
-
 def test_waits_first_reads_the_first_statement_of_the_body():
     ok = "__global__ void k_1(int* a,\n    int n)\n{\n    // note\n\n    pdl_wait(); pdl_trigger();\n    a[0] = n;\n}\n"
     assert waits_first(ok, "k_1")

@@ -247,23 +247,6 @@ def test_tiny_q4_k_m_pairs_keep_the_v_shape(tmp_path):
     assert vq == ["q6_kr", "q4_k"]
 
 
-def test_pair_min_smem_spreads_the_pair_where_it_fits_in_one_round():
-    """decode_graph.pair_min_smem_kb: the gemv_pair launch asks for that much dynamic shared memory
-    where all its 231 blocks still fit at once (76 KB: two per SM, 264), not where they would not
-    (114 KB: one per SM); the kernel is the same and no other launch changes."""
-
-    def b1(plan):
-        return [(la.spec, la.smem) for st in plan.steps for la in st.launches["decode1"] if la.spec.template.startswith("gemv")]
-
-    pair = "decode_graph.pair_linears=true"
-    base = b1(_q4_k_m_plan(pair))
-    for kb, want in ((76, 76 * 1024), (114, 61440), (0, 61440)):
-        got = b1(_q4_k_m_plan(f"{pair}; decode_graph.pair_min_smem_kb={kb}"))
-        assert [s for s, _ in got] == [s for s, _ in base]
-        for (spec, smem), (_, old) in zip(got, base, strict=True):
-            assert smem == (want if spec.template == "gemv_pair" else old), (kb, spec.entry)
-
-
 def test_pair_min_blocks_sets_the_pair_launch_bounds():
     """decode_graph.pair_min_blocks: both parts carry min_blocks, so the pair kernel is declared
     __launch_bounds__(threads, N) (ptxas then fits the q6_kr part in 64 registers without spills
@@ -610,44 +593,6 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
     assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0
 
 
-@pytest.mark.parametrize(
-    "family,size,quant", [("llama", "smollm2-135m", "q4_1"), ("qwen3", "qwen3-0.6b", "bf16")]
-)
-@pytest.mark.parametrize("coop", [False, True])
-def test_decode_fuses_rmsnorm_and_silu_into_the_gemvs(family, size, quant, coop):
-    import dataclasses
-
-    prof = get_profile("h200")
-    tuning = {
-        **prof.tuning,
-        "gemv": {**prof.tune("gemv"), "fuse_norm": True, "fuse_silu": True, "fuse_glu": False},
-    }
-    tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": ["bf16", "q4_1"] if coop else []}
-    graph = load_family(family)
-    plan = build_plan(
-        graph, dims_for_size(family, size), graph.quant(quant), dataclasses.replace(prof, tuning=tuning)
-    )
-    for step in plan.steps:
-        if step.op.op in ("rmsnorm", "silu_mul"):
-            assert step.launches["decode1"] == () and step.launches["decode"] == ()
-            assert len(step.launches["prefill"]) == 1  # prefill (GEMM) keeps the kernels
-    for mode in ("decode1", "decode"):
-        pro = {}
-        for step in plan.steps:
-            if step.op.op == "linear":
-                (lin,) = step.launches[mode][:1]
-                pro[step.op.inputs[0]] = lin.spec.params["prologue"]
-                assert lin.spec.params["coop"] is coop  # bf16, and q4_1 uploaded as q4_1r
-                if lin.spec.params["prologue"] == "norm":
-                    # x is the norm's input (the residual stream), the norm weight a trailing arg
-                    assert lin.args[-1].kind == "weight" and float(lin.spec.params["eps"]) > 0
-                if lin.spec.params["prologue"] == "silu":
-                    assert lin.spec.params["u_off"] == plan.dims["intermediate"]
-        assert set(pro.values()) == {"norm", "silu", "none"}, pro
-        head = [s for s in plan.steps if s.head]
-        assert head[-1].launches[mode][0].spec.params["prologue"] == "norm"  # final norm in lm_head
-
-
 def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
     from engine.graph import Op
     from engine.plan import _prologue_fusable
@@ -669,7 +614,7 @@ def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
 
 
 def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_up():
-    # tuning.gemv.fuse_norm / fuse_silu are off (measured slower), fuse_glu is on
+    # the rmsnorm launches stay (bf16 readers are no q8x GEMVs), gemv.fuse_glu is on
     plan = plan_for("qwen3", "qwen3-4b")
     for step in plan.steps:
         if step.op.op == "rmsnorm":
@@ -686,13 +631,13 @@ def _decode_gemvs(plan):
             yield from (la for la in step.launches[mode] if la.spec.template == "gemv")
 
 
-def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
+def test_gemv_prefetch_knob_reaches_the_staged_decode_launches():
     import dataclasses
 
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "xsmem": True, "prefetch": True, "xf32": True}}
+    tuning = {**prof.tuning, "gemv": {**prof.tune("gemv"), "prefetch": True}}
     tuning["gemv_coop"] = {**prof.tune("gemv_coop"), "types": []}  # the classic layout's knobs
     graph = load_family("qwen3")
     plan = build_plan(
@@ -704,19 +649,15 @@ def test_gemv_xsmem_and_prefetch_knobs_reach_the_decode_launches():
     seen = 0
     for la in _decode_gemvs(plan):
         p = la.spec.params
-        fits = kc.gemv_smem({**p, "xsmem": True, "xf32": False}) <= kc.GEMV_XSMEM_MAX
-        assert p["xsmem"] is fits and la.smem == (kc.gemv_smem(p) if fits else 0)
-        assert p["xf32"] is (fits and kc.gemv_smem({**p, "xf32": True}) <= kc.GEMV_XSMEM_MAX)
-        assert p["prefetch"] is p["stage"]
+        assert p["prefetch"] is p["stage"] and la.smem == 0
         seen += 1
     assert seen
-    # off by default: the h200 plan's gemv entry names and launches are the measured ones (its
-    # q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows, never xsmem)
+    # the h200 plan's q8_0 GEMVs are coop q8x: dynamic shared memory for the int8 x rows
     for step in plan_for("qwen3", "qwen3-4b", "q8_0").steps:
         for la in step.launches["decode"]:
             if la.spec.template == "gemv":
                 p = la.spec.params
-                assert not p["xsmem"] and la.smem == (kc.gemv_smem(p) if p["q8x"] else 0)
+                assert la.smem == (kc.gemv_smem(p) if p["q8x"] else 0)
 
 
 def test_gemv_coop_q8x_where_the_int8_rows_fit():
@@ -828,7 +769,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
                 p = la.spec.params
                 assert p["coop"] and p["quant"] == "q8_0r" and p["threads"] == 128
                 assert p["rows_per_block"] == 8 and la.grid[0] == -(-p["n"] // 8) and la.block == (128,)
-                assert not (p["stage"] or p["xsmem"]) and "coop1" in la.spec.entry
+                assert not p["stage"] and "coop1" in la.spec.entry
                 seen["gemv"] += 1
         for la in step.launches["prefill"]:
             if la.spec.template in ("gemm", "embed"):
@@ -1104,38 +1045,6 @@ def test_direct_attention_splits_query_heads_over_grid_z():
             assert split and all(la.spec.params["qsplit"] == 1 for la in split)
 
 
-def test_fuse_norm1_folds_rmsnorm_into_bf16_readers_at_batch_1_only():
-    """gemv.fuse_norm1: in decode1 the rmsnorm launches go (their readers, classic bf16 GEMVs, get
-    the norm prologue, the lm_head included); the batched decode mode and prefill keep them."""
-    from engine.profile import with_tuning
-
-    graph = load_family("qwen3")
-    prof = with_tuning(get_profile("h200"), "gemv.fuse_norm1=true")
-    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
-    base = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
-
-    def kinds(p, mode, head=False):
-        return [
-            la.spec.template
-            for st in p.steps
-            if (st.head if head else st.layer == 3)
-            for la in st.launches[mode]
-        ]
-
-    assert "rmsnorm" not in kinds(plan, "decode1") and "rmsnorm" not in kinds(plan, "decode1", head=True)
-    gemvs = [
-        la.spec.params
-        for st in plan.steps
-        if st.layer == 3
-        for la in st.launches["decode1"]
-        if la.spec.template == "gemv"
-    ]
-    assert sorted(p["prologue"] for p in gemvs) == ["none", "none", "norm", "norm"]
-    assert kinds(plan, "decode") == kinds(base, "decode") and kinds(plan, "decode").count("rmsnorm") == 2
-    assert kinds(plan, "prefill") == kinds(base, "prefill")
-    assert kinds(base, "decode1").count("rmsnorm") == 2
-
-
 def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
     """gemm_wgmma.dequant_min_rows: a quantised prefill linear has two paths, picked by the pass's
     rows: from that many rows the matrix is dequantised into the bf16 scratch (embed over ids
@@ -1170,27 +1079,6 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
         ("embed", 0, 0),
         ("gemm_wgmma", 0, 0),
     ]
-
-
-def test_early_weights_marks_the_unstaged_decode_gemvs_only():
-    """gemv.early_weights: every classic unstaged decode GEMV (bf16 here, lm_head included) loads its
-    first weight units before pdl_wait; staged GGUF types and coop GEMVs do not take the option."""
-    from engine.profile import with_tuning
-
-    graph = load_family("qwen3")
-    on = with_tuning(get_profile("h200"), "gemv.early_weights=true")
-    for quant, want in (("bf16", True), ("q8_0", False)):
-        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant(quant), on)
-        gemvs = [
-            la.spec.params
-            for st in plan.steps
-            for mode in ("decode1", "decode")
-            for la in st.launches[mode]
-            if la.spec.template == "gemv"
-        ]
-        assert gemvs and all(p["early_w"] == (want and not (p["stage"] or p["coop"])) for p in gemvs)
-    off = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), get_profile("h200"))
-    assert not any(la.spec.params.get("early_w") for st in off.steps for la in st.launches["decode1"])
 
 
 def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
@@ -1614,19 +1502,16 @@ def test_attention_trigger_b1_is_a_short1_launch_of_the_direct_kernel():
 
 
 def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch():
-    """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: each attention step's SHORT1 launch is
-    the direct kernel with l2_pf ranges over its own layer's o weight (whole) and the first KB of
-    its gate|up (half from the gate rows, half from the up rows GLU rows on), those weights as
-    trailing pointer args; other keys of every step are the plan's without the knobs; it keeps
-    trigger_b1's trigger."""
+    """attention_decode.l2_prefetch_o: each attention step's SHORT1 launch is the direct kernel with
+    an l2_pf range over its own layer's o weight (whole), that weight a trailing pointer arg; other
+    keys of every step are the plan's without the knob; it keeps trigger_b1's trigger."""
     from engine import kernel_catalog as kc
     from engine.ir import SHORT1, Arg
 
     base = _q4_k_m_plan("")
-    tune = "attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=4096; attention_decode.trigger_b1=true"
+    tune = "attention_decode.l2_prefetch_o=true; attention_decode.trigger_b1=true"
     plan = _q4_k_m_plan(tune)
     trig = _q4_k_m_plan("attention_decode.trigger_b1=true")
-    inter = plan.dims["intermediate"]
     seen = 0
     for s, t, tr in zip(base.steps, plan.steps, trig.steps, strict=True):
         assert {k: v for k, v in t.launches.items() if k != SHORT1} == s.launches
@@ -1635,17 +1520,13 @@ def test_attention_l2_prefetch_names_the_layers_next_weights_in_a_short1_launch(
             continue
         seen += 1
         (la,), (short,) = t.launches[SHORT1], tr.launches[SHORT1]
-        o, gu = plan.weight(f"L{s.layer}.wo"), plan.weight(f"L{s.layer}.w_gate|w_up")
-        half = inter * row_bytes(gu.dtype, gu.cols)
-        assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, o.nbytes), (1, 0, 2048 * 1024), (1, half, 2048 * 1024))
+        o = plan.weight(f"L{s.layer}.wo")
+        assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, o.nbytes),)
         assert la.spec.params == {**short.spec.params, "l2_pf": la.spec.params["l2_pf"]} and la.spec.params["trigger"]
-        assert la.args == short.args + (Arg("weight", o.key), Arg("weight", gu.key))
+        assert la.args == short.args + (Arg("weight", o.key),)
         assert (la.grid, la.block, la.smem) == (short.grid, short.block, short.smem)
         assert len(kc.kernel_args(la.spec)) == len(la.args)
     assert seen == plan.dims["layers"]
-    only_next = _q4_k_m_plan("attention_decode.l2_prefetch_next_kb=1; attention_decode.l2_prefetch_late=true")
-    (la,) = next(st for st in only_next.steps if st.op.op == "attention").launches[SHORT1]
-    assert kc.l2_pf_ranges(la.spec.params["l2_pf"]) == ((0, 0, 512), (0, half, 512)) and la.spec.params["l2_pf_late"]
 
 
 def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
@@ -1672,24 +1553,6 @@ def test_o_prefetch_next_kb_puts_the_gate_up_rows_on_the_o_gemv():
             assert new.spec.params == {**la.spec.params, "l2_pf": new.spec.params["l2_pf"]}
             assert "L2_PF_CALL();" in render(new.spec)
     assert changed == plan.dims["layers"]
-
-
-def test_attention_trigger_is_on_the_direct_decode_kernel_only():
-    """attention_decode.trigger: the short-context direct kernel calls pdl_trigger() at its start
-    (so the o GEMV launches beside it); the split kernels do not; off, no attention kernel triggers."""
-
-    def attn(plan, key):
-        return {la.spec for st in plan.steps for la in st.launches.get(key, ()) if la.spec.template.startswith("attention")}
-
-    on = _q4_k_m_plan("attention_decode.trigger=true")
-    off = _q4_k_m_plan("attention_decode.trigger=false")
-    (short,), (short_off,) = attn(on, "short"), attn(off, "short")
-    assert short.params["trigger"] and not short_off.params["trigger"]
-    assert "pdl_trigger();" in render(short)
-    assert "pdl_trigger();" not in render(short_off)
-    for spec in attn(on, "decode") | attn(on, "decode1"):
-        assert not spec.params.get("trigger"), spec.entry
-    assert short_off.entry.count("trigger") == 0  # off: the kernel name of the plans before the knob
 
 
 def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():

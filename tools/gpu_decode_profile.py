@@ -1,7 +1,7 @@
 """Where a decode step's time goes, and tuning A/Bs of it, on the GPU machine.
 
     PYTHONPATH=. python tools/gpu_decode_profile.py --out $OUT --shapes smollm2-135m,qwen3-0.6b \
-        --variant fuse='gemv.fuse_norm=true; gemv.fuse_silu=true' --variant coop='gemv_coop.types=[bf16]'
+        --variant glu='gemv.fuse_glu=false' --variant coop='gemv_coop.types=[bf16]'
 
 For each shape (a random checkpoint with the real shapes, written by tools/make_checkpoint.py under
 /dev/shm, or ``--model PATH``) and each variant (the selected profile, then each ``--variant

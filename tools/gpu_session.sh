@@ -511,7 +511,7 @@ for st in $STAGES; do
     KS2="$(T4="${T4/q8x_ksplit: 4/q8x_ksplit: 2}"; P)"; L8="$(T6="${T6/q8x_lanes_per_row: 16/q8x_lanes_per_row: 8}"; P)"
     BATCHES=1 ab sweep21 200 q4_k_m --breakdown --variant profile_tt="$(P)" --variant qs2="$A.direct_qsplit=2" --variant dw4="$A.direct_warps=4" \
       --variant pmb3="decode_graph.pair_min_blocks=3" --variant t256="$T256" --variant t384="$T384" --variant ks2="$KS2" \
-      --variant q6l8="$L8" --variant og6="$OG=6144" --variant og12="$OG=12288" --variant n2m="$A.l2_prefetch_next_kb=2048" --variant profile2=""
+      --variant q6l8="$L8" --variant og6="$OG=6144" --variant og12="$OG=12288" --variant profile2=""
     grep -h "b1  \|rel" $RES/sweep21_q4_k_m.log > $RES/sweep21.sum; pack sweep21 ;;
   small21)  # the issue's small-model targets on the profile: the SmolLM2-shaped q4_1 GGUF, the
     # Qwen3-0.6B and SmolLM2-shaped bf16 checkpoints, b1 and b8 (GPU time and wall)

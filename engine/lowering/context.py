@@ -49,11 +49,9 @@ class Lowerer:
         self.dims = dims
         self.rope_style = rope_style
         self.pending_norm: dict[tuple[Any, str, str], WeightPlan] = {}  # (layer, mode, value) -> norm
-        # decode-mode GEMV prologues: (id(op), layer) of the fusable rmsnorm/silu_mul ops (build_plan
-        # sets it) and (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset)
-        self.fusable: set[tuple[int, int | None]] = set()
-        # ... and those fused in decode1 only (gemv_coop.q8x_fuse: every reader a batch-1 q8x GEMV;
-        # at batch 8 each block's extra pass over its x rows costs more than the launch it saves)
+        # decode1 GEMV prologues: (id(op), layer) of the rmsnorm/silu_mul ops folded into their
+        # readers (gemv_coop.q8x_fuse: every reader a batch-1 q8x GEMV; build_plan sets it) and
+        # (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset) | ("glu", gate, 0)
         self.fusable1: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
@@ -97,8 +95,7 @@ class Lowerer:
 
     def fused(self, op: Op, layer: int | None, mode: str) -> bool:
         """Whether the rmsnorm / silu_mul op runs inside its readers' GEMVs in this decode mode."""
-        key = (id(op), layer)
-        return key in self.fusable or (mode == "decode1" and key in self.fusable1)
+        return mode == "decode1" and (id(op), layer) in self.fusable1
 
     def act_dtype(self, value: str) -> str:
         return self.value_dtypes.get(value) or ("f32" if value == "logits" else "bf16")

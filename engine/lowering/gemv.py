@@ -98,7 +98,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
-        # xsmem / prefetch from the tuning (off by default)
+        # prefetch from the tuning (staged path)
         staged = kc.STAGED_DEFAULT.get(w.dtype, False)
         opts = kc.gemv_options({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
     spec = ctx.spec(
@@ -128,7 +128,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         grid += (parts,)
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
-    smem = kc.gemv_smem(spec.params) if opts.get("xsmem") or opts.get("q8x") else 0
+    smem = kc.gemv_smem(spec.params) if opts.get("q8x") else 0
     # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
     fit = bool(spec.params.get("grid_cap")) and bool(
         ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
@@ -145,9 +145,8 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     early behind them. The second part is re-planned in the first's block shape. Pairs only
     coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
-    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.
-    pair_min_smem_kb may raise its shared memory so that its blocks spread over more SMs, and
-    pair_min_blocks sets the kernel's __launch_bounds__ minimum of blocks per SM."""
+    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
+    sets the kernel's __launch_bounds__ minimum of blocks per SM."""
     if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
         return None
     a = launches[0]
@@ -167,7 +166,6 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
         ctx.profile.tuning, smem, blocks, ctx.profile.sm_count
     ):
         return None
-    smem = kc.spread_smem(ctx.profile.tuning, smem, blocks, ctx.profile.sm_count)
     return Launch(spec, (blocks, a.grid[1]), a.block, a.args + b.args, smem)
 
 

@@ -1,8 +1,8 @@
 """Lowering post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches.
 
 The knobs (docs/kernels.md, "attention option l2_pf"; the h200 profile turns on the attention's o
-prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_* (the direct
-attention prefetches its layer's o weight and the gate|up's first bytes),
+prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_o (the direct
+attention prefetches its layer's o weight),
 decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
 layers inside decode_graph.o_window_min_kb / o_window_max_kb (Lowerer.o_window). Each pass sets a
 kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the weights it names to the
@@ -22,17 +22,12 @@ from engine.quant import row_bytes
 
 @post_pass(30)
 def short1_attention(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
-    """Tuning attention_decode.l2_prefetch_o / l2_prefetch_next_kb: each attention step whose
-    batch-1 short-context launch is the direct kernel (SHORT1 where it has one, else a new
-    SHORT1 from its short launch) gets ``l2_pf`` ranges: the whole weight of the layer's next
-    linear (the o projection) and the first l2_prefetch_next_kb KB of the one after it, its
-    gate rows and its up rows half each where its batch-1 GEMV is the glu layout (tile t reads
-    gate rows t * RPB / 2 .. and the up rows as far past the gate's first, so the first tiles
-    of both halves come first). The weights are appended as pointer args pf0, pf1. Other batch
-    sizes, and steps whose SHORT1 is empty (the pair launch runs the attention), keep theirs."""
+    """Tuning attention_decode.l2_prefetch_o: each attention step whose batch-1 short-context
+    launch is the direct kernel (SHORT1 where it has one, else a new SHORT1 from its short
+    launch) gets an ``l2_pf`` range over the whole weight of the layer's next linear (the o
+    projection), appended as pointer arg pf0. Other batch sizes keep theirs."""
     t = ctx.tune("attention_decode")
-    want_o, next_kb = bool(t.get("l2_prefetch_o")), int(t.get("l2_prefetch_next_kb") or 0)
-    if not (want_o or next_kb):
+    if not t.get("l2_prefetch_o"):
         return
     for i, st in enumerate(steps):
         cur = st.launches.get(SHORT1, st.launches.get("short", ()))
@@ -42,26 +37,14 @@ def short1_attention(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], 
             continue
         later = linears_after(steps, i)
         targets: list[tuple[WeightPlan, list[tuple[int, int]]]] = []
-        if want_o and later:
-            o = weight_of(later[0], weights)
-            if o is not None:
-                targets.append((o, [(0, o.nbytes)]))
-        if next_kb and len(later) > 1:
-            first = _first_bytes(later[1], weights, next_kb * 1024)
-            if first is not None:
-                targets.append(first)
+        o = weight_of(later[0], weights) if later else None
+        if o is not None:
+            targets.append((o, [(0, o.nbytes)]))
         ranges = _l2_pf_ranges(targets)
         if not ranges:
             continue
         la = cur[0]
-        params = {
-            **la.spec.params,
-            "l2_pf": ranges,
-            "l2_pf_lines": bool(t.get("l2_prefetch_lines")),
-            "l2_pf_late": bool(t.get("l2_prefetch_late")) and bool(la.spec.params.get("vec16")),
-            "l2_pf_keep": bool(t.get("l2_prefetch_keep")),
-        }
-        spec = ctx.spec("attention", **params)
+        spec = ctx.spec("attention", **{**la.spec.params, "l2_pf": ranges})
         args = la.args + tuple(wgt(w) for w, _ in targets)
         st.launches[SHORT1] = (dataclasses.replace(la, spec=spec, args=args),)
 

@@ -416,10 +416,9 @@ def test_register_room_variants_give_the_same_bits(tmp_path):
 
 
 def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
-    """attention_decode.l2_prefetch_o / l2_prefetch_next_kb: at batch 1 and short contexts the
-    direct attention prefetches its layer's o weight and the gate|up's first rows into L2 (bulk
-    prefetches at its start, or line prefetches after its pdl_wait, or marked evict_last), or the
-    o GEMV prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
+    """attention_decode.l2_prefetch_o: at batch 1 and short contexts the direct attention
+    prefetches its layer's o weight into L2 (bulk prefetches at its start), or the o GEMV
+    prefetches the gate|up rows (decode_graph.o_prefetch_next_kb). A prefetch is a hint, so the
     logits must be the same bits as without it, replayed and eager."""
     from engine.ir import SHORT1
 
@@ -437,15 +436,11 @@ def test_attention_l2_prefetch_gives_the_same_bits(tmp_path):
         "decode_graph.o_window_min_kb=0; decode_graph.o_window_max_kb=0; attention_decode.l2_prefetch_o=false; "
         "attention_decode.trigger_b1=false; decode_graph.o_prefetch_next_kb=0"
     )
-    on = f"{off}; attention_decode.l2_prefetch_o=true; attention_decode.l2_prefetch_next_kb=256"
-    late = f"{on}; attention_decode.l2_prefetch_late=true; attention_decode.l2_prefetch_lines=true"
-    keep = f"{on}; attention_decode.l2_prefetch_keep=true"
+    on = f"{off}; attention_decode.l2_prefetch_o=true"
     variants = (
         ("off", off, True),
         ("start", on, True),
         ("start eager", on, False),
-        ("late lines", late, True),
-        ("keep", keep, True),
         ("o gemv", f"{off}; decode_graph.o_prefetch_next_kb=256", True),
     )
     logits = _q4_k_m_split_linears(tmp_path, variants, check)

@@ -166,32 +166,6 @@ def test_graph_replay_is_bit_identical_to_eager(models, batch):
     assert ids_graph == [runner.step([it])[0] for it in items]  # batched == alone
 
 
-def test_early_weight_loads_give_the_same_bits(models):
-    """gemv.early_weights changes when the first weight loads go out, not the arithmetic: eight
-    batch-1 decode steps (graph replays) give the default runner's logits bit for bit."""
-    from engine.profile import with_tuning
-    from engine.runner_cuda import CudaRunner
-
-    base, _ = models
-    tuned = with_tuning(base.profile, "gemv.early_weights=true")
-    runner = CudaRunner(base.model, profile=tuned, num_blocks=64, max_model_len=1024)
-    try:
-        assert any(la.spec.params.get("early_w") for st in runner.plan.steps for la in st.launches["decode1"])
-        rng = np.random.default_rng(11)
-        seq = [int(t) for t in rng.integers(1, DIMS["vocab"], 9)]
-        table = list(range(40, 44))
-        for r in (base, runner):
-            r.step([StepItem(0, seq, 0, table, True, GREEDY)])
-        for _ in range(8):
-            item = StepItem(0, [seq[-1]], len(seq) - 1, table, True, GREEDY)
-            ids = [r.step([item])[0] for r in (base, runner)]
-            la, lb = base.read_logits(1), runner.read_logits(1)
-            assert ids[0] == ids[1] and np.array_equal(la.view(np.uint32), lb.view(np.uint32))
-            seq.append(ids[0])
-    finally:
-        runner.close()
-
-
 def test_copy_bandwidth_is_measured_not_the_profiles(models):
     """`memra bench`'s copy row: a device-to-device copy of a buffer several times the L2, read +
     written bytes over the median time. On a data-centre card it lands within a factor of two of

@@ -1,0 +1,93 @@
+"""Kernel catalog: (template, params) -> KernelSpec, plus each kernel's launch contract.
+
+``spec(template, **params)`` validates a template's parameters (names, types, the divisibility
+rules the kernel relies on) and names its entry point; ``choice(...)`` adds the launch contract
+(argument list, grid as a function of the row count, block, dynamic shared memory) as a
+``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
+list (pointer / int / float, in order), which engine.lowering binds.
+``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
+
+Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
+weights are f32. Quantised weights are GGUF rows uploaded unchanged. Must not import CUDA, numpy
+or gguf (the GPU check script imports this on a machine without gguf).
+"""
+
+from __future__ import annotations
+
+from engine.kernel_catalog.builders import (  # noqa: F401
+    GEMM_KNOBS,
+    GEMM_WGMMA_KNOBS,
+    _pair_of,
+    all_specs,
+    attention_params,
+    attention_prefill_params,
+    coop_options,
+    direct_qsplit,
+    gemm_params,
+    gemm_wgmma_params,
+    gemv_layout,
+    linear_params,
+    one_round,
+    q8x_applies,
+    rope_params,
+    upload_type,
+)
+from engine.kernel_catalog.checks import (  # noqa: F401
+    _check,
+)
+from engine.kernel_catalog.contracts import (  # noqa: F401
+    _DEFAULT_NAME,
+    _QUIET_NAME,
+    I32,
+    KERNELS,
+    PAIR_PARTS,
+    PENALTY_BLOCKS,
+    QUANTS,
+    ROPE_STYLES,
+    STAGED_DEFAULT,
+    KernelDoc,
+    P,
+)
+from engine.kernel_catalog.layout import (  # noqa: F401
+    _COOP_FILE_TYPE,
+    ATTENTION_ROPE_ARGS,
+    ATTENTION_ROPE_PARAMS,
+    COOP_LAYOUTS,
+    COOP_Q8X_MAX,
+    COOP_SEG,
+    COOP_TYPES,
+    GEMM_SMEM_MAX,
+    GEMV_MIN_TYPES,
+    GEMV_XSMEM_MAX,
+    KPARTS_GRAIN,
+    L2_PF_MAX_ARGS,
+    Q8X_FILE_TYPES,
+    Q8X_TYPES,
+    WSM_CHUNKS_MAX,
+    WSM_SMEM_MAX,
+    _cdiv,
+    _fail,
+    _unprefixed,
+    attention_prefill_smem,
+    coop_step_elems,
+    gemm_smem,
+    gemm_wgmma_smem,
+    gemm_wgmma_tile_m,
+    gemv_grid_x,
+    gemv_options,
+    gemv_smem,
+    gemv_static_smem,
+    l2_pf_ranges,
+    pair_parts,
+    pair_smem,
+    pair_spec,
+    rope_head_blocks,
+    wsm_chunk_elems,
+)
+from engine.kernel_catalog.specs import (  # noqa: F401
+    KernelChoice,
+    choice,
+    kernel_args,
+    pair_with_min_blocks,
+    spec,
+)

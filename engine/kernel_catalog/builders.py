@@ -1,0 +1,507 @@
+"""Spec params from dims + profile tuning (linear / gemm / attention / rope params, the coop options,
+upload layouts) and ``all_specs``: every spec a model needs. Part of engine.kernel_catalog. Must not
+import CUDA, numpy or gguf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from engine.kernel_catalog.contracts import QUANTS, ROPE_STYLES, STAGED_DEFAULT
+from engine.kernel_catalog.layout import (
+    _COOP_FILE_TYPE,
+    ATTENTION_ROPE_PARAMS,
+    COOP_LAYOUTS,
+    COOP_Q8X_MAX,
+    COOP_TYPES,
+    KPARTS_GRAIN,
+    Q8X_TYPES,
+    WSM_SMEM_MAX,
+    _cdiv,
+    coop_step_elems,
+    gemv_options,
+    gemv_smem,
+    pair_spec,
+    wsm_chunk_elems,
+)
+from engine.kernel_catalog.specs import spec
+from engine.kernel_spec import KernelSpec
+from engine.quant import row_bytes
+from engine.types import ConfigError
+
+
+def linear_params(
+    quant: str,
+    n: int,
+    k: int,
+    tuning: Mapping[str, Any],
+    *,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    bmax: int | None = None,
+    stage: bool | None = None,
+    sm_count: int = 0,
+    threads: int = 0,
+) -> dict[str, Any]:
+    """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
+    ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
+    g = tuning["gemv"]
+    st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
+    bmax = bmax or g["max_batch"]
+    layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
+    opts = (
+        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
+        if layout.get("coop")
+        else gemv_options({**g, "threads": layout["threads"]}, st, bmax, k, quant)
+    )
+    return dict(
+        {**layout, **opts},
+        stage=False if layout.get("coop") else st,
+        quant=quant,
+        n=n,
+        k=k,
+        bmax=bmax,
+        residual=residual,
+        out_dtype=out_dtype,
+    )
+
+
+def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
+    """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
+    coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
+    cols % 256 == 0, q6_k / q4_0 / q4_1 the row-planar q6_kr / q4_0r / q4_1r (engine.quant.repack);
+    else the file's layout."""
+    types = (tuning.get("gemv_coop") or {}).get("types", ())
+    layout = COOP_LAYOUTS.get(dtype)
+    if layout is None or dtype not in types or (layout == "q8_0r" and cols % 256):
+        return dtype
+    return layout
+
+
+def coop_options(
+    tuning: Mapping[str, Any],
+    bmax: int,
+    k: int,
+    quant: str,
+    *,
+    n: int = 0,
+    sm_count: int = 0,
+    threads: int = 0,
+) -> dict[str, Any]:
+    """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
+    all are off: the default entry names). The knobs are gemv_coop's; the file type's
+    q8x_type_tuning entry overrides the general ones.
+
+    - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
+      COOP_Q8X_MAX. Then:
+      - block shape q8x_threads / q8x_rows_per_warp where set (as threads / rows_per_block);
+      - k split over q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n and the
+        file type is in q8x_ksplit_types (empty: every type), in blocks of q8x_ksplit_threads;
+        the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
+      - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
+      - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
+      - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
+        q8x_kparts_types (empty: every type) and k divides into whole segments;
+      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks, else at bmax 1
+        q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
+      - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
+        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
+        is at most q8x_b1_unroll_max_k (0: any k);
+      - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
+        KB, k is not split over blocks and the blocks that fit at once (the smaller of
+        q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
+    - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
+
+    ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
+    instead of the tuning's; the k split is then the largest up to the tuning's that divides
+    those warps (q4_k's 4 becomes 2 in 320-thread blocks).
+    """
+    c = tuning.get("gemv_coop") or {}
+    file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
+    # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
+    per_type = (c.get("q8x_type_tuning") or {}).get(file_type) or {}
+    c = {**c, **{key: v for key, v in per_type.items() if v}}
+    out: dict[str, Any] = {}
+    if q8x_applies(tuning, bmax, k, quant):
+        out["q8x"] = True
+        forced = threads
+        threads = forced or c.get("q8x_threads") or c["threads"]
+        rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
+        ksplit = int(c.get("q8x_ksplit") or 1)
+        kst = c.get("q8x_ksplit_types") or ()
+        if forced and ksplit > 1:  # the largest k split up to the tuning's that divides the warps
+            ksplit = max(d for d in range(1, ksplit + 1) if (forced // 32) % d == 0)
+        if (
+            ksplit > 1
+            and n
+            and int(c.get("q8x_ksplit_min_n") or 0) <= n <= int(c.get("q8x_ksplit_max_n") or 0)
+            and (not kst or file_type in kst)
+        ):
+            out["ksplit"] = ksplit
+            threads = forced or c.get("q8x_ksplit_threads") or threads
+        else:
+            ksplit = 1
+            if bmax == 1 and c.get("q8x_b1_rows_per_warp"):
+                rpw = c["q8x_b1_rows_per_warp"]
+        lanes = int(c.get("q8x_lanes_per_row") or 32)
+        unroll = int(c["unroll"])
+        b1_unroll = int(c.get("q8x_b1_unroll") or 0)
+        if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
+            unroll = out["unroll"] = b1_unroll  # segments in flight per lane and row
+        if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
+            out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
+        if lanes != 32:
+            out["lanes"] = lanes
+        if c.get("q8x_blocks_per_sm") and sm_count:
+            out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
+        parts = int(c.get("q8x_kparts") or 1)
+        kpt = c.get("q8x_kparts_types") or ()
+        if (
+            parts > 1
+            and (not kpt or file_type in kpt)
+            and k >= int(c.get("q8x_kparts_min_k") or 0)
+            and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
+        ):
+            out["kparts"] = parts
+        if int(c.get("q8x_stage_rounds") or 1) > 1 and k >= int(c.get("q8x_stage_rounds_min_k") or 0):
+            out["stage_rounds"] = int(c["q8x_stage_rounds"])
+        if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
+            out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
+        if c.get("q8x_early_residual") and bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+            out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
+        if int(c.get("q8x_min_blocks") or 0) > 0:
+            out["min_blocks"] = int(c["q8x_min_blocks"])
+        elif bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
+            out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
+        wkb = int(c.get("q8x_wsm_kb") or 0)
+        if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
+            rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
+            tile = rpb * row_bytes(quant, k)
+            wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
+            smem = gemv_smem(wp)
+            # every tile in one round of resident blocks (a block with a second tile would wait
+            # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
+            if tile <= wkb * 1024 and one_round(tuning, smem, _cdiv(n, rpb), sm_count):
+                out["wsm"] = True
+                if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
+                    # the tile in k chunks, one mbarrier each
+                    step = coop_step_elems(
+                        {"quant": quant, "q8x": True, "unroll": unroll, "lanes": lanes, "ksplit": ksplit}
+                    )
+                    wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
+                    if wc:
+                        out["wsm_chunk"] = wc
+    if c.get("pipeline"):
+        out["pipeline"] = True
+        if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
+            out["tile_pf"] = True
+    return out
+
+
+def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> bool:
+    """Whether ``blocks`` q8x GEMV blocks of ``smem`` bytes of dynamic shared memory are all on
+    the GPU at once: at most gemv_coop.q8x_blocks_per_sm (32 where unset) and 227 KB over ``smem``
+    blocks per SM, times ``sm_count`` (True where the SM count is unknown, 0)."""
+    per_sm = min(int((tuning.get("gemv_coop") or {}).get("q8x_blocks_per_sm") or 32), WSM_SMEM_MAX // smem)
+    return not sm_count or blocks <= per_sm * sm_count
+
+
+def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:
+    """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
+    int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""
+    c = tuning.get("gemv_coop") or {}
+    return (
+        bool(c.get("q8x"))
+        and quant in Q8X_TYPES
+        and gemv_smem({"q8x": True, "bmax": bmax, "k": k}) <= COOP_Q8X_MAX
+    )
+
+
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0) -> dict[str, Any]:
+    """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
+    uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
+    type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
+    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights)."""
+    c = tuning.get("gemv_coop") or {}
+    file_type = _COOP_FILE_TYPE.get(quant, quant)
+    if quant in COOP_TYPES and file_type in c.get("types", ()):
+        return dict(
+            coop=True,
+            threads=c["threads"],
+            rows_per_block=c["threads"] // 32 * c["rows_per_warp"],
+            unroll=c["unroll"],
+        )
+    g = tuning["gemv"]
+    threads = g["threads"]
+    if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
+        threads = int(g["b1_short_n_threads"])
+    return dict(threads=threads, rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
+
+
+# bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
+GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
+
+
+GEMM_KNOBS += ("swizzle", "fragbuf", "qprefetch", "raster")
+
+
+def gemm_params(
+    n: int,
+    k: int,
+    tuning: Mapping[str, Any],
+    *,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    quant: str = "bf16",
+    section: str = "gemm",
+) -> dict[str, Any]:
+    """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
+    batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
+    split_k) that divides it (the check still rejects a k no tile fits)."""
+    off = {"swizzle": False, "fragbuf": False, "qprefetch": False, "raster": False}
+    g = {"warps_m": 2, "split_k": 1, **off, **dict(tuning[section])}
+    if k % g["tile_k"]:
+        for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):
+            if k % tk == 0 and (quant == "bf16" or tk % 32 == 0):
+                g["tile_k"] = tk
+                break
+    return dict(
+        n=n, k=k, residual=residual, out_dtype=out_dtype, quant=quant, **{x: g[x] for x in GEMM_KNOBS}
+    )
+
+
+GEMM_WGMMA_KNOBS = ("tile_n", "consumers", "m_frags", "stages", "raster", "maxnreg")
+
+
+def gemm_wgmma_params(
+    n: int, k: int, tuning: Mapping[str, Any], *, residual: bool = False, out_dtype: str = "bf16"
+) -> dict[str, Any] | None:
+    """gemm_wgmma params for a bf16 weight of n x k from the profile's ``gemm_wgmma`` section, or
+    None where it does not apply (off on this profile, k % 64, n % 8): the caller keeps "gemm"."""
+    g = tuning.get("gemm_wgmma") or {}
+    if not g.get("enabled") or k % 64 or n % 8:
+        return None
+    p = {x: g[x] for x in GEMM_WGMMA_KNOBS}
+    if n < int(g.get("wide_min_n") or 0):  # few wide tiles: narrower ones keep every SM busy
+        p.update(tile_n=g["narrow_tile_n"], stages=g["narrow_stages"], maxnreg=False)
+    return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **p)
+
+
+def attention_prefill_params(
+    dims: Mapping[str, Any], tuning: Mapping[str, Any], block_size: int, *, q_stride: int, out_stride: int
+) -> dict[str, Any]:
+    a = tuning["attention_prefill"]
+    return dict(
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        block_size=block_size,
+        scale=float(dims["head_dim"]) ** -0.5,
+        q_stride=q_stride,
+        out_stride=out_stride,
+        block_q=a["block_q"],
+        block_kv=a["block_kv"],
+        warps=a["warps"],
+    )
+
+
+def attention_params(
+    dims: Mapping[str, Any],
+    tuning: Mapping[str, Any],
+    block_size: int,
+    *,
+    mode: str,
+    direct: bool,
+    q_stride: int,
+    out_stride: int,
+) -> dict[str, Any]:
+    a = tuning["attention_decode"]
+    warps = (a.get("direct_warps") or a["warps"]) if direct else a["warps"]
+    vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
+    step = (8 if vec16 else 4) * warps
+    split = max(step, a["split_kv_tokens"] // step * step)
+    return dict(
+        qsplit=direct_qsplit(dims["heads"] // dims["kv_heads"], tuning) if direct and mode == "decode" else 1,
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        block_size=block_size,
+        split=split,
+        scale=float(dims["head_dim"]) ** -0.5,
+        q_stride=q_stride,
+        out_stride=out_stride,
+        mode=mode,
+        direct=direct,
+        warps=warps,
+        vec16=vec16,
+    )
+
+
+def direct_qsplit(group: int, tuning: Mapping[str, Any]) -> int:
+    """The direct decode attention's split of a kv head's ``group`` query heads over grid z: the
+    largest divisor of group up to tuning attention_decode.direct_qsplit (1: one block per kv head)."""
+    cap = int((tuning.get("attention_decode") or {}).get("direct_qsplit", 1) or 1)
+    return max(q for q in range(1, min(cap, group) + 1) if group % q == 0)
+
+
+def rope_params(
+    dims: Mapping[str, Any],
+    tuning: Mapping[str, Any],
+    style: str,
+    *,
+    q_stride: int,
+    kv_stride: int,
+    qk_norm: bool,
+    kv_write: bool = True,
+    freq_factors: bool = False,
+) -> dict[str, Any]:
+    return dict(
+        heads=dims["heads"],
+        kv_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"],
+        rope_dim=dims.get("rope_dim") or dims["head_dim"],
+        theta=float(dims["rope_theta"]),
+        style=style,
+        q_stride=q_stride,
+        kv_stride=kv_stride,
+        qk_norm=qk_norm,
+        eps=float(dims["rms_eps"]),
+        freq_factors=freq_factors,
+        kv_write=kv_write,
+        threads=tuning["elementwise"]["threads"],
+    )
+
+
+def _pair_of(a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: dict[str, Any]) -> KernelSpec | None:
+    """The gemv_pair of gemv params ``a`` and ``b_of(a's threads)`` (each with ``extra``), or None
+    where either is not a coop q8x GEMV or pair_spec refuses them."""
+    if not (a.get("coop") and a.get("q8x")):
+        return None
+    b = b_of(int(a["threads"]))
+    if not (b.get("coop") and b.get("q8x")):
+        return None
+    try:
+        return pair_spec(spec("gemv", **a, **extra), spec("gemv", **b, **extra))
+    except ConfigError:
+        return None
+
+
+def all_specs(
+    dims: Mapping[str, Any],
+    storage_types: Iterable[str],
+    tuning: Mapping[str, Any],
+    *,
+    block_size: int = 16,
+    rope_styles: Iterable[str] = ROPE_STYLES,
+    qk_norm: bool = False,
+) -> list[KernelSpec]:
+    """Every kernel a model of ``dims`` can use with weights in ``storage_types`` (only the types
+    this catalog supports; others are skipped), deduplicated, in a stable order."""
+    d = dict(dims)
+    d.setdefault("rope_dim", d["head_dim"])
+    hidden, inter, vocab = d["hidden"], d["intermediate"], d["vocab"]
+    q_dim, kv_dim = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    qkv = q_dim + 2 * kv_dim
+    types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
+    shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
+    out: dict[KernelSpec, None] = {}
+    el, nm, sm = tuning["elementwise"]["threads"], tuning["norm"]["threads"], tuning["sampling"]["threads"]
+    for t in types:
+        ok = QUANTS[t][0]
+        th = upload_type(t, hidden, tuning)
+        if hidden % ok == 0:
+            out[spec("embed", quant=th, hidden=hidden, threads=el)] = None
+        for n, k, res in shapes:
+            if k % ok == 0:
+                tk = upload_type(t, k, tuning)
+                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res))] = None
+                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res, bmax=1))] = None
+        if hidden % ok == 0:
+            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32"))] = None
+            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
+        # the decode GEMVs with fused prologues: rmsnorm before qkv / gate|up / lm_head, SiLU-mul
+        # before the down projection (x = the fused gate|up buffer)
+        norm = dict(prologue="norm", x_stride=hidden, eps=d["rms_eps"])
+        silu = dict(prologue="silu", x_stride=2 * inter, u_off=inter)
+        for bm in (None, 1):
+            if hidden % ok == 0:
+                for n, od in ((qkv, "bf16"), (2 * inter, "bf16"), (vocab, "f32")):
+                    p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm)
+                    out[spec("gemv", **p, **norm)] = None
+            if inter % ok == 0:
+                p = linear_params(
+                    upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm
+                )
+                out[spec("gemv", **p, **silu)] = None
+            if tuning["gemv"].get("fuse_glu") and hidden % ok == 0:  # gate|up storing silu(g) * u
+                p = linear_params(th, 2 * inter, hidden, tuning, bmax=bm)
+                if not p.get("coop") and p["rows_per_block"] % 2 == 0:
+                    out[spec("gemv", **p, glu=inter)] = None
+        if (tuning.get("decode_graph") or {}).get("pair_linears") and hidden % ok == 0:
+            # q|k and a separately stored v (this type, or a q4_k_m file's q6_k) in one launch
+            for u in dict.fromkeys((t, "q6_k")):
+                if u in types and hidden % QUANTS[u][0] == 0:
+                    pair = _pair_of(
+                        linear_params(th, q_dim + kv_dim, hidden, tuning, bmax=1),
+                        lambda threads, u=u: linear_params(
+                            upload_type(u, hidden, tuning), kv_dim, hidden, tuning, bmax=1, threads=threads
+                        ),
+                        norm,
+                    )
+                    if pair is not None:
+                        out[pair] = None
+    for n, k, res in shapes:
+        wg = gemm_wgmma_params(n, k, tuning, residual=res)
+        if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)
+            out[spec("gemm_wgmma", **wg)] = None
+        out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
+        if "gemm_decode" in tuning:
+            out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
+        for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
+            if (
+                t != "bf16"
+                and k % QUANTS[t][0] == 0
+                and wg is not None
+                and tuning["gemm_wgmma"]["dequant_min_rows"]
+            ):
+                # long chunks: the matrix dequantised to bf16 (embed over ids 0..n-1), then gemm_wgmma
+                out[spec("embed", quant=upload_type(t, k, tuning), hidden=k, threads=el)] = None
+            if t != "bf16" and k % QUANTS[t][0] == 0:
+                out[
+                    spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
+                ] = None
+    for res in (False, True):
+        out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
+    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
+    for style in rope_styles:
+        out[spec("rope", **rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm))] = (
+            None
+        )
+    for mode in ("decode", "prefill"):
+        for direct in (True, False):
+            p = attention_params(
+                d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim
+            )
+            out[spec("attention", **p)] = None
+            if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
+                for style in rope_styles:  # rope folded into decode attention
+                    rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
+                    fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS if k in rp}
+                    out[spec("attention", **p, **fused, rope=True)] = None
+    out[
+        spec(
+            "attention_prefill",
+            **attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim),
+        )
+    ] = None
+    split = attention_params(
+        d, tuning, block_size, mode="decode", direct=False, q_stride=qkv, out_stride=q_dim
+    )["split"]
+    out[
+        spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim)
+    ] = None
+    out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("penalties", ld=vocab, threads=el)] = None
+    return list(out)

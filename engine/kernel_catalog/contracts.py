@@ -1,0 +1,509 @@
+"""Kernel contracts: every template's params, argument list and launch shape in words (``KERNELS``),
+the storage types the kernels decode, and the entry-name rules. Part of engine.kernel_catalog. Must
+not import CUDA, numpy or gguf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# storage types the gemv/embed decoders handle, with (elements, bytes) per GGUF block
+QUANTS: dict[str, tuple[int, int]] = {
+    "bf16": (8, 16),
+    "f16": (8, 16),
+    "f32": (8, 32),
+    "q8_0": (32, 34),
+    "q8_0r": (32, 34),  # q8_0 rows repacked at upload: k/32 f16 scales, then k int8 (quant.repack)
+    "q4_0": (32, 18),
+    "q4_0r": (32, 18),  # q4_0 rows repacked at upload: a qs plane, then a d plane; 16-byte pitch
+    "q4_1": (32, 20),
+    "q4_1r": (32, 20),  # q4_1 rows repacked at upload: a qs plane, then a (d, m) plane; 16-byte pitch
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+    "q6_kr": (256, 210),  # q6_k rows repacked at upload: ql, qh, scales, d planes; 16-byte pitch
+}
+
+
+ROPE_STYLES = ("neox", "interleaved")
+
+
+PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however many entries there are)
+
+
+# gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
+STAGED_DEFAULT: dict[str, bool] = {
+    "bf16": False,
+    "f16": False,
+    "f32": False,
+    "q8_0": True,
+    "q8_0r": False,
+    "q4_0": True,
+    "q4_0r": False,
+    "q4_1": True,
+    "q4_1r": False,
+    "q5_0": True,
+    "q5_1": True,
+    "q4_k": False,
+    "q5_k": False,
+    "q6_k": True,
+    "q6_kr": False,
+}
+
+
+@dataclass(frozen=True)
+class KernelDoc:
+    """A template's contract: ``params`` (name -> python type) and ``args`` ((name, ctype) in
+    order; ctype is an engine.cuda.ARG_FORMATS key: ptr, i32, f32...), ``name`` the params that
+    form the entry name, ``grid``/``block``/``smem`` in words (the builders below compute them)."""
+
+    params: dict[str, type]
+    args: tuple[tuple[str, str], ...]
+    name: tuple[str, ...]
+    grid: str
+    block: str
+    smem: str = "static only"
+    defaults: dict[str, Any] | None = None  # optional params, filled in by spec()
+    pdl: bool = True  # the body opens with pdl_wait() (or PDL_PRELOAD): KernelSpec.pdl
+
+
+P, I32 = "ptr", "i32"
+
+
+# bool params left out of the entry name while false (added after the names in golden plans)
+_QUIET_NAME: dict[str, tuple[str, ...]] = {
+    "gemv": (
+        "prefetch", "coop", "pipeline", "glu", "q8x", "tile_pf", "wsm", "trigger",
+        "early_nw", "early_res",
+    ),
+    "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
+    "attention": ("vec16", "rope", "table_first", "trigger"),
+}
+
+
+# params left out of the entry name while at these defaults (added after the names in golden plans)
+_DEFAULT_NAME: dict[str, dict[str, Any]] = {
+    "attention": {"qsplit": 1, "v_stride": 0},
+    "rope": {"v_stride": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "maxnreg": 0},
+}
+
+
+KERNELS: dict[str, KernelDoc] = {
+    "gemv": KernelDoc(
+        dict(
+            quant=str,
+            n=int,
+            k=int,
+            bmax=int,
+            threads=int,
+            rows_per_block=int,
+            residual=bool,
+            out_dtype=str,
+            stage=bool,
+            unroll=int,
+            prologue=str,
+            x_stride=int,
+            eps=float,
+            u_off=int,
+            prefetch=bool,
+            coop=bool,
+            pipeline=bool,
+            glu=int,
+            q8x=bool,
+            ksplit=int,
+            grid_cap=int,
+            stage_rounds=int,
+            kparts=int,
+            tile_pf=bool,
+            min_blocks=int,
+            maxnreg=int,
+            lanes=int,
+            wsm=bool,
+            trigger=bool,
+            wsm_chunk=int,
+            early_nw=bool,
+            early_res=bool,
+            l2_pf=str,
+        ),
+        # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count), l2_pf
+        # pf0, pf1 ..: kernel_args()
+        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
+        (
+            "quant",
+            "n",
+            "k",
+            "bmax",
+            "threads",
+            "rows_per_block",
+            "residual",
+            "out_dtype",
+            "stage",
+            "unroll",
+            "prologue",
+            "x_stride",
+            "u_off",
+            "prefetch",
+            "coop",
+            "pipeline",
+            "glu",
+            "q8x",
+            "ksplit",
+            "stage_rounds",
+            "kparts",
+            "tile_pf",
+            "min_blocks",
+            "maxnreg",
+            "lanes",
+            "wsm",
+            "trigger",
+            "wsm_chunk",
+            "early_nw",
+            "early_res",
+        ),
+        # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
+        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
+        "(threads,)",
+        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 3 / 2 when q8x",
+        # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
+        {
+            "stage": None,
+            "unroll": 2,
+            "prologue": "none",
+            "x_stride": 0,
+            "eps": 0.0,
+            "u_off": 0,
+            "prefetch": False,
+            "coop": False,
+            "pipeline": False,
+            "glu": 0,
+            "q8x": False,
+            "ksplit": 1,
+            "grid_cap": 0,
+            "stage_rounds": 1,
+            "kparts": 1,
+            "tile_pf": False,
+            "min_blocks": 0,
+            "maxnreg": 0,
+            "lanes": 32,
+            "wsm": False,
+            "trigger": False,
+            "wsm_chunk": 0,
+            "early_nw": False,
+            "early_res": False,
+            "l2_pf": "",
+        },
+    ),
+    "gemm": KernelDoc(
+        dict(
+            n=int,
+            k=int,
+            tile_m=int,
+            tile_n=int,
+            tile_k=int,
+            stages=int,
+            warps=int,
+            warps_m=int,
+            split_k=int,
+            residual=bool,
+            out_dtype=str,
+            quant=str,
+            swizzle=bool,
+            fragbuf=bool,
+            qprefetch=bool,
+            raster=bool,
+        ),
+        (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
+        (
+            "quant",
+            "n",
+            "k",
+            "tile_m",
+            "tile_n",
+            "tile_k",
+            "stages",
+            "warps",
+            "warps_m",
+            "split_k",
+            "residual",
+            "out_dtype",
+            "swizzle",
+            "fragbuf",
+            "qprefetch",
+            "raster",
+        ),
+        "(ceil(n / tile_n), ceil(rows / tile_m))",
+        "(warps * 32,)",
+        "max(stages * (tile_m + tile_n) * (tile_k + (0 if swizzle else 8)) * 2,"
+        " (split_k - 1) * tile_m * tile_n * 4) bytes dynamic (opt-in above 48 KB)",
+        {
+            "warps_m": 2,
+            "split_k": 1,
+            "out_dtype": "bf16",
+            "quant": "bf16",
+            "swizzle": False,
+            "fragbuf": False,
+            "qprefetch": False,
+            "raster": False,
+        },
+    ),
+    "gemm_wgmma": KernelDoc(
+        dict(
+            n=int,
+            k=int,
+            tile_n=int,
+            consumers=int,
+            m_frags=int,
+            stages=int,
+            residual=bool,
+            out_dtype=str,
+            raster=bool,
+            maxnreg=bool,
+        ),
+        # tmap_a / tmap_w: device pointers to CUtensorMaps (plan Arg kind "tmap")
+        (("out", P), ("tmap_a", P), ("tmap_w", P), ("residual", P), ("rows", I32)),
+        ("n", "k", "tile_n", "consumers", "m_frags", "stages", "residual", "out_dtype", "raster", "maxnreg"),
+        "(ceil(n / tile_n), ceil(rows / (64 * m_frags * consumers)))",
+        "((consumers + 1) * 128,)",
+        "stages * (64 * m_frags * consumers + tile_n) * 128 + 1024 bytes dynamic (opt-in above 48 KB)",
+        {"out_dtype": "bf16", "raster": True, "maxnreg": True},
+    ),
+    "rmsnorm": KernelDoc(
+        dict(n=int, eps=float, threads=int, residual=bool),
+        (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I32)),
+        ("n", "eps", "threads", "residual"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "embed": KernelDoc(
+        dict(quant=str, hidden=int, threads=int),
+        (("out", P), ("table", P), ("ids", P), ("rows", I32)),
+        ("quant", "hidden", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "rope": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            rope_dim=int,
+            theta=float,
+            style=str,
+            q_stride=int,
+            kv_stride=int,
+            qk_norm=bool,
+            eps=float,
+            freq_factors=bool,
+            kv_write=bool,
+            threads=int,
+            v_stride=int,
+        ),
+        (
+            ("q", P),
+            ("k", P),
+            ("v", P),
+            ("positions", P),
+            ("q_norm", P),
+            ("k_norm", P),
+            ("freq", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("slots", P),
+            ("rows", I32),
+        ),
+        (
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "rope_dim",
+            "style",
+            "q_stride",
+            "kv_stride",
+            "qk_norm",
+            "kv_write",
+            "v_stride",
+        ),
+        "(rows, ceil((heads + 2 * kv_heads) / (threads / 32)))",
+        "(threads,)",
+        defaults={"v_stride": 0},
+    ),
+    "silu_mul": KernelDoc(
+        dict(inter=int, in_stride=int, threads=int),
+        (("out", P), ("g", P), ("u", P), ("rows", I32)),
+        ("inter", "in_stride", "threads"),
+        "(ceil(inter / (8 * threads)), rows)",
+        "(threads,)",
+    ),
+    "attention": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            block_size=int,
+            split=int,
+            scale=float,
+            q_stride=int,
+            out_stride=int,
+            mode=str,
+            direct=bool,
+            warps=int,
+            vec16=bool,
+            rope=bool,
+            rope_dim=int,
+            theta=float,
+            style=str,
+            qk_norm=bool,
+            eps=float,
+            freq_factors=bool,
+            kv_stride=int,
+            qsplit=int,
+            v_stride=int,
+            table_first=bool,
+            trigger=bool,
+            l2_pf=str,
+        ),
+        # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
+        # see kernel_args()
+        (
+            ("out", P),
+            ("part_o", P),
+            ("part_ml", P),
+            ("q", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("block_tables", P),
+            ("positions", P),
+            ("max_blocks", I32),
+            ("max_splits", I32),
+        ),
+        (
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "block_size",
+            "split",
+            "q_stride",
+            "out_stride",
+            "mode",
+            "direct",
+            "vec16",
+            "qsplit",
+            "table_first",
+            "trigger",
+        ),
+        "(rows, kv_heads, qsplit if direct else max_splits)",
+        "(warps * 32,)",
+        defaults={
+            "vec16": False,
+            "rope": False,
+            "rope_dim": 0,
+            "theta": 10000.0,
+            "style": "neox",
+            "qk_norm": False,
+            "eps": 0.0,
+            "freq_factors": False,
+            "kv_stride": 0,
+            "qsplit": 1,
+            "v_stride": 0,
+            "table_first": False,
+            "trigger": False,
+            "l2_pf": "",
+        },
+    ),
+    "attention_prefill": KernelDoc(
+        dict(
+            heads=int,
+            kv_heads=int,
+            head_dim=int,
+            block_size=int,
+            scale=float,
+            q_stride=int,
+            out_stride=int,
+            block_q=int,
+            block_kv=int,
+            warps=int,
+        ),
+        (
+            ("out", P),
+            ("q", P),
+            ("k_cache", P),
+            ("v_cache", P),
+            ("block_tables", P),
+            ("positions", P),
+            ("seq_starts", P),
+            ("max_blocks", I32),
+        ),
+        ("heads", "kv_heads", "head_dim", "block_size", "q_stride", "out_stride", "block_q", "block_kv"),
+        "(ceil(max_q / block_q), heads, nseq)",
+        "(warps * 32,)",
+    ),
+    "attention_combine": KernelDoc(
+        dict(heads=int, head_dim=int, split=int, out_stride=int),
+        (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
+        ("heads", "head_dim", "split", "out_stride"),
+        "(rows, heads)",
+        "(head_dim,)",
+    ),
+    "argmax": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (("out", P), ("logits", P), ("rows", I32)),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "sample": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (
+            ("out", P),
+            ("logits", P),
+            ("temperature", P),
+            ("top_k", P),
+            ("top_p", P),
+            ("min_p", P),
+            ("seed", P),
+            ("step", P),
+            ("rows", I32),
+        ),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "penalties": KernelDoc(
+        dict(ld=int, threads=int),
+        (
+            ("logits", P),
+            ("entries", P),
+            ("presence", P),
+            ("frequency", P),
+            ("repetition", P),
+            ("capacity", I32),
+        ),
+        ("ld", "threads"),
+        "(PENALTY_BLOCKS,)  (a grid-stride loop over the entry count read from entries[0])",
+        "(threads,)",
+    ),
+}
+
+
+# the two parts of a gemv_pair spec: each part's gemv params under its prefix
+PAIR_PARTS = ("a_", "b_")
+
+
+KERNELS["gemv_pair"] = KernelDoc(
+    {
+        **{f"{x}{k}": t for x in PAIR_PARTS for k, t in KERNELS["gemv"].params.items()},
+        "blocks_a": int,
+        "blocks_b": int,
+    },
+    # each part's gemv args, a's then b's (a norm prologue adds its norm_w): kernel_args()
+    tuple((f"{x}{name}", c) for x in PAIR_PARTS for name, c in KERNELS["gemv"].args),
+    (),  # named by pair_spec: both parts' type and shape, and a hash of their entries
+    "(blocks_a + blocks_b, ceil(rows / bmax))  (pair_spec: each part one block per row tile)",
+    "(a_threads,)  (both parts' threads)",
+    "dynamic: the larger part's (gemv_smem)",
+    {f"{x}{k}": v for x in PAIR_PARTS for k, v in (KERNELS["gemv"].defaults or {}).items()},
+)

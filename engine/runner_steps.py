@@ -1,0 +1,331 @@
+"""The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
+and decode rows, each row's sampling fields, the launches of a pass bound to a shape, the sampled
+ids read back (rows with logit bias, logprobs or a constraint mask sampled on the host, and
+rows with more penalty entries than the device buffer holds re-sampled there); speculative verify
+delegated to engine.spec.cuda_verify. ``StepLogic`` is CudaRunner's base
+class; every device call goes through CudaRunner's own methods (engine.runner_cuda), so this
+module never touches the driver. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.ir import PENALTY_CAPACITY, WIDE, Arg, launch_key
+from engine.sampling import penalty_entries, sample_item
+from engine.types import MemraError, StepItem
+
+log = logging.getLogger("memra.runner_cuda")
+
+
+_CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
+
+
+def _on_host(it: StepItem) -> bool:
+    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
+    return it.sample and (it.allowed is not None or it.sampling.needs_host)
+
+
+def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
+    """The launches key of a decode pass of ``bucket`` rows (WIDE from ``plan.wide_rows`` up)."""
+    if bucket == 1:
+        return "decode1"
+    return WIDE if wide_rows and bucket >= wide_rows else "decode"
+
+
+class StepLogic:
+    """Host-side step logic of CudaRunner (engine.runner_cuda); see the module docstring."""
+
+    def _rope_freq_factors(self) -> np.ndarray:
+        """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
+        from engine import ops_ref
+
+        d, m = self.plan.dims, self.model
+        rope_dim, theta = int(d["rope_dim"]), float(d["rope_theta"])
+        ff = None
+        tensor = next((op.attrs.get("freq_factors") for op, _ in m.graph.ops() if op.op == "rope"), None)
+        if tensor and m.has(tensor):
+            ff = m.dequantize(tensor)
+        inv = ops_ref.rope_inv_freq(rope_dim, theta, d.get("rope_scaling"), ff)
+        base = ops_ref.rope_inv_freq(rope_dim, theta)
+        return (base / inv).astype(np.float32)
+
+    def _resolve(self, arg: Arg, shape: dict[str, int]) -> Any:
+        if arg.kind == "value":
+            ptr = self._value_ptr[arg.ref]
+            if arg.row == "last":
+                ptr += (shape["n"] - 1) * self._value_rowbytes[arg.ref]
+            return ptr
+        if arg.kind == "weight":
+            return self._weights[arg.ref].ptr
+        if arg.kind == "kv":
+            idx = 2 * arg.layer + (0 if arg.ref == "k" else 1)
+            return self.kv.ptr + idx * self._kv_layer_bytes
+        if arg.kind == "input":
+            return self._in_dev.ptr + self._in_off[arg.ref]
+        if arg.kind == "shape":
+            if arg.ref.startswith("splits:"):
+                return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
+            return shape[arg.ref]
+        if arg.kind == "scratch":
+            return self._scratch[arg.ref].ptr
+        if arg.kind == "const":
+            return arg.ref
+        if arg.kind == "tmap":
+            return self._tensor_map(*arg.ref)
+        raise MemraError(
+            f"plan argument kind {arg.kind!r} is unknown to the CUDA runner", code="internal_error"
+        )
+
+    def _shape(self, n: int, nseq: int, max_q: int = 1) -> dict[str, int]:
+        return {
+            "n": n,
+            "nseq": nseq,
+            "max_q": max_q,
+            "max_blocks": self._table_ld,
+            "block_size": self.block_size,
+            "max_ctx": self.max_model_len,
+        }
+
+    def _bind_pass(
+        self,
+        mode: str,
+        n: int,
+        nseq: int,
+        head_only: bool,
+        sampling: str,
+        short: bool = False,
+        max_q: int = 1,
+    ) -> list[Any]:  # (engine.runner_cuda._Bound)
+        shape = self._shape(n, nseq, max_q)
+        bound = []
+        for step in self.plan.steps:
+            if head_only and not step.head:
+                continue
+            if mode == "prefill" and step.head:
+                continue
+            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
+            for launch in step.launches[key]:
+                if launch.runs_at(n):
+                    bound.append(self._bind(launch, shape))
+        if mode != "prefill" or head_only:
+            for launch in self.plan.sampling[sampling]:
+                bound.append(self._bind(launch, shape))
+        return bound
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        # a CUDA context is current per thread: the engine loop steps from its own thread, not
+        # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
+        self._ensure_context()
+        out: list[int | None] = [None] * len(items)
+        decode: list[int] = []
+        prefill: list[int] = []
+        for i, it in enumerate(items):
+            self._check_item(it)
+            if len(it.token_ids) == 1 and it.start_pos > 0:
+                decode.append(i)
+            else:
+                prefill.append(i)
+        for sub in self._prefill_passes([items[i] for i in prefill]):
+            for idx, tok in self._run_prefill_pass(sub).items():
+                out[prefill[idx]] = tok
+        limit = self._max_rows
+        for lo in range(0, len(decode), limit):
+            rows = decode[lo : lo + limit]
+            ids = self._decode([items[i] for i in rows])
+            for i, tok in zip(rows, ids, strict=True):
+                out[i] = tok if items[i].sample else None
+        return out
+
+    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+        """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        from engine.spec.cuda_verify import verify
+
+        self._ensure_context()
+        return verify(self, items)
+
+    def _check_item(self, it: StepItem) -> None:
+        end = it.start_pos + len(it.token_ids)
+        if end > self.max_model_len:
+            raise MemraError(
+                f"sequence {it.seq_id} needs {end} positions; max_model_len is {self.max_model_len}",
+                code="context_length_exceeded",
+            )
+        need = (end + self.block_size - 1) // self.block_size
+        if len(it.block_table) < need:
+            raise MemraError(
+                f"sequence {it.seq_id}: block table has {len(it.block_table)} blocks, {need} needed",
+                code="internal_error",
+            )
+
+    def _fill_sampling(self, row: int, it: StepItem) -> None:
+        v = self._views
+        s = it.sampling
+        v["counters"][row] = it.num_generated
+        if self._row_sampling[row] is s:  # the same (frozen) params as this row's last write
+            return
+        self._row_sampling[row] = s
+        v["temperature"][row] = s.temperature
+        v["top_p"][row] = s.top_p
+        v["top_k"][row] = s.top_k
+        v["min_p"][row] = s.min_p
+        v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
+        v["presence"][row] = s.presence_penalty
+        v["frequency"][row] = s.frequency_penalty
+        v["repetition"][row] = s.repetition_penalty
+
+    def _clear_sampling(self, row: int) -> None:
+        v = self._views
+        v["counters"][row] = 0
+        if self._row_sampling[row] is _CLEARED:
+            return
+        self._row_sampling[row] = _CLEARED
+        v["temperature"][row] = 0.0
+        v["top_p"][row] = 1.0
+        v["top_k"][row] = 0
+        v["min_p"][row] = 0.0
+        v["seeds"][row] = 0
+        v["presence"][row] = 0.0
+        v["frequency"][row] = 0.0
+        v["repetition"][row] = 1.0
+
+    def _sampling_kind(self, items: Sequence[StepItem]) -> str:
+        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
+        host: more penalty entries than the device buffer holds, so those rows are re-sampled on
+        the host from their logits after a plain sample pass."""
+        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
+            return "host"
+        if not any(it.sampling.uses_penalties for it in items):
+            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+        vocab = self.plan.values["logits"].width
+        parts, total = [], 0
+        for r, it in enumerate(items):
+            if not it.sampling.uses_penalties:
+                continue
+            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
+            parts.append((r, toks, info))
+            total += toks.size
+        if total > PENALTY_CAPACITY:
+            return "host"
+        ent = self._pen[4 : 4 + 3 * total].reshape(total, 3)
+        at = 0
+        for r, toks, info in parts:
+            ent[at : at + toks.size, 0] = r
+            ent[at : at + toks.size, 1] = toks
+            ent[at : at + toks.size, 2] = info
+            at += toks.size
+        self._pen[0] = total
+        self._pen_count = total
+        return "penalised"
+
+    def _read_ids(self, rows: int, copied: bool = False) -> np.ndarray:
+        """The sampled ids of the last pass; ``copied``: the pass itself (an io graph) queued their
+        copy to the host, so only the wait is left."""
+        if not copied:
+            self._ids_to_host(rows)
+        self.stream.synchronize()
+        return self._views["out_ids"][:rows].copy()
+
+    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+        """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
+        n = len(items)
+        bucket = self._bucket_of[n]
+        v = self._views
+        ld = self._table_ld
+        tables = self._tables[: bucket * ld].reshape(bucket, ld)
+        lens, sink = self._table_len, self._sink_block
+        for r, it in enumerate(items):
+            pos = it.start_pos
+            v["tokens"][r] = it.token_ids[0]
+            v["positions"][r] = pos
+            bt = it.block_table
+            k = min(len(bt), ld)
+            tables[r, :k] = bt[:k]
+            if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
+                tables[r, k : lens[r]] = sink
+            lens[r] = k
+            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            self._fill_sampling(r, it)
+        for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
+            v["tokens"][r] = 0
+            v["positions"][r] = 0
+            v["slots"][r] = sink * self.block_size
+            if lens[r]:
+                tables[r, : lens[r]] = sink
+                lens[r] = 0
+            self._clear_sampling(r)
+        kind = self._sampling_kind(items)
+        launch_kind = "sample" if kind == "host" else kind
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
+        # a graph without penalty entries copies the inputs in and the sampled ids out itself
+        # (pinned host memory): one driver call per step, then the wait
+        io = self.use_graphs and kind != "penalised"
+        if not io:
+            self._upload_inputs(bucket, kind)
+        if self.use_graphs:
+            self._graph(bucket, launch_kind, short, io=io).launch(self.stream)
+        else:
+            key = ("decode", bucket, launch_kind, short)
+            if key not in self._eager:
+                self._eager[key] = self._bind_pass(
+                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
+                )
+            self._run(self._eager[key])
+        ids = self._read_ids(n, copied=io).tolist()
+        return self._host_sample_penalised(items, ids) if kind == "host" else ids
+
+    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
+        """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
+        step has more penalty entries than the device buffer holds; every other row keeps its id."""
+        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
+        if not rows:
+            return ids
+        logits = self.read_logits(max(rows) + 1)
+        for r in rows:
+            ids[r] = sample_item(logits[r], items[r])
+        return ids
+
+    def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:
+        """Pack the prefill items into passes of at most ``prefill_chunk_tokens`` rows: each entry is
+        (item index, item, lo, hi), the item's tokens lo..hi-1. A long item is split over consecutive
+        passes (its earlier chunk's KV is in the cache before the next pass). With a plan whose
+        prefill attention is not varlen, every pass holds one sequence."""
+        chunk = self.profile.prefill_chunk_tokens
+        max_seqs = self._max_rows if self._varlen else 1
+        passes: list[list[tuple[int, StepItem, int, int]]] = []
+        cur: list[tuple[int, StepItem, int, int]] = []
+        used = 0
+        for idx, it in enumerate(items):
+            lo, n = 0, len(it.token_ids)
+            while lo < n:
+                if used == chunk or len(cur) == max_seqs:
+                    passes.append(cur)
+                    cur, used = [], 0
+                take = min(n - lo, chunk - used)
+                cur.append((idx, it, lo, lo + take))
+                used += take
+                lo += take
+        if cur:
+            passes.append(cur)
+        return passes
+
+    def _head_input_rows(self) -> list[tuple[str, int, int]]:
+        """Values the head reads that the layers produced (moved to rows 0..k-1 before the head)."""
+        if self._head_inputs is None:
+            produced_in_head: set[str] = set()
+            needed: list[str] = []
+            for step in self.plan.steps:
+                if not step.head:
+                    continue
+                for name in step.op.inputs:
+                    if name not in produced_in_head and name not in needed:
+                        needed.append(name)
+                produced_in_head.update(step.op.outputs)
+            self._head_inputs = [(nm, self._value_ptr[nm], self._value_rowbytes[nm]) for nm in needed]
+        return self._head_inputs

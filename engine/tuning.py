@@ -1,0 +1,360 @@
+"""Typed tuning: one frozen dataclass per tunable kernel family, with its knobs' defaults.
+
+A device profile's ``tuning:`` section holds, per family, only the knobs it changes; ``schema()``
+turns these classes into the engine.schema rules a profile is validated against at load (an unknown
+family or knob, or a bad value, is a ConfigError naming the file and the key path), and
+``build(section, values)`` makes the frozen instance the lowering reads. An instance is also a
+read-only Mapping (``tuning["gemv"]["threads"]``, ``.get``), the form kernel_catalog reads.
+docs/kernels.md ("Tuning knobs") lists every knob a profile sets, with its measured gain. Imports
+only engine.schema and the catalog's Q8X_FILE_TYPES. Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kernel_catalog import Q8X_FILE_TYPES  # the file types a q8x GEMV reads
+from engine.schema import Field, ListOf, MapOf
+
+# the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning)
+Q8X_TYPE_KNOBS = (
+    "q8x_threads",
+    "q8x_rows_per_warp",
+    "q8x_min_blocks",
+    "q8x_ksplit",
+    "q8x_ksplit_threads",
+    "q8x_ksplit_min_n",
+    "q8x_b1_rows_per_warp",
+    "q8x_lanes_per_row",
+    "q8x_wsm_kb",
+    "q8x_wsm_chunks",
+    "q8x_wsm_chunk_min_k",
+    "q8x_stage_rounds",
+    "q8x_stage_rounds_min_k",
+    "q8x_b1_unroll",
+    "q8x_b1_unroll_max_k",
+    "q8x_b1_maxnreg",
+    "q8x_b1_maxnreg_min_k",
+)
+TYPE_TUNING = MapOf({k: Field(int, default=0) for k in Q8X_TYPE_KNOBS})
+
+
+def positive(v: float) -> str | None:
+    return None if v > 0 else f"expected a positive number, got {v}"
+
+
+def non_negative(v: float) -> str | None:
+    return None if v >= 0 else f"expected a number >= 0, got {v}"
+
+
+def q8x_file_types(v: dict) -> str | None:
+    bad = sorted(set(v) - set(Q8X_FILE_TYPES))
+    return f"unknown file type(s) {bad}; the q8x GEMV reads {', '.join(Q8X_FILE_TYPES)}" if bad else None
+
+
+def knob(default: Any, check: Any = None, kind: Any = None) -> Any:
+    """A knob with a validity ``check`` (value -> error text or None) and, for a nested value, the
+    engine.schema ``kind`` it is validated as."""
+    meta = {"check": check, "kind": kind}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Knobs(Mapping):
+    """A kernel family's knobs: a frozen dataclass (eq=False: Mapping's equality, so a family
+    equals a dict of its knobs), read-only as a Mapping too."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:  # type: ignore[attr-defined]
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)  # type: ignore[attr-defined]
+
+    def replace(self, **changes: Any) -> Knobs:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True, eq=False)
+class Gemv(Knobs):
+    threads: int = knob(256, positive)
+    rows_per_block: int = knob(4, positive)
+    max_batch: int = knob(8, positive)
+    unroll: int = knob(2, positive)
+    # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
+    # silu_mul launch goes and the down GEMV reads x from the gate half
+    fuse_glu: bool = False
+    # the staged path (q8_0, q4_0, q4_1, q6_k rows): the next chunk's loads in flight while the
+    # current one is decoded
+    prefetch: bool = False
+    # the batch-1 GEMVs of weights with n <= short_n_max rows (o, down of a small model) in
+    # blocks of b1_short_n_threads (0: threads): more warps per row on a long k
+    b1_short_n_threads: int = 0
+    short_n_max: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class GemvCoop(Knobs):
+    # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
+    # (bf16, q4_k, q8_0, q6_k, q4_0, q4_1; q8_0 matrices with k % 256 == 0 and q6_k / q4_0 / q4_1
+    # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
+    # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
+    types: list[str] = knob([])
+    threads: int = knob(128, positive)
+    rows_per_warp: int = knob(1, positive)
+    unroll: int = knob(4, positive)
+    # issue the next `unroll` segments' loads before the current ones' FMAs
+    pipeline: bool = False
+    # with pipeline: a lane's last step of a row tile issues the block's next tile's first loads
+    tile_prefetch: bool = False
+    # q4_k / q8_0 / q6_k / q4_0 / q4_1: int8-quantised x rows in shared memory and __dp4a
+    # dot products, with their own block shape (0: threads / rows_per_warp above)
+    q8x: bool = False
+    q8x_threads: int = 0
+    q8x_rows_per_warp: int = 0
+    # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's values of the general q8x
+    # knobs named in Q8X_TYPE_KNOBS (described below), over the general ones; 0 keeps the
+    # general one
+    q8x_type_tuning: dict = knob({}, q8x_file_types, kind=TYPE_TUNING)
+    # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
+    # (its block stages and quantises x anyway; the norm costs one more pass over x)
+    q8x_fuse: bool = False
+    # q8x: k split over q8x_ksplit warp groups of a block where the weight has n <=
+    # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights)
+    q8x_ksplit: int = 1
+    q8x_ksplit_max_n: int = 0
+    q8x_ksplit_types: list[str] = knob([])  # file types; empty: every q8x type
+    # the threads of the k-split blocks (0: q8x_threads): e.g. 640 = 10 groups of 2 rows
+    # for 20-row tiles, so n = 2560 takes 128 blocks, one wave on 132 SMs
+    q8x_ksplit_threads: int = 0
+    # no k split below this many rows (a small model's short weights want more, smaller tiles)
+    q8x_ksplit_min_n: int = 0
+    # rows per warp of the bmax-1 q8x GEMVs without the k split (0: q8x_rows_per_warp):
+    # fewer registers, so more blocks of q8x_threads fit on an SM
+    q8x_b1_rows_per_warp: int = 0
+    # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
+    # lane groups, each with its rows; a short k then takes whole steps on every lane
+    q8x_lanes_per_row: int = 0
+    # q8x on sm_90, batch 1: a block's row tile of up to this many KB bulk-copied into shared
+    # memory (one copy, issued before the block waits for x; 0: off), where the resident
+    # blocks hold every tile at once and the k is not split over blocks
+    q8x_wsm_kb: int = 0
+    # wsm: the row tile copied in up to this many k chunks, each counted on its own mbarrier
+    # (0 or 1: one copy), so the lanes start on a chunk while the later ones still land
+    q8x_wsm_chunks: int = 0
+    q8x_wsm_chunk_min_k: int = 0  # k chunks only where k is at least this
+    # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
+    # stages and quantises its x rows once, not once per tile); 0: one block per tile
+    q8x_blocks_per_sm: int = 0
+    # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
+    # driver's occupancy x SMs), so no block waits for a second wave
+    q8x_resident_grid: bool = False
+    # q8x: registers capped so this many blocks fit on an SM (0: the compiler's choice)
+    q8x_min_blocks: int = 0
+    # q8x: the x-row staging issues this many rounds of loads before quantising them
+    q8x_stage_rounds: int = 1
+    q8x_stage_rounds_min_k: int = 0  # q8x_stage_rounds only where k >= this
+    # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
+    # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
+    q8x_b1_unroll: int = knob(0, non_negative)
+    q8x_b1_unroll_max_k: int = 0  # q8x_b1_unroll only where k <= this (0: any k)
+    # q8x, batch 1, where k >= q8x_b1_maxnreg_min_k: at most this many registers per thread
+    # (__maxnreg__; 0: the compiler's choice), so the next kernel's blocks, launched early
+    # under PDL, find registers beside this one's (a q6_k down of 640 threads at 79
+    # registers leaves no room for a q|k|v pair block of 320 at 80)
+    q8x_b1_maxnreg: int = knob(0, non_negative)
+    q8x_b1_maxnreg_min_k: int = 0
+    # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
+    # loaded before pdl_wait (weights never change), so only x is read after the wait
+    q8x_early_norm_w: bool = False
+    # q8x, batch 1, k split over warps: a block reads the residual of its first tile's
+    # outputs right after pdl_wait instead of with its last store
+    q8x_early_residual: bool = False
+    # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
+    # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
+    q8x_glu: bool = False
+    # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
+    # and streams k / q8x_kparts, the last block of a tile adds the partial sums
+    q8x_kparts: int = 1
+    q8x_kparts_min_k: int = 0
+    q8x_kparts_types: list[str] = knob([])  # file types; empty: every q8x type
+
+
+@dataclass(frozen=True, eq=False)
+class Gemm(Knobs):
+    tile_m: int = knob(128, positive)
+    tile_n: int = knob(128, positive)
+    tile_k: int = knob(32, positive)
+    stages: int = knob(3, positive)
+    warps: int = knob(8, positive)
+    warps_m: int = knob(2, positive)
+    split_k: int = knob(1, positive)
+    # XOR-swizzled unpadded smem tiles / register double-buffered fragments (kernels/gemm.cu.j2)
+    swizzle: bool = False
+    fragbuf: bool = False
+    qprefetch: bool = False  # GGUF W-tile register prefetch (q4_k, q5_k)
+    raster: bool = False  # grouped block order (8 M tiles) for L2 reuse of W
+
+
+@dataclass(frozen=True, eq=False)
+class GemmWgmma(Knobs):
+    # the Hopper prefill GEMM (kernels/gemm_wgmma.cu.j2: TMA + wgmma, warp-specialised) for bf16
+    # weights with k % 64 == 0, on sm_90a profiles that enable it; other linears keep "gemm"
+    enabled: bool = False
+    tile_n: int = knob(256, positive)
+    consumers: int = knob(2, positive)  # consumer warpgroups, 64 * m_frags rows each
+    m_frags: int = knob(1, positive)
+    stages: int = knob(4, positive)
+    raster: bool = True
+    maxnreg: bool = True  # setmaxnreg: producer 40, consumers 232 registers
+    # weights with n < wide_min_n take the narrow tile (narrow_tile_n, narrow_stages, no
+    # setmaxnreg): more blocks where the wide tile leaves SMs idle (0: always wide)
+    wide_min_n: int = 0
+    narrow_tile_n: int = knob(128, positive)
+    narrow_stages: int = knob(6, positive)
+    # quantised prefill chunks of at least this many rows dequantise each matrix to a bf16
+    # scratch and run this GEMM (shorter ones keep the fused mma.sync gemm; 0: never)
+    dequant_min_rows: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class GemmDecode(Knobs):
+    # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
+    # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks)
+    tile_m: int = knob(64, positive)
+    tile_n: int = knob(16, positive)
+    tile_k: int = knob(128, positive)
+    stages: int = knob(4, positive)
+    warps: int = knob(8, positive)
+    warps_m: int = knob(2, positive)
+    split_k: int = knob(4, positive)
+    min_rows: int = knob(16, positive)
+    swizzle: bool = False
+    fragbuf: bool = False
+    qprefetch: bool = False  # GGUF W-tile register prefetch (q4_k, q5_k)
+    raster: bool = False  # grouped block order (8 M tiles) for L2 reuse of W
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPrefill(Knobs):
+    block_q: int = knob(64, positive)
+    block_kv: int = knob(64, positive)
+    warps: int = knob(4, positive)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionDecode(Knobs):
+    warps: int = knob(4, positive)
+    split_kv_tokens: int = knob(512, positive)
+    vec16: bool = False
+    # short-context decode: fold the rope kernel into the direct attention kernel (vec16)
+    fuse_rope: bool = False
+    # warps of the direct (short-context) kernel; 0: `warps`, which the split kernels use
+    direct_warps: int = 0
+    # direct kernel: split a kv head's query heads over up to this many blocks (grid z)
+    direct_qsplit: int = 1
+    # decode kernels: a block stages its first chunk's block-table entries without waiting
+    # for the row's position (the two loads in flight together, one round trip less)
+    table_first: bool = False
+    # batch 1 only (the short pass's SHORT1 launch; b8 / b32 keep theirs): the direct kernel
+    # calls pdl_trigger() at its start, so the next kernel (the o GEMV) launches beside it and
+    # issues its weight loads / tile copies early
+    trigger_b1: bool = False
+    # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches the layer's o
+    # projection weight into L2 at its start, so it streams while the attention runs
+    l2_prefetch_o: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Elementwise(Knobs):
+    threads: int = knob(256, positive)
+
+
+@dataclass(frozen=True, eq=False)
+class Norm(Knobs):
+    threads: int = knob(256, positive)
+
+
+@dataclass(frozen=True, eq=False)
+class Sampling(Knobs):
+    threads: int = knob(1024, positive)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeGraph(Knobs):
+    # the decode pass's launch order: fork_linears runs the launches of one linear op's separately
+    # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
+    # read the same x and write their own outputs; the next op waits for both)
+    # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
+    # out, so the next kernel's blocks may launch and start their own loads while they run
+    # pair_linears: a batch-1 linear op's two coop GEMVs (a q4_k_m layer's q|k and v) as one
+    # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork);
+    # pair_min_blocks: its __launch_bounds__
+    # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
+    # registers, and spills a q6_kr part: tools/kernel_resources.py)
+    # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
+    # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
+    fork_linears: bool = False
+    early_trigger: bool = False
+    pair_linears: bool = False
+    pair_min_blocks: int = 0
+    o_prefetch_next_kb: int = knob(0, non_negative)
+    # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
+    # (attention_decode.trigger_b1 and l2_prefetch_o, and
+    # o_prefetch_next_kb) only on layers whose o projection weight has at least / at most
+    # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
+    o_window_min_kb: int = knob(0, non_negative)
+    o_window_max_kb: int = knob(0, non_negative)
+
+
+SECTIONS: dict[str, type[Knobs]] = {
+    "gemv": Gemv,
+    "gemv_coop": GemvCoop,
+    "gemm": Gemm,
+    "gemm_wgmma": GemmWgmma,
+    "gemm_decode": GemmDecode,
+    "attention_prefill": AttentionPrefill,
+    "attention_decode": AttentionDecode,
+    "elementwise": Elementwise,
+    "norm": Norm,
+    "sampling": Sampling,
+    "decode_graph": DecodeGraph,
+}
+
+
+def _kind(cls: type[Knobs], f: dataclasses.Field) -> Any:
+    if f.metadata.get("kind") is not None:
+        return f.metadata["kind"]
+    hint = typing.get_type_hints(cls)[f.name]
+    return ListOf(typing.get_args(hint)[0]) if typing.get_origin(hint) is list else hint
+
+
+def schema() -> dict[str, Field]:
+    """The engine.schema rules of a profile's ``tuning:`` mapping (every family, every knob)."""
+    out = {}
+    for name, cls in SECTIONS.items():
+        fields = {
+            f.name: Field(_kind(cls, f), default=getattr(cls(), f.name), check=f.metadata.get("check"))
+            for f in dataclasses.fields(cls)
+        }
+        out[name] = Field(fields, default={k: copy.deepcopy(v.default) for k, v in fields.items()})
+    return out
+
+
+def build(section: str, values: Mapping[str, Any]) -> Knobs:
+    """The frozen knobs of ``section`` from validated ``values`` (missing ones at their defaults)."""
+    return SECTIONS[section](**values)
+
+
+def defaults() -> dict[str, Knobs]:
+    return {name: cls() for name, cls in SECTIONS.items()}
