@@ -49,10 +49,70 @@ def _recurrent(model: Any) -> bool:
     return graph is not None and any(OPS[op.op].state is not None for op, _ in graph.ops())
 
 
-def create_runner(model: Any, backend: str = "auto", device_profile: str | None = None, **kwargs: Any):
-    """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend."""
+def split_devices(devices: str | None, split: str | None) -> tuple[int, ...]:
+    """The device ids of ``--devices``/``--split``, checked (before any model loads): several
+    devices need a split, a split needs at least two devices. (0,) when neither is given."""
+    from engine.placement import parse_devices
+
+    ids = parse_devices(devices) if devices else (0,)
+    if split is None and len(ids) > 1:
+        raise MemraError(f"--devices {devices}: {len(ids)} devices need --split pp or --split tp", param="split")
+    if split is not None and len(ids) < 2:
+        raise MemraError(
+            f"--split {split} needs at least 2 devices, got --devices {devices or '0'} (e.g. --devices 0,1)",
+            param="devices",
+        )
+    return ids
+
+
+def _split_runner(model: Any, backend: str, devices: str | None, split: str | None, **kwargs: Any):
+    """The runner for ``--devices``/``--split`` (engine.placement): the sharded numpy reference on
+    ``--backend reference``; on CUDA a clear error (too few devices, or no multi-GPU runner yet)."""
+    from engine.placement import plan_placement
+
+    ids = split_devices(devices, split)
+    assert split is not None
+    placement = plan_placement(
+        model.graph, model.dims, split, ids, model.quant, getattr(model, "tensor_dtypes", None)
+    )
+    if backend != "reference":
+        found = detect()
+        missing = [i for i in ids if i >= len(found.devices)]
+        if missing:
+            seen = ", ".join(f"{i}: {d.name}" for i, d in enumerate(found.devices)) or found.error or "none"
+            raise MemraError(
+                f"--split {split} over devices {','.join(map(str, ids))} needs {len(ids)} CUDA devices; "
+                f"device {missing[0]} does not exist (found: {seen}). --backend reference runs the split "
+                "on the numpy reference",
+                param="devices",
+            )
+        raise MemraError(
+            f"--split {split}: the CUDA runner does not split a model over devices yet; "
+            "--backend reference runs the split on the numpy reference",
+            param="split",
+        )
+    from engine.sharded_reference import ShardedReference
+
+    print(f"memra: {placement.describe()}", file=sys.stderr)
+    return ShardedReference(model, placement, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
+
+
+def create_runner(
+    model: Any,
+    backend: str = "auto",
+    device_profile: str | None = None,
+    devices: str | None = None,
+    split: str | None = None,
+    **kwargs: Any,
+):
+    """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend; ``devices`` ("0,1")
+    and ``split`` ("pp" | "tp") split it over several devices (engine.placement)."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
+    if split is not None or (devices is not None and "," in devices):
+        return _split_runner(model, backend, devices, split, **kwargs)
+    if devices not in (None, "0"):
+        raise MemraError(f"--devices {devices}: one device other than 0 is not supported yet; use CUDA_VISIBLE_DEVICES", param="devices")
     if backend in ("auto", "cuda") and _recurrent(model):
         # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
         if backend == "cuda":
@@ -105,7 +165,14 @@ def resolve_model_path(model: str | None) -> Path:
     return default_model_path()
 
 
-def load_stack(model_arg: str | None, backend: str, device_profile: str | None, quant: str | None = None):
+def load_stack(
+    model_arg: str | None,
+    backend: str,
+    device_profile: str | None,
+    quant: str | None = None,
+    devices: str | None = None,
+    split: str | None = None,
+):
     """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
     from engine.model import load_model
     from engine.tokenizer import load_tokenizer
@@ -115,7 +182,7 @@ def load_stack(model_arg: str | None, backend: str, device_profile: str | None, 
     print(f"memra: loading {path}", file=sys.stderr)
     model = load_model(path, quant=quant)
     tokenizer = load_tokenizer(model.weights)
-    runner = create_runner(model, backend, device_profile)
+    runner = create_runner(model, backend, device_profile, devices=devices, split=split)
     print(
         f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
         f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",

@@ -58,6 +58,13 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="require this quant combo of the family")
 
 
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", default=None, metavar="0,1", help="CUDA device ids to split the model over")
+    p.add_argument(
+        "--split", choices=("pp", "tp"), default=None, help="pp: layer ranges per device; tp: heads/columns per device"
+    )
+
+
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
@@ -135,7 +142,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _check_args(args)
-    model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
+    model, tokenizer, runner = load_stack(
+        args.model, args.backend, args.device_profile, args.quant, getattr(args, "devices", None), getattr(args, "split", None)
+    )
     if args.chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
@@ -165,7 +174,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     _check_args(args)
-    model, tokenizer, runner = load_stack(args.model, args.backend, args.device_profile, args.quant)
+    model, tokenizer, runner = load_stack(
+        args.model, args.backend, args.device_profile, args.quant, getattr(args, "devices", None), getattr(args, "split", None)
+    )
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -366,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         "defaults (temperature 1, no top-p/top-k) instead",
     )
     _add_backend_flags(p)
+    _add_device_flags(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -376,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
     _add_sampling_flags(p)
     _add_backend_flags(p)
+    _add_device_flags(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_run)
 

@@ -5,7 +5,8 @@ expert), so its weight bytes are those of the whole file, though a decode step r
 chosen experts. ``weight_bytes(...)`` counts them from the family graph and dims alone (no file
 needed: a named size and a quant combo suffice, as for warmup), per group: ``experts`` (stacked
 tensors), ``dense`` (every other matrix), ``embedding`` and ``vectors`` (norms, f32).
-``plan_weight_bytes(plan, graph)`` groups a CUDA plan's allocations the same way (what the runner
+``tensor_bytes(...)`` lists the same per tensor and layer (engine.placement splits them across
+devices). ``plan_weight_bytes(plan, graph)`` groups a CUDA plan's allocations the same way (what the runner
 uploads); ``check_fits(...)`` turns "needed > free" into one clear MemraError. The CUDA runner calls
 them before it allocates anything.
 
@@ -44,6 +45,54 @@ class WeightBytes:
         return ", ".join(f"{n} {b / GIB:.2f} GiB" for n, b in parts if b)
 
 
+@dataclass(frozen=True)
+class TensorBytes:
+    """One weight on the device: family key, layer (None: not per layer), shape, storage layout,
+    group and bytes (``row_bytes`` of the layout times the rows)."""
+
+    key: str
+    layer: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    group: str
+    nbytes: int
+
+
+def tensor_bytes(
+    graph: ModelGraph,
+    dims: Mapping[str, Any],
+    combo: QuantCombo | None = None,
+    tensor_dtypes: Mapping[str, str] | None = None,
+    device_type: Callable[[str, int], str] | None = None,
+) -> list[TensorBytes]:
+    """Every weight of ``graph`` at ``dims`` with its device bytes (``weight_bytes`` documents the
+    storage-type rules); engine.placement splits these across devices."""
+    dtypes = tensor_dtypes or {}
+    layers_of = graph.tensor_layers(dict(dims))
+    out: list[TensorBytes] = []
+    for key, spec in graph.tensors.items():
+        if spec.optional or (spec.tied_to and dims.get("tie_embeddings")):
+            continue  # optional tensors are small extras; a tied head is its embedding
+        if spec.shape is None:
+            raise MemraError(f"{graph.path}: tensors.{key}: a shape is needed to count its bytes")
+        shape = tuple(int(evaluate(s, dims)) for s in spec.shape)
+        for layer in layers_of.get(key, []) if spec.per_layer else [None]:
+            if spec.kind == "vector":
+                out.append(TensorBytes(key, layer, shape, "f32", "vectors", 4 * prod(shape)))
+                continue
+            dtype = dtypes.get(f"{key}@{layer}") or dtypes.get(key)
+            if dtype is None:
+                if combo is None:
+                    raise MemraError(f"weight_bytes: no storage type for {key} (pass a quant combo)")
+                dtype = combo.allowed(key)[0]
+            cols = shape[-1]
+            layout = device_type(dtype, cols) if device_type and not spec.stack else dtype
+            nbytes = prod(shape[:-1]) * quant_mod.row_bytes(layout, cols)
+            group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
+            out.append(TensorBytes(key, layer, shape, layout, group, nbytes))
+    return out
+
+
 def weight_bytes(
     graph: ModelGraph,
     dims: Mapping[str, Any],
@@ -61,29 +110,9 @@ def weight_bytes(
     layers whose ops read them (a dense layer of a MoE model has no experts). A tied head counts
     once. Vectors count as f32. Raises ConfigError for a tensor without a shape.
     """
-    dtypes = tensor_dtypes or {}
-    layers_of = graph.tensor_layers(dict(dims))
     groups = {"experts": 0, "dense": 0, "embedding": 0, "vectors": 0}
-    for key, spec in graph.tensors.items():
-        if spec.optional or (spec.tied_to and dims.get("tie_embeddings")):
-            continue  # optional tensors are small extras; a tied head is its embedding
-        if spec.shape is None:
-            raise MemraError(f"{graph.path}: tensors.{key}: a shape is needed to count its bytes")
-        shape = tuple(int(evaluate(s, dims)) for s in spec.shape)
-        for layer in layers_of.get(key, []) if spec.per_layer else [None]:
-            if spec.kind == "vector":
-                groups["vectors"] += 4 * prod(shape)
-                continue
-            dtype = dtypes.get(f"{key}@{layer}") or dtypes.get(key)
-            if dtype is None:
-                if combo is None:
-                    raise MemraError(f"weight_bytes: no storage type for {key} (pass a quant combo)")
-                dtype = combo.allowed(key)[0]
-            cols = shape[-1]
-            layout = device_type(dtype, cols) if device_type and not spec.stack else dtype
-            nbytes = prod(shape[:-1]) * quant_mod.row_bytes(layout, cols)
-            group = "experts" if spec.stack else "embedding" if spec.kind == "embedding" else "dense"
-            groups[group] += nbytes
+    for t in tensor_bytes(graph, dims, combo, tensor_dtypes, device_type):
+        groups[t.group] += t.nbytes
     return WeightBytes(**groups)
 
 

@@ -27,10 +27,17 @@ def test_structure_doc_lists_every_module():
     assert not missing, f"docs/structure.md does not describe: {sorted(missing)}"
 
 
-def test_only_two_modules_import_cuda_python():
-    users = []
+def test_only_cuda_nvrtc_and_nccl_touch_the_driver_or_nccl():
+    """engine.cuda (driver) and engine.nvrtc (compiler) import cuda-python; engine.nccl loads NCCL
+    (through cuda.pathfinder only, never cuda.bindings); no other module does either."""
+    users, nccl_users = [], []
     for p in (ROOT / "engine").rglob("*.py"):
         src = p.read_text()
         if re.search(r"^\s*(from|import) cuda\b", src, flags=re.M) or "from cuda." in src:
             users.append(p.name)
-    assert sorted(users) == ["cuda.py", "nvrtc.py"], users
+        if re.search(r"libnccl|load_nvidia_dynamic_lib\(\s*\"nccl|\bnccl[A-Z]\w*\(", src):
+            nccl_users.append(p.name)
+    assert sorted(users) == ["cuda.py", "nccl.py", "nvrtc.py"], users
+    assert nccl_users == ["nccl.py"], nccl_users
+    nccl_src = (ROOT / "engine" / "nccl.py").read_text()
+    assert "cuda.bindings" not in nccl_src and not re.search(r"^\s*from engine", nccl_src, flags=re.M)

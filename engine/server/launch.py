@@ -52,6 +52,8 @@ def build_engine(
     quant: str | None = None,
     spec: Any = None,
     model_defaults: bool = True,
+    devices: str | None = None,
+    split: str | None = None,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
@@ -62,7 +64,7 @@ def build_engine(
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant)
+    model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant, devices, split)
     speculator = build_speculator(spec, model, runner, device_profile=device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
@@ -114,6 +116,9 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # name the config file when the setting came from it
         where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
         raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
+    from engine.backend import split_devices
+
+    split_devices(getattr(args, "devices", None), getattr(args, "split", None))  # flag errors before loading
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
@@ -125,7 +130,16 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     return run_server(
         cfg,
         lambda: build_engine(
-            model_arg, aliases, cfg, args.backend, args.device_profile, args.quant, spec, model_defaults=use_defaults
+            model_arg,
+            aliases,
+            cfg,
+            args.backend,
+            args.device_profile,
+            args.quant,
+            spec,
+            model_defaults=use_defaults,
+            devices=getattr(args, "devices", None),
+            split=getattr(args, "split", None),
         ),
         raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
