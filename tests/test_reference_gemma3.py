@@ -354,3 +354,18 @@ def test_window_is_general_a_mistral_with_sliding_window_matches_transformers(tm
     assert float(np.abs(full - want).max() / np.abs(want).max()) > 1e-3  # the window matters here
     with pytest.raises(MemraError, match="field 'sliding_window' = 6 changes the model in a way family llama"):
         load_model(tmp_path / "mistral", family="llama")  # plain llama refuses it rather than drop the window
+
+
+def test_tiny_gemma3_pipeline_split_equals_one_runner_and_tp_is_refused(tiny_gemma3):
+    """--split pp runs Gemma's layers (both attention kinds) across two ranks exactly as one runner;
+    --split tp has no rule for Gemma's `add` yet and says so rather than mis-sum a partial."""
+    from engine.placement import plan_placement
+    from engine.sharded_reference import ShardedReference
+
+    path, ids, want = tiny_gemma3
+    m = load_model(path)
+    pl = plan_placement(m.graph, m.dims, "pp", [0, 1], tensor_dtypes=m.tensor_dtypes)
+    got = ShardedReference(m, pl, max_model_len=64).forward_logits(ids)
+    np.testing.assert_array_equal(got, ReferenceRunner(m, max_model_len=64).forward_logits(ids))
+    with pytest.raises(MemraError, match="family gemma3 has op 'add', which has no tensor-parallel rule yet"):
+        plan_placement(m.graph, m.dims, "tp", [0, 1], tensor_dtypes=m.tensor_dtypes)
