@@ -135,6 +135,16 @@ def device_of(runner: Any) -> dict:
     return {"backend": runner.backend, "name": name, "profile": getattr(profile, "name", None)}
 
 
+def memory_row(when: str) -> dict:
+    """The process's resident set now (idle: after a collection) and its peak so far, in bytes."""
+    import gc
+
+    from engine import memstat
+
+    gc.collect()
+    return {"kind": "memory", "when": when, **memstat.footprint()}
+
+
 def table(rows: list[dict]) -> str:
     out = []
     for r in rows:
@@ -145,6 +155,10 @@ def table(rows: list[dict]) -> str:
             )
         elif k == "load":
             out.append(f"load      {r['seconds']:.2f} s ({r['backend']})")
+        elif k == "memory":
+            out.append(
+                f"memory    {r['when']}: RSS {r['rss_bytes'] / 1e6:.0f} MB, peak {r['peak_rss_bytes'] / 1e6:.0f} MB"
+            )
         elif k == "copy":
             out.append(
                 f"copy      device-to-device: {r['gbs']:.0f} GB/s read + written "
@@ -200,14 +214,20 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     model = load_model(path, quant=args.quant)
     runner = create_runner(model, args.backend, args.device_profile)
     rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
+    rows.append(memory_row("after load"))
     if runner.backend == "cuda" and not getattr(args, "skip_runner", False):
         rows.insert(0, bench_compile(model, runner.profile))
         from engine import runner_bench
 
         quick = args.quick
+        batches = getattr(args, "batches", None)
         rows += runner_bench.run_all(
             runner,
-            batches=(1, 8) if quick else (1, 8, 32),
+            batches=(
+                tuple(int(x) for x in batches.split(",") if x.strip())
+                if batches
+                else (1, 8) if quick else runner_bench.graph_buckets(runner)
+            ),
             depths=(0,) if quick else (0, 4096),
             prefills=(512,) if quick else (512, 4096),
             steps=16 if quick else 64,
@@ -237,6 +257,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
                     rows[-1].update(_spec_delta(speculator.method, before, engine.stats()))
         finally:
             engine.shutdown(10)
+    rows.append(memory_row("at the end"))
     device = device_of(runner)
     result = {"model": str(path), "date": time.strftime("%Y-%m-%d"), "device": device, "rows": rows}
     if args.json:

@@ -18,16 +18,19 @@ after the last token of a cached block, attached to that block) or free. A prefi
 the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
 taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
 slots run out the least recently used snapshot is dropped (never a live state).
-Pure Python: must not import numpy, CUDA or other engine modules (``engine.types`` aside).
+Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
+so a repeated or extended prompt hashes only its new blocks.
+Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from engine.prefix_keys import ChainMemory, chain, chain_hash  # noqa: F401 (chain_hash: re-exported)
 
 _HASH_VERSION = b"memra-prefix-v1"
 
@@ -37,13 +40,6 @@ def cache_salt_hash(tenant: str, cache_salt: str = "") -> bytes:
     t, s = tenant.encode(), cache_salt.encode()
     payload = b"%s|%d:%s|%d:%s" % (_HASH_VERSION, len(t), t, len(s), s)
     return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """``H(prev, tokens)``: the prefix-cache key of one full block given its predecessor's key."""
-    h = hashlib.blake2b(prev, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -59,6 +55,10 @@ class _SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)
     # Leading blocks that are full and written: read-only, safe to share.
     committed: int = 0
+    # Keys of the full blocks of the tokens it was admitted with (computed at admission, so a commit
+    # does not hash them again), and the live token list of its last commit (remembered at free).
+    known_keys: list[bytes] = field(default_factory=list)
+    tokens: Sequence[int] = ()
     # --- recurrent state (hybrid models) ---
     state_slot: int | None = None  # this sequence's live state slot
     restore: int | None = None  # pinned snapshot slot its first step starts from
@@ -104,6 +104,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._seqs: dict[int, _SeqBlocks] = {}
         self.evictions = 0
+        self.keys = ChainMemory(block_size)  # prefix keys of recent prompts and finished sequences
 
     # ----- counters -------------------------------------------------------------------------------
     @property
@@ -143,22 +144,22 @@ class BlockManager:
         The hit is capped at ``(len(token_ids) - 1) // block_size`` blocks so at least one token is
         left to run (its logits are needed). Takes no references.
         """
+        return self._match(token_ids, salt)[0]
+
+    def _match(self, token_ids: Sequence[int], salt: bytes) -> tuple[list[int], list[bytes]]:
+        """(hit block ids, the keys of every full block but the last token's)."""
         if not self.enable_prefix_cache:
-            return []
-        bs = self.block_size
-        limit = (len(token_ids) - 1) // bs
-        hits: list[int] = []
-        prev = salt
-        for i in range(limit):
-            prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
-            block = self._by_hash.get(prev)
-            if block is None:
-                break
-            hits.append(block)
+            return [], []
+        keys = self.keys.keys(salt, token_ids, (len(token_ids) - 1) // self.block_size)
+        blocks = list(map(self._by_hash.get, keys))
+        try:
+            hits = blocks[: blocks.index(None)]
+        except ValueError:
+            hits = blocks
         if self.state_slots:  # a hybrid resumes from a state snapshot: end at the deepest one
             while hits and hits[-1] not in self._snap_of_block:
                 hits.pop()
-        return hits
+        return hits, keys
 
     # ----- allocation -----------------------------------------------------------------------------
     def allocate(
@@ -172,30 +173,33 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hits = self.match_prefix(token_ids, salt)
+        hits, keys = self._match(token_ids, salt)
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
-        hits_from_lru = sum(1 for b in hits if self._ref[b] == 0)
-        if self.num_available - hits_from_lru < needed_new + headroom_blocks:
+        ref = self._ref
+        from_lru = [b for b in hits if ref[b] == 0]
+        if self.num_available - len(from_lru) < needed_new + headroom_blocks:
             return None
         restore = self._snap_of_block[hits[-1]] if self.state_slots and hits else None
         if self.state_slots and self._state_available(exclude=restore) < 1:
             return None  # no live state slot for it (every slot live or pinned)
-        seq = _SeqBlocks(salt=salt)
+        seq = _SeqBlocks(salt=salt, table=hits, hashes=keys[: len(hits)], known_keys=keys)
         if self.state_slots:
             if restore is not None:
                 self._pinned[restore] = self._pinned.get(restore, 0) + 1
                 self._snap_lru.move_to_end(restore)
                 seq.restore = restore
             seq.state_slot = self._take_state_slot()
-        for b in hits:  # take references first so the fresh allocations below cannot evict them
-            self._acquire(b)
-            seq.table.append(b)
-            seq.hashes.append(self._hash[b])  # type: ignore[arg-type]
+        # take references first so the fresh allocations below cannot evict them
+        lru = self._lru
+        for b in from_lru:
+            del lru[b]
+        for b in hits:
+            ref[b] += 1
         seq.committed = len(hits)
         for _ in range(needed_new):
             seq.table.append(self._take_fresh())
         self._seqs[seq_id] = seq
-        return len(hits) * self.block_size
+        return seq.committed * self.block_size
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Extend the table to cover ``num_tokens`` positions; False (unchanged) if blocks ran out."""
@@ -258,15 +262,19 @@ class BlockManager:
         seq = self._seqs[seq_id]
         bs = self.block_size
         full = min(num_computed // bs, len(seq.table))
-        if self.enable_prefix_cache:
-            prev = seq.hashes[-1] if seq.hashes else seq.salt
-            for i in range(len(seq.hashes), full):
-                prev = chain_hash(prev, token_ids[i * bs : (i + 1) * bs])
-                seq.hashes.append(prev)
+        if self.enable_prefix_cache and full > len(seq.hashes):
+            seq.tokens = token_ids
+            start = len(seq.hashes)
+            known = seq.known_keys[start:full]  # computed at admission
+            if start + len(known) < full:
+                prev = known[-1] if known else (seq.hashes[-1] if seq.hashes else seq.salt)
+                known += chain(prev, token_ids, bs, start + len(known), full)
+            for i, key in enumerate(known, start):
+                seq.hashes.append(key)
                 block = seq.table[i]
-                if prev not in self._by_hash and self._hash[block] is None:
-                    self._hash[block] = prev
-                    self._by_hash[prev] = block
+                if key not in self._by_hash and self._hash[block] is None:
+                    self._hash[block] = key
+                    self._by_hash[key] = block
         seq.committed = max(seq.committed, full)
         if self.state_slots:
             self._commit_state(seq, num_computed)
@@ -280,22 +288,20 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if seq.tokens and len(seq.hashes) > len(seq.known_keys):  # it grew past its prompt: a next
+            self.keys.remember(seq.salt, seq.tokens, seq.hashes)  # turn may extend it
         if self.state_slots:
             self._free_state(seq)
+        ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
         for b in reversed(seq.table):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self._hash[b] is not None:
-                    self._lru[b] = None
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hashes[b] is not None:
+                    lru[b] = None
                 else:
-                    self._free.append(b)
+                    free.append(b)
 
     # ----- internals ------------------------------------------------------------------------------
-    def _acquire(self, block: int) -> None:
-        if self._ref[block] == 0:
-            del self._lru[block]
-        self._ref[block] += 1
-
     def _take_fresh(self) -> int:
         if self._free:
             block = self._free.popleft()

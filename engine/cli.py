@@ -408,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=None, help="engine-loop prompt length (default 440)")
     p.add_argument("--gen-tokens", type=int, default=None, help="engine-loop tokens per request (default 128)")
     p.add_argument("--skip-runner", action="store_true", help="only the engine-loop rows (with --concurrency)")
+    p.add_argument(
+        "--batches", default=None, help="comma list of decode batch sizes (default: every CUDA-graph bucket)"
+    )
     _add_backend_flags(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_bench)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -312,10 +312,8 @@ class KernelArgs:
         self.kinds = tuple(kinds)
         n = max(len(self.kinds), 1)
         self._buf = (ctypes.c_uint64 * n)()
-        self._ptrs = (ctypes.c_void_p * n)()
         base = ctypes.addressof(self._buf)
-        for i in range(n):
-            self._ptrs[i] = base + 8 * i
+        self._ptrs = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
         self.address = ctypes.addressof(self._ptrs)
         if values is not None:
             self.set_all(values)
@@ -330,13 +328,25 @@ class KernelArgs:
     def set_all(self, values: Sequence[Any]) -> None:
         if len(values) != len(self.kinds):
             raise ValueError(f"kernel takes {len(self.kinds)} arguments ({self.kinds}), got {len(values)}")
-        for i, v in enumerate(values):
-            self.set(i, v)
+        if values:  # one pack for all slots: binding a new step shape packs hundreds of these
+            ints = [int(v) if f in "Qq" else v for f, v in zip(_slot_formats(self.kinds), values, strict=True)]
+            struct.pack_into(_pack_format(self.kinds), self._buf, 0, *ints)
 
     def get(self, i: int) -> Any:
         fmt = ARG_FORMATS[self.kinds[i]]
         raw = ctypes.string_at(ctypes.addressof(self._buf) + 8 * i, struct.calcsize(fmt))
         return struct.unpack("<" + fmt, raw)[0]
+
+
+@cache
+def _slot_formats(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(ARG_FORMATS[k] for k in kinds)
+
+
+@cache
+def _pack_format(kinds: tuple[str, ...]) -> str:
+    """The struct format of a whole argument block: each value at the start of its 8-byte slot."""
+    return "<" + "".join(f + "x" * (8 - struct.calcsize(f)) for f in _slot_formats(kinds))
 
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap); its address must be 64-byte aligned

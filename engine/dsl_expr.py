@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 _BINOPS = {
@@ -34,8 +35,15 @@ _CMPOPS = {
 
 
 def parse(expr: str) -> ast.Expression:
-    """Parse ``expr``; raises SyntaxError, or ValueError naming the first element outside the language."""
-    tree = ast.parse(str(expr), mode="eval")
+    """Parse ``expr``; raises SyntaxError, or ValueError naming the first element outside the language.
+    Cached: launch grids are dim expressions evaluated for every new step shape the runner binds, so
+    the returned tree is shared and must not be mutated."""
+    return _parse(str(expr))
+
+
+@lru_cache(maxsize=4096)
+def _parse(expr: str) -> ast.Expression:
+    tree = ast.parse(expr, mode="eval")
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED):
             raise ValueError(f"unsupported expression element {type(node).__name__} in {expr!r}")

@@ -49,19 +49,30 @@ class KernelSpec:
         if not _NAME_OK.match(self.template):
             raise ValueError(f"kernel template name {self.template!r} is not a plain identifier")
 
+    def _key(self) -> tuple:
+        """The identity tuple, frozen once (specs are dict keys on the runner's binding path,
+        where re-freezing the params per lookup cost more than the rest of a launch's binding)."""
+        key = self.__dict__.get("_frozen_key")
+        if key is None:
+            key = (self.template, self.entry, _freeze(self.params), self.options, self.pdl)
+            object.__setattr__(self, "_frozen_key", key)
+            object.__setattr__(self, "_frozen_hash", hash(key))
+        return key
+
     def __hash__(self) -> int:
-        return hash((self.template, self.entry, _freeze(self.params), self.options, self.pdl))
+        self._key()
+        return self.__dict__["_frozen_hash"]
+
+    def __getstate__(self) -> dict:
+        # the cached hash is per process (str hashing is salted): a copy or unpickled spec recomputes it
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_frozen_")}
 
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         if not isinstance(other, KernelSpec):
             return NotImplemented
-        return (self.template, self.entry, _freeze(self.params), self.options, self.pdl) == (
-            other.template,
-            other.entry,
-            _freeze(other.params),
-            other.options,
-            other.pdl,
-        )
+        return self._key() == other._key()
 
     def describe(self) -> str:
         """One line for logs and `memra warmup --list`."""

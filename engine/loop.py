@@ -287,7 +287,7 @@ class Engine:
         if n == 0:
             raise MemraError("the prompt is empty", param="prompt")
         vocab = getattr(self.tokenizer, "vocab_size", None)
-        if isinstance(vocab, int) and any(not (0 <= t < vocab) for t in req.prompt_ids):
+        if isinstance(vocab, int) and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab):
             raise MemraError(
                 f"the prompt holds token ids outside the vocabulary [0, {vocab})", param="prompt"
             )

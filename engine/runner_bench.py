@@ -82,6 +82,17 @@ def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
     return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
 
 
+def _fits(runner: Any, batch: int, length: int) -> bool:
+    return -(-length // runner.block_size) * batch <= runner.num_blocks
+
+
+def graph_buckets(runner: Any) -> tuple[int, ...]:
+    """Every decode batch size the runner captures a CUDA graph for (the scheduler's buckets:
+    a step of n rows runs the smallest one >= n), or (1, 8, 32) for a runner without graphs."""
+    sizes = getattr(getattr(runner, "plan", None), "graph_batch_sizes", None)
+    return tuple(sorted(sizes)) if sizes else (1, 8, 32)
+
+
 def measure_copy(runner: Any) -> dict | None:
     """The runner's measured device-to-device copy bandwidth as a bench row (None where the runner
     has no device to measure: the reference backend)."""
@@ -172,10 +183,12 @@ def plan_profile(runner: Any) -> Any:
 
 
 def run_all(
-    runner: Any, batches=(1, 8, 32), depths=(0, 4096), prefills=(512, 4096), steps: int = 64, copy: bool = True
+    runner: Any, batches=None, depths=(0, 4096), prefills=(512, 4096), steps: int = 64, copy: bool = True
 ) -> list[dict]:
     """The copy row first (where the runner measures one and ``copy``), then decode per depth and
-    batch, then prefill per length."""
+    batch (default: every graph bucket; a row whose KV does not fit is skipped with a warning),
+    then prefill per length."""
+    batches = graph_buckets(runner) if batches is None else batches
     rows = []
     copy_row = measure_copy(runner) if copy else None
     if copy_row:
@@ -183,6 +196,9 @@ def run_all(
     for depth in depths:
         for batch in batches:
             if depth + steps + 2 > runner.max_model_len:
+                continue
+            if not _fits(runner, batch, depth + steps + 1):
+                log.warning("decode batch %d depth %d: more KV blocks than the runner has; skipped", batch, depth)
                 continue
             rows.append(bench_decode(runner, batch, depth, steps, copy_gbs=copy_row and copy_row["gbs"]))
     for p in prefills:

@@ -15,18 +15,19 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from engine import cuda, env, quant
+from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.ir import PENALTY_CAPACITY, ROPE_FREQ, Launch, Plan, kernel_specs
+from engine.ir import PENALTY_CAPACITY, Launch, Plan, kernel_specs
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
-from engine.progress import bar
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
+from engine.runner_weights import WeightLoading
 from engine.types import ConfigError, MemraError, StepItem
 from engine.weight_memory import check_fits, plan_weight_bytes
 
@@ -66,7 +67,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic):
+class CudaRunner(StepLogic, WeightLoading):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -86,6 +87,7 @@ class CudaRunner(StepLogic):
         use_graphs: bool = True,
         builder: KernelBuilder | None = None,
     ):
+        t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
         self._ctx_local = threading.local()  # .current: the context is current on that thread
         self._ctx_local.current = True
@@ -99,6 +101,7 @@ class CudaRunner(StepLogic):
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
+        self._launch_configs: dict[tuple, Any] = {}  # see _prepared
         log.info(
             "programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
             "on" if self._pdl else "off",
@@ -114,16 +117,31 @@ class CudaRunner(StepLogic):
         self._fork_ev, self._join_ev = cuda.Event(timing=False), cuda.Event(timing=False)
         self.block_size = self.plan.block_size
         self._check_memory()
+        t1 = time.perf_counter()
         self._load_kernels(builder)
-        self._upload_weights()
+        t2 = time.perf_counter()
+        self._upload_weights(cuda)  # the module-level engine.cuda (tests put a fake driver there)
+        # the device holds the weights now: unmap the file so its pages leave the resident set
+        # (engine.weights: a later raw() maps it again, e.g. for a reference runner on the model)
+        model.weights.close()
+        t3 = time.perf_counter()
         self._alloc_arena()
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
+        log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
+            "runner ready in %.2f s: context + plan %.2f s, kernels %.2f s, weights %.2f s, buffers %.2f s",
+            time.perf_counter() - t0,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            time.perf_counter() - t3,
+        )
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
+        self._prefill_bound: dict[tuple, list[_Bound]] = {}  # prefill pass shapes, least recent first
         self._head_inputs: list[tuple[str, int, int]] | None = None
         self._pen_count = 0
         # varlen prefill: the plan's prefill attention reads seq_starts, so one pass may hold
@@ -134,6 +152,7 @@ class CudaRunner(StepLogic):
             for la in st.launches.get("prefill", ())
             for a in la.args
         )
+        self._prebind_warm_tails()
 
     # ----------------------------------------------------------------------------- setup
 
@@ -188,47 +207,6 @@ class CudaRunner(StepLogic):
         if n:
             cuda.dtoh(recs, buf.ptr + 64)
         return recs
-
-    def _upload_weights(self) -> None:
-        m = self.model
-        self._weights: dict[str, cuda.DeviceBuffer] = {}
-        for w in bar(self.plan.weights, "memra: loading weights", unit="tensor"):
-            if w.key == ROPE_FREQ:
-                self._weights[w.key] = self._upload_array(self._rope_freq_factors())
-                continue
-            chunks = []
-            for part in w.parts:
-                spec = m.graph.tensors[part]
-                if spec.kind == "vector":
-                    chunks.append(
-                        np.ascontiguousarray(m.dequantize(part, w.layer), dtype=np.float32).view(np.uint8)
-                    )
-                    continue
-                info = m.info(part, w.layer)
-                if info.dtype != quant.REPACKED_FROM.get(w.dtype, w.dtype):
-                    raise MemraError(
-                        f"{m.path}: tensor {m.file_name(part, w.layer)} is {info.dtype} but the plan expects "
-                        f"{w.dtype}",
-                        code="invalid_model",
-                    )
-                chunks.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
-            data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-            if w.dtype in quant.REPACKED_FROM:  # a device layout the plan chose (e.g. q8_0r)
-                data = quant.repack(data, w.dtype, w.rows, w.cols)
-            if data.nbytes != w.nbytes:
-                raise MemraError(
-                    f"{m.path}: weight {w.key} has {data.nbytes} bytes, the plan expects {w.nbytes}",
-                    code="invalid_model",
-                )
-            buf = cuda.alloc(w.nbytes)
-            cuda.htod(buf.ptr, np.ascontiguousarray(data))
-            self._weights[w.key] = buf
-
-    def _upload_array(self, data: np.ndarray) -> cuda.DeviceBuffer:
-        data = np.ascontiguousarray(data)
-        buf = cuda.alloc(data.nbytes)
-        cuda.htod(buf.ptr, data)
-        return buf
 
     def _alloc_arena(self) -> None:
         self.arena = cuda.alloc(self.plan.arena_bytes())
@@ -345,11 +323,21 @@ class CudaRunner(StepLogic):
             others = math.prod(grid[1:])
             grid = (min(grid[0], max(1, self._resident_grid(fn, launch) // others)), *grid[1:])
         pdl = self._pdl_for(launch.spec)
-        run = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self.stream, pdl)
+        run = self._prepared(fn, grid, launch.block, launch.smem, self.stream, pdl)
         if not launch.concurrent:
             return _Bound(fn, grid, launch.block, launch.smem, args, run, solo=run)
-        side = cuda.PreparedLaunch(fn, grid, launch.block, launch.smem, self._side, pdl)
+        side = self._prepared(fn, grid, launch.block, launch.smem, self._side, pdl)
         return _Bound(fn, grid, launch.block, launch.smem, args, side, side=True, solo=run)
+
+    def _prepared(self, fn: Any, grid: tuple, block: tuple, smem: int, stream: Any, pdl: bool) -> Any:
+        """The launch configuration, built once per (kernel, geometry, stream): a prefill of a new
+        length rebinds every launch, and most keep their grid (so a warm-prefix hit of a new tail
+        length does not pay for hundreds of driver structs)."""
+        key = (id(fn), grid, tuple(block), smem, id(stream), pdl)
+        run = self._launch_configs.get(key)
+        if run is None:
+            run = self._launch_configs[key] = cuda.PreparedLaunch(fn, grid, block, smem, stream, pdl)
+        return run
 
     def _resident_grid(self, fn: Any, launch: Launch) -> int:
         """The blocks of ``launch``'s kernel resident on the whole GPU at once (at least one per SM)."""
@@ -480,11 +468,7 @@ class CudaRunner(StepLogic):
         hitems = [it for _, it, _ in heads]
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
-        key = ("prefill", n, nseq, max_q)
-        bound = self._eager.get(key) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
-        if len(self._eager) < 64:
-            self._eager[key] = bound
-        self._run(bound)
+        self._run(self._prefill_pass_bound(n, nseq, max_q))
         if not heads:
             self.stream.synchronize()
             return {}
@@ -542,6 +526,7 @@ class CudaRunner(StepLogic):
             graph.destroy()
         self._graphs.clear()
         self._eager.clear()
+        self._prefill_bound.clear()
         for buf in (
             list(self._weights.values())
             + list(self._scratch.values())

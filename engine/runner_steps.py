@@ -1,6 +1,6 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
-and decode rows, each row's sampling fields, the launches of a pass bound to a shape, the sampled
-ids read back (rows with logit bias, logprobs or a constraint mask sampled on the host, and
+and decode rows, each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
+ahead), the sampled ids read back (rows with logit bias, logprobs or a constraint mask sampled on the host, and
 rows with more penalty entries than the device buffer holds re-sampled there); speculative verify
 delegated to engine.spec.cuda_verify. ``StepLogic`` is CudaRunner's base
 class; every device call goes through CudaRunner's own methods (engine.runner_cuda), so this
@@ -10,6 +10,7 @@ module never touches the driver. Must not import CUDA.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ log = logging.getLogger("memra.runner_cuda")
 
 
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
+PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 
 
 def _on_host(it: StepItem) -> bool:
@@ -116,6 +118,29 @@ class StepLogic:
             for launch in self.plan.sampling[sampling]:
                 bound.append(self._bind(launch, shape))
         return bound
+
+    def _prefill_pass_bound(self, n: int, nseq: int, max_q: int) -> list[Any]:
+        """The bound prefill pass of ``n`` tokens in ``nseq`` sequences (longest chunk ``max_q``),
+        from an LRU of PREFILL_SHAPES_KEPT shapes: a warm-prefix tail stays bound."""
+        key = ("prefill", n, nseq, max_q)
+        bound = self._prefill_bound.pop(key, None) or self._bind_pass("prefill", n, nseq, False, "", max_q=max_q)
+        self._prefill_bound[key] = bound  # most recently used last
+        if len(self._prefill_bound) > PREFILL_SHAPES_KEPT:
+            del self._prefill_bound[next(iter(self._prefill_bound))]
+        return bound
+
+    def _prebind_warm_tails(self) -> None:
+        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 2 ..
+        block_size tokens of one sequence (a hit stops one token short, at a block boundary; one
+        token left runs as a decode row) and the batch-1 head, so that no warm request pays for
+        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen)."""
+        t0 = time.perf_counter()
+        for n in range(2, self.block_size + 1):
+            self._prefill_bound[("prefill", n, 1, n)] = self._bind_pass("prefill", n, 1, False, "", max_q=n)
+        for kind in ("greedy", "sample"):
+            mode = _decode_mode(1, self.plan.wide_rows)
+            self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
+        log.info("warm-prefix passes bound in %.3f s", time.perf_counter() - t0)
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not

@@ -131,18 +131,24 @@ def validate(data: dict, schema: dict[str, Field], file: str | Path, path: str =
     return out
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_yaml(file: Path) -> dict:
     """Parse a YAML mapping; a syntax error or a non-mapping top level is a ConfigError naming the file."""
     try:
         text = Path(file).read_text()
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{file}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    try:  # libyaml where present: a start parses every device profile and model family file
+        data = yaml.load(text, Loader=_LOADER)
+    except yaml.YAMLError:
+        try:  # the pure-Python parser words the error (line, column, problem)
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{file}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a mapping at the top level, got {type(data).__name__}")
     return data

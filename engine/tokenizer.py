@@ -1,6 +1,6 @@
 """Load a tokenizer for a WeightSource (tokenizer.json or GGUF vocab/merges), chat templates, streaming decode.
 
-Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers`` and engine.chat_template.
+Must not import CUDA, numpy-heavy code or the model graph; uses ``tokenizers``, engine.chat_template and engine.token_cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from engine.chat_template import render_chat_template
+from engine.token_cache import SegmentEncoder
 from engine.tokenizer_spm import spm_tokenizer
 from engine.types import ConfigError, MemraError
 from engine.weights.source import WeightSource
@@ -129,6 +130,7 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        self._segments = SegmentEncoder(tk)  # a prompt sent again costs only its new pieces
         added = tk.get_added_tokens_decoder()
         specials = {t.content: i for i, t in added.items() if t.special and t.content}
         self._special_ids = specials
@@ -141,11 +143,12 @@ class Tokenizer:
             else None
         )
         self._text_tk: tokenizers.Tokenizer | None = None  # a clone that reads special strings as text
+        self._text_segments: SegmentEncoder | None = None  # its piece cache (escaped text)
         self._clone_lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted."""
-        ids = list(self.hf.encode(text, add_special_tokens=False).ids)
+        ids = self._segments.encode(text)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
@@ -165,7 +168,15 @@ class Tokenizer:
                 tk = tokenizers.Tokenizer.from_str(self.hf.to_str())
                 tk.encode_special_tokens = True
                 self._text_tk = tk
+                # whole pieces cached as they are (never cut: this clone reads special strings as text)
+                self._text_segments = SegmentEncoder(tk, split=False)
             return self._text_tk
+
+    def _encode_text(self, part: str) -> list[int]:
+        """``part`` tokenised with special-token strings read as text, from the piece cache."""
+        if self._text_segments is None:
+            self._text_tokenizer()
+        return self._text_segments.encode(part)  # type: ignore[union-attr]
 
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat prompt: special tokens the template wrote become their ids; text
@@ -186,7 +197,7 @@ class Tokenizer:
                 ids.append(self._special_ids[part])
             elif part:
                 part = _MARK_RUN.sub(lambda m: CONTENT_MARK if len(m.group(0)) == 2 else "", part)
-                ids.extend(self._text_tokenizer().encode(part, add_special_tokens=False).ids)
+                ids.extend(self._encode_text(part))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

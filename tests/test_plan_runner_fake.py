@@ -85,6 +85,12 @@ class FakeDriver:
             def record(self, stream):
                 self.stream = stream.id
 
+            def synchronize(self):
+                pass
+
+            def destroy(self):
+                pass
+
         class Fn:
             def __init__(self, name):
                 self.name = name

@@ -81,3 +81,16 @@ def test_no_copy_row_without_a_measurement(caplog):
         assert "copy_roofline_fraction" not in rows[0]
         assert "measured copy" not in bench.table(rows)
     assert "no copy-bandwidth row: cuMemAlloc failed" in caplog.text
+
+
+def test_default_batches_are_every_graph_bucket_and_rows_that_do_not_fit_are_skipped():
+    r = _StubRunner(0.0, None)
+    assert runner_bench.graph_buckets(r) == (1, 8, 32)  # no graph buckets: the old trio
+    r.plan.graph_batch_sizes = (4, 1, 2, 64, 8)
+    assert runner_bench.graph_buckets(r) == (1, 2, 4, 8, 64)
+    rows = runner_bench.run_all(r, depths=(0,), prefills=(), steps=4)
+    # 64 blocks of 16: batch 64 needs 64 x 1 block at depth 0 (fits); batches come in bucket order
+    assert [x["batch"] for x in rows] == [1, 2, 4, 8, 64]
+    r.num_blocks = 40
+    rows = runner_bench.run_all(r, depths=(0,), prefills=(), steps=4)
+    assert [x["batch"] for x in rows] == [1, 2, 4, 8]

@@ -7,7 +7,8 @@ prometheus_client Counters/Histograms in a per-server registry; engine-side seri
 subsystem adds an engine series with one ``add_engine_family`` call (see its docstring), as the
 speculative-decoding counters (``memra_spec_*``, ``vllm:spec_decode_*``) are. Engine stats are
 read with getattr defaults, so a partial EngineStats still renders. Thread-safe (prometheus_client is).
-Must not import falcon or the engine loop.
+Process series (resident memory, CPU) come from prometheus_client's ProcessCollector, the peak
+resident set size from ``engine.memstat``. Must not import falcon or the engine loop.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine import memstat
 
 disable_created_metrics()  # no *_created series: dashboards do not read them
 
@@ -198,6 +202,12 @@ class Metrics:
         self.v_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds", m, buckets=ITL_BUCKETS, registry=r)
         self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds", m, buckets=E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(self))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        Gauge(
+            "memra_process_peak_resident_bytes",
+            "largest resident set size the server process has had",
+            registry=r,
+        ).set_function(memstat.peak_rss_bytes)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

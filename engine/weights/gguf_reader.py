@@ -114,17 +114,31 @@ def _open_reader(f: Path) -> Any:
         ) from None
 
 
+#: metadata arrays longer than this are not converted when the source closes (the tokenizer's
+#: vocabulary: converted when first read, by opening the file again if it was closed by then)
+_DETACH_EAGER_MAX = 64
+
+
 class GGUFMetadata(Mapping[str, Any]):
-    """Read-only mapping of GGUF KV metadata; each value is converted on first access and cached."""
+    """Read-only mapping of GGUF KV metadata; each value is converted on first access and cached.
+
+    The reader's fields are views of its memory map; ``detach`` lets the map go (see GGUFSource.close).
+    """
 
     def __init__(self, fields: Mapping[str, Any]):
         self._fields = {k: v for k, v in fields.items() if not k.startswith("GGUF.")}
+        self._keys = list(self._fields)
         self._cache: dict[str, Any] = {}
+        self._reopen: Any = None  # after detach: () -> a fresh reader's fields
 
     def __getitem__(self, key: str) -> Any:
         if key in self._cache:
             return self._cache[key]
-        field = self._fields[key]
+        field = self._fields.get(key)
+        if field is None:
+            if self._reopen is None or key not in self._keys:
+                raise KeyError(key)
+            field = self._reopen()[key]  # a closed source: read this key from the file again
         try:
             value = field.contents()
         except Exception as e:
@@ -132,15 +146,30 @@ class GGUFMetadata(Mapping[str, Any]):
         self._cache[key] = value
         return value
 
+    def detach(self, reopen: Any) -> None:
+        """Convert the small values now and drop every reference to the reader's fields; a long
+        array not yet read is read later through ``reopen()`` (a new reader's fields)."""
+        for key, field in self._fields.items():
+            if key not in self._cache and len(field.data) <= _DETACH_EAGER_MAX:
+                self[key]
+        self._reopen = reopen  # first: a reader in another thread then always finds one or the other
+        self._fields = {}
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._fields)
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._cache or key in self._fields or (self._reopen is not None and key in self._keys)
 
     def array_len(self, key: str) -> int:
         """Length of an array-valued key without converting it."""
-        return len(self._fields[key].data)
+        if key in self._fields:
+            return len(self._fields[key].data)
+        value = self[key]
+        return len(value) if isinstance(value, list) else 1
 
 
 class GGUFSource(WeightSource):
@@ -152,11 +181,12 @@ class GGUFSource(WeightSource):
         self.path = path
         self.files = split_files(path)
         self.path = self.files[0]
-        self._readers = [_open_reader(f) for f in self.files]
-        self.metadata = GGUFMetadata(self._readers[0].fields)
+        readers = [_open_reader(f) for f in self.files]  # the metadata keeps the first one's fields
+        self.metadata = GGUFMetadata(readers[0].fields)
+        self._maps: dict[int, np.memmap] = {}  # tensor data: our own maps, so close() can let them go
         self._infos = {}
         self._where: dict[str, tuple[int, int, int]] = {}
-        for ri, (f, r) in enumerate(zip(self.files, self._readers, strict=True)):
+        for ri, (f, r) in enumerate(zip(self.files, readers, strict=True)):
             size = f.stat().st_size
             for t in r.tensors:
                 dtype = t.tensor_type.name.lower()
@@ -177,9 +207,23 @@ class GGUFSource(WeightSource):
         return self.files[self._where[name][0]] if name in self._where else self.path
 
     def raw(self, name: str) -> np.ndarray:
+        mm, off, n = self._mapped(name)
+        return mm[off : off + n]
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         self.info(name)
         ri, off, n = self._where[name]
-        return self._readers[ri].data[off : off + n]
+        return [(self.files[ri], off, n)]
+
+    def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
+        self.info(name)
+        ri, off, n = self._where[name]
+        mm = self._maps.get(ri)
+        if mm is None:
+            mm = self._maps[ri] = np.memmap(self.files[ri], dtype=np.uint8, mode="r")
+        return mm, off, n
 
     def close(self) -> None:
-        self._readers = []
+        first = self.files[0]
+        self.metadata.detach(lambda: _open_reader(first).fields)
+        self._maps.clear()

@@ -5,6 +5,7 @@ Must not import CUDA, the model graph or the tokenizer; only numpy, engine.quant
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,11 @@ class WeightSource:
 
     Subclasses fill ``format``, ``path``, ``files``, ``metadata`` and ``_infos`` and implement
     ``raw``. ``raw`` never copies; ``array`` and ``dequantize`` build on it.
+
+    Footprint: a mapped file's pages count in the process's resident set once touched. A runner
+    that copies the weights to a device calls ``evict(name)`` after each copy (the pages leave the
+    resident set, so the peak stays near one tensor) and ``close()`` at the end (the files are
+    unmapped once no view is left). Both are safe at any time: a later ``raw`` maps the file again.
     """
 
     format: str
@@ -74,8 +80,37 @@ class WeightSource:
         info = self.info(name)
         return quant.dequantize(self.raw(name), info.dtype, info.shape)
 
+    def _mapped(self, name: str) -> tuple[np.memmap, int, int] | None:
+        """(the file's memory map, byte offset, byte count) of tensor ``name``; None where the
+        source has no single mapped range for it."""
+        return None
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """(file, byte offset, byte count) ranges whose concatenation is tensor ``name``'s stored
+        bytes, for a reader that copies them without mapping the file (engine.upload); None where
+        the source cannot say (then use ``raw``)."""
+        return None
+
+    def evict(self, name: str) -> None:
+        """Drop tensor ``name``'s pages from this process's resident set (``MADV_DONTNEED`` on the
+        read-only shared map: the data stays valid and is read again from the page cache if a view
+        is used later). A no-op where the platform has no ``madvise``."""
+        where = self._mapped(name)
+        if where is None:
+            return
+        mm, off, n = where
+        m = getattr(mm, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if m is None or advice is None or n == 0 or m.closed:
+            return
+        page = mmap.PAGESIZE  # the maps start at file offset 0 (see the readers' raw)
+        lo, hi = off // page * page, min(-(-(off + n) // page) * page, len(m))
+        if hi > lo:
+            m.madvise(advice, lo, hi - lo)
+
     def close(self) -> None:
-        """Drop references to the memory maps (views handed out stay valid until collected)."""
+        """Drop this source's references to its memory maps: a file is unmapped once no view of it
+        is left. ``raw`` afterwards maps the file again (metadata stays readable)."""
 
     def __enter__(self) -> WeightSource:
         return self

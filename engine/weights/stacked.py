@@ -4,8 +4,9 @@ HF checkpoints store each expert's projection apart (``model.layers.3.mlp.expert
 GGUF stores them stacked (``blk.3.ffn_gate_exps.weight``, [E, out, in] in row-major order). The
 backends read one layout: ``StackedSource.add_stack(name, members)`` registers a virtual tensor
 ``name`` whose info, raw bytes and dequantised values are the members' concatenated along a new
-axis 0 (expert e's rows follow expert e-1's, so any block format stays whole rows). The source
-behaves like the one it wraps for every other name.
+axis 0 (expert e's rows follow expert e-1's, so any block format stays whole rows); its
+``file_ranges`` are the members' in order and ``evict`` evicts every member. The source behaves
+like the one it wraps for every other name.
 
 Must not import CUDA, the model graph or the tokenizer; only numpy and engine.weights.source/types.
 """
@@ -84,6 +85,23 @@ class StackedSource(WeightSource):
         if name in self._stacks:
             return np.concatenate([self.base.raw(m) for m in self._stacks[name]])
         return self.base.raw(name)
+
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+        """A stack's ranges are its members' in order (expert e's bytes follow expert e-1's, as in
+        ``raw``), so an upload reads each member straight from its file; None if a member has none."""
+        if name not in self._stacks:
+            return self.base.file_ranges(name)
+        ranges: list[tuple[Path, int, int]] = []
+        for m in self._stacks[name]:
+            got = self.base.file_ranges(m)
+            if got is None:
+                return None
+            ranges += got
+        return ranges
+
+    def evict(self, name: str) -> None:
+        for m in self.members(name):
+            self.base.evict(m)
 
     def close(self) -> None:
         self.base.close()

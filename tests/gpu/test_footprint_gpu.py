@@ -1,0 +1,52 @@
+"""Footprint and warm-prefix host work on a real GPU (skipped without one): after loading, the weight
+file is not mapped and the resident set did not grow by the file's size, and the weights on the
+device are the file's (logits against the numpy reference).
+
+The checkpoint is a random Llama of about 200 MB (bf16 safetensors), large enough that a mapped
+copy would show in the resident set.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from engine import cuda, memstat
+from engine.types import SamplingParams, StepItem
+
+pytestmark = pytest.mark.skipif(not cuda.detect_devices(), reason="no CUDA GPU")
+
+DIMS = dict(hidden=1024, layers=8, heads=8, kv_heads=4, head_dim=128, intermediate=4096, vocab=8192)
+
+
+def test_weights_leave_no_mapped_or_resident_file_pages(tmp_path):
+    from test_runner_cuda import write_checkpoint
+
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+
+    write_checkpoint(tmp_path / "m", "llama", DIMS)
+    files = [str(p.resolve()) for p in (tmp_path / "m").glob("*.safetensors")]
+    size = sum((tmp_path / "m" / p).stat().st_size for p in ("model.safetensors",))
+    model = load_model(tmp_path / "m")
+    cuda.Context(0)  # the driver's own host memory (the primary context) is not the weights'
+    gc.collect()
+    before = memstat.rss_bytes()
+    runner = CudaRunner(model, num_blocks=64, max_model_len=1024)
+    try:
+        gc.collect()
+        assert not set(files) & memstat.mapped_files(), "the weight file is still mapped"
+        grew = memstat.rss_bytes() - before
+        print(f"\nfile {size / 1e6:.0f} MB, RSS grew {grew / 1e6:.0f} MB while loading")
+        assert grew < size / 2, (grew, size)
+        # the weights on the device are the file's: the first logits match the numpy reference
+        prompt = [int(t) for t in np.random.default_rng(0).integers(1, DIMS["vocab"], 9)]
+        runner.step([StepItem(0, prompt, 0, [0], True, SamplingParams(temperature=0.0))])
+        want = ReferenceRunner(model, num_blocks=8, max_model_len=64).forward_logits(prompt)[-1]
+        got = runner.read_logits(1)[0]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    finally:
+        runner.close()
