@@ -147,13 +147,20 @@ def create_runner(
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The model argument, or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    """The model argument (a path, or a known alias such as ``gemma3-270m``, fetched on first use),
+    or the embedded default (SmolLM2-135M-Instruct Q4_1) when omitted."""
+    from engine.default_model import KNOWN_MODELS, default_model_path, known_model_path
+
     if model:
         path = Path(model).expanduser()
         if not path.exists():
-            raise MemraError(f"model path {path} does not exist", param="model")
+            if model in KNOWN_MODELS:
+                return known_model_path(model)
+            raise MemraError(
+                f"model path {path} does not exist (nor is it a known model: {', '.join(KNOWN_MODELS)})",
+                param="model",
+            )
         return path
-    from engine.default_model import default_model_path
 
     return default_model_path()
 

@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
-    p.add_argument("model", nargs="?", help="model path (default: embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
-    p.add_argument("model", nargs="?", help="model path (default: embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")

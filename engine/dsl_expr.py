@@ -1,7 +1,7 @@
 """Safe evaluation of the model DSL's expressions: dim formulas, tensor shapes and per-layer op predicates.
 
 An expression is Python syntax restricted to names, int/float/str/bool constants, lists, tuples,
-``+ - * // %``, unary ``-`` and ``not``, comparisons (``== != < <= > >= in not in``), ``and``/``or``,
+``+ - * // % **`` (an exponent at most 64 in size), unary ``-`` and ``not``, comparisons (``== != < <= > >= in not in``), ``and``/``or``,
 ``a if c else b`` and subscripts (``layer_types[i]``). Nothing else parses: no calls, attributes
 or lambdas. Must not import anything from engine (graph, model and plan import this).
 """
@@ -20,6 +20,7 @@ _BINOPS = {
     ast.Mult: operator.mul,
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _CMPOPS = {
     ast.Eq: operator.eq,
@@ -94,7 +95,10 @@ def evaluate(expr: str, values: Mapping[str, Any]) -> Any:
                 raise KeyError(node.id)
             return values[node.id]
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:  # no 10 ** 10 ** 10 from a YAML file
+                raise ValueError(f"exponent {right} too large in {expr!r}")
+            return _BINOPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -walk(node.operand)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):

@@ -22,7 +22,7 @@ from engine.graph_specs import FORMATS, DimSpec, TensorSpec, as_list, names_in, 
 from engine.ops import OPS
 from engine.schema import Field, ListOf, MapOf, OneOf, fail, load_yaml, validate
 from engine.storage import FILE_TYPES
-from engine.types import ConfigError
+from engine.types import ConfigError, MemraError
 
 LAYER_INDEX = "i"  # the layer index's name in a `when` predicate
 ROPE_STYLES = ("neox", "interleaved")
@@ -92,7 +92,14 @@ class ModelGraph:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
         if op.when is None or layer is None:
             return True
-        return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+        try:
+            return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+        except (IndexError, TypeError) as exc:  # a per-layer list dim shorter than `layers`, ...
+            raise MemraError(
+                f"{self.path}: layer {layer}: the `when` predicate {op.when!r} cannot be evaluated over "
+                f"the model's dims ({type(exc).__name__}: {exc})",
+                code="invalid_model",
+            ) from None
 
     def layer_ops(self, dims: dict[str, Any], layer: int) -> list[Op]:
         """The per-layer ops that run in ``layer``, in graph order."""
@@ -237,12 +244,19 @@ def _parse_graph(
     return tuple(nodes)
 
 
+def _complementary(a: str, b: str) -> bool:
+    """Whether predicates ``a`` and ``b`` are ``p`` and ``not p`` (so every layer runs one of them)."""
+    a, b = " ".join(a.split()), " ".join(b.split())
+    return a in (f"not {b}", f"not ({b})") or b in (f"not {a}", f"not ({a})")
+
+
 def _check_dataflow(
     nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
 ) -> None:
     dims = dims or {}
     # value -> the `when` of the op that first produced it (None: produced in every layer); a value
-    # only some layers produce may be read only by ops with the same predicate
+    # only some layers produce may be read only by ops with the same predicate. Ops under `p` and
+    # `not p` (Gemma's sliding and full attention) together produce it in every layer.
     defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
@@ -278,7 +292,10 @@ def _check_dataflow(
                 if kind == "dim" and v not in dims:
                     raise fail(file, f"{where}.{k}", f"{v!r} is not a dim of this family")
             for out in op.outputs:
-                if out not in defined or op.when is None:
+                prev = defined.get(out, op.when)
+                if op.when is None or (prev is not None and _complementary(prev, op.when)):
+                    defined[out] = None
+                elif out not in defined:
                     defined[out] = op.when
     if GRAPH_OUTPUT not in defined:
         raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")

@@ -152,6 +152,8 @@ def resolve_dims(
         else:  # GGUF metadata keys are flat
             keys = (d.gguf.replace("{arch}", arch),) if d.gguf else ()
             value = meta.get(keys[0]) if keys else None
+            if value is None and keys and d.type == "mapping":  # {arch}.rope.scaling.type/factor
+                value = {k[len(keys[0]) + 1 :]: meta[k] for k in list(meta) if k.startswith(keys[0] + ".")} or None
             if value is not None:
                 return _cast(d, value, f"{source}: field {keys[0]!r} (dim {d.name})")
         key = keys[0] if keys else None

@@ -59,6 +59,19 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (g * sig * u).astype(F32, copy=False)
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (PyTorch ``approximate="tanh"``, HF ``gelu_pytorch_tanh``):
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, float32."""
+    x = np.asarray(x, dtype=F32)
+    inner = F32(math.sqrt(2.0 / math.pi)) * (x + F32(0.044715) * x * x * x)
+    return (F32(0.5) * x * (F32(1.0) + np.tanh(inner))).astype(F32, copy=False)
+
+
+def gelu_tanh_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """GeGLU gate (Gemma): ``gelu_tanh(g) * u``; same shapes in and out."""
+    return (gelu_tanh(g) * np.asarray(u, dtype=F32)).astype(F32, copy=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE
 
@@ -82,7 +95,7 @@ def rope_inv_freq(
     inv = 1.0 / (float(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     if rope_scaling:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if kind == "default":
+        if kind in ("default", "none"):  # "none": GGUF rope.scaling.type
             pass
         elif kind == "linear":
             inv = inv / float(rope_scaling["factor"])
@@ -220,49 +233,78 @@ def write_kv(
 
 
 def gather_kv(
-    k_cache: np.ndarray, v_cache: np.ndarray, block_table: Sequence[int], length: int
+    k_cache: np.ndarray, v_cache: np.ndarray, block_table: Sequence[int], length: int, first_block: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Positions ``0..length-1`` of one sequence as contiguous [length, kv_heads, head_dim] arrays."""
+    """Positions ``first_block*block_size .. length-1`` of one sequence as contiguous
+    [length - first_block*block_size, kv_heads, head_dim] arrays (entries before ``first_block``
+    are not read)."""
     block_size = k_cache.shape[1]
     nb = -(-length // block_size)
-    table = np.asarray(block_table[:nb], dtype=np.int64)
-    if table.shape[0] < nb:
-        raise ValueError(f"block_table has {table.shape[0]} blocks; length {length} needs {nb}")
+    table = np.asarray(block_table[first_block:nb], dtype=np.int64)
+    if table.shape[0] < nb - first_block:
+        raise ValueError(f"block_table has {len(block_table)} blocks; length {length} needs {nb}")
     kvh, hd = k_cache.shape[2:]
-    k = k_cache[table].reshape(nb * block_size, kvh, hd)[:length]
-    v = v_cache[table].reshape(nb * block_size, kvh, hd)[:length]
+    n = (nb - first_block) * block_size
+    k = k_cache[table].reshape(n, kvh, hd)[: length - first_block * block_size]
+    v = v_cache[table].reshape(n, kvh, hd)[: length - first_block * block_size]
     return k, v
 
 
 ATTN_QUERY_CHUNK = 256  # queries per score block: bounds memory at [kv_heads, 256*group, L] floats
 
 
-def attention_dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float) -> np.ndarray:
-    """Causal GQA attention of T queries at positions ``start_pos..`` over L = start_pos+T keys.
+def window_start(pos: int, window: int | None) -> int:
+    """The first key position a query at ``pos`` sees: ``pos - window + 1`` (clamped at 0) under a
+    sliding window of ``window`` keys (the query's own included, as transformers' and llama.cpp's
+    masks: key ``k`` is visible iff ``pos - window < k <= pos``); 0 without a window (None or 0)."""
+    return max(0, pos - window + 1) if window else 0
 
-    q [T, heads, hd], k/v [L, kv_heads, hd] (heads a multiple of kv_heads; query head ``h`` reads
-    kv head ``h // (heads // kv_heads)``). Query ``t`` sees keys ``0..start_pos+t``. Softmax in
-    float32 with the row max subtracted; queries are processed ATTN_QUERY_CHUNK at a time.
-    Returns [T, heads*hd].
+
+def attention_dense(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    start_pos: int,
+    scale: float,
+    window: int | None = None,
+    key_start: int = 0,
+) -> np.ndarray:
+    """Causal GQA attention of T queries at positions ``start_pos..`` over the keys up to start_pos+T.
+
+    q [T, heads, hd], k/v [L, kv_heads, hd] hold key positions ``key_start .. key_start+L-1``
+    (L = start_pos + T - key_start; heads a multiple of kv_heads; query head ``h`` reads kv head
+    ``h // (heads // kv_heads)``). Query ``t`` sees keys ``window_start(start_pos+t, window) ..
+    start_pos+t`` (all earlier keys without a window); ``key_start`` must not exceed the first
+    query's window start. Softmax in float32 with the row max subtracted; queries are processed
+    ATTN_QUERY_CHUNK at a time. Returns [T, heads*hd].
     """
     t, heads, hd = q.shape
     kvh = k.shape[1]
     g = heads // kvh
+    if key_start > window_start(start_pos, window):
+        raise ValueError(f"key_start {key_start} is past the window of the query at {start_pos}")
     out = np.empty((t, heads * hd), dtype=F32)
     kt = k.transpose(1, 2, 0)  # [kvh, hd, L]
     vt = v.transpose(1, 0, 2)  # [kvh, L, hd]
     for c0 in range(0, t, ATTN_QUERY_CHUNK):
         c1 = min(t, c0 + ATTN_QUERY_CHUNK)
-        n, length = c1 - c0, start_pos + c1  # later keys are masked for every query of the chunk
+        # keys lo..hi-1 (absolute): later keys are masked for every query of the chunk, earlier
+        # ones fall out of every query's window
+        lo, hi = max(key_start, window_start(start_pos + c0, window)), start_pos + c1
+        n, a, length = c1 - c0, lo - key_start, hi - key_start
         # [kvh, n*g, hd] @ [kvh, hd, L] -> [kvh, n*g, L]; row r = i*g + j is query head kv*g + j.
         qg = q[c0:c1].reshape(n, kvh, g, hd).transpose(1, 0, 2, 3).reshape(kvh, n * g, hd)
-        scores = np.matmul(qg, kt[:, :, :length]) * F32(scale)
+        scores = np.matmul(qg, kt[:, :, a:length]) * F32(scale)
         qpos = start_pos + c0 + np.repeat(np.arange(n), g)
-        scores[:, np.arange(length)[None, :] > qpos[:, None]] = -np.inf
+        kpos = np.arange(lo, hi)[None, :]
+        masked = kpos > qpos[:, None]
+        if window:
+            masked |= kpos <= qpos[:, None] - window
+        scores[:, masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        o = np.matmul(scores, vt[:, :length])  # [kvh, n*g, hd]
+        o = np.matmul(scores, vt[:, a:length])  # [kvh, n*g, hd]
         out[c0:c1] = o.reshape(kvh, n, g, hd).transpose(1, 0, 2, 3).reshape(n, heads * hd)
     return out
 
@@ -280,16 +322,22 @@ def attention(
     kv_heads: int,
     head_dim: int,
     scale: float | None = None,
+    window: int | None = None,
 ) -> np.ndarray:
     """The graph's ``attention`` op over one layer's paged cache (one sequence).
 
     q [T, heads*hd], k/v [T, kv_heads*hd] are the new tokens at positions ``start_pos..``; they are
     written into ``k_cache``/``v_cache`` [num_blocks, block_size, kv_heads, hd] through
-    ``block_table`` first, then each query attends causally over positions ``<= its own``.
-    ``scale`` defaults to ``1/sqrt(head_dim)``. Returns [T, heads*hd] f32.
+    ``block_table`` first, then each query attends causally over positions ``<= its own`` and,
+    with a sliding ``window``, ``> its own - window``. Only the blocks holding keys a query can see
+    are read, so a block wholly before the first query's window may already be released (its
+    ``block_table`` entry is then never dereferenced). ``scale`` defaults to ``1/sqrt(head_dim)``.
+    Returns [T, heads*hd] f32.
     """
     write_kv(k_cache, v_cache, k, v, block_table, start_pos)
     t = q.shape[0]
-    kk, vv = gather_kv(k_cache, v_cache, block_table, start_pos + t)
     s = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    return attention_dense(q.reshape(t, heads, head_dim), kk, vv, start_pos, s)
+    bs = k_cache.shape[1]
+    first_block = window_start(start_pos, window) // bs
+    kk, vv = gather_kv(k_cache, v_cache, block_table, start_pos + t, first_block=first_block)
+    return attention_dense(q.reshape(t, heads, head_dim), kk, vv, start_pos, s, window, first_block * bs)

@@ -222,7 +222,7 @@ def build_plan(
                 lowerer.rope_v[layer] = values[attn.inputs[2]]
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
-        unit = lowering_for(op.op)
+        unit = lowering_for(op.op, op.attrs)
         outs = unit.bind(op, ws, ins, d, value_for)
         launches = {mode: tuple(lowerer.launches(op, layer, mode, ins, outs, ws)) for mode in MODES}
         if wide_rows:

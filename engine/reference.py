@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import ops_ref
 from engine.ops import OPS, REFERENCE, RefStep
+from engine.ops.base import MODEL_SCALING
 from engine.progress import bar
 from engine.sampling import sample, sample_item, validate_sampling
 from engine.spec.accept import accept
@@ -89,7 +90,7 @@ class ReferenceRunner:
         self.states = self._new_states(self.num_state_slots)
         self._weights: dict[tuple[str, int | None], np.ndarray] = {}
         self._load_weights()
-        self._rope: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
+        self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- construction -----------------------------------------------------------------------
 
@@ -144,15 +145,23 @@ class ReferenceRunner:
         """The float32 array of tensor ``name`` (per-layer tensors at ``layer``, else None)."""
         return self._weights[(name, layer)]
 
-    def rope_tables(self, freq_factors: str | None) -> tuple[np.ndarray, np.ndarray]:
+    def rope_tables(
+        self, freq_factors: str | None, theta: float | None = None, scaling: Any = MODEL_SCALING
+    ) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables [max_model_len, rope_dim/2] for a rope op whose ``freq_factors``
-        attribute names ``freq_factors`` (None, or a tensor the file lacks: plain RoPE); cached."""
-        key = freq_factors if freq_factors and (freq_factors, None) in self._weights else None
+        attribute names ``freq_factors`` (None, or a tensor the file lacks: plain RoPE), at base
+        ``theta`` (None: the ``rope_theta`` dim) with HF-style ``scaling`` (None: none; by default
+        the ``rope_scaling`` dim). A rope op's ``theta``/``scaling`` attributes pass per-layer
+        values. Cached."""
+        ff_key = freq_factors if freq_factors and (freq_factors, None) in self._weights else None
+        d = self.model.dims
+        theta = float(d["rope_theta"]) if theta is None else float(theta)
+        scaling = d.get("rope_scaling") if scaling is MODEL_SCALING else scaling
+        key = (ff_key, theta, repr(sorted(scaling.items())) if scaling else None)
         if key not in self._rope:
-            d = self.model.dims
             rope_dim = int(d.get("rope_dim") or self.head_dim)
-            ff = self._weights[(key, None)] if key else None
-            inv = ops_ref.rope_inv_freq(rope_dim, float(d["rope_theta"]), d.get("rope_scaling"), ff)
+            ff = self._weights[(ff_key, None)] if ff_key else None
+            inv = ops_ref.rope_inv_freq(rope_dim, theta, scaling, ff)
             self._rope[key] = ops_ref.rope_tables(np.arange(self.max_model_len), inv)
         return self._rope[key]
 

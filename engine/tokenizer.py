@@ -17,6 +17,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from engine.chat_template import render_chat_template
 from engine.token_cache import SegmentEncoder
+from engine.tokenizer_spm import spm_tokenizer
 from engine.types import ConfigError, MemraError
 from engine.weights.source import WeightSource
 
@@ -256,30 +257,38 @@ def _gguf_tokenizer(source: WeightSource) -> Tokenizer:
         raise MemraError(
             f"{source.path}: GGUF has no tokenizer (tokenizer.ggml.model missing)", code="invalid_model"
         )
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise MemraError(
-            f"{source.path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2'); "
-            "use the HF checkpoint directory with tokenizer.json instead",
+            f"{source.path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and "
+            "SentencePiece 'llama' are); use the HF checkpoint directory with tokenizer.json instead",
             code="invalid_model",
         )
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
-    pre = md.get("tokenizer.ggml.pre", "default")
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    tk = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
-    )
-    tk.pre_tokenizer = _pre_tokenizer(pre)
-    tk.decoder = decoders.ByteLevel()
-    added = [
-        AddedToken(tokens[i], special=types[i] == 3, normalized=False)
-        for i in range(len(tokens))
-        if types[i] in (3, 4)
-    ]
-    tk.add_tokens(added)
+    if model == "llama":
+        scores = md.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise MemraError(f"{source.path}: SentencePiece GGUF vocab without tokenizer.ggml.scores", code="invalid_model")
+        tk = spm_tokenizer(
+            tokens, scores, types, add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True))
+        )
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
+        pre = md.get("tokenizer.ggml.pre", "default")
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        tk = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3"))
+        )
+        tk.pre_tokenizer = _pre_tokenizer(pre)
+        tk.decoder = decoders.ByteLevel()
+        added = [
+            AddedToken(tokens[i], special=types[i] == 3, normalized=False)
+            for i in range(len(tokens))
+            if types[i] in (3, 4)
+        ]
+        tk.add_tokens(added)
     bos = md.get("tokenizer.ggml.bos_token_id")
     eos = {
         md[k]

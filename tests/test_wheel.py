@@ -27,6 +27,7 @@ def test_wheel_carries_data_and_works_outside_checkout(tmp_path):
     for needed in (
         "engine/_data/models/llama.yaml",
         "engine/_data/models/qwen3.yaml",
+        "engine/_data/models/gemma3.yaml",
         "engine/_data/device_profiles/h200.yaml",
     ):
         assert needed in names, needed

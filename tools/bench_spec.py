@@ -111,8 +111,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from engine.backend import create_runner
-    from engine.cli import resolve_model_path
+    from engine.backend import create_runner, resolve_model_path
     from engine.loop import Engine
     from engine.model import load_model
     from engine.spec.build import build_speculator

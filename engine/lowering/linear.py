@@ -36,7 +36,7 @@ def bind(op, ws, ins, dims, value_for):
     return outs
 
 
-@register("linear", bind=bind)
+@register("linear", bind=bind, attrs=("residual",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     if mode == WIDE:
         return linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm_decode")

@@ -50,7 +50,7 @@ def bind_router(op, ws, ins, dims, value_for):
     ]
 
 
-@register("moe_router", bind=bind_router, wide="decode")
+@register("moe_router", bind=bind_router, wide="decode", attrs=("top_k", "normalize"))
 def lower_router(ctx, op, layer, mode, ins, outs, ws):
     ids, weights, logits = outs
     w = ws[0]
@@ -74,7 +74,7 @@ def bind_experts(op, ws, ins, dims, value_for):
     return out
 
 
-@register("moe_experts", bind=bind_experts, wide="decode")
+@register("moe_experts", bind=bind_experts, wide="decode", attrs=("residual",))
 def lower_experts(ctx, op, layer, mode, ins, outs, ws):
     if len(ws) not in (3, 7):
         raise ConfigError(f"plan: moe_experts takes 3 weights (or 7 with a shared expert), got {len(ws)}")

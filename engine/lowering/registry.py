@@ -33,17 +33,23 @@ class OpLowering:
     bind: Bind
     short: bool = False
     wide: str = WIDE
+    attrs: frozenset[str] = frozenset()  # the op attributes this unit implements
 
 
 LOWERINGS: dict[str, OpLowering] = {}
 POST_PASSES: list[tuple[int, Callable[..., None]]] = []
 
 
-def register(op: str, *, bind: Bind, short: bool = False, wide: str = WIDE) -> Callable[[Lower], Lower]:
+def register(
+    op: str, *, bind: Bind, short: bool = False, wide: str = WIDE, attrs: tuple[str, ...] = ()
+) -> Callable[[Lower], Lower]:
+    """``attrs``: the op attributes the unit implements; a graph op with any other is rejected
+    (``lowering_for``) rather than lowered with that attribute silently ignored."""
+
     def deco(fn: Lower) -> Lower:
         if op in LOWERINGS:
             raise ValueError(f"op {op!r} is lowered twice ({LOWERINGS[op].lower.__module__}, {fn.__module__})")
-        LOWERINGS[op] = OpLowering(op, fn, bind, short, wide)
+        LOWERINGS[op] = OpLowering(op, fn, bind, short, wide, frozenset(attrs))
         return fn
 
     return deco
@@ -60,12 +66,21 @@ def post_pass(order: int) -> Callable[[Callable[..., None]], Callable[..., None]
     return deco
 
 
-def lowering_for(op: str) -> OpLowering:
+def lowering_for(op: str, attrs: Any = ()) -> OpLowering:
+    """The unit lowering op ``op``; ``attrs`` (the graph op's attribute names) must all be ones it
+    implements."""
     from engine.types import ConfigError
 
     if op not in LOWERINGS:
         raise ConfigError(f"plan: op {op!r} has no CUDA lowering (known: {', '.join(sorted(LOWERINGS))})")
-    return LOWERINGS[op]
+    unit = LOWERINGS[op]
+    for attr in attrs:
+        if attr not in unit.attrs:
+            raise ConfigError(
+                f"plan: no CUDA lowering for attribute {attr!r} of op {op!r} (the reference backend runs it; "
+                f"the CUDA unit implements: {', '.join(sorted(unit.attrs)) or 'no attributes'})"
+            )
+    return unit
 
 
 def same_width(op: Any, ws: list, ins: list, dims: Any, value_for: Callable) -> list:

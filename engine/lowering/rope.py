@@ -28,7 +28,7 @@ def rope_fuses(ctx, q: Value, k: Value) -> bool:
     return bool(ctx.tune("attention_decode").get("fuse_rope")) and vec16(ctx, q) and k.ld % 8 == 0
 
 
-@register("rope", bind=bind, short=True)
+@register("rope", bind=bind, short=True, attrs=("freq_factors",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     d = ctx.dims
     q, k = ins

@@ -74,6 +74,14 @@ class RefStep:
     def weight(self, name: str, layer: int | None) -> np.ndarray:
         return self.runner.weight(name, layer)
 
+    def attr_dim(self, op: Any, attr: str, default: Any = None) -> Any:
+        """The value of the dim that ``op``'s attribute ``attr`` names, or ``default`` when unset."""
+        name = op.attrs.get(attr)
+        return default if name is None else self.runner.model.dims[name]
+
+
+# ReferenceRunner.rope_tables' default scaling: the model's rope_scaling dim (None means no scaling)
+MODEL_SCALING: Any = object()
 
 # (step, op, layer) -> None: reads op.inputs from step.env and writes op.outputs into it.
 ReferenceFn = Callable[[RefStep, Any, "int | None"], None]

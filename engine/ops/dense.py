@@ -1,25 +1,39 @@
-"""The dense decoder's ops (Llama, Qwen3): embed, rmsnorm, head_rmsnorm, linear, rope, attention,
-silu_mul — each an OpDef plus its numpy reference over ``engine.ops_ref``. Must not import CUDA."""
+"""The dense decoder's ops (Llama, Qwen3, Gemma): embed, rmsnorm, head_rmsnorm, linear, rope,
+attention, silu_mul — each an OpDef plus its numpy reference over ``engine.ops_ref``.
+
+Optional attributes name dims (``kind "dim"``; layers that differ run their own op, gated by ``when``):
+embed ``scale``, the norms' weight ``offset``, rope ``theta``/``scaling``, attention
+``window``/``scale``. Without them each op computes what it did for Llama. Must not import CUDA."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine import ops_ref
-from engine.ops.base import OpDef, RefStep, define
+from engine.ops.base import MODEL_SCALING, OpDef, RefStep, define
 
 
 def _embed(s: RefStep, o, layer) -> None:
-    s.env[o.outputs[0]] = ops_ref.embed(s.env[o.inputs[0]], s.weight(o.weights[0], layer))
+    out = ops_ref.embed(s.env[o.inputs[0]], s.weight(o.weights[0], layer))
+    scale = s.attr_dim(o, "scale")
+    if scale is not None:  # float32 multiplier, as transformers' Gemma embed_scale in an f32 model
+        out = out * np.float32(scale)
+    s.env[o.outputs[0]] = out
+
+
+def _norm_weight(s: RefStep, o, layer) -> np.ndarray:
+    w = s.weight(o.weights[0], layer)
+    offset = s.attr_dim(o, "offset")
+    return w if not offset else np.float32(offset) + w  # Gemma: x_hat * (1 + w), formed in f32
 
 
 def _rmsnorm(s: RefStep, o, layer) -> None:
-    s.env[o.outputs[0]] = ops_ref.rmsnorm(s.env[o.inputs[0]], s.weight(o.weights[0], layer), s.runner.eps)
+    s.env[o.outputs[0]] = ops_ref.rmsnorm(s.env[o.inputs[0]], _norm_weight(s, o, layer), s.runner.eps)
 
 
 def _head_rmsnorm(s: RefStep, o, layer) -> None:
     r = s.runner
-    s.env[o.outputs[0]] = ops_ref.head_rmsnorm(
-        s.env[o.inputs[0]], s.weight(o.weights[0], layer), r.eps, r.head_dim
-    )
+    s.env[o.outputs[0]] = ops_ref.head_rmsnorm(s.env[o.inputs[0]], _norm_weight(s, o, layer), r.eps, r.head_dim)
 
 
 def _linear(s: RefStep, o, layer) -> None:
@@ -34,7 +48,9 @@ def _linear(s: RefStep, o, layer) -> None:
 
 def _rope(s: RefStep, o, layer) -> None:
     r = s.runner
-    cos, sin = r.rope_tables(o.attrs.get("freq_factors"))
+    # a `scaling` attribute's value is used even when it is None (this layer type has no scaling)
+    scaling = s.attr_dim(o, "scaling") if "scaling" in o.attrs else MODEL_SCALING
+    cos, sin = r.rope_tables(o.attrs.get("freq_factors"), s.attr_dim(o, "theta"), scaling)
     cos, sin = cos[s.positions], sin[s.positions]
     for src, dst in zip(o.inputs, o.outputs, strict=True):
         s.env[dst] = ops_ref.rope_apply(s.env[src], cos, sin, head_dim=r.head_dim, style=r.model.rope_style)
@@ -54,6 +70,8 @@ def _attention(s: RefStep, o, layer) -> None:
         heads=r.heads,
         kv_heads=r.kv_heads,
         head_dim=r.head_dim,
+        scale=s.attr_dim(o, "scale"),
+        window=s.attr_dim(o, "window"),
     )
 
 
@@ -61,14 +79,22 @@ def _silu_mul(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = ops_ref.silu_mul(s.env[o.inputs[0]], s.env[o.inputs[1]])
 
 
-define("embed", OpDef(1, 1, (1, 1), doc="out[t] = table[ids[t]] (dequantised)"), _embed)
+define(
+    "embed",
+    OpDef(1, 1, (1, 1), {"scale": "dim"}, doc="out[t] = table[ids[t]] (dequantised) (* scale)"),
+    _embed,
+)
 define(
     "rmsnorm",
-    OpDef(1, 1, (1, 1), doc="out = x / sqrt(mean(x^2) + rms_eps) * w over the hidden axis"),
+    OpDef(
+        1, 1, (1, 1), {"offset": "dim"}, doc="out = x / sqrt(mean(x^2) + rms_eps) * (offset + w) over the hidden axis"
+    ),
     _rmsnorm,
 )
 define(
-    "head_rmsnorm", OpDef(1, 1, (1, 1), doc="rmsnorm over each head_dim slice (Qwen3 q/k norm)"), _head_rmsnorm
+    "head_rmsnorm",
+    OpDef(1, 1, (1, 1), {"offset": "dim"}, doc="rmsnorm over each head_dim slice (Qwen3/Gemma q/k norm)"),
+    _head_rmsnorm,
 )
 define(
     "linear",
@@ -77,12 +103,25 @@ define(
 )
 define(
     "rope",
-    OpDef(2, 2, (0, 0), {"freq_factors": "tensor"}, doc="rotary embedding of q and k at each token's position"),
+    OpDef(
+        2,
+        2,
+        (0, 0),
+        {"freq_factors": "tensor", "theta": "dim", "scaling": "dim"},
+        doc="rotary embedding of q and k at each token's position (theta/scaling: dims, default rope_theta/rope_scaling)",
+    ),
     _rope,
 )
 define(
     "attention",
-    OpDef(3, 1, (0, 0), doc="causal GQA attention over the KV cache (k, v appended first)"),
+    OpDef(
+        3,
+        1,
+        (0, 0),
+        {"window": "dim", "scale": "dim"},
+        doc="causal GQA attention over the KV cache (k, v appended first); window: sliding window in "
+        "keys (0: none); scale: default 1/sqrt(head_dim)",
+    ),
     _attention,
 )
 define("silu_mul", OpDef(2, 1, (0, 0), doc="out = silu(g) * u"), _silu_mul)

@@ -15,12 +15,9 @@ from engine.types import ConfigError
 
 
 def _dim(s: RefStep, o, attr: str, default=None):
-    name = o.attrs.get(attr)
-    if name is None:
-        if default is None:
-            raise ConfigError(f"op {o.op} needs the attribute {attr!r} (a dim name)")
-        return default
-    return s.runner.model.dims[name]
+    if attr not in o.attrs and default is None:
+        raise ConfigError(f"op {o.op} needs the attribute {attr!r} (a dim name)")
+    return s.attr_dim(o, attr, default)
 
 
 def _moe_router(s: RefStep, o, layer) -> None:

@@ -115,11 +115,7 @@ def text_ids(state: AppState, text: str, param: str = "prompt", add_special_toke
     n = len(text.encode("utf-8", "surrogatepass"))
     check_prompt_bytes(state, n, param)
     with state.admission.preparing():
-        if add_special_tokens:
-            return state.tokenize_pool.run(
-                lambda: list(state.tokenizer.encode(text, add_special_tokens=True)), size=n
-            )
-        return state.tokenize_pool.run(encode, state, text, param, size=n)
+        return state.tokenize_pool.run(encode, state, text, param, add_special_tokens, size=n)
 
 
 def chat_prompt(state: AppState, spec: ChatSpec) -> str:
@@ -146,9 +142,11 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
         raise
 
 
-def encode(state: AppState, text: str, param: str = "messages") -> list[int]:
+def encode(state: AppState, text: str, param: str = "messages", add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it (a raw completion
+    prompt; a rendered chat template carries its own)."""
     try:
-        return list(state.tokenizer.encode(text, add_special_tokens=False))
+        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 

@@ -23,6 +23,13 @@ DEFAULT_ALIAS = "default"
 def _model_and_aliases(args: argparse.Namespace, cfg: ServerConfig) -> tuple[str | None, tuple[str, ...]]:
     """(model path or None for the embedded default, names the model answers to)."""
     if args.model:
+        from engine.default_model import KNOWN_MODELS
+
+        if args.model in KNOWN_MODELS and not Path(args.model).expanduser().exists():
+            # a known model alias (`memra serve gemma3-270m`): the model also answers to the alias
+            from engine.backend import resolve_model_path
+
+            return str(resolve_model_path(args.model)), (args.model, DEFAULT_ALIAS)
         aliases = [a for a, p in cfg.models.items() if Path(p).expanduser() == Path(args.model).expanduser()]
         return args.model, tuple(aliases) + (DEFAULT_ALIAS,)
     paths = {str(Path(p).expanduser()) for p in cfg.models.values()}

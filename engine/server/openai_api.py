@@ -239,7 +239,7 @@ class Completions:
                 )
             ids = list(spec.prompt)
         else:
-            ids = text_ids(st, spec.prompt, "prompt")
+            ids = text_ids(st, spec.prompt, "prompt", add_special_tokens=True)  # BOS, as `memra run` does
         group = start_group(
             st, req, spec, ids, param="prompt", id_prefix="cmpl-", constraint=constraint_factory(st, spec)
         )
