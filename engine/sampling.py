@@ -191,7 +191,11 @@ def sample(
         return int(np.argmax(x))
     p = filtered_probs(x, params)
     key = seed if seed is not None else (params.seed if params.seed is not None else 0)
-    u = rng_for(key, num_generated).random()
+    return draw(p, rng_for(key, num_generated).random())
+
+
+def draw(p: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from probabilities ``p`` with uniform ``u`` (the draw of ``sample``)."""
     cdf = np.cumsum(p)
     idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     idx = min(idx, p.shape[0] - 1)

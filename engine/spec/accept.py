@@ -26,18 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.sampling import apply_penalties, filtered_probs, rng_for
+from engine.sampling import apply_penalties, draw, filtered_probs, rng_for
 from engine.types import StepItem
-
-
-def draw(p: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw from probabilities ``p`` with uniform ``u``, as ``engine.sampling.sample``."""
-    cdf = np.cumsum(p)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    idx = min(idx, p.shape[0] - 1)
-    while p[idx] == 0.0 and idx > 0:  # u landed on the end of the cdf: step back to a kept token
-        idx -= 1
-    return idx
 
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
