@@ -8,6 +8,7 @@ main types); the other archs compile one spec of each template, which keeps NVRT
 from __future__ import annotations
 
 import pytest
+from test_kernels_compile import _nvrtc_ok
 
 from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
@@ -25,17 +26,6 @@ from engine.render import render, waits_first
 from engine.types import ConfigError
 
 PRIMARY_ARCH = "sm_90a"
-
-
-def _nvrtc_ok() -> bool:
-    try:
-        from engine import nvrtc
-
-        nvrtc.version()
-        nvrtc.include_dirs()
-        return True
-    except Exception:
-        return False
 
 
 def _all_specs():

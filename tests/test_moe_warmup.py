@@ -8,21 +8,11 @@ The CPU tests compile one profile's MoE kernels; the exhaustive matrix (every co
 from __future__ import annotations
 
 import pytest
+from test_kernels_compile import _nvrtc_ok
 from test_moe_plan import _plan
 
 from engine import cli
 from engine.ir import kernel_specs
-
-
-def _nvrtc_ok() -> bool:
-    try:
-        from engine import nvrtc
-
-        nvrtc.version()
-        nvrtc.include_dirs()
-        return True
-    except Exception:
-        return False
 
 
 @pytest.fixture()
