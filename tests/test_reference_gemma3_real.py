@@ -10,11 +10,11 @@ from conftest's ``gemma3_path`` (skipped when it cannot be had).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.tools import load_tool
 
 from engine.model import load_model
 from engine.reference import ReferenceRunner
@@ -28,13 +28,6 @@ def layer_attr(g, d, op: str, attr: str) -> tuple:
     """Each layer's value of ``op``'s attribute ``attr``, with the op the `when` predicates pick."""
     ops = [[o for o in g.layer_ops(d, i) if o.op == op] for i in range(int(d["layers"]))]
     return tuple(d[o.attrs[attr]] if attr in o.attrs else None for (o,) in ops)
-
-
-def _make_golden():
-    spec = importlib.util.spec_from_file_location("make_golden", REPO / "tools" / "make_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +103,7 @@ def test_logits_match_live_transformers(gemma, golden_run):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     path, _, _ = gemma
-    live = _make_golden().golden_from_transformers(path, "gemma3")
+    live = load_tool("make_golden").golden_from_transformers(path, "gemma3")
     g, logits = golden_run
     np.testing.assert_array_equal(live["token_ids"], g["token_ids"])
     check_against(live, logits)

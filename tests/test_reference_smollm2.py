@@ -7,11 +7,11 @@ import. The model comes from conftest's ``smollm2_path`` (skipped when it cannot
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.tools import load_tool
 
 from engine.model import load_model
 from engine.reference import ReferenceRunner
@@ -19,13 +19,6 @@ from engine.types import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden" / "smollm2_logits.npz"
-
-
-def _make_golden():
-    spec = importlib.util.spec_from_file_location("make_golden", REPO / "tools" / "make_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +60,7 @@ def test_logits_match_live_transformers(smol):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF
     path, _, runner = smol
-    live = _make_golden().golden_from_transformers(path)
+    live = load_tool("make_golden").golden_from_transformers(path)
     check_against(live, runner.forward_logits(live["token_ids"].tolist()))
 
 
