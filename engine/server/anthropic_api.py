@@ -13,7 +13,7 @@ import falcon
 
 from . import sse
 from .generation import Run, allowed_tools, chat_ids, check_model, constraint_factory, error_of
-from .http_common import read_json, respond, send_json, start_run
+from .http_common import finished_text, read_json, respond, send_json, start_run
 from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, parse_anthropic
 from .state import AppState
@@ -67,17 +67,12 @@ class Messages:
         }
 
     def _complete(self, run: Run, spec: ChatSpec, resp: falcon.Response) -> None:
-        parts, last = [], None
-        for ev in run.events():
-            if ev is not None:
-                parts.append(ev.text)
-                last = ev
-        if last is None:
+        done = finished_text(run)
+        if done is None:
             resp.status = falcon.code_to_http_status(499)
             return
-        if last.finish_reason in ("error", "abort"):
-            raise error_of(last)
-        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), "".join(parts))
+        full, last = done
+        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), full)
         allowed = allowed_tools(spec)
         evs = [Text(text)]
         if allowed is not None:

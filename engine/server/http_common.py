@@ -10,10 +10,12 @@ from collections.abc import Callable
 
 import falcon
 
+from engine.types import TokenEvent
+
 from . import sse
 from .body import parse_json_body
 from .errors import ApiError
-from .generation import Run, RunGroup
+from .generation import Run, RunGroup, error_of
 from .state import AppState
 
 
@@ -67,6 +69,22 @@ def respond(
         complete(run, spec, resp)
     finally:
         run.close()
+
+
+def finished_text(run: Run) -> tuple[str, TokenEvent] | None:
+    """A finished run's whole text and its last event; None when the client went away before any
+    event came. A run that ended in an error or abort raises that run's ApiError."""
+    parts: list[str] = []
+    last = None
+    for ev in run.events():
+        if ev is not None:
+            parts.append(ev.text)
+            last = ev
+    if last is None:
+        return None
+    if last.finish_reason in ("error", "abort"):
+        raise error_of(last)
+    return "".join(parts), last
 
 
 def usage_openai(u) -> dict:

@@ -22,7 +22,7 @@ from .generation import (
     interleave,
     text_ids,
 )
-from .http_common import read_json, respond, send_json, start_group, usage_openai
+from .http_common import finished_text, read_json, respond, send_json, start_group, usage_openai
 from .logprobs import chat_content, completion_logprobs
 from .reasoning import reasoning_parser_for, split_all
 from .schemas import ChatSpec, CompletionSpec, parse_chat, parse_completion
@@ -62,18 +62,11 @@ class ChatCompletions:
 
     def _choice(self, run: Run, spec: ChatSpec) -> dict | None:
         """One finished choice's message (None when the client went away)."""
-        parts: list[str] = []
-        last = None
-        for ev in run.events():
-            if ev is None:
-                continue
-            parts.append(ev.text)
-            last = ev
-        if last is None:
+        done = finished_text(run)
+        if done is None:
             return None
-        if last.finish_reason in ("error", "abort"):
-            raise error_of(last)
-        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), "".join(parts))
+        full, last = done
+        reasoning, text = split_all(reasoning_parser_for(self.state.tokenizer, spec.prompt_text), full)
         allowed = allowed_tools(spec)
         calls: list[Call] = []
         content = text
@@ -248,23 +241,18 @@ class Completions:
     def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
         choices = []
         for run in group.runs:
-            parts, last = [], None
-            for ev in run.events():
-                if ev is not None:
-                    parts.append(ev.text)
-                    last = ev
-            if last is None:
+            done = finished_text(run)
+            if done is None:
                 resp.status = falcon.code_to_http_status(499)
                 return
-            if last.finish_reason in ("error", "abort"):
-                raise error_of(last)
+            text, last = done
             lp = None
             if spec.sampling.logprobs is not None:
                 lp = completion_logprobs(self.state.tokenizer, run.generated_ids, run.logprobs)
             choices.append(
                 {
                     "index": run.index,
-                    "text": "".join(parts),
+                    "text": text,
                     "logprobs": lp,
                     "finish_reason": _finish(last.finish_reason, False),
                 }
