@@ -105,9 +105,12 @@ def start_run(
     param: str,
     id_prefix: str,
     constraint: Callable | None = None,
+    index: int = 0,
+    response_id: str | None = None,
 ) -> Run:
     """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it.
-    ``constraint()`` makes the run's TokenConstraint (engine.grammar)."""
+    ``constraint()`` makes the run's TokenConstraint (engine.grammar); ``index`` and ``response_id``
+    make it choice ``index`` of that response (``start_group``)."""
     run = Run(
         state,
         req.context.tenant,
@@ -116,6 +119,8 @@ def start_run(
         param=param,
         disconnected=disconnect_probe(req),
         id_prefix=id_prefix,
+        index=index,
+        response_id=response_id,
     )
     if constraint is not None:
         run.constraint = constraint()
@@ -141,20 +146,17 @@ def start_group(
     runs: list[Run] = []
     try:
         for i in range(max(1, spec.n)):
-            run = Run(
+            run = start_run(
                 state,
-                req.context.tenant,
+                req,
                 spec,
                 ids,
                 param=param,
-                disconnected=disconnect_probe(req),
                 id_prefix=id_prefix,
+                constraint=constraint,
                 index=i,
                 response_id=runs[0].id if runs else None,
             )
-            if constraint is not None:
-                run.constraint = constraint()
-            run.submit()
             runs.append(run)
             if i == 0 and spec.n > 1:
                 run.wait_first()
