@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from fixtures.hybrid import qwen3_5_config, write_qwen3_5_gguf, write_qwen3_5_hf
+from fixtures.hybrid import qwen3_5_config, randomize_torch_hybrid, write_qwen3_5_gguf, write_qwen3_5_hf
 from safetensors.numpy import load_file, save_file
 
 from engine.model import load_model
@@ -36,16 +36,7 @@ def _hf_model(path, seed, **cfg):
     )
     base.update(cfg)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**base)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0 if "linear_attn" in name else 0.0, 0.2)
-            elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("A_log"):
-                p.uniform_(-2.0, 1.5)
-            elif p.ndim >= 2:
-                p.normal_(0.0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
+    randomize_torch_hybrid(model)
     model.save_pretrained(str(path))
     return model
 

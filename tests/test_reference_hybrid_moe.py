@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.hybrid import randomize_torch_hybrid
 
 from engine.types import SamplingParams, StepItem
 
@@ -23,16 +24,7 @@ BASE = dict(
 
 def _random(model, seed):
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0 if "linear_attn" in name else 0.0, 0.2)
-            elif name.endswith("dt_bias"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("A_log"):
-                p.uniform_(-2.0, 1.5)
-            elif p.ndim >= 2 and "visual" not in name:
-                p.normal_(0.0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
+    randomize_torch_hybrid(model)
     return model.float().eval()
 
 
