@@ -142,9 +142,10 @@ def test_topk_matches_moe_route(gk, experts, top_k, normalize):
 
 
 @pytest.mark.parametrize("qt", QUANTS)
-def test_glu_and_down_match_numpy(gk, qt):
+@pytest.mark.parametrize("hidden", [512, 256])  # 256: one k-quant super-block per row
+def test_glu_and_down_match_numpy(gk, qt, hidden):
     rng = np.random.default_rng()
-    e, hidden, inter, top_k, rows = 8, 512, 256, 2, 3
+    e, inter, top_k, rows = 8, 256, 2, 3
     wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
     wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
     wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
