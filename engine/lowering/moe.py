@@ -18,7 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine import moe_kernels as mk
-from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
 from engine.lowering.registry import register
@@ -27,6 +27,7 @@ from engine.types import ConfigError
 RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
+GEMM_TOKENS_PER_EXPERT = 4  # wide decode buckets with at least this many per expert on average take the GEMM
 
 
 def _dim(ctx, op, attr: str, default=None):
@@ -74,12 +75,13 @@ def bind_experts(op, ws, ins, dims, value_for):
     return out
 
 
-@register("moe_experts", bind=bind_experts, wide="decode", attrs=("residual",))
+@register("moe_experts", bind=bind_experts, attrs=("residual",))
 def lower_experts(ctx, op, layer, mode, ins, outs, ws):
     if len(ws) not in (3, 7):
         raise ConfigError(f"plan: moe_experts takes 3 weights (or 7 with a shared expert), got {len(ws)}")
     routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
-    return routed + (shared_expert(ctx, layer, mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+    shared_mode = "decode" if mode == WIDE else mode  # (the shared expert's GEMVs as in batched decode)
+    return routed + (shared_expert(ctx, layer, shared_mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
 
 
 def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
@@ -136,6 +138,9 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
                 (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS),
             ),
         ]
+    gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
+    if mode == "prefill" and gemm:
+        return gemm
     # grouped by expert: an expert's (token, slot) pairs number at most the step's rows
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
@@ -145,8 +150,45 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
+    # wide decode buckets: the grouped GEMVs below gemm_rows, the GEMM from there
+    cap = {"max_rows": gemm[0].min_rows - 1} if gemm else {}
+    gemv = [
+        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
+        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+    ]
+    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS))
+    return gemv + gemm[:-1] + [combine]
+
+
+def grouped_gemm(ctx, mode, h, ids, weights, out, res, act, ws, experts) -> list[Launch]:
+    """Prefill (and wide decode buckets from GEMM_TOKENS_PER_EXPERT tokens per expert on average):
+    moe_sort groups the (token, slot) pairs by expert, the tensor-core moe_gemm runs glu then down
+    per expert row tile, moe_combine sums each token's slots. [] where the GEMM does not fit the
+    shapes or storage types (the grouped GEMVs serve)."""
+    if mode not in ("prefill", WIDE):
+        return []
+    wg, wu, wd = ws
+    top_k, hidden, inter = ids.width, h.width, wd.cols
+    try:
+        glu = mk.expert_gemm_kernel("glu", wg.dtype, inter, hidden, top_k, experts)
+        down = mk.expert_gemm_kernel("down", wd.dtype, hidden, inter, top_k, experts)
+        sort = mk.sort_kernel(experts, top_k, glu.spec.params["tile_m"])
+    except ConfigError:
+        return []
+    bm = glu.spec.params["tile_m"]
+    slots = ctx.max_tokens * top_k
+    ctx.need_scratch(ScratchPlan("moe_perm", fixed=slots * 4))
+    ctx.need_scratch(ScratchPlan("moe_tiles", fixed=(1 + mk.gemm_max_tiles(ctx.max_tokens, top_k, experts, bm)) * 16))
+    ctx.need_scratch(ScratchPlan("moe_partial", fixed=slots * hidden * 4))
+    perm, tiles, partial = Arg("scratch", "moe_perm"), Arg("scratch", "moe_tiles"), Arg("scratch", "moe_partial")
+    comb = mk.combine_kernel(hidden, top_k, residual=res is not NULL)
+    gy = mk.gemm_grid_y(top_k, experts, bm)
+    rows = {"min_rows": -(-GEMM_TOKENS_PER_EXPERT * experts // top_k)} if mode == WIDE else {}
     return [
-        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS)),
+        Launch(sort.spec, (1,), sort.block[:1], (perm, tiles, val(ids), ROWS), **rows),
+        Launch(glu.spec, (cdiv(inter, glu.spec.params["tile_n"] // 2), gy), glu.block[:1],
+               (act, wgt(wg), wgt(wu), val(h), perm, tiles, ROWS), glu.smem, **rows),
+        Launch(down.spec, (cdiv(hidden, down.spec.params["tile_n"]), gy), down.block[:1],
+               (partial, wgt(wd), act, perm, tiles, ROWS), down.smem, **rows),
         Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS)),
     ]
