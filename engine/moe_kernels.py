@@ -8,7 +8,11 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
 expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
-with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP;
+with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
+Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
+(kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
+(kernels/moe_gemm.cu.j2: a tensor-core GEMM per expert row tile, modes ``glu`` and ``down``) and
+``combine_kernel``;
 ``shared_kernel`` (kernels/moe_shared.cu.j2) adds a sigmoid-gated shared expert's output.
 engine.lowering.moe lowers the ``moe_router`` / ``moe_experts`` ops through them. ``moe_specs`` lists what a family's dims need
 (tests, tests/gpu/test_moe_kernels.py).
@@ -266,5 +270,12 @@ def moe_specs(
         specs.append(expert_gemv_kernel("down", q, hidden, inter, top, rows_per_block, residual=True).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
+        if q in GEMM_QUANTS:
+            try:
+                specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)
+                specs.append(expert_gemm_kernel("down", q, hidden, inter, top, e).spec)
+            except ConfigError:  # a shape the GEMM does not take: prefill keeps the grouped GEMVs
+                pass
+    specs.append(sort_kernel(e, top, int(GEMM_DEFAULTS["tile_m"])).spec)
     specs.append(combine_kernel(hidden, top).spec)
     return list(dict.fromkeys(specs))

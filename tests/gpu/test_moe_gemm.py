@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_moe_kernels import QUANTS, bf_round, gk, rel_err, stacked_weight  # noqa: F401 (gk: the fixture)
+from test_moe_kernels import QUANTS, Kit, bf_round, rel_err, stacked_weight
 
 from engine.moe_kernels import combine_kernel, expert_gemm_kernel, gemm_max_tiles, sort_kernel
+
+
+@pytest.fixture(scope="module")
+def gk(tmp_path_factory):
+    return Kit(tmp_path_factory.mktemp("kcache"))
 
 
 def _routing(rng, rows: int, experts: int, top_k: int, skewed: bool) -> np.ndarray:
