@@ -14,11 +14,11 @@ from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
 from engine.model import dims_for_size
 from engine.moe_kernels import (
+    GEMM_QUANTS,
     GEMV_QUANTS,
     combine_kernel,
-    expert_gemv_kernel,
-    GEMM_QUANTS,
     expert_gemm_kernel,
+    expert_gemv_kernel,
     gemm_max_tiles,
     moe_specs,
     shared_kernel,
