@@ -48,6 +48,9 @@ def _all_specs():
         specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128).spec)
         specs.append(expert_gemm_kernel("down", q, 2048, 768, 8, 128).spec)
     specs.append(expert_gemm_kernel("glu", "q8_0", 96, 256, 2, 8, tile_m=16, tile_n=64, tile_k=32, warps=4, warps_m=1).spec)
+    for q in ("q4_k", "q6_k"):  # the decode buckets' row tiles of 16
+        specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128, tile_m=16, warps_m=1).spec)
+        specs.append(expert_gemm_kernel("down", q, 2048, 768, 8, 128, tile_m=16, warps_m=1).spec)
     return specs
 
 
@@ -130,6 +133,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         sort_kernel(128, 8, 64).spec,
         expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,
         expert_gemm_kernel("down", "bf16", 2048, 768, 8, 128).spec,
+        expert_gemm_kernel("glu", "q6_k", 768, 2048, 8, 128, tile_m=16, warps_m=1).spec,
     ]
     for arch in archs:
         specs = full if arch == PRIMARY_ARCH else one_each

@@ -63,7 +63,7 @@ def test_moe_launches_per_mode():
     assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
     assert down.args[0] == Arg("value", "x") and down.args[5] == Arg("value", "x")  # residual in place
     names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["decode"]]
-    assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_combine:"]
+    assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
     assert experts.launches["decode"][0].grid == (64, 16)
     assert experts.launches["decode"][0].spec.params["max_slots"] >= plan.max_tokens
     # prefill: sorted by expert on the device, then the tensor-core grouped GEMM
@@ -161,20 +161,25 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     assert layer_matrix_params(plan) == dense + experts // 4
 
 
-def test_wide_decode_buckets_switch_to_the_grouped_gemm():
+@pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
+def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     from engine.ir import WIDE
 
-    _, _, plan = _plan("bf16")  # bf16: the h200 profile's wide decode buckets exist
-    assert plan.wide_rows
+    _, _, plan = _plan(quant)  # bf16: the h200 profile's wide decode buckets exist; q4_k_m: none
+    assert bool(plan.wide_rows) is (quant == "bf16")
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
-    got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in experts.launches[WIDE]]
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
-    assert got == [
-        ("moe_gemv", "glu_grouped", 0, cut - 1),
-        ("moe_gemv", "down_grouped", 0, cut - 1),
-        ("moe_sort", None, cut, 0),
-        ("moe_gemm", "glu", cut, 0),
-        ("moe_gemm", "down", cut, 0),
-        ("moe_combine", None, 0, 0),
-    ]
-    assert [la.spec.params.get("mode") for la in experts.launches["decode"]] == ["glu_grouped", "down_grouped", None]
+    for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
+        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in experts.launches[mode]]
+        assert got == [
+            ("moe_gemv", "glu_grouped", 0, cut - 1),
+            ("moe_gemv", "down_grouped", 0, cut - 1),
+            ("moe_sort", None, cut, 0),
+            ("moe_gemm", "glu", cut, 0),
+            ("moe_gemm", "down", cut, 0),
+            ("moe_combine", None, 0, 0),
+        ]
+        sort, glu = experts.launches[mode][2:4]
+        assert sort.spec.params["tile_m"] == glu.spec.params["tile_m"] == 16 and glu.grid[1] == "n * 4 // 16 + 16"
+        assert [la.runs_at(cut - 1) for la in experts.launches[mode]] == [True, True, False, False, False, True]
+        assert [la.runs_at(cut) for la in experts.launches[mode]] == [False, False, True, True, True, True]

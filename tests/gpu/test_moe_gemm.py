@@ -49,9 +49,14 @@ def _check_sort(ids: np.ndarray, perm: np.ndarray, tiles: np.ndarray, experts: i
     assert count == want
 
 
+# the prefill row tiles (64 rows, 2 x 4 warps) and the decode buckets' (16 rows, 1 x 8 warps)
+TILES = {"prefill": {}, "decode": {"tile_m": 16, "warps_m": 1}}
+
+
 @pytest.mark.parametrize("qt", QUANTS)
 @pytest.mark.parametrize("skewed", [False, True])
-def test_grouped_gemm_matches_numpy(gk, qt, skewed):
+@pytest.mark.parametrize("tiles", TILES)
+def test_grouped_gemm_matches_numpy(gk, qt, skewed, tiles):
     rng = np.random.default_rng()
     experts, top_k, rows, hidden, inter = 16, 4, 150, 512, 256
     wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
@@ -63,8 +68,8 @@ def test_grouped_gemm_matches_numpy(gk, qt, skewed):
     if skewed:
         assert (counts == 0).any() and counts.max() > 64  # empty experts; hot ones span tiles
     x = bf_round(rng.standard_normal((rows, hidden)))
-    glu = expert_gemm_kernel("glu", qt, inter, hidden, top_k, experts)
-    down = expert_gemm_kernel("down", qt, hidden, inter, top_k, experts)
+    glu = expert_gemm_kernel("glu", qt, inter, hidden, top_k, experts, **TILES[tiles])
+    down = expert_gemm_kernel("down", qt, hidden, inter, top_k, experts, **TILES[tiles])
     bm = glu.spec.params["tile_m"]
     slots = rows * top_k
     perm = gk.i32(np.full(slots, -1))
