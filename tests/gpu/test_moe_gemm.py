@@ -3,8 +3,8 @@ against numpy on a real GPU (skipped without one).
 
 Fresh random inputs each run, for every storage type the MoE family lists (bf16, q8_0, q4_k, q5_k,
 q6_k): random GGUF blocks / bf16 rows for the stacked expert weights (test_moe_kernels.stacked_weight),
-with uniform routing and skewed routing (most pairs on three experts, more than one row tile each;
-most experts chosen by no token). Outputs start as NaN, so a row the kernels miss fails. Checks:
+with uniform routing and skewed routing (three hot experts every token picks, more than one row tile
+each; four cold ones; the rest chosen by no token). Outputs start as NaN, so a row the kernels miss fails. Checks:
 moe_sort's permutation groups the slots by expert and its tile table covers them in tiles of at
 most tile_m rows; the glu GEMM's act rows (moe_sort's order) and the down GEMM's per-slot partials
 within bf16 tolerance of numpy (the W tile is decoded to bf16 for the tensor cores); moe_combine
@@ -28,8 +28,9 @@ def gk(tmp_path_factory):
 def _routing(rng, rows: int, experts: int, top_k: int, skewed: bool) -> np.ndarray:
     if not skewed:
         return np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
-    p = np.full(experts, 1e-4)
-    p[[1, 5, experts - 1]] = 1.0  # three hot experts; the rest rarely chosen (some never)
+    p = np.zeros(experts)  # experts 6 .. E-2 never chosen
+    p[[0, 2, 3, 4]] = 1e-2  # four cold ones
+    p[[1, 5, experts - 1]] = 1.0  # three hot ones: every token picks them
     p /= p.sum()
     return np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(rows)]).astype(np.int32)
 
