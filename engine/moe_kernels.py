@@ -49,8 +49,8 @@ KERNELS = {
     "moe_gemm": "grouped tensor-core GEMM over stacked [E, N, K] weights per expert row tile: glu (gate, up, "
     "silu) or down (per-slot f32 partials)",
 }
-# storage types the grouped expert GEMM decodes into shared memory (a W unit of 32 values, or bf16)
-GEMM_QUANTS = ("bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+# storage types the grouped expert GEMM decodes into shared memory as bf16 (bf16 rows: cp.async)
+GEMM_QUANTS = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 RAW_UNIT_QUANTS = ("q4_k", "q5_k")  # _quant.cuh.j2 splits their decode into load_raw / decode_raw (qprefetch)
 GEMM_DEFAULTS = {"tile_m": 64, "tile_n": 128, "tile_k": 64, "stages": 3, "warps": 8, "warps_m": 2, "qprefetch": True}
 MODES = ("glu", "down", "glu_grouped", "down_grouped")

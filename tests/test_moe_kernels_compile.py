@@ -121,7 +121,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
     full = [s for s in _all_specs() if s.params.get("mode") != "down" or s.params["quant"] in ("bf16", "q8_0", "q4_k", "q6_k")]
     full = [s for s in full if s.template != "moe_topk" or s.params["experts"] == 128]
     full = [s for s in full if not s.params.get("mode", "").endswith("_grouped") or s.params["quant"] in ("q8_0", "q4_k")]
-    full = [s for s in full if s.template != "moe_gemm" or s.params["quant"] in ("bf16", "q8_0", "q4_k", "q5_k", "q6_k")]
+    full = [s for s in full if s.template != "moe_gemm" or s.params["quant"] in ("bf16", "f16", "q8_0", "q4_k", "q5_k", "q6_k")]
     one_each = [
         full[0],
         expert_gemv_kernel("glu", "q4_k", 768, 2048, 8).spec,

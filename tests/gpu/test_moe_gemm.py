@@ -1,8 +1,9 @@
 """The grouped expert GEMM of prefill (kernels/moe_sort.cu.j2, moe_gemm.cu.j2, then moe_combine)
 against numpy on a real GPU (skipped without one).
 
-Fresh random inputs each run, for every storage type the MoE family lists (bf16, q8_0, q4_k, q5_k,
-q6_k): random GGUF blocks / bf16 rows for the stacked expert weights (test_moe_kernels.stacked_weight),
+Fresh random inputs each run, for every storage type the MoE family lists (bf16, f16, f32, q8_0,
+q4_k, q5_k, q6_k): random GGUF blocks / float rows for the stacked expert weights
+(test_moe_kernels.stacked_weight),
 with uniform routing and skewed routing (three hot experts every token picks, more than one row tile
 each; four cold ones; the rest chosen by no token). Outputs start as NaN, so a row the kernels miss fails. Checks:
 moe_sort's permutation groups the slots by expert and its tile table covers them in tiles of at
@@ -23,6 +24,14 @@ from engine.moe_kernels import combine_kernel, expert_gemm_kernel, gemm_max_tile
 @pytest.fixture(scope="module")
 def gk(tmp_path_factory):
     return Kit(tmp_path_factory.mktemp("kcache"))
+
+
+def _stacked(qt: str, e: int, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """stacked_weight, plus f16 / f32 rows (raw bytes [E * n, row bytes], f64 values [E, n, k])."""
+    if qt not in ("f16", "f32"):
+        return stacked_weight(qt, e, n, k, rng)
+    w = (rng.standard_normal((e * n, k)) * 0.05).astype(np.float16 if qt == "f16" else np.float32)
+    return w.view(np.uint8), w.astype(np.float64).reshape(e, n, k)
 
 
 def _routing(rng, rows: int, experts: int, top_k: int, skewed: bool) -> np.ndarray:
@@ -54,15 +63,15 @@ def _check_sort(ids: np.ndarray, perm: np.ndarray, tiles: np.ndarray, experts: i
 TILES = {"prefill": {}, "decode": {"tile_m": 16, "warps_m": 1}}
 
 
-@pytest.mark.parametrize("qt", QUANTS)
+@pytest.mark.parametrize("qt", QUANTS + ("f16", "f32"))
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("tiles", TILES)
 def test_grouped_gemm_matches_numpy(gk, qt, skewed, tiles):
     rng = np.random.default_rng()
     experts, top_k, rows, hidden, inter = 16, 4, 150, 512, 256
-    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
-    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
-    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    wg_raw, wg = _stacked(qt, experts, inter, hidden, rng)
+    wu_raw, wu = _stacked(qt, experts, inter, hidden, rng)
+    wd_raw, wd = _stacked(qt, experts, hidden, inter, rng)
     dev = [gk.raw(r) for r in (wg_raw, wu_raw, wd_raw)]
     ids = _routing(rng, rows, experts, top_k, skewed)
     counts = np.bincount(ids.reshape(-1), minlength=experts)
