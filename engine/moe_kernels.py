@@ -8,7 +8,11 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
 expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
-with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP;
+with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
+Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
+(kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
+(kernels/moe_gemm.cu.j2: a tensor-core GEMM per expert row tile, modes ``glu`` and ``down``) and
+``combine_kernel``;
 ``shared_kernel`` (kernels/moe_shared.cu.j2) adds a sigmoid-gated shared expert's output.
 engine.lowering.moe lowers the ``moe_router`` / ``moe_experts`` ops through them. ``moe_specs`` lists what a family's dims need
 (tests, tests/gpu/test_moe_kernels.py).
@@ -41,7 +45,14 @@ KERNELS = {
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
+    "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
+    "moe_gemm": "grouped tensor-core GEMM over stacked [E, N, K] weights per expert row tile: glu (gate, up, "
+    "silu) or down (per-slot f32 partials)",
 }
+# storage types the grouped expert GEMM decodes into shared memory as bf16 (bf16 rows: cp.async)
+GEMM_QUANTS = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+RAW_UNIT_QUANTS = ("q4_k", "q5_k")  # _quant.cuh.j2 splits their decode into load_raw / decode_raw (qprefetch)
+GEMM_DEFAULTS = {"tile_m": 64, "tile_n": 128, "tile_k": 64, "stages": 3, "warps": 8, "warps_m": 2, "qprefetch": True}
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
 MAX_EXPERTS = 256  # moe_topk keeps E / 32 logits per lane in registers
@@ -178,6 +189,72 @@ def shared_kernel(n: int, threads: int = 256) -> MoeKernel:
     )
 
 
+def sort_kernel(experts: int, top_k: int, tile_m: int, threads: int = 1024) -> MoeKernel:
+    """moe_sort: one block groups ``rows * top_k`` (token, slot) pairs by expert into a permutation
+    and a table of row tiles of at most ``tile_m`` rows (see ``gemm_max_tiles``)."""
+    if not 0 < experts <= MAX_EXPERTS or not 0 < top_k <= 32 or tile_m not in (16, 32, 64, 128):
+        raise ConfigError(f"moe_sort: bad shape experts={experts} top_k={top_k} tile_m={tile_m}")
+    if threads not in (128, 256, 512, 1024):
+        raise ConfigError(f"moe_sort: threads {threads} must be 128, 256, 512 or 1024")
+    params = {"experts": experts, "top_k": top_k, "tile_m": tile_m, "threads": threads}
+    return MoeKernel(
+        KernelSpec("moe_sort", entry_name("moe_sort", e=experts, top=top_k, m=tile_m, t=threads), params, pdl=True),
+        (("perm", "ptr"), ("tiles", "ptr"), ("ids", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (1, 1, 1),
+        (threads, 1, 1),
+    )
+
+
+def gemm_max_tiles(rows: int, top_k: int, experts: int, tile_m: int) -> int:
+    """The most row tiles moe_sort can emit for ``rows`` tokens: each expert's last tile may be
+    partial, so sum(ceil(c_e / tile_m)) <= rows * top_k / tile_m + experts."""
+    return rows * top_k // tile_m + experts
+
+
+def gemm_grid_y(top_k: int, experts: int, tile_m: int) -> str:
+    """``gemm_max_tiles`` as a launch grid expression over the step's rows ``n``."""
+    return f"n * {top_k} // {tile_m} + {experts}"
+
+
+def expert_gemm_kernel(mode: str, quant: str, n: int, k: int, top_k: int, experts: int, **tuning: Any) -> MoeKernel:
+    """moe_gemm ``mode`` ("glu": gate/up [E, n, k] -> act [rows * top_k, n] in moe_sort's order;
+    "down": [E, n, k] -> f32 partial [rows, top_k, n] by slot) over weights stored as ``quant``,
+    tiles from ``tuning`` over GEMM_DEFAULTS. Raises ConfigError for an unsupported quant, a k
+    that tile_k does not divide, an odd n, or tiles the warp layout cannot cover."""
+    if mode not in ("glu", "down"):
+        raise ConfigError(f"moe_gemm: mode {mode!r} must be glu or down")
+    if quant not in GEMM_QUANTS:
+        raise ConfigError(f"moe_gemm: storage type {quant!r} is not supported ({', '.join(GEMM_QUANTS)})")
+    t = {**GEMM_DEFAULTS, **tuning}
+    bm, bn, bk, warps, wm = (int(t[x]) for x in ("tile_m", "tile_n", "tile_k", "warps", "warps_m"))
+    if k % bk or bk % 32 or n % 2 or n < 1 or not 0 < top_k <= 32 or not 0 < experts <= MAX_EXPERTS:
+        raise ConfigError(
+            f"moe_gemm: n={n} (even), k={k} (a multiple of tile_k {bk}, itself of 32), top_k={top_k}, experts={experts}"
+        )
+    wn = warps // wm if wm and warps % wm == 0 else 0
+    # warp tiles: m16 fragments along m; along n, ldmatrix x4 loads n8 fragments in pairs
+    if not wn or bm % (16 * wm) or bn % (16 * wn) or int(t["stages"]) < 2 or bm not in (16, 32, 64, 128):
+        raise ConfigError(f"moe_gemm: tiles {bm}x{bn}x{bk} do not fit {warps} warps ({wm} along m), stages {t['stages']}")
+    params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "experts": experts,
+              "tile_m": bm, "tile_n": bn, "tile_k": bk, "stages": int(t["stages"]), "warps": warps, "warps_m": wm,
+              "qprefetch": bool(t["qprefetch"]) and quant in RAW_UNIT_QUANTS}
+    name = {"n": n, "k": k, "top": top_k, "e": experts, "m": bm, "bn": bn, "bk": bk, "s": t["stages"], "w": warps, "wm": wm,
+            **({"qp": 1} if params["qprefetch"] else {})}
+    spec = KernelSpec("moe_gemm", entry_name(f"moe_gemm_{mode}_{quant}", **name), params, pdl=True)
+    per_block = bn // 2 if mode == "glu" else bn
+    if mode == "glu":
+        args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("perm", "ptr"), ("tiles", "ptr"), ("rows", "i32"))
+    else:
+        args = (("partial", "ptr"), ("w", "ptr"), ("act", "ptr"), ("perm", "ptr"), ("tiles", "ptr"), ("rows", "i32"))
+    return MoeKernel(
+        spec,
+        args,
+        lambda rows, **_: (-(-n // per_block), gemm_max_tiles(rows, top_k, experts, bm), 1),
+        (32 * warps, 1, 1),
+        int(t["stages"]) * (bm + bn) * bk * 2,
+    )
+
+
 def moe_specs(
     dims: Mapping[str, Any], quants: list[str], rows_per_block: int = 4, max_slots: int = 256
 ) -> list[KernelSpec]:
@@ -193,5 +270,12 @@ def moe_specs(
         specs.append(expert_gemv_kernel("down", q, hidden, inter, top, rows_per_block, residual=True).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
+        if q in GEMM_QUANTS:
+            try:
+                specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)
+                specs.append(expert_gemm_kernel("down", q, hidden, inter, top, e).spec)
+            except ConfigError:  # a shape the GEMM does not take: prefill keeps the grouped GEMVs
+                pass
+    specs.append(sort_kernel(e, top, int(GEMM_DEFAULTS["tile_m"])).spec)
     specs.append(combine_kernel(hidden, top).spec)
     return list(dict.fromkeys(specs))

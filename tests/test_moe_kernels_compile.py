@@ -14,11 +14,15 @@ from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
 from engine.model import dims_for_size
 from engine.moe_kernels import (
+    GEMM_QUANTS,
     GEMV_QUANTS,
     combine_kernel,
+    expert_gemm_kernel,
     expert_gemv_kernel,
+    gemm_max_tiles,
     moe_specs,
     shared_kernel,
+    sort_kernel,
     topk_kernel,
 )
 from engine.profile import all_profiles
@@ -39,6 +43,14 @@ def _all_specs():
         specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
     specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
     specs += [shared_kernel(2048).spec]
+    specs += [sort_kernel(128, 8, 64).spec, sort_kernel(8, 2, 16, threads=256).spec]
+    for q in GEMM_QUANTS:
+        specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128).spec)
+        specs.append(expert_gemm_kernel("down", q, 2048, 768, 8, 128).spec)
+    specs.append(expert_gemm_kernel("glu", "q8_0", 96, 256, 2, 8, tile_m=16, tile_n=64, tile_k=32, warps=4, warps_m=1).spec)
+    for q in ("q4_k", "q6_k"):  # the decode buckets' row tiles of 16
+        specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128, tile_m=16, warps_m=1).spec)
+        specs.append(expert_gemm_kernel("down", q, 2048, 768, 8, 128, tile_m=16, warps_m=1).spec)
     return specs
 
 
@@ -65,7 +77,7 @@ def test_builders_check_their_inputs():
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 4 * 4 + 1 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert len(specs) == 1 + 4 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
     assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
     assert g.grid(256) == (512, 128, 1)  # an expert's (token, slot) pairs: at most one per token
@@ -74,6 +86,30 @@ def test_builders_check_their_inputs():
     with pytest.raises(ConfigError, match="max_slots 100000"):
         expert_gemv_kernel("glu_grouped", "q4_k", 768, 2048, 8, experts=128, max_slots=100000)
     assert combine_kernel(2048, 8).grid(5) == (8, 5, 1)
+
+
+def test_grouped_gemm_builders():
+    glu = expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128)
+    down = expert_gemm_kernel("down", "q4_k", 2048, 768, 8, 128)
+    assert glu.grid(512) == (768 // 64, 512 * 8 // 64 + 128, 1) and down.grid(512) == (2048 // 128, 192, 1)
+    assert glu.smem == down.smem == 3 * (64 + 128) * 64 * 2 and glu.block == (256, 1, 1)
+    assert [a for a, _ in glu.args] == ["act", "wg", "wu", "x", "perm", "tiles", "rows"]
+    assert [a for a, _ in down.args] == ["partial", "w", "act", "perm", "tiles", "rows"]
+    assert glu.spec.params["qprefetch"] and not expert_gemm_kernel("glu", "q6_k", 768, 2048, 8, 128).spec.params["qprefetch"]
+    # any routing fits the tile bound: each expert's count rounded up to whole tiles
+    for counts in ([512 * 8] + [0] * 127, [32] * 128, [65] * 63 + [512 * 8 - 65 * 63] + [0] * 64):
+        assert sum(-(-c // 64) for c in counts) <= gemm_max_tiles(512, 8, 128, 64)
+    src = render(glu.spec)
+    assert "#define GLU 1" in src and "mma.sync.aligned.m16n8k16" in src and "load_raw" in src
+    with pytest.raises(ConfigError, match="not supported"):
+        expert_gemm_kernel("glu", "q2_k", 768, 2048, 8, 128)
+    with pytest.raises(ConfigError, match="multiple of tile_k"):
+        expert_gemm_kernel("down", "q8_0", 2048, 800, 8, 128)
+    with pytest.raises(ConfigError, match="do not fit"):
+        expert_gemm_kernel("down", "q8_0", 2048, 768, 8, 128, tile_n=40)
+    with pytest.raises(ConfigError, match="tile_m=48"):
+        sort_kernel(128, 8, 48)
+    assert sort_kernel(128, 8, 64).grid(4096) == (1, 1, 1)
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or the CUDA headers are not available")
@@ -85,6 +121,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
     full = [s for s in _all_specs() if s.params.get("mode") != "down" or s.params["quant"] in ("bf16", "q8_0", "q4_k", "q6_k")]
     full = [s for s in full if s.template != "moe_topk" or s.params["experts"] == 128]
     full = [s for s in full if not s.params.get("mode", "").endswith("_grouped") or s.params["quant"] in ("q8_0", "q4_k")]
+    full = [s for s in full if s.template != "moe_gemm" or s.params["quant"] in ("bf16", "f16", "q8_0", "q4_k", "q5_k", "q6_k")]
     one_each = [
         full[0],
         expert_gemv_kernel("glu", "q4_k", 768, 2048, 8).spec,
@@ -93,6 +130,10 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
         combine_kernel(2048, 8).spec,
         shared_kernel(2048).spec,
+        sort_kernel(128, 8, 64).spec,
+        expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,
+        expert_gemm_kernel("down", "bf16", 2048, 768, 8, 128).spec,
+        expert_gemm_kernel("glu", "q6_k", 768, 2048, 8, 128, tile_m=16, warps_m=1).spec,
     ]
     for arch in archs:
         specs = full if arch == PRIMARY_ARCH else one_each

@@ -62,17 +62,23 @@ def test_moe_launches_per_mode():
     glu, down = experts.launches["decode1"]
     assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
     assert down.args[0] == Arg("value", "x") and down.args[5] == Arg("value", "x")  # residual in place
-    for mode in ("decode", "prefill"):
-        names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches[mode]]
-        assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_combine:"]
-        assert experts.launches[mode][0].grid == (64, 16)
-        assert experts.launches[mode][0].spec.params["max_slots"] >= plan.max_tokens
-    assert all(la.spec.pdl for la in experts.launches["decode"] + router.launches["decode"])
+    names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["decode"]]
+    assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
+    assert experts.launches["decode"][0].grid == (64, 16)
+    assert experts.launches["decode"][0].spec.params["max_slots"] >= plan.max_tokens
+    # prefill: sorted by expert on the device, then the tensor-core grouped GEMM
+    names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["prefill"]]
+    assert names == ["moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
+    sort, glu, gdown, _ = experts.launches["prefill"]
+    assert glu.grid == (256 // 64, "n * 4 // 64 + 16") and gdown.grid == (256 // 128, "n * 4 // 64 + 16")
+    assert glu.args[4:6] == sort.args[:2] == gdown.args[3:5] == (Arg("scratch", "moe_perm"), Arg("scratch", "moe_tiles"))
+    assert glu.smem == gdown.smem == 3 * (64 + 128) * 64 * 2 and glu.spec.params["quant"] == "q8_0"
+    assert all(la.spec.pdl for la in experts.launches["decode"] + experts.launches["prefill"] + router.launches["decode"])
     ids, wts = plan.values["expert_ids"], plan.values["expert_weights"]
     assert (ids.dtype, ids.width, wts.dtype, wts.width) == ("i32", 4, "f32", 4)
     assert plan.values["expert_ids.logits"].dtype == "f32"
-    assert {"moe_act", "moe_partial"} <= {s.name for s in plan.scratch}
-    assert NULL not in experts.launches["prefill"][2].args[:4]
+    assert {"moe_act", "moe_partial", "moe_perm", "moe_tiles"} <= {s.name for s in plan.scratch}
+    assert NULL not in experts.launches["prefill"][3].args[:4]
 
 
 def test_expert_stacks_keep_their_file_blocks():
@@ -102,7 +108,7 @@ def test_every_moe_spec_renders():
 
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    assert {s.template for s in specs} == {"moe_topk", "moe_gemv", "moe_combine"}
+    assert {s.template for s in specs} == {"moe_topk", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -153,3 +159,27 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     dense = sum(w.rows * w.cols for w in plan.weights if w.layer is not None and w.rows > 1 and "exp_" not in w.key)
     experts = sum(w.rows * w.cols for w in plan.weights if "exp_" in w.key)
     assert layer_matrix_params(plan) == dense + experts // 4
+
+
+@pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
+def test_decode_buckets_switch_to_the_grouped_gemm(quant):
+    from engine.ir import WIDE
+
+    _, _, plan = _plan(quant)  # bf16: the h200 profile's wide decode buckets exist; q4_k_m: none
+    assert bool(plan.wide_rows) is (quant == "bf16")
+    experts = next(s for s in plan.steps if s.op.op == "moe_experts")
+    cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
+    for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
+        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in experts.launches[mode]]
+        assert got == [
+            ("moe_gemv", "glu_grouped", 0, cut - 1),
+            ("moe_gemv", "down_grouped", 0, cut - 1),
+            ("moe_sort", None, cut, 0),
+            ("moe_gemm", "glu", cut, 0),
+            ("moe_gemm", "down", cut, 0),
+            ("moe_combine", None, 0, 0),
+        ]
+        sort, glu = experts.launches[mode][2:4]
+        assert sort.spec.params["tile_m"] == glu.spec.params["tile_m"] == 16 and glu.grid[1] == "n * 4 // 16 + 16"
+        assert [la.runs_at(cut - 1) for la in experts.launches[mode]] == [True, True, False, False, False, True]
+        assert [la.runs_at(cut) for la in experts.launches[mode]] == [False, False, True, True, True, True]

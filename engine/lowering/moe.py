@@ -5,9 +5,11 @@ from a bf16 or f32 router matrix) then moe_topk, which writes the expert ids (i3
 into fixed-size [rows, top_k] values: no host synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
 (decode1) the per-slot moe_gemv ``glu`` then ``down`` (+ residual), which read only the chosen
-experts' rows; in batched decode, wide decode buckets and prefill the grouped modes (one block per
+experts' rows; in batched decode and wide decode buckets the grouped modes (one block per
 (row tile, expert) reads the expert once for all its tokens) and moe_combine (the router-weighted
-slot sum + residual). A shared expert (seven weights: gate, up, down and the f32 gate vector)
+slot sum + residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per
+expert on average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the
+device, moe_gemm glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down and the f32 gate vector)
 runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
 moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
@@ -18,7 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine import moe_kernels as mk
-from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
 from engine.lowering.registry import register
@@ -27,6 +29,8 @@ from engine.types import ConfigError
 RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
+GEMM_TOKENS_PER_EXPERT = 4  # decode buckets with at least this many per expert on average take the GEMM
+DECODE_TILE_M = 16  # the GEMM's row tile in decode buckets (a few tokens per expert)
 
 
 def _dim(ctx, op, attr: str, default=None):
@@ -74,12 +78,13 @@ def bind_experts(op, ws, ins, dims, value_for):
     return out
 
 
-@register("moe_experts", bind=bind_experts, wide="decode", attrs=("residual",))
+@register("moe_experts", bind=bind_experts, attrs=("residual",))
 def lower_experts(ctx, op, layer, mode, ins, outs, ws):
     if len(ws) not in (3, 7):
         raise ConfigError(f"plan: moe_experts takes 3 weights (or 7 with a shared expert), got {len(ws)}")
     routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
-    return routed + (shared_expert(ctx, layer, mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+    shared_mode = "decode" if mode == WIDE else mode  # (the shared expert's GEMVs as in batched decode)
+    return routed + (shared_expert(ctx, layer, shared_mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
 
 
 def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
@@ -136,6 +141,9 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
                 (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS),
             ),
         ]
+    gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
+    if mode == "prefill" and gemm:
+        return gemm
     # grouped by expert: an expert's (token, slot) pairs number at most the step's rows
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
@@ -145,8 +153,47 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
+    # batched / wide decode buckets: the grouped GEMVs below the GEMM's min_rows, the GEMM from there
+    cap = {"max_rows": gemm[0].min_rows - 1} if gemm else {}
+    gemv = [
+        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
+        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+    ]
+    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS))
+    return gemv + gemm[:-1] + [combine]
+
+
+def grouped_gemm(ctx, mode, h, ids, weights, out, res, act, ws, experts) -> list[Launch]:
+    """Prefill, and batched / wide decode buckets from GEMM_TOKENS_PER_EXPERT tokens per expert on
+    average (``min_rows``; row tiles of DECODE_TILE_M): moe_sort groups the (token, slot) pairs by
+    expert, the tensor-core moe_gemm runs glu then down per expert row tile, moe_combine sums each
+    token's slots. [] where the GEMM does not fit the shapes or storage types (the grouped GEMVs
+    serve)."""
+    if mode not in ("prefill", "decode", WIDE):
+        return []
+    wg, wu, wd = ws
+    top_k, hidden, inter = ids.width, h.width, wd.cols
+    tiles = {} if mode == "prefill" else {"tile_m": DECODE_TILE_M, "warps_m": 1}
+    try:
+        glu = mk.expert_gemm_kernel("glu", wg.dtype, inter, hidden, top_k, experts, **tiles)
+        down = mk.expert_gemm_kernel("down", wd.dtype, hidden, inter, top_k, experts, **tiles)
+        sort = mk.sort_kernel(experts, top_k, glu.spec.params["tile_m"])
+    except ConfigError:
+        return []
+    bm = glu.spec.params["tile_m"]
+    slots = ctx.max_tokens * top_k
+    ctx.need_scratch(ScratchPlan("moe_perm", fixed=slots * 4))
+    ctx.need_scratch(ScratchPlan("moe_tiles", fixed=(1 + mk.gemm_max_tiles(ctx.max_tokens, top_k, experts, bm)) * 16))
+    ctx.need_scratch(ScratchPlan("moe_partial", fixed=slots * hidden * 4))
+    perm, tiles_arg, partial = Arg("scratch", "moe_perm"), Arg("scratch", "moe_tiles"), Arg("scratch", "moe_partial")
+    comb = mk.combine_kernel(hidden, top_k, residual=res is not NULL)
+    gy = mk.gemm_grid_y(top_k, experts, bm)
+    rows = {} if mode == "prefill" else {"min_rows": max(2, -(-GEMM_TOKENS_PER_EXPERT * experts // top_k))}
     return [
-        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS)),
+        Launch(sort.spec, (1,), sort.block[:1], (perm, tiles_arg, val(ids), ROWS), **rows),
+        Launch(glu.spec, (cdiv(inter, glu.spec.params["tile_n"] // 2), gy), glu.block[:1],
+               (act, wgt(wg), wgt(wu), val(h), perm, tiles_arg, ROWS), glu.smem, **rows),
+        Launch(down.spec, (cdiv(hidden, down.spec.params["tile_n"]), gy), down.block[:1],
+               (partial, wgt(wd), act, perm, tiles_arg, ROWS), down.smem, **rows),
         Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS)),
     ]
