@@ -81,21 +81,23 @@ def delta_rule_kernel(
     out_stride: int,
     v_tiled: bool,
     varlen: bool,
-    max_threads: int = 512,
+    max_threads: int = 256,
 ) -> HybridKernel:
-    """gated_delta_rule: one block per (sequence, v head) with v_dim * ksplit threads, thread (j, s)
-    holding state column j's rows s * k_dim/ksplit .. in registers."""
+    """gated_delta_rule: one block per (sequence, v head, slice of ``v_block`` state columns) with
+    v_block * ksplit threads, thread (j, s) holding column j's rows s * k_dim/ksplit .. in
+    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs)."""
     if v_heads % k_heads or k_dim % 32 and k_dim not in (8, 16) or v_dim < 1 or v_dim > 1024:
         raise ConfigError(f"gated_delta_rule: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
+    v_block = 32 if v_dim % 32 == 0 else v_dim
     ksplit = 1
-    while v_dim * ksplit * 2 <= max_threads and k_dim % (ksplit * 2) == 0 and k_dim // (ksplit * 2) >= 1:
+    while v_block * ksplit * 2 <= max_threads and k_dim % (ksplit * 2) == 0:
         ksplit *= 2
-    threads = v_dim * ksplit
+    threads = v_block * ksplit
     if threads % 32 or threads > 1024:
-        raise ConfigError(f"gated_delta_rule: v_dim {v_dim} x ksplit {ksplit} = {threads} threads is not a whole number of warps up to 1024")
+        raise ConfigError(f"gated_delta_rule: v_block {v_block} x ksplit {ksplit} = {threads} threads is not a whole number of warps up to 1024")
     if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
         raise ConfigError(f"gated_delta_rule: qkv stride {qkv_stride} is narrower than q|k|v")
-    params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "ksplit": ksplit,
+    params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "ksplit": ksplit,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
               "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
     name = entry_name("gated_delta_rule", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, qs=qkv_stride,
@@ -105,7 +107,7 @@ def delta_rule_kernel(
     return HybridKernel(
         KernelSpec("gated_delta_rule", name, params, pdl=True),
         args,
-        lambda rows, **_: (rows, v_heads, 1),
+        lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (threads, 1, 1),
     )
 

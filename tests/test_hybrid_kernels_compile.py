@@ -71,7 +71,8 @@ def test_every_hybrid_size_plans_on_every_profile():
         step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
         (pre,) = step.launches["prefill"]
         (dec,) = step.launches["decode"]
-        assert pre.grid == ("nseq", d["lin_v_heads"], 1) and dec.grid == ("n", d["lin_v_heads"], 1)
+        vz = d["lin_v_dim"] // pre.spec.params["v_block"]
+        assert pre.grid == ("nseq", d["lin_v_heads"], vz) and dec.grid == ("n", d["lin_v_heads"], vz)
         assert Arg("state", "L0.gated_delta_rule") in dec.args and Arg("input", "state_snap") in dec.args
         assert pre.spec.params["varlen"] and not dec.spec.params["varlen"]
     assert seen == {f for f, *_ in _hybrid_cases()}
@@ -93,7 +94,7 @@ def test_builders_check_their_inputs():
     with pytest.raises(ConfigError, match="causal_conv1d"):
         lk.conv1d_kernel(96, 1, 96, 96, False)
     k = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True)
-    assert k.spec.params["ksplit"] == 4 and k.block == (512, 1, 1) and k.grid(3) == (3, 32, 1)
+    assert k.spec.params["ksplit"] == 8 and k.block == (256, 1, 1) and k.grid(3) == (3, 32, 4)
     assert lk.delta_rule_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, False).spec.params["ksplit"] == 16
     c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)
     assert c.grid(5) == (64, 5, 1) and [n for n, _ in c.args][-6:] == [

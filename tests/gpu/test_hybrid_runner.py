@@ -1,5 +1,6 @@
-"""Tiny random hybrids (Qwen3.5 dense, Qwen3.5-MoE, Qwen3-Next; bf16 safetensors) on CudaRunner vs
-the numpy reference (skipped without a GPU).
+"""Tiny random hybrids (Qwen3.5 dense, Qwen3.5-MoE, Qwen3-Next as bf16 safetensors; Qwen3.5 and
+Qwen3.5-MoE as q4_k_m GGUF with random blocks) on CudaRunner vs the numpy reference (skipped
+without a GPU).
 
 Checks: prefill + 16 greedy decode steps give the reference's tokens (where its top two are not a
 near tie) with logits close; batched output (one varlen prefill pass, decode buckets) equal to each
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf
+from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf, write_random_hybrid_gguf
 
 from engine.types import SamplingParams, StepItem
 
@@ -28,26 +29,38 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+# the q4_k_m files: random k-quant blocks (fixtures.hybrid.write_random_hybrid_gguf), widths that
+# are whole 256-value blocks
+GGUF_DIMS = dict(DIMS, hidden_size=256, intermediate_size=512, head_dim=64, linear_value_head_dim=64, vocab_size=512)
+GGUF_MOE = dict(MOE, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+CASES = [("qwen3_5", "bf16"), ("qwen3_5_moe", "bf16"), ("qwen3_next", "bf16"), ("qwen3_5", "q4_k_m"),
+         ("qwen3_5_moe", "q4_k_m")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{q}" for f, q in CASES])
 def hybrid(request, tmp_path_factory):
     from engine.model import load_model
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
 
-    d = tmp_path_factory.mktemp(request.param)
-    if request.param == "qwen3_5":
+    fam, quant = request.param
+    d = tmp_path_factory.mktemp(f"{fam}_{quant}")
+    if quant == "q4_k_m":
+        moe = GGUF_MOE if fam == "qwen3_5_moe" else None
+        path = write_random_hybrid_gguf(d / "m.gguf", quant=quant, moe=moe, seed=7, **GGUF_DIMS)
+    elif fam == "qwen3_5":
         path = write_qwen3_5_hf(d / "m", seed=7, bf16=True, **DIMS)
     else:
-        path = write_hybrid_moe_hf(d / "m", family=request.param, seed=7, **DIMS, **MOE)
+        path = write_hybrid_moe_hf(d / "m", family=fam, seed=7, **DIMS, **MOE)
     model = load_model(path)
-    assert model.graph.family == request.param
+    assert (model.graph.family, model.quant.name) == (fam, quant)
     runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=SLOTS)
-    yield request.param, runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
+    yield fam, runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
     runner.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, DIMS["vocab_size"], n)]
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 384, n)]
 
 
 def test_plan_runs_the_hybrid_kernels(hybrid):
