@@ -35,6 +35,11 @@ KERNELS = {
     "sigmoid_mul": "out = x * sigmoid(gate)",
     "unpack_qkvz_ba": "Qwen3-Next's per-k-head fused qkvz / ba projections into qkv, z, b, a",
 }
+# gated_delta_rule threads per block: decode spreads each 32-column slice's k rows over 8 warps (16
+# state rows per thread: many loads in flight for a step that reads and writes the state once);
+# prefill keeps a slice in one warp (a whole column per thread: no block barrier in the token loop)
+DELTA_DECODE_THREADS = 256
+DELTA_PREFILL_THREADS = 32
 STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("state_snap", "ptr"), ("seq_starts", "ptr"))
 
 
@@ -81,7 +86,7 @@ def delta_rule_kernel(
     out_stride: int,
     v_tiled: bool,
     varlen: bool,
-    max_threads: int = 256,
+    max_threads: int = DELTA_DECODE_THREADS,
 ) -> HybridKernel:
     """gated_delta_rule: one block per (sequence, v head, slice of ``v_block`` state columns) with
     v_block * ksplit threads, thread (j, s) holding column j's rows s * k_dim/ksplit .. in

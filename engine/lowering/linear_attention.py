@@ -83,8 +83,9 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
         )
     name = f"L{layer}.gated_delta_rule"
     ctx.need_state(StatePlan(name, int(layer), 4 * vh * kd * vd))
+    threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS
     k = lk.delta_rule_kernel(
-        kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, bool(ctx.dims.get("v_heads_tiled")), mode == PREFILL
+        kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, bool(ctx.dims.get("v_heads_tiled")), mode == PREFILL, threads
     )
     rows = _rows(mode)
     named = {

@@ -78,15 +78,17 @@ def test_causal_conv1d(kernels, varlen, lens):
 
 
 @pytest.mark.parametrize(
-    "varlen,lens,kh,vh,kd,vd,tiled",
+    "varlen,lens,kh,vh,kd,vd,tiled,threads",
     [
-        (False, [1] * 4, 2, 4, 32, 32, False),
-        (False, [1] * 2, 16, 32, 128, 128, False),  # Qwen3.5-4B's heads
-        (True, [9, 1, 33], 2, 4, 32, 32, True),
-        (True, [40, 3], 2, 4, 16, 16, False),
+        (False, [1] * 4, 2, 4, 32, 32, False, 256),
+        (False, [1] * 2, 16, 32, 128, 128, False, 256),  # Qwen3.5-4B's heads, the decode kernel
+        (True, [9, 1, 33], 2, 4, 32, 32, True, 32),
+        (True, [9, 1, 33], 2, 4, 32, 32, True, 256),
+        (True, [40, 3], 2, 4, 16, 16, False, 32),
+        (True, [70, 5], 16, 32, 128, 128, False, 32),  # the prefill kernel at Qwen3.5-4B's heads
     ],
 )
-def test_gated_delta_rule(kernels, varlen, lens, kh, vh, kd, vd, tiled):
+def test_gated_delta_rule(kernels, varlen, lens, kh, vh, kd, vd, tiled, threads):
     rng = np.random.default_rng()
     rows = len(lens)
     starts, total = _seqs(lens)
@@ -100,7 +102,7 @@ def test_gated_delta_rule(kernels, varlen, lens, kh, vh, kd, vd, tiled):
     state0 = (rng.standard_normal((SLOTS, vh, kd, vd)) * 0.1).astype(np.float32)
     ins, outs = _state_io(rng, rows)
     snap = _snaps(rng, total, outs, ins)
-    k_ = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, varlen)
+    k_ = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, varlen, threads)
     dout, dstate = poisoned((total, vh * vd)), upload(state0, "f32")
     kernels.launch(k_, rows, out=dout, qkv=upload(qkv, "bf16"), b=upload(b, "bf16"), a=upload(a, "bf16"),
                    A=upload(A, "f32"), dt_bias=upload(dt, "f32"), state=dstate, state_in=upload(ins, "i32"),
