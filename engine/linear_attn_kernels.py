@@ -59,18 +59,26 @@ def _threads_ok(t: int) -> bool:
     return t in (32, 64, 128, 256, 512, 1024)
 
 
-def conv1d_kernel(channels: int, kernel: int, x_stride: int, out_stride: int, varlen: bool, threads: int = 128) -> HybridKernel:
-    """causal_conv1d over ``channels`` channels, ``kernel`` taps (state: kernel - 1 inputs)."""
+def conv1d_kernel(
+    channels: int, kernel: int, x_stride: int, out_stride: int, varlen: bool, threads: int = 128, chunks: int = 0
+) -> HybridKernel:
+    """causal_conv1d over ``channels`` channels, ``kernel`` taps (state: kernel - 1 inputs);
+    ``threads`` per block, split into ``chunks`` token chunks of cpb = threads / chunks channels
+    (0: 8 chunks in prefill, where one sequence's tokens are many, 1 in decode)."""
+    chunks = chunks or (8 if varlen else 1)
     if not 2 <= kernel <= 8 or channels < 1 or x_stride < channels or out_stride < channels or not _threads_ok(threads):
         raise ConfigError(f"causal_conv1d: bad shape channels={channels} kernel={kernel} strides={x_stride},{out_stride} threads={threads}")
+    if threads % chunks or (chunks > 1 and not varlen):
+        raise ConfigError(f"causal_conv1d: {threads} threads do not split into {chunks} token chunks (varlen only)")
+    cpb = threads // chunks
     params = {"channels": channels, "kernel": kernel, "x_stride": x_stride, "out_stride": out_stride,
-              "varlen": bool(varlen), "threads": threads}
-    name = entry_name("causal_conv1d", c=channels, k=kernel, xs=x_stride, os=out_stride, vl=int(varlen), t=threads)
+              "varlen": bool(varlen), "cpb": cpb, "chunks": chunks, "unroll": 8 if varlen else 1}
+    name = entry_name("causal_conv1d", c=channels, k=kernel, xs=x_stride, os=out_stride, vl=int(varlen), cpb=cpb, ch=chunks)
     args = (("out", "ptr"), ("x", "ptr"), ("w", "ptr"), *STATE_ARGS, ("rows", "i32"))
     return HybridKernel(
         KernelSpec("causal_conv1d", name, params, pdl=True),
         args,
-        lambda rows, **_: (-(-channels // threads), rows, 1),
+        lambda rows, **_: (-(-channels // cpb), rows, 1),
         (threads, 1, 1),
     )
 

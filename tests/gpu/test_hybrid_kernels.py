@@ -44,8 +44,10 @@ def _snaps(rng, total, outs, ins):
     return snap
 
 
-@pytest.mark.parametrize("varlen,lens", [(False, [1] * 5), (True, [7, 1, 20])])
-def test_causal_conv1d(kernels, varlen, lens):
+@pytest.mark.parametrize(
+    "varlen,lens,chunks", [(False, [1] * 5, 1), (True, [7, 1, 20], 8), (True, [37, 200, 2], 4), (True, [5, 9], 1)]
+)
+def test_causal_conv1d(kernels, varlen, lens, chunks):
     rng = np.random.default_rng()
     c, k, xs = 96, 4, 128
     rows = len(lens)
@@ -55,7 +57,7 @@ def test_causal_conv1d(kernels, varlen, lens):
     state0 = rng.standard_normal((SLOTS, c, k - 1)).astype(np.float32)
     ins, outs = _state_io(rng, rows)
     snap = _snaps(rng, total, outs, ins)
-    kc_ = lk.conv1d_kernel(c, k, xs, xs, varlen, threads=64)
+    kc_ = lk.conv1d_kernel(c, k, xs, xs, varlen, threads=64, chunks=chunks)
     dx, dstate = upload(x, "bf16"), upload(state0, "f32")
     kernels.launch(kc_, rows, out=dx, x=dx, w=upload(w, "f32"), state=dstate, state_in=upload(ins, "i32"),
                    state_out=upload(outs, "i32"), state_snap=upload(snap, "i32"), seq_starts=upload(starts, "i32"),
