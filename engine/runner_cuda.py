@@ -428,10 +428,11 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
             bound = self._bind_pass(
                 _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short
             )
-            if io:
-                self._upload_inputs(bucket, kind)
-            self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
-            self.stream.synchronize()
+            with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
+                if io or self.num_state_slots:
+                    self._upload_inputs(bucket, kind)
+                self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
+                self.stream.synchronize()
             with cuda.capture(self.stream) as graph:
                 if io:
                     self._upload_inputs(bucket, kind)

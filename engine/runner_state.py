@@ -14,7 +14,8 @@ cuda-python.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,27 @@ class StateSlots:
                 if snap[n - lo - 1] != -1:
                     raise MemraError(f"seq {it.seq_id}: two state snapshots after token {n}", code="internal_error")
                 snap[n - lo - 1] = dst
+
+    @contextmanager
+    def _states_parked(self, rows: int, kind: str) -> Iterator[None]:
+        """Inside: the first ``rows`` rows' state inputs point at zeros and the sink (a graph's warm
+        run, which must not advance any sequence's state); after: the step's own inputs are back
+        in the pinned buffer and on the device."""
+        if not self.num_state_slots:
+            yield
+            return
+        v = self._views
+        saved = {n: v[n][:rows].copy() for n in ("state_in", "state_out", "state_snap")}
+        v["state_in"][:rows] = -1
+        v["state_out"][:rows] = self._state_sink
+        v["state_snap"][:rows] = -1
+        try:
+            yield
+        finally:
+            self.stream.synchronize()  # (the parked inputs' upload has been read)
+            for n, arr in saved.items():
+                v[n][:rows] = arr
+            self._upload_inputs(rows, kind)
 
     def _free_states(self) -> None:
         for buf in self._state_bufs.values():

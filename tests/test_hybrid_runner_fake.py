@@ -98,3 +98,22 @@ def test_bad_slots_are_internal_errors(fake):
     with pytest.raises(MemraError, match="out of range"):
         runner.step([StepItem(0, [5, 6], 0, [0], True, GREEDY, state_slot=6)])
     assert np.all(np.asarray(runner._views["state_out"]) >= -1)
+
+
+def test_a_graphs_warm_run_leaves_every_state_alone(fake):
+    """The first step of a decode bucket runs its launches once outside the capture: with the state
+    inputs parked (zeros in, the sink out, no snapshot), then the step's own inputs restored."""
+    runner, drv = fake
+    v = runner._views
+    seen = []
+    orig = runner._run
+
+    def spy(bound):
+        seen.append((list(v["state_in"][:2]), list(v["state_out"][:2]), list(v["state_snap"][:2])))
+        orig(bound)
+
+    runner._run = spy
+    runner.step([StepItem(0, [5], 4, [0], True, GREEDY, state_slot=3, state_snapshots=((1, 4),))])
+    assert [x[:1] for x in seen[0]] == [[-1], [6], [-1]]  # the warm run: parked
+    assert (v["state_in"][0], v["state_out"][0], v["state_snap"][0]) == (3, 3, 4)  # restored for the replay
+    assert drv.graph_launches == 1
