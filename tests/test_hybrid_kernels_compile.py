@@ -1,5 +1,6 @@
 """The hybrid families on the CUDA lowering without a GPU: every hybrid family's size plans for every
-device profile and storage combo (one full-attention period of layers), its hybrid kernels render,
+device profile (bf16, q4_k_m; every storage combo on the h100 profile; one full-attention period of
+layers), its hybrid kernels render,
 open with pdl_wait() and NVRTC-compile for every profile arch; the plan's steps, state and launch
 geometry; the builders' checks."""
 
@@ -41,8 +42,8 @@ def _plans():
         full = dims_for_size(fam, size)
         full["layers"], full["layer_types"] = layers, full["layer_types"][:layers]
         for prof in all_profiles().values():
-            for combo in COMBOS:
-                if combo in graph.quants:
+            for combo in graph.quants:  # every combo on one profile, bf16 and q4_k_m on every profile
+                if combo in COMBOS or prof.name == "h100":
                     yield fam, size, prof, combo, build_plan(graph, full, graph.quant(combo), prof)
 
 

@@ -1,5 +1,5 @@
 """Tiny random hybrids (Qwen3.5 dense, Qwen3.5-MoE, Qwen3-Next as bf16 safetensors; Qwen3.5 and
-Qwen3.5-MoE as q4_k_m GGUF with random blocks) on CudaRunner vs the numpy reference (skipped
+Qwen3.5-MoE as q4_k_m GGUF with random blocks, Qwen3.5 as q8_0) on CudaRunner vs the numpy reference (skipped
 without a GPU).
 
 Checks: prefill + 16 greedy decode steps give the reference's tokens (where its top two are not a
@@ -34,7 +34,7 @@ def _rel(a, b):
 GGUF_DIMS = dict(DIMS, hidden_size=256, intermediate_size=512, head_dim=64, linear_value_head_dim=64, vocab_size=512)
 GGUF_MOE = dict(MOE, moe_intermediate_size=256, shared_expert_intermediate_size=256)
 CASES = [("qwen3_5", "bf16"), ("qwen3_5_moe", "bf16"), ("qwen3_next", "bf16"), ("qwen3_5", "q4_k_m"),
-         ("qwen3_5_moe", "q4_k_m")]
+         ("qwen3_5_moe", "q4_k_m"), ("qwen3_5", "q8_0")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{q}" for f, q in CASES])
@@ -45,7 +45,7 @@ def hybrid(request, tmp_path_factory):
 
     fam, quant = request.param
     d = tmp_path_factory.mktemp(f"{fam}_{quant}")
-    if quant == "q4_k_m":
+    if quant != "bf16":
         moe = GGUF_MOE if fam == "qwen3_5_moe" else None
         path = write_random_hybrid_gguf(d / "m.gguf", quant=quant, moe=moe, seed=7, **GGUF_DIMS)
     elif fam == "qwen3_5":
