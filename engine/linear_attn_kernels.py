@@ -37,9 +37,10 @@ KERNELS = {
 }
 # gated_delta_rule threads per block: decode spreads each 32-column slice's k rows over 8 warps (16
 # state rows per thread: many loads in flight for a step that reads and writes the state once);
-# prefill keeps a slice in one warp (a whole column per thread: no block barrier in the token loop)
+# prefill over 4 warps (32 rows per thread): a token's work is issued by the SM's four schedulers
+# instead of one warp's, at the cost of the barriers of the two k reductions per token
 DELTA_DECODE_THREADS = 256
-DELTA_PREFILL_THREADS = 32
+DELTA_PREFILL_THREADS = 128
 STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("state_snap", "ptr"), ("seq_starts", "ptr"))
 
 

@@ -87,7 +87,8 @@ def test_causal_conv1d(kernels, varlen, lens, chunks):
         (True, [9, 1, 33], 2, 4, 32, 32, True, 32),
         (True, [9, 1, 33], 2, 4, 32, 32, True, 256),
         (True, [40, 3], 2, 4, 16, 16, False, 32),
-        (True, [70, 5], 16, 32, 128, 128, False, 32),  # the prefill kernel at Qwen3.5-4B's heads
+        (True, [70, 5], 16, 32, 128, 128, False, 32),  # one warp per slice
+        (True, [70, 5], 16, 32, 128, 128, True, 128),  # the prefill kernel at Qwen3.5-4B's heads
     ],
 )
 def test_gated_delta_rule(kernels, varlen, lens, kh, vh, kd, vd, tiled, threads):
