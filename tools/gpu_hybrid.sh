@@ -8,15 +8,17 @@
 #        0 and 4096 with the bytes-read roofline (weights + KV of the attention layers + the recurrent
 #        state, read and written), prefill 512 / 4096
 # moe:   the same on the Qwen3.6-35B-A3B shape (256 experts, 8 routed + the shared one)
-# ttft:  memra serve on the 4B GGUF, then warm-prefix TTFT at 1k and 16k words (tools/warm_prefix.py:
+# ttft:  memra serve on the 4B shape as bf16 safetensors (its word-level tokenizer: one token per word),
+#        then warm-prefix TTFT at 1k and 16k words (tools/warm_prefix.py:
 #        one cold send, then the same prompt again; the repeat restores the state snapshot of its
 #        deepest cached block and prefills the rest)
 # Results under $OUT/hybrid/; the checkpoints stay in /dev/shm between calls on a warm machine.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/hybrid"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
-ck() {  # write a checkpoint once per machine
-  [ -e "$2" ] || python3 tools/make_checkpoint.py --shape "$1" --gguf q4_k_m --out "$2" >> "$R/checkpoints.log" 2>&1
+ck() {  # write a checkpoint once per machine (a q4_k_m GGUF for a .gguf path, else bf16 safetensors)
+  case $2 in *.gguf) q="--gguf q4_k_m" ;; *) q="" ;; esac
+  [ -e "$2" ] || python3 tools/make_checkpoint.py --shape "$1" $q --out "$2" >> "$R/checkpoints.log" 2>&1
 }
 for stage in ${STAGES:-tests}; do
   case $stage in
@@ -38,8 +40,8 @@ for stage in ${STAGES:-tests}; do
     tail -n 25 "$R/bench_35b.txt"
     ;;
   ttft)
-    ck qwen3.5-4b /dev/shm/q35_4b.gguf
-    python3 -m engine.cli serve /dev/shm/q35_4b.gguf --backend cuda --port 8124 > "$R/serve.log" 2>&1 &
+    ck qwen3.5-4b /dev/shm/q35_4b
+    python3 -m engine.cli serve /dev/shm/q35_4b --backend cuda --port 8124 > "$R/serve.log" 2>&1 &
     pid=$!
     for i in $(seq 1 4800); do curl -sf localhost:8124/ready >/dev/null && break; sleep 0.05; done
     timeout 300 python3 tools/warm_prefix.py --url http://127.0.0.1:8124 --words 1000,16000 --repeats 3 \
