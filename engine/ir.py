@@ -101,7 +101,8 @@ class Arg:
     """A symbolic kernel argument the runner resolves to a pointer or number.
 
     kind: ``value`` (pointer to value ``ref`` row 0; ``row="last"`` -> row n-1), ``weight``,
-    ``kv`` (``ref`` = "k"|"v", ``layer``), ``input`` (a per-step static input buffer: tokens,
+    ``kv`` (``ref`` = "k"|"v", ``layer``), ``state`` (the slot-0 address of ``StatePlan`` ``ref``),
+    ``input`` (a per-step static input buffer: tokens,
     positions, slots, block_tables, temperature, top_p, top_k, min_p, seeds, counters, out_ids),
     ``scratch`` (a ``ScratchPlan`` buffer), ``shape`` (``ref`` = n, nseq, max_blocks, block_size,
     max_ctx, or ``splits:<split>`` = ceil(max_ctx / split)), ``const``, ``tmap`` (a device pointer
@@ -131,6 +132,17 @@ class ScratchPlan:
 
     def nbytes(self, max_model_len: int) -> int:
         return self.fixed + self.per_split * -(-max_model_len // self.split)
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The recurrent state of one stateful op at one layer (a hybrid's conv window, its delta-rule
+    matrix): ``slot_bytes`` f32 bytes per state slot; the runner allocates one array of
+    [state slots + 1 sink, slot_bytes] (the sink takes the padding rows' writes)."""
+
+    name: str  # "L3.causal_conv1d"
+    layer: int
+    slot_bytes: int
 
 
 # a grid dimension: an int, an expression over the shape names (n, nseq, max_ctx ...), or a callable
@@ -201,6 +213,7 @@ class Plan:
     block_size: int
     graph_batch_sizes: tuple[int, ...]
     wide_rows: int = 0  # decode buckets of at least this many rows use the WIDE launches (0: none)
+    states: tuple[StatePlan, ...] = ()  # per-slot recurrent state of the stateful ops (hybrids)
 
     def weight(self, key: str) -> WeightPlan:
         for w in self.weights:
@@ -278,6 +291,8 @@ def describe(plan: Plan) -> str:
         for mode in MODES + ((WIDE,) if plan.wide_rows else ()):
             names = ",".join(launch.spec.entry for launch in s.launches.get(mode, ()))
             lines.append(f"step {where} {s.op.op} {mode}: {names}")
+    for st in plan.states:
+        lines.append(f"state {st.name} {st.slot_bytes} B/slot")
     for kind, launches in plan.sampling.items():
         lines.append(f"sampling {kind}: {','.join(launch.spec.entry for launch in launches)}")
     return "\n".join(lines)

@@ -55,7 +55,7 @@ RAW_UNIT_QUANTS = ("q4_k", "q5_k")  # _quant.cuh.j2 splits their decode into loa
 GEMM_DEFAULTS = {"tile_m": 64, "tile_n": 128, "tile_k": 64, "stages": 3, "warps": 8, "warps_m": 2, "qprefetch": True}
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
-MAX_EXPERTS = 256  # moe_topk keeps E / 32 logits per lane in registers
+MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-Next: 512)
 MAX_GRID_Y = 65535
 
 
@@ -73,7 +73,7 @@ class MoeKernel:
 def topk_kernel(experts: int, top_k: int, normalize: bool, warps: int = 4) -> MoeKernel:
     """moe_topk for ``experts`` router logits per token, ``top_k`` chosen, renormalised when
     ``normalize``; one warp per token, ``warps`` tokens per block. Raises ConfigError when
-    ``experts`` > 256 or ``top_k`` is outside 1..min(32, experts)."""
+    ``experts`` > 512 or ``top_k`` is outside 1..min(32, experts)."""
     if not 0 < experts <= MAX_EXPERTS:
         raise ConfigError(f"moe_topk: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
     if not 0 < top_k <= min(32, experts):

@@ -255,6 +255,7 @@ def build_plan(
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
         wide_rows=wide_rows,
+        states=tuple(lowerer.states.values()),
     )
 
 

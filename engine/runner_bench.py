@@ -71,8 +71,17 @@ def streamed_weight_bytes(plan: Any, batch: int = 1) -> int:
 
 
 def kv_bytes_read(plan: Any, batch: int, depth: int) -> int:
+    """KV bytes one decode step reads (the attention layers only: a hybrid's linear-attention layers
+    keep none), plus a hybrid's recurrent state, read and written once per row (f32)."""
     d = plan.dims
-    return batch * (depth + 1) * d["layers"] * 2 * d["kv_dim"] * 2
+    attn = sum(1 for st in plan.steps if st.op.op == "attention")
+    states = sum(sp.slot_bytes for sp in getattr(plan, "states", ()))
+    return batch * ((depth + 1) * attn * 2 * d["kv_dim"] * 2 + 2 * states)
+
+
+def _slot(runner: Any, b: int) -> int | None:
+    """Row b's recurrent-state slot on a hybrid runner (None otherwise)."""
+    return b if getattr(runner, "num_state_slots", 0) else None
 
 
 def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
@@ -122,6 +131,7 @@ def bench_decode(
                 block_table=tables[b],
                 sample=True,
                 sampling=GREEDY,
+                state_slot=_slot(runner, b),
             )
             for b in range(batch)
         ]
@@ -158,7 +168,8 @@ def bench_decode(
 def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
     table = _blocks_for(runner, 1, tokens)[0]
     ids = [(i * 31) % 1000 + 1 for i in range(tokens)]
-    item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY)
+    item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY,
+                    state_slot=_slot(runner, 0))
     runner.step([item])
     times = []
     for _ in range(repeats):

@@ -26,6 +26,7 @@ from engine.compile import KernelBuilder
 from engine.ir import PENALTY_CAPACITY, Launch, Plan, kernel_specs
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
+from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.runner_weights import WeightLoading
 from engine.types import ConfigError, MemraError, StepItem
@@ -52,6 +53,7 @@ _ROW_INPUTS = (
     ("frequency", np.float32, "row"),
     ("repetition", np.float32, "row"),
     ("out_ids", np.int32, "row"),
+    *state_inputs(),
 )
 
 
@@ -67,12 +69,13 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic, WeightLoading):
+class CudaRunner(StepLogic, WeightLoading, StateSlots):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
     model's, limited by the KV cache); ``num_blocks`` fixes the KV block count (tests) instead of
-    sizing it from free memory; ``use_graphs=False`` runs decode eagerly (the bit-exact check).
+    sizing it from free memory; ``use_graphs=False`` runs decode eagerly (the bit-exact check);
+    ``state_slots`` fixes a hybrid model's recurrent-state slots (engine.runner_state).
     """
 
     backend = "cuda"
@@ -86,6 +89,7 @@ class CudaRunner(StepLogic, WeightLoading):
         num_blocks: int | None = None,
         use_graphs: bool = True,
         builder: KernelBuilder | None = None,
+        state_slots: int | None = None,
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
@@ -126,6 +130,7 @@ class CudaRunner(StepLogic, WeightLoading):
         model.weights.close()
         t3 = time.perf_counter()
         self._alloc_arena()
+        self._alloc_states(cuda, state_slots)
         self._alloc_kv(max_model_len, num_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
@@ -224,7 +229,10 @@ class CudaRunner(StepLogic, WeightLoading):
     def _alloc_kv(self, max_model_len: int | None, kv_blocks: int | None) -> None:
         d = self.plan.dims
         per_block_layer = self.block_size * d["kv_heads"] * d["head_dim"] * 2  # bf16
-        per_block = per_block_layer * 2 * d["layers"]
+        # the layers with attention (a hybrid's linear-attention layers keep no KV)
+        kv_layers = sorted({a.layer for st in self.plan.steps for ls in st.launches.values() for la in ls for a in la.args if a.kind == "kv"})
+        self._kv_index = {layer: i for i, layer in enumerate(kv_layers)}
+        per_block = per_block_layer * 2 * max(1, len(kv_layers))
         if kv_blocks is None:
             free, _ = self.ctx.mem_info()
             kv_blocks = int(free * self.profile.kv_memory_fraction) // per_block
@@ -232,7 +240,7 @@ class CudaRunner(StepLogic, WeightLoading):
         if kv_blocks < 1:
             raise MemraError("not enough free GPU memory for one KV cache block", code="out_of_memory")
         self._kv_layer_bytes = total_blocks * per_block_layer
-        self.kv = cuda.alloc(self._kv_layer_bytes * 2 * d["layers"])
+        self.kv = cuda.alloc(self._kv_layer_bytes * 2 * max(1, len(kv_layers)))
         cuda.memset(self.kv.ptr, 0, self.kv.nbytes)
         self.num_blocks = int(kv_blocks)
         self._sink_block = self.num_blocks  # hidden from the scheduler
@@ -420,10 +428,11 @@ class CudaRunner(StepLogic, WeightLoading):
             bound = self._bind_pass(
                 _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short
             )
-            if io:
-                self._upload_inputs(bucket, kind)
-            self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
-            self.stream.synchronize()
+            with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
+                if io or self.num_state_slots:
+                    self._upload_inputs(bucket, kind)
+                self._run(bound)  # warm run outside capture (lazy module loading, smem attributes)
+                self.stream.synchronize()
             with cuda.capture(self.stream) as graph:
                 if io:
                     self._upload_inputs(bucket, kind)
@@ -458,6 +467,7 @@ class CudaRunner(StepLogic, WeightLoading):
             k = min(len(bt), ld)
             tables[s, :k] = bt[:k]
             self._table_len[s] = k
+            self._fill_state_prefill(s, it, lo, hi, row)
             if hi == len(it.token_ids) and it.sample:
                 heads.append((idx, it, row + m - 1))
             row += m
@@ -539,6 +549,7 @@ class CudaRunner(StepLogic, WeightLoading):
         self._tmap_pools.clear()
         self._tmaps.clear()
         self._in_host.free()
+        self._free_states()
         for mod in self._modules:
             mod.unload()
         self._modules.clear()

@@ -65,7 +65,7 @@ class StepLogic:
         if arg.kind == "weight":
             return self._weights[arg.ref].ptr
         if arg.kind == "kv":
-            idx = 2 * arg.layer + (0 if arg.ref == "k" else 1)
+            idx = 2 * self._kv_index[arg.layer] + (0 if arg.ref == "k" else 1)
             return self.kv.ptr + idx * self._kv_layer_bytes
         if arg.kind == "input":
             return self._in_dev.ptr + self._in_off[arg.ref]
@@ -73,6 +73,8 @@ class StepLogic:
             if arg.ref.startswith("splits:"):
                 return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
             return shape[arg.ref]
+        if arg.kind == "state":
+            return self._state_ptr(arg.ref)
         if arg.kind == "scratch":
             return self._scratch[arg.ref].ptr
         if arg.kind == "const":
@@ -285,6 +287,7 @@ class StepLogic:
                 tables[r, : lens[r]] = sink
                 lens[r] = 0
             self._clear_sampling(r)
+        self._fill_state_decode(items, bucket)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context

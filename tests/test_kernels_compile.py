@@ -132,10 +132,11 @@ def _variant_archs() -> list[str]:
 
 
 def test_every_template_is_in_the_catalog():
-    from engine import moe_kernels, paths
+    from engine import linear_attn_kernels, moe_kernels, paths
 
     templates = {p.name[: -len(".cu.j2")] for p in paths.kernels_dir().glob("*.cu.j2")}
-    assert templates == set(kc.KERNELS) | set(moe_kernels.KERNELS)  # (MoE: tests/test_moe_kernels_compile.py)
+    # (MoE: tests/test_moe_kernels_compile.py; hybrids: tests/test_hybrid_kernels_compile.py)
+    assert templates == set(kc.KERNELS) | set(moe_kernels.KERNELS) | set(linear_attn_kernels.KERNELS)
 
 
 def test_all_specs_render_and_cover_every_template():

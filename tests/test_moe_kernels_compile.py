@@ -63,8 +63,8 @@ def test_every_moe_kernel_renders_and_waits_first():
 
 
 def test_builders_check_their_inputs():
-    with pytest.raises(ConfigError, match="1..256"):
-        topk_kernel(300, 8, True)
+    with pytest.raises(ConfigError, match="1..512"):
+        topk_kernel(600, 8, True)
     with pytest.raises(ConfigError, match="top_k 9"):
         topk_kernel(8, 9, True)
     with pytest.raises(ConfigError, match="not a whole number of 256"):

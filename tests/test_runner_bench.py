@@ -23,6 +23,7 @@ class _StubRunner:
         self.plan = SimpleNamespace(
             weights=[w("embed", 1000, 64, 128_000), w("wq", 64, 64, 8192, 0), w("head", 1000, 64, 128_000)],
             dims={"tie_embeddings": tied, "layers": 2, "kv_dim": 16},
+            steps=[SimpleNamespace(op=SimpleNamespace(op="attention"))] * 2,  # (KV bytes: attention layers)
         )
         self.profile = SimpleNamespace(memory_bandwidth_gbs=100.0, tensor_tflops_bf16=1.0)
         self.block_size, self.num_blocks, self.max_model_len = 16, 64, 256
@@ -44,6 +45,10 @@ def test_decode_bytes_count_an_untied_embedding_as_one_row():
     assert runner_bench.streamed_weight_bytes(r.plan) == 128_000 + 8192 + 128_000
     # KV: batch x (depth + 1) tokens x layers x (k and v) x kv_dim x 2 bytes
     assert runner_bench.kv_bytes_read(r.plan, 4, 9) == 4 * 10 * 2 * 2 * 16 * 2
+    # a hybrid: KV of its attention layers only, plus its recurrent state read and written per row
+    r.plan.steps = r.plan.steps[:1] + [SimpleNamespace(op=SimpleNamespace(op="gated_delta_rule"))]
+    r.plan.states = [SimpleNamespace(slot_bytes=1000), SimpleNamespace(slot_bytes=24)]
+    assert runner_bench.kv_bytes_read(r.plan, 4, 9) == 4 * (10 * 1 * 2 * 16 * 2 + 2 * 1024)
 
 
 def test_roofline_fractions_against_the_profile_and_the_measured_copy():

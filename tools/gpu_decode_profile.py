@@ -100,11 +100,12 @@ def breakdown(cuda, runner, bound: list, labels: list[str]) -> list[dict]:
 def probe_logits(runner) -> np.ndarray:
     table = list(range(4))
     ids = [(7 * i) % 500 + 3 for i in range(16)]
+    slot = 0 if getattr(runner, "num_state_slots", 0) else None  # a hybrid's recurrent-state slot
     runner.step(
-        [StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY)]
+        [StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY, state_slot=slot)]
     )
     runner.step(
-        [StepItem(seq_id=0, token_ids=[11], start_pos=16, block_table=table, sample=True, sampling=GREEDY)]
+        [StepItem(seq_id=0, token_ids=[11], start_pos=16, block_table=table, sample=True, sampling=GREEDY, state_slot=slot)]
     )
     return runner.read_logits(1)[0]
 

@@ -3,6 +3,8 @@
 Usage: python tools/make_checkpoint.py --shape qwen3-0.6b --out DIR [--dtype bf16] [--seed 0] [--layers N]
        python tools/make_checkpoint.py --shape qwen3-4b --gguf q4_k_m --out FILE.gguf   (random blocks)
        python tools/make_checkpoint.py --shape qwen3.5-4b --out DIR   (the Qwen3.5 hybrid, safetensors)
+       python tools/make_checkpoint.py --shape qwen3.5-4b --gguf q4_k_m --out FILE.gguf   (hybrid, random blocks)
+       python tools/make_checkpoint.py --shape qwen3.6-35b-a3b --gguf q4_k_m --out FILE.gguf (MoE hybrid: 256 experts)
        python tools/make_checkpoint.py --shape qwen3-30b-a3b --gguf q4_k_m --out FILE.gguf (MoE: 128 experts)
 
 Same writer as the test fixtures (tests/fixtures/checkpoints.py): linear/embedding ~ N(0, 0.02),
@@ -45,7 +47,8 @@ SHAPES: dict[str, tuple[str, Dims]] = {
     ),
 }
 # hybrid (Gated DeltaNet + gated attention) shapes: Qwen3_5ForCausalLM config overrides
-# (tests/fixtures/hybrid.py writes them; safetensors only for now)
+# (tests/fixtures/hybrid.py writes them: safetensors for the dense one, random-block GGUF for both;
+# the MoE shape also carries its expert keys, fixtures.hybrid.MOE's names)
 HYBRID_SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3.5-4b": (
         "qwen3_5",
@@ -57,7 +60,19 @@ HYBRID_SHAPES: dict[str, tuple[str, dict]] = {
             rope_theta=10000000.0, partial_rotary_factor=0.25, tie_word_embeddings=True,
         ),
     ),
+    "qwen3.6-35b-a3b": (
+        "qwen3_5_moe",
+        dict(
+            vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+            linear_num_value_heads=32, max_position_embeddings=262144, full_attention_interval=4,
+            rope_theta=10000000.0, partial_rotary_factor=0.25, tie_word_embeddings=False,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        ),
+    ),
 }
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def write_hybrid(name: str, out: Path, seed: int, layers: int, tokenizer: str) -> None:
@@ -81,6 +96,20 @@ def write_hybrid(name: str, out: Path, seed: int, layers: int, tokenizer: str) -
     print(f"{name}: {n / 1e9:.3f} B params, {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {out}")
 
 
+def write_hybrid_gguf(name: str, out: Path, quant: str, seed: int, layers: int, tokenizer: str) -> None:
+    """A full-size random-block hybrid GGUF (qwen35, or qwen35moe for a shape with experts)."""
+    from fixtures.hybrid import write_random_hybrid_gguf
+
+    over = dict(HYBRID_SHAPES[name][1])
+    moe = {k: over.pop(k) for k in MOE_KEYS if k in over} or None
+    if layers:
+        over["num_hidden_layers"] = layers
+    t0 = time.perf_counter()
+    write_random_hybrid_gguf(out, quant=quant, seed=seed, moe=moe, words=tokenizer == "words", **over)
+    size = out.stat().st_size
+    print(f"{name} {quant}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s -> {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES) + sorted(HYBRID_SHAPES))
@@ -93,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.shape in HYBRID_SHAPES:
         if args.gguf:
-            ap.error(f"--gguf: no random GGUF writer for the hybrid shape {args.shape} yet")
-        write_hybrid(args.shape, args.out, args.seed, args.layers, args.tokenizer)
+            write_hybrid_gguf(args.shape, args.out, args.gguf, args.seed, args.layers, args.tokenizer)
+        elif HYBRID_SHAPES[args.shape][0] != "qwen3_5":
+            ap.error(f"--shape {args.shape}: a MoE hybrid is written as GGUF only (add --gguf q4_k_m)")
+        else:
+            write_hybrid(args.shape, args.out, args.seed, args.layers, args.tokenizer)
         return 0
     family, dims = SHAPES[args.shape]
     if args.layers:

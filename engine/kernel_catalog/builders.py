@@ -301,9 +301,17 @@ def attention_prefill_params(
         q_stride=q_stride,
         out_stride=out_stride,
         block_q=a["block_q"],
-        block_kv=a["block_kv"],
+        block_kv=prefill_block_kv(a["block_q"], a["block_kv"], dims["head_dim"]),
         warps=a["warps"],
     )
+
+
+def prefill_block_kv(block_q: int, block_kv: int, head_dim: int) -> int:
+    """The flash prefill's block_kv, halved (down to 16) until its tiles fit 99 KB of shared memory:
+    wide heads (Qwen3.5's 256) take narrower K/V tiles than a profile tuned on 128."""
+    while block_kv > 16 and (block_q + 4 * block_kv) * (head_dim + 8) * 2 > 99 * 1024:
+        block_kv //= 2
+    return block_kv
 
 
 def attention_params(
@@ -318,6 +326,7 @@ def attention_params(
 ) -> dict[str, Any]:
     a = tuning["attention_decode"]
     warps = (a.get("direct_warps") or a["warps"]) if direct else a["warps"]
+    warps = attention_warps(warps, dims["heads"] // dims["kv_heads"], dims["head_dim"])
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
     split = max(step, a["split_kv_tokens"] // step * step)
@@ -336,6 +345,14 @@ def attention_params(
         warps=warps,
         vec16=vec16,
     )
+
+
+def attention_warps(warps: int, group: int, head_dim: int) -> int:
+    """The decode attention's warps, halved until its per-warp query staging (group x head_dim f32)
+    fits 48 KB: a wide GQA group of wide heads (Qwen3.6-35B-A3B: 8 x 256) runs fewer warps."""
+    while warps > 1 and warps * group * (head_dim + 2) * 4 > 48 * 1024:
+        warps //= 2
+    return warps
 
 
 def direct_qsplit(group: int, tuning: Mapping[str, Any]) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine import kernel_catalog as kc
 from engine.graph import Op
-from engine.ir import WIDE, Launch, ScratchPlan, Step, Value, WeightPlan
+from engine.ir import WIDE, Launch, ScratchPlan, StatePlan, Step, Value, WeightPlan
 from engine.kernel_spec import KernelSpec
 from engine.lowering.registry import lowering_for
 from engine.profile import DeviceProfile
@@ -43,6 +43,7 @@ class Lowerer:
         self.max_rows = max(profile.cuda_graph_batch_sizes)
         self.prefill_linear = prefill_linear
         self.scratch: dict[str, ScratchPlan] = {}
+        self.states: dict[str, StatePlan] = {}  # per-slot recurrent state (hybrid layers)
         self.value_dtypes: dict[str, str] = {}  # values a unit binds as other than bf16 (i32 ids, f32)
         self.freq: WeightPlan | None = None  # set by build_plan when RoPE frequencies are scaled
         self.profile = profile
@@ -81,6 +82,12 @@ class Lowerer:
         old = self.scratch.get(sp.name)
         if old is None or sp.nbytes(1 << 20) > old.nbytes(1 << 20):
             self.scratch[sp.name] = sp
+
+    def need_state(self, sp: StatePlan) -> None:
+        old = self.states.get(sp.name)
+        if old is not None and old != sp:
+            raise ConfigError(f"plan: state {sp.name} declared with {old.slot_bytes} and {sp.slot_bytes} bytes per slot")
+        self.states[sp.name] = sp
 
     def upload_type(self, dtype: str, cols: int) -> str:
         """The device layout of a matrix stored as ``dtype`` (kernel_catalog.upload_type)."""

@@ -124,7 +124,7 @@ def _ids(rng, rows: int, experts: int, top_k: int) -> np.ndarray:
     return np.stack([rng.choice(experts, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
 
 
-@pytest.mark.parametrize("experts,top_k,normalize", [(128, 8, True), (60, 4, False), (8, 2, True)])
+@pytest.mark.parametrize("experts,top_k,normalize", [(128, 8, True), (60, 4, False), (8, 2, True), (512, 10, True)])
 def test_topk_matches_moe_route(gk, experts, top_k, normalize):
     rng = np.random.default_rng()
     rows = 37

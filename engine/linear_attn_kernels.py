@@ -1,0 +1,193 @@
+"""KernelSpec builders for the hybrid families' kernels (Qwen3.5 / Qwen3-Next), with each kernel's
+launch contract.
+
+``conv1d_kernel``: kernels/causal_conv1d.cu.j2, the depthwise causal conv with state + SiLU.
+``delta_rule_kernel``: kernels/gated_delta_rule.cu.j2, the gated delta rule (L2-normalised q/k, the
+gates from a/b, the state update and the output) one token at a time per (sequence, v head): the
+recurrent form, used for decode and (as a sequential loop over each sequence's tokens) for prefill.
+``gated_rmsnorm_kernel`` (per-head RMSNorm times silu(z)), ``split_heads_kernel`` (the gated
+attention's [q_h | gate_h] rows into q and gate), ``sigmoid_mul_kernel`` (the attention output gate)
+and ``unpack_kernel`` (Qwen3-Next's fused projections into Qwen3.5's layout).
+
+The two stateful kernels read and write per-slot f32 state ``[slots, ...]`` addressed by the step
+inputs ``state_in`` (per sequence: the slot the state starts from, -1 for zeros), ``state_out``
+(per sequence: its live slot) and ``state_snap`` (per token: -1, or a slot that also receives the
+state after that token: a prefix-cache snapshot), so decode stays inside the replayed CUDA graph.
+``varlen`` (prefill): sequence s owns tokens seq_starts[s] .. seq_starts[s+1]-1; otherwise (decode)
+sequence s is token s. Each builder returns a ``HybridKernel`` (spec, args, grid(rows), block), the
+shape of ``engine.kernel_catalog.KernelChoice``. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kernel_spec import KernelSpec, entry_name
+from engine.types import ConfigError
+
+KERNELS = {
+    "causal_conv1d": "depthwise causal conv1d with per-slot state, then SiLU (decode step or a prefill chunk)",
+    "gated_delta_rule": "the gated delta rule per (sequence, v head), token by token, with per-slot f32 state",
+    "gated_rmsnorm": "per-head RMSNorm of x times w times silu(z)",
+    "split_heads": "per head [a_h | b_h] rows split into a and b",
+    "sigmoid_mul": "out = x * sigmoid(gate)",
+    "unpack_qkvz_ba": "Qwen3-Next's per-k-head fused qkvz / ba projections into qkv, z, b, a",
+}
+# gated_delta_rule threads per block: decode spreads each 32-column slice's k rows over 8 warps (16
+# state rows per thread: many loads in flight for a step that reads and writes the state once);
+# prefill over 4 warps (32 rows per thread): a token's work is issued by the SM's four schedulers
+# instead of one warp's, at the cost of the barriers of the two k reductions per token
+DELTA_DECODE_THREADS = 256
+DELTA_PREFILL_THREADS = 128
+STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("state_snap", "ptr"), ("seq_starts", "ptr"))
+
+
+@dataclass(frozen=True)
+class HybridKernel:
+    """A spec plus how to launch it (``grid(rows)`` -> 3-tuple; rows = tokens, or sequences for
+    the stateful kernels)."""
+
+    spec: KernelSpec
+    args: tuple[tuple[str, str], ...]
+    grid: Callable[..., tuple[int, int, int]]
+    block: tuple[int, int, int]
+    smem: int = 0
+
+
+def _threads_ok(t: int) -> bool:
+    return t in (32, 64, 128, 256, 512, 1024)
+
+
+def conv1d_kernel(
+    channels: int, kernel: int, x_stride: int, out_stride: int, varlen: bool, threads: int = 128, chunks: int = 0
+) -> HybridKernel:
+    """causal_conv1d over ``channels`` channels, ``kernel`` taps (state: kernel - 1 inputs);
+    ``threads`` per block, split into ``chunks`` token chunks of cpb = threads / chunks channels
+    (0: 8 chunks in prefill, where one sequence's tokens are many, 1 in decode)."""
+    chunks = chunks or (8 if varlen else 1)
+    if not 2 <= kernel <= 8 or channels < 1 or x_stride < channels or out_stride < channels or not _threads_ok(threads):
+        raise ConfigError(f"causal_conv1d: bad shape channels={channels} kernel={kernel} strides={x_stride},{out_stride} threads={threads}")
+    if threads % chunks or (chunks > 1 and not varlen):
+        raise ConfigError(f"causal_conv1d: {threads} threads do not split into {chunks} token chunks (varlen only)")
+    cpb = threads // chunks
+    params = {"channels": channels, "kernel": kernel, "x_stride": x_stride, "out_stride": out_stride,
+              "varlen": bool(varlen), "cpb": cpb, "chunks": chunks, "unroll": 8 if varlen else 1}
+    name = entry_name("causal_conv1d", c=channels, k=kernel, xs=x_stride, os=out_stride, vl=int(varlen), cpb=cpb, ch=chunks)
+    args = (("out", "ptr"), ("x", "ptr"), ("w", "ptr"), *STATE_ARGS, ("rows", "i32"))
+    return HybridKernel(
+        KernelSpec("causal_conv1d", name, params, pdl=True),
+        args,
+        lambda rows, **_: (-(-channels // cpb), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def delta_rule_kernel(
+    k_heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+    qkv_stride: int,
+    b_stride: int,
+    a_stride: int,
+    out_stride: int,
+    v_tiled: bool,
+    varlen: bool,
+    max_threads: int = DELTA_DECODE_THREADS,
+) -> HybridKernel:
+    """gated_delta_rule: one block per (sequence, v head, slice of ``v_block`` state columns) with
+    v_block * ksplit threads, thread (j, s) holding column j's rows s * k_dim/ksplit .. in
+    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs)."""
+    if v_heads % k_heads or k_dim % 32 and k_dim not in (8, 16) or v_dim < 1 or v_dim > 1024:
+        raise ConfigError(f"gated_delta_rule: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
+    v_block = 32 if v_dim % 32 == 0 else v_dim
+    ksplit = 1
+    while v_block * ksplit * 2 <= max_threads and k_dim % (ksplit * 2) == 0:
+        ksplit *= 2
+    threads = v_block * ksplit
+    if threads % 32 or threads > 1024:
+        raise ConfigError(f"gated_delta_rule: v_block {v_block} x ksplit {ksplit} = {threads} threads is not a whole number of warps up to 1024")
+    if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
+        raise ConfigError(f"gated_delta_rule: qkv stride {qkv_stride} is narrower than q|k|v")
+    params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "ksplit": ksplit,
+              "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
+    name = entry_name("gated_delta_rule", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, qs=qkv_stride,
+                      bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen))
+    args = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
+            *STATE_ARGS, ("rows", "i32"))
+    return HybridKernel(
+        KernelSpec("gated_delta_rule", name, params, pdl=True),
+        args,
+        lambda rows, **_: (rows, v_heads, v_dim // v_block),
+        (threads, 1, 1),
+    )
+
+
+def gated_rmsnorm_kernel(
+    heads: int, head_dim: int, x_stride: int, z_stride: int, out_stride: int, eps: float, warps: int = 4
+) -> HybridKernel:
+    """gated_rmsnorm: one warp per (token, head)."""
+    if heads < 1 or head_dim < 1 or warps not in (1, 2, 4, 8):
+        raise ConfigError(f"gated_rmsnorm: bad shape heads={heads} head_dim={head_dim} warps={warps}")
+    params = {"heads": heads, "head_dim": head_dim, "x_stride": x_stride, "z_stride": z_stride,
+              "out_stride": out_stride, "eps": repr(float(eps)), "warps": warps}
+    name = entry_name("gated_rmsnorm", h=heads, d=head_dim, xs=x_stride, zs=z_stride, os=out_stride, w=warps)
+    return HybridKernel(
+        KernelSpec("gated_rmsnorm", name, params, pdl=True),
+        (("out", "ptr"), ("x", "ptr"), ("z", "ptr"), ("w", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (rows, -(-heads // warps), 1),
+        (32 * warps, 1, 1),
+    )
+
+
+def split_heads_kernel(heads: int, head_dim: int, in_stride: int, a_stride: int, b_stride: int, threads: int = 256) -> HybridKernel:
+    """split_heads: x [T, heads * 2 * head_dim] (per head [a_h | b_h]) -> a, b [T, heads * head_dim]."""
+    if heads < 1 or head_dim < 1 or not _threads_ok(threads):
+        raise ConfigError(f"split_heads: bad shape heads={heads} head_dim={head_dim} threads={threads}")
+    params = {"heads": heads, "head_dim": head_dim, "in_stride": in_stride, "a_stride": a_stride,
+              "b_stride": b_stride, "threads": threads}
+    name = entry_name("split_heads", h=heads, d=head_dim, xs=in_stride, as_=a_stride, bs=b_stride, t=threads)
+    n = heads * head_dim
+    return HybridKernel(
+        KernelSpec("split_heads", name, params, pdl=True),
+        (("a", "ptr"), ("b", "ptr"), ("x", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def sigmoid_mul_kernel(n: int, x_stride: int, g_stride: int, out_stride: int, threads: int = 256) -> HybridKernel:
+    """sigmoid_mul: out [T, n] = x * sigmoid(gate) (out may alias x)."""
+    if n < 1 or not _threads_ok(threads):
+        raise ConfigError(f"sigmoid_mul: bad shape n={n} threads={threads}")
+    params = {"n": n, "x_stride": x_stride, "g_stride": g_stride, "out_stride": out_stride, "threads": threads}
+    name = entry_name("sigmoid_mul", n=n, xs=x_stride, gs=g_stride, os=out_stride, t=threads)
+    return HybridKernel(
+        KernelSpec("sigmoid_mul", name, params, pdl=True),
+        (("out", "ptr"), ("x", "ptr"), ("gate", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def unpack_kernel(
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, strides: dict[str, int], threads: int = 256
+) -> HybridKernel:
+    """unpack_qkvz_ba: ``strides`` has the row strides qkvz, ba, qkv, z, b, a (elements)."""
+    if v_heads % k_heads or not _threads_ok(threads):
+        raise ConfigError(f"unpack_qkvz_ba: bad shape k_heads={k_heads} v_heads={v_heads} threads={threads}")
+    keys = ("qkvz", "ba", "qkv", "z", "b", "a")
+    params: dict[str, Any] = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "threads": threads}
+    params.update({f"{k}_stride": int(strides[k]) for k in keys})
+    name = entry_name("unpack_qkvz_ba", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim,
+                      **{k: int(strides[k]) for k in keys}, t=threads)
+    width = k_heads * (2 * k_dim + 2 * (v_heads // k_heads) * v_dim)
+    return HybridKernel(
+        KernelSpec("unpack_qkvz_ba", name, params, pdl=True),
+        (("qkv", "ptr"), ("z", "ptr"), ("b", "ptr"), ("a", "ptr"), ("qkvz", "ptr"), ("ba", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-width // threads), rows, 1),
+        (threads, 1, 1),
+    )

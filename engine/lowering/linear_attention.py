@@ -1,0 +1,163 @@
+"""Lowering units of the hybrid families' ops (Qwen3.5 / Qwen3-Next): ``causal_conv1d`` and
+``gated_delta_rule`` (stateful: each declares its per-slot f32 state, a ``StatePlan``, and reads the
+step inputs state_in / state_out / state_snap, so decode stays in the replayed graph; prefill passes
+walk each sequence's tokens through seq_starts), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul``
+and ``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
+Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+from engine import linear_attn_kernels as lk
+from engine.ir import Arg, Launch, StatePlan, val, wgt
+from engine.lowering.registry import register, same_width
+from engine.types import ConfigError
+
+PREFILL = "prefill"
+
+
+def _grid(k: lk.HybridKernel, rows: str) -> tuple:
+    """The kernel's grid with its row-count dimension(s) as the shape name ``rows``."""
+    one, two = k.grid(1), k.grid(2)
+    return tuple(rows if a != b else a for a, b in zip(one, two, strict=True))
+
+
+def _launch(k: lk.HybridKernel, rows: str, named: dict[str, Arg]) -> Launch:
+    args = tuple(named[name] for name, _ in k.args)
+    return Launch(k.spec, _grid(k, rows), k.block[:1], args, k.smem)
+
+
+def _state_args(name: str) -> dict[str, Arg]:
+    return {
+        "state": Arg("state", name),
+        "state_in": Arg("input", "state_in"),
+        "state_out": Arg("input", "state_out"),
+        "state_snap": Arg("input", "state_snap"),
+        "seq_starts": Arg("input", "seq_starts"),
+    }
+
+
+def _rows(mode: str) -> str:
+    """The stateful kernels run one block row per sequence: prefill's sequences, else decode rows."""
+    return "nseq" if mode == PREFILL else "n"
+
+
+def _d(ctx, key: str) -> int:
+    if key not in ctx.dims:
+        raise ConfigError(f"plan: the hybrid ops need the dim {key!r}")
+    return int(ctx.dims[key])
+
+
+@register("causal_conv1d", bind=same_width, wide="decode")
+def lower_conv(ctx, op, layer, mode, ins, outs, ws):
+    x, out = ins[0], outs[0]
+    kernel, channels = _d(ctx, "lin_conv_kernel"), _d(ctx, "lin_conv_dim")
+    w = ws[0]
+    if x.width != channels or w.rows * w.cols != channels * kernel or w.dtype != "f32":
+        raise ConfigError(
+            f"plan: causal_conv1d reads {x.name} of width {x.width} with a {w.dtype} [{w.rows}, {w.cols}] "
+            f"weight; expected {channels} channels and f32 [{channels}, {kernel}]"
+        )
+    name = f"L{layer}.causal_conv1d"
+    ctx.need_state(StatePlan(name, int(layer), 4 * channels * (kernel - 1)))
+    k = lk.conv1d_kernel(channels, kernel, x.ld, out.ld, mode == PREFILL, ctx.tune("elementwise")["threads"])
+    rows = _rows(mode)
+    named = {"out": val(out), "x": val(x), "w": wgt(w), **_state_args(name), "rows": Arg("shape", rows, "i32")}
+    return [_launch(k, rows, named)]
+
+
+def bind_delta(op, ws, ins, dims, value_for):
+    return [value_for(op.outputs[0], int(dims["lin_v_heads"]) * int(dims["lin_v_dim"]))]
+
+
+@register("gated_delta_rule", bind=bind_delta, wide="decode")
+def lower_delta(ctx, op, layer, mode, ins, outs, ws):
+    qkv, b, a = ins
+    out = outs[0]
+    kh, vh, kd, vd = (_d(ctx, x) for x in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim"))
+    A, dt_bias = ws
+    if qkv.width != 2 * kh * kd + vh * vd or b.width != vh or a.width != vh or A.cols != vh or dt_bias.cols != vh:
+        raise ConfigError(
+            f"plan: gated_delta_rule widths qkv {qkv.width}, b {b.width}, a {a.width}, A {A.cols}, dt_bias "
+            f"{dt_bias.cols} do not fit k_heads {kh} x {kd}, v_heads {vh} x {vd}"
+        )
+    name = f"L{layer}.gated_delta_rule"
+    ctx.need_state(StatePlan(name, int(layer), 4 * vh * kd * vd))
+    threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS
+    k = lk.delta_rule_kernel(
+        kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, bool(ctx.dims.get("v_heads_tiled")), mode == PREFILL, threads
+    )
+    rows = _rows(mode)
+    named = {
+        "out": val(out),
+        "qkv": val(qkv),
+        "b": val(b),
+        "a": val(a),
+        "A": wgt(A),
+        "dt_bias": wgt(dt_bias),
+        **_state_args(name),
+        "rows": Arg("shape", rows, "i32"),
+    }
+    return [_launch(k, rows, named)]
+
+
+@register("gated_rmsnorm", bind=same_width, wide="decode")
+def lower_gated_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
+    x, z = ins
+    out, w = outs[0], ws[0]
+    hd = _d(ctx, "lin_v_dim")
+    if x.width % hd or z.width != x.width or w.cols != hd:
+        raise ConfigError(f"plan: gated_rmsnorm over {x.width} / {z.width} values with a [{w.cols}] weight, head {hd}")
+    k = lk.gated_rmsnorm_kernel(x.width // hd, hd, x.ld, z.ld, out.ld, float(ctx.dims["rms_eps"]))
+    named = {"out": val(out), "x": val(x), "z": val(z), "w": wgt(w), "rows": Arg("shape", "n", "i32")}
+    return [_launch(k, "n", named)]
+
+
+def bind_split(op, ws, ins, dims, value_for):
+    parts = len(op.outputs)
+    if parts != 2 or ins[0].width % 2:
+        raise ConfigError(f"plan: split_heads splits into 2 outputs (got {parts}) of an even width ({ins[0].width})")
+    return [value_for(name, ins[0].width // 2) for name in op.outputs]
+
+
+@register("split_heads", bind=bind_split, wide="decode")
+def lower_split(ctx, op, layer, mode, ins, outs, ws):
+    x = ins[0]
+    hd = _d(ctx, "head_dim")
+    a, b = outs
+    if a.width % hd:
+        raise ConfigError(f"plan: split_heads output width {a.width} is not a whole number of heads of {hd}")
+    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ctx.tune("elementwise")["threads"])
+    named = {"a": val(a), "b": val(b), "x": val(x), "rows": Arg("shape", "n", "i32")}
+    return [_launch(k, "n", named)]
+
+
+@register("sigmoid_mul", bind=same_width, wide="decode")
+def lower_sigmoid_mul(ctx, op, layer, mode, ins, outs, ws):
+    x, g = ins
+    out = outs[0]
+    if g.width != x.width:
+        raise ConfigError(f"plan: sigmoid_mul of {x.name} ({x.width}) by {g.name} ({g.width})")
+    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ctx.tune("elementwise")["threads"])
+    named = {"out": val(out), "x": val(x), "gate": val(g), "rows": Arg("shape", "n", "i32")}
+    return [_launch(k, "n", named)]
+
+
+def bind_unpack(op, ws, ins, dims, value_for):
+    vh, inner = int(dims["lin_v_heads"]), int(dims["lin_inner"])
+    widths = (int(dims["lin_conv_dim"]), inner, vh, vh)
+    return [value_for(name, w) for name, w in zip(op.outputs, widths, strict=True)]
+
+
+@register("unpack_qkvz_ba", bind=bind_unpack, wide="decode")
+def lower_unpack(ctx, op, layer, mode, ins, outs, ws):
+    kh, vh, kd, vd = (_d(ctx, x) for x in ("lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim"))
+    qkvz, ba = ins
+    qkv, z, b, a = outs
+    if qkvz.width != kh * (2 * kd + 2 * (vh // kh) * vd) or ba.width != 2 * vh:
+        raise ConfigError(f"plan: unpack_qkvz_ba widths {qkvz.width} / {ba.width} do not fit the head dims")
+    strides = {"qkvz": qkvz.ld, "ba": ba.ld, "qkv": qkv.ld, "z": z.ld, "b": b.ld, "a": a.ld}
+    k = lk.unpack_kernel(kh, vh, kd, vd, strides, ctx.tune("elementwise")["threads"])
+    named = {n: val(v) for n, v in zip(("qkv", "z", "b", "a", "qkvz", "ba"), (qkv, z, b, a, qkvz, ba), strict=True)}
+    named["rows"] = Arg("shape", "n", "i32")
+    return [_launch(k, "n", named)]

@@ -1,0 +1,130 @@
+"""The hybrid families on the CUDA lowering without a GPU: every hybrid family's size plans for every
+device profile (bf16, q4_k_m; every storage combo on the h100 profile; one full-attention period of
+layers), its hybrid kernels render,
+open with pdl_wait() and NVRTC-compile for every profile arch; the plan's steps, state and launch
+geometry; the builders' checks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from test_kernels_compile import _nvrtc_ok
+
+from engine import linear_attn_kernels as lk
+from engine.compile import KernelBuilder
+from engine.graph import all_families
+from engine.ir import Arg, kernel_specs
+from engine.kcache import KernelCache
+from engine.ops import OPS
+from engine.plan import build_plan
+from engine.profile import all_profiles, get_profile
+from engine.render import render, waits_first
+from engine.types import ConfigError
+
+PRIMARY_ARCH = "sm_90a"
+COMBOS = ("bf16", "q4_k_m")
+
+
+def _hybrid_cases():
+    """(family, size, layers of one full-attention period, graph) of every hybrid family size."""
+    for fam, graph in sorted(all_families().items()):
+        if not any(OPS[op.op].state is not None for op, _ in graph.ops()):
+            continue
+        for size, dims in sorted(graph.sizes.items()):
+            yield fam, size, int(dims.get("full_attention_interval", 4)), graph
+
+
+def _plans():
+    from engine.model import dims_for_size
+
+    for fam, size, layers, graph in _hybrid_cases():
+        full = dims_for_size(fam, size)
+        full["layers"], full["layer_types"] = layers, full["layer_types"][:layers]
+        for prof in all_profiles().values():
+            for combo in graph.quants:  # every combo on one profile, bf16 and q4_k_m on every profile
+                if combo in COMBOS or prof.name == "h100":
+                    yield fam, size, prof, combo, build_plan(graph, full, graph.quant(combo), prof)
+
+
+@functools.cache
+def _hybrid_specs() -> dict[str, list]:
+    by_arch: dict[str, dict] = {}
+    for *_, prof, _combo, plan in _plans():
+        for s in kernel_specs(plan):
+            if s.template in lk.KERNELS:
+                by_arch.setdefault(prof.arch, {})[s] = None
+    return {a: list(s) for a, s in by_arch.items()}
+
+
+def test_every_hybrid_size_plans_on_every_profile():
+    seen = set()
+    for fam, size, prof, combo, plan in _plans():
+        seen.add(fam)
+        ops = [st.op.op for st in plan.steps if st.layer == 0]
+        assert "gated_delta_rule" in ops and "attention" not in ops, (fam, size)
+        last = [st.op.op for st in plan.steps if st.layer == plan.dims["layers"] - 1]
+        assert "attention" in last and "split_heads" in last and "sigmoid_mul" in last
+        d = plan.dims
+        delta = next(sp for sp in plan.states if sp.name == "L0.gated_delta_rule")
+        assert delta.slot_bytes == 4 * d["lin_v_heads"] * d["lin_k_dim"] * d["lin_v_dim"]
+        assert len(plan.states) == 2 * (d["layers"] - 1), (fam, prof.name, combo)
+        step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
+        (pre,) = step.launches["prefill"]
+        (dec,) = step.launches["decode"]
+        vz = d["lin_v_dim"] // pre.spec.params["v_block"]
+        assert pre.grid == ("nseq", d["lin_v_heads"], vz) and dec.grid == ("n", d["lin_v_heads"], vz)
+        assert Arg("state", "L0.gated_delta_rule") in dec.args and Arg("input", "state_snap") in dec.args
+        assert pre.spec.params["varlen"] and not dec.spec.params["varlen"]
+    assert seen == {f for f, *_ in _hybrid_cases()}
+
+
+def test_hybrid_kernels_render_and_wait_first():
+    specs = {s for group in _hybrid_specs().values() for s in group}
+    assert {s.template for s in specs} == set(lk.KERNELS)
+    for s in specs:
+        src = render(s)
+        assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry
+
+
+def test_builders_check_their_inputs():
+    with pytest.raises(ConfigError, match="bad head shape"):
+        lk.delta_rule_kernel(3, 4, 128, 128, 2048, 4, 4, 512, False, False)
+    with pytest.raises(ConfigError, match="narrower"):
+        lk.delta_rule_kernel(2, 4, 32, 32, 100, 4, 4, 128, False, False)
+    with pytest.raises(ConfigError, match="causal_conv1d"):
+        lk.conv1d_kernel(96, 1, 96, 96, False)
+    k = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True)
+    assert k.spec.params["ksplit"] == 8 and k.block == (256, 1, 1) and k.grid(3) == (3, 32, 4)
+    assert lk.delta_rule_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, False).spec.params["ksplit"] == 16
+    c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)
+    assert c.grid(5) == (64, 5, 1) and [n for n, _ in c.args][-6:] == [
+        "state", "state_in", "state_out", "state_snap", "seq_starts", "rows"]
+
+
+def test_qwen3_next_routes_512_experts():
+    from engine.model import dims_for_size
+
+    g = all_families()["qwen3_next"]
+    d = {**dims_for_size("qwen3_next", "qwen3-next-80b-a3b"), "layers": 4}
+    plan = build_plan(g, d, g.quant("bf16"), get_profile("h100"))
+    topk = {la.spec for st in plan.steps for la in st.launches["decode"] if la.spec.template == "moe_topk"}
+    assert {s.params["experts"] for s in topk} == {512}
+    assert any(la.spec.template == "unpack_qkvz_ba" for st in plan.steps for la in st.launches["decode1"])
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or the CUDA headers are not available")
+def test_hybrid_kernels_compile_for_every_profile_arch(tmp_path):
+    """Each code variant (template, flags, k split) on the oldest, primary and newest profile arch;
+    the other sizes change constants only."""
+    by_arch = _hybrid_specs()
+    archs = sorted(by_arch, key=lambda a: int(a[3:].rstrip("a")))
+    for arch in sorted({archs[0], PRIMARY_ARCH, archs[-1]}):
+        variants = {
+            (s.template, s.params.get("ksplit"), *sorted((k, v) for k, v in s.params.items() if isinstance(v, bool))): s
+            for s in by_arch[arch]
+        }
+        specs = list(variants.values())
+        builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
+        stats = builder.build_all(specs, jobs=2, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels), arch
