@@ -6,8 +6,10 @@ cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step
 items eagerly (one chunk at a time, the head on the last row only), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
 block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
-of the sampled ids (rows with penalties are re-sampled on the host from their logits). All
-driver calls go through engine.cuda.
+of the sampled ids. Logit bias and constraint masks are applied on the device (engine.logit_prep
+packs them beside the inputs; a masked or penalised step uploads its entries with a second copy);
+rows asking for logprobs, and steps with more penalty or bias entries than the buffers hold, are
+sampled on the host from their logits. All driver calls go through engine.cuda.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.ir import PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.ir import MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
@@ -254,7 +257,9 @@ class CudaRunner(StepLogic, WeightLoading):
         off += self._max_rows * self._table_ld * 4
         off = (off + 15) // 16 * 16
         self._pen_off = off
-        total = off + (4 + 3 * PENALTY_CAPACITY) * 4
+        off = (off + (4 + 3 * PENALTY_CAPACITY) * 4 + 15) // 16 * 16
+        self._prep = PrepBlock(self._max_rows, self.plan.values["logits"].width, off)  # token_mask inputs
+        total = off + self._prep.nbytes
         self._in_dev = cuda.alloc(total)
         self._in_host = cuda.PinnedBuffer(total)
         self._in_host.bytes[:] = 0
@@ -262,6 +267,9 @@ class CudaRunner(StepLogic, WeightLoading):
         self._in_off = {n: o for n, (o, _, _) in layout.items()}
         self._in_off["block_tables"] = self._tables_off
         self._in_off["pen_entries"] = self._pen_off
+        self._in_off.update(self._prep.offsets)
+        self._prep.bind(self._in_host.bytes)
+        self._prep_bytes = 0  # bytes of the last packed token_mask inputs
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
         # host-side bookkeeping that keeps a decode step's Python short: every block-table row holds
         # the sink block past _table_len[r] entries (so a step rewrites only what changed), rows'
@@ -392,8 +400,11 @@ class CudaRunner(StepLogic, WeightLoading):
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
         _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
-        if kind == "penalised":
+        if kind.endswith("penalised"):
             lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
+            _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
+        if kind.startswith(MASKED):
+            lo, hi = self._prep.offset, self._prep.offset + self._prep_bytes
             _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
 
     def _ids_to_host(self, rows: int) -> None:

@@ -503,5 +503,6 @@ def all_specs(
     ] = None
     out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("token_mask", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("penalties", ld=vocab, threads=el)] = None
     return list(out)

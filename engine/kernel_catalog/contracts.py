@@ -463,6 +463,13 @@ KERNELS: dict[str, KernelDoc] = {
         "(rows,)",
         "(threads,)",
     ),
+    "token_mask": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (("logits", P), ("slot", P), ("bias_start", P), ("bias", P), ("words", P), ("rows", I32)),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
     "penalties": KernelDoc(
         dict(ld=int, threads=int),
         (

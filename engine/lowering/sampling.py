@@ -2,11 +2,14 @@
 
 ``greedy``: argmax into out_ids (kernels/argmax.cu.j2); ``sample``: temperature / top-k / top-p /
 min-p sampling (kernels/sample.cu.j2; greedy rows inside it take the argmax); ``penalised``: the
-sparse penalties kernel in place on the logits, then ``sample``. Must not import CUDA or numpy."""
+sparse penalties kernel in place on the logits, then ``sample``. Each kind also has a
+``masked_<kind>`` twin that first runs kernels/token_mask.cu.j2 in place (per-row logit bias and a
+constraint's allowed-token bitmask, rows flagged in fixed input buffers, so one captured graph
+serves any mix of masked and unmasked rows). Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
-from engine.ir import PENALTY_CAPACITY, ROWS, Arg, Launch, Value, val
+from engine.ir import MASKED, PENALTY_CAPACITY, ROWS, Arg, Launch, Value, val
 from engine.kernel_catalog import PENALTY_BLOCKS
 from engine.types import ConfigError
 
@@ -30,4 +33,8 @@ def lower_sampling(ctx, logits: Value) -> dict[str, tuple[Launch, ...]]:
         + (Arg("const", PENALTY_CAPACITY, "i32"),)
     )
     penalise = Launch(pen, (PENALTY_BLOCKS,), (et,), pargs)
-    return {"greedy": (greedy,), "sample": (sample,), "penalised": (penalise, sample)}
+    mspec = ctx.spec("token_mask", vocab=vocab, ld=logits.ld, threads=t)
+    margs = tuple(Arg("input", n) for n in ("mask_slot", "bias_start", "bias_entries", "mask_words"))
+    mask = Launch(mspec, ("n",), (t,), (val(logits),) + margs + (ROWS,))
+    kinds = {"greedy": (greedy,), "sample": (sample,), "penalised": (penalise, sample)}
+    return kinds | {MASKED + k: (mask,) + launches for k, launches in kinds.items()}

@@ -1,0 +1,87 @@
+"""The host side of the device token_mask step (kernels/token_mask.cu.j2): a step's logit biases and
+constraint masks packed into fixed buffers of the CUDA runner's pinned input block.
+
+Layout from ``offset`` (the runner copies it to the device with the step's other inputs, so a
+captured decode graph reads the same addresses every replay): ``mask_slot`` int32 [rows] (the
+row's flag: -1 = not masked, else its slot in ``mask_words``), ``bias_start`` int32 [rows + 1]
+(row r's bias entries are ``bias_start[r] .. bias_start[r + 1] - 1``), ``bias_entries`` int32
+[2 * BIAS_CAPACITY] ((token, value as f32 bits) pairs, in each request's order) and ``mask_words``
+uint32 [rows, ceil(vocab / 32)] (the masked rows' words, compacted, so a step uploads only as many
+rows of words as it has masked rows). The mask's meaning is engine.sampling.mask_words's.
+Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.ir import BIAS_CAPACITY
+from engine.sampling import mask_words
+from engine.types import StepItem
+
+
+def on_device(it: StepItem) -> bool:
+    """A sampled row the token_mask step serves: it has a constraint mask or a logit bias."""
+    return it.sample and (it.allowed is not None or bool(it.sampling.logit_bias))
+
+
+class PrepBlock:
+    """The token_mask inputs of up to ``rows`` rows over ``vocab`` logits, at byte ``offset`` of
+    the pinned input block: ``offsets`` (input name -> byte offset, for the plan's Args),
+    ``nbytes``; ``bind`` attaches the host views, ``pack`` fills them for one step."""
+
+    def __init__(self, rows: int, vocab: int, offset: int, capacity: int = BIAS_CAPACITY):
+        self.rows, self.vocab, self.offset, self.capacity = rows, vocab, offset, capacity
+        self.width = (vocab + 31) // 32
+        sizes = (("mask_slot", rows), ("bias_start", rows + 1), ("bias_entries", 2 * capacity))
+        off = offset
+        self.offsets: dict[str, int] = {}
+        for name, n in sizes:
+            self.offsets[name] = off
+            off = (off + 4 * n + 15) // 16 * 16
+        self.offsets["mask_words"] = off
+        self.nbytes = off + 4 * rows * self.width - offset
+
+    def bind(self, block: np.ndarray) -> None:
+        """Views into ``block`` (the whole pinned input block, uint8) at this layout's offsets."""
+        o = self.offsets
+
+        def view(name: str, dt: type, n: int) -> np.ndarray:
+            return block[o[name] : o[name] + n * np.dtype(dt).itemsize].view(dt)
+
+        self.slot = view("mask_slot", np.int32, self.rows)
+        self.start = view("bias_start", np.int32, self.rows + 1)
+        self.entries = view("bias_entries", np.int32, 2 * self.capacity).reshape(self.capacity, 2)
+        self.words = view("mask_words", np.uint32, self.rows * self.width).reshape(self.rows, self.width)
+
+    def pack(self, items: Sequence[StepItem]) -> int | None:
+        """Fill the views for ``items`` (row r = items[r]; every other row unmasked, no bias) and
+        return the bytes to copy from ``offset``, or None when the step's bias entries exceed the
+        capacity (the runner then samples those rows on the host). Bias tokens outside the
+        vocabulary are dropped (the host sampler ignores them too). MemraError (from
+        engine.sampling.mask_words) when a mask allows no token of the vocabulary."""
+        if len(items) > self.rows:
+            raise ValueError(f"{len(items)} rows exceed the token_mask buffers' {self.rows}")
+        self.slot[:] = -1
+        total, slots = 0, 0
+        self.start[0] = 0
+        for r, it in enumerate(items):
+            if it.sample and it.sampling.logit_bias:
+                pairs = [(t, v) for t, v in it.sampling.logit_bias if 0 <= t < self.vocab]
+                if total + len(pairs) > self.capacity:
+                    return None
+                if pairs:
+                    toks, vals = zip(*pairs, strict=True)
+                    self.entries[total : total + len(pairs), 0] = toks
+                    self.entries[total : total + len(pairs), 1] = np.asarray(vals, np.float32).view(np.int32)
+                    total += len(pairs)
+            self.start[r + 1] = total
+            if it.sample and it.allowed is not None:
+                self.words[slots] = mask_words(it.allowed, self.vocab)
+                self.slot[r] = slots
+                slots += 1
+        self.start[len(items) + 1 :] = total
+        return self.offsets["mask_words"] - self.offset + 4 * slots * self.width
+
