@@ -151,3 +151,57 @@ def test_logprobs_or_too_much_bias_fall_back_to_the_host(fake, monkeypatch):  # 
     assert runner._sampling_kind([con, pen]) == MASKED + "penalised"
     monkeypatch.setattr(runner._prep, "capacity", 0)
     assert runner._sampling_kind([con, pen]) == "host"
+
+
+def test_the_constrained_driver_on_the_reference(tiny_llama_dir):
+    """The GPU test's driver (tests/fixtures/constrained.py) on the numpy oracle: the json_schema row
+    finishes with schema-valid JSON, every token allowed by its mask, and the unconstrained row
+    beside it equals its solo run."""
+    pytest.importorskip("llguidance")
+    import json
+
+    from fixtures.constrained import PERSON, RecordingReference, Row, generate
+
+    from engine import grammar
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.tokenizer import load_tokenizer
+
+    model = load_model(tiny_llama_dir)
+    tok = load_tokenizer(model.weights)
+    ref = RecordingReference(ReferenceRunner(model, num_blocks=64, max_model_len=256))
+    eos = set(tok.eos_token_ids)
+    p_con, p_free = tok.encode("user Give me a person as JSON. assistant"), tok.encode("Hello, world!")
+    con = grammar.build_constraint(tok, grammar.json_grammar(PERSON))
+    rows = generate(ref, [Row(p_con, con), Row(p_free)], 96, eos)
+    obj = json.loads(tok.decode(rows[0].out))
+    assert rows[0].done and set(obj) == {"name", "ok", "n"} and obj["n"] in (1, 22, 333)
+    for t, m in zip(rows[0].out, rows[0].masks, strict=True):
+        assert unpack_mask(m, ref.ref.vocab)[t]
+    solo = generate(ref, [Row(p_free)], len(rows[1].out), eos, first_block=32)
+    assert solo[0].out == rows[1].out
+
+
+def test_token_mask_renders_and_compiles_for_every_profile_arch(tmp_path):
+    """The template through NVRTC on every profile's arch, with a vocabulary of whole words and one
+    with a tail word (the plan's specs compile with the others in tests/test_kernels_compile.py)."""
+    from test_kernels_compile import _nvrtc_ok, _profile_archs
+
+    from engine import kernel_catalog as kc
+    from engine.compile import KernelBuilder
+    from engine.kcache import KernelCache
+    from engine.profile import all_profiles
+    from engine.render import render
+
+    specs = {kc.spec("token_mask", vocab=v, ld=v, threads=p.tuning["sampling"]["threads"])
+             for p in all_profiles().values() for v in (151936, 1003)}
+    for s in specs:
+        src = render(s)
+        assert f"{s.entry}(" in src and "#define W ((V + 31) / 32)" in src
+    c = kc.choice("token_mask", vocab=1003, ld=1003, threads=256)
+    assert c.grid(5) == (5, 1, 1) and [a for a, _ in c.args] == ["logits", "slot", "bias_start", "bias", "words", "rows"]
+    if not _nvrtc_ok():
+        pytest.skip("NVRTC or CUDA headers not available")
+    for arch in _profile_archs():
+        stats = KernelBuilder(arch, cache=KernelCache(tmp_path), no_compile=False).build_all(list(specs), progress=None)
+        assert all(k.cubin for k in stats.kernels)

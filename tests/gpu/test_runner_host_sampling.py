@@ -1,7 +1,8 @@
-"""CudaRunner rows that only the host sampler handles (issue #39): logit bias, a constraint mask
-(StepItem.allowed) and logprobs are sampled on the host from the step's logits by
-engine.sampling.sample_item, in decode steps (graphs on and off) and at the end of a prefill,
-while the other rows of the same step keep the device sampler. Skipped without a GPU.
+"""CudaRunner steps the host sampler finishes (issue #39): a step with a row asking for logprobs is
+sampled on the host from its logits by engine.sampling.sample_item (with that row's logit bias and
+constraint mask, and those of the other host rows of the step), in decode steps (graphs on and off)
+and at the end of a prefill, while the other rows keep the device sampler's ids. (Bias and masks
+without logprobs run on the device: test_runner_token_mask.py.) Skipped without a GPU.
 """
 
 from __future__ import annotations
