@@ -13,7 +13,7 @@ Must not import CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -56,8 +56,9 @@ class PrepBlock:
         self.entries = view("bias_entries", np.int32, 2 * self.capacity).reshape(self.capacity, 2)
         self.words = view("mask_words", np.uint32, self.rows * self.width).reshape(self.rows, self.width)
 
-    def pack(self, items: Sequence[StepItem]) -> int | None:
-        """Fill the views for ``items`` (row r = items[r]; every other row unmasked, no bias) and
+    def pack(self, items: Sequence[StepItem], skip: Collection[int] = ()) -> int | None:
+        """Fill the views for ``items`` (row r = items[r]; the rows in ``skip`` and every row past
+        the items unmasked, no bias) and
         return the bytes to copy from ``offset``, or None when the step's bias entries exceed the
         capacity (the runner then samples those rows on the host). Bias tokens outside the
         vocabulary are dropped (the host sampler ignores them too). MemraError (from
@@ -68,6 +69,9 @@ class PrepBlock:
         total, slots = 0, 0
         self.start[0] = 0
         for r, it in enumerate(items):
+            if r in skip:
+                self.start[r + 1] = total
+                continue
             if it.sample and it.sampling.logit_bias:
                 pairs = [(t, v) for t, v in it.sampling.logit_bias if 0 <= t < self.vocab]
                 if total + len(pairs) > self.capacity:

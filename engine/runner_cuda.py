@@ -270,6 +270,7 @@ class CudaRunner(StepLogic, WeightLoading):
         self._in_off.update(self._prep.offsets)
         self._prep.bind(self._in_host.bytes)
         self._prep_bytes = 0  # bytes of the last packed token_mask inputs
+        self._host_rows: list[int] = []  # rows of the last step sampled on the host (logprobs)
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
         # host-side bookkeeping that keeps a decode step's Python short: every block-table row holds
         # the sink block past _table_len[r] entries (so a step rewrites only what changed), rows'
@@ -494,8 +495,7 @@ class CudaRunner(StepLogic, WeightLoading):
             self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
         self._run(self._eager[hkey])
         ids = self._read_ids(k).tolist()
-        if kind == "host":
-            ids = self._host_sample_penalised(hitems, ids)
+        ids = self._host_sample(hitems, ids, kind)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
 
     # ----------------------------------------------------------------------------- measurement

@@ -230,27 +230,28 @@ class StepLogic:
     def _sampling_kind(self, items: Sequence[StepItem]) -> str:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), as
         masked_<kind> when a row has a logit bias or a constraint mask (the token_mask inputs are
-        packed too), or host: a row asks for logprobs, or the step has more penalty or bias entries
-        than the device buffers hold, so rows are re-sampled on the host from their logits after a
-        plain sample pass."""
-        if any(_wants_logprobs(it) for it in items):
-            return "host"
-        kind = self._penalty_kind(items)
-        if kind == "host" or not any(on_device(it) for it in items):
+        packed too), or host: the step has more penalty or bias entries than the device buffers
+        hold, so every row needing more than a plain sample is re-sampled on the host from its
+        logits after a plain sample pass. Rows asking for logprobs (``_host_rows``) get no device
+        entries, so their logits stay raw, and are re-sampled on the host whatever the kind."""
+        self._host_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
+        skip = frozenset(self._host_rows)
+        kind = self._penalty_kind(items, skip)
+        if kind == "host" or not any(on_device(it) for r, it in enumerate(items) if r not in skip):
             return kind
-        size = self._prep.pack(items)
+        size = self._prep.pack(items, skip)
         if size is None:
             return "host"
         self._prep_bytes = size
         return MASKED + kind
 
-    def _penalty_kind(self, items: Sequence[StepItem]) -> str:
-        if not any(it.sampling.uses_penalties for it in items):
-            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+    def _penalty_kind(self, items: Sequence[StepItem], skip: frozenset[int]) -> str:
+        if not any(it.sampling.uses_penalties for r, it in enumerate(items) if r not in skip):
+            return "greedy" if all(it.sampling.greedy for r, it in enumerate(items) if r not in skip) else "sample"
         vocab = self.plan.values["logits"].width
         parts, total = [], 0
         for r, it in enumerate(items):
-            if not it.sampling.uses_penalties:
+            if not it.sampling.uses_penalties or r in skip:
                 continue
             toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
             parts.append((r, toks, info))
@@ -323,13 +324,16 @@ class StepLogic:
                 )
             self._run(self._eager[key])
         ids = self._read_ids(n, copied=io).tolist()
-        return self._host_sample_penalised(items, ids) if kind == "host" else ids
+        return self._host_sample(items, ids, kind)
 
-    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
-        """Rows with penalties, logit bias, a mask or logprobs re-sampled on the host from their logits
-        (engine.sampling): only in a step with logprobs or with more penalty or bias entries than
-        the device buffers hold; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
+    def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:
+        """Rows re-sampled on the host from their logits (engine.sampling.sample_item): those asking
+        for logprobs, and in a ``host`` step (more penalty or bias entries than the device buffers
+        hold) every row with penalties, logit bias or a mask; every other row keeps its id."""
+        if kind == "host":
+            rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
+        else:
+            rows = self._host_rows
         if not rows:
             return ids
         logits = self.read_logits(max(rows) + 1)

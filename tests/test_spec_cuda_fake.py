@@ -64,14 +64,15 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
 
 
 def test_host_sampled_rows_beside_draft_rows(fake):
-    """A constrained row and a logprobs row in a verify step go through the plain decode path and its
-    host sampler (engine.sampling.sample_item on the read-back logits, all zero here): the mask picks
-    the only allowed token, logprobs are filled; the draft row is accepted from the argmax ids."""
+    """A constrained row and a logprobs row in a verify step go through the plain decode path: the
+    mask on the device (the token_mask kernel; the fake device leaves id 0), the logprobs row on the
+    host sampler (engine.sampling.sample_item on the read-back logits, all zero here) with its
+    logprobs filled; the draft row is accepted from the argmax ids."""
     import numpy as np
 
     from engine.types import SamplingParams
 
-    runner, _ = fake
+    runner, drv = fake
     vocab = runner.plan.values["logits"].width
     read = []
     runner.read_logits = lambda rows: read.append(rows) or np.zeros((rows, vocab), np.float32)
@@ -83,8 +84,9 @@ def test_host_sampled_rows_beside_draft_rows(fake):
         StepItem(1, [9], 4, [1], True, GREEDY, history=[1] * 4 + [9], allowed=mask),
         StepItem(2, [9], 4, [2], True, SamplingParams(temperature=0.0, logprobs=2), history=[1] * 4 + [9]),
     ]
-    assert runner.verify(items) == [[0, 0, 0], [5], [0]]
+    assert runner.verify(items) == [[0, 0, 0], [0], [0]]
+    assert any(n.startswith("token_mask") for n, _, _ in drv.launches)
     lp, top = items[2].logprobs_out
     assert np.isclose(lp, -np.log(vocab)) and len(top) == 2
     assert items[0].logprobs_out is None and items[1].logprobs_out is None
-    assert read == [2]  # one read-back, for the plain step's two host rows
+    assert read == [2]  # one read-back, for the plain step's host row (its second)

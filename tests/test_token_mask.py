@@ -144,11 +144,17 @@ def test_logprobs_or_too_much_bias_fall_back_to_the_host(fake, monkeypatch):  # 
     vocab = runner.plan.values["logits"].width
     con = StepItem(0, [5], 7, [0], True, GREEDY, allowed=pack_bits({3}, vocab))
     lp = StepItem(1, [6], 7, [1], True, SamplingParams(temperature=0.0, logprobs=2))
-    assert runner._sampling_kind([con]) == MASKED + "greedy"
-    assert runner._sampling_kind([con, lp]) == "host"
+    assert runner._sampling_kind([con]) == MASKED + "greedy" and runner._host_rows == []
+    # a logprobs row: sampled on the host from raw logits (no device entries), the others stay
     hot = SamplingParams(temperature=0.9, seed=1, presence_penalty=0.5, logit_bias=((4, 2.0),))
     pen = StepItem(2, [6], 7, [1], True, hot, history=[4, 4], prompt_len=1, num_generated=1)
-    assert runner._sampling_kind([con, pen]) == MASKED + "penalised"
+    lp_all = StepItem(3, [6], 7, [1], True, SamplingParams(logprobs=1, presence_penalty=0.5, logit_bias=((5, 1.0),)),
+                      history=[5, 5], prompt_len=1, num_generated=1, allowed=pack_bits({5}, vocab))
+    assert runner._sampling_kind([con, lp]) == MASKED + "greedy" and runner._host_rows == [1]
+    assert runner._sampling_kind([lp]) == "greedy" and runner._host_rows == [0]
+    assert runner._sampling_kind([con, pen, lp_all]) == MASKED + "penalised" and runner._host_rows == [2]
+    assert runner._prep.slot[:3].tolist() == [0, -1, -1] and runner._prep.start[:4].tolist() == [0, 0, 1, 1]
+    assert runner._pen[0] == 1 and runner._pen[4:7].tolist() == [1, 4, 2 * 1]  # row 1's entry only
     monkeypatch.setattr(runner._prep, "capacity", 0)
     assert runner._sampling_kind([con, pen]) == "host"
 
@@ -205,3 +211,13 @@ def test_token_mask_renders_and_compiles_for_every_profile_arch(tmp_path):
     for arch in _profile_archs():
         stats = KernelBuilder(arch, cache=KernelCache(tmp_path), no_compile=False).build_all(list(specs), progress=None)
         assert all(k.cubin for k in stats.kernels)
+
+
+def test_a_masked_prefill_head_runs_the_kernel_on_its_row(fake):  # noqa: F811
+    runner, drv = fake
+    vocab = runner.plan.values["logits"].width
+    drv.h2d.clear()
+    runner.step([StepItem(0, list(range(1, 21)), 0, [0, 1], True, GREEDY, allowed=pack_bits({4}, vocab))])
+    names = [(n, g) for n, g, _ in drv.launches]
+    assert names[-2][0].startswith("token_mask") and names[-2][1] == (1, 1, 1) and names[-1][0].startswith("argmax")
+    assert drv.h2d[-1] == runner._prep.offsets["mask_words"] - runner._prep.offset + 4 * runner._prep.width
