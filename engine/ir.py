@@ -245,6 +245,8 @@ ROPE_FREQ = "rope_freq"  # a computed weight: per-pair divisors of theta^(-2i/ro
 PENALTY_CAPACITY = 65536  # (row, token) penalty entries one step can upload; more -> host sampling
 BIAS_CAPACITY = 4096  # (token, value) logit-bias entries one step can upload; more -> host sampling
 MASKED = "masked_"  # prefix of the sampling kinds that run the token_mask kernel first
+LOGPROBS = "_lp"  # suffix of the masked kinds that end with the logprobs kernel
+LP_SLOTS = 16  # rows per step whose logprobs the device computes; more -> those rows on the host
 
 
 def cdiv(a: int, b: int) -> int:

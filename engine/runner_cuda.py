@@ -6,10 +6,10 @@ cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step
 items eagerly (one chunk at a time, the head on the last row only), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
 block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
-of the sampled ids. Logit bias and constraint masks are applied on the device (engine.logit_prep
-packs them beside the inputs; a masked or penalised step uploads its entries with a second copy);
-rows asking for logprobs, and steps with more penalty or bias entries than the buffers hold, are
-sampled on the host from their logits. All driver calls go through engine.cuda.
+of the sampled ids. Logit bias, constraint masks and logprobs are computed on the device
+(engine.logit_prep packs them beside the inputs; a masked or penalised step uploads its entries
+with a second copy); steps with more logprobs rows, penalty or bias entries than the buffers hold
+sample those rows on the host from their logits. All driver calls go through engine.cuda.
 """
 
 from __future__ import annotations
@@ -411,6 +411,12 @@ class CudaRunner(StepLogic, WeightLoading):
     def _ids_to_host(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` sampled ids into the pinned out_ids view."""
         cuda.dtoh(self._views["out_ids"][:rows], self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+
+    def _logprobs_to_host(self) -> None:
+        """Copy the logprobs kernel's outputs of the last step into their pinned views (and wait)."""
+        lo, hi = self._prep.out_range()
+        cuda.dtoh(self._in_host.bytes[lo:hi], self._in_dev.ptr + lo, self.stream)
+        self.stream.synchronize()
 
     def read_logits(self, rows: int) -> np.ndarray:
         """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""

@@ -1,8 +1,8 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
 and decode rows, each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
-ahead), the step's sampling kind (logit bias and constraint masks packed for the device's token_mask
-step by engine.logit_prep), the sampled ids read back (rows asking for logprobs, and steps with more
-penalty or bias entries than the device buffers hold, re-sampled on the host); speculative verify
+ahead), the step's sampling kind (logit bias, constraint masks and logprobs packed for the device's
+token_mask and logprobs steps by engine.logit_prep), the sampled ids and logprobs read back (rows
+past the device buffers' capacity re-sampled on the host); speculative verify
 delegated to engine.spec.cuda_verify. ``StepLogic`` is CudaRunner's base
 class; every device call goes through CudaRunner's own methods (engine.runner_cuda), so this
 module never touches the driver. Must not import CUDA.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.ir import MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
+from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
 from engine.logit_prep import on_device
 from engine.sampling import penalty_entries, sample_item
 from engine.types import MemraError, StepItem
@@ -230,20 +230,24 @@ class StepLogic:
     def _sampling_kind(self, items: Sequence[StepItem]) -> str:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), as
         masked_<kind> when a row has a logit bias or a constraint mask (the token_mask inputs are
-        packed too), or host: the step has more penalty or bias entries than the device buffers
-        hold, so every row needing more than a plain sample is re-sampled on the host from its
-        logits after a plain sample pass. Rows asking for logprobs (``_host_rows``) get no device
-        entries, so their logits stay raw, and are re-sampled on the host whatever the kind."""
-        self._host_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
+        packed too), masked_<kind>_lp when rows ask for logprobs (at most LP_SLOTS: the logprobs
+        kernel computes them after the sampler), or host: the step has more penalty or bias entries
+        than the device buffers hold, so every row needing more than a plain sample is re-sampled on
+        the host from its logits after a plain sample pass. With more than LP_SLOTS logprobs rows,
+        those rows (``_host_rows``) get no device entries, so their logits stay raw, and are
+        re-sampled on the host."""
+        lp_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
+        device_lp = len(lp_rows) <= LP_SLOTS
+        self._host_rows = [] if device_lp else lp_rows
         skip = frozenset(self._host_rows)
         kind = self._penalty_kind(items, skip)
         if kind == "host" or not any(on_device(it) for r, it in enumerate(items) if r not in skip):
             return kind
-        size = self._prep.pack(items, skip)
+        size = self._prep.pack(items, skip, logprobs=device_lp)
         if size is None:
             return "host"
         self._prep_bytes = size
-        return MASKED + kind
+        return MASKED + kind + (LOGPROBS if self._prep.lp_rows else "")
 
     def _penalty_kind(self, items: Sequence[StepItem], skip: frozenset[int]) -> str:
         if not any(it.sampling.uses_penalties for r, it in enumerate(items) if r not in skip):
@@ -327,9 +331,13 @@ class StepLogic:
         return self._host_sample(items, ids, kind)
 
     def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:
-        """Rows re-sampled on the host from their logits (engine.sampling.sample_item): those asking
-        for logprobs, and in a ``host`` step (more penalty or bias entries than the device buffers
-        hold) every row with penalties, logit bias or a mask; every other row keeps its id."""
+        """The device's logprobs of a ``_lp`` step into the items, then rows re-sampled on the host
+        from their logits (engine.sampling.sample_item): logprobs rows past LP_SLOTS, and in a
+        ``host`` step (more penalty or bias entries than the device buffers hold) every row with
+        penalties, logit bias, a mask or logprobs; every other row keeps its id."""
+        if kind.endswith(LOGPROBS):
+            self._logprobs_to_host()
+            self._prep.logprobs_out(items)
         if kind == "host":
             rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
         else:

@@ -69,8 +69,8 @@ class SamplingParams:
     @property
     def needs_host(self) -> bool:
         """Features beyond plain sampling (engine.sampling.sample_item): logit bias and log
-        probabilities. The CUDA runner applies a bias on the device (token_mask) and samples rows
-        asking for logprobs on the host from their logits; such requests never speculate."""
+        probabilities. The CUDA runner does both on the device (kernels token_mask, logprobs);
+        such requests never speculate."""
         return bool(self.logit_bias) or self.logprobs is not None
 
 

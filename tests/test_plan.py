@@ -389,6 +389,7 @@ def test_every_real_template_spec_renders(family, size, quant):
         "sample",
         "penalties",
         "token_mask",
+        "logprobs",
     }
     assert wgmma <= {s.template for s in real}
     for spec in real:

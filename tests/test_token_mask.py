@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_plan_runner_fake import GREEDY, fake  # noqa: F401  (the fake-driver runner fixture)
 
-from engine.ir import MASKED
+from engine.ir import LOGPROBS, MASKED
 from engine.logit_prep import PrepBlock, on_device
 from engine.sampling import apply_logit_bias, apply_token_mask, mask_words, unpack_mask
 from engine.types import MemraError, SamplingParams, StepItem
@@ -102,7 +102,8 @@ def test_packing_over_capacity_or_with_an_empty_mask():
 def test_which_rows_the_device_step_serves():
     assert on_device(_item(0, allowed=pack_bits({1}, 8)))
     assert on_device(_item(0, SamplingParams(logit_bias=((1, 1.0),))))
-    assert not on_device(_item(0, SamplingParams(logprobs=2)))
+    assert on_device(_item(0, SamplingParams(logprobs=2)))
+    assert not on_device(_item(0, SamplingParams(temperature=0.3, repetition_penalty=1.2)))
     assert not on_device(_item(0, SamplingParams(logit_bias=((1, 1.0),)), sample=False))
 
 
@@ -139,24 +140,49 @@ def test_masked_decode_runs_the_kernel_inside_the_graph_with_its_entries(fake): 
     assert not any(n.startswith("token_mask") for n, _, _ in drv.launches)
 
 
-def test_logprobs_or_too_much_bias_fall_back_to_the_host(fake, monkeypatch):  # noqa: F811
+def test_logprobs_kinds_and_the_host_fallbacks(fake, monkeypatch):  # noqa: F811
+    import engine.runner_steps as rs
+
     runner, _ = fake
     vocab = runner.plan.values["logits"].width
     con = StepItem(0, [5], 7, [0], True, GREEDY, allowed=pack_bits({3}, vocab))
     lp = StepItem(1, [6], 7, [1], True, SamplingParams(temperature=0.0, logprobs=2))
     assert runner._sampling_kind([con]) == MASKED + "greedy" and runner._host_rows == []
-    # a logprobs row: sampled on the host from raw logits (no device entries), the others stay
+    # logprobs rows on the device: a slot each (raw copy + the logprobs kernel after the sampler)
+    assert runner._sampling_kind([con, lp]) == MASKED + "greedy" + LOGPROBS and runner._host_rows == []
+    assert runner._prep.lp_slot[:2].tolist() == [-1, 0] and runner._prep.lp_k[0] == 2
+    assert runner._prep.lp_rows == [(1, 0)]
     hot = SamplingParams(temperature=0.9, seed=1, presence_penalty=0.5, logit_bias=((4, 2.0),))
     pen = StepItem(2, [6], 7, [1], True, hot, history=[4, 4], prompt_len=1, num_generated=1)
     lp_all = StepItem(3, [6], 7, [1], True, SamplingParams(logprobs=1, presence_penalty=0.5, logit_bias=((5, 1.0),)),
                       history=[5, 5], prompt_len=1, num_generated=1, allowed=pack_bits({5}, vocab))
+    assert runner._sampling_kind([con, pen, lp_all]) == MASKED + "penalised" + LOGPROBS
+    assert runner._pen[0] == 2 and runner._prep.start[:4].tolist() == [0, 0, 1, 2]
+    # more logprobs rows than slots: those rows get no device entries (raw logits) and go to the host
+    monkeypatch.setattr(rs, "LP_SLOTS", 0)
     assert runner._sampling_kind([con, lp]) == MASKED + "greedy" and runner._host_rows == [1]
     assert runner._sampling_kind([lp]) == "greedy" and runner._host_rows == [0]
     assert runner._sampling_kind([con, pen, lp_all]) == MASKED + "penalised" and runner._host_rows == [2]
     assert runner._prep.slot[:3].tolist() == [0, -1, -1] and runner._prep.start[:4].tolist() == [0, 0, 1, 1]
     assert runner._pen[0] == 1 and runner._pen[4:7].tolist() == [1, 4, 2 * 1]  # row 1's entry only
+    assert (runner._prep.lp_slot == -1).all()
     monkeypatch.setattr(runner._prep, "capacity", 0)
     assert runner._sampling_kind([con, pen]) == "host"
+
+
+def test_logprobs_outputs_become_the_items_logprobs(fake):  # noqa: F811
+    runner, drv = fake
+    items = [StepItem(0, [5], 7, [0], True, GREEDY), StepItem(1, [6], 7, [1], True, SamplingParams(temperature=0.0, logprobs=3))]
+    p = runner._prep
+    p.lp_ids[0, :3] = [9, 4, 7]
+    p.lp_vals[0, :4] = [-1.5, -0.25, -0.5, -0.75]
+    drv.launches.clear()
+    runner.step(items)  # the fake device copies nothing back: the values set above stay
+    names = [n for n, _, _ in drv.launches]
+    assert names[-3].startswith("token_mask") and names[-2].startswith("argmax") and names[-1].startswith("logprobs")
+    assert items[1].logprobs_out == (-1.5, [(9, -0.25), (4, -0.5), (7, -0.75)]) and items[0].logprobs_out is None
+    lo, hi = p.out_range()
+    assert lo == p.offsets["lp_ids"] and hi == p.offsets["lp_vals"] + 4 * 21
 
 
 def test_the_constrained_driver_on_the_reference(tiny_llama_dir):
@@ -188,8 +214,8 @@ def test_the_constrained_driver_on_the_reference(tiny_llama_dir):
     assert solo[0].out == rows[1].out
 
 
-def test_token_mask_renders_and_compiles_for_every_profile_arch(tmp_path):
-    """The template through NVRTC on every profile's arch, with a vocabulary of whole words and one
+def test_token_mask_and_logprobs_compile_for_every_profile_arch(tmp_path):
+    """The templates through NVRTC on every profile's arch, with a vocabulary of whole words and one
     with a tail word (the plan's specs compile with the others in tests/test_kernels_compile.py)."""
     from test_kernels_compile import _nvrtc_ok, _profile_archs
 
@@ -199,13 +225,17 @@ def test_token_mask_renders_and_compiles_for_every_profile_arch(tmp_path):
     from engine.profile import all_profiles
     from engine.render import render
 
-    specs = {kc.spec("token_mask", vocab=v, ld=v, threads=p.tuning["sampling"]["threads"])
-             for p in all_profiles().values() for v in (151936, 1003)}
+    threads = {p.tuning["sampling"]["threads"] for p in all_profiles().values()}
+    specs = {kc.spec("token_mask", vocab=v, ld=v, threads=t) for t in threads for v in (151936, 1003)}
+    specs |= {kc.spec("logprobs", vocab=v, threads=t, top=kc.LP_TOP) for t in threads for v in (151936, 1003)}
     for s in specs:
         src = render(s)
-        assert f"{s.entry}(" in src and "#define W ((V + 31) / 32)" in src
+        assert f"{s.entry}(" in src
     c = kc.choice("token_mask", vocab=1003, ld=1003, threads=256)
-    assert c.grid(5) == (5, 1, 1) and [a for a, _ in c.args] == ["logits", "slot", "bias_start", "bias", "words", "rows"]
+    assert c.grid(5) == (5, 1, 1)
+    assert [a for a, _ in c.args] == ["logits", "slot", "bias_start", "bias", "words", "lp_slot", "raw", "rows"]
+    c = kc.choice("logprobs", vocab=1003, threads=256, top=20)
+    assert c.grid(3) == (3, 1, 1) and [a for a, _ in c.args] == ["raw", "lp_slot", "lp_k", "ids", "top_ids", "vals", "rows"]
     if not _nvrtc_ok():
         pytest.skip("NVRTC or CUDA headers not available")
     for arch in _profile_archs():
@@ -221,3 +251,26 @@ def test_a_masked_prefill_head_runs_the_kernel_on_its_row(fake):  # noqa: F811
     names = [(n, g) for n, g, _ in drv.launches]
     assert names[-2][0].startswith("token_mask") and names[-2][1] == (1, 1, 1) and names[-1][0].startswith("argmax")
     assert drv.h2d[-1] == runner._prep.offsets["mask_words"] - runner._prep.offset + 4 * runner._prep.width
+
+
+def test_the_logprobs_capacity_is_the_apis():
+    from engine.kernel_catalog import LP_TOP
+    from engine.sampling import MAX_LOGPROBS
+
+    assert LP_TOP == MAX_LOGPROBS
+
+
+def test_logprobs_slots_are_packed_in_row_order_and_capped():
+    from engine.ir import LP_SLOTS
+
+    block = PrepBlock(LP_SLOTS + 2, 50, 0)
+    block.bind(np.zeros(block.nbytes, np.uint8))
+    lp = [_item(r, SamplingParams(logprobs=r % 21)) for r in range(LP_SLOTS + 1)]
+    with pytest.raises(ValueError, match="logprobs"):
+        block.pack(lp, logprobs=True)
+    size = block.pack([_item(0), lp[5], lp[7], _item(3, SamplingParams(logprobs=2), sample=False)], logprobs=True)
+    assert block.lp_slot[:5].tolist() == [-1, 0, 1, -1, -1] and block.lp_k[:2].tolist() == [5, 7]
+    assert block.lp_rows == [(1, 0), (2, 1)] and size == block.offsets["mask_words"]  # no masked row
+    assert block.offsets["lp_ids"] >= block.offsets["mask_words"] + 4 * block.rows * block.width  # outputs after the upload
+    block.pack([lp[5]])  # without device logprobs: no slot
+    assert (block.lp_slot == -1).all() and block.lp_rows == []

@@ -178,18 +178,30 @@ def test_bias_sampled_and_penalised_masked_rows_equal_engine_sampling(stack, use
     assert ids[4] == int(np.argmax(base[4]))
     again = runner.step(items)  # the same seed and counter: the same draw
     assert again[1] == ids[1]
-    # a row asking for logprobs beside them: its logits stay raw (no device entries) and the host
-    # samples it (bias, mask, logprobs of the raw logits); the masked rows keep the device's ids
+    # rows asking for logprobs beside them (bias, mask and penalties too, and one sampled): on the
+    # device, equal to the host sampler's ids and to the logprobs of the raw logits; then the same
+    # step with the device's logprobs slots exhausted, so those rows go to the host
+    import engine.runner_steps as rs
     from engine.sampling import sample_item, token_logprobs
 
     lp_sp = SamplingParams(temperature=0.0, logprobs=3, logit_bias=bias, repetition_penalty=1.3)
-    mixed = [items[0], row(1, lp_sp, bits[1]), items[2], items[3], items[4]]
-    ids = runner.step(mixed)
-    got = runner.read_logits(5)
-    assert np.array_equal(got[1], base[1]), "the logprobs row's logits were modified on the device"
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2]) and ids[0] == int(np.argmax(want[0]))
-    check = row(1, lp_sp, bits[1])
-    assert ids[1] == sample_item(base[1], check) and ids[1] in allowed[1]
-    lp, top = mixed[1].logprobs_out
-    want_lp, want_top = token_logprobs(base[1], ids[1], 3)
-    assert lp == pytest.approx(want_lp, abs=1e-6) and top == [(t, pytest.approx(v, abs=1e-6)) for t, v in want_top]
+    lp_hot = SamplingParams(temperature=1.0, seed=5, logprobs=20)
+    for slots in (rs.LP_SLOTS, 0):
+        rs.LP_SLOTS, saved = slots, rs.LP_SLOTS
+        try:
+            mixed = [items[0], row(1, lp_sp, bits[1]), items[2], items[3], row(4, lp_hot)]
+            ids = runner.step(mixed)
+        finally:
+            rs.LP_SLOTS = saved
+        got = runner.read_logits(5)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2]) and ids[0] == int(np.argmax(want[0]))
+        for i in (1, 4):
+            check = row(i, mixed[i].sampling, mixed[i].allowed)
+            if i == 1 or slots == 0:  # (the device's seeded draw is not numpy's: greedy or host only)
+                assert ids[i] == sample_item(base[i], check), (slots, i)
+            lp, top = mixed[i].logprobs_out
+            want_lp, want_top = token_logprobs(base[i], ids[i], mixed[i].sampling.logprobs)
+            assert lp == pytest.approx(want_lp, abs=1e-4), (slots, i)
+            assert [t for t, _ in top] == [t for t, _ in want_top], (slots, i)
+            np.testing.assert_allclose([v for _, v in top], [v for _, v in want_top], atol=1e-4)
+        assert ids[1] in allowed[1]

@@ -1,9 +1,12 @@
-"""The token_mask kernel (kernels/token_mask.cu.j2) against engine.sampling on a real GPU: random
-logits, random constraint masks (sparse, dense, one token, a mask narrower than the vocabulary) and
-random logit-bias lists (repeated tokens, ids past the vocabulary), packed by engine.logit_prep as
-the runner packs them. Masked rows must equal apply_token_mask(apply_logit_bias(row)) bit for bit,
-unmasked rows must be untouched, a poisoned row past the grid must stay NaN, and the sample kernel
-run after it must pick only allowed tokens (greedy rows: the masked argmax). Skipped without a GPU.
+"""The token_mask and logprobs kernels (kernels/token_mask.cu.j2, kernels/logprobs.cu.j2) against
+engine.sampling on a real GPU: random logits, random constraint masks (sparse, dense, one token, a
+mask narrower than the vocabulary), random logit-bias lists (repeated tokens, ids past the
+vocabulary) and rows asking for logprobs, packed by engine.logit_prep as the runner packs them.
+Masked rows must equal apply_token_mask(apply_logit_bias(row)) bit for bit, unmasked rows must be
+untouched, a poisoned row past the grid must stay NaN, the raw copy of a logprobs row must be its
+raw logits, the sample kernel run after it must pick only allowed tokens (greedy rows: the masked
+argmax), and the logprobs kernel must give engine.sampling.token_logprobs of the raw logits (its
+unused slots left poisoned). Skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import pytest
 from gpu_harness import poisoned, upload
 
 from engine import kernel_catalog as kc
+from engine.ir import LP_SLOTS
 from engine.logit_prep import PrepBlock
-from engine.sampling import apply_logit_bias, apply_token_mask, unpack_mask
+from engine.sampling import apply_logit_bias, apply_token_mask, token_logprobs, unpack_mask
 from engine.types import SamplingParams, StepItem
 
 
@@ -43,7 +47,8 @@ def _random_items(rng, S: int, V: int) -> list[StepItem]:
             toks += toks[:2]  # repeated tokens: added twice, in order
             bias = tuple((int(t), float(np.float32(rng.uniform(-100, 100)))) for t in toks)
         temp = 0.0 if r % 2 == 0 else 1.0
-        sp = SamplingParams(temperature=temp, logit_bias=bias, seed=r)
+        lp = int(rng.integers(0, 21)) if r % 5 == 2 and r < 5 * LP_SLOTS else None  # k 0..20
+        sp = SamplingParams(temperature=temp, logit_bias=bias, seed=r, logprobs=lp)
         items.append(StepItem(r, [1], 3, [0], True, sp, allowed=allowed))
     return items
 
@@ -57,19 +62,25 @@ def test_token_mask_equals_the_host_samplers_bias_and_mask(kernels, profile, V):
     block = PrepBlock(S, V, 0)
     raw = np.zeros(block.nbytes, np.uint8)
     block.bind(raw)
-    assert block.pack(items) is not None
+    assert block.pack(items, logprobs=True) is not None and block.lp_rows
     logits = (rng.standard_normal((S, V)) * 4).astype(np.float32)
     dev = poisoned((S + 1, V), "f32")  # row S stays NaN: past the grid
     from engine import cuda
 
     cuda.htod(dev.ptr, logits)
     c = kc.choice("token_mask", vocab=V, ld=V, threads=t)
+    raw = poisoned((LP_SLOTS, V), "f32")
+    lp_slot = upload(block.lp_slot, "i32")
     kernels.launch(
         c, S, logits=dev, slot=upload(block.slot, "i32"), bias_start=upload(block.start, "i32"),
         bias=upload(block.entries.reshape(-1), "i32"), words=upload(block.words.view(np.int32).reshape(-1), "i32"),
-        rows=S,
+        lp_slot=lp_slot, raw=raw, rows=S,
     )
     got = dev.get().astype(np.float32)
+    raw_got = raw.get().astype(np.float32)
+    for r, s in block.lp_rows:
+        assert np.array_equal(raw_got[s], logits[r]), f"row {r}: raw copy"
+    assert np.isnan(raw_got[len(block.lp_rows) :]).all(), "token_mask wrote an unused raw slot"
     assert np.isnan(got[S]).all(), "token_mask wrote past its rows"
     for r, it in enumerate(items):
         want = apply_logit_bias(logits[r], it.sampling.logit_bias) if it.sampling.logit_bias else logits[r]
@@ -88,6 +99,20 @@ def test_token_mask_equals_the_host_samplers_bias_and_mask(kernels, profile, V):
         seed=upload(seeds, "i64"), step=upload(np.arange(S, dtype=np.int32), "i32"), rows=S,
     )
     ids = out.get()
+    top_ids, vals = poisoned((LP_SLOTS, kc.LP_TOP), "i32"), poisoned((LP_SLOTS, kc.LP_TOP + 1), "f32")
+    cl = kc.choice("logprobs", vocab=V, threads=t, top=kc.LP_TOP)
+    kernels.launch(
+        cl, S, raw=raw, lp_slot=lp_slot, lp_k=upload(block.lp_k, "i32"), ids=out, top_ids=top_ids, vals=vals, rows=S
+    )
+    got_ids, got_vals = top_ids.get(), vals.get()
+    for r, s in block.lp_rows:
+        k = int(block.lp_k[s])
+        want_lp, want_top = token_logprobs(logits[r], int(ids[r]), k)
+        assert got_vals[s, 0] == pytest.approx(want_lp, abs=2e-4), r
+        assert got_ids[s, :k].tolist() == [tok for tok, _ in want_top], r
+        np.testing.assert_allclose(got_vals[s, 1 : 1 + k], [v for _, v in want_top], atol=2e-4)
+        assert (got_ids[s, k:] == -1).all() and np.isnan(got_vals[s, 1 + k :]).all(), f"row {r}: wrote past k"
+    assert (got_ids[len(block.lp_rows) :] == -1).all() and np.isnan(got_vals[len(block.lp_rows) :]).all()
     for r, it in enumerate(items):
         if it.allowed is not None:
             assert unpack_mask(it.allowed, V)[ids[r]], f"row {r} sampled masked token {ids[r]}"
