@@ -116,7 +116,6 @@ class PrepBlock:
         self.start[len(items) + 1 :] = total
         return self.offsets["mask_words"] - self.offset + 4 * slots * self.width
 
-
     def out_range(self) -> tuple[int, int]:
         """Byte range (from the block's start) of the last pack's logprobs outputs to copy back."""
         lo = self.offsets["lp_ids"]
