@@ -401,7 +401,7 @@ class CudaRunner(StepLogic, WeightLoading):
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
         _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
-        if kind.endswith("penalised"):
+        if "penalised" in kind:  # penalised, masked_penalised, masked_penalised_lp
             lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
             _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
         if kind.startswith(MASKED):

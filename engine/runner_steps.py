@@ -36,7 +36,7 @@ def _on_host(it: StepItem) -> bool:
 
 
 def _wants_logprobs(it: StepItem) -> bool:
-    """Rows only the host sampler handles: log probabilities of the raw logits."""
+    """Rows asking for the log probabilities of their raw logits."""
     return it.sample and it.sampling.logprobs is not None
 
 
@@ -315,7 +315,7 @@ class StepLogic:
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
         # a graph without penalty or token_mask entries copies the inputs in and the sampled ids
         # out itself (pinned host memory): one driver call per step, then the wait
-        io = self.use_graphs and not (kind.endswith("penalised") or kind.startswith(MASKED))
+        io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
         if not io:
             self._upload_inputs(bucket, kind)
         if self.use_graphs:

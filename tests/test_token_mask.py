@@ -158,6 +158,12 @@ def test_logprobs_kinds_and_the_host_fallbacks(fake, monkeypatch):  # noqa: F811
                       history=[5, 5], prompt_len=1, num_generated=1, allowed=pack_bits({5}, vocab))
     assert runner._sampling_kind([con, pen, lp_all]) == MASKED + "penalised" + LOGPROBS
     assert runner._pen[0] == 2 and runner._prep.start[:4].tolist() == [0, 0, 1, 2]
+    h2d = []
+    import engine.runner_cuda as rc
+
+    monkeypatch.setattr(rc, "_call_htod", lambda ptr, host, stream: h2d.append(host.nbytes))
+    runner._upload_inputs(4, MASKED + "penalised" + LOGPROBS)  # rows, penalty entries, token_mask block
+    assert h2d[1:] == [(4 + 3 * 2) * 4, runner._prep_bytes]
     # more logprobs rows than slots: those rows get no device entries (raw logits) and go to the host
     monkeypatch.setattr(rs, "LP_SLOTS", 0)
     assert runner._sampling_kind([con, lp]) == MASKED + "greedy" and runner._host_rows == [1]

@@ -195,6 +195,7 @@ def test_bias_sampled_and_penalised_masked_rows_equal_engine_sampling(stack, use
             rs.LP_SLOTS = saved
         got = runner.read_logits(5)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2]) and ids[0] == int(np.argmax(want[0]))
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-5)  # penalties beside logprobs rows
         for i in (1, 4):
             check = row(i, mixed[i].sampling, mixed[i].allowed)
             if i == 1 or slots == 0:  # (the device's seeded draw is not numpy's: greedy or host only)
