@@ -206,3 +206,64 @@ def test_bias_sampled_and_penalised_masked_rows_equal_engine_sampling(stack, use
             assert [t for t, _ in top] == [t for t, _ in want_top], (slots, i)
             np.testing.assert_allclose([v for _, v in top], [v for _, v in want_top], atol=1e-4)
         assert ids[1] in allowed[1]
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_and_logprobs_through_the_cuda_engine(smollm2_path):
+    """The default model on the CUDA runner through the engine loop (the serving path: masks from
+    llguidance each step, applied on the device): a json_schema request gives schema-valid JSON, a
+    logprobs request beside it gets top_logprobs computed on the device, and an unconstrained
+    request runs in the same batch (its exactness is the tiny model's test above)."""
+    from engine import grammar
+    from engine.loop import Engine, EngineConfig
+    from engine.model import load_model
+    from engine.runner_cuda import CudaRunner
+    from engine.tokenizer import load_tokenizer
+    from engine.types import GenerationRequest
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    model = load_model(smollm2_path)
+    tok = load_tokenizer(model.weights)
+    runner = CudaRunner(model, num_blocks=256, max_model_len=2048)
+
+    def prompt(text):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    def run(reqs):
+        e = Engine(runner, tok, EngineConfig(max_running=8))
+        try:
+            hs = [e.submit(r) for r in reqs]
+            e.start()
+            return [list(h) for h in hs]
+        finally:
+            e.shutdown(5)
+
+    try:
+        con = grammar.build_constraint(tok, grammar.json_grammar(schema))
+        reqs = [
+            GenerationRequest("json", prompt("Give me a person: name and age."), GREEDY, max_tokens=64, constraint=con),
+            GenerationRequest("lp", prompt("What is 2 + 2?"), SamplingParams(temperature=0.0, logprobs=5), max_tokens=8),
+            GenerationRequest("free", prompt("Write a haiku about the sea."), GREEDY, max_tokens=24),
+        ]
+        evs = run(reqs)
+    finally:
+        runner.close()
+    text = "".join(ev.text for ev in evs[0])
+    assert evs[0][-1].finish_reason == "stop", (evs[0][-1], text)
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and len(obj["name"]) <= 20
+    assert isinstance(obj["age"], int) and obj["age"] >= 0
+    lps = [x for ev in evs[1] for x in (ev.logprobs or [])]
+    toks = [t for ev in evs[1] for t in ev.token_ids]
+    assert len(lps) == len(toks) > 0
+    for tok_id, (lp, top) in zip(toks, lps, strict=True):
+        assert len(top) == 5 and lp <= 0 and all(b[1] <= a[1] for a, b in zip(top, top[1:], strict=False))
+        assert top[0][0] == tok_id and lp == pytest.approx(top[0][1], abs=1e-6)  # greedy: the top token
+    free = [t for ev in evs[2] for t in ev.token_ids]
+    assert evs[2][-1].finish_reason in ("stop", "length") and free
+    print(f"\nSmolLM2 on CUDA: json {text!r}; beside it {tok.decode(free)!r}")
