@@ -130,6 +130,23 @@ def test_an_unconstrained_row_is_untouched_by_a_masked_neighbour(stack, use_grap
         _check_against_reference(masked[1], solo[0], "batched vs solo")
 
 
+def test_masked_graph_replay_is_bit_identical_to_eager(stack):
+    runner, _, tok = stack
+    eos = set(tok.eos_token_ids)
+    p_con, p_free = _prompts(tok)
+    runs = []
+    for graphs in (True, False):
+        runner.use_graphs = graphs
+        lp = SamplingParams(temperature=0.0, logprobs=5)
+        runs.append(generate(runner, [Row(p_con, _constraint(tok)), Row(p_free, sampling=lp)], 24, eos, first_block=8))
+    runner.use_graphs = True
+    for a, b in zip(*runs, strict=True):
+        assert a.out == b.out and a.lps == b.lps
+        for x, y in zip(a.logits, b.logits, strict=True):
+            assert np.array_equal(x, y)
+    assert all(lp is not None and len(lp[1]) == 5 for lp in runs[0][1].lps)
+
+
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_bias_sampled_and_penalised_masked_rows_equal_engine_sampling(stack, use_graphs):
     runner, _, tok = stack
