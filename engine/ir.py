@@ -206,7 +206,7 @@ class Plan:
     buffers: tuple[BufferPlan, ...]
     values: dict[str, Value]
     steps: tuple[Step, ...]
-    sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" -> launches on logits
+    sampling: dict[str, tuple[Launch, ...]]  # "greedy" / "sample" / "masked_greedy"... -> launches on logits
     scratch: tuple[ScratchPlan, ...]
     short_context: int  # decode rows all below this position use the ``short`` launches (attention, rope)
     max_tokens: int  # arena rows: max(prefill chunk, largest graph bucket)
@@ -256,6 +256,10 @@ def kernel_specs(plan: Plan) -> list[KernelSpec]:
 WIDE = "decode_wide"  # the launches key of wide decode buckets: linear layers as tensor-core GEMMs
 ROPE_FREQ = "rope_freq"  # a computed weight: per-pair divisors of theta^(-2i/rope_dim), f32 [rope_dim/2]
 PENALTY_CAPACITY = 65536  # (row, token) penalty entries one step can upload; more -> host sampling
+BIAS_CAPACITY = 4096  # (token, value) logit-bias entries one step can upload; more -> host sampling
+MASKED = "masked_"  # prefix of the sampling kinds that run the token_mask kernel first
+LOGPROBS = "_lp"  # suffix of the masked kinds that end with the logprobs kernel
+LP_SLOTS = 16  # rows per step whose logprobs the device computes; more -> those rows on the host
 
 
 def cdiv(a: int, b: int) -> int:

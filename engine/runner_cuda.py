@@ -6,8 +6,10 @@ cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step
 items eagerly (one chunk at a time, the head on the last row only), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
 block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
-of the sampled ids (rows with penalties are re-sampled on the host from their logits). All
-driver calls go through engine.cuda.
+of the sampled ids. Logit bias, constraint masks and logprobs are computed on the device
+(engine.logit_prep packs them beside the inputs; a masked or penalised step uploads its entries
+with a second copy); steps with more logprobs rows, penalty or bias entries than the buffers hold
+sample those rows on the host from their logits. All driver calls go through engine.cuda.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.ir import PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.ir import MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.runner_state import StateSlots, state_inputs
@@ -262,7 +265,9 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         off += self._max_rows * self._table_ld * 4
         off = (off + 15) // 16 * 16
         self._pen_off = off
-        total = off + (4 + 3 * PENALTY_CAPACITY) * 4
+        off = (off + (4 + 3 * PENALTY_CAPACITY) * 4 + 15) // 16 * 16
+        self._prep = PrepBlock(self._max_rows, self.plan.values["logits"].width, off)  # token_mask inputs
+        total = off + self._prep.nbytes
         self._in_dev = cuda.alloc(total)
         self._in_host = cuda.PinnedBuffer(total)
         self._in_host.bytes[:] = 0
@@ -270,6 +275,10 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         self._in_off = {n: o for n, (o, _, _) in layout.items()}
         self._in_off["block_tables"] = self._tables_off
         self._in_off["pen_entries"] = self._pen_off
+        self._in_off.update(self._prep.offsets)
+        self._prep.bind(self._in_host.bytes)
+        self._prep_bytes = 0  # bytes of the last packed token_mask inputs
+        self._host_rows: list[int] = []  # rows of the last step sampled on the host (logprobs)
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
         # host-side bookkeeping that keeps a decode step's Python short: every block-table row holds
         # the sink block past _table_len[r] entries (so a step rewrites only what changed), rows'
@@ -400,13 +409,22 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
         _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
-        if kind == "penalised":
+        if "penalised" in kind:  # penalised, masked_penalised, masked_penalised_lp
             lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
+            _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
+        if kind.startswith(MASKED):
+            lo, hi = self._prep.offset, self._prep.offset + self._prep_bytes
             _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
 
     def _ids_to_host(self, rows: int) -> None:
         """Queue the copy of the first ``rows`` sampled ids into the pinned out_ids view."""
         cuda.dtoh(self._views["out_ids"][:rows], self._in_dev.ptr + self._in_off["out_ids"], self.stream)
+
+    def _logprobs_to_host(self) -> None:
+        """Copy the logprobs kernel's outputs of the last step into their pinned views (and wait)."""
+        lo, hi = self._prep.out_range()
+        cuda.dtoh(self._in_host.bytes[lo:hi], self._in_dev.ptr + lo, self.stream)
+        self.stream.synchronize()
 
     def read_logits(self, rows: int) -> np.ndarray:
         """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
@@ -493,8 +511,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
             self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
         self._run(self._eager[hkey])
         ids = self._read_ids(k).tolist()
-        if kind == "host":
-            ids = self._host_sample_penalised(hitems, ids)
+        ids = self._host_sample(hitems, ids, kind)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
 
     # ----------------------------------------------------------------------------- measurement

@@ -1,7 +1,8 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
 and decode rows, each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
-ahead), the sampled ids read back (rows with logit bias, logprobs or a constraint mask sampled on the host, and
-rows with more penalty entries than the device buffer holds re-sampled there); speculative verify
+ahead), the step's sampling kind (logit bias, constraint masks and logprobs packed for the device's
+token_mask and logprobs steps by engine.logit_prep), the sampled ids and logprobs read back (rows
+past the device buffers' capacity re-sampled on the host); speculative verify
 delegated to engine.spec.cuda_verify. ``StepLogic`` is CudaRunner's base
 class; every device call goes through CudaRunner's own methods (engine.runner_cuda), so this
 module never touches the driver. Must not import CUDA.
@@ -16,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.ir import PENALTY_CAPACITY, WIDE, Arg, launch_key
+from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
+from engine.logit_prep import on_device
 from engine.sampling import penalty_entries, sample_item
 from engine.types import MemraError, StepItem
 
@@ -28,8 +30,14 @@ PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequenc
 
 
 def _on_host(it: StepItem) -> bool:
-    """Rows only the host sampler handles: logit bias, logprobs, a constraint mask."""
+    """Rows a plain sample pass does not finish: logit bias, logprobs, a constraint mask (re-sampled
+    on the host when a step falls back to it)."""
     return it.sample and (it.allowed is not None or it.sampling.needs_host)
+
+
+def _wants_logprobs(it: StepItem) -> bool:
+    """Rows asking for the log probabilities of their raw logits."""
+    return it.sample and it.sampling.logprobs is not None
 
 
 def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
@@ -222,17 +230,34 @@ class StepLogic:
         v["repetition"][row] = 1.0
 
     def _sampling_kind(self, items: Sequence[StepItem]) -> str:
-        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), or
-        host: more penalty entries than the device buffer holds, so those rows are re-sampled on
-        the host from their logits after a plain sample pass."""
-        if any(_on_host(it) for it in items):  # logit bias, logprobs or a constraint mask
+        """greedy / sample / penalised (the penalty entries are written to the pinned inputs), as
+        masked_<kind> when a row has a logit bias or a constraint mask (the token_mask inputs are
+        packed too), masked_<kind>_lp when rows ask for logprobs (at most LP_SLOTS: the logprobs
+        kernel computes them after the sampler), or host: the step has more penalty or bias entries
+        than the device buffers hold, so every row needing more than a plain sample is re-sampled on
+        the host from its logits after a plain sample pass. With more than LP_SLOTS logprobs rows,
+        those rows (``_host_rows``) get no device entries, so their logits stay raw, and are
+        re-sampled on the host."""
+        lp_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
+        device_lp = len(lp_rows) <= LP_SLOTS
+        self._host_rows = [] if device_lp else lp_rows
+        skip = frozenset(self._host_rows)
+        kind = self._penalty_kind(items, skip)
+        if kind == "host" or not any(on_device(it) for r, it in enumerate(items) if r not in skip):
+            return kind
+        size = self._prep.pack(items, skip, logprobs=device_lp)
+        if size is None:
             return "host"
-        if not any(it.sampling.uses_penalties for it in items):
-            return "greedy" if all(it.sampling.greedy for it in items) else "sample"
+        self._prep_bytes = size
+        return MASKED + kind + (LOGPROBS if self._prep.lp_rows else "")
+
+    def _penalty_kind(self, items: Sequence[StepItem], skip: frozenset[int]) -> str:
+        if not any(it.sampling.uses_penalties for r, it in enumerate(items) if r not in skip):
+            return "greedy" if all(it.sampling.greedy for r, it in enumerate(items) if r not in skip) else "sample"
         vocab = self.plan.values["logits"].width
         parts, total = [], 0
         for r, it in enumerate(items):
-            if not it.sampling.uses_penalties:
+            if not it.sampling.uses_penalties or r in skip:
                 continue
             toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
             parts.append((r, toks, info))
@@ -291,9 +316,9 @@ class StepLogic:
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
-        # a graph without penalty entries copies the inputs in and the sampled ids out itself
-        # (pinned host memory): one driver call per step, then the wait
-        io = self.use_graphs and kind != "penalised"
+        # a graph without penalty or token_mask entries copies the inputs in and the sampled ids
+        # out itself (pinned host memory): one driver call per step, then the wait
+        io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
         if not io:
             self._upload_inputs(bucket, kind)
         if self.use_graphs:
@@ -306,12 +331,20 @@ class StepLogic:
                 )
             self._run(self._eager[key])
         ids = self._read_ids(n, copied=io).tolist()
-        return self._host_sample_penalised(items, ids) if kind == "host" else ids
+        return self._host_sample(items, ids, kind)
 
-    def _host_sample_penalised(self, items: Sequence[StepItem], ids: list[int]) -> list[int]:
-        """Rows with penalties re-sampled on the host from their logits (engine.sampling): only when a
-        step has more penalty entries than the device buffer holds; every other row keeps its id."""
-        rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
+    def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:
+        """The device's logprobs of a ``_lp`` step into the items, then rows re-sampled on the host
+        from their logits (engine.sampling.sample_item): logprobs rows past LP_SLOTS, and in a
+        ``host`` step (more penalty or bias entries than the device buffers hold) every row with
+        penalties, logit bias, a mask or logprobs; every other row keeps its id."""
+        if kind.endswith(LOGPROBS):
+            self._logprobs_to_host()
+            self._prep.logprobs_out(items)
+        if kind == "host":
+            rows = [r for r, it in enumerate(items) if it.sampling.uses_penalties or _on_host(it)]
+        else:
+            rows = self._host_rows
         if not rows:
             return ids
         logits = self.read_logits(max(rows) + 1)

@@ -204,12 +204,32 @@ def draw(p: np.ndarray, u: float) -> int:
     return idx
 
 
+def _words(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    w = (vocab + 31) // 32
+    src = np.asarray(allowed).view(np.uint32).reshape(-1)
+    out = np.zeros(w, dtype=np.uint32)
+    out[: min(w, src.size)] = src[:w]
+    if vocab % 32:
+        out[-1] &= np.uint32((1 << (vocab % 32)) - 1)
+    return out
+
+
+def mask_words(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    """A constraint's packed bitmask (int32 words, bit ``t % 32`` of word ``t // 32`` set when token
+    ``t`` may be sampled) over a vocabulary of ``vocab`` logits: uint32 [ceil(vocab / 32)], words
+    the mask does not reach are 0 (tokens it does not cover are forbidden), bits of ids >= vocab
+    cleared. MemraError when it allows no token of this vocabulary (a constraint that cannot
+    continue). The one definition of the mask's meaning: apply_token_mask and the device's
+    token_mask inputs (engine.logit_prep) both take it from here."""
+    out = _words(allowed, vocab)
+    if not out.any():
+        raise MemraError("the output constraint allows no token at this point", code="engine_error")
+    return out
+
+
 def unpack_mask(allowed: np.ndarray, vocab: int) -> np.ndarray:
     """A packed int32 bitmask (bit ``t % 32`` of word ``t // 32``) as a bool array [vocab]."""
-    words = np.asarray(allowed).view(np.uint32).reshape(-1)
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-    if bits.size < vocab:
-        bits = np.concatenate([bits, np.zeros(vocab - bits.size, dtype=np.uint8)])
+    bits = np.unpackbits(_words(allowed, vocab).view(np.uint8), bitorder="little")
     return bits[:vocab].astype(bool)
 
 
@@ -226,9 +246,8 @@ def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> n
 def apply_token_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """``logits`` with every token the packed bitmask forbids set to -inf; MemraError when the mask
     allows no token of this vocabulary (a constraint that cannot continue)."""
-    keep = unpack_mask(allowed, logits.shape[0])
-    if not keep.any():
-        raise MemraError("the output constraint allows no token at this point", code="engine_error")
+    words = mask_words(allowed, logits.shape[0])
+    keep = np.unpackbits(words.view(np.uint8), bitorder="little")[: logits.shape[0]].astype(bool)
     return np.where(keep, np.asarray(logits, dtype=np.float32), np.float32(-np.inf))
 
 

@@ -68,8 +68,9 @@ class SamplingParams:
 
     @property
     def needs_host(self) -> bool:
-        """Features only the host sampler (engine.sampling.sample_item) implements: logit bias and
-        log probabilities. A device sampler re-samples such rows on the host from their logits."""
+        """Features beyond plain sampling (engine.sampling.sample_item): logit bias and log
+        probabilities. The CUDA runner does both on the device (kernels token_mask, logprobs);
+        such requests never speculate."""
         return bool(self.logit_bias) or self.logprobs is not None
 
 

@@ -388,6 +388,8 @@ def test_every_real_template_spec_renders(family, size, quant):
         "argmax",
         "sample",
         "penalties",
+        "token_mask",
+        "logprobs",
     }
     assert wgmma <= {s.template for s in real}
     for spec in real:

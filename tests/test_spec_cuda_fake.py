@@ -63,15 +63,15 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
     assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
 
 
-def test_host_sampled_rows_beside_draft_rows(fake):
-    """A constrained row and a logprobs row in a verify step go through the plain decode path and its
-    host sampler (engine.sampling.sample_item on the read-back logits, all zero here): the mask picks
-    the only allowed token, logprobs are filled; the draft row is accepted from the argmax ids."""
+def test_masked_and_logprobs_rows_beside_draft_rows(fake):
+    """A constrained row and a logprobs row in a verify step go through the plain decode path, both
+    on the device (the token_mask and logprobs kernels; the fake device leaves ids and logprobs at
+    0), nothing read back for the host sampler; the draft row is accepted from the argmax ids."""
     import numpy as np
 
     from engine.types import SamplingParams
 
-    runner, _ = fake
+    runner, drv = fake
     vocab = runner.plan.values["logits"].width
     read = []
     runner.read_logits = lambda rows: read.append(rows) or np.zeros((rows, vocab), np.float32)
@@ -83,8 +83,9 @@ def test_host_sampled_rows_beside_draft_rows(fake):
         StepItem(1, [9], 4, [1], True, GREEDY, history=[1] * 4 + [9], allowed=mask),
         StepItem(2, [9], 4, [2], True, SamplingParams(temperature=0.0, logprobs=2), history=[1] * 4 + [9]),
     ]
-    assert runner.verify(items) == [[0, 0, 0], [5], [0]]
-    lp, top = items[2].logprobs_out
-    assert np.isclose(lp, -np.log(vocab)) and len(top) == 2
+    assert runner.verify(items) == [[0, 0, 0], [0], [0]]
+    names = {n.split("__")[0] for n, _, _ in drv.launches}
+    assert {"token_mask", "logprobs"} <= names
+    assert items[2].logprobs_out == (0.0, [(0, 0.0), (0, 0.0)])
     assert items[0].logprobs_out is None and items[1].logprobs_out is None
-    assert read == [2]  # one read-back, for the plain step's two host rows
+    assert read == []  # no logits read back

@@ -42,6 +42,7 @@ from engine.kernel_catalog.contracts import (  # noqa: F401
     _QUIET_NAME,
     I32,
     KERNELS,
+    LP_TOP,
     PAIR_PARTS,
     PENALTY_BLOCKS,
     QUANTS,

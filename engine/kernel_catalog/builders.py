@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from engine.kernel_catalog.contracts import QUANTS, ROPE_STYLES, STAGED_DEFAULT
+from engine.kernel_catalog.contracts import LP_TOP, QUANTS, ROPE_STYLES, STAGED_DEFAULT
 from engine.kernel_catalog.layout import (
     _COOP_FILE_TYPE,
     ATTENTION_ROPE_PARAMS,
@@ -520,5 +520,7 @@ def all_specs(
     ] = None
     out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("token_mask", vocab=vocab, ld=vocab, threads=sm)] = None
+    out[spec("logprobs", vocab=vocab, threads=sm, top=LP_TOP)] = None
     out[spec("penalties", ld=vocab, threads=el)] = None
     return list(out)

@@ -23,6 +23,7 @@ ROPE_STYLES = ("neox", "interleaved")
 
 
 PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however many entries there are)
+LP_TOP = 20  # the logprobs kernel's top-k capacity: the most top_logprobs a row may ask for (= MAX_LOGPROBS)
 
 
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
@@ -460,6 +461,29 @@ KERNELS: dict[str, KernelDoc] = {
             ("rows", I32),
         ),
         ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "token_mask": KernelDoc(
+        dict(vocab=int, ld=int, threads=int),
+        (
+            ("logits", P),
+            ("slot", P),
+            ("bias_start", P),
+            ("bias", P),
+            ("words", P),
+            ("lp_slot", P),
+            ("raw", P),
+            ("rows", I32),
+        ),
+        ("vocab", "ld", "threads"),
+        "(rows,)",
+        "(threads,)",
+    ),
+    "logprobs": KernelDoc(
+        dict(vocab=int, threads=int, top=int),
+        (("raw", P), ("lp_slot", P), ("lp_k", P), ("ids", P), ("top_ids", P), ("vals", P), ("rows", I32)),
+        ("vocab", "threads", "top"),
         "(rows,)",
         "(threads,)",
     ),
