@@ -447,12 +447,14 @@ def _short_chunks_only(**kw):
 
 
 def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
+    from engine import kernel_catalog as kc
+
     plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     (gemm,) = linear.launches["prefill"]
     assert gemm.spec.template == "gemm" and gemm.spec.params["quant"] == "q8_0"
     assert gemm.args[2].kind == "weight"
-    g = get_profile("h200").tuning["gemm"]  # the prefill tile from the profile, padded or swizzled rows
+    g = {**kc.GEMM_FIXED["gemm"], **get_profile("h200").tuning["gemm"]}  # the prefill tile, padded or swizzled rows
     pad = 0 if g["swizzle"] else 8
     assert gemm.smem == g["stages"] * (g["tile_m"] + g["tile_n"]) * (gemm.spec.params["tile_k"] + pad) * 2
     assert not {sp.name for sp in plan.scratch} & {"dequant", "iota"}
@@ -500,7 +502,7 @@ def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     )
     t = prof.tune("gemm_decode")
     assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
-    assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == prof.tune("gemm")["split_k"]
+    assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == kc.GEMM_FIXED["gemm"]["split_k"]
     assert dec.grid_for({"n": 100}) == (2560 // t["tile_n"], -(-100 // t["tile_m"]))
     assert dec.smem == kc.gemm_smem(dec.spec.params) and dec.spec != pre.spec
 
@@ -523,9 +525,10 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
     (pre,) = linear_gemm(adapter, op, "prefill", ins, outs, ws)
-    tile_m = 64 * g["consumers"] * g["m_frags"]
+    tile = kc.GEMM_WGMMA_NARROW if 2560 < g["wide_min_n"] else kc.GEMM_WGMMA_WIDE
+    tile_m = 64 * tile["consumers"] * tile["m_frags"]
     tn = pre.spec.params["tile_n"]
-    assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
+    assert tn == tile["tile_n"]
     assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
     assert [a.kind for a in pre.args] == ["value", "tmap", "tmap", "value", "shape"]
     assert pre.args[1].ref == ("value", "attn", tile_m) and pre.args[2].ref == (
@@ -535,7 +538,7 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     )
     assert pre.args[0].ref == pre.args[3].ref == "h"
     assert pre.grid_for({"n": 300}) == (-(-2560 // tn), -(-300 // tile_m))
-    assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
+    assert pre.block == (128 * (tile["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
     odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
     (mma,) = linear_gemm(adapter, op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
     assert mma.spec.template == "gemm"
@@ -1145,10 +1148,6 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
     assert {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]} == {(512,)}
-    # a type's register cap (q4_k only: the q6_kr kernels spill under it)
-    capped = with_tuning(prof, "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}")
-    for layout, want in (("q4_k", 3), ("q6_kr", None), ("q8_0r", None)):
-        assert kc.linear_params(layout, 19456, 2560, capped.tuning, bmax=1).get("min_blocks") == want, layout
     with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
         with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
 
@@ -1348,7 +1347,7 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024; gemv.threads=256")
+    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024")
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
     for mode, want in (("decode1", {1024: 512, 4096: 256, 6144: 256, 151936: 256}), ("decode", None)):

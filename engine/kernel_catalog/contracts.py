@@ -70,7 +70,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "prefetch", "coop", "pipeline", "glu", "q8x", "tile_pf", "wsm", "trigger",
         "early_nw", "early_res",
     ),
-    "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
+    "gemm": ("swizzle", "fragbuf"),
     "attention": ("vec16", "rope", "table_first", "trigger"),
 }
 
@@ -204,8 +204,6 @@ KERNELS: dict[str, KernelDoc] = {
             quant=str,
             swizzle=bool,
             fragbuf=bool,
-            qprefetch=bool,
-            raster=bool,
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         (
@@ -223,8 +221,6 @@ KERNELS: dict[str, KernelDoc] = {
             "out_dtype",
             "swizzle",
             "fragbuf",
-            "qprefetch",
-            "raster",
         ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
@@ -237,8 +233,6 @@ KERNELS: dict[str, KernelDoc] = {
             "quant": "bf16",
             "swizzle": False,
             "fragbuf": False,
-            "qprefetch": False,
-            "raster": False,
         },
     ),
     "gemm_wgmma": KernelDoc(
