@@ -29,14 +29,6 @@ def _power_of_two(v: int) -> str | None:
     return None if v > 0 and v & (v - 1) == 0 else f"expected a power of two, got {v}"
 
 
-def _positive(v: float) -> str | None:
-    return None if v > 0 else f"expected a positive number, got {v}"
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else f"expected a number >= 0, got {v}"
-
-
 def _fraction(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else f"expected a number in (0, 1], got {v}"
 
@@ -69,12 +61,12 @@ PROFILE_SCHEMA: dict[str, Field] = {
     "arch": Field(str, required=True, check=_arch),
     "sm_count": Field(int, default=0),
     "memory_gb": Field(float, default=0.0),
-    "memory_bandwidth_gbs": Field(float, required=True, check=_positive),
-    "tensor_tflops_bf16": Field(float, required=True, check=_positive),
+    "memory_bandwidth_gbs": Field(float, required=True, check=tuning_mod.positive),
+    "tensor_tflops_bf16": Field(float, required=True, check=tuning_mod.positive),
     "kv_memory_fraction": Field(float, default=0.85, check=_fraction),
     "kv_block_size": Field(int, default=16, check=_power_of_two),
-    "prefill_chunk_tokens": Field(int, default=2048, check=_positive),
-    "max_running": Field(int, default=64, check=_positive),
+    "prefill_chunk_tokens": Field(int, default=2048, check=tuning_mod.positive),
+    "max_running": Field(int, default=64, check=tuning_mod.positive),
     "cuda_graph_batch_sizes": Field(ListOf(int), default=[1, 2, 4, 8, 16, 24, 32, 48, 64]),
     # launch kernels with programmatic dependent launch (sm_90+; MEMRA_PDL overrides it)
     "programmatic_launch": Field(bool, default=False),
