@@ -342,7 +342,7 @@ def test_gemm_variants_compile_for_every_arch(tmp_path, arch):
 def _gemv_variant_specs():
     """The gemv options the plan does not pick by default (the prologues, the staged path's chunk
     prefetch) on every storage type."""
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    tun = {"gemv": {}}
     out = []
     for q in kc.QUANTS:
         staged = kc.STAGED_DEFAULT[q]
@@ -361,7 +361,6 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "threads": 128,
             "rows_per_warp": 2,
             "unroll": 4,
         },
@@ -381,7 +380,6 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "threads": 128,
             "rows_per_warp": 2,
             "unroll": 2,
             "pipeline": True,
@@ -445,8 +443,8 @@ def _wsm_specs() -> list:
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
     tile's copy once the current one is read), and in k chunks (wsm_chunk), on every q8x type."""
     q8 = {
-        "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
-        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
+        "gemv": {},
+        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "rows_per_warp": 1, "unroll": 2,
                       "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
     }
     specs = []
@@ -518,7 +516,7 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
 
 
 def test_gemv_options_validation_and_smem():
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    tun = {"gemv": {}}
     p = kc.linear_params("q8_0", 1024, 2560, tun)
     with pytest.raises(ConfigError, match="residual needs out_dtype bf16"):
         kc.spec("gemv", **{**p, "residual": True, "out_dtype": "f32"})

@@ -753,7 +753,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}
+    coop = {"types": ["q8_0", "q4_k"], "rows_per_warp": 2, "unroll": 4}
     graph = load_family("qwen3")
     plan = build_plan(
         graph,
@@ -1373,8 +1373,8 @@ def test_kparts_parts_hold_whole_units_of_each_layout():
     the elements its segments read), and the tuning skips weights it cannot cut."""
     from engine import kernel_catalog as kc
 
-    base = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
-    coop = {"types": ["q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    base = {"gemv": {}}
+    coop = {"types": ["q4_k", "q8_0", "q6_k"], "rows_per_warp": 2, "unroll": 2, "q8x": True}
     for q, k, parts, ok in (
         ("q6_kr", 9728, 4, True),  # 19 halves of 128 per part
         ("q6_kr", 9728 - 256 * 3, 4, False),  # 8960 / 4 = 2240: 17.5 halves

@@ -160,7 +160,7 @@ def test_rmsnorm(kernels, profile):
     rng = np.random.default_rng()
     for n, residual in ((576, False), (4096, True), (2560, True)):
         rows, eps = 7, 1e-5
-        c = kc.choice("rmsnorm", n=n, eps=eps, threads=profile.tuning["norm"]["threads"], residual=residual)
+        c = kc.choice("rmsnorm", n=n, eps=eps, threads=kc.NORM_THREADS, residual=residual)
         x = bf_round(rng.standard_normal((rows, n)))
         r = bf_round(rng.standard_normal((rows, n)))
         w = rng.standard_normal(n).astype(np.float32)

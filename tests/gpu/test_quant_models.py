@@ -42,7 +42,6 @@ LLAMA_DIMS = Dims(
 )
 COOP = {
     "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-    "threads": 128,
     "rows_per_warp": 2,
     "unroll": 4,
 }
