@@ -186,7 +186,7 @@ def get_profile(name: str, root: Path | None = None) -> DeviceProfile:
 
 def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -> DeviceProfile:
     """``profile`` with tuning knobs replaced: ``spec`` is ``section.knob=value`` items separated by
-    ``;`` (values in YAML: ``gemv.unroll=4; gemv_coop.types=[bf16, q8_0]``), checked against
+    ``;`` (values in YAML: ``gemv_coop.unroll=4; gemv_coop.types=[bf16, q8_0]``), checked against
     TUNING_SCHEMA like a profile file; an unknown knob or a bad value is a ConfigError naming it."""
     data: dict[str, dict[str, Any]] = {}
     for item in (s.strip() for s in spec.split(";")):
@@ -195,7 +195,7 @@ def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -
         key, sep, raw = item.partition("=")
         section, dot, knob = key.strip().partition(".")
         if not sep or not dot or not knob:
-            raise ConfigError(f"{source}: {item!r}: expected section.knob=value (e.g. gemv.unroll=4)")
+            raise ConfigError(f"{source}: {item!r}: expected section.knob=value (e.g. gemv_coop.unroll=4)")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:

@@ -585,7 +585,7 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
     from engine.ir import WIDE
 
     plan = plan_for("qwen3", "qwen3-4b")
-    assert plan.wide_rows == 16  # h200: tuning.gemm_decode.min_rows
+    assert plan.wide_rows == 16  # kernel_catalog.GEMM_DECODE_MIN_ROWS
     for step in plan.steps:
         wide = [la.spec.template for la in step.launches[WIDE]]
         if step.op.op == "linear" and step.op.outputs != ("logits",):
