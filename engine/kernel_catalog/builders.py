@@ -59,7 +59,7 @@ def linear_params(
     opts = (
         coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
         if layout.get("coop")
-        else gemv_options(tuning["gemv"], st, bmax, k, quant)
+        else gemv_options(tuning["gemv"], st)
     )
     return dict(
         {**layout, **opts},

@@ -99,7 +99,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             pp["glu"] = glu
         # prefetch from the tuning (staged path)
         staged = kc.STAGED_DEFAULT.get(w.dtype, False)
-        opts = kc.gemv_options(ctx.tune("gemv"), staged, bmax, w.cols, w.dtype)
+        opts = kc.gemv_options(ctx.tune("gemv"), staged)
     spec = ctx.spec(
         "gemv",
         quant=w.dtype,
