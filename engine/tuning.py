@@ -169,9 +169,6 @@ class GemvCoop(Knobs):
     # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
     # loaded before pdl_wait (weights never change), so only x is read after the wait
     q8x_early_norm_w: bool = False
-    # q8x, batch 1, k split over warps: a block reads the residual of its first tile's
-    # outputs right after pdl_wait instead of with its last store
-    q8x_early_residual: bool = False
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False

@@ -173,7 +173,8 @@ def coop_options(
             out["stage_rounds"] = int(c["q8x_stage_rounds"])
         if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if c.get("q8x_early_residual") and bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+        if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+            # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         if bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
             out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
