@@ -33,8 +33,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_kb",
     "q8x_wsm_chunks",
     "q8x_wsm_chunk_min_k",
-    "q8x_stage_rounds",
-    "q8x_stage_rounds_min_k",
     "q8x_b1_unroll",
     "q8x_b1_unroll_max_k",
     "q8x_b1_maxnreg",
@@ -153,9 +151,6 @@ class GemvCoop(Knobs):
     # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
     # driver's occupancy x SMs), so no block waits for a second wave
     q8x_resident_grid: bool = False
-    # q8x: the x-row staging issues this many rounds of loads before quantising them
-    q8x_stage_rounds: int = 1
-    q8x_stage_rounds_min_k: int = 0  # q8x_stage_rounds only where k >= this
     # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
     # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
     q8x_b1_unroll: int = knob(0, non_negative)

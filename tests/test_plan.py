@@ -696,16 +696,16 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
 
 
 def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
-    """MEMRA_TUNE-style overrides of gemv_coop.q8x_blocks_per_sm / q8x_ksplit / q8x_stage_rounds
-    pass the profile schema and land in the q8x decode GEMVs: the grid capped at blocks_per_sm *
-    sm_count (blocks loop over the row tiles), k split only where n <= q8x_ksplit_max_n (rows per
-    block divided by it), stage_rounds on every q8x spec and on no other."""
+    """MEMRA_TUNE-style overrides of gemv_coop.q8x_blocks_per_sm / q8x_ksplit pass the profile
+    schema and land in the q8x decode GEMVs: the grid capped at blocks_per_sm * sm_count (blocks
+    loop over the row tiles), k split only where n <= q8x_ksplit_max_n (rows per block divided by
+    it); the q8_0 q8x specs with k >= 8192 stage x in two rounds (kc.Q8X_STAGE_ROUNDS), no other."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
     knobs = (
         "gemv_coop.q8x_blocks_per_sm=3; gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; "
-        "gemv_coop.q8x_stage_rounds=4; gemv_coop.q8x_type_tuning={}"  # 256-thread blocks for q8_0 too
+        "gemv_coop.q8x_type_tuning={}"  # 256-thread blocks for q8_0 too
     )
     prof = with_tuning(get_profile("h200"), knobs)
     graph = load_family("qwen3")
@@ -718,11 +718,12 @@ def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
             continue
         split = p["n"] <= 2560
         seen["split" if split else "whole"] += 1
-        assert p["grid_cap"] == 3 * prof.sm_count and p["stage_rounds"] == 4
+        rounds = 2 if p["k"] >= kc.Q8X_STAGE_ROUNDS["q8_0"][1] else 1
+        assert p["grid_cap"] == 3 * prof.sm_count and p["stage_rounds"] == rounds
         assert p["ksplit"] == (2 if split else 1) and p["rows_per_block"] == 8 // p["ksplit"] * 2
         tiles = -(-p["n"] // p["rows_per_block"])
         assert la.grid[0] == min(tiles, 3 * prof.sm_count) == kc.gemv_grid_x(p)
-        assert ("ksplit2" in la.spec.entry) is split and "stage_rounds4" in la.spec.entry
+        assert ("ksplit2" in la.spec.entry) is split and ("stage_rounds2" in la.spec.entry) is (rounds == 2)
     assert seen["split"] and seen["whole"], seen
 
 

@@ -27,6 +27,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     GEMV_THREADS,
     GEMV_UNROLL,
     NORM_THREADS,
+    Q8X_STAGE_ROUNDS,
     _pair_of,
     all_specs,
     attention_params,

@@ -36,6 +36,9 @@ from engine.types import ConfigError
 # the warp-cooperative layout's blocks are COOP_THREADS threads
 GEMV_THREADS, GEMV_ROWS_PER_BLOCK, GEMV_UNROLL, GEMV_MAX_BATCH = 256, 4, 2, 8
 COOP_THREADS = 128
+# q8x staging: file type -> (rounds of x loads issued before quantising them, from this k up); the
+# q8_0 down projection's 9728-element x in two rounds (the H200 profile's old per-type knob)
+Q8X_STAGE_ROUNDS = {"q8_0": (2, 8192)}
 
 
 def linear_params(
@@ -109,7 +112,7 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - q8x_stage_rounds rounds of x loads in flight while staging; at bmax 1 q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
+      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging; at bmax 1 q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
@@ -169,8 +172,9 @@ def coop_options(
             and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
         ):
             out["kparts"] = parts
-        if int(c.get("q8x_stage_rounds") or 1) > 1 and k >= int(c.get("q8x_stage_rounds_min_k") or 0):
-            out["stage_rounds"] = int(c["q8x_stage_rounds"])
+        rounds, min_k = Q8X_STAGE_ROUNDS.get(file_type, (1, 0))
+        if rounds > 1 and k >= min_k:
+            out["stage_rounds"] = rounds
         if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
         if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
