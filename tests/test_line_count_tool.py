@@ -14,3 +14,10 @@ def test_line_count_attribution_is_complete_and_adds_up():
     later = sum(n for m, n in mods.items() if m in lc.LATER)
     assert f"pre-redesign scope: {sum(mods.values()) - later} lines" in text
     assert "LATER names modules that do not exist" not in text
+
+
+def test_line_count_since_a_revision_lists_its_modules():
+    lc = load_tool("line_count")
+    text = lc.since("HEAD")
+    assert text.startswith("modules of engine/ at HEAD that still exist:")
+    assert " loop.py " in text and text.rstrip().endswith("gone (split or renamed): none")
