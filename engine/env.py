@@ -88,5 +88,5 @@ MEMRA_TUNE: EnvVar[str] = EnvVar(
     str,
     "",
     "device-profile tuning overrides, section.knob=value items separated by ';' "
-    "(e.g. 'gemv.unroll=4; gemv_coop.unroll=4'), checked like a profile file",
+    "(e.g. 'gemv.fuse_glu=false; gemv_coop.unroll=4'), checked like a profile file",
 )

@@ -69,11 +69,6 @@ class LoadedModel:
         how = self.graph.tensors[tensor].transform.get(self.fmt)
         return apply_transform(arr, how) if how else arr
 
-    def layer_range(self, tensor: str | None = None) -> range:
-        """Layers of the main stack, or of the count dim a per-layer tensor names (mtp_layers)."""
-        count = self.graph.tensors[tensor].layers if tensor else "layers"
-        return range(int(self.dims.get(count) or 0))
-
     def tensor_layers(self, tensor: str) -> list[int | None]:
         """The layers a tensor is expected in: [None] for a global tensor, else the layers where
         an op reading it runs (a hybrid's linear-attention weights only in its linear layers)."""

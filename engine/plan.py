@@ -26,6 +26,7 @@ from engine.ir import (
     Value,
     WeightPlan,
 )
+from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS
 from engine.lowering.context import Lowerer
 from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
@@ -325,11 +326,11 @@ def _wide_decode_rows(
     profile: DeviceProfile,
     tensor_dtypes: Mapping[str, str] | None,
 ) -> int:
-    """The smallest decode bucket that runs its linear layers as GEMMs (``tuning.gemm_decode
-    .min_rows``), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
-    keep the GEMV, which reads them once per ``gemv.max_batch`` rows)."""
-    rows = int(profile.tune("gemm_decode").get("min_rows", 0))
-    if not rows or max(profile.cuda_graph_batch_sizes) < rows:
+    """The smallest decode bucket that runs its linear layers as GEMMs (``GEMM_DECODE_MIN_ROWS``,
+    with the gemm_decode tuning), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
+    keep the GEMV, which reads them once per ``GEMV_MAX_BATCH`` rows)."""
+    rows = GEMM_DECODE_MIN_ROWS
+    if max(profile.cuda_graph_batch_sizes) < rows:
         return 0
     for op, _ in graph.ops():
         if op.op != "linear":

@@ -29,14 +29,6 @@ def _power_of_two(v: int) -> str | None:
     return None if v > 0 and v & (v - 1) == 0 else f"expected a power of two, got {v}"
 
 
-def _positive(v: float) -> str | None:
-    return None if v > 0 else f"expected a positive number, got {v}"
-
-
-def _non_negative(v: float) -> str | None:
-    return None if v >= 0 else f"expected a number >= 0, got {v}"
-
-
 def _fraction(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else f"expected a number in (0, 1], got {v}"
 
@@ -69,12 +61,12 @@ PROFILE_SCHEMA: dict[str, Field] = {
     "arch": Field(str, required=True, check=_arch),
     "sm_count": Field(int, default=0),
     "memory_gb": Field(float, default=0.0),
-    "memory_bandwidth_gbs": Field(float, required=True, check=_positive),
-    "tensor_tflops_bf16": Field(float, required=True, check=_positive),
+    "memory_bandwidth_gbs": Field(float, required=True, check=tuning_mod.positive),
+    "tensor_tflops_bf16": Field(float, required=True, check=tuning_mod.positive),
     "kv_memory_fraction": Field(float, default=0.85, check=_fraction),
     "kv_block_size": Field(int, default=16, check=_power_of_two),
-    "prefill_chunk_tokens": Field(int, default=2048, check=_positive),
-    "max_running": Field(int, default=64, check=_positive),
+    "prefill_chunk_tokens": Field(int, default=2048, check=tuning_mod.positive),
+    "max_running": Field(int, default=64, check=tuning_mod.positive),
     "cuda_graph_batch_sizes": Field(ListOf(int), default=[1, 2, 4, 8, 16, 24, 32, 48, 64]),
     # launch kernels with programmatic dependent launch (sm_90+; MEMRA_PDL overrides it)
     "programmatic_launch": Field(bool, default=False),
@@ -194,7 +186,7 @@ def get_profile(name: str, root: Path | None = None) -> DeviceProfile:
 
 def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -> DeviceProfile:
     """``profile`` with tuning knobs replaced: ``spec`` is ``section.knob=value`` items separated by
-    ``;`` (values in YAML: ``gemv.unroll=4; gemv_coop.types=[bf16, q8_0]``), checked against
+    ``;`` (values in YAML: ``gemv_coop.unroll=4; gemv_coop.types=[bf16, q8_0]``), checked against
     TUNING_SCHEMA like a profile file; an unknown knob or a bad value is a ConfigError naming it."""
     data: dict[str, dict[str, Any]] = {}
     for item in (s.strip() for s in spec.split(";")):
@@ -203,7 +195,7 @@ def with_tuning(profile: DeviceProfile, spec: str, source: str = "MEMRA_TUNE") -
         key, sep, raw = item.partition("=")
         section, dot, knob = key.strip().partition(".")
         if not sep or not dot or not knob:
-            raise ConfigError(f"{source}: {item!r}: expected section.knob=value (e.g. gemv.unroll=4)")
+            raise ConfigError(f"{source}: {item!r}: expected section.knob=value (e.g. gemv_coop.unroll=4)")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:

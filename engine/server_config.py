@@ -98,14 +98,6 @@ class ServerConfig:
             return tuple(read_keys(self.keys_file))
         return self.keys
 
-    def tenant_limits(self) -> dict[str, int]:
-        """Per-tenant concurrency limits (max over the tenant's keys) to hand to the engine config."""
-        out: dict[str, int] = {}
-        for k in self.load_keys():
-            if k.max_concurrency > 0:
-                out[k.tenant] = max(out.get(k.tenant, 0), k.max_concurrency)
-        return out
-
 
 _SERVER_TYPES = {
     "host": str,

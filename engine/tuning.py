@@ -25,7 +25,6 @@ from engine.schema import Field, ListOf, MapOf
 Q8X_TYPE_KNOBS = (
     "q8x_threads",
     "q8x_rows_per_warp",
-    "q8x_min_blocks",
     "q8x_ksplit",
     "q8x_ksplit_threads",
     "q8x_ksplit_min_n",
@@ -34,8 +33,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_kb",
     "q8x_wsm_chunks",
     "q8x_wsm_chunk_min_k",
-    "q8x_stage_rounds",
-    "q8x_stage_rounds_min_k",
     "q8x_b1_unroll",
     "q8x_b1_unroll_max_k",
     "q8x_b1_maxnreg",
@@ -87,10 +84,6 @@ class Knobs(Mapping):
 
 @dataclass(frozen=True, eq=False)
 class Gemv(Knobs):
-    threads: int = knob(256, positive)
-    rows_per_block: int = knob(4, positive)
-    max_batch: int = knob(8, positive)
-    unroll: int = knob(2, positive)
     # the gate|up GEMV stores silu(gate) * up itself (pairs of rows per block), so the
     # silu_mul launch goes and the down GEMV reads x from the gate half
     fuse_glu: bool = False
@@ -110,7 +103,6 @@ class GemvCoop(Knobs):
     # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
     types: list[str] = knob([])
-    threads: int = knob(128, positive)
     rows_per_warp: int = knob(1, positive)
     unroll: int = knob(4, positive)
     # issue the next `unroll` segments' loads before the current ones' FMAs
@@ -159,11 +151,6 @@ class GemvCoop(Knobs):
     # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
     # driver's occupancy x SMs), so no block waits for a second wave
     q8x_resident_grid: bool = False
-    # q8x: registers capped so this many blocks fit on an SM (0: the compiler's choice)
-    q8x_min_blocks: int = 0
-    # q8x: the x-row staging issues this many rounds of loads before quantising them
-    q8x_stage_rounds: int = 1
-    q8x_stage_rounds_min_k: int = 0  # q8x_stage_rounds only where k >= this
     # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
     # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
     q8x_b1_unroll: int = knob(0, non_negative)
@@ -177,9 +164,6 @@ class GemvCoop(Knobs):
     # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
     # loaded before pdl_wait (weights never change), so only x is read after the wait
     q8x_early_norm_w: bool = False
-    # q8x, batch 1, k split over warps: a block reads the residual of its first tile's
-    # outputs right after pdl_wait instead of with its last store
-    q8x_early_residual: bool = False
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False
@@ -192,36 +176,20 @@ class GemvCoop(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class Gemm(Knobs):
-    tile_m: int = knob(128, positive)
-    tile_n: int = knob(128, positive)
+    # the prefill gemm (kernels/gemm.cu.j2; its fixed shape: engine.kernel_catalog.builders.GEMM_FIXED)
     tile_k: int = knob(32, positive)
-    stages: int = knob(3, positive)
-    warps: int = knob(8, positive)
-    warps_m: int = knob(2, positive)
-    split_k: int = knob(1, positive)
-    # XOR-swizzled unpadded smem tiles / register double-buffered fragments (kernels/gemm.cu.j2)
-    swizzle: bool = False
-    fragbuf: bool = False
-    qprefetch: bool = False  # GGUF W-tile register prefetch (q4_k, q5_k)
-    raster: bool = False  # grouped block order (8 M tiles) for L2 reuse of W
+    swizzle: bool = False  # XOR-swizzled unpadded smem tiles
 
 
 @dataclass(frozen=True, eq=False)
 class GemmWgmma(Knobs):
     # the Hopper prefill GEMM (kernels/gemm_wgmma.cu.j2: TMA + wgmma, warp-specialised) for bf16
     # weights with k % 64 == 0, on sm_90a profiles that enable it; other linears keep "gemm"
+    # (its wide and narrow tile shapes: engine.kernel_catalog.builders.GEMM_WGMMA_WIDE / _NARROW)
     enabled: bool = False
-    tile_n: int = knob(256, positive)
-    consumers: int = knob(2, positive)  # consumer warpgroups, 64 * m_frags rows each
-    m_frags: int = knob(1, positive)
-    stages: int = knob(4, positive)
-    raster: bool = True
-    maxnreg: bool = True  # setmaxnreg: producer 40, consumers 232 registers
-    # weights with n < wide_min_n take the narrow tile (narrow_tile_n, narrow_stages, no
-    # setmaxnreg): more blocks where the wide tile leaves SMs idle (0: always wide)
+    # weights with n < wide_min_n take the narrow tile (no setmaxnreg): more blocks where the
+    # wide tile leaves SMs idle (0: always wide)
     wide_min_n: int = 0
-    narrow_tile_n: int = knob(128, positive)
-    narrow_stages: int = knob(6, positive)
     # quantised prefill chunks of at least this many rows dequantise each matrix to a bf16
     # scratch and run this GEMM (shorter ones keep the fused mma.sync gemm; 0: never)
     dequant_min_rows: int = 0
@@ -230,19 +198,14 @@ class GemmWgmma(Knobs):
 @dataclass(frozen=True, eq=False)
 class GemmDecode(Knobs):
     # the same gemm kernel for decode batches of min_rows.. rows (memory-bound: small tile_m, narrow
-    # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks)
+    # tile_n, in-block split-K over warp groups so the weight is streamed once by many blocks;
+    # min_rows, tile_k, warps: engine.kernel_catalog.builders.GEMM_DECODE_FIXED)
     tile_m: int = knob(64, positive)
     tile_n: int = knob(16, positive)
-    tile_k: int = knob(128, positive)
     stages: int = knob(4, positive)
-    warps: int = knob(8, positive)
-    warps_m: int = knob(2, positive)
     split_k: int = knob(4, positive)
-    min_rows: int = knob(16, positive)
     swizzle: bool = False
-    fragbuf: bool = False
-    qprefetch: bool = False  # GGUF W-tile register prefetch (q4_k, q5_k)
-    raster: bool = False  # grouped block order (8 M tiles) for L2 reuse of W
+    fragbuf: bool = False  # register double-buffered fragments
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,11 +240,6 @@ class AttentionDecode(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class Elementwise(Knobs):
-    threads: int = knob(256, positive)
-
-
-@dataclass(frozen=True, eq=False)
-class Norm(Knobs):
     threads: int = knob(256, positive)
 
 
@@ -326,7 +284,6 @@ SECTIONS: dict[str, type[Knobs]] = {
     "attention_prefill": AttentionPrefill,
     "attention_decode": AttentionDecode,
     "elementwise": Elementwise,
-    "norm": Norm,
     "sampling": Sampling,
     "decode_graph": DecodeGraph,
 }

@@ -93,11 +93,11 @@ def test_profile_base_inherits_tuning_knob_by_knob(tmp_path):
     root = tmp_path / "profiles"
     shutil.copytree(paths.profiles_dir(), root)
     h100 = root / "h100.yaml"
-    h100.write_text(h100.read_text() + "tuning:\n  gemv_coop: {q8x_wsm_kb: 64}\n  gemv: {unroll: 4}\n")
+    h100.write_text(h100.read_text() + "tuning:\n  gemv_coop: {q8x_wsm_kb: 64}\n  gemv: {prefetch: false}\n")
     profile._load_all.cache_clear()
     mine, base = profile.all_profiles(root)["h100"], profile.all_profiles(root)["h200"]
     assert mine.tuning["gemv_coop"] == {**base.tuning["gemv_coop"], "q8x_wsm_kb": 64}
-    assert mine.tuning["gemv"] == {**base.tuning["gemv"], "unroll": 4}
+    assert mine.tuning["gemv"] == {**base.tuning["gemv"], "prefetch": False}
     assert mine.tuning["decode_graph"] == base.tuning["decode_graph"] and base.tuning["decode_graph"]["pair_linears"]
     for text, expect in (
         ("base: h300", r"h100.yaml: base: unknown profile 'h300'; available: .*h200"),
@@ -216,9 +216,9 @@ def test_profiles_load_and_select():
     [
         ("arch: sm_90a", "arch: 90", r"h200.yaml: arch: expected string, got int 90"),
         (
-            "gemv: {threads: 256",
-            "gemv: {thread: 256",
-            r"h200.yaml: tuning.gemv.thread: unknown key \(did you mean 'threads'\?\)",
+            "gemv: {prefetch: true",
+            "gemv: {prefetc: true",
+            r"h200.yaml: tuning.gemv.prefetc: unknown key \(did you mean 'prefetch'\?\)",
         ),
         (
             "kv_block_size: 16",
@@ -258,9 +258,9 @@ def test_memra_tune_overrides_knobs_checked_like_a_profile(monkeypatch):
     for bad, msg in (
         ("gemv.fuse_gl=true", "did you mean 'fuse_glu'"),
         ("gemvx.unroll=2", "unknown key"),
-        ("gemv.unroll=-1", "positive"),
+        ("gemv_coop.unroll=-1", "positive"),
         ("gemv", "expected section.knob=value"),
-        ("gemv.unroll=abc", "expected integer"),
+        ("gemv_coop.unroll=abc", "expected integer"),
     ):
         with pytest.raises(ConfigError, match=msg):
             with_tuning(base, bad)
@@ -280,10 +280,10 @@ def test_tuning_is_one_frozen_dataclass_per_kernel_family(tmp_path):
     assert isinstance(coop, tuning.GemvCoop) and coop.q8x and coop["q8x_threads"] == 256
     with pytest.raises(dataclasses.FrozenInstanceError):
         coop.q8x = False  # type: ignore[misc]
-    assert tuning.Gemv().threads == 256 and get_profile("generic-sm80").tuning["gemv"] == tuning.Gemv()
+    assert tuning.Gemv().fuse_glu is False and get_profile("generic-sm80").tuning["gemv"] == tuning.Gemv()
     bad = tmp_path / "h200.yaml"
-    bad.write_text(Path(h200.path).read_text().replace("rows_per_block: 4,", "rows_per_block: -4,", 1))
-    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv.rows_per_block: expected a positive number"):
+    bad.write_text(Path(h200.path).read_text().replace("rows_per_warp: 2,", "rows_per_warp: -2,", 1))
+    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv_coop.rows_per_warp: expected a positive number"):
         load_profile(bad)
 
 

@@ -285,20 +285,19 @@ def _gemm_variant_specs():
             out.append(kc.spec("gemm", n=6144, k=2560, residual=False, quant=q, **{**base, "tile_k": 64}))
     # swizzled smem (tile_k 32: 4 chunks a row, 64 / 128: the r & 7 XOR) and double-buffered fragments
     sw = dict(swizzle=True, fragbuf=True)
-    qp = dict(tile_k=128, qprefetch=True, **sw)
+    k128 = dict(tile_k=128, **sw)
     out += [
         kc.spec("gemm", n=2560, k=4096, residual=True, **{**base, **sw}),
         kc.spec("gemm", n=999, k=256, residual=False, out_dtype="f32", **{**base, "tile_k": 64, **sw}),
         kc.spec("gemm", n=2560, k=9728, residual=True, **{**dec, **sw}),
         kc.spec("gemm", n=6144, k=2560, residual=False, quant="q4_k", **{**base, "tile_k": 64, **sw}),
-        # W-tile register prefetch: load_raw formats (q4_k, q5_k) and the plain decode_unit path (q6_k)
+        # long GGUF W tiles (four units a row)
         *(
-            kc.spec("gemm", n=6144, k=2560, residual=True, quant=q, **{**base, **qp})
+            kc.spec("gemm", n=6144, k=2560, residual=True, quant=q, **{**base, **k128})
             for q in ("q4_k", "q5_k", "q6_k")
             if q in kc.QUANTS
         ),
         kc.spec("gemm", n=6144, k=2560, residual=False, **{**base, "tile_k": 64, "swizzle": True}),
-        kc.spec("gemm", n=6144, k=2560, residual=True, **{**base, "tile_k": 64, **sw, "raster": True}),
     ]
     return out
 
@@ -344,7 +343,7 @@ def test_gemm_variants_compile_for_every_arch(tmp_path, arch):
 def _gemv_variant_specs():
     """The gemv options the plan does not pick by default (the prologues, the staged path's chunk
     prefetch) on every storage type."""
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    tun = {"gemv": {}}
     out = []
     for q in kc.QUANTS:
         staged = kc.STAGED_DEFAULT[q]
@@ -363,7 +362,6 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "threads": 128,
             "rows_per_warp": 2,
             "unroll": 4,
         },
@@ -383,7 +381,6 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "threads": 128,
             "rows_per_warp": 2,
             "unroll": 2,
             "pipeline": True,
@@ -447,8 +444,8 @@ def _wsm_specs() -> list:
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
     tile's copy once the current one is read), and in k chunks (wsm_chunk), on every q8x type."""
     q8 = {
-        "gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2},
-        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "threads": 256, "rows_per_warp": 1, "unroll": 2,
+        "gemv": {},
+        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "rows_per_warp": 1, "unroll": 2,
                       "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
     }
     specs = []
@@ -485,8 +482,8 @@ def test_gemv_wsm_compiles_for_sm90_and_up(tmp_path, arch):
 
 
 def test_tile_prefetch_is_a_pipelined_coop_option():
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
-    coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    tun = {"gemv": {}}
+    coop = {"types": ["q8_0", "q4_k"], "rows_per_warp": 2, "unroll": 2, "q8x": True}
     for extra, want in (({}, False), ({"tile_prefetch": True}, False), ({"pipeline": True, "tile_prefetch": True}, True)):
         p = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, **extra}}, bmax=1)
         assert bool(p.get("tile_pf")) is want, extra
@@ -495,10 +492,10 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
         kc.spec("gemv", **{**p, "pipeline": False})
     with pytest.raises(ConfigError, match="tile_pf is a pipelined coop option"):
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), tile_pf=True)
-    # min_blocks: the q8x tuning's register cap (__launch_bounds__ min blocks), coop only
-    mb = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, "q8x_min_blocks": 3}}, bmax=1)
+    # min_blocks: a coop register cap (__launch_bounds__ min blocks; decode_graph.pair_min_blocks)
+    mb = {**p, "min_blocks": 3}
     s = kc.spec("gemv", **mb)
-    assert mb["min_blocks"] == 3 and s.entry.endswith("min_blocks3") and "__launch_bounds__(THREADS, 3)" in render(s)
+    assert s.entry.endswith("min_blocks3") and "__launch_bounds__(THREADS, 3)" in render(s)
     assert "min_blocks" not in kc.spec("gemv", **p).entry
     with pytest.raises(ConfigError, match="min_blocks=3: a coop option"):
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), min_blocks=3)
@@ -520,7 +517,7 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
 
 
 def test_gemv_options_validation_and_smem():
-    tun = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
+    tun = {"gemv": {}}
     p = kc.linear_params("q8_0", 1024, 2560, tun)
     with pytest.raises(ConfigError, match="residual needs out_dtype bf16"):
         kc.spec("gemv", **{**p, "residual": True, "out_dtype": "f32"})
@@ -676,27 +673,13 @@ def test_gemm_wgmma_rules_name_the_problem():
     # the profile section is what turns it on; enabling it needs sm_90a
     off = {"gemm_wgmma": {"enabled": False}}
     assert kc.gemm_wgmma_params(2560, 4096, off) is None
-    on = {
-        "gemm_wgmma": {
-            **dict(zip(kc.GEMM_WGMMA_KNOBS, (128, 2, 1, 6, True, False), strict=True)),
-            "enabled": True,
-        }
-    }
-    assert kc.gemm_wgmma_params(2560, 4096, on)["tile_n"] == 128
+    on = {"gemm_wgmma": {"enabled": True}}
+    assert kc.gemm_wgmma_params(2560, 4096, on)["tile_n"] == 256
     assert kc.gemm_wgmma_params(2560, 4100, on) is None
     # below wide_min_n the narrow tile (more blocks for the o / down projections' n = 2560)
-    split = {
-        "gemm_wgmma": {
-            **on["gemm_wgmma"],
-            "tile_n": 256,
-            "maxnreg": True,
-            "wide_min_n": 5120,
-            "narrow_tile_n": 128,
-            "narrow_stages": 6,
-        }
-    }
+    split = {"gemm_wgmma": {"enabled": True, "wide_min_n": 5120}}
     wide, narrow = kc.gemm_wgmma_params(6144, 2560, split), kc.gemm_wgmma_params(2560, 4096, split)
-    assert (wide["tile_n"], wide["stages"], wide["maxnreg"]) == (256, 6, True)
+    assert (wide["tile_n"], wide["stages"], wide["maxnreg"]) == (256, 4, True)
     assert (narrow["tile_n"], narrow["stages"], narrow["maxnreg"]) == (128, 6, False)
 
 
@@ -705,7 +688,7 @@ def test_gemm_wgmma_needs_an_sm90a_profile(tmp_path):
 
     src = (Path(__file__).resolve().parents[1] / "device_profiles" / "rtx-5090.yaml").read_text()
     bad = tmp_path / "rtx-5090.yaml"
-    bad.write_text(src.replace("tuning:\n", "tuning:\n  gemm_wgmma: {enabled: true}\n", 1))
+    bad.write_text(src + "tuning:\n  gemm_wgmma: {enabled: true}\n")
     with pytest.raises(ConfigError, match="gemm_wgmma.enabled.*sm_90a"):
         load_profile(bad)
 

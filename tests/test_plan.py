@@ -449,12 +449,14 @@ def _short_chunks_only(**kw):
 
 
 def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
+    from engine import kernel_catalog as kc
+
     plan = _short_chunks_only()
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
     (gemm,) = linear.launches["prefill"]
     assert gemm.spec.template == "gemm" and gemm.spec.params["quant"] == "q8_0"
     assert gemm.args[2].kind == "weight"
-    g = get_profile("h200").tuning["gemm"]  # the prefill tile from the profile, padded or swizzled rows
+    g = {**kc.GEMM_FIXED["gemm"], **get_profile("h200").tuning["gemm"]}  # the prefill tile, padded or swizzled rows
     pad = 0 if g["swizzle"] else 8
     assert gemm.smem == g["stages"] * (g["tile_m"] + g["tile_n"]) * (gemm.spec.params["tile_k"] + pad) * 2
     assert not {sp.name for sp in plan.scratch} & {"dequant", "iota"}
@@ -502,7 +504,7 @@ def test_linear_gemm_lowers_with_the_wide_decode_tuning():
     )
     t = prof.tune("gemm_decode")
     assert dec.spec.params["tile_m"] == t["tile_m"] and dec.spec.params["split_k"] == t["split_k"]
-    assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == prof.tune("gemm")["split_k"]
+    assert dec.spec.params["residual"] is True and pre.spec.params["split_k"] == kc.GEMM_FIXED["gemm"]["split_k"]
     assert dec.grid_for({"n": 100}) == (2560 // t["tile_n"], -(-100 // t["tile_m"]))
     assert dec.smem == kc.gemm_smem(dec.spec.params) and dec.spec != pre.spec
 
@@ -525,9 +527,10 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     outs = [Value("h", "h", 0, 2560, 2560, "bf16")]
     ws = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4096)]
     (pre,) = linear_gemm(adapter, op, "prefill", ins, outs, ws)
-    tile_m = 64 * g["consumers"] * g["m_frags"]
+    tile = kc.GEMM_WGMMA_NARROW if 2560 < g["wide_min_n"] else kc.GEMM_WGMMA_WIDE
+    tile_m = 64 * tile["consumers"] * tile["m_frags"]
     tn = pre.spec.params["tile_n"]
-    assert tn == (g["narrow_tile_n"] if 2560 < g["wide_min_n"] else g["tile_n"])
+    assert tn == tile["tile_n"]
     assert pre.spec.template == "gemm_wgmma" and pre.spec.params["residual"] is True
     assert [a.kind for a in pre.args] == ["value", "tmap", "tmap", "value", "shape"]
     assert pre.args[1].ref == ("value", "attn", tile_m) and pre.args[2].ref == (
@@ -537,7 +540,7 @@ def test_bf16_prefill_linear_lowers_to_the_wgmma_gemm_with_tensor_maps():
     )
     assert pre.args[0].ref == pre.args[3].ref == "h"
     assert pre.grid_for({"n": 300}) == (-(-2560 // tn), -(-300 // tile_m))
-    assert pre.block == (128 * (g["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
+    assert pre.block == (128 * (tile["consumers"] + 1),) and pre.smem == kc.gemm_wgmma_smem(pre.spec.params)
     odd = [WeightPlan("L0.wo", 0, ("wo",), "bf16", 2560, 4128)]
     (mma,) = linear_gemm(adapter, op, "prefill", [Value("attn", "attn", 0, 4128, 4128, "bf16")], outs, odd)
     assert mma.spec.template == "gemm"
@@ -584,7 +587,7 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
     from engine.ir import WIDE
 
     plan = plan_for("qwen3", "qwen3-4b")
-    assert plan.wide_rows == 16  # h200: tuning.gemm_decode.min_rows
+    assert plan.wide_rows == 16  # kernel_catalog.GEMM_DECODE_MIN_ROWS
     for step in plan.steps:
         wide = [la.spec.template for la in step.launches[WIDE]]
         if step.op.op == "linear" and step.op.outputs != ("logits",):
@@ -695,16 +698,16 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
 
 
 def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
-    """MEMRA_TUNE-style overrides of gemv_coop.q8x_blocks_per_sm / q8x_ksplit / q8x_stage_rounds
-    pass the profile schema and land in the q8x decode GEMVs: the grid capped at blocks_per_sm *
-    sm_count (blocks loop over the row tiles), k split only where n <= q8x_ksplit_max_n (rows per
-    block divided by it), stage_rounds on every q8x spec and on no other."""
+    """MEMRA_TUNE-style overrides of gemv_coop.q8x_blocks_per_sm / q8x_ksplit pass the profile
+    schema and land in the q8x decode GEMVs: the grid capped at blocks_per_sm * sm_count (blocks
+    loop over the row tiles), k split only where n <= q8x_ksplit_max_n (rows per block divided by
+    it); the q8_0 q8x specs with k >= 8192 stage x in two rounds (kc.Q8X_STAGE_ROUNDS), no other."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
     knobs = (
         "gemv_coop.q8x_blocks_per_sm=3; gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; "
-        "gemv_coop.q8x_stage_rounds=4; gemv_coop.q8x_type_tuning={}"  # 256-thread blocks for q8_0 too
+        "gemv_coop.q8x_type_tuning={}"  # 256-thread blocks for q8_0 too
     )
     prof = with_tuning(get_profile("h200"), knobs)
     graph = load_family("qwen3")
@@ -717,11 +720,12 @@ def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
             continue
         split = p["n"] <= 2560
         seen["split" if split else "whole"] += 1
-        assert p["grid_cap"] == 3 * prof.sm_count and p["stage_rounds"] == 4
+        rounds = 2 if p["k"] >= kc.Q8X_STAGE_ROUNDS["q8_0"][1] else 1
+        assert p["grid_cap"] == 3 * prof.sm_count and p["stage_rounds"] == rounds
         assert p["ksplit"] == (2 if split else 1) and p["rows_per_block"] == 8 // p["ksplit"] * 2
         tiles = -(-p["n"] // p["rows_per_block"])
         assert la.grid[0] == min(tiles, 3 * prof.sm_count) == kc.gemv_grid_x(p)
-        assert ("ksplit2" in la.spec.entry) is split and "stage_rounds4" in la.spec.entry
+        assert ("ksplit2" in la.spec.entry) is split and ("stage_rounds2" in la.spec.entry) is (rounds == 2)
     assert seen["split"] and seen["whole"], seen
 
 
@@ -752,7 +756,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    coop = {"types": ["q8_0", "q4_k"], "threads": 128, "rows_per_warp": 2, "unroll": 4}
+    coop = {"types": ["q8_0", "q4_k"], "rows_per_warp": 2, "unroll": 4}
     graph = load_family("qwen3")
     plan = build_plan(
         graph,
@@ -1147,10 +1151,6 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), prof)
     assert {la.block for la in _decode_gemvs(plan) if la.spec.params["q8x"]} == {(512,)}
-    # a type's register cap (q4_k only: the q6_kr kernels spill under it)
-    capped = with_tuning(prof, "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}, q4_k: {q8x_min_blocks: 3}}")
-    for layout, want in (("q4_k", 3), ("q6_kr", None), ("q8_0r", None)):
-        assert kc.linear_params(layout, 19456, 2560, capped.tuning, bmax=1).get("min_blocks") == want, layout
     with pytest.raises(ConfigError, match="q8x_type_tuning.*unknown file type"):
         with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0r: {q8x_threads: 512}}")
 
@@ -1350,7 +1350,7 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
-    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024; gemv.threads=256")
+    prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024")
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
     for mode, want in (("decode1", {1024: 512, 4096: 256, 6144: 256, 151936: 256}), ("decode", None)):
@@ -1376,8 +1376,8 @@ def test_kparts_parts_hold_whole_units_of_each_layout():
     the elements its segments read), and the tuning skips weights it cannot cut."""
     from engine import kernel_catalog as kc
 
-    base = {"gemv": {"threads": 256, "rows_per_block": 4, "max_batch": 8, "unroll": 2}}
-    coop = {"types": ["q4_k", "q8_0", "q6_k"], "threads": 128, "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    base = {"gemv": {}}
+    coop = {"types": ["q4_k", "q8_0", "q6_k"], "rows_per_warp": 2, "unroll": 2, "q8x": True}
     for q, k, parts, ok in (
         ("q6_kr", 9728, 4, True),  # 19 halves of 128 per part
         ("q6_kr", 9728 - 256 * 3, 4, False),  # 8960 / 4 = 2240: 17.5 halves
@@ -1437,8 +1437,8 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
     """gemv_coop.q8x_early_norm_w (on in the h200 profile): the batch-1 q8x GEMVs whose prologue is
     the rmsnorm (q|k|v, gate|up, lm_head) load their norm weights before pdl_wait (entry early_nw1);
     the silu / plain ones (down, o) and the batch-8 ones do not carry it; the kernel loads them
-    early only where one staging round holds the row (norm_merged). gemv_coop.q8x_early_residual
-    (on too): the batch-1 k-split GEMVs with a residual read it right after pdl_wait (early_res1)."""
+    early only where one staging round holds the row (norm_merged). The batch-1 k-split GEMVs with
+    a residual read it right after pdl_wait (early_res1; always, no knob: it gained under 1 %)."""
     from engine import kernel_catalog as kc
 
     graph = load_family("qwen3")
@@ -1455,7 +1455,7 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
     assert "nwe[j][0] = __ldg(" in before_wait and "raw[j].w0 = nwe[j][0];" in src
     off = render(kc.spec("gemv", **{**qkv.params, "early_nw": False}))
     assert "nwe" not in off
-    # q8x_early_residual: the batch-1 k-split GEMVs with a residual (o, down) read it after pdl_wait
+    # early_res: the batch-1 k-split GEMVs with a residual (o, down) read it after pdl_wait
     res = {(s.params["residual"] and s.params["ksplit"] > 1): set() for s in gemvs}
     for s in gemvs:
         res[s.params["residual"] and s.params["ksplit"] > 1].add(s.params["early_res"])

@@ -39,7 +39,7 @@ def test_variants_are_planned_and_bad_ones_named(capsys):
     assert out[3].startswith("FAIL typo: ConfigError:") and "did you mean 'pair_min_blocks'" in out[3]
     assert pv.main(["--quant", "q8_0", "--variant", "u=gemv_coop.unroll=4"]) == 0
     with pytest.raises(SystemExit):
-        pv.main(["--variant", "x=gemv.unroll=4"])  # no quant, no model, no shapes
+        pv.main(["--variant", "x=gemv_coop.unroll=4"])  # no quant, no model, no shapes
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -15,8 +15,19 @@ or gguf (the GPU check script imports this on a machine without gguf).
 from __future__ import annotations
 
 from engine.kernel_catalog.builders import (  # noqa: F401
+    COOP_THREADS,
+    GEMM_DECODE_MIN_ROWS,
+    GEMM_FIXED,
     GEMM_KNOBS,
-    GEMM_WGMMA_KNOBS,
+    GEMM_WGMMA_NARROW,
+    GEMM_WGMMA_TILE,
+    GEMM_WGMMA_WIDE,
+    GEMV_MAX_BATCH,
+    GEMV_ROWS_PER_BLOCK,
+    GEMV_THREADS,
+    GEMV_UNROLL,
+    NORM_THREADS,
+    Q8X_STAGE_ROUNDS,
     _pair_of,
     all_specs,
     attention_params,

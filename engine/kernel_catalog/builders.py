@@ -30,6 +30,16 @@ from engine.kernel_spec import KernelSpec
 from engine.storage import row_bytes
 from engine.types import ConfigError
 
+# the classic gemv (kernels/gemv.cu.j2): a block of GEMV_THREADS threads owns GEMV_ROWS_PER_BLOCK
+# rows (even: the glu epilogue pairs them), GEMV_UNROLL k steps in flight per thread; a decode GEMV
+# serves up to GEMV_MAX_BATCH rows (wider decode batches take it more than once, or gemm_decode);
+# the warp-cooperative layout's blocks are COOP_THREADS threads
+GEMV_THREADS, GEMV_ROWS_PER_BLOCK, GEMV_UNROLL, GEMV_MAX_BATCH = 256, 4, 2, 8
+COOP_THREADS = 128
+# q8x staging: file type -> (rounds of x loads issued before quantising them, from this k up); the
+# q8_0 down projection's 9728-element x in two rounds (the H200 profile's old per-type knob)
+Q8X_STAGE_ROUNDS = {"q8_0": (2, 8192)}
+
 
 def linear_params(
     quant: str,
@@ -46,14 +56,13 @@ def linear_params(
 ) -> dict[str, Any]:
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
     ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
-    g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
-    bmax = bmax or g["max_batch"]
+    bmax = bmax or GEMV_MAX_BATCH
     layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
     opts = (
         coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
         if layout.get("coop")
-        else gemv_options({**g, "threads": layout["threads"]}, st, bmax, k, quant)
+        else gemv_options(tuning["gemv"], st)
     )
     return dict(
         {**layout, **opts},
@@ -103,8 +112,7 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - q8x_stage_rounds rounds of x loads in flight while staging; q8x_min_blocks, else at bmax 1
-        q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
+      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging; at bmax 1 q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
@@ -126,7 +134,7 @@ def coop_options(
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
         forced = threads
-        threads = forced or c.get("q8x_threads") or c["threads"]
+        threads = forced or c.get("q8x_threads") or COOP_THREADS
         rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
         ksplit = int(c.get("q8x_ksplit") or 1)
         kst = c.get("q8x_ksplit_types") or ()
@@ -149,7 +157,7 @@ def coop_options(
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
             unroll = out["unroll"] = b1_unroll  # segments in flight per lane and row
-        if (threads, rpw, ksplit, lanes) != (c["threads"], c["rows_per_warp"], 1, 32):
+        if (threads, rpw, ksplit, lanes) != (COOP_THREADS, c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:
             out["lanes"] = lanes
@@ -164,19 +172,19 @@ def coop_options(
             and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
         ):
             out["kparts"] = parts
-        if int(c.get("q8x_stage_rounds") or 1) > 1 and k >= int(c.get("q8x_stage_rounds_min_k") or 0):
-            out["stage_rounds"] = int(c["q8x_stage_rounds"])
+        rounds, min_k = Q8X_STAGE_ROUNDS.get(file_type, (1, 0))
+        if rounds > 1 and k >= min_k:
+            out["stage_rounds"] = rounds
         if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if c.get("q8x_early_residual") and bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+        if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+            # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
-        if int(c.get("q8x_min_blocks") or 0) > 0:
-            out["min_blocks"] = int(c["q8x_min_blocks"])
-        elif bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
+        if bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
             out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
-            rpb = int(out.get("rows_per_block") or c["threads"] // 32 * c["rows_per_warp"])
+            rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
             tile = rpb * row_bytes(quant, k)
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
             smem = gemv_smem(wp)
@@ -228,22 +236,25 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
     if quant in COOP_TYPES and file_type in c.get("types", ()):
         return dict(
             coop=True,
-            threads=c["threads"],
-            rows_per_block=c["threads"] // 32 * c["rows_per_warp"],
+            threads=COOP_THREADS,
+            rows_per_block=COOP_THREADS // 32 * c["rows_per_warp"],
             unroll=c["unroll"],
         )
     g = tuning["gemv"]
-    threads = g["threads"]
+    threads = GEMV_THREADS
     if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
         threads = int(g["b1_short_n_threads"])
-    return dict(threads=threads, rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
+    return dict(threads=threads, rows_per_block=GEMV_ROWS_PER_BLOCK, unroll=GEMV_UNROLL)
 
 
-# bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
-GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k")
-
-
-GEMM_KNOBS += ("swizzle", "fragbuf", "qprefetch", "raster")
+# the gemm params (kernels/gemm.cu.j2) in their order, and the ones each tuning section keeps fixed
+GEMM_KNOBS = ("tile_m", "tile_n", "tile_k", "stages", "warps", "warps_m", "split_k", "swizzle", "fragbuf")
+GEMM_FIXED = {
+    "gemm": {"tile_m": 128, "tile_n": 128, "stages": 3, "warps": 8, "warps_m": 2, "split_k": 1, "fragbuf": False},
+    "gemm_decode": {"tile_k": 128, "warps": 8, "warps_m": 2},
+}
+# the fewest decode rows that run bf16 linears as gemm_decode GEMMs (engine.plan's wide bucket)
+GEMM_DECODE_MIN_ROWS = 16
 
 
 def gemm_params(
@@ -257,10 +268,9 @@ def gemm_params(
     section: str = "gemm",
 ) -> dict[str, Any]:
     """gemm params from the profile's ``section`` ("gemm": prefill, "gemm_decode": wide decode
-    batches). A k that tile_k does not divide falls back to the largest of 64/32/16 (times
-    split_k) that divides it (the check still rejects a k no tile fits)."""
-    off = {"swizzle": False, "fragbuf": False, "qprefetch": False, "raster": False}
-    g = {"warps_m": 2, "split_k": 1, **off, **dict(tuning[section])}
+    batches) over GEMM_FIXED. A k that tile_k does not divide falls back to the largest of 64/32/16
+    (times split_k) that divides it (the check still rejects a k no tile fits)."""
+    g = {**GEMM_FIXED[section], **dict(tuning[section])}
     if k % g["tile_k"]:
         for tk in (64 * g["split_k"], 32 * g["split_k"], 16 * g["split_k"]):
             if k % tk == 0 and (quant == "bf16" or tk % 32 == 0):
@@ -271,20 +281,24 @@ def gemm_params(
     )
 
 
-GEMM_WGMMA_KNOBS = ("tile_n", "consumers", "m_frags", "stages", "raster", "maxnreg")
+# the wgmma GEMM's wide tile (setmaxnreg: producer 40, consumers 232 registers) and the narrow one
+# of the weights with n < gemm_wgmma.wide_min_n; consumers: warpgroups of 64 * m_frags rows each
+GEMM_WGMMA_TILE = ("tile_n", "consumers", "m_frags", "stages", "raster", "maxnreg")
+GEMM_WGMMA_WIDE = {"tile_n": 256, "consumers": 2, "m_frags": 1, "stages": 4, "raster": True, "maxnreg": True}
+GEMM_WGMMA_NARROW = {**GEMM_WGMMA_WIDE, "tile_n": 128, "stages": 6, "maxnreg": False}
 
 
 def gemm_wgmma_params(
     n: int, k: int, tuning: Mapping[str, Any], *, residual: bool = False, out_dtype: str = "bf16"
 ) -> dict[str, Any] | None:
-    """gemm_wgmma params for a bf16 weight of n x k from the profile's ``gemm_wgmma`` section, or
-    None where it does not apply (off on this profile, k % 64, n % 8): the caller keeps "gemm"."""
+    """gemm_wgmma params for a bf16 weight of n x k (the profile's ``gemm_wgmma`` section picks
+    the tile), or None where it does not apply (off on this profile, k % 64, n % 8): the caller
+    keeps "gemm"."""
     g = tuning.get("gemm_wgmma") or {}
     if not g.get("enabled") or k % 64 or n % 8:
         return None
-    p = {x: g[x] for x in GEMM_WGMMA_KNOBS}
-    if n < int(g.get("wide_min_n") or 0):  # few wide tiles: narrower ones keep every SM busy
-        p.update(tile_n=g["narrow_tile_n"], stages=g["narrow_stages"], maxnreg=False)
+    # few wide tiles: narrower ones keep every SM busy
+    p = GEMM_WGMMA_NARROW if n < int(g.get("wide_min_n") or 0) else GEMM_WGMMA_WIDE
     return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **p)
 
 
@@ -404,6 +418,9 @@ def _pair_of(a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: di
         return None
 
 
+NORM_THREADS = 256  # the rmsnorm kernel's block
+
+
 def all_specs(
     dims: Mapping[str, Any],
     storage_types: Iterable[str],
@@ -423,7 +440,7 @@ def all_specs(
     types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
     shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
     out: dict[KernelSpec, None] = {}
-    el, nm, sm = tuning["elementwise"]["threads"], tuning["norm"]["threads"], tuning["sampling"]["threads"]
+    el, nm, sm = tuning["elementwise"]["threads"], NORM_THREADS, tuning["sampling"]["threads"]
     for t in types:
         ok = QUANTS[t][0]
         th = upload_type(t, hidden, tuning)

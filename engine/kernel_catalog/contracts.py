@@ -71,7 +71,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
         "prefetch", "coop", "pipeline", "glu", "q8x", "tile_pf", "wsm", "trigger",
         "early_nw", "early_res",
     ),
-    "gemm": ("swizzle", "fragbuf", "qprefetch", "raster"),
+    "gemm": ("swizzle", "fragbuf"),
     "attention": ("vec16", "rope", "table_first", "trigger"),
 }
 
@@ -205,8 +205,6 @@ KERNELS: dict[str, KernelDoc] = {
             quant=str,
             swizzle=bool,
             fragbuf=bool,
-            qprefetch=bool,
-            raster=bool,
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         (
@@ -224,8 +222,6 @@ KERNELS: dict[str, KernelDoc] = {
             "out_dtype",
             "swizzle",
             "fragbuf",
-            "qprefetch",
-            "raster",
         ),
         "(ceil(n / tile_n), ceil(rows / tile_m))",
         "(warps * 32,)",
@@ -238,8 +234,6 @@ KERNELS: dict[str, KernelDoc] = {
             "quant": "bf16",
             "swizzle": False,
             "fragbuf": False,
-            "qprefetch": False,
-            "raster": False,
         },
     ),
     "gemm_wgmma": KernelDoc(

@@ -32,15 +32,10 @@ def _fail(template: str, msg: str) -> ConfigError:
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (q8x: bmax * k * 3 / 2 bytes) at most
 
 
-def gemv_options(
-    g: Mapping[str, Any], stage: bool, bmax: int, k: int, quant: str = "bf16"
-) -> dict[str, bool]:
+def gemv_options(g: Mapping[str, Any], stage: bool) -> dict[str, bool]:
     """The gemv tuning's prefetch switch for one spec (on the staged path only); empty when off
     (the default entry names)."""
-    out = {}
-    if g.get("prefetch") and stage:
-        out["prefetch"] = True
-    return out
+    return {"prefetch": True} if g.get("prefetch") and stage else {}
 
 
 GEMV_MIN_TYPES = ("q4_1", "q4_1r", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit

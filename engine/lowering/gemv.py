@@ -32,12 +32,11 @@ def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
 def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Launch:
     """The GEMV launch of weight allocation ``w`` writing ``out`` (``part_threads``: a coop q8x
     layout in blocks of that many threads, for a gemv_pair part; 0: the tuning's)."""
-    tg = ctx.tune("gemv")
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
-    bmax = 1 if mode == "decode1" else tg["max_batch"]
-    rpb = tg["rows_per_block"]
+    bmax = 1 if mode == "decode1" else kc.GEMV_MAX_BATCH
+    rpb = kc.GEMV_ROWS_PER_BLOCK
     pro = ctx.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
     xv, extra, pp = ins[0], (), {}
     if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
@@ -94,13 +93,13 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             if glu:
                 pp["glu"] = glu
     else:
-        threads, unroll = layout.get("threads", tg["threads"]), tg.get("unroll", 2)
+        threads, unroll = layout["threads"], layout["unroll"]
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
         # prefetch from the tuning (staged path)
         staged = kc.STAGED_DEFAULT.get(w.dtype, False)
-        opts = kc.gemv_options({**tg, "threads": threads}, staged, bmax, w.cols, w.dtype)
+        opts = kc.gemv_options(ctx.tune("gemv"), staged)
     spec = ctx.spec(
         "gemv",
         quant=w.dtype,
@@ -195,11 +194,11 @@ def fork(ctx, mode: str, launches: list[Launch]) -> list[Launch]:
 def glu_for(ctx, op, layer, mode, w, residual: bool, out_dtype: str, rpb: int = 0) -> int:
     """The glu epilogue width of a decode gate|up GEMV whose output only a fusable silu_mul reads
     (tuning gemv.fuse_glu; build_plan fills glu_ops): the intermediate size, else 0. ``rpb``:
-    the GEMV's rows per block (default: gemv.rows_per_block), which must be even."""
+    the GEMV's rows per block (default: the classic gemv's), which must be even."""
     if mode not in PROLOGUE_MODES or (id(op), layer) not in ctx.glu_ops or residual:
         return 0
     if len(w.part_rows) != 2 or w.part_rows[0] != w.part_rows[1] or out_dtype != "bf16":
         return 0
-    if (rpb or ctx.tune("gemv")["rows_per_block"]) % 2:
+    if (rpb or kc.GEMV_ROWS_PER_BLOCK) % 2:
         return 0
     return w.part_rows[0]

@@ -47,7 +47,6 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
 
 def linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm"):
     # section: the profile tuning ("gemm" for prefill, "gemm_decode" for wide decode buckets)
-    tg = {"warps_m": 2, "split_k": 1, **ctx.tune(section)}
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     launches = []
@@ -65,7 +64,7 @@ def linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm"):
             if wg is not None:
                 launches.append(wg)
                 continue
-        p = gemm_params(ctx, w, tg, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
+        p = gemm_params(ctx, w, section, residual, out_dtype, quant)  # bf16, or GGUF decoded in the GEMM
         wptr = wgt(w)
         long_rows = dequant_wgmma_rows(ctx, w, section, quant)
         wg = None
@@ -82,7 +81,7 @@ def linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm"):
             launches.append(dequantise(ctx, w))
             wptr = Arg("scratch", "dequant")
             quant = "bf16"
-            p = gemm_params(ctx, w, tg, residual, out_dtype, quant)
+            p = gemm_params(ctx, w, section, residual, out_dtype, quant)
         if p is None:  # odd k: the GEMV handles it
             return linear_gemv(ctx, op, mode, ins, outs, ws)
         spec = ctx.spec("gemm", **p)
@@ -138,13 +137,15 @@ def gemm_wgmma(ctx, w, x, out, residual, out_dtype, res_name, source="weight"):
     return Launch(spec, grid, (128 * (p["consumers"] + 1),), args, kc.gemm_wgmma_smem(p))
 
 
-def gemm_params(ctx, w, tg, residual, out_dtype, quant):
-    """The gemm params for weight ``w`` from tuning ``tg``, or None when no gemm variant fits
+def gemm_params(ctx, w, section, residual, out_dtype, quant):
+    """The gemm params for weight ``w`` from tuning ``section``, or None when no gemm variant fits
     (a storage type without a fused decoder, a k no tile divides: the caller falls back)."""
     if quant not in kc.QUANTS:
         return None
     try:
-        p = kc.gemm_params(w.rows, w.cols, {"gemm": tg}, residual=residual, out_dtype=out_dtype, quant=quant)
+        p = kc.gemm_params(
+            w.rows, w.cols, ctx.profile.tuning, residual=residual, out_dtype=out_dtype, quant=quant, section=section
+        )
         kc.spec("gemm", **p)
     except ConfigError:
         return None

@@ -7,6 +7,7 @@ numpy."""
 
 from __future__ import annotations
 
+from engine import kernel_catalog as kc
 from engine.ir import NULL, ROWS, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.lowering.registry import register, same_width
@@ -16,7 +17,7 @@ from engine.types import ConfigError
 @register("rmsnorm", bind=same_width, wide="prefill")
 def lower_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     w = ws[0]
-    t = ctx.tune("norm")["threads"]
+    t = kc.NORM_THREADS
     eps = float(ctx.dims["rms_eps"])
     ctx.prologue.pop((mode, outs[0].name), None)
     x = ins[0]

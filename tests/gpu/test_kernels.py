@@ -160,7 +160,7 @@ def test_rmsnorm(kernels, profile):
     rng = np.random.default_rng()
     for n, residual in ((576, False), (4096, True), (2560, True)):
         rows, eps = 7, 1e-5
-        c = kc.choice("rmsnorm", n=n, eps=eps, threads=profile.tuning["norm"]["threads"], residual=residual)
+        c = kc.choice("rmsnorm", n=n, eps=eps, threads=kc.NORM_THREADS, residual=residual)
         x = bf_round(rng.standard_normal((rows, n)))
         r = bf_round(rng.standard_normal((rows, n)))
         w = rng.standard_normal(n).astype(np.float32)
@@ -480,8 +480,7 @@ WGMMA_CONFIGS = [  # (tile_n, consumers, m_frags, stages, raster, maxnreg)
 def run_wgmma(kernels, cfg, m, n, k, rng, *, residual=False, out_dtype="bf16", extra_rows=0) -> tuple[float, bool]:
     """One gemm_wgmma launch: A's tensor map spans m + extra_rows rows (the extra ones NaN, as the
     runner's maps span the whole arena), out has 64 poisoned rows past m that must stay NaN."""
-    g = dict(zip(kc.GEMM_WGMMA_KNOBS, cfg, strict=True))
-    p = kc.gemm_wgmma_params(n, k, {"gemm_wgmma": {**g, "enabled": True}}, residual=residual, out_dtype=out_dtype)
+    p = dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **dict(zip(kc.GEMM_WGMMA_TILE, cfg, strict=True)))
     c = kc.choice("gemm_wgmma", **p)
     a = bf_round(rng.standard_normal((m, k)))
     w = bf_round(rng.standard_normal((n, k)) * 0.05)
@@ -508,8 +507,8 @@ def test_gemm_wgmma(kernels, device, profile):
     needs_sm90(device)
     if profile.arch != "sm_90a":
         pytest.skip(f"gemm_wgmma needs the sm_90a arch, the profile compiles for {profile.arch}")
-    g = profile.tuning.get("gemm_wgmma") or {}
-    pc = tuple(g[x] for x in kc.GEMM_WGMMA_KNOBS) if g.get("enabled") else WGMMA_CONFIGS[0]
+    wide = kc.gemm_wgmma_params(9728, 2560, profile.tuning)  # (None where the profile leaves it off)
+    pc = tuple(wide[x] for x in kc.GEMM_WGMMA_TILE) if wide else WGMMA_CONFIGS[0]
     cases = [dict(m=513, n=2560, k=9728, cfg=pc, residual=True),
              dict(m=300, n=576, k=1536, cfg=pc, residual=True, out_dtype="f32"),
              dict(m=100, n=1000, k=512, cfg=pc, extra_rows=200)]
