@@ -17,6 +17,7 @@ from __future__ import annotations
 from engine.kernel_catalog.builders import (  # noqa: F401
     GEMM_KNOBS,
     GEMM_WGMMA_KNOBS,
+    MMA_BUCKETS,
     _pair_of,
     all_specs,
     attention_params,
@@ -26,6 +27,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     gemm_params,
     gemm_wgmma_params,
     gemv_layout,
+    gemv_mma_params,
     linear_params,
     one_round,
     q8x_applies,

@@ -67,6 +67,51 @@ def linear_params(
     )
 
 
+# the gemv_mma launches of a decode linear: (bmax, fewest rows, most rows (0: any)) -- a pass of
+# rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row)
+MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
+MMA_WARPS = 4
+
+
+def gemv_mma_params(
+    quant: str,
+    n: int,
+    k: int,
+    bmax: int,
+    *,
+    sm_count: int = 0,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    x_stride: int = 0,
+) -> dict[str, Any] | None:
+    """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
+    up to ``bmax`` rows, or None where the kernel does not apply (a type without a decoder, k not a
+    multiple of 64, x rows not 16-byte aligned). One shape rule, no tuning: m tiles per warp grow
+    with the batch (mt 1 / 2 / 4 at bmax 8 / 16 / 32+: each x fragment feeds mt mma, keeping the x
+    reads at or below the weight bytes), and k is split over blocks (kparts) until about four blocks
+    per SM are in flight (``sm_count``; 132 where unknown), each warp keeping two k steps or more."""
+    if quant not in QUANTS or k % 64 or k % QUANTS[quant][0] or x_stride % 8:
+        return None
+    if quant == "q8_0r" and k % 256:
+        return None
+    mt = 1 if bmax <= 8 else 2 if bmax <= 16 else 4
+    tiles = _cdiv(n, 16 * mt)
+    steps = k // 64
+    kparts = max(1, min(_cdiv(4 * (sm_count or 132), tiles), steps // (2 * MMA_WARPS)))
+    return dict(
+        quant=quant,
+        n=n,
+        k=k,
+        bmax=bmax,
+        mt=mt,
+        warps=MMA_WARPS,
+        kparts=kparts,
+        residual=residual,
+        out_dtype=out_dtype,
+        x_stride=x_stride,
+    )
+
+
 def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
     """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
     coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
@@ -451,6 +496,12 @@ def all_specs(
                     )
                     if pair is not None:
                         out[pair] = None
+    for t in types:  # the batched decode linears (tensor cores, weights read once per bmax rows)
+        for n, k, res, od in [*((n, k, r, "bf16") for n, k, r in shapes), (vocab, hidden, False, "f32")]:
+            for bmax, _lo, _hi in MMA_BUCKETS:
+                p = gemv_mma_params(upload_type(t, k, tuning), n, k, bmax, residual=res, out_dtype=od)
+                if p is not None:
+                    out[spec("gemv_mma", **p)] = None
     for n, k, res in shapes:
         wg = gemm_wgmma_params(n, k, tuning, residual=res)
         if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)

@@ -1,0 +1,118 @@
+"""The batched decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type its decoders
+take (file types and upload layouts), every batch size class the decode buckets use, with the params
+engine.lowering.gemv_mma gives a Qwen3-4B-wide row on this device's SM count (a k split over blocks
+and the single-part form), a residual that aliases out, f32 logits, a strided x, and more rows than
+bmax. Outputs are poisoned with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's
+dequantisation, checked against gguf in tests/test_quant.py). Run on a GPU machine:
+``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
+
+from engine import kernel_catalog as kc
+
+N, K = 1003, 2560  # an odd n (the last tile's row tail), Qwen3-4B's hidden size as k
+BATCHES = (2, 3, 8, 17, 32, 64)
+TYPES = list(kc.QUANTS)  # bf16, f16, f32 and every GGUF block type / upload layout
+
+
+def _bmax(rows: int) -> int:
+    return next(b for b, lo, hi in kc.MMA_BUCKETS if rows >= lo and (not hi or rows <= hi))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    cache: dict = {}
+    rng = np.random.default_rng(11)
+
+    def get(qt: str, n: int, k: int):
+        if (qt, n, k) not in cache:
+            raw, deq = random_weight(qt, n, k, rng)
+            cache[qt, n, k] = (upload(raw, "u8"), deq)
+        return cache[qt, n, k]
+
+    return get
+
+
+def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[float, int, int]:
+    """Launch gemv_mma ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
+    n, k, od = p["n"], p["k"], p["out_dtype"]
+    w, deq = weights(p["quant"], n, k)
+    xs = p["x_stride"] or k
+    x = bf_round(rng.standard_normal((rows, xs)))
+    xin = x[:, x_pad : x_pad + k]
+    r = bf_round(rng.standard_normal((rows, n)))
+    out = upload(r, "bf16") if p["residual"] else poisoned((rows, n), od)
+    xd = upload(x, "bf16")
+    args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if p["residual"] else 0, rows=rows)
+    count = None
+    if p["kparts"] > 1:  # sized as engine.lowering.gemv_mma sizes the scratch
+        args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
+        tiles = -(-n // (16 * p["mt"])) * -(-rows // p["bmax"])
+        count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
+    kernels.launch(kc.choice("gemv_mma", **p), rows, **args)
+    got = out.get()
+    ref = xin @ deq.T + (r if p["residual"] else 0)
+    left = int(np.count_nonzero(count.get())) if count is not None else 0
+    return rel_err(got, ref), int(np.isnan(got).sum()), left
+
+
+def _cases(profile) -> list[tuple[dict, int]]:
+    out = []
+    for qt in TYPES:
+        for rows in BATCHES:
+            p = kc.gemv_mma_params(qt, N, K, _bmax(rows), sm_count=profile.sm_count, residual=rows % 2 == 0)
+            assert p is not None, qt
+            out.append((p, rows))
+    return out
+
+
+def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
+    cases = _cases(profile)
+    kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _ in cases))
+    rng = np.random.default_rng()
+    bad = []
+    for p, rows in cases:
+        err, nans, left = run_mma(kernels, weights, p, rows, rng)
+        if not (err <= 1e-2 and nans == 0 and left == 0):
+            bad.append((p["quant"], rows, p["bmax"], p["kparts"], err, nans, left))
+    assert not bad, bad
+
+
+def test_gemv_mma_variants(kernels, weights, profile):
+    """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
+    rows), a k split with more parts than some tiles have steps, and a second launch reusing the
+    part counters (the last block of each tile leaves its counter zero)."""
+    base = dict(sm_count=profile.sm_count)
+    cases = []
+    for qt in ("bf16", "q4_k", "q6_kr", "q8_0r", "q5_0", "q4_1r"):
+        for bmax in (8, 64):
+            p1 = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
+            cases.append(({**p1, "kparts": 1}, bmax - 3, 0))
+            cases.append((kc.gemv_mma_params(qt, N, K, bmax, out_dtype="f32", **base), bmax, 0))
+        cases.append((kc.gemv_mma_params(qt, N, K, 16, x_stride=K + 64, **base), 11, 32))
+        cases.append((kc.gemv_mma_params(qt, N, K, 64, residual=True, **base), 100, 0))
+        cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 40}, 20, 0))
+    kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
+    rng = np.random.default_rng()
+    bad = []
+    for p, rows, pad in cases:
+        for _ in range(2):
+            err, nans, left = run_mma(kernels, weights, p, rows, rng, x_pad=pad)
+            if not (err <= 1e-2 and nans == 0 and left == 0):
+                bad.append((p["quant"], rows, p["bmax"], p["kparts"], p["out_dtype"], pad, err, nans, left))
+    assert not bad, bad
+
+
+def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
+    """The k permutation and the warps' sum order change nothing beyond rounding: a bf16 weight
+    (exact in the tensor-core path) agrees with float64 to accumulation precision."""
+    p = kc.gemv_mma_params("bf16", N, K, 8, out_dtype="f32", sm_count=profile.sm_count)
+    kernels.prebuild([kc.spec("gemv_mma", **p)])
+    err, nans, _ = run_mma(kernels, weights, p, 5, np.random.default_rng())
+    assert nans == 0 and err <= 1e-5, err
+
