@@ -38,7 +38,7 @@ def test_spec_rules_name_the_problem():
         (dict(quant="q2_k"), "q2_k"),
         (dict(x_stride=2564), "x_stride"),
         (dict(residual=True, out_dtype="f32"), "residual"),
-        (dict(bmax=64, mt=4, warps=1), "outgrow"),
+        (dict(wm=3), "multiple of wm"),
     ):
         with pytest.raises(ConfigError, match=msg):
             kc.spec("gemv_mma", **{**ok, **over})
@@ -49,15 +49,18 @@ def test_spec_rules_name_the_problem():
 
 
 def test_params_grow_the_m_tiles_with_the_batch_and_split_k_to_fill_the_sms():
-    mts = [kc.gemv_mma_params("q4_k", 2560, 9728, b, sm_count=132)["mt"] for b in (8, 16, 32, 64)]
-    assert mts == [1, 2, 4, 4]
+    ps = [kc.gemv_mma_params("q4_k", 2560, 9728, b, sm_count=132) for b in (8, 16, 32, 64)]
+    assert [(p["mt"], p["wm"]) for p in ps] == [(1, 4), (2, 2), (2, 4), (4, 4)]
+    rows = [16 * p["mt"] * p["wm"] for p in ps]
+    assert rows == sorted(rows)  # more rows a block (x shared by more of them) as the batch grows
     wide = kc.gemv_mma_params("q4_k", 19456, 2560, 8, sm_count=132)
-    narrow = kc.gemv_mma_params("q4_k", 2560, 9728, 64, sm_count=132)
-    assert wide["kparts"] == 1  # 1216 row tiles fill 132 SMs
-    tiles = 2560 // 64  # mt 4: 64 rows a block
-    assert tiles * narrow["kparts"] >= 4 * 132 > tiles * (narrow["kparts"] - 1)
-    short_k = kc.gemv_mma_params("q4_k", 1024, 512, 8, sm_count=132)
-    assert short_k["kparts"] == 1  # 8 k steps: each of the 4 warps keeps two
+    assert wide["kparts"] == 2  # 304 row tiles of 64: two parts make 4 blocks per SM
+    down = kc.gemv_mma_params("q6_kr", 2560, 9728, 64, sm_count=132)
+    assert 10 * down["kparts"] >= 2 * 132 > 10 * (down["kparts"] - 1)  # 10 tiles of 256 rows
+    # the partial sums stay within a row's weight bytes: a short q4_k row at bmax 64 splits less
+    short = kc.gemv_mma_params("q4_k", 2560, 2560, 64, sm_count=132)
+    assert short["kparts"] * 64 * 4 <= 1440 < (short["kparts"] + 1) * 64 * 4
+    assert kc.gemv_mma_params("q4_k", 1024, 512, 8, sm_count=132)["kparts"] == 2  # 8 steps: a round each
 
 
 def test_decode_buckets_use_one_mma_launch_per_weight_and_batch_1_keeps_the_gemv():

@@ -71,6 +71,8 @@ def linear_params(
 # rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row)
 MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
 MMA_WARPS = 4
+# bmax -> (m tiles per warp, warps side by side over rows, blocks per SM to aim the k split at)
+MMA_SHAPES = {8: (1, 4, 4), 16: (2, 2, 4), 32: (2, 4, 3), 64: (4, 4, 2)}
 
 
 def gemv_mma_params(
@@ -86,18 +88,21 @@ def gemv_mma_params(
 ) -> dict[str, Any] | None:
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows, or None where the kernel does not apply (a type without a decoder, k not a
-    multiple of 64, x rows not 16-byte aligned). One shape rule, no tuning: m tiles per warp grow
-    with the batch (mt 1 / 2 / 4 at bmax 8 / 16 / 32+: each x fragment feeds mt mma, keeping the x
-    reads at or below the weight bytes), and k is split over blocks (kparts) until about four blocks
-    per SM are in flight (``sm_count``; 132 where unknown), each warp keeping two k steps or more."""
+    multiple of 64, x rows not 16-byte aligned). One shape rule, no tuning (MMA_SHAPES): the m tiles
+    per warp and the warps over rows grow with the batch, so each x fragment feeds mt mma and the
+    wm warps of a block share x through L1 (x bytes read from L2 at most about the weight bytes);
+    the warps left over split k inside the block; k is split over blocks (kparts) until the blocks
+    fill the SMs (``sm_count``; 132 where unknown) at the shape's blocks per SM, keeping a full
+    round of steps per k group and the f32 partial sums of a row within its weight bytes."""
     if quant not in QUANTS or k % 64 or k % QUANTS[quant][0] or x_stride % 8:
         return None
     if quant == "q8_0r" and k % 256:
         return None
-    mt = 1 if bmax <= 8 else 2 if bmax <= 16 else 4
-    tiles = _cdiv(n, 16 * mt)
-    steps = k // 64
-    kparts = max(1, min(_cdiv(4 * (sm_count or 132), tiles), steps // (2 * MMA_WARPS)))
+    mt, wm, per_sm = MMA_SHAPES[bmax]
+    tiles = _cdiv(n, 16 * mt * wm)
+    rounds = k // 64 // (MMA_WARPS // wm * (4 // mt))
+    partial_cap = row_bytes(quant, k) // (4 * bmax)  # f32 partial sums of a row <= its weight bytes
+    kparts = max(1, min(_cdiv(per_sm * (sm_count or 132), tiles), rounds, partial_cap))
     return dict(
         quant=quant,
         n=n,
@@ -105,6 +110,7 @@ def gemv_mma_params(
         bmax=bmax,
         mt=mt,
         warps=MMA_WARPS,
+        wm=wm,
         kparts=kparts,
         residual=residual,
         out_dtype=out_dtype,

@@ -199,11 +199,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
         need(bmax in (8, 16, 32, 64), f"bmax={bmax} must be 8, 16, 32 or 64")
         need(mt in (1, 2, 4), f"mt={mt} must be 1, 2 or 4")
-        need(1 <= p["warps"] <= 8, f"warps={p['warps']} must be 1..8")
-        need(
-            mt * bmax * 64 <= p["warps"] * 8192,
-            f"the warps' sums of mt={mt} x bmax={bmax} outgrow the {p['warps']} warps' 8 KB tiles",
-        )
+        wm = p["wm"]
+        need(1 <= p["warps"] <= 8 and p["warps"] % wm == 0, f"warps={p['warps']} must be 1..8, a multiple of wm={wm}")
         need(1 <= p["kparts"] <= p["k"] // 64, f"kparts={p['kparts']} must be 1..k/64")
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")

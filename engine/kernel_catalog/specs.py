@@ -146,7 +146,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     elif template == "gemv_mma":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], 16 * p["mt"]), _cdiv(rows, p["bmax"]), p["kparts"])
+            return (_cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"])
 
         block = (p["warps"] * 32, 1, 1)
     elif template == "gemv_pair":

@@ -62,7 +62,7 @@ def mma_launch(ctx, p: dict, w, x, out, res_name, min_rows: int, max_rows: int) 
     spec = ctx.spec("gemv_mma", **p)
     res = Arg("value", res_name) if res_name is not None else NULL
     args = (val(out), wgt(w), val(x), res, ROWS)
-    tiles = cdiv(w.rows, 16 * p["mt"])
+    tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
     if p["kparts"] > 1:
         ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
         groups = cdiv(ctx.max_rows, p["bmax"])

@@ -52,7 +52,7 @@ def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[
     count = None
     if p["kparts"] > 1:  # sized as engine.lowering.gemv_mma sizes the scratch
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
-        tiles = -(-n // (16 * p["mt"])) * -(-rows // p["bmax"])
+        tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
     kernels.launch(kc.choice("gemv_mma", **p), rows, **args)
     got = out.get()
