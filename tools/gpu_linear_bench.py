@@ -11,7 +11,9 @@ cycling through enough weight copies to defeat the 50 MB L2:
 - ``mma``: the batched tensor-core GEMV (kernels/gemv_mma.cu.j2) with the params the plan gives
   that batch (engine.kernel_catalog.gemv_mma_params, the MMA_BUCKETS bmax), at batch >= 2;
 - ``gemv``: the GEMV the plan used before it (gemv.max_batch rows per weight pass) and, at batch 1,
-  the tuned batch-1 GEMV the plan still uses (no rmsnorm prologue, no pair).
+  the tuned batch-1 GEMV the plan still uses (no rmsnorm prologue, no pair);
+- ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
+  gemm_decode.min_rows rows, where it has a decoder for the type.
 
 Each row prints the time, the weight bytes / time in GB/s and that as a fraction of the measured
 device-to-device copy bandwidth (bytes read + written per second, the profile's
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
     from engine.profile import select
+    from engine.types import ConfigError
 
     info = cuda.detect_devices()[0]
     ctx = cuda.Context(0)
@@ -136,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
             cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
+            if "gemm_decode" in tuning and b >= int(tuning["gemm_decode"].get("min_rows", 16)):
+                try:  # the wide-decode GEMM (bf16 buckets >= gemm_decode.min_rows before gemv_mma)
+                    p = kc.gemm_params(n, k, tuning, quant=qt, section="gemm_decode")
+                    cands.append(("gemm", kc.choice("gemm", **p)))
+                except ConfigError:
+                    pass
         return cands
 
     work = []
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             copies.append(buf)
         for b, cands in per:
             for label, c in cands:
-                a = {"out": out.ptr, "x": x.ptr, "residual": 0, "rows": b, "part_sum": part.ptr,
+                a = {"out": out.ptr, "x": x.ptr, "a": x.ptr, "residual": 0, "rows": b, "part_sum": part.ptr,
                      "part_count": count.ptr, "kpart_sum": part.ptr, "kpart_count": count.ptr}
                 for name, _ in c.args:
                     if name.startswith("pf"):
