@@ -122,7 +122,7 @@ def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
     # one spec per arch (the templates' only arch branch is PDL's), every fast / generic decoder on sm_90a
     per_arch = {arch: s for arch, s in specs}
     for arch, s in per_arch.items():
-        KernelBuilder(arch, cache=KernelCache(tmp_path / arch)).build_all([s], progress=None)
+        KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
     types = ["bf16", "q4_0r", "q4_1r", "q6_kr", "q8_0r", "q5_0"]  # the other fast paths and two generic ones
     fast = [kc.spec("gemv_mma", **kc.gemv_mma_params(t, 1024, 2560, 8, out_dtype="f32")) for t in types]
-    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types")).build_all(fast, progress=None)
+    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(fast, progress=None)

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     tuning = prof.tuning
     stream = cuda.Stream()
     copy_gbs = copy_bandwidth(cuda, stream)
-    builder = KernelBuilder(prof.arch, cache=KernelCache(Path(tempfile.mkdtemp(prefix="memra-linbench-"))))
+    builder = KernelBuilder(prof.arch, cache=KernelCache(Path(tempfile.mkdtemp(prefix="memra-linbench-"))), no_compile=False)
     bench = Bench(cuda, builder, stream, args.iters)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else list(prof.cuda_graph_batch_sizes)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             work.append((ft, qt, n, k, nbytes, [(b, candidates(qt, n, k, b)) for b in batches]))
     specs = [c.spec for *_, per in work for _, cands in per for _, c in cands]
-    print(builder.build_all(specs, progress=None), flush=True)
+    print(builder.build_all(specs, progress=None).summary(), flush=True)
     for ft, qt, n, k, nbytes, per in work:
         ncopy = max(2, -(-L2_DEFEAT // nbytes))
         host = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
