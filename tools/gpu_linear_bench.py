@@ -9,7 +9,8 @@ batch (default: the profile's CUDA-graph buckets) it times, with CUDA events ove
 cycling through enough weight copies to defeat the 50 MB L2:
 
 - ``mma``: the batched tensor-core GEMV (kernels/gemv_mma.cu.j2) with the params the plan gives
-  that batch (engine.kernel_catalog.gemv_mma_params, the MMA_BUCKETS bmax), at batch >= 2;
+  that batch (engine.kernel_catalog.gemv_mma_params, the MMA_BUCKETS bmax; at batch 1, where the
+  plan keeps the GEMV, the bmax-8 one for comparison);
 - ``gemv``: the GEMV the plan used before it (gemv.max_batch rows per weight pass) and, at batch 1,
   the tuned batch-1 GEMV the plan still uses (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -131,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def candidates(qt: str, n: int, k: int, b: int) -> list:
         cands = []
-        if b >= 2:
-            bmax = next(m for m, lo, hi in kc.MMA_BUCKETS if b >= lo and (not hi or b <= hi))
-            p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=info.sm_count)
-            if p is not None:
-                cands.append(("mma", kc.choice("gemv_mma", **p)))
+        # (batch 1 too: the bmax-8 kernel beside the tuned GEMV the plan keeps there)
+        bmax = next(m for m, lo, hi in kc.MMA_BUCKETS if b >= lo and (not hi or b <= hi))
+        p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=info.sm_count)
+        if p is not None:
+            cands.append(("mma", kc.choice("gemv_mma", **p)))
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
             cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
