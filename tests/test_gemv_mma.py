@@ -100,12 +100,27 @@ def test_logits_in_decode_are_an_f32_mma_launch():
     assert head.launches["prefill"][0].spec.template == "gemv"
 
 
-def test_no_glu_fusion_is_left_behind_in_decode():
-    """The gate|up GEMV's glu epilogue (gemv.fuse_glu) is a GEMV feature: where the mma kernel takes
-    the decode gate|up, the silu_mul launches again and the down projection reads its output."""
-    plan = _plan("q4_k_m", dtypes=Q4_K_M)
-    silu = [s for s in plan.steps if s.op.op == "silu_mul"]
-    assert silu and all(s.launches["decode"] for s in silu)
+def test_decode_gate_up_stores_silu_gate_times_up_and_down_reads_it():
+    """gemv.fuse_glu: the decode gate|up gemv_mma of every bucket stores silu(gate) * up in its gate
+    half (glu = intermediate, even mt), silu_mul has no decode launch and the down projection reads
+    x there; the wide buckets materialise silu_mul (as prefill) and their gate|up stores both."""
+    inter = dims_for_size("qwen3", "qwen3-4b")["intermediate"]
+    for quant, dtypes in (("q4_k_m", Q4_K_M), ("bf16", None)):
+        plan = _plan(quant, dtypes=dtypes)
+        steps = [s for s in plan.steps if s.layer == 1]
+        gate_up = next(s for s in steps if s.op.op == "linear" and "w_gate" in s.op.weights[0])
+        silu = next(s for s in steps if s.op.op == "silu_mul")
+        down = next(s for s in steps if s.op.op == "linear" and "w_down" in s.op.weights[0])
+        gl = gate_up.launches["decode"]
+        assert {la.spec.params["glu"] for la in gl} == {inter} and all(la.spec.params["mt"] % 2 == 0 for la in gl)
+        assert silu.launches["decode"] == ()
+        assert {(la.args[2].ref, la.spec.params["x_stride"]) for la in down.launches["decode"]} == {
+            (gl[0].args[0].ref, 2 * inter)
+        }
+        if plan.wide_rows:
+            assert {la.spec.params["glu"] for la in gate_up.launches[WIDE]} == {0} and silu.launches[WIDE]
+    with pytest.raises(ConfigError, match="glu"):
+        kc.spec("gemv_mma", **{**kc.gemv_mma_params("q4_k", 2 * inter, 2560, 8, glu=inter), "mt": 1})
 
 
 def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):

@@ -85,10 +85,12 @@ def gemv_mma_params(
     residual: bool = False,
     out_dtype: str = "bf16",
     x_stride: int = 0,
+    glu: int = 0,
 ) -> dict[str, Any] | None:
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows, or None where the kernel does not apply (a type without a decoder, k not a
-    multiple of 64, x rows not 16-byte aligned). One shape rule, no tuning (MMA_SHAPES): the m tiles
+    multiple of 64, x rows not 16-byte aligned). ``glu``: a gate|up weight storing silu(gate) * up
+    (m tiles in gate / up pairs: mt 1 becomes 2 with half the warps over rows). One shape rule, no tuning (MMA_SHAPES): the m tiles
     per warp and the warps over rows grow with the batch, so each x fragment feeds mt mma and the
     wm warps of a block share x through L1 (x bytes read from L2 at most about the weight bytes);
     the warps left over split k inside the block; k is split over blocks (kparts) until the blocks
@@ -99,6 +101,8 @@ def gemv_mma_params(
     if quant == "q8_0r" and k % 256:
         return None
     mt, wm, per_sm = MMA_SHAPES[bmax]
+    if glu and mt % 2:
+        mt, wm = 2 * mt, max(1, wm // 2)
     tiles = _cdiv(n, 16 * mt * wm)
     rounds = k // 64 // (MMA_WARPS // wm * (4 // mt))
     partial_cap = row_bytes(quant, k) // (4 * bmax)  # f32 partial sums of a row <= its weight bytes
@@ -115,6 +119,7 @@ def gemv_mma_params(
         residual=residual,
         out_dtype=out_dtype,
         x_stride=x_stride,
+        glu=glu,
     )
 
 
@@ -508,6 +513,10 @@ def all_specs(
                 p = gemv_mma_params(upload_type(t, k, tuning), n, k, bmax, residual=res, out_dtype=od)
                 if p is not None:
                     out[spec("gemv_mma", **p)] = None
+                if tuning["gemv"].get("fuse_glu") and (n, k) == (2 * inter, hidden):  # silu(g) * u stored
+                    p = gemv_mma_params(upload_type(t, k, tuning), n, k, bmax, glu=inter)
+                    if p is not None:
+                        out[spec("gemv_mma", **p)] = None
     for n, k, res in shapes:
         wg = gemm_wgmma_params(n, k, tuning, residual=res)
         if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)

@@ -41,7 +41,7 @@ def bind(op, ws, ins, dims, value_for):
 @register("linear", bind=bind, attrs=("residual",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     if mode in ("decode", WIDE):  # batched decode: weights read once per bmax rows (tensor cores)
-        mma = linear_mma(ctx, op, mode, ins, outs, ws)
+        mma = linear_mma(ctx, op, layer, mode, ins, outs, ws)
         if mma is not None:
             return mma
     if mode == WIDE:

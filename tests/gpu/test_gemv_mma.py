@@ -57,6 +57,12 @@ def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[
     kernels.launch(kc.choice("gemv_mma", **p), rows, **args)
     got = out.get()
     ref = xin @ deq.T + (r if p["residual"] else 0)
+    if p["glu"]:  # silu(gate) * up in the gate half, from the bf16-rounded sums; the up half unwritten
+        gate, up = bf_round(ref[:, : p["glu"]]), bf_round(ref[:, p["glu"] :])
+        untouched = int(np.isnan(got[:, p["glu"] :]).sum()) == got[:, p["glu"] :].size
+        got, ref = got[:, : p["glu"]], gate / (1.0 + np.exp(-gate)) * up
+        if not untouched:
+            return 1.0, 0, 0
     left = int(np.count_nonzero(count.get())) if count is not None else 0
     return rel_err(got, ref), int(np.isnan(got).sum()), left
 
@@ -85,8 +91,9 @@ def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
 
 def test_gemv_mma_variants(kernels, weights, profile):
     """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
-    rows), a k split with more parts than some tiles have steps, and a second launch reusing the
-    part counters (the last block of each tile leaves its counter zero)."""
+    rows), a k split with more parts than some tiles have steps, the glu epilogue (gate|up storing
+    silu(gate) * up, split and single-part), and a second launch reusing the part counters (the last
+    block of each tile leaves its counter zero)."""
     base = dict(sm_count=profile.sm_count)
     cases = []
     for qt in ("bf16", "q4_k", "q6_kr", "q8_0r", "q5_0", "q4_1r"):
@@ -97,6 +104,9 @@ def test_gemv_mma_variants(kernels, weights, profile):
         cases.append((kc.gemv_mma_params(qt, N, K, 16, x_stride=K + 64, **base), 11, 32))
         cases.append((kc.gemv_mma_params(qt, N, K, 64, residual=True, **base), 100, 0))
         cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 40}, 20, 0))
+        for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
+            pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
+            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0)]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
     rng = np.random.default_rng()
     bad = []
