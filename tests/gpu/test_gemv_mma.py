@@ -126,3 +126,61 @@ def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
     err, nans, _ = run_mma(kernels, weights, p, 5, np.random.default_rng())
     assert nans == 0 and err <= 1e-5, err
 
+
+
+# tiny models (tests/gpu/test_quant_models.py's shapes): k = 512 / 576 / 1536, gate|up 2 x 1536
+QWEN3_DIMS = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=1536)
+LLAMA_DIMS = dict(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                  head_dim=64, intermediate_size=1536, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    "family,q",
+    [("qwen3", "bf16"), ("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("qwen3", "q5_k_m"), ("llama", "q4_0"),
+     ("llama", "q4_1"), ("llama", "q5_0")],
+)
+def test_batched_decode_logits_match_the_reference(tmp_path, family, q):
+    """The plan's batched decode end to end (the device profile's tuning: gemv_mma in every bucket,
+    the gate|up one storing silu(gate) * up, the down projection reading it): 3, 20 and 40 sequences
+    (buckets of bmax 8, 32 and 64) decode one step together, graph-replayed, and every row's logits
+    match the numpy reference's for that sequence alone."""
+    from fixtures.checkpoints import Dims, write_qwen3_safetensors, write_random_gguf
+
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+    from engine.types import SamplingParams, StepItem
+
+    greedy = SamplingParams(temperature=0.0)
+    if q == "bf16":
+        path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_DIMS)
+    else:
+        dims = Dims(**(LLAMA_DIMS if family == "llama" else QWEN3_DIMS), vocab_size=768)
+        path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7)
+    model = load_model(path)
+    runner = CudaRunner(model, num_blocks=256, max_model_len=256)
+    ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
+    try:
+        mma = {la.spec.params["glu"] > 0 for st in runner.plan.steps for la in st.launches["decode"]
+               if la.spec.template == "gemv_mma"}
+        glu = bool(runner.profile.tune("gemv").get("fuse_glu"))  # (on in the h100 / h200 profiles)
+        assert False in mma and (True in mma) is glu, mma
+        vocab = int(runner.plan.dims["vocab"])
+        rng = np.random.default_rng(5)
+        errs = []
+        for rows in (3, 20, 40):
+            prompts = [[int(t) for t in rng.integers(3, vocab, 5 + i % 7)] for i in range(rows)]
+            tables = [list(range(4 * i, 4 * i + 4)) for i in range(rows)]
+            toks = [runner.step([StepItem(i, p, 0, tables[i], True, greedy)])[0] for i, p in enumerate(prompts)]
+            items = [StepItem(i, [toks[i]], len(p), tables[i], True, greedy) for i, p in enumerate(prompts)]
+            runner.step(items)
+            got = runner.read_logits(rows)
+            for i, p in enumerate(prompts):
+                errs.append((rows, i, float(np.linalg.norm(got[i] - (want := ref.forward_logits(p + [toks[i]])[-1]))
+                                              / np.linalg.norm(want))))
+        worst = max(e for _, _, e in errs)
+        print(f"{family} {q}: batched decode logits rel err max {worst:.2e}")
+        assert worst < 3e-2, sorted(errs, key=lambda e: -e[2])[:5]
+    finally:
+        runner.close()
