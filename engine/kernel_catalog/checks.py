@@ -38,7 +38,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             p["threads"] % 32 == 0 and 32 <= p["threads"] <= 1024,
             f"threads={p['threads']} must be 32..1024, a multiple of 32",
         )
-    if template in ("gemv", "embed", "gemm") and p.get("quant") == "q8_0r":
+    if template in ("gemv", "embed", "gemm", "gemv_mma") and p.get("quant") == "q8_0r":
         cols = p["hidden"] if template == "embed" else p["k"]
         need(cols % 256 == 0, f"q8_0r rows need k % 256 == 0 (16-byte aligned planes), got {cols}")
     if template == "gemv" and p.get("quant") in COOP_LAYOUTS.values():
@@ -192,6 +192,24 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"{p['stages']} stages of {64 * mf * cons}x{tn} tiles need {gemm_wgmma_smem(p)} bytes of shared "
             f"memory, above {GEMM_SMEM_MAX}",
         )
+    if template == "gemv_mma":
+        q, bmax, mt = p["quant"], p["bmax"], p["mt"]
+        need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
+        need(p["k"] % 64 == 0, f"k={p['k']} must be a multiple of 64 (one k step)")
+        need(p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
+        need(bmax in (8, 16, 32, 64), f"bmax={bmax} must be 8, 16, 32 or 64")
+        need(mt in (1, 2, 4), f"mt={mt} must be 1, 2 or 4")
+        wm = p["wm"]
+        need(1 <= p["warps"] <= 8 and p["warps"] % wm == 0, f"warps={p['warps']} must be 1..8, a multiple of wm={wm}")
+        need(1 <= p["kparts"] <= p["k"] // 64, f"kparts={p['kparts']} must be 1..k/64")
+        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
+        need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
+        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
+        if p["glu"]:
+            need(
+                p["n"] == 2 * p["glu"] and mt % 2 == 0 and not p["residual"] and p["out_dtype"] == "bf16",
+                f"glu={p['glu']} needs n = 2 * glu (got {p['n']}), an even mt (got {mt}), no residual, bf16 out",
+            )
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]
         need(

@@ -80,6 +80,7 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {"qsplit": 1, "v_stride": 0},
     "rope": {"v_stride": 0},
+    "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
     "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "maxnreg": 0},
 }
 
@@ -188,6 +189,29 @@ KERNELS: dict[str, KernelDoc] = {
             "early_res": False,
             "l2_pf": "",
         },
+    ),
+    "gemv_mma": KernelDoc(
+        dict(
+            quant=str,
+            n=int,
+            k=int,
+            bmax=int,
+            mt=int,
+            warps=int,
+            wm=int,
+            kparts=int,
+            residual=bool,
+            out_dtype=str,
+            x_stride=int,
+            glu=int,
+        ),
+        # kparts > 1 adds (part_sum, part_count): kernel_args()
+        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
+        ("quant", "n", "k", "bmax", "mt", "warps", "wm", "kparts", "residual", "out_dtype", "x_stride", "glu"),
+        "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
+        "(warps * 32,)",
+        "static: warps * 8 KB",
+        {"warps": 4, "wm": 1, "kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0},
     ),
     "gemm": KernelDoc(
         dict(

@@ -87,7 +87,8 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "maxnreg"))
+            (template == "gemv_mma" and key in ("x_stride", "glu"))
+            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "maxnreg"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
         )
@@ -142,6 +143,12 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
+    elif template == "gemv_mma":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"])
+
+        block = (p["warps"] * 32, 1, 1)
     elif template == "gemv_pair":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
@@ -220,6 +227,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("norm_w", P),)
     if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
         args = args + (("kpart_sum", P), ("kpart_count", P))
+    if s.template == "gemv_mma" and s.params["kparts"] > 1:
+        args = args + (("part_sum", P), ("part_count", P))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     if s.template in ("gemv", "attention") and s.params.get("l2_pf"):

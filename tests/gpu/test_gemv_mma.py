@@ -1,0 +1,186 @@
+"""The batched decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type its decoders
+take (file types and upload layouts), every batch size class the decode buckets use, with the params
+engine.lowering.gemv_mma gives a Qwen3-4B-wide row on this device's SM count (a k split over blocks
+and the single-part form), a residual that aliases out, f32 logits, a strided x, and more rows than
+bmax. Outputs are poisoned with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's
+dequantisation, checked against gguf in tests/test_quant.py). Run on a GPU machine:
+``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
+
+from engine import kernel_catalog as kc
+
+N, K = 1003, 2560  # an odd n (the last tile's row tail), Qwen3-4B's hidden size as k
+BATCHES = (2, 3, 8, 17, 32, 64)
+TYPES = list(kc.QUANTS)  # bf16, f16, f32 and every GGUF block type / upload layout
+
+
+def _bmax(rows: int) -> int:
+    return next(b for b, lo, hi in kc.MMA_BUCKETS if rows >= lo and (not hi or rows <= hi))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    cache: dict = {}
+    rng = np.random.default_rng(11)
+
+    def get(qt: str, n: int, k: int):
+        if (qt, n, k) not in cache:
+            raw, deq = random_weight(qt, n, k, rng)
+            cache[qt, n, k] = (upload(raw, "u8"), deq)
+        return cache[qt, n, k]
+
+    return get
+
+
+def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[float, int, int]:
+    """Launch gemv_mma ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
+    n, k, od = p["n"], p["k"], p["out_dtype"]
+    w, deq = weights(p["quant"], n, k)
+    xs = p["x_stride"] or k
+    x = bf_round(rng.standard_normal((rows, xs)))
+    xin = x[:, x_pad : x_pad + k]
+    r = bf_round(rng.standard_normal((rows, n)))
+    out = upload(r, "bf16") if p["residual"] else poisoned((rows, n), od)
+    xd = upload(x, "bf16")
+    args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if p["residual"] else 0, rows=rows)
+    count = None
+    if p["kparts"] > 1:  # sized as engine.lowering.gemv_mma sizes the scratch
+        args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
+        tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
+        count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
+    kernels.launch(kc.choice("gemv_mma", **p), rows, **args)
+    got = out.get()
+    ref = xin @ deq.T + (r if p["residual"] else 0)
+    if p["glu"]:  # silu(gate) * up in the gate half, from the bf16-rounded sums; the up half unwritten
+        gate, up = bf_round(ref[:, : p["glu"]]), bf_round(ref[:, p["glu"] :])
+        untouched = int(np.isnan(got[:, p["glu"] :]).sum()) == got[:, p["glu"] :].size
+        got, ref = got[:, : p["glu"]], gate / (1.0 + np.exp(-gate)) * up
+        if not untouched:
+            return 1.0, 0, 0
+    left = int(np.count_nonzero(count.get())) if count is not None else 0
+    return rel_err(got, ref), int(np.isnan(got).sum()), left
+
+
+def _cases(profile) -> list[tuple[dict, int]]:
+    out = []
+    for qt in TYPES:
+        for rows in BATCHES:
+            p = kc.gemv_mma_params(qt, N, K, _bmax(rows), sm_count=profile.sm_count, residual=rows % 2 == 0)
+            assert p is not None, qt
+            out.append((p, rows))
+    return out
+
+
+def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
+    cases = _cases(profile)
+    kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _ in cases))
+    rng = np.random.default_rng()
+    bad = []
+    for p, rows in cases:
+        err, nans, left = run_mma(kernels, weights, p, rows, rng)
+        if not (err <= 1e-2 and nans == 0 and left == 0):
+            bad.append((p["quant"], rows, p["bmax"], p["kparts"], err, nans, left))
+    assert not bad, bad
+
+
+def test_gemv_mma_variants(kernels, weights, profile):
+    """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
+    rows), a k split with more parts than some tiles have steps, the glu epilogue (gate|up storing
+    silu(gate) * up, split and single-part), and a second launch reusing the part counters (the last
+    block of each tile leaves its counter zero)."""
+    base = dict(sm_count=profile.sm_count)
+    cases = []
+    for qt in ("bf16", "q4_k", "q6_kr", "q8_0r", "q5_0", "q4_1r"):
+        for bmax in (8, 64):
+            p1 = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
+            cases.append(({**p1, "kparts": 1}, bmax - 3, 0))
+            cases.append((kc.gemv_mma_params(qt, N, K, bmax, out_dtype="f32", **base), bmax, 0))
+        cases.append((kc.gemv_mma_params(qt, N, K, 16, x_stride=K + 64, **base), 11, 32))
+        cases.append((kc.gemv_mma_params(qt, N, K, 64, residual=True, **base), 100, 0))
+        cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 40}, 20, 0))
+        for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
+            pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
+            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0)]
+    kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
+    rng = np.random.default_rng()
+    bad = []
+    for p, rows, pad in cases:
+        for _ in range(2):
+            err, nans, left = run_mma(kernels, weights, p, rows, rng, x_pad=pad)
+            if not (err <= 1e-2 and nans == 0 and left == 0):
+                bad.append((p["quant"], rows, p["bmax"], p["kparts"], p["out_dtype"], pad, err, nans, left))
+    assert not bad, bad
+
+
+def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
+    """The k permutation and the warps' sum order change nothing beyond rounding: a bf16 weight
+    (exact in the tensor-core path) agrees with float64 to accumulation precision."""
+    p = kc.gemv_mma_params("bf16", N, K, 8, out_dtype="f32", sm_count=profile.sm_count)
+    kernels.prebuild([kc.spec("gemv_mma", **p)])
+    err, nans, _ = run_mma(kernels, weights, p, 5, np.random.default_rng())
+    assert nans == 0 and err <= 1e-5, err
+
+
+
+# tiny models (tests/gpu/test_quant_models.py's shapes): k = 512 / 576 / 1536, gate|up 2 x 1536
+QWEN3_DIMS = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=1536)
+LLAMA_DIMS = dict(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                  head_dim=64, intermediate_size=1536, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    "family,q",
+    [("qwen3", "bf16"), ("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("qwen3", "q5_k_m"), ("llama", "q4_0"),
+     ("llama", "q4_1"), ("llama", "q5_0")],
+)
+def test_batched_decode_logits_match_the_reference(tmp_path, family, q):
+    """The plan's batched decode end to end (the device profile's tuning: gemv_mma in every bucket,
+    the gate|up one storing silu(gate) * up, the down projection reading it): 3, 20 and 40 sequences
+    (buckets of bmax 8, 32 and 64) decode one step together, graph-replayed, and every row's logits
+    match the numpy reference's for that sequence alone."""
+    from fixtures.checkpoints import Dims, write_qwen3_safetensors, write_random_gguf
+
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+    from engine.types import SamplingParams, StepItem
+
+    greedy = SamplingParams(temperature=0.0)
+    if q == "bf16":
+        path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_DIMS)
+    else:
+        dims = Dims(**(LLAMA_DIMS if family == "llama" else QWEN3_DIMS), vocab_size=768)
+        path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7)
+    model = load_model(path)
+    runner = CudaRunner(model, num_blocks=256, max_model_len=256)
+    ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
+    try:
+        mma = {la.spec.params["glu"] > 0 for st in runner.plan.steps for la in st.launches["decode"]
+               if la.spec.template == "gemv_mma"}
+        glu = bool(runner.profile.tune("gemv").get("fuse_glu"))  # (on in the h100 / h200 profiles)
+        assert False in mma and (True in mma) is glu, mma
+        vocab = int(runner.plan.dims["vocab"])
+        rng = np.random.default_rng(5)
+        errs = []
+        for rows in (3, 20, 40):
+            prompts = [[int(t) for t in rng.integers(3, vocab, 5 + i % 7)] for i in range(rows)]
+            tables = [list(range(4 * i, 4 * i + 4)) for i in range(rows)]
+            toks = [runner.step([StepItem(i, p, 0, tables[i], True, greedy)])[0] for i, p in enumerate(prompts)]
+            items = [StepItem(i, [toks[i]], len(p), tables[i], True, greedy) for i, p in enumerate(prompts)]
+            runner.step(items)
+            got = runner.read_logits(rows)
+            for i, p in enumerate(prompts):
+                errs.append((rows, i, float(np.linalg.norm(got[i] - (want := ref.forward_logits(p + [toks[i]])[-1]))
+                                              / np.linalg.norm(want))))
+        worst = max(e for _, _, e in errs)
+        print(f"{family} {q}: batched decode logits rel err max {worst:.2e}")
+        assert worst < 3e-2, sorted(errs, key=lambda e: -e[2])[:5]
+    finally:
+        runner.close()
