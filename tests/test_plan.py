@@ -360,8 +360,9 @@ def test_kernel_specs_are_deduplicated_and_grids_evaluate():
     assert len(specs) == len(set(specs))
     # 30 layers share their kernels: a handful of distinct specs, not hundreds (the decode GEMVs
     # with fused norm / SiLU prologues add a few, the batched decode linears one per weight shape
-    # and bmax bucket, the gate|up's twice from 16 rows (glu in decode, plain in the wide buckets))
-    assert len(specs) < 50
+    # and bmax bucket, the gate|up's twice from 16 rows (glu in decode, plain in the wide buckets),
+    # the token_mask and logprobs steps of the masked sampling kinds)
+    assert len(specs) < 64
     mma = [la for la in next(s for s in plan.steps if s.op.op == "linear").launches["decode"] if la.runs_at(9)]
     assert [la.grid_for({"n": 9})[1] for la in mma] == [1]  # one bmax-16 weight pass
 

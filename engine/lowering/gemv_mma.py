@@ -33,7 +33,7 @@ def linear_mma(ctx, op, layer, mode, ins, outs, ws) -> list[Launch] | None:
         x = pro[1]  # the gate half of gate|up already holds silu(gate) * up (x_stride: its row)
     if x.offset % 8 or x.ld % 8:
         return None
-    lo = int(ctx.tune("gemm_decode").get("min_rows", 0)) if mode == WIDE else 0
+    lo = kc.GEMM_DECODE_MIN_ROWS if mode == WIDE else 0
     buckets = [b for b in kc.MMA_BUCKETS if not b[2] or b[2] >= lo]
     launches, col, glu_outs = [], 0, []
     for w in ws:
