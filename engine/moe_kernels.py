@@ -6,8 +6,8 @@ kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by t
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
-``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
-expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
+``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
+the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
 Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
 (kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
@@ -139,7 +139,7 @@ def expert_gemv_kernel(
         if grouped:
             if rows > max_slots:
                 raise ConfigError(f"moe_gemv {mode}: {rows} rows exceed max_slots {max_slots}")
-            return (-(-n // rows_per_block), experts, 1)
+            return (-(-n // rows_per_block), min(experts, rows * top_k), 1)
         if rows * slots > MAX_GRID_Y:
             raise ConfigError(f"moe_gemv: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
         return (-(-n // rows_per_block), rows * slots, 1)
@@ -203,6 +203,12 @@ def sort_kernel(experts: int, top_k: int, tile_m: int, threads: int = 1024) -> M
         lambda rows, **_: (1, 1, 1),
         (threads, 1, 1),
     )
+
+
+def grouped_grid_y(top_k: int, experts: int) -> str:
+    """The grouped GEMVs' grid y as a launch grid expression over the step's rows ``n``: one block
+    row per expert the step can choose, min(experts, n * top_k)."""
+    return f"n * {top_k} if n * {top_k} < {experts} else {experts}"
 
 
 def gemm_max_tiles(rows: int, top_k: int, experts: int, tile_m: int) -> int:

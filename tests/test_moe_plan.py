@@ -4,6 +4,8 @@ bytes the runner checks against free memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.graph import load_family
@@ -63,9 +65,14 @@ def test_moe_launches_per_mode():
     assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
     assert down.args[0] == Arg("value", "x") and down.args[5] == Arg("value", "x")  # residual in place
     names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["decode"]]
-    assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
-    assert experts.launches["decode"][0].grid == (64, 16)
-    assert experts.launches["decode"][0].spec.params["max_slots"] >= plan.max_tokens
+    assert names == ["moe_gemv:glu", "moe_gemv:down", "moe_gemv:glu_grouped", "moe_gemv:down_grouped",
+                     "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
+    # the smallest batched buckets per slot (as batch 1), then the grouped GEMVs over the chosen experts
+    assert experts.launches["decode"][:2] == tuple(dataclasses.replace(la, max_rows=4) for la in (glu, down))
+    grouped = experts.launches["decode"][2]
+    assert grouped.grid == (64, "n * 4 if n * 4 < 16 else 16") and grouped.min_rows == 5
+    assert [grouped.grid_for({"n": n})[1] for n in (2, 3, 8)] == [8, 12, 16]
+    assert grouped.spec.params["max_slots"] >= plan.max_tokens
     # prefill: sorted by expert on the device, then the tensor-core grouped GEMM
     names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["prefill"]]
     assert names == ["moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
@@ -170,16 +177,29 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
     for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
-        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in experts.launches[mode]]
-        assert got == [
-            ("moe_gemv", "glu_grouped", 0, cut - 1),
-            ("moe_gemv", "down_grouped", 0, cut - 1),
+        launches = experts.launches[mode]
+        solo = [] if mode == WIDE else [("moe_gemv", "glu", 0, 4), ("moe_gemv", "down", 0, 4)]
+        first = 0 if mode == WIDE else 5  # batched decode: per slot up to 4 rows, grouped from 5
+        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in launches]
+        assert got == solo + [
+            ("moe_gemv", "glu_grouped", first, cut - 1),
+            ("moe_gemv", "down_grouped", first, cut - 1),
             ("moe_sort", None, cut, 0),
             ("moe_gemm", "glu", cut, 0),
             ("moe_gemm", "down", cut, 0),
-            ("moe_combine", None, 0, 0),
+            ("moe_combine", None, first, 0),
         ]
-        sort, glu = experts.launches[mode][2:4]
+        launches = launches[len(solo):]
+        sort, glu = launches[2:4]
         assert sort.spec.params["tile_m"] == glu.spec.params["tile_m"] == 16 and glu.grid[1] == "n * 4 // 16 + 16"
-        assert [la.runs_at(cut - 1) for la in experts.launches[mode]] == [True, True, False, False, False, True]
-        assert [la.runs_at(cut) for la in experts.launches[mode]] == [False, False, True, True, True, True]
+        assert [la.runs_at(cut - 1) for la in launches] == [True, True, False, False, False, True]
+        assert [la.runs_at(cut) for la in launches] == [False, False, True, True, True, True]
+        if not solo:
+            continue
+        # every decode pass runs one way through: per slot (sums its own slots) or grouped + combine
+        for rows in (1, 2, 4, 5, 8, cut - 1, cut, 2 * cut):
+            ran = [(la.spec.template, la.spec.params.get("mode")) for la in experts.launches[mode] if la.runs_at(rows)]
+            if rows <= 4:
+                assert ran == [("moe_gemv", "glu"), ("moe_gemv", "down")], rows
+            else:
+                assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)

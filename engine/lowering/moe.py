@@ -4,10 +4,10 @@ moe_router: the router GEMV (the dense gemv kernel, f32 logits [rows, E] into a 
 from a bf16 or f32 router matrix) then moe_topk, which writes the expert ids (i32) and weights (f32)
 into fixed-size [rows, top_k] values: no host synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
-(decode1) the per-slot moe_gemv ``glu`` then ``down`` (+ residual), which read only the chosen
-experts' rows; in batched decode and wide decode buckets the grouped modes (one block per
-(row tile, expert) reads the expert once for all its tokens) and moe_combine (the router-weighted
-slot sum + residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per
+(decode1) and in batched decode passes of up to SLOT_ROWS rows the per-slot moe_gemv ``glu`` then
+``down`` (+ residual), which read only the chosen experts' rows; in larger decode buckets and wide
+ones the grouped modes (one block per (row tile, chosen expert) reads the expert once for all its
+tokens; grid y min(E, n * top_k)) and moe_combine (the router-weighted slot sum + residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per
 expert on average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the
 device, moe_gemm glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down and the f32 gate vector)
 runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
@@ -17,6 +17,7 @@ engine.moe_kernels. Must not import CUDA or numpy.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from engine import moe_kernels as mk
@@ -29,6 +30,10 @@ from engine.types import ConfigError
 RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
+# batched decode passes of up to this many rows take the per-slot kernels (as batch 1): with few
+# tokens two rarely share an expert (4 tokens x 8 of 128: ~8 % of the rows read twice), and the
+# per-slot down sums a token's slots itself (no f32 partials, no moe_combine launch)
+SLOT_ROWS = 4
 GEMM_TOKENS_PER_EXPERT = 4  # decode buckets with at least this many per expert on average take the GEMM
 DECODE_TILE_M = 16  # the GEMM's row tile in decode buckets (a few tokens per expert)
 
@@ -129,21 +134,17 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     res = Arg("value", res_name) if res_name else NULL
     ctx.need_scratch(ScratchPlan("moe_act", fixed=ctx.max_tokens * top_k * inter * 2))
     act = Arg("scratch", "moe_act")
+    solo = per_slot(ctx, h, ids, weights, out, res, act, (wg, wu, wd))
     if mode == "decode1":  # per (token, slot): only the chosen experts' rows are read
-        glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB)
-        down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=bool(res_name))
-        return [
-            Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-            Launch(
-                down.spec,
-                (cdiv(hidden, RPB), "n"),
-                down.block[:1],
-                (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS),
-            ),
-        ]
+        return solo
     gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
     if mode == "prefill" and gemm:
         return gemm
+    if mode == "decode":  # the smallest batched buckets: per slot too
+        solo = [dataclasses.replace(la, max_rows=SLOT_ROWS) for la in solo]
+        grouped_rows = {"min_rows": SLOT_ROWS + 1}
+    else:
+        solo, grouped_rows = [], {}
     # grouped by expert: an expert's (token, slot) pairs number at most the step's rows
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
@@ -153,14 +154,30 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
-    # batched / wide decode buckets: the grouped GEMVs below the GEMM's min_rows, the GEMM from there
-    cap = {"max_rows": gemm[0].min_rows - 1} if gemm else {}
+    # batched / wide decode buckets: the grouped GEMVs below the GEMM's min_rows (one block row per
+    # expert the step can choose), the GEMM from there
+    cap = {**grouped_rows, **({"max_rows": gemm[0].min_rows - 1} if gemm else {})}
+    gy = mk.grouped_grid_y(top_k, experts)
     gemv = [
-        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
-        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+        Launch(glu.spec, (cdiv(inter, RPB), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
+        Launch(down.spec, (cdiv(hidden, RPB), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
     ]
-    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS))
-    return gemv + gemm[:-1] + [combine]
+    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS), **grouped_rows)
+    return solo + gemv + gemm[:-1] + [combine]
+
+
+def per_slot(ctx, h, ids, weights, out, res, act, ws) -> list[Launch]:
+    """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
+    token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
+    read, no partials, no combine."""
+    wg, wu, wd = ws
+    top_k, hidden, inter = ids.width, h.width, wd.cols
+    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB)
+    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL)
+    return [
+        Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+        Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
+    ]
 
 
 def grouped_gemm(ctx, mode, h, ids, weights, out, res, act, ws, experts) -> list[Launch]:

@@ -75,14 +75,14 @@ class Kit:
             return (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         return out if a.dtype == "i32" else out.astype(np.float64)
 
-    def launch(self, k, args, rows: int) -> None:
+    def launch(self, k, args, rows: int, grid=None) -> None:
         if k.spec not in self.fns:
             built = self.builder.build_all([k.spec], progress=None).kernels[0]
             mod = cuda.Module(built.cubin, k.spec.entry)
             self.mods.append(mod)
             self.fns[k.spec] = mod.function(k.spec.entry)
         vals = [a.ptr if isinstance(a, Arr) else a for a in args]
-        cuda.launch(self.fns[k.spec], k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
+        cuda.launch(self.fns[k.spec], grid or k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
         self.ctx.synchronize()
 
 
@@ -209,6 +209,67 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     gk.launch(combine_kernel(hidden, top_k), [out, partial, gk.f32(w), out, rows], rows)
     want = np.einsum("tj,tjn->tn", w, ref_partial) + r
     assert rel_err(gk.host(out), want) < 1e-2
+
+
+@pytest.mark.parametrize("qt", ["q4_k", "q8_0", "bf16"])
+@pytest.mark.parametrize("grid_y", [None, 3, 1])  # None: min(E, rows * top_k); 3, 1: blocks loop over ranks
+def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y):
+    """The grouped GEMVs' block row y takes the y-th chosen expert (then y + gridDim.y ...): a batch
+    of 2 over 128 experts, top-8, launches 16 block rows, not 128; a grid smaller than the distinct
+    experts still covers them all; a token whose slots repeat an expert of another token shares it."""
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 128, 2, 8, 256, 256
+    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    ids = _ids(rng, rows, experts, top_k)
+    ids[1, :3] = ids[0, 2:5]  # three experts shared by both tokens
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=16)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=16)
+    assert glu.grid(rows)[1] == down.grid(rows)[1] == rows * top_k
+    grid = lambda k: None if grid_y is None else (k.grid(rows)[0], grid_y, 1)  # noqa: E731
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    ids_t, act = gk.i32(ids), gk.nan_like((rows, top_k, inter))
+    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows, grid(glu))
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    a = bf_round(rng.standard_normal((rows, top_k, inter)))
+    partial = gk.nan_like((rows, top_k, hidden), "f32")
+    gk.launch(down, [partial, gk.raw(wd_raw), gk.bf(a), ids_t, rows], rows, grid(down))
+    got = gk.host(partial)
+    ref = np.einsum("tjk,tjnk->tjn", a, wd[ids])
+    assert not np.isnan(got).any() and rel_err(got, ref) < 1e-4, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("qt", ["q4_k", "q6_k", "q8_0", "bf16"])
+def test_per_slot_kernels_batched_equal_solo(gk, qt):
+    """The per-slot glu and down over 4 tokens (the smallest batched decode buckets) give each
+    token exactly what a batch-1 launch of the same kernels gives it (bitwise)."""
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 32, 4, 8, 512, 256
+    raws = [stacked_weight(qt, experts, n, k, rng)[0] for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    dev = [gk.raw(r) for r in raws]
+    ids = _ids(rng, rows, experts, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    res = bf_round(rng.standard_normal((rows, hidden)))
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k)
+    down = expert_gemv_kernel("down", qt, hidden, inter, top_k, residual=True)
+
+    def run(t0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        act, out, ids_t = gk.nan_like((n, top_k, inter)), gk.bf(res[t0 : t0 + n]), gk.i32(ids[t0 : t0 + n])
+        gk.launch(glu, [act, dev[0], dev[1], gk.bf(x[t0 : t0 + n]), ids_t, n], n)
+        gk.launch(down, [out, dev[2], act, ids_t, gk.f32(w[t0 : t0 + n]), out, n], n)
+        return gk.host(act), gk.host(out)
+
+    act_b, out_b = run(0, rows)
+    assert not np.isnan(out_b).any()
+    for t in range(rows):
+        act_s, out_s = run(t, 1)
+        np.testing.assert_array_equal(act_b[t], act_s[0])
+        np.testing.assert_array_equal(out_b[t], out_s[0])
 
 
 def test_sparse_mlp_end_to_end(gk):
