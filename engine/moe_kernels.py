@@ -103,6 +103,7 @@ def expert_gemv_kernel(
     experts: int = 0,
     max_slots: int = 256,
     slot_batch: int = 8,
+    trigger: bool = False,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -110,7 +111,8 @@ def expert_gemv_kernel(
     (as glu) and "down_grouped" (-> f32 partial [rows, top_k, n], summed by ``combine_kernel``),
     for at most ``max_slots`` rows (tokens) per launch (an expert's (token, slot) pairs: each
     token picks an expert at most once), ``slot_batch`` slots per pass over a
-    weight row. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
+    weight row. ``trigger`` (glu / down): the kernel calls pdl_trigger() once its first weight loads
+    are issued (batch-1 decode). Raises ConfigError for an unsupported quant, a k that is not a whole number of its
     blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -121,9 +123,12 @@ def expert_gemv_kernel(
     if not 0 < top_k <= 32 or n < 1 or rows_per_block not in (1, 2, 4, 8, 16):
         raise ConfigError(f"moe_gemv: bad shape n={n} top_k={top_k} rows_per_block={rows_per_block}")
     res = bool(residual) and mode == "down"
+    grouped = mode.endswith("_grouped")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "rows_per_block": rows_per_block, "residual": res}
     name = {"n": n, "k": k, "top": top_k, "r": rows_per_block, **({"res": 1} if res else {})}
-    grouped = mode.endswith("_grouped")
+    if not grouped:
+        params["trigger"] = bool(trigger)
+        name.update({"tr": 1} if trigger else {})
     if grouped:
         if not 0 < experts <= MAX_GRID_Y or not top_k <= max_slots <= MAX_SLOTS or slot_batch not in (1, 2, 4, 8, 16):
             raise ConfigError(

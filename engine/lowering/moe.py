@@ -134,7 +134,8 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     res = Arg("value", res_name) if res_name else NULL
     ctx.need_scratch(ScratchPlan("moe_act", fixed=ctx.max_tokens * top_k * inter * 2))
     act = Arg("scratch", "moe_act")
-    solo = per_slot(ctx, h, ids, weights, out, res, act, (wg, wu, wd))
+    trigger = mode == "decode1" and ctx.graph_knob("early_trigger")  # (as the batch-1 GEMVs)
+    solo = per_slot(ctx, h, ids, weights, out, res, act, (wg, wu, wd), trigger)
     if mode == "decode1":  # per (token, slot): only the chosen experts' rows are read
         return solo
     gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
@@ -166,14 +167,15 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     return solo + gemv + gemm[:-1] + [combine]
 
 
-def per_slot(ctx, h, ids, weights, out, res, act, ws) -> list[Launch]:
+def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
-    read, no partials, no combine."""
+    read, no partials, no combine. ``trigger``: both call pdl_trigger() once their first weight
+    loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB)
-    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL)
+    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
+    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
     return [
         Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
         Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
