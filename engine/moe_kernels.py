@@ -1,7 +1,8 @@
 """KernelSpec builders for the mixture-of-experts kernels, with each kernel's launch contract.
 
 ``topk_kernel``: kernels/moe_topk.cu.j2, top-k softmax routing on the device (router logits in,
-expert ids and weights out, fixed-size buffers, no host synchronisation). ``expert_gemv_kernel``:
+expert ids and weights out, fixed-size buffers, no host synchronisation). ``router_kernel``:
+kernels/moe_router.cu.j2, the router GEMV and that routing in one launch (decode passes). ``expert_gemv_kernel``:
 kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by those ids: mode
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
@@ -41,6 +42,7 @@ GEMV_QUANTS: dict[str, int] = {
 # the templates this module builds, for the catalog-completeness check (tests/test_kernels_compile.py)
 KERNELS = {
     "moe_topk": "top-k softmax routing: router logits -> expert ids (int32) and weights (f32) per token",
+    "moe_router": "the router GEMV and its top-k softmax routing in one launch (decode): x -> logits, expert ids and weights",
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
@@ -90,6 +92,48 @@ def topk_kernel(experts: int, top_k: int, normalize: bool, warps: int = 4) -> Mo
         lambda rows, **_: (-(-rows // warps), 1, 1),
         (32 * warps, 1, 1),
     )
+
+
+def router_kernel(
+    experts: int,
+    k: int,
+    top_k: int,
+    normalize: bool,
+    wdtype: str,
+    x_stride: int,
+    rows_per_block: int = 2,
+    tokens: int = 8,
+    trigger: bool = False,
+) -> MoeKernel:
+    """moe_router: the [experts, k] router GEMV (``wdtype`` f32 or bf16; x rows of ``x_stride``
+    elements) and moe_topk's routing in one launch, ``rows_per_block`` router rows and ``tokens``
+    tokens (= warps) per block; the last block of each token group routes it (a counter per group
+    in a zeroed scratch, ``router_counters``). ``trigger``: pdl_trigger() once the block's router
+    rows are loaded and the wait returned. Raises ConfigError for a shape it does not take."""
+    if not 0 < experts <= MAX_EXPERTS:
+        raise ConfigError(f"moe_router: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
+    if not 0 < top_k <= min(32, experts):
+        raise ConfigError(f"moe_router: top_k {top_k} must be in 1..{min(32, experts)}")
+    if wdtype not in ("f32", "bf16") or k % 8 or k < 8 or x_stride < k or x_stride % 8:
+        raise ConfigError(f"moe_router: router {wdtype} [{experts}, {k}] (f32 or bf16, k a multiple of 8), x stride {x_stride}")
+    if rows_per_block not in (1, 2, 4) or tokens not in (1, 2, 4, 8, 16):
+        raise ConfigError(f"moe_router: rows_per_block {rows_per_block} (1, 2, 4), tokens {tokens} (1 .. 16)")
+    params = {"experts": experts, "k": k, "top_k": top_k, "normalize": bool(normalize), "wdtype": wdtype,
+              "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger)}
+    name = {"e": experts, "k": k, "top": top_k, "n": int(normalize), "xs": x_stride, "r": rows_per_block, "t": tokens,
+            **({"tr": 1} if trigger else {})}
+    spec = KernelSpec("moe_router", entry_name(f"moe_router_{wdtype}", **name), params, pdl=True)
+    return MoeKernel(
+        spec,
+        (("ids", "ptr"), ("weights", "ptr"), ("logits", "ptr"), ("x", "ptr"), ("w", "ptr"), ("count", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-experts // rows_per_block), -(-rows // tokens), 1),
+        (32 * tokens, 1, 1),
+    )
+
+
+def router_counters(rows: int, tokens: int) -> int:
+    """Bytes of moe_router's zeroed counters for passes of up to ``rows`` tokens."""
+    return 4 * -(-rows // tokens)
 
 
 def expert_gemv_kernel(
@@ -274,6 +318,7 @@ def moe_specs(
     are skipped), the grouped ones for up to ``max_slots`` (tokens x top_k) per launch."""
     e, top, inter, hidden = (int(dims[x]) for x in ("experts", "experts_used", "moe_intermediate", "hidden"))
     specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
+    specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden).spec for w in ("f32", "bf16")]
     for q in quants:
         if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
             continue

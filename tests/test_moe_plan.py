@@ -54,12 +54,21 @@ def test_moe_launches_per_mode():
     _, d, plan = _plan("q8_0")
     router = next(s for s in plan.steps if s.op.op == "moe_router")
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
-    for mode in ("decode1", "decode", "prefill"):
-        gemv, topk = router.launches[mode]
-        assert gemv.spec.template == "gemv" and gemv.spec.params["out_dtype"] == "f32"
-        assert topk.spec.template == "moe_topk"
-        assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
-        assert topk.args[:3] == (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
+    gemv, topk = router.launches["prefill"]
+    assert gemv.spec.template == "gemv" and gemv.spec.params["out_dtype"] == "f32"
+    assert topk.spec.template == "moe_topk"
+    assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
+    outs = (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
+    assert topk.args[:3] == outs
+    for mode in ("decode1", "decode"):  # the router GEMV and the routing in one launch
+        (fused,) = router.launches[mode]
+        assert fused.spec.template == "moe_router" and fused.args[:3] == outs
+        assert fused.args[3:6] == (Arg("value", "h"), Arg("weight", "L0.router"), Arg("scratch", "moe_route_count"))
+        p = fused.spec.params
+        assert (p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"]) == (16, 256, 4, True, "f32", 256)
+        assert p["trigger"] is (mode == "decode1") and fused.grid == (8, "(n + 7) // 8") and fused.block == (256,)
+    count = next(s for s in plan.scratch if s.name == "moe_route_count")
+    assert count.fill == "zero" and count.fixed == 4 * plan.max_tokens // 8
     assert [la.spec.params["mode"] for la in experts.launches["decode1"]] == ["glu", "down"]
     glu, down = experts.launches["decode1"]
     assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
@@ -119,7 +128,7 @@ def test_every_moe_spec_renders():
 
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    assert {s.template for s in specs} == {"moe_topk", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
+    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 

@@ -1,8 +1,10 @@
 """Lowering units ``moe_router`` and ``moe_experts``: a Qwen3-MoE sparse MLP on the device.
 
-moe_router: the router GEMV (the dense gemv kernel, f32 logits [rows, E] into a value of their own,
-from a bf16 or f32 router matrix) then moe_topk, which writes the expert ids (i32) and weights (f32)
-into fixed-size [rows, top_k] values: no host synchronisation, so decode stays in the CUDA graph.
+moe_router: in decode passes one moe_router launch (the router GEMV from a bf16 or f32 router
+matrix, f32 logits [rows, E] into a value of their own, and the top-k routing by the last block of
+each token group); in prefill (and for other router types) the dense gemv kernel then moe_topk.
+Both write the expert ids (i32) and weights (f32) into fixed-size [rows, top_k] values: no host
+synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
 (decode1) and in batched decode passes of up to SLOT_ROWS rows the per-slot moe_gemv ``glu`` then
 ``down`` (+ residual), which read only the chosen experts' rows; in larger decode buckets and wide
@@ -29,6 +31,7 @@ from engine.types import ConfigError
 
 RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
+ROUTER_ROWS, ROUTER_TOKENS = 2, 8  # moe_router (decode): router rows and tokens per block
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
 # batched decode passes of up to this many rows take the per-slot kernels (as batch 1): with few
 # tokens two rarely share an expert (4 tokens x 8 of 128: ~8 % of the rows read twice), and the
@@ -67,6 +70,13 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
         raise ConfigError(f"plan: moe_router reads {ins[0].name} of width {ins[0].width}, the router has {w.cols} columns")
     top_k = int(_dim(ctx, op, "top_k"))
     normalize = bool(_dim(ctx, op, "normalize", False))
+    if mode != "prefill" and w.dtype in ("f32", "bf16"):  # decode: GEMV and routing in one launch
+        trigger = mode == "decode1" and ctx.graph_knob("early_trigger")
+        r = mk.router_kernel(w.rows, w.cols, top_k, normalize, w.dtype, ins[0].ld, ROUTER_ROWS, ROUTER_TOKENS, trigger)
+        ctx.need_scratch(ScratchPlan("moe_route_count", fixed=mk.router_counters(ctx.max_tokens, ROUTER_TOKENS), fill="zero"))
+        grid = (cdiv(w.rows, ROUTER_ROWS), f"(n + {ROUTER_TOKENS - 1}) // {ROUTER_TOKENS}")
+        args = (val(ids), val(weights), val(logits), val(ins[0]), wgt(w), Arg("scratch", "moe_route_count"), ROWS)
+        return [Launch(r.spec, grid, r.block[:1], args)]
     gemv = gemv_launch(ctx, op, layer, mode, ins, logits, w)
     k = mk.topk_kernel(w.rows, top_k, normalize, TOPK_WARPS)
     grid = (f"(n + {TOPK_WARPS - 1}) // {TOPK_WARPS}",)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine import cuda, quant, storage
-from engine.moe_kernels import combine_kernel, expert_gemv_kernel, shared_kernel, topk_kernel
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, router_kernel, shared_kernel, topk_kernel
 from engine.ops_ref_moe import moe_experts, moe_route
 
 _NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8}
@@ -139,6 +139,41 @@ def test_topk_matches_moe_route(gk, experts, top_k, normalize):
     np.testing.assert_array_equal(gk.host(ids), want_ids)
     np.testing.assert_allclose(gk.host(wts), want_w, rtol=1e-5, atol=1e-7)
     assert gk.host(ids)[0].tolist() == list(range(top_k))
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("experts,top_k,normalize,hidden", [(128, 8, True, 2048), (60, 4, False, 264)])
+def test_router_gemv_and_topk_in_one_launch(gk, wdtype, experts, top_k, normalize, hidden):
+    """moe_router: logits = x . W (f32 sums of bf16 x rows of a wider stride), then the top-k of
+    each token as moe_topk computes it from those logits; 13 tokens (two token groups, the second
+    partial), poisoned outputs, the counters zero again after each launch (a second launch on new
+    x), and every token's logits bitwise what a batch-1 launch gives it."""
+    rng = np.random.default_rng()
+    rows, stride = 13, hidden + 8
+    c = router_kernel(experts, hidden, top_k, normalize, wdtype, stride)
+    w = rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05
+    w_dev = gk.f32(w) if wdtype == "f32" else gk.bf(w)
+    w = w if wdtype == "f32" else bf_round(w).astype(np.float32)
+    count = gk.i32(np.zeros(2))
+    for launch in range(2):
+        x = bf_round(rng.standard_normal((rows, stride)))
+        ids, wts = gk.i32(np.full((rows, top_k), -7)), gk.nan_like((rows, top_k), "f32")
+        logits = gk.nan_like((rows, experts), "f32")
+        gk.launch(c, [ids, wts, logits, gk.bf(x), w_dev, count, rows], rows)
+        assert c.grid(rows) == (-(-experts // 2), 2, 1)
+        got = gk.host(logits)
+        want = x[:, :hidden] @ w.astype(np.float64).T
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        # the routing of the kernel's own logits (moe_topk's: ids exact, weights to f32 rounding)
+        want_ids, want_w = moe_route(got.astype(np.float32), np.eye(experts, dtype=np.float32), top_k, normalize)
+        np.testing.assert_array_equal(gk.host(ids), want_ids)
+        np.testing.assert_allclose(gk.host(wts), want_w, rtol=1e-5, atol=1e-7)
+        assert gk.host(count).tolist() == [0, 0], launch
+    for t in (0, 8, 12):  # batched equals solo
+        ids1, wts1, log1 = gk.i32(np.zeros((1, top_k))), gk.f32(np.zeros((1, top_k))), gk.f32(np.zeros((1, experts)))
+        gk.launch(c, [ids1, wts1, log1, gk.bf(x[t : t + 1]), w_dev, count, 1], 1)
+        np.testing.assert_array_equal(gk.host(log1)[0], got[t])
+        np.testing.assert_array_equal(gk.host(ids1)[0], gk.host(ids)[t])
 
 
 @pytest.mark.parametrize("qt", QUANTS)
