@@ -5,8 +5,9 @@ friendly widths: bf16 safetensors (per-expert tensors, stacked on load) and q8_0
 (stacked ``*_exps``; q4_k_m with q6_k expert down projections in even layers), and the bf16 model
 with a sigmoid-gated shared expert (tests/test_moe_load.py's moe_shared family). Checks: prefill and
 decode logits close to the reference and greedy tokens equal to its argmax (where the reference's
-top two are not a near tie); batched greedy output (grouped expert kernels) equal to each sequence
-run alone (the batch-1 per-slot kernels); CUDA-graph decode bit-identical to eager.
+top two are not a near tie); batched greedy output (the per-slot expert kernels at 2 rows, the
+grouped ones at 5, moe_router's routing per token group) equal to each sequence run alone (the
+batch-1 kernels); CUDA-graph decode bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -170,9 +171,10 @@ def _generate(runner, seqs: dict[int, list[int]], tables: dict[int, list[int]], 
     return out
 
 
-def test_batched_greedy_equals_solo(moe):
+@pytest.mark.parametrize("batch", [2, 5])  # bucket 2: the per-slot expert GEMVs; 8: the grouped ones
+def test_batched_greedy_equals_solo(moe, batch):
     fmt, runner, _ = moe
-    seqs = {i: _prompt(10 + i, 5 + 3 * i) for i in range(5)}
+    seqs = {i: _prompt(10 + i, 5 + 3 * i) for i in range(batch)}
     tables = {i: list(range(4 * i, 4 * i + 4)) for i in seqs}
     solo = {}
     for i, p in seqs.items():
