@@ -104,12 +104,16 @@ def router_kernel(
     rows_per_block: int = 2,
     tokens: int = 8,
     trigger: bool = False,
+    eps: float | None = None,
+    h_stride: int = 0,
 ) -> MoeKernel:
     """moe_router: the [experts, k] router GEMV (``wdtype`` f32 or bf16; x rows of ``x_stride``
     elements) and moe_topk's routing in one launch, ``rows_per_block`` router rows and ``tokens``
     tokens (= warps) per block; the last block of each token group routes it (a counter per group
     in a zeroed scratch, ``router_counters``). ``trigger``: pdl_trigger() once the block's router
-    rows are loaded and the wait returned. Raises ConfigError for a shape it does not take."""
+    rows are loaded and the wait returned. ``eps`` (not None): the rmsnorm before the router
+    folded in (x un-normalised; two more args, the f32 norm weight and h, the normalised rows
+    written with row stride ``h_stride``). Raises ConfigError for a shape it does not take."""
     if not 0 < experts <= MAX_EXPERTS:
         raise ConfigError(f"moe_router: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
     if not 0 < top_k <= min(32, experts):
@@ -118,14 +122,20 @@ def router_kernel(
         raise ConfigError(f"moe_router: router {wdtype} [{experts}, {k}] (f32 or bf16, k a multiple of 8), x stride {x_stride}")
     if rows_per_block not in (1, 2, 4) or tokens not in (1, 2, 4, 8, 16):
         raise ConfigError(f"moe_router: rows_per_block {rows_per_block} (1, 2, 4), tokens {tokens} (1 .. 16)")
+    norm = eps is not None
+    if norm and (h_stride < k or h_stride % 8 or not float(eps) > 0):
+        raise ConfigError(f"moe_router: the folded rmsnorm needs eps > 0 ({eps}) and an h stride >= k, a multiple of 8 ({h_stride})")
     params = {"experts": experts, "k": k, "top_k": top_k, "normalize": bool(normalize), "wdtype": wdtype,
-              "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger)}
+              "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger),
+              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {})}
     name = {"e": experts, "k": k, "top": top_k, "n": int(normalize), "xs": x_stride, "r": rows_per_block, "t": tokens,
-            **({"tr": 1} if trigger else {})}
+            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {})}
     spec = KernelSpec("moe_router", entry_name(f"moe_router_{wdtype}", **name), params, pdl=True)
+    extra = (("nw", "ptr"), ("h", "ptr")) if norm else ()
     return MoeKernel(
         spec,
-        (("ids", "ptr"), ("weights", "ptr"), ("logits", "ptr"), ("x", "ptr"), ("w", "ptr"), ("count", "ptr"), ("rows", "i32")),
+        (("ids", "ptr"), ("weights", "ptr"), ("logits", "ptr"), ("x", "ptr"), ("w", "ptr"), ("count", "ptr"), ("rows", "i32"))
+        + extra,
         lambda rows, **_: (-(-experts // rows_per_block), -(-rows // tokens), 1),
         (32 * tokens, 1, 1),
     )
@@ -318,7 +328,9 @@ def moe_specs(
     are skipped), the grouped ones for up to ``max_slots`` (tokens x top_k) per launch."""
     e, top, inter, hidden = (int(dims[x]) for x in ("experts", "experts_used", "moe_intermediate", "hidden"))
     specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
-    specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden).spec for w in ("f32", "bf16")]
+    norm = {"eps": float(dims.get("rms_eps", 1e-6)), "h_stride": hidden}  # (decode: the rmsnorm folded in)
+    specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden, **o).spec
+              for w in ("f32", "bf16") for o in ({}, norm)]
     for q in quants:
         if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
             continue

@@ -79,8 +79,8 @@ def test_builders_check_their_inputs():
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 2 + 4 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
-    assert [s.params["wdtype"] for s in specs[1:3]] == ["f32", "bf16"]
+    assert len(specs) == 1 + 4 + 4 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert [(s.params["wdtype"], s.params["norm"]) for s in specs[1:5]] == [("f32", False), ("f32", True), ("bf16", False), ("bf16", True)]
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
     assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
     assert g.grid(2) == (512, 16, 1) and g.grid(3) == (512, 24, 1)  # a block row per expert the step can choose
@@ -106,6 +106,10 @@ def test_builders_check_their_inputs():
             router_kernel(**args)
     src = render(r.spec)
     assert "route_token(" in src and waits_first(src, r.spec.entry) and "#define X_STRIDE 4608" in src
+    rn = router_kernel(128, 2048, 8, True, "f32", 4608, eps=1e-6, h_stride=2048)
+    assert [a for a, _ in rn.args][-2:] == ["nw", "h"] and "#define NORM 1" in render(rn.spec)
+    with pytest.raises(ConfigError, match="h stride"):
+        router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=100)
 
 
 def test_grouped_gemm_builders():
@@ -150,6 +154,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
         combine_kernel(2048, 8).spec,
         router_kernel(128, 2048, 8, True, "bf16", 4608, trigger=True).spec,
+        router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=2048).spec,
         expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, trigger=True).spec,
         shared_kernel(2048).spec,
         sort_kernel(128, 8, 64).spec,

@@ -60,12 +60,17 @@ def test_moe_launches_per_mode():
     assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
     outs = (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
     assert topk.args[:3] == outs
-    for mode in ("decode1", "decode"):  # the router GEMV and the routing in one launch
+    norm = plan.steps[plan.steps.index(router) - 1]
+    assert norm.op.op == "rmsnorm" and norm.layer == router.layer and norm.launches["prefill"]
+    for mode in ("decode1", "decode"):  # the rmsnorm, the router GEMV and the routing in one launch
         (fused,) = router.launches[mode]
+        assert norm.launches[mode] == ()
         assert fused.spec.template == "moe_router" and fused.args[:3] == outs
-        assert fused.args[3:6] == (Arg("value", "h"), Arg("weight", "L0.router"), Arg("scratch", "moe_route_count"))
+        assert fused.args[3:] == (Arg("value", "x"), Arg("weight", "L0.router"), Arg("scratch", "moe_route_count"),
+                                  Arg("shape", "n", "i32"), Arg("weight", "L0.ffn_norm"), Arg("value", "h"))
         p = fused.spec.params
         assert (p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"]) == (16, 256, 4, True, "f32", 256)
+        assert (p["norm"], p["eps"], p["h_stride"]) == (True, repr(d["rms_eps"]), 256)
         assert p["trigger"] is (mode == "decode1") and fused.grid == (8, "(n + 7) // 8") and fused.block == (256,)
     count = next(s for s in plan.scratch if s.name == "moe_route_count")
     assert count.fill == "zero" and count.fixed == 4 * plan.max_tokens // 8

@@ -2,7 +2,9 @@
 
 moe_router: in decode passes one moe_router launch (the router GEMV from a bf16 or f32 router
 matrix, f32 logits [rows, E] into a value of their own, and the top-k routing by the last block of
-each token group); in prefill (and for other router types) the dense gemv kernel then moe_topk.
+each token group; the post-pass fold_router_norm folds the rmsnorm before it in, so x is then the
+residual stream and the router stores h); in prefill (and for other router types) the dense gemv
+kernel then moe_topk.
 Both write the expert ids (i32) and weights (f32) into fixed-size [rows, top_k] values: no host
 synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
@@ -26,7 +28,7 @@ from engine import moe_kernels as mk
 from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
-from engine.lowering.registry import register
+from engine.lowering.registry import post_pass, register
 from engine.types import ConfigError
 
 RPB = 4  # warps (output rows) per block of the expert GEMVs
@@ -82,6 +84,35 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
     grid = (f"(n + {TOPK_WARPS - 1}) // {TOPK_WARPS}",)
     topk = Launch(k.spec, grid, k.block[:1], (val(ids), val(weights), val(logits), ROWS))
     return [gemv, topk]
+
+
+@post_pass(10)
+def fold_router_norm(ctx, steps, weights, values) -> None:
+    """Decode passes (batch 1 and batched): an rmsnorm step right before a moe_router step of its
+    layer that reads the norm's output as x, both one launch (rmsnorm without a residual, the
+    fused moe_router): the rmsnorm launch goes and moe_router normalises x itself and stores h
+    for the expert kernels (its ``eps`` form). Prefill and wide buckets keep both launches."""
+    for prev, st in zip(steps, steps[1:], strict=False):
+        if st.op.op != "moe_router" or prev.op.op != "rmsnorm" or prev.layer != st.layer:
+            continue
+        if list(prev.op.outputs) != [st.op.inputs[0]]:
+            continue
+        for mode in ("decode1", "decode"):
+            norm, route = prev.launches.get(mode, ()), st.launches.get(mode, ())
+            if len(norm) != 1 or len(route) != 1 or route[0].spec.template != "moe_router":
+                continue
+            n, r = norm[0], route[0]
+            if n.spec.template != "rmsnorm" or n.spec.params["residual"]:
+                continue
+            h_arg, x_arg, _, nw_arg, _ = n.args
+            x, h, p = values[x_arg.ref], values[h_arg.ref], r.spec.params
+            if x.ld % 8 or x.offset % 8 or h.offset % 8 or r.args[3] != h_arg:
+                continue
+            k = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], x.ld,
+                                 p["rows_per_block"], p["tokens"], p["trigger"], eps=float(ctx.dims["rms_eps"]), h_stride=h.ld)
+            args = r.args[:3] + (x_arg,) + r.args[4:] + (nw_arg, h_arg)
+            prev.launches[mode] = ()
+            st.launches[mode] = (dataclasses.replace(r, spec=k.spec, args=args),)
 
 
 def bind_experts(op, ws, ins, dims, value_for):

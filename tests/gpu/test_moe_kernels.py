@@ -141,28 +141,43 @@ def test_topk_matches_moe_route(gk, experts, top_k, normalize):
     assert gk.host(ids)[0].tolist() == list(range(top_k))
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("wdtype", ["f32", "bf16"])
 @pytest.mark.parametrize("experts,top_k,normalize,hidden", [(128, 8, True, 2048), (60, 4, False, 264)])
-def test_router_gemv_and_topk_in_one_launch(gk, wdtype, experts, top_k, normalize, hidden):
+def test_router_gemv_and_topk_in_one_launch(gk, wdtype, experts, top_k, normalize, hidden, norm):
     """moe_router: logits = x . W (f32 sums of bf16 x rows of a wider stride), then the top-k of
     each token as moe_topk computes it from those logits; 13 tokens (two token groups, the second
     partial), poisoned outputs, the counters zero again after each launch (a second launch on new
-    x), and every token's logits bitwise what a batch-1 launch gives it."""
+    x), and every token's logits bitwise what a batch-1 launch gives it. With the rmsnorm folded
+    in (norm): h = rmsnorm(x) * nw stored (bf16, its own stride) and the logits are W . h."""
     rng = np.random.default_rng()
-    rows, stride = 13, hidden + 8
-    c = router_kernel(experts, hidden, top_k, normalize, wdtype, stride)
+    rows, stride, h_stride, eps = 13, hidden + 8, hidden + 16, 1e-6
+    c = router_kernel(experts, hidden, top_k, normalize, wdtype, stride, eps=eps if norm else None, h_stride=h_stride)
     w = rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05
     w_dev = gk.f32(w) if wdtype == "f32" else gk.bf(w)
     w = w if wdtype == "f32" else bf_round(w).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
     count = gk.i32(np.zeros(2))
+
+    def launch_on(xs, n):
+        ids, wts = gk.i32(np.full((n, top_k), -7)), gk.nan_like((n, top_k), "f32")
+        logits, h = gk.nan_like((n, experts), "f32"), gk.nan_like((n, h_stride))
+        gk.launch(c, [ids, wts, logits, gk.bf(xs), w_dev, count, n] + ([gk.f32(nw), h] if norm else []), n)
+        return ids, wts, logits, h
+
     for launch in range(2):
-        x = bf_round(rng.standard_normal((rows, stride)))
-        ids, wts = gk.i32(np.full((rows, top_k), -7)), gk.nan_like((rows, top_k), "f32")
-        logits = gk.nan_like((rows, experts), "f32")
-        gk.launch(c, [ids, wts, logits, gk.bf(x), w_dev, count, rows], rows)
+        x = bf_round(rng.standard_normal((rows, stride)) * 3)
+        ids, wts, logits, h = launch_on(x, rows)
         assert c.grid(rows) == (-(-experts // 2), 2, 1)
         got = gk.host(logits)
-        want = x[:, :hidden] @ w.astype(np.float64).T
+        xin = x[:, :hidden]
+        if norm:
+            got_h = gk.host(h)[:, :hidden]
+            want_h = xin / np.sqrt((xin**2).mean(axis=1, keepdims=True) + eps) * nw
+            assert rel_err(got_h, want_h) < 1e-2 and np.abs(got_h - want_h).max() < 2e-2 * np.abs(want_h).max()
+            assert np.isnan(gk.host(h)[:, hidden:]).all()  # only the row's k columns are written
+            xin = got_h  # the router reads the bf16 h it stored
+        want = xin @ w.astype(np.float64).T
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         # the routing of the kernel's own logits (moe_topk's: ids exact, weights to f32 rounding)
         want_ids, want_w = moe_route(got.astype(np.float32), np.eye(experts, dtype=np.float32), top_k, normalize)
@@ -170,10 +185,11 @@ def test_router_gemv_and_topk_in_one_launch(gk, wdtype, experts, top_k, normaliz
         np.testing.assert_allclose(gk.host(wts), want_w, rtol=1e-5, atol=1e-7)
         assert gk.host(count).tolist() == [0, 0], launch
     for t in (0, 8, 12):  # batched equals solo
-        ids1, wts1, log1 = gk.i32(np.zeros((1, top_k))), gk.f32(np.zeros((1, top_k))), gk.f32(np.zeros((1, experts)))
-        gk.launch(c, [ids1, wts1, log1, gk.bf(x[t : t + 1]), w_dev, count, 1], 1)
+        ids1, _, log1, h1 = launch_on(x[t : t + 1], 1)
         np.testing.assert_array_equal(gk.host(log1)[0], got[t])
         np.testing.assert_array_equal(gk.host(ids1)[0], gk.host(ids)[t])
+        if norm:
+            np.testing.assert_array_equal(gk.host(h1)[0, :hidden], gk.host(h)[t, :hidden])
 
 
 @pytest.mark.parametrize("qt", QUANTS)
@@ -257,8 +273,9 @@ def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y):
     wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
     wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
     wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
-    ids = _ids(rng, rows, experts, top_k)
-    ids[1, :3] = ids[0, 2:5]  # three experts shared by both tokens
+    first = rng.choice(experts, top_k, replace=False)
+    rest = rng.choice(np.setdiff1d(np.arange(experts), first), top_k - 3, replace=False)
+    ids = np.stack([first, rng.permutation(np.concatenate([first[2:5], rest]))]).astype(np.int32)  # 3 shared
     glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=16)
     down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=16)
     assert glu.grid(rows)[1] == down.grid(rows)[1] == rows * top_k
