@@ -317,6 +317,18 @@ class DecodeGraph(Knobs):
     o_window_max_kb: int = knob(0, non_negative)
 
 
+@dataclass(frozen=True, eq=False)
+class Moe(Knobs):
+    # mixture-of-experts decode (engine/lowering/moe.py): batched decode passes of up to
+    # slot_rows rows run the per-(token, slot) expert GEMVs as batch 1 does (0: the grouped GEMVs
+    # and moe_combine from 2 rows); fused_router: decode's router GEMV and top-k as one moe_router
+    # launch (off: the dense GEMV then moe_topk); fold_norm: the rmsnorm before it folded into
+    # that launch
+    slot_rows: int = knob(4, non_negative)
+    fused_router: bool = True
+    fold_norm: bool = True
+
+
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
@@ -329,6 +341,7 @@ SECTIONS: dict[str, type[Knobs]] = {
     "norm": Norm,
     "sampling": Sampling,
     "decode_graph": DecodeGraph,
+    "moe": Moe,
 }
 
 
