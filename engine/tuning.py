@@ -323,8 +323,11 @@ class Moe(Knobs):
     # slot_rows rows run the per-(token, slot) expert GEMVs as batch 1 does (0: the grouped GEMVs
     # and moe_combine from 2 rows); fused_router: decode's router GEMV and top-k as one moe_router
     # launch (off: the dense GEMV then moe_topk); fold_norm: the rmsnorm before it folded into
-    # that launch
+    # that launch; glu_prefetch / down_prefetch: the per-slot expert GEMVs' k-quant raw units per
+    # lane loaded before the first is decoded (more bytes in flight per warp, more registers)
     slot_rows: int = knob(4, non_negative)
+    glu_prefetch: int = knob(2, positive)
+    down_prefetch: int = knob(3, positive)
     fused_router: bool = True
     fold_norm: bool = True
 

@@ -295,6 +295,36 @@ def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y):
     assert not np.isnan(got).any() and rel_err(got, ref) < 1e-4, rel_err(got, ref)
 
 
+@pytest.mark.parametrize("qt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("prefetch", [1, 4])  # (the default 2 / 3: test_glu_and_down_match_numpy)
+def test_per_slot_prefetch_depths(gk, qt, prefetch):
+    """The per-slot glu / down with other raw-unit prefetch depths (tuning moe.glu_prefetch /
+    down_prefetch): 1 unit per lane at a time, and 4 (more than a lane has at k = 512: guarded)."""
+    rng = np.random.default_rng()
+    e, inter, hidden, top_k, rows = 16, 256, 2048, 8, 2
+    wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
+    ids = _ids(rng, rows, e, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    act = gk.nan_like((rows, top_k, inter))
+    ids_t = gk.i32(ids)
+    glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k, prefetch=prefetch, trigger=True)
+    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows)
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    down = expert_gemv_kernel("down", qt, hidden, inter, top_k, prefetch=prefetch, trigger=True)
+    out = gk.nan_like((rows, hidden))
+    gk.launch(down, [out, gk.raw(wd_raw), act, ids_t, gk.f32(w), 0, rows], rows)
+    a = gk.host(act)
+    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids]))
+    got = gk.host(out)
+    assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
+
+
 @pytest.mark.parametrize("qt", ["q4_k", "q6_k", "q8_0", "bf16"])
 def test_per_slot_kernels_batched_equal_solo(gk, qt):
     """The per-slot glu and down over 4 tokens (the smallest batched decode buckets) give each
