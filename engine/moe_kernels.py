@@ -160,6 +160,7 @@ def expert_gemv_kernel(
     slot_batch: int = 8,
     trigger: bool = False,
     prefetch: int = 0,
+    rows_per_warp: int = 1,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -169,7 +170,9 @@ def expert_gemv_kernel(
     token picks an expert at most once), ``slot_batch`` slots per pass over a
     weight row. ``trigger`` (glu / down): the kernel calls pdl_trigger() once its first weight loads
     are issued (batch-1 decode); ``prefetch`` (glu / down, k-quants with raw units): units per lane
-    loaded before the first is decoded (0: PREFETCH's default for the mode). Raises ConfigError for an unsupported quant, a k that is not a whole number of its
+    loaded before the first is decoded (0: PREFETCH's default for the mode); ``rows_per_warp``
+    (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
+    ``rows_per_block * rows_per_warp`` rows. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
     blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -191,13 +194,18 @@ def expert_gemv_kernel(
         name.update({"tr": 1} if trigger else {})
         name.update({"pf": pf} if pf != PREFETCH[mode] else {})
     if grouped:
-        if not 0 < experts <= MAX_GRID_Y or not top_k <= max_slots <= MAX_SLOTS or slot_batch not in (1, 2, 4, 8, 16):
+        if (
+            not 0 < experts <= MAX_GRID_Y
+            or not top_k <= max_slots <= MAX_SLOTS
+            or slot_batch not in (1, 2, 4, 8, 16)
+            or not 1 <= rows_per_warp <= 16
+        ):
             raise ConfigError(
                 f"moe_gemv {mode}: experts {experts} (1..{MAX_GRID_Y}), max_slots {max_slots} "
-                f"(top_k..{MAX_SLOTS}), slot_batch {slot_batch} (1, 2, 4, 8 or 16)"
+                f"(top_k..{MAX_SLOTS}), slot_batch {slot_batch} (1, 2, 4, 8 or 16), rows_per_warp {rows_per_warp} (1..16)"
             )
-        params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch)
-        name.update(e=experts, ms=max_slots, sb=slot_batch)
+        params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch, rows_per_warp=rows_per_warp)
+        name.update(e=experts, ms=max_slots, sb=slot_batch, **({"rw": rows_per_warp} if rows_per_warp != 1 else {}))
     spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
 
@@ -205,7 +213,7 @@ def expert_gemv_kernel(
         if grouped:
             if rows > max_slots:
                 raise ConfigError(f"moe_gemv {mode}: {rows} rows exceed max_slots {max_slots}")
-            return (-(-n // rows_per_block), min(experts, rows * top_k), 1)
+            return (-(-n // (rows_per_block * rows_per_warp)), min(experts, rows * top_k), 1)
         if rows * slots > MAX_GRID_Y:
             raise ConfigError(f"moe_gemv: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
         return (-(-n // rows_per_block), rows * slots, 1)

@@ -324,10 +324,13 @@ class Moe(Knobs):
     # and moe_combine from 2 rows); fused_router: decode's router GEMV and top-k as one moe_router
     # launch (off: the dense GEMV then moe_topk); fold_norm: the rmsnorm before it folded into
     # that launch; glu_prefetch / down_prefetch: the per-slot expert GEMVs' k-quant raw units per
-    # lane loaded before the first is decoded (more bytes in flight per warp, more registers)
+    # lane loaded before the first is decoded (more bytes in flight per warp, more registers);
+    # grouped_rows_per_warp: the grouped expert GEMVs' output rows per warp, one after the other
+    # (a block's scan of the step's expert ids then serves 4x that many rows)
     slot_rows: int = knob(4, non_negative)
     glu_prefetch: int = knob(2, positive)
     down_prefetch: int = knob(3, positive)
+    grouped_rows_per_warp: int = knob(4, positive)
     fused_router: bool = True
     fold_norm: bool = True
 

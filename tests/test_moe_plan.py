@@ -88,7 +88,8 @@ def test_moe_launches_per_mode():
         la, spec=dataclasses.replace(la.spec, params={**la.spec.params, "trigger": False}, entry=la.spec.entry.replace("_tr1", "")))
     assert experts.launches["decode"][:2] == tuple(dataclasses.replace(untrigger(la), max_rows=4) for la in (glu, down))
     grouped = experts.launches["decode"][2]
-    assert grouped.grid == (64, "n * 4 if n * 4 < 16 else 16") and grouped.min_rows == 5
+    assert grouped.grid == (256 // 16, "n * 4 if n * 4 < 16 else 16") and grouped.min_rows == 5  # 4 warps x 4 rows
+    assert grouped.spec.params["rows_per_warp"] == 4
     assert [grouped.grid_for({"n": n})[1] for n in (2, 3, 8)] == [8, 12, 16]
     assert grouped.spec.params["max_slots"] >= plan.max_tokens
     # prefill: sorted by expert on the device, then the tensor-core grouped GEMM

@@ -11,7 +11,8 @@
 #        grouped2 (moe.slot_rows=0: the grouped GEMVs from 2 rows), slot16 (moe.slot_rows=16: per
 #        slot up to 16 rows), unfused (moe.fused_router=false: router GEMV + moe_topk + the rmsnorm
 #        launch, as before), nofold (moe.fold_norm=false: moe_router without the rmsnorm), pf1
-#        (moe.glu_prefetch=1, down_prefetch=1: the per-slot kernels one raw unit per lane at a time)
+#        (moe.glu_prefetch=1, down_prefetch=1: the per-slot kernels one raw unit per lane at a time),
+#        rpw1 (moe.grouped_rows_per_warp=1: a scan of ids per 4 rows in the grouped GEMVs)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
@@ -39,6 +40,7 @@ for stage in ${STAGES:-tests ckpt bench ab}; do
     bench unfused "moe.fused_router=false"
     bench nofold "moe.fold_norm=false"
     bench pf1 "moe.glu_prefetch=1; moe.down_prefetch=1"
+    bench rpw1 "moe.grouped_rows_per_warp=1"
     ;;
   *) echo "unknown stage $stage (tests, ckpt, bench, ab)"; exit 2 ;;
   esac

@@ -197,8 +197,10 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
         raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
-    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
-    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
+    rpw = int(ctx.tune("moe")["grouped_rows_per_warp"])
+    grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
+    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped)
+    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped)
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
@@ -207,8 +209,8 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     cap = {**grouped_rows, **({"max_rows": gemm[0].min_rows - 1} if gemm else {})}
     gy = mk.grouped_grid_y(top_k, experts)
     gemv = [
-        Launch(glu.spec, (cdiv(inter, RPB), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
-        Launch(down.spec, (cdiv(hidden, RPB), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+        Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
+        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
     ]
     combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS), **grouped_rows)
     return solo + gemv + gemm[:-1] + [combine]

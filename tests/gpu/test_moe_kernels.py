@@ -239,7 +239,8 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     ids = _ids(rng, rows, experts, top_k)
     ids_t = gk.i32(ids)
     x = bf_round(rng.standard_normal((rows, hidden)))
-    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128)
+    # 3 rows per warp: 12 per block, 256 rows not a multiple (the last block's last rows guarded)
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128, rows_per_warp=3)
     act = gk.nan_like((rows, top_k, inter))
     gk.launch(glu, [act, dev[0], dev[1], gk.bf(x), ids_t, rows], rows)
     g = np.einsum("tk,tjnk->tjn", x, wg[ids])
@@ -251,7 +252,7 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
     r = bf_round(rng.standard_normal((rows, hidden)))
     partial = gk.nan_like((rows, top_k, hidden), "f32")
-    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128, rows_per_warp=3)
     gk.launch(down, [partial, dev[2], gk.bf(a), ids_t, rows], rows)
     ref_partial = np.einsum("tjk,tjnk->tjn", a, wd[ids])
     got_partial = gk.host(partial)
@@ -264,7 +265,8 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
 
 @pytest.mark.parametrize("qt", ["q4_k", "q8_0", "bf16"])
 @pytest.mark.parametrize("grid_y", [None, 3, 1])  # None: min(E, rows * top_k); 3, 1: blocks loop over ranks
-def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y):
+@pytest.mark.parametrize("rpw", [1, 4])
+def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y, rpw):
     """The grouped GEMVs' block row y takes the y-th chosen expert (then y + gridDim.y ...): a batch
     of 2 over 128 experts, top-8, launches 16 block rows, not 128; a grid smaller than the distinct
     experts still covers them all; a token whose slots repeat an expert of another token shares it."""
@@ -276,8 +278,8 @@ def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y):
     first = rng.choice(experts, top_k, replace=False)
     rest = rng.choice(np.setdiff1d(np.arange(experts), first), top_k - 3, replace=False)
     ids = np.stack([first, rng.permutation(np.concatenate([first[2:5], rest]))]).astype(np.int32)  # 3 shared
-    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=16)
-    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=16)
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=16, rows_per_warp=rpw)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=16, rows_per_warp=rpw)
     assert glu.grid(rows)[1] == down.grid(rows)[1] == rows * top_k
     grid = lambda k: None if grid_y is None else (k.grid(rows)[0], grid_y, 1)  # noqa: E731
     x = bf_round(rng.standard_normal((rows, hidden)))
