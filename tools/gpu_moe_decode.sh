@@ -12,7 +12,8 @@
 #        slot up to 16 rows), unfused (moe.fused_router=false: router GEMV + moe_topk + the rmsnorm
 #        launch, as before), nofold (moe.fold_norm=false: moe_router without the rmsnorm), pf1
 #        (moe.glu_prefetch=1, down_prefetch=1: the per-slot kernels one raw unit per lane at a time),
-#        rpw1 (moe.grouped_rows_per_warp=1: a scan of ids per 4 rows in the grouped GEMVs)
+#        rpw1 (moe.grouped_rows_per_warp=1: a scan of ids per 4 rows in the grouped GEMVs), q8x
+#        (moe.q8x=true: the per-slot q4_k glu with int8 x and dp4a)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
@@ -41,6 +42,7 @@ for stage in ${STAGES:-tests ckpt bench ab}; do
     bench nofold "moe.fold_norm=false"
     bench pf1 "moe.glu_prefetch=1; moe.down_prefetch=1"
     bench rpw1 "moe.grouped_rows_per_warp=1"
+    bench q8x "moe.q8x=true"
     ;;
   *) echo "unknown stage $stage (tests, ckpt, bench, ab)"; exit 2 ;;
   esac

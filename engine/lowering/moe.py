@@ -224,7 +224,8 @@ def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> 
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
     t = ctx.tune("moe")
-    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger, prefetch=t["glu_prefetch"])
+    q8x = bool(t["q8x"]) and wg.dtype == "q4_k"
+    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger, prefetch=t["glu_prefetch"], q8x=q8x)
     down = mk.expert_gemv_kernel(
         "down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger, prefetch=t["down_prefetch"]
     )
