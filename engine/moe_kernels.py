@@ -173,8 +173,8 @@ def expert_gemv_kernel(
     are issued (batch-1 decode); ``prefetch`` (glu / down, k-quants with raw units): units per lane
     loaded before the first is decoded (0: PREFETCH's default for the mode); ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows; ``q8x`` (glu over q4_k): x quantised to int8 per
-    32 values in shared memory, dp4a against the nibbles. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
+    ``rows_per_block * rows_per_warp`` rows; ``q8x`` (glu / down over q4_k): x (act) rows quantised
+    to int8 per 32 values in shared memory, dp4a against the nibbles. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
     blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -192,8 +192,10 @@ def expert_gemv_kernel(
         pf = int(prefetch) or PREFETCH[mode]
         if not 1 <= pf <= 8:
             raise ConfigError(f"moe_gemv {mode}: prefetch {pf} must be 1..8 units per lane")
-        if q8x and (mode != "glu" or quant != "q4_k"):
-            raise ConfigError(f"moe_gemv {mode} {quant}: q8x is the q4_k glu's (dp4a over its nibbles)")
+        if q8x and quant != "q4_k":
+            raise ConfigError(f"moe_gemv {mode} {quant}: q8x takes q4_k weights (dp4a over their nibbles)")
+        if q8x and mode == "down" and top_k * k > 16384:
+            raise ConfigError(f"moe_gemv down q8x: the token's {top_k} x {k} act values exceed 16 KB of shared memory")
         params.update(trigger=bool(trigger), prefetch=pf, q8x=bool(q8x))
         name.update({"tr": 1} if trigger else {})
         name.update({"q8x": 1} if q8x else {})

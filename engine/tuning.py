@@ -331,8 +331,8 @@ class Moe(Knobs):
     glu_prefetch: int = knob(2, positive)
     down_prefetch: int = knob(3, positive)
     grouped_rows_per_warp: int = knob(4, positive)
-    # q8x: the per-slot glu over q4_k experts with x as int8 and dp4a (fewer instructions per
-    # weight byte; x rounded to 8 bits per 32 values, as the dense q8x GEMV)
+    # q8x: the per-slot glu and down over q4_k experts with x / act as int8 and dp4a (fewer
+    # instructions per weight byte; x rounded to 8 bits per 32 values, as the dense q8x GEMV)
     q8x: bool = False
     fused_router: bool = True
     fold_norm: bool = True

@@ -247,8 +247,9 @@ def test_moe_tuning_switches_back_to_the_unfused_launches():
     _, _, experts = plan_with("moe.q8x=true")  # (a q8_0 file: no q4_k experts, so no q8x glu)
     assert not any(la.spec.params.get("q8x") for la in experts.launches["decode1"])
     q4 = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "moe.q8x=true"))
-    glu = next(s for s in q4.steps if s.op.op == "moe_experts").launches["decode1"][0]
+    glu, down = next(s for s in q4.steps if s.op.op == "moe_experts" and s.layer == 2).launches["decode1"]
     assert glu.spec.params["q8x"] and glu.spec.params["quant"] == "q4_k" and "_q8x1" in glu.spec.entry
+    assert down.spec.params["q8x"] is (down.spec.params["quant"] == "q4_k")
     _, _, experts = plan_with("moe.slot_rows=64")  # 16 experts, top 4: the GEMM from 16 rows
     solo = [la for la in experts.launches["decode"] if la.spec.template == "moe_gemv" and la.spec.params["mode"] in ("glu", "down")]
     assert [la.max_rows for la in solo] == [15, 15]

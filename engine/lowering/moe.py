@@ -226,8 +226,10 @@ def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> 
     t = ctx.tune("moe")
     q8x = bool(t["q8x"]) and wg.dtype == "q4_k"
     glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger, prefetch=t["glu_prefetch"], q8x=q8x)
+    q8x_down = bool(t["q8x"]) and wd.dtype == "q4_k" and top_k * inter <= 16384
     down = mk.expert_gemv_kernel(
-        "down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger, prefetch=t["down_prefetch"]
+        "down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger, prefetch=t["down_prefetch"],
+        q8x=q8x_down,
     )
     return [
         Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
