@@ -8,14 +8,15 @@ kernel then moe_topk.
 Both write the expert ids (i32) and weights (f32) into fixed-size [rows, top_k] values: no host
 synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
-(decode1) and in batched decode passes of up to moe.slot_rows rows the per-slot moe_gemv ``glu`` then
-``down`` (+ residual), which read only the chosen experts' rows; in larger decode buckets and wide
-ones the grouped modes (one block per (row tile, chosen expert) reads the expert once for all its
-tokens; grid y min(E, n * top_k)) and moe_combine (the router-weighted slot sum + residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per
-expert on average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the
-device, moe_gemm glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down and the f32 gate vector)
-runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
-moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+(decode1) and in batched decode passes of up to moe.slot_rows rows (tuning) the per-slot moe_gemv
+``glu`` then ``down`` (+ residual), which read only the chosen experts' rows; in larger decode
+buckets and wide ones the grouped modes (one block per (row tile, chosen expert) reads the expert
+once for all its tokens; grid y min(E, n * top_k)) and moe_combine (the router-weighted slot sum
++ residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per expert on
+average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the device, moe_gemm
+glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down
+and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
+GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 
