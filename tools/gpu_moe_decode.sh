@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #35's MoE decode speed on the lent GPU, for the checkout it runs in (results under $OUT/moe/):
 #   STAGES="tests ckpt bench ab" bash tools/gpu_moe_decode.sh        (split the stages over calls if
-#                                                                      one would pass the 10 minutes)
+#                                                                      one would pass the 10 minutes;
+#   VARIANTS="q8x grouped2" picks the A/Bs; BATCHES=1,2,4 the decode batch sizes)
 # tests: the MoE GPU tests (every kernel against numpy, the tiny model against the reference,
 #        batched equal to solo, graph equal to eager)
 # ckpt:  the Qwen3-30B-A3B-shaped random-block q4_k_m GGUF at $MODEL (default /dev/shm/q30.gguf),
@@ -36,13 +37,18 @@ for stage in ${STAGES:-tests ckpt bench ab}; do
     ;;
   bench) bench default ;;
   ab)
-    bench grouped2 "moe.slot_rows=0"
-    bench slot16 "moe.slot_rows=16"
-    bench unfused "moe.fused_router=false"
-    bench nofold "moe.fold_norm=false"
-    bench pf1 "moe.glu_prefetch=1; moe.down_prefetch=1"
-    bench rpw1 "moe.grouped_rows_per_warp=1"
-    bench q8x "moe.q8x=true"
+    for v in ${VARIANTS:-q8x grouped2 slot16 unfused nofold pf1 rpw1}; do
+      case $v in
+      grouped2) bench grouped2 "moe.slot_rows=0" ;;
+      slot16) bench slot16 "moe.slot_rows=16" ;;
+      unfused) bench unfused "moe.fused_router=false" ;;
+      nofold) bench nofold "moe.fold_norm=false" ;;
+      pf1) bench pf1 "moe.glu_prefetch=1; moe.down_prefetch=1" ;;
+      rpw1) bench rpw1 "moe.grouped_rows_per_warp=1" ;;
+      q8x) bench q8x "moe.q8x=true" ;;
+      *) echo "unknown variant $v" ;;
+      esac
+    done
     ;;
   *) echo "unknown stage $stage (tests, ckpt, bench, ab)"; exit 2 ;;
   esac
