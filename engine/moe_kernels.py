@@ -1,13 +1,14 @@
 """KernelSpec builders for the mixture-of-experts kernels, with each kernel's launch contract.
 
 ``topk_kernel``: kernels/moe_topk.cu.j2, top-k softmax routing on the device (router logits in,
-expert ids and weights out, fixed-size buffers, no host synchronisation). ``expert_gemv_kernel``:
+expert ids and weights out, fixed-size buffers, no host synchronisation). ``router_kernel``:
+kernels/moe_router.cu.j2, the router GEMV and that routing in one launch (decode passes). ``expert_gemv_kernel``:
 kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by those ids: mode
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
 (token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
-``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, expert) that reads the
-expert's rows once for all the tokens routed to it: batched decode and prefill chunks. Together
+``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
+the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
 Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
 (kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
@@ -41,6 +42,7 @@ GEMV_QUANTS: dict[str, int] = {
 # the templates this module builds, for the catalog-completeness check (tests/test_kernels_compile.py)
 KERNELS = {
     "moe_topk": "top-k softmax routing: router logits -> expert ids (int32) and weights (f32) per token",
+    "moe_router": "the router GEMV and its top-k softmax routing in one launch (decode): x -> logits, expert ids and weights",
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
@@ -54,6 +56,7 @@ GEMM_QUANTS = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4
 RAW_UNIT_QUANTS = ("q4_k", "q5_k")  # _quant.cuh.j2 splits their decode into load_raw / decode_raw (qprefetch)
 GEMM_DEFAULTS = {"tile_m": 64, "tile_n": 128, "tile_k": 64, "stages": 3, "warps": 8, "warps_m": 2, "qprefetch": True}
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
+PREFETCH = {"glu": 2, "down": 3}  # the per-slot modes' default raw units per lane in flight (tuning moe)
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
 MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-Next: 512)
 MAX_GRID_Y = 65535
@@ -92,6 +95,58 @@ def topk_kernel(experts: int, top_k: int, normalize: bool, warps: int = 4) -> Mo
     )
 
 
+def router_kernel(
+    experts: int,
+    k: int,
+    top_k: int,
+    normalize: bool,
+    wdtype: str,
+    x_stride: int,
+    rows_per_block: int = 2,
+    tokens: int = 8,
+    trigger: bool = False,
+    eps: float | None = None,
+    h_stride: int = 0,
+) -> MoeKernel:
+    """moe_router: the [experts, k] router GEMV (``wdtype`` f32 or bf16; x rows of ``x_stride``
+    elements) and moe_topk's routing in one launch, ``rows_per_block`` router rows and ``tokens``
+    tokens (= warps) per block; the last block of each token group routes it (a counter per group
+    in a zeroed scratch, ``router_counters``). ``trigger``: pdl_trigger() once the block's router
+    rows are loaded and the wait returned. ``eps`` (not None): the rmsnorm before the router
+    folded in (x un-normalised; two more args, the f32 norm weight and h, the normalised rows
+    written with row stride ``h_stride``). Raises ConfigError for a shape it does not take."""
+    if not 0 < experts <= MAX_EXPERTS:
+        raise ConfigError(f"moe_router: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
+    if not 0 < top_k <= min(32, experts):
+        raise ConfigError(f"moe_router: top_k {top_k} must be in 1..{min(32, experts)}")
+    if wdtype not in ("f32", "bf16") or k % 8 or k < 8 or x_stride < k or x_stride % 8:
+        raise ConfigError(f"moe_router: router {wdtype} [{experts}, {k}] (f32 or bf16, k a multiple of 8), x stride {x_stride}")
+    if rows_per_block not in (1, 2, 4) or tokens not in (1, 2, 4, 8, 16):
+        raise ConfigError(f"moe_router: rows_per_block {rows_per_block} (1, 2, 4), tokens {tokens} (1 .. 16)")
+    norm = eps is not None
+    if norm and (h_stride < k or h_stride % 8 or not float(eps) > 0):
+        raise ConfigError(f"moe_router: the folded rmsnorm needs eps > 0 ({eps}) and an h stride >= k, a multiple of 8 ({h_stride})")
+    params = {"experts": experts, "k": k, "top_k": top_k, "normalize": bool(normalize), "wdtype": wdtype,
+              "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger),
+              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {})}
+    name = {"e": experts, "k": k, "top": top_k, "n": int(normalize), "xs": x_stride, "r": rows_per_block, "t": tokens,
+            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {})}
+    spec = KernelSpec("moe_router", entry_name(f"moe_router_{wdtype}", **name), params, pdl=True)
+    extra = (("nw", "ptr"), ("h", "ptr")) if norm else ()
+    return MoeKernel(
+        spec,
+        (("ids", "ptr"), ("weights", "ptr"), ("logits", "ptr"), ("x", "ptr"), ("w", "ptr"), ("count", "ptr"), ("rows", "i32"))
+        + extra,
+        lambda rows, **_: (-(-experts // rows_per_block), -(-rows // tokens), 1),
+        (32 * tokens, 1, 1),
+    )
+
+
+def router_counters(rows: int, tokens: int) -> int:
+    """Bytes of moe_router's zeroed counters for passes of up to ``rows`` tokens."""
+    return 4 * -(-rows // tokens)
+
+
 def expert_gemv_kernel(
     mode: str,
     quant: str,
@@ -103,6 +158,10 @@ def expert_gemv_kernel(
     experts: int = 0,
     max_slots: int = 256,
     slot_batch: int = 8,
+    trigger: bool = False,
+    prefetch: int = 0,
+    rows_per_warp: int = 1,
+    q8x: bool = False,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -110,7 +169,12 @@ def expert_gemv_kernel(
     (as glu) and "down_grouped" (-> f32 partial [rows, top_k, n], summed by ``combine_kernel``),
     for at most ``max_slots`` rows (tokens) per launch (an expert's (token, slot) pairs: each
     token picks an expert at most once), ``slot_batch`` slots per pass over a
-    weight row. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
+    weight row. ``trigger`` (glu / down): the kernel calls pdl_trigger() once its first weight loads
+    are issued (batch-1 decode); ``prefetch`` (glu / down, k-quants with raw units): units per lane
+    loaded before the first is decoded (0: PREFETCH's default for the mode); ``rows_per_warp``
+    (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
+    ``rows_per_block * rows_per_warp`` rows; ``q8x`` (glu / down over q4_k): x (act) rows quantised
+    to int8 per 32 values in shared memory, dp4a against the nibbles. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
     blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -121,17 +185,34 @@ def expert_gemv_kernel(
     if not 0 < top_k <= 32 or n < 1 or rows_per_block not in (1, 2, 4, 8, 16):
         raise ConfigError(f"moe_gemv: bad shape n={n} top_k={top_k} rows_per_block={rows_per_block}")
     res = bool(residual) and mode == "down"
+    grouped = mode.endswith("_grouped")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "rows_per_block": rows_per_block, "residual": res}
     name = {"n": n, "k": k, "top": top_k, "r": rows_per_block, **({"res": 1} if res else {})}
-    grouped = mode.endswith("_grouped")
+    if not grouped:
+        pf = int(prefetch) or PREFETCH[mode]
+        if not 1 <= pf <= 8:
+            raise ConfigError(f"moe_gemv {mode}: prefetch {pf} must be 1..8 units per lane")
+        if q8x and quant != "q4_k":
+            raise ConfigError(f"moe_gemv {mode} {quant}: q8x takes q4_k weights (dp4a over their nibbles)")
+        if q8x and mode == "down" and top_k * k > 16384:
+            raise ConfigError(f"moe_gemv down q8x: the token's {top_k} x {k} act values exceed 16 KB of shared memory")
+        params.update(trigger=bool(trigger), prefetch=pf, q8x=bool(q8x))
+        name.update({"tr": 1} if trigger else {})
+        name.update({"q8x": 1} if q8x else {})
+        name.update({"pf": pf} if pf != PREFETCH[mode] else {})
     if grouped:
-        if not 0 < experts <= MAX_GRID_Y or not top_k <= max_slots <= MAX_SLOTS or slot_batch not in (1, 2, 4, 8, 16):
+        if (
+            not 0 < experts <= MAX_GRID_Y
+            or not top_k <= max_slots <= MAX_SLOTS
+            or slot_batch not in (1, 2, 4, 8, 16)
+            or not 1 <= rows_per_warp <= 16
+        ):
             raise ConfigError(
                 f"moe_gemv {mode}: experts {experts} (1..{MAX_GRID_Y}), max_slots {max_slots} "
-                f"(top_k..{MAX_SLOTS}), slot_batch {slot_batch} (1, 2, 4, 8 or 16)"
+                f"(top_k..{MAX_SLOTS}), slot_batch {slot_batch} (1, 2, 4, 8 or 16), rows_per_warp {rows_per_warp} (1..16)"
             )
-        params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch)
-        name.update(e=experts, ms=max_slots, sb=slot_batch)
+        params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch, rows_per_warp=rows_per_warp)
+        name.update(e=experts, ms=max_slots, sb=slot_batch, **({"rw": rows_per_warp} if rows_per_warp != 1 else {}))
     spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
 
@@ -139,7 +220,7 @@ def expert_gemv_kernel(
         if grouped:
             if rows > max_slots:
                 raise ConfigError(f"moe_gemv {mode}: {rows} rows exceed max_slots {max_slots}")
-            return (-(-n // rows_per_block), experts, 1)
+            return (-(-n // (rows_per_block * rows_per_warp)), min(experts, rows * top_k), 1)
         if rows * slots > MAX_GRID_Y:
             raise ConfigError(f"moe_gemv: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
         return (-(-n // rows_per_block), rows * slots, 1)
@@ -205,6 +286,12 @@ def sort_kernel(experts: int, top_k: int, tile_m: int, threads: int = 1024) -> M
     )
 
 
+def grouped_grid_y(top_k: int, experts: int) -> str:
+    """The grouped GEMVs' grid y as a launch grid expression over the step's rows ``n``: one block
+    row per expert the step can choose, min(experts, n * top_k)."""
+    return f"n * {top_k} if n * {top_k} < {experts} else {experts}"
+
+
 def gemm_max_tiles(rows: int, top_k: int, experts: int, tile_m: int) -> int:
     """The most row tiles moe_sort can emit for ``rows`` tokens: each expert's last tile may be
     partial, so sum(ceil(c_e / tile_m)) <= rows * top_k / tile_m + experts."""
@@ -263,6 +350,9 @@ def moe_specs(
     are skipped), the grouped ones for up to ``max_slots`` (tokens x top_k) per launch."""
     e, top, inter, hidden = (int(dims[x]) for x in ("experts", "experts_used", "moe_intermediate", "hidden"))
     specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
+    norm = {"eps": float(dims.get("rms_eps", 1e-6)), "h_stride": hidden}  # (decode: the rmsnorm folded in)
+    specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden, **o).spec
+              for w in ("f32", "bf16") for o in ({}, norm)]
     for q in quants:
         if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
             continue

@@ -21,6 +21,8 @@ from engine.moe_kernels import (
     expert_gemv_kernel,
     gemm_max_tiles,
     moe_specs,
+    router_counters,
+    router_kernel,
     shared_kernel,
     sort_kernel,
     topk_kernel,
@@ -71,21 +73,48 @@ def test_builders_check_their_inputs():
         expert_gemv_kernel("glu", "q4_k", 768, 1000, 8)
     with pytest.raises(ConfigError, match="not supported"):
         expert_gemv_kernel("glu", "q2_k", 768, 2048, 8)
+    with pytest.raises(ConfigError, match="q8x takes q4_k"):
+        expert_gemv_kernel("down", "q6_k", 2048, 768, 8, q8x=True)
+    with pytest.raises(ConfigError, match="exceed 16 KB"):
+        expert_gemv_kernel("down", "q4_k", 2048, 4096, 8, q8x=True)
+    assert "__dp4a" in render(expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, q8x=True).spec)
     k = expert_gemv_kernel("glu", "q8_0", 768, 2048, 8)
     assert k.grid(3) == (192, 24, 1) and k.block == (128, 1, 1)
     with pytest.raises(ConfigError, match="exceed"):
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 4 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert len(specs) == 1 + 4 + 4 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert [(s.params["wdtype"], s.params["norm"]) for s in specs[1:5]] == [("f32", False), ("f32", True), ("bf16", False), ("bf16", True)]
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
     assert g.grid(32) == (512, 128, 1) and [a for a, _ in g.args] == ["partial", "w", "act", "ids", "rows"]
+    assert g.grid(2) == (512, 16, 1) and g.grid(3) == (512, 24, 1)  # a block row per expert the step can choose
     assert g.grid(256) == (512, 128, 1)  # an expert's (token, slot) pairs: at most one per token
     with pytest.raises(ConfigError, match="exceed max_slots 256"):
         g.grid(257)
     with pytest.raises(ConfigError, match="max_slots 100000"):
         expert_gemv_kernel("glu_grouped", "q4_k", 768, 2048, 8, experts=128, max_slots=100000)
     assert combine_kernel(2048, 8).grid(5) == (8, 5, 1)
+    r = router_kernel(128, 2048, 8, True, "f32", 4608)
+    assert r.grid(1) == (64, 1, 1) and r.grid(9) == (64, 2, 1) and r.block == (256, 1, 1)
+    assert [a for a, _ in r.args] == ["ids", "weights", "logits", "x", "w", "count", "rows"]
+    assert router_counters(128, 8) == 64 and router_counters(9, 8) == 8
+    for bad, match in (
+        (dict(experts=300), "1..256"),
+        (dict(top_k=9, experts=8), "top_k 9"),
+        (dict(wdtype="q8_0"), "f32 or bf16"),
+        (dict(x_stride=1000), "x stride 1000"),
+        (dict(tokens=3), "tokens 3"),
+    ):
+        args = {"experts": 128, "k": 2048, "top_k": 8, "normalize": True, "wdtype": "f32", "x_stride": 2048, **bad}
+        with pytest.raises(ConfigError, match=match):
+            router_kernel(**args)
+    src = render(r.spec)
+    assert "route_token(" in src and waits_first(src, r.spec.entry) and "#define X_STRIDE 4608" in src
+    rn = router_kernel(128, 2048, 8, True, "f32", 4608, eps=1e-6, h_stride=2048)
+    assert [a for a, _ in rn.args][-2:] == ["nw", "h"] and "#define NORM 1" in render(rn.spec)
+    with pytest.raises(ConfigError, match="h stride"):
+        router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=100)
 
 
 def test_grouped_gemm_builders():
@@ -129,6 +158,11 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemv_kernel("glu_grouped", "q6_k", 768, 2048, 8, experts=128).spec,
         expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128).spec,
         combine_kernel(2048, 8).spec,
+        router_kernel(128, 2048, 8, True, "bf16", 4608, trigger=True).spec,
+        router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=2048).spec,
+        expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, trigger=True).spec,
+        expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, q8x=True).spec,
+        expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True, q8x=True).spec,
         shared_kernel(2048).spec,
         sort_kernel(128, 8, 64).spec,
         expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,

@@ -4,6 +4,8 @@ bytes the runner checks against free memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.graph import load_family
@@ -52,20 +54,44 @@ def test_moe_launches_per_mode():
     _, d, plan = _plan("q8_0")
     router = next(s for s in plan.steps if s.op.op == "moe_router")
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
-    for mode in ("decode1", "decode", "prefill"):
-        gemv, topk = router.launches[mode]
-        assert gemv.spec.template == "gemv" and gemv.spec.params["out_dtype"] == "f32"
-        assert topk.spec.template == "moe_topk"
-        assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
-        assert topk.args[:3] == (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
+    gemv, topk = router.launches["prefill"]
+    assert gemv.spec.template == "gemv" and gemv.spec.params["out_dtype"] == "f32"
+    assert topk.spec.template == "moe_topk"
+    assert topk.spec.params == {"experts": 16, "top_k": 4, "normalize": True, "warps": 4}
+    outs = (Arg("value", "expert_ids"), Arg("value", "expert_weights"), Arg("value", "expert_ids.logits"))
+    assert topk.args[:3] == outs
+    norm = plan.steps[plan.steps.index(router) - 1]
+    assert norm.op.op == "rmsnorm" and norm.layer == router.layer and norm.launches["prefill"]
+    for mode in ("decode1", "decode"):  # the rmsnorm, the router GEMV and the routing in one launch
+        (fused,) = router.launches[mode]
+        assert norm.launches[mode] == ()
+        assert fused.spec.template == "moe_router" and fused.args[:3] == outs
+        assert fused.args[3:] == (Arg("value", "x"), Arg("weight", "L0.router"), Arg("scratch", "moe_route_count"),
+                                  Arg("shape", "n", "i32"), Arg("weight", "L0.ffn_norm"), Arg("value", "h"))
+        p = fused.spec.params
+        assert (p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"]) == (16, 256, 4, True, "f32", 256)
+        assert (p["norm"], p["eps"], p["h_stride"]) == (True, repr(d["rms_eps"]), 256)
+        assert p["trigger"] is (mode == "decode1") and fused.grid == (8, "(n + 7) // 8") and fused.block == (256,)
+    count = next(s for s in plan.scratch if s.name == "moe_route_count")
+    assert count.fill == "zero" and count.fixed == 4 * plan.max_tokens // 8
     assert [la.spec.params["mode"] for la in experts.launches["decode1"]] == ["glu", "down"]
     glu, down = experts.launches["decode1"]
     assert glu.grid == (256 // 4, "n * 4") and down.grid == (256 // 4, "n")
     assert down.args[0] == Arg("value", "x") and down.args[5] == Arg("value", "x")  # residual in place
     names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["decode"]]
-    assert names == ["moe_gemv:glu_grouped", "moe_gemv:down_grouped", "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
-    assert experts.launches["decode"][0].grid == (64, 16)
-    assert experts.launches["decode"][0].spec.params["max_slots"] >= plan.max_tokens
+    assert names == ["moe_gemv:glu", "moe_gemv:down", "moe_gemv:glu_grouped", "moe_gemv:down_grouped",
+                     "moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
+    # the smallest batched buckets per slot (as batch 1), then the grouped GEMVs over the chosen experts
+    # (batch 1 alone lets the next kernel launch early: decode_graph.early_trigger)
+    assert glu.spec.params["trigger"] and down.spec.params["trigger"]
+    untrigger = lambda la: dataclasses.replace(  # noqa: E731
+        la, spec=dataclasses.replace(la.spec, params={**la.spec.params, "trigger": False}, entry=la.spec.entry.replace("_tr1", "")))
+    assert experts.launches["decode"][:2] == tuple(dataclasses.replace(untrigger(la), max_rows=4) for la in (glu, down))
+    grouped = experts.launches["decode"][2]
+    assert grouped.grid == (256 // 16, "n * 4 if n * 4 < 16 else 16") and grouped.min_rows == 5  # 4 warps x 4 rows
+    assert grouped.spec.params["rows_per_warp"] == 4
+    assert [grouped.grid_for({"n": n})[1] for n in (2, 3, 8)] == [8, 12, 16]
+    assert grouped.spec.params["max_slots"] >= plan.max_tokens
     # prefill: sorted by expert on the device, then the tensor-core grouped GEMM
     names = [la.spec.template + ":" + la.spec.params.get("mode", "") for la in experts.launches["prefill"]]
     assert names == ["moe_sort:", "moe_gemm:glu", "moe_gemm:down", "moe_combine:"]
@@ -108,7 +134,7 @@ def test_every_moe_spec_renders():
 
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    assert {s.template for s in specs} == {"moe_topk", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
+    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -170,16 +196,61 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
     for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
-        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in experts.launches[mode]]
-        assert got == [
-            ("moe_gemv", "glu_grouped", 0, cut - 1),
-            ("moe_gemv", "down_grouped", 0, cut - 1),
+        launches = experts.launches[mode]
+        solo = [] if mode == WIDE else [("moe_gemv", "glu", 0, 4), ("moe_gemv", "down", 0, 4)]
+        first = 0 if mode == WIDE else 5  # batched decode: per slot up to 4 rows, grouped from 5
+        got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in launches]
+        assert got == solo + [
+            ("moe_gemv", "glu_grouped", first, cut - 1),
+            ("moe_gemv", "down_grouped", first, cut - 1),
             ("moe_sort", None, cut, 0),
             ("moe_gemm", "glu", cut, 0),
             ("moe_gemm", "down", cut, 0),
-            ("moe_combine", None, 0, 0),
+            ("moe_combine", None, first, 0),
         ]
-        sort, glu = experts.launches[mode][2:4]
+        launches = launches[len(solo):]
+        sort, glu = launches[2:4]
         assert sort.spec.params["tile_m"] == glu.spec.params["tile_m"] == 16 and glu.grid[1] == "n * 4 // 16 + 16"
-        assert [la.runs_at(cut - 1) for la in experts.launches[mode]] == [True, True, False, False, False, True]
-        assert [la.runs_at(cut) for la in experts.launches[mode]] == [False, False, True, True, True, True]
+        assert [la.runs_at(cut - 1) for la in launches] == [True, True, False, False, False, True]
+        assert [la.runs_at(cut) for la in launches] == [False, False, True, True, True, True]
+        if not solo:
+            continue
+        # every decode pass runs one way through: per slot (sums its own slots) or grouped + combine
+        for rows in (1, 2, 4, 5, 8, cut - 1, cut, 2 * cut):
+            ran = [(la.spec.template, la.spec.params.get("mode")) for la in experts.launches[mode] if la.runs_at(rows)]
+            if rows <= 4:
+                assert ran == [("moe_gemv", "glu"), ("moe_gemv", "down")], rows
+            else:
+                assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)
+
+
+def test_moe_tuning_switches_back_to_the_unfused_launches():
+    """MEMRA_TUNE-style A/B of the decode choices: moe.slot_rows=0 (grouped GEMVs from 2 rows),
+    moe.fused_router=false (router GEMV + moe_topk, the rmsnorm launched), fold_norm=false alone
+    (moe_router without the norm); slot_rows never reaches the GEMM's rows."""
+    from engine.profile import with_tuning
+
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
+
+    def plan_with(tune: str):
+        p = build_plan(g, d, g.quant("q8_0"), with_tuning(get_profile("h100"), tune))
+        router = next(s for s in p.steps if s.op.op == "moe_router")
+        return p.steps[p.steps.index(router) - 1], router, next(s for s in p.steps if s.op.op == "moe_experts")
+
+    norm, router, experts = plan_with("moe.slot_rows=0; moe.fused_router=false")
+    assert [la.spec.template for la in router.launches["decode1"]] == ["gemv", "moe_topk"]
+    assert [la.spec.template for la in norm.launches["decode"]] == ["rmsnorm"]
+    assert experts.launches["decode"][0].spec.params["mode"] == "glu_grouped" and experts.launches["decode"][0].min_rows == 0
+    norm, router, _ = plan_with("moe.fold_norm=false")
+    assert router.launches["decode1"][0].spec.params["norm"] is False and len(norm.launches["decode1"]) == 1
+    _, _, experts = plan_with("moe.q8x=true")  # (a q8_0 file: no q4_k experts, so no q8x glu)
+    assert not any(la.spec.params.get("q8x") for la in experts.launches["decode1"])
+    q4 = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "moe.q8x=true"))
+    glu, down = next(s for s in q4.steps if s.op.op == "moe_experts" and s.layer == 2).launches["decode1"]
+    assert glu.spec.params["q8x"] and glu.spec.params["quant"] == "q4_k" and "_q8x1" in glu.spec.entry
+    assert down.spec.params["q8x"] is (down.spec.params["quant"] == "q4_k")
+    _, _, experts = plan_with("moe.slot_rows=64")  # 16 experts, top 4: the GEMM from 16 rows
+    solo = [la for la in experts.launches["decode"] if la.spec.template == "moe_gemv" and la.spec.params["mode"] in ("glu", "down")]
+    assert [la.max_rows for la in solo] == [15, 15]
+    assert not any(la.runs_at(16) for la in solo)

@@ -48,7 +48,7 @@ def test_moe_prefill_and_decode_bind_every_launch(moe_model, monkeypatch, tmp_pa
     runner = _runner(monkeypatch, tmp_path, moe_model, drv)
     runner.step([StepItem(0, list(range(1, 12)), 0, [0], True, GREEDY)])
     names = [n for n, _, _ in drv.launches]
-    assert sum(n.startswith("moe_topk") for n in names) == 2  # layers 0 and 2; layer 1 is dense
+    assert sum(n.startswith("moe_topk") for n in names) == 2  # layers 0 and 2; layer 1 is dense (prefill: GEMV + top-k)
     assert sum(n.startswith("moe_combine") for n in names) == 2
     shared = 2 if moe_model.graph.family == "moe_shared" else 0
     assert sum(n.startswith("moe_shared") for n in names) == shared
@@ -59,11 +59,16 @@ def test_moe_prefill_and_decode_bind_every_launch(moe_model, monkeypatch, tmp_pa
     assert drv.captures == 1 and drv.graph_launches == 2
     b1 = [n for n, _, _ in drv.launches]
     assert any(n.startswith("moe_gemv_glu_") and "grouped" not in n for n in b1)
+    assert sum(n.startswith("moe_router") for n in b1) == 4 and not any(n.startswith("moe_topk") for n in b1)
     drv.launches.clear()
-    runner.step([StepItem(i, [5], 11 + i, [i], True, GREEDY) for i in range(3)])
-    assert any("glu_grouped" in n for n, _, _ in drv.launches)
+    runner.step([StepItem(i, [5], 11 + i, [i], True, GREEDY) for i in range(3)])  # bucket 4: per slot
+    assert not any("grouped" in n or n.startswith("moe_combine") for n, _, _ in drv.launches)
+    grids = [g for n, g, _ in drv.launches if n.startswith("moe_gemv_glu_")]
+    assert grids and all(g[1] == 4 * 2 for g in grids)  # a block row per (token, slot)
+    drv.launches.clear()
+    runner.step([StepItem(i, [5], 10 + i % 4, [i], True, GREEDY) for i in range(6)])  # bucket 8: grouped
     grids = [g for n, g, _ in drv.launches if "glu_grouped" in n]
-    assert grids and all(g[1] == 8 for g in grids)  # a block row per expert
+    assert grids and all(g[1] == 8 for g in grids)  # a block row per expert: min(E, 8 rows x top 2)
     runner.close()
 
 

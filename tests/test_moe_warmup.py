@@ -29,7 +29,7 @@ def test_warmup_lists_the_moe_kernels_of_every_combo(capsys, cache):
     for q in ("bf16", "q8_0", "q4_k", "q5_k", "q6_k"):  # every expert storage type the combos list
         assert {f"moe_gemv_glu_{q}", f"moe_gemv_down_{q}", f"moe_gemv_glu_grouped_{q}", f"moe_gemv_down_grouped_{q}"} <= moe, q
         assert {f"moe_gemm_glu_{q}", f"moe_gemm_down_{q}"} <= moe, q
-    assert {"moe_topk", "moe_combine", "moe_sort"} <= moe
+    assert {"moe_topk", "moe_router_f32", "moe_combine", "moe_sort"} <= moe
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or the CUDA headers are not available")
@@ -38,9 +38,10 @@ def test_moe_plan_kernels_compile_for_h100(cache):
 
     _, _, plan = _plan("q8_0", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    # topk, glu, down, glu_grouped, down_grouped, combine; sort, gemm glu, gemm down for prefill
-    # (row tiles of 64) and for the larger decode buckets (of 16)
-    assert len(specs) == 12
+    # topk (prefill), router (decode1 with its early trigger, decode), glu and down (decode1 with
+    # the trigger, small decode buckets), glu_grouped, down_grouped, combine; sort, gemm glu, gemm
+    # down for prefill (row tiles of 64) and for the larger decode buckets (of 16)
+    assert len(specs) == 16
     stats = KernelBuilder("sm_90a").build_all(specs, jobs=1)
     assert stats.compiled == len(specs) and all(k.cubin for k in stats.kernels)
 

@@ -1,8 +1,12 @@
 """Time the MoE expert kernels of one sparse layer at a real shape on a GPU: the grouped
 tensor-core GEMM path (moe_sort, moe_gemm glu and down, moe_combine) against the grouped GEMV path
-(moe_gemv glu_grouped, down_grouped, moe_combine), for several token counts and row tiles.
+(moe_gemv glu_grouped, down_grouped, moe_combine; rows per warp 1 and 4) and, for small token
+counts, the per-slot GEMVs (moe_gemv glu, down; for q4_k also with q8x), for several token counts
+and row tiles.
 
     python tools/bench_moe_gemm.py [--quant q4_k] [--tokens 32,64,128,512,2048] [--tile-m 16,64]
+        [--rows-per-warp 1,4] [--slot-max 32]
+    python tools/bench_moe_gemm.py --tokens 1,2,4,8,16,32 --tile-m 16      (the decode buckets)
 
 Shapes default to Qwen3-30B-A3B (128 experts, top 8, hidden 2048, expert width 768); weights are
 random blocks of the storage type (the GPU tests' stacked_weight), routing uniform at random. Each
@@ -59,6 +63,8 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--rows-per-warp", default="1,4", help="the grouped GEMVs' rows per warp to time")
+    ap.add_argument("--slot-max", type=int, default=32, help="time the per-slot GEMVs up to this many tokens")
     args = ap.parse_args()
     from test_moe_kernels import Kit
 
@@ -97,14 +103,23 @@ def main() -> int:
                 (down, [partial, wd, act, perm, tt, t]),
                 (combine_kernel(hid, top), [out, partial, wts, out, t]),
             ]
-        if t <= 8192:
-            gg = expert_gemv_kernel("glu_grouped", qt, inter, hid, top, experts=e, max_slots=max(t, top))
-            gd = expert_gemv_kernel("down_grouped", qt, hid, inter, top, experts=e, max_slots=max(t, top))
-            paths["gemv grouped"] = [
+        for rpw in (int(r) for r in args.rows_per_warp.split(",")) if t <= 8192 else ():
+            grouped = dict(experts=e, max_slots=max(t, top), rows_per_warp=rpw)
+            gg = expert_gemv_kernel("glu_grouped", qt, inter, hid, top, **grouped)
+            gd = expert_gemv_kernel("down_grouped", qt, hid, inter, top, **grouped)
+            paths[f"grouped rw{rpw}"] = [
                 (gg, [act, wg, wu, x, ids_t, t]),
                 (gd, [partial, wd, act, ids_t, t]),
                 (combine_kernel(hid, top), [out, partial, wts, out, t]),
             ]
+        if t <= args.slot_max:  # per (token, slot), as batch 1 and the smallest decode buckets
+            sg = expert_gemv_kernel("glu", qt, inter, hid, top)
+            sd = expert_gemv_kernel("down", qt, hid, inter, top, residual=True)
+            paths["gemv per slot"] = [(sg, [act, wg, wu, x, ids_t, t]), (sd, [out, wd, act, ids_t, wts, out, t])]
+            if qt == "q4_k":  # tuning moe.q8x: int8 x / act and dp4a
+                qg = expert_gemv_kernel("glu", qt, inter, hid, top, q8x=True)
+                qd = expert_gemv_kernel("down", qt, hid, inter, top, residual=True, q8x=True)
+                paths["per slot q8x"] = [(qg, [act, wg, wu, x, ids_t, t]), (qd, [out, wd, act, ids_t, wts, out, t])]
         for name, launches in paths.items():
             for k, a in launches:  # build + warm
                 kit.launch(k, a, t)

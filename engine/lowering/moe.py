@@ -1,34 +1,45 @@
 """Lowering units ``moe_router`` and ``moe_experts``: a Qwen3-MoE sparse MLP on the device.
 
-moe_router: the router GEMV (the dense gemv kernel, f32 logits [rows, E] into a value of their own,
-from a bf16 or f32 router matrix) then moe_topk, which writes the expert ids (i32) and weights (f32)
-into fixed-size [rows, top_k] values: no host synchronisation, so decode stays in the CUDA graph.
+moe_router: in decode passes one moe_router launch (the router GEMV from a bf16 or f32 router
+matrix, f32 logits [rows, E] into a value of their own, and the top-k routing by the last block of
+each token group; the post-pass fold_router_norm folds the rmsnorm before it in, so x is then the
+residual stream and the router stores h); in prefill (and for other router types) the dense gemv
+kernel then moe_topk.
+Both write the expert ids (i32) and weights (f32) into fixed-size [rows, top_k] values: no host
+synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
-(decode1) the per-slot moe_gemv ``glu`` then ``down`` (+ residual), which read only the chosen
-experts' rows; in batched decode and wide decode buckets the grouped modes (one block per
-(row tile, expert) reads the expert once for all its tokens) and moe_combine (the router-weighted
-slot sum + residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per
-expert on average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the
-device, moe_gemm glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down and the f32 gate vector)
-runs after them through the dense linear paths (GEMVs in decode, the GEMM in prefill), silu_mul and
-moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+(decode1) and in batched decode passes of up to moe.slot_rows rows (tuning) the per-slot moe_gemv
+``glu`` then ``down`` (+ residual), which read only the chosen experts' rows; in larger decode
+buckets and wide ones the grouped modes (one block per (row tile, chosen expert) reads the expert
+once for all its tokens; grid y min(E, n * top_k)) and moe_combine (the router-weighted slot sum
++ residual); in prefill, and in decode buckets from GEMM_TOKENS_PER_EXPERT tokens per expert on
+average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the device, moe_gemm
+glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down
+and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
+GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from engine import moe_kernels as mk
 from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
-from engine.lowering.registry import register
+from engine.lowering.registry import post_pass, register
 from engine.types import ConfigError
 
 RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
+ROUTER_ROWS, ROUTER_TOKENS = 2, 8  # moe_router (decode): router rows and tokens per block
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
+# (tuning moe.slot_rows, default 4: batched decode passes of up to that many rows take the
+# per-slot kernels as batch 1 does: with few tokens two rarely share an expert (4 tokens x 8 of
+# 128: ~8 % of the rows read twice), and the per-slot down sums a token's slots itself (no f32
+# partials, no moe_combine launch))
 GEMM_TOKENS_PER_EXPERT = 4  # decode buckets with at least this many per expert on average take the GEMM
 DECODE_TILE_M = 16  # the GEMM's row tile in decode buckets (a few tokens per expert)
 
@@ -62,11 +73,50 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
         raise ConfigError(f"plan: moe_router reads {ins[0].name} of width {ins[0].width}, the router has {w.cols} columns")
     top_k = int(_dim(ctx, op, "top_k"))
     normalize = bool(_dim(ctx, op, "normalize", False))
+    fuse = ctx.tune("moe")["fused_router"]
+    if mode != "prefill" and fuse and w.dtype in ("f32", "bf16"):  # decode: GEMV and routing in one launch
+        trigger = mode == "decode1" and ctx.graph_knob("early_trigger")
+        r = mk.router_kernel(w.rows, w.cols, top_k, normalize, w.dtype, ins[0].ld, ROUTER_ROWS, ROUTER_TOKENS, trigger)
+        ctx.need_scratch(ScratchPlan("moe_route_count", fixed=mk.router_counters(ctx.max_tokens, ROUTER_TOKENS), fill="zero"))
+        grid = (cdiv(w.rows, ROUTER_ROWS), f"(n + {ROUTER_TOKENS - 1}) // {ROUTER_TOKENS}")
+        args = (val(ids), val(weights), val(logits), val(ins[0]), wgt(w), Arg("scratch", "moe_route_count"), ROWS)
+        return [Launch(r.spec, grid, r.block[:1], args)]
     gemv = gemv_launch(ctx, op, layer, mode, ins, logits, w)
     k = mk.topk_kernel(w.rows, top_k, normalize, TOPK_WARPS)
     grid = (f"(n + {TOPK_WARPS - 1}) // {TOPK_WARPS}",)
     topk = Launch(k.spec, grid, k.block[:1], (val(ids), val(weights), val(logits), ROWS))
     return [gemv, topk]
+
+
+@post_pass(10)
+def fold_router_norm(ctx, steps, weights, values) -> None:
+    """Decode passes (batch 1 and batched): an rmsnorm step right before a moe_router step of its
+    layer that reads the norm's output as x, both one launch (rmsnorm without a residual, the
+    fused moe_router): the rmsnorm launch goes and moe_router normalises x itself and stores h
+    for the expert kernels (its ``eps`` form). Prefill and wide buckets keep both launches."""
+    if not ctx.tune("moe")["fold_norm"]:
+        return
+    for prev, st in zip(steps, steps[1:], strict=False):
+        if st.op.op != "moe_router" or prev.op.op != "rmsnorm" or prev.layer != st.layer:
+            continue
+        if list(prev.op.outputs) != [st.op.inputs[0]]:
+            continue
+        for mode in ("decode1", "decode"):
+            norm, route = prev.launches.get(mode, ()), st.launches.get(mode, ())
+            if len(norm) != 1 or len(route) != 1 or route[0].spec.template != "moe_router":
+                continue
+            n, r = norm[0], route[0]
+            if n.spec.template != "rmsnorm" or n.spec.params["residual"]:
+                continue
+            h_arg, x_arg, _, nw_arg, _ = n.args
+            x, h, p = values[x_arg.ref], values[h_arg.ref], r.spec.params
+            if x.ld % 8 or x.offset % 8 or h.offset % 8 or r.args[3] != h_arg:
+                continue
+            k = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], x.ld,
+                                 p["rows_per_block"], p["tokens"], p["trigger"], eps=float(ctx.dims["rms_eps"]), h_stride=h.ld)
+            args = r.args[:3] + (x_arg,) + r.args[4:] + (nw_arg, h_arg)
+            prev.launches[mode] = ()
+            st.launches[mode] = (dataclasses.replace(r, spec=k.spec, args=args),)
 
 
 def bind_experts(op, ws, ins, dims, value_for):
@@ -129,38 +179,63 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     res = Arg("value", res_name) if res_name else NULL
     ctx.need_scratch(ScratchPlan("moe_act", fixed=ctx.max_tokens * top_k * inter * 2))
     act = Arg("scratch", "moe_act")
+    trigger = mode == "decode1" and ctx.graph_knob("early_trigger")  # (as the batch-1 GEMVs)
+    solo = per_slot(ctx, h, ids, weights, out, res, act, (wg, wu, wd), trigger)
     if mode == "decode1":  # per (token, slot): only the chosen experts' rows are read
-        glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB)
-        down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=bool(res_name))
-        return [
-            Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-            Launch(
-                down.spec,
-                (cdiv(hidden, RPB), "n"),
-                down.block[:1],
-                (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS),
-            ),
-        ]
+        return solo
     gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
     if mode == "prefill" and gemm:
         return gemm
+    slot_rows = int(ctx.tune("moe")["slot_rows"])
+    if gemm:  # (never beside the GEMM)
+        slot_rows = min(slot_rows, gemm[0].min_rows - 1)
+    if mode == "decode" and slot_rows:  # the smallest batched buckets: per slot too
+        solo = [dataclasses.replace(la, max_rows=slot_rows) for la in solo]
+        grouped_rows = {"min_rows": slot_rows + 1}
+    else:
+        solo, grouped_rows = [], {}
     # grouped by expert: an expert's (token, slot) pairs number at most the step's rows
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
         raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
-    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
-    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, experts=experts, max_slots=slots, slot_batch=SLOT_BATCH)
+    rpw = int(ctx.tune("moe")["grouped_rows_per_warp"])
+    grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
+    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped)
+    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped)
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
-    # batched / wide decode buckets: the grouped GEMVs below the GEMM's min_rows, the GEMM from there
-    cap = {"max_rows": gemm[0].min_rows - 1} if gemm else {}
+    # batched / wide decode buckets: the grouped GEMVs below the GEMM's min_rows (one block row per
+    # expert the step can choose), the GEMM from there
+    cap = {**grouped_rows, **({"max_rows": gemm[0].min_rows - 1} if gemm else {})}
+    gy = mk.grouped_grid_y(top_k, experts)
     gemv = [
-        Launch(glu.spec, (cdiv(inter, RPB), experts), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
-        Launch(down.spec, (cdiv(hidden, RPB), experts), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+        Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
+        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
     ]
-    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS))
-    return gemv + gemm[:-1] + [combine]
+    combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS), **grouped_rows)
+    return solo + gemv + gemm[:-1] + [combine]
+
+
+def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
+    """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
+    token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
+    read, no partials, no combine. ``trigger``: both call pdl_trigger() once their first weight
+    loads are out (tuning decode_graph.early_trigger, batch 1)."""
+    wg, wu, wd = ws
+    top_k, hidden, inter = ids.width, h.width, wd.cols
+    t = ctx.tune("moe")
+    q8x = bool(t["q8x"]) and wg.dtype == "q4_k"
+    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger, prefetch=t["glu_prefetch"], q8x=q8x)
+    q8x_down = bool(t["q8x"]) and wd.dtype == "q4_k" and top_k * inter <= 16384
+    down = mk.expert_gemv_kernel(
+        "down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger, prefetch=t["down_prefetch"],
+        q8x=q8x_down,
+    )
+    return [
+        Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+        Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
+    ]
 
 
 def grouped_gemm(ctx, mode, h, ids, weights, out, res, act, ws, experts) -> list[Launch]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine import cuda, quant, storage
-from engine.moe_kernels import combine_kernel, expert_gemv_kernel, shared_kernel, topk_kernel
+from engine.moe_kernels import combine_kernel, expert_gemv_kernel, router_kernel, shared_kernel, topk_kernel
 from engine.ops_ref_moe import moe_experts, moe_route
 
 _NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8}
@@ -75,14 +75,14 @@ class Kit:
             return (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
         return out if a.dtype == "i32" else out.astype(np.float64)
 
-    def launch(self, k, args, rows: int) -> None:
+    def launch(self, k, args, rows: int, grid=None) -> None:
         if k.spec not in self.fns:
             built = self.builder.build_all([k.spec], progress=None).kernels[0]
             mod = cuda.Module(built.cubin, k.spec.entry)
             self.mods.append(mod)
             self.fns[k.spec] = mod.function(k.spec.entry)
         vals = [a.ptr if isinstance(a, Arr) else a for a in args]
-        cuda.launch(self.fns[k.spec], k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
+        cuda.launch(self.fns[k.spec], grid or k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
         self.ctx.synchronize()
 
 
@@ -141,6 +141,57 @@ def test_topk_matches_moe_route(gk, experts, top_k, normalize):
     assert gk.host(ids)[0].tolist() == list(range(top_k))
 
 
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("experts,top_k,normalize,hidden", [(128, 8, True, 2048), (60, 4, False, 264)])
+def test_router_gemv_and_topk_in_one_launch(gk, wdtype, experts, top_k, normalize, hidden, norm):
+    """moe_router: logits = x . W (f32 sums of bf16 x rows of a wider stride), then the top-k of
+    each token as moe_topk computes it from those logits; 13 tokens (two token groups, the second
+    partial), poisoned outputs, the counters zero again after each launch (a second launch on new
+    x), and every token's logits bitwise what a batch-1 launch gives it. With the rmsnorm folded
+    in (norm): h = rmsnorm(x) * nw stored (bf16, its own stride) and the logits are W . h."""
+    rng = np.random.default_rng()
+    rows, stride, h_stride, eps = 13, hidden + 8, hidden + 16, 1e-6
+    c = router_kernel(experts, hidden, top_k, normalize, wdtype, stride, eps=eps if norm else None, h_stride=h_stride)
+    w = rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05
+    w_dev = gk.f32(w) if wdtype == "f32" else gk.bf(w)
+    w = w if wdtype == "f32" else bf_round(w).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    count = gk.i32(np.zeros(2))
+
+    def launch_on(xs, n):
+        ids, wts = gk.i32(np.full((n, top_k), -7)), gk.nan_like((n, top_k), "f32")
+        logits, h = gk.nan_like((n, experts), "f32"), gk.nan_like((n, h_stride))
+        gk.launch(c, [ids, wts, logits, gk.bf(xs), w_dev, count, n] + ([gk.f32(nw), h] if norm else []), n)
+        return ids, wts, logits, h
+
+    for launch in range(2):
+        x = bf_round(rng.standard_normal((rows, stride)) * 3)
+        ids, wts, logits, h = launch_on(x, rows)
+        assert c.grid(rows) == (-(-experts // 2), 2, 1)
+        got = gk.host(logits)
+        xin = x[:, :hidden]
+        if norm:
+            got_h = gk.host(h)[:, :hidden]
+            want_h = xin / np.sqrt((xin**2).mean(axis=1, keepdims=True) + eps) * nw
+            assert rel_err(got_h, want_h) < 1e-2 and np.abs(got_h - want_h).max() < 2e-2 * np.abs(want_h).max()
+            assert np.isnan(gk.host(h)[:, hidden:]).all()  # only the row's k columns are written
+            xin = got_h  # the router reads the bf16 h it stored
+        want = xin @ w.astype(np.float64).T
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        # the routing of the kernel's own logits (moe_topk's: ids exact, weights to f32 rounding)
+        want_ids, want_w = moe_route(got.astype(np.float32), np.eye(experts, dtype=np.float32), top_k, normalize)
+        np.testing.assert_array_equal(gk.host(ids), want_ids)
+        np.testing.assert_allclose(gk.host(wts), want_w, rtol=1e-5, atol=1e-7)
+        assert gk.host(count).tolist() == [0, 0], launch
+    for t in (0, 8, 12):  # batched equals solo
+        ids1, _, log1, h1 = launch_on(x[t : t + 1], 1)
+        np.testing.assert_array_equal(gk.host(log1)[0], got[t])
+        np.testing.assert_array_equal(gk.host(ids1)[0], gk.host(ids)[t])
+        if norm:
+            np.testing.assert_array_equal(gk.host(h1)[0, :hidden], gk.host(h)[t, :hidden])
+
+
 @pytest.mark.parametrize("qt", QUANTS)
 @pytest.mark.parametrize("hidden", [512, 256])  # 256: one k-quant super-block per row
 def test_glu_and_down_match_numpy(gk, qt, hidden):
@@ -188,7 +239,8 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     ids = _ids(rng, rows, experts, top_k)
     ids_t = gk.i32(ids)
     x = bf_round(rng.standard_normal((rows, hidden)))
-    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128)
+    # 3 rows per warp: 12 per block, 256 rows not a multiple (the last block's last rows guarded)
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=128, rows_per_warp=3)
     act = gk.nan_like((rows, top_k, inter))
     gk.launch(glu, [act, dev[0], dev[1], gk.bf(x), ids_t, rows], rows)
     g = np.einsum("tk,tjnk->tjn", x, wg[ids])
@@ -200,7 +252,7 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
     r = bf_round(rng.standard_normal((rows, hidden)))
     partial = gk.nan_like((rows, top_k, hidden), "f32")
-    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=128, rows_per_warp=3)
     gk.launch(down, [partial, dev[2], gk.bf(a), ids_t, rows], rows)
     ref_partial = np.einsum("tjk,tjnk->tjn", a, wd[ids])
     got_partial = gk.host(partial)
@@ -209,6 +261,151 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     gk.launch(combine_kernel(hidden, top_k), [out, partial, gk.f32(w), out, rows], rows)
     want = np.einsum("tj,tjn->tn", w, ref_partial) + r
     assert rel_err(gk.host(out), want) < 1e-2
+
+
+@pytest.mark.parametrize("qt", ["q4_k", "q8_0", "bf16"])
+@pytest.mark.parametrize("grid_y", [None, 3, 1])  # None: min(E, rows * top_k); 3, 1: blocks loop over ranks
+@pytest.mark.parametrize("rpw", [1, 4])
+def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y, rpw):
+    """The grouped GEMVs' block row y takes the y-th chosen expert (then y + gridDim.y ...): a batch
+    of 2 over 128 experts, top-8, launches 16 block rows, not 128; a grid smaller than the distinct
+    experts still covers them all; a token whose slots repeat an expert of another token shares it."""
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 128, 2, 8, 256, 256
+    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    first = rng.choice(experts, top_k, replace=False)
+    rest = rng.choice(np.setdiff1d(np.arange(experts), first), top_k - 3, replace=False)
+    ids = np.stack([first, rng.permutation(np.concatenate([first[2:5], rest]))]).astype(np.int32)  # 3 shared
+    glu = expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, experts=experts, max_slots=16, rows_per_warp=rpw)
+    down = expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, experts=experts, max_slots=16, rows_per_warp=rpw)
+    assert glu.grid(rows)[1] == down.grid(rows)[1] == rows * top_k
+    grid = lambda k: None if grid_y is None else (k.grid(rows)[0], grid_y, 1)  # noqa: E731
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    ids_t, act = gk.i32(ids), gk.nan_like((rows, top_k, inter))
+    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows, grid(glu))
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    a = bf_round(rng.standard_normal((rows, top_k, inter)))
+    partial = gk.nan_like((rows, top_k, hidden), "f32")
+    gk.launch(down, [partial, gk.raw(wd_raw), gk.bf(a), ids_t, rows], rows, grid(down))
+    got = gk.host(partial)
+    ref = np.einsum("tjk,tjnk->tjn", a, wd[ids])
+    assert not np.isnan(got).any() and rel_err(got, ref) < 1e-4, rel_err(got, ref)
+
+
+@pytest.mark.parametrize("qt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("prefetch", [1, 4])  # (the default 2 / 3: test_glu_and_down_match_numpy)
+def test_per_slot_prefetch_depths(gk, qt, prefetch):
+    """The per-slot glu / down with other raw-unit prefetch depths (tuning moe.glu_prefetch /
+    down_prefetch): 1 unit per lane at a time, and 4 (more than a lane has at k = 512: guarded)."""
+    rng = np.random.default_rng()
+    e, inter, hidden, top_k, rows = 16, 256, 2048, 8, 2
+    wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
+    ids = _ids(rng, rows, e, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    act = gk.nan_like((rows, top_k, inter))
+    ids_t = gk.i32(ids)
+    glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k, prefetch=prefetch, trigger=True)
+    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows)
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    down = expert_gemv_kernel("down", qt, hidden, inter, top_k, prefetch=prefetch, trigger=True)
+    out = gk.nan_like((rows, hidden))
+    gk.launch(down, [out, gk.raw(wd_raw), act, ids_t, gk.f32(w), 0, rows], rows)
+    a = gk.host(act)
+    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids]))
+    got = gk.host(out)
+    assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
+
+
+@pytest.mark.parametrize("hidden,prefetch", [(2048, 2), (2048, 1), (256, 2), (768, 1)])
+def test_glu_q8x_matches_numpy(gk, hidden, prefetch):
+    """The per-slot glu over q4_k with q8x (x as int8 per 32 values in shared memory, dp4a;
+    tuning moe.q8x): within 2 % of the exact f64 result (x rounded to 8 bits), NaN-free over a
+    poisoned output, each token bitwise what a batch-1 launch gives it."""
+    rng = np.random.default_rng()
+    e, inter, top_k, rows = 16, 256, 8, 3
+    wg_raw, wg = stacked_weight("q4_k", e, inter, hidden, rng)
+    wu_raw, wu = stacked_weight("q4_k", e, inter, hidden, rng)
+    ids = _ids(rng, rows, e, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    x[1, :32] = 0.0  # an all-zero unit (scale 0)
+    glu = expert_gemv_kernel("glu", "q4_k", inter, hidden, top_k, prefetch=prefetch, trigger=True, q8x=True)
+    dev = [gk.raw(wg_raw), gk.raw(wu_raw)]
+    act = gk.nan_like((rows, top_k, inter))
+    gk.launch(glu, [act, dev[0], dev[1], gk.bf(x), gk.i32(ids), rows], rows)
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got = gk.host(act)
+    assert not np.isnan(got).any() and rel_err(got, ref) < 2e-2, rel_err(got, ref)
+    for t in range(rows):
+        one = gk.nan_like((1, top_k, inter))
+        gk.launch(glu, [one, dev[0], dev[1], gk.bf(x[t : t + 1]), gk.i32(ids[t : t + 1]), 1], 1)
+        np.testing.assert_array_equal(gk.host(one)[0], got[t])
+
+
+@pytest.mark.parametrize("inter,prefetch", [(768, 3), (768, 1), (256, 2)])
+def test_down_q8x_matches_numpy(gk, inter, prefetch):
+    """The per-slot down over q4_k with q8x (the token's top_k act rows as int8 in shared memory,
+    dp4a): router-weighted slot sum + the residual in place within 2 % of the exact result; each
+    token bitwise what a batch-1 launch gives it."""
+    rng = np.random.default_rng()
+    e, hidden, top_k, rows = 16, 512, 8, 3
+    wd_raw, wd = stacked_weight("q4_k", e, hidden, inter, rng)
+    ids = _ids(rng, rows, e, top_k)
+    a = bf_round(rng.standard_normal((rows, top_k, inter)))
+    a[0, 1, 32:64] = 0.0  # an all-zero unit
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    r = bf_round(rng.standard_normal((rows, hidden)))
+    down = expert_gemv_kernel("down", "q4_k", hidden, inter, top_k, residual=True, prefetch=prefetch, trigger=True, q8x=True)
+    wd_dev = gk.raw(wd_raw)
+    out = gk.bf(r)  # the residual aliases out
+    gk.launch(down, [out, wd_dev, gk.bf(a), gk.i32(ids), gk.f32(w), out, rows], rows)
+    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids])) + r
+    got = gk.host(out)
+    assert not np.isnan(got).any() and rel_err(got - r, want - r) < 2e-2, rel_err(got - r, want - r)
+    for t in range(rows):
+        one = gk.bf(r[t : t + 1])
+        gk.launch(down, [one, wd_dev, gk.bf(a[t : t + 1]), gk.i32(ids[t : t + 1]), gk.f32(w[t : t + 1]), one, 1], 1)
+        np.testing.assert_array_equal(gk.host(one)[0], got[t])
+
+
+@pytest.mark.parametrize("qt", ["q4_k", "q6_k", "q8_0", "bf16"])
+def test_per_slot_kernels_batched_equal_solo(gk, qt):
+    """The per-slot glu and down over 4 tokens (the smallest batched decode buckets) give each
+    token exactly what a batch-1 launch of the same kernels gives it (bitwise)."""
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 32, 4, 8, 512, 256
+    raws = [stacked_weight(qt, experts, n, k, rng)[0] for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    dev = [gk.raw(r) for r in raws]
+    ids = _ids(rng, rows, experts, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    res = bf_round(rng.standard_normal((rows, hidden)))
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k)
+    down = expert_gemv_kernel("down", qt, hidden, inter, top_k, residual=True)
+
+    def run(t0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        act, out, ids_t = gk.nan_like((n, top_k, inter)), gk.bf(res[t0 : t0 + n]), gk.i32(ids[t0 : t0 + n])
+        gk.launch(glu, [act, dev[0], dev[1], gk.bf(x[t0 : t0 + n]), ids_t, n], n)
+        gk.launch(down, [out, dev[2], act, ids_t, gk.f32(w[t0 : t0 + n]), out, n], n)
+        return gk.host(act), gk.host(out)
+
+    act_b, out_b = run(0, rows)
+    assert not np.isnan(out_b).any()
+    for t in range(rows):
+        act_s, out_s = run(t, 1)
+        np.testing.assert_array_equal(act_b[t], act_s[0])
+        np.testing.assert_array_equal(out_b[t], out_s[0])
 
 
 def test_sparse_mlp_end_to_end(gk):

@@ -5,8 +5,9 @@ friendly widths: bf16 safetensors (per-expert tensors, stacked on load) and q8_0
 (stacked ``*_exps``; q4_k_m with q6_k expert down projections in even layers), and the bf16 model
 with a sigmoid-gated shared expert (tests/test_moe_load.py's moe_shared family). Checks: prefill and
 decode logits close to the reference and greedy tokens equal to its argmax (where the reference's
-top two are not a near tie); batched greedy output (grouped expert kernels) equal to each sequence
-run alone (the batch-1 per-slot kernels); CUDA-graph decode bit-identical to eager.
+top two are not a near tie); batched greedy output (the per-slot expert kernels at 2 rows, the
+grouped ones at 5, moe_router's routing per token group) equal to each sequence run alone (the
+batch-1 kernels); CUDA-graph decode bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_moe_plan_uses_the_expert_kernels(moe):
     fmt, runner, _ = moe
     templates = {la.spec.template for st in runner.plan.steps for m in ("decode1", "decode") for la in st.launches[m]}
-    assert {"moe_topk", "moe_gemv", "moe_combine"} <= templates
+    assert {"moe_router", "moe_gemv", "moe_combine"} <= templates and "moe_topk" not in templates  # decode: fused router
     assert ("moe_shared" in templates) is (fmt == "shared")
     prefill = {la.spec.template for st in runner.plan.steps for la in st.launches["prefill"]}
     assert {"moe_sort", "moe_gemm", "moe_combine"} <= prefill and "moe_gemv" not in prefill
@@ -170,9 +171,10 @@ def _generate(runner, seqs: dict[int, list[int]], tables: dict[int, list[int]], 
     return out
 
 
-def test_batched_greedy_equals_solo(moe):
+@pytest.mark.parametrize("batch", [2, 5])  # bucket 2: the per-slot expert GEMVs; 8: the grouped ones
+def test_batched_greedy_equals_solo(moe, batch):
     fmt, runner, _ = moe
-    seqs = {i: _prompt(10 + i, 5 + 3 * i) for i in range(5)}
+    seqs = {i: _prompt(10 + i, 5 + 3 * i) for i in range(batch)}
     tables = {i: list(range(4 * i, 4 * i + 4)) for i in seqs}
     solo = {}
     for i, p in seqs.items():
@@ -217,3 +219,39 @@ def test_wide_batch_decode_matches_the_reference(moe):
         assert toks[row] == int(np.argmax(want)) or top2[1] - top2[0] < 2e-2 * (np.abs(want).max() + 1e-6), (fmt, i)
     print(f"moe {fmt}: b20 decode logits rel err max {max(errs):.2e}")
     assert max(errs) < 2e-2, errs
+
+
+def test_q8x_expert_gemvs_follow_the_reference(tmp_path, monkeypatch):
+    """tuning moe.q8x on a q4_k_m file: the per-slot glu and down read int8 x (dp4a); batch-1
+    decode logits stay close to the reference, greedy tokens its argmax (or a near tie), and two
+    sequences batched (bucket 2: per slot) give their solo tokens."""
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+
+    monkeypatch.setenv("MEMRA_TUNE", "moe.q8x=true")
+    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=5, **DIMS))
+    runner = CudaRunner(model, num_blocks=64, max_model_len=256)
+    try:
+        glus = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.params.get("mode") == "glu"]
+        assert glus and all(la.spec.params["q8x"] for la in glus)
+        ref = ReferenceRunner(model, num_blocks=32, max_model_len=256)
+        prompt, table = _prompt(3, 11), list(range(4))
+        tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]
+        seq, errs = list(prompt), []
+        for _ in range(4):
+            seq.append(tok)
+            tok = runner.step([StepItem(0, [seq[-1]], len(seq) - 1, table, True, GREEDY)])[0]
+            got, want = np.array(runner.read_logits(1)[0]), ref.forward_logits(seq)[-1]
+            errs.append(_rel(got, want))
+            top2 = np.sort(want)[-2:]
+            assert tok == int(np.argmax(want)) or top2[1] - top2[0] < 3e-2 * (np.abs(want).max() + 1e-6), errs
+        print(f"moe q8x: decode logits rel err {', '.join(f'{e:.2e}' for e in errs)}")
+        assert max(errs) < 3e-2, errs
+        seqs, tables = {0: _prompt(40, 6), 1: _prompt(41, 9)}, {0: list(range(8, 12)), 1: list(range(12, 16))}
+        solo = {}
+        for i, p in seqs.items():
+            solo.update(_generate(runner, {i: p}, tables, 4))
+        assert _generate(runner, seqs, tables, 4) == solo
+    finally:
+        runner.close()
