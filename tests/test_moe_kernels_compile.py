@@ -100,7 +100,7 @@ def test_builders_check_their_inputs():
     assert [a for a, _ in r.args] == ["ids", "weights", "logits", "x", "w", "count", "rows"]
     assert router_counters(128, 8) == 64 and router_counters(9, 8) == 8
     for bad, match in (
-        (dict(experts=300), "1..256"),
+        (dict(experts=600), "1..512"),
         (dict(top_k=9, experts=8), "top_k 9"),
         (dict(wdtype="q8_0"), "f32 or bf16"),
         (dict(x_stride=1000), "x stride 1000"),
