@@ -474,6 +474,8 @@ def all_specs(
     for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
+    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el, act="gelu_tanh")] = None  # GeGLU
+    out[spec("add", n=hidden, a_stride=hidden, b_stride=hidden, threads=el)] = None  # a residual sum
     for style in rope_styles:
         out[spec("rope", **rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm))] = (
             None
@@ -501,6 +503,17 @@ def all_specs(
     out[
         spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim)
     ] = None
+    window = int(d.get("sliding_window") or 0)
+    if window:  # sliding-window variants (the lowering turns table_first off with a window)
+        for direct in (True, False):
+            p = attention_params(d, tuning, block_size, mode="decode", direct=direct, q_stride=qkv, out_stride=q_dim)
+            out[spec("attention", **{**p, "window": window, "table_first": False})] = None
+        pp = attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim)
+        out[spec("attention_prefill", **{**pp, "window": window})] = None
+        out[
+            spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim,
+                 window=window)
+        ] = None  # fmt: skip
     out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("penalties", ld=vocab, threads=el)] = None

@@ -15,22 +15,30 @@ from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, Weigh
 from engine.lowering.registry import post_pass, register, same_width
 from engine.lowering.rope import vec16
 
+PREFILL_SMEM = 99 * 1024  # the flash prefill's dynamic shared memory bound (kernel_catalog.checks)
 
-@register("attention", bind=same_width, short=True)
+
+@register("attention", bind=same_width, short=True, attrs=("window", "scale"))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     d = ctx.dims
     q, _k, _v_ = ins
     out = outs[0]
     heads, kvh, hd = d["heads"], d["kv_heads"], d["head_dim"]
+    # window: sliding-window attention (keys p - window + 1 .. p; 0 / None: none), any family
+    window = int(ctx.attr_dim(op, "window") or 0)
     common = dict(
         heads=heads,
         kv_heads=kvh,
         head_dim=hd,
         block_size=ctx.profile.kv_block_size,
-        scale=repr(float(hd) ** -0.5),
+        scale=repr(float(ctx.attr_dim(op, "scale") or float(hd) ** -0.5)),
         q_stride=q.ld,
         out_stride=out.ld,
+        window=window,
     )
+    # table_first stages the first chunk's table entries before the row's position is known:
+    # from key 0, not the window's first key
+    table_first = bool(ctx.tune("attention_decode").get("table_first")) and not window
     cache = (
         Arg("kv", "k", layer=layer),
         Arg("kv", "v", layer=layer),
@@ -43,10 +51,12 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
         pt = ctx.tune("attention_prefill")
         bq, bkv, pw = pt["block_q"], pt["block_kv"], pt["warps"]
+        while bkv > 16 and kc.attention_prefill_smem(dict(block_q=bq, block_kv=bkv, head_dim=hd)) > PREFILL_SMEM:
+            bkv //= 2  # wide heads (head_dim 256): smaller K/V tiles fit the shared memory
         spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, **common)
         args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
         grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
-        smem = (bq + 4 * bkv) * (hd + 8) * 2
+        smem = kc.attention_prefill_smem(spec.params)
         return [Launch(spec, grid, (32 * pw,), args, smem)]
     t = ctx.tune("attention_decode")
     if mode == "short":
@@ -65,7 +75,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
             qsplit=qsplit,
             **common,
             **rope,
-            table_first=bool(t.get("table_first")),
+            table_first=table_first,
             trigger=False,  # (trigger_short1 sets it at batch 1)
         )
         args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
@@ -79,7 +89,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         warps=warps,
         vec16=v16,
         **common,
-        table_first=bool(t.get("table_first")),
+        table_first=table_first,
     )
     rows = ctx.max_rows
     ctx.need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
@@ -88,7 +98,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
     args = (NULL,) + part + (val(q),) + cache + (splits,)
     grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
-    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld)
+    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld, window=window)
     cargs = (val(out),) + part + (Arg("input", "positions"), splits)
     return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
 

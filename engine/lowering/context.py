@@ -66,6 +66,16 @@ class Lowerer:
     def spec(self, template: str, **params: Any) -> KernelSpec:
         return kc.spec(template, **params)
 
+    def attr_dim(self, op: Op, attr: str, default: Any = None) -> Any:
+        """The value of the dim that ``op``'s attribute ``attr`` names (``default`` when unset), as
+        the reference's RefStep.attr_dim reads it."""
+        name = op.attrs.get(attr)
+        if name is None:
+            return default
+        if name not in self.dims:
+            raise ConfigError(f"plan: op {op.op} attribute {attr}={name!r} names no dim")
+        return self.dims[name]
+
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)
 
