@@ -71,8 +71,18 @@ def streamed_weight_bytes(plan: Any, batch: int = 1) -> int:
 
 
 def kv_bytes_read(plan: Any, batch: int, depth: int) -> int:
+    """K and V bytes (bf16) the attention of one decode step at ``depth`` reads: every layer reads
+    depth + 1 keys, a sliding-window layer (its attention launches' ``window``) at most window."""
     d = plan.dims
-    return batch * (depth + 1) * d["layers"] * 2 * d["kv_dim"] * 2
+    keys = 0
+    attention = [st for st in getattr(plan, "steps", ()) if st.op.op == "attention"]
+    for st in attention:
+        launches = st.launches.get("decode", ())
+        window = int(launches[0].spec.params.get("window", 0)) if launches else 0
+        keys += min(depth + 1, window) if window else depth + 1
+    if not attention:
+        keys = (depth + 1) * d["layers"]
+    return batch * keys * 2 * d["kv_dim"] * 2
 
 
 def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
