@@ -228,12 +228,16 @@ def tiny(tmp_path_factory):
 
 def test_tiny_gemma3_bf16_offset_one_matches_the_reference(tiny):
     """Teacher-forced over 300 positions (prefill chunks of 37, then decode steps past the split
-    size, so both the direct and the split windowed decode kernels run): logits within bf16 error of the
-    reference, argmax agreement >= 95 %."""
+    size, so both the direct and the split windowed decode kernels run): logits within bf16 error of
+    the reference (which the window moves far more), argmax equal except at the reference's near-ties."""
+    import dataclasses
+
     from engine.reference import ReferenceRunner
 
     ids = [int(i) for i in np.random.default_rng(5).integers(3, 384, 300)]
-    want = ReferenceRunner(tiny, max_model_len=512).forward_logits(ids)
+    want = ReferenceRunner(tiny, max_model_len=512).forward_logits(ids)[111:]
+    no_window = dataclasses.replace(tiny, dims=dict(tiny.dims, sliding_window=0))
+    full = ReferenceRunner(no_window, max_model_len=512).forward_logits(ids)[111:]
     runner = cuda_runner(tiny, max_model_len=512, num_blocks=64)
     table = list(np.random.default_rng(6).permutation(64)[:32])
     rows = []
@@ -247,10 +251,17 @@ def test_tiny_gemma3_bf16_offset_one_matches_the_reference(tiny):
             rows.append(runner.read_logits(1)[0])
     finally:
         runner.close()
-    got, ref = np.stack(rows), want[111:]
-    rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-    agree = float(np.mean(got.argmax(1) == ref.argmax(1)))
-    assert float(np.median(rel)) < 0.03 and agree >= 0.95, (float(np.median(rel)), float(rel.max()), agree)
+    got = np.stack(rows)
+
+    def rel(a, b):
+        return np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+
+    err, moved = rel(got, want), rel(full, want)
+    assert float(np.median(err)) < 2e-2 and float(err.max()) < 5e-2, (float(np.median(err)), float(err.max()))
+    assert float(np.median(moved)) > 5 * float(np.median(err))  # the window matters here
+    top2 = np.sort(want, axis=1)[:, -2:]
+    for i in np.flatnonzero(got.argmax(1) != want.argmax(1)):
+        assert top2[i, 1] - top2[i, 0] < 2e-2 * np.abs(want[i]).max(), (i, "argmax differs off a near-tie")
 
 
 def test_tiny_gemma3_batched_equals_solo(tiny):
