@@ -135,6 +135,8 @@ class Speculator:
                 it.draft = toks
                 it.draft_probs = d.probs[: len(toks)] if d.probs is not None else None
                 it.block_table = list(blocks.table(seq.seq_id))
+                if it.window_table is not None:  # (engine.kv_groups: the window group grew too)
+                    it.window_table = list(blocks.window_table(seq.seq_id))
 
     def verify(self, runner: Any, batch: Sequence[Any], items: list[StepItem]) -> list[list[int]]:
         """``runner.verify(items)``, checked: per item 1..k+1 tokens when it samples, else none."""
