@@ -232,28 +232,25 @@ class BlockManager:
     ) -> bool:
         """A sliding-window group's table for a new sequence whose first ``hit_tokens`` positions
         are a prefix hit (``window_hit``): the entries before the window of position hit_tokens are
-        RELEASED, the window's cached blocks are referenced, the rest are fresh, covering all of
-        ``token_ids``. False (nothing changed) when the blocks are not there."""
+        RELEASED, the window's cached blocks are referenced; the table covers the hit only (``grow``
+        adds the blocks of each chunk before it runs). False (nothing changed) when the cached
+        blocks are gone."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         bs = self.block_size
         n_hit = hit_tokens // bs
         first = max(0, hit_tokens - window + 1) // bs if n_hit else 0
         keys = self.keys.keys(salt, token_ids, (len(token_ids) - 1) // bs) if self.enable_prefix_cache else []
-        hits = [self._by_hash[k] for k in keys[first:n_hit]]  # (window_hit found them all)
-        needed_new = blocks_for(len(token_ids), bs) - n_hit
-        ref = self._ref
-        from_lru = [b for b in hits if ref[b] == 0]
-        if self.num_available - len(from_lru) < needed_new:
+        hits = [self._by_hash.get(k) for k in keys[first:n_hit]]
+        if None in hits:
             return False
         seq = _SeqBlocks(salt=salt, table=[RELEASED] * first + hits, hashes=keys[:n_hit], known_keys=keys)
-        for b in from_lru:
-            del self._lru[b]
+        ref = self._ref
         for b in hits:
+            if ref[b] == 0:
+                del self._lru[b]
             ref[b] += 1
         seq.committed, seq.released = n_hit, first
-        for _ in range(needed_new):
-            seq.table.append(self._take_fresh())
         self._seqs[seq_id] = seq
         return True
 

@@ -14,9 +14,16 @@ Prefix cache: both groups key their blocks by the same chained hashes (each mana
 map). A hit of ``n`` tokens is valid when the full group has every block of the prefix and the
 window group the blocks of positions ``n - window + 1 .. n - 1`` (earlier ones may be gone):
 admission takes the longest such ``n`` (``BlockManager.window_hit``). Every other call goes to both
-groups (allocate, grow, truncate, commit, free) or reads the full group (counters, tables). A
-sequence's window blocks are allocated with its prompt, like its full blocks, and released as its
-chunks commit. Pure Python: imports engine.block_manager only; must not import numpy or CUDA.
+groups (allocate, grow, truncate, commit, free) or reads the full group (counters, tables).
+
+A sequence's window blocks are taken per chunk, not with its prompt: admission references only the
+hit's cached window blocks, and the scheduler's ``grow`` before each chunk (a no-op for the full
+group, whose table covers the prompt) takes the chunk's; so the window pool may be much smaller
+than the full pool: each running sequence holds at most ``ceil((window - 1 + chunk) / block_size) +
+2`` window blocks. A ``grow`` the window group cannot serve fails as a full-group one does (a decode
+row preempts, a prefill chunk waits). The window pool must hold one sequence's window and step
+(``min_window_blocks``) or be as large as the full pool. Pure Python: imports engine.block_manager only; must not import numpy or
+CUDA.
 """
 
 from __future__ import annotations
@@ -29,19 +36,22 @@ from engine.block_manager import BlockManager
 
 class WindowedBlocks:
     """A full-attention BlockManager and a sliding-window one, driven together (see the module
-    docstring). ``num_blocks`` and the counters are the full group's (the admission and context
-    checks are about it: the window group never needs more blocks than the full one holds when its
-    pool is at least as large, which the constructor requires)."""
+    docstring). ``num_blocks`` and the counters are the full group's (the context checks are about
+    it); ``max_step_tokens`` (the most tokens one step gives a sequence) sizes the window pool's
+    minimum."""
 
-    def __init__(self, full: BlockManager, window_group: BlockManager, window: int):
+    def __init__(self, full: BlockManager, window_group: BlockManager, window: int, max_step_tokens: int = 1):
         if window < 1:
             raise ValueError(f"WindowedBlocks needs a window >= 1, got {window}")
         if window_group.block_size != full.block_size:
             raise ValueError("the window group's block size must be the full group's")
-        if window_group.num_blocks < full.num_blocks:
+        # (a pool as large as the full one always serves: no sequence holds more window blocks
+        # than full ones)
+        need = min(min_window_blocks(window, max_step_tokens, full.block_size), full.num_blocks)
+        if window_group.num_blocks < need:
             raise ValueError(
-                f"the window pool ({window_group.num_blocks} blocks) must be at least the full pool "
-                f"({full.num_blocks}): a prompt's window blocks are allocated with it"
+                f"the window pool ({window_group.num_blocks} blocks) must hold one sequence's window "
+                f"and step: at least {need} blocks (window {window}, {max_step_tokens} tokens a step)"
             )
         if full.state_slots:
             raise ValueError("sliding-window KV groups are not supported with recurrent state")
@@ -74,12 +84,13 @@ class WindowedBlocks:
         return got
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Both tables cover ``num_tokens`` positions, or False with neither changed."""
+        had = len(self.full.table(seq_id))
         if not self.full.grow(seq_id, num_tokens):
             return False
-        # a sequence never holds more window blocks than full ones, and the window pool is at least
-        # the full pool: the window group has room whenever the full group had
         if not self.window_group.grow(seq_id, num_tokens):
-            raise AssertionError(f"seq {seq_id}: the window group ran out of blocks before the full group")
+            self.full.truncate(seq_id, had * self.full.block_size)  # (its new blocks are private)
+            return False
         return True
 
     def truncate(self, seq_id: int, num_tokens: int) -> int:
@@ -106,4 +117,10 @@ class WindowedBlocks:
         self.window_group.check_invariants()
         assert self.full.seq_ids() == self.window_group.seq_ids(), "the groups hold different sequences"
         for sid in self.full.seq_ids():
-            assert len(self.full.table(sid)) == len(self.window_group.table(sid)), f"seq {sid}: tables differ"
+            assert len(self.window_group.table(sid)) <= len(self.full.table(sid)), f"seq {sid}: window table longer"
+
+
+def min_window_blocks(window: int, max_step_tokens: int, block_size: int) -> int:
+    """The window blocks one sequence may hold at once: its window before a step's first position
+    (window - 1 keys), the step's tokens, and one block of misalignment at each end."""
+    return -(-(window - 1 + max_step_tokens) // block_size) + 2

@@ -29,6 +29,8 @@ from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
 
+SPEC_HEADROOM = 16  # tokens a decode row's drafts may add to a step (the window pool's minimum)
+
 log = logging.getLogger("memra.engine")
 
 
@@ -97,7 +99,11 @@ class Engine:
         window_blocks = int(getattr(runner, "window_kv_blocks", 0) or 0)
         if window_blocks:  # the window layers' KV in their own pool, released behind the window
             window_group = BlockManager(window_blocks, runner.block_size, config.enable_prefix_cache)
-            self.blocks = WindowedBlocks(self.blocks, window_group, int(runner.kv_window))
+            step = min(config.prefill_chunk_tokens, config.max_step_tokens) + SPEC_HEADROOM
+            try:
+                self.blocks = WindowedBlocks(self.blocks, window_group, int(runner.kv_window), step)
+            except ValueError as e:
+                raise ConfigError(f"engine config: {e}") from None
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")

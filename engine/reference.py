@@ -113,10 +113,8 @@ class ReferenceRunner:
                 raise MemraError(f"window_kv_blocks needs one sliding window in the model, it has {sorted(windows)}")
             return 0, 0
         blocks = self.num_blocks if requested is None else int(requested)
-        if blocks < self.num_blocks:
-            raise MemraError(
-                f"window_kv_blocks ({blocks}) must be at least num_blocks ({self.num_blocks})", param="window_kv_blocks"
-            )
+        if blocks < 1:
+            raise MemraError(f"window_kv_blocks must be >= 0, got {blocks}", param="window_kv_blocks")
         return windows.pop(), blocks
 
     def _new_cache(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:

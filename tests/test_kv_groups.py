@@ -12,7 +12,7 @@ import pytest
 from fixtures.checkpoints import write_gemma3_safetensors
 
 from engine.block_manager import RELEASED, BlockManager, cache_salt_hash
-from engine.kv_groups import WindowedBlocks
+from engine.kv_groups import WindowedBlocks, min_window_blocks
 from engine.types import SamplingParams
 
 SALT = cache_salt_hash("t")
@@ -28,6 +28,7 @@ def test_decode_releases_window_blocks_behind_the_window():
     b = groups()
     toks = list(range(100, 103))
     assert b.allocate(1, toks, SALT) == 0
+    assert b.grow(1, 3)  # (the window group takes a chunk's blocks before it runs)
     b.commit(1, toks, 3)
     for n in range(3, 120):  # decode: grow by one, commit it
         toks.append(n % 50)
@@ -48,9 +49,11 @@ def test_prefix_hit_needs_the_windows_blocks():
     b = groups(full=64, window=64)
     prompt = list(range(40))
     assert b.allocate(1, prompt, SALT) == 0
+    assert b.grow(1, 40)
     b.commit(1, prompt, 40)
     b.free(1)  # every full block cached; the window group's: the last blocks (the rest released)
     assert b.allocate(2, prompt, SALT) == 36  # (the block of the last token is never a hit)
+    assert b.grow(2, 40)
     b.commit(2, prompt, 40)
     b.free(2)
     # evict the window group's cached blocks (a fresh sequence takes every window block)
@@ -77,9 +80,26 @@ def test_window_hit_is_the_deepest_prefix_whose_window_is_cached():
     assert w.window_hit(prompt, SALT, 28, 100) == 24  # a wide window needs every block
 
 
-def test_the_window_pool_must_hold_the_full_pool():
-    with pytest.raises(ValueError, match="must be at least the full pool"):
-        groups(full=64, window=32)
+def test_the_window_pool_must_hold_one_sequences_window_and_step():
+    assert min_window_blocks(WINDOW, 16, BS) == -(-(WINDOW - 1 + 16) // BS) + 2
+    with pytest.raises(ValueError, match="must hold one sequence's window and step: at least 8 blocks"):
+        WindowedBlocks(BlockManager(64, BS), BlockManager(7, BS), WINDOW, 16)
+    WindowedBlocks(BlockManager(6, BS), BlockManager(6, BS), WINDOW, 16)  # as large as the full pool
+
+
+def test_window_blocks_are_taken_per_chunk_and_a_full_window_pool_fails_the_grow():
+    b = WindowedBlocks(BlockManager(64, BS), BlockManager(8, BS), WINDOW, 16)
+    prompt = list(range(60))
+    assert b.allocate(1, prompt, SALT) == 0
+    assert b.window_table(1) == [] and len(b.table(1)) == 15  # the prompt's full blocks, no window ones
+    for start in range(0, 48, 16):  # chunks of 16: the window group holds the window and the chunk
+        assert b.grow(1, start + 16)
+        b.commit(1, prompt, start + 16)
+        assert b.window_blocks(1) <= min_window_blocks(WINDOW, 16, BS)
+    assert b.allocate(2, list(range(100, 140)), SALT) == 0
+    assert not b.grow(2, 32)  # 8 window blocks for 32 tokens: the pool holds 8, seq 1 has 2
+    assert b.window_table(2) == [] and len(b.table(2)) == 10  # neither table changed
+    b.check_invariants()
 
 
 # ---- through the engine loop, reference backend ------------------------------------------------
@@ -92,14 +112,15 @@ def tiny(tmp_path_factory):
     return load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("g"), window=WINDOW, num_hidden_layers=7))
 
 
-def run(model, waves, *, window_pool=True, cache=True, max_tokens=40, watch=None, **cfg):
-    """Greedy outputs [(tokens, cached tokens)] of each wave's prompts through the engine."""
+def run(model, waves, *, window_pool=True, cache=True, max_tokens=40, watch=None, pool=None, **cfg):
+    """Greedy outputs [(tokens, cached tokens)] of each wave's prompts through the engine (``pool``:
+    the window pool's blocks, default the full pool's)."""
     from engine.fake_runner import FakeTokenizer
     from engine.loop import Engine, EngineConfig
     from engine.reference import ReferenceRunner
     from engine.types import GenerationRequest
 
-    runner = ReferenceRunner(model, num_blocks=96, block_size=BS, max_model_len=128, window_kv_blocks=None if window_pool else 0)
+    runner = ReferenceRunner(model, num_blocks=96, block_size=BS, max_model_len=128, window_kv_blocks=pool if window_pool else 0)
 
     def on_step(e):
         e.check_invariants()
@@ -150,3 +171,27 @@ def test_engine_prefix_hits_past_the_window_equal_uncached(tiny):
     both = run(tiny, [prompts, prompts], max_tokens=24, **cfg)
     assert [t for t, _ in both] == [t for t, _ in plain] * 2
     assert sum(c for _, c in both[4:]) > 0  # the second wave hit the cache past the window
+
+
+def test_engine_with_a_small_window_pool_equals_one_pool(tiny, monkeypatch):
+    """A window pool of the minimum size (one sequence's window and step): four long prompts (more
+    window blocks than the pool at once), chunked, wait or are preempted for window blocks and
+    still give the single-pool tokens."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(i) for i in rng.integers(3, 128, n)] for n in (50, 37, 61, 45)]
+    cfg = dict(max_running=4, prefill_chunk_tokens=8, max_step_tokens=16)
+    from engine.loop import SPEC_HEADROOM
+
+    small = min_window_blocks(WINDOW, 8 + SPEC_HEADROOM, BS)  # the engine's minimum: 10 blocks
+    failed = []
+    grow = WindowedBlocks.grow
+
+    def counting(self, seq_id, n):
+        ok = grow(self, seq_id, n)
+        failed.append(not ok)
+        return ok
+
+    monkeypatch.setattr(WindowedBlocks, "grow", counting)
+    got = run(tiny, [prompts], max_tokens=20, pool=small, **cfg)
+    assert any(failed)  # the window pool ran short: chunks waited, decode rows preempted
+    assert [t for t, _ in got] == [t for t, _ in run(tiny, [prompts], window_pool=False, max_tokens=20, **cfg)]
