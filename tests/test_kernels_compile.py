@@ -39,15 +39,13 @@ PRIMARY_ARCH = "sm_90a"
 
 
 def _variant(s) -> tuple:
-    """What changes the code (not just constants) of a spec: template, storage type, flags."""
-    return (s.template,) + tuple(
-        sorted(
-            (k, v)
-            for k, v in s.params.items()
-            if isinstance(v, (bool, str)) and k not in ("eps", "theta", "scale")
-        )
-        + ((("window", bool(s.params["window"])),) if "window" in s.params else ())
+    """What changes the code (not just constants) of a spec: template, storage type, flags (and
+    whether an attention kernel has a sliding window)."""
+    flags = sorted(
+        (k, v) for k, v in s.params.items() if isinstance(v, (bool, str)) and k not in ("eps", "theta", "scale")
     )
+    window = (("window", bool(s.params["window"])),) if "window" in s.params else ()
+    return (s.template, *flags, *window)
 
 
 def _row(s) -> int:
