@@ -223,6 +223,8 @@ def build_plan(
             attn = next((o for o, lay, _ in schedule[pos:] if o.op == "attention" and lay == layer), None)
             if attn is not None and attn.inputs[2] in values:
                 lowerer.rope_v[layer] = values[attn.inputs[2]]
+            if attn is not None:
+                lowerer.rope_window[layer] = int(d.get(attn.attrs.get("window", ""), 0) or 0)
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
         unit = lowering_for(op.op, op.attrs)

@@ -6,6 +6,7 @@ carries the window."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fixtures.checkpoints import write_gemma3_safetensors
 from test_plan_runner_fake import FakeDriver, fake_builder
 
@@ -38,5 +39,48 @@ def test_tiny_gemma3_binds_and_uploads_offset_norms(tmp_path, monkeypatch):
         assert any("window8" in n for n in names if n.startswith("attention_prefill"))
         assert any("window8" in n for n in names if n.startswith("attention__"))
         assert any(n.startswith("add__") for n in names) and any("actgelutanh" in n for n in names)
+    finally:
+        runner.close()
+
+
+def test_a_window_pool_holds_the_window_layers_kv_and_takes_each_items_window_table(tmp_path, monkeypatch):
+    """window_kv_blocks: the window layers' K/V pointers lie in the window pool, the full layers'
+    in the full one; a step fills the window slots and tables from the item's window_table (released
+    entries read as the pool's sink); an item without one is refused. Without a pool the window
+    inputs are the block tables and slots themselves."""
+    import engine.runner_cuda as rc
+    from engine.block_manager import RELEASED
+    from engine.ir import Arg
+    from engine.model import load_model
+    from engine.types import MemraError
+
+    monkeypatch.setattr(rc, "cuda", FakeDriver().module())
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
+    plain = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    try:
+        assert plain.window_kv_blocks == 0
+        assert plain._in_off["window_tables"] == plain._in_off["block_tables"]
+        assert plain._in_off["window_slots"] == plain._in_off["slots"]
+    finally:
+        plain.close()
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path), window_kv_blocks=10)
+    try:
+        assert (runner.window_kv_blocks, runner.kv_window) == (10, 8)
+        shape = runner._shape(1, 1)
+        lo, hi = runner.kv_win.ptr, runner.kv_win.ptr + runner.kv_win.nbytes
+        for layer in range(7):
+            ptr = runner._resolve(Arg("kv", "v", layer=layer), shape)
+            assert (lo <= ptr < hi) == (layer != 5)  # layer 5 is the global one
+        assert runner._in_off["window_tables"] != runner._in_off["block_tables"]
+        bs = runner.block_size
+        runner.step([StepItem(0, list(range(3, 43)), 0, [0, 1, 2], True, GREEDY, window_table=[5, 6, 7])])
+        pos = np.arange(40)
+        assert runner._win_slots[:40].tolist() == (np.array([5, 6, 7])[pos // bs] * bs + pos % bs).tolist()
+        runner.step([StepItem(0, [9], 40, [0, 1, 2], True, GREEDY, window_table=[RELEASED, 6, 7])])
+        ld = runner._table_ld
+        assert runner._win_tables[:3].tolist() == [10, 6, 7] and (runner._win_tables[3:ld] == 10).all()
+        assert runner._win_slots[0] == 7 * bs + 40 % bs
+        with pytest.raises(MemraError, match="needs a window_table"):
+            runner.step([StepItem(0, [9], 41, [0, 1, 2], True, GREEDY)])
     finally:
         runner.close()

@@ -42,7 +42,8 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     cache = (
         Arg("kv", "k", layer=layer),
         Arg("kv", "v", layer=layer),
-        Arg("input", "block_tables"),
+        # a window layer reads its own tables (the runner's window pool, or the block tables)
+        Arg("input", "window_tables" if window else "block_tables"),
         Arg("input", "positions"),
         Arg("shape", "max_blocks", "i32"),
     )

@@ -83,12 +83,14 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         **({"v_stride": v.ld} if v.ld != k.ld else {}),
     )
     norms = (wgt(qn) if qn else NULL, wgt(kn) if kn else NULL)
+    # a window layer writes its KV through its own slots (the runner's window pool, or the slots)
+    slots = Arg("input", "window_slots" if ctx.rope_window.get(layer) else "slots")
     freq = wgt(freq_w) if freq_w is not None else NULL
     if mode == "short" and rope_fuses(ctx, q, k) and v.ld % 8 == 0:
         # short-context decode: the direct attention kernel that follows rotates q / k itself
         # and writes the cache (the split kernels do not: every split block would redo the rope)
         fused = {key: params[key] for key in kc.ATTENTION_ROPE_PARAMS if key in params}
-        extra = (val(k), val(v), *norms, freq, Arg("input", "slots"))
+        extra = (val(k), val(v), *norms, freq, slots)
         ctx.rope_fused[layer] = ({"rope": True, **fused}, extra)
         return []
     spec = ctx.spec("rope", **params)
@@ -101,7 +103,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         freq,
         Arg("kv", "k", layer=layer),
         Arg("kv", "v", layer=layer),
-        Arg("input", "slots"),
+        slots,
         ROWS,
     )
     return [Launch(spec, ("n", kc.rope_head_blocks(params)), (t,), args)]

@@ -275,3 +275,50 @@ def test_tiny_gemma3_batched_equals_solo(tiny):
     finally:
         runner.close()
     assert together == solo
+
+
+def test_window_kv_pool_through_the_engine_equals_one_pool(stack):
+    """CudaRunner(window_kv_blocks=60): the local layers' KV in a pool of 60 blocks (three 650-token
+    prompts would need 120 of them without releases), driven by the engine's window group
+    (engine.kv_groups: blocks released behind the 512 window, chunks waiting for window room): the
+    greedy tokens of the one-pool runner, and no sequence ever holding more window blocks than one
+    window and chunk."""
+    from engine.kv_groups import WindowedBlocks, min_window_blocks
+    from engine.loop import Engine, EngineConfig
+    from engine.runner_cuda import CudaRunner
+    from engine.types import GenerationRequest
+
+    model, tok, _ = stack
+    ids = text_ids(tok, 900)
+    prompts = [ids[:650], ids[100:750], ids[250:900]]
+    cfg = dict(max_running=3, prefill_chunk_tokens=256, max_step_tokens=512)
+    held: list[int] = []
+
+    def run(**kw):
+        runner = CudaRunner(model, num_blocks=256, max_model_len=1024, **kw)
+
+        def watch(e):
+            e.check_invariants()
+            if isinstance(e.blocks, WindowedBlocks):
+                held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
+
+        e = Engine(runner, tok, EngineConfig(**cfg), on_step=watch)
+        try:
+            handles = [
+                e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=16, ignore_eos=True))
+                for i, p in enumerate(prompts)
+            ]
+            e.start()
+            outs = []
+            for h in handles:
+                evs = list(h)
+                assert evs[-1].finish_reason == "length", evs[-1].error
+                outs.append([t for ev in evs for t in ev.token_ids])
+            return outs
+        finally:
+            e.shutdown(5)
+            runner.close()
+
+    pooled = run(window_kv_blocks=60)
+    assert held and max(held) <= min_window_blocks(512, 256, 16)
+    assert pooled == run()
