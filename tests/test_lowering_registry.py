@@ -88,6 +88,15 @@ def test_a_gemma3_plan_lowers_every_attribute():
     assert {s.params["scale"] for s in specs if s.template == "embed"} >= {repr(256**0.5)}
     assert any(s.template == "silu_mul" and s.params["act"] == "gelu_tanh" for s in specs)
     assert any(s.template == "add" for s in specs)
+    # each residual add but the last (before the head's final norm) folds into the rmsnorm after it
+    steps = list(plan.steps)
+    adds = [i for i, st in enumerate(steps) if st.op.op == "add"]
+    for i in adds[:-1]:
+        for mode in ("decode1", "decode", "prefill"):
+            assert steps[i].launches[mode] == ()
+            (norm,) = steps[i + 1].launches[mode]
+            assert norm.spec.params["residual"] and norm.args[2].ref == "o" and norm.args[1].ref == "x"
+    assert all(len(steps[adds[-1]].launches[m]) == 1 for m in ("decode1", "decode", "prefill"))
     by_layer = {st.layer: st for st in plan.steps if st.op.op == "attention"}
     assert by_layer[5].launches["prefill"][0].spec.params["window"] == 0  # the global layer
     assert by_layer[0].launches["prefill"][0].spec.params["window"] == 512
