@@ -84,3 +84,43 @@ def test_a_window_pool_holds_the_window_layers_kv_and_takes_each_items_window_ta
             runner.step([StepItem(0, [9], 41, [0, 1, 2], True, GREEDY)])
     finally:
         runner.close()
+
+
+def test_the_engine_drives_a_cuda_window_pool(tmp_path, monkeypatch):
+    """Engine + CudaRunner(window_kv_blocks) on the fake driver: chunked prompts past the window and
+    decode steps run (every item's window_table covers its positions: the runner refuses one that
+    does not), the engine's window group stays within one window and chunk per sequence."""
+    import engine.runner_cuda as rc
+    from engine.fake_runner import FakeTokenizer
+    from engine.kv_groups import WindowedBlocks, min_window_blocks
+    from engine.loop import Engine, EngineConfig
+    from engine.model import load_model
+    from engine.types import GenerationRequest
+
+    monkeypatch.setattr(rc, "cuda", FakeDriver().module())
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path), window_kv_blocks=12)
+    runner.ctx.make_current = lambda: None  # (the engine thread; the fake context has no binding)
+    held: list[int] = []
+
+    def watch(e):
+        e.check_invariants()
+        held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
+
+    cfg = EngineConfig(max_running=3, prefill_chunk_tokens=16, max_step_tokens=32)
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), cfg, on_step=watch)
+    assert isinstance(e.blocks, WindowedBlocks)
+    try:
+        rng = np.random.default_rng(0)
+        handles = [
+            e.submit(GenerationRequest(f"r{i}", [int(t) for t in rng.integers(3, 128, n)], sampling=GREEDY, max_tokens=24, ignore_eos=True))
+            for i, n in enumerate((60, 45, 70))
+        ]  # fmt: skip
+        e.start()
+        for h in handles:
+            evs = list(h)
+            assert evs[-1].finish_reason == "length", evs[-1].error
+    finally:
+        e.shutdown(5)
+        runner.close()
+    assert held and max(held) <= min_window_blocks(8, 16, runner.block_size)
