@@ -100,3 +100,37 @@ def test_a_gemma3_plan_lowers_every_attribute():
     by_layer = {st.layer: st for st in plan.steps if st.op.op == "attention"}
     assert by_layer[5].launches["prefill"][0].spec.params["window"] == 0  # the global layer
     assert by_layer[0].launches["prefill"][0].spec.params["window"] == 512
+
+
+def test_a_window_on_any_familys_attention_lowers(tmp_path, monkeypatch):
+    """The window is the attention op's, not Gemma's: a llama delta (Mistral-style `sliding_window`
+    on every layer) lowers to windowed prefill, decode and combine launches, reading the window
+    tables, and its rope writes through the window slots."""
+    import shutil
+    from pathlib import Path
+
+    from engine import graph as graph_mod
+    from engine import paths
+
+    root = tmp_path / "models"
+    shutil.copytree(Path(graph_mod.__file__).resolve().parent.parent / "models", root)
+    (root / "mistral_swa.yaml").write_text(
+        "family: mistral_swa\nextends: llama\n"
+        "matches: {hf_architectures: [MistralForCausalLM], gguf_architectures: []}\n"
+        "dims:\n  sliding_window: {hf: sliding_window, default: 0}\n"
+        "hf_expect: {sliding_window: null}\n"
+        "graph_edits:\n  - replace: {op: attention}\n"
+        "    with: {op: attention, in: [q, k, v], out: a, window: sliding_window}\n"
+    )
+    monkeypatch.setattr(paths, "models_dir", lambda: root)
+    g = load_family("mistral_swa")
+    hf = {
+        "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "intermediate_size": 1024, "vocab_size": 1000, "sliding_window": 4096,
+    }  # fmt: skip
+    plan = build_plan(g, resolve_dims(g, "hf", hf, "config.json"), g.quant("bf16"), get_profile("h200"))
+    att = [la for st in plan.steps if st.op.op == "attention" for las in st.launches.values() for la in las]
+    assert att and all(la.spec.params["window"] == 4096 for la in att)
+    assert all(any(a.ref == "window_tables" for a in la.args) for la in att if la.spec.template != "attention_combine")
+    rope = [la for st in plan.steps if st.op.op == "rope" for las in st.launches.values() for la in las]
+    assert rope and all(any(a.ref == "window_slots" for a in la.args) for la in rope)
