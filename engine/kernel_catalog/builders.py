@@ -49,7 +49,7 @@ def linear_params(
     g = tuning["gemv"]
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     bmax = bmax or g["max_batch"]
-    layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
+    layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
     opts = (
         coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
         if layout.get("coop")
@@ -218,11 +218,20 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
     )
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0) -> dict[str, Any]:
+# the 32-value block types: the classic GEMV gives a row's warps chunks of 32 of their blocks
+LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
     type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
-    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights)."""
+    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights).
+    A classic row of a 32-value block type gets no more warps than the power of two its chunks of
+    32 blocks need (``k`` given): a warp past them finds no block of its row (kernels/gemv.cu.j2 deals chunk c to
+    warp c % WPR of the row) and only holds a slot at the block's barriers, so the block keeps its
+    rows with fewer threads (Gemma 3 270M's 640-value rows: 20 blocks, one warp's chunk; its
+    262,144-row head runs 128 threads a block, not 256 of which half idled)."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)
     if quant in COOP_TYPES and file_type in c.get("types", ()):
@@ -236,7 +245,14 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
     threads = g["threads"]
     if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
         threads = int(g["b1_short_n_threads"])
-    return dict(threads=threads, rows_per_block=g["rows_per_block"], unroll=g.get("unroll", 2))
+    rpb = int(g["rows_per_block"])
+    if k and quant in LEGACY_TYPES and (threads // 32) % rpb == 0:
+        chunks = -(-(k // QUANTS[quant][0]) // 32)
+        wpr = threads // 32 // rpb
+        while wpr > 1 and wpr // 2 >= chunks:  # (each chunk keeps its own warp)
+            wpr //= 2
+        threads = 32 * rpb * wpr
+    return dict(threads=threads, rows_per_block=rpb, unroll=g.get("unroll", 2))
 
 
 # bools last: swizzle / fragbuf / qprefetch (kernels/gemm.cu.j2)
