@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from engine.prefix_keys import ChainMemory, chain, chain_hash  # noqa: F401 (chain_hash: re-exported)
 
 _HASH_VERSION = b"memra-prefix-v1"
+RELEASED = -1  # a table entry whose block was released (before a sliding window: release_before)
 
 
 def cache_salt_hash(tenant: str, cache_salt: str = "") -> bytes:
@@ -63,6 +64,7 @@ class _SeqBlocks:
     state_slot: int | None = None  # this sequence's live state slot
     restore: int | None = None  # pinned snapshot slot its first step starts from
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) being snapshotted
+    released: int = 0  # leading table entries released (RELEASED): a sliding-window group's table
 
 
 class BlockManager:
@@ -163,9 +165,16 @@ class BlockManager:
 
     # ----- allocation -----------------------------------------------------------------------------
     def allocate(
-        self, seq_id: int, token_ids: Sequence[int], salt: bytes, *, headroom_blocks: int = 0
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        salt: bytes,
+        *,
+        headroom_blocks: int = 0,
+        max_hit_tokens: int | None = None,
     ) -> int | None:
-        """Give a new sequence a table covering all of ``token_ids``, reusing cached prefix blocks.
+        """Give a new sequence a table covering all of ``token_ids``, reusing cached prefix blocks
+        (at most ``max_hit_tokens`` positions of them where given).
 
         Succeeds only if, after the allocation, ``headroom_blocks`` more blocks would still be
         available. Returns the number of prefix-hit tokens (KV already present), or ``None`` when the
@@ -174,6 +183,8 @@ class BlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         hits, keys = self._match(token_ids, salt)
+        if max_hit_tokens is not None:
+            hits = hits[: max_hit_tokens // self.block_size]
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
         ref = self._ref
         from_lru = [b for b in hits if ref[b] == 0]
@@ -200,6 +211,74 @@ class BlockManager:
             seq.table.append(self._take_fresh())
         self._seqs[seq_id] = seq
         return seq.committed * self.block_size
+
+    # ----- sliding-window groups (engine.kv_groups) ----------------------------------------------
+    def window_hit(self, token_ids: Sequence[int], salt: bytes, max_tokens: int, window: int) -> int:
+        """The longest prefix of ``n <= max_tokens`` positions (a whole number of blocks) whose
+        window this manager holds cached: the blocks of positions ``n - window + 1 .. n - 1`` (the
+        keys the query at position n sees; earlier blocks may have been released). 0 if none."""
+        bs = self.block_size
+        if not self.enable_prefix_cache or max_tokens < bs:
+            return 0
+        nb = max_tokens // bs
+        present = [k in self._by_hash for k in self.keys.keys(salt, token_ids, nb)]
+        for n in range(nb, 0, -1):
+            if all(present[max(0, n * bs - window + 1) // bs : n]):
+                return n * bs
+        return 0
+
+    def allocate_window(
+        self, seq_id: int, token_ids: Sequence[int], salt: bytes, hit_tokens: int, window: int
+    ) -> bool:
+        """A sliding-window group's table for a new sequence whose first ``hit_tokens`` positions
+        are a prefix hit (``window_hit``): the entries before the window of position hit_tokens are
+        RELEASED, the window's cached blocks are referenced; the table covers the hit only (``grow``
+        adds the blocks of each chunk before it runs). False (nothing changed) when the cached
+        blocks are gone."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        bs = self.block_size
+        n_hit = hit_tokens // bs
+        first = max(0, hit_tokens - window + 1) // bs if n_hit else 0
+        keys = self.keys.keys(salt, token_ids, (len(token_ids) - 1) // bs) if self.enable_prefix_cache else []
+        hits = [self._by_hash.get(k) for k in keys[first:n_hit]]
+        if None in hits:
+            return False
+        seq = _SeqBlocks(salt=salt, table=[RELEASED] * first + hits, hashes=keys[:n_hit], known_keys=keys)
+        ref = self._ref
+        for b in hits:
+            if ref[b] == 0:
+                del self._lru[b]
+            ref[b] += 1
+        seq.committed, seq.released = n_hit, first
+        self._seqs[seq_id] = seq
+        return True
+
+    def release_before(self, seq_id: int, num_blocks: int) -> int:
+        """Release the sequence's committed blocks before table index ``num_blocks`` (a sliding
+        window has passed them): their entries become RELEASED; a cached one stays in the prefix
+        cache (LRU), the others are free. Returns how many blocks were released."""
+        seq = self._seqs[seq_id]
+        upto = min(num_blocks, seq.committed)
+        n = 0
+        for i in range(seq.released, upto):
+            b, seq.table[i] = seq.table[i], RELEASED
+            if b == RELEASED:
+                continue
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash[b] is not None:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+            n += 1
+        seq.released = max(seq.released, upto)
+        return n
+
+    def live_blocks(self, seq_id: int) -> int:
+        """The blocks the sequence holds (its table less the released entries)."""
+        seq = self._seqs[seq_id]
+        return len(seq.table) - sum(1 for b in seq.table[: seq.released] if b == RELEASED)
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Extend the table to cover ``num_tokens`` positions; False (unchanged) if blocks ran out."""
@@ -248,8 +327,10 @@ class BlockManager:
         parent = self._seqs[parent_id]
         child = _SeqBlocks(salt=parent.salt, hashes=list(parent.hashes), committed=parent.committed)
         for b in parent.table[: parent.committed]:
-            self._ref[b] += 1
+            if b != RELEASED:
+                self._ref[b] += 1
             child.table.append(b)
+        child.released = parent.released
         self._seqs[child_id] = child
         return parent.committed * self.block_size
 
@@ -294,6 +375,8 @@ class BlockManager:
             self._free_state(seq)
         ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
         for b in reversed(seq.table):
+            if b == RELEASED:
+                continue
             ref[b] -= 1
             if ref[b] == 0:
                 if hashes[b] is not None:
@@ -326,19 +409,24 @@ class BlockManager:
         assert not (free_set & lru_set), "a block is both free and cached"
         owners = [0] * n
         for sid, seq in self._seqs.items():
-            assert len(set(seq.table)) == len(seq.table), f"seq {sid}: a block appears twice in its table"
+            live = [b for b in seq.table if b != RELEASED]
+            assert len(set(live)) == len(live), f"seq {sid}: a block appears twice in its table"
             assert seq.committed <= len(seq.table), (
                 f"seq {sid}: committed {seq.committed} > table {len(seq.table)}"
             )
             if self.enable_prefix_cache:
                 assert len(seq.hashes) == seq.committed, f"seq {sid}: {len(seq.hashes)} hashes != committed"
-            for b in seq.table:
+            assert all(b == RELEASED for b in seq.table[: seq.released]), f"seq {sid}: released entries"
+            for b in seq.table[seq.released :]:
                 assert 0 <= b < n, f"seq {sid}: block id {b} out of range"
-                owners[b] += 1
+            for b in seq.table:
+                if b != RELEASED:
+                    owners[b] += 1
         shared_ok: dict[int, int] = {}
         for seq in self._seqs.values():
             for b in seq.table[: seq.committed]:
-                shared_ok[b] = shared_ok.get(b, 0) + 1
+                if b != RELEASED:
+                    shared_ok[b] = shared_ok.get(b, 0) + 1
         used = 0
         for b in range(n):
             ref = self._ref[b]

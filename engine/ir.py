@@ -63,6 +63,10 @@ class WeightPlan:
     rows: int  # output features (sum over parts); vectors: 1
     cols: int  # input features; vectors: length
     part_rows: tuple[int, ...] = ()
+    # added to a vector's values at upload (f32): a norm op's weight ``offset`` (Gemma's (1 + w))
+    # folded into its weight once, so every kernel reading it (rmsnorm, the GEMV norm prologue, the
+    # rope's q/k norms) multiplies by offset + w without knowing of it
+    offset: float = 0.0
 
     @property
     def nbytes(self) -> int:

@@ -24,9 +24,12 @@ from typing import Any
 
 from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
+from engine.kv_groups import WindowedBlocks
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
+
+SPEC_HEADROOM = 16  # tokens a decode row's drafts may add to a step (the window pool's minimum)
 
 log = logging.getLogger("memra.engine")
 
@@ -93,6 +96,14 @@ class Engine:
             state_slots=state_slots,
             snapshot_interval=config.state_snapshot_tokens,
         )
+        window_blocks = int(getattr(runner, "window_kv_blocks", 0) or 0)
+        if window_blocks:  # the window layers' KV in their own pool, released behind the window
+            window_group = BlockManager(window_blocks, runner.block_size, config.enable_prefix_cache)
+            step = min(config.prefill_chunk_tokens, config.max_step_tokens) + SPEC_HEADROOM
+            try:
+                self.blocks = WindowedBlocks(self.blocks, window_group, int(runner.kv_window), step)
+            except ValueError as e:
+                raise ConfigError(f"engine config: {e}") from None
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
@@ -457,7 +468,12 @@ class Engine:
             state_slot=slot,
             state_restore=restore,
             state_snapshots=snaps,
+            window_table=self._window_table(seq.seq_id),
         )
+
+    def _window_table(self, seq_id: int) -> list[int] | None:
+        blocks = self.blocks
+        return list(blocks.window_table(seq_id)) if isinstance(blocks, WindowedBlocks) else None
 
     def _advance(self, s: Scheduled, tokens: list[int], it: StepItem | None = None) -> None:
         """Apply one item's result: KV written up to the chunk's end, plus the emitted tokens if any

@@ -180,9 +180,12 @@ def build_plan(
             else:
                 prow = tuple(shapes[i][0] for i in g)
                 rows, cols = sum(prow), shape[1]
+            offset = _norm_offset(op, d) if len(shape) == 1 else 0.0
             if key not in weights:  # (the expert kernels read a stack's file blocks as they are)
                 dtype = dts[g[0]] if len(shape) == 3 else lowerer.upload_type(dts[g[0]], cols)
-                weights[key] = WeightPlan(key, layer, tuple(resolved), dtype, rows, cols, prow)
+                weights[key] = WeightPlan(key, layer, tuple(resolved), dtype, rows, cols, prow, offset)
+            elif weights[key].offset != offset:
+                raise ConfigError(f"{graph.path}: vector {key} is read with norm offsets {weights[key].offset} and {offset}")
             out.append(weights[key])
         return out
 
@@ -221,6 +224,8 @@ def build_plan(
             attn = next((o for o, lay, _ in schedule[pos:] if o.op == "attention" and lay == layer), None)
             if attn is not None and attn.inputs[2] in values:
                 lowerer.rope_v[layer] = values[attn.inputs[2]]
+            if attn is not None:
+                lowerer.rope_window[layer] = int(d.get(attn.attrs.get("window", ""), 0) or 0)
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
         unit = lowering_for(op.op, op.attrs)
@@ -354,6 +359,17 @@ def _needs_freq_factors(
         if tensor and tensor_dtypes and tensor in tensor_dtypes:
             return True
     return False
+
+
+def _norm_offset(op: Op, d: Mapping[str, Any]) -> float:
+    """A norm op's ``offset`` attribute (the dim it names: Gemma's 1 for HF files, 0 for GGUF ones,
+    whose converter stored 1 + w), which the weight upload adds to the norm vector; 0 elsewhere."""
+    name = op.attrs.get("offset") if op.op in ("rmsnorm", "head_rmsnorm") else None
+    if name is None:
+        return 0.0
+    if name not in d:
+        raise ConfigError(f"plan: op {op.op} attribute offset={name!r} names no dim")
+    return float(d[name] or 0.0)
 
 
 def _run_of_layer_ops(ops: list[tuple[Op, bool]], start: int) -> list[tuple[Op, bool]]:

@@ -37,7 +37,10 @@ class ReferenceRunner:
     ``has(tensor, layer)`` and ``dequantize(tensor, layer)``). ``max_model_len`` defaults to the
     model's context; ``num_blocks`` to at least one full-length sequence or DEFAULT_KV_BYTES of
     cache, whichever is more. The KV cache is ``k_cache``/``v_cache``:
-    [layers, num_blocks, block_size, kv_heads, head_dim] float32.
+    [layers, num_blocks, block_size, kv_heads, head_dim] float32. A model with sliding-window
+    attention layers (one window for all of them) also gets a window pool ``k_window``/``v_window``
+    of ``window_kv_blocks`` blocks (default num_blocks; 0: none) that those layers use for items
+    carrying a ``window_table`` (engine.kv_groups releases its blocks behind the window).
     """
 
     backend = "reference"
@@ -49,6 +52,7 @@ class ReferenceRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         state_slots: int | None = None,
+        window_kv_blocks: int | None = None,
     ):
         d = model.dims
         self.model = model
@@ -73,6 +77,8 @@ class ReferenceRunner:
         self.k_cache, self.v_cache = self._new_cache(self.num_blocks)
         self.ops = model.graph.ops()
         self._schedule = self._build_schedule()
+        self.kv_window, self.window_kv_blocks = self._window_pool(window_kv_blocks)
+        self.k_window, self.v_window = self._new_cache(self.window_kv_blocks) if self.window_kv_blocks else (None, None)
         # recurrent state of a hybrid model: one array per (stateful op, layer), [slots, *shape]
         self._state_shapes = {
             (o.op, layer): OPS[o.op].state(d)  # type: ignore[misc]
@@ -93,6 +99,23 @@ class ReferenceRunner:
         self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- construction -----------------------------------------------------------------------
+
+    def _window_pool(self, requested: int | None) -> tuple[int, int]:
+        """(window, window pool blocks): the one window of the model's sliding-window attention
+        layers, and the pool size (``requested``, default num_blocks; (0, 0) without such layers,
+        with several windows, or when 0 is requested)."""
+        dims = self.model.dims
+        windows = {
+            int(dims[o.attrs["window"]] or 0) for o, layer in self._schedule if o.op == "attention" and "window" in o.attrs
+        } - {0}
+        if requested == 0 or len(windows) != 1:
+            if requested and len(windows) != 1:
+                raise MemraError(f"window_kv_blocks needs one sliding window in the model, it has {sorted(windows)}")
+            return 0, 0
+        blocks = self.num_blocks if requested is None else int(requested)
+        if blocks < 1:
+            raise MemraError(f"window_kv_blocks must be >= 0, got {blocks}", param="window_kv_blocks")
+        return windows.pop(), blocks
 
     def _new_cache(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
         shape = (self.layers, num_blocks, self.block_size, self.kv_heads, self.head_dim)
@@ -178,14 +201,16 @@ class ReferenceRunner:
         states: dict[tuple[str, int], np.ndarray] | None = None,
         slot: int = 0,
         snapshots: Sequence[tuple[int, int]] = (),
+        window_table: Sequence[int] | None = None,
     ) -> np.ndarray:
         """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
         unless ``all_logits``). A hybrid's recurrent state is ``states[..][slot]``, updated in place;
         ``snapshots`` (n, slot) also store the state after the first n tokens into ``slot``."""
         env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
         step = RefStep(
-            self, env, start_pos, block_table, k_cache, v_cache, all_logits, states, slot, snapshots
-        )
+            self, env, start_pos, block_table, k_cache, v_cache, all_logits, states, slot, snapshots,
+            window_table, self.k_window, self.v_window,
+        )  # fmt: skip
         for o, layer in self._schedule:
             REFERENCE[o.op](step, o, layer)
         return env["logits"]
@@ -258,9 +283,26 @@ class ReferenceRunner:
                     f"seq {item.seq_id}: block {b} is out of range (num_blocks={self.num_blocks})",
                     code="internal_error",
                 )
+        if item.window_table is not None:
+            self._check_window_table(item, need)
         for tok in item.token_ids:
             if not 0 <= tok < self.vocab:
                 raise MemraError(f"token id {tok} is out of range (vocab size {self.vocab})", param="prompt")
+
+    def _check_window_table(self, item: StepItem, need: int) -> None:
+        """An item's window table: this runner has a window pool; it covers the item's positions,
+        with valid blocks from the window of its first position on (earlier ones may be RELEASED)."""
+        table = item.window_table
+        assert table is not None
+        if not self.window_kv_blocks:
+            raise MemraError(f"seq {item.seq_id}: a window_table for a runner without a window pool", code="internal_error")
+        first = ops_ref.window_start(item.start_pos, self.kv_window) // self.block_size
+        if len(table) < need or not all(0 <= b < self.window_kv_blocks for b in table[first:need]):
+            raise MemraError(
+                f"seq {item.seq_id}: window_table {list(table)[:need]} does not cover positions "
+                f"{item.start_pos}..{item.start_pos + len(item.token_ids) - 1} (window {self.kv_window})",
+                code="internal_error",
+            )
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         """Run every item (prefill chunk or decode token); sample the last token where asked."""
@@ -276,6 +318,7 @@ class ReferenceRunner:
                 self.v_cache,
                 False,
                 **self._item_state(item),
+                window_table=item.window_table,
             )
             if not item.sample:
                 out.append(None)
@@ -305,8 +348,9 @@ class ReferenceRunner:
         for item in items:
             k = len(item.draft)
             logits = self._forward(
-                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0
-            )
+                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0,
+                window_table=item.window_table,
+            )  # fmt: skip
             if k:
                 out.append(accept(logits[-(k + 1) :], item))
             elif item.sample:
@@ -328,6 +372,7 @@ class ReferenceRunner:
             self.v_cache,
             True,
             **self._item_state(item),
+            window_table=item.window_table,
         )
 
     # -- conveniences -------------------------------------------------------------------------

@@ -72,11 +72,17 @@ def streamed_weight_bytes(plan: Any, batch: int = 1) -> int:
 
 def kv_bytes_read(plan: Any, batch: int, depth: int) -> int:
     """KV bytes one decode step reads (the attention layers only: a hybrid's linear-attention layers
-    keep none), plus a hybrid's recurrent state, read and written once per row (f32)."""
+    keep none; a sliding-window layer, its attention launches' ``window``, at most window keys), plus
+    a hybrid's recurrent state, read and written once per row (f32)."""
     d = plan.dims
-    attn = sum(1 for st in plan.steps if st.op.op == "attention")
+    keys = 0
+    for st in getattr(plan, "steps", ()):
+        if st.op.op == "attention":
+            launches = st.launches.get("decode", ())
+            window = int(launches[0].spec.params.get("window", 0)) if launches else 0
+            keys += min(depth + 1, window) if window else depth + 1
     states = sum(sp.slot_bytes for sp in getattr(plan, "states", ()))
-    return batch * ((depth + 1) * attn * 2 * d["kv_dim"] * 2 + 2 * states)
+    return batch * (keys * 2 * d["kv_dim"] * 2 + 2 * states)
 
 
 def _slot(runner: Any, b: int) -> int | None:

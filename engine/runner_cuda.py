@@ -29,6 +29,7 @@ from engine.ir import MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
 from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
+from engine.runner_kv import KvPools
 from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.runner_weights import WeightLoading
@@ -72,13 +73,15 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic, WeightLoading, StateSlots):
+class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
     model's, limited by the KV cache); ``num_blocks`` fixes the KV block count (tests) instead of
     sizing it from free memory; ``use_graphs=False`` runs decode eagerly (the bit-exact check);
     ``state_slots`` fixes a hybrid model's recurrent-state slots (engine.runner_state).
+    ``window_kv_blocks`` > 0 keeps the sliding-window layers' KV in a pool of that many blocks,
+    addressed by each item's ``window_table`` (engine.runner_kv, engine.kv_groups).
     """
 
     backend = "cuda"
@@ -93,6 +96,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         use_graphs: bool = True,
         builder: KernelBuilder | None = None,
         state_slots: int | None = None,
+        window_kv_blocks: int = 0,
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
@@ -134,7 +138,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         t3 = time.perf_counter()
         self._alloc_arena()
         self._alloc_states(cuda, state_slots)
-        self._alloc_kv(max_model_len, num_blocks)
+        self._alloc_kv(cuda, max_model_len, num_blocks, window_kv_blocks)
         self._alloc_inputs()
         self._alloc_scratch()
         log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
@@ -229,28 +233,6 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
             self._value_ptr[name] = self.arena.ptr + offs[v.buffer] + v.offset * item
             self._value_rowbytes[name] = v.ld * item
 
-    def _alloc_kv(self, max_model_len: int | None, kv_blocks: int | None) -> None:
-        d = self.plan.dims
-        per_block_layer = self.block_size * d["kv_heads"] * d["head_dim"] * 2  # bf16
-        # the layers with attention (a hybrid's linear-attention layers keep no KV)
-        kv_layers = sorted({a.layer for st in self.plan.steps for ls in st.launches.values() for la in ls for a in la.args if a.kind == "kv"})
-        self._kv_index = {layer: i for i, layer in enumerate(kv_layers)}
-        per_block = per_block_layer * 2 * max(1, len(kv_layers))
-        if kv_blocks is None:
-            free, _ = self.ctx.mem_info()
-            kv_blocks = int(free * self.profile.kv_memory_fraction) // per_block
-        total_blocks = int(kv_blocks) + 1  # + the padding sink
-        if kv_blocks < 1:
-            raise MemraError("not enough free GPU memory for one KV cache block", code="out_of_memory")
-        self._kv_layer_bytes = total_blocks * per_block_layer
-        self.kv = cuda.alloc(self._kv_layer_bytes * 2 * max(1, len(kv_layers)))
-        cuda.memset(self.kv.ptr, 0, self.kv.nbytes)
-        self.num_blocks = int(kv_blocks)
-        self._sink_block = self.num_blocks  # hidden from the scheduler
-        cap = self.num_blocks * self.block_size
-        self.max_model_len = min(int(max_model_len or d.get("context", cap)), cap)
-        self._table_ld = (self.max_model_len + self.block_size - 1) // self.block_size
-
     def _alloc_inputs(self) -> None:
         self._max_rows = max(self.plan.graph_batch_sizes)
         counts = {"token": self.plan.max_tokens, "row": self._max_rows, "row+1": self._max_rows + 1}
@@ -264,6 +246,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         self._tables_off = off
         off += self._max_rows * self._table_ld * 4
         off = (off + 15) // 16 * 16
+        off = self._window_offsets(off)
         self._pen_off = off
         off = (off + (4 + 3 * PENALTY_CAPACITY) * 4 + 15) // 16 * 16
         self._prep = PrepBlock(self._max_rows, self.plan.values["logits"].width, off)  # token_mask inputs
@@ -279,6 +262,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
         self._prep.bind(self._in_host.bytes)
         self._prep_bytes = 0  # bytes of the last packed token_mask inputs
         self._host_rows: list[int] = []  # rows of the last step sampled on the host (logprobs)
+        self._window_views()
         self._tables = self._in_host.view(np.int32, self._max_rows * self._table_ld, self._tables_off)
         # host-side bookkeeping that keeps a decode step's Python short: every block-table row holds
         # the sink block past _table_len[r] entries (so a step rewrites only what changed), rows'
@@ -409,6 +393,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
     def _upload_inputs(self, rows: int, kind: str = "") -> None:
         nbytes = self._tables_off + rows * self._table_ld * 4
         _call_htod(self._in_dev.ptr, self._in_host.bytes[:nbytes], self.stream)
+        self._upload_window(rows, _call_htod)
         if "penalised" in kind:  # penalised, masked_penalised, masked_penalised_lp
             lo, hi = self._pen_off, self._pen_off + (4 + 3 * self._pen_count) * 4
             _call_htod(self._in_dev.ptr + lo, self._in_host.bytes[lo:hi], self.stream)
@@ -481,6 +466,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
             v["tokens"][row : row + m] = np.asarray(it.token_ids[lo:hi], dtype=np.int64)
             v["positions"][row : row + m] = pos
             v["slots"][row : row + m] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            self._fill_window(s, row, it, pos)
             v["seq_starts"][s] = row
             k = min(len(bt), ld)
             tables[s, :k] = bt[:k]
@@ -559,6 +545,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots):
             + list(self._scratch.values())
             + self._tmap_pools
             + [self.arena, self.kv, self._in_dev]
+            + ([self.kv_win] if self.kv_win is not None else [])
             + ([self._trace] if self._trace is not None else [])
         ):
             buf.free()

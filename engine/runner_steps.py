@@ -73,8 +73,7 @@ class StepLogic:
         if arg.kind == "weight":
             return self._weights[arg.ref].ptr
         if arg.kind == "kv":
-            idx = 2 * self._kv_index[arg.layer] + (0 if arg.ref == "k" else 1)
-            return self.kv.ptr + idx * self._kv_layer_bytes
+            return self._kv_ptr(arg.layer, arg.ref)
         if arg.kind == "input":
             return self._in_dev.ptr + self._in_off[arg.ref]
         if arg.kind == "shape":
@@ -303,11 +302,13 @@ class StepLogic:
                 tables[r, k : lens[r]] = sink
             lens[r] = k
             v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            self._fill_window(r, r, it, np.array([pos]))
             self._fill_sampling(r, it)
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
             v["positions"][r] = 0
             v["slots"][r] = sink * self.block_size
+            self._pad_window(r)
             if lens[r]:
                 tables[r, : lens[r]] = sink
                 lens[r] = 0

@@ -52,10 +52,11 @@ class WeightLoading:
             chunks = []
             for part in w.parts:
                 spec = m.graph.tensors[part]
-                if spec.kind == "vector":
-                    chunks.append(
-                        np.ascontiguousarray(m.dequantize(part, w.layer), dtype=np.float32).view(np.uint8)
-                    )
+                if spec.kind == "vector":  # f32, plus a norm's offset (WeightPlan.offset: Gemma's 1 + w)
+                    vec = np.asarray(m.dequantize(part, w.layer), dtype=np.float32)
+                    if w.offset:
+                        vec = np.float32(w.offset) + vec
+                    chunks.append(np.ascontiguousarray(vec, dtype=np.float32).view(np.uint8))
                     continue
                 info = m.info(part, w.layer)
                 if info.dtype != storage.REPACKED_FROM.get(w.dtype, w.dtype):

@@ -133,14 +133,20 @@ class Scheduler:
             out.append(Scheduled(seq, seq.num_computed, 1, True))
             budget -= 1
             i += 1
-        # 2. continue chunked prefills, oldest first.
+        # 2. continue chunked prefills, oldest first. (grow: a no-op for a table that covers the
+        # prompt; a sliding-window group takes each chunk's blocks here, engine.kv_groups, and a
+        # chunk it has no room for waits)
         prefill = min(self.prefill_chunk_tokens, budget)
+        stalled = False
         for seq in self.running:
             if prefill <= 0:
                 break
             if seq.remaining <= 1:
                 continue
             n = min(seq.remaining, prefill)
+            if not self.blocks.grow(seq.seq_id, seq.num_computed + n):
+                stalled = True
+                continue
             out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
             prefill -= n
         # 3. admit waiting sequences in strict arrival order.
@@ -158,6 +164,9 @@ class Scheduler:
             hit = self.blocks.allocate(seq.seq_id, seq.token_ids, seq.salt, headroom_blocks=headroom)
             if hit is None:
                 break  # the oldest waits for space; younger ones must not jump ahead
+            if not self.blocks.grow(seq.seq_id, hit + min(total - hit, prefill)):
+                self.blocks.free(seq.seq_id)  # (a window group without room for its first chunk)
+                break
             self.waiting.pop(0)
             bisect.insort(self.running, seq)
             seq.running = True
@@ -171,4 +180,8 @@ class Scheduler:
             n = min(seq.remaining, prefill)
             out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
             prefill -= n
+        if stalled and not out and len(self.running) > 1:
+            # every runnable sequence is a prefill waiting for window blocks the others hold: the
+            # youngest gives its blocks back (the window pool holds one sequence's window and step)
+            self._preempt(self.running[-1])
         return out

@@ -112,6 +112,10 @@ class StepItem:
     # (n, slot): after the first n tokens of this item, also store the state into ``slot`` (a
     # snapshot at a block boundary, for the prefix cache).
     state_snapshots: Sequence[tuple[int, int]] = ()
+    # --- sliding-window KV group (engine.kv_groups; runners with ``window_kv_blocks`` > 0) ---------
+    # The block table of the window layers' KV in the runner's window pool (entries before the
+    # window are block_manager.RELEASED and never read); None: every layer uses ``block_table``.
+    window_table: Sequence[int] | None = None
     # Speculative decoding (engine.spec): the last ``len(draft)`` entries of ``token_ids`` are proposed
     # tokens to verify. ``draft_probs`` is the proposer's distribution for each of them ([k, vocab]
     # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).

@@ -39,14 +39,13 @@ PRIMARY_ARCH = "sm_90a"
 
 
 def _variant(s) -> tuple:
-    """What changes the code (not just constants) of a spec: template, storage type, flags."""
-    return (s.template,) + tuple(
-        sorted(
-            (k, v)
-            for k, v in s.params.items()
-            if isinstance(v, (bool, str)) and k not in ("eps", "theta", "scale")
-        )
+    """What changes the code (not just constants) of a spec: template, storage type, flags (and
+    whether an attention kernel has a sliding window)."""
+    flags = sorted(
+        (k, v) for k, v in s.params.items() if isinstance(v, (bool, str)) and k not in ("eps", "theta", "scale")
     )
+    window = (("window", bool(s.params["window"])),) if "window" in s.params else ()
+    return (s.template, *flags, *window)
 
 
 def _row(s) -> int:
@@ -577,6 +576,14 @@ def _attention_variant_specs():
         # and its L2 prefetch of later weights (attention_decode.l2_prefetch_o), at the start
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:40960,1:160:8192"}))
         out.append(kc.spec("attention", **{**direct, "l2_pf": "0:0:4096"}))
+    # sliding-window attention (Gemma 3 270M's heads: 4 / 1 KV head / head_dim 256): split and
+    # direct decode (vec16 and scalar), the combine, the prefill with the K/V tile that fits
+    common = dict(heads=4, kv_heads=1, head_dim=256, block_size=16, scale=0.0625, window=512)
+    for direct, vec16, warps in ((True, True, 8), (False, True, 4), (True, False, 4), (False, False, 4)):
+        out.append(kc.spec("attention", **common, split=256, q_stride=1536, out_stride=1024, mode="decode",
+                           direct=direct, warps=warps, vec16=vec16, qsplit=4 if direct else 1))  # fmt: skip
+    out.append(kc.spec("attention_combine", heads=4, head_dim=256, split=256, out_stride=1024, window=512))
+    out.append(kc.spec("attention_prefill", **common, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4))
     # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with its prefetch
     from test_plan import _q4_k_m_plan
 

@@ -420,7 +420,7 @@ def test_decode_profile_labels_follow_the_runner_bind_order(fake):
     """tools/gpu_decode_profile.py names each bound launch of a pass; it must walk the plan in
     CudaRunner._bind_pass order (its per-kernel table zips the two)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from gpu_decode_profile import pass_labels
+    from gpu_decode_profile import pass_labels, pass_weight_bytes
 
     runner, _ = fake
     for short in (True, False):
@@ -428,6 +428,11 @@ def test_decode_profile_labels_follow_the_runner_bind_order(fake):
         labels = pass_labels(runner, "decode1", short, "greedy")
         assert len(labels) == len(bound)
         assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
+        nbytes = pass_weight_bytes(runner, "decode1", short, "greedy")
+        assert len(nbytes) == len(labels)
+        head = [n for lb, n in zip(labels, nbytes, strict=True) if lb.startswith("head:")]
+        lm = {w.key: w.nbytes for w in runner.plan.weights}.get("lm_head")
+        assert head and head[0] == (lm or {w.key: w.nbytes for w in runner.plan.weights}["embed"])
 
 
 def test_bf16_prefill_binds_the_wgmma_gemm_with_tensor_maps_built_once(fake):

@@ -99,3 +99,21 @@ def test_default_batches_are_every_graph_bucket_and_rows_that_do_not_fit_are_ski
     r.num_blocks = 40
     rows = runner_bench.run_all(r, depths=(0,), prefills=(), steps=4)
     assert [x["batch"] for x in rows] == [1, 2, 4, 8]
+
+
+def test_decode_kv_bytes_of_sliding_window_layers_stop_at_the_window():
+    """Gemma 3 (5 local layers of window 512 per global one): a local layer reads at most 512 keys."""
+    from engine.graph import load_family
+    from engine.model import resolve_dims
+    from engine.plan import build_plan
+    from engine.profile import get_profile
+
+    g = load_family("gemma3")
+    hf = {
+        "hidden_size": 256, "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "intermediate_size": 512, "vocab_size": 1024, "sliding_window": 512,
+    }  # fmt: skip
+    plan = build_plan(g, resolve_dims(g, "hf", hf, "config.json"), g.quant("bf16"), get_profile("h200"))
+    per_key = 2 * 256 * 2  # k and v, kv_dim 256, bf16
+    assert runner_bench.kv_bytes_read(plan, 1, 99) == 12 * 100 * per_key
+    assert runner_bench.kv_bytes_read(plan, 2, 4095) == 2 * (2 * 4096 + 10 * 512) * per_key

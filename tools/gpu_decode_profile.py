@@ -14,7 +14,10 @@ NAME=SPEC`` with engine.profile.with_tuning's ``section.knob=value; ...`` overri
 - ``kernels`` (``--breakdown``): each distinct launch of the batch-1 pass (same kernel and grid)
   timed as a graph that runs every instance of it in the pass, each with its own layer's weights
   (so a matrix smaller than L2 is still read from HBM, as in the step), repeated up to at least 20
-  launches; the sum against ``graph`` shows what the launches between kernels cost;
+  launches; the sum against ``graph`` shows what the launches between kernels cost. A launch that
+  reads weights also gets its own bandwidth (its weights' bytes over its time, GB/s) and that as a
+  fraction of the measured device-to-device copy (``copy_gbs``); the lm_head's GEMV (the launch
+  writing the logits) gets its own line, ``head``;
 - ``rel``: a variant's logits after a 16-token prefill and one decode step against the first
   variant's (a tuning that changes results shows here; tests/gpu checks correctness properly).
 
@@ -44,15 +47,27 @@ COPIES = 20
 
 
 def pass_labels(runner, mode: str, short: bool, sampling: str) -> list[str]:
-    """One label per launch of a decode pass, in CudaRunner._bind_pass order."""
+    """One label per launch of a decode pass, in CudaRunner._bind_pass order; the lm_head's
+    launches (their step writes the logits) are labelled ``head:``."""
     labels = []
     for step in runner.plan.steps:
         key = launch_key(step.launches, mode, short)
+        op = "head" if "logits" in step.op.outputs else step.op.op
         for launch in step.launches[key]:
-            labels.append(f"{step.op.op}:{launch.spec.entry}")
+            labels.append(f"{op}:{launch.spec.entry}")
     for launch in runner.plan.sampling[sampling]:
         labels.append(f"sample:{launch.spec.entry}")
     return labels
+
+
+def pass_weight_bytes(runner, mode: str, short: bool, sampling: str) -> list[int]:
+    """The weight bytes each launch of a decode pass reads (its weight args), in pass_labels order."""
+    sizes = {w.key: w.nbytes for w in runner.plan.weights}
+    out = []
+    for step in runner.plan.steps:
+        for launch in step.launches[launch_key(step.launches, mode, short)]:
+            out.append(sum(sizes.get(a.ref, 0) for a in launch.args if a.kind == "weight"))
+    return out + [0] * len(runner.plan.sampling[sampling])
 
 
 def time_graph(cuda, graph, stream, launches: int) -> float:
@@ -71,13 +86,16 @@ def time_graph(cuda, graph, stream, launches: int) -> float:
     return us
 
 
-def breakdown(cuda, runner, bound: list, labels: list[str]) -> list[dict]:
+def breakdown(
+    cuda, runner, bound: list, labels: list[str], weight_bytes: list[int], copy_gbs: float | None
+) -> list[dict]:
     groups: dict[tuple, dict] = {}
-    for b, label in zip(bound, labels, strict=True):
+    for b, label, nbytes in zip(bound, labels, weight_bytes, strict=True):
         key = (label, b.grid, b.block, b.smem)
         if key not in groups:
-            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "bound": []}
+            groups[key] = {"label": label, "grid": list(b.grid), "block": b.block[0], "bound": [], "bytes": 0}
         groups[key]["bound"].append(b)
+        groups[key]["bytes"] += nbytes
     rows = []
     for g in groups.values():
         bs = g.pop("bound")
@@ -92,6 +110,12 @@ def breakdown(cuda, runner, bound: list, labels: list[str]) -> list[dict]:
         graph.destroy()
         g["us"] = round(us, 2)
         g["total_us"] = round(us * g["count"], 1)
+        nbytes = g.pop("bytes") / g["count"]  # one launch's weight bytes (the mean over its instances)
+        if nbytes:
+            g["weight_bytes"] = int(nbytes)
+            g["gbs"] = round(nbytes / (us * 1e-6) / 1e9, 1)
+            if copy_gbs:
+                g["copy_frac"] = round(g["gbs"] / copy_gbs, 3)
         rows.append(g)
     rows.sort(key=lambda r: -r["total_us"])
     return rows
@@ -118,6 +142,9 @@ def profile_variant(cuda, model, profile, batches, want_breakdown: bool) -> dict
     runner = CudaRunner(model, profile, num_blocks=4096, max_model_len=8192)
     res: dict = {"build_s": round(time.perf_counter() - t0, 2), "kernels_compiled": len(runner._fns)}
     try:
+        copy_gbs = float(runner.copy_bandwidth_gbs()) if want_breakdown else None
+        if copy_gbs:
+            res["copy_gbs"] = round(copy_gbs, 1)
         res["logits"] = probe_logits(runner)
         for batch in batches:
             wall = runner_bench.bench_decode(runner, batch, 0)
@@ -134,8 +161,10 @@ def profile_variant(cuda, model, profile, batches, want_breakdown: bool) -> dict
                 "launches": len(bound),
             }
             if want_breakdown and batch == batches[0]:
-                labels = pass_labels(runner, _decode_mode(bucket, runner.plan.wide_rows), True, "greedy")
-                row["kernels"] = breakdown(cuda, runner, bound, labels)
+                mode = _decode_mode(bucket, runner.plan.wide_rows)
+                labels = pass_labels(runner, mode, True, "greedy")
+                nbytes = pass_weight_bytes(runner, mode, True, "greedy")
+                row["kernels"] = breakdown(cuda, runner, bound, labels, nbytes, copy_gbs)
                 row["kernel_sum_us"] = round(sum(k["total_us"] for k in row["kernels"]), 1)
             res[f"b{batch}"] = row
     finally:
@@ -168,9 +197,18 @@ def report(results: dict) -> str:
                     f"  {100 * row['roofline']:5.1f} %  {row['launches']} launches  rel {res.get('rel', 0):.2e}"
                 )
                 for k in row.get("kernels", []):
+                    bw = f"  {k['gbs']:7.1f} GB/s" if "gbs" in k else ""
+                    bw += f" {100 * k['copy_frac']:5.1f} % of copy" if "copy_frac" in k else ""
                     lines.append(
-                        f"    {k['total_us']:8.1f} us  {k['count']:4d} x {k['us']:7.2f}  grid {k['grid']} x {k['block']}  {k['label'][:110]}"
+                        f"    {k['total_us']:8.1f} us  {k['count']:4d} x {k['us']:7.2f}  grid {k['grid']} x {k['block']}{bw}  {k['label'][:110]}"
                     )
+                for k in row.get("kernels", []):
+                    if k["label"].startswith("head:") and "gbs" in k:
+                        frac = f", {100 * k['copy_frac']:.1f} % of the d2d copy ({res.get('copy_gbs')} GB/s)" if "copy_frac" in k else ""
+                        lines.append(
+                            f"    head: {k['label'][5:]} reads {k['weight_bytes'] / 1e6:.1f} MB in {k['us']:.2f} us: "
+                            f"{k['gbs']:.1f} GB/s{frac}"
+                        )
                 if "kernel_sum_us" in row:
                     lines.append(
                         f"    {row['kernel_sum_us']:8.1f} us  sum of kernels (graph {row['graph_us']} us)"

@@ -58,7 +58,7 @@ def linear_params(
     ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     bmax = bmax or GEMV_MAX_BATCH
-    layout = gemv_layout(quant, tuning, n=n, bmax=bmax)
+    layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
     opts = (
         coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
         if layout.get("coop")
@@ -282,11 +282,20 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
     )
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0) -> dict[str, Any]:
+# the 32-value block types: the classic GEMV gives a row's warps chunks of 32 of their blocks
+LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
     type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
-    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights)."""
+    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights).
+    A classic row of a 32-value block type gets no more warps than the power of two its chunks of
+    32 blocks need (``k`` given): a warp past them finds no block of its row (kernels/gemv.cu.j2 deals chunk c to
+    warp c % WPR of the row) and only holds a slot at the block's barriers, so the block keeps its
+    rows with fewer threads (Gemma 3 270M's 640-value rows: 20 blocks, one warp's chunk; its
+    262,144-row head runs 128 threads a block, not 256 of which half idled)."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)
     if quant in COOP_TYPES and file_type in c.get("types", ()):
@@ -300,7 +309,14 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
     threads = GEMV_THREADS
     if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
         threads = int(g["b1_short_n_threads"])
-    return dict(threads=threads, rows_per_block=GEMV_ROWS_PER_BLOCK, unroll=GEMV_UNROLL)
+    rpb = GEMV_ROWS_PER_BLOCK
+    if k and quant in LEGACY_TYPES and (threads // 32) % rpb == 0:
+        chunks = -(-(k // QUANTS[quant][0]) // 32)
+        wpr = threads // 32 // rpb
+        while wpr > 1 and wpr // 2 >= chunks:  # (each chunk keeps its own warp)
+            wpr //= 2
+        threads = 32 * rpb * wpr
+    return dict(threads=threads, rows_per_block=rpb, unroll=GEMV_UNROLL)
 
 
 # the gemm params (kernels/gemm.cu.j2) in their order, and the ones each tuning section keeps fixed
@@ -574,6 +590,8 @@ def all_specs(
     for res in (False, True):
         out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
     out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
+    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el, act="gelu_tanh")] = None  # GeGLU
+    out[spec("add", n=hidden, a_stride=hidden, b_stride=hidden, threads=el)] = None  # a residual sum
     for style in rope_styles:
         out[spec("rope", **rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm))] = (
             None
@@ -601,6 +619,17 @@ def all_specs(
     out[
         spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim)
     ] = None
+    window = int(d.get("sliding_window") or 0)
+    if window:  # sliding-window variants (the lowering turns table_first off with a window)
+        for direct in (True, False):
+            p = attention_params(d, tuning, block_size, mode="decode", direct=direct, q_stride=qkv, out_stride=q_dim)
+            out[spec("attention", **{**p, "window": window, "table_first": False})] = None
+        pp = attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim)
+        out[spec("attention_prefill", **{**pp, "window": window})] = None
+        out[
+            spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim,
+                 window=window)
+        ] = None  # fmt: skip
     out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
     out[spec("token_mask", vocab=vocab, ld=vocab, threads=sm)] = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.kernel_catalog.contracts import QUANTS, ROPE_STYLES
+from engine.kernel_catalog.contracts import GLU_ACTS, QUANTS, ROPE_STYLES
 from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_TYPES,
@@ -248,6 +248,15 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"rope_dim={p['rope_dim']} must be even and <= head_dim",
         )
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
+    if template in ("attention", "attention_prefill", "attention_combine"):
+        need(p["window"] >= 0, f"window={p['window']} must be >= 0 (0: no sliding window)")
+    if template == "silu_mul":
+        need(p["act"] in GLU_ACTS, f"act {p['act']!r} must be one of {', '.join(GLU_ACTS)}")
+    if template == "add":
+        need(
+            p["n"] % 8 == 0 and p["a_stride"] % 8 == 0 and p["b_stride"] % 8 == 0,
+            "n, a_stride and b_stride must be multiples of 8 (16-byte loads)",
+        )
     if template in ("attention", "attention_combine"):
         need(
             p["head_dim"] % 32 == 0 and p["head_dim"] <= 256,
@@ -289,6 +298,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 p["split"] % (8 * p["warps"]) == 0,
                 f"vec16: split={p['split']} must be a multiple of 8 * warps",
             )
+        need(
+            not (p["window"] and p["table_first"]),
+            "table_first stages the table from the range's first key: not with a sliding window",
+        )
         need(not p["l2_pf"] or (p["direct"] and p["mode"] == "decode"), "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")

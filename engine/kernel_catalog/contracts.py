@@ -20,6 +20,7 @@ QUANTS: dict[str, tuple[int, int]] = {
 
 
 ROPE_STYLES = ("neox", "interleaved")
+GLU_ACTS = ("silu", "gelu_tanh")  # silu_mul's gate activations (SwiGLU, GeGLU with the tanh GELU)
 
 
 PENALTY_BLOCKS = 64  # the penalties kernel's fixed grid (it loops over however many entries there are)
@@ -78,9 +79,13 @@ _QUIET_NAME: dict[str, tuple[str, ...]] = {
 
 # params left out of the entry name while at these defaults (added after the names in golden plans)
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
-    "attention": {"qsplit": 1, "v_stride": 0},
+    "attention": {"qsplit": 1, "v_stride": 0, "window": 0},
+    "attention_prefill": {"window": 0},
+    "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
     "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
+    "embed": {"scale": "1.0"},
+    "silu_mul": {"act": "silu"},
     "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "maxnreg": 0},
 }
 
@@ -289,10 +294,18 @@ KERNELS: dict[str, KernelDoc] = {
         "(threads,)",
     ),
     "embed": KernelDoc(
-        dict(quant=str, hidden=int, threads=int),
+        dict(quant=str, hidden=int, threads=int, scale=float),
         (("out", P), ("table", P), ("ids", P), ("rows", I32)),
-        ("quant", "hidden", "threads"),
+        ("quant", "hidden", "threads", "scale"),
         "(rows,)",
+        "(threads,)",
+        defaults={"scale": 1.0},
+    ),
+    "add": KernelDoc(
+        dict(n=int, a_stride=int, b_stride=int, threads=int),
+        (("out", P), ("a", P), ("b", P), ("rows", I32)),
+        ("n", "a_stride", "b_stride", "threads"),
+        "(ceil(n / (8 * threads)), rows)",
         "(threads,)",
     ),
     "rope": KernelDoc(
@@ -342,11 +355,12 @@ KERNELS: dict[str, KernelDoc] = {
         defaults={"v_stride": 0},
     ),
     "silu_mul": KernelDoc(
-        dict(inter=int, in_stride=int, threads=int),
+        dict(inter=int, in_stride=int, threads=int, act=str),
         (("out", P), ("g", P), ("u", P), ("rows", I32)),
-        ("inter", "in_stride", "threads"),
+        ("inter", "in_stride", "threads", "act"),
         "(ceil(inter / (8 * threads)), rows)",
         "(threads,)",
+        defaults={"act": "silu"},
     ),
     "attention": KernelDoc(
         dict(
@@ -375,6 +389,7 @@ KERNELS: dict[str, KernelDoc] = {
             table_first=bool,
             trigger=bool,
             l2_pf=str,
+            window=int,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
         # see kernel_args()
@@ -404,6 +419,7 @@ KERNELS: dict[str, KernelDoc] = {
             "qsplit",
             "table_first",
             "trigger",
+            "window",
         ),
         "(rows, kv_heads, qsplit if direct else max_splits)",
         "(warps * 32,)",
@@ -422,6 +438,7 @@ KERNELS: dict[str, KernelDoc] = {
             "table_first": False,
             "trigger": False,
             "l2_pf": "",
+            "window": 0,
         },
     ),
     "attention_prefill": KernelDoc(
@@ -436,6 +453,7 @@ KERNELS: dict[str, KernelDoc] = {
             block_q=int,
             block_kv=int,
             warps=int,
+            window=int,
         ),
         (
             ("out", P),
@@ -447,16 +465,18 @@ KERNELS: dict[str, KernelDoc] = {
             ("seq_starts", P),
             ("max_blocks", I32),
         ),
-        ("heads", "kv_heads", "head_dim", "block_size", "q_stride", "out_stride", "block_q", "block_kv"),
+        ("heads", "kv_heads", "head_dim", "block_size", "q_stride", "out_stride", "block_q", "block_kv", "window"),
         "(ceil(max_q / block_q), heads, nseq)",
         "(warps * 32,)",
+        defaults={"window": 0},
     ),
     "attention_combine": KernelDoc(
-        dict(heads=int, head_dim=int, split=int, out_stride=int),
+        dict(heads=int, head_dim=int, split=int, out_stride=int, window=int),
         (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
-        ("heads", "head_dim", "split", "out_stride"),
+        ("heads", "head_dim", "split", "out_stride", "window"),
         "(rows, heads)",
         "(head_dim,)",
+        defaults={"window": 0},
     ),
     "argmax": KernelDoc(
         dict(vocab=int, ld=int, threads=int),

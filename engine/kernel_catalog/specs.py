@@ -91,6 +91,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "maxnreg"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
+            or key == "window"  # attention kernels: 0 means no sliding window
         )
         if typ is int and norm[key] <= 0 and not zero_ok:
             raise _fail(template, f"param {key}={value!r} must be positive")
@@ -180,6 +181,12 @@ def choice(template: str, **params: Any) -> KernelChoice:
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
             return (_cdiv(p["inter"], 8 * p["threads"]), rows, 1)
+
+        block = (p["threads"], 1, 1)
+    elif template == "add":
+
+        def grid(rows: int, **_: int) -> tuple[int, int, int]:
+            return (_cdiv(p["n"], 8 * p["threads"]), rows, 1)
 
         block = (p["threads"], 1, 1)
     elif template == "penalties":

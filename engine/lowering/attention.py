@@ -15,26 +15,35 @@ from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, Weigh
 from engine.lowering.registry import post_pass, register, same_width
 from engine.lowering.rope import vec16
 
+PREFILL_SMEM = 99 * 1024  # the flash prefill's dynamic shared memory bound (kernel_catalog.checks)
 
-@register("attention", bind=same_width, short=True)
+
+@register("attention", bind=same_width, short=True, attrs=("window", "scale"))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     d = ctx.dims
     q, _k, _v_ = ins
     out = outs[0]
     heads, kvh, hd = d["heads"], d["kv_heads"], d["head_dim"]
+    # window: sliding-window attention (keys p - window + 1 .. p; 0 / None: none), any family
+    window = int(ctx.attr_dim(op, "window") or 0)
     common = dict(
         heads=heads,
         kv_heads=kvh,
         head_dim=hd,
         block_size=ctx.profile.kv_block_size,
-        scale=repr(float(hd) ** -0.5),
+        scale=repr(float(ctx.attr_dim(op, "scale") or float(hd) ** -0.5)),
         q_stride=q.ld,
         out_stride=out.ld,
+        window=window,
     )
+    # table_first stages the first chunk's table entries before the row's position is known:
+    # from key 0, not the window's first key
+    table_first = bool(ctx.tune("attention_decode").get("table_first")) and not window
     cache = (
         Arg("kv", "k", layer=layer),
         Arg("kv", "v", layer=layer),
-        Arg("input", "block_tables"),
+        # a window layer reads its own tables (the runner's window pool, or the block tables)
+        Arg("input", "window_tables" if window else "block_tables"),
         Arg("input", "positions"),
         Arg("shape", "max_blocks", "i32"),
     )
@@ -47,7 +56,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, **common)
         args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
         grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
-        smem = (bq + 4 * bkv) * (hd + 8) * 2
+        smem = kc.attention_prefill_smem(spec.params)
         return [Launch(spec, grid, (32 * pw,), args, smem)]
     t = ctx.tune("attention_decode")
     if mode == "short":
@@ -66,7 +75,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
             qsplit=qsplit,
             **common,
             **rope,
-            table_first=bool(t.get("table_first")),
+            table_first=table_first,
             trigger=False,  # (trigger_short1 sets it at batch 1)
         )
         args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
@@ -80,7 +89,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         warps=warps,
         vec16=v16,
         **common,
-        table_first=bool(t.get("table_first")),
+        table_first=table_first,
     )
     rows = ctx.max_rows
     ctx.need_scratch(ScratchPlan("attn_o", per_split=rows * heads * hd * 4, split=split))
@@ -89,7 +98,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     part = (Arg("scratch", "attn_o"), Arg("scratch", "attn_ml"))
     args = (NULL,) + part + (val(q),) + cache + (splits,)
     grid = ("n", kvh, f"(max_ctx + {split - 1}) // {split}")
-    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld)
+    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld, window=window)
     cargs = (val(out),) + part + (Arg("input", "positions"), splits)
     return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
 

@@ -56,6 +56,9 @@ class Lowerer:
         self.fusable1: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
+        # set by build_plan: the sliding window of the attention each rope writes the cache for (0:
+        # none); a window layer's KV write goes through the window slots (engine.runner_kv)
+        self.rope_window: dict[int | None, int] = {}
         # (id(op), layer) of the gate|up linears whose decode GEMV stores silu(gate) * up (build_plan)
         self.glu_ops: set[tuple[int, int | None]] = set()
         self.glu_done: set[tuple[str, str]] = set()  # (mode, gate value) whose GEMV ran glu
@@ -66,6 +69,16 @@ class Lowerer:
 
     def spec(self, template: str, **params: Any) -> KernelSpec:
         return kc.spec(template, **params)
+
+    def attr_dim(self, op: Op, attr: str, default: Any = None) -> Any:
+        """The value of the dim that ``op``'s attribute ``attr`` names (``default`` when unset), as
+        the reference's RefStep.attr_dim reads it."""
+        name = op.attrs.get(attr)
+        if name is None:
+            return default
+        if name not in self.dims:
+            raise ConfigError(f"plan: op {op.op} attribute {attr}={name!r} names no dim")
+        return self.dims[name]
 
     def tune(self, section: str) -> dict[str, Any]:
         return self.profile.tune(section)

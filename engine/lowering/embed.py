@@ -1,5 +1,5 @@
 """Lowering unit ``embed``: one row of the (possibly quantised) table per token, dequantised to
-bf16 (kernels/embed.cu.j2). Must not import CUDA or numpy."""
+bf16 (kernels/embed.cu.j2), times the op's ``scale`` (Gemma's sqrt(hidden)) where set. Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ def bind(op, ws, ins, dims, value_for):
     return [value_for(op.outputs[0], dims["hidden"])]
 
 
-@register("embed", bind=bind)
+@register("embed", bind=bind, attrs=("scale",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     w = ws[0]
     t = ctx.tune("elementwise")["threads"]
-    spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t)
+    spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t, scale=float(ctx.attr_dim(op, "scale", 1.0)))
     return [Launch(spec, ("n",), (t,), (val(outs[0]), wgt(w), Arg("input", "tokens"), ROWS))]

@@ -55,7 +55,7 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
         )
     opts: dict[str, Any] = {}
-    layout = kc.gemv_layout(w.dtype, ctx.profile.tuning, n=w.rows, bmax=bmax)
+    layout = kc.gemv_layout(w.dtype, ctx.profile.tuning, n=w.rows, bmax=bmax, k=w.cols)
     if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
         rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
         opts = dict(

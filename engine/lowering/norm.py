@@ -2,8 +2,9 @@
 
 rmsnorm: kernels/rmsnorm.cu.j2, or no launch in a decode mode where the GEMVs that read its output
 normalise x while loading it (the Lowerer's ``prologue``). head_rmsnorm (Qwen3's per-head q / k
-norm) never launches: the rope that follows applies it (its ``qk_norm``). Must not import CUDA or
-numpy."""
+norm) never launches: the rope that follows applies it (its ``qk_norm``). A norm's ``offset``
+(Gemma's (1 + w)) is in its weight: engine.plan sets WeightPlan.offset and the upload adds it. Must
+not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from engine.lowering.registry import register, same_width
 from engine.types import ConfigError
 
 
-@register("rmsnorm", bind=same_width, wide="prefill")
+@register("rmsnorm", bind=same_width, wide="prefill", attrs=("offset",))
 def lower_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     w = ws[0]
     t = kc.NORM_THREADS
@@ -35,7 +36,7 @@ def lower_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     return [Launch(spec, ("n",), (t,), (val(outs[0]), val(ins[0]), NULL, wgt(w), ROWS))]
 
 
-@register("head_rmsnorm", bind=same_width, short=True)
+@register("head_rmsnorm", bind=same_width, short=True, attrs=("offset",))
 def lower_head_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     # fused into the rope kernel that follows (qk_norm); remember which value it normalises
     if outs[0].name != ins[0].name:

@@ -2,7 +2,8 @@
 head_rmsnorm), and the k / v write to the paged cache (kernels/rope.cu.j2). In a short-context
 decode pass it has no launch where the direct attention kernel that follows does its work
 (tuning attention_decode.fuse_rope): it leaves the attention the params and args for that in the
-Lowerer's ``rope_fused``. Must not import CUDA or numpy."""
+Lowerer's ``rope_fused``. ``theta`` / ``scaling`` attributes give a layer type its own RoPE base
+and scaling (Gemma 3: 10k on local layers, 1M on global ones). Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -28,9 +29,34 @@ def rope_fuses(ctx, q: Value, k: Value) -> bool:
     return bool(ctx.tune("attention_decode").get("fuse_rope")) and vec16(ctx, q) and k.ld % 8 == 0
 
 
-@register("rope", bind=bind, short=True, attrs=("freq_factors",))
+def rope_freq(ctx, op, theta: float):
+    """The frequency-factor weight this rope op reads, or None. ``theta`` / ``scaling`` attributes
+    (Gemma's local and global layers) pick the op's base and scaling; the plan's one factor table
+    (ctx.freq, from the model's rope_scaling or a GGUF rope_freqs tensor) serves only ops with the
+    model's own base and scaling; an op whose scaling attribute is unscaled reads none."""
+    d = ctx.dims
+    if "scaling" in op.attrs:
+        scaling = ctx.attr_dim(op, "scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            return None
+        if scaling != (d.get("rope_scaling") or {}) or ctx.freq is None:
+            raise ConfigError(
+                f"plan: rope scaling {scaling} of one layer type differs from the model's rope_scaling "
+                f"(the CUDA plan has one frequency-factor table)"
+            )
+    if ctx.freq is not None and theta != float(d["rope_theta"]):
+        raise ConfigError(
+            f"plan: rope theta {theta} with frequency factors made for rope_theta {d['rope_theta']} "
+            f"(the CUDA plan has one frequency-factor table)"
+        )
+    return ctx.freq
+
+
+@register("rope", bind=bind, short=True, attrs=("freq_factors", "theta", "scaling"))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     d = ctx.dims
+    theta = float(ctx.attr_dim(op, "theta") or d["rope_theta"])  # a layer type's own base (Gemma)
+    freq_w = rope_freq(ctx, op, theta)
     q, k = ins
     v = ctx.rope_v.get(layer)
     if v is None:
@@ -45,24 +71,26 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         kv_heads=d["kv_heads"],
         head_dim=d["head_dim"],
         rope_dim=d["rope_dim"],
-        theta=repr(float(d["rope_theta"])),
+        theta=repr(theta),
         style=ctx.rope_style,
         q_stride=q.ld,
         kv_stride=k.ld,
         qk_norm=qn is not None,
         eps=repr(float(d["rms_eps"])),
-        freq_factors=ctx.freq is not None,
+        freq_factors=freq_w is not None,
         kv_write=True,
         threads=t,
         **({"v_stride": v.ld} if v.ld != k.ld else {}),
     )
     norms = (wgt(qn) if qn else NULL, wgt(kn) if kn else NULL)
-    freq = wgt(ctx.freq) if ctx.freq is not None else NULL
+    # a window layer writes its KV through its own slots (the runner's window pool, or the slots)
+    slots = Arg("input", "window_slots" if ctx.rope_window.get(layer) else "slots")
+    freq = wgt(freq_w) if freq_w is not None else NULL
     if mode == "short" and rope_fuses(ctx, q, k) and v.ld % 8 == 0:
         # short-context decode: the direct attention kernel that follows rotates q / k itself
         # and writes the cache (the split kernels do not: every split block would redo the rope)
         fused = {key: params[key] for key in kc.ATTENTION_ROPE_PARAMS if key in params}
-        extra = (val(k), val(v), *norms, freq, Arg("input", "slots"))
+        extra = (val(k), val(v), *norms, freq, slots)
         ctx.rope_fused[layer] = ({"rope": True, **fused}, extra)
         return []
     spec = ctx.spec("rope", **params)
@@ -75,7 +103,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         freq,
         Arg("kv", "k", layer=layer),
         Arg("kv", "v", layer=layer),
-        Arg("input", "slots"),
+        slots,
         ROWS,
     )
     return [Launch(spec, ("n", kc.rope_head_blocks(params)), (t,), args)]

@@ -54,6 +54,11 @@ class RefStep:
     states: dict[tuple[str, int], np.ndarray] | None = None
     slot: int = 0
     snapshots: Sequence[tuple[int, int]] = ()
+    # A sliding-window KV pool (engine.kv_groups): the window layers' caches and the item's table
+    # into them; None: the window layers use ``k_cache`` / ``block_table`` like the others.
+    window_table: Sequence[int] | None = None
+    k_window: np.ndarray | None = None
+    v_window: np.ndarray | None = None
 
     def state(self, op: Any, layer: int) -> np.ndarray:
         """The live state array of ``op`` at ``layer`` for this item's sequence (a view: write it)."""

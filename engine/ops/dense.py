@@ -59,19 +59,21 @@ def _rope(s: RefStep, o, layer) -> None:
 def _attention(s: RefStep, o, layer) -> None:
     r = s.runner
     q, k, v = (s.env[n] for n in o.inputs)
+    window = s.attr_dim(o, "window")
+    pool = window and s.window_table is not None  # the window layers' own KV pool (engine.kv_groups)
     s.env[o.outputs[0]] = ops_ref.attention(
         q,
         k,
         v,
-        s.k_cache[layer],
-        s.v_cache[layer],
-        s.block_table,
+        (s.k_window if pool else s.k_cache)[layer],
+        (s.v_window if pool else s.v_cache)[layer],
+        s.window_table if pool else s.block_table,
         s.start_pos,
         heads=r.heads,
         kv_heads=r.kv_heads,
         head_dim=r.head_dim,
         scale=s.attr_dim(o, "scale"),
-        window=s.attr_dim(o, "window"),
+        window=window,
     )
 
 

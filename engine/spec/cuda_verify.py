@@ -79,7 +79,9 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
         r._check_item(it)
         lo = len(rows)
         for j, tok in enumerate(it.token_ids):
-            rows.append(StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY))
+            rows.append(
+                StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY, window_table=it.window_table)
+            )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
     ids = r._decode(rows, short_ok=short_ok)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)

@@ -71,6 +71,14 @@ def may_speculate(request: Any) -> bool:
     return bool(getattr(request, "speculative", True)) and request.constraint is None and not sampling.needs_host
 
 
+def _covered(blocks: Any, seq_id: int) -> int:
+    """The blocks every table of the sequence has (a sliding-window group's may be shorter:
+    engine.kv_groups grows it per step)."""
+    n = len(blocks.table(seq_id))
+    window_table = getattr(blocks, "window_table", None)
+    return min(n, len(window_table(seq_id))) if window_table is not None else n
+
+
 class Speculator:
     def __init__(self, proposer: Proposer, config: SpecConfig):
         self.proposer = proposer
@@ -122,12 +130,12 @@ class Speculator:
                 seq = batch[i].seq
                 if not toks or not seq.running:
                     continue
-                table = blocks.table(seq.seq_id)
-                need = blocks_for(seq.num_computed + 1 + len(toks), bs) - len(table)
+                covered = _covered(blocks, seq.seq_id)
+                need = blocks_for(seq.num_computed + 1 + len(toks), bs) - covered
                 if need > 0 and (blocks.num_available - need < running or not blocks.grow(
                     seq.seq_id, seq.num_computed + 1 + len(toks)
                 )):
-                    toks = toks[: max(0, len(table) * bs - seq.num_computed - 1)]
+                    toks = toks[: max(0, covered * bs - seq.num_computed - 1)]
                 if not toks:
                     continue
                 it = items[i]
@@ -135,6 +143,8 @@ class Speculator:
                 it.draft = toks
                 it.draft_probs = d.probs[: len(toks)] if d.probs is not None else None
                 it.block_table = list(blocks.table(seq.seq_id))
+                if it.window_table is not None:  # (engine.kv_groups: the window group grew too)
+                    it.window_table = list(blocks.window_table(seq.seq_id))
 
     def verify(self, runner: Any, batch: Sequence[Any], items: list[StepItem]) -> list[list[int]]:
         """``runner.verify(items)``, checked: per item 1..k+1 tokens when it samples, else none."""

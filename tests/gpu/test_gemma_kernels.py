@@ -1,0 +1,223 @@
+"""The kernels and branches Gemma 3 added, against numpy on a real GPU (tests/gpu/conftest.py skips the
+lot without one), each on fresh random inputs with its outputs poisoned with NaN:
+
+* sliding-window attention (the ``window`` param): split decode + combine and the direct decode
+  kernel (vec16 and scalar), and the flash prefill, at Gemma 3 270M's shape (4 heads, 1 KV head,
+  head_dim 256) and a GQA-8 head_dim 128 one; the KV blocks wholly before every query's window hold
+  NaN (as released blocks may hold anything), so a kernel that reads one fails;
+* the GeGLU gate (silu_mul with act gelu_tanh), the residual add (in place), the scaled embedding;
+* the decode GEMVs at Gemma 3 270M's rows (640 values: Q5_0 q|k and gate|up, Q8_0 v, Q4_K o,
+  Q6_K down) and its tall Q8_0 head (262,144 rows of 640).
+
+References: engine.ops_ref (attention_dense with a window, gelu_tanh_mul, embed) and the GGUF
+dequantisation (engine.quant through gpu_harness.random_weight). The norm offset (1 + w) is added to
+the norm weights at upload (WeightPlan.offset), so no kernel has it; tests/gpu/test_gemma3.py covers
+it end to end on a transformers-layout (offset 1) checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
+from test_kernels import run_gemv
+
+from engine import kernel_catalog as kc
+from engine import ops_ref
+
+# (heads, kv_heads, head_dim): Gemma 3 270M, and a GQA-8 head_dim-128 model (Mistral-style window)
+SHAPES = ((4, 1, 256), (32, 4, 128))
+
+
+class WindowCache:
+    """A random paged bf16 KV cache [blocks, block_size, kv_heads, head_dim] for sequences of
+    ``ctxs`` keys; each sequence's table entries for blocks wholly before ``first_visible[s]`` point
+    at a block of NaN (a released block), its unused entries at a valid block."""
+
+    def __init__(self, rng, ctxs: list[int], first_visible: list[int], kvh: int, hd: int, bs: int):
+        need = [-(-c // bs) for c in ctxs]
+        nblocks = sum(need) + 2
+        perm = rng.permutation(nblocks - 1)
+        self.nan_block = nblocks - 1
+        self.clean = np.zeros((len(ctxs), max(need)), dtype=np.int32)
+        at = 0
+        for s, n in enumerate(need):
+            self.clean[s, :n], self.clean[s, n:] = perm[at : at + n], perm[-1]
+            at += n
+        self.tables = self.clean.copy()
+        for s, lo in enumerate(first_visible):
+            self.tables[s, : lo // bs] = self.nan_block
+        self.k = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
+        self.v = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
+        dk, dv = self.k.copy(), self.v.copy()
+        dk[self.nan_block], dv[self.nan_block] = np.nan, np.nan
+        self.kd, self.vd, self.td = upload(dk, "bf16"), upload(dv, "bf16"), upload(self.tables, "i32")
+
+    def ref(self, s: int, q: np.ndarray, pos0: int, scale: float, window: int) -> np.ndarray:
+        kk, vv = ops_ref.gather_kv(self.k, self.v, self.clean[s], pos0 + q.shape[0])
+        return ops_ref.attention_dense(q, kk, vv, pos0, scale, window)
+
+
+def decode_specs(profile, window: int) -> list:
+    out = []
+    bs = profile.kv_block_size
+    for H, KV, D in SHAPES:
+        dims = dict(heads=H, kv_heads=KV, head_dim=D)
+        for direct in (True, False):
+            p = kc.attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
+                                    q_stride=(H + 2 * KV) * D, out_stride=H * D)  # fmt: skip
+            p.update(window=window, table_first=False, scale=0.0625)
+            out.append(kc.spec("attention", **p))
+            if p["vec16"]:  # the scalar key loop too
+                out.append(kc.spec("attention", **{**p, "vec16": False}))
+    return out
+
+
+@pytest.mark.parametrize("window", [40, 512])
+def test_window_decode_attention(kernels, profile, window):
+    """Split (+ combine) and direct decode attention with a window, at contexts inside, at and far
+    past it (several splits wholly before the window)."""
+    specs = decode_specs(profile, window)
+    kernels.prebuild(specs)
+    rng = np.random.default_rng(window)
+    bad = []
+    for s in specs:
+        p = s.params
+        H, KV, D, bs = p["heads"], p["kv_heads"], p["head_dim"], p["block_size"]
+        ctxs = [1, 17, window, window + 1, window + 37, 700, 1500 if p["direct"] else 3000]
+        first = [ops_ref.window_start(c - 1, window) for c in ctxs]
+        cache = WindowCache(rng, ctxs, first, KV, D, bs)
+        S = len(ctxs)
+        pos = np.array([c - 1 for c in ctxs], dtype=np.int32)
+        qkv = bf_round(rng.standard_normal((S, p["q_stride"])))
+        out = poisoned((S, p["out_stride"]))
+        max_splits = -(-int(pos.max() + 1) // p["split"])
+        part_o, part_ml = poisoned((S, H, max_splits, D), "f32"), poisoned((S, H, max_splits, 2), "f32")
+        kernels.launch(
+            kc.choice("attention", **p), S, grid_kw={"max_splits": max_splits}, out=out,
+            part_o=0 if p["direct"] else part_o, part_ml=0 if p["direct"] else part_ml, q=upload(qkv, "bf16"),
+            k_cache=cache.kd, v_cache=cache.vd, block_tables=cache.td, positions=upload(pos, "i32"),
+            max_blocks=cache.tables.shape[1], max_splits=1 if p["direct"] else max_splits,
+        )  # fmt: skip
+        if not p["direct"]:
+            cc = kc.choice("attention_combine", heads=H, head_dim=D, split=p["split"], out_stride=p["out_stride"],
+                           window=window)  # fmt: skip
+            kernels.launch(cc, S, out=out, part_o=part_o, part_ml=part_ml, positions=upload(pos, "i32"),
+                           max_splits=max_splits)  # fmt: skip
+        got = out.get()[:, : H * D]
+        q = qkv[:, : H * D].reshape(S, H, D)
+        ref = np.concatenate([cache.ref(i, q[i : i + 1], int(pos[i]), 0.0625, window) for i in range(S)])
+        err = rel_err(got, ref)
+        if np.isnan(got).any() or not err <= 1e-2:
+            bad.append((s.entry, err, int(np.isnan(got).sum())))
+    assert len(specs) >= 4 and not bad, bad
+
+
+# (start position, rows) per sequence of one varlen pass
+PREFILL_SEQS = [[(0, 37), (100, 130), (5, 1)], [(450, 200), (0, 300)], [(1000, 64), (37, 90)]]
+
+
+@pytest.mark.parametrize("window", [40, 512])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_window_prefill_attention(kernels, profile, window, shape):
+    """The flash prefill with a window: chunks that start before, at and past it, several sequences
+    in one pass, with the profile's tile and the tiles the lowering may pick for head_dim 256."""
+    H, KV, D = shape
+    bs = profile.kv_block_size
+    rng = np.random.default_rng(window + D)
+    dims = dict(heads=H, kv_heads=KV, head_dim=D)
+    for seqs in PREFILL_SEQS:
+        first = [ops_ref.window_start(p0, window) for p0, _ in seqs]
+        cache = WindowCache(rng, [p0 + n for p0, n in seqs], first, KV, D, bs)
+        rows, q_stride, out_stride = sum(n for _, n in seqs), (H + 2 * KV) * D, H * D
+        qkv = bf_round(rng.standard_normal((rows, q_stride)))
+        starts = np.cumsum([0] + [n for _, n in seqs]).astype(np.int32)
+        pos = np.concatenate([np.arange(p0, p0 + n) for p0, n in seqs]).astype(np.int32)
+        base = kc.attention_prefill_params(dims, profile.tuning, bs, q_stride=q_stride, out_stride=out_stride)
+        q = qkv[:, : H * D].reshape(rows, H, D)
+        ref = np.concatenate(
+            [cache.ref(s, q[starts[s] : starts[s + 1]], p0, 0.0625, window) for s, (p0, _) in enumerate(seqs)]
+        )
+        for bq, bkv, warps in sorted({(64, 32, 4), (32, 32, 2), (64, 16, 4)}):
+            c = kc.choice("attention_prefill", **{**base, "block_q": bq, "block_kv": bkv, "warps": warps,
+                                                  "window": window, "scale": 0.0625})  # fmt: skip
+            out = poisoned((rows, out_stride))
+            kernels.launch(
+                c, rows, grid_kw={"max_q": max(n for _, n in seqs), "nseq": len(seqs)}, out=out,
+                q=upload(qkv, "bf16"), k_cache=cache.kd, v_cache=cache.vd, block_tables=cache.td,
+                positions=upload(pos, "i32"), seq_starts=upload(starts, "i32"), max_blocks=cache.tables.shape[1],
+            )  # fmt: skip
+            got = out.get()
+            assert not np.isnan(got).any(), (c.spec.entry, seqs)
+            assert rel_err(got, ref) <= 1e-2, (c.spec.entry, seqs, rel_err(got, ref))
+
+
+def test_gelu_tanh_mul(kernels, profile):
+    rows, inter = 5, 2048
+    c = kc.choice("silu_mul", inter=inter, in_stride=2 * inter, threads=profile.tuning["elementwise"]["threads"],
+                  act="gelu_tanh")  # fmt: skip
+    gu = bf_round(np.random.default_rng().standard_normal((rows, 2 * inter)) * 3)
+    t, out = upload(gu, "bf16"), poisoned((rows, inter))
+    kernels.launch(c, rows, out=out, g=t, u=t.at(inter), rows=rows)
+    got = out.get()
+    assert not np.isnan(got).any()
+    assert rel_err(got, ops_ref.gelu_tanh_mul(gu[:, :inter], gu[:, inter:])) <= 1e-2
+    assert rel_err(got, ops_ref.silu_mul(gu[:, :inter], gu[:, inter:])) > 0.05  # not SiLU
+
+
+def test_residual_add_in_place(kernels, profile):
+    rows, n = 7, 640
+    c = kc.choice("add", n=n, a_stride=n, b_stride=2 * n, threads=profile.tuning["elementwise"]["threads"])
+    rng = np.random.default_rng()
+    a, b = bf_round(rng.standard_normal((rows, n)) * 20), bf_round(rng.standard_normal((rows, 2 * n)))
+    at = upload(a, "bf16")
+    kernels.launch(c, rows, out=at, a=at, b=upload(b, "bf16"), rows=rows)
+    assert rel_err(at.get(), a + b[:, :n]) <= 1e-2
+    f32_sum = a.astype(np.float32) + b[:, :n].astype(np.float32)
+    assert np.array_equal(at.get(), bf_round(f32_sum))  # the f32 sum, rounded to bf16 once
+
+
+def test_scaled_embedding(kernels, profile):
+    rng = np.random.default_rng()
+    hidden, vocab, rows, scale = 640, 300, 9, 640**0.5
+    for qt in ("q8_0", "bf16", "q5_0"):
+        c = kc.choice("embed", quant=qt, hidden=hidden, threads=profile.tuning["elementwise"]["threads"], scale=scale)
+        raw, deq = random_weight(qt, vocab, hidden, rng)
+        ids = rng.integers(0, vocab, rows)
+        out = poisoned((rows, hidden))
+        kernels.launch(c, rows, out=out, table=upload(raw, "u8"), ids=upload(ids, "i32"), rows=rows)
+        want = bf_round(ops_ref.embed(ids, deq) * np.float32(scale))
+        assert rel_err(out.get(), want) <= 1e-2, c.spec.entry
+
+
+# Gemma 3 270M's decode GEMVs: (file type, n, k)
+GEMMA_GEMVS = [("q5_0", 1280, 640), ("q5_0", 4096, 640), ("q8_0", 256, 640), ("q4_k", 640, 1024),
+               ("q6_k", 640, 2048), ("q8_0", 262144, 640)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GEMMA_GEMVS, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+def test_gemma_gemvs(kernels, profile, device, case):
+    """The GEMVs at Gemma 3 270M's shapes (rows of 640 values, not a multiple of 256) in the layout
+    the profile picks, at batch 1 and 8, the logits (f32) and the residual variants."""
+    ft, n, k = case
+    qt = kc.upload_type(ft, k, profile.tuning)
+    rng = np.random.default_rng(n)
+    cache: dict = {}
+
+    def weights(q, nn, kk):
+        if (q, nn, kk) not in cache:
+            raw, deq = random_weight(q, nn, kk, rng)
+            cache[q, nn, kk] = (upload(raw, "u8"), deq)
+        return cache[q, nn, kk]
+
+    bad = []
+    for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
+                                     (8, 8, False, "f32")):  # fmt: skip
+        p = kc.linear_params(qt, n, k, profile.tuning, residual=residual, out_dtype=od, bmax=bmax,
+                             sm_count=device.sm_count)  # fmt: skip
+        s = kc.spec("gemv", **p)
+        kernels.prebuild([s])
+        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
+        if nans or not err <= tol:
+            bad.append((s.entry, rows, err, tol, nans))
+    assert not bad, bad

@@ -1,0 +1,126 @@
+"""Gemma 3 through CudaRunner's host logic on the fake driver (no GPU): the plan binds and runs
+prefill chunks past the window and decode steps, the norm vectors are uploaded with the norm offset
+added (offset 1 for a transformers-layout file: (1 + w)), and every attention launch of a local layer
+carries the window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures.checkpoints import write_gemma3_safetensors
+from test_plan_runner_fake import FakeDriver, fake_builder
+
+from engine.types import SamplingParams, StepItem
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_tiny_gemma3_binds_and_uploads_offset_norms(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = FakeDriver()
+    mod = drv.module()
+    uploads: list[np.ndarray] = []
+    htod = mod.htod
+    mod.htod = lambda ptr, host, stream=None: (uploads.append(np.array(host, copy=True)), htod(ptr, host, stream))
+    monkeypatch.setattr(rc, "cuda", mod)
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    try:
+        norm = np.asarray(model.dequantize("attn_norm", 0), dtype=np.float32)
+        f32 = [u.view(np.float32) for u in uploads if u.dtype == np.uint8 and u.nbytes == norm.nbytes]
+        assert any(np.array_equal(u, np.float32(1.0) + norm) for u in f32)
+        assert not any(np.array_equal(u, norm) for u in f32)
+        runner.step([StepItem(0, list(range(3, 40)), 0, [0, 1, 2, 3], False, GREEDY)])
+        runner.step([StepItem(0, list(range(3, 13)), 37, [0, 1, 2, 3], True, GREEDY)])
+        runner.step([StepItem(0, [5], 47, [0, 1, 2, 3], True, GREEDY)])
+        names = [n for n, _, _ in drv.launches]
+        assert any("window8" in n for n in names if n.startswith("attention_prefill"))
+        assert any("window8" in n for n in names if n.startswith("attention__"))
+        assert any(n.startswith("add__") for n in names) and any("actgelutanh" in n for n in names)
+    finally:
+        runner.close()
+
+
+def test_a_window_pool_holds_the_window_layers_kv_and_takes_each_items_window_table(tmp_path, monkeypatch):
+    """window_kv_blocks: the window layers' K/V pointers lie in the window pool, the full layers'
+    in the full one; a step fills the window slots and tables from the item's window_table (released
+    entries read as the pool's sink); an item without one is refused. Without a pool the window
+    inputs are the block tables and slots themselves."""
+    import engine.runner_cuda as rc
+    from engine.block_manager import RELEASED
+    from engine.ir import Arg
+    from engine.model import load_model
+    from engine.types import MemraError
+
+    monkeypatch.setattr(rc, "cuda", FakeDriver().module())
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
+    plain = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    try:
+        assert plain.window_kv_blocks == 0
+        assert plain._in_off["window_tables"] == plain._in_off["block_tables"]
+        assert plain._in_off["window_slots"] == plain._in_off["slots"]
+    finally:
+        plain.close()
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path), window_kv_blocks=10)
+    try:
+        assert (runner.window_kv_blocks, runner.kv_window) == (10, 8)
+        shape = runner._shape(1, 1)
+        lo, hi = runner.kv_win.ptr, runner.kv_win.ptr + runner.kv_win.nbytes
+        for layer in range(7):
+            ptr = runner._resolve(Arg("kv", "v", layer=layer), shape)
+            assert (lo <= ptr < hi) == (layer != 5)  # layer 5 is the global one
+        assert runner._in_off["window_tables"] != runner._in_off["block_tables"]
+        bs = runner.block_size
+        runner.step([StepItem(0, list(range(3, 43)), 0, [0, 1, 2], True, GREEDY, window_table=[5, 6, 7])])
+        pos = np.arange(40)
+        assert runner._win_slots[:40].tolist() == (np.array([5, 6, 7])[pos // bs] * bs + pos % bs).tolist()
+        runner.step([StepItem(0, [9], 40, [0, 1, 2], True, GREEDY, window_table=[RELEASED, 6, 7])])
+        ld = runner._table_ld
+        assert runner._win_tables[:3].tolist() == [10, 6, 7] and (runner._win_tables[3:ld] == 10).all()
+        assert runner._win_slots[0] == 7 * bs + 40 % bs
+        with pytest.raises(MemraError, match="needs a window_table"):
+            runner.step([StepItem(0, [9], 41, [0, 1, 2], True, GREEDY)])
+    finally:
+        runner.close()
+
+
+def test_the_engine_drives_a_cuda_window_pool(tmp_path, monkeypatch):
+    """Engine + CudaRunner(window_kv_blocks) on the fake driver: chunked prompts past the window and
+    decode steps run (every item's window_table covers its positions: the runner refuses one that
+    does not), the engine's window group stays within one window and chunk per sequence."""
+    import engine.runner_cuda as rc
+    from engine.fake_runner import FakeTokenizer
+    from engine.kv_groups import WindowedBlocks, min_window_blocks
+    from engine.loop import Engine, EngineConfig
+    from engine.model import load_model
+    from engine.types import GenerationRequest
+
+    monkeypatch.setattr(rc, "cuda", FakeDriver().module())
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path), window_kv_blocks=12)
+    runner.ctx.make_current = lambda: None  # (the engine thread; the fake context has no binding)
+    held: list[int] = []
+
+    def watch(e):
+        e.check_invariants()
+        held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
+
+    cfg = EngineConfig(max_running=3, prefill_chunk_tokens=16, max_step_tokens=32)
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), cfg, on_step=watch)
+    assert isinstance(e.blocks, WindowedBlocks)
+    try:
+        rng = np.random.default_rng(0)
+        handles = [
+            e.submit(GenerationRequest(f"r{i}", [int(t) for t in rng.integers(3, 128, n)], sampling=GREEDY, max_tokens=24, ignore_eos=True))
+            for i, n in enumerate((60, 45, 70))
+        ]  # fmt: skip
+        e.start()
+        for h in handles:
+            evs = list(h)
+            assert evs[-1].finish_reason == "length", evs[-1].error
+    finally:
+        e.shutdown(5)
+        runner.close()
+    assert held and max(held) <= min_window_blocks(8, 16, runner.block_size)

@@ -1,0 +1,181 @@
+"""A very tall decode GEMV's own bandwidth (a 262,144-row lm_head), per kernel configuration, on the
+GPU machine.
+
+    PYTHONPATH=. python tools/gemv_tall_bench.py [--n 262144] [--k 640] [--quant q8_0] [--rows 1,8] [--out DIR]
+
+The matrix is ``--n`` x ``--k`` random blocks of ``--quant`` in the layout the device profile
+uploads it in (Gemma 3 270M's tied head: q8_0, rows of 640 values, so the classic staged GEMV, not
+the coop q8_0r one); x is ``--rows`` random bf16 rows, the output f32 (logits). For the profile's own
+spec (``default``) and each variant of threads x rows_per_block x stage x prefetch that the catalog
+accepts, the kernel alone is timed back to back between CUDA events (median of --reps, each the mean
+of 20 launches; the matrix is several times the L2), and reported as weight bytes / time (GB/s) and
+that as a fraction of a device-to-device copy measured the same way (bytes read + written). Every
+variant's output is compared with the default's (``rel``: a variant that computes something else
+shows). The lead's acceptance line for the lm_head is ``default``'s fraction >= 0.70. Writes
+gemv_tall.txt under --out (and prints it). Must not be imported by the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import cuda, quant, storage  # noqa: E402
+from engine import kernel_catalog as kc  # noqa: E402
+from engine.compile import KernelBuilder  # noqa: E402
+from engine.kcache import KernelCache  # noqa: E402
+from engine.profile import select  # noqa: E402
+from engine.types import ConfigError  # noqa: E402
+
+LAUNCHES = 20
+
+
+def random_blocks(qt: str, n: int, k: int, rng) -> np.ndarray:
+    """n rows of random ``qt`` blocks in the uploaded layout (the f16 scale ``d`` of a legacy block,
+    its first field, in a sane range; other types' fields random: this is a timing, not a check)."""
+    file_type = storage.REPACKED_FROM.get(qt, qt)
+    elems, nbytes = storage.BLOCK_SIZES[file_type]
+    nb = n * k // elems
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    if file_type in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
+        scale = (rng.uniform(0.2, 1.0, nb) * 0.01).astype(np.float16).view(np.uint8).reshape(nb, 2)
+        raw[:, 0:2] = scale  # d is the first field of every legacy block (q8_0, q4_0, q5_0 ...)
+    raw = raw.reshape(-1)
+    return quant.repack(raw, qt, n, k) if qt in storage.REPACKED_FROM else raw
+
+
+def variants(base: dict) -> list[tuple[str, dict]]:
+    out = [("default", base)]
+    seen = {tuple(sorted(base.items()))}
+    for threads in (128, 256, 512):
+        for rpb in (1, 2, 4, 8, 16):
+            for stage in (True, False):
+                for prefetch in (True, False):
+                    p = dict(base, threads=threads, rows_per_block=rpb, stage=stage, prefetch=prefetch and stage)
+                    key = tuple(sorted(p.items()))
+                    if key in seen:
+                        continue
+                    try:
+                        kc.spec("gemv", **p)
+                    except ConfigError:
+                        continue
+                    seen.add(key)
+                    out.append((f"t{threads} rpb{rpb}{' staged' if stage else ''}{' pf' if p['prefetch'] else ''}", p))
+    return out
+
+
+def time_us(fn, grid, block, args, smem, stream, reps: int) -> float:
+    start, end = cuda.Event(), cuda.Event()
+    try:
+        cuda.launch(fn, grid, block, args, smem, stream=stream)
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            for _ in range(LAUNCHES):
+                cuda.launch(fn, grid, block, args, smem, stream=stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(end.elapsed_ms(start) * 1e3 / LAUNCHES)
+        return statistics.median(times)
+    finally:
+        start.destroy()
+        end.destroy()
+
+
+def copy_gbs(nbytes: int, stream, reps: int) -> float:
+    src, dst = cuda.alloc(nbytes), cuda.alloc(nbytes)
+    start, end = cuda.Event(), cuda.Event()
+    try:
+        cuda.dtod(dst.ptr, src.ptr, nbytes, stream)
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            cuda.dtod(dst.ptr, src.ptr, nbytes, stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(end.elapsed_ms(start) / 1e3)
+        return 2 * nbytes / statistics.median(times) / 1e9
+    finally:
+        stream.synchronize()
+        start.destroy()
+        end.destroy()
+        src.free()
+        dst.free()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=262144)
+    ap.add_argument("--k", type=int, default=640)
+    ap.add_argument("--quant", default="q8_0", help="the file storage type (uploaded as the profile does)")
+    ap.add_argument("--rows", default="1,8", help="activation rows (decode batch sizes)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=os.environ.get("OUT", "gemv_tall_out"))
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    dev = cuda.detect_devices()[0]
+    ctx = cuda.Context(0)
+    profile = select(dev)
+    stream = cuda.Stream()
+    builder = KernelBuilder(profile.arch, cache=KernelCache(Path(tempfile.mkdtemp(prefix="memra-gemv-"))))
+    qt = kc.upload_type(args.quant, args.k, profile.tuning)
+    rng = np.random.default_rng(0)
+    w_host = random_blocks(qt, args.n, args.k, rng)
+    w = cuda.alloc(w_host.nbytes)
+    cuda.htod(w.ptr, w_host)
+    copy = copy_gbs(max(w_host.nbytes, 256 << 20), stream, args.reps)
+    lines = [
+        f"{dev.name} (profile {profile.name}): {args.quant} as {qt}, {args.n} x {args.k}, "
+        f"{w_host.nbytes / 1e6:.1f} MB of weights; d2d copy {copy:.0f} GB/s"
+    ]
+    mods = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        bmax = 1 if rows == 1 else None
+        base = kc.linear_params(qt, args.n, args.k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=dev.sm_count)
+        x_host = rng.standard_normal((rows, args.k)).astype(np.float32)
+        x_bits = ((x_host.view(np.uint32) + 0x8000) >> 16).astype(np.uint16)
+        x = cuda.alloc(x_bits.nbytes)
+        cuda.htod(x.ptr, x_bits)
+        y = cuda.alloc(rows * args.n * 4)
+        first = None
+        for name, p in variants(base):
+            c = kc.choice("gemv", **p)
+            mod = cuda.Module(builder.get(c.spec).cubin, c.spec.entry)
+            mods.append(mod)
+            vals = {"out": y.ptr, "w": w.ptr, "x": x.ptr, "residual": 0, "rows": rows}
+            packed = cuda.KernelArgs([t for _, t in c.args], [vals[a] for a, _ in c.args])
+            fn = mod.function(c.spec.entry)
+            us = time_us(fn, c.grid(rows), c.block, packed, c.smem, stream, args.reps)
+            got = cuda.dtoh(np.empty((rows, args.n), np.float32), y.ptr)
+            first = got if first is None else first
+            rel = float(np.linalg.norm(got - first) / max(np.linalg.norm(first), 1e-30))
+            gbs = w_host.nbytes / (us * 1e-6) / 1e9
+            lines.append(
+                f"b{rows:<3} {name:<26} {us:9.2f} us {gbs:8.1f} GB/s {100 * gbs / copy:6.1f} % of copy  "
+                f"grid {c.grid(rows)} x {c.block[0]}  rel {rel:.1e}  {c.spec.entry}"
+            )
+            print(lines[-1], flush=True)
+        x.free()
+        y.free()
+    w.free()
+    for mod in mods:
+        mod.unload()
+    text = "\n".join(lines)
+    (out_dir / "gemv_tall.txt").write_text(text + "\n")
+    print(text)
+    ctx.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
