@@ -1,6 +1,6 @@
 """The batched decode linear (kernels/gemv_mma.cu.j2, engine.lowering.gemv_mma) without a GPU: its
 spec rules, the shape rule of its params, how plans wire it into the decode buckets, and that it
-renders and NVRTC-compiles for every profile arch (tests/gpu/test_gemv_mma.py runs it)."""
+renders and NVRTC-compiles for every profile arch (tests/gpu/test_gemv_mma_gpu.py runs it)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ engine.lowering.gemv_mma gives a Qwen3-4B-wide row on this device's SM count (a 
 and the single-part form), a residual that aliases out, f32 logits, a strided x, and more rows than
 bmax. Outputs are poisoned with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's
 dequantisation, checked against gguf in tests/test_quant.py). Run on a GPU machine:
-``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma.py``.
+``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma_gpu.py``.
 """
 
 from __future__ import annotations
