@@ -41,14 +41,6 @@ def choose_profile(device: DeviceInfo, override: str | None = None) -> DevicePro
     return select(device, override or env.MEMRA_DEVICE_PROFILE.get() or None)
 
 
-def _recurrent(model: Any) -> bool:
-    """Whether the model's graph has an op with recurrent state (a hybrid: no CUDA lowering yet)."""
-    from engine.ops import OPS
-
-    graph = getattr(model, "graph", None)
-    return graph is not None and any(OPS[op.op].state is not None for op, _ in graph.ops())
-
-
 def split_devices(devices: str | None, split: str | None) -> tuple[int, ...]:
     """The device ids of ``--devices``/``--split``, checked (before any model loads): several
     devices need a split, a split needs at least two devices. (0,) when neither is given."""
@@ -113,15 +105,6 @@ def create_runner(
         return _split_runner(model, backend, devices, split, **kwargs)
     if devices not in (None, "0"):
         raise MemraError(f"--devices {devices}: one device other than 0 is not supported yet; use CUDA_VISIBLE_DEVICES", param="devices")
-    if backend in ("auto", "cuda") and _recurrent(model):
-        # a hybrid (per-layer block choice, recurrent state): no CUDA lowering yet
-        if backend == "cuda":
-            raise MemraError(
-                f"--backend cuda: family {model.graph.family} (hybrid linear attention) has no CUDA "
-                "lowering yet; use --backend reference"
-            )
-        print(f"memra: family {model.graph.family} runs on the numpy reference backend", file=sys.stderr)
-        backend = "reference"
     if backend in ("auto", "cuda"):
         found = detect()
         if found.devices:

@@ -109,7 +109,7 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
     keys = {w.key for w in plan.weights}
     assert "L0.wq|wk" in keys and "L0.wq" not in keys and "L0.wv" in keys and "L0.w_gate|w_up" in keys
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
-    assert [la.args[1].ref for la in linear.launches["decode"] if la.runs_at(8)] == ["L0.wq|wk", "L0.wv"]
+    assert len(linear.launches["decode"]) == 2  # wq|wk, then wv
     q, k, v = (plan.values[n] for n in linear.op.outputs)
     assert q.buffer == k.buffer != v.buffer and q.ld == k.ld == q.width + k.width and v.ld == v.width
     rope = next(s for s in plan.steps if s.layer == 0 and s.op.op == "rope")
@@ -143,8 +143,8 @@ def _q4_k_m_plan(tuning: str):
 
 def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
     """decode_graph.fork_linears: the v GEMV of a q4_k_m layer (stored apart from q|k) may run
-    alongside the q|k GEMV at batch 1, never in prefill nor in the batched decode (gemv_mma, whose
-    k split uses scratch); nothing else is concurrent, and with the knob off nothing is."""
+    alongside the q|k GEMV in decode, never in prefill; nothing else is concurrent, and with the
+    knob off nothing is."""
     for on in (True, False):
         plan = _q4_k_m_plan(f"decode_graph.pair_linears=false; decode_graph.fork_linears={str(on).lower()}")
         qkv = [s for s in plan.steps if s.op.op == "linear" and s.op.outputs[0] == "q"]
@@ -152,7 +152,7 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 flags = [la.concurrent for la in launches]
-                if step in qkv and mode == "decode1":
+                if step in qkv and mode in ("decode1", "decode"):
                     assert flags == [False, on], (mode, flags)
                 else:
                     assert not any(flags), (step.op.op, step.op.outputs, mode)
@@ -162,7 +162,7 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
     """decode_graph.pair_linears: each q4_k_m layer's q|k (q4_k) and v (q6_k) GEMVs at batch 1 are
     one gemv_pair launch: part a is the unpaired q|k spec itself, part b the v re-planned in its
     block shape; the args are both launches' in order, the grid their blocks, the shared memory
-    the larger. Batch 8 and prefill keep their launches, and off nothing pairs."""
+    the larger. Batch 8 and prefill keep their launches (decode forked), and off nothing pairs."""
     from engine import kernel_catalog as kc
     from engine.render import waits_first
 
@@ -184,7 +184,7 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
         assert pair.args == qk.args + v.args and len(kc.kernel_args(pair.spec)) == len(pair.args)
         assert pair.smem == max(kc.gemv_smem(a.params), kc.gemv_smem(b.params)) == qk.smem
         assert [la.spec for la in t.launches["decode"]] == [la.spec for la in s.launches["decode"]]
-        assert not any(la.concurrent for la in t.launches["decode"])
+        assert [la.concurrent for la in t.launches["decode"]] == [False, True]
         assert t.launches["prefill"] == s.launches["prefill"]
     assert not any(la.spec.template == "gemv_pair" for st in apart.steps for la in st.launches["decode1"])
     spec = qkv[0][1].launches["decode1"][0].spec
@@ -359,12 +359,11 @@ def test_kernel_specs_are_deduplicated_and_grids_evaluate():
     specs = kernel_specs(plan)
     assert len(specs) == len(set(specs))
     # 30 layers share their kernels: a handful of distinct specs, not hundreds (the decode GEMVs
-    # with fused norm / SiLU prologues add a few, the batched decode linears one per weight shape
-    # and bmax bucket, the gate|up's twice from 16 rows (glu in decode, plain in the wide buckets),
-    # the token_mask and logprobs steps of the masked sampling kinds)
-    assert len(specs) < 64
-    mma = [la for la in next(s for s in plan.steps if s.op.op == "linear").launches["decode"] if la.runs_at(9)]
-    assert [la.grid_for({"n": 9})[1] for la in mma] == [1]  # one bmax-16 weight pass
+    # with fused norm / SiLU prologues and the wide-decode GEMMs add a few, the token_mask and
+    # logprobs steps of the masked sampling kinds)
+    assert len(specs) < 44
+    gemv = next(s for s in plan.steps if s.op.op == "linear").launches["decode"][0]
+    assert gemv.grid_for({"n": 9})[1] == 2  # ceil(9 / max_batch 8)
 
 
 @pytest.mark.parametrize(
@@ -376,14 +375,12 @@ def test_every_real_template_spec_renders(family, size, quant):
     real = kernel_specs(plan)
     # prefill linears take the Hopper TMA + wgmma GEMM on the h200 profile (quantised ones for long
     # chunks, after a dequantisation)
-    # (bf16 prefill is all wgmma and the batched decode gemv_mma: the mma.sync gemm only decodes
-    # quantised prefill tiles)
     wgmma = {"gemm_wgmma"}
-    assert {s.template for s in real} - wgmma - ({"gemm"} if quant != "bf16" else set()) == {
+    assert {s.template for s in real} - wgmma == {
         "embed",
         "rmsnorm",
         "gemv",
-        "gemv_mma",
+        "gemm",
         "rope",
         "silu_mul",
         "attention",
@@ -464,7 +461,7 @@ def test_quantised_prefill_uses_the_fused_gemm_on_the_gguf_rows():
     pad = 0 if g["swizzle"] else 8
     assert gemm.smem == g["stages"] * (g["tile_m"] + g["tile_n"]) * (gemm.spec.params["tile_k"] + pad) * 2
     assert not {sp.name for sp in plan.scratch} & {"dequant", "iota"}
-    assert {launch.spec.template for launch in linear.launches["decode"]} == {"gemv_mma"}
+    assert [launch.spec.template for launch in linear.launches["decode"]] == ["gemv"]
 
 
 def test_quantised_prefill_falls_back_to_dequantise_then_gemm_without_a_fused_decoder(monkeypatch):
@@ -587,19 +584,18 @@ def test_short_context_decode_uses_direct_attention_without_combine():
     assert short.spec in kernel_specs(plan)
 
 
-def test_wide_decode_buckets_run_bf16_linear_layers_as_batched_mma():
+def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
     from engine.ir import WIDE
 
     plan = plan_for("qwen3", "qwen3-4b")
     assert plan.wide_rows == 16  # kernel_catalog.GEMM_DECODE_MIN_ROWS
     for step in plan.steps:
-        wide = [la for la in step.launches[WIDE]]
-        if step.op.op == "linear":  # the batched decode linear from 16 rows up (no bmax-8 launch)
-            assert wide and {la.spec.template for la in wide} == {"gemv_mma"}, step.op
-            assert min(la.min_rows for la in wide) == 16 and all(la.spec.params["bmax"] >= 16 for la in wide)
-        if step.op.op in ("rmsnorm", "silu_mul"):  # materialised: the linears read them
-            assert [la.spec.template for la in wide] == [step.op.op], step.op
-    # quantised matrices take the batched decode linear in the decode mode: no wide buckets
+        wide = [la.spec.template for la in step.launches[WIDE]]
+        if step.op.op == "linear" and step.op.outputs != ("logits",):
+            assert wide and set(wide) == {"gemm"}, step.op
+        if step.op.op in ("rmsnorm", "silu_mul"):  # materialised: the GEMMs read them
+            assert wide == [step.op.op], step.op
+    # quantised matrices keep the GEMV in every bucket
     assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0
 
 
@@ -624,8 +620,7 @@ def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
 
 
 def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_up():
-    # the rmsnorm launches stay (bf16 readers are no q8x GEMVs), gemv.fuse_glu is on: the gate|up
-    # GEMV (batch 1) and gemv_mma (batched decode) store silu(gate) * up
+    # the rmsnorm launches stay (bf16 readers are no q8x GEMVs), gemv.fuse_glu is on
     plan = plan_for("qwen3", "qwen3-4b")
     for step in plan.steps:
         if step.op.op == "rmsnorm":
@@ -700,7 +695,7 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
                 assert la.smem == (x + tile if p["wsm"] else p["bmax"] * p["k"] * 3 // 2 if want else 0)
                 got[want] += 1
             assert got[True] if on else not got[True], (q, on, got)
-            assert got[False] or on  # (the batched decode GEMVs are gemv_mma: every batch-1 one is q8x)
+            assert got[False]  # bf16 / classic types / rows too long for the cap keep the f32 path
 
 
 def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
@@ -827,8 +822,7 @@ def test_a_fusion_is_decided_for_every_layer_at_once():
 def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
     """gemv.fuse_glu: the decode gate|up GEMV gets glu = intermediate size (it stores silu(gate) * up
     in the gate half), silu_mul gets no decode launch, and the down GEMV reads x from the gate half
-    (x_stride = 2 * intermediate, no prologue), at batch 1 and (gemv_mma) in the batched decode;
-    prefill keeps silu_mul; coop-layout GEMVs do not."""
+    (x_stride = 2 * intermediate, no prologue); prefill keeps silu_mul; coop-layout weights do not."""
     from engine.profile import with_tuning
 
     graph = load_family("llama")
@@ -839,18 +833,13 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
     gate_up = next(s for s in steps if s.op.op == "linear" and "w_gate" in s.op.weights[0])
     silu = next(s for s in steps if s.op.op == "silu_mul")
     down = next(s for s in steps if s.op.op == "linear" and "w_down" in s.op.weights[0])
-    (g,) = gate_up.launches["decode1"]
-    assert g.spec.params["glu"] == 1536 and g.spec.params["n"] == 3072 and "glu1536" in g.spec.entry
-    assert silu.launches["decode1"] == ()
-    (dn,) = down.launches["decode1"]
-    assert dn.spec.params["x_stride"] == 3072 and dn.spec.params["prologue"] == "none"
-    assert dn.args[2].ref == g.args[0].ref  # x is the gate|up output
-    # the batched decode: every bucket's gate|up gemv_mma stores silu(gate) * up the same way
-    gms = gate_up.launches["decode"]
-    assert {la.spec.template for la in gms} == {"gemv_mma"} and {la.spec.params["glu"] for la in gms} == {1536}
-    assert silu.launches["decode"] == ()
-    dns = down.launches["decode"]
-    assert {la.spec.params["x_stride"] for la in dns} == {3072} and {la.args[2].ref for la in dns} == {g.args[0].ref}
+    for mode in ("decode1", "decode"):
+        (g,) = gate_up.launches[mode]
+        assert g.spec.params["glu"] == 1536 and g.spec.params["n"] == 3072 and "glu1536" in g.spec.entry
+        assert silu.launches[mode] == ()
+        (dn,) = down.launches[mode]
+        assert dn.spec.params["x_stride"] == 3072 and dn.spec.params["prologue"] == "none"
+        assert dn.args[2].ref == g.args[0].ref  # x is the gate|up output
     assert silu.launches["prefill"] and gate_up.launches["prefill"][0].spec.template in ("gemm", "gemm_wgmma")
     off = build_plan(
         graph, dims, graph.quant("bf16"), with_tuning(get_profile("h200"), "gemv.fuse_glu=false")
@@ -871,7 +860,7 @@ def test_fuse_glu_folds_silu_mul_into_the_gate_up_gemv_in_decode_only():
 def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
     """gemv_coop.q8x_glu (on in the h200 profile): the batch-1 q8x gate|up GEMV of Qwen3-4B (no k
     split, no wsm there) gets glu = intermediate size and its grid covers intermediate / (rows_per_block / 2)
-    tiles (or the grid cap); the down GEMV reads the gate half with no prologue. Batch 8 is gemv_mma, and
+    tiles (or the grid cap); the down GEMV reads the gate half with no prologue. Batch 8 keeps the silu prologue, and
     the kernel source pairs the rows (GLU + l - RPB / 2) and stores through glu_sm. A coop glu with a
     k split or wsm is refused."""
     from engine import kernel_catalog as kc
@@ -890,7 +879,8 @@ def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
         assert g.spec.params["glu"] == (inter if glu else 0) and g.spec.params["q8x"]
         assert dn.spec.params["prologue"] == ("none" if glu else "silu")
         assert dn.spec.params["x_stride"] == 2 * inter and dn.args[2].ref == g.args[0].ref
-        assert {la.spec.template for la in gate_up.launches["decode"]} == {"gemv_mma"}
+        (g8,) = gate_up.launches["decode"]
+        assert not g8.spec.params["glu"]
         if glu:
             tiles = -(-inter // (g.spec.params["rows_per_block"] // 2))
             assert g.grid[0] == min(tiles, g.spec.params["grid_cap"] or tiles)
@@ -989,10 +979,10 @@ def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(q
             p["coop"] and p["q8x"] and p["quant"] == layout and la.smem == kc.gemv_smem(p) >= p["k"] * 3 // 2
         )
     wide = [la.spec for st in plan.steps if st.layer == 3 for la in st.launches["decode"]]
-    # the batched decode: separate norms, gemv_mma linears, the gate|up one storing silu(g) * u
-    assert [s.template for s in wide].count("rmsnorm") == 2 and "silu_mul" not in [s.template for s in wide]
-    assert {s.template for s in wide} - {"rmsnorm", "rope", "attention", "attention_combine"} == {"gemv_mma"}
-    assert {s.params["glu"] for s in wide if s.template == "gemv_mma" and s.params["n"] == 3072} == {1536}
+    assert [s.template for s in wide].count("rmsnorm") == 2 and [s.template for s in wide].count(
+        "silu_mul"
+    ) == 1
+    assert all(s.params["q8x"] and s.params["prologue"] == "none" for s in wide if s.template == "gemv")
     head = [la.spec for st in plan.steps if st.head for la in st.launches["decode1"]]
     assert [s.template for s in head] == ["rmsnorm", "gemv"] and head[1].params["prologue"] == "none"
     assert head[1].params["quant"] == "q8_0" and not head[1].params["coop"]
@@ -1083,9 +1073,7 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
     assert wg.args[2].ref == ("scratch", "dequant", wg.spec.params["tile_n"], 2560, 9728)
     assert wg.spec.params["residual"] and fused.spec.params["quant"] == "q8_0r"
     assert next(sp for sp in plan.scratch if sp.name == "dequant").fixed >= 19456 * 2560 * 2
-    from engine.kernel_catalog import MMA_BUCKETS  # decode: the batched linear's own row ranges only
-
-    assert {(la.min_rows, la.max_rows) for la in down.launches["decode"]} == {(lo, hi) for _, lo, hi in MMA_BUCKETS}
+    assert all(not la.min_rows and not la.max_rows for la in down.launches["decode"])
     graph = load_family("qwen3")
     off = with_tuning(prof, "gemm_wgmma.dequant_min_rows=0")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), off)
@@ -1373,8 +1361,8 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
                 for la in st.launches.get(key, ()):
                     if la.spec.template == "gemv":
                         got[la.spec.params["n"]] = la.block[0]
-        if want is None:  # (the batched decode runs gemv_mma where it fits: no bmax-8 GEMV is left here)
-            assert set(got.values()) <= {256}, got
+        if want is None:
+            assert set(got.values()) == {256}, got
         else:
             assert got == want, got
     off = with_tuning(prof, "gemv.b1_short_n_threads=0")
@@ -1461,7 +1449,7 @@ def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():
     other = {s.params["early_nw"] for s in gemvs if s.params["prologue"] != "norm"}
     assert norm == {True} and other == {False}, (norm, other)
     wide = [la.spec for st in plan.steps for la in st.launches["decode"] if la.spec.template == "gemv"]
-    assert not any(s.params["early_nw"] for s in wide)  # (none: the batched decode is gemv_mma)
+    assert wide and not any(s.params["early_nw"] for s in wide)
     qkv = next(s for s in gemvs if s.params["prologue"] == "norm")
     src = render(qkv)
     before_wait = src.split(qkv.entry + "(")[1].split("\n    pdl_wait();")[0]

@@ -1,12 +1,11 @@
 """Lowering unit ``linear``: ``out = x @ W.T (+ residual)`` for each weight allocation of the op.
 
-decode1: GEMVs (engine.lowering.gemv). decode (2+ rows) and the wide decode buckets: the batched
-tensor-core GEMV (engine.lowering.gemv_mma), else the GEMV (decode) or the gemm kernel with the
-gemm_decode tuning (wide) where it does not fit. prefill: the tensor-core GEMM (kernels/gemm.cu.j2,
+decode / decode1: GEMVs (engine.lowering.gemv); prefill: the tensor-core GEMM (kernels/gemm.cu.j2,
 GGUF rows decoded in the tile loads), or on sm_90a profiles with gemm_wgmma the TMA + wgmma GEMM
-(bf16 weights; quantised ones dequantised to a bf16 scratch first for long chunks). Prefill logits
-(f32, no residual) take the GEMV. The op's outputs are column views of one buffer per fused
-allocation. Must not import CUDA or numpy.
+(bf16 weights; quantised ones dequantised to a bf16 scratch first for long chunks); wide decode
+buckets: the gemm kernel with the gemm_decode tuning. Logits (f32, no residual) always take the
+GEMV. The op's outputs are column views of one buffer per fused allocation. Must not import CUDA
+or numpy.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import dataclasses
 from engine import kernel_catalog as kc
 from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.lowering.gemv import linear_gemv
-from engine.lowering.gemv_mma import linear_mma
 from engine.lowering.registry import register
 from engine.types import ConfigError
 
@@ -40,10 +38,6 @@ def bind(op, ws, ins, dims, value_for):
 
 @register("linear", bind=bind, attrs=("residual",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
-    if mode in ("decode", WIDE):  # batched decode: weights read once per bmax rows (tensor cores)
-        mma = linear_mma(ctx, op, layer, mode, ins, outs, ws)
-        if mma is not None:
-            return mma
     if mode == WIDE:
         return linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm_decode")
     if mode == "prefill" and ctx.prefill_linear == "gemm":

@@ -1,6 +1,6 @@
 """The batched decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type its decoders
 take (file types and upload layouts), every batch size class the decode buckets use, with the params
-engine.lowering.gemv_mma gives a Qwen3-4B-wide row on this device's SM count (a k split over blocks
+kernel_catalog.gemv_mma_params gives a Qwen3-4B-wide row on this device's SM count (a k split over blocks
 and the single-part form), a residual that aliases out, f32 logits, a strided x, and more rows than
 bmax. Outputs are poisoned with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's
 dequantisation, checked against gguf in tests/test_quant.py). Run on a GPU machine:
@@ -141,8 +141,8 @@ LLAMA_DIMS = dict(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, n
      ("llama", "q4_1"), ("llama", "q5_0")],
 )
 def test_batched_decode_logits_match_the_reference(tmp_path, family, q):
-    """The plan's batched decode end to end (the device profile's tuning: gemv_mma in every bucket,
-    the gate|up one storing silu(gate) * up, the down projection reading it): 3, 20 and 40 sequences
+    """The plan's batched decode end to end (the decode buckets' linears as the plan lowers them;
+    gemv_mma is in no plan yet): 3, 20 and 40 sequences
     (buckets of bmax 8, 32 and 64) decode one step together, graph-replayed, and every row's logits
     match the numpy reference's for that sequence alone."""
     from fixtures.checkpoints import Dims, write_qwen3_safetensors, write_random_gguf

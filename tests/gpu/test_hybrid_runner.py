@@ -147,7 +147,9 @@ def _serve(runner, waves, **cfg):
     from engine.loop import Engine, EngineConfig
     from engine.types import GenerationRequest
 
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg),
+    tok = FakeTokenizer(eos_token_ids=frozenset())
+    tok.vocab_size = runner.plan.dims["vocab"]  # the prompts use the model's whole vocabulary
+    e = Engine(runner, tok, EngineConfig(**cfg),
                on_step=lambda e: e.check_invariants())
     outs = []
     try:

@@ -249,10 +249,11 @@ class PagedCache:
         self.v = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
         self.kd, self.vd, self.td = upload(self.k, "bf16"), upload(self.v, "bf16"), upload(self.tables, "i32")
 
-    def ref(self, s: int, q: np.ndarray, pos0: int, scale: float) -> np.ndarray:
-        """Sequence s's queries q [T, heads, hd] at positions pos0.. over its cache (ops_ref)."""
+    def ref(self, s: int, q: np.ndarray, pos0: int, scale: float, window: int = 0) -> np.ndarray:
+        """Sequence s's queries q [T, heads, hd] at positions pos0.. over its cache (ops_ref), the
+        last ``window`` keys only where a sliding window is set."""
         kk, vv = ops_ref.gather_kv(self.k, self.v, self.tables[s], pos0 + q.shape[0])
-        return ops_ref.attention_dense(q, kk, vv, pos0, scale)
+        return ops_ref.attention_dense(q, kk, vv, pos0, scale, window or None)
 
 
 def run_decode_attention(kernels, spec, ctxs: list[int], rng) -> float:
@@ -275,11 +276,12 @@ def run_decode_attention(kernels, spec, ctxs: list[int], rng) -> float:
             args[name] = cache.kd  # an L2 prefetch of a later weight: any readable range
     kernels.launch(kc.choice("attention", **p), S, grid_kw={"max_splits": max_splits}, **args)
     if not p["direct"]:
-        cc = kc.choice("attention_combine", heads=H, head_dim=D, split=p["split"], out_stride=p["out_stride"])
+        win = {"window": p["window"]} if p.get("window") else {}  # the combine starts at the window's first split
+        cc = kc.choice("attention_combine", heads=H, head_dim=D, split=p["split"], out_stride=p["out_stride"], **win)
         kernels.launch(cc, S, out=out, part_o=part_o, part_ml=part_ml, positions=upload(pos, "i32"), max_splits=max_splits)
     got = out.get()[:, : H * D]
     q = qkv[:, : H * D].reshape(S, H, D)
-    ref = np.concatenate([cache.ref(s, q[s : s + 1], int(pos[s]), p["scale"]) for s in range(S)])
+    ref = np.concatenate([cache.ref(s, q[s : s + 1], int(pos[s]), p["scale"], p.get("window", 0)) for s in range(S)])
     return rel_err(got, ref)
 
 
