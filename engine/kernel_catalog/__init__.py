@@ -26,7 +26,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     GEMV_ROWS_PER_BLOCK,
     GEMV_THREADS,
     GEMV_UNROLL,
-    MMA_BUCKETS,
     NORM_THREADS,
     Q8X_STAGE_ROUNDS,
     _pair_of,
@@ -39,7 +38,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     gemm_params,
     gemm_wgmma_params,
     gemv_layout,
-    gemv_mma_params,
     linear_params,
     one_round,
     prefill_block_kv,
@@ -64,6 +62,7 @@ from engine.kernel_catalog.contracts import (  # noqa: F401
     KernelDoc,
     P,
 )
+from engine.kernel_catalog.gemv_mma import MMA_BUCKETS, gemv_mma_params  # noqa: F401
 from engine.kernel_catalog.layout import (  # noqa: F401
     _COOP_FILE_TYPE,
     ATTENTION_ROPE_ARGS,
