@@ -39,6 +39,8 @@ LATER: dict[str, str] = {
     "ops_ref_moe.py": "MoE",
     "weights/stacked.py": "MoE",
     "weight_memory.py": "MoE",
+    # batched quantised decode (issue #34's tensor-core decode linear)
+    "kernel_catalog/gemv_mma.py": "batched decode",
     # the DSL's growth for the new families (extends:, when-predicates, list dims, config forms)
     "graph_extends.py": "model families (DSL)",
     "dsl_expr.py": "model families (DSL)",
@@ -46,9 +48,15 @@ LATER: dict[str, str] = {
     # Gated DeltaNet hybrids
     "ops/linear_attention.py": "hybrids",
     "ops_ref_linear.py": "hybrids",
+    "linear_attn_kernels.py": "hybrids",
+    "lowering/linear_attention.py": "hybrids",
+    "runner_state.py": "hybrids",
     # Gemma
     "ops/gemma.py": "Gemma",
     "tokenizer_spm.py": "Gemma",
+    "lowering/gemma.py": "Gemma",
+    "kv_groups.py": "Gemma",  # sliding-window KV release
+    "runner_kv.py": "Gemma",  # the window KV pool
     # speculative decoding
     "spec/__init__.py": "speculative decoding",
     "spec/accept.py": "speculative decoding",
@@ -69,6 +77,7 @@ LATER: dict[str, str] = {
     "server/logprobs.py": "sampling API",
     "server/reasoning.py": "sampling API",
     "server/sampling_api.py": "sampling API",
+    "logit_prep.py": "sampling API",  # the device token mask / logit bias / logprobs inputs
     # server hardening
     "server/admission.py": "server hardening",
     "server/tokenize_pool.py": "server hardening",
