@@ -255,3 +255,49 @@ def test_q8x_expert_gemvs_follow_the_reference(tmp_path, monkeypatch):
         assert _generate(runner, seqs, tables, 4) == solo
     finally:
         runner.close()
+
+
+# (name, MEMRA_TUNE spec, MEMRA_PDL, use_graphs): the batch-1 features a q4_k_m model's first
+# decode step can switch off, one at a time
+DECODE1_VARIANTS = (
+    ("default", "", "", True),
+    ("eager", "", "", False),
+    ("no PDL", "", "0", True),
+    ("no early trigger", "decode_graph.early_trigger=false", "", True),
+    ("no q8x GEMVs", "gemv_coop.q8x=false", "", True),
+    ("no wsm tiles", "gemv_coop.q8x_wsm_kb=0", "", True),
+    ("no q|k + v pair", "decode_graph.pair_linears=false", "", True),
+    ("router unfused", "moe.fused_router=false", "", True),
+)
+
+
+def test_q4_k_m_first_decode_step_per_batch1_feature(tmp_path, monkeypatch):
+    """The q4_k_m model's first batch-1 decode step against the reference with each batch-1
+    feature switched off in turn (DECODE1_VARIANTS): every variant must match; the failure message
+    lists each variant's logits error and greedy token, so one run shows which feature is wrong."""
+    from engine import cuda
+    from engine.model import load_model
+    from engine.profile import select, with_tuning
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+
+    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=5, **DIMS))
+    ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
+    prompt = _prompt(1, 13)
+    prof = select(cuda.detect_devices()[0])
+    rows = []
+    for name, tune, pdl, graphs in DECODE1_VARIANTS:
+        monkeypatch.setenv("MEMRA_PDL", pdl)
+        runner = CudaRunner(model, with_tuning(prof, tune) if tune else prof, num_blocks=64, max_model_len=512,
+                            use_graphs=graphs)
+        try:
+            tok = runner.step([StepItem(0, prompt, 0, list(range(4)), True, GREEDY)])[0]
+            seq = [*prompt, tok]
+            nxt = runner.step([StepItem(0, [tok], len(prompt), list(range(4)), True, GREEDY)])[0]
+            got = np.array(runner.read_logits(1)[0])
+        finally:
+            runner.close()
+        want = ref.forward_logits(seq)[-1]
+        rows.append((name, f"{_rel(got, want):.2e}", nxt, int(np.argmax(want))))
+    print("q4_k_m first decode step:", rows)
+    assert all(float(e) < 2e-2 for _, e, _, _ in rows), rows
