@@ -159,12 +159,12 @@ def test_gemv_specs_of_the_hidden_256_moe_plan(kernels, weights, profile, tmp_pa
     device's profile, at batch 1 (decode1) and at 3 rows (decode): the shapes the kernel tests above
     (k 2560) and the dense q4_k_m models (hidden 512) do not reach."""
     from fixtures.checkpoints import write_qwen3_moe_gguf
-    from test_moe_runner import DIMS
+    from fixtures.moe_case import DIMS, SEED
 
     from engine.model import load_model
     from engine.plan import build_plan
 
-    m = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=5, **DIMS))
+    m = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=SEED, **DIMS))
     plan = build_plan(m.graph, m.dims, m.quant, profile, m.tensor_dtypes, m.rope_style)
     cases = {}
     for st in plan.steps:
