@@ -153,6 +153,36 @@ def test_gemv_option_variants(kernels, weights, device):
     assert len(specs) > 20 and not bad, bad
 
 
+def test_gemv_specs_of_the_hidden_256_moe_plan(kernels, weights, profile, tmp_path):
+    """The decode GEMVs (template gemv) of the tiny q4_k_m Qwen3-MoE of tests/gpu/test_moe_runner.py
+    (hidden 256: one k-quant super-block per row, fewer segments than a coop lane group) under this
+    device's profile, at batch 1 (decode1) and at 3 rows (decode): the shapes the kernel tests above
+    (k 2560) and the dense q4_k_m models (hidden 512) do not reach."""
+    from fixtures.checkpoints import write_qwen3_moe_gguf
+    from fixtures.moe_case import DIMS, SEED
+
+    from engine.model import load_model
+    from engine.plan import build_plan
+
+    m = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=SEED, **DIMS))
+    plan = build_plan(m.graph, m.dims, m.quant, profile, m.tensor_dtypes, m.rope_style)
+    cases = {}
+    for st in plan.steps:
+        for mode, rows in (("decode1", 1), ("decode", 3)):
+            for la in st.launches.get(mode, ()):
+                if la.spec.template == "gemv" and la.min_rows <= rows and (not la.max_rows or rows <= la.max_rows):
+                    cases[la.spec, rows] = None
+    assert any(s.params["quant"] == "q4_k" and s.params["k"] == 256 and r == 1 for s, r in cases), cases
+    kernels.prebuild(s for s, _ in cases)
+    rng = np.random.default_rng()
+    bad = []
+    for s, rows in cases:
+        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
+        if nans or not err <= tol:
+            bad.append((s.entry, rows, err, tol, nans))
+    assert not bad, bad
+
+
 # ---- elementwise, embed, rope -------------------------------------------------------------------
 
 

@@ -327,6 +327,41 @@ def test_per_slot_prefetch_depths(gk, qt, prefetch):
     assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_per_slot_q4_k_m_experts_at_hidden_256(gk, rows):
+    """The per-slot kernels as the tiny q4_k_m Qwen3-MoE of tests/gpu/test_moe_runner.py takes them
+    (hidden = moe_intermediate = 256, 8 experts, top-2): q4_k gate/up and q6_k down (one super-block
+    per row), the batch-1 trigger and the tuning's prefetch depths, residual aliasing out, at 1 row
+    (decode1) and 3 (a per-slot batched bucket)."""
+    from engine.profile import select
+
+    t = select(gk.ctx.info).tune("moe")
+    rng = np.random.default_rng()
+    e, inter, hidden, top_k = 8, 256, 256, 2
+    wg_raw, wg = stacked_weight("q4_k", e, inter, hidden, rng)
+    wu_raw, wu = stacked_weight("q4_k", e, inter, hidden, rng)
+    wd_raw, wd = stacked_weight("q6_k", e, hidden, inter, rng)
+    ids = _ids(rng, rows, e, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    r = bf_round(rng.standard_normal((rows, hidden)))
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    act = gk.nan_like((rows, top_k, inter))
+    ids_t = gk.i32(ids)
+    glu = expert_gemv_kernel("glu", "q4_k", inter, hidden, top_k, trigger=True, prefetch=t["glu_prefetch"])
+    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows)
+    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    down = expert_gemv_kernel("down", "q6_k", hidden, inter, top_k, residual=True, trigger=True, prefetch=t["down_prefetch"])
+    out = gk.bf(r)
+    gk.launch(down, [out, gk.raw(wd_raw), act, ids_t, gk.f32(w), out, rows], rows)
+    a = gk.host(act)
+    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids])) + r
+    got = gk.host(out)
+    assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
+
+
 @pytest.mark.parametrize("hidden,prefetch", [(2048, 2), (2048, 1), (256, 2), (768, 1)])
 def test_glu_q8x_matches_numpy(gk, hidden, prefetch):
     """The per-slot glu over q4_k with q8x (x as int8 per 32 values in shared memory, dp4a;

@@ -15,13 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
+from fixtures.moe_case import DECODE_PROMPT_SEED, DECODE_STEPS, DIMS, SEED
+from fixtures.moe_case import prompt as _prompt
 
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
-DIMS = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            intermediate_size=512, moe_intermediate_size=256, mlp_only_layers=(1,), num_experts=8,
-            num_experts_per_tok=2, vocab_size=512)
 FORMATS = ("bf16", "q8_0", "q4_k_m", "shared")
 
 
@@ -39,11 +38,11 @@ def moe(request, tmp_path_factory):
     models_dir = paths.models_dir  # (the shared variant points it at a copy with its family)
     d = tmp_path_factory.mktemp(f"moe_{request.param}")
     if request.param == "shared":
-        path = _with_shared_expert(write_qwen3_moe_safetensors(d / "m", seed=5, **DIMS), d)
+        path = _with_shared_expert(write_qwen3_moe_safetensors(d / "m", seed=SEED, **DIMS), d)
     elif request.param == "bf16":
-        path = write_qwen3_moe_safetensors(d / "m", seed=5, **DIMS)
+        path = write_qwen3_moe_safetensors(d / "m", seed=SEED, **DIMS)
     else:
-        path = write_qwen3_moe_gguf(d / "m.gguf", quant=request.param, seed=5, **DIMS)
+        path = write_qwen3_moe_gguf(d / "m.gguf", quant=request.param, seed=SEED, **DIMS)
     model = load_model(path)
     runner = CudaRunner(model, num_blocks=128, max_model_len=512)
     yield request.param, runner, ReferenceRunner(model, num_blocks=64, max_model_len=512)
@@ -99,10 +98,6 @@ def _with_shared_expert(path, tmp):
     return path
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, DIMS["vocab_size"], n)]
-
-
 def test_moe_plan_uses_the_expert_kernels(moe):
     fmt, runner, _ = moe
     templates = {la.spec.template for st in runner.plan.steps for m in ("decode1", "decode") for la in st.launches[m]}
@@ -138,11 +133,11 @@ def test_long_prefill_matches_the_reference(moe):
 
 def test_logits_and_greedy_match_the_reference(moe):
     fmt, runner, ref = moe
-    prompt = _prompt(1, 13)
+    prompt = _prompt(DECODE_PROMPT_SEED, 13)  # (well conditioned: tests/test_moe_conditioning.py)
     table = list(range(4))
     tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]
     seq, errs, flips = list(prompt), [], 0
-    for step in range(6):
+    for step in range(DECODE_STEPS):
         got = np.array(runner.read_logits(1)[0])
         want = ref.forward_logits(seq)[-1]
         errs.append(_rel(got, want))
@@ -230,7 +225,7 @@ def test_q8x_expert_gemvs_follow_the_reference(tmp_path, monkeypatch):
     from engine.runner_cuda import CudaRunner
 
     monkeypatch.setenv("MEMRA_TUNE", "moe.q8x=true")
-    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=5, **DIMS))
+    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=SEED, **DIMS))
     runner = CudaRunner(model, num_blocks=64, max_model_len=256)
     try:
         glus = [la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.params.get("mode") == "glu"]
@@ -255,3 +250,50 @@ def test_q8x_expert_gemvs_follow_the_reference(tmp_path, monkeypatch):
         assert _generate(runner, seqs, tables, 4) == solo
     finally:
         runner.close()
+
+
+# (name, MEMRA_TUNE spec, MEMRA_PDL, use_graphs): the batch-1 features of a q4_k_m model's decode
+# step, each switched off in turn
+DECODE1_VARIANTS = (
+    ("default", "", "", True),
+    ("eager", "", "", False),
+    ("no PDL", "", "0", True),
+    ("no early trigger", "decode_graph.early_trigger=false", "", True),
+    ("no q8x GEMVs", "gemv_coop.q8x=false", "", True),
+    ("no wsm tiles", "gemv_coop.q8x_wsm_kb=0", "", True),
+    ("no q|k + v pair", "decode_graph.pair_linears=false", "", True),
+    ("router unfused", "moe.fused_router=false", "", True),
+)
+
+
+def test_q4_k_m_first_decode_step_per_batch1_feature(tmp_path, monkeypatch):
+    """The q4_k_m model's first batch-1 decode step (the well-conditioned decode prompt) against the
+    reference with each batch-1 feature switched off in turn (DECODE1_VARIANTS): every variant must
+    match; the failure message lists each variant's logits error and greedy token, so one run
+    shows which feature is wrong."""
+    from engine import cuda
+    from engine.model import load_model
+    from engine.profile import select, with_tuning
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+
+    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=SEED, **DIMS))
+    ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
+    prompt = _prompt(DECODE_PROMPT_SEED, 13)
+    prof = select(cuda.detect_devices()[0])
+    rows = []
+    for name, tune, pdl, graphs in DECODE1_VARIANTS:
+        monkeypatch.setenv("MEMRA_PDL", pdl)
+        runner = CudaRunner(model, with_tuning(prof, tune) if tune else prof, num_blocks=64, max_model_len=512,
+                            use_graphs=graphs)
+        try:
+            tok = runner.step([StepItem(0, prompt, 0, list(range(4)), True, GREEDY)])[0]
+            seq = [*prompt, tok]
+            nxt = runner.step([StepItem(0, [tok], len(prompt), list(range(4)), True, GREEDY)])[0]
+            got = np.array(runner.read_logits(1)[0])
+        finally:
+            runner.close()
+        want = ref.forward_logits(seq)[-1]
+        rows.append((name, f"{_rel(got, want):.2e}", nxt, int(np.argmax(want))))
+    print("q4_k_m first decode step:", rows)
+    assert all(float(e) < 2e-2 for _, e, _, _ in rows), rows
