@@ -145,3 +145,18 @@ def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]
         raw[:, off : off + 2] = (rng.uniform(0.2, 1.0, nb) * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
     deq = quant.dequantize(raw.reshape(-1), qt, (n, k)).astype(np.float64)
     return raw.reshape(n, -1), deq
+
+
+def uploaded_weights(seed: int):
+    """``get(qt, n, k)`` -> (device bytes, dequantised f64) of a random weight (random_weight), made
+    once per (type, n, k) (dequantising is the slow part): a module-scoped fixture returns it."""
+    cache: dict = {}
+    rng = np.random.default_rng(seed)
+
+    def get(qt: str, n: int, k: int):
+        if (qt, n, k) not in cache:
+            raw, deq = random_weight(qt, n, k, rng)
+            cache[qt, n, k] = (upload(raw, "u8"), deq)
+        return cache[qt, n, k]
+
+    return get

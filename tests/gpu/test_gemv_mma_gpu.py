@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
+from gpu_harness import bf_round, poisoned, rel_err, upload, uploaded_weights
 
 from engine import kernel_catalog as kc
 
@@ -26,16 +26,7 @@ def _bmax(rows: int) -> int:
 
 @pytest.fixture(scope="module")
 def weights():
-    cache: dict = {}
-    rng = np.random.default_rng(11)
-
-    def get(qt: str, n: int, k: int):
-        if (qt, n, k) not in cache:
-            raw, deq = random_weight(qt, n, k, rng)
-            cache[qt, n, k] = (upload(raw, "u8"), deq)
-        return cache[qt, n, k]
-
-    return get
+    return uploaded_weights(11)
 
 
 def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[float, int, int]:

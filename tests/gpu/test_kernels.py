@@ -15,7 +15,15 @@ import math
 
 import numpy as np
 import pytest
-from gpu_harness import DeviceArray, bf_round, needs_sm90, poisoned, random_weight, rel_err, upload
+from gpu_harness import (
+    DeviceArray,
+    bf_round,
+    needs_sm90,
+    poisoned,
+    rel_err,
+    upload,
+    uploaded_weights,
+)
 
 from engine import cuda, ops_ref, quant
 from engine import kernel_catalog as kc
@@ -30,17 +38,7 @@ GEMV_CASES = ((1, 1, False, "bf16"), (1, 1, True, "bf16"), (1, 1, False, "f32"),
 
 @pytest.fixture(scope="module")
 def weights():
-    """Random weights per (type, n, k), made once per module (dequantising is the slow part)."""
-    cache: dict = {}
-    rng = np.random.default_rng(7)
-
-    def get(qt: str, n: int, k: int):
-        if (qt, n, k) not in cache:
-            raw, deq = random_weight(qt, n, k, rng)
-            cache[qt, n, k] = (upload(raw, "u8"), deq)
-        return cache[qt, n, k]
-
-    return get
+    return uploaded_weights(7)
 
 
 def _same_arch_tunings(profile) -> dict:
