@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from fixtures.engine_waves import serve_waves
 from fixtures.hybrid import write_qwen3_5_gguf, write_qwen3_5_hf
 
 from engine.fake_runner import FakeTokenizer
@@ -38,26 +39,7 @@ def serve(model, waves, *, num_blocks=128, state_slots=64, block_size=4, max_tok
     """Run each wave of prompts after the previous one finished; (tokens, cached) per request, stats."""
     runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=block_size, max_model_len=1100,
                              state_slots=state_slots)
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg),
-               on_step=lambda e: e.check_invariants())
-    outs = []
-    try:
-        for w, prompts in enumerate(waves):
-            handles = [
-                e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=GREEDY, max_tokens=max_tokens,
-                                           ignore_eos=True, tenant=tenant))
-                for i, p in enumerate(prompts)
-            ]
-            e.start()
-            for h in handles:
-                evs = list(h)
-                assert evs[-1].finish_reason == "length", evs[-1].error
-                outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-        stats = e.stats()
-        e.check_invariants()
-        return outs, stats
-    finally:
-        e.shutdown(5)
+    return serve_waves(runner, waves, max_tokens=max_tokens, tenant=tenant, **cfg)
 
 
 PROMPTS = [

@@ -143,29 +143,10 @@ def test_graph_decode_is_bit_identical_to_eager(hybrid, batch):
 
 
 def _serve(runner, waves, **cfg):
-    from engine.fake_runner import FakeTokenizer
-    from engine.loop import Engine, EngineConfig
-    from engine.types import GenerationRequest
+    from fixtures.engine_waves import serve_waves
 
-    tok = FakeTokenizer(eos_token_ids=frozenset())
-    tok.vocab_size = runner.plan.dims["vocab"]  # the prompts use the model's whole vocabulary
-    e = Engine(runner, tok, EngineConfig(**cfg),
-               on_step=lambda e: e.check_invariants())
-    outs = []
-    try:
-        e.start()
-        for w, prompts in enumerate(waves):
-            handles = [e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=GREEDY, max_tokens=12, ignore_eos=True))
-                       for i, p in enumerate(prompts)]
-            for h in handles:
-                evs = list(h)
-                assert evs[-1].finish_reason == "length", evs[-1].error
-                outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-        stats = e.stats()
-        e.check_invariants()
-        return outs, stats
-    finally:
-        e.shutdown(5)
+    # the prompts use the model's whole vocabulary
+    return serve_waves(runner, waves, max_tokens=12, vocab_size=runner.plan.dims["vocab"], **cfg)
 
 
 def test_prefix_cache_hits_and_matches_uncached(hybrid):
