@@ -13,7 +13,6 @@ from fixtures.checkpoints import write_gemma3_safetensors
 
 from engine.block_manager import RELEASED, BlockManager, cache_salt_hash
 from engine.kv_groups import WindowedBlocks, min_window_blocks
-from engine.types import SamplingParams
 
 SALT = cache_salt_hash("t")
 BS, WINDOW = 4, 8
@@ -115,35 +114,14 @@ def tiny(tmp_path_factory):
 def run(model, waves, *, window_pool=True, cache=True, max_tokens=40, watch=None, pool=None, **cfg):
     """Greedy outputs [(tokens, cached tokens)] of each wave's prompts through the engine (``pool``:
     the window pool's blocks, default the full pool's)."""
-    from engine.fake_runner import FakeTokenizer
-    from engine.loop import Engine, EngineConfig
+    from fixtures.engine_waves import engine_for, run_waves
+
     from engine.reference import ReferenceRunner
-    from engine.types import GenerationRequest
 
     runner = ReferenceRunner(model, num_blocks=96, block_size=BS, max_model_len=128, window_kv_blocks=pool if window_pool else 0)
-
-    def on_step(e):
-        e.check_invariants()
-        if watch is not None:
-            watch(e)
-
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(enable_prefix_cache=cache, **cfg), on_step=on_step)
+    e = engine_for(runner, watch=watch, enable_prefix_cache=cache, **cfg)
     assert isinstance(e.blocks, WindowedBlocks) == window_pool
-    outs = []
-    try:
-        for w, wave in enumerate(waves):
-            handles = [
-                e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True))
-                for i, p in enumerate(wave)
-            ]  # fmt: skip
-            e.start()
-            for h in handles:
-                evs = list(h)
-                assert evs[-1].finish_reason == "length", evs[-1].error
-                outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-    finally:
-        e.shutdown(5)
-    return outs
+    return run_waves(e, waves, max_tokens=max_tokens)[0]
 
 
 def test_engine_long_generation_holds_a_bounded_window_group(tiny):

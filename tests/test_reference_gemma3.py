@@ -254,9 +254,7 @@ def test_tiny_gemma3_chunked_and_decode_past_the_window_equal_one_pass(tiny_gemm
 def test_engine_batched_prefix_hits_and_preemption_past_the_window_equal_solo(tiny_gemma3):
     """Through the engine loop (block size 4, window 8): prompts sharing a prefix longer than the window,
     chunked prefill, preemption and a second wave served from the prefix cache give the solo tokens."""
-    from engine.fake_runner import FakeTokenizer
-    from engine.loop import Engine, EngineConfig
-    from engine.types import GenerationRequest
+    from fixtures.engine_waves import serve_waves
 
     model = load_model(tiny_gemma3[0])
     shared = [int(i) for i in np.random.default_rng(5).integers(0, 128, 14)]
@@ -264,22 +262,7 @@ def test_engine_batched_prefix_hits_and_preemption_past_the_window_equal_solo(ti
 
     def run(waves, num_blocks, **cfg):
         runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=64)
-        e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg), on_step=lambda e: e.check_invariants())
-        outs = []
-        try:
-            for w, wave in enumerate(waves):
-                handles = [
-                    e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=SamplingParams(temperature=0.0), max_tokens=10, ignore_eos=True))
-                    for i, p in enumerate(wave)
-                ]  # fmt: skip
-                e.start()
-                for h in handles:
-                    evs = list(h)
-                    assert evs[-1].finish_reason == "length", evs[-1].error
-                    outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-            return outs, e.stats()
-        finally:
-            e.shutdown(5)
+        return serve_waves(runner, waves, max_tokens=10, **cfg)
 
     solo = [run([[p]], 32)[0][0][0] for p in prompts]
     batched, stats = run([prompts], 14, max_running=4, prefill_chunk_tokens=6, max_step_tokens=16)
