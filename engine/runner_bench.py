@@ -78,7 +78,7 @@ def kv_bytes_read(plan: Any, batch: int, depth: int) -> int:
     keys = 0
     for st in getattr(plan, "steps", ()):
         if st.op.op == "attention":
-            launches = getattr(st, "launches", {}).get("decode", ())
+            launches = st.launches.get("decode", ())
             window = int(launches[0].spec.params.get("window", 0)) if launches else 0
             keys += min(depth + 1, window) if window else depth + 1
     states = sum(sp.slot_bytes for sp in getattr(plan, "states", ()))

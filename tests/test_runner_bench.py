@@ -23,7 +23,7 @@ class _StubRunner:
         self.plan = SimpleNamespace(
             weights=[w("embed", 1000, 64, 128_000), w("wq", 64, 64, 8192, 0), w("head", 1000, 64, 128_000)],
             dims={"tie_embeddings": tied, "layers": 2, "kv_dim": 16},
-            steps=[SimpleNamespace(op=SimpleNamespace(op="attention"))] * 2,  # (KV bytes: attention layers)
+            steps=[SimpleNamespace(op=SimpleNamespace(op="attention"), launches={})] * 2,  # (KV bytes: attention layers)
         )
         self.profile = SimpleNamespace(memory_bandwidth_gbs=100.0, tensor_tflops_bf16=1.0)
         self.block_size, self.num_blocks, self.max_model_len = 16, 64, 256
