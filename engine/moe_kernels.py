@@ -56,7 +56,7 @@ GEMM_QUANTS = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4
 RAW_UNIT_QUANTS = ("q4_k", "q5_k")  # _quant.cuh.j2 splits their decode into load_raw / decode_raw (qprefetch)
 GEMM_DEFAULTS = {"tile_m": 64, "tile_n": 128, "tile_k": 64, "stages": 3, "warps": 8, "warps_m": 2, "qprefetch": True}
 MODES = ("glu", "down", "glu_grouped", "down_grouped")
-PREFETCH = {"glu": 2, "down": 3}  # the per-slot modes' default raw units per lane in flight (tuning moe)
+PREFETCH = {"glu": 2, "down": 3}  # the per-slot modes' default raw units per lane in flight
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
 MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-Next: 512)
 MAX_GRID_Y = 65535
@@ -159,9 +159,7 @@ def expert_gemv_kernel(
     max_slots: int = 256,
     slot_batch: int = 8,
     trigger: bool = False,
-    prefetch: int = 0,
     rows_per_warp: int = 1,
-    q8x: bool = False,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -170,12 +168,11 @@ def expert_gemv_kernel(
     for at most ``max_slots`` rows (tokens) per launch (an expert's (token, slot) pairs: each
     token picks an expert at most once), ``slot_batch`` slots per pass over a
     weight row. ``trigger`` (glu / down): the kernel calls pdl_trigger() once its first weight loads
-    are issued (batch-1 decode); ``prefetch`` (glu / down, k-quants with raw units): units per lane
-    loaded before the first is decoded (0: PREFETCH's default for the mode); ``rows_per_warp``
+    are issued (batch-1 decode); glu / down over k-quants with raw units load PREFETCH[mode] units
+    per lane before the first is decoded; ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows; ``q8x`` (glu / down over q4_k): x (act) rows quantised
-    to int8 per 32 values in shared memory, dp4a against the nibbles. Raises ConfigError for an unsupported quant, a k that is not a whole number of its
-    blocks, a bad mode or shape."""
+    ``rows_per_block * rows_per_warp`` rows. Raises ConfigError for an unsupported quant, a k that
+    is not a whole number of its blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
     if quant not in GEMV_QUANTS:
@@ -189,17 +186,8 @@ def expert_gemv_kernel(
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "rows_per_block": rows_per_block, "residual": res}
     name = {"n": n, "k": k, "top": top_k, "r": rows_per_block, **({"res": 1} if res else {})}
     if not grouped:
-        pf = int(prefetch) or PREFETCH[mode]
-        if not 1 <= pf <= 8:
-            raise ConfigError(f"moe_gemv {mode}: prefetch {pf} must be 1..8 units per lane")
-        if q8x and quant != "q4_k":
-            raise ConfigError(f"moe_gemv {mode} {quant}: q8x takes q4_k weights (dp4a over their nibbles)")
-        if q8x and mode == "down" and top_k * k > 16384:
-            raise ConfigError(f"moe_gemv down q8x: the token's {top_k} x {k} act values exceed 16 KB of shared memory")
-        params.update(trigger=bool(trigger), prefetch=pf, q8x=bool(q8x))
+        params.update(trigger=bool(trigger), prefetch=PREFETCH[mode])
         name.update({"tr": 1} if trigger else {})
-        name.update({"q8x": 1} if q8x else {})
-        name.update({"pf": pf} if pf != PREFETCH[mode] else {})
     if grouped:
         if (
             not 0 < experts <= MAX_GRID_Y

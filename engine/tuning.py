@@ -275,27 +275,6 @@ class DecodeGraph(Knobs):
     o_window_max_kb: int = knob(0, non_negative)
 
 
-@dataclass(frozen=True, eq=False)
-class Moe(Knobs):
-    # mixture-of-experts decode (engine/lowering/moe.py): batched decode passes of up to
-    # slot_rows rows run the per-(token, slot) expert GEMVs as batch 1 does (0: the grouped GEMVs
-    # and moe_combine from 2 rows); fused_router: decode's router GEMV and top-k as one moe_router
-    # launch (off: the dense GEMV then moe_topk); fold_norm: the rmsnorm before it folded into
-    # that launch; glu_prefetch / down_prefetch: the per-slot expert GEMVs' k-quant raw units per
-    # lane loaded before the first is decoded (more bytes in flight per warp, more registers);
-    # grouped_rows_per_warp: the grouped expert GEMVs' output rows per warp, one after the other
-    # (a block's scan of the step's expert ids then serves 4x that many rows)
-    slot_rows: int = knob(4, non_negative)
-    glu_prefetch: int = knob(2, positive)
-    down_prefetch: int = knob(3, positive)
-    grouped_rows_per_warp: int = knob(4, positive)
-    # q8x: the per-slot glu and down over q4_k experts with x / act as int8 and dp4a (fewer
-    # instructions per weight byte; x rounded to 8 bits per 32 values, as the dense q8x GEMV)
-    q8x: bool = False
-    fused_router: bool = True
-    fold_norm: bool = True
-
-
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
@@ -307,7 +286,6 @@ SECTIONS: dict[str, type[Knobs]] = {
     "elementwise": Elementwise,
     "sampling": Sampling,
     "decode_graph": DecodeGraph,
-    "moe": Moe,
 }
 
 

@@ -73,11 +73,6 @@ def test_builders_check_their_inputs():
         expert_gemv_kernel("glu", "q4_k", 768, 1000, 8)
     with pytest.raises(ConfigError, match="not supported"):
         expert_gemv_kernel("glu", "q2_k", 768, 2048, 8)
-    with pytest.raises(ConfigError, match="q8x takes q4_k"):
-        expert_gemv_kernel("down", "q6_k", 2048, 768, 8, q8x=True)
-    with pytest.raises(ConfigError, match="exceed 16 KB"):
-        expert_gemv_kernel("down", "q4_k", 2048, 4096, 8, q8x=True)
-    assert "__dp4a" in render(expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, q8x=True).spec)
     k = expert_gemv_kernel("glu", "q8_0", 768, 2048, 8)
     assert k.grid(3) == (192, 24, 1) and k.block == (128, 1, 1)
     with pytest.raises(ConfigError, match="exceed"):
@@ -161,8 +156,6 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         router_kernel(128, 2048, 8, True, "bf16", 4608, trigger=True).spec,
         router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=2048).spec,
         expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, trigger=True).spec,
-        expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, q8x=True).spec,
-        expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True, q8x=True).spec,
         shared_kernel(2048).spec,
         sort_kernel(128, 8, 64).spec,
         expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,

@@ -222,35 +222,3 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
                 assert ran == [("moe_gemv", "glu"), ("moe_gemv", "down")], rows
             else:
                 assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)
-
-
-def test_moe_tuning_switches_back_to_the_unfused_launches():
-    """MEMRA_TUNE-style A/B of the decode choices: moe.slot_rows=0 (grouped GEMVs from 2 rows),
-    moe.fused_router=false (router GEMV + moe_topk, the rmsnorm launched), fold_norm=false alone
-    (moe_router without the norm); slot_rows never reaches the GEMM's rows."""
-    from engine.profile import with_tuning
-
-    g = load_family("qwen3_moe")
-    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
-
-    def plan_with(tune: str):
-        p = build_plan(g, d, g.quant("q8_0"), with_tuning(get_profile("h100"), tune))
-        router = next(s for s in p.steps if s.op.op == "moe_router")
-        return p.steps[p.steps.index(router) - 1], router, next(s for s in p.steps if s.op.op == "moe_experts")
-
-    norm, router, experts = plan_with("moe.slot_rows=0; moe.fused_router=false")
-    assert [la.spec.template for la in router.launches["decode1"]] == ["gemv", "moe_topk"]
-    assert [la.spec.template for la in norm.launches["decode"]] == ["rmsnorm"]
-    assert experts.launches["decode"][0].spec.params["mode"] == "glu_grouped" and experts.launches["decode"][0].min_rows == 0
-    norm, router, _ = plan_with("moe.fold_norm=false")
-    assert router.launches["decode1"][0].spec.params["norm"] is False and len(norm.launches["decode1"]) == 1
-    _, _, experts = plan_with("moe.q8x=true")  # (a q8_0 file: no q4_k experts, so no q8x glu)
-    assert not any(la.spec.params.get("q8x") for la in experts.launches["decode1"])
-    q4 = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "moe.q8x=true"))
-    glu, down = next(s for s in q4.steps if s.op.op == "moe_experts" and s.layer == 2).launches["decode1"]
-    assert glu.spec.params["q8x"] and glu.spec.params["quant"] == "q4_k" and "_q8x1" in glu.spec.entry
-    assert down.spec.params["q8x"] is (down.spec.params["quant"] == "q4_k")
-    _, _, experts = plan_with("moe.slot_rows=64")  # 16 experts, top 4: the GEMM from 16 rows
-    solo = [la for la in experts.launches["decode"] if la.spec.template == "moe_gemv" and la.spec.params["mode"] in ("glu", "down")]
-    assert [la.max_rows for la in solo] == [15, 15]
-    assert not any(la.runs_at(16) for la in solo)

@@ -1,7 +1,7 @@
 """Time the MoE expert kernels of one sparse layer at a real shape on a GPU: the grouped
 tensor-core GEMM path (moe_sort, moe_gemm glu and down, moe_combine) against the grouped GEMV path
 (moe_gemv glu_grouped, down_grouped, moe_combine; rows per warp 1 and 4) and, for small token
-counts, the per-slot GEMVs (moe_gemv glu, down; for q4_k also with q8x), for several token counts
+counts, the per-slot GEMVs (moe_gemv glu, down), for several token counts
 and row tiles.
 
     python tools/bench_moe_gemm.py [--quant q4_k] [--tokens 32,64,128,512,2048] [--tile-m 16,64]
@@ -116,10 +116,6 @@ def main() -> int:
             sg = expert_gemv_kernel("glu", qt, inter, hid, top)
             sd = expert_gemv_kernel("down", qt, hid, inter, top, residual=True)
             paths["gemv per slot"] = [(sg, [act, wg, wu, x, ids_t, t]), (sd, [out, wd, act, ids_t, wts, out, t])]
-            if qt == "q4_k":  # tuning moe.q8x: int8 x / act and dp4a
-                qg = expert_gemv_kernel("glu", qt, inter, hid, top, q8x=True)
-                qd = expert_gemv_kernel("down", qt, hid, inter, top, residual=True, q8x=True)
-                paths["per slot q8x"] = [(qg, [act, wg, wu, x, ids_t, t]), (qd, [out, wd, act, ids_t, wts, out, t])]
         for name, launches in paths.items():
             for k, a in launches:  # build + warm
                 kit.launch(k, a, t)

@@ -8,7 +8,7 @@ kernel then moe_topk.
 Both write the expert ids (i32) and weights (f32) into fixed-size [rows, top_k] values: no host
 synchronisation, so decode stays in the CUDA graph.
 moe_experts over the stacked [E, N, K] expert weights (uploaded as the file's blocks): at batch 1
-(decode1) and in batched decode passes of up to moe.slot_rows rows (tuning) the per-slot moe_gemv
+(decode1) and in batched decode passes of up to SLOT_ROWS rows the per-slot moe_gemv
 ``glu`` then ``down`` (+ residual), which read only the chosen experts' rows; in larger decode
 buckets and wide ones the grouped modes (one block per (row tile, chosen expert) reads the expert
 once for all its tokens; grid y min(E, n * top_k)) and moe_combine (the router-weighted slot sum
@@ -36,10 +36,11 @@ RPB = 4  # warps (output rows) per block of the expert GEMVs
 TOPK_WARPS = 4  # tokens per block of moe_topk
 ROUTER_ROWS, ROUTER_TOKENS = 2, 8  # moe_router (decode): router rows and tokens per block
 SLOT_BATCH = 8  # (token, slot) pairs per pass over an expert row (grouped modes)
-# (tuning moe.slot_rows, default 4: batched decode passes of up to that many rows take the
-# per-slot kernels as batch 1 does: with few tokens two rarely share an expert (4 tokens x 8 of
-# 128: ~8 % of the rows read twice), and the per-slot down sums a token's slots itself (no f32
-# partials, no moe_combine launch))
+# batched decode passes of up to SLOT_ROWS rows take the per-slot kernels as batch 1 does: with
+# few tokens two rarely share an expert (4 tokens x 8 of 128: ~8 % of the rows read twice), and the
+# per-slot down sums a token's slots itself (no f32 partials, no moe_combine launch)
+SLOT_ROWS = 4
+GROUPED_ROWS_PER_WARP = 4  # the grouped expert GEMVs' output rows per warp (one scan of ids per 16 rows)
 GEMM_TOKENS_PER_EXPERT = 4  # decode buckets with at least this many per expert on average take the GEMM
 DECODE_TILE_M = 16  # the GEMM's row tile in decode buckets (a few tokens per expert)
 
@@ -73,8 +74,7 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
         raise ConfigError(f"plan: moe_router reads {ins[0].name} of width {ins[0].width}, the router has {w.cols} columns")
     top_k = int(_dim(ctx, op, "top_k"))
     normalize = bool(_dim(ctx, op, "normalize", False))
-    fuse = ctx.tune("moe")["fused_router"]
-    if mode != "prefill" and fuse and w.dtype in ("f32", "bf16"):  # decode: GEMV and routing in one launch
+    if mode != "prefill" and w.dtype in ("f32", "bf16"):  # decode: GEMV and routing in one launch
         trigger = mode == "decode1" and ctx.graph_knob("early_trigger")
         r = mk.router_kernel(w.rows, w.cols, top_k, normalize, w.dtype, ins[0].ld, ROUTER_ROWS, ROUTER_TOKENS, trigger)
         ctx.need_scratch(ScratchPlan("moe_route_count", fixed=mk.router_counters(ctx.max_tokens, ROUTER_TOKENS), fill="zero"))
@@ -94,8 +94,6 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
     layer that reads the norm's output as x, both one launch (rmsnorm without a residual, the
     fused moe_router): the rmsnorm launch goes and moe_router normalises x itself and stores h
     for the expert kernels (its ``eps`` form). Prefill and wide buckets keep both launches."""
-    if not ctx.tune("moe")["fold_norm"]:
-        return
     for prev, st in zip(steps, steps[1:], strict=False):
         if st.op.op != "moe_router" or prev.op.op != "rmsnorm" or prev.layer != st.layer:
             continue
@@ -186,10 +184,8 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     gemm = grouped_gemm(ctx, mode, h, ids, weights, out, res, act, (wg, wu, wd), experts)
     if mode == "prefill" and gemm:
         return gemm
-    slot_rows = int(ctx.tune("moe")["slot_rows"])
-    if gemm:  # (never beside the GEMM)
-        slot_rows = min(slot_rows, gemm[0].min_rows - 1)
-    if mode == "decode" and slot_rows:  # the smallest batched buckets: per slot too
+    slot_rows = min(SLOT_ROWS, gemm[0].min_rows - 1) if gemm else SLOT_ROWS  # (never beside the GEMM)
+    if mode == "decode":  # the smallest batched buckets: per slot too
         solo = [dataclasses.replace(la, max_rows=slot_rows) for la in solo]
         grouped_rows = {"min_rows": slot_rows + 1}
     else:
@@ -198,7 +194,7 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     slots = max(top_k, ctx.max_tokens)
     if slots > mk.MAX_SLOTS:
         raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
-    rpw = int(ctx.tune("moe")["grouped_rows_per_warp"])
+    rpw = GROUPED_ROWS_PER_WARP
     grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
     glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped)
     down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped)
@@ -224,14 +220,8 @@ def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> 
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    t = ctx.tune("moe")
-    q8x = bool(t["q8x"]) and wg.dtype == "q4_k"
-    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger, prefetch=t["glu_prefetch"], q8x=q8x)
-    q8x_down = bool(t["q8x"]) and wd.dtype == "q4_k" and top_k * inter <= 16384
-    down = mk.expert_gemv_kernel(
-        "down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger, prefetch=t["down_prefetch"],
-        q8x=q8x_down,
-    )
+    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
+    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
     return [
         Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
         Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),

@@ -297,45 +297,12 @@ def test_grouped_kernels_take_the_chosen_experts_by_rank(gk, qt, grid_y, rpw):
     assert not np.isnan(got).any() and rel_err(got, ref) < 1e-4, rel_err(got, ref)
 
 
-@pytest.mark.parametrize("qt", ["q4_k", "q5_k"])
-@pytest.mark.parametrize("prefetch", [1, 4])  # (the default 2 / 3: test_glu_and_down_match_numpy)
-def test_per_slot_prefetch_depths(gk, qt, prefetch):
-    """The per-slot glu / down with other raw-unit prefetch depths (tuning moe.glu_prefetch /
-    down_prefetch): 1 unit per lane at a time, and 4 (more than a lane has at k = 512: guarded)."""
-    rng = np.random.default_rng()
-    e, inter, hidden, top_k, rows = 16, 256, 2048, 8, 2
-    wg_raw, wg = stacked_weight(qt, e, inter, hidden, rng)
-    wu_raw, wu = stacked_weight(qt, e, inter, hidden, rng)
-    wd_raw, wd = stacked_weight(qt, e, hidden, inter, rng)
-    ids = _ids(rng, rows, e, top_k)
-    x = bf_round(rng.standard_normal((rows, hidden)))
-    act = gk.nan_like((rows, top_k, inter))
-    ids_t = gk.i32(ids)
-    glu = expert_gemv_kernel("glu", qt, inter, hidden, top_k, prefetch=prefetch, trigger=True)
-    gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows)
-    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
-    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
-    got_act = gk.host(act)
-    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
-    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
-    down = expert_gemv_kernel("down", qt, hidden, inter, top_k, prefetch=prefetch, trigger=True)
-    out = gk.nan_like((rows, hidden))
-    gk.launch(down, [out, gk.raw(wd_raw), act, ids_t, gk.f32(w), 0, rows], rows)
-    a = gk.host(act)
-    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids]))
-    got = gk.host(out)
-    assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 def test_per_slot_q4_k_m_experts_at_hidden_256(gk, rows):
     """The per-slot kernels as the tiny q4_k_m Qwen3-MoE of tests/gpu/test_moe_runner.py takes them
     (hidden = moe_intermediate = 256, 8 experts, top-2): q4_k gate/up and q6_k down (one super-block
-    per row), the batch-1 trigger and the tuning's prefetch depths, residual aliasing out, at 1 row
-    (decode1) and 3 (a per-slot batched bucket)."""
-    from engine.profile import select
-
-    t = select(gk.ctx.info).tune("moe")
+    per row), the batch-1 trigger, residual aliasing out, at 1 row (decode1) and 3 (a per-slot
+    batched bucket)."""
     rng = np.random.default_rng()
     e, inter, hidden, top_k = 8, 256, 256, 2
     wg_raw, wg = stacked_weight("q4_k", e, inter, hidden, rng)
@@ -347,71 +314,19 @@ def test_per_slot_q4_k_m_experts_at_hidden_256(gk, rows):
     w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
     act = gk.nan_like((rows, top_k, inter))
     ids_t = gk.i32(ids)
-    glu = expert_gemv_kernel("glu", "q4_k", inter, hidden, top_k, trigger=True, prefetch=t["glu_prefetch"])
+    glu = expert_gemv_kernel("glu", "q4_k", inter, hidden, top_k, trigger=True)
     gk.launch(glu, [act, gk.raw(wg_raw), gk.raw(wu_raw), gk.bf(x), ids_t, rows], rows)
     g = np.einsum("tk,tjnk->tjn", x, wg[ids])
     ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
     got_act = gk.host(act)
     assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
-    down = expert_gemv_kernel("down", "q6_k", hidden, inter, top_k, residual=True, trigger=True, prefetch=t["down_prefetch"])
+    down = expert_gemv_kernel("down", "q6_k", hidden, inter, top_k, residual=True, trigger=True)
     out = gk.bf(r)
     gk.launch(down, [out, gk.raw(wd_raw), act, ids_t, gk.f32(w), out, rows], rows)
     a = gk.host(act)
     want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids])) + r
     got = gk.host(out)
     assert not np.isnan(got).any() and rel_err(got, want) < 1e-2, rel_err(got, want)
-
-
-@pytest.mark.parametrize("hidden,prefetch", [(2048, 2), (2048, 1), (256, 2), (768, 1)])
-def test_glu_q8x_matches_numpy(gk, hidden, prefetch):
-    """The per-slot glu over q4_k with q8x (x as int8 per 32 values in shared memory, dp4a;
-    tuning moe.q8x): within 2 % of the exact f64 result (x rounded to 8 bits), NaN-free over a
-    poisoned output, each token bitwise what a batch-1 launch gives it."""
-    rng = np.random.default_rng()
-    e, inter, top_k, rows = 16, 256, 8, 3
-    wg_raw, wg = stacked_weight("q4_k", e, inter, hidden, rng)
-    wu_raw, wu = stacked_weight("q4_k", e, inter, hidden, rng)
-    ids = _ids(rng, rows, e, top_k)
-    x = bf_round(rng.standard_normal((rows, hidden)))
-    x[1, :32] = 0.0  # an all-zero unit (scale 0)
-    glu = expert_gemv_kernel("glu", "q4_k", inter, hidden, top_k, prefetch=prefetch, trigger=True, q8x=True)
-    dev = [gk.raw(wg_raw), gk.raw(wu_raw)]
-    act = gk.nan_like((rows, top_k, inter))
-    gk.launch(glu, [act, dev[0], dev[1], gk.bf(x), gk.i32(ids), rows], rows)
-    g = np.einsum("tk,tjnk->tjn", x, wg[ids])
-    ref = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", x, wu[ids])
-    got = gk.host(act)
-    assert not np.isnan(got).any() and rel_err(got, ref) < 2e-2, rel_err(got, ref)
-    for t in range(rows):
-        one = gk.nan_like((1, top_k, inter))
-        gk.launch(glu, [one, dev[0], dev[1], gk.bf(x[t : t + 1]), gk.i32(ids[t : t + 1]), 1], 1)
-        np.testing.assert_array_equal(gk.host(one)[0], got[t])
-
-
-@pytest.mark.parametrize("inter,prefetch", [(768, 3), (768, 1), (256, 2)])
-def test_down_q8x_matches_numpy(gk, inter, prefetch):
-    """The per-slot down over q4_k with q8x (the token's top_k act rows as int8 in shared memory,
-    dp4a): router-weighted slot sum + the residual in place within 2 % of the exact result; each
-    token bitwise what a batch-1 launch gives it."""
-    rng = np.random.default_rng()
-    e, hidden, top_k, rows = 16, 512, 8, 3
-    wd_raw, wd = stacked_weight("q4_k", e, hidden, inter, rng)
-    ids = _ids(rng, rows, e, top_k)
-    a = bf_round(rng.standard_normal((rows, top_k, inter)))
-    a[0, 1, 32:64] = 0.0  # an all-zero unit
-    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
-    r = bf_round(rng.standard_normal((rows, hidden)))
-    down = expert_gemv_kernel("down", "q4_k", hidden, inter, top_k, residual=True, prefetch=prefetch, trigger=True, q8x=True)
-    wd_dev = gk.raw(wd_raw)
-    out = gk.bf(r)  # the residual aliases out
-    gk.launch(down, [out, wd_dev, gk.bf(a), gk.i32(ids), gk.f32(w), out, rows], rows)
-    want = np.einsum("tj,tjn->tn", w, np.einsum("tjk,tjnk->tjn", a, wd[ids])) + r
-    got = gk.host(out)
-    assert not np.isnan(got).any() and rel_err(got - r, want - r) < 2e-2, rel_err(got - r, want - r)
-    for t in range(rows):
-        one = gk.bf(r[t : t + 1])
-        gk.launch(down, [one, wd_dev, gk.bf(a[t : t + 1]), gk.i32(ids[t : t + 1]), gk.f32(w[t : t + 1]), one, 1], 1)
-        np.testing.assert_array_equal(gk.host(one)[0], got[t])
 
 
 @pytest.mark.parametrize("qt", ["q4_k", "q6_k", "q8_0", "bf16"])
