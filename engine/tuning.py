@@ -210,19 +210,18 @@ class GemmDecode(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class AttentionPrefill(Knobs):
-    block_q: int = knob(64, positive)
+    # the flash prefill's K/V tile (block_q and warps: kernel_catalog.PREFILL_BLOCK_Q / PREFILL_WARPS)
     block_kv: int = knob(64, positive)
-    warps: int = knob(4, positive)
 
 
 @dataclass(frozen=True, eq=False)
 class AttentionDecode(Knobs):
-    warps: int = knob(4, positive)
+    # the split kernels' warps: kernel_catalog.DECODE_WARPS
     split_kv_tokens: int = knob(512, positive)
     vec16: bool = False
     # short-context decode: fold the rope kernel into the direct attention kernel (vec16)
     fuse_rope: bool = False
-    # warps of the direct (short-context) kernel; 0: `warps`, which the split kernels use
+    # warps of the direct (short-context) kernel; 0: the split kernels' DECODE_WARPS
     direct_warps: int = 0
     # direct kernel: split a kv head's query heads over up to this many blocks (grid z)
     direct_qsplit: int = 1
@@ -236,16 +235,6 @@ class AttentionDecode(Knobs):
     # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches the layer's o
     # projection weight into L2 at its start, so it streams while the attention runs
     l2_prefetch_o: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class Elementwise(Knobs):
-    threads: int = knob(256, positive)
-
-
-@dataclass(frozen=True, eq=False)
-class Sampling(Knobs):
-    threads: int = knob(1024, positive)
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,8 +293,6 @@ SECTIONS: dict[str, type[Knobs]] = {
     "gemm_decode": GemmDecode,
     "attention_prefill": AttentionPrefill,
     "attention_decode": AttentionDecode,
-    "elementwise": Elementwise,
-    "sampling": Sampling,
     "decode_graph": DecodeGraph,
     "moe": Moe,
 }

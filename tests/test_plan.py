@@ -422,6 +422,8 @@ def test_missing_dims_and_unknown_storage_fail_clearly():
 
 
 def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context():
+    from engine.kernel_catalog import PREFILL_BLOCK_Q
+
     plan = plan_for("qwen3", "qwen3-0.6b")
     step = next(s for s in plan.steps if s.layer == 0 and s.op.op == "attention")
     dec, comb = step.launches["decode"]
@@ -434,7 +436,7 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
     assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
     pt = get_profile("h200").tune("attention_prefill")
-    assert pre.smem == (pt["block_q"] + 4 * pt["block_kv"]) * (128 + 8) * 2
+    assert pre.smem == (PREFILL_BLOCK_Q + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
     assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4

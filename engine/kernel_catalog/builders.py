@@ -319,6 +319,13 @@ def gemm_wgmma_params(
     return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **p)
 
 
+ELEMENTWISE_THREADS = 256  # the block of the elementwise kernels (embed, rope, silu_mul, add, penalties ...)
+SAMPLING_THREADS = 1024  # the block of the sampling kernels (argmax, sample, token_mask)
+PREFILL_BLOCK_Q = 64  # the flash prefill's query rows per block (16 per warp)
+PREFILL_WARPS = 4
+DECODE_WARPS = 4  # the split decode attention's warps (and the direct kernel's where direct_warps is 0)
+
+
 def attention_prefill_params(
     dims: Mapping[str, Any], tuning: Mapping[str, Any], block_size: int, *, q_stride: int, out_stride: int
 ) -> dict[str, Any]:
@@ -331,9 +338,9 @@ def attention_prefill_params(
         scale=float(dims["head_dim"]) ** -0.5,
         q_stride=q_stride,
         out_stride=out_stride,
-        block_q=a["block_q"],
-        block_kv=prefill_block_kv(a["block_q"], a["block_kv"], dims["head_dim"]),
-        warps=a["warps"],
+        block_q=PREFILL_BLOCK_Q,
+        block_kv=prefill_block_kv(PREFILL_BLOCK_Q, a["block_kv"], dims["head_dim"]),
+        warps=PREFILL_WARPS,
     )
 
 
@@ -356,7 +363,7 @@ def attention_params(
     out_stride: int,
 ) -> dict[str, Any]:
     a = tuning["attention_decode"]
-    warps = (a.get("direct_warps") or a["warps"]) if direct else a["warps"]
+    warps = (a.get("direct_warps") or DECODE_WARPS) if direct else DECODE_WARPS
     warps = attention_warps(warps, dims["heads"] // dims["kv_heads"], dims["head_dim"])
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
@@ -417,7 +424,7 @@ def rope_params(
         eps=float(dims["rms_eps"]),
         freq_factors=freq_factors,
         kv_write=kv_write,
-        threads=tuning["elementwise"]["threads"],
+        threads=ELEMENTWISE_THREADS,
     )
 
 
@@ -457,7 +464,7 @@ def all_specs(
     types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
     shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
     out: dict[KernelSpec, None] = {}
-    el, nm, sm = tuning["elementwise"]["threads"], NORM_THREADS, tuning["sampling"]["threads"]
+    el, nm, sm = ELEMENTWISE_THREADS, NORM_THREADS, SAMPLING_THREADS
     for t in types:
         ok = QUANTS[t][0]
         th = upload_type(t, hidden, tuning)
