@@ -35,8 +35,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_chunk_min_k",
     "q8x_b1_unroll",
     "q8x_b1_unroll_max_k",
-    "q8x_b1_maxnreg",
-    "q8x_b1_maxnreg_min_k",
 )
 TYPE_TUNING = MapOf({k: Field(int, default=0) for k in Q8X_TYPE_KNOBS})
 
@@ -155,12 +153,6 @@ class GemvCoop(Knobs):
     # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
     q8x_b1_unroll: int = knob(0, non_negative)
     q8x_b1_unroll_max_k: int = 0  # q8x_b1_unroll only where k <= this (0: any k)
-    # q8x, batch 1, where k >= q8x_b1_maxnreg_min_k: at most this many registers per thread
-    # (__maxnreg__; 0: the compiler's choice), so the next kernel's blocks, launched early
-    # under PDL, find registers beside this one's (a q6_k down of 640 threads at 79
-    # registers leaves no room for a q|k|v pair block of 320 at 80)
-    q8x_b1_maxnreg: int = knob(0, non_negative)
-    q8x_b1_maxnreg_min_k: int = 0
     # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
     # loaded before pdl_wait (weights never change), so only x is read after the wait
     q8x_early_norm_w: bool = False

@@ -1203,43 +1203,6 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
     assert b1["q4_k"] == 4 and b1["q6_kr"] == general
 
 
-def test_q8x_b1_maxnreg_caps_the_batch1_down_projections_only():
-    """gemv_coop.q8x_b1_maxnreg (per file type, from q8x_b1_maxnreg_min_k): the batch-1 q6_k down
-    projection (k 9728) takes __maxnreg__, so a q|k|v pair block launched early fits beside it;
-    the v GEMV (k 2560), b8 and the other types keep the compiler's choice, and a pair part never
-    carries it (the pair kernel has one bound, pair_min_blocks)."""
-    from engine import kernel_catalog as kc
-
-    prof = get_profile("h200")
-    types = dict(prof.tuning["gemv_coop"]["q8x_type_tuning"])
-    q6 = {**types["q6_k"], "q8x_b1_maxnreg": 56, "q8x_b1_maxnreg_min_k": 8192}
-    tuned = {**prof.tuning, "gemv_coop": {**prof.tuning["gemv_coop"], "q8x_type_tuning": {**types, "q6_k": q6}}}
-    for layout, n, k, bmax, want in (
-        ("q6_kr", 2560, 9728, 1, 56),
-        ("q6_kr", 2560, 9728, 8, None),
-        ("q6_kr", 1024, 2560, 1, None),
-        ("q4_k", 2560, 9728, 1, None),
-    ):
-        assert kc.linear_params(layout, n, k, tuned, bmax=bmax, sm_count=132).get("maxnreg") == want, (layout, k, bmax)
-    v = kc.spec("gemv", **kc.linear_params("q6_kr", 1024, 2560, tuned, bmax=1, sm_count=132))
-    qk = kc.spec("gemv", **kc.linear_params("q4_k", 5120, 2560, tuned, bmax=1, sm_count=132, threads=v.params["threads"]))
-    capped = kc.spec("gemv", **{**v.params, "maxnreg": 56})
-    pair = kc.pair_with_min_blocks([qk, capped], 2)
-    assert [p.params["maxnreg"] for p in kc.pair_parts(pair)] == [0, 0]
-    assert pair == kc.pair_with_min_blocks([qk, v], 2)
-    with pytest.raises(ConfigError, match="a part takes no maxnreg"):
-        kc.pair_spec(qk, capped)
-    knob = "gemv_coop.q8x_type_tuning={q6_k: {q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192}}"
-    plan = _q4_k_m_plan(knob)
-    capped_k = {
-        (la.spec.params["quant"], la.spec.params["k"]): la.spec.params["maxnreg"]
-        for st in plan.steps
-        for la in st.launches["decode1"]
-        if la.spec.template == "gemv" and la.spec.params["maxnreg"]
-    }
-    assert capped_k == {("q6_kr", 9728): 56}
-
-
 def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     """q8x_ksplit_threads: the k-split GEMVs (n <= q8x_ksplit_max_n: o, down) take their own block
     size (640 threads = 10 groups of 2 rows: 20-row tiles, 128 blocks for n = 2560);

@@ -113,7 +113,7 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging; at bmax 1 q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
+      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
@@ -181,8 +181,6 @@ def coop_options(
         if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
-        if bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
-            out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
