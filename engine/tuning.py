@@ -35,8 +35,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_wsm_chunk_min_k",
     "q8x_b1_unroll",
     "q8x_b1_unroll_max_k",
-    "q8x_b1_maxnreg",
-    "q8x_b1_maxnreg_min_k",
 )
 TYPE_TUNING = MapOf({k: Field(int, default=0) for k in Q8X_TYPE_KNOBS})
 
@@ -155,12 +153,6 @@ class GemvCoop(Knobs):
     # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
     q8x_b1_unroll: int = knob(0, non_negative)
     q8x_b1_unroll_max_k: int = 0  # q8x_b1_unroll only where k <= this (0: any k)
-    # q8x, batch 1, where k >= q8x_b1_maxnreg_min_k: at most this many registers per thread
-    # (__maxnreg__; 0: the compiler's choice), so the next kernel's blocks, launched early
-    # under PDL, find registers beside this one's (a q6_k down of 640 threads at 79
-    # registers leaves no room for a q|k|v pair block of 320 at 80)
-    q8x_b1_maxnreg: int = knob(0, non_negative)
-    q8x_b1_maxnreg_min_k: int = 0
     # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
     # loaded before pdl_wait (weights never change), so only x is read after the wait
     q8x_early_norm_w: bool = False
@@ -210,19 +202,18 @@ class GemmDecode(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class AttentionPrefill(Knobs):
-    block_q: int = knob(64, positive)
+    # the flash prefill's K/V tile (block_q and warps: kernel_catalog.PREFILL_BLOCK_Q / PREFILL_WARPS)
     block_kv: int = knob(64, positive)
-    warps: int = knob(4, positive)
 
 
 @dataclass(frozen=True, eq=False)
 class AttentionDecode(Knobs):
-    warps: int = knob(4, positive)
+    # the split kernels' warps: kernel_catalog.DECODE_WARPS
     split_kv_tokens: int = knob(512, positive)
     vec16: bool = False
     # short-context decode: fold the rope kernel into the direct attention kernel (vec16)
     fuse_rope: bool = False
-    # warps of the direct (short-context) kernel; 0: `warps`, which the split kernels use
+    # warps of the direct (short-context) kernel; 0: the split kernels' DECODE_WARPS
     direct_warps: int = 0
     # direct kernel: split a kv head's query heads over up to this many blocks (grid z)
     direct_qsplit: int = 1
@@ -236,16 +227,6 @@ class AttentionDecode(Knobs):
     # batch 1, short contexts (the SHORT1 launch): the direct kernel prefetches the layer's o
     # projection weight into L2 at its start, so it streams while the attention runs
     l2_prefetch_o: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class Elementwise(Knobs):
-    threads: int = knob(256, positive)
-
-
-@dataclass(frozen=True, eq=False)
-class Sampling(Knobs):
-    threads: int = knob(1024, positive)
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,8 +264,6 @@ SECTIONS: dict[str, type[Knobs]] = {
     "gemm_decode": GemmDecode,
     "attention_prefill": AttentionPrefill,
     "attention_decode": AttentionDecode,
-    "elementwise": Elementwise,
-    "sampling": Sampling,
     "decode_graph": DecodeGraph,
 }
 

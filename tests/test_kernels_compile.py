@@ -397,7 +397,6 @@ def _gemv_variant_specs():
             out.append(kc.spec("gemv", **p))
             out.append(kc.spec("gemv", **p, tile_pf=True))  # the next tile's loads in the last step
             out.append(kc.spec("gemv", **p, min_blocks=3))  # registers capped for 3 blocks per SM
-            out.append(kc.spec("gemv", **p, maxnreg=56))  # registers capped by __maxnreg__
             for pro in (
                 {"prologue": "silu", "x_stride": 5120, "u_off": 2560},
                 {"prologue": "norm", "x_stride": 2560, "eps": 1e-6},
@@ -500,19 +499,6 @@ def test_tile_prefetch_is_a_pipelined_coop_option():
         kc.spec("gemv", **kc.linear_params("q8_0", 2560, 2560, tun), min_blocks=3)
     with pytest.raises(ConfigError, match="at most 2048 threads"):
         kc.spec("gemv", **{**mb, "min_blocks": 17})  # 17 x 128 threads
-    # maxnreg: a register cap by __maxnreg__, which replaces __launch_bounds__ (the two exclude
-    # each other in CUDA); in the entry name only where set
-    mr = {**mb, "min_blocks": 0, "maxnreg": 56}
-    src = render(kc.spec("gemv", **mr))
-    assert "void __maxnreg__(56) gemv__" in src and "void __launch_bounds__" not in src
-    assert kc.spec("gemv", **mr).entry.endswith("maxnreg56") and "maxnreg" not in kc.spec("gemv", **p).entry
-    for bad, msg in (
-        ({**mb, "maxnreg": 56}, "not with min_blocks"),
-        ({**mr, "maxnreg": 16}, "maxnreg=16: a coop option in 24 .. 255"),
-        ({**kc.linear_params("q8_0", 2560, 2560, tun), "maxnreg": 64}, "maxnreg=64: a coop option"),
-    ):
-        with pytest.raises(ConfigError, match=msg):
-            kc.spec("gemv", **bad)
 
 
 def test_gemv_options_validation_and_smem():

@@ -422,6 +422,8 @@ def test_missing_dims_and_unknown_storage_fail_clearly():
 
 
 def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context():
+    from engine.kernel_catalog import PREFILL_BLOCK_Q
+
     plan = plan_for("qwen3", "qwen3-0.6b")
     step = next(s for s in plan.steps if s.layer == 0 and s.op.op == "attention")
     dec, comb = step.launches["decode"]
@@ -434,7 +436,7 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
     assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
     pt = get_profile("h200").tune("attention_prefill")
-    assert pre.smem == (pt["block_q"] + 4 * pt["block_kv"]) * (128 + 8) * 2
+    assert pre.smem == (PREFILL_BLOCK_Q + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
     assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4
@@ -1199,43 +1201,6 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
     )
     b1 = {la.spec.params["quant"]: la.spec.params["unroll"] for st in plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv"}
     assert b1["q4_k"] == 4 and b1["q6_kr"] == general
-
-
-def test_q8x_b1_maxnreg_caps_the_batch1_down_projections_only():
-    """gemv_coop.q8x_b1_maxnreg (per file type, from q8x_b1_maxnreg_min_k): the batch-1 q6_k down
-    projection (k 9728) takes __maxnreg__, so a q|k|v pair block launched early fits beside it;
-    the v GEMV (k 2560), b8 and the other types keep the compiler's choice, and a pair part never
-    carries it (the pair kernel has one bound, pair_min_blocks)."""
-    from engine import kernel_catalog as kc
-
-    prof = get_profile("h200")
-    types = dict(prof.tuning["gemv_coop"]["q8x_type_tuning"])
-    q6 = {**types["q6_k"], "q8x_b1_maxnreg": 56, "q8x_b1_maxnreg_min_k": 8192}
-    tuned = {**prof.tuning, "gemv_coop": {**prof.tuning["gemv_coop"], "q8x_type_tuning": {**types, "q6_k": q6}}}
-    for layout, n, k, bmax, want in (
-        ("q6_kr", 2560, 9728, 1, 56),
-        ("q6_kr", 2560, 9728, 8, None),
-        ("q6_kr", 1024, 2560, 1, None),
-        ("q4_k", 2560, 9728, 1, None),
-    ):
-        assert kc.linear_params(layout, n, k, tuned, bmax=bmax, sm_count=132).get("maxnreg") == want, (layout, k, bmax)
-    v = kc.spec("gemv", **kc.linear_params("q6_kr", 1024, 2560, tuned, bmax=1, sm_count=132))
-    qk = kc.spec("gemv", **kc.linear_params("q4_k", 5120, 2560, tuned, bmax=1, sm_count=132, threads=v.params["threads"]))
-    capped = kc.spec("gemv", **{**v.params, "maxnreg": 56})
-    pair = kc.pair_with_min_blocks([qk, capped], 2)
-    assert [p.params["maxnreg"] for p in kc.pair_parts(pair)] == [0, 0]
-    assert pair == kc.pair_with_min_blocks([qk, v], 2)
-    with pytest.raises(ConfigError, match="a part takes no maxnreg"):
-        kc.pair_spec(qk, capped)
-    knob = "gemv_coop.q8x_type_tuning={q6_k: {q8x_b1_maxnreg: 56, q8x_b1_maxnreg_min_k: 8192}}"
-    plan = _q4_k_m_plan(knob)
-    capped_k = {
-        (la.spec.params["quant"], la.spec.params["k"]): la.spec.params["maxnreg"]
-        for st in plan.steps
-        for la in st.launches["decode1"]
-        if la.spec.template == "gemv" and la.spec.params["maxnreg"]
-    }
-    assert capped_k == {("q6_kr", 9728): 56}
 
 
 def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from engine.kernel_catalog.builders import (  # noqa: F401
     COOP_THREADS,
+    DECODE_WARPS,
+    ELEMENTWISE_THREADS,
     GEMM_DECODE_MIN_ROWS,
     GEMM_FIXED,
     GEMM_KNOBS,
@@ -27,7 +29,10 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     GEMV_THREADS,
     GEMV_UNROLL,
     NORM_THREADS,
+    PREFILL_BLOCK_Q,
+    PREFILL_WARPS,
     Q8X_STAGE_ROUNDS,
+    SAMPLING_THREADS,
     _pair_of,
     all_specs,
     attention_params,

@@ -113,7 +113,7 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
         q8x_kparts_types (empty: every type) and k divides into whole segments;
-      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging; at bmax 1 q8x_b1_maxnreg registers per thread where k >= q8x_b1_maxnreg_min_k (__maxnreg__);
+      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
@@ -181,8 +181,6 @@ def coop_options(
         if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
-        if bmax == 1 and int(c.get("q8x_b1_maxnreg") or 0) and k >= int(c.get("q8x_b1_maxnreg_min_k") or 0):
-            out["maxnreg"] = int(c["q8x_b1_maxnreg"])  # registers capped: room for the next kernel's blocks
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
@@ -319,6 +317,13 @@ def gemm_wgmma_params(
     return dict(n=n, k=k, residual=residual, out_dtype=out_dtype, **p)
 
 
+ELEMENTWISE_THREADS = 256  # the block of the elementwise kernels (embed, rope, silu_mul, add, penalties ...)
+SAMPLING_THREADS = 1024  # the block of the sampling kernels (argmax, sample, token_mask)
+PREFILL_BLOCK_Q = 64  # the flash prefill's query rows per block (16 per warp)
+PREFILL_WARPS = 4
+DECODE_WARPS = 4  # the split decode attention's warps (and the direct kernel's where direct_warps is 0)
+
+
 def attention_prefill_params(
     dims: Mapping[str, Any], tuning: Mapping[str, Any], block_size: int, *, q_stride: int, out_stride: int
 ) -> dict[str, Any]:
@@ -331,9 +336,9 @@ def attention_prefill_params(
         scale=float(dims["head_dim"]) ** -0.5,
         q_stride=q_stride,
         out_stride=out_stride,
-        block_q=a["block_q"],
-        block_kv=prefill_block_kv(a["block_q"], a["block_kv"], dims["head_dim"]),
-        warps=a["warps"],
+        block_q=PREFILL_BLOCK_Q,
+        block_kv=prefill_block_kv(PREFILL_BLOCK_Q, a["block_kv"], dims["head_dim"]),
+        warps=PREFILL_WARPS,
     )
 
 
@@ -356,7 +361,7 @@ def attention_params(
     out_stride: int,
 ) -> dict[str, Any]:
     a = tuning["attention_decode"]
-    warps = (a.get("direct_warps") or a["warps"]) if direct else a["warps"]
+    warps = (a.get("direct_warps") or DECODE_WARPS) if direct else DECODE_WARPS
     warps = attention_warps(warps, dims["heads"] // dims["kv_heads"], dims["head_dim"])
     vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
     step = (8 if vec16 else 4) * warps
@@ -417,7 +422,7 @@ def rope_params(
         eps=float(dims["rms_eps"]),
         freq_factors=freq_factors,
         kv_write=kv_write,
-        threads=tuning["elementwise"]["threads"],
+        threads=ELEMENTWISE_THREADS,
     )
 
 
@@ -457,7 +462,7 @@ def all_specs(
     types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
     shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
     out: dict[KernelSpec, None] = {}
-    el, nm, sm = tuning["elementwise"]["threads"], NORM_THREADS, tuning["sampling"]["threads"]
+    el, nm, sm = ELEMENTWISE_THREADS, NORM_THREADS, SAMPLING_THREADS
     for t in types:
         ok = QUANTS[t][0]
         th = upload_type(t, hidden, tuning)

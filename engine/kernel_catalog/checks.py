@@ -98,11 +98,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["min_blocks"] or (p["coop"] and p["min_blocks"] * p["threads"] <= 2048),
             f"min_blocks={p['min_blocks']}: a coop option, at most 2048 threads per SM",
         )
-        need(
-            not p["maxnreg"] or (p["coop"] and not p["min_blocks"] and 24 <= p["maxnreg"] <= 255),
-            f"maxnreg={p['maxnreg']}: a coop option in 24 .. 255, not with min_blocks "
-            "(__maxnreg__ and __launch_bounds__ cannot both qualify a kernel)",
-        )
         need(not p["trigger"] or p["coop"], "trigger (an early pdl_trigger) is a coop-layout option")
         need(not p["early_nw"] or p["q8x"], "early_nw (norm weights before pdl_wait) is a q8x coop option")
         need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")

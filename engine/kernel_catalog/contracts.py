@@ -86,7 +86,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0, "maxnreg": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
 }
 
 
@@ -118,7 +118,6 @@ KERNELS: dict[str, KernelDoc] = {
             kparts=int,
             tile_pf=bool,
             min_blocks=int,
-            maxnreg=int,
             lanes=int,
             wsm=bool,
             trigger=bool,
@@ -154,7 +153,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts",
             "tile_pf",
             "min_blocks",
-            "maxnreg",
             "lanes",
             "wsm",
             "trigger",
@@ -185,7 +183,6 @@ KERNELS: dict[str, KernelDoc] = {
             "kparts": 1,
             "tile_pf": False,
             "min_blocks": 0,
-            "maxnreg": 0,
             "lanes": 32,
             "wsm": False,
             "trigger": False,

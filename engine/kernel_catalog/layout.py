@@ -139,8 +139,6 @@ def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
             raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
         if p["l2_pf"]:
             raise _fail("gemv_pair", f"{s.entry}: a part takes no l2_pf (L2 prefetch)")
-        if p["maxnreg"]:
-            raise _fail("gemv_pair", f"{s.entry}: a part takes no maxnreg (the pair's bound is pair_min_blocks)")
         if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
             raise _fail("gemv_pair", f"{s.entry}: grid_cap={p['grid_cap']} below its row tiles (a part has one block per tile)")
     pa, pb = a.params, b.params

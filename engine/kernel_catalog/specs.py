@@ -42,9 +42,7 @@ from engine.types import ConfigError
 
 def pair_with_min_blocks(parts: Iterable[KernelSpec], min_blocks: int) -> KernelSpec:
     """pair_spec of gemv specs ``parts`` with both parts' __launch_bounds__ minimum of blocks per
-    SM set to ``min_blocks`` (0: each keeps its own). A part's maxnreg is dropped: the pair kernel
-    has one register bound, its __launch_bounds__."""
-    parts = [spec("gemv", **{**p.params, "maxnreg": 0}) if p.params["maxnreg"] else p for p in parts]
+    SM set to ``min_blocks`` (0: each keeps its own)."""
     if min_blocks:
         parts = [spec("gemv", **{**p.params, "min_blocks": min_blocks}) for p in parts]
     return pair_spec(*parts)
@@ -88,7 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
             (template == "gemv_mma" and key in ("x_stride", "glu"))
-            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk", "maxnreg"))
+            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window

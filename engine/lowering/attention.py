@@ -51,7 +51,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     if mode == "prefill":
         # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
         pt = ctx.tune("attention_prefill")
-        bq, pw = pt["block_q"], pt["warps"]
+        bq, pw = kc.PREFILL_BLOCK_Q, kc.PREFILL_WARPS
         bkv = kc.prefill_block_kv(bq, pt["block_kv"], hd)
         spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, **common)
         args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
@@ -63,7 +63,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
         # before this op may be folded in (the rope unit set rope_fused)
         rope, rope_args = ctx.rope_fused.get(layer, ({}, ()))
-        warps = kc.attention_warps(t.get("direct_warps") or t["warps"], heads // kvh, hd)
+        warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
         qsplit = kc.direct_qsplit(heads // kvh, ctx.profile.tuning)
         spec = ctx.spec(
             "attention",
@@ -80,7 +80,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         )
         args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
         return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
-    warps, split = kc.attention_warps(t["warps"], heads // kvh, hd), t["split_kv_tokens"]
+    warps, split = kc.attention_warps(kc.DECODE_WARPS, heads // kvh, hd), t["split_kv_tokens"]
     spec = ctx.spec(
         "attention",
         split=split,

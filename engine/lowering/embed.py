@@ -4,6 +4,7 @@ bf16 (kernels/embed.cu.j2), times the op's ``scale`` (Gemma's sqrt(hidden)) wher
 from __future__ import annotations
 
 from engine.ir import ROWS, Arg, Launch, val, wgt
+from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.registry import register
 
 
@@ -14,6 +15,6 @@ def bind(op, ws, ins, dims, value_for):
 @register("embed", bind=bind, attrs=("scale",))
 def lower(ctx, op, layer, mode, ins, outs, ws):
     w = ws[0]
-    t = ctx.tune("elementwise")["threads"]
+    t = ELEMENTWISE_THREADS
     spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t, scale=float(ctx.attr_dim(op, "scale", 1.0)))
     return [Launch(spec, ("n",), (t,), (val(outs[0]), wgt(w), Arg("input", "tokens"), ROWS))]

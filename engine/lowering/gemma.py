@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from engine.ir import ROWS, Launch, Step, Value, WeightPlan, cdiv, val
+from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
 
@@ -20,7 +21,7 @@ def lower_gelu_tanh_mul(ctx, op, layer, mode, ins, outs, ws):
     g, u = ins
     if g.ld != u.ld or u.width != g.width:
         raise ConfigError("plan: gelu_tanh_mul needs its gate and up values of one width and row stride")
-    t = ctx.tune("elementwise")["threads"]
+    t = ELEMENTWISE_THREADS
     spec = ctx.spec("silu_mul", inter=g.width, in_stride=g.ld, threads=t, act="gelu_tanh")
     return [Launch(spec, (cdiv(g.width, 8 * t), "n"), (t,), (val(outs[0]), val(g), val(u), ROWS))]
 
@@ -31,7 +32,7 @@ def lower_add(ctx, op, layer, mode, ins, outs, ws):
     out = outs[0]
     if b.width != a.width or out.ld != a.ld:
         raise ConfigError("plan: add needs inputs of one width and writes its output with the first one's row stride")
-    t = ctx.tune("elementwise")["threads"]
+    t = ELEMENTWISE_THREADS
     spec = ctx.spec("add", n=a.width, a_stride=a.ld, b_stride=b.ld, threads=t)
     return [Launch(spec, (cdiv(a.width, 8 * t), "n"), (t,), (val(out), val(a), val(b), ROWS))]
 

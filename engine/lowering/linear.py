@@ -105,7 +105,7 @@ def dequant_wgmma_rows(ctx, w, section, quant) -> int:
 def dequantise(ctx, w) -> Launch:
     """The whole of quantised weight ``w`` dequantised into the bf16 "dequant" scratch (the embed
     kernel gathering rows 0..rows-1)."""
-    t = ctx.tune("elementwise")["threads"]
+    t = kc.ELEMENTWISE_THREADS
     deq = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t)
     ctx.need_scratch(ScratchPlan("dequant", fixed=w.rows * w.cols * 2))
     ctx.need_scratch(ScratchPlan("iota", fixed=w.rows * 4, fill="iota"))

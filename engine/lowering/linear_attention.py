@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine import linear_attn_kernels as lk
 from engine.ir import Arg, Launch, StatePlan, val, wgt
+from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.registry import register, same_width
 from engine.types import ConfigError
 
@@ -60,7 +61,7 @@ def lower_conv(ctx, op, layer, mode, ins, outs, ws):
         )
     name = f"L{layer}.causal_conv1d"
     ctx.need_state(StatePlan(name, int(layer), 4 * channels * (kernel - 1)))
-    k = lk.conv1d_kernel(channels, kernel, x.ld, out.ld, mode == PREFILL, ctx.tune("elementwise")["threads"])
+    k = lk.conv1d_kernel(channels, kernel, x.ld, out.ld, mode == PREFILL, ELEMENTWISE_THREADS)
     rows = _rows(mode)
     named = {"out": val(out), "x": val(x), "w": wgt(w), **_state_args(name), "rows": Arg("shape", rows, "i32")}
     return [_launch(k, rows, named)]
@@ -127,7 +128,7 @@ def lower_split(ctx, op, layer, mode, ins, outs, ws):
     a, b = outs
     if a.width % hd:
         raise ConfigError(f"plan: split_heads output width {a.width} is not a whole number of heads of {hd}")
-    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ctx.tune("elementwise")["threads"])
+    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ELEMENTWISE_THREADS)
     named = {"a": val(a), "b": val(b), "x": val(x), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 
@@ -138,7 +139,7 @@ def lower_sigmoid_mul(ctx, op, layer, mode, ins, outs, ws):
     out = outs[0]
     if g.width != x.width:
         raise ConfigError(f"plan: sigmoid_mul of {x.name} ({x.width}) by {g.name} ({g.width})")
-    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ctx.tune("elementwise")["threads"])
+    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ELEMENTWISE_THREADS)
     named = {"out": val(out), "x": val(x), "gate": val(g), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 
@@ -157,7 +158,7 @@ def lower_unpack(ctx, op, layer, mode, ins, outs, ws):
     if qkvz.width != kh * (2 * kd + 2 * (vh // kh) * vd) or ba.width != 2 * vh:
         raise ConfigError(f"plan: unpack_qkvz_ba widths {qkvz.width} / {ba.width} do not fit the head dims")
     strides = {"qkvz": qkvz.ld, "ba": ba.ld, "qkv": qkv.ld, "z": z.ld, "b": b.ld, "a": a.ld}
-    k = lk.unpack_kernel(kh, vh, kd, vd, strides, ctx.tune("elementwise")["threads"])
+    k = lk.unpack_kernel(kh, vh, kd, vd, strides, ELEMENTWISE_THREADS)
     named = {n: val(v) for n, v in zip(("qkv", "z", "b", "a", "qkvz", "ba"), (qkv, z, b, a, qkvz, ba), strict=True)}
     named["rows"] = Arg("shape", "n", "i32")
     return [_launch(k, "n", named)]

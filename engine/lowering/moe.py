@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 from engine import moe_kernels as mk
 from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
 from engine.lowering.registry import post_pass, register
@@ -149,7 +150,7 @@ def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
             return linear_gemm(ctx, plain, mode, [x], [o], [w])
         return [gemv_launch(ctx, plain, layer, mode, [x], o, w)]
 
-    t = ctx.tune("elementwise")["threads"]
+    t = ELEMENTWISE_THREADS
     silu = ctx.spec("silu_mul", inter=g.width, in_stride=g.ld, threads=t)
     k = mk.shared_kernel(h.width)
     return [

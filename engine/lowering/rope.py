@@ -65,7 +65,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     kn = ctx.pending_norm.pop((layer, mode, k.name), None)
     if (qn is None) != (kn is None):
         raise ConfigError("plan: head_rmsnorm on only one of q and k is not supported by the CUDA plan")
-    t = ctx.tune("elementwise")["threads"]
+    t = kc.ELEMENTWISE_THREADS
     params = dict(
         heads=d["heads"],
         kv_heads=d["kv_heads"],

@@ -12,12 +12,12 @@ token_mask keeps of them in the ``lp_raw`` scratch). Must not import CUDA or num
 from __future__ import annotations
 
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, ROWS, Arg, Launch, ScratchPlan, Value, val
-from engine.kernel_catalog import LP_TOP, PENALTY_BLOCKS
+from engine.kernel_catalog import ELEMENTWISE_THREADS, LP_TOP, PENALTY_BLOCKS, SAMPLING_THREADS
 from engine.types import ConfigError
 
 
 def lower_sampling(ctx, logits: Value) -> dict[str, tuple[Launch, ...]]:
-    t = ctx.tune("sampling")["threads"]
+    t = SAMPLING_THREADS
     vocab = logits.width
     if logits.ld != vocab or logits.dtype != "f32":
         raise ConfigError("plan: the sampler needs contiguous f32 logits")
@@ -27,7 +27,7 @@ def lower_sampling(ctx, logits: Value) -> dict[str, tuple[Launch, ...]]:
     greedy = Launch(amax, ("n",), (t,), (out, val(logits), ROWS))
     inputs = tuple(Arg("input", n) for n in ("temperature", "top_k", "top_p", "min_p", "seeds", "counters"))
     sample = Launch(samp, ("n",), (t,), (out, val(logits)) + inputs + (ROWS,))
-    et = ctx.tune("elementwise")["threads"]
+    et = ELEMENTWISE_THREADS
     pen = ctx.spec("penalties", ld=logits.ld, threads=et)
     pargs = (
         (val(logits), Arg("input", "pen_entries"))

@@ -5,6 +5,7 @@ loading x (the Lowerer's ``prologue``). Must not import CUDA or numpy."""
 from __future__ import annotations
 
 from engine.ir import ROWS, Launch, cdiv, val
+from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.context import PROLOGUE_MODES
 from engine.lowering.registry import register, same_width
 
@@ -12,7 +13,7 @@ from engine.lowering.registry import register, same_width
 @register("silu_mul", bind=same_width, wide="prefill")
 def lower(ctx, op, layer, mode, ins, outs, ws):
     g, u = ins
-    t = ctx.tune("elementwise")["threads"]
+    t = ELEMENTWISE_THREADS
     inter = g.width
     ctx.prologue.pop((mode, outs[0].name), None)
     off = u.offset - g.offset
