@@ -228,10 +228,9 @@ def test_token_mask_and_logprobs_compile_for_every_profile_arch(tmp_path):
     from engine import kernel_catalog as kc
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
-    from engine.profile import all_profiles
     from engine.render import render
 
-    threads = {p.tuning["sampling"]["threads"] for p in all_profiles().values()}
+    threads = {kc.SAMPLING_THREADS}
     specs = {kc.spec("token_mask", vocab=v, ld=v, threads=t) for t in threads for v in (151936, 1003)}
     specs |= {kc.spec("logprobs", vocab=v, threads=t, top=kc.LP_TOP) for t in threads for v in (151936, 1003)}
     for s in specs:

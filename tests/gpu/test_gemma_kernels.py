@@ -154,7 +154,7 @@ def test_window_prefill_attention(kernels, profile, window, shape):
 
 def test_gelu_tanh_mul(kernels, profile):
     rows, inter = 5, 2048
-    c = kc.choice("silu_mul", inter=inter, in_stride=2 * inter, threads=profile.tuning["elementwise"]["threads"],
+    c = kc.choice("silu_mul", inter=inter, in_stride=2 * inter, threads=kc.ELEMENTWISE_THREADS,
                   act="gelu_tanh")  # fmt: skip
     gu = bf_round(np.random.default_rng().standard_normal((rows, 2 * inter)) * 3)
     t, out = upload(gu, "bf16"), poisoned((rows, inter))
@@ -167,7 +167,7 @@ def test_gelu_tanh_mul(kernels, profile):
 
 def test_residual_add_in_place(kernels, profile):
     rows, n = 7, 640
-    c = kc.choice("add", n=n, a_stride=n, b_stride=2 * n, threads=profile.tuning["elementwise"]["threads"])
+    c = kc.choice("add", n=n, a_stride=n, b_stride=2 * n, threads=kc.ELEMENTWISE_THREADS)
     rng = np.random.default_rng()
     a, b = bf_round(rng.standard_normal((rows, n)) * 20), bf_round(rng.standard_normal((rows, 2 * n)))
     at = upload(a, "bf16")
@@ -181,7 +181,7 @@ def test_scaled_embedding(kernels, profile):
     rng = np.random.default_rng()
     hidden, vocab, rows, scale = 640, 300, 9, 640**0.5
     for qt in ("q8_0", "bf16", "q5_0"):
-        c = kc.choice("embed", quant=qt, hidden=hidden, threads=profile.tuning["elementwise"]["threads"], scale=scale)
+        c = kc.choice("embed", quant=qt, hidden=hidden, threads=kc.ELEMENTWISE_THREADS, scale=scale)
         raw, deq = random_weight(qt, vocab, hidden, rng)
         ids = rng.integers(0, vocab, rows)
         out = poisoned((rows, hidden))

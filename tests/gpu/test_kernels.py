@@ -206,7 +206,7 @@ def test_embed_every_storage_type(kernels, weights, profile):
     checked = []
     for qt in kc.QUANTS:
         try:
-            c = kc.choice("embed", quant=qt, hidden=hidden, threads=profile.tuning["elementwise"]["threads"])
+            c = kc.choice("embed", quant=qt, hidden=hidden, threads=kc.ELEMENTWISE_THREADS)
         except ConfigError:
             continue
         table, deq = weights(qt, vocab, hidden)
@@ -250,7 +250,7 @@ def test_rope_qk_norm_and_cache_write(kernels, profile, style, qk_norm, shape):
 
 def test_silu_mul(kernels, profile):
     rows, inter = 6, 1536
-    c = kc.choice("silu_mul", inter=inter, in_stride=2 * inter, threads=profile.tuning["elementwise"]["threads"])
+    c = kc.choice("silu_mul", inter=inter, in_stride=2 * inter, threads=kc.ELEMENTWISE_THREADS)
     gu = bf_round(np.random.default_rng().standard_normal((rows, 2 * inter)) * 3)
     t, out = upload(gu, "bf16"), poisoned((rows, inter))
     kernels.launch(c, rows, out=out, g=t, u=t.at(inter), rows=rows)
@@ -417,7 +417,7 @@ def test_argmax_sample_and_penalties(kernels, profile):
     rng = np.random.default_rng()
     logits = (rng.standard_normal((S, V)) * 3).astype(np.float32)
     lt = upload(logits, "f32")
-    t = profile.tuning["sampling"]["threads"]
+    t = kc.SAMPLING_THREADS
     out = poisoned((S,), "i32")
     kernels.launch(kc.choice("argmax", vocab=V, ld=V, threads=t), S, out=out, logits=lt, rows=S)
     assert (out.get() == logits.argmax(-1)).all()
@@ -453,7 +453,7 @@ def test_argmax_sample_and_penalties(kernels, profile):
     buf = np.zeros(4 + ent.size, dtype=np.int32)
     buf[0], buf[4:] = len(ent), ent.reshape(-1)
     lt2 = upload(logits, "f32")
-    cp = kc.choice("penalties", ld=V, threads=profile.tuning["elementwise"]["threads"])
+    cp = kc.choice("penalties", ld=V, threads=kc.ELEMENTWISE_THREADS)
     kernels.launch(
         cp, S, logits=lt2, entries=upload(buf, "i32"),
         presence=upload(np.array([p.presence_penalty for p in params], np.float32), "f32"),

@@ -57,7 +57,7 @@ def _random_items(rng, S: int, V: int) -> list[StepItem]:
 def test_token_mask_equals_the_host_samplers_bias_and_mask(kernels, profile, V):
     S = 48
     rng = np.random.default_rng()
-    t = profile.tuning["sampling"]["threads"]
+    t = kc.SAMPLING_THREADS
     items = _random_items(rng, S, V)
     block = PrepBlock(S, V, 0)
     raw = np.zeros(block.nbytes, np.uint8)
