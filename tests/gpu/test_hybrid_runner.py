@@ -14,19 +14,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf, write_random_hybrid_gguf
+from runner_harness import GREEDY, generate, generate_solo, teacher_forced_greedy
 
-from engine.types import SamplingParams, StepItem
+from engine.types import StepItem
 
-GREEDY = SamplingParams(temperature=0.0)
 DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
             linear_num_value_heads=4, full_attention_interval=2, vocab_size=384)
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 SLOTS = 64
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # the q4_k_m files: random k-quant blocks (fixtures.hybrid.write_random_hybrid_gguf), widths that
@@ -75,50 +71,21 @@ def test_plan_runs_the_hybrid_kernels(hybrid):
 def test_greedy_and_logits_match_the_reference(hybrid):
     fam, runner, ref = hybrid
     prompt = _prompt(1, 13)
-    table = list(range(16))
-    tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY, state_slot=0)])[0]
-    seq, errs, flips = list(prompt), [], 0
-    for step in range(17):  # the prefill's token, then 16 decode steps
-        got = np.array(runner.read_logits(1)[0])
-        want = ref.forward_logits(seq)[-1]
-        errs.append(_rel(got, want))
-        top2 = np.sort(want)[-2:]
-        if tok != int(np.argmax(want)):
-            flips += 1
-            assert top2[1] - top2[0] < 2e-2 * (np.abs(want).max() + 1e-6), (fam, step, tok, int(np.argmax(want)))
-        assert tok == int(np.argmax(got))
-        seq.append(tok)
-        if step < 16:
-            tok = runner.step([StepItem(0, [tok], len(seq) - 1, table, True, GREEDY, state_slot=0)])[0]
+    # the prefill's token, then 16 decode steps
+    out, errs, flips = teacher_forced_greedy(runner, ref, prompt, list(range(16)), 17, fam, tie=2e-2, state_slot=0)
     print(f"{fam}: logits rel err max {max(errs):.2e}; near-tie flips {flips}")
     assert max(errs) < 3e-2, errs
     assert flips <= 1
     if not flips:
-        assert seq[len(prompt):] == ref.generate(prompt, 17)
-
-
-def _generate(runner, seqs, tables, steps):
-    """Greedy tokens of each sequence in one batch (sequence i in state slot i)."""
-    out = {i: [] for i in seqs}
-    toks = runner.step([StepItem(i, p, 0, tables[i], True, GREEDY, state_slot=i) for i, p in seqs.items()])
-    for i, t in zip(seqs, toks, strict=True):
-        out[i].append(t)
-    for _ in range(steps):
-        items = [StepItem(i, [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, GREEDY, state_slot=i)
-                 for i, p in seqs.items()]
-        for i, t in zip(seqs, runner.step(items), strict=True):
-            out[i].append(t)
-    return out
+        assert out == ref.generate(prompt, 17)
 
 
 def test_batched_greedy_equals_solo(hybrid):
     fam, runner, _ = hybrid
     seqs = {i: _prompt(10 + i, 5 + 7 * i) for i in range(5)}
     tables = {i: list(range(8 * i, 8 * i + 8)) for i in seqs}
-    solo = {}
-    for i, p in seqs.items():
-        solo.update(_generate(runner, {i: p}, tables, 10))
-    assert _generate(runner, seqs, tables, 10) == solo, fam
+    solo = generate_solo(runner, seqs, tables, 10, state_slots=True)
+    assert generate(runner, seqs, tables, 10, state_slots=True) == solo, fam
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -17,15 +17,12 @@ import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
 from fixtures.moe_case import DECODE_PROMPT_SEED, DECODE_STEPS, DIMS, SEED
 from fixtures.moe_case import prompt as _prompt
+from runner_harness import GREEDY, generate, generate_solo, teacher_forced_greedy
+from runner_harness import rel as _rel
 
-from engine.types import SamplingParams, StepItem
+from engine.types import StepItem
 
-GREEDY = SamplingParams(temperature=0.0)
 FORMATS = ("bf16", "q8_0", "q4_k_m", "shared")
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -125,45 +122,16 @@ def test_long_prefill_matches_the_reference(moe):
     assert tok == int(np.argmax(want)) or top2[1] - top2[0] < 2e-2 * (np.abs(want).max() + 1e-6)
     seqs = {0: prompt, 1: _prompt(78, 260)}
     tables = {0: table, 1: list(range(60, 80))}
-    solo = {}
-    for i, p in seqs.items():
-        solo.update(_generate(runner, {i: p}, tables, 3))
-    assert _generate(runner, seqs, tables, 3) == solo, fmt
+    solo = generate_solo(runner, seqs, tables, 3)
+    assert generate(runner, seqs, tables, 3) == solo, fmt
 
 
 def test_logits_and_greedy_match_the_reference(moe):
     fmt, runner, ref = moe
     prompt = _prompt(DECODE_PROMPT_SEED, 13)  # (well conditioned: tests/test_moe_conditioning.py)
-    table = list(range(4))
-    tok = runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])[0]
-    seq, errs, flips = list(prompt), [], 0
-    for step in range(DECODE_STEPS):
-        got = np.array(runner.read_logits(1)[0])
-        want = ref.forward_logits(seq)[-1]
-        errs.append(_rel(got, want))
-        top2 = np.sort(want)[-2:]
-        if tok != int(np.argmax(want)):
-            flips += 1
-            gap = (top2[1] - top2[0]) / (np.abs(want).max() + 1e-6)
-            assert gap < 2e-2, (fmt, step, tok, int(np.argmax(want)), f"gap {gap:.3f}", "rel errs so far", errs)
-        assert tok == int(np.argmax(got))
-        seq.append(tok)
-        tok = runner.step([StepItem(0, [seq[-1]], len(seq) - 1, table, True, GREEDY)])[0]
+    _, errs, flips = teacher_forced_greedy(runner, ref, prompt, list(range(4)), DECODE_STEPS, fmt, tie=2e-2)
     print(f"moe {fmt}: logits rel err {', '.join(f'{e:.2e}' for e in errs)}; near-tie flips {flips}")
     assert max(errs) < 2e-2, errs
-
-
-def _generate(runner, seqs: dict[int, list[int]], tables: dict[int, list[int]], steps: int) -> dict[int, list[int]]:
-    """Greedy tokens of each sequence, all in one batch: one prefill step, then ``steps`` decode steps."""
-    out = {i: [] for i in seqs}
-    toks = runner.step([StepItem(i, p, 0, tables[i], True, GREEDY) for i, p in seqs.items()])
-    for i, t in zip(seqs, toks, strict=True):
-        out[i].append(t)
-    for _ in range(steps):
-        items = [StepItem(i, [out[i][-1]], len(p) + len(out[i]) - 1, tables[i], True, GREEDY) for i, p in seqs.items()]
-        for i, t in zip(seqs, runner.step(items), strict=True):
-            out[i].append(t)
-    return out
 
 
 @pytest.mark.parametrize("batch", [2, 5])  # bucket 2: the per-slot expert GEMVs; 8: the grouped ones
@@ -171,10 +139,8 @@ def test_batched_greedy_equals_solo(moe, batch):
     fmt, runner, _ = moe
     seqs = {i: _prompt(10 + i, 5 + 3 * i) for i in range(batch)}
     tables = {i: list(range(4 * i, 4 * i + 4)) for i in seqs}
-    solo = {}
-    for i, p in seqs.items():
-        solo.update(_generate(runner, {i: p}, tables, 8))
-    batched = _generate(runner, seqs, tables, 8)
+    solo = generate_solo(runner, seqs, tables, 8)
+    batched = generate(runner, seqs, tables, 8)
     assert batched == solo, fmt
 
 

@@ -5,35 +5,20 @@ in one pass equal one pass each, and a step mixing prefill chunks and decode row
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from runner_harness import GREEDY, tiny_llama_runner
+from runner_harness import rel as _rel
 
 from engine.sampling import apply_penalties
 from engine.types import SamplingParams, StepItem
 
-GREEDY = SamplingParams(temperature=0.0)
-
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_runner_cuda import write_tiny_llama
-
-    from engine.model import load_model
-    from engine.runner_cuda import CudaRunner
-
-    path = tmp_path_factory.mktemp("tiny-llama-features")
-    write_tiny_llama(path)
-    r = CudaRunner(load_model(path), num_blocks=256, max_model_len=1024)
+    r = tiny_llama_runner(tmp_path_factory.mktemp("tiny-llama-features"))
     yield r
     r.close()
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])

@@ -7,11 +7,9 @@ other rows of the same step keep the device sampler's ids, masks and bias. Skipp
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from runner_harness import tiny_llama_runner
 
 import engine.runner_steps as rs
 from engine.sampling import token_logprobs, unpack_mask
@@ -22,15 +20,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_runner_cuda import write_tiny_llama
-
-    from engine.model import load_model
-    from engine.runner_cuda import CudaRunner
-
-    path = tmp_path_factory.mktemp("tiny-llama-host-sampling")
-    write_tiny_llama(path)
-    r = CudaRunner(load_model(path), num_blocks=256, max_model_len=1024)
+    r = tiny_llama_runner(tmp_path_factory.mktemp("tiny-llama-host-sampling"))
     yield r
     r.close()
 
