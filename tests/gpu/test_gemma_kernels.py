@@ -20,42 +20,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
-from test_kernels import run_gemv
+from test_kernels import PagedCache, run_decode_attention, run_gemv
 
 from engine import kernel_catalog as kc
 from engine import ops_ref
 
 # (heads, kv_heads, head_dim): Gemma 3 270M, and a GQA-8 head_dim-128 model (Mistral-style window)
 SHAPES = ((4, 1, 256), (32, 4, 128))
-
-
-class WindowCache:
-    """A random paged bf16 KV cache [blocks, block_size, kv_heads, head_dim] for sequences of
-    ``ctxs`` keys; each sequence's table entries for blocks wholly before ``first_visible[s]`` point
-    at a block of NaN (a released block), its unused entries at a valid block."""
-
-    def __init__(self, rng, ctxs: list[int], first_visible: list[int], kvh: int, hd: int, bs: int):
-        need = [-(-c // bs) for c in ctxs]
-        nblocks = sum(need) + 2
-        perm = rng.permutation(nblocks - 1)
-        self.nan_block = nblocks - 1
-        self.clean = np.zeros((len(ctxs), max(need)), dtype=np.int32)
-        at = 0
-        for s, n in enumerate(need):
-            self.clean[s, :n], self.clean[s, n:] = perm[at : at + n], perm[-1]
-            at += n
-        self.tables = self.clean.copy()
-        for s, lo in enumerate(first_visible):
-            self.tables[s, : lo // bs] = self.nan_block
-        self.k = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
-        self.v = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
-        dk, dv = self.k.copy(), self.v.copy()
-        dk[self.nan_block], dv[self.nan_block] = np.nan, np.nan
-        self.kd, self.vd, self.td = upload(dk, "bf16"), upload(dv, "bf16"), upload(self.tables, "i32")
-
-    def ref(self, s: int, q: np.ndarray, pos0: int, scale: float, window: int) -> np.ndarray:
-        kk, vv = ops_ref.gather_kv(self.k, self.v, self.clean[s], pos0 + q.shape[0])
-        return ops_ref.attention_dense(q, kk, vv, pos0, scale, window)
 
 
 def decode_specs(profile, window: int) -> list:
@@ -82,34 +53,10 @@ def test_window_decode_attention(kernels, profile, window):
     rng = np.random.default_rng(window)
     bad = []
     for s in specs:
-        p = s.params
-        H, KV, D, bs = p["heads"], p["kv_heads"], p["head_dim"], p["block_size"]
-        ctxs = [1, 17, window, window + 1, window + 37, 700, 1500 if p["direct"] else 3000]
-        first = [ops_ref.window_start(c - 1, window) for c in ctxs]
-        cache = WindowCache(rng, ctxs, first, KV, D, bs)
-        S = len(ctxs)
-        pos = np.array([c - 1 for c in ctxs], dtype=np.int32)
-        qkv = bf_round(rng.standard_normal((S, p["q_stride"])))
-        out = poisoned((S, p["out_stride"]))
-        max_splits = -(-int(pos.max() + 1) // p["split"])
-        part_o, part_ml = poisoned((S, H, max_splits, D), "f32"), poisoned((S, H, max_splits, 2), "f32")
-        kernels.launch(
-            kc.choice("attention", **p), S, grid_kw={"max_splits": max_splits}, out=out,
-            part_o=0 if p["direct"] else part_o, part_ml=0 if p["direct"] else part_ml, q=upload(qkv, "bf16"),
-            k_cache=cache.kd, v_cache=cache.vd, block_tables=cache.td, positions=upload(pos, "i32"),
-            max_blocks=cache.tables.shape[1], max_splits=1 if p["direct"] else max_splits,
-        )  # fmt: skip
-        if not p["direct"]:
-            cc = kc.choice("attention_combine", heads=H, head_dim=D, split=p["split"], out_stride=p["out_stride"],
-                           window=window)  # fmt: skip
-            kernels.launch(cc, S, out=out, part_o=part_o, part_ml=part_ml, positions=upload(pos, "i32"),
-                           max_splits=max_splits)  # fmt: skip
-        got = out.get()[:, : H * D]
-        q = qkv[:, : H * D].reshape(S, H, D)
-        ref = np.concatenate([cache.ref(i, q[i : i + 1], int(pos[i]), 0.0625, window) for i in range(S)])
-        err = rel_err(got, ref)
-        if np.isnan(got).any() or not err <= 1e-2:
-            bad.append((s.entry, err, int(np.isnan(got).sum())))
+        ctxs = [1, 17, window, window + 1, window + 37, 700, 1500 if s.params["direct"] else 3000]
+        err, nans = run_decode_attention(kernels, s, ctxs, rng, released=True)
+        if nans or not err <= 1e-2:
+            bad.append((s.entry, err, nans))
     assert len(specs) >= 4 and not bad, bad
 
 
@@ -128,7 +75,7 @@ def test_window_prefill_attention(kernels, profile, window, shape):
     dims = dict(heads=H, kv_heads=KV, head_dim=D)
     for seqs in PREFILL_SEQS:
         first = [ops_ref.window_start(p0, window) for p0, _ in seqs]
-        cache = WindowCache(rng, [p0 + n for p0, n in seqs], first, KV, D, bs)
+        cache = PagedCache(rng, [p0 + n for p0, n in seqs], KV, D, bs, first)
         rows, q_stride, out_stride = sum(n for _, n in seqs), (H + 2 * KV) * D, H * D
         qkv = bf_round(rng.standard_normal((rows, q_stride)))
         starts = np.cumsum([0] + [n for _, n in seqs]).astype(np.int32)

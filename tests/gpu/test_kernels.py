@@ -262,9 +262,13 @@ def test_silu_mul(kernels, profile):
 
 class PagedCache:
     """A random paged bf16 KV cache [blocks, block_size, kv_heads, head_dim]; each sequence's blocks
-    a random disjoint subset, unused table entries pointing at a valid block it must not read."""
+    a random disjoint subset, unused table entries pointing at a valid block it must not read.
 
-    def __init__(self, rng, ctxs: list[int], kvh: int, hd: int, bs: int):
+    With ``first_visible`` (a sliding window's first key per sequence), the device table's entries
+    for the blocks wholly before it point at a block of NaN instead (as a released block may hold
+    anything), so a kernel that reads one fails; ``tables`` (the reference's) keep the real blocks."""
+
+    def __init__(self, rng, ctxs: list[int], kvh: int, hd: int, bs: int, first_visible: list[int] | None = None):
         need = [-(-c // bs) for c in ctxs]
         nblocks = sum(need) + 3
         perm = rng.permutation(nblocks)
@@ -273,9 +277,16 @@ class PagedCache:
         for s, n in enumerate(need):
             self.tables[s, :n], self.tables[s, n:] = perm[at : at + n], perm[-1]
             at += n
-        self.k = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
-        self.v = bf_round(rng.standard_normal((nblocks, bs, kvh, hd)))
-        self.kd, self.vd, self.td = upload(self.k, "bf16"), upload(self.v, "bf16"), upload(self.tables, "i32")
+        released = first_visible is not None  # one more block: the NaN one, last
+        self.k = bf_round(rng.standard_normal((nblocks + released, bs, kvh, hd)))
+        self.v = bf_round(rng.standard_normal((nblocks + released, bs, kvh, hd)))
+        k, v, tables = self.k, self.v, self.tables
+        if released:
+            k, v, tables = self.k.copy(), self.v.copy(), self.tables.copy()
+            k[nblocks], v[nblocks] = np.nan, np.nan
+            for s, lo in enumerate(first_visible):
+                tables[s, : lo // bs] = nblocks
+        self.kd, self.vd, self.td = upload(k, "bf16"), upload(v, "bf16"), upload(tables, "i32")
 
     def ref(self, s: int, q: np.ndarray, pos0: int, scale: float, window: int = 0) -> np.ndarray:
         """Sequence s's queries q [T, heads, hd] at positions pos0.. over its cache (ops_ref), the
@@ -284,10 +295,15 @@ class PagedCache:
         return ops_ref.attention_dense(q, kk, vv, pos0, scale, window or None)
 
 
-def run_decode_attention(kernels, spec, ctxs: list[int], rng) -> float:
+def run_decode_attention(kernels, spec, ctxs: list[int], rng, released: bool = False) -> tuple[float, int]:
+    """Launch one decode attention spec (and its combine, when split) on sequences of ``ctxs`` keys
+    over a random paged cache, each decoding its last position, and return (rel err against
+    ops_ref, NaNs in the output). ``released``: with the spec's window, the blocks wholly before
+    each query's window are NaN blocks (PagedCache's first_visible)."""
     p = spec.params
     H, KV, D, bs = p["heads"], p["kv_heads"], p["head_dim"], p["block_size"]
-    cache = PagedCache(rng, ctxs, KV, D, bs)
+    first = [ops_ref.window_start(c - 1, p.get("window")) for c in ctxs] if released else None
+    cache = PagedCache(rng, ctxs, KV, D, bs, first)
     S = len(ctxs)
     pos = np.array([c - 1 for c in ctxs], dtype=np.int32)
     qkv = bf_round(rng.standard_normal((S, p["q_stride"])))
@@ -310,7 +326,7 @@ def run_decode_attention(kernels, spec, ctxs: list[int], rng) -> float:
     got = out.get()[:, : H * D]
     q = qkv[:, : H * D].reshape(S, H, D)
     ref = np.concatenate([cache.ref(s, q[s : s + 1], int(pos[s]), p["scale"], p.get("window", 0)) for s in range(S)])
-    return rel_err(got, ref)
+    return rel_err(got, ref), int(np.isnan(got).sum())
 
 
 def test_decode_attention_profile_and_variants(kernels, profile):
@@ -334,7 +350,7 @@ def test_decode_attention_profile_and_variants(kernels, profile):
     rng = np.random.default_rng()
     bad = []
     for s in specs:
-        err = run_decode_attention(kernels, s, [1, 17, 700, 1500 if s.params["direct"] else 3000], rng)
+        err, _ = run_decode_attention(kernels, s, [1, 17, 700, 1500 if s.params["direct"] else 3000], rng)
         if not err <= 1e-2:
             bad.append((s.entry, err))
     assert len(specs) > 10 and not bad, bad
