@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload
-from test_kernels import PagedCache, run_decode_attention, run_gemv
+from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload, uploaded_weights
+from test_kernels import PagedCache, gemv_failures, run_decode_attention
 
 from engine import kernel_catalog as kc
 from engine import ops_ref
@@ -148,23 +148,12 @@ def test_gemma_gemvs(kernels, profile, device, case):
     the profile picks, at batch 1 and 8, the logits (f32) and the residual variants."""
     ft, n, k = case
     qt = kc.upload_type(ft, k, profile.tuning)
-    rng = np.random.default_rng(n)
-    cache: dict = {}
-
-    def weights(q, nn, kk):
-        if (q, nn, kk) not in cache:
-            raw, deq = random_weight(q, nn, kk, rng)
-            cache[q, nn, kk] = (upload(raw, "u8"), deq)
-        return cache[q, nn, kk]
-
-    bad = []
+    cases = []
     for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
                                      (8, 8, False, "f32")):  # fmt: skip
         p = kc.linear_params(qt, n, k, profile.tuning, residual=residual, out_dtype=od, bmax=bmax,
                              sm_count=device.sm_count)  # fmt: skip
-        s = kc.spec("gemv", **p)
-        kernels.prebuild([s])
-        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
-        if nans or not err <= tol:
-            bad.append((s.entry, rows, err, tol, nans))
+        cases.append((kc.spec("gemv", **p), rows))
+    kernels.prebuild(s for s, _ in cases)
+    bad = gemv_failures(kernels, uploaded_weights(n), cases, np.random.default_rng(n))
     assert not bad, bad

@@ -90,6 +90,17 @@ def run_gemv(kernels, weights, spec, rows: int, rng) -> tuple[float, float, int]
     return rel_err(got, ref), tol, int(np.isnan(got).sum())
 
 
+def gemv_failures(kernels, weights, cases, rng) -> list[tuple]:
+    """run_gemv over (spec, rows) ``cases``: (entry, rows, rel err, tol, NaNs) of each one with a NaN
+    left or an error above its tolerance."""
+    bad = []
+    for s, rows in cases:
+        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
+        if nans or not err <= tol:
+            bad.append((s.entry, rows, err, tol, nans))
+    return bad
+
+
 def _gemv_specs_of(tuning: dict, sm_count: int) -> list[tuple]:
     """(spec, rows) of the decode GEMVs a plan takes under ``tuning``: every file type (uploaded in
     the layout the tuning picks), every batch case, with no / the rmsnorm / the silu_mul prologue."""
@@ -119,12 +130,7 @@ def test_gemv_under_each_profile_tuning(kernels, weights, profile, device, tunin
         pytest.skip(f"{tuning_of} compiles for another arch than {profile.arch}")
     cases = _gemv_specs_of(tunings[tuning_of], device.sm_count)
     kernels.prebuild(s for s, _ in cases)
-    rng = np.random.default_rng()
-    bad = []
-    for s, rows in cases:
-        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
-        if nans or not err <= tol:
-            bad.append((s.entry, rows, err, tol, nans))
+    bad = gemv_failures(kernels, weights, cases, np.random.default_rng())
     assert len(cases) > 50 and not bad, bad
 
 
@@ -141,13 +147,8 @@ def test_gemv_option_variants(kernels, weights, device):
     k splits / lanes / capped grids / prologues / L2 prefetch; wsm on sm_90), at batch 1 and 8."""
     specs = _variant_gemvs(device.compute_capability[0] == 9)
     kernels.prebuild(specs)
-    rng = np.random.default_rng()
-    bad = []
-    for s in specs:
-        for rows in sorted({1, s.params["bmax"], s.params["bmax"] + 3}):
-            err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
-            if nans or not err <= tol:
-                bad.append((s.entry, rows, err, tol, nans))
+    cases = [(s, rows) for s in specs for rows in sorted({1, s.params["bmax"], s.params["bmax"] + 3})]
+    bad = gemv_failures(kernels, weights, cases, np.random.default_rng())
     assert len(specs) > 20 and not bad, bad
 
 
@@ -172,12 +173,7 @@ def test_gemv_specs_of_the_hidden_256_moe_plan(kernels, weights, profile, tmp_pa
                     cases[la.spec, rows] = None
     assert any(s.params["quant"] == "q4_k" and s.params["k"] == 256 and r == 1 for s, r in cases), cases
     kernels.prebuild(s for s, _ in cases)
-    rng = np.random.default_rng()
-    bad = []
-    for s, rows in cases:
-        err, tol, nans = run_gemv(kernels, weights, s, rows, rng)
-        if nans or not err <= tol:
-            bad.append((s.entry, rows, err, tol, nans))
+    bad = gemv_failures(kernels, weights, cases, np.random.default_rng())
     assert not bad, bad
 
 
