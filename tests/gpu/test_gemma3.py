@@ -183,14 +183,18 @@ def test_batched_equals_solo(stack):
     model, tok, _ = stack
     ids = text_ids(tok, 700)
     prompts = [ids[:5], ids[50:350], ids[100:700]]
-    runner = cuda_runner(model, num_blocks=256)
     tables = [list(range(0, 48)), list(range(48, 96)), list(range(96, 144))]
+    solo, together = _solo_and_together(cuda_runner(model, num_blocks=256), prompts, tables, 12)
+    assert together == solo
+
+
+def _solo_and_together(runner, prompts, tables, n):
+    """(each prompt's greedy tokens alone, all of them as one batch) on ``runner``, closed after."""
     try:
-        solo = [_greedy(runner, [p], [t], 12)[0] for p, t in zip(prompts, tables, strict=True)]
-        together = _greedy(runner, prompts, tables, 12)
+        solo = [_greedy(runner, [p], [t], n)[0] for p, t in zip(prompts, tables, strict=True)]
+        return solo, _greedy(runner, prompts, tables, n)
     finally:
         runner.close()
-    assert together == solo
 
 
 def _greedy(runner, prompts, tables, n):
@@ -267,13 +271,8 @@ def test_tiny_gemma3_bf16_offset_one_matches_the_reference(tiny):
 def test_tiny_gemma3_batched_equals_solo(tiny):
     ids = [int(i) for i in np.random.default_rng(8).integers(3, 384, 400)]
     prompts = [ids[:3], ids[:20], ids[40:340]]
-    runner = cuda_runner(tiny, max_model_len=512, num_blocks=128)
     tables = [list(range(0, 32)), list(range(32, 64)), list(range(64, 96))]
-    try:
-        solo = [_greedy(runner, [p], [t], 16)[0] for p, t in zip(prompts, tables, strict=True)]
-        together = _greedy(runner, prompts, tables, 16)
-    finally:
-        runner.close()
+    solo, together = _solo_and_together(cuda_runner(tiny, max_model_len=512, num_blocks=128), prompts, tables, 16)
     assert together == solo
 
 

@@ -30,16 +30,8 @@ DIMS = Dims(
     intermediate_size=1536,
     vocab_size=768,
 )
-LLAMA_DIMS = Dims(
-    hidden_size=576,
-    num_hidden_layers=2,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=768,
-    tie_word_embeddings=True,
-)
+LLAMA_DIMS = dataclasses.replace(DIMS, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                                 tie_word_embeddings=True)  # fmt: skip
 COOP = {
     "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
     "rows_per_warp": 2,

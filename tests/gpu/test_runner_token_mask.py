@@ -60,6 +60,12 @@ def _prompts(tok):
     return tok.encode("user Give me a person as JSON. assistant"), tok.encode("Hello, world! def main(): return")
 
 
+def _constrained_and_free(runner, tok, **kw) -> list[Row]:
+    """The JSON-constrained prompt and the free one generated as one batch (STEPS tokens at most)."""
+    p_con, p_free = _prompts(tok)
+    return generate(runner, [Row(p_con, _constraint(tok)), Row(p_free)], STEPS, set(tok.eos_token_ids), **kw)
+
+
 def _valid_person(text: str) -> bool:
     obj = json.loads(text)
     return (
@@ -97,10 +103,8 @@ def _check_against_reference(cuda_row: Row, ref_row: Row, what: str) -> bool:
 def test_json_schema_greedy_is_valid_and_equals_the_reference(stack, use_graphs):
     runner, ref, tok = stack
     runner.use_graphs = use_graphs
-    eos = set(tok.eos_token_ids)
-    p_con, p_free = _prompts(tok)
-    want = generate(ref, [Row(p_con, _constraint(tok)), Row(p_free)], STEPS, eos)
-    got = generate(runner, [Row(p_con, _constraint(tok)), Row(p_free)], STEPS, eos, first_block=8)
+    want = _constrained_and_free(ref, tok)
+    got = _constrained_and_free(runner, tok, first_block=8)
     assert want[0].done and _valid_person(tok.decode(want[0].out)), tok.decode(want[0].out)
     assert got[0].done, f"the constrained row did not finish: {tok.decode(got[0].out)!r}"
     assert _valid_person(tok.decode(got[0].out)), tok.decode(got[0].out)
@@ -119,7 +123,7 @@ def test_an_unconstrained_row_is_untouched_by_a_masked_neighbour(stack, use_grap
     runner.use_graphs = use_graphs
     eos = set(tok.eos_token_ids)
     p_con, p_free = _prompts(tok)
-    masked = generate(runner, [Row(p_con, _constraint(tok)), Row(p_free)], STEPS, eos, first_block=8)
+    masked = _constrained_and_free(runner, tok, first_block=8)
     # the same batch, row 0 fed the same tokens without a mask: row 1 sees identical launches
     plain = generate(runner, [Row(p_con), Row(p_free)], STEPS, eos, first_block=8, forced=[masked[0].out, None])
     assert plain[1].out == masked[1].out
