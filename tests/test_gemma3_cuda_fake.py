@@ -249,3 +249,47 @@ def test_the_engine_over_a_default_cuda_window_pool_steps_as_the_reference(tmp_p
     assert ref_items == cuda_items
     one = ReferenceRunner(model, num_blocks=64, block_size=runner.block_size, max_model_len=512, window_kv_blocks=0)
     assert pooled == _engine_items(one, prompts, cfg)[0]
+
+
+def test_bench_steps_a_window_pool_and_reports_each_groups_kv_bytes(tmp_path, monkeypatch):
+    """engine.runner_bench on a default CudaRunner of a windowed model: every step's window table
+    maps the blocks its queries can see (window and tokens) to distinct pool blocks, reusing the ones
+    behind the window; the KV row gives each group's bytes (the window group's bounded per
+    sequence), and its line says so; a row whose window blocks do not fit is skipped."""
+    import dataclasses
+
+    import engine.runner_cuda as rc
+    from engine import bench, runner_bench
+    from engine.model import load_model
+    from engine.ops_ref import window_start
+    from engine.profile import get_profile
+
+    monkeypatch.setattr(rc, "cuda", FakeDriver().module())
+    model = load_model(write_gemma3_safetensors(tmp_path / "g", window=40, num_hidden_layers=7, head_dim=256))
+    prof = dataclasses.replace(get_profile("h200"), prefill_chunk_tokens=64)  # prompts run in passes of 64
+    runner = rc.CudaRunner(model, prof, num_blocks=256, max_model_len=1024, builder=fake_builder(tmp_path), max_running=4)
+    seen: list = []
+    step = runner.step
+    runner.step = lambda batch: (seen.extend(batch), step(batch))[1]
+    try:
+        assert runner.window_kv_blocks == 4 * 6 + 4  # auto_window_blocks(40, 16, 4, 64)
+        rows = runner_bench.run_all(runner, batches=(1, 4, 8), depths=(0, 207), prefills=(300,), steps=4, copy=False)
+    finally:
+        runner.close()
+    bs, chunk = runner.block_size, runner.profile.prefill_chunk_tokens
+    for it in seen:
+        wt = it.window_table
+        # the runner runs a prompt in passes of `chunk` tokens: each pass sees its window and tokens
+        for s in range(it.start_pos, it.start_pos + len(it.token_ids), chunk):
+            e = min(s + chunk, it.start_pos + len(it.token_ids))
+            live = [wt[j] for j in range(window_start(s, 40) // bs, (e - 1) // bs + 1)]
+            assert len(set(live)) == len(live), (it.start_pos, len(it.token_ids))
+    assert any(len(set(it.window_table)) < len(it.window_table) for it in seen)  # reused behind the window
+    kinds = [(r["kind"], r.get("batch")) for r in rows]
+    # (depth 207: 5 window blocks a row, 8 rows do not fit the 28-block pool)
+    assert kinds == [("kv", None)] + [("decode", b) for b in (1, 4, 8, 1, 4)] + [("prefill", None)], kinds
+    kv = rows[0]
+    token = 2 * 2 * model.dims["kv_heads"] * 256
+    assert kv["full_bytes_per_token"] == token and kv["window_bytes_per_token"] == 6 * token
+    assert kv["window_bytes_per_seq_max"] == (3 + 1) * bs * 6 * token  # ceil(40 / 16) + 1 blocks
+    assert "a decoding sequence (window pool 28 blocks)" in bench.table([kv])

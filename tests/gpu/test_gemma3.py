@@ -349,3 +349,48 @@ def test_default_window_pool_through_the_engine_equals_one_pool(stack):
     assert held and max(held) <= min_window_blocks(512, 256, 16)
     one, _ = _engine_outputs(model, tok, prompts, cfg, [], window_kv_blocks=0)
     assert pooled == one
+
+
+def _teacher_forced_windowed(runner, ids, table, window_table):
+    """Logits of every decode position of ``ids`` (prefill 111 tokens in chunks of 37, then decode)."""
+    rows = []
+    for start in range(0, 111, 37):
+        runner.step([StepItem(0, ids[start : start + 37], start, table, False, GREEDY, window_table=window_table)])
+    for pos in range(111, len(ids)):
+        runner.step([StepItem(0, [ids[pos]], pos, table, True, GREEDY, window_table=window_table)])
+        rows.append(runner.read_logits(1)[0])
+    return np.stack(rows)
+
+
+def test_bench_window_tables_reuse_blocks_and_equal_one_pool(tiny):
+    """engine.runner_bench's window tables on a default CudaRunner (a window pool): the blocks behind
+    the window are reused cyclically, as the engine's window group retakes released ones, and the
+    logits of a chunked prefill and 89 decode steps are the one-pool runner's bit for bit; then
+    ``run_all`` on that runner gives the KV row (window group bounded per sequence) and decode /
+    prefill rows past the window."""
+    from engine import runner_bench
+    from engine.runner_cuda import CudaRunner
+
+    ids = [int(i) for i in np.random.default_rng(9).integers(3, 384, 200)]
+    table = list(range(13))
+    one = cuda_runner(tiny, max_model_len=512, num_blocks=64)
+    try:
+        want = _teacher_forced_windowed(one, ids, table, None)
+    finally:
+        one.close()
+    pooled = CudaRunner(tiny, num_blocks=64, max_model_len=512)
+    try:
+        assert pooled.window_kv_blocks > 0 and pooled.kv_window == 8
+        wt = runner_bench._window_tables(pooled, 1, len(ids), 37)[0]
+        assert len(wt) == 13 and len(set(wt)) < len(wt)  # blocks behind the window reused
+        got = _teacher_forced_windowed(pooled, ids, table, wt)
+        np.testing.assert_array_equal(got, want)
+        rows = runner_bench.run_all(pooled, batches=(1, 8), depths=(0, 100), prefills=(300,), steps=8, copy=False)
+    finally:
+        pooled.close()
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["kv"] + ["decode"] * 4 + ["prefill"], kinds
+    kv = rows[0]
+    assert (kv["full_layers"], kv["window_layers"], kv["window"], kv["window_blocks"]) == (1, 6, 8, pooled.window_kv_blocks)
+    assert kv["window_bytes_per_seq_max"] == 2 * 16 * (2 * 2 * 256) * 6  # 2 blocks of 16 positions, bf16 K+V, 6 layers
+    assert all(r["tok_s"] > 0 for r in rows[1:])
