@@ -9,7 +9,10 @@ written), the same bytes over the measured copy bandwidth (``copy_roofline_fract
 Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
 2 * params * P FLOPs / time / profile.tensor_tflops_bf16 (a MoE model's params: its active ones). Times are wall-clock around whole
 ``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
-repeats after warm-up. `memra bench` (engine/bench.py) and tools/bench_runner.py call these.
+repeats after warm-up. On a runner with a sliding-window KV pool every row also carries a
+``window_table`` that reuses the blocks behind the window (``_window_tables``), and ``kv_row`` states
+what a sequence costs in KV per layer group. `memra bench` (engine/bench.py) and
+tools/bench_runner.py call these.
 
 Must not import CUDA itself (the runner does).
 """
