@@ -101,7 +101,7 @@ class Engine:
             try:
                 self.blocks = WindowedBlocks(self.blocks, window_group, int(runner.kv_window), step)
             except ValueError as e:
-                raise ConfigError(f"engine config: {e}") from None
+                raise ConfigError(f"engine config: {e} (--window-kv-blocks)") from None
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")

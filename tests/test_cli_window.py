@@ -85,3 +85,22 @@ def test_a_count_for_a_model_without_windows_names_the_flag(capsys, tiny_qwen3_d
     code = cli.main(["run", str(tiny_qwen3_dir), "--backend", "reference", "--prompt", "hi", "--window-kv-blocks", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "--window-kv-blocks" in err[-1] and "sliding window" in err[-1]
+
+
+def test_run_on_a_windowed_model_with_and_without_a_window_pool(tmp_path, capsys):
+    """`memra run` on a tiny Gemma 3 (window 8; reference backend): the default pool, a 64-block pool
+    and none give the same greedy text past the window; a pool below one sequence's window and step
+    is one line naming the flag."""
+    from fixtures.checkpoints import write_gemma3_safetensors, write_tokenizer_files
+
+    model = write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7)
+    write_tokenizer_files(model)
+    texts = []
+    for flag in ([], ["--window-kv-blocks", "64"], ["--window-kv-blocks", "0"]):
+        argv = ["run", str(model), "--backend", "reference", "--prompt", "hello world, a longer prompt", "--max-tokens", "12"]
+        assert cli.main(argv + flag) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] and texts[1] == texts[0] and texts[2] == texts[0]
+    assert cli.main(["run", str(model), "--backend", "reference", "--prompt", "hi", "--window-kv-blocks", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "window pool (2 blocks)" in err and "--window-kv-blocks" in err
