@@ -10,6 +10,11 @@ A tiny transformers-layout Gemma 3 (bf16, norm offset 1, window 8 over blocks of
 block, across blocks, the direct and split decode kernels both windowed) written by
 tests/fixtures/checkpoints.write_gemma3_safetensors: logits within bf16 error of the reference,
 argmax equal, batched equal to solo.
+
+The sliding-window KV pool (engine.runner_kv, engine.kv_groups): the real 270M through the engine
+with a 60-block window pool and with the default (automatically sized) pool gives the one-pool
+runner's greedy tokens; runner_bench's cyclic window tables give the one-pool logits bit for bit on
+the tiny model, and its rows (KV per layer group, decode, prefill) run on a default runner.
 """
 
 from __future__ import annotations
