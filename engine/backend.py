@@ -57,6 +57,23 @@ def split_devices(devices: str | None, split: str | None) -> tuple[int, ...]:
     return ids
 
 
+def parse_window_kv_blocks(value: str | int | None) -> int | None:
+    """``--window-kv-blocks N``: None (the flag not given: sized automatically), or a block count
+    >= 0 (0: no window pool); anything else is a MemraError naming the flag."""
+    if value is None:
+        return None
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise MemraError(
+            f"--window-kv-blocks: expected a block count >= 0 (0: no window pool), got {value!r}",
+            param="window_kv_blocks",
+        )
+    return n
+
+
 def _split_runner(model: Any, backend: str, devices: str | None, split: str | None, **kwargs: Any):
     """The runner for ``--devices``/``--split`` (engine.placement): the sharded numpy reference on
     ``--backend reference``; on CUDA a clear error (too few devices, or no multi-GPU runner yet)."""
@@ -98,7 +115,9 @@ def create_runner(
     **kwargs: Any,
 ):
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend; ``devices`` ("0,1")
-    and ``split`` ("pp" | "tp") split it over several devices (engine.placement)."""
+    and ``split`` ("pp" | "tp") split it over several devices (engine.placement). ``kwargs`` go to
+    the CUDA runner (``window_kv_blocks``, ``max_running`` ... : engine.runner_cuda.CudaRunner); the
+    reference takes ``num_blocks``, ``max_model_len`` and an explicit ``window_kv_blocks``."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
     if split is not None or (devices is not None and "," in devices):
@@ -126,7 +145,10 @@ def create_runner(
         )
     from engine.reference import ReferenceRunner
 
-    return ReferenceRunner(model, **{k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")})
+    ref = {k: v for k, v in kwargs.items() if k in ("num_blocks", "max_model_len")}
+    if kwargs.get("window_kv_blocks") is not None:  # (None: the reference's own default pool)
+        ref["window_kv_blocks"] = kwargs["window_kv_blocks"]
+    return ReferenceRunner(model, **ref)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -155,8 +177,10 @@ def load_stack(
     quant: str | None = None,
     devices: str | None = None,
     split: str | None = None,
+    **runner_kwargs: Any,
 ):
-    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr."""
+    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr; ``runner_kwargs``
+    go to ``create_runner`` (None values left out: the runner's defaults)."""
     from engine.model import load_model
     from engine.tokenizer import load_tokenizer
 
@@ -165,7 +189,8 @@ def load_stack(
     print(f"memra: loading {path}", file=sys.stderr)
     model = load_model(path, quant=quant)
     tokenizer = load_tokenizer(model.weights)
-    runner = create_runner(model, backend, device_profile, devices=devices, split=split)
+    kwargs = {k: v for k, v in runner_kwargs.items() if v is not None}
+    runner = create_runner(model, backend, device_profile, devices=devices, split=split, **kwargs)
     print(
         f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
         f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",

@@ -20,6 +20,7 @@ from typing import Any
 from engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+ENGINE_CHUNK = 2048  # the engine rows' prefill chunk (tokens a step)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -159,6 +160,10 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"memory    {r['when']}: RSS {r['rss_bytes'] / 1e6:.0f} MB, peak {r['peak_rss_bytes'] / 1e6:.0f} MB"
             )
+        elif k == "kv":
+            from engine.runner_bench import kv_text
+
+            out.append(f"kv        {kv_text(r)}")
         elif k == "copy":
             out.append(
                 f"copy      device-to-device: {r['gbs']:.0f} GB/s read + written "
@@ -204,21 +209,28 @@ def _spec_cell(r: dict) -> str:
 
 
 def bench_from_cli(args: argparse.Namespace) -> int:
-    from engine.backend import create_runner, resolve_model_path
+    from engine.backend import create_runner, parse_window_kv_blocks, resolve_model_path
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 
+    window_kv_blocks = parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
     path = resolve_model_path(args.model)
     rows: list[dict] = []
     t0 = time.perf_counter()
     model = load_model(path, quant=args.quant)
-    runner = create_runner(model, args.backend, args.device_profile)
+    # an automatic window pool: for the profile's max_running (its largest decode batch) and the
+    # engine rows' prefill chunk
+    runner = create_runner(
+        model, args.backend, args.device_profile, window_kv_blocks=window_kv_blocks, prefill_chunk_tokens=ENGINE_CHUNK
+    )
     rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
     rows.append(memory_row("after load"))
+    from engine import runner_bench
+
+    if kv := runner_bench.kv_row(runner):
+        rows.append(kv)
     if runner.backend == "cuda" and not getattr(args, "skip_runner", False):
         rows.insert(0, bench_compile(model, runner.profile))
-        from engine import runner_bench
-
         quick = args.quick
         batches = getattr(args, "batches", None)
         rows += runner_bench.run_all(
@@ -231,6 +243,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             depths=(0,) if quick else (0, 4096),
             prefills=(512,) if quick else (512, 4096),
             steps=16 if quick else 64,
+            kv=False,  # (the row above)
         )
     if args.concurrency:
         from engine.spec.build import speculator_from_args
@@ -240,7 +253,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         engine = Engine(
             runner,
             _NullTokenizer(),
-            EngineConfig(max_running=max(levels), prefill_chunk_tokens=2048),
+            EngineConfig(max_running=max(levels), prefill_chunk_tokens=ENGINE_CHUNK),
             speculator=speculator,
         )
         engine.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
-from engine.backend import load_stack
+from engine.backend import load_stack, parse_window_kv_blocks
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -56,6 +56,12 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto")
     p.add_argument("--device-profile", default=None, help="device profile name, overriding auto-detection")
     p.add_argument("--quant", default=None, help="require this quant combo of the family")
+    p.add_argument(
+        "--window-kv-blocks",
+        default=None,
+        metavar="N",
+        help="KV blocks of the sliding-window layers' own pool (0: none, one pool; default: sized automatically)",
+    )
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -118,6 +124,18 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
+def _one_request_runner(args: argparse.Namespace) -> dict[str, Any]:
+    """Runner arguments for `memra run` / `memra chat`: their engine runs one request at a time,
+    so an automatic window pool is sized for one sequence and the engine's default prefill chunk."""
+    from engine.engine_config import EngineConfig
+
+    return {
+        "window_kv_blocks": parse_window_kv_blocks(args.window_kv_blocks),
+        "max_running": 1,
+        "prefill_chunk_tokens": EngineConfig.prefill_chunk_tokens,
+    }
+
+
 def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
     from engine.loop import Engine
 
@@ -138,12 +156,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
     parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
+    parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     _check_args(args)
     model, tokenizer, runner = load_stack(
-        args.model, args.backend, args.device_profile, args.quant, getattr(args, "devices", None), getattr(args, "split", None)
+        args.model,
+        args.backend,
+        args.device_profile,
+        args.quant,
+        getattr(args, "devices", None),
+        getattr(args, "split", None),
+        **_one_request_runner(args),
     )
     if args.chat:
         text = tokenizer.apply_chat_template(
@@ -175,7 +200,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     _check_args(args)
     model, tokenizer, runner = load_stack(
-        args.model, args.backend, args.device_profile, args.quant, getattr(args, "devices", None), getattr(args, "split", None)
+        args.model,
+        args.backend,
+        args.device_profile,
+        args.quant,
+        getattr(args, "devices", None),
+        getattr(args, "split", None),
+        **_one_request_runner(args),
     )
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []

@@ -22,8 +22,9 @@ group, whose table covers the prompt) takes the chunk's; so the window pool may 
 than the full pool: each running sequence holds at most ``ceil((window - 1 + chunk) / block_size) +
 2`` window blocks. A ``grow`` the window group cannot serve fails as a full-group one does (a decode
 row preempts, a prefill chunk waits). The window pool must hold one sequence's window and step
-(``min_window_blocks``) or be as large as the full pool. Pure Python: imports engine.block_manager only; must not import numpy or
-CUDA.
+(``min_window_blocks``) or be as large as the full pool; ``auto_window_blocks`` is the size at which
+it never runs short (a runner's default). Pure Python: imports engine.block_manager only; must not
+import numpy or CUDA.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, blocks_for
+
+SPEC_HEADROOM = 16  # tokens a decode row's drafts may add to a step (the window pool's minimum)
 
 
 class WindowedBlocks:
@@ -124,3 +127,18 @@ def min_window_blocks(window: int, max_step_tokens: int, block_size: int) -> int
     """The window blocks one sequence may hold at once: its window before a step's first position
     (window - 1 keys), the step's tokens, and one block of misalignment at each end."""
     return -(-(window - 1 + max_step_tokens) // block_size) + 2
+
+
+def auto_window_blocks(window: int, block_size: int, max_running: int, prefill_chunk_tokens: int) -> int:
+    """The window pool that never runs short under an engine of ``max_running`` sequences and
+    ``prefill_chunk_tokens`` prefill tokens a step: each sequence holds its window and one decode
+    row's step with drafts (``min_window_blocks(window, 1 + SPEC_HEADROOM)``), and the step's prefill
+    chunks take at most the chunk's blocks beyond that. It also holds the engine's minimum (one
+    sequence's window and a chunk with drafts)."""
+    if min(window, block_size, max_running, prefill_chunk_tokens) < 1:
+        raise ValueError(
+            f"auto_window_blocks needs positive sizes, got window {window}, block size {block_size}, "
+            f"max_running {max_running}, prefill chunk {prefill_chunk_tokens}"
+        )
+    per_seq = min_window_blocks(window, 1 + SPEC_HEADROOM, block_size)
+    return max_running * per_seq + blocks_for(prefill_chunk_tokens, block_size)

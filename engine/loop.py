@@ -24,12 +24,10 @@ from typing import Any
 
 from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
-from engine.kv_groups import WindowedBlocks
+from engine.kv_groups import SPEC_HEADROOM, WindowedBlocks
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
-
-SPEC_HEADROOM = 16  # tokens a decode row's drafts may add to a step (the window pool's minimum)
 
 log = logging.getLogger("memra.engine")
 
@@ -103,7 +101,7 @@ class Engine:
             try:
                 self.blocks = WindowedBlocks(self.blocks, window_group, int(runner.kv_window), step)
             except ValueError as e:
-                raise ConfigError(f"engine config: {e}") from None
+                raise ConfigError(f"engine config: {e} (--window-kv-blocks)") from None
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")

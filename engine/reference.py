@@ -110,7 +110,11 @@ class ReferenceRunner:
         } - {0}
         if requested == 0 or len(windows) != 1:
             if requested and len(windows) != 1:
-                raise MemraError(f"window_kv_blocks needs one sliding window in the model, it has {sorted(windows)}")
+                raise MemraError(
+                    f"window_kv_blocks {requested} (--window-kv-blocks) needs one sliding window in the model, "
+                    f"it has {sorted(windows)}",
+                    param="window_kv_blocks",
+                )
             return 0, 0
         blocks = self.num_blocks if requested is None else int(requested)
         if blocks < 1:

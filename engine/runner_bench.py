@@ -9,7 +9,10 @@ written), the same bytes over the measured copy bandwidth (``copy_roofline_fract
 Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
 2 * params * P FLOPs / time / profile.tensor_tflops_bf16 (a MoE model's params: its active ones). Times are wall-clock around whole
 ``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
-repeats after warm-up. `memra bench` (engine/bench.py) and tools/bench_runner.py call these.
+repeats after warm-up. On a runner with a sliding-window KV pool every row also carries a
+``window_table`` that reuses the blocks behind the window (``_window_tables``), and ``kv_row`` states
+what a sequence costs in KV per layer group. `memra bench` (engine/bench.py) and
+tools/bench_runner.py call these.
 
 Must not import CUDA itself (the runner does).
 """
@@ -21,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from engine.kv_groups import min_window_blocks
 from engine.types import SamplingParams, StepItem
 from engine.weight_memory import active_expert_fraction
 
@@ -97,7 +101,29 @@ def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
     return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
 
 
-def _fits(runner: Any, batch: int, length: int) -> bool:
+def _window_per_row(runner: Any, length: int, span: int) -> int:
+    """Window-pool blocks a row of ``length`` positions needs when each step writes at most ``span``
+    of them: the blocks one step's queries can see (its window and its tokens), at most all of them."""
+    bs = runner.block_size
+    return min(-(-length // bs), min_window_blocks(int(runner.kv_window), span, bs))
+
+
+def _window_tables(runner: Any, batch: int, length: int, span: int) -> list[list[int]] | None:
+    """Each row's ``window_table`` on a runner with a window pool (None without one): block ``j`` of
+    row ``b`` is the pool's block ``b * per + j % per``, so the ``per`` consecutive blocks one step
+    can see are distinct and the blocks behind the window are reused, as the engine's window group
+    releases and retakes them (engine.kv_groups)."""
+    if not getattr(runner, "window_kv_blocks", 0):
+        return None
+    per = _window_per_row(runner, length, span)
+    if per * batch > runner.window_kv_blocks:
+        raise SystemExit(f"benchmark needs {per * batch} window KV blocks, runner has {runner.window_kv_blocks}")
+    return [[b * per + j % per for j in range(-(-length // runner.block_size))] for b in range(batch)]
+
+
+def _fits(runner: Any, batch: int, length: int, span: int = 1) -> bool:
+    if getattr(runner, "window_kv_blocks", 0) and _window_per_row(runner, length, span) * batch > runner.window_kv_blocks:
+        return False
     return -(-length // runner.block_size) * batch <= runner.num_blocks
 
 
@@ -127,6 +153,7 @@ def bench_decode(
     runner: Any, batch: int, depth: int, steps: int = 64, repeats: int = 3, copy_gbs: float | None = None
 ) -> dict:
     tables = _blocks_for(runner, batch, depth + steps + 1)
+    windows = _window_tables(runner, batch, depth + steps + 1, 1)
 
     def items(pos: int) -> list[StepItem]:
         return [
@@ -138,6 +165,7 @@ def bench_decode(
                 sample=True,
                 sampling=GREEDY,
                 state_slot=_slot(runner, b),
+                window_table=windows[b] if windows else None,
             )
             for b in range(batch)
         ]
@@ -173,9 +201,10 @@ def bench_decode(
 
 def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
     table = _blocks_for(runner, 1, tokens)[0]
+    windows = _window_tables(runner, 1, tokens, _prefill_span(runner, tokens))
     ids = [(i * 31) % 1000 + 1 for i in range(tokens)]
     item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY,
-                    state_slot=_slot(runner, 0))
+                    state_slot=_slot(runner, 0), window_table=windows[0] if windows else None)
     runner.step([item])
     times = []
     for _ in range(repeats):
@@ -195,21 +224,82 @@ def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
     }
 
 
+def _prefill_span(runner: Any, tokens: int) -> int:
+    """The most positions one prefill pass of the runner writes (it splits a step's prompt into passes
+    of ``prefill_chunk_tokens``)."""
+    return min(tokens, int(getattr(getattr(runner, "profile", None), "prefill_chunk_tokens", tokens)))
+
+
 def plan_profile(runner: Any) -> Any:
     return runner.profile
 
 
+def kv_row(runner: Any) -> dict | None:
+    """The KV bytes a sequence costs in each layer group of a CUDA runner (K and V in bf16): the
+    full-attention layers' per token; the sliding-window layers' per token and, with a window pool
+    (their blocks released behind the window, engine.kv_groups), at most ``ceil(window / block) + 1``
+    blocks a decoding sequence whatever its length. Without a window pool the window layers sit in
+    the full pool and cost as much a token as the others. None for a runner without KV groups."""
+    full = getattr(runner, "kv_full_layers", None)
+    if full is None:
+        return None
+    d, bs = runner.plan.dims, runner.block_size
+    token = 2 * 2 * int(d["kv_heads"]) * int(d["head_dim"])  # one layer's K and V of one position
+    row: dict[str, Any] = {
+        "kind": "kv",
+        "block_size": bs,
+        "full_layers": len(full),
+        "full_blocks": runner.num_blocks,
+        "full_bytes_per_token": token * len(full),
+    }
+    win = runner.kv_window_layers
+    if win:
+        most = -(-int(runner.kv_window) // bs) + 1
+        row.update(
+            window=int(runner.kv_window),
+            window_layers=len(win),
+            window_blocks=runner.window_kv_blocks,
+            window_bytes_per_token=token * len(win),
+            window_seq_blocks_max=most,
+            window_bytes_per_seq_max=most * bs * token * len(win),
+        )
+    return row
+
+
+def kv_text(r: dict) -> str:
+    """One line for a ``kv`` row."""
+    text = (
+        f"{r['full_layers']} full layers {r['full_bytes_per_token'] / 1024:.1f} KiB a token "
+        f"({r['full_blocks']} blocks of {r['block_size']})"
+    )
+    if "window" in r:
+        text += (
+            f"; {r['window_layers']} window-{r['window']} layers {r['window_bytes_per_token'] / 1024:.1f} KiB a token, "
+            f"at most {r['window_seq_blocks_max']} blocks = {r['window_bytes_per_seq_max'] / 2**20:.2f} MiB "
+            f"a decoding sequence (window pool {r['window_blocks']} blocks)"
+        )
+    return text
+
+
 def run_all(
-    runner: Any, batches=None, depths=(0, 4096), prefills=(512, 4096), steps: int = 64, copy: bool = True
+    runner: Any,
+    batches=None,
+    depths=(0, 4096),
+    prefills=(512, 4096),
+    steps: int = 64,
+    copy: bool = True,
+    kv: bool = True,
 ) -> list[dict]:
-    """The copy row first (where the runner measures one and ``copy``), then decode per depth and
-    batch (default: every graph bucket; a row whose KV does not fit is skipped with a warning),
-    then prefill per length."""
+    """The copy row first (where the runner measures one and ``copy``), the KV row (``kv_row``,
+    where ``kv``), then decode per depth and batch (default: every graph bucket; a row whose KV does
+    not fit, full or window pool, is skipped with a warning), then prefill per length."""
     batches = graph_buckets(runner) if batches is None else batches
     rows = []
     copy_row = measure_copy(runner) if copy else None
     if copy_row:
         rows.append(copy_row)
+    if kv and (kv_info := kv_row(runner)):
+        rows.append(kv_info)
     for depth in depths:
         for batch in batches:
             if depth + steps + 2 > runner.max_model_len:
@@ -219,8 +309,12 @@ def run_all(
                 continue
             rows.append(bench_decode(runner, batch, depth, steps, copy_gbs=copy_row and copy_row["gbs"]))
     for p in prefills:
-        if p <= runner.max_model_len:
-            rows.append(bench_prefill(runner, p))
+        if p > runner.max_model_len:
+            continue
+        if not _fits(runner, 1, p, _prefill_span(runner, p)):
+            log.warning("prefill %d: more KV blocks than the runner has; skipped", p)
+            continue
+        rows.append(bench_prefill(runner, p))
     return rows
 
 
@@ -230,6 +324,9 @@ def table(rows: list[dict], title: str = "") -> str:
     for r in rows:
         if r["kind"] == "copy":
             out.append(f"{'d2d copy':<24}{r['gbs']:>9.0f} GB/s (profile {r['profile_gbs']:.0f})")
+            continue
+        if r["kind"] == "kv":
+            out.append(f"{'kv cache':<24}{kv_text(r)}")
             continue
         if r["kind"] == "decode":
             what = f"decode b={r['batch']} d={r['depth']}"

@@ -80,8 +80,11 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
     model's, limited by the KV cache); ``num_blocks`` fixes the KV block count (tests) instead of
     sizing it from free memory; ``use_graphs=False`` runs decode eagerly (the bit-exact check);
     ``state_slots`` fixes a hybrid model's recurrent-state slots (engine.runner_state).
-    ``window_kv_blocks`` > 0 keeps the sliding-window layers' KV in a pool of that many blocks,
-    addressed by each item's ``window_table`` (engine.runner_kv, engine.kv_groups).
+    A model with sliding-window layers keeps their KV in a window pool addressed by each item's
+    ``window_table`` (engine.runner_kv, engine.kv_groups): ``window_kv_blocks`` None sizes it for
+    an engine of ``max_running`` sequences and ``prefill_chunk_tokens`` prefill tokens a step
+    (default: the profile's), N > 0 takes N blocks, 0 keeps one pool (items then need no
+    ``window_table``).
     """
 
     backend = "cuda"
@@ -96,7 +99,9 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         use_graphs: bool = True,
         builder: KernelBuilder | None = None,
         state_slots: int | None = None,
-        window_kv_blocks: int = 0,
+        window_kv_blocks: int | None = None,
+        max_running: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
@@ -138,7 +143,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         t3 = time.perf_counter()
         self._alloc_arena()
         self._alloc_states(cuda, state_slots)
-        self._alloc_kv(cuda, max_model_len, num_blocks, window_kv_blocks)
+        self._alloc_kv(cuda, max_model_len, num_blocks, window_kv_blocks, max_running, prefill_chunk_tokens)
         self._alloc_inputs()
         self._alloc_scratch()
         log.info(  # where a start's time goes (warm HTTP-ready, issue #34)

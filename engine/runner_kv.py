@@ -1,6 +1,15 @@
-"""CudaRunner's KV memory: the paged cache of the full-attention layers and, where asked
-(``window_kv_blocks``), a second pool for the sliding-window layers with its own block tables and
-slots (engine.kv_groups releases its blocks behind the window, so it can be far smaller).
+"""CudaRunner's KV memory: the paged cache of the full-attention layers and, for a model with
+sliding-window layers, a second pool for those layers with its own block tables and slots
+(engine.kv_groups releases its blocks behind the window, so it can be far smaller).
+
+The window pool's size (``window_kv_blocks``): None sizes it automatically
+(``kv_groups.auto_window_blocks``: enough that it never runs short under an engine of
+``max_running`` sequences and ``prefill_chunk_tokens`` prefill tokens a step, by default the device
+profile's), capped at the blocks one pool over every KV layer would get from the same memory (or at
+``num_blocks`` when that is fixed), so the full pool never gets fewer blocks than it would without a
+window pool; N > 0 takes N blocks; 0 keeps the window layers in the full pool (one pool). A model
+without sliding-window layers, or with several windows, has one pool whatever None or 0 says (N > 0
+is an error).
 
 Without a window pool every layer's K and V live in one allocation of ``num_blocks + 1`` blocks
 (the last one the padding sink), layer by layer, as they always did; the plan's ``window_tables`` /
@@ -14,11 +23,15 @@ module it drives; must not import CUDA (neither cuda-python nor engine.cuda).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
+from engine.kv_groups import auto_window_blocks
 from engine.types import MemraError, StepItem
+
+log = logging.getLogger("memra.runner_cuda")
 
 
 def window_layers(plan: Any) -> tuple[int, list[int]]:
@@ -40,38 +53,81 @@ def window_layers(plan: Any) -> tuple[int, list[int]]:
 class KvPools:
     """The KV allocations of CudaRunner (see the module docstring)."""
 
-    def _alloc_kv(self, cuda: Any, max_model_len: int | None, kv_blocks: int | None, window_blocks: int) -> None:
+    def _alloc_kv(
+        self,
+        cuda: Any,
+        max_model_len: int | None,
+        kv_blocks: int | None,
+        window_blocks: int | None,
+        max_running: int | None = None,
+        prefill_chunk_tokens: int | None = None,
+    ) -> None:
+        """Allocate the KV pools (see the module docstring for ``window_blocks``; ``max_running`` and
+        ``prefill_chunk_tokens`` are the engine limits an automatic window pool is sized for)."""
         d = self.plan.dims
         per_layer = self.block_size * d["kv_heads"] * d["head_dim"] * 2  # one block of one layer's K (bf16)
-        window, win = window_layers(self.plan) if window_blocks else (0, [])
+        if window_blocks is not None and window_blocks < 0:
+            raise MemraError(f"window_kv_blocks must be >= 0 (0: no window pool), got {window_blocks}", param="window_kv_blocks")
+        try:
+            window, win = window_layers(self.plan) if window_blocks != 0 else (0, [])
+        except MemraError:
+            if window_blocks is not None:
+                raise
+            window, win = 0, []  # several windows: one pool by default
         if window_blocks and not win:
-            raise MemraError("window_kv_blocks: the model has no sliding-window attention layers", param="window_kv_blocks")
+            raise MemraError(
+                f"window_kv_blocks {window_blocks} (--window-kv-blocks): the model has no sliding-window attention layers",
+                param="window_kv_blocks",
+            )
         # the layers with attention (a hybrid's linear-attention layers keep no KV)
         kv_layers = sorted({a.layer for st in self.plan.steps for ls in st.launches.values() for la in ls for a in la.args if a.kind == "kv"})
         full = [layer for layer in kv_layers if layer not in win]
-        win_bytes = (window_blocks + 1) * per_layer * 2 * len(win) if win else 0
+        budget = None
         if kv_blocks is None:
             free, _ = self.ctx.mem_info()
+            budget = int(free * self.profile.kv_memory_fraction)
+        if win and window_blocks is None:
+            # never more than the window layers' share: the blocks one pool over every layer would get
+            share = int(kv_blocks) if budget is None else budget // (per_layer * 2 * max(1, len(kv_layers)))
+            want = auto_window_blocks(
+                window,
+                self.block_size,
+                int(max_running or self.profile.max_running),
+                int(prefill_chunk_tokens or self.profile.prefill_chunk_tokens),
+            )
+            window_blocks = max(1, min(want, share))
+        window_blocks = int(window_blocks or 0) if win else 0
+        win_bytes = (window_blocks + 1) * per_layer * 2 * len(win) if win else 0
+        if budget is not None:
             per_block = per_layer * 2 * max(1, len(full))
-            kv_blocks = (int(free * self.profile.kv_memory_fraction) - win_bytes) // per_block
+            kv_blocks = (budget - win_bytes) // per_block
+        assert kv_blocks is not None
         if kv_blocks < 1:
             raise MemraError("not enough free GPU memory for one KV cache block", code="out_of_memory")
         self._kv_layer_bytes = (int(kv_blocks) + 1) * per_layer  # + the padding sink
         self.kv = cuda.alloc(self._kv_layer_bytes * 2 * max(1, len(full)))
         cuda.memset(self.kv.ptr, 0, self.kv.nbytes)
         self._kv_index = {layer: (0, i) for i, layer in enumerate(full)}
-        self.kv_window, self.window_kv_blocks, self.kv_win = window, int(window_blocks if win else 0), None
+        self.kv_window, self.window_kv_blocks, self.kv_win = window, window_blocks, None
+        self.kv_full_layers, self.kv_window_layers = full, win  # (benchmarks report each group's bytes)
         if win:
             self._win_layer_bytes = (window_blocks + 1) * per_layer
             self.kv_win = cuda.alloc(win_bytes)
             cuda.memset(self.kv_win.ptr, 0, self.kv_win.nbytes)
             self._kv_index.update({layer: (1, i) for i, layer in enumerate(win)})
-            self._win_sink = int(window_blocks)
+            self._win_sink = window_blocks
         self.num_blocks = int(kv_blocks)
         self._sink_block = self.num_blocks  # hidden from the scheduler
         cap = self.num_blocks * self.block_size
         self.max_model_len = min(int(max_model_len or d.get("context", cap)), cap)
         self._table_ld = (self.max_model_len + self.block_size - 1) // self.block_size
+        log.info(
+            "KV cache: %d blocks of %d tokens for %d layers%s",
+            self.num_blocks,
+            self.block_size,
+            len(full),
+            f"; window pool (window {window}): {window_blocks} blocks for {len(win)} layers" if win else "",
+        )
 
     def _kv_ptr(self, layer: int, ref: str) -> int:
         """The device address of ``layer``'s K (``ref`` "k") or V cache, in its pool."""

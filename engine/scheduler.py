@@ -9,7 +9,8 @@ Policy per step (see docs/engine-loop.md):
    ``prefill_chunk_tokens`` (and ``max_step_tokens`` overall);
 3. admission of waiting sequences strictly in arrival order (the oldest waiting request is never
    overtaken, so nobody starves), each needing blocks for its whole known sequence plus one block of
-   headroom; skipped in a step that preempted (no thrashing).
+   headroom; skipped in a step that preempted (no thrashing) and in one where a running prefill
+   waits for sliding-window blocks (engine.kv_groups: no newcomer takes the blocks it waits for).
 
 Every running sequence holds blocks for all of its known tokens, so only decode rows allocate.
 Pure Python: must not import numpy, CUDA or the loop.
@@ -149,12 +150,14 @@ class Scheduler:
                 continue
             out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
             prefill -= n
-        # 3. admit waiting sequences in strict arrival order.
+        # 3. admit waiting sequences in strict arrival order (none while a running prefill waits for
+        # window blocks: a younger sequence must not take the blocks an older one waits for)
         while (
             self.waiting
             and prefill > 0
             and len(self.running) < self.max_running
             and not self.preempted_this_step
+            and not stalled
         ):
             seq = self.waiting[0]
             total = len(seq.token_ids)

@@ -173,3 +173,65 @@ def test_engine_with_a_small_window_pool_equals_one_pool(tiny, monkeypatch):
     got = run(tiny, [prompts], max_tokens=20, pool=small, **cfg)
     assert any(failed)  # the window pool ran short: chunks waited, decode rows preempted
     assert [t for t, _ in got] == [t for t, _ in run(tiny, [prompts], window_pool=False, max_tokens=20, **cfg)]
+
+
+# ---- the automatic window pool size (a runner's default) -----------------------------------------
+
+
+def test_auto_window_blocks_rule():
+    """max_running x (one window and a decode row with drafts) + one prefill chunk's blocks; never
+    below the engine's minimum for that chunk (one sequence's window, the chunk and drafts)."""
+    from engine.kv_groups import SPEC_HEADROOM, auto_window_blocks
+
+    # Gemma 3 270M on an H100 profile: window 512, blocks of 16, 128 sequences, 2048-token chunks
+    assert auto_window_blocks(512, 16, 128, 2048) == 128 * (-(-(512 + SPEC_HEADROOM) // 16) + 2) + 2048 // 16 == 4608
+    assert auto_window_blocks(8, 4, 1, 1) == min_window_blocks(8, 1 + SPEC_HEADROOM, 4) + 1
+    for window in (1, 5, 8, 512, 4096):
+        for bs in (4, 16):
+            for chunk in (1, 8, 512, 2048):
+                for running in (1, 3, 64):
+                    got = auto_window_blocks(window, bs, running, chunk)
+                    assert got >= min_window_blocks(window, chunk + SPEC_HEADROOM, bs)
+                    assert got >= running * min_window_blocks(window, 1, bs)
+    with pytest.raises(ValueError, match="positive sizes"):
+        auto_window_blocks(512, 16, 0, 2048)
+
+
+def _window_grow_failures(pool: int, running: int, chunk: int) -> tuple[list[bool], object]:
+    """Window-group grow results of an engine (FakeRunner, block size 4, window 8) running 12
+    requests of 5..45-token prompts, ``running`` at a time with ``chunk``-token prefill chunks, over
+    a window pool of ``pool`` blocks (the full pool is ample)."""
+    from fixtures.engine_waves import engine_for, run_waves
+
+    from engine.fake_runner import FakeRunner
+
+    runner = FakeRunner(num_blocks=1024, block_size=BS, max_model_len=256)
+    runner.window_kv_blocks, runner.kv_window = pool, WINDOW
+    e = engine_for(runner, max_running=running, prefill_chunk_tokens=chunk, max_step_tokens=running + chunk)
+    assert isinstance(e.blocks, WindowedBlocks)
+    results: list[bool] = []
+    grow = e.blocks.window_group.grow
+
+    def counting(seq_id, n):
+        results.append(grow(seq_id, n))
+        return results[-1]
+
+    e.blocks.window_group.grow = counting
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 100, n)] for n in rng.integers(5, 46, 12)]
+    _, stats = run_waves(e, [prompts], max_tokens=30)
+    return results, stats
+
+
+def test_at_the_auto_size_the_window_pool_never_runs_short():
+    """An engine whose window pool is auto_window_blocks for its max_running and chunk never fails a
+    window-group grow (no chunk waits, no preemption for window blocks); a smaller pool (still above
+    the engine's minimum) does, so the window pool is the scarce one there, and every request still
+    finishes (no deadlock)."""
+    from engine.kv_groups import auto_window_blocks
+
+    pool = auto_window_blocks(WINDOW, BS, 4, 8)
+    results, stats = _window_grow_failures(pool, 4, 8)
+    assert results and all(results) and stats.preemptions == 0
+    results, stats = _window_grow_failures(12, 4, 8)
+    assert not all(results)

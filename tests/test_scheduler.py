@@ -145,3 +145,37 @@ def test_stop_string_completed_by_the_decoder_tail_counts():
     c = StopChecker(tok.incremental_decoder(), ["zz"], set())
     c.push(tok.encode("z")[0])
     assert c.finish() == ("z", False)
+
+
+def test_no_admission_while_a_running_prefill_waits_for_window_blocks():
+    """A scarce sliding-window pool (engine.kv_groups, 7 blocks of 4, window 8): a long prompt's chunk
+    waits for window blocks a decoding sequence holds; a younger short request that would fit is not
+    admitted while it waits (it would take the blocks the older one waits for), and all three finish."""
+    from engine.kv_groups import WindowedBlocks
+
+    wb = WindowedBlocks(BlockManager(64, BS), BlockManager(7, BS), 8)
+    sc = Scheduler(wb, max_running=4, prefill_chunk_tokens=8, max_step_tokens=16)
+    decoding, long, short = seq(0, 6, 12), seq(1, 30, 4), seq(2, 2, 4)
+    sc.add(decoding)
+    sc.add(long)
+    waits = admitted_after_wait = 0
+    done: set[int] = set()
+    for step in range(200):
+        if step == 3:
+            sc.add(short)
+        before = {s.seq_id for s in sc.running}
+        batch = sc.schedule()
+        ran = {x.seq.seq_id for x in batch}
+        stalled = [s for s in sc.running if s.remaining > 1 and s.seq_id not in ran]
+        waits += bool(stalled)
+        assert not (stalled and {s.seq_id for s in sc.running} - before), f"step {step}: admitted while a prefill waits"
+        admitted_after_wait += bool(waits and 2 in ran and 2 not in before)
+        run(sc, wb, batch)
+        for s in list(sc.running):
+            if s.num_generated >= s.max_tokens:
+                sc.remove(s)
+                done.add(s.seq_id)
+        wb.check_invariants()
+        if done == {0, 1, 2}:
+            break
+    assert waits and admitted_after_wait and done == {0, 1, 2}

@@ -139,7 +139,7 @@ def profile_variant(cuda, model, profile, batches, want_breakdown: bool) -> dict
     from engine.runner_cuda import CudaRunner, _decode_mode
 
     t0 = time.perf_counter()
-    runner = CudaRunner(model, profile, num_blocks=4096, max_model_len=8192)
+    runner = CudaRunner(model, profile, num_blocks=4096, max_model_len=8192, window_kv_blocks=0)
     res: dict = {"build_s": round(time.perf_counter() - t0, 2), "kernels_compiled": len(runner._fns)}
     try:
         copy_gbs = float(runner.copy_bandwidth_gbs()) if want_breakdown else None

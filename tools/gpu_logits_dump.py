@@ -27,7 +27,7 @@ def dump(model_path: str, out: str) -> None:
     from engine.types import SamplingParams, StepItem
 
     greedy = SamplingParams(temperature=0.0)
-    runner = CudaRunner(load_model(Path(model_path)), num_blocks=512, max_model_len=2048)
+    runner = CudaRunner(load_model(Path(model_path)), num_blocks=512, max_model_len=2048, window_kv_blocks=0)
     arrays: dict[str, np.ndarray] = {}
     table = list(range(8))
     ids = [(7 * i) % 500 + 3 for i in range(40)]

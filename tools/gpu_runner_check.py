@@ -306,7 +306,7 @@ def main() -> int:
 
                 profile = dataclasses.replace(select(cuda.detect_devices()[0]), prefill_chunk_tokens=256)
             holder["runner"] = CudaRunner(
-                holder["model"], profile, num_blocks=args.kv_blocks, max_model_len=8192
+                holder["model"], profile, num_blocks=args.kv_blocks, max_model_len=8192, window_kv_blocks=0
             )
             return {
                 "write_s": t1 - t0,

@@ -54,9 +54,12 @@ def build_engine(
     model_defaults: bool = True,
     devices: str | None = None,
     split: str | None = None,
+    window_kv_blocks: int | None = None,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
+    ``window_kv_blocks``: the CUDA runner's window pool (None: sized for ``cfg.max_running``
+    sequences and the profile's prefill chunk, the engine built here; 0: none).
     ``model_defaults``: requests that omit a sampling parameter get the model's own value
     (generation_config.json / GGUF general.sampling.*)."""
     from engine.backend import load_stack
@@ -64,7 +67,9 @@ def build_engine(
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(model_arg, backend, device_profile, quant, devices, split)
+    model, tokenizer, runner = load_stack(
+        model_arg, backend, device_profile, quant, devices, split, window_kv_blocks=window_kv_blocks, max_running=cfg.max_running
+    )
     speculator = build_speculator(spec, model, runner, device_profile=device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
@@ -116,9 +121,10 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # name the config file when the setting came from it
         where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
         raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
-    from engine.backend import split_devices
+    from engine.backend import parse_window_kv_blocks, split_devices
 
     split_devices(getattr(args, "devices", None), getattr(args, "split", None))  # flag errors before loading
+    window_kv_blocks = parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
@@ -140,6 +146,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
             model_defaults=use_defaults,
             devices=getattr(args, "devices", None),
             split=getattr(args, "split", None),
+            window_kv_blocks=window_kv_blocks,
         ),
         raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )

@@ -60,7 +60,8 @@ def build_speculator(
     path = str(cfg.draft_path)
     draft_model = load_model(path)
     _check_same_tokenizer(model, draft_model, path)
-    kwargs: dict[str, Any] = {"max_model_len": runner.max_model_len}
+    # (the draft's own BlockManager has no window group: its window layers stay in its one pool)
+    kwargs: dict[str, Any] = {"max_model_len": runner.max_model_len, "window_kv_blocks": 0}
     if runner.backend == "cuda":
         kwargs["num_blocks"] = DRAFT_CUDA_BLOCKS
     draft_runner = create_runner(draft_model, runner.backend, device_profile, **kwargs)

@@ -10,6 +10,11 @@ A tiny transformers-layout Gemma 3 (bf16, norm offset 1, window 8 over blocks of
 block, across blocks, the direct and split decode kernels both windowed) written by
 tests/fixtures/checkpoints.write_gemma3_safetensors: logits within bf16 error of the reference,
 argmax equal, batched equal to solo.
+
+The sliding-window KV pool (engine.runner_kv, engine.kv_groups): the real 270M through the engine
+with a 60-block window pool and with the default (automatically sized) pool gives the one-pool
+runner's greedy tokens; runner_bench's cyclic window tables give the one-pool logits bit for bit on
+the tiny model, and its rows (KV per layer group, decode, prefill) run on a default runner.
 """
 
 from __future__ import annotations
@@ -76,9 +81,10 @@ def stack(gemma_gguf):
 
 
 def cuda_runner(model, max_model_len=1024, num_blocks=128):
+    """A one-pool runner (``window_kv_blocks=0``): these tests step it with block tables alone."""
     from engine.runner_cuda import CudaRunner
 
-    return CudaRunner(model, num_blocks=num_blocks, max_model_len=max_model_len)
+    return CudaRunner(model, num_blocks=num_blocks, max_model_len=max_model_len, window_kv_blocks=0)
 
 
 def text_ids(tok, n: int) -> list[int]:
@@ -276,48 +282,119 @@ def test_tiny_gemma3_batched_equals_solo(tiny):
     assert together == solo
 
 
+def _engine_outputs(model, tok, prompts, cfg, held, **kw):
+    """Greedy tokens of ``prompts`` through the engine on ``CudaRunner(**kw)``; ``held`` gets the
+    window blocks of every running sequence at every step (with a window pool)."""
+    from engine.kv_groups import WindowedBlocks
+    from engine.loop import Engine, EngineConfig
+    from engine.runner_cuda import CudaRunner
+    from engine.types import GenerationRequest
+
+    runner = CudaRunner(model, max_model_len=1024, **kw)
+
+    def watch(e):
+        e.check_invariants()
+        if isinstance(e.blocks, WindowedBlocks):
+            held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
+
+    e = Engine(runner, tok, EngineConfig(**cfg), on_step=watch)
+    try:
+        assert isinstance(e.blocks, WindowedBlocks) == bool(runner.window_kv_blocks)
+        handles = [
+            e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=16, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        e.start()
+        outs = []
+        for h in handles:
+            evs = list(h)
+            assert evs[-1].finish_reason == "length", evs[-1].error
+            outs.append([t for ev in evs for t in ev.token_ids])
+        return outs, runner.window_kv_blocks
+    finally:
+        e.shutdown(5)
+        runner.close()
+
+
 def test_window_kv_pool_through_the_engine_equals_one_pool(stack):
     """CudaRunner(window_kv_blocks=60): the local layers' KV in a pool of 60 blocks (three 650-token
     prompts would need 120 of them without releases), driven by the engine's window group
     (engine.kv_groups: blocks released behind the 512 window, chunks waiting for window room): the
-    greedy tokens of the one-pool runner, and no sequence ever holding more window blocks than one
-    window and chunk."""
-    from engine.kv_groups import WindowedBlocks, min_window_blocks
-    from engine.loop import Engine, EngineConfig
-    from engine.runner_cuda import CudaRunner
-    from engine.types import GenerationRequest
+    greedy tokens of the one-pool runner (``window_kv_blocks=0``), and no sequence ever holding more
+    window blocks than one window and chunk."""
+    from engine.kv_groups import min_window_blocks
 
     model, tok, _ = stack
     ids = text_ids(tok, 900)
     prompts = [ids[:650], ids[100:750], ids[250:900]]
     cfg = dict(max_running=3, prefill_chunk_tokens=256, max_step_tokens=512)
     held: list[int] = []
-
-    def run(**kw):
-        runner = CudaRunner(model, num_blocks=256, max_model_len=1024, **kw)
-
-        def watch(e):
-            e.check_invariants()
-            if isinstance(e.blocks, WindowedBlocks):
-                held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
-
-        e = Engine(runner, tok, EngineConfig(**cfg), on_step=watch)
-        try:
-            handles = [
-                e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=16, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
-            e.start()
-            outs = []
-            for h in handles:
-                evs = list(h)
-                assert evs[-1].finish_reason == "length", evs[-1].error
-                outs.append([t for ev in evs for t in ev.token_ids])
-            return outs
-        finally:
-            e.shutdown(5)
-            runner.close()
-
-    pooled = run(window_kv_blocks=60)
+    pooled, _ = _engine_outputs(model, tok, prompts, cfg, held, num_blocks=256, window_kv_blocks=60)
     assert held and max(held) <= min_window_blocks(512, 256, 16)
-    assert pooled == run()
+    one, blocks = _engine_outputs(model, tok, prompts, cfg, [], num_blocks=256, window_kv_blocks=0)
+    assert blocks == 0 and pooled == one
+
+
+def test_default_window_pool_through_the_engine_equals_one_pool(stack):
+    """A default CudaRunner (KV sized from free memory, no ``window_kv_blocks``) on the real 270M
+    gets a window pool of ``kv_groups.auto_window_blocks`` blocks for the engine it is told of
+    (3 sequences, 256-token chunks), far below the full pool; three prompts past the 512 window
+    through the engine give the one-pool runner's greedy tokens, each sequence within one window
+    and chunk of window blocks."""
+    from engine.kv_groups import auto_window_blocks, min_window_blocks
+
+    model, tok, _ = stack
+    ids = text_ids(tok, 900)
+    prompts = [ids[:650], ids[100:750], ids[250:900]]
+    cfg = dict(max_running=3, prefill_chunk_tokens=256, max_step_tokens=512)
+    held: list[int] = []
+    pooled, blocks = _engine_outputs(model, tok, prompts, cfg, held, max_running=3, prefill_chunk_tokens=256)
+    assert blocks == auto_window_blocks(512, 16, 3, 256)
+    assert held and max(held) <= min_window_blocks(512, 256, 16)
+    one, _ = _engine_outputs(model, tok, prompts, cfg, [], window_kv_blocks=0)
+    assert pooled == one
+
+
+def _teacher_forced_windowed(runner, ids, table, window_table):
+    """Logits of every decode position of ``ids`` (prefill 111 tokens in chunks of 37, then decode)."""
+    rows = []
+    for start in range(0, 111, 37):
+        runner.step([StepItem(0, ids[start : start + 37], start, table, False, GREEDY, window_table=window_table)])
+    for pos in range(111, len(ids)):
+        runner.step([StepItem(0, [ids[pos]], pos, table, True, GREEDY, window_table=window_table)])
+        rows.append(runner.read_logits(1)[0])
+    return np.stack(rows)
+
+
+def test_bench_window_tables_reuse_blocks_and_equal_one_pool(tiny):
+    """engine.runner_bench's window tables on a default CudaRunner (a window pool): the blocks behind
+    the window are reused cyclically, as the engine's window group retakes released ones, and the
+    logits of a chunked prefill and 89 decode steps are the one-pool runner's bit for bit; then
+    ``run_all`` on that runner gives the KV row (window group bounded per sequence) and decode /
+    prefill rows past the window."""
+    from engine import runner_bench
+    from engine.runner_cuda import CudaRunner
+
+    ids = [int(i) for i in np.random.default_rng(9).integers(3, 384, 200)]
+    table = list(range(13))
+    one = cuda_runner(tiny, max_model_len=512, num_blocks=64)
+    try:
+        want = _teacher_forced_windowed(one, ids, table, None)
+    finally:
+        one.close()
+    pooled = CudaRunner(tiny, num_blocks=64, max_model_len=512)
+    try:
+        assert pooled.window_kv_blocks > 0 and pooled.kv_window == 8
+        wt = runner_bench._window_tables(pooled, 1, len(ids), 37)[0]
+        assert len(wt) == 13 and len(set(wt)) < len(wt)  # blocks behind the window reused
+        got = _teacher_forced_windowed(pooled, ids, table, wt)
+        np.testing.assert_array_equal(got, want)
+        rows = runner_bench.run_all(pooled, batches=(1, 8), depths=(0, 100), prefills=(300,), steps=8, copy=False)
+    finally:
+        pooled.close()
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["kv"] + ["decode"] * 4 + ["prefill"], kinds
+    kv = rows[0]
+    assert (kv["full_layers"], kv["window_layers"], kv["window"], kv["window_blocks"]) == (1, 6, 8, pooled.window_kv_blocks)
+    assert kv["window_bytes_per_seq_max"] == 2 * 16 * (2 * 2 * 256) * 6  # 2 blocks of 16 positions, bf16 K+V, 6 layers
+    assert all(r["tok_s"] > 0 for r in rows[1:])
