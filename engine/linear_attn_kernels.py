@@ -148,10 +148,17 @@ def delta_rule_kernel(
     )
 
 
-def delta_chunk_smem(chunk: int, k_dim: int, v_block: int) -> int:
-    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template)."""
-    return 4 * (2 * chunk * (k_dim + 1) + 2 * chunk * (chunk + 1) + chunk * v_block + k_dim * v_block
-                + 8 * chunk + 2 * DELTA_CHUNK_THREADS)
+def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> int:
+    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A, P
+    [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
+    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8] and the
+    update's factor in two terms [v_block][chunk+8]; without, f32 q, k [chunk][k_dim+1] and S."""
+    small = 2 * chunk * (chunk + 1) + 12 * chunk
+    if mma:
+        f32 = small + 2 * chunk * v_block
+        b16 = 2 * chunk * (k_dim + 8) + 2 * v_block * (k_dim + 8) + 2 * v_block * (chunk + 8)
+        return 4 * f32 + 2 * b16
+    return 4 * (small + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 
 
 def delta_chunk_kernel(
@@ -167,20 +174,22 @@ def delta_chunk_kernel(
     varlen: bool,
     chunk: int = 0,
     v_block: int = 0,
+    mma: bool = True,
 ) -> HybridKernel:
     """gated_delta_chunk: delta_rule_kernel's arguments and grid (rows, v_heads, v_dim / v_block),
     256 threads, chunks of ``chunk`` tokens (0: the longest of DELTA_CHUNKS whose shared memory fits
-    DELTA_CHUNK_SMEM: 32 at k_dim 128); ``v_block`` state columns per block (0: 32 when v_dim is a
-    multiple of 32, else v_dim). Shared memory: 125 KB at chunk 64, k_dim 128, v_block 32 (sm_80 /
-    sm_90 only), 64 KB at chunk 32."""
+    DELTA_CHUNK_SMEM); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
+    else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
+    two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
+    v_block 32: mma 56 KB at chunk 32, 111 KB at 64; FMA 64 KB at 32, 125 KB at 64."""
     t = DELTA_CHUNK_THREADS
     v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
-    if not chunk:
-        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block) <= DELTA_CHUNK_SMEM]
-        chunk = fits[0] if fits else DELTA_CHUNKS[-1]
     if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
         raise ConfigError(f"gated_delta_chunk: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
-    if chunk not in (16, 32, 64):
+    if not chunk:
+        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM]
+        chunk = fits[0] if fits else DELTA_CHUNKS[-1]
+    if chunk not in DELTA_CHUNKS:
         raise ConfigError(f"gated_delta_chunk: chunk must be 16, 32 or 64 tokens, got {chunk}")
     groups = t // v_block if v_block and t % v_block == 0 else 0
     if not groups or v_dim % v_block or chunk % groups or k_dim % groups:
@@ -188,14 +197,17 @@ def delta_chunk_kernel(
             f"gated_delta_chunk: v_block {v_block} must divide v_dim {v_dim} and {t} threads into row groups "
             f"that divide chunk {chunk} and k_dim {k_dim}"
         )
+    if mma and (k_dim % 16 or v_block % 8):
+        raise ConfigError(f"gated_delta_chunk: the mma form needs k_dim % 16 == 0 and v_block % 8 == 0 (k_dim {k_dim}, v_block {v_block})")
     if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
         raise ConfigError(f"gated_delta_chunk: qkv stride {qkv_stride} is narrower than q|k|v")
-    smem = delta_chunk_smem(chunk, k_dim, v_block)
+    smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
-              "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma)}
     name = entry_name("gated_delta_chunk", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, vb=v_block, c=chunk,
-                      qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen))
+                      qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen),
+                      mma=int(mma))
     args = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
             *STATE_ARGS, ("rows", "i32"))
     return HybridKernel(

@@ -26,6 +26,7 @@ def _from_bits(h) -> np.ndarray:
     return (np.asarray(h, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+@pytest.mark.parametrize("mma", [True, False])
 @pytest.mark.parametrize(
     "lens,kh,vh,kd,vd,tiled,chunk,v_block",
     [
@@ -36,7 +37,7 @@ def _from_bits(h) -> np.ndarray:
         ([130], 1, 1, 128, 128, False, 64, 0),
     ],
 )
-def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_block):
+def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_block, mma):
     rng = np.random.default_rng(7)
     rows = len(lens)
     starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -55,7 +56,7 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     for t in sorted({int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}):
         if t < total:
             snap[t] = next(free)
-    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block, mma)
     lib = cuda_emu.compile_kernel(render(k_.spec), k_.spec.entry, tmp_path)
     q, k, v = L.split_qkv(_from_bits(qkv)[:, :qkv_w], k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
     g, beta = L.delta_gates(_from_bits(a)[:, :vh], _from_bits(b)[:, :vh], A, dt)

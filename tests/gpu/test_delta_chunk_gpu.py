@@ -3,7 +3,7 @@ the numpy reference (engine.ops_ref_linear.delta_rule_varlen, itself checked aga
 token-by-token form in tests/test_hybrid_ops.py), on fresh random inputs with poisoned outputs:
 sequences of 1 .. 1000 tokens (shorter than a chunk, exact chunks, ragged tails), several per
 launch (varlen), state from a slot or zeros, snapshots after chosen tokens (block boundaries and
-random ones), chunks of 16 / 32 / 64 tokens; then a timing print of the recurrent prefill kernel
+random ones), chunks of 16 / 32 / 64 tokens, the tensor-core (mma) and the FMA form; then a timing print of the recurrent prefill kernel
 against the chunked one at Qwen3.5-4B's linear-attention heads (T = 512 and 4096).
 Skipped without a CUDA device.
 
@@ -24,9 +24,9 @@ SLOTS = 24
 BLOCK = 16  # the KV block size: prefix-cache snapshots fall after every 16th token of a sequence
 
 
-def _big_smem_ok(profile) -> bool:
-    """Chunks of 64 at k_dim 128 need 125 KB of shared memory (sm_80 / sm_90 only)."""
-    return profile.arch.startswith(("sm_80", "sm_90"))
+def _smem_ok(profile, k_) -> bool:
+    """Chunks of 64 at k_dim 128 need 111 / 125 KB of shared memory (sm_80 / sm_90 only)."""
+    return k_.smem <= lk.DELTA_CHUNK_SMEM or profile.arch.startswith(("sm_80", "sm_90"))
 
 
 def _case(rng, lens, kh, vh, kd, vd, tiled, snaps_per_seq=3):
@@ -79,6 +79,7 @@ def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x):
     return L.delta_rule_varlen(q, k, v, g, beta, x["state0"], starts, ins, outs, snap)
 
 
+@pytest.mark.parametrize("mma", [True, False])
 @pytest.mark.parametrize(
     "lens,kh,vh,kd,vd,tiled,chunk",
     [
@@ -93,11 +94,11 @@ def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x):
         ([300, 16, 2], 16, 32, 128, 128, True, 64),
     ],
 )
-def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, tiled, chunk):
+def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, tiled, chunk, mma):
     rng = np.random.default_rng()
     starts, total, qs, bs, ins, outs, snap, x = _case(rng, lens, kh, vh, kd, vd, tiled)
-    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk)
-    if k_.spec.params["chunk"] == 64 and kd == 128 and not _big_smem_ok(profile):
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, mma=mma)
+    if not _smem_ok(profile, k_):
         pytest.skip(f"chunk 64 at k_dim 128 needs more shared memory than {profile.arch} has")
     got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
     want, want_state = _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x)
@@ -109,24 +110,26 @@ def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, t
         assert rel_err(st[slot], want_state[slot]) < 1e-4, (slot, rel_err(st[slot], want_state[slot]))
 
 
-def test_delta_chunk_equals_recurrent_kernel(kernels):
+@pytest.mark.parametrize("mma", [True, False])
+def test_delta_chunk_equals_recurrent_kernel(kernels, mma):
     """The chunked and the token-by-token prefill kernels on the same inputs (outputs and slots)."""
     rng = np.random.default_rng()
     kh, vh, kd, vd = 16, 32, 128, 128
     starts, total, qs, bs, ins, outs, snap, x = _case(rng, [200, 48, 3], kh, vh, kd, vd, False)
-    chunked = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True)
+    chunked = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, mma=mma)
     recurrent = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)
     o1, s1 = _run(kernels, chunked, starts, total, vh, vd, ins, outs, snap, x)
     o2, s2 = _run(kernels, recurrent, starts, total, vh, vd, ins, outs, snap, x)
     assert rel_err(o1, o2) < 1e-2 and rel_err(s1, s2) < 1e-4
 
 
-def test_delta_chunk_decode_rows(kernels):
+@pytest.mark.parametrize("mma", [True, False])
+def test_delta_chunk_decode_rows(kernels, mma):
     """varlen off (one token per row, the decode layout) gives the recurrent step's result."""
     rng = np.random.default_rng()
     kh, vh, kd, vd = 2, 4, 32, 32
     starts, total, qs, bs, ins, outs, snap, x = _case(rng, [1] * 5, kh, vh, kd, vd, False)
-    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, False, 16)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, False, 16, mma=mma)
     got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
     want, want_state = _reference(starts, kh, vh, kd, vd, False, ins, outs, snap, x)
     assert rel_err(got, want.reshape(total, -1)) < 1e-2 and rel_err(st, want_state) < 1e-4
@@ -169,17 +172,20 @@ def test_delta_prefill_timing(kernels, profile, total, rows):
         "seq_starts": upload(starts, "i32"),
     }
     forms = {"recurrent": lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)}
-    for chunk in (16, 32, 64):
-        if chunk < 64 or _big_smem_ok(profile):
-            forms[f"chunked c{chunk}"] = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, chunk)
-    results = {}
+    for mma in (True, False):
+        for chunk in (16, 32, 64):
+            k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, chunk, mma=mma)
+            if _smem_ok(profile, k_):
+                forms[f"{'mma' if mma else 'fma'} c{chunk}"] = k_
+    results, base = {}, 0.0
     for name, k_ in forms.items():
         out, state = poisoned((total, vh * vd)), upload(np.zeros((rows, vh, kd, vd)), "f32")
         vals = {**{n: a.ptr for n, a in d.items()}, "out": out.ptr, "state": state.ptr, "rows": rows}
         ms = _time_ms(kernels, k_, rows, vals)
+        base = base or ms
         results[name] = (out.get(), state.get())
-        print(f"\ndelta rule prefill {name:>12}: T={total} in {rows} seq: {ms:8.3f} ms/layer, "
-              f"{total / ms * 1e3:12.0f} tokens/s ({profile.name})")
+        print(f"\ndelta rule prefill {name:>9}: T={total} in {rows} seq: {ms:8.3f} ms/layer, "
+              f"{total / ms * 1e3:11.0f} tokens/s, x{base / ms:5.2f} vs recurrent ({profile.name})")
     o_ref, s_ref = results["recurrent"]
     for name, (o, s) in results.items():
         assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-3, name
