@@ -1,8 +1,11 @@
-"""kernels/gated_delta_chunk.cu.j2 run on the CPU (tests/fixtures/cuda_emu.py: g++, the block's
-threads as fibers, barriers checked) against the numpy reference of the kernels' contract
+"""The chunked delta rule without a GPU: kernels/gated_delta_chunk.cu.j2 (both forms, mma and FMA)
+run on the CPU (tests/fixtures/cuda_emu.py: g++, the block's threads as fibers, barriers and
+warp-wide mma checked) against the numpy reference of the kernels' contract
 (engine.ops_ref_linear.delta_rule_varlen): chunk tails, sequences shorter than a chunk, several
 sequences, state from a slot / zeros / in place, snapshots; in thread order and reversed (a
-shared-memory race shows as a difference). The GPU check is tests/gpu/test_delta_chunk_gpu.py."""
+shared-memory race shows as a difference). And the lowering choice on the fake-driver CudaRunner
+(MEMRA_DELTA_PREFILL=chunked: prefill passes launch gated_delta_chunk with its shared memory,
+decode keeps gated_delta_rule). The GPU check is tests/gpu/test_delta_chunk_gpu.py."""
 
 from __future__ import annotations
 
@@ -72,3 +75,32 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
         assert err.max() < 1e-2, (int(err.argmax()), float(err.max()))
         st_err = np.linalg.norm(state - want_state) / np.linalg.norm(want_state)
         assert st_err < 1e-5, st_err
+
+
+def test_chunked_prefill_on_the_fake_runner(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from fixtures.hybrid import write_qwen3_5_hf
+    from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
+
+    from engine.model import load_model
+    from engine.types import StepItem
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "chunked")
+    path = write_qwen3_5_hf(tmp_path / "m", bf16=True, hidden_size=128, intermediate_size=256,
+                            linear_key_head_dim=32, linear_value_head_dim=32)
+    runner = rc.CudaRunner(load_model(path), num_blocks=300, max_model_len=4096, builder=fake_builder(tmp_path),
+                           state_slots=6)
+    d = runner.plan.dims
+    pre = [la for st in runner.plan.steps for la in st.launches["prefill"] if la.spec.template.startswith("gated_delta")]
+    assert pre and all(la.spec.template == "gated_delta_chunk" and la.smem > 0 for la in pre)
+    a = StepItem(0, list(range(3, 40)), 0, [0, 1, 2], False, GREEDY, state_slot=2, state_snapshots=((16, 4),))
+    b = StepItem(1, list(range(3, 8)), 0, [3], True, GREEDY, state_slot=3)
+    runner.step([a, b])
+    chunk = [g for n, g, _ in drv.launches if n.startswith("gated_delta_chunk")]
+    assert chunk and all(g == (2, d["lin_v_heads"], d["lin_v_dim"] // 32) for g in chunk)
+    drv.launches.clear()
+    runner.step([StepItem(1, [5], 5, [3], True, GREEDY, state_slot=3)])
+    names = {n.split("__")[0] for n, _, _ in drv.launches}
+    assert "gated_delta_rule" in names and "gated_delta_chunk" not in names
