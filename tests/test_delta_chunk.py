@@ -78,10 +78,10 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
 
 
 def test_chunked_prefill_on_the_fake_runner(tmp_path, monkeypatch):
-    import engine.runner_cuda as rc
     from fixtures.hybrid import write_qwen3_5_hf
     from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 
+    import engine.runner_cuda as rc
     from engine.model import load_model
     from engine.types import StepItem
 
