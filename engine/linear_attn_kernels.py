@@ -5,6 +5,9 @@ launch contract.
 ``delta_rule_kernel``: kernels/gated_delta_rule.cu.j2, the gated delta rule (L2-normalised q/k, the
 gates from a/b, the state update and the output) one token at a time per (sequence, v head): the
 recurrent form, used for decode and (as a sequential loop over each sequence's tokens) for prefill.
+``delta_chunk_kernel``: kernels/gated_delta_chunk.cu.j2, the same rule and arguments in the chunked
+(WY / UT-transform) form for prefill: chunks of up to ``chunk`` tokens, each also ending at a
+snapshot token. The lowering picks the prefill form (``DELTA_PREFILL_FORMS``; engine.lowering.linear_attention).
 ``gated_rmsnorm_kernel`` (per-head RMSNorm times silu(z)), ``split_heads_kernel`` (the gated
 attention's [q_h | gate_h] rows into q and gate), ``sigmoid_mul_kernel`` (the attention output gate)
 and ``unpack_kernel`` (Qwen3-Next's fused projections into Qwen3.5's layout).
@@ -24,12 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine import env
 from engine.kernel_spec import KernelSpec, entry_name
 from engine.types import ConfigError
 
 KERNELS = {
     "causal_conv1d": "depthwise causal conv1d with per-slot state, then SiLU (decode step or a prefill chunk)",
     "gated_delta_rule": "the gated delta rule per (sequence, v head), token by token, with per-slot f32 state",
+    "gated_delta_chunk": "the gated delta rule per (sequence, v head), in chunks (WY form, prefill), same arguments",
     "gated_rmsnorm": "per-head RMSNorm of x times w times silu(z)",
     "split_heads": "per head [a_h | b_h] rows split into a and b",
     "sigmoid_mul": "out = x * sigmoid(gate)",
@@ -41,6 +46,12 @@ KERNELS = {
 # instead of one warp's, at the cost of the barriers of the two k reductions per token
 DELTA_DECODE_THREADS = 256
 DELTA_PREFILL_THREADS = 128
+# the prefill form of gated_delta_rule: "recurrent" (token by token) or "chunked" (gated_delta_chunk)
+DELTA_PREFILL_FORMS = ("recurrent", "chunked")
+DELTA_PREFILL_DEFAULT = "recurrent"
+DELTA_CHUNKS = (64, 32, 16)  # tokens per chunk gated_delta_chunk takes: the longest that fits
+DELTA_CHUNK_SMEM = 99 * 1024  # its shared memory bound on every profile (sm_86 / sm_89 / sm_120: 99 KB)
+DELTA_CHUNK_THREADS = 256
 STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("state_snap", "ptr"), ("seq_starts", "ptr"))
 
 
@@ -58,6 +69,17 @@ class HybridKernel:
 
 def _threads_ok(t: int) -> bool:
     return t in (32, 64, 128, 256, 512, 1024)
+
+
+def delta_prefill_form(choice: str = "") -> str:
+    """The gated delta rule's prefill form: ``choice`` (build_plan's delta_prefill) if given, else
+    MEMRA_DELTA_PREFILL if set, else DELTA_PREFILL_DEFAULT; ConfigError if it is not one of
+    DELTA_PREFILL_FORMS."""
+    form = (choice or env.MEMRA_DELTA_PREFILL.get() or DELTA_PREFILL_DEFAULT).strip().lower()
+    if form not in DELTA_PREFILL_FORMS:
+        src = "delta_prefill" if choice else "environment variable MEMRA_DELTA_PREFILL"
+        raise ConfigError(f"{src}={form!r}: expected one of {', '.join(DELTA_PREFILL_FORMS)}")
+    return form
 
 
 def conv1d_kernel(
@@ -123,6 +145,77 @@ def delta_rule_kernel(
         args,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (threads, 1, 1),
+    )
+
+
+def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> int:
+    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A, P
+    [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
+    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8] and the
+    update's factor in two terms [v_block][chunk+8]; without, f32 q, k [chunk][k_dim+1] and S."""
+    small = 2 * chunk * (chunk + 1) + 12 * chunk
+    if mma:
+        f32 = small + 2 * chunk * v_block
+        b16 = 2 * chunk * (k_dim + 8) + 2 * v_block * (k_dim + 8) + 2 * v_block * (chunk + 8)
+        return 4 * f32 + 2 * b16
+    return 4 * (small + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
+
+
+def delta_chunk_kernel(
+    k_heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+    qkv_stride: int,
+    b_stride: int,
+    a_stride: int,
+    out_stride: int,
+    v_tiled: bool,
+    varlen: bool,
+    chunk: int = 0,
+    v_block: int = 0,
+    mma: bool = True,
+) -> HybridKernel:
+    """gated_delta_chunk: delta_rule_kernel's arguments and grid (rows, v_heads, v_dim / v_block),
+    256 threads, chunks of ``chunk`` tokens (0: the longest of DELTA_CHUNKS whose shared memory fits
+    DELTA_CHUNK_SMEM); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
+    else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
+    two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
+    v_block 32: mma 56 KB at chunk 32, 111 KB at 64; FMA 64 KB at 32, 125 KB at 64."""
+    t = DELTA_CHUNK_THREADS
+    v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
+    if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
+        raise ConfigError(f"gated_delta_chunk: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
+    if not chunk:
+        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM]
+        chunk = fits[0] if fits else DELTA_CHUNKS[-1]
+    if chunk not in DELTA_CHUNKS:
+        raise ConfigError(f"gated_delta_chunk: chunk must be 16, 32 or 64 tokens, got {chunk}")
+    groups = t // v_block if v_block and t % v_block == 0 else 0
+    if not groups or v_dim % v_block or chunk % groups or k_dim % groups:
+        raise ConfigError(
+            f"gated_delta_chunk: v_block {v_block} must divide v_dim {v_dim} and {t} threads into row groups "
+            f"that divide chunk {chunk} and k_dim {k_dim}"
+        )
+    if mma and (k_dim % 16 or v_block % 8):
+        raise ConfigError(f"gated_delta_chunk: the mma form needs k_dim % 16 == 0 and v_block % 8 == 0 (k_dim {k_dim}, v_block {v_block})")
+    if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
+        raise ConfigError(f"gated_delta_chunk: qkv stride {qkv_stride} is narrower than q|k|v")
+    smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
+    params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
+              "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma)}
+    name = entry_name("gated_delta_chunk", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, vb=v_block, c=chunk,
+                      qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen),
+                      mma=int(mma))
+    args = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
+            *STATE_ARGS, ("rows", "i32"))
+    return HybridKernel(
+        KernelSpec("gated_delta_chunk", name, params, pdl=True),
+        args,
+        lambda rows, **_: (rows, v_heads, v_dim // v_block),
+        (t, 1, 1),
+        smem,
     )
 
 

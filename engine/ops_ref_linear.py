@@ -192,6 +192,47 @@ def delta_rule_chunked(
     return out, s
 
 
+def delta_rule_varlen(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    states: np.ndarray,
+    seq_starts: np.ndarray,
+    state_in: np.ndarray,
+    state_out: np.ndarray,
+    state_snap: np.ndarray,
+    chunk: int = 64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The delta-rule kernels' whole contract (gated_delta_rule / gated_delta_chunk) in the chunked form.
+
+    q, k, v, g, beta as ``delta_rule_recurrent`` over the tokens of every sequence; ``states``
+    [slots, H, dk, dv]. Sequence s owns tokens seq_starts[s] .. seq_starts[s+1]-1, starts from slot
+    state_in[s] (-1: zeros) and ends in slot state_out[s]; a token t with state_snap[t] >= 0 also
+    stores the state after it in that slot. Each sequence is cut into chunks of at most ``chunk``
+    tokens that also end after every snapshot token (as gated_delta_chunk cuts them), so each
+    snapshot is an exact chunk-boundary state. Returns (out [T, H, dv], new states), float64.
+    """
+    states = np.array(states, dtype=np.float64)
+    out = np.empty(v.shape, dtype=np.float64)
+    snap = np.asarray(state_snap)
+    for s in range(len(seq_starts) - 1):
+        lo, hi = int(seq_starts[s]), int(seq_starts[s + 1])
+        cur = states[state_in[s]].copy() if state_in[s] >= 0 else np.zeros(states.shape[1:])
+        t = lo
+        while t < hi:
+            end = min(hi, t + chunk)
+            marks = np.nonzero(snap[t:end] >= 0)[0]
+            end = t + int(marks[0]) + 1 if len(marks) else end
+            out[t:end], cur = delta_rule_chunked(q[t:end], k[t:end], v[t:end], g[t:end], beta[t:end], cur, chunk)
+            if snap[end - 1] >= 0:
+                states[snap[end - 1]] = cur
+            t = end
+        states[state_out[s]] = cur
+    return out, states
+
+
 def gated_rmsnorm(x: np.ndarray, gate: np.ndarray, w: np.ndarray, eps: float, head_dim: int) -> np.ndarray:
     """Qwen3_5RMSNormGated per ``head_dim`` slice: ``x / sqrt(mean(x^2) + eps) * w * silu(gate)``.
 

@@ -91,6 +91,7 @@ def build_plan(
     tensor_dtypes: Mapping[str, str] | None = None,
     rope_style: str = "neox",
     prefill_linear: str = "gemm",
+    delta_prefill: str = "",
 ) -> Plan:
     """Lower ``graph`` for ``profile``.
 
@@ -98,12 +99,14 @@ def build_plan(
     storage type read from a file; without it each tensor takes its combo's first allowed type and
     vectors are f32. ``prefill_linear``:
     "gemm" (tensor cores; quantised weights dequantised to a bf16 scratch first) or "gemv" (the
-    decode kernel over row groups; slower, a fallback). Raises ConfigError.
+    decode kernel over row groups; slower, a fallback). ``delta_prefill``: the hybrids' gated delta
+    rule in prefill, "recurrent" or "chunked" ("": MEMRA_DELTA_PREFILL, else
+    engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). Raises ConfigError.
     """
     d = _full_dims(dims)
     chunk = profile.prefill_chunk_tokens
     max_tokens = max(chunk, max(profile.cuda_graph_batch_sizes))
-    lowerer = Lowerer(profile, d, rope_style, max_tokens, prefill_linear)
+    lowerer = Lowerer(profile, d, rope_style, max_tokens, prefill_linear, delta_prefill)
     ops = graph.ops()
     last_layer_index = max((i for i, (_, per) in enumerate(ops) if per), default=-1)
 

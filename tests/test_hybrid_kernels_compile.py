@@ -1,6 +1,6 @@
 """The hybrid families on the CUDA lowering without a GPU: every hybrid family's size plans for every
-device profile (bf16, q4_k_m; every storage combo on the h100 profile; one full-attention period of
-layers), its hybrid kernels render,
+device profile (bf16, q4_k_m; every storage combo on the h100 profile; bf16 again with the chunked
+delta-rule prefill; one full-attention period of layers), its hybrid kernels render,
 open with pdl_wait() and NVRTC-compile for every profile arch; the plan's steps, state and launch
 geometry; the builders' checks."""
 
@@ -45,6 +45,8 @@ def _plans():
             for combo in graph.quants:  # every combo on one profile, bf16 and q4_k_m on every profile
                 if combo in COMBOS or prof.name == "h100":
                     yield fam, size, prof, combo, build_plan(graph, full, graph.quant(combo), prof)
+            plan = build_plan(graph, full, graph.quant("bf16"), prof, delta_prefill="chunked")
+            yield fam, size, prof, "bf16+chunked", plan
 
 
 @functools.cache
@@ -72,8 +74,12 @@ def test_every_hybrid_size_plans_on_every_profile():
         step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
         (pre,) = step.launches["prefill"]
         (dec,) = step.launches["decode"]
-        vz = d["lin_v_dim"] // pre.spec.params["v_block"]
-        assert pre.grid == ("nseq", d["lin_v_heads"], vz) and dec.grid == ("n", d["lin_v_heads"], vz)
+        chunked = combo.endswith("+chunked")
+        assert pre.spec.template == ("gated_delta_chunk" if chunked else "gated_delta_rule")
+        assert dec.spec.template == "gated_delta_rule" and pre.args[:-1] == dec.args[:-1]  # (rows: nseq, n)
+        assert pre.smem <= lk.DELTA_CHUNK_SMEM and (pre.smem > 0) == chunked
+        assert pre.grid == ("nseq", d["lin_v_heads"], d["lin_v_dim"] // pre.spec.params["v_block"])
+        assert dec.grid == ("n", d["lin_v_heads"], d["lin_v_dim"] // dec.spec.params["v_block"])
         assert Arg("state", "L0.gated_delta_rule") in dec.args and Arg("input", "state_snap") in dec.args
         assert pre.spec.params["varlen"] and not dec.spec.params["varlen"]
     assert seen == {f for f, *_ in _hybrid_cases()}
@@ -97,6 +103,14 @@ def test_builders_check_their_inputs():
     k = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True)
     assert k.spec.params["ksplit"] == 8 and k.block == (256, 1, 1) and k.grid(3) == (3, 32, 4)
     assert lk.delta_rule_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, False).spec.params["ksplit"] == 16
+    with pytest.raises(ConfigError, match="chunk must be"):
+        lk.delta_chunk_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, chunk=48)
+    with pytest.raises(ConfigError, match="v_block"):
+        lk.delta_chunk_kernel(2, 4, 16, 24, 256, 4, 4, 96, False, True)  # 24 columns: no row groups
+    ck = lk.delta_chunk_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True)
+    assert ck.spec.params["chunk"] == 32 and ck.block == (256, 1, 1) and ck.grid(3) == (3, 32, 4)
+    assert ck.args == k.args and ck.smem == lk.delta_chunk_smem(32, 128, 32) <= lk.DELTA_CHUNK_SMEM
+    assert lk.delta_chunk_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, True).spec.params["chunk"] == 64
     c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)
     assert c.grid(5) == (64, 5, 1) and [n for n, _ in c.args][-6:] == [
         "state", "state_in", "state_out", "state_snap", "seq_starts", "rows"]
@@ -121,10 +135,25 @@ def test_hybrid_kernels_compile_for_every_profile_arch(tmp_path):
     archs = sorted(by_arch, key=lambda a: int(a[3:].rstrip("a")))
     for arch in sorted({archs[0], PRIMARY_ARCH, archs[-1]}):
         variants = {
-            (s.template, s.params.get("ksplit"), *sorted((k, v) for k, v in s.params.items() if isinstance(v, bool))): s
+            (s.template, s.params.get("ksplit"), s.params.get("chunk"), *sorted((k, v) for k, v in s.params.items() if isinstance(v, bool))): s
             for s in by_arch[arch]
         }
         specs = list(variants.values())
+        if arch in (archs[0], archs[-1]):  # the FMA form of the chunked delta rule (mma is the plans')
+            specs.append(lk.delta_chunk_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, mma=False).spec)
         builder = KernelBuilder(arch, cache=KernelCache(tmp_path / "kcache"), no_compile=False)
         stats = builder.build_all(specs, jobs=2, progress=None)
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels), arch
+
+
+def test_delta_prefill_form_choice(monkeypatch):
+    """build_plan's delta_prefill beats MEMRA_DELTA_PREFILL beats the default; a bad name is an error."""
+    monkeypatch.delenv("MEMRA_DELTA_PREFILL", raising=False)
+    assert lk.delta_prefill_form() == lk.DELTA_PREFILL_DEFAULT
+    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "chunked")
+    assert lk.delta_prefill_form() == "chunked" and lk.delta_prefill_form("recurrent") == "recurrent"
+    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "fast")
+    with pytest.raises(ConfigError, match="MEMRA_DELTA_PREFILL='fast'"):
+        lk.delta_prefill_form()
+    with pytest.raises(ConfigError, match="delta_prefill='wy'"):
+        lk.delta_prefill_form("wy")

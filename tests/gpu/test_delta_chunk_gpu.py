@@ -1,0 +1,255 @@
+"""gated_delta_chunk (the chunked / WY form of the gated delta rule, for prefill) on a real GPU against
+the numpy reference (engine.ops_ref_linear.delta_rule_varlen, itself checked against the
+token-by-token form in tests/test_hybrid_ops.py), on fresh random inputs with poisoned outputs:
+sequences of 1 .. 1000 tokens (shorter than a chunk, exact chunks, ragged tails), several per
+launch (varlen), state from a slot or zeros, snapshots after chosen tokens (block boundaries and
+random ones), chunks of 16 / 32 / 64 tokens, the tensor-core (mma) and the FMA form; then a timing print of the recurrent prefill kernel
+against the chunked one at Qwen3.5-4B's linear-attention heads (T = 512 and 4096).
+Skipped without a CUDA device.
+
+    python3 -m pytest -q -s tests/gpu/test_delta_chunk_gpu.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_harness import bf_round, poisoned, rel_err, upload
+
+from engine import cuda
+from engine import linear_attn_kernels as lk
+from engine import ops_ref_linear as L
+
+SLOTS = 24
+BLOCK = 16  # the KV block size: prefix-cache snapshots fall after every 16th token of a sequence
+
+
+def _smem_ok(profile, k_) -> bool:
+    """Chunks of 64 at k_dim 128 need 111 / 125 KB of shared memory (sm_80 / sm_90 only)."""
+    return k_.smem <= lk.DELTA_CHUNK_SMEM or profile.arch.startswith(("sm_80", "sm_90"))
+
+
+def _case(rng, lens, kh, vh, kd, vd, tiled, snaps_per_seq=3):
+    rows = len(lens)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(starts[-1])
+    qkv_w = 2 * kh * kd + vh * vd
+    qs, bs = qkv_w + 8, vh + 4
+    x = {
+        "qkv": rng.standard_normal((total, qs)).astype(np.float32),
+        "b": rng.standard_normal((total, bs)).astype(np.float32),
+        "a": rng.standard_normal((total, bs)).astype(np.float32),
+        "A": -np.exp(rng.uniform(-2, 1.5, vh)).astype(np.float32),
+        "dt": (0.5 * rng.standard_normal(vh)).astype(np.float32),
+        "state0": (rng.standard_normal((SLOTS, vh, kd, vd)) * 0.1).astype(np.float32),
+    }
+    perm = rng.permutation(SLOTS)
+    outs, pool = perm[:rows].astype(np.int32), list(perm[rows:])
+    ins = np.full(rows, -1, np.int32)
+    for s in range(rows):  # alternate zeros / a restored slot / continuing in place
+        if s % 3 == 1:
+            ins[s] = pool.pop()
+        elif s % 3 == 2:
+            ins[s] = outs[s]
+    snap = np.full(total, -1, np.int32)
+    for s in range(rows):
+        lo, hi = int(starts[s]), int(starts[s + 1])
+        points = [lo + p - 1 for p in range(BLOCK, hi - lo + 1, BLOCK)]  # block boundaries
+        points += [int(t) for t in rng.integers(lo, hi, 2)]  # and anywhere
+        for t in rng.permutation(sorted(set(points)))[:snaps_per_seq]:
+            if pool:
+                snap[t] = pool.pop()
+    return starts, total, qs, bs, ins, outs, snap, x
+
+
+def _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x):
+    rows = len(starts) - 1
+    dout, dstate = poisoned((total, vh * vd)), upload(x["state0"], "f32")
+    kernels.launch(k_, rows, out=dout, qkv=upload(x["qkv"], "bf16"), b=upload(x["b"], "bf16"),
+                   a=upload(x["a"], "bf16"), A=upload(x["A"], "f32"), dt_bias=upload(x["dt"], "f32"), state=dstate,
+                   state_in=upload(ins, "i32"), state_out=upload(outs, "i32"), state_snap=upload(snap, "i32"),
+                   seq_starts=upload(starts, "i32"), rows=rows)
+    return dout.get(), dstate.get()
+
+
+def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x):
+    qkv_w = 2 * kh * kd + vh * vd
+    q, k, v = L.split_qkv(bf_round(x["qkv"][:, :qkv_w]), k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
+    g, beta = L.delta_gates(bf_round(x["a"][:, :vh]), bf_round(x["b"][:, :vh]), x["A"], x["dt"])
+    return L.delta_rule_varlen(q, k, v, g, beta, x["state0"], starts, ins, outs, snap)
+
+
+@pytest.mark.parametrize("mma", [True, False])
+@pytest.mark.parametrize(
+    "lens,kh,vh,kd,vd,tiled,chunk",
+    [
+        ([1], 2, 4, 32, 32, False, 16),
+        ([15, 16, 1, 17], 2, 4, 32, 32, True, 16),
+        ([63, 64, 65, 1], 2, 4, 32, 32, False, 32),
+        ([63, 64, 65, 1], 2, 4, 32, 32, True, 64),
+        ([300, 7, 129], 2, 4, 16, 16, False, 64),  # v_block 16 (v_dim not a multiple of 32)
+        ([1000], 2, 4, 32, 64, False, 32),
+        ([1000, 33], 2, 4, 64, 32, True, 64),
+        ([70, 5, 1], 16, 32, 128, 128, False, 0),  # Qwen3.5-4B's heads, the default chunk (32)
+        ([300, 16, 2], 16, 32, 128, 128, True, 64),
+    ],
+)
+def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, tiled, chunk, mma):
+    rng = np.random.default_rng()
+    starts, total, qs, bs, ins, outs, snap, x = _case(rng, lens, kh, vh, kd, vd, tiled)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, mma=mma)
+    if not _smem_ok(profile, k_):
+        pytest.skip(f"chunk 64 at k_dim 128 needs more shared memory than {profile.arch} has")
+    got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
+    want, want_state = _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x)
+    want = want.reshape(total, vh * vd)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
+    for t in range(total):
+        assert rel_err(got[t], want[t]) < 1e-2, (t, rel_err(got[t], want[t]))
+    for slot in range(SLOTS):  # written slots (final, snapshots) and untouched ones alike
+        assert rel_err(st[slot], want_state[slot]) < 1e-4, (slot, rel_err(st[slot], want_state[slot]))
+
+
+@pytest.mark.parametrize("mma", [True, False])
+def test_delta_chunk_equals_recurrent_kernel(kernels, mma):
+    """The chunked and the token-by-token prefill kernels on the same inputs (outputs and slots)."""
+    rng = np.random.default_rng()
+    kh, vh, kd, vd = 16, 32, 128, 128
+    starts, total, qs, bs, ins, outs, snap, x = _case(rng, [200, 48, 3], kh, vh, kd, vd, False)
+    chunked = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, mma=mma)
+    recurrent = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)
+    o1, s1 = _run(kernels, chunked, starts, total, vh, vd, ins, outs, snap, x)
+    o2, s2 = _run(kernels, recurrent, starts, total, vh, vd, ins, outs, snap, x)
+    assert rel_err(o1, o2) < 1e-2 and rel_err(s1, s2) < 1e-4
+
+
+@pytest.mark.parametrize("mma", [True, False])
+def test_delta_chunk_decode_rows(kernels, mma):
+    """varlen off (one token per row, the decode layout) gives the recurrent step's result."""
+    rng = np.random.default_rng()
+    kh, vh, kd, vd = 2, 4, 32, 32
+    starts, total, qs, bs, ins, outs, snap, x = _case(rng, [1] * 5, kh, vh, kd, vd, False)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, False, 16, mma=mma)
+    got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
+    want, want_state = _reference(starts, kh, vh, kd, vd, False, ins, outs, snap, x)
+    assert rel_err(got, want.reshape(total, -1)) < 1e-2 and rel_err(st, want_state) < 1e-4
+
+
+def _time_ms(kernels, k_, rows, vals, iters=5) -> float:
+    fn = kernels.function(k_.spec)
+    packed = cuda.KernelArgs([kind for _, kind in k_.args], [vals[name] for name, _ in k_.args])
+    stream = cuda.Stream()
+    start, stop = cuda.Event(), cuda.Event()
+    cuda.launch(fn, k_.grid(rows), k_.block, packed, k_.smem, stream)  # warm
+    start.record(stream)
+    for _ in range(iters):
+        cuda.launch(fn, k_.grid(rows), k_.block, packed, k_.smem, stream)
+    stop.record(stream)
+    stop.synchronize()
+    ms = stop.elapsed_ms(start) / iters
+    for x in (start, stop, stream):
+        x.destroy()
+    return ms
+
+
+@pytest.mark.parametrize("total,rows", [(512, 1), (4096, 1), (4096, 8)])
+def test_delta_prefill_timing(kernels, profile, total, rows):
+    """Prints ms and tokens/s of the recurrent and chunked prefill kernels (one layer, Qwen3.5-4B's
+    linear-attention heads: 16 k heads, 32 v heads, 128 x 128) and checks they agree."""
+    rng = np.random.default_rng(0)
+    kh, vh, kd, vd = 16, 32, 128, 128
+    qs, bs = 2 * kh * kd + vh * vd, vh
+    starts = np.linspace(0, total, rows + 1).astype(np.int32)
+    d = {
+        "qkv": upload(rng.standard_normal((total, qs)), "bf16"),
+        "b": upload(rng.standard_normal((total, bs)), "bf16"),
+        "a": upload(rng.standard_normal((total, bs)), "bf16"),
+        "A": upload(-np.exp(rng.uniform(-2, 1.5, vh)), "f32"),
+        "dt_bias": upload(0.5 * rng.standard_normal(vh), "f32"),
+        "state_in": upload(np.full(rows, -1), "i32"),
+        "state_out": upload(np.arange(rows), "i32"),
+        "state_snap": upload(np.full(total, -1), "i32"),
+        "seq_starts": upload(starts, "i32"),
+    }
+    forms = {"recurrent": lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)}
+    for mma in (True, False):
+        for chunk in (16, 32, 64):
+            k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, chunk, mma=mma)
+            if _smem_ok(profile, k_):
+                forms[f"{'mma' if mma else 'fma'} c{chunk}"] = k_
+    results, base = {}, 0.0
+    for name, k_ in forms.items():
+        out, state = poisoned((total, vh * vd)), upload(np.zeros((rows, vh, kd, vd)), "f32")
+        vals = {**{n: a.ptr for n, a in d.items()}, "out": out.ptr, "state": state.ptr, "rows": rows}
+        ms = _time_ms(kernels, k_, rows, vals)
+        base = base or ms
+        results[name] = (out.get(), state.get())
+        print(f"\ndelta rule prefill {name:>9}: T={total} in {rows} seq: {ms:8.3f} ms/layer, "
+              f"{total / ms * 1e3:11.0f} tokens/s, x{base / ms:5.2f} vs recurrent ({profile.name})")
+    o_ref, s_ref = results["recurrent"]
+    for name, (o, s) in results.items():
+        assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-3, name
+
+
+# ---- end to end: a tiny Qwen3.5 on CudaRunner with the chunked prefill (MEMRA_DELTA_PREFILL=chunked)
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, full_attention_interval=2, vocab_size=384)
+
+
+@pytest.fixture(scope="module")
+def chunked_runner(tmp_path_factory):
+    from fixtures.hybrid import write_qwen3_5_hf
+
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+    from engine.runner_cuda import CudaRunner
+
+    model = load_model(write_qwen3_5_hf(tmp_path_factory.mktemp("qwen3_5") / "m", seed=7, bf16=True, **TINY))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMRA_DELTA_PREFILL", "chunked")
+        runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64)
+    yield runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
+    runner.close()
+
+
+def test_runner_prefill_uses_the_chunked_kernel(chunked_runner):
+    runner, _ = chunked_runner
+    pre = {la.spec.template for st in runner.plan.steps for la in st.launches["prefill"]}
+    dec = {la.spec.template for st in runner.plan.steps for m in ("decode1", "decode") for la in st.launches[m]}
+    assert "gated_delta_chunk" in pre and "gated_delta_rule" not in pre
+    assert "gated_delta_rule" in dec and "gated_delta_chunk" not in dec
+
+
+def test_runner_chunked_prefill_matches_the_reference(chunked_runner):
+    from engine.types import SamplingParams, StepItem
+
+    runner, ref = chunked_runner
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 384, 150)]  # chunks + a ragged tail
+    tok = runner.step([StepItem(0, prompt, 0, list(range(16)), True, greedy, state_slot=0)])[0]
+    seq = list(prompt)
+    for step in range(5):
+        got, want = np.array(runner.read_logits(1)[0]), ref.forward_logits(seq)[-1]
+        assert rel_err(got, want) < 3e-2, (step, rel_err(got, want))
+        seq.append(tok)
+        tok = runner.step([StepItem(0, [tok], len(seq) - 1, list(range(16)), True, greedy, state_slot=0)])[0]
+
+
+def test_runner_chunked_prefix_cache_matches_uncached(chunked_runner):
+    """Snapshots written by the chunked kernel at block boundaries (prefill passes cut mid-block)
+    restore to the same output as the uncached run."""
+    from fixtures.engine_waves import serve_waves
+
+    runner, _ = chunked_runner
+    bs = runner.block_size
+    rng = np.random.default_rng(5)
+    prompt, other = [int(t) for t in rng.integers(3, 384, 20 * bs + 3)], [int(t) for t in rng.integers(3, 384, 9 * bs)]
+    kw = dict(prefill_chunk_tokens=4 * bs + 5, max_step_tokens=512, max_tokens=12, vocab_size=runner.plan.dims["vocab"])
+    cold, _ = serve_waves(runner, [[prompt, other]], enable_prefix_cache=False, **kw)
+    warm, stats = serve_waves(runner, [[prompt, other], [prompt, other[: 5 * bs + 2]]], **kw)
+    (first, c0), (o1, _), (second, c1), (o2, c2) = warm
+    assert c0 == 0 and c1 == 20 * bs and c2 == 5 * bs
+    assert first == cold[0][0] and second == cold[0][0] and o1 == cold[1][0]
+    assert stats.state_slots_live == 0

@@ -1,0 +1,106 @@
+"""The chunked delta rule without a GPU: kernels/gated_delta_chunk.cu.j2 (both forms, mma and FMA)
+run on the CPU (tests/fixtures/cuda_emu.py: g++, the block's threads as fibers, barriers and
+warp-wide mma checked) against the numpy reference of the kernels' contract
+(engine.ops_ref_linear.delta_rule_varlen): chunk tails, sequences shorter than a chunk, several
+sequences, state from a slot / zeros / in place, snapshots; in thread order and reversed (a
+shared-memory race shows as a difference). And the lowering choice on the fake-driver CudaRunner
+(MEMRA_DELTA_PREFILL=chunked: prefill passes launch gated_delta_chunk with its shared memory,
+decode keeps gated_delta_rule). The GPU check is tests/gpu/test_delta_chunk_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures import cuda_emu
+
+from engine import linear_attn_kernels as lk
+from engine import ops_ref_linear as L
+from engine.render import render
+
+SLOTS = 16
+
+
+def _bf16_bits(x) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bits(h) -> np.ndarray:
+    return (np.asarray(h, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("mma", [True, False])
+@pytest.mark.parametrize(
+    "lens,kh,vh,kd,vd,tiled,chunk,v_block",
+    [
+        ([1, 15, 16, 17, 40], 1, 2, 32, 32, False, 16, 0),
+        ([33, 5], 2, 4, 16, 16, True, 32, 0),
+        ([70], 1, 1, 32, 64, False, 64, 64),
+        ([70, 3], 1, 2, 128, 128, True, 0, 0),  # Qwen3.5's head dims, the default chunk (32)
+        ([130], 1, 1, 128, 128, False, 64, 0),
+    ],
+)
+def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_block, mma):
+    rng = np.random.default_rng(7)
+    rows = len(lens)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(starts[-1])
+    qkv_w = 2 * kh * kd + vh * vd
+    qs, bs = qkv_w + 8, vh + 4
+    qkv = _bf16_bits(rng.standard_normal((total, qs)))
+    b, a = _bf16_bits(rng.standard_normal((total, bs))), _bf16_bits(rng.standard_normal((total, bs)))
+    A = -np.exp(rng.uniform(-2, 1.5, vh)).astype(np.float32)
+    dt = (0.5 * rng.standard_normal(vh)).astype(np.float32)
+    state0 = (rng.standard_normal((SLOTS, vh, kd, vd)) * 0.1).astype(np.float32)
+    outs = np.arange(rows, dtype=np.int32)
+    ins = np.array([-1 if s % 3 == 0 else (outs[s] if s % 3 == 1 else SLOTS - 1 - s) for s in range(rows)], np.int32)
+    snap = np.full(total, -1, np.int32)
+    free = iter(range(rows, rows + 4))
+    for t in sorted({int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}):
+        if t < total:
+            snap[t] = next(free)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block, mma)
+    lib = cuda_emu.compile_kernel(render(k_.spec), k_.spec.entry, tmp_path)
+    q, k, v = L.split_qkv(_from_bits(qkv)[:, :qkv_w], k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
+    g, beta = L.delta_gates(_from_bits(a)[:, :vh], _from_bits(b)[:, :vh], A, dt)
+    want, want_state = L.delta_rule_varlen(q, k, v, g, beta, state0, starts, ins, outs, snap)
+    for reverse in (False, True):
+        out = np.full((total, vh * vd), 0x7FC0, np.uint16)  # NaN-poisoned
+        state = state0.copy()
+        cuda_emu.launch(lib, k_.grid(rows), k_.block[0], k_.smem,
+                        [out, qkv, b, a, A, dt, state, ins, outs, snap, starts], rows, reverse)
+        got = _from_bits(out).reshape(total, vh, vd)
+        assert np.isfinite(got).all()
+        err = np.linalg.norm(got - want, axis=(1, 2)) / np.linalg.norm(want, axis=(1, 2))
+        assert err.max() < 1e-2, (int(err.argmax()), float(err.max()))
+        st_err = np.linalg.norm(state - want_state) / np.linalg.norm(want_state)
+        assert st_err < 1e-5, st_err
+
+
+def test_chunked_prefill_on_the_fake_runner(tmp_path, monkeypatch):
+    from fixtures.hybrid import write_qwen3_5_hf
+    from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.types import StepItem
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "chunked")
+    path = write_qwen3_5_hf(tmp_path / "m", bf16=True, hidden_size=128, intermediate_size=256,
+                            linear_key_head_dim=32, linear_value_head_dim=32)
+    runner = rc.CudaRunner(load_model(path), num_blocks=300, max_model_len=4096, builder=fake_builder(tmp_path),
+                           state_slots=6)
+    d = runner.plan.dims
+    pre = [la for st in runner.plan.steps for la in st.launches["prefill"] if la.spec.template.startswith("gated_delta")]
+    assert pre and all(la.spec.template == "gated_delta_chunk" and la.smem > 0 for la in pre)
+    a = StepItem(0, list(range(3, 40)), 0, [0, 1, 2], False, GREEDY, state_slot=2, state_snapshots=((16, 4),))
+    b = StepItem(1, list(range(3, 8)), 0, [3], True, GREEDY, state_slot=3)
+    runner.step([a, b])
+    chunk = [g for n, g, _ in drv.launches if n.startswith("gated_delta_chunk")]
+    assert chunk and all(g == (2, d["lin_v_heads"], d["lin_v_dim"] // 32) for g in chunk)
+    drv.launches.clear()
+    runner.step([StepItem(1, [5], 5, [3], True, GREEDY, state_slot=3)])
+    names = {n.split("__")[0] for n, _, _ in drv.launches}
+    assert "gated_delta_rule" in names and "gated_delta_chunk" not in names
