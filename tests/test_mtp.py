@@ -1,0 +1,259 @@
+"""MTP heads as the third speculative proposer (engine.spec.mtp_head, MtpProposer) and speculative
+decoding on hybrids (the reference's verify restores the recurrent state), on a tiny random Qwen3.5
+with one MTP layer, numpy reference backend.
+
+The head's logits and fed-back hidden state match an independent numpy implementation of the
+Qwen3.5 MTP block written here (concat order [embedding | hidden], gated attention with q/k norms
+and partial rotary, SwiGLU, its own KV over the positions it has seen); greedy with `--speculative
+mtp` (and ngram, on the hybrid) is byte-identical to plain greedy, solo and batched, through
+preemption and prefix hits; the acceptance counters move; the MTP head drafts the target's
+continuation when its weights make it a copy of the target's last layer path; the one-line errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures.hybrid import write_qwen3_5_hf
+
+from engine.fake_runner import FakeTokenizer
+from engine.loop import Engine, EngineConfig
+from engine.model import load_model
+from engine.reference import ReferenceRunner
+from engine.spec.build import build_speculator
+from engine.spec.config import SpecConfig
+from engine.spec.hidden_tap import HiddenTap
+from engine.spec.mtp_head import MtpHeadReference
+from engine.spec.proposer import MtpProposer
+from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams, StepItem
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    [5, 17, 99, 3, 64, 64, 12, 101, 7, 45, 88, 2, 19, 30],
+    [5, 17, 99, 3, 64, 64, 12, 9],
+    [40, 41],
+    [7] * 11,
+]
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return write_qwen3_5_hf(tmp_path_factory.mktemp("qwen3_5_mtp"), seed=5, mtp_num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model(mtp_dir):
+    return load_model(mtp_dir)
+
+
+# ----- the head against an independent numpy implementation -----------------------------------------
+
+
+def _rms(x, w, eps=1e-6):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def numpy_mtp(raw: dict, cfg: dict, tokens, hidden, positions):
+    """Qwen3.5's MTP block from the HF tensors (zero-centred norms: 1 + w), float64: row t reads
+    token tokens[t] and hidden[t] at position positions[t], attending causally over rows <= t."""
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    rd = int(hd * cfg["rope_parameters"]["partial_rotary_factor"])
+    theta = cfg["rope_parameters"]["rope_theta"]
+    p = "mtp.layers.0."
+    e = _rms(raw["model.embed_tokens.weight"][tokens], raw["mtp.pre_fc_norm_embedding.weight"])
+    hh = _rms(np.asarray(hidden), raw["mtp.pre_fc_norm_hidden.weight"])
+    x = np.concatenate([e, hh], -1) @ raw["mtp.fc.weight"].T
+    T = len(tokens)
+    h = _rms(x, raw[p + "input_layernorm.weight"])
+    qg = (h @ raw[p + "self_attn.q_proj.weight"].T).reshape(T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = (h @ raw[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd)
+    v = (h @ raw[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+    q, k = _rms(q, raw[p + "self_attn.q_norm.weight"]), _rms(k, raw[p + "self_attn.k_norm.weight"])
+    inv = 1.0 / theta ** (np.arange(0, rd, 2) / rd)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None]
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+    def rope(t):  # NeoX halves over the first rd dims
+        a, b, rest = t[..., : rd // 2], t[..., rd // 2 : rd], t[..., rd:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], -1)
+
+    q, k = rope(q), rope(k)
+    rep = nh // nkv
+    out = np.zeros((T, nh, hd))
+    for t in range(T):
+        for head in range(nh):
+            s = k[: t + 1, head // rep] @ q[t, head] / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            out[t, head] = (w / w.sum()) @ v[: t + 1, head // rep]
+    ao = (out * (1.0 / (1.0 + np.exp(-gate)))).reshape(T, nh * hd)
+    x = x + ao @ raw[p + "self_attn.o_proj.weight"].T
+    h = _rms(x, raw[p + "post_attention_layernorm.weight"])
+    g, u = h @ raw[p + "mlp.gate_proj.weight"].T, h @ raw[p + "mlp.up_proj.weight"].T
+    x = x + (g / (1.0 + np.exp(-g)) * u) @ raw[p + "mlp.down_proj.weight"].T
+    hn = _rms(x, raw["mtp.norm.weight"])
+    return hn @ raw["lm_head.weight"].T, hn
+
+
+def test_mtp_head_matches_an_independent_numpy_implementation(model, mtp_dir):
+    import json
+
+    from safetensors.numpy import load_file
+
+    raw = {k: v.astype(np.float64) for k, v in load_file(mtp_dir / "model.safetensors").items()}
+    cfg = json.loads((mtp_dir / "config.json").read_text())
+    runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64)
+    head = MtpHeadReference(runner)
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(0, cfg["vocab_size"], 9)]
+    hidden = rng.standard_normal((9, cfg["hidden_size"])).astype(np.float32)
+    want_logits, want_h = numpy_mtp(raw, cfg, tokens, hidden.astype(np.float64), range(9))
+    # a chunk of 6 positions, then 3 one-position steps over the head's cache (as drafting runs it)
+    table = [0, 1, 2]
+    got = [head.forward(tokens[:6], hidden[:6], 0, table)]
+    got += [head.forward([tokens[t]], hidden[t : t + 1], t, table) for t in range(6, 9)]
+    for (tok, logits, h), t in zip(got, [5, 6, 7, 8], strict=True):
+        scale = np.abs(want_logits[t]).max()
+        assert np.abs(logits - want_logits[t]).max() / scale < 1e-4
+        assert np.abs(h - want_h[t]).max() / np.abs(want_h[t]).max() < 1e-4
+        assert tok == int(np.argmax(want_logits[t]))
+
+
+def test_target_hidden_state_is_the_final_normed_value(model):
+    """The tap keeps the main graph's `h` after final_norm (what the head's hidden input expects):
+    lm_head applied to a tapped row gives the target's logits of that position."""
+    runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64)
+    runner.hidden_tap = HiddenTap(model.graph.mtp.hidden_from)
+    prompt = PROMPTS[0]
+    item = StepItem(0, prompt, 0, [0, 1, 2, 3], False, GREEDY, state_slot=0)
+    runner.step([item])
+    rows = runner.hidden_tap.rows(0, 0, len(prompt))
+    want = runner.forward_logits(prompt)
+    got = rows @ runner.weight("lm_head", None).T
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+# ----- through the engine --------------------------------------------------------------------------
+
+
+def run(model, prompts, spec=None, *, max_tokens=16, num_blocks=64, state_slots=16, **cfg):
+    runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=128, state_slots=state_slots)
+    speculator = build_speculator(spec, model, runner)
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg),
+               on_step=lambda e: e.check_invariants(), speculator=speculator)  # fmt: skip
+    try:
+        handles = [
+            e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        e.start()
+        outs = []
+        for h in handles:
+            evs = list(h)
+            assert evs[-1].finish_reason == "length", evs[-1].error
+            outs.append([t for ev in evs for t in ev.token_ids])
+        stats = e.stats()
+        assert stats.kv_blocks_used == 0 and stats.state_slots_live == 0
+        if spec is not None and spec.method == "mtp":
+            assert len(runner.hidden_tap) == 0  # every sequence's rows dropped at its end
+            assert speculator.proposer.blocks.num_used == 0
+        return outs, stats
+    finally:
+        e.shutdown(5)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return [run(model, [p])[0][0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_greedy_with_speculation_on_a_hybrid_equals_plain_greedy(model, plain, method):
+    spec = SpecConfig(method, k=3, ngram_min=1)
+    solo = [run(model, [p], spec)[0][0] for p in PROMPTS[:2]]
+    assert solo == plain[:2]
+    batched, stats = run(model, PROMPTS, spec)
+    assert batched == plain
+    assert stats.spec_verify_rows > 0 and stats.spec_draft_tokens >= stats.spec_verify_rows
+
+
+def test_mtp_through_preemption_prefix_hits_and_chunks(model, plain):
+    spec = SpecConfig("mtp", k=2)
+    outs, stats = run(model, PROMPTS + [PROMPTS[0]], spec, num_blocks=20, max_running=5,
+                      prefill_chunk_tokens=5, max_step_tokens=12)  # fmt: skip
+    assert outs == plain + [plain[0]]
+    assert stats.preemptions > 0 and stats.spec_draft_tokens > 0
+
+
+def test_mtp_drafts_are_accepted_when_the_head_predicts_the_target(model, plain):
+    """The real head runs (its cache and positions as always) but its draft is replaced by the
+    target's own greedy continuation: acceptance is 100 %, the counters say so, steps drop."""
+    runner = ReferenceRunner(model, num_blocks=64, block_size=4, max_model_len=128, state_slots=16)
+    speculator = build_speculator(SpecConfig("mtp", k=3), model, runner)
+    real = speculator.proposer.head
+    continuation = {tuple(p): p + c for p, c in zip(PROMPTS, plain, strict=True)}
+
+    class Oracle:  # the real head's cache bookkeeping, the target's next token as the draft
+        num_blocks, block_size, max_model_len = real.num_blocks, real.block_size, real.max_model_len
+
+        def __init__(self):
+            self.seq: list[int] = []
+
+        def forward(self, tokens, hidden, start_pos, table):
+            tok, logits, h = real.forward(tokens, hidden, start_pos, table)
+            full = next(c for c in continuation.values() if c[: len(self.seq)] == self.seq)
+            return full[start_pos + len(tokens) + 1], logits, h
+
+    oracle = Oracle()
+    speculator.proposer.head = oracle
+    original = speculator.proposer._propose_one
+
+    def propose_one(r):
+        oracle.seq = list(r.tokens)
+        return original(r)
+
+    speculator.proposer._propose_one = propose_one
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), speculator=speculator)
+    try:
+        h = e.submit(GenerationRequest("r", PROMPTS[0], sampling=GREEDY, max_tokens=16, ignore_eos=True))
+        e.start()
+        out = [t for ev in h for t in ev.token_ids]
+        stats = e.stats()
+    finally:
+        e.shutdown(5)
+    assert out == plain[0]
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert stats.steps < 16
+
+
+def test_random_mtp_head_acceptance_counters(model, plain):
+    """A random head drafts poorly (the policy then drafts less) but the counters account for it."""
+    outs, stats = run(model, PROMPTS[:1], SpecConfig("mtp", k=2))
+    assert outs == plain[:1]
+    assert stats.spec_draft_tokens >= stats.spec_verify_rows > 0
+    assert 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens
+
+
+# ----- errors ------------------------------------------------------------------------------------------
+
+
+def test_a_hybrid_without_mtp_weights_says_so(tmp_path):
+    m = load_model(write_qwen3_5_hf(tmp_path, seed=3))
+    runner = ReferenceRunner(m, num_blocks=8, block_size=4, max_model_len=32, state_slots=2)
+    with pytest.raises(MemraError, match=r"has no MTP head; use ngram or draft:PATH") as err:
+        build_speculator(SpecConfig("mtp"), m, runner)
+    assert "\n" not in str(err.value)
+
+
+def test_mtp_on_a_backend_without_a_head_is_one_line(model):
+    class CudaLike:
+        backend = "cuda"
+
+        def verify(self, items):  # pragma: no cover
+            return []
+
+    with pytest.raises(ConfigError, match=r"--speculative mtp: the cuda backend does not run MTP heads yet"):
+        build_speculator(SpecConfig("mtp"), model, CudaLike())
+    with pytest.raises(MemraError, match="no MTP head runner"):
+        MtpProposer(model)
