@@ -134,6 +134,33 @@ def test_target_hidden_state_is_the_final_normed_value(model):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
+def test_hybrid_verify_restores_the_state_of_the_accepted_position(model):
+    """verify() of [x, d1, d2, d3] accepting d1 only: logits and recurrent state equal those of
+    plain one-token steps over [x, d1]; the next step continues exactly like plain decode."""
+    prompt = PROMPTS[0]
+    plain = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=2)
+    spec = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=2)
+    table = list(range(8))
+    for r in (plain, spec):
+        r.step([StepItem(0, prompt[:-1], 0, table, False, GREEDY, state_slot=0)])
+    n = len(prompt) - 1
+    want = []
+    for j in range(4):  # plain decode: the last prompt token, then the greedy tokens
+        tok = prompt[-1] if j == 0 else want[-1]
+        want.append(plain.step([StepItem(0, [tok], n + j, table, True, GREEDY, state_slot=0)])[0])
+    draft = [want[0], (want[1] + 1) % model.dims["vocab"], 5]  # d1 right, d2 wrong
+    item = StepItem(0, [prompt[-1], *draft], n, table, True, GREEDY, state_slot=0, draft=draft)
+    assert spec.verify([item]) == [[want[0], want[1]]]
+    # the sequence continues from n + 2 valid positions: the state holds [.., x, d1] only
+    got = spec.step([StepItem(0, [want[1]], n + 2, table, True, GREEDY, state_slot=0)])[0]
+    assert got == want[2]
+    ref_state = {k: v[0] for k, v in plain.states.items()}
+    one_more = spec.step([StepItem(0, [want[2]], n + 3, table, True, GREEDY, state_slot=0)])[0]
+    assert one_more == want[3]
+    for key, arr in spec.states.items():
+        assert np.array_equal(arr[0], ref_state[key]), key
+
+
 # ----- through the engine --------------------------------------------------------------------------
 
 
