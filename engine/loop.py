@@ -107,7 +107,8 @@ class Engine:
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
-        if speculator is not None and state_slots and not getattr(runner, "verify_restores_state", False):
+        restores = getattr(runner, "verify_restores_state", False) or callable(getattr(runner, "spec_rollback", None))
+        if speculator is not None and state_slots and not restores:
             # this runner's verify() would leave the recurrent state advanced past the accepted
             # tokens (the reference restores it: ReferenceRunner._verify_stateful)
             raise ConfigError(
