@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fixtures.hybrid import write_qwen3_5_hf
+from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf
 
 from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
@@ -90,19 +90,46 @@ def numpy_mtp(raw: dict, cfg: dict, tokens, hidden, positions):
     ao = (out * (1.0 / (1.0 + np.exp(-gate)))).reshape(T, nh * hd)
     x = x + ao @ raw[p + "self_attn.o_proj.weight"].T
     h = _rms(x, raw[p + "post_attention_layernorm.weight"])
-    g, u = h @ raw[p + "mlp.gate_proj.weight"].T, h @ raw[p + "mlp.up_proj.weight"].T
-    x = x + (g / (1.0 + np.exp(-g)) * u) @ raw[p + "mlp.down_proj.weight"].T
+    x = x + (_moe(raw, cfg, p + "mlp.", h) if "num_experts" in cfg else _swiglu(raw, p + "mlp.", h))
     hn = _rms(x, raw["mtp.norm.weight"])
     return hn @ raw["lm_head.weight"].T, hn
 
 
-def test_mtp_head_matches_an_independent_numpy_implementation(model, mtp_dir):
+def _swiglu(raw, p, h):
+    g, u = h @ raw[p + "gate_proj.weight"].T, h @ raw[p + "up_proj.weight"].T
+    return (g / (1.0 + np.exp(-g)) * u) @ raw[p + "down_proj.weight"].T
+
+
+def _moe(raw, cfg, p, h):
+    """Top-k softmax routing (renormalised), routed SwiGLU experts + the sigmoid-gated shared one."""
+    logits = h @ raw[p + "gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        top = np.argsort(-probs[t], kind="stable")[: cfg["num_experts_per_tok"]]
+        w = probs[t, top] / probs[t, top].sum()
+        for e, we in zip(top, w, strict=True):
+            out[t] += we * _swiglu(raw, p + f"experts.{e}.", h[t : t + 1])[0]
+    gate = 1.0 / (1.0 + np.exp(-(h @ raw[p + "shared_expert_gate.weight"].T)))
+    return out + gate * _swiglu(raw, p + "shared_expert.", h)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return write_hybrid_moe_hf(tmp_path_factory.mktemp("qwen3_5_moe_mtp"), seed=6, bf16=False, mtp_num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_mtp_head_matches_an_independent_numpy_implementation(which, model, mtp_dir, moe_dir):
     import json
 
     from safetensors.numpy import load_file
 
-    raw = {k: v.astype(np.float64) for k, v in load_file(mtp_dir / "model.safetensors").items()}
-    cfg = json.loads((mtp_dir / "config.json").read_text())
+    path = mtp_dir if which == "dense" else moe_dir
+    model = model if which == "dense" else load_model(moe_dir)
+    raw = {k: v.astype(np.float64) for k, v in load_file(path / "model.safetensors").items()}
+    cfg = json.loads((path / "config.json").read_text())
     runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64)
     head = MtpHeadReference(runner)
     rng = np.random.default_rng(0)
@@ -252,6 +279,15 @@ def test_mtp_drafts_are_accepted_when_the_head_predicts_the_target(model, plain)
     assert out == plain[0]
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert stats.steps < 16
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_greedy_with_mtp_on_moe_hybrids_equals_plain_greedy(tmp_path, family):
+    m = load_model(write_hybrid_moe_hf(tmp_path, family=family, seed=7, mtp_num_hidden_layers=1))
+    assert m.graph.family == family
+    want = [run(m, [p], max_tokens=8)[0][0] for p in PROMPTS[:2]]
+    got, stats = run(m, PROMPTS[:2], SpecConfig("mtp", k=3), max_tokens=8)
+    assert got == want and stats.spec_draft_tokens > 0
 
 
 def test_random_mtp_head_acceptance_counters(model, plain):
