@@ -12,6 +12,8 @@ continuation when its weights make it a copy of the target's last layer path; th
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf
@@ -122,8 +124,6 @@ def moe_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_mtp_head_matches_an_independent_numpy_implementation(which, model, mtp_dir, moe_dir):
-    import json
-
     from safetensors.numpy import load_file
 
     path = mtp_dir if which == "dense" else moe_dir
@@ -320,3 +320,20 @@ def test_mtp_on_a_backend_without_a_head_is_one_line(model):
         build_speculator(SpecConfig("mtp"), model, CudaLike())
     with pytest.raises(MemraError, match="no MTP head runner"):
         MtpProposer(model)
+
+
+def test_memra_run_with_mtp_prints_the_plain_text_and_its_stats(capfd, mtp_dir):
+    from engine.cli import main
+
+    def run_cli(*extra):
+        rc = main(["run", str(mtp_dir), "--backend", "reference", "--prompt", "Hello there", "--max-tokens", "10",
+                   "--temperature", "0", "--stats", *extra])  # fmt: skip
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        return out, err
+
+    plain, _ = run_cli()
+    out, err = run_cli("--speculative", "mtp", "--spec-tokens", "3")
+    assert out == plain and plain.strip()
+    stats = json.loads(err.strip().splitlines()[-1].removeprefix("memra: "))
+    assert stats["speculative"] == "mtp" and stats["spec_draft_tokens"] > 0
