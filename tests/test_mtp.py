@@ -240,6 +240,36 @@ def test_mtp_through_preemption_prefix_hits_and_chunks(model, plain):
     assert stats.preemptions > 0 and stats.spec_draft_tokens > 0
 
 
+def test_mtp_after_a_prefix_cache_hit_starts_its_cache_at_the_first_computed_position(model, plain):
+    """A repeated prompt hits the prefix cache, so the target never computes (nor taps) the cached
+    positions: the head's cache starts at the first computed one, and the output is still plain's."""
+    runner = ReferenceRunner(model, num_blocks=64, block_size=4, max_model_len=128, state_slots=16)
+    speculator = build_speculator(SpecConfig("mtp", k=3), model, runner)
+    bases = []
+    original = speculator.proposer._row
+
+    def row(seq_id, first):
+        r = original(seq_id, first)
+        bases.append(r.base)
+        return r
+
+    speculator.proposer._row = row
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(),
+               on_step=lambda e: e.check_invariants(), speculator=speculator)  # fmt: skip
+    try:
+        e.start()
+        outs = []
+        for i in range(2):
+            h = e.submit(GenerationRequest(f"r{i}", PROMPTS[0], sampling=GREEDY, max_tokens=16, ignore_eos=True))
+            evs = list(h)
+            outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
+    finally:
+        e.shutdown(5)
+    assert [o for o, _ in outs] == [plain[0], plain[0]]
+    cached = outs[1][1]
+    assert cached > 0 and bases[0] == 0 and max(bases) == cached
+
+
 def test_mtp_drafts_are_accepted_when_the_head_predicts_the_target(model, plain):
     """The real head runs (its cache and positions as always) but its draft is replaced by the
     target's own greedy continuation: acceptance is 100 %, the counters say so, steps drop."""
