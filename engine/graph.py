@@ -75,7 +75,7 @@ class QuantCombo:
 
 @dataclass(frozen=True)
 class MtpGraph:
-    """A family's multi-token-prediction head (``mtp:`` in the YAML; engine.spec.mtp runs it).
+    """A family's multi-token-prediction head (``mtp:`` in the YAML; engine.spec.mtp_head runs it).
 
     ``graph`` reads ``tokens`` (token t+1) and ``hidden`` (the main graph's value ``hidden_from`` at
     position t) and produces ``logits`` (the draft for t+2) and ``hidden_out``, the value fed back
