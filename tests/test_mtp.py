@@ -328,6 +328,84 @@ def test_random_mtp_head_acceptance_counters(model, plain):
     assert 0 <= stats.spec_accepted_tokens <= stats.spec_draft_tokens
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_sampling_on_a_hybrid_with_speculation_keeps_the_target_distribution(model, monkeypatch, biased):
+    """Five sampled tokens (top-k 2: 32 outcomes) from 500 seeds through the engine on the hybrid,
+    each row drafting the target's own greedy continuation (accepted often, not always, so the
+    recurrent state is put back to every possible position), against the exact joint distribution;
+    the biased rule (resampling from p instead of the residual) must fail the same test."""
+    from collections import Counter
+
+    from engine.sampling import filtered_probs
+    from engine.spec import accept as accept_mod
+    from engine.spec.proposer import Draft
+    from engine.spec.speculator import Speculator
+
+    if biased:
+        monkeypatch.setattr(accept_mod, "residual", lambda p, q: p)
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    prompt, n, length = [5, 17, 99, 3], 500, 5
+    oracle = ReferenceRunner(model, num_blocks=8, block_size=4, max_model_len=32)
+    memo: dict[tuple, int] = {}
+
+    def greedy_next(tokens):
+        key = tuple(tokens)
+        if key not in memo:
+            memo[key] = int(np.argmax(oracle.forward_logits(list(tokens))[-1]))
+        return memo[key]
+
+    class SelfDraft:
+        name = "self"
+
+        def propose(self, requests):
+            out = []
+            for r in requests:
+                toks = list(r.tokens)
+                for _ in range(r.k):
+                    toks.append(greedy_next(toks))
+                out.append(Draft(toks[len(r.tokens) :]))
+            return out
+
+        def release(self, seq_id):
+            pass
+
+    runner = ReferenceRunner(model, num_blocks=4096, block_size=4, max_model_len=32, state_slots=300)
+    spec = Speculator(SelfDraft(), SpecConfig("ngram", k=2, max_batch=10_000))
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()),
+               EngineConfig(max_running=256, max_waiting=4096), speculator=spec)  # fmt: skip
+    try:
+        handles = [
+            e.submit(GenerationRequest(f"r{i}", prompt, sampling=SamplingParams(temperature=1.0, top_k=2, seed=i),
+                                       max_tokens=length, ignore_eos=True))
+            for i in range(n)
+        ]  # fmt: skip
+        e.start()
+        outs = [tuple(t for ev in h for t in ev.token_ids) for h in handles]
+        stats = e.stats()
+    finally:
+        e.shutdown(5)
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, pr in joint.items():
+            p = filtered_probs(oracle.forward_logits(prompt + list(prefix))[-1], sampling)
+            for t in np.nonzero(p)[0]:
+                nxt[prefix + (int(t),)] = pr * float(p[t])
+        joint = nxt
+    keys = sorted(joint)
+    counts = Counter(outs)
+    assert set(counts) <= set(keys)
+    exp = n * np.array([joint[k] for k in keys])
+    chi2 = float(((np.array([counts[k] for k in keys]) - exp) ** 2 / exp).sum())
+    df = len(keys) - 1
+    a = 2.0 / (9.0 * df)
+    critical = df * (1.0 - a + 3.719 * np.sqrt(a)) ** 3  # Wilson-Hilferty, p = 1e-4
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    print(f"chi2 {chi2:.1f} (bound {critical:.1f}), accepted {stats.spec_accepted_tokens}/{stats.spec_draft_tokens}")
+    assert stats.spec_draft_tokens > 2 * n  # drafts of 2 tokens: the state goes back 0, 1 or 2 positions
+    assert chi2 > 2 * critical if biased else chi2 < critical, (chi2, critical)
+
+
 # ----- errors ------------------------------------------------------------------------------------------
 
 
