@@ -188,6 +188,26 @@ def test_hybrid_verify_restores_the_state_of_the_accepted_position(model):
         assert np.array_equal(arr[0], ref_state[key]), key
 
 
+def test_mtp_proposer_catches_up_and_survives_a_recompute(model):
+    """Proposing straight on the runner: the head runs the prompt's positions once, drafts k
+    tokens; after a recompute (the target taps the same positions again, no new token) it drafts
+    the same tokens again instead of failing; release drops its blocks and the tapped rows."""
+    from engine.spec.proposer import ProposeRequest
+
+    runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=2)
+    proposer = build_speculator(SpecConfig("mtp", k=3), model, runner).proposer
+    prompt = PROMPTS[0]
+    item = StepItem(7, prompt[:-1], 0, list(range(8)), False, GREEDY, state_slot=0)
+    runner.step([item])
+    req = ProposeRequest(7, prompt, 3, GREEDY)
+    first = proposer.propose([req])[0].tokens
+    assert len(first) == 3 and runner.hidden_tap.span(7) == (len(prompt) - 1, len(prompt) - 1)
+    runner.step([item])  # recompute: rows 0..n-2 tapped again
+    assert proposer.propose([req])[0].tokens == first
+    proposer.release(7)
+    assert proposer.blocks.num_used == 0 and len(runner.hidden_tap) == 0
+
+
 # ----- through the engine --------------------------------------------------------------------------
 
 

@@ -93,7 +93,7 @@ class _MtpRow:
 
 
 class MtpProposer:
-    """Multi-token-prediction heads shipped inside the target checkpoint (Qwen3.5 hybrids).
+    """Multi-token-prediction heads shipped inside the target checkpoint (Qwen3.5 / Qwen3-Next).
 
     ``head`` runs the family's ``mtp`` graph (engine.spec.mtp_head) with its own paged KV, and
     ``tap`` (engine.spec.hidden_tap) holds the target's hidden states per position. For a row of n
@@ -166,7 +166,9 @@ class MtpProposer:
         if n < 2 or end < n - 1 or first > n - 2:  # no hidden state of position n-2 (yet)
             return []
         row = self._row(r.seq_id, first)
-        lo = min(row.done, n - 2)  # (the head saw n-2 already: run it again for its hidden output)
+        # the head already ran n-2 when no token came since (a preempted sequence recomputed, its tap
+        # rows written again): run n-2 again for the first draft; its cache entry is rewritten
+        lo = min(row.done, n - 2)
         k = min(r.k, self.head.max_model_len - (n - 2 - row.base))
         if k < 1 or not self.blocks.grow(r.seq_id, n - 1 - row.base + k - 1):
             self.release(r.seq_id)
