@@ -32,6 +32,8 @@ ROPE_STYLES = ("neox", "interleaved")
 
 GRAPH_INPUTS = ("tokens",)
 GRAPH_OUTPUT = "logits"
+# The MTP sub-graph's inputs: the tokens after the hidden states' positions, and the hidden states
+MTP_INPUTS = ("tokens", "hidden")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,20 @@ class QuantCombo:
 
 
 @dataclass(frozen=True)
+class MtpGraph:
+    """A family's multi-token-prediction head (``mtp:`` in the YAML; engine.spec.mtp_head runs it).
+
+    ``graph`` reads ``tokens`` (token t+1) and ``hidden`` (the main graph's value ``hidden_from`` at
+    position t) and produces ``logits`` (the draft for t+2) and ``hidden_out``, the value fed back
+    as ``hidden`` for the next draft. Its per-layer ops repeat over ``layers`` (a dim)."""
+
+    graph: tuple[Op | Repeat, ...]
+    hidden_from: str
+    hidden_out: str
+    layers: str
+
+
+@dataclass(frozen=True)
 class ModelGraph:
     family: str
     path: Path
@@ -87,6 +103,8 @@ class ModelGraph:
     predicates: dict[str, str] = field(default_factory=dict)
     #: config.json keys that change the math, with the values this family implements (checked on load)
     hf_expect: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: the multi-token-prediction head (speculative decoding), None when the family has none
+    mtp: MtpGraph | None = None
 
     def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
@@ -166,6 +184,7 @@ _TOP = {
     # a child's HF name-prefix rewrites ("model.": "model.language_model.") over every tensor
     "hf_rename": Field(MapOf(str), default={}),
     "hf_expect": Field(MapOf((list, type(None))), default={}),
+    "mtp": Field((dict, type(None))),  # absent: inherited from an `extends` parent; null: none
 }
 
 
@@ -217,12 +236,21 @@ def _parse_op(raw: Any, file: Path, where: str, in_repeat: bool = False, names: 
 
 
 def _parse_graph(
-    raw: list, file: Path, dims: dict, tensors: dict, predicates: dict | None = None
+    raw: list,
+    file: Path,
+    dims: dict,
+    tensors: dict,
+    predicates: dict | None = None,
+    *,
+    key: str = "graph",
+    inputs: tuple[str, ...] = GRAPH_INPUTS,
 ) -> tuple[Op | Repeat, ...]:
     names = frozenset(dims) | frozenset(predicates or {}) | {LAYER_INDEX}
     nodes: list[Op | Repeat] = []
+    if not isinstance(raw, list) or not raw:
+        raise fail(file, key, "expected a non-empty list of ops")
     for n, item in enumerate(raw):
-        where = f"graph[{n}]"
+        where = f"{key}[{n}]"
         if isinstance(item, dict) and "repeat" in item:
             extra = set(item) - {"repeat", "body"}
             if extra:
@@ -240,7 +268,7 @@ def _parse_graph(
             nodes.append(Repeat(item["repeat"], body))
         else:
             nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors, dims)
+    _check_dataflow(nodes, file, tensors, dims, key=key, inputs=inputs)
     return tuple(nodes)
 
 
@@ -251,16 +279,24 @@ def _complementary(a: str, b: str) -> bool:
 
 
 def _check_dataflow(
-    nodes: list[Op | Repeat], file: Path, tensors: dict[str, TensorSpec], dims: dict | None = None
-) -> None:
+    nodes: list[Op | Repeat],
+    file: Path,
+    tensors: dict[str, TensorSpec],
+    dims: dict | None = None,
+    *,
+    key: str = "graph",
+    inputs: tuple[str, ...] = GRAPH_INPUTS,
+) -> dict[str, str | None]:
+    """Check that every value is produced before it is read; return value -> the `when` of the op
+    producing it (None: produced in every layer / unconditionally)."""
     dims = dims or {}
     # value -> the `when` of the op that first produced it (None: produced in every layer); a value
     # only some layers produce may be read only by ops with the same predicate. Ops under `p` and
     # `not p` (Gemma's sliding and full attention) together produce it in every layer.
-    defined: dict[str, str | None] = dict.fromkeys(GRAPH_INPUTS)
+    defined: dict[str, str | None] = dict.fromkeys(inputs)
     for n, node in enumerate(nodes):
         ops = node.body if isinstance(node, Repeat) else (node,)
-        prefix = f"graph[{n}]" + (".body" if isinstance(node, Repeat) else "")
+        prefix = f"{key}[{n}]" + (".body" if isinstance(node, Repeat) else "")
         for j, op in enumerate(ops):
             where = f"{prefix}[{j}]" if isinstance(node, Repeat) else prefix
             for name in op.inputs:
@@ -298,7 +334,32 @@ def _check_dataflow(
                 elif out not in defined:
                     defined[out] = op.when
     if GRAPH_OUTPUT not in defined:
-        raise fail(file, "graph", f"the graph never produces {GRAPH_OUTPUT!r}")
+        raise fail(file, key, f"the graph never produces {GRAPH_OUTPUT!r}")
+    return defined
+
+
+def _parse_mtp(raw: dict, file: Path, dims: dict, tensors: dict, main: tuple[Op | Repeat, ...]) -> MtpGraph:
+    """The ``mtp:`` section: {hidden_from, hidden_out, graph} (one repeat over a dim)."""
+    allowed = {"hidden_from", "hidden_out", "graph"}
+    for k in raw:
+        if k not in allowed:
+            raise fail(file, f"mtp.{k}", f"unknown key; expected one of: {', '.join(sorted(allowed))}")
+    for k in allowed:
+        if k not in raw:
+            raise fail(file, f"mtp.{k}", "required key is missing")
+    graph = _parse_graph(raw["graph"], file, dims, tensors, key="mtp.graph", inputs=MTP_INPUTS)
+    repeats = [n for n in graph if isinstance(n, Repeat)]
+    if len(repeats) != 1:
+        raise fail(file, "mtp.graph", f"expected exactly one repeat (the MTP layers), got {len(repeats)}")
+    made = _check_dataflow(list(main), file, tensors, dims)
+    src = raw["hidden_from"]
+    if not isinstance(src, str) or src not in made or made[src] is not None or src in GRAPH_INPUTS:
+        raise fail(file, "mtp.hidden_from", f"{src!r} is not a value the main graph produces in every layer")
+    out = raw["hidden_out"]
+    mtp_made = _check_dataflow(list(graph), file, tensors, dims, key="mtp.graph", inputs=MTP_INPUTS)
+    if not isinstance(out, str) or out not in mtp_made or out in MTP_INPUTS:
+        raise fail(file, "mtp.hidden_out", f"{out!r} is not a value the mtp graph produces")
+    return MtpGraph(graph, src, out, repeats[0].count)
 
 
 def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]:
@@ -403,6 +464,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
             if ident not in pnames or ident == pname:
                 raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
     graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)
+    mtp = _parse_mtp(raw["mtp"], file, dims, tensors, graph) if raw.get("mtp") else None
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
@@ -422,6 +484,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
         sizes=dict(raw["sizes"]),
         predicates=predicates,
         hf_expect={k: tuple(v) for k, v in (raw.get("hf_expect") or {}).items() if v is not None},
+        mtp=mtp,
     )
 
 

@@ -105,9 +105,10 @@ class Engine:
         # speculative decoding (engine.spec.speculator.Speculator); the runner must implement verify
         if speculator is not None and not callable(getattr(runner, "verify", None)):
             raise ConfigError(f"speculative decoding: the {runner.backend} runner cannot verify drafts")
-        if speculator is not None and state_slots:
-            # verify() carries no recurrent state: a rejected draft would leave it advanced past the
-            # accepted tokens (no rollback yet)
+        restores = getattr(runner, "verify_restores_state", False) or callable(getattr(runner, "spec_rollback", None))
+        if speculator is not None and state_slots and not restores:
+            # this runner's verify() would leave the recurrent state advanced past the accepted
+            # tokens (the reference restores it: ReferenceRunner._verify_stateful)
             raise ConfigError(
                 "speculative decoding: not supported for hybrid models (recurrent state has no rollback of rejected drafts)"
             )

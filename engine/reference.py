@@ -97,6 +97,8 @@ class ReferenceRunner:
         self._weights: dict[tuple[str, int | None], np.ndarray] = {}
         self._load_weights()
         self._rope: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        # engine.spec.hidden_tap.HiddenTap set by the MTP proposer: per-position hidden rows kept
+        self.hidden_tap: Any = None
 
     # -- construction -----------------------------------------------------------------------
 
@@ -194,7 +196,11 @@ class ReferenceRunner:
 
     # -- execution ----------------------------------------------------------------------------
 
-    def _forward(
+    def _forward(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        """``_run``'s logits: [T or 1, vocab] (last row only unless ``all_logits``)."""
+        return self._run(*args, **kwargs)["logits"]
+
+    def _run(
         self,
         tokens: Sequence[int],
         start_pos: int,
@@ -206,10 +212,11 @@ class ReferenceRunner:
         slot: int = 0,
         snapshots: Sequence[tuple[int, int]] = (),
         window_table: Sequence[int] | None = None,
-    ) -> np.ndarray:
-        """Run the graph for ``tokens`` at ``start_pos..``; logits [T or 1, vocab] (last row only
-        unless ``all_logits``). A hybrid's recurrent state is ``states[..][slot]``, updated in place;
-        ``snapshots`` (n, slot) also store the state after the first n tokens into ``slot``."""
+    ) -> dict[str, np.ndarray]:
+        """Run the graph for ``tokens`` at ``start_pos..``; the values it computed (``logits``:
+        [T or 1, vocab], the last row only unless ``all_logits``). A hybrid's recurrent state is
+        ``states[..][slot]``, updated in place; ``snapshots`` (n, slot) also store the state after
+        the first n tokens into ``slot``."""
         env: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int64)}
         step = RefStep(
             self, env, start_pos, block_table, k_cache, v_cache, all_logits, states, slot, snapshots,
@@ -217,7 +224,7 @@ class ReferenceRunner:
         )  # fmt: skip
         for o, layer in self._schedule:
             REFERENCE[o.op](step, o, layer)
-        return env["logits"]
+        return env
 
     def _build_schedule(self) -> list[tuple[Any, int | None]]:
         """(op, layer) in execution order: each per-layer op once per layer where its ``when``
@@ -314,7 +321,7 @@ class ReferenceRunner:
             self._check_item(item)
         out: list[int | None] = []
         for item in items:
-            logits = self._forward(
+            env = self._run(
                 item.token_ids,
                 item.start_pos,
                 item.block_table,
@@ -324,6 +331,8 @@ class ReferenceRunner:
                 **self._item_state(item),
                 window_table=item.window_table,
             )
+            self._tap(item.seq_id, item.start_pos, env)
+            logits = env["logits"]
             if not item.sample:
                 out.append(None)
                 continue
@@ -331,15 +340,14 @@ class ReferenceRunner:
             out.append(sample_item(logits[-1], item))
         return out
 
+    # Verification of a hybrid leaves each sequence's recurrent state at its last accepted position.
+    verify_restores_state = True
+
     def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
         """Runner.verify (engine.types.VerifyingRunner): like ``step``, but an item with a draft of k
         tokens has the logits of its last k+1 positions computed and ``engine.spec.accept`` turns
-        them into the emitted tokens (accepted drafts + one); other items give [token] or []."""
-        if self.num_state_slots and any(item.draft for item in items):
-            raise MemraError(
-                "verify: speculative drafts are not supported for hybrid models (no recurrent-state rollback)",
-                code="internal_error",
-            )
+        them into the emitted tokens (accepted drafts + one); other items give [token] or [].
+        On a hybrid, a draft row runs position by position (``_verify_stateful``)."""
         for item in items:
             self._check_item(item)
             k = len(item.draft)
@@ -351,10 +359,15 @@ class ReferenceRunner:
         out: list[list[int]] = []
         for item in items:
             k = len(item.draft)
-            logits = self._forward(
+            if k and self.num_state_slots:
+                out.append(self._verify_stateful(item))
+                continue
+            env = self._run(
                 item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0,
-                window_table=item.window_table,
+                **self._item_state(item), window_table=item.window_table,
             )  # fmt: skip
+            self._tap(item.seq_id, item.start_pos, env)
+            logits = env["logits"]
             if k:
                 out.append(accept(logits[-(k + 1) :], item))
             elif item.sample:
@@ -362,6 +375,36 @@ class ReferenceRunner:
             else:
                 out.append([])
         return out
+
+    def _verify_stateful(self, item: StepItem) -> list[int]:
+        """A hybrid's draft row: the tokens before the draft as one chunk, then each draft token as
+        its own one-token pass (the recurrent form decode uses, so the logits are decode's bit for
+        bit), keeping the recurrent state after each; after acceptance the state after the last
+        accepted token goes back into the sequence's slot (rejected positions leave no trace)."""
+        k = len(item.draft)
+        head = len(item.token_ids) - k
+        st = self._item_state(item)
+        slot = st["slot"]
+        rows, saved = [], []
+        for j in range(k + 1):
+            lo = 0 if j == 0 else head + j - 1
+            hi = head if j == 0 else lo + 1
+            snaps = tuple((n - lo, s) for n, s in st["snapshots"] if lo < n <= hi)
+            env = self._run(
+                item.token_ids[lo:hi], item.start_pos + lo, item.block_table, self.k_cache, self.v_cache, False,
+                self.states, slot, snaps, window_table=item.window_table,
+            )  # fmt: skip
+            self._tap(item.seq_id, item.start_pos + lo, env)
+            rows.append(env["logits"][-1])
+            saved.append({key: arr[slot].copy() for key, arr in self.states.items()})
+        emitted = accept(np.stack(rows), item)
+        for key, arr in self.states.items():
+            arr[slot] = saved[len(emitted) - 1][key]  # after the accepted drafts (len(emitted) - 1)
+        return emitted
+
+    def _tap(self, seq_id: int, start_pos: int, env: dict[str, np.ndarray]) -> None:
+        if self.hidden_tap is not None:
+            self.hidden_tap.record(seq_id, start_pos, env[self.hidden_tap.value])
 
     def run_logits(self, item: StepItem) -> np.ndarray:
         """Run one item like ``step`` (its KV lands in the runner's cache) but return the logits of

@@ -20,7 +20,7 @@ from engine.reference import ReferenceRunner
 from engine.spec.config import SpecConfig
 from engine.spec.proposer import NgramProposer
 from engine.spec.speculator import Speculator
-from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams, StepItem
+from engine.types import ConfigError, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -115,17 +115,21 @@ def test_snapshot_eviction_under_few_slots(model):
     assert outs[2][0] == outs[0][0]
 
 
-def test_speculator_with_a_hybrid_runner_is_refused(model):
-    """verify() carries no recurrent state and nothing rolls it back: refused with one line."""
-    runner = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=4)
+def test_speculator_with_a_hybrid_runner_without_state_restore_is_refused(model):
+    """A runner whose verify() would leave the recurrent state past the accepted tokens is refused
+    with one line; the reference restores it (verify_restores_state, tests/test_mtp.py)."""
+
+    class NoRestore(ReferenceRunner):
+        verify_restores_state = False
+
+    runner = NoRestore(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=4)
     spec = Speculator(NgramProposer(min_n=1, max_n=3), SpecConfig("ngram", k=4, ngram_min=1))
     with pytest.raises(ConfigError, match="not supported for hybrid models") as err:
         Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), speculator=spec)
     assert "\n" not in str(err.value)
     Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig()).shutdown(1)  # without: fine
-    item = StepItem(0, [5, 6, 7], 0, [0], True, GREEDY, state_slot=0, draft=[7])
-    with pytest.raises(MemraError, match="not supported for hybrid models"):
-        runner.verify([item])  # the runner refuses drafts too
+    ref = ReferenceRunner(model, num_blocks=16, block_size=4, max_model_len=64, state_slots=4)
+    Engine(ref, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), speculator=spec).shutdown(1)
 
 
 def test_memra_run_on_a_tiny_qwen3_5(hybrid_dir, tmp_path):

@@ -1,5 +1,5 @@
 """The dense decoder's ops (Llama, Qwen3, Gemma): embed, rmsnorm, head_rmsnorm, linear, rope,
-attention, silu_mul — each an OpDef plus its numpy reference over ``engine.ops_ref``.
+attention, silu_mul, concat — each an OpDef plus its numpy reference over ``engine.ops_ref``.
 
 Optional attributes name dims (``kind "dim"``; layers that differ run their own op, gated by ``when``):
 embed ``scale``, the norms' weight ``offset``, rope ``theta``/``scaling``, attention
@@ -77,6 +77,10 @@ def _attention(s: RefStep, o, layer) -> None:
     )
 
 
+def _concat(s: RefStep, o, layer) -> None:
+    s.env[o.outputs[0]] = np.concatenate([np.asarray(s.env[n], np.float32) for n in o.inputs], axis=-1)
+
+
 def _silu_mul(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = ops_ref.silu_mul(s.env[o.inputs[0]], s.env[o.inputs[1]])
 
@@ -127,3 +131,4 @@ define(
     _attention,
 )
 define("silu_mul", OpDef(2, 1, (0, 0), doc="out = silu(g) * u"), _silu_mul)
+define("concat", OpDef(2, 1, (0, 0), doc="out = [a | b] along the feature axis (the MTP head's fc input)"), _concat)

@@ -1,5 +1,6 @@
 """Turn a SpecConfig into the engine's Speculator: the proposer (loading a draft model beside the
-target when asked) and the per-step policy. Used by `memra run/serve/bench`.
+target, or the target's MTP head with a hidden-state tap on its runner, when asked) and the
+per-step policy. Used by `memra run/serve/bench`.
 
 Must not import CUDA directly (a draft on the cuda backend is built through engine.backend).
 """
@@ -40,6 +41,21 @@ def _check_same_tokenizer(target: Any, draft: Any, path: str) -> None:
         )
 
 
+def _mtp_proposer(model: Any, runner: Any) -> MtpProposer:
+    """The MTP proposer over the target runner: its head beside the runner, and a hidden-state tap
+    on the runner (one-line errors for a model without an MTP head or a backend without one)."""
+    MtpProposer.check(model)
+    if runner.backend != "reference":
+        raise ConfigError(f"--speculative mtp: the {runner.backend} backend does not run MTP heads yet; use ngram or draft:PATH")
+    from engine.spec.hidden_tap import HiddenTap
+    from engine.spec.mtp_head import MtpHeadReference
+
+    head = MtpHeadReference(runner)
+    runner.hidden_tap = HiddenTap(model.graph.mtp.hidden_from)
+    print(f"memra: speculative MTP head of {model.name} ({head.layers} layer) on {runner.backend}", file=sys.stderr)
+    return MtpProposer(model, head, runner.hidden_tap)
+
+
 def build_speculator(
     cfg: SpecConfig | None, model: Any, runner: Any, *, device_profile: str | None = None
 ) -> Speculator | None:
@@ -52,7 +68,7 @@ def build_speculator(
     if cfg.method == "ngram":
         return Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg)
     if cfg.method == "mtp":
-        return Speculator(MtpProposer(model), cfg)
+        return Speculator(_mtp_proposer(model, runner), cfg)
     from engine.backend import create_runner
     from engine.model import load_model
     from engine.spec.draft import DraftModelProposer
