@@ -153,7 +153,7 @@ def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> 
     [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
     with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8] and the
     update's factor in two terms [v_block][chunk+8]; without, f32 q, k [chunk][k_dim+1] and S."""
-    small = 2 * chunk * (chunk + 1) + 12 * chunk
+    small = 2 * chunk * (chunk + 1) + 8 * chunk + DELTA_CHUNK_THREADS
     if mma:
         f32 = small + 2 * chunk * v_block
         b16 = 2 * chunk * (k_dim + 8) + 2 * v_block * (k_dim + 8) + 2 * v_block * (chunk + 8)
