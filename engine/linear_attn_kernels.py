@@ -181,7 +181,7 @@ def delta_chunk_kernel(
     DELTA_CHUNK_SMEM); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
     else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
     two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
-    v_block 32: mma 56 KB at chunk 32, 111 KB at 64; FMA 64 KB at 32, 125 KB at 64."""
+    v_block 32: mma 57 KB at chunk 32, 112 KB at 64; FMA 63 KB at 32, 124 KB at 64."""
     t = DELTA_CHUNK_THREADS
     v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
     if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:

@@ -38,6 +38,7 @@ def _from_bits(h) -> np.ndarray:
         ([70], 1, 1, 32, 64, False, 64, 64),
         ([70, 3], 1, 2, 128, 128, True, 0, 0),  # Qwen3.5's head dims, the default chunk (32)
         ([130], 1, 1, 128, 128, False, 64, 0),
+        ([50, 20], 1, 2, 128, 64, True, 32, 16),  # 16 state columns per block
     ],
 )
 def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_block, mma):
