@@ -204,7 +204,8 @@ def delta_chunk_kernel(
     smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
-              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma)}
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma),
+              "vec": qkv_stride % 8 == 0 and k_dim % 8 == 0}
     name = entry_name("gated_delta_chunk", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, vb=v_block, c=chunk,
                       qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen),
                       mma=int(mma))

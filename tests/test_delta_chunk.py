@@ -47,7 +47,7 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     total = int(starts[-1])
     qkv_w = 2 * kh * kd + vh * vd
-    qs, bs = qkv_w + 8, vh + 4
+    qs, bs = qkv_w + (3 if tiled else 8), vh + 4  # an odd stride: the scalar q / k loads
     qkv = _bf16_bits(rng.standard_normal((total, qs)))
     b, a = _bf16_bits(rng.standard_normal((total, bs))), _bf16_bits(rng.standard_normal((total, bs)))
     A = -np.exp(rng.uniform(-2, 1.5, vh)).astype(np.float32)
