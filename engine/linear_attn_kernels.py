@@ -149,16 +149,17 @@ def delta_rule_kernel(
 
 
 def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> int:
-    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A, P
+    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A
     [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
-    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8] and the
-    update's factor in two terms [v_block][chunk+8]; without, f32 q, k [chunk][k_dim+1] and S."""
-    small = 2 * chunk * (chunk + 1) + 8 * chunk + DELTA_CHUNK_THREADS
+    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8], V'^T and
+    the update's factor in two terms each [v_block][chunk+8], P in two terms [chunk][chunk+8];
+    without, f32 P [chunk][chunk+1], q, k [chunk][k_dim+1] and S."""
+    small = chunk * (chunk + 1) + 8 * chunk + DELTA_CHUNK_THREADS  # A and the per-token arrays
     if mma:
         f32 = small + 2 * chunk * v_block
-        b16 = 2 * chunk * (k_dim + 8) + 2 * v_block * (k_dim + 8) + 2 * v_block * (chunk + 8)
+        b16 = 2 * (k_dim + 8) * (chunk + v_block) + 2 * (chunk + 8) * (2 * v_block + chunk)
         return 4 * f32 + 2 * b16
-    return 4 * (small + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
+    return 4 * (small + chunk * (chunk + 1) + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 
 
 def delta_chunk_kernel(
