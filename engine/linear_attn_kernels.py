@@ -6,8 +6,8 @@ launch contract.
 gates from a/b, the state update and the output) one token at a time per (sequence, v head): the
 recurrent form, used for decode and (as a sequential loop over each sequence's tokens) for prefill.
 ``delta_chunk_kernel``: kernels/gated_delta_chunk.cu.j2, the same rule and arguments in the chunked
-(WY / UT-transform) form for prefill: chunks of up to ``chunk`` tokens, each also ending at a
-snapshot token. The lowering picks the prefill form (``DELTA_PREFILL_FORMS``; engine.lowering.linear_attention).
+(WY / UT-transform) form for prefill: chunks of up to ``chunk`` tokens, the snapshots inside a
+chunk computed there (mma form) or ending it (FMA form). The lowering picks the prefill form (``DELTA_PREFILL_FORMS``; engine.lowering.linear_attention).
 ``gated_rmsnorm_kernel`` (per-head RMSNorm times silu(z)), ``split_heads_kernel`` (the gated
 attention's [q_h | gate_h] rows into q and gate), ``sigmoid_mul_kernel`` (the attention output gate)
 and ``unpack_kernel`` (Qwen3-Next's fused projections into Qwen3.5's layout).
@@ -151,13 +151,14 @@ def delta_rule_kernel(
 def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> int:
     """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A
     [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
-    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8], V'^T and
-    the update's factor in two terms each [v_block][chunk+8], P in two terms [chunk][chunk+8];
+    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8], V'^T, the
+    update's and a snapshot's factor in two terms each [v_block][chunk+8], P in two terms
+    [chunk][chunk+8];
     without, f32 P [chunk][chunk+1], q, k [chunk][k_dim+1] and S."""
     small = chunk * (chunk + 1) + 8 * chunk + DELTA_CHUNK_THREADS  # A and the per-token arrays
     if mma:
         f32 = small + 2 * chunk * v_block
-        b16 = 2 * (k_dim + 8) * (chunk + v_block) + 2 * (chunk + 8) * (2 * v_block + chunk)
+        b16 = 2 * (k_dim + 8) * (chunk + v_block) + 2 * (chunk + 8) * (3 * v_block + chunk)
         return 4 * f32 + 2 * b16
     return 4 * (small + chunk * (chunk + 1) + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 

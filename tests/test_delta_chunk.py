@@ -17,7 +17,7 @@ from engine import linear_attn_kernels as lk
 from engine import ops_ref_linear as L
 from engine.render import render
 
-SLOTS = 16
+SLOTS = 24
 
 
 def _bf16_bits(x) -> np.ndarray:
@@ -56,10 +56,12 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     outs = np.arange(rows, dtype=np.int32)
     ins = np.array([-1 if s % 3 == 0 else (outs[s] if s % 3 == 1 else SLOTS - 1 - s) for s in range(rows)], np.int32)
     snap = np.full(total, -1, np.int32)
-    free = iter(range(rows, rows + 4))
-    for t in sorted({int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}):
-        if t < total:
-            snap[t] = next(free)
+    free = iter(range(rows, SLOTS - rows))
+    points = {int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}
+    if rows == 1:  # a snapshot after every 16th token (the prefix cache's block boundaries)
+        points |= set(range(15, total, 16))
+    for t in sorted(p for p in points if p < total):
+        snap[t] = next(free)
     k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block, mma)
     lib = cuda_emu.compile_kernel(render(k_.spec), k_.spec.entry, tmp_path)
     q, k, v = L.split_qkv(_from_bits(qkv)[:, :qkv_w], k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
