@@ -153,14 +153,19 @@ def _time_ms(kernels, k_, rows, vals, iters=5) -> float:
     return ms
 
 
-@pytest.mark.parametrize("total,rows", [(512, 1), (4096, 1), (4096, 8)])
-def test_delta_prefill_timing(kernels, profile, total, rows):
+@pytest.mark.parametrize("total,rows,every", [(512, 1, 0), (4096, 1, 0), (4096, 8, 0), (4096, 1, 16)])
+def test_delta_prefill_timing(kernels, profile, total, rows, every):
     """Prints ms and tokens/s of the recurrent and chunked prefill kernels (one layer, Qwen3.5-4B's
-    linear-attention heads: 16 k heads, 32 v heads, 128 x 128) and checks they agree."""
+    linear-attention heads: 16 k heads, 32 v heads, 128 x 128; ``every``: a snapshot after every
+    that many tokens, as the prefix cache takes them) and checks they agree."""
     rng = np.random.default_rng(0)
     kh, vh, kd, vd = 16, 32, 128, 128
     qs, bs = 2 * kh * kd + vh * vd, vh
     starts = np.linspace(0, total, rows + 1).astype(np.int32)
+    snap = np.full(total, -1)
+    if every:
+        snap[every - 1 :: every] = rows + np.arange(total // every)
+    slots = rows + (total // every if every else 0)
     d = {
         "qkv": upload(rng.standard_normal((total, qs)), "bf16"),
         "b": upload(rng.standard_normal((total, bs)), "bf16"),
@@ -169,7 +174,7 @@ def test_delta_prefill_timing(kernels, profile, total, rows):
         "dt_bias": upload(0.5 * rng.standard_normal(vh), "f32"),
         "state_in": upload(np.full(rows, -1), "i32"),
         "state_out": upload(np.arange(rows), "i32"),
-        "state_snap": upload(np.full(total, -1), "i32"),
+        "state_snap": upload(snap, "i32"),
         "seq_starts": upload(starts, "i32"),
     }
     forms = {"recurrent": lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)}
@@ -179,12 +184,12 @@ def test_delta_prefill_timing(kernels, profile, total, rows):
             forms[f"{'mma' if mma else 'fma'} c{chunk} vb{vb}"] = k_
     results, base = {}, 0.0
     for name, k_ in forms.items():
-        out, state = poisoned((total, vh * vd)), upload(np.zeros((rows, vh, kd, vd)), "f32")
+        out, state = poisoned((total, vh * vd)), upload(np.zeros((slots, vh, kd, vd)), "f32")
         vals = {**{n: a.ptr for n, a in d.items()}, "out": out.ptr, "state": state.ptr, "rows": rows}
         ms = _time_ms(kernels, k_, rows, vals)
         base = base or ms
         results[name] = (out.get(), state.get())
-        print(f"\ndelta rule prefill {name:>14}: T={total} in {rows} seq: {ms:8.3f} ms/layer, "
+        print(f"\ndelta rule prefill {name:>14}: T={total} in {rows} seq, snapshots every {every or '-'}: {ms:8.3f} ms/layer, "
               f"{total / ms * 1e3:11.0f} tokens/s, x{base / ms:5.2f} vs recurrent ({profile.name})")
     o_ref, s_ref = results["recurrent"]
     for name, (o, s) in results.items():
