@@ -6,8 +6,8 @@ launch contract.
 gates from a/b, the state update and the output) one token at a time per (sequence, v head): the
 recurrent form, used for decode and (as a sequential loop over each sequence's tokens) for prefill.
 ``delta_chunk_kernel``: kernels/gated_delta_chunk.cu.j2, the same rule and arguments in the chunked
-(WY / UT-transform) form for prefill: chunks of up to ``chunk`` tokens, each also ending at a
-snapshot token. The lowering picks the prefill form (``DELTA_PREFILL_FORMS``; engine.lowering.linear_attention).
+(WY / UT-transform) form for prefill: chunks of up to ``chunk`` tokens, the snapshots inside a
+chunk computed there (mma form) or ending it (FMA form). The lowering picks the prefill form (``DELTA_PREFILL_FORMS``; engine.lowering.linear_attention).
 ``gated_rmsnorm_kernel`` (per-head RMSNorm times silu(z)), ``split_heads_kernel`` (the gated
 attention's [q_h | gate_h] rows into q and gate), ``sigmoid_mul_kernel`` (the attention output gate)
 and ``unpack_kernel`` (Qwen3-Next's fused projections into Qwen3.5's layout).
@@ -149,16 +149,18 @@ def delta_rule_kernel(
 
 
 def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> int:
-    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A, P
+    """gated_delta_chunk's dynamic shared memory in bytes (its layout: see the template): f32 A
     [chunk][chunk+1], v / X / V' (and with mma S^T q) [chunk][v_block], per-token gates and scales;
-    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8] and the
-    update's factor in two terms [v_block][chunk+8]; without, f32 q, k [chunk][k_dim+1] and S."""
-    small = 2 * chunk * (chunk + 1) + 12 * chunk
+    with mma the raw bf16 q, k [chunk][k_dim+8], S^T in two bf16 terms [v_block][k_dim+8], V'^T, the
+    update's and a snapshot's factor in two terms each [v_block][chunk+8], P in two terms
+    [chunk][chunk+8];
+    without, f32 P [chunk][chunk+1], q, k [chunk][k_dim+1] and S."""
+    small = chunk * (chunk + 1) + 8 * chunk + DELTA_CHUNK_THREADS  # A and the per-token arrays
     if mma:
         f32 = small + 2 * chunk * v_block
-        b16 = 2 * chunk * (k_dim + 8) + 2 * v_block * (k_dim + 8) + 2 * v_block * (chunk + 8)
+        b16 = 2 * (k_dim + 8) * (chunk + v_block) + 2 * (chunk + 8) * (3 * v_block + chunk)
         return 4 * f32 + 2 * b16
-    return 4 * (small + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
+    return 4 * (small + chunk * (chunk + 1) + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 
 
 def delta_chunk_kernel(
@@ -181,7 +183,7 @@ def delta_chunk_kernel(
     DELTA_CHUNK_SMEM); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
     else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
     two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
-    v_block 32: mma 56 KB at chunk 32, 111 KB at 64; FMA 64 KB at 32, 125 KB at 64."""
+    v_block 32: mma 57 KB at chunk 32, 112 KB at 64; FMA 63 KB at 32, 124 KB at 64."""
     t = DELTA_CHUNK_THREADS
     v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
     if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
@@ -204,7 +206,8 @@ def delta_chunk_kernel(
     smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
-              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma)}
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "mma": bool(mma),
+              "vec": qkv_stride % 8 == 0 and k_dim % 8 == 0}
     name = entry_name("gated_delta_chunk", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, vb=v_block, c=chunk,
                       qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen),
                       mma=int(mma))

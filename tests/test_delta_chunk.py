@@ -17,7 +17,7 @@ from engine import linear_attn_kernels as lk
 from engine import ops_ref_linear as L
 from engine.render import render
 
-SLOTS = 16
+SLOTS = 24
 
 
 def _bf16_bits(x) -> np.ndarray:
@@ -38,6 +38,7 @@ def _from_bits(h) -> np.ndarray:
         ([70], 1, 1, 32, 64, False, 64, 64),
         ([70, 3], 1, 2, 128, 128, True, 0, 0),  # Qwen3.5's head dims, the default chunk (32)
         ([130], 1, 1, 128, 128, False, 64, 0),
+        ([50, 20], 1, 2, 128, 64, True, 32, 16),  # 16 state columns per block
     ],
 )
 def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_block, mma):
@@ -46,7 +47,7 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     total = int(starts[-1])
     qkv_w = 2 * kh * kd + vh * vd
-    qs, bs = qkv_w + 8, vh + 4
+    qs, bs = qkv_w + (3 if tiled else 8), vh + 4  # an odd stride: the scalar q / k loads
     qkv = _bf16_bits(rng.standard_normal((total, qs)))
     b, a = _bf16_bits(rng.standard_normal((total, bs))), _bf16_bits(rng.standard_normal((total, bs)))
     A = -np.exp(rng.uniform(-2, 1.5, vh)).astype(np.float32)
@@ -55,10 +56,12 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     outs = np.arange(rows, dtype=np.int32)
     ins = np.array([-1 if s % 3 == 0 else (outs[s] if s % 3 == 1 else SLOTS - 1 - s) for s in range(rows)], np.int32)
     snap = np.full(total, -1, np.int32)
-    free = iter(range(rows, rows + 4))
-    for t in sorted({int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}):
-        if t < total:
-            snap[t] = next(free)
+    free = iter(range(rows, SLOTS - rows))
+    points = {int(starts[-2]) + 15, int(starts[0]), total - 1, int(starts[1]) + 3}
+    if rows == 1:  # a snapshot after every 16th token (the prefix cache's block boundaries)
+        points |= set(range(15, total, 16))
+    for t in sorted(p for p in points if p < total):
+        snap[t] = next(free)
     k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block, mma)
     lib = cuda_emu.compile_kernel(render(k_.spec), k_.spec.entry, tmp_path)
     q, k, v = L.split_qkv(_from_bits(qkv)[:, :qkv_w], k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)

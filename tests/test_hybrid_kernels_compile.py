@@ -74,7 +74,7 @@ def test_every_hybrid_size_plans_on_every_profile():
         step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
         (pre,) = step.launches["prefill"]
         (dec,) = step.launches["decode"]
-        chunked = combo.endswith("+chunked")
+        chunked = combo.endswith("+chunked") or lk.delta_prefill_form() == "chunked"
         assert pre.spec.template == ("gated_delta_chunk" if chunked else "gated_delta_rule")
         assert dec.spec.template == "gated_delta_rule" and pre.args[:-1] == dec.args[:-1]  # (rows: nseq, n)
         assert pre.smem <= lk.DELTA_CHUNK_SMEM and (pre.smem > 0) == chunked

@@ -10,6 +10,7 @@ import pytest
 from fixtures.hybrid import write_qwen3_5_hf
 from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 
+from engine import linear_attn_kernels as lk
 from engine.types import MemraError, StepItem
 
 
@@ -53,8 +54,9 @@ def test_prefill_state_inputs(fake):
     snap = list(v["state_snap"][: 2 * bs + 5])
     assert snap[bs - 1] == 4 and snap[2 * bs + 4] == 1 and snap.count(-1) == 2 * bs + 3
     launched = {n.split("__")[0] for n, _, _ in drv.launches}
-    assert {"causal_conv1d", "gated_delta_rule", "gated_rmsnorm", "split_heads", "sigmoid_mul"} <= launched
-    conv = [g for n, g, _ in drv.launches if n.startswith("gated_delta_rule")]
+    delta = "gated_delta_chunk" if lk.delta_prefill_form() == "chunked" else "gated_delta_rule"  # the prefill form
+    assert {"causal_conv1d", delta, "gated_rmsnorm", "split_heads", "sigmoid_mul"} <= launched
+    conv = [g for n, g, _ in drv.launches if n.startswith(delta)]
     assert conv and all(g[1] == runner.plan.dims["lin_v_heads"] for g in conv)
 
 

@@ -81,23 +81,24 @@ def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x):
 
 @pytest.mark.parametrize("mma", [True, False])
 @pytest.mark.parametrize(
-    "lens,kh,vh,kd,vd,tiled,chunk",
+    "lens,kh,vh,kd,vd,tiled,chunk,vb",
     [
-        ([1], 2, 4, 32, 32, False, 16),
-        ([15, 16, 1, 17], 2, 4, 32, 32, True, 16),
-        ([63, 64, 65, 1], 2, 4, 32, 32, False, 32),
-        ([63, 64, 65, 1], 2, 4, 32, 32, True, 64),
-        ([300, 7, 129], 2, 4, 16, 16, False, 64),  # v_block 16 (v_dim not a multiple of 32)
-        ([1000], 2, 4, 32, 64, False, 32),
-        ([1000, 33], 2, 4, 64, 32, True, 64),
-        ([70, 5, 1], 16, 32, 128, 128, False, 0),  # Qwen3.5-4B's heads, the default chunk (32)
-        ([300, 16, 2], 16, 32, 128, 128, True, 64),
+        ([1], 2, 4, 32, 32, False, 16, 0),
+        ([15, 16, 1, 17], 2, 4, 32, 32, True, 16, 0),
+        ([63, 64, 65, 1], 2, 4, 32, 32, False, 32, 0),
+        ([63, 64, 65, 1], 2, 4, 32, 32, True, 64, 0),
+        ([300, 7, 129], 2, 4, 16, 16, False, 64, 0),  # v_block 16 (v_dim not a multiple of 32)
+        ([1000], 2, 4, 32, 64, False, 32, 0),
+        ([1000, 33], 2, 4, 64, 32, True, 64, 0),
+        ([70, 5, 1], 16, 32, 128, 128, False, 0, 0),  # Qwen3.5-4B's heads, the default chunk (32)
+        ([300, 16, 2], 16, 32, 128, 128, True, 64, 0),
+        ([100, 40], 16, 32, 128, 128, False, 32, 16),  # 16 state columns per block
     ],
 )
-def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, tiled, chunk, mma):
+def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, tiled, chunk, vb, mma):
     rng = np.random.default_rng()
     starts, total, qs, bs, ins, outs, snap, x = _case(rng, lens, kh, vh, kd, vd, tiled)
-    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, mma=mma)
+    k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, vb, mma)
     if not _smem_ok(profile, k_):
         pytest.skip(f"chunk 64 at k_dim 128 needs more shared memory than {profile.arch} has")
     got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
@@ -152,14 +153,19 @@ def _time_ms(kernels, k_, rows, vals, iters=5) -> float:
     return ms
 
 
-@pytest.mark.parametrize("total,rows", [(512, 1), (4096, 1), (4096, 8)])
-def test_delta_prefill_timing(kernels, profile, total, rows):
+@pytest.mark.parametrize("total,rows,every", [(512, 1, 0), (4096, 1, 0), (4096, 8, 0), (4096, 1, 16)])
+def test_delta_prefill_timing(kernels, profile, total, rows, every):
     """Prints ms and tokens/s of the recurrent and chunked prefill kernels (one layer, Qwen3.5-4B's
-    linear-attention heads: 16 k heads, 32 v heads, 128 x 128) and checks they agree."""
+    linear-attention heads: 16 k heads, 32 v heads, 128 x 128; ``every``: a snapshot after every
+    that many tokens, as the prefix cache takes them) and checks they agree."""
     rng = np.random.default_rng(0)
     kh, vh, kd, vd = 16, 32, 128, 128
     qs, bs = 2 * kh * kd + vh * vd, vh
     starts = np.linspace(0, total, rows + 1).astype(np.int32)
+    snap = np.full(total, -1)
+    if every:
+        snap[every - 1 :: every] = rows + np.arange(total // every)
+    slots = rows + (total // every if every else 0)
     d = {
         "qkv": upload(rng.standard_normal((total, qs)), "bf16"),
         "b": upload(rng.standard_normal((total, bs)), "bf16"),
@@ -168,23 +174,22 @@ def test_delta_prefill_timing(kernels, profile, total, rows):
         "dt_bias": upload(0.5 * rng.standard_normal(vh), "f32"),
         "state_in": upload(np.full(rows, -1), "i32"),
         "state_out": upload(np.arange(rows), "i32"),
-        "state_snap": upload(np.full(total, -1), "i32"),
+        "state_snap": upload(snap, "i32"),
         "seq_starts": upload(starts, "i32"),
     }
     forms = {"recurrent": lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)}
-    for mma in (True, False):
-        for chunk in (16, 32, 64):
-            k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, chunk, mma=mma)
-            if _smem_ok(profile, k_):
-                forms[f"{'mma' if mma else 'fma'} c{chunk}"] = k_
+    for mma, chunk, vb in [(m, c, 32) for m in (True, False) for c in (16, 32, 64)] + [(True, 32, 16), (True, 64, 16)]:
+        k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, chunk, vb, mma)
+        if _smem_ok(profile, k_):
+            forms[f"{'mma' if mma else 'fma'} c{chunk} vb{vb}"] = k_
     results, base = {}, 0.0
     for name, k_ in forms.items():
-        out, state = poisoned((total, vh * vd)), upload(np.zeros((rows, vh, kd, vd)), "f32")
+        out, state = poisoned((total, vh * vd)), upload(np.zeros((slots, vh, kd, vd)), "f32")
         vals = {**{n: a.ptr for n, a in d.items()}, "out": out.ptr, "state": state.ptr, "rows": rows}
         ms = _time_ms(kernels, k_, rows, vals)
         base = base or ms
         results[name] = (out.get(), state.get())
-        print(f"\ndelta rule prefill {name:>9}: T={total} in {rows} seq: {ms:8.3f} ms/layer, "
+        print(f"\ndelta rule prefill {name:>14}: T={total} in {rows} seq, snapshots every {every or '-'}: {ms:8.3f} ms/layer, "
               f"{total / ms * 1e3:11.0f} tokens/s, x{base / ms:5.2f} vs recurrent ({profile.name})")
     o_ref, s_ref = results["recurrent"]
     for name, (o, s) in results.items():
