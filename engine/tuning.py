@@ -31,8 +31,6 @@ Q8X_TYPE_KNOBS = (
     "q8x_b1_rows_per_warp",
     "q8x_lanes_per_row",
     "q8x_wsm_kb",
-    "q8x_wsm_chunks",
-    "q8x_wsm_chunk_min_k",
     "q8x_b1_unroll",
     "q8x_b1_unroll_max_k",
 )
@@ -137,12 +135,8 @@ class GemvCoop(Knobs):
     q8x_lanes_per_row: int = 0
     # q8x on sm_90, batch 1: a block's row tile of up to this many KB bulk-copied into shared
     # memory (one copy, issued before the block waits for x; 0: off), where the resident
-    # blocks hold every tile at once and the k is not split over blocks
+    # blocks hold every tile at once
     q8x_wsm_kb: int = 0
-    # wsm: the row tile copied in up to this many k chunks, each counted on its own mbarrier
-    # (0 or 1: one copy), so the lanes start on a chunk while the later ones still land
-    q8x_wsm_chunks: int = 0
-    q8x_wsm_chunk_min_k: int = 0  # k chunks only where k is at least this
     # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
     # stages and quantises its x rows once, not once per tile); 0: one block per tile
     q8x_blocks_per_sm: int = 0
@@ -159,11 +153,6 @@ class GemvCoop(Knobs):
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False
-    # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
-    # and streams k / q8x_kparts, the last block of a tile adds the partial sums
-    q8x_kparts: int = 1
-    q8x_kparts_min_k: int = 0
-    q8x_kparts_types: list[str] = knob([])  # file types; empty: every q8x type
 
 
 @dataclass(frozen=True, eq=False)

@@ -404,10 +404,6 @@ def _gemv_variant_specs():
                 out.append(
                     kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro})
                 )
-    # q8x with k split over grid.z (kparts: partial sums, the last block adds them), with a prologue
-    for q in kc.Q8X_TYPES:
-        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
-        out.append(kc.spec("gemv", **{**p, "kparts": 2, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
     # q8x with 8 / 4 lanes per row: whole steps on every lane (k = 2560), then k = 576 / 768 (a
     # tail step for q4_0r / q4_1r / q4_k, whole steps for q6_kr / q8_0r)
     for q in kc.Q8X_TYPES:
@@ -440,7 +436,7 @@ def _gemv_variant_specs():
 def _wsm_specs() -> list:
     """q8x with the row tile bulk-copied into shared memory (wsm: cp.async.bulk + an mbarrier,
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
-    tile's copy once the current one is read), and in k chunks (wsm_chunk), on every q8x type."""
+    tile's copy once the current one is read), on every q8x type."""
     q8 = {
         "gemv": {},
         "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "rows_per_warp": 1, "unroll": 2,
@@ -453,10 +449,6 @@ def _wsm_specs() -> list:
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
         specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536"}))  # once the tile landed
-        # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
-        wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
-        assert wc and 2560 % wc, (q, wc)
-        specs.append(kc.spec("gemv", **{**p, "wsm_chunk": wc, "prologue": "norm", "eps": 1e-6}))
     return specs
 
 

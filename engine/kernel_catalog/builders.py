@@ -16,15 +16,12 @@ from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_Q8X_MAX,
     COOP_TYPES,
-    KPARTS_GRAIN,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
-    coop_step_elems,
     gemv_options,
     gemv_smem,
     pair_spec,
-    wsm_chunk_elems,
 )
 from engine.kernel_catalog.specs import spec
 from engine.kernel_spec import KernelSpec
@@ -111,14 +108,12 @@ def coop_options(
         the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
-      - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
-        q8x_kparts_types (empty: every type) and k divides into whole segments;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
-        KB, k is not split over blocks and the blocks that fit at once (the smaller of
+        KB and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
 
@@ -157,32 +152,23 @@ def coop_options(
         unroll = int(c["unroll"])
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
-            unroll = out["unroll"] = b1_unroll  # segments in flight per lane and row
+            out["unroll"] = b1_unroll  # segments in flight per lane and row
         if (threads, rpw, ksplit, lanes) != (COOP_THREADS, c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:
             out["lanes"] = lanes
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
-        parts = int(c.get("q8x_kparts") or 1)
-        kpt = c.get("q8x_kparts_types") or ()
-        if (
-            parts > 1
-            and (not kpt or file_type in kpt)
-            and k >= int(c.get("q8x_kparts_min_k") or 0)
-            and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
-        ):
-            out["kparts"] = parts
         rounds, min_k = Q8X_STAGE_ROUNDS.get(file_type, (1, 0))
         if rounds > 1 and k >= min_k:
             out["stage_rounds"] = rounds
-        if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
+        if c.get("q8x_early_norm_w") and bmax == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+        if bmax == 1 and ksplit > 1:
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         wkb = int(c.get("q8x_wsm_kb") or 0)
-        if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
+        if wkb and n and bmax == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
             tile = rpb * row_bytes(quant, k)
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
@@ -191,14 +177,6 @@ def coop_options(
             # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
             if tile <= wkb * 1024 and one_round(tuning, smem, _cdiv(n, rpb), sm_count):
                 out["wsm"] = True
-                if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
-                    # the tile in k chunks, one mbarrier each
-                    step = coop_step_elems(
-                        {"quant": quant, "q8x": True, "unroll": unroll, "lanes": lanes, "ksplit": ksplit}
-                    )
-                    wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
-                    if wc:
-                        out["wsm_chunk"] = wc
     if c.get("pipeline"):
         out["pipeline"] = True
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)

@@ -86,7 +86,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "kparts": 1, "min_blocks": 0, "lanes": 32, "wsm_chunk": 0},
+    "gemv": {"ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32},
 }
 
 
@@ -115,19 +115,16 @@ KERNELS: dict[str, KernelDoc] = {
             ksplit=int,
             grid_cap=int,
             stage_rounds=int,
-            kparts=int,
             tile_pf=bool,
             min_blocks=int,
             lanes=int,
             wsm=bool,
             trigger=bool,
-            wsm_chunk=int,
             early_nw=bool,
             early_res=bool,
             l2_pf=str,
         ),
-        # prologue "norm" adds a trailing ("norm_w", P), kparts > 1 (kpart_sum, kpart_count), l2_pf
-        # pf0, pf1 ..: kernel_args()
+        # prologue "norm" adds a trailing ("norm_w", P), l2_pf pf0, pf1 ..: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         (
             "quant",
@@ -150,18 +147,16 @@ KERNELS: dict[str, KernelDoc] = {
             "q8x",
             "ksplit",
             "stage_rounds",
-            "kparts",
             "tile_pf",
             "min_blocks",
             "lanes",
             "wsm",
             "trigger",
-            "wsm_chunk",
             "early_nw",
             "early_res",
         ),
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
-        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax), kparts)",
+        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
         "(threads,)",
         "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 3 / 2 when q8x",
         # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
@@ -180,13 +175,11 @@ KERNELS: dict[str, KernelDoc] = {
             "ksplit": 1,
             "grid_cap": 0,
             "stage_rounds": 1,
-            "kparts": 1,
             "tile_pf": False,
             "min_blocks": 0,
             "lanes": 32,
             "wsm": False,
             "trigger": False,
-            "wsm_chunk": 0,
             "early_nw": False,
             "early_res": False,
             "l2_pf": "",

@@ -86,7 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
             (template == "gemv_mma" and key in ("x_stride", "glu"))
-            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
+            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window
@@ -138,7 +138,7 @@ def choice(template: str, **params: Any) -> KernelChoice:
     if template == "gemv":
 
         def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), int(p["kparts"]))
+            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1)
 
         block = (p["threads"], 1, 1)
         smem = gemv_smem(p)
@@ -230,8 +230,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
-        args = args + (("kpart_sum", P), ("kpart_count", P))
     if s.template == "gemv_mma" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "attention" and s.params.get("rope"):

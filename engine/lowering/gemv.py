@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from engine import kernel_catalog as kc
-from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.types import ConfigError
 
@@ -73,8 +73,6 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         )
         threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
         unroll = opts.pop("unroll", unroll)  # (q8x_b1_unroll)
-        if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
-            opts.pop("kparts", None)
         if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
             opts.pop("early_nw", None)
         if not residual:  # the early residual: only a GEMV that adds one
@@ -86,7 +84,6 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             and opts.get("q8x")
             and ctx.tune("gemv_coop").get("q8x_glu")
             and opts.get("ksplit", 1) == 1
-            and opts.get("kparts", 1) == 1
             and not opts.get("wsm")
         ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
             glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype, rpb)
@@ -117,14 +114,6 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
     res = Arg("value", res_name) if residual else NULL
     args = (val(out), wgt(w), val(xv), res, ROWS) + extra
     grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bmax - 1}) // {bmax}")
-    parts = int(spec.params.get("kparts", 1))
-    if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
-        row_groups = cdiv(ctx.max_rows, bmax)
-        ctx.need_scratch(ScratchPlan("kpart_sum", fixed=parts * ctx.max_rows * w.rows * 4))
-        tiles = cdiv(w.rows, spec.params["rows_per_block"])
-        ctx.need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
-        args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
-        grid += (parts,)
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
     smem = kc.gemv_smem(spec.params) if opts.get("q8x") else 0
@@ -142,7 +131,7 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     The two separately stored weights of a q4_k_m layer's q|k and v read the same x: as one
     grid they stream side by side with no stream fork or join, and the next kernel launches
     early behind them. The second part is re-planned in the first's block shape. Pairs only
-    coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
+    coop q8x GEMVs without a residual, glu or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
     memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
     sets the kernel's __launch_bounds__ minimum of blocks per SM."""
@@ -170,23 +159,15 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
 
 def pairable(p: dict) -> bool:
     """Whether a gemv spec's params allow it as a gemv_pair part (see _pair)."""
-    return (
-        bool(p.get("coop") and p.get("q8x"))
-        and not p["residual"]
-        and not p["glu"]
-        and p["kparts"] == 1
-    )
+    return bool(p.get("coop") and p.get("q8x")) and not p["residual"] and not p["glu"]
 
 
 def fork(ctx, mode: str, launches: list[Launch]) -> list[Launch]:
     """A decode linear's launches after the first marked concurrent (tuning
     decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
-    all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
-    buffer), nor in prefill."""
+    all reading the same x. Not in prefill."""
     on = ctx.graph_knob("fork_linears")
     if not on or mode == "prefill" or len(launches) < 2:
-        return launches
-    if any(a.kind == "scratch" for la in launches for a in la.args):
         return launches
     return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
 
