@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from fixtures.catalog_specs import all_specs
 from fixtures.families import family_cases
 
 from engine import kernel_catalog as kc
@@ -79,7 +80,7 @@ def _specs_by_arch(full: bool = False):
     for prof in all_profiles().values():
         specs = by_arch.setdefault(prof.arch, {})
         for _fam, _size, dims, types, styles, qk in family_cases():
-            for s in kc.all_specs(
+            for s in all_specs(
                 dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
             ):
                 specs[s] = None
@@ -106,7 +107,7 @@ def _pair_specs() -> list:
     prof = with_tuning(get_profile("h200"), tune)
     pairs: dict[tuple, object] = {}
     for _fam, _size, dims, types, styles, qk in family_cases():
-        for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
+        for s in all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
     from test_plan import _q4_k_m_plan

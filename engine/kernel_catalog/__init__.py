@@ -5,7 +5,6 @@ rules the kernel relies on) and names its entry point; ``choice(...)`` adds the 
 (argument list, grid as a function of the row count, block, dynamic shared memory) as a
 ``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
 list (pointer / int / float, in order), which engine.lowering binds.
-``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
 
 Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
 weights are f32. Quantised weights are GGUF rows uploaded unchanged. Must not import CUDA, numpy
@@ -33,8 +32,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     PREFILL_WARPS,
     Q8X_STAGE_ROUNDS,
     SAMPLING_THREADS,
-    _pair_of,
-    all_specs,
     attention_params,
     attention_prefill_params,
     attention_warps,
@@ -76,7 +73,6 @@ from engine.kernel_catalog.layout import (  # noqa: F401
     COOP_Q8X_MAX,
     COOP_TYPES,
     GEMM_SMEM_MAX,
-    GEMV_MIN_TYPES,
     GEMV_XSMEM_MAX,
     L2_PF_MAX_ARGS,
     Q8X_FILE_TYPES,
@@ -92,7 +88,6 @@ from engine.kernel_catalog.layout import (  # noqa: F401
     gemv_grid_x,
     gemv_options,
     gemv_smem,
-    gemv_static_smem,
     l2_pf_ranges,
     pair_parts,
     pair_smem,

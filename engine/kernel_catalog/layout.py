@@ -9,7 +9,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from engine.kernel_catalog.contracts import KERNELS, PAIR_PARTS, QUANTS
+from engine.kernel_catalog.contracts import KERNELS, PAIR_PARTS
 from engine.kernel_spec import KernelSpec
 from engine.storage import row_bytes
 from engine.types import ConfigError
@@ -37,13 +37,8 @@ def gemv_options(g: Mapping[str, Any], stage: bool) -> dict[str, bool]:
     return {"prefetch": True} if g.get("prefetch") and stage else {}
 
 
-GEMV_MIN_TYPES = ("q4_1", "q4_1r", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
-
-
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
-
-
 
 
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
@@ -131,17 +126,6 @@ def _unprefixed(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 def pair_smem(s: KernelSpec) -> int:
     """A gemv_pair launch's dynamic shared memory: the larger part's."""
     return max(gemv_smem(p.params) for p in pair_parts(s))
-
-
-def gemv_static_smem(p: Mapping[str, Any]) -> int:
-    """The gemv's static shared memory in bytes (reduction, staged chunks)."""
-    warps = int(p["threads"]) // 32
-    elems, nbytes = QUANTS[p["quant"]]
-    chunk = {8: 32 * nbytes, 32: 32 * nbytes, 256: 4 * nbytes}[elems]
-    total = warps * int(p["bmax"]) * 4
-    if p.get("stage"):
-        total += warps * ((chunk + 32 + 15) // 16 * 16)
-    return total
 
 
 GEMM_SMEM_MAX = 227 * 1024  # the sm_90 per-block opt-in limit; consumer profiles keep tiles near 100 KB
