@@ -925,7 +925,7 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 for la in st.launches[mode]
                 if la.spec.template == "gemv"
             ]
-            kst = c["q8x_ksplit_threads"] or c["q8x_threads"]  # the k-split (o, down) blocks
+            kst = c.get("q8x_ksplit_threads") or c["q8x_threads"]  # the k-split (o, down) blocks
             for p in gemvs:
                 if p["q8x"] and p["ksplit"] > 1:
                     assert (p["threads"], p["rows_per_block"]) == (kst, kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"])
@@ -1192,7 +1192,7 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
 
 
 def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
-    """gemv_coop.q8x_lanes_per_row (general or per file type): a warp becomes 32 / lanes lane
+    """gemv_coop.q8x_lanes_per_row (per file type): a warp becomes 32 / lanes lane
     groups, each owning rows_per_warp rows, so a block covers 32 / lanes times the rows; the
     kernel param ``lanes`` is in the entry name only when it is not 32; a bad value is refused."""
     from engine import kernel_catalog as kc
