@@ -254,7 +254,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(attention_prefill_smem(p) <= 99 * 1024, "block_q/block_kv/head_dim too large for shared memory")
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
-        need(p["mode"] in ("decode", "prefill"), f"mode {p['mode']!r} must be decode or prefill")
+        need(p["mode"] == "decode", f"mode {p['mode']!r} must be decode (prefill: attention_prefill)")
         group = p["heads"] // p["kv_heads"]
         need(
             p["qsplit"] == 1 or (p["direct"] and group % p["qsplit"] == 0),
