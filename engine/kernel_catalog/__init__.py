@@ -52,7 +52,6 @@ from engine.kernel_catalog.checks import (  # noqa: F401
 )
 from engine.kernel_catalog.contracts import (  # noqa: F401
     _DEFAULT_NAME,
-    _QUIET_NAME,
     I32,
     KERNELS,
     LP_TOP,

@@ -60,27 +60,26 @@ class KernelDoc:
 P, I32 = "ptr", "i32"
 
 
-# bool params left out of the entry name while false (added after the names in golden plans)
-_QUIET_NAME: dict[str, tuple[str, ...]] = {
-    "gemv": (
-        "prefetch", "coop", "pipeline", "glu", "q8x", "tile_pf", "wsm", "trigger",
-        "early_nw", "early_res",
-    ),
-    "gemm": ("swizzle", "fragbuf"),
-    "attention": ("vec16", "rope", "table_first", "trigger"),
-}
-
-
-# params left out of the entry name while at these defaults (added after the names in golden plans)
+# params left out of the entry name while at these defaults (added after the names in golden plans;
+# a switch is named only when on)
+_OFF = dict.fromkeys
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
-    "attention": {"qsplit": 1, "v_stride": 0, "window": 0},
+    "attention": {
+        "qsplit": 1, "v_stride": 0, "window": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
+    },
     "attention_prefill": {"window": 0},
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
     "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
-    "gemv": {"ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32},
+    "gemv": {
+        "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0,
+        **_OFF(
+            ("prefetch", "coop", "pipeline", "q8x", "tile_pf", "wsm", "trigger", "early_nw", "early_res"), False
+        ),
+    },
+    "gemm": _OFF(("swizzle", "fragbuf"), False),
 }
 
 

@@ -13,7 +13,6 @@ from typing import Any
 from engine.kernel_catalog.checks import _check
 from engine.kernel_catalog.contracts import (
     _DEFAULT_NAME,
-    _QUIET_NAME,
     KERNELS,
     PAIR_PARTS,
     PENALTY_BLOCKS,
@@ -96,9 +95,6 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} must be positive")
     _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
     parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
-    for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
-        if not norm[key]:
-            parts.pop(key, None)
     for key, default in _DEFAULT_NAME.get(template, {}).items():
         if norm[key] == default:
             parts.pop(key, None)
