@@ -85,7 +85,6 @@ from engine.kernel_catalog.layout import (  # noqa: F401
     gemm_wgmma_smem,
     gemm_wgmma_tile_m,
     gemv_grid_x,
-    gemv_options,
     gemv_smem,
     l2_pf_ranges,
     pair_parts,

@@ -16,7 +16,6 @@ from engine.kernel_catalog.layout import (
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
-    gemv_options,
     gemv_smem,
 )
 from engine.storage import row_bytes
@@ -50,11 +49,10 @@ def linear_params(
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     bmax = bmax or GEMV_MAX_BATCH
     layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
-    opts = (
-        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
-        if layout.get("coop")
-        else gemv_options(tuning["gemv"], st)
-    )
+    if layout.get("coop"):
+        opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
+    else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
+        opts = {"prefetch": True} if tuning["gemv"].get("prefetch") and st else {}
     return dict(
         {**layout, **opts},
         stage=False if layout.get("coop") else st,

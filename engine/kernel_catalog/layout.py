@@ -31,12 +31,6 @@ def _fail(template: str, msg: str) -> ConfigError:
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (q8x: bmax * k * 3 / 2 bytes) at most
 
 
-def gemv_options(g: Mapping[str, Any], stage: bool) -> dict[str, bool]:
-    """The gemv tuning's prefetch switch for one spec (on the staged path only); empty when off
-    (the default entry names)."""
-    return {"prefetch": True} if g.get("prefetch") and stage else {}
-
-
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 
