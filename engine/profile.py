@@ -19,7 +19,7 @@ import yaml
 
 from engine import env, paths
 from engine import tuning as tuning_mod
-from engine.schema import Field, ListOf, MapOf, load_yaml, validate
+from engine.schema import Field, ListOf, load_yaml, validate
 from engine.types import ConfigError, DeviceInfo
 
 log = logging.getLogger("memra.profile")
@@ -71,7 +71,6 @@ PROFILE_SCHEMA: dict[str, Field] = {
     # launch kernels with programmatic dependent launch (sm_90+; MEMRA_PDL overrides it)
     "programmatic_launch": Field(bool, default=False),
     "tuning": Field(TUNING_SCHEMA, default={k: f.default for k, f in TUNING_SCHEMA.items()}),
-    "notes": Field(MapOf(str), default={}),
 }
 
 

@@ -21,22 +21,23 @@ from typing import Any
 from engine.kernel_catalog import Q8X_FILE_TYPES  # the file types a q8x GEMV reads
 from engine.schema import Field, ListOf, MapOf
 
-# the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning)
+# the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning; 0 keeps the
+# general one). Per file type only (no profile sets them for every type):
+# - q8x_ksplit_threads: the threads of the k-split blocks (0: q8x_threads): e.g. 640 = 10 groups of
+#   2 rows for 20-row tiles, so n = 2560 takes 128 blocks, one wave on 132 SMs;
+# - q8x_ksplit_min_n: no k split below this many rows (a small model's short weights want more,
+#   smaller tiles);
+# - q8x_b1_rows_per_warp: rows per warp of the bmax-1 q8x GEMVs without the k split (0:
+#   q8x_rows_per_warp): fewer registers, so more blocks of q8x_threads fit on an SM;
+# - q8x_lanes_per_row: lanes per row (0: 32, a warp per row group): 8 makes a warp four lane
+#   groups, each with its rows; a short k then takes whole steps on every lane;
+# - q8x_b1_unroll: batch 1, this many segments in flight per lane and row instead of `unroll` (0:
+#   `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them), only where k <=
+#   q8x_b1_unroll_max_k (0: any k).
 Q8X_TYPE_KNOBS = (
-    "q8x_threads",
-    "q8x_rows_per_warp",
-    "q8x_ksplit",
-    "q8x_ksplit_threads",
-    "q8x_ksplit_min_n",
-    "q8x_b1_rows_per_warp",
-    "q8x_lanes_per_row",
-    "q8x_wsm_kb",
-    "q8x_wsm_chunks",
-    "q8x_wsm_chunk_min_k",
-    "q8x_b1_unroll",
-    "q8x_b1_unroll_max_k",
+    "q8x_threads", "q8x_rows_per_warp", "q8x_ksplit", "q8x_ksplit_threads", "q8x_ksplit_min_n",
+    "q8x_b1_rows_per_warp", "q8x_lanes_per_row", "q8x_wsm_kb", "q8x_b1_unroll", "q8x_b1_unroll_max_k",
 )
-TYPE_TUNING = MapOf({k: Field(int, default=0) for k in Q8X_TYPE_KNOBS})
 
 
 def positive(v: float) -> str | None:
@@ -45,6 +46,9 @@ def positive(v: float) -> str | None:
 
 def non_negative(v: float) -> str | None:
     return None if v >= 0 else f"expected a number >= 0, got {v}"
+
+
+TYPE_TUNING = MapOf({k: Field(int, default=0, check=non_negative) for k in Q8X_TYPE_KNOBS})
 
 
 def q8x_file_types(v: dict) -> str | None:
@@ -112,9 +116,8 @@ class GemvCoop(Knobs):
     q8x: bool = False
     q8x_threads: int = 0
     q8x_rows_per_warp: int = 0
-    # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's values of the general q8x
-    # knobs named in Q8X_TYPE_KNOBS (described below), over the general ones; 0 keeps the
-    # general one
+    # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's values of the q8x knobs named
+    # in Q8X_TYPE_KNOBS, over the general ones; 0 keeps the general one
     q8x_type_tuning: dict = knob({}, q8x_file_types, kind=TYPE_TUNING)
     # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
     # (its block stages and quantises x anyway; the norm costs one more pass over x)
@@ -124,46 +127,22 @@ class GemvCoop(Knobs):
     q8x_ksplit: int = 1
     q8x_ksplit_max_n: int = 0
     q8x_ksplit_types: list[str] = knob([])  # file types; empty: every q8x type
-    # the threads of the k-split blocks (0: q8x_threads): e.g. 640 = 10 groups of 2 rows
-    # for 20-row tiles, so n = 2560 takes 128 blocks, one wave on 132 SMs
-    q8x_ksplit_threads: int = 0
-    # no k split below this many rows (a small model's short weights want more, smaller tiles)
-    q8x_ksplit_min_n: int = 0
-    # rows per warp of the bmax-1 q8x GEMVs without the k split (0: q8x_rows_per_warp):
-    # fewer registers, so more blocks of q8x_threads fit on an SM
-    q8x_b1_rows_per_warp: int = 0
-    # lanes per row of the q8x GEMVs (0: 32, a warp per row group): 8 makes a warp four
-    # lane groups, each with its rows; a short k then takes whole steps on every lane
-    q8x_lanes_per_row: int = 0
     # q8x on sm_90, batch 1: a block's row tile of up to this many KB bulk-copied into shared
     # memory (one copy, issued before the block waits for x; 0: off), where the resident
-    # blocks hold every tile at once and the k is not split over blocks
+    # blocks hold every tile at once
     q8x_wsm_kb: int = 0
-    # wsm: the row tile copied in up to this many k chunks, each counted on its own mbarrier
-    # (0 or 1: one copy), so the lanes start on a chunk while the later ones still land
-    q8x_wsm_chunks: int = 0
-    q8x_wsm_chunk_min_k: int = 0  # k chunks only where k is at least this
     # q8x: at most q8x_blocks_per_sm * sm_count blocks, each looping over row tiles (it
     # stages and quantises its x rows once, not once per tile); 0: one block per tile
     q8x_blocks_per_sm: int = 0
     # q8x capped grids: at most the blocks of the compiled kernel resident at once (the
     # driver's occupancy x SMs), so no block waits for a second wave
     q8x_resident_grid: bool = False
-    # q8x, batch 1: this many segments in flight per lane and row instead of `unroll` (0:
-    # `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them)
-    q8x_b1_unroll: int = knob(0, non_negative)
-    q8x_b1_unroll_max_k: int = 0  # q8x_b1_unroll only where k <= this (0: any k)
     # q8x, batch 1, the norm prologue from the staging loads: each thread's norm weights
     # loaded before pdl_wait (weights never change), so only x is read after the wait
     q8x_early_norm_w: bool = False
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False
-    # q8x: k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k: each stages
-    # and streams k / q8x_kparts, the last block of a tile adds the partial sums
-    q8x_kparts: int = 1
-    q8x_kparts_min_k: int = 0
-    q8x_kparts_types: list[str] = knob([])  # file types; empty: every q8x type
 
 
 @dataclass(frozen=True, eq=False)

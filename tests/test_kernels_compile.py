@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from fixtures.catalog_specs import all_specs
 from fixtures.families import family_cases
 
 from engine import kernel_catalog as kc
@@ -79,7 +80,7 @@ def _specs_by_arch(full: bool = False):
     for prof in all_profiles().values():
         specs = by_arch.setdefault(prof.arch, {})
         for _fam, _size, dims, types, styles, qk in family_cases():
-            for s in kc.all_specs(
+            for s in all_specs(
                 dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
             ):
                 specs[s] = None
@@ -106,7 +107,7 @@ def _pair_specs() -> list:
     prof = with_tuning(get_profile("h200"), tune)
     pairs: dict[tuple, object] = {}
     for _fam, _size, dims, types, styles, qk in family_cases():
-        for s in kc.all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
+        for s in all_specs(dims, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk):
             if s.template == "gemv_pair":
                 pairs.setdefault((s.params["a_quant"], s.params["b_quant"]), s)
     from test_plan import _q4_k_m_plan
@@ -404,10 +405,6 @@ def _gemv_variant_specs():
                 out.append(
                     kc.spec("gemv", **{**p, "ksplit": 1, "rows_per_block": 16, "stage_rounds": 6, **pro})
                 )
-    # q8x with k split over grid.z (kparts: partial sums, the last block adds them), with a prologue
-    for q in kc.Q8X_TYPES:
-        p = kc.linear_params(q, 1003, 2560, q8, bmax=1, residual=True, sm_count=132)
-        out.append(kc.spec("gemv", **{**p, "kparts": 2, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
     # q8x with 8 / 4 lanes per row: whole steps on every lane (k = 2560), then k = 576 / 768 (a
     # tail step for q4_0r / q4_1r / q4_k, whole steps for q6_kr / q8_0r)
     for q in kc.Q8X_TYPES:
@@ -440,7 +437,7 @@ def _gemv_variant_specs():
 def _wsm_specs() -> list:
     """q8x with the row tile bulk-copied into shared memory (wsm: cp.async.bulk + an mbarrier,
     sm_90+), batch 1 with the norm prologue and batch 8 with the silu one, a capped grid (the next
-    tile's copy once the current one is read), and in k chunks (wsm_chunk), on every q8x type."""
+    tile's copy once the current one is read), on every q8x type."""
     q8 = {
         "gemv": {},
         "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "rows_per_warp": 1, "unroll": 2,
@@ -453,10 +450,6 @@ def _wsm_specs() -> list:
         specs.append(kc.spec("gemv", **{**p, "prologue": "norm", "eps": 1e-6}))
         specs.append(kc.spec("gemv", **{**p, "bmax": 8, "prologue": "silu", "x_stride": 5120, "u_off": 2560}))
         specs.append(kc.spec("gemv", **{**p, "l2_pf": "0:0:65536"}))  # once the tile landed
-        # the tile in k chunks (wsm_chunk: one mbarrier each), the last one shorter
-        wc = kc.wsm_chunk_elems(kc.coop_step_elems(p), 2560, 3)
-        assert wc and 2560 % wc, (q, wc)
-        specs.append(kc.spec("gemv", **{**p, "wsm_chunk": wc, "prologue": "norm", "eps": 1e-6}))
     return specs
 
 

@@ -8,6 +8,7 @@ import shutil
 from typing import Any
 
 import pytest
+from fixtures.catalog_specs import all_specs
 from fixtures.families import family_cases
 
 from engine import kernel_catalog as kc
@@ -23,7 +24,7 @@ def _specs():
     prof = profile.with_tuning(profile.get_profile("h200"), tune)
     out: dict[tuple, Any] = {}
     for _fam, _size, d, types, styles, qk in family_cases():
-        for s in kc.all_specs(
+        for s in all_specs(
             d, types, prof.tuning, block_size=prof.kv_block_size, rope_styles=styles, qk_norm=qk
         ):
             flags = tuple(sorted((k, v) for k, v in s.params.items() if isinstance(v, (bool, str))))

@@ -276,8 +276,6 @@ def test_pair_spec_rules_name_the_problem():
     assert a.params["coop"] and a.params["q8x"] and a.params["threads"] == 640
     with pytest.raises(ConfigError, match="threads differ"):
         kc.pair_spec(a, gemv(threads=320, ksplit=1, rows_per_block=40))
-    with pytest.raises(ConfigError, match="kparts"):
-        kc.pair_spec(a, gemv(kparts=2))
     with pytest.raises(ConfigError, match="grid_cap"):
         kc.pair_spec(a, gemv(grid_cap=8))
     with pytest.raises(ConfigError, match="coop gemv"):
@@ -927,7 +925,7 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 for la in st.launches[mode]
                 if la.spec.template == "gemv"
             ]
-            kst = c["q8x_ksplit_threads"] or c["q8x_threads"]  # the k-split (o, down) blocks
+            kst = c.get("q8x_ksplit_threads") or c["q8x_threads"]  # the k-split (o, down) blocks
             for p in gemvs:
                 if p["q8x"] and p["ksplit"] > 1:
                     assert (p["threads"], p["rows_per_block"]) == (kst, kst // 32 // p["ksplit"] * c["q8x_rows_per_warp"])
@@ -1090,53 +1088,6 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
     ]
 
 
-def test_q8x_kparts_splits_long_k_decode_gemvs_over_grid_z():
-    """gemv_coop.q8x_kparts / q8x_kparts_min_k: the q8x decode GEMVs with k >= min_k (the Qwen3-4B
-    down projection, k = 9728) get kparts, a third grid dimension, the partial-sum and zeroed
-    counter scratches sized for the largest decode bucket; shorter k and bmax-8 GEMVs whose x rows
-    are too long for q8x keep kparts 1."""
-    from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
-    prof = with_tuning(
-        get_profile("h200"), "gemv_coop.q8x_kparts=4; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[]"
-    )
-    graph = load_family("qwen3")
-    for quant in ("q8_0", "q4_k_m"):
-        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
-        split = [la for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) > 1]
-        assert split and all(la.spec.params["k"] == 9728 and la.spec.params["q8x"] for la in split)
-        assert all(la.spec.params["kparts"] == 1 for la in _decode_gemvs(plan) if la.spec.params["k"] < 8192)
-        for la in split:
-            assert la.grid[2] == 4 and [a.ref for a in la.args[-2:]] == ["kpart_sum", "kpart_count"]
-            assert len(la.args) == len(kc.kernel_args(la.spec)) and "kparts4" in la.spec.entry
-        sc = {sp.name: sp for sp in plan.scratch}
-        assert sc["kpart_sum"].fixed == 4 * max(prof.cuda_graph_batch_sizes) * 2560 * 4
-        assert sc["kpart_count"].fill == "zero"
-    with pytest.raises(ConfigError, match="kparts"):
-        kc.spec("gemv", **{**split[0].spec.params, "kparts": 3})  # 9728 is not 3 whole parts
-
-
-def test_kparts_types_limit_the_split_to_those_file_types():
-    """gemv_coop.q8x_kparts_types: the k split goes to the listed file types' weights only (q4_k /
-    q6_k of a q4_k_m file, not q8_0)."""
-    from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
-    prof = with_tuning(
-        get_profile("h200"),
-        "gemv_coop.q8x_kparts=2; gemv_coop.q8x_kparts_min_k=8192; gemv_coop.q8x_kparts_types=[q4_k, q6_k]",
-    )
-    graph = load_family("qwen3")
-    for quant, want in (("q8_0", set()), ("q4_k_m", {"q4_k"})):  # (the plan's nominal q4_k_m: all q4_k)
-        plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
-        split = {la.spec.params["quant"] for la in _decode_gemvs(plan) if la.spec.params.get("kparts", 1) == 2}
-        assert split == want, (quant, split)
-    for layout, want in (("q6_kr", 2), ("q8_0r", None), ("q4_k", 2), ("q4_0r", None)):  # by file type
-        p = kc.linear_params(layout, 2560, 9728, prof.tuning, bmax=1, sm_count=132)
-        assert p.get("kparts") == want, layout
-
-
 def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     """gemv_coop.q8x_type_tuning: q8_0 weights (q8_0r) take 512-thread q8x blocks while the q4_k
     and q6_k weights keep the general q8x_threads; zero fields keep the general knob; an unknown file
@@ -1159,8 +1110,8 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
 
 
 def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
-    """gemv_coop.q8x_b1_unroll (per file type): the batch-1 q4_k GEMVs take that unroll (their
-    wsm k chunks follow its step); b8 and the other types keep gemv_coop.unroll; 0 keeps it."""
+    """gemv_coop.q8x_b1_unroll (per file type): the batch-1 q4_k GEMVs take that unroll; b8 and the
+    other types keep gemv_coop.unroll; 0 keeps it."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
 
@@ -1179,8 +1130,6 @@ def test_q8x_b1_unroll_sets_a_file_types_batch1_segments_in_flight():
     ):
         p = kc.linear_params(layout, n, k, tuned, bmax=bmax, sm_count=132)
         assert p["unroll"] == want, (layout, n, k, bmax)
-        if p.get("wsm_chunk"):  # whole steps per chunk at this unroll
-            assert p["wsm_chunk"] % kc.coop_step_elems(p) == 0
     plain = {**tuned, "gemv_coop": {**tuned["gemv_coop"], "q8x_type_tuning": types}}
     assert kc.linear_params("q4_k", 19456, 2560, plain, bmax=1)["unroll"] == general
     # the h200 profile: unroll 4 on k <= 4096 for q4_k, q6_k and q8_0, the downs (k 9728) keep it
@@ -1243,7 +1192,7 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
 
 
 def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
-    """gemv_coop.q8x_lanes_per_row (general or per file type): a warp becomes 32 / lanes lane
+    """gemv_coop.q8x_lanes_per_row (per file type): a warp becomes 32 / lanes lane
     groups, each owning rows_per_warp rows, so a block covers 32 / lanes times the rows; the
     kernel param ``lanes`` is in the entry name only when it is not 32; a bad value is refused."""
     from engine import kernel_catalog as kc
@@ -1274,9 +1223,8 @@ def test_q8x_lanes_per_row_makes_lane_groups_with_their_own_rows():
 
 def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
     """gemv_coop.q8x_wsm_kb: the row tile of a batch-1 q8x GEMV bulk-copied into shared memory
-    (entry name wsm1) where it fits that many KB, k is not split over blocks and the blocks that fit
-    at once hold every tile: q|k, not gate|up (487 tiles, 396 blocks) nor the lm_head, not the kparts
-    down projection, not batch 8; tile_pf is then off; the dynamic shared memory grows by the tile;
+    (entry name wsm1) where it fits that many KB and the blocks that fit at once hold every tile: q|k,
+    not gate|up (487 tiles, 396 blocks) nor the lm_head, not batch 8; tile_pf is then off; the dynamic shared memory grows by the tile;
     a tile past 227 KB is refused."""
     from engine import kernel_catalog as kc
     from engine.profile import with_tuning
@@ -1297,15 +1245,12 @@ def test_q8x_wsm_copies_short_gemvs_row_tiles_into_shared_memory():
     assert kc.linear_params("q4_k", 9728, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")
     assert not kc.linear_params("q4_k", 5120, 2560, on.tuning, bmax=8, sm_count=132).get("wsm")
     assert not kc.linear_params("q6_kr", 151936, 2560, on.tuning, bmax=1, sm_count=132).get("wsm")  # lm_head
-    kp = with_tuning(h200, "gemv_coop.q8x_wsm_kb=200; gemv_coop.q8x_kparts=2")
-    assert kc.linear_params("q6_kr", 2560, 9728, kp.tuning, bmax=1, sm_count=132)["kparts"] == 2
-    assert not kc.linear_params("q6_kr", 2560, 9728, kp.tuning, bmax=1, sm_count=132).get("wsm")
     small = with_tuning(h200, "gemv_coop.q8x_wsm_kb=16")  # a 46 KB tile does not fit in 16 KB
     assert not kc.linear_params("q4_k", 5120, 2560, small.tuning, bmax=1, sm_count=132).get("wsm")
     p = kc.linear_params("q4_k", 5120, 2560, on.tuning, bmax=1, sm_count=132)
     with pytest.raises(ConfigError, match="wsm: .* exceed"):
         kc.spec("gemv", **{**p, "rows_per_block": 256, "threads": 1024, "lanes": 4, "grid_cap": 0})
-    with pytest.raises(ConfigError, match="wsm .* without kparts or tile_pf"):
+    with pytest.raises(ConfigError, match="wsm .* without tile_pf"):
         kc.spec("gemv", **{**p, "tile_pf": True})
 
 
@@ -1334,69 +1279,6 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_batch_1_only():
     assert kc.linear_params("bf16", 1024, 3072, off.tuning, bmax=1)["threads"] == 256
     assert kc.linear_params("bf16", 1024, 3072, prof.tuning, bmax=1)["threads"] == 512
     assert kc.linear_params("q8_0r", 1024, 3072, prof.tuning, bmax=1)["threads"] != 512  # coop: its own
-
-
-def test_kparts_parts_hold_whole_units_of_each_layout():
-    """A q6_kr segment reads elements of a 128-element half super-block, a q4_k one 64 consecutive
-    elements, the others 32: kparts must cut k at those grains (a part's staged x covers exactly
-    the elements its segments read), and the tuning skips weights it cannot cut."""
-    from engine import kernel_catalog as kc
-
-    base = {"gemv": {}}
-    coop = {"types": ["q4_k", "q8_0", "q6_k"], "rows_per_warp": 2, "unroll": 2, "q8x": True}
-    for q, k, parts, ok in (
-        ("q6_kr", 9728, 4, True),  # 19 halves of 128 per part
-        ("q6_kr", 9728 - 256 * 3, 4, False),  # 8960 / 4 = 2240: 17.5 halves
-        ("q4_k", 8960, 4, True),  # 2240 / 64 = 35 whole segments
-        ("q4_k", 8960, 8, False),  # 1120 / 64 = 17.5
-        ("q8_0r", 8960, 8, True),  # 35 x groups of 32
-    ):
-        tun = {**base, "gemv_coop": {**coop, "q8x_kparts": parts}}
-        p = kc.linear_params(q, 512, k, tun, bmax=1)
-        assert p["q8x"] and (p.get("kparts", 1) == parts) is ok, (q, k, p.get("kparts"))
-        if not ok:
-            with pytest.raises(ConfigError, match="kparts"):
-                kc.spec("gemv", **{**p, "kparts": parts})
-
-
-def test_q8x_wsm_chunks_cut_long_row_tiles_into_k_chunks():
-    """gemv_coop.q8x_wsm_chunks (per file type, from q8x_wsm_chunk_min_k): a wsm row tile copied in
-    k chunks, one mbarrier each: the chunk is the smallest multiple of the lanes' step and of 256
-    that needs at most that many chunks (entry name wsm_chunkN); on the h200 profile only the q4_k
-    down projection (k = 9728, a 2048-element step: five chunks, the last 1536); never where one
-    chunk holds k, k is not whole super-blocks, or wsm is off; a bad chunk is refused by name."""
-    from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
-    h200 = get_profile("h200")
-    down = kc.linear_params("q4_k", 2560, 9728, h200.tuning, bmax=1, sm_count=132)
-    s = kc.spec("gemv", **down)
-    assert (s.params["wsm_chunk"], kc.coop_step_elems(s.params)) == (2048, 2048)
-    assert "wsm1_wsm_chunk2048" in s.entry
-    src = render(s)
-    assert "#define WCH 2048" in src and "bar_wait(&wbar[s0 * SEG / WCH], wphase)" in src
-    assert "#define NCH 1" in render(kc.spec("gemv", **{**down, "wsm_chunk": 0}))  # one copy, as before
-    for q, n, k in (("q6_kr", 2560, 9728), ("q4_k", 5120, 2560), ("q4_k", 2560, 4096), ("q6_kr", 1024, 2560)):
-        assert not kc.linear_params(q, n, k, h200.tuning, bmax=1, sm_count=132).get("wsm_chunk"), (q, n, k)
-    # the general knob: four chunks at most for the types without their own (q6_k: a 2048-element
-    # step, here with the general 200 KB tile limit instead of its own 100, which keeps the h200
-    # q6_k down off wsm); q4_k keeps its own five from k = 8192
-    assert not kc.linear_params("q6_kr", 2560, 9728, h200.tuning, bmax=1, sm_count=132).get("wsm")
-    four = with_tuning(h200, "gemv_coop.q8x_wsm_chunks=4").tuning
-    tt = four["gemv_coop"]["q8x_type_tuning"]
-    tt = {**tt, "q6_k": {**tt["q6_k"], "q8x_wsm_kb": 0, "q8x_b1_unroll": 0}}  # (0: the general knob)
-    four = {**four, "gemv_coop": {**four["gemv_coop"], "q8x_type_tuning": tt}}
-    assert kc.linear_params("q6_kr", 2560, 9728, four, bmax=1, sm_count=132)["wsm_chunk"] == 4096
-    assert kc.linear_params("q6_kr", 1024, 2560, four, bmax=1, sm_count=132)["wsm_chunk"] == 2048
-    assert not kc.linear_params("q4_k", 5120, 2560, four, bmax=1, sm_count=132).get("wsm_chunk")
-    assert not kc.linear_params("q6_kr", 1024, 2560, four, bmax=8, sm_count=132).get("wsm_chunk")  # no wsm
-    assert kc.wsm_chunk_elems(512, 2560, 1) == 0 and kc.wsm_chunk_elems(2048, 2560, 8) == 2048
-    assert kc.wsm_chunk_elems(2048, 2048, 8) == 0  # one step holds k
-    assert kc.wsm_chunk_elems(256, 576, 8) == 0  # k not whole super-blocks
-    assert kc.wsm_chunk_elems(256, 8192, 64) == 512  # at most WSM_CHUNKS_MAX (16) chunks
-    for bad, why in (({"wsm_chunk": 1024}, "step"), ({"wsm_chunk": 12288}, "below k"), ({"wsm": False}, "wsm option")):
-        with pytest.raises(ConfigError, match=f"wsm_chunk=.*{why}"):
-            kc.spec("gemv", **{**down, **bad})
 
 
 def test_q8x_early_norm_w_and_residual_only_where_the_kernel_uses_them():

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         for b, cands in per:
             for label, c in cands:
                 a = {"out": out.ptr, "x": x.ptr, "a": x.ptr, "residual": 0, "rows": b, "part_sum": part.ptr,
-                     "part_count": count.ptr, "kpart_sum": part.ptr, "kpart_count": count.ptr}
+                     "part_count": count.ptr}
                 for name, _ in c.args:
                     if name.startswith("pf"):
                         a[name] = copies[0].ptr

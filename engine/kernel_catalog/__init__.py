@@ -5,7 +5,6 @@ rules the kernel relies on) and names its entry point; ``choice(...)`` adds the 
 (argument list, grid as a function of the row count, block, dynamic shared memory) as a
 ``KernelChoice``. ``KERNELS`` documents every template: its parameters and its exact argument
 list (pointer / int / float, in order), which engine.lowering binds.
-``all_specs(dims, storage_types, profile)`` enumerates what a model needs (CI compile test, warmup).
 
 Activations are bf16 everywhere (f32 accumulation inside kernels); logits may be f32; norm
 weights are f32. Quantised weights are GGUF rows uploaded unchanged. Must not import CUDA, numpy
@@ -20,7 +19,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     ELEMENTWISE_THREADS,
     GEMM_DECODE_MIN_ROWS,
     GEMM_FIXED,
-    GEMM_KNOBS,
     GEMM_WGMMA_NARROW,
     GEMM_WGMMA_TILE,
     GEMM_WGMMA_WIDE,
@@ -33,12 +31,9 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     PREFILL_WARPS,
     Q8X_STAGE_ROUNDS,
     SAMPLING_THREADS,
-    _pair_of,
-    all_specs,
     attention_params,
     attention_prefill_params,
     attention_warps,
-    coop_options,
     direct_qsplit,
     gemm_params,
     gemm_wgmma_params,
@@ -54,12 +49,9 @@ from engine.kernel_catalog.checks import (  # noqa: F401
     _check,
 )
 from engine.kernel_catalog.contracts import (  # noqa: F401
-    _DEFAULT_NAME,
-    _QUIET_NAME,
     I32,
     KERNELS,
     LP_TOP,
-    PAIR_PARTS,
     PENALTY_BLOCKS,
     QUANTS,
     ROPE_STYLES,
@@ -69,40 +61,23 @@ from engine.kernel_catalog.contracts import (  # noqa: F401
 )
 from engine.kernel_catalog.gemv_mma import MMA_BUCKETS, gemv_mma_params  # noqa: F401
 from engine.kernel_catalog.layout import (  # noqa: F401
-    _COOP_FILE_TYPE,
-    ATTENTION_ROPE_ARGS,
     ATTENTION_ROPE_PARAMS,
-    COOP_LAYOUTS,
     COOP_Q8X_MAX,
-    COOP_SEG,
     COOP_TYPES,
-    GEMM_SMEM_MAX,
-    GEMV_MIN_TYPES,
-    GEMV_XSMEM_MAX,
-    KPARTS_GRAIN,
     L2_PF_MAX_ARGS,
     Q8X_FILE_TYPES,
     Q8X_TYPES,
-    WSM_CHUNKS_MAX,
-    WSM_SMEM_MAX,
-    _cdiv,
-    _fail,
-    _unprefixed,
     attention_prefill_smem,
-    coop_step_elems,
     gemm_smem,
     gemm_wgmma_smem,
     gemm_wgmma_tile_m,
     gemv_grid_x,
-    gemv_options,
     gemv_smem,
-    gemv_static_smem,
     l2_pf_ranges,
     pair_parts,
     pair_smem,
     pair_spec,
     rope_head_blocks,
-    wsm_chunk_elems,
 )
 from engine.kernel_catalog.specs import (  # noqa: F401
     KernelChoice,

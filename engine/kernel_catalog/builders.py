@@ -1,35 +1,24 @@
 """Spec params from dims + profile tuning (linear / gemm / attention / rope params, the coop options,
-upload layouts) and ``all_specs``: every spec a model needs. Part of engine.kernel_catalog. Must not
-import CUDA, numpy or gguf.
+upload layouts). Part of engine.kernel_catalog. Must not import CUDA, numpy or gguf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from engine.kernel_catalog.contracts import LP_TOP, QUANTS, ROPE_STYLES, STAGED_DEFAULT
-from engine.kernel_catalog.gemv_mma import MMA_BUCKETS, gemv_mma_params
+from engine.kernel_catalog.contracts import QUANTS, STAGED_DEFAULT
 from engine.kernel_catalog.layout import (
     _COOP_FILE_TYPE,
-    ATTENTION_ROPE_PARAMS,
     COOP_LAYOUTS,
     COOP_Q8X_MAX,
     COOP_TYPES,
-    KPARTS_GRAIN,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
-    coop_step_elems,
-    gemv_options,
     gemv_smem,
-    pair_spec,
-    wsm_chunk_elems,
 )
-from engine.kernel_catalog.specs import spec
-from engine.kernel_spec import KernelSpec
 from engine.storage import row_bytes
-from engine.types import ConfigError
 
 # the classic gemv (kernels/gemv.cu.j2): a block of GEMV_THREADS threads owns GEMV_ROWS_PER_BLOCK
 # rows (even: the glu epilogue pairs them), GEMV_UNROLL k steps in flight per thread; a decode GEMV
@@ -60,11 +49,10 @@ def linear_params(
     st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
     bmax = bmax or GEMV_MAX_BATCH
     layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
-    opts = (
-        coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
-        if layout.get("coop")
-        else gemv_options(tuning["gemv"], st)
-    )
+    if layout.get("coop"):
+        opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
+    else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
+        opts = {"prefetch": True} if tuning["gemv"].get("prefetch") and st else {}
     return dict(
         {**layout, **opts},
         stage=False if layout.get("coop") else st,
@@ -111,14 +99,12 @@ def coop_options(
         the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
-      - k split over q8x_kparts blocks (grid.z) where k >= q8x_kparts_min_k, the file type is in
-        q8x_kparts_types (empty: every type) and k divides into whole segments;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
       - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
         of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
-        KB, k is not split over blocks and the blocks that fit at once (the smaller of
+        KB and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
 
@@ -157,32 +143,23 @@ def coop_options(
         unroll = int(c["unroll"])
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
-            unroll = out["unroll"] = b1_unroll  # segments in flight per lane and row
+            out["unroll"] = b1_unroll  # segments in flight per lane and row
         if (threads, rpw, ksplit, lanes) != (COOP_THREADS, c["rows_per_warp"], 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:
             out["lanes"] = lanes
         if c.get("q8x_blocks_per_sm") and sm_count:
             out["grid_cap"] = int(c["q8x_blocks_per_sm"]) * sm_count
-        parts = int(c.get("q8x_kparts") or 1)
-        kpt = c.get("q8x_kparts_types") or ()
-        if (
-            parts > 1
-            and (not kpt or file_type in kpt)
-            and k >= int(c.get("q8x_kparts_min_k") or 0)
-            and k % (parts * KPARTS_GRAIN.get(quant, 32)) == 0
-        ):
-            out["kparts"] = parts
         rounds, min_k = Q8X_STAGE_ROUNDS.get(file_type, (1, 0))
         if rounds > 1 and k >= min_k:
             out["stage_rounds"] = rounds
-        if c.get("q8x_early_norm_w") and bmax == 1 and out.get("kparts", 1) == 1:
+        if c.get("q8x_early_norm_w") and bmax == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if bmax == 1 and ksplit > 1 and out.get("kparts", 1) == 1:
+        if bmax == 1 and ksplit > 1:
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         wkb = int(c.get("q8x_wsm_kb") or 0)
-        if wkb and n and bmax == 1 and out.get("kparts", 1) == 1:  # the row tile in shared memory
+        if wkb and n and bmax == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
             tile = rpb * row_bytes(quant, k)
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
@@ -191,14 +168,6 @@ def coop_options(
             # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
             if tile <= wkb * 1024 and one_round(tuning, smem, _cdiv(n, rpb), sm_count):
                 out["wsm"] = True
-                if int(c.get("q8x_wsm_chunks") or 0) > 1 and k >= int(c.get("q8x_wsm_chunk_min_k") or 0):
-                    # the tile in k chunks, one mbarrier each
-                    step = coop_step_elems(
-                        {"quant": quant, "q8x": True, "unroll": unroll, "lanes": lanes, "ksplit": ksplit}
-                    )
-                    wc = wsm_chunk_elems(step, k, int(c["q8x_wsm_chunks"]))
-                    if wc:
-                        out["wsm_chunk"] = wc
     if c.get("pipeline"):
         out["pipeline"] = True
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
@@ -426,163 +395,4 @@ def rope_params(
     )
 
 
-def _pair_of(a: dict[str, Any], b_of: Callable[[int], dict[str, Any]], extra: dict[str, Any]) -> KernelSpec | None:
-    """The gemv_pair of gemv params ``a`` and ``b_of(a's threads)`` (each with ``extra``), or None
-    where either is not a coop q8x GEMV or pair_spec refuses them."""
-    if not (a.get("coop") and a.get("q8x")):
-        return None
-    b = b_of(int(a["threads"]))
-    if not (b.get("coop") and b.get("q8x")):
-        return None
-    try:
-        return pair_spec(spec("gemv", **a, **extra), spec("gemv", **b, **extra))
-    except ConfigError:
-        return None
-
-
 NORM_THREADS = 256  # the rmsnorm kernel's block
-
-
-def all_specs(
-    dims: Mapping[str, Any],
-    storage_types: Iterable[str],
-    tuning: Mapping[str, Any],
-    *,
-    block_size: int = 16,
-    rope_styles: Iterable[str] = ROPE_STYLES,
-    qk_norm: bool = False,
-) -> list[KernelSpec]:
-    """Every kernel a model of ``dims`` can use with weights in ``storage_types`` (only the types
-    this catalog supports; others are skipped), deduplicated, in a stable order."""
-    d = dict(dims)
-    d.setdefault("rope_dim", d["head_dim"])
-    hidden, inter, vocab = d["hidden"], d["intermediate"], d["vocab"]
-    q_dim, kv_dim = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-    qkv = q_dim + 2 * kv_dim
-    types = [t for t in dict.fromkeys(storage_types) if t in QUANTS]
-    shapes = [(qkv, hidden, False), (hidden, q_dim, True), (2 * inter, hidden, False), (hidden, inter, True)]
-    out: dict[KernelSpec, None] = {}
-    el, nm, sm = ELEMENTWISE_THREADS, NORM_THREADS, SAMPLING_THREADS
-    for t in types:
-        ok = QUANTS[t][0]
-        th = upload_type(t, hidden, tuning)
-        if hidden % ok == 0:
-            out[spec("embed", quant=th, hidden=hidden, threads=el)] = None
-        for n, k, res in shapes:
-            if k % ok == 0:
-                tk = upload_type(t, k, tuning)
-                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res))] = None
-                out[spec("gemv", **linear_params(tk, n, k, tuning, residual=res, bmax=1))] = None
-        if hidden % ok == 0:
-            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32"))] = None
-            out[spec("gemv", **linear_params(th, vocab, hidden, tuning, out_dtype="f32", bmax=1))] = None
-        # the decode GEMVs with fused prologues: rmsnorm before qkv / gate|up / lm_head, SiLU-mul
-        # before the down projection (x = the fused gate|up buffer)
-        norm = dict(prologue="norm", x_stride=hidden, eps=d["rms_eps"])
-        silu = dict(prologue="silu", x_stride=2 * inter, u_off=inter)
-        for bm in (None, 1):
-            if hidden % ok == 0:
-                for n, od in ((qkv, "bf16"), (2 * inter, "bf16"), (vocab, "f32")):
-                    p = linear_params(th, n, hidden, tuning, out_dtype=od, bmax=bm)
-                    out[spec("gemv", **p, **norm)] = None
-            if inter % ok == 0:
-                p = linear_params(
-                    upload_type(t, inter, tuning), hidden, inter, tuning, residual=True, bmax=bm
-                )
-                out[spec("gemv", **p, **silu)] = None
-            if tuning["gemv"].get("fuse_glu") and hidden % ok == 0:  # gate|up storing silu(g) * u
-                p = linear_params(th, 2 * inter, hidden, tuning, bmax=bm)
-                if not p.get("coop") and p["rows_per_block"] % 2 == 0:
-                    out[spec("gemv", **p, glu=inter)] = None
-        if (tuning.get("decode_graph") or {}).get("pair_linears") and hidden % ok == 0:
-            # q|k and a separately stored v (this type, or a q4_k_m file's q6_k) in one launch
-            for u in dict.fromkeys((t, "q6_k")):
-                if u in types and hidden % QUANTS[u][0] == 0:
-                    pair = _pair_of(
-                        linear_params(th, q_dim + kv_dim, hidden, tuning, bmax=1),
-                        lambda threads, u=u: linear_params(
-                            upload_type(u, hidden, tuning), kv_dim, hidden, tuning, bmax=1, threads=threads
-                        ),
-                        norm,
-                    )
-                    if pair is not None:
-                        out[pair] = None
-    for t in types:  # gemv_mma (in no plan yet: docs/kernels.md), kept in the catalog so every check covers it
-        for n, k, res, od in [*((n, k, r, "bf16") for n, k, r in shapes), (vocab, hidden, False, "f32")]:
-            for bmax, _lo, _hi in MMA_BUCKETS:
-                p = gemv_mma_params(upload_type(t, k, tuning), n, k, bmax, residual=res, out_dtype=od)
-                if p is not None:
-                    out[spec("gemv_mma", **p)] = None
-                if tuning["gemv"].get("fuse_glu") and (n, k) == (2 * inter, hidden):  # silu(g) * u stored
-                    p = gemv_mma_params(upload_type(t, k, tuning), n, k, bmax, glu=inter)
-                    if p is not None:
-                        out[spec("gemv_mma", **p)] = None
-    for n, k, res in shapes:
-        wg = gemm_wgmma_params(n, k, tuning, residual=res)
-        if wg is not None:  # bf16 prefill on sm_90a (the mma.sync gemm stays for the rest)
-            out[spec("gemm_wgmma", **wg)] = None
-        out[spec("gemm", **gemm_params(n, k, tuning, residual=res))] = None
-        if "gemm_decode" in tuning:
-            out[spec("gemm", **gemm_params(n, k, tuning, residual=res, section="gemm_decode"))] = None
-        for t in types:  # the fused quantised prefill GEMM (W tiles decoded into shared memory)
-            if (
-                t != "bf16"
-                and k % QUANTS[t][0] == 0
-                and wg is not None
-                and tuning["gemm_wgmma"]["dequant_min_rows"]
-            ):
-                # long chunks: the matrix dequantised to bf16 (embed over ids 0..n-1), then gemm_wgmma
-                out[spec("embed", quant=upload_type(t, k, tuning), hidden=k, threads=el)] = None
-            if t != "bf16" and k % QUANTS[t][0] == 0:
-                out[
-                    spec("gemm", **gemm_params(n, k, tuning, residual=res, quant=upload_type(t, k, tuning)))
-                ] = None
-    for res in (False, True):
-        out[spec("rmsnorm", n=hidden, eps=d["rms_eps"], threads=nm, residual=res)] = None
-    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el)] = None
-    out[spec("silu_mul", inter=inter, in_stride=2 * inter, threads=el, act="gelu_tanh")] = None  # GeGLU
-    out[spec("add", n=hidden, a_stride=hidden, b_stride=hidden, threads=el)] = None  # a residual sum
-    for style in rope_styles:
-        out[spec("rope", **rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm))] = (
-            None
-        )
-    for mode in ("decode", "prefill"):
-        for direct in (True, False):
-            p = attention_params(
-                d, tuning, block_size, mode=mode, direct=direct, q_stride=qkv, out_stride=q_dim
-            )
-            out[spec("attention", **p)] = None
-            if mode == "decode" and direct and p["vec16"] and tuning["attention_decode"].get("fuse_rope"):
-                for style in rope_styles:  # rope folded into decode attention
-                    rp = rope_params(d, tuning, style, q_stride=qkv, kv_stride=qkv, qk_norm=qk_norm)
-                    fused = {k: rp[k] for k in ATTENTION_ROPE_PARAMS if k in rp}
-                    out[spec("attention", **p, **fused, rope=True)] = None
-    out[
-        spec(
-            "attention_prefill",
-            **attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim),
-        )
-    ] = None
-    split = attention_params(
-        d, tuning, block_size, mode="decode", direct=False, q_stride=qkv, out_stride=q_dim
-    )["split"]
-    out[
-        spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim)
-    ] = None
-    window = int(d.get("sliding_window") or 0)
-    if window:  # sliding-window variants (the lowering turns table_first off with a window)
-        for direct in (True, False):
-            p = attention_params(d, tuning, block_size, mode="decode", direct=direct, q_stride=qkv, out_stride=q_dim)
-            out[spec("attention", **{**p, "window": window, "table_first": False})] = None
-        pp = attention_prefill_params(d, tuning, block_size, q_stride=qkv, out_stride=q_dim)
-        out[spec("attention_prefill", **{**pp, "window": window})] = None
-        out[
-            spec("attention_combine", heads=d["heads"], head_dim=d["head_dim"], split=split, out_stride=q_dim,
-                 window=window)
-        ] = None  # fmt: skip
-    out[spec("argmax", vocab=vocab, ld=vocab, threads=sm)] = None
-    out[spec("sample", vocab=vocab, ld=vocab, threads=sm)] = None
-    out[spec("token_mask", vocab=vocab, ld=vocab, threads=sm)] = None
-    out[spec("logprobs", vocab=vocab, threads=sm, top=LP_TOP)] = None
-    out[spec("penalties", ld=vocab, threads=el)] = None
-    return list(out)

@@ -12,13 +12,10 @@ from engine.kernel_catalog.layout import (
     COOP_TYPES,
     GEMM_SMEM_MAX,
     GEMV_XSMEM_MAX,
-    KPARTS_GRAIN,
     Q8X_TYPES,
-    WSM_CHUNKS_MAX,
     WSM_SMEM_MAX,
     _fail,
     attention_prefill_smem,
-    coop_step_elems,
     gemm_smem,
     gemm_wgmma_smem,
     gemv_smem,
@@ -83,13 +80,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["prefetch"] or p["stage"], "prefetch is a staged-path option (stage=true)")
         need(not p["pipeline"] or p["coop"], "pipeline is a coop-layout option (coop=true)")
         need(not p["q8x"] or p["coop"], "q8x is a coop-layout option (coop=true)")
-        if p["kparts"] != 1:  # k split over grid.z (the coop q8x layout: kernels/_gemv_coop.cuh.j2)
-            need(p["q8x"] and p["kparts"] > 1, f"kparts={p['kparts']}: a q8x coop option, > 1")
-            gran = KPARTS_GRAIN.get(q, 32)
-            need(
-                p["k"] % (p["kparts"] * gran) == 0,
-                f"kparts={p['kparts']}: k={p['k']} must split into parts of whole {gran}-element units of {q}",
-            )
         need(
             not p["tile_pf"] or (p["coop"] and p["pipeline"]),
             "tile_pf is a pipelined coop option (pipeline=true)",
@@ -103,20 +93,9 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["early_res"] or p["coop"], "early_res (the residual read after pdl_wait) is a coop option")
         need(not p["l2_pf"] or (p["q8x"] and p["bmax"] == 1), "l2_pf (L2 prefetch of later weights) is a batch-1 q8x coop option")
         need(
-            not p["wsm"] or (p["q8x"] and p["kparts"] == 1 and not p["tile_pf"]),
-            "wsm (the row tile in shared memory) is a q8x coop option without kparts or tile_pf",
+            not p["wsm"] or (p["q8x"] and not p["tile_pf"]),
+            "wsm (the row tile in shared memory) is a q8x coop option without tile_pf",
         )
-        if p["wsm_chunk"]:
-            wc, step = p["wsm_chunk"], coop_step_elems(p)
-            need(
-                p["wsm"]
-                and wc % 256 == 0
-                and wc % step == 0
-                and p["k"] % 256 == 0
-                and wc < p["k"] <= wc * WSM_CHUNKS_MAX,
-                f"wsm_chunk={wc}: a wsm option, a multiple of 256 and of the lanes' step ({step} "
-                f"elements) below k={p['k']} (a multiple of 256), at most {WSM_CHUNKS_MAX} chunks",
-            )
         need(
             not p["wsm"] or gemv_smem(p) <= WSM_SMEM_MAX,
             f"wsm: {gemv_smem(p)} bytes of shared memory (x rows and a {p['rows_per_block']}-row tile) "
@@ -134,8 +113,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 "glu: even rows_per_block, bf16 out",
             )
             need(
-                not p["coop"] or (p["ksplit"] == 1 and p["kparts"] == 1 and not p["wsm"]),
-                "glu: a coop gemv without ksplit, kparts or wsm (a tile's rows are two ranges)",
+                not p["coop"] or (p["ksplit"] == 1 and not p["wsm"]),
+                "glu: a coop gemv without ksplit or wsm (a tile's rows are two ranges)",
             )
         if p["coop"]:
             need(
@@ -275,7 +254,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(attention_prefill_smem(p) <= 99 * 1024, "block_q/block_kv/head_dim too large for shared memory")
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
-        need(p["mode"] in ("decode", "prefill"), f"mode {p['mode']!r} must be decode or prefill")
+        need(p["mode"] == "decode", f"mode {p['mode']!r} must be decode (prefill: attention_prefill)")
         group = p["heads"] // p["kv_heads"]
         need(
             p["qsplit"] == 1 or (p["direct"] and group % p["qsplit"] == 0),

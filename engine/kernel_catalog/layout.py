@@ -5,12 +5,11 @@ CUDA, numpy or gguf.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from engine.kernel_catalog.contracts import KERNELS, PAIR_PARTS, QUANTS
+from engine.kernel_catalog.contracts import KERNELS, PAIR_PARTS
 from engine.kernel_spec import KernelSpec
 from engine.storage import row_bytes
 from engine.types import ConfigError
@@ -32,19 +31,8 @@ def _fail(template: str, msg: str) -> ConfigError:
 GEMV_XSMEM_MAX = 160 * 1024  # dynamic x rows (q8x: bmax * k * 3 / 2 bytes) at most
 
 
-def gemv_options(g: Mapping[str, Any], stage: bool) -> dict[str, bool]:
-    """The gemv tuning's prefetch switch for one spec (on the staged path only); empty when off
-    (the default entry names)."""
-    return {"prefetch": True} if g.get("prefetch") and stage else {}
-
-
-GEMV_MIN_TYPES = ("q4_1", "q4_1r", "q4_k", "q5_1", "q5_k")  # x = q*d + m: the dot needs sum(x) per unit
-
-
 # storage types of the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2)
 COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
-
-
 
 
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
@@ -57,12 +45,6 @@ COOP_Q8X_MAX = 64 * 1024
 
 # wsm: the x rows and the row tile within the 227 KB of shared memory a block may have on sm_90
 WSM_SMEM_MAX = 227 * 1024
-
-
-# kparts (k split over blocks): the elements a part must hold whole. A q8x x group is 32; a q4_k
-# segment 64 consecutive elements; a q6_kr segment reads elements i and i + 64 of a 128-element
-# half of its super-block, so a part must hold whole halves.
-KPARTS_GRAIN = {"q4_k": 64, "q6_kr": 128}
 
 
 # file storage type -> the device layout the coop gemv reads (upload_type), and back
@@ -88,35 +70,6 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
     return 0
 
 
-# k elements of one coop segment (a lane's unit of work per row) per storage type, off the q8x q4_k
-# path (64 there: two sub-blocks); kernels/_gemv_coop.cuh.j2's SEG
-COOP_SEG = {"bf16": 8, "q4_k": 32, "q8_0r": 16, "q6_kr": 32, "q4_0r": 32, "q4_1r": 32}
-
-
-WSM_CHUNKS_MAX = 16  # wsm_chunk: at most this many k chunks (one mbarrier each) per row tile
-
-
-def coop_step_elems(p: Mapping[str, Any]) -> int:
-    """The k elements one step of a coop GEMV's lanes covers: lanes x segments in flight x k
-    groups x a segment's elements (every step starts at a multiple of this)."""
-    q4c = p["quant"] == "q4_k" and p.get("q8x")
-    upt = max(1, int(p["unroll"]) // 2) if q4c else int(p["unroll"])
-    seg = 64 if q4c else COOP_SEG.get(p["quant"], 32)
-    return int(p.get("lanes") or 32) * upt * int(p.get("ksplit") or 1) * seg
-
-
-def wsm_chunk_elems(step: int, k: int, chunks: int) -> int:
-    """The k elements per chunk copy of a wsm row tile cut into at most ``chunks`` k chunks: the
-    smallest multiple of both the lanes' step and 256 (whole super-blocks, 16-byte plane pieces)
-    that needs no more chunks; 0 (one copy) where one chunk would hold all of k."""
-    if k % 256:  # (a chunk's plane pieces need whole super-blocks)
-        return 0
-    chunks = min(chunks, WSM_CHUNKS_MAX)
-    unit = step * 256 // math.gcd(step, 256)
-    m = unit * max(1, _cdiv(_cdiv(k, chunks), unit))
-    return m if chunks > 1 and m < k else 0
-
-
 def gemv_grid_x(p: Mapping[str, Any]) -> int:
     """The gemv's grid.x: one block per rows_per_block rows, at most grid_cap (where set: a coop
     block then loops over several row tiles)."""
@@ -128,15 +81,12 @@ def gemv_grid_x(p: Mapping[str, Any]) -> int:
 def pair_spec(a: KernelSpec, b: KernelSpec) -> KernelSpec:
     """The gemv_pair spec running coop gemv specs ``a`` and ``b`` in one launch
     (kernels/gemv_pair.cu.j2): blocks 0 .. blocks_a - 1 run ``a``, the rest ``b``. Both must be coop
-    GEMVs of one block shape and batch (threads, min_blocks, bmax), without a k split over blocks
-    (kparts) and with one block per row tile (no grid_cap below the tiles); a ConfigError names
-    the rule broken. The caller decides that they read the same x."""
+    GEMVs of one block shape and batch (threads, min_blocks, bmax), with one block per row tile
+    (no grid_cap below the tiles); a ConfigError names the rule broken. The caller decides that they read the same x."""
     for s in (a, b):
         if s.template != "gemv" or not s.params["coop"]:
             raise _fail("gemv_pair", f"{s.entry}: a part must be a coop gemv spec")
         p = s.params
-        if p["kparts"] != 1:
-            raise _fail("gemv_pair", f"{s.entry}: kparts={p['kparts']} (a k split over blocks) cannot pair")
         if p["l2_pf"]:
             raise _fail("gemv_pair", f"{s.entry}: a part takes no l2_pf (L2 prefetch)")
         if gemv_grid_x(p) != _cdiv(p["n"], p["rows_per_block"]):
@@ -170,17 +120,6 @@ def _unprefixed(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 def pair_smem(s: KernelSpec) -> int:
     """A gemv_pair launch's dynamic shared memory: the larger part's."""
     return max(gemv_smem(p.params) for p in pair_parts(s))
-
-
-def gemv_static_smem(p: Mapping[str, Any]) -> int:
-    """The gemv's static shared memory in bytes (reduction, staged chunks)."""
-    warps = int(p["threads"]) // 32
-    elems, nbytes = QUANTS[p["quant"]]
-    chunk = {8: 32 * nbytes, 32: 32 * nbytes, 256: 4 * nbytes}[elems]
-    total = warps * int(p["bmax"]) * 4
-    if p.get("stage"):
-        total += warps * ((chunk + 32 + 15) // 16 * 16)
-    return total
 
 
 GEMM_SMEM_MAX = 227 * 1024  # the sm_90 per-block opt-in limit; consumer profiles keep tiles near 100 KB

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ from typing import Any
 from engine.kernel_catalog.checks import _check
 from engine.kernel_catalog.contracts import (
     _DEFAULT_NAME,
-    _QUIET_NAME,
     KERNELS,
     PAIR_PARTS,
     PENALTY_BLOCKS,
@@ -86,7 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
             (template == "gemv_mma" and key in ("x_stride", "glu"))
-            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks", "wsm_chunk"))
+            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window
@@ -95,9 +95,6 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} must be positive")
     _check(template, {k: (float(v) if doc.params[k] is float else v) for k, v in norm.items()})
     parts = {k: (int(v) if isinstance(v, bool) else v) for k, v in norm.items() if k in doc.name}
-    for key in _QUIET_NAME.get(template, ()):  # off by default: named only when on
-        if not norm[key]:
-            parts.pop(key, None)
     for key, default in _DEFAULT_NAME.get(template, {}).items():
         if norm[key] == default:
             parts.pop(key, None)
@@ -129,95 +126,57 @@ class KernelChoice:
     smem: int = 0
 
 
+# template -> grid(params, rows, **runtime) (KernelDoc.grid in code); every other template: a block per row
+_GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
+    "gemv": lambda p, rows, **_: (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1),
+    "gemv_mma": lambda p, rows, **_: (
+        _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
+    ),
+    "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),
+    "gemm": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1),
+    "gemm_wgmma": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1),
+    "rope": lambda p, rows, **_: (rows, rope_head_blocks(p), 1),
+    "silu_mul": lambda p, rows, **_: (_cdiv(p["inter"], 8 * p["threads"]), rows, 1),
+    "add": lambda p, rows, **_: (_cdiv(p["n"], 8 * p["threads"]), rows, 1),
+    "penalties": lambda p, rows, **_: (PENALTY_BLOCKS, 1, 1),
+    "attention": lambda p, rows, max_splits=1, **_: (
+        rows, p["kv_heads"], p["qsplit"] if p["direct"] else max_splits
+    ),
+    "attention_prefill": lambda p, rows, max_q=1, nseq=1, **_: (_cdiv(max_q, p["block_q"]), p["heads"], nseq),
+    "attention_combine": lambda p, rows, **_: (rows, p["heads"], 1),
+}
+# template -> threads per block; every other template: its ``threads`` param
+_BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
+    "gemv_mma": lambda p: p["warps"] * 32,
+    "gemv_pair": lambda p: p["a_threads"],
+    "gemm": lambda p: p["warps"] * 32,
+    "gemm_wgmma": lambda p: (p["consumers"] + 1) * 128,
+    "attention": lambda p: p["warps"] * 32,
+    "attention_prefill": lambda p: p["warps"] * 32,
+    "attention_combine": lambda p: p["head_dim"],
+}
+# template -> dynamic shared memory bytes; every other template: none
+_SMEM: dict[str, Callable[[KernelSpec], int]] = {
+    "gemv": lambda s: gemv_smem(s.params),
+    "gemv_pair": pair_smem,
+    "gemm": lambda s: gemm_smem(s.params),
+    "gemm_wgmma": lambda s: gemm_wgmma_smem(s.params),
+    "attention_prefill": lambda s: attention_prefill_smem(s.params),
+}
+
+
+def _row_grid(p: dict[str, Any], rows: int, **_: int) -> tuple[int, int, int]:
+    return (rows, 1, 1)
+
+
 def choice(template: str, **params: Any) -> KernelChoice:
     """``spec`` plus the launch contract. ``grid(rows, **runtime)``: runtime is ``max_splits`` for
-    split attention."""
+    split attention, ``max_q`` and ``nseq`` for the flash prefill."""
     s = spec(template, **params)
     p = s.params
-    smem = 0
-    if template == "gemv":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (gemv_grid_x(p), _cdiv(rows, p["bmax"]), int(p["kparts"]))
-
-        block = (p["threads"], 1, 1)
-        smem = gemv_smem(p)
-    elif template == "gemv_mma":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"])
-
-        block = (p["warps"] * 32, 1, 1)
-    elif template == "gemv_pair":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1)
-
-        block = (p["a_threads"], 1, 1)
-        smem = pair_smem(s)
-    elif template == "gemm":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1)
-
-        block = (p["warps"] * 32, 1, 1)
-        smem = gemm_smem(p)
-    elif template == "gemm_wgmma":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1)
-
-        block = ((p["consumers"] + 1) * 128, 1, 1)
-        smem = gemm_wgmma_smem(p)
-    elif template == "rope":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (rows, rope_head_blocks(p), 1)
-
-        block = (p["threads"], 1, 1)
-    elif template == "silu_mul":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["inter"], 8 * p["threads"]), rows, 1)
-
-        block = (p["threads"], 1, 1)
-    elif template == "add":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(p["n"], 8 * p["threads"]), rows, 1)
-
-        block = (p["threads"], 1, 1)
-    elif template == "penalties":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (PENALTY_BLOCKS, 1, 1)
-
-        block = (p["threads"], 1, 1)
-    elif template == "attention":
-
-        def grid(rows: int, max_splits: int = 1, **_: int) -> tuple[int, int, int]:
-            return (rows, p["kv_heads"], p["qsplit"] if p["direct"] else max_splits)
-
-        block = (p["warps"] * 32, 1, 1)
-    elif template == "attention_prefill":
-
-        def grid(rows: int, max_q: int = 1, nseq: int = 1, **_: int) -> tuple[int, int, int]:
-            return (_cdiv(max_q, p["block_q"]), p["heads"], nseq)
-
-        block = (p["warps"] * 32, 1, 1)
-        smem = attention_prefill_smem(p)
-    elif template == "attention_combine":
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (rows, p["heads"], 1)
-
-        block = (p["head_dim"], 1, 1)
-    else:  # one block per row
-
-        def grid(rows: int, **_: int) -> tuple[int, int, int]:
-            return (rows, 1, 1)
-
-        block = (p["threads"], 1, 1)
+    grid = functools.partial(_GRID.get(template, _row_grid), p)
+    block = (_BLOCK[template](p) if template in _BLOCK else p["threads"], 1, 1)
+    smem = _SMEM[template](s) if template in _SMEM else 0
     return KernelChoice(s, kernel_args(s), grid, block, smem)
 
 
@@ -230,8 +189,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv" and int(s.params.get("kparts", 1)) > 1:
-        args = args + (("kpart_sum", P), ("kpart_count", P))
     if s.template == "gemv_mma" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "attention" and s.params.get("rope"):

@@ -15,8 +15,6 @@ from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, Weigh
 from engine.lowering.registry import post_pass, register, same_width
 from engine.lowering.rope import vec16
 
-PREFILL_SMEM = 99 * 1024  # the flash prefill's dynamic shared memory bound (kernel_catalog.checks)
-
 
 @register("attention", bind=same_width, short=True, attrs=("window", "scale"))
 def lower(ctx, op, layer, mode, ins, outs, ws):

@@ -11,10 +11,9 @@ decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). A help
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from engine import kernel_catalog as kc
-from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.types import ConfigError
 
@@ -36,7 +35,6 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
     bmax = 1 if mode == "decode1" else kc.GEMV_MAX_BATCH
-    rpb = kc.GEMV_ROWS_PER_BLOCK
     pro = ctx.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
     xv, extra, pp = ins[0], (), {}
     if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
@@ -54,85 +52,44 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         raise ConfigError(
             f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
         )
-    opts: dict[str, Any] = {}
-    layout = kc.gemv_layout(w.dtype, ctx.profile.tuning, n=w.rows, bmax=bmax, k=w.cols)
-    if layout.get("coop"):  # the warp-cooperative layout (tuning gemv_coop)
-        rpb, threads, unroll = layout["rows_per_block"], layout["threads"], layout["unroll"]
-        opts = dict(
-            coop=True,
-            stage=False,
-            **kc.coop_options(
-                ctx.profile.tuning,
-                bmax,
-                w.cols,
-                w.dtype,
-                n=w.rows,
-                sm_count=ctx.profile.sm_count,
-                threads=part_threads,
-            ),
-        )
-        threads, rpb = opts.pop("threads", threads), opts.pop("rows_per_block", rpb)  # q8x shape
-        unroll = opts.pop("unroll", unroll)  # (q8x_b1_unroll)
-        if mode not in PROLOGUE_MODES:  # the k split's scratch is sized for decode rows
-            opts.pop("kparts", None)
+    # the layout (classic, or warp-cooperative where tuning gemv_coop names the type) and its options
+    p = kc.linear_params(
+        w.dtype, w.rows, w.cols, ctx.profile.tuning, residual=residual, out_dtype=out_dtype, bmax=bmax,
+        sm_count=ctx.profile.sm_count, threads=part_threads,
+    )
+    if p.get("coop"):
         if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
-            opts.pop("early_nw", None)
+            p.pop("early_nw", None)
         if not residual:  # the early residual: only a GEMV that adds one
-            opts.pop("early_res", None)
+            p.pop("early_res", None)
         if mode == "decode1" and ctx.graph_knob("early_trigger"):
-            opts["trigger"] = True  # the next kernel may launch once the first loads are out
+            p["trigger"] = True  # the next kernel may launch once the first loads are out
         if (
             mode == "decode1"
-            and opts.get("q8x")
+            and p.get("q8x")
             and ctx.tune("gemv_coop").get("q8x_glu")
-            and opts.get("ksplit", 1) == 1
-            and opts.get("kparts", 1) == 1
-            and not opts.get("wsm")
+            and p.get("ksplit", 1) == 1
+            and not p.get("wsm")
         ):  # the gate|up GEMV stores silu(gate) * up (a glu epilogue over its tile's row pairs)
-            glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype, rpb)
+            glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype, p["rows_per_block"])
             if glu:
                 pp["glu"] = glu
     else:
-        threads, unroll = layout["threads"], layout["unroll"]
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
-        # prefetch from the tuning (staged path)
-        staged = kc.STAGED_DEFAULT.get(w.dtype, False)
-        opts = kc.gemv_options(ctx.tune("gemv"), staged)
-    spec = ctx.spec(
-        "gemv",
-        quant=w.dtype,
-        n=w.rows,
-        k=w.cols,
-        bmax=bmax,
-        threads=threads,
-        rows_per_block=rpb,
-        residual=residual,
-        out_dtype=out_dtype,
-        unroll=unroll,
-        **pp,
-        **opts,
-    )
+    spec = ctx.spec("gemv", **p, **pp)
     res = Arg("value", res_name) if residual else NULL
     args = (val(out), wgt(w), val(xv), res, ROWS) + extra
     grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bmax - 1}) // {bmax}")
-    parts = int(spec.params.get("kparts", 1))
-    if parts > 1:  # k split over grid.z: partial sums and per-tile counters (zeroed once)
-        row_groups = cdiv(ctx.max_rows, bmax)
-        ctx.need_scratch(ScratchPlan("kpart_sum", fixed=parts * ctx.max_rows * w.rows * 4))
-        tiles = cdiv(w.rows, spec.params["rows_per_block"])
-        ctx.need_scratch(ScratchPlan("kpart_count", fixed=tiles * row_groups * 4, fill="zero"))
-        args += (Arg("scratch", "kpart_sum"), Arg("scratch", "kpart_count"))
-        grid += (parts,)
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
-    smem = kc.gemv_smem(spec.params) if opts.get("q8x") else 0
+    smem = kc.gemv_smem(spec.params)
     # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
     fit = bool(spec.params.get("grid_cap")) and bool(
         ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
     )
-    return Launch(spec, grid, (threads,), args, smem, fit_grid=fit)
+    return Launch(spec, grid, (spec.params["threads"],), args, smem, fit_grid=fit)
 
 
 def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch | None:
@@ -142,7 +99,7 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     The two separately stored weights of a q4_k_m layer's q|k and v read the same x: as one
     grid they stream side by side with no stream fork or join, and the next kernel launches
     early behind them. The second part is re-planned in the first's block shape. Pairs only
-    coop q8x GEMVs without a residual, glu, a k split over blocks or a tile loop, and only where
+    coop q8x GEMVs without a residual, glu or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
     memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
     sets the kernel's __launch_bounds__ minimum of blocks per SM."""
@@ -170,23 +127,15 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
 
 def pairable(p: dict) -> bool:
     """Whether a gemv spec's params allow it as a gemv_pair part (see _pair)."""
-    return (
-        bool(p.get("coop") and p.get("q8x"))
-        and not p["residual"]
-        and not p["glu"]
-        and p["kparts"] == 1
-    )
+    return bool(p.get("coop") and p.get("q8x")) and not p["residual"] and not p["glu"]
 
 
 def fork(ctx, mode: str, launches: list[Launch]) -> list[Launch]:
     """A decode linear's launches after the first marked concurrent (tuning
     decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
-    all reading the same x. Not where a launch uses scratch (the k split's partial sums are one
-    buffer), nor in prefill."""
+    all reading the same x. Not in prefill."""
     on = ctx.graph_knob("fork_linears")
     if not on or mode == "prefill" or len(launches) < 2:
-        return launches
-    if any(a.kind == "scratch" for la in launches for a in la.args):
         return launches
     return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
 

@@ -45,12 +45,12 @@ def _rel(a, b):
 
 
 # the layouts with int8 x rows (gemv_coop.q8x)
-Q8X_LAYOUTS = ("coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_chunks")
+Q8X_LAYOUTS = ("coop_q8x", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_early")
 
 
 @pytest.mark.parametrize(
     "layout",
-    ["classic", "coop", "coop_q8x", "q8x_kparts", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_chunks", "dequant_wgmma"],
+    ["classic", "coop", "coop_q8x", "q8x_lanes8", "q8x_lanes4", "q8x_wsm", "q8x_wsm_early", "dequant_wgmma"],
 )
 @pytest.mark.parametrize(
     "family,q", [("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")]
@@ -69,27 +69,22 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         "classic": {**COOP, "types": []},
         "coop": COOP,
         "coop_q8x": {**COOP, "q8x": True},
-        # k split over 4 blocks where k divides (partial sums, last-block fixup, reused counters)
-        "q8x_kparts": {**COOP, "q8x": True, "q8x_kparts": 4},
-        # 8 lanes per row (4 row groups per warp); then 4 lanes with the k split over warps and
-        # blocks, the pipeline, next-tile loads and a capped grid (blocks loop over row tiles)
+        # 8 lanes per row (4 row groups per warp); then 4 lanes with the k split over warps,
+        # the pipeline, next-tile loads and a capped grid (blocks loop over row tiles)
         "q8x_lanes8": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True},
         # row tiles bulk-copied into shared memory (capped grid: blocks loop, copying the next tile)
         "q8x_wsm": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
                     "q8x_blocks_per_sm": 1, "pipeline": True},
-        # the same, each tile copied in k chunks (one mbarrier each; the lanes start on the first),
-        # with the norm weights read before pdl_wait and the k-split residual right after it
-        "q8x_wsm_chunks": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
-                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_wsm_chunks": 16,
-                           "q8x_early_norm_w": True, "q8x_ksplit": 2,
-                           "q8x_ksplit_max_n": 1 << 20, "q8x_ksplit_types": ["q8_0"]},
+        # the same with the norm weights read before pdl_wait and the k-split residual right after it
+        "q8x_wsm_early": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
+                          "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_early_norm_w": True, "q8x_ksplit": 2,
+                          "q8x_ksplit_max_n": 1 << 20, "q8x_ksplit_types": ["q8_0"]},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
             "q8x_lanes_per_row": 4,
             "q8x_ksplit": 2,
             "q8x_ksplit_max_n": 1 << 20,
-            "q8x_kparts": 2,
             "pipeline": True,
             "tile_prefetch": True,
             "q8x_blocks_per_sm": 1,
@@ -116,14 +111,12 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
             assert dtypes & PLANAR and all(s.params["coop"] for s in gemvs), dtypes
             q8x = {s.params["q8x"] for s in gemvs if s.params["quant"] != "bf16"}
             assert q8x == {layout in Q8X_LAYOUTS}, q8x
-            assert any(s.params["kparts"] == 4 for s in gemvs) is (layout == "q8x_kparts")
             lanes = {s.params["lanes"] for s in gemvs if s.params["q8x"]}
-            want = {"q8x_lanes8": 8, "q8x_lanes4": 4, "q8x_wsm": 8, "q8x_wsm_chunks": 8}.get(layout, 32)
+            want = {"q8x_lanes8": 8, "q8x_lanes4": 4, "q8x_wsm": 8, "q8x_wsm_early": 8}.get(layout, 32)
             assert lanes == {want} or layout not in Q8X_LAYOUTS, lanes
             assert any(s.params["wsm"] for s in gemvs) is layout.startswith("q8x_wsm")
-            assert any(s.params["wsm_chunk"] for s in gemvs) is (layout == "q8x_wsm_chunks")
             early = {s.params["early_nw"] or s.params["early_res"] for s in gemvs}
-            assert (True in early) is (layout == "q8x_wsm_chunks"), early
+            assert (True in early) is (layout == "q8x_wsm_early"), early
         else:
             assert not dtypes & PLANAR and not any(s.params["coop"] for s in gemvs)
         ref = ReferenceRunner(model, num_blocks=64, max_model_len=512)
