@@ -156,7 +156,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         )
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
-        self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
+        self._graphs: dict[tuple, tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
         self._prefill_bound: dict[tuple, list[_Bound]] = {}  # prefill pass shapes, least recent first
         self._head_inputs: list[tuple[str, int, int]] | None = None
@@ -427,14 +427,14 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False) -> cuda.Graph:
+    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()) -> cuda.Graph:
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
-        read / write the pinned host buffer when the graph runs)."""
-        key = (bucket, kind, short, io)
+        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's."""
+        key = (bucket, kind, short, io, *((groups,) if groups else ()))
         if key not in self._graphs:
             bound = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
             )
             with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
                 if io or self.num_state_slots:
