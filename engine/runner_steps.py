@@ -358,6 +358,7 @@ class StepLogic:
                 )
             self._run(self._eager[key])
         ids = self._read_ids(n, copied=io).tolist()
+        self._tap_decode(items)
         return self._host_sample(items, ids, kind)
 
     def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:

@@ -177,3 +177,114 @@ def test_engine_speculates_on_the_hybrid_cuda_runner(fake):
     assert outs == [[0] * 12, [0] * 12]
     assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert np.all(np.asarray(runner._views["state_out"]) >= 0)
+
+
+# ----- MTP on the cuda backend: the hidden-state tap and the host head --------------------------------
+
+
+@pytest.fixture()
+def fake_mtp(tmp_path, monkeypatch):
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    path = write_qwen3_5_hf(tmp_path / "m", bf16=True, hidden_size=128, intermediate_size=256,
+                            linear_key_head_dim=32, linear_value_head_dim=32, mtp_num_hidden_layers=1)
+    model = load_model(path)
+    runner = rc.CudaRunner(model, num_blocks=300, max_model_len=4096, builder=fake_builder(tmp_path), state_slots=6)
+    reads = []
+
+    def read_value(name, rows):  # the fake device's rows: a fixed pattern per row
+        reads.append((name, rows))
+        width = runner.plan.values[name].width
+        return np.sin(np.arange(rows * width, dtype=np.float32).reshape(rows, width) * 0.37)
+
+    runner.read_value = read_value
+    return model, runner, reads
+
+
+def test_tap_records_the_final_normed_rows_of_every_pass(fake_mtp):
+    from engine import ops_ref
+    from engine.spec.hidden_tap import HiddenTap
+
+    model, runner, reads = fake_mtp
+    runner.hidden_tap = tap = HiddenTap("h")
+    w = np.asarray(model.dequantize("final_norm"), np.float32)
+    eps = float(model.dims["rms_eps"])
+    width = int(model.dims["hidden"])
+    want = ops_ref.rmsnorm(np.sin(np.arange(9 * width, dtype=np.float32).reshape(9, width) * 0.37), w, eps)
+    a = StepItem(0, [3, 4, 5, 6, 7], 0, [0], False, GREEDY, state_slot=0)
+    b = StepItem(1, [8, 9, 10, 11], 0, [1], True, GREEDY, state_slot=1)
+    runner.step([a, b])  # one varlen prefill pass of 9 rows
+    assert reads == [("x", 9)]  # the final norm's input, every row of the pass
+    assert tap.span(0) == (0, 5) and tap.span(1) == (0, 4)
+    np.testing.assert_array_equal(tap.rows(0, 0, 5), want[:5])
+    np.testing.assert_array_equal(tap.rows(1, 0, 4), want[5:])
+    runner.step([StepItem(1, [12], 4, [1], True, GREEDY, state_slot=1)])  # a decode row
+    assert reads[-1] == ("x", 1) and tap.span(1) == (0, 5)
+    np.testing.assert_array_equal(tap.rows(1, 4, 5), want[:1])
+    # a hybrid verify pass: rows by draft position, recorded at each row's own position
+    runner.verify([_draft(1, [0, 0], 5, [1], 1)])
+    assert reads[-1] == ("x", 3) and tap.span(1) == (0, 8)
+    np.testing.assert_array_equal(tap.rows(1, 5, 8), want[:3])
+
+
+def test_host_head_equals_the_reference_head(fake_mtp):
+    """The MTP head over the host weights (the cuda backend's) computes exactly what it computes
+    over a ReferenceRunner: the same tensors, the same numpy ops."""
+    from engine.reference import ReferenceRunner
+    from engine.spec.mtp_head import MtpHeadReference
+    from engine.spec.mtp_host import HeadWeights
+
+    model, runner, _ = fake_mtp
+    ref = MtpHeadReference(ReferenceRunner(model, num_blocks=8, max_model_len=128, state_slots=2))
+    host = MtpHeadReference(HeadWeights(model, runner.block_size, 128, num_blocks=8))
+    hidden = np.random.default_rng(0).standard_normal((4, int(model.dims["hidden"]))).astype(np.float32)
+    a, b = ref.forward([5, 6, 7, 8], hidden, 0, [0]), host.forward([5, 6, 7, 8], hidden, 0, [0])
+    assert a[0] == b[0]
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2], b[2])
+    c, d = ref.forward([a[0]], [a[2]], 4, [0]), host.forward([b[0]], [b[2]], 4, [0])
+    assert c[0] == d[0]
+    np.testing.assert_array_equal(c[1], d[1])
+
+
+def test_mtp_speculates_on_the_cuda_runner(fake_mtp):
+    """`--speculative mtp` on the cuda backend: the host head over a tap on the runner; the engine
+    runs with it (the fake device samples 0; the head drafts from the tapped rows)."""
+    from engine.loop import Engine, EngineConfig
+    from engine.spec.build import build_speculator
+    from engine.spec.config import SpecConfig
+    from engine.spec.proposer import MtpProposer
+    from engine.types import GenerationRequest
+
+    model, runner, _ = fake_mtp
+    runner.ctx.make_current = lambda: None
+    spec = build_speculator(SpecConfig("mtp", k=2), model, runner)
+    assert isinstance(spec.proposer, MtpProposer) and runner.hidden_tap is spec.proposer.tap
+    e = Engine(runner, _Tok(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=spec)
+    h = e.submit(GenerationRequest("r", [5, 6, 7, 8, 9], GREEDY, max_tokens=10, ignore_eos=True))
+    e.start()
+    try:
+        out = [t for ev in h for t in ev.token_ids]
+        stats = e.stats()
+    finally:
+        e.shutdown(10)
+    assert out == [0] * 10
+    assert stats.spec_draft_tokens > 0
+    assert len(runner.hidden_tap) == 0  # the finished sequence's rows dropped
+
+
+class _Tok:
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def incremental_decoder(self, skip_special_tokens=True):
+        class D:
+            def push(self, ids):
+                return ""
+
+            def flush(self):
+                return ""
+
+        return D()

@@ -43,16 +43,25 @@ def _check_same_tokenizer(target: Any, draft: Any, path: str) -> None:
 
 def _mtp_proposer(model: Any, runner: Any) -> MtpProposer:
     """The MTP proposer over the target runner: its head beside the runner, and a hidden-state tap
-    on the runner (one-line errors for a model without an MTP head or a backend without one)."""
+    on the runner (one-line errors for a model without an MTP head or a backend without one). On
+    the cuda backend the head runs in numpy on the host over its own tensors (engine.spec.mtp_host)
+    and the runner taps its final-normed hidden rows back from the device (engine.runner_tap)."""
     MtpProposer.check(model)
-    if runner.backend != "reference":
+    if runner.backend not in ("reference", "cuda"):
         raise ConfigError(f"--speculative mtp: the {runner.backend} backend does not run MTP heads yet; use ngram or draft:PATH")
     from engine.spec.hidden_tap import HiddenTap
     from engine.spec.mtp_head import MtpHeadReference
 
-    head = MtpHeadReference(runner)
+    where = runner.backend
+    if runner.backend == "cuda":
+        from engine.spec.mtp_host import HeadWeights
+
+        head = MtpHeadReference(HeadWeights(model, runner.block_size, runner.max_model_len))
+        where = "the host (numpy), target on cuda"
+    else:
+        head = MtpHeadReference(runner)
     runner.hidden_tap = HiddenTap(model.graph.mtp.hidden_from)
-    print(f"memra: speculative MTP head of {model.name} ({head.layers} layer) on {runner.backend}", file=sys.stderr)
+    print(f"memra: speculative MTP head of {model.name} ({head.layers} layer) on {where}", file=sys.stderr)
     return MtpProposer(model, head, runner.hidden_tap)
 
 
