@@ -102,6 +102,14 @@ def generate(runner, prompts, speculator=None, max_tokens=40, prefix_cache=True,
         e.shutdown(10)
 
 
+def _same(got, want, what):
+    """Equal token lists, else a failure naming the first divergence."""
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            i = next(i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b) if g[: len(w)] != w else len(w)
+            raise AssertionError(f"{what}: prompt {n} diverges at token {i}: {g[i - 2 : i + 3]} vs {w[i - 2 : i + 3]}")
+
+
 def _prompts():
     loop = [11, 23, 35, 47, 59, 71, 83] * 6  # repetitive: prompt lookup proposes
     return [[5, 17, 99, 3, 64, 64, 12], loop, [40, 41, 42] * 3]
@@ -133,8 +141,8 @@ def test_greedy_with_speculation_equals_plain_greedy(hybrid, method, use_graphs)
     solo = [generate(runner, [p], spec)[0][0] for p in prompts]
     batched, stats = generate(runner, prompts[:2], spec)
     print(f"{method} graphs={use_graphs}: drafted {stats.spec_draft_tokens} accepted {stats.spec_accepted_tokens}")
-    assert solo == plain
-    assert batched == plain[:2]
+    _same(solo, plain, f"{method} solo")
+    _same(batched, plain[:2], f"{method} batched")
     assert stats.spec_verify_rows > 0
     if method == "scripted":  # accepted lengths 0..k all came up, so every restore path ran
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
@@ -150,12 +158,12 @@ def test_prefix_hits_and_three_rows_with_speculation(hybrid):
     plain = [generate(runner, [p])[0][0] for p in prompts]
     spec = _speculator("scripted", model, runner, llama, prompts, plain, k=2)
     again, stats = generate(runner, [prompts[1], prompts[1], prompts[1]], spec, sequential=True)
-    assert again == [plain[1]] * 3
+    _same(again, [plain[1]] * 3, "repeated prompt")
     assert stats.prefix_hit_tokens >= 32 and stats.spec_accepted_tokens > 0
     for cache in (True, False):
         spec = _speculator("scripted", model, runner, llama, prompts, plain, k=1)
         batched, stats = generate(runner, prompts, spec, prefix_cache=cache)
-        assert batched == plain
+        _same(batched, plain, f"three rows, prefix cache {cache}")
         assert stats.spec_accepted_tokens > 0
 
 
@@ -243,8 +251,8 @@ def test_greedy_with_mtp_equals_plain_greedy(mtp, use_graphs):
         solo = [generate(runner, [p], spec)[0][0] for p in prompts]
         batched, stats = generate(runner, prompts[:2], spec)
         print(f"mtp graphs={use_graphs}: drafted {stats.spec_draft_tokens} accepted {stats.spec_accepted_tokens}")
-        assert solo == plain
-        assert batched == plain[:2]
+        _same(solo, plain, "mtp solo")
+        _same(batched, plain[:2], "mtp batched")
         assert stats.spec_verify_rows > 0
         assert len(runner.hidden_tap) == 0  # every finished sequence's rows dropped
     finally:
