@@ -107,7 +107,7 @@ def _same(got, want, what):
     for n, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
             i = next(i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b) if g[: len(w)] != w else len(w)
-            raise AssertionError(f"{what}: prompt {n} diverges at token {i}: {g[i - 2 : i + 3]} vs {w[i - 2 : i + 3]}")
+            raise AssertionError(f"{what}: prompt {n} diverges at token {i}: {g[max(0, i - 2) : i + 3]} vs {w[max(0, i - 2) : i + 3]}")
 
 
 def _prompts():
