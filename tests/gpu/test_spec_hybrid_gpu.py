@@ -1,8 +1,8 @@
 """Speculative decoding on a hybrid (tiny random Qwen3.5: Gated DeltaNet + gated attention) on a
 real GPU (skipped without one): greedy with speculation == plain greedy on CudaRunner, solo and
 batched, CUDA graphs and eager, for prompt lookup, a draft model (a tiny Llama with the same
-vocabulary) and a scripted proposer that proposes the target's own continuation with one token
-wrong at a varying place (every accepted length 0..k, so every scratch slot of the verify pass is
+vocabulary; another tiny Qwen3.5, a hybrid draft that rolls its own state back) and a scripted
+proposer that proposes the target's own continuation with one token wrong at a varying place (every accepted length 0..k, so every scratch slot of the verify pass is
 restored into the live state at some step); the prefix cache hitting with speculation on; every
 state slot released at the end."""
 
@@ -73,9 +73,10 @@ def hybrid(tmp_path_factory):
     path = write_qwen3_5_hf(d / "m", seed=7, bf16=True, **DIMS)
     llama = tmp_path_factory.mktemp("spec-hybrid-draft")
     write_tiny_llama(llama)  # vocab 512, as the hybrid's
+    other = write_qwen3_5_hf(d / "other", seed=8, bf16=True, **DIMS)  # a hybrid draft model
     model = load_model(path)
     runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64)
-    yield model, runner, llama
+    yield model, runner, {"draft": llama, "draft-hybrid": other}
     runner.close()
 
 
@@ -110,34 +111,40 @@ def _same(got, want, what):
             raise AssertionError(f"{what}: prompt {n} diverges at token {i}: {g[max(0, i - 2) : i + 3]} vs {w[max(0, i - 2) : i + 3]}")
 
 
+def _margin(logits) -> float:
+    """The gap between the top two logits, relative to the largest magnitude."""
+    top2 = sorted(logits)[-2:]
+    return (top2[1] - top2[0]) / (max(abs(x) for x in logits) + 1e-6)
+
+
 def _prompts():
     loop = [11, 23, 35, 47, 59, 71, 83] * 6  # repetitive: prompt lookup proposes
     return [[5, 17, 99, 3, 64, 64, 12], loop, [40, 41, 42] * 3]
 
 
-def _speculator(kind, model, runner, llama, prompts=None, plain=None, k=3):
+def _speculator(kind, model, runner, drafts, prompts=None, plain=None, k=3):
     from engine.spec.build import build_speculator
     from engine.spec.config import SpecConfig
     from engine.spec.speculator import Speculator
 
     if kind == "ngram":
         return build_speculator(SpecConfig("ngram", k=4, ngram_min=1), model, runner)
-    if kind == "draft":
-        return build_speculator(SpecConfig("draft", str(llama), k=k), model, runner)
+    if kind.startswith("draft"):
+        return build_speculator(SpecConfig("draft", str(drafts[kind]), k=k), model, runner)
     return Speculator(Scripted(prompts, plain), SpecConfig("ngram", k=k))
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])
-@pytest.mark.parametrize("method", ["ngram", "scripted", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "scripted", "draft", "draft-hybrid"])
 def test_greedy_with_speculation_equals_plain_greedy(hybrid, method, use_graphs):
     """Solo (verify rows in bucket 4 or 8) and two rows batched (bucket 8: every verify pass stays
     on the decode GEMVs, as plain decoding of one or two rows does)."""
-    model, runner, llama = hybrid
+    model, runner, drafts = hybrid
     runner.use_graphs = use_graphs
     prompts = _prompts()
     plain = [generate(runner, [p])[0][0] for p in prompts]
     assert [generate(runner, [p])[0][0] for p in prompts] == plain  # reproducible
-    spec = _speculator(method, model, runner, llama, prompts, plain)
+    spec = _speculator(method, model, runner, drafts, prompts, plain)
     solo = [generate(runner, [p], spec)[0][0] for p in prompts]
     batched, stats = generate(runner, prompts[:2], spec)
     print(f"{method} graphs={use_graphs}: drafted {stats.spec_draft_tokens} accepted {stats.spec_accepted_tokens}")
@@ -148,20 +155,50 @@ def test_greedy_with_speculation_equals_plain_greedy(hybrid, method, use_graphs)
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
+def test_hybrid_draft_rolls_back_to_every_accepted_length(hybrid):
+    """The draft-model proposer over a hybrid CudaRunner (the target checkpoint itself as the draft):
+    after the target accepts 0..k of its drafts, its next drafts are the reference's greedy
+    continuation of the actual tokens (checked where the reference's top two are apart)."""
+    from engine.reference import ReferenceRunner
+    from engine.spec.draft import DraftModelProposer
+    from engine.spec.proposer import ProposeRequest
+
+    model, runner, _ = hybrid
+    runner.use_graphs = True
+    proposer = DraftModelProposer(runner)
+    ref = ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
+    seq = [5, 17, 99, 3, 64, 64, 12, 101]
+    checked = 0
+    for step in range(12):
+        k = 4 if step % 3 else 3
+        drafts = proposer.propose([ProposeRequest(0, list(seq), k, GREEDY)])[0].tokens
+        assert len(drafts) == k
+        for i, tok in enumerate(drafts):
+            want = ref.forward_logits(seq + drafts[:i])[-1]
+            if _margin(want) < 2e-2:
+                break  # a near tie: the paths may part here
+            assert tok == int(want.argmax()), (step, i, drafts)
+            checked += 1
+        j = step % (k + 1)  # the target accepts j drafts, then emits a token of its own
+        seq += drafts[:j] + [(drafts[j] + 1) % DIMS["vocab_size"] if j < k else 7]
+    proposer.release(0)
+    assert checked >= 20
+
+
 def test_prefix_hits_and_three_rows_with_speculation(hybrid):
     """A repeated prompt hits the prefix cache (its state restored from a snapshot) and speculates
     on; three speculating rows share one verify pass (k = 1: 6 rows, bucket 8); without the prefix
     cache too. Output == plain greedy throughout."""
-    model, runner, llama = hybrid
+    model, runner, drafts = hybrid
     runner.use_graphs = True
     prompts = _prompts()
     plain = [generate(runner, [p])[0][0] for p in prompts]
-    spec = _speculator("scripted", model, runner, llama, prompts, plain, k=2)
+    spec = _speculator("scripted", model, runner, drafts, prompts, plain, k=2)
     again, stats = generate(runner, [prompts[1], prompts[1], prompts[1]], spec, sequential=True)
     _same(again, [plain[1]] * 3, "repeated prompt")
     assert stats.prefix_hit_tokens >= 32 and stats.spec_accepted_tokens > 0
     for cache in (True, False):
-        spec = _speculator("scripted", model, runner, llama, prompts, plain, k=1)
+        spec = _speculator("scripted", model, runner, drafts, prompts, plain, k=1)
         batched, stats = generate(runner, prompts, spec, prefix_cache=cache)
         _same(batched, plain, f"three rows, prefix cache {cache}")
         assert stats.spec_accepted_tokens > 0
@@ -182,11 +219,6 @@ def mtp(tmp_path_factory):
     runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64)
     yield model, runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
     runner.close()
-
-
-def _margin(logits) -> float:
-    top2 = sorted(logits)[-2:]
-    return (top2[1] - top2[0]) / (max(abs(x) for x in logits) + 1e-6)
 
 
 def test_tapped_hidden_rows_and_mtp_drafts_match_the_reference(mtp):
