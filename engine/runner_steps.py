@@ -27,6 +27,7 @@ log = logging.getLogger("memra.runner_cuda")
 
 _STATE_ROWS = frozenset(("state_in", "state_out", "state_snap"))  # per-row state inputs (int32)
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
+GROUPINGS_KEPT = 32  # hybrid verify passes' row groupings kept bound / captured (LRU)
 PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 
 
@@ -348,6 +349,8 @@ class StepLogic:
         io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
         if not io:
             self._upload_inputs(bucket, kind)
+        if groups:
+            self._keep_grouping((bucket, launch_kind, short, io, groups))
         if self.use_graphs:
             self._graph(bucket, launch_kind, short, io=io, groups=groups).launch(self.stream)
         else:
@@ -360,6 +363,24 @@ class StepLogic:
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
+
+    def _keep_grouping(self, key: tuple) -> None:
+        """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the
+        GROUPINGS_KEPT most recently used, destroying the least recently used one's."""
+        kept = getattr(self, "_groupings", None)
+        if kept is None:
+            kept = self._groupings = {}
+        kept.pop(key, None)
+        kept[key] = None
+        if len(kept) > GROUPINGS_KEPT:
+            old = next(iter(kept))
+            del kept[old]
+            bucket, kind, short, io, groups = old
+            graph = self._graphs.pop((bucket, kind, short, io, groups), None)
+            if graph is not None:
+                self.stream.synchronize()
+                graph[0].destroy()
+            self._eager.pop(("decode", bucket, kind, short, groups), None)
 
     def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:
         """The device's logprobs of a ``_lp`` step into the items, then rows re-sampled on the host

@@ -122,6 +122,20 @@ def test_graph_per_row_grouping_replayed(fake):
     assert copies == []
 
 
+def test_least_recently_used_groupings_are_dropped(fake, monkeypatch):
+    import engine.runner_steps as rs
+
+    runner, drv, _ = fake
+    monkeypatch.setattr(rs, "GROUPINGS_KEPT", 2)
+    grouped = lambda: sorted(k[4] for k in runner._graphs if len(k) == 5)  # noqa: E731
+    for k in (1, 2, 1, 3):
+        runner.verify([_draft(0, [0] * k, 5, [0], 1)])
+    assert grouped() == [(1, 1), (1, 1, 1, 1)]  # k = 2 (groups 1, 1, 2) went; k = 1 was used again
+    captures = drv.captures
+    runner.verify([_draft(0, [0], 5, [0], 1)])
+    assert drv.captures == captures  # still there
+
+
 def test_passes_split_when_scratch_slots_run_out(fake, monkeypatch):
     runner, drv, copies = fake
     runner.use_graphs = False
