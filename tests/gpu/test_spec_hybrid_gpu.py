@@ -128,7 +128,7 @@ def _speculator(kind, model, runner, drafts, prompts=None, plain=None, k=3):
     from engine.spec.speculator import Speculator
 
     if kind == "ngram":
-        return build_speculator(SpecConfig("ngram", k=4, ngram_min=1), model, runner)
+        return build_speculator(SpecConfig("ngram", k=k, ngram_min=1), model, runner)
     if kind.startswith("draft"):
         return build_speculator(SpecConfig("draft", str(drafts[kind]), k=k), model, runner)
     return Speculator(Scripted(prompts, plain), SpecConfig("ngram", k=k))
