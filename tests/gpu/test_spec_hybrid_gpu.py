@@ -155,6 +155,57 @@ def test_greedy_with_speculation_equals_plain_greedy(hybrid, method, use_graphs)
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_verify_rows_and_restored_states_match_the_reference(hybrid, rows):
+    """One verify call of ``rows`` sequences with 3 drafts each (bucket 8: decode GEMVs; bucket 16:
+    the wide pass): every row's logits are the reference's for its prefix (the stateful launches
+    ran per draft position), and after acceptance (sequence i's draft is the reference's greedy
+    continuation with token i % 4 changed, so 0..3 accepted) a decode step from the restored
+    states gives the reference's logits again."""
+    import numpy as np
+
+    from engine.reference import ReferenceRunner
+    from engine.types import StepItem
+
+    model, runner, _ = hybrid
+    runner.use_graphs = True
+    ref = ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
+    k, vocab = 3, DIMS["vocab_size"]
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, vocab, 9 + i)] for i in range(rows)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(rows)]
+    first = runner.step([StepItem(i, p, 0, tables[i], True, GREEDY, state_slot=i) for i, p in enumerate(prompts)])
+    seqs = [p + [t] for p, t in zip(prompts, first, strict=True)]
+    drafts = []
+    for i, seq in enumerate(seqs):
+        d = ref.generate(seq, k)
+        if i % (k + 1) < k:
+            d[i % (k + 1)] = (d[i % (k + 1)] + 1) % vocab
+        drafts.append(d)
+    items = [StepItem(i, [seq[-1], *d], len(seq) - 1, tables[i], True, GREEDY, history=seq, state_slot=i, draft=d)
+             for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
+    out = runner.verify(items)
+    logits = runner.read_logits(rows * (k + 1))
+    errs = []
+    for i in range(rows):
+        for j in range(k + 1):
+            want = ref.forward_logits(seqs[i] + drafts[i][:j])[-1]
+            got = logits[j * rows + i]  # rows by draft position: every sequence's j-th, then j+1
+            errs.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+    print(f"verify rows ({rows} sequences): logits rel err max {max(errs):.2e}; accepted {[len(o) - 1 for o in out]}")
+    assert max(errs) < 3e-2, errs
+    for i, toks in enumerate(out):
+        seqs[i] = seqs[i] + toks
+    nxt = runner.step([StepItem(i, [seq[-1]], len(seq) - 1, tables[i], True, GREEDY, state_slot=i)
+                       for i, seq in enumerate(seqs)])
+    after = runner.read_logits(rows)
+    for i, seq in enumerate(seqs):
+        want = ref.forward_logits(seq)[-1]
+        err = float(np.linalg.norm(after[i] - want) / np.linalg.norm(want))
+        assert err < 3e-2, (i, len(out[i]) - 1, err)
+        assert nxt[i] == int(after[i].argmax())
+
+
 def test_hybrid_draft_rolls_back_to_every_accepted_length(hybrid):
     """The draft-model proposer over a hybrid CudaRunner (the target checkpoint itself as the draft):
     after the target accepts 0..k of its drafts, its next drafts are the reference's greedy
