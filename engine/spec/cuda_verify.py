@@ -27,8 +27,9 @@ accepted position is copied back into the live slot (device copies on the runner
 verify leaves each sequence's state at its last accepted token (``verify_restores_state``). A step
 whose drafts need more scratch slots than there are is verified in several passes.
 
-The runner's own diff is one delegating method and a ``short_ok`` flag on ``_decode``, to stay
-out of the way of the plan/launch restructuring. Reaches the driver only through the runner.
+The runner's side is one delegating method, ``short_ok`` and (hybrids) ``state_snap`` / ``groups``
+on ``_decode``, the scratch slots and ``_copy_slot`` (engine.runner_state). Reaches the driver only
+through the runner.
 """
 
 from __future__ import annotations
