@@ -80,7 +80,7 @@ def hybrid(tmp_path_factory):
     runner.close()
 
 
-def generate(runner, prompts, speculator=None, max_tokens=40, prefix_cache=True, sequential=False):
+def generate(runner, prompts, speculator=None, max_tokens=40, prefix_cache=True, sequential=False, sampling=GREEDY):
     """Greedy tokens of each prompt through one Engine (``sequential``: one request after another,
     so a repeated prompt hits the prefix cache), and the engine's stats."""
     from engine.loop import Engine, EngineConfig
@@ -92,7 +92,7 @@ def generate(runner, prompts, speculator=None, max_tokens=40, prefix_cache=True,
         outs = []
         hs = []
         for i, p in enumerate(prompts):
-            hs.append(e.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True)))
+            hs.append(e.submit(GenerationRequest(f"r{i}", p, sampling, max_tokens=max_tokens, ignore_eos=True)))
             if sequential:
                 outs.append([t for ev in hs.pop() for t in ev.token_ids])
         outs += [[t for ev in h for t in ev.token_ids] for h in hs]
@@ -234,6 +234,24 @@ def test_hybrid_draft_rolls_back_to_every_accepted_length(hybrid):
         seq += drafts[:j] + [(drafts[j] + 1) % DIMS["vocab_size"] if j < k else 7]
     proposer.release(0)
     assert checked >= 20
+
+
+def test_sampled_verify_rows_take_the_host_rule(hybrid):
+    """Sampling with top_k 1 (deterministic, but not greedy: the verify logits are read back and go
+    through the rejection rule on the host) with speculation == plain greedy; with top_k 8 the
+    run completes with every state slot back."""
+    model, runner, drafts = hybrid
+    runner.use_graphs = True
+    prompts = _prompts()
+    plain = [generate(runner, [p])[0][0] for p in prompts]
+    top1 = SamplingParams(temperature=0.7, top_k=1, seed=3)
+    spec = _speculator("scripted", model, runner, drafts, prompts, plain)
+    out, stats = generate(runner, prompts[:2], spec, sampling=top1)
+    _same(out, plain[:2], "top_k 1 sampling")
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    spec = _speculator("ngram", model, runner, drafts)
+    out, stats = generate(runner, prompts, spec, sampling=SamplingParams(temperature=0.8, top_k=8, seed=5))
+    assert [len(o) for o in out] == [40, 40, 40] and all(0 <= t < DIMS["vocab_size"] for o in out for t in o)
 
 
 def test_prefix_hits_and_three_rows_with_speculation(hybrid):
