@@ -8,8 +8,9 @@ The tap instead reads back the final norm's input (the residual stream after the
 row of the pass: a prefill pass before the head's gather moves rows) and applies the norm on the
 host in f32 with the checkpoint's norm weight: the value the reference computes from the same
 residual. One extra device-to-host copy of rows x hidden a pass, only while a tap is set.
-``HiddenRows`` is a CudaRunner base class; the copy goes through ``CudaRunner.read_value``. Must
-not import CUDA.
+``write_value`` fills an input value's rows from the host (the CUDA MTP head's input).
+``HiddenRows`` is a CudaRunner base class; the copies go through ``CudaRunner.read_value`` and the
+driver module CudaRunner hands its state arrays (engine.runner_state). Must not import CUDA.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ class HiddenRows:
     # engine.spec.hidden_tap.HiddenTap set by the MTP proposer (engine.spec.build)
     hidden_tap: Any = None
     _tap_norm: tuple[str, np.ndarray, float] | None = None
+
+    def write_value(self, name: str, rows: np.ndarray) -> None:
+        """Rows 0 .. len(rows) - 1 of plan value ``name`` (a value of its own buffer: offset 0, ld =
+        width) from f32 ``rows``, bf16-rounded, queued on the runner's stream (a graph input the
+        next pass reads: the MTP head's ``eh``)."""
+        v = self.plan.values[name]
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if v.offset or v.ld != v.width or rows.ndim != 2 or rows.shape[1] != v.width or v.dtype != "bf16":
+            raise ValueError(f"write_value: {name} ({v.dtype}, width {v.width}, ld {v.ld}) from rows {rows.shape}")
+        bits = rows.view(np.uint32)
+        host = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        self._state_cuda.htod(self._value_ptr[name], host, self.stream)  # (the driver module CudaRunner passed in)
 
     def _tap_source(self) -> tuple[str, np.ndarray, float]:
         """(the final norm's input value, its f32 weight, eps) for the tapped value."""

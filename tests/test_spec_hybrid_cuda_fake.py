@@ -203,6 +203,7 @@ def fake_mtp(tmp_path, monkeypatch):
 
     drv = FakeDriver()
     monkeypatch.setattr(rc, "cuda", drv.module())
+    rc.cuda.Context.make_current = lambda self: None  # (the engine thread makes the context current)
     path = write_qwen3_5_hf(tmp_path / "m", bf16=True, hidden_size=128, intermediate_size=256,
                             linear_key_head_dim=32, linear_value_head_dim=32, mtp_num_hidden_layers=1)
     model = load_model(path)
@@ -264,19 +265,59 @@ def test_host_head_equals_the_reference_head(fake_mtp):
     np.testing.assert_array_equal(c[1], d[1])
 
 
+def test_the_cuda_head_plan_and_its_host_rows(fake_mtp):
+    """The CUDA head's plan starts at the fc reading the input value eh (the host part: embedding,
+    its norm, the hidden state's norm, concat) and holds one attention layer's KV and no state; a
+    forward writes [rmsnorm(embedding) | rmsnorm(hidden)] rows into eh before each pass (a long
+    chunk in passes of prefill_chunk_tokens), and returns its final norm's input, normalised."""
+    from engine import ops_ref
+    from engine.spec.mtp_cuda import MtpHeadCuda
+
+    model, runner, reads = fake_mtp
+    head = MtpHeadCuda(runner, num_blocks=16)
+    r = head.runner
+    hidden = int(model.dims["hidden"])
+    assert r.plan.values["eh"].width == 2 * hidden
+    first = next(st for st in r.plan.steps)
+    assert (first.op.op, first.op.inputs, first.op.weights) == ("linear", ("eh",), ("mtp_fc",))
+    assert not r.plan.states and sorted(r._kv_index) == [0] and r.num_blocks == 16
+    assert {st.op.op for st in r.plan.steps} >= {"attention", "rope", "sigmoid_mul", "silu_mul"}
+    assert not any(st.op.op == "embed" for st in r.plan.steps)
+    writes = []
+    r.write_value = lambda name, rows: writes.append((name, np.array(rows)))
+    r.read_value = lambda name, rows: reads.append(("head", name, rows)) or np.ones((rows, hidden), np.float32)
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((3, hidden)).astype(np.float32)
+    tok, logits, out = head.forward([5, 6, 7], h, 0, [0])
+    assert tok == 0 and logits is None
+    (name, rows), = writes
+    emb = np.asarray(model.dequantize("embed"), np.float32)[[5, 6, 7]]
+    want = np.concatenate([ops_ref.rmsnorm(emb, np.asarray(model.dequantize("mtp_norm_embed"), np.float32), 1e-6),
+                           ops_ref.rmsnorm(h, np.asarray(model.dequantize("mtp_norm_hidden"), np.float32), 1e-6)], 1)
+    assert name == "eh" and np.abs(rows - want).max() < 2e-2 * np.abs(want).max()  # (the table as bf16)
+    assert reads[-1] == ("head", "x", 1)
+    np.testing.assert_allclose(out, ops_ref.rmsnorm(np.ones((1, hidden), np.float32),
+                                                    np.asarray(model.dequantize("mtp_final_norm"), np.float32), 1e-6)[0])
+    r.profile = type(r.profile)(**{**r.profile.__dict__, "prefill_chunk_tokens": 2})
+    writes.clear()
+    head.forward([5, 6, 7, 8, 9], rng.standard_normal((5, hidden)).astype(np.float32), 3, [0])
+    assert [w.shape[0] for _, w in writes] == [2, 2, 1]
+
+
 def test_mtp_speculates_on_the_cuda_runner(fake_mtp):
-    """`--speculative mtp` on the cuda backend: the host head over a tap on the runner; the engine
-    runs with it (the fake device samples 0; the head drafts from the tapped rows)."""
+    """`--speculative mtp` on the cuda backend: the CUDA head (a second runner) over a tap on the
+    target; the engine runs with it (the fake device samples 0)."""
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
     from engine.spec.config import SpecConfig
+    from engine.spec.mtp_cuda import MtpHeadCuda
     from engine.spec.proposer import MtpProposer
     from engine.types import GenerationRequest
 
     model, runner, _ = fake_mtp
-    runner.ctx.make_current = lambda: None
     spec = build_speculator(SpecConfig("mtp", k=2), model, runner)
     assert isinstance(spec.proposer, MtpProposer) and runner.hidden_tap is spec.proposer.tap
+    assert isinstance(spec.proposer.head, MtpHeadCuda)
     e = Engine(runner, _Tok(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=spec)
     h = e.submit(GenerationRequest("r", [5, 6, 7, 8, 9], GREEDY, max_tokens=10, ignore_eos=True))
     e.start()

@@ -44,8 +44,9 @@ def _check_same_tokenizer(target: Any, draft: Any, path: str) -> None:
 def _mtp_proposer(model: Any, runner: Any) -> MtpProposer:
     """The MTP proposer over the target runner: its head beside the runner, and a hidden-state tap
     on the runner (one-line errors for a model without an MTP head or a backend without one). On
-    the cuda backend the head runs in numpy on the host over its own tensors (engine.spec.mtp_host)
-    and the runner taps its final-normed hidden rows back from the device (engine.runner_tap)."""
+    the cuda backend the head is a second CudaRunner (engine.spec.mtp_cuda; the numpy head on the
+    host, engine.spec.mtp_host, where its graph does not fit that split) and the target taps its
+    final-normed hidden rows back from the device (engine.runner_tap)."""
     MtpProposer.check(model)
     if runner.backend not in ("reference", "cuda"):
         raise ConfigError(f"--speculative mtp: the {runner.backend} backend does not run MTP heads yet; use ngram or draft:PATH")
@@ -53,11 +54,17 @@ def _mtp_proposer(model: Any, runner: Any) -> MtpProposer:
     from engine.spec.mtp_head import MtpHeadReference
 
     where = runner.backend
+    head: Any
     if runner.backend == "cuda":
+        from engine.spec.mtp_cuda import MtpHeadCuda
         from engine.spec.mtp_host import HeadWeights
 
-        head = MtpHeadReference(HeadWeights(model, runner.block_size, runner.max_model_len))
-        where = "the host (numpy), target on cuda"
+        try:
+            head = MtpHeadCuda(runner)
+        except ConfigError as e:  # a head graph the split does not fit: the numpy head on the host
+            print(f"memra: {e}; the MTP head runs on the host", file=sys.stderr)
+            head = MtpHeadReference(HeadWeights(model, runner.block_size, runner.max_model_len))
+            where = "the host (numpy), target on cuda"
     else:
         head = MtpHeadReference(runner)
     runner.hidden_tap = HiddenTap(model.graph.mtp.hidden_from)

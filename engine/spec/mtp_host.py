@@ -1,7 +1,8 @@
 """HeadWeights: what MtpHeadReference reads from its target (dims, the head's tensors as float32,
 rope tables) for a target that is not a ReferenceRunner: the CUDA runner, whose weights live on the
 device. It loads only the tensors the ``mtp`` graph runs (the head's own, the embedding and the
-lm_head) from the checkpoint, so the MTP head runs in numpy on the host beside a GPU target.
+lm_head; or only ``names``) from the checkpoint, so the MTP head runs in numpy on the host beside
+a GPU target (or, for the CUDA head, engine.spec.mtp_cuda, its host-side input rows).
 
 This is the split the CUDA backend uses for MTP today: the target verifies on the GPU and exposes
 its final-normed hidden rows (engine.runner_tap); the head (one decoder layer, its fc and the
@@ -26,7 +27,14 @@ HOST_HEAD_BLOCKS = 1024  # KV blocks of the host head's own cache (drafts stop w
 class HeadWeights:
     backend = "host"
 
-    def __init__(self, model: Any, block_size: int, max_model_len: int, num_blocks: int = HOST_HEAD_BLOCKS):
+    def __init__(
+        self,
+        model: Any,
+        block_size: int,
+        max_model_len: int,
+        num_blocks: int = HOST_HEAD_BLOCKS,
+        names: frozenset[str] | None = None,
+    ):
         d = model.dims
         self.model = model
         self.heads, self.kv_heads, self.head_dim = int(d["heads"]), int(d["kv_heads"]), int(d["head_dim"])
@@ -40,11 +48,11 @@ class HeadWeights:
         by_file: dict[str, np.ndarray] = {}  # tied tensors (lm_head = embed) share one array
         for node in mtp.graph if mtp is not None else ():
             for op, layer in ((o, i) for o in node.body for i in range(layers)) if isinstance(node, Repeat) else ((node, None),):
-                names = list(op.weights) + [
+                tensors = list(op.weights) + [
                     op.attrs[a] for a, kind in OPS[op.op].attrs.items() if kind == "tensor" and op.attrs.get(a)
                 ]
-                for name in names:
-                    if (name, layer) in self._weights or not model.has(name, layer):
+                for name in tensors:
+                    if (name, layer) in self._weights or not model.has(name, layer) or (names and name not in names):
                         continue
                     fname = model.file_name(name, layer)
                     if fname not in by_file:
