@@ -105,6 +105,9 @@ class ModelGraph:
     hf_expect: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     #: the multi-token-prediction head (speculative decoding), None when the family has none
     mtp: MtpGraph | None = None
+    #: activation values the graph reads that no op writes, {name: width expression}: the runner
+    #: fills them (a graph derived from an MTP head, engine.spec.mtp_cuda); families have none
+    inputs: dict[str, str] = field(default_factory=dict)
 
     def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""

@@ -101,7 +101,10 @@ def build_plan(
     "gemm" (tensor cores; quantised weights dequantised to a bf16 scratch first) or "gemv" (the
     decode kernel over row groups; slower, a fallback). ``delta_prefill``: the hybrids' gated delta
     rule in prefill, "recurrent" or "chunked" ("": MEMRA_DELTA_PREFILL, else
-    engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). Raises ConfigError.
+    engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). The graph's ``inputs`` (activation values
+    it reads but no op writes, {name: width expression}) get values of their own buffers: the
+    runner writes their rows before a pass (the MTP head's ``eh``, engine.spec.mtp_cuda). Raises
+    ConfigError.
     """
     d = _full_dims(dims)
     chunk = profile.prefill_chunk_tokens
@@ -139,6 +142,8 @@ def build_plan(
         values.setdefault(name, v)
         return values[name]
 
+    for name, width in graph.inputs.items():
+        value_for(name, int(evaluate(width, dict(d))))
     fuse_groups: dict[int, list[list[int]]] = {}
 
     def type_runs(op: Op, per_layer: bool) -> list[list[int]]:

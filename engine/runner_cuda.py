@@ -32,6 +32,7 @@ from engine.profile import DeviceProfile, arch_number, select
 from engine.runner_kv import KvPools
 from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
+from engine.runner_tap import HiddenRows
 from engine.runner_weights import WeightLoading
 from engine.types import ConfigError, MemraError, StepItem
 from engine.weight_memory import check_fits, plan_weight_bytes
@@ -73,7 +74,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
+class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -118,14 +119,9 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
         self._pdl_warned: set[str] = set()
         self._launch_configs: dict[tuple, Any] = {}  # see _prepared
-        log.info(
-            "programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
-            "on" if self._pdl else "off",
-            self.profile.name,
-            self.profile.programmatic_launch,
-            env.MEMRA_PDL.get(),
-            self.ctx.info.cc,
-        )
+        log.info("programmatic dependent launch: %s (profile %s programmatic_launch=%s, MEMRA_PDL=%r, cc %s)",
+                 "on" if self._pdl else "off", self.profile.name, self.profile.programmatic_launch,
+                 env.MEMRA_PDL.get(), self.ctx.info.cc)  # fmt: skip
         self.stream = cuda.Stream()
         # the plan's concurrent launches (tuning decode_graph.fork_linears) run on a side stream,
         # forked from and joined back into the main one by these events (a graph captures the fork)
@@ -156,7 +152,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         )
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
-        self._graphs: dict[tuple[int, str, bool, bool], tuple[cuda.Graph, list[_Bound]]] = {}
+        self._graphs: dict[tuple, tuple[cuda.Graph, list[_Bound]]] = {}
         self._eager: dict[tuple, list[_Bound]] = {}
         self._prefill_bound: dict[tuple, list[_Bound]] = {}  # prefill pass shapes, least recent first
         self._head_inputs: list[tuple[str, int, int]] | None = None
@@ -418,23 +414,26 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
 
     def read_logits(self, rows: int) -> np.ndarray:
         """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
-        v = self.plan.values["logits"]
-        dt = np.float32 if v.dtype == "f32" else np.uint16
-        host = np.empty((rows, v.ld), dtype=dt)
+        return self.read_value("logits", rows)
+
+    def read_value(self, name: str, rows: int) -> np.ndarray:
+        """Rows 0 .. rows - 1 of plan value ``name`` after the last pass, as f32 [rows, width]."""
+        v = self.plan.values[name]
+        host = np.empty((rows, v.ld), dtype=np.float32 if v.dtype == "f32" else np.uint16)
         self.stream.synchronize()
-        cuda.dtoh(host, self._value_ptr["logits"])
-        if dt is np.uint16:
+        cuda.dtoh(host, self._value_ptr[name])
+        if host.dtype == np.uint16:
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False) -> cuda.Graph:
+    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()) -> cuda.Graph:
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
-        read / write the pinned host buffer when the graph runs)."""
-        key = (bucket, kind, short, io)
+        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's."""
+        key = (bucket, kind, short, io, *((groups,) if groups else ()))
         if key not in self._graphs:
             bound = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
             )
             with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
                 if io or self.num_state_slots:
@@ -488,6 +487,7 @@ class CudaRunner(StepLogic, WeightLoading, StateSlots, KvPools):
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
         self._run(self._prefill_pass_bound(n, nseq, max_q))
+        self._tap_prefill(segs, n)  # (before the head's gather moves rows)
         if not heads:
             self.stream.synchronize()
             return {}

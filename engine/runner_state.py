@@ -7,7 +7,9 @@ restore; -1 for zeros at a sequence's first token), write it to ``state_out`` (t
 for a token with ``state_snap`` >= 0, also store the state after it into that snapshot slot. These
 are step inputs in the packed input block, so a decode step stays one graph replay and snapshots /
 restores are device copies inside the kernels. Slots are handed out by engine.block_manager (live
-sequences and snapshots alike); the runner only holds the arrays. ``StateSlots`` is a CudaRunner
+sequences and snapshots alike); the runner only holds the arrays. Past the sink, ``spec_state_slots``
+scratch slots hold the state after each draft position of a speculative verify pass
+(engine.spec.cuda_verify), the one of the last accepted position copied back into the live slot. ``StateSlots`` is a CudaRunner
 base class; driver calls go through the ``engine.cuda`` module CudaRunner passes in. Must not import
 cuda-python.
 """
@@ -24,6 +26,7 @@ from engine.types import MemraError, StepItem
 
 MAX_STATE_SLOTS = 1024
 STATE_SHARE = 0.25  # of the KV budget (kv_memory_fraction of free memory) a hybrid's default slots take
+SPEC_STATE_SLOTS = 16  # scratch slots of a speculative verify pass (its draft tokens, all rows together)
 
 
 class StateSlots:
@@ -31,6 +34,10 @@ class StateSlots:
 
     num_state_slots: int = 0
     state_bytes: int = 0  # bytes of one slot over every stateful layer
+    spec_state_slots: int = 0  # scratch slots past the sink (speculative verify)
+    # verify leaves every sequence's state at its last accepted position (engine.loop admits
+    # speculation on a hybrid runner that does: engine.types.VerifyingRunner)
+    verify_restores_state = True
 
     def _alloc_states(self, cuda: Any, state_slots: int | None) -> None:
         plans = self.plan.states
@@ -44,13 +51,15 @@ class StateSlots:
         if state_slots is None:
             free, _ = self.ctx.mem_info()
             budget = int(free * self.profile.kv_memory_fraction * STATE_SHARE)
-            state_slots = max(min_slots, min(MAX_STATE_SLOTS, budget // self.state_bytes))
+            state_slots = max(min_slots, min(MAX_STATE_SLOTS, budget // self.state_bytes - SPEC_STATE_SLOTS))
         if state_slots < 1:
             raise MemraError(f"state_slots must be >= 1 for a hybrid model, got {state_slots}", param="state_slots")
         self.num_state_slots = int(state_slots)
         self._state_sink = self.num_state_slots
+        self.spec_state_slots = SPEC_STATE_SLOTS
+        self._spec_scratch0 = self._state_sink + 1
         for sp in plans:
-            buf = cuda.alloc(sp.slot_bytes * (self.num_state_slots + 1))
+            buf = cuda.alloc(sp.slot_bytes * (self.num_state_slots + 1 + self.spec_state_slots))
             cuda.memset(buf.ptr, 0, buf.nbytes)
             self._state_bufs[sp.name] = buf
 
@@ -60,10 +69,18 @@ class StateSlots:
     def copy_state(self, src: int, dst: int) -> None:
         """Copy every layer's recurrent state of slot ``src`` into slot ``dst`` (device copies)."""
         self._check_slots(None, src, dst)
+        self._copy_slot(src, dst)
+        self.stream.synchronize()
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Queue the copies of slot ``src`` (scratch slots included) into ``dst`` on the stream."""
         for sp in self.plan.states:
             base = self._state_bufs[sp.name].ptr
             self._state_cuda.dtod(base + dst * sp.slot_bytes, base + src * sp.slot_bytes, sp.slot_bytes, self.stream)
-        self.stream.synchronize()
+
+    def spec_scratch(self) -> range:
+        """The scratch slots of a speculative verify pass (engine.spec.cuda_verify)."""
+        return range(self._spec_scratch0, self._spec_scratch0 + self.spec_state_slots) if self.num_state_slots else range(0)
 
     def _check_slots(self, it: StepItem | None, *slots: int | None) -> None:
         for s in slots:

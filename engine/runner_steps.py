@@ -25,7 +25,9 @@ from engine.types import MemraError, StepItem
 log = logging.getLogger("memra.runner_cuda")
 
 
+_STATE_ROWS = frozenset(("state_in", "state_out", "state_snap"))  # per-row state inputs (int32)
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
+GROUPINGS_KEPT = 32  # hybrid verify passes' row groupings kept bound / captured (LRU)
 PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 
 
@@ -65,8 +67,11 @@ class StepLogic:
         return (base / inv).astype(np.float32)
 
     def _resolve(self, arg: Arg, shape: dict[str, int]) -> Any:
+        # shape "row0": the launch covers rows row0.. of the pass (a hybrid verify pass's stateful
+        # launches, one per draft position: engine.spec.cuda_verify)
+        row0 = shape.get("row0", 0)
         if arg.kind == "value":
-            ptr = self._value_ptr[arg.ref]
+            ptr = self._value_ptr[arg.ref] + row0 * self._value_rowbytes[arg.ref]
             if arg.row == "last":
                 ptr += (shape["n"] - 1) * self._value_rowbytes[arg.ref]
             return ptr
@@ -75,7 +80,7 @@ class StepLogic:
         if arg.kind == "kv":
             return self._kv_ptr(arg.layer, arg.ref)
         if arg.kind == "input":
-            return self._in_dev.ptr + self._in_off[arg.ref]
+            return self._in_dev.ptr + self._in_off[arg.ref] + (4 * row0 if arg.ref in _STATE_ROWS else 0)
         if arg.kind == "shape":
             if arg.ref.startswith("splits:"):
                 return -(-shape["max_ctx"] // int(arg.ref.split(":")[1]))
@@ -111,7 +116,11 @@ class StepLogic:
         sampling: str,
         short: bool = False,
         max_q: int = 1,
+        groups: tuple[int, ...] = (),
     ) -> list[Any]:  # (engine.runner_cuda._Bound)
+        """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
+        run once per group of consecutive rows (a hybrid verify pass, one group per draft
+        position, in order: engine.spec.cuda_verify), every other launch once over all rows."""
         shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
@@ -121,7 +130,14 @@ class StepLogic:
                 continue
             key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
             for launch in step.launches[key]:
-                if launch.runs_at(n):
+                if not launch.runs_at(n):
+                    continue
+                if groups and any(a.kind == "state" for a in launch.args):
+                    row0 = 0
+                    for c in groups:
+                        bound.append(self._bind(launch, {**shape, "n": c, "nseq": c, "row0": row0}))
+                        row0 += c
+                else:
                     bound.append(self._bind(launch, shape))
         if mode != "prefill" or head_only:
             for launch in self.plan.sampling[sampling]:
@@ -282,9 +298,17 @@ class StepLogic:
         self.stream.synchronize()
         return self._views["out_ids"][:rows].copy()
 
-    def _decode(self, items: Sequence[StepItem], short_ok: bool = True) -> list[int]:
+    def _decode(
+        self,
+        items: Sequence[StepItem],
+        short_ok: bool = True,
+        state_snap: Sequence[int] | None = None,
+        groups: tuple[int, ...] = (),
+    ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
-        launches (speculative verify rows of one sequence, engine.spec.cuda_verify)."""
+        launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
+        verify pass gives each row's snapshot slot (``state_snap``) and the row groups its stateful
+        launches run in, one after another (``groups``, the padding rows joining the last)."""
         n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
@@ -314,6 +338,9 @@ class StepLogic:
                 lens[r] = 0
             self._clear_sampling(r)
         self._fill_state_decode(items, bucket)
+        if groups:
+            v["state_snap"][:n] = state_snap
+            groups = (*groups[:-1], groups[-1] + bucket - n)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
@@ -322,17 +349,38 @@ class StepLogic:
         io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
         if not io:
             self._upload_inputs(bucket, kind)
+        if groups:
+            self._keep_grouping((bucket, launch_kind, short, io, groups))
         if self.use_graphs:
-            self._graph(bucket, launch_kind, short, io=io).launch(self.stream)
+            self._graph(bucket, launch_kind, short, io=io, groups=groups).launch(self.stream)
         else:
-            key = ("decode", bucket, launch_kind, short)
+            key = ("decode", bucket, launch_kind, short, groups)
             if key not in self._eager:
                 self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short
+                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short, groups=groups
                 )
             self._run(self._eager[key])
         ids = self._read_ids(n, copied=io).tolist()
+        self._tap_decode(items)
         return self._host_sample(items, ids, kind)
+
+    def _keep_grouping(self, key: tuple) -> None:
+        """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the
+        GROUPINGS_KEPT most recently used, destroying the least recently used one's."""
+        kept = getattr(self, "_groupings", None)
+        if kept is None:
+            kept = self._groupings = {}
+        kept.pop(key, None)
+        kept[key] = None
+        if len(kept) > GROUPINGS_KEPT:
+            old = next(iter(kept))
+            del kept[old]
+            bucket, kind, short, io, groups = old
+            graph = self._graphs.pop((bucket, kind, short, io, groups), None)
+            if graph is not None:
+                self.stream.synchronize()
+                graph[0].destroy()
+            self._eager.pop(("decode", bucket, kind, short, groups), None)
 
     def _host_sample(self, items: Sequence[StepItem], ids: list[int], kind: str) -> list[int]:
         """The device's logprobs of a ``_lp`` step into the items, then rows re-sampled on the host

@@ -36,7 +36,7 @@ def test_state_arrays_and_kv_for_attention_layers_only(fake):
     assert names == ["L0.causal_conv1d", "L0.gated_delta_rule", "L2.causal_conv1d", "L2.gated_delta_rule"]
     conv = next(sp for sp in runner.plan.states if sp.name == "L0.causal_conv1d")
     assert conv.slot_bytes == 4 * d["lin_conv_dim"] * (d["lin_conv_kernel"] - 1)
-    assert runner._state_bufs["L0.gated_delta_rule"].nbytes == 7 * 4 * d["lin_v_heads"] * d["lin_k_dim"] * d["lin_v_dim"]
+    assert runner._state_bufs["L0.gated_delta_rule"].nbytes == (7 + runner.spec_state_slots) * 4 * d["lin_v_heads"] * d["lin_k_dim"] * d["lin_v_dim"]
     assert sorted(runner._kv_index) == [1, 3]  # layers 1 and 3 hold full attention
     assert runner.kv.nbytes == 2 * 2 * runner._kv_layer_bytes
 

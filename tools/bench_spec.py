@@ -1,7 +1,7 @@
 """Speculative-decoding speedups (issue #38): batch-1 decode tok/s with speculation off and on.
 
     PYTHONPATH=. python tools/bench_spec.py [MODEL] [--backend cuda] [--k 4] [--max-tokens 192]
-        [--draft PATH] [--json OUT]
+        [--draft PATH] [--mtp] [--json OUT]
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct Q4_1. Two fixed workloads, one request at a
 time through the engine loop, greedy, chat template applied:
@@ -10,7 +10,8 @@ time through the engine loop, greedy, chat template applied:
   prompt, so prompt lookup finds it);
 * ``unsuited``: free-form chat (little to look up).
 
-Modes: ``off``; ``ngram`` (prompt lookup, k); ``draft`` (--draft PATH, k); ``replay`` (the target's own
+Modes: ``off``; ``ngram`` (prompt lookup, k); ``draft`` (--draft PATH, k); ``mtp`` (--mtp: the
+model's MTP head, k); ``replay`` (the target's own
 recorded greedy continuation fed as the draft: 100 % acceptance, so its speedup over ``off`` bounds
 the verification overhead, target >= 0.8 x (k+1)). Decode tok/s = (tokens - 1) / (last token time -
 first token time), summed over the workload's prompts; every mode's tokens are checked equal to
@@ -108,6 +109,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--draft", default=None, help="a draft model path (adds the draft mode)")
+    ap.add_argument("--mtp", action="store_true", help="add the mtp mode (a model with an MTP head)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -131,6 +133,8 @@ def main() -> int:
     modes: list[tuple[str, object]] = [("off", None), ("ngram", SpecConfig("ngram", k=args.k)), ("replay", None)]
     if args.draft:
         modes.append(("draft", SpecConfig("draft", args.draft, k=args.k)))
+    if args.mtp:
+        modes.append(("mtp", SpecConfig("mtp", k=args.k)))
     results: dict = {"model": str(path), "backend": runner.backend, "k": args.k, "workloads": {}}
     device = getattr(getattr(runner, "ctx", None), "info", None)
     results["device"] = getattr(device, "name", runner.backend)

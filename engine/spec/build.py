@@ -43,16 +43,32 @@ def _check_same_tokenizer(target: Any, draft: Any, path: str) -> None:
 
 def _mtp_proposer(model: Any, runner: Any) -> MtpProposer:
     """The MTP proposer over the target runner: its head beside the runner, and a hidden-state tap
-    on the runner (one-line errors for a model without an MTP head or a backend without one)."""
+    on the runner (one-line errors for a model without an MTP head or a backend without one). On
+    the cuda backend the head is a second CudaRunner (engine.spec.mtp_cuda; the numpy head on the
+    host, engine.spec.mtp_host, where its graph does not fit that split) and the target taps its
+    final-normed hidden rows back from the device (engine.runner_tap)."""
     MtpProposer.check(model)
-    if runner.backend != "reference":
+    if runner.backend not in ("reference", "cuda"):
         raise ConfigError(f"--speculative mtp: the {runner.backend} backend does not run MTP heads yet; use ngram or draft:PATH")
     from engine.spec.hidden_tap import HiddenTap
     from engine.spec.mtp_head import MtpHeadReference
 
-    head = MtpHeadReference(runner)
+    where = runner.backend
+    head: Any
+    if runner.backend == "cuda":
+        from engine.spec.mtp_cuda import MtpHeadCuda
+        from engine.spec.mtp_host import HeadWeights
+
+        try:
+            head = MtpHeadCuda(runner)
+        except ConfigError as e:  # a head graph the split does not fit: the numpy head on the host
+            print(f"memra: {e}; the MTP head runs on the host", file=sys.stderr)
+            head = MtpHeadReference(HeadWeights(model, runner.block_size, runner.max_model_len))
+            where = "the host (numpy), target on cuda"
+    else:
+        head = MtpHeadReference(runner)
     runner.hidden_tap = HiddenTap(model.graph.mtp.hidden_from)
-    print(f"memra: speculative MTP head of {model.name} ({head.layers} layer) on {runner.backend}", file=sys.stderr)
+    print(f"memra: speculative MTP head of {model.name} ({head.layers} layer) on {where}", file=sys.stderr)
     return MtpProposer(model, head, runner.hidden_tap)
 
 

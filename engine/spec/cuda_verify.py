@@ -14,8 +14,22 @@ read those slots, so verification then uses the long-context launches.
 Greedy rows without penalties are accepted from the argmax ids alone; other rows read the logits
 back and go through ``engine.spec.accept`` on the host.
 
-The runner's own diff is one delegating method and a ``short_ok`` flag on ``_decode``, to stay
-out of the way of the plan/launch restructuring. Reaches the driver only through the runner.
+A hybrid model (recurrent layers: conv1d and the gated delta rule, with per-slot state) cannot run
+one sequence's rows in parallel through its stateful kernels. Its verify pass lays the rows out by
+draft position (every item's position 0, then every item's position 1, ...) and runs each stateful
+launch once per position group, in order (``CudaRunner._decode(groups=...)``): group j reads the
+live slot that group j-1 wrote (the item's own start state at j = 0), so every row sees exactly the
+state plain decoding would have given it, through the same decode kernels. Every other launch runs
+once over all rows, as in plain decode. Row (item, j) also stores its state after token j in a
+scratch slot (``CudaRunner.spec_scratch``, past the sink; or in the item's own prefix-cache
+snapshot slot where it asks for one after that token); after acceptance the slot of the last
+accepted position is copied back into the live slot (device copies on the runner's stream), so
+verify leaves each sequence's state at its last accepted token (``verify_restores_state``). A step
+whose drafts need more scratch slots than there are is verified in several passes.
+
+The runner's side is one delegating method, ``short_ok`` and (hybrids) ``state_snap`` / ``groups``
+on ``_decode``, the scratch slots and ``_copy_slot`` (engine.runner_state). Reaches the driver only
+through the runner.
 """
 
 from __future__ import annotations
@@ -58,17 +72,28 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     safe = getattr(runner, "_verify_short_ok", None)
     if safe is None:
         safe = runner._verify_short_ok = short_is_safe(runner.plan)
+    hybrid = bool(getattr(runner, "num_state_slots", 0))
+    scratch_slots = len(runner.spec_scratch()) if hybrid else 0
+    run_group = _verify_group_hybrid if hybrid else _verify_group
     group: list[int] = []
-    rows = 0
+    rows = scratch = 0
     for i in drafts + [-1]:
         n = len(items[i].token_ids) if i >= 0 else 0
-        if group and (i < 0 or rows + n > runner._max_rows):
-            for j, toks in zip(group, _verify_group(runner, [items[j] for j in group], safe), strict=True):
+        full = rows + n > runner._max_rows or (hybrid and scratch + n - 1 > scratch_slots)
+        if group and (i < 0 or full):
+            for j, toks in zip(group, run_group(runner, [items[j] for j in group], safe), strict=True):
                 out[j] = toks
-            group, rows = [], 0
+            group, rows, scratch = [], 0, 0
         if i >= 0:
+            if hybrid and n - 1 > scratch_slots:
+                raise MemraError(
+                    f"seq {items[i].seq_id}: a draft of {n - 1} tokens needs more than the {scratch_slots} "
+                    "state scratch slots",
+                    code="internal_error",
+                )
             group.append(i)
             rows += n
+            scratch += n - 1
     return out
 
 
@@ -92,4 +117,56 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
             out.append(accept(logits[lo:hi], it))
         else:
             out.append(accept_greedy_ids(it.draft, ids[lo:hi]))
+    return out
+
+
+def _verify_group_hybrid(r: Any, items: list[StepItem], short_ok: bool) -> list[list[int]]:
+    """A hybrid's draft items in one decode pass, rows grouped by draft position (module docstring),
+    then each sequence's state put back to its last accepted position."""
+    ks = [len(it.draft) for it in items]
+    order = [(i, j) for j in range(max(ks) + 1) for i, k in enumerate(ks) if j <= k]
+    groups = tuple(sum(1 for k in ks if k >= j) for j in range(max(ks) + 1))
+    free = iter(r.spec_scratch())
+    after: dict[tuple[int, int], int] = {}  # (item, j) -> the slot holding the state after its token j
+    for i, it in enumerate(items):
+        r._check_item(it)
+        own = {n - 1: slot for n, slot in it.state_snapshots}
+        r._check_slots(it, it.state_slot, it.state_restore, *own.values())
+        for j in range(ks[i] + 1):
+            if j in own:
+                after[i, j] = own[j]
+            elif j < ks[i]:  # (after the last token the state is in the live slot)
+                after[i, j] = next(free)
+    rows: list[StepItem] = []
+    where: dict[tuple[int, int], int] = {}
+    for i, j in order:
+        it = items[i]
+        where[i, j] = len(rows)
+        rows.append(
+            StepItem(
+                it.seq_id,
+                [it.token_ids[j]],
+                it.start_pos + j,
+                it.block_table,
+                True,
+                _GREEDY,
+                state_slot=it.state_slot,
+                state_restore=it.state_restore if j == 0 else None,
+                window_table=it.window_table,
+            )
+        )
+    snaps = [after.get(ij, -1) for ij in order]
+    ids = r._decode(rows, short_ok=short_ok, state_snap=snaps, groups=groups)
+    host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
+    logits = r.read_logits(len(rows)) if host else None
+    out = []
+    for i, it in enumerate(items):
+        at = [where[i, j] for j in range(ks[i] + 1)]
+        if logits is not None and (not it.sampling.greedy or it.sampling.uses_penalties):
+            toks = accept(logits[at], it)
+        else:
+            toks = accept_greedy_ids(it.draft, [ids[x] for x in at])
+        if len(toks) - 1 < ks[i]:  # a rejected draft token: back to the state after the last accepted one
+            r._copy_slot(after[i, len(toks) - 1], it.state_slot)
+        out.append(toks)
     return out

@@ -8,6 +8,13 @@ batched together. It remembers which tokens its KV holds; on the next call the
 positions whose tokens the target did not accept are rolled back (block-manager truncation) before
 the catch-up. Its proposals are deterministic (argmax), so verification treats them as point-mass
 proposals, which the rejection rule handles exactly for sampled requests too.
+
+A hybrid draft model (recurrent layers: ``runner.num_state_slots`` > 0) keeps each row's recurrent
+state in a live slot of its block manager (half the runner's slots); the other half is a pool of
+snapshot slots. While it drafts, the state after the catch-up and after each drafted token but the
+last is also stored into a pool slot (the items' ``state_snapshots``), so that the next call rolls
+the state back to the tokens the target accepted (``runner.copy_state``) before catching up. A
+row whose rollback point has no snapshot (a recompute) starts over from its first token.
 Must not import numpy or CUDA (the draft runner does its own math).
 """
 
@@ -30,6 +37,7 @@ MAX_DECODE_CATCHUP = 4  # catch-ups up to this many tokens run as decode rows, o
 class _Row:
     done: list[int] = field(default_factory=list)  # tokens whose KV the draft cache holds, in order
     confirmed: int = 0  # leading entries of ``done`` known to be the sequence's own tokens
+    snaps: dict[int, int] = field(default_factory=dict)  # (hybrid) tokens run -> slot of the state after them
 
 
 class DraftModelProposer:
@@ -37,23 +45,45 @@ class DraftModelProposer:
 
     def __init__(self, runner: Any):
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=False)
+        slots = int(getattr(runner, "num_state_slots", 0) or 0)
+        self.hybrid = slots > 0
+        live = slots - slots // 2
+        self._snap_free = list(range(live, slots))  # (hybrid) the snapshot pool
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=False, state_slots=live)
         self._rows: dict[int, _Row] = {}
 
     def release(self, seq_id: int) -> None:
-        self._rows.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._free_snaps(row)
         self.blocks.free(seq_id)
 
-    def _sync(self, seq_id: int, tokens: Sequence[int]) -> _Row:
-        """The row's state with ``done`` cut back to the prefix it shares with ``tokens``."""
+    def _free_snaps(self, row: _Row) -> None:
+        self._snap_free.extend(row.snaps.values())
+        row.snaps = {}
+
+    def _live_slot(self, seq_id: int) -> int | None:
+        return self.blocks.state_for_step(seq_id, 0, 0, 0)[0]
+
+    def _sync(self, seq_id: int, tokens: Sequence[int]) -> _Row | None:
+        """The row's state with ``done`` cut back to the prefix it shares with ``tokens`` (None: no
+        room for a new row in the draft's block manager)."""
         row = self._rows.get(seq_id)
         if row is None:
+            if self.blocks.allocate(seq_id, [], _SALT) is None:
+                return None
             row = self._rows[seq_id] = _Row()
-            self.blocks.allocate(seq_id, [], _SALT)
         c = min(row.confirmed, len(tokens))
         while c < len(row.done) and c < len(tokens) and row.done[c] == tokens[c]:
             c += 1
         c = min(c, len(tokens) - 1)  # the last token always runs: its logits give the first draft
+        if self.hybrid and 0 < c < len(row.done):  # the recurrent state back to c tokens
+            src = row.snaps.get(c)
+            if src is None:  # no snapshot there: the row starts over
+                self.release(seq_id)
+                return self._sync(seq_id, tokens)
+            self.runner.copy_state(src, self._live_slot(seq_id))
+        self._free_snaps(row)
         del row.done[c:]
         self.blocks.truncate(seq_id, c)
         return row
@@ -67,6 +97,11 @@ class DraftModelProposer:
             if k < 1:
                 continue
             row = self._sync(r.seq_id, r.tokens)
+            if row is None:
+                continue
+            if self.hybrid:  # the states after n .. n + k - 2 tokens go to pool slots (rollback points)
+                k = min(k, len(self._snap_free) + 1)
+                row.snaps = {n + j: self._snap_free.pop() for j in range(k - 1)}
             if not self.blocks.grow(r.seq_id, n + k - 1):  # the draft cache is full: skip this row
                 self.release(r.seq_id)
                 continue
@@ -80,7 +115,7 @@ class DraftModelProposer:
             items = []
             for _i, r, row, _k, chunks in active:
                 toks = chunks.pop(0) if chunks else [out[_i].tokens[-1]]
-                items.append(self._item(r.seq_id, toks, len(row.done), row.done, sample=not chunks))
+                items.append(self._item(r.seq_id, toks, len(row.done), row.done, not chunks, row.snaps))
                 row.done.extend(toks)
             ids = self.runner.step(items)
             keep = []
@@ -95,8 +130,18 @@ class DraftModelProposer:
         return out
 
     def _item(
-        self, seq_id: int, tokens: list[int], start: int, history: Sequence[int], sample: bool = True
+        self,
+        seq_id: int,
+        tokens: list[int],
+        start: int,
+        history: Sequence[int],
+        sample: bool = True,
+        snaps: dict[int, int] | None = None,
     ) -> StepItem:
+        slot = snap = None
+        if self.hybrid:
+            slot = self._live_slot(seq_id)
+            snap = (snaps or {}).get(start + len(tokens))
         return StepItem(
             seq_id=seq_id,
             token_ids=tokens,
@@ -105,4 +150,6 @@ class DraftModelProposer:
             sample=sample,
             sampling=_GREEDY,
             history=history,
+            state_slot=slot,
+            state_snapshots=((len(tokens), snap),) if snap is not None else (),
         )
