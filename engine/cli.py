@@ -81,8 +81,10 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
 
 
-def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out=sys.stdout):
-    """Stream one request through the engine to ``out``; returns (text, stats dict)."""
+def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out: Any = None):
+    """Stream one request through the engine to ``out`` (default: the current ``sys.stdout``, looked
+    up per call, not bound at import); returns (text, stats dict)."""
+    out = out if out is not None else sys.stdout
     req = GenerationRequest(
         request_id=f"cli-{uuid.uuid4().hex[:8]}",
         prompt_ids=prompt_ids,
