@@ -201,8 +201,8 @@ LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
-    type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
-    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights).
+    type, else the classic gemv tuning, whose GEMVs with n <= gemv.short_n_max take
+    gemv.b1_short_n_threads threads where set (at every bmax: batch-invariant bits) (more warps per row on the short, long-k weights).
     A classic row of a 32-value block type gets no more warps than the power of two its chunks of
     32 blocks need (``k`` given): a warp past them finds no block of its row (kernels/gemv.cu.j2 deals chunk c to
     warp c % WPR of the row) and only holds a slot at the block's barriers, so the block keeps its
@@ -219,7 +219,8 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
         )
     g = tuning["gemv"]
     threads = GEMV_THREADS
-    if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
+    # (every bmax alike: the warps per row set how a row's k is split, hence its sum's bits)
+    if n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
         threads = int(g["b1_short_n_threads"])
     rpb = GEMV_ROWS_PER_BLOCK
     if k and quant in LEGACY_TYPES and (threads // 32) % rpb == 0:
@@ -290,7 +291,7 @@ ELEMENTWISE_THREADS = 256  # the block of the elementwise kernels (embed, rope, 
 SAMPLING_THREADS = 1024  # the block of the sampling kernels (argmax, sample, token_mask)
 PREFILL_BLOCK_Q = 64  # the flash prefill's query rows per block (16 per warp)
 PREFILL_WARPS = 4
-DECODE_WARPS = 4  # the split decode attention's warps (and the direct kernel's where direct_warps is 0)
+DECODE_WARPS = 4  # the decode attention's warps where attention_decode.direct_warps is 0 (split and direct alike)
 
 
 def attention_prefill_params(
