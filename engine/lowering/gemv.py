@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine import kernel_catalog as kc
+from engine.batch_invariance import gemv_signature
 from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.types import ConfigError
@@ -101,7 +102,9 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     early behind them. The second part is re-planned in the first's block shape. Pairs only
     coop q8x GEMVs without a residual, glu or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
-    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
+    memory (wsm: a block waiting for a slot would wait for its copy), and only where the second
+    part keeps its own reduction structure in the first's block shape (the same k split: the
+    bits of the bucket GEMVs, engine.batch_invariance). decode_graph.pair_min_blocks
     sets the kernel's __launch_bounds__ minimum of blocks per SM."""
     if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
         return None
@@ -111,6 +114,9 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     b = gemv_launch(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
     if not pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
         return None
+    if gemv_signature(b.spec.params) != gemv_signature(launches[1].spec.params):
+        return None  # re-planned into another k split: its rows' bits would differ from a bucket's
+
     min_blocks = int(ctx.tune("decode_graph").get("pair_min_blocks") or 0)
     try:  # (the pair kernel's __launch_bounds__ minimum: both parts carry it)
         spec = kc.pair_with_min_blocks([a.spec, b.spec], min_blocks)
