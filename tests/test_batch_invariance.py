@@ -2,8 +2,8 @@
 tests/gpu/test_batch_invariance_gpu.py): for tiny models of every decode GEMV layout and the real
 SmolLM2 / Gemma 3 files where present, on every device profile, the plan's batch-1 and bucket decode
 launches (decode1 / short / short1 against decode) differ in no knob that changes a row's bits
-(engine.batch_invariance); and the GEMV norm prologue sums in the rmsnorm kernel's order for the
-rmsnorm kernel's block (NORM_T in kernels/gemv.cu.j2 is kernel_catalog.NORM_THREADS)."""
+(engine.batch_invariance); and the GEMV norm prologue sums its squares in the rmsnorm kernel's
+order (both templates' NORM_T)."""
 
 from __future__ import annotations
 
@@ -68,9 +68,12 @@ def test_batch1_and_bucket_decode_launches_agree_in_every_bit_changing_knob(mode
     assert not bad, bad
 
 
-def test_the_norm_prologue_sums_for_the_rmsnorm_kernels_block():
-    src = (ROOT / "kernels" / "gemv.cu.j2").read_text()
-    assert [int(x) for x in re.findall(r"set norm_t = (\d+)", src)] == [kc.NORM_THREADS]
+def test_the_norm_prologue_and_the_rmsnorm_kernel_sum_over_the_same_threads():
+    """Both templates fix the sum of squares' order over the same NORM_T "threads", which the
+    rmsnorm kernel's block divides."""
+    found = [re.findall(r"set norm_t = (\d+)", (ROOT / "kernels" / f).read_text()) for f in ("gemv.cu.j2", "rmsnorm.cu.j2")]
+    assert found[0] == found[1] and len(found[0]) == 1, found
+    assert int(found[0][0]) % kc.NORM_THREADS == 0 and int(found[0][0]) // 32 <= 32
 
 
 def test_mismatches_names_a_bit_changing_knob(models):

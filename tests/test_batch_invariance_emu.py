@@ -179,3 +179,30 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         _run(comb.spec, (1, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
         assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
+
+
+@pytest.mark.parametrize(
+    "file_type,k,threads,rpb",
+    [("q4_1", 4096, 256, 16), ("q8_0", 2560, 512, 16), ("q4_k", 1024, 640, 20)],
+    ids=["rows_inv_rms", "merged-512", "merged-640"],
+)
+def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads, rpb, tmp_path):
+    """The norm prologue in blocks of other sizes than the rmsnorm kernel's 256, from the staging
+    loads (k / 8 groups in one round) or from its own pass over x (more groups than threads)."""
+    rng = np.random.default_rng(9)
+    layout = kc.upload_type(file_type, k, {"gemv_coop": {"types": [file_type]}})
+    n = 2 * rpb
+    raw = random_blocks(file_type, n * k // quant.block(file_type)[0], seed=1)
+    w = np.ascontiguousarray(quant.repack(raw, layout, n, k) if layout != file_type else raw).reshape(-1)
+    x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+    nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+    rs = kc.spec("rmsnorm", n=k, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
+    _run(rs, (ROWS, 1, 1), kc.NORM_THREADS, 0, [xn, x, None, nw, ROWS], tmp_path)
+    base = dict(quant=layout, n=n, k=k, threads=threads, rows_per_block=rpb, residual=False, out_dtype="bf16",
+                coop=True, q8x=True, pipeline=True)  # fmt: skip
+    want = run_gemv(tmp_path, w, xn, ROWS, **base, bmax=8)
+    for r in range(ROWS):
+        got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **base, bmax=1, prologue="norm",
+                       x_stride=k, eps="1e-06", early_nw=True)  # fmt: skip
+        assert np.array_equal(got[0], want[r]), (file_type, r, int((got[0] != want[r]).sum()))
