@@ -12,8 +12,8 @@ a tiny bf16 Llama, and the real SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M files where
   together equal the same rows decoded one at a time (np.array_equal of the f32 logits);
 * the k + 1 verify rows of a draft equal the plain batch-1 decode steps at the same positions,
   below, across and past 256;
-* self-draft speculation (the draft is the target itself: every draft token is plain greedy's)
-  accepts every draft token on both bench_spec workloads' kinds of prompt.
+* the target's recorded greedy continuation fed back as the draft (tools/bench_spec.py's replay)
+  is accepted whole on both bench_spec workloads' kinds of prompt, alone and batched.
 """
 
 from __future__ import annotations
@@ -155,18 +155,55 @@ def test_verify_rows_equal_plain_decode_steps_bit_for_bit(model_of, name, depth)
         runner.close()
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_self_draft_accepts_every_token_on_real_weights(model_of, name, request):
-    """The target as its own draft model proposes exactly plain greedy's tokens (the draft runner
-    decodes them at batch 1): with verify rows equal to plain decode every one is accepted, on a
-    prompt lookup suits and on free-form chat, solo and both at once, and the output is plain's."""
-    from test_spec_gpu import generate
+class _Replay:
+    """Proposes each prompt's recorded plain greedy continuation (tools/bench_spec.py's replay)."""
 
+    name = "replay"
+
+    def __init__(self, recorded):
+        self.recorded = recorded
+
+    def propose(self, requests):
+        from engine.spec.proposer import Draft
+
+        out = []
+        for r in requests:
+            cont = self.recorded.get(tuple(r.tokens[: r.prompt_len]), [])
+            done = len(r.tokens) - r.prompt_len
+            out.append(Draft(list(cont[done : done + r.k])))
+        return out
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+def _engine_run(runner, prompts, speculator, max_tokens):
+    from test_spec_gpu import _Tok
+
+    from engine.loop import Engine, EngineConfig
+    from engine.types import GenerationRequest
+
+    e = Engine(runner, _Tok(), EngineConfig(), speculator=speculator)
+    hs = [e.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True))
+          for i, p in enumerate(prompts)]  # fmt: skip
+    e.start()
+    try:
+        return [[t for ev in h for t in ev.token_ids] for h in hs], e.stats()
+    finally:
+        e.shutdown(10)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(model_of, name):
+    """tools/bench_spec.py's replay mode as a test: the target's own recorded greedy continuation
+    fed back as the draft (k = 4) is accepted token for token (verify rows == plain decode steps,
+    so any rejection is a bit difference), on a prompt lookup suits and on free-form chat, one
+    request at a time and both at once, and the output is plain greedy's."""
     from engine.spec.config import SpecConfig
+    from engine.spec.speculator import Speculator
     from engine.tokenizer import load_tokenizer
 
     model = model_of(name)
-    path = request.getfixturevalue({"smollm2": "smollm2_path", "gemma3": "gemma3_path"}[name])
     tok = load_tokenizer(model.weights)
     text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     prompts = [
@@ -177,11 +214,12 @@ def test_self_draft_accepts_every_token_on_real_weights(model_of, name, request)
     ]  # fmt: skip
     runner = _runner(model)
     try:
-        plain, _ = generate(runner, model, prompts, None, max_tokens=160)
-        spec = SpecConfig("draft", str(path), k=4)
+        plain = [_engine_run(runner, [p], None, 192)[0][0] for p in prompts]
+        recorded = {tuple(p): toks for p, toks in zip(prompts, plain, strict=True)}
         for batch in ([prompts[0]], [prompts[1]], prompts):
-            got, st = generate(runner, model, batch, spec, max_tokens=160)
-            assert got == [plain[prompts.index(p)] for p in batch]
+            spec = Speculator(_Replay(recorded), SpecConfig("ngram", k=4))
+            got, st = _engine_run(runner, batch, spec, 192)
+            assert got == [recorded[tuple(p)] for p in batch]
             assert st.spec_draft_tokens > 0
             assert st.spec_accepted_tokens == st.spec_draft_tokens, (st.spec_accepted_tokens, st.spec_draft_tokens)
     finally:
