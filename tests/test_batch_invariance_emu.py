@@ -199,6 +199,9 @@ def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads
     xn = np.full((ROWS, k), 0x7FC0, np.uint16)
     rs = kc.spec("rmsnorm", n=k, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
     _run(rs, (ROWS, 1, 1), kc.NORM_THREADS, 0, [xn, x, None, nw, ROWS], tmp_path)
+    xf = (x.astype(np.uint32) << 16).view(np.float32)
+    ref = xf / np.sqrt((xf.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * nw
+    assert np.abs((xn.astype(np.uint32) << 16).view(np.float32) - ref).max() <= 2**-7 * np.abs(ref).max()
     base = dict(quant=layout, n=n, k=k, threads=threads, rows_per_block=rpb, residual=False, out_dtype="bf16",
                 coop=True, q8x=True, pipeline=True)  # fmt: skip
     want = run_gemv(tmp_path, w, xn, ROWS, **base, bmax=8)
