@@ -6,13 +6,13 @@ verification runs a draft's positions as rows of one bucket and accepts a token 
 batch-1 greedy would have produced it. The kernels make most of their knobs bit-neutral (the same
 arithmetic in the same order: kernels/_gemv_coop.cuh.j2's unroll, pipeline, wsm, tile_pf, trigger,
 early loads, rows per warp and block shape; a norm or silu prologue stores what the rmsnorm /
-silu_mul kernel would; attention_combine passes a lone split through, so the split attention of a
+silu_mul kernel would, and so does a gate|up GEMV's glu epilogue; attention_combine passes a lone split through, so the split attention of a
 row below split equals the direct kernel with the same warps; the rope is one function in both
 rope kernels). What is left, and what this module compares per step across the decode modes:
 
 * a GEMV's reduction structure: coop (k split over ``ksplit`` warp groups, ``lanes`` lanes per
   row, int8 x rows or not) or classic (``threads / 32 / rows_per_block`` warps per row), its type
-  and shape, glu, residual, output type;
+  and shape, residual, output type;
 * the decode attention's ``warps`` (which keys each warp sums), ``vec16``, split, scale, window;
 * the rmsnorm kernel's threads: the GEMV norm prologue sums in its order for NORM_THREADS;
 * every other kernel's params, but for the bit-neutral ones (NEUTRAL).
@@ -46,7 +46,7 @@ NEUTRAL = frozenset(
 
 def gemv_signature(p: dict[str, Any]) -> tuple:
     """What fixes a gemv's per-row bits: its reduction structure, type, shape and epilogue."""
-    tail = (p["quant"], p["n"], p["k"], p["glu"], p["residual"], p["out_dtype"])
+    tail = (p["quant"], p["n"], p["k"], p["residual"], p["out_dtype"])  # (glu: silu_mul's bits)
     if p["coop"]:
         return ("coop", p["q8x"], p["ksplit"], p["lanes"], *tail)
     return ("classic", p["threads"] // 32 // p["rows_per_block"], *tail)

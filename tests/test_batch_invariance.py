@@ -1,6 +1,7 @@
 """Batched equal to solo, by construction (issue #38 item 3; the GPU proof is
-tests/gpu/test_batch_invariance_gpu.py): for tiny models of every decode GEMV layout and the real
-SmolLM2 / Gemma 3 files where present, on every device profile, the plan's batch-1 and bucket decode
+tests/gpu/test_batch_invariance_gpu.py): for tiny models of every decode GEMV layout (q4_0, q4_1,
+q8_0, q4_k_m, q5_k_m GGUFs; bf16 Llama, Qwen3 and a windowed Gemma 3) on every device profile, and
+the families' real sizes on the sm90 / sm80 profiles, the plan's batch-1 and bucket decode
 launches (decode1 / short / short1 against decode) differ in no knob that changes a row's bits
 (engine.batch_invariance); and the GEMV norm prologue sums its squares in the rmsnorm kernel's
 order (both templates' NORM_T)."""
@@ -12,7 +13,13 @@ import re
 from pathlib import Path
 
 import pytest
-from fixtures.checkpoints import Dims, write_llama_safetensors, write_qwen3_safetensors, write_random_gguf
+from fixtures.checkpoints import (
+    Dims,
+    write_gemma3_safetensors,
+    write_llama_safetensors,
+    write_qwen3_safetensors,
+    write_random_gguf,
+)
 
 from engine import kernel_catalog as kc
 from engine.batch_invariance import mismatches
@@ -33,10 +40,6 @@ GGUFS = {
     "qwen3-q4_k_m": ("qwen3", QWEN, "q4_k_m"),
     "qwen3-q5_k_m": ("qwen3", QWEN, "q5_k_m"),
 }
-REAL = {
-    "smollm2": Path.home() / ".cache/memra/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "gemma3": Path.home() / ".cache/memra/models/gemma-3-270m-q4_k_m.gguf",
-}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +53,9 @@ def models(tmp_path_factory):
                  intermediate_size=512, vocab_size=512)  # fmt: skip
     out["llama-bf16"] = load_model(write_llama_safetensors(tmp_path_factory.mktemp("bf16"), **small))
     out["qwen3-bf16"] = load_model(write_qwen3_safetensors(tmp_path_factory.mktemp("qbf16"), **small))
-    for name, path in REAL.items():
-        if path.exists():
-            out[name] = load_model(path)
+    # Gemma 3's layout: sliding-window layers (a 512-key window), GeGLU, q/k head norms, (1 + w) norms
+    gemma = dict(small, hidden_size=640, num_attention_heads=4, num_key_value_heads=1, head_dim=256)
+    out["gemma3-bf16"] = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma"), window=512, **gemma))
     return out
 
 
@@ -65,6 +68,26 @@ def test_batch1_and_bucket_decode_launches_agree_in_every_bit_changing_knob(mode
         lines = mismatches(plan)
         if lines:
             bad[name] = lines[:3]
+    assert not bad, bad
+
+
+SIZES = [("qwen3", "qwen3-4b", "q8_0"), ("qwen3", "qwen3-4b", "q4_k_m"), ("qwen3", "qwen3-0.6b", "bf16"),
+         ("llama", "smollm2-135m", "q4_1")]  # fmt: skip
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200", "generic-sm80"])
+def test_real_sizes_decode_launches_agree(profile):
+    """The families' real sizes (no weights needed): long-k down projections (9728: int8 x rows
+    only 4 to a grid row in the buckets), q4_k_m pairs, short-n classic GEMVs."""
+    from engine.graph import load_family
+    from engine.model import dims_for_size
+
+    bad = {}
+    for family, size, q in SIZES:
+        g = load_family(family)
+        plan = build_plan(g, dims_for_size(family, size), g.quant(q), get_profile(profile), rope_style="neox")
+        if mismatches(plan):
+            bad[size, q] = mismatches(plan)[:2]
     assert not bad, bad
 
 

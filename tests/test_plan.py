@@ -669,7 +669,8 @@ def test_gemv_prefetch_knob_reaches_the_staged_decode_launches():
 
 def test_gemv_coop_q8x_where_the_int8_rows_fit():
     """gemv_coop.q8x reaches the q4_k / q8_0r / q6_kr decode GEMVs whose bmax * k * 3 / 2 bytes fit
-    COOP_Q8X_MAX (with that dynamic shared memory), never bf16 or a classic type; off, none has it."""
+    COOP_Q8X_MAX (with that dynamic shared memory), never bf16 or a classic type; off, none has it.
+    A bucket GEMV whose 8 int8 x rows would not fit takes fewer a grid row (kernel_catalog.decode_bmax)."""
     import dataclasses
 
     from engine import kernel_catalog as kc
@@ -696,7 +697,10 @@ def test_gemv_coop_q8x_where_the_int8_rows_fit():
                 assert la.smem == (x + tile if p["wsm"] else p["bmax"] * p["k"] * 3 // 2 if want else 0)
                 got[want] += 1
             assert got[True] if on else not got[True], (q, on, got)
-            assert got[False]  # bf16 / classic types / rows too long for the cap keep the f32 path
+            assert got[False] or on  # off: every GEMV on the f32 path
+            if on:  # the 9728-long down rows: 4 x rows a grid row in the buckets, int8 like batch 1
+                downs = {la.spec.params["bmax"] for la in _decode_gemvs(plan) if la.spec.params["k"] == 9728}
+                assert downs == {1, 4}, (q, downs)
 
 
 def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():

@@ -183,6 +183,20 @@ def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) 
     return not sm_count or blocks <= per_sm * sm_count
 
 
+def decode_bmax(quant: str, k: int, tuning: Mapping[str, Any]) -> int:
+    """The x rows a bucket decode GEMV of a [*, k] weight uploaded as ``quant`` takes per grid row:
+    GEMV_MAX_BATCH, or fewer where the batch-1 GEMV has int8 x rows (q8x) and GEMV_MAX_BATCH of
+    them would not fit COOP_Q8X_MAX (a long-k down projection: 9728 x 8 x 1.5 bytes): the largest
+    power of two that does, so every bucket row is quantised as the batch-1 row is and gets its
+    bits (batched equal to solo; the grid then reads the weight once per that many rows)."""
+    if not q8x_applies(tuning, 1, k, quant) or q8x_applies(tuning, GEMV_MAX_BATCH, k, quant):
+        return GEMV_MAX_BATCH
+    b = GEMV_MAX_BATCH
+    while b > 1 and not q8x_applies(tuning, b, k, quant):
+        b //= 2
+    return b
+
+
 def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:
     """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
     int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""

@@ -50,7 +50,9 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
-    bmax = 1 if mode == "decode1" else kc.GEMV_MAX_BATCH
+    # (a bucket GEMV whose int8 x rows would not fit at GEMV_MAX_BATCH takes fewer rows a grid row,
+    # not float x rows: its rows must get the batch-1 GEMV's bits)
+    bmax = 1 if mode == "decode1" else kc.decode_bmax(w.dtype, w.cols, ctx.profile.tuning)
     pro = ctx.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
     xv, extra, pp = ins[0], (), {}
     if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
