@@ -78,10 +78,23 @@ def model_of(tmp_path_factory, request):
 MODELS = [*TINY, "llama-bf16", "smollm2", "gemma3"]
 
 
-def _runner(model):
+@pytest.fixture(scope="module")
+def runner_of(model_of):
+    """name -> (model, its CudaRunner), one runner per model for the module (each test prefills
+    the sequences it reads)."""
     from engine.runner_cuda import CudaRunner
 
-    return CudaRunner(model, num_blocks=512, max_model_len=1024)
+    runners: dict = {}
+
+    def get(name: str):
+        if name not in runners:
+            model = model_of(name)
+            runners[name] = (model, CudaRunner(model, num_blocks=512, max_model_len=1024))
+        return runners[name]
+
+    yield get
+    for _, r in runners.values():
+        r.close()
 
 
 def _vocab(model) -> int:
@@ -107,52 +120,44 @@ def _diff(a, b) -> str:
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("depths", [DEPTHS, SHORT_DEPTHS, DEPTHS[2:4]], ids=["mixed", "short", "two"])
-def test_batched_decode_rows_equal_solo_rows_bit_for_bit(model_of, name, depths):
-    model = model_of(name)
-    runner = _runner(model)
-    try:
-        tables, firsts = _prefill(runner, model, depths)
-        items = [StepItem(i, [t], d, tables[i], True, GREEDY) for i, (d, t) in enumerate(zip(depths, firsts, strict=True))]
-        batched_ids = runner.step(items)
-        batched = np.array(runner.read_logits(len(items)))
-        solo, solo_ids = [], []
-        for it in items:  # the same step again, alone (it rewrites the same KV slot)
-            solo_ids.append(runner.step([it])[0])
-            solo.append(np.array(runner.read_logits(1)[0]))
-        report = [f"depth {d}: {_diff(batched[i], solo[i])}" for i, d in enumerate(depths)]
-        print(name, "; ".join(report))
-        assert all(np.array_equal(batched[i], solo[i]) for i in range(len(items))), report
-        assert batched_ids == solo_ids
-    finally:
-        runner.close()
+def test_batched_decode_rows_equal_solo_rows_bit_for_bit(runner_of, name, depths):
+    model, runner = runner_of(name)
+    tables, firsts = _prefill(runner, model, depths)
+    items = [StepItem(i, [t], d, tables[i], True, GREEDY) for i, (d, t) in enumerate(zip(depths, firsts, strict=True))]
+    batched_ids = runner.step(items)
+    batched = np.array(runner.read_logits(len(items)))
+    solo, solo_ids = [], []
+    for it in items:  # the same step again, alone (it rewrites the same KV slot)
+        solo_ids.append(runner.step([it])[0])
+        solo.append(np.array(runner.read_logits(1)[0]))
+    report = [f"depth {d}: {_diff(batched[i], solo[i])}" for i, d in enumerate(depths)]
+    print(name, "; ".join(report))
+    assert all(np.array_equal(batched[i], solo[i]) for i in range(len(items))), report
+    assert batched_ids == solo_ids
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("depth", [8, 253, 300])
-def test_verify_rows_equal_plain_decode_steps_bit_for_bit(model_of, name, depth):
+def test_verify_rows_equal_plain_decode_steps_bit_for_bit(runner_of, name, depth):
     """Sequences A and B share a prompt: A decodes 4 plain batch-1 steps, B verifies A's tokens as
     a draft in one pass (rows at depth .. depth + 3; 253 crosses 256 inside the draft)."""
-    model = model_of(name)
-    runner = _runner(model)
-    try:
-        rng = np.random.default_rng(1)
-        prompt = [int(t) for t in rng.integers(3, min(_vocab(model), 30000), depth)]
-        ta, tb = list(range(0, 40)), list(range(40, 80))
-        tok = runner.step([StepItem(0, prompt, 0, ta, True, GREEDY)])[0]
-        runner.step([StepItem(1, prompt, 0, tb, True, GREEDY)])
-        plain, toks = [], [tok]
-        for j in range(4):
-            toks.append(runner.step([StepItem(0, [toks[-1]], depth + j, ta, True, GREEDY)])[0])
-            plain.append(np.array(runner.read_logits(1)[0]))
-        item = StepItem(1, toks[:4], depth, tb, True, GREEDY, history=prompt + toks[:1], draft=toks[1:4])
-        out = runner.verify([item])
-        got = np.array(runner.read_logits(4))
-        report = [f"pos {depth + j}: {_diff(got[j], plain[j])}" for j in range(4)]
-        print(name, depth, "; ".join(report))
-        assert all(np.array_equal(got[j], plain[j]) for j in range(4)), report
-        assert out == [toks[1:5]]
-    finally:
-        runner.close()
+    model, runner = runner_of(name)
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, min(_vocab(model), 30000), depth)]
+    ta, tb = list(range(0, 40)), list(range(40, 80))
+    tok = runner.step([StepItem(0, prompt, 0, ta, True, GREEDY)])[0]
+    runner.step([StepItem(1, prompt, 0, tb, True, GREEDY)])
+    plain, toks = [], [tok]
+    for j in range(4):
+        toks.append(runner.step([StepItem(0, [toks[-1]], depth + j, ta, True, GREEDY)])[0])
+        plain.append(np.array(runner.read_logits(1)[0]))
+    item = StepItem(1, toks[:4], depth, tb, True, GREEDY, history=prompt + toks[:1], draft=toks[1:4])
+    out = runner.verify([item])
+    got = np.array(runner.read_logits(4))
+    report = [f"pos {depth + j}: {_diff(got[j], plain[j])}" for j in range(4)]
+    print(name, depth, "; ".join(report))
+    assert all(np.array_equal(got[j], plain[j]) for j in range(4)), report
+    assert out == [toks[1:5]]
 
 
 class _Replay:
@@ -194,7 +199,7 @@ def _engine_run(runner, prompts, speculator, max_tokens):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(model_of, name):
+def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(runner_of, name):
     """tools/bench_spec.py's replay mode as a test: the target's own recorded greedy continuation
     fed back as the draft (k = 4) is accepted token for token (verify rows == plain decode steps,
     so any rejection is a bit difference), on a prompt lookup suits and on free-form chat, one
@@ -203,7 +208,7 @@ def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(model_of
     from engine.spec.speculator import Speculator
     from engine.tokenizer import load_tokenizer
 
-    model = model_of(name)
+    model, runner = runner_of(name)
     tok = load_tokenizer(model.weights)
     text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     prompts = [
@@ -212,15 +217,11 @@ def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(model_of
         tok.encode(tok.apply_chat_template(
             [{"role": "user", "content": "Write a short story about a lighthouse."}], add_generation_prompt=True)),
     ]  # fmt: skip
-    runner = _runner(model)
-    try:
-        plain = [_engine_run(runner, [p], None, 192)[0][0] for p in prompts]
-        recorded = {tuple(p): toks for p, toks in zip(prompts, plain, strict=True)}
-        for batch in ([prompts[0]], [prompts[1]], prompts):
-            spec = Speculator(_Replay(recorded), SpecConfig("ngram", k=4))
-            got, st = _engine_run(runner, batch, spec, 192)
-            assert got == [recorded[tuple(p)] for p in batch]
-            assert st.spec_draft_tokens > 0
-            assert st.spec_accepted_tokens == st.spec_draft_tokens, (st.spec_accepted_tokens, st.spec_draft_tokens)
-    finally:
-        runner.close()
+    plain = [_engine_run(runner, [p], None, 192)[0][0] for p in prompts]
+    recorded = {tuple(p): toks for p, toks in zip(prompts, plain, strict=True)}
+    for batch in ([prompts[0]], [prompts[1]], prompts):
+        spec = Speculator(_Replay(recorded), SpecConfig("ngram", k=4))
+        got, st = _engine_run(runner, batch, spec, 192)
+        assert got == [recorded[tuple(p)] for p in batch]
+        assert st.spec_draft_tokens > 0
+        assert st.spec_accepted_tokens == st.spec_draft_tokens, (st.spec_accepted_tokens, st.spec_draft_tokens)
