@@ -182,13 +182,15 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
 
 
 @pytest.mark.parametrize(
-    "file_type,k,threads,rpb",
-    [("q4_1", 4096, 256, 16), ("q8_0", 2560, 512, 16), ("q4_k", 1024, 640, 20)],
-    ids=["rows_inv_rms", "merged-512", "merged-640"],
-)
-def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads, rpb, tmp_path):
+    "file_type,k,threads,rpb,rounds,bucket",
+    [("q4_1", 4096, 256, 16, 1, 8), ("q8_0", 2560, 512, 16, 1, 8), ("q4_k", 1024, 640, 20, 1, 8),
+     ("q8_0", 8192, 512, 16, 2, 4)],
+    ids=["rows_inv_rms", "merged-512", "merged-640", "merged-2-rounds"],
+)  # fmt: skip
+def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads, rpb, rounds, bucket, tmp_path):
     """The norm prologue in blocks of other sizes than the rmsnorm kernel's 256, from the staging
-    loads (k / 8 groups in one round) or from its own pass over x (more groups than threads)."""
+    loads (k / 8 groups in one or two rounds) or from its own pass over x (more groups than threads);
+    the 8192-long rows in a 4-row bucket GEMV (kernel_catalog.decode_bmax)."""
     rng = np.random.default_rng(9)
     layout = kc.upload_type(file_type, k, {"gemv_coop": {"types": [file_type]}})
     n = 2 * rpb
@@ -204,8 +206,8 @@ def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads
     assert np.abs((xn.astype(np.uint32) << 16).view(np.float32) - ref).max() <= 2**-7 * np.abs(ref).max()
     base = dict(quant=layout, n=n, k=k, threads=threads, rows_per_block=rpb, residual=False, out_dtype="bf16",
                 coop=True, q8x=True, pipeline=True)  # fmt: skip
-    want = run_gemv(tmp_path, w, xn, ROWS, **base, bmax=8)
+    want = run_gemv(tmp_path, w, xn, ROWS, **base, bmax=bucket)
     for r in range(ROWS):
         got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **base, bmax=1, prologue="norm",
-                       x_stride=k, eps="1e-06", early_nw=True)  # fmt: skip
+                       x_stride=k, eps="1e-06", early_nw=True, stage_rounds=rounds)  # fmt: skip
         assert np.array_equal(got[0], want[r]), (file_type, r, int((got[0] != want[r]).sum()))
