@@ -8,7 +8,7 @@ collectives) on random inputs, each layer-0 step's batch-1 launches against its 
   silu_mul kernel) and the bmax-8 GEMV (decode) on three rows: the same output bits per row;
 * the attention: the direct kernel with the rope folded in (short) against the rope kernel, the
   split attention and attention_combine (decode) at contexts 1 .. 256: the same output bits and the
-  same KV writes.
+  same KV writes (also for a tiny Gemma 3: heads of 256, q/k head norms, window layers).
 
 The GEMVs store f32 row sums without the residual here (a bf16 store hides most last-bit
 differences): on main the q6_k down projection (its k split over two warp groups in unroll-sized
@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 import pytest
 from fixtures import cuda_emu
-from fixtures.checkpoints import Dims, to_bf16_bits, write_random_gguf
+from fixtures.checkpoints import Dims, to_bf16_bits, write_gemma3_safetensors, write_random_gguf
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
@@ -57,6 +57,11 @@ def plans(tmp_path_factory):
     for name, (family, dims, q) in MODELS.items():
         m = load_model(write_random_gguf(tmp_path_factory.mktemp(name) / "m.gguf", family, dims, q, seed=3))
         out[name] = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
+    # Gemma 3's attention: 4 / 1 heads of 256 (vec16 with a whole warp per key), a 512-key window
+    gemma = dict(hidden_size=640, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                 intermediate_size=512, vocab_size=512)  # fmt: skip
+    m = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma"), window=512, **gemma))
+    out["gemma3-bf16"] = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
     return out
 
 
@@ -135,7 +140,7 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
 def test_short_attention_equals_rope_split_attention_and_combine(plans, model, tmp_path):
     plan = plans[model]
     ((ia, att),) = _layer0(plan, "attention")
