@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import test_plan_runner_fake as base  # noqa: E402
 
-from engine.spec.cuda_verify import short_is_safe  # noqa: E402
+from engine.spec.cuda_verify import narrow_rows, short_is_safe  # noqa: E402
 from engine.types import StepItem  # noqa: E402
 
 fake = base.fake
@@ -61,6 +61,14 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
     assert short_is_safe(plan({}))
     assert short_is_safe(plan({"short": (1,)}))
     assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
+
+
+def test_verify_passes_stay_below_the_wide_decode():
+    """A plan with a wide decode (bf16 GEMMs from 16 rows) verifies at most 8 rows a pass: the
+    GEMM rows would not get a batch-1 step's bits; without one, up to the largest bucket."""
+    sizes = (1, 2, 4, 8, 16, 24, 32)
+    assert narrow_rows(types.SimpleNamespace(wide_rows=16, graph_batch_sizes=sizes), 32) == 8
+    assert narrow_rows(types.SimpleNamespace(wide_rows=0, graph_batch_sizes=sizes), 32) == 32
 
 
 def test_masked_and_logprobs_rows_beside_draft_rows(fake):

@@ -34,6 +34,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     attention_params,
     attention_prefill_params,
     attention_warps,
+    decode_bmax,
     direct_qsplit,
     gemm_params,
     gemm_wgmma_params,

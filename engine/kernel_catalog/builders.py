@@ -183,6 +183,20 @@ def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) 
     return not sm_count or blocks <= per_sm * sm_count
 
 
+def decode_bmax(quant: str, k: int, tuning: Mapping[str, Any]) -> int:
+    """The x rows a bucket decode GEMV of a [*, k] weight uploaded as ``quant`` takes per grid row:
+    GEMV_MAX_BATCH, or fewer where the batch-1 GEMV has int8 x rows (q8x) and GEMV_MAX_BATCH of
+    them would not fit COOP_Q8X_MAX (a long-k down projection: 9728 x 8 x 1.5 bytes): the largest
+    power of two that does, so every bucket row is quantised as the batch-1 row is and gets its
+    bits (batched equal to solo; the grid then reads the weight once per that many rows)."""
+    if not q8x_applies(tuning, 1, k, quant) or q8x_applies(tuning, GEMV_MAX_BATCH, k, quant):
+        return GEMV_MAX_BATCH
+    b = GEMV_MAX_BATCH
+    while b > 1 and not q8x_applies(tuning, b, k, quant):
+        b //= 2
+    return b
+
+
 def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> bool:
     """Whether a coop decode gemv of bmax rows on a [*, k] weight uploaded as ``quant`` takes the
     int8-x path: gemv_coop.q8x on, a type with a dp4a decoder, its x rows within COOP_Q8X_MAX."""
@@ -201,8 +215,8 @@ LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
-    type, else the classic gemv tuning, whose bmax-1 GEMVs with n <= gemv.short_n_max take
-    gemv.b1_short_n_threads threads where set (more warps per row on the short, long-k weights).
+    type, else the classic gemv tuning, whose GEMVs with n <= gemv.short_n_max take
+    gemv.b1_short_n_threads threads where set (at every bmax: batch-invariant bits) (more warps per row on the short, long-k weights).
     A classic row of a 32-value block type gets no more warps than the power of two its chunks of
     32 blocks need (``k`` given): a warp past them finds no block of its row (kernels/gemv.cu.j2 deals chunk c to
     warp c % WPR of the row) and only holds a slot at the block's barriers, so the block keeps its
@@ -219,7 +233,8 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
         )
     g = tuning["gemv"]
     threads = GEMV_THREADS
-    if bmax == 1 and n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
+    # (every bmax alike: the warps per row set how a row's k is split, hence its sum's bits)
+    if n and g.get("b1_short_n_threads") and n <= int(g.get("short_n_max") or 0):
         threads = int(g["b1_short_n_threads"])
     rpb = GEMV_ROWS_PER_BLOCK
     if k and quant in LEGACY_TYPES and (threads // 32) % rpb == 0:
@@ -290,7 +305,7 @@ ELEMENTWISE_THREADS = 256  # the block of the elementwise kernels (embed, rope, 
 SAMPLING_THREADS = 1024  # the block of the sampling kernels (argmax, sample, token_mask)
 PREFILL_BLOCK_Q = 64  # the flash prefill's query rows per block (16 per warp)
 PREFILL_WARPS = 4
-DECODE_WARPS = 4  # the split decode attention's warps (and the direct kernel's where direct_warps is 0)
+DECODE_WARPS = 4  # the decode attention's warps where attention_decode.direct_warps is 0 (split and direct alike)
 
 
 def attention_prefill_params(

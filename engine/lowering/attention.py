@@ -78,7 +78,11 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         )
         args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
         return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
-    warps, split = kc.attention_warps(kc.DECODE_WARPS, heads // kvh, hd), t["split_kv_tokens"]
+    # the direct kernel's warps: a row below split then sums its keys in the same order in either
+    # kernel (attention_combine passes a lone split's partial through), so a verify or batch row
+    # gets the bits the same row decoded alone does, whichever of the two it takes
+    warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
+    split = t["split_kv_tokens"]
     spec = ctx.spec(
         "attention",
         split=split,

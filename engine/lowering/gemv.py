@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine import kernel_catalog as kc
+from engine.batch_invariance import gemv_signature
 from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.types import ConfigError
@@ -25,7 +26,22 @@ def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
         launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
     paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
+    if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
+        launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])
     return [paired] if paired is not None else fork(ctx, mode, launches)
+
+
+def bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, second: Launch) -> Launch:
+    """A bucket decode's second GEMV of a linear that pairs at batch 1, in the pair's block shape:
+    the batch-1 pair re-plans that part in its first part's blocks, which can take another k split
+    (q4_k's 4 becomes 2 in 320-thread blocks), and a row must get the same bits in a bucket as
+    alone (engine.batch_invariance). Else (no pair, or the same reduction) ``second`` as it is."""
+    one = [gemv_launch(ctx, op, layer, "decode1", ins, outs[0], ws[0]),
+           gemv_launch(ctx, op, layer, "decode1", ins, outs[len(ws[0].parts)], ws[1])]  # fmt: skip
+    paired = pair(ctx, op, layer, "decode1", ins, outs, ws, one)
+    if paired is None or gemv_signature(kc.pair_parts(paired.spec)[1].params) == gemv_signature(second.spec.params):
+        return second
+    return gemv_launch(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=one[0].block[0])
 
 
 def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Launch:
@@ -34,7 +50,9 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
-    bmax = 1 if mode == "decode1" else kc.GEMV_MAX_BATCH
+    # (a bucket GEMV whose int8 x rows would not fit at GEMV_MAX_BATCH takes fewer rows a grid row,
+    # not float x rows: its rows must get the batch-1 GEMV's bits)
+    bmax = 1 if mode == "decode1" else kc.decode_bmax(w.dtype, w.cols, ctx.profile.tuning)
     pro = ctx.prologue.get((mode, ins[0].name)) if mode in PROLOGUE_MODES else None
     xv, extra, pp = ins[0], (), {}
     if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
@@ -101,7 +119,9 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     early behind them. The second part is re-planned in the first's block shape. Pairs only
     coop q8x GEMVs without a residual, glu or a tile loop, and only where
     every block of the pair is resident at once when a part copies its row tile to shared
-    memory (wsm: a block waiting for a slot would wait for its copy). decode_graph.pair_min_blocks
+    memory (wsm: a block waiting for a slot would wait for its copy). Where the second part's k
+    split changes in the first's block shape, the bucket GEMV of that weight takes the same shape
+    (``bucket_like_pair``), so a row gets the same bits in both. decode_graph.pair_min_blocks
     sets the kernel's __launch_bounds__ minimum of blocks per SM."""
     if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
         return None
@@ -111,6 +131,7 @@ def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch 
     b = gemv_launch(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=a.block[0])
     if not pairable(b.spec.params) or b.block != a.block or b.args[2] != a.args[2]:
         return None
+
     min_blocks = int(ctx.tune("decode_graph").get("pair_min_blocks") or 0)
     try:  # (the pair kernel's __launch_bounds__ minimum: both parts carry it)
         spec = kc.pair_with_min_blocks([a.spec, b.spec], min_blocks)

@@ -6,7 +6,9 @@ runner's decode path at once (``CudaRunner._decode``: the captured CUDA graph of
 that holds them, with the pinned inputs copied in and the argmax ids copied out by the graph), so
 verification replays the same graphs and kernels as plain decoding (the verify shapes are the
 decode buckets) and a greedy row's argmax at each position has the bits of a plain decode step of
-the same batch bucket. The KV of every row is written by the rope kernel before the attention
+the same batch bucket. Passes stay below the wide decode (``narrow_rows``), and the bucket
+kernels give a row the bits of the batch-1 ones (engine.batch_invariance), so a greedy row's
+argmax is that of the plain decode step at its position. The KV of every row is written by the rope kernel before the attention
 kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
 read those slots, so verification then uses the long-context launches.
@@ -49,6 +51,16 @@ def short_is_safe(plan: Any) -> bool:
     return not any(st.op.op == "rope" and "short" in st.launches and not st.launches["short"] for st in plan.steps)
 
 
+def narrow_rows(plan: Any, max_rows: int) -> int:
+    """The most rows a verify pass takes at once: the largest decode bucket below the wide decode
+    (``plan.wide_rows``: bf16 weights as GEMMs, whose rows do not get a batch-1 step's bits), so
+    several drafts of a bf16 model verify in more passes rather than inexactly; ``max_rows``
+    where the plan has no wide decode. A single draft longer than that still runs, alone."""
+    wide = int(getattr(plan, "wide_rows", 0) or 0)
+    below = [b for b in getattr(plan, "graph_batch_sizes", ()) if b < wide] if wide else []
+    return max(below) if below else max_rows
+
+
 def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     """CudaRunner.verify: plain items through ``runner.step``, draft items as decode rows."""
     out: list[list[int]] = [[] for _ in items]
@@ -75,11 +87,12 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     hybrid = bool(getattr(runner, "num_state_slots", 0))
     scratch_slots = len(runner.spec_scratch()) if hybrid else 0
     run_group = _verify_group_hybrid if hybrid else _verify_group
+    limit = narrow_rows(runner.plan, runner._max_rows)
     group: list[int] = []
     rows = scratch = 0
     for i in drafts + [-1]:
         n = len(items[i].token_ids) if i >= 0 else 0
-        full = rows + n > runner._max_rows or (hybrid and scratch + n - 1 > scratch_slots)
+        full = rows + n > limit or (hybrid and scratch + n - 1 > scratch_slots)
         if group and (i < 0 or full):
             for j, toks in zip(group, run_group(runner, [items[j] for j in group], safe), strict=True):
                 out[j] = toks
