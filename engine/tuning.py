@@ -105,6 +105,9 @@ class GemvCoop(Knobs):
     # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
     types: list[str] = knob([])
+    # q8_0 matrices whose k is not a multiple of 256 are uploaded q8_0r too (the d plane padded to
+    # 16 bytes) where they have at least this many rows (0: never): a tall short-row lm_head
+    q8_0r_min_rows: int = 0
     rows_per_warp: int = knob(1, positive)
     unroll: int = knob(4, positive)
     # issue the next `unroll` segments' loads before the current ones' FMAs

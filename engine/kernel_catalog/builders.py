@@ -65,15 +65,20 @@ def linear_params(
     )
 
 
-def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
+def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any], rows: int = 0) -> str:
     """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
     coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
-    cols % 256 == 0, q6_k / q4_0 / q4_1 the row-planar q6_kr / q4_0r / q4_1r (engine.quant.repack);
-    else the file's layout."""
-    types = (tuning.get("gemv_coop") or {}).get("types", ())
+    cols % 256 == 0, or when the matrix has at least gemv_coop.q8_0r_min_rows rows (where set: a
+    tall short-row matrix such as Gemma 3 270M's 262,144 x 640 tied head, whose q8_0r rows carry
+    16 bytes of d-plane padding; ``rows`` 0: unknown, not tall); q6_k / q4_0 / q4_1 the row-planar
+    q6_kr / q4_0r / q4_1r (engine.quant.repack); else the file's layout."""
+    c = tuning.get("gemv_coop") or {}
     layout = COOP_LAYOUTS.get(dtype)
-    if layout is None or dtype not in types or (layout == "q8_0r" and cols % 256):
+    if layout is None or dtype not in c.get("types", ()):
         return dtype
+    if layout == "q8_0r" and cols % 256:
+        tall = int(c.get("q8_0r_min_rows") or 0)
+        return layout if tall and rows >= tall else dtype
     return layout
 
 
