@@ -6,14 +6,16 @@ GPU twins: tests/gpu/test_gemma_kernels.py (test_gemma_gemvs, test_tall_q8_0r_he
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine import kernel_catalog as kc
-from engine import storage
+from engine import quant, storage
 from engine.graph import load_family
 from engine.model import resolve_dims
 from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
+from engine.render import render
 
 GEMMA_270M = {
     "hidden_size": 640, "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -66,8 +68,6 @@ def test_q8_0r_specs_take_any_k_multiple_of_32(k):
     """The kernel catalog takes q8_0r rows of any k % 32 == 0 (embed, gemv coop and classic,
     gemm, gemv_mma where k % 64 == 0); the rendered decoders address the qs plane at the padded
     offset (Q8R_QS: 48 for 640)."""
-    from engine.render import render
-
     t = get_profile("h100").tuning
     e = kc.spec("embed", quant="q8_0r", hidden=k, threads=256)
     g = kc.spec("gemv", **kc.linear_params("q8_0r", 4096, k, t, out_dtype="f32", bmax=1, sm_count=132))
@@ -78,3 +78,81 @@ def test_q8_0r_specs_take_any_k_multiple_of_32(k):
         src = render(s)
         assert "#define Q8R_QS(k) (((size_t)(k) / 32 * 2 + 15) / 16 * 16)" in src
         assert "2 * (K / 32)" not in src and f"2 * ({k} / 32)" not in src
+
+
+def _tall_q8_0r(rng, n: int, k: int):
+    """A random q8_0 [n, k] matrix as q8_0r bytes, the d plane's padding poisoned with 0x7E (f16
+    NaN bytes: a reader taking a scale or weight from it goes NaN or far off), and its f64 values."""
+    raw = np.frombuffer(quant.quantize_reference(rng.standard_normal((n, k)).astype(np.float32), "q8_0"), np.uint8)
+    w = quant.repack(raw, "q8_0r", n, k).reshape(n, -1).copy()
+    deq = quant.dequantize(w, "q8_0r", (n, k)).astype(np.float64)
+    w[:, k // 32 * 2 : storage.q8_0r_qs_offset(k)] = 0x7E
+    return w, deq
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return ((x.astype(np.float32).view(np.uint32) + 0x8000) >> 16).astype(np.uint16)
+
+
+# the head's coop GEMV block shapes run on the CPU: the profile's own, and tools/gemv_tall_bench.py
+# coop_variants of distinct code paths (lane groups of 8 / 4, 4 rows per warp, no grid cap, f32 x)
+EMU_SHAPES = ["default", "coop t256 rpw1 l8 u5 cap4", "coop t512 rpw2 l4 u5 cap4", "coop t512 rpw4 l8 u5 cap4",
+              "coop t256 rpw1 l8 u5", "coop t256 rpw2 l32 u2 f32x"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bmax,rows", [(1, 1), (8, 3), (8, 8)])
+def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
+    """The lm_head GEMV specs the H100 profile takes for Gemma 3 270M's head (n = 262,144, k = 640:
+    coop q8x, 512 threads, the grid capped), and block shapes the bench sweeps, rendered for a
+    100-row slice of it (a partial last tile; the grid capped at 2 blocks, so blocks loop over tiles)
+    and run by tests/fixtures/cuda_emu.py on q8_0r bytes with a poisoned padding: the logits (f32,
+    poisoned NaN) equal x @ W.T with x as the q8x path quantises it (quant.q8x_round_trip; the f32
+    path: x itself) to 1e-5."""
+    import sys
+    from pathlib import Path
+
+    from fixtures import cuda_emu
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from gemv_tall_bench import coop_variants
+
+    n, k = 100, 640
+    t = get_profile("h100").tuning
+    base = kc.linear_params("q8_0r", 262144, k, t, out_dtype="f32", bmax=bmax, sm_count=132)
+    shapes = dict([("default", base), *coop_variants(base, 132)])
+    rng = np.random.default_rng(bmax + rows)
+    w, deq = _tall_q8_0r(rng, n, k)
+    x = _bf16_bits(rng.standard_normal((rows, k)))
+    xf = (x.astype(np.uint32) << 16).view(np.float32)
+    bad = []
+    for name in EMU_SHAPES:
+        p = dict(shapes[name], n=n)
+        if p.get("grid_cap"):
+            p["grid_cap"] = 2
+        c = kc.choice("gemv", **p)
+        lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+        out = np.full((rows, n), np.nan, np.float32)
+        vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows}
+        cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args])
+        ref = (quant.q8x_round_trip(xf).astype(np.float64) if p.get("q8x") else xf.astype(np.float64)) @ deq.T
+        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        if np.isnan(out).any() or not err <= 1e-5:
+            bad.append((name, err, int(np.isnan(out).sum())))
+    assert not bad, bad
+
+
+def test_emulated_embedding_lookup_reads_the_padded_q8_0r_rows():
+    """The embedding kernel (scaled, as Gemma's) on the same q8_0r bytes, run by cuda_emu: every
+    looked-up row is bf16(q * d * scale) of the file's blocks (the first and last rows included)."""
+    from fixtures import cuda_emu
+
+    rng = np.random.default_rng(11)
+    n, k, scale = 100, 640, 640**0.5
+    w, deq = _tall_q8_0r(rng, n, k)
+    c = kc.choice("embed", quant="q8_0r", hidden=k, threads=kc.ELEMENTWISE_THREADS, scale=scale)
+    lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+    ids = np.array([0, n - 1, 37, 37, 5], np.int32)
+    out = np.full((ids.size, k), 0x7FC0, np.uint16)  # bf16 NaN
+    cuda_emu.launch_generic(lib, c.grid(ids.size), c.block[0], c.smem, [out, w, ids, ids.size])
+    want = deq[ids].astype(np.float32) * np.float32(float(repr(scale)))
+    np.testing.assert_array_equal(out, _bf16_bits(want))
