@@ -156,3 +156,27 @@ def test_emulated_embedding_lookup_reads_the_padded_q8_0r_rows():
     cuda_emu.launch_generic(lib, c.grid(ids.size), c.block[0], c.smem, [out, w, ids, ids.size])
     want = deq[ids].astype(np.float32) * np.float32(float(repr(scale)))
     np.testing.assert_array_equal(out, _bf16_bits(want))
+
+
+def test_tall_weights_take_their_own_q8x_shape():
+    """gemv_coop.q8x_tall_tuning applies to weights of at least q8x_tall_min_n rows only, over the
+    file type's q8x_type_tuning (the h100 profile: Gemma's head in lane groups of 8, 5 segments a
+    lane at batch 1, a whole row per step; q8x_unroll sets the segments at every batch size)."""
+    prof = get_profile("h100")
+    c = prof.tune("gemv_coop")
+    assert c["q8x_tall_min_n"] <= 262144 and c["q8x_tall_tuning"]["q8_0"]["q8x_lanes_per_row"] == 8
+    head1 = kc.linear_params("q8_0r", 262144, 640, prof.tuning, out_dtype="f32", bmax=1, sm_count=132)
+    head8 = kc.linear_params("q8_0r", 262144, 640, prof.tuning, out_dtype="f32", bmax=8, sm_count=132)
+    short = kc.linear_params("q8_0r", 4096, 2560, prof.tuning, bmax=1, sm_count=132)
+    assert (head1["lanes"], head1["unroll"], head1["threads"], head1["rows_per_block"]) == (8, 5, 512, 64)
+    assert (head8["lanes"], head8["unroll"], head8["rows_per_block"]) == (8, 2, 128)
+    assert "lanes" not in short and short["unroll"] == 4  # the q8_0 type's own
+    wide = kc.linear_params("q8_0r", 262144, 2048, prof.tuning, bmax=1, sm_count=132)
+    assert "lanes" not in wide  # k above q8x_tall_max_k: not a short row
+    tuned = with_tuning(prof, "gemv_coop.q8x_tall_tuning={q8_0: {q8x_lanes_per_row: 4, q8x_unroll: 5}}")
+    p8 = kc.linear_params("q8_0r", 262144, 640, tuned.tuning, out_dtype="f32", bmax=8, sm_count=132)
+    p1 = kc.linear_params("q8_0r", 262144, 640, tuned.tuning, out_dtype="f32", bmax=1, sm_count=132)
+    assert (p8["lanes"], p8["unroll"], p1["unroll"]) == (4, 5, 4)  # batch 1: the type's q8x_b1_unroll
+    assert kc.spec("gemv", **p8).params["unroll"] == 5
+    off = with_tuning(prof, "gemv_coop.q8x_tall_min_n=0")
+    assert "lanes" not in kc.linear_params("q8_0r", 262144, 640, off.tuning, out_dtype="f32", bmax=1, sm_count=132)

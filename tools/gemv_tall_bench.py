@@ -8,8 +8,13 @@ uploads it in another layout (Gemma 3 270M's tied head, q8_0 rows of 640 values:
 gemv_coop.q8_0r_min_rows, its d plane padded to 16 bytes) both are timed: ``classic q8_0`` (the
 classic GEMV on the file layout, the default before q8_0r took k % 256 != 0; ``--classic-sweep``
 adds its threads x rows_per_block x stage x prefetch variants), then the profile's own coop spec
-(``default``) and coop block shapes around it (coop_variants); else the profile's spec
-(``default``) and the classic variants. x is ``--rows`` random bf16 rows, the output f32 (logits).
+(``default``) and coop block shapes around it (coop_variants: ``coop tT rpwR lL uU`` is T threads,
+R rows per lane group, lane groups of L lanes, U segments in flight per lane and row, ``cap4`` the
+grid capped at 4 blocks per SM, ``f32x`` the f32-x path; as gemv_coop knobs q8x_threads,
+q8x_rows_per_warp / q8x_b1_rows_per_warp, q8x_lanes_per_row, q8x_unroll / q8x_b1_unroll, set for a
+tall weight in q8x_tall_tuning); else the profile's spec (``default``) and the classic variants.
+A capped grid is fitted to the resident blocks as the runner does (gemv_coop.q8x_resident_grid).
+Each bucket ends with its fastest run. x is ``--rows`` random bf16 rows, the output f32 (logits).
 Each kernel alone is timed back to back between CUDA events (median of --reps, each the mean of 20
 launches; the matrix is several times the L2), and reported as the bytes of its layout / time
 (GB/s) and that as a fraction of a device-to-device copy measured the same way (bytes read +
@@ -60,8 +65,8 @@ def coop_variants(base: dict, sm_count: int) -> list[tuple[str, dict]]:
     out, seen = [], {tuple(sorted(base.items()))}
     k, seg = int(base["k"]), 16 if base["quant"] == "q8_0r" else 32
     per_lane8 = max(1, k // seg // 8)  # a lane group of 8 covers the row in one step of this many
-    shapes = [(32, 2, True), (8, per_lane8, True), (8, 1, True), (4, per_lane8, True), (8, per_lane8, False),
-              (32, 2, None)]  # (lanes, unroll, capped; None: q8x off)  # fmt: skip
+    shapes = [(32, 2, True), (32, 4, True), (8, per_lane8, True), (8, 2, True), (8, 1, True), (4, per_lane8, True),
+              (8, per_lane8, False), (32, 2, None)]  # (lanes, unroll, capped; None: q8x off)  # fmt: skip
     for threads in (256, 512):
         for rpw in (1, 2, 4):
             for lanes, unroll, capped in shapes:
@@ -199,7 +204,7 @@ def main() -> int:
             base = kc.linear_params(qt, args.n, args.k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=dev.sm_count)
             runs.append(("default", qt, base))
             runs += [(name, qt, p) for name, p in coop_variants(base, dev.sm_count)]
-        first = None
+        first, timed = None, []
         for name, lay, p in runs:
             c = kc.choice("gemv", **p)
             mod = cuda.Module(builder.get(c.spec).cubin, c.spec.entry)
@@ -207,16 +212,24 @@ def main() -> int:
             vals = {"out": y.ptr, "w": bufs[lay].ptr, "x": x.ptr, "residual": 0, "rows": rows}
             packed = cuda.KernelArgs([t for _, t in c.args], [vals[a] for a, _ in c.args])
             fn = mod.function(c.spec.entry)
-            us = time_us(fn, c.grid(rows), c.block, packed, c.smem, stream, args.reps)
+            grid = c.grid(rows)
+            if p.get("grid_cap") and profile.tune("gemv_coop").get("q8x_resident_grid"):  # as the runner fits it
+                grid = (min(grid[0], max(1, fn.resident_blocks(c.block[0], c.smem)) * dev.sm_count), *grid[1:])
+            us = time_us(fn, grid, c.block, packed, c.smem, stream, args.reps)
             got = cuda.dtoh(np.empty((rows, args.n), np.float32), y.ptr)
             first = got if first is None else first
             rel = float(np.linalg.norm(got - first) / max(np.linalg.norm(first), 1e-30))
             gbs = layouts[lay].nbytes / (us * 1e-6) / 1e9
             lines.append(
                 f"b{rows:<3} {name:<30} {us:9.2f} us {gbs:8.1f} GB/s {100 * gbs / copy:6.1f} % of copy  "
-                f"grid {c.grid(rows)} x {c.block[0]}  rel {rel:.1e}  {c.spec.entry}"
+                f"grid {grid} x {c.block[0]}  rel {rel:.1e}  {c.spec.entry}"
             )
             print(lines[-1], flush=True)
+            timed.append((us, name))
+        best, ref = min(timed), dict((n, u) for u, n in timed)
+        lines.append(f"b{rows:<3} best: {best[1]} {best[0]:.2f} us; default {ref['default']:.2f} us; "
+                     f"classic {ref.get(f'classic {ft}', ref['default']):.2f} us")  # fmt: skip
+        print(lines[-1], flush=True)
         x.free()
         y.free()
     for buf in bufs.values():

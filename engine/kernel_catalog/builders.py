@@ -94,7 +94,8 @@ def coop_options(
 ) -> dict[str, Any]:
     """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
     all are off: the default entry names). The knobs are gemv_coop's; the file type's
-    q8x_type_tuning entry overrides the general ones.
+    q8x_type_tuning entry overrides the general ones, and on a weight of at least q8x_tall_min_n
+    rows (``n``) of at most q8x_tall_max_k values (0: any) its q8x_tall_tuning entry overrides both.
 
     - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
       COOP_Q8X_MAX. Then:
@@ -105,8 +106,8 @@ def coop_options(
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
-      - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
-        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
+      - q8x_unroll (set per file type) segments in flight per lane and row instead of
+        gemv_coop.unroll, and at bmax 1 q8x_b1_unroll instead of either (q4_k: half as many steps, a q4_k segment being two loads), where k
         is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB and the blocks that fit at once (the smaller of
@@ -122,6 +123,10 @@ def coop_options(
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
     per_type = (c.get("q8x_type_tuning") or {}).get(file_type) or {}
     c = {**c, **{key: v for key, v in per_type.items() if v}}
+    tall_n, tall_k = int(c.get("q8x_tall_min_n") or 0), int(c.get("q8x_tall_max_k") or 0)
+    if tall_n and n >= tall_n and (not tall_k or k <= tall_k):  # a tall, short-row weight (lm_head)
+        tall = (c.get("q8x_tall_tuning") or {}).get(file_type) or {}
+        c = {**c, **{key: v for key, v in tall.items() if v}}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
@@ -146,6 +151,8 @@ def coop_options(
                 rpw = c["q8x_b1_rows_per_warp"]
         lanes = int(c.get("q8x_lanes_per_row") or 32)
         unroll = int(c["unroll"])
+        if int(c.get("q8x_unroll") or 0) not in (0, unroll):
+            unroll = out["unroll"] = int(c["q8x_unroll"])  # segments in flight at every batch size
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
             out["unroll"] = b1_unroll  # segments in flight per lane and row
