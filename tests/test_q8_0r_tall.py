@@ -104,8 +104,8 @@ EMU_SHAPES = ["default", "coop t256 rpw1 l8 u5 cap4", "coop t512 rpw2 l4 u5 cap4
 def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
     """The lm_head GEMV specs the H100 profile takes for Gemma 3 270M's head (n = 262,144, k = 640:
     coop q8x, 512 threads, the grid capped), and block shapes the bench sweeps, rendered for a
-    100-row slice of it (a partial last tile; the grid capped at 2 blocks, so blocks loop over tiles)
-    and run by tests/fixtures/cuda_emu.py on q8_0r bytes with a poisoned padding: the logits (f32,
+    300-row slice of it (a partial last tile; the grid capped at 2 blocks, so blocks loop over tiles)
+    and run by tests/fixtures/cuda_emu.py (threads in both orders) on q8_0r bytes with a poisoned padding: the logits (f32,
     poisoned NaN) equal x @ W.T with x as the q8x path quantises it (quant.q8x_round_trip; the f32
     path: x itself) to 1e-5."""
     import sys
@@ -116,7 +116,7 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from gemv_tall_bench import coop_variants
 
-    n, k = 100, 640
+    n, k = 300, 640
     t = get_profile("h100").tuning
     base = kc.linear_params("q8_0r", 262144, k, t, out_dtype="f32", bmax=bmax, sm_count=132)
     shapes = dict([("default", base), *coop_variants(base, 132)])
@@ -131,13 +131,18 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
             p["grid_cap"] = 2
         c = kc.choice("gemv", **p)
         lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
-        out = np.full((rows, n), np.nan, np.float32)
-        vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows}
-        cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args])
         ref = (quant.q8x_round_trip(xf).astype(np.float64) if p.get("q8x") else xf.astype(np.float64)) @ deq.T
-        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-        if np.isnan(out).any() or not err <= 1e-5:
-            bad.append((name, err, int(np.isnan(out).sum())))
+        outs = []
+        for reverse in (False, True):  # the threads in both orders between barriers: no race shows
+            out = np.full((rows, n), np.nan, np.float32)
+            vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows}
+            cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args], reverse)
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            if np.isnan(out).any() or not err <= 1e-5:
+                bad.append((name, reverse, err, int(np.isnan(out).sum())))
+            outs.append(out)
+        if not np.array_equal(*outs):
+            bad.append((name, "thread order changes the bits"))
     assert not bad, bad
 
 
