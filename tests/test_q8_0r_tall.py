@@ -185,3 +185,27 @@ def test_tall_weights_take_their_own_q8x_shape():
     assert kc.spec("gemv", **p8).params["unroll"] == 5
     off = with_tuning(prof, "gemv_coop.q8x_tall_min_n=0")
     assert "lanes" not in kc.linear_params("q8_0r", 262144, 640, off.tuning, out_dtype="f32", bmax=1, sm_count=132)
+
+
+def test_the_head_kernels_compile_with_nvrtc(tmp_path):
+    """NVRTC compiles (sm_90a) what the Gemma 3 270M plan launches on the q8_0r head: the coop GEMV
+    at batch 1 (the final norm folded in) and 8, the embedding lookup, and a tall q8_0r prefill GEMM
+    (skipped where NVRTC or the CUDA headers are missing)."""
+    try:
+        from engine import nvrtc
+
+        nvrtc.version()
+        nvrtc.include_dirs()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no NVRTC: {e}")
+    from engine.compile import KernelBuilder
+    from engine.kcache import KernelCache
+
+    plan = gemma_plan(get_profile("h100"))
+    specs = {la.spec for st in plan.steps if st.head or st.op.op == "embed" for las in st.launches.values()
+             for la in las if la.spec.params.get("quant") == "q8_0r"}  # fmt: skip
+    specs.add(kc.spec("gemm", **kc.gemm_params(262144, 640, get_profile("h100").tuning, quant="q8_0r")))
+    assert {s.template for s in specs} == {"gemv", "embed", "gemm"} and len(specs) >= 4
+    builder = KernelBuilder("sm_90a", cache=KernelCache(tmp_path))
+    for s in specs:
+        assert builder.get(s).cubin, s.entry
