@@ -95,8 +95,9 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 # the head's coop GEMV block shapes run on the CPU: the profile's own, and tools/gemv_tall_bench.py
-# coop_variants of distinct code paths (lane groups of 8 / 4, 4 rows per warp, no grid cap, f32 x)
-EMU_SHAPES = ["default", "coop t256 rpw1 l8 u5 cap4", "coop t512 rpw2 l4 u5 cap4", "coop t512 rpw4 l8 u5 cap4",
+# coop_variants of distinct code paths (whole warps with a partial second step, lane groups of 4,
+# 4 rows per lane group, no grid cap, f32 x)
+EMU_SHAPES = ["default", "coop t512 rpw1 l32 u4 cap4", "coop t512 rpw2 l4 u5 cap4", "coop t256 rpw4 l8 u1 cap4",
               "coop t256 rpw1 l8 u5", "coop t256 rpw2 l32 u2 f32x"]  # fmt: skip
 
 
@@ -173,8 +174,8 @@ def test_tall_weights_take_their_own_q8x_shape():
     head1 = kc.linear_params("q8_0r", 262144, 640, prof.tuning, out_dtype="f32", bmax=1, sm_count=132)
     head8 = kc.linear_params("q8_0r", 262144, 640, prof.tuning, out_dtype="f32", bmax=8, sm_count=132)
     short = kc.linear_params("q8_0r", 4096, 2560, prof.tuning, bmax=1, sm_count=132)
-    assert (head1["lanes"], head1["unroll"], head1["threads"], head1["rows_per_block"]) == (8, 5, 512, 64)
-    assert (head8["lanes"], head8["unroll"], head8["rows_per_block"]) == (8, 2, 128)
+    assert (head1["lanes"], head1["unroll"], head1["threads"], head1["rows_per_block"]) == (8, 5, 256, 32)
+    assert (head8["lanes"], head8["unroll"], head8["threads"], head8["rows_per_block"]) == (8, 2, 256, 32)
     assert "lanes" not in short and short["unroll"] == 4  # the q8_0 type's own
     wide = kc.linear_params("q8_0r", 262144, 2048, prof.tuning, bmax=1, sm_count=132)
     assert "lanes" not in wide  # k above q8x_tall_max_k: not a short row
