@@ -210,3 +210,26 @@ def test_the_head_kernels_compile_with_nvrtc(tmp_path):
     builder = KernelBuilder("sm_90a", cache=KernelCache(tmp_path))
     for s in specs:
         assert builder.get(s).cubin, s.entry
+
+
+def test_emulated_head_rows_do_not_depend_on_the_bucket():
+    """The head's batch-1 and batch-8 coop specs (the tall q8x shape: the same lane groups at every
+    bucket, so each row's segments are summed in the same order) give a row the same bits alone
+    and beside 2 or 7 others (cuda_emu, no prologue)."""
+    from fixtures import cuda_emu
+
+    t = get_profile("h100").tuning
+    rng = np.random.default_rng(5)
+    n, k = 300, 640
+    w, _ = _tall_q8_0r(rng, n, k)
+    x = _bf16_bits(rng.standard_normal((8, k)))
+    first = None
+    for bmax, rows in ((1, 1), (8, 1), (8, 3), (8, 8)):
+        p = dict(kc.linear_params("q8_0r", 262144, k, t, out_dtype="f32", bmax=bmax, sm_count=132), n=n, grid_cap=2)
+        c = kc.choice("gemv", **p)
+        lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+        out = np.full((rows, n), np.nan, np.float32)
+        vals = {"out": out, "w": w, "x": np.ascontiguousarray(x[:rows]), "residual": None, "rows": rows}
+        cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args])
+        first = out[0] if first is None else first
+        assert not np.isnan(out).any() and np.array_equal(out[0], first), (bmax, rows)
