@@ -215,7 +215,12 @@ def main() -> int:
             grid = c.grid(rows)
             if p.get("grid_cap") and profile.tune("gemv_coop").get("q8x_resident_grid"):  # as the runner fits it
                 grid = (min(grid[0], max(1, fn.resident_blocks(c.block[0], c.smem)) * dev.sm_count), *grid[1:])
-            us = time_us(fn, grid, c.block, packed, c.smem, stream, args.reps)
+            try:
+                us = time_us(fn, grid, c.block, packed, c.smem, stream, args.reps)
+            except cuda.CudaError as e:  # (one shape's launch failing names it and goes on)
+                lines.append(f"b{rows:<3} {name:<30} failed: {e}")
+                print(lines[-1], flush=True)
+                continue
             got = cuda.dtoh(np.empty((rows, args.n), np.float32), y.ptr)
             first = got if first is None else first
             rel = float(np.linalg.norm(got - first) / max(np.linalg.norm(first), 1e-30))
