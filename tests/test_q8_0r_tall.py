@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine import kernel_catalog as kc
-from engine import quant, storage
+from engine import ops_ref, quant, storage
 from engine.graph import load_family
 from engine.model import resolve_dims
 from engine.plan import build_plan
@@ -108,7 +108,8 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
     300-row slice of it (a partial last tile; the grid capped at 2 blocks, so blocks loop over tiles)
     and run by tests/fixtures/cuda_emu.py (threads in both orders) on q8_0r bytes with a poisoned padding: the logits (f32,
     poisoned NaN) equal x @ W.T with x as the q8x path quantises it (quant.q8x_round_trip; the f32
-    path: x itself) to 1e-5."""
+    path: x itself) to 1e-5; at batch 1 also with the final rmsnorm folded in, as the plan's decode1
+    head runs (x the rmsnorm kernel's bf16 output: 1e-3, its sum of squares in another order)."""
     import sys
     from pathlib import Path
 
@@ -121,25 +122,31 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
     t = get_profile("h100").tuning
     base = kc.linear_params("q8_0r", 262144, k, t, out_dtype="f32", bmax=bmax, sm_count=132)
     shapes = dict([("default", base), *coop_variants(base, 132)])
+    if bmax == 1:  # the plan's decode1 head: the final rmsnorm folded in (q8x_fuse)
+        shapes["default+norm"] = dict(base, prologue="norm", x_stride=k, eps=1e-6)
     rng = np.random.default_rng(bmax + rows)
     w, deq = _tall_q8_0r(rng, n, k)
-    x = _bf16_bits(rng.standard_normal((rows, k)))
+    x = _bf16_bits(rng.standard_normal((rows, k)) * 3.0)
     xf = (x.astype(np.uint32) << 16).view(np.float32)
+    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
     bad = []
-    for name in EMU_SHAPES:
+    for name in EMU_SHAPES + (["default+norm"] if bmax == 1 else []):
         p = dict(shapes[name], n=n)
         if p.get("grid_cap"):
             p["grid_cap"] = 2
         c = kc.choice("gemv", **p)
         lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
-        ref = (quant.q8x_round_trip(xf).astype(np.float64) if p.get("q8x") else xf.astype(np.float64)) @ deq.T
+        xin, tol = xf, 1e-5
+        if p.get("prologue") == "norm":  # bf16(x * inv_rms * w): the rmsnorm kernel's output
+            xin, tol = (_bf16_bits(ops_ref.rmsnorm(xf, nw, 1e-6)).astype(np.uint32) << 16).view(np.float32), 1e-3
+        ref = (quant.q8x_round_trip(xin).astype(np.float64) if p.get("q8x") else xin.astype(np.float64)) @ deq.T
         outs = []
         for reverse in (False, True):  # the threads in both orders between barriers: no race shows
             out = np.full((rows, n), np.nan, np.float32)
-            vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows}
+            vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows, "norm_w": nw}
             cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args], reverse)
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            if np.isnan(out).any() or not err <= 1e-5:
+            if np.isnan(out).any() or not err <= tol:
                 bad.append((name, reverse, err, int(np.isnan(out).sum())))
             outs.append(out)
         if not np.array_equal(*outs):

@@ -184,8 +184,8 @@ def poisoned_pad_q8_0r(seed: int):
 
 def test_tall_q8_0r_head_readers(kernels, profile, device):
     """Gemma 3 270M's tied head as q8_0r (rows of 640: 40 bytes of scales padded to 48, then 640
-    int8; the padding poisoned): the profile's coop GEMV at batch 1 (bmax 1) and 2, 5, 8 (bmax 8),
-    on the full 262,144 rows, the logits f32; the block shapes tools/gemv_tall_bench.py sweeps
+    int8; the padding poisoned): the profile's coop GEMV at batch 1 (bmax 1; also with the final
+    rmsnorm folded in) and 2, 5, 8 (bmax 8), on the full 262,144 rows, the logits f32; the block shapes tools/gemv_tall_bench.py sweeps
     (lanes per row, rows per warp, grid caps, the f32-x path) on 20,001 rows (a partial last tile);
     the embedding lookup (embed, scaled) and the prefill GEMM on the same bytes. Against numpy."""
     import sys
@@ -201,6 +201,8 @@ def test_tall_q8_0r_head_readers(kernels, profile, device):
     for rows, bmax in ((1, 1), (2, 8), (5, 8), (8, 8)):
         p = kc.linear_params("q8_0r", n, k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=device.sm_count)
         cases.append((kc.spec("gemv", **p), rows))
+        if bmax == 1:  # the plan's decode1 head: the final rmsnorm folded in (q8x_fuse)
+            cases.append((kc.spec("gemv", **{**p, "prologue": "norm", "x_stride": k, "eps": 1e-6}), rows))
     short = 20001
     for bmax, rows in ((1, 1), (8, 8), (8, 3)):
         base = kc.linear_params("q8_0r", short, k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=device.sm_count)
