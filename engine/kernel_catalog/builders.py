@@ -107,8 +107,8 @@ def coop_options(
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
       - q8x_unroll (set per file type) segments in flight per lane and row instead of
-        gemv_coop.unroll, and at bmax 1 q8x_b1_unroll instead of either (q4_k: half as many steps, a q4_k segment being two loads), where k
-        is at most q8x_b1_unroll_max_k (0: any k);
+        gemv_coop.unroll, and at bmax 1 q8x_b1_unroll instead of either (q4_k: half as many
+        steps, a q4_k segment being two loads), where k is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
