@@ -190,7 +190,7 @@ def build_plan(
                 rows, cols = sum(prow), shape[1]
             offset = _norm_offset(op, d) if len(shape) == 1 else 0.0
             if key not in weights:  # (the expert kernels read a stack's file blocks as they are)
-                dtype = dts[g[0]] if len(shape) == 3 else lowerer.upload_type(dts[g[0]], cols)
+                dtype = dts[g[0]] if len(shape) == 3 else lowerer.upload_type(dts[g[0]], cols, rows)
                 weights[key] = WeightPlan(key, layer, tuple(resolved), dtype, rows, cols, prow, offset)
             elif weights[key].offset != offset:
                 raise ConfigError(f"{graph.path}: vector {key} is read with norm offsets {weights[key].offset} and {offset}")
@@ -217,8 +217,9 @@ def build_plan(
         def q8x_reader(o: Op, lay: int | None) -> bool:
             for w in o.weights:
                 w = graph.tensors[w].tied_to if _tied(graph, w, d) else w  # a tied lm_head reads embed
-                cols = _tensor_shape(graph, w, d)[-1]
-                dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols)
+                shape = _tensor_shape(graph, w, d)
+                cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
+                dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
                 if not lowerer.q8x_decode(dt, cols):
                     return False
             return True

@@ -15,7 +15,16 @@ from collections.abc import Sequence
 import numpy as np
 from gguf import quants as _gguf_quants
 
-from engine.storage import BLOCK_SIZES, PLANES, REPACKED_FROM, block, ggml_type, nbytes_for, row_bytes
+from engine.storage import (
+    BLOCK_SIZES,
+    PLANES,
+    REPACKED_FROM,
+    block,
+    ggml_type,
+    nbytes_for,
+    q8_0r_qs_offset,
+    row_bytes,
+)
 from engine.types import MemraError
 
 # BLOCK_SIZES, REPACKED_FROM, nbytes_for and row_bytes live in engine.storage; engine.plan,
@@ -43,7 +52,9 @@ def repack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
         )
     blocks = b.reshape(rows, nb, nbytes)
     parts = [blocks[:, :, a:e].reshape(rows, -1) for a, e in planes]
-    pad = row_bytes(layout, cols) - nb * nbytes
+    if layout == "q8_0r":  # the d plane padded to 16 bytes (engine.storage.q8_0r_qs_offset)
+        parts.insert(1, np.zeros((rows, q8_0r_qs_offset(cols) - nb * 2), np.uint8))
+    pad = row_bytes(layout, cols) - sum(p.shape[1] for p in parts)
     if pad:
         parts.append(np.zeros((rows, pad), np.uint8))
     return np.concatenate(parts, axis=1).reshape(-1)
@@ -57,6 +68,8 @@ def unpack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
     for a, e in planes:  # each plane back to its byte range of the block (planes need not be in order)
         out[:, :, a:e] = b[:, off : off + nb * (e - a)].reshape(rows, nb, e - a)
         off += nb * (e - a)
+        if layout == "q8_0r" and a == 0:  # past the d plane's padding
+            off = q8_0r_qs_offset(cols)
     return out.reshape(-1)
 
 

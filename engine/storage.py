@@ -45,9 +45,11 @@ Plain: ``f32`` 4 B, ``f16`` 2 B, ``bf16`` 2 B (the top half of an f32) per eleme
 
 Device layouts (never in a file; ``repack`` makes them from file bytes at upload):
 
-* ``q8_0r``: a q8_0 row of K elements as two planes, the K/32 f16 ``d`` of its blocks, then its K
-  int8 ``qs`` (same bytes per row as q8_0). With K % 256 == 0 both planes start 16-byte aligned,
-  so a kernel reads 16 weights per 16-byte load.
+* ``q8_0r``: a q8_0 row of K elements as two planes, the K/32 f16 ``d`` of its blocks zero-padded
+  to a multiple of 16 bytes (``q8_0r_qs_offset``), then its K int8 ``qs``: both planes and every row
+  start 16-byte aligned for any K, so a kernel reads 16 weights per 16-byte load. With K % 256 == 0
+  there is no padding (the same bytes per row as q8_0); Gemma 3 270M's 640-value rows take
+  48 + 640 = 688 bytes instead of 680.
 * ``q6_kr``: a q6_k row of K elements (NB = K/256 super-blocks) as four planes, every block's
   ``ql[128]``, then every ``qh[64]``, every ``scales[16]``, every ``d``, zero-padded to a multiple
   of 16 bytes (``row_bytes``): each plane starts 16-byte aligned whatever NB is.
@@ -80,7 +82,8 @@ PLANES: dict[str, tuple[tuple[int, int], ...]] = {
     "q4_0r": ((2, 18), (0, 2)),
     "q4_1r": ((4, 20), (0, 4)),
 }
-#: the device layouts whose rows are zero-padded to a multiple of 16 bytes (q8_0r needs K % 256 instead)
+#: the device layouts whose rows are zero-padded to a multiple of 16 bytes (q8_0r pads its d plane,
+#: q8_0r_qs_offset, its K-byte qs plane then ending the row on a 16-byte boundary)
 PADDED_ROWS = ("q6_kr", "q4_0r", "q4_1r")
 
 
@@ -103,11 +106,18 @@ def block(dtype: str) -> tuple[int, int]:
         raise MemraError(f"unsupported tensor dtype {dtype!r}; supported: {', '.join(BLOCK_SIZES)}") from None
 
 
+def q8_0r_qs_offset(cols: int) -> int:
+    """Byte offset of a q8_0r row's qs plane: its cols / 32 f16 scales padded to 16 bytes."""
+    return (cols // 32 * 2 + 15) // 16 * 16
+
+
 def row_bytes(dtype: str, cols: int) -> int:
     """Bytes of one row of ``cols`` elements stored as ``dtype`` (a device layout's padded pitch)."""
     elems, nbytes = block(dtype)
     if cols % elems:
         raise MemraError(f"{dtype} row length {cols} is not a multiple of its block size {elems}")
+    if dtype == "q8_0r":
+        return q8_0r_qs_offset(cols) + cols
     n = cols // elems * nbytes
     return (n + 15) // 16 * 16 if dtype in PADDED_ROWS else n
 

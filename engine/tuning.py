@@ -33,10 +33,13 @@ from engine.schema import Field, ListOf, MapOf
 #   groups, each with its rows; a short k then takes whole steps on every lane;
 # - q8x_b1_unroll: batch 1, this many segments in flight per lane and row instead of `unroll` (0:
 #   `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them), only where k <=
-#   q8x_b1_unroll_max_k (0: any k).
+#   q8x_b1_unroll_max_k (0: any k);
+# - q8x_unroll: segments in flight per lane and row at every batch size (0: `unroll`; at batch 1
+#   q8x_b1_unroll, where set, wins): with q8x_lanes_per_row, whole steps on a short k.
 Q8X_TYPE_KNOBS = (
     "q8x_threads", "q8x_rows_per_warp", "q8x_ksplit", "q8x_ksplit_threads", "q8x_ksplit_min_n",
     "q8x_b1_rows_per_warp", "q8x_lanes_per_row", "q8x_wsm_kb", "q8x_b1_unroll", "q8x_b1_unroll_max_k",
+    "q8x_unroll",
 )
 
 
@@ -105,6 +108,9 @@ class GemvCoop(Knobs):
     # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
     # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
     types: list[str] = knob([])
+    # q8_0 matrices whose k is not a multiple of 256 are uploaded q8_0r too (the d plane padded to
+    # 16 bytes) where they have at least this many rows (0: never): a tall short-row lm_head
+    q8_0r_min_rows: int = 0
     rows_per_warp: int = knob(1, positive)
     unroll: int = knob(4, positive)
     # issue the next `unroll` segments' loads before the current ones' FMAs
@@ -119,6 +125,12 @@ class GemvCoop(Knobs):
     # per file type (q8_0, q4_k, q6_k, q4_0, q4_1): that type's values of the q8x knobs named
     # in Q8X_TYPE_KNOBS, over the general ones; 0 keeps the general one
     q8x_type_tuning: dict = knob({}, q8x_file_types, kind=TYPE_TUNING)
+    # weights of at least q8x_tall_min_n rows (0: none) and rows of at most q8x_tall_max_k values
+    # (0: any; a tall, short-row lm_head) take q8x_tall_tuning's values per file type (the
+    # q8x_type_tuning knobs) over q8x_type_tuning's and the general ones
+    q8x_tall_min_n: int = 0
+    q8x_tall_max_k: int = 0
+    q8x_tall_tuning: dict = knob({}, q8x_file_types, kind=TYPE_TUNING)
     # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
     # (its block stages and quantises x anyway; the norm costs one more pass over x)
     q8x_fuse: bool = False

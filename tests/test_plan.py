@@ -788,8 +788,10 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
                 assert la.spec.params["quant"] in ("q8_0r", "bf16")
                 seen["prefill"] += 1
     assert seen["gemv"] and seen["prefill"]
-    # a row length that is not a multiple of 256 keeps the file layout and the classic gemv
+    # a row length that is not a multiple of 256 keeps the file layout and the classic gemv (unless
+    # the matrix is tall and gemv_coop.q8_0r_min_rows asks: tests/test_q8_0r_tall.py)
     assert kc.upload_type("q8_0", 576, {"gemv_coop": coop}) == "q8_0"
+    assert kc.upload_type("q8_0", 576, {"gemv_coop": coop}, 262144) == "q8_0"
     assert kc.upload_type("q8_0", 2560, {"gemv_coop": {**coop, "types": []}}) == "q8_0"
     assert not kc.gemv_layout("q8_0", {**prof.tuning, "gemv_coop": coop}).get("coop")
     fused = kc.spec(
@@ -800,8 +802,8 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
         u_off=512,
     )
     assert fused.params["coop"] and fused.params["prologue"] == "silu"
-    with pytest.raises(ConfigError, match="k % 256"):
-        kc.spec("embed", quant="q8_0r", hidden=576, threads=256)
+    with pytest.raises(ConfigError, match="not a multiple of the q8_0r block"):
+        kc.spec("embed", quant="q8_0r", hidden=592, threads=256)
 
 
 def test_a_fusion_is_decided_for_every_layer_at_once():

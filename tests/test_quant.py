@@ -9,7 +9,7 @@ from fixtures.quant_blocks import F16_FIELDS, random_blocks
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine import quant
+from engine import quant, storage
 from engine.types import MemraError
 
 QUANTS = list(F16_FIELDS)
@@ -48,6 +48,32 @@ def test_q8_0r_repack_round_trips_and_dequantizes_like_q8_0() -> None:
     np.testing.assert_array_equal(quant.dequantize(packed, "q8_0r", (6, 512)), quant.dequantize(raw, "q8_0", (6, 512)))
     with pytest.raises(MemraError, match="q8_0 matrix"):
         quant.repack(raw[:-1], "q8_0r", 6, 512)
+
+
+@pytest.mark.parametrize("cols", [640, 96, 32])
+def test_q8_0r_short_rows_pad_the_d_plane_to_16_bytes(cols: int) -> None:
+    """q8_0r rows of any k % 32 == 0 (Gemma 3 270M's 640): the k/32 f16 scales, zero-padded to 16
+    bytes, then the k int8 qs, so both planes and every row are 16-byte aligned (640: 40 + 8 + 640
+    = 688 bytes, not q8_0's 680); repack / unpack round-trip and the layout dequantises as q8_0."""
+    rng = np.random.default_rng(cols)
+    rows, nb = 5, cols // 32
+    raw = np.frombuffer(quant.quantize_reference(rng.standard_normal((rows, cols)).astype(np.float32), "q8_0"), np.uint8)
+    off = storage.q8_0r_qs_offset(cols)
+    assert off % 16 == 0 and 2 * nb <= off < 2 * nb + 16
+    assert storage.row_bytes("q8_0r", cols) == off + cols and storage.row_bytes("q8_0r", cols) % 16 == 0
+    assert storage.row_bytes("q8_0r", 640) == 688
+    packed = quant.repack(raw, "q8_0r", rows, cols)
+    assert packed.size == rows * (off + cols)
+    p, blocks = packed.reshape(rows, -1), raw.reshape(rows, nb, 34)
+    assert np.array_equal(p[:, : 2 * nb], blocks[:, :, :2].reshape(rows, -1))  # the d plane
+    assert not p[:, 2 * nb : off].any()  # its zero padding
+    assert np.array_equal(p[:, off:], blocks[:, :, 2:].reshape(rows, -1))  # the qs plane
+    assert np.array_equal(quant.unpack(packed, "q8_0r", rows, cols), raw)
+    np.testing.assert_array_equal(
+        quant.dequantize(packed, "q8_0r", (rows, cols)), quant.dequantize(raw, "q8_0", (rows, cols))
+    )
+    with pytest.raises(MemraError, match="needs"):
+        quant.dequantize(packed[:-16], "q8_0r", (rows, cols))
 
 
 @pytest.mark.parametrize("layout", ["q4_0r", "q4_1r"])

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     work = []
     for ft in args.types.split(","):
         for n, k in shapes:
-            qt = kc.upload_type(ft, k, tuning)
+            qt = kc.upload_type(ft, k, tuning, n)
             try:
                 nbytes = n * storage.row_bytes(qt, k)
             except Exception as e:  # noqa: BLE001 (a k the type's blocks do not divide)

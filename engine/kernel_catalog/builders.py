@@ -65,15 +65,20 @@ def linear_params(
     )
 
 
-def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any]) -> str:
+def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any], rows: int = 0) -> str:
     """The layout a [rows, cols] matrix stored as ``dtype`` in the file is uploaded in, where the
     coop gemv takes that type (tuning gemv_coop.types): q8_0 becomes the row-planar q8_0r when
-    cols % 256 == 0, q6_k / q4_0 / q4_1 the row-planar q6_kr / q4_0r / q4_1r (engine.quant.repack);
-    else the file's layout."""
-    types = (tuning.get("gemv_coop") or {}).get("types", ())
+    cols % 256 == 0, or when the matrix has at least gemv_coop.q8_0r_min_rows rows (where set: a
+    tall short-row matrix such as Gemma 3 270M's 262,144 x 640 tied head, whose q8_0r rows carry
+    16 bytes of d-plane padding; ``rows`` 0: unknown, not tall); q6_k / q4_0 / q4_1 the row-planar
+    q6_kr / q4_0r / q4_1r (engine.quant.repack); else the file's layout."""
+    c = tuning.get("gemv_coop") or {}
     layout = COOP_LAYOUTS.get(dtype)
-    if layout is None or dtype not in types or (layout == "q8_0r" and cols % 256):
+    if layout is None or dtype not in c.get("types", ()):
         return dtype
+    if layout == "q8_0r" and cols % 256:
+        tall = int(c.get("q8_0r_min_rows") or 0)
+        return layout if tall and rows >= tall else dtype
     return layout
 
 
@@ -89,7 +94,8 @@ def coop_options(
 ) -> dict[str, Any]:
     """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
     all are off: the default entry names). The knobs are gemv_coop's; the file type's
-    q8x_type_tuning entry overrides the general ones.
+    q8x_type_tuning entry overrides the general ones, and on a weight of at least q8x_tall_min_n
+    rows (``n``) of at most q8x_tall_max_k values (0: any) its q8x_tall_tuning entry overrides both.
 
     - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
       COOP_Q8X_MAX. Then:
@@ -100,9 +106,9 @@ def coop_options(
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
-      - at bmax 1, q8x_b1_unroll (set per file type) segments in flight per lane and row instead
-        of gemv_coop.unroll (q4_k: half as many steps, a q4_k segment being two loads), where k
-        is at most q8x_b1_unroll_max_k (0: any k);
+      - q8x_unroll (set per file type) segments in flight per lane and row instead of
+        gemv_coop.unroll, and at bmax 1 q8x_b1_unroll instead of either (q4_k: half as many
+        steps, a q4_k segment being two loads), where k is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB and the blocks that fit at once (the smaller of
         q8x_blocks_per_sm and 227 KB over the block's shared memory, per SM) hold every tile.
@@ -117,6 +123,10 @@ def coop_options(
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
     per_type = (c.get("q8x_type_tuning") or {}).get(file_type) or {}
     c = {**c, **{key: v for key, v in per_type.items() if v}}
+    tall_n, tall_k = int(c.get("q8x_tall_min_n") or 0), int(c.get("q8x_tall_max_k") or 0)
+    if tall_n and n >= tall_n and (not tall_k or k <= tall_k):  # a tall, short-row weight (lm_head)
+        tall = (c.get("q8x_tall_tuning") or {}).get(file_type) or {}
+        c = {**c, **{key: v for key, v in tall.items() if v}}
     out: dict[str, Any] = {}
     if q8x_applies(tuning, bmax, k, quant):
         out["q8x"] = True
@@ -141,6 +151,8 @@ def coop_options(
                 rpw = c["q8x_b1_rows_per_warp"]
         lanes = int(c.get("q8x_lanes_per_row") or 32)
         unroll = int(c["unroll"])
+        if int(c.get("q8x_unroll") or 0) not in (0, unroll):
+            unroll = out["unroll"] = int(c["q8x_unroll"])  # segments in flight at every batch size
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
             out["unroll"] = b1_unroll  # segments in flight per lane and row

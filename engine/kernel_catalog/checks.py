@@ -35,9 +35,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             p["threads"] % 32 == 0 and 32 <= p["threads"] <= 1024,
             f"threads={p['threads']} must be 32..1024, a multiple of 32",
         )
-    if template in ("gemv", "embed", "gemm", "gemv_mma") and p.get("quant") == "q8_0r":
-        cols = p["hidden"] if template == "embed" else p["k"]
-        need(cols % 256 == 0, f"q8_0r rows need k % 256 == 0 (16-byte aligned planes), got {cols}")
     if template == "gemv" and p.get("quant") in COOP_LAYOUTS.values():
         need(
             not p["stage"],

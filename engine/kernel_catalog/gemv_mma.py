@@ -42,8 +42,6 @@ def gemv_mma_params(
     round of steps per k group and the f32 partial sums of a row within its weight bytes."""
     if quant not in QUANTS or k % 64 or k % QUANTS[quant][0] or x_stride % 8:
         return None
-    if quant == "q8_0r" and k % 256:
-        return None
     mt, wm, per_sm = MMA_SHAPES[bmax]
     if glu and mt % 2:
         mt, wm = 2 * mt, max(1, wm // 2)

@@ -106,9 +106,9 @@ class Lowerer:
             raise ConfigError(f"plan: state {sp.name} declared with {old.slot_bytes} and {sp.slot_bytes} bytes per slot")
         self.states[sp.name] = sp
 
-    def upload_type(self, dtype: str, cols: int) -> str:
-        """The device layout of a matrix stored as ``dtype`` (kernel_catalog.upload_type)."""
-        return kc.upload_type(dtype, cols, self.profile.tuning)
+    def upload_type(self, dtype: str, cols: int, rows: int = 0) -> str:
+        """The device layout of a [rows, cols] matrix stored as ``dtype`` (kernel_catalog.upload_type)."""
+        return kc.upload_type(dtype, cols, self.profile.tuning, rows)
 
     def q8x_decode(self, dtype: str, cols: int) -> bool:
         """Whether the decode1 GEMV on a [*, cols] weight uploaded as ``dtype`` is a coop q8x GEMV

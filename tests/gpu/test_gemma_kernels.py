@@ -7,7 +7,9 @@ lot without one), each on fresh random inputs with its outputs poisoned with NaN
   NaN (as released blocks may hold anything), so a kernel that reads one fails;
 * the GeGLU gate (silu_mul with act gelu_tanh), the residual add (in place), the scaled embedding;
 * the decode GEMVs at Gemma 3 270M's rows (640 values: Q5_0 q|k and gate|up, Q8_0 v, Q4_K o,
-  Q6_K down) and its tall Q8_0 head (262,144 rows of 640).
+  Q6_K down) and its tall Q8_0 head (262,144 rows of 640), uploaded as the profile does (the head
+  as q8_0r where gemv_coop.q8_0r_min_rows takes it); the q8_0r head's readers (coop GEMV block
+  shapes, the embedding lookup, the prefill GEMM) with the d plane's padding poisoned.
 
 References: engine.ops_ref (attention_dense with a window, gelu_tanh_mul, embed) and the GGUF
 dequantisation (engine.quant through gpu_harness.random_weight). The norm offset (1 + w) is added to
@@ -20,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload, uploaded_weights
-from test_kernels import PagedCache, gemv_failures, run_decode_attention
+from test_kernels import PagedCache, gemv_failures, run_decode_attention, run_gemm
 
 from engine import kernel_catalog as kc
-from engine import ops_ref
+from engine import ops_ref, storage
 
 # (heads, kv_heads, head_dim): Gemma 3 270M, and a GQA-8 head_dim-128 model (Mistral-style window)
 SHAPES = ((4, 1, 256), (32, 4, 128))
@@ -147,7 +149,7 @@ def test_gemma_gemvs(kernels, profile, device, case):
     """The GEMVs at Gemma 3 270M's shapes (rows of 640 values, not a multiple of 256) in the layout
     the profile picks, at batch 1 and 8, the logits (f32) and the residual variants."""
     ft, n, k = case
-    qt = kc.upload_type(ft, k, profile.tuning)
+    qt = kc.upload_type(ft, k, profile.tuning, n)
     cases = []
     for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
                                      (8, 8, False, "f32")):  # fmt: skip
@@ -156,4 +158,70 @@ def test_gemma_gemvs(kernels, profile, device, case):
         cases.append((kc.spec("gemv", **p), rows))
     kernels.prebuild(s for s, _ in cases)
     bad = gemv_failures(kernels, uploaded_weights(n), cases, np.random.default_rng(n))
+    assert not bad, bad
+
+
+def poisoned_pad_q8_0r(seed: int):
+    """``get(qt, n, k)`` as gpu_harness.uploaded_weights, for q8_0r only, with the bytes between
+    a row's k/32 f16 scales and its qs plane (the 16-byte padding) set to 0x7E (f16 NaN): a reader
+    that takes a scale or a weight from them returns NaN."""
+    cache: dict = {}
+    rng = np.random.default_rng(seed)
+
+    def get(qt: str, n: int, k: int):
+        assert qt == "q8_0r", qt
+        if (n, k) not in cache:
+            raw, deq = random_weight(qt, n, k, rng)
+            pad = slice(k // 32 * 2, storage.q8_0r_qs_offset(k))
+            assert pad.stop > pad.start and not raw[:, pad].any()
+            raw = raw.copy()
+            raw[:, pad] = 0x7E
+            cache[n, k] = (upload(raw, "u8"), deq)
+        return cache[n, k]
+
+    return get
+
+
+def test_tall_q8_0r_head_readers(kernels, profile, device):
+    """Gemma 3 270M's tied head as q8_0r (rows of 640: 40 bytes of scales padded to 48, then 640
+    int8; the padding poisoned): the profile's coop GEMV at batch 1 (bmax 1; also with the final
+    rmsnorm folded in) and 2, 5, 8 (bmax 8), on the full 262,144 rows, the logits f32; the block shapes tools/gemv_tall_bench.py sweeps
+    (lanes per row, rows per warp, grid caps, the f32-x path) on 20,001 rows (a partial last tile);
+    the embedding lookup (embed, scaled) and the prefill GEMM on the same bytes. Against numpy."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from gemv_tall_bench import coop_variants
+
+    n, k = 262144, 640
+    assert kc.upload_type("q8_0", k, profile.tuning, n) in ("q8_0", "q8_0r")
+    get = poisoned_pad_q8_0r(7)
+    cases = []
+    for rows, bmax in ((1, 1), (2, 8), (5, 8), (8, 8)):
+        p = kc.linear_params("q8_0r", n, k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=device.sm_count)
+        cases.append((kc.spec("gemv", **p), rows))
+        if bmax == 1:  # the plan's decode1 head: the final rmsnorm folded in (q8x_fuse)
+            cases.append((kc.spec("gemv", **{**p, "prologue": "norm", "x_stride": k, "eps": 1e-6}), rows))
+    short = 20001
+    for bmax, rows in ((1, 1), (8, 8), (8, 3)):
+        base = kc.linear_params("q8_0r", short, k, profile.tuning, out_dtype="f32", bmax=bmax, sm_count=device.sm_count)
+        cases += [(kc.spec("gemv", **p), rows) for _, p in coop_variants(base, device.sm_count)]
+    kernels.prebuild(s for s, _ in cases)
+    bad = gemv_failures(kernels, get, cases, np.random.default_rng(1))
+    assert len(cases) > 40 and not bad, bad
+
+    raw_w, deq = get("q8_0r", short, k)
+    vocab, rows, scale = short, 9, 640**0.5
+    c = kc.choice("embed", quant="q8_0r", hidden=k, threads=kc.ELEMENTWISE_THREADS, scale=scale)
+    ids = np.random.default_rng(2).integers(0, vocab, rows)
+    ids[0], ids[-1] = 0, vocab - 1
+    out = poisoned((rows, k))
+    kernels.launch(c, rows, out=out, table=raw_w, ids=upload(ids, "i32"), rows=rows)
+    assert rel_err(out.get(), bf_round(ops_ref.embed(ids, deq) * np.float32(scale))) <= 1e-2
+
+    g = kc.spec("gemm", **kc.gemm_params(short, k, profile.tuning, out_dtype="f32", quant="q8_0r"))
+    kernels.prebuild([g])
+    rng = np.random.default_rng(3)
+    bad = [(m, e) for m in (1, 77) if not (e := run_gemm(kernels, get, g, m, rng)) <= 1e-2]
     assert not bad, bad
