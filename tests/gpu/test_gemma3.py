@@ -122,9 +122,14 @@ def test_teacher_forced_argmax_agrees_on_256_positions(stack, capsys):
     assert agree >= 0.95
 
 
-def test_greedy_32_tokens_equal_the_reference(stack, capsys):
+@pytest.mark.parametrize("text", ["The capital of France is", "Q: What is the capital of France?\nA:"])
+def test_greedy_32_tokens_equal_the_reference(stack, capsys, text):
+    """Greedy CUDA text = the reference's for 32 tokens. The base 270M model continues the issue's
+    "The capital of France is" with " the capital of the country of France" (in transformers too; it
+    ranks " Paris" third there, tests/test_reference_gemma3_real.py); asked as a question it says
+    Paris, which the second prompt checks."""
     model, tok, ref = stack
-    prompt = tok.encode("The capital of France is", add_special_tokens=True)
+    prompt = tok.encode(text, add_special_tokens=True)
     want = ref.generate(prompt, 32, GREEDY)
     runner = cuda_runner(model)
     table = list(range(8))
@@ -138,7 +143,8 @@ def test_greedy_32_tokens_equal_the_reference(stack, capsys):
         runner.close()
     with capsys.disabled():
         print(f"\nGemma 3 270M greedy: cuda {tok.decode(out)!r}; reference {tok.decode(want)!r}")
-    assert "Paris" in tok.decode(out)
+    if text.startswith("Q:"):
+        assert "Paris" in tok.decode(out)
     assert out == want
 
 
