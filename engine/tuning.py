@@ -106,19 +106,18 @@ class GemvCoop(Knobs):
     # the warp-cooperative gemv layout (kernels/_gemv_coop.cuh.j2) for these file storage types
     # (bf16, q4_k, q8_0, q6_k, q4_0, q4_1; q8_0 matrices with k % 256 == 0 and q6_k / q4_0 / q4_1
     # matrices are then uploaded row-planar as q8_0r / q6_kr / q4_0r / q4_1r, kernel_catalog.upload_type);
-    # each warp owns rows_per_warp rows, `unroll` 16-byte segments per lane in flight
+    # each warp owns one row (q8x: q8x_rows_per_warp), `unroll` 16-byte segments per lane in flight
     types: list[str] = knob([])
     # q8_0 matrices whose k is not a multiple of 256 are uploaded q8_0r too (the d plane padded to
     # 16 bytes) where they have at least this many rows (0: never): a tall short-row lm_head
     q8_0r_min_rows: int = 0
-    rows_per_warp: int = knob(1, positive)
     unroll: int = knob(4, positive)
     # issue the next `unroll` segments' loads before the current ones' FMAs
     pipeline: bool = False
     # with pipeline: a lane's last step of a row tile issues the block's next tile's first loads
     tile_prefetch: bool = False
     # q4_k / q8_0 / q6_k / q4_0 / q4_1: int8-quantised x rows in shared memory and __dp4a
-    # dot products, with their own block shape (0: threads / rows_per_warp above)
+    # dot products, with their own block shape (0: 256 threads, one row a warp)
     q8x: bool = False
     q8x_threads: int = 0
     q8x_rows_per_warp: int = 0

@@ -282,8 +282,8 @@ def test_tuning_is_one_frozen_dataclass_per_kernel_family(tmp_path):
         coop.q8x = False  # type: ignore[misc]
     assert tuning.Gemv().fuse_glu is False and get_profile("generic-sm80").tuning["gemv"] == tuning.Gemv()
     bad = tmp_path / "h200.yaml"
-    bad.write_text(Path(h200.path).read_text().replace("rows_per_warp: 2,", "rows_per_warp: -2,", 1))
-    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv_coop.rows_per_warp: expected a positive number"):
+    bad.write_text(Path(h200.path).read_text().replace("unroll: 2,", "unroll: -2,", 1))
+    with pytest.raises(ConfigError, match=r"h200.yaml: tuning.gemv_coop.unroll: expected a positive number"):
         load_profile(bad)
 
 

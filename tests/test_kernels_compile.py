@@ -362,7 +362,6 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "rows_per_warp": 2,
             "unroll": 4,
         },
     }
@@ -381,11 +380,11 @@ def _gemv_variant_specs():
         **tun,
         "gemv_coop": {
             "types": ["q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-            "rows_per_warp": 2,
             "unroll": 2,
             "pipeline": True,
             "q8x": True,
             "q8x_threads": 256,
+            "q8x_rows_per_warp": 2,
             "q8x_ksplit": 4,
             "q8x_ksplit_max_n": 4096,
             "q8x_blocks_per_sm": 4,
@@ -440,7 +439,7 @@ def _wsm_specs() -> list:
     tile's copy once the current one is read), on every q8x type."""
     q8 = {
         "gemv": {},
-        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "rows_per_warp": 1, "unroll": 2,
+        "gemv_coop": {"types": ["q8_0", "q4_k", "q6_k", "q4_0", "q4_1"], "q8x_threads": 256, "unroll": 2,
                       "pipeline": True, "q8x": True, "q8x_lanes_per_row": 8},
     }
     specs = []
@@ -474,7 +473,7 @@ def test_gemv_wsm_compiles_for_sm90_and_up(tmp_path, arch):
 
 def test_tile_prefetch_is_a_pipelined_coop_option():
     tun = {"gemv": {}}
-    coop = {"types": ["q8_0", "q4_k"], "rows_per_warp": 2, "unroll": 2, "q8x": True}
+    coop = {"types": ["q8_0", "q4_k"], "unroll": 2, "q8x": True}
     for extra, want in (({}, False), ({"tile_prefetch": True}, False), ({"pipeline": True, "tile_prefetch": True}, True)):
         p = kc.linear_params("q4_k", 2560, 2560, {**tun, "gemv_coop": {**coop, **extra}}, bmax=1)
         assert bool(p.get("tile_pf")) is want, extra

@@ -762,7 +762,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
     from engine import kernel_catalog as kc
 
     prof = get_profile("h200")
-    coop = {"types": ["q8_0", "q4_k"], "rows_per_warp": 2, "unroll": 4}
+    coop = {"types": ["q8_0", "q4_k"], "unroll": 4}
     graph = load_family("qwen3")
     plan = build_plan(
         graph,
@@ -780,7 +780,7 @@ def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
             if la.spec.template == "gemv":
                 p = la.spec.params
                 assert p["coop"] and p["quant"] == "q8_0r" and p["threads"] == 128
-                assert p["rows_per_block"] == 8 and la.grid[0] == -(-p["n"] // 8) and la.block == (128,)
+                assert p["rows_per_block"] == 4 and la.grid[0] == -(-p["n"] // 4) and la.block == (128,)
                 assert not p["stage"] and "coop1" in la.spec.entry
                 seen["gemv"] += 1
         for la in step.launches["prefill"]:

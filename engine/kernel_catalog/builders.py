@@ -132,7 +132,7 @@ def coop_options(
         out["q8x"] = True
         forced = threads
         threads = forced or c.get("q8x_threads") or COOP_THREADS
-        rpw = c.get("q8x_rows_per_warp") or c["rows_per_warp"]
+        rpw = c.get("q8x_rows_per_warp") or 1
         ksplit = int(c.get("q8x_ksplit") or 1)
         kst = c.get("q8x_ksplit_types") or ()
         if forced and ksplit > 1:  # the largest k split up to the tuning's that divides the warps
@@ -156,7 +156,7 @@ def coop_options(
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
             out["unroll"] = b1_unroll  # segments in flight per lane and row
-        if (threads, rpw, ksplit, lanes) != (COOP_THREADS, c["rows_per_warp"], 1, 32):
+        if (threads, rpw, ksplit, lanes) != (COOP_THREADS, 1, 1, 32):
             out.update(threads=threads, rows_per_block=threads // 32 // ksplit * (32 // lanes) * rpw)
         if lanes != 32:
             out["lanes"] = lanes
@@ -172,7 +172,7 @@ def coop_options(
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         wkb = int(c.get("q8x_wsm_kb") or 0)
         if wkb and n and bmax == 1:  # the row tile in shared memory
-            rpb = int(out.get("rows_per_block") or COOP_THREADS // 32 * c["rows_per_warp"])
+            rpb = int(out.get("rows_per_block") or COOP_THREADS // 32)
             tile = rpb * row_bytes(quant, k)
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
             smem = gemv_smem(wp)
@@ -240,7 +240,7 @@ def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int 
         return dict(
             coop=True,
             threads=COOP_THREADS,
-            rows_per_block=COOP_THREADS // 32 * c["rows_per_warp"],
+            rows_per_block=COOP_THREADS // 32,
             unroll=c["unroll"],
         )
     g = tuning["gemv"]

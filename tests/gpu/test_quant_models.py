@@ -34,7 +34,6 @@ LLAMA_DIMS = dataclasses.replace(DIMS, hidden_size=576, num_attention_heads=9, n
                                  tie_word_embeddings=True)  # fmt: skip
 COOP = {
     "types": ["bf16", "q4_k", "q8_0", "q6_k", "q4_0", "q4_1"],
-    "rows_per_warp": 2,
     "unroll": 4,
 }
 PLANAR = {"q8_0r", "q6_kr", "q4_0r", "q4_1r"}
