@@ -22,12 +22,6 @@ def reasoning_parser_for(tokenizer: Any, prompt: str) -> ReasoningSplitter | Non
     return ReasoningSplitter(inside=prompt.rfind(START) > prompt.rfind(END))
 
 
-def end_token_id(tokenizer: Any) -> int | None:
-    """The ``</think>`` token id (where constrained decoding starts for a reasoning model)."""
-    to_id = getattr(tokenizer, "token_to_id", None)
-    return to_id(END) if to_id is not None else None
-
-
 def _held(text: str, tag: str) -> int:
     """How many trailing characters of ``text`` could begin ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):

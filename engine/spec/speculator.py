@@ -38,15 +38,6 @@ class SpecCounters:
     accepted_tokens: int = 0
     verify_rows: int = 0
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per verified row (accepted drafts + the one the target adds)."""
-        return (self.accepted_tokens + self.verify_rows) / self.verify_rows if self.verify_rows else None
-
 
 def summary(stats: Any) -> dict[str, Any]:
     """The speculation figures of an EngineStats (or anything with its ``spec_*`` fields), as
