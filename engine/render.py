@@ -110,29 +110,3 @@ def _body_start(source: str, entry: str) -> int:
         return -1
     return body
 
-
-# the first line of a kernel body that reads step-invariant data (weights, step inputs, earlier
-# steps' KV) before its pdl_wait()
-PDL_PRELOAD = "// pdl: only weights and step inputs before pdl_wait()"
-
-
-def waits_first(source: str, entry: str) -> bool:
-    """Whether the body of kernel ``entry`` in ``source`` starts with ``pdl_wait();`` (comments and
-    blank lines aside): the contract of a kernel launched with programmatic dependent launch. A
-    body whose first line is PDL_PRELOAD counts when it does call ``pdl_wait();``: before the wait it
-    reads only what no kernel of the pass writes (weights; the step inputs uploaded before the pass:
-    positions, slots, block tables; KV-cache entries of earlier steps), which every kernel before the
-    previous one has finished with, since each kernel waits before it ends."""
-    body = _body_start(source, entry)
-    if body < 0:
-        return False
-    rest = source[body + 1 :]
-    if rest.lstrip().startswith(TRACE_SCOPE):  # the trace's scope opens the body (MEMRA_TRACE)
-        rest = rest.lstrip().split("\n", 1)[1]
-    if rest.lstrip().startswith(PDL_PRELOAD):
-        return "pdl_wait();" in rest
-    for line in rest.splitlines():
-        code = line.split("//", 1)[0].strip()
-        if code:
-            return code.startswith("pdl_wait();")
-    return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from fixtures.pdl import waits_first
 from test_kernels_compile import _nvrtc_ok
 
 from engine import linear_attn_kernels as lk
@@ -19,7 +20,7 @@ from engine.kcache import KernelCache
 from engine.ops import OPS
 from engine.plan import build_plan
 from engine.profile import all_profiles, get_profile
-from engine.render import render, waits_first
+from engine.render import render
 from engine.types import ConfigError
 
 PRIMARY_ARCH = "sm_90a"

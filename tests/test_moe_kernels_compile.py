@@ -8,6 +8,7 @@ main types); the other archs compile one spec of each template, which keeps NVRT
 from __future__ import annotations
 
 import pytest
+from fixtures.pdl import waits_first
 from test_kernels_compile import _nvrtc_ok
 
 from engine.compile import KernelBuilder
@@ -28,7 +29,7 @@ from engine.moe_kernels import (
     topk_kernel,
 )
 from engine.profile import all_profiles
-from engine.render import render, waits_first
+from engine.render import render
 from engine.types import ConfigError
 
 PRIMARY_ARCH = "sm_90a"

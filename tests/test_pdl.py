@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from fixtures.catalog_specs import all_specs
 from fixtures.families import family_cases
+from fixtures.pdl import waits_first
 
 from engine import kernel_catalog as kc
 from engine import paths, profile
-from engine.render import render, waits_first
+from engine.render import render
 from engine.types import ConfigError
 
 
@@ -138,7 +139,7 @@ def test_prepared_launch_builds_its_config_without_a_gpu():
 
 
 def test_a_body_marked_pdl_preload_counts_only_with_its_wait():
-    from engine.render import PDL_PRELOAD
+    from fixtures.pdl import PDL_PRELOAD
 
     src = 'extern "C" __global__ void k_1(float* a) {\n    %s\n    float w = a[0];\n    pdl_wait();\n}\n'
     assert waits_first(src % PDL_PRELOAD, "k_1")

@@ -164,8 +164,9 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
     one gemv_pair launch: part a is the unpaired q|k spec itself, part b the v re-planned in its
     block shape; the args are both launches' in order, the grid their blocks, the shared memory
     the larger. Batch 8 and prefill keep their launches (decode forked), and off nothing pairs."""
+    from fixtures.pdl import waits_first
+
     from engine import kernel_catalog as kc
-    from engine.render import waits_first
 
     apart = _q4_k_m_plan("decode_graph.pair_linears=false")
     paired = _q4_k_m_plan("decode_graph.pair_linears=true; decode_graph.pair_min_blocks=0")

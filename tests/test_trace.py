@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.pdl import waits_first
 from test_kernels_compile import _nvrtc_ok
 from test_pdl import _specs
 
-from engine.render import TRACE_SCOPE, render, trace_tag, waits_first
+from engine.render import TRACE_SCOPE, render, trace_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import gpu_trace_decode  # noqa: E402
