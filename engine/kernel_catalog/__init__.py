@@ -31,8 +31,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     PREFILL_WARPS,
     Q8X_STAGE_ROUNDS,
     SAMPLING_THREADS,
-    attention_params,
-    attention_prefill_params,
     attention_warps,
     decode_bmax,
     direct_qsplit,
@@ -43,7 +41,6 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     one_round,
     prefill_block_kv,
     q8x_applies,
-    rope_params,
     upload_type,
 )
 from engine.kernel_catalog.checks import (  # noqa: F401

@@ -1,5 +1,5 @@
-"""Spec params from dims + profile tuning (linear / gemm / attention / rope params, the coop options,
-upload layouts). Part of engine.kernel_catalog. Must not import CUDA, numpy or gguf.
+"""Spec params from dims + profile tuning (linear / gemm params, the attention warps and tiles, the coop
+options, upload layouts). Part of engine.kernel_catalog. Must not import CUDA, numpy or gguf.
 """
 
 from __future__ import annotations
@@ -320,63 +320,12 @@ PREFILL_WARPS = 4
 DECODE_WARPS = 4  # the decode attention's warps where attention_decode.direct_warps is 0 (split and direct alike)
 
 
-def attention_prefill_params(
-    dims: Mapping[str, Any], tuning: Mapping[str, Any], block_size: int, *, q_stride: int, out_stride: int
-) -> dict[str, Any]:
-    a = tuning["attention_prefill"]
-    return dict(
-        heads=dims["heads"],
-        kv_heads=dims["kv_heads"],
-        head_dim=dims["head_dim"],
-        block_size=block_size,
-        scale=float(dims["head_dim"]) ** -0.5,
-        q_stride=q_stride,
-        out_stride=out_stride,
-        block_q=PREFILL_BLOCK_Q,
-        block_kv=prefill_block_kv(PREFILL_BLOCK_Q, a["block_kv"], dims["head_dim"]),
-        warps=PREFILL_WARPS,
-    )
-
-
 def prefill_block_kv(block_q: int, block_kv: int, head_dim: int) -> int:
     """The flash prefill's block_kv, halved (down to 16) until its tiles fit 99 KB of shared memory:
     wide heads (Qwen3.5's 256) take narrower K/V tiles than a profile tuned on 128."""
     while block_kv > 16 and (block_q + 4 * block_kv) * (head_dim + 8) * 2 > 99 * 1024:
         block_kv //= 2
     return block_kv
-
-
-def attention_params(
-    dims: Mapping[str, Any],
-    tuning: Mapping[str, Any],
-    block_size: int,
-    *,
-    mode: str,
-    direct: bool,
-    q_stride: int,
-    out_stride: int,
-) -> dict[str, Any]:
-    a = tuning["attention_decode"]
-    warps = (a.get("direct_warps") or DECODE_WARPS) if direct else DECODE_WARPS
-    warps = attention_warps(warps, dims["heads"] // dims["kv_heads"], dims["head_dim"])
-    vec16 = bool(a.get("vec16", False)) and dims["head_dim"] in (32, 64, 128, 256)
-    step = (8 if vec16 else 4) * warps
-    split = max(step, a["split_kv_tokens"] // step * step)
-    return dict(
-        qsplit=direct_qsplit(dims["heads"] // dims["kv_heads"], tuning) if direct and mode == "decode" else 1,
-        heads=dims["heads"],
-        kv_heads=dims["kv_heads"],
-        head_dim=dims["head_dim"],
-        block_size=block_size,
-        split=split,
-        scale=float(dims["head_dim"]) ** -0.5,
-        q_stride=q_stride,
-        out_stride=out_stride,
-        mode=mode,
-        direct=direct,
-        warps=warps,
-        vec16=vec16,
-    )
 
 
 def attention_warps(warps: int, group: int, head_dim: int) -> int:
@@ -392,34 +341,6 @@ def direct_qsplit(group: int, tuning: Mapping[str, Any]) -> int:
     largest divisor of group up to tuning attention_decode.direct_qsplit (1: one block per kv head)."""
     cap = int((tuning.get("attention_decode") or {}).get("direct_qsplit", 1) or 1)
     return max(q for q in range(1, min(cap, group) + 1) if group % q == 0)
-
-
-def rope_params(
-    dims: Mapping[str, Any],
-    tuning: Mapping[str, Any],
-    style: str,
-    *,
-    q_stride: int,
-    kv_stride: int,
-    qk_norm: bool,
-    kv_write: bool = True,
-    freq_factors: bool = False,
-) -> dict[str, Any]:
-    return dict(
-        heads=dims["heads"],
-        kv_heads=dims["kv_heads"],
-        head_dim=dims["head_dim"],
-        rope_dim=dims.get("rope_dim") or dims["head_dim"],
-        theta=float(dims["rope_theta"]),
-        style=style,
-        q_stride=q_stride,
-        kv_stride=kv_stride,
-        qk_norm=qk_norm,
-        eps=float(dims["rms_eps"]),
-        freq_factors=freq_factors,
-        kv_write=kv_write,
-        threads=ELEMENTWISE_THREADS,
-    )
 
 
 NORM_THREADS = 256  # the rmsnorm kernel's block

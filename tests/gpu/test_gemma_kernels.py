@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.catalog_specs import attention_params, attention_prefill_params
 from gpu_harness import bf_round, poisoned, random_weight, rel_err, upload, uploaded_weights
 from test_kernels import PagedCache, gemv_failures, run_decode_attention, run_gemm
 
@@ -37,7 +38,7 @@ def decode_specs(profile, window: int) -> list:
     for H, KV, D in SHAPES:
         dims = dict(heads=H, kv_heads=KV, head_dim=D)
         for direct in (True, False):
-            p = kc.attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
+            p = attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
                                     q_stride=(H + 2 * KV) * D, out_stride=H * D)  # fmt: skip
             p.update(window=window, table_first=False, scale=0.0625)
             out.append(kc.spec("attention", **p))
@@ -82,7 +83,7 @@ def test_window_prefill_attention(kernels, profile, window, shape):
         qkv = bf_round(rng.standard_normal((rows, q_stride)))
         starts = np.cumsum([0] + [n for _, n in seqs]).astype(np.int32)
         pos = np.concatenate([np.arange(p0, p0 + n) for p0, n in seqs]).astype(np.int32)
-        base = kc.attention_prefill_params(dims, profile.tuning, bs, q_stride=q_stride, out_stride=out_stride)
+        base = attention_prefill_params(dims, profile.tuning, bs, q_stride=q_stride, out_stride=out_stride)
         q = qkv[:, : H * D].reshape(rows, H, D)
         ref = np.concatenate(
             [cache.ref(s, q[starts[s] : starts[s + 1]], p0, 0.0625, window) for s, (p0, _) in enumerate(seqs)]

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from fixtures.catalog_specs import attention_params, attention_prefill_params, rope_params
 from gpu_harness import (
     DeviceArray,
     bf_round,
@@ -220,7 +221,7 @@ def test_rope_qk_norm_and_cache_write(kernels, profile, style, qk_norm, shape):
     T, eps, theta = 11, 1e-6, 1e6
     width = (H + 2 * KV) * D
     dims = dict(heads=H, kv_heads=KV, head_dim=D, rope_theta=theta, rms_eps=eps)
-    c = kc.choice("rope", **kc.rope_params(dims, profile.tuning, style, q_stride=width, kv_stride=width, qk_norm=qk_norm))
+    c = kc.choice("rope", **rope_params(dims, profile.tuning, style, q_stride=width, kv_stride=width, qk_norm=qk_norm))
     rng = np.random.default_rng()
     buf = bf_round(rng.standard_normal((T, width)))
     pos = rng.integers(0, 30000, T)
@@ -336,7 +337,7 @@ def test_decode_attention_profile_and_variants(kernels, profile):
     for H, KV, D in ((32, 8, 128), (9, 3, 64)):
         dims = dict(heads=H, kv_heads=KV, head_dim=D)
         for direct in (True, False):
-            p = kc.attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
+            p = attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
                                     q_stride=(H + 2 * KV) * D, out_stride=H * D)
             specs.append(kc.spec("attention", **p))
     fused_rope = {"k_in", "slots"}
@@ -374,7 +375,7 @@ def test_prefill_attention(kernels, profile, case):
     starts = np.cumsum([0] + [n for _, n in seqs]).astype(np.int32)
     pos = np.concatenate([np.arange(p0, p0 + n) for p0, n in seqs]).astype(np.int32)
     dims = dict(heads=H, kv_heads=KV, head_dim=D)
-    base = kc.attention_prefill_params(dims, profile.tuning, bs, q_stride=q_stride, out_stride=out_stride)
+    base = attention_prefill_params(dims, profile.tuning, bs, q_stride=q_stride, out_stride=out_stride)
     tiles = {(base["block_q"], base["block_kv"], base["warps"]), (64, 64, 4), (128, 32, 8), (64, 32, 4)}
     q = qkv[:, : H * D].reshape(rows, H, D)
     ref = np.concatenate([cache.ref(s, q[starts[s] : starts[s + 1]], p0, D**-0.5) for s, (p0, _) in enumerate(seqs)])
