@@ -3,7 +3,7 @@ tests/gpu/test_batch_invariance_gpu.py): for tiny models of every decode GEMV la
 q8_0, q4_k_m, q5_k_m GGUFs; bf16 Llama, Qwen3 and a windowed Gemma 3) on every device profile, and
 the families' real sizes on the sm90 / sm80 profiles, the plan's batch-1 and bucket decode
 launches (decode1 / short / short1 against decode) differ in no knob that changes a row's bits
-(engine.batch_invariance); and the GEMV norm prologue sums its squares in the rmsnorm kernel's
+(tests/fixtures/batch_invariance.py); and the GEMV norm prologue sums its squares in the rmsnorm kernel's
 order (both templates' NORM_T)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fixtures.batch_invariance import mismatches
 from fixtures.checkpoints import (
     Dims,
     write_gemma3_safetensors,
@@ -22,7 +23,6 @@ from fixtures.checkpoints import (
 )
 
 from engine import kernel_catalog as kc
-from engine.batch_invariance import mismatches
 from engine.plan import build_plan
 from engine.profile import get_profile
 

@@ -13,10 +13,17 @@ from __future__ import annotations
 import dataclasses
 
 from engine import kernel_catalog as kc
-from engine.batch_invariance import gemv_signature
 from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
 from engine.types import ConfigError
+
+
+def gemv_signature(p: dict) -> tuple:
+    """What fixes a gemv's per-row bits: its reduction structure, type, shape and epilogue."""
+    tail = (p["quant"], p["n"], p["k"], p["residual"], p["out_dtype"])  # (glu: silu_mul's bits)
+    if p["coop"]:
+        return ("coop", p["q8x"], p["ksplit"], p["lanes"], *tail)
+    return ("classic", p["threads"] // 32 // p["rows_per_block"], *tail)
 
 
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
@@ -35,7 +42,7 @@ def bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, second: Launch) -> Lau
     """A bucket decode's second GEMV of a linear that pairs at batch 1, in the pair's block shape:
     the batch-1 pair re-plans that part in its first part's blocks, which can take another k split
     (q4_k's 4 becomes 2 in 320-thread blocks), and a row must get the same bits in a bucket as
-    alone (engine.batch_invariance). Else (no pair, or the same reduction) ``second`` as it is."""
+    alone (tests/fixtures/batch_invariance.py). Else (no pair, or the same reduction) ``second`` as it is."""
     one = [gemv_launch(ctx, op, layer, "decode1", ins, outs[0], ws[0]),
            gemv_launch(ctx, op, layer, "decode1", ins, outs[len(ws[0].parts)], ws[1])]  # fmt: skip
     paired = pair(ctx, op, layer, "decode1", ins, outs, ws, one)

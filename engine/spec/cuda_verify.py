@@ -7,7 +7,7 @@ that holds them, with the pinned inputs copied in and the argmax ids copied out 
 verification replays the same graphs and kernels as plain decoding (the verify shapes are the
 decode buckets) and a greedy row's argmax at each position has the bits of a plain decode step of
 the same batch bucket. Passes stay below the wide decode (``narrow_rows``), and the bucket
-kernels give a row the bits of the batch-1 ones (engine.batch_invariance), so a greedy row's
+kernels give a row the bits of the batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's
 argmax is that of the plain decode step at its position. The KV of every row is written by the rope kernel before the attention
 kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
