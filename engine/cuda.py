@@ -352,17 +352,12 @@ def _pack_format(kinds: tuple[str, ...]) -> str:
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap); its address must be 64-byte aligned
 
 
-def tensor_map_bf16(
-    ptr: int, rows: int, cols: int, row_bytes: int, box_rows: int, box_cols: int = 64
-) -> bytes:
+def tensor_map_bf16(ptr: int, rows: int, cols: int, row_bytes: int, box_rows: int) -> bytes:
     """The TMA descriptor (``CUtensorMap``, 128 bytes) of a row-major bf16 matrix of ``rows`` x
-    ``cols`` at ``ptr`` (row stride ``row_bytes``), read in boxes of ``box_rows`` x ``box_cols``
-    with the 128-byte swizzle (``box_cols`` * 2 must be 128) and zeros for elements outside the
-    matrix. The bytes go into device memory (kernels take a pointer to them); encoding needs the
-    driver but no context."""
+    ``cols`` at ``ptr`` (row stride ``row_bytes``), read in boxes of ``box_rows`` x 64 (128 bytes:
+    the 128-byte swizzle) and zeros for elements outside the matrix. The bytes go into device
+    memory (kernels take a pointer to them); encoding needs the driver but no context."""
     drv = _driver()
-    if box_cols * 2 != 128:
-        raise ValueError(f"tensor map: a 128-byte swizzled box is 64 bf16 wide, got {box_cols}")
     tmap = _call(
         "cuTensorMapEncodeTiled",
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -370,7 +365,7 @@ def tensor_map_bf16(
         int(ptr),
         [drv.cuuint64_t(int(cols)), drv.cuuint64_t(int(rows))],
         [drv.cuuint64_t(int(row_bytes))],
-        [drv.cuuint32_t(int(box_cols)), drv.cuuint32_t(int(box_rows))],
+        [drv.cuuint32_t(64), drv.cuuint32_t(int(box_rows))],
         [drv.cuuint32_t(1), drv.cuuint32_t(1)],
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,

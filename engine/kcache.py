@@ -99,6 +99,5 @@ class KernelCache:
         _atomic_write(stem.with_suffix(".json"), json.dumps(meta, indent=1, sort_keys=True).encode())
         return stem.with_suffix(".cubin")
 
-    def entries(self, arch: str | None = None) -> list[Path]:
-        base = self.root / arch if arch else self.root
-        return sorted(base.rglob("*.cubin")) if base.exists() else []
+    def entries(self) -> list[Path]:
+        return sorted(self.root.rglob("*.cubin")) if self.root.exists() else []

@@ -40,13 +40,12 @@ def linear_params(
     residual: bool = False,
     out_dtype: str = "bf16",
     bmax: int | None = None,
-    stage: bool | None = None,
     sm_count: int = 0,
     threads: int = 0,
 ) -> dict[str, Any]:
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
     ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
-    st = STAGED_DEFAULT.get(quant, False) if stage is None else stage
+    st = STAGED_DEFAULT.get(quant, False)
     bmax = bmax or GEMV_MAX_BATCH
     layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
     if layout.get("coop"):

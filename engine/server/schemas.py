@@ -70,20 +70,11 @@ def _type_err(param: str, expected: str, value: Any) -> ApiError:
 
 
 def get_number(
-    body: dict,
-    name: str,
-    default,
-    *,
-    lo: float,
-    hi: float,
-    integer: bool = False,
-    lo_open: bool = False,
-    prefix: str = "",
+    body: dict, p: str, default, *, lo: float, hi: float, integer: bool = False, lo_open: bool = False
 ):
-    v = body.get(name, _MISSING)
+    v = body.get(p, _MISSING)
     if v is _MISSING or v is None:
         return default
-    p = prefix + name
     kind = "an integer" if integer else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         if integer and isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
@@ -107,21 +98,14 @@ def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     return v
 
 
-def get_str(
-    body: dict, name: str, default: str | None, *, max_len: int = 1024, prefix: str = ""
-) -> str | None:
+def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024) -> str | None:
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, str):
-        raise _type_err(prefix + name, "a string", v)
+        raise _type_err(name, "a string", v)
     if len(v) > max_len:
-        raise ApiError(
-            400,
-            f"`{prefix + name}` is longer than {max_len} characters",
-            code="invalid_value",
-            param=prefix + name,
-        )
+        raise ApiError(400, f"`{name}` is longer than {max_len} characters", code="invalid_value", param=name)
     return v
 
 
@@ -160,12 +144,12 @@ def _reject_unsupported_openai(body: dict) -> None:
         raise _unsupported("echo", "(prompt echo)")
 
 
-def _sampling(body: dict, *, temp_hi: float = 2.0) -> SamplingParams:
+def _sampling(body: dict) -> SamplingParams:
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's "off"
         top_k = 0
     return SamplingParams(
-        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=temp_hi),
+        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=get_number({"top_k": top_k}, "top_k", 0, lo=0, hi=1 << 31, integer=True),
         min_p=get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
