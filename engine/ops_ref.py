@@ -185,15 +185,6 @@ def rope(
     )
 
 
-def permute_for_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's q/k row permutation (HF -> GGUF): turns neox pairing into interleaved pairing.
-
-    ``rope_apply(x @ permute(W).T, style="interleaved") == permute_rows(rope_apply(x @ W.T, "neox"))``.
-    """
-    out, inp = w.shape
-    return w.reshape(n_heads, 2, out // n_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
-
-
 # ---------------------------------------------------------------------------------------------
 # paged KV cache and attention
 

@@ -165,11 +165,6 @@ class ReferenceRunner:
                 if self.model.has(key, layer):
                     load(key, layer)
 
-    def extra_tensors(self) -> list[tuple[str, int | None]]:
-        """(tensor, layer) of the loaded tensors the graph never runs (MTP weights)."""
-        used = {(w, layer) for o, layer in self._schedule for w in o.weights}
-        return sorted((k for k in self._weights if k not in used), key=lambda k: (k[0], k[1] or -1))
-
     def weight(self, name: str, layer: int | None) -> np.ndarray:
         """The float32 array of tensor ``name`` (per-layer tensors at ``layer``, else None)."""
         return self._weights[(name, layer)]
@@ -405,22 +400,6 @@ class ReferenceRunner:
     def _tap(self, seq_id: int, start_pos: int, env: dict[str, np.ndarray]) -> None:
         if self.hidden_tap is not None:
             self.hidden_tap.record(seq_id, start_pos, env[self.hidden_tap.value])
-
-    def run_logits(self, item: StepItem) -> np.ndarray:
-        """Run one item like ``step`` (its KV lands in the runner's cache) but return the logits of
-        every one of its tokens, [len(token_ids), vocab] f32, instead of sampling. For tests that
-        compare chunkings, block tables or another backend position by position."""
-        self._check_item(item)
-        return self._forward(
-            item.token_ids,
-            item.start_pos,
-            item.block_table,
-            self.k_cache,
-            self.v_cache,
-            True,
-            **self._item_state(item),
-            window_table=item.window_table,
-        )
 
     # -- conveniences -------------------------------------------------------------------------
 

@@ -227,12 +227,6 @@ def mask_words(allowed: np.ndarray, vocab: int) -> np.ndarray:
     return out
 
 
-def unpack_mask(allowed: np.ndarray, vocab: int) -> np.ndarray:
-    """A packed int32 bitmask (bit ``t % 32`` of word ``t // 32``) as a bool array [vocab]."""
-    bits = np.unpackbits(_words(allowed, vocab).view(np.uint8), bitorder="little")
-    return bits[:vocab].astype(bool)
-
-
 def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
     """A copy of ``logits`` with each ``(token, value)`` of ``bias`` added (ids past the vocabulary
     are ignored: a model's logits may be narrower than its tokenizer's id space)."""

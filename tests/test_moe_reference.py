@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
+from fixtures.engine_probes import run_logits
 
 from engine import quant
 from engine.model import load_model
@@ -92,9 +93,9 @@ def test_prefill_and_decode_match_transformers(tmp_path, over):
     # prefill 7 tokens, then decode one token per step through the paged cache
     table = list(range(16))
     sp = SamplingParams(temperature=0.0)
-    rows = [runner.run_logits(StepItem(1, ids[:7], 0, table, True, sp))]
+    rows = [run_logits(runner, StepItem(1, ids[:7], 0, table, True, sp))]
     for pos in range(7, len(ids)):
-        rows.append(runner.run_logits(StepItem(1, [ids[pos]], pos, table, True, sp)))
+        rows.append(run_logits(runner, StepItem(1, [ids[pos]], pos, table, True, sp)))
     err = rel_err(np.concatenate(rows), theirs)
     assert err < 1e-4, f"decode: max relative error {err:.2e}"
 

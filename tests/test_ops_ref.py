@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import permute_for_interleaved
 
 from engine import ops_ref
 from engine.types import ConfigError
@@ -87,14 +88,14 @@ def test_rope_matches_loop(style, rope_dim):
 def test_rope_neox_equals_interleaved_under_llama_permutation():
     heads, hd = 2, 8
     x, w = rand(4, 6), rand(heads * hd, 6)
-    wp = ops_ref.permute_for_interleaved(w, heads)
+    wp = permute_for_interleaved(w, heads)
     pos = [0, 1, 9, 30]
     inv = ops_ref.rope_inv_freq(hd, 500000.0)
     cos, sin = ops_ref.rope_tables(pos, inv)
     neox = ops_ref.rope_apply(x @ w.T, cos, sin, head_dim=hd, style="neox")
     inter = ops_ref.rope_apply(x @ wp.T, cos, sin, head_dim=hd, style="interleaved")
     # rows of the permuted projection are the HF rows in permuted order
-    perm = ops_ref.permute_for_interleaved(np.arange(heads * hd, dtype=np.float32)[:, None], heads)
+    perm = permute_for_interleaved(np.arange(heads * hd, dtype=np.float32)[:, None], heads)
     np.testing.assert_allclose(inter, neox[:, perm[:, 0].astype(int)], rtol=1e-5, atol=1e-5)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import run_logits
 from safetensors.numpy import save_file
 
 from engine.model import load_model
@@ -111,7 +112,7 @@ def item(tokens, start, table, sample=False, seq_id=0, sampling=GREEDY, history=
 def chunked_logits(runner, tokens, table, sizes):
     out, pos = [], 0
     for n in sizes:
-        out.append(runner.run_logits(item(tokens[pos : pos + n], pos, table)))
+        out.append(run_logits(runner, item(tokens[pos : pos + n], pos, table)))
         pos += n
     assert pos == len(tokens)
     return np.concatenate(out)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import run_logits
 
 from engine import graph, ops_ref
 from engine.model import _check_pattern_dims, load_model, resolve_dims
@@ -242,7 +243,7 @@ def test_tiny_gemma3_chunked_and_decode_past_the_window_equal_one_pass(tiny_gemm
     rows, pos = [], 0
     for chunk in (5, 7, 9, 1, 1, 1, 16):  # chunks straddling the window edge, then decode steps
         item = StepItem(seq_id=1, token_ids=ids[pos : pos + chunk], start_pos=pos, block_table=table, sample=False, sampling=SamplingParams())
-        rows.append(runner.run_logits(item))
+        rows.append(run_logits(runner, item))
         pos += chunk
     np.testing.assert_allclose(np.concatenate(rows), whole, rtol=1e-5, atol=1e-5)
     out = runner.generate(ids[:3], 30, SamplingParams(temperature=0.0))  # greedy well past the window

@@ -14,11 +14,11 @@ import math
 import gguf
 import numpy as np
 import pytest
+from fixtures.engine_probes import permute_for_interleaved
 from safetensors.numpy import load_file
 from test_reference import write_tiny_hf
 
 from engine.model import load_model
-from engine.ops_ref import permute_for_interleaved
 from engine.reference import ReferenceRunner
 
 LLAMA3 = {

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import extra_tensors, run_logits
 from fixtures.hybrid import qwen3_5_config, randomize_torch_hybrid, write_qwen3_5_gguf, write_qwen3_5_hf
 from safetensors.numpy import load_file, save_file
 
@@ -62,7 +63,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, cfg):
     got, pos = [], 0
     for chunk in [ids[:40], ids[40:64], *([t] for t in ids[64:])]:
         item = StepItem(0, chunk, pos, list(range(16)), False, GREEDY, state_slot=1)
-        got.append(runner.run_logits(item))
+        got.append(run_logits(runner, item))
         pos += len(chunk)
     with torch.no_grad():
         cache = transformers_cache(model)
@@ -90,7 +91,7 @@ def test_gguf_form_equals_hf_form(tmp_path):
 def test_mtp_weights_are_loaded_and_kept(tmp_path):
     path = write_qwen3_5_hf(tmp_path, seed=4, mtp_num_hidden_layers=1)
     runner = ReferenceRunner(load_model(path), num_blocks=8, max_model_len=64)
-    kept = dict.fromkeys(runner.extra_tensors())
+    kept = dict.fromkeys(extra_tensors(runner))
     assert ("mtp_fc", None) in kept and ("mtp_wq", 0) in kept and ("mtp_w_down", 0) in kept
     raw = load_file(str(path / "model.safetensors"))
     assert np.array_equal(runner.weight("mtp_fc", None), raw["mtp.fc.weight"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import run_logits
 from fixtures.hybrid import randomize_torch_hybrid
 
 from engine.types import SamplingParams, StepItem
@@ -63,7 +64,7 @@ def _check(tmp_path, model):
     assert np.abs(ours - full).max() / np.abs(full).max() < 1e-4
     got, pos = [], 0
     for chunk in [ids[:40], *([t] for t in ids[40:])]:
-        got.append(runner.run_logits(StepItem(0, chunk, pos, list(range(16)), False, SamplingParams(temperature=0),
+        got.append(run_logits(runner, StepItem(0, chunk, pos, list(range(16)), False, SamplingParams(temperature=0),
                                               state_slot=1)))
         pos += len(chunk)
     assert np.abs(np.concatenate(got) - full).max() / np.abs(full).max() < 1e-4

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import unpack_mask
 
 from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
-from engine.sampling import apply_token_mask, sample_item, token_logprobs, unpack_mask, validate_sampling
+from engine.sampling import apply_token_mask, sample_item, token_logprobs, validate_sampling
 from engine.types import GenerationRequest, MemraError, SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)

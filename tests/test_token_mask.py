@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import unpack_mask
 from test_plan_runner_fake import GREEDY, fake  # noqa: F401  (the fake-driver runner fixture)
 
 from engine.ir import LOGPROBS, MASKED
 from engine.logit_prep import PrepBlock, on_device
-from engine.sampling import apply_logit_bias, apply_token_mask, mask_words, unpack_mask
+from engine.sampling import apply_logit_bias, apply_token_mask, mask_words
 from engine.types import MemraError, SamplingParams, StepItem
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import unpack_mask
 from runner_harness import tiny_llama_runner
 
 import engine.runner_steps as rs
-from engine.sampling import token_logprobs, unpack_mask
+from engine.sampling import token_logprobs
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)

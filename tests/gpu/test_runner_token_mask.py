@@ -22,8 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fixtures.checkpoints import write_llama_safetensors  # noqa: E402
 from fixtures.constrained import GREEDY, PERSON, RecordingReference, Row, generate  # noqa: E402
+from fixtures.engine_probes import unpack_mask  # noqa: E402
 
-from engine.sampling import apply_logit_bias, apply_penalties, apply_token_mask, unpack_mask  # noqa: E402
+from engine.sampling import apply_logit_bias, apply_penalties, apply_token_mask  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 pytest.importorskip("llguidance")

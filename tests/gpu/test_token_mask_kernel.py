@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_probes import unpack_mask
 from gpu_harness import poisoned, upload
 
 from engine import kernel_catalog as kc
 from engine.ir import LP_SLOTS
 from engine.logit_prep import PrepBlock
-from engine.sampling import apply_logit_bias, apply_token_mask, token_logprobs, unpack_mask
+from engine.sampling import apply_logit_bias, apply_token_mask, token_logprobs
 from engine.types import SamplingParams, StepItem
 
 
