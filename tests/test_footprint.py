@@ -65,7 +65,7 @@ def test_cuda_runner_unmaps_gguf_and_keeps_its_metadata(tmp_path, monkeypatch):
     assert md["llama.block_count"] == 2 and "llama.block_count" in md and len(md) == len(list(md))
     # the vocabulary was never read before the close: it is read from the file again, then let go
     tok = load_tokenizer(model.weights)
-    assert tok.vocab_size == md.array_len("tokenizer.ggml.tokens") > 64
+    assert tok.vocab_size == len(md["tokenizer.ggml.tokens"]) > 64
     assert not _mapped([path.resolve()])
 
 

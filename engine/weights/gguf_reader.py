@@ -164,13 +164,6 @@ class GGUFMetadata(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._cache or key in self._fields or (self._reopen is not None and key in self._keys)
 
-    def array_len(self, key: str) -> int:
-        """Length of an array-valued key without converting it."""
-        if key in self._fields:
-            return len(self._fields[key].data)
-        value = self[key]
-        return len(value) if isinstance(value, list) else 1
-
 
 class GGUFSource(WeightSource):
     """One GGUF model (possibly split). ``metadata`` comes from the first shard."""
