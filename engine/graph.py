@@ -114,7 +114,7 @@ class ModelGraph:
         if op.when is None or layer is None:
             return True
         try:
-            return bool(evaluate(op.when, _LayerScope(self, dims, layer)))
+            return bool(dsl_expr.evaluate(op.when, _LayerScope(self, dims, layer)))
         except (IndexError, TypeError) as exc:  # a per-layer list dim shorter than `layers`, ...
             raise MemraError(
                 f"{self.path}: layer {layer}: the `when` predicate {op.when!r} cannot be evaluated over "
@@ -394,12 +394,6 @@ def _parse_quants(raw: dict, file: Path, tensors: dict) -> dict[str, QuantCombo]
     return combos
 
 
-def evaluate(expr: str, values: Any) -> Any:
-    """Evaluate a DSL expression (``hidden // heads``, ``i not in mlp_only_layers``) over ``values``:
-    the language of ``engine.dsl_expr``. A missing name raises KeyError."""
-    return dsl_expr.evaluate(expr, values)
-
-
 class _LayerScope(dict):
     """Names a ``when`` predicate sees at one layer: the dims, ``i`` and the family's predicates."""
 
@@ -414,7 +408,7 @@ class _LayerScope(dict):
         if key == LAYER_INDEX:
             return self._layer
         if key in self._graph.predicates:
-            return evaluate(self._graph.predicates[key], self)
+            return dsl_expr.evaluate(self._graph.predicates[key], self)
         return self._dims[key]
 
 

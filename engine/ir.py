@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.graph import Op, evaluate
+from engine.dsl_expr import evaluate
+from engine.graph import Op
 from engine.kernel_spec import KernelSpec
 from engine.storage import BLOCK_SIZES, row_bytes
 from engine.types import ConfigError

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from engine import hf_config
+from engine.dsl_expr import evaluate
 from engine.graph import (
     DimSpec,
     ModelGraph,
     QuantCombo,
-    evaluate,
     family_for_architecture,
     load_family,
 )

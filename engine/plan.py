@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import engine.lowering  # noqa: F401  (registers every lowering unit)
-from engine.graph import ModelGraph, Op, QuantCombo, evaluate
+from engine.dsl_expr import evaluate
+from engine.graph import ModelGraph, Op, QuantCombo
 from engine.ir import (
     MODES,
     ROPE_FREQ,

@@ -21,7 +21,8 @@ from math import prod
 from typing import Any
 
 from engine import storage
-from engine.graph import ModelGraph, QuantCombo, evaluate
+from engine.dsl_expr import evaluate
+from engine.graph import ModelGraph, QuantCombo
 from engine.types import MemraError
 
 GIB = 1 << 30
