@@ -336,17 +336,3 @@ def revoke_key(path: str | os.PathLike, key_id: str) -> ApiKey:
     gone = next(k for k in keys if key_id in (k.id, k.sha256))
     write_keys(path, keep)
     return gone
-
-
-__all__ = [
-    "ApiKey",
-    "ServerConfig",
-    "load_server_config",
-    "parse_models_env",
-    "read_keys",
-    "write_keys",
-    "add_key",
-    "list_keys",
-    "revoke_key",
-    "hash_key",
-]
