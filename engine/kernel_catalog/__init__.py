@@ -14,7 +14,6 @@ or gguf (the GPU check script imports this on a machine without gguf).
 from __future__ import annotations
 
 from engine.kernel_catalog.builders import (  # noqa: F401
-    COOP_THREADS,
     DECODE_WARPS,
     ELEMENTWISE_THREADS,
     GEMM_DECODE_MIN_ROWS,
@@ -22,10 +21,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     GEMM_WGMMA_NARROW,
     GEMM_WGMMA_TILE,
     GEMM_WGMMA_WIDE,
-    GEMV_MAX_BATCH,
     GEMV_ROWS_PER_BLOCK,
-    GEMV_THREADS,
-    GEMV_UNROLL,
     NORM_THREADS,
     PREFILL_BLOCK_Q,
     PREFILL_WARPS,
@@ -43,26 +39,19 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     q8x_applies,
     upload_type,
 )
-from engine.kernel_catalog.checks import (  # noqa: F401
-    _check,
-)
 from engine.kernel_catalog.contracts import (  # noqa: F401
-    I32,
     KERNELS,
     LP_TOP,
     PENALTY_BLOCKS,
     QUANTS,
     ROPE_STYLES,
     STAGED_DEFAULT,
-    KernelDoc,
-    P,
 )
 from engine.kernel_catalog.gemv_mma import MMA_BUCKETS, gemv_mma_params  # noqa: F401
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,
     COOP_Q8X_MAX,
     COOP_TYPES,
-    L2_PF_MAX_ARGS,
     Q8X_FILE_TYPES,
     Q8X_TYPES,
     attention_prefill_smem,
