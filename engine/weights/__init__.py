@@ -9,21 +9,10 @@ import os
 from pathlib import Path
 
 from engine.types import MemraError
-from engine.weights.gguf_reader import GGUFMetadata, GGUFSource, split_files
+from engine.weights.gguf_reader import GGUFSource, split_files
 from engine.weights.safetensors_reader import SafetensorsSource
-from engine.weights.source import TensorInfo, WeightSource
-from engine.weights.stacked import StackedSource
-
-__all__ = [
-    "GGUFMetadata",
-    "GGUFSource",
-    "SafetensorsSource",
-    "StackedSource",
-    "TensorInfo",
-    "WeightSource",
-    "open_weights",
-    "split_files",
-]
+from engine.weights.source import WeightSource
+from engine.weights.stacked import StackedSource  # noqa: F401  (engine.weights.StackedSource)
 
 
 def open_weights(path: str | os.PathLike[str]) -> WeightSource:
