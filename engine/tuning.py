@@ -33,13 +33,10 @@ from engine.schema import Field, ListOf, MapOf
 #   groups, each with its rows; a short k then takes whole steps on every lane;
 # - q8x_b1_unroll: batch 1, this many segments in flight per lane and row instead of `unroll` (0:
 #   `unroll`; a q4_k segment is two loads, so q4_k runs unroll / 2 of them), only where k <=
-#   q8x_b1_unroll_max_k (0: any k);
-# - q8x_unroll: segments in flight per lane and row at every batch size (0: `unroll`; at batch 1
-#   q8x_b1_unroll, where set, wins): with q8x_lanes_per_row, whole steps on a short k.
+#   q8x_b1_unroll_max_k (0: any k).
 Q8X_TYPE_KNOBS = (
     "q8x_threads", "q8x_rows_per_warp", "q8x_ksplit", "q8x_ksplit_threads", "q8x_ksplit_min_n",
     "q8x_b1_rows_per_warp", "q8x_lanes_per_row", "q8x_wsm_kb", "q8x_b1_unroll", "q8x_b1_unroll_max_k",
-    "q8x_unroll",
 )
 
 

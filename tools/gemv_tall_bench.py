@@ -11,7 +11,7 @@ adds its threads x rows_per_block x stage x prefetch variants), then the profile
 (``default``) and coop block shapes around it (coop_variants: ``coop tT rpwR lL uU`` is T threads,
 R rows per lane group, lane groups of L lanes, U segments in flight per lane and row, ``cap4`` the
 grid capped at 4 blocks per SM, ``f32x`` the f32-x path; as gemv_coop knobs q8x_threads,
-q8x_rows_per_warp / q8x_b1_rows_per_warp, q8x_lanes_per_row, q8x_unroll / q8x_b1_unroll, set for a
+q8x_rows_per_warp / q8x_b1_rows_per_warp, q8x_lanes_per_row, gemv_coop.unroll / q8x_b1_unroll, set for a
 tall weight in q8x_tall_tuning); else the profile's spec (``default``) and the classic variants.
 A capped grid is fitted to the resident blocks as the runner does (gemv_coop.q8x_resident_grid).
 Each bucket ends with its fastest run. x is ``--rows`` random bf16 rows, the output f32 (logits).

@@ -105,8 +105,8 @@ def coop_options(
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
       - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
-      - q8x_unroll (set per file type) segments in flight per lane and row instead of
-        gemv_coop.unroll, and at bmax 1 q8x_b1_unroll instead of either (q4_k: half as many
+      - at bmax 1 q8x_b1_unroll segments in flight per lane and row instead of
+        gemv_coop.unroll (q4_k: half as many
         steps, a q4_k segment being two loads), where k is at most q8x_b1_unroll_max_k (0: any k);
       - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
         KB and the blocks that fit at once (the smaller of
@@ -150,8 +150,6 @@ def coop_options(
                 rpw = c["q8x_b1_rows_per_warp"]
         lanes = int(c.get("q8x_lanes_per_row") or 32)
         unroll = int(c["unroll"])
-        if int(c.get("q8x_unroll") or 0) not in (0, unroll):
-            unroll = out["unroll"] = int(c["q8x_unroll"])  # segments in flight at every batch size
         b1_unroll = int(c.get("q8x_b1_unroll") or 0)
         if bmax == 1 and b1_unroll and b1_unroll != unroll and k <= int(c.get("q8x_b1_unroll_max_k") or k):
             out["unroll"] = b1_unroll  # segments in flight per lane and row
