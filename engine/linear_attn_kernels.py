@@ -53,6 +53,14 @@ DELTA_CHUNKS = (64, 32, 16)  # tokens per chunk gated_delta_chunk takes: the lon
 DELTA_CHUNK_SMEM = 99 * 1024  # its shared memory bound on every profile (sm_86 / sm_89 / sm_120: 99 KB)
 DELTA_CHUNK_THREADS = 256
 STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("state_snap", "ptr"), ("seq_starts", "ptr"))
+# the arguments of both delta-rule kernels (gated_delta_rule and gated_delta_chunk take the same)
+DELTA_ARGS = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
+              *STATE_ARGS, ("rows", "i32"))
+
+
+def _check_qkv_stride(kernel: str, qkv_stride: int, k_heads: int, k_dim: int, v_heads: int, v_dim: int) -> None:
+    if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
+        raise ConfigError(f"{kernel}: qkv stride {qkv_stride} is narrower than q|k|v")
 
 
 @dataclass(frozen=True)
@@ -131,18 +139,15 @@ def delta_rule_kernel(
     threads = v_block * ksplit
     if threads % 32 or threads > 1024:
         raise ConfigError(f"gated_delta_rule: v_block {v_block} x ksplit {ksplit} = {threads} threads is not a whole number of warps up to 1024")
-    if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
-        raise ConfigError(f"gated_delta_rule: qkv stride {qkv_stride} is narrower than q|k|v")
+    _check_qkv_stride("gated_delta_rule", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "ksplit": ksplit,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
               "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
     name = entry_name("gated_delta_rule", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, qs=qkv_stride,
                       bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen))
-    args = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
-            *STATE_ARGS, ("rows", "i32"))
     return HybridKernel(
         KernelSpec("gated_delta_rule", name, params, pdl=True),
-        args,
+        DELTA_ARGS,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (threads, 1, 1),
     )
@@ -201,8 +206,7 @@ def delta_chunk_kernel(
         )
     if mma and (k_dim % 16 or v_block % 8):
         raise ConfigError(f"gated_delta_chunk: the mma form needs k_dim % 16 == 0 and v_block % 8 == 0 (k_dim {k_dim}, v_block {v_block})")
-    if qkv_stride < 2 * k_heads * k_dim + v_heads * v_dim:
-        raise ConfigError(f"gated_delta_chunk: qkv stride {qkv_stride} is narrower than q|k|v")
+    _check_qkv_stride("gated_delta_chunk", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
@@ -211,11 +215,9 @@ def delta_chunk_kernel(
     name = entry_name("gated_delta_chunk", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, vb=v_block, c=chunk,
                       qs=qkv_stride, bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen),
                       mma=int(mma))
-    args = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
-            *STATE_ARGS, ("rows", "i32"))
     return HybridKernel(
         KernelSpec("gated_delta_chunk", name, params, pdl=True),
-        args,
+        DELTA_ARGS,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (t, 1, 1),
         smem,
