@@ -126,16 +126,23 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _one_request_runner(args: argparse.Namespace) -> dict[str, Any]:
-    """Runner arguments for `memra run` / `memra chat`: their engine runs one request at a time,
-    so an automatic window pool is sized for one sequence and the engine's default prefill chunk."""
+def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, runner) for `memra run` / `memra chat`: their engine runs one request at a
+    time, so an automatic window pool is sized for one sequence and the engine's default prefill
+    chunk."""
     from engine.engine_config import EngineConfig
 
-    return {
-        "window_kv_blocks": parse_window_kv_blocks(args.window_kv_blocks),
-        "max_running": 1,
-        "prefill_chunk_tokens": EngineConfig.prefill_chunk_tokens,
-    }
+    return load_stack(
+        args.model,
+        args.backend,
+        args.device_profile,
+        args.quant,
+        getattr(args, "devices", None),
+        getattr(args, "split", None),
+        window_kv_blocks=parse_window_kv_blocks(args.window_kv_blocks),
+        max_running=1,
+        prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens,
+    )
 
 
 def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
@@ -163,15 +170,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _check_args(args)
-    model, tokenizer, runner = load_stack(
-        args.model,
-        args.backend,
-        args.device_profile,
-        args.quant,
-        getattr(args, "devices", None),
-        getattr(args, "split", None),
-        **_one_request_runner(args),
-    )
+    model, tokenizer, runner = _one_request_stack(args)
     if args.chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
@@ -201,15 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     _check_args(args)
-    model, tokenizer, runner = load_stack(
-        args.model,
-        args.backend,
-        args.device_profile,
-        args.quant,
-        getattr(args, "devices", None),
-        getattr(args, "split", None),
-        **_one_request_runner(args),
-    )
+    model, tokenizer, runner = _one_request_stack(args)
     engine = _make_engine(runner, tokenizer)
     messages: list[dict[str, str]] = []
     if args.system:
