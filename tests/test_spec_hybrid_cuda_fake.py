@@ -12,6 +12,7 @@ import pytest
 from fixtures.hybrid import write_qwen3_5_hf
 from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 
+from engine.bench import NullTokenizer
 from engine.types import StepItem
 
 
@@ -318,7 +319,7 @@ def test_mtp_speculates_on_the_cuda_runner(fake_mtp):
     spec = build_speculator(SpecConfig("mtp", k=2), model, runner)
     assert isinstance(spec.proposer, MtpProposer) and runner.hidden_tap is spec.proposer.tap
     assert isinstance(spec.proposer.head, MtpHeadCuda)
-    e = Engine(runner, _Tok(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=spec)
+    e = Engine(runner, NullTokenizer(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=spec)
     h = e.submit(GenerationRequest("r", [5, 6, 7, 8, 9], GREEDY, max_tokens=10, ignore_eos=True))
     e.start()
     try:
@@ -330,16 +331,3 @@ def test_mtp_speculates_on_the_cuda_runner(fake_mtp):
     assert stats.spec_draft_tokens > 0
     assert len(runner.hidden_tap) == 0  # the finished sequence's rows dropped
 
-
-class _Tok:
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def incremental_decoder(self, skip_special_tokens=True):
-        class D:
-            def push(self, ids):
-                return ""
-
-            def flush(self):
-                return ""
-
-        return D()

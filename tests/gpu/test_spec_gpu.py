@@ -6,23 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.bench import NullTokenizer
 from engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class _Tok:
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def incremental_decoder(self, skip_special_tokens: bool = True):
-        class _D:
-            def push(self, ids):
-                return ""
-
-            def flush(self):
-                return ""
-
-        return _D()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +31,7 @@ def generate(runner, model, prompts, spec=None, sampling=GREEDY, max_tokens=40, 
 
     e = Engine(
         runner,
-        tokenizer or _Tok(),
+        tokenizer or NullTokenizer(),
         EngineConfig(),
         on_step=lambda e: e.check_invariants(),
         speculator=build_speculator(spec, model, runner),
@@ -215,7 +202,7 @@ def test_logprobs_and_biased_requests_beside_speculation(tiny, use_graphs):
     prompts = _prompts() + [[11, 23, 35, 47] * 5]
 
     def go(spec):
-        e = Engine(runner, _Tok(), EngineConfig(), speculator=build_speculator(spec, model, runner))
+        e = Engine(runner, NullTokenizer(), EngineConfig(), speculator=build_speculator(spec, model, runner))
         hs = [
             e.submit(GenerationRequest(f"r{i}", p, shaped[i % len(shaped)], max_tokens=32, ignore_eos=True))
             for i, p in enumerate(prompts)

@@ -11,26 +11,13 @@ from __future__ import annotations
 import pytest
 from fixtures.hybrid import write_qwen3_5_hf
 
+from engine.bench import NullTokenizer
 from engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
             linear_num_value_heads=4, full_attention_interval=2, vocab_size=512)
-
-
-class _Tok:
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def incremental_decoder(self, skip_special_tokens: bool = True):
-        class _D:
-            def push(self, ids):
-                return ""
-
-            def flush(self):
-                return ""
-
-        return _D()
 
 
 class Scripted:
@@ -85,7 +72,7 @@ def generate(runner, prompts, speculator=None, max_tokens=40, prefix_cache=True,
     so a repeated prompt hits the prefix cache), and the engine's stats."""
     from engine.loop import Engine, EngineConfig
 
-    e = Engine(runner, _Tok(), EngineConfig(enable_prefix_cache=prefix_cache), on_step=lambda e: e.check_invariants(),
+    e = Engine(runner, NullTokenizer(), EngineConfig(enable_prefix_cache=prefix_cache), on_step=lambda e: e.check_invariants(),
                speculator=speculator)
     e.start()
     try:
