@@ -18,26 +18,15 @@ a tiny bf16 Llama, and the real SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M files where
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
-from fixtures.checkpoints import Dims, write_random_gguf
+from fixtures.checkpoints import write_random_gguf
+from test_quant_models import DIMS as QWEN_DIMS  # the same tiny shapes as the quantised-model checks
+from test_quant_models import LLAMA_DIMS
 
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
-QWEN_DIMS = Dims(
-    hidden_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=768,
-)
-LLAMA_DIMS = dataclasses.replace(QWEN_DIMS, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                                 tie_word_embeddings=True)  # fmt: skip
 TINY = {
     "llama-q4_1": ("llama", LLAMA_DIMS, "q4_1"),
     "llama-q8_0": ("llama", LLAMA_DIMS, "q8_0"),
