@@ -149,35 +149,23 @@ def test_verify_rows_equal_plain_decode_steps_bit_for_bit(runner_of, name, depth
     assert out == [toks[1:5]]
 
 
-class _Replay:
-    """Proposes each prompt's recorded plain greedy continuation (tools/bench_spec.py's replay)."""
+def _replay(recorded):
+    """tools/bench_spec.py's replay proposer: each prompt's recorded plain greedy continuation."""
+    import sys
+    from pathlib import Path
 
-    name = "replay"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from bench_spec import ReplayProposer
 
-    def __init__(self, recorded):
-        self.recorded = recorded
-
-    def propose(self, requests):
-        from engine.spec.proposer import Draft
-
-        out = []
-        for r in requests:
-            cont = self.recorded.get(tuple(r.tokens[: r.prompt_len]), [])
-            done = len(r.tokens) - r.prompt_len
-            out.append(Draft(list(cont[done : done + r.k])))
-        return out
-
-    def release(self, seq_id: int) -> None:
-        pass
+    return ReplayProposer(recorded)
 
 
 def _engine_run(runner, prompts, speculator, max_tokens):
-    from test_spec_gpu import _Tok
-
+    from engine.bench import NullTokenizer
     from engine.loop import Engine, EngineConfig
     from engine.types import GenerationRequest
 
-    e = Engine(runner, _Tok(), EngineConfig(), speculator=speculator)
+    e = Engine(runner, NullTokenizer(), EngineConfig(), speculator=speculator)
     hs = [e.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=max_tokens, ignore_eos=True))
           for i, p in enumerate(prompts)]  # fmt: skip
     e.start()
@@ -209,7 +197,7 @@ def test_replayed_greedy_continuation_is_accepted_whole_on_real_weights(runner_o
     plain = [_engine_run(runner, [p], None, 192)[0][0] for p in prompts]
     recorded = {tuple(p): toks for p, toks in zip(prompts, plain, strict=True)}
     for batch in ([prompts[0]], [prompts[1]], prompts):
-        spec = Speculator(_Replay(recorded), SpecConfig("ngram", k=4))
+        spec = Speculator(_replay(recorded), SpecConfig("ngram", k=4))
         got, st = _engine_run(runner, batch, spec, 192)
         assert got == [recorded[tuple(p)] for p in batch]
         assert st.spec_draft_tokens > 0
