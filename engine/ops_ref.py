@@ -22,6 +22,13 @@ from engine.types import ConfigError
 F32 = np.float32
 
 
+def bf16_bits(x: Any) -> np.ndarray:
+    """f32 values as bf16 raw bits (uint16), rounded to nearest even as the GPU's __float2bfloat16_rn
+    rounds finite values: what a kernel storing ``x`` as bf16 writes."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def embed(ids: Sequence[int] | np.ndarray, table: np.ndarray) -> np.ndarray:
     """``out[t] = table[ids[t]]``: ``ids`` [T] ints, ``table`` [vocab, hidden] -> [T, hidden] f32."""
     idx = np.asarray(ids, dtype=np.int64)

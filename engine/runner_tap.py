@@ -39,9 +39,7 @@ class HiddenRows:
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if v.offset or v.ld != v.width or rows.ndim != 2 or rows.shape[1] != v.width or v.dtype != "bf16":
             raise ValueError(f"write_value: {name} ({v.dtype}, width {v.width}, ld {v.ld}) from rows {rows.shape}")
-        bits = rows.view(np.uint32)
-        host = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        self._state_cuda.htod(self._value_ptr[name], host, self.stream)  # (the driver module CudaRunner passed in)
+        self._state_cuda.htod(self._value_ptr[name], ops_ref.bf16_bits(rows), self.stream)  # (the driver module CudaRunner passed in)
 
     def _tap_source(self) -> tuple[str, np.ndarray, float]:
         """(the final norm's input value, its f32 weight, eps) for the tapped value."""

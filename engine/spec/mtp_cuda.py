@@ -90,8 +90,7 @@ class MtpHeadCuda:
         host = HeadWeights(model, target.block_size, target.max_model_len, 1, frozenset(
             (part["embed"], part["norm_embed"], part["norm_hidden"])))  # fmt: skip
         table = host.weight(part["embed"], None)
-        bits = np.ascontiguousarray(table, np.float32).view(np.uint32)
-        self._embed = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        self._embed = ops_ref.bf16_bits(table)
         self._w_e = host.weight(part["norm_embed"], None)
         self._w_h = host.weight(part["norm_hidden"], None)
         self._eh = part["eh"]
