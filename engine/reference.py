@@ -191,10 +191,6 @@ class ReferenceRunner:
 
     # -- execution ----------------------------------------------------------------------------
 
-    def _forward(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        """``_run``'s logits: [T or 1, vocab] (last row only unless ``all_logits``)."""
-        return self._run(*args, **kwargs)["logits"]
-
     def _run(
         self,
         tokens: Sequence[int],
@@ -241,7 +237,7 @@ class ReferenceRunner:
         return sched
 
     def _item_state(self, item: StepItem) -> dict[str, Any]:
-        """The state arguments of ``_forward`` for an item, after preparing its slot: a restore
+        """The state arguments of ``_run`` for an item, after preparing its slot: a restore
         copies the snapshot in, a sequence's first token (start_pos 0) starts from zeros."""
         if not self.num_state_slots:
             return {}
@@ -310,29 +306,23 @@ class ReferenceRunner:
                 code="internal_error",
             )
 
+    def _run_item(self, item: StepItem, all_logits: bool = False) -> np.ndarray:
+        """Run one checked item in the runner's cache; its logits (the last row unless ``all_logits``)."""
+        env = self._run(
+            item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, all_logits,
+            **self._item_state(item), window_table=item.window_table,
+        )  # fmt: skip
+        self._tap(item.seq_id, item.start_pos, env)
+        return env["logits"]
+
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         """Run every item (prefill chunk or decode token); sample the last token where asked."""
         for item in items:
             self._check_item(item)
         out: list[int | None] = []
         for item in items:
-            env = self._run(
-                item.token_ids,
-                item.start_pos,
-                item.block_table,
-                self.k_cache,
-                self.v_cache,
-                False,
-                **self._item_state(item),
-                window_table=item.window_table,
-            )
-            self._tap(item.seq_id, item.start_pos, env)
-            logits = env["logits"]
-            if not item.sample:
-                out.append(None)
-                continue
-            # seed: item.sampling.seed (the engine fills it in at submission; sample() uses 0 if None)
-            out.append(sample_item(logits[-1], item))
+            logits = self._run_item(item)
+            out.append(sample_item(logits[-1], item) if item.sample else None)
         return out
 
     # Verification of a hybrid leaves each sequence's recurrent state at its last accepted position.
@@ -357,12 +347,7 @@ class ReferenceRunner:
             if k and self.num_state_slots:
                 out.append(self._verify_stateful(item))
                 continue
-            env = self._run(
-                item.token_ids, item.start_pos, item.block_table, self.k_cache, self.v_cache, k > 0,
-                **self._item_state(item), window_table=item.window_table,
-            )  # fmt: skip
-            self._tap(item.seq_id, item.start_pos, env)
-            logits = env["logits"]
+            logits = self._run_item(item, k > 0)
             if k:
                 out.append(accept(logits[-(k + 1) :], item))
             elif item.sample:
@@ -414,7 +399,7 @@ class ReferenceRunner:
         if not 0 < n <= self.max_model_len:
             raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
         k, v, table = self._scratch(n)
-        return self._forward(list(token_ids), 0, table, k, v, True, self._new_states(1))
+        return self._run(list(token_ids), 0, table, k, v, True, self._new_states(1))["logits"]
 
     def generate(
         self,
@@ -447,7 +432,7 @@ class ReferenceRunner:
         chunk, pos = prompt, 0
         stops = set(stop_token_ids)
         while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._forward(chunk, pos, table, k, v, False, states)
+            logits = self._run(chunk, pos, table, k, v, False, states)["logits"]
             pos += len(chunk)
             tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
             out.append(tok)
@@ -457,40 +442,3 @@ class ReferenceRunner:
             chunk = [tok]
         return out
 
-
-def set_blas_threads(n: int) -> int | None:
-    """Set the thread count of numpy's bundled OpenBLAS (process-wide); return the previous count.
-
-    Returns None (and changes nothing) when numpy's BLAS is not a bundled OpenBLAS. Multi-threaded
-    OpenBLAS degrades sharply on an oversubscribed machine (see docs/reference-backend.md), so a
-    caller sharing the CPU with other busy processes or threads may want 1.
-    """
-    import ctypes
-    import glob
-    import os
-
-    libs_dir = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs_dir, "*openblas*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                if setter is not None and getter is not None:
-                    getter.restype = ctypes.c_int
-                    previous = int(getter())
-                    setter(ctypes.c_int(max(1, int(n))))
-                    return previous
-    return None
-
-
-def kv_bytes_per_token(model: Any) -> int:
-    """Reference KV bytes one token occupies (K and V, all layers, float32)."""
-    d = model.dims
-    return 2 * int(d["layers"]) * int(d["kv_heads"]) * int(d["head_dim"]) * 4
-
-
-__all__ = ["ReferenceRunner", "kv_bytes_per_token", "set_blas_threads"]

@@ -199,16 +199,3 @@ def test_default_sizes(tmp_path):
     assert r.max_model_len == 256 and r.block_size == 16
     assert r.num_blocks * r.block_size >= 256
     assert r.k_cache.shape == (2, r.num_blocks, 16, 2, 16) and r.k_cache.dtype == np.float32
-
-
-def test_set_blas_threads_round_trips():
-    from engine.reference import set_blas_threads
-
-    before = set_blas_threads(1)
-    if before is None:
-        pytest.skip("numpy's BLAS is not a bundled OpenBLAS")
-    try:
-        assert set_blas_threads(2) == 1
-        assert set_blas_threads(before) == 2
-    finally:
-        set_blas_threads(before)
