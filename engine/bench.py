@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -24,12 +26,8 @@ ENGINE_CHUNK = 2048  # the engine rows' prefill chunk (tokens a step)
 
 
 def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    """The ``q`` quantile (0..1, linear interpolation), NaN for no values."""
+    return float(np.percentile(values, 100 * q)) if values else float("nan")
 
 
 def bench_engine(
@@ -160,9 +158,7 @@ def table(rows: list[dict]) -> str:
                 f"memory    {r['when']}: RSS {r['rss_bytes'] / 1e6:.0f} MB, peak {r['peak_rss_bytes'] / 1e6:.0f} MB"
             )
         elif k == "kv":
-            from engine.runner_bench import kv_text
-
-            out.append(f"kv        {kv_text(r)}")
+            out.append(f"kv        {_kv_text(r)}")
         elif k == "copy":
             out.append(
                 f"copy      device-to-device: {r['gbs']:.0f} GB/s read + written "
@@ -195,6 +191,21 @@ def table(rows: list[dict]) -> str:
                 + _spec_cell(r)
             )
     return "\n".join(out)
+
+
+def _kv_text(r: dict) -> str:
+    """One line for a ``kv`` row."""
+    text = (
+        f"{r['full_layers']} full layers {r['full_bytes_per_token'] / 1024:.1f} KiB a token "
+        f"({r['full_blocks']} blocks of {r['block_size']})"
+    )
+    if "window" in r:
+        text += (
+            f"; {r['window_layers']} window-{r['window']} layers {r['window_bytes_per_token'] / 1024:.1f} KiB a token, "
+            f"at most {r['window_seq_blocks_max']} blocks = {r['window_bytes_per_seq_max'] / 2**20:.2f} MiB "
+            f"a decoding sequence (window pool {r['window_blocks']} blocks)"
+        )
+    return text
 
 
 def _spec_cell(r: dict) -> str:

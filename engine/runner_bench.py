@@ -145,7 +145,7 @@ def measure_copy(runner: Any) -> dict | None:
     except RuntimeError as exc:  # (engine.cuda.CudaError: no room for the two buffers, say)
         log.warning("no copy-bandwidth row: %s", exc)
         return None
-    profile_gbs = plan_profile(runner).memory_bandwidth_gbs
+    profile_gbs = runner.profile.memory_bandwidth_gbs
     return {"kind": "copy", "gbs": round(gbs, 1), "profile_gbs": profile_gbs, "ratio": round(gbs / profile_gbs, 3)}
 
 
@@ -182,7 +182,7 @@ def bench_decode(
     t = statistics.median(times)
     plan = runner.plan
     nbytes = streamed_weight_bytes(plan, batch) + kv_bytes_read(plan, batch, depth)
-    bw = plan_profile(runner).memory_bandwidth_gbs * 1e9
+    bw = runner.profile.memory_bandwidth_gbs * 1e9
     row = {
         "kind": "decode",
         "batch": batch,
@@ -213,7 +213,7 @@ def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     flops = 2 * layer_matrix_params(runner.plan) * tokens
-    peak = plan_profile(runner).tensor_tflops_bf16 * 1e12
+    peak = runner.profile.tensor_tflops_bf16 * 1e12
     return {
         "kind": "prefill",
         "tokens": tokens,
@@ -228,10 +228,6 @@ def _prefill_span(runner: Any, tokens: int) -> int:
     """The most positions one prefill pass of the runner writes (it splits a step's prompt into passes
     of ``prefill_chunk_tokens``)."""
     return min(tokens, int(getattr(getattr(runner, "profile", None), "prefill_chunk_tokens", tokens)))
-
-
-def plan_profile(runner: Any) -> Any:
-    return runner.profile
 
 
 def kv_row(runner: Any) -> dict | None:
@@ -264,21 +260,6 @@ def kv_row(runner: Any) -> dict | None:
             window_bytes_per_seq_max=most * bs * token * len(win),
         )
     return row
-
-
-def kv_text(r: dict) -> str:
-    """One line for a ``kv`` row."""
-    text = (
-        f"{r['full_layers']} full layers {r['full_bytes_per_token'] / 1024:.1f} KiB a token "
-        f"({r['full_blocks']} blocks of {r['block_size']})"
-    )
-    if "window" in r:
-        text += (
-            f"; {r['window_layers']} window-{r['window']} layers {r['window_bytes_per_token'] / 1024:.1f} KiB a token, "
-            f"at most {r['window_seq_blocks_max']} blocks = {r['window_bytes_per_seq_max'] / 2**20:.2f} MiB "
-            f"a decoding sequence (window pool {r['window_blocks']} blocks)"
-        )
-    return text
 
 
 def run_all(
@@ -317,22 +298,3 @@ def run_all(
         rows.append(bench_prefill(runner, p))
     return rows
 
-
-def table(rows: list[dict], title: str = "") -> str:
-    out = [title] if title else []
-    out.append(f"{'what':<24}{'tok/s':>12}{'time':>12}{'roofline':>10}")
-    for r in rows:
-        if r["kind"] == "copy":
-            out.append(f"{'d2d copy':<24}{r['gbs']:>9.0f} GB/s (profile {r['profile_gbs']:.0f})")
-            continue
-        if r["kind"] == "kv":
-            out.append(f"{'kv cache':<24}{kv_text(r)}")
-            continue
-        if r["kind"] == "decode":
-            what = f"decode b={r['batch']} d={r['depth']}"
-            when = f"{r['step_ms']:.3f} ms"
-        else:
-            what = f"prefill {r['tokens']}"
-            when = f"{r['ms']:.1f} ms"
-        out.append(f"{what:<24}{r['tok_s']:>12.1f}{when:>12}{100 * r['roofline_fraction']:>9.1f}%")
-    return "\n".join(out)

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import runner_bench  # noqa: E402
+from engine.bench import table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "profile": runner.profile.name, "rows": rows}, f, indent=1)
-    print(runner_bench.table(rows, f"{args.model} on {runner.profile.name}"))
+    print(f"{args.model} on {runner.profile.name}")
+    print(table(rows))
     return 0
 
 
