@@ -46,7 +46,6 @@ class BuildStats:
     hits: int = 0
     compiled: int = 0
     seconds: float = 0.0
-    compile_seconds: float = 0.0  # summed over compiles (> seconds when parallel)
     kernels: list[CompiledKernel] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -59,12 +58,6 @@ def _nvrtc_compiler(source: str, name: str, arch: str, options: tuple[str, ...],
     from engine import nvrtc
 
     return nvrtc.compile_to_cubin(source, name, arch, options, source_path=source_path)
-
-
-def _nvrtc_version() -> tuple[int, int]:
-    from engine import nvrtc
-
-    return nvrtc.version()
 
 
 # build_all's default progress stream: sys.stderr looked up per call (a default argument bound to
@@ -92,14 +85,12 @@ class KernelBuilder:
     @property
     def compiler_version(self) -> tuple[int, int]:
         if self._version is None:
-            self._version = _nvrtc_version()
+            from engine import nvrtc
+
+            self._version = nvrtc.version()
         return self._version
 
-    def _prepare(self, spec: KernelSpec) -> tuple[str, str]:
-        source = render(spec)
-        return source, cache_key(source, self.arch, spec.options, self.compiler_version)
-
-    def _lookup(self, spec: KernelSpec, source: str, key: str) -> CompiledKernel | None:
+    def _lookup(self, spec: KernelSpec, key: str) -> CompiledKernel | None:
         cubin = self.cache.load(self.arch, spec.entry, key)
         if cubin is None:
             return None
@@ -113,7 +104,7 @@ class KernelBuilder:
             cached=True,
         )
 
-    def _compile(self, spec: KernelSpec, source: str, key: str) -> tuple[CompiledKernel, float]:
+    def _compile(self, spec: KernelSpec, source: str, key: str) -> CompiledKernel:
         src_path = self.cache.write_source(self.arch, spec.entry, key, source)
         t0 = time.perf_counter()
         cubin, log = self._compiler(source, spec.entry, self.arch, spec.options, src_path)
@@ -125,7 +116,7 @@ class KernelBuilder:
             cubin,
             {"template": spec.template, "compile_s": round(dt, 4), "log": log[-2000:]},
         )
-        return CompiledKernel(spec, self.arch, key, cubin, path, src_path, cached=False), dt
+        return CompiledKernel(spec, self.arch, key, cubin, path, src_path, cached=False)
 
     def get(self, spec: KernelSpec) -> CompiledKernel:
         """One kernel; compiles on a miss unless compiling is forbidden."""
@@ -144,8 +135,9 @@ class KernelBuilder:
         results: dict[KernelSpec, CompiledKernel] = {}
         misses: list[tuple[KernelSpec, str, str]] = []
         for spec in unique:
-            source, key = self._prepare(spec)
-            hit = self._lookup(spec, source, key)
+            source = render(spec)
+            key = cache_key(source, self.arch, spec.options, self.compiler_version)
+            hit = self._lookup(spec, key)
             if hit is not None:
                 results[spec] = hit
             else:
@@ -173,16 +165,13 @@ class KernelBuilder:
                 leave=True,
             )
 
-            def one(item: tuple[KernelSpec, str, str]) -> tuple[KernelSpec, CompiledKernel, float]:
-                spec, source, key = item
-                kernel, dt = self._compile(spec, source, key)
+            def one(item: tuple[KernelSpec, str, str]) -> CompiledKernel:
+                kernel = self._compile(*item)
                 pbar.update(1)
-                return spec, kernel, dt
+                return kernel
 
             with pbar, ThreadPoolExecutor(max_workers=min(workers, len(misses))) as pool:
-                for spec, kernel, dt in pool.map(one, misses):
-                    results[spec] = kernel
-                    stats.compile_seconds += dt
+                results.update((k.spec, k) for k in pool.map(one, misses))
             stats.compiled = len(misses)
         stats.kernels = [results[s] for s in unique]
         stats.seconds = time.perf_counter() - t0
