@@ -168,8 +168,7 @@ class DeviceBuffer:
             pass
 
 
-def alloc(nbytes: int) -> DeviceBuffer:
-    return DeviceBuffer(nbytes)
+alloc = DeviceBuffer  # cuda.alloc(nbytes): ``nbytes`` of device memory
 
 
 def memset(ptr: int, value: int, nbytes: int, stream: Stream | None = None) -> None:
@@ -303,7 +302,7 @@ ARG_FORMATS = {"ptr": "Q", "u64": "Q", "i64": "q", "i32": "i", "u32": "I", "f32"
 
 class KernelArgs:
     """A kernel's arguments packed once: an 8-byte slot per argument plus the ``void*[]`` that
-    ``cuLaunchKernel``'s kernelParams wants. ``set(i, v)`` rewrites one slot in place."""
+    ``cuLaunchKernel``'s kernelParams wants. ``set_all(values)`` rewrites the slots in place."""
 
     def __init__(self, kinds: Sequence[str], values: Sequence[Any] | None = None):
         for k in kinds:
@@ -318,24 +317,12 @@ class KernelArgs:
         if values is not None:
             self.set_all(values)
 
-    def set(self, i: int, value: Any) -> None:
-        fmt = ARG_FORMATS[self.kinds[i]]
-        if fmt in "Qq":
-            value = int(value)
-        packed = struct.pack("<" + fmt, value)
-        ctypes.memmove(ctypes.addressof(self._buf) + 8 * i, packed, len(packed))
-
     def set_all(self, values: Sequence[Any]) -> None:
         if len(values) != len(self.kinds):
             raise ValueError(f"kernel takes {len(self.kinds)} arguments ({self.kinds}), got {len(values)}")
         if values:  # one pack for all slots: binding a new step shape packs hundreds of these
             ints = [int(v) if f in "Qq" else v for f, v in zip(_slot_formats(self.kinds), values, strict=True)]
             struct.pack_into(_pack_format(self.kinds), self._buf, 0, *ints)
-
-    def get(self, i: int) -> Any:
-        fmt = ARG_FORMATS[self.kinds[i]]
-        raw = ctypes.string_at(ctypes.addressof(self._buf) + 8 * i, struct.calcsize(fmt))
-        return struct.unpack("<" + fmt, raw)[0]
 
 
 @cache
@@ -433,6 +420,10 @@ class Module:
             self.handle = None
 
 
+def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
+    return tuple(int(v) for v in dims) + (1,) * (3 - len(dims))  # type: ignore[return-value]
+
+
 def launch(
     fn: Function,
     grid: Sequence[int],
@@ -442,8 +433,7 @@ def launch(
     stream: Stream | None = None,
 ) -> None:
     """Launch ``fn`` over ``grid`` x ``block`` with pre-packed ``args`` and ``smem`` dynamic bytes."""
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    b = tuple(block) + (1,) * (3 - len(block))
+    g, b = _dim3(grid), _dim3(block)
     if smem:
         fn.ensure_smem(smem)
     drv = _driver()
@@ -476,13 +466,25 @@ class PreparedLaunch:
         pdl: bool = False,
     ):
         self.fn = fn
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.grid, self.block = _dim3(grid), _dim3(block)
         self.smem = int(smem)
         self.pdl = bool(pdl)
         if self.smem:
             fn.ensure_smem(self.smem)
-        self.config = launch_config(self.grid, self.block, self.smem, stream, self.pdl)
+        # the CUlaunchConfig: no driver call, so it needs no GPU or context
+        drv = _driver()
+        self.config = config = drv.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+        config.sharedMemBytes = self.smem
+        config.hStream = stream.handle if stream is not None else drv.CUstream(0)
+        config.numAttrs = 0
+        if pdl:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]  # copied into the config: set the attribute before assigning it
+            config.numAttrs = 1
 
     def __call__(self, args: KernelArgs) -> None:
         drv = _driver()
@@ -494,29 +496,6 @@ class PreparedLaunch:
                 f"kernel {self.fn.name} grid {self.grid} block {self.block} smem {self.smem}"
                 + (" pdl" if self.pdl else ""),
             )
-
-
-def launch_config(
-    grid: Sequence[int], block: Sequence[int], smem: int = 0, stream: Stream | None = None, pdl: bool = False
-) -> Any:
-    """The ``CUlaunchConfig`` of a launch (no driver call: it needs no GPU or context)."""
-    drv = _driver()
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    b = tuple(block) + (1,) * (3 - len(block))
-    config = drv.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in g)
-    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in b)
-    config.sharedMemBytes = int(smem)
-    config.hStream = stream.handle if stream is not None else drv.CUstream(0)
-    if pdl:
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attr]  # copied into the config: set the attribute before assigning it
-        config.numAttrs = 1
-    else:
-        config.numAttrs = 0
-    return config
 
 
 # ---------------------------------------------------------------------------------------------
