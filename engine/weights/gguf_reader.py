@@ -176,10 +176,10 @@ class GGUFSource(WeightSource):
         self.path = self.files[0]
         readers = [_open_reader(f) for f in self.files]  # the metadata keeps the first one's fields
         self.metadata = GGUFMetadata(readers[0].fields)
-        self._maps: dict[int, np.memmap] = {}  # tensor data: our own maps, so close() can let them go
+        self._maps = {}
         self._infos = {}
-        self._where: dict[str, tuple[int, int, int]] = {}
-        for ri, (f, r) in enumerate(zip(self.files, readers, strict=True)):
+        self._where = {}
+        for f, r in zip(self.files, readers, strict=True):
             size = f.stat().st_size
             for t in r.tensors:
                 dtype = t.tensor_type.name.lower()
@@ -194,29 +194,9 @@ class GGUFSource(WeightSource):
                 if t.name in self._infos:
                     raise MemraError(f"{f}: tensor {t.name!r} appears in more than one shard")
                 self._infos[t.name] = TensorInfo(t.name, dtype, shape, nbytes)
-                self._where[t.name] = (ri, int(t.data_offset), nbytes)
-
-    def file_of(self, name: str) -> Path:
-        return self.files[self._where[name][0]] if name in self._where else self.path
-
-    def raw(self, name: str) -> np.ndarray:
-        mm, off, n = self._mapped(name)
-        return mm[off : off + n]
-
-    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
-        self.info(name)
-        ri, off, n = self._where[name]
-        return [(self.files[ri], off, n)]
-
-    def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
-        self.info(name)
-        ri, off, n = self._where[name]
-        mm = self._maps.get(ri)
-        if mm is None:
-            mm = self._maps[ri] = np.memmap(self.files[ri], dtype=np.uint8, mode="r")
-        return mm, off, n
+                self._where[t.name] = (f, int(t.data_offset), nbytes)
 
     def close(self) -> None:
         first = self.files[0]
         self.metadata.detach(lambda: _open_reader(first).fields)
-        self._maps.clear()
+        super().close()

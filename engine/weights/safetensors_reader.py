@@ -130,25 +130,3 @@ class SafetensorsSource(WeightSource):
                 raise MemraError(f"{f}: tensor {name!r} appears in more than one shard")
             self._infos[name] = TensorInfo(name, ours, shape, nbytes)
             self._where[name] = (f, data_start + start, nbytes)
-
-    def file_of(self, name: str) -> Path:
-        return self._where[name][0] if name in self._where else self.path
-
-    def raw(self, name: str) -> np.ndarray:
-        mm, off, n = self._mapped(name)
-        return mm[off : off + n]
-
-    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
-        self.info(name)
-        return [self._where[name]]
-
-    def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
-        self.info(name)
-        f, off, n = self._where[name]
-        mm = self._maps.get(f)
-        if mm is None:
-            mm = self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
-        return mm, off, n
-
-    def close(self) -> None:
-        self._maps.clear()

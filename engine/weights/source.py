@@ -30,8 +30,9 @@ class TensorInfo:
 class WeightSource:
     """A model checkpoint opened read-only and memory-mapped.
 
-    Subclasses fill ``format``, ``path``, ``files``, ``metadata`` and ``_infos`` and implement
-    ``raw``. ``raw`` never copies; ``array`` and ``dequantize`` build on it.
+    Subclasses fill ``format``, ``path``, ``files``, ``metadata``, ``_infos`` and ``_where`` (name ->
+    the file, byte offset and byte count of its bytes). ``raw`` never copies; ``array`` and
+    ``dequantize`` build on it.
 
     Footprint: a mapped file's pages count in the process's resident set once touched. A runner
     that copies the weights to a device calls ``evict(name)`` after each copy (the pages leave the
@@ -44,6 +45,8 @@ class WeightSource:
     files: list[Path]
     metadata: Mapping[str, Any]
     _infos: dict[str, TensorInfo]
+    _where: dict[str, tuple[Path, int, int]]
+    _maps: dict[Path, np.memmap]  # our own maps of the files, so close() can let them go
 
     def tensor_names(self) -> list[str]:
         return list(self._infos)
@@ -61,11 +64,12 @@ class WeightSource:
 
     def file_of(self, name: str) -> Path:
         """The file holding tensor ``name`` (the shard, for a split checkpoint): for error messages."""
-        return self.path
+        return self._where[name][0] if name in self._where else self.path
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a 1-D uint8 memory-mapped view (no copy)."""
-        raise NotImplementedError
+        mm, off, n = self._mapped(name)
+        return mm[off : off + n]
 
     def array(self, name: str) -> np.ndarray:
         """f32/f16 as their numpy dtype, bf16 as uint16 raw bits, in row-major shape; quantised -> MemraError."""
@@ -80,25 +84,26 @@ class WeightSource:
         info = self.info(name)
         return quant.dequantize(self.raw(name), info.dtype, info.shape)
 
-    def _mapped(self, name: str) -> tuple[np.memmap, int, int] | None:
-        """(the file's memory map, byte offset, byte count) of tensor ``name``; None where the
-        source has no single mapped range for it."""
-        return None
+    def _mapped(self, name: str) -> tuple[np.memmap, int, int]:
+        """(the file's memory map, byte offset, byte count) of tensor ``name``."""
+        self.info(name)
+        f, off, n = self._where[name]
+        mm = self._maps.get(f)
+        if mm is None:
+            mm = self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r")
+        return mm, off, n
 
-    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         """(file, byte offset, byte count) ranges whose concatenation is tensor ``name``'s stored
-        bytes, for a reader that copies them without mapping the file (engine.upload); None where
-        the source cannot say (then use ``raw``)."""
-        return None
+        bytes, for a reader that copies them without mapping the file (engine.upload)."""
+        self.info(name)
+        return [self._where[name]]
 
     def evict(self, name: str) -> None:
         """Drop tensor ``name``'s pages from this process's resident set (``MADV_DONTNEED`` on the
         read-only shared map: the data stays valid and is read again from the page cache if a view
         is used later). A no-op where the platform has no ``madvise``."""
-        where = self._mapped(name)
-        if where is None:
-            return
-        mm, off, n = where
+        mm, off, n = self._mapped(name)
         m = getattr(mm, "_mmap", None)
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if m is None or advice is None or n == 0 or m.closed:
@@ -111,6 +116,7 @@ class WeightSource:
     def close(self) -> None:
         """Drop this source's references to its memory maps: a file is unmapped once no view of it
         is left. ``raw`` afterwards maps the file again (metadata stays readable)."""
+        self._maps.clear()
 
     def __enter__(self) -> WeightSource:
         return self

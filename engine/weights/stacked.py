@@ -86,18 +86,10 @@ class StackedSource(WeightSource):
             return np.concatenate([self.base.raw(m) for m in self._stacks[name]])
         return self.base.raw(name)
 
-    def file_ranges(self, name: str) -> list[tuple[Path, int, int]] | None:
+    def file_ranges(self, name: str) -> list[tuple[Path, int, int]]:
         """A stack's ranges are its members' in order (expert e's bytes follow expert e-1's, as in
-        ``raw``), so an upload reads each member straight from its file; None if a member has none."""
-        if name not in self._stacks:
-            return self.base.file_ranges(name)
-        ranges: list[tuple[Path, int, int]] = []
-        for m in self._stacks[name]:
-            got = self.base.file_ranges(m)
-            if got is None:
-                return None
-            ranges += got
-        return ranges
+        ``raw``), so an upload reads each member straight from its file."""
+        return [r for m in self.members(name) for r in self.base.file_ranges(m)]
 
     def evict(self, name: str) -> None:
         for m in self.members(name):
