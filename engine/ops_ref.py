@@ -171,27 +171,6 @@ def rope_apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, head_dim: int
     return out.reshape(t, width)
 
 
-def rope(
-    q: np.ndarray,
-    k: np.ndarray,
-    positions: Sequence[int] | np.ndarray,
-    *,
-    head_dim: int,
-    rope_dim: int,
-    theta: float,
-    style: str,
-    rope_scaling: Mapping[str, Any] | None = None,
-    freq_factors: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The graph's ``rope`` op: rotate q [T, heads*hd] and k [T, kv_heads*hd] at ``positions`` [T]."""
-    inv = rope_inv_freq(rope_dim, theta, rope_scaling, freq_factors)
-    cos, sin = rope_tables(positions, inv)
-    return (
-        rope_apply(q, cos, sin, head_dim=head_dim, style=style),
-        rope_apply(k, cos, sin, head_dim=head_dim, style=style),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # paged KV cache and attention
 

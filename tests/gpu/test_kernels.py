@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 from fixtures.catalog_specs import attention_params, attention_prefill_params, rope_params
+from fixtures.engine_probes import rope
 from gpu_harness import (
     DeviceArray,
     bf_round,
@@ -237,7 +238,7 @@ def test_rope_qk_norm_and_cache_write(kernels, profile, style, qk_norm, shape):
     q, k, v = buf[:, : H * D], buf[:, H * D : (H + KV) * D], buf[:, (H + KV) * D :]
     if qk_norm:
         q, k = bf_round(ops_ref.head_rmsnorm(q, qn, eps, D)), bf_round(ops_ref.head_rmsnorm(k, kn, eps, D))
-    qr, kr = ops_ref.rope(q, k, pos, head_dim=D, rope_dim=D, theta=theta, style=style)
+    qr, kr = rope(q, k, pos, head_dim=D, rope_dim=D, theta=theta, style=style)
     got = bt.get()
     assert rel_err(got[:, : H * D], qr) <= 1e-2
     assert rel_err(got[:, H * D : (H + KV) * D], kr) <= 1e-2
