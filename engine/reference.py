@@ -30,6 +30,11 @@ DEFAULT_KV_BYTES = 512 * 1024 * 1024
 DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
+def _bad(item: StepItem, problem: str) -> MemraError:
+    """A step item the scheduler should never have built (an engine bug, not a user error)."""
+    return MemraError(f"seq {item.seq_id}: {problem}", code="internal_error")
+
+
 class ReferenceRunner:
     """Runner protocol implementation in numpy (``backend = "reference"``).
 
@@ -243,14 +248,10 @@ class ReferenceRunner:
             return {}
         slot = item.state_slot
         if slot is None or not 0 <= slot < self.num_state_slots:
-            raise MemraError(
-                f"seq {item.seq_id}: a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, "
-                f"got {slot}",
-                code="internal_error",
-            )
+            raise _bad(item, f"a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, got {slot}")
         for other in [item.state_restore, *(s for _, s in item.state_snapshots)]:
             if other is not None and not 0 <= other < self.num_state_slots:
-                raise MemraError(f"seq {item.seq_id}: state slot {other} is out of range", code="internal_error")
+                raise _bad(item, f"state slot {other} is out of range")
         if item.state_restore is not None:
             self.copy_state(item.state_restore, slot)
         elif item.start_pos == 0:
@@ -261,11 +262,9 @@ class ReferenceRunner:
     def _check_item(self, item: StepItem) -> None:
         n = len(item.token_ids)
         if n == 0:
-            raise MemraError(
-                f"seq {item.seq_id}: a step item needs at least one token", code="internal_error"
-            )
+            raise _bad(item, "a step item needs at least one token")
         if item.start_pos < 0:
-            raise MemraError(f"seq {item.seq_id}: start_pos {item.start_pos} < 0", code="internal_error")
+            raise _bad(item, f"start_pos {item.start_pos} < 0")
         end = item.start_pos + n
         if end > self.max_model_len:
             raise MemraError(
@@ -275,16 +274,10 @@ class ReferenceRunner:
         need = -(-end // self.block_size)
         table = item.block_table
         if len(table) < need:
-            raise MemraError(
-                f"seq {item.seq_id}: block_table has {len(table)} blocks, {end} positions need {need}",
-                code="internal_error",
-            )
+            raise _bad(item, f"block_table has {len(table)} blocks, {end} positions need {need}")
         for b in table[:need]:
             if not 0 <= b < self.num_blocks:
-                raise MemraError(
-                    f"seq {item.seq_id}: block {b} is out of range (num_blocks={self.num_blocks})",
-                    code="internal_error",
-                )
+                raise _bad(item, f"block {b} is out of range (num_blocks={self.num_blocks})")
         if item.window_table is not None:
             self._check_window_table(item, need)
         for tok in item.token_ids:
@@ -297,13 +290,13 @@ class ReferenceRunner:
         table = item.window_table
         assert table is not None
         if not self.window_kv_blocks:
-            raise MemraError(f"seq {item.seq_id}: a window_table for a runner without a window pool", code="internal_error")
+            raise _bad(item, "a window_table for a runner without a window pool")
         first = ops_ref.window_start(item.start_pos, self.kv_window) // self.block_size
         if len(table) < need or not all(0 <= b < self.window_kv_blocks for b in table[first:need]):
-            raise MemraError(
-                f"seq {item.seq_id}: window_table {list(table)[:need]} does not cover positions "
+            raise _bad(
+                item,
+                f"window_table {list(table)[:need]} does not cover positions "
                 f"{item.start_pos}..{item.start_pos + len(item.token_ids) - 1} (window {self.kv_window})",
-                code="internal_error",
             )
 
     def _run_item(self, item: StepItem, all_logits: bool = False) -> np.ndarray:
@@ -337,10 +330,7 @@ class ReferenceRunner:
             self._check_item(item)
             k = len(item.draft)
             if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
-                raise MemraError(
-                    f"seq {item.seq_id}: the draft must be the last {k} of the item's tokens",
-                    code="internal_error",
-                )
+                raise _bad(item, f"the draft must be the last {k} of the item's tokens")
         out: list[list[int]] = []
         for item in items:
             k = len(item.draft)
