@@ -5,9 +5,9 @@ imports engine.* freely: ``cuda.bindings.driver`` is imported lazily, and ``dete
 returns ``[]`` when the driver or a GPU is missing. Every failing driver call raises CudaError
 naming the function and the CUresult. Launch arguments are packed once into a reusable buffer
 (``KernelArgs``, tinygrad-style ``kernelParams`` = array of pointers into one byte buffer) and
-can be updated in place, so a launch costs one ``cuLaunchKernel`` and no per-call packing.
-``PreparedLaunch`` also builds the launch configuration once (``cuLaunchKernelEx``), optionally
-with programmatic dependent launch (PDL, sm_90+).
+can be updated in place; ``PreparedLaunch`` builds the launch configuration once, optionally with
+programmatic dependent launch (PDL, sm_90+), so a launch costs one ``cuLaunchKernelEx`` and no
+per-call packing.
 Must not import other engine modules except engine.types (for the plain DeviceInfo).
 """
 
@@ -422,26 +422,6 @@ class Module:
 
 def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
     return tuple(int(v) for v in dims) + (1,) * (3 - len(dims))  # type: ignore[return-value]
-
-
-def launch(
-    fn: Function,
-    grid: Sequence[int],
-    block: Sequence[int],
-    args: KernelArgs,
-    smem: int = 0,
-    stream: Stream | None = None,
-) -> None:
-    """Launch ``fn`` over ``grid`` x ``block`` with pre-packed ``args`` and ``smem`` dynamic bytes."""
-    g, b = _dim3(grid), _dim3(block)
-    if smem:
-        fn.ensure_smem(smem)
-    drv = _driver()
-    (err,) = drv.cuLaunchKernel(
-        fn.handle, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream.handle if stream else 0, args.address, 0
-    )
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise CudaError("cuLaunchKernel", _name(err), f"kernel {fn.name} grid {g} block {b} smem {smem}")
 
 
 class PreparedLaunch:

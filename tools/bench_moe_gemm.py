@@ -120,15 +120,18 @@ def main() -> int:
             for k, a in launches:  # build + warm
                 kit.launch(k, a, t)
             packed = [
-                (kit.fns[k.spec], k.grid(t), k.block, cuda.KernelArgs([c for _, c in k.args], [getattr(v, "ptr", v) for v in a]), k.smem)
+                (
+                    cuda.PreparedLaunch(kit.fns[k.spec], k.grid(t), k.block, k.smem, stream),
+                    cuda.KernelArgs([c for _, c in k.args], [getattr(v, "ptr", v) for v in a]),
+                )
                 for k, a in launches
             ]
             times = []
             for _ in range(20):
                 start, end = cuda.Event(), cuda.Event()
                 start.record(stream)
-                for fn, grid, block, kargs, smem in packed:
-                    cuda.launch(fn, grid, block, kargs, smem, stream)
+                for run, kargs in packed:
+                    run(kargs)
                 end.record(stream)
                 end.synchronize()
                 times.append(end.elapsed_ms(start))

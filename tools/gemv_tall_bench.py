@@ -114,13 +114,14 @@ def variants(base: dict) -> list[tuple[str, dict]]:
 
 def time_us(fn, grid, block, args, smem, stream, reps: int) -> float:
     start, end = cuda.Event(), cuda.Event()
+    run = cuda.PreparedLaunch(fn, grid, block, smem, stream)
     try:
-        cuda.launch(fn, grid, block, args, smem, stream=stream)
+        run(args)
         times = []
         for _ in range(reps):
             start.record(stream)
             for _ in range(LAUNCHES):
-                cuda.launch(fn, grid, block, args, smem, stream=stream)
+                run(args)
             end.record(stream)
             end.synchronize()
             times.append(end.elapsed_ms(start) * 1e3 / LAUNCHES)

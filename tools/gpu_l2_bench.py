@@ -141,8 +141,10 @@ def main() -> int:
     stream = cuda.Stream()
     e0, e1, e2 = cuda.Event(), cuda.Event(), cuda.Event()
 
+    stream_launch = cuda.PreparedLaunch(f_stream, (BLOCKS,), (THREADS,), 0, stream)
+
     def run_stream(ptr: int, nbytes: int) -> None:
-        cuda.launch(f_stream, (BLOCKS,), (THREADS,), cuda.KernelArgs(["ptr", "u64", "ptr"], [ptr, nbytes // 16, out.ptr]), 0, stream)
+        stream_launch(cuda.KernelArgs(["ptr", "u64", "ptr"], [ptr, nbytes // 16, out.ptr]))
 
     def do_flush() -> None:
         cuda.memset(flush.ptr, 1, 256 * MB, stream)
@@ -159,11 +161,15 @@ def main() -> int:
             times.append(e1.elapsed_ms(e0) * 1000.0)
         return statistics.median(times)
 
+    pf_launch = cuda.PreparedLaunch(f_pf, (32,), (256,), 0, stream)
+    busy_launch = cuda.PreparedLaunch(f_busy, (1,), (32,), 0, stream)
+    spf_launch = cuda.PreparedLaunch(f_spf, (BLOCKS,), (THREADS,), 0, stream)
+
     def prefetch(nbytes: int, mode: int) -> None:
-        cuda.launch(f_pf, (32,), (256,), cuda.KernelArgs(["ptr", "u64", "i32"], [buf.ptr, nbytes, mode]), 0, stream)
+        pf_launch(cuda.KernelArgs(["ptr", "u64", "i32"], [buf.ptr, nbytes, mode]))
 
     def busy(us: float) -> None:
-        cuda.launch(f_busy, (1,), (32,), cuda.KernelArgs(["i32"], [int(us * 1000)]), 0, stream)
+        busy_launch(cuda.KernelArgs(["i32"], [int(us * 1000)]))
 
     lines = [f"{info.name}: stream kernel {BLOCKS} x {THREADS}, median of {args.reps}; us (GB/s)"]
     for mb in sizes:
@@ -186,9 +192,10 @@ def main() -> int:
                 row.append(f"pf {name} d{delay:g} {rate(timed(pre, lambda n=n: run_stream(buf.ptr, n)))}")
         per = n // 128 // 16 * 16
         if per <= 224 * 1024:
+            tile_launch = cuda.PreparedLaunch(f_tile, (128,), (128,), per, stream)
 
-            def tile(per=per) -> None:
-                cuda.launch(f_tile, (128,), (128,), cuda.KernelArgs(["ptr", "u32", "ptr"], [buf.ptr, per, out.ptr]), per, stream)
+            def tile(per=per, tile_launch=tile_launch) -> None:
+                tile_launch(cuda.KernelArgs(["ptr", "u32", "ptr"], [buf.ptr, per, out.ptr]))
 
             def pre_pf(n=n) -> None:
                 do_flush()
@@ -200,7 +207,7 @@ def main() -> int:
 
         def beside(n=n) -> None:
             args_ = cuda.KernelArgs(["ptr", "u64", "ptr", "ptr", "u64"], [other.ptr, 28 * MB // 16, out.ptr, buf.ptr, n])
-            cuda.launch(f_spf, (BLOCKS,), (THREADS,), args_, 0, stream)
+            spf_launch(args_)
             e2.record(stream)
             run_stream(buf.ptr, n)
 

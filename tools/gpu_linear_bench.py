@@ -78,13 +78,13 @@ class Bench:
         for w in copies:
             vals = [w.ptr if name == "w" else args[name] for name, _ in choice.args]
             packed.append(cuda.KernelArgs([kind for _, kind in choice.args], vals))
-        grid = choice.grid(rows)
+        run = cuda.PreparedLaunch(fn, choice.grid(rows), choice.block, choice.smem, self.stream)
         for i in range(3):
-            cuda.launch(fn, grid, choice.block, packed[i % len(packed)], choice.smem, self.stream)
+            run(packed[i % len(packed)])
         e0, e1 = cuda.Event(), cuda.Event()
         e0.record(self.stream)
         for i in range(self.iters):
-            cuda.launch(fn, grid, choice.block, packed[i % len(packed)], choice.smem, self.stream)
+            run(packed[i % len(packed)])
         e1.record(self.stream)
         e1.synchronize()
         return e1.elapsed_ms(e0) * 1e3 / self.iters

@@ -189,19 +189,15 @@ def smoke_cuda() -> dict:
                 vals.append(rows)
             else:
                 vals.append(a.ref)
-        return (
-            fns[launch.spec],
-            launch.grid_for({"n": rows}),
-            launch.block,
-            cuda.KernelArgs([a.ctype for a in launch.args], vals),
-            launch.smem,  # dynamic shared memory (xsmem gemv specs need it)
-        )
+        # (launch.smem: dynamic shared memory, which xsmem gemv specs need)
+        run = cuda.PreparedLaunch(fns[launch.spec], launch.grid_for({"n": rows}), launch.block, launch.smem, stream)
+        return run, cuda.KernelArgs([a.ctype for a in launch.args], vals)
 
     bound = [bind(silu), bind(gemv)]
 
     def run():
-        for fn, grid, block, args, smem in bound:
-            cuda.launch(fn, grid, block, args, smem, stream)
+        for run_one, packed in bound:
+            run_one(packed)
 
     run()
     stream.synchronize()

@@ -119,7 +119,7 @@ class Kernels:
         assert not missing and not extra, (c.spec.entry, missing, extra)
         vals = [args[name].ptr if isinstance(args[name], DeviceArray) else args[name] for name, _ in c.args]
         packed = cuda.KernelArgs([kind for _, kind in c.args], vals)
-        cuda.launch(self.function(c.spec), c.grid(grid_rows, **(grid_kw or {})), c.block, packed, c.smem)
+        cuda.PreparedLaunch(self.function(c.spec), c.grid(grid_rows, **(grid_kw or {})), c.block, c.smem)(packed)
         self.ctx.synchronize()  # a fault shows at its launch, not at a later copy
 
 

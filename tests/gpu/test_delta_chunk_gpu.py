@@ -141,10 +141,11 @@ def _time_ms(kernels, k_, rows, vals, iters=5) -> float:
     packed = cuda.KernelArgs([kind for _, kind in k_.args], [vals[name] for name, _ in k_.args])
     stream = cuda.Stream()
     start, stop = cuda.Event(), cuda.Event()
-    cuda.launch(fn, k_.grid(rows), k_.block, packed, k_.smem, stream)  # warm
+    run = cuda.PreparedLaunch(fn, k_.grid(rows), k_.block, k_.smem, stream)
+    run(packed)  # warm
     start.record(stream)
     for _ in range(iters):
-        cuda.launch(fn, k_.grid(rows), k_.block, packed, k_.smem, stream)
+        run(packed)
     stop.record(stream)
     stop.synchronize()
     ms = stop.elapsed_ms(start) / iters

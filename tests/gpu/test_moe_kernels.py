@@ -82,7 +82,8 @@ class Kit:
             self.mods.append(mod)
             self.fns[k.spec] = mod.function(k.spec.entry)
         vals = [a.ptr if isinstance(a, Arr) else a for a in args]
-        cuda.launch(self.fns[k.spec], grid or k.grid(rows), k.block, cuda.KernelArgs([c for _, c in k.args], vals), k.smem)
+        packed = cuda.KernelArgs([c for _, c in k.args], vals)
+        cuda.PreparedLaunch(self.fns[k.spec], grid or k.grid(rows), k.block, k.smem)(packed)
         self.ctx.synchronize()
 
 
