@@ -1,18 +1,10 @@
 """Measure a Runner: decode tok/s (batch x context depth) and prefill tok/s, each against the roofline.
 
-Decode at depth D: every row decodes at position D over D tokens of KV already in the cache (the
-KV's contents do not change the work, so the cache is not pre-filled: fresh blocks are used);
-the roofline fraction is (weight bytes read + KV bytes read) / step time / profile.memory_bandwidth_gbs
-(a MoE model's weight bytes: attention, router and dense parts plus the experts its rows route to),
-and, where the runner can measure it (``copy_bandwidth_gbs``: a device-to-device copy, bytes read +
-written), the same bytes over the measured copy bandwidth (``copy_roofline_fraction``).
-Prefill of P tokens: one sequence, one step of P tokens (chunked by the runner); the fraction is
-2 * params * P FLOPs / time / profile.tensor_tflops_bf16 (a MoE model's params: its active ones). Times are wall-clock around whole
-``runner.step`` calls (what a user sees: inputs H2D, graph replay, ids D2H, Python), median of
-repeats after warm-up. On a runner with a sliding-window KV pool every row also carries a
-``window_table`` that reuses the blocks behind the window (``_window_tables``), and ``kv_row`` states
-what a sequence costs in KV per layer group. `memra bench` (engine/bench.py) and
-tools/bench_runner.py call these.
+Rows are dicts (decode, prefill, the measured copy bandwidth, the KV cost per layer group); times
+are wall-clock around whole ``runner.step`` calls, median of repeats after warm-up. What each
+fraction counts (weight and KV bytes read, a MoE model's routed experts, 2 * params * tokens FLOPs)
+and how a window pool is stepped: docs/cuda-runtime.md ("tools/bench_runner.py"). `memra bench`
+(engine/bench.py) and tools/bench_runner.py call these.
 
 Must not import CUDA itself (the runner does).
 """
@@ -94,37 +86,30 @@ def _slot(runner: Any, b: int) -> int | None:
     return b if getattr(runner, "num_state_slots", 0) else None
 
 
-def _blocks_for(runner: Any, batch: int, length: int) -> list[list[int]]:
-    per = -(-length // runner.block_size)
-    if per * batch > runner.num_blocks:
-        raise SystemExit(f"benchmark needs {per * batch} KV blocks, runner has {runner.num_blocks}")
-    return [list(range(b * per, (b + 1) * per)) for b in range(batch)]
-
-
-def _window_per_row(runner: Any, length: int, span: int) -> int:
-    """Window-pool blocks a row of ``length`` positions needs when each step writes at most ``span``
-    of them: the blocks one step's queries can see (its window and its tokens), at most all of them."""
+def _tables(runner: Any, batch: int, length: int, span: int = 1) -> tuple[list[list[int]], list[list[int]] | None] | None:
+    """Each row's block table and, on a runner with a window pool, its ``window_table`` (else None);
+    None when the rows need more KV blocks, full or window pool, than the runner has. Window block
+    ``j`` of row ``b`` is the pool's block ``b * per + j % per``, ``per`` the blocks one step of at
+    most ``span`` positions can see, so the blocks behind the window are reused, as the engine's
+    window group releases and retakes them (engine.kv_groups)."""
     bs = runner.block_size
-    return min(-(-length // bs), min_window_blocks(int(runner.kv_window), span, bs))
-
-
-def _window_tables(runner: Any, batch: int, length: int, span: int) -> list[list[int]] | None:
-    """Each row's ``window_table`` on a runner with a window pool (None without one): block ``j`` of
-    row ``b`` is the pool's block ``b * per + j % per``, so the ``per`` consecutive blocks one step
-    can see are distinct and the blocks behind the window are reused, as the engine's window group
-    releases and retakes them (engine.kv_groups)."""
-    if not getattr(runner, "window_kv_blocks", 0):
+    blocks = -(-length // bs)
+    if blocks * batch > runner.num_blocks:
         return None
-    per = _window_per_row(runner, length, span)
+    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+    if not getattr(runner, "window_kv_blocks", 0):
+        return tables, None
+    per = min(blocks, min_window_blocks(int(runner.kv_window), span, bs))
     if per * batch > runner.window_kv_blocks:
-        raise SystemExit(f"benchmark needs {per * batch} window KV blocks, runner has {runner.window_kv_blocks}")
-    return [[b * per + j % per for j in range(-(-length // runner.block_size))] for b in range(batch)]
+        return None
+    return tables, [[b * per + j % per for j in range(blocks)] for b in range(batch)]
 
 
-def _fits(runner: Any, batch: int, length: int, span: int = 1) -> bool:
-    if getattr(runner, "window_kv_blocks", 0) and _window_per_row(runner, length, span) * batch > runner.window_kv_blocks:
-        return False
-    return -(-length // runner.block_size) * batch <= runner.num_blocks
+def _tables_or_exit(runner: Any, batch: int, length: int, span: int = 1) -> tuple[list[list[int]], list[list[int]] | None]:
+    got = _tables(runner, batch, length, span)
+    if got is None:
+        raise SystemExit(f"benchmark of {batch} x {length} positions needs more KV blocks than the runner has")
+    return got
 
 
 def graph_buckets(runner: Any) -> tuple[int, ...]:
@@ -152,8 +137,7 @@ def measure_copy(runner: Any) -> dict | None:
 def bench_decode(
     runner: Any, batch: int, depth: int, steps: int = 64, repeats: int = 3, copy_gbs: float | None = None
 ) -> dict:
-    tables = _blocks_for(runner, batch, depth + steps + 1)
-    windows = _window_tables(runner, batch, depth + steps + 1, 1)
+    tables, windows = _tables_or_exit(runner, batch, depth + steps + 1)
 
     def items(pos: int) -> list[StepItem]:
         return [
@@ -200,8 +184,7 @@ def bench_decode(
 
 
 def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
-    table = _blocks_for(runner, 1, tokens)[0]
-    windows = _window_tables(runner, 1, tokens, _prefill_span(runner, tokens))
+    (table,), windows = _tables_or_exit(runner, 1, tokens, _prefill_span(runner, tokens))
     ids = [(i * 31) % 1000 + 1 for i in range(tokens)]
     item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY,
                     state_slot=_slot(runner, 0), window_table=windows[0] if windows else None)
@@ -285,14 +268,14 @@ def run_all(
         for batch in batches:
             if depth + steps + 2 > runner.max_model_len:
                 continue
-            if not _fits(runner, batch, depth + steps + 1):
+            if _tables(runner, batch, depth + steps + 1) is None:
                 log.warning("decode batch %d depth %d: more KV blocks than the runner has; skipped", batch, depth)
                 continue
             rows.append(bench_decode(runner, batch, depth, steps, copy_gbs=copy_row and copy_row["gbs"]))
     for p in prefills:
         if p > runner.max_model_len:
             continue
-        if not _fits(runner, 1, p, _prefill_span(runner, p)):
+        if _tables(runner, 1, p, _prefill_span(runner, p)) is None:
             log.warning("prefill %d: more KV blocks than the runner has; skipped", p)
             continue
         rows.append(bench_prefill(runner, p))
