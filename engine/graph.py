@@ -247,7 +247,8 @@ def _parse_graph(
     *,
     key: str = "graph",
     inputs: tuple[str, ...] = GRAPH_INPUTS,
-) -> tuple[Op | Repeat, ...]:
+) -> tuple[tuple[Op | Repeat, ...], dict[str, str | None]]:
+    """The graph's nodes, and each value it produces -> the ``when`` of its producer (_check_dataflow)."""
     names = frozenset(dims) | frozenset(predicates or {}) | {LAYER_INDEX}
     nodes: list[Op | Repeat] = []
     if not isinstance(raw, list) or not raw:
@@ -271,8 +272,7 @@ def _parse_graph(
             nodes.append(Repeat(item["repeat"], body))
         else:
             nodes.append(_parse_op(item, file, where))
-    _check_dataflow(nodes, file, tensors, dims, key=key, inputs=inputs)
-    return tuple(nodes)
+    return tuple(nodes), _check_dataflow(nodes, file, tensors, dims, key=key, inputs=inputs)
 
 
 def _complementary(a: str, b: str) -> bool:
@@ -285,14 +285,13 @@ def _check_dataflow(
     nodes: list[Op | Repeat],
     file: Path,
     tensors: dict[str, TensorSpec],
-    dims: dict | None = None,
+    dims: dict,
     *,
     key: str = "graph",
     inputs: tuple[str, ...] = GRAPH_INPUTS,
 ) -> dict[str, str | None]:
     """Check that every value is produced before it is read; return value -> the `when` of the op
     producing it (None: produced in every layer / unconditionally)."""
-    dims = dims or {}
     # value -> the `when` of the op that first produced it (None: produced in every layer); a value
     # only some layers produce may be read only by ops with the same predicate. Ops under `p` and
     # `not p` (Gemma's sliding and full attention) together produce it in every layer.
@@ -341,8 +340,9 @@ def _check_dataflow(
     return defined
 
 
-def _parse_mtp(raw: dict, file: Path, dims: dict, tensors: dict, main: tuple[Op | Repeat, ...]) -> MtpGraph:
-    """The ``mtp:`` section: {hidden_from, hidden_out, graph} (one repeat over a dim)."""
+def _parse_mtp(raw: dict, file: Path, dims: dict, tensors: dict, made: dict[str, str | None]) -> MtpGraph:
+    """The ``mtp:`` section: {hidden_from, hidden_out, graph} (one repeat over a dim); ``made``: the
+    values the main graph produces (``_parse_graph``)."""
     allowed = {"hidden_from", "hidden_out", "graph"}
     for k in raw:
         if k not in allowed:
@@ -350,16 +350,14 @@ def _parse_mtp(raw: dict, file: Path, dims: dict, tensors: dict, main: tuple[Op 
     for k in allowed:
         if k not in raw:
             raise fail(file, f"mtp.{k}", "required key is missing")
-    graph = _parse_graph(raw["graph"], file, dims, tensors, key="mtp.graph", inputs=MTP_INPUTS)
+    graph, mtp_made = _parse_graph(raw["graph"], file, dims, tensors, key="mtp.graph", inputs=MTP_INPUTS)
     repeats = [n for n in graph if isinstance(n, Repeat)]
     if len(repeats) != 1:
         raise fail(file, "mtp.graph", f"expected exactly one repeat (the MTP layers), got {len(repeats)}")
-    made = _check_dataflow(list(main), file, tensors, dims)
     src = raw["hidden_from"]
     if not isinstance(src, str) or src not in made or made[src] is not None or src in GRAPH_INPUTS:
         raise fail(file, "mtp.hidden_from", f"{src!r} is not a value the main graph produces in every layer")
     out = raw["hidden_out"]
-    mtp_made = _check_dataflow(list(graph), file, tensors, dims, key="mtp.graph", inputs=MTP_INPUTS)
     if not isinstance(out, str) or out not in mtp_made or out in MTP_INPUTS:
         raise fail(file, "mtp.hidden_out", f"{out!r} is not a value the mtp graph produces")
     return MtpGraph(graph, src, out, repeats[0].count)
@@ -460,8 +458,8 @@ def _load_family(name: str, root: str) -> ModelGraph:
         for ident in names_in(expr, file, f"predicates.{pname}"):
             if ident not in pnames or ident == pname:
                 raise fail(file, f"predicates.{pname}", f"{ident!r} is not a dim, another predicate or `i`")
-    graph = _parse_graph(raw["graph"], file, dims, tensors, predicates)
-    mtp = _parse_mtp(raw["mtp"], file, dims, tensors, graph) if raw.get("mtp") else None
+    graph, made = _parse_graph(raw["graph"], file, dims, tensors, predicates)
+    mtp = _parse_mtp(raw["mtp"], file, dims, tensors, made) if raw.get("mtp") else None
     quants = _parse_quants(raw["quants"], file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
