@@ -1,4 +1,4 @@
-"""This process's memory footprint: resident set size now and at its peak, and which files it maps.
+"""This process's memory footprint: resident set size now and at its peak.
 
 Read from /proc (Linux) with ``resource`` as the fallback; pure standard library, must not import
 numpy, CUDA or other engine modules.
@@ -29,20 +29,6 @@ def peak_rss_bytes() -> int:
 def _max_rss() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
-
-
-def mapped_files() -> set[str]:
-    """Paths of the files this process has memory-mapped now (empty where /proc is missing)."""
-    out: set[str] = set()
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/"):
-                    out.add(parts[5].rstrip("\n"))
-    except OSError:
-        pass
-    return out
 
 
 def footprint() -> dict[str, int]:

@@ -35,23 +35,9 @@ SPLITS = ("pp", "tp")
 MOE_SPLITS = ("ep", "cols")
 HEAD_SPLITS = ("vocab", "replicated")
 
-# TP rule per family tensor key: (axis of the stacked-free tensor that is split, the dim it splits
-# by). "rows" splits the output features (column-parallel), "cols" the input features
-# (row-parallel: the op's output is a partial sum). Keys absent here are replicated when they are
-# vectors or the router; any other matrix is an error (no TP rule), never a silent copy.
-TP_RULES: dict[str, tuple[str, str]] = {
-    "wq": ("rows", "heads"),
-    "wk": ("rows", "kv_heads"),
-    "wv": ("rows", "kv_heads"),
-    "wo": ("cols", "heads"),
-    "w_gate": ("rows", "intermediate"),
-    "w_up": ("rows", "intermediate"),
-    "w_down": ("cols", "intermediate"),
-    "exp_gate": ("rows", "moe_intermediate"),
-    "exp_up": ("rows", "moe_intermediate"),
-    "exp_down": ("cols", "moe_intermediate"),
-    "lm_head": ("rows", "vocab"),
-}
+# Under TP (_plan_tp's slices) "rows" splits a matrix's output features (column-parallel), "cols"
+# its input features (row-parallel: the op's output is a partial sum). Vectors and these keys are
+# replicated; any other matrix without a slice is an error (no TP rule), never a silent copy.
 REPLICATED = ("embed", "router")
 # ops whose output is a partial sum under TP (their weights are split by input columns / by expert)
 REDUCE_WEIGHTS = ("wo", "w_down", "exp_down")

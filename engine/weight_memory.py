@@ -139,19 +139,6 @@ def active_expert_fraction(dims: Mapping[str, Any], batch: int = 1) -> float:
     return 1.0 - (1.0 - int(dims["experts_used"]) / int(dims["experts"])) ** max(int(batch), 1)
 
 
-def decode_read_bytes(weights: WeightBytes, dims: Mapping[str, Any], batch: int = 1) -> int:
-    """Weight bytes one decode step of ``batch`` rows reads (the decode roofline's numerator): every
-    dense matrix and vector, ``active_expert_fraction`` of the expert bytes (the router's picks),
-    and the embedding table only when it is the (tied) head (an untied table is gathered, not
-    streamed)."""
-    read = weights.dense + weights.vectors
-    if weights.experts:
-        read += int(weights.experts * active_expert_fraction(dims, batch))
-    if dims.get("tie_embeddings"):
-        read += weights.embedding
-    return read
-
-
 def check_fits(what: str, weights: WeightBytes, free: int, reserve: int = 0) -> None:
     """Raise MemraError (code ``out_of_memory``) unless ``weights.total + reserve <= free``.
 

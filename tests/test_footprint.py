@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_plan_runner_fake as base  # noqa: E402
+from fixtures.engine_probes import mapped_files  # noqa: E402
 
 from engine import memstat  # noqa: E402
 from engine.types import StepItem  # noqa: E402
@@ -31,7 +32,7 @@ def _runner(tmp_path, monkeypatch, model_path):
 
 def _mapped(paths) -> set[str]:
     gc.collect()
-    return {str(p) for p in paths} & memstat.mapped_files()
+    return {str(p) for p in paths} & mapped_files()
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures.checkpoints import write_qwen3_moe_gguf, write_qwen3_moe_safetensors
+from fixtures.engine_probes import decode_read_bytes
 from safetensors.numpy import save_file
 
 from engine import graph, hf_config
@@ -17,7 +18,7 @@ from engine.dsl_expr import evaluate
 from engine.model import dims_for_size, load_model, resolve_dims
 from engine.ops import OPS
 from engine.types import ConfigError, MemraError
-from engine.weight_memory import WeightBytes, check_fits, decode_read_bytes, weight_bytes
+from engine.weight_memory import WeightBytes, check_fits, weight_bytes
 from engine.weights import open_weights
 
 MIXED = dict(num_hidden_layers=3, mlp_only_layers=(1,))

@@ -170,8 +170,10 @@ def test_shared_expert_lowering(tmp_path, monkeypatch):
 
 
 def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
+    from fixtures.engine_probes import decode_read_bytes
+
     from engine.runner_bench import expert_weight_keys, layer_matrix_params, streamed_weight_bytes
-    from engine.weight_memory import active_expert_fraction, decode_read_bytes, plan_weight_bytes
+    from engine.weight_memory import active_expert_fraction, plan_weight_bytes
 
     g, d, plan = _plan("q4_k_m", profile="h100")
     assert expert_weight_keys(plan) == {f"L{i}.exp_{p}" for i in (0, 2) for p in ("gate", "up", "down")}
