@@ -11,13 +11,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from engine.graph_specs import as_list
 from engine.schema import fail
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
 
 
 def merge_parent(child: dict, parent: dict, file: Path) -> dict:
@@ -55,9 +50,9 @@ def _apply_edits(graph: list, edits: list, file: Path) -> list:
             raise fail(file, where, "expected a mapping with after/insert, replace/with or remove")
         keys = set(edit)
         if keys == {"after", "insert"}:
-            pattern, new = edit["after"], _as_list(edit["insert"])
+            pattern, new = edit["after"], as_list(edit["insert"])
         elif keys == {"replace", "with"}:
-            pattern, new = edit["replace"], _as_list(edit["with"])
+            pattern, new = edit["replace"], as_list(edit["with"])
         elif keys == {"remove"}:
             pattern, new = edit["remove"], []
         else:
