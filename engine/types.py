@@ -166,10 +166,8 @@ class VerifyingRunner(Runner, Protocol):
     draft give ``[token]`` when sampled, else ``[]``. The engine then rolls the KV of the rejected
     positions back (block manager truncation); a runner with per-sequence state beside the paged KV
     (recurrent layers) either has ``verify_restores_state = True`` (its verify leaves the state at
-    the last accepted position: the reference, and CudaRunner from per-position scratch snapshots) or implements ``spec_rollback(seq_id, num_tokens)``,
-    which the engine calls with the number of positions of the sequence that stay valid (restore the
-    snapshot taken before the verify step and replay the accepted tokens, or keep per-position
-    snapshots); the engine refuses a speculator on a hybrid runner with neither.
+    the last accepted position) or implements ``spec_rollback(seq_id, num_tokens)``
+    (docs/speculative.md, "One step").
     """
 
     def verify(self, items: Sequence[StepItem]) -> list[list[int]]: ...
