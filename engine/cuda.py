@@ -47,10 +47,7 @@ def _driver():
 
 
 def _name(result: Any) -> str:
-    try:
-        return result.name
-    except AttributeError:
-        return str(result)
+    return getattr(result, "name", None) or str(result)
 
 
 def _call(func: str, *args: Any) -> Any:
@@ -63,6 +60,11 @@ def _call(func: str, *args: Any) -> Any:
     if len(out) == 1:
         return None
     return out[1] if len(out) == 2 else out[1:]
+
+
+def _call_on(stream: Stream | None, func: str, *args: Any) -> Any:
+    """``func(*args)``, or its ``...Async`` form queued on ``stream`` when one is given."""
+    return _call(func, *args) if stream is None else _call(func + "Async", *args, stream.handle)
 
 
 _initialised = False
@@ -173,10 +175,7 @@ alloc = DeviceBuffer  # cuda.alloc(nbytes): ``nbytes`` of device memory
 
 def memset(ptr: int, value: int, nbytes: int, stream: Stream | None = None) -> None:
     """Set ``nbytes`` at ``ptr`` to the byte ``value``."""
-    if stream is None:
-        _call("cuMemsetD8", ptr, value & 0xFF, nbytes)
-    else:
-        _call("cuMemsetD8Async", ptr, value & 0xFF, nbytes, stream.handle)
+    _call_on(stream, "cuMemsetD8", ptr, value & 0xFF, nbytes)
 
 
 def _host_ptr(arr: np.ndarray) -> int:
@@ -192,28 +191,19 @@ def htod(ptr: int, host: np.ndarray | bytes | memoryview, stream: Stream | None 
     arr = np.ascontiguousarray(arr)
     if arr.nbytes == 0:
         return
-    if stream is None:
-        _call("cuMemcpyHtoD", ptr, _host_ptr(arr), arr.nbytes)
-    else:
-        _call("cuMemcpyHtoDAsync", ptr, _host_ptr(arr), arr.nbytes, stream.handle)
+    _call_on(stream, "cuMemcpyHtoD", ptr, _host_ptr(arr), arr.nbytes)
 
 
 def dtoh(host: np.ndarray, ptr: int, stream: Stream | None = None) -> np.ndarray:
     """Copy ``host.nbytes`` from device ``ptr`` into ``host`` (which must be contiguous)."""
     if host.nbytes == 0:
         return host
-    if stream is None:
-        _call("cuMemcpyDtoH", _host_ptr(host), ptr, host.nbytes)
-    else:
-        _call("cuMemcpyDtoHAsync", _host_ptr(host), ptr, host.nbytes, stream.handle)
+    _call_on(stream, "cuMemcpyDtoH", _host_ptr(host), ptr, host.nbytes)
     return host
 
 
 def dtod(dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
-    if stream is None:
-        _call("cuMemcpyDtoD", dst, src, nbytes)
-    else:
-        _call("cuMemcpyDtoDAsync", dst, src, nbytes, stream.handle)
+    _call_on(stream, "cuMemcpyDtoD", dst, src, nbytes)
 
 
 class PinnedBuffer:
