@@ -223,7 +223,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 
-    window_kv_blocks = parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
+    window_kv_blocks = parse_window_kv_blocks(args.window_kv_blocks)
     path = resolve_model_path(args.model)
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -239,17 +239,16 @@ def bench_from_cli(args: argparse.Namespace) -> int:
 
     if kv := runner_bench.kv_row(runner):
         rows.append(kv)
-    if runner.backend == "cuda" and not getattr(args, "skip_runner", False):
+    if runner.backend == "cuda" and not args.skip_runner:
         rows.insert(0, bench_compile(model, runner.profile))
         quick = args.quick
-        batches = getattr(args, "batches", None)
+        if args.batches:
+            batches = tuple(int(x) for x in args.batches.split(",") if x.strip())
+        else:
+            batches = (1, 8) if quick else runner_bench.graph_buckets(runner)
         rows += runner_bench.run_all(
             runner,
-            batches=(
-                tuple(int(x) for x in batches.split(",") if x.strip())
-                if batches
-                else (1, 8) if quick else runner_bench.graph_buckets(runner)
-            ),
+            batches=batches,
             depths=(0,) if quick else (0, 4096),
             prefills=(512,) if quick else (512, 4096),
             steps=16 if quick else 64,
@@ -268,10 +267,8 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         )
         engine.start()
         try:
-            gen = getattr(args, "gen_tokens", None) or (
-                16 if runner.backend == "reference" or args.quick else 128
-            )
-            plen = getattr(args, "prompt_tokens", None) or (64 if runner.backend == "reference" else 440)
+            gen = args.gen_tokens or (16 if runner.backend == "reference" or args.quick else 128)
+            plen = args.prompt_tokens or (64 if runner.backend == "reference" else 440)
             bench_engine(engine, 1, plen, 4, vocab=int(model.dims["vocab"]))  # warm-up (graph capture)
             for c in levels:
                 before = engine.stats()
