@@ -144,12 +144,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._alloc_scratch()
         log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
             "runner ready in %.2f s: context + plan %.2f s, kernels %.2f s, weights %.2f s, buffers %.2f s",
-            time.perf_counter() - t0,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-            time.perf_counter() - t3,
-        )
+            time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3,
+        )  # fmt: skip
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple, tuple[cuda.Graph, list[_Bound]]] = {}
@@ -449,6 +445,12 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
             self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
         return self._graphs[key][0]
 
+    def _captured(self, bound: list[_Bound]) -> cuda.Graph:
+        """A CUDA graph of ``bound``'s launches (the caller ran them once eagerly: lazy loading)."""
+        with cuda.capture(self.stream) as graph:
+            self._run(bound)
+        return graph
+
     # ----------------------------------------------------------------------------- prefill
 
     def _run_prefill_pass(self, segs: list[tuple[int, StepItem, int, int]]) -> dict[int, int]:
@@ -486,7 +488,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         hitems = [it for _, it, _ in heads]
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
-        self._run(self._prefill_pass_bound(n, nseq, max_q))
+        self._run_prefill_layers(n, nseq, max_q)
         self._tap_prefill(segs, n)  # (before the head's gather moves rows)
         if not heads:
             self.stream.synchronize()
