@@ -300,3 +300,33 @@ def test_warm_prefix_tool_sends_each_prompt_again_and_reports_every_send(tmp_pat
     assert len(prompts) == 6 and len(set(prompts[:3])) == 1 and len(set(prompts[3:])) == 1
     assert prompts[0] != prompts[3] and all(r.sampling.temperature == 0.0 for r in eng.submitted)
     assert "prompt words" in capsys.readouterr().out
+
+
+def test_a_warm_tail_step_does_the_same_python_work_after_64_or_16k_cached_tokens(tmp_path, monkeypatch):
+    """The CUDA runner's step of a prefix hit's tail (fake driver): its host work (Python calls,
+    counted) and uploads do not grow with the cached prompt, and its layers are one graph replay."""
+    from test_runner_cuda import write_tiny_llama
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = base.FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    write_tiny_llama(tmp_path / "m")
+    runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=1100, max_model_len=17000,
+                           builder=base.fake_builder(tmp_path))  # fmt: skip
+    bs = runner.block_size
+
+    def tail(depth: int) -> StepItem:
+        table = list(range(-(-(depth + 5) // bs)))
+        return StepItem(0, [7, 8, 9, 10, 11], depth, table, True, base.GREEDY, history=[3] * (depth + 5), prompt_len=depth + 5)
+
+    runner.step([tail(64)])  # (first use of the head's launches)
+    counts, uploads = [], []
+    for depth in (64, 16000):
+        item = tail(depth)
+        drv.reset()
+        counts.append(_calls(lambda it=item: runner.step([it])))
+        uploads.append(sum(drv.h2d))
+        assert drv.graph_launches == 1
+    assert counts[0] == counts[1] and uploads[0] == uploads[1], (counts, uploads)
