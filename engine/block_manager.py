@@ -488,7 +488,11 @@ class BlockManager:
         return seq.state_slot, seq.restore, snaps
 
     def _state_available(self, exclude: int | None = None) -> int:
-        evictable = sum(1 for s in self._snap_lru if not self._pinned.get(s) and s != exclude)
+        """Free state slots plus unpinned snapshots (less ``exclude`` if it is one), in O(1): every
+        pinned slot is a snapshot, so the unpinned ones are the snapshots less the pinned."""
+        evictable = len(self._snap_lru) - len(self._pinned)
+        if exclude is not None and exclude in self._snap_lru and exclude not in self._pinned:
+            evictable -= 1
         return len(self._state_free) + evictable
 
     def _take_state_slot(self) -> int:

@@ -98,3 +98,28 @@ def test_evicting_a_cached_block_drops_its_snapshot_and_tenants_are_separate():
     bm.check_invariants()
     with pytest.raises(ValueError):
         bm.fork(1, 2)
+
+
+def test_snapshot_slot_accounting_does_not_scan_every_slot_per_boundary():
+    """A cold 16k-token prefill asks for a snapshot at each of its 1,000 block boundaries: with
+    1,024 slots all holding snapshots, the slots available are counted in O(1) per boundary (not a
+    walk over every slot), and the count agrees with the slots themselves."""
+    import cProfile
+    import pstats
+
+    bm = BlockManager(4200, 16, state_slots=1024)
+    run_prefill(bm, 0, list(range(16 * 1024 + 1)), chunk=8192)  # fills every slot with a snapshot
+    bm.free(0)
+    assert bm.num_state_snapshots == 1023 and bm._state_available() == 1024
+    toks = [t + 100_000 for t in range(16_005)]
+    assert bm.allocate(1, toks, SALT) == 0
+    prof = cProfile.Profile()
+    prof.enable()
+    _, _, snaps = bm.state_for_step(1, 0, 8192, len(toks))
+    prof.disable()
+    assert len(snaps) == 512
+    assert pstats.Stats(prof).total_calls < 20 * 512  # type: ignore[attr-defined]
+    bm.commit(1, toks, 8192)
+    bm.check_invariants()
+    unpinned = sum(1 for s in bm._snap_lru if not bm._pinned.get(s))
+    assert bm._state_available() == len(bm._state_free) + unpinned
