@@ -71,7 +71,7 @@ class NullRunner:
         self.max_model_len = max_len
         self.num_blocks = 4 * max_len // 16
         if hybrid:
-            self.num_state_slots = 256
+            self.num_state_slots = 1024  # (engine.runner_state.MAX_STATE_SLOTS)
         self.items: list[list[tuple[int, int]]] = []  # per step: (tokens, start_pos) per item
 
     def step(self, items):
