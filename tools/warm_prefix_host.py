@@ -8,8 +8,9 @@ Prints, per prompt length, the client's TTFT of every send and, for the last war
 stage's milliseconds (perf_counter around the function that does it; nested stages indented): the
 body read and parsed, the chat template and tokenisation, the engine's submit (validation, the sequence),
 scheduling (the prefix-cache lookup and block allocation), the step item, the runner (free
-here), the tokens' bookkeeping and detokenisation, the blocks' release; and the runner items' token
-counts (a warm send runs only its tail). ``--hybrid`` gives the runner state slots (the block
+here), the tokens' bookkeeping and detokenisation, the blocks' release; the runner items' token
+counts (a warm send runs only its tail), the token cache's pieces hit and encoded, and the prefix
+keys hashed. ``--hybrid`` gives the runner state slots (the block
 manager's snapshot bookkeeping of Gated DeltaNet hybrids). Must not be imported by the engine.
 """
 
@@ -118,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     runner = NullRunner(max(lengths) + 1024, args.hybrid)
     instrument()
 
+    engine_ref = []
+
     def load():
         cfg = loop.EngineConfig(max_running=64, max_waiting=128, prefill_chunk_tokens=8192, max_step_tokens=8192 + 64)
         engine = loop.Engine(runner, tok, cfg)
         engine.start()
+        engine_ref.append(engine)
         return engine, tok, ModelInfo("null", runner.max_model_len, "null")
 
     stop = threading.Event()
@@ -139,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(1 + args.repeats):
             STAGES.clear()
             runner.items.clear()
+            seg = tok._segments
+            seg.hits = seg.misses = 0
+            hashed = engine_ref[0].blocks.keys.hashed_blocks
             res = loadgen.one_request("127.0.0.1", args.port, "", None, words, 1, None, 120, random.Random(words),
                                       temperature=0.0, ignore_eos=True)  # fmt: skip
             if not res.ok:
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)  # (the request's release runs after its last event)
         print(f"{words} words ({res.prompt_tokens} tokens, {res.cached_tokens} cached on the last send): "
               f"TTFT cold {ttfts[0]:.2f} ms, warm {' '.join(f'{t:.2f}' for t in ttfts[1:])} ms; "
-              f"runner items of the last send (tokens, start): {runner.items}")  # fmt: skip
+              f"runner items of the last send (tokens, start): {runner.items}; its token cache pieces "
+              f"{seg.hits} hit / {seg.misses} encoded, prefix keys hashed for "
+              f"{engine_ref[0].blocks.keys.hashed_blocks - hashed} blocks")  # fmt: skip
         for name, times in STAGES.items():
             print(f"   {name:40s} {1e3 * sum(times):8.3f} ms  x{len(times)}")
     stop.set()
