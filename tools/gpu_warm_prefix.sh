@@ -10,6 +10,8 @@
 # per kernel template at depths 1k / 4k / 16k. A "before" tree, made on the lead's machine:
 #   mkdir -p .carry/before && git archive <commit> engine kernels models device_profiles | tar -x -C .carry/before
 # Results under $OUT/warm_prefix/; checkpoints stay in /dev/shm, kernel cubins in MEMRA_CACHE_DIR.
+# A cold machine (checkpoint to write, kernels to compile) may need the trees in separate calls:
+# TREES="before=.carry/before" TAIL=0 ..., then TREES="after=." ... (TAIL=0 skips gpu_warm_tail.py).
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/warm_prefix"; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
@@ -35,7 +37,7 @@ for pair in ${TREES:-before=.carry/before after=.}; do
   cat "$log.txt"
   kill -TERM $pid; wait $pid
 done
-[ "${BACKEND:-cuda}" = cuda ] || exit 0
+[ "${BACKEND:-cuda}" = cuda ] && [ "${TAIL:-1}" = 1 ] || exit 0
 timeout 200 env PYTHONPATH="$HERE:${PYTHONPATH:-}" python3 tools/gpu_warm_tail.py $ck --depths 1024,4096,16384 \
   --json "$R/${MODEL:-dense}_tail.json" > "$R/${MODEL:-dense}_tail.txt" 2>&1
 tail -n 5 "$R/${MODEL:-dense}_tail.txt"
