@@ -17,7 +17,8 @@ Hybrid models (recurrent state beside the KV) also get **state slots** from the 
 after the last token of a cached block, attached to that block) or free. A prefix hit then ends at
 the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
 taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
-slots run out the least recently used snapshot is dropped (never a live state).
+slots run out the least recently used snapshot is dropped (never a live state), and a step with
+more boundaries than slots snapshots its deepest ones (the prompt's last cacheable one always).
 Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
 so a repeated or extended prompt hashes only its new blocks.
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
@@ -468,7 +469,10 @@ class BlockManager:
         """(live slot, snapshot slot to restore first or None, [(n, slot)]) for the sequence's item
         of tokens ``start .. start+count-1``: snapshots after n of them, at the block boundaries
         that are multiples of ``snapshot_interval`` or the prompt's last cacheable boundary, each
-        into a slot freed or taken from the least recently used snapshot (skipped when none)."""
+        into a slot freed or taken from the least recently used snapshot. With fewer slots than
+        such boundaries the deepest ones get them, the prompt's last cacheable boundary (the one a
+        repeat of the prompt hits) always among them: shallower snapshots of the same step would
+        only be evicted by the deeper ones."""
         seq = self._seqs[seq_id]
         if not self.state_slots:
             return None, None, []
@@ -476,9 +480,19 @@ class BlockManager:
         if self.enable_prefix_cache:
             bs = self.block_size
             tail = ((prompt_len - 1) // bs) * bs  # the deepest boundary a repeat of this prompt can hit
-            for b in range(((start // bs) + 1) * bs, start + count + 1, bs):
-                if b % self.snapshot_interval and b != tail:
-                    continue
+            want = [
+                b
+                for b in range(((start // bs) + 1) * bs, start + count + 1, bs)
+                if (b == tail or not b % self.snapshot_interval) and seq.table[b // bs - 1] not in self._snap_of_block
+            ]
+            room = self._state_available()
+            if len(want) > room:
+                keep = set(want[len(want) - room :]) if room > 0 else set()
+                if keep and tail in want and tail not in keep:
+                    keep.discard(min(keep))
+                    keep.add(tail)
+                want = [b for b in want if b in keep]
+            for b in want:
                 block = seq.table[b // bs - 1]
                 if block in self._snap_of_block or self._state_available() < 1:
                     continue

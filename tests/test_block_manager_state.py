@@ -123,3 +123,19 @@ def test_snapshot_slot_accounting_does_not_scan_every_slot_per_boundary():
     bm.check_invariants()
     unpinned = sum(1 for s in bm._snap_lru if not bm._pinned.get(s))
     assert bm._state_available() == len(bm._state_free) + unpinned
+
+
+@pytest.mark.parametrize("slots, extra", [(6, 3), (6, 0), (2, 0)])
+def test_a_step_with_more_boundaries_than_slots_snapshots_the_deepest_and_the_prompt_tail(slots, extra):
+    """One prefill chunk over 20 block boundaries with ``slots - 1`` slots for snapshots: the
+    deepest boundaries get them; with a single one, the prompt's last cacheable boundary (what a
+    repeat hits), not the boundary after its last token."""
+    bm = BlockManager(64, 4, state_slots=slots)
+    toks = list(range(20 * 4 + extra))
+    tail = ((len(toks) - 1) // 4) * 4
+    _, ((_, _, snaps),) = run_prefill(bm, 0, toks)
+    got = [n for n, _ in snaps]
+    deepest = list(range(4, len(toks) + 1, 4))[-(slots - 1) :]
+    assert got == (deepest if slots > 2 else [tail]), got
+    bm.free(0)
+    assert run_prefill(bm, 1, toks)[0] == tail  # the repeat restores the tail's snapshot
