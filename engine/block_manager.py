@@ -18,7 +18,10 @@ after the last token of a cached block, attached to that block) or free. A prefi
 the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
 taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
 slots run out the least recently used snapshot is dropped (never a live state), and a step with
-more boundaries than slots snapshots its deepest ones (the prompt's last cacheable one always).
+more boundaries than slots snapshots its deepest ones (the prompt's last cacheable one always);
+a prompt boundary followed by at least as many of the prompt's own as there are slots is never
+snapshotted (they would evict it before the prompt ends: a long prompt writes at most a slot
+count of snapshots, not one per block).
 Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
 so a repeated or extended prompt hashes only its new blocks.
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
@@ -483,7 +486,7 @@ class BlockManager:
             want = [
                 b
                 for b in range(((start // bs) + 1) * bs, start + count + 1, bs)
-                if (b == tail or not b % self.snapshot_interval) and seq.table[b // bs - 1] not in self._snap_of_block
+                if self._snapshot_wanted(b, prompt_len, tail) and seq.table[b // bs - 1] not in self._snap_of_block
             ]
             room = self._state_available()
             if len(want) > room:
@@ -500,6 +503,22 @@ class BlockManager:
                 seq.pending.append((b, slot))
                 snaps.append((b - start, slot))
         return seq.state_slot, seq.restore, snaps
+
+    def _snapshot_wanted(self, b: int, prompt_len: int, tail: int) -> bool:
+        """Whether block boundary ``b`` gets a snapshot: the prompt's ``tail`` always; else a
+        multiple of ``snapshot_interval``, unless it is a prompt boundary followed by at least as
+        many of the prompt's own snapshot boundaries as there are slots for snapshots (one slot is
+        the sequence's live state): those would evict it, least recently used, before the prompt
+        ends, so a long prompt writes at most a slot count of snapshots, not one per block."""
+        if b == tail:
+            return True
+        iv = self.snapshot_interval
+        if b % iv:
+            return False
+        if b > prompt_len:
+            return True
+        later = prompt_len // iv - b // iv + (1 if tail > b and tail % iv else 0)
+        return later < self.state_slots - 1
 
     def _state_available(self, exclude: int | None = None) -> int:
         """Free state slots plus unpinned snapshots (less ``exclude`` if it is one), in O(1): every

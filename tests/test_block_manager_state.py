@@ -139,3 +139,17 @@ def test_a_step_with_more_boundaries_than_slots_snapshots_the_deepest_and_the_pr
     assert got == (deepest if slots > 2 else [tail]), got
     bm.free(0)
     assert run_prefill(bm, 1, toks)[0] == tail  # the repeat restores the tail's snapshot
+
+
+def test_a_long_prompt_writes_at_most_a_slot_count_of_snapshots():
+    """A 16k-token prompt in 2,048-token chunks with 64 slots: only the boundaries whose snapshots
+    can outlive the prompt's own later ones are written (63: the deepest, the tail among them),
+    not one per block (1,000), and its repeat still restores the tail's snapshot."""
+    bm = BlockManager(2100, 16, state_slots=64)
+    toks = list(range(16_005))
+    _, asked = run_prefill(bm, 0, toks, chunk=2048)
+    written = [start + n for (_, _, snaps), start in zip(asked, range(0, 16_005, 2048), strict=True) for n, _ in snaps]
+    assert len(written) == 63 and written == list(range(16_000 - 62 * 16, 16_001, 16))
+    bm.free(0)
+    assert run_prefill(bm, 1, toks)[0] == 16_000
+    bm.check_invariants()
