@@ -17,7 +17,11 @@ Hybrid models (recurrent state beside the KV) also get **state slots** from the 
 after the last token of a cached block, attached to that block) or free. A prefix hit then ends at
 the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
 taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
-slots run out the least recently used snapshot is dropped (never a live state).
+slots run out the least recently used snapshot is dropped (never a live state), and a step with
+more boundaries than slots snapshots its deepest ones (the prompt's last cacheable one always);
+a prompt boundary followed by at least as many of the prompt's own as there are slots is never
+snapshotted (they would evict it before the prompt ends: a long prompt writes at most a slot
+count of snapshots, not one per block).
 Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
 so a repeated or extended prompt hashes only its new blocks.
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
@@ -468,7 +472,10 @@ class BlockManager:
         """(live slot, snapshot slot to restore first or None, [(n, slot)]) for the sequence's item
         of tokens ``start .. start+count-1``: snapshots after n of them, at the block boundaries
         that are multiples of ``snapshot_interval`` or the prompt's last cacheable boundary, each
-        into a slot freed or taken from the least recently used snapshot (skipped when none)."""
+        into a slot freed or taken from the least recently used snapshot. With fewer slots than
+        such boundaries the deepest ones get them, the prompt's last cacheable boundary (the one a
+        repeat of the prompt hits) always among them: shallower snapshots of the same step would
+        only be evicted by the deeper ones."""
         seq = self._seqs[seq_id]
         if not self.state_slots:
             return None, None, []
@@ -476,9 +483,19 @@ class BlockManager:
         if self.enable_prefix_cache:
             bs = self.block_size
             tail = ((prompt_len - 1) // bs) * bs  # the deepest boundary a repeat of this prompt can hit
-            for b in range(((start // bs) + 1) * bs, start + count + 1, bs):
-                if b % self.snapshot_interval and b != tail:
-                    continue
+            want = [
+                b
+                for b in range(((start // bs) + 1) * bs, start + count + 1, bs)
+                if self._snapshot_wanted(b, prompt_len, tail) and seq.table[b // bs - 1] not in self._snap_of_block
+            ]
+            room = self._state_available()
+            if len(want) > room:
+                keep = set(want[len(want) - room :]) if room > 0 else set()
+                if keep and tail in want and tail not in keep:
+                    keep.discard(min(keep))
+                    keep.add(tail)
+                want = [b for b in want if b in keep]
+            for b in want:
                 block = seq.table[b // bs - 1]
                 if block in self._snap_of_block or self._state_available() < 1:
                     continue
@@ -487,8 +504,28 @@ class BlockManager:
                 snaps.append((b - start, slot))
         return seq.state_slot, seq.restore, snaps
 
+    def _snapshot_wanted(self, b: int, prompt_len: int, tail: int) -> bool:
+        """Whether block boundary ``b`` gets a snapshot: the prompt's ``tail`` always; else a
+        multiple of ``snapshot_interval``, unless it is a prompt boundary followed by at least as
+        many of the prompt's own snapshot boundaries as there are slots for snapshots (one slot is
+        the sequence's live state): those would evict it, least recently used, before the prompt
+        ends, so a long prompt writes at most a slot count of snapshots, not one per block."""
+        if b == tail:
+            return True
+        iv = self.snapshot_interval
+        if b % iv:
+            return False
+        if b > prompt_len:
+            return True
+        later = prompt_len // iv - b // iv + (1 if tail > b and tail % iv else 0)
+        return later < self.state_slots - 1
+
     def _state_available(self, exclude: int | None = None) -> int:
-        evictable = sum(1 for s in self._snap_lru if not self._pinned.get(s) and s != exclude)
+        """Free state slots plus unpinned snapshots (less ``exclude`` if it is one), in O(1): every
+        pinned slot is a snapshot, so the unpinned ones are the snapshots less the pinned."""
+        evictable = len(self._snap_lru) - len(self._pinned)
+        if exclude is not None and exclude in self._snap_lru and exclude not in self._pinned:
+            evictable -= 1
         return len(self._state_free) + evictable
 
     def _take_state_slot(self) -> int:

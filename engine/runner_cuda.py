@@ -3,7 +3,8 @@
 Weights are uploaded as the plan says (fused q|k|v and gate|up, raw GGUF blocks, bf16 as bf16,
 norm vectors as f32). One activation arena holds every plan buffer for the largest step; the KV
 cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step runs its prefill
-items eagerly (one chunk at a time, the head on the last row only), then the decode rows through
+items eagerly (one chunk at a time, the head on the last row only; one sequence's 2..block_size
+tokens, a prefix hit's tail, replay a graph captured at build), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
 block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
 of the sampled ids. Logit bias, constraint masks and logprobs are computed on the device
@@ -144,12 +145,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._alloc_scratch()
         log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
             "runner ready in %.2f s: context + plan %.2f s, kernels %.2f s, weights %.2f s, buffers %.2f s",
-            time.perf_counter() - t0,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-            time.perf_counter() - t3,
-        )
+            time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3,
+        )  # fmt: skip
         self._tmaps: dict[tuple, int] = {}  # (source, name, box rows[, rows, cols]) -> descriptor address
         self._tmap_pools: list[cuda.DeviceBuffer] = []
         self._graphs: dict[tuple, tuple[cuda.Graph, list[_Bound]]] = {}
@@ -449,6 +446,12 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
             self._graphs[key] = (graph, bound)  # the bound args must outlive the graph
         return self._graphs[key][0]
 
+    def _captured(self, bound: list[_Bound]) -> cuda.Graph:
+        """A CUDA graph of ``bound``'s launches (the caller ran them once eagerly: lazy loading)."""
+        with cuda.capture(self.stream) as graph:
+            self._run(bound)
+        return graph
+
     # ----------------------------------------------------------------------------- prefill
 
     def _run_prefill_pass(self, segs: list[tuple[int, StepItem, int, int]]) -> dict[int, int]:
@@ -486,7 +489,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         hitems = [it for _, it, _ in heads]
         kind = self._sampling_kind(hitems) if hitems else "greedy"
         self._upload_inputs(nseq, kind)
-        self._run(self._prefill_pass_bound(n, nseq, max_q))
+        self._run_prefill_layers(n, nseq, max_q)
         self._tap_prefill(segs, n)  # (before the head's gather moves rows)
         if not heads:
             self.stream.synchronize()

@@ -158,14 +158,48 @@ class StepLogic:
         """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 2 ..
         block_size tokens of one sequence (a hit stops one token short, at a block boundary; one
         token left runs as a decode row) and the batch-1 head, so that no warm request pays for
-        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen)."""
+        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen).
+        With graphs on, each tail's layers are also captured into a CUDA graph (``_tail_graph``):
+        a warm request then launches one graph instead of hundreds of kernels from Python."""
         t0 = time.perf_counter()
         for n in range(2, self.block_size + 1):
-            self._prefill_bound[("prefill", n, 1, n)] = self._bind_pass("prefill", n, 1, False, "", max_q=n)
+            bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)
+            self._prefill_bound[("prefill", n, 1, n)] = bound
+            if self.use_graphs:
+                self._capture_tail(n, bound)
         for kind in ("greedy", "sample"):
             mode = _decode_mode(1, self.plan.wide_rows)
             self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
-        log.info("warm-prefix passes bound in %.3f s", time.perf_counter() - t0)
+        log.info("warm-prefix passes bound%s in %.3f s", " and captured" if self.use_graphs else "", time.perf_counter() - t0)
+
+    def _capture_tail(self, n: int, bound: list[Any]) -> None:
+        """Capture the layers of a one-sequence prefill pass of ``n`` tokens (the same launches as
+        the eager pass, so its results are bit-identical): first one warm run outside the capture
+        (lazy module loading) whose inputs write only the sinks (KV into the sink block, state
+        from zeros into the sink slot), then the capture. The pass reads its tokens, positions,
+        slots, block table and state slots from the packed inputs, uploaded before each launch."""
+        v, bs = self._views, self.block_size
+        v["tokens"][:n] = 0
+        v["positions"][:n] = np.arange(n)
+        v["slots"][:n] = self._sink_block * bs + np.arange(n) % bs
+        v["seq_starts"][:2] = (0, n)
+        self._tables[: self._table_ld] = self._sink_block
+        self._table_len[0] = 0
+        for r in range(n):
+            self._pad_window(r)
+        with self._states_parked(bs, ""):  # (every row a tail can have)
+            self._upload_inputs(1)
+            self._run(bound)
+        self._graphs[("tail", n)] = (self._captured(bound), bound)  # the bound args outlive the graph
+
+    def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
+        """The layers of a prefill pass (inputs uploaded): a captured tail graph for one sequence's
+        2 .. block_size tokens (a prefix-cache hit's tail) when graphs are on, else eagerly."""
+        tail = self._graphs.get(("tail", n)) if nseq == 1 and self.use_graphs else None
+        if tail is not None:
+            tail[0].launch(self.stream)
+        else:
+            self._run(self._prefill_pass_bound(n, nseq, max_q))
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not

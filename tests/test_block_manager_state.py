@@ -98,3 +98,58 @@ def test_evicting_a_cached_block_drops_its_snapshot_and_tenants_are_separate():
     bm.check_invariants()
     with pytest.raises(ValueError):
         bm.fork(1, 2)
+
+
+def test_snapshot_slot_accounting_does_not_scan_every_slot_per_boundary():
+    """A cold 16k-token prefill asks for a snapshot at each of its 1,000 block boundaries: with
+    1,024 slots all holding snapshots, the slots available are counted in O(1) per boundary (not a
+    walk over every slot), and the count agrees with the slots themselves."""
+    import cProfile
+    import pstats
+
+    bm = BlockManager(4200, 16, state_slots=1024)
+    run_prefill(bm, 0, list(range(16 * 1024 + 1)), chunk=8192)  # fills every slot with a snapshot
+    bm.free(0)
+    assert bm.num_state_snapshots == 1023 and bm._state_available() == 1024
+    toks = [t + 100_000 for t in range(16_005)]
+    assert bm.allocate(1, toks, SALT) == 0
+    prof = cProfile.Profile()
+    prof.enable()
+    _, _, snaps = bm.state_for_step(1, 0, 8192, len(toks))
+    prof.disable()
+    assert len(snaps) == 512
+    assert pstats.Stats(prof).total_calls < 20 * 512  # type: ignore[attr-defined]
+    bm.commit(1, toks, 8192)
+    bm.check_invariants()
+    unpinned = sum(1 for s in bm._snap_lru if not bm._pinned.get(s))
+    assert bm._state_available() == len(bm._state_free) + unpinned
+
+
+@pytest.mark.parametrize("slots, extra", [(6, 3), (6, 0), (2, 0)])
+def test_a_step_with_more_boundaries_than_slots_snapshots_the_deepest_and_the_prompt_tail(slots, extra):
+    """One prefill chunk over 20 block boundaries with ``slots - 1`` slots for snapshots: the
+    deepest boundaries get them; with a single one, the prompt's last cacheable boundary (what a
+    repeat hits), not the boundary after its last token."""
+    bm = BlockManager(64, 4, state_slots=slots)
+    toks = list(range(20 * 4 + extra))
+    tail = ((len(toks) - 1) // 4) * 4
+    _, ((_, _, snaps),) = run_prefill(bm, 0, toks)
+    got = [n for n, _ in snaps]
+    deepest = list(range(4, len(toks) + 1, 4))[-(slots - 1) :]
+    assert got == (deepest if slots > 2 else [tail]), got
+    bm.free(0)
+    assert run_prefill(bm, 1, toks)[0] == tail  # the repeat restores the tail's snapshot
+
+
+def test_a_long_prompt_writes_at_most_a_slot_count_of_snapshots():
+    """A 16k-token prompt in 2,048-token chunks with 64 slots: only the boundaries whose snapshots
+    can outlive the prompt's own later ones are written (63: the deepest, the tail among them),
+    not one per block (1,000), and its repeat still restores the tail's snapshot."""
+    bm = BlockManager(2100, 16, state_slots=64)
+    toks = list(range(16_005))
+    _, asked = run_prefill(bm, 0, toks, chunk=2048)
+    written = [start + n for (_, _, snaps), start in zip(asked, range(0, 16_005, 2048), strict=True) for n, _ in snaps]
+    assert len(written) == 63 and written == list(range(16_000 - 62 * 16, 16_001, 16))
+    bm.free(0)
+    assert run_prefill(bm, 1, toks)[0] == 16_000
+    bm.check_invariants()

@@ -95,6 +95,7 @@ def test_chunked_prefill_on_the_fake_runner(tmp_path, monkeypatch):
                             linear_key_head_dim=32, linear_value_head_dim=32)
     runner = rc.CudaRunner(load_model(path), num_blocks=300, max_model_len=4096, builder=fake_builder(tmp_path),
                            state_slots=6)
+    drv.reset()
     d = runner.plan.dims
     pre = [la for st in runner.plan.steps for la in st.launches["prefill"] if la.spec.template.startswith("gated_delta")]
     assert pre and all(la.spec.template == "gated_delta_chunk" and la.smem > 0 for la in pre)

@@ -44,6 +44,15 @@ class FakeDriver:
         # ("launch", stream id, kernel) and ("wait", waiting stream id, recording stream id), in order
         self.order: list[tuple] = []
 
+    def reset(self) -> None:
+        """Forget what was recorded so far: a test calls it after building the runner, whose
+        construction already captures the warm-prefix tail graphs (runner_steps._capture_tail)."""
+        self.launches.clear()
+        self.h2d.clear()
+        self.h2d_graph.clear()
+        self.order.clear()
+        self.graph_launches = self.captures = 0
+
     def module(self):
         fake = self
         m = types.SimpleNamespace(KernelArgs=real_cuda.KernelArgs, CudaError=real_cuda.CudaError)
@@ -195,6 +204,7 @@ def fake(tmp_path, monkeypatch):
     write_tiny_llama(tmp_path / "m")
     builder = fake_builder(tmp_path)
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
+    drv.reset()
     return runner, drv
 
 
@@ -390,6 +400,7 @@ def test_memra_pdl_0_launches_plainly(tmp_path, monkeypatch):
     write_tiny_llama(tmp_path / "m")
     builder = fake_builder(tmp_path)
     runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=64, max_model_len=512, builder=builder)
+    drv.reset()
     runner.step([StepItem(0, [5, 6, 7], 0, [0], True, GREEDY)])
     assert not runner._pdl and drv.pdl and not any(drv.pdl.values())
 
@@ -471,6 +482,7 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     runner = rc.CudaRunner(load_model(path), num_blocks=64, max_model_len=512, builder=builder)
     assert {w.dtype for w in runner.plan.weights if w.rows > 1} == {"q4_1r"}
     assert sum(drv.h2d) >= sum(w.nbytes for w in runner.plan.weights)
+    drv.reset()
     runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
     one = [n for n, _, _ in drv.launches]
     gemvs = [n for n in one if n.startswith("gemv__")]
@@ -502,6 +514,7 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     builder = fake_builder(tmp_path)
     prof = with_tuning(get_profile("h200"), f"gemv_coop.q8x_resident_grid={'true' if on else 'false'}")
     runner = rc.CudaRunner(load_model(path), prof, num_blocks=64, max_model_len=512, builder=builder)
+    drv.reset()
     launches = {la.spec.entry: la for st in runner.plan.steps for la in st.launches["decode1"]}
     fit = {e for e, la in launches.items() if la.fit_grid}
     assert bool(fit) is on and all(launches[e].spec.params["grid_cap"] for e in fit)
@@ -555,6 +568,7 @@ def _q4_k_m_fake(tmp_path, monkeypatch, tune: str):
     model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
     prof = with_tuning(get_profile("h200"), tune)
     runner = rc.CudaRunner(model, prof, num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path))
+    drv.reset()
     return runner, drv, dims
 
 

@@ -300,3 +300,90 @@ def test_warm_prefix_tool_sends_each_prompt_again_and_reports_every_send(tmp_pat
     assert len(prompts) == 6 and len(set(prompts[:3])) == 1 and len(set(prompts[3:])) == 1
     assert prompts[0] != prompts[3] and all(r.sampling.temperature == 0.0 for r in eng.submitted)
     assert "prompt words" in capsys.readouterr().out
+
+
+def test_a_warm_tail_step_does_the_same_python_work_after_64_or_16k_cached_tokens(tmp_path, monkeypatch):
+    """The CUDA runner's step of a prefix hit's tail (fake driver): its host work (Python calls,
+    counted) and uploads do not grow with the cached prompt, and its layers are one graph replay."""
+    from test_runner_cuda import write_tiny_llama
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+
+    drv = base.FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    write_tiny_llama(tmp_path / "m")
+    runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=1100, max_model_len=17000,
+                           builder=base.fake_builder(tmp_path))  # fmt: skip
+    bs = runner.block_size
+
+    def tail(depth: int) -> StepItem:
+        table = list(range(-(-(depth + 5) // bs)))
+        return StepItem(0, [7, 8, 9, 10, 11], depth, table, True, base.GREEDY, history=[3] * (depth + 5), prompt_len=depth + 5)
+
+    runner.step([tail(64)])  # (first use of the head's launches)
+    counts, uploads = [], []
+    for depth in (64, 16000):
+        item = tail(depth)
+        drv.reset()
+        counts.append(_calls(lambda it=item: runner.step([it])))
+        uploads.append(sum(drv.h2d))
+        assert drv.graph_launches == 1
+    assert counts[0] == counts[1] and uploads[0] == uploads[1], (counts, uploads)
+
+
+def test_a_warm_16k_token_chat_request_through_the_server_encodes_hashes_and_runs_only_new_work(tmp_path):
+    """End to end through `memra serve`'s app (waitress, the word-level tokenizer, its ChatML
+    template, the engine loop): the same 16,000-word chat request sent again re-encodes no piece
+    of text, hashes no prefix-cache block, and the runner gets only the tokens after the cached
+    blocks; a hybrid runner's (state slots) hit ends at the prompt's last block boundary."""
+    import random
+    import types
+
+    from fixtures.checkpoints import write_tokenizer_files
+
+    from engine.loop import Engine, EngineConfig
+    from engine.server.app import create_app
+    from engine.server.model_info import ModelInfo
+    from engine.server.serve import BackgroundServer
+    from engine.tokenizer import _hf_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    import loadgen
+
+    class Runner:
+        backend, block_size, num_blocks, max_model_len, num_state_slots = "null", 16, 2100, 20000, 64
+
+        def __init__(self):
+            self.items: list[tuple[int, int]] = []
+
+        def step(self, items):
+            self.items += [(len(it.token_ids), it.start_pos) for it in items]
+            return [5 if it.sample else None for it in items]
+
+    write_tokenizer_files(tmp_path, words_vocab=4096)
+    tok = _hf_tokenizer(types.SimpleNamespace(path=tmp_path, metadata={}, format="safetensors"))
+    runner = Runner()
+    eng = Engine(runner, tok, EngineConfig(prefill_chunk_tokens=8192, max_step_tokens=8192 + 64))
+    eng.start()
+    try:
+        with BackgroundServer(create_app(eng, tok, ModelInfo("m", runner.max_model_len, "null"))) as srv:
+            port = int(srv.url.rsplit(":", 1)[1])
+
+            def send():
+                res = loadgen.one_request("127.0.0.1", port, "m", None, 16000, 1, None, 60, random.Random(5),
+                                          temperature=0.0, ignore_eos=True)  # fmt: skip
+                assert res.ok, res.error
+                return res
+
+            cold = send()
+            assert cold.prompt_tokens == 16005 and cold.cached_tokens == 0
+            seg, keys = tok._segments, eng.blocks.keys
+            misses, hashed = seg.misses, keys.hashed_blocks
+            runner.items.clear()
+            warm = send()
+    finally:
+        eng.shutdown(5)
+    assert warm.cached_tokens == 16000
+    assert seg.misses == misses and keys.hashed_blocks == hashed  # nothing encoded or hashed again
+    assert runner.items == [(5, 16000)]  # the tail after the last cached block only

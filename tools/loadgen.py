@@ -57,6 +57,8 @@ class Result:
     duration_s: float = 0.0
     disconnected: bool = False
     status: int = 0  # HTTP status (0: none received)
+    prompt_tokens: int = 0  # from a streamed chat's usage chunk
+    cached_tokens: int | None = None  # ... its prompt_tokens_details.cached_tokens (prefix-cache hit)
     kind: str = "chat_stream"
 
 
@@ -189,7 +191,10 @@ def one_request(
                 res.error = "stream_" + str(obj["error"].get("code") or "error")
                 continue  # [DONE] still follows
             if obj.get("usage"):
-                res.tokens = obj["usage"].get("completion_tokens", res.tokens)
+                usage = obj["usage"]
+                res.tokens = usage.get("completion_tokens", res.tokens)
+                res.prompt_tokens = usage.get("prompt_tokens", 0)
+                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             ch = obj.get("choices") or []
             text = (ch[0].get("delta", {}).get("content") or ch[0].get("text")) if ch else None
             if text:

@@ -1,0 +1,78 @@
+"""The warm-prefix tail's captured graph on a real GPU (skipped without one): a prefix-cache hit's
+tail (2 .. block_size tokens of one sequence after its cached blocks) replayed from the graph the
+runner captured when it was built gives logits bit-identical to the same pass run eagerly, for a
+dense model (tiny Llama, bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state
+snapshot); and through the engine loop a repeated prompt hits and equals its uncached run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures.hybrid import write_qwen3_5_hf
+from test_runner_cuda import write_tiny_llama
+
+from engine.types import SamplingParams, StepItem
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def tail_runner(request, tmp_path_factory):
+    from engine.model import load_model
+    from engine.runner_cuda import CudaRunner
+
+    d = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        write_tiny_llama(d / "m")
+        runner = CudaRunner(load_model(d / "m"), num_blocks=128, max_model_len=1024)
+    else:
+        path = write_qwen3_5_hf(d / "m", seed=7, bf16=True, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                                linear_num_value_heads=4, full_attention_interval=2, vocab_size=384)
+        runner = CudaRunner(load_model(path), num_blocks=128, max_model_len=1024, state_slots=8)
+    yield request.param, runner
+    runner.close()
+
+
+@pytest.mark.parametrize("tail", [2, 5, 16])
+def test_tail_graph_logits_equal_the_eager_pass(tail_runner, tail):
+    fam, runner = tail_runner
+    bs = runner.block_size
+    vocab = runner.plan.dims["vocab"]
+    rng = np.random.default_rng(tail)
+    depth = 20 * bs  # the cached prefix
+    prompt = [int(t) for t in rng.integers(3, vocab, depth + tail)]
+    table = list(range(blocks := -(-(depth + tail) // bs)))
+    hybrid = fam != "llama"
+    # the cold prefill (chunks of more than a block: eager), snapshotting the state after `depth`
+    # tokens into slot 1 for the hybrid
+    cold = dict(state_slot=0, state_snapshots=((depth, 1),)) if hybrid else {}
+    runner.step([StepItem(0, prompt[:depth], 0, table, False, GREEDY, **cold)])
+    warm = dict(state_slot=2, state_restore=1) if hybrid else {}
+    item = StepItem(1, prompt[depth:], depth, table[:blocks], True, GREEDY, history=prompt, **warm)
+    assert ("tail", tail) in runner._graphs
+    runner.use_graphs = True
+    ids_graph = runner.step([item])
+    logits_graph = runner.read_logits(1)
+    runner.use_graphs = False
+    ids_eager = runner.step([item])
+    logits_eager = runner.read_logits(1)
+    runner.use_graphs = True
+    assert ids_graph == ids_eager
+    assert np.array_equal(logits_graph.view(np.uint32), logits_eager.view(np.uint32)), fam
+
+
+def test_engine_repeat_hits_and_equals_uncached(tail_runner):
+    from fixtures.engine_waves import serve_waves
+
+    fam, runner = tail_runner
+    bs = runner.block_size
+    vocab = runner.plan.dims["vocab"]
+    prompt = [int(t) for t in np.random.default_rng(9).integers(3, vocab, 30 * bs + 7)]
+    kw = dict(max_tokens=8, vocab_size=vocab, prefill_chunk_tokens=8 * bs, max_step_tokens=512)
+    (cold, _), = serve_waves(runner, [[prompt]], enable_prefix_cache=False, **kw)[0]
+    runs, _ = serve_waves(runner, [[prompt], [prompt], [prompt]], **kw)
+    assert runs[0] == (cold, 0)
+    for toks, cached in runs[1:]:  # a 7-token tail after 30 cached blocks: the tail graph, every time
+        assert cached == 30 * bs and toks == cold, fam

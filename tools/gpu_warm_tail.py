@@ -1,0 +1,125 @@
+"""Where a warm-prefix request's GPU time goes: the tail a prefix-cache hit leaves to run (``--tail``
+tokens of one sequence after ``--depths`` cached tokens), on the GPU machine.
+
+    PYTHONPATH=. python tools/gpu_warm_tail.py MODEL [--depths 1024,4096,16384] [--tail 7] [--json F]
+
+For each depth: ``runner.step`` of the tail item end to end (host prep + upload + layers + head +
+the sampled id read back), with the layers replayed from the captured tail graph and run eagerly;
+the eager launch loop's host time; the layers' GPU time (graph replay, events); and the layers'
+GPU time per kernel template (each template's launches of the pass captured alone and replayed),
+so a template whose cost grows with the depth (the prefill attention over the cached keys) shows.
+The KV and recurrent state are whatever the cache holds (timing only: the tail's tokens, positions,
+block table and state slots are real). Must not be imported by the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import cuda  # noqa: E402
+from engine.model import load_model  # noqa: E402
+from engine.runner_cuda import CudaRunner  # noqa: E402
+from engine.types import SamplingParams, StepItem  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def gpu_ms(stream, fn, reps: int = 10) -> float:
+    """Milliseconds per call of ``fn`` (which queues work on ``stream``), after one warm call."""
+    fn()
+    e0, e1 = cuda.Event(), cuda.Event()
+    e0.record(stream)
+    for _ in range(reps):
+        fn()
+    e1.record(stream)
+    e1.synchronize()
+    ms = e1.elapsed_ms(e0) / reps
+    e0.destroy()
+    e1.destroy()
+    return ms
+
+
+def wall_ms(fn, reps: int = 7) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(out)
+
+
+def per_template(runner, bound) -> dict[str, float]:
+    """GPU ms of the pass's launches grouped by kernel template (each group captured and replayed)."""
+    groups = defaultdict(list)
+    for b in bound:
+        groups[b.fn.name.split("__")[0]].append(b)
+    out = {}
+    for name, bs in groups.items():
+        runner.stream.synchronize()
+        with cuda.capture(runner.stream) as graph:
+            for b in bs:
+                (b.solo or b.run)(b.args)
+        out[name] = round(gpu_ms(runner.stream, lambda g=graph: g.launch(runner.stream)), 3)
+        graph.destroy()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def measure(runner, depth: int, tail: int) -> dict:
+    bs = runner.block_size
+    table = list(range(-(-(depth + tail) // bs)))
+    state = dict(state_slot=0, state_restore=1) if runner.num_state_slots else {}
+    item = StepItem(0, list(range(3, 3 + tail)), depth, table, True, GREEDY, history=[3] * (depth + tail), **state)
+    row = {"depth": depth, "tail": tail}
+    runner.use_graphs = True
+    row["step_graph_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
+    runner.use_graphs = False
+    row["step_eager_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
+    runner.use_graphs = True
+    bound = runner._prefill_pass_bound(tail, 1, tail)
+    runner.stream.synchronize()
+    t0 = time.perf_counter()
+    runner._run(bound)
+    row["eager_launch_host_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+    row["launches"] = len(bound)
+    runner.stream.synchronize()
+    row["layers_gpu_eager_ms"] = round(gpu_ms(runner.stream, lambda: runner._run(bound)), 3)
+    graph = runner._graphs.get(("tail", tail))
+    if graph is not None:
+        row["layers_gpu_graph_ms"] = round(gpu_ms(runner.stream, lambda: graph[0].launch(runner.stream)), 3)
+    row["per_template_gpu_ms"] = per_template(runner, bound)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--depths", default="1024,4096,16384")
+    ap.add_argument("--tail", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    model = load_model(args.model)
+    t0 = time.perf_counter()
+    runner = CudaRunner(model, max_model_len=max(depths) + 1024, state_slots=4)  # (a dense model has none)
+    print(f"runner built in {time.perf_counter() - t0:.2f} s ({runner.ctx.info.name})", flush=True)
+    rows = []
+    for d in depths:
+        row = measure(runner, d, args.tail)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

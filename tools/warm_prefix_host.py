@@ -1,0 +1,168 @@
+"""Where a warm-prefix request's host time goes, on a CPU: `memra serve`'s app (waitress, SSE) over a
+runner whose step costs nothing, with the word-level tokenizer of tools/make_checkpoint.py (one token
+a word) and its ChatML template; tools/loadgen.py's client sends each prompt once cold, then again.
+
+    PYTHONPATH=. python tools/warm_prefix_host.py [--words 1000,16000] [--repeats 3] [--hybrid]
+
+Prints, per prompt length, the client's TTFT of every send and, for the last warm send, each
+stage's milliseconds (perf_counter around the function that does it; nested stages indented): the
+body read and parsed, the chat template and tokenisation, the engine's submit (validation, the sequence),
+scheduling (the prefix-cache lookup and block allocation), the step item, the runner (free
+here), the tokens' bookkeeping and detokenisation, the blocks' release; the runner items' token
+counts (a warm send runs only its tail), the token cache's pieces hit and encoded, and the prefix
+keys hashed. ``--hybrid`` gives the runner state slots (the block
+manager's snapshot bookkeeping of Gated DeltaNet hybrids). Must not be imported by the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
+
+import loadgen  # noqa: E402
+from fixtures.checkpoints import write_tokenizer_files  # noqa: E402
+
+import engine.block_manager as bm  # noqa: E402
+import engine.loop as loop  # noqa: E402
+import engine.prefix_keys as pk  # noqa: E402
+import engine.scheduler as sch  # noqa: E402
+import engine.server.generation as gen  # noqa: E402
+import engine.server.openai_api as oai  # noqa: E402
+from engine.server.model_info import ModelInfo  # noqa: E402
+from engine.server.serve import run_server  # noqa: E402
+from engine.server_config import ServerConfig  # noqa: E402
+from engine.tokenizer import Tokenizer, _hf_tokenizer  # noqa: E402
+
+STAGES: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def timed(name: str, owner, attr: str) -> None:
+    """Wrap ``owner.attr`` so each call's time is added to STAGES[name]."""
+    f = getattr(owner, attr)
+
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            STAGES[name].append(time.perf_counter() - t0)
+
+    setattr(owner, attr, wrapper)
+
+
+class NullRunner:
+    """A Runner whose step costs nothing: every sampled item gets token 5."""
+
+    backend = "null"
+
+    def __init__(self, max_len: int, hybrid: bool):
+        self.block_size = 16
+        self.max_model_len = max_len
+        self.num_blocks = 4 * max_len // 16
+        if hybrid:
+            self.num_state_slots = 1024  # (engine.runner_state.MAX_STATE_SLOTS)
+        self.items: list[list[tuple[int, int]]] = []  # per step: (tokens, start_pos) per item
+
+    def step(self, items):
+        self.items.append([(len(it.token_ids), it.start_pos) for it in items])
+        return [5 if it.sample else None for it in items]
+
+
+class _Source:  # what engine.tokenizer reads of an HF checkpoint directory
+    def __init__(self, d: Path):
+        self.path, self.metadata, self.format = d, {}, "safetensors"
+
+
+def instrument() -> None:
+    for name, owner, attr in (
+        ("read and parse the JSON body", oai, "read_json"),
+        ("chat_ids (escape, template, tokenise)", oai, "chat_ids"),
+        ("  template", gen, "chat_prompt"),
+        ("  tokenise (encode_chat)", Tokenizer, "encode_chat"),
+        ("engine.submit", loop.Engine, "submit"),
+        ("  validate", loop.Engine, "_validate"),
+        ("schedule", sch.Scheduler, "schedule"),
+        ("  blocks.allocate", bm.BlockManager, "allocate"),
+        ("    prefix keys", pk.ChainMemory, "keys"),
+        ("step item", loop.Engine, "_item"),
+        ("runner.step", NullRunner, "step"),
+        ("advance (commit, detokenise)", loop.Engine, "_advance"),
+        ("  blocks.commit", bm.BlockManager, "commit"),
+        ("blocks.free", bm.BlockManager, "free"),
+    ):
+        timed(name, owner, attr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--words", default="1000,16000")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hybrid", action="store_true")
+    ap.add_argument("--port", type=int, default=8311)
+    args = ap.parse_args(argv)
+    lengths = [int(w) for w in args.words.split(",")]
+    d = Path(tempfile.mkdtemp())
+    write_tokenizer_files(d, words_vocab=151936)
+    tok = _hf_tokenizer(_Source(d))
+    runner = NullRunner(max(lengths) + 1024, args.hybrid)
+    instrument()
+
+    engine_ref = []
+
+    def load():
+        cfg = loop.EngineConfig(max_running=64, max_waiting=128, prefill_chunk_tokens=8192, max_step_tokens=8192 + 64)
+        engine = loop.Engine(runner, tok, cfg)
+        engine.start()
+        engine_ref.append(engine)
+        return engine, tok, ModelInfo("null", runner.max_model_len, "null")
+
+    stop = threading.Event()
+    cfg = ServerConfig(host="127.0.0.1", port=args.port)
+    server = threading.Thread(target=run_server, args=(cfg, load), kwargs=dict(install_signals=False, stop_event=stop), daemon=True)
+    server.start()
+    for _ in range(400):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{args.port}/ready")
+            break
+        except OSError:
+            time.sleep(0.05)
+    for words in lengths:
+        ttfts = []
+        for _ in range(1 + args.repeats):
+            STAGES.clear()
+            runner.items.clear()
+            seg = tok._segments
+            seg.hits = seg.misses = 0
+            hashed = engine_ref[0].blocks.keys.hashed_blocks
+            res = loadgen.one_request("127.0.0.1", args.port, "", None, words, 1, None, 120, random.Random(words),
+                                      temperature=0.0, ignore_eos=True)  # fmt: skip
+            if not res.ok:
+                raise SystemExit(f"warm_prefix_host: {words} words: {res.error}")
+            ttfts.append(1e3 * res.ttft_s)
+            time.sleep(0.05)  # (the request's release runs after its last event)
+        print(f"{words} words ({res.prompt_tokens} tokens, {res.cached_tokens} cached on the last send): "
+              f"TTFT cold {ttfts[0]:.2f} ms, warm {' '.join(f'{t:.2f}' for t in ttfts[1:])} ms; "
+              f"runner items of the last send (tokens, start): {runner.items}; its token cache pieces "
+              f"{seg.hits} hit / {seg.misses} encoded, prefix keys hashed for "
+              f"{engine_ref[0].blocks.keys.hashed_blocks - hashed} blocks")  # fmt: skip
+        for name, times in STAGES.items():
+            print(f"   {name:40s} {1e3 * sum(times):8.3f} ms  x{len(times)}")
+    stop.set()
+    server.join(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
