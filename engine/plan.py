@@ -11,6 +11,7 @@ mode (``engine.ir``), and the registered post-passes run. Must not import CUDA o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -211,6 +212,10 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         lowerer.freq = weights[ROPE_FREQ]
+    # numerics.exact_x: those matrices' linears are lowered with the int8-x (q8x) GEMV path off
+    exact = set(graph.numerics.get("exact_x", ()))
+    exact_ids = {id(o) for o, _, _ in schedule if o.op == "linear" and exact & set(o.weights)}
+    exact_profile = _without_q8x(profile) if exact_ids else profile
     readers: dict = {}
     fusable = _prologue_fusable(schedule, readers)
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
@@ -221,7 +226,7 @@ def build_plan(
                 shape = _tensor_shape(graph, w, d)
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
-                if not lowerer.q8x_decode(dt, cols):
+                if id(o) in exact_ids or not lowerer.q8x_decode(dt, cols):
                     return False
             return True
 
@@ -236,6 +241,7 @@ def build_plan(
                 lowerer.rope_v[layer] = values[attn.inputs[2]]
             if attn is not None:
                 lowerer.rope_window[layer] = int(d.get(attn.attrs.get("window", ""), 0) or 0)
+        lowerer.profile = exact_profile if id(op) in exact_ids else profile
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
         unit = lowering_for(op.op, op.attrs)
@@ -248,6 +254,7 @@ def build_plan(
             # attention_decode.fuse_rope
             launches["short"] = tuple(lowerer.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
+    lowerer.profile = profile
 
     for _, post in POST_PASSES:
         post(lowerer, steps, weights, values)
@@ -387,6 +394,14 @@ def _run_of_layer_ops(ops: list[tuple[Op, bool]], start: int) -> list[tuple[Op, 
     while end < len(ops) and ops[end][1]:
         end += 1
     return ops[start:end]
+
+
+def _without_q8x(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` with the coop GEMV's int8-x path off (gemv_coop.q8x false): the lowering of a
+    family's ``numerics.exact_x`` matrices, whose x the decode GEMVs read as it is (bf16 -> f32)."""
+    tuning = dict(profile.tuning)
+    tuning["gemv_coop"] = dataclasses.replace(tuning["gemv_coop"], q8x=False)
+    return dataclasses.replace(profile, tuning=tuning)
 
 
 def _tied(graph: ModelGraph, key: str, d: Mapping[str, Any]) -> bool:
