@@ -109,7 +109,8 @@ class ModelGraph:
     #: fills them (a graph derived from an MTP head, engine.spec.mtp_cuda); families have none
     inputs: dict[str, str] = field(default_factory=dict)
     #: decode numerics the family needs beyond the engine's defaults (``numerics`` in its YAML):
-    #: ``exact_x``, the matrices whose decode GEMVs read x unquantised (no int8 q8x staging)
+    #: ``exact_x``, the matrices whose decode GEMVs read x unquantised (no int8 q8x staging);
+    #: ``f32_values``, activation values stored in f32, not bf16 (an f32 residual stream)
     numerics: dict[str, Any] = field(default_factory=dict)
 
     def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
@@ -492,14 +493,15 @@ def _load_family(name: str, root: str) -> ModelGraph:
 
 
 def _parse_numerics(raw: dict, file: Path, tensors: dict[str, TensorSpec]) -> dict[str, Any]:
-    """The ``numerics`` key: ``exact_x`` (a list of matrix tensor keys) is the only one."""
+    """The ``numerics`` key: ``exact_x`` (matrix tensor keys) and ``f32_values`` (activation value
+    names; the plan checks that only ops with an f32 form touch them)."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        if key != "exact_x":
-            raise fail(file, f"numerics.{key}", "unknown key; expected one of: exact_x")
-        if not isinstance(value, list):
-            raise fail(file, "numerics.exact_x", "expected a list of matrix tensor keys")
-        for t in value:
+        if key not in ("exact_x", "f32_values"):
+            raise fail(file, f"numerics.{key}", "unknown key; expected one of: exact_x, f32_values")
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail(file, f"numerics.{key}", "expected a list of names")
+        for t in value if key == "exact_x" else ():
             if t not in tensors or tensors[t].kind != "matrix":
                 raise fail(file, "numerics.exact_x", f"{t!r} is not a matrix tensor of this family")
         out[key] = tuple(value)

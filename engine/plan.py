@@ -144,6 +144,19 @@ def build_plan(
         values.setdefault(name, v)
         return values[name]
 
+    # numerics.f32_values: activation values stored in f32 (Gemma's residual stream); only the ops
+    # whose units have an f32 form may touch them (each unit checks its side: embed writes one,
+    # rmsnorm reads one, add reads and writes one with a bf16 second input)
+    f32_values = set(graph.numerics.get("f32_values", ()))
+    written = {n for o, _ in ops for n in o.outputs}
+    for name in sorted(f32_values):
+        if name not in written:
+            raise ConfigError(f"{graph.path}: numerics.f32_values: no op writes a value {name!r}")
+        lowerer.value_dtypes[name] = "f32"
+    for o, _ in ops:
+        touched = f32_values & {*o.inputs, *o.outputs, o.attrs.get("residual")}
+        if touched and o.op not in ("embed", "rmsnorm", "add"):
+            raise ConfigError(f"{graph.path}: numerics.f32_values: op {o.op} reads or writes {sorted(touched)[0]!r}, which has no f32 form there (only embed, rmsnorm, add)")
     for name, width in graph.inputs.items():
         value_for(name, int(evaluate(width, dict(d))))
     fuse_groups: dict[int, list[list[int]]] = {}

@@ -59,10 +59,14 @@ def _gemvs(plan, weight, mode):
     ]
 
 
+def _without(model, key):
+    return dataclasses.replace(model.graph, numerics={k: v for k, v in model.graph.numerics.items() if k != key})
+
+
 def test_exact_x_projections_decode_without_q8x(model):
     assert load_family("gemma3").numerics["exact_x"] == ("wo", "w_down")
     plan = _plan(model)
-    plain = _plan(model, dataclasses.replace(model.graph, numerics={}))
+    plain = _plan(model, _without(model, "exact_x"))
     for w in ("wo", "w_down"):
         for mode in ("decode1", "decode"):
             got, was = _gemvs(plan, w, mode), _gemvs(plain, w, mode)
@@ -72,6 +76,50 @@ def test_exact_x_projections_decode_without_q8x(model):
     for st, was in zip(plan.steps, plain.steps, strict=True):
         if not (st.op.op == "linear" and st.op.weights[0] in ("wo", "w_down")):
             assert st.launches == was.launches, (st.op.op, st.layer)
+
+
+def test_f32_residual_stream_plan(model):
+    """numerics.f32_values [x]: x is an f32 buffer; the embedding writes it f32, every rmsnorm of x
+    (with its folded add or not) and the add left over read it as f32, the final norm is a launch
+    of its own at batch 1 (a GEMV's norm prologue reads bf16 x); nothing else changes."""
+    assert load_family("gemma3").numerics["f32_values"] == ("x",)
+    plan, plain = _plan(model), _plan(model, _without(model, "f32_values"))
+    assert plan.values["x"].dtype == "f32" and plain.values["x"].dtype == "bf16"
+    assert {b.name: b.dtype for b in plan.buffers}["x"] == "f32"
+    seen = set()
+    for st, was in zip(plan.steps, plain.steps, strict=True):
+        for mode, las in st.launches.items():
+            for la in las:
+                p = la.spec.params
+                if st.op.op == "embed":
+                    assert p["out_dtype"] == "f32"
+                elif la.spec.template == "rmsnorm":
+                    assert p["x_dtype"] == ("f32" if st.op.inputs[0] == "x" else "bf16"), (st.layer, mode)
+                elif la.spec.template == "add":
+                    assert p["a_dtype"] == "f32"
+                else:
+                    continue
+                seen.add((st.op.op, la.spec.template, mode))
+        if st.op.op not in ("embed", "rmsnorm", "add") and not (st.head and st.op.op == "linear"):
+            assert st.launches == was.launches, (st.op.op, st.layer)
+    assert ("add", "add", "decode") in seen and ("rmsnorm", "rmsnorm", "prefill") in seen
+    head = [st for st in plan.steps if st.head]
+    assert [len(st.launches["decode1"]) for st in head] == [1, 1]  # the final norm launches
+    assert _gemvs(plan, "lm_head", "decode1")[0]["prologue"] == "none"
+
+
+def test_an_f32_value_read_by_an_op_without_an_f32_form_is_refused():
+    from engine.model import dims_for_size
+    from engine.plan import build_plan
+    from engine.profile import get_profile
+
+    g = load_family("llama")
+    g = dataclasses.replace(g, numerics={"f32_values": ("x",)})  # Llama's GEMVs add x as their residual
+    with pytest.raises(ConfigError, match=r"numerics.f32_values: op linear reads or writes 'x'"):
+        build_plan(g, dims_for_size("llama", "smollm2-135m"), g.quant("bf16"), get_profile("h100"))
+    g = dataclasses.replace(g, numerics={"f32_values": ("y",)})
+    with pytest.raises(ConfigError, match=r"no op writes a value 'y'"):
+        build_plan(g, dims_for_size("llama", "smollm2-135m"), g.quant("bf16"), get_profile("h100"))
 
 
 def test_a_bad_exact_x_entry_is_an_error_naming_it(tmp_path):
@@ -96,7 +144,7 @@ def _run_down_gemv(tmp_path, params, w, x):
 
 def test_the_exact_down_projection_gemv_is_f32_exact_where_q8x_is_not(model, tmp_path):
     plan = _plan(model)
-    plain = _plan(model, dataclasses.replace(model.graph, numerics={}))
+    plain = _plan(model, _without(model, "exact_x"))
     (exact,) = [p for p in _gemvs(plan, "w_down", "decode1") if p["k"] == 2048][:1]
     (q8x,) = [p for p in _gemvs(plain, "w_down", "decode1") if p["k"] == 2048][:1]
     assert exact["quant"] == q8x["quant"] == "q6_kr" and not exact["q8x"] and q8x["q8x"]
@@ -118,3 +166,41 @@ def test_the_exact_down_projection_gemv_is_f32_exact_where_q8x_is_not(model, tmp
     got = _run_down_gemv(tmp_path, exact, w, xb)
     assert rel(got) < 1e-5, rel(got)
     assert rel(_run_down_gemv(tmp_path, q8x, w, xb)) > 100 * max(rel(got), 1e-7)
+
+
+def _emu(tmp_path, template, grid, args, **params):
+    spec = kc.spec(template, **params)
+    lib, types = cuda_emu.compile_any(render(spec), spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, grid, params["threads"], 0, args)
+
+
+def test_f32_residual_stream_kernels_under_the_emulator(tmp_path):
+    """numerics.f32_values: x: the add, the rmsnorm (plain and with its residual) and the embedding
+    on an f32 x, rendered and run under g++: the sums stored unrounded (f32 exact), the norm of the
+    unrounded sum; the bf16 forms round the same sums."""
+    rng = np.random.default_rng(3)
+    rows, n, t = 3, 640, kc.ELEMENTWISE_THREADS
+    x = (rng.standard_normal((rows, n)) * 300).astype(np.float32)
+    ob = to_bf16_bits(rng.standard_normal((rows, n)).astype(np.float32) * 20).reshape(rows, n)
+    o = (ob.astype(np.uint32) << 16).view(np.float32)
+    xa = x.copy()
+    _emu(tmp_path, "add", (-(-n // (8 * t)), rows, 1), [xa, xa, ob, rows], n=n, a_stride=n, b_stride=n,
+         threads=t, a_dtype="f32")  # fmt: skip
+    np.testing.assert_array_equal(xa, x + o)
+    w = (1.0 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    for residual in (False, True):
+        xr, out = x.copy(), np.full((rows, n), 0x7FC0, np.uint16)
+        _emu(tmp_path, "rmsnorm", (rows, 1, 1), [out, xr, ob if residual else None, w, rows],
+             n=n, eps="1e-06", threads=kc.NORM_THREADS, residual=residual, x_dtype="f32")  # fmt: skip
+        s = x + o if residual else x
+        np.testing.assert_array_equal(xr, s)
+        want = (s / np.sqrt(np.mean(s.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)) * w
+        got = (out.astype(np.uint32) << 16).view(np.float32)
+        assert np.abs(got - want).max() <= 2**-8 * np.abs(want).max()
+    table = rng.standard_normal((50, n)).astype(np.float32)
+    ids = np.array([4, 0, 49], np.int32)
+    out = np.full((3, n), np.nan, np.float32)
+    scale = 640**0.5
+    _emu(tmp_path, "embed", (3, 1, 1), [out, table, ids, 3], quant="f32", hidden=n, threads=t, scale=scale,
+         out_dtype="f32")  # fmt: skip
+    np.testing.assert_allclose(out, table[ids] * np.float32(scale), rtol=1e-6)
