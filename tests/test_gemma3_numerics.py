@@ -8,7 +8,8 @@ projections' decode GEMVs read x unquantised, not as the coop GEMV's int8 32-gro
   an op without an f32 form (a GEMV's residual) is refused, as is a name no op writes;
 * the kernels under g++ (tests/fixtures/cuda_emu.py): the down projection GEMV (q6_kr, k 2048) as
   the plan has it gives the f32 product to f32 summation error on a GeGLU-like x where the q8x spec
-  is off by far more; the f32 add / rmsnorm / embedding store their sums unrounded;
+  is off by far more; both exact GEMVs' batch-1 specs give their bucket rows' bits (batched equal to
+  solo); the f32 add / rmsnorm / embedding store their sums unrounded;
 * the real 270M file (slow): the reference with the plan's storage roundings
   (tests/fixtures/plan_numerics.py) over 64 teacher-forced positions, with and without the options.
 """
@@ -134,15 +135,16 @@ def test_a_bad_exact_x_entry_is_an_error_naming_it(tmp_path):
         _load_family("gemma3", str(tmp_path))
 
 
-def _run_down_gemv(tmp_path, params, w, x):
-    """The down projection's batch-1 GEMV (``params`` from the plan, f32 output) on x [1, k]."""
+def _run_gemv(tmp_path, params, w, x, rows=1):
+    """A GEMV spec of the plan (``params``, f32 output) on x [rows, k]: out [rows, n] (rows 1: [n])."""
     spec = kc.spec("gemv", **{**params, "out_dtype": "f32", "wsm": False, "trigger": False, "l2_pf": ""})
     p = spec.params
-    out = np.full((1, p["n"]), np.nan, np.float32)
+    out = np.full((rows, p["n"]), np.nan, np.float32)
     lib, types = cuda_emu.compile_any(render(spec), spec.entry, tmp_path)
-    args = [out, w, x, None, 1] + ([None] if p["prologue"] == "norm" else [])
-    cuda_emu.launch_any(lib, types, (kc.gemv_grid_x(p), 1, 1), p["threads"], kc.gemv_smem(p), args)
-    return out[0]
+    args = [out, w, x, None, rows] + ([None] if p["prologue"] == "norm" else [])
+    grid = (kc.gemv_grid_x(p), -(-rows // p["bmax"]), 1)
+    cuda_emu.launch_any(lib, types, grid, p["threads"], kc.gemv_smem(p), args)
+    return out[0] if rows == 1 else out
 
 
 def test_the_exact_down_projection_gemv_is_f32_exact_where_q8x_is_not(model, tmp_path):
@@ -166,9 +168,28 @@ def test_the_exact_down_projection_gemv_is_f32_exact_where_q8x_is_not(model, tmp
     def rel(a):
         return float(np.linalg.norm(a - want) / np.linalg.norm(want))
 
-    got = _run_down_gemv(tmp_path, exact, w, xb)
+    got = _run_gemv(tmp_path, exact, w, xb)
     assert rel(got) < 1e-5, rel(got)
-    assert rel(_run_down_gemv(tmp_path, q8x, w, xb)) > 100 * max(rel(got), 1e-7)
+    assert rel(_run_gemv(tmp_path, q8x, w, xb)) > 100 * max(rel(got), 1e-7)
+
+
+@pytest.mark.parametrize("weight", ["wo", "w_down"])
+def test_the_exact_gemvs_batch1_equal_their_bucket_rows(model, tmp_path, weight):
+    """Batched equal to solo for the exact GEMVs: the batch-1 spec on one row gives the bits of the
+    bmax-8 bucket spec's row (f32 row sums, as tests/test_batch_invariance_emu.py checks the q8x ones)."""
+    (p1,) = [p for p in _gemvs(_plan(model), weight, "decode1")][:1]
+    (pn,) = [p for p in _gemvs(_plan(model), weight, "decode")][:1]
+    assert not p1["q8x"] and not pn["q8x"] and (p1["quant"], p1["k"]) == (pn["quant"], pn["k"])
+    n, k = 2 * max(p1["rows_per_block"], pn["rows_per_block"]), p1["k"]
+    p1, pn = {**p1, "n": n}, {**pn, "n": n}
+    file_type = quant.REPACKED_FROM.get(p1["quant"], p1["quant"])
+    raw = random_blocks(file_type, n * k // quant.block(file_type)[0], seed=4)
+    w = np.ascontiguousarray(quant.repack(raw, p1["quant"], n, k) if p1["quant"] != file_type else raw).reshape(-1)
+    x = to_bf16_bits((np.random.default_rng(5).standard_normal((3, k)) * 2).astype(np.float32)).reshape(3, k)
+    want = _run_gemv(tmp_path, pn, w, x, rows=3)
+    for r in range(3):
+        got = _run_gemv(tmp_path, p1, w, np.ascontiguousarray(x[r : r + 1]))
+        assert np.array_equal(got, want[r]), (weight, r, int((got != want[r]).sum()))
 
 
 def _emu(tmp_path, template, grid, args, **params):
