@@ -156,7 +156,10 @@ def build_plan(
     for o, _ in ops:
         touched = f32_values & {*o.inputs, *o.outputs, o.attrs.get("residual")}
         if touched and o.op not in ("embed", "rmsnorm", "add"):
-            raise ConfigError(f"{graph.path}: numerics.f32_values: op {o.op} reads or writes {sorted(touched)[0]!r}, which has no f32 form there (only embed, rmsnorm, add)")
+            raise ConfigError(
+                f"{graph.path}: numerics.f32_values: op {o.op} reads or writes {sorted(touched)[0]!r}, "
+                "which has no f32 form there (only embed, rmsnorm, add)"
+            )
     for name, width in graph.inputs.items():
         value_for(name, int(evaluate(width, dict(d))))
     fuse_groups: dict[int, list[list[int]]] = {}
