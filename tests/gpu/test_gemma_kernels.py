@@ -184,15 +184,21 @@ GEMMA_GEMVS = [("q5_0", 1280, 640), ("q5_0", 4096, 640), ("q8_0", 256, 640), ("q
 @pytest.mark.parametrize("case", GEMMA_GEMVS, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
 def test_gemma_gemvs(kernels, profile, device, case):
     """The GEMVs at Gemma 3 270M's shapes (rows of 640 values, not a multiple of 256) in the layout
-    the profile picks, at batch 1 and 8, the logits (f32) and the residual variants."""
+    the profile picks, at batch 1 and 8, the logits (f32) and the residual variants; and each with the
+    coop GEMV's q8x off (models/gemma3.yaml numerics.exact_x: the o / down projections' plan)."""
+    import dataclasses
+
     ft, n, k = case
     qt = kc.upload_type(ft, k, profile.tuning, n)
+    exact = dict(profile.tuning, gemv_coop=dataclasses.replace(profile.tuning["gemv_coop"], q8x=False))
     cases = []
-    for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
-                                     (8, 8, False, "f32")):  # fmt: skip
-        p = kc.linear_params(qt, n, k, profile.tuning, residual=residual, out_dtype=od, bmax=bmax,
-                             sm_count=device.sm_count)  # fmt: skip
-        cases.append((kc.spec("gemv", **p), rows))
+    for tuning in (profile.tuning, exact):
+        for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
+                                         (8, 8, False, "f32")):  # fmt: skip
+            p = kc.linear_params(qt, n, k, tuning, residual=residual, out_dtype=od, bmax=bmax,
+                                 sm_count=device.sm_count)  # fmt: skip
+            cases.append((kc.spec("gemv", **p), rows))
+    cases = list(dict.fromkeys(cases))
     kernels.prebuild(s for s, _ in cases)
     bad = gemv_failures(kernels, uploaded_weights(n), cases, np.random.default_rng(n))
     assert not bad, bad
