@@ -108,6 +108,10 @@ class ModelGraph:
     #: activation values the graph reads that no op writes, {name: width expression}: the runner
     #: fills them (a graph derived from an MTP head, engine.spec.mtp_cuda); families have none
     inputs: dict[str, str] = field(default_factory=dict)
+    #: decode numerics the family needs beyond the engine's defaults (``numerics`` in its YAML):
+    #: ``exact_x``, the matrices whose decode GEMVs read x unquantised (no int8 q8x staging);
+    #: ``f32_values``, activation values stored in f32, not bf16 (an f32 residual stream)
+    numerics: dict[str, Any] = field(default_factory=dict)
 
     def op_runs(self, op: Op, dims: dict[str, Any], layer: int | None) -> bool:
         """Whether ``op`` runs in ``layer`` (its ``when`` predicate over ``dims``; always if it has none)."""
@@ -188,6 +192,7 @@ _TOP = {
     "hf_rename": Field(MapOf(str), default={}),
     "hf_expect": Field(MapOf((list, type(None))), default={}),
     "mtp": Field((dict, type(None))),  # absent: inherited from an `extends` parent; null: none
+    "numerics": Field(dict, default={}),
 }
 
 
@@ -461,6 +466,7 @@ def _load_family(name: str, root: str) -> ModelGraph:
     graph, made = _parse_graph(raw["graph"], file, dims, tensors, predicates)
     mtp = _parse_mtp(raw["mtp"], file, dims, tensors, made) if raw.get("mtp") else None
     quants = _parse_quants(raw["quants"], file, tensors)
+    numerics = _parse_numerics(raw.get("numerics") or {}, file, tensors)
     for size, values in raw["sizes"].items():
         for k in values:
             if k not in dims:
@@ -480,7 +486,24 @@ def _load_family(name: str, root: str) -> ModelGraph:
         predicates=predicates,
         hf_expect={k: tuple(v) for k, v in (raw.get("hf_expect") or {}).items() if v is not None},
         mtp=mtp,
+        numerics=numerics,
     )
+
+
+def _parse_numerics(raw: dict, file: Path, tensors: dict[str, TensorSpec]) -> dict[str, Any]:
+    """The ``numerics`` key: ``exact_x`` (matrix tensor keys) and ``f32_values`` (activation value
+    names; the plan checks that only ops with an f32 form touch them)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in ("exact_x", "f32_values"):
+            raise fail(file, f"numerics.{key}", "unknown key; expected one of: exact_x, f32_values")
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail(file, f"numerics.{key}", "expected a list of names")
+        for t in value if key == "exact_x" else ():
+            if t not in tensors or tensors[t].kind != "matrix":
+                raise fail(file, "numerics.exact_x", f"{t!r} is not a matrix tensor of this family")
+        out[key] = tuple(value)
+    return out
 
 
 def all_families(root: Path | None = None) -> dict[str, ModelGraph]:

@@ -19,7 +19,7 @@ def merge_parent(child: dict, parent: dict, file: Path) -> dict:
     """Apply a child family's delta to its parent's raw YAML."""
     merged = copy.deepcopy(parent)
     merged["family"] = child["family"]
-    for key in ("description", "matches", "rope_style", "quants", "sizes", "mtp"):
+    for key in ("description", "matches", "rope_style", "quants", "sizes", "mtp", "numerics"):
         if key in child:
             merged[key] = child[key]
     for key in ("dims", "tensors", "predicates", "hf_expect"):

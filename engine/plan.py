@@ -11,6 +11,7 @@ mode (``engine.ir``), and the registered post-passes run. Must not import CUDA o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,6 +144,22 @@ def build_plan(
         values.setdefault(name, v)
         return values[name]
 
+    # numerics.f32_values: activation values stored in f32 (Gemma's residual stream); only the ops
+    # whose units have an f32 form may touch them (each unit checks its side: embed writes one,
+    # rmsnorm reads one, add reads and writes one with a bf16 second input)
+    f32_values = set(graph.numerics.get("f32_values", ()))
+    written = {n for o, _ in ops for n in o.outputs}
+    for name in sorted(f32_values):
+        if name not in written:
+            raise ConfigError(f"{graph.path}: numerics.f32_values: no op writes a value {name!r}")
+        lowerer.value_dtypes[name] = "f32"
+    for o, _ in ops:
+        touched = f32_values & {*o.inputs, *o.outputs, o.attrs.get("residual")}
+        if touched and o.op not in ("embed", "rmsnorm", "add"):
+            raise ConfigError(
+                f"{graph.path}: numerics.f32_values: op {o.op} reads or writes {sorted(touched)[0]!r}, "
+                "which has no f32 form there (only embed, rmsnorm, add)"
+            )
     for name, width in graph.inputs.items():
         value_for(name, int(evaluate(width, dict(d))))
     fuse_groups: dict[int, list[list[int]]] = {}
@@ -211,6 +228,10 @@ def build_plan(
         half = int(d["rope_dim"]) // 2
         weights[ROPE_FREQ] = WeightPlan(ROPE_FREQ, None, (ROPE_FREQ,), "f32", 1, half, (1,))
         lowerer.freq = weights[ROPE_FREQ]
+    # numerics.exact_x: those matrices' linears are lowered with the int8-x (q8x) GEMV path off
+    exact = set(graph.numerics.get("exact_x", ()))
+    exact_ids = {id(o) for o, _, _ in schedule if o.op == "linear" and exact & set(o.weights)}
+    exact_profile = _without_q8x(profile) if exact_ids else profile
     readers: dict = {}
     fusable = _prologue_fusable(schedule, readers)
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
@@ -221,7 +242,7 @@ def build_plan(
                 shape = _tensor_shape(graph, w, d)
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
-                if not lowerer.q8x_decode(dt, cols):
+                if id(o) in exact_ids or not lowerer.q8x_decode(dt, cols):
                     return False
             return True
 
@@ -236,6 +257,7 @@ def build_plan(
                 lowerer.rope_v[layer] = values[attn.inputs[2]]
             if attn is not None:
                 lowerer.rope_window[layer] = int(d.get(attn.attrs.get("window", ""), 0) or 0)
+        lowerer.profile = exact_profile if id(op) in exact_ids else profile
         ws = plan_weight(op, layer) if op.weights else []
         ins = [values[n] for n in op.inputs if n in values]
         unit = lowering_for(op.op, op.attrs)
@@ -248,6 +270,7 @@ def build_plan(
             # attention_decode.fuse_rope
             launches["short"] = tuple(lowerer.launches(op, layer, "short", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
+    lowerer.profile = profile
 
     for _, post in POST_PASSES:
         post(lowerer, steps, weights, values)
@@ -387,6 +410,14 @@ def _run_of_layer_ops(ops: list[tuple[Op, bool]], start: int) -> list[tuple[Op, 
     while end < len(ops) and ops[end][1]:
         end += 1
     return ops[start:end]
+
+
+def _without_q8x(profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` with the coop GEMV's int8-x path off (gemv_coop.q8x false): the lowering of a
+    family's ``numerics.exact_x`` matrices, whose x the decode GEMVs read as it is (bf16 -> f32)."""
+    tuning = dict(profile.tuning)
+    tuning["gemv_coop"] = dataclasses.replace(tuning["gemv_coop"], q8x=False)
+    return dataclasses.replace(profile, tuning=tuning)
 
 
 def _tied(graph: ModelGraph, key: str, d: Mapping[str, Any]) -> bool:

@@ -210,6 +210,9 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(gemm_smem(p) <= GEMM_SMEM_MAX, f"{gemm_smem(p)} bytes of shared memory > {GEMM_SMEM_MAX}")
     if template == "rmsnorm":
         need(p["n"] % 8 == 0, f"n={p['n']} must be a multiple of 8")
+        need(p["x_dtype"] in ("bf16", "f32"), f"x_dtype {p['x_dtype']!r} must be bf16 or f32")
+    if template == "embed":
+        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
     if template == "silu_mul":
         need(p["inter"] % 8 == 0 and p["in_stride"] % 8 == 0, "inter and in_stride must be multiples of 8")
     if template == "rope":
@@ -228,6 +231,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             p["n"] % 8 == 0 and p["a_stride"] % 8 == 0 and p["b_stride"] % 8 == 0,
             "n, a_stride and b_stride must be multiples of 8 (16-byte loads)",
         )
+        need(p["a_dtype"] in ("bf16", "f32"), f"a_dtype {p['a_dtype']!r} must be bf16 or f32")
     if template in ("attention", "attention_combine"):
         need(
             p["head_dim"] % 32 == 0 and p["head_dim"] <= 256,

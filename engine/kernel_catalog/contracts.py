@@ -71,7 +71,9 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
     "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
-    "embed": {"scale": "1.0"},
+    "embed": {"scale": "1.0", "out_dtype": "bf16"},
+    "rmsnorm": {"x_dtype": "bf16"},
+    "add": {"a_dtype": "bf16"},
     "silu_mul": {"act": "silu"},
     "gemv": {
         "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0,
@@ -151,26 +153,28 @@ KERNELS: dict[str, KernelDoc] = {
         {"out_dtype": "bf16", "raster": True, "maxnreg": True},
     ),
     "rmsnorm": KernelDoc(
-        dict(n=int, eps=float, threads=int, residual=bool),
+        dict(n=int, eps=float, threads=int, residual=bool, x_dtype=str),
         (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I32)),
         None,
         "(rows,)",
         "(threads,)",
+        defaults={"x_dtype": "bf16"},
     ),
     "embed": KernelDoc(
-        dict(quant=str, hidden=int, threads=int, scale=float),
+        dict(quant=str, hidden=int, threads=int, scale=float, out_dtype=str),
         (("out", P), ("table", P), ("ids", P), ("rows", I32)),
         None,
         "(rows,)",
         "(threads,)",
-        defaults={"scale": 1.0},
+        defaults={"scale": 1.0, "out_dtype": "bf16"},
     ),
     "add": KernelDoc(
-        dict(n=int, a_stride=int, b_stride=int, threads=int),
+        dict(n=int, a_stride=int, b_stride=int, threads=int, a_dtype=str),
         (("out", P), ("a", P), ("b", P), ("rows", I32)),
         None,
         "(ceil(n / (8 * threads)), rows)",
         "(threads,)",
+        defaults={"a_dtype": "bf16"},
     ),
     "rope": KernelDoc(
         dict(

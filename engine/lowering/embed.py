@@ -1,5 +1,6 @@
 """Lowering unit ``embed``: one row of the (possibly quantised) table per token, dequantised to
-bf16 (kernels/embed.cu.j2), times the op's ``scale`` (Gemma's sqrt(hidden)) where set. Must not import CUDA or numpy."""
+bf16 (kernels/embed.cu.j2; f32 where the output value is f32: a family's ``numerics.f32_values``),
+times the op's ``scale`` (Gemma's sqrt(hidden)) where set. Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -16,5 +17,6 @@ def bind(op, ws, ins, dims, value_for):
 def lower(ctx, op, layer, mode, ins, outs, ws):
     w = ws[0]
     t = ELEMENTWISE_THREADS
-    spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t, scale=float(ctx.attr_dim(op, "scale", 1.0)))
+    scale = float(ctx.attr_dim(op, "scale", 1.0))
+    spec = ctx.spec("embed", quant=w.dtype, hidden=w.cols, threads=t, scale=scale, out_dtype=outs[0].dtype)
     return [Launch(spec, ("n",), (t,), (val(outs[0]), wgt(w), Arg("input", "tokens"), ROWS))]

@@ -1,9 +1,10 @@
 """Lowering units ``gelu_tanh_mul`` (``out = gelu_tanh(g) * u``: kernels/silu_mul.cu.j2 with act
 gelu_tanh) and ``add`` (``out = a + b``, Gemma's residual sum after its post-norms:
-kernels/add.cu.j2). Neither folds into a GEMV: each is one small elementwise launch, except that the
-post-pass ``fold_add_into_rmsnorm`` moves an in-place ``x = x + o`` into the rmsnorm of x right after
-it (the rmsnorm kernel's residual mode: the same roundings, one launch fewer). Must not import CUDA
-or numpy."""
+kernels/add.cu.j2; ``a`` and the output f32 where the family keeps its residual stream in f32,
+``numerics.f32_values``). Neither folds into a GEMV: each is one small elementwise launch, except
+that the post-pass ``fold_add_into_rmsnorm`` moves an in-place ``x = x + o`` into the rmsnorm of x
+right after it (the rmsnorm kernel's residual mode: the same roundings, one launch fewer). Must not
+import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def lower_add(ctx, op, layer, mode, ins, outs, ws):
     out = outs[0]
     if b.width != a.width or out.ld != a.ld:
         raise ConfigError("plan: add needs inputs of one width and writes its output with the first one's row stride")
+    if out.dtype != a.dtype or b.dtype != "bf16":
+        raise ConfigError(
+            f"plan: add writes its first input's dtype and reads a bf16 second one (got {a.dtype} + {b.dtype} -> {out.dtype})"
+        )
     t = ELEMENTWISE_THREADS
-    spec = ctx.spec("add", n=a.width, a_stride=a.ld, b_stride=b.ld, threads=t)
+    spec = ctx.spec("add", n=a.width, a_stride=a.ld, b_stride=b.ld, threads=t, a_dtype=a.dtype)
     return [Launch(spec, (cdiv(a.width, 8 * t), "n"), (t,), (val(out), val(a), val(b), ROWS))]
 
 
@@ -41,7 +46,7 @@ def lower_add(ctx, op, layer, mode, ins, outs, ws):
 def fold_add_into_rmsnorm(ctx, steps: list[Step], weights: Mapping[str, WeightPlan], values: Mapping[str, Value]) -> None:
     """An ``add`` writing x = x + o in place, directly followed (same head/layer part) by an rmsnorm
     of x: in every mode where each is one plain launch with rows of ``n`` elements, the rmsnorm runs
-    with its residual (x += o, stored as bf16, then the norm of that rounded sum: exactly the two
+    with its residual (x += o, stored in x's dtype, then the norm of that stored sum: exactly the two
     launches' results) and the add has no launch."""
     for a, nrm in zip(steps, steps[1:], strict=False):
         if a.op.op != "add" or nrm.op.op != "rmsnorm" or nrm.head != a.head:
@@ -56,6 +61,8 @@ def fold_add_into_rmsnorm(ctx, steps: list[Step], weights: Mapping[str, WeightPl
             la, ln = las[0], nl[0]
             p = la.spec.params
             if la.spec.template != "add" or ln.spec.template != "rmsnorm" or ln.spec.params["residual"]:
+                continue
+            if p["a_dtype"] != ln.spec.params["x_dtype"]:
                 continue
             if not p["n"] == p["a_stride"] == p["b_stride"] == ln.spec.params["n"]:
                 continue  # (the rmsnorm kernel's rows are n elements apart)

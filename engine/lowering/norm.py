@@ -3,8 +3,9 @@
 rmsnorm: kernels/rmsnorm.cu.j2, or no launch in a decode mode where the GEMVs that read its output
 normalise x while loading it (the Lowerer's ``prologue``). head_rmsnorm (Qwen3's per-head q / k
 norm) never launches: the rope that follows applies it (its ``qk_norm``). A norm's ``offset``
-(Gemma's (1 + w)) is in its weight: engine.plan sets WeightPlan.offset and the upload adds it. Must
-not import CUDA or numpy."""
+(Gemma's (1 + w)) is in its weight: engine.plan sets WeightPlan.offset and the upload adds it. An
+f32 x (a family's ``numerics.f32_values``: an f32 residual stream) is read as it is (``x_dtype``) and
+never folded into a GEMV (whose x loader reads bf16). Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ def lower_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
         mode in PROLOGUE_MODES
         and ctx.fused(op, layer, mode)
         and w.dtype == "f32"
+        and x.dtype == "bf16"
         and x.width == w.cols
         and x.ld % 8 == 0
         and x.offset % 8 == 0
     ):  # fused into the GEMVs that read the output (they normalise x while loading it)
         ctx.prologue[(mode, outs[0].name)] = ("norm", x, w)
         return []
-    spec = ctx.spec("rmsnorm", n=w.cols, eps=repr(eps), threads=t, residual=False)
+    if outs[0].dtype != "bf16" or x.dtype not in ("bf16", "f32"):
+        raise ConfigError(f"plan: rmsnorm reads a bf16 or f32 x and writes bf16 (got {x.dtype} -> {outs[0].dtype})")
+    spec = ctx.spec("rmsnorm", n=w.cols, eps=repr(eps), threads=t, residual=False, x_dtype=x.dtype)
     return [Launch(spec, ("n",), (t,), (val(outs[0]), val(ins[0]), NULL, wgt(w), ROWS))]
 
 

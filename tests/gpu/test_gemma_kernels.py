@@ -6,6 +6,8 @@ lot without one), each on fresh random inputs with its outputs poisoned with NaN
   head_dim 256) and a GQA-8 head_dim 128 one; the KV blocks wholly before every query's window hold
   NaN (as released blocks may hold anything), so a kernel that reads one fails;
 * the GeGLU gate (silu_mul with act gelu_tanh), the residual add (in place), the scaled embedding;
+  their f32 residual-stream forms (models/gemma3.yaml numerics.f32_values: x): the add and the
+  rmsnorm (with and without its residual) on an f32 x, the embedding storing f32, all to f32 rounding;
 * the decode GEMVs at Gemma 3 270M's rows (640 values: Q5_0 q|k and gate|up, Q8_0 v, Q4_K o,
   Q6_K down) and its tall Q8_0 head (262,144 rows of 640), uploaded as the profile does (the head
   as q8_0r where gemv_coop.q8_0r_min_rows takes it); the q8_0r head's readers (coop GEMV block
@@ -140,6 +142,40 @@ def test_scaled_embedding(kernels, profile):
         assert rel_err(out.get(), want) <= 1e-2, c.spec.entry
 
 
+def test_f32_residual_stream_kernels(kernels, profile):
+    """The f32 x forms: add (a_dtype f32: x + bf16 o, stored unrounded), rmsnorm (x_dtype f32; with
+    its residual the f32 sum is written back and normalised as it is), embed (out_dtype f32)."""
+    rng = np.random.default_rng()
+    rows, n, t = 7, 640, kc.ELEMENTWISE_THREADS
+    x = (rng.standard_normal((rows, n)) * 300).astype(np.float32)  # Gemma's residual norms are large
+    o = bf_round(rng.standard_normal((rows, n)) * 20)
+    c = kc.choice("add", n=n, a_stride=n, b_stride=n, threads=t, a_dtype="f32")
+    xt = upload(x, "f32")
+    kernels.launch(c, rows, out=xt, a=xt, b=upload(o, "bf16"), rows=rows)
+    want = x + o.astype(np.float32)
+    assert np.abs(xt.get() - want).max() <= 1e-6 * np.abs(want).max()
+    w = (1.0 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    eps = 1e-6
+    for residual in (False, True):
+        c = kc.choice("rmsnorm", n=n, eps=repr(eps), threads=kc.NORM_THREADS, residual=residual, x_dtype="f32")
+        xt, out = upload(x, "f32"), poisoned((rows, n))
+        kernels.launch(c, rows, out=out, x=xt, r=upload(o, "bf16") if residual else 0, w=upload(w, "f32"), rows=rows)
+        s = x + o.astype(np.float32) if residual else x
+        if residual:
+            assert np.abs(xt.get() - s).max() <= 1e-6 * np.abs(s).max()  # the sum, unrounded
+            assert not np.array_equal(xt.get(), bf_round(s))
+        want = ops_ref.rmsnorm(s, w, eps)
+        assert rel_err(out.get(), want) <= 4e-3, (residual, rel_err(out.get(), want))
+    hidden, vocab, scale = 640, 300, 640**0.5
+    c = kc.choice("embed", quant="q8_0", hidden=hidden, threads=t, scale=scale, out_dtype="f32")
+    raw, deq = random_weight("q8_0", vocab, hidden, rng)
+    ids = rng.integers(0, vocab, rows)
+    out = poisoned((rows, hidden), "f32")
+    kernels.launch(c, rows, out=out, table=upload(raw, "u8"), ids=upload(ids, "i32"), rows=rows)
+    want = ops_ref.embed(ids, deq) * np.float32(scale)
+    assert np.abs(out.get() - want).max() <= 1e-5 * np.abs(want).max()
+
+
 # Gemma 3 270M's decode GEMVs: (file type, n, k)
 GEMMA_GEMVS = [("q5_0", 1280, 640), ("q5_0", 4096, 640), ("q8_0", 256, 640), ("q4_k", 640, 1024),
                ("q6_k", 640, 2048), ("q8_0", 262144, 640)]  # fmt: skip
@@ -148,15 +184,21 @@ GEMMA_GEMVS = [("q5_0", 1280, 640), ("q5_0", 4096, 640), ("q8_0", 256, 640), ("q
 @pytest.mark.parametrize("case", GEMMA_GEMVS, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
 def test_gemma_gemvs(kernels, profile, device, case):
     """The GEMVs at Gemma 3 270M's shapes (rows of 640 values, not a multiple of 256) in the layout
-    the profile picks, at batch 1 and 8, the logits (f32) and the residual variants."""
+    the profile picks, at batch 1 and 8, the logits (f32) and the residual variants; and each with the
+    coop GEMV's q8x off (models/gemma3.yaml numerics.exact_x: the o / down projections' plan)."""
+    import dataclasses
+
     ft, n, k = case
     qt = kc.upload_type(ft, k, profile.tuning, n)
+    exact = dict(profile.tuning, gemv_coop=dataclasses.replace(profile.tuning["gemv_coop"], q8x=False))
     cases = []
-    for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
-                                     (8, 8, False, "f32")):  # fmt: skip
-        p = kc.linear_params(qt, n, k, profile.tuning, residual=residual, out_dtype=od, bmax=bmax,
-                             sm_count=device.sm_count)  # fmt: skip
-        cases.append((kc.spec("gemv", **p), rows))
+    for tuning in (profile.tuning, exact):
+        for rows, bmax, residual, od in ((1, 1, False, "bf16"), (1, 1, False, "f32"), (8, 8, True, "bf16"),
+                                         (8, 8, False, "f32")):  # fmt: skip
+            p = kc.linear_params(qt, n, k, tuning, residual=residual, out_dtype=od, bmax=bmax,
+                                 sm_count=device.sm_count)  # fmt: skip
+            cases.append((kc.spec("gemv", **p), rows))
+    cases = list(dict.fromkeys(cases))
     kernels.prebuild(s for s, _ in cases)
     bad = gemv_failures(kernels, uploaded_weights(n), cases, np.random.default_rng(n))
     assert not bad, bad
