@@ -1,9 +1,12 @@
 """The logits tests of tests/gpu/test_hybrid_runner.py and tests/gpu/test_delta_chunk_gpu.py are well
 conditioned (no GPU): for their models and prompts (fixtures.hybrid_case), the reference with the
 CUDA runner's own rounding (fixtures.runner_numerics: bf16 activations on every row, q8x int8 x rows
-in the quantised files' decode GEMVs, carried on through the recurrent state) stays within half
-the GPU tests' 3 % of the plain reference; and the q8_0 file still sees a wrong delta-rule gate
-well past that bound (so scaling its weights did not buy the margin with the test's power).
+in the quantised files' decode GEMVs, carried on through the recurrent state) stays within 60 % of
+the GPU tests' 3 % of the plain reference (the H100 has landed within 1.5 x of this emulation: the
+rest is summation order and the bf16 weights of the prefill GEMMs); and each GGUF file still sees a
+wrong delta-rule gate past that bound at every step (the scaling in fixtures.hybrid that bought the
+margin must not cost the test its power: the q4_k_m file of unscaled random blocks, nearly rank
+one, moved 0.2-1.4 % for these bugs).
 
 What these keep out: the all-q8_0 random hybrid with unscaled weights (every branch writing 5-100 x
 the embedding: the decode step's rounding alone moved its logits 3.7-9.8 %, the H100 run 3.2-7.2 %
@@ -24,6 +27,7 @@ from engine.ops import linear_attention
 from engine.reference import ReferenceRunner
 
 GPU_BOUND = 3e-2  # the GPU tests' logits tolerance
+MARGIN = 0.6  # of it, for the rounding this emulates
 
 
 def _rel(a, b) -> np.ndarray:
@@ -37,24 +41,25 @@ def _greedy(ref, seq: list[int], steps: int) -> list[int]:
     return seq
 
 
-@pytest.fixture(scope="module")
-def q8_0_ref(tmp_path_factory):
-    path = write_random_hybrid_gguf(tmp_path_factory.mktemp("q8") / "m.gguf", quant="q8_0", seed=case.SEED, **case.GGUF_DIMS)
-    return ReferenceRunner(load_model(path), num_blocks=64, max_model_len=1024, state_slots=2)
+GGUF_CASES = {"qwen3_5-q8_0": ("q8_0", None), "qwen3_5-q4_k_m": ("q4_k_m", None),
+              "qwen3_5_moe-q4_k_m": ("q4_k_m", case.GGUF_MOE)}  # fmt: skip
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
-def test_decode_test_is_well_conditioned(tmp_path, q8_0_ref, quant):
-    if quant == "q8_0":
-        ref = q8_0_ref
-    else:
-        path = write_random_hybrid_gguf(tmp_path / "m.gguf", quant=quant, seed=case.SEED, **case.GGUF_DIMS)
-        ref = ReferenceRunner(load_model(path), num_blocks=64, max_model_len=1024, state_slots=2)
+@pytest.fixture(scope="module", params=sorted(GGUF_CASES))
+def gguf_ref(request, tmp_path_factory):
+    quant, moe = GGUF_CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "m.gguf"
+    write_random_hybrid_gguf(path, quant=quant, moe=moe, seed=case.SEED, **case.GGUF_DIMS)
+    ref = ReferenceRunner(load_model(path), num_blocks=64, max_model_len=1024, state_slots=2)
+    return request.param, ref, _greedy(ref, case.prompt(*case.DECODE_PROMPT), case.DECODE_STEPS - 1)
+
+
+def test_decode_test_is_well_conditioned(gguf_ref):
+    name, ref, seq = gguf_ref
     n = case.DECODE_PROMPT[1]
-    seq = _greedy(ref, case.prompt(*case.DECODE_PROMPT), case.DECODE_STEPS - 1)
     # the prefill rows bf16 as the GEMM stores them, the decode rows through the q8x GEMVs
     errs = _rel(rounded_logits(ref, seq, 0, q8x_from=n), ref.forward_logits(seq))[n - 1 :]
-    assert errs.max() < GPU_BOUND / 2, (quant, np.round(errs, 4).tolist())
+    assert errs.max() < MARGIN * GPU_BOUND, (name, np.round(errs, 4).tolist())
 
 
 def test_chunk_prompt_is_well_conditioned(tmp_path):
@@ -63,13 +68,12 @@ def test_chunk_prompt_is_well_conditioned(tmp_path):
     n = case.CHUNK_PROMPT[1]
     seq = _greedy(ref, case.prompt(*case.CHUNK_PROMPT), case.CHUNK_STEPS - 1)
     errs = _rel(rounded_logits(ref, seq), ref.forward_logits(seq))[n - 1 :]  # (bf16 weights: no q8x)
-    assert errs.max() < GPU_BOUND / 2, np.round(errs, 4).tolist()
+    assert errs.max() < MARGIN * GPU_BOUND, np.round(errs, 4).tolist()
 
 
 @pytest.mark.parametrize("bug", ["beta = 1", "a and b swapped", "no decay"])
-def test_q8_0_decode_test_sees_a_wrong_gate(q8_0_ref, monkeypatch, bug):
-    ref = q8_0_ref
-    seq = _greedy(ref, case.prompt(*case.DECODE_PROMPT), case.DECODE_STEPS - 1)
+def test_decode_test_sees_a_wrong_gate(gguf_ref, monkeypatch, bug):
+    name, ref, seq = gguf_ref
     want = ref.forward_logits(seq)
 
     def gates(a, b, A, dt_bias):
@@ -82,4 +86,4 @@ def test_q8_0_decode_test_sees_a_wrong_gate(q8_0_ref, monkeypatch, bug):
 
     monkeypatch.setattr(linear_attention, "L", Wrong())
     errs = _rel(ref.forward_logits(seq), want)[case.DECODE_PROMPT[1] - 1 :]
-    assert errs.min() > GPU_BOUND, (bug, np.round(errs, 4).tolist())
+    assert errs.min() > GPU_BOUND, (name, bug, np.round(errs, 4).tolist())

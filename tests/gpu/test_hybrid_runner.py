@@ -14,16 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf, write_random_hybrid_gguf
-from fixtures.hybrid_case import DECODE_PROMPT, DECODE_STEPS, DIMS, GGUF_DIMS, SEED, prompt
+from fixtures.hybrid_case import DECODE_PROMPT, DECODE_STEPS, DIMS, GGUF_DIMS, GGUF_MOE, MOE, SEED, prompt
 from runner_harness import GREEDY, generate, generate_solo, teacher_forced_greedy
 
 from engine.types import StepItem
 
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 SLOTS = 64
 
 
-GGUF_MOE = dict(MOE, moe_intermediate_size=256, shared_expert_intermediate_size=256)
 CASES = [("qwen3_5", "bf16"), ("qwen3_5_moe", "bf16"), ("qwen3_next", "bf16"), ("qwen3_5", "q4_k_m"),
          ("qwen3_5_moe", "q4_k_m"), ("qwen3_5", "q8_0")]
 
