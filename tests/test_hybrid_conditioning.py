@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures import hybrid_case as case
-from fixtures.hybrid import write_qwen3_5_hf, write_random_hybrid_gguf
+from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf, write_random_hybrid_gguf
 from fixtures.runner_numerics import rounded_logits
 
 from engine import ops_ref_linear as L
@@ -60,6 +60,19 @@ def test_decode_test_is_well_conditioned(gguf_ref):
     # the prefill rows bf16 as the GEMM stores them, the decode rows through the q8x GEMVs
     errs = _rel(rounded_logits(ref, seq, 0, q8x_from=n), ref.forward_logits(seq))[n - 1 :]
     assert errs.max() < MARGIN * GPU_BOUND, (name, np.round(errs, 4).tolist())
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_bf16_decode_test_is_well_conditioned(tmp_path, fam):
+    if fam == "qwen3_5":
+        path = write_qwen3_5_hf(tmp_path / "m", seed=case.SEED, bf16=True, **case.DIMS)
+    else:
+        path = write_hybrid_moe_hf(tmp_path / "m", family=fam, seed=case.SEED, **case.DIMS, **case.MOE)
+    ref = ReferenceRunner(load_model(path), num_blocks=64, max_model_len=1024, state_slots=2)
+    n = case.DECODE_PROMPT[1]
+    seq = _greedy(ref, case.prompt(*case.DECODE_PROMPT), case.DECODE_STEPS - 1)
+    errs = _rel(rounded_logits(ref, seq), ref.forward_logits(seq))[n - 1 :]  # (bf16 weights: no q8x)
+    assert errs.max() < MARGIN * GPU_BOUND, (fam, np.round(errs, 4).tolist())
 
 
 def test_chunk_prompt_is_well_conditioned(tmp_path):
