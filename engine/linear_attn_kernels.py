@@ -46,9 +46,12 @@ KERNELS = {
 # instead of one warp's, at the cost of the barriers of the two k reductions per token
 DELTA_DECODE_THREADS = 256
 DELTA_PREFILL_THREADS = 128
-# the prefill form of gated_delta_rule: "recurrent" (token by token) or "chunked" (gated_delta_chunk)
+# the prefill form of gated_delta_rule: "recurrent" (token by token) or "chunked" (gated_delta_chunk,
+# where its head shape fits: delta_chunk_fits). Chunked by default: prefill 512 on Qwen3.5-4B q4_k_m
+# 18 579 -> 24 253 tok/s (H100, docs/PERFORMANCE.md), its output the bf16-rounded exact one as the
+# recurrent kernel's (tests/test_delta_chunk.py)
 DELTA_PREFILL_FORMS = ("recurrent", "chunked")
-DELTA_PREFILL_DEFAULT = "recurrent"
+DELTA_PREFILL_DEFAULT = "chunked"
 DELTA_CHUNKS = (64, 32, 16)  # tokens per chunk gated_delta_chunk takes: the longest that fits
 DELTA_CHUNK_SMEM = 99 * 1024  # its shared memory bound on every profile (sm_86 / sm_89 / sm_120: 99 KB)
 DELTA_CHUNK_THREADS = 256
@@ -168,6 +171,39 @@ def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> 
     return 4 * (small + chunk * (chunk + 1) + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 
 
+def _chunk_shape(k_heads: int, v_heads: int, k_dim: int, v_dim: int, chunk: int, v_block: int, mma: bool) -> tuple[int, int]:
+    """gated_delta_chunk's (chunk, v_block) for a head shape (0: the defaults, see
+    delta_chunk_kernel); ConfigError if the kernel cannot take it."""
+    t = DELTA_CHUNK_THREADS
+    v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
+    if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
+        raise ConfigError(f"gated_delta_chunk: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
+    if not chunk:
+        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM]
+        chunk = fits[0] if fits else DELTA_CHUNKS[-1]
+    if chunk not in DELTA_CHUNKS:
+        raise ConfigError(f"gated_delta_chunk: chunk must be 16, 32 or 64 tokens, got {chunk}")
+    groups = t // v_block if v_block and t % v_block == 0 else 0
+    if not groups or v_dim % v_block or chunk % groups or k_dim % groups:
+        raise ConfigError(
+            f"gated_delta_chunk: v_block {v_block} must divide v_dim {v_dim} and {t} threads into row groups "
+            f"that divide chunk {chunk} and k_dim {k_dim}"
+        )
+    if mma and (k_dim % 16 or v_block % 8):
+        raise ConfigError(f"gated_delta_chunk: the mma form needs k_dim % 16 == 0 and v_block % 8 == 0 (k_dim {k_dim}, v_block {v_block})")
+    return chunk, v_block
+
+
+def delta_chunk_fits(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> bool:
+    """Whether gated_delta_chunk (its default chunk, v_block and mma form) takes this head shape;
+    where it does not, the lowering runs the recurrent prefill instead."""
+    try:
+        _chunk_shape(k_heads, v_heads, k_dim, v_dim, 0, 0, True)
+    except ConfigError:
+        return False
+    return True
+
+
 def delta_chunk_kernel(
     k_heads: int,
     v_heads: int,
@@ -189,23 +225,7 @@ def delta_chunk_kernel(
     else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
     two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
     v_block 32: mma 57 KB at chunk 32, 112 KB at 64; FMA 63 KB at 32, 124 KB at 64."""
-    t = DELTA_CHUNK_THREADS
-    v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
-    if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
-        raise ConfigError(f"gated_delta_chunk: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
-    if not chunk:
-        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM]
-        chunk = fits[0] if fits else DELTA_CHUNKS[-1]
-    if chunk not in DELTA_CHUNKS:
-        raise ConfigError(f"gated_delta_chunk: chunk must be 16, 32 or 64 tokens, got {chunk}")
-    groups = t // v_block if v_block and t % v_block == 0 else 0
-    if not groups or v_dim % v_block or chunk % groups or k_dim % groups:
-        raise ConfigError(
-            f"gated_delta_chunk: v_block {v_block} must divide v_dim {v_dim} and {t} threads into row groups "
-            f"that divide chunk {chunk} and k_dim {k_dim}"
-        )
-    if mma and (k_dim % 16 or v_block % 8):
-        raise ConfigError(f"gated_delta_chunk: the mma form needs k_dim % 16 == 0 and v_block % 8 == 0 (k_dim {k_dim}, v_block {v_block})")
+    chunk, v_block = _chunk_shape(k_heads, v_heads, k_dim, v_dim, chunk, v_block, mma)
     _check_qkv_stride("gated_delta_chunk", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
@@ -219,7 +239,7 @@ def delta_chunk_kernel(
         KernelSpec("gated_delta_chunk", name, params, pdl=True),
         DELTA_ARGS,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
-        (t, 1, 1),
+        (DELTA_CHUNK_THREADS, 1, 1),
         smem,
     )
 

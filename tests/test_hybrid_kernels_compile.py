@@ -158,3 +158,23 @@ def test_delta_prefill_form_choice(monkeypatch):
         lk.delta_prefill_form()
     with pytest.raises(ConfigError, match="delta_prefill='wy'"):
         lk.delta_prefill_form("wy")
+
+
+def test_chunked_prefill_falls_back_where_the_head_shape_does_not_fit(tmp_path):
+    """A head shape gated_delta_chunk cannot take (v_dim 48: 256 threads do not split into 48-column
+    row groups) plans the recurrent prefill under the chunked form; 32-wide heads plan the chunk kernel."""
+    from fixtures.hybrid import write_qwen3_5_hf
+
+    from engine.model import load_model
+
+    assert lk.delta_chunk_fits(16, 32, 128, 128) and lk.delta_chunk_fits(2, 4, 32, 32)
+    assert not lk.delta_chunk_fits(2, 4, 32, 48)
+    with pytest.raises(ConfigError, match="v_block 48 must divide"):
+        lk.delta_chunk_kernel(2, 4, 32, 48, 320, 4, 4, 192, False, True)
+    for vd, want in ((48, "gated_delta_rule"), (32, "gated_delta_chunk")):
+        m = load_model(write_qwen3_5_hf(tmp_path / str(vd), hidden_size=128, intermediate_size=256,
+                                        linear_key_head_dim=32, linear_value_head_dim=vd))  # fmt: skip
+        plan = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style,
+                          delta_prefill="chunked")  # fmt: skip
+        step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
+        assert [la.spec.template for la in step.launches["prefill"]] == [want], vd

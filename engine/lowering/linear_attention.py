@@ -2,7 +2,8 @@
 ``gated_delta_rule`` (stateful: each declares its per-slot f32 state, a ``StatePlan``, and reads the
 step inputs state_in / state_out / state_snap, so decode stays in the replayed graph; prefill passes
 walk each sequence's tokens through seq_starts: token by token, or in chunks with
-gated_delta_chunk where the prefill form is "chunked", see engine.linear_attn_kernels.delta_prefill_form), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul``
+gated_delta_chunk where the prefill form is "chunked" (the default; see
+engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul``
 and ``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
 Must not import CUDA or numpy.
 """
@@ -86,7 +87,7 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
     name = f"L{layer}.gated_delta_rule"
     ctx.need_state(StatePlan(name, int(layer), 4 * vh * kd * vd))
     tiled = bool(ctx.dims.get("v_heads_tiled"))
-    if mode == PREFILL and lk.delta_prefill_form(ctx.delta_prefill) == "chunked":
+    if mode == PREFILL and lk.delta_prefill_form(ctx.delta_prefill) == "chunked" and lk.delta_chunk_fits(kh, vh, kd, vd):
         k = lk.delta_chunk_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, True)
     else:
         threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS

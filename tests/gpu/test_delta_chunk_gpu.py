@@ -4,8 +4,10 @@ token-by-token form in tests/test_hybrid_ops.py), on fresh random inputs with po
 sequences of 1 .. 1000 tokens (shorter than a chunk, exact chunks, ragged tails), several per
 launch (varlen), state from a slot or zeros, snapshots after chosen tokens (block boundaries and
 random ones), chunks of 16 / 32 / 64 tokens, the tensor-core (mma) and the FMA form; then a timing print of the recurrent prefill kernel
-against the chunked one at Qwen3.5-4B's linear-attention heads (T = 512 and 4096).
-Skipped without a CUDA device.
+against the chunked one at Qwen3.5-4B's linear-attention heads (T = 512 and 4096); then a tiny
+Qwen3.5 on CudaRunner with each prefill form (MEMRA_DELTA_PREFILL chunked / recurrent): its plan,
+logits against the reference after a 150-token prompt (both forms' errors printed), the prefix
+cache restoring the state snapshots its prefill wrote. Skipped without a CUDA device.
 
     python3 -m pytest -q -s tests/gpu/test_delta_chunk_gpu.py
 """
@@ -197,58 +199,61 @@ def test_delta_prefill_timing(kernels, profile, total, rows, every):
         assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-3, name
 
 
-# ---- end to end: a tiny Qwen3.5 on CudaRunner with the chunked prefill (MEMRA_DELTA_PREFILL=chunked)
-
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
-            linear_num_value_heads=4, full_attention_interval=2, vocab_size=384)
+# ---- end to end: a tiny Qwen3.5 on CudaRunner with each prefill form (MEMRA_DELTA_PREFILL)
 
 
-@pytest.fixture(scope="module")
-def chunked_runner(tmp_path_factory):
+@pytest.fixture(scope="module", params=["chunked", "recurrent"])
+def prefill_runner(request, tmp_path_factory):
     from fixtures.hybrid import write_qwen3_5_hf
+    from fixtures.hybrid_case import DIMS, SEED
 
     from engine.model import load_model
     from engine.reference import ReferenceRunner
     from engine.runner_cuda import CudaRunner
 
-    model = load_model(write_qwen3_5_hf(tmp_path_factory.mktemp("qwen3_5") / "m", seed=7, bf16=True, **TINY))
+    model = load_model(write_qwen3_5_hf(tmp_path_factory.mktemp("qwen3_5") / "m", seed=SEED, bf16=True, **DIMS))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEMRA_DELTA_PREFILL", "chunked")
+        mp.setenv("MEMRA_DELTA_PREFILL", request.param)
         runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64)
-    yield runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2)
+    yield runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2), request.param
     runner.close()
 
 
-def test_runner_prefill_uses_the_chunked_kernel(chunked_runner):
-    runner, _ = chunked_runner
+def test_runner_prefill_uses_its_forms_kernel(prefill_runner):
+    runner, _, form = prefill_runner
     pre = {la.spec.template for st in runner.plan.steps for la in st.launches["prefill"]}
     dec = {la.spec.template for st in runner.plan.steps for m in ("decode1", "decode") for la in st.launches[m]}
-    assert "gated_delta_chunk" in pre and "gated_delta_rule" not in pre
+    assert ("gated_delta_chunk" in pre) is (form == "chunked") and ("gated_delta_rule" in pre) is (form == "recurrent")
     assert "gated_delta_rule" in dec and "gated_delta_chunk" not in dec
 
 
-def test_runner_chunked_prefill_matches_the_reference(chunked_runner):
+def test_runner_prefill_matches_the_reference(prefill_runner):
+    """Both prefill forms against the reference on the same prompt (fixtures.hybrid_case.CHUNK_PROMPT:
+    tests/test_hybrid_conditioning.py checks that bf16 storage alone moves these logits ~1 %)."""
+    from fixtures.hybrid_case import CHUNK_PROMPT, CHUNK_STEPS, prompt
+
     from engine.types import SamplingParams, StepItem
 
-    runner, ref = chunked_runner
+    runner, ref, form = prefill_runner
     greedy = SamplingParams(temperature=0.0)
-    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 384, 150)]  # chunks + a ragged tail
-    tok = runner.step([StepItem(0, prompt, 0, list(range(16)), True, greedy, state_slot=0)])[0]
-    seq = list(prompt)
-    for step in range(5):
+    seq = prompt(*CHUNK_PROMPT)  # chunks + a ragged tail
+    tok = runner.step([StepItem(0, seq, 0, list(range(16)), True, greedy, state_slot=0)])[0]
+    errs = []
+    for _ in range(CHUNK_STEPS):
         got, want = np.array(runner.read_logits(1)[0]), ref.forward_logits(seq)[-1]
-        assert rel_err(got, want) < 3e-2, (step, rel_err(got, want))
-        seq.append(tok)
+        errs.append(rel_err(got, want))
+        seq = seq + [tok]
         tok = runner.step([StepItem(0, [tok], len(seq) - 1, list(range(16)), True, greedy, state_slot=0)])[0]
+    print(f"{form} prefill: logits rel err {', '.join(f'{e:.2e}' for e in errs)}")
+    assert max(errs) < 3e-2, (form, errs)
 
 
-def test_runner_chunked_prefix_cache_matches_uncached(chunked_runner):
-    """Snapshots written by the chunked kernel at block boundaries (prefill passes cut mid-block)
+def test_runner_prefill_prefix_cache_matches_uncached(prefill_runner):
+    """Snapshots written by the prefill kernel at block boundaries (prefill passes cut mid-block)
     restore to the same output as the uncached run."""
     from fixtures.engine_waves import serve_waves
 
-    runner, _ = chunked_runner
+    runner, _, _ = prefill_runner
     bs = runner.block_size
     rng = np.random.default_rng(5)
     prompt, other = [int(t) for t in rng.integers(3, 384, 20 * bs + 3)], [int(t) for t in rng.integers(3, 384, 9 * bs)]
