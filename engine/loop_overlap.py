@@ -66,6 +66,12 @@ class OverlapLoop:
     ``_schedule``, ``_item``, ``_run_sync``, ``_apply`` and ``_fail_step``."""
 
     _pending: InFlight | None = None
+    _overlap = False
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether decode steps overlap (EngineConfig.overlap, on a runner and model that can)."""
+        return self._overlap
 
     def _step_overlap(self) -> None:
         pend = self._pending

@@ -211,5 +211,5 @@ def test_overlap_is_off_for_runners_without_launch():
     class SyncOnly(FakeRunner):
         launch = None
 
-    assert not _engine(True, SyncOnly())._overlap
-    assert _engine(True)._overlap and not _engine(False)._overlap
+    assert not _engine(True, SyncOnly()).overlaps
+    assert _engine(True).overlaps and not _engine(False).overlaps
