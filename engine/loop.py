@@ -2,8 +2,9 @@
 through per-request outboxes.
 
 Each step: drain the inbox (submit/abort/shutdown), schedule, ``runner.step``, append sampled tokens,
-check stop conditions, detokenize incrementally, push TokenEvents. The thread blocks on the inbox
-only when it has nothing to run. HTTP threads call ``submit``/``abort`` and read ``RequestHandle``s;
+check stop conditions, detokenize incrementally, push TokenEvents (with ``EngineConfig.overlap`` a
+plain decode step is queued before the last one's tokens are read: engine.loop_overlap). The
+thread blocks on the inbox only when it has nothing to run. HTTP threads call ``submit``/``abort`` and read ``RequestHandle``s;
 they never touch the runner. A runner exception fails only the requests of that step; one with a
 true ``fatal`` attribute (or a bug in the loop itself) stops the engine and marks it unhealthy.
 Must not import numpy or CUDA.

@@ -22,12 +22,15 @@ engine.loop, numpy or CUDA.
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.scheduler import Scheduled
 from engine.types import StepItem
+
+log = logging.getLogger("memra.engine")
 
 PENDING_TOKEN = -1  # StepItem.token_ids of a row whose input the previous launch sampled
 
@@ -43,9 +46,19 @@ class InFlight:
 
 def overlap_capable(runner: Any, speculator: Any, state_slots: int, windowed: bool) -> bool:
     """Whether steps may overlap on this engine (engine.types.OverlapRunner, no speculator, no
-    recurrent state slots, one KV pool)."""
-    has = all(callable(getattr(runner, m, None)) for m in ("can_launch", "launch", "collect"))
-    return has and speculator is None and not state_slots and not windowed
+    recurrent state slots, one KV pool); logs why not when they may not."""
+    why = None
+    if not all(callable(getattr(runner, m, None)) for m in ("can_launch", "launch", "collect")):
+        why = f"the {runner.backend} runner cannot queue steps"
+    elif speculator is not None:
+        why = "speculative decoding"
+    elif state_slots:
+        why = "a hybrid model's recurrent state"
+    elif windowed:
+        why = "a sliding-window KV pool"
+    if why is not None:
+        log.info("overlapped decode steps: off (%s)", why)
+    return why is None
 
 
 def plain_row(s: Scheduled) -> bool:
