@@ -213,3 +213,29 @@ def test_overlap_is_off_for_runners_without_launch():
 
     assert not _engine(True, SyncOnly()).overlaps
     assert _engine(True).overlaps and not _engine(False).overlaps
+
+
+def test_the_next_step_is_queued_before_the_engine_waits_for_the_last():
+    """Steady decoding: every collect but the last finds the next step already launched (two
+    uncollected), so the device always has the next step queued while the host post-processes."""
+
+    class Watch(FakeRunner):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.ahead: list[int] = []  # uncollected launches at each collect
+
+        def collect(self, handle):
+            self.ahead.append(len(self._uncollected))
+            return super().collect(handle)
+
+    runner = Watch(num_blocks=64, block_size=4, max_model_len=256)
+    e = _engine(True, runner)
+    hs = [e.submit(GenerationRequest(f"r{i}", [3 + i, 9, 4], sampling=GREEDY, max_tokens=40, ignore_eos=True))
+          for i in range(3)]  # fmt: skip
+    e.start()
+    for i, h in enumerate(hs):
+        assert _summary(_final(h))[0] == FakeRunner.reference_generate([3 + i, 9, 4], 40)
+    e.shutdown(2)
+    # 1 prefill step (synchronous), then 39 decode steps launched: all but the last collected with
+    # the next one queued
+    assert runner.launches == 39 and runner.ahead == [2] * 38 + [1]
