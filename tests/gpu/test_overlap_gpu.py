@@ -123,15 +123,18 @@ def _run(runner, reqs, overlap):
 
 
 def test_engine_streams_the_same_tokens_with_overlap_on_and_off(runner):
+    # 8 requests: every decode bucket is one of 1..8, whose rows are batch-invariant bit for bit
+    # (tests/gpu/test_batch_invariance_gpu.py), so a stopped request's extra row in a step cannot
+    # change the others' logits by moving them to another bucket's kernels
     rng = random.Random(11)
     reqs = []
-    for i, sp in enumerate(_samplings(12)):
+    for i, sp in enumerate(_samplings(8)):
         prompt = [rng.randrange(2, 128) for _ in range(rng.randint(5, 120))]  # (FakeTokenizer: 128 ids)
         reqs.append(GenerationRequest(f"r{i}", prompt, sampling=sp, max_tokens=rng.randint(4, 48), ignore_eos=True))
     sync, launches = _run(runner, reqs, overlap=False)
     assert launches == 0
     # stop ids taken from the synchronous output, so some requests stop mid-batch (one extra row)
-    for i in range(0, 12, 3):
+    for i in range(0, 8, 3):
         toks = sync[f"r{i}"][0]
         if len(toks) > 3:
             reqs[i].stop_token_ids = [toks[len(toks) // 2]]
