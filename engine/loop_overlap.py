@@ -13,9 +13,9 @@ left out of step n+1 (its end is known ahead), so no step runs past its limits.
 
 Only a batch of plain decode rows overlaps: every running sequence is a decode row sampled without
 a constraint, logit bias, logprobs or penalties, and the runner's ``can_launch`` accepts the items.
-Anything else (a prefill chunk, a request waiting for admission while a running slot is free, a
-block that cannot be grown, speculative decoding, a hybrid or sliding-window model) first collects
-the step in flight and then runs synchronously, so greedy and seeded output is the same with the
+Anything else (a prefill chunk, a request that may be admitted now, a block that cannot be grown,
+speculative decoding, a hybrid or sliding-window model) first collects the step in flight and
+then runs synchronously, so greedy and seeded output is the same with the
 overlap on or off. ``OverlapLoop`` is a base class of engine.loop.Engine; must not import
 engine.loop, numpy or CUDA.
 """
@@ -80,6 +80,14 @@ class OverlapLoop:
 
     _pending: InFlight | None = None
     _overlap = False
+    # (oldest waiting seq id, requests ended so far) after a synchronous schedule that left that
+    # request waiting with a running slot free: it waits for blocks, and until a request ends (or
+    # another becomes the oldest) no admission can succeed, so the steps may go on overlapping
+    _blocked: tuple[int, int] | None = None
+
+    def _ended(self) -> int:
+        n = self._n
+        return n["finished"] + n["aborted"] + n["errors"]
 
     @property
     def overlaps(self) -> bool:
@@ -90,6 +98,10 @@ class OverlapLoop:
         pend = self._pending
         if pend is None:
             batch, items = self._schedule()
+            sched = self.scheduler
+            self._blocked = None
+            if sched.waiting and len(sched.running) < sched.max_running and not sched.preempted_this_step:
+                self._blocked = (sched.waiting[0].seq_id, self._ended())
             if not batch:
                 return
             if all(plain_row(s) for s in batch) and self.runner.can_launch(items):
@@ -157,7 +169,8 @@ class OverlapLoop:
         if not rows or len(rows) != len(sched.running):
             return None  # every request ended, or a running one is prefilling
         if sched.waiting and len(sched.running) < sched.max_running:
-            return None  # an admission may happen: schedule it
+            if self._blocked != (sched.waiting[0].seq_id, self._ended()):
+                return None  # an admission may happen: schedule it
         limit = self.runner.max_model_len
         batch: list[Scheduled] = []
         items: list[StepItem] = []

@@ -239,3 +239,29 @@ def test_the_next_step_is_queued_before_the_engine_waits_for_the_last():
     # 1 prefill step (synchronous), then 39 decode steps launched: all but the last collected with
     # the next one queued
     assert runner.launches == 39 and runner.ahead == [2] * 38 + [1]
+
+
+def test_steps_keep_overlapping_while_a_request_waits_for_blocks():
+    """A request that cannot be admitted (no blocks) does not stop the overlap: it is tried again
+    once a request ends, and every output is the oracle's."""
+
+    class Watch(FakeRunner):
+        ahead: list[int]
+
+        def collect(self, handle):
+            self.ahead.append(len(self._uncollected))
+            return super().collect(handle)
+
+    runner = Watch(num_blocks=12, block_size=4, max_model_len=64)
+    runner.ahead = []
+    e = _engine(True, runner, max_running=4)
+    prompts = [[2 + i, *range(30, 45)] for i in range(3)]  # 16 tokens: 4 blocks + 1 of headroom
+    hs = [e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=8, ignore_eos=True))
+          for i, p in enumerate(prompts)]  # fmt: skip
+    e.start()
+    for p, h in zip(prompts, hs, strict=True):
+        assert _summary(_final(h))[0] == FakeRunner.reference_generate(p, 8)
+    e.shutdown(2)
+    assert e.stats().preemptions == 0
+    # r0 and r1 decode 7 steps while r2 waits, then r2 alone: both runs overlapped throughout
+    assert runner.ahead == [2] * 6 + [1] + [2] * 6 + [1]
