@@ -188,6 +188,7 @@ def table(rows: list[dict]) -> str:
             out.append(
                 f"engine    concurrency {r['concurrency']:>3}: {r['aggregate_tok_s']:>9.1f} tok/s aggregate, "
                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, ITL p50 {r['itl_p50_ms']:.1f} ms"
+                + (", overlapped steps" if r.get("overlap") else "")
                 + _spec_cell(r)
             )
     return "\n".join(out)
@@ -258,11 +259,12 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         from engine.spec.build import speculator_from_args
 
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+        overlap = bool(getattr(args, "overlap", False))
         speculator = speculator_from_args(args, model, runner)
         engine = Engine(
             runner,
             NullTokenizer(),
-            EngineConfig(max_running=max(levels), prefill_chunk_tokens=ENGINE_CHUNK),
+            EngineConfig(max_running=max(levels), prefill_chunk_tokens=ENGINE_CHUNK, overlap=overlap),
             speculator=speculator,
         )
         engine.start()
@@ -273,6 +275,7 @@ def bench_from_cli(args: argparse.Namespace) -> int:
             for c in levels:
                 before = engine.stats()
                 rows.append(bench_engine(engine, c, plen, gen, vocab=int(model.dims["vocab"])))
+                rows[-1]["overlap"] = engine.overlaps
                 if speculator is not None:
                     rows[-1].update(_spec_delta(speculator.method, before, engine.stats()))
         finally:

@@ -62,6 +62,12 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="KV blocks of the sliding-window layers' own pool (0: none, one pool; default: sized automatically)",
     )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="queue each decode step before reading the last one's tokens (CUDA backend; default off)",
+    )
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -145,10 +151,10 @@ def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     )
 
 
-def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None):
-    from engine.loop import Engine
+def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None, overlap: bool = False):
+    from engine.loop import Engine, EngineConfig
 
-    engine = Engine(runner, tokenizer, speculator=speculator)
+    engine = Engine(runner, tokenizer, EngineConfig(overlap=overlap), speculator=speculator)
     engine.start()
     return engine
 
@@ -181,7 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.spec.build import speculator_from_args
 
     speculator = speculator_from_args(args, model, runner)
-    engine = _make_engine(runner, tokenizer, speculator)
+    engine = _make_engine(runner, tokenizer, speculator, overlap=args.overlap)
     try:
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
     finally:
@@ -201,7 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     _check_args(args)
     model, tokenizer, runner = _one_request_stack(args)
-    engine = _make_engine(runner, tokenizer)
+    engine = _make_engine(runner, tokenizer, overlap=args.overlap)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -23,6 +23,9 @@ class EngineConfig:
     # hybrid models: snapshot the recurrent state every this many tokens (a multiple of the KV
     # block size; 0 = every block) and at each prompt's last cacheable block boundary
     state_snapshot_tokens: int = 0
+    # overlap decode steps (engine.loop_overlap): queue step n+1 before reading step n's tokens, on a
+    # runner that implements engine.types.OverlapRunner; other runners ignore it
+    overlap: bool = False
 
     def validate(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk_tokens", "max_step_tokens"):

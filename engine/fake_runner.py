@@ -7,7 +7,10 @@ written by another sequence, a stale block or a missing write fails an assertion
 new positions and derives the next token from the hash it READ, so a KV bug also changes output.
 Greedy output depends only on the sequence's own tokens; sampled output on (tokens, seed,
 num_generated), so both are independent of batching. ``reference_generate`` replays the same rule
-without any KV, as the oracle for tests. Must not import numpy or CUDA.
+without any KV, as the oracle for tests. It is also an OverlapRunner (engine.types): ``launch``
+snapshots a step's inputs and queues it, and the queue runs in order, like a device stream, when a
+later launch or ``collect`` needs it, so KV writes land after the engine has moved on (an item's
+``prev_row`` token comes from the previous launch's outputs). Must not import numpy or CUDA.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import codecs
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from engine.types import SamplingParams, StepItem
 
@@ -61,6 +65,10 @@ class FakeRunner:
         self.tokens_run = 0
         self.prefill_tokens = 0  # tokens of items that are not single-token decode rows
         self.max_items = 0
+        self.launches = 0  # overlapped steps queued (engine.loop_overlap)
+        self._queue: list[list] = []  # launched steps: [items, outputs or None]
+        self._uncollected: list[list] = []
+        self._last_out: list[int | None] | None = None  # the last executed launch's outputs
 
     @staticmethod
     def next_token(state: int, sampling: SamplingParams, num_generated: int, vocab_size: int) -> int:
@@ -89,6 +97,61 @@ class FakeRunner:
         return out
 
     def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        assert not self._uncollected, "step() while launched steps are not collected"
+        self._last_out = None  # (a later launch's prev_row may only refer to a launch)
+        return self._execute(items)
+
+    def can_launch(self, items: Sequence[StepItem]) -> bool:
+        return all(len(it.token_ids) == 1 and it.start_pos > 0 and it.sample for it in items)
+
+    def launch(self, items: Sequence[StepItem]) -> list:
+        """Queue a step (engine.types.OverlapRunner); the handle is collected in launch order."""
+        assert self.can_launch(items), "launch of items that are not plain decode rows"
+        assert len(self._uncollected) < 2, "more than two launched steps uncollected"
+        for it in items:
+            if it.prev_row is not None:
+                assert list(it.token_ids) == [-1] and len(it.history) == it.start_pos, (
+                    f"seq {it.seq_id}: an overlapped row's history must end before its pending token"
+                )
+        self.launches += 1
+        # the inputs as they are now (a device step reads its packed copy, not the live lists)
+        snap = [replace(it, history=list(it.history), block_table=list(it.block_table)) for it in items]
+        entry = [snap, None]
+        self._queue.append(entry)
+        self._uncollected.append(entry)
+        if self.steps + len(self._queue) in self.fail_steps | self.fatal_steps:
+            try:
+                self._run_queue()  # (a scripted failure raises from launch, which then queued nothing)
+            except BaseException:
+                self._uncollected.remove(entry)
+                raise
+        return entry
+
+    def collect(self, handle: list) -> list[int | None]:
+        assert self._uncollected and self._uncollected[0] is handle, "collect out of launch order"
+        self._uncollected.pop(0)
+        self._run_queue()
+        return handle[1]
+
+    def _run_queue(self) -> None:
+        """Run the queued steps in order (a step whose prev_row input the previous one sampled)."""
+        while self._queue:
+            entry = self._queue.pop(0)
+            items = entry[0]
+            prev = self._last_out
+            for i, it in enumerate(items):
+                if it.prev_row is not None:
+                    assert prev is not None and it.prev_row < len(prev), "prev_row without a previous launch"
+                    tok = prev[it.prev_row]
+                    items[i] = replace(it, token_ids=[tok], history=[*it.history, tok], prev_row=None)
+            try:
+                entry[1] = self._execute(items)
+            except BaseException:
+                self._queue.clear()
+                raise
+            self._last_out = entry[1]
+
+    def _execute(self, items: Sequence[StepItem]) -> list[int | None]:
         self.steps += 1
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

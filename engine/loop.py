@@ -2,8 +2,9 @@
 through per-request outboxes.
 
 Each step: drain the inbox (submit/abort/shutdown), schedule, ``runner.step``, append sampled tokens,
-check stop conditions, detokenize incrementally, push TokenEvents. The thread blocks on the inbox
-only when it has nothing to run. HTTP threads call ``submit``/``abort`` and read ``RequestHandle``s;
+check stop conditions, detokenize incrementally, push TokenEvents (with ``EngineConfig.overlap`` a
+plain decode step is queued before the last one's tokens are read: engine.loop_overlap). The
+thread blocks on the inbox only when it has nothing to run. HTTP threads call ``submit``/``abort`` and read ``RequestHandle``s;
 they never touch the runner. A runner exception fails only the requests of that step; one with a
 true ``fatal`` attribute (or a bug in the loop itself) stops the engine and marks it unhealthy.
 Must not import numpy or CUDA.
@@ -25,6 +26,7 @@ from typing import Any
 from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
 from engine.kv_groups import SPEC_HEADROOM, WindowedBlocks
+from engine.loop_overlap import OverlapLoop, overlap_capable
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
@@ -64,7 +66,7 @@ class _ReqState:
     first_event_sent: bool = False
 
 
-class Engine:
+class Engine(OverlapLoop):
     """The public engine API (see docs/engine-loop.md). All methods but the loop are thread-safe."""
 
     def __init__(
@@ -113,6 +115,8 @@ class Engine:
                 "speculative decoding: not supported for hybrid models (recurrent state has no rollback of rejected drafts)"
             )
         self.spec = speculator
+        windowed = isinstance(self.blocks, WindowedBlocks)
+        self._overlap = config.overlap and overlap_capable(runner, speculator, state_slots, windowed)
         self.scheduler = Scheduler(
             self.blocks,
             max_running=config.max_running,
@@ -254,11 +258,8 @@ class Engine:
                 state_slots_live=b.num_state_live,
                 state_snapshots=b.num_state_snapshots,
                 state_snapshot_evictions=b.state_evictions,
-                **self._spec_stats(),
+                **({} if self.spec is None else self.spec.stats()),
             )
-
-    def _spec_stats(self) -> dict[str, int]:
-        return {} if self.spec is None else self.spec.stats()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block manager or the queues are inconsistent."""
@@ -336,18 +337,20 @@ class Engine:
         reason = "abort"
         try:
             while True:
-                self._drain_inbox(block=not self.scheduler.has_work() and self._cancel_at is None)
+                idle = not self.scheduler.has_work() and self._pending is None
+                self._drain_inbox(block=idle and self._cancel_at is None)
                 if self._cancel_at is not None and (
                     not self.scheduler.has_work() or time.monotonic() >= self._cancel_at
                 ):
                     break
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() or self._pending is not None:
                     self._step()
         except BaseException as exc:  # a fatal runner error or a bug in the loop
             log.exception("engine loop stopped")
             self._crash = exc
             reason = "error"
         finally:
+            self._drop_pending()  # (an overlapped step still queued: its requests end below)
             with self._admit_lock:
                 self._closed = True
             self._close_out(reason)
@@ -402,41 +405,60 @@ class Engine:
                 self._waiting_seen = len(self.scheduler.waiting)
 
     def _step(self) -> None:
+        if self._overlap:
+            self._step_overlap()
+            return
+        batch, items = self._schedule()
+        if batch:
+            self._run_sync(batch, items)
+
+    def _schedule(self) -> tuple[list[Scheduled], list[StepItem]]:
         with self._lock:
             batch = self.scheduler.schedule()
             self._waiting_seen = len(self.scheduler.waiting)
             items = [self._item(s) for s in batch]
         if not batch:  # cannot happen with a consistent scheduler; avoid a busy spin if it does
             time.sleep(0.001)
-            return
+        return batch, items
+
+    def _run_sync(self, batch: list[Scheduled], items: list[StepItem]) -> None:
         if self.spec is not None:
             running, max_len = len(self.scheduler.running), self.runner.max_model_len
             self.spec.attach(batch, items, self.blocks, self._lock, max_model_len=max_len, running=running)
         try:
             sampled = self._run_step(batch, items)
         except Exception as exc:
-            if getattr(exc, "fatal", False):
-                raise
-            log.exception("runner step failed; failing its %d request(s)", len(batch))
-            with self._lock:
-                self._n["step_failures"] += 1
-                err = MemraError(f"the engine failed while running this request: {exc}", code="engine_error")
-                for s in batch:
-                    self._finish(s.seq, "error", error=err)
+            self._fail_step(batch, exc)
         else:
-            with self._lock:
-                self._n["steps"] += 1
-                for s, it, tokens in zip(batch, items, sampled, strict=True):
-                    try:
-                        self._advance(s, tokens, it)
-                    except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
-                        log.exception("post-processing failed for request %s", s.seq.request.request_id)
-                        err = MemraError(
-                            f"the engine failed while decoding this request: {exc}", code="engine_error"
-                        )
-                        self._finish(s.seq, "error", error=err)
+            self._apply(batch, items, sampled)
         if self.on_step is not None:
             self.on_step(self)
+
+    def _fail_step(self, batch: list[Scheduled], exc: Exception) -> None:
+        """A runner call raised: a fatal error stops the engine, else the step's requests fail."""
+        if getattr(exc, "fatal", False):
+            raise exc
+        log.exception("runner step failed; failing its %d request(s)", len(batch))
+        with self._lock:
+            self._n["step_failures"] += 1
+            err = MemraError(f"the engine failed while running this request: {exc}", code="engine_error")
+            for s in batch:
+                self._finish(s.seq, "error", error=err)
+
+    def _apply(self, batch: list[Scheduled], items: list[StepItem], sampled: list[list[int]]) -> None:
+        """Post-process a step's results; a row whose request ended meanwhile (an abort while the
+        step was in flight, or a stop found one step late by an overlapped step) is dropped."""
+        with self._lock:
+            self._n["steps"] += 1
+            for s, it, tokens in zip(batch, items, sampled, strict=True):
+                if self._live.get(s.seq.request.request_id) is not s.seq:
+                    continue
+                try:
+                    self._advance(s, tokens, it)
+                except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
+                    log.exception("post-processing failed for request %s", s.seq.request.request_id)
+                    err = MemraError(f"the engine failed while decoding this request: {exc}", code="engine_error")
+                    self._finish(s.seq, "error", error=err)
 
     def _run_step(self, batch: list[Scheduled], items: list[StepItem]) -> list[list[int]]:
         """One runner call; per item the tokens it emits ([] for a prefill chunk that samples nothing).
@@ -467,12 +489,8 @@ class Engine:
             state_slot=slot,
             state_restore=restore,
             state_snapshots=snaps,
-            window_table=self._window_table(seq.seq_id),
+            window_table=list(b.window_table(seq.seq_id)) if isinstance(b := self.blocks, WindowedBlocks) else None,
         )
-
-    def _window_table(self, seq_id: int) -> list[int] | None:
-        blocks = self.blocks
-        return list(blocks.window_table(seq_id)) if isinstance(blocks, WindowedBlocks) else None
 
     def _advance(self, s: Scheduled, tokens: list[int], it: StepItem | None = None) -> None:
         """Apply one item's result: KV written up to the chunk's end, plus the emitted tokens if any

@@ -6,11 +6,11 @@ cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step
 items eagerly (one chunk at a time, the head on the last row only; one sequence's 2..block_size
 tokens, a prefix hit's tail, replay a graph captured at build), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
-block). Per decode step the host does one H2D of the packed inputs, one graph launch and one D2H
-of the sampled ids. Logit bias, constraint masks and logprobs are computed on the device
-(engine.logit_prep packs them beside the inputs; a masked or penalised step uploads its entries
-with a second copy); steps with more logprobs rows, penalty or bias entries than the buffers hold
-sample those rows on the host from their logits. All driver calls go through engine.cuda.
+block). A decode step is one graph launch that copies the packed inputs in and the sampled ids out
+(an overlapped one is queued without the wait, its input ids the last one's: engine.runner_overlap).
+Logit bias, constraint masks and logprobs are computed on the device (engine.logit_prep packs them
+beside the inputs; a masked or penalised step uploads its entries with a second copy); steps with
+more logprobs rows, penalty or bias entries than the buffers hold sample them on the host.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.runner_kv import KvPools
+from engine.runner_overlap import OverlapLaunch
 from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.runner_tap import HiddenRows
@@ -75,7 +76,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
+class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, OverlapLaunch):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -142,6 +143,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._alloc_states(cuda, state_slots)
         self._alloc_kv(cuda, max_model_len, num_blocks, window_kv_blocks, max_running, prefill_chunk_tokens)
         self._alloc_inputs()
+        self._alloc_overlap(cuda)  # (engine.runner_overlap: launch / collect)
         self._alloc_scratch()
         log.info(  # where a start's time goes (warm HTTP-ready, issue #34)
             "runner ready in %.2f s: context + plan %.2f s, kernels %.2f s, weights %.2f s, buffers %.2f s",
@@ -254,8 +256,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._in_host.bytes[:] = 0
         self._views = {n: self._in_host.view(dt, rows, o) for n, (o, dt, rows) in layout.items()}
         self._in_off = {n: o for n, (o, _, _) in layout.items()}
-        self._in_off["block_tables"] = self._tables_off
-        self._in_off["pen_entries"] = self._pen_off
+        self._in_off.update(block_tables=self._tables_off, pen_entries=self._pen_off)
         self._in_off.update(self._prep.offsets)
         self._prep.bind(self._in_host.bytes)
         self._prep_bytes = 0  # bytes of the last packed token_mask inputs
@@ -549,10 +550,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._eager.clear()
         self._prefill_bound.clear()
         for buf in (
-            list(self._weights.values())
-            + list(self._scratch.values())
-            + self._tmap_pools
-            + [self.arena, self.kv, self._in_dev]
+            list(self._weights.values()) + list(self._scratch.values()) + self._tmap_pools
+            + [self.arena, self.kv, self._in_dev, self._ov_prev]
             + ([self.kv_win] if self.kv_win is not None else [])
             + ([self._trace] if self._trace is not None else [])
         ):
@@ -561,6 +560,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools):
         self._tmap_pools.clear()
         self._tmaps.clear()
         self._in_host.free()
+        self._ov_out.free()
         self._free_states()
         for mod in self._modules:
             mod.unload()

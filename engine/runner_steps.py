@@ -205,6 +205,7 @@ class StepLogic:
         # a CUDA context is current per thread: the engine loop steps from its own thread, not
         # the one that built the runner (graph instantiation there failed with INVALID_CONTEXT)
         self._ensure_context()
+        self._sync_step_allowed()
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
@@ -231,6 +232,7 @@ class StepLogic:
         from engine.spec.cuda_verify import verify
 
         self._ensure_context()
+        self._sync_step_allowed()
         return verify(self, items)
 
     def _check_item(self, it: StepItem) -> None:
@@ -344,6 +346,36 @@ class StepLogic:
         verify pass gives each row's snapshot slot (``state_snap``) and the row groups its stateful
         launches run in, one after another (``groups``, the padding rows joining the last)."""
         n = len(items)
+        bucket, groups = self._fill_decode(items, state_snap, groups)
+        kind = self._sampling_kind(items)
+        launch_kind = "sample" if kind == "host" else kind
+        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
+        # a graph without penalty or token_mask entries copies the inputs in and the sampled ids
+        # out itself (pinned host memory): one driver call per step, then the wait
+        io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
+        if not io:
+            self._upload_inputs(bucket, kind)
+        if groups:
+            self._keep_grouping((bucket, launch_kind, short, io, groups))
+        if self.use_graphs:
+            self._graph(bucket, launch_kind, short, io=io, groups=groups).launch(self.stream)
+        else:
+            key = ("decode", bucket, launch_kind, short, groups)
+            if key not in self._eager:
+                self._eager[key] = self._bind_pass(
+                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short, groups=groups
+                )
+            self._run(self._eager[key])
+        ids = self._read_ids(n, copied=io).tolist()
+        self._tap_decode(items)
+        return self._host_sample(items, ids, kind)
+
+    def _fill_decode(
+        self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...]
+    ) -> tuple[int, tuple[int, ...]]:
+        """Write decode rows' inputs into the pinned block (padding rows up to the bucket at the
+        sinks); returns the bucket and the row groups with the padding rows in the last."""
+        n = len(items)
         bucket = self._bucket_of[n]
         v = self._views
         ld = self._table_ld
@@ -375,28 +407,7 @@ class StepLogic:
         if groups:
             v["state_snap"][:n] = state_snap
             groups = (*groups[:-1], groups[-1] + bucket - n)
-        kind = self._sampling_kind(items)
-        launch_kind = "sample" if kind == "host" else kind
-        short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
-        # a graph without penalty or token_mask entries copies the inputs in and the sampled ids
-        # out itself (pinned host memory): one driver call per step, then the wait
-        io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
-        if not io:
-            self._upload_inputs(bucket, kind)
-        if groups:
-            self._keep_grouping((bucket, launch_kind, short, io, groups))
-        if self.use_graphs:
-            self._graph(bucket, launch_kind, short, io=io, groups=groups).launch(self.stream)
-        else:
-            key = ("decode", bucket, launch_kind, short, groups)
-            if key not in self._eager:
-                self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short, groups=groups
-                )
-            self._run(self._eager[key])
-        ids = self._read_ids(n, copied=io).tolist()
-        self._tap_decode(items)
-        return self._host_sample(items, ids, kind)
+        return bucket, groups
 
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the

@@ -121,6 +121,10 @@ class StepItem:
     # array) when it sampled them, or None when it chose them deterministically (n-gram, greedy draft).
     draft: Sequence[int] = ()
     draft_probs: Any = None
+    # Overlapped decode (OverlapRunner.launch): the input token is the id the previous launch sampled
+    # for its row ``prev_row``, still on the device; ``token_ids`` then holds one placeholder (-1) and
+    # ``history`` ends before that token (the host learns it one step later).
+    prev_row: int | None = None
 
 
 class TokenConstraint(Protocol):
@@ -171,6 +175,25 @@ class VerifyingRunner(Runner, Protocol):
     """
 
     def verify(self, items: Sequence[StepItem]) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class OverlapRunner(Runner, Protocol):
+    """A Runner that can queue a decode step without waiting for it (engine.loop_overlap).
+
+    ``can_launch(items)``: whether ``launch`` takes these items (decode rows the device samples
+    alone). ``launch(items)`` queues the step and returns a handle at once; an item with
+    ``prev_row`` set reads its input token from the previous launch's sampled ids on the device.
+    ``collect(handle)`` waits for that step and returns its ids like ``step``. Handles are collected
+    in launch order, at most two launches are uncollected at once, and ``step``/``verify`` are only
+    called with none uncollected.
+    """
+
+    def can_launch(self, items: Sequence[StepItem]) -> bool: ...
+
+    def launch(self, items: Sequence[StepItem]) -> Any: ...
+
+    def collect(self, handle: Any) -> list[int | None]: ...
 
 
 @dataclass

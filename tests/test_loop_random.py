@@ -1,9 +1,12 @@
 """Randomized engine run (fixed seed): 300 requests with arrivals, aborts, prefix sharing and a tiny
-KV cache forcing preemption; invariants after every step; every request ends once, correctly."""
+KV cache forcing preemption; invariants after every step; every request ends once, correctly; with
+synchronous and with overlapped decode steps (engine.loop_overlap)."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
@@ -19,7 +22,8 @@ def expected(r: GenerationRequest) -> tuple[list[int], str]:
     return out, "length"
 
 
-def test_randomized_arrivals_aborts_and_preemption():
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_randomized_arrivals_aborts_and_preemption(overlap):
     rng = random.Random(20261202)
     shared = [[rng.randrange(2, 128) for _ in range(40)] for _ in range(3)]
     reqs, arrival, abort_at = [], [], {}
@@ -47,7 +51,7 @@ def test_randomized_arrivals_aborts_and_preemption():
             abort_at.setdefault(int(t) + rng.randint(0, 30), []).append(r.request_id)
 
     runner = FakeRunner(num_blocks=24, block_size=4, max_model_len=96)
-    cfg = EngineConfig(max_running=6, max_waiting=1000, prefill_chunk_tokens=16, max_step_tokens=24)
+    cfg = EngineConfig(max_running=6, max_waiting=1000, prefill_chunk_tokens=16, max_step_tokens=24, overlap=overlap)
     handles = {}
     state = {"step": 0, "next": 0}
 
@@ -108,4 +112,5 @@ def test_randomized_arrivals_aborts_and_preemption():
     assert s.finished + s.aborted == 300 and s.aborted == n_aborted > 0
     assert s.preemptions > 0 and s.prefix_hit_tokens > 0 and s.prefix_evictions > 0
     assert runner.max_items > 1
+    assert (runner.launches > 0) == overlap
     engine.shutdown(2)

@@ -55,11 +55,13 @@ def build_engine(
     devices: str | None = None,
     split: str | None = None,
     window_kv_blocks: int | None = None,
+    overlap: bool = False,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
     ``window_kv_blocks``: the CUDA runner's window pool (None: sized for ``cfg.max_running``
     sequences and the profile's prefill chunk, the engine built here; 0: none).
+    ``overlap``: EngineConfig.overlap (decode steps queued ahead, engine.loop_overlap).
     ``model_defaults``: requests that omit a sampling parameter get the model's own value
     (generation_config.json / GGUF general.sampling.*)."""
     from engine.backend import load_stack
@@ -84,6 +86,7 @@ def build_engine(
             prefill_chunk_tokens=chunk,
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
+            overlap=overlap,
         ),
         speculator=speculator,
     )
@@ -147,6 +150,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
             devices=getattr(args, "devices", None),
             split=getattr(args, "split", None),
             window_kv_blocks=window_kv_blocks,
+            overlap=bool(getattr(args, "overlap", False)),
         ),
         raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
