@@ -1,18 +1,29 @@
-"""The tensor-core batched decode linear (kernels/gemv_mma.cu.j2; in no plan yet, docs/kernels.md says
-why) without a GPU: its spec rules, the shape rule of its params, and that it renders and
-NVRTC-compiles for every profile arch (tests/gpu/test_gemv_mma_gpu.py runs it)."""
+"""The tensor-core decode linear (kernels/gemv_mma.cu.j2) without a GPU: its spec rules, the shape rule
+of its params (a weight's k split the same at every batch size), the kernel run under g++
+(tests/fixtures/cuda_emu.py: fibers for threads, the m16n8k16 mma as a warp collective, fma.rn.bf16x2
+rounded once) against ``x @ engine.quant.dequantize(W).T`` for every storage type it decodes, and every
+row's output bits the same alone (batch 1) as in buckets of 3, 11 and 17 rows. NVRTC compiles it for
+every profile arch (tests/gpu/test_gemv_mma_gpu.py runs it on a GPU)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from fixtures import cuda_emu
+from fixtures.quant_blocks import random_blocks
 from test_kernels_compile import _nvrtc_ok
 
 from engine import kernel_catalog as kc
+from engine import quant
 from engine.compile import KernelBuilder
 from engine.kcache import KernelCache
+from engine.kernel_catalog.contracts import MMA_UNIT
 from engine.profile import all_profiles
 from engine.render import render
+from engine.storage import BLOCK_SIZES
 from engine.types import ConfigError
+
+N = 40  # two m tiles and a half (the last block's row tail)
 
 
 def test_spec_rules_name_the_problem():
@@ -21,34 +32,127 @@ def test_spec_rules_name_the_problem():
     for over, msg in (
         (dict(bmax=24), "bmax=24"),
         (dict(mt=3), "mt=3"),
-        (dict(k=2560 + 32), "multiple of 64"),
+        (dict(k=9728 + 64), "multiple of the q4_k unit"),
         (dict(kparts=1000), "kparts=1000"),
         (dict(quant="q2_k"), "q2_k"),
+        (dict(quant="q5_0"), "q5_0"),
         (dict(x_stride=2564), "x_stride"),
         (dict(residual=True, out_dtype="f32"), "residual"),
-        (dict(wm=3), "multiple of wm"),
+        (dict(wm=8, wk=8), "exceed"),
+        (dict(depth=9), "depth=9"),
     ):
         with pytest.raises(ConfigError, match=msg):
             kc.spec("gemv_mma", **{**ok, **over})
-    assert kc.gemv_mma_params("q4_k", 2560, 2560 + 32, 8) is None  # k not a whole number of steps
-    assert kc.gemv_mma_params("q8_0r", 2560, 2560 - 64, 8) is not None  # q8_0r: any k (d plane padded)
-    assert kc.gemv_mma_params("q2_k", 2560, 2560, 8) is None  # no decoder
+    assert kc.gemv_mma_params("q4_k", 2560, 2560 + 128, 8) is None  # k not a whole number of units
+    assert kc.gemv_mma_params("q8_0r", 2560, 2560 - 64, 8) is not None
+    assert kc.gemv_mma_params("q5_0", 2560, 2560, 8) is None  # no gemv_mma decoder: the GEMV keeps it
     assert kc.gemv_mma_params("bf16", 2560, 2560, 8, x_stride=2564) is None
 
 
-def test_params_grow_the_m_tiles_with_the_batch_and_split_k_to_fill_the_sms():
-    ps = [kc.gemv_mma_params("q4_k", 2560, 9728, b, sm_count=132) for b in (8, 16, 32, 64)]
-    assert [(p["mt"], p["wm"]) for p in ps] == [(1, 4), (2, 2), (2, 4), (4, 4)]
-    rows = [16 * p["mt"] * p["wm"] for p in ps]
-    assert rows == sorted(rows)  # more rows a block (x shared by more of them) as the batch grows
-    wide = kc.gemv_mma_params("q4_k", 19456, 2560, 8, sm_count=132)
-    assert wide["kparts"] == 2  # 304 row tiles of 64: two parts make 4 blocks per SM
-    down = kc.gemv_mma_params("q6_kr", 2560, 9728, 64, sm_count=132)
-    assert 10 * down["kparts"] >= 2 * 132 > 10 * (down["kparts"] - 1)  # 10 tiles of 256 rows
-    # the partial sums stay within a row's weight bytes: a short q4_k row at bmax 64 splits less
-    short = kc.gemv_mma_params("q4_k", 2560, 2560, 64, sm_count=132)
-    assert short["kparts"] * 64 * 4 <= 1440 < (short["kparts"] + 1) * 64 * 4
-    assert kc.gemv_mma_params("q4_k", 1024, 512, 8, sm_count=132)["kparts"] == 2  # 8 steps: a round each
+def test_the_k_split_is_the_same_at_every_batch_size_and_fills_the_sms():
+    for qt, n, k in (("q4_k", 2560, 4096), ("q6_kr", 2560, 9728), ("q4_k", 19456, 2560), ("bf16", 1024, 576)):
+        ps = [kc.gemv_mma_params(qt, n, k, b, sm_count=132) for b in (8, 16, 32, 64)]
+        assert len({(p["wk"], p["kparts"]) for p in ps}) == 1, (qt, n, k)  # a row's sum order
+        p = ps[0]
+        blocks = -(-n // (16 * p["mt"] * p["wm"])) * p["kparts"]
+        units = k // MMA_UNIT[qt]
+        assert blocks >= 2 * 132 or units // (p["wk"] * p["kparts"]) < 2 * 2, (qt, n, k, p)
+    assert kc.gemv_mma_params("q4_k", 19456, 2560, 8, sm_count=132)["kparts"] == 1  # 608 blocks already
+    assert kc.gemv_mma_params("q4_k", 2560, 4096, 8, sm_count=132)["kparts"] == 4  # o: 80 x 4 blocks
+
+
+def _weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(uploaded bytes [n, row bytes], dequantised f64 [n, k]) of a random ``qt`` weight."""
+    if qt == "bf16":
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        bits = (w.view(np.uint32) + 0x7FFF + ((w.view(np.uint32) >> 16) & 1)) >> 16
+        raw = bits.astype(np.uint16).view(np.uint8).reshape(n, -1)
+        return raw, quant.dequantize(raw.reshape(-1), "bf16", (n, k)).astype(np.float64)
+    ft = quant.REPACKED_FROM.get(qt, qt)
+    elems, _ = BLOCK_SIZES[ft]
+    raw = random_blocks(ft, n * k // elems, seed=int(rng.integers(1 << 30))).reshape(n, -1)
+    deq = quant.dequantize(raw.reshape(-1), ft, (n, k)).astype(np.float64)
+    if qt != ft:
+        raw = quant.repack(raw, qt, n, k).reshape(n, -1)
+    return np.ascontiguousarray(raw), deq
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    u = np.asarray(a, np.float32).view(np.uint32)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).view(np.float32)
+
+
+def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """gemv_mma ``p`` under the emulator on x rows (f32 values, bf16-exact): its output [rows, n]
+    as f32, from a NaN-poisoned out (or ``residual``, aliased as out, for a residual spec)."""
+    s = kc.spec("gemv_mma", **p)
+    lib, types = cuda_emu.compile_any(render(s), s.entry)
+    rows = x.shape[0]
+    xb = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if p["out_dtype"] == "f32":
+        out = np.full((rows, p["n"]), np.nan, np.float32)
+    else:
+        out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+    args = [out, w, xb, out if residual is not None else None, rows]
+    if p["kparts"] > 1:
+        args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), np.zeros(1024, np.uint32)]
+    grid = kc.choice("gemv_mma", **p).grid(rows)
+    cuda_emu.launch_any(lib, types, grid, p["wm"] * p["wk"] * 32, 0, args)
+    if p["kparts"] > 1:
+        assert not args[-1].any(), "the tile counters are left zero"
+    if p["out_dtype"] == "f32":
+        return out
+    return (out.astype(np.uint32) << 16).view(np.float32)
+
+
+# (wk, kparts, depth, units of k): a k split over warps and blocks with a unit each; one warp per
+# row tile walking 6 units through a ring of 4 (refills and a partial last round)
+SPLITS = ((2, 2, 2, 4), (1, 1, 4, 6))
+
+
+@pytest.mark.parametrize("qt", sorted(MMA_UNIT))
+def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
+    rng = np.random.default_rng(7)
+    for wk, kparts, depth, units in SPLITS:
+        k = units * MMA_UNIT[qt]
+        w, deq = _weight(qt, N, k, rng)
+        x = _bf16(rng.standard_normal((17, k)))
+        base = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, depth=depth, residual=False, out_dtype="f32",
+                    x_stride=0, glu=0)  # fmt: skip
+        solo = np.stack([_run({**base, "bmax": 8, "mt": 1, "wm": 2}, w, x[r : r + 1])[0] for r in (0, 5, 16)])
+        ref = x.astype(np.float64) @ deq.T
+        for r, got in zip((0, 5, 16), solo, strict=True):
+            err = np.linalg.norm(got - ref[r]) / np.linalg.norm(ref[r])
+            assert err < (1e-6 if qt == "bf16" else 1e-2), (qt, r, err)
+        for bmax, mt, wm, rows in ((8, 1, 2, 3), (16, 2, 1, 11), (64, 1, 2, 17)):
+            got = _run({**base, "bmax": bmax, "mt": mt, "wm": wm}, w, x[:rows])
+            assert not np.isnan(got).any()
+            for i, r in enumerate((0, 5, 16)):
+                if r < rows:  # the same bits alone and in the bucket
+                    assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, bmax, r)
+
+
+def test_residual_aliasing_out_and_the_glu_epilogue():
+    rng = np.random.default_rng(3)
+    k = 4 * 128
+    w, deq = _weight("q4_k", N, k, rng)
+    x = _bf16(rng.standard_normal((3, k)))
+    res = _bf16(rng.standard_normal((3, N)))
+    rb = (res.view(np.uint32) >> 16).astype(np.uint16)
+    p = dict(quant="q4_k", n=N, k=k, bmax=8, mt=1, wm=2, wk=2, kparts=2, depth=2, residual=True, out_dtype="bf16",
+             x_stride=0, glu=0)  # fmt: skip
+    got = _run(p, w, x, residual=rb)
+    ref = x.astype(np.float64) @ deq.T + res
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    # glu: gate rows 0..19, up rows 20..39; silu(bf16(gate)) * bf16(up) stored at columns 0..19 only
+    for kparts in (1, 2):
+        g = dict(p, residual=False, glu=N // 2, mt=2, wm=1, kparts=kparts)
+        out = _run(g, w, x)
+        sums = x.astype(np.float64) @ deq.T
+        gate, up = _bf16(sums[:, : N // 2]).astype(np.float64), _bf16(sums[:, N // 2 :]).astype(np.float64)
+        want = gate / (1.0 + np.exp(-gate)) * up
+        assert np.linalg.norm(out[:, : N // 2] - want) / np.linalg.norm(want) < 2e-2
+        assert np.isnan(out[:, N // 2 :]).all()  # the up half is not written
 
 
 def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
@@ -62,10 +166,8 @@ def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
         assert f"{s.entry}(" in src and "{{" not in src
     if not _nvrtc_ok():
         pytest.skip("NVRTC or the CUDA headers are missing")
-    # one spec per arch (the templates' only arch branch is PDL's), every fast / generic decoder on sm_90a
-    per_arch = {arch: s for arch, s in specs}
+    per_arch = {arch: s for arch, s in specs}  # one spec per arch (the template's only arch branch is PDL's)
     for arch, s in per_arch.items():
         KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
-    types = ["bf16", "q4_0r", "q4_1r", "q6_kr", "q8_0r", "q5_0"]  # the other fast paths and two generic ones
-    fast = [kc.spec("gemv_mma", **kc.gemv_mma_params(t, 1024, 2560, 8, out_dtype="f32")) for t in types]
-    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(fast, progress=None)
+    types = [kc.spec("gemv_mma", **kc.gemv_mma_params(t, 1024, 2560 + 512, 64, out_dtype="f32")) for t in MMA_UNIT]
+    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(types, progress=None)

@@ -8,11 +8,11 @@ weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up
 batch (default: the profile's CUDA-graph buckets) it times, with CUDA events over --iters launches
 cycling through enough weight copies to defeat the 50 MB L2:
 
-- ``mma``: the batched tensor-core GEMV (kernels/gemv_mma.cu.j2) with the params the plan gives
-  that batch (engine.kernel_catalog.gemv_mma_params, the MMA_BUCKETS bmax; at batch 1, where the
-  plan keeps the GEMV, the bmax-8 one for comparison);
-- ``gemv``: the GEMV the plan used before it (gemv.max_batch rows per weight pass) and, at batch 1,
-  the tuned batch-1 GEMV the plan still uses (no rmsnorm prologue, no pair);
+- ``mma``: the tensor-core decode linear (kernels/gemv_mma.cu.j2) with the params the plan gives
+  that batch (engine.kernel_catalog.gemv_mma_params at the MMA_BUCKETS bmax; batch 1 runs the bmax-8
+  kernel, as the plan does where gemv_mma serves a type: tuning gemv_mma.types);
+- ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
+  batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type.
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import kernel_catalog as kc
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
+    from engine.kernel_catalog.gemv_mma import mma_bmax
     from engine.profile import select
     from engine.types import ConfigError
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     x = cuda.alloc(max_rows * kmax * 2)
     cuda.htod(x.ptr, (rng.standard_normal(max_rows * kmax).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
     out = cuda.alloc(max_rows * nmax * 4)
-    part = cuda.alloc(64 * max_rows * nmax * 4)
+    part = cuda.alloc(16 * max_rows * nmax * 4)  # gemv_mma's partial sums (kparts <= 16 on these shapes)
     count = cuda.alloc(1 << 20)
     cuda.memset(count.ptr, 0, 1 << 20)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
@@ -132,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def candidates(qt: str, n: int, k: int, b: int) -> list:
         cands = []
-        # (batch 1 too: the bmax-8 kernel beside the tuned GEMV the plan keeps there)
-        bmax = next(m for m, lo, hi in kc.MMA_BUCKETS if b >= lo and (not hi or b <= hi))
-        p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=info.sm_count)
+        p = kc.gemv_mma_params(qt, n, k, mma_bmax(b), sm_count=info.sm_count)
         if p is not None:
             cands.append(("mma", kc.choice("gemv_mma", **p)))
         if not args.no_gemv:

@@ -18,6 +18,10 @@ QUANTS: dict[str, tuple[int, int]] = {
               "q5_k", "q6_k", "q6_kr")
 }
 
+# gemv_mma's storage types, with the elements of its unit (a warp's weight step per row: one 16-byte
+# load per lane and row, kernels/gemv_mma.cu.j2)
+MMA_UNIT: dict[str, int] = {"bf16": 32, "q8_0r": 64, "q4_k": 128, "q6_kr": 128, "q4_0r": 128, "q4_1r": 128}
+
 
 ROPE_STYLES = ("neox", "interleaved")
 GLU_ACTS = ("silu", "gelu_tanh")  # silu_mul's gate activations (SwiGLU, GeGLU with the tanh GELU)
@@ -70,7 +74,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_prefill": {"window": 0},
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
-    "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
+    "gemv_mma": {"kparts": 1, "x_stride": 0, "glu": 0, "depth": 4},
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
     "gemv": {
@@ -110,16 +114,16 @@ KERNELS: dict[str, KernelDoc] = {
     ),
     "gemv_mma": KernelDoc(
         dict(
-            quant=str, n=int, k=int, bmax=int, mt=int, warps=int, wm=int, kparts=int, residual=bool,
+            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
             out_dtype=str, x_stride=int, glu=int,
         ),
         # kparts > 1 adds (part_sum, part_count): kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
-        "(warps * 32,)",
-        "static: warps * 8 KB",
-        {"warps": 4, "wm": 1, "kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0},
+        "(wm * wk * 32,)",
+        "static: wm * mt * bmax * 64 bytes when wk > 1",
+        {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0},
     ),
     "gemm": KernelDoc(
         dict(

@@ -1,22 +1,40 @@
-"""The params of gemv_mma, the tensor-core batched decode linear (kernels/gemv_mma.cu.j2; in no plan
-yet, docs/kernels.md says why): its row buckets and its one shape rule. Imports only the catalog's
-contracts and layout. Must not import CUDA.
+"""The params of gemv_mma, the tensor-core decode linear (kernels/gemv_mma.cu.j2): its row buckets,
+the k split of a weight (the same at every batch size: what fixes a row's bits) and the row tile of
+each bucket. Imports only the catalog's contracts and layout. Must not import CUDA.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.kernel_catalog.contracts import QUANTS
+from engine.kernel_catalog.contracts import MMA_UNIT, QUANTS
 from engine.kernel_catalog.layout import _cdiv
-from engine.storage import row_bytes
 
 # the gemv_mma launches of a decode linear: (bmax, fewest rows, most rows (0: any)) -- a pass of
-# rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row)
+# rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row); batch 1 takes
+# the bmax-8 kernel
 MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
-MMA_WARPS = 4
-# bmax -> (m tiles per warp, warps side by side over rows, blocks per SM to aim the k split at)
-MMA_SHAPES = {8: (1, 4, 4), 16: (2, 2, 4), 32: (2, 4, 3), 64: (4, 4, 2)}
+# bmax -> (m tiles per warp, warps side by side over rows): x fragments are reused over mt m tiles
+# and shared through L1 by the wm warps of a block, so x bytes read per weight byte stay bounded as
+# the batch grows
+MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (1, 2)}
+MMA_WK = 4  # warps splitting k inside a block (fewer where k has fewer than 2 units per warp)
+MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile, so depth MMA_DEPTH / mt
+MMA_MIN_UNITS = 2  # the fewest units a warp's k slice has where the k split is chosen
+MMA_BLOCKS_PER_SM = 2  # the k split over blocks aims at this many blocks per SM at the bmax-8 row tile
+
+
+def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int]:
+    """(wk, kparts) of a [n, k] weight: the k slices a row's sum is split into (warps of a block x
+    blocks), from the shape alone, so that every bucket and batch 1 sum a row in the same order.
+    kparts grows until the bmax-8 grid fills ``sm_count`` SMs (132 where unknown) at
+    MMA_BLOCKS_PER_SM blocks each, keeping MMA_MIN_UNITS units per warp."""
+    units = k // MMA_UNIT[quant]
+    wk = max(1, min(MMA_WK, units // MMA_MIN_UNITS))
+    mt, wm = MMA_SHAPES[8]
+    tiles = _cdiv(n, 16 * mt * wm)
+    want = _cdiv(MMA_BLOCKS_PER_SM * (sm_count or 132), tiles)
+    return wk, max(1, min(want, units // (wk * MMA_MIN_UNITS)))
 
 
 def gemv_mma_params(
@@ -32,34 +50,35 @@ def gemv_mma_params(
     glu: int = 0,
 ) -> dict[str, Any] | None:
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
-    up to ``bmax`` rows, or None where the kernel does not apply (a type without a decoder, k not a
-    multiple of 64, x rows not 16-byte aligned). ``glu``: a gate|up weight storing silu(gate) * up
-    (m tiles in gate / up pairs: mt 1 becomes 2 with half the warps over rows). One shape rule, no tuning (MMA_SHAPES): the m tiles
-    per warp and the warps over rows grow with the batch, so each x fragment feeds mt mma and the
-    wm warps of a block share x through L1 (x bytes read from L2 at most about the weight bytes);
-    the warps left over split k inside the block; k is split over blocks (kparts) until the blocks
-    fill the SMs (``sm_count``; 132 where unknown) at the shape's blocks per SM, keeping a full
-    round of steps per k group and the f32 partial sums of a row within its weight bytes."""
-    if quant not in QUANTS or k % 64 or k % QUANTS[quant][0] or x_stride % 8:
+    up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a type
+    without a gemv_mma decoder, k not a whole number of its units and blocks, x rows not 16-byte aligned).
+    ``glu``: a gate|up weight storing silu(gate) * up (m tiles in gate / up pairs: an odd mt doubles).
+    No tuning knob: the k split is ``mma_k_split``'s, the row tile MMA_SHAPES[bmax]."""
+    ue = MMA_UNIT.get(quant)
+    if ue is None or k % ue or k % QUANTS[quant][0] or x_stride % 8:
         return None
-    mt, wm, per_sm = MMA_SHAPES[bmax]
+    mt, wm = MMA_SHAPES[bmax]
     if glu and mt % 2:
-        mt, wm = 2 * mt, max(1, wm // 2)
-    tiles = _cdiv(n, 16 * mt * wm)
-    rounds = k // 64 // (MMA_WARPS // wm * (4 // mt))
-    partial_cap = row_bytes(quant, k) // (4 * bmax)  # f32 partial sums of a row <= its weight bytes
-    kparts = max(1, min(_cdiv(per_sm * (sm_count or 132), tiles), rounds, partial_cap))
+        mt *= 2
+        wm = max(1, wm // 2)
+    wk, kparts = mma_k_split(quant, n, k, sm_count)
     return dict(
         quant=quant,
         n=n,
         k=k,
         bmax=bmax,
         mt=mt,
-        warps=MMA_WARPS,
         wm=wm,
+        wk=wk,
         kparts=kparts,
+        depth=max(1, MMA_DEPTH // mt),
         residual=residual,
         out_dtype=out_dtype,
         x_stride=x_stride,
         glu=glu,
     )
+
+
+def mma_bmax(rows: int) -> int:
+    """The bmax of the MMA_BUCKETS launch that runs a pass of ``rows`` rows."""
+    return next(b for b, lo, hi in MMA_BUCKETS if rows >= lo and (not hi or rows <= hi))

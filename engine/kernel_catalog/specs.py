@@ -147,7 +147,7 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
 }
 # template -> threads per block; every other template: its ``threads`` param
 _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
-    "gemv_mma": lambda p: p["warps"] * 32,
+    "gemv_mma": lambda p: p["wm"] * p["wk"] * 32,
     "gemv_pair": lambda p: p["a_threads"],
     "gemm": lambda p: p["warps"] * 32,
     "gemm_wgmma": lambda p: (p["consumers"] + 1) * 128,

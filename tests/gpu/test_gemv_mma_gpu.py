@@ -1,9 +1,11 @@
-"""The batched decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type its decoders
-take (file types and upload layouts), every batch size class the decode buckets use, with the params
-kernel_catalog.gemv_mma_params gives a Qwen3-4B-wide row on this device's SM count (a k split over blocks
-and the single-part form), a residual that aliases out, f32 logits, a strided x, and more rows than
-bmax. Outputs are poisoned with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's
-dequantisation, checked against gguf in tests/test_quant.py). Run on a GPU machine:
+"""The tensor-core decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type it
+decodes (bf16 and the upload layouts q4_k, q6_kr, q8_0r, q4_0r, q4_1r), batch 1 and every batch size
+class the decode buckets use, with the params kernel_catalog.gemv_mma_params gives on this device's SM
+count (a k split over warps and blocks, and the single-part form), a residual that aliases out, f32
+logits, a strided x, more rows than bmax and the glu epilogue; and a row's output bits the same alone
+as in batches of 2..64 (the property the plan relies on: batched equal to solo). Outputs are poisoned
+with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's dequantisation, checked
+against gguf in tests/test_quant.py). Run on a GPU machine:
 ``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma_gpu.py``.
 """
 
@@ -14,14 +16,12 @@ import pytest
 from gpu_harness import bf_round, poisoned, rel_err, upload, uploaded_weights
 
 from engine import kernel_catalog as kc
+from engine.kernel_catalog.contracts import MMA_UNIT
+from engine.kernel_catalog.gemv_mma import mma_bmax
 
 N, K = 1003, 2560  # an odd n (the last tile's row tail), Qwen3-4B's hidden size as k
-BATCHES = (2, 3, 8, 17, 32, 64)
-TYPES = list(kc.QUANTS)  # bf16, f16, f32 and every GGUF block type / upload layout
-
-
-def _bmax(rows: int) -> int:
-    return next(b for b, lo, hi in kc.MMA_BUCKETS if rows >= lo and (not hi or rows <= hi))
+BATCHES = (1, 2, 3, 8, 17, 32, 64, 100)
+TYPES = sorted(MMA_UNIT)
 
 
 @pytest.fixture(scope="module")
@@ -29,47 +29,51 @@ def weights():
     return uploaded_weights(11)
 
 
-def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[float, int, int]:
-    """Launch gemv_mma ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
+def launch_mma(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = None, x_pad: int = 0):
+    """Launch gemv_mma ``p`` on x rows (f64, bf16-exact, [rows, x_stride or k]); (out as f64 [rows, n],
+    counters left nonzero). ``r``: the residual (uploaded as out, which the kernel reads and overwrites)."""
     n, k, od = p["n"], p["k"], p["out_dtype"]
-    w, deq = weights(p["quant"], n, k)
-    xs = p["x_stride"] or k
-    x = bf_round(rng.standard_normal((rows, xs)))
-    xin = x[:, x_pad : x_pad + k]
-    r = bf_round(rng.standard_normal((rows, n)))
-    out = upload(r, "bf16") if p["residual"] else poisoned((rows, n), od)
+    rows = x.shape[0]
+    w, _ = weights(p["quant"], n, k)
+    out = upload(r, "bf16") if r is not None else poisoned((rows, n), od)
     xd = upload(x, "bf16")
-    args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if p["residual"] else 0, rows=rows)
+    args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if r is not None else 0, rows=rows)
     count = None
-    if p["kparts"] > 1:  # sized as engine.lowering.gemv_mma sizes the scratch
+    if p["kparts"] > 1:  # sized as engine.lowering.gemv sizes the scratch
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
         tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
     kernels.launch(kc.choice("gemv_mma", **p), rows, **args)
-    got = out.get()
-    ref = xin @ deq.T + (r if p["residual"] else 0)
+    left = int(np.count_nonzero(count.get())) if count is not None else 0
+    return out.get(), left
+
+
+def run_mma(kernels, weights, p: dict, rows: int, rng, x_pad: int = 0) -> tuple[float, int, int]:
+    """Launch gemv_mma ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
+    n, k = p["n"], p["k"]
+    _, deq = weights(p["quant"], n, k)
+    x = bf_round(rng.standard_normal((rows, p["x_stride"] or k)))
+    xin = x[:, x_pad : x_pad + k]
+    r = bf_round(rng.standard_normal((rows, n))) if p["residual"] else None
+    got, left = launch_mma(kernels, weights, p, x, r, x_pad)
+    ref = xin @ deq.T + (r if r is not None else 0)
     if p["glu"]:  # silu(gate) * up in the gate half, from the bf16-rounded sums; the up half unwritten
         gate, up = bf_round(ref[:, : p["glu"]]), bf_round(ref[:, p["glu"] :])
         untouched = int(np.isnan(got[:, p["glu"] :]).sum()) == got[:, p["glu"] :].size
         got, ref = got[:, : p["glu"]], gate / (1.0 + np.exp(-gate)) * up
         if not untouched:
             return 1.0, 0, 0
-    left = int(np.count_nonzero(count.get())) if count is not None else 0
     return rel_err(got, ref), int(np.isnan(got).sum()), left
 
 
-def _cases(profile) -> list[tuple[dict, int]]:
-    out = []
-    for qt in TYPES:
-        for rows in BATCHES:
-            p = kc.gemv_mma_params(qt, N, K, _bmax(rows), sm_count=profile.sm_count, residual=rows % 2 == 0)
-            assert p is not None, qt
-            out.append((p, rows))
-    return out
+def _params(qt, n, k, rows, profile, **kw):
+    p = kc.gemv_mma_params(qt, n, k, mma_bmax(rows), sm_count=profile.sm_count, **kw)
+    assert p is not None, qt
+    return p
 
 
 def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
-    cases = _cases(profile)
+    cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in TYPES for rows in BATCHES]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _ in cases))
     rng = np.random.default_rng()
     bad = []
@@ -80,24 +84,48 @@ def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("shape", [(N, K), (2560, 4096), (1024, 9728)])
+def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
+    """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column) and as rows
+    of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel; f32 out, the unrounded sums): the
+    same bits. (2560, 4096): the o projection's k split over 4 blocks; (1024, 9728): a long k."""
+    n, k = shape
+    rng = np.random.default_rng(1)
+    bad = []
+    for qt in TYPES:
+        specs = {b: _params(qt, n, k, b, profile, out_dtype="f32") for b in (1, 2, 3, 8, 17, 32, 64)}
+        kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p in specs.values()))
+        x = bf_round(rng.standard_normal((64, k)))
+        solo = {r: launch_mma(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
+        for b, p in specs.items():
+            got, left = launch_mma(kernels, weights, p, x[:b])
+            for r, want in solo.items():
+                if r < b and not np.array_equal(got[r].astype(np.float32).view(np.uint32),
+                                                want.astype(np.float32).view(np.uint32)):  # fmt: skip
+                    bad.append((qt, n, k, b, r, float(np.abs(got[r] - want).max())))
+            if left or np.isnan(got).any():
+                bad.append((qt, n, k, b, "nan or counters", left))
+    assert not bad, bad[:20]
+
+
 def test_gemv_mma_variants(kernels, weights, profile):
     """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
-    rows), a k split with more parts than some tiles have steps, the glu epilogue (gate|up storing
-    silu(gate) * up, split and single-part), and a second launch reusing the part counters (the last
-    block of each tile leaves its counter zero)."""
+    rows), a k split over many blocks, the glu epilogue (gate|up storing silu(gate) * up, split and
+    single-part), and a second launch reusing the part counters (the last block of each tile leaves
+    its counter zero)."""
     base = dict(sm_count=profile.sm_count)
     cases = []
-    for qt in ("bf16", "q4_k", "q6_kr", "q8_0r", "q5_0", "q4_1r"):
+    for qt in TYPES:
         for bmax in (8, 64):
             p1 = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
             cases.append(({**p1, "kparts": 1}, bmax - 3, 0))
             cases.append((kc.gemv_mma_params(qt, N, K, bmax, out_dtype="f32", **base), bmax, 0))
         cases.append((kc.gemv_mma_params(qt, N, K, 16, x_stride=K + 64, **base), 11, 32))
         cases.append((kc.gemv_mma_params(qt, N, K, 64, residual=True, **base), 100, 0))
-        cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 40}, 20, 0))
+        cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 5}, 20, 0))
         for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
             pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
-            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0)]
+            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0), ({**pg, "kparts": 3}, 1, 0)]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
     rng = np.random.default_rng()
     bad = []
@@ -112,11 +140,11 @@ def test_gemv_mma_variants(kernels, weights, profile):
 def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
     """The k permutation and the warps' sum order change nothing beyond rounding: a bf16 weight
     (exact in the tensor-core path) agrees with float64 to accumulation precision."""
-    p = kc.gemv_mma_params("bf16", N, K, 8, out_dtype="f32", sm_count=profile.sm_count)
-    kernels.prebuild([kc.spec("gemv_mma", **p)])
-    err, nans, _ = run_mma(kernels, weights, p, 5, np.random.default_rng())
-    assert nans == 0 and err <= 1e-5, err
-
+    for rows in (1, 5, 40):
+        p = _params("bf16", N, K, rows, profile, out_dtype="f32")
+        kernels.prebuild([kc.spec("gemv_mma", **p)])
+        err, nans, _ = run_mma(kernels, weights, p, rows, np.random.default_rng())
+        assert nans == 0 and err <= 1e-5, (rows, err)
 
 
 # tiny models (tests/gpu/test_quant_models.py's shapes): k = 512 / 576 / 1536, gate|up 2 x 1536
