@@ -345,8 +345,8 @@ def _wide_decode_rows(
     with the gemm_decode tuning), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
     keep the GEMV, which reads them once per ``GEMV_MAX_BATCH`` rows)."""
     rows = GEMM_DECODE_MIN_ROWS
-    if max(profile.cuda_graph_batch_sizes) < rows:
-        return 0
+    if max(profile.cuda_graph_batch_sizes) < rows or "bf16" in (profile.tune("gemv_mma").get("types") or ()):
+        return 0  # (gemv_mma serves every decode bucket of bf16 weights: a row's bits as at batch 1)
     for op, _ in graph.ops():
         if op.op != "linear":
             continue

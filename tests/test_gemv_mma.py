@@ -171,3 +171,60 @@ def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
         KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
     types = [kc.spec("gemv_mma", **kc.gemv_mma_params(t, 1024, 2560 + 512, 64, out_dtype="f32")) for t in MMA_UNIT]
     KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(types, progress=None)
+
+
+MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from fixtures.checkpoints import Dims, write_qwen3_safetensors, write_random_gguf
+
+    from engine.model import load_model
+
+    dims = Dims(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                intermediate_size=1536, vocab_size=768)  # fmt: skip
+    out = {q: load_model(write_random_gguf(tmp_path_factory.mktemp(q) / "m.gguf", "qwen3", dims, q, seed=3))
+           for q in ("q4_k_m", "q8_0", "q4_0")}  # fmt: skip
+    small = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=512, vocab_size=512)  # fmt: skip
+    out["bf16"] = load_model(write_qwen3_safetensors(tmp_path_factory.mktemp("bf16"), **small))
+    return out
+
+
+def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1_bits(tiny_models):
+    """With tuning gemv_mma.types naming every type: each decode linear of a tiny Qwen3 (q4_k_m: q|k
+    q4_k and v q6_kr; q8_0r; q4_0r; bf16, no wide-decode GEMM) runs gemv_mma at batch 1 and in every
+    bucket range, with one k split per weight (tests/fixtures/batch_invariance.py finds no
+    bit-changing difference), the gate|up storing silu(gate) * up (no silu_mul launch), the
+    rmsnorms as their own launches (no GEMV prologue), split-k scratch declared; without the knob
+    (the h100 profile as it is) no plan has gemv_mma."""
+    from fixtures.batch_invariance import mismatches
+
+    from engine.plan import build_plan
+    from engine.profile import get_profile, with_tuning
+
+    prof = with_tuning(get_profile("h100"), MMA_ALL)
+    for name, m in tiny_models.items():
+        plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style)
+        assert mismatches(plan) == [], (name, mismatches(plan)[:3])
+        assert plan.wide_rows == 0
+        for st in plan.steps:
+            for mode in ("decode1", "decode"):
+                las = st.launches[mode]
+                if st.op.op == "linear":
+                    assert las and {la.spec.template for la in las} == {"gemv_mma"}, (name, st.layer, mode)
+                    ranges = sorted((la.min_rows, la.max_rows) for la in las)
+                    if mode == "decode":
+                        assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(las) % 4 == 0, ranges
+                if st.op.op == "rmsnorm" and not st.head:
+                    assert [la.spec.template for la in las] == ["rmsnorm"], (name, mode)
+                if st.op.op == "silu_mul":
+                    assert las == (), (name, mode)
+        glu = [la for st in plan.steps for la in st.launches["decode"] if la.spec.params.get("glu")]
+        assert glu and all(la.spec.template == "gemv_mma" for la in glu)
+        split = [la for st in plan.steps for la in st.launches["decode1"] if la.spec.params.get("kparts", 1) > 1]
+        if split:
+            assert {s.name for s in plan.scratch} >= {"mma_part", "mma_count"}
+        off = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
+        assert not any(la.spec.template == "gemv_mma" for st in off.steps for ls in st.launches.values() for la in ls)

@@ -5,10 +5,12 @@ each bucket. Imports only the catalog's contracts and layout. Must not import CU
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from engine.kernel_catalog.contracts import MMA_UNIT, QUANTS
 from engine.kernel_catalog.layout import _cdiv
+from engine.storage import REPACKED_FROM
 
 # the gemv_mma launches of a decode linear: (bmax, fewest rows, most rows (0: any)) -- a pass of
 # rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row); batch 1 takes
@@ -17,6 +19,9 @@ MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
 # bmax -> (m tiles per warp, warps side by side over rows): x fragments are reused over mt m tiles
 # and shared through L1 by the wm warps of a block, so x bytes read per weight byte stay bounded as
 # the batch grows
+# the file storage types whose upload layout gemv_mma decodes (tuning gemv_mma.types; q8_0 where it
+# is uploaded as q8_0r)
+MMA_FILE_TYPES = ("bf16", "q8_0", "q4_k", "q6_k", "q4_0", "q4_1")
 MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (1, 2)}
 MMA_WK = 4  # warps splitting k inside a block (fewer where k has fewer than 2 units per warp)
 MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile, so depth MMA_DEPTH / mt
@@ -77,6 +82,13 @@ def gemv_mma_params(
         x_stride=x_stride,
         glu=glu,
     )
+
+
+def mma_serves(tuning: Mapping[str, Any], dtype: str, cols: int) -> bool:
+    """Whether the decode linears of a [*, cols] weight uploaded as ``dtype`` take gemv_mma: its file
+    type in tuning gemv_mma.types, its layout and k within the kernel's."""
+    types = (tuning.get("gemv_mma") or {}).get("types") or ()
+    return REPACKED_FROM.get(dtype, dtype) in types and gemv_mma_params(dtype, 16, cols, 8) is not None
 
 
 def mma_bmax(rows: int) -> int:

@@ -1,0 +1,57 @@
+"""The tensor-core lowering of decode linear layers (kernels/gemv_mma.cu.j2; tuning gemv_mma.types).
+
+A weight whose file type the profile names, uploaded in a layout gemv_mma decodes, takes gemv_mma in
+every decode pass: the batch-1 pass (decode1) runs the bmax-8 kernel on its one row, a bucket pass
+the launch of its MMA_BUCKETS range (min_rows / max_rows). Every launch of a weight has the same k
+split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in any bucket. A gate|up
+weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu); the rmsnorm before
+it keeps its launch (no prologue). A k split over blocks adds the f32 partial sums and per-tile
+counters as scratch (``mma_part``, ``mma_count``), which the launches share: they run one after
+another, never forked. A helper of the ``linear`` unit. Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+from engine import kernel_catalog as kc
+from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.types import ConfigError
+
+MMA_MODES = ("decode1", "decode")  # the modes gemv_mma serves (prefill keeps the GEMM)
+
+
+def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
+    """The gemv_mma launches of weight allocation ``w`` writing ``out`` in decode mode ``mode``
+    (``glu``: the gate|up epilogue's width, 0 for none; the caller checks the silu_mul's fold)."""
+    res_name = op.attrs.get("residual")
+    residual = res_name is not None
+    out_dtype = ctx.act_dtype(out.name)
+    xv = ins[0]
+    pro = ctx.prologue.get((mode, xv.name))
+    if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
+        xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+    elif pro is not None:
+        raise ConfigError(f"plan: a {pro[0]} prologue feeds gemv_mma {w.key} (its x must be stored)")
+    if xv.width != w.cols:
+        raise ConfigError(f"plan: linear {w.key} of k={w.cols} reads x of width {xv.width}")
+    buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
+    res = Arg("value", res_name) if residual else NULL
+    launches = []
+    for bmax, lo, hi in buckets:
+        p = kc.gemv_mma_params(
+            w.dtype, w.rows, w.cols, bmax, sm_count=ctx.profile.sm_count, residual=residual,
+            out_dtype=out_dtype, x_stride=xv.ld if xv.ld != w.cols else 0, glu=glu,
+        )  # fmt: skip
+        if p is None:
+            raise ConfigError(f"plan: gemv_mma cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}], x ld {xv.ld})")
+        spec = ctx.spec("gemv_mma", **p)
+        args = (val(out), wgt(w), val(xv), res, ROWS)
+        tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
+        if p["kparts"] > 1:
+            ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
+            ctx.need_scratch(ScratchPlan("mma_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
+            args += (Arg("scratch", "mma_part"), Arg("scratch", "mma_count"))
+        grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
+        launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
+    if glu:
+        ctx.glu_done.add((mode, out.name))
+    return launches
