@@ -27,19 +27,28 @@ MMA_WK = 4  # warps splitting k inside a block (fewer where k has fewer than 2 u
 MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile, so depth MMA_DEPTH / mt
 MMA_MIN_UNITS = 2  # the fewest units a warp's k slice has where the k split is chosen
 MMA_BLOCKS_PER_SM = 2  # the k split over blocks aims at this many blocks per SM at the bmax-8 row tile
+MMA_MAX_KPARTS = 4
 
 
 def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int]:
     """(wk, kparts) of a [n, k] weight: the k slices a row's sum is split into (warps of a block x
     blocks), from the shape alone, so that every bucket and batch 1 sum a row in the same order.
-    kparts grows until the bmax-8 grid fills ``sm_count`` SMs (132 where unknown) at
-    MMA_BLOCKS_PER_SM blocks each, keeping MMA_MIN_UNITS units per warp."""
+    kparts (at most MMA_MAX_KPARTS, keeping MMA_MIN_UNITS units per warp) grows while that fills
+    the bmax-8 grid's waves of MMA_BLOCKS_PER_SM blocks on each of ``sm_count`` SMs (132 where
+    unknown) better by a fifth of a wave or more: a grid of 1.2 waves would leave most SMs idle
+    for its last 0.2, and each part adds f32 partial sums of every row (4 bytes per row and column)."""
     units = k // MMA_UNIT[quant]
     wk = max(1, min(MMA_WK, units // MMA_MIN_UNITS))
     mt, wm = MMA_SHAPES[8]
     tiles = _cdiv(n, 16 * mt * wm)
-    want = _cdiv(MMA_BLOCKS_PER_SM * (sm_count or 132), tiles)
-    return wk, max(1, min(want, units // (wk * MMA_MIN_UNITS)))
+    slots = MMA_BLOCKS_PER_SM * (sm_count or 132)
+    best, fill = 1, 0.0
+    for kparts in range(1, max(1, min(MMA_MAX_KPARTS, units // (wk * MMA_MIN_UNITS))) + 1):
+        blocks = tiles * kparts
+        f = blocks / (_cdiv(blocks, slots) * slots)
+        if f >= fill + 0.2:
+            best, fill = kparts, f
+    return wk, best
 
 
 def gemv_mma_params(
