@@ -1,7 +1,7 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE]
+        [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--json FILE]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="", help="default: the profile's CUDA-graph buckets")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--no-gemv", action="store_true", help="time only the batched tensor-core kernel")
+    ap.add_argument(
+        "--mma-variants", default="",
+        help="gemv_mma param overrides timed beside the plan's, ';'-separated, each 'key=value,...' of "
+        "mt, wm, wk, kparts, depth (e.g. 'depth=8;wk=2,kparts=2'): rows labelled mma:<variant>",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -136,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         p = kc.gemv_mma_params(qt, n, k, mma_bmax(b), sm_count=info.sm_count)
         if p is not None:
             cands.append(("mma", kc.choice("gemv_mma", **p)))
+            for var in filter(None, args.mma_variants.split(";")):
+                over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
+                try:
+                    cands.append((f"mma:{var}", kc.choice("gemv_mma", **{**p, **over})))
+                except ConfigError as e:
+                    print(f"skip mma:{var} {qt} {n}x{k} b{b}: {e}")
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
             cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))

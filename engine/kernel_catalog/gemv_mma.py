@@ -22,7 +22,7 @@ MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
 # the file storage types whose upload layout gemv_mma decodes (tuning gemv_mma.types; q8_0 where it
 # is uploaded as q8_0r)
 MMA_FILE_TYPES = ("bf16", "q8_0", "q4_k", "q6_k", "q4_0", "q4_1")
-MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (1, 2)}
+MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (2, 2)}
 MMA_WK = 4  # warps splitting k inside a block (fewer where k has fewer than 2 units per warp)
 MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile, so depth MMA_DEPTH / mt
 MMA_MIN_UNITS = 2  # the fewest units a warp's k slice has where the k split is chosen
@@ -85,7 +85,7 @@ def gemv_mma_params(
         wm=wm,
         wk=wk,
         kparts=kparts,
-        depth=max(1, MMA_DEPTH // mt),
+        depth=1 if bmax == 64 and quant == "q6_kr" else max(1, MMA_DEPTH // mt),  # (q6_kr: registers)
         residual=residual,
         out_dtype=out_dtype,
         x_stride=x_stride,
