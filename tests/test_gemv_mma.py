@@ -108,8 +108,9 @@ def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = No
 
 
 # (wk, kparts, depth, units of k): a k split over warps and blocks with a unit each; one warp per
-# row tile walking 6 units through a ring of 4 (refills and a partial last round)
-SPLITS = ((2, 2, 2, 4), (1, 1, 4, 6))
+# row tile walking 6 units through a ring of 4 (refills and a partial last round); 6 units in 4
+# parts of 2 (the last part empty, its block's partial sums zero)
+SPLITS = ((2, 2, 2, 4), (1, 1, 4, 6), (1, 4, 1, 6))
 
 
 @pytest.mark.parametrize("qt", sorted(MMA_UNIT))
