@@ -27,7 +27,7 @@ from engine.ir import (
     Value,
     WeightPlan,
 )
-from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS
+from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS, mma_serves
 from engine.lowering.context import Lowerer
 from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
@@ -215,17 +215,18 @@ def build_plan(
     fusable = _prologue_fusable(schedule, readers)
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
 
-        def q8x_reader(o: Op, lay: int | None) -> bool:
+        def q8x_reader(o: Op, lay: int | None, kind: str) -> bool:
             for w in o.weights:
                 w = graph.tensors[w].tied_to if _tied(graph, w, d) else w  # a tied lm_head reads embed
                 shape = _tensor_shape(graph, w, d)
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
-                if not lowerer.q8x_decode(dt, cols):
+                mma = kind == "rmsnorm" and mma_serves(profile.tuning, dt, cols)  # (gemv_mma: norm only)
+                if not (lowerer.q8x_decode(dt, cols) or mma):
                     return False
             return True
 
-        lowerer.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
+        lowerer.fusable1 = {k for k, kind in fusable.items() if all(q8x_reader(o, lay, kind) for o, lay in readers[k])}
     if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)

@@ -62,11 +62,14 @@ def gemv_mma_params(
     out_dtype: str = "bf16",
     x_stride: int = 0,
     glu: int = 0,
+    prologue: str = "none",
+    eps: float = 0.0,
 ) -> dict[str, Any] | None:
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a type
     without a gemv_mma decoder, k not a whole number of its units and blocks, x rows not 16-byte aligned).
-    ``glu``: a gate|up weight storing silu(gate) * up (m tiles in gate / up pairs: an odd mt doubles).
+    ``glu``: a gate|up weight storing silu(gate) * up (m tiles in gate / up pairs: an odd mt doubles);
+    ``prologue`` "norm": x normalised inside (rmsnorm with ``eps``; the norm weight a trailing arg).
     No tuning knob: the k split is ``mma_k_split``'s, the row tile MMA_SHAPES[bmax]."""
     ue = MMA_UNIT.get(quant)
     if ue is None or k % ue or k % QUANTS[quant][0] or x_stride % 8:
@@ -90,6 +93,8 @@ def gemv_mma_params(
         out_dtype=out_dtype,
         x_stride=x_stride,
         glu=glu,
+        prologue=prologue,
+        eps=eps,
     )
 
 

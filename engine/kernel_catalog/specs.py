@@ -191,6 +191,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("norm_w", P),)
     if s.template == "gemv_mma" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
+    if s.template == "gemv_mma" and s.params["prologue"] == "norm":
+        args = args + (("norm_w", P),)
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     if s.template in ("gemv", "attention") and s.params.get("l2_pf"):

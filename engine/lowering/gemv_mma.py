@@ -4,8 +4,9 @@ A weight whose file type the profile names, uploaded in a layout gemv_mma decode
 every decode pass: the batch-1 pass (decode1) runs the bmax-8 kernel on its one row, a bucket pass
 the launch of its MMA_BUCKETS range (min_rows / max_rows). Every launch of a weight has the same k
 split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in any bucket. A gate|up
-weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu); the rmsnorm before
-it keeps its launch (no prologue). A k split over blocks adds the f32 partial sums and per-tile
+weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu); at batch 1 an
+rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm, the
+rmsnorm kernel's bits; gemv_coop.q8x_fuse), in the buckets it keeps its launch. A k split over blocks adds the f32 partial sums and per-tile
 counters as scratch (``mma_part``, ``mma_count``), which the launches share: they run one after
 another, never forked. A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
@@ -25,10 +26,14 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
-    xv = ins[0]
+    xv, extra, pp = ins[0], (), {}
     pro = ctx.prologue.get((mode, xv.name))
     if pro is not None and pro[0] == "glu" and pro[1].width == w.cols:
         xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+    elif pro is not None and pro[0] == "norm" and pro[1].width == w.cols:
+        xv = pro[1]  # the rmsnorm's input: the kernel normalises it (batch 1: engine.plan's fusable1)
+        pp = dict(prologue="norm", eps=float(ctx.dims["rms_eps"]))
+        extra = (wgt(pro[2]),)
     elif pro is not None:
         raise ConfigError(f"plan: a {pro[0]} prologue feeds gemv_mma {w.key} (its x must be stored)")
     if xv.width != w.cols:
@@ -39,7 +44,7 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
     for bmax, lo, hi in buckets:
         p = kc.gemv_mma_params(
             w.dtype, w.rows, w.cols, bmax, sm_count=ctx.profile.sm_count, residual=residual,
-            out_dtype=out_dtype, x_stride=xv.ld if xv.ld != w.cols else 0, glu=glu,
+            out_dtype=out_dtype, x_stride=xv.ld if xv.ld != w.cols else 0, glu=glu, **pp,
         )  # fmt: skip
         if p is None:
             raise ConfigError(f"plan: gemv_mma cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}], x ld {xv.ld})")
@@ -50,6 +55,7 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
             ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mma_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
             args += (Arg("scratch", "mma_part"), Arg("scratch", "mma_count"))
+        args += extra
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
         launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
     if glu:
