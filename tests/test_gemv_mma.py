@@ -266,5 +266,11 @@ def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1
         split = [la for st in plan.steps for la in st.launches["decode1"] if la.spec.params.get("kparts", 1) > 1]
         if split:
             assert {s.name for s in plan.scratch} >= {"mma_part", "mma_count"}
+        if split:  # tuning gemv_mma.cluster: the parts as a cluster, no scratch; the same sum order
+            cl = build_plan(m.graph, m.dims, m.quant, with_tuning(prof, "gemv_mma.cluster=true"), m.tensor_dtypes,
+                            m.rope_style)  # fmt: skip
+            assert mismatches(cl) == [] and not {s.name for s in cl.scratch} & {"mma_part", "mma_count"}
+            assert all(la.spec.params["cluster"] == (la.spec.params["kparts"] > 1) for st in cl.steps
+                       for la in st.launches["decode"] if la.spec.template == "gemv_mma")  # fmt: skip
         off = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
         assert not any(la.spec.template == "gemv_mma" for st in off.steps for ls in st.launches.values() for la in ls)

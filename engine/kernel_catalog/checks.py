@@ -178,6 +178,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
         need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
+        need(not p["cluster"] or p["kparts"] <= 8, f"cluster: kparts={p['kparts']} exceeds a cluster's 8 blocks")
         if p["glu"]:
             need(
                 p["n"] == 2 * p["glu"] and mt % 2 == 0 and not p["residual"] and p["out_dtype"] == "bf16",

@@ -189,7 +189,7 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv_mma" and s.params["kparts"] > 1:
+    if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["prologue"] == "norm":
         args = args + (("norm_w", P),)

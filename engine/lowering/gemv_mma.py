@@ -8,13 +8,14 @@ weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu
 rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm, the
 rmsnorm kernel's bits; gemv_coop.q8x_fuse), in the buckets it keeps its launch. A k split over blocks adds the f32 partial sums and per-tile
 counters as scratch (``mma_part``, ``mma_count``), which the launches share: they run one after
-another, never forked. A helper of the ``linear`` unit. Must not import CUDA or numpy.
+another, never forked (tuning gemv_mma.cluster: the parts form a thread-block cluster instead). A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
 from engine import kernel_catalog as kc
 from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.profile import arch_number
 from engine.types import ConfigError
 
 MMA_MODES = ("decode1", "decode")  # the modes gemv_mma serves (prefill keeps the GEMM)
@@ -48,10 +49,12 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
         )  # fmt: skip
         if p is None:
             raise ConfigError(f"plan: gemv_mma cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}], x ld {xv.ld})")
+        if p["kparts"] > 1 and ctx.tune("gemv_mma").get("cluster") and arch_number(ctx.profile.arch) >= 90:
+            p["cluster"] = True  # the parts summed through distributed shared memory (sm_90)
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
-        if p["kparts"] > 1:
+        if p["kparts"] > 1 and not p["cluster"]:
             ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mma_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
             args += (Arg("scratch", "mma_part"), Arg("scratch", "mma_count"))

@@ -39,7 +39,7 @@ def launch_mma(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = 
     xd = upload(x, "bf16")
     args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if r is not None else 0, rows=rows)
     count = None
-    if p["kparts"] > 1:  # sized as engine.lowering.gemv sizes the scratch
+    if p["kparts"] > 1 and not p["cluster"]:  # sized as engine.lowering.gemv_mma sizes the scratch
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
         tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
@@ -88,7 +88,8 @@ def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
 def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
     """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column) and as rows
     of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel; f32 out, the unrounded sums): the
-    same bits. (2560, 4096): the o projection's k split over 4 blocks; (1024, 9728): a long k."""
+    same bits; so do the k parts summed through a cluster's shared memory (cluster=true). (2560,
+    4096): the o projection's k split over 3 blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
     bad = []
@@ -97,22 +98,25 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p in specs.values()))
         x = bf_round(rng.standard_normal((64, k)))
         solo = {r: launch_mma(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
-        for b, p in specs.items():
+        runs = [(b, p) for b, p in specs.items()]
+        runs += [(b, {**p, "cluster": True}) for b, p in specs.items() if p["kparts"] > 1]  # (sm_90)
+        kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for _, p in runs))
+        for b, p in runs:
             got, left = launch_mma(kernels, weights, p, x[:b])
             for r, want in solo.items():
                 if r < b and not np.array_equal(got[r].astype(np.float32).view(np.uint32),
                                                 want.astype(np.float32).view(np.uint32)):  # fmt: skip
-                    bad.append((qt, n, k, b, r, float(np.abs(got[r] - want).max())))
+                    bad.append((qt, n, k, b, p["cluster"], r, float(np.abs(got[r] - want).max())))
             if left or np.isnan(got).any():
-                bad.append((qt, n, k, b, "nan or counters", left))
+                bad.append((qt, n, k, b, p["cluster"], "nan or counters", left))
     assert not bad, bad[:20]
 
 
 def test_gemv_mma_variants(kernels, weights, profile):
     """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
     rows), a k split over many blocks, the glu epilogue (gate|up storing silu(gate) * up, split and
-    single-part), and a second launch reusing the part counters (the last block of each tile leaves
-    its counter zero)."""
+    single-part), a second launch reusing the part counters (the last block of each tile leaves
+    its counter zero), and the k parts as a thread-block cluster (cluster=true)."""
     base = dict(sm_count=profile.sm_count)
     cases = []
     for qt in TYPES:
@@ -125,7 +129,11 @@ def test_gemv_mma_variants(kernels, weights, profile):
         cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 5}, 20, 0))
         for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
             pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
-            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0), ({**pg, "kparts": 3}, 1, 0)]
+            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0), ({**pg, "kparts": 3}, 1, 0),
+                      ({**pg, "kparts": 3, "cluster": True}, bmax, 0)]  # fmt: skip
+        for bmax, rows in ((8, 1), (8, 5), (32, 20), (64, 100)):  # the parts as a cluster (sm_90)
+            p = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
+            cases.append(({**p, "kparts": max(2, p["kparts"]), "cluster": True}, rows, 0))
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
     rng = np.random.default_rng()
     bad = []
@@ -158,10 +166,11 @@ MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
 
 
 @pytest.mark.parametrize(
-    "family,q",
-    [("qwen3", "bf16"), ("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1")],
+    "family,q,tune",
+    [("qwen3", "bf16", ""), ("qwen3", "q8_0", ""), ("qwen3", "q4_k_m", ""), ("llama", "q4_0", ""),
+     ("llama", "q4_1", ""), ("qwen3", "q4_k_m", "; gemv_mma.cluster=true")],
 )
-def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q):
+def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q, tune):
     """The plan with tuning gemv_mma.types naming every type (MEMRA_TUNE): the decode linears run
     gemv_mma at batch 1 and in the buckets. 1, 3, 20 and 40 sequences (bmax 8, 8, 32, 64) decode one
     step together, graph-replayed: every row's logits match the numpy reference's for that sequence
@@ -174,7 +183,7 @@ def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path
     from engine.runner_cuda import CudaRunner
     from engine.types import SamplingParams, StepItem
 
-    monkeypatch.setenv("MEMRA_TUNE", MMA_ALL)
+    monkeypatch.setenv("MEMRA_TUNE", MMA_ALL + tune)
     greedy = SamplingParams(temperature=0.0)
     if q == "bf16":
         path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_DIMS)
