@@ -228,13 +228,37 @@ def tiny_models(tmp_path_factory):
     return out
 
 
+def test_real_sizes_split_k_over_blocks_with_scratch_or_a_cluster():
+    """Qwen3-4B q4_k_m / bf16 shapes (no weights): the o and down projections split k over blocks
+    (the tiny models never do), with the mma_part / mma_count scratch or, with gemv_mma.cluster, as
+    clusters without it; every decode mode agrees in the bit-changing params."""
+    from fixtures.batch_invariance import mismatches
+
+    from engine.graph import load_family
+    from engine.model import dims_for_size
+    from engine.plan import build_plan
+    from engine.profile import get_profile, with_tuning
+
+    g = load_family("qwen3")
+    for q in ("q4_k_m", "bf16"):
+        for tune, cluster in ((MMA_ALL, False), (MMA_ALL + "; gemv_mma.cluster=true", True)):
+            plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant(q), with_tuning(get_profile("h100"), tune),
+                              rope_style="neox")  # fmt: skip
+            assert mismatches(plan) == [], mismatches(plan)[:3]
+            mma = [la.spec.params for st in plan.steps for m in ("decode1", "decode") for la in st.launches[m]
+                   if la.spec.template == "gemv_mma"]  # fmt: skip
+            split = [p for p in mma if p["kparts"] > 1]
+            assert split and all(p["cluster"] == cluster for p in split), q
+            assert ({"mma_part", "mma_count"} <= {s.name for s in plan.scratch}) != cluster
+
+
 def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1_bits(tiny_models):
     """With tuning gemv_mma.types naming every type: each decode linear of a tiny Qwen3 (q4_k_m: q|k
     q4_k and v q6_kr; q8_0r; q4_0r; bf16, no wide-decode GEMM) runs gemv_mma at batch 1 and in every
     bucket range, with one k split per weight (tests/fixtures/batch_invariance.py finds no
     bit-changing difference), the gate|up storing silu(gate) * up (no silu_mul launch), the
     rmsnorms folded into their readers at batch 1 (prologue norm) and their own launches in the
-    buckets, split-k scratch declared; without the knob
+    buckets; without the knob
     (the h100 profile as it is) no plan has gemv_mma."""
     from fixtures.batch_invariance import mismatches
 
@@ -263,14 +287,5 @@ def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1
         assert pro.count("norm") >= 2 * 2 and set(pro) == {"norm", "none"}, pro  # q|k|v and gate|up, 2 layers
         glu = [la for st in plan.steps for la in st.launches["decode"] if la.spec.params.get("glu")]
         assert glu and all(la.spec.template == "gemv_mma" for la in glu)
-        split = [la for st in plan.steps for la in st.launches["decode1"] if la.spec.params.get("kparts", 1) > 1]
-        if split:
-            assert {s.name for s in plan.scratch} >= {"mma_part", "mma_count"}
-        if split:  # tuning gemv_mma.cluster: the parts as a cluster, no scratch; the same sum order
-            cl = build_plan(m.graph, m.dims, m.quant, with_tuning(prof, "gemv_mma.cluster=true"), m.tensor_dtypes,
-                            m.rope_style)  # fmt: skip
-            assert mismatches(cl) == [] and not {s.name for s in cl.scratch} & {"mma_part", "mma_count"}
-            assert all(la.spec.params["cluster"] == (la.spec.params["kparts"] > 1) for st in cl.steps
-                       for la in st.launches["decode"] if la.spec.template == "gemv_mma")  # fmt: skip
         off = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
         assert not any(la.spec.template == "gemv_mma" for st in off.steps for ls in st.launches.values() for la in ls)

@@ -95,6 +95,7 @@ def gemv_mma_params(
         glu=glu,
         prologue=prologue,
         eps=eps,
+        cluster=False,
     )
 
 
