@@ -163,6 +163,8 @@ LLAMA_DIMS = dict(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, n
 
 
 MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
+# a Qwen3 wide enough that some linears split k over blocks (the down projection: 3072 = 24 q4_k units)
+QWEN3_SPLIT_DIMS = dict(QWEN3_DIMS, hidden_size=1024, head_dim=128, intermediate_size=3072)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +174,8 @@ MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
 )
 def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q, tune):
     """The plan with tuning gemv_mma.types naming every type (MEMRA_TUNE): the decode linears run
-    gemv_mma at batch 1 and in the buckets. 1, 3, 20 and 40 sequences (bmax 8, 8, 32, 64) decode one
+    gemv_mma at batch 1 and in the buckets (the Qwen3s wide enough that some split k over blocks,
+    through the runner's scratch or, with gemv_mma.cluster, as clusters). 1, 3, 20 and 40 sequences (bmax 8, 8, 32, 64) decode one
     step together, graph-replayed: every row's logits match the numpy reference's for that sequence
     alone, and rows of the 20- and 40-row steps run again alone (batch 1) give the same logits, bit
     for bit."""
@@ -186,14 +189,18 @@ def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path
     monkeypatch.setenv("MEMRA_TUNE", MMA_ALL + tune)
     greedy = SamplingParams(temperature=0.0)
     if q == "bf16":
-        path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_DIMS)
+        path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_SPLIT_DIMS)
     else:
-        dims = Dims(**(LLAMA_DIMS if family == "llama" else QWEN3_DIMS), vocab_size=768)
+        dims = Dims(**(LLAMA_DIMS if family == "llama" else QWEN3_SPLIT_DIMS), vocab_size=768)
         path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7)
     model = load_model(path)
     runner = CudaRunner(model, num_blocks=256, max_model_len=256)
     ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
     try:
+        if family == "qwen3":  # (the k split over blocks: scratch, or a cluster)
+            split = [la.spec.params for st in runner.plan.steps for la in st.launches["decode"]
+                     if la.spec.template == "gemv_mma" and la.spec.params["kparts"] > 1]  # fmt: skip
+            assert split and all(p["cluster"] == bool(tune) for p in split), split
         on = [[i for i, st in enumerate(runner.plan.steps) if st.op.op == "linear"
                and any(la.spec.template == "gemv_mma" for la in st.launches[mode])] for mode in ("decode1", "decode")]
         assert on[0] and on[0] == on[1], on  # (k = 576 rows of q4_0 / q4_1 / q8_0 keep the GEMV: not whole units)
