@@ -39,8 +39,9 @@ def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
         else:
             launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
-    if mma:  # (no pair, no fork: gemv_mma launches share their k-split scratch)
-        return launches
+    if mma:  # no pair; forked only at batch 1 where no launch after the first uses the k-split scratch
+        scratch = any(a.kind == "scratch" for la in launches[1:] for a in la.args)
+        return fork(ctx, mode, launches) if mode == "decode1" and not scratch else launches
     paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
     if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
         launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])

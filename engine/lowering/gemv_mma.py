@@ -7,8 +7,10 @@ split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in
 weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu); at batch 1 an
 rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm, the
 rmsnorm kernel's bits; gemv_coop.q8x_fuse), in the buckets it keeps its launch. A k split over blocks adds the f32 partial sums and per-tile
-counters as scratch (``mma_part``, ``mma_count``), which the launches share: they run one after
-another, never forked (tuning gemv_mma.cluster: the parts form a thread-block cluster instead). A helper of the ``linear`` unit. Must not import CUDA or numpy.
+counters as scratch (``mma_part``, ``mma_count``), which the launches share: such a launch is
+never forked onto the second stream (tuning gemv_mma.cluster: the parts form a thread-block cluster
+instead, no scratch; a q4_k_m layer's q|k and v then run side by side at batch 1, as their GEMVs
+did with decode_graph.fork_linears). A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
