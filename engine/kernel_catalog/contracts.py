@@ -74,7 +74,9 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_prefill": {"window": 0},
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
-    "gemv_mma": {"kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False},
+    "gemv_mma": {
+        "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
+    },
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
     "gemv": {
@@ -115,7 +117,7 @@ KERNELS: dict[str, KernelDoc] = {
     "gemv_mma": KernelDoc(
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool,
+            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool, trigger=bool,
         ),
         # kparts > 1 adds (part_sum, part_count) unless cluster, prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -124,7 +126,7 @@ KERNELS: dict[str, KernelDoc] = {
         "(wm * wk * 32,)",
         "static: wm * mt * bmax * 64 bytes when wk > 1 (+ 33 * bmax * 4 with prologue norm)",
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
-         "prologue": "none", "eps": 0.0, "cluster": False},
+         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False},
         unnamed=("eps",),
     ),
     "gemm": KernelDoc(

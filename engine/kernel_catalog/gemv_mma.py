@@ -96,6 +96,7 @@ def gemv_mma_params(
         prologue=prologue,
         eps=eps,
         cluster=False,
+        trigger=False,
     )
 
 

@@ -53,9 +53,11 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
             raise ConfigError(f"plan: gemv_mma cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}], x ld {xv.ld})")
         if p["kparts"] > 1 and ctx.tune("gemv_mma").get("cluster") and arch_number(ctx.profile.arch) >= 90:
             p["cluster"] = True  # the parts summed through distributed shared memory (sm_90)
+        tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
+        if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= 2 * ctx.profile.sm_count:
+            p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
-        tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
         if p["kparts"] > 1 and not p["cluster"]:
             ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mma_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
