@@ -3,14 +3,15 @@
 A weight whose file type the profile names, uploaded in a layout gemv_mma decodes, takes gemv_mma in
 every decode pass: the batch-1 pass (decode1) runs the bmax-8 kernel on its one row, a bucket pass
 the launch of its MMA_BUCKETS range (min_rows / max_rows). Every launch of a weight has the same k
-split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in any bucket. A gate|up
-weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu); at batch 1 an
-rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm, the
-rmsnorm kernel's bits; gemv_coop.q8x_fuse), in the buckets it keeps its launch. A k split over blocks adds the f32 partial sums and per-tile
-counters as scratch (``mma_part``, ``mma_count``), which the launches share: such a launch is
-never forked onto the second stream (tuning gemv_mma.cluster: the parts form a thread-block cluster
-instead, no scratch; a q4_k_m layer's q|k and v then run side by side at batch 1, as their GEMVs
-did with decode_graph.fork_linears). A helper of the ``linear`` unit. Must not import CUDA or numpy.
+split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in any bucket. A
+gate|up weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu). At batch
+1 an rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm: the
+rmsnorm kernel's bits; gemv_coop.q8x_fuse); the buckets keep its launch. A k split over blocks adds
+the f32 partial sums and per-tile counters as scratch (``mma_part``, ``mma_count``), shared by the
+launches, so such a launch is never forked onto the second stream; with tuning gemv_mma.cluster the
+parts form a thread-block cluster instead (no scratch), and a q4_k_m layer's q|k and v run side by
+side at batch 1, as their GEMVs did with decode_graph.fork_linears. A helper of the ``linear`` unit.
+Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
