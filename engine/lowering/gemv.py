@@ -31,17 +31,17 @@ def gemv_signature(p: dict) -> tuple:
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
     # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
     launches, col, mma = [], 0, False
-    for w in ws:
+    for i, w in enumerate(ws):
         if mode in MMA_MODES and kc.mma_serves(ctx.profile.tuning, w.dtype, w.cols):  # (tuning gemv_mma.types)
             glu = glu_for(ctx, op, layer, mode, w, op.attrs.get("residual") is not None, ctx.act_dtype(outs[col].name))
-            launches += mma_launches(ctx, op, layer, mode, ins, outs[col], w, glu)
+            tag = f".{i}" if i and mode == "decode1" else ""  # (a forked launch's own scratch)
+            launches += mma_launches(ctx, op, layer, mode, ins, outs[col], w, glu, tag)
             mma = True
         else:
             launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
-    if mma:  # no pair; forked only at batch 1 where no launch after the first uses the k-split scratch
-        scratch = any(a.kind == "scratch" for la in launches[1:] for a in la.args)
-        return fork(ctx, mode, launches) if mode == "decode1" and not scratch else launches
+    if mma:  # no pair; forked at batch 1 only (a bucket's launches are one per row range)
+        return fork(ctx, mode, launches) if mode == "decode1" else launches
     paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
     if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
         launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])

@@ -7,10 +7,10 @@ split (kernel_catalog.gemv_mma_params), so a row gets the same bits alone and in
 gate|up weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) * up (glu). At batch
 1 an rmsnorm whose readers all take gemv_mma or a q8x GEMV is folded into them (prologue norm: the
 rmsnorm kernel's bits; gemv_coop.q8x_fuse); the buckets keep its launch. A k split over blocks adds
-the f32 partial sums and per-tile counters as scratch (``mma_part``, ``mma_count``), shared by the
-launches, so such a launch is never forked onto the second stream; with tuning gemv_mma.cluster the
-parts form a thread-block cluster instead (no scratch), and a q4_k_m layer's q|k and v run side by
-side at batch 1, as their GEMVs did with decode_graph.fork_linears. A helper of the ``linear`` unit.
+the f32 partial sums and per-tile counters as scratch (``mma_part``, ``mma_count``; a launch forked
+beside the op's first, as a q4_k_m layer's v beside its q|k at batch 1 with decode_graph.fork_linears,
+has its own, ``mma_part.1`` ...); with tuning gemv_mma.cluster the parts form a thread-block cluster
+instead (no scratch). A helper of the ``linear`` unit.
 Must not import CUDA or numpy.
 """
 
@@ -24,9 +24,10 @@ from engine.types import ConfigError
 MMA_MODES = ("decode1", "decode")  # the modes gemv_mma serves (prefill keeps the GEMM)
 
 
-def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
+def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> list[Launch]:
     """The gemv_mma launches of weight allocation ``w`` writing ``out`` in decode mode ``mode``
-    (``glu``: the gate|up epilogue's width, 0 for none; the caller checks the silu_mul's fold)."""
+    (``glu``: the gate|up epilogue's width, 0 for none; the caller checks the silu_mul's fold;
+    ``tag``: a suffix of its scratch names, so that a launch forked beside another has its own)."""
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
@@ -60,9 +61,9 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int) -> list[Launch]:
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
         if p["kparts"] > 1 and not p["cluster"]:
-            ctx.need_scratch(ScratchPlan("mma_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
-            ctx.need_scratch(ScratchPlan("mma_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
-            args += (Arg("scratch", "mma_part"), Arg("scratch", "mma_count"))
+            ctx.need_scratch(ScratchPlan("mma_part" + tag, fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
+            ctx.need_scratch(ScratchPlan("mma_count" + tag, fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
+            args += (Arg("scratch", "mma_part" + tag), Arg("scratch", "mma_count" + tag))
         args += extra
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
         launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
