@@ -173,6 +173,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         wm, wk = p["wm"], p["wk"]
         need(wm * wk <= 32, f"wm={wm} x wk={wk} warps exceed a block's 32")
         need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
+        need(p["min_blocks"] * wm * wk <= 64, f"min_blocks={p['min_blocks']} of {wm * wk} warps exceed an SM's 64")
         need(ue is None or p["kparts"] <= p["k"] // ue, f"kparts={p['kparts']} must be at most k / {ue}")
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")

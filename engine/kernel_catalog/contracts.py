@@ -76,6 +76,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "rope": {"v_stride": 0},
     "gemv_mma": {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
+        "min_blocks": 1,
     },
     "embed": {"scale": "1.0"},
     "silu_mul": {"act": "silu"},
@@ -118,6 +119,7 @@ KERNELS: dict[str, KernelDoc] = {
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
             out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool, trigger=bool,
+            min_blocks=int,
         ),
         # kparts > 1 adds (part_sum, part_count) unless cluster, prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -126,7 +128,7 @@ KERNELS: dict[str, KernelDoc] = {
         "(wm * wk * 32,)",
         "static: wm * mt * bmax * 64 bytes when wk > 1 (+ 33 * bmax * 4 with prologue norm)",
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
-         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False},
+         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1},
         unnamed=("eps",),
     ),
     "gemm": KernelDoc(

@@ -79,6 +79,17 @@ def gemv_mma_params(
         mt *= 2
         wm = max(1, wm // 2)
     wk, kparts = mma_k_split(quant, n, k, sm_count)
+    # at bmax 8 and 16, 128 registers a thread: 2 blocks of 256 threads per SM (the k split's waves
+    # assume it; q6_kr's raw units, and q4_k's at bmax 16, then take depth 2 to fit without spills),
+    # 4 of a glu's 128 (depth 1 for the 4-bit types: its units are two m tiles)
+    min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+    depth = max(1, MMA_DEPTH // mt)
+    if min_blocks == 2 and (quant == "q6_kr" or (bmax == 16 and quant == "q4_k")):
+        depth = 2
+    if min_blocks == 4 and quant not in ("bf16", "q8_0r"):
+        depth = 1
+    if bmax == 64 and quant == "q6_kr":
+        depth = 1  # (registers)
     return dict(
         quant=quant,
         n=n,
@@ -88,7 +99,7 @@ def gemv_mma_params(
         wm=wm,
         wk=wk,
         kparts=kparts,
-        depth=1 if bmax == 64 and quant == "q6_kr" else max(1, MMA_DEPTH // mt),  # (q6_kr: registers)
+        depth=depth,
         residual=residual,
         out_dtype=out_dtype,
         x_stride=x_stride,
@@ -97,6 +108,7 @@ def gemv_mma_params(
         eps=eps,
         cluster=False,
         trigger=False,
+        min_blocks=min_blocks,
     )
 
 
