@@ -153,9 +153,10 @@ def test_residual_aliasing_out_and_the_glu_epilogue():
     got = _run(p, w, x, residual=rb)
     ref = x.astype(np.float64) @ deq.T + res
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    # glu: gate rows 0..19, up rows 20..39; silu(bf16(gate)) * bf16(up) stored at columns 0..19 only
-    for kparts in (1, 2):
-        g = dict(p, residual=False, glu=N // 2, mt=2, wm=1, kparts=kparts)
+    # glu: gate rows 0..19, up rows 20..39 (an m tile: 8 of each); silu(bf16(gate)) * bf16(up) stored
+    # at columns 0..19 only
+    for kparts, mt in ((1, 1), (2, 1), (1, 2)):
+        g = dict(p, residual=False, glu=N // 2, mt=mt, wm=1 if mt == 2 else 2, kparts=kparts)
         out = _run(g, w, x)
         sums = x.astype(np.float64) @ deq.T
         gate, up = _bf16(sums[:, : N // 2]).astype(np.float64), _bf16(sums[:, N // 2 :]).astype(np.float64)

@@ -33,21 +33,26 @@ MMA_MAX_KPARTS = 4
 def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int]:
     """(wk, kparts) of a [n, k] weight: the k slices a row's sum is split into (warps of a block x
     blocks), from the shape alone, so that every bucket and batch 1 sum a row in the same order.
-    kparts (at most MMA_MAX_KPARTS, keeping MMA_MIN_UNITS units per warp) grows while that fills
-    the bmax-8 grid's waves of MMA_BLOCKS_PER_SM blocks on each of ``sm_count`` SMs (132 where
-    unknown) better by a fifth of a wave or more: a grid of 1.2 waves would leave most SMs idle
-    for its last 0.2, and each part adds f32 partial sums of every row (4 bytes per row and column)."""
+    kparts (at most MMA_MAX_KPARTS, keeping MMA_MIN_UNITS units per warp, the grid at most 1.5 waves)
+    grows where that fills the bmax-8 grid's waves of MMA_BLOCKS_PER_SM blocks on each of
+    ``sm_count`` SMs (132 where unknown) better by a fifth of a wave or more: a grid of 1.2 waves
+    would leave most SMs idle for its last 0.2, and each part adds f32 partial sums of every row (4
+    bytes per row and column)."""
     units = k // MMA_UNIT[quant]
     wk = max(1, min(MMA_WK, units // MMA_MIN_UNITS))
     mt, wm = MMA_SHAPES[8]
     tiles = _cdiv(n, 16 * mt * wm)
     slots = MMA_BLOCKS_PER_SM * (sm_count or 132)
-    best, fill = 1, 0.0
-    for kparts in range(1, max(1, min(MMA_MAX_KPARTS, units // (wk * MMA_MIN_UNITS))) + 1):
-        blocks = tiles * kparts
-        f = blocks / (_cdiv(blocks, slots) * slots)
-        if f >= fill + 0.2:
-            best, fill = kparts, f
+
+    def fill(kparts: int) -> float:
+        return tiles * kparts / (_cdiv(tiles * kparts, slots) * slots)
+
+    best = 1
+    for kparts in range(2, min(MMA_MAX_KPARTS, units // (wk * MMA_MIN_UNITS)) + 1):
+        if tiles * kparts > 1.5 * slots:
+            break  # (a grid already in waves: the partial sums would buy nothing)
+        if fill(kparts) >= fill(best) + 0.2:
+            best = kparts
     return wk, best
 
 
@@ -68,20 +73,17 @@ def gemv_mma_params(
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a type
     without a gemv_mma decoder, k not a whole number of its units and blocks, x rows not 16-byte aligned).
-    ``glu``: a gate|up weight storing silu(gate) * up (m tiles in gate / up pairs: an odd mt doubles);
+    ``glu``: a gate|up weight storing silu(gate) * up (each m tile 8 gate rows and their 8 up rows);
     ``prologue`` "norm": x normalised inside (rmsnorm with ``eps``; the norm weight a trailing arg).
     No tuning knob: the k split is ``mma_k_split``'s, the row tile MMA_SHAPES[bmax]."""
     ue = MMA_UNIT.get(quant)
     if ue is None or k % ue or k % QUANTS[quant][0] or x_stride % 8:
         return None
     mt, wm = MMA_SHAPES[bmax]
-    if glu and mt % 2:
-        mt *= 2
-        wm = max(1, wm // 2)
     wk, kparts = mma_k_split(quant, n, k, sm_count)
     # at bmax 8 and 16, 128 registers a thread: 2 blocks of 256 threads per SM (the k split's waves
     # assume it; q6_kr's raw units, and q4_k's at bmax 16, then take depth 2 to fit without spills),
-    # 4 of a glu's 128 (depth 1 for the 4-bit types: its units are two m tiles)
+    # (4 of 128 threads where a small k leaves fewer warps: depth 1 for the 4-bit types)
     min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
     depth = max(1, MMA_DEPTH // mt)
     if min_blocks == 2 and (quant == "q6_kr" or (bmax == 16 and quant == "q4_k")):
