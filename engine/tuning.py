@@ -161,7 +161,8 @@ def mma_file_types(v: list) -> str | None:
 @dataclass(frozen=True, eq=False)
 class GemvMma(Knobs):
     # the tensor-core decode linear (kernels/gemv_mma.cu.j2) for the weights of these file storage
-    # types (bf16, q8_0, q4_k, q6_k, q4_0, q4_1; uploaded as bf16, q8_0r, q4_k, q6_kr, q4_0r, q4_1r)
+    # types (bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0; uploaded as bf16, q8_0r, q4_k, q6_kr, q4_0r,
+    # q4_1r, q5_0r)
     # in every decode pass, batch 1 included (one kernel and one k split per weight at every batch
     # size: batched equal to solo), instead of the GEMVs (and, for bf16 models, the wide-decode GEMM)
     types: list[str] = knob([], mma_file_types)

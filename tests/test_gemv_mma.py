@@ -192,6 +192,28 @@ def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits(qt):
     assert found[0] == found[1] and len(found[0]) == 1, found
 
 
+def test_q5_0r_rows_decode_as_gguf_in_the_embed_and_gemm_decoder():
+    """q5_0r (q5_0 repacked for gemv_mma) through _quant.cuh.j2's decode_unit, which the embedding
+    lookup, the prefill GEMM and the dequantise-to-bf16 step share: the emulated embed kernel on
+    every row of a repacked q5_0 matrix gives bf16 of engine.quant's dequantisation (gguf's); the
+    upload rule repacks q5_0 only where gemv_mma reads it (its type named, k whole units)."""
+    from engine.profile import get_profile, with_tuning
+
+    rng = np.random.default_rng(5)
+    n, k = 7, 384
+    w, deq = _weight("q5_0r", n, k, rng)
+    c = kc.choice("embed", quant="q5_0r", hidden=k, threads=kc.ELEMENTWISE_THREADS)
+    lib, types = cuda_emu.compile_any(render(c.spec), c.spec.entry)
+    ids = np.arange(n, dtype=np.int32)
+    out = np.full((n, k), 0x7FC0, np.uint16)
+    cuda_emu.launch_any(lib, types, c.grid(n), c.block[0], c.smem, [out, w, ids, n])
+    got = (out.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, _bf16(deq.astype(np.float32)))  # (values: -0 == +0)
+    on = with_tuning(get_profile("h100"), MMA_ALL + "; gemv_mma.types=[q5_0]").tuning
+    assert kc.upload_type("q5_0", 384, on) == "q5_0r" and kc.upload_type("q5_0", 576, on) == "q5_0"
+    assert kc.upload_type("q5_0", 384, get_profile("h100").tuning) == "q5_0"
+
+
 def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
     specs = []
     for prof in all_profiles().values():
@@ -210,7 +232,7 @@ def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
     KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(types, progress=None)
 
 
-MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
+MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0]"
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,15 @@ from engine import storage
 # block or device layout's block (engine.storage), or 8 elements (one vector load) of a float type
 QUANTS: dict[str, tuple[int, int]] = {
     t: (8, 8 * storage.BLOCK_SIZES[t][1]) if t in storage.FLOAT_TYPES else storage.BLOCK_SIZES[t]
-    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_1", "q4_k",
-              "q5_k", "q6_k", "q6_kr")
+    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_0r", "q5_1",
+              "q4_k", "q5_k", "q6_k", "q6_kr")
 }
 
 # gemv_mma's storage types, with the elements of its unit (a warp's weight step per row: one 16-byte
 # load per lane and row, kernels/gemv_mma.cu.j2)
-MMA_UNIT: dict[str, int] = {"bf16": 32, "q8_0r": 64, "q4_k": 128, "q6_kr": 128, "q4_0r": 128, "q4_1r": 128}
+MMA_UNIT: dict[str, int] = {
+    "bf16": 32, "q8_0r": 64, "q4_k": 128, "q6_kr": 128, "q4_0r": 128, "q4_1r": 128, "q5_0r": 128,
+}
 
 
 ROPE_STYLES = ("neox", "interleaved")
@@ -34,7 +36,8 @@ LP_TOP = 20  # the logprobs kernel's top-k capacity: the most top_logprobs a row
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
 STAGED_DEFAULT: dict[str, bool] = {
     "bf16": False, "f16": False, "f32": False, "q8_0": True, "q8_0r": False, "q4_0": True, "q4_0r": False,
-    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_1": True, "q4_k": False, "q5_k": False, "q6_k": True,
+    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_0r": False, "q5_1": True, "q4_k": False, "q5_k": False,
+    "q6_k": True,
     "q6_kr": False,
 }
 

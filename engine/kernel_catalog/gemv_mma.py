@@ -20,8 +20,8 @@ MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
 # and shared through L1 by the wm warps of a block, so x bytes read per weight byte stay bounded as
 # the batch grows
 # the file storage types whose upload layout gemv_mma decodes (tuning gemv_mma.types; q8_0 where it
-# is uploaded as q8_0r)
-MMA_FILE_TYPES = ("bf16", "q8_0", "q4_k", "q6_k", "q4_0", "q4_1")
+# is uploaded as q8_0r; q5_0 as q5_0r, which only gemv_mma's types ask for)
+MMA_FILE_TYPES = ("bf16", "q8_0", "q4_k", "q6_k", "q4_0", "q4_1", "q5_0")
 MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (2, 2)}
 MMA_WK = 4  # warps splitting k inside a block (fewer where k has fewer than 2 units per warp)
 MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile, so depth MMA_DEPTH / mt

@@ -1,5 +1,5 @@
 """The tensor-core decode linear (kernels/gemv_mma.cu.j2) against numpy: every storage type it
-decodes (bf16 and the upload layouts q4_k, q6_kr, q8_0r, q4_0r, q4_1r), batch 1 and every batch size
+decodes (bf16 and the upload layouts q4_k, q6_kr, q8_0r, q4_0r, q4_1r, q5_0r), batch 1 and every batch size
 class the decode buckets use, with the params kernel_catalog.gemv_mma_params gives on this device's SM
 count (a k split over warps and blocks, and the single-part form), a residual that aliases out, f32
 logits, a strided x, more rows than bmax and the glu epilogue; and a row's output bits the same alone
@@ -162,7 +162,7 @@ LLAMA_DIMS = dict(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, n
                   head_dim=64, intermediate_size=1536, tie_word_embeddings=True)
 
 
-MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1]"
+MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0]"
 # a Qwen3 wide enough that some linears split k over blocks (the down projection: 3072 = 24 q4_k units)
 QWEN3_SPLIT_DIMS = dict(QWEN3_DIMS, hidden_size=1024, head_dim=128, intermediate_size=3072)
 
@@ -170,7 +170,7 @@ QWEN3_SPLIT_DIMS = dict(QWEN3_DIMS, hidden_size=1024, head_dim=128, intermediate
 @pytest.mark.parametrize(
     "family,q,tune",
     [("qwen3", "bf16", ""), ("qwen3", "q8_0", ""), ("qwen3", "q4_k_m", ""), ("llama", "q4_0", ""),
-     ("llama", "q4_1", ""), ("qwen3", "q4_k_m", "; gemv_mma.cluster=true")],
+     ("llama", "q4_1", ""), ("llama", "q5_0", ""), ("qwen3", "q4_k_m", "; gemv_mma.cluster=true")],
 )
 def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q, tune):
     """The plan with tuning gemv_mma.types naming every type (MEMRA_TUNE): the decode linears run
