@@ -122,7 +122,7 @@ SPLITS = ((2, 2, 2, 4), (1, 1, 4, 6), (1, 4, 1, 6))
 @pytest.mark.parametrize("qt", sorted(MMA_UNIT))
 def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
     rng = np.random.default_rng(7)
-    for wk, kparts, depth, units in SPLITS:
+    for wk, kparts, depth, units in SPLITS if qt in ("q4_k", "bf16") else SPLITS[:1]:  # (the ring: any type's)
         k = units * MMA_UNIT[qt]
         w, deq = _weight(qt, N, k, rng)
         x = _bf16(rng.standard_normal((17, k)))
