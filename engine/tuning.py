@@ -6,7 +6,7 @@ family or knob, or a bad value, is a ConfigError naming the file and the key pat
 ``build(section, values)`` makes the frozen instance the lowering reads. An instance is also a
 read-only Mapping (``tuning["gemv"]["threads"]``, ``.get``), the form kernel_catalog reads.
 docs/kernels.md ("Tuning knobs") lists every knob a profile sets, with its measured gain. Imports
-only engine.schema and the catalog's Q8X_FILE_TYPES. Must not import CUDA or numpy.
+only engine.schema and the catalog's Q8X_FILE_TYPES / MMA_FILE_TYPES. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernel_catalog import Q8X_FILE_TYPES  # the file types a q8x GEMV reads
+from engine.kernel_catalog import MMA_FILE_TYPES, Q8X_FILE_TYPES  # the file types a q8x GEMV / gemv_mma reads
 from engine.schema import Field, ListOf, MapOf
 
 # the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning; 0 keeps the
@@ -153,6 +153,24 @@ class GemvCoop(Knobs):
     q8x_glu: bool = False
 
 
+def mma_file_types(v: list) -> str | None:
+    bad = sorted(set(v) - set(MMA_FILE_TYPES))
+    return f"unknown file type(s) {bad}; gemv_mma reads {', '.join(MMA_FILE_TYPES)}" if bad else None
+
+
+@dataclass(frozen=True, eq=False)
+class GemvMma(Knobs):
+    # the tensor-core decode linear (kernels/gemv_mma.cu.j2) for the weights of these file storage
+    # types (bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0; uploaded as bf16, q8_0r, q4_k, q6_kr, q4_0r,
+    # q4_1r, q5_0r)
+    # in every decode pass, batch 1 included (one kernel and one k split per weight at every batch
+    # size: batched equal to solo), instead of the GEMVs (and, for bf16 models, the wide-decode GEMM)
+    types: list[str] = knob([], mma_file_types)
+    # sm_90: the k parts of a row tile as one thread-block cluster, summed through distributed
+    # shared memory (no scratch, no atomics; the same bits as the global partial sums)
+    cluster: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class Gemm(Knobs):
     # the prefill gemm (kernels/gemm.cu.j2; its fixed shape: engine.kernel_catalog.builders.GEMM_FIXED)
@@ -246,6 +264,7 @@ class DecodeGraph(Knobs):
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
+    "gemv_mma": GemvMma,
     "gemm": Gemm,
     "gemm_wgmma": GemmWgmma,
     "gemm_decode": GemmDecode,

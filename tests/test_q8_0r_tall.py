@@ -66,7 +66,7 @@ def test_gemma_270m_head_and_embedding_share_one_q8_0r_allocation():
 @pytest.mark.parametrize("k", [640, 96, 2560])
 def test_q8_0r_specs_take_any_k_multiple_of_32(k):
     """The kernel catalog takes q8_0r rows of any k % 32 == 0 (embed, gemv coop and classic,
-    gemm, gemv_mma where k % 64 == 0); the rendered decoders address the qs plane at the padded
+    gemm, gemv_mma where k % 64 == 0: its q8_0r unit); the rendered decoders address the qs plane at the padded
     offset (Q8R_QS: 48 for 640)."""
     t = get_profile("h100").tuning
     e = kc.spec("embed", quant="q8_0r", hidden=k, threads=256)

@@ -1,18 +1,18 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE]
+        [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--json FILE]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
 batch (default: the profile's CUDA-graph buckets) it times, with CUDA events over --iters launches
 cycling through enough weight copies to defeat the 50 MB L2:
 
-- ``mma``: the batched tensor-core GEMV (kernels/gemv_mma.cu.j2) with the params the plan gives
-  that batch (engine.kernel_catalog.gemv_mma_params, the MMA_BUCKETS bmax; at batch 1, where the
-  plan keeps the GEMV, the bmax-8 one for comparison);
-- ``gemv``: the GEMV the plan used before it (gemv.max_batch rows per weight pass) and, at batch 1,
-  the tuned batch-1 GEMV the plan still uses (no rmsnorm prologue, no pair);
+- ``mma``: the tensor-core decode linear (kernels/gemv_mma.cu.j2) with the params the plan gives
+  that batch (engine.kernel_catalog.gemv_mma_params at the MMA_BUCKETS bmax; batch 1 runs the bmax-8
+  kernel, as the plan does where gemv_mma serves a type: tuning gemv_mma.types);
+- ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
+  batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type.
 
@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="", help="default: the profile's CUDA-graph buckets")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--no-gemv", action="store_true", help="time only the batched tensor-core kernel")
+    ap.add_argument(
+        "--mma-variants", default="",
+        help="gemv_mma param overrides timed beside the plan's, ';'-separated, each 'key=value,...' of "
+        "mt, wm, wk, kparts, depth (e.g. 'depth=8;wk=2,kparts=2'): rows labelled mma:<variant>",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import kernel_catalog as kc
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
+    from engine.kernel_catalog.gemv_mma import mma_bmax
     from engine.profile import select
     from engine.types import ConfigError
 
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     x = cuda.alloc(max_rows * kmax * 2)
     cuda.htod(x.ptr, (rng.standard_normal(max_rows * kmax).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
     out = cuda.alloc(max_rows * nmax * 4)
-    part = cuda.alloc(64 * max_rows * nmax * 4)
+    part = cuda.alloc(16 * max_rows * nmax * 4)  # gemv_mma's partial sums (kparts <= 16 on these shapes)
     count = cuda.alloc(1 << 20)
     cuda.memset(count.ptr, 0, 1 << 20)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
@@ -132,11 +138,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def candidates(qt: str, n: int, k: int, b: int) -> list:
         cands = []
-        # (batch 1 too: the bmax-8 kernel beside the tuned GEMV the plan keeps there)
-        bmax = next(m for m, lo, hi in kc.MMA_BUCKETS if b >= lo and (not hi or b <= hi))
-        p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=info.sm_count)
+        p = kc.gemv_mma_params(qt, n, k, mma_bmax(b), sm_count=info.sm_count)
         if p is not None:
             cands.append(("mma", kc.choice("gemv_mma", **p)))
+            for var in filter(None, args.mma_variants.split(";")):
+                over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
+                try:
+                    cands.append((f"mma:{var}", kc.choice("gemv_mma", **{**p, **over})))
+                except ConfigError as e:
+                    print(f"skip mma:{var} {qt} {n}x{k} b{b}: {e}")
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
             cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))

@@ -47,7 +47,13 @@ from engine.kernel_catalog.contracts import (  # noqa: F401
     ROPE_STYLES,
     STAGED_DEFAULT,
 )
-from engine.kernel_catalog.gemv_mma import MMA_BUCKETS, gemv_mma_params  # noqa: F401
+from engine.kernel_catalog.gemv_mma import (  # noqa: F401
+    MMA_BUCKETS,
+    MMA_FILE_TYPES,
+    gemv_mma_params,
+    mma_bmax,
+    mma_serves,
+)
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,
     COOP_Q8X_MAX,

@@ -70,7 +70,11 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any], rows: int = 0)
     cols % 256 == 0, or when the matrix has at least gemv_coop.q8_0r_min_rows rows (where set: a
     tall short-row matrix such as Gemma 3 270M's 262,144 x 640 tied head, whose q8_0r rows carry
     16 bytes of d-plane padding; ``rows`` 0: unknown, not tall); q6_k / q4_0 / q4_1 the row-planar
-    q6_kr / q4_0r / q4_1r (engine.quant.repack); else the file's layout."""
+    q6_kr / q4_0r / q4_1r (engine.quant.repack); q5_0 the row-planar q5_0r where gemv_mma reads it
+    (tuning gemv_mma.types, cols a multiple of its 128-element unit); else the file's layout."""
+    mma = (tuning.get("gemv_mma") or {}).get("types") or ()
+    if dtype == "q5_0" and "q5_0" in mma and cols % 128 == 0:
+        return "q5_0r"  # (gemv_mma's q5_0 layout: whole 128-element units, so it serves every decode pass)
     c = tuning.get("gemv_coop") or {}
     layout = COOP_LAYOUTS.get(dtype)
     if layout is None or dtype not in c.get("types", ()):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.kernel_catalog.contracts import GLU_ACTS, QUANTS, ROPE_STYLES
+from engine.kernel_catalog.contracts import GLU_ACTS, MMA_UNIT, QUANTS, ROPE_STYLES
 from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_TYPES,
@@ -164,22 +164,26 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"memory, above {GEMM_SMEM_MAX}",
         )
     if template == "gemv_mma":
-        q, bmax, mt = p["quant"], p["bmax"], p["mt"]
-        need(q in QUANTS, f"storage type {q!r} has no kernel; supported: {', '.join(QUANTS)}")
-        need(p["k"] % 64 == 0, f"k={p['k']} must be a multiple of 64 (one k step)")
-        need(p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
+        q, bmax, mt, ue = p["quant"], p["bmax"], p["mt"], MMA_UNIT.get(p["quant"])
+        need(ue is not None, f"storage type {q!r} has no gemv_mma decoder; supported: {', '.join(MMA_UNIT)}")
+        need(ue is None or p["k"] % ue == 0, f"k={p['k']} must be a multiple of the {q} unit ({ue} elements)")
+        need(ue is None or p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
         need(bmax in (8, 16, 32, 64), f"bmax={bmax} must be 8, 16, 32 or 64")
         need(mt in (1, 2, 4), f"mt={mt} must be 1, 2 or 4")
-        wm = p["wm"]
-        need(1 <= p["warps"] <= 8 and p["warps"] % wm == 0, f"warps={p['warps']} must be 1..8, a multiple of wm={wm}")
-        need(1 <= p["kparts"] <= p["k"] // 64, f"kparts={p['kparts']} must be 1..k/64")
+        wm, wk = p["wm"], p["wk"]
+        need(wm * wk <= 32, f"wm={wm} x wk={wk} warps exceed a block's 32")
+        need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
+        need(p["min_blocks"] * wm * wk <= 64, f"min_blocks={p['min_blocks']} of {wm * wk} warps exceed an SM's 64")
+        need(ue is None or p["kparts"] <= p["k"] // ue, f"kparts={p['kparts']} must be at most k / {ue}")
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
+        need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
+        need(not p["cluster"] or p["kparts"] <= 8, f"cluster: kparts={p['kparts']} exceeds a cluster's 8 blocks")
         if p["glu"]:
             need(
-                p["n"] == 2 * p["glu"] and mt % 2 == 0 and not p["residual"] and p["out_dtype"] == "bf16",
-                f"glu={p['glu']} needs n = 2 * glu (got {p['n']}), an even mt (got {mt}), no residual, bf16 out",
+                p["n"] == 2 * p["glu"] and not p["residual"] and p["out_dtype"] == "bf16",
+                f"glu={p['glu']} needs n = 2 * glu (got {p['n']}), no residual, bf16 out",
             )
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]

@@ -14,8 +14,14 @@ from engine import storage
 # block or device layout's block (engine.storage), or 8 elements (one vector load) of a float type
 QUANTS: dict[str, tuple[int, int]] = {
     t: (8, 8 * storage.BLOCK_SIZES[t][1]) if t in storage.FLOAT_TYPES else storage.BLOCK_SIZES[t]
-    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_1", "q4_k",
-              "q5_k", "q6_k", "q6_kr")
+    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_0r", "q5_1",
+              "q4_k", "q5_k", "q6_k", "q6_kr")
+}
+
+# gemv_mma's storage types, with the elements of its unit (a warp's weight step per row: one 16-byte
+# load per lane and row, kernels/gemv_mma.cu.j2)
+MMA_UNIT: dict[str, int] = {
+    "bf16": 32, "q8_0r": 64, "q4_k": 128, "q6_kr": 128, "q4_0r": 128, "q4_1r": 128, "q5_0r": 128,
 }
 
 
@@ -30,7 +36,8 @@ LP_TOP = 20  # the logprobs kernel's top-k capacity: the most top_logprobs a row
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
 STAGED_DEFAULT: dict[str, bool] = {
     "bf16": False, "f16": False, "f32": False, "q8_0": True, "q8_0r": False, "q4_0": True, "q4_0r": False,
-    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_1": True, "q4_k": False, "q5_k": False, "q6_k": True,
+    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_0r": False, "q5_1": True, "q4_k": False, "q5_k": False,
+    "q6_k": True,
     "q6_kr": False,
 }
 
@@ -70,7 +77,10 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_prefill": {"window": 0},
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
-    "gemv_mma": {"kparts": 1, "x_stride": 0, "warps": 4, "wm": 1, "glu": 0},
+    "gemv_mma": {
+        "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
+        "min_blocks": 1,
+    },
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -112,16 +122,19 @@ KERNELS: dict[str, KernelDoc] = {
     ),
     "gemv_mma": KernelDoc(
         dict(
-            quant=str, n=int, k=int, bmax=int, mt=int, warps=int, wm=int, kparts=int, residual=bool,
-            out_dtype=str, x_stride=int, glu=int,
+            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
+            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool, trigger=bool,
+            min_blocks=int,
         ),
-        # kparts > 1 adds (part_sum, part_count): kernel_args()
+        # kparts > 1 adds (part_sum, part_count) unless cluster, prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
-        "(warps * 32,)",
-        "static: warps * 8 KB",
-        {"warps": 4, "wm": 1, "kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0},
+        "(wm * wk * 32,)",
+        "static: wm * mt * bmax * 64 bytes when wk > 1 (+ 33 * bmax * 4 with prologue norm)",
+        {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
+         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1},
+        unnamed=("eps",),
     ),
     "gemm": KernelDoc(
         dict(

@@ -147,7 +147,7 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
 }
 # template -> threads per block; every other template: its ``threads`` param
 _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
-    "gemv_mma": lambda p: p["warps"] * 32,
+    "gemv_mma": lambda p: p["wm"] * p["wk"] * 32,
     "gemv_pair": lambda p: p["a_threads"],
     "gemm": lambda p: p["warps"] * 32,
     "gemm_wgmma": lambda p: (p["consumers"] + 1) * 128,
@@ -189,8 +189,10 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv_mma" and s.params["kparts"] > 1:
+    if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:
         args = args + (("part_sum", P), ("part_count", P))
+    if s.template == "gemv_mma" and s.params["prologue"] == "norm":
+        args = args + (("norm_w", P),)
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     if s.template in ("gemv", "attention") and s.params.get("l2_pf"):
