@@ -43,8 +43,8 @@ def test_upload_type_takes_tall_short_row_q8_0_matrices_as_q8_0r():
 
 def test_gemma_270m_head_and_embedding_share_one_q8_0r_allocation():
     """The tied weight is planned once (the embedding), as q8_0r with 688-byte rows; the embedding
-    lookup reads it as q8_0r and the lm_head is a coop GEMV on it at batch 1 (the final norm folded
-    in: q8x_fuse) and 8. With the knob off the same plan keeps q8_0 and the classic GEMV."""
+    lookup reads it as q8_0r and the lm_head is a coop GEMV on it at batch 1 and 8 (the final norm
+    stays its own launch: it reads Gemma's f32 residual stream, models/gemma3.yaml numerics). With the knob off the same plan keeps q8_0 and the classic GEMV."""
     plan = gemma_plan(get_profile("h100"))
     (emb,) = [w for w in plan.weights if w.key == "embed"]
     assert (emb.dtype, emb.rows, emb.cols) == ("q8_0r", 262144, 640)
@@ -55,7 +55,7 @@ def test_gemma_270m_head_and_embedding_share_one_q8_0r_allocation():
     assert {s.params["quant"] for s in specs.values()} == {"q8_0r"}
     assert specs["embed", "decode1"].params["hidden"] == 640
     one, eight = specs["linear", "decode1"].params, specs["linear", "decode"].params
-    assert one["coop"] and one["q8x"] and one["bmax"] == 1 and one["out_dtype"] == "f32" and one["prologue"] == "norm"
+    assert one["coop"] and one["q8x"] and one["bmax"] == 1 and one["out_dtype"] == "f32" and one["prologue"] == "none"
     assert eight["coop"] and eight["bmax"] == 8 and (one["n"], one["k"]) == (eight["n"], eight["k"]) == (262144, 640)
     off = gemma_plan(with_tuning(get_profile("h100"), "gemv_coop.q8_0r_min_rows=0"))
     assert next(w for w in off.weights if w.key == "embed").dtype == "q8_0"
