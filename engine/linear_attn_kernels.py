@@ -51,7 +51,7 @@ DELTA_PREFILL_THREADS = 128
 # 18 579 -> 24 253 tok/s (H100, docs/PERFORMANCE.md), its output the bf16-rounded exact one as the
 # recurrent kernel's (tests/test_delta_chunk.py)
 DELTA_PREFILL_FORMS = ("recurrent", "chunked")
-DELTA_PREFILL_DEFAULT = "chunked"
+DELTA_PREFILL_DEFAULT = "recurrent"
 DELTA_CHUNKS = (64, 32, 16)  # tokens per chunk gated_delta_chunk takes: the longest that fits
 DELTA_CHUNK_SMEM = 99 * 1024  # its shared memory bound on every profile (sm_86 / sm_89 / sm_120: 99 KB)
 DELTA_CHUNK_THREADS = 256
