@@ -45,6 +45,8 @@ KERNELS = {
     "moe_router": "the router GEMV and its top-k softmax routing in one launch (decode): x -> logits, expert ids and weights",
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
+    "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
+    "batch-1 decode over q4_k / q6_k stacks",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
     "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
@@ -60,6 +62,11 @@ PREFETCH = {"glu": 2, "down": 3}  # the per-slot modes' default raw units per la
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
 MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-Next: 512)
 MAX_GRID_Y = 65535
+# moe_gemv_q8 (the per-slot modes on int8 x and dp4a): the storage types, and per mode the warps per
+# block, output rows per warp and segments per lane and row in flight (clamped to the lane's count)
+Q8_QUANTS = ("q4_k", "q6_k")
+Q8_DEFAULTS = {"glu": {"warps": 4, "rows_per_warp": 4, "prefetch": 2}, "down": {"warps": 8, "rows_per_warp": 2, "prefetch": 3}}
+Q8_MAX_SMEM = 40 * 1024  # its int8 x rows and their scales live in static shared memory
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,56 @@ def expert_gemv_kernel(
     return MoeKernel(spec, args, grid, (32 * rows_per_block, 1, 1))
 
 
+def q8_supported(mode: str, quant: str, k: int, top_k: int) -> bool:
+    """Whether moe_gemv_q8 runs per-slot ``mode`` over a [*, k] ``quant`` stack: a q4_k / q6_k
+    row of whole super-blocks, whose staged int8 x rows (1 for glu, top_k for down) fit
+    Q8_MAX_SMEM."""
+    xrows = 1 if mode == "glu" else top_k
+    return quant in Q8_QUANTS and k % 256 == 0 and xrows * k * 3 // 2 <= Q8_MAX_SMEM and 0 < top_k <= 32
+
+
+def expert_q8_kernel(
+    mode: str, quant: str, n: int, k: int, top_k: int, residual: bool = False, trigger: bool = False, **tuning: Any
+) -> MoeKernel:
+    """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
+    ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
+    ``tuning`` (warps, rows_per_warp, prefetch) over Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
+    rows_per_warp)), rows * top_k (glu) or rows (down)). Raises ConfigError where
+    ``q8_supported`` is false or the block shape is bad."""
+    if mode not in ("glu", "down"):
+        raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
+    if not q8_supported(mode, quant, k, top_k) or n < 1:
+        raise ConfigError(f"moe_gemv_q8: {mode} over {quant} [{n}, {k}] top_k {top_k} is not supported "
+                          f"({', '.join(Q8_QUANTS)}, k a multiple of 256, the int8 x rows within {Q8_MAX_SMEM} bytes)")
+    t = {**Q8_DEFAULTS[mode], **tuning}
+    warps, rpw, pf = (int(t[x]) for x in ("warps", "rows_per_warp", "prefetch"))
+    if warps not in (1, 2, 4, 8, 16) or rpw not in (1, 2, 4, 8) or not 1 <= pf <= 8:
+        raise ConfigError(f"moe_gemv_q8: warps {warps} (1..16, a power of two), rows_per_warp {rpw} (1, 2, 4, 8), prefetch {pf} (1..8)")
+    seg = 64 if quant == "q4_k" else 32
+    per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
+    pf = min(pf, per_lane)
+    res = bool(residual) and mode == "down"
+    params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
+              "prefetch": pf, "residual": res, "trigger": bool(trigger)}
+    name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
+            **({"tr": 1} if trigger else {})}
+    spec = KernelSpec("moe_gemv_q8", entry_name(f"moe_gemv_q8_{mode}_{quant}", **name), params, pdl=True)
+    slots = top_k if mode == "glu" else 1
+    per_block = warps * rpw
+
+    def grid(rows: int, **_: Any) -> tuple[int, int, int]:
+        if rows * slots > MAX_GRID_Y:
+            raise ConfigError(f"moe_gemv_q8: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
+        return (-(-n // per_block), rows * slots, 1)
+
+    if mode == "glu":
+        args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("ids", "ptr"), ("rows", "i32"))
+    else:
+        args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
+                ("rows", "i32"))
+    return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
+
+
 def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256) -> MoeKernel:
     """moe_combine: out [rows, n] = the router-weighted sum of the f32 ``partial`` rows that
     ``down_grouped`` wrote (+ residual, which may alias out)."""
@@ -346,6 +403,9 @@ def moe_specs(
             continue
         specs.append(expert_gemv_kernel("glu", q, inter, hidden, top, rows_per_block).spec)
         specs.append(expert_gemv_kernel("down", q, hidden, inter, top, rows_per_block, residual=True).spec)
+        for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
+            if q8_supported(mode, q, k, top):
+                specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
         if q in GEMM_QUANTS:

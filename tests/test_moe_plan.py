@@ -134,7 +134,8 @@ def test_every_moe_spec_renders():
 
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
+    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_gemv_q8", "moe_combine", "moe_sort",
+                                           "moe_gemm"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -187,6 +188,26 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     assert layer_matrix_params(plan) == dense + experts // 4
 
 
+def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
+    """q4_k gate / up and q4_k or q6_k down stacks: batch 1 (and the per-slot batched buckets) run
+    moe_gemv_q8 with moe_gemv's arguments, a grid of warps x rows_per_warp rows per block; a
+    profile without q8x keeps moe_gemv."""
+    for profile, template in (("h100", "moe_gemv_q8"), ("generic-sm80", "moe_gemv")):
+        _, _, plan = _plan("q4_k_m", profile=profile)
+        downs = set()
+        for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+            glu, down = st.launches["decode1"]
+            assert (glu.spec.template, down.spec.template) == (template, template)
+            assert (glu.spec.params["mode"], down.spec.params["mode"]) == ("glu", "down")
+            assert glu.grid[1] == "n * 4" and down.grid[1] == "n" and down.args[5] == Arg("value", "x")
+            if template == "moe_gemv_q8":
+                p = glu.spec.params
+                assert glu.grid[0] == -(-256 // (p["warps"] * p["rows_per_warp"])) and glu.block == (32 * p["warps"],)
+                assert p["quant"] == "q4_k" and down.spec.params["residual"] and p["trigger"]
+            downs.add(down.spec.params["quant"])
+        assert downs == {"q4_k", "q6_k"} or len(downs) == 1
+
+
 @pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
 def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     from engine.ir import WIDE
@@ -197,7 +218,8 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
     for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
         launches = experts.launches[mode]
-        solo = [] if mode == WIDE else [("moe_gemv", "glu", 0, 4), ("moe_gemv", "down", 0, 4)]
+        per_slot = "moe_gemv_q8" if quant == "q4_k_m" else "moe_gemv"  # (q4_k / q6_k stacks: int8 x, dp4a)
+        solo = [] if mode == WIDE else [(per_slot, "glu", 0, 4), (per_slot, "down", 0, 4)]
         first = 0 if mode == WIDE else 5  # batched decode: per slot up to 4 rows, grouped from 5
         got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in launches]
         assert got == solo + [
@@ -219,6 +241,6 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
         for rows in (1, 2, 4, 5, 8, cut - 1, cut, 2 * cut):
             ran = [(la.spec.template, la.spec.params.get("mode")) for la in experts.launches[mode] if la.runs_at(rows)]
             if rows <= 4:
-                assert ran == [("moe_gemv", "glu"), ("moe_gemv", "down")], rows
+                assert ran == [(per_slot, "glu"), (per_slot, "down")], rows
             else:
                 assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)

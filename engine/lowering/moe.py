@@ -217,15 +217,24 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
 def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
-    read, no partials, no combine. ``trigger``: both call pdl_trigger() once their first weight
+    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x) and
+    moe_gemv_q8 takes the stack's type (q4_k, q6_k), that kernel; else moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
-    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
+    q8x = bool(ctx.tune("gemv_coop").get("q8x"))
+    if q8x and mk.q8_supported("glu", wg.dtype, hidden, top_k):
+        glu = mk.expert_q8_kernel("glu", wg.dtype, inter, hidden, top_k, trigger=trigger)
+    else:
+        glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
+    if q8x and mk.q8_supported("down", wd.dtype, inter, top_k):
+        down = mk.expert_q8_kernel("down", wd.dtype, hidden, inter, top_k, residual=res is not NULL, trigger=trigger)
+    else:
+        down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
+    gx_glu, gx_down = glu.grid(1)[0], down.grid(1)[0]
     return [
-        Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-        Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
+        Launch(glu.spec, (gx_glu, f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+        Launch(down.spec, (gx_down, "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
     ]
 
 

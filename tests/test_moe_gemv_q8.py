@@ -1,0 +1,133 @@
+"""kernels/moe_gemv_q8.cu.j2 (the per-slot expert GEMVs on int8 x and dp4a) rendered and run on the
+CPU (tests/fixtures/cuda_emu.py) against numpy: random GGUF blocks for the stacked [E, N, K]
+experts (q4_k, q6_k), bf16 x rows, two tokens, outputs poisoned with NaN first (a row the kernel
+never writes fails), row counts that leave a block's last warps past N. The kernel's math is the
+q8x GEMV's: against ``x`` rounded as it stages it (engine.quant.q8x_round_trip) the results agree
+to f32 order and the bf16 output rounding (5e-3: half a bf16 ulp is up to 2^-8), and against engine.ops_ref_moe.moe_experts (x
+unrounded) to the q8x rounding (2e-2 of the output's scale). The other storage types keep
+moe_gemv's f32 per-slot kernels (tests/gpu/test_moe_kernels.py checks both on a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures import cuda_emu
+from fixtures.quant_blocks import random_blocks
+
+from engine import quant
+from engine.moe_kernels import expert_q8_kernel, q8_supported
+from engine.ops_ref_moe import moe_experts
+from engine.render import render
+from engine.types import ConfigError
+
+E, TOP_K, ROWS = 5, 3, 2
+NAN_BF16 = np.uint16(0x7FC0)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _stack(q: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes [E * n, row bytes], dequantised f32 [E, n, k]) of a random expert stack."""
+    per_row = k // 256
+    raw = random_blocks(q, E * n * per_row, seed).reshape(E * n, -1)
+    return raw, quant.dequantize(raw.reshape(-1), q, (E * n, k)).reshape(E, n, k)
+
+
+def _run(kern, rows, args, tmp_path):
+    lib, types = cuda_emu.compile_any(render(kern.spec), kern.spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, kern.grid(rows), kern.block[0], 0, args)
+
+
+def _ids(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(ROWS)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("q", ["q4_k", "q6_k"])
+def test_glu_matches_the_reference(q, tmp_path):
+    n, k = 36, 512  # 36 rows: the last block of 16 has warps past N
+    (rg, g), (ru, u) = _stack(q, n, k, 1), _stack(q, n, k, 2)
+    x = _bf16_bits(np.random.default_rng(3).standard_normal((ROWS, k)).astype(np.float32))
+    ids = _ids(4)
+    act = np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16)
+    kern = expert_q8_kernel("glu", q, n, k, TOP_K)
+    _run(kern, ROWS, [act, rg, ru, x, ids, ROWS], tmp_path)
+    got = _f32(act)
+    assert np.isfinite(got).all()
+    for xr, tol in ((quant.q8x_round_trip(_f32(x)), 5e-3), (_f32(x), 2e-2)):
+        a, b = np.einsum("tk,tjnk->tjn", xr, g[ids]), np.einsum("tk,tjnk->tjn", xr, u[ids])
+        want = a / (1 + np.exp(-np.clip(a, -80, 80))) * b
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < tol, (q, tol, err)
+
+
+@pytest.mark.parametrize("q", ["q4_k", "q6_k"])
+def test_down_matches_the_reference_with_the_residual(q, tmp_path):
+    n, k = 40, 768  # k 768: 3 super-blocks a row, pairs not a multiple of 32 per lane
+    raw, w = _stack(q, n, k, 5)
+    rng = np.random.default_rng(6)
+    act = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
+    ids = _ids(7)
+    wts = rng.uniform(0.1, 1.0, (ROWS, TOP_K)).astype(np.float32)
+    res = _bf16_bits(rng.standard_normal((ROWS, n)).astype(np.float32))
+    out = np.full((ROWS, n), NAN_BF16, np.uint16)
+    kern = expert_q8_kernel("down", q, n, k, TOP_K, residual=True)
+    _run(kern, ROWS, [out, raw, act, ids, wts, res, ROWS], tmp_path)
+    got = _f32(out)
+    assert np.isfinite(got).all()
+    for ar, tol in ((quant.q8x_round_trip(_f32(act)), 5e-3), (_f32(act), 2e-2)):
+        want = np.einsum("tj,tjnk,tjk->tn", wts, w[ids], ar) + _f32(res)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < tol, (q, tol, err)
+
+
+def test_sparse_mlp_matches_ops_ref_moe(tmp_path):
+    """glu then down (q4_k gate / up, q6_k down: a q4_k_m layer) against moe_experts."""
+    hidden, inter = 256, 512
+    (rg, g), (ru, u) = _stack("q4_k", inter, hidden, 11), _stack("q4_k", inter, hidden, 12)
+    rd, d = _stack("q6_k", hidden, inter, 13)
+    rng = np.random.default_rng(14)
+    h = _bf16_bits(rng.standard_normal((ROWS, hidden)).astype(np.float32))
+    ids = _ids(15)
+    wts = rng.uniform(0.1, 1.0, (ROWS, TOP_K)).astype(np.float32)
+    act = np.full((ROWS, TOP_K, inter), NAN_BF16, np.uint16)
+    out = np.full((ROWS, hidden), NAN_BF16, np.uint16)
+    _run(expert_q8_kernel("glu", "q4_k", inter, hidden, TOP_K), ROWS, [act, rg, ru, h, ids, ROWS], tmp_path)
+    _run(expert_q8_kernel("down", "q6_k", hidden, inter, TOP_K), ROWS, [out, rd, act, ids, wts, None, ROWS], tmp_path)
+    want = moe_experts(_f32(h), ids, wts, g, u, d)
+    got = _f32(out)
+    assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
+
+
+def test_a_token_does_not_depend_on_the_others(tmp_path):
+    """Token 1 run alone (rows 1) gives the bits it gets beside token 0 (batched == solo)."""
+    n, k = 24, 512
+    raw, _ = _stack("q4_k", n, k, 21)
+    rng = np.random.default_rng(22)
+    act = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
+    ids, wts = _ids(23), rng.uniform(0.1, 1.0, (ROWS, TOP_K)).astype(np.float32)
+    kern = expert_q8_kernel("down", "q4_k", n, k, TOP_K)
+    both = np.full((ROWS, n), NAN_BF16, np.uint16)
+    _run(kern, ROWS, [both, raw, act, ids, wts, None, ROWS], tmp_path)
+    solo = np.full((1, n), NAN_BF16, np.uint16)
+    _run(kern, 1, [solo, raw, np.ascontiguousarray(act[1:]), np.ascontiguousarray(ids[1:]),
+                   np.ascontiguousarray(wts[1:]), None, 1], tmp_path)  # fmt: skip
+    assert np.array_equal(both[1], solo[0])
+
+
+def test_builder_checks():
+    assert q8_supported("glu", "q4_k", 2048, 8) and q8_supported("down", "q6_k", 768, 8)
+    assert not q8_supported("glu", "q8_0", 2048, 8) and not q8_supported("down", "q4_k", 8192, 8)
+    with pytest.raises(ConfigError, match="not supported"):
+        expert_q8_kernel("glu", "q5_k", 768, 2048, 8)
+    with pytest.raises(ConfigError, match="warps"):
+        expert_q8_kernel("down", "q4_k", 2048, 768, 8, warps=3)
+    k = expert_q8_kernel("glu", "q4_k", 768, 2048, 8)
+    assert k.grid(1) == (768 // 16, 8, 1) and k.spec.params["prefetch"] == 1  # 32 segments: one per lane
