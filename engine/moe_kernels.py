@@ -114,6 +114,7 @@ def router_kernel(
     trigger: bool = False,
     eps: float | None = None,
     h_stride: int = 0,
+    route: bool = True,
 ) -> MoeKernel:
     """moe_router: the [experts, k] router GEMV (``wdtype`` f32 or bf16; x rows of ``x_stride``
     elements) and moe_topk's routing in one launch, ``rows_per_block`` router rows and ``tokens``
@@ -121,7 +122,9 @@ def router_kernel(
     in a zeroed scratch, ``router_counters``). ``trigger``: pdl_trigger() once the block's router
     rows are loaded and the wait returned. ``eps`` (not None): the rmsnorm before the router
     folded in (x un-normalised; two more args, the f32 norm weight and h, the normalised rows
-    written with row stride ``h_stride``). Raises ConfigError for a shape it does not take."""
+    written with row stride ``h_stride``). ``route`` False: only the logits (and h), no routing
+    (batch 1, where ``expert_q8_kernel``'s glu routes in its blocks). Raises ConfigError for a
+    shape it does not take."""
     if not 0 < experts <= MAX_EXPERTS:
         raise ConfigError(f"moe_router: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
     if not 0 < top_k <= min(32, experts):
@@ -135,9 +138,10 @@ def router_kernel(
         raise ConfigError(f"moe_router: the folded rmsnorm needs eps > 0 ({eps}) and an h stride >= k, a multiple of 8 ({h_stride})")
     params = {"experts": experts, "k": k, "top_k": top_k, "normalize": bool(normalize), "wdtype": wdtype,
               "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger),
-              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {})}
+              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {}), "route": bool(route)}
     name = {"e": experts, "k": k, "top": top_k, "n": int(normalize), "xs": x_stride, "r": rows_per_block, "t": tokens,
-            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {})}
+            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {}),
+            **({} if route else {"lg": 1})}
     spec = KernelSpec("moe_router", entry_name(f"moe_router_{wdtype}", **name), params, pdl=True)
     extra = (("nw", "ptr"), ("h", "ptr")) if norm else ()
     return MoeKernel(
@@ -246,12 +250,22 @@ def q8_supported(mode: str, quant: str, k: int, top_k: int) -> bool:
 
 
 def expert_q8_kernel(
-    mode: str, quant: str, n: int, k: int, top_k: int, residual: bool = False, trigger: bool = False, **tuning: Any
+    mode: str,
+    quant: str,
+    n: int,
+    k: int,
+    top_k: int,
+    residual: bool = False,
+    trigger: bool = False,
+    route: tuple[int, bool] | None = None,
+    **tuning: Any,
 ) -> MoeKernel:
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
     ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
-    rows_per_warp)), rows * top_k (glu) or rows (down)). Raises ConfigError where
+    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` (glu: (experts, normalize)):
+    the kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
+    and weights, two more args (weights, logits) after rows. Raises ConfigError where
     ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
@@ -266,10 +280,15 @@ def expert_q8_kernel(
     per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
     pf = min(pf, per_lane)
     res = bool(residual) and mode == "down"
+    if route is not None and (mode != "glu" or not top_k <= route[0] <= MAX_EXPERTS):
+        raise ConfigError(f"moe_gemv_q8: routing in the kernel is glu's, over top_k..{MAX_EXPERTS} experts ({mode}, {route})")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
-              "prefetch": pf, "residual": res, "trigger": bool(trigger)}
+              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None}
     name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
             **({"tr": 1} if trigger else {})}
+    if route is not None:
+        params.update(experts=int(route[0]), normalize=bool(route[1]))
+        name.update(route=f"e{int(route[0])}n{int(bool(route[1]))}")
     spec = KernelSpec("moe_gemv_q8", entry_name(f"moe_gemv_q8_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
     per_block = warps * rpw
@@ -281,6 +300,7 @@ def expert_q8_kernel(
 
     if mode == "glu":
         args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("ids", "ptr"), ("rows", "i32"))
+        args += (("weights", "ptr"), ("logits", "ptr")) if route is not None else ()
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
                 ("rows", "i32"))
@@ -397,7 +417,7 @@ def moe_specs(
     specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
     norm = {"eps": float(dims.get("rms_eps", 1e-6)), "h_stride": hidden}  # (decode: the rmsnorm folded in)
     specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden, **o).spec
-              for w in ("f32", "bf16") for o in ({}, norm)]
+              for w in ("f32", "bf16") for o in ({}, norm, {**norm, "route": False})]
     for q in quants:
         if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
             continue
@@ -406,6 +426,9 @@ def moe_specs(
         for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
             if q8_supported(mode, q, k, top):
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
+                if mode == "glu":  # (batch 1: the token routed in the kernel)
+                    route = (e, bool(dims.get("norm_topk_prob")))
+                    specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
         if q in GEMM_QUANTS:

@@ -33,11 +33,14 @@ def _f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def _stack_e(q: str, e: int, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes [e * n, row bytes], dequantised f32 [e, n, k]) of a random stack of e experts."""
+    raw = random_blocks(q, e * n * (k // 256), seed).reshape(e * n, -1)
+    return raw, quant.dequantize(raw.reshape(-1), q, (e * n, k)).reshape(e, n, k)
+
+
 def _stack(q: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(raw bytes [E * n, row bytes], dequantised f32 [E, n, k]) of a random expert stack."""
-    per_row = k // 256
-    raw = random_blocks(q, E * n * per_row, seed).reshape(E * n, -1)
-    return raw, quant.dequantize(raw.reshape(-1), q, (E * n, k)).reshape(E, n, k)
+    return _stack_e(q, E, n, k, seed)
 
 
 def _run(kern, rows, args, tmp_path):
@@ -131,3 +134,32 @@ def test_builder_checks():
         expert_q8_kernel("down", "q4_k", 2048, 768, 8, warps=3)
     k = expert_q8_kernel("glu", "q4_k", 768, 2048, 8)
     assert k.grid(1) == (768 // 16, 8, 1) and k.spec.params["prefetch"] == 1  # 32 segments: one per lane
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
+    """glu with ``route``: each block routes its token from the router logits (a three-way tie at
+    the top: the lower ids first; a NaN logit never picked) and stores the ids and weights
+    moe_topk gives (bitwise; run here too) and the act the plain glu gives with those ids."""
+    from engine.moe_kernels import topk_kernel
+
+    n, k, experts, top = 20, 256, 37, 4  # 37 experts: a partial last lane group in route_probs
+    (rg, _), (ru, _) = _stack_e("q4_k", experts, n, k, 31), _stack_e("q4_k", experts, n, k, 32)
+    rng = np.random.default_rng(33)
+    logits = rng.standard_normal((ROWS, experts)).astype(np.float32)
+    logits[1, [3, 9, 30]] = logits[1].max() + 1.0  # a three-way tie at the top: ids 3, 9, 30 in order
+    logits[0, 5] = np.nan
+    x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    ids_k, w_k = np.full((ROWS, top), -5, np.int32), np.full((ROWS, top), np.nan, np.float32)
+    tk = topk_kernel(experts, top, normalize)
+    lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, tk.grid(ROWS), tk.block[0], 0, [ids_k, w_k, logits, ROWS])
+    assert list(ids_k[1, :3]) == [3, 9, 30] and 5 not in ids_k[0]
+    ids, wts = np.full((ROWS, top), -5, np.int32), np.full((ROWS, top), np.nan, np.float32)
+    act = np.full((ROWS, top, n), NAN_BF16, np.uint16)
+    kern = expert_q8_kernel("glu", "q4_k", n, k, top, route=(experts, normalize))
+    _run(kern, ROWS, [act, rg, ru, x, ids, ROWS, wts, logits], tmp_path)
+    assert np.array_equal(ids, ids_k) and np.array_equal(wts.view(np.uint32), w_k.view(np.uint32))
+    plain = np.full((ROWS, top, n), NAN_BF16, np.uint16)
+    _run(expert_q8_kernel("glu", "q4_k", n, k, top), ROWS, [plain, rg, ru, x, ids_k, ROWS], tmp_path)
+    assert np.array_equal(act, plain)

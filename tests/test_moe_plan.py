@@ -200,10 +200,19 @@ def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
             assert (glu.spec.template, down.spec.template) == (template, template)
             assert (glu.spec.params["mode"], down.spec.params["mode"]) == ("glu", "down")
             assert glu.grid[1] == "n * 4" and down.grid[1] == "n" and down.args[5] == Arg("value", "x")
+            (router,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode1"]
             if template == "moe_gemv_q8":
                 p = glu.spec.params
                 assert glu.grid[0] == -(-256 // (p["warps"] * p["rows_per_warp"])) and glu.block == (32 * p["warps"],)
                 assert p["quant"] == "q4_k" and down.spec.params["residual"] and p["trigger"]
+                # the glu routes the token itself from the router's logits: the router stores only those
+                assert p["route"] and (p["experts"], p["normalize"]) == (16, True) and not router.spec.params["route"]
+                assert glu.args[4] == router.args[0] and glu.args[6:] == router.args[1:3] and len(glu.args) == 8
+                assert down.args[3:5] == router.args[:2]
+                (batched,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode"]
+                assert batched.spec.params["route"] and not st.launches["decode"][0].spec.params["route"]
+            else:
+                assert router.spec.params["route"] and len(glu.args) == 6
             downs.add(down.spec.params["quant"])
         assert downs == {"q4_k", "q6_k"} or len(downs) == 1
 

@@ -118,6 +118,43 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
             st.launches[mode] = (dataclasses.replace(r, spec=k.spec, args=args),)
 
 
+@post_pass(12)
+def route_in_glu(ctx, steps, weights, values) -> None:
+    """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step
+    of its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no
+    counter, fence and last block) and that glu routes each token in its own blocks from them
+    (``expert_q8_kernel`` route), writing the ids and weights the down kernel reads."""
+    for i, st in enumerate(steps):
+        route = st.launches.get("decode1", ())
+        if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
+            continue
+        nxt = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "moe_experts"), None)
+        outs, readers = set(st.op.outputs), []
+        for s in steps[i + 1 :]:  # (until a later step writes the values again: the next layer's router)
+            if set(s.op.inputs) & outs:
+                readers.append(s)
+            if set(s.op.outputs) & outs:
+                break
+        if nxt is None or readers != [nxt] or list(nxt.op.inputs[1:3]) != list(st.op.outputs[:2]):
+            continue
+        r = route[0]
+        glu = nxt.launches.get("decode1", ())[:1]
+        if not glu or glu[0].spec.template != "moe_gemv_q8" or glu[0].spec.params["mode"] != "glu":
+            continue
+        g, p, q = glu[0], r.spec.params, glu[0].spec.params
+        if g.args[4] != r.args[0]:
+            continue
+        rk = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"],
+                              p["rows_per_block"], p["tokens"], p["trigger"],
+                              eps=float(p["eps"]) if p["norm"] else None, h_stride=p.get("h_stride", 0), route=False)
+        gk = mk.expert_q8_kernel("glu", q["quant"], q["n"], q["k"], q["top_k"], trigger=q["trigger"],
+                                 route=(p["experts"], p["normalize"]), warps=q["warps"], rows_per_warp=q["rows_per_warp"],
+                                 prefetch=q["prefetch"])
+        st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
+        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + (r.args[1], r.args[2])),
+                                   *nxt.launches["decode1"][1:])
+
+
 def bind_experts(op, ws, ins, dims, value_for):
     out = [value_for(op.outputs[0], ins[0].width)]
     if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs

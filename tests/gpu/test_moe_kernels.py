@@ -411,6 +411,43 @@ def test_q8_per_slot_kernels_match_numpy(gk, shape, glu_q, down_q):
         np.testing.assert_array_equal(out_b[t], out_s[0])
 
 
+@pytest.mark.parametrize("glu_q", ["q4_k", "q6_k"])
+def test_q8_glu_routes_as_the_router_does(gk, glu_q):
+    """Batch 1 as the plan runs it (engine.lowering.moe.route_in_glu): moe_router with route off
+    (logits and h only; ids, weights and the counter untouched), then moe_gemv_q8 glu routing the
+    token from those logits: the ids and weights bitwise what the routing moe_router gives from
+    the same x, the act bitwise the plain glu's on those ids. Qwen3-30B-A3B router shape (128
+    experts, top 8, hidden 2048), 16 expert rows wide."""
+    rng = np.random.default_rng()
+    experts, top_k, hidden, inter = 128, 8, 2048, 64
+    wg_raw, _ = stacked_weight(glu_q, experts, inter, hidden, rng)
+    wu_raw, _ = stacked_weight(glu_q, experts, inter, hidden, rng)
+    wg, wu = gk.raw(wg_raw), gk.raw(wu_raw)
+    w = gk.f32(rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05)
+    nw = gk.f32(rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    x = gk.bf(bf_round(rng.standard_normal((1, hidden)) * 3))
+    count = gk.i32(np.zeros(1))
+    norm = {"eps": 1e-6, "h_stride": hidden, "trigger": True}
+    outs = {}
+    for route in (True, False):
+        ids, wts = gk.i32(np.full((1, top_k), -7)), gk.nan_like((1, top_k), "f32")
+        logits, h = gk.nan_like((1, experts), "f32"), gk.nan_like((1, hidden))
+        gk.launch(router_kernel(experts, hidden, top_k, True, "f32", hidden, route=route, **norm),
+                  [ids, wts, logits, x, w, count, 1, nw, h], 1)
+        act = gk.nan_like((1, top_k, inter))
+        if route:
+            assert gk.host(count).tolist() == [0]
+            gk.launch(expert_q8_kernel("glu", glu_q, inter, hidden, top_k, trigger=True), [act, wg, wu, h, ids, 1], 1)
+        else:
+            assert gk.host(ids).tolist() == [[-7] * top_k] and np.isnan(gk.host(wts)).all()
+            glu = expert_q8_kernel("glu", glu_q, inter, hidden, top_k, trigger=True, route=(experts, True))
+            gk.launch(glu, [act, wg, wu, h, ids, 1, wts, logits], 1)
+        outs[route] = [gk.host(a) for a in (ids, wts, logits, act)]
+    for a, b in zip(outs[True], outs[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.isnan(outs[False][3]).any()
+
+
 def test_sparse_mlp_end_to_end(gk):
     """logits -> moe_topk -> glu -> down(+ residual) against ops_ref_moe on the same routing."""
     rng = np.random.default_rng()
