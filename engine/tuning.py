@@ -241,6 +241,13 @@ class DecodeGraph(Knobs):
     # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
     o_window_min_kb: int = knob(0, non_negative)
     o_window_max_kb: int = knob(0, non_negative)
+    # MoE per-slot expert GEMVs (batch 1, the smallest buckets) on q4_k / q6_k stacks as
+    # kernels/moe_gemv_q8.cu.j2 (int8 x rows, dp4a) instead of moe_gemv's f32 decode (moe_q8x,
+    # where gemv_coop.q8x is on too); moe_route_in_glu: at batch 1 that glu routes the token from
+    # the router's logits itself (the router's counter, fence and last block gone). On by
+    # default: the switches to A/B them against the f32 kernels and the router's own routing
+    moe_q8x: bool = True
+    moe_route_in_glu: bool = True
 
 
 SECTIONS: dict[str, type[Knobs]] = {

@@ -188,6 +188,22 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     assert layer_matrix_params(plan) == dense + experts // 4
 
 
+def test_the_moe_q8x_knobs_turn_the_new_paths_off():
+    """decode_graph.moe_q8x=false: moe_gemv's f32 per-slot kernels and the router routing;
+    moe_route_in_glu=false: moe_gemv_q8 with the router routing (ids read by the glu)."""
+    from engine.profile import with_tuning
+
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
+    for tune, template, route in (("decode_graph.moe_q8x=false", "moe_gemv", True),
+                                  ("decode_graph.moe_route_in_glu=false", "moe_gemv_q8", True),
+                                  ("", "moe_gemv_q8", False)):
+        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
+        (router,) = next(s for s in plan.steps if s.op.op == "moe_router").launches["decode1"]
+        glu = next(s for s in plan.steps if s.op.op == "moe_experts").launches["decode1"][0]
+        assert (glu.spec.template, router.spec.params["route"], len(glu.args)) == (template, route, 6 if route else 8), tune
+
+
 def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
     """q4_k gate / up and q4_k or q6_k down stacks: batch 1 (and the per-slot batched buckets) run
     moe_gemv_q8 with moe_gemv's arguments, a grid of warps x rows_per_warp rows per block; a

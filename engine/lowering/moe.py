@@ -120,10 +120,13 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
 
 @post_pass(12)
 def route_in_glu(ctx, steps, weights, values) -> None:
-    """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step
-    of its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no
-    counter, fence and last block) and that glu routes each token in its own blocks from them
-    (``expert_q8_kernel`` route), writing the ids and weights the down kernel reads."""
+    """Batch-1 decode (decode_graph.moe_route_in_glu): a moe_router launch whose ids and weights
+    only the next moe_experts step of its layer reads, through a moe_gemv_q8 glu, stores only the
+    logits (``route`` False: no counter, fence and last block) and that glu routes each token in
+    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights the down
+    kernel reads."""
+    if not ctx.graph_knob("moe_route_in_glu"):
+        return
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -254,12 +257,13 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
 def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
-    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x) and
-    moe_gemv_q8 takes the stack's type (q4_k, q6_k), that kernel; else moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
+    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x and
+    decode_graph.moe_q8x) and moe_gemv_q8 takes the stack's type (q4_k, q6_k), that kernel; else
+    moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    q8x = bool(ctx.tune("gemv_coop").get("q8x"))
+    q8x = bool(ctx.tune("gemv_coop").get("q8x")) and ctx.graph_knob("moe_q8x")
     if q8x and mk.q8_supported("glu", wg.dtype, hidden, top_k):
         glu = mk.expert_q8_kernel("glu", wg.dtype, inter, hidden, top_k, trigger=trigger)
     else:
