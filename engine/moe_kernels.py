@@ -6,7 +6,9 @@ kernels/moe_router.cu.j2, the router GEMV and that routing in one launch (decode
 kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by those ids: mode
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
-(token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
+(token, slot) row: batch-1 decode; ``expert_q8_kernel`` (kernels/moe_gemv_q8.cu.j2) runs those two
+modes on int8 x rows and dp4a for q4_k / q6_k stacks (its glu optionally routing the token from
+the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
 the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
