@@ -68,6 +68,7 @@ MAX_GRID_Y = 65535
 # block, output rows per warp and segments per lane and row in flight (clamped to the lane's count)
 Q8_QUANTS = ("q4_k", "q6_k")
 Q8_DEFAULTS = {"glu": {"warps": 4, "rows_per_warp": 4, "prefetch": 2}, "down": {"warps": 8, "rows_per_warp": 2, "prefetch": 3}}
+Q8_TYPE_DEFAULTS = {("glu", "q6_k"): {"prefetch": 1, "rows_per_warp": 2}}  # (q6_k loads hold 5 words per 16 bytes)
 Q8_MAX_SMEM = 40 * 1024  # its int8 x rows and their scales live in static shared memory
 
 
@@ -264,7 +265,7 @@ def expert_q8_kernel(
 ) -> MoeKernel:
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
     ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
-    ``tuning`` (warps, rows_per_warp, prefetch) over Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
+    ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
     rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` (glu: (experts, normalize)):
     the kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
     and weights, two more args (weights, logits) after rows. Raises ConfigError where
@@ -274,7 +275,7 @@ def expert_q8_kernel(
     if not q8_supported(mode, quant, k, top_k) or n < 1:
         raise ConfigError(f"moe_gemv_q8: {mode} over {quant} [{n}, {k}] top_k {top_k} is not supported "
                           f"({', '.join(Q8_QUANTS)}, k a multiple of 256, the int8 x rows within {Q8_MAX_SMEM} bytes)")
-    t = {**Q8_DEFAULTS[mode], **tuning}
+    t = {**Q8_DEFAULTS[mode], **Q8_TYPE_DEFAULTS.get((mode, quant), {}), **tuning}
     warps, rpw, pf = (int(t[x]) for x in ("warps", "rows_per_warp", "prefetch"))
     if warps not in (1, 2, 4, 8, 16) or rpw not in (1, 2, 4, 8) or not 1 <= pf <= 8:
         raise ConfigError(f"moe_gemv_q8: warps {warps} (1..16, a power of two), rows_per_warp {rpw} (1, 2, 4, 8), prefetch {pf} (1..8)")
