@@ -110,10 +110,19 @@ def test_sparse_mlp_matches_ops_ref_moe(tmp_path):
 
 
 def test_a_token_does_not_depend_on_the_others(tmp_path):
-    """Token 1 run alone (rows 1) gives the bits it gets beside token 0 (batched == solo)."""
+    """Token 1 run alone (rows 1) gives the bits it gets beside token 0 (batched == solo), in glu
+    and in down."""
     n, k = 24, 512
     raw, _ = _stack("q4_k", n, k, 21)
     rng = np.random.default_rng(22)
+    x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    ids = _ids(24)
+    glu = expert_q8_kernel("glu", "q4_k", n, k, TOP_K)
+    act2 = np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16)
+    _run(glu, ROWS, [act2, raw, raw, x, ids, ROWS], tmp_path)
+    act1 = np.full((1, TOP_K, n), NAN_BF16, np.uint16)
+    _run(glu, 1, [act1, raw, raw, np.ascontiguousarray(x[1:]), np.ascontiguousarray(ids[1:]), 1], tmp_path)
+    assert np.array_equal(act2[1], act1[0])
     act = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
     ids, wts = _ids(23), rng.uniform(0.1, 1.0, (ROWS, TOP_K)).astype(np.float32)
     kern = expert_q8_kernel("down", "q4_k", n, k, TOP_K)
