@@ -18,6 +18,7 @@ from engine import quant
 from engine.moe_kernels import expert_q8_kernel, q8_supported
 from engine.ops_ref_moe import moe_experts
 from engine.render import render
+from engine.storage import BLOCK_SIZES
 from engine.types import ConfigError
 
 E, TOP_K, ROWS = 5, 3, 2
@@ -172,3 +173,37 @@ def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     plain = np.full((ROWS, top, n), NAN_BF16, np.uint16)
     _run(expert_q8_kernel("glu", "q4_k", n, k, top), ROWS, [plain, rg, ru, x, ids_k, ROWS], tmp_path)
     assert np.array_equal(act, plain)
+
+
+def _any_stack(q: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw [E * n, row bytes], f32 [E, n, k]): random bf16 rows or random GGUF blocks of ``q``."""
+    if q == "bf16":
+        bits = _bf16_bits(np.random.default_rng(seed).standard_normal((E * n, k)).astype(np.float32) * 0.05)
+        return bits.view(np.uint8), _f32(bits).reshape(E, n, k)
+    elems = BLOCK_SIZES[q][0]
+    raw = random_blocks(q, E * n * k // elems, seed).reshape(E * n, -1)
+    return raw, quant.dequantize(raw.reshape(-1), q, (E * n, k)).reshape(E, n, k)
+
+
+@pytest.mark.parametrize("q", ["bf16", "q8_0", "q5_k", "q4_k", "q6_k"])
+def test_moe_gemv_per_slot_kernels_match_numpy(q, tmp_path):
+    """The f32 per-slot kernels (moe_gemv glu / down) that the other storage types keep at batch 1
+    (and every type on a profile without q8x), on the CPU too: every type the family's combos list,
+    outputs poisoned (glu) or the residual aliasing out (down)."""
+    from engine.moe_kernels import expert_gemv_kernel
+
+    n = k = 256
+    (rg, g), (ru, u), (rd, d) = (_any_stack(q, n, k, 41 + i) for i in range(3))
+    rng = np.random.default_rng(44)
+    x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    ids, wts = _ids(45), rng.uniform(0.1, 1.0, (ROWS, TOP_K)).astype(np.float32)
+    act = np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16)
+    _run(expert_gemv_kernel("glu", q, n, k, TOP_K), ROWS, [act, rg, ru, x, ids, ROWS], tmp_path)
+    a, b = np.einsum("tk,tjnk->tjn", _f32(x), g[ids]), np.einsum("tk,tjnk->tjn", _f32(x), u[ids])
+    want = a / (1 + np.exp(-np.clip(a, -80, 80))) * b
+    assert np.isfinite(_f32(act)).all() and np.abs(_f32(act) - want).max() / np.abs(want).max() < 5e-3, q
+    res = _bf16_bits(rng.standard_normal((ROWS, n)).astype(np.float32))
+    out = res.copy()  # the residual aliases out
+    _run(expert_gemv_kernel("down", q, n, k, TOP_K, residual=True), ROWS, [out, rd, act, ids, wts, out, ROWS], tmp_path)
+    want = np.einsum("tj,tjnk,tjk->tn", wts, d[ids], _f32(act)) + _f32(res)
+    assert np.abs(_f32(out) - want).max() / np.abs(want).max() < 5e-3, q
