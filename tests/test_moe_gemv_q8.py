@@ -207,3 +207,36 @@ def test_moe_gemv_per_slot_kernels_match_numpy(q, tmp_path):
     _run(expert_gemv_kernel("down", q, n, k, TOP_K, residual=True), ROWS, [out, rd, act, ids, wts, out, ROWS], tmp_path)
     want = np.einsum("tj,tjnk,tjk->tn", wts, d[ids], _f32(act)) + _f32(res)
     assert np.abs(_f32(out) - want).max() / np.abs(want).max() < 5e-3, q
+
+
+def test_router_without_routing_then_the_routing_glu_equals_the_routing_router(tmp_path):
+    """The batch-1 pair the plan runs (route_in_glu): moe_router with route off (its folded
+    rmsnorm's h and the logits; ids, weights and counter untouched), then the routing glu: the
+    same ids, weights (bits), logits, h and act as the routing router then the plain glu."""
+    from engine.moe_kernels import router_kernel
+
+    experts, hidden, n = 24, 256, 16
+    (rg, _), (ru, _) = _stack_e("q4_k", experts, n, hidden, 51), _stack_e("q4_k", experts, n, hidden, 52)
+    rng = np.random.default_rng(53)
+    w = (rng.standard_normal((experts, hidden)) * 0.05).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    x = _bf16_bits(rng.standard_normal((1, hidden)).astype(np.float32) * 3)
+    got = {}
+    for route in (True, False):
+        rk = router_kernel(experts, hidden, TOP_K, True, "f32", hidden, eps=1e-6, h_stride=hidden, route=route)
+        ids, wts = np.full((1, TOP_K), -7, np.int32), np.full((1, TOP_K), np.nan, np.float32)
+        logits, h = np.full((1, experts), np.nan, np.float32), np.full((1, hidden), NAN_BF16, np.uint16)
+        count = np.zeros(1, np.uint32)
+        _run(rk, 1, [ids, wts, logits, x, w, count, 1, nw, h], tmp_path)
+        act = np.full((1, TOP_K, n), NAN_BF16, np.uint16)
+        if route:
+            assert count[0] == 0
+            _run(expert_q8_kernel("glu", "q4_k", n, hidden, TOP_K), 1, [act, rg, ru, h, ids, 1], tmp_path)
+        else:
+            assert (ids == -7).all() and np.isnan(wts).all() and count[0] == 0
+            glu = expert_q8_kernel("glu", "q4_k", n, hidden, TOP_K, route=(experts, True))
+            _run(glu, 1, [act, rg, ru, h, ids, 1, wts, logits], tmp_path)
+        got[route] = (ids, wts.view(np.uint32), logits.view(np.uint32), h, act)
+    for a, b in zip(got[True], got[False], strict=True):
+        assert np.array_equal(a, b)
+    assert np.isfinite(_f32(got[False][4])).all()
