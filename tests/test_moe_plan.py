@@ -269,3 +269,22 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
                 assert ran == [(per_slot, "glu"), (per_slot, "down")], rows
             else:
                 assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)
+
+
+@pytest.mark.parametrize("profile", ["h100", "generic-sm80"])
+def test_moe_launch_args_match_the_kernel_parameters(profile):
+    """Every MoE launch of a q4_k_m plan passes as many arguments as its rendered kernel takes,
+    pointers where it takes pointers (the routing glu's two extra ones included)."""
+    from fixtures.cuda_emu import _params_of
+
+    from engine.render import render
+
+    _, _, plan = _plan("q4_k_m", profile=profile)
+    seen = set()
+    for st in plan.steps:
+        for la in (la for las in st.launches.values() for la in las):
+            if la.spec.template.startswith("moe_") and la.spec.entry not in seen:
+                seen.add(la.spec.entry)
+                params = _params_of(render(la.spec), la.spec.entry)
+                assert [("*" in p) for p in params] == [a.ctype == "ptr" for a in la.args], la.spec.entry
+    assert len(seen) >= 12
