@@ -7,7 +7,7 @@ kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by t
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
 (token, slot) row: batch-1 decode; ``expert_q8_kernel`` (kernels/moe_gemv_q8.cu.j2) runs those two
-modes on int8 x rows and dp4a for q4_k / q6_k stacks (its glu optionally routing the token from
+modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
 the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
 the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
@@ -48,7 +48,7 @@ KERNELS = {
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
-    "batch-1 decode over q4_k / q6_k stacks",
+    "batch-1 decode over q4_k / q5_k / q6_k stacks",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
     "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
@@ -66,9 +66,10 @@ MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-N
 MAX_GRID_Y = 65535
 # moe_gemv_q8 (the per-slot modes on int8 x and dp4a): the storage types, and per mode the warps per
 # block, output rows per warp and segments per lane and row in flight (clamped to the lane's count)
-Q8_QUANTS = ("q4_k", "q6_k")
+Q8_QUANTS = ("q4_k", "q5_k", "q6_k")
 Q8_DEFAULTS = {"glu": {"warps": 4, "rows_per_warp": 4, "prefetch": 2}, "down": {"warps": 8, "rows_per_warp": 2, "prefetch": 3}}
-Q8_TYPE_DEFAULTS = {("glu", "q6_k"): {"prefetch": 1, "rows_per_warp": 2}}  # (q6_k loads hold 5 words per 16 bytes)
+# (q6_k loads hold 5 words per 16 bytes, a q5_k segment is 80 bytes: 2 rows a warp for their glu)
+Q8_TYPE_DEFAULTS = {("glu", "q6_k"): {"prefetch": 1, "rows_per_warp": 2}, ("glu", "q5_k"): {"rows_per_warp": 2}}
 Q8_MAX_SMEM = 40 * 1024  # its int8 x rows and their scales live in static shared memory
 
 
@@ -245,7 +246,7 @@ def expert_gemv_kernel(
 
 
 def q8_supported(mode: str, quant: str, k: int, top_k: int) -> bool:
-    """Whether moe_gemv_q8 runs per-slot ``mode`` over a [*, k] ``quant`` stack: a q4_k / q6_k
+    """Whether moe_gemv_q8 runs per-slot ``mode`` over a [*, k] ``quant`` stack: a q4_k / q5_k / q6_k
     row of whole super-blocks, whose staged int8 x rows (1 for glu, top_k for down) fit
     Q8_MAX_SMEM."""
     xrows = 1 if mode == "glu" else top_k
@@ -279,7 +280,7 @@ def expert_q8_kernel(
     warps, rpw, pf = (int(t[x]) for x in ("warps", "rows_per_warp", "prefetch"))
     if warps not in (1, 2, 4, 8, 16) or rpw not in (1, 2, 4, 8) or not 1 <= pf <= 8:
         raise ConfigError(f"moe_gemv_q8: warps {warps} (1..16, a power of two), rows_per_warp {rpw} (1, 2, 4, 8), prefetch {pf} (1..8)")
-    seg = 64 if quant == "q4_k" else 32
+    seg = 32 if quant == "q6_k" else 64
     per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
     pf = min(pf, per_lane)
     res = bool(residual) and mode == "down"

@@ -1,6 +1,6 @@
 """kernels/moe_gemv_q8.cu.j2 (the per-slot expert GEMVs on int8 x and dp4a) rendered and run on the
 CPU (tests/fixtures/cuda_emu.py) against numpy: random GGUF blocks for the stacked [E, N, K]
-experts (q4_k, q6_k), bf16 x rows, two tokens, outputs poisoned with NaN first (a row the kernel
+experts (q4_k, q5_k, q6_k), bf16 x rows, two tokens, outputs poisoned with NaN first (a row the kernel
 never writes fails), row counts that leave a block's last warps past N. The kernel's math is the
 q8x GEMV's: against ``x`` rounded as it stages it (engine.quant.q8x_round_trip) the results agree
 to f32 order and the bf16 output rounding (5e-3: half a bf16 ulp is up to 2^-8), and against engine.ops_ref_moe.moe_experts (x
@@ -54,7 +54,7 @@ def _ids(seed: int) -> np.ndarray:
     return np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(ROWS)]).astype(np.int32)
 
 
-@pytest.mark.parametrize("q", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("q", ["q4_k", "q5_k", "q6_k"])
 def test_glu_matches_the_reference(q, tmp_path):
     n, k = 36, 512  # 36 rows: the last block of 16 has warps past N
     (rg, g), (ru, u) = _stack(q, n, k, 1), _stack(q, n, k, 2)
@@ -72,7 +72,7 @@ def test_glu_matches_the_reference(q, tmp_path):
         assert err < tol, (q, tol, err)
 
 
-@pytest.mark.parametrize("q", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("q", ["q4_k", "q5_k", "q6_k"])
 def test_down_matches_the_reference_with_the_residual(q, tmp_path):
     n, k = 40, 768  # k 768: 3 super-blocks a row, pairs not a multiple of 32 per lane
     raw, w = _stack(q, n, k, 5)
@@ -139,7 +139,7 @@ def test_builder_checks():
     assert q8_supported("glu", "q4_k", 2048, 8) and q8_supported("down", "q6_k", 768, 8)
     assert not q8_supported("glu", "q8_0", 2048, 8) and not q8_supported("down", "q4_k", 8192, 8)
     with pytest.raises(ConfigError, match="not supported"):
-        expert_q8_kernel("glu", "q5_k", 768, 2048, 8)
+        expert_q8_kernel("glu", "q8_0", 768, 2048, 8)
     with pytest.raises(ConfigError, match="warps"):
         expert_q8_kernel("down", "q4_k", 2048, 768, 8, warps=3)
     k = expert_q8_kernel("glu", "q4_k", 768, 2048, 8)

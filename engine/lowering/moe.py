@@ -258,7 +258,7 @@ def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> 
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
     read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x and
-    decode_graph.moe_q8x) and moe_gemv_q8 takes the stack's type (q4_k, q6_k), that kernel; else
+    decode_graph.moe_q8x) and moe_gemv_q8 takes the stack's type (q4_k, q5_k, q6_k), that kernel; else
     moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws

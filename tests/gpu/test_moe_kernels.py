@@ -366,11 +366,12 @@ def test_per_slot_kernels_batched_equal_solo(gk, qt):
 
 
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "tiny"])
-@pytest.mark.parametrize("glu_q,down_q", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q6_k", "q6_k")])
+@pytest.mark.parametrize("glu_q,down_q", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q6_k", "q6_k"), ("q5_k", "q5_k")])
 def test_q8_per_slot_kernels_match_numpy(gk, shape, glu_q, down_q):
     """moe_gemv_q8 glu then down (int8 x rows, dp4a) at the Qwen3-30B-A3B expert shape (hidden
     2048, moe_intermediate 768, top 8; 16 experts here) and the tiny model's (256, 256, top 2):
-    against numpy on x as the kernel rounds it (q8x_round_trip: 1e-2) and on x itself (3e-2),
+    (q4_k_m's q4_k / q6_k, q5_k_m's q5_k) against numpy on x as the kernel rounds it
+    (q8x_round_trip: 1e-2) and on x itself (3e-2),
     act and out poisoned first, the residual aliasing out, the batch-1 trigger; then 3 tokens
     give each token the bits a 1-token launch gives it."""
     rng = np.random.default_rng()
