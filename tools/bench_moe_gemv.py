@@ -95,6 +95,18 @@ def main() -> int:
             k = expert_q8_kernel("glu", gq, inter, hid, top, warps=w, rows_per_warp=r, prefetch=pf)
             time_kernel(f"moe_gemv_q8 glu {gq} w{w} r{r} pf{k.spec.params['prefetch']}", k,
                         lambda ids: [act, wg, wu, x, ids, t], gbytes)
+        # the batch-1 plan's glu: it routes the token from router logits itself (a set's logits
+        # put its experts on top), default block shape
+        rk = expert_q8_kernel("glu", gq, inter, hid, top, route=(e, True))
+        wout = kit.f32(np.zeros((t, top)))
+        lg_of = {}
+        for s, ids in enumerate(id_sets):
+            lg = np.random.default_rng(100 + s).standard_normal((t, e)).astype(np.float32)
+            for j in range(t):
+                lg[j, kit.host(ids)[j].astype(np.int64)] += 8.0
+            lg_of[id(ids)] = kit.f32(lg)
+        time_kernel(f"moe_gemv_q8 glu {gq} routing (plan default)", rk,
+                    lambda ids: [act, wg, wu, x, kit.i32(np.zeros((t, top))), t, wout, lg_of[id(ids)]], gbytes)
     for dq in args.down_quant.split(","):
         wd = kit.raw(random_stack(dq, e, hid, inter, rng))
         dbytes = t * top * hid * wd.shape[1]
