@@ -248,6 +248,9 @@ class DecodeGraph(Knobs):
     # default: the switches to A/B them against the f32 kernels and the router's own routing
     moe_q8x: bool = True
     moe_route_in_glu: bool = True
+    # with moe_route_in_glu: that glu also prefetches each chosen expert's down matrix into L2
+    # (cp.async.bulk.prefetch.L2) once its own loads are out, for the down kernel after it
+    moe_down_prefetch: bool = False
 
 
 SECTIONS: dict[str, type[Knobs]] = {

@@ -202,6 +202,13 @@ def test_the_moe_q8x_knobs_turn_the_new_paths_off():
         (router,) = next(s for s in plan.steps if s.op.op == "moe_router").launches["decode1"]
         glu = next(s for s in plan.steps if s.op.op == "moe_experts").launches["decode1"][0]
         assert (glu.spec.template, router.spec.params["route"], len(glu.args)) == (template, route, 6 if route else 8), tune
+    # decode_graph.moe_down_prefetch: the routing glu also prefetches each slot's down matrix into L2
+    plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "decode_graph.moe_down_prefetch=true"))
+    ws = {w.key: w for w in plan.weights}
+    for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+        glu, down = st.launches["decode1"]
+        assert len(glu.args) == 9 and glu.args[8] == down.args[1]
+        assert glu.spec.params["down_pf"] == ws[down.args[1].ref].nbytes // 16  # (16 experts)
 
 
 def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():

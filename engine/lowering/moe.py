@@ -150,12 +150,18 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         rk = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"],
                               p["rows_per_block"], p["tokens"], p["trigger"],
                               eps=float(p["eps"]) if p["norm"] else None, h_stride=p.get("h_stride", 0), route=False)
+        # decode_graph.moe_down_prefetch: the glu also prefetches each slot's down matrix into L2
+        down = nxt.launches["decode1"][1] if len(nxt.launches["decode1"]) > 1 else None
+        wd = weights.get(down.args[1].ref) if down is not None and down.args[1].kind == "weight" else None
+        experts = int(p["experts"])
+        dpf = wd.nbytes // experts if wd is not None and ctx.graph_knob("moe_down_prefetch") else 0
+        dpf = dpf if dpf and wd.nbytes % experts == 0 and dpf % 16 == 0 else 0
         gk = mk.expert_q8_kernel("glu", q["quant"], q["n"], q["k"], q["top_k"], trigger=q["trigger"],
-                                 route=(p["experts"], p["normalize"]), warps=q["warps"], rows_per_warp=q["rows_per_warp"],
-                                 prefetch=q["prefetch"])
+                                 route=(experts, p["normalize"]), warps=q["warps"], rows_per_warp=q["rows_per_warp"],
+                                 prefetch=q["prefetch"], down_pf=dpf)
+        extra = (r.args[1], r.args[2]) + ((down.args[1],) if dpf else ())
         st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
-        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + (r.args[1], r.args[2])),
-                                   *nxt.launches["decode1"][1:])
+        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
 
 
 def bind_experts(op, ws, ins, dims, value_for):
