@@ -175,6 +175,7 @@ def expert_gemv_kernel(
     slot_batch: int = 8,
     trigger: bool = False,
     rows_per_warp: int = 1,
+    q8x_round: bool = False,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -186,7 +187,9 @@ def expert_gemv_kernel(
     are issued (batch-1 decode); glu / down over k-quants with raw units load PREFETCH[mode] units
     per lane before the first is decoded; ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows. Raises ConfigError for an unsupported quant, a k that
+    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x rounded
+    as moe_gemv_q8 stages it, so a grouped bucket gives a token the values the per-slot q8x kernels
+    give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
     is not a whole number of its blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -216,6 +219,11 @@ def expert_gemv_kernel(
             )
         params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch, rows_per_warp=rows_per_warp)
         name.update(e=experts, ms=max_slots, sb=slot_batch, **({"rw": rows_per_warp} if rows_per_warp != 1 else {}))
+        if q8x_round:  # (x as moe_gemv_q8 rounds it: the 32-value units of its storage types)
+            if quant not in Q8_QUANTS:
+                raise ConfigError(f"moe_gemv {mode}: q8x_round takes {', '.join(Q8_QUANTS)}, not {quant}")
+            params["q8x_round"] = True
+            name["q8r"] = 1
     spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
 
@@ -447,6 +455,9 @@ def moe_specs(
                         specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route, down_pf=dpf).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
+            if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
+                specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots,
+                                                q8x_round=True).spec)
         if q in GEMM_QUANTS:
             try:
                 specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)

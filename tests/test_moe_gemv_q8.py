@@ -240,3 +240,35 @@ def test_router_without_routing_then_the_routing_glu_equals_the_routing_router(t
     for a, b in zip(got[True], got[False], strict=True):
         assert np.array_equal(a, b)
     assert np.isfinite(_f32(got[False][4])).all()
+
+
+@pytest.mark.parametrize("q", ["q4_k", "q6_k"])
+def test_grouped_kernels_round_x_as_the_per_slot_q8x_kernels(q, tmp_path):
+    """q8x_round (the grouped buckets where the per-slot kernels are moe_gemv_q8's): down_grouped's
+    f32 partials are the dot products with x rounded as moe_gemv_q8 stages it (to f32 order: 1e-5),
+    and glu_grouped's act matches the per-slot q8x glu's (to the bf16 rounding), so a token in a
+    grouped bucket gets what it gets alone."""
+    from engine.moe_kernels import expert_gemv_kernel
+
+    n, k = 16, 256
+    raw, w = _stack(q, n, k, 61)
+    rng = np.random.default_rng(62)
+    a = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
+    ids = _ids(63)
+    grouped = dict(experts=E, max_slots=8, rows_per_warp=2)
+    part = np.full((ROWS, TOP_K, n), np.nan, np.float32)
+    kern = expert_gemv_kernel("down_grouped", q, n, k, TOP_K, **grouped, q8x_round=True)
+    _run(kern, ROWS, [part, raw, a, ids, ROWS], tmp_path)
+    want = np.einsum("tjnk,tjk->tjn", w[ids].astype(np.float64), quant.q8x_round_trip(_f32(a)).astype(np.float64))
+    assert np.abs(part - want).max() / np.abs(want).max() < 1e-5
+    plain = np.full((ROWS, TOP_K, n), np.nan, np.float32)  # (without the rounding: the q8x error, ~1e-3)
+    _run(expert_gemv_kernel("down_grouped", q, n, k, TOP_K, **grouped), ROWS, [plain, raw, a, ids, ROWS], tmp_path)
+    assert np.abs(plain - want).max() / np.abs(want).max() > 1e-4
+    (rg, _), (ru, _) = _stack(q, n, k, 64), _stack(q, n, k, 65)
+    x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    act_g, act_s = (np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16) for _ in range(2))
+    _run(expert_gemv_kernel("glu_grouped", q, n, k, TOP_K, **grouped, q8x_round=True), ROWS,
+         [act_g, rg, ru, x, ids, ROWS], tmp_path)  # fmt: skip
+    _run(expert_q8_kernel("glu", q, n, k, TOP_K), ROWS, [act_s, rg, ru, x, ids, ROWS], tmp_path)
+    g, s = _f32(act_g), _f32(act_s)
+    assert np.isfinite(g).all() and np.abs(g - s).max() <= 2 ** -7 * np.abs(s).max()

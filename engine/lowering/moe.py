@@ -243,8 +243,10 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
         raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
     rpw = GROUPED_ROWS_PER_WARP
     grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
-    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped)
-    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped)
+    # (x rounded as the per-slot q8x kernels stage it where those run: batched equal to solo)
+    q8r = {m: mode != WIDE and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
+    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped, q8x_round=q8r["glu"])
+    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped, q8x_round=q8r["down"])
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
@@ -260,6 +262,14 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     return solo + gemv + gemm[:-1] + [combine]
 
 
+def q8_slots(ctx, mode: str, dtype: str, k: int, top_k: int) -> bool:
+    """Whether the per-slot ``mode`` GEMV over a [*, k] ``dtype`` stack is moe_gemv_q8's: the
+    profile's GEMVs take int8 x rows (gemv_coop.q8x, decode_graph.moe_q8x) and the kernel takes
+    the stack (engine.moe_kernels.q8_supported)."""
+    on = bool(ctx.tune("gemv_coop").get("q8x")) and ctx.graph_knob("moe_q8x")
+    return on and mk.q8_supported(mode, dtype, k, top_k)
+
+
 def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
@@ -269,12 +279,11 @@ def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> 
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    q8x = bool(ctx.tune("gemv_coop").get("q8x")) and ctx.graph_knob("moe_q8x")
-    if q8x and mk.q8_supported("glu", wg.dtype, hidden, top_k):
+    if q8_slots(ctx, "glu", wg.dtype, hidden, top_k):
         glu = mk.expert_q8_kernel("glu", wg.dtype, inter, hidden, top_k, trigger=trigger)
     else:
         glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
-    if q8x and mk.q8_supported("down", wd.dtype, inter, top_k):
+    if q8_slots(ctx, "down", wd.dtype, inter, top_k):
         down = mk.expert_q8_kernel("down", wd.dtype, hidden, inter, top_k, residual=res is not NULL, trigger=trigger)
     else:
         down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
