@@ -251,6 +251,9 @@ class DecodeGraph(Knobs):
     # with moe_route_in_glu: that glu also prefetches each chosen expert's down matrix into L2
     # (cp.async.bulk.prefetch.L2) once its own loads are out, for the down kernel after it
     moe_down_prefetch: bool = False
+    # where moe_q8x's kernels run per slot, the grouped GEMVs of the batched buckets round x as
+    # they do (moe_gemv q8x_round: batched greedy output equal to solo; off: f32 x, cheaper)
+    moe_grouped_q8x_round: bool = True
 
 
 SECTIONS: dict[str, type[Knobs]] = {

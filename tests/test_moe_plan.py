@@ -202,6 +202,12 @@ def test_the_moe_q8x_knobs_turn_the_new_paths_off():
         (router,) = next(s for s in plan.steps if s.op.op == "moe_router").launches["decode1"]
         glu = next(s for s in plan.steps if s.op.op == "moe_experts").launches["decode1"][0]
         assert (glu.spec.template, router.spec.params["route"], len(glu.args)) == (template, route, 6 if route else 8), tune
+    # the grouped buckets round x as the per-slot q8x kernels (decode_graph.moe_grouped_q8x_round)
+    for tune, on in (("", True), ("decode_graph.moe_grouped_q8x_round=false", False), ("decode_graph.moe_q8x=false", False)):
+        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
+        st = next(s for s in plan.steps if s.op.op == "moe_experts")
+        grouped = [la for la in st.launches["decode"] if la.spec.params.get("mode", "").endswith("_grouped")]
+        assert len(grouped) == 2 and all(bool(la.spec.params.get("q8x_round")) is on for la in grouped), tune
     # decode_graph.moe_down_prefetch: the routing glu also prefetches each slot's down matrix into L2
     plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "decode_graph.moe_down_prefetch=true"))
     ws = {w.key: w for w in plan.weights}

@@ -244,7 +244,8 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     rpw = GROUPED_ROWS_PER_WARP
     grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
     # (x rounded as the per-slot q8x kernels stage it where those run: batched equal to solo)
-    q8r = {m: mode != WIDE and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
+    rnd = mode != WIDE and ctx.graph_knob("moe_grouped_q8x_round")
+    q8r = {m: rnd and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
     glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped, q8x_round=q8r["glu"])
     down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped, q8x_round=q8r["down"])
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
