@@ -6,7 +6,9 @@ kernels/moe_router.cu.j2, the router GEMV and that routing in one launch (decode
 kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by those ids: mode
 ``glu`` (gate and up of each chosen expert plus the silu_mul) and mode ``down`` (the down projection,
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
-(token, slot) row: batch-1 decode. The grouped modes ``glu_grouped`` / ``down_grouped`` (+
+(token, slot) row: batch-1 decode; ``expert_q8_kernel`` (kernels/moe_gemv_q8.cu.j2) runs those two
+modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
+the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
 the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
@@ -45,6 +47,8 @@ KERNELS = {
     "moe_router": "the router GEMV and its top-k softmax routing in one launch (decode): x -> logits, expert ids and weights",
     "moe_gemv": "expert-indexed GEMV over stacked [E, N, K] weights: glu (gate, up, silu) or down "
     "(weighted sum), per (token, slot) or grouped by expert",
+    "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
+    "batch-1 decode over q4_k / q5_k / q6_k stacks",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
     "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
@@ -60,6 +64,13 @@ PREFETCH = {"glu": 2, "down": 3}  # the per-slot modes' default raw units per la
 MAX_SLOTS = 8192  # a grouped block's (token, slot) list: 32 KB of static shared memory
 MAX_EXPERTS = 512  # moe_topk keeps E / 32 logits per lane in registers (Qwen3-Next: 512)
 MAX_GRID_Y = 65535
+# moe_gemv_q8 (the per-slot modes on int8 x and dp4a): the storage types, and per mode the warps per
+# block, output rows per warp and segments per lane and row in flight (clamped to the lane's count)
+Q8_QUANTS = ("q4_k", "q5_k", "q6_k")
+Q8_DEFAULTS = {"glu": {"warps": 4, "rows_per_warp": 4, "prefetch": 2}, "down": {"warps": 8, "rows_per_warp": 2, "prefetch": 3}}
+# (q6_k loads hold 5 words per 16 bytes, a q5_k segment is 80 bytes: 2 rows a warp for their glu)
+Q8_TYPE_DEFAULTS = {("glu", "q6_k"): {"prefetch": 1, "rows_per_warp": 2}, ("glu", "q5_k"): {"rows_per_warp": 2}}
+Q8_MAX_SMEM = 40 * 1024  # its int8 x rows and their scales live in static shared memory
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,7 @@ def router_kernel(
     trigger: bool = False,
     eps: float | None = None,
     h_stride: int = 0,
+    route: bool = True,
 ) -> MoeKernel:
     """moe_router: the [experts, k] router GEMV (``wdtype`` f32 or bf16; x rows of ``x_stride``
     elements) and moe_topk's routing in one launch, ``rows_per_block`` router rows and ``tokens``
@@ -114,7 +126,9 @@ def router_kernel(
     in a zeroed scratch, ``router_counters``). ``trigger``: pdl_trigger() once the block's router
     rows are loaded and the wait returned. ``eps`` (not None): the rmsnorm before the router
     folded in (x un-normalised; two more args, the f32 norm weight and h, the normalised rows
-    written with row stride ``h_stride``). Raises ConfigError for a shape it does not take."""
+    written with row stride ``h_stride``). ``route`` False: only the logits (and h), no routing
+    (batch 1, where ``expert_q8_kernel``'s glu routes in its blocks). Raises ConfigError for a
+    shape it does not take."""
     if not 0 < experts <= MAX_EXPERTS:
         raise ConfigError(f"moe_router: {experts} experts; the kernel handles 1..{MAX_EXPERTS}")
     if not 0 < top_k <= min(32, experts):
@@ -128,9 +142,10 @@ def router_kernel(
         raise ConfigError(f"moe_router: the folded rmsnorm needs eps > 0 ({eps}) and an h stride >= k, a multiple of 8 ({h_stride})")
     params = {"experts": experts, "k": k, "top_k": top_k, "normalize": bool(normalize), "wdtype": wdtype,
               "x_stride": x_stride, "rows_per_block": rows_per_block, "tokens": tokens, "trigger": bool(trigger),
-              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {})}
+              "norm": norm, **({"eps": repr(float(eps)), "h_stride": h_stride} if norm else {}), "route": bool(route)}
     name = {"e": experts, "k": k, "top": top_k, "n": int(normalize), "xs": x_stride, "r": rows_per_block, "t": tokens,
-            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {})}
+            **({"tr": 1} if trigger else {}), **({"eps": repr(float(eps)), "hs": h_stride} if norm else {}),
+            **({} if route else {"lg": 1})}
     spec = KernelSpec("moe_router", entry_name(f"moe_router_{wdtype}", **name), params, pdl=True)
     extra = (("nw", "ptr"), ("h", "ptr")) if norm else ()
     return MoeKernel(
@@ -160,6 +175,7 @@ def expert_gemv_kernel(
     slot_batch: int = 8,
     trigger: bool = False,
     rows_per_warp: int = 1,
+    q8x_round: bool = False,
 ) -> MoeKernel:
     """moe_gemv ``mode`` over weights stored as ``quant``: "glu" (gate/up [E, n, k] -> act
     [rows, top_k, n]), "down" ([E, n, k] -> out [rows, n], weighted over the top_k slots, +
@@ -171,7 +187,9 @@ def expert_gemv_kernel(
     are issued (batch-1 decode); glu / down over k-quants with raw units load PREFETCH[mode] units
     per lane before the first is decoded; ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows. Raises ConfigError for an unsupported quant, a k that
+    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x rounded
+    as moe_gemv_q8 stages it, so a grouped bucket gives a token the values the per-slot q8x kernels
+    give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
     is not a whole number of its blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -201,6 +219,11 @@ def expert_gemv_kernel(
             )
         params.update(experts=experts, max_slots=max_slots, slot_batch=slot_batch, rows_per_warp=rows_per_warp)
         name.update(e=experts, ms=max_slots, sb=slot_batch, **({"rw": rows_per_warp} if rows_per_warp != 1 else {}))
+        if q8x_round:  # (x as moe_gemv_q8 rounds it: the 32-value units of its storage types)
+            if quant not in Q8_QUANTS:
+                raise ConfigError(f"moe_gemv {mode}: q8x_round takes {', '.join(Q8_QUANTS)}, not {quant}")
+            params["q8x_round"] = True
+            name["q8r"] = 1
     spec = KernelSpec("moe_gemv", entry_name(f"moe_gemv_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
 
@@ -228,6 +251,81 @@ def expert_gemv_kernel(
             ("rows", "i32"),
         )
     return MoeKernel(spec, args, grid, (32 * rows_per_block, 1, 1))
+
+
+def q8_supported(mode: str, quant: str, k: int, top_k: int) -> bool:
+    """Whether moe_gemv_q8 runs per-slot ``mode`` over a [*, k] ``quant`` stack: a q4_k / q5_k / q6_k
+    row of whole super-blocks, whose staged int8 x rows (1 for glu, top_k for down) fit
+    Q8_MAX_SMEM."""
+    xrows = 1 if mode == "glu" else top_k
+    return quant in Q8_QUANTS and k % 256 == 0 and xrows * k * 3 // 2 <= Q8_MAX_SMEM and 0 < top_k <= 32
+
+
+def expert_q8_kernel(
+    mode: str,
+    quant: str,
+    n: int,
+    k: int,
+    top_k: int,
+    residual: bool = False,
+    trigger: bool = False,
+    route: tuple[int, bool] | None = None,
+    down_pf: int = 0,
+    **tuning: Any,
+) -> MoeKernel:
+    """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
+    ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
+    ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
+    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` (glu: (experts, normalize)):
+    the kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
+    and weights, two more args (weights, logits) after rows; ``down_pf`` (with route: the down
+    stack's bytes per expert, a multiple of 16) then prefetches each slot's down matrix into L2,
+    one more arg (wd). Raises ConfigError where
+    ``q8_supported`` is false or the block shape is bad."""
+    if mode not in ("glu", "down"):
+        raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
+    if not q8_supported(mode, quant, k, top_k) or n < 1:
+        raise ConfigError(f"moe_gemv_q8: {mode} over {quant} [{n}, {k}] top_k {top_k} is not supported "
+                          f"({', '.join(Q8_QUANTS)}, k a multiple of 256, the int8 x rows within {Q8_MAX_SMEM} bytes)")
+    t = {**Q8_DEFAULTS[mode], **Q8_TYPE_DEFAULTS.get((mode, quant), {}), **tuning}
+    warps, rpw, pf = (int(t[x]) for x in ("warps", "rows_per_warp", "prefetch"))
+    if warps not in (1, 2, 4, 8, 16) or rpw not in (1, 2, 4, 8) or not 1 <= pf <= 8:
+        raise ConfigError(f"moe_gemv_q8: warps {warps} (1..16, a power of two), rows_per_warp {rpw} (1, 2, 4, 8), prefetch {pf} (1..8)")
+    seg = 32 if quant == "q6_k" else 64
+    per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
+    pf = min(pf, per_lane)
+    res = bool(residual) and mode == "down"
+    if route is not None and (mode != "glu" or not top_k <= route[0] <= MAX_EXPERTS):
+        raise ConfigError(f"moe_gemv_q8: routing in the kernel is glu's, over top_k..{MAX_EXPERTS} experts ({mode}, {route})")
+    params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
+              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None}
+    name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
+            **({"tr": 1} if trigger else {})}
+    if route is not None:
+        params.update(experts=int(route[0]), normalize=bool(route[1]))
+        name.update(route=f"e{int(route[0])}n{int(bool(route[1]))}")
+    if down_pf:
+        if route is None or down_pf % 16 or down_pf < 0:
+            raise ConfigError(f"moe_gemv_q8: down_pf {down_pf} needs route and a multiple of 16 bytes")
+        params["down_pf"] = int(down_pf)
+        name["dpf"] = int(down_pf)
+    spec = KernelSpec("moe_gemv_q8", entry_name(f"moe_gemv_q8_{mode}_{quant}", **name), params, pdl=True)
+    slots = top_k if mode == "glu" else 1
+    per_block = warps * rpw
+
+    def grid(rows: int, **_: Any) -> tuple[int, int, int]:
+        if rows * slots > MAX_GRID_Y:
+            raise ConfigError(f"moe_gemv_q8: {rows} rows x {slots} slots exceed the grid's {MAX_GRID_Y}")
+        return (-(-n // per_block), rows * slots, 1)
+
+    if mode == "glu":
+        args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("ids", "ptr"), ("rows", "i32"))
+        args += (("weights", "ptr"), ("logits", "ptr")) if route is not None else ()
+        args += (("wd", "ptr"),) if down_pf else ()
+    else:
+        args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
+                ("rows", "i32"))
+    return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
 def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256) -> MoeKernel:
@@ -340,14 +438,26 @@ def moe_specs(
     specs = [topk_kernel(e, top, bool(dims.get("norm_topk_prob"))).spec]
     norm = {"eps": float(dims.get("rms_eps", 1e-6)), "h_stride": hidden}  # (decode: the rmsnorm folded in)
     specs += [router_kernel(e, hidden, top, bool(dims.get("norm_topk_prob")), w, hidden, **o).spec
-              for w in ("f32", "bf16") for o in ({}, norm)]
+              for w in ("f32", "bf16") for o in ({}, norm, {**norm, "route": False})]
     for q in quants:
         if q not in GEMV_QUANTS or hidden % GEMV_QUANTS[q] or inter % GEMV_QUANTS[q]:
             continue
         specs.append(expert_gemv_kernel("glu", q, inter, hidden, top, rows_per_block).spec)
         specs.append(expert_gemv_kernel("down", q, hidden, inter, top, rows_per_block, residual=True).spec)
+        for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
+            if q8_supported(mode, q, k, top):
+                specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
+                if mode == "glu":  # (batch 1: the token routed in the kernel; + the down prefetch)
+                    route = (e, bool(dims.get("norm_topk_prob")))
+                    specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route).spec)
+                    dpf = hidden * storage.row_bytes(q, inter)  # (the down stack of the same type)
+                    if dpf and dpf % 16 == 0:
+                        specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route, down_pf=dpf).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
+            if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
+                specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots,
+                                                q8x_round=True).spec)
         if q in GEMM_QUANTS:
             try:
                 specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)

@@ -134,7 +134,8 @@ def test_every_moe_spec_renders():
 
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
-    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_combine", "moe_sort", "moe_gemm"}
+    assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_gemv_q8", "moe_combine", "moe_sort",
+                                           "moe_gemm"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -189,6 +190,64 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     assert layer_matrix_params(plan) == dense + experts // 4
 
 
+def test_the_moe_q8x_knobs_turn_the_new_paths_off():
+    """decode_graph.moe_q8x=false: moe_gemv's f32 per-slot kernels and the router routing;
+    moe_route_in_glu=false: moe_gemv_q8 with the router routing (ids read by the glu)."""
+    from engine.profile import with_tuning
+
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
+    for tune, template, route in (("decode_graph.moe_q8x=false", "moe_gemv", True),
+                                  ("decode_graph.moe_route_in_glu=false", "moe_gemv_q8", True),
+                                  ("", "moe_gemv_q8", False)):
+        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
+        (router,) = next(s for s in plan.steps if s.op.op == "moe_router").launches["decode1"]
+        glu = next(s for s in plan.steps if s.op.op == "moe_experts").launches["decode1"][0]
+        assert (glu.spec.template, router.spec.params["route"], len(glu.args)) == (template, route, 6 if route else 8), tune
+    # the grouped buckets round x as the per-slot q8x kernels (decode_graph.moe_grouped_q8x_round)
+    for tune, on in (("", True), ("decode_graph.moe_grouped_q8x_round=false", False), ("decode_graph.moe_q8x=false", False)):
+        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
+        st = next(s for s in plan.steps if s.op.op == "moe_experts")
+        grouped = [la for la in st.launches["decode"] if la.spec.params.get("mode", "").endswith("_grouped")]
+        assert len(grouped) == 2 and all(bool(la.spec.params.get("q8x_round")) is on for la in grouped), tune
+    # decode_graph.moe_down_prefetch: the routing glu also prefetches each slot's down matrix into L2
+    plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "decode_graph.moe_down_prefetch=true"))
+    ws = {w.key: w for w in plan.weights}
+    for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+        glu, down = st.launches["decode1"]
+        assert len(glu.args) == 9 and glu.args[8] == down.args[1]
+        assert glu.spec.params["down_pf"] == ws[down.args[1].ref].nbytes // 16  # (16 experts)
+
+
+def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
+    """q4_k gate / up and q4_k or q6_k down stacks: batch 1 (and the per-slot batched buckets) run
+    moe_gemv_q8 with moe_gemv's arguments, a grid of warps x rows_per_warp rows per block; a
+    profile without q8x keeps moe_gemv."""
+    for profile, template in (("h100", "moe_gemv_q8"), ("generic-sm80", "moe_gemv")):
+        _, _, plan = _plan("q4_k_m", profile=profile)
+        downs = set()
+        for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+            glu, down = st.launches["decode1"]
+            assert (glu.spec.template, down.spec.template) == (template, template)
+            assert (glu.spec.params["mode"], down.spec.params["mode"]) == ("glu", "down")
+            assert glu.grid[1] == "n * 4" and down.grid[1] == "n" and down.args[5] == Arg("value", "x")
+            (router,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode1"]
+            if template == "moe_gemv_q8":
+                p = glu.spec.params
+                assert glu.grid[0] == -(-256 // (p["warps"] * p["rows_per_warp"])) and glu.block == (32 * p["warps"],)
+                assert p["quant"] == "q4_k" and down.spec.params["residual"] and p["trigger"]
+                # the glu routes the token itself from the router's logits: the router stores only those
+                assert p["route"] and (p["experts"], p["normalize"]) == (16, True) and not router.spec.params["route"]
+                assert glu.args[4] == router.args[0] and glu.args[6:] == router.args[1:3] and len(glu.args) == 8
+                assert down.args[3:5] == router.args[:2]
+                (batched,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode"]
+                assert batched.spec.params["route"] and not st.launches["decode"][0].spec.params["route"]
+            else:
+                assert router.spec.params["route"] and len(glu.args) == 6
+            downs.add(down.spec.params["quant"])
+        assert downs == {"q4_k", "q6_k"} or len(downs) == 1
+
+
 @pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
 def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     from engine.ir import WIDE
@@ -199,7 +258,8 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
     for mode in ("decode", WIDE) if plan.wide_rows else ("decode",):
         launches = experts.launches[mode]
-        solo = [] if mode == WIDE else [("moe_gemv", "glu", 0, 4), ("moe_gemv", "down", 0, 4)]
+        per_slot = "moe_gemv_q8" if quant == "q4_k_m" else "moe_gemv"  # (q4_k / q6_k stacks: int8 x, dp4a)
+        solo = [] if mode == WIDE else [(per_slot, "glu", 0, 4), (per_slot, "down", 0, 4)]
         first = 0 if mode == WIDE else 5  # batched decode: per slot up to 4 rows, grouped from 5
         got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in launches]
         assert got == solo + [
@@ -221,6 +281,25 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
         for rows in (1, 2, 4, 5, 8, cut - 1, cut, 2 * cut):
             ran = [(la.spec.template, la.spec.params.get("mode")) for la in experts.launches[mode] if la.runs_at(rows)]
             if rows <= 4:
-                assert ran == [("moe_gemv", "glu"), ("moe_gemv", "down")], rows
+                assert ran == [(per_slot, "glu"), (per_slot, "down")], rows
             else:
                 assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)
+
+
+@pytest.mark.parametrize("profile", ["h100", "generic-sm80"])
+def test_moe_launch_args_match_the_kernel_parameters(profile):
+    """Every MoE launch of a q4_k_m plan passes as many arguments as its rendered kernel takes,
+    pointers where it takes pointers (the routing glu's two extra ones included)."""
+    from fixtures.cuda_emu import _params_of
+
+    from engine.render import render
+
+    _, _, plan = _plan("q4_k_m", profile=profile)
+    seen = set()
+    for st in plan.steps:
+        for la in (la for las in st.launches.values() for la in las):
+            if la.spec.template.startswith("moe_") and la.spec.entry not in seen:
+                seen.add(la.spec.entry)
+                params = _params_of(render(la.spec), la.spec.entry)
+                assert [("*" in p) for p in params] == [a.ctype == "ptr" for a in la.args], la.spec.entry
+    assert len(seen) >= 12

@@ -8,6 +8,8 @@
 # ckpt:  the Qwen3-30B-A3B-shaped random-block q4_k_m GGUF at $MODEL (default /dev/shm/q30.gguf),
 #        written once per machine
 # bench: memra bench on it, decode at BATCHES (default 1,2,4,8,16,32), depth 0 and 4096
+# kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
+#        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
@@ -29,6 +31,10 @@ for stage in ${STAGES:-tests ckpt bench}; do
     ls -l "$M"
     ;;
   bench) bench default ;;
-  *) echo "unknown stage $stage (tests, ckpt, bench)"; exit 2 ;;
+  kernels)
+    timeout 300 python3 tools/bench_moe_gemv.py > "$R/kernels.txt" 2>&1
+    grep -E "^\|" "$R/kernels.txt" || tail -5 "$R/kernels.txt"
+    ;;
+  *) echo "unknown stage $stage (tests, ckpt, bench, kernels)"; exit 2 ;;
   esac
 done

@@ -118,6 +118,52 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
             st.launches[mode] = (dataclasses.replace(r, spec=k.spec, args=args),)
 
 
+@post_pass(12)
+def route_in_glu(ctx, steps, weights, values) -> None:
+    """Batch-1 decode (decode_graph.moe_route_in_glu): a moe_router launch whose ids and weights
+    only the next moe_experts step of its layer reads, through a moe_gemv_q8 glu, stores only the
+    logits (``route`` False: no counter, fence and last block) and that glu routes each token in
+    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights the down
+    kernel reads."""
+    if not ctx.graph_knob("moe_route_in_glu"):
+        return
+    for i, st in enumerate(steps):
+        route = st.launches.get("decode1", ())
+        if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
+            continue
+        nxt = next((s for s in steps[i + 1 :] if s.layer == st.layer and s.op.op == "moe_experts"), None)
+        outs, readers = set(st.op.outputs), []
+        for s in steps[i + 1 :]:  # (until a later step writes the values again: the next layer's router)
+            if set(s.op.inputs) & outs:
+                readers.append(s)
+            if set(s.op.outputs) & outs:
+                break
+        if nxt is None or readers != [nxt] or list(nxt.op.inputs[1:3]) != list(st.op.outputs[:2]):
+            continue
+        r = route[0]
+        glu = nxt.launches.get("decode1", ())[:1]
+        if not glu or glu[0].spec.template != "moe_gemv_q8" or glu[0].spec.params["mode"] != "glu":
+            continue
+        g, p, q = glu[0], r.spec.params, glu[0].spec.params
+        if g.args[4] != r.args[0]:
+            continue
+        rk = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"],
+                              p["rows_per_block"], p["tokens"], p["trigger"],
+                              eps=float(p["eps"]) if p["norm"] else None, h_stride=p.get("h_stride", 0), route=False)
+        # decode_graph.moe_down_prefetch: the glu also prefetches each slot's down matrix into L2
+        down = nxt.launches["decode1"][1] if len(nxt.launches["decode1"]) > 1 else None
+        wd = weights.get(down.args[1].ref) if down is not None and down.args[1].kind == "weight" else None
+        experts = int(p["experts"])
+        dpf = wd.nbytes // experts if wd is not None and ctx.graph_knob("moe_down_prefetch") else 0
+        dpf = dpf if dpf and wd.nbytes % experts == 0 and dpf % 16 == 0 else 0
+        gk = mk.expert_q8_kernel("glu", q["quant"], q["n"], q["k"], q["top_k"], trigger=q["trigger"],
+                                 route=(experts, p["normalize"]), warps=q["warps"], rows_per_warp=q["rows_per_warp"],
+                                 prefetch=q["prefetch"], down_pf=dpf)
+        extra = (r.args[1], r.args[2]) + ((down.args[1],) if dpf else ())
+        st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
+        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
+
+
 def bind_experts(op, ws, ins, dims, value_for):
     out = [value_for(op.outputs[0], ins[0].width)]
     if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs
@@ -197,8 +243,11 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
         raise ConfigError(f"plan: moe_experts over {slots} rows per step; the grouped kernels take {mk.MAX_SLOTS}")
     rpw = GROUPED_ROWS_PER_WARP
     grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
-    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped)
-    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped)
+    # (x rounded as the per-slot q8x kernels stage it where those run: batched equal to solo)
+    rnd = mode != WIDE and ctx.graph_knob("moe_grouped_q8x_round")
+    q8r = {m: rnd and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
+    glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped, q8x_round=q8r["glu"])
+    down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped, q8x_round=q8r["down"])
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
     ctx.need_scratch(ScratchPlan("moe_partial", fixed=ctx.max_tokens * top_k * hidden * 4))
     partial = Arg("scratch", "moe_partial")
@@ -214,18 +263,35 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     return solo + gemv + gemm[:-1] + [combine]
 
 
+def q8_slots(ctx, mode: str, dtype: str, k: int, top_k: int) -> bool:
+    """Whether the per-slot ``mode`` GEMV over a [*, k] ``dtype`` stack is moe_gemv_q8's: the
+    profile's GEMVs take int8 x rows (gemv_coop.q8x, decode_graph.moe_q8x) and the kernel takes
+    the stack (engine.moe_kernels.q8_supported)."""
+    on = bool(ctx.tune("gemv_coop").get("q8x")) and ctx.graph_knob("moe_q8x")
+    return on and mk.q8_supported(mode, dtype, k, top_k)
+
+
 def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
-    read, no partials, no combine. ``trigger``: both call pdl_trigger() once their first weight
+    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x and
+    decode_graph.moe_q8x) and moe_gemv_q8 takes the stack's type (q4_k, q5_k, q6_k), that kernel; else
+    moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
     top_k, hidden, inter = ids.width, h.width, wd.cols
-    glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
-    down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
+    if q8_slots(ctx, "glu", wg.dtype, hidden, top_k):
+        glu = mk.expert_q8_kernel("glu", wg.dtype, inter, hidden, top_k, trigger=trigger)
+    else:
+        glu = mk.expert_gemv_kernel("glu", wg.dtype, inter, hidden, top_k, RPB, trigger=trigger)
+    if q8_slots(ctx, "down", wd.dtype, inter, top_k):
+        down = mk.expert_q8_kernel("down", wd.dtype, hidden, inter, top_k, residual=res is not NULL, trigger=trigger)
+    else:
+        down = mk.expert_gemv_kernel("down", wd.dtype, hidden, inter, top_k, RPB, residual=res is not NULL, trigger=trigger)
+    gx_glu, gx_down = glu.grid(1)[0], down.grid(1)[0]
     return [
-        Launch(glu.spec, (cdiv(inter, RPB), f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
-        Launch(down.spec, (cdiv(hidden, RPB), "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
+        Launch(glu.spec, (gx_glu, f"n * {top_k}"), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS)),
+        Launch(down.spec, (gx_down, "n"), down.block[:1], (val(out), wgt(wd), act, val(ids), val(weights), res, ROWS)),
     ]
 
 

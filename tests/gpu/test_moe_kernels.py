@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from engine import cuda, quant, storage
-from engine.moe_kernels import combine_kernel, expert_gemv_kernel, router_kernel, shared_kernel, topk_kernel
+from engine.moe_kernels import (
+    combine_kernel,
+    expert_gemv_kernel,
+    expert_q8_kernel,
+    router_kernel,
+    shared_kernel,
+    topk_kernel,
+)
 from engine.ops_ref_moe import moe_experts, moe_route
 
 _NP = {"bf16": np.uint16, "f32": np.float32, "i32": np.int32, "u8": np.uint8}
@@ -357,6 +364,90 @@ def test_per_slot_kernels_batched_equal_solo(gk, qt):
         act_s, out_s = run(t, 1)
         np.testing.assert_array_equal(act_b[t], act_s[0])
         np.testing.assert_array_equal(out_b[t], out_s[0])
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "tiny"])
+@pytest.mark.parametrize("glu_q,down_q", [("q4_k", "q6_k"), ("q4_k", "q4_k"), ("q6_k", "q6_k"), ("q5_k", "q5_k")])
+def test_q8_per_slot_kernels_match_numpy(gk, shape, glu_q, down_q):
+    """moe_gemv_q8 glu then down (int8 x rows, dp4a) at the Qwen3-30B-A3B expert shape (hidden
+    2048, moe_intermediate 768, top 8; 16 experts here) and the tiny model's (256, 256, top 2):
+    (q4_k_m's q4_k / q6_k, q5_k_m's q5_k) against numpy on x as the kernel rounds it
+    (q8x_round_trip: 1e-2) and on x itself (3e-2),
+    act and out poisoned first, the residual aliasing out, the batch-1 trigger; then 3 tokens
+    give each token the bits a 1-token launch gives it."""
+    rng = np.random.default_rng()
+    e, hidden, inter, top_k = (16, 2048, 768, 8) if shape != "tiny" else (8, 256, 256, 2)
+    wg_raw, wg = stacked_weight(glu_q, e, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(glu_q, e, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(down_q, e, hidden, inter, rng)
+    dev = [gk.raw(r) for r in (wg_raw, wu_raw, wd_raw)]
+    rows = 3
+    ids = _ids(rng, rows, e, top_k)
+    x = bf_round(rng.standard_normal((rows, hidden)))
+    r = bf_round(rng.standard_normal((rows, hidden)))
+    w = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    glu = expert_q8_kernel("glu", glu_q, inter, hidden, top_k, trigger=True)
+    down = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True)
+
+    def run(t0: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        act, out, ids_t = gk.nan_like((n, top_k, inter)), gk.bf(r[t0 : t0 + n]), gk.i32(ids[t0 : t0 + n])
+        gk.launch(glu, [act, dev[0], dev[1], gk.bf(x[t0 : t0 + n]), ids_t, n], n)
+        gk.launch(down, [out, dev[2], act, ids_t, gk.f32(w[t0 : t0 + n]), out, n], n)
+        return gk.host(act), gk.host(out)
+
+    act, out = run(0, 1)
+    assert not np.isnan(act).any() and not np.isnan(out).any()
+    for xr, tol in ((quant.q8x_round_trip(x[:1]).astype(np.float64), 1e-2), (x[:1], 3e-2)):
+        g = np.einsum("tk,tjnk->tjn", xr, wg[ids[:1]])
+        ref_act = g / (1 + np.exp(-np.clip(g, -80, 80))) * np.einsum("tk,tjnk->tjn", xr, wu[ids[:1]])
+        assert rel_err(act, ref_act) < tol, (tol, rel_err(act, ref_act))
+    for ar, tol in ((quant.q8x_round_trip(act.astype(np.float32)).astype(np.float64), 1e-2), (act, 3e-2)):
+        want = np.einsum("tj,tjn->tn", w[:1], np.einsum("tjk,tjnk->tjn", ar, wd[ids[:1]])) + r[:1]
+        assert rel_err(out, want) < tol, (tol, rel_err(out, want))
+    act_b, out_b = run(0, rows)
+    np.testing.assert_array_equal(act_b[0], act[0])
+    np.testing.assert_array_equal(out_b[0], out[0])
+    for t in range(1, rows):
+        act_s, out_s = run(t, 1)
+        np.testing.assert_array_equal(act_b[t], act_s[0])
+        np.testing.assert_array_equal(out_b[t], out_s[0])
+
+
+@pytest.mark.parametrize("glu_q", ["q4_k", "q6_k"])
+def test_q8_glu_routes_as_the_router_does(gk, glu_q):
+    """Batch 1 as the plan runs it (engine.lowering.moe.route_in_glu): moe_router with route off
+    (logits and h only; ids, weights and the counter untouched), then moe_gemv_q8 glu routing the
+    token from those logits: the ids and weights bitwise what the routing moe_router gives from
+    the same x, the act bitwise the plain glu's on those ids. Qwen3-30B-A3B router shape (128
+    experts, top 8, hidden 2048), 16 expert rows wide."""
+    rng = np.random.default_rng()
+    experts, top_k, hidden, inter = 128, 8, 2048, 64
+    wg_raw, _ = stacked_weight(glu_q, experts, inter, hidden, rng)
+    wu_raw, _ = stacked_weight(glu_q, experts, inter, hidden, rng)
+    wg, wu = gk.raw(wg_raw), gk.raw(wu_raw)
+    w = gk.f32(rng.standard_normal((experts, hidden)).astype(np.float32) * 0.05)
+    nw = gk.f32(rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    x = gk.bf(bf_round(rng.standard_normal((1, hidden)) * 3))
+    count = gk.i32(np.zeros(1))
+    norm = {"eps": 1e-6, "h_stride": hidden, "trigger": True}
+    outs = {}
+    for route in (True, False):
+        ids, wts = gk.i32(np.full((1, top_k), -7)), gk.nan_like((1, top_k), "f32")
+        logits, h = gk.nan_like((1, experts), "f32"), gk.nan_like((1, hidden))
+        gk.launch(router_kernel(experts, hidden, top_k, True, "f32", hidden, route=route, **norm),
+                  [ids, wts, logits, x, w, count, 1, nw, h], 1)
+        act = gk.nan_like((1, top_k, inter))
+        if route:
+            assert gk.host(count).tolist() == [0]
+            gk.launch(expert_q8_kernel("glu", glu_q, inter, hidden, top_k, trigger=True), [act, wg, wu, h, ids, 1], 1)
+        else:
+            assert gk.host(ids).tolist() == [[-7] * top_k] and np.isnan(gk.host(wts)).all()
+            glu = expert_q8_kernel("glu", glu_q, inter, hidden, top_k, trigger=True, route=(experts, True))
+            gk.launch(glu, [act, wg, wu, h, ids, 1, wts, logits], 1)
+        outs[route] = [gk.host(a) for a in (ids, wts, logits, act)]
+    for a, b in zip(outs[True], outs[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.isnan(outs[False][3]).any()
 
 
 def test_sparse_mlp_end_to_end(gk):
