@@ -65,8 +65,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="queue each decode step before reading the last one's tokens (CUDA backend; default off)",
+        default=True,
+        help="queue each decode step before reading the last one's tokens (CUDA backend; default on)",
     )
 
 
