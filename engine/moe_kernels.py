@@ -270,7 +270,6 @@ def expert_q8_kernel(
     residual: bool = False,
     trigger: bool = False,
     route: tuple[int, bool] | None = None,
-    down_pf: int = 0,
     **tuning: Any,
 ) -> MoeKernel:
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
@@ -278,9 +277,7 @@ def expert_q8_kernel(
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
     rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` (glu: (experts, normalize)):
     the kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
-    and weights, two more args (weights, logits) after rows; ``down_pf`` (with route: the down
-    stack's bytes per expert, a multiple of 16) then prefetches each slot's down matrix into L2,
-    one more arg (wd). Raises ConfigError where
+    and weights, two more args (weights, logits) after rows. Raises ConfigError where
     ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
@@ -304,11 +301,6 @@ def expert_q8_kernel(
     if route is not None:
         params.update(experts=int(route[0]), normalize=bool(route[1]))
         name.update(route=f"e{int(route[0])}n{int(bool(route[1]))}")
-    if down_pf:
-        if route is None or down_pf % 16 or down_pf < 0:
-            raise ConfigError(f"moe_gemv_q8: down_pf {down_pf} needs route and a multiple of 16 bytes")
-        params["down_pf"] = int(down_pf)
-        name["dpf"] = int(down_pf)
     spec = KernelSpec("moe_gemv_q8", entry_name(f"moe_gemv_q8_{mode}_{quant}", **name), params, pdl=True)
     slots = top_k if mode == "glu" else 1
     per_block = warps * rpw
@@ -321,7 +313,6 @@ def expert_q8_kernel(
     if mode == "glu":
         args = (("act", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("x", "ptr"), ("ids", "ptr"), ("rows", "i32"))
         args += (("weights", "ptr"), ("logits", "ptr")) if route is not None else ()
-        args += (("wd", "ptr"),) if down_pf else ()
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
                 ("rows", "i32"))
@@ -447,12 +438,9 @@ def moe_specs(
         for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
             if q8_supported(mode, q, k, top):
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
-                if mode == "glu":  # (batch 1: the token routed in the kernel; + the down prefetch)
+                if mode == "glu":  # (batch 1: the token routed in the kernel)
                     route = (e, bool(dims.get("norm_topk_prob")))
                     specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route).spec)
-                    dpf = hidden * storage.row_bytes(q, inter)  # (the down stack of the same type)
-                    if dpf and dpf % 16 == 0:
-                        specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route, down_pf=dpf).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
             if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)

@@ -259,19 +259,6 @@ class DecodeGraph(Knobs):
     # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
     o_window_min_kb: int = knob(0, non_negative)
     o_window_max_kb: int = knob(0, non_negative)
-    # MoE per-slot expert GEMVs (batch 1, the smallest buckets) on q4_k / q6_k stacks as
-    # kernels/moe_gemv_q8.cu.j2 (int8 x rows, dp4a) instead of moe_gemv's f32 decode (moe_q8x,
-    # where gemv_coop.q8x is on too); moe_route_in_glu: at batch 1 that glu routes the token from
-    # the router's logits itself (the router's counter, fence and last block gone). On by
-    # default: the switches to A/B them against the f32 kernels and the router's own routing
-    moe_q8x: bool = True
-    moe_route_in_glu: bool = True
-    # with moe_route_in_glu: that glu also prefetches each chosen expert's down matrix into L2
-    # (cp.async.bulk.prefetch.L2) once its own loads are out, for the down kernel after it
-    moe_down_prefetch: bool = False
-    # where moe_q8x's kernels run per slot, the grouped GEMVs of the batched buckets round x as
-    # they do (moe_gemv q8x_round: batched greedy output equal to solo; off: f32 x, cheaper)
-    moe_grouped_q8x_round: bool = True
 
 
 SECTIONS: dict[str, type[Knobs]] = {

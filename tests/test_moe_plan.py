@@ -190,33 +190,17 @@ def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():
     assert layer_matrix_params(plan) == dense + experts // 4
 
 
-def test_the_moe_q8x_knobs_turn_the_new_paths_off():
-    """decode_graph.moe_q8x=false: moe_gemv's f32 per-slot kernels and the router routing;
-    moe_route_in_glu=false: moe_gemv_q8 with the router routing (ids read by the glu)."""
-    from engine.profile import with_tuning
-
-    g = load_family("qwen3_moe")
-    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
-    for tune, template, route in (("decode_graph.moe_q8x=false", "moe_gemv", True),
-                                  ("decode_graph.moe_route_in_glu=false", "moe_gemv_q8", True),
-                                  ("", "moe_gemv_q8", False)):
-        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
-        (router,) = next(s for s in plan.steps if s.op.op == "moe_router").launches["decode1"]
-        glu = next(s for s in plan.steps if s.op.op == "moe_experts").launches["decode1"][0]
-        assert (glu.spec.template, router.spec.params["route"], len(glu.args)) == (template, route, 6 if route else 8), tune
-    # the grouped buckets round x as the per-slot q8x kernels (decode_graph.moe_grouped_q8x_round)
-    for tune, on in (("", True), ("decode_graph.moe_grouped_q8x_round=false", False), ("decode_graph.moe_q8x=false", False)):
-        plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), tune) if tune else get_profile("h100"))
-        st = next(s for s in plan.steps if s.op.op == "moe_experts")
-        grouped = [la for la in st.launches["decode"] if la.spec.params.get("mode", "").endswith("_grouped")]
-        assert len(grouped) == 2 and all(bool(la.spec.params.get("q8x_round")) is on for la in grouped), tune
-    # decode_graph.moe_down_prefetch: the routing glu also prefetches each slot's down matrix into L2
-    plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "decode_graph.moe_down_prefetch=true"))
-    ws = {w.key: w for w in plan.weights}
-    for st in (s for s in plan.steps if s.op.op == "moe_experts"):
-        glu, down = st.launches["decode1"]
-        assert len(glu.args) == 9 and glu.args[8] == down.args[1]
-        assert glu.spec.params["down_pf"] == ws[down.args[1].ref].nbytes // 16  # (16 experts)
+def test_grouped_buckets_round_x_where_the_per_slot_kernels_are_q8():
+    """The grouped GEMVs of the batched buckets take q8x_round exactly where the per-slot kernels
+    are moe_gemv_q8's (h100: gemv_coop.q8x), so a token's x is the one it gets alone (batched
+    greedy output equal to solo); a profile without q8x keeps f32 x in both."""
+    for profile, on in (("h100", True), ("generic-sm80", False)):
+        _, _, plan = _plan("q4_k_m", profile=profile)
+        for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+            launches = st.launches["decode"]
+            assert {la.spec.template for la in launches[:2]} == {"moe_gemv_q8" if on else "moe_gemv"}, profile
+            grouped = [la for la in launches if la.spec.params.get("mode", "").endswith("_grouped")]
+            assert len(grouped) == 2 and all(bool(la.spec.params.get("q8x_round")) is on for la in grouped), profile
 
 
 def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():

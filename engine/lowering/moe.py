@@ -120,13 +120,10 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
 
 @post_pass(12)
 def route_in_glu(ctx, steps, weights, values) -> None:
-    """Batch-1 decode (decode_graph.moe_route_in_glu): a moe_router launch whose ids and weights
-    only the next moe_experts step of its layer reads, through a moe_gemv_q8 glu, stores only the
-    logits (``route`` False: no counter, fence and last block) and that glu routes each token in
+    """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step of
+    its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no counter, fence and last block) and that glu routes each token in
     its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights the down
     kernel reads."""
-    if not ctx.graph_knob("moe_route_in_glu"):
-        return
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -150,16 +147,10 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         rk = mk.router_kernel(p["experts"], p["k"], p["top_k"], p["normalize"], p["wdtype"], p["x_stride"],
                               p["rows_per_block"], p["tokens"], p["trigger"],
                               eps=float(p["eps"]) if p["norm"] else None, h_stride=p.get("h_stride", 0), route=False)
-        # decode_graph.moe_down_prefetch: the glu also prefetches each slot's down matrix into L2
-        down = nxt.launches["decode1"][1] if len(nxt.launches["decode1"]) > 1 else None
-        wd = weights.get(down.args[1].ref) if down is not None and down.args[1].kind == "weight" else None
-        experts = int(p["experts"])
-        dpf = wd.nbytes // experts if wd is not None and ctx.graph_knob("moe_down_prefetch") else 0
-        dpf = dpf if dpf and wd.nbytes % experts == 0 and dpf % 16 == 0 else 0
         gk = mk.expert_q8_kernel("glu", q["quant"], q["n"], q["k"], q["top_k"], trigger=q["trigger"],
-                                 route=(experts, p["normalize"]), warps=q["warps"], rows_per_warp=q["rows_per_warp"],
-                                 prefetch=q["prefetch"], down_pf=dpf)
-        extra = (r.args[1], r.args[2]) + ((down.args[1],) if dpf else ())
+                                 route=(int(p["experts"]), p["normalize"]), warps=q["warps"],
+                                 rows_per_warp=q["rows_per_warp"], prefetch=q["prefetch"])
+        extra = (r.args[1], r.args[2])
         st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
         nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
 
@@ -244,8 +235,7 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     rpw = GROUPED_ROWS_PER_WARP
     grouped = dict(experts=experts, max_slots=slots, slot_batch=SLOT_BATCH, rows_per_warp=rpw)
     # (x rounded as the per-slot q8x kernels stage it where those run: batched equal to solo)
-    rnd = mode != WIDE and ctx.graph_knob("moe_grouped_q8x_round")
-    q8r = {m: rnd and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
+    q8r = {m: mode != WIDE and q8_slots(ctx, m, w.dtype, k, top_k) for m, w, k in (("glu", wg, hidden), ("down", wd, inter))}
     glu = mk.expert_gemv_kernel("glu_grouped", wg.dtype, inter, hidden, top_k, RPB, **grouped, q8x_round=q8r["glu"])
     down = mk.expert_gemv_kernel("down_grouped", wd.dtype, hidden, inter, top_k, RPB, **grouped, q8x_round=q8r["down"])
     comb = mk.combine_kernel(hidden, top_k, residual=bool(res_name))
@@ -265,17 +255,16 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
 
 def q8_slots(ctx, mode: str, dtype: str, k: int, top_k: int) -> bool:
     """Whether the per-slot ``mode`` GEMV over a [*, k] ``dtype`` stack is moe_gemv_q8's: the
-    profile's GEMVs take int8 x rows (gemv_coop.q8x, decode_graph.moe_q8x) and the kernel takes
-    the stack (engine.moe_kernels.q8_supported)."""
-    on = bool(ctx.tune("gemv_coop").get("q8x")) and ctx.graph_knob("moe_q8x")
-    return on and mk.q8_supported(mode, dtype, k, top_k)
+    profile's GEMVs take int8 x rows (gemv_coop.q8x) and the kernel takes the stack
+    (engine.moe_kernels.q8_supported)."""
+    return bool(ctx.tune("gemv_coop").get("q8x")) and mk.q8_supported(mode, dtype, k, top_k)
 
 
 def per_slot(ctx, h, ids, weights, out, res, act, ws, trigger: bool = False) -> list[Launch]:
     """The per-(token, slot) expert GEMVs: glu (grid y n * top_k) then down, which sums each
     token's slots, router-weighted, and adds the residual: only the chosen experts' rows are
-    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x and
-    decode_graph.moe_q8x) and moe_gemv_q8 takes the stack's type (q4_k, q5_k, q6_k), that kernel; else
+    read, no partials, no combine. Where the profile's GEMVs take int8 x rows (gemv_coop.q8x)
+    and moe_gemv_q8 takes the stack's type (q4_k, q5_k, q6_k), that kernel; else
     moe_gemv's f32 ones. ``trigger``: both call pdl_trigger() once their first weight
     loads are out (tuning decode_graph.early_trigger, batch 1)."""
     wg, wu, wd = ws
