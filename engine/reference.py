@@ -22,17 +22,13 @@ from engine.ops.base import MODEL_SCALING
 from engine.progress import bar
 from engine.sampling import sample, sample_item, validate_sampling
 from engine.spec.accept import accept
+from engine.step_check import bad_item, check_step_item
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
 DEFAULT_KV_BYTES = 512 * 1024 * 1024
 # Default recurrent-state budget of a hybrid model (live sequences + prefix-cache snapshots).
 DEFAULT_STATE_BYTES = 256 * 1024 * 1024
-
-
-def _bad(item: StepItem, problem: str) -> MemraError:
-    """A step item the scheduler should never have built (an engine bug, not a user error)."""
-    return MemraError(f"seq {item.seq_id}: {problem}", code="internal_error")
 
 
 class ReferenceRunner:
@@ -248,10 +244,10 @@ class ReferenceRunner:
             return {}
         slot = item.state_slot
         if slot is None or not 0 <= slot < self.num_state_slots:
-            raise _bad(item, f"a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, got {slot}")
+            raise bad_item(item, f"a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, got {slot}")
         for other in [item.state_restore, *(s for _, s in item.state_snapshots)]:
             if other is not None and not 0 <= other < self.num_state_slots:
-                raise _bad(item, f"state slot {other} is out of range")
+                raise bad_item(item, f"state slot {other} is out of range")
         if item.state_restore is not None:
             self.copy_state(item.state_restore, slot)
         elif item.start_pos == 0:
@@ -260,29 +256,11 @@ class ReferenceRunner:
         return {"states": self.states, "slot": slot, "snapshots": tuple(item.state_snapshots)}
 
     def _check_item(self, item: StepItem) -> None:
-        n = len(item.token_ids)
-        if n == 0:
-            raise _bad(item, "a step item needs at least one token")
-        if item.start_pos < 0:
-            raise _bad(item, f"start_pos {item.start_pos} < 0")
-        end = item.start_pos + n
-        if end > self.max_model_len:
-            raise MemraError(
-                f"seq {item.seq_id}: {end} tokens exceed the maximum context length {self.max_model_len}",
-                code="context_length_exceeded",
-            )
-        need = -(-end // self.block_size)
-        table = item.block_table
-        if len(table) < need:
-            raise _bad(item, f"block_table has {len(table)} blocks, {end} positions need {need}")
-        for b in table[:need]:
-            if not 0 <= b < self.num_blocks:
-                raise _bad(item, f"block {b} is out of range (num_blocks={self.num_blocks})")
+        need = check_step_item(
+            item, max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=self.num_blocks, vocab=self.vocab
+        )
         if item.window_table is not None:
             self._check_window_table(item, need)
-        for tok in item.token_ids:
-            if not 0 <= tok < self.vocab:
-                raise MemraError(f"token id {tok} is out of range (vocab size {self.vocab})", param="prompt")
 
     def _check_window_table(self, item: StepItem, need: int) -> None:
         """An item's window table: this runner has a window pool; it covers the item's positions,
@@ -290,10 +268,10 @@ class ReferenceRunner:
         table = item.window_table
         assert table is not None
         if not self.window_kv_blocks:
-            raise _bad(item, "a window_table for a runner without a window pool")
+            raise bad_item(item, "a window_table for a runner without a window pool")
         first = ops_ref.window_start(item.start_pos, self.kv_window) // self.block_size
         if len(table) < need or not all(0 <= b < self.window_kv_blocks for b in table[first:need]):
-            raise _bad(
+            raise bad_item(
                 item,
                 f"window_table {list(table)[:need]} does not cover positions "
                 f"{item.start_pos}..{item.start_pos + len(item.token_ids) - 1} (window {self.kv_window})",
@@ -330,7 +308,7 @@ class ReferenceRunner:
             self._check_item(item)
             k = len(item.draft)
             if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
-                raise _bad(item, f"the draft must be the last {k} of the item's tokens")
+                raise bad_item(item, f"the draft must be the last {k} of the item's tokens")
         out: list[list[int]] = []
         for item in items:
             k = len(item.draft)
