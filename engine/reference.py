@@ -11,7 +11,7 @@ Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,62 @@ DEFAULT_KV_BYTES = 512 * 1024 * 1024
 DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
-class ReferenceRunner:
+class ScratchRuns:
+    """``forward_logits`` and ``generate`` for a reference runner, in a private cache that the
+    runner's ``_scratch_run(length)`` builds: a function (tokens, start_pos, all_logits) -> logits."""
+
+    max_model_len: int
+    _scratch_run: Callable[[int], Callable[[list[int], int, bool], np.ndarray]]
+
+    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
+        return self._scratch_run(n)(list(token_ids), 0, True)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Generate up to ``max_tokens`` ids after ``prompt_ids`` (prefill, then one token per pass).
+
+        Stops early after emitting a token in ``stop_token_ids`` (it is included) or at
+        ``max_model_len``. Sampling uses seed ``sampling.seed`` (0 when None).
+        """
+        sampling = sampling or SamplingParams(temperature=0.0)
+        validate_sampling(sampling)
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise MemraError("generate needs a non-empty prompt", param="prompt")
+        if len(prompt) >= self.max_model_len:
+            raise MemraError(
+                f"prompt of {len(prompt)} tokens leaves no room in the context ({self.max_model_len})",
+                code="context_length_exceeded",
+            )
+        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
+        run = self._scratch_run(total)
+        seed = sampling.seed if sampling.seed is not None else 0
+        history = list(prompt)
+        out: list[int] = []
+        chunk, pos = prompt, 0
+        stops = set(stop_token_ids)
+        while len(out) < max_tokens and pos + len(chunk) <= total:
+            logits = run(chunk, pos, False)
+            pos += len(chunk)
+            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
+            out.append(tok)
+            history.append(tok)
+            if tok in stops or pos >= total:
+                break
+            chunk = [tok]
+        return out
+
+
+class ReferenceRunner(ScratchRuns):
     """Runner protocol implementation in numpy (``backend = "reference"``).
 
     ``model`` is an ``engine.model.LoadedModel`` (anything with ``graph``, ``dims``, ``rope_style``,
@@ -354,59 +409,7 @@ class ReferenceRunner:
         if self.hidden_tap is not None:
             self.hidden_tap.record(seq_id, start_pos, env[self.hidden_tap.value])
 
-    # -- conveniences -------------------------------------------------------------------------
-
-    def _scratch(self, length: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def _scratch_run(self, length: int) -> Callable[[list[int], int, bool], np.ndarray]:
         nb = max(1, -(-length // self.block_size))
-        k, v = self._new_cache(nb)
-        return k, v, list(range(nb))
-
-    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
-        k, v, table = self._scratch(n)
-        return self._run(list(token_ids), 0, table, k, v, True, self._new_states(1))["logits"]
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] = (),
-    ) -> list[int]:
-        """Generate up to ``max_tokens`` ids after ``prompt_ids`` in a private cache.
-
-        Stops early after emitting a token in ``stop_token_ids`` (it is included) or at
-        ``max_model_len``. Sampling uses seed ``sampling.seed`` (0 when None).
-        """
-        sampling = sampling or SamplingParams(temperature=0.0)
-        validate_sampling(sampling)
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise MemraError("generate needs a non-empty prompt", param="prompt")
-        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
-        if len(prompt) >= self.max_model_len:
-            raise MemraError(
-                f"prompt of {len(prompt)} tokens leaves no room in the context ({self.max_model_len})",
-                code="context_length_exceeded",
-            )
-        k, v, table = self._scratch(total)
-        states = self._new_states(1)
-        seed = sampling.seed if sampling.seed is not None else 0
-        history = list(prompt)
-        out: list[int] = []
-        chunk, pos = prompt, 0
-        stops = set(stop_token_ids)
-        while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._run(chunk, pos, table, k, v, False, states)["logits"]
-            pos += len(chunk)
-            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
-            out.append(tok)
-            history.append(tok)
-            if tok in stops or pos >= total:
-                break
-            chunk = [tok]
-        return out
-
+        (k, v), table, states = self._new_cache(nb), list(range(nb)), self._new_states(1)
+        return lambda tokens, pos, all_logits: self._run(tokens, pos, table, k, v, all_logits, states)["logits"]
