@@ -59,9 +59,7 @@ class CompletionSpec(GenSpec):
 
 
 def _unsupported(param: str, what: str) -> ApiError:
-    return ApiError(
-        400, f"`{param}` {what} is not supported by this server", code="unsupported_parameter", param=param
-    )
+    return bad_request(f"`{param}` {what} is not supported by this server", param, "unsupported_parameter")
 
 
 def _type_err(param: str, expected: str, value: Any) -> ApiError:
@@ -76,16 +74,13 @@ def get_number(
     if v is _MISSING or v is None:
         return default
     kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        if integer and isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
-            v = int(v)
-        else:
-            raise _type_err(p, kind, v)
+    if integer and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise _type_err(p, kind, v)
     if v < lo or v > hi or (lo_open and v == lo):
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise ApiError(
-            400, f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", code="invalid_value", param=p
-        )
+        raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", p, "invalid_value")
     return int(v) if integer else float(v)
 
 
@@ -105,7 +100,7 @@ def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024) 
     if not isinstance(v, str):
         raise _type_err(name, "a string", v)
     if len(v) > max_len:
-        raise ApiError(400, f"`{name}` is longer than {max_len} characters", code="invalid_value", param=name)
+        raise bad_request(f"`{name}` is longer than {max_len} characters", name, "invalid_value")
     return v
 
 
@@ -118,20 +113,10 @@ def get_stop(body: dict, name: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise _type_err(name, "a string or a list of strings", v)
     if len(v) > MAX_STOP:
-        raise ApiError(
-            400,
-            f"`{name}` has {len(v)} entries; at most {MAX_STOP} are allowed",
-            code="invalid_value",
-            param=name,
-        )
+        raise bad_request(f"`{name}` has {len(v)} entries; at most {MAX_STOP} allowed", name, "invalid_value")
     for s in v:
         if not s or len(s) > MAX_STOP_LEN:
-            raise ApiError(
-                400,
-                f"`{name}` entries must be 1..{MAX_STOP_LEN} characters",
-                code="invalid_value",
-                param=name,
-            )
+            raise bad_request(f"`{name}` entries must be 1..{MAX_STOP_LEN} characters", name, "invalid_value")
     return list(dict.fromkeys(v))
 
 
@@ -204,11 +189,9 @@ def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
                 raise _type_err(p, "a content part object", part)
             ptype = part.get("type")
             if ptype != "text":
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f'`{p}.type` {json.dumps(ptype)[:40]} is not supported (only "text")',
-                    code="unsupported_parameter",
-                    param=f"{p}.type",
+                    f"{p}.type", "unsupported_parameter"
                 )
             t = part.get("text")
             if not isinstance(t, str):
@@ -255,11 +238,9 @@ def parse_openai_messages(raw: Any) -> list[dict]:
             raise _type_err(p, "a message object", m)
         role = m.get("role")
         if role not in _ROLES:
-            raise ApiError(
-                400,
+            raise bad_request(
                 f"`{p}.role` must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
-                code="invalid_value",
-                param=f"{p}.role",
+                f"{p}.role", "invalid_value"
             )
         if role == "developer":
             role = "system"
@@ -290,11 +271,9 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
             raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "function") != "function":
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}',
-                    code="invalid_value",
-                    param=f"tools[{i}]",
+                    f"tools[{i}]", "invalid_value"
                 )
             fn = t.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -310,11 +289,9 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         return tools, ("auto" if tools else "none"), None
     if isinstance(tc, str):
         if tc not in ("auto", "none", "required"):
-            raise ApiError(
-                400,
+            raise bad_request(
                 "`tool_choice` must be auto, none, required or a named function",
-                code="invalid_value",
-                param="tool_choice",
+                "tool_choice", "invalid_value"
             )
         if tc != "none" and not tools:
             raise bad_request(f"`tool_choice` {tc!r} needs `tools`", "tool_choice")
@@ -361,12 +338,10 @@ def parse_completion(body: dict) -> CompletionSpec:
         elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             pass
         else:
-            raise ApiError(
-                400,
+            raise bad_request(
                 "`prompt` must be a string, a list of token ids, or a list of exactly one of those "
                 "(batched prompts are not supported)",
-                code="unsupported_parameter",
-                param="prompt",
+                "prompt", "unsupported_parameter"
             )
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
@@ -387,9 +362,7 @@ def _anthropic_text(content: Any, param: str) -> str:
         out = []
         for j, b in enumerate(content):
             if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                raise ApiError(
-                    400, f"`{param}[{j}]` must be a text block", code="invalid_value", param=f"{param}[{j}]"
-                )
+                raise bad_request(f"`{param}[{j}]` must be a text block", f"{param}[{j}]", "invalid_value")
             out.append(b["text"])
         return "".join(out)
     raise _type_err(param, "a string or a list of text blocks", content)
@@ -409,9 +382,7 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
             raise _type_err(p, "a message object", m)
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise ApiError(
-                400, f"`{p}.role` must be user or assistant", code="invalid_value", param=f"{p}.role"
-            )
+            raise bad_request(f"`{p}.role` must be user or assistant", f"{p}.role", "invalid_value")
         content = m.get("content")
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})
@@ -452,11 +423,9 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
                     }
                 )
             else:
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f"`{bp}.type` {json.dumps(bt)[:40]} is not supported here",
-                    code="unsupported_parameter",
-                    param=f"{bp}.type",
+                    f"{bp}.type", "unsupported_parameter"
                 )
         if role == "assistant":
             msg: dict = {"role": "assistant", "content": "".join(texts)}
@@ -490,12 +459,7 @@ def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | Non
     if tc is None:
         return out, ("auto" if out else "none"), None
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
-        raise ApiError(
-            400,
-            "`tool_choice.type` must be auto, any, tool or none",
-            code="invalid_value",
-            param="tool_choice",
-        )
+        raise bad_request("`tool_choice.type` must be auto, any, tool or none", "tool_choice", "invalid_value")
     kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
     if kind != "none" and not out:
         raise bad_request("`tool_choice` needs `tools`", "tool_choice")
@@ -518,9 +482,7 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     th = body.get("thinking")
     if th is not None:  # extended thinking -> the template's enable_thinking switch
         if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
-            raise ApiError(
-                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
-            )
+            raise bad_request("`thinking.type` must be enabled or disabled", "thinking.type", "invalid_value")
         spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     if count_only:
         return spec
