@@ -15,7 +15,7 @@ from typing import Any
 from engine.chat_template import reserved_template_kwarg
 from engine.types import SamplingParams
 
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, type_error
 from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
 MAX_STOP = 16
@@ -62,11 +62,6 @@ def _unsupported(param: str, what: str) -> ApiError:
     return bad_request(f"`{param}` {what} is not supported by this server", param, "unsupported_parameter")
 
 
-def _type_err(param: str, expected: str, value: Any) -> ApiError:
-    shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__
-    return ApiError(400, f"`{param}` must be {expected}, got {shown}", code="invalid_type", param=param)
-
-
 def get_number(
     body: dict, p: str, default, *, lo: float, hi: float, integer: bool = False, lo_open: bool = False
 ):
@@ -77,7 +72,7 @@ def get_number(
     if integer and isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise _type_err(p, kind, v)
+        raise type_error(p, kind, v)
     if v < lo or v > hi or (lo_open and v == lo):
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
         raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", p, "invalid_value")
@@ -89,7 +84,7 @@ def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, bool):
-        raise _type_err(prefix + name, "a boolean", v)
+        raise type_error(prefix + name, "a boolean", v)
     return v
 
 
@@ -98,7 +93,7 @@ def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024) 
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, str):
-        raise _type_err(name, "a string", v)
+        raise type_error(name, "a string", v)
     if len(v) > max_len:
         raise bad_request(f"`{name}` is longer than {max_len} characters", name, "invalid_value")
     return v
@@ -111,7 +106,7 @@ def get_stop(body: dict, name: str) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _type_err(name, "a string or a list of strings", v)
+        raise type_error(name, "a string or a list of strings", v)
     if len(v) > MAX_STOP:
         raise bad_request(f"`{name}` has {len(v)} entries; at most {MAX_STOP} allowed", name, "invalid_value")
     for s in v:
@@ -162,7 +157,7 @@ def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, ch
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            raise _type_err("stream_options", "an object", so)
+            raise type_error("stream_options", "an object", so)
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
@@ -186,7 +181,7 @@ def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
         for j, part in enumerate(content):
             p = f"{param}[{j}]"
             if not isinstance(part, dict):
-                raise _type_err(p, "a content part object", part)
+                raise type_error(p, "a content part object", part)
             ptype = part.get("type")
             if ptype != "text":
                 raise bad_request(
@@ -195,24 +190,24 @@ def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
                 )
             t = part.get("text")
             if not isinstance(t, str):
-                raise _type_err(f"{p}.text", "a string", t)
+                raise type_error(f"{p}.text", "a string", t)
             out.append(t)
         return "".join(out)
-    raise _type_err(param, "a string or a list of content parts", content)
+    raise type_error(param, "a string or a list of content parts", content)
 
 
 def _tool_calls_in(tcs: Any, param: str) -> list[dict]:
     if not isinstance(tcs, list):
-        raise _type_err(param, "a list", tcs)
+        raise type_error(param, "a list", tcs)
     out = []
     for j, tc in enumerate(tcs):
         p = f"{param}[{j}]"
         if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
-            raise _type_err(p, "a tool call object with `function`", tc)
+            raise type_error(p, "a tool call object with `function`", tc)
         fn = tc["function"]
         name = fn.get("name")
         if not isinstance(name, str):
-            raise _type_err(f"{p}.function.name", "a string", name)
+            raise type_error(f"{p}.function.name", "a string", name)
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
@@ -235,7 +230,7 @@ def parse_openai_messages(raw: Any) -> list[dict]:
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _type_err(p, "a message object", m)
+            raise type_error(p, "a message object", m)
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(
@@ -254,7 +249,7 @@ def parse_openai_messages(raw: Any) -> list[dict]:
         if role == "tool":
             tcid = m.get("tool_call_id", "")
             if not isinstance(tcid, str):
-                raise _type_err(f"{p}.tool_call_id", "a string", tcid)
+                raise type_error(f"{p}.tool_call_id", "a string", tcid)
             msg["tool_call_id"] = tcid
         name = m.get("name")
         if isinstance(name, str):
@@ -268,7 +263,7 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "function") != "function":
                 raise bad_request(
@@ -281,7 +276,7 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
                     f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name"
                 )
             if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-                raise _type_err(f"tools[{i}].function.parameters", "an object", fn["parameters"])
+                raise type_error(f"tools[{i}].function.parameters", "an object", fn["parameters"])
         tools = tools or None
     tc = body.get("tool_choice")
     names = {t["function"]["name"] for t in tools or []}
@@ -304,7 +299,7 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
                 "`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name"
             )
         return tools, "named", name
-    raise _type_err("tool_choice", "a string or an object", tc)
+    raise type_error("tool_choice", "a string or an object", tc)
 
 
 def parse_chat(body: dict) -> ChatSpec:
@@ -316,7 +311,7 @@ def parse_chat(body: dict) -> ChatSpec:
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
-            raise _type_err("chat_template_kwargs", "an object", kw)
+            raise type_error("chat_template_kwargs", "an object", kw)
         for k in kw:  # the conversation, special tokens and template helpers are not the client's
             if reserved_template_kwarg(k):
                 raise bad_request(
@@ -345,9 +340,9 @@ def parse_completion(body: dict) -> CompletionSpec:
             )
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
-            raise _type_err("prompt", "a non-empty list of non-negative token ids", prompt)
+            raise type_error("prompt", "a non-empty list of non-negative token ids", prompt)
     elif not isinstance(prompt, str):
-        raise _type_err("prompt", "a string or a list of token ids", prompt)
+        raise type_error("prompt", "a string or a list of token ids", prompt)
     spec.prompt = prompt
     return spec
 
@@ -365,7 +360,7 @@ def _anthropic_text(content: Any, param: str) -> str:
                 raise bad_request(f"`{param}[{j}]` must be a text block", f"{param}[{j}]", "invalid_value")
             out.append(b["text"])
         return "".join(out)
-    raise _type_err(param, "a string or a list of text blocks", content)
+    raise type_error(param, "a string or a list of text blocks", content)
 
 
 def parse_anthropic_messages(body: dict) -> list[dict]:
@@ -379,7 +374,7 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
     for i, m in enumerate(raw):
         p = f"messages.{i}"
         if not isinstance(m, dict):
-            raise _type_err(p, "a message object", m)
+            raise type_error(p, "a message object", m)
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad_request(f"`{p}.role` must be user or assistant", f"{p}.role", "invalid_value")
@@ -388,17 +383,17 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
             msgs.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise _type_err(f"{p}.content", "a string or a list of content blocks", content)
+            raise type_error(f"{p}.content", "a string or a list of content blocks", content)
         texts: list[str] = []
         calls: list[dict] = []
         for j, b in enumerate(content):
             bp = f"{p}.content.{j}"
             if not isinstance(b, dict):
-                raise _type_err(bp, "a content block", b)
+                raise type_error(bp, "a content block", b)
             bt = b.get("type")
             if bt == "text":
                 if not isinstance(b.get("text"), str):
-                    raise _type_err(f"{bp}.text", "a string", b.get("text"))
+                    raise type_error(f"{bp}.text", "a string", b.get("text"))
                 texts.append(b["text"])
             elif bt == "tool_use" and role == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
@@ -442,14 +437,14 @@ def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | Non
     out = None
     if tools is not None:
         if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         out = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad_request(f"`tools.{i}.name` must be a non-empty string", f"tools.{i}.name")
             schema = t.get("input_schema", {"type": "object"})
             if not isinstance(schema, dict):
-                raise _type_err(f"tools.{i}.input_schema", "an object", schema)
+                raise type_error(f"tools.{i}.input_schema", "an object", schema)
             fn = {"name": t["name"], "parameters": schema}
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
@@ -502,5 +497,5 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     spec.speculative = get_bool(body, "speculative", True)
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
-        raise _type_err("metadata", "an object", md)
+        raise type_error("metadata", "an object", md)
     return spec
