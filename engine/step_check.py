@@ -35,7 +35,8 @@ def check_step_item(item: StepItem, *, max_model_len: int, block_size: int, num_
     for b in table[:need]:
         if not 0 <= b < num_blocks:
             raise bad_item(item, f"block {b} is out of range (num_blocks={num_blocks})")
-    for tok in item.token_ids if item.prev_row is None else ():  # (a prev_row token is the device's)
-        if not 0 <= tok < vocab:
-            raise MemraError(f"token id {tok} is out of range (vocab size {vocab})", param="prompt")
+    ids = item.token_ids if item.prev_row is None else ()  # (a prev_row token is the device's)
+    if ids and (min(ids) < 0 or max(ids) >= vocab):  # (min/max: cheap on a long prefill chunk)
+        tok = next(t for t in ids if not 0 <= t < vocab)
+        raise MemraError(f"token id {tok} is out of range (vocab size {vocab})", param="prompt")
     return need
