@@ -16,12 +16,9 @@ Hybrid models (recurrent state beside the KV) also get **state slots** from the 
 (``state_slots``): each is one running sequence's live state, a prefix-cache **snapshot** (the state
 after the last token of a cached block, attached to that block) or free. A prefix hit then ends at
 the deepest hit block that has a snapshot, and the sequence's first step restores it. Snapshots are
-taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary; when
-slots run out the least recently used snapshot is dropped (never a live state), and a step with
-more boundaries than slots snapshots its deepest ones (the prompt's last cacheable one always);
-a prompt boundary followed by at least as many of the prompt's own as there are slots is never
-snapshotted (they would evict it before the prompt ends: a long prompt writes at most a slot
-count of snapshots, not one per block).
+taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary
+(``BlockManager.state_for_step``); when slots run out the least recently used snapshot is dropped
+(never a live state).
 Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
 so a repeated or extended prompt hashes only its new blocks.
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` aside).
@@ -34,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.prefix_keys import ChainMemory, chain, chain_hash  # noqa: F401 (chain_hash: re-exported)
+from engine.prefix_keys import ChainMemory, chain
 
 _HASH_VERSION = b"memra-prefix-v1"
 RELEASED = -1  # a table entry whose block was released (before a sliding window: release_before)
@@ -158,10 +155,7 @@ class BlockManager:
             return [], []
         keys = self.keys.keys(salt, token_ids, (len(token_ids) - 1) // self.block_size)
         blocks = list(map(self._by_hash.get, keys))
-        try:
-            hits = blocks[: blocks.index(None)]
-        except ValueError:
-            hits = blocks
+        hits = blocks[: blocks.index(None)] if None in blocks else blocks
         if self.state_slots:  # a hybrid resumes from a state snapshot: end at the deepest one
             while hits and hits[-1] not in self._snap_of_block:
                 hits.pop()
@@ -190,9 +184,8 @@ class BlockManager:
         if max_hit_tokens is not None:
             hits = hits[: max_hit_tokens // self.block_size]
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
-        ref = self._ref
-        from_lru = [b for b in hits if ref[b] == 0]
-        if self.num_available - len(from_lru) < needed_new + headroom_blocks:
+        from_lru = sum(1 for b in hits if self._ref[b] == 0)
+        if self.num_available - from_lru < needed_new + headroom_blocks:
             return None
         restore = self._snap_of_block[hits[-1]] if self.state_slots and hits else None
         if self.state_slots and self._state_available(exclude=restore) < 1:
@@ -204,12 +197,7 @@ class BlockManager:
                 self._snap_lru.move_to_end(restore)
                 seq.restore = restore
             seq.state_slot = self._take_state_slot()
-        # take references first so the fresh allocations below cannot evict them
-        lru = self._lru
-        for b in from_lru:
-            del lru[b]
-        for b in hits:
-            ref[b] += 1
+        self._take_refs(hits)  # first, so the fresh allocations below cannot evict them
         seq.committed = len(hits)
         for _ in range(needed_new):
             seq.table.append(self._take_fresh())
@@ -249,11 +237,7 @@ class BlockManager:
         if None in hits:
             return False
         seq = _SeqBlocks(salt=salt, table=[RELEASED] * first + hits, hashes=keys[:n_hit], known_keys=keys)
-        ref = self._ref
-        for b in hits:
-            if ref[b] == 0:
-                del self._lru[b]
-            ref[b] += 1
+        self._take_refs(hits)  # type: ignore[arg-type]
         seq.committed, seq.released = n_hit, first
         self._seqs[seq_id] = seq
         return True
@@ -267,15 +251,9 @@ class BlockManager:
         n = 0
         for i in range(seq.released, upto):
             b, seq.table[i] = seq.table[i], RELEASED
-            if b == RELEASED:
-                continue
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if self._hash[b] is not None:
-                    self._lru[b] = None
-                else:
-                    self._free.append(b)
-            n += 1
+            if b != RELEASED:
+                self._drop_ref(b)
+                n += 1
         seq.released = max(seq.released, upto)
         return n
 
@@ -377,18 +355,27 @@ class BlockManager:
             self.keys.remember(seq.salt, seq.tokens, seq.hashes)  # turn may extend it
         if self.state_slots:
             self._free_state(seq)
-        ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
         for b in reversed(seq.table):
-            if b == RELEASED:
-                continue
-            ref[b] -= 1
-            if ref[b] == 0:
-                if hashes[b] is not None:
-                    lru[b] = None
-                else:
-                    free.append(b)
+            if b != RELEASED:
+                self._drop_ref(b)
 
     # ----- internals ------------------------------------------------------------------------------
+    def _take_refs(self, blocks: Sequence[int]) -> None:
+        """One more reference to each cached or used block (a cached one leaves the LRU)."""
+        for b in blocks:
+            if self._ref[b] == 0:
+                del self._lru[b]
+            self._ref[b] += 1
+
+    def _drop_ref(self, b: int) -> None:
+        """One reference less; at none the block is cached (LRU tail) if it has a key, else free."""
+        self._ref[b] -= 1
+        if self._ref[b] == 0:
+            if self._hash[b] is not None:
+                self._lru[b] = None
+            else:
+                self._free.append(b)
+
     def _take_fresh(self) -> int:
         if self._free:
             block = self._free.popleft()
@@ -412,6 +399,7 @@ class BlockManager:
         assert len(free_set) == len(self._free), "a block is twice in the free list"
         assert not (free_set & lru_set), "a block is both free and cached"
         owners = [0] * n
+        shared_ok = [0] * n  # tables holding the block among their committed (read-only) ones
         for sid, seq in self._seqs.items():
             live = [b for b in seq.table if b != RELEASED]
             assert len(set(live)) == len(live), f"seq {sid}: a block appears twice in its table"
@@ -423,14 +411,10 @@ class BlockManager:
             assert all(b == RELEASED for b in seq.table[: seq.released]), f"seq {sid}: released entries"
             for b in seq.table[seq.released :]:
                 assert 0 <= b < n, f"seq {sid}: block id {b} out of range"
-            for b in seq.table:
+            for i, b in enumerate(seq.table):
                 if b != RELEASED:
                     owners[b] += 1
-        shared_ok: dict[int, int] = {}
-        for seq in self._seqs.values():
-            for b in seq.table[: seq.committed]:
-                if b != RELEASED:
-                    shared_ok[b] = shared_ok.get(b, 0) + 1
+                    shared_ok[b] += i < seq.committed
         used = 0
         for b in range(n):
             ref = self._ref[b]
@@ -438,10 +422,7 @@ class BlockManager:
             if ref > 0:
                 used += 1
                 assert b not in free_set and b not in lru_set, f"block {b} is referenced but free/cached"
-                if ref > 1:
-                    assert shared_ok.get(b, 0) == ref, (
-                        f"block {b} shared by {ref} tables but writable in some"
-                    )
+                assert ref == 1 or shared_ok[b] == ref, f"block {b} shared by {ref} tables but writable in some"
             else:
                 in_free, in_lru = b in free_set, b in lru_set
                 assert in_free != in_lru, f"block {b}: unreferenced but free={in_free} cached={in_lru}"
@@ -470,15 +451,14 @@ class BlockManager:
         self, seq_id: int, start: int, count: int, prompt_len: int
     ) -> tuple[int | None, int | None, list[tuple[int, int]]]:
         """(live slot, snapshot slot to restore first or None, [(n, slot)]) for the sequence's item
-        of tokens ``start .. start+count-1``: snapshots after n of them, at the block boundaries
-        that are multiples of ``snapshot_interval`` or the prompt's last cacheable boundary, each
-        into a slot freed or taken from the least recently used snapshot. With fewer slots than
-        such boundaries the deepest ones get them, the prompt's last cacheable boundary (the one a
-        repeat of the prompt hits) always among them: shallower snapshots of the same step would
-        only be evicted by the deeper ones."""
-        seq = self._seqs[seq_id]
+        of tokens ``start .. start+count-1``: snapshots after n of them, at the boundaries
+        ``_snapshot_wanted`` picks, each into a slot freed or taken from the least recently used
+        snapshot. With fewer slots than such boundaries the deepest ones get them, the prompt's
+        last cacheable boundary (the one a repeat of the prompt hits) always among them: shallower
+        snapshots of the same step would only be evicted by the deeper ones."""
         if not self.state_slots:
             return None, None, []
+        seq = self._seqs[seq_id]
         snaps: list[tuple[int, int]] = []
         if self.enable_prefix_cache:
             bs = self.block_size

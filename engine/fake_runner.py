@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from engine.step_check import check_step_item
 from engine.types import SamplingParams, StepItem
 
 _M = (1 << 64) - 1
@@ -166,13 +167,12 @@ class FakeRunner:
         for item in items:
             assert item.seq_id not in seen, f"sequence {item.seq_id} twice in one step"
             seen.add(item.seq_id)
+            check_step_item(
+                item, max_model_len=self.max_model_len, block_size=bs, num_blocks=self.num_blocks, vocab=self.vocab_size
+            )
             n = len(item.token_ids)
             end = item.start_pos + n
-            assert n >= 1, "empty step item"
-            assert end <= self.max_model_len, f"seq {item.seq_id}: position {end - 1} past max_model_len"
-            assert len(item.block_table) * bs >= end, f"seq {item.seq_id}: block table does not cover {end}"
             assert len(set(item.block_table)) == len(item.block_table), "block repeated in a table"
-            assert all(0 <= b < self.num_blocks for b in item.block_table), "block id out of range"
             history = item.history
             assert list(history[item.start_pos : end]) == list(item.token_ids), (
                 "token_ids differ from history"

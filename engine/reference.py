@@ -11,7 +11,7 @@ Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from engine.ops.base import MODEL_SCALING
 from engine.progress import bar
 from engine.sampling import sample, sample_item, validate_sampling
 from engine.spec.accept import accept
+from engine.step_check import bad_item, check_step_item
 from engine.types import MemraError, SamplingParams, StepItem
 
 # Default KV budget when num_blocks is not given; np.zeros pages are only committed when touched.
@@ -30,12 +31,62 @@ DEFAULT_KV_BYTES = 512 * 1024 * 1024
 DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
-def _bad(item: StepItem, problem: str) -> MemraError:
-    """A step item the scheduler should never have built (an engine bug, not a user error)."""
-    return MemraError(f"seq {item.seq_id}: {problem}", code="internal_error")
+class ScratchRuns:
+    """``forward_logits`` and ``generate`` for a reference runner, in a private cache that the
+    runner's ``_scratch_run(length)`` builds: a function (tokens, start_pos, all_logits) -> logits."""
+
+    max_model_len: int
+    _scratch_run: Callable[[int], Callable[[list[int], int, bool], np.ndarray]]
+
+    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
+        n = len(token_ids)
+        if not 0 < n <= self.max_model_len:
+            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
+        return self._scratch_run(n)(list(token_ids), 0, True)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Generate up to ``max_tokens`` ids after ``prompt_ids`` (prefill, then one token per pass).
+
+        Stops early after emitting a token in ``stop_token_ids`` (it is included) or at
+        ``max_model_len``. Sampling uses seed ``sampling.seed`` (0 when None).
+        """
+        sampling = sampling or SamplingParams(temperature=0.0)
+        validate_sampling(sampling)
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise MemraError("generate needs a non-empty prompt", param="prompt")
+        if len(prompt) >= self.max_model_len:
+            raise MemraError(
+                f"prompt of {len(prompt)} tokens leaves no room in the context ({self.max_model_len})",
+                code="context_length_exceeded",
+            )
+        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
+        run = self._scratch_run(total)
+        seed = sampling.seed if sampling.seed is not None else 0
+        history = list(prompt)
+        out: list[int] = []
+        chunk, pos = prompt, 0
+        stops = set(stop_token_ids)
+        while len(out) < max_tokens and pos + len(chunk) <= total:
+            logits = run(chunk, pos, False)
+            pos += len(chunk)
+            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
+            out.append(tok)
+            history.append(tok)
+            if tok in stops or pos >= total:
+                break
+            chunk = [tok]
+        return out
 
 
-class ReferenceRunner:
+class ReferenceRunner(ScratchRuns):
     """Runner protocol implementation in numpy (``backend = "reference"``).
 
     ``model`` is an ``engine.model.LoadedModel`` (anything with ``graph``, ``dims``, ``rope_style``,
@@ -248,10 +299,10 @@ class ReferenceRunner:
             return {}
         slot = item.state_slot
         if slot is None or not 0 <= slot < self.num_state_slots:
-            raise _bad(item, f"a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, got {slot}")
+            raise bad_item(item, f"a hybrid model needs a state slot in 0..{self.num_state_slots - 1}, got {slot}")
         for other in [item.state_restore, *(s for _, s in item.state_snapshots)]:
             if other is not None and not 0 <= other < self.num_state_slots:
-                raise _bad(item, f"state slot {other} is out of range")
+                raise bad_item(item, f"state slot {other} is out of range")
         if item.state_restore is not None:
             self.copy_state(item.state_restore, slot)
         elif item.start_pos == 0:
@@ -260,29 +311,11 @@ class ReferenceRunner:
         return {"states": self.states, "slot": slot, "snapshots": tuple(item.state_snapshots)}
 
     def _check_item(self, item: StepItem) -> None:
-        n = len(item.token_ids)
-        if n == 0:
-            raise _bad(item, "a step item needs at least one token")
-        if item.start_pos < 0:
-            raise _bad(item, f"start_pos {item.start_pos} < 0")
-        end = item.start_pos + n
-        if end > self.max_model_len:
-            raise MemraError(
-                f"seq {item.seq_id}: {end} tokens exceed the maximum context length {self.max_model_len}",
-                code="context_length_exceeded",
-            )
-        need = -(-end // self.block_size)
-        table = item.block_table
-        if len(table) < need:
-            raise _bad(item, f"block_table has {len(table)} blocks, {end} positions need {need}")
-        for b in table[:need]:
-            if not 0 <= b < self.num_blocks:
-                raise _bad(item, f"block {b} is out of range (num_blocks={self.num_blocks})")
+        need = check_step_item(
+            item, max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=self.num_blocks, vocab=self.vocab
+        )
         if item.window_table is not None:
             self._check_window_table(item, need)
-        for tok in item.token_ids:
-            if not 0 <= tok < self.vocab:
-                raise MemraError(f"token id {tok} is out of range (vocab size {self.vocab})", param="prompt")
 
     def _check_window_table(self, item: StepItem, need: int) -> None:
         """An item's window table: this runner has a window pool; it covers the item's positions,
@@ -290,10 +323,10 @@ class ReferenceRunner:
         table = item.window_table
         assert table is not None
         if not self.window_kv_blocks:
-            raise _bad(item, "a window_table for a runner without a window pool")
+            raise bad_item(item, "a window_table for a runner without a window pool")
         first = ops_ref.window_start(item.start_pos, self.kv_window) // self.block_size
         if len(table) < need or not all(0 <= b < self.window_kv_blocks for b in table[first:need]):
-            raise _bad(
+            raise bad_item(
                 item,
                 f"window_table {list(table)[:need]} does not cover positions "
                 f"{item.start_pos}..{item.start_pos + len(item.token_ids) - 1} (window {self.kv_window})",
@@ -330,7 +363,7 @@ class ReferenceRunner:
             self._check_item(item)
             k = len(item.draft)
             if k and (k >= len(item.token_ids) or list(item.token_ids[-k:]) != list(item.draft)):
-                raise _bad(item, f"the draft must be the last {k} of the item's tokens")
+                raise bad_item(item, f"the draft must be the last {k} of the item's tokens")
         out: list[list[int]] = []
         for item in items:
             k = len(item.draft)
@@ -376,59 +409,7 @@ class ReferenceRunner:
         if self.hidden_tap is not None:
             self.hidden_tap.record(seq_id, start_pos, env[self.hidden_tap.value])
 
-    # -- conveniences -------------------------------------------------------------------------
-
-    def _scratch(self, length: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    def _scratch_run(self, length: int) -> Callable[[list[int], int, bool], np.ndarray]:
         nb = max(1, -(-length // self.block_size))
-        k, v = self._new_cache(nb)
-        return k, v, list(range(nb))
-
-    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
-        k, v, table = self._scratch(n)
-        return self._run(list(token_ids), 0, table, k, v, True, self._new_states(1))["logits"]
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] = (),
-    ) -> list[int]:
-        """Generate up to ``max_tokens`` ids after ``prompt_ids`` in a private cache.
-
-        Stops early after emitting a token in ``stop_token_ids`` (it is included) or at
-        ``max_model_len``. Sampling uses seed ``sampling.seed`` (0 when None).
-        """
-        sampling = sampling or SamplingParams(temperature=0.0)
-        validate_sampling(sampling)
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise MemraError("generate needs a non-empty prompt", param="prompt")
-        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
-        if len(prompt) >= self.max_model_len:
-            raise MemraError(
-                f"prompt of {len(prompt)} tokens leaves no room in the context ({self.max_model_len})",
-                code="context_length_exceeded",
-            )
-        k, v, table = self._scratch(total)
-        states = self._new_states(1)
-        seed = sampling.seed if sampling.seed is not None else 0
-        history = list(prompt)
-        out: list[int] = []
-        chunk, pos = prompt, 0
-        stops = set(stop_token_ids)
-        while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._run(chunk, pos, table, k, v, False, states)["logits"]
-            pos += len(chunk)
-            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
-            out.append(tok)
-            history.append(tok)
-            if tok in stops or pos >= total:
-                break
-            chunk = [tok]
-        return out
-
+        (k, v), table, states = self._new_cache(nb), list(range(nb)), self._new_states(1)
+        return lambda tokens, pos, all_logits: self._run(tokens, pos, table, k, v, all_logits, states)["logits"]

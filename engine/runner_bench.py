@@ -185,7 +185,7 @@ def bench_decode(
 
 def bench_prefill(runner: Any, tokens: int, repeats: int = 3) -> dict:
     (table,), windows = _tables_or_exit(runner, 1, tokens, _prefill_span(runner, tokens))
-    ids = [(i * 31) % 1000 + 1 for i in range(tokens)]
+    ids = [(i * 31) % min(1000, runner.plan.dims["vocab"] - 1) + 1 for i in range(tokens)]  # (any vocab over 1000: unchanged)
     item = StepItem(seq_id=0, token_ids=ids, start_pos=0, block_table=table, sample=True, sampling=GREEDY,
                     state_slot=_slot(runner, 0), window_table=windows[0] if windows else None)
     runner.step([item])

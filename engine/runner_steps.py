@@ -20,6 +20,7 @@ import numpy as np
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
 from engine.logit_prep import on_device
 from engine.sampling import penalty_entries, sample_item
+from engine.step_check import check_step_item
 from engine.types import MemraError, StepItem
 
 log = logging.getLogger("memra.runner_cuda")
@@ -236,18 +237,13 @@ class StepLogic:
         return verify(self, items)
 
     def _check_item(self, it: StepItem) -> None:
-        end = it.start_pos + len(it.token_ids)
-        if end > self.max_model_len:
-            raise MemraError(
-                f"sequence {it.seq_id} needs {end} positions; max_model_len is {self.max_model_len}",
-                code="context_length_exceeded",
-            )
-        need = (end + self.block_size - 1) // self.block_size
-        if len(it.block_table) < need:
-            raise MemraError(
-                f"sequence {it.seq_id}: block table has {len(it.block_table)} blocks, {need} needed",
-                code="internal_error",
-            )
+        check_step_item(
+            it,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            vocab=self.plan.dims["vocab"],
+        )
 
     def _fill_sampling(self, row: int, it: StepItem) -> None:
         v = self._views

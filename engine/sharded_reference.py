@@ -18,7 +18,7 @@ Implements the Runner protocol (``step``) so ``memra serve --backend reference -
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,9 +26,9 @@ import numpy as np
 
 from engine.ops import OPS, REFERENCE, RefStep
 from engine.placement import Placement
-from engine.reference import DEFAULT_STATE_BYTES, ReferenceRunner
-from engine.sampling import sample, sample_item, validate_sampling
-from engine.types import MemraError, SamplingParams, StepItem
+from engine.reference import DEFAULT_STATE_BYTES, ReferenceRunner, ScratchRuns
+from engine.sampling import sample_item
+from engine.types import MemraError, StepItem
 
 
 class _ShardModel:
@@ -104,7 +104,7 @@ def _live_in(schedule: Sequence[tuple[Any, int | None]]) -> list[str]:
     return need
 
 
-class ShardedReference:
+class ShardedReference(ScratchRuns):
     """Runner protocol over a Placement: ``ranks`` are ReferenceRunners (TP shards or PP stages)."""
 
     backend = "reference"
@@ -206,10 +206,6 @@ class ShardedReference:
     def _caches(self) -> list[tuple[np.ndarray, np.ndarray]]:
         return [(r.k_cache, r.v_cache) for r in self.ranks]
 
-    def _scratch(self, length: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
-        nb = max(1, -(-length // self.block_size))
-        return [r._new_cache(nb) for r in self.ranks], list(range(nb))
-
     def _states(self, item: StepItem | None) -> list[dict[str, Any]] | None:
         if not self.num_state_slots:
             return None
@@ -236,37 +232,10 @@ class ShardedReference:
             if r.num_state_slots:
                 r.copy_state(src, dst)
 
-    def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits [len, vocab] f32 of every position of ``token_ids`` in fresh caches."""
-        n = len(token_ids)
-        if not 0 < n <= self.max_model_len:
-            raise MemraError(f"forward_logits needs 1..{self.max_model_len} tokens, got {n}")
-        caches, table = self._scratch(n)
-        return self._forward(list(token_ids), 0, table, caches, True, self._states(None))
-
-    def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams | None = None) -> list[int]:
-        """Up to ``max_tokens`` ids after ``prompt_ids`` (prefill, then one token per step) in
-        private caches, sampled as ReferenceRunner.generate samples."""
-        sampling = sampling or SamplingParams(temperature=0.0)
-        validate_sampling(sampling)
-        prompt = list(prompt_ids)
-        total = min(len(prompt) + max(0, max_tokens), self.max_model_len)
-        if not prompt or len(prompt) >= self.max_model_len:
-            raise MemraError(f"generate needs 1..{self.max_model_len - 1} prompt tokens", param="prompt")
-        caches, table = self._scratch(total)
-        states = self._states(None)
-        seed = sampling.seed if sampling.seed is not None else 0
-        history, out, chunk, pos = list(prompt), [], prompt, 0
-        while len(out) < max_tokens and pos + len(chunk) <= total:
-            logits = self._forward(chunk, pos, table, caches, False, states)
-            pos += len(chunk)
-            tok = sample(logits[-1], sampling, history, len(prompt), len(out), seed)
-            out.append(tok)
-            history.append(tok)
-            if pos >= total:
-                break
-            chunk = [tok]
-        return out
+    def _scratch_run(self, length: int) -> Callable[[list[int], int, bool], np.ndarray]:
+        nb = max(1, -(-length // self.block_size))
+        caches, table, states = [r._new_cache(nb) for r in self.ranks], list(range(nb)), self._states(None)
+        return lambda tokens, pos, all_logits: self._forward(tokens, pos, table, caches, all_logits, states)
 
 
 __all__ = ["ShardedReference"]

@@ -18,7 +18,7 @@ from engine.types import MemraError, SamplingParams, StepItem
 def rec(tmp_path, monkeypatch):
     """(runner, driver, log): log holds ("htod", ptr, nbytes), ("dtod", dst, src, nbytes),
     ("dtoh", ptr, nbytes), ("record", event id), ("sync", event id), ("graph", capturing) in order;
-    every D2H of the sampled ids writes 100 * (its number) + row."""
+    every D2H of the sampled ids writes 100 * (its number) + row, mod 500 (inside the 512-id vocab)."""
     import engine.runner_cuda as rc
     from engine.model import load_model
 
@@ -34,7 +34,7 @@ def rec(tmp_path, monkeypatch):
 
     def rec_dtoh(host, ptr, stream=None):
         d2h["n"] += 1
-        host[:] = 100 * d2h["n"] + np.arange(host.size)
+        host[:] = (100 * d2h["n"] + np.arange(host.size)) % 500
         log.append(("dtoh", ptr, host.nbytes))
         return host
 

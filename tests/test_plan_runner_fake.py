@@ -309,8 +309,9 @@ def test_context_overflow_is_a_clear_error(fake):
     from engine.types import MemraError
 
     runner, _ = fake
-    with pytest.raises(MemraError, match="max_model_len"):
+    with pytest.raises(MemraError, match="601 tokens exceed the maximum context length") as ei:
         runner.step([StepItem(0, [1], 600, list(range(40)), True, GREEDY)])
+    assert ei.value.code == "context_length_exceeded"
 
 
 def test_penalised_rows_run_the_penalties_kernel_with_uploaded_entries(fake):

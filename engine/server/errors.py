@@ -5,6 +5,9 @@ Must not import falcon resources or the engine; only engine.types.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from engine.types import MemraError
 
 # MemraError.code -> (HTTP status, OpenAI error type, Anthropic error type)
@@ -62,6 +65,12 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request_error") -> ApiError:
     return ApiError(400, message, code=code, param=param)
+
+
+def type_error(param: str, expected: str, value: Any) -> ApiError:
+    """A request field of the wrong type: names the field, what it must be and (briefly) what it was."""
+    shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__
+    return bad_request(f"`{param}` must be {expected}, got {shown}", param, "invalid_type")
 
 
 def from_memra(err: MemraError, *, retry_after_s: int = 1) -> ApiError:

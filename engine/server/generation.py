@@ -25,8 +25,6 @@ from .tool_calls import tool_instruction
 
 POLL_S = 0.25  # how often a waiting request checks for a vanished client
 
-_TEMPLATE_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, LookupError)
-
 
 def check_model(state: AppState, name: str | None) -> None:
     mi = state.model_info
@@ -98,13 +96,7 @@ def chat_ids(state: AppState, spec: ChatSpec) -> list[int]:
         text = chat_prompt(state, spec)
         check_prompt_bytes(state, len(text.encode("utf-8", "surrogatepass")), "messages")
         spec.prompt_text = text
-        enc = getattr(state.tokenizer, "encode_chat", None)
-        if enc is None:
-            return encode(state, text)
-        try:
-            return list(enc(text))
-        except (ValueError, UnicodeError) as exc:
-            raise bad_request(f"the prompt cannot be tokenized: {exc}", "messages") from None
+        return encode(state, text, chat=True)
 
     with state.admission.preparing():
         return state.tokenize_pool.run(work, size=n)
@@ -137,16 +129,21 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
     except MemraError as exc:
         raise bad_request(f"chat template: {exc.message}", "messages") from None
     except Exception as exc:
-        if isinstance(exc, _TEMPLATE_ERRORS) or type(exc).__module__.startswith("jinja2"):
+        if isinstance(exc, (ValueError, TypeError, LookupError)) or type(exc).__module__.startswith("jinja2"):
             raise bad_request(f"chat template failed: {exc}", "messages") from None
         raise
 
 
-def encode(state: AppState, text: str, param: str = "messages", add_special_tokens: bool = False) -> list[int]:
+def encode(
+    state: AppState, text: str, param: str = "messages", add_special_tokens: bool = False, chat: bool = False
+) -> list[int]:
     """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it (a raw completion
-    prompt; a rendered chat template carries its own)."""
+    prompt; a rendered chat template carries its own). ``chat``: a rendered template, through the
+    tokenizer's ``encode_chat`` where it has one (escaped client text read back as text)."""
+    tok = state.tokenizer
+    enc = getattr(tok, "encode_chat", None) if chat else None
     try:
-        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(enc(text) if enc is not None else tok.encode(text, add_special_tokens=add_special_tokens))
     except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 
@@ -165,7 +162,6 @@ def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | No
     ``response_format`` json_object / json_schema, else (chat) tool_choice required / named forcing
     well-formed ``<tool_call>`` blocks valid against the tools' schemas; None when unconstrained.
     The grammar is compiled here, in the HTTP thread; a bad schema is a 400."""
-    grammar_of = None
     rf = spec.response_format
     forced = isinstance(spec, ChatSpec) and spec.tools and spec.tool_choice in ("required", "named")
     if rf is None and not forced:
@@ -293,13 +289,11 @@ class Run:
         )
         try:
             self.handle = st.engine.submit(req)
-        except MemraError as exc:
+        except BaseException as exc:
             st.release(self.tenant, 0, self)
             self._closed = True
-            raise from_memra(exc, retry_after_s=st.config.retry_after_s) from None
-        except BaseException:
-            st.release(self.tenant, 0, self)
-            self._closed = True
+            if isinstance(exc, MemraError):
+                raise from_memra(exc, retry_after_s=st.config.retry_after_s) from None
             raise
         st.metrics.add_in_flight(1)
         self._t0 = time.monotonic()
@@ -345,7 +339,7 @@ class Run:
             if k:
                 if self._last is None:
                     self.state.metrics.observe_ttft(ev.ttft_s if ev.ttft_s is not None else now - self._t0)
-                elif k:
+                else:
                     self.state.metrics.observe_itl((now - self._last) / k, k)
                 self._last = now
                 self.generated_ids.extend(ev.token_ids)
@@ -364,23 +358,22 @@ class Run:
                 self.close()
                 return
 
-    def abort(self) -> None:
-        """Ask the engine to abort (drain ran out); the stream still ends with the final event."""
-        if not self.finished and self.handle is not None:
-            try:
-                self.handle.cancel()
-            except Exception:  # never let one request stop the drain
-                pass
+    def abort(self) -> bool:
+        """Ask the engine to abort an unfinished request (drain ran out, or the client left); the
+        stream still ends with the final event. True when there was one to abort."""
+        if self.finished or self.handle is None:
+            return False
+        try:
+            self.handle.cancel()
+        except Exception:  # never let one request stop the drain or break response teardown
+            pass
+        return True
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self.finished and self.handle is not None:
-            try:
-                self.handle.cancel()
-            except Exception:  # cancel must never break response teardown
-                pass
+        if self.abort():
             self.client_gone = True
         u = self.usage
         self.state.metrics.finish(

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, type_error
 
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024
@@ -24,11 +23,6 @@ def _invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="invalid_value", param=param)
 
 
-def _type(param: str, expected: str, value: Any) -> ApiError:
-    shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__
-    return ApiError(400, f"`{param}` must be {expected}, got {shown}", code="invalid_type", param=param)
-
-
 def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
@@ -36,7 +30,7 @@ def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _type(name, "an integer", v)
+        raise type_error(name, "an integer", v)
     if not lo <= v <= hi:
         raise _invalid(name, f"`{name}` must be an integer >= {lo} and <= {hi}, got {v}")
     return v
@@ -53,7 +47,7 @@ def get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     if raw is None:
         return ()
     if not isinstance(raw, dict):
-        raise _type("logit_bias", "an object mapping token ids to numbers", raw)
+        raise type_error("logit_bias", "an object mapping token ids to numbers", raw)
     if len(raw) > MAX_LOGIT_BIAS:
         raise _invalid("logit_bias", f"`logit_bias` has {len(raw)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     out = {}
@@ -64,7 +58,7 @@ def get_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         tok = int(key)
         p = f"logit_bias.{tok}"
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise _type(p, "a number", v)
+            raise type_error(p, "a number", v)
         if not -100.0 <= v <= 100.0:
             raise _invalid(p, f"`{p}` must be between -100 and 100, got {v}")
         out[tok] = float(v)
@@ -78,7 +72,7 @@ def get_logprobs(body: dict, chat: bool) -> int | None:
         return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     on = body.get("logprobs")
     if on is not None and not isinstance(on, bool):
-        raise _type("logprobs", "a boolean", on)
+        raise type_error("logprobs", "a boolean", on)
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not on:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
@@ -92,7 +86,7 @@ def get_response_format(body: dict) -> dict | None:
     if rf is None:
         return None
     if not isinstance(rf, dict):
-        raise _type("response_format", "an object", rf)
+        raise type_error("response_format", "an object", rf)
     kind = rf.get("type")
     if kind == "text":
         return None
@@ -101,12 +95,12 @@ def get_response_format(body: dict) -> dict | None:
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise _type("response_format.json_schema", "an object", js)
+            raise type_error("response_format.json_schema", "an object", js)
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
-            raise _type("response_format.json_schema.schema", "an object", schema)
+            raise type_error("response_format.json_schema.schema", "an object", schema)
         name = js.get("name")
         if name is not None and (not isinstance(name, str) or len(name) > 256):
-            raise _type("response_format.json_schema.name", "a string of at most 256 characters", name)
+            raise type_error("response_format.json_schema.name", "a string of at most 256 characters", name)
         return {"type": "json_schema", "schema": schema, "strict": bool(js.get("strict", False))}
     raise _invalid("response_format.type", "`response_format.type` must be text, json_object or json_schema")

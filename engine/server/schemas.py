@@ -15,7 +15,7 @@ from typing import Any
 from engine.chat_template import reserved_template_kwarg
 from engine.types import SamplingParams
 
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, type_error
 from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
 MAX_STOP = 16
@@ -59,14 +59,7 @@ class CompletionSpec(GenSpec):
 
 
 def _unsupported(param: str, what: str) -> ApiError:
-    return ApiError(
-        400, f"`{param}` {what} is not supported by this server", code="unsupported_parameter", param=param
-    )
-
-
-def _type_err(param: str, expected: str, value: Any) -> ApiError:
-    shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__
-    return ApiError(400, f"`{param}` must be {expected}, got {shown}", code="invalid_type", param=param)
+    return bad_request(f"`{param}` {what} is not supported by this server", param, "unsupported_parameter")
 
 
 def get_number(
@@ -76,16 +69,13 @@ def get_number(
     if v is _MISSING or v is None:
         return default
     kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        if integer and isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
-            v = int(v)
-        else:
-            raise _type_err(p, kind, v)
+    if integer and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise type_error(p, kind, v)
     if v < lo or v > hi or (lo_open and v == lo):
         lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise ApiError(
-            400, f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", code="invalid_value", param=p
-        )
+        raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", p, "invalid_value")
     return int(v) if integer else float(v)
 
 
@@ -94,7 +84,7 @@ def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, bool):
-        raise _type_err(prefix + name, "a boolean", v)
+        raise type_error(prefix + name, "a boolean", v)
     return v
 
 
@@ -103,9 +93,9 @@ def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024) 
     if v is _MISSING or v is None:
         return default
     if not isinstance(v, str):
-        raise _type_err(name, "a string", v)
+        raise type_error(name, "a string", v)
     if len(v) > max_len:
-        raise ApiError(400, f"`{name}` is longer than {max_len} characters", code="invalid_value", param=name)
+        raise bad_request(f"`{name}` is longer than {max_len} characters", name, "invalid_value")
     return v
 
 
@@ -116,22 +106,12 @@ def get_stop(body: dict, name: str) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _type_err(name, "a string or a list of strings", v)
+        raise type_error(name, "a string or a list of strings", v)
     if len(v) > MAX_STOP:
-        raise ApiError(
-            400,
-            f"`{name}` has {len(v)} entries; at most {MAX_STOP} are allowed",
-            code="invalid_value",
-            param=name,
-        )
+        raise bad_request(f"`{name}` has {len(v)} entries; at most {MAX_STOP} allowed", name, "invalid_value")
     for s in v:
         if not s or len(s) > MAX_STOP_LEN:
-            raise ApiError(
-                400,
-                f"`{name}` entries must be 1..{MAX_STOP_LEN} characters",
-                code="invalid_value",
-                param=name,
-            )
+            raise bad_request(f"`{name}` entries must be 1..{MAX_STOP_LEN} characters", name, "invalid_value")
     return list(dict.fromkeys(v))
 
 
@@ -177,7 +157,7 @@ def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, ch
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            raise _type_err("stream_options", "an object", so)
+            raise type_error("stream_options", "an object", so)
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
@@ -201,35 +181,33 @@ def _text_of(content: Any, param: str, *, allow_none: bool = False) -> str:
         for j, part in enumerate(content):
             p = f"{param}[{j}]"
             if not isinstance(part, dict):
-                raise _type_err(p, "a content part object", part)
+                raise type_error(p, "a content part object", part)
             ptype = part.get("type")
             if ptype != "text":
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f'`{p}.type` {json.dumps(ptype)[:40]} is not supported (only "text")',
-                    code="unsupported_parameter",
-                    param=f"{p}.type",
+                    f"{p}.type", "unsupported_parameter"
                 )
             t = part.get("text")
             if not isinstance(t, str):
-                raise _type_err(f"{p}.text", "a string", t)
+                raise type_error(f"{p}.text", "a string", t)
             out.append(t)
         return "".join(out)
-    raise _type_err(param, "a string or a list of content parts", content)
+    raise type_error(param, "a string or a list of content parts", content)
 
 
 def _tool_calls_in(tcs: Any, param: str) -> list[dict]:
     if not isinstance(tcs, list):
-        raise _type_err(param, "a list", tcs)
+        raise type_error(param, "a list", tcs)
     out = []
     for j, tc in enumerate(tcs):
         p = f"{param}[{j}]"
         if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
-            raise _type_err(p, "a tool call object with `function`", tc)
+            raise type_error(p, "a tool call object with `function`", tc)
         fn = tc["function"]
         name = fn.get("name")
         if not isinstance(name, str):
-            raise _type_err(f"{p}.function.name", "a string", name)
+            raise type_error(f"{p}.function.name", "a string", name)
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
@@ -252,14 +230,12 @@ def parse_openai_messages(raw: Any) -> list[dict]:
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _type_err(p, "a message object", m)
+            raise type_error(p, "a message object", m)
         role = m.get("role")
         if role not in _ROLES:
-            raise ApiError(
-                400,
+            raise bad_request(
                 f"`{p}.role` must be one of {', '.join(_ROLES)}, got {json.dumps(role)[:40]}",
-                code="invalid_value",
-                param=f"{p}.role",
+                f"{p}.role", "invalid_value"
             )
         if role == "developer":
             role = "system"
@@ -273,7 +249,7 @@ def parse_openai_messages(raw: Any) -> list[dict]:
         if role == "tool":
             tcid = m.get("tool_call_id", "")
             if not isinstance(tcid, str):
-                raise _type_err(f"{p}.tool_call_id", "a string", tcid)
+                raise type_error(f"{p}.tool_call_id", "a string", tcid)
             msg["tool_call_id"] = tcid
         name = m.get("name")
         if isinstance(name, str):
@@ -287,14 +263,12 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "function") != "function":
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}',
-                    code="invalid_value",
-                    param=f"tools[{i}]",
+                    f"tools[{i}]", "invalid_value"
                 )
             fn = t.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -302,7 +276,7 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
                     f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name"
                 )
             if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-                raise _type_err(f"tools[{i}].function.parameters", "an object", fn["parameters"])
+                raise type_error(f"tools[{i}].function.parameters", "an object", fn["parameters"])
         tools = tools or None
     tc = body.get("tool_choice")
     names = {t["function"]["name"] for t in tools or []}
@@ -310,11 +284,9 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
         return tools, ("auto" if tools else "none"), None
     if isinstance(tc, str):
         if tc not in ("auto", "none", "required"):
-            raise ApiError(
-                400,
+            raise bad_request(
                 "`tool_choice` must be auto, none, required or a named function",
-                code="invalid_value",
-                param="tool_choice",
+                "tool_choice", "invalid_value"
             )
         if tc != "none" and not tools:
             raise bad_request(f"`tool_choice` {tc!r} needs `tools`", "tool_choice")
@@ -327,7 +299,7 @@ def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
                 "`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name"
             )
         return tools, "named", name
-    raise _type_err("tool_choice", "a string or an object", tc)
+    raise type_error("tool_choice", "a string or an object", tc)
 
 
 def parse_chat(body: dict) -> ChatSpec:
@@ -339,7 +311,7 @@ def parse_chat(body: dict) -> ChatSpec:
     kw = body.get("chat_template_kwargs")
     if kw is not None:
         if not isinstance(kw, dict):
-            raise _type_err("chat_template_kwargs", "an object", kw)
+            raise type_error("chat_template_kwargs", "an object", kw)
         for k in kw:  # the conversation, special tokens and template helpers are not the client's
             if reserved_template_kwarg(k):
                 raise bad_request(
@@ -361,18 +333,16 @@ def parse_completion(body: dict) -> CompletionSpec:
         elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             pass
         else:
-            raise ApiError(
-                400,
+            raise bad_request(
                 "`prompt` must be a string, a list of token ids, or a list of exactly one of those "
                 "(batched prompts are not supported)",
-                code="unsupported_parameter",
-                param="prompt",
+                "prompt", "unsupported_parameter"
             )
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in prompt):
-            raise _type_err("prompt", "a non-empty list of non-negative token ids", prompt)
+            raise type_error("prompt", "a non-empty list of non-negative token ids", prompt)
     elif not isinstance(prompt, str):
-        raise _type_err("prompt", "a string or a list of token ids", prompt)
+        raise type_error("prompt", "a string or a list of token ids", prompt)
     spec.prompt = prompt
     return spec
 
@@ -387,12 +357,10 @@ def _anthropic_text(content: Any, param: str) -> str:
         out = []
         for j, b in enumerate(content):
             if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                raise ApiError(
-                    400, f"`{param}[{j}]` must be a text block", code="invalid_value", param=f"{param}[{j}]"
-                )
+                raise bad_request(f"`{param}[{j}]` must be a text block", f"{param}[{j}]", "invalid_value")
             out.append(b["text"])
         return "".join(out)
-    raise _type_err(param, "a string or a list of text blocks", content)
+    raise type_error(param, "a string or a list of text blocks", content)
 
 
 def parse_anthropic_messages(body: dict) -> list[dict]:
@@ -406,28 +374,26 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
     for i, m in enumerate(raw):
         p = f"messages.{i}"
         if not isinstance(m, dict):
-            raise _type_err(p, "a message object", m)
+            raise type_error(p, "a message object", m)
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise ApiError(
-                400, f"`{p}.role` must be user or assistant", code="invalid_value", param=f"{p}.role"
-            )
+            raise bad_request(f"`{p}.role` must be user or assistant", f"{p}.role", "invalid_value")
         content = m.get("content")
         if isinstance(content, str):
             msgs.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise _type_err(f"{p}.content", "a string or a list of content blocks", content)
+            raise type_error(f"{p}.content", "a string or a list of content blocks", content)
         texts: list[str] = []
         calls: list[dict] = []
         for j, b in enumerate(content):
             bp = f"{p}.content.{j}"
             if not isinstance(b, dict):
-                raise _type_err(bp, "a content block", b)
+                raise type_error(bp, "a content block", b)
             bt = b.get("type")
             if bt == "text":
                 if not isinstance(b.get("text"), str):
-                    raise _type_err(f"{bp}.text", "a string", b.get("text"))
+                    raise type_error(f"{bp}.text", "a string", b.get("text"))
                 texts.append(b["text"])
             elif bt == "tool_use" and role == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
@@ -452,11 +418,9 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
                     }
                 )
             else:
-                raise ApiError(
-                    400,
+                raise bad_request(
                     f"`{bp}.type` {json.dumps(bt)[:40]} is not supported here",
-                    code="unsupported_parameter",
-                    param=f"{bp}.type",
+                    f"{bp}.type", "unsupported_parameter"
                 )
         if role == "assistant":
             msg: dict = {"role": "assistant", "content": "".join(texts)}
@@ -473,14 +437,14 @@ def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | Non
     out = None
     if tools is not None:
         if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise _type_err("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
         out = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
                 raise bad_request(f"`tools.{i}.name` must be a non-empty string", f"tools.{i}.name")
             schema = t.get("input_schema", {"type": "object"})
             if not isinstance(schema, dict):
-                raise _type_err(f"tools.{i}.input_schema", "an object", schema)
+                raise type_error(f"tools.{i}.input_schema", "an object", schema)
             fn = {"name": t["name"], "parameters": schema}
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
@@ -490,12 +454,7 @@ def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | Non
     if tc is None:
         return out, ("auto" if out else "none"), None
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
-        raise ApiError(
-            400,
-            "`tool_choice.type` must be auto, any, tool or none",
-            code="invalid_value",
-            param="tool_choice",
-        )
+        raise bad_request("`tool_choice.type` must be auto, any, tool or none", "tool_choice", "invalid_value")
     kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
     if kind != "none" and not out:
         raise bad_request("`tool_choice` needs `tools`", "tool_choice")
@@ -518,9 +477,7 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     th = body.get("thinking")
     if th is not None:  # extended thinking -> the template's enable_thinking switch
         if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
-            raise ApiError(
-                400, "`thinking.type` must be enabled or disabled", code="invalid_value", param="thinking.type"
-            )
+            raise bad_request("`thinking.type` must be enabled or disabled", "thinking.type", "invalid_value")
         spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     if count_only:
         return spec
@@ -540,5 +497,5 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     spec.speculative = get_bool(body, "speculative", True)
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
-        raise _type_err("metadata", "an object", md)
+        raise type_error("metadata", "an object", md)
     return spec
