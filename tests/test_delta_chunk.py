@@ -63,15 +63,15 @@ def test_delta_chunk_on_cpu(tmp_path, lens, kh, vh, kd, vd, tiled, chunk, v_bloc
     for t in sorted(p for p in points if p < total):
         snap[t] = next(free)
     k_ = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, tiled, True, chunk, v_block, mma)
-    lib = cuda_emu.compile_kernel(render(k_.spec), k_.spec.entry, tmp_path)
+    lib, types = cuda_emu.compile_any(render(k_.spec), k_.spec.entry, tmp_path)
     q, k, v = L.split_qkv(_from_bits(qkv)[:, :qkv_w], k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
     g, beta = L.delta_gates(_from_bits(a)[:, :vh], _from_bits(b)[:, :vh], A, dt)
     want, want_state = L.delta_rule_varlen(q, k, v, g, beta, state0, starts, ins, outs, snap)
     for reverse in (False, True):
         out = np.full((total, vh * vd), 0x7FC0, np.uint16)  # NaN-poisoned
         state = state0.copy()
-        cuda_emu.launch(lib, k_.grid(rows), k_.block[0], k_.smem,
-                        [out, qkv, b, a, A, dt, state, ins, outs, snap, starts], rows, reverse)
+        cuda_emu.launch_any(lib, types, k_.grid(rows), k_.block[0], k_.smem,
+                            [out, qkv, b, a, A, dt, state, ins, outs, snap, starts, rows], reverse)
         got = _from_bits(out).reshape(total, vh, vd)
         assert np.isfinite(got).all()
         err = np.linalg.norm(got - want, axis=(1, 2)) / np.linalg.norm(want, axis=(1, 2))
@@ -132,8 +132,8 @@ def test_chunked_prefill_is_as_exact_as_the_recurrent_kernel(tmp_path):
     args = lambda out: [out, qkv, b, a, A, dt, state0.copy(), ins, outs, snap, starts]  # noqa: E731
     chunk = lk.delta_chunk_kernel(kh, vh, kd, vd, qs, vh, vh, vh * vd, False, True)
     out_c = np.full((n, vh * vd), 0x7FC0, np.uint16)
-    lib = cuda_emu.compile_kernel(render(chunk.spec), chunk.spec.entry, tmp_path)
-    cuda_emu.launch(lib, chunk.grid(1), chunk.block[0], chunk.smem, args(out_c), 1)
+    lib, types = cuda_emu.compile_any(render(chunk.spec), chunk.spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, chunk.grid(1), chunk.block[0], chunk.smem, [*args(out_c), 1])
     rec = lk.delta_rule_kernel(kh, vh, kd, vd, qs, vh, vh, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)
     out_r = np.full((n, vh * vd), 0x7FC0, np.uint16)
     lib, types = cuda_emu.compile_any(render(rec.spec), rec.spec.entry, tmp_path)

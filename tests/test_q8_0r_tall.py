@@ -135,7 +135,7 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
         if p.get("grid_cap"):
             p["grid_cap"] = 2
         c = kc.choice("gemv", **p)
-        lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+        lib, types = cuda_emu.compile_any(render(c.spec), c.spec.entry)
         xin, tol = xf, 1e-5
         if p.get("prologue") == "norm":  # bf16(x * inv_rms * w): the rmsnorm kernel's output
             xin, tol = (_bf16_bits(ops_ref.rmsnorm(xf, nw, 1e-6)).astype(np.uint32) << 16).view(np.float32), 1e-3
@@ -144,7 +144,7 @@ def test_emulated_head_gemv_reads_the_padded_q8_0r_rows(bmax, rows):
         for reverse in (False, True):  # the threads in both orders between barriers: no race shows
             out = np.full((rows, n), np.nan, np.float32)
             vals = {"out": out, "w": w, "x": x, "residual": None, "rows": rows, "norm_w": nw}
-            cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args], reverse)
+            cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args], reverse)
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
             if np.isnan(out).any() or not err <= tol:
                 bad.append((name, reverse, err, int(np.isnan(out).sum())))
@@ -163,10 +163,10 @@ def test_emulated_embedding_lookup_reads_the_padded_q8_0r_rows():
     n, k, scale = 100, 640, 640**0.5
     w, deq = _tall_q8_0r(rng, n, k)
     c = kc.choice("embed", quant="q8_0r", hidden=k, threads=kc.ELEMENTWISE_THREADS, scale=scale)
-    lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+    lib, types = cuda_emu.compile_any(render(c.spec), c.spec.entry)
     ids = np.array([0, n - 1, 37, 37, 5], np.int32)
     out = np.full((ids.size, k), 0x7FC0, np.uint16)  # bf16 NaN
-    cuda_emu.launch_generic(lib, c.grid(ids.size), c.block[0], c.smem, [out, w, ids, ids.size])
+    cuda_emu.launch_any(lib, types, c.grid(ids.size), c.block[0], c.smem, [out, w, ids, ids.size])
     want = deq[ids].astype(np.float32) * np.float32(float(repr(scale)))
     np.testing.assert_array_equal(out, _bf16_bits(want))
 
@@ -233,9 +233,9 @@ def test_emulated_head_rows_do_not_depend_on_the_bucket():
     for bmax, rows in ((1, 1), (8, 1), (8, 3), (8, 8)):
         p = dict(kc.linear_params("q8_0r", 262144, k, t, out_dtype="f32", bmax=bmax, sm_count=132), n=n, grid_cap=2)
         c = kc.choice("gemv", **p)
-        lib = cuda_emu.compile_generic(render(c.spec), c.spec.entry, len(c.args))
+        lib, types = cuda_emu.compile_any(render(c.spec), c.spec.entry)
         out = np.full((rows, n), np.nan, np.float32)
         vals = {"out": out, "w": w, "x": np.ascontiguousarray(x[:rows]), "residual": None, "rows": rows}
-        cuda_emu.launch_generic(lib, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args])
+        cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, [vals[a] for a, _ in c.args])
         first = out[0] if first is None else first
         assert not np.isnan(out).any() and np.array_equal(out[0], first), (bmax, rows)
