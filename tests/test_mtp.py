@@ -16,6 +16,7 @@ import json
 
 import numpy as np
 import pytest
+from fixtures.engine_waves import GREEDY, PROMPTS, serve_waves, tokens_of
 from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf
 
 from engine.fake_runner import FakeTokenizer
@@ -28,14 +29,6 @@ from engine.spec.hidden_tap import HiddenTap
 from engine.spec.mtp_head import MtpHeadReference
 from engine.spec.proposer import MtpProposer
 from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams, StepItem
-
-GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = [
-    [5, 17, 99, 3, 64, 64, 12, 101, 7, 45, 88, 2, 19, 30],
-    [5, 17, 99, 3, 64, 64, 12, 9],
-    [40, 41],
-    [7] * 11,
-]
 
 
 @pytest.fixture(scope="module")
@@ -214,27 +207,12 @@ def test_mtp_proposer_catches_up_and_survives_a_recompute(model):
 def run(model, prompts, spec=None, *, max_tokens=16, num_blocks=64, state_slots=16, **cfg):
     runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=128, state_slots=state_slots)
     speculator = build_speculator(spec, model, runner)
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg),
-               on_step=lambda e: e.check_invariants(), speculator=speculator)  # fmt: skip
-    try:
-        handles = [
-            e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True))
-            for i, p in enumerate(prompts)
-        ]
-        e.start()
-        outs = []
-        for h in handles:
-            evs = list(h)
-            assert evs[-1].finish_reason == "length", evs[-1].error
-            outs.append([t for ev in evs for t in ev.token_ids])
-        stats = e.stats()
-        assert stats.kv_blocks_used == 0 and stats.state_slots_live == 0
-        if spec is not None and spec.method == "mtp":
-            assert len(runner.hidden_tap) == 0  # every sequence's rows dropped at its end
-            assert speculator.proposer.blocks.num_used == 0
-        return outs, stats
-    finally:
-        e.shutdown(5)
+    outs, stats = serve_waves(runner, [prompts], max_tokens=max_tokens, speculator=speculator, **cfg)
+    assert stats.kv_blocks_used == 0 and stats.state_slots_live == 0
+    if spec is not None and spec.method == "mtp":
+        assert len(runner.hidden_tap) == 0  # every sequence's rows dropped at its end
+        assert speculator.proposer.blocks.num_used == 0
+    return tokens_of(outs), stats
 
 
 @pytest.fixture(scope="module")
@@ -274,17 +252,7 @@ def test_mtp_after_a_prefix_cache_hit_starts_its_cache_at_the_first_computed_pos
         return r
 
     speculator.proposer._row = row
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(),
-               on_step=lambda e: e.check_invariants(), speculator=speculator)  # fmt: skip
-    try:
-        e.start()
-        outs = []
-        for i in range(2):
-            h = e.submit(GenerationRequest(f"r{i}", PROMPTS[0], sampling=GREEDY, max_tokens=16, ignore_eos=True))
-            evs = list(h)
-            outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-    finally:
-        e.shutdown(5)
+    outs, _ = serve_waves(runner, [[PROMPTS[0]], [PROMPTS[0]]], max_tokens=16, speculator=speculator)
     assert [o for o, _ in outs] == [plain[0], plain[0]]
     cached = outs[1][1]
     assert cached > 0 and bases[0] == 0 and max(bases) == cached
@@ -318,14 +286,7 @@ def test_mtp_drafts_are_accepted_when_the_head_predicts_the_target(model, plain)
         return original(r)
 
     speculator.proposer._propose_one = propose_one
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), speculator=speculator)
-    try:
-        h = e.submit(GenerationRequest("r", PROMPTS[0], sampling=GREEDY, max_tokens=16, ignore_eos=True))
-        e.start()
-        out = [t for ev in h for t in ev.token_ids]
-        stats = e.stats()
-    finally:
-        e.shutdown(5)
+    [(out, _)], stats = serve_waves(runner, [[PROMPTS[0]]], max_tokens=16, speculator=speculator)
     assert out == plain[0]
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert stats.steps < 16
