@@ -7,13 +7,14 @@ hybrid target, solo and batched; slots all back at the end."""
 from __future__ import annotations
 
 import pytest
+from fixtures.engine_waves import serve_waves, tokens_of
 from fixtures.hybrid import write_qwen3_5_hf
 
 from engine.model import load_model
 from engine.reference import ReferenceRunner
 from engine.spec.draft import DraftModelProposer
 from engine.spec.proposer import ProposeRequest
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -54,8 +55,6 @@ def test_a_recompute_without_a_snapshot_starts_the_row_over(models):
 
 
 def _generate(runner, prompts, speculator):
-    from engine.loop import Engine, EngineConfig
-
     class Tok:
         eos_token_ids: frozenset[int] = frozenset()
 
@@ -69,13 +68,8 @@ def _generate(runner, prompts, speculator):
 
             return D()
 
-    e = Engine(runner, Tok(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=speculator)
-    hs = [e.submit(GenerationRequest(f"r{i}", p, GREEDY, max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)]
-    e.start()
-    try:
-        return [[t for ev in h for t in ev.token_ids] for h in hs], e.stats()
-    finally:
-        e.shutdown(10)
+    outs, stats = serve_waves(runner, [prompts], max_tokens=16, speculator=speculator, tokenizer=Tok())
+    return tokens_of(outs), stats
 
 
 @pytest.mark.parametrize("which", ["self", "other"])
