@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.checkpoints import write_gemma3_safetensors
+from fixtures.engine_waves import engine_for, run_waves, tokens_of
 from test_plan_runner_fake import FakeDriver, fake_builder
 
 from engine.types import SamplingParams, StepItem
@@ -91,11 +92,8 @@ def test_the_engine_drives_a_cuda_window_pool(tmp_path, monkeypatch):
     decode steps run (every item's window_table covers its positions: the runner refuses one that
     does not), the engine's window group stays within one window and chunk per sequence."""
     import engine.runner_cuda as rc
-    from engine.fake_runner import FakeTokenizer
     from engine.kv_groups import WindowedBlocks, min_window_blocks
-    from engine.loop import Engine, EngineConfig
     from engine.model import load_model
-    from engine.types import GenerationRequest
 
     monkeypatch.setattr(rc, "cuda", FakeDriver().module())
     model = load_model(write_gemma3_safetensors(tmp_path / "g", window=8, num_hidden_layers=7, head_dim=256))
@@ -104,24 +102,14 @@ def test_the_engine_drives_a_cuda_window_pool(tmp_path, monkeypatch):
     held: list[int] = []
 
     def watch(e):
-        e.check_invariants()
         held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
 
-    cfg = EngineConfig(max_running=3, prefill_chunk_tokens=16, max_step_tokens=32)
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), cfg, on_step=watch)
+    e = engine_for(runner, watch=watch, max_running=3, prefill_chunk_tokens=16, max_step_tokens=32)
     assert isinstance(e.blocks, WindowedBlocks)
+    rng = np.random.default_rng(0)
     try:
-        rng = np.random.default_rng(0)
-        handles = [
-            e.submit(GenerationRequest(f"r{i}", [int(t) for t in rng.integers(3, 128, n)], sampling=GREEDY, max_tokens=24, ignore_eos=True))
-            for i, n in enumerate((60, 45, 70))
-        ]  # fmt: skip
-        e.start()
-        for h in handles:
-            evs = list(h)
-            assert evs[-1].finish_reason == "length", evs[-1].error
+        run_waves(e, [[[int(t) for t in rng.integers(3, 128, n)] for n in (60, 45, 70)]], max_tokens=24)
     finally:
-        e.shutdown(5)
         runner.close()
     assert held and max(held) <= min_window_blocks(8, 16, runner.block_size)
 
@@ -130,10 +118,6 @@ def _engine_items(runner, prompts, cfg, held=None):
     """Greedy outputs of ``prompts`` through an engine over ``runner``, and every item it stepped
     (seq, start, tokens, table, window table, sample); ``held`` gets each running sequence's window
     blocks after every step."""
-    from engine.fake_runner import FakeTokenizer
-    from engine.loop import Engine, EngineConfig
-    from engine.types import GenerationRequest
-
     items: list[tuple] = []
     step = runner.step
 
@@ -147,24 +131,12 @@ def _engine_items(runner, prompts, cfg, held=None):
     runner.step = recording
 
     def watch(e):
-        e.check_invariants()
         if held is not None:
             held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
 
-    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(**cfg), on_step=watch)
-    try:
-        handles = [
-            e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)
-        ]
-        e.start()
-        outs = []
-        for h in handles:
-            evs = list(h)
-            assert evs[-1].finish_reason == "length", evs[-1].error
-            outs.append([t for ev in evs for t in ev.token_ids])
-        return outs, items, e
-    finally:
-        e.shutdown(5)
+    e = engine_for(runner, watch=watch, **cfg)
+    outs, _ = run_waves(e, [prompts], max_tokens=16)
+    return tokens_of(outs), items, e
 
 
 def test_a_default_cuda_runner_has_a_window_pool_sized_for_its_engine(tmp_path, monkeypatch):
