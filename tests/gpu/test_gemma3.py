@@ -301,34 +301,23 @@ def test_tiny_gemma3_batched_equals_solo(tiny):
 def _engine_outputs(model, tok, prompts, cfg, held, **kw):
     """Greedy tokens of ``prompts`` through the engine on ``CudaRunner(**kw)``; ``held`` gets the
     window blocks of every running sequence at every step (with a window pool)."""
+    from fixtures.engine_waves import engine_for, run_waves, tokens_of
+
     from engine.kv_groups import WindowedBlocks
-    from engine.loop import Engine, EngineConfig
     from engine.runner_cuda import CudaRunner
-    from engine.types import GenerationRequest
 
     runner = CudaRunner(model, max_model_len=1024, **kw)
 
     def watch(e):
-        e.check_invariants()
         if isinstance(e.blocks, WindowedBlocks):
             held.extend(e.blocks.window_blocks(s.seq_id) for s in e.scheduler.running)
 
-    e = Engine(runner, tok, EngineConfig(**cfg), on_step=watch)
     try:
+        e = engine_for(runner, watch=watch, tokenizer=tok, **cfg)
         assert isinstance(e.blocks, WindowedBlocks) == bool(runner.window_kv_blocks)
-        handles = [
-            e.submit(GenerationRequest(f"r{i}", p, sampling=GREEDY, max_tokens=16, ignore_eos=True))
-            for i, p in enumerate(prompts)
-        ]
-        e.start()
-        outs = []
-        for h in handles:
-            evs = list(h)
-            assert evs[-1].finish_reason == "length", evs[-1].error
-            outs.append([t for ev in evs for t in ev.token_ids])
-        return outs, runner.window_kv_blocks
+        outs, _ = run_waves(e, [prompts], max_tokens=16)
+        return tokens_of(outs), runner.window_kv_blocks
     finally:
-        e.shutdown(5)
         runner.close()
 
 
