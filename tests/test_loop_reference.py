@@ -4,18 +4,12 @@ prefix-cache hit (plus chunked prefill and preemption) does not change the outpu
 from __future__ import annotations
 
 import pytest
+from fixtures.engine_waves import PROMPTS, serve_waves
 
-from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = [
-    [5, 17, 99, 3, 64, 64, 12, 101, 7, 45, 88, 2, 19, 30],
-    [5, 17, 99, 3, 64, 64, 12, 9],
-    [40, 41],
-    [7] * 11,
-]
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +24,7 @@ def run(model, waves, num_blocks, **cfg):
     from engine.reference import ReferenceRunner
 
     runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=64)
-    tok = FakeTokenizer(eos_token_ids=frozenset())
-    e = Engine(runner, tok, EngineConfig(**cfg), on_step=lambda e: e.check_invariants())
-    outs = []
-    try:
-        for w, prompts in enumerate(waves):
-            handles = [
-                e.submit(GenerationRequest(f"w{w}r{i}", p, sampling=GREEDY, max_tokens=8, ignore_eos=True))
-                for i, p in enumerate(prompts)
-            ]
-            e.start()  # after the first wave is queued, so its batching does not depend on timing
-            for h in handles:
-                evs = list(h)
-                assert evs[-1].finish_reason == "length", evs[-1].error
-                outs.append(([t for ev in evs for t in ev.token_ids], evs[-1].usage.cached_tokens))
-        return outs, e.stats()
-    finally:
-        e.shutdown(5)
+    return serve_waves(runner, waves, max_tokens=8, **cfg)
 
 
 def test_reference_greedy_alone_equals_batched_with_cache_chunks_and_preemption(model):

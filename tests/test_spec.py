@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures.checkpoints import write_llama_safetensors
+from fixtures.engine_waves import PROMPTS as BASE_PROMPTS
 
 from engine.block_manager import BlockManager
 from engine.fake_runner import FakeTokenizer
@@ -31,13 +32,7 @@ from engine.spec.proposer import MtpProposer, NgramProposer
 from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
-PROMPTS = [
-    [5, 17, 99, 3, 64, 64, 12, 101, 7, 45, 88, 2, 19, 30],
-    [5, 17, 99, 3, 64, 64, 12, 9],
-    [40, 41],
-    [7] * 11,
-    [9, 8, 7, 9, 8, 7, 9, 8, 7, 9, 8],
-]
+PROMPTS = [*BASE_PROMPTS, [9, 8, 7, 9, 8, 7, 9, 8, 7, 9, 8]]
 
 
 def chi2_critical(df: int, z: float = 3.719) -> float:
