@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixtures.engine_waves import serve_waves, tokens_of
 from fixtures.hybrid import write_qwen3_5_hf
 from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 
@@ -155,40 +156,19 @@ def test_engine_speculates_on_the_hybrid_cuda_runner(fake):
     """The engine admits an n-gram speculator on the hybrid CUDA runner (verify restores the state)
     and runs it: the fake device samples 0 every time, so prompt lookup drafts zeros and they are
     accepted; block and state-slot invariants hold every step."""
-    from engine.loop import Engine, EngineConfig
     from engine.spec.config import SpecConfig
     from engine.spec.proposer import NgramProposer
     from engine.spec.speculator import Speculator
-    from engine.types import GenerationRequest
 
     runner, _, _ = fake
     runner.ctx.make_current = lambda: None  # (the engine thread makes the context current)
     assert runner.verify_restores_state
 
-    class Tok:
-        eos_token_ids: frozenset[int] = frozenset()
-
-        def incremental_decoder(self, skip_special_tokens=True):
-            class D:
-                def push(self, ids):
-                    return ""
-
-                def flush(self):
-                    return ""
-
-            return D()
-
     cfg = SpecConfig("ngram", k=3, ngram_min=1)
-    e = Engine(runner, Tok(), EngineConfig(), on_step=lambda e: e.check_invariants(),
-               speculator=Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg))
-    hs = [e.submit(GenerationRequest(f"r{i}", [5, 6, 7, 8][: i + 2], GREEDY, max_tokens=12, ignore_eos=True))
-          for i in range(2)]
-    e.start()
-    try:
-        outs = [[t for ev in h for t in ev.token_ids] for h in hs]
-        stats = e.stats()
-    finally:
-        e.shutdown(10)
+    outs, stats = serve_waves(runner, [[[5, 6, 7, 8][: i + 2] for i in range(2)]], max_tokens=12,
+                              speculator=Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg),
+                              tokenizer=NullTokenizer())  # fmt: skip
+    outs = tokens_of(outs)
     assert outs == [[0] * 12, [0] * 12]
     assert stats.spec_accepted_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert np.all(np.asarray(runner._views["state_out"]) >= 0)

@@ -10,6 +10,7 @@ import pytest
 from fixtures.engine_waves import serve_waves, tokens_of
 from fixtures.hybrid import write_qwen3_5_hf
 
+from engine.bench import NullTokenizer
 from engine.model import load_model
 from engine.reference import ReferenceRunner
 from engine.spec.draft import DraftModelProposer
@@ -55,20 +56,7 @@ def test_a_recompute_without_a_snapshot_starts_the_row_over(models):
 
 
 def _generate(runner, prompts, speculator):
-    class Tok:
-        eos_token_ids: frozenset[int] = frozenset()
-
-        def incremental_decoder(self, skip_special_tokens=True):
-            class D:
-                def push(self, ids):
-                    return ""
-
-                def flush(self):
-                    return ""
-
-            return D()
-
-    outs, stats = serve_waves(runner, [prompts], max_tokens=16, speculator=speculator, tokenizer=Tok())
+    outs, stats = serve_waves(runner, [prompts], max_tokens=16, speculator=speculator, tokenizer=NullTokenizer())
     return tokens_of(outs), stats
 
 
