@@ -288,25 +288,16 @@ def test_the_cuda_head_plan_and_its_host_rows(fake_mtp):
 def test_mtp_speculates_on_the_cuda_runner(fake_mtp):
     """`--speculative mtp` on the cuda backend: the CUDA head (a second runner) over a tap on the
     target; the engine runs with it (the fake device samples 0)."""
-    from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
     from engine.spec.config import SpecConfig
     from engine.spec.mtp_cuda import MtpHeadCuda
     from engine.spec.proposer import MtpProposer
-    from engine.types import GenerationRequest
 
     model, runner, _ = fake_mtp
     spec = build_speculator(SpecConfig("mtp", k=2), model, runner)
     assert isinstance(spec.proposer, MtpProposer) and runner.hidden_tap is spec.proposer.tap
     assert isinstance(spec.proposer.head, MtpHeadCuda)
-    e = Engine(runner, NullTokenizer(), EngineConfig(), on_step=lambda e: e.check_invariants(), speculator=spec)
-    h = e.submit(GenerationRequest("r", [5, 6, 7, 8, 9], GREEDY, max_tokens=10, ignore_eos=True))
-    e.start()
-    try:
-        out = [t for ev in h for t in ev.token_ids]
-        stats = e.stats()
-    finally:
-        e.shutdown(10)
+    [(out, _)], stats = serve_waves(runner, [[[5, 6, 7, 8, 9]]], max_tokens=10, speculator=spec, tokenizer=NullTokenizer())
     assert out == [0] * 10
     assert stats.spec_draft_tokens > 0
     assert len(runner.hidden_tap) == 0  # the finished sequence's rows dropped
