@@ -1,6 +1,7 @@
 """check_step_item: the checks every runner (reference, CUDA, fake) makes on a step item before it
 runs: at least one token from a non-negative position, within the context, a block table covering
-its positions with blocks in range, token ids inside the vocabulary (but for an overlapped row's pending token).
+its positions, the blocks its new positions write in range (the earlier ones were checked when
+they were written), token ids inside the vocabulary (but for an overlapped row's pending token).
 
 Must not import CUDA (no ``engine.cuda``, ``engine.nvrtc``, ``cuda.*``) nor any runner.
 """
@@ -32,9 +33,10 @@ def check_step_item(item: StepItem, *, max_model_len: int, block_size: int, num_
     table = item.block_table
     if len(table) < need:
         raise bad_item(item, f"block_table has {len(table)} blocks, {end} positions need {need}")
-    for b in table[:need]:
-        if not 0 <= b < num_blocks:
-            raise bad_item(item, f"block {b} is out of range (num_blocks={num_blocks})")
+    used = table[item.start_pos // block_size : need]  # the blocks this step writes: O(new tokens)
+    if min(used) < 0 or max(used) >= num_blocks:
+        b = next(b for b in used if not 0 <= b < num_blocks)
+        raise bad_item(item, f"block {b} is out of range (num_blocks={num_blocks})")
     ids = item.token_ids if item.prev_row is None else ()  # (a prev_row token is the device's)
     if ids and (min(ids) < 0 or max(ids) >= vocab):  # (min/max: cheap on a long prefill chunk)
         tok = next(t for t in ids if not 0 <= t < vocab)
