@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from fixtures.engine_waves import collect
 
 from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
@@ -31,15 +32,6 @@ def req(rid, prompt, max_tokens=8, **kw) -> GenerationRequest:
     kw.setdefault("sampling", GREEDY)
     kw.setdefault("ignore_eos", True)
     return GenerationRequest(rid, list(prompt), max_tokens=max_tokens, **kw)
-
-
-def collect(handle, timeout=5.0):
-    events = []
-    while True:
-        ev = handle.get(timeout=timeout)
-        events.append(ev)
-        if ev.finish_reason is not None:
-            return events
 
 
 def tokens(events):

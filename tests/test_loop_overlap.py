@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures.engine_waves import collect
 
 from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
@@ -25,15 +26,6 @@ def _engine(overlap: bool, runner: FakeRunner | None = None, **cfg) -> Engine:
     cfg.setdefault("max_step_tokens", 32)
     e = Engine(runner, TOK, EngineConfig(overlap=overlap, **cfg), on_step=lambda e: e.check_invariants())
     return e
-
-
-def _final(handle, timeout=5.0):
-    events = []
-    while True:
-        ev = handle.get(timeout=timeout)
-        events.append(ev)
-        if ev.finish_reason is not None:
-            return events
 
 
 def _summary(events):
@@ -68,7 +60,7 @@ def _run_all(overlap: bool, reqs, runner: FakeRunner | None = None, **cfg) -> tu
     e = _engine(overlap, runner, **cfg)
     hs = {r.request_id: e.submit(r) for r in reqs}  # all queued before the thread starts
     e.start()
-    out = {rid: _summary(_final(h)) for rid, h in hs.items()}
+    out = {rid: _summary(collect(h)) for rid, h in hs.items()}
     e.check_invariants()
     s = e.stats()
     assert s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0
@@ -104,10 +96,10 @@ def test_a_stopped_request_s_extra_position_leaves_the_prefix_cache_intact():
     k = out.index(FakeTokenizer.EOS)
     e = _engine(True)
     e.start()
-    first = _summary(_final(e.submit(GenerationRequest("a", p, sampling=GREEDY, max_tokens=40))))
+    first = _summary(collect(e.submit(GenerationRequest("a", p, sampling=GREEDY, max_tokens=40))))
     assert first[0] == out[: k + 1] and first[2] == "stop"
     again = p + out[: k + 1]  # the whole first history as a prompt: a prefix-cache hit
-    second = _final(e.submit(GenerationRequest("b", again, sampling=GREEDY, max_tokens=8, ignore_eos=True)))
+    second = collect(e.submit(GenerationRequest("b", again, sampling=GREEDY, max_tokens=8, ignore_eos=True)))
     assert _summary(second)[0] == FakeRunner.reference_generate(again, 8)
     assert second[-1].usage.cached_tokens >= (len(again) // 4 - 1) * 4
     e.shutdown(2)
@@ -138,11 +130,11 @@ def test_abort_while_a_step_is_in_flight_frees_the_blocks():
     for _ in range(5):
         h.get(timeout=5)
     h.cancel()
-    events = _final(h)
+    events = collect(h)
     assert events[-1].finish_reason == "abort"
     toks = [t for ev in events for t in ev.token_ids]
     assert len(toks) < 200 and events[-1].usage.completion_tokens == 5 + len(toks)
-    assert _summary(_final(keep))[0] == FakeRunner.reference_generate(list(range(2, 20)), 60)
+    assert _summary(collect(keep))[0] == FakeRunner.reference_generate(list(range(2, 20)), 60)
     e.check_invariants()
     s = e.stats()
     assert s.kv_blocks_used == 0 and s.aborted == 1 and runner.launches > 0
@@ -159,7 +151,7 @@ def test_shutdown_with_a_step_in_flight_ends_every_request():
     hs[0].get(timeout=5)
     e.shutdown(0.3)
     assert not e.alive
-    assert {_final(h)[-1].finish_reason for h in hs} == {"abort"}
+    assert {collect(h)[-1].finish_reason for h in hs} == {"abort"}
     assert not runner._uncollected  # the queued step was collected before the thread ended
 
 
@@ -170,8 +162,8 @@ def test_a_failed_launch_fails_the_requests_in_flight_and_the_engine_goes_on(at)
     hs = [e.submit(GenerationRequest(f"r{i}", list(range(2, 12)), sampling=GREEDY, max_tokens=8, ignore_eos=True))
           for i in range(2)]  # fmt: skip
     e.start()
-    assert [_final(h)[-1].finish_reason for h in hs] == ["error", "error"]
-    ok = _summary(_final(e.submit(GenerationRequest("later", [5, 6, 7], sampling=GREEDY, max_tokens=6))))
+    assert [collect(h)[-1].finish_reason for h in hs] == ["error", "error"]
+    ok = _summary(collect(e.submit(GenerationRequest("later", [5, 6, 7], sampling=GREEDY, max_tokens=6))))
     assert ok[0] == FakeRunner.reference_generate([5, 6, 7], 6)
     assert e.healthy and e.stats().step_failures == 1
     e.check_invariants()
@@ -201,8 +193,8 @@ def test_a_new_request_joins_between_overlapped_steps():
     launched = runner.launches
     sp = SamplingParams(temperature=0.7, seed=5)
     b = e.submit(GenerationRequest("b", list(range(9, 30)), sampling=sp, max_tokens=30, ignore_eos=True))
-    assert _summary(_final(b))[0] == FakeRunner.reference_generate(list(range(9, 30)), 30, sp)
-    assert len(_summary(_final(a))[0]) == 30
+    assert _summary(collect(b))[0] == FakeRunner.reference_generate(list(range(9, 30)), 30, sp)
+    assert len(_summary(collect(a))[0]) == 30
     assert runner.launches > launched + 20
     e.shutdown(2)
 
@@ -234,7 +226,7 @@ def test_the_next_step_is_queued_before_the_engine_waits_for_the_last():
           for i in range(3)]  # fmt: skip
     e.start()
     for i, h in enumerate(hs):
-        assert _summary(_final(h))[0] == FakeRunner.reference_generate([3 + i, 9, 4], 40)
+        assert _summary(collect(h))[0] == FakeRunner.reference_generate([3 + i, 9, 4], 40)
     e.shutdown(2)
     # 1 prefill step (synchronous), then 39 decode steps launched: all but the last collected with
     # the next one queued
@@ -260,7 +252,7 @@ def test_steps_keep_overlapping_while_a_request_waits_for_blocks():
           for i, p in enumerate(prompts)]  # fmt: skip
     e.start()
     for p, h in zip(prompts, hs, strict=True):
-        assert _summary(_final(h))[0] == FakeRunner.reference_generate(p, 8)
+        assert _summary(collect(h))[0] == FakeRunner.reference_generate(p, 8)
     e.shutdown(2)
     assert e.stats().preemptions == 0
     # r0 and r1 decode 7 steps while r2 waits, then r2 alone: both runs overlapped throughout
