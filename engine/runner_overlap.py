@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.runner_steps import _decode_mode, _on_host
+from engine.runner_steps import _on_host
 from engine.types import MemraError, StepItem
 
 MAX_IN_FLIGHT = 2  # launched steps not yet collected (two pinned output slots)
@@ -106,14 +106,7 @@ class OverlapLaunch:
             cu.dtod(tokens + 4 * r, self._ov_prev.ptr + 4 * p, 4 * c, stream)
         self._ov_read.record(stream)
         self._ov_unread = True
-        if self.use_graphs:
-            self._graph(bucket, kind, short).launch(stream)
-        else:
-            key = ("decode", bucket, kind, short, ())
-            if key not in self._eager:
-                mode = _decode_mode(bucket, self.plan.wide_rows)
-                self._eager[key] = self._bind_pass(mode, bucket, bucket, False, kind, short)
-            self._run(self._eager[key])
+        self._launch_decode_pass(bucket, kind, short)
         out = self._in_dev.ptr + self._in_off["out_ids"]
         cu.dtod(self._ov_prev.ptr, out, 4 * n, stream)
         slot = self._ov_slot

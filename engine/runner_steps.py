@@ -353,18 +353,24 @@ class StepLogic:
             self._upload_inputs(bucket, kind)
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
-        if self.use_graphs:
-            self._graph(bucket, launch_kind, short, io=io, groups=groups).launch(self.stream)
-        else:
-            key = ("decode", bucket, launch_kind, short, groups)
-            if key not in self._eager:
-                self._eager[key] = self._bind_pass(
-                    _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, launch_kind, short, groups=groups
-                )
-            self._run(self._eager[key])
+        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups)
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
+
+    def _launch_decode_pass(
+        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()
+    ) -> None:
+        """Run the bucket's decode pass on the stream: its CUDA graph, or eagerly without graphs."""
+        if self.use_graphs:
+            self._graph(bucket, kind, short, io=io, groups=groups).launch(self.stream)
+            return
+        key = ("decode", bucket, kind, short, groups)
+        if key not in self._eager:
+            self._eager[key] = self._bind_pass(
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
+            )
+        self._run(self._eager[key])
 
     def _fill_decode(
         self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...]
