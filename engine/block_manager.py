@@ -49,6 +49,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def aligned_count(start: int, count: int, align: int) -> int:
+    """The most of the ``count`` tokens from position ``start`` on that end at a multiple of
+    ``align`` (0 when none do): where a hybrid's prefill may cut a prompt that it does not finish
+    (its chunked delta rule cuts its chunks on that grid: engine.linear_attn_kernels.state_align)."""
+    end = start + count
+    return max(0, end - end % align - start)
+
+
 @dataclass
 class _SeqBlocks:
     salt: bytes

@@ -77,13 +77,6 @@ MEMRA_PDL: EnvVar[str] = EnvVar(
     "",
     "1/0 forces programmatic dependent launch on/off (default: the device profile's programmatic_launch)",
 )
-MEMRA_DELTA_PREFILL: EnvVar[str] = EnvVar(
-    "MEMRA_DELTA_PREFILL",
-    str,
-    "",
-    "prefill form of the hybrids' gated delta rule: recurrent (token by token) or chunked "
-    "(default: engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT)",
-)
 MEMRA_TRACE: EnvVar[bool] = EnvVar(
     "MEMRA_TRACE",
     bool,

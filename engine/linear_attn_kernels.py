@@ -23,11 +23,11 @@ shape of ``engine.kernel_catalog.KernelChoice``. Must not import CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import env
 from engine.kernel_spec import KernelSpec, entry_name
 from engine.types import ConfigError
 
@@ -48,10 +48,12 @@ DELTA_DECODE_THREADS = 256
 DELTA_PREFILL_THREADS = 128
 # the prefill form of gated_delta_rule: "recurrent" (token by token) or "chunked" (gated_delta_chunk,
 # where its head shape fits: delta_chunk_fits). Chunked by default: prefill 512 on Qwen3.5-4B q4_k_m
-# 18 579 -> 24 253 tok/s (H100, docs/PERFORMANCE.md), its output the bf16-rounded exact one as the
-# recurrent kernel's (tests/test_delta_chunk.py)
+# 18 579 -> 24 253 tok/s (H100, chunks of 32: docs/PERFORMANCE.md), its output the bf16-rounded exact
+# one as the recurrent kernel's (tests/test_delta_chunk.py); its chunks end at absolute positions
+# that are multiples of the chunk, which divides the KV block size, so a prefix hit resumed at a
+# block boundary computes the cold run's bits (state_align, tests/test_delta_chunk_warm.py)
 DELTA_PREFILL_FORMS = ("recurrent", "chunked")
-DELTA_PREFILL_DEFAULT = "recurrent"
+DELTA_PREFILL_DEFAULT = "chunked"
 DELTA_CHUNKS = (64, 32, 16)  # tokens per chunk gated_delta_chunk takes: the longest that fits
 DELTA_CHUNK_SMEM = 99 * 1024  # its shared memory bound on every profile (sm_86 / sm_89 / sm_120: 99 KB)
 DELTA_CHUNK_THREADS = 256
@@ -59,6 +61,8 @@ STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("sta
 # the arguments of both delta-rule kernels (gated_delta_rule and gated_delta_chunk take the same)
 DELTA_ARGS = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
               *STATE_ARGS, ("rows", "i32"))
+# gated_delta_chunk also reads each token's position (its chunks end at multiples of the chunk)
+CHUNK_ARGS = (*DELTA_ARGS[:-1], ("positions", "ptr"), ("rows", "i32"))
 
 
 def _check_qkv_stride(kernel: str, qkv_stride: int, k_heads: int, k_dim: int, v_heads: int, v_dim: int) -> None:
@@ -83,14 +87,26 @@ def _threads_ok(t: int) -> bool:
 
 
 def delta_prefill_form(choice: str = "") -> str:
-    """The gated delta rule's prefill form: ``choice`` (build_plan's delta_prefill) if given, else
-    MEMRA_DELTA_PREFILL if set, else DELTA_PREFILL_DEFAULT; ConfigError if it is not one of
+    """The gated delta rule's prefill form: ``choice`` (build_plan's delta_prefill, a test's or a
+    bench's comparison) if given, else DELTA_PREFILL_DEFAULT; ConfigError if it is not one of
     DELTA_PREFILL_FORMS."""
-    form = (choice or env.MEMRA_DELTA_PREFILL.get() or DELTA_PREFILL_DEFAULT).strip().lower()
+    form = (choice or DELTA_PREFILL_DEFAULT).strip().lower()
     if form not in DELTA_PREFILL_FORMS:
-        src = "delta_prefill" if choice else "environment variable MEMRA_DELTA_PREFILL"
-        raise ConfigError(f"{src}={form!r}: expected one of {', '.join(DELTA_PREFILL_FORMS)}")
+        raise ConfigError(f"delta_prefill={form!r}: expected one of {', '.join(DELTA_PREFILL_FORMS)}")
     return form
+
+
+def state_align(launches: Iterable[Any]) -> int:
+    """The token grid a hybrid's prefill passes must be cut on for warm == cold bits: the least
+    common multiple of the chunks of the ``gated_delta_chunk`` launches among ``launches`` (1 when
+    there are none: the recurrent form and the conv are token by token). A pass that does not end
+    its item must end at an absolute position on this grid (engine.scheduler, the runner's
+    passes), as must every prefix-cache snapshot (the block size is a multiple of it)."""
+    align = 1
+    for la in launches:
+        if la.spec.template == "gated_delta_chunk":
+            align = math.lcm(align, int(la.spec.params["chunk"]))
+    return align
 
 
 def conv1d_kernel(
@@ -171,15 +187,19 @@ def delta_chunk_smem(chunk: int, k_dim: int, v_block: int, mma: bool = True) -> 
     return 4 * (small + chunk * (chunk + 1) + 2 * chunk * (k_dim + 1) + chunk * v_block + k_dim * v_block)
 
 
-def _chunk_shape(k_heads: int, v_heads: int, k_dim: int, v_dim: int, chunk: int, v_block: int, mma: bool) -> tuple[int, int]:
+def _chunk_shape(
+    k_heads: int, v_heads: int, k_dim: int, v_dim: int, chunk: int, v_block: int, mma: bool, block: int = 0
+) -> tuple[int, int]:
     """gated_delta_chunk's (chunk, v_block) for a head shape (0: the defaults, see
-    delta_chunk_kernel); ConfigError if the kernel cannot take it."""
+    delta_chunk_kernel; ``block``: the default chunk divides it); ConfigError if the kernel cannot
+    take it."""
     t = DELTA_CHUNK_THREADS
     v_block = v_block or (32 if v_dim % 32 == 0 else v_dim)
     if v_heads % k_heads or k_heads < 1 or k_dim < 1 or v_dim < 1:
         raise ConfigError(f"gated_delta_chunk: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
     if not chunk:
-        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM]
+        fits = [c for c in DELTA_CHUNKS if delta_chunk_smem(c, k_dim, v_block, mma) <= DELTA_CHUNK_SMEM
+                and not (block and block % c)]
         chunk = fits[0] if fits else DELTA_CHUNKS[-1]
     if chunk not in DELTA_CHUNKS:
         raise ConfigError(f"gated_delta_chunk: chunk must be 16, 32 or 64 tokens, got {chunk}")
@@ -194,14 +214,15 @@ def _chunk_shape(k_heads: int, v_heads: int, k_dim: int, v_dim: int, chunk: int,
     return chunk, v_block
 
 
-def delta_chunk_fits(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> bool:
-    """Whether gated_delta_chunk (its default chunk, v_block and mma form) takes this head shape;
-    where it does not, the lowering runs the recurrent prefill instead."""
+def delta_chunk_fits(k_heads: int, v_heads: int, k_dim: int, v_dim: int, block: int = 0) -> bool:
+    """Whether gated_delta_chunk (its default chunk, v_block and mma form) takes this head shape,
+    with a chunk that divides the KV block size ``block`` (0: any); where it does not, the
+    lowering runs the recurrent prefill instead."""
     try:
-        _chunk_shape(k_heads, v_heads, k_dim, v_dim, 0, 0, True)
+        chunk, _ = _chunk_shape(k_heads, v_heads, k_dim, v_dim, 0, 0, True, block)
     except ConfigError:
         return False
-    return True
+    return not (block and block % chunk)
 
 
 def delta_chunk_kernel(
@@ -218,14 +239,16 @@ def delta_chunk_kernel(
     chunk: int = 0,
     v_block: int = 0,
     mma: bool = True,
+    block: int = 0,
 ) -> HybridKernel:
-    """gated_delta_chunk: delta_rule_kernel's arguments and grid (rows, v_heads, v_dim / v_block),
-    256 threads, chunks of ``chunk`` tokens (0: the longest of DELTA_CHUNKS whose shared memory fits
-    DELTA_CHUNK_SMEM); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
+    """gated_delta_chunk: delta_rule_kernel's arguments plus ``positions`` (CHUNK_ARGS) and its
+    grid (rows, v_heads, v_dim / v_block), 256 threads, chunks of ``chunk`` tokens (0: the longest
+    of DELTA_CHUNKS whose shared memory fits DELTA_CHUNK_SMEM and that divides the KV block size
+    ``block``, if given: the prefix cache's snapshots then end chunks); ``v_block`` state columns per block (0: 32 when v_dim is a multiple of 32,
     else v_dim); ``mma``: the k_dim products on bf16 tensor cores (exact: f32 operands split into
     two bf16 terms; k_dim a multiple of 16, v_block of 8), else f32 FMA. Shared memory at k_dim 128,
     v_block 32: mma 57 KB at chunk 32, 112 KB at 64; FMA 63 KB at 32, 124 KB at 64."""
-    chunk, v_block = _chunk_shape(k_heads, v_heads, k_dim, v_dim, chunk, v_block, mma)
+    chunk, v_block = _chunk_shape(k_heads, v_heads, k_dim, v_dim, chunk, v_block, mma, block)
     _check_qkv_stride("gated_delta_chunk", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     smem = delta_chunk_smem(chunk, k_dim, v_block, mma)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "chunk": chunk,
@@ -237,7 +260,7 @@ def delta_chunk_kernel(
                       mma=int(mma))
     return HybridKernel(
         KernelSpec("gated_delta_chunk", name, params, pdl=True),
-        DELTA_ARGS,
+        CHUNK_ARGS,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (DELTA_CHUNK_THREADS, 1, 1),
         smem,

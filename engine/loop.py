@@ -122,6 +122,7 @@ class Engine(OverlapLoop):
             max_running=config.max_running,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
             max_step_tokens=config.max_step_tokens,
+            state_align=int(getattr(runner, "state_align", 1) or 1),
         )
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()  # engine state (scheduler, blocks, counters) vs stats/invariants

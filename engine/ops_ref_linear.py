@@ -204,15 +204,17 @@ def delta_rule_varlen(
     state_out: np.ndarray,
     state_snap: np.ndarray,
     chunk: int = 64,
+    positions: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The delta-rule kernels' whole contract (gated_delta_rule / gated_delta_chunk) in the chunked form.
 
     q, k, v, g, beta as ``delta_rule_recurrent`` over the tokens of every sequence; ``states``
     [slots, H, dk, dv]. Sequence s owns tokens seq_starts[s] .. seq_starts[s+1]-1, starts from slot
     state_in[s] (-1: zeros) and ends in slot state_out[s]; a token t with state_snap[t] >= 0 also
-    stores the state after it in that slot. Each sequence is cut into chunks of at most ``chunk``
-    tokens that also end after every snapshot token (as gated_delta_chunk cuts them), so each
-    snapshot is an exact chunk-boundary state. Returns (out [T, H, dv], new states), float64.
+    stores the state after it in that slot. Each sequence is cut into chunks that end at the
+    absolute positions that are multiples of ``chunk`` (``positions`` [T]: each token's; None:
+    each sequence starts at 0) and after every snapshot token (as gated_delta_chunk cuts them), so
+    each snapshot is an exact chunk-boundary state. Returns (out [T, H, dv], new states), float64.
     """
     states = np.array(states, dtype=np.float64)
     out = np.empty(v.shape, dtype=np.float64)
@@ -221,8 +223,9 @@ def delta_rule_varlen(
         lo, hi = int(seq_starts[s]), int(seq_starts[s + 1])
         cur = states[state_in[s]].copy() if state_in[s] >= 0 else np.zeros(states.shape[1:])
         t = lo
+        p0 = (int(positions[lo]) if positions is not None and hi > lo else 0) - lo  # token t at p0 + t
         while t < hi:
-            end = min(hi, t + chunk)
+            end = min(hi, t + chunk - (p0 + t) % chunk)
             marks = np.nonzero(snap[t:end] >= 0)[0]
             end = t + int(marks[0]) + 1 if len(marks) else end
             out[t:end], cur = delta_rule_chunked(q[t:end], k[t:end], v[t:end], g[t:end], beta[t:end], cur, chunk)

@@ -102,8 +102,7 @@ def build_plan(
     vectors are f32. ``prefill_linear``:
     "gemm" (tensor cores; quantised weights dequantised to a bf16 scratch first) or "gemv" (the
     decode kernel over row groups; slower, a fallback). ``delta_prefill``: the hybrids' gated delta
-    rule in prefill, "recurrent" or "chunked" ("": MEMRA_DELTA_PREFILL, else
-    engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). The graph's ``inputs`` (activation values
+    rule in prefill, "recurrent" or "chunked" ("": engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). The graph's ``inputs`` (activation values
     it reads but no op writes, {name: width expression}) get values of their own buffers: the
     runner writes their rows before a pass (the MTP head's ``eh``, engine.spec.mtp_cuda). Raises
     ConfigError.

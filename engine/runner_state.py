@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.linear_attn_kernels import state_align
 from engine.types import MemraError, StepItem
 
 MAX_STATE_SLOTS = 1024
@@ -35,6 +36,9 @@ class StateSlots:
     num_state_slots: int = 0
     state_bytes: int = 0  # bytes of one slot over every stateful layer
     spec_state_slots: int = 0  # scratch slots past the sink (speculative verify)
+    # the token grid a prefill pass that does not end its item must end on (the chunked delta
+    # rule's chunk: engine.linear_attn_kernels.state_align); the scheduler cuts on it too
+    state_align: int = 1
     # verify leaves every sequence's state at its last accepted position (engine.loop admits
     # speculation on a hybrid runner that does: engine.types.VerifyingRunner)
     verify_restores_state = True
@@ -44,6 +48,7 @@ class StateSlots:
         self._state_cuda = cuda
         self._state_bufs: dict[str, Any] = {}
         self.state_bytes = sum(sp.slot_bytes for sp in plans)
+        self.state_align = state_align(la for st in self.plan.steps for la in st.launches.get("prefill", ()))
         if not plans:
             self.num_state_slots = 0
             return

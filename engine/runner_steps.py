@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.block_manager import aligned_count
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
 from engine.logit_prep import on_device
 from engine.sampling import penalty_entries, sample_item
@@ -451,10 +452,12 @@ class StepLogic:
     def _prefill_passes(self, items: Sequence[StepItem]) -> list[list[tuple[int, StepItem, int, int]]]:
         """Pack the prefill items into passes of at most ``prefill_chunk_tokens`` rows: each entry is
         (item index, item, lo, hi), the item's tokens lo..hi-1. A long item is split over consecutive
-        passes (its earlier chunk's KV is in the cache before the next pass). With a plan whose
+        passes (its earlier chunk's KV is in the cache before the next pass), a hybrid's at absolute
+        positions on its ``state_align`` grid (a warm run resumed there computes the same bits). With a plan whose
         prefill attention is not varlen, every pass holds one sequence."""
         chunk = self.profile.prefill_chunk_tokens
         max_seqs = self._max_rows if self._varlen else 1
+        align = self.state_align
         passes: list[list[tuple[int, StepItem, int, int]]] = []
         cur: list[tuple[int, StepItem, int, int]] = []
         used = 0
@@ -465,6 +468,13 @@ class StepLogic:
                     passes.append(cur)
                     cur, used = [], 0
                 take = min(n - lo, chunk - used)
+                if take < n - lo and align > 1:  # a cut inside the item: on the state grid
+                    cut = aligned_count(it.start_pos + lo, take, align)
+                    if not cut and used:  # no grid position in this pass's room: the next pass
+                        passes.append(cur)
+                        cur, used = [], 0
+                        continue
+                    take = cut or take
                 cur.append((idx, it, lo, lo + take))
                 used += take
                 lo += take

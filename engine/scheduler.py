@@ -12,6 +12,11 @@ Policy per step (see docs/engine-loop.md):
    headroom; skipped in a step that preempted (no thrashing) and in one where a running prefill
    waits for sliding-window blocks (engine.kv_groups: no newcomer takes the blocks it waits for).
 
+A prefill chunk that does not finish its sequence ends at an absolute position that is a multiple
+of ``state_align`` (a hybrid runner's chunked delta rule grid, engine.linear_attn_kernels
+.state_align; 1 elsewhere): a chunk with no such position in its budget waits for the next step.
+So a prompt resumed from a prefix-cache snapshot computes the cold run's bits.
+
 Every running sequence holds blocks for all of its known tokens, so only decode rows allocate.
 Pure Python: must not import numpy, CUDA or the loop.
 """
@@ -22,8 +27,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from engine.block_manager import BlockManager, blocks_for
-from engine.types import GenerationRequest, SamplingParams
+from engine.block_manager import BlockManager, aligned_count, blocks_for
+from engine.types import ConfigError, GenerationRequest, SamplingParams
 
 
 @dataclass(eq=False)
@@ -77,8 +82,20 @@ class Scheduler:
     """Owns the waiting and running queues (both sorted oldest first) over a BlockManager."""
 
     def __init__(
-        self, blocks: BlockManager, *, max_running: int, prefill_chunk_tokens: int, max_step_tokens: int
+        self,
+        blocks: BlockManager,
+        *,
+        max_running: int,
+        prefill_chunk_tokens: int,
+        max_step_tokens: int,
+        state_align: int = 1,
     ):
+        if state_align < 1 or blocks.block_size % state_align:
+            raise ConfigError(
+                f"the runner's state grid ({state_align} tokens: its chunked delta rule's chunk) must divide "
+                f"the KV block size {blocks.block_size}"
+            )
+        self.state_align = state_align
         self.blocks = blocks
         self.max_running = max_running
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -87,6 +104,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.preempted_this_step: list[Sequence] = []
+
+    def _take(self, start: int, remaining: int, budget: int) -> int:
+        """Tokens of a prefill chunk from ``start``: all ``remaining`` if the budget holds them,
+        else the most that end on the state grid (0: none)."""
+        if remaining <= budget:
+            return remaining
+        return aligned_count(start, budget, self.state_align) if self.state_align > 1 else budget
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq)
@@ -144,7 +168,9 @@ class Scheduler:
                 break
             if seq.remaining <= 1:
                 continue
-            n = min(seq.remaining, prefill)
+            n = self._take(seq.num_computed, seq.remaining, prefill)
+            if not n:
+                continue  # no cut on the state grid fits: next step
             if not self.blocks.grow(seq.seq_id, seq.num_computed + n):
                 stalled = True
                 continue
@@ -167,8 +193,9 @@ class Scheduler:
             hit = self.blocks.allocate(seq.seq_id, seq.token_ids, seq.salt, headroom_blocks=headroom)
             if hit is None:
                 break  # the oldest waits for space; younger ones must not jump ahead
-            if not self.blocks.grow(seq.seq_id, hit + min(total - hit, prefill)):
-                self.blocks.free(seq.seq_id)  # (a window group without room for its first chunk)
+            n = self._take(hit, total - hit, prefill)
+            if not n or not self.blocks.grow(seq.seq_id, hit + n):
+                self.blocks.free(seq.seq_id)  # (no cut on the state grid fits, or a window group without room)
                 break
             self.waiting.pop(0)
             bisect.insort(self.running, seq)
@@ -180,7 +207,6 @@ class Scheduler:
             c.admissions += 1
             c.prefix_query_tokens += total
             c.prefix_hit_tokens += hit
-            n = min(seq.remaining, prefill)
             out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))
             prefill -= n
         if stalled and not out and len(self.running) > 1:

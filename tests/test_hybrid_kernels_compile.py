@@ -7,6 +7,7 @@ geometry; the builders' checks."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 from fixtures.pdl import waits_first
@@ -46,8 +47,8 @@ def _plans():
             for combo in graph.quants:  # every combo on one profile, bf16 and q4_k_m on every profile
                 if combo in COMBOS or prof.name == "h100":
                     yield fam, size, prof, combo, build_plan(graph, full, graph.quant(combo), prof)
-            plan = build_plan(graph, full, graph.quant("bf16"), prof, delta_prefill="chunked")
-            yield fam, size, prof, "bf16+chunked", plan
+            plan = build_plan(graph, full, graph.quant("bf16"), prof, delta_prefill="recurrent")
+            yield fam, size, prof, "bf16+recurrent", plan
 
 
 @functools.cache
@@ -75,9 +76,12 @@ def test_every_hybrid_size_plans_on_every_profile():
         step = next(st for st in plan.steps if st.op.op == "gated_delta_rule")
         (pre,) = step.launches["prefill"]
         (dec,) = step.launches["decode"]
-        chunked = combo.endswith("+chunked") or lk.delta_prefill_form() == "chunked"
+        chunked = not combo.endswith("+recurrent")
         assert pre.spec.template == ("gated_delta_chunk" if chunked else "gated_delta_rule")
-        assert dec.spec.template == "gated_delta_rule" and pre.args[:-1] == dec.args[:-1]  # (rows: nseq, n)
+        # (the chunked kernel also reads positions; rows: nseq, n)
+        assert dec.spec.template == "gated_delta_rule" and tuple(a for a in pre.args if a.ref != "positions")[:-1] == dec.args[:-1]
+        if chunked:  # its chunks divide the KV block: the prefix cache's snapshots end chunks
+            assert plan.block_size % pre.spec.params["chunk"] == 0 and Arg("input", "positions") in pre.args
         assert pre.smem <= lk.DELTA_CHUNK_SMEM and (pre.smem > 0) == chunked
         assert pre.grid == ("nseq", d["lin_v_heads"], d["lin_v_dim"] // pre.spec.params["v_block"])
         assert dec.grid == ("n", d["lin_v_heads"], d["lin_v_dim"] // dec.spec.params["v_block"])
@@ -110,7 +114,12 @@ def test_builders_check_their_inputs():
         lk.delta_chunk_kernel(2, 4, 16, 24, 256, 4, 4, 96, False, True)  # 24 columns: no row groups
     ck = lk.delta_chunk_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True)
     assert ck.spec.params["chunk"] == 32 and ck.block == (256, 1, 1) and ck.grid(3) == (3, 32, 4)
-    assert ck.args == k.args and ck.smem == lk.delta_chunk_smem(32, 128, 32) <= lk.DELTA_CHUNK_SMEM
+    assert ck.args == (*k.args[:-1], ("positions", "ptr"), k.args[-1])
+    assert ck.smem == lk.delta_chunk_smem(32, 128, 32) <= lk.DELTA_CHUNK_SMEM
+    # the longest chunk that fits and divides the KV block (16 at the profiles' blocks; 64 fits here)
+    assert lk.delta_chunk_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, block=16).spec.params["chunk"] == 16
+    assert lk.delta_chunk_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, True, block=32).spec.params["chunk"] == 32
+    assert not lk.delta_chunk_fits(16, 32, 128, 128, block=8)  # no chunk divides it: the recurrent prefill
     assert lk.delta_chunk_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, True).spec.params["chunk"] == 64
     c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)
     assert c.grid(5) == (64, 5, 1) and [n for n, _ in c.args][-6:] == [
@@ -147,17 +156,17 @@ def test_hybrid_kernels_compile_for_every_profile_arch(tmp_path):
         assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels), arch
 
 
-def test_delta_prefill_form_choice(monkeypatch):
-    """build_plan's delta_prefill beats MEMRA_DELTA_PREFILL beats the default; a bad name is an error."""
-    monkeypatch.delenv("MEMRA_DELTA_PREFILL", raising=False)
-    assert lk.delta_prefill_form() == lk.DELTA_PREFILL_DEFAULT
-    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "chunked")
-    assert lk.delta_prefill_form() == "chunked" and lk.delta_prefill_form("recurrent") == "recurrent"
-    monkeypatch.setenv("MEMRA_DELTA_PREFILL", "fast")
-    with pytest.raises(ConfigError, match="MEMRA_DELTA_PREFILL='fast'"):
-        lk.delta_prefill_form()
+def test_delta_prefill_form_choice():
+    """build_plan's delta_prefill beats the default (chunked); a bad name is an error; the state grid
+    is the chunk of the plan's chunked launches (1 without)."""
+    assert lk.delta_prefill_form() == lk.DELTA_PREFILL_DEFAULT == "chunked"
+    assert lk.delta_prefill_form("recurrent") == "recurrent"
     with pytest.raises(ConfigError, match="delta_prefill='wy'"):
         lk.delta_prefill_form("wy")
+    for *_, plan in itertools.islice(_plans(), 4):
+        pre = [la for st in plan.steps for la in st.launches["prefill"]]
+        chunks = {la.spec.params["chunk"] for la in pre if la.spec.template == "gated_delta_chunk"}
+        assert lk.state_align(pre) == (max(chunks) if chunks else 1)
 
 
 def test_chunked_prefill_falls_back_where_the_head_shape_does_not_fit(tmp_path):

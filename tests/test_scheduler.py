@@ -179,3 +179,32 @@ def test_no_admission_while_a_running_prefill_waits_for_window_blocks():
         if done == {0, 1, 2}:
             break
     assert waits and admitted_after_wait and done == {0, 1, 2}
+
+
+def test_prefill_chunks_end_on_the_state_grid():
+    """A hybrid runner's state grid (state_align: its chunked delta rule's chunk) cuts every prefill
+    chunk that does not finish its sequence at a multiple of it; a budget with no such position
+    leaves the sequence for the next step (an admission waits); the last chunk ends anywhere."""
+    import pytest
+
+    from engine.types import ConfigError
+
+    bm = BlockManager(32, BS)
+    sc = Scheduler(bm, max_running=8, prefill_chunk_tokens=11, max_step_tokens=32, state_align=2)
+    a, b = seq(0, 3), seq(1, 23)
+    sc.add(a)
+    sc.add(b)
+    batch = sc.schedule()  # a takes 3 of 11: b's 8 end at 8
+    assert [(x.seq.seq_id, x.start, x.count, x.sample) for x in batch] == [(0, 0, 3, True), (1, 0, 8, False)]
+    run(sc, bm, batch)
+    batch = sc.schedule()  # a's decode row; b 8 + 11 -> 18
+    assert [(x.seq.seq_id, x.start, x.count) for x in batch] == [(0, 3, 1), (1, 8, 10)]
+    run(sc, bm, batch)
+    batch = sc.schedule()  # b's last 5 end its prompt (23: off the grid)
+    assert [(x.seq.seq_id, x.start, x.count, x.sample) for x in batch] == [(0, 4, 1, True), (1, 18, 5, True)]
+    bm2 = BlockManager(32, BS)
+    sc2 = Scheduler(bm2, max_running=8, prefill_chunk_tokens=1, max_step_tokens=32, state_align=4)
+    sc2.add(seq(2, 9))
+    assert sc2.schedule() == [] and [s.seq_id for s in sc2.waiting] == [2] and bm2.num_used == 0
+    with pytest.raises(ConfigError, match="must divide the KV block size 4"):
+        Scheduler(bm, max_running=8, prefill_chunk_tokens=11, max_step_tokens=32, state_align=3)

@@ -43,8 +43,8 @@ class Lowerer:
         self.max_tokens = max_tokens
         self.max_rows = max(profile.cuda_graph_batch_sizes)
         self.prefill_linear = prefill_linear
-        # the gated delta rule's prefill form ("" = MEMRA_DELTA_PREFILL or the default; the unit
-        # resolves it through engine.linear_attn_kernels.delta_prefill_form)
+        # the gated delta rule's prefill form ("" = the default; the unit resolves it through
+        # engine.linear_attn_kernels.delta_prefill_form)
         self.delta_prefill = delta_prefill
         self.scratch: dict[str, ScratchPlan] = {}
         self.states: dict[str, StatePlan] = {}  # per-slot recurrent state (hybrid layers)

@@ -3,8 +3,10 @@
 step inputs state_in / state_out / state_snap, so decode stays in the replayed graph; prefill passes
 walk each sequence's tokens through seq_starts: token by token, or in chunks with
 gated_delta_chunk where the prefill form is "chunked" (the default; see
-engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul``
-and ``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
+engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape with a chunk
+that divides the KV block size: its chunks end at absolute multiples of the chunk, so every
+prefix-cache snapshot ends one), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul`` and
+``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
 Must not import CUDA or numpy.
 """
 
@@ -87,8 +89,9 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
     name = f"L{layer}.gated_delta_rule"
     ctx.need_state(StatePlan(name, int(layer), 4 * vh * kd * vd))
     tiled = bool(ctx.dims.get("v_heads_tiled"))
-    if mode == PREFILL and lk.delta_prefill_form(ctx.delta_prefill) == "chunked" and lk.delta_chunk_fits(kh, vh, kd, vd):
-        k = lk.delta_chunk_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, True)
+    block = int(ctx.profile.kv_block_size)
+    if mode == PREFILL and lk.delta_prefill_form(ctx.delta_prefill) == "chunked" and lk.delta_chunk_fits(kh, vh, kd, vd, block):
+        k = lk.delta_chunk_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, True, block=block)
     else:
         threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS
         k = lk.delta_rule_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, mode == PREFILL, threads)
@@ -101,6 +104,7 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
         "A": wgt(A),
         "dt_bias": wgt(dt_bias),
         **_state_args(name),
+        "positions": Arg("input", "positions"),
         "rows": Arg("shape", rows, "i32"),
     }
     return [_launch(k, rows, named)]
