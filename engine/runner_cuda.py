@@ -87,7 +87,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
     ``window_table`` (engine.runner_kv, engine.kv_groups): ``window_kv_blocks`` None sizes it for
     an engine of ``max_running`` sequences and ``prefill_chunk_tokens`` prefill tokens a step
     (default: the profile's), N > 0 takes N blocks, 0 keeps one pool (items then need no
-    ``window_table``).
+    ``window_table``). ``delta_prefill``: a hybrid's gated delta rule prefill form (build_plan's;
+    "" the default, chunked: tests and benches compare the recurrent one).
     """
 
     backend = "cuda"
@@ -105,6 +106,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         window_kv_blocks: int | None = None,
         max_running: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        delta_prefill: str = "",
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
@@ -114,7 +116,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         self.model = model
         dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
         self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style
+            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, delta_prefill=delta_prefill
         )
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)

@@ -78,3 +78,21 @@ def test_off_grid_cuts_break_warm_equals_cold(workdir):
     serve_waves(runner, [[a]], enable_prefix_cache=False, **kw)
     serve_waves(runner, [[a], [a]], **kw)
     assert [p for _, p in runner.mismatches] == [199, 200, 201, 202]
+
+
+def test_a_repeated_1000_token_prompt_hits_992_with_the_cold_bits(workdir):
+    """Issue #36's check at the delta-rule layer, in the waves of tests/gpu/test_hybrid_runner.py's
+    test_a_repeated_1000_token_prompt_hits_992_with_the_uncached_bits (its slots, blocks and
+    scheduler chunks): cached_tokens 992 of 1,000, a second prompt alongside, a longer second turn
+    resumed at 592 of its shared 600."""
+    from fixtures.hybrid_case import prompt
+
+    runner = DeltaEmuRunner(workdir, pass_tokens=2048, num_blocks=256, state_slots=64, vocab=384)
+    long, other = prompt(41, 1000), prompt(42, 230)
+    turn2 = long[:600] + prompt(43, 150)
+    kw = dict(prefill_chunk_tokens=300, max_step_tokens=512, max_tokens=12, vocab_size=384)
+    cold, _ = serve_waves(runner, [[long, other], [turn2]], enable_prefix_cache=False, **kw)
+    warm, _ = serve_waves(runner, [[long, other], [long, other], [turn2]], **kw)
+    assert [c for _, c in warm] == [0, 0, 992, 224, 592]
+    assert tokens_of(warm) == [cold[0][0], cold[1][0], cold[0][0], cold[1][0], cold[2][0]]
+    _check(runner)

@@ -2,10 +2,12 @@
 the numpy reference (engine.ops_ref_linear.delta_rule_varlen, itself checked against the
 token-by-token form in tests/test_hybrid_ops.py), on fresh random inputs with poisoned outputs:
 sequences of 1 .. 1000 tokens (shorter than a chunk, exact chunks, ragged tails), several per
-launch (varlen), state from a slot or zeros, snapshots after chosen tokens (block boundaries and
+launch (varlen), starting at positions off the chunk grid (chunks end where positions are
+multiples of the chunk), state from a slot or zeros, snapshots after chosen tokens (block boundaries and
 random ones), chunks of 16 / 32 / 64 tokens, the tensor-core (mma) and the FMA form; then a timing print of the recurrent prefill kernel
 against the chunked one at Qwen3.5-4B's linear-attention heads (T = 512 and 4096); then a tiny
-Qwen3.5 on CudaRunner with each prefill form (MEMRA_DELTA_PREFILL chunked / recurrent): its plan,
+Qwen3.5 on CudaRunner with each prefill form (build_plan's delta_prefill: chunked, the default,
+and recurrent): its plan,
 logits against the reference after a 150-token prompt (both forms' errors printed), the prefix
 cache restoring the state snapshots its prefill wrote. Skipped without a CUDA device.
 
@@ -64,21 +66,27 @@ def _case(rng, lens, kh, vh, kd, vd, tiled, snaps_per_seq=3):
     return starts, total, qs, bs, ins, outs, snap, x
 
 
+def _positions(starts) -> np.ndarray:
+    """Each sequence's tokens at positions from (7 s^2) % 45 on (off the chunk grid but for s = 0)."""
+    return np.concatenate([(7 * s * s) % 45 + np.arange(int(starts[s + 1] - starts[s])) for s in range(len(starts) - 1)])
+
+
 def _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x):
     rows = len(starts) - 1
     dout, dstate = poisoned((total, vh * vd)), upload(x["state0"], "f32")
-    kernels.launch(k_, rows, out=dout, qkv=upload(x["qkv"], "bf16"), b=upload(x["b"], "bf16"),
+    pos = {"positions": upload(_positions(starts), "i32")} if ("positions", "ptr") in k_.args else {}  # (chunked only)
+    kernels.launch(k_, rows, **pos, out=dout, qkv=upload(x["qkv"], "bf16"), b=upload(x["b"], "bf16"),
                    a=upload(x["a"], "bf16"), A=upload(x["A"], "f32"), dt_bias=upload(x["dt"], "f32"), state=dstate,
                    state_in=upload(ins, "i32"), state_out=upload(outs, "i32"), state_snap=upload(snap, "i32"),
                    seq_starts=upload(starts, "i32"), rows=rows)
     return dout.get(), dstate.get()
 
 
-def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x):
+def _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x, chunk=64):
     qkv_w = 2 * kh * kd + vh * vd
     q, k, v = L.split_qkv(bf_round(x["qkv"][:, :qkv_w]), k_heads=kh, v_heads=vh, k_dim=kd, v_dim=vd, v_tiled=tiled)
     g, beta = L.delta_gates(bf_round(x["a"][:, :vh]), bf_round(x["b"][:, :vh]), x["A"], x["dt"])
-    return L.delta_rule_varlen(q, k, v, g, beta, x["state0"], starts, ins, outs, snap)
+    return L.delta_rule_varlen(q, k, v, g, beta, x["state0"], starts, ins, outs, snap, chunk, _positions(starts))
 
 
 @pytest.mark.parametrize("mma", [True, False])
@@ -104,7 +112,7 @@ def test_delta_chunk_matches_reference(kernels, profile, lens, kh, vh, kd, vd, t
     if not _smem_ok(profile, k_):
         pytest.skip(f"chunk 64 at k_dim 128 needs more shared memory than {profile.arch} has")
     got, st = _run(kernels, k_, starts, total, vh, vd, ins, outs, snap, x)
-    want, want_state = _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x)
+    want, want_state = _reference(starts, kh, vh, kd, vd, tiled, ins, outs, snap, x, k_.spec.params["chunk"])
     want = want.reshape(total, vh * vd)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
     for t in range(total):
@@ -179,6 +187,7 @@ def test_delta_prefill_timing(kernels, profile, total, rows, every):
         "state_out": upload(np.arange(rows), "i32"),
         "state_snap": upload(snap, "i32"),
         "seq_starts": upload(starts, "i32"),
+        "positions": upload(_positions(starts), "i32"),
     }
     forms = {"recurrent": lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, vh * vd, False, True, lk.DELTA_PREFILL_THREADS)}
     for mma, chunk, vb in [(m, c, 32) for m in (True, False) for c in (16, 32, 64)] + [(True, 32, 16), (True, 64, 16)]:
@@ -199,7 +208,7 @@ def test_delta_prefill_timing(kernels, profile, total, rows, every):
         assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-3, name
 
 
-# ---- end to end: a tiny Qwen3.5 on CudaRunner with each prefill form (MEMRA_DELTA_PREFILL)
+# ---- end to end: a tiny Qwen3.5 on CudaRunner with each prefill form (build_plan's delta_prefill)
 
 
 @pytest.fixture(scope="module", params=["chunked", "recurrent"])
@@ -212,9 +221,7 @@ def prefill_runner(request, tmp_path_factory):
     from engine.runner_cuda import CudaRunner
 
     model = load_model(write_qwen3_5_hf(tmp_path_factory.mktemp("qwen3_5") / "m", seed=SEED, bf16=True, **DIMS))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEMRA_DELTA_PREFILL", request.param)
-        runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64)
+    runner = CudaRunner(model, num_blocks=256, max_model_len=1024, state_slots=64, delta_prefill=request.param)
     yield runner, ReferenceRunner(model, num_blocks=64, max_model_len=1024, state_slots=2), request.param
     runner.close()
 
@@ -225,6 +232,8 @@ def test_runner_prefill_uses_its_forms_kernel(prefill_runner):
     dec = {la.spec.template for st in runner.plan.steps for m in ("decode1", "decode") for la in st.launches[m]}
     assert ("gated_delta_chunk" in pre) is (form == "chunked") and ("gated_delta_rule" in pre) is (form == "recurrent")
     assert "gated_delta_rule" in dec and "gated_delta_chunk" not in dec
+    # the chunked form's chunk divides the KV block (the state grid the scheduler cuts on)
+    assert runner.state_align == (16 if form == "chunked" else 1) and runner.block_size % runner.state_align == 0
 
 
 def test_runner_prefill_matches_the_reference(prefill_runner):

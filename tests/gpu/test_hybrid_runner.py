@@ -120,3 +120,29 @@ def test_prefix_cache_hits_and_matches_uncached(hybrid):
     assert first == cold[0][0] and second == cold[0][0], fam
     assert o1 == cold[1][0]
     assert stats.state_slots_live == 0 and stats.prefix_hit_tokens >= 25 * bs
+
+
+def test_prefill_is_chunked_on_the_state_grid(hybrid):
+    """The default prefill form: gated_delta_chunk, its chunk dividing the KV block (the grid the
+    scheduler and the runner's passes cut a prompt on)."""
+    _, runner, _ = hybrid
+    pre = [la for st in runner.plan.steps for la in st.launches["prefill"] if la.spec.template.startswith("gated_delta")]
+    assert pre and {la.spec.template for la in pre} == {"gated_delta_chunk"}
+    assert runner.state_align == pre[0].spec.params["chunk"] and runner.block_size % runner.state_align == 0
+
+
+def test_a_repeated_1000_token_prompt_hits_992_with_the_uncached_bits(hybrid):
+    """Issue #36: a repeated 1,000-token prompt reports cached_tokens >= 992 and gives the uncached
+    run's tokens; the chunked prefill split by scheduler chunks off the block grid (300 tokens a
+    step, cut back to the grid), a second prompt in the same waves, and a longer second turn that
+    resumes from the first one's snapshot against its own uncached run."""
+    fam, runner, _ = hybrid
+    long, other = prompt(41, 1000), prompt(42, 230)
+    turn2 = long[:600] + prompt(43, 150)
+    kw = dict(prefill_chunk_tokens=300, max_step_tokens=512)
+    cold, _ = _serve(runner, [[long, other], [turn2]], enable_prefix_cache=False, **kw)
+    warm, stats = _serve(runner, [[long, other], [long, other], [turn2]], **kw)
+    got = [c for _, c in warm]
+    assert got[:2] == [0, 0] and got[2] >= 992 and got[3] == 224 and got[4] == 592, (fam, got)
+    assert [t for t, _ in warm] == [cold[0][0], cold[1][0], cold[0][0], cold[1][0], cold[2][0]], fam
+    assert stats.state_slots_live == 0
