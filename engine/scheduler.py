@@ -95,6 +95,11 @@ class Scheduler:
                 f"the runner's state grid ({state_align} tokens: its chunked delta rule's chunk) must divide "
                 f"the KV block size {blocks.block_size}"
             )
+        if min(prefill_chunk_tokens, max_step_tokens) < state_align:
+            raise ConfigError(
+                f"engine config: prefill_chunk_tokens ({prefill_chunk_tokens}) and max_step_tokens ({max_step_tokens}) "
+                f"must be at least the runner's state grid ({state_align} tokens): a long prompt is cut on it"
+            )
         self.state_align = state_align
         self.blocks = blocks
         self.max_running = max_running

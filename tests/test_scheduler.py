@@ -203,8 +203,13 @@ def test_prefill_chunks_end_on_the_state_grid():
     batch = sc.schedule()  # b's last 5 end its prompt (23: off the grid)
     assert [(x.seq.seq_id, x.start, x.count, x.sample) for x in batch] == [(0, 4, 1, True), (1, 18, 5, True)]
     bm2 = BlockManager(32, BS)
-    sc2 = Scheduler(bm2, max_running=8, prefill_chunk_tokens=1, max_step_tokens=32, state_align=4)
-    sc2.add(seq(2, 9))
-    assert sc2.schedule() == [] and [s.seq_id for s in sc2.waiting] == [2] and bm2.num_used == 0
+    sc2 = Scheduler(bm2, max_running=8, prefill_chunk_tokens=4, max_step_tokens=32, state_align=4)
+    sc2.add(seq(2, 2, max_tokens=1))
+    sc2.add(seq(3, 9))
+    batch = sc2.schedule()  # the first one's 2 tokens leave 2 of the 4: no cut on the grid for the next
+    assert [(x.seq.seq_id, x.count) for x in batch] == [(2, 2)]
+    assert [s.seq_id for s in sc2.waiting] == [3] and bm2.num_used == 1
     with pytest.raises(ConfigError, match="must divide the KV block size 4"):
         Scheduler(bm, max_running=8, prefill_chunk_tokens=11, max_step_tokens=32, state_align=3)
+    with pytest.raises(ConfigError, match="at least the runner's state grid"):
+        Scheduler(bm, max_running=8, prefill_chunk_tokens=2, max_step_tokens=32, state_align=4)
