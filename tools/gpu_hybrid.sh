@@ -3,7 +3,8 @@
 #   STAGES="tests" bash tools/gpu_hybrid.sh
 #   STAGES="dense" bash tools/gpu_hybrid.sh        STAGES="moe" bash tools/gpu_hybrid.sh
 #   STAGES="ttft" bash tools/gpu_hybrid.sh
-# tests: the hybrid kernel and runner checks (tests/gpu/test_hybrid_*.py) and moe_topk at 512 experts
+# tests: the hybrid kernel and runner checks (tests/gpu/test_hybrid_*.py, the chunked delta rule and
+#        its timing against the recurrent one, a warm tail's attention at depth) and moe_topk at 512 experts
 # dense: memra bench on a random-block q4_k_m GGUF of the Qwen3.5-4B shape: decode b1/b8/b32 at depth
 #        0 and 4096 with the bytes-read roofline (weights + KV of the attention layers + the recurrent
 #        state, read and written), prefill 512 / 4096
@@ -24,6 +25,7 @@ for stage in ${STAGES:-tests}; do
   case $stage in
   tests)
     timeout 560 python3 -m pytest -q -ra tests/gpu/test_hybrid_kernels.py tests/gpu/test_hybrid_runner.py \
+      tests/gpu/test_delta_chunk_gpu.py tests/gpu/test_tail_attention_gpu.py \
       "tests/gpu/test_moe_kernels.py::test_topk_matches_moe_route" -s > "$R/tests.txt" 2>&1
     tail -n 30 "$R/tests.txt"
     ;;
