@@ -31,16 +31,17 @@ def _check(runner: DeltaEmuRunner) -> None:
 
 
 @pytest.mark.parametrize(
-    "lens,chunk,step,pass_tokens",
+    "lens,chunk,step,pass_tokens,block",
     [
-        ((200, 100), 65, 512, 45),  # a ragged tail (hit 192 of 200); scheduler and pass cuts off the grid
-        ((208, 37), 69, 512, 1000),  # a whole last block (the hit stops a block short: 192 of 208)
-        ((150, 90), 512, 100, 64),  # the step budget cuts (decode rows beside prefill)
+        ((200, 100), 65, 512, 45, 16),  # a ragged tail (hit 192 of 200); scheduler and pass cuts off the grid
+        ((208, 37), 69, 512, 1000, 16),  # a whole last block (the hit stops a block short: 192 of 208)
+        ((150, 90), 512, 100, 64, 16),  # the step budget cuts (decode rows beside prefill)
+        ((200, 100), 75, 512, 50, 32),  # blocks of 32: chunks of 32
     ],
 )
-def test_repeated_prompt_resumes_with_the_cold_bits(workdir, lens, chunk, step, pass_tokens):
-    runner = DeltaEmuRunner(workdir, pass_tokens=pass_tokens)
-    assert runner.state_align == 16 == runner.chunk.spec.params["chunk"]
+def test_repeated_prompt_resumes_with_the_cold_bits(workdir, lens, chunk, step, pass_tokens, block):
+    runner = DeltaEmuRunner(workdir, pass_tokens=pass_tokens, block_size=block)
+    assert runner.state_align == block == runner.chunk.spec.params["chunk"]
     a, b = _prompt(1, lens[0]), _prompt(2, lens[1])
     kw = dict(prefill_chunk_tokens=chunk, max_step_tokens=step, max_tokens=6, vocab_size=97)
     cold, _ = serve_waves(runner, [[a, b]], enable_prefix_cache=False, **kw)
@@ -52,7 +53,7 @@ def test_repeated_prompt_resumes_with_the_cold_bits(workdir, lens, chunk, step, 
     # every pass that did not end its sequence's prompt ended on the grid
     cuts = [p + n for ps in runner.passes for p, n in ps]
     ends = {lens[0], lens[1]}
-    assert all(c % 16 == 0 or c in ends for c in cuts), sorted(set(cuts) - ends)
+    assert all(c % block == 0 or c in ends for c in cuts), sorted(set(cuts) - ends)
 
 
 def test_an_extended_prompt_resumes_with_the_cold_bits(workdir):
