@@ -53,6 +53,10 @@ def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
 class StepLogic:
     """Host-side step logic of CudaRunner (engine.runner_cuda); see the module docstring."""
 
+    # a verify pass of n rows runs a graph of exactly n rows, not the bucket's (padding rows cost
+    # GEMV and attention work; tools/gpu_spec_round.py times both)
+    verify_exact_rows = True
+
     def _rope_freq_factors(self) -> np.ndarray:
         """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
         from engine import ops_ref
@@ -336,13 +340,16 @@ class StepLogic:
         short_ok: bool = True,
         state_snap: Sequence[int] | None = None,
         groups: tuple[int, ...] = (),
+        exact: bool = False,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
         verify pass gives each row's snapshot slot (``state_snap``) and the row groups its stateful
-        launches run in, one after another (``groups``, the padding rows joining the last)."""
+        launches run in, one after another (``groups``, the padding rows joining the last).
+        ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
+        a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's."""
         n = len(items)
-        bucket, groups = self._fill_decode(items, state_snap, groups)
+        bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
@@ -373,12 +380,13 @@ class StepLogic:
         self._run(self._eager[key])
 
     def _fill_decode(
-        self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...]
+        self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...], rows: int = 0
     ) -> tuple[int, tuple[int, ...]]:
         """Write decode rows' inputs into the pinned block (padding rows up to the bucket at the
-        sinks); returns the bucket and the row groups with the padding rows in the last."""
+        sinks, or up to ``rows`` where given); returns the bucket and the row groups with the
+        padding rows in the last."""
         n = len(items)
-        bucket = self._bucket_of[n]
+        bucket = rows or self._bucket_of[n]
         v = self._views
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)

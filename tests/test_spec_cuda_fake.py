@@ -34,16 +34,27 @@ def test_verify_runs_draft_positions_as_decode_rows_of_one_bucket(fake):
     out = runner.verify(items)
     assert out == [[0, 0, 0, 0], [0], [0]]
     v = runner._views
-    assert v["positions"][:8].tolist() == [5, 6, 7, 8, 9, 10, 11, 0]  # 7 rows padded to bucket 8
+    assert v["positions"][:7].tolist() == [5, 6, 7, 8, 9, 10, 11]  # 7 rows: a graph of 7, no padding
     assert v["tokens"][:7].tolist() == [7, 0, 0, 0, 7, 3, 0]
     assert v["slots"][:7].tolist() == [5, 6, 7, 8, 2 * 16 + 9, 2 * 16 + 10, 2 * 16 + 11]
     tables = runner._tables[: 8 * runner._table_ld].reshape(8, -1)
     assert tables[:7, 0].tolist() == [0, 0, 0, 0, 2, 2, 2]
     argmax = {g for n, g, _ in drv.launches if n.startswith("argmax")}
-    assert (8, 1, 1) in argmax  # the bucket-8 graph's sampler covers every verify row
+    assert (7, 1, 1) in argmax and (8, 1, 1) not in argmax  # the 7-row graph's sampler: every verify row
     captures, launches = drv.captures, drv.graph_launches
     assert runner.verify([items[0], items[2]]) == [[0, 0, 0, 0], [0]]
     assert drv.captures == captures and drv.graph_launches == launches + 1  # replayed, not recaptured
+
+
+def test_verify_pass_in_the_bucket_graph_when_exact_rows_are_off(fake):
+    """``verify_exact_rows = False``: a 5-row verify pass (k = 4) runs the bucket-8 graph, its 3
+    padding rows at the sink block (the A/B of tools/gpu_spec_round.py)."""
+    runner, drv = fake
+    runner.verify_exact_rows = False
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0])]) == [[0, 0, 0, 0, 0]]
+    assert runner._views["positions"][:8].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert runner._views["slots"][5:8].tolist() == [runner._sink_block * 16] * 3
+    assert {g for n, g, _ in drv.launches if n.startswith("argmax")} == {(8, 1, 1)}
 
 
 def test_eager_verify_without_graphs(fake):

@@ -121,7 +121,7 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
                 StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY, window_table=it.window_table)
             )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
-    ids = r._decode(rows, short_ok=short_ok)
+    ids = r._decode(rows, short_ok=short_ok, exact=r.verify_exact_rows)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []
