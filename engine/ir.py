@@ -29,15 +29,22 @@ MODES = ("decode1", "decode", "prefill")
 # short's (attention_decode.trigger_b1: the direct attention with its early pdl_trigger(); the L2
 # prefetches of engine.lowering.l2_prefetch)
 SHORT1 = "short1"
+# the short-context launches of a speculative verify pass (rows of one sequence) where the plan's
+# "short" rope is folded into the attention kernel (attention_decode.fuse_rope), which would race on
+# the rows' KV: the rope kernel (every row's KV written first), then the direct attention without it
+VSHORT = "vshort"
 
 
-def launch_key(launches: Mapping[str, Any], mode: str, short: bool) -> str:
+def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
-    else "short" where it has that; otherwise the mode itself."""
+    VSHORT in a verify pass (``verify``) where it has that, else "short" where it has that;
+    otherwise the mode itself."""
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
+        if verify and VSHORT in launches:
+            return VSHORT
         if "short" in launches:
             return "short"
     return mode

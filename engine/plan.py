@@ -21,6 +21,7 @@ from engine.graph import ModelGraph, Op, QuantCombo
 from engine.ir import (
     MODES,
     ROPE_FREQ,
+    VSHORT,
     WIDE,
     BufferPlan,
     Plan,
@@ -270,6 +271,8 @@ def build_plan(
             # attention, with the rope (and the q/k head norms it applies) folded in where
             # attention_decode.fuse_rope
             launches["short"] = tuple(lowerer.launches(op, layer, "short", ins, outs, ws))
+            if profile.tune("attention_decode").get("fuse_rope"):  # (the verify pass's, unfused)
+                launches[VSHORT] = tuple(lowerer.launches(op, layer, VSHORT, ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
     lowerer.profile = profile
 

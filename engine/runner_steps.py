@@ -122,10 +122,12 @@ class StepLogic:
         short: bool = False,
         max_q: int = 1,
         groups: tuple[int, ...] = (),
+        verify: bool = False,
     ) -> list[Any]:  # (engine.runner_cuda._Bound)
         """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
         run once per group of consecutive rows (a hybrid verify pass, one group per draft
-        position, in order: engine.spec.cuda_verify), every other launch once over all rows."""
+        position, in order: engine.spec.cuda_verify), every other launch once over all rows.
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
         shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
@@ -133,7 +135,7 @@ class StepLogic:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
+            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short, verify)
             for launch in step.launches[key]:
                 if not launch.runs_at(n):
                     continue
@@ -341,13 +343,15 @@ class StepLogic:
         state_snap: Sequence[int] | None = None,
         groups: tuple[int, ...] = (),
         exact: bool = False,
+        verify: bool = False,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
         verify pass gives each row's snapshot slot (``state_snap``) and the row groups its stateful
         launches run in, one after another (``groups``, the padding rows joining the last).
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
-        a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's."""
+        a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
+        ``verify``: the short-context launches of a verify pass (engine.ir.VSHORT)."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
@@ -360,22 +364,22 @@ class StepLogic:
             self._upload_inputs(bucket, kind)
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
-        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups)
+        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify and short)
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
 
     def _launch_decode_pass(
-        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()
+        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = (), verify: bool = False
     ) -> None:
         """Run the bucket's decode pass on the stream: its CUDA graph, or eagerly without graphs."""
         if self.use_graphs:
-            self._graph(bucket, kind, short, io=io, groups=groups).launch(self.stream)
+            self._graph(bucket, kind, short, io=io, groups=groups, verify=verify).launch(self.stream)
             return
-        key = ("decode", bucket, kind, short, groups)
+        key = ("decode", bucket, kind, short, groups, *(("verify",) if verify else ()))
         if key not in self._eager:
             self._eager[key] = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups, verify=verify
             )
         self._run(self._eager[key])
 

@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import test_plan_runner_fake as base  # noqa: E402
 
-from engine.spec.cuda_verify import narrow_rows, short_is_safe  # noqa: E402
+from engine.ir import VSHORT  # noqa: E402
+from engine.spec.cuda_verify import has_verify_short, narrow_rows, short_is_safe  # noqa: E402
 from engine.types import StepItem  # noqa: E402
 
 fake = base.fake
@@ -72,6 +73,26 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
     assert short_is_safe(plan({}))
     assert short_is_safe(plan({"short": (1,)}))
     assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
+
+
+def test_short_verify_rows_run_the_rope_kernel_then_the_direct_attention(fake):
+    """The h200 profile folds the short rope into the direct attention (unsafe for one sequence's
+    rows): a verify pass below split_kv_tokens takes the plan's VSHORT launches (the rope kernel,
+    then the direct attention without the rope, no combine); past it, the long launches."""
+    runner, drv = fake
+    plan = runner.plan
+    assert not short_is_safe(plan) and has_verify_short(plan)
+    for st in plan.steps:
+        if st.op.op == "attention":
+            assert st.launches["short"][0].spec.params.get("rope") and not st.launches[VSHORT][0].spec.params.get("rope")
+            assert st.launches[VSHORT][0].spec.params["direct"]
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0])]) == [[0, 0, 0, 0, 0]]
+    names = [b.fn.name for b in runner._graphs[(5, "greedy", True, True, "verify")][1]]
+    assert sum(n.startswith("rope") for n in names) == plan.dims["layers"]
+    assert not any(n.startswith("attention_combine") for n in names)
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0, 0, 0, 0, 0]]
+    names = [b.fn.name for b in runner._graphs[(5, "greedy", False, True)][1]]
+    assert sum(n.startswith("attention_combine") for n in names) == plan.dims["layers"]
 
 
 def test_verify_passes_stay_below_the_wide_decode():

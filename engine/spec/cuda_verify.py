@@ -11,7 +11,13 @@ kernels give a row the bits of the batch-1 ones (tests/fixtures/batch_invariance
 argmax is that of the plain decode step at its position. The KV of every row is written by the rope kernel before the attention
 kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
-read those slots, so verification then uses the long-context launches.
+read those slots, so verification then uses the plan's verify launches (``engine.ir.VSHORT``: the
+rope kernel, then the direct attention without the rope), or the long-context launches where the
+plan has none (a hybrid's verify pass).
+
+A verify pass runs exactly its rows (``CudaRunner.verify_exact_rows``: a graph per row count, k + 1
+rows for one draft), not the bucket's: padding rows would run every GEMV and attention kernel for
+nothing.
 
 Greedy rows without penalties are accepted from the argmax ids alone; other rows read the logits
 back and go through ``engine.spec.accept`` on the host.
@@ -39,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine.ir import VSHORT
 from engine.spec.accept import accept, accept_greedy_ids
 from engine.types import MemraError, SamplingParams, StepItem
 
@@ -49,6 +56,13 @@ def short_is_safe(plan: Any) -> bool:
     """False where the plan's short-context decode folds the rope (and its KV write) into the
     attention kernel: rows of one sequence in one launch would race on each other's KV slots."""
     return not any(st.op.op == "rope" and "short" in st.launches and not st.launches["short"] for st in plan.steps)
+
+
+def has_verify_short(plan: Any) -> bool:
+    """Whether every rope step of the plan has verify launches (engine.ir.VSHORT) that write the KV
+    before the attention reads it: a verify pass below short_context then takes them."""
+    ropes = [st for st in plan.steps if st.op.op == "rope"]
+    return bool(ropes) and all(st.launches.get(VSHORT) for st in ropes)
 
 
 def narrow_rows(plan: Any, max_rows: int) -> int:
@@ -84,6 +98,7 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     safe = getattr(runner, "_verify_short_ok", None)
     if safe is None:
         safe = runner._verify_short_ok = short_is_safe(runner.plan)
+        runner._verify_vshort = not safe and has_verify_short(runner.plan)
     hybrid = bool(getattr(runner, "num_state_slots", 0))
     scratch_slots = len(runner.spec_scratch()) if hybrid else 0
     run_group = _verify_group_hybrid if hybrid else _verify_group
@@ -121,7 +136,8 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
                 StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY, window_table=it.window_table)
             )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
-    ids = r._decode(rows, short_ok=short_ok, exact=r.verify_exact_rows)
+    vshort = not short_ok and r._verify_vshort  # (the rope kernel, then the unfused direct attention)
+    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=vshort)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []
