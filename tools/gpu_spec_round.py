@@ -3,19 +3,20 @@ batch-1 decode step, then the engine's round split by phase.
 
     PYTHONPATH=. python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol.gguf
     PYTHONPATH=. python3 tools/gpu_spec_round.py /dev/shm/smol.gguf [--k 4] [--depths 64,400] \
-        [--breakdown] [--json OUT]
+        [--breakdown] [--no-engine] [--no-whatif] [--json OUT]
 
 The target: a round that verifies k drafted tokens and emits k + 1 costs at most (k + 1) / (0.8 (k + 1))
-= 1.25 plain batch-1 steps (a draft model with 100 % acceptance reaches 0.8 (k + 1) x). Three parts:
+= 1.25 plain batch-1 steps (a draft model with 100 % acceptance reaches 0.8 (k + 1) x). Four parts:
 
 * ``passes`` (GPU time only: CUDA events around back-to-back replays of one graph, inputs as the
   engine fills them, at each ``--depths`` context): ``plain b1`` (the batch-1 decode graph of a plain
   step), ``verify`` (the k + 1 rows of one sequence's draft as the engine runs them: a graph of
-  exactly k + 1 rows, long-context launches where the plan folds the rope into the short
-  attention), ``verify bucket`` (the same rows padded to the decode bucket, what verify ran before),
-  ``short n`` (k + 1 rows through the short-context launches: what verify would cost if it could use
-  them; timing only, the rows race on their KV), and ``rows n`` (decode graphs of n = 1 .. 8 rows:
-  how a pass's cost grows with its rows), each with its launch count;
+  exactly k + 1 rows; below split_kv_tokens the plan's VSHORT launches where it folds the rope into
+  the short attention), ``verify long`` (the same rows through the long-context launches),
+  ``verify before`` (padded to the decode bucket, long launches: what verify ran before),
+  ``short n`` (k + 1 rows through the plain short-context launches with the folded rope: timing
+  only, the rows race on their KV), and ``rows n`` (decode graphs of n = 1 .. 8 rows, long
+  launches: how a pass's cost grows with its rows), each with its launch count;
 * ``kernels`` (``--breakdown``): the launches of the b1 pass and of the verify pass timed alone
   (tools/gpu_decode_profile.py's breakdown), so the two passes can be compared launch by launch;
 * ``round``: the engine end to end on one greedy request (``--max-tokens``, EOS ignored), speculation
@@ -23,7 +24,11 @@ The target: a round that verifies k drafted tokens and emits k + 1 costs at most
   wall time split into schedule, attach (policy, proposer, blocks), verify on the host, the wait for
   the device (the stream synchronisations), apply (append, detokenise, stop checks, events, KV
   rollback) and the rest of the loop, with graph replays, host<->device copies and synchronisations
-  counted per round; against the plain step's wall time, the round in plain steps and the speedup.
+  counted per round; against the plain step's wall time, the round in plain steps and the speedup
+  (``overlap``: plain decode with EngineConfig.overlap, for reference);
+* ``what-if`` (unless ``--no-whatif``): a second runner whose plan folds rmsnorm / silu_mul into the
+  bucket GEMVs as the batch-1 plan does (the lowering patched in this process only): its verify
+  pass's time and launches, and whether its logits equal the plain plan's (bits: max |diff| 0).
 
 Prints a table; ``--json`` writes every figure. Must not be imported by the engine.
 """
@@ -85,34 +90,55 @@ def rows_of(start: int, n: int, table: list[int]) -> list[StepItem]:
     return [StepItem(0, [(37 * (start + j)) % 500 + 3], start + j, table, True, GREEDY) for j in range(n)]
 
 
-def pass_graph(runner, items: list[StepItem], short: bool, exact: bool):
-    """The graph the runner replays for these decode rows (inputs filled), and its launch count."""
+def pass_graph(runner, items: list[StepItem], short: bool, exact: bool, verify: bool = False):
+    """The graph the runner replays for these decode rows (inputs filled), its launch count and rows."""
     bucket, _ = runner._fill_decode(items, None, (), len(items) if exact else 0)
-    graph = runner._graph(bucket, "greedy", short, io=True)
-    return graph, len(runner._graphs[(bucket, "greedy", short, True)][1]), bucket
+    graph = runner._graph(bucket, "greedy", short, io=True, verify=verify)
+    key = (bucket, "greedy", short, True, *(("verify",) if verify else ()))
+    return graph, len(runner._graphs[key][1]), bucket
+
+
+def verify_path(runner, short: bool) -> tuple[bool, bool]:
+    """(short, verify) of the engine's verify pass at a context class (engine.spec.cuda_verify)."""
+    from engine.spec.cuda_verify import has_verify_short, short_is_safe
+
+    if short_is_safe(runner.plan):
+        return short, False
+    vshort = short and has_verify_short(runner.plan)
+    return vshort, vshort
+
+
+def prefill(runner, depths: list[int]) -> list[int]:
+    """Sequence 0's KV for every depth (a fixed prompt); returns its block table."""
+    table = list(range(-(-(max(depths) + 16) // runner.block_size)))
+    prompt = [(7 * i) % 500 + 3 for i in range(max(depths))]
+    runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])
+    return table
 
 
 def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
-    from engine.spec.cuda_verify import short_is_safe
+    from engine.spec.cuda_verify import has_verify_short, short_is_safe
 
-    bs = runner.block_size
-    need = -(-(max(depths) + 16) // bs)
-    table = list(range(need))
-    prompt = [(7 * i) % 500 + 3 for i in range(max(depths))]
-    runner.step([StepItem(0, prompt, 0, table, True, GREEDY)])  # KV for every depth
-    safe = short_is_safe(runner.plan)
-    out: dict = {"short_context": runner.plan.short_context, "verify_short_ok": safe, "depths": {}}
+    table = prefill(runner, depths)
+    out: dict = {
+        "short_context": runner.plan.short_context,
+        "verify_short_ok": short_is_safe(runner.plan),
+        "verify_vshort": has_verify_short(runner.plan),
+        "depths": {},
+    }
     for depth in depths:
         short = depth + k < runner.plan.short_context
         res: dict = {}
         g, n_launch, _ = pass_graph(runner, rows_of(depth, 1, table), short, True)
         res["plain b1"] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch}
-        for label, exact, sh in (
-            ("verify", True, short and safe),
-            ("verify bucket", False, short and safe),
-            (f"short {k + 1}", True, short),
+        vs, vv = verify_path(runner, short)
+        for label, exact, sh, ver in (
+            ("verify", True, vs, vv),  # what the engine runs
+            ("verify long", True, False, False),  # exact rows, the long-context launches
+            ("verify before", False, short and short_is_safe(runner.plan), False),  # the bucket, long
+            (f"short {k + 1}", True, short, False),  # the folded rope (timing only: the rows race)
         ):
-            g, n_launch, bucket = pass_graph(runner, rows_of(depth, k + 1, table), sh, exact)
+            g, n_launch, bucket = pass_graph(runner, rows_of(depth, k + 1, table), sh, exact, ver)
             res[label] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch, "rows": bucket}
         for n in range(1, 9):
             g, n_launch, _ = pass_graph(runner, rows_of(depth, n, table), False, True)
@@ -121,26 +147,69 @@ def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
             row["us"] = round(row["us"], 1)
             row["plain_steps"] = round(row["us"] / res["plain b1"]["us"], 3)
         if breakdown and depth == depths[0]:
-            res["kernels"] = kernel_breakdown(cuda, runner, k, depth, table, short, safe)
+            res["kernels"] = kernel_breakdown(cuda, runner, k, depth, table, short)
         out["depths"][depth] = res
     return out
 
 
-def kernel_breakdown(cuda, runner, k: int, depth: int, table: list[int], short: bool, safe: bool) -> dict:
+def kernel_breakdown(cuda, runner, k: int, depth: int, table: list[int], short: bool) -> dict:
     """Each distinct launch of the b1 pass and of the verify pass timed alone (per pass, sorted)."""
     from gpu_decode_profile import breakdown, pass_labels, pass_weight_bytes
 
     from engine.runner_cuda import _decode_mode
 
     out = {}
-    for name, n, sh in (("plain b1", 1, short), ("verify", k + 1, short and safe)):
-        pass_graph(runner, rows_of(depth, n, table), sh, True)
-        bound = runner._graphs[(n, "greedy", sh, True)][1]
+    vs, vv = verify_path(runner, short)
+    for name, n, sh, ver in (("plain b1", 1, short, False), ("verify", k + 1, vs, vv)):
+        pass_graph(runner, rows_of(depth, n, table), sh, True, ver)
+        bound = runner._graphs[(n, "greedy", sh, True, *(("verify",) if ver else ()))][1]
         mode = _decode_mode(n, runner.plan.wide_rows)
-        labels = pass_labels(runner, mode, sh, "greedy")
-        nbytes = pass_weight_bytes(runner, mode, sh, "greedy")
+        labels = pass_labels(runner, mode, sh, "greedy", ver)
+        nbytes = pass_weight_bytes(runner, mode, sh, "greedy", ver)
         rows = breakdown(cuda, runner, bound, labels, nbytes, None)
         out[name] = {"kernel_sum_us": round(sum(r["total_us"] for r in rows), 1), "launches": rows}
+    return out
+
+
+def verify_logits(runner, k: int, depth: int, table: list[int]):
+    """The logits of the engine's verify pass over k + 1 rows at ``depth`` (after ``prefill``)."""
+    vs, vv = verify_path(runner, depth + k < runner.plan.short_context)
+    graph, _, _ = pass_graph(runner, rows_of(depth, k + 1, table), vs, True, vv)
+    graph.launch(runner.stream)
+    return runner.read_logits(k + 1)
+
+
+def fused_whatif(cuda, model, k: int, depths: list[int], base: dict, runner_args: dict) -> dict:
+    """A what-if, not an engine setting: the plan with rmsnorm / silu_mul folded into the bucket
+    GEMVs' x loads as batch-1 folds them (engine.lowering.context.Lowerer.fused patched to say yes
+    in the decode mode too, for this runner only): its verify pass's time and launches, and its
+    verify logits against the plain plan's (``base``: depth -> logits)."""
+    import numpy as np
+
+    from engine.lowering.context import Lowerer
+    from engine.runner_cuda import CudaRunner
+
+    orig = Lowerer.fused
+    Lowerer.fused = lambda self, op, layer, mode: mode in ("decode1", "decode") and (id(op), layer) in self.fusable1
+    try:
+        runner = CudaRunner(model, **runner_args)
+    finally:
+        Lowerer.fused = orig
+    out: dict = {}
+    try:
+        table = prefill(runner, depths)
+        for depth in depths:
+            short = depth + k < runner.plan.short_context
+            vs, vv = verify_path(runner, short)
+            g, n_launch, _ = pass_graph(runner, rows_of(depth, k + 1, table), vs, True, vv)
+            row = {"us": round(time_graph(cuda, g, runner.stream), 1), "launches": n_launch}
+            logits = verify_logits(runner, k, depth, table)
+            ref = base[depth]
+            row["max_abs_diff"] = float(np.max(np.abs(logits - ref)))
+            row["same_argmax"] = bool((logits.argmax(1) == ref.argmax(1)).all())
+            out[depth] = row
+    finally:
+        runner.close()
     return out
 
 
@@ -287,6 +356,19 @@ def report(res: dict) -> str:
                     f"    {kr['total_us']:8.1f} us  {kr['count']:4d} x {kr['us']:7.2f}  grid {kr['grid']} x {kr['block']}  "
                     f"{kr['label'][:100]}"
                 )
+    fw = res.get("fused_whatif")
+    if fw:
+        lines.append("what-if: rmsnorm / silu_mul folded into the bucket GEMVs (as batch 1 folds them)")
+        if "error" in fw:
+            lines.append(f"  ERROR {fw['error']}")
+        for depth, row in fw.items():
+            if depth == "error":
+                continue
+            plain = p["depths"][depth]["plain b1"]["us"]
+            lines.append(
+                f"  depth {depth:>5}  verify {row['us']:8.1f} us  {row['us'] / plain:5.2f} plain steps  "
+                f"{row['launches']:4d} launches  logits max |diff| {row['max_abs_diff']:.3g}, same argmax {row['same_argmax']}"
+            )
     r = res.get("round")
     if r:
         lines.append("engine round (wall us per round; per-round driver calls)")
@@ -316,6 +398,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--breakdown", action="store_true", help="per-launch times of the b1 and verify passes")
     ap.add_argument("--no-engine", action="store_true", help="the pass times only")
+    ap.add_argument("--no-whatif", action="store_true", help="skip the folded-norm what-if runner")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("MEMRA_CACHE_DIR", os.environ.get("MEMRA_CACHE_DIR") or tempfile.mkdtemp(prefix="memra-cache-"))
@@ -333,16 +416,24 @@ def main() -> int:
         tok = load_tokenizer(model.weights)
     except Exception:  # a checkpoint without a tokenizer: ids only
         tok = NullTokenizer()
-    runner = CudaRunner(model, max_model_len=4096)
+    runner_args = {"max_model_len": 4096, "num_blocks": 2048}
+    runner = CudaRunner(model, **runner_args)
     res: dict = {"device": runner.ctx.info.name, "model": str(path), "k": args.k}
+    depths = [int(d) for d in args.depths.split(",")]
     try:
-        depths = [int(d) for d in args.depths.split(",")]
         res["passes"] = passes(cuda, runner, args.k, depths, args.breakdown)
+        table = prefill(runner, depths)
+        base = {d: verify_logits(runner, args.k, d, table) for d in depths}
         if not args.no_engine:
             prompt = [(11 * i) % 400 + 5 for i in range(args.prompt_tokens)]
             res["round"] = engine_round(cuda, runner, tok, prompt, args.k, args.max_tokens)
     finally:
         runner.close()
+    if not args.no_whatif:
+        try:
+            res["fused_whatif"] = fused_whatif(cuda, model, args.k, depths, base, runner_args)
+        except Exception as exc:  # a what-if that does not build must not lose the figures above
+            res["fused_whatif"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     print(report(res))
