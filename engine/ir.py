@@ -33,13 +33,18 @@ SHORT1 = "short1"
 # "short" rope is folded into the attention kernel (attention_decode.fuse_rope), which would race on
 # the rows' KV: the rope kernel (every row's KV written first), then the direct attention without it
 VSHORT = "vshort"
+# the launches of a speculative verify pass (2 .. 8 rows of one sequence) lowered in the decode mode
+# with the rmsnorm / silu_mul folded into the bucket GEMVs' x loads as batch 1 folds them
+# (engine.lowering.context.Lowerer.verify_lowering): a verify pass is a few rows, where the separate
+# norm and silu launches cost more than each GEMV block normalising its rows
+VDECODE = "vdecode"
 
 
 def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
     VSHORT in a verify pass (``verify``) where it has that, else "short" where it has that;
-    otherwise the mode itself."""
+    otherwise in a decode verify pass VDECODE where the step has it; otherwise the mode itself."""
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
@@ -47,6 +52,8 @@ def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool
             return VSHORT
         if "short" in launches:
             return "short"
+    if verify and mode == "decode" and VDECODE in launches:
+        return VDECODE
     return mode
 
 

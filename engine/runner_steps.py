@@ -127,7 +127,7 @@ class StepLogic:
         """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
         run once per group of consecutive rows (a hybrid verify pass, one group per draft
         position, in order: engine.spec.cuda_verify), every other launch once over all rows.
-        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
+        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
         shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
@@ -351,7 +351,7 @@ class StepLogic:
         launches run in, one after another (``groups``, the padding rows joining the last).
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
         a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
-        ``verify``: the short-context launches of a verify pass (engine.ir.VSHORT)."""
+        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
@@ -364,7 +364,7 @@ class StepLogic:
             self._upload_inputs(bucket, kind)
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
-        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify and short)
+        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify)
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)

@@ -140,6 +140,45 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
+def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, tmp_path):
+    """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
+    batch 1 folds them) on three rows against the plain bucket path (the rmsnorm / silu_mul kernel,
+    then the bucket GEMV): the same f32 row sums, bit for bit (SmolLM2-shaped q4_1)."""
+    from engine.ir import VDECODE
+
+    plan = plans["llama-q4_1"]
+    rng = np.random.default_rng(4)
+    folded = 0
+    for i, st in _layer0(plan, "linear"):
+        prev = plan.steps[i - 1]
+        for pv, pn in zip(_gemvs(st.launches[VDECODE]), _gemvs(st.launches["decode"]), strict=True):
+            if pv["prologue"] not in ("norm", "silu"):
+                assert pv == pn
+                continue
+            n, k = min(pv["n"], 2 * pv["rows_per_block"]), pv["k"]
+            pv, pn = {**pv, "n": n}, {**pn, "n": n}
+            raw = random_blocks("q4_1", n * k // 32, seed=folded)
+            w = np.ascontiguousarray(quant.repack(raw, pv["quant"], n, k) if pv["quant"] != "q4_1" else raw).reshape(-1)
+            nw = None
+            if pv["prologue"] == "norm":
+                x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+                nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+                (rs,) = prev.launches["decode"]
+                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                _run(rs.spec, (ROWS, 1, 1), rs.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
+            else:
+                x = _bf16(rng.standard_normal((ROWS, pv["x_stride"])) * 2.0)
+                (sm,) = prev.launches["decode"]
+                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                t = sm.block[0]
+                _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], ROWS], tmp_path)
+            want = run_gemv(tmp_path, w, xn, ROWS, **pn)
+            got = run_gemv(tmp_path, w, x, ROWS, nw, **pv)
+            assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
+            folded += 1
+    assert folded == 3  # q|k|v and gate|up after their norms, down after silu_mul
+
+
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
 def test_short_attention_equals_rope_split_attention_and_combine(plans, model, tmp_path):
     plan = plans[model]

@@ -91,7 +91,7 @@ def test_short_verify_rows_run_the_rope_kernel_then_the_direct_attention(fake):
     assert sum(n.startswith("rope") for n in names) == plan.dims["layers"]
     assert not any(n.startswith("attention_combine") for n in names)
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0, 0, 0, 0, 0]]
-    names = [b.fn.name for b in runner._graphs[(5, "greedy", False, True)][1]]
+    names = [b.fn.name for b in runner._graphs[(5, "greedy", False, True, "verify")][1]]
     assert sum(n.startswith("attention_combine") for n in names) == plan.dims["layers"]
 
 

@@ -41,7 +41,7 @@ def test_pass_graphs_are_the_verify_graphs(fake):
     assert [rows[f"rows {n}"]["us"] for n in (1, 8)] == [20.0, 20.0]  # 1 ms / 50 replays
     assert res["verify_vshort"] and not res["verify_short_ok"]  # (the h200 profile folds the short rope)
     assert (5, "greedy", True, True, "verify") in runner._graphs  # the graph a k=4 verify replays at 20
-    assert rows["verify"]["launches"] < rows["verify long"]["launches"] == rows["verify before"]["launches"]
+    assert rows["verify"]["launches"] < rows["verify unfolded"]["launches"] == rows["verify before"]["launches"]
 
 
 def test_a_speculative_round_is_one_graph_replay_and_one_sync(fake):
@@ -63,30 +63,30 @@ def test_a_speculative_round_is_one_graph_replay_and_one_sync(fake):
         "short_context": 256, "verify_short_ok": False, "depths": {}}, "round": res})
 
 
-def test_the_folded_norm_what_if_drops_the_norm_and_silu_launches(tmp_path, monkeypatch):
-    """On a q4_1 SmolLM2-shaped plan (batch-1 GEMVs fold rmsnorm / silu_mul), the what-if runner's
-    verify pass has no rmsnorm / silu_mul launch left, the engine's plan is left as it was, and the
-    VSHORT verify pass drops the combine launches of the long one."""
+def test_verify_passes_fold_the_norms_and_run_the_rope_kernel(tmp_path, monkeypatch):
+    """On a q4_1 SmolLM2-shaped plan (batch-1 GEMVs fold rmsnorm / silu_mul), the verify pass
+    (VDECODE: the norms folded into the bucket GEMVs) has no rmsnorm / silu_mul launch, and below
+    split_kv_tokens (VSHORT) no combine launch; the plain decode pass keeps both."""
     from fixtures.checkpoints import Dims, write_random_gguf
 
     import engine.runner_cuda as rc
-    from engine.lowering.context import Lowerer
     from engine.model import load_model
 
     drv = base.FakeDriver()
     monkeypatch.setattr(rc, "cuda", _timed(drv.module()))
     dims = Dims(576, 2, 9, 3, 64, 1536, 512, tie_word_embeddings=True)
     path = write_random_gguf(tmp_path / "q.gguf", "llama", dims, "q4_1", seed=5)
-    args = {"num_blocks": 64, "max_model_len": 512, "builder": base.fake_builder(tmp_path)}
-    runner = rc.CudaRunner(load_model(path), **args)
+    runner = rc.CudaRunner(load_model(path), num_blocks=64, max_model_len=512, builder=base.fake_builder(tmp_path))
     tool = load_tool("gpu_spec_round")
-    res = tool.passes(rc.cuda, runner, 4, [20], breakdown=False)["depths"][20]
-    # per layer: 2 rmsnorm + silu_mul + (long) combine launches more than the folded batch-1 pass
-    assert res["verify long"]["launches"] - res["verify"]["launches"] == 2  # the combine, per layer
-    fused = Lowerer.fused
-    table = tool.prefill(runner, [20])
-    out = tool.fused_whatif(rc.cuda, load_model(path), 4, [20], {20: tool.verify_logits(runner, 4, 20, table)}, args)
-    assert Lowerer.fused is fused
-    assert res["verify"]["launches"] - out[20]["launches"] == 3 * 2 + 1  # 2 rmsnorm + silu_mul a layer, final norm
-    names = [b.fn.name for key, (_, bound) in runner._graphs.items() if key[0] == 5 for b in bound]
-    assert any(n.startswith("rmsnorm") for n in names)  # (the engine's own plan keeps them)
+    res = tool.passes(rc.cuda, runner, 4, [20, 300], breakdown=False)["depths"]
+    # per layer: 2 rmsnorm + silu_mul (+ the final norm), and below split the combine
+    assert res[20]["verify unfolded"]["launches"] - res[20]["verify"]["launches"] == 2 * (3 + 1) + 1
+    assert res[300]["verify unfolded"]["launches"] - res[300]["verify"]["launches"] == 2 * 3 + 1
+    assert res[20]["verify"]["launches"] == res[20]["plain b1"]["launches"] + 2  # + the rope kernel a layer
+
+    def names(key):
+        return [b.fn.name for b in runner._graphs[key][1]]
+
+    verify, plain = names((5, "greedy", True, True, "verify")), names((5, "greedy", False, True))
+    assert not any(n.startswith(("rmsnorm", "silu_mul", "attention_combine")) for n in verify)
+    assert sum(n.startswith("rmsnorm") for n in plain) == 2 * 2 + 1 and any(n.startswith("silu_mul") for n in plain)

@@ -3,20 +3,22 @@ batch-1 decode step, then the engine's round split by phase.
 
     PYTHONPATH=. python3 tools/make_checkpoint.py --shape smollm2-135m --gguf q4_1 --out /dev/shm/smol.gguf
     PYTHONPATH=. python3 tools/gpu_spec_round.py /dev/shm/smol.gguf [--k 4] [--depths 64,400] \
-        [--breakdown] [--no-engine] [--no-whatif] [--json OUT]
+        [--breakdown] [--no-engine] [--json OUT]
 
 The target: a round that verifies k drafted tokens and emits k + 1 costs at most (k + 1) / (0.8 (k + 1))
-= 1.25 plain batch-1 steps (a draft model with 100 % acceptance reaches 0.8 (k + 1) x). Four parts:
+= 1.25 plain batch-1 steps (a draft model with 100 % acceptance reaches 0.8 (k + 1) x). Three parts:
 
 * ``passes`` (GPU time only: CUDA events around back-to-back replays of one graph, inputs as the
   engine fills them, at each ``--depths`` context): ``plain b1`` (the batch-1 decode graph of a plain
   step), ``verify`` (the k + 1 rows of one sequence's draft as the engine runs them: a graph of
-  exactly k + 1 rows; below split_kv_tokens the plan's VSHORT launches where it folds the rope into
-  the short attention), ``verify long`` (the same rows through the long-context launches),
-  ``verify before`` (padded to the decode bucket, long launches: what verify ran before),
-  ``short n`` (k + 1 rows through the plain short-context launches with the folded rope: timing
-  only, the rows race on their KV), and ``rows n`` (decode graphs of n = 1 .. 8 rows, long
-  launches: how a pass's cost grows with its rows), each with its launch count;
+  exactly k + 1 rows through the plan's verify launches, engine.ir.VDECODE with the norms folded
+  into the GEMVs and, below split_kv_tokens where the plan folds the rope into the short attention,
+  VSHORT; with its logits against the plain launches', ``max_abs_diff`` 0 where the bits agree),
+  ``verify unfolded`` (the same rows through the plain decode launches), ``verify before`` (those
+  padded to the decode bucket: what verify ran before), ``short n`` (k + 1 rows through the plain
+  short-context launches with the folded rope: timing only, the rows race on their KV), and
+  ``rows n`` (plain decode graphs of n = 1 .. 8 rows, long launches: how a pass's cost grows with
+  its rows), each with its launch count;
 * ``kernels`` (``--breakdown``): the launches of the b1 pass and of the verify pass timed alone
   (tools/gpu_decode_profile.py's breakdown), so the two passes can be compared launch by launch;
 * ``round``: the engine end to end on one greedy request (``--max-tokens``, EOS ignored), speculation
@@ -25,10 +27,7 @@ The target: a round that verifies k drafted tokens and emits k + 1 costs at most
   the device (the stream synchronisations), apply (append, detokenise, stop checks, events, KV
   rollback) and the rest of the loop, with graph replays, host<->device copies and synchronisations
   counted per round; against the plain step's wall time, the round in plain steps and the speedup
-  (``overlap``: plain decode with EngineConfig.overlap, for reference);
-* ``what-if`` (unless ``--no-whatif``): a second runner whose plan folds rmsnorm / silu_mul into the
-  bucket GEMVs as the batch-1 plan does (the lowering patched in this process only): its verify
-  pass's time and launches, and whether its logits equal the plain plan's (bits: max |diff| 0).
+  (``overlap``: plain decode with EngineConfig.overlap, for reference).
 
 Prints a table; ``--json`` writes every figure. Must not be imported by the engine.
 """
@@ -47,6 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
 
 from engine.spec.proposer import Draft  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams, StepItem  # noqa: E402
@@ -102,10 +103,7 @@ def verify_path(runner, short: bool) -> tuple[bool, bool]:
     """(short, verify) of the engine's verify pass at a context class (engine.spec.cuda_verify)."""
     from engine.spec.cuda_verify import has_verify_short, short_is_safe
 
-    if short_is_safe(runner.plan):
-        return short, False
-    vshort = short and has_verify_short(runner.plan)
-    return vshort, vshort
+    return short and (short_is_safe(runner.plan) or has_verify_short(runner.plan)), True
 
 
 def prefill(runner, depths: list[int]) -> list[int]:
@@ -132,14 +130,20 @@ def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
         g, n_launch, _ = pass_graph(runner, rows_of(depth, 1, table), short, True)
         res["plain b1"] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch}
         vs, vv = verify_path(runner, short)
+        plain_short = short and short_is_safe(runner.plan)
         for label, exact, sh, ver in (
             ("verify", True, vs, vv),  # what the engine runs
-            ("verify long", True, False, False),  # exact rows, the long-context launches
-            ("verify before", False, short and short_is_safe(runner.plan), False),  # the bucket, long
+            ("verify unfolded", True, plain_short, False),  # exact rows, the plain decode launches
+            ("verify before", False, plain_short, False),  # the bucket's rows, the plain decode launches
             (f"short {k + 1}", True, short, False),  # the folded rope (timing only: the rows race)
         ):
             g, n_launch, bucket = pass_graph(runner, rows_of(depth, k + 1, table), sh, exact, ver)
             res[label] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch, "rows": bucket}
+        # the verify pass's logits against the plain decode launches' (bits: max |diff| 0)
+        got, ref = verify_logits(runner, k, depth, table), verify_logits(runner, k, depth, table, plain=True)
+        with np.errstate(invalid="ignore"):  # (a NaN in either shows as nan)
+            res["verify"]["max_abs_diff"] = float(np.max(np.abs(got - ref)))
+        res["verify"]["same_argmax"] = bool((got.argmax(1) == ref.argmax(1)).all())
         for n in range(1, 9):
             g, n_launch, _ = pass_graph(runner, rows_of(depth, n, table), False, True)
             res[f"rows {n}"] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch}
@@ -171,46 +175,16 @@ def kernel_breakdown(cuda, runner, k: int, depth: int, table: list[int], short: 
     return out
 
 
-def verify_logits(runner, k: int, depth: int, table: list[int]):
-    """The logits of the engine's verify pass over k + 1 rows at ``depth`` (after ``prefill``)."""
-    vs, vv = verify_path(runner, depth + k < runner.plan.short_context)
+def verify_logits(runner, k: int, depth: int, table: list[int], plain: bool = False):
+    """The logits of the engine's verify pass over k + 1 rows at ``depth`` (after ``prefill``);
+    ``plain``: through the plain decode launches (long-context ones where the short rope is folded)."""
+    from engine.spec.cuda_verify import short_is_safe
+
+    short = depth + k < runner.plan.short_context
+    vs, vv = (short and short_is_safe(runner.plan), False) if plain else verify_path(runner, short)
     graph, _, _ = pass_graph(runner, rows_of(depth, k + 1, table), vs, True, vv)
     graph.launch(runner.stream)
-    return runner.read_logits(k + 1)
-
-
-def fused_whatif(cuda, model, k: int, depths: list[int], base: dict, runner_args: dict) -> dict:
-    """A what-if, not an engine setting: the plan with rmsnorm / silu_mul folded into the bucket
-    GEMVs' x loads as batch-1 folds them (engine.lowering.context.Lowerer.fused patched to say yes
-    in the decode mode too, for this runner only): its verify pass's time and launches, and its
-    verify logits against the plain plan's (``base``: depth -> logits)."""
-    import numpy as np
-
-    from engine.lowering.context import Lowerer
-    from engine.runner_cuda import CudaRunner
-
-    orig = Lowerer.fused
-    Lowerer.fused = lambda self, op, layer, mode: mode in ("decode1", "decode") and (id(op), layer) in self.fusable1
-    try:
-        runner = CudaRunner(model, **runner_args)
-    finally:
-        Lowerer.fused = orig
-    out: dict = {}
-    try:
-        table = prefill(runner, depths)
-        for depth in depths:
-            short = depth + k < runner.plan.short_context
-            vs, vv = verify_path(runner, short)
-            g, n_launch, _ = pass_graph(runner, rows_of(depth, k + 1, table), vs, True, vv)
-            row = {"us": round(time_graph(cuda, g, runner.stream), 1), "launches": n_launch}
-            logits = verify_logits(runner, k, depth, table)
-            ref = base[depth]
-            row["max_abs_diff"] = float(np.max(np.abs(logits - ref)))
-            row["same_argmax"] = bool((logits.argmax(1) == ref.argmax(1)).all())
-            out[depth] = row
-    finally:
-        runner.close()
-    return out
+    return runner.read_logits(k + 1).copy()
 
 
 class Probe:
@@ -345,6 +319,8 @@ def report(res: dict) -> str:
             if name == "kernels":
                 continue
             extra = f"  ({r['rows']} rows)" if "rows" in r else ""
+            if "max_abs_diff" in r:
+                extra += f"  logits vs unfolded: max |diff| {r['max_abs_diff']:.3g}, same argmax {r['same_argmax']}"
             lines.append(
                 f"  depth {depth:>5}  {name:<14} {r['us']:8.1f} us  {r['plain_steps']:5.2f} plain steps  "
                 f"{r['launches']:4d} launches{extra}"
@@ -356,19 +332,6 @@ def report(res: dict) -> str:
                     f"    {kr['total_us']:8.1f} us  {kr['count']:4d} x {kr['us']:7.2f}  grid {kr['grid']} x {kr['block']}  "
                     f"{kr['label'][:100]}"
                 )
-    fw = res.get("fused_whatif")
-    if fw:
-        lines.append("what-if: rmsnorm / silu_mul folded into the bucket GEMVs (as batch 1 folds them)")
-        if "error" in fw:
-            lines.append(f"  ERROR {fw['error']}")
-        for depth, row in fw.items():
-            if depth == "error":
-                continue
-            plain = p["depths"][depth]["plain b1"]["us"]
-            lines.append(
-                f"  depth {depth:>5}  verify {row['us']:8.1f} us  {row['us'] / plain:5.2f} plain steps  "
-                f"{row['launches']:4d} launches  logits max |diff| {row['max_abs_diff']:.3g}, same argmax {row['same_argmax']}"
-            )
     r = res.get("round")
     if r:
         lines.append("engine round (wall us per round; per-round driver calls)")
@@ -398,7 +361,6 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--breakdown", action="store_true", help="per-launch times of the b1 and verify passes")
     ap.add_argument("--no-engine", action="store_true", help="the pass times only")
-    ap.add_argument("--no-whatif", action="store_true", help="skip the folded-norm what-if runner")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("MEMRA_CACHE_DIR", os.environ.get("MEMRA_CACHE_DIR") or tempfile.mkdtemp(prefix="memra-cache-"))
@@ -422,18 +384,12 @@ def main() -> int:
     depths = [int(d) for d in args.depths.split(",")]
     try:
         res["passes"] = passes(cuda, runner, args.k, depths, args.breakdown)
-        table = prefill(runner, depths)
-        base = {d: verify_logits(runner, args.k, d, table) for d in depths}
         if not args.no_engine:
             prompt = [(11 * i) % 400 + 5 for i in range(args.prompt_tokens)]
             res["round"] = engine_round(cuda, runner, tok, prompt, args.k, args.max_tokens)
     finally:
         runner.close()
-    if not args.no_whatif:
-        try:
-            res["fused_whatif"] = fused_whatif(cuda, model, args.k, depths, base, runner_args)
-        except Exception as exc:  # a what-if that does not build must not lose the figures above
-            res["fused_whatif"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     print(report(res))

@@ -137,7 +137,7 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
             )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
     vshort = not short_ok and r._verify_vshort  # (the rope kernel, then the unfused direct attention)
-    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=vshort)
+    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=True)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []
