@@ -6,7 +6,8 @@
 is a ``KernelSpec`` plus grid, block, shared memory and symbolic ``Arg``s the runner binds once per
 bucket/chunk. Modes: ``decode1`` (batch 1, and the prefill head), ``decode`` (n rows, one token per
 sequence), ``prefill`` (n tokens of one sequence), ``short`` / ``short1`` (decode passes whose rows
-all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs).
+all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs),
+``vshort`` / ``vdecode`` (a speculative verify pass's, where a plan has them).
 Imports only the DSL (engine.graph), KernelSpec and quant row sizes; everything above it
 (engine.lowering, engine.plan, engine.runner_cuda) imports it. Must not import CUDA or numpy.
 """
