@@ -242,6 +242,13 @@ class StepLogic:
         self._sync_step_allowed()
         return verify(self, items)
 
+    def prepare_verify(self, k: int) -> int:
+        """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare)."""
+        from engine.spec.cuda_verify import prepare
+
+        self._ensure_context()
+        return prepare(self, k)
+
     def _check_item(self, it: StepItem) -> None:
         check_step_item(
             it,

@@ -129,3 +129,20 @@ def test_masked_and_logprobs_rows_beside_draft_rows(fake):
     assert items[2].logprobs_out == (0.0, [(0, 0.0), (0, 0.0)])
     assert items[0].logprobs_out is None and items[1].logprobs_out is None
     assert read == []  # no logits read back
+
+
+def test_build_speculator_captures_the_verify_graphs_ahead(fake):
+    """build_speculator on the CUDA runner captures every verify graph a round may replay (2 .. 8
+    rows, short and long, from padding rows at the sink block), so no round captures one."""
+    from engine.spec.build import build_speculator
+    from engine.spec.config import SpecConfig
+
+    runner, drv = fake
+    build_speculator(SpecConfig("ngram", k=4), None, runner)
+    assert drv.captures == 14
+    assert {key[:3] for key in runner._graphs if key[-1] == "verify"} == {
+        (n, "greedy", s) for n in range(2, 9) for s in (True, False)
+    }
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0]), _draft_item(2, [0, 0], 9, [2])]) == [[0] * 5, [0] * 3]
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0] * 5]
+    assert drv.captures == 14

@@ -258,6 +258,7 @@ def engine_round(cuda, runner, tok, prompt: list[int], k: int, max_tokens: int) 
         spec = None
         if mode == "replay":
             spec = Speculator(ReplayProposer(len(prompt), recorded), SpecConfig("ngram", k=k))
+            runner.prepare_verify(k)  # (as engine.spec.build does)
         e = Engine(runner, tok, EngineConfig(overlap=mode == "overlap"), speculator=spec)
         warm = e.submit(GenerationRequest("warm", prompt, GREEDY, max_tokens=2 * k + 2, ignore_eos=True))
         # the warm-up request runs in-thread too: graphs captured before timing

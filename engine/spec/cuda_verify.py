@@ -75,6 +75,26 @@ def narrow_rows(plan: Any, max_rows: int) -> int:
     return max(below) if below else max_rows
 
 
+def prepare(runner: Any, k: int, max_drafts: int = 8) -> int:
+    """Capture ahead the verify graphs that drafts of up to ``k`` tokens may replay (CudaRunner
+    .prepare_verify, from engine.spec.build): every row count from 2 up to ``max_drafts`` drafts of
+    k tokens (at most ``narrow_rows``), short and long context, so no round pays for a capture. The
+    warm run before each capture writes only the sink block (padding rows). Not for hybrids (their
+    graphs are per row grouping) or without graphs. Returns the graphs captured."""
+    if not runner.use_graphs or getattr(runner, "num_state_slots", 0):
+        return 0
+    most = min(narrow_rows(runner.plan, runner._max_rows), max_drafts * (k + 1))
+    vshort = short_is_safe(runner.plan) or has_verify_short(runner.plan)
+    done = 0
+    for rows in range(2, most + 1):
+        for short in (True, False) if vshort else (False,):
+            runner._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
+            runner._graph(rows, "greedy", short, io=True, verify=True)
+            done += 1
+    runner.stream.synchronize()
+    return done
+
+
 def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     """CudaRunner.verify: plain items through ``runner.step``, draft items as decode rows."""
     out: list[list[int]] = [[] for _ in items]
