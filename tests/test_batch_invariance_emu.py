@@ -225,6 +225,55 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
+    """A verify pass below split (VSHORT): the rope kernel writes three rows of one sequence (positions
+    p .. p + 2), then the direct attention without the folded rope reads them; against the same rows
+    through the split attention and the combine (the long launches): the same outputs, bit for bit."""
+    from engine.ir import VSHORT
+
+    plan = plans[model]
+    ((_, att),) = _layer0(plan, "attention")
+    ((_, rope_st),) = _layer0(plan, "rope")
+    (rope,) = rope_st.launches[VSHORT]
+    (direct,) = att.launches[VSHORT]
+    split, comb = att.launches["decode"]
+    assert rope.spec == rope_st.launches["decode"][0].spec
+    dp = direct.spec.params
+    assert dp["direct"] and not dp.get("rope")
+    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 3
+    rp = rope.spec.params
+    kv_stride, v_stride = rp["kv_stride"], rp.get("v_stride") or rp["kv_stride"]
+    rng = np.random.default_rng(8)
+    q_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
+    k_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
+    nblocks = dp["split"] // BS + 1
+    table = np.arange(nblocks, dtype=np.int32)[::-1].copy()
+    tables = np.tile(table, (rows, 1))
+    for p0 in (0, 40, dp["split"] - rows):
+        cache = _bf16(rng.standard_normal((2, nblocks, BS, kvh, hd)))
+        q = _bf16(rng.standard_normal((rows, dp["q_stride"])) * 2.0)
+        k = _bf16(rng.standard_normal((rows, kv_stride)) * 2.0)
+        v = _bf16(rng.standard_normal((rows, v_stride)))
+        pos = np.arange(p0, p0 + rows, dtype=np.int32)
+        slots = (table[pos // BS] * BS + pos % BS).astype(np.int32)
+        kc_, vc_ = cache[0].copy(), cache[1].copy()
+        _run(rope.spec, (rows, kc.rope_head_blocks(rp), 1), rope.block[0], 0,
+             [q, k, v, pos, q_norm, k_norm, None, kc_, vc_, slots, rows], tmp_path)  # fmt: skip
+        out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+        _run(direct.spec, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
+             [out_d, None, None, q, kc_, vc_, tables, pos, nblocks, 1], tmp_path)  # fmt: skip
+        ms = 2
+        part_o = np.full((rows, heads, ms, hd), np.nan, np.float32)
+        part_ml = np.full((rows, heads, ms, 2), np.nan, np.float32)
+        _run(split.spec, (rows, kvh, ms), split.block[0], 0,
+             [None, part_o, part_ml, q, kc_, vc_, tables, pos, nblocks, ms], tmp_path)  # fmt: skip
+        out_s = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+        _run(comb.spec, (rows, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
+        assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
+        assert np.array_equal(out_d, out_s), (model, p0, int((out_d != out_s).sum()))
+
+
 @pytest.mark.parametrize(
     "file_type,k,threads,rpb,rounds,bucket",
     [("q4_1", 4096, 256, 16, 1, 8), ("q8_0", 2560, 512, 16, 1, 8), ("q4_k", 1024, 640, 20, 1, 8),
