@@ -5,8 +5,8 @@ one op leaves for a later one (a decode rmsnorm / silu_mul folded into the GEMVs
 output, a head_rmsnorm into the rope, a rope into the direct attention). ``verify_lowering`` lowers
 an op once more in the decode mode for a speculative verify pass (engine.ir.VDECODE), with the
 rmsnorm / silu_mul ops of ``fusable_verify`` folded into the bucket GEMVs and its own prologue
-state. ``launches`` dispatches an op to its registered unit. Kernel specs come from ``engine.kernel_catalog.spec`` (it validates the
-params and names the entry point). Imports engine.ir, engine.kernel_catalog and the registry,
+state. ``launches`` dispatches an op to its registered unit. Kernel specs come from
+``engine.kernel_catalog.spec`` (it validates the params and names the entry point). Imports engine.ir, engine.kernel_catalog and the registry,
 never a unit. Must not import CUDA or numpy.
 """
 

@@ -2,14 +2,14 @@
 
 Each verify position becomes its own decode row: row j of a draft item runs token ``token_ids[j]``
 at position ``start_pos + j`` over the item's block table. All rows of a step go through the
-runner's decode path at once (``CudaRunner._decode``: the captured CUDA graph of the batch bucket
-that holds them, with the pinned inputs copied in and the argmax ids copied out by the graph), so
-verification replays the same graphs and kernels as plain decoding (the verify shapes are the
-decode buckets) and a greedy row's argmax at each position has the bits of a plain decode step of
-the same batch bucket. Passes stay below the wide decode (``narrow_rows``), and the bucket
-kernels give a row the bits of the batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's
-argmax is that of the plain decode step at its position. The KV of every row is written by the rope kernel before the attention
-kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
+runner's decode path at once (``CudaRunner._decode(verify=True)``: one captured CUDA graph of the
+pass's rows, with the pinned inputs copied in and the argmax ids copied out by the graph), through
+the bucket decode kernels, with the plan's verify launches where it has them (``engine.ir.VDECODE``:
+the rmsnorm / silu_mul folded into the bucket GEMVs as batch 1 folds them; ``VSHORT`` below). Passes
+stay below the wide decode (``narrow_rows``), and the bucket kernels give a row the bits of the
+batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's argmax is that of the
+plain decode step at its position. The KV of every row is written by the rope kernel before the
+attention kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
 read those slots, so verification then uses the plan's verify launches (``engine.ir.VSHORT``: the
 rope kernel, then the direct attention without the rope), or the long-context launches where the
