@@ -402,18 +402,21 @@ class StepLogic:
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
         lens, sink = self._table_len, self._sink_block
+        prev = None  # the last row's block table (a verify pass's rows share their sequence's)
         for r, it in enumerate(items):
             pos = it.start_pos
             v["tokens"][r] = it.token_ids[0]
             v["positions"][r] = pos
             bt = it.block_table
             k = min(len(bt), ld)
-            tables[r, :k] = bt[:k]
+            tables[r, :k] = tables[r - 1, :k] if bt is prev else bt[:k]
+            prev = bt
             if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
                 tables[r, k : lens[r]] = sink
             lens[r] = k
             v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
-            self._fill_window(r, r, it, np.array([pos]))
+            if self.window_kv_blocks:
+                self._fill_window(r, r, it, np.array([pos]))
             self._fill_sampling(r, it)
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
