@@ -314,7 +314,10 @@ def engine_round(cuda, runner, tok, prompt: list[int], k: int, max_tokens: int) 
 def report(res: dict) -> str:
     lines = [f"device {res['device']}, model {res['model']}, k={res['k']}"]
     p = res["passes"]
-    lines.append(f"passes (GPU us per replay; short_context {p['short_context']}, verify may use short: {p['verify_short_ok']})")
+    lines.append(
+        f"passes (GPU us per replay; short_context {p['short_context']}; plain short launches safe for verify: "
+        f"{p['verify_short_ok']}, VSHORT launches: {p['verify_vshort']})"
+    )
     for depth, rows in p["depths"].items():
         for name, r in rows.items():
             if name == "kernels":
@@ -323,7 +326,7 @@ def report(res: dict) -> str:
             if "max_abs_diff" in r:
                 extra += f"  logits vs unfolded: max |diff| {r['max_abs_diff']:.3g}, same argmax {r['same_argmax']}"
             lines.append(
-                f"  depth {depth:>5}  {name:<14} {r['us']:8.1f} us  {r['plain_steps']:5.2f} plain steps  "
+                f"  depth {depth:>5}  {name:<16} {r['us']:8.1f} us  {r['plain_steps']:5.2f} plain steps  "
                 f"{r['launches']:4d} launches{extra}"
             )
         for name, kb in rows.get("kernels", {}).items():
