@@ -60,7 +60,7 @@ def test_a_speculative_round_is_one_graph_replay_and_one_sync(fake):
     assert off["per_round"] == {"graph launch": 1.0, "synchronize": 1.0}
     assert set(on["split_us"]) == {"schedule", "attach", "runner host", "device wait", "apply", "loop other"}
     assert "plain steps" in tool.report({"device": "fake", "model": "m", "k": 4, "passes": {
-        "short_context": 256, "verify_short_ok": False, "depths": {}}, "round": res})
+        "short_context": 256, "verify_short_ok": False, "verify_vshort": True, "depths": {}}, "round": res})
 
 
 def test_verify_passes_fold_the_norms_and_run_the_rope_kernel(tmp_path, monkeypatch):
