@@ -6,7 +6,8 @@
 is a ``KernelSpec`` plus grid, block, shared memory and symbolic ``Arg``s the runner binds once per
 bucket/chunk. Modes: ``decode1`` (batch 1, and the prefill head), ``decode`` (n rows, one token per
 sequence), ``prefill`` (n tokens of one sequence), ``short`` / ``short1`` (decode passes whose rows
-all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs).
+all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs),
+``vshort`` / ``vdecode`` (a speculative verify pass's, where a plan has them).
 Imports only the DSL (engine.graph), KernelSpec and quant row sizes; everything above it
 (engine.lowering, engine.plan, engine.runner_cuda) imports it. Must not import CUDA or numpy.
 """
@@ -29,17 +30,31 @@ MODES = ("decode1", "decode", "prefill")
 # short's (attention_decode.trigger_b1: the direct attention with its early pdl_trigger(); the L2
 # prefetches of engine.lowering.l2_prefetch)
 SHORT1 = "short1"
+# the short-context launches of a speculative verify pass (rows of one sequence) where the plan's
+# "short" rope is folded into the attention kernel (attention_decode.fuse_rope), which would race on
+# the rows' KV: the rope kernel (every row's KV written first), then the direct attention without it
+VSHORT = "vshort"
+# the launches of a speculative verify pass (2 .. 8 rows of one sequence) lowered in the decode mode
+# with the rmsnorm / silu_mul folded into the bucket GEMVs' x loads as batch 1 folds them
+# (engine.lowering.context.Lowerer.verify_lowering): a verify pass is a few rows, where the separate
+# norm and silu launches cost more than each GEMV block normalising its rows
+VDECODE = "vdecode"
 
 
-def launch_key(launches: Mapping[str, Any], mode: str, short: bool) -> str:
+def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
-    else "short" where it has that; otherwise the mode itself."""
+    VSHORT in a verify pass (``verify``) where it has that, else "short" where it has that;
+    otherwise in a decode verify pass VDECODE where the step has it; otherwise the mode itself."""
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
+        if verify and VSHORT in launches:
+            return VSHORT
         if "short" in launches:
             return "short"
+    if verify and mode == "decode" and VDECODE in launches:
+        return VDECODE
     return mode
 
 

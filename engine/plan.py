@@ -21,6 +21,8 @@ from engine.graph import ModelGraph, Op, QuantCombo
 from engine.ir import (
     MODES,
     ROPE_FREQ,
+    VDECODE,
+    VSHORT,
     WIDE,
     BufferPlan,
     Plan,
@@ -34,6 +36,12 @@ from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
 from engine.profile import DeviceProfile
 from engine.types import ConfigError
+
+# the ops of the graphs whose verify passes get VDECODE launches (a dense transformer: no recurrent
+# state or experts, whose verify passes run per position group or through their own kernels)
+VERIFY_FOLD_OPS = frozenset(
+    ("embed", "rmsnorm", "linear", "rope", "head_rmsnorm", "attention", "silu_mul", "gelu_tanh_mul", "add")
+)
 
 # ---------------------------------------------------------------------------------------------
 # building
@@ -247,6 +255,8 @@ def build_plan(
             return True
 
         lowerer.fusable1 = {k for k, kind in fusable.items() if all(q8x_reader(o, lay, kind) for o, lay in readers[k])}
+        if all(op.op in VERIFY_FOLD_OPS for op, _, _ in schedule):  # (no recurrent state, no experts)
+            lowerer.fusable_verify = {k for k in lowerer.fusable1 if all(q8x_reader(o, lay, "") for o, lay in readers[k])}
     if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
@@ -269,6 +279,11 @@ def build_plan(
             # attention, with the rope (and the q/k head norms it applies) folded in where
             # attention_decode.fuse_rope
             launches["short"] = tuple(lowerer.launches(op, layer, "short", ins, outs, ws))
+            if profile.tune("attention_decode").get("fuse_rope"):  # (the verify pass's, unfused)
+                launches[VSHORT] = tuple(lowerer.launches(op, layer, VSHORT, ins, outs, ws))
+        if lowerer.fusable_verify:  # a verify pass's decode launches, norms folded (engine.ir.VDECODE)
+            with lowerer.verify_lowering():
+                launches[VDECODE] = tuple(lowerer.launches(op, layer, "decode", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
     lowerer.profile = profile
 

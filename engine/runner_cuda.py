@@ -426,15 +426,15 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()) -> cuda.Graph:
+    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple = (), verify: bool = False) -> cuda.Graph:
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
-        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's."""
-        key = (bucket, kind, short, io, *((groups,) if groups else ()))
+        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's;
+        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE)."""
+        key = (bucket, kind, short, io, *((groups,) if groups else ()), *(("verify",) if verify else ()))
         if key not in self._graphs:
-            bound = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
-            )
+            mode = _decode_mode(bucket, self.plan.wide_rows)
+            bound = self._bind_pass(mode, bucket, bucket, False, kind, short, groups=groups, verify=verify)
             with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
                 if io or self.num_state_slots:
                     self._upload_inputs(bucket, kind)

@@ -54,6 +54,10 @@ def _decode_mode(bucket: int, wide_rows: int = 0) -> str:
 class StepLogic:
     """Host-side step logic of CudaRunner (engine.runner_cuda); see the module docstring."""
 
+    # a verify pass of n rows runs a graph of exactly n rows, not the bucket's (padding rows cost
+    # GEMV and attention work; tools/gpu_spec_round.py times both)
+    verify_exact_rows = True
+
     def _rope_freq_factors(self) -> np.ndarray:
         """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
         from engine import ops_ref
@@ -119,10 +123,12 @@ class StepLogic:
         short: bool = False,
         max_q: int = 1,
         groups: tuple[int, ...] = (),
+        verify: bool = False,
     ) -> list[Any]:  # (engine.runner_cuda._Bound)
         """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
         run once per group of consecutive rows (a hybrid verify pass, one group per draft
-        position, in order: engine.spec.cuda_verify), every other launch once over all rows."""
+        position, in order: engine.spec.cuda_verify), every other launch once over all rows.
+        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
         shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
@@ -130,7 +136,7 @@ class StepLogic:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short)
+            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short, verify)
             for launch in step.launches[key]:
                 if not launch.runs_at(n):
                     continue
@@ -237,6 +243,13 @@ class StepLogic:
         self._sync_step_allowed()
         return verify(self, items)
 
+    def prepare_verify(self, k: int) -> int:
+        """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare)."""
+        from engine.spec.cuda_verify import prepare
+
+        self._ensure_context()
+        return prepare(self, k)
+
     def _check_item(self, it: StepItem) -> None:
         check_step_item(
             it,
@@ -337,13 +350,18 @@ class StepLogic:
         short_ok: bool = True,
         state_snap: Sequence[int] | None = None,
         groups: tuple[int, ...] = (),
+        exact: bool = False,
+        verify: bool = False,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
         verify pass gives each row's snapshot slot (``state_snap``) and the row groups its stateful
-        launches run in, one after another (``groups``, the padding rows joining the last)."""
+        launches run in, one after another (``groups``, the padding rows joining the last).
+        ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
+        a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
+        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
         n = len(items)
-        bucket, groups = self._fill_decode(items, state_snap, groups)
+        bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
@@ -354,48 +372,52 @@ class StepLogic:
             self._upload_inputs(bucket, kind)
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
-        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups)
+        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify)
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
 
     def _launch_decode_pass(
-        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = ()
+        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = (), verify: bool = False
     ) -> None:
         """Run the bucket's decode pass on the stream: its CUDA graph, or eagerly without graphs."""
         if self.use_graphs:
-            self._graph(bucket, kind, short, io=io, groups=groups).launch(self.stream)
+            self._graph(bucket, kind, short, io=io, groups=groups, verify=verify).launch(self.stream)
             return
-        key = ("decode", bucket, kind, short, groups)
+        key = ("decode", bucket, kind, short, groups, *(("verify",) if verify else ()))
         if key not in self._eager:
             self._eager[key] = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups
+                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups, verify=verify
             )
         self._run(self._eager[key])
 
     def _fill_decode(
-        self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...]
+        self, items: Sequence[StepItem], state_snap: Sequence[int] | None, groups: tuple[int, ...], rows: int = 0
     ) -> tuple[int, tuple[int, ...]]:
         """Write decode rows' inputs into the pinned block (padding rows up to the bucket at the
-        sinks); returns the bucket and the row groups with the padding rows in the last."""
+        sinks, or up to ``rows`` where given); returns the bucket and the row groups with the
+        padding rows in the last."""
         n = len(items)
-        bucket = self._bucket_of[n]
+        bucket = rows or self._bucket_of[n]
         v = self._views
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
         lens, sink = self._table_len, self._sink_block
+        prev = None  # the last row's block table (a verify pass's rows share their sequence's)
         for r, it in enumerate(items):
             pos = it.start_pos
             v["tokens"][r] = it.token_ids[0]
             v["positions"][r] = pos
             bt = it.block_table
             k = min(len(bt), ld)
-            tables[r, :k] = bt[:k]
+            tables[r, :k] = tables[r - 1, :k] if bt is prev else bt[:k]
+            prev = bt
             if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
                 tables[r, k : lens[r]] = sink
             lens[r] = k
             v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
-            self._fill_window(r, r, it, np.array([pos]))
+            if self.window_kv_blocks:
+                self._fill_window(r, r, it, np.array([pos]))
             self._fill_sampling(r, it)
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0

@@ -140,6 +140,45 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
+def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, tmp_path):
+    """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
+    batch 1 folds them) on three rows against the plain bucket path (the rmsnorm / silu_mul kernel,
+    then the bucket GEMV): the same f32 row sums, bit for bit (SmolLM2-shaped q4_1)."""
+    from engine.ir import VDECODE
+
+    plan = plans["llama-q4_1"]
+    rng = np.random.default_rng(4)
+    folded = 0
+    for i, st in _layer0(plan, "linear"):
+        prev = plan.steps[i - 1]
+        for pv, pn in zip(_gemvs(st.launches[VDECODE]), _gemvs(st.launches["decode"]), strict=True):
+            if pv["prologue"] not in ("norm", "silu"):
+                assert pv == pn
+                continue
+            n, k = min(pv["n"], 2 * pv["rows_per_block"]), pv["k"]
+            pv, pn = {**pv, "n": n}, {**pn, "n": n}
+            raw = random_blocks("q4_1", n * k // 32, seed=folded)
+            w = np.ascontiguousarray(quant.repack(raw, pv["quant"], n, k) if pv["quant"] != "q4_1" else raw).reshape(-1)
+            nw = None
+            if pv["prologue"] == "norm":
+                x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+                nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+                (rs,) = prev.launches["decode"]
+                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                _run(rs.spec, (ROWS, 1, 1), rs.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
+            else:
+                x = _bf16(rng.standard_normal((ROWS, pv["x_stride"])) * 2.0)
+                (sm,) = prev.launches["decode"]
+                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                t = sm.block[0]
+                _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], ROWS], tmp_path)
+            want = run_gemv(tmp_path, w, xn, ROWS, **pn)
+            got = run_gemv(tmp_path, w, x, ROWS, nw, **pv)
+            assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
+            folded += 1
+    assert folded == 3  # q|k|v and gate|up after their norms, down after silu_mul
+
+
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
 def test_short_attention_equals_rope_split_attention_and_combine(plans, model, tmp_path):
     plan = plans[model]
@@ -184,6 +223,55 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         _run(comb.spec, (1, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
         assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
+    """A verify pass below split (VSHORT): the rope kernel writes three rows of one sequence (positions
+    p .. p + 2), then the direct attention without the folded rope reads them; against the same rows
+    through the split attention and the combine (the long launches): the same outputs, bit for bit."""
+    from engine.ir import VSHORT
+
+    plan = plans[model]
+    ((_, att),) = _layer0(plan, "attention")
+    ((_, rope_st),) = _layer0(plan, "rope")
+    (rope,) = rope_st.launches[VSHORT]
+    (direct,) = att.launches[VSHORT]
+    split, comb = att.launches["decode"]
+    assert rope.spec == rope_st.launches["decode"][0].spec
+    dp = direct.spec.params
+    assert dp["direct"] and not dp.get("rope")
+    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 3
+    rp = rope.spec.params
+    kv_stride, v_stride = rp["kv_stride"], rp.get("v_stride") or rp["kv_stride"]
+    rng = np.random.default_rng(8)
+    q_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
+    k_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
+    nblocks = dp["split"] // BS + 1
+    table = np.arange(nblocks, dtype=np.int32)[::-1].copy()
+    tables = np.tile(table, (rows, 1))
+    for p0 in (0, 40, dp["split"] - rows):
+        cache = _bf16(rng.standard_normal((2, nblocks, BS, kvh, hd)))
+        q = _bf16(rng.standard_normal((rows, dp["q_stride"])) * 2.0)
+        k = _bf16(rng.standard_normal((rows, kv_stride)) * 2.0)
+        v = _bf16(rng.standard_normal((rows, v_stride)))
+        pos = np.arange(p0, p0 + rows, dtype=np.int32)
+        slots = (table[pos // BS] * BS + pos % BS).astype(np.int32)
+        kc_, vc_ = cache[0].copy(), cache[1].copy()
+        _run(rope.spec, (rows, kc.rope_head_blocks(rp), 1), rope.block[0], 0,
+             [q, k, v, pos, q_norm, k_norm, None, kc_, vc_, slots, rows], tmp_path)  # fmt: skip
+        out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+        _run(direct.spec, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
+             [out_d, None, None, q, kc_, vc_, tables, pos, nblocks, 1], tmp_path)  # fmt: skip
+        ms = 2
+        part_o = np.full((rows, heads, ms, hd), np.nan, np.float32)
+        part_ml = np.full((rows, heads, ms, 2), np.nan, np.float32)
+        _run(split.spec, (rows, kvh, ms), split.block[0], 0,
+             [None, part_o, part_ml, q, kc_, vc_, tables, pos, nblocks, ms], tmp_path)  # fmt: skip
+        out_s = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+        _run(comb.spec, (rows, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
+        assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
+        assert np.array_equal(out_d, out_s), (model, p0, int((out_d != out_s).sum()))
 
 
 @pytest.mark.parametrize(

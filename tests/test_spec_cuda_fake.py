@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import test_plan_runner_fake as base  # noqa: E402
 
-from engine.spec.cuda_verify import narrow_rows, short_is_safe  # noqa: E402
+from engine.ir import VSHORT  # noqa: E402
+from engine.spec.cuda_verify import has_verify_short, narrow_rows, short_is_safe  # noqa: E402
 from engine.types import StepItem  # noqa: E402
 
 fake = base.fake
@@ -34,16 +35,27 @@ def test_verify_runs_draft_positions_as_decode_rows_of_one_bucket(fake):
     out = runner.verify(items)
     assert out == [[0, 0, 0, 0], [0], [0]]
     v = runner._views
-    assert v["positions"][:8].tolist() == [5, 6, 7, 8, 9, 10, 11, 0]  # 7 rows padded to bucket 8
+    assert v["positions"][:7].tolist() == [5, 6, 7, 8, 9, 10, 11]  # 7 rows: a graph of 7, no padding
     assert v["tokens"][:7].tolist() == [7, 0, 0, 0, 7, 3, 0]
     assert v["slots"][:7].tolist() == [5, 6, 7, 8, 2 * 16 + 9, 2 * 16 + 10, 2 * 16 + 11]
     tables = runner._tables[: 8 * runner._table_ld].reshape(8, -1)
     assert tables[:7, 0].tolist() == [0, 0, 0, 0, 2, 2, 2]
     argmax = {g for n, g, _ in drv.launches if n.startswith("argmax")}
-    assert (8, 1, 1) in argmax  # the bucket-8 graph's sampler covers every verify row
+    assert (7, 1, 1) in argmax and (8, 1, 1) not in argmax  # the 7-row graph's sampler: every verify row
     captures, launches = drv.captures, drv.graph_launches
     assert runner.verify([items[0], items[2]]) == [[0, 0, 0, 0], [0]]
     assert drv.captures == captures and drv.graph_launches == launches + 1  # replayed, not recaptured
+
+
+def test_verify_pass_in_the_bucket_graph_when_exact_rows_are_off(fake):
+    """``verify_exact_rows = False``: a 5-row verify pass (k = 4) runs the bucket-8 graph, its 3
+    padding rows at the sink block (the A/B of tools/gpu_spec_round.py)."""
+    runner, drv = fake
+    runner.verify_exact_rows = False
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0])]) == [[0, 0, 0, 0, 0]]
+    assert runner._views["positions"][:8].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert runner._views["slots"][5:8].tolist() == [runner._sink_block * 16] * 3
+    assert {g for n, g, _ in drv.launches if n.startswith("argmax")} == {(8, 1, 1)}
 
 
 def test_eager_verify_without_graphs(fake):
@@ -61,6 +73,26 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
     assert short_is_safe(plan({}))
     assert short_is_safe(plan({"short": (1,)}))
     assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
+
+
+def test_short_verify_rows_run_the_rope_kernel_then_the_direct_attention(fake):
+    """The h200 profile folds the short rope into the direct attention (unsafe for one sequence's
+    rows): a verify pass below split_kv_tokens takes the plan's VSHORT launches (the rope kernel,
+    then the direct attention without the rope, no combine); past it, the long launches."""
+    runner, drv = fake
+    plan = runner.plan
+    assert not short_is_safe(plan) and has_verify_short(plan)
+    for st in plan.steps:
+        if st.op.op == "attention":
+            assert st.launches["short"][0].spec.params.get("rope") and not st.launches[VSHORT][0].spec.params.get("rope")
+            assert st.launches[VSHORT][0].spec.params["direct"]
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0])]) == [[0, 0, 0, 0, 0]]
+    names = [b.fn.name for b in runner._graphs[(5, "greedy", True, True, "verify")][1]]
+    assert sum(n.startswith("rope") for n in names) == plan.dims["layers"]
+    assert not any(n.startswith("attention_combine") for n in names)
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0, 0, 0, 0, 0]]
+    names = [b.fn.name for b in runner._graphs[(5, "greedy", False, True, "verify")][1]]
+    assert sum(n.startswith("attention_combine") for n in names) == plan.dims["layers"]
 
 
 def test_verify_passes_stay_below_the_wide_decode():
@@ -97,3 +129,20 @@ def test_masked_and_logprobs_rows_beside_draft_rows(fake):
     assert items[2].logprobs_out == (0.0, [(0, 0.0), (0, 0.0)])
     assert items[0].logprobs_out is None and items[1].logprobs_out is None
     assert read == []  # no logits read back
+
+
+def test_build_speculator_captures_the_verify_graphs_ahead(fake):
+    """build_speculator on the CUDA runner captures every verify graph a round may replay (2 .. 8
+    rows, short and long, from padding rows at the sink block), so no round captures one."""
+    from engine.spec.build import build_speculator
+    from engine.spec.config import SpecConfig
+
+    runner, drv = fake
+    build_speculator(SpecConfig("ngram", k=4), None, runner)
+    assert drv.captures == 14
+    assert {key[:3] for key in runner._graphs if key[-1] == "verify"} == {
+        (n, "greedy", s) for n in range(2, 9) for s in (True, False)
+    }
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0]), _draft_item(2, [0, 0], 9, [2])]) == [[0] * 5, [0] * 3]
+    assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0] * 5]
+    assert drv.captures == 14

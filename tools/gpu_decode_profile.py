@@ -46,12 +46,12 @@ GREEDY = SamplingParams(temperature=0.0)
 COPIES = 20
 
 
-def pass_labels(runner, mode: str, short: bool, sampling: str) -> list[str]:
+def pass_labels(runner, mode: str, short: bool, sampling: str, verify: bool = False) -> list[str]:
     """One label per launch of a decode pass, in CudaRunner._bind_pass order; the lm_head's
     launches (their step writes the logits) are labelled ``head:``."""
     labels = []
     for step in runner.plan.steps:
-        key = launch_key(step.launches, mode, short)
+        key = launch_key(step.launches, mode, short, verify)
         op = "head" if "logits" in step.op.outputs else step.op.op
         for launch in step.launches[key]:
             labels.append(f"{op}:{launch.spec.entry}")
@@ -60,12 +60,12 @@ def pass_labels(runner, mode: str, short: bool, sampling: str) -> list[str]:
     return labels
 
 
-def pass_weight_bytes(runner, mode: str, short: bool, sampling: str) -> list[int]:
+def pass_weight_bytes(runner, mode: str, short: bool, sampling: str, verify: bool = False) -> list[int]:
     """The weight bytes each launch of a decode pass reads (its weight args), in pass_labels order."""
     sizes = {w.key: w.nbytes for w in runner.plan.weights}
     out = []
     for step in runner.plan.steps:
-        for launch in step.launches[launch_key(step.launches, mode, short)]:
+        for launch in step.launches[launch_key(step.launches, mode, short, verify)]:
             out.append(sum(sizes.get(a.ref, 0) for a in launch.args if a.kind == "weight"))
     return out + [0] * len(runner.plan.sampling[sampling])
 

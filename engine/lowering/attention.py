@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from engine import kernel_catalog as kc
-from engine.ir import NULL, SHORT1, Arg, Launch, ScratchPlan, Step, Value, WeightPlan, val
+from engine.ir import NULL, SHORT1, VSHORT, Arg, Launch, ScratchPlan, Step, Value, WeightPlan, val
 from engine.lowering.registry import post_pass, register, same_width
 from engine.lowering.rope import vec16
 
@@ -57,10 +57,10 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         smem = kc.attention_prefill_smem(spec.params)
         return [Launch(spec, grid, (32 * pw,), args, smem)]
     t = ctx.tune("attention_decode")
-    if mode == "short":
+    if mode in ("short", VSHORT):
         # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
-        # before this op may be folded in (the rope unit set rope_fused)
-        rope, rope_args = ctx.rope_fused.get(layer, ({}, ()))
+        # before this op may be folded in (the rope unit set rope_fused), never in a verify pass's
+        rope, rope_args = ctx.rope_fused.get(layer, ({}, ())) if mode == "short" else ({}, ())
         warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
         qsplit = kc.direct_qsplit(heads // kvh, ctx.profile.tuning)
         spec = ctx.spec(

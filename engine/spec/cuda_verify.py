@@ -2,16 +2,22 @@
 
 Each verify position becomes its own decode row: row j of a draft item runs token ``token_ids[j]``
 at position ``start_pos + j`` over the item's block table. All rows of a step go through the
-runner's decode path at once (``CudaRunner._decode``: the captured CUDA graph of the batch bucket
-that holds them, with the pinned inputs copied in and the argmax ids copied out by the graph), so
-verification replays the same graphs and kernels as plain decoding (the verify shapes are the
-decode buckets) and a greedy row's argmax at each position has the bits of a plain decode step of
-the same batch bucket. Passes stay below the wide decode (``narrow_rows``), and the bucket
-kernels give a row the bits of the batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's
-argmax is that of the plain decode step at its position. The KV of every row is written by the rope kernel before the attention
-kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
+runner's decode path at once (``CudaRunner._decode(verify=True)``: one captured CUDA graph of the
+pass's rows, with the pinned inputs copied in and the argmax ids copied out by the graph), through
+the bucket decode kernels, with the plan's verify launches where it has them (``engine.ir.VDECODE``:
+the rmsnorm / silu_mul folded into the bucket GEMVs as batch 1 folds them; ``VSHORT`` below). Passes
+stay below the wide decode (``narrow_rows``), and the bucket kernels give a row the bits of the
+batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's argmax is that of the
+plain decode step at its position. The KV of every row is written by the rope kernel before the
+attention kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
-read those slots, so verification then uses the long-context launches.
+read those slots, so verification then uses the plan's verify launches (``engine.ir.VSHORT``: the
+rope kernel, then the direct attention without the rope), or the long-context launches where the
+plan has none (a hybrid's verify pass).
+
+A verify pass runs exactly its rows (``CudaRunner.verify_exact_rows``: a graph per row count, k + 1
+rows for one draft), not the bucket's: padding rows would run every GEMV and attention kernel for
+nothing.
 
 Greedy rows without penalties are accepted from the argmax ids alone; other rows read the logits
 back and go through ``engine.spec.accept`` on the host.
@@ -39,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine.ir import VSHORT
 from engine.spec.accept import accept, accept_greedy_ids
 from engine.types import MemraError, SamplingParams, StepItem
 
@@ -51,6 +58,13 @@ def short_is_safe(plan: Any) -> bool:
     return not any(st.op.op == "rope" and "short" in st.launches and not st.launches["short"] for st in plan.steps)
 
 
+def has_verify_short(plan: Any) -> bool:
+    """Whether every rope step of the plan has verify launches (engine.ir.VSHORT) that write the KV
+    before the attention reads it: a verify pass below short_context then takes them."""
+    ropes = [st for st in plan.steps if st.op.op == "rope"]
+    return bool(ropes) and all(st.launches.get(VSHORT) for st in ropes)
+
+
 def narrow_rows(plan: Any, max_rows: int) -> int:
     """The most rows a verify pass takes at once: the largest decode bucket below the wide decode
     (``plan.wide_rows``: bf16 weights as GEMMs, whose rows do not get a batch-1 step's bits), so
@@ -59,6 +73,26 @@ def narrow_rows(plan: Any, max_rows: int) -> int:
     wide = int(getattr(plan, "wide_rows", 0) or 0)
     below = [b for b in getattr(plan, "graph_batch_sizes", ()) if b < wide] if wide else []
     return max(below) if below else max_rows
+
+
+def prepare(runner: Any, k: int, max_drafts: int = 8) -> int:
+    """Capture ahead the verify graphs that drafts of up to ``k`` tokens may replay (CudaRunner
+    .prepare_verify, from engine.spec.build): every row count from 2 up to ``max_drafts`` drafts of
+    k tokens (at most ``narrow_rows``), short and long context, so no round pays for a capture. The
+    warm run before each capture writes only the sink block (padding rows). Not for hybrids (their
+    graphs are per row grouping) or without graphs. Returns the graphs captured."""
+    if not runner.use_graphs or getattr(runner, "num_state_slots", 0):
+        return 0
+    most = min(narrow_rows(runner.plan, runner._max_rows), max_drafts * (k + 1))
+    vshort = short_is_safe(runner.plan) or has_verify_short(runner.plan)
+    done = 0
+    for rows in range(2, most + 1):
+        for short in (True, False) if vshort else (False,):
+            runner._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
+            runner._graph(rows, "greedy", short, io=True, verify=True)
+            done += 1
+    runner.stream.synchronize()
+    return done
 
 
 def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
@@ -84,6 +118,7 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     safe = getattr(runner, "_verify_short_ok", None)
     if safe is None:
         safe = runner._verify_short_ok = short_is_safe(runner.plan)
+        runner._verify_vshort = not safe and has_verify_short(runner.plan)
     hybrid = bool(getattr(runner, "num_state_slots", 0))
     scratch_slots = len(runner.spec_scratch()) if hybrid else 0
     run_group = _verify_group_hybrid if hybrid else _verify_group
@@ -121,7 +156,8 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
                 StepItem(it.seq_id, [tok], it.start_pos + j, it.block_table, True, _GREEDY, window_table=it.window_table)
             )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
-    ids = r._decode(rows, short_ok=short_ok)
+    vshort = not short_ok and r._verify_vshort  # (the rope kernel, then the unfused direct attention)
+    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=True)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []
