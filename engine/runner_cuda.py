@@ -87,8 +87,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
     ``window_table`` (engine.runner_kv, engine.kv_groups): ``window_kv_blocks`` None sizes it for
     an engine of ``max_running`` sequences and ``prefill_chunk_tokens`` prefill tokens a step
     (default: the profile's), N > 0 takes N blocks, 0 keeps one pool (items then need no
-    ``window_table``). ``delta_prefill``: a hybrid's gated delta rule prefill form (build_plan's;
-    "" the default, chunked: tests and benches compare the recurrent one).
+    ``window_table``). ``delta_prefill``: build_plan's (tests and benches compare the forms).
     """
 
     backend = "cuda"
@@ -114,10 +113,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         self._ctx_local.current = True
         self.profile = profile or select(self.ctx.info)
         self.model = model
-        dtypes = {k: v for k, v in getattr(model, "tensor_dtypes", {}).items()}
-        self.plan: Plan = build_plan(
-            model.graph, model.dims, model.quant, self.profile, dtypes, model.rope_style, delta_prefill=delta_prefill
-        )
+        dtypes, m = dict(getattr(model, "tensor_dtypes", {})), model
+        self.plan: Plan = build_plan(m.graph, m.dims, m.quant, self.profile, dtypes, m.rope_style, delta_prefill=delta_prefill)
         self.use_graphs = use_graphs
         self._pdl = _pdl_enabled(self.profile, self.ctx.info.compute_capability)
         self._resident: dict[Any, int] = {}  # (spec, block, smem) -> blocks resident on the GPU
@@ -429,7 +426,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
     def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple = (), verify: bool = False) -> cuda.Graph:
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
-        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's;
+        read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's,
         ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE)."""
         key = (bucket, kind, short, io, *((groups,) if groups else ()), *(("verify",) if verify else ()))
         if key not in self._graphs:
