@@ -53,6 +53,8 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     gemv_mma_params,
     mma_bmax,
     mma_serves,
+    mma_smem,
+    mma_xchunk,
 )
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,

@@ -28,6 +28,36 @@ MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile
 MMA_MIN_UNITS = 2  # the fewest units a warp's k slice has where the k split is chosen
 MMA_BLOCKS_PER_SM = 2  # the k split over blocks aims at this many blocks per SM at the bmax-8 row tile
 MMA_MAX_KPARTS = 4
+MMA_XSM_BYTES = 96 * 1024  # the most shared memory a block's x stages take (2 blocks an SM: 192 KB)
+SMEM_MAX = 227 * 1024  # a block's shared memory on sm_90 (sm_80: 163 KB; the x chunk stays below both)
+
+
+def _x_rounds(quant: str, k: int, wk: int, kparts: int) -> int:
+    """The unit rounds of a block's k part: its units (the first part's, the most) over wk warps."""
+    return _cdiv(_cdiv(k // MMA_UNIT[quant], kparts), wk)
+
+
+def mma_smem(p: Mapping[str, Any]) -> int:
+    """Dynamic shared memory bytes of gemv_mma ``p``: with xsm (units a warp takes from an x
+    chunk) its x stages, [stages][bmax][row] bf16 (kernels/gemv_mma.cu.j2's XST, XROW), else 0."""
+    if not p.get("xsm"):
+        return 0
+    ue, wk = MMA_UNIT[p["quant"]], p["wk"]
+    chunk = p["xsm"] * wk * ue  # elements of a chunk's row
+    stages = 1 if p["xsm"] >= _x_rounds(p["quant"], p["k"], wk, p["kparts"]) else 2
+    return stages * p["bmax"] * (chunk + (32 if chunk * 2 % 128 == 0 else 0)) * 2
+
+
+def mma_xchunk(quant: str, k: int, bmax: int, wk: int, kparts: int) -> int:
+    """The xsm of a launch: the unit rounds of an x chunk -- the whole k part where its bmax rows
+    fit MMA_XSM_BYTES (one stage, loaded once), else the most rounds whose two stages fit; 0 (x
+    read from global memory) where not even one round's do."""
+    rounds = _x_rounds(quant, k, wk, kparts)
+    p = dict(quant=quant, k=k, bmax=bmax, wk=wk, kparts=kparts)
+    for xsm in (rounds, *range(rounds - 1, 0, -1)):
+        if mma_smem({**p, "xsm": xsm}) <= MMA_XSM_BYTES:
+            return xsm
+    return 0
 
 
 def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int]:
@@ -111,6 +141,7 @@ def gemv_mma_params(
         cluster=False,
         trigger=False,
         min_blocks=min_blocks,
+        xsm=mma_xchunk(quant, k, bmax, wk, kparts),
     )
 
 

@@ -66,7 +66,8 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> 
             args += (Arg("scratch", "mma_part" + tag), Arg("scratch", "mma_count" + tag))
         args += extra
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
-        launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
+        smem = kc.mma_smem(spec.params)  # (xsm: the x stages)
+        launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, smem=smem, min_rows=lo, max_rows=hi))
     if glu:
         ctx.glu_done.add((mode, out.name))
     return launches
