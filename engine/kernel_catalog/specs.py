@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kernel_catalog.checks import _check
-from engine.kernel_catalog.gemv_mma import mma_smem
 from engine.kernel_catalog.contracts import (
     _DEFAULT_NAME,
     KERNELS,
@@ -20,6 +19,7 @@ from engine.kernel_catalog.contracts import (
     STAGED_DEFAULT,
     P,
 )
+from engine.kernel_catalog.gemv_mma import mma_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
