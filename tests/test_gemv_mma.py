@@ -219,7 +219,7 @@ def test_the_plan_stages_x_within_the_budget_and_keeps_the_k_split():
         for bmax in (8, 16, 32, 64):
             p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132)
             c = kc.choice("gemv_mma", **p)
-            assert c.smem == kc.mma_smem(p) <= MMA_XSM_BYTES, (qt, n, k, bmax)
+            assert c.smem == kc.mma_smem(p) <= MMA_XSM_BYTES[bmax], (qt, n, k, bmax)
             assert (c.smem > 0) == (p["xsm"] > 0)
             if bmax == 8:
                 assert p["xsm"] > 0, (qt, n, k)
@@ -229,6 +229,35 @@ def test_the_plan_stages_x_within_the_budget_and_keeps_the_k_split():
     for over, msg in ((dict(xsm=21), "xsm=21 exceeds the 20"), (dict(xsm=20, bmax=64, mt=2), "xsm=20: x stages")):
         with pytest.raises(ConfigError, match=msg):
             kc.spec("gemv_mma", **{**one, **over})
+
+
+def test_the_row_tile_fills_one_wave_without_touching_the_k_split():
+    """At bmax 8 / 16 mma_row_tile picks the tile whose grid runs in one wave of resident blocks and
+    spreads most evenly over the SMs; wk / kparts (a row's bits) stay those of the weight's shape,
+    whatever the tile and x staging; bmax 32 / 64 keep MMA_SHAPES; without fit_tile / stage_x the
+    launches are MMA_SHAPES' with x from global memory (tools/gpu_linear_bench.py's plan=base)."""
+    from engine.kernel_catalog.gemv_mma import MMA_SHAPES, SM_SMEM
+
+    for qt, n, k in (("bf16", 6144, 2560), ("bf16", 2560, 9728), ("bf16", 19456, 2560), ("q4_k", 2560, 9728),
+                     ("q4_k", 19456, 2560), ("q6_kr", 2560, 4096), ("q8_0r", 1024, 512)):  # fmt: skip
+        for bmax in (8, 16, 32, 64):
+            p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132)
+            base = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132, stage_x=False, fit_tile=False)
+            assert (p["wk"], p["kparts"]) == (base["wk"], base["kparts"]), (qt, n, k, bmax)
+            assert (base["mt"], base["wm"], base["xsm"]) == (*MMA_SHAPES[bmax], 0)
+            if bmax > 16:
+                assert (p["mt"], p["wm"]) == MMA_SHAPES[bmax]
+                continue
+            blocks = -(-n // (16 * p["mt"] * p["wm"])) * p["kparts"]
+            smem = kc.mma_smem(p) + p["wm"] * p["mt"] * bmax * 64 + 1024
+            resident = min(p["min_blocks"], SM_SMEM // smem)
+            if (p["mt"], p["wm"]) != MMA_SHAPES[bmax]:
+                assert blocks <= resident * 132, (qt, n, k, bmax, p["mt"], p["wm"])
+    tall = kc.gemv_mma_params("bf16", 19456, 2560, 8, sm_count=132)  # 608 blocks of 32 rows: 2.3 waves
+    assert (tall["mt"], tall["wm"], tall["depth"]) == (4, 1, 1)  # 304 blocks of 4 warps, 1 KB x 4 in flight each
+    small = kc.gemv_mma_params("bf16", 6144, 2560, 8, sm_count=132)  # 192 of 8 warps: 60 SMs hold 2, 72 one
+    assert (small["mt"], small["wm"], small["min_blocks"]) == (1, 1, 4)  # 384 of 4: 2.9 an SM
+    assert kc.gemv_mma_params("q4_k", 19456, 2560, 8, sm_count=132)["mt"] == 1  # (mt 4 would spill)
 
 
 def test_residual_aliasing_out_and_the_glu_epilogue():
