@@ -52,6 +52,7 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     MMA_FILE_TYPES,
     gemv_mma_params,
     mma_bmax,
+    mma_min_blocks,
     mma_serves,
     mma_smem,
     mma_xchunk,

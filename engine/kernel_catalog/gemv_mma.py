@@ -93,6 +93,12 @@ def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int
     return wk, best
 
 
+def mma_min_blocks(bmax: int, wm: int, wk: int) -> int:
+    """__launch_bounds__' minimum of resident blocks per SM: at bmax 8 and 16 those that give a
+    thread 128 registers (2 blocks of 256 threads, 4 of 128, ...), above 1 (no bound)."""
+    return 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+
+
 def mma_row_tile(quant: str, n: int, bmax: int, wk: int, kparts: int, smem: int, sm_count: int = 0) -> tuple[int, int]:
     """(mt, wm) of a launch: at bmax 32 and 64 MMA_SHAPES[bmax]; at bmax 8 and 16 (batch 1 and the
     small buckets) the MMA_TILES tile whose grid (row tiles x kparts) runs in one wave of the blocks
@@ -107,7 +113,7 @@ def mma_row_tile(quant: str, n: int, bmax: int, wk: int, kparts: int, smem: int,
     for mt, wm in MMA_TILES:
         if mt > MMA_MT_MAX.get(bmax, {}).get(quant, 2):
             continue
-        resident = 256 // (32 * wm * wk) * 2
+        resident = mma_min_blocks(bmax, wm, wk)
         if smem:  # (+ the k groups' static reduction buffer and the 1 KB an SM reserves per block)
             resident = min(resident, SM_SMEM // (smem + wm * mt * bmax * 64 + 1024))
         blocks = _cdiv(n, 16 * mt * wm) * kparts
@@ -154,7 +160,7 @@ def gemv_mma_params(
     # at bmax 8 and 16, 128 registers a thread: 2 blocks of 256 threads (4 of 128) per SM; the units
     # in flight per warp (depth x mt m tiles) MMA_DEPTH, but q6_kr's raw units (and q4_k's at bmax
     # 16) 2, to fit without spills, and the 4-bit types' 1 where a small k leaves fewer warps
-    min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+    min_blocks = mma_min_blocks(bmax, wm, wk)
     units = MMA_DEPTH
     if bmax <= 16 and (quant == "q6_kr" or (bmax == 16 and quant == "q4_k")):
         units = 2
