@@ -16,12 +16,13 @@ from engine.storage import REPACKED_FROM
 # rows runs the first whose range holds it (more than 64 rows: bmax 64 per grid row); batch 1 takes
 # the bmax-8 kernel
 MMA_BUCKETS = ((8, 0, 8), (16, 9, 16), (32, 17, 32), (64, 33, 0))
-# bmax -> (m tiles per warp, warps side by side over rows): x fragments are reused over mt m tiles
-# and shared through L1 by the wm warps of a block, so x bytes read per weight byte stay bounded as
-# the batch grows
 # the file storage types whose upload layout gemv_mma decodes (tuning gemv_mma.types; q8_0 where it
 # is uploaded as q8_0r; q5_0 as q5_0r, which only gemv_mma's types ask for)
 MMA_FILE_TYPES = ("bf16", "q8_0", "q4_k", "q6_k", "q4_0", "q4_1", "q5_0")
+# bmax -> (m tiles per warp, warps side by side over rows): x fragments are reused over mt m tiles
+# and shared by the wm warps of a block (in shared memory: xsm; else through L1), so x bytes read
+# per weight byte stay bounded as the batch grows (bmax 8 / 16: where mma_row_tile finds no tile
+# of one wave; the k split's reference tile at every bmax)
 MMA_SHAPES = {8: (1, 2), 16: (1, 2), 32: (2, 2), 64: (2, 2)}
 # bmax 8 / 16 row tiles (mt, wm) mma_row_tile chooses from, and the most m tiles per warp whose
 # ring fits 128 registers without spills (ptxas, sm_90) at each bmax (2 where not named)
