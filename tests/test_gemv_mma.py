@@ -417,6 +417,9 @@ def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1
                 las = st.launches[mode]
                 if st.op.op == "linear":
                     assert las and {la.spec.template for la in las} == {"gemv_mma"}, (name, st.layer, mode)
+                    # the x stages' dynamic shared memory travels with the launch (staged at bmax 8)
+                    assert all(la.smem == kc.mma_smem(la.spec.params) for la in las), (name, mode)
+                    assert all(la.smem > 0 for la in las if la.spec.params["bmax"] == 8), (name, mode)
                     ranges = sorted((la.min_rows, la.max_rows) for la in las)
                     if mode == "decode":
                         assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(las) % 4 == 0, ranges
