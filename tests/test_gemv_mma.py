@@ -236,7 +236,7 @@ def test_the_row_tile_fills_one_wave_without_touching_the_k_split():
     spreads most evenly over the SMs; wk / kparts (a row's bits) stay those of the weight's shape,
     whatever the tile and x staging; bmax 32 / 64 keep MMA_SHAPES; without fit_tile / stage_x the
     launches are MMA_SHAPES' with x from global memory (tools/gpu_linear_bench.py's plan=base)."""
-    from engine.kernel_catalog.gemv_mma import MMA_SHAPES, SM_SMEM
+    from engine.kernel_catalog.gemv_mma import MMA_SHAPES, SM_SMEM, mma_red_bytes
 
     for qt, n, k in (("bf16", 6144, 2560), ("bf16", 2560, 9728), ("bf16", 19456, 2560), ("q4_k", 2560, 9728),
                      ("q4_k", 19456, 2560), ("q6_kr", 2560, 4096), ("q8_0r", 1024, 512)):  # fmt: skip
@@ -249,7 +249,7 @@ def test_the_row_tile_fills_one_wave_without_touching_the_k_split():
                 assert (p["mt"], p["wm"]) == MMA_SHAPES[bmax]
                 continue
             blocks = -(-n // (16 * p["mt"] * p["wm"])) * p["kparts"]
-            smem = kc.mma_smem(p) + p["wm"] * p["mt"] * bmax * 64 + 1024
+            smem = kc.mma_smem(p) + mma_red_bytes(bmax, p["mt"], p["wm"], p["wk"]) + 1024
             resident = min(p["min_blocks"], SM_SMEM // smem)
             if (p["mt"], p["wm"]) != MMA_SHAPES[bmax]:
                 assert blocks <= resident * 132, (qt, n, k, bmax, p["mt"], p["wm"])

@@ -131,7 +131,8 @@ KERNELS: dict[str, KernelDoc] = {
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
         "(wm * wk * 32,)",
-        "static: wm * mt * bmax * 64 bytes when wk > 1 (+ 33 * bmax * 4 with prologue norm); dynamic with "
+        "static: the k groups' sums when wk > 1 (kernel_catalog.gemv_mma.mma_red_bytes; + 33 * bmax * 4 with "
+        "prologue norm); dynamic with "
         "xsm > 0: the x stages, kernel_catalog.gemv_mma.mma_smem",
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
          "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1, "xsm": 0},

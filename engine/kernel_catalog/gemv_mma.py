@@ -94,6 +94,13 @@ def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int
     return wk, best
 
 
+def mma_red_bytes(bmax: int, mt: int, wm: int, wk: int) -> int:
+    """Static shared memory of the k groups' sums (kernels/gemv_mma.cu.j2's red): a slice of
+    wm * mt * bmax * 64 bytes per group past the first where those fit 16 KB (one barrier), else one."""
+    one = wm * mt * bmax * 64
+    return 0 if wk == 1 else (wk - 1) * one if (wk - 1) * one <= 16384 else one
+
+
 def mma_min_blocks(bmax: int, wm: int, wk: int) -> int:
     """__launch_bounds__' minimum of resident blocks per SM: at bmax 8 and 16 those that give a
     thread 128 registers (2 blocks of 256 threads, 4 of 128, ...), above 1 (no bound)."""
@@ -116,7 +123,7 @@ def mma_row_tile(quant: str, n: int, bmax: int, wk: int, kparts: int, smem: int,
             continue
         resident = mma_min_blocks(bmax, wm, wk)
         if smem:  # (+ the k groups' static reduction buffer and the 1 KB an SM reserves per block)
-            resident = min(resident, SM_SMEM // (smem + wm * mt * bmax * 64 + 1024))
+            resident = min(resident, SM_SMEM // (smem + mma_red_bytes(bmax, mt, wm, wk) + 1024))
         blocks = _cdiv(n, 16 * mt * wm) * kparts
         if blocks > resident * sms:
             continue  # (waves: each block's start and end paid again)
