@@ -53,6 +53,7 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     gemv_mma_params,
     mma_bmax,
     mma_min_blocks,
+    mma_resident,
     mma_serves,
     mma_smem,
     mma_xchunk,

@@ -107,6 +107,18 @@ def mma_min_blocks(bmax: int, wm: int, wk: int) -> int:
     return 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
 
 
+def mma_resident(bmax: int, mt: int, wm: int, wk: int, smem: int) -> int:
+    """The blocks an SM holds at once at bmax 8 and 16 (mma_min_blocks' register bound; fewer where
+    ``smem`` bytes of x stages, the k groups' static buffer and the 1 KB an SM reserves per block
+    bind them); above, 2 (the k split's assumption)."""
+    if bmax > 16:
+        return MMA_BLOCKS_PER_SM
+    resident = mma_min_blocks(bmax, wm, wk)
+    if smem:
+        resident = min(resident, SM_SMEM // (smem + mma_red_bytes(bmax, mt, wm, wk) + 1024))
+    return resident
+
+
 def mma_row_tile(quant: str, n: int, bmax: int, wk: int, kparts: int, smem: int, sm_count: int = 0) -> tuple[int, int]:
     """(mt, wm) of a launch: at bmax 32 and 64 MMA_SHAPES[bmax]; at bmax 8 and 16 (batch 1 and the
     small buckets) the MMA_TILES tile whose grid (row tiles x kparts) runs in one wave of the blocks
@@ -121,9 +133,7 @@ def mma_row_tile(quant: str, n: int, bmax: int, wk: int, kparts: int, smem: int,
     for mt, wm in MMA_TILES:
         if mt > MMA_MT_MAX.get(bmax, {}).get(quant, 2):
             continue
-        resident = mma_min_blocks(bmax, wm, wk)
-        if smem:  # (+ the k groups' static reduction buffer and the 1 KB an SM reserves per block)
-            resident = min(resident, SM_SMEM // (smem + mma_red_bytes(bmax, mt, wm, wk) + 1024))
+        resident = mma_resident(bmax, mt, wm, wk, smem)
         blocks = _cdiv(n, 16 * mt * wm) * kparts
         if blocks > resident * sms:
             continue  # (waves: each block's start and end paid again)

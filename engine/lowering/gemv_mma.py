@@ -56,7 +56,8 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> 
         if p["kparts"] > 1 and ctx.tune("gemv_mma").get("cluster") and arch_number(ctx.profile.arch) >= 90:
             p["cluster"] = True  # the parts summed through distributed shared memory (sm_90)
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
-        if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= 2 * ctx.profile.sm_count:
+        resident = kc.mma_resident(bmax, p["mt"], p["wm"], p["wk"], kc.mma_smem(p))
+        if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= resident * ctx.profile.sm_count:
             p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
