@@ -104,7 +104,7 @@ def mma_red_bytes(bmax: int, mt: int, wm: int, wk: int) -> int:
 def mma_min_blocks(bmax: int, wm: int, wk: int) -> int:
     """__launch_bounds__' minimum of resident blocks per SM: at bmax 8 and 16 those that give a
     thread 128 registers (2 blocks of 256 threads, 4 of 128, ...), above 1 (no bound)."""
-    return 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+    return max(1, 256 // (32 * wm * wk) * 2) if bmax <= 16 else 1
 
 
 def mma_resident(bmax: int, mt: int, wm: int, wk: int, smem: int) -> int:
