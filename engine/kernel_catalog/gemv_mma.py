@@ -1,6 +1,7 @@
 """The params of gemv_mma, the tensor-core decode linear (kernels/gemv_mma.cu.j2): its row buckets,
-the k split of a weight (the same at every batch size: what fixes a row's bits) and the row tile of
-each bucket. Imports only the catalog's contracts and layout. Must not import CUDA.
+the k split of a weight (the same at every batch size: what fixes a row's bits), the row tile of
+each launch, its x staging chunks and their shared memory. Imports only the catalog's contracts
+and layout (and engine.storage). Must not import CUDA.
 """
 
 from __future__ import annotations
