@@ -88,10 +88,14 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).view(np.float32)
 
 
-def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, norm_w=None) -> np.ndarray:
+def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, norm_w=None,
+         reverse: bool = False) -> np.ndarray:
     """gemv_mma ``p`` under the emulator on x rows (f32 values, bf16-exact): its output [rows, n]
-    as f32, from a NaN-poisoned out (or ``residual``, aliased as out, for a residual spec)."""
-    s = kc.spec("gemv_mma", **p)
+    as f32, from a NaN-poisoned out (or ``residual``, aliased as out, for a residual spec); its
+    dynamic shared memory (the x stages) NaN-filled, a guard past it. ``reverse``: the block's
+    threads run to each barrier in reverse order."""
+    c = kc.choice("gemv_mma", **p)
+    s = c.spec
     lib, types = cuda_emu.compile_any(render(s), s.entry)
     rows = x.shape[0]
     xb = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
@@ -105,8 +109,7 @@ def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = No
         args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]
     if p.get("prologue") == "norm":
         args.append(norm_w)
-    grid = kc.choice("gemv_mma", **p).grid(rows)
-    cuda_emu.launch_any(lib, types, grid, p["wm"] * p["wk"] * 32, 0, args)
+    cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, args, reverse=reverse)
     assert not count.any(), "the tile counters are left zero"
     if p["out_dtype"] == "f32":
         return out
@@ -139,6 +142,121 @@ def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
             for i, r in enumerate((0, 5, 16)):
                 if r < rows:  # the same bits alone and in the bucket
                     assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, bmax, r)
+
+
+# x staged in shared memory (xsm: unit rounds per x chunk) against x from global memory (xsm=0):
+# the same arithmetic, so the same bits. (wk, kparts, depth, units, xsm): the whole part in one
+# stage; chunks of 1 round in 2 stages with a ring of 2 (a chunk barrier inside the ring's round);
+# chunks of 2 rounds under a ring of 3 (5 rounds: 3 chunks, the last partial); warps with fewer
+# units than the block's rounds (6 units over 4 warps); 3 parts of uneven units (4, 4, 2: the last
+# part has fewer chunks) in chunks of 2 rounds
+XSM_CASES = ((2, 1, 2, 4, 2), (2, 2, 2, 8, 1), (2, 1, 3, 10, 2), (4, 1, 3, 6, 1), (1, 3, 1, 10, 2))
+
+
+@pytest.mark.parametrize("qt", ["bf16", "q4_k", "q6_kr", "q8_0r", "q5_0r"])
+def test_x_staged_in_shared_memory_gives_the_same_bits(qt):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    cases = XSM_CASES if qt == "bf16" else XSM_CASES[1:3] + XSM_CASES[4:] if qt == "q4_k" else XSM_CASES[1:2]
+    for wk, kparts, depth, units, xsm in cases:
+        k = units * MMA_UNIT[qt]
+        w, deq = _weight(qt, N, k, rng)
+        x = _bf16(rng.standard_normal((17, k)))
+        base = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, depth=depth, residual=False, out_dtype="f32",
+                    x_stride=0, glu=0)  # fmt: skip
+        solo = {r: _run({**base, "bmax": 8, "mt": 1, "wm": 2}, w, x[r : r + 1])[0] for r in (0, 5, 16)}
+        ref = x.astype(np.float64) @ deq.T
+        for bmax, mt, wm, rows, rev in ((8, 1, 2, 1, False), (16, 2, 1, 11, True), (64, 1, 2, 17, True)):
+            p = {**base, "bmax": bmax, "mt": mt, "wm": wm, "xsm": xsm}
+            assert kc.choice("gemv_mma", **p).smem > 0
+            got = _run(p, w, x[:rows], reverse=rev)
+            assert not np.isnan(got).any(), (seed, qt, p)
+            err = np.linalg.norm(got - ref[:rows]) / np.linalg.norm(ref[:rows])
+            assert err < (1e-6 if qt == "bf16" else 1e-2), (seed, qt, p, err)
+            for r, want in solo.items():
+                if r < rows:
+                    assert np.array_equal(got[r].view(np.uint32), want.view(np.uint32)), (seed, qt, p, r)
+
+
+def test_x_staging_with_the_norm_prologue_a_strided_x_and_a_residual():
+    """xsm with prologue norm (x normalised from the staged raw rows) and with a strided x and a
+    residual aliasing out: the bits of the same launch without xsm."""
+    rng = np.random.default_rng(13)
+    k = 6 * 128
+    w, _ = _weight("q4_k", N, k, rng)
+    x = _bf16(rng.standard_normal((1, k)) * 3.0)
+    nw = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    base = dict(quant="q4_k", n=N, k=k, bmax=8, mt=1, wm=2, wk=2, kparts=2, depth=2, residual=False,
+                out_dtype="f32", x_stride=0, glu=0, prologue="norm", eps=1e-6)  # fmt: skip
+    want = _run(base, w, x, norm_w=nw)
+    for xsm in (1, 2):
+        got = _run({**base, "xsm": xsm}, w, x, norm_w=nw, reverse=xsm == 2)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), xsm
+    xp = _bf16(rng.standard_normal((5, k + 64)))  # rows k + 64 apart, x at column 32 of each
+    xin = np.ascontiguousarray(xp[:, 32 : 32 + k])
+    res = (_bf16(rng.standard_normal((5, N))).view(np.uint32) >> 16).astype(np.uint16)
+    p = dict(base, prologue="none", eps=0.0, residual=True, out_dtype="bf16")
+    want = _run(p, w, xin, residual=res)
+    s = dict(p, x_stride=k + 64, xsm=1)
+    c = kc.choice("gemv_mma", **s)
+    lib, types = cuda_emu.compile_any(render(c.spec), c.spec.entry)
+    xb = (xp.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out = res.copy()
+    xv = np.ascontiguousarray(xb.reshape(-1)[32:])  # the column view: x starts 32 elements in
+    cuda_emu.launch_any(lib, types, c.grid(5), c.block[0], c.smem,
+                        [out, w, xv, out, 5, np.full(2 * 5 * N, np.nan, np.float32), np.zeros(64, np.uint32)])  # fmt: skip
+    assert np.array_equal(out, (want.view(np.uint32) >> 16).astype(np.uint16))
+
+
+def test_the_plan_stages_x_within_the_budget_and_keeps_the_k_split():
+    """gemv_mma_params turns xsm on where a chunk of one unit round fits (the whole k part where it
+    fits MMA_XSM_BYTES: one stage), never changing wk / kparts; the spec rules bound it."""
+    from engine.kernel_catalog.gemv_mma import MMA_XSM_BYTES
+
+    for qt, n, k in (("bf16", 6144, 2560), ("bf16", 2560, 9728), ("q4_k", 2560, 9728), ("q6_kr", 19456, 2560)):
+        for bmax in (8, 16, 32, 64):
+            p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132)
+            c = kc.choice("gemv_mma", **p)
+            assert c.smem == kc.mma_smem(p) <= MMA_XSM_BYTES[bmax], (qt, n, k, bmax)
+            assert (c.smem > 0) == (p["xsm"] > 0)
+            if bmax == 8:
+                assert p["xsm"] > 0, (qt, n, k)
+    one = kc.gemv_mma_params("bf16", 6144, 2560, 8, sm_count=132)  # 80 units / 4 warps: 20 rounds, 41 KB
+    assert one["xsm"] == 20 and kc.mma_smem(one) == 8 * (2560 + 32) * 2
+    assert kc.mma_smem({**one, "xsm": 10}) == 2 * 8 * (1280 + 32) * 2  # two stages of half the part
+    for over, msg in ((dict(xsm=21), "xsm=21 exceeds the 20"), (dict(xsm=20, bmax=64, mt=2), "xsm=20: x stages")):
+        with pytest.raises(ConfigError, match=msg):
+            kc.spec("gemv_mma", **{**one, **over})
+
+
+def test_the_row_tile_fills_one_wave_without_touching_the_k_split():
+    """At bmax 8 / 16 mma_row_tile picks the tile whose grid runs in one wave of resident blocks and
+    spreads most evenly over the SMs; wk / kparts (a row's bits) stay those of the weight's shape,
+    whatever the tile and x staging; bmax 32 / 64 keep MMA_SHAPES; without fit_tile / stage_x the
+    launches are MMA_SHAPES' with x from global memory (tools/gpu_linear_bench.py's plan=base)."""
+    from engine.kernel_catalog.gemv_mma import MMA_SHAPES, SM_SMEM, mma_red_bytes
+
+    for qt, n, k in (("bf16", 6144, 2560), ("bf16", 2560, 9728), ("bf16", 19456, 2560), ("q4_k", 2560, 9728),
+                     ("q4_k", 19456, 2560), ("q6_kr", 2560, 4096), ("q8_0r", 1024, 512)):  # fmt: skip
+        for bmax in (8, 16, 32, 64):
+            p = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132)
+            base = kc.gemv_mma_params(qt, n, k, bmax, sm_count=132, stage_x=False, fit_tile=False)
+            assert (p["wk"], p["kparts"]) == (base["wk"], base["kparts"]), (qt, n, k, bmax)
+            assert (base["mt"], base["wm"], base["xsm"]) == (*MMA_SHAPES[bmax], 0)
+            if bmax > 16:
+                assert (p["mt"], p["wm"]) == MMA_SHAPES[bmax]
+                continue
+            blocks = -(-n // (16 * p["mt"] * p["wm"])) * p["kparts"]
+            smem = kc.mma_smem(p) + mma_red_bytes(bmax, p["mt"], p["wm"], p["wk"]) + 1024
+            resident = min(p["min_blocks"], SM_SMEM // smem)
+            if (p["mt"], p["wm"]) != MMA_SHAPES[bmax]:
+                assert blocks <= resident * 132, (qt, n, k, bmax, p["mt"], p["wm"])
+    tall = kc.gemv_mma_params("bf16", 19456, 2560, 8, sm_count=132)  # 608 blocks of 32 rows: 2.3 waves
+    assert (tall["mt"], tall["wm"], tall["depth"]) == (4, 1, 1)  # 304 blocks of 4 warps, 1 KB x 4 in flight each
+    small = kc.gemv_mma_params("bf16", 6144, 2560, 8, sm_count=132)  # 192 of 8 warps: 60 SMs hold 2, 72 one
+    assert (small["mt"], small["wm"], small["min_blocks"]) == (1, 1, 4)  # 384 of 4: 2.9 an SM
+    assert kc.gemv_mma_params("q4_k", 19456, 2560, 8, sm_count=132)["mt"] == 1  # (mt 4 would spill)
 
 
 def test_residual_aliasing_out_and_the_glu_epilogue():
@@ -298,6 +416,9 @@ def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1
                 las = st.launches[mode]
                 if st.op.op == "linear":
                     assert las and {la.spec.template for la in las} == {"gemv_mma"}, (name, st.layer, mode)
+                    # the x stages' dynamic shared memory travels with the launch (staged at bmax 8)
+                    assert all(la.smem == kc.mma_smem(la.spec.params) for la in las), (name, mode)
+                    assert all(la.smem > 0 for la in las if la.spec.params["bmax"] == 8), (name, mode)
                     ranges = sorted((la.min_rows, la.max_rows) for la in las)
                     if mode == "decode":
                         assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(las) % 4 == 0, ranges

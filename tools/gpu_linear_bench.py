@@ -57,6 +57,28 @@ def copy_bandwidth(cuda, stream) -> float:
     return best
 
 
+def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> dict:
+    """The gemv_mma params of --mma-variants entry ``var`` for a [n, k] ``qt`` weight at ``rows``
+    rows (see --mma-variants)."""
+    from engine import kernel_catalog as kc
+    from engine.kernel_catalog.gemv_mma import mma_bmax
+
+    over = dict(kv.split("=", 1) for kv in var.replace(" ", "").split(","))
+    base = over.pop("plan", "") == "base"
+    p = kc.gemv_mma_params(qt, n, k, mma_bmax(rows), sm_count=sm_count, stage_x=not base, fit_tile=not base)
+    ints = {key: int(v) for key, v in over.items() if key != "xsm" or v != "auto"}
+    bad = set(over) - {"mt", "wm", "wk", "kparts", "depth", "min_blocks", "xsm", "cluster"}
+    if bad:
+        raise ValueError(f"unknown variant keys {sorted(bad)}")
+    split = ints.get("wk", p["wk"]) != p["wk"] or ints.get("kparts", p["kparts"]) != p["kparts"]
+    q = {**p, **ints}
+    if over.get("xsm") == "auto" or ("xsm" not in over and split and p["xsm"]):
+        q["xsm"] = kc.mma_xchunk(qt, k, q["bmax"], q["wk"], q["kparts"])
+    if "min_blocks" not in over:  # (the warps of a block changed: the register bound follows)
+        q["min_blocks"] = kc.mma_min_blocks(q["bmax"], q["wm"], q["wk"])
+    return q
+
+
 class Bench:
     def __init__(self, cuda, builder, stream, iters: int):
         self.cuda, self.builder, self.stream, self.iters = cuda, builder, stream, iters
@@ -99,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-gemv", action="store_true", help="time only the batched tensor-core kernel")
     ap.add_argument(
         "--mma-variants", default="",
-        help="gemv_mma param overrides timed beside the plan's, ';'-separated, each 'key=value,...' of "
-        "mt, wm, wk, kparts, depth (e.g. 'depth=8;wk=2,kparts=2'): rows labelled mma:<variant>",
+        help="gemv_mma launches timed beside the plan's, ';'-separated, each 'key=value,...': param "
+        "overrides of mt, wm, wk, kparts, depth, min_blocks (else the one the warps give), xsm (unit rounds per x chunk; 0: x from "
+        "global memory; auto: mma_xchunk's for the variant's k split, as where wk or kparts change and "
+        "xsm is not named), cluster (0/1: the k parts as a thread-block cluster), on the plan's "
+        "params or, with plan=base, on those of MMA_SHAPES' tile with x from global memory (the "
+        "launches before x staging and mma_row_tile); e.g. 'plan=base;xsm=0;depth=2;cluster=1': "
+        "rows labelled mma:<variant>",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -142,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         if p is not None:
             cands.append(("mma", kc.choice("gemv_mma", **p)))
             for var in filter(None, args.mma_variants.split(";")):
-                over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
                 try:
-                    cands.append((f"mma:{var}", kc.choice("gemv_mma", **{**p, **over})))
-                except ConfigError as e:
+                    cands.append((f"mma:{var}", kc.choice("gemv_mma", **mma_variant(qt, n, k, b, var, info.sm_count))))
+                except (ConfigError, ValueError) as e:
                     print(f"skip mma:{var} {qt} {n}x{k} b{b}: {e}")
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)

@@ -52,7 +52,11 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     MMA_FILE_TYPES,
     gemv_mma_params,
     mma_bmax,
+    mma_min_blocks,
+    mma_resident,
     mma_serves,
+    mma_smem,
+    mma_xchunk,
 )
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,

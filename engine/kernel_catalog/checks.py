@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.kernel_catalog.contracts import GLU_ACTS, MMA_UNIT, QUANTS, ROPE_STYLES
+from engine.kernel_catalog.gemv_mma import SMEM_MAX, _x_rounds, mma_smem
 from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_TYPES,
@@ -180,6 +181,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
         need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
         need(not p["cluster"] or p["kparts"] <= 8, f"cluster: kparts={p['kparts']} exceeds a cluster's 8 blocks")
+        if ue is not None and p["xsm"]:
+            rounds = _x_rounds(q, p["k"], wk, p["kparts"])
+            need(p["xsm"] <= rounds, f"xsm={p['xsm']} exceeds the {rounds} unit rounds of a block's k part")
+            need(
+                mma_smem(p) <= SMEM_MAX,
+                f"xsm={p['xsm']}: x stages of {mma_smem(p)} bytes exceed a block's {SMEM_MAX} of shared memory",
+            )
         if p["glu"]:
             need(
                 p["n"] == 2 * p["glu"] and not p["residual"] and p["out_dtype"] == "bf16",

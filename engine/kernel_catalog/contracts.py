@@ -79,7 +79,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "rope": {"v_stride": 0},
     "gemv_mma": {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
-        "min_blocks": 1,
+        "min_blocks": 1, "xsm": 0,
     },
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
@@ -124,16 +124,18 @@ KERNELS: dict[str, KernelDoc] = {
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
             out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool, trigger=bool,
-            min_blocks=int,
+            min_blocks=int, xsm=int,
         ),
         # kparts > 1 adds (part_sum, part_count) unless cluster, prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
         "(wm * wk * 32,)",
-        "static: wm * mt * bmax * 64 bytes when wk > 1 (+ 33 * bmax * 4 with prologue norm)",
+        "static: the k groups' sums when wk > 1 (kernel_catalog.gemv_mma.mma_red_bytes; + 33 * bmax * 4 with "
+        "prologue norm); dynamic with "
+        "xsm > 0: the x stages, kernel_catalog.gemv_mma.mma_smem",
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
-         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1},
+         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1, "xsm": 0},
         unnamed=("eps",),
     ),
     "gemm": KernelDoc(

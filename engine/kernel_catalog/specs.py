@@ -19,6 +19,7 @@ from engine.kernel_catalog.contracts import (
     STAGED_DEFAULT,
     P,
 )
+from engine.kernel_catalog.gemv_mma import mma_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
@@ -85,7 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv_mma" and key in ("x_stride", "glu"))
+            (template == "gemv_mma" and key in ("x_stride", "glu", "xsm"))
             or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
@@ -159,6 +160,7 @@ _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
 _SMEM: dict[str, Callable[[KernelSpec], int]] = {
     "gemv": lambda s: gemv_smem(s.params),
     "gemv_pair": pair_smem,
+    "gemv_mma": lambda s: mma_smem(s.params),
     "gemm": lambda s: gemm_smem(s.params),
     "gemm_wgmma": lambda s: gemm_wgmma_smem(s.params),
     "attention_prefill": lambda s: attention_prefill_smem(s.params),

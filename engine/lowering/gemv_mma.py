@@ -56,7 +56,8 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> 
         if p["kparts"] > 1 and ctx.tune("gemv_mma").get("cluster") and arch_number(ctx.profile.arch) >= 90:
             p["cluster"] = True  # the parts summed through distributed shared memory (sm_90)
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
-        if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= 2 * ctx.profile.sm_count:
+        resident = kc.mma_resident(bmax, p["mt"], p["wm"], p["wk"], kc.mma_smem(p))
+        if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= resident * ctx.profile.sm_count:
             p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
@@ -66,7 +67,8 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> 
             args += (Arg("scratch", "mma_part" + tag), Arg("scratch", "mma_count" + tag))
         args += extra
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
-        launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
+        smem = kc.mma_smem(spec.params)  # (xsm: the x stages)
+        launches.append(Launch(spec, grid, (32 * p["wm"] * p["wk"],), args, smem=smem, min_rows=lo, max_rows=hi))
     if glu:
         ctx.glu_done.add((mode, out.name))
     return launches

@@ -2,8 +2,10 @@
 decodes (bf16 and the upload layouts q4_k, q6_kr, q8_0r, q4_0r, q4_1r, q5_0r), batch 1 and every batch size
 class the decode buckets use, with the params kernel_catalog.gemv_mma_params gives on this device's SM
 count (a k split over warps and blocks, and the single-part form), a residual that aliases out, f32
-logits, a strided x, more rows than bmax and the glu epilogue; and a row's output bits the same alone
-as in batches of 2..64 (the property the plan relies on: batched equal to solo). Outputs are poisoned
+logits, a strided x, more rows than bmax and the glu epilogue, x staged in shared memory (xsm: the
+plan's chunks and chunks of one unit round) and from global memory; and a row's output bits the
+same alone as in batches of 2..64, with x staged or not (the property the plan relies on: batched
+equal to solo). Inputs are seeded (SEED): a failure names its case. Outputs are poisoned
 with NaN; the reference is x @ dequantize(W).T in float64 (engine.quant's dequantisation, checked
 against gguf in tests/test_quant.py). Run on a GPU machine:
 ``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mma_gpu.py``.
@@ -72,16 +74,44 @@ def _params(qt, n, k, rows, profile, **kw):
     return p
 
 
+def _base(qt, n, k, rows, profile, **kw):
+    """The launch without x staging, at MMA_SHAPES' row tile (x from global memory)."""
+    return _params(qt, n, k, rows, profile, stage_x=False, fit_tile=False, **kw)
+
+
+def _xsm1(p: dict) -> dict:
+    """``p`` with x staged in chunks of one unit round (two stages, a barrier every round)."""
+    return {**p, "xsm": 1}
+
+
+def _split(p: dict, kparts: int) -> dict:
+    """``p`` with its k split over ``kparts`` blocks (x staged in that split's chunks where p's is)."""
+    q = {**p, "kparts": kparts}
+    if p["xsm"]:
+        q["xsm"] = kc.mma_xchunk(p["quant"], p["k"], p["bmax"], p["wk"], kparts)
+    return q
+
+
+def _tag(p: dict) -> tuple:
+    return (p["quant"], p["bmax"], p["mt"], p["wm"], p["kparts"], p["depth"], p["xsm"], p["cluster"])
+
+
+SEED = 20261207  # inputs seeded (a failure names its case and can be rerun)
+
+
 def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
+    """The plan's launches (x staged in shared memory, mma_row_tile's row tile) and the ones before
+    them (x from global memory, MMA_SHAPES' tile) at every batch class."""
     cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in TYPES for rows in BATCHES]
+    cases += [(_base(qt, N, K, rows, profile, residual=True), rows) for qt in TYPES for rows in (1, 8, 17, 64)]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _ in cases))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     bad = []
     for p, rows in cases:
         err, nans, left = run_mma(kernels, weights, p, rows, rng)
         if not (err <= 1e-2 and nans == 0 and left == 0):
-            bad.append((p["quant"], rows, p["bmax"], p["kparts"], err, nans, left))
-    assert not bad, bad
+            bad.append((_tag(p), rows, err, nans, left))
+    assert not bad, (SEED, bad)
 
 
 @pytest.mark.parametrize("shape", [(N, K), (2560, 4096), (1024, 9728)])
@@ -100,15 +130,18 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         solo = {r: launch_mma(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
         runs = [(b, p) for b, p in specs.items()]
         runs += [(b, {**p, "cluster": True}) for b, p in specs.items() if p["kparts"] > 1]  # (sm_90)
+        # x from global memory at the old tile, and x in chunks of one round: the same bits
+        runs += [(b, _base(qt, n, k, b, profile, out_dtype="f32")) for b in (1, 8, 17, 64)]
+        runs += [(b, _xsm1(specs[b])) for b in (1, 3, 32)]
         kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for _, p in runs))
         for b, p in runs:
             got, left = launch_mma(kernels, weights, p, x[:b])
             for r, want in solo.items():
                 if r < b and not np.array_equal(got[r].astype(np.float32).view(np.uint32),
                                                 want.astype(np.float32).view(np.uint32)):  # fmt: skip
-                    bad.append((qt, n, k, b, p["cluster"], r, float(np.abs(got[r] - want).max())))
+                    bad.append((n, k, b, _tag(p), r, float(np.abs(got[r] - want).max())))
             if left or np.isnan(got).any():
-                bad.append((qt, n, k, b, p["cluster"], "nan or counters", left))
+                bad.append((n, k, b, _tag(p), "nan or counters", left))
     assert not bad, bad[:20]
 
 
@@ -116,33 +149,41 @@ def test_gemv_mma_variants(kernels, weights, profile):
     """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
     rows), a k split over many blocks, the glu epilogue (gate|up storing silu(gate) * up, split and
     single-part), a second launch reusing the part counters (the last block of each tile leaves
-    its counter zero), and the k parts as a thread-block cluster (cluster=true)."""
+    its counter zero), and the k parts as a thread-block cluster (cluster=true); each also with x
+    in chunks of one unit round (xsm=1: two stages), and the tall bf16 / q8_0r tile (mt 4, 128
+    threads)."""
     base = dict(sm_count=profile.sm_count)
     cases = []
+    for qt in ("bf16", "q8_0r"):  # mma_row_tile's tall tile: 4 m tiles a warp, 4 warps a block
+        for bmax in (8, 16):
+            p = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
+            cases += [({**p, "mt": 4, "wm": 1, "depth": 1, "min_blocks": 4}, bmax - 1, 0),
+                      (_split({**p, "mt": 4, "wm": 1, "depth": 1, "min_blocks": 4}, 3), bmax, 0)]  # fmt: skip
     for qt in TYPES:
         for bmax in (8, 64):
             p1 = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
-            cases.append(({**p1, "kparts": 1}, bmax - 3, 0))
+            cases.append((_split(p1, 1), bmax - 3, 0))
             cases.append((kc.gemv_mma_params(qt, N, K, bmax, out_dtype="f32", **base), bmax, 0))
         cases.append((kc.gemv_mma_params(qt, N, K, 16, x_stride=K + 64, **base), 11, 32))
         cases.append((kc.gemv_mma_params(qt, N, K, 64, residual=True, **base), 100, 0))
-        cases.append(({**kc.gemv_mma_params(qt, N, K, 32, **base), "kparts": 5}, 20, 0))
+        cases.append((_split(kc.gemv_mma_params(qt, N, K, 32, **base), 5), 20, 0))
         for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
             pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
-            cases += [(pg, bmax - 1, 0), ({**pg, "kparts": 1}, bmax, 0), ({**pg, "kparts": 3}, 1, 0),
-                      ({**pg, "kparts": 3, "cluster": True}, bmax, 0)]  # fmt: skip
+            cases += [(pg, bmax - 1, 0), (_split(pg, 1), bmax, 0), (_split(pg, 3), 1, 0),
+                      ({**_split(pg, 3), "cluster": True}, bmax, 0)]  # fmt: skip
         for bmax, rows in ((8, 1), (8, 5), (32, 20), (64, 100)):  # the parts as a cluster (sm_90)
             p = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
-            cases.append(({**p, "kparts": max(2, p["kparts"]), "cluster": True}, rows, 0))
+            cases.append(({**_split(p, max(2, p["kparts"])), "cluster": True}, rows, 0))
+    cases += [(_xsm1(p), rows, pad) for p, rows, pad in cases if p["xsm"]]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED + 1)
     bad = []
     for p, rows, pad in cases:
         for _ in range(2):
             err, nans, left = run_mma(kernels, weights, p, rows, rng, x_pad=pad)
             if not (err <= 1e-2 and nans == 0 and left == 0):
-                bad.append((p["quant"], rows, p["bmax"], p["kparts"], p["out_dtype"], pad, err, nans, left))
-    assert not bad, bad
+                bad.append((_tag(p), rows, p["out_dtype"], p["glu"], pad, err, nans, left))
+    assert not bad, (SEED + 1, bad)
 
 
 def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
@@ -151,8 +192,10 @@ def test_gemv_mma_bf16_is_exact_to_accumulation(kernels, weights, profile):
     for rows in (1, 5, 40):
         p = _params("bf16", N, K, rows, profile, out_dtype="f32")
         kernels.prebuild([kc.spec("gemv_mma", **p)])
-        err, nans, _ = run_mma(kernels, weights, p, rows, np.random.default_rng())
-        assert nans == 0 and err <= 1e-5, (rows, err)
+        for q in (p, _base("bf16", N, K, rows, profile, out_dtype="f32")):
+            kernels.prebuild([kc.spec("gemv_mma", **q)])
+            err, nans, _ = run_mma(kernels, weights, q, rows, np.random.default_rng(SEED + 2 + rows))
+            assert nans == 0 and err <= 1e-5, (rows, _tag(q), err)
 
 
 # tiny models (tests/gpu/test_quant_models.py's shapes): k = 512 / 576 / 1536, gate|up 2 x 1536
