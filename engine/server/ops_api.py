@@ -8,10 +8,11 @@ from __future__ import annotations
 import falcon
 
 from .errors import ApiError, bad_request
+from .fields import get_bool
 from .generation import chat_ids, text_ids
 from .http_common import read_json, send_json
 from .metrics import CONTENT_TYPE
-from .schemas import get_bool, parse_chat
+from .schemas import parse_chat
 from .state import AppState
 
 
