@@ -148,15 +148,6 @@ def encode(
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 
 
-def allowed_tools(spec: ChatSpec) -> set[str] | None:
-    """Tool names a parsed call may use (None: tool calls are not parsed at all)."""
-    if spec.tool_choice == "none" or not spec.tools:
-        return None
-    if spec.tool_choice == "named":
-        return {spec.tool_name or ""}
-    return {t["function"]["name"] for t in spec.tools}
-
-
 def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | None:
     """What constrains ``spec``'s output, as a maker of one engine.grammar constraint per choice:
     ``response_format`` json_object / json_schema, else (chat) tool_choice required / named forcing

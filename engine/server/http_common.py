@@ -1,4 +1,5 @@
-"""Helpers shared by the resources: body reading under limits, disconnect probe, JSON responses.
+"""Helpers shared by the resources: body reading under limits, disconnect probe, JSON responses, and
+GenerateResource (the POST of every generating endpoint: parse, prompt, submit the choices, answer).
 
 Must not import the engine loop.
 """
@@ -6,7 +7,8 @@ Must not import the engine loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import falcon
 
@@ -15,7 +17,7 @@ from engine.types import TokenEvent
 from . import sse
 from .body import parse_json_body
 from .errors import ApiError
-from .generation import Run, RunGroup, error_of
+from .generation import Run, RunGroup, chat_ids, check_model, constraint_factory, error_of
 from .state import AppState
 
 
@@ -51,7 +53,7 @@ def start_sse(resp: falcon.Response) -> None:
 
 
 def respond(
-    run: Run,
+    run: Run | RunGroup,
     spec,
     resp: falcon.Response,
     stream: Callable,
@@ -96,38 +98,6 @@ def usage_openai(u) -> dict:
     }
 
 
-def start_run(
-    state: AppState,
-    req: falcon.Request,
-    spec,
-    ids: list[int],
-    *,
-    param: str,
-    id_prefix: str,
-    constraint: Callable | None = None,
-    index: int = 0,
-    response_id: str | None = None,
-) -> Run:
-    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it.
-    ``constraint()`` makes the run's TokenConstraint (engine.grammar); ``index`` and ``response_id``
-    make it choice ``index`` of that response (``start_group``)."""
-    run = Run(
-        state,
-        req.context.tenant,
-        spec,
-        ids,
-        param=param,
-        disconnected=disconnect_probe(req),
-        id_prefix=id_prefix,
-        index=index,
-        response_id=response_id,
-    )
-    if constraint is not None:
-        run.constraint = constraint()
-    run.submit()
-    return run
-
-
 def start_group(
     state: AppState,
     req: falcon.Request,
@@ -138,25 +108,29 @@ def start_group(
     id_prefix: str,
     constraint: Callable | None = None,
 ) -> RunGroup:
-    """Submit ``spec.n`` choices of ``ids``: choice 0 first, the others once its prompt is prefilled
-    (they then share its KV blocks through the prefix cache). ``constraint()`` makes each choice's
-    TokenConstraint. The caller must close() the group; a failed submit closes what was started."""
+    """Submit ``spec.n`` choices of ``ids`` on behalf of the request's tenant: choice 0 first, the
+    others once its prompt is prefilled (they then share its KV blocks through the prefix cache).
+    ``constraint()`` makes each choice's TokenConstraint (engine.grammar). The caller must close()
+    the group; a failed submit closes what was started."""
     if spec.n > 1:  # every choice holds a slot: refuse now rather than after choice 0's prefill
         state.admission.check_room(req.context.tenant, spec.n)
     runs: list[Run] = []
     try:
         for i in range(max(1, spec.n)):
-            run = start_run(
+            run = Run(
                 state,
-                req,
+                req.context.tenant,
                 spec,
                 ids,
                 param=param,
+                disconnected=disconnect_probe(req),
                 id_prefix=id_prefix,
-                constraint=constraint,
                 index=i,
                 response_id=runs[0].id if runs else None,
             )
+            if constraint is not None:
+                run.constraint = constraint()
+            run.submit()  # a run is closed (its slot released) only once it was submitted
             runs.append(run)
             if i == 0 and spec.n > 1:
                 run.wait_first()
@@ -165,3 +139,36 @@ def start_group(
             r.close()
         raise
     return RunGroup(runs)
+
+
+class GenerateResource:
+    """A generating endpoint's POST: the body parsed (``parse``), the model checked, the prompt's
+    token ids (``prompt_ids``), the choices submitted, then an SSE answer (``_stream(group, spec)``,
+    mid-stream errors rendered by ``stream_error``) or a JSON one (``_complete(group, spec, resp)``)."""
+
+    parse: Callable[[dict], Any]
+    param = "messages"  # the field a prompt error names
+    id_prefix = ""
+    stream_error: Callable[[BaseException], bytes] = staticmethod(sse.openai_stream_error)
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+    def prompt_ids(self, spec) -> list[int]:
+        return chat_ids(self.state, spec)  # sets spec.prompt_text (reasoning split, grammar phases)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        st = self.state
+        st.require_ready()
+        spec = self.parse(read_json(req, st))
+        check_model(st, spec.model)
+        ids = self.prompt_ids(spec)
+        constraint = constraint_factory(st, spec)
+        group = start_group(st, req, spec, ids, param=self.param, id_prefix=self.id_prefix, constraint=constraint)
+        respond(group, spec, resp, self._stream, self._complete, self.stream_error)
+
+    def _stream(self, group: RunGroup, spec) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
+        raise NotImplementedError
