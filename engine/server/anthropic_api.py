@@ -14,9 +14,8 @@ import falcon
 from . import sse
 from .chat_output import ChatOutput
 from .generation import Run, RunGroup, chat_ids, check_model, error_of
-from .http_common import GenerateResource, finished_text, read_json, send_json
+from .http_common import GenerateResource, Resource, finished_text, read_json, send_json
 from .schemas import ChatSpec, parse_anthropic
-from .state import AppState
 from .tool_calls import Call, Text
 
 
@@ -174,10 +173,7 @@ class Messages(GenerateResource):
             yield _event("message_stop")
 
 
-class CountTokens:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class CountTokens(Resource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
         st.require_ready()

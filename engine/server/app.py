@@ -18,7 +18,7 @@ from engine.types import MemraError
 from .anthropic_api import CountTokens, Messages
 from .auth import presented_key
 from .errors import ApiError, from_memra
-from .http_common import send_json
+from .http_common import Resource, send_json
 from .model_info import ModelInfo
 from .openai_api import ChatCompletions, Completions, Models
 from .ops_api import AdminKV, Detokenize, Health, MetricsResource, Ready, Tokenize
@@ -42,10 +42,7 @@ def _render_error(req: falcon.Request, resp: falcon.Response, err: ApiError) -> 
     send_json(resp, err.anthropic_body() if _anthropic_path(req.path) else err.openai_body(), err.status)
 
 
-class _Middleware:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class _Middleware(Resource):
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         rid = req.get_header("x-request-id")
         req.context.request_id = rid if rid and _REQ_ID.match(rid) else uuid.uuid4().hex

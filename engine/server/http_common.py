@@ -141,7 +141,14 @@ def start_group(
     return RunGroup(runs)
 
 
-class GenerateResource:
+class Resource:
+    """A resource (or middleware) of the server app: it holds the shared AppState."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+
+class GenerateResource(Resource):
     """A generating endpoint's POST: the body parsed (``parse``), the model checked, the prompt's
     token ids (``prompt_ids``), the choices submitted, then an SSE answer (``_stream(group, spec)``,
     mid-stream errors rendered by ``stream_error``) or a JSON one (``_complete(group, spec, resp)``)."""
@@ -150,9 +157,6 @@ class GenerateResource:
     param = "messages"  # the field a prompt error names
     id_prefix = ""
     stream_error: Callable[[BaseException], bytes] = staticmethod(sse.openai_stream_error)
-
-    def __init__(self, state: AppState):
-        self.state = state
 
     def prompt_ids(self, spec) -> list[int]:
         return chat_ids(self.state, spec)  # sets spec.prompt_text (reasoning split, grammar phases)

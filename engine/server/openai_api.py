@@ -13,7 +13,7 @@ from . import sse
 from .chat_output import ChatOutput
 from .errors import ApiError
 from .generation import Run, RunGroup, error_of, interleave, text_ids
-from .http_common import GenerateResource, finished_text, send_json, usage_openai
+from .http_common import GenerateResource, Resource, finished_text, send_json, usage_openai
 from .logprobs import chat_content, completion_logprobs
 from .schemas import ChatSpec, CompletionSpec, GenSpec, parse_chat, parse_completion
 from .state import AppState
@@ -231,10 +231,7 @@ def _model_obj(state: AppState, name: str) -> dict:
     }
 
 
-class Models:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class Models(Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         self.state.require_ready(admit=False)
         mi = self.state.model_info
