@@ -72,3 +72,31 @@ def test_allowed_tools_by_choice():
     assert allowed_tools(ChatSpec(tools=None, tool_choice="auto")) is None
     assert allowed_tools(ChatSpec(tools=TOOLS, tool_choice="required")) == {"f"}
     assert allowed_tools(ChatSpec(tools=TOOLS, tool_choice="named", tool_name="g")) == {"g"}
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    ],
+)
+def test_whole_answer_is_499_when_the_client_left_first(path, body):
+    """GenerateResource._complete, shared by the three generating endpoints: a client gone before
+    any token came gets 499 and every choice is aborted."""
+    import falcon.testing
+    from server_fakes import FakeEngine, FakeTokenizer
+
+    from engine.server.app import create_app
+    from engine.server.model_info import ModelInfo
+    from engine.server_config import ServerConfig
+
+    eng = FakeEngine(delay_s=5.0)
+    app = create_app(eng, FakeTokenizer(), ModelInfo("m", 4096, "fake", 1), ServerConfig(keepalive_s=5))
+    extras = {"waitress.client_disconnected": lambda: True}
+    if body.get("n"):  # choice 0 waits for its first event before the others are submitted
+        extras = {"waitress.client_disconnected": lambda: len(eng.submitted) > 0}
+    r = falcon.testing.TestClient(app).simulate_post(path, json=body, extras=extras)
+    assert r.status_code == 499
+    assert eng.aborted and set(eng.aborted) == {q.request_id for q in eng.submitted}

@@ -14,7 +14,7 @@ import falcon
 from . import sse
 from .chat_output import ChatOutput
 from .generation import Run, RunGroup, chat_ids, check_model, error_of
-from .http_common import GenerateResource, Resource, finished_text, read_json, send_json
+from .http_common import GenerateResource, Resource, read_json, send_json
 from .schemas import ChatSpec, parse_anthropic
 from .tool_calls import Call, Text
 
@@ -60,13 +60,8 @@ class Messages(GenerateResource):
             "cache_creation_input_tokens": 0,
         }
 
-    def _complete(self, group: RunGroup, spec: ChatSpec, resp: falcon.Response) -> None:
-        run = group.runs[0]
-        done = finished_text(run)
-        if done is None:
-            resp.status = falcon.code_to_http_status(499)
-            return
-        full, last = done
+    def _body(self, group: RunGroup, spec: ChatSpec, done: list) -> dict:
+        ((run, full, last),) = done
         reasoning, evs = ChatOutput(self.state.tokenizer, spec, _tool_id).whole(full)
         text = "".join(e.text for e in evs if isinstance(e, Text))  # all of it when there are no calls
         content = []
@@ -82,19 +77,8 @@ class Messages(GenerateResource):
                 )
         has_calls = any(c["type"] == "tool_use" for c in content)
         reason, seq = self._stop_reason(run, spec, last.finish_reason, text, has_calls)
-        send_json(
-            resp,
-            {
-                "id": run.id,
-                "type": "message",
-                "role": "assistant",
-                "model": self.state.model_info.id,
-                "content": content,
-                "stop_reason": reason,
-                "stop_sequence": seq,
-                "usage": self._usage(run),
-            },
-        )
+        message = {"id": run.id, "type": "message", "role": "assistant", "model": self.state.model_info.id}
+        return {**message, "content": content, "stop_reason": reason, "stop_sequence": seq, "usage": self._usage(run)}
 
     def _stream(self, group: RunGroup, spec: ChatSpec) -> Iterator[bytes]:
         run = group.runs[0]

@@ -1,5 +1,5 @@
 """Readers of one request-body field: a number in a range (``Num``, so a field's range is data), a
-boolean, a bounded string, a stop list. A bad value is a 400 naming the field, in the same words for
+boolean, an object, a bounded string, a stop list. A bad value is a 400 naming the field, in the same words for
 every API. Must not import falcon, the engine loop or the request parsers (they import this).
 """
 
@@ -55,6 +55,13 @@ def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
         return default
     if not isinstance(v, bool):
         raise type_error(prefix + name, "a boolean", v)
+    return v
+
+
+def get_object(body: dict, name: str) -> dict | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, dict):
+        raise type_error(name, "an object", v)
     return v
 
 

@@ -151,7 +151,7 @@ class Resource:
 class GenerateResource(Resource):
     """A generating endpoint's POST: the body parsed (``parse``), the model checked, the prompt's
     token ids (``prompt_ids``), the choices submitted, then an SSE answer (``_stream(group, spec)``,
-    mid-stream errors rendered by ``stream_error``) or a JSON one (``_complete(group, spec, resp)``)."""
+    mid-stream errors rendered by ``stream_error``) or a JSON one (``_body``) once every choice finished."""
 
     parse: Callable[[dict], Any]
     param = "messages"  # the field a prompt error names
@@ -174,5 +174,16 @@ class GenerateResource(Resource):
     def _stream(self, group: RunGroup, spec) -> Iterator[bytes]:
         raise NotImplementedError
 
-    def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
+    def _body(self, group: RunGroup, spec, done: list[tuple[Run, str, TokenEvent]]) -> dict:
+        """The JSON answer from each choice's (run, whole text, last event)."""
         raise NotImplementedError
+
+    def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
+        done = []
+        for run in group.runs:
+            text = finished_text(run)
+            if text is None:  # the client went away
+                resp.status = falcon.code_to_http_status(499)
+                return
+            done.append((run, *text))
+        send_json(resp, self._body(group, spec, done))

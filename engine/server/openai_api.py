@@ -9,11 +9,13 @@ from collections.abc import Iterator
 
 import falcon
 
+from engine.types import TokenEvent
+
 from . import sse
 from .chat_output import ChatOutput
 from .errors import ApiError
 from .generation import Run, RunGroup, error_of, interleave, text_ids
-from .http_common import GenerateResource, Resource, finished_text, send_json, usage_openai
+from .http_common import GenerateResource, Resource, send_json, usage_openai
 from .logprobs import chat_content, completion_logprobs
 from .schemas import ChatSpec, CompletionSpec, GenSpec, parse_chat, parse_completion
 from .state import AppState
@@ -48,24 +50,17 @@ class _OpenAIGeneration(GenerateResource):
             c["usage"] = None
         return sse.data(c)
 
-    def _choice(self, run: Run, spec) -> dict | None:
+    def _choice(self, run: Run, spec, text: str, last: TokenEvent) -> dict:
         raise NotImplementedError
 
     def _stream_choice(self, run: Run, spec, events) -> Iterator[bytes]:
         raise NotImplementedError
 
-    def _complete(self, group: RunGroup, spec: GenSpec, resp: falcon.Response) -> None:
-        choices = []
-        for run in group.runs:
-            c = self._choice(run, spec)
-            if c is None:  # client went away
-                resp.status = falcon.code_to_http_status(499)
-                return
-            choices.append(c)
+    def _body(self, group: RunGroup, spec: GenSpec, done: list) -> dict:
         body = self._base(group, self.obj)
-        body["choices"] = choices
+        body["choices"] = [self._choice(run, spec, text, last) for run, text, last in done]
         body["usage"] = usage_openai(group.usage)
-        send_json(resp, body)
+        return body
 
     def _stream(self, group: RunGroup, spec: GenSpec) -> Iterator[bytes]:
         yield sse.OK_COMMENT
@@ -83,12 +78,8 @@ class ChatCompletions(_OpenAIGeneration):
     id_prefix = "chatcmpl-"
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
-    def _choice(self, run: Run, spec: ChatSpec) -> dict | None:
-        """One finished choice's message (None when the client went away)."""
-        done = finished_text(run)
-        if done is None:
-            return None
-        full, last = done
+    def _choice(self, run: Run, spec: ChatSpec, full: str, last: TokenEvent) -> dict:
+        """One finished choice's message."""
         reasoning, evs = ChatOutput(self.state.tokenizer, spec).whole(full)
         calls = [e for e in evs if isinstance(e, Call)]
         content = "".join(e.text for e in evs if isinstance(e, Text))
@@ -181,11 +172,7 @@ class Completions(_OpenAIGeneration):
             )
         return list(spec.prompt)
 
-    def _choice(self, run: Run, spec: CompletionSpec) -> dict | None:
-        done = finished_text(run)
-        if done is None:
-            return None
-        text, last = done
+    def _choice(self, run: Run, spec: CompletionSpec, text: str, last: TokenEvent) -> dict:
         lp = None
         if spec.sampling.logprobs is not None:
             lp = completion_logprobs(self.state.tokenizer, run.generated_ids, run.logprobs)

@@ -10,7 +10,7 @@ import json
 import math
 
 from .errors import bad_request, type_error
-from .fields import Num
+from .fields import Num, get_object
 
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024
@@ -68,11 +68,9 @@ def get_logprobs(body: dict, chat: bool) -> int | None:
 def get_response_format(body: dict) -> dict | None:
     """``response_format``: None for text, else {"type": "json_object"} or {"type": "json_schema",
     "schema": {...}, "strict": bool}."""
-    rf = body.get("response_format")
+    rf = get_object(body, "response_format")
     if rf is None:
         return None
-    if not isinstance(rf, dict):
-        raise type_error("response_format", "an object", rf)
     kind = rf.get("type")
     if kind == "text":
         return None

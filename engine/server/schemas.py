@@ -19,7 +19,7 @@ from engine.chat_template import reserved_template_kwarg
 from engine.types import SamplingParams
 
 from .errors import bad_request, type_error
-from .fields import MISSING, TOKENS, Num, get_bool, get_stop, get_str
+from .fields import MISSING, TOKENS, Num, get_bool, get_object, get_stop, get_str
 from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
 MAX_TOOLS = 128
@@ -101,10 +101,8 @@ def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, ch
     spec.max_tokens = mt if mt is not None else max_tokens_default
     spec.stop = get_stop(body, "stop")
     spec.stream = get_bool(body, "stream", False)
-    so = body.get("stream_options")
+    so = get_object(body, "stream_options")
     if so is not None:
-        if not isinstance(so, dict):
-            raise type_error("stream_options", "an object", so)
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
@@ -266,10 +264,8 @@ def parse_chat(body: dict) -> ChatSpec:
     spec.messages = parse_openai_messages(body.get("messages"))
     spec.tools, spec.tool_choice, spec.tool_name = parse_openai_tools(body)
     spec.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
-    kw = body.get("chat_template_kwargs")
+    kw = get_object(body, "chat_template_kwargs")
     if kw is not None:
-        if not isinstance(kw, dict):
-            raise type_error("chat_template_kwargs", "an object", kw)
         for k in kw:  # the conversation, special tokens and template helpers are not the client's
             if reserved_template_kwarg(k):
                 raise bad_request(
@@ -427,7 +423,5 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
     spec.speculative = get_bool(body, "speculative", True)
-    md = body.get("metadata")
-    if md is not None and not isinstance(md, dict):
-        raise type_error("metadata", "an object", md)
+    get_object(body, "metadata")  # accepted, ignored
     return spec
