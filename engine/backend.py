@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,34 @@ def parse_window_kv_blocks(value: str | int | None) -> int | None:
             param="window_kv_blocks",
         )
     return n
+
+
+@dataclass(frozen=True)
+class StackFlags:
+    """The model-loading flags of `memra run`, `chat`, `serve` and `bench` (engine.cli adds them to
+    each parser), read from the parsed arguments in one place; a subcommand without one of them gets
+    its default here."""
+
+    backend: str = "auto"
+    device_profile: str | None = None
+    quant: str | None = None
+    devices: str | None = None
+    split: str | None = None
+    window_kv_blocks: int | None = None
+    overlap: bool = False
+
+    @classmethod
+    def of(cls, args: Any) -> StackFlags:
+        """The flags of ``args``, checked before anything loads (--devices/--split, then
+        --window-kv-blocks: a MemraError naming the flag)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        split_devices(given.get("devices"), given.get("split"))
+        given["window_kv_blocks"] = parse_window_kv_blocks(given.get("window_kv_blocks"))
+        return cls(**given)
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """``load_stack``'s model and runner arguments (all but ``overlap``, an engine setting)."""
+        return {k: v for k, v in asdict(self).items() if k != "overlap"}
 
 
 def _split_runner(model: Any, backend: str, devices: str | None, split: str | None, **kwargs: Any):
@@ -172,8 +200,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_stack(
     model_arg: str | None,
-    backend: str,
-    device_profile: str | None,
+    backend: str = "auto",
+    device_profile: str | None = None,
     quant: str | None = None,
     devices: str | None = None,
     split: str | None = None,

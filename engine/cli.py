@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
-from engine.backend import load_stack, parse_window_kv_blocks
+from engine.backend import StackFlags, load_stack
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -40,6 +40,10 @@ def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
     validate_sampling(params)
     return params
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -139,15 +143,7 @@ def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from engine.engine_config import EngineConfig
 
     return load_stack(
-        args.model,
-        args.backend,
-        args.device_profile,
-        args.quant,
-        getattr(args, "devices", None),
-        getattr(args, "split", None),
-        window_kv_blocks=parse_window_kv_blocks(args.window_kv_blocks),
-        max_running=1,
-        prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens,
+        args.model, **StackFlags.of(args).load_kwargs(), max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens
     )
 
 
@@ -171,7 +167,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
     parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
-    parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
+    StackFlags.of(args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -394,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
-    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
+    _add_model(p)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
@@ -412,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
-    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
+    _add_model(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
@@ -423,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
-    p.add_argument("model", nargs="?")
+    _add_model(p)
     p.add_argument("--system", default=None)
     p.add_argument("--stats", action="store_true")
     _add_sampling_flags(p)
@@ -431,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmark compile, load, prefill, decode and the engine loop")
-    p.add_argument("model", nargs="?")
+    _add_model(p)
     p.add_argument("--concurrency", default=None, help="comma list: also measure through the engine loop")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
