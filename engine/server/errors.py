@@ -67,6 +67,11 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_req
     return ApiError(400, message, code=code, param=param)
 
 
+def engine_error(message: str) -> ApiError:
+    """A 500: the engine (or the server) failed the request."""
+    return ApiError(500, message, code="engine_error", err_type="server_error", anthropic_type="api_error")
+
+
 def type_error(param: str, expected: str, value: Any) -> ApiError:
     """A request field of the wrong type: names the field, what it must be and (briefly) what it was."""
     shown = json.dumps(value)[:60] if not isinstance(value, (dict, list)) else type(value).__name__

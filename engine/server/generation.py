@@ -18,7 +18,7 @@ from engine.gen_defaults import with_defaults
 from engine.types import GenerationRequest, MemraError, TokenEvent, Usage
 
 from .auth import Tenant
-from .errors import ApiError, bad_request, from_code, from_memra
+from .errors import ApiError, bad_request, engine_error, from_code, from_memra
 from .schemas import ChatSpec, GenSpec
 from .state import AppState
 from .tool_calls import tool_instruction
@@ -482,10 +482,4 @@ def error_of(ev: TokenEvent) -> ApiError:
         return from_memra(ev.error)
     if ev.finish_reason == "abort":
         return from_code("draining", "the request was aborted by the server (shutdown)")
-    return ApiError(
-        500,
-        "the engine failed this request",
-        code="engine_error",
-        err_type="server_error",
-        anthropic_type="api_error",
-    )
+    return engine_error("the engine failed this request")
