@@ -17,7 +17,7 @@ from engine.types import MemraError
 
 from .anthropic_api import CountTokens, Messages
 from .auth import presented_key
-from .errors import ApiError, from_memra
+from .errors import ApiError, engine_error, from_memra
 from .http_common import Resource, send_json
 from .model_info import ModelInfo
 from .openai_api import ChatCompletions, Completions, Models
@@ -127,17 +127,7 @@ def build_app(state: AppState) -> falcon.App:
 
     def unexpected(req, resp, ex, params):
         log.exception("unhandled error on %s %s", req.method, req.path)
-        _render_error(
-            req,
-            resp,
-            ApiError(
-                500,
-                f"internal server error ({type(ex).__name__})",
-                code="engine_error",
-                err_type="server_error",
-                anthropic_type="api_error",
-            ),
-        )
+        _render_error(req, resp, engine_error(f"internal server error ({type(ex).__name__})"))
 
     app.add_error_handler(Exception, unexpected)
     app.add_error_handler(falcon.HTTPError, http_error)
