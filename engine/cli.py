@@ -142,9 +142,7 @@ def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     chunk."""
     from engine.engine_config import EngineConfig
 
-    return load_stack(
-        args.model, **StackFlags.of(args).load_kwargs(), max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens
-    )
+    return load_stack(args.model, StackFlags.of(args), max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens)
 
 
 def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None, overlap: bool = False):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.backend import StackFlags
+from engine.backend import StackFlags, load_stack
 from engine.server.model_info import ModelInfo
 from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
 from engine.types import ConfigError, MemraError
@@ -58,12 +58,11 @@ def build_engine(
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
     ``model_defaults``: requests that omit a sampling parameter get the model's own value
     (generation_config.json / GGUF general.sampling.*)."""
-    from engine.backend import load_stack
     from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(model_arg, **flags.load_kwargs(), max_running=cfg.max_running)
+    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running)
     speculator = build_speculator(spec, model, runner, device_profile=flags.device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
