@@ -52,27 +52,6 @@ def start_sse(resp: falcon.Response) -> None:
     resp.set_header("X-Accel-Buffering", "no")
 
 
-def respond(
-    run: Run | RunGroup,
-    spec,
-    resp: falcon.Response,
-    stream: Callable,
-    complete: Callable,
-    stream_error: Callable,
-) -> None:
-    """Answer with ``run``: an SSE body from ``stream(run, spec)`` (errors mid-stream rendered by
-    ``stream_error``; the run is closed when the stream ends or the client goes away), or a JSON
-    body written by ``complete(run, spec, resp)``, closing the run afterwards."""
-    if spec.stream:
-        start_sse(resp)
-        resp.stream = sse.ClosingStream(stream(run, spec), run.close, stream_error)
-        return
-    try:
-        complete(run, spec, resp)
-    finally:
-        run.close()
-
-
 def finished_text(run: Run) -> tuple[str, TokenEvent] | None:
     """A finished run's whole text and its last event; None when the client went away before any
     event came. A run that ended in an error or abort raises that run's ApiError."""
@@ -169,7 +148,14 @@ class GenerateResource(Resource):
         ids = self.prompt_ids(spec)
         constraint = constraint_factory(st, spec)
         group = start_group(st, req, spec, ids, param=self.param, id_prefix=self.id_prefix, constraint=constraint)
-        respond(group, spec, resp, self._stream, self._complete, self.stream_error)
+        if spec.stream:  # the group is closed when the stream ends or the client goes away
+            start_sse(resp)
+            resp.stream = sse.ClosingStream(self._stream(group, spec), group.close, self.stream_error)
+            return
+        try:
+            self._complete(group, spec, resp)
+        finally:
+            group.close()
 
     def _stream(self, group: RunGroup, spec) -> Iterator[bytes]:
         raise NotImplementedError
