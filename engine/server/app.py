@@ -32,14 +32,10 @@ _OPEN_PREFIXES = ("/ui/",)  # the chat page's files (the page sends the user's k
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def _anthropic_path(path: str) -> bool:
-    return path.startswith("/v1/messages")
-
-
 def _render_error(req: falcon.Request, resp: falcon.Response, err: ApiError) -> None:
     for k, v in err.headers.items():
         resp.set_header(k, v)
-    send_json(resp, err.anthropic_body() if _anthropic_path(req.path) else err.openai_body(), err.status)
+    send_json(resp, err.body_for(req.path), err.status)
 
 
 class _Middleware(Resource):

@@ -62,6 +62,10 @@ class ApiError(Exception):
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
 
+    def body_for(self, path: str) -> dict:
+        """The body in the shape of the API ``path`` belongs to (Anthropic's under /v1/messages)."""
+        return self.anthropic_body() if (path or "").startswith("/v1/messages") else self.openai_body()
+
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request_error") -> ApiError:
     return ApiError(400, message, code=code, param=param)
