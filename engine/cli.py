@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,56 +138,51 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, runner) for `memra run` / `memra chat`: their engine runs one request at a
-    time, so an automatic window pool is sized for one sequence and the engine's default prefill
-    chunk."""
-    from engine.engine_config import EngineConfig
-
-    return load_stack(args.model, StackFlags.of(args), max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens)
-
-
-def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None, overlap: bool = False):
-    from engine.loop import Engine, EngineConfig
-
-    engine = Engine(runner, tokenizer, EngineConfig(overlap=overlap), speculator=speculator)
-    engine.start()
-    return engine
-
-
 # --------------------------------------------------------------------------------------------
 # subcommands
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Reject bad generation flags before anything loads (one line naming the flag)."""
+def _check_args(args: argparse.Namespace) -> StackFlags:
+    """Reject bad generation flags before anything loads (one line naming the flag); the
+    model-loading flags."""
     from engine.spec.config import parse_speculative
 
     _sampling_from_args(args)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
     parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
-    StackFlags.of(args)
+    return StackFlags.of(args)
+
+
+@contextmanager
+def _one_request_engine(args: argparse.Namespace) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """(engine, tokenizer, runner, speculator or None) for `memra run` / `memra chat`, the flags
+    checked first. The engine runs one request at a time (an automatic window pool is sized for one
+    sequence and the engine's default prefill chunk) and is shut down on exit."""
+    from engine.loop import Engine, EngineConfig
+    from engine.spec.build import speculator_from_args
+
+    flags = _check_args(args)
+    model, tokenizer, runner = load_stack(
+        args.model, flags, max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens
+    )
+    speculator = speculator_from_args(args, model, runner)
+    engine = Engine(runner, tokenizer, EngineConfig(overlap=flags.overlap), speculator=speculator)
+    engine.start()
+    try:
+        yield engine, tokenizer, runner, speculator
+    finally:
+        engine.shutdown(5.0)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _check_args(args)
-    model, tokenizer, runner = _one_request_stack(args)
-    if args.chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-        prompt_ids = tokenizer.encode(text)
-    else:
-        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    from engine.spec.build import speculator_from_args
-
-    speculator = speculator_from_args(args, model, runner)
-    engine = _make_engine(runner, tokenizer, speculator, overlap=args.overlap)
-    try:
+    with _one_request_engine(args) as (engine, tokenizer, runner, speculator):
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            prompt_ids = tokenizer.encode(text)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
-    finally:
-        engine.shutdown(5.0)
     print()
     if args.stats:
         stats["backend"] = runner.backend
@@ -199,17 +196,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    _check_args(args)
-    model, tokenizer, runner = _one_request_stack(args)
-    engine = _make_engine(runner, tokenizer, overlap=args.overlap)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print(
-        "memra chat: type a message, /reset to clear the conversation, /exit or Ctrl-D to quit.",
-        file=sys.stderr,
-    )
-    try:
+    with _one_request_engine(args) as (engine, tokenizer, _, _):
+        print(
+            "memra chat: type a message, /reset to clear the conversation, /exit or Ctrl-D to quit.",
+            file=sys.stderr,
+        )
         while True:
             try:
                 line = input("> ")
@@ -230,8 +224,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if args.stats:
                 print("memra: " + json.dumps(stats), file=sys.stderr)
             messages.append({"role": "assistant", "content": reply})
-    finally:
-        engine.shutdown(5.0)
     return 0
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -97,3 +98,15 @@ def test_stack_flags_are_read_the_same_way_by_every_subcommand():
         StackFlags.of(p.parse_args(["serve", "--devices", "0,1"]))
     with pytest.raises(MemraError, match="--window-kv-blocks"):
         StackFlags.of(p.parse_args(["chat", "--window-kv-blocks", "-1"]))
+
+
+def test_chat_holds_a_conversation_and_resets_it(tiny_qwen3_dir, monkeypatch, capsys):
+    """`memra chat` (cli._one_request_engine): each line a turn with --stats, /reset keeps only the
+    system prompt, empty lines are skipped, /exit ends; the engine is shut down."""
+    lines = iter(["hi", "/reset", "  ", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", str(tiny_qwen3_dir), "--backend", "reference", "--max-tokens", "2", "--stats", "--system", "s"]
+    assert cli.main(argv) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memra: {")]
+    assert len(stats) == 2
+    assert json.loads(stats[0][7:])["prompt_tokens"] == json.loads(stats[1][7:])["prompt_tokens"] - 1  # "again" vs "hi"
