@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,30 @@ def parse_window_kv_blocks(value: str | int | None) -> int | None:
             param="window_kv_blocks",
         )
     return n
+
+
+@dataclass(frozen=True)
+class StackFlags:
+    """The model-loading flags of `memra run`, `chat`, `serve` and `bench` (engine.cli adds them to
+    each parser), read from the parsed arguments in one place; a subcommand without one of them gets
+    its default here."""
+
+    backend: str = "auto"
+    device_profile: str | None = None
+    quant: str | None = None
+    devices: str | None = None
+    split: str | None = None
+    window_kv_blocks: int | None = None
+    overlap: bool = False
+
+    @classmethod
+    def of(cls, args: Any) -> StackFlags:
+        """The flags of ``args``, checked before anything loads (--devices/--split, then
+        --window-kv-blocks: a MemraError naming the flag)."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        split_devices(given.get("devices"), given.get("split"))
+        given["window_kv_blocks"] = parse_window_kv_blocks(given.get("window_kv_blocks"))
+        return cls(**given)
 
 
 def _split_runner(model: Any, backend: str, devices: str | None, split: str | None, **kwargs: Any):
@@ -170,27 +194,19 @@ def resolve_model_path(model: str | None) -> Path:
     return default_model_path()
 
 
-def load_stack(
-    model_arg: str | None,
-    backend: str,
-    device_profile: str | None,
-    quant: str | None = None,
-    devices: str | None = None,
-    split: str | None = None,
-    **runner_kwargs: Any,
-):
-    """(LoadedModel, Tokenizer, Runner) for a model argument, with progress on stderr; ``runner_kwargs``
-    go to ``create_runner`` (None values left out: the runner's defaults)."""
+def load_stack(model_arg: str | None, flags: StackFlags = StackFlags(), **runner_kwargs: Any):
+    """(LoadedModel, Tokenizer, Runner) for a model argument and the flags, with progress on stderr;
+    ``runner_kwargs`` go to ``create_runner`` (None values left out: the runner's defaults)."""
     from engine.model import load_model
     from engine.tokenizer import load_tokenizer
 
     path = resolve_model_path(model_arg)
     t0 = time.perf_counter()
     print(f"memra: loading {path}", file=sys.stderr)
-    model = load_model(path, quant=quant)
+    model = load_model(path, quant=flags.quant)
     tokenizer = load_tokenizer(model.weights)
-    kwargs = {k: v for k, v in runner_kwargs.items() if v is not None}
-    runner = create_runner(model, backend, device_profile, devices=devices, split=split, **kwargs)
+    kwargs = {k: v for k, v in {"window_kv_blocks": flags.window_kv_blocks, **runner_kwargs}.items() if v is not None}
+    runner = create_runner(model, flags.backend, flags.device_profile, devices=flags.devices, split=flags.split, **kwargs)
     print(
         f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
         f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",

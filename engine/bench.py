@@ -220,19 +220,19 @@ def _spec_cell(r: dict) -> str:
 
 
 def bench_from_cli(args: argparse.Namespace) -> int:
-    from engine.backend import create_runner, parse_window_kv_blocks, resolve_model_path
+    from engine.backend import StackFlags, create_runner, resolve_model_path
     from engine.loop import Engine, EngineConfig
     from engine.model import load_model
 
-    window_kv_blocks = parse_window_kv_blocks(args.window_kv_blocks)
+    flags = StackFlags.of(args)
     path = resolve_model_path(args.model)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    model = load_model(path, quant=args.quant)
+    model = load_model(path, quant=flags.quant)
     # an automatic window pool: for the profile's max_running (its largest decode batch) and the
     # engine rows' prefill chunk
     runner = create_runner(
-        model, args.backend, args.device_profile, window_kv_blocks=window_kv_blocks, prefill_chunk_tokens=ENGINE_CHUNK
+        model, flags.backend, flags.device_profile, window_kv_blocks=flags.window_kv_blocks, prefill_chunk_tokens=ENGINE_CHUNK
     )
     rows.append({"kind": "load", "seconds": round(time.perf_counter() - t0, 2), "backend": runner.backend})
     rows.append(memory_row("after load"))
@@ -259,12 +259,11 @@ def bench_from_cli(args: argparse.Namespace) -> int:
         from engine.spec.build import speculator_from_args
 
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-        overlap = bool(getattr(args, "overlap", False))
         speculator = speculator_from_args(args, model, runner)
         engine = Engine(
             runner,
             NullTokenizer(),
-            EngineConfig(max_running=max(levels), prefill_chunk_tokens=ENGINE_CHUNK, overlap=overlap),
+            EngineConfig(max_running=max(levels), prefill_chunk_tokens=ENGINE_CHUNK, overlap=flags.overlap),
             speculator=speculator,
         )
         engine.start()

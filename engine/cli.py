@@ -13,11 +13,13 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from engine import __version__, env
-from engine.backend import load_stack, parse_window_kv_blocks
+from engine.backend import StackFlags, load_stack
 from engine.types import GenerationRequest, MemraError, SamplingParams
 
 log = logging.getLogger("memra")
@@ -40,6 +42,10 @@ def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
     validate_sampling(params)
     return params
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -132,66 +138,51 @@ def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse
     return "".join(pieces), stats
 
 
-def _one_request_stack(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, runner) for `memra run` / `memra chat`: their engine runs one request at a
-    time, so an automatic window pool is sized for one sequence and the engine's default prefill
-    chunk."""
-    from engine.engine_config import EngineConfig
-
-    return load_stack(
-        args.model,
-        args.backend,
-        args.device_profile,
-        args.quant,
-        getattr(args, "devices", None),
-        getattr(args, "split", None),
-        window_kv_blocks=parse_window_kv_blocks(args.window_kv_blocks),
-        max_running=1,
-        prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens,
-    )
-
-
-def _make_engine(runner: Any, tokenizer: Any, speculator: Any = None, overlap: bool = False):
-    from engine.loop import Engine, EngineConfig
-
-    engine = Engine(runner, tokenizer, EngineConfig(overlap=overlap), speculator=speculator)
-    engine.start()
-    return engine
-
-
 # --------------------------------------------------------------------------------------------
 # subcommands
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Reject bad generation flags before anything loads (one line naming the flag)."""
+def _check_args(args: argparse.Namespace) -> StackFlags:
+    """Reject bad generation flags before anything loads (one line naming the flag); the
+    model-loading flags."""
     from engine.spec.config import parse_speculative
 
     _sampling_from_args(args)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise MemraError(f"--max-tokens must be at least 1, got {args.max_tokens}", param="max_tokens")
     parse_speculative(getattr(args, "speculative", None), getattr(args, "spec_tokens", None))
-    parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
+    return StackFlags.of(args)
+
+
+@contextmanager
+def _one_request_engine(args: argparse.Namespace) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """(engine, tokenizer, runner, speculator or None) for `memra run` / `memra chat`, the flags
+    checked first. The engine runs one request at a time (an automatic window pool is sized for one
+    sequence and the engine's default prefill chunk) and is shut down on exit."""
+    from engine.loop import Engine, EngineConfig
+    from engine.spec.build import speculator_from_args
+
+    flags = _check_args(args)
+    model, tokenizer, runner = load_stack(
+        args.model, flags, max_running=1, prefill_chunk_tokens=EngineConfig.prefill_chunk_tokens
+    )
+    speculator = speculator_from_args(args, model, runner)
+    engine = Engine(runner, tokenizer, EngineConfig(overlap=flags.overlap), speculator=speculator)
+    engine.start()
+    try:
+        yield engine, tokenizer, runner, speculator
+    finally:
+        engine.shutdown(5.0)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _check_args(args)
-    model, tokenizer, runner = _one_request_stack(args)
-    if args.chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-        prompt_ids = tokenizer.encode(text)
-    else:
-        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    from engine.spec.build import speculator_from_args
-
-    speculator = speculator_from_args(args, model, runner)
-    engine = _make_engine(runner, tokenizer, speculator, overlap=args.overlap)
-    try:
+    with _one_request_engine(args) as (engine, tokenizer, runner, speculator):
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            prompt_ids = tokenizer.encode(text)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
         _, stats = _generate(engine, tokenizer, prompt_ids, args)
-    finally:
-        engine.shutdown(5.0)
     print()
     if args.stats:
         stats["backend"] = runner.backend
@@ -205,17 +196,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    _check_args(args)
-    model, tokenizer, runner = _one_request_stack(args)
-    engine = _make_engine(runner, tokenizer, overlap=args.overlap)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print(
-        "memra chat: type a message, /reset to clear the conversation, /exit or Ctrl-D to quit.",
-        file=sys.stderr,
-    )
-    try:
+    with _one_request_engine(args) as (engine, tokenizer, _, _):
+        print(
+            "memra chat: type a message, /reset to clear the conversation, /exit or Ctrl-D to quit.",
+            file=sys.stderr,
+        )
         while True:
             try:
                 line = input("> ")
@@ -236,8 +224,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if args.stats:
                 print("memra: " + json.dumps(stats), file=sys.stderr)
             messages.append({"role": "assistant", "content": reply})
-    finally:
-        engine.shutdown(5.0)
     return 0
 
 
@@ -394,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI/Anthropic-compatible HTTP server")
-    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
+    _add_model(p)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--config", default=None, help="memra.toml (host, port, models, limits, API keys)")
@@ -412,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="generate text for one prompt")
-    p.add_argument("model", nargs="?", help="model path or known alias (gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
+    _add_model(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats", action="store_true", help="print tokens/s and TTFT")
@@ -423,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
-    p.add_argument("model", nargs="?")
+    _add_model(p)
     p.add_argument("--system", default=None)
     p.add_argument("--stats", action="store_true")
     _add_sampling_flags(p)
@@ -431,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmark compile, load, prefill, decode and the engine loop")
-    p.add_argument("model", nargs="?")
+    _add_model(p)
     p.add_argument("--concurrency", default=None, help="comma list: also measure through the engine loop")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--quick", action="store_true", help="fewer, shorter measurements")

@@ -32,11 +32,25 @@ DEFAULT_STATE_BYTES = 256 * 1024 * 1024
 
 
 class ScratchRuns:
-    """``forward_logits`` and ``generate`` for a reference runner, in a private cache that the
-    runner's ``_scratch_run(length)`` builds: a function (tokens, start_pos, all_logits) -> logits."""
+    """What the reference runners share: ``step`` over their ``_check_item`` and ``_run_item``, and
+    ``forward_logits`` and ``generate`` in a private cache that the runner's ``_scratch_run(length)``
+    builds: a function (tokens, start_pos, all_logits) -> logits."""
 
     max_model_len: int
     _scratch_run: Callable[[int], Callable[[list[int], int, bool], np.ndarray]]
+    _check_item: Callable[[StepItem], None]
+    _run_item: Callable[[StepItem], np.ndarray]
+
+    def step(self, items: Sequence[StepItem]) -> list[int | None]:
+        """Run every item (prefill chunk or decode token), all checked first; sample the last token
+        where asked."""
+        for item in items:
+            self._check_item(item)
+        out: list[int | None] = []
+        for item in items:
+            logits = self._run_item(item)  # (every item runs: a prefill chunk fills the KV cache)
+            out.append(sample_item(logits[-1], item) if item.sample else None)
+        return out
 
     def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits [len, vocab] f32 of every position of ``token_ids`` in a fresh cache (no sampling)."""
@@ -340,16 +354,6 @@ class ReferenceRunner(ScratchRuns):
         )  # fmt: skip
         self._tap(item.seq_id, item.start_pos, env)
         return env["logits"]
-
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
-        """Run every item (prefill chunk or decode token); sample the last token where asked."""
-        for item in items:
-            self._check_item(item)
-        out: list[int | None] = []
-        for item in items:
-            logits = self._run_item(item)
-            out.append(sample_item(logits[-1], item) if item.sample else None)
-        return out
 
     # Verification of a hybrid leaves each sequence's recurrent state at its last accepted position.
     verify_restores_state = True

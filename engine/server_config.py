@@ -34,7 +34,9 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from engine import env
@@ -99,27 +101,23 @@ class ServerConfig:
         return self.keys
 
 
-_SERVER_TYPES = {
-    "host": str,
-    "port": int,
-    "max_body_bytes": int,
-    "max_json_depth": int,
-    "keepalive_s": float,
-    "drain_timeout_s": float,
-    "max_running": int,
-    "max_waiting": int,
-    "threads": int,
-    "connection_limit": int,
-    "request_timeout_s": float,
-    "idle_timeout_s": float,
-    "max_prompt_bytes": int,
-    "tokenizer_threads": int,
-    "malloc_arena_max": int,
-    "retry_after_s": int,
-    "keys_file": str,
-    "system_fingerprint": str,
-    "speculative": str,
-    "spec_tokens": int,
+def _kinds(cls) -> dict[str, type]:
+    """Each scalar field of a config dataclass -> its type (``str | None`` -> str)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        t = hints[f.name]
+        if isinstance(t, types.UnionType):
+            t = next(a for a in typing.get_args(t) if a is not type(None))
+        if t in (str, int, float):
+            out[f.name] = t
+    return out
+
+
+_SERVER_TYPES = _kinds(ServerConfig)  # the [server] keys (models and keys come from elsewhere)
+_AT_LEAST = {  # server.<name> must be >= the value
+    **dict.fromkeys(("max_body_bytes", "max_json_depth", "max_running", "tokenizer_threads", "connection_limit"), 1),
+    **dict.fromkeys(("max_waiting", "max_prompt_bytes", "malloc_arena_max", "threads"), 0),
 }
 
 
@@ -180,12 +178,9 @@ def load_server_config(path: str | os.PathLike | None = None, **overrides) -> Se
 def _validate(cfg: ServerConfig, src: str) -> None:
     if not (0 <= cfg.port <= 65535):
         raise ConfigError(f"{src}: server.port {cfg.port} is not in 0..65535")
-    for name in ("max_body_bytes", "max_json_depth", "max_running", "tokenizer_threads", "connection_limit"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{src}: server.{name} must be >= 1")
-    for name in ("max_waiting", "max_prompt_bytes", "malloc_arena_max", "threads"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{src}: server.{name} must be >= 0")
+    for name, lo in _AT_LEAST.items():
+        if getattr(cfg, name) < lo:
+            raise ConfigError(f"{src}: server.{name} must be >= {lo}")
     if cfg.request_timeout_s <= 0 or cfg.idle_timeout_s <= 0:
         raise ConfigError(f"{src}: server.request_timeout_s and server.idle_timeout_s must be > 0")
     if 0 < cfg.threads <= cfg.max_in_flight:
@@ -204,16 +199,7 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-_KEY_FIELDS = {
-    "id",
-    "sha256",
-    "tenant",
-    "max_concurrency",
-    "cache_salt",
-    "created",
-    "requests_per_minute",
-    "tokens_per_minute",
-}
+_KEY_TYPES = _kinds(ApiKey)  # every field of a [[key]] entry
 
 
 def read_keys(path: str | os.PathLike) -> list[ApiKey]:
@@ -227,22 +213,14 @@ def read_keys(path: str | os.PathLike) -> list[ApiKey]:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
     out = []
     for i, e in enumerate(data.get("key") or []):
-        try:
-            k = ApiKey(
-                id=str(e["id"]),
-                sha256=str(e["sha256"]).lower(),
-                tenant=str(e["tenant"]),
-                max_concurrency=int(e.get("max_concurrency", 0)),
-                cache_salt=str(e.get("cache_salt", "")),
-                created=int(e.get("created", 0)),
-                requests_per_minute=int(e.get("requests_per_minute", 0)),
-                tokens_per_minute=int(e.get("tokens_per_minute", 0)),
-            )
+        try:  # id, sha256 and tenant are required (the fields without a default)
+            k = ApiKey(**{f.name: _KEY_TYPES[f.name](e[f.name] if f.default is MISSING else e.get(f.name, f.default)) for f in fields(ApiKey)})
+            k = replace(k, sha256=k.sha256.lower())
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(
                 f"{p}: key[{i}] is missing or has a bad field ({exc}); needs id, sha256, tenant"
             ) from None
-        unknown = set(e) - _KEY_FIELDS
+        unknown = set(e) - set(_KEY_TYPES)
         if unknown:
             raise ConfigError(f"{p}: key[{i}] has unknown field(s) {sorted(unknown)}")
         if min(k.max_concurrency, k.requests_per_minute, k.tokens_per_minute) < 0:
@@ -262,18 +240,8 @@ def write_keys(path: str | os.PathLike, keys: list[ApiKey]) -> None:
     p = Path(path)
     lines = ["# memra API keys: sha256 hashes only. Edit with `memra keys add/list/revoke`.", ""]
     for k in keys:
-        lines += [
-            "[[key]]",
-            f"id = {_q(k.id)}",
-            f"sha256 = {_q(k.sha256)}",
-            f"tenant = {_q(k.tenant)}",
-            f"max_concurrency = {int(k.max_concurrency)}",
-            f"cache_salt = {_q(k.cache_salt)}",
-            f"created = {int(k.created)}",
-            f"requests_per_minute = {int(k.requests_per_minute)}",
-            f"tokens_per_minute = {int(k.tokens_per_minute)}",
-            "",
-        ]
+        values = ((name, getattr(k, name)) for name in _KEY_TYPES)
+        lines += ["[[key]]", *(f"{n} = {_q(v) if isinstance(v, str) else int(v)}" for n, v in values), ""]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=str(p.parent))
     try:

@@ -27,7 +27,6 @@ import numpy as np
 from engine.ops import OPS, REFERENCE, RefStep
 from engine.placement import Placement
 from engine.reference import DEFAULT_STATE_BYTES, ReferenceRunner, ScratchRuns
-from engine.sampling import sample_item
 from engine.types import MemraError, StepItem
 
 
@@ -213,19 +212,13 @@ class ShardedReference(ScratchRuns):
             return [{"states": r._new_states(1), "slot": 0} if r.num_state_slots else {} for r in self.ranks]
         return [r._item_state(item) if r.num_state_slots else {} for r in self.ranks]
 
-    # -- Runner protocol and conveniences -----------------------------------------------------
+    # -- the Runner protocol (ScratchRuns.step) and conveniences ------------------------------
 
-    def step(self, items: Sequence[StepItem]) -> list[int | None]:
-        """Run every item (prefill chunk or decode token); sample the last token where asked."""
-        for item in items:
-            self.ranks[0]._check_item(item)
-        out: list[int | None] = []
-        for item in items:
-            logits = self._forward(
-                item.token_ids, item.start_pos, item.block_table, self._caches(), False, self._states(item)
-            )
-            out.append(sample_item(logits[-1], item) if item.sample else None)
-        return out
+    def _check_item(self, item: StepItem) -> None:
+        self.ranks[0]._check_item(item)
+
+    def _run_item(self, item: StepItem) -> np.ndarray:
+        return self._forward(item.token_ids, item.start_pos, item.block_table, self._caches(), False, self._states(item))
 
     def copy_state(self, src: int, dst: int) -> None:
         for r in self.ranks:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -78,3 +79,34 @@ def test_stats_decode_rate_uses_engine_time(monkeypatch):
 
     _, stats = cli._generate(_Engine(evs), None, [1, 2, 3], args, out=_Out())
     assert stats["decode_tok_s"] == pytest.approx(10.0)  # 7 tokens after the first over 0.7 s
+
+
+def test_stack_flags_are_read_the_same_way_by_every_subcommand():
+    """engine.backend.StackFlags: run, chat, serve and bench read the model-loading flags in one place
+    (a subcommand without --devices gets the default), checked before anything loads."""
+    from engine.backend import StackFlags
+    from engine.types import MemraError
+
+    p = cli.build_parser()
+    for argv in (["run", "--prompt", "x"], ["chat"], ["serve"], ["bench"]):
+        f = StackFlags.of(p.parse_args([*argv, "--quant", "q8_0", "--window-kv-blocks", "3", "--no-overlap"]))
+        assert f == StackFlags(quant="q8_0", window_kv_blocks=3, overlap=False), argv
+        assert StackFlags.of(p.parse_args(argv)) == StackFlags(overlap=True)
+    f = StackFlags.of(p.parse_args(["run", "--prompt", "x", "--devices", "0,1", "--split", "pp"]))
+    assert (f.devices, f.split) == ("0,1", "pp")
+    with pytest.raises(MemraError, match="need --split"):
+        StackFlags.of(p.parse_args(["serve", "--devices", "0,1"]))
+    with pytest.raises(MemraError, match="--window-kv-blocks"):
+        StackFlags.of(p.parse_args(["chat", "--window-kv-blocks", "-1"]))
+
+
+def test_chat_holds_a_conversation_and_resets_it(tiny_qwen3_dir, monkeypatch, capsys):
+    """`memra chat` (cli._one_request_engine): each line a turn with --stats, /reset keeps only the
+    system prompt, empty lines are skipped, /exit ends; the engine is shut down."""
+    lines = iter(["hi", "/reset", "  ", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", str(tiny_qwen3_dir), "--backend", "reference", "--max-tokens", "2", "--stats", "--system", "s"]
+    assert cli.main(argv) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memra: {")]
+    assert len(stats) == 2
+    assert json.loads(stats[0][7:])["prompt_tokens"] == json.loads(stats[1][7:])["prompt_tokens"] - 1  # "again" vs "hi"

@@ -100,6 +100,31 @@ def test_midstream_error_is_data_chunk_then_done():
     assert r2.status_code == 500 and r2.json["error"]["code"] == "engine_error"
 
 
+def test_engine_errors_have_one_body_per_api():
+    """A request the engine fails, and a bug in a resource, are 500 engine_error bodies in the
+    endpoint's API shape (engine.server.errors.engine_error)."""
+    eng = FakeEngine()
+    eng.finish_reason = "error"
+    c, _ = make(eng)
+    r = chat(c)
+    assert r.status_code == 500 and r.json == {
+        "error": {"message": "the engine failed this request", "type": "server_error", "param": None, "code": "engine_error"}
+    }
+    r = c.simulate_post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 500
+    assert r.json == {"type": "error", "error": {"type": "api_error", "message": "the engine failed this request"}}
+
+    class Broken(FakeTokenizer):
+        def apply_chat_template(self, *a, **kw):
+            raise RuntimeError("a bug")
+
+    app = create_app(FakeEngine(), Broken(), INFO, ServerConfig(keepalive_s=0.3))
+    r = chat(falcon.testing.TestClient(app))
+    assert r.status_code == 500 and r.json["error"] == {
+        "message": "internal server error (RuntimeError)", "type": "server_error", "param": None, "code": "engine_error"
+    }
+
+
 def test_completions_and_prompt_forms():
     c, eng = make()
     r = c.simulate_post("/v1/completions", json={"model": "smol", "prompt": "abc"})

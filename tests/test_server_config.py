@@ -116,3 +116,24 @@ def test_hardening_settings_and_tenant_rates(tmp_path):
     keys.write_text(keys.read_text().replace("tokens_per_minute", "tokens_per_minut"))
     with pytest.raises(ConfigError, match=r"key\[0\] has unknown field\(s\) \['tokens_per_minut'\]"):
         read_keys(keys)
+
+
+def test_settings_and_key_fields_come_from_the_dataclasses(tmp_path):
+    """The [server] keys and their types are ServerConfig's scalar fields; a key entry is ApiKey's
+    fields, written and read back whole (sha256 lower-cased on read)."""
+    from dataclasses import fields
+
+    from engine.server_config import _SERVER_TYPES, ApiKey, ServerConfig, write_keys
+
+    assert set(_SERVER_TYPES) == {f.name for f in fields(ServerConfig)} - {"models", "keys"}
+    assert (_SERVER_TYPES["keepalive_s"], _SERVER_TYPES["port"], _SERVER_TYPES["speculative"]) == (float, int, str)
+    key = ApiKey("key_1", "AB" * 32, 'a "t"', max_concurrency=2, cache_salt="s\\", created=3,
+                 requests_per_minute=4, tokens_per_minute=5)
+    write_keys(tmp_path / "k.toml", [key])
+    text = (tmp_path / "k.toml").read_text()
+    assert all(f"\n{f.name} = " in text for f in fields(ApiKey))
+    (back,) = read_keys(tmp_path / "k.toml")
+    assert back == ApiKey(**{**key.__dict__, "sha256": "ab" * 32})
+    (tmp_path / "k.toml").write_text(text.replace('created = 3', 'created = "x"'))
+    with pytest.raises(ConfigError, match=r"key\[0\] is missing or has a bad field"):
+        read_keys(tmp_path / "k.toml")

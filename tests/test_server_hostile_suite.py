@@ -28,6 +28,7 @@ _spec.loader.exec_module(hostile_check)
 SCRIPT = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.WARNING)
+    from engine.backend import StackFlags
     from engine.server.launch import build_engine
     from engine.server.serve import run_server
     from engine.server_config import ApiKey, ServerConfig, hash_key
@@ -35,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     keys = (ApiKey("k_a", hash_key("sk-a"), "acme"), ApiKey("k_b", hash_key("sk-b"), "beta", max_concurrency=2))
     cfg = ServerConfig(port={port}, max_running=4, max_waiting=4, request_timeout_s=2.0, keys=keys,
                        drain_timeout_s=0.5, max_prompt_bytes=100_000)
-    sys.exit(run_server(cfg, lambda: build_engine({model!r}, ("default",), cfg, "reference", None)))
+    sys.exit(run_server(cfg, lambda: build_engine({model!r}, ("default",), cfg, StackFlags("reference"))))
 """)
 
 

@@ -61,10 +61,11 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def srv(smollm2_path):
+    from engine.backend import StackFlags
     from engine.server.launch import build_engine
 
     cfg = ServerConfig(keys=(ApiKey("key_s", hash_key(KEY), "s1", cache_salt="s1"),), keepalive_s=5.0)
-    engine, tok, info = build_engine(str(smollm2_path), ("default",), cfg, "reference", None)
+    engine, tok, info = build_engine(str(smollm2_path), ("default",), cfg, StackFlags("reference"))
     app = create_app(engine, tok, info, cfg)
     with BackgroundServer(app) as bg:
         yield bg.url, engine

@@ -147,6 +147,7 @@ def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tin
     greedy completion with and without `"speculative": false`; /metrics counts the drafts."""
     import falcon.testing
 
+    from engine.backend import StackFlags
     from engine.server.app import create_app
     from engine.server.launch import build_engine
     from engine.server_config import ServerConfig
@@ -154,7 +155,7 @@ def test_server_with_a_draft_model_honours_the_opt_out_and_counts_in_metrics(tin
 
     cfg = ServerConfig()
     engine, tok, info = build_engine(
-        str(tiny_llama_dir), ("default",), cfg, "reference", None, None, SpecConfig("draft", str(tiny_llama_dir))
+        str(tiny_llama_dir), ("default",), cfg, StackFlags("reference"), SpecConfig("draft", str(tiny_llama_dir))
     )
     try:
         client = falcon.testing.TestClient(create_app(engine, tok, info, cfg))

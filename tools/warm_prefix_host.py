@@ -38,7 +38,7 @@ import engine.loop as loop  # noqa: E402
 import engine.prefix_keys as pk  # noqa: E402
 import engine.scheduler as sch  # noqa: E402
 import engine.server.generation as gen  # noqa: E402
-import engine.server.openai_api as oai  # noqa: E402
+import engine.server.http_common as hc  # noqa: E402
 from engine.server.model_info import ModelInfo  # noqa: E402
 from engine.server.serve import run_server  # noqa: E402
 from engine.server_config import ServerConfig  # noqa: E402
@@ -87,8 +87,8 @@ class _Source:  # what engine.tokenizer reads of an HF checkpoint directory
 
 def instrument() -> None:
     for name, owner, attr in (
-        ("read and parse the JSON body", oai, "read_json"),
-        ("chat_ids (escape, template, tokenise)", oai, "chat_ids"),
+        ("read and parse the JSON body", hc, "read_json"),
+        ("chat_ids (escape, template, tokenise)", hc, "chat_ids"),
         ("  template", gen, "chat_prompt"),
         ("  tokenise (encode_chat)", Tokenizer, "encode_chat"),
         ("engine.submit", loop.Engine, "submit"),

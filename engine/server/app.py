@@ -17,8 +17,8 @@ from engine.types import MemraError
 
 from .anthropic_api import CountTokens, Messages
 from .auth import presented_key
-from .errors import ApiError, from_memra
-from .http_common import send_json
+from .errors import ApiError, engine_error, from_memra
+from .http_common import Resource, send_json
 from .model_info import ModelInfo
 from .openai_api import ChatCompletions, Completions, Models
 from .ops_api import AdminKV, Detokenize, Health, MetricsResource, Ready, Tokenize
@@ -32,20 +32,13 @@ _OPEN_PREFIXES = ("/ui/",)  # the chat page's files (the page sends the user's k
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def _anthropic_path(path: str) -> bool:
-    return path.startswith("/v1/messages")
-
-
 def _render_error(req: falcon.Request, resp: falcon.Response, err: ApiError) -> None:
     for k, v in err.headers.items():
         resp.set_header(k, v)
-    send_json(resp, err.anthropic_body() if _anthropic_path(req.path) else err.openai_body(), err.status)
+    send_json(resp, err.body_for(req.path), err.status)
 
 
-class _Middleware:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class _Middleware(Resource):
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         rid = req.get_header("x-request-id")
         req.context.request_id = rid if rid and _REQ_ID.match(rid) else uuid.uuid4().hex
@@ -130,17 +123,7 @@ def build_app(state: AppState) -> falcon.App:
 
     def unexpected(req, resp, ex, params):
         log.exception("unhandled error on %s %s", req.method, req.path)
-        _render_error(
-            req,
-            resp,
-            ApiError(
-                500,
-                f"internal server error ({type(ex).__name__})",
-                code="engine_error",
-                err_type="server_error",
-                anthropic_type="api_error",
-            ),
-        )
+        _render_error(req, resp, engine_error(f"internal server error ({type(ex).__name__})"))
 
     app.add_error_handler(Exception, unexpected)
     app.add_error_handler(falcon.HTTPError, http_error)

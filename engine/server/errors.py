@@ -62,9 +62,18 @@ class ApiError(Exception):
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
 
+    def body_for(self, path: str) -> dict:
+        """The body in the shape of the API ``path`` belongs to (Anthropic's under /v1/messages)."""
+        return self.anthropic_body() if (path or "").startswith("/v1/messages") else self.openai_body()
+
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request_error") -> ApiError:
     return ApiError(400, message, code=code, param=param)
+
+
+def engine_error(message: str) -> ApiError:
+    """A 500: the engine (or the server) failed the request."""
+    return ApiError(500, message, code="engine_error", err_type="server_error", anthropic_type="api_error")
 
 
 def type_error(param: str, expected: str, value: Any) -> ApiError:

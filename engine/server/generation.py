@@ -18,7 +18,7 @@ from engine.gen_defaults import with_defaults
 from engine.types import GenerationRequest, MemraError, TokenEvent, Usage
 
 from .auth import Tenant
-from .errors import ApiError, bad_request, from_code, from_memra
+from .errors import ApiError, bad_request, engine_error, from_code, from_memra
 from .schemas import ChatSpec, GenSpec
 from .state import AppState
 from .tool_calls import tool_instruction
@@ -146,15 +146,6 @@ def encode(
         return list(enc(text) if enc is not None else tok.encode(text, add_special_tokens=add_special_tokens))
     except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
-
-
-def allowed_tools(spec: ChatSpec) -> set[str] | None:
-    """Tool names a parsed call may use (None: tool calls are not parsed at all)."""
-    if spec.tool_choice == "none" or not spec.tools:
-        return None
-    if spec.tool_choice == "named":
-        return {spec.tool_name or ""}
-    return {t["function"]["name"] for t in spec.tools}
 
 
 def constraint_factory(state: AppState, spec: GenSpec) -> Callable[[], Any] | None:
@@ -491,10 +482,4 @@ def error_of(ev: TokenEvent) -> ApiError:
         return from_memra(ev.error)
     if ev.finish_reason == "abort":
         return from_code("draining", "the request was aborted by the server (shutdown)")
-    return ApiError(
-        500,
-        "the engine failed this request",
-        code="engine_error",
-        err_type="server_error",
-        anthropic_type="api_error",
-    )
+    return engine_error("the engine failed this request")

@@ -1,4 +1,5 @@
-"""Helpers shared by the resources: body reading under limits, disconnect probe, JSON responses.
+"""Helpers shared by the resources: body reading under limits, disconnect probe, JSON responses, and
+GenerateResource (the POST of every generating endpoint: parse, prompt, submit the choices, answer).
 
 Must not import the engine loop.
 """
@@ -6,7 +7,8 @@ Must not import the engine loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import falcon
 
@@ -15,7 +17,7 @@ from engine.types import TokenEvent
 from . import sse
 from .body import parse_json_body
 from .errors import ApiError
-from .generation import Run, RunGroup, error_of
+from .generation import Run, RunGroup, chat_ids, check_model, constraint_factory, error_of
 from .state import AppState
 
 
@@ -50,27 +52,6 @@ def start_sse(resp: falcon.Response) -> None:
     resp.set_header("X-Accel-Buffering", "no")
 
 
-def respond(
-    run: Run,
-    spec,
-    resp: falcon.Response,
-    stream: Callable,
-    complete: Callable,
-    stream_error: Callable,
-) -> None:
-    """Answer with ``run``: an SSE body from ``stream(run, spec)`` (errors mid-stream rendered by
-    ``stream_error``; the run is closed when the stream ends or the client goes away), or a JSON
-    body written by ``complete(run, spec, resp)``, closing the run afterwards."""
-    if spec.stream:
-        start_sse(resp)
-        resp.stream = sse.ClosingStream(stream(run, spec), run.close, stream_error)
-        return
-    try:
-        complete(run, spec, resp)
-    finally:
-        run.close()
-
-
 def finished_text(run: Run) -> tuple[str, TokenEvent] | None:
     """A finished run's whole text and its last event; None when the client went away before any
     event came. A run that ended in an error or abort raises that run's ApiError."""
@@ -96,38 +77,6 @@ def usage_openai(u) -> dict:
     }
 
 
-def start_run(
-    state: AppState,
-    req: falcon.Request,
-    spec,
-    ids: list[int],
-    *,
-    param: str,
-    id_prefix: str,
-    constraint: Callable | None = None,
-    index: int = 0,
-    response_id: str | None = None,
-) -> Run:
-    """Submit ``ids`` for ``spec`` on behalf of the request's tenant; the caller must close() it.
-    ``constraint()`` makes the run's TokenConstraint (engine.grammar); ``index`` and ``response_id``
-    make it choice ``index`` of that response (``start_group``)."""
-    run = Run(
-        state,
-        req.context.tenant,
-        spec,
-        ids,
-        param=param,
-        disconnected=disconnect_probe(req),
-        id_prefix=id_prefix,
-        index=index,
-        response_id=response_id,
-    )
-    if constraint is not None:
-        run.constraint = constraint()
-    run.submit()
-    return run
-
-
 def start_group(
     state: AppState,
     req: falcon.Request,
@@ -138,25 +87,29 @@ def start_group(
     id_prefix: str,
     constraint: Callable | None = None,
 ) -> RunGroup:
-    """Submit ``spec.n`` choices of ``ids``: choice 0 first, the others once its prompt is prefilled
-    (they then share its KV blocks through the prefix cache). ``constraint()`` makes each choice's
-    TokenConstraint. The caller must close() the group; a failed submit closes what was started."""
+    """Submit ``spec.n`` choices of ``ids`` on behalf of the request's tenant: choice 0 first, the
+    others once its prompt is prefilled (they then share its KV blocks through the prefix cache).
+    ``constraint()`` makes each choice's TokenConstraint (engine.grammar). The caller must close()
+    the group; a failed submit closes what was started."""
     if spec.n > 1:  # every choice holds a slot: refuse now rather than after choice 0's prefill
         state.admission.check_room(req.context.tenant, spec.n)
     runs: list[Run] = []
     try:
         for i in range(max(1, spec.n)):
-            run = start_run(
+            run = Run(
                 state,
-                req,
+                req.context.tenant,
                 spec,
                 ids,
                 param=param,
+                disconnected=disconnect_probe(req),
                 id_prefix=id_prefix,
-                constraint=constraint,
                 index=i,
                 response_id=runs[0].id if runs else None,
             )
+            if constraint is not None:
+                run.constraint = constraint()
+            run.submit()  # a run is closed (its slot released) only once it was submitted
             runs.append(run)
             if i == 0 and spec.n > 1:
                 run.wait_first()
@@ -165,3 +118,58 @@ def start_group(
             r.close()
         raise
     return RunGroup(runs)
+
+
+class Resource:
+    """A resource (or middleware) of the server app: it holds the shared AppState."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+
+
+class GenerateResource(Resource):
+    """A generating endpoint's POST: the body parsed (``parse``), the model checked, the prompt's
+    token ids (``prompt_ids``), the choices submitted, then an SSE answer (``_stream(group, spec)``,
+    mid-stream errors rendered by ``stream_error``) or a JSON one (``_body``) once every choice finished."""
+
+    parse: Callable[[dict], Any]
+    param = "messages"  # the field a prompt error names
+    id_prefix = ""
+    stream_error: Callable[[BaseException], bytes] = staticmethod(sse.openai_stream_error)
+
+    def prompt_ids(self, spec) -> list[int]:
+        return chat_ids(self.state, spec)  # sets spec.prompt_text (reasoning split, grammar phases)
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        st = self.state
+        st.require_ready()
+        spec = self.parse(read_json(req, st))
+        check_model(st, spec.model)
+        ids = self.prompt_ids(spec)
+        constraint = constraint_factory(st, spec)
+        group = start_group(st, req, spec, ids, param=self.param, id_prefix=self.id_prefix, constraint=constraint)
+        if spec.stream:  # the group is closed when the stream ends or the client goes away
+            start_sse(resp)
+            resp.stream = sse.ClosingStream(self._stream(group, spec), group.close, self.stream_error)
+            return
+        try:
+            self._complete(group, spec, resp)
+        finally:
+            group.close()
+
+    def _stream(self, group: RunGroup, spec) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def _body(self, group: RunGroup, spec, done: list[tuple[Run, str, TokenEvent]]) -> dict:
+        """The JSON answer from each choice's (run, whole text, last event)."""
+        raise NotImplementedError
+
+    def _complete(self, group: RunGroup, spec, resp: falcon.Response) -> None:
+        done = []
+        for run in group.runs:
+            text = finished_text(run)
+            if text is None:  # the client went away
+                resp.status = falcon.code_to_http_status(499)
+                return
+            done.append((run, *text))
+        send_json(resp, self._body(group, spec, done))

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.backend import StackFlags, load_stack
 from engine.server.model_info import ModelInfo
 from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
 from engine.types import ConfigError, MemraError
@@ -47,32 +48,22 @@ def build_engine(
     model_arg: str | None,
     aliases: tuple[str, ...],
     cfg: ServerConfig,
-    backend: str,
-    device_profile: str | None,
-    quant: str | None = None,
+    flags: StackFlags = StackFlags(),
     spec: Any = None,
     model_defaults: bool = True,
-    devices: str | None = None,
-    split: str | None = None,
-    window_kv_blocks: int | None = None,
-    overlap: bool = False,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
+    ``flags``: backend, device and runner flags (``window_kv_blocks`` None: the window pool sized for
+    ``cfg.max_running`` sequences and the profile's prefill chunk; ``overlap``: EngineConfig.overlap).
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
-    ``window_kv_blocks``: the CUDA runner's window pool (None: sized for ``cfg.max_running``
-    sequences and the profile's prefill chunk, the engine built here; 0: none).
-    ``overlap``: EngineConfig.overlap (decode steps queued ahead, engine.loop_overlap).
     ``model_defaults``: requests that omit a sampling parameter get the model's own value
     (generation_config.json / GGUF general.sampling.*)."""
-    from engine.backend import load_stack
     from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(
-        model_arg, backend, device_profile, quant, devices, split, window_kv_blocks=window_kv_blocks, max_running=cfg.max_running
-    )
-    speculator = build_speculator(spec, model, runner, device_profile=device_profile)
+    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running)
+    speculator = build_speculator(spec, model, runner, device_profile=flags.device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
     profile = getattr(runner, "profile", None)  # the CUDA runner's device profile sets the prefill budget
@@ -86,7 +77,7 @@ def build_engine(
             prefill_chunk_tokens=chunk,
             max_step_tokens=max(EngineConfig.max_step_tokens, chunk + cfg.max_running),
             tenant_max_concurrency=limits,
-            overlap=overlap,
+            overlap=flags.overlap,
         ),
         speculator=speculator,
     )
@@ -124,10 +115,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # name the config file when the setting came from it
         where = f"{args.config} (server.speculative / server.spec_tokens) or the flags"
         raise ConfigError(f"{where}: {exc.message}" if args.config else exc.message) from None
-    from engine.backend import parse_window_kv_blocks, split_devices
-
-    split_devices(getattr(args, "devices", None), getattr(args, "split", None))  # flag errors before loading
-    window_kv_blocks = parse_window_kv_blocks(getattr(args, "window_kv_blocks", None))
+    flags = StackFlags.of(args)  # flag errors before loading
     model_arg, aliases = _model_and_aliases(args, cfg)
     if model_arg is None:
         # fetch the default model before the server starts, so a download problem is a clear CLI error
@@ -138,20 +126,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     use_defaults = getattr(args, "generation_config", "auto") != "none"
     return run_server(
         cfg,
-        lambda: build_engine(
-            model_arg,
-            aliases,
-            cfg,
-            args.backend,
-            args.device_profile,
-            args.quant,
-            spec,
-            model_defaults=use_defaults,
-            devices=getattr(args, "devices", None),
-            split=getattr(args, "split", None),
-            window_kv_blocks=window_kv_blocks,
-            overlap=bool(getattr(args, "overlap", False)),
-        ),
+        lambda: build_engine(model_arg, aliases, cfg, flags, spec, model_defaults=use_defaults),
         raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
 

@@ -8,18 +8,16 @@ from __future__ import annotations
 import falcon
 
 from .errors import ApiError, bad_request
+from .fields import get_bool
 from .generation import chat_ids, text_ids
-from .http_common import read_json, send_json
+from .http_common import Resource, read_json, send_json
 from .metrics import CONTENT_TYPE
-from .schemas import get_bool, parse_chat
+from .schemas import parse_chat
 from .state import AppState
 
 
-class Health:
+class Health(Resource):
     """200 while the engine runs; 503 while loading, after a failed load or when the engine died."""
-
-    def __init__(self, state: AppState):
-        self.state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
@@ -34,11 +32,8 @@ class Health:
             send_json(resp, {"status": "draining" if st.draining else "ok"})
 
 
-class Ready:
+class Ready(Resource):
     """200 only when new requests are accepted (loaded, alive, not draining)."""
-
-    def __init__(self, state: AppState):
-        self.state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
@@ -59,21 +54,15 @@ def _stats(state: AppState):
         return None
 
 
-class MetricsResource:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class MetricsResource(Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
         resp.content_type = CONTENT_TYPE
         resp.text = st.metrics.render(_stats(st), alive=st.alive, draining=st.draining)
 
 
-class AdminKV:
+class AdminKV(Resource):
     """KV block accounting plus engine.check_invariants(); 500 when the invariants fail."""
-
-    def __init__(self, state: AppState):
-        self.state = state
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
@@ -108,11 +97,8 @@ class AdminKV:
             send_json(resp, out, 500)
 
 
-class Tokenize:
+class Tokenize(Resource):
     """POST {"prompt": str} or {"messages": [...]} (chat template applied) -> token ids."""
-
-    def __init__(self, state: AppState):
-        self.state = state
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
@@ -129,10 +115,7 @@ class Tokenize:
         send_json(resp, {"tokens": ids, "count": len(ids), "max_model_len": st.model_info.context_length})
 
 
-class Detokenize:
-    def __init__(self, state: AppState):
-        self.state = state
-
+class Detokenize(Resource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
         st.require_ready(admit=False)

@@ -9,34 +9,20 @@ from __future__ import annotations
 import json
 import math
 
-from .errors import ApiError, bad_request, type_error
+from .errors import bad_request, type_error
+from .fields import Num, get_object
 
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
-SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-)
+_TOP = Num(None, 0, MAX_TOP_LOGPROBS, integer=True)  # logprobs alternatives per token
 
 
-def _invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, message, code="invalid_value", param=param)
+def _invalid(param: str, message: str):
+    return bad_request(message, param, "invalid_value")
 
 
-def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise type_error(name, "an integer", v)
-    if not lo <= v <= hi:
-        raise _invalid(name, f"`{name}` must be an integer >= {lo} and <= {hi}, got {v}")
-    return v
-
-
-def given_fields(body: dict, names=SAMPLING_FIELDS) -> frozenset[str]:
+def given_fields(body: dict, names) -> frozenset[str]:
     """The sampling fields ``body`` sets to a non-null value (the rest take the model's defaults)."""
     return frozenset(n for n in names if body.get(n) is not None)
 
@@ -69,11 +55,11 @@ def get_logprobs(body: dict, chat: bool) -> int | None:
     """How many top alternatives to report per token (None: no logprobs). Chat: ``logprobs`` (bool)
     + ``top_logprobs`` (0..20); completions: ``logprobs`` (0..20)."""
     if not chat:
-        return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        return _TOP.read(body, "logprobs")
     on = body.get("logprobs")
     if on is not None and not isinstance(on, bool):
         raise type_error("logprobs", "a boolean", on)
-    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    top = _TOP.read(body, "top_logprobs")
     if top is not None and not on:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     return (top or 0) if on else None
@@ -82,11 +68,9 @@ def get_logprobs(body: dict, chat: bool) -> int | None:
 def get_response_format(body: dict) -> dict | None:
     """``response_format``: None for text, else {"type": "json_object"} or {"type": "json_schema",
     "schema": {...}, "strict": bool}."""
-    rf = body.get("response_format")
+    rf = get_object(body, "response_format")
     if rf is None:
         return None
-    if not isinstance(rf, dict):
-        raise type_error("response_format", "an object", rf)
     kind = rf.get("type")
     if kind == "text":
         return None

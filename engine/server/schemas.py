@@ -1,9 +1,12 @@
-"""Validate OpenAI and Anthropic request bodies into plain request specs (typed, bounded, param-named 400s).
+"""Validate OpenAI and Anthropic request bodies into one internal request spec (typed, bounded, param-named 400s).
 
-Unknown top-level fields are accepted and ignored; a known field with a wrong type or value, or an
-unsupported feature (best_of, echo, suffix ...), is a 400 naming the field. ``GenSpec.sampling_given``
-names the sampling fields the body set, so the model's generation defaults fill only the others. Must not import the
-engine loop or falcon.
+Both APIs map onto ChatSpec: template-ready messages, OpenAI function tools and a tool_choice kind,
+SamplingParams. Each API's sampling fields and their ranges are a table (``OPENAI_SAMPLING``,
+``ANTHROPIC_SAMPLING``) read by engine.server.fields; tool lists and tool choices are checked by one
+path. Unknown top-level fields are accepted and ignored; a known field with a wrong type or value,
+or an unsupported feature (best_of, echo, suffix ...), is a 400 naming the field.
+``GenSpec.sampling_given`` names the sampling fields the body set, so the model's generation
+defaults fill only the others. Must not import the engine loop or falcon.
 """
 
 from __future__ import annotations
@@ -15,13 +18,11 @@ from typing import Any
 from engine.chat_template import reserved_template_kwarg
 from engine.types import SamplingParams
 
-from .errors import ApiError, bad_request, type_error
+from .errors import bad_request, type_error
+from .fields import MISSING, TOKENS, Num, get_bool, get_object, get_stop, get_str
 from .sampling_api import MAX_N, get_logit_bias, get_logprobs, get_response_format, given_fields
 
-MAX_STOP = 16
-MAX_STOP_LEN = 512
 MAX_TOOLS = 128
-_MISSING = object()
 
 
 @dataclass
@@ -58,106 +59,50 @@ class CompletionSpec(GenSpec):
     prompt: str | list[int] = ""
 
 
-def _unsupported(param: str, what: str) -> ApiError:
-    return bad_request(f"`{param}` {what} is not supported by this server", param, "unsupported_parameter")
+# OpenAI features this server does not have: (field, the values it accepts, what the others ask for)
+_UNSUPPORTED = (("best_of", (None, 1), "other than 1"), ("suffix", (None, ""), "(insertion)"), ("echo", (None, False), "(prompt echo)"))
 
 
-def get_number(
-    body: dict, p: str, default, *, lo: float, hi: float, integer: bool = False, lo_open: bool = False
-):
-    v = body.get(p, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if integer and isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise type_error(p, kind, v)
-    if v < lo or v > hi or (lo_open and v == lo):
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", p, "invalid_value")
-    return int(v) if integer else float(v)
+# The sampling fields each API reads (all of them taking the model's generation defaults when absent)
+OPENAI_SAMPLING = {
+    "temperature": Num(1.0, 0.0, 2.0),
+    "top_p": Num(1.0, 0.0, 1.0, lo_open=True),
+    "top_k": Num(0, 0, 1 << 31, integer=True),
+    "min_p": Num(0.0, 0.0, 1.0),
+    "presence_penalty": Num(0.0, -2.0, 2.0),
+    "frequency_penalty": Num(0.0, -2.0, 2.0),
+    "repetition_penalty": Num(1.0, 0.0, 10.0, lo_open=True),
+}
+ANTHROPIC_SAMPLING = {"temperature": Num(1.0, 0.0, 1.0), "top_p": OPENAI_SAMPLING["top_p"], "top_k": OPENAI_SAMPLING["top_k"]}
+SEED = Num(None, -(1 << 63), (1 << 64) - 1, integer=True)
 
 
-def get_bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if not isinstance(v, bool):
-        raise type_error(prefix + name, "a boolean", v)
-    return v
-
-
-def get_str(body: dict, name: str, default: str | None, *, max_len: int = 1024) -> str | None:
-    v = body.get(name, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if not isinstance(v, str):
-        raise type_error(name, "a string", v)
-    if len(v) > max_len:
-        raise bad_request(f"`{name}` is longer than {max_len} characters", name, "invalid_value")
-    return v
-
-
-def get_stop(body: dict, name: str) -> list[str]:
-    v = body.get(name)
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise type_error(name, "a string or a list of strings", v)
-    if len(v) > MAX_STOP:
-        raise bad_request(f"`{name}` has {len(v)} entries; at most {MAX_STOP} allowed", name, "invalid_value")
-    for s in v:
-        if not s or len(s) > MAX_STOP_LEN:
-            raise bad_request(f"`{name}` entries must be 1..{MAX_STOP_LEN} characters", name, "invalid_value")
-    return list(dict.fromkeys(v))
-
-
-def _reject_unsupported_openai(body: dict) -> None:
-    if body.get("best_of") not in (None, 1):
-        raise _unsupported("best_of", "other than 1")
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix", "(insertion)")
-    if body.get("echo") not in (None, False):
-        raise _unsupported("echo", "(prompt echo)")
-
-
-def _sampling(body: dict) -> SamplingParams:
-    top_k = body.get("top_k")
-    if top_k == -1:  # vLLM's "off"
-        top_k = 0
-    return SamplingParams(
-        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=get_number({"top_k": top_k}, "top_k", 0, lo=0, hi=1 << 31, integer=True),
-        min_p=get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        presence_penalty=get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=get_number(body, "repetition_penalty", 1.0, lo=0.0, hi=10.0, lo_open=True),
-        seed=get_number(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1, integer=True),
-        logit_bias=get_logit_bias(body),
-    )
+def _sampling(body: dict, table: dict[str, Num]) -> SamplingParams:
+    return SamplingParams(**{name: num.read(body, name) for name, num in table.items()})
 
 
 def _common_openai(body: dict, spec: GenSpec, max_tokens_default: int | None, chat: bool = True) -> None:
-    _reject_unsupported_openai(body)
+    for name, accepted, what in _UNSUPPORTED:
+        if body.get(name) not in accepted:
+            raise bad_request(f"`{name}` {what} is not supported by this server", name, "unsupported_parameter")
     spec.model = get_str(body, "model", None, max_len=256)
-    spec.sampling = replace(_sampling(body), logprobs=get_logprobs(body, chat))
-    spec.sampling_given = given_fields(body)
-    spec.n = get_number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+    b = {**body, "top_k": 0} if body.get("top_k") == -1 else body  # vLLM's "off"
+    spec.sampling = replace(
+        _sampling(b, OPENAI_SAMPLING),
+        seed=SEED.read(body, "seed"),
+        logit_bias=get_logit_bias(body),
+        logprobs=get_logprobs(body, chat),
+    )
+    spec.sampling_given = given_fields(body, OPENAI_SAMPLING)
+    spec.n = Num(1, 1, MAX_N, integer=True).read(body, "n")
     spec.response_format = get_response_format(body)
-    mt = get_number(body, "max_completion_tokens", None, lo=1, hi=1 << 31, integer=True)
-    if mt is None:
-        mt = get_number(body, "max_tokens", max_tokens_default, lo=1, hi=1 << 31, integer=True)
-    spec.max_tokens = mt
+    mt = TOKENS.read(body, "max_completion_tokens")
+    mt = mt if mt is not None else TOKENS.read(body, "max_tokens")
+    spec.max_tokens = mt if mt is not None else max_tokens_default
     spec.stop = get_stop(body, "stop")
     spec.stream = get_bool(body, "stream", False)
-    so = body.get("stream_options")
+    so = get_object(body, "stream_options")
     if so is not None:
-        if not isinstance(so, dict):
-            raise type_error("stream_options", "an object", so)
         spec.include_usage = get_bool(so, "include_usage", False, prefix="stream_options.")
     spec.ignore_eos = get_bool(body, "ignore_eos", False)
     spec.cache_salt = get_str(body, "cache_salt", "", max_len=256) or ""
@@ -214,20 +159,27 @@ def _tool_calls_in(tcs: Any, param: str) -> list[dict]:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
                 pass  # keep the string; templates that need a mapping will say so
-        out.append(
-            {"id": str(tc.get("id", "")), "type": "function", "function": {"name": name, "arguments": args}}
-        )
+        out.append(_call(tc.get("id", ""), name, args))
     return out
+
+
+def _call(call_id: Any, name: str, arguments: Any) -> dict:
+    """A tool call of an assistant message, as the chat templates read it (both APIs)."""
+    return {"id": str(call_id), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _message_list(raw: Any) -> list:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    return raw
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_openai_messages(raw: Any) -> list[dict]:
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("`messages` must be a non-empty list", "messages")
     msgs = []
-    for i, m in enumerate(raw):
+    for i, m in enumerate(_message_list(raw)):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
             raise type_error(p, "a message object", m)
@@ -258,47 +210,51 @@ def parse_openai_messages(raw: Any) -> list[dict]:
     return msgs
 
 
+def _tool_list(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or len(tools) > MAX_TOOLS):
+        raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
+    return tools
+
+
+def _choose(tools: list[dict] | None, kind: str, name=None, *, needs: str = "", name_param: str = ""):
+    """(tools, tool_choice kind, named tool) once the choice is checked against the tools: ``needs``
+    is the error when a choice other than none comes without tools; a named tool must be one of them."""
+    if needs and kind != "none" and not tools:
+        raise bad_request(needs, "tool_choice")
+    if kind != "named":
+        return tools, kind, None
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools or []}:
+        raise bad_request(f"`{name_param}` must name one of `tools`", name_param)
+    return tools, kind, name
+
+
 def parse_openai_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
     """Returns (tools, tool_choice kind, named tool)."""
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type", "function") != "function":
-                raise bad_request(
-                    f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}',
-                    f"tools[{i}]", "invalid_value"
-                )
-            fn = t.get("function")
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise bad_request(
-                    f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name"
-                )
-            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-                raise type_error(f"tools[{i}].function.parameters", "an object", fn["parameters"])
-        tools = tools or None
+    tools = _tool_list(body)
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise bad_request(
+                f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]", "invalid_value"
+            )
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"`tools[{i}].function.name` must be a non-empty string", f"tools[{i}].function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise type_error(f"tools[{i}].function.parameters", "an object", fn["parameters"])
+    tools = tools or None
     tc = body.get("tool_choice")
-    names = {t["function"]["name"] for t in tools or []}
     if tc is None:
         return tools, ("auto" if tools else "none"), None
     if isinstance(tc, str):
         if tc not in ("auto", "none", "required"):
             raise bad_request(
-                "`tool_choice` must be auto, none, required or a named function",
-                "tool_choice", "invalid_value"
+                "`tool_choice` must be auto, none, required or a named function", "tool_choice", "invalid_value"
             )
-        if tc != "none" and not tools:
-            raise bad_request(f"`tool_choice` {tc!r} needs `tools`", "tool_choice")
-        return tools, tc, None
+        return _choose(tools, tc, needs=f"`tool_choice` {tc!r} needs `tools`")
     if isinstance(tc, dict):
         fn = tc.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or name not in names:
-            raise bad_request(
-                "`tool_choice.function.name` must name one of `tools`", "tool_choice.function.name"
-            )
-        return tools, "named", name
+        return _choose(tools, "named", fn.get("name") if isinstance(fn, dict) else None, name_param="tool_choice.function.name")
     raise type_error("tool_choice", "a string or an object", tc)
 
 
@@ -308,10 +264,8 @@ def parse_chat(body: dict) -> ChatSpec:
     spec.messages = parse_openai_messages(body.get("messages"))
     spec.tools, spec.tool_choice, spec.tool_name = parse_openai_tools(body)
     spec.parallel_tool_calls = get_bool(body, "parallel_tool_calls", True)
-    kw = body.get("chat_template_kwargs")
+    kw = get_object(body, "chat_template_kwargs")
     if kw is not None:
-        if not isinstance(kw, dict):
-            raise type_error("chat_template_kwargs", "an object", kw)
         for k in kw:  # the conversation, special tokens and template helpers are not the client's
             if reserved_template_kwarg(k):
                 raise bad_request(
@@ -324,8 +278,8 @@ def parse_chat(body: dict) -> ChatSpec:
 def parse_completion(body: dict) -> CompletionSpec:
     spec = CompletionSpec()
     _common_openai(body, spec, 16, chat=False)
-    prompt = body.get("prompt", _MISSING)
-    if prompt is _MISSING or prompt is None:
+    prompt = body.get("prompt", MISSING)
+    if prompt is MISSING or prompt is None:
         raise bad_request("`prompt` is required", "prompt")
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -368,10 +322,7 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
     system = body.get("system")
     if system is not None:
         msgs.append({"role": "system", "content": _anthropic_text(system, "system")})
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("`messages` must be a non-empty list", "messages")
-    for i, m in enumerate(raw):
+    for i, m in enumerate(_message_list(body.get("messages"))):
         p = f"messages.{i}"
         if not isinstance(m, dict):
             raise type_error(p, "a message object", m)
@@ -398,13 +349,7 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
             elif bt == "tool_use" and role == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise bad_request(f"`{bp}` needs a string `name` and an object `input`", bp)
-                calls.append(
-                    {
-                        "id": str(b.get("id", "")),
-                        "type": "function",
-                        "function": {"name": b["name"], "arguments": b.get("input", {})},
-                    }
-                )
+                calls.append(_call(b.get("id", ""), b["name"], b.get("input", {})))
             elif bt == "tool_result" and role == "user":
                 if texts:
                     msgs.append({"role": "user", "content": "".join(texts)})
@@ -433,37 +378,26 @@ def parse_anthropic_messages(body: dict) -> list[dict]:
 
 
 def parse_anthropic_tools(body: dict) -> tuple[list[dict] | None, str, str | None]:
-    tools = body.get("tools")
-    out = None
-    if tools is not None:
-        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-            raise type_error("tools", f"a list of at most {MAX_TOOLS} tools", tools)
-        out = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-                raise bad_request(f"`tools.{i}.name` must be a non-empty string", f"tools.{i}.name")
-            schema = t.get("input_schema", {"type": "object"})
-            if not isinstance(schema, dict):
-                raise type_error(f"tools.{i}.input_schema", "an object", schema)
-            fn = {"name": t["name"], "parameters": schema}
-            if isinstance(t.get("description"), str):
-                fn["description"] = t["description"]
-            out.append({"type": "function", "function": fn})
-        out = out or None
+    """Anthropic tools as OpenAI function tools; returns (tools, tool_choice kind, named tool)."""
+    out = []
+    for i, t in enumerate(_tool_list(body) or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise bad_request(f"`tools.{i}.name` must be a non-empty string", f"tools.{i}.name")
+        schema = t.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise type_error(f"tools.{i}.input_schema", "an object", schema)
+        fn = {"name": t["name"], "parameters": schema}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    tools = out or None
     tc = body.get("tool_choice")
     if tc is None:
-        return out, ("auto" if out else "none"), None
+        return tools, ("auto" if tools else "none"), None
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise bad_request("`tool_choice.type` must be auto, any, tool or none", "tool_choice", "invalid_value")
     kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc["type"]]
-    if kind != "none" and not out:
-        raise bad_request("`tool_choice` needs `tools`", "tool_choice")
-    name = None
-    if kind == "named":
-        name = tc.get("name")
-        if name not in {t["function"]["name"] for t in out or []}:
-            raise bad_request("`tool_choice.name` must name one of `tools`", "tool_choice.name")
-    return out, kind, name
+    return _choose(tools, kind, tc.get("name"), needs="`tool_choice` needs `tools`", name_param="tool_choice.name")
 
 
 def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
@@ -481,21 +415,13 @@ def parse_anthropic(body: dict, *, count_only: bool = False) -> ChatSpec:
         spec.template_kwargs = {"enable_thinking": th["type"] == "enabled"}
     if count_only:
         return spec
-    mt = get_number(body, "max_tokens", None, lo=1, hi=1 << 31, integer=True)
-    if mt is None:
+    spec.max_tokens = TOKENS.read(body, "max_tokens")
+    if spec.max_tokens is None:
         raise bad_request("`max_tokens` is required", "max_tokens")
-    spec.max_tokens = mt
-    spec.sampling = SamplingParams(
-        temperature=get_number(body, "temperature", 1.0, lo=0.0, hi=1.0),
-        top_p=get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=get_number(body, "top_k", 0, lo=0, hi=1 << 31, integer=True),
-    )
-    spec.sampling_given = given_fields(body, ("temperature", "top_p", "top_k"))
-
+    spec.sampling = _sampling(body, ANTHROPIC_SAMPLING)
+    spec.sampling_given = given_fields(body, ANTHROPIC_SAMPLING)
     spec.stop = get_stop(body, "stop_sequences")
     spec.stream = get_bool(body, "stream", False)
     spec.speculative = get_bool(body, "speculative", True)
-    md = body.get("metadata")
-    if md is not None and not isinstance(md, dict):
-        raise type_error("metadata", "an object", md)
+    get_object(body, "metadata")  # accepted, ignored
     return spec

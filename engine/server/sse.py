@@ -1,6 +1,7 @@
 """SSE framing and a closeable WSGI body iterator whose ``close()`` cancels the generation.
 
-Falcon's SSE helpers are ASGI-only, so frames are written by hand. Must not import the engine loop.
+Falcon's SSE helpers are ASGI-only, so frames are written by hand; error bodies are engine.server.errors'.
+Must not import the engine loop.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+
+from .errors import ApiError, engine_error
 
 OK_COMMENT = b": ok\n\n"
 KEEPALIVE = b": keep-alive\n\n"
@@ -72,16 +75,13 @@ class ClosingStream:
             self._on_close()
 
 
+def _internal(exc: BaseException) -> ApiError:
+    return engine_error(f"internal error while streaming ({type(exc).__name__})")
+
+
 def openai_stream_error(exc: BaseException) -> bytes:
-    err = {
-        "message": f"internal error while streaming ({type(exc).__name__})",
-        "type": "server_error",
-        "param": None,
-        "code": "engine_error",
-    }
-    return data({"error": err}) + DONE
+    return data(_internal(exc).openai_body()) + DONE
 
 
 def anthropic_stream_error(exc: BaseException) -> bytes:
-    err = {"type": "api_error", "message": f"internal error while streaming ({type(exc).__name__})"}
-    return event("error", {"type": "error", "error": err}) + MESSAGE_STOP
+    return event("error", _internal(exc).anthropic_body()) + MESSAGE_STOP

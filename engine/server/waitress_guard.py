@@ -39,8 +39,7 @@ def error_body(status: int, message: str, path: str) -> bytes:
         err_type="invalid_request_error" if status < 500 else "server_error",
         anthropic_type=atype,
     )
-    obj = err.anthropic_body() if (path or "").startswith("/v1/messages") else err.openai_body()
-    return json.dumps(obj).encode()
+    return json.dumps(err.body_for(path)).encode()
 
 
 class JsonErrorTask(ErrorTask):
