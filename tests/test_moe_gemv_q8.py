@@ -175,6 +175,37 @@ def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     assert np.array_equal(act, plain)
 
 
+@pytest.mark.parametrize(("q", "prefetch"), [("q4_k", None), ("q6_k", None), ("q6_k", 1)])
+def test_down_routing_in_the_kernel_equals_the_plain_down(q, prefetch, tmp_path):
+    """down with ``route`` (batch 1 after the routing glu): each block routes its token from the
+    logits (a tie at the top, a NaN logit) and issues its first two chunks of weight loads before
+    pdl_wait, then one chunk per chunk of math (q6_k with prefetch 1: six chunks): out equal, bit
+    for bit, to the plain down's with moe_topk's ids and weights; ids and weights never read."""
+    from engine.moe_kernels import topk_kernel
+
+    n, k, experts, top = 20, 768, 11, 8  # q6_k: 8 x 24 (slot, segment) pairs, 6 a lane
+    raw, _ = _stack_e(q, experts, n, k, 61)
+    rng = np.random.default_rng(62)
+    logits = rng.standard_normal((ROWS, experts)).astype(np.float32)
+    logits[0, [2, 7]] = logits[0].max() + 0.5
+    logits[1, 4] = np.nan
+    act = _bf16_bits(rng.standard_normal((ROWS, top, k)).astype(np.float32))
+    res = _bf16_bits(rng.standard_normal((ROWS, n)).astype(np.float32))
+    ids, wts = np.zeros((ROWS, top), np.int32), np.zeros((ROWS, top), np.float32)
+    tk = topk_kernel(experts, top, True)
+    lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, tk.grid(ROWS), tk.block[0], 0, [ids, wts, logits, ROWS])
+    tune = {} if prefetch is None else {"prefetch": prefetch}
+    plain = res.copy()  # (the residual aliases out, as in the plan)
+    _run(expert_q8_kernel("down", q, n, k, top, residual=True, **tune), ROWS, [plain, raw, act, ids, wts, plain, ROWS], tmp_path)
+    kern = expert_q8_kernel("down", q, n, k, top, residual=True, trigger=True, route=(experts, True), **tune)
+    assert [a for a, _ in kern.args][-2:] == ["rows", "logits"]
+    out = res.copy()
+    junk_ids, junk_w = np.full((ROWS, top), -9, np.int32), np.full((ROWS, top), np.nan, np.float32)
+    _run(kern, ROWS, [out, raw, act, junk_ids, junk_w, out, ROWS, logits], tmp_path)
+    assert np.isfinite(_f32(out)).all() and np.array_equal(out, plain)
+
+
 def _any_stack(q: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(raw [E * n, row bytes], f32 [E, n, k]): random bf16 rows or random GGUF blocks of ``q``."""
     if q == "bf16":

@@ -80,7 +80,7 @@ def test_builders_check_their_inputs():
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 5 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 6 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     assert [(s.params["wdtype"], s.params["norm"], s.params["route"]) for s in specs[1:7]] == [
         (w, norm, route) for w in ("f32", "bf16") for norm, route in ((False, True), (True, True), (True, False))]
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
