@@ -122,9 +122,10 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
 def route_in_glu(ctx, steps, weights, values) -> None:
     """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step of
     its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no counter, fence and last block) and that glu routes each token in
-    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights; a
-    moe_gemv_q8 down after it routes each token from the logits too, so its weight loads go out
-    before its pdl_wait, under the glu's tail (only act waits for the glu)."""
+    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights; with
+    tuning decode_graph.moe_down_route a moe_gemv_q8 down after it routes each token from the
+    logits too, so its weight loads go out before its pdl_wait, under the glu's tail (only act
+    waits for the glu)."""
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -154,7 +155,8 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         extra = (r.args[1], r.args[2])
         st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
         rest = list(nxt.launches["decode1"][1:])
-        if rest and rest[0].spec.template == "moe_gemv_q8" and rest[0].spec.params["mode"] == "down":
+        down_route = ctx.graph_knob("moe_down_route")
+        if down_route and rest and rest[0].spec.template == "moe_gemv_q8" and rest[0].spec.params["mode"] == "down":
             d = rest[0].spec.params  # (the down routes too: its weight loads before its pdl_wait)
             dk = mk.expert_q8_kernel("down", d["quant"], d["n"], d["k"], d["top_k"], residual=d["residual"],
                                      trigger=d["trigger"], route=(int(p["experts"]), p["normalize"]), warps=d["warps"],
