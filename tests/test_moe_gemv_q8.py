@@ -146,6 +146,32 @@ def test_builder_checks():
     assert k.grid(1) == (768 // 16, 8, 1) and k.spec.params["prefetch"] == 1  # 32 segments: one per lane
 
 
+@pytest.mark.parametrize(("experts", "top"), [(128, 8), (37, 4)])
+def test_topk_routing_matches_moe_route(experts, top, tmp_path):
+    """_moe_route.cuh.j2's route_token (two warp reductions a pick), through moe_topk, against
+    engine.ops_ref_moe.moe_route on fresh random logits: ids exact, weights to f32 rounding; a row
+    with tied logits (the lower ids first) and one whose other probabilities underflow to 0 (then
+    picked in ascending id order, never an expert already taken)."""
+    from engine.moe_kernels import topk_kernel
+    from engine.ops_ref_moe import moe_route
+
+    rng = np.random.default_rng()
+    rows = 6
+    logits = rng.standard_normal((rows, experts)).astype(np.float32) * 2
+    logits[1, [4, 11, 20, 33]] = logits[1].max() + 1.0
+    logits[2] = -200.0
+    logits[2, 7] = 0.0
+    for normalize in (True, False):
+        ids, wts = np.full((rows, top), -1, np.int32), np.full((rows, top), np.nan, np.float32)
+        tk = topk_kernel(experts, top, normalize)
+        lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
+        cuda_emu.launch_any(lib, types, tk.grid(rows), tk.block[0], 0, [ids, wts, logits, rows])
+        want_ids, want_w = moe_route(logits, np.eye(experts, dtype=np.float32), top, normalize)
+        assert np.array_equal(ids, want_ids), (ids, want_ids)
+        assert list(ids[2]) == [7, *range(top - 1)] and list(ids[1, :4]) == [4, 11, 20, 33][: min(4, top)]
+        np.testing.assert_allclose(wts, want_w, rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     """glu with ``route``: each block routes its token from the router logits (a three-way tie at
