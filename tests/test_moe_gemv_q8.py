@@ -201,12 +201,17 @@ def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     assert np.array_equal(act, plain)
 
 
-@pytest.mark.parametrize(("q", "prefetch"), [("q4_k", None), ("q6_k", None), ("q6_k", 1)])
-def test_down_routing_in_the_kernel_equals_the_plain_down(q, prefetch, tmp_path):
+@pytest.mark.parametrize(
+    ("q", "shape"),
+    [("q4_k", {}), ("q6_k", {}), ("q6_k", {"prefetch": 1}), ("q6_k", {"warps": 4, "rows_per_warp": 1}),
+     ("q4_k", {"warps": 2, "rows_per_warp": 4, "prefetch": 2})],
+)
+def test_down_routing_in_the_kernel_equals_the_plain_down(q, shape, tmp_path):
     """down with ``route`` (batch 1 after the routing glu): each block routes its token from the
     logits (a tie at the top, a NaN logit) and issues its first two chunks of weight loads before
-    pdl_wait, then one chunk per chunk of math (q6_k with prefetch 1: six chunks): out equal, bit
-    for bit, to the plain down's with moe_topk's ids and weights; ids and weights never read."""
+    pdl_wait, then one chunk per chunk of math (q6_k with prefetch 1: six chunks), in the block
+    shapes tuning moe_q8.down_shape may pick: out equal, bit for bit, to the plain down's (default
+    shape) with moe_topk's ids and weights; ids and weights never read."""
     from engine.moe_kernels import topk_kernel
 
     n, k, experts, top = 20, 768, 11, 8  # q6_k: 8 x 24 (slot, segment) pairs, 6 a lane
@@ -221,10 +226,9 @@ def test_down_routing_in_the_kernel_equals_the_plain_down(q, prefetch, tmp_path)
     tk = topk_kernel(experts, top, True)
     lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
     cuda_emu.launch_any(lib, types, tk.grid(ROWS), tk.block[0], 0, [ids, wts, logits, ROWS])
-    tune = {} if prefetch is None else {"prefetch": prefetch}
     plain = res.copy()  # (the residual aliases out, as in the plan)
-    _run(expert_q8_kernel("down", q, n, k, top, residual=True, **tune), ROWS, [plain, raw, act, ids, wts, plain, ROWS], tmp_path)
-    kern = expert_q8_kernel("down", q, n, k, top, residual=True, trigger=True, route=(experts, True), **tune)
+    _run(expert_q8_kernel("down", q, n, k, top, residual=True), ROWS, [plain, raw, act, ids, wts, plain, ROWS], tmp_path)
+    kern = expert_q8_kernel("down", q, n, k, top, residual=True, trigger=True, route=(experts, True), **shape)
     assert [a for a, _ in kern.args][-2:] == ["rows", "logits"]
     out = res.copy()
     junk_ids, junk_w = np.full((ROWS, top), -9, np.int32), np.full((ROWS, top), np.nan, np.float32)
