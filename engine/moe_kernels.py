@@ -10,7 +10,8 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
 the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
-the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
+the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode;
+``q8round_kernel`` (kernels/moe_q8round.cu.j2) rounds their x once a step where they take it int8-rounded. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
 Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
 (kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
@@ -50,6 +51,8 @@ KERNELS = {
     "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
     "batch-1 decode over q4_k / q5_k / q6_k stacks",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
+    "moe_q8round": "bf16 rows rounded as moe_gemv_q8 stages them (int8 per 32 values, as f32), once a step for "
+    "the grouped GEMVs' q8x_round mode",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
     "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
     "moe_gemm": "grouped tensor-core GEMM over stacked [E, N, K] weights per expert row tile: glu (gate, up, "
@@ -187,9 +190,9 @@ def expert_gemv_kernel(
     are issued (batch-1 decode); glu / down over k-quants with raw units load PREFETCH[mode] units
     per lane before the first is decoded; ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x rounded
-    as moe_gemv_q8 stages it, so a grouped bucket gives a token the values the per-slot q8x kernels
-    give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
+    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x (act)
+    rounded as moe_gemv_q8 stages it, given as the f32 rows ``q8round_kernel`` wrote, so a grouped
+    bucket gives a token the values the per-slot q8x kernels give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
     is not a whole number of its blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -336,6 +339,22 @@ def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256
     )
 
 
+def q8round_kernel(k: int, x_stride: int, row_mult: int = 1, threads: int = 128) -> MoeKernel:
+    """moe_q8round: out f32 [rows * row_mult, k] = x's bf16 rows (stride ``x_stride``) rounded per
+    32-value group as moe_gemv_q8 stages them (engine.quant.q8x_round_trip), the x of the grouped
+    GEMVs' ``q8x_round`` mode (``row_mult`` top_k for the act rows of a step's slots)."""
+    if k % 32 or k < 32 or x_stride < k or x_stride % 8 or row_mult < 1 or threads not in (32, 64, 128, 256):
+        raise ConfigError(f"moe_q8round: bad shape k={k} x_stride={x_stride} row_mult={row_mult} threads={threads}")
+    params = {"k": k, "x_stride": x_stride, "row_mult": row_mult, "threads": threads}
+    name = {"k": k, "xs": x_stride, **({"m": row_mult} if row_mult != 1 else {}), "t": threads}
+    return MoeKernel(
+        KernelSpec("moe_q8round", entry_name("moe_q8round", **name), params, pdl=True),
+        (("out", "ptr"), ("x", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-k // (32 * threads)), rows * row_mult, 1),
+        (threads, 1, 1),
+    )
+
+
 def shared_kernel(n: int, threads: int = 256) -> MoeKernel:
     """moe_shared: out [rows, n] += sigmoid(x[t] . gate) * y[t] (the gated shared expert)."""
     if n < 1 or threads not in (64, 128, 256, 512, 1024):
@@ -447,6 +466,7 @@ def moe_specs(
             if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
                 specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots,
                                                 q8x_round=True).spec)
+                specs.append(q8round_kernel(k, k, top if mode == "down_grouped" else 1).spec)  # (h, or the act rows)
         if q in GEMM_QUANTS:
             try:
                 specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)

@@ -305,21 +305,29 @@ def test_router_without_routing_then_the_routing_glu_equals_the_routing_router(t
 
 @pytest.mark.parametrize("q", ["q4_k", "q6_k"])
 def test_grouped_kernels_round_x_as_the_per_slot_q8x_kernels(q, tmp_path):
-    """q8x_round (the grouped buckets where the per-slot kernels are moe_gemv_q8's): down_grouped's
-    f32 partials are the dot products with x rounded as moe_gemv_q8 stages it (to f32 order: 1e-5),
-    and glu_grouped's act matches the per-slot q8x glu's (to the bf16 rounding), so a token in a
-    grouped bucket gets what it gets alone."""
-    from engine.moe_kernels import expert_gemv_kernel
+    """q8x_round (the grouped buckets where the per-slot kernels are moe_gemv_q8's): moe_q8round
+    rounds the x / act rows once (engine.quant.q8x_round_trip's values, a zero group included;
+    rows past rows * row_mult untouched), then down_grouped's f32 partials are the dot products
+    with those values (to f32 order: 1e-5), and glu_grouped's act matches the per-slot q8x glu's
+    (to the bf16 rounding), so a token in a grouped bucket gets what it gets alone."""
+    from engine.moe_kernels import expert_gemv_kernel, q8round_kernel
 
     n, k = 16, 256
     raw, w = _stack(q, n, k, 61)
     rng = np.random.default_rng(62)
-    a = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
+    af = rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32)
+    af[1, 2, 32:64] = 0.0  # a zero group: q 0, dx 0
+    a = _bf16_bits(af)
     ids = _ids(63)
     grouped = dict(experts=E, max_slots=8, rows_per_warp=2)
+    aq = np.full((ROWS * TOP_K + 1, k), np.nan, np.float32)  # (one row past the step's: never written)
+    _run(q8round_kernel(k, k, row_mult=TOP_K, threads=32), ROWS, [aq, a, ROWS], tmp_path)
+    want_q = quant.q8x_round_trip(_f32(a).reshape(-1, k))
+    assert np.isnan(aq[-1]).all() and np.allclose(aq[:-1], want_q, rtol=1e-6, atol=0) and (aq[5, 32:64] == 0).all()
+    aq = np.ascontiguousarray(aq[:-1])
     part = np.full((ROWS, TOP_K, n), np.nan, np.float32)
     kern = expert_gemv_kernel("down_grouped", q, n, k, TOP_K, **grouped, q8x_round=True)
-    _run(kern, ROWS, [part, raw, a, ids, ROWS], tmp_path)
+    _run(kern, ROWS, [part, raw, aq, ids, ROWS], tmp_path)
     want = np.einsum("tjnk,tjk->tjn", w[ids].astype(np.float64), quant.q8x_round_trip(_f32(a)).astype(np.float64))
     assert np.abs(part - want).max() / np.abs(want).max() < 1e-5
     plain = np.full((ROWS, TOP_K, n), np.nan, np.float32)  # (without the rounding: the q8x error, ~1e-3)
@@ -327,9 +335,13 @@ def test_grouped_kernels_round_x_as_the_per_slot_q8x_kernels(q, tmp_path):
     assert np.abs(plain - want).max() / np.abs(want).max() > 1e-4
     (rg, _), (ru, _) = _stack(q, n, k, 64), _stack(q, n, k, 65)
     x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    xs = np.zeros((ROWS, k + 64), np.uint16)  # (x rows of a wider stride, as h may be)
+    xs[:, :k] = x
+    xq = np.full((ROWS, k), np.nan, np.float32)
+    _run(q8round_kernel(k, k + 64), ROWS, [xq, xs, ROWS], tmp_path)
     act_g, act_s = (np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16) for _ in range(2))
     _run(expert_gemv_kernel("glu_grouped", q, n, k, TOP_K, **grouped, q8x_round=True), ROWS,
-         [act_g, rg, ru, x, ids, ROWS], tmp_path)  # fmt: skip
+         [act_g, rg, ru, xq, ids, ROWS], tmp_path)  # fmt: skip
     _run(expert_q8_kernel("glu", q, n, k, TOP_K), ROWS, [act_s, rg, ru, x, ids, ROWS], tmp_path)
     g, s = _f32(act_g), _f32(act_s)
     assert np.isfinite(g).all() and np.abs(g - s).max() <= 2 ** -7 * np.abs(s).max()

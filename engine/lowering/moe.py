@@ -256,9 +256,27 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     # expert the step can choose), the GEMM from there
     cap = {**grouped_rows, **({"max_rows": gemm[0].min_rows - 1} if gemm else {})}
     gy = mk.grouped_grid_y(top_k, experts)
+    # q8x_round: x (h) and act rounded once a step into f32 rows (moe_q8round), which the grouped
+    # GEMVs read instead of rounding each (pair, group) again for every weight row
+    x_in, act_in, rnd = val(h), act, []
+    if q8r["glu"]:
+        ctx.need_scratch(ScratchPlan("moe_xq", fixed=ctx.max_tokens * hidden * 4))
+        x_in = Arg("scratch", "moe_xq")
+        k = mk.q8round_kernel(hidden, h.ld)
+        rnd.append(Launch(k.spec, (k.grid(1)[0], "n"), k.block[:1], (x_in, val(h), ROWS), **cap))
+    glu_l = Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), x_in, val(ids), ROWS), **cap)
+    if q8r["down"]:
+        ctx.need_scratch(ScratchPlan("moe_actq", fixed=ctx.max_tokens * top_k * inter * 4))
+        act_in = Arg("scratch", "moe_actq")
+        k = mk.q8round_kernel(inter, inter, row_mult=top_k)
+        rnd_act = [Launch(k.spec, (k.grid(1)[0], f"n * {top_k}"), k.block[:1], (act_in, act, ROWS), **cap)]
+    else:
+        rnd_act = []
     gemv = [
-        Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
-        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+        *rnd,
+        glu_l,
+        *rnd_act,
+        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act_in, val(ids), ROWS), **cap),
     ]
     combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS), **grouped_rows)
     return solo + gemv + gemm[:-1] + [combine]

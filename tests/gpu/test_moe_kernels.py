@@ -271,6 +271,49 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     assert rel_err(gk.host(out), want) < 1e-2
 
 
+@pytest.mark.parametrize("qt", ["q4_k", "q6_k"])
+def test_q8round_then_grouped_q8x_round_match_numpy(gk, qt):
+    """The batched buckets' q8x_round path: moe_q8round rounds h (a wider row stride) and act
+    (top_k rows a token) once, as engine.quant.q8x_round_trip (1e-6; a zero group stays 0), and
+    glu_grouped / down_grouped on those f32 rows give the dot products with the rounded values
+    (act 1e-2 after its bf16 store, partials 1e-4). Qwen3-30B-A3B widths, 6 tokens of 128 experts."""
+    from engine.moe_kernels import q8round_kernel
+
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 128, 6, 8, 2048, 768
+    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    ids = _ids(rng, rows, experts, top_k)
+    ids_t = gk.i32(ids)
+    stride = hidden + 64
+    x = bf_round(rng.standard_normal((rows, stride)))
+    x[2, 64:96] = 0.0
+    xq = gk.nan_like((rows, hidden), "f32")
+    gk.launch(q8round_kernel(hidden, stride), [xq, gk.bf(x), rows], rows)
+    want_x = quant.q8x_round_trip(x[:, :hidden].astype(np.float32)).astype(np.float64)
+    got_x = gk.host(xq)
+    assert np.allclose(got_x, want_x, rtol=1e-6, atol=0) and (got_x[2, 64:96] == 0).all()
+    grouped = dict(experts=experts, max_slots=64, rows_per_warp=4, q8x_round=True)
+    act = gk.nan_like((rows, top_k, inter))
+    gk.launch(expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, **grouped),
+              [act, gk.raw(wg_raw), gk.raw(wu_raw), xq, ids_t, rows], rows)  # fmt: skip
+    g = np.einsum("tk,tjnk->tjn", want_x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", want_x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    aq = gk.nan_like((rows * top_k, inter), "f32")
+    gk.launch(q8round_kernel(inter, inter, row_mult=top_k), [aq, act, rows], rows)
+    want_a = quant.q8x_round_trip(got_act.reshape(-1, inter).astype(np.float32)).astype(np.float64)
+    assert np.allclose(gk.host(aq), want_a, rtol=1e-6, atol=0)
+    partial = gk.nan_like((rows, top_k, hidden), "f32")
+    gk.launch(expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, **grouped),
+              [partial, gk.raw(wd_raw), aq, ids_t, rows], rows)  # fmt: skip
+    ref_partial = np.einsum("tjk,tjnk->tjn", want_a.reshape(rows, top_k, inter), wd[ids])
+    got_partial = gk.host(partial)
+    assert not np.isnan(got_partial).any() and rel_err(got_partial, ref_partial) < 1e-4
+
+
 @pytest.mark.parametrize("qt", ["q4_k", "q8_0", "bf16"])
 @pytest.mark.parametrize("grid_y", [None, 3, 1])  # None: min(E, rows * top_k); 3, 1: blocks loop over ranks
 @pytest.mark.parametrize("rpw", [1, 4])
