@@ -214,6 +214,9 @@ def test_grouped_buckets_round_x_where_the_per_slot_kernels_are_q8():
             assert rnd[1].args[1] == glu.args[0] and down.args[2] == rnd[1].args[0]
             assert rnd[1].grid[1] == "n * 4" and rnd[1].spec.params["row_mult"] == 4
             assert all((la.min_rows, la.max_rows) == (glu.min_rows, glu.max_rows) for la in rnd)
+            # their f32 rows sized for the rows they run at (below the GEMM's), not the prefill chunk
+            sizes = {sp.name: sp.fixed for sp in plan.scratch}
+            assert sizes["moe_xq"] == glu.max_rows * 256 * 4 and sizes["moe_actq"] == glu.max_rows * 4 * 256 * 4
 
 
 def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():

@@ -259,14 +259,15 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     # q8x_round: x (h) and act rounded once a step into f32 rows (moe_q8round), which the grouped
     # GEMVs read instead of rounding each (pair, group) again for every weight row
     x_in, act_in, rnd = val(h), act, []
+    q_rows = cap.get("max_rows") or ctx.max_tokens  # (the rows these launches run at: below the GEMM's)
     if q8r["glu"]:
-        ctx.need_scratch(ScratchPlan("moe_xq", fixed=ctx.max_tokens * hidden * 4))
+        ctx.need_scratch(ScratchPlan("moe_xq", fixed=q_rows * hidden * 4))
         x_in = Arg("scratch", "moe_xq")
         k = mk.q8round_kernel(hidden, h.ld)
         rnd.append(Launch(k.spec, (k.grid(1)[0], "n"), k.block[:1], (x_in, val(h), ROWS), **cap))
     glu_l = Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), x_in, val(ids), ROWS), **cap)
     if q8r["down"]:
-        ctx.need_scratch(ScratchPlan("moe_actq", fixed=ctx.max_tokens * top_k * inter * 4))
+        ctx.need_scratch(ScratchPlan("moe_actq", fixed=q_rows * top_k * inter * 4))
         act_in = Arg("scratch", "moe_actq")
         k = mk.q8round_kernel(inter, inter, row_mult=top_k)
         rnd_act = [Launch(k.spec, (k.grid(1)[0], f"n * {top_k}"), k.block[:1], (act_in, act, ROWS), **cap)]
