@@ -10,7 +10,8 @@ weighted by the router and summed over the chosen experts, plus the residual), o
 modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
 the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
-the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode. Together
+the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode;
+``q8round_kernel`` (kernels/moe_q8round.cu.j2) rounds their x once a step where they take it int8-rounded. Together
 with the router's own GEMV (the dense gemv kernel, f32 logits) they run a Qwen3-MoE sparse MLP.
 Prefill (and wide decode buckets) group on the device instead: ``sort_kernel``
 (kernels/moe_sort.cu.j2: the pairs sorted by expert, a row-tile table) then ``expert_gemm_kernel``
@@ -50,6 +51,8 @@ KERNELS = {
     "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
     "batch-1 decode over q4_k / q5_k / q6_k stacks",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
+    "moe_q8round": "bf16 rows rounded as moe_gemv_q8 stages them (int8 per 32 values, as f32), once a step for "
+    "the grouped GEMVs' q8x_round mode",
     "moe_shared": "the sigmoid-gated shared expert's output added to the routed sum: out += sigmoid(x . g) * y",
     "moe_sort": "groups a step's (token, slot) pairs by expert: the sorted slot permutation and the row-tile table",
     "moe_gemm": "grouped tensor-core GEMM over stacked [E, N, K] weights per expert row tile: glu (gate, up, "
@@ -187,9 +190,9 @@ def expert_gemv_kernel(
     are issued (batch-1 decode); glu / down over k-quants with raw units load PREFETCH[mode] units
     per lane before the first is decoded; ``rows_per_warp``
     (grouped): output rows each warp takes one after the other, so a block's scan of ids serves
-    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x rounded
-    as moe_gemv_q8 stages it, so a grouped bucket gives a token the values the per-slot q8x kernels
-    give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
+    ``rows_per_block * rows_per_warp`` rows; ``q8x_round`` (grouped, q4_k / q5_k / q6_k): x (act)
+    rounded as moe_gemv_q8 stages it, given as the f32 rows ``q8round_kernel`` wrote, so a grouped
+    bucket gives a token the values the per-slot q8x kernels give it (up to f32 order). Raises ConfigError for an unsupported quant, a k that
     is not a whole number of its blocks, a bad mode or shape."""
     if mode not in MODES:
         raise ConfigError(f"moe_gemv: mode {mode!r} must be one of {', '.join(MODES)}")
@@ -275,10 +278,11 @@ def expert_q8_kernel(
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
     ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
-    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` (glu: (experts, normalize)):
-    the kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
-    and weights, two more args (weights, logits) after rows. Raises ConfigError where
-    ``q8_supported`` is false or the block shape is bad."""
+    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` ((experts, normalize)): the
+    kernel routes each token from the router's f32 logits itself (as moe_topk): the glu writes
+    ids and weights, two more args (weights, logits) after rows; the down reads neither (one more
+    arg, logits) and issues its weight loads before pdl_wait (the logits are two launches old).
+    Raises ConfigError where ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
     if not q8_supported(mode, quant, k, top_k) or n < 1:
@@ -292,8 +296,8 @@ def expert_q8_kernel(
     per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
     pf = min(pf, per_lane)
     res = bool(residual) and mode == "down"
-    if route is not None and (mode != "glu" or not top_k <= route[0] <= MAX_EXPERTS):
-        raise ConfigError(f"moe_gemv_q8: routing in the kernel is glu's, over top_k..{MAX_EXPERTS} experts ({mode}, {route})")
+    if route is not None and not top_k <= route[0] <= MAX_EXPERTS:
+        raise ConfigError(f"moe_gemv_q8: routing in the kernel takes top_k..{MAX_EXPERTS} experts ({mode}, {route})")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
               "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None}
     name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
@@ -316,6 +320,7 @@ def expert_q8_kernel(
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
                 ("rows", "i32"))
+        args += (("logits", "ptr"),) if route is not None else ()
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
@@ -330,6 +335,22 @@ def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256
         KernelSpec("moe_combine", entry_name("moe_combine", **name), params, pdl=True),
         (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
         lambda rows, **_: (-(-n // threads), rows, 1),
+        (threads, 1, 1),
+    )
+
+
+def q8round_kernel(k: int, x_stride: int, row_mult: int = 1, threads: int = 128) -> MoeKernel:
+    """moe_q8round: out f32 [rows * row_mult, k] = x's bf16 rows (stride ``x_stride``) rounded per
+    32-value group as moe_gemv_q8 stages them (engine.quant.q8x_round_trip), the x of the grouped
+    GEMVs' ``q8x_round`` mode (``row_mult`` top_k for the act rows of a step's slots)."""
+    if k % 32 or k < 32 or x_stride < k or x_stride % 8 or row_mult < 1 or threads not in (32, 64, 128, 256):
+        raise ConfigError(f"moe_q8round: bad shape k={k} x_stride={x_stride} row_mult={row_mult} threads={threads}")
+    params = {"k": k, "x_stride": x_stride, "row_mult": row_mult, "threads": threads}
+    name = {"k": k, "xs": x_stride, **({"m": row_mult} if row_mult != 1 else {}), "t": threads}
+    return MoeKernel(
+        KernelSpec("moe_q8round", entry_name("moe_q8round", **name), params, pdl=True),
+        (("out", "ptr"), ("x", "ptr"), ("rows", "i32")),
+        lambda rows, **_: (-(-k // (32 * threads)), rows * row_mult, 1),
         (threads, 1, 1),
     )
 
@@ -438,14 +459,14 @@ def moe_specs(
         for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
             if q8_supported(mode, q, k, top):
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
-                if mode == "glu":  # (batch 1: the token routed in the kernel)
-                    route = (e, bool(dims.get("norm_topk_prob")))
-                    specs.append(expert_q8_kernel(mode, q, n, k, top, trigger=True, route=route).spec)
+                route = (e, bool(dims.get("norm_topk_prob")))  # (batch 1: the token routed in the kernels)
+                specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res, trigger=True, route=route).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
             if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
                 specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots,
                                                 q8x_round=True).spec)
+                specs.append(q8round_kernel(k, k, top if mode == "down_grouped" else 1).spec)  # (h, or the act rows)
         if q in GEMM_QUANTS:
             try:
                 specs.append(expert_gemm_kernel("glu", q, inter, hidden, top, e).spec)

@@ -146,6 +146,32 @@ def test_builder_checks():
     assert k.grid(1) == (768 // 16, 8, 1) and k.spec.params["prefetch"] == 1  # 32 segments: one per lane
 
 
+@pytest.mark.parametrize(("experts", "top"), [(128, 8), (37, 4)])
+def test_topk_routing_matches_moe_route(experts, top, tmp_path):
+    """_moe_route.cuh.j2's route_token (two warp reductions a pick), through moe_topk, against
+    engine.ops_ref_moe.moe_route on fresh random logits: ids exact, weights to f32 rounding; a row
+    with tied logits (the lower ids first) and one whose other probabilities underflow to 0 (then
+    picked in ascending id order, never an expert already taken)."""
+    from engine.moe_kernels import topk_kernel
+    from engine.ops_ref_moe import moe_route
+
+    rng = np.random.default_rng()
+    rows = 6
+    logits = rng.standard_normal((rows, experts)).astype(np.float32) * 2
+    logits[1, [4, 11, 20, 33]] = logits[1].max() + 1.0
+    logits[2] = -200.0
+    logits[2, 7] = 0.0
+    for normalize in (True, False):
+        ids, wts = np.full((rows, top), -1, np.int32), np.full((rows, top), np.nan, np.float32)
+        tk = topk_kernel(experts, top, normalize)
+        lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
+        cuda_emu.launch_any(lib, types, tk.grid(rows), tk.block[0], 0, [ids, wts, logits, rows])
+        want_ids, want_w = moe_route(logits, np.eye(experts, dtype=np.float32), top, normalize)
+        assert np.array_equal(ids, want_ids), (ids, want_ids)
+        assert list(ids[2]) == [7, *range(top - 1)] and list(ids[1, :4]) == [4, 11, 20, 33][: min(4, top)]
+        np.testing.assert_allclose(wts, want_w, rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     """glu with ``route``: each block routes its token from the router logits (a three-way tie at
@@ -173,6 +199,41 @@ def test_glu_routing_in_the_kernel_matches_moe_topk(normalize, tmp_path):
     plain = np.full((ROWS, top, n), NAN_BF16, np.uint16)
     _run(expert_q8_kernel("glu", "q4_k", n, k, top), ROWS, [plain, rg, ru, x, ids_k, ROWS], tmp_path)
     assert np.array_equal(act, plain)
+
+
+@pytest.mark.parametrize(
+    ("q", "shape"),
+    [("q4_k", {}), ("q6_k", {}), ("q6_k", {"prefetch": 1}), ("q6_k", {"warps": 4, "rows_per_warp": 1}),
+     ("q4_k", {"warps": 2, "rows_per_warp": 4, "prefetch": 2})],
+)
+def test_down_routing_in_the_kernel_equals_the_plain_down(q, shape, tmp_path):
+    """down with ``route`` (batch 1 after the routing glu): each block routes its token from the
+    logits (a tie at the top, a NaN logit) and issues its first two chunks of weight loads before
+    pdl_wait, then one chunk per chunk of math (q6_k with prefetch 1: six chunks), in the block
+    shapes tuning moe_q8.down_shape may pick: out equal, bit for bit, to the plain down's (default
+    shape) with moe_topk's ids and weights; ids and weights never read."""
+    from engine.moe_kernels import topk_kernel
+
+    n, k, experts, top = 20, 768, 11, 8  # q6_k: 8 x 24 (slot, segment) pairs, 6 a lane
+    raw, _ = _stack_e(q, experts, n, k, 61)
+    rng = np.random.default_rng(62)
+    logits = rng.standard_normal((ROWS, experts)).astype(np.float32)
+    logits[0, [2, 7]] = logits[0].max() + 0.5
+    logits[1, 4] = np.nan
+    act = _bf16_bits(rng.standard_normal((ROWS, top, k)).astype(np.float32))
+    res = _bf16_bits(rng.standard_normal((ROWS, n)).astype(np.float32))
+    ids, wts = np.zeros((ROWS, top), np.int32), np.zeros((ROWS, top), np.float32)
+    tk = topk_kernel(experts, top, True)
+    lib, types = cuda_emu.compile_any(render(tk.spec), tk.spec.entry, tmp_path)
+    cuda_emu.launch_any(lib, types, tk.grid(ROWS), tk.block[0], 0, [ids, wts, logits, ROWS])
+    plain = res.copy()  # (the residual aliases out, as in the plan)
+    _run(expert_q8_kernel("down", q, n, k, top, residual=True), ROWS, [plain, raw, act, ids, wts, plain, ROWS], tmp_path)
+    kern = expert_q8_kernel("down", q, n, k, top, residual=True, trigger=True, route=(experts, True), **shape)
+    assert [a for a, _ in kern.args][-2:] == ["rows", "logits"]
+    out = res.copy()
+    junk_ids, junk_w = np.full((ROWS, top), -9, np.int32), np.full((ROWS, top), np.nan, np.float32)
+    _run(kern, ROWS, [out, raw, act, junk_ids, junk_w, out, ROWS, logits], tmp_path)
+    assert np.isfinite(_f32(out)).all() and np.array_equal(out, plain)
 
 
 def _any_stack(q: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -244,21 +305,29 @@ def test_router_without_routing_then_the_routing_glu_equals_the_routing_router(t
 
 @pytest.mark.parametrize("q", ["q4_k", "q6_k"])
 def test_grouped_kernels_round_x_as_the_per_slot_q8x_kernels(q, tmp_path):
-    """q8x_round (the grouped buckets where the per-slot kernels are moe_gemv_q8's): down_grouped's
-    f32 partials are the dot products with x rounded as moe_gemv_q8 stages it (to f32 order: 1e-5),
-    and glu_grouped's act matches the per-slot q8x glu's (to the bf16 rounding), so a token in a
-    grouped bucket gets what it gets alone."""
-    from engine.moe_kernels import expert_gemv_kernel
+    """q8x_round (the grouped buckets where the per-slot kernels are moe_gemv_q8's): moe_q8round
+    rounds the x / act rows once (engine.quant.q8x_round_trip's values, a zero group included;
+    rows past rows * row_mult untouched), then down_grouped's f32 partials are the dot products
+    with those values (to f32 order: 1e-5), and glu_grouped's act matches the per-slot q8x glu's
+    (to the bf16 rounding), so a token in a grouped bucket gets what it gets alone."""
+    from engine.moe_kernels import expert_gemv_kernel, q8round_kernel
 
     n, k = 16, 256
     raw, w = _stack(q, n, k, 61)
     rng = np.random.default_rng(62)
-    a = _bf16_bits(rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32))
+    af = rng.standard_normal((ROWS, TOP_K, k)).astype(np.float32)
+    af[1, 2, 32:64] = 0.0  # a zero group: q 0, dx 0
+    a = _bf16_bits(af)
     ids = _ids(63)
     grouped = dict(experts=E, max_slots=8, rows_per_warp=2)
+    aq = np.full((ROWS * TOP_K + 1, k), np.nan, np.float32)  # (one row past the step's: never written)
+    _run(q8round_kernel(k, k, row_mult=TOP_K, threads=32), ROWS, [aq, a, ROWS], tmp_path)
+    want_q = quant.q8x_round_trip(_f32(a).reshape(-1, k))
+    assert np.isnan(aq[-1]).all() and np.allclose(aq[:-1], want_q, rtol=1e-6, atol=0) and (aq[5, 32:64] == 0).all()
+    aq = np.ascontiguousarray(aq[:-1])
     part = np.full((ROWS, TOP_K, n), np.nan, np.float32)
     kern = expert_gemv_kernel("down_grouped", q, n, k, TOP_K, **grouped, q8x_round=True)
-    _run(kern, ROWS, [part, raw, a, ids, ROWS], tmp_path)
+    _run(kern, ROWS, [part, raw, aq, ids, ROWS], tmp_path)
     want = np.einsum("tjnk,tjk->tjn", w[ids].astype(np.float64), quant.q8x_round_trip(_f32(a)).astype(np.float64))
     assert np.abs(part - want).max() / np.abs(want).max() < 1e-5
     plain = np.full((ROWS, TOP_K, n), np.nan, np.float32)  # (without the rounding: the q8x error, ~1e-3)
@@ -266,9 +335,13 @@ def test_grouped_kernels_round_x_as_the_per_slot_q8x_kernels(q, tmp_path):
     assert np.abs(plain - want).max() / np.abs(want).max() > 1e-4
     (rg, _), (ru, _) = _stack(q, n, k, 64), _stack(q, n, k, 65)
     x = _bf16_bits(rng.standard_normal((ROWS, k)).astype(np.float32))
+    xs = np.zeros((ROWS, k + 64), np.uint16)  # (x rows of a wider stride, as h may be)
+    xs[:, :k] = x
+    xq = np.full((ROWS, k), np.nan, np.float32)
+    _run(q8round_kernel(k, k + 64), ROWS, [xq, xs, ROWS], tmp_path)
     act_g, act_s = (np.full((ROWS, TOP_K, n), NAN_BF16, np.uint16) for _ in range(2))
     _run(expert_gemv_kernel("glu_grouped", q, n, k, TOP_K, **grouped, q8x_round=True), ROWS,
-         [act_g, rg, ru, x, ids, ROWS], tmp_path)  # fmt: skip
+         [act_g, rg, ru, xq, ids, ROWS], tmp_path)  # fmt: skip
     _run(expert_q8_kernel("glu", q, n, k, TOP_K), ROWS, [act_s, rg, ru, x, ids, ROWS], tmp_path)
     g, s = _f32(act_g), _f32(act_s)
     assert np.isfinite(g).all() and np.abs(g - s).max() <= 2 ** -7 * np.abs(s).max()

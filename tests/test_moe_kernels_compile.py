@@ -22,6 +22,7 @@ from engine.moe_kernels import (
     expert_gemv_kernel,
     gemm_max_tiles,
     moe_specs,
+    q8round_kernel,
     router_counters,
     router_kernel,
     shared_kernel,
@@ -45,7 +46,7 @@ def _all_specs():
         specs.append(expert_gemv_kernel("glu_grouped", q, 768, 2048, 8, experts=128, max_slots=256).spec)
         specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
     specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
-    specs += [shared_kernel(2048).spec]
+    specs += [shared_kernel(2048).spec, q8round_kernel(2048, 4608).spec, q8round_kernel(768, 768, row_mult=8).spec]
     specs += [sort_kernel(128, 8, 64).spec, sort_kernel(8, 2, 16, threads=256).spec]
     for q in GEMM_QUANTS:
         specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128).spec)
@@ -58,7 +59,10 @@ def _all_specs():
 
 
 def test_every_moe_kernel_renders_and_waits_first():
-    for s in _all_specs():
+    d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
+    q8 = [s for s in moe_specs(d, ["q4_k", "q5_k", "q6_k"]) if s.template in ("moe_gemv_q8", "moe_router")]
+    assert any(s.params.get("route") and s.params.get("mode") == "down" for s in q8)  # (PDL_EARLIER)
+    for s in _all_specs() + q8:
         src = render(s)
         assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry
     down = render(expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True).spec)
@@ -80,7 +84,7 @@ def test_builders_check_their_inputs():
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 5 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 6 + 2 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     assert [(s.params["wdtype"], s.params["norm"], s.params["route"]) for s in specs[1:7]] == [
         (w, norm, route) for w in ("f32", "bf16") for norm, route in ((False, True), (True, True), (True, False))]
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
@@ -159,6 +163,7 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         router_kernel(128, 2048, 8, True, "f32", 2048, eps=1e-6, h_stride=2048).spec,
         expert_gemv_kernel("glu", "q4_k", 768, 2048, 8, trigger=True).spec,
         shared_kernel(2048).spec,
+        q8round_kernel(768, 768, row_mult=8).spec,
         sort_kernel(128, 8, 64).spec,
         expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,
         expert_gemm_kernel("down", "bf16", 2048, 768, 8, 128).spec,

@@ -135,7 +135,7 @@ def test_every_moe_spec_renders():
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
     assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_gemv_q8", "moe_combine", "moe_sort",
-                                           "moe_gemm"}
+                                           "moe_gemm", "moe_q8round"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -201,6 +201,22 @@ def test_grouped_buckets_round_x_where_the_per_slot_kernels_are_q8():
             assert {la.spec.template for la in launches[:2]} == {"moe_gemv_q8" if on else "moe_gemv"}, profile
             grouped = [la for la in launches if la.spec.params.get("mode", "").endswith("_grouped")]
             assert len(grouped) == 2 and all(bool(la.spec.params.get("q8x_round")) is on for la in grouped), profile
+            # q8x_round: moe_q8round rounds h, then act, once a step, in the grouped GEMVs' buckets
+            names = [la.spec.template if la.spec.template != "moe_gemv" else la.spec.params["mode"] for la in launches]
+            rnd = [la for la in launches if la.spec.template == "moe_q8round"]
+            if not on:
+                assert not rnd
+                continue
+            i = names.index("glu_grouped")
+            assert names[i - 1] == "moe_q8round" and names[i + 1] == "moe_q8round" and names[i + 2] == "down_grouped"
+            glu, down = launches[i], launches[i + 2]
+            assert rnd[0].args[1] == glu.args[3].__class__("value", "h") and glu.args[3] == rnd[0].args[0]
+            assert rnd[1].args[1] == glu.args[0] and down.args[2] == rnd[1].args[0]
+            assert rnd[1].grid[1] == "n * 4" and rnd[1].spec.params["row_mult"] == 4
+            assert all((la.min_rows, la.max_rows) == (glu.min_rows, glu.max_rows) for la in rnd)
+            # their f32 rows sized for the rows they run at (below the GEMM's), not the prefill chunk
+            sizes = {sp.name: sp.fixed for sp in plan.scratch}
+            assert sizes["moe_xq"] == glu.max_rows * 256 * 4 and sizes["moe_actq"] == glu.max_rows * 4 * 256 * 4
 
 
 def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
@@ -232,6 +248,43 @@ def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
         assert downs == {"q4_k", "q6_k"} or len(downs) == 1
 
 
+def test_batch1_down_routes_itself_in_the_tuned_block_shape():
+    """With decode_graph.moe_down_route (the h200 / h100 profiles) the batch-1 moe_gemv_q8 down
+    routes from the router's logits (one more arg) in moe_q8.down_shape's block shape for its
+    stack type (grid and block follow); without it, the plain down reads the glu's ids and
+    weights; the batched per-slot down never routes."""
+    from engine.profile import with_tuning
+
+    def downs(prof):
+        plan = build_plan(g, d, g.quant("q4_k_m"), prof, tensor_dtypes={"exp_down@0": "q6_k"})
+        out = []
+        for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+            _, down = st.launches["decode1"]
+            (router,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode1"]
+            assert not st.launches["decode"][1].spec.params["route"]
+            out.append((down, router))
+        return out
+
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
+    h100 = get_profile("h100")
+    for down, router in downs(h100):
+        p = down.spec.params
+        assert p["route"] and (p["experts"], p["normalize"]) == (16, True) and down.args[-1] == router.args[2]
+        assert (p["warps"], p["rows_per_warp"]) == (8, 2) and down.grid[0] == -(-256 // 16) and down.block == (256,)
+    tuned = with_tuning(h100, "moe_q8.down_shape={q6_k: {warps: 4, rows_per_warp: 1}, q4_k: {warps: 2, prefetch: 2}}")
+    shapes = set()
+    for down, _ in downs(tuned):
+        p = down.spec.params
+        want = {"q6_k": (4, 1, 1), "q4_k": (2, 2, 1)}[p["quant"]]  # (prefetch: the lane has one pair here)
+        assert (p["warps"], p["rows_per_warp"], p["prefetch"]) == want and p["route"]
+        assert down.grid[0] == -(-256 // (want[0] * want[1])) and down.block == (32 * want[0],)
+        shapes.add(p["quant"])
+    assert shapes == {"q4_k", "q6_k"}
+    for down, router in downs(with_tuning(h100, "decode_graph.moe_down_route=false")):
+        assert not down.spec.params["route"] and down.args[3:5] == router.args[:2] and len(down.args) == 7
+
+
 @pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
 def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     from engine.ir import WIDE
@@ -246,15 +299,18 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
         solo = [] if mode == WIDE else [(per_slot, "glu", 0, 4), (per_slot, "down", 0, 4)]
         first = 0 if mode == WIDE else 5  # batched decode: per slot up to 4 rows, grouped from 5
         got = [(la.spec.template, la.spec.params.get("mode"), la.min_rows, la.max_rows) for la in launches]
+        rnd = [("moe_q8round", None, first, cut - 1)] if quant == "q4_k_m" else []  # (q8x_round: x, act rounded once)
         assert got == solo + [
+            *rnd,
             ("moe_gemv", "glu_grouped", first, cut - 1),
+            *rnd,
             ("moe_gemv", "down_grouped", first, cut - 1),
             ("moe_sort", None, cut, 0),
             ("moe_gemm", "glu", cut, 0),
             ("moe_gemm", "down", cut, 0),
             ("moe_combine", None, first, 0),
         ]
-        launches = launches[len(solo):]
+        launches = [la for la in launches[len(solo):] if la.spec.template != "moe_q8round"]
         sort, glu = launches[2:4]
         assert sort.spec.params["tile_m"] == glu.spec.params["tile_m"] == 16 and glu.grid[1] == "n * 4 // 16 + 16"
         assert [la.runs_at(cut - 1) for la in launches] == [True, True, False, False, False, True]
@@ -267,7 +323,8 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
             if rows <= 4:
                 assert ran == [(per_slot, "glu"), (per_slot, "down")], rows
             else:
-                assert ran[-1] == ("moe_combine", None) and len(ran) == (3 if rows < cut else 4), (rows, ran)
+                grouped = 3 + 2 * bool(rnd)
+                assert ran[-1] == ("moe_combine", None) and len(ran) == (grouped if rows < cut else 4), (rows, ran)
 
 
 @pytest.mark.parametrize("profile", ["h100", "generic-sm80"])

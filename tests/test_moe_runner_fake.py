@@ -93,3 +93,25 @@ def test_a_model_that_does_not_fit_fails_before_allocating(moe_model, monkeypatc
     assert e.value.code == "out_of_memory" and "\n" not in msg
     assert "experts" in msg and "GiB is free" in msg and str(moe_model.path) in msg
     assert allocs == []
+
+
+def test_q4_k_m_batch1_down_routes_itself_and_binds(monkeypatch, tmp_path):
+    """A q4_k_m model's batch-1 decode step (moe_gemv_q8: the routing glu, then the down that
+    routes from the logits too: the post-pass route_in_glu): every launch binds, both expert
+    kernels of each sparse layer are the routing ones; a bucket-8 step binds the grouped GEMVs
+    and their moe_q8round launches (h, then act, rounded once)."""
+    model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=3, **DIMS))
+    drv = FakeDriver()
+    runner = _runner(monkeypatch, tmp_path, model, drv)
+    runner.step([StepItem(0, list(range(1, 8)), 0, [0], True, GREEDY)])
+    drv.launches.clear()
+    runner.use_graphs = False
+    runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
+    names = [n for n, _, _ in drv.launches]
+    for mode in ("glu", "down"):
+        assert sum(n.startswith(f"moe_gemv_q8_{mode}_") and "route" in n for n in names) == 2, names
+    drv.launches.clear()
+    runner.step([StepItem(i, [5], 7 + i % 3, [i], True, GREEDY) for i in range(6)])  # bucket 8: grouped, q8x_round
+    names = [n for n, _, _ in drv.launches]
+    assert sum(n.startswith("moe_q8round") for n in names) == 4 and sum("grouped" in n for n in names) == 4, names
+    runner.close()

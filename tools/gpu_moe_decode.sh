@@ -10,14 +10,22 @@
 # bench: memra bench on it, decode at BATCHES (default 1,2,4,8,16,32), depth 0 and 4096
 # kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
+# ab:    memra bench --quick at BATCHES per batch-1 MoE variant (VARIANTS: name=MEMRA_TUNE spec;
+#        "default" first): the routing down (decode_graph.moe_down_route) on / off and
+#        moe_q8.down_shape block shapes whose blocks fit beside the glu's (not in the defaults)
+# trace: tools/gpu_trace_decode.py --batch 1 over the same variants ($R/trace_*; not in the defaults)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
 M=${MODEL:-/dev/shm/q30.gguf}; B=${BATCHES:-1,2,4,8,16,32}
-bench() {  # NAME
-  timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" \
-    --json "$R/bench_$1.json" > "$R/bench_$1.txt" 2>&1
-  grep -E "^decode|^prefill" "$R/bench_$1.txt" | sed "s/^/$1 /"
+VARIANTS=${VARIANTS:-"nodown=decode_graph.moe_down_route=false
+d41=moe_q8.down_shape={q6_k: {warps: 4, rows_per_warp: 1}, q4_k: {warps: 4, rows_per_warp: 2}}
+d22=moe_q8.down_shape={q6_k: {warps: 2, rows_per_warp: 2}, q4_k: {warps: 4, rows_per_warp: 2}}"}
+bench() {  # NAME [extra memra bench args]
+  local name=$1; shift
+  timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" "$@" \
+    --json "$R/bench_$name.json" > "$R/bench_$name.txt" 2>&1
+  grep -E "^decode|^prefill" "$R/bench_$name.txt" | sed "s/^/$name /"
 }
 for stage in ${STAGES:-tests ckpt bench}; do
   case $stage in
@@ -35,6 +43,19 @@ for stage in ${STAGES:-tests ckpt bench}; do
     timeout 300 python3 tools/bench_moe_gemv.py > "$R/kernels.txt" 2>&1
     grep -E "^\|" "$R/kernels.txt" || tail -5 "$R/kernels.txt"
     ;;
-  *) echo "unknown stage $stage (tests, ckpt, bench, kernels)"; exit 2 ;;
+  ab)
+    bench ab_default --quick
+    while IFS= read -r v; do
+      [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}" --quick
+    done <<< "$VARIANTS"
+    ;;
+  trace)
+    args=()
+    while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "$VARIANTS"
+    timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" "${args[@]}" \
+      > "$R/trace.log" 2>&1
+    tail -25 "$R/trace.log"
+    ;;
+  *) echo "unknown stage $stage (tests, ckpt, bench, kernels, ab, trace)"; exit 2 ;;
   esac
 done

@@ -122,8 +122,10 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
 def route_in_glu(ctx, steps, weights, values) -> None:
     """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step of
     its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no counter, fence and last block) and that glu routes each token in
-    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights the down
-    kernel reads."""
+    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights; with
+    tuning decode_graph.moe_down_route a moe_gemv_q8 down after it routes each token from the
+    logits too, so its weight loads go out before its pdl_wait, under the glu's tail (only act
+    waits for the glu), in tuning moe_q8.down_shape's block shape for its stack type."""
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -152,7 +154,16 @@ def route_in_glu(ctx, steps, weights, values) -> None:
                                  rows_per_warp=q["rows_per_warp"], prefetch=q["prefetch"])
         extra = (r.args[1], r.args[2])
         st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
-        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
+        rest = list(nxt.launches["decode1"][1:])
+        down_route = ctx.graph_knob("moe_down_route")
+        if down_route and rest and rest[0].spec.template == "moe_gemv_q8" and rest[0].spec.params["mode"] == "down":
+            d = rest[0].spec.params  # (the down routes too: its weight loads before its pdl_wait)
+            shape = {k: v for k, v in (ctx.tune("moe_q8").get("down_shape") or {}).get(d["quant"], {}).items() if v}
+            dk = mk.expert_q8_kernel("down", d["quant"], d["n"], d["k"], d["top_k"], residual=d["residual"],
+                                     trigger=d["trigger"], route=(int(p["experts"]), p["normalize"]), **shape)
+            grid = (dk.grid(1)[0], *rest[0].grid[1:])
+            rest[0] = dataclasses.replace(rest[0], spec=dk.spec, grid=grid, block=dk.block[:1], args=rest[0].args + (r.args[2],))
+        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *rest)
 
 
 def bind_experts(op, ws, ins, dims, value_for):
@@ -245,9 +256,28 @@ def routed_experts(ctx, op, mode, ins, out, ws) -> list[Launch]:
     # expert the step can choose), the GEMM from there
     cap = {**grouped_rows, **({"max_rows": gemm[0].min_rows - 1} if gemm else {})}
     gy = mk.grouped_grid_y(top_k, experts)
+    # q8x_round: x (h) and act rounded once a step into f32 rows (moe_q8round), which the grouped
+    # GEMVs read instead of rounding each (pair, group) again for every weight row
+    x_in, act_in, rnd = val(h), act, []
+    q_rows = cap.get("max_rows") or ctx.max_tokens  # (the rows these launches run at: below the GEMM's)
+    if q8r["glu"]:
+        ctx.need_scratch(ScratchPlan("moe_xq", fixed=q_rows * hidden * 4))
+        x_in = Arg("scratch", "moe_xq")
+        k = mk.q8round_kernel(hidden, h.ld)
+        rnd.append(Launch(k.spec, (k.grid(1)[0], "n"), k.block[:1], (x_in, val(h), ROWS), **cap))
+    glu_l = Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), x_in, val(ids), ROWS), **cap)
+    if q8r["down"]:
+        ctx.need_scratch(ScratchPlan("moe_actq", fixed=q_rows * top_k * inter * 4))
+        act_in = Arg("scratch", "moe_actq")
+        k = mk.q8round_kernel(inter, inter, row_mult=top_k)
+        rnd_act = [Launch(k.spec, (k.grid(1)[0], f"n * {top_k}"), k.block[:1], (act_in, act, ROWS), **cap)]
+    else:
+        rnd_act = []
     gemv = [
-        Launch(glu.spec, (cdiv(inter, RPB * rpw), gy), glu.block[:1], (act, wgt(wg), wgt(wu), val(h), val(ids), ROWS), **cap),
-        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act, val(ids), ROWS), **cap),
+        *rnd,
+        glu_l,
+        *rnd_act,
+        Launch(down.spec, (cdiv(hidden, RPB * rpw), gy), down.block[:1], (partial, wgt(wd), act_in, val(ids), ROWS), **cap),
     ]
     combine = Launch(comb.spec, (cdiv(hidden, comb.block[0]), "n"), comb.block[:1], (val(out), partial, val(weights), res, ROWS), **grouped_rows)
     return solo + gemv + gemm[:-1] + [combine]

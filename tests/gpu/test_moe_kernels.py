@@ -271,6 +271,49 @@ def test_grouped_glu_down_combine_match_numpy(gk, qt, experts, rows, top_k):
     assert rel_err(gk.host(out), want) < 1e-2
 
 
+@pytest.mark.parametrize("qt", ["q4_k", "q6_k"])
+def test_q8round_then_grouped_q8x_round_match_numpy(gk, qt):
+    """The batched buckets' q8x_round path: moe_q8round rounds h (a wider row stride) and act
+    (top_k rows a token) once, as engine.quant.q8x_round_trip (1e-6; a zero group stays 0), and
+    glu_grouped / down_grouped on those f32 rows give the dot products with the rounded values
+    (act 1e-2 after its bf16 store, partials 1e-4). Qwen3-30B-A3B widths, 6 tokens of 128 experts."""
+    from engine.moe_kernels import q8round_kernel
+
+    rng = np.random.default_rng()
+    experts, rows, top_k, hidden, inter = 128, 6, 8, 2048, 768
+    wg_raw, wg = stacked_weight(qt, experts, inter, hidden, rng)
+    wu_raw, wu = stacked_weight(qt, experts, inter, hidden, rng)
+    wd_raw, wd = stacked_weight(qt, experts, hidden, inter, rng)
+    ids = _ids(rng, rows, experts, top_k)
+    ids_t = gk.i32(ids)
+    stride = hidden + 64
+    x = bf_round(rng.standard_normal((rows, stride)))
+    x[2, 64:96] = 0.0
+    xq = gk.nan_like((rows, hidden), "f32")
+    gk.launch(q8round_kernel(hidden, stride), [xq, gk.bf(x), rows], rows)
+    want_x = quant.q8x_round_trip(x[:, :hidden].astype(np.float32)).astype(np.float64)
+    got_x = gk.host(xq)
+    assert np.allclose(got_x, want_x, rtol=1e-6, atol=0) and (got_x[2, 64:96] == 0).all()
+    grouped = dict(experts=experts, max_slots=64, rows_per_warp=4, q8x_round=True)
+    act = gk.nan_like((rows, top_k, inter))
+    gk.launch(expert_gemv_kernel("glu_grouped", qt, inter, hidden, top_k, **grouped),
+              [act, gk.raw(wg_raw), gk.raw(wu_raw), xq, ids_t, rows], rows)  # fmt: skip
+    g = np.einsum("tk,tjnk->tjn", want_x, wg[ids])
+    ref_act = g / (1 + np.exp(-g)) * np.einsum("tk,tjnk->tjn", want_x, wu[ids])
+    got_act = gk.host(act)
+    assert not np.isnan(got_act).any() and rel_err(got_act, ref_act) < 1e-2, rel_err(got_act, ref_act)
+    aq = gk.nan_like((rows * top_k, inter), "f32")
+    gk.launch(q8round_kernel(inter, inter, row_mult=top_k), [aq, act, rows], rows)
+    want_a = quant.q8x_round_trip(got_act.reshape(-1, inter).astype(np.float32)).astype(np.float64)
+    assert np.allclose(gk.host(aq), want_a, rtol=1e-6, atol=0)
+    partial = gk.nan_like((rows, top_k, hidden), "f32")
+    gk.launch(expert_gemv_kernel("down_grouped", qt, hidden, inter, top_k, **grouped),
+              [partial, gk.raw(wd_raw), aq, ids_t, rows], rows)  # fmt: skip
+    ref_partial = np.einsum("tjk,tjnk->tjn", want_a.reshape(rows, top_k, inter), wd[ids])
+    got_partial = gk.host(partial)
+    assert not np.isnan(got_partial).any() and rel_err(got_partial, ref_partial) < 1e-4
+
+
 @pytest.mark.parametrize("qt", ["q4_k", "q8_0", "bf16"])
 @pytest.mark.parametrize("grid_y", [None, 3, 1])  # None: min(E, rows * top_k); 3, 1: blocks loop over ranks
 @pytest.mark.parametrize("rpw", [1, 4])
@@ -448,6 +491,37 @@ def test_q8_glu_routes_as_the_router_does(gk, glu_q):
     for a, b in zip(outs[True], outs[False], strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.isnan(outs[False][3]).any()
+
+
+@pytest.mark.parametrize("down_q", ["q6_k", "q4_k"])
+def test_q8_down_routes_as_the_glu_does(gk, down_q):
+    """Batch-1 down as the plan runs it after the routing glu (route_in_glu): moe_gemv_q8 down
+    routing the token from the router's logits itself (its weight loads before pdl_wait; ids and
+    weights never read: NaN / -7 here): out bitwise the plain down's with moe_topk's ids and
+    weights. Qwen3-30B-A3B shape (128 experts, top 8, hidden 2048, expert width 768; q6_k: two
+    chunks of segment loads a lane), 40 output rows."""
+    rng = np.random.default_rng()
+    experts, top_k, hidden, inter = 128, 8, 40, 768
+    raw, _ = stacked_weight(down_q, experts, hidden, inter, rng)
+    w = gk.raw(raw)
+    logits_h = rng.standard_normal((1, experts)).astype(np.float32)
+    logits = gk.f32(logits_h)
+    ids, wts = gk.i32(np.zeros((1, top_k))), gk.f32(np.zeros((1, top_k)))
+    gk.launch(topk_kernel(experts, top_k, True), [ids, wts, logits, 1], 1)
+    act = gk.bf(bf_round(rng.standard_normal((1, top_k, inter))))
+    res = bf_round(rng.standard_normal((1, hidden)))
+    outs = []
+    for route in (False, True):
+        out = gk.bf(res)  # (the residual aliases out, as in the plan)
+        if route:
+            k = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True, route=(experts, True))
+            gk.launch(k, [out, w, act, gk.i32(np.full((1, top_k), -7)), gk.nan_like((1, top_k), "f32"), out, 1, logits], 1)
+        else:
+            k = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True)
+            gk.launch(k, [out, w, act, ids, wts, out, 1], 1)
+        outs.append(gk.host(out))
+    assert np.isfinite(outs[1]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_sparse_mlp_end_to_end(gk):
