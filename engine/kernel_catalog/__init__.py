@@ -54,6 +54,12 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     mma_bmax,
     mma_serves,
 )
+from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
+    MMQ_FILE_TYPES,
+    gemv_mmq_params,
+    gemv_mmq_x_params,
+    mmq_serves,
+)
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,
     COOP_Q8X_MAX,

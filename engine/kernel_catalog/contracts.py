@@ -25,6 +25,10 @@ MMA_UNIT: dict[str, int] = {
 }
 
 
+# gemv_mmq's storage types (kernels/gemv_mmq.cu.j2: int8 mma on 128-element units)
+MMQ_TYPES = ("q4_k", "q6_kr", "q8_0r")
+
+
 ROPE_STYLES = ("neox", "interleaved")
 GLU_ACTS = ("silu", "gelu_tanh")  # silu_mul's gate activations (SwiGLU, GeGLU with the tanh GELU)
 
@@ -81,6 +85,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
         "min_blocks": 1,
     },
+    "gemv_mmq": {"kparts": 1, "min_blocks": 1},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -135,6 +140,27 @@ KERNELS: dict[str, KernelDoc] = {
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
          "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1},
         unnamed=("eps",),
+    ),
+    "gemv_mmq": KernelDoc(
+        dict(
+            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
+            out_dtype=str, min_blocks=int,
+        ),
+        # kparts > 1 adds (part_sum, part_count): kernel_args(); xq / xs: gemv_mmq_x's output
+        (("out", P), ("w", P), ("xq", P), ("xs", P), ("residual", P), ("rows", I32)),
+        None,
+        "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
+        "(wm * wk * 32,)",
+        "static: wm * mt * bmax * 64 bytes when wk > 1",
+        {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1},
+    ),
+    "gemv_mmq_x": KernelDoc(
+        dict(k=int, x_stride=int, threads=int),
+        (("xq", P), ("xs", P), ("x", P), ("rows", I32)),
+        None,
+        "(ceil(k / (8 * threads)), rows)",
+        "(threads,)",
+        defaults={"x_stride": 0},
     ),
     "gemm": KernelDoc(
         dict(

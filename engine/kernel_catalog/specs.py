@@ -85,7 +85,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv_mma" and key in ("x_stride", "glu"))
+            (template in ("gemv_mma", "gemv_mmq_x") and key in ("x_stride", "glu"))
             or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
@@ -132,6 +132,10 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
     "gemv_mma": lambda p, rows, **_: (
         _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
     ),
+    "gemv_mmq": lambda p, rows, **_: (
+        _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
+    ),
+    "gemv_mmq_x": lambda p, rows, **_: (_cdiv(p["k"], 8 * p["threads"]), rows, 1),
     "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),
     "gemm": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1),
     "gemm_wgmma": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1),
@@ -148,6 +152,7 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
 # template -> threads per block; every other template: its ``threads`` param
 _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
     "gemv_mma": lambda p: p["wm"] * p["wk"] * 32,
+    "gemv_mmq": lambda p: p["wm"] * p["wk"] * 32,
     "gemv_pair": lambda p: p["a_threads"],
     "gemm": lambda p: p["warps"] * 32,
     "gemm_wgmma": lambda p: (p["consumers"] + 1) * 128,
@@ -189,6 +194,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
+    if s.template == "gemv_mmq" and s.params["kparts"] > 1:
+        args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["prologue"] == "norm":

@@ -1,0 +1,54 @@
+"""The params of gemv_mmq, the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2), and of its x
+quantiser gemv_mmq_x: the row buckets (gemv_mma's), the k split of a weight (the same at every batch
+size: what fixes a row's bits) and the row tile of each bucket. Imports only the catalog's contracts
+and gemv_mma's k split. Must not import CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.kernel_catalog.contracts import MMQ_TYPES, QUANTS
+from engine.kernel_catalog.gemv_mma import MMA_SHAPES, mma_k_split
+from engine.storage import REPACKED_FROM
+
+MMQ_UNIT = 128  # elements of a warp's step per row (four int8 x blocks of 32)
+# the file storage types whose upload layout gemv_mmq decodes (tuning gemv_mmq.types; q6_k where it
+# is uploaded as q6_kr, q8_0 as q8_0r)
+MMQ_FILE_TYPES = ("q4_k", "q6_k", "q8_0")
+MMQ_X_THREADS = 128  # gemv_mmq_x's block: 1024 x elements
+
+
+def gemv_mmq_params(
+    quant: str, n: int, k: int, bmax: int, *, sm_count: int = 0, residual: bool = False, out_dtype: str = "bf16"
+) -> dict[str, Any] | None:
+    """The gemv_mmq params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
+    up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a layout
+    without a gemv_mmq decoder, k not a whole number of 128-element units and type blocks). The k split
+    is gemv_mma's rule over 128-element units (``mma_k_split``), the row tile gemv_mma's MMA_SHAPES."""
+    if quant not in MMQ_TYPES or k % MMQ_UNIT or k % QUANTS[quant][0]:
+        return None
+    mt, wm = MMA_SHAPES[bmax]
+    wk, kparts = mma_k_split(quant, n, k, sm_count, unit=MMQ_UNIT)
+    # (bmax 8 and 16: 128 registers a thread, 2 blocks of 256 threads per SM, as gemv_mma)
+    min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+    return dict(
+        quant=quant, n=n, k=k, bmax=bmax, mt=mt, wm=wm, wk=wk, kparts=kparts, depth=max(1, 2 // mt),
+        residual=residual, out_dtype=out_dtype, min_blocks=min_blocks,
+    )  # fmt: skip
+
+
+def gemv_mmq_x_params(k: int, x_stride: int = 0) -> dict[str, Any] | None:
+    """The gemv_mmq_x params quantising x rows of ``k`` elements (row stride ``x_stride``, 0: k), or
+    None where they cannot be (k not whole 32-blocks, rows not 16-byte aligned)."""
+    if k % 32 or x_stride % 8:
+        return None
+    return dict(k=k, x_stride=x_stride, threads=MMQ_X_THREADS)
+
+
+def mmq_serves(tuning: Mapping[str, Any], dtype: str, cols: int) -> bool:
+    """Whether the decode linears of a [*, cols] weight uploaded as ``dtype`` take gemv_mmq: its file
+    type in tuning gemv_mmq.types, its layout and k within the kernel's."""
+    types = (tuning.get("gemv_mmq") or {}).get("types") or ()
+    return REPACKED_FROM.get(dtype, dtype) in types and gemv_mmq_params(dtype, 16, cols, 8) is not None
