@@ -1,0 +1,168 @@
+"""The int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2) and its x quantiser (gemv_mmq_x.cu.j2)
+without a GPU: spec rules, a weight's k split the same at every batch size, both kernels run under g++
+(tests/fixtures/cuda_emu.py: the int8 m16n8k32 / m16n8k16 mma as an exact warp collective) against
+``engine.quant.q8x_round_trip(x) @ dequantize(W).T`` for every type it decodes on fresh random inputs
+and NaN-poisoned outputs, and every row's output bits the same alone (batch 1) as in buckets of 3, 11
+and 17 rows. NVRTC compiles every type and bucket for the profiles' archs (tests/gpu/test_gemv_mmq_gpu.py
+runs it on a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures import cuda_emu
+from test_gemv_mma import _bf16, _weight
+from test_kernels_compile import _nvrtc_ok
+
+from engine import kernel_catalog as kc
+from engine import quant
+from engine.compile import KernelBuilder
+from engine.kcache import KernelCache
+from engine.kernel_catalog.contracts import MMQ_TYPES
+from engine.profile import all_profiles
+from engine.render import render
+from engine.types import ConfigError
+
+N = 40  # two m tiles and a half (the last block's row tail)
+
+
+def test_spec_rules_name_the_problem():
+    ok = kc.gemv_mmq_params("q4_k", 2560, 9728, 8)
+    assert ok is not None and kc.spec("gemv_mmq", **ok).entry.startswith("gemv_mmq__quantq4k_n2560_k9728_bmax8")
+    for over, msg in (
+        (dict(bmax=24), "bmax=24"),
+        (dict(mt=3), "mt=3"),
+        (dict(k=9728 + 64), "128-element unit"),
+        (dict(kparts=1000), "kparts=1000"),
+        (dict(quant="q4_0r"), "q4_0r"),
+        (dict(residual=True, out_dtype="f32"), "residual"),
+        (dict(wm=8, wk=8), "exceed"),
+        (dict(depth=9), "depth=9"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            kc.spec("gemv_mmq", **{**ok, **over})
+    assert kc.gemv_mmq_params("q4_k", 2560, 2560 + 128, 8) is None  # not whole q4_k super-blocks
+    assert kc.gemv_mmq_params("q8_0r", 2560, 2560 - 64, 8) is None  # not whole 128-element units
+    assert kc.gemv_mmq_params("bf16", 2560, 2560, 8) is None
+    with pytest.raises(ConfigError, match="x_stride"):
+        kc.spec("gemv_mmq_x", k=2560, x_stride=2564, threads=128)
+    assert kc.gemv_mmq_x_params(2560, 2564) is None
+
+
+def test_the_k_split_is_the_same_at_every_batch_size():
+    for qt, n, k in (("q4_k", 2560, 4096), ("q6_kr", 2560, 9728), ("q4_k", 19456, 2560), ("q8_0r", 1024, 512)):
+        ps = [kc.gemv_mmq_params(qt, n, k, b, sm_count=132) for b in (8, 16, 32, 64)]
+        assert len({(p["wk"], p["kparts"]) for p in ps}) == 1, (qt, n, k)  # a row's sum order
+    assert kc.gemv_mmq_params("q4_k", 2560, 4096, 8, sm_count=132)["kparts"] == 3
+
+
+def _quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """gemv_mmq_x under the emulator on x rows (f32 values, bf16-exact): (xq int8 [rows, k], xs f32
+    [rows, k / 32, 2]), from poisoned buffers."""
+    rows, k = x.shape
+    p = kc.gemv_mmq_x_params(k)
+    s = kc.spec("gemv_mmq_x", **p)
+    lib, types = cuda_emu.compile_any(render(s), s.entry)
+    xb = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    xq = np.full((rows, k), 0x55, np.uint8)
+    xs = np.full((rows, k // 32, 2), np.nan, np.float32)
+    cuda_emu.launch_any(lib, types, kc.choice("gemv_mmq_x", **p).grid(rows), p["threads"], 0, [xq, xs, xb, rows])
+    return xq.view(np.int8), xs
+
+
+def _run(p: dict, w: np.ndarray, xq: np.ndarray, xs: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """gemv_mmq ``p`` under the emulator: its output [rows, n] as f32, from a NaN-poisoned out (or
+    ``residual``, aliased as out, for a residual spec)."""
+    s = kc.spec("gemv_mmq", **p)
+    lib, types = cuda_emu.compile_any(render(s), s.entry)
+    rows = xq.shape[0]
+    if p["out_dtype"] == "f32":
+        out = np.full((rows, p["n"]), np.nan, np.float32)
+    else:
+        out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+    args = [out, w, np.ascontiguousarray(xq.view(np.uint8)), np.ascontiguousarray(xs), out if residual is not None else None, rows]
+    count = np.zeros(1024, np.uint32)
+    if p["kparts"] > 1:
+        args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]
+    c = kc.choice("gemv_mmq", **p)
+    cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], 0, args)
+    assert not count.any(), "the tile counters are left zero"
+    if p["out_dtype"] == "f32":
+        return out
+    return (out.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_the_x_quantiser_is_q8x():
+    rng = np.random.default_rng(11)
+    x = _bf16(rng.standard_normal((3, 1024 + 256)) * rng.uniform(0.01, 10, (3, 1)))
+    x[1, 64:96] = 0.0  # a block of zeros: q 0, dx 0
+    xq, xs = _quantise(x)
+    deq = (xq.reshape(3, -1, 32).astype(np.float32) * xs[:, :, :1]).reshape(x.shape)
+    assert np.array_equal(deq, quant.q8x_round_trip(x))
+    sums = xq.reshape(3, -1, 32).astype(np.int64).sum(-1)
+    assert np.array_equal(xs[:, :, 1], (xs[:, :, 0] * sums.astype(np.float32)).astype(np.float32))
+
+
+# (wk, kparts, depth, units of k): a k split over warps and blocks; one warp per row tile walking 5
+# units through a ring of 2 (refills and a partial last round); 6 units in 4 parts of 2 (the last
+# part empty, its block's partial sums zero)
+SPLITS = ((2, 2, 2, 4), (1, 1, 2, 5), (1, 4, 1, 6))
+
+
+@pytest.mark.parametrize("qt", MMQ_TYPES)
+def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
+    rng = np.random.default_rng(7)
+    for wk, kparts, depth, units in SPLITS if qt == "q4_k" else SPLITS[:1]:
+        k = units * 128
+        if k % 256 and qt != "q8_0r":
+            k += 128  # (whole super-blocks)
+        w, deq = _weight(qt, N, k, rng)
+        x = _bf16(rng.standard_normal((17, k)))
+        xq, xs = _quantise(x)
+        base = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, depth=depth, residual=False, out_dtype="f32",
+                    min_blocks=1)  # fmt: skip
+        solo = np.stack([_run({**base, "bmax": 8, "mt": 1, "wm": 2}, w, xq[r : r + 1], xs[r : r + 1])[0] for r in (0, 5, 16)])
+        ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
+        for r, got in zip((0, 5, 16), solo, strict=True):
+            err = np.linalg.norm(got - ref[r]) / np.linalg.norm(ref[r])
+            assert err < 1e-5, (qt, r, err)
+        for bmax, mt, wm, rows in ((8, 1, 2, 3), (16, 2, 1, 11), (64, 1, 2, 17)):
+            got = _run({**base, "bmax": bmax, "mt": mt, "wm": wm}, w, xq[:rows], xs[:rows])
+            assert not np.isnan(got).any()
+            for i, r in enumerate((0, 5, 16)):
+                if r < rows:  # the same bits alone and in the bucket
+                    assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, bmax, r)
+
+
+def test_residual_aliasing_out():
+    rng = np.random.default_rng(3)
+    k = 512
+    w, deq = _weight("q4_k", N, k, rng)
+    x = _bf16(rng.standard_normal((3, k)))
+    res = _bf16(rng.standard_normal((3, N)))
+    rb = (res.view(np.uint32) >> 16).astype(np.uint16)
+    p = dict(quant="q4_k", n=N, k=k, bmax=8, mt=1, wm=2, wk=2, kparts=2, depth=2, residual=True, out_dtype="bf16",
+             min_blocks=1)  # fmt: skip
+    got = _run(p, w, *_quantise(x), residual=rb)
+    ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T + res
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2  # (bf16 out)
+
+
+def test_every_profile_renders_and_every_type_compiles(tmp_path):
+    specs = []
+    for prof in all_profiles().values():
+        for bmax in (8, 16, 32, 64):
+            p = kc.gemv_mmq_params("q4_k", 2560, 9728, bmax, sm_count=prof.sm_count, residual=True)
+            specs.append((prof.arch, kc.spec("gemv_mmq", **p)))
+    for _, s in specs:
+        src = render(s)
+        assert f"{s.entry}(" in src and "{{" not in src
+    if not _nvrtc_ok():
+        pytest.skip("NVRTC or the CUDA headers are missing")
+    per_arch = {arch: s for arch, s in specs}  # one spec per arch (the template's only arch branch is PDL's)
+    for arch, s in per_arch.items():
+        KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
+    more = [kc.spec("gemv_mmq", **kc.gemv_mmq_params(t, 1024, 2560 + 512, b, out_dtype="f32")) for t in MMQ_TYPES
+            for b in (8, 64)]  # fmt: skip
+    more.append(kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(2560)))
+    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(more, progress=None)
