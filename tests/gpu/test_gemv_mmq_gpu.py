@@ -1,0 +1,130 @@
+"""The int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, x quantised by gemv_mmq_x.cu.j2) against
+numpy: every layout it decodes (q4_k, q6_kr, q8_0r), batch 1 and every batch size class the decode
+buckets use, with the params kernel_catalog.gemv_mmq_params gives on this device's SM count (a k split
+over warps and blocks, and the single-part form), a residual that aliases out, f32 logits, more rows
+than bmax; the quantiser's int8 x against engine.quant.q8x_round_trip; and a row's output bits the same
+alone as in batches of 2..64. Outputs are poisoned with NaN; the reference is q8x_round_trip(x) @
+dequantize(W).T in float64 (the kernel's int8 x; dequantisation checked against gguf in
+tests/test_quant.py). Run on a GPU machine:
+``PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_gemv_mmq_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_harness import DeviceArray, bf_round, poisoned, rel_err, upload, uploaded_weights
+
+from engine import kernel_catalog as kc
+from engine import quant
+from engine.kernel_catalog.contracts import MMQ_TYPES
+from engine.kernel_catalog.gemv_mma import mma_bmax
+
+N, K = 1003, 2560  # an odd n (the last tile's row tail), Qwen3-4B's hidden size as k
+BATCHES = (1, 2, 3, 8, 17, 32, 64, 100)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return uploaded_weights(12)
+
+
+def quantise(kernels, x: np.ndarray) -> tuple[DeviceArray, DeviceArray]:
+    """x rows (f64, bf16-exact) quantised by gemv_mmq_x: (xq int8 [rows, k], xs f32 [rows, k / 32, 2])."""
+    rows, k = x.shape
+    p = kc.gemv_mmq_x_params(k)
+    c = kc.choice("gemv_mmq_x", **p)
+    xq = DeviceArray((rows, k), "u8").put(np.full((rows, k), 0x55, np.uint8))
+    xs = poisoned((rows, k // 32, 2), "f32")
+    kernels.launch(c, rows, xq=xq, xs=xs, x=upload(x, "bf16"), rows=rows)
+    return xq, xs
+
+
+def launch_mmq(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = None):
+    """Quantise x rows and launch gemv_mmq ``p``; (out as f64 [rows, n], counters left nonzero).
+    ``r``: the residual (uploaded as out, which the kernel reads and overwrites)."""
+    n, k, od = p["n"], p["k"], p["out_dtype"]
+    rows = x.shape[0]
+    w, _ = weights(p["quant"], n, k)
+    xq, xs = quantise(kernels, x)
+    out = upload(r, "bf16") if r is not None else poisoned((rows, n), od)
+    args = dict(out=out, w=w, xq=xq, xs=xs, residual=out if r is not None else 0, rows=rows)
+    count = None
+    if p["kparts"] > 1:
+        args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
+        tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
+        count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
+    kernels.launch(kc.choice("gemv_mmq", **p), rows, **args)
+    left = int(np.count_nonzero(count.get())) if count is not None else 0
+    return out.get(), left
+
+
+def run_mmq(kernels, weights, p: dict, rows: int, rng) -> tuple[float, int, int]:
+    """gemv_mmq ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
+    n, k = p["n"], p["k"]
+    _, deq = weights(p["quant"], n, k)
+    x = bf_round(rng.standard_normal((rows, k)))
+    r = bf_round(rng.standard_normal((rows, n))) if p["residual"] else None
+    got, left = launch_mmq(kernels, weights, p, x, r)
+    ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T + (r if r is not None else 0)
+    return rel_err(got, ref), int(np.isnan(got).sum()), left
+
+
+def _params(qt, n, k, rows, profile, **kw):
+    p = kc.gemv_mmq_params(qt, n, k, mma_bmax(rows), sm_count=profile.sm_count, **kw)
+    assert p is not None, qt
+    return p
+
+
+def test_the_quantiser_is_q8x(kernels):
+    kernels.prebuild([kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(K))])
+    rng = np.random.default_rng(5)
+    x = bf_round(rng.standard_normal((5, K)) * rng.uniform(0.01, 10, (5, 1)))
+    x[2, 32:64] = 0.0
+    xq, xs = quantise(kernels, x)
+    q = xq.get().view(np.int8).reshape(5, -1, 32).astype(np.float32)
+    s = xs.get().astype(np.float32)
+    assert np.array_equal((q * s[:, :, :1]).reshape(x.shape), quant.q8x_round_trip(x))
+    assert np.array_equal(s[:, :, 1], (s[:, :, 0] * q.sum(-1)).astype(np.float32))
+
+
+def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
+    cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in MMQ_TYPES for rows in BATCHES]
+    cases += [({**_params(qt, N, K, rows, profile, out_dtype="f32"), "kparts": kp}, rows)
+              for qt in MMQ_TYPES for rows, kp in ((1, 1), (5, 4), (64, 1), (40, 3))]  # fmt: skip
+    kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p, _ in cases))
+    kernels.prebuild([kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(K))])
+    rng = np.random.default_rng()
+    bad = []
+    for p, rows in cases:
+        for _ in range(2):  # (the second launch reuses the part counters)
+            err, nans, left = run_mmq(kernels, weights, p, rows, rng)
+            tol = 1e-2 if p["out_dtype"] == "bf16" else 1e-5
+            if not (err <= tol and nans == 0 and left == 0):
+                bad.append((p["quant"], rows, p["bmax"], p["kparts"], p["out_dtype"], err, nans, left))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("shape", [(N, K), (2560, 4096), (1024, 9728)])
+def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
+    """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column) and as rows
+    of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel; f32 out, the unrounded sums): the
+    same bits. (2560, 4096): the o projection's k split over blocks; (1024, 9728): a long k."""
+    n, k = shape
+    rng = np.random.default_rng(1)
+    kernels.prebuild([kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(k))])
+    bad = []
+    for qt in MMQ_TYPES:
+        specs = {b: _params(qt, n, k, b, profile, out_dtype="f32") for b in (1, 2, 3, 8, 17, 32, 64)}
+        kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p in specs.values()))
+        x = bf_round(rng.standard_normal((64, k)))
+        solo = {r: launch_mmq(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
+        for b, p in specs.items():
+            got, left = launch_mmq(kernels, weights, p, x[:b])
+            for r, want in solo.items():
+                if r < b and not np.array_equal(got[r].astype(np.float32).view(np.uint32),
+                                                want.astype(np.float32).view(np.uint32)):  # fmt: skip
+                    bad.append((qt, n, k, b, r, float(np.abs(got[r] - want).max())))
+            if left or np.isnan(got).any():
+                bad.append((qt, n, k, b, "nan or counters", left))
+    assert not bad, bad[:20]
