@@ -166,3 +166,55 @@ def test_every_profile_renders_and_every_type_compiles(tmp_path):
             for b in (8, 64)]  # fmt: skip
     more.append(kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(2560)))
     KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(more, progress=None)
+
+
+MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0]"
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from fixtures.checkpoints import Dims, write_random_gguf
+
+    from engine.model import load_model
+
+    dims = Dims(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                intermediate_size=1536, vocab_size=768)  # fmt: skip
+    return {q: load_model(write_random_gguf(tmp_path_factory.mktemp(q) / "m.gguf", "qwen3", dims, q, seed=3))
+            for q in ("q4_k_m", "q8_0")}  # fmt: skip
+
+
+def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
+    """With tuning gemv_mmq.types naming q4_k, q6_k and q8_0: each decode linear of a tiny Qwen3 (q4_k_m:
+    q4_k and q6_kr weights; q8_0r) quantises its x once (gemv_mmq_x into the mmq_xq / mmq_xs scratch)
+    and runs gemv_mmq at batch 1 and in every bucket range, with one k split per weight
+    (tests/fixtures/batch_invariance.py finds no bit-changing difference); no rmsnorm or silu_mul is
+    folded into them (their launches stay); without the knob (the h100 profile as it is) no plan has
+    gemv_mmq; gemv_mmq wins where gemv_mma.types names the type too."""
+    from fixtures.batch_invariance import mismatches
+
+    from engine.plan import build_plan
+    from engine.profile import get_profile, with_tuning
+
+    for tune in (MMQ_ALL, MMQ_ALL + "; gemv_mma.types=[q4_k, q6_k, q8_0]"):
+        prof = with_tuning(get_profile("h100"), tune)
+        for name, m in tiny_models.items():
+            plan = build_plan(m.graph, m.dims, m.quant, prof, m.tensor_dtypes, m.rope_style)
+            assert mismatches(plan) == [], (name, mismatches(plan)[:3])
+            assert {"mmq_xq", "mmq_xs"} <= {s.name for s in plan.scratch}
+            for st in plan.steps:
+                for mode in ("decode1", "decode"):
+                    las = st.launches[mode]
+                    if st.op.op == "linear":
+                        tpl = [la.spec.template for la in las]
+                        assert tpl[0] == "gemv_mmq_x" and tpl.count("gemv_mmq_x") == 1, (name, mode, tpl)
+                        assert set(tpl[1:]) == {"gemv_mmq"} and not any(la.concurrent for la in las), (name, tpl)
+                        ranges = sorted((la.min_rows, la.max_rows) for la in las[1:])
+                        if mode == "decode":
+                            assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(las[1:]) % 4 == 0, ranges
+                    if st.op.op in ("rmsnorm", "silu_mul") and not st.head:
+                        assert [la.spec.template for la in las] == [st.op.op], (name, mode, st.op.op)
+            types = {la.spec.params["quant"] for st in plan.steps for la in st.launches["decode"]
+                     if la.spec.template == "gemv_mmq"}  # fmt: skip
+            assert types == ({"q4_k", "q6_kr"} if name == "q4_k_m" else {"q8_0r"}), (name, types)
+    off = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
+    assert not any(la.spec.template.startswith("gemv_mmq") for st in off.steps for ls in st.launches.values() for la in ls)

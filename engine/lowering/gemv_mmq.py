@@ -1,0 +1,73 @@
+"""The int8 tensor-core lowering of quantised decode linears (kernels/gemv_mmq.cu.j2; tuning
+gemv_mmq.types).
+
+A weight whose file type the profile names, uploaded in a layout gemv_mmq decodes (q4_k, q6_kr,
+q8_0r), takes gemv_mmq in every decode pass: the op's x rows are first quantised to int8 per
+32-element block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many
+weight allocations read it), then the batch-1 pass (decode1) runs the bmax-8 kernel on its one row and
+a bucket pass the launch of its MMA_BUCKETS range. Every launch of a weight has the same k split
+(kernel_catalog.gemv_mmq_params), so a row gets the same bits alone and in any bucket. No rmsnorm
+prologue and no glu epilogue: the plan keeps those ops' launches for these weights (Lowerer.q8x_decode
+is false for them); a gate half that already holds silu(gate) * up (another GEMV's glu) is read in
+place. A k split over blocks adds the f32 partial sums and per-tile counters as scratch (``mmq_part``,
+``mmq_count``: the launches run one after another, each leaving its counters zero). Never forked onto
+the side stream (decode_graph.fork_linears): every launch reads the quantiser's scratch. A helper of
+the ``linear`` unit. Must not import CUDA or numpy.
+"""
+
+from __future__ import annotations
+
+from engine import kernel_catalog as kc
+from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
+from engine.types import ConfigError
+
+
+def mmq_x(ctx, mode, ins, cols: int):
+    """The x value a gemv_mmq launch reads (a glu prologue's gate half in place) and its row stride."""
+    xv = ins[0]
+    pro = ctx.prologue.get((mode, xv.name))
+    if pro is not None and pro[0] == "glu" and pro[1].width == cols:
+        xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+    elif pro is not None:
+        raise ConfigError(f"plan: a {pro[0]} prologue feeds gemv_mmq (its x must be stored)")
+    if xv.width != cols:
+        raise ConfigError(f"plan: gemv_mmq reads x of width {xv.width} for a linear of k={cols}")
+    return xv, (xv.ld if xv.ld != cols else 0)
+
+
+def mmq_quantise(ctx, mode, ins, cols: int) -> Launch:
+    """The gemv_mmq_x launch quantising the op's x rows into the mmq_xq / mmq_xs scratch."""
+    xv, stride = mmq_x(ctx, mode, ins, cols)
+    p = kc.gemv_mmq_x_params(cols, stride)
+    if p is None:
+        raise ConfigError(f"plan: gemv_mmq_x cannot quantise x of k={cols}, row stride {xv.ld}")
+    ctx.need_scratch(ScratchPlan("mmq_xq", fixed=ctx.max_rows * cols))
+    ctx.need_scratch(ScratchPlan("mmq_xs", fixed=ctx.max_rows * cols // 32 * 8))
+    args = (Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"), val(xv), ROWS)
+    return Launch(ctx.spec("gemv_mmq_x", **p), (cdiv(cols, 8 * p["threads"]), "n"), (p["threads"],), args)
+
+
+def mmq_launches(ctx, op, mode, out, w) -> list[Launch]:
+    """The gemv_mmq launches of weight allocation ``w`` writing ``out`` in decode mode ``mode``, after
+    mmq_quantise."""
+    res_name = op.attrs.get("residual")
+    residual = res_name is not None
+    buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
+    res = Arg("value", res_name) if residual else NULL
+    launches = []
+    for bmax, lo, hi in buckets:
+        p = kc.gemv_mmq_params(
+            w.dtype, w.rows, w.cols, bmax, sm_count=ctx.profile.sm_count, residual=residual,
+            out_dtype=ctx.act_dtype(out.name),
+        )  # fmt: skip
+        if p is None:
+            raise ConfigError(f"plan: gemv_mmq cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}])")
+        tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
+        args = (val(out), wgt(w), Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"), res, ROWS)
+        if p["kparts"] > 1:
+            ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
+            ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
+            args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
+        grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
+        launches.append(Launch(ctx.spec("gemv_mmq", **p), grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
+    return launches
