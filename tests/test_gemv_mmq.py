@@ -57,17 +57,31 @@ def test_the_k_split_is_the_same_at_every_batch_size():
 
 
 def _quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """gemv_mmq_x under the emulator on x rows (f32 values, bf16-exact): (xq int8 [rows, k], xs f32
-    [rows, k / 32, 2]), from poisoned buffers."""
+    """gemv_mmq_x under the emulator on x rows (f32 values, bf16-exact), from poisoned buffers: (xq
+    int8 [rows, k], xs f32 [rows, k / 32, 2]) unpacked from its padded layout."""
     rows, k = x.shape
     p = kc.gemv_mmq_x_params(k)
     s = kc.spec("gemv_mmq_x", **p)
     lib, types = cuda_emu.compile_any(render(s), s.entry)
     xb = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    xq = np.full((rows, k), 0x55, np.uint8)
-    xs = np.full((rows, k // 32, 2), np.nan, np.float32)
+    r8 = -(-rows // 8) * 8
+    xq = np.full((r8, k), 0x55, np.uint8)
+    xs = np.full((r8 // 8, k // 32, 8, 2), np.nan, np.float32)
     cuda_emu.launch_any(lib, types, kc.choice("gemv_mmq_x", **p).grid(rows), p["threads"], 0, [xq, xs, xb, rows])
-    return xq.view(np.int8), xs
+    return xq[:rows].view(np.int8), xs.transpose(0, 2, 1, 3).reshape(r8, k // 32, 2)[:rows]
+
+
+def pack(xq: np.ndarray, xs: np.ndarray, rng=None) -> tuple[np.ndarray, np.ndarray]:
+    """x rows (xq int8 [rows, k], xs [rows, k / 32, 2]) in gemv_mmq's padded layout: xq [rows8, k],
+    xs [rows8 / 8, k / 32, 8, 2]; the padding rows hold random bytes and NaN scales (never stored)."""
+    rng = rng or np.random.default_rng(0)
+    rows, k = xq.shape
+    r8 = -(-rows // 8) * 8
+    q = rng.integers(0, 256, (r8, k), dtype=np.uint8)
+    q[:rows] = xq.view(np.uint8)
+    sc = np.full((r8, k // 32, 2), np.nan, np.float32)
+    sc[:rows] = xs
+    return q, np.ascontiguousarray(sc.reshape(r8 // 8, 8, k // 32, 2).transpose(0, 2, 1, 3))
 
 
 def _run(p: dict, w: np.ndarray, xq: np.ndarray, xs: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
@@ -80,7 +94,8 @@ def _run(p: dict, w: np.ndarray, xq: np.ndarray, xs: np.ndarray, residual: np.nd
         out = np.full((rows, p["n"]), np.nan, np.float32)
     else:
         out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
-    args = [out, w, np.ascontiguousarray(xq.view(np.uint8)), np.ascontiguousarray(xs), out if residual is not None else None, rows]
+    q, sc = pack(xq, xs)
+    args = [out, w, q, sc, out if residual is not None else None, rows]
     count = np.zeros(1024, np.uint32)
     if p["kparts"] > 1:
         args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]

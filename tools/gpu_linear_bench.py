@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     out = cuda.alloc(max_rows * nmax * 4)
     part = cuda.alloc(16 * max_rows * nmax * 4)  # gemv_mma's partial sums (kparts <= 16 on these shapes)
     count = cuda.alloc(1 << 20)
-    xq = cuda.alloc(max_rows * kmax)  # gemv_mmq's int8 x rows and their block scales
-    xs = cuda.alloc(max_rows * kmax // 32 * 8)
+    rows8 = -(-max_rows // 8) * 8  # gemv_mmq's int8 x rows and their block scales (whole n tiles)
+    xq = cuda.alloc(rows8 * kmax)
+    xs = cuda.alloc(rows8 * kmax // 32 * 8)
     cuda.memset(count.ptr, 0, 1 << 20)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     rows_out = []

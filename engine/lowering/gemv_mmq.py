@@ -41,8 +41,9 @@ def mmq_quantise(ctx, mode, ins, cols: int) -> Launch:
     p = kc.gemv_mmq_x_params(cols, stride)
     if p is None:
         raise ConfigError(f"plan: gemv_mmq_x cannot quantise x of k={cols}, row stride {xv.ld}")
-    ctx.need_scratch(ScratchPlan("mmq_xq", fixed=ctx.max_rows * cols))
-    ctx.need_scratch(ScratchPlan("mmq_xs", fixed=ctx.max_rows * cols // 32 * 8))
+    rows8 = cdiv(ctx.max_rows, 8) * 8  # (whole n tiles: gemv_mmq reads the padding rows unchecked)
+    ctx.need_scratch(ScratchPlan("mmq_xq", fixed=rows8 * cols))
+    ctx.need_scratch(ScratchPlan("mmq_xs", fixed=rows8 * cols // 32 * 8))
     args = (Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"), val(xv), ROWS)
     return Launch(ctx.spec("gemv_mmq_x", **p), (cdiv(cols, 8 * p["threads"]), "n"), (p["threads"],), args)
 

@@ -30,12 +30,14 @@ def weights():
 
 
 def quantise(kernels, x: np.ndarray) -> tuple[DeviceArray, DeviceArray]:
-    """x rows (f64, bf16-exact) quantised by gemv_mmq_x: (xq int8 [rows, k], xs f32 [rows, k / 32, 2])."""
+    """x rows (f64, bf16-exact) quantised by gemv_mmq_x into its padded layout: (xq int8 [rows8, k],
+    xs f32 [rows8 / 8, k / 32, 8, 2]), the padding rows poisoned (random bytes, NaN scales)."""
     rows, k = x.shape
     p = kc.gemv_mmq_x_params(k)
     c = kc.choice("gemv_mmq_x", **p)
-    xq = DeviceArray((rows, k), "u8").put(np.full((rows, k), 0x55, np.uint8))
-    xs = poisoned((rows, k // 32, 2), "f32")
+    r8 = -(-rows // 8) * 8
+    xq = DeviceArray((r8, k), "u8").put(np.random.default_rng(rows).integers(0, 256, (r8, k), dtype=np.uint8))
+    xs = poisoned((r8 // 8, k // 32, 8, 2), "f32")
     kernels.launch(c, rows, xq=xq, xs=xs, x=upload(x, "bf16"), rows=rows)
     return xq, xs
 
@@ -82,8 +84,8 @@ def test_the_quantiser_is_q8x(kernels):
     x = bf_round(rng.standard_normal((5, K)) * rng.uniform(0.01, 10, (5, 1)))
     x[2, 32:64] = 0.0
     xq, xs = quantise(kernels, x)
-    q = xq.get().view(np.int8).reshape(5, -1, 32).astype(np.float32)
-    s = xs.get().astype(np.float32)
+    q = xq.get()[:5].view(np.int8).reshape(5, -1, 32).astype(np.float32)
+    s = xs.get().astype(np.float32).transpose(0, 2, 1, 3).reshape(8, K // 32, 2)[:5]
     assert np.array_equal((q * s[:, :, :1]).reshape(x.shape), quant.q8x_round_trip(x))
     assert np.array_equal(s[:, :, 1], (s[:, :, 0] * q.sum(-1)).astype(np.float32))
 
