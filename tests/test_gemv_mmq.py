@@ -47,6 +47,12 @@ def test_spec_rules_name_the_problem():
     with pytest.raises(ConfigError, match="x_stride"):
         kc.spec("gemv_mmq_x", k=2560, x_stride=2564, threads=128)
     assert kc.gemv_mmq_x_params(2560, 2564) is None
+    with pytest.raises(ConfigError, match="xstage needs bmax 8"):
+        kc.spec("gemv_mmq", **{**ok, "bmax": 16, "xstage": True})
+    big = kc.gemv_mmq_params("q4_k", 19456, 19456, 8, sm_count=132)  # (one k part of 19456: 195 KB)
+    assert big["kparts"] == 1 and not big["xstage"] and ok["xstage"]
+    with pytest.raises(ConfigError, match="exceed 227 KB"):
+        kc.spec("gemv_mmq", **{**big, "k": 32768, "xstage": True})
 
 
 def test_the_k_split_is_the_same_at_every_batch_size():
@@ -84,23 +90,28 @@ def pack(xq: np.ndarray, xs: np.ndarray, rng=None) -> tuple[np.ndarray, np.ndarr
     return q, np.ascontiguousarray(sc.reshape(r8 // 8, 8, k // 32, 2).transpose(0, 2, 1, 3))
 
 
-def _run(p: dict, w: np.ndarray, xq: np.ndarray, xs: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
-    """gemv_mmq ``p`` under the emulator: its output [rows, n] as f32, from a NaN-poisoned out (or
-    ``residual``, aliased as out, for a residual spec)."""
+def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, x_pad: int = 0) -> np.ndarray:
+    """gemv_mmq ``p`` under the emulator on x rows (f32, bf16-exact; quantised by gemv_mmq_x first
+    unless xstage, which reads them as bf16 with ``x_pad`` more columns a row): its output [rows, n]
+    as f32, from a NaN-poisoned out (or ``residual``, aliased as out, for a residual spec)."""
     s = kc.spec("gemv_mmq", **p)
     lib, types = cuda_emu.compile_any(render(s), s.entry)
-    rows = xq.shape[0]
+    rows = x.shape[0]
     if p["out_dtype"] == "f32":
         out = np.full((rows, p["n"]), np.nan, np.float32)
     else:
         out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
-    q, sc = pack(xq, xs)
-    args = [out, w, q, sc, out if residual is not None else None, rows]
+    if p["xstage"]:
+        xp = np.concatenate([x, np.full((rows, x_pad), np.nan, np.float32)], axis=1) if x_pad else x
+        xin = [np.ascontiguousarray((xp.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))]
+    else:
+        xin = list(pack(*_quantise(x)))
+    args = [out, w, *xin, out if residual is not None else None, rows]
     count = np.zeros(1024, np.uint32)
     if p["kparts"] > 1:
         args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]
     c = kc.choice("gemv_mmq", **p)
-    cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], 0, args)
+    cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, args)
     assert not count.any(), "the tile counters are left zero"
     if p["out_dtype"] == "f32":
         return out
@@ -133,20 +144,23 @@ def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
             k += 128  # (whole super-blocks)
         w, deq = _weight(qt, N, k, rng)
         x = _bf16(rng.standard_normal((17, k)))
-        xq, xs = _quantise(x)
         base = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, depth=depth, residual=False, out_dtype="f32",
-                    min_blocks=1)  # fmt: skip
-        solo = np.stack([_run({**base, "bmax": 8, "mt": 1, "wm": 2}, w, xq[r : r + 1], xs[r : r + 1])[0] for r in (0, 5, 16)])
+                    min_blocks=1, xstage=False, x_stride=0)  # fmt: skip
+        b8 = {**base, "bmax": 8, "mt": 1, "wm": 2}
+        solo = np.stack([_run(b8, w, x[r : r + 1])[0] for r in (0, 5, 16)])
         ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
         for r, got in zip((0, 5, 16), solo, strict=True):
             err = np.linalg.norm(got - ref[r]) / np.linalg.norm(ref[r])
             assert err < 1e-5, (qt, r, err)
-        for bmax, mt, wm, rows in ((8, 1, 2, 3), (16, 2, 1, 11), (64, 1, 2, 17)):
-            got = _run({**base, "bmax": bmax, "mt": mt, "wm": wm}, w, xq[:rows], xs[:rows])
+        # the bmax-8 kernel quantising its own x (xstage, a strided x) and the buckets on gemv_mmq_x's
+        for over, rows in (({"bmax": 8, "xstage": True, "x_stride": k + 64}, 1), ({"bmax": 8, "xstage": True}, 3),
+                           ({"bmax": 8}, 3), ({"bmax": 16, "mt": 2, "wm": 1}, 11), ({"bmax": 64}, 17)):  # fmt: skip
+            p = {**b8, **over}
+            got = _run(p, w, x[:rows], x_pad=64 if p["x_stride"] else 0)
             assert not np.isnan(got).any()
             for i, r in enumerate((0, 5, 16)):
                 if r < rows:  # the same bits alone and in the bucket
-                    assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, bmax, r)
+                    assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, over, r)
 
 
 def test_residual_aliasing_out():
@@ -157,10 +171,11 @@ def test_residual_aliasing_out():
     res = _bf16(rng.standard_normal((3, N)))
     rb = (res.view(np.uint32) >> 16).astype(np.uint16)
     p = dict(quant="q4_k", n=N, k=k, bmax=8, mt=1, wm=2, wk=2, kparts=2, depth=2, residual=True, out_dtype="bf16",
-             min_blocks=1)  # fmt: skip
-    got = _run(p, w, *_quantise(x), residual=rb)
+             min_blocks=1, xstage=False, x_stride=0)  # fmt: skip
     ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T + res
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2  # (bf16 out)
+    for xstage in (False, True):
+        got = _run({**p, "xstage": xstage}, w, x, residual=rb)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2  # (bf16 out)
 
 
 def test_every_profile_renders_and_every_type_compiles(tmp_path):
@@ -200,8 +215,9 @@ def tiny_models(tmp_path_factory):
 
 def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
     """With tuning gemv_mmq.types naming q4_k, q6_k and q8_0: each decode linear of a tiny Qwen3 (q4_k_m:
-    q4_k and q6_kr weights; q8_0r) quantises its x once (gemv_mmq_x into the mmq_xq / mmq_xs scratch)
-    and runs gemv_mmq at batch 1 and in every bucket range, with one k split per weight
+    q4_k and q6_kr weights; q8_0r) runs gemv_mmq at batch 1 and in every bucket range (the bmax-8
+    kernels quantising their own x, the larger buckets after one gemv_mmq_x launch from 9 rows into
+    the mmq_xq / mmq_xs scratch), with one k split per weight
     (tests/fixtures/batch_invariance.py finds no bit-changing difference); no rmsnorm or silu_mul is
     folded into them (their launches stay); without the knob (the h100 profile as it is) no plan has
     gemv_mmq; gemv_mmq wins where gemv_mma.types names the type too."""
@@ -221,11 +237,16 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
                     las = st.launches[mode]
                     if st.op.op == "linear":
                         tpl = [la.spec.template for la in las]
-                        assert tpl[0] == "gemv_mmq_x" and tpl.count("gemv_mmq_x") == 1, (name, mode, tpl)
-                        assert set(tpl[1:]) == {"gemv_mmq"} and not any(la.concurrent for la in las), (name, tpl)
-                        ranges = sorted((la.min_rows, la.max_rows) for la in las[1:])
+                        mmq = [la for la in las if la.spec.template == "gemv_mmq"]
+                        assert set(tpl) <= {"gemv_mmq_x", "gemv_mmq"} and not any(la.concurrent for la in las), tpl
+                        # batch 1 and the 2-8 row buckets stage x themselves; the quantiser runs from 9 rows
+                        assert all(la.spec.params["xstage"] == (la.spec.params["bmax"] == 8) for la in mmq), tpl
+                        quant = [la for la in las if la.spec.template == "gemv_mmq_x"]
+                        assert [la.min_rows for la in quant] == ([] if mode == "decode1" else [9]), (name, mode, tpl)
+                        assert tpl.index("gemv_mmq") > (tpl.index("gemv_mmq_x") if quant else -1)
+                        ranges = sorted((la.min_rows, la.max_rows) for la in mmq)
                         if mode == "decode":
-                            assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(las[1:]) % 4 == 0, ranges
+                            assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(mmq) % 4 == 0, ranges
                     if st.op.op in ("rmsnorm", "silu_mul") and not st.head:
                         assert [la.spec.template for la in las] == [st.op.op], (name, mode, st.op.op)
             types = {la.spec.params["quant"] for st in plan.steps for la in st.launches["decode"]

@@ -13,9 +13,10 @@ cycling through enough weight copies to defeat the 50 MB L2:
   that batch (engine.kernel_catalog.gemv_mma_params at the MMA_BUCKETS bmax; batch 1 runs the bmax-8
   kernel, as the plan does where gemv_mma serves a type: tuning gemv_mma.types);
 - ``mmq``: the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, q4_k / q6_k / q8_0) with the
-  params engine.kernel_catalog.gemv_mmq_params gives that batch (bmax as gemv_mma's), each launch
-  after its x quantiser (gemv_mmq_x: both timed, as a decode pass runs them); ``mmq-k``: the
-  gemv_mmq kernel alone;
+  params engine.kernel_catalog.gemv_mmq_params gives that batch (bmax as gemv_mma's; the bmax-8
+  kernel quantises its own x, xstage), the larger buckets each after their x quantiser (gemv_mmq_x:
+  both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
+  turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x;
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -174,13 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         file_type = storage.REPACKED_FROM.get(qt, qt)
         p = kc.gemv_mmq_params(qt, n, k, mma_bmax(b), sm_count=info.sm_count)
         if p is not None and file_type in kc.MMQ_FILE_TYPES:
-            pre = (kc.choice("gemv_mmq_x", **kc.gemv_mmq_x_params(k)), {"xq": xq.ptr, "xs": xs.ptr, "x": x.ptr, "rows": b})
-            cands.append(("mmq", kc.choice("gemv_mmq", **p), pre))
-            cands.append(("mmq-k", kc.choice("gemv_mmq", **p)))
+            quantiser = (kc.choice("gemv_mmq_x", **kc.gemv_mmq_x_params(k)), {"xq": xq.ptr, "xs": xs.ptr, "x": x.ptr, "rows": b})
+
+            def mmq_row(label: str, params: dict) -> tuple:
+                c = kc.choice("gemv_mmq", **params)  # (xstage quantises x itself: no quantiser launch)
+                return (label, c) if params["xstage"] else (label, c, quantiser)
+
+            cands.append(mmq_row("mmq", p))
+            if not p["xstage"]:
+                cands.append(("mmq-k", kc.choice("gemv_mmq", **p)))
             for var in filter(None, args.mmq_variants.split(";")):
                 over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
                 try:
-                    cands.append((f"mmq:{var}", kc.choice("gemv_mmq", **{**p, **over}), pre))
+                    cands.append(mmq_row(f"mmq:{var}", {**p, **over}))
                 except ConfigError as e:
                     print(f"skip mmq:{var} {qt} {n}x{k} b{b}: {e}")
         if not args.no_gemv:

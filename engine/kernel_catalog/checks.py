@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.kernel_catalog.contracts import GLU_ACTS, MMA_UNIT, MMQ_TYPES, QUANTS, ROPE_STYLES
+from engine.kernel_catalog.gemv_mmq import mmq_smem
 from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_TYPES,
@@ -198,6 +199,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["kparts"] <= p["k"] // 128, f"kparts={p['kparts']} must be at most k / 128")
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
+        need(not p["xstage"] or p["bmax"] == 8, f"xstage needs bmax 8 (got {p['bmax']})")
+        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
+        need(not p["x_stride"] or p["xstage"], "x_stride is xstage's (gemv_mmq_x's rows are k apart)")
+        need(mmq_smem(p) <= 227 * 1024, f"xstage: {mmq_smem(p)} bytes of shared memory exceed 227 KB (split k)")
     if template == "gemv_mmq_x":
         need(p["k"] % 32 == 0, f"k={p['k']} must be a multiple of 32 (the int8 x blocks)")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")

@@ -85,7 +85,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
         "min_blocks": 1,
     },
-    "gemv_mmq": {"kparts": 1, "min_blocks": 1},
+    "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -144,15 +144,18 @@ KERNELS: dict[str, KernelDoc] = {
     "gemv_mmq": KernelDoc(
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, min_blocks=int,
+            out_dtype=str, min_blocks=int, xstage=bool, x_stride=int,
         ),
-        # kparts > 1 adds (part_sum, part_count): kernel_args(); xq / xs: gemv_mmq_x's output
+        # kparts > 1 adds (part_sum, part_count); xstage takes x (bf16) for xq / xs: kernel_args();
+        # xq / xs: gemv_mmq_x's output
         (("out", P), ("w", P), ("xq", P), ("xs", P), ("residual", P), ("rows", I32)),
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
         "(wm * wk * 32,)",
-        "static: wm * mt * bmax * 64 bytes when wk > 1",
-        {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1},
+        "static: wm * mt * bmax * 64 bytes when wk > 1; dynamic 8 * (kp + 32) + 2 * kp when xstage "
+        "(kp = ceil(k / 128 / kparts) * 128)",
+        {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1, "xstage": False,
+         "x_stride": 0},
     ),
     "gemv_mmq_x": KernelDoc(
         dict(k=int, x_stride=int, threads=int),

@@ -18,25 +18,50 @@ MMQ_UNIT = 128  # elements of a warp's step per row (four int8 x blocks of 32)
 # is uploaded as q6_kr, q8_0 as q8_0r)
 MMQ_FILE_TYPES = ("q4_k", "q6_k", "q8_0")
 MMQ_X_THREADS = 128  # gemv_mmq_x's block: 1024 x elements
+# xstage (the bmax-8 kernel quantising its own x rows into shared memory) where that takes at most
+# this many bytes: two blocks of 256 threads per SM, as the k split's waves assume (k part of 9728)
+MMQ_XSTAGE_MAX = 100 * 1024
+
+
+def mmq_smem(p: Mapping[str, Any]) -> int:
+    """gemv_mmq's dynamic shared memory: with xstage, 8 x rows of the k part (+ 32 bytes each) and
+    their blocks' scale pairs; else none."""
+    if not p["xstage"]:
+        return 0
+    kp = -(-(p["k"] // MMQ_UNIT) // p["kparts"]) * MMQ_UNIT
+    return 8 * (kp + 32) + 2 * kp
 
 
 def gemv_mmq_params(
-    quant: str, n: int, k: int, bmax: int, *, sm_count: int = 0, residual: bool = False, out_dtype: str = "bf16"
+    quant: str,
+    n: int,
+    k: int,
+    bmax: int,
+    *,
+    sm_count: int = 0,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    x_stride: int = 0,
 ) -> dict[str, Any] | None:
     """The gemv_mmq params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a layout
-    without a gemv_mmq decoder, k not a whole number of 128-element units and type blocks). The k split
-    is gemv_mma's rule over 128-element units (``mma_k_split``), the row tile gemv_mma's MMA_SHAPES."""
-    if quant not in MMQ_TYPES or k % MMQ_UNIT or k % QUANTS[quant][0]:
+    without a gemv_mmq decoder, k not a whole number of 128-element units and type blocks, x rows not
+    16-byte aligned). The k split is gemv_mma's rule over 128-element units (``mma_k_split``), the row
+    tile gemv_mma's MMA_SHAPES; the bmax-8 kernel stages and quantises its own x (xstage, reading bf16
+    x of row stride ``x_stride``) where that fits MMQ_XSTAGE_MAX, the others read gemv_mmq_x's."""
+    if quant not in MMQ_TYPES or k % MMQ_UNIT or k % QUANTS[quant][0] or x_stride % 8:
         return None
     mt, wm = MMA_SHAPES[bmax]
     wk, kparts = mma_k_split(quant, n, k, sm_count, unit=MMQ_UNIT)
     # (bmax 8 and 16: 128 registers a thread, 2 blocks of 256 threads per SM, as gemv_mma)
     min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
-    return dict(
+    p = dict(
         quant=quant, n=n, k=k, bmax=bmax, mt=mt, wm=wm, wk=wk, kparts=kparts, depth=max(1, 2 // mt),
-        residual=residual, out_dtype=out_dtype, min_blocks=min_blocks,
+        residual=residual, out_dtype=out_dtype, min_blocks=min_blocks, xstage=bmax == 8, x_stride=x_stride,
     )  # fmt: skip
+    if not p["xstage"] or mmq_smem(p) > MMQ_XSTAGE_MAX:
+        p.update(xstage=False, x_stride=0)
+    return p
 
 
 def gemv_mmq_x_params(k: int, x_stride: int = 0) -> dict[str, Any] | None:

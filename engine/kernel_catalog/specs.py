@@ -19,6 +19,7 @@ from engine.kernel_catalog.contracts import (
     STAGED_DEFAULT,
     P,
 )
+from engine.kernel_catalog.gemv_mmq import mmq_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
@@ -85,7 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template in ("gemv_mma", "gemv_mmq_x") and key in ("x_stride", "glu"))
+            (template in ("gemv_mma", "gemv_mmq_x", "gemv_mmq") and key in ("x_stride", "glu"))
             or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
@@ -163,6 +164,7 @@ _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
 # template -> dynamic shared memory bytes; every other template: none
 _SMEM: dict[str, Callable[[KernelSpec], int]] = {
     "gemv": lambda s: gemv_smem(s.params),
+    "gemv_mmq": lambda s: mmq_smem(s.params),
     "gemv_pair": pair_smem,
     "gemm": lambda s: gemm_smem(s.params),
     "gemm_wgmma": lambda s: gemm_wgmma_smem(s.params),
@@ -194,6 +196,9 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
         args = args + (("norm_w", P),)
+    if s.template == "gemv_mmq" and s.params["xstage"]:  # (bf16 x, quantised in the kernel)
+        args = tuple(a for a in args if a[0] != "xs")
+        args = tuple(("x", P) if a[0] == "xq" else a for a in args)
     if s.template == "gemv_mmq" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:

@@ -33,13 +33,10 @@ def gemv_signature(p: dict) -> tuple:
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
     # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
     launches, col, mma = [], 0, False
-    quantised = False  # (gemv_mmq: the op's x quantised once for all its weights)
+    mmq = []  # (gemv_mmq's launches: after their x quantiser, once for all the op's weights)
     for i, w in enumerate(ws):
         if mode in MMA_MODES and kc.mmq_serves(ctx.profile.tuning, w.dtype, w.cols):  # (tuning gemv_mmq.types)
-            if not quantised:
-                launches.append(mmq_quantise(ctx, mode, ins, w.cols))
-                quantised = True
-            launches += mmq_launches(ctx, op, mode, outs[col], w)
+            mmq += mmq_launches(ctx, op, mode, ins, outs[col], w)
             mma = True
         elif mode in MMA_MODES and kc.mma_serves(ctx.profile.tuning, w.dtype, w.cols):  # (tuning gemv_mma.types)
             glu = glu_for(ctx, op, layer, mode, w, op.attrs.get("residual") is not None, ctx.act_dtype(outs[col].name))
@@ -49,9 +46,10 @@ def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
         else:
             launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
+    if mmq:  # (never forked: a gemv_mmq launch may read its quantiser's scratch)
+        return mmq_quantise(ctx, mode, ins, ws[0].cols, mmq) + mmq + launches
     if mma:  # no pair; forked at batch 1 only (a bucket's launches are one per row range)
-        # (a gemv_mmq launch reads its quantiser's scratch: never concurrent)
-        return fork(ctx, mode, launches) if mode == "decode1" and not quantised else launches
+        return fork(ctx, mode, launches) if mode == "decode1" else launches
     paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
     if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
         launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])

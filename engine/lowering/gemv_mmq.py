@@ -2,10 +2,11 @@
 gemv_mmq.types).
 
 A weight whose file type the profile names, uploaded in a layout gemv_mmq decodes (q4_k, q6_kr,
-q8_0r), takes gemv_mmq in every decode pass: the op's x rows are first quantised to int8 per
-32-element block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many
-weight allocations read it), then the batch-1 pass (decode1) runs the bmax-8 kernel on its one row and
-a bucket pass the launch of its MMA_BUCKETS range. Every launch of a weight has the same k split
+q8_0r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs the bmax-8 kernel on its
+one row and a bucket pass the launch of its MMA_BUCKETS range. The bmax-8 kernel quantises its own
+x rows (xstage); for the larger buckets the op's x rows are first quantised to int8 per 32-element
+block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many weight
+allocations read it; a launch from the rows the first reader runs at), the same bits. Every launch of a weight has the same k split
 (kernel_catalog.gemv_mmq_params), so a row gets the same bits alone and in any bucket. No rmsnorm
 prologue and no glu epilogue: the plan keeps those ops' launches for these weights (Lowerer.q8x_decode
 is false for them); a gate half that already holds silu(gate) * up (another GEMV's glu) is read in
@@ -35,8 +36,13 @@ def mmq_x(ctx, mode, ins, cols: int):
     return xv, (xv.ld if xv.ld != cols else 0)
 
 
-def mmq_quantise(ctx, mode, ins, cols: int) -> Launch:
-    """The gemv_mmq_x launch quantising the op's x rows into the mmq_xq / mmq_xs scratch."""
+def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Launch]:
+    """The gemv_mmq_x launch quantising the op's x rows into the mmq_xq / mmq_xs scratch for those of
+    the op's gemv_mmq ``launches`` that read it (not xstage), from the fewest rows any of them runs at
+    (none where every one stages its own x: batch 1 and the 2-8 row buckets)."""
+    readers = [la for la in launches if la.spec.template == "gemv_mmq" and not la.spec.params["xstage"]]
+    if not readers:
+        return []
     xv, stride = mmq_x(ctx, mode, ins, cols)
     p = kc.gemv_mmq_x_params(cols, stride)
     if p is None:
@@ -45,30 +51,36 @@ def mmq_quantise(ctx, mode, ins, cols: int) -> Launch:
     ctx.need_scratch(ScratchPlan("mmq_xq", fixed=rows8 * cols))
     ctx.need_scratch(ScratchPlan("mmq_xs", fixed=rows8 * cols // 32 * 8))
     args = (Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"), val(xv), ROWS)
-    return Launch(ctx.spec("gemv_mmq_x", **p), (cdiv(cols, 8 * p["threads"]), "n"), (p["threads"],), args)
+    spec = ctx.spec("gemv_mmq_x", **p)
+    grid = (cdiv(cols, 8 * p["threads"]), "n")
+    return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
-def mmq_launches(ctx, op, mode, out, w) -> list[Launch]:
-    """The gemv_mmq launches of weight allocation ``w`` writing ``out`` in decode mode ``mode``, after
-    mmq_quantise."""
+def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
+    """The gemv_mmq launches of weight allocation ``w`` writing ``out`` in decode mode ``mode`` (the
+    bmax-8 one quantising its own x where it fits: xstage; the others after mmq_quantise)."""
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
     res = Arg("value", res_name) if residual else NULL
+    xv, stride = mmq_x(ctx, mode, ins, w.cols)
     launches = []
     for bmax, lo, hi in buckets:
         p = kc.gemv_mmq_params(
             w.dtype, w.rows, w.cols, bmax, sm_count=ctx.profile.sm_count, residual=residual,
-            out_dtype=ctx.act_dtype(out.name),
+            out_dtype=ctx.act_dtype(out.name), x_stride=stride,
         )  # fmt: skip
         if p is None:
             raise ConfigError(f"plan: gemv_mmq cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}])")
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
-        args = (val(out), wgt(w), Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"), res, ROWS)
+        xin = (val(xv),) if p["xstage"] else (Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"))
+        args = (val(out), wgt(w), *xin, res, ROWS)
         if p["kparts"] > 1:
             ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
             args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
-        launches.append(Launch(ctx.spec("gemv_mmq", **p), grid, (32 * p["wm"] * p["wk"],), args, min_rows=lo, max_rows=hi))
+        spec = ctx.spec("gemv_mmq", **p)
+        block = (32 * p["wm"] * p["wk"],)
+        launches.append(Launch(spec, grid, block, args, kc.mmq_smem(p), min_rows=lo, max_rows=hi))
     return launches

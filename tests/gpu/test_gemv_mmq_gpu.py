@@ -43,14 +43,20 @@ def quantise(kernels, x: np.ndarray) -> tuple[DeviceArray, DeviceArray]:
 
 
 def launch_mmq(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = None):
-    """Quantise x rows and launch gemv_mmq ``p``; (out as f64 [rows, n], counters left nonzero).
+    """Launch gemv_mmq ``p`` on x rows (quantised by gemv_mmq_x first unless xstage); (out as f64
+    [rows, n], counters left nonzero).
     ``r``: the residual (uploaded as out, which the kernel reads and overwrites)."""
     n, k, od = p["n"], p["k"], p["out_dtype"]
     rows = x.shape[0]
     w, _ = weights(p["quant"], n, k)
-    xq, xs = quantise(kernels, x)
+    if p["xstage"]:  # (the kernel quantises x itself; a strided x: NaN in the columns past k)
+        xp = np.concatenate([x, np.full((rows, p["x_stride"] - k), np.nan)], axis=1) if p["x_stride"] else x
+        xin = dict(x=upload(xp, "bf16"))
+    else:
+        xq, xs = quantise(kernels, x)
+        xin = dict(xq=xq, xs=xs)
     out = upload(r, "bf16") if r is not None else poisoned((rows, n), od)
-    args = dict(out=out, w=w, xq=xq, xs=xs, residual=out if r is not None else 0, rows=rows)
+    args = dict(out=out, w=w, **xin, residual=out if r is not None else 0, rows=rows)
     count = None
     if p["kparts"] > 1:
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
@@ -94,6 +100,8 @@ def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
     cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in MMQ_TYPES for rows in BATCHES]
     cases += [({**_params(qt, N, K, rows, profile, out_dtype="f32"), "kparts": kp}, rows)
               for qt in MMQ_TYPES for rows, kp in ((1, 1), (5, 4), (64, 1), (40, 3))]  # fmt: skip
+    cases += [({**_params(qt, N, K, rows, profile), "xstage": False}, rows) for qt in MMQ_TYPES for rows in (1, 7)]
+    cases += [(_params(qt, N, K, rows, profile, x_stride=K + 64), rows) for qt in MMQ_TYPES for rows in (1, 6)]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p, _ in cases))
     kernels.prebuild([kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(K))])
     rng = np.random.default_rng()
@@ -109,9 +117,10 @@ def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
 
 @pytest.mark.parametrize("shape", [(N, K), (2560, 4096), (1024, 9728)])
 def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
-    """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column) and as rows
-    of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel; f32 out, the unrounded sums): the
-    same bits. (2560, 4096): the o projection's k split over blocks; (1024, 9728): a long k."""
+    """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column, quantising
+    its own x) and as rows of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel, from 17 rows
+    on gemv_mmq_x's x; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
+    k split over blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
     kernels.prebuild([kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(k))])
