@@ -8,6 +8,9 @@ runs it on a GPU)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from fixtures import cuda_emu
@@ -24,6 +27,7 @@ from engine.render import render
 from engine.types import ConfigError
 
 N = 40  # two m tiles and a half (the last block's row tail)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_spec_rules_name_the_problem():
@@ -90,7 +94,8 @@ def pack(xq: np.ndarray, xs: np.ndarray, rng=None) -> tuple[np.ndarray, np.ndarr
     return q, np.ascontiguousarray(sc.reshape(r8 // 8, 8, k // 32, 2).transpose(0, 2, 1, 3))
 
 
-def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, x_pad: int = 0) -> np.ndarray:
+def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, x_pad: int = 0,
+         norm_w: np.ndarray | None = None) -> np.ndarray:
     """gemv_mmq ``p`` under the emulator on x rows (f32, bf16-exact; quantised by gemv_mmq_x first
     unless xstage, which reads them as bf16 with ``x_pad`` more columns a row): its output [rows, n]
     as f32, from a NaN-poisoned out (or ``residual``, aliased as out, for a residual spec)."""
@@ -110,6 +115,8 @@ def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = No
     count = np.zeros(1024, np.uint32)
     if p["kparts"] > 1:
         args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]
+    if p.get("prologue") == "norm":
+        args.append(norm_w)
     c = kc.choice("gemv_mmq", **p)
     cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, args)
     assert not count.any(), "the tile counters are left zero"
@@ -178,6 +185,33 @@ def test_residual_aliasing_out():
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2  # (bf16 out)
 
 
+def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits():
+    """xstage with prologue norm on raw x rows (batch 1, as the plan folds it) against the rmsnorm
+    kernel's stored output fed to gemv_mmq without it: the same output bits (the prologue sums the
+    squares in the rmsnorm kernel's order and rounds bf16((x * inv) * w) as it stores), with a k
+    split over blocks (each block normalises with the whole row's RMS)."""
+    rng = np.random.default_rng(11)
+    k = 6 * 128
+    w, _ = _weight("q4_k", N, k, rng)
+    x = _bf16(rng.standard_normal((1, k)) * 3.0)
+    nw = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    rs = kc.spec("rmsnorm", n=k, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
+    lib, types = cuda_emu.compile_any(render(rs), rs.entry)
+    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
+    normed = np.full_like(xb, 0x7FC0)
+    cuda_emu.launch_any(lib, types, (1, 1, 1), kc.NORM_THREADS, 0, [normed, xb, None, nw, 1])
+    xn = (normed.astype(np.uint32) << 16).view(np.float32)
+    base = dict(quant="q4_k", n=N, k=k, bmax=8, mt=1, wm=2, wk=2, kparts=2, depth=2, residual=False, out_dtype="f32",
+                min_blocks=1, xstage=True, x_stride=0)  # fmt: skip
+    want = _run(base, w, xn)
+    got = _run({**base, "prologue": "norm", "eps": 1e-6}, w, x, norm_w=nw)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    found = [re.findall(r"set norm_t = (\d+)", (ROOT / "kernels" / f).read_text()) for f in ("gemv_mmq.cu.j2", "rmsnorm.cu.j2")]
+    assert found[0] == found[1] and len(found[0]) == 1, found
+    with pytest.raises(ConfigError, match="prologue norm needs xstage"):
+        kc.spec("gemv_mmq", **{**base, "xstage": False, "prologue": "norm"})
+
+
 def test_every_profile_renders_and_every_type_compiles(tmp_path):
     specs = []
     for prof in all_profiles().values():
@@ -218,8 +252,9 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
     q4_k and q6_kr weights; q8_0r) runs gemv_mmq at batch 1 and in every bucket range (the bmax-8
     kernels quantising their own x, the larger buckets after one gemv_mmq_x launch from 9 rows into
     the mmq_xq / mmq_xs scratch), with one k split per weight
-    (tests/fixtures/batch_invariance.py finds no bit-changing difference); no rmsnorm or silu_mul is
-    folded into them (their launches stay); without the knob (the h100 profile as it is) no plan has
+    (tests/fixtures/batch_invariance.py finds no bit-changing difference); the rmsnorms folded into
+    their readers at batch 1 (prologue norm) and their own launches in the buckets; no silu_mul
+    folded (its launches stay); without the knob (the h100 profile as it is) no plan has
     gemv_mmq; gemv_mmq wins where gemv_mma.types names the type too."""
     from fixtures.batch_invariance import mismatches
 
@@ -247,8 +282,13 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
                         ranges = sorted((la.min_rows, la.max_rows) for la in mmq)
                         if mode == "decode":
                             assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(mmq) % 4 == 0, ranges
-                    if st.op.op in ("rmsnorm", "silu_mul") and not st.head:
-                        assert [la.spec.template for la in las] == [st.op.op], (name, mode, st.op.op)
+                    if st.op.op == "rmsnorm" and not st.head:  # folded at batch 1 only
+                        assert [la.spec.template for la in las] == ([] if mode == "decode1" else ["rmsnorm"]), (name, mode)
+                    if st.op.op == "silu_mul":
+                        assert [la.spec.template for la in las] == ["silu_mul"], (name, mode)
+            pro = [la.spec.params["prologue"] for st in plan.steps if st.op.op == "linear" and not st.head
+                   for la in st.launches["decode1"]]  # fmt: skip
+            assert pro.count("norm") >= 2 * 2 and set(pro) == {"norm", "none"}, pro  # q|k|v and gate|up, 2 layers
             types = {la.spec.params["quant"] for st in plan.steps for la in st.launches["decode"]
                      if la.spec.template == "gemv_mmq"}  # fmt: skip
             assert types == ({"q4_k", "q6_kr"} if name == "q4_k_m" else {"q8_0r"}), (name, types)

@@ -60,6 +60,7 @@ from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
     gemv_mmq_x_params,
     mmq_serves,
     mmq_smem,
+    mmq_stages,
 )
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,

@@ -202,6 +202,8 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not p["xstage"] or p["bmax"] == 8, f"xstage needs bmax 8 (got {p['bmax']})")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
         need(not p["x_stride"] or p["xstage"], "x_stride is xstage's (gemv_mmq_x's rows are k apart)")
+        need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
+        need(p["prologue"] == "none" or p["xstage"], "prologue norm needs xstage (the kernel stages x itself)")
         need(mmq_smem(p) <= 227 * 1024, f"xstage: {mmq_smem(p)} bytes of shared memory exceed 227 KB (split k)")
     if template == "gemv_mmq_x":
         need(p["k"] % 32 == 0, f"k={p['k']} must be a multiple of 32 (the int8 x blocks)")

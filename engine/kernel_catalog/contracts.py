@@ -85,7 +85,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
         "min_blocks": 1,
     },
-    "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0},
+    "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0, "prologue": "none"},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -144,9 +144,10 @@ KERNELS: dict[str, KernelDoc] = {
     "gemv_mmq": KernelDoc(
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, min_blocks=int, xstage=bool, x_stride=int,
+            out_dtype=str, min_blocks=int, xstage=bool, x_stride=int, prologue=str, eps=float,
         ),
-        # kparts > 1 adds (part_sum, part_count); xstage takes x (bf16) for xq / xs: kernel_args();
+        # kparts > 1 adds (part_sum, part_count); xstage takes x (bf16) for xq / xs; prologue "norm"
+        # then norm_w (f32): kernel_args();
         # xq / xs: gemv_mmq_x's output
         (("out", P), ("w", P), ("xq", P), ("xs", P), ("residual", P), ("rows", I32)),
         None,
@@ -155,7 +156,8 @@ KERNELS: dict[str, KernelDoc] = {
         "static: wm * mt * bmax * 64 bytes when wk > 1; dynamic 8 * (kp + 32) + 2 * kp when xstage "
         "(kp = ceil(k / 128 / kparts) * 128)",
         {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1, "xstage": False,
-         "x_stride": 0},
+         "x_stride": 0, "prologue": "none", "eps": 0.0},
+        unnamed=("eps",),
     ),
     "gemv_mmq_x": KernelDoc(
         dict(k=int, x_stride=int, threads=int),

@@ -72,6 +72,14 @@ def gemv_mmq_x_params(k: int, x_stride: int = 0) -> dict[str, Any] | None:
     return dict(k=k, x_stride=x_stride, threads=MMQ_X_THREADS)
 
 
+def mmq_stages(quant: str, k: int) -> bool:
+    """Whether the batch-1 gemv_mmq of any [n, k] weight uploaded as ``quant`` stages its own x
+    (xstage), so that an rmsnorm before it may fold into it (prologue norm): at one k part (a tall
+    weight, or a fused allocation whose rows the caller does not know), the most shared memory."""
+    p = gemv_mmq_params(quant, 1 << 20, k, 8, sm_count=1)
+    return p is not None and p["kparts"] == 1 and p["xstage"]
+
+
 def mmq_serves(tuning: Mapping[str, Any], dtype: str, cols: int) -> bool:
     """Whether the decode linears of a [*, cols] weight uploaded as ``dtype`` take gemv_mmq: its file
     type in tuning gemv_mmq.types, its layout and k within the kernel's."""

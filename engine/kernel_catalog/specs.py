@@ -201,6 +201,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = tuple(("x", P) if a[0] == "xq" else a for a in args)
     if s.template == "gemv_mmq" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
+    if s.template == "gemv_mmq" and s.params["prologue"] == "norm":
+        args = args + (("norm_w", P),)
     if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["prologue"] == "norm":

@@ -24,16 +24,20 @@ from engine.types import ConfigError
 
 
 def mmq_x(ctx, mode, ins, cols: int):
-    """The x value a gemv_mmq launch reads (a glu prologue's gate half in place) and its row stride."""
-    xv = ins[0]
+    """(the x value a gemv_mmq launch reads, its row stride, its norm weight or None): a glu
+    prologue's gate half in place; an rmsnorm folded at batch 1 (its input, normalised by the
+    xstage kernel: prologue norm)."""
+    xv, nw = ins[0], None
     pro = ctx.prologue.get((mode, xv.name))
     if pro is not None and pro[0] == "glu" and pro[1].width == cols:
         xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
+    elif pro is not None and pro[0] == "norm" and pro[1].width == cols and mode == "decode1":
+        xv, nw = pro[1], pro[2]  # the rmsnorm's input: the kernel normalises it (engine.plan's fusable1)
     elif pro is not None:
         raise ConfigError(f"plan: a {pro[0]} prologue feeds gemv_mmq (its x must be stored)")
     if xv.width != cols:
         raise ConfigError(f"plan: gemv_mmq reads x of width {xv.width} for a linear of k={cols}")
-    return xv, (xv.ld if xv.ld != cols else 0)
+    return xv, (xv.ld if xv.ld != cols else 0), nw
 
 
 def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Launch]:
@@ -43,7 +47,9 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     readers = [la for la in launches if la.spec.template == "gemv_mmq" and not la.spec.params["xstage"]]
     if not readers:
         return []
-    xv, stride = mmq_x(ctx, mode, ins, cols)
+    xv, stride, nw = mmq_x(ctx, mode, ins, cols)
+    if nw is not None:
+        raise ConfigError(f"plan: an rmsnorm folded into gemv_mmq launches that read gemv_mmq_x's x ({xv.name})")
     p = kc.gemv_mmq_x_params(cols, stride)
     if p is None:
         raise ConfigError(f"plan: gemv_mmq_x cannot quantise x of k={cols}, row stride {xv.ld}")
@@ -63,7 +69,7 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     residual = res_name is not None
     buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
     res = Arg("value", res_name) if residual else NULL
-    xv, stride = mmq_x(ctx, mode, ins, w.cols)
+    xv, stride, nw = mmq_x(ctx, mode, ins, w.cols)
     launches = []
     for bmax, lo, hi in buckets:
         p = kc.gemv_mmq_params(
@@ -72,6 +78,10 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
         )  # fmt: skip
         if p is None:
             raise ConfigError(f"plan: gemv_mmq cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}])")
+        if nw is not None:
+            if not p["xstage"]:
+                raise ConfigError(f"plan: an rmsnorm folded into gemv_mmq {w.key}, whose batch-1 kernel reads gemv_mmq_x's x")
+            p.update(prologue="norm", eps=float(ctx.dims["rms_eps"]))
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
         xin = (val(xv),) if p["xstage"] else (Arg("scratch", "mmq_xq"), Arg("scratch", "mmq_xs"))
         args = (val(out), wgt(w), *xin, res, ROWS)
@@ -79,6 +89,8 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
             ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
             args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
+        if nw is not None:
+            args += (wgt(nw),)
         grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
         spec = ctx.spec("gemv_mmq", **p)
         block = (32 * p["wm"] * p["wk"],)
