@@ -141,6 +141,35 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
     assert not bad, bad[:20]
 
 
+def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits(kernels, weights, profile):
+    """The batch-1 kernel with prologue norm on a raw x row against the rmsnorm kernel's stored output
+    fed to it without: the same bits (f32 out), for every type, on a k split over blocks and not."""
+    rng = np.random.default_rng(3)
+    bad = []
+    for qt in MMQ_TYPES:
+        for n in (N, 2560):
+            p = _params(qt, n, K, 1, profile, out_dtype="f32")
+            pn = {**p, "prologue": "norm", "eps": 1e-6}
+            rs = kc.choice("rmsnorm", n=K, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
+            kernels.prebuild([kc.spec("gemv_mmq", **p), kc.spec("gemv_mmq", **pn), rs.spec])
+            x = bf_round(rng.standard_normal((1, K)) * 3.0)
+            nw = (1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+            normed = poisoned((1, K), "bf16")
+            kernels.launch(rs, 1, out=normed, x=upload(x, "bf16"), r=0, w=upload(nw, "f32"), rows=1)
+            want, _ = launch_mmq(kernels, weights, p, normed.get())
+            w, _ = weights(qt, n, K)
+            out = poisoned((1, n), "f32")
+            args = dict(out=out, w=w, x=upload(x, "bf16"), residual=0, rows=1, norm_w=upload(nw, "f32"))
+            if p["kparts"] > 1:
+                tiles = -(-n // (16 * p["mt"] * p["wm"]))
+                args.update(part_sum=poisoned((p["kparts"] * n,), "f32"), part_count=upload(np.zeros(tiles, np.int32), "i32"))
+            kernels.launch(kc.choice("gemv_mmq", **pn), 1, **args)
+            got = out.get()
+            if not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                bad.append((qt, n, p["kparts"], float(np.nanmax(np.abs(got - want)))))
+    assert not bad, bad
+
+
 MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0]"
 # a Qwen3 wide enough that some linears split k over blocks (the down projection: 3072 = 24 units)
 QWEN3_SPLIT_DIMS = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
