@@ -206,7 +206,7 @@ def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits():
     want = _run(base, w, xn)
     got = _run({**base, "prologue": "norm", "eps": 1e-6}, w, x, norm_w=nw)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    found = [re.findall(r"set norm_t = (\d+)", (ROOT / "kernels" / f).read_text()) for f in ("gemv_mmq.cu.j2", "rmsnorm.cu.j2")]
+    found = [re.findall(r"set norm_t = (\d+)", (ROOT / "kernels" / f).read_text()) for f in ("_mmq_norm.cuh.j2", "rmsnorm.cu.j2")]
     assert found[0] == found[1] and len(found[0]) == 1, found
     with pytest.raises(ConfigError, match="prologue norm needs xstage"):
         kc.spec("gemv_mmq", **{**base, "xstage": False, "prologue": "norm"})
