@@ -170,6 +170,56 @@ def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
                     assert np.array_equal(got[r].view(np.uint32), solo[i].view(np.uint32)), (qt, over, r)
 
 
+def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, norm_w=None) -> np.ndarray:
+    """gemv_mmq1 ``p`` under the emulator on one x row (f32, bf16-exact): its output [1, n] as f32,
+    from a NaN-poisoned out (or ``residual``, aliased as out)."""
+    s = kc.spec("gemv_mmq1", **p)
+    lib, types = cuda_emu.compile_any(render(s), s.entry)
+    if p["out_dtype"] == "f32":
+        out = np.full((1, p["n"]), np.nan, np.float32)
+    else:
+        out = np.full((1, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+    xb = np.ascontiguousarray((x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    args = [out, w, xb, out if residual is not None else None, 1]
+    count = np.zeros(1024, np.uint32)
+    if p["kparts"] > 1:
+        args += [np.full(p["kparts"] * p["n"], np.nan, np.float32), count]
+    if p["prologue"] == "norm":
+        args.append(norm_w)
+    c = kc.choice("gemv_mmq1", **p)
+    cuda_emu.launch_any(lib, types, c.grid(1), c.block[0], c.smem, args)
+    assert not count.any(), "the tile counters are left zero"
+    return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("qt", MMQ_TYPES)
+def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
+    """gemv_mmq1 (dp4a dots, one row a lane group) against the bmax-8 gemv_mmq on the same row: the
+    same output bits, with its k split over warps (wk 1, 2, 4) and blocks, a ring refill, the norm
+    prologue and a residual; and against numpy."""
+    rng = np.random.default_rng(5)
+    for wk, kparts, depth, units in ((4, 1, 2, 8), (2, 2, 1, 6), (1, 3, 4, 6), (4, 2, 3, 12)):
+        k = units * 128
+        w, deq = _weight(qt, N, k, rng)
+        x = _bf16(rng.standard_normal((1, k)) * 2.0)
+        p8 = dict(quant=qt, n=N, k=k, bmax=8, mt=1, wm=2, wk=wk, kparts=kparts, depth=2, residual=False,
+                  out_dtype="f32", min_blocks=1, xstage=True, x_stride=0)  # fmt: skip
+        p1 = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, warps=2, depth=depth, residual=False, out_dtype="f32",
+                  x_stride=0, prologue="none", eps=0.0)  # fmt: skip
+        want = _run(p8, w, x)
+        got = _run1(p1, w, x)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)
+        ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+    nw = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    res = _bf16(rng.standard_normal((1, N)))
+    rb = (res.view(np.uint32) >> 16).astype(np.uint16)
+    for over in ({"prologue": "norm", "eps": 1e-6}, {"residual": True, "out_dtype": "bf16"}):
+        want = _run({**p8, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
+        got = _run1({**p1, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, over)
+
+
 def test_residual_aliasing_out():
     rng = np.random.default_rng(3)
     k = 512
@@ -273,11 +323,15 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
                     if st.op.op == "linear":
                         tpl = [la.spec.template for la in las]
                         mmq = [la for la in las if la.spec.template == "gemv_mmq"]
-                        assert set(tpl) <= {"gemv_mmq_x", "gemv_mmq"} and not any(la.concurrent for la in las), tpl
-                        # batch 1 and the 2-8 row buckets stage x themselves; the quantiser runs from 9 rows
-                        assert all(la.spec.params["xstage"] == (la.spec.params["bmax"] == 8) for la in mmq), tpl
+                        assert not any(la.concurrent for la in las), tpl
+                        if mode == "decode1":  # gemv_mmq1 (the bmax-8 kernel's bits, no dead columns)
+                            assert set(tpl) == {"gemv_mmq1"}, (name, tpl)
+                            continue
+                        assert set(tpl) <= {"gemv_mmq_x", "gemv_mmq"}, tpl
+                        # the 2-8 row buckets stage x themselves; the quantiser runs from 9 rows
                         quant = [la for la in las if la.spec.template == "gemv_mmq_x"]
-                        assert [la.min_rows for la in quant] == ([] if mode == "decode1" else [9]), (name, mode, tpl)
+                        assert all(la.spec.params["xstage"] == (la.spec.params["bmax"] == 8) for la in mmq), tpl
+                        assert [la.min_rows for la in quant] == [9], (name, mode, tpl)
                         assert tpl.index("gemv_mmq") > (tpl.index("gemv_mmq_x") if quant else -1)
                         ranges = sorted((la.min_rows, la.max_rows) for la in mmq)
                         if mode == "decode":

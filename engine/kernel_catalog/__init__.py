@@ -56,8 +56,10 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
 )
 from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
     MMQ_FILE_TYPES,
+    gemv_mmq1_params,
     gemv_mmq_params,
     gemv_mmq_x_params,
+    mmq1_smem,
     mmq_serves,
     mmq_smem,
     mmq_stages,

@@ -64,6 +64,40 @@ def gemv_mmq_params(
     return p
 
 
+def mmq1_smem(p: Mapping[str, Any]) -> int:
+    """gemv_mmq1's dynamic shared memory: its x row's k part as int8 and its blocks' scale pairs."""
+    kp = -(-(p["k"] // MMQ_UNIT) // p["kparts"]) * MMQ_UNIT
+    return kp + kp // 4
+
+
+MMQ1_WARPS = 4  # gemv_mmq1's block: 4 warps of 32 / wk rows
+MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 2}  # units in flight per lane (80-136 bytes each)
+
+
+def gemv_mmq1_params(
+    quant: str,
+    n: int,
+    k: int,
+    *,
+    sm_count: int = 0,
+    residual: bool = False,
+    out_dtype: str = "bf16",
+    x_stride: int = 0,
+) -> dict[str, Any] | None:
+    """The params of gemv_mmq1, the batch-1 kernel giving the bmax-8 gemv_mmq's bits on a [n, k]
+    weight (its k split, from gemv_mmq_params), or None where it does not apply (no gemv_mmq, a k
+    split over 3 warps, more shared memory than MMQ_XSTAGE_MAX): the plan then runs the bmax-8
+    gemv_mmq at batch 1."""
+    p8 = gemv_mmq_params(quant, n, k, 8, sm_count=sm_count, residual=residual, out_dtype=out_dtype, x_stride=x_stride)
+    if p8 is None or p8["wk"] not in (1, 2, 4):
+        return None
+    p = dict(
+        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS, depth=MMQ1_DEPTH[quant],
+        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0,
+    )  # fmt: skip
+    return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
+
+
 def gemv_mmq_x_params(k: int, x_stride: int = 0) -> dict[str, Any] | None:
     """The gemv_mmq_x params quantising x rows of ``k`` elements (row stride ``x_stride``, 0: k), or
     None where they cannot be (k not whole 32-blocks, rows not 16-byte aligned)."""

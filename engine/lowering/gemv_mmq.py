@@ -2,8 +2,9 @@
 gemv_mmq.types).
 
 A weight whose file type the profile names, uploaded in a layout gemv_mmq decodes (q4_k, q6_kr,
-q8_0r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs the bmax-8 kernel on its
-one row and a bucket pass the launch of its MMA_BUCKETS range. The bmax-8 kernel quantises its own
+q8_0r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs gemv_mmq1 (dp4a dots,
+the bmax-8 kernel's bits without its dead columns; else that kernel on its one row) and a bucket pass
+the launch of its MMA_BUCKETS range. The bmax-8 kernel quantises its own
 x rows (xstage); for the larger buckets the op's x rows are first quantised to int8 per 32-element
 block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many weight
 allocations read it; a launch from the rows the first reader runs at), the same bits. Every launch of a weight has the same k split
@@ -62,6 +63,30 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
+def mmq1_launch(ctx, op, out, w, xv, stride: int, nw) -> Launch | None:
+    """The batch-1 gemv_mmq1 launch of weight allocation ``w`` (the bmax-8 gemv_mmq's bits: the same
+    k split), or None where it does not apply (the bmax-8 gemv_mmq then runs at batch 1)."""
+    res_name = op.attrs.get("residual")
+    p = kc.gemv_mmq1_params(
+        w.dtype, w.rows, w.cols, sm_count=ctx.profile.sm_count, residual=res_name is not None,
+        out_dtype=ctx.act_dtype(out.name), x_stride=stride,
+    )  # fmt: skip
+    if p is None:
+        return None
+    res = Arg("value", res_name) if res_name is not None else NULL
+    args = (val(out), wgt(w), val(xv), res, ROWS)
+    tiles = cdiv(w.rows, p["warps"] * 32 // p["wk"])
+    if p["kparts"] > 1:
+        ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
+        ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * 4, fill="zero"))
+        args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
+    if nw is not None:
+        p.update(prologue="norm", eps=float(ctx.dims["rms_eps"]))
+        args += (wgt(nw),)
+    spec = ctx.spec("gemv_mmq1", **p)
+    return Launch(spec, (tiles, 1, p["kparts"]), (32 * p["warps"],), args, kc.mmq1_smem(p))
+
+
 def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     """The gemv_mmq launches of weight allocation ``w`` writing ``out`` in decode mode ``mode`` (the
     bmax-8 one quantising its own x where it fits: xstage; the others after mmq_quantise)."""
@@ -70,6 +95,10 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
     res = Arg("value", res_name) if residual else NULL
     xv, stride, nw = mmq_x(ctx, mode, ins, w.cols)
+    if mode == "decode1":
+        one = mmq1_launch(ctx, op, out, w, xv, stride, nw)
+        if one is not None:
+            return [one]
     launches = []
     for bmax, lo, hi in buckets:
         p = kc.gemv_mmq_params(

@@ -67,6 +67,22 @@ def launch_mmq(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = 
     return out.get(), left
 
 
+def launch_mmq1(kernels, weights, p: dict, x: np.ndarray, nw: np.ndarray | None = None):
+    """Launch gemv_mmq1 ``p`` on one x row (f64, bf16-exact); (out as f64 [1, n], counters left nonzero)."""
+    n = p["n"]
+    w, _ = weights(p["quant"], n, p["k"])
+    out = poisoned((1, n), p["out_dtype"])
+    args = dict(out=out, w=w, x=upload(x, "bf16"), residual=0, rows=1)
+    count = None
+    if p["kparts"] > 1:
+        args["part_sum"] = poisoned((p["kparts"] * n,), "f32")
+        count = args["part_count"] = upload(np.zeros(-(-n // (p["warps"] * 32 // p["wk"])), np.int32), "i32")
+    if p["prologue"] == "norm":
+        args["norm_w"] = upload(nw, "f32")
+    kernels.launch(kc.choice("gemv_mmq1", **p), 1, **args)
+    return out.get(), (int(np.count_nonzero(count.get())) if count is not None else 0)
+
+
 def run_mmq(kernels, weights, p: dict, rows: int, rng) -> tuple[float, int, int]:
     """gemv_mmq ``p`` on ``rows`` random x rows; (rel err, NaN count, counters left nonzero)."""
     n, k = p["n"], p["k"]
@@ -96,6 +112,26 @@ def test_the_quantiser_is_q8x(kernels):
     assert np.array_equal(s[:, :, 1], (s[:, :, 0] * q.sum(-1)).astype(np.float32))
 
 
+def test_gemv_mmq1_matches_numpy(kernels, weights, profile):
+    """gemv_mmq1 (the plan's batch-1 kernel) against q8x_round_trip(x) @ dequantize(W).T, every type,
+    on Qwen3-4B-like shapes (k split over blocks and not), a second launch reusing the counters."""
+    rng = np.random.default_rng()
+    bad = []
+    for qt in MMQ_TYPES:
+        for n, k in ((N, K), (2560, 9728), (6144, 2560)):
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32")
+            assert p1 is not None, (qt, n, k)
+            kernels.prebuild([kc.spec("gemv_mmq1", **p1)])
+            _, deq = weights(qt, n, k)
+            for _ in range(2):
+                x = bf_round(rng.standard_normal((1, k)))
+                got, left = launch_mmq1(kernels, weights, p1, x)
+                err = rel_err(got, quant.q8x_round_trip(x).astype(np.float64) @ deq.T)
+                if not (err < 1e-5 and not left and not np.isnan(got).any()):
+                    bad.append((qt, n, k, err, left))
+    assert not bad, bad
+
+
 def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
     cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in MMQ_TYPES for rows in BATCHES]
     cases += [({**_params(qt, N, K, rows, profile, out_dtype="f32"), "kparts": kp}, rows)
@@ -118,8 +154,9 @@ def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
 @pytest.mark.parametrize("shape", [(N, K), (2560, 4096), (1024, 9728)])
 def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
     """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column, quantising
-    its own x) and as rows of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel, from 17 rows
-    on gemv_mmq_x's x; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
+    its own x, and gemv_mmq1, the batch-1 kernel the plan runs) and as rows of batches of 2, 3, 8,
+    17, 32 and 64 (every bucket's kernel, from 17 rows on gemv_mmq_x's x; f32 out, the unrounded
+    sums): the same bits. (2560, 4096): the o projection's
     k split over blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
@@ -130,6 +167,13 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p in specs.values()))
         x = bf_round(rng.standard_normal((64, k)))
         solo = {r: launch_mmq(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
+        p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32")
+        if p1 is not None:  # the batch-1 kernel the plan runs: the bmax-8 kernel's bits
+            kernels.prebuild([kc.spec("gemv_mmq1", **p1)])
+            for r, want in solo.items():
+                got1, left = launch_mmq1(kernels, weights, p1, x[r : r + 1])
+                if left or not np.array_equal(got1[0].astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                    bad.append((qt, n, k, "gemv_mmq1", r, left, float(np.nanmax(np.abs(got1[0] - want)))))
         for b, p in specs.items():
             got, left = launch_mmq(kernels, weights, p, x[:b])
             for r, want in solo.items():
@@ -167,6 +211,13 @@ def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits(kernels, weights, prof
             got = out.get()
             if not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
                 bad.append((qt, n, p["kparts"], float(np.nanmax(np.abs(got - want)))))
+            p1 = kc.gemv_mmq1_params(qt, n, K, sm_count=profile.sm_count, out_dtype="f32")
+            if p1 is not None:  # the batch-1 kernel with the norm folded in: the same bits
+                p1 = {**p1, "prologue": "norm", "eps": 1e-6}
+                kernels.prebuild([kc.spec("gemv_mmq1", **p1)])
+                got1, _ = launch_mmq1(kernels, weights, p1, x, nw)
+                if not np.array_equal(got1.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                    bad.append((qt, n, "gemv_mmq1", float(np.nanmax(np.abs(got1 - want)))))
     assert not bad, bad
 
 
@@ -199,7 +250,8 @@ def test_plan_on_gemv_mmq_matches_the_reference_and_batched_equals_solo(tmp_path
     ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
     try:
         on = [[i for i, st in enumerate(runner.plan.steps) if st.op.op == "linear"
-               and any(la.spec.template == "gemv_mmq" for la in st.launches[mode])] for mode in ("decode1", "decode")]
+               and any(la.spec.template in ("gemv_mmq", "gemv_mmq1") for la in st.launches[mode])]
+              for mode in ("decode1", "decode")]  # fmt: skip
         assert on[0] and on[0] == on[1], on
         split = [la for st in runner.plan.steps for la in st.launches["decode"]
                  if la.spec.template == "gemv_mmq" and la.spec.params["kparts"] > 1]  # fmt: skip
