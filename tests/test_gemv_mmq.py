@@ -348,3 +348,36 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
             assert types == ({"q4_k", "q6_kr"} if name == "q4_k_m" else {"q8_0r"}), (name, types)
     off = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
     assert not any(la.spec.template.startswith("gemv_mmq") for st in off.steps for ls in st.launches.values() for la in ls)
+
+
+def test_the_cuda_runner_binds_and_runs_the_mmq_plan_on_a_fake_driver(tmp_path, monkeypatch):
+    """CudaRunner on the fake driver (tests/test_plan_runner_fake.py) with tuning gemv_mmq.types on a
+    tiny q4_k_m Qwen3: every launch binds (the x scratch, split-k scratch, norm weights), decode at
+    batch 1 runs gemv_mmq1, a 20-row step the quantiser and the bmax-32 gemv_mmq."""
+    from fixtures.checkpoints import Dims, write_random_gguf
+    from test_plan_runner_fake import FakeDriver, fake_builder
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.types import SamplingParams, StepItem
+
+    monkeypatch.setenv("MEMRA_TUNE", MMQ_ALL)
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    dims = Dims(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                intermediate_size=3072, vocab_size=768)  # fmt: skip
+    model = load_model(write_random_gguf(tmp_path / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
+    runner = rc.CudaRunner(model, num_blocks=64, max_model_len=256, builder=fake_builder(tmp_path))
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        for rows in (1, 20):
+            items = [StepItem(i, [5, 6, 7], 0, [2 * i, 2 * i + 1], True, greedy) for i in range(rows)]
+            runner.step(items)
+            drv.reset()
+            runner.step([StepItem(i, [8], 3, [2 * i, 2 * i + 1], True, greedy) for i in range(rows)])
+            names = {n.split("__")[0] for n, _, _ in drv.launches}
+            want = {"gemv_mmq1"} if rows == 1 else {"gemv_mmq_x", "gemv_mmq"}
+            assert want <= names and not ({"gemv_mmq_x", "gemv_mmq"} - want) & names, (rows, sorted(names))
+            assert not names & {"gemv", "gemv_pair", "gemv_mma"}, (rows, sorted(names))  # (every linear: q4_k / q6_k)
+    finally:
+        runner.close()
