@@ -226,6 +226,30 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, over)
 
 
+def test_the_batch1_silu_prologue_gives_the_silu_mul_kernels_bits():
+    """gemv_mmq1 with prologue silu on a raw gate|up row (the down projection at batch 1, as the plan
+    folds the silu_mul) against the silu_mul kernel's stored output fed to it without: the same
+    bits (the staging computes bf16(silu(gate) * up) as that kernel stores it)."""
+    rng = np.random.default_rng(13)
+    k = 6 * 128
+    w, _ = _weight("q4_k", N, k, rng)
+    gu = _bf16(rng.standard_normal((1, 2 * k)) * 2.0)
+    sm = kc.spec("silu_mul", inter=k, in_stride=2 * k, threads=kc.ELEMENTWISE_THREADS)
+    lib, types = cuda_emu.compile_any(render(sm), sm.entry)
+    gb = (gu.view(np.uint32) >> 16).astype(np.uint16)
+    act = np.full((1, k), 0x7FC0, np.uint16)
+    grid = (-(-k // (8 * kc.ELEMENTWISE_THREADS)), 1, 1)
+    cuda_emu.launch_any(lib, types, grid, kc.ELEMENTWISE_THREADS, 0, [act, gb, gb[:, k:].copy(), 1])
+    xa = (act.astype(np.uint32) << 16).view(np.float32)
+    p1 = dict(quant="q4_k", n=N, k=k, wk=2, kparts=2, warps=2, depth=2, residual=False, out_dtype="f32",
+              x_stride=0, prologue="none", eps=0.0, u_off=0)  # fmt: skip
+    want = _run1(p1, w, xa)
+    got = _run1({**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k}, w, gu)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ConfigError, match="prologue silu"):
+        kc.spec("gemv_mmq1", **{**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k + 8})
+
+
 def test_residual_aliasing_out():
     rng = np.random.default_rng(3)
     k = 512
@@ -309,8 +333,8 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
     kernels quantising their own x, the larger buckets after one gemv_mmq_x launch from 9 rows into
     the mmq_xq / mmq_xs scratch), with one k split per weight
     (tests/fixtures/batch_invariance.py finds no bit-changing difference); the rmsnorms folded into
-    their readers at batch 1 (prologue norm) and their own launches in the buckets; no silu_mul
-    folded (its launches stay); without the knob (the h100 profile as it is) no plan has
+    their readers and the silu_mul into the down projection at batch 1 (prologue norm / silu) and
+    their own launches in the buckets; without the knob (the h100 profile as it is) no plan has
     gemv_mmq; gemv_mmq wins where gemv_mma.types names the type too."""
     from fixtures.batch_invariance import mismatches
 
@@ -344,11 +368,11 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
                             assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(mmq) % 4 == 0, ranges
                     if st.op.op == "rmsnorm" and not st.head:  # folded at batch 1 only
                         assert [la.spec.template for la in las] == ([] if mode == "decode1" else ["rmsnorm"]), (name, mode)
-                    if st.op.op == "silu_mul":
-                        assert [la.spec.template for la in las] == ["silu_mul"], (name, mode)
+                    if st.op.op == "silu_mul":  # folded into the down projection's gemv_mmq1 at batch 1
+                        assert [la.spec.template for la in las] == ([] if mode == "decode1" else ["silu_mul"]), (name, mode)
             pro = [la.spec.params["prologue"] for st in plan.steps if st.op.op == "linear" and not st.head
                    for la in st.launches["decode1"]]  # fmt: skip
-            assert pro.count("norm") >= 2 * 2 and set(pro) == {"norm", "none"}, pro  # q|k|v and gate|up, 2 layers
+            assert pro.count("norm") >= 2 * 2 and pro.count("silu") == 2, pro  # q|k|v and gate|up; down, 2 layers
             types = {la.spec.params["quant"] for st in plan.steps for la in st.launches["decode"]
                      if la.spec.template == "gemv_mmq"}  # fmt: skip
             assert types == ({"q4_k", "q6_kr"} if name == "q4_k_m" else {"q8_0r"}), (name, types)

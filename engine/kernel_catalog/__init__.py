@@ -59,6 +59,7 @@ from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
     gemv_mmq1_params,
     gemv_mmq_params,
     gemv_mmq_x_params,
+    mmq1_folds,
     mmq1_smem,
     mmq_serves,
     mmq_smem,

@@ -217,7 +217,12 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
-        need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
+        need(p["prologue"] in ("none", "norm", "silu"), f"prologue {p['prologue']!r} must be none, norm or silu")
+        need(
+            p["prologue"] != "silu" or (p["u_off"] >= p["k"] and p["u_off"] % 8 == 0 and p["u_off"] + p["k"] <= p["x_stride"]),
+            f"prologue silu: up at u_off={p['u_off']} must follow the gate's k={p['k']} in the x row (x_stride "
+            f"{p['x_stride']}), 16-byte aligned",
+        )
         need(mmq1_smem(p) <= 227 * 1024, f"{mmq1_smem(p)} bytes of shared memory exceed 227 KB (split k)")
     if template == "gemv_mmq_x":
         need(p["k"] % 32 == 0, f"k={p['k']} must be a multiple of 32 (the int8 x blocks)")

@@ -93,7 +93,7 @@ def gemv_mmq1_params(
         return None
     p = dict(
         quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS, depth=MMQ1_DEPTH[quant],
-        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0,
+        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0,
     )  # fmt: skip
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 
@@ -112,6 +112,12 @@ def mmq_stages(quant: str, k: int) -> bool:
     weight, or a fused allocation whose rows the caller does not know), the most shared memory."""
     p = gemv_mmq_params(quant, 1 << 20, k, 8, sm_count=1)
     return p is not None and p["kparts"] == 1 and p["xstage"]
+
+
+def mmq1_folds(quant: str, n: int, k: int, sm_count: int = 0) -> bool:
+    """Whether a silu_mul before the batch-1 gemv_mmq of a [n, k] weight (the down projection) may fold
+    into it: gemv_mmq1 serves that weight (prologue silu; the bmax-8 gemv_mmq has no silu prologue)."""
+    return n > 0 and gemv_mmq1_params(quant, n, k, sm_count=sm_count) is not None
 
 
 def mmq_serves(tuning: Mapping[str, Any], dtype: str, cols: int) -> bool:

@@ -25,20 +25,20 @@ from engine.types import ConfigError
 
 
 def mmq_x(ctx, mode, ins, cols: int):
-    """(the x value a gemv_mmq launch reads, its row stride, its norm weight or None): a glu
-    prologue's gate half in place; an rmsnorm folded at batch 1 (its input, normalised by the
-    xstage kernel: prologue norm)."""
-    xv, nw = ins[0], None
+    """(the x value a gemv_mmq launch reads, its row stride, its prologue or None): a glu prologue's
+    gate half in place; at batch 1 an rmsnorm folded in (("norm", its weight): the kernel normalises
+    the rmsnorm's input) or a silu_mul (("silu", up's offset): x is the gate|up row)."""
+    xv, pro_out = ins[0], None
     pro = ctx.prologue.get((mode, xv.name))
     if pro is not None and pro[0] == "glu" and pro[1].width == cols:
         xv = pro[1]  # the gate half of gate|up already holds silu(gate) * up
-    elif pro is not None and pro[0] == "norm" and pro[1].width == cols and mode == "decode1":
-        xv, nw = pro[1], pro[2]  # the rmsnorm's input: the kernel normalises it (engine.plan's fusable1)
+    elif pro is not None and pro[0] in ("norm", "silu") and pro[1].width == cols and mode == "decode1":
+        xv, pro_out = pro[1], (pro[0], pro[2])  # (engine.plan's fusable1)
     elif pro is not None:
         raise ConfigError(f"plan: a {pro[0]} prologue feeds gemv_mmq (its x must be stored)")
     if xv.width != cols:
         raise ConfigError(f"plan: gemv_mmq reads x of width {xv.width} for a linear of k={cols}")
-    return xv, (xv.ld if xv.ld != cols else 0), nw
+    return xv, (xv.ld if xv.ld != cols else 0), pro_out
 
 
 def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Launch]:
@@ -48,9 +48,9 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     readers = [la for la in launches if la.spec.template == "gemv_mmq" and not la.spec.params["xstage"]]
     if not readers:
         return []
-    xv, stride, nw = mmq_x(ctx, mode, ins, cols)
-    if nw is not None:
-        raise ConfigError(f"plan: an rmsnorm folded into gemv_mmq launches that read gemv_mmq_x's x ({xv.name})")
+    xv, stride, pro = mmq_x(ctx, mode, ins, cols)
+    if pro is not None:
+        raise ConfigError(f"plan: a {pro[0]} folded into gemv_mmq launches that read gemv_mmq_x's x ({xv.name})")
     p = kc.gemv_mmq_x_params(cols, stride)
     if p is None:
         raise ConfigError(f"plan: gemv_mmq_x cannot quantise x of k={cols}, row stride {xv.ld}")
@@ -63,7 +63,7 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
-def mmq1_launch(ctx, op, out, w, xv, stride: int, nw) -> Launch | None:
+def mmq1_launch(ctx, op, out, w, xv, stride: int, pro) -> Launch | None:
     """The batch-1 gemv_mmq1 launch of weight allocation ``w`` (the bmax-8 gemv_mmq's bits: the same
     k split), or None where it does not apply (the bmax-8 gemv_mmq then runs at batch 1)."""
     res_name = op.attrs.get("residual")
@@ -80,9 +80,11 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, nw) -> Launch | None:
         ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
         ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * 4, fill="zero"))
         args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
-    if nw is not None:
+    if pro is not None and pro[0] == "norm":
         p.update(prologue="norm", eps=float(ctx.dims["rms_eps"]))
-        args += (wgt(nw),)
+        args += (wgt(pro[1]),)
+    elif pro is not None:  # silu: x the gate|up row, up pro[1] elements after the gate
+        p.update(prologue="silu", u_off=int(pro[1]), x_stride=xv.ld)
     spec = ctx.spec("gemv_mmq1", **p)
     return Launch(spec, (tiles, 1, p["kparts"]), (32 * p["warps"],), args, kc.mmq1_smem(p))
 
@@ -94,11 +96,14 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     residual = res_name is not None
     buckets = ((8, 0, 0),) if mode == "decode1" else kc.MMA_BUCKETS
     res = Arg("value", res_name) if residual else NULL
-    xv, stride, nw = mmq_x(ctx, mode, ins, w.cols)
+    xv, stride, pro = mmq_x(ctx, mode, ins, w.cols)
     if mode == "decode1":
-        one = mmq1_launch(ctx, op, out, w, xv, stride, nw)
+        one = mmq1_launch(ctx, op, out, w, xv, stride, pro)
         if one is not None:
             return [one]
+    if pro is not None and pro[0] == "silu":
+        raise ConfigError(f"plan: a silu_mul folded into gemv_mmq {w.key}, which has no batch-1 gemv_mmq1")
+    nw = pro[1] if pro is not None else None
     launches = []
     for bmax, lo, hi in buckets:
         p = kc.gemv_mmq_params(

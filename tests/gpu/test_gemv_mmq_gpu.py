@@ -221,6 +221,28 @@ def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits(kernels, weights, prof
     assert not bad, bad
 
 
+def test_the_batch1_silu_prologue_gives_the_silu_mul_kernels_bits(kernels, weights, profile):
+    """gemv_mmq1 with prologue silu on a raw gate|up row (the down projection at batch 1) against the
+    silu_mul kernel's stored output fed to it without: the same bits, every type."""
+    rng = np.random.default_rng(4)
+    k = 9728
+    bad = []
+    for qt in MMQ_TYPES:
+        p1 = kc.gemv_mmq1_params(qt, 2560, k, sm_count=profile.sm_count, out_dtype="f32")
+        ps = {**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k}
+        sm = kc.choice("silu_mul", inter=k, in_stride=2 * k, threads=kc.ELEMENTWISE_THREADS)
+        kernels.prebuild([kc.spec("gemv_mmq1", **p1), kc.spec("gemv_mmq1", **ps), sm.spec])
+        gu = bf_round(rng.standard_normal((1, 2 * k)) * 2.0)
+        gud = upload(gu, "bf16")
+        act = poisoned((1, k), "bf16")
+        kernels.launch(sm, 1, out=act, g=gud, u=gud.at(k), rows=1)
+        want, _ = launch_mmq1(kernels, weights, p1, act.get())
+        got, left = launch_mmq1(kernels, weights, ps, gu)
+        if left or not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+            bad.append((qt, left, float(np.nanmax(np.abs(got - want)))))
+    assert not bad, bad
+
+
 MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0]"
 # a Qwen3 wide enough that some linears split k over blocks (the down projection: 3072 = 24 units)
 QWEN3_SPLIT_DIMS = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
