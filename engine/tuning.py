@@ -183,8 +183,8 @@ def mmq_file_types(v: list) -> str | None:
 @dataclass(frozen=True, eq=False)
 class GemvMmq(Knobs):
     # the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, x quantised per 32 by
-    # gemv_mmq_x) for the weights of these file storage types (q4_k, q6_k, q8_0; uploaded as q4_k,
-    # q6_kr, q8_0r) in every decode pass, batch 1 included (one kernel and one k split per weight:
+    # gemv_mmq_x) for the weights of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1; uploaded
+    # as q4_k, q6_kr, q8_0r, q4_0r, q4_1r) in every decode pass, batch 1 included (one kernel and one k split per weight:
     # batched equal to solo); it wins over gemv_mma.types where both name a type. In no profile
     # until a GPU measurement earns it (tools/gpu_linear_bench.py rows mmq)
     types: list[str] = knob([], mmq_file_types)

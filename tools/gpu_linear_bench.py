@@ -12,7 +12,8 @@ cycling through enough weight copies to defeat the 50 MB L2:
 - ``mma``: the tensor-core decode linear (kernels/gemv_mma.cu.j2) with the params the plan gives
   that batch (engine.kernel_catalog.gemv_mma_params at the MMA_BUCKETS bmax; batch 1 runs the bmax-8
   kernel, as the plan does where gemv_mma serves a type: tuning gemv_mma.types);
-- ``mmq``: the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, q4_k / q6_k / q8_0) with the
+- ``mmq``: the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, q4_k / q6_k / q8_0 / q4_0 /
+  q4_1) with the
   params engine.kernel_catalog.gemv_mmq_params gives that batch (bmax as gemv_mma's; the bmax-8
   kernel quantises its own x, xstage), the larger buckets each after their x quantiser (gemv_mmq_x:
   both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may

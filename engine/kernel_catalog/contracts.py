@@ -26,7 +26,7 @@ MMA_UNIT: dict[str, int] = {
 
 
 # gemv_mmq's storage types (kernels/gemv_mmq.cu.j2: int8 mma on 128-element units)
-MMQ_TYPES = ("q4_k", "q6_kr", "q8_0r")
+MMQ_TYPES = ("q4_k", "q6_kr", "q8_0r", "q4_0r", "q4_1r")
 
 
 ROPE_STYLES = ("neox", "interleaved")

@@ -15,8 +15,8 @@ from engine.storage import REPACKED_FROM
 
 MMQ_UNIT = 128  # elements of a warp's step per row (four int8 x blocks of 32)
 # the file storage types whose upload layout gemv_mmq decodes (tuning gemv_mmq.types; q6_k where it
-# is uploaded as q6_kr, q8_0 as q8_0r)
-MMQ_FILE_TYPES = ("q4_k", "q6_k", "q8_0")
+# is uploaded as q6_kr, q8_0 as q8_0r, q4_0 / q4_1 as q4_0r / q4_1r)
+MMQ_FILE_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1")
 MMQ_X_THREADS = 128  # gemv_mmq_x's block: 1024 x elements
 # xstage (the bmax-8 kernel quantising its own x rows into shared memory) where that takes at most
 # this many bytes: two blocks of 256 threads per SM, as the k split's waves assume (k part of 9728)
@@ -55,8 +55,9 @@ def gemv_mmq_params(
     wk, kparts = mma_k_split(quant, n, k, sm_count, unit=MMQ_UNIT)
     # (bmax 8 and 16: 128 registers a thread, 2 blocks of 256 threads per SM, as gemv_mma)
     min_blocks = 256 // (32 * wm * wk) * 2 if bmax <= 16 else 1
+    depth = 1 if quant == "q4_1r" and bmax == 16 else max(1, 2 // mt)  # (q4_1r at bmax 16: registers)
     p = dict(
-        quant=quant, n=n, k=k, bmax=bmax, mt=mt, wm=wm, wk=wk, kparts=kparts, depth=max(1, 2 // mt),
+        quant=quant, n=n, k=k, bmax=bmax, mt=mt, wm=wm, wk=wk, kparts=kparts, depth=depth,
         residual=residual, out_dtype=out_dtype, min_blocks=min_blocks, xstage=bmax == 8, x_stride=x_stride,
     )  # fmt: skip
     if not p["xstage"] or mmq_smem(p) > MMQ_XSTAGE_MAX:
@@ -71,7 +72,7 @@ def mmq1_smem(p: Mapping[str, Any]) -> int:
 
 
 MMQ1_WARPS = 4  # gemv_mmq1's block: 4 warps of 32 / wk rows
-MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 2}  # units in flight per lane (80-136 bytes each)
+MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 2, "q4_0r": 2, "q4_1r": 2}  # units in flight per lane (72-136 bytes)
 
 
 def gemv_mmq1_params(

@@ -243,13 +243,13 @@ def test_the_batch1_silu_prologue_gives_the_silu_mul_kernels_bits(kernels, weigh
     assert not bad, bad
 
 
-MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0]"
+MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0, q4_0, q4_1]"
 # a Qwen3 wide enough that some linears split k over blocks (the down projection: 3072 = 24 units)
 QWEN3_SPLIT_DIMS = dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                         head_dim=128, intermediate_size=3072)  # fmt: skip
 
 
-@pytest.mark.parametrize("q", ["q4_k_m", "q8_0"])
+@pytest.mark.parametrize("q", ["q4_k_m", "q8_0", "q4_0", "q4_1"])
 def test_plan_on_gemv_mmq_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, q):
     """The plan with tuning gemv_mmq.types naming q4_k, q6_k and q8_0 (MEMRA_TUNE): every quantised
     decode linear quantises its x (gemv_mmq_x) and runs gemv_mmq at batch 1 and in the buckets. 1, 3,
