@@ -414,3 +414,28 @@ def test_the_cuda_runner_binds_and_runs_the_mmq_plan_on_a_fake_driver(tmp_path, 
             assert not names & {"gemv", "gemv_pair", "gemv_mma"}, (rows, sorted(names))  # (every linear: q4_k / q6_k)
     finally:
         runner.close()
+
+
+def test_real_sizes_run_gemv_mmq1_at_batch1_with_the_norms_and_silus_folded():
+    """Qwen3-4B shapes (no weights), q8_0 and q4_0 with the knob: every batch-1 linear is gemv_mmq1
+    (the q|k|v and gate|up with their rmsnorm, the down projection with its silu_mul), every bucket
+    linear gemv_mmq after one quantiser per op, and no bit-changing difference between the modes."""
+    from fixtures.batch_invariance import mismatches
+
+    from engine.graph import load_family
+    from engine.model import dims_for_size
+    from engine.plan import build_plan
+    from engine.profile import get_profile, with_tuning
+
+    g = load_family("qwen3")
+    for q in ("q8_0", "q4_0"):
+        plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant(q), with_tuning(get_profile("h100"), MMQ_ALL),
+                          rope_style="neox")  # fmt: skip
+        assert mismatches(plan) == [], mismatches(plan)[:3]
+        one = [la.spec for st in plan.steps if st.op.op == "linear" for la in st.launches["decode1"]]
+        assert {s.template for s in one} == {"gemv_mmq1"}
+        pro = [s.params["prologue"] for s in one]
+        assert (pro.count("norm"), pro.count("silu")) == (2 * 36 + 1, 36), (q, pro.count("norm"), pro.count("silu"))
+        quant = [la for st in plan.steps if st.op.op == "linear" for la in st.launches["decode"]
+                 if la.spec.template == "gemv_mmq_x"]  # fmt: skip
+        assert len(quant) == 4 * 36 + 1 and all(la.min_rows == 9 for la in quant)
