@@ -176,32 +176,33 @@ def test_matches_numpy_and_a_row_gets_the_same_bits_in_every_bucket(qt):
 
 
 def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, norm_w=None) -> np.ndarray:
-    """gemv_mmq1 ``p`` under the emulator on one x row (f32, bf16-exact): its output [1, n] as f32,
+    """gemv_mmq1 ``p`` under the emulator on x rows (f32, bf16-exact): its output [rows, n] as f32,
     from a NaN-poisoned out (or ``residual``, aliased as out)."""
     s = kc.spec("gemv_mmq1", **p)
     lib, types = cuda_emu.compile_any(render(s), s.entry)
+    rows = x.shape[0]
     if p["out_dtype"] == "f32":
-        out = np.full((1, p["n"]), np.nan, np.float32)
+        out = np.full((rows, p["n"]), np.nan, np.float32)
     else:
-        out = np.full((1, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+        out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
     xb = np.ascontiguousarray((x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
-    args = [out, w, xb, out if residual is not None else None, 1]
+    args = [out, w, xb, out if residual is not None else None, rows]
     count = np.zeros(1024, np.uint32)
     if p["kparts"] > 1:
-        args += [np.full(p["kparts"] * p["n"], np.nan, np.float32), count]
+        args += [np.full(p["kparts"] * rows * p["n"], np.nan, np.float32), count]
     if p["prologue"] == "norm":
         args.append(norm_w)
     c = kc.choice("gemv_mmq1", **p)
-    cuda_emu.launch_any(lib, types, c.grid(1), c.block[0], c.smem, args)
+    cuda_emu.launch_any(lib, types, c.grid(rows), c.block[0], c.smem, args)
     assert not count.any(), "the tile counters are left zero"
     return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
 
 
 @pytest.mark.parametrize("qt", MMQ_TYPES)
 def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
-    """gemv_mmq1 (dp4a dots, one row a lane group) against the bmax-8 gemv_mmq on the same row: the
-    same output bits, with its k split over warps (wk 1, 2, 4) and blocks, a ring refill, the norm
-    prologue and a residual; and against numpy."""
+    """gemv_mmq1 (dp4a dots, one weight row a lane group) against the bmax-8 gemv_mmq on the same x
+    rows: the same output bits, at 1 row and at 2 and 4 rows a grid row, with its k split over warps
+    (wk 1, 2, 4) and blocks, a ring refill, the norm prologue and a residual; and against numpy."""
     rng = np.random.default_rng(5)
     splits = ((4, 1, 2, 8), (1, 3, 4, 6), (4, 2, 3, 12), (2, 2, 1, 6))  # (wk, kparts, depth, units)
     for wk, kparts, depth, units in splits if qt == "q4_k" else splits[-1:]:  # (the split code: any type's)
@@ -217,6 +218,12 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)
         ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+    # 2 and 4 rows a grid row (3 rows: a partial second grid row at bmax 2, a partial one at 4)
+    x3 = _bf16(rng.standard_normal((3, k)))
+    want3 = _run(p8, w, x3)
+    for bmax in (2, 4):
+        got3 = _run1({**p1, "bmax": bmax}, w, x3)
+        assert np.array_equal(got3.view(np.uint32), want3.view(np.uint32)), (qt, bmax)
     nw = (1.0 + 0.1 * rng.standard_normal(k)).astype(np.float32)
     res = _bf16(rng.standard_normal((1, N)))
     rb = (res.view(np.uint32) >> 16).astype(np.uint16)
@@ -332,9 +339,10 @@ def tiny_models(tmp_path_factory):
 
 def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
     """With tuning gemv_mmq.types naming q4_k, q6_k and q8_0: each decode linear of a tiny Qwen3 (q4_k_m:
-    q4_k and q6_kr weights; q8_0r) runs gemv_mmq at batch 1 and in every bucket range (the bmax-8
-    kernels quantising their own x, the larger buckets after one gemv_mmq_x launch from 9 rows into
-    the mmq_xq / mmq_xs scratch), with one k split per weight
+    q4_k and q6_kr weights; q8_0r; q4_1r) runs gemv_mmq1 at batch 1 and for 1, 2 and 3-4 rows,
+    gemv_mmq in the larger bucket ranges (the bmax-8 kernels quantising their own x, the larger
+    buckets after one gemv_mmq_x launch from 9 rows into the mmq_xq / mmq_xs scratch), with one k
+    split per weight
     (tests/fixtures/batch_invariance.py finds no bit-changing difference); the rmsnorms folded into
     their readers and the silu_mul into the down projection at batch 1 (prologue norm / silu) and
     their own launches in the buckets; without the knob (the h100 profile as it is) no plan has
@@ -360,15 +368,18 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
                         if mode == "decode1":  # gemv_mmq1 (the bmax-8 kernel's bits, no dead columns)
                             assert set(tpl) == {"gemv_mmq1"}, (name, tpl)
                             continue
-                        assert set(tpl) <= {"gemv_mmq_x", "gemv_mmq"}, tpl
-                        # the 2-8 row buckets stage x themselves; the quantiser runs from 9 rows
+                        assert set(tpl) == {"gemv_mmq_x", "gemv_mmq1", "gemv_mmq"}, tpl
+                        # 1, 2 and 3-4 rows: gemv_mmq1; 5-8 rows: the bmax-8 gemv_mmq staging its own
+                        # x; the quantiser runs from 9 rows, before the larger buckets
                         quant = [la for la in las if la.spec.template == "gemv_mmq_x"]
                         assert all(la.spec.params["xstage"] == (la.spec.params["bmax"] == 8) for la in mmq), tpl
                         assert [la.min_rows for la in quant] == [9], (name, mode, tpl)
-                        assert tpl.index("gemv_mmq") > (tpl.index("gemv_mmq_x") if quant else -1)
+                        assert tpl.index("gemv_mmq") > tpl.index("gemv_mmq_x")
+                        small = sorted((la.spec.params["bmax"], la.min_rows, la.max_rows) for la in las
+                                       if la.spec.template == "gemv_mmq1")  # fmt: skip
+                        assert small == sorted([(1, 0, 1), (2, 2, 2), (4, 3, 4)] * (len(small) // 3)), small
                         ranges = sorted((la.min_rows, la.max_rows) for la in mmq)
-                        if mode == "decode":
-                            assert ranges[0] == (0, 8) and ranges[-1][1] == 0 and len(mmq) % 4 == 0, ranges
+                        assert ranges[0] == (5, 8) and ranges[-1][1] == 0 and len(mmq) % 4 == 0, ranges
                     if st.op.op == "rmsnorm" and not st.head:  # folded at batch 1 only
                         assert [la.spec.template for la in las] == ([] if mode == "decode1" else ["rmsnorm"]), (name, mode)
                     if st.op.op == "silu_mul":  # folded into the down projection's gemv_mmq1 at batch 1
@@ -386,7 +397,7 @@ def test_the_plan_runs_every_quantised_decode_linear_on_gemv_mmq(tiny_models):
 def test_the_cuda_runner_binds_and_runs_the_mmq_plan_on_a_fake_driver(tmp_path, monkeypatch):
     """CudaRunner on the fake driver (tests/test_plan_runner_fake.py) with tuning gemv_mmq.types on a
     tiny q4_k_m Qwen3: every launch binds (the x scratch, split-k scratch, norm weights), decode at
-    batch 1 runs gemv_mmq1, a 20-row step the quantiser and the bmax-32 gemv_mmq."""
+    1, 2 and 4 rows runs gemv_mmq1, a 20-row step the quantiser and the bmax-32 gemv_mmq."""
     from fixtures.checkpoints import Dims, write_random_gguf
     from test_plan_runner_fake import FakeDriver, fake_builder
 
@@ -403,13 +414,13 @@ def test_the_cuda_runner_binds_and_runs_the_mmq_plan_on_a_fake_driver(tmp_path, 
     runner = rc.CudaRunner(model, num_blocks=64, max_model_len=256, builder=fake_builder(tmp_path))
     greedy = SamplingParams(temperature=0.0)
     try:
-        for rows in (1, 20):
+        for rows in (1, 2, 4, 20):
             items = [StepItem(i, [5, 6, 7], 0, [2 * i, 2 * i + 1], True, greedy) for i in range(rows)]
             runner.step(items)
             drv.reset()
             runner.step([StepItem(i, [8], 3, [2 * i, 2 * i + 1], True, greedy) for i in range(rows)])
             names = {n.split("__")[0] for n, _, _ in drv.launches}
-            want = {"gemv_mmq1"} if rows == 1 else {"gemv_mmq_x", "gemv_mmq"}
+            want = {"gemv_mmq1"} if rows <= 4 else {"gemv_mmq_x", "gemv_mmq"}  # (20 rows: bmax 32)
             assert want <= names and not ({"gemv_mmq_x", "gemv_mmq"} - want) & names, (rows, sorted(names))
             assert not names & {"gemv", "gemv_pair", "gemv_mma"}, (rows, sorted(names))  # (every linear: q4_k / q6_k)
     finally:

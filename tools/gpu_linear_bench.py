@@ -17,7 +17,7 @@ cycling through enough weight copies to defeat the 50 MB L2:
   params engine.kernel_catalog.gemv_mmq_params gives that batch (bmax as gemv_mma's; the bmax-8
   kernel quantises its own x, xstage), the larger buckets each after their x quantiser (gemv_mmq_x:
   both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
-  turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at batch 1 ``mmq`` is
+  turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at 1-4 rows ``mmq`` is
   gemv_mmq1 (dp4a dots, the bmax-8 kernel's bits), as the plan runs it, and ``mmq8`` the bmax-8 kernel;
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 c = kc.choice("gemv_mmq", **params)  # (xstage quantises x itself: no quantiser launch)
                 return (label, c) if params["xstage"] else (label, c, quantiser)
 
-            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=info.sm_count) if b == 1 else None
-            if p1 is not None:  # batch 1: gemv_mmq1, as the plan runs it (the bmax-8 kernel: mmq8)
+            bm1 = next((bm for bm, lo, hi in kc.MMQ1_BUCKETS if lo <= b <= hi), 0)
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=info.sm_count, bmax=bm1) if bm1 else None
+            if p1 is not None:  # 1-4 rows: gemv_mmq1, as the plan runs it (the bmax-8 kernel: mmq8)
                 cands.append(("mmq", kc.choice("gemv_mmq1", **p1)))
             cands.append(mmq_row("mmq8" if p1 is not None else "mmq", p))
             if not p["xstage"]:

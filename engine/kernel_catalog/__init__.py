@@ -55,6 +55,7 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     mma_serves,
 )
 from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
+    MMQ1_BUCKETS,
     MMQ_FILE_TYPES,
     gemv_mmq1_params,
     gemv_mmq_params,

@@ -211,6 +211,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["k"] % 128 == 0, f"k={p['k']} must be a multiple of gemv_mmq's 128-element unit")
         need(q not in MMQ_TYPES or p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
         need(p["wk"] in (1, 2, 4), f"wk={p['wk']} must be 1, 2 or 4 (lanes of a warp per row)")
+        need(p["bmax"] in (1, 2, 4), f"bmax={p['bmax']} must be 1, 2 or 4")
         need(1 <= p["warps"] <= 32, f"warps={p['warps']} must be 1..32")
         need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
         need(p["kparts"] <= p["k"] // 128, f"kparts={p['kparts']} must be at most k / 128")

@@ -68,11 +68,14 @@ def gemv_mmq_params(
 def mmq1_smem(p: Mapping[str, Any]) -> int:
     """gemv_mmq1's dynamic shared memory: its x row's k part as int8 and its blocks' scale pairs."""
     kp = -(-(p["k"] // MMQ_UNIT) // p["kparts"]) * MMQ_UNIT
-    return kp + kp // 4
+    return p["bmax"] * (kp + kp // 4)
 
 
+# gemv_mmq1's launches of a decode linear: (bmax, fewest rows, most rows) -- batch 1 and the 2- and
+# 3-4-row passes (dp4a: cheaper than the mma's 8 columns there); the bmax-8 gemv_mmq from 5 rows
+MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 MMQ1_WARPS = 4  # gemv_mmq1's block: 4 warps of 32 / wk rows
-MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 2, "q4_0r": 2, "q4_1r": 2}  # units in flight per lane (72-136 bytes)
+MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2}  # units in flight per lane (72-136 bytes)
 
 
 def gemv_mmq1_params(
@@ -84,17 +87,18 @@ def gemv_mmq1_params(
     residual: bool = False,
     out_dtype: str = "bf16",
     x_stride: int = 0,
+    bmax: int = 1,
 ) -> dict[str, Any] | None:
-    """The params of gemv_mmq1, the batch-1 kernel giving the bmax-8 gemv_mmq's bits on a [n, k]
-    weight (its k split, from gemv_mmq_params), or None where it does not apply (no gemv_mmq, a k
-    split over 3 warps, more shared memory than MMQ_XSTAGE_MAX): the plan then runs the bmax-8
-    gemv_mmq at batch 1."""
+    """The params of gemv_mmq1, the small-batch kernel (up to ``bmax`` rows: 1, 2, 4) giving the
+    bmax-8 gemv_mmq's bits on a [n, k] weight (its k split, from gemv_mmq_params), or None where it
+    does not apply (no gemv_mmq, a k split over 3 warps, more shared memory than MMQ_XSTAGE_MAX): the
+    plan then runs the bmax-8 gemv_mmq for those rows."""
     p8 = gemv_mmq_params(quant, n, k, 8, sm_count=sm_count, residual=residual, out_dtype=out_dtype, x_stride=x_stride)
     if p8 is None or p8["wk"] not in (1, 2, 4):
         return None
     p = dict(
         quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS, depth=MMQ1_DEPTH[quant],
-        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0,
+        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0, bmax=bmax,
     )  # fmt: skip
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 

@@ -2,9 +2,10 @@
 gemv_mmq.types).
 
 A weight whose file type the profile names, uploaded in a layout gemv_mmq decodes (q4_k, q6_kr,
-q8_0r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs gemv_mmq1 (dp4a dots,
-the bmax-8 kernel's bits without its dead columns; else that kernel on its one row) and a bucket pass
-the launch of its MMA_BUCKETS range. The bmax-8 kernel quantises its own
+q8_0r, q4_0r, q4_1r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs gemv_mmq1
+(dp4a dots, the bmax-8 kernel's bits without its dead columns; else that kernel on its one row), a
+bucket pass of 1, 2 or 3-4 rows gemv_mmq1 at bmax 1, 2, 4 (kernel_catalog.MMQ1_BUCKETS), and the
+larger ones the launch of their MMA_BUCKETS range (the bmax-8 one from 5 rows). The bmax-8 kernel quantises its own
 x rows (xstage); for the larger buckets the op's x rows are first quantised to int8 per 32-element
 block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many weight
 allocations read it; a launch from the rows the first reader runs at), the same bits. Every launch of a weight has the same k split
@@ -63,13 +64,14 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
-def mmq1_launch(ctx, op, out, w, xv, stride: int, pro) -> Launch | None:
-    """The batch-1 gemv_mmq1 launch of weight allocation ``w`` (the bmax-8 gemv_mmq's bits: the same
-    k split), or None where it does not apply (the bmax-8 gemv_mmq then runs at batch 1)."""
+def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 0, hi: int = 0) -> Launch | None:
+    """The gemv_mmq1 launch of weight allocation ``w`` for passes of up to ``bmax`` rows (``lo`` ..
+    ``hi``; the bmax-8 gemv_mmq's bits: the same k split), or None where it does not apply (the bmax-8
+    gemv_mmq then runs those rows)."""
     res_name = op.attrs.get("residual")
     p = kc.gemv_mmq1_params(
         w.dtype, w.rows, w.cols, sm_count=ctx.profile.sm_count, residual=res_name is not None,
-        out_dtype=ctx.act_dtype(out.name), x_stride=stride,
+        out_dtype=ctx.act_dtype(out.name), x_stride=stride, bmax=bmax,
     )  # fmt: skip
     if p is None:
         return None
@@ -78,7 +80,7 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro) -> Launch | None:
     tiles = cdiv(w.rows, p["warps"] * 32 // p["wk"])
     if p["kparts"] > 1:
         ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
-        ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * 4, fill="zero"))
+        ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
         args += (Arg("scratch", "mmq_part"), Arg("scratch", "mmq_count"))
     if pro is not None and pro[0] == "norm":
         p.update(prologue="norm", eps=float(ctx.dims["rms_eps"]))
@@ -86,7 +88,8 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro) -> Launch | None:
     elif pro is not None:  # silu: x the gate|up row, up pro[1] elements after the gate
         p.update(prologue="silu", u_off=int(pro[1]), x_stride=xv.ld)
     spec = ctx.spec("gemv_mmq1", **p)
-    return Launch(spec, (tiles, 1, p["kparts"]), (32 * p["warps"],), args, kc.mmq1_smem(p))
+    grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
+    return Launch(spec, grid, (32 * p["warps"],), args, kc.mmq1_smem(p), min_rows=lo, max_rows=hi)
 
 
 def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
@@ -105,6 +108,11 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
         raise ConfigError(f"plan: a silu_mul folded into gemv_mmq {w.key}, which has no batch-1 gemv_mmq1")
     nw = pro[1] if pro is not None else None
     launches = []
+    if mode != "decode1":  # 1, 2 and 3-4 rows: gemv_mmq1 where it applies (no dead mma columns)
+        small = [mmq1_launch(ctx, op, out, w, xv, stride, None, b, lo, hi) for b, lo, hi in kc.MMQ1_BUCKETS]
+        if all(la is not None for la in small):
+            launches += small
+            buckets = ((8, kc.MMQ1_BUCKETS[-1][2] + 1, 8), *kc.MMA_BUCKETS[1:])
     for bmax, lo, hi in buckets:
         p = kc.gemv_mmq_params(
             w.dtype, w.rows, w.cols, bmax, sm_count=ctx.profile.sm_count, residual=residual,
