@@ -1,21 +1,25 @@
-"""The int8 tensor-core lowering of quantised decode linears (kernels/gemv_mmq.cu.j2; tuning
-gemv_mmq.types).
+"""The int8 tensor-core lowering of quantised decode linears (kernels/gemv_mmq.cu.j2,
+gemv_mmq1.cu.j2, gemv_mmq_x.cu.j2; tuning gemv_mmq.types).
 
 A weight whose file type the profile names, uploaded in a layout gemv_mmq decodes (q4_k, q6_kr,
-q8_0r, q4_0r, q4_1r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) runs gemv_mmq1
-(dp4a dots, the bmax-8 kernel's bits without its dead columns; else that kernel on its one row), a
-bucket pass of 1, 2 or 3-4 rows gemv_mmq1 at bmax 1, 2, 4 (kernel_catalog.MMQ1_BUCKETS), and the
-larger ones the launch of their MMA_BUCKETS range (the bmax-8 one from 5 rows). The bmax-8 kernel quantises its own
-x rows (xstage); for the larger buckets the op's x rows are first quantised to int8 per 32-element
-block by gemv_mmq_x into the ``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many weight
-allocations read it; a launch from the rows the first reader runs at), the same bits. Every launch of a weight has the same k split
-(kernel_catalog.gemv_mmq_params), so a row gets the same bits alone and in any bucket. No rmsnorm
-prologue and no glu epilogue: the plan keeps those ops' launches for these weights (Lowerer.q8x_decode
-is false for them); a gate half that already holds silu(gate) * up (another GEMV's glu) is read in
-place. A k split over blocks adds the f32 partial sums and per-tile counters as scratch (``mmq_part``,
-``mmq_count``: the launches run one after another, each leaving its counters zero). Never forked onto
-the side stream (decode_graph.fork_linears): every launch reads the quantiser's scratch. A helper of
-the ``linear`` unit. Must not import CUDA or numpy.
+q8_0r, q4_0r, q4_1r), takes gemv_mmq in every decode pass: the batch-1 pass (decode1) and bucket
+passes of 1, 2 or 3-4 rows run gemv_mmq1 at bmax 1, 2, 4 (kernel_catalog.MMQ1_BUCKETS: dp4a dots,
+the bmax-8 kernel's bits without its dead columns; where it does not apply, the bmax-8 gemv_mmq),
+the larger ones the gemv_mmq launch of their MMA_BUCKETS range (the bmax-8 one from 5 rows). The
+small kernels quantise their own x rows (gemv_mmq1, the bmax-8 gemv_mmq's xstage); for the larger
+buckets the op's x rows are first quantised to int8 per 32-element block by gemv_mmq_x into the
+``mmq_xq`` / ``mmq_xs`` scratch (once per op, however many weight allocations read it; a launch from
+the rows its first reader runs at): one quantisation function, the same bits. Every launch of a
+weight has the same k split (kernel_catalog.gemv_mmq_params), so a row gets the same bits alone and
+in any bucket. At batch 1 an rmsnorm whose readers all stage their x (or are q8x GEMVs) is folded
+into them (prologue norm: the rmsnorm kernel's bits; engine.plan's fusable1,
+kernel_catalog.mmq_stages), and a silu_mul into the down projection's gemv_mmq1 (prologue silu: the
+silu_mul kernel's bits; kernel_catalog.mmq1_folds); the buckets keep their launches. No glu epilogue
+(Lowerer.q8x_decode is false for these weights); a gate half that already holds silu(gate) * up
+(another GEMV's glu) is read in place. A k split over blocks adds the f32 partial sums and per-tile
+counters as scratch (``mmq_part``, ``mmq_count``: the launches run one after another, each leaving
+its counters zero). Never forked onto the side stream (decode_graph.fork_linears): they share that
+scratch and may read the quantiser's. A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
