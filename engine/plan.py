@@ -30,7 +30,7 @@ from engine.ir import (
     Value,
     WeightPlan,
 )
-from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS, mma_serves
+from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS, mma_serves, mmq1_folds, mmq_serves, mmq_stages
 from engine.lowering.context import Lowerer
 from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
@@ -250,6 +250,8 @@ def build_plan(
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
                 mma = kind == "rmsnorm" and mma_serves(profile.tuning, dt, cols)  # (gemv_mma: norm only)
+                if mmq_serves(profile.tuning, dt, cols):  # (gemv_mmq: where its batch-1 kernel stages x)
+                    mma = mmq_stages(dt, cols) if kind == "rmsnorm" else mmq1_folds(dt, rows, cols, profile.sm_count)
                 if id(o) in exact_ids or not (lowerer.q8x_decode(dt, cols) or mma):
                     return False
             return True

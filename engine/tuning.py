@@ -19,7 +19,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernel_catalog import MMA_FILE_TYPES, Q8X_FILE_TYPES  # the file types a q8x GEMV / gemv_mma reads
+from engine.kernel_catalog import (  # the file types a q8x GEMV / gemv_mma / gemv_mmq reads
+    MMA_FILE_TYPES,
+    MMQ_FILE_TYPES,
+    Q8X_FILE_TYPES,
+)
 from engine.moe_kernels import Q8_QUANTS  # the stack types moe_gemv_q8 reads
 from engine.schema import Field, ListOf, MapOf
 
@@ -173,6 +177,21 @@ class GemvMma(Knobs):
     cluster: bool = False
 
 
+def mmq_file_types(v: list) -> str | None:
+    bad = sorted(set(v) - set(MMQ_FILE_TYPES))
+    return f"unknown file type(s) {bad}; gemv_mmq reads {', '.join(MMQ_FILE_TYPES)}" if bad else None
+
+
+@dataclass(frozen=True, eq=False)
+class GemvMmq(Knobs):
+    # the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, x quantised per 32 by
+    # gemv_mmq_x) for the weights of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1; uploaded
+    # as q4_k, q6_kr, q8_0r, q4_0r, q4_1r) in every decode pass, batch 1 included (one kernel and one k split per weight:
+    # batched equal to solo); it wins over gemv_mma.types where both name a type. In no profile
+    # until a GPU measurement earns it (tools/gpu_linear_bench.py rows mmq)
+    types: list[str] = knob([], mmq_file_types)
+
+
 @dataclass(frozen=True, eq=False)
 class Gemm(Knobs):
     # the prefill gemm (kernels/gemm.cu.j2; its fixed shape: engine.kernel_catalog.builders.GEMM_FIXED)
@@ -287,6 +306,7 @@ SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
     "gemv_mma": GemvMma,
+    "gemv_mmq": GemvMmq,
     "gemm": Gemm,
     "gemm_wgmma": GemmWgmma,
     "gemm_decode": GemmDecode,

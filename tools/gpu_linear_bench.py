@@ -1,7 +1,8 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--json FILE]
+        [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--mmq-variants 'depth=4']
+        [--json FILE]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -11,6 +12,13 @@ cycling through enough weight copies to defeat the 50 MB L2:
 - ``mma``: the tensor-core decode linear (kernels/gemv_mma.cu.j2) with the params the plan gives
   that batch (engine.kernel_catalog.gemv_mma_params at the MMA_BUCKETS bmax; batch 1 runs the bmax-8
   kernel, as the plan does where gemv_mma serves a type: tuning gemv_mma.types);
+- ``mmq``: the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, q4_k / q6_k / q8_0 / q4_0 /
+  q4_1) with the
+  params engine.kernel_catalog.gemv_mmq_params gives that batch (bmax as gemv_mma's; the bmax-8
+  kernel quantises its own x, xstage), the larger buckets each after their x quantiser (gemv_mmq_x:
+  both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
+  turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at 1-4 rows ``mmq`` is
+  gemv_mmq1 (dp4a dots, the bmax-8 kernel's bits), as the plan runs it, and ``mmq8`` the bmax-8 kernel;
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -92,15 +100,26 @@ class Bench:
             self._fns[spec] = mod.function(spec.entry)
         return self._fns[spec]
 
-    def time_us(self, choice, rows: int, copies: list, args: dict) -> float:
-        """Median-free mean over --iters launches (after 3 warm ones), each on the next weight copy."""
+    def time_us(self, choice, rows: int, copies: list, args: dict, pre=None) -> float:
+        """Median-free mean over --iters launches (after 3 warm ones), each on the next weight copy;
+        ``pre``: a (choice, args) launched before each (gemv_mmq's x quantiser)."""
         cuda = self.cuda
         fn = self.function(choice.spec)
+        if pre is not None:
+            pc, pa = pre
+            pre_run = cuda.PreparedLaunch(self.function(pc.spec), pc.grid(rows), pc.block, pc.smem, self.stream)
+            pre_args = cuda.KernelArgs([kind for _, kind in pc.args], [pa[name] for name, _ in pc.args])
         packed = []
         for w in copies:
             vals = [w.ptr if name == "w" else args[name] for name, _ in choice.args]
             packed.append(cuda.KernelArgs([kind for _, kind in choice.args], vals))
-        run = cuda.PreparedLaunch(fn, choice.grid(rows), choice.block, choice.smem, self.stream)
+        main = cuda.PreparedLaunch(fn, choice.grid(rows), choice.block, choice.smem, self.stream)
+
+        def run(a) -> None:
+            if pre is not None:
+                pre_run(pre_args)
+            main(a)
+
         for i in range(3):
             run(packed[i % len(packed)])
         e0, e1 = cuda.Event(), cuda.Event()
@@ -128,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         "params or, with plan=base, on those of MMA_SHAPES' tile with x from global memory (the "
         "launches before x staging and mma_row_tile); e.g. 'plan=base;xsm=0;depth=2;cluster=1': "
         "rows labelled mma:<variant>",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mmq-variants", default="",
+        help="gemv_mmq param overrides timed beside the plan's, as --mma-variants (mt, wm, wk, kparts, "
+        "depth, min_blocks): rows labelled mmq:<variant>",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -159,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     out = cuda.alloc(max_rows * nmax * 4)
     part = cuda.alloc(16 * max_rows * nmax * 4)  # gemv_mma's partial sums (kparts <= 16 on these shapes)
     count = cuda.alloc(1 << 20)
+    rows8 = -(-max_rows // 8) * 8  # gemv_mmq's int8 x rows and their block scales (whole n tiles)
+    xq = cuda.alloc(rows8 * kmax)
+    xs = cuda.alloc(rows8 * kmax // 32 * 8)
     cuda.memset(count.ptr, 0, 1 << 20)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     rows_out = []
@@ -173,6 +200,28 @@ def main(argv: list[str] | None = None) -> int:
                     cands.append((f"mma:{var}", kc.choice("gemv_mma", **mma_variant(qt, n, k, b, var, info.sm_count))))
                 except (ConfigError, ValueError) as e:
                     print(f"skip mma:{var} {qt} {n}x{k} b{b}: {e}")
+        file_type = storage.REPACKED_FROM.get(qt, qt)
+        p = kc.gemv_mmq_params(qt, n, k, mma_bmax(b), sm_count=info.sm_count)
+        if p is not None and file_type in kc.MMQ_FILE_TYPES:
+            quantiser = (kc.choice("gemv_mmq_x", **kc.gemv_mmq_x_params(k)), {"xq": xq.ptr, "xs": xs.ptr, "x": x.ptr, "rows": b})
+
+            def mmq_row(label: str, params: dict) -> tuple:
+                c = kc.choice("gemv_mmq", **params)  # (xstage quantises x itself: no quantiser launch)
+                return (label, c) if params["xstage"] else (label, c, quantiser)
+
+            bm1 = next((bm for bm, lo, hi in kc.MMQ1_BUCKETS if lo <= b <= hi), 0)
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=info.sm_count, bmax=bm1) if bm1 else None
+            if p1 is not None:  # 1-4 rows: gemv_mmq1, as the plan runs it (the bmax-8 kernel: mmq8)
+                cands.append(("mmq", kc.choice("gemv_mmq1", **p1)))
+            cands.append(mmq_row("mmq8" if p1 is not None else "mmq", p))
+            if not p["xstage"]:
+                cands.append(("mmq-k", kc.choice("gemv_mmq", **p)))
+            for var in filter(None, args.mmq_variants.split(";")):
+                over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
+                try:
+                    cands.append(mmq_row(f"mmq:{var}", {**p, **over}))
+                except ConfigError as e:
+                    print(f"skip mmq:{var} {qt} {n}x{k} b{b}: {e}")
         if not args.no_gemv:
             p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
             cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
@@ -194,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skip {ft} {n}x{k}: {e}")
                 continue
             work.append((ft, qt, n, k, nbytes, [(b, candidates(qt, n, k, b)) for b in batches]))
-    specs = [c.spec for *_, per in work for _, cands in per for _, c in cands]
+    specs = [c[1].spec for *_, per in work for _, cands in per for c in cands]
+    specs += [c[2][0].spec for *_, per in work for _, cands in per for c in cands if len(c) > 2]
     print(builder.build_all(specs, progress=None).summary(), flush=True)
     for ft, qt, n, k, nbytes, per in work:
         ncopy = max(2, -(-L2_DEFEAT // nbytes))
@@ -207,14 +257,14 @@ def main(argv: list[str] | None = None) -> int:
             cuda.htod(buf.ptr, host)
             copies.append(buf)
         for b, cands in per:
-            for label, c in cands:
+            for label, c, *pre in cands:
                 a = {"out": out.ptr, "x": x.ptr, "a": x.ptr, "residual": 0, "rows": b, "part_sum": part.ptr,
-                     "part_count": count.ptr}
+                     "part_count": count.ptr, "xq": xq.ptr, "xs": xs.ptr}
                 for name, _ in c.args:
                     if name.startswith("pf"):
                         a[name] = copies[0].ptr
                 try:
-                    us = bench.time_us(c, b, copies, a)
+                    us = bench.time_us(c, b, copies, a, pre[0] if pre else None)
                 except Exception as e:  # noqa: BLE001 (report and go on: one bad spec must not hide the rest)
                     print(f"FAIL {ft} {n}x{k} b{b} {label}: {e}", flush=True)
                     continue

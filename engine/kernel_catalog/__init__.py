@@ -58,6 +58,18 @@ from engine.kernel_catalog.gemv_mma import (  # noqa: F401
     mma_smem,
     mma_xchunk,
 )
+from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
+    MMQ1_BUCKETS,
+    MMQ_FILE_TYPES,
+    gemv_mmq1_params,
+    gemv_mmq_params,
+    gemv_mmq_x_params,
+    mmq1_folds,
+    mmq1_smem,
+    mmq_serves,
+    mmq_smem,
+    mmq_stages,
+)
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,
     COOP_Q8X_MAX,

@@ -25,6 +25,10 @@ MMA_UNIT: dict[str, int] = {
 }
 
 
+# gemv_mmq's storage types (kernels/gemv_mmq.cu.j2: int8 mma on 128-element units)
+MMQ_TYPES = ("q4_k", "q6_kr", "q8_0r", "q4_0r", "q4_1r")
+
+
 ROPE_STYLES = ("neox", "interleaved")
 GLU_ACTS = ("silu", "gelu_tanh")  # silu_mul's gate activations (SwiGLU, GeGLU with the tanh GELU)
 
@@ -81,6 +85,8 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
         "min_blocks": 1, "xsm": 0,
     },
+    "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0, "prologue": "none"},
+    "gemv_mmq1": {"kparts": 1, "x_stride": 0, "prologue": "none", "u_off": 0, "bmax": 1},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -137,6 +143,47 @@ KERNELS: dict[str, KernelDoc] = {
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
          "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1, "xsm": 0},
         unnamed=("eps",),
+    ),
+    "gemv_mmq": KernelDoc(
+        dict(
+            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
+            out_dtype=str, min_blocks=int, xstage=bool, x_stride=int, prologue=str, eps=float,
+        ),
+        # kparts > 1 adds (part_sum, part_count); xstage takes x (bf16) for xq / xs; prologue "norm"
+        # then norm_w (f32): kernel_args();
+        # xq / xs: gemv_mmq_x's output
+        (("out", P), ("w", P), ("xq", P), ("xs", P), ("residual", P), ("rows", I32)),
+        None,
+        "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
+        "(wm * wk * 32,)",
+        "static: wm * mt * bmax * 64 bytes when wk > 1; dynamic 8 * (kp + 32) + 2 * kp when xstage "
+        "(kp = ceil(k / 128 / kparts) * 128)",
+        {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1, "xstage": False,
+         "x_stride": 0, "prologue": "none", "eps": 0.0},
+        unnamed=("eps",),
+    ),
+    "gemv_mmq1": KernelDoc(
+        dict(
+            quant=str, n=int, k=int, wk=int, kparts=int, warps=int, depth=int, residual=bool, out_dtype=str,
+            x_stride=int, prologue=str, eps=float, u_off=int, bmax=int,
+        ),
+        # kparts > 1 adds (part_sum, part_count), prologue "norm" then norm_w: kernel_args()
+        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
+        None,
+        "(ceil(n / (warps * 32 / wk)), ceil(rows / bmax), kparts)",
+        "(warps * 32,)",
+        "dynamic bmax * kp * 5 / 4 (kp = ceil(k / 128 / kparts) * 128)",
+        {"kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "prologue": "none", "eps": 0.0,
+         "u_off": 0, "bmax": 1},
+        unnamed=("eps",),
+    ),
+    "gemv_mmq_x": KernelDoc(
+        dict(k=int, x_stride=int, threads=int),
+        (("xq", P), ("xs", P), ("x", P), ("rows", I32)),
+        None,
+        "(ceil(k / (8 * threads)), rows)",
+        "(threads,)",
+        defaults={"x_stride": 0},
     ),
     "gemm": KernelDoc(
         dict(

@@ -69,15 +69,15 @@ def mma_xchunk(quant: str, k: int, bmax: int, wk: int, kparts: int) -> int:
     return 0
 
 
-def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0) -> tuple[int, int]:
+def mma_k_split(quant: str, n: int, k: int, sm_count: int = 0, unit: int = 0) -> tuple[int, int]:
     """(wk, kparts) of a [n, k] weight: the k slices a row's sum is split into (warps of a block x
     blocks), from the shape alone, so that every bucket and batch 1 sum a row in the same order.
     kparts (at most MMA_MAX_KPARTS, keeping MMA_MIN_UNITS units per warp, the grid at most 1.5 waves)
     grows where that fills the bmax-8 grid's waves of MMA_BLOCKS_PER_SM blocks on each of
     ``sm_count`` SMs (132 where unknown) better by a fifth of a wave or more: a grid of 1.2 waves
     would leave most SMs idle for its last 0.2, and each part adds f32 partial sums of every row (4
-    bytes per row and column)."""
-    units = k // MMA_UNIT[quant]
+    bytes per row and column). ``unit``: the elements of a warp's step (0: gemv_mma's MMA_UNIT)."""
+    units = k // (unit or MMA_UNIT[quant])
     wk = max(1, min(MMA_WK, units // MMA_MIN_UNITS))
     mt, wm = MMA_SHAPES[8]
     tiles = _cdiv(n, 16 * mt * wm)
