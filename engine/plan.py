@@ -252,6 +252,8 @@ def build_plan(
                 mma = kind == "rmsnorm" and mma_serves(profile.tuning, dt, cols)  # (gemv_mma: norm only)
                 if mmq_serves(profile.tuning, dt, cols):  # (gemv_mmq: where its batch-1 kernel stages x)
                     mma = mmq_stages(dt, cols) if kind == "rmsnorm" else mmq1_folds(dt, rows, cols, profile.sm_count)
+                if kind == "" and (mma_serves(profile.tuning, dt, cols) or mmq_serves(profile.tuning, dt, cols)):
+                    return False  # (a verify pass's buckets: gemv_mma / gemv_mmq fold no prologue there)
                 if id(o) in exact_ids or not (lowerer.q8x_decode(dt, cols) or mma):
                     return False
             return True
