@@ -6,8 +6,8 @@ family or knob, or a bad value, is a ConfigError naming the file and the key pat
 ``build(section, values)`` makes the frozen instance the lowering reads. An instance is also a
 read-only Mapping (``tuning["gemv"]["threads"]``, ``.get``), the form kernel_catalog reads.
 docs/kernels.md ("Tuning knobs") lists every knob a profile sets, with its measured gain. Imports
-only engine.schema, the catalog's Q8X_FILE_TYPES / MMA_FILE_TYPES and engine.moe_kernels'
-Q8_QUANTS. Must not import CUDA or numpy.
+only engine.schema and the catalog's Q8X_FILE_TYPES / MMA_FILE_TYPES / MMQ_FILE_TYPES. Must not
+import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from engine.kernel_catalog import (  # the file types a q8x GEMV / gemv_mma / ge
     MMQ_FILE_TYPES,
     Q8X_FILE_TYPES,
 )
-from engine.moe_kernels import Q8_QUANTS  # the stack types moe_gemv_q8 reads
 from engine.schema import Field, ListOf, MapOf
 
 # the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning; 0 keeps the
@@ -286,22 +285,6 @@ class DecodeGraph(Knobs):
     o_window_max_kb: int = knob(0, non_negative)
 
 
-def q8_stack_types(v: dict) -> str | None:
-    bad = sorted(set(v) - set(Q8_QUANTS))
-    return f"unknown stack type(s) {bad}; moe_gemv_q8 reads {', '.join(Q8_QUANTS)}" if bad else None
-
-
-@dataclass(frozen=True, eq=False)
-class MoeQ8(Knobs):
-    # down_shape: the batch-1 routing moe_gemv_q8 down's block shape per stack type (warps,
-    # rows_per_warp, prefetch; 0 or absent: engine.moe_kernels.Q8_DEFAULTS), with
-    # decode_graph.moe_down_route (engine.lowering.moe.route_in_glu): a block that fits on an SM
-    # beside the glu's (tools/kernel_resources.py) issues its weight loads while the glu runs.
-    # Every shape gives a row the same bits (a lane's pairs summed in order)
-    down_shape: dict = knob({}, q8_stack_types, kind=MapOf({k: Field(int, default=0, check=non_negative)
-                                                           for k in ("warps", "rows_per_warp", "prefetch")}))
-
-
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
@@ -313,7 +296,6 @@ SECTIONS: dict[str, type[Knobs]] = {
     "attention_prefill": AttentionPrefill,
     "attention_decode": AttentionDecode,
     "decode_graph": DecodeGraph,
-    "moe_q8": MoeQ8,
 }
 
 

@@ -210,7 +210,7 @@ def test_down_routing_in_the_kernel_equals_the_plain_down(q, shape, tmp_path):
     """down with ``route`` (batch 1 after the routing glu): each block routes its token from the
     logits (a tie at the top, a NaN logit) and issues its first two chunks of weight loads before
     pdl_wait, then one chunk per chunk of math (q6_k with prefetch 1: six chunks), in the block
-    shapes tuning moe_q8.down_shape may pick: out equal, bit for bit, to the plain down's (default
+    shapes moe_gemv_q8 takes: out equal, bit for bit, to the plain down's (default
     shape) with moe_topk's ids and weights; ids and weights never read."""
     from engine.moe_kernels import topk_kernel
 

@@ -11,16 +11,13 @@
 # kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
 # ab:    memra bench --quick at BATCHES per batch-1 MoE variant (VARIANTS: name=MEMRA_TUNE spec;
-#        "default" first): the routing down (decode_graph.moe_down_route) on / off and
-#        moe_q8.down_shape block shapes whose blocks fit beside the glu's (not in the defaults)
+#        "default" first): the routing down (decode_graph.moe_down_route) on / off
 # trace: tools/gpu_trace_decode.py --batch 1 over the same variants ($R/trace_*; not in the defaults)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
 M=${MODEL:-/dev/shm/q30.gguf}; B=${BATCHES:-1,2,4,8,16,32}
-VARIANTS=${VARIANTS:-"nodown=decode_graph.moe_down_route=false
-d41=moe_q8.down_shape={q6_k: {warps: 4, rows_per_warp: 1}, q4_k: {warps: 4, rows_per_warp: 2}}
-d22=moe_q8.down_shape={q6_k: {warps: 2, rows_per_warp: 2}, q4_k: {warps: 4, rows_per_warp: 2}}"}
+VARIANTS=${VARIANTS:-"nodown=decode_graph.moe_down_route=false"}
 bench() {  # NAME [extra memra bench args]
   local name=$1; shift
   timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" "$@" \

@@ -125,7 +125,7 @@ def route_in_glu(ctx, steps, weights, values) -> None:
     its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights; with
     tuning decode_graph.moe_down_route a moe_gemv_q8 down after it routes each token from the
     logits too, so its weight loads go out before its pdl_wait, under the glu's tail (only act
-    waits for the glu), in tuning moe_q8.down_shape's block shape for its stack type."""
+    waits for the glu)."""
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -158,9 +158,8 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         down_route = ctx.graph_knob("moe_down_route")
         if down_route and rest and rest[0].spec.template == "moe_gemv_q8" and rest[0].spec.params["mode"] == "down":
             d = rest[0].spec.params  # (the down routes too: its weight loads before its pdl_wait)
-            shape = {k: v for k, v in (ctx.tune("moe_q8").get("down_shape") or {}).get(d["quant"], {}).items() if v}
             dk = mk.expert_q8_kernel("down", d["quant"], d["n"], d["k"], d["top_k"], residual=d["residual"],
-                                     trigger=d["trigger"], route=(int(p["experts"]), p["normalize"]), **shape)
+                                     trigger=d["trigger"], route=(int(p["experts"]), p["normalize"]))
             grid = (dk.grid(1)[0], *rest[0].grid[1:])
             rest[0] = dataclasses.replace(rest[0], spec=dk.spec, grid=grid, block=dk.block[:1], args=rest[0].args + (r.args[2],))
         nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *rest)
