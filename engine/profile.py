@@ -119,10 +119,6 @@ def load_profile(path: Path, _chain: tuple[str, ...] = ()) -> DeviceProfile:
             f"{path}: programmatic_launch: programmatic dependent launch needs sm_90 or newer, "
             f"but arch is {data['arch']}"
         )
-    if tuning["gemv_mma"]["cluster"] and arch_number(data["arch"]) < 90:
-        raise ConfigError(
-            f"{path}: tuning.gemv_mma.cluster: thread-block clusters need sm_90 or newer, but arch is {data['arch']}"
-        )
     if tuning["gemm_wgmma"]["enabled"] and data["arch"] != "sm_90a":
         raise ConfigError(
             f"{path}: tuning.gemm_wgmma.enabled: wgmma and setmaxnreg exist on sm_90a only, "

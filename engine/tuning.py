@@ -171,9 +171,6 @@ class GemvMma(Knobs):
     # in every decode pass, batch 1 included (one kernel and one k split per weight at every batch
     # size: batched equal to solo), instead of the GEMVs (and, for bf16 models, the wide-decode GEMM)
     types: list[str] = knob([], mma_file_types)
-    # sm_90: the k parts of a row tile as one thread-block cluster, summed through distributed
-    # shared memory (no scratch, no atomics; the same bits as the global partial sums)
-    cluster: bool = False
 
 
 def mmq_file_types(v: list) -> str | None:

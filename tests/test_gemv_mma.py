@@ -369,10 +369,10 @@ def tiny_models(tmp_path_factory):
     return out
 
 
-def test_real_sizes_split_k_over_blocks_with_scratch_or_a_cluster():
+def test_real_sizes_split_k_over_blocks_with_scratch():
     """Qwen3-4B q4_k_m / bf16 shapes (no weights): the o and down projections split k over blocks
-    (the tiny models never do), with the mma_part / mma_count scratch or, with gemv_mma.cluster, as
-    clusters without it; every decode mode agrees in the bit-changing params."""
+    (the tiny models never do), with the mma_part / mma_count scratch; every decode mode agrees in
+    the bit-changing params."""
     from fixtures.batch_invariance import mismatches
 
     from engine.graph import load_family
@@ -382,15 +382,13 @@ def test_real_sizes_split_k_over_blocks_with_scratch_or_a_cluster():
 
     g = load_family("qwen3")
     for q in ("q4_k_m", "bf16"):
-        for tune, cluster in ((MMA_ALL, False), (MMA_ALL + "; gemv_mma.cluster=true", True)):
-            plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant(q), with_tuning(get_profile("h100"), tune),
-                              rope_style="neox")  # fmt: skip
-            assert mismatches(plan) == [], mismatches(plan)[:3]
-            mma = [la.spec.params for st in plan.steps for m in ("decode1", "decode") for la in st.launches[m]
-                   if la.spec.template == "gemv_mma"]  # fmt: skip
-            split = [p for p in mma if p["kparts"] > 1]
-            assert split and all(p["cluster"] == cluster for p in split), q
-            assert ({"mma_part", "mma_count"} <= {s.name for s in plan.scratch}) != cluster
+        plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant(q), with_tuning(get_profile("h100"), MMA_ALL),
+                          rope_style="neox")  # fmt: skip
+        assert mismatches(plan) == [], mismatches(plan)[:3]
+        mma = [la.spec.params for st in plan.steps for m in ("decode1", "decode") for la in st.launches[m]
+               if la.spec.template == "gemv_mma"]  # fmt: skip
+        assert [p for p in mma if p["kparts"] > 1], q
+        assert {"mma_part", "mma_count"} <= {s.name for s in plan.scratch}
 
 
 def test_the_plan_runs_every_decode_linear_on_gemv_mma_and_a_row_gets_its_batch1_bits(tiny_models):

@@ -75,7 +75,7 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
     base = over.pop("plan", "") == "base"
     p = kc.gemv_mma_params(qt, n, k, mma_bmax(rows), sm_count=sm_count, stage_x=not base, fit_tile=not base)
     ints = {key: int(v) for key, v in over.items() if key != "xsm" or v != "auto"}
-    bad = set(over) - {"mt", "wm", "wk", "kparts", "depth", "min_blocks", "xsm", "cluster"}
+    bad = set(over) - {"mt", "wm", "wk", "kparts", "depth", "min_blocks", "xsm"}
     if bad:
         raise ValueError(f"unknown variant keys {sorted(bad)}")
     split = ints.get("wk", p["wk"]) != p["wk"] or ints.get("kparts", p["kparts"]) != p["kparts"]
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         help="gemv_mma launches timed beside the plan's, ';'-separated, each 'key=value,...': param "
         "overrides of mt, wm, wk, kparts, depth, min_blocks (else the one the warps give), xsm (unit rounds per x chunk; 0: x from "
         "global memory; auto: mma_xchunk's for the variant's k split, as where wk or kparts change and "
-        "xsm is not named), cluster (0/1: the k parts as a thread-block cluster), on the plan's "
+        "xsm is not named), on the plan's "
         "params or, with plan=base, on those of MMA_SHAPES' tile with x from global memory (the "
-        "launches before x staging and mma_row_tile); e.g. 'plan=base;xsm=0;depth=2;cluster=1': "
+        "launches before x staging and mma_row_tile); e.g. 'plan=base;xsm=0;depth=2': "
         "rows labelled mma:<variant>",
     )  # fmt: skip
     ap.add_argument(

@@ -181,7 +181,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
         need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
         need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
-        need(not p["cluster"] or p["kparts"] <= 8, f"cluster: kparts={p['kparts']} exceeds a cluster's 8 blocks")
         if ue is not None and p["xsm"]:
             rounds = _x_rounds(q, p["k"], wk, p["kparts"])
             need(p["xsm"] <= rounds, f"xsm={p['xsm']} exceeds the {rounds} unit rounds of a block's k part")

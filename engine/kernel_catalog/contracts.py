@@ -82,7 +82,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_combine": {"window": 0},
     "rope": {"v_stride": 0},
     "gemv_mma": {
-        "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "cluster": False, "trigger": False,
+        "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "trigger": False,
         "min_blocks": 1, "xsm": 0,
     },
     "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0, "prologue": "none"},
@@ -129,10 +129,10 @@ KERNELS: dict[str, KernelDoc] = {
     "gemv_mma": KernelDoc(
         dict(
             quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, cluster=bool, trigger=bool,
+            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, trigger=bool,
             min_blocks=int, xsm=int,
         ),
-        # kparts > 1 adds (part_sum, part_count) unless cluster, prologue "norm" then norm_w: kernel_args()
+        # kparts > 1 adds (part_sum, part_count), prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
         "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
@@ -141,7 +141,7 @@ KERNELS: dict[str, KernelDoc] = {
         "prologue norm); dynamic with "
         "xsm > 0: the x stages, kernel_catalog.gemv_mma.mma_smem",
         {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
-         "prologue": "none", "eps": 0.0, "cluster": False, "trigger": False, "min_blocks": 1, "xsm": 0},
+         "prologue": "none", "eps": 0.0, "trigger": False, "min_blocks": 1, "xsm": 0},
         unnamed=("eps",),
     ),
     "gemv_mmq": KernelDoc(

@@ -204,7 +204,6 @@ def gemv_mma_params(
         glu=glu,
         prologue=prologue,
         eps=eps,
-        cluster=False,
         trigger=False,
         min_blocks=min_blocks,
         xsm=xsm,

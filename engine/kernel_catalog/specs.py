@@ -209,7 +209,7 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template in ("gemv_mmq", "gemv_mmq1") and s.params["prologue"] == "norm":
         args = args + (("norm_w", P),)
-    if s.template == "gemv_mma" and s.params["kparts"] > 1 and not s.params["cluster"]:
+    if s.template == "gemv_mma" and s.params["kparts"] > 1:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["prologue"] == "norm":
         args = args + (("norm_w", P),)

@@ -9,8 +9,7 @@ gate|up weight whose silu_mul the plan folds (gemv.fuse_glu) stores silu(gate) *
 rmsnorm kernel's bits; gemv_coop.q8x_fuse); the buckets keep its launch. A k split over blocks adds
 the f32 partial sums and per-tile counters as scratch (``mma_part``, ``mma_count``; a launch forked
 beside the op's first, as a q4_k_m layer's v beside its q|k at batch 1 with decode_graph.fork_linears,
-has its own, ``mma_part.1`` ...); with tuning gemv_mma.cluster the parts form a thread-block cluster
-instead (no scratch). A helper of the ``linear`` unit.
+has its own, ``mma_part.1`` ...). A helper of the ``linear`` unit.
 Must not import CUDA or numpy.
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 from engine import kernel_catalog as kc
 from engine.ir import NULL, ROWS, Arg, Launch, ScratchPlan, cdiv, val, wgt
-from engine.profile import arch_number
 from engine.types import ConfigError
 
 MMA_MODES = ("decode1", "decode")  # the modes gemv_mma serves (prefill keeps the GEMM)
@@ -53,15 +51,13 @@ def mma_launches(ctx, op, layer, mode, ins, out, w, glu: int, tag: str = "") -> 
         )  # fmt: skip
         if p is None:
             raise ConfigError(f"plan: gemv_mma cannot read {w.key} ({w.dtype} [{w.rows}, {w.cols}], x ld {xv.ld})")
-        if p["kparts"] > 1 and ctx.tune("gemv_mma").get("cluster") and arch_number(ctx.profile.arch) >= 90:
-            p["cluster"] = True  # the parts summed through distributed shared memory (sm_90)
         tiles = cdiv(w.rows, 16 * p["mt"] * p["wm"])
         resident = kc.mma_resident(bmax, p["mt"], p["wm"], p["wk"], kc.mma_smem(p))
         if mode == "decode1" and ctx.graph_knob("early_trigger") and tiles * p["kparts"] <= resident * ctx.profile.sm_count:
             p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
         spec = ctx.spec("gemv_mma", **p)
         args = (val(out), wgt(w), val(xv), res, ROWS)
-        if p["kparts"] > 1 and not p["cluster"]:
+        if p["kparts"] > 1:
             ctx.need_scratch(ScratchPlan("mma_part" + tag, fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
             ctx.need_scratch(ScratchPlan("mma_count" + tag, fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
             args += (Arg("scratch", "mma_part" + tag), Arg("scratch", "mma_count" + tag))

@@ -41,7 +41,7 @@ def launch_mma(kernels, weights, p: dict, x: np.ndarray, r: np.ndarray | None = 
     xd = upload(x, "bf16")
     args = dict(out=out, w=w, x=xd.at(x_pad), residual=out if r is not None else 0, rows=rows)
     count = None
-    if p["kparts"] > 1 and not p["cluster"]:  # sized as engine.lowering.gemv_mma sizes the scratch
+    if p["kparts"] > 1:  # sized as engine.lowering.gemv_mma sizes the scratch
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
         tiles = -(-n // (16 * p["mt"] * p["wm"])) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
@@ -93,7 +93,7 @@ def _split(p: dict, kparts: int) -> dict:
 
 
 def _tag(p: dict) -> tuple:
-    return (p["quant"], p["bmax"], p["mt"], p["wm"], p["kparts"], p["depth"], p["xsm"], p["cluster"])
+    return (p["quant"], p["bmax"], p["mt"], p["wm"], p["kparts"], p["depth"], p["xsm"])
 
 
 SEED = 20261207  # inputs seeded (a failure names its case and can be rerun)
@@ -118,7 +118,7 @@ def test_gemv_mma_every_type_and_batch(kernels, weights, profile):
 def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, profile, shape):
     """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column) and as rows
     of batches of 2, 3, 8, 17, 32 and 64 (every bucket's kernel; f32 out, the unrounded sums): the
-    same bits; so do the k parts summed through a cluster's shared memory (cluster=true). (2560,
+    same bits. (2560,
     4096): the o projection's k split over 3 blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
@@ -129,7 +129,6 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         x = bf_round(rng.standard_normal((64, k)))
         solo = {r: launch_mma(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
         runs = [(b, p) for b, p in specs.items()]
-        runs += [(b, {**p, "cluster": True}) for b, p in specs.items() if p["kparts"] > 1]  # (sm_90)
         # x from global memory at the old tile, and x in chunks of one round: the same bits
         runs += [(b, _base(qt, n, k, b, profile, out_dtype="f32")) for b in (1, 8, 17, 64)]
         runs += [(b, _xsm1(specs[b])) for b in (1, 3, 32)]
@@ -149,7 +148,7 @@ def test_gemv_mma_variants(kernels, weights, profile):
     """The single-part form, f32 logits, a strided x (a column view), more rows than bmax (two grid
     rows), a k split over many blocks, the glu epilogue (gate|up storing silu(gate) * up, split and
     single-part), a second launch reusing the part counters (the last block of each tile leaves
-    its counter zero), and the k parts as a thread-block cluster (cluster=true); each also with x
+    its counter zero); each also with x
     in chunks of one unit round (xsm=1: two stages), and the tall bf16 / q8_0r tile (mt 4, 128
     threads)."""
     base = dict(sm_count=profile.sm_count)
@@ -169,11 +168,7 @@ def test_gemv_mma_variants(kernels, weights, profile):
         cases.append((_split(kc.gemv_mma_params(qt, N, K, 32, **base), 5), 20, 0))
         for bmax in (8, 16, 64):  # a gate|up of 2 x 501 rows storing silu(gate) * up
             pg = kc.gemv_mma_params(qt, 1002, K, bmax, glu=501, **base)
-            cases += [(pg, bmax - 1, 0), (_split(pg, 1), bmax, 0), (_split(pg, 3), 1, 0),
-                      ({**_split(pg, 3), "cluster": True}, bmax, 0)]  # fmt: skip
-        for bmax, rows in ((8, 1), (8, 5), (32, 20), (64, 100)):  # the parts as a cluster (sm_90)
-            p = kc.gemv_mma_params(qt, N, K, bmax, residual=True, **base)
-            cases.append(({**_split(p, max(2, p["kparts"])), "cluster": True}, rows, 0))
+            cases += [(pg, bmax - 1, 0), (_split(pg, 1), bmax, 0), (_split(pg, 3), 1, 0)]
     cases += [(_xsm1(p), rows, pad) for p, rows, pad in cases if p["xsm"]]
     kernels.prebuild(dict.fromkeys(kc.spec("gemv_mma", **p) for p, _, _ in cases))
     rng = np.random.default_rng(SEED + 1)
@@ -211,14 +206,13 @@ QWEN3_SPLIT_DIMS = dict(QWEN3_DIMS, hidden_size=1024, head_dim=128, intermediate
 
 
 @pytest.mark.parametrize(
-    "family,q,tune",
-    [("qwen3", "bf16", ""), ("qwen3", "q8_0", ""), ("qwen3", "q4_k_m", ""), ("llama", "q4_0", ""),
-     ("llama", "q4_1", ""), ("llama", "q5_0", ""), ("qwen3", "q4_k_m", "; gemv_mma.cluster=true")],
+    "family,q",
+    [("qwen3", "bf16"), ("qwen3", "q8_0"), ("qwen3", "q4_k_m"), ("llama", "q4_0"), ("llama", "q4_1"), ("llama", "q5_0")],
 )
-def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q, tune):
+def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path, monkeypatch, family, q):
     """The plan with tuning gemv_mma.types naming every type (MEMRA_TUNE): the decode linears run
     gemv_mma at batch 1 and in the buckets (the Qwen3s wide enough that some split k over blocks,
-    through the runner's scratch or, with gemv_mma.cluster, as clusters). 1, 3, 20 and 40 sequences (bmax 8, 8, 32, 64) decode one
+    through the runner's scratch). 1, 3, 20 and 40 sequences (bmax 8, 8, 32, 64) decode one
     step together, graph-replayed: every row's logits match the numpy reference's for that sequence
     alone, and rows of the 20- and 40-row steps run again alone (batch 1) give the same logits, bit
     for bit."""
@@ -229,7 +223,7 @@ def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path
     from engine.runner_cuda import CudaRunner
     from engine.types import SamplingParams, StepItem
 
-    monkeypatch.setenv("MEMRA_TUNE", MMA_ALL + tune)
+    monkeypatch.setenv("MEMRA_TUNE", MMA_ALL)
     greedy = SamplingParams(temperature=0.0)
     if q == "bf16":
         path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_SPLIT_DIMS)
@@ -240,10 +234,9 @@ def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path
     runner = CudaRunner(model, num_blocks=256, max_model_len=256)
     ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
     try:
-        if family == "qwen3":  # (the k split over blocks: scratch, or a cluster)
-            split = [la.spec.params for st in runner.plan.steps for la in st.launches["decode"]
-                     if la.spec.template == "gemv_mma" and la.spec.params["kparts"] > 1]  # fmt: skip
-            assert split and all(p["cluster"] == bool(tune) for p in split), split
+        if family == "qwen3":  # (the k split over blocks, through the scratch)
+            assert [la for st in runner.plan.steps for la in st.launches["decode"]
+                    if la.spec.template == "gemv_mma" and la.spec.params["kparts"] > 1]  # fmt: skip
         on = [[i for i, st in enumerate(runner.plan.steps) if st.op.op == "linear"
                and any(la.spec.template == "gemv_mma" for la in st.launches[mode])] for mode in ("decode1", "decode")]
         assert on[0] and on[0] == on[1], on  # (k = 576 rows of q4_0 / q4_1 / q8_0 keep the GEMV: not whole units)
