@@ -44,12 +44,13 @@ VDECODE = "vdecode"
 def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
-    VSHORT in a verify pass (``verify``) where it has that, else "short" where it has that;
-    otherwise in a decode verify pass VDECODE where the step has it; otherwise the mode itself."""
+    VSHORT in a decode-mode verify pass (``verify``; lowered for the decode GEMVs' value layouts,
+    not a wide pass's) where it has that, else "short" where it has that; otherwise in a decode
+    verify pass VDECODE where the step has it; otherwise the mode itself."""
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
-        if verify and VSHORT in launches:
+        if verify and mode == "decode" and VSHORT in launches:
             return VSHORT
         if "short" in launches:
             return "short"

@@ -299,6 +299,21 @@ def test_launch_key_picks_short1_then_short_then_the_mode():
     assert launch_key({"decode1": ()}, "decode1", True) == "decode1"
 
 
+def test_launch_key_of_a_verify_pass():
+    """A verify pass takes VSHORT (short context) and VDECODE only in the decode mode they were
+    lowered for: a wide verify pass (16 rows and more where the plan has a wide mode) keeps its
+    own launches, "short" or the mode's (GPU: 16 verify rows of a hybrid read the decode GEMVs'
+    layouts through VSHORT and got logits off by 100 %)."""
+    from engine.ir import VDECODE, VSHORT, WIDE, launch_key
+
+    ls = {"decode": (), "short": (), VSHORT: (), VDECODE: (), WIDE: ()}
+    assert launch_key(ls, "decode", True, verify=True) == VSHORT
+    assert launch_key(ls, "decode", False, verify=True) == VDECODE
+    assert launch_key(ls, WIDE, True, verify=True) == "short"
+    assert launch_key(ls, WIDE, False, verify=True) == WIDE
+    assert launch_key(ls, "decode", True) == "short"
+
+
 def test_attention_table_first_on_every_decode_kernel():
     """attention_decode.table_first (on for h200): every decode attention kernel, the short-context
     direct one and the split one, stages its first table chunk at its start, before the row's
