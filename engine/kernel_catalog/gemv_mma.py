@@ -34,6 +34,11 @@ MMA_DEPTH = 4  # KB of weight loads in flight per warp: units of 1 KB per m tile
 MMA_MIN_UNITS = 2  # the fewest units a warp's k slice has where the k split is chosen
 MMA_BLOCKS_PER_SM = 2  # the k split over blocks aims at this many blocks per SM at the bmax-8 row tile
 MMA_MAX_KPARTS = 4
+# (upload type, bmax) whose launches stage x in shared memory on mma_row_tile's tile; the others
+# keep MMA_SHAPES' tile with x from global memory. H100, tools/gpu_linear_bench.py, 2026-12-07, the
+# Qwen3-4B shapes summed: bf16 b1 71.4 % of the copy staged vs 64.3 % not, b8 63.9 vs 63.5; b32
+# 42.9 vs 54.8; q4_k b1 27.3 vs 37.0, b8 17.0 vs 34.7; q6_k b1 35.0 vs 47.8 (docs/PERFORMANCE.md)
+MMA_STAGED = frozenset({("bf16", 8)})
 # bmax -> the most shared memory a block's x stages take: 4 blocks of 128 threads an SM at bmax 8
 # (mma_row_tile's), 2 of 256 above
 MMA_XSM_BYTES = {8: 48 * 1024, 16: 96 * 1024, 32: 96 * 1024, 64: 96 * 1024}
@@ -157,8 +162,8 @@ def gemv_mma_params(
     glu: int = 0,
     prologue: str = "none",
     eps: float = 0.0,
-    stage_x: bool = True,
-    fit_tile: bool = True,
+    stage_x: bool | None = None,
+    fit_tile: bool | None = None,
 ) -> dict[str, Any] | None:
     """The gemv_mma params of a decode linear on a [n, k] weight uploaded as ``quant`` for passes of
     up to ``bmax`` rows (bmax 8 also serves batch 1), or None where the kernel does not apply (a type
@@ -166,13 +171,17 @@ def gemv_mma_params(
     ``glu``: a gate|up weight storing silu(gate) * up (each m tile 8 gate rows and their 8 up rows);
     ``prologue`` "norm": x normalised inside (rmsnorm with ``eps``; the norm weight a trailing arg).
     ``stage_x`` / ``fit_tile`` False: x read from global memory / the row tile MMA_SHAPES[bmax] (the
-    launches before either existed: tools/gpu_linear_bench.py times them as ``plan=base``).
+    launches before either existed: tools/gpu_linear_bench.py times them as ``plan=base``); None:
+    MMA_STAGED's choice.
     No tuning knob: the k split is ``mma_k_split``'s (the weight's shape alone), the row tile
     ``mma_row_tile``'s, x staged in shared memory in ``mma_xchunk``'s chunks."""
     ue = MMA_UNIT.get(quant)
     if ue is None or k % ue or k % QUANTS[quant][0] or x_stride % 8:
         return None
     wk, kparts = mma_k_split(quant, n, k, sm_count)
+    staged = (quant, bmax) in MMA_STAGED
+    stage_x = staged if stage_x is None else stage_x
+    fit_tile = staged if fit_tile is None else fit_tile
     xsm = mma_xchunk(quant, k, bmax, wk, kparts) if stage_x else 0
     smem = mma_smem(dict(quant=quant, k=k, bmax=bmax, wk=wk, kparts=kparts, xsm=xsm))
     mt, wm = mma_row_tile(quant, n, bmax, wk, kparts, smem, sm_count) if fit_tile else MMA_SHAPES[bmax]
