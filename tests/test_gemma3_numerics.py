@@ -238,7 +238,7 @@ TEXT = (
 )
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (20 s: in .ci/run's long step, keeping README's test command under 6 minutes)
 def test_the_plans_storage_roundings_on_the_real_file(gemma3_path):
     """The real 270M file, 64 teacher-forced positions: the reference with the h100 plan's storage
     roundings (tests/fixtures/plan_numerics.py: bf16 values, q8x GEMV inputs) against the plain
