@@ -70,22 +70,6 @@ class ReplayProposer:
         pass
 
 
-def time_graph(cuda, graph, stream, launches: int = 50) -> float:
-    """Microseconds per replay of ``graph`` (after two warm replays)."""
-    for _ in range(2):
-        graph.launch(stream)
-    e0, e1 = cuda.Event(), cuda.Event()
-    e0.record(stream)
-    for _ in range(launches):
-        graph.launch(stream)
-    e1.record(stream)
-    e1.synchronize()
-    us = e1.elapsed_ms(e0) * 1e3 / launches
-    e0.destroy()
-    e1.destroy()
-    return us
-
-
 def rows_of(start: int, n: int, table: list[int]) -> list[StepItem]:
     """n decode rows of one sequence at positions start .. start + n - 1 (a verify pass's rows)."""
     return [StepItem(0, [(37 * (start + j)) % 500 + 3], start + j, table, True, GREEDY) for j in range(n)]
@@ -115,6 +99,8 @@ def prefill(runner, depths: list[int]) -> list[int]:
 
 
 def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
+    from gpu_decode_profile import time_graph
+
     from engine.spec.cuda_verify import has_verify_short, short_is_safe
 
     table = prefill(runner, depths)
@@ -128,7 +114,7 @@ def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
         short = depth + k < runner.plan.short_context
         res: dict = {}
         g, n_launch, _ = pass_graph(runner, rows_of(depth, 1, table), short, True)
-        res["plain b1"] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch}
+        res["plain b1"] = {"us": time_graph(cuda, g, runner.stream, 50), "launches": n_launch}
         vs, vv = verify_path(runner, short)
         plain_short = short and short_is_safe(runner.plan)
         for label, exact, sh, ver in (
@@ -138,7 +124,7 @@ def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
             (f"short {k + 1}", True, short, False),  # the folded rope (timing only: the rows race)
         ):
             g, n_launch, bucket = pass_graph(runner, rows_of(depth, k + 1, table), sh, exact, ver)
-            res[label] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch, "rows": bucket}
+            res[label] = {"us": time_graph(cuda, g, runner.stream, 50), "launches": n_launch, "rows": bucket}
         # the verify pass's logits against the plain decode launches' (bits: max |diff| 0)
         got, ref = verify_logits(runner, k, depth, table), verify_logits(runner, k, depth, table, plain=True)
         with np.errstate(invalid="ignore"):  # (a NaN in either shows as nan)
@@ -146,7 +132,7 @@ def passes(cuda, runner, k: int, depths: list[int], breakdown: bool) -> dict:
         res["verify"]["same_argmax"] = bool((got.argmax(1) == ref.argmax(1)).all())
         for n in range(1, 9):
             g, n_launch, _ = pass_graph(runner, rows_of(depth, n, table), False, True)
-            res[f"rows {n}"] = {"us": time_graph(cuda, g, runner.stream), "launches": n_launch}
+            res[f"rows {n}"] = {"us": time_graph(cuda, g, runner.stream, 50), "launches": n_launch}
         for row in res.values():
             row["us"] = round(row["us"], 1)
             row["plain_steps"] = round(row["us"] / res["plain b1"]["us"], 3)
