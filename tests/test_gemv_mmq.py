@@ -99,6 +99,13 @@ def pack(xq: np.ndarray, xs: np.ndarray, rng=None) -> tuple[np.ndarray, np.ndarr
     return q, np.ascontiguousarray(sc.reshape(r8 // 8, 8, k // 32, 2).transpose(0, 2, 1, 3))
 
 
+def _poisoned_out(p: dict, rows: int, residual: np.ndarray | None) -> np.ndarray:
+    """The out buffer of a launch: NaN-poisoned (f32 or bf16), or a copy of ``residual`` (aliased as out)."""
+    if p["out_dtype"] == "f32":
+        return np.full((rows, p["n"]), np.nan, np.float32)
+    return np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+
+
 def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None, x_pad: int = 0,
          norm_w: np.ndarray | None = None) -> np.ndarray:
     """gemv_mmq ``p`` under the emulator on x rows (f32, bf16-exact; quantised by gemv_mmq_x first
@@ -107,10 +114,7 @@ def _run(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = No
     s = kc.spec("gemv_mmq", **p)
     lib, types = cuda_emu.compile_any(render(s), s.entry)
     rows = x.shape[0]
-    if p["out_dtype"] == "f32":
-        out = np.full((rows, p["n"]), np.nan, np.float32)
-    else:
-        out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+    out = _poisoned_out(p, rows, residual)
     if p["xstage"]:
         xp = np.concatenate([x, np.full((rows, x_pad), np.nan, np.float32)], axis=1) if x_pad else x
         xin = [np.ascontiguousarray((xp.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))]
@@ -181,10 +185,7 @@ def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = N
     s = kc.spec("gemv_mmq1", **p)
     lib, types = cuda_emu.compile_any(render(s), s.entry)
     rows = x.shape[0]
-    if p["out_dtype"] == "f32":
-        out = np.full((rows, p["n"]), np.nan, np.float32)
-    else:
-        out = np.full((rows, p["n"]), 0x7FC0, np.uint16) if residual is None else residual.copy()
+    out = _poisoned_out(p, rows, residual)
     xb = np.ascontiguousarray((x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
     args = [out, w, xb, out if residual is not None else None, rows]
     count = np.zeros(1024, np.uint32)
