@@ -1,10 +1,21 @@
 """The draft-model proposer: a smaller checkpoint with the target's tokenizer, run through the
 Runner protocol beside the target, with its own paged KV and its own block manager.
 
-For each row it first runs the tokens the draft has not seen yet (the prompt on the first call, as
-one chunk; then the one or two tokens the target emitted since, as one-token rows so a CUDA draft
-replays its decode graphs), then drafts greedily one token per draft step, all rows of a draft step
-batched together. It remembers which tokens its KV holds; on the next call the
+For each row it first runs the tokens the draft has not seen yet, then drafts greedily one token
+per draft step, all rows of a draft step batched together. The catch-up runs each position the way
+the target ran it, so that a draft model that is the target itself computes every proposed token
+with the target's bits (a CUDA prefill pass and a decode row reduce differently; tests/fixtures/
+batch_invariance.py makes decode rows of any batch, and the verify rows, bit-equal to batch-1 decode
+rows): the prompt's positions (below ``prompt_len``) as prefill, in one chunk; every later position,
+the row's last token included (the target runs it as a decode row this step, also where a
+prefix-cache hit or a chunked prefill left one prompt token for it), as a one-token decode row,
+so a CUDA draft replays its decode graphs. A catch-up of more than MAX_DECODE_CATCHUP generated
+tokens (a row that did not speculate for a while: a large batch, a low acceptance rate) runs all
+but its last token as one prefill chunk instead, which costs one pass rather than one draft step
+a token; its KV then has prefill bits, so a self-draft may later be rejected at a near tie
+(acceptance only: the output is the target's either way).
+
+It remembers which tokens its KV holds; on the next call the
 positions whose tokens the target did not accept are rolled back (block-manager truncation) before
 the catch-up. Its proposals are deterministic (argmax), so verification treats them as point-mass
 proposals, which the rejection rule handles exactly for sampled requests too.
@@ -30,7 +41,21 @@ from engine.types import SamplingParams, StepItem
 
 _GREEDY = SamplingParams(temperature=0.0)
 _SALT = b"memra-draft"
-MAX_DECODE_CATCHUP = 4  # catch-ups up to this many tokens run as decode rows, one per draft step
+MAX_DECODE_CATCHUP = 16  # generated tokens a catch-up runs as decode rows, one per draft step
+
+
+def catchup_chunks(new: Sequence[int], start: int, prompt_len: int) -> list[list[int]]:
+    """The runner items (token lists, in order) that run ``new``, the tokens at positions
+    ``start ..``, as the target ran them: positions below the prompt's end (``prompt_len``; 0:
+    unknown, every position but the last) as one prefill chunk, every later one as a one-token
+    decode row; a run of more than MAX_DECODE_CATCHUP such rows as one chunk but its last token
+    (module docstring). A one-token item at position 0 is a prefill for any runner."""
+    end = start + len(new)
+    prompt_end = min(prompt_len if prompt_len > 0 else end - 1, end - 1)
+    cut = max(0, prompt_end - start)
+    if len(new) - cut > MAX_DECODE_CATCHUP:
+        cut = len(new) - 1
+    return ([list(new[:cut])] if cut else []) + [[t] for t in new[cut:]]
 
 
 @dataclass
@@ -105,10 +130,7 @@ class DraftModelProposer:
             if not self.blocks.grow(r.seq_id, n + k - 1):  # the draft cache is full: skip this row
                 self.release(r.seq_id)
                 continue
-            new = list(r.tokens[len(row.done) :])
-            # a short catch-up (the tokens the target emitted since the last draft) runs as one-token
-            # rows, which a CUDA runner replays from its decode graphs; a prompt runs as one chunk
-            chunks = [[t] for t in new] if row.done and len(new) <= MAX_DECODE_CATCHUP else [new]
+            chunks = catchup_chunks(r.tokens[len(row.done) :], len(row.done), r.prompt_len)
             row.confirmed = n
             active.append((i, r, row, k, chunks))
         while active:

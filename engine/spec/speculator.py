@@ -92,7 +92,9 @@ class Speculator:
         running: int,
     ) -> None:
         """Give the step's decode rows their drafts (in place). ``batch`` holds scheduler.Scheduled."""
-        decode = [i for i, s in enumerate(batch) if s.sample and s.count == 1 and s.seq.remaining == 1]
+        # (a one-token prompt's row at position 0 is a prefill for the runner's step, and verify
+        # would run it as a decode row: other bits on a GPU, so it never speculates)
+        decode = [i for i, s in enumerate(batch) if s.sample and s.count == 1 and s.seq.remaining == 1 and s.start > 0]
         if not decode or len(decode) > self.policy.max_batch:  # large batch: plain decode, no per-row work
             return
         reqs: list[tuple[int, ProposeRequest]] = []
