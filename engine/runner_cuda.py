@@ -3,7 +3,7 @@
 Weights are uploaded as the plan says (fused q|k|v and gate|up, raw GGUF blocks, bf16 as bf16,
 norm vectors as f32). One activation arena holds every plan buffer for the largest step; the KV
 cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step runs its prefill
-items eagerly (one chunk at a time, the head on the last row only; one sequence's 2..block_size
+items eagerly (one chunk at a time, the head on the last row only; one sequence's 1..block_size
 tokens, a prefix hit's tail, replay a graph captured at build), then the decode rows through
 the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
 block). A decode step is one graph launch that copies the packed inputs in and the sampled ids out

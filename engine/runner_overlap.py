@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.runner_steps import _on_host
+from engine.runner_steps import _on_host, is_decode_row
 from engine.types import MemraError, StepItem
 
 MAX_IN_FLIGHT = 2  # launched steps not yet collected (two pinned output slots)
@@ -72,8 +72,7 @@ class OverlapLaunch:
         if not 0 < len(items) <= self._max_rows or self.num_state_slots or self.hidden_tap is not None:
             return False
         return all(
-            len(it.token_ids) == 1
-            and it.start_pos > 0
+            is_decode_row(it)
             and it.sample
             and not it.draft
             and not _on_host(it)

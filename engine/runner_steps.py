@@ -33,6 +33,14 @@ GROUPINGS_KEPT = 32  # hybrid verify passes' row groupings kept bound / captured
 PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
 
 
+def is_decode_row(it: StepItem) -> bool:
+    """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's last
+    token left alone (a prefix hit or prefill chunks that stop one token short) is a one-row prefill,
+    so a warm or chunked prompt gets the bits of the cold pass (a decode row reduces otherwise:
+    GEMVs, not the prefill GEMM)."""
+    return len(it.token_ids) == 1 and it.start_pos > 0 and it.start_pos >= it.prompt_len
+
+
 def _on_host(it: StepItem) -> bool:
     """Rows a plain sample pass does not finish: logit bias, logprobs, a constraint mask (re-sampled
     on the host when a step falls back to it)."""
@@ -163,14 +171,14 @@ class StepLogic:
         return bound
 
     def _prebind_warm_tails(self) -> None:
-        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 2 ..
-        block_size tokens of one sequence (a hit stops one token short, at a block boundary; one
-        token left runs as a decode row) and the batch-1 head, so that no warm request pays for
+        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 1 ..
+        block_size tokens of one sequence (a hit stops at least one token short, at a block
+        boundary; one prompt token left is a prefill too: ``step``) and the batch-1 head, so that no warm request pays for
         binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen).
         With graphs on, each tail's layers are also captured into a CUDA graph (``_tail_graph``):
         a warm request then launches one graph instead of hundreds of kernels from Python."""
         t0 = time.perf_counter()
-        for n in range(2, self.block_size + 1):
+        for n in range(1, self.block_size + 1):
             bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)
             self._prefill_bound[("prefill", n, 1, n)] = bound
             if self.use_graphs:
@@ -202,7 +210,7 @@ class StepLogic:
 
     def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
         """The layers of a prefill pass (inputs uploaded): a captured tail graph for one sequence's
-        2 .. block_size tokens (a prefix-cache hit's tail) when graphs are on, else eagerly."""
+        1 .. block_size tokens (a prefix-cache hit's tail) when graphs are on, else eagerly."""
         tail = self._graphs.get(("tail", n)) if nseq == 1 and self.use_graphs else None
         if tail is not None:
             tail[0].launch(self.stream)
@@ -219,7 +227,7 @@ class StepLogic:
         prefill: list[int] = []
         for i, it in enumerate(items):
             self._check_item(it)
-            if len(it.token_ids) == 1 and it.start_pos > 0:
+            if is_decode_row(it):
                 decode.append(i)
             else:
                 prefill.append(i)

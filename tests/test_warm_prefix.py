@@ -43,12 +43,11 @@ def test_prefill_of_a_new_length_reuses_launch_configs_and_recent_shapes_stay_bo
     table = list(range(24))
 
     def tail(n: int) -> list[int]:
-        return runner.step([StepItem(0, list(range(1, n + 1)), 300, table, True, base.GREEDY)])
+        return runner.step([StepItem(0, list(range(1, n + 1)), 300, table, True, base.GREEDY, prompt_len=300 + n)])
 
-    # every warm-prefix tail (2 .. block_size tokens after a hit; 1 is a decode row) was bound
-    # when the runner was built
+    # every warm-prefix tail (1 .. block_size tokens after a hit) was bound when the runner was built
     bound = _calls(lambda: tail(2))
-    for n in range(2, runner.block_size + 1):
+    for n in range(1, runner.block_size + 1):
         tail(n)
     assert built == [] and runner.block_size == 16
     # a new length binds every launch, but most launch configurations are shared by geometry

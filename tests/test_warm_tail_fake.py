@@ -1,5 +1,5 @@
 """The warm-prefix tail on CudaRunner's fake driver (no GPU): the prefill passes of one sequence's
-2 .. block_size tokens (what a prefix-cache hit leaves to run) are captured into CUDA graphs when
+1 .. block_size tokens (what a prefix-cache hit leaves to run) are captured into CUDA graphs when
 the runner is built, from a warm run that writes only the sinks; a warm request then replays one
 graph for its layers (the head stays eager) and uploads inputs sized by its new tokens, never by
 the cached prompt."""
@@ -57,9 +57,9 @@ def _view(runner, raw: np.ndarray, name: str, dtype, n: int) -> np.ndarray:
 def test_tails_are_captured_from_a_warm_run_into_the_sinks(tmp_path, monkeypatch, hybrid):
     runner, drv, events = _build(tmp_path, monkeypatch, hybrid)
     bs = runner.block_size
-    assert sorted(k[1] for k in runner._graphs if k[0] == "tail") == list(range(2, bs + 1))
-    assert drv.captures == bs - 1
-    for n in range(2, bs + 1):  # the graph keeps the very launches the eager pass of n tokens runs
+    assert sorted(k[1] for k in runner._graphs if k[0] == "tail") == list(range(1, bs + 1))
+    assert drv.captures == bs
+    for n in range(1, bs + 1):  # the graph keeps the very launches the eager pass of n tokens runs
         assert runner._graphs[("tail", n)][1] is runner._prefill_bound[("prefill", n, 1, n)]
     # every launch that ran while building (not those recorded into a graph) read inputs that
     # write only the sinks
@@ -69,7 +69,7 @@ def test_tails_are_captured_from_a_warm_run_into_the_sinks(tmp_path, monkeypatch
             last = ev[2]
         elif ev[0] == "launch" and last is not None and not ev[2]:
             launched += 1
-            slots = _view(runner, last, "slots", np.int32, 2)
+            slots = _view(runner, last, "slots", np.int32, 1)  # (the first row: every tail has one)
             assert (slots // bs == runner._sink_block).all(), ev[1]
             tables = last[runner._tables_off : runner._tables_off + 4 * runner._table_ld].view(np.int32)
             assert (tables == runner._sink_block).all(), ev[1]
@@ -111,3 +111,24 @@ def test_a_warm_tail_replays_its_graph_and_uploads_by_new_tokens(tmp_path, monke
     runner.use_graphs = False
     runner.step([StepItem(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5)), True, GREEDY, **state)])
     assert drv.graph_launches == 0 and any(n.startswith("attention_prefill") for n, _, _ in drv.launches)
+
+
+def test_a_one_token_prompt_tail_is_a_prefill_and_a_generated_token_a_decode_row(tmp_path, monkeypatch):
+    """A hit that leaves the prompt's last token alone runs it as a one-row prefill (its tail graph
+    and the prefill head), as the cold pass computed it; the same token past the prompt is a decode
+    row (the decode graph, no prefill head)."""
+    runner, drv, _ = _build(tmp_path, monkeypatch, False)
+    bs = runner.block_size
+    depth = 4 * bs
+    table = list(range(depth // bs + 1))
+    drv.reset()
+    runner.step([StepItem(0, [7], depth, table, True, GREEDY, history=[1] * depth + [7], prompt_len=depth + 1)])
+    assert drv.graph_launches == 1 and runner._graphs[("tail", 1)][0] is not None
+    assert [n for n, _, _ in drv.launches][-1].startswith("argmax")  # the head, eagerly after the tail graph
+    row = StepItem(0, [7], depth, table, True, GREEDY, history=[1] * depth + [7], prompt_len=depth)
+    drv.reset()
+    runner.step([row])  # (the decode graph's capture: a warm run of its launches, then the capture)
+    assert not any(n.startswith("attention_prefill") for n, _, _ in drv.launches)
+    drv.reset()
+    runner.step([row])
+    assert drv.graph_launches == 1 and not drv.launches  # the batch-1 decode graph alone

@@ -92,9 +92,14 @@ class Speculator:
         running: int,
     ) -> None:
         """Give the step's decode rows their drafts (in place). ``batch`` holds scheduler.Scheduled."""
-        # (a one-token prompt's row at position 0 is a prefill for the runner's step, and verify
-        # would run it as a decode row: other bits on a GPU, so it never speculates)
-        decode = [i for i, s in enumerate(batch) if s.sample and s.count == 1 and s.seq.remaining == 1 and s.start > 0]
+        # (a row whose token is the prompt's last, a one-token prompt or one a prefix hit or chunked
+        # prefill left alone, is a prefill for the runner's step, and verify would run it as a
+        # decode row: other bits on a GPU, so it never speculates)
+        decode = [
+            i
+            for i, s in enumerate(batch)
+            if s.sample and s.count == 1 and s.seq.remaining == 1 and s.start >= max(s.seq.prompt_len, 1)
+        ]
         if not decode or len(decode) > self.policy.max_batch:  # large batch: plain decode, no per-row work
             return
         reqs: list[tuple[int, ProposeRequest]] = []

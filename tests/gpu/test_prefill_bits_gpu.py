@@ -8,10 +8,9 @@ kernel's tile loads), each case comparing the first token's logits and six greed
 
 * a prompt packed with another one in one pass equals the prompt alone (both passes below 256 rows;
   and, as its own case, a packed pass of 256 rows or more, across the GEMM switch);
-* a prefix-cache hit's tail (2 .. 16 tokens, one pass over the cached blocks) equals the cold pass,
-  below and across the switch (a 300-token cold pass against its 12-token tail);
-* a hit that leaves one token runs it as a decode row (CudaRunner.step: a one-token item past
-  position 0), whose bits are the GEMV's: strict xfail, naming that gap until the runner prefills it.
+* a prefix-cache hit's tail (1 .. 16 tokens, one pass over the cached blocks; one prompt token is a
+  one-row prefill, engine.runner_steps.is_decode_row) equals the cold pass, below and across the
+  switch (a 300-token cold pass against its 12-token tail).
 """
 
 from __future__ import annotations
@@ -89,21 +88,11 @@ def test_a_prompt_packed_with_another_equals_it_alone(runner, other):
     assert not (msg := compare(alone, packed)), msg
 
 
-@pytest.mark.parametrize(("hit", "tail"), [(96, 2), (96, 7), (96, 16), (288, 12)])
+@pytest.mark.parametrize(("hit", "tail"), [(96, 1), (96, 2), (96, 7), (96, 16), (288, 12)])
 def test_a_warm_tail_equals_the_cold_pass(runner, hit, tail):
     prompt = prompt_of(hit + tail, 3 + hit + tail)
     ref = cold(runner, prompt, 10)
     table = Tables.take((hit + tail + STEPS) // 16 + 1)
     runner.step([StepItem(11, prompt[:hit], 0, table, False, GREEDY)])  # the cached blocks: another pass
-    warm = run(runner, [StepItem(12, prompt[hit:], hit, table, True, GREEDY)], 12)
-    assert not (msg := compare(ref, warm)), msg
-
-
-@pytest.mark.xfail(strict=True, reason="a hit leaving one token runs it as a decode row (GEMV bits), not a prefill row")
-def test_a_one_token_warm_tail_equals_the_cold_pass(runner):
-    prompt = prompt_of(97, 4)
-    ref = cold(runner, prompt, 20)
-    table = Tables.take(97 // 16 + 2)
-    runner.step([StepItem(21, prompt[:96], 0, table, False, GREEDY)])
-    warm = run(runner, [StepItem(22, prompt[96:], 96, table, True, GREEDY)], 22)
+    warm = run(runner, [StepItem(12, prompt[hit:], hit, table, True, GREEDY, prompt_len=hit + tail)], 12)
     assert not (msg := compare(ref, warm)), msg
