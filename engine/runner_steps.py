@@ -173,10 +173,11 @@ class StepLogic:
     def _prebind_warm_tails(self) -> None:
         """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 1 ..
         block_size tokens of one sequence (a hit stops at least one token short, at a block
-        boundary; one prompt token left is a prefill too: ``step``) and the batch-1 head, so that no warm request pays for
-        binding a new shape (issue #34: warm TTFT every time, not only once its shape was seen).
-        With graphs on, each tail's layers are also captured into a CUDA graph (``_tail_graph``):
-        a warm request then launches one graph instead of hundreds of kernels from Python."""
+        boundary; one prompt token left is a prefill too: ``is_decode_row``) and the batch-1 head,
+        so that no warm request pays for binding a new shape (issue #34: warm TTFT every time, not
+        only once its shape was seen). With graphs on, each tail's layers are also captured into a
+        CUDA graph (``_tail_graph``): a warm request then launches one graph instead of hundreds of
+        kernels from Python."""
         t0 = time.perf_counter()
         for n in range(1, self.block_size + 1):
             bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)

@@ -7,9 +7,8 @@ the target ran it, so that a draft model that is the target itself computes ever
 with the target's bits (a CUDA prefill pass and a decode row reduce differently; tests/fixtures/
 batch_invariance.py makes decode rows of any batch, and the verify rows, bit-equal to batch-1 decode
 rows): the prompt's positions (below ``prompt_len``) as prefill, in one chunk; every later position,
-the row's last token included (the target runs it as a decode row this step, also where a
-prefix-cache hit or a chunked prefill left one prompt token for it), as a one-token decode row,
-so a CUDA draft replays its decode graphs. A catch-up of more than MAX_DECODE_CATCHUP generated
+the row's last token included (the target runs it as a decode row this step), as a one-token
+decode row, so a CUDA draft replays its decode graphs. A catch-up of more than MAX_DECODE_CATCHUP generated
 tokens (a row that did not speculate for a while: a large batch, a low acceptance rate) runs all
 but its last token as one prefill chunk instead, which costs one pass rather than one draft step
 a token; its KV then has prefill bits, so a self-draft may later be rejected at a near tie
