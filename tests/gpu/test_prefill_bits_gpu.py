@@ -37,12 +37,12 @@ def runner(smollm2_path):
 class Tables:
     """Fresh block ranges for each sequence (blocks are never reused within the module)."""
 
-    next = 0
+    used = 0
 
     @classmethod
     def take(cls, n: int) -> list[int]:
-        cls.next += n
-        return list(range(cls.next - n, cls.next))
+        cls.used += n
+        return list(range(cls.used - n, cls.used))
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
