@@ -3,12 +3,13 @@ the draft's and the target's top-2 logits at its position, and how many proposed
 logits bit-identical to the target's verify rows.
 
     PYTHONPATH=. python tools/spec_draft_logits.py [MODEL] [--draft PATH] [--k 4] [--max-tokens 96]
-        [--solo] [--prompt TEXT ...]
+        [--solo] [--prompt TEXT ...] [--long N]
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct Q4_1 and the draft to MODEL itself (a self-draft,
 which should be accepted whole: docs/speculative.md); the prompts default to those of
 tests/gpu/test_spec_gpu.py's SmolLM2 test (a code edit and a short story, chat-templated), batched
-unless --solo. It runs plain greedy, then greedy with the draft (a fresh engine each, like the test),
+unless --solo; ``--long N`` adds a code listing of about N tokens to summarise (a prompt the engine
+prefills in several chunks, in passes past the 256-row GEMM switch of the h100 / h200 profiles). It runs plain greedy, then greedy with the draft (a fresh engine each, like the test),
 records the logits of every verify row of the target and of every sampled row of the draft runner
 (decode rows and prefill heads) by (sequence, position), and after each verify compares row j of a
 draft (the target's logits at the position whose argmax decides draft token j + 1) with the draft's
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--solo", action="store_true", help="one prompt at a time (default: batched)")
     ap.add_argument("--prompt", action="append", help="a user message (repeatable; default: the GPU test's two)")
+    ap.add_argument("--long", type=int, default=0, help="add a prompt of about this many tokens")
     args = ap.parse_args(argv)
 
     from engine.backend import create_runner
@@ -144,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model or str(default_model_path())
     model = load_model(path)
     tok = load_tokenizer(model.weights)
+    texts = list(args.prompt or PROMPTS)
+    if args.long:
+        texts.append("Summarise what this code does:\n" + CODE * max(1, args.long // len(tok.encode(CODE))))
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        for text in (args.prompt or PROMPTS)
+        for text in texts
     ]
     print(f"target {path}, draft {args.draft or 'the target'}, k={args.k}, prompts of {[len(p) for p in prompts]} tokens")
     runner = create_runner(model, "cuda")
