@@ -13,11 +13,11 @@ from typing import Any
 from engine.kernel_catalog.checks import _check
 from engine.kernel_catalog.contracts import (
     _DEFAULT_NAME,
+    I32,
     KERNELS,
     PAIR_PARTS,
     PENALTY_BLOCKS,
     STAGED_DEFAULT,
-    I32,
     P,
 )
 from engine.kernel_catalog.gemv_mma import mma_smem
