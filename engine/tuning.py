@@ -232,6 +232,9 @@ class AttentionPrefill(Knobs):
     # at depth) and the combine, longer ones fold the spans in one block: the same bits per row
     span: int = knob(0, non_negative)
     split_rows: int = knob(64, positive)
+    # the split launch as one block per kv head (its warps the GQA group's query heads, 16 rows)
+    # where the group is at most 8 and its tiles fit: K/V tiles loaded once per group
+    split_gqa: bool = True
 
 
 @dataclass(frozen=True, eq=False)

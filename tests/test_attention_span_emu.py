@@ -57,10 +57,11 @@ class _Case:
                                        window or None)  # fmt: skip
 
 
-def _spec(span: int, partial: bool, window: int, block_kv: int = BKV, warps: int = WARPS):
+def _spec(span: int, partial: bool, window: int, block_kv: int = BKV, warps: int = WARPS, gqa: bool = False):
     return kc.spec(
         "attention_prefill", heads=H, kv_heads=KV, head_dim=D, block_size=BS, scale=repr(SCALE), q_stride=Q_STRIDE,
         out_stride=H * D, block_q=16 * warps, block_kv=block_kv, warps=warps, window=window, span=span, partial=partial,
+        gqa=gqa,
     )  # fmt: skip
 
 
@@ -101,7 +102,7 @@ def _split(case, segs, spec, tmp, max_ctx: int, reverse=False) -> np.ndarray:
     part_o = np.full((n, H, splits, D), np.nan, np.float32)
     part_ml = np.full((n, H, splits, 2), np.nan, np.float32)
     lib, types = _lib(spec, tmp)
-    grid = (-(-max_q // p["block_q"]), H, len(segs) * splits)
+    grid = kc.choice("attention_prefill", **p).grid(len(pos), max_q=max_q, nseq=len(segs), max_splits=splits)
     cuda_emu.launch_any(lib, types, grid, 32 * p["warps"], kc.attention_prefill_smem(p),
                         [None, q, case.k, case.v, tables, pos, starts, tables.shape[1], part_o, part_ml, splits],
                         reverse=reverse)  # fmt: skip
@@ -140,6 +141,8 @@ def test_span_split_warm_equals_cold_bits(tmp_path, window):
     for tails in ([(0, 139, 11), (1, 64, 11)], [(0, 128, 16)], [(0, 100, 20), (1, 31, 3)]):
         warm = _split(case, tails, _spec(SPAN, True, window), tmp_path, max_ctx=160)
         _check_ref(case, tails, warm, window)
+        gqa = _split(case, tails, _spec(SPAN, True, window, warps=H // KV, gqa=True), tmp_path, max_ctx=160)
+        assert np.array_equal(gqa, warm), tails
         row = 0
         for s, p0, n in tails:
             at = p0 + (0 if s == 0 else 150)
@@ -153,17 +156,20 @@ def test_span_split_warm_equals_cold_bits(tmp_path, window):
     assert not np.array_equal(plain, cold)
 
 
-def test_span_split_single_warp_tiles_same_bits(tmp_path):
-    """The split launch may take another query tile (a tail of <= 16 rows fits one warp): a row's
-    arithmetic depends on the span and the K/V tile only, so 1 warp and 2 warps agree."""
+@pytest.mark.parametrize("window", [0, 40], ids=["full", "window40"])
+def test_span_split_query_tiles_and_gqa_blocks_same_bits(tmp_path, window):
+    """The split launch may take another query tile (a tail of <= 16 rows fits one warp) or one
+    block per kv head (gqa: its warps the group's query heads): a row's arithmetic depends on the
+    span and the K/V tile only, so they all agree with the cold single pass."""
     rng = np.random.default_rng(3)
-    case = _Case(rng, [120])
-    segs = [(0, 105, 15)]
-    a = _split(case, segs, _spec(SPAN, True, 0, warps=1), tmp_path, max_ctx=128)
-    b = _split(case, segs, _spec(SPAN, True, 0, warps=2), tmp_path, max_ctx=128)
-    c = _single(case, [(0, 0, 120)], _spec(SPAN, False, 0, warps=1), tmp_path)
-    assert np.array_equal(a, b) and np.array_equal(a, c[105:120])
-    _check_ref(case, segs, a, 0)
+    case = _Case(rng, [120, 90])
+    segs = [(0, 105, 15), (1, 77, 13)]
+    cold = _single(case, [(0, 0, 120), (1, 0, 90)], _spec(SPAN, False, window, warps=1), tmp_path)
+    want = np.concatenate([cold[105:120], cold[120 + 77 : 120 + 90]])
+    for spec in (_spec(SPAN, True, window, warps=1), _spec(SPAN, True, window, warps=2),
+                 _spec(SPAN, True, window, warps=H // KV, gqa=True)):  # fmt: skip
+        assert np.array_equal(_split(case, segs, spec, tmp_path, max_ctx=128), want), spec.entry
+    _check_ref(case, segs, want, window)
 
 
 def test_span_spec_rules():
@@ -171,6 +177,10 @@ def test_span_spec_rules():
         _spec(24, False, 0)
     with pytest.raises(Exception, match="partial"):
         _spec(0, True, 0)
+    with pytest.raises(Exception, match="gqa"):
+        _spec(SPAN, True, 0, warps=1, gqa=True)
+    g = kc.choice("attention_prefill", **_spec(SPAN, True, 0, warps=H // KV, gqa=True).params)
+    assert g.grid(30, max_q=20, nseq=3, max_splits=5) == (2, KV, 15) and g.block == (32 * H // KV, 1, 1)
     c = kc.choice("attention_prefill", **_spec(SPAN, True, 0).params)
     assert [n for n, _ in c.args][-3:] == ["part_o", "part_ml", "max_splits"]
     assert c.grid(10, max_q=10, nseq=2, max_splits=5) == (1, H, 10)

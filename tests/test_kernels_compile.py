@@ -570,6 +570,8 @@ def _attention_variant_specs():
         out.append(kc.spec("attention_prefill", **sc, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4,
                            span=512, partial=True))  # fmt: skip
         out.append(kc.spec("attention_combine", heads=4, head_dim=256, split=512, out_stride=1024, window=w, fold=True))
+        out.append(kc.spec("attention_prefill", **sc, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4,
+                           span=512, partial=True, gqa=True))  # fmt: skip
     # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with its prefetch
     from test_plan import _q4_k_m_plan
 

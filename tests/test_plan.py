@@ -457,9 +457,12 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert [la.runs_at(srows) for la in (pre, part, fold)] == [False, True, True]
     assert [la.runs_at(srows + 1) for la in (pre, part, fold)] == [True, False, False]
     assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
-    assert part.grid_for({"n": 12, "max_q": 8, "nseq": 2, "max_ctx": 4096}) == (1, 16, 2 * 4096 // span)
+    # the split launch a block per kv head (split_gqa): its 2 warps the group's query heads, 16 rows
+    assert part.spec.params["gqa"] and part.block == (64,)
+    assert part.grid_for({"n": 20, "max_q": 17, "nseq": 2, "max_ctx": 4096}) == (2, 8, 2 * 4096 // span)
     assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
-    assert pre.smem == part.smem == (PREFILL_BLOCK_Q + 4 * pt["block_kv"]) * (128 + 8) * 2
+    assert pre.smem == (PREFILL_BLOCK_Q + 4 * pt["block_kv"]) * (128 + 8) * 2
+    assert part.smem == (32 + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
     assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4

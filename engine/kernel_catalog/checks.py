@@ -312,6 +312,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"span={p['span']} must be a multiple of block_kv={p['block_kv']} (0: no key split)",
         )
         need(not p["partial"] or p["span"] > 0, "partial (the span partials) needs span > 0")
+        need(
+            not p["gqa"] or (p["partial"] and p["warps"] == p["heads"] // p["kv_heads"]),
+            "gqa (a block per kv head) needs partial and warps = heads / kv_heads",
+        )
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
         need(p["mode"] == "decode", f"mode {p['mode']!r} must be decode (prefill: attention_prefill)")

@@ -78,7 +78,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {
         "qsplit": 1, "v_stride": 0, "window": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
     },
-    "attention_prefill": {"window": 0, "span": 0, "partial": False},
+    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
     "attention_combine": {"window": 0, "fold": False},
     "rope": {"v_stride": 0},
     "gemv_mma": {
@@ -290,7 +290,7 @@ KERNELS: dict[str, KernelDoc] = {
     "attention_prefill": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, block_size=int, scale=float, q_stride=int, out_stride=int,
-            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool,
+            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool,
         ),
         # partial adds (part_o, part_ml, max_splits): kernel_args()
         (
@@ -298,9 +298,9 @@ KERNELS: dict[str, KernelDoc] = {
             ("seq_starts", P), ("max_blocks", I32),
         ),
         None,
-        "(ceil(max_q / block_q), heads, nseq * (partial ? max_splits : 1))",
+        "(ceil(max_q / (gqa ? 16 : block_q)), gqa ? kv_heads : heads, nseq * (partial ? max_splits : 1))",
         "(warps * 32,)",
-        defaults={"window": 0, "span": 0, "partial": False},
+        defaults={"window": 0, "span": 0, "partial": False, "gqa": False},
         unnamed=("scale", "warps"),
     ),
     "attention_combine": KernelDoc(

@@ -153,7 +153,9 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
         rows, p["kv_heads"], p["qsplit"] if p["direct"] else max_splits
     ),
     "attention_prefill": lambda p, rows, max_q=1, nseq=1, max_splits=1, **_: (
-        _cdiv(max_q, p["block_q"]), p["heads"], nseq * (max_splits if p["partial"] else 1)
+        _cdiv(max_q, 16 if p["gqa"] else p["block_q"]),
+        p["kv_heads"] if p["gqa"] else p["heads"],
+        nseq * (max_splits if p["partial"] else 1),
     ),
     "attention_combine": lambda p, rows, **_: (rows, p["heads"], 1),
 }

@@ -116,17 +116,24 @@ def _prefill(ctx, q: Value, out: Value, heads: int, hd: int, common: dict, cache
         return [Launch(spec, grid, (32 * pw,), args, smem)]
     rows = int(pt["split_rows"])
     pspec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, span=span, partial=True, **common)
+    pgx, pgy, pthreads = grid[0], heads, 32 * pw
+    group = heads // common["kv_heads"]
+    gq = dict(block_q=16 * group, block_kv=bkv, warps=group, span=span, partial=True, gqa=True)
+    if pt["split_gqa"] and group <= 8 and kc.attention_prefill_smem({**gq, "head_dim": hd}) <= 99 * 1024:
+        # a block per kv head, its warps the group's query heads over 16 rows: K/V loaded once per group
+        pspec = ctx.spec("attention_prefill", **gq, **common)
+        pgx, pgy, pthreads = "(max_q + 15) // 16", common["kv_heads"], 32 * group
     ctx.need_scratch(ScratchPlan("pattn_o", per_split=rows * heads * hd * 4, split=span))
     ctx.need_scratch(ScratchPlan("pattn_ml", per_split=rows * heads * 2 * 4, split=span))
     part = (Arg("scratch", "pattn_o"), Arg("scratch", "pattn_ml"))
     splits = Arg("shape", f"splits:{span}", "i32")
-    pgrid = (grid[0], heads, f"nseq * ((max_ctx + {span - 1}) // {span})")
+    pgrid = (pgx, pgy, f"nseq * ((max_ctx + {span - 1}) // {span})")
     comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=span, out_stride=out.ld,
                     window=common["window"], fold=True)  # fmt: skip
     cargs = (val(out),) + part + (Arg("input", "positions"), splits)
     return [
         Launch(spec, grid, (32 * pw,), args, smem, min_rows=rows + 1),
-        Launch(pspec, pgrid, (32 * pw,), args + part + (splits,), smem, max_rows=rows),
+        Launch(pspec, pgrid, (pthreads,), args + part + (splits,), kc.attention_prefill_smem(pspec.params), max_rows=rows),
         Launch(comb, ("n", heads), (hd,), cargs, max_rows=rows),
     ]
 

@@ -13,7 +13,8 @@ spans in one block. Checked here, on the device's own arithmetic:
   (bf16 rounding, rel err <= 1e-2); outputs and partials poisoned.
 - timings (printed): per depth (1k / 4k / 16k) and head shape (Qwen3.5-4B's full attention: 16
   heads, 4 KV heads of 256; Qwen3-4B: 32, 8, 128), the GPU time of an 8- and a 16-row tail's
-  attention without the split, with it (4 warps as the plan; 1 warp for comparison), and the
+  attention without the split, with it (a block per kv head as the plan; a block per query head of
+  4 warps or 1 warp for comparison), and the
   decode path's split attention + combine over the same rows; and the cold pass over the whole
   prompt with and without the span fold (what the split costs a cold prefill).
 
@@ -85,6 +86,9 @@ class _Attn:
         self.single = kc.choice("attention_prefill", **base, span=self.span)
         self.part = {w: kc.choice("attention_prefill", **{**base, "block_q": 16 * w, "warps": w}, span=self.span, partial=True)
                      for w in (kc.PREFILL_WARPS, 1)}  # fmt: skip
+        g = H // KV  # the lowering's split_gqa form: a block per kv head, a warp per query head of its group
+        self.part["gqa"] = kc.choice("attention_prefill", **{**base, "block_q": 16 * g, "warps": g}, span=self.span,
+                                     partial=True, gqa=True)  # fmt: skip
         self.comb = kc.choice("attention_combine", heads=H, head_dim=D, split=self.span, out_stride=H * D, window=window,
                               fold=True)  # fmt: skip
 
@@ -94,8 +98,9 @@ class _Attn:
                     seq_starts=upload(np.array([0, rows], np.int32), "i32"), max_blocks=cache.tables.shape[1])  # fmt: skip
         return out, [(c, rows, {"max_q": rows, "nseq": 1}, args)]
 
-    def split_launches(self, q, pos, cache, rows, max_ctx, warps=kc.PREFILL_WARPS):
-        c = self.part[warps]
+    def split_launches(self, q, pos, cache, rows, max_ctx, form="gqa"):
+        """The split launch (``form``: "gqa" as the plan, or 4 / 1 warps per query head) + the fold."""
+        c = self.part[form]
         splits = -(-max_ctx // self.span)
         out = poisoned((rows, self.H * self.D))
         part_o, part_ml = poisoned((rows, self.H, splits, self.D), "f32"), poisoned((rows, self.H, splits, 2), "f32")
@@ -128,9 +133,10 @@ def test_split_tail_has_the_cold_rows_bits(kernels, profile, shape):
         cold, launches = at.single_launch(at.single, q, pos, cache, n)
         at.run(launches)
         qt, post = upload(qh[depth:], "bf16"), upload(np.arange(depth, n, dtype=np.int32), "i32")
-        warm, launches = at.split_launches(qt, post, cache, tail, max_ctx=n + 100)
-        at.run(launches)
-        assert np.array_equal(_bits(warm), _bits(cold)[depth:]), (shape, depth, tail)
+        for form in ("gqa", kc.PREFILL_WARPS):
+            warm, launches = at.split_launches(qt, post, cache, tail, max_ctx=n + 100, form=form)
+            at.run(launches)
+            assert np.array_equal(_bits(warm), _bits(cold)[depth:]), (shape, depth, tail, form)
         got = cold.get()
         for lo, hi in ((0, 64), (depth // 2, depth // 2 + 32), (depth, n)):
             want = cache.ref(0, bf_round(qh[lo:hi]).reshape(hi - lo, H, D), lo, D**-0.5)
@@ -187,7 +193,8 @@ def test_tail_attention_at_depth(kernels, profile, shape):
             ref = cache.ref(0, bf_round(qh).reshape(tail, H, D), depth, D**-0.5)
             out_p, lp = at.single_launch(at.plain, q, pos, cache, tail)
             out_s, ls = at.split_launches(q, pos, cache, tail, max_ctx=32768)  # the tail graphs' grid: max_model_len
-            out_1, l1 = at.split_launches(q, pos, cache, tail, max_ctx=32768, warps=1)
+            out_4, l4 = at.split_launches(q, pos, cache, tail, max_ctx=32768, form=kc.PREFILL_WARPS)
+            out_1, l1 = at.split_launches(q, pos, cache, tail, max_ctx=32768, form=1)
             splits = -(-(depth + tail) // dp["split"])
             part_o, part_ml = poisoned((tail, H, splits, D), "f32"), poisoned((tail, H, splits, 2), "f32")
             out_d = poisoned((tail, H * D))
@@ -199,15 +206,16 @@ def test_tail_attention_at_depth(kernels, profile, shape):
                     dargs[name] = cache.kd  # an L2 prefetch of a later weight: any readable range
             cargs = dict(out=out_d, part_o=part_o, part_ml=part_ml, positions=pos, max_splits=splits)
             ld = [(dec, tail, {"max_splits": splits}, {n: dargs[n] for n, _ in dec.args}), (dcomb, tail, {}, cargs)]
-            for launches in (lp, ls, l1, ld):
+            for launches in (lp, ls, l4, l1, ld):
                 at.run(launches)
-            for o in (out_p, out_s, out_1, out_d):
+            for o in (out_p, out_s, out_4, out_1, out_d):
                 assert rel_err(o.get(), ref) <= 1e-2
-            assert np.array_equal(_bits(out_s), _bits(out_1))
-            ms = [_ms(kernels, x) for x in (lp, ls, l1, ld)]
+            assert np.array_equal(_bits(out_s), _bits(out_4)) and np.array_equal(_bits(out_s), _bits(out_1))
+            ms = [_ms(kernels, x) for x in (lp, ls, l4, l1, ld)]
             lines.append(f"tail {H}x{KV}x{D} {tail:2d} rows at depth {depth:>5}: no split {ms[0] * 1e3:7.1f} us, "
-                         f"span {at.span} split+fold {ms[1] * 1e3:7.1f} us (1 warp {ms[2] * 1e3:7.1f}), decode split+combine "
-                         f"{ms[3] * 1e3:7.1f} us; x{ms[0] / ms[1]:5.1f} ({profile.name})")  # fmt: skip
+                         f"span {at.span} split+fold gqa {ms[1] * 1e3:7.1f} us (4 warps/head {ms[2] * 1e3:7.1f}, 1 warp "
+                         f"{ms[3] * 1e3:7.1f}), decode split+combine {ms[4] * 1e3:7.1f} us; x{ms[0] / ms[1]:5.1f} "
+                         f"({profile.name})")  # fmt: skip
         # the cold pass over the whole prompt: the span fold's cost
         n = depth + 16
         q, pos = upload(_qs(rng, n, H * D), "bf16"), upload(np.arange(n, dtype=np.int32), "i32")
