@@ -225,3 +225,30 @@ def test_tail_attention_at_depth(kernels, profile, shape):
         lines.append(f"cold {H}x{KV}x{D} {n:>5} rows: no split {mp * 1e3:8.1f} us, span {at.span} fold {msp * 1e3:8.1f} us "
                      f"(x{msp / mp:5.2f}) ({profile.name})")  # fmt: skip
     print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_span_sweep(kernels, profile, shape):
+    """Timings (printed) to pick attention_prefill.span: a 16-row tail's split + fold (gqa) and the
+    cold pass's fold, per span, at 4k and 16k (the split's bits checked against the cold pass's)."""
+    H, KV, D = shape
+    bs = profile.kv_block_size
+    rng = np.random.default_rng(4)
+    lines = []
+    for depth in (4096, 16384):
+        n = depth + 16
+        cache = PagedCache(rng, [n], KV, D, bs)
+        qh = _qs(rng, n, H * D)
+        q, pos = upload(qh, "bf16"), upload(np.arange(n, dtype=np.int32), "i32")
+        qt, post = upload(qh[depth:], "bf16"), upload(np.arange(depth, n, dtype=np.int32), "i32")
+        for span in (256, 512, 1024, 2048):
+            at = _Attn(kernels, profile, shape, span=span)
+            cold, lc = at.single_launch(at.single, q, pos, cache, n)
+            warm, lw = at.split_launches(qt, post, cache, 16, max_ctx=32768)
+            at.run(lc)
+            at.run(lw)
+            assert np.array_equal(_bits(warm), _bits(cold)[depth:]), (shape, depth, span)
+            mw, mc = _ms(kernels, lw), _ms(kernels, lc, 5)
+            lines.append(f"span {span:>4} {H}x{KV}x{D} depth {depth:>5}: tail 16 rows split+fold {mw * 1e3:7.1f} us, "
+                         f"cold {n} rows fold {mc * 1e3:8.1f} us ({profile.name})")  # fmt: skip
+    print("\n" + "\n".join(lines))
