@@ -180,6 +180,7 @@ def test_tail_attention_at_depth(kernels, profile, shape):
     bs = profile.kv_block_size
     at = _Attn(kernels, profile, shape)
     dims = dict(heads=H, kv_heads=KV, head_dim=D)
+    kernels.prebuild([at.plain.spec, at.single.spec, at.comb.spec] + [c.spec for c in at.part.values()])
     dp = attention_params(dims, profile.tuning, bs, mode="decode", direct=False, q_stride=H * D, out_stride=H * D)
     dec = kc.choice("attention", **dp)
     dcomb = kc.choice("attention_combine", heads=H, head_dim=D, split=dp["split"], out_stride=H * D)
@@ -235,14 +236,15 @@ def test_span_sweep(kernels, profile, shape):
     bs = profile.kv_block_size
     rng = np.random.default_rng(4)
     lines = []
+    ats = {span: _Attn(kernels, profile, shape, span=span) for span in (256, 512, 1024, 2048)}
+    kernels.prebuild([c.spec for at in ats.values() for c in (at.single, at.part["gqa"], at.comb)])  # in parallel
     for depth in (4096, 16384):
         n = depth + 16
         cache = PagedCache(rng, [n], KV, D, bs)
         qh = _qs(rng, n, H * D)
         q, pos = upload(qh, "bf16"), upload(np.arange(n, dtype=np.int32), "i32")
         qt, post = upload(qh[depth:], "bf16"), upload(np.arange(depth, n, dtype=np.int32), "i32")
-        for span in (256, 512, 1024, 2048):
-            at = _Attn(kernels, profile, shape, span=span)
+        for span, at in ats.items():
             cold, lc = at.single_launch(at.single, q, pos, cache, n)
             warm, lw = at.split_launches(qt, post, cache, 16, max_ctx=32768)
             at.run(lc)
