@@ -226,6 +226,15 @@ class GemmDecode(Knobs):
 class AttentionPrefill(Knobs):
     # the flash prefill's K/V tile (block_q and warps: kernel_catalog.PREFILL_BLOCK_Q / PREFILL_WARPS)
     block_kv: int = knob(64, positive)
+    # the key split (docs/kernels.md "Key-split prefill attention"): a row's keys in spans of this
+    # many keys at absolute positions (a multiple of block_kv), each span's partial folded in span
+    # order; 0: none. Passes of at most split_rows rows run one block per span (a prefix hit's tail
+    # at depth) and the combine, longer ones fold the spans in one block: the same bits per row
+    span: int = knob(0, non_negative)
+    split_rows: int = knob(64, positive)
+    # the split launch as one block per kv head (its warps the GQA group's query heads, 16 rows)
+    # where the group is at most 8 and its tiles fit: K/V tiles loaded once per group
+    split_gqa: bool = True
 
 
 @dataclass(frozen=True, eq=False)

@@ -562,6 +562,16 @@ def _attention_variant_specs():
                            direct=direct, warps=warps, vec16=vec16, qsplit=4 if direct else 1))  # fmt: skip
     out.append(kc.spec("attention_combine", heads=4, head_dim=256, split=256, out_stride=1024, window=512))
     out.append(kc.spec("attention_prefill", **common, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4))
+    # the key split (attention_prefill.span): the folding single pass, the span partials, the fold
+    for w in (0, 512):
+        sc = {**common, "window": w}
+        out.append(kc.spec("attention_prefill", **sc, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4,
+                           span=512))  # fmt: skip
+        out.append(kc.spec("attention_prefill", **sc, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4,
+                           span=512, partial=True))  # fmt: skip
+        out.append(kc.spec("attention_combine", heads=4, head_dim=256, split=512, out_stride=1024, window=w, fold=True))
+        out.append(kc.spec("attention_prefill", **sc, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4,
+                           span=512, partial=True, gqa=True))  # fmt: skip
     # the rope-fused batch-1 kernel of the Qwen3-4B q4_k_m plan with its prefetch
     from test_plan import _q4_k_m_plan
 

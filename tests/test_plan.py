@@ -446,15 +446,27 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     assert comb.spec.template == "attention_combine"
     split = get_profile("h200").tune("attention_decode")["split_kv_tokens"]
     assert dec.grid_for({"n": 4, "max_ctx": 4096}) == (4, 8, 4096 // split)
-    (pre,) = step.launches["prefill"]  # varlen flash attention: (q tiles, heads, sequences)
-    assert pre.spec.template == "attention_prefill"
-    assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
-    assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
+    # varlen flash attention: (q tiles, heads, sequences); with the key split (h200: span), passes
+    # of up to split_rows rows one block per span too, and the combine's fold
+    pre, part, fold = step.launches["prefill"]
     pt = get_profile("h200").tune("attention_prefill")
+    span, srows = pt["span"], pt["split_rows"]
+    assert pre.spec.template == part.spec.template == "attention_prefill" and fold.spec.template == "attention_combine"
+    assert pre.spec.params["span"] == part.spec.params["span"] == fold.spec.params["split"] == span > 0
+    assert not pre.spec.params["partial"] and part.spec.params["partial"] and fold.spec.params["fold"]
+    assert [la.runs_at(srows) for la in (pre, part, fold)] == [False, True, True]
+    assert [la.runs_at(srows + 1) for la in (pre, part, fold)] == [True, False, False]
+    assert pre.grid_for({"n": 300, "max_q": 130, "nseq": 3}) == (3, 16, 3)
+    # the split launch a block per kv head (split_gqa): its 2 warps the group's query heads, 16 rows
+    assert part.spec.params["gqa"] and part.block == (64,)
+    assert part.grid_for({"n": 20, "max_q": 17, "nseq": 2, "max_ctx": 4096}) == (2, 8, 2 * 4096 // span)
+    assert ("input", "seq_starts") in [(a.kind, a.ref) for a in pre.args]
     assert pre.smem == (PREFILL_BLOCK_Q + 4 * pt["block_kv"]) * (128 + 8) * 2
+    assert part.smem == (32 + 4 * pt["block_kv"]) * (128 + 8) * 2
     scratch = {sp.name: sp for sp in plan.scratch}
     rows = max(get_profile("h200").cuda_graph_batch_sizes)
     assert scratch["attn_o"].nbytes(4096) == (4096 // split) * rows * 16 * 128 * 4
+    assert scratch["pattn_o"].nbytes(4096) == (4096 // span) * srows * 16 * 128 * 4
 
 
 def _short_chunks_only(**kw):

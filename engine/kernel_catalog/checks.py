@@ -307,6 +307,15 @@ def _check(template: str, p: dict[str, Any]) -> None:
             "q_stride must be a multiple of 8 (16-byte loads), out_stride even",
         )
         need(attention_prefill_smem(p) <= 99 * 1024, "block_q/block_kv/head_dim too large for shared memory")
+        need(
+            p["span"] >= 0 and p["span"] % p["block_kv"] == 0,
+            f"span={p['span']} must be a multiple of block_kv={p['block_kv']} (0: no key split)",
+        )
+        need(not p["partial"] or p["span"] > 0, "partial (the span partials) needs span > 0")
+        need(
+            not p["gqa"] or (p["partial"] and p["warps"] == p["heads"] // p["kv_heads"]),
+            "gqa (a block per kv head) needs partial and warps = heads / kv_heads",
+        )
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
         need(p["mode"] == "decode", f"mode {p['mode']!r} must be decode (prefill: attention_prefill)")

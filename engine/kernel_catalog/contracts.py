@@ -78,8 +78,8 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {
         "qsplit": 1, "v_stride": 0, "window": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
     },
-    "attention_prefill": {"window": 0},
-    "attention_combine": {"window": 0},
+    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
+    "attention_combine": {"window": 0, "fold": False},
     "rope": {"v_stride": 0},
     "gemv_mma": {
         "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "trigger": False,
@@ -290,25 +290,26 @@ KERNELS: dict[str, KernelDoc] = {
     "attention_prefill": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, block_size=int, scale=float, q_stride=int, out_stride=int,
-            block_q=int, block_kv=int, warps=int, window=int,
+            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool,
         ),
+        # partial adds (part_o, part_ml, max_splits): kernel_args()
         (
             ("out", P), ("q", P), ("k_cache", P), ("v_cache", P), ("block_tables", P), ("positions", P),
             ("seq_starts", P), ("max_blocks", I32),
         ),
         None,
-        "(ceil(max_q / block_q), heads, nseq)",
+        "(ceil(max_q / (gqa ? 16 : block_q)), gqa ? kv_heads : heads, nseq * (partial ? max_splits : 1))",
         "(warps * 32,)",
-        defaults={"window": 0},
+        defaults={"window": 0, "span": 0, "partial": False, "gqa": False},
         unnamed=("scale", "warps"),
     ),
     "attention_combine": KernelDoc(
-        dict(heads=int, head_dim=int, split=int, out_stride=int, window=int),
+        dict(heads=int, head_dim=int, split=int, out_stride=int, window=int, fold=bool),
         (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
         None,
         "(rows, heads)",
         "(head_dim,)",
-        defaults={"window": 0},
+        defaults={"window": 0, "fold": False},
     ),
     "argmax": KernelDoc(
         dict(vocab=int, ld=int, threads=int),

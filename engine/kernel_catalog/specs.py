@@ -13,6 +13,7 @@ from typing import Any
 from engine.kernel_catalog.checks import _check
 from engine.kernel_catalog.contracts import (
     _DEFAULT_NAME,
+    I32,
     KERNELS,
     PAIR_PARTS,
     PENALTY_BLOCKS,
@@ -93,6 +94,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window
+            or (template == "attention_prefill" and key == "span")  # 0: no key split
         )
         if typ is int and norm[key] <= 0 and not zero_ok:
             raise _fail(template, f"param {key}={value!r} must be positive")
@@ -150,7 +152,11 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
     "attention": lambda p, rows, max_splits=1, **_: (
         rows, p["kv_heads"], p["qsplit"] if p["direct"] else max_splits
     ),
-    "attention_prefill": lambda p, rows, max_q=1, nseq=1, **_: (_cdiv(max_q, p["block_q"]), p["heads"], nseq),
+    "attention_prefill": lambda p, rows, max_q=1, nseq=1, max_splits=1, **_: (
+        _cdiv(max_q, 16 if p["gqa"] else p["block_q"]),
+        p["kv_heads"] if p["gqa"] else p["heads"],
+        nseq * (max_splits if p["partial"] else 1),
+    ),
     "attention_combine": lambda p, rows, **_: (rows, p["heads"], 1),
 }
 # template -> threads per block; every other template: its ``threads`` param
@@ -213,6 +219,8 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         args = args + (("part_sum", P), ("part_count", P))
     if s.template == "gemv_mma" and s.params["prologue"] == "norm":
         args = args + (("norm_w", P),)
+    if s.template == "attention_prefill" and s.params["partial"]:
+        args = args + (("part_o", P), ("part_ml", P), ("max_splits", I32))
     if s.template == "attention" and s.params.get("rope"):
         args = args + tuple((a, P) for a in ATTENTION_ROPE_ARGS)
     if s.template in ("gemv", "attention") and s.params.get("l2_pf"):

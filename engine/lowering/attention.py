@@ -1,6 +1,7 @@
 """Lowering unit ``attention``: paged causal GQA attention over the KV cache.
 
-prefill: flash attention on tensor cores (kernels/attention_prefill.cu.j2); decode: split-KV
+prefill: flash attention on tensor cores (kernels/attention_prefill.cu.j2; with the tuning's span,
+the key split: short passes as one block per span + attention_combine's fold); decode: split-KV
 partials + combine (kernels/attention.cu.j2, attention_combine.cu.j2); short (every row below
 split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it. A
 post-pass, ``trigger_short1`` (tuning attention_decode.trigger_b1). Must not import CUDA or numpy."""
@@ -47,15 +48,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     )
     v16 = vec16(ctx, q)
     if mode == "prefill":
-        # flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass)
-        pt = ctx.tune("attention_prefill")
-        bq, pw = kc.PREFILL_BLOCK_Q, kc.PREFILL_WARPS
-        bkv = kc.prefill_block_kv(bq, pt["block_kv"], hd)
-        spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, **common)
-        args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
-        grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
-        smem = kc.attention_prefill_smem(spec.params)
-        return [Launch(spec, grid, (32 * pw,), args, smem)]
+        return _prefill(ctx, q, out, heads, hd, common, cache)
     t = ctx.tune("attention_decode")
     if mode in ("short", VSHORT):
         # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
@@ -103,6 +96,46 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=split, out_stride=out.ld, window=window)
     cargs = (val(out),) + part + (Arg("input", "positions"), splits)
     return [Launch(spec, grid, (32 * warps,), args), Launch(comb, ("n", heads), (hd,), cargs)]
+
+
+def _prefill(ctx, q: Value, out: Value, heads: int, hd: int, common: dict, cache: tuple) -> list[Launch]:
+    """Flash attention on tensor cores, varlen: grid (q tiles, heads, sequences of the pass). With
+    the tuning's ``span`` (the key split, docs/kernels.md): passes of more than ``split_rows`` rows
+    fold each row's spans in one block; shorter ones (a prefix hit's tail at depth) run a block per
+    (q tile, head, sequence, span) writing partials, and attention_combine folds them in the same
+    order: the same bits for a row either way, so warm equals cold."""
+    pt = ctx.tune("attention_prefill")
+    bq, pw = kc.PREFILL_BLOCK_Q, kc.PREFILL_WARPS
+    bkv = kc.prefill_block_kv(bq, pt["block_kv"], hd)
+    span = int(pt.get("span") or 0)
+    spec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, span=span, **common)
+    args = (val(out), val(q)) + cache[:4] + (Arg("input", "seq_starts"), cache[4])
+    grid = (f"(max_q + {bq - 1}) // {bq}", heads, "nseq")
+    smem = kc.attention_prefill_smem(spec.params)
+    if not span:
+        return [Launch(spec, grid, (32 * pw,), args, smem)]
+    rows = int(pt["split_rows"])
+    pspec = ctx.spec("attention_prefill", block_q=bq, block_kv=bkv, warps=pw, span=span, partial=True, **common)
+    pgx, pgy, pthreads = grid[0], heads, 32 * pw
+    group = heads // common["kv_heads"]
+    gq = dict(block_q=16 * group, block_kv=bkv, warps=group, span=span, partial=True, gqa=True)
+    if pt["split_gqa"] and group <= 8 and kc.attention_prefill_smem({**gq, "head_dim": hd}) <= 99 * 1024:
+        # a block per kv head, its warps the group's query heads over 16 rows: K/V loaded once per group
+        pspec = ctx.spec("attention_prefill", **gq, **common)
+        pgx, pgy, pthreads = "(max_q + 15) // 16", common["kv_heads"], 32 * group
+    ctx.need_scratch(ScratchPlan("pattn_o", per_split=rows * heads * hd * 4, split=span))
+    ctx.need_scratch(ScratchPlan("pattn_ml", per_split=rows * heads * 2 * 4, split=span))
+    part = (Arg("scratch", "pattn_o"), Arg("scratch", "pattn_ml"))
+    splits = Arg("shape", f"splits:{span}", "i32")
+    pgrid = (pgx, pgy, f"nseq * ((max_ctx + {span - 1}) // {span})")
+    comb = ctx.spec("attention_combine", heads=heads, head_dim=hd, split=span, out_stride=out.ld,
+                    window=common["window"], fold=True)  # fmt: skip
+    cargs = (val(out),) + part + (Arg("input", "positions"), splits)
+    return [
+        Launch(spec, grid, (32 * pw,), args, smem, min_rows=rows + 1),
+        Launch(pspec, pgrid, (pthreads,), args + part + (splits,), kc.attention_prefill_smem(pspec.params), max_rows=rows),
+        Launch(comb, ("n", heads), (hd,), cargs, max_rows=rows),
+    ]
 
 
 @post_pass(20)

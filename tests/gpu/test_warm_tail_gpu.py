@@ -76,3 +76,32 @@ def test_engine_repeat_hits_and_equals_uncached(tail_runner):
     assert runs[0] == (cold, 0)
     for toks, cached in runs[1:]:  # a 7-token tail after 30 cached blocks: the tail graph, every time
         assert cached == 30 * bs and toks == cold, fam
+
+
+@pytest.mark.parametrize("tail", [7, 16])
+def test_tail_after_a_span_has_the_cold_pass_logits(tail_runner, tail):
+    """With the key-split prefill attention (the profile's attention_prefill.span; docs/kernels.md):
+    a 976 / 967-token prompt crosses a span; its cold pass (one pass of more than split_rows rows:
+    the folding single launch) and the tail a prefix hit leaves (the per-span launches + the fold,
+    from the captured tail graph) give the last row the same logits, bit for bit."""
+    fam, runner = tail_runner
+    span = int(runner.profile.tune("attention_prefill").get("span") or 0)
+    if not span:
+        pytest.skip(f"profile {runner.profile.name} has no key split (attention_prefill.span 0)")
+    bs = runner.block_size
+    vocab = runner.plan.dims["vocab"]
+    rng = np.random.default_rng(100 + tail)
+    depth = 60 * bs
+    prompt = [int(t) for t in rng.integers(3, vocab, depth + tail)]
+    table = list(range(-(-(depth + tail) // bs)))
+    hybrid = fam != "llama"
+    names = {la.spec.entry for st in runner.plan.steps for la in st.launches.get("prefill", ())}
+    assert any("partial" in n for n in names), "the plan has no split launch"
+    cold = dict(state_slot=0, state_snapshots=((depth, 1),)) if hybrid else {}
+    runner.use_graphs = True
+    runner.step([StepItem(0, prompt, 0, table, True, GREEDY, history=prompt, **cold)])
+    logits_cold = runner.read_logits(1)
+    warm = dict(state_slot=2, state_restore=1) if hybrid else {}
+    runner.step([StepItem(1, prompt[depth:], depth, table, True, GREEDY, history=prompt, **warm)])
+    logits_warm = runner.read_logits(1)
+    assert np.array_equal(logits_cold.view(np.uint32), logits_warm.view(np.uint32)), fam
