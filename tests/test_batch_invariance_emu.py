@@ -15,7 +15,8 @@ differences): on main the q6_k down projection (its k split over two warp groups
 runs, batch-1 unroll 4 against 2) differs in 31 of 40 outputs. The attention outputs are bf16, so
 a different key order rarely shows in them (main's 4-warp split kernel passes this test; the plan
 check, tests/test_batch_invariance.py, catches the warp counts). The bulk-copy (wsm) and trigger
-knobs are off (inline PTX; the same arithmetic by the template's own claim), and the emulator runs
+knobs are off (the same arithmetic by the template's own claim) but in the verify GEMVs' check,
+which runs them as the emulator does (the bulk copy a memcpy, the trigger a no-op), and the emulator runs
 __expf as exp2f(x log2 e): this checks the order of operations, not the device's intrinsics
 (tests/gpu/test_batch_invariance_gpu.py does that on the GPU).
 """
@@ -86,8 +87,10 @@ def _gemvs(launches) -> list[dict]:
     return out
 
 
-def run_gemv(tmp_path, w, x, rows, norm_w=None, **p):
-    spec = kc.spec("gemv", **{**p, **OFF})
+def run_gemv(tmp_path, w, x, rows, norm_w=None, sched=False, **p):
+    """``sched``: keep the spec's wsm row tile and trigger (the emulator's memcpy and no-op)."""
+    off = {**OFF, "wsm": p.get("wsm", False), "trigger": p.get("trigger", False)} if sched else OFF
+    spec = kc.spec("gemv", **{**p, **off})
     pp = spec.params
     out = np.full((rows, pp["n"]), np.nan, np.float32)
     args = [out, w, x, None, rows] + ([norm_w] if pp["prologue"] == "norm" else [])
@@ -140,25 +143,40 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
-def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, tmp_path):
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_path):
     """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
-    batch 1 folds them) on three rows against the plain bucket path (the rmsnorm / silu_mul kernel,
-    then the bucket GEMV): the same f32 row sums, bit for bit (SmolLM2-shaped q4_1)."""
+    batch 1 folds them; scheduled as batch 1's, decode_graph.verify_sched: the early trigger and,
+    where the tiles fit, the wsm row tile, run here as the emulator's memcpy) on three rows against
+    the plain bucket path (the rmsnorm / silu_mul kernel, then the bucket GEMV): the same f32 row
+    sums, bit for bit (SmolLM2-shaped q4_1, Qwen3 q4_k_m)."""
     from engine.ir import VDECODE
 
-    plan = plans["llama-q4_1"]
+    plan = plans[model]
     rng = np.random.default_rng(4)
-    folded = 0
+    folded = plain = wsm = 0
+    sched = ("wsm", "trigger", "tile_pf")  # (tile_pf: the next tile's loads, not with wsm)
+
+    def weight(p, seed):
+        file_type = quant.REPACKED_FROM.get(p["quant"], p["quant"])
+        raw = random_blocks(file_type, p["n"] * p["k"] // quant.block(file_type)[0], seed=seed)
+        return np.ascontiguousarray(quant.repack(raw, p["quant"], p["n"], p["k"]) if p["quant"] != file_type else raw).reshape(-1)
+
     for i, st in _layer0(plan, "linear"):
         prev = plan.steps[i - 1]
         for pv, pn in zip(_gemvs(st.launches[VDECODE]), _gemvs(st.launches["decode"]), strict=True):
-            if pv["prologue"] not in ("norm", "silu"):
-                assert pv == pn
-                continue
+            assert pv["trigger"] and not pn["wsm"] and not pn["trigger"]
+            wsm += bool(pv["wsm"])
             n, k = min(pv["n"], 2 * pv["rows_per_block"]), pv["k"]
             pv, pn = {**pv, "n": n}, {**pn, "n": n}
-            raw = random_blocks("q4_1", n * k // 32, seed=folded)
-            w = np.ascontiguousarray(quant.repack(raw, pv["quant"], n, k) if pv["quant"] != "q4_1" else raw).reshape(-1)
+            w = weight(pv, folded + 10 * plain)
+            if pv["prologue"] not in ("norm", "silu"):
+                assert {a: b for a, b in pv.items() if a not in sched} == {a: b for a, b in pn.items() if a not in sched}
+                x = _bf16(rng.standard_normal((ROWS, k)))
+                want = run_gemv(tmp_path, w, x, ROWS, **pn)
+                assert np.array_equal(run_gemv(tmp_path, w, x, ROWS, sched=True, **pv), want), i
+                plain += 1
+                continue
             nw = None
             if pv["prologue"] == "norm":
                 x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
@@ -173,10 +191,11 @@ def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, tmp_path):
                 t = sm.block[0]
                 _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], ROWS], tmp_path)
             want = run_gemv(tmp_path, w, xn, ROWS, **pn)
-            got = run_gemv(tmp_path, w, x, ROWS, nw, **pv)
+            got = run_gemv(tmp_path, w, x, ROWS, nw, sched=True, **pv)
             assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
             folded += 1
-    assert folded == 3  # q|k|v and gate|up after their norms, down after silu_mul
+    # q|k|v (q|k and v) and gate|up after their norms, down after silu_mul; o
+    assert folded == {"llama-q4_1": 3, "qwen3-q4_k_m": 4}[model] and plain == 1 and wsm >= 4, (folded, plain, wsm)
 
 
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
