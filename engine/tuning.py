@@ -156,6 +156,11 @@ class GemvCoop(Knobs):
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False
+    # q8x, a speculative verify pass's bucket GEMVs (engine.ir.VDECODE): the block's x rows staged
+    # with up to this many rounds of loads in flight together (as many as bmax rows of k take: one
+    # L2 round trip where k + 1 rows are several rounds of the block's threads); 0 / 1: one round at
+    # a time, as plain bucket decode. The same bits (each 32-group is quantised alone)
+    q8x_verify_rounds: int = knob(0, non_negative)
 
 
 def mma_file_types(v: list) -> str | None:

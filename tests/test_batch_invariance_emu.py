@@ -147,15 +147,16 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
 def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_path):
     """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
     batch 1 folds them; scheduled as batch 1's, decode_graph.verify_sched: the early trigger and,
-    where the tiles fit, the wsm row tile, run here as the emulator's memcpy) on three rows against
+    where the tiles fit, the wsm row tile, run here as the emulator's memcpy; x staged with several
+    rounds of loads in flight, gemv_coop.q8x_verify_rounds) on three rows against
     the plain bucket path (the rmsnorm / silu_mul kernel, then the bucket GEMV): the same f32 row
     sums, bit for bit (SmolLM2-shaped q4_1, Qwen3 q4_k_m)."""
     from engine.ir import VDECODE
 
     plan = plans[model]
     rng = np.random.default_rng(4)
-    folded = plain = wsm = 0
-    sched = ("wsm", "trigger", "tile_pf")  # (tile_pf: the next tile's loads, not with wsm)
+    folded = plain = wsm = rounds = 0
+    sched = ("wsm", "trigger", "tile_pf", "stage_rounds")  # (tile_pf: the next tile's loads, not with wsm)
 
     def weight(p, seed):
         file_type = quant.REPACKED_FROM.get(p["quant"], p["quant"])
@@ -165,8 +166,9 @@ def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_
     for i, st in _layer0(plan, "linear"):
         prev = plan.steps[i - 1]
         for pv, pn in zip(_gemvs(st.launches[VDECODE]), _gemvs(st.launches["decode"]), strict=True):
-            assert pv["trigger"] and not pn["wsm"] and not pn["trigger"]
+            assert pv["trigger"] and not pn["wsm"] and not pn["trigger"] and pn["stage_rounds"] == 1
             wsm += bool(pv["wsm"])
+            rounds += pv["stage_rounds"] > 1  # (gemv_coop.q8x_verify_rounds: more x loads in flight)
             n, k = min(pv["n"], 2 * pv["rows_per_block"]), pv["k"]
             pv, pn = {**pv, "n": n}, {**pn, "n": n}
             w = weight(pv, folded + 10 * plain)
@@ -195,7 +197,7 @@ def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_
             assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
             folded += 1
     # q|k|v (q|k and v) and gate|up after their norms, down after silu_mul; o
-    assert folded == {"llama-q4_1": 3, "qwen3-q4_k_m": 4}[model] and plain == 1 and wsm >= 4, (folded, plain, wsm)
+    assert folded == {"llama-q4_1": 3, "qwen3-q4_k_m": 4}[model] and plain == 1 and wsm >= 4 and rounds >= 2, (folded, plain, wsm, rounds)
 
 
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])

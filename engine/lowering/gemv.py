@@ -109,6 +109,10 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             p.pop("early_res", None)
         if (mode == "decode1" or vsched) and ctx.graph_knob("early_trigger"):
             p["trigger"] = True  # the next kernel may launch once the first loads are out
+        rounds = int(ctx.tune("gemv_coop").get("q8x_verify_rounds") or 0)
+        if ctx.verify_pass and mode == "decode" and p.get("q8x") and rounds > 1:  # (a verify pass's x staging)
+            need = -(-bmax * w.cols // 8 // int(p["threads"]))
+            p["stage_rounds"] = max(int(p.get("stage_rounds", 1)), min(rounds, need))
         if (
             mode == "decode1"
             and p.get("q8x")
