@@ -248,51 +248,61 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
-    """A verify pass below split (VSHORT): the rope kernel writes three rows of one sequence (positions
-    p .. p + 2), then the direct attention without the folded rope reads them; against the same rows
-    through the split attention and the combine (the long launches): the same outputs, bit for bit."""
+    """A verify pass below split (VSHORT: no rope launch; the rope-fused direct attention with vfresh)
+    over three rows of one sequence (positions p .. p + 2) and a fourth of another sequence, on a
+    cache whose slots for those rows hold garbage, its blocks run first to last and last to first
+    (each block writes the keys it reads: a block that relied on another row's block would read the
+    garbage in one of the orders); against the rope kernel then the split attention and the combine
+    (the long launches): the same outputs and the same KV writes, bit for bit."""
     from engine.ir import VSHORT
 
     plan = plans[model]
     ((_, att),) = _layer0(plan, "attention")
     ((_, rope_st),) = _layer0(plan, "rope")
-    (rope,) = rope_st.launches[VSHORT]
+    assert rope_st.launches[VSHORT] == ()
     (direct,) = att.launches[VSHORT]
+    (rope,) = rope_st.launches["decode"]
     split, comb = att.launches["decode"]
-    assert rope.spec == rope_st.launches["decode"][0].spec
     dp = direct.spec.params
-    assert dp["direct"] and not dp.get("rope")
-    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 3
+    assert dp["direct"] and dp["rope"] and dp["vfresh"] == kc.VERIFY_FRESH_MAX
+    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 4
     rp = rope.spec.params
     kv_stride, v_stride = rp["kv_stride"], rp.get("v_stride") or rp["kv_stride"]
     rng = np.random.default_rng(8)
     q_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
     k_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
-    nblocks = dp["split"] // BS + 1
-    table = np.arange(nblocks, dtype=np.int32)[::-1].copy()
-    tables = np.tile(table, (rows, 1))
-    for p0 in (0, 40, dp["split"] - rows):
+    nblocks = 2 * (dp["split"] // BS + 1)
+    half = nblocks // 2
+    table = np.arange(half, dtype=np.int32)[::-1].copy()  # (blocks out of order)
+    other = np.arange(half, nblocks, dtype=np.int32)  # row 3: another sequence, its own blocks
+    tables = np.ascontiguousarray(np.stack([table, table, table, other]))
+    for p0 in (0, 40, dp["split"] - rows):  # (every position below split: the short launches)
         cache = _bf16(rng.standard_normal((2, nblocks, BS, kvh, hd)))
         q = _bf16(rng.standard_normal((rows, dp["q_stride"])) * 2.0)
         k = _bf16(rng.standard_normal((rows, kv_stride)) * 2.0)
         v = _bf16(rng.standard_normal((rows, v_stride)))
-        pos = np.arange(p0, p0 + rows, dtype=np.int32)
-        slots = (table[pos // BS] * BS + pos % BS).astype(np.int32)
-        kc_, vc_ = cache[0].copy(), cache[1].copy()
+        pos = np.array([p0, p0 + 1, p0 + 2, p0 + 3], dtype=np.int32)  # (row 3 at the next position: not row 2's)
+        slots = (tables[np.arange(rows), pos // BS] * BS + pos % BS).astype(np.int32)
+        kc_s, vc_s, q_s = cache[0].copy(), cache[1].copy(), q.copy()
         _run(rope.spec, (rows, kc.rope_head_blocks(rp), 1), rope.block[0], 0,
-             [q, k, v, pos, q_norm, k_norm, None, kc_, vc_, slots, rows], tmp_path)  # fmt: skip
-        out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
-        _run(direct.spec, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
-             [out_d, None, None, q, kc_, vc_, tables, pos, nblocks, 1], tmp_path)  # fmt: skip
+             [q_s, k.copy(), v.copy(), pos, q_norm, k_norm, None, kc_s, vc_s, slots, rows], tmp_path)  # fmt: skip
         ms = 2
         part_o = np.full((rows, heads, ms, hd), np.nan, np.float32)
         part_ml = np.full((rows, heads, ms, 2), np.nan, np.float32)
         _run(split.spec, (rows, kvh, ms), split.block[0], 0,
-             [None, part_o, part_ml, q, kc_, vc_, tables, pos, nblocks, ms], tmp_path)  # fmt: skip
+             [None, part_o, part_ml, q_s, kc_s, vc_s, tables, pos, half, ms], tmp_path)  # fmt: skip
         out_s = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
         _run(comb.spec, (rows, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
-        assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
-        assert np.array_equal(out_d, out_s), (model, p0, int((out_d != out_s).sum()))
+        lib, types = cuda_emu.compile_any(render(direct.spec), direct.spec.entry, tmp_path)
+        for backwards in (False, True):
+            kc_d, vc_d = cache[0].copy(), cache[1].copy()
+            out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+            cuda_emu.launch_any(lib, types, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
+                                [out_d, None, None, q.copy(), kc_d, vc_d, tables, pos, half, 1, k, v, q_norm,
+                                 k_norm, None, slots], blocks_reversed=backwards)  # fmt: skip
+            assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
+            assert np.array_equal(out_d, out_s), (model, p0, backwards, [int((out_d[r] != out_s[r]).sum()) for r in range(rows)], np.array_equal(kc_d, kc_s))
+            assert np.array_equal(kc_d, kc_s) and np.array_equal(vc_d, vc_s), (model, p0, backwards)
 
 
 @pytest.mark.parametrize(
