@@ -246,7 +246,7 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
 def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
     """A verify pass below split (VSHORT: no rope launch; the rope-fused direct attention with vfresh)
     over three rows of one sequence (positions p .. p + 2) and a fourth of another sequence, on a
