@@ -99,6 +99,13 @@ def run_gemv(tmp_path, w, x, rows, norm_w=None, sched=False, **p):
     return out
 
 
+def gemvs_of_step(plan, prologue: str) -> list[dict]:
+    """The layer-0 VDECODE gemv params with that prologue."""
+    from engine.ir import VDECODE
+
+    return [p for _, st in _layer0(plan, "linear") for p in _gemvs(st.launches[VDECODE]) if p["prologue"] == prologue]
+
+
 def _layer0(plan, op):
     return [(i, st) for i, st in enumerate(plan.steps) if st.layer == 0 and st.op.op == op]
 
@@ -143,14 +150,16 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
+@pytest.mark.parametrize("rows", [3, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_path):
+def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, rows, tmp_path):
     """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
     batch 1 folds them; scheduled as batch 1's, decode_graph.verify_sched: the early trigger and,
     where the tiles fit, the wsm row tile, run here as the emulator's memcpy; x staged with several
     rounds of loads in flight, gemv_coop.q8x_verify_rounds) on three rows against
     the plain bucket path (the rmsnorm / silu_mul kernel, then the bucket GEMV): the same f32 row
-    sums, bit for bit (SmolLM2-shaped q4_1, Qwen3 q4_k_m)."""
+    sums, bit for bit (SmolLM2-shaped q4_1, Qwen3 q4_k_m), at 3 rows and 8 (the norm from the staging
+    loads with every row's groups padded to whole warps, where they are all in flight at once)."""
     from engine.ir import VDECODE
 
     plan = plans[model]
@@ -174,30 +183,32 @@ def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, tmp_
             w = weight(pv, folded + 10 * plain)
             if pv["prologue"] not in ("norm", "silu"):
                 assert {a: b for a, b in pv.items() if a not in sched} == {a: b for a, b in pn.items() if a not in sched}
-                x = _bf16(rng.standard_normal((ROWS, k)))
-                want = run_gemv(tmp_path, w, x, ROWS, **pn)
-                assert np.array_equal(run_gemv(tmp_path, w, x, ROWS, sched=True, **pv), want), i
+                x = _bf16(rng.standard_normal((rows, k)))
+                want = run_gemv(tmp_path, w, x, rows, **pn)
+                assert np.array_equal(run_gemv(tmp_path, w, x, rows, sched=True, **pv), want), i
                 plain += 1
                 continue
             nw = None
             if pv["prologue"] == "norm":
-                x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+                x = _bf16(rng.standard_normal((rows, k)) * rng.uniform(0.2, 4.0, (rows, 1)))
                 nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
                 (rs,) = prev.launches["decode"]
-                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
-                _run(rs.spec, (ROWS, 1, 1), rs.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
+                xn = np.full((rows, k), 0x7FC0, np.uint16)
+                _run(rs.spec, (rows, 1, 1), rs.block[0], 0, [xn, x, None, nw, rows], tmp_path)
             else:
-                x = _bf16(rng.standard_normal((ROWS, pv["x_stride"])) * 2.0)
+                x = _bf16(rng.standard_normal((rows, pv["x_stride"])) * 2.0)
                 (sm,) = prev.launches["decode"]
-                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                xn = np.full((rows, k), 0x7FC0, np.uint16)
                 t = sm.block[0]
-                _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], ROWS], tmp_path)
-            want = run_gemv(tmp_path, w, xn, ROWS, **pn)
-            got = run_gemv(tmp_path, w, x, ROWS, nw, sched=True, **pv)
+                _run(sm.spec, (-(-k // 8 // t), rows, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], rows], tmp_path)
+            want = run_gemv(tmp_path, w, xn, rows, **pn)
+            got = run_gemv(tmp_path, w, x, rows, nw, sched=True, **pv)
             assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
             folded += 1
     # q|k|v (q|k and v) and gate|up after their norms, down after silu_mul; o
     assert folded == {"llama-q4_1": 3, "qwen3-q4_k_m": 4}[model] and plain == 1 and wsm >= 4 and rounds >= 2, (folded, plain, wsm, rounds)
+    if model == "llama-q4_1":  # (576 values: 8 rows of 96 padded groups in 3 rounds of 256 threads)
+        assert "XG 96" in render(kc.spec("gemv", **{**gemvs_of_step(plan, "norm")[0], **OFF, "wsm": False}))
 
 
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
