@@ -346,3 +346,23 @@ def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads
         got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **base, bmax=1, prologue="norm",
                        x_stride=k, eps="1e-06", early_nw=True, stage_rounds=rounds)  # fmt: skip
         assert np.array_equal(got[0], want[r]), (file_type, r, int((got[0] != want[r]).sum()))
+
+
+@pytest.mark.parametrize("k", [576, 9216])
+def test_classic_gemv_norm_prologue_equals_the_rmsnorm_kernel(k, tmp_path):
+    """The classic (bf16) GEMV's norm prologue on three rows of a bucket (rows_inv_rms: at k = 576
+    one live round of the 1024 "threads", the other partial sums stored as 0; at 9216 every round,
+    two groups a "thread") against the rmsnorm kernel then the GEMV without it: the same bits."""
+    rng = np.random.default_rng(1)
+    n = 8
+    x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+    nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    w = _bf16(rng.standard_normal((n, k)) * 0.05).reshape(-1)
+    xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+    rs = kc.spec("rmsnorm", n=k, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
+    _run(rs, (ROWS, 1, 1), kc.NORM_THREADS, 0, [xn, x, None, nw, ROWS], tmp_path)
+    p = kc.linear_params("bf16", n, k, {"gemv": {}, "gemv_coop": {}}, bmax=8)
+    assert not p.get("coop")
+    want = run_gemv(tmp_path, w, xn, ROWS, **p)
+    got = run_gemv(tmp_path, w, x, ROWS, nw, **{**p, "prologue": "norm", "x_stride": k, "eps": "1e-06"})
+    assert np.array_equal(got, want), int((got != want).sum())
