@@ -31,8 +31,9 @@ MODES = ("decode1", "decode", "prefill")
 # prefetches of engine.lowering.l2_prefetch)
 SHORT1 = "short1"
 # the short-context launches of a speculative verify pass (rows of one sequence) where the plan's
-# "short" rope is folded into the attention kernel (attention_decode.fuse_rope), which would race on
-# the rows' KV: the rope kernel (every row's KV written first), then the direct attention without it
+# "short" rope is folded into the attention kernel (attention_decode.fuse_rope), whose blocks would
+# race on the rows' KV: the rope-fused direct attention with vfresh (kernels/attention.cu.j2: each
+# block also writes the keys of its sequence's earlier rows of the pass, then reads them), no rope
 VSHORT = "vshort"
 # the launches of a speculative verify pass (2 .. 8 rows of one sequence) lowered in the decode mode
 # with the rmsnorm / silu_mul folded into the bucket GEMVs' x loads as batch 1 folds them

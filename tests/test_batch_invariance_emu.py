@@ -15,7 +15,8 @@ differences): on main the q6_k down projection (its k split over two warp groups
 runs, batch-1 unroll 4 against 2) differs in 31 of 40 outputs. The attention outputs are bf16, so
 a different key order rarely shows in them (main's 4-warp split kernel passes this test; the plan
 check, tests/test_batch_invariance.py, catches the warp counts). The bulk-copy (wsm) and trigger
-knobs are off (inline PTX; the same arithmetic by the template's own claim), and the emulator runs
+knobs are off (the same arithmetic by the template's own claim) but in the verify GEMVs' check,
+which runs them as the emulator does (the bulk copy a memcpy, the trigger a no-op), and the emulator runs
 __expf as exp2f(x log2 e): this checks the order of operations, not the device's intrinsics
 (tests/gpu/test_batch_invariance_gpu.py does that on the GPU).
 """
@@ -86,14 +87,23 @@ def _gemvs(launches) -> list[dict]:
     return out
 
 
-def run_gemv(tmp_path, w, x, rows, norm_w=None, **p):
-    spec = kc.spec("gemv", **{**p, **OFF})
+def run_gemv(tmp_path, w, x, rows, norm_w=None, sched=False, **p):
+    """``sched``: keep the spec's wsm row tile and trigger (the emulator's memcpy and no-op)."""
+    off = {**OFF, "wsm": p.get("wsm", False), "trigger": p.get("trigger", False)} if sched else OFF
+    spec = kc.spec("gemv", **{**p, **off})
     pp = spec.params
     out = np.full((rows, pp["n"]), np.nan, np.float32)
     args = [out, w, x, None, rows] + ([norm_w] if pp["prologue"] == "norm" else [])
     grid = (kc.gemv_grid_x(pp), -(-rows // pp["bmax"]), 1)
     _run(spec, grid, pp["threads"], kc.gemv_smem(pp), args, tmp_path)
     return out
+
+
+def gemvs_of_step(plan, prologue: str) -> list[dict]:
+    """The layer-0 VDECODE gemv params with that prologue."""
+    from engine.ir import VDECODE
+
+    return [p for _, st in _layer0(plan, "linear") for p in _gemvs(st.launches[VDECODE]) if p["prologue"] == prologue]
 
 
 def _layer0(plan, op):
@@ -140,43 +150,65 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
-def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, tmp_path):
+@pytest.mark.parametrize("rows", [3, 8])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, rows, tmp_path):
     """A verify pass's bucket GEMVs (VDECODE: the rmsnorm / silu_mul folded into their x loads, as
-    batch 1 folds them) on three rows against the plain bucket path (the rmsnorm / silu_mul kernel,
-    then the bucket GEMV): the same f32 row sums, bit for bit (SmolLM2-shaped q4_1)."""
+    batch 1 folds them; scheduled as batch 1's, decode_graph.verify_sched: the early trigger and,
+    where the tiles fit, the wsm row tile, run here as the emulator's memcpy; x staged with several
+    rounds of loads in flight, gemv_coop.q8x_verify_rounds) on three rows against
+    the plain bucket path (the rmsnorm / silu_mul kernel, then the bucket GEMV): the same f32 row
+    sums, bit for bit (SmolLM2-shaped q4_1, Qwen3 q4_k_m), at 3 rows and 8 (the norm from the staging
+    loads with every row's groups padded to whole warps, where they are all in flight at once)."""
     from engine.ir import VDECODE
 
-    plan = plans["llama-q4_1"]
+    plan = plans[model]
     rng = np.random.default_rng(4)
-    folded = 0
+    folded = plain = wsm = rounds = 0
+    sched = ("wsm", "trigger", "tile_pf", "stage_rounds")  # (tile_pf: the next tile's loads, not with wsm)
+
+    def weight(p, seed):
+        file_type = quant.REPACKED_FROM.get(p["quant"], p["quant"])
+        raw = random_blocks(file_type, p["n"] * p["k"] // quant.block(file_type)[0], seed=seed)
+        return np.ascontiguousarray(quant.repack(raw, p["quant"], p["n"], p["k"]) if p["quant"] != file_type else raw).reshape(-1)
+
     for i, st in _layer0(plan, "linear"):
         prev = plan.steps[i - 1]
         for pv, pn in zip(_gemvs(st.launches[VDECODE]), _gemvs(st.launches["decode"]), strict=True):
-            if pv["prologue"] not in ("norm", "silu"):
-                assert pv == pn
-                continue
+            assert pv["trigger"] and not pn["wsm"] and not pn["trigger"] and pn["stage_rounds"] == 1
+            wsm += bool(pv["wsm"])
+            rounds += pv["stage_rounds"] > 1  # (gemv_coop.q8x_verify_rounds: more x loads in flight)
             n, k = min(pv["n"], 2 * pv["rows_per_block"]), pv["k"]
             pv, pn = {**pv, "n": n}, {**pn, "n": n}
-            raw = random_blocks("q4_1", n * k // 32, seed=folded)
-            w = np.ascontiguousarray(quant.repack(raw, pv["quant"], n, k) if pv["quant"] != "q4_1" else raw).reshape(-1)
+            w = weight(pv, folded + 10 * plain)
+            if pv["prologue"] not in ("norm", "silu"):
+                assert {a: b for a, b in pv.items() if a not in sched} == {a: b for a, b in pn.items() if a not in sched}
+                x = _bf16(rng.standard_normal((rows, k)))
+                want = run_gemv(tmp_path, w, x, rows, **pn)
+                assert np.array_equal(run_gemv(tmp_path, w, x, rows, sched=True, **pv), want), i
+                plain += 1
+                continue
             nw = None
             if pv["prologue"] == "norm":
-                x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+                x = _bf16(rng.standard_normal((rows, k)) * rng.uniform(0.2, 4.0, (rows, 1)))
                 nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
                 (rs,) = prev.launches["decode"]
-                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
-                _run(rs.spec, (ROWS, 1, 1), rs.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
+                xn = np.full((rows, k), 0x7FC0, np.uint16)
+                _run(rs.spec, (rows, 1, 1), rs.block[0], 0, [xn, x, None, nw, rows], tmp_path)
             else:
-                x = _bf16(rng.standard_normal((ROWS, pv["x_stride"])) * 2.0)
+                x = _bf16(rng.standard_normal((rows, pv["x_stride"])) * 2.0)
                 (sm,) = prev.launches["decode"]
-                xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+                xn = np.full((rows, k), 0x7FC0, np.uint16)
                 t = sm.block[0]
-                _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], ROWS], tmp_path)
-            want = run_gemv(tmp_path, w, xn, ROWS, **pn)
-            got = run_gemv(tmp_path, w, x, ROWS, nw, **pv)
+                _run(sm.spec, (-(-k // 8 // t), rows, 1), t, 0, [xn, x, x.ctypes.data + 2 * pv["u_off"], rows], tmp_path)
+            want = run_gemv(tmp_path, w, xn, rows, **pn)
+            got = run_gemv(tmp_path, w, x, rows, nw, sched=True, **pv)
             assert np.array_equal(got, want), (i, pv["prologue"], int((got != want).sum()))
             folded += 1
-    assert folded == 3  # q|k|v and gate|up after their norms, down after silu_mul
+    # q|k|v (q|k and v) and gate|up after their norms, down after silu_mul; o
+    assert folded == {"llama-q4_1": 3, "qwen3-q4_k_m": 4}[model] and plain == 1 and wsm >= 4 and rounds >= 2, (folded, plain, wsm, rounds)
+    if model == "llama-q4_1":  # (576 values: 8 rows of 96 padded groups in 3 rounds of 256 threads)
+        assert "XG 96" in render(kc.spec("gemv", **{**gemvs_of_step(plan, "norm")[0], **OFF, "wsm": False}))
 
 
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
@@ -225,53 +257,63 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
 def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
-    """A verify pass below split (VSHORT): the rope kernel writes three rows of one sequence (positions
-    p .. p + 2), then the direct attention without the folded rope reads them; against the same rows
-    through the split attention and the combine (the long launches): the same outputs, bit for bit."""
+    """A verify pass below split (VSHORT: no rope launch; the rope-fused direct attention with vfresh)
+    over three rows of one sequence (positions p .. p + 2) and a fourth of another sequence, on a
+    cache whose slots for those rows hold garbage, its blocks run first to last and last to first
+    (each block writes the keys it reads: a block that relied on another row's block would read the
+    garbage in one of the orders); against the rope kernel then the split attention and the combine
+    (the long launches): the same outputs and the same KV writes, bit for bit."""
     from engine.ir import VSHORT
 
     plan = plans[model]
     ((_, att),) = _layer0(plan, "attention")
     ((_, rope_st),) = _layer0(plan, "rope")
-    (rope,) = rope_st.launches[VSHORT]
+    assert rope_st.launches[VSHORT] == ()
     (direct,) = att.launches[VSHORT]
+    (rope,) = rope_st.launches["decode"]
     split, comb = att.launches["decode"]
-    assert rope.spec == rope_st.launches["decode"][0].spec
     dp = direct.spec.params
-    assert dp["direct"] and not dp.get("rope")
-    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 3
+    assert dp["direct"] and dp["rope"] and dp["vfresh"] == kc.VERIFY_FRESH_MAX
+    heads, kvh, hd, rows = dp["heads"], dp["kv_heads"], dp["head_dim"], 4
     rp = rope.spec.params
     kv_stride, v_stride = rp["kv_stride"], rp.get("v_stride") or rp["kv_stride"]
     rng = np.random.default_rng(8)
     q_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
     k_norm = (1.0 + 0.3 * rng.standard_normal(hd)).astype(np.float32) if rp["qk_norm"] else None
-    nblocks = dp["split"] // BS + 1
-    table = np.arange(nblocks, dtype=np.int32)[::-1].copy()
-    tables = np.tile(table, (rows, 1))
-    for p0 in (0, 40, dp["split"] - rows):
+    nblocks = 2 * (dp["split"] // BS + 1)
+    half = nblocks // 2
+    table = np.arange(half, dtype=np.int32)[::-1].copy()  # (blocks out of order)
+    other = np.arange(half, nblocks, dtype=np.int32)  # row 3: another sequence, its own blocks
+    tables = np.ascontiguousarray(np.stack([table, table, table, other]))
+    for p0 in (0, 40, dp["split"] - rows):  # (every position below split: the short launches)
         cache = _bf16(rng.standard_normal((2, nblocks, BS, kvh, hd)))
         q = _bf16(rng.standard_normal((rows, dp["q_stride"])) * 2.0)
         k = _bf16(rng.standard_normal((rows, kv_stride)) * 2.0)
         v = _bf16(rng.standard_normal((rows, v_stride)))
-        pos = np.arange(p0, p0 + rows, dtype=np.int32)
-        slots = (table[pos // BS] * BS + pos % BS).astype(np.int32)
-        kc_, vc_ = cache[0].copy(), cache[1].copy()
+        pos = np.array([p0, p0 + 1, p0 + 2, p0 + 3], dtype=np.int32)  # (row 3 at the next position: not row 2's)
+        slots = (tables[np.arange(rows), pos // BS] * BS + pos % BS).astype(np.int32)
+        kc_s, vc_s, q_s = cache[0].copy(), cache[1].copy(), q.copy()
         _run(rope.spec, (rows, kc.rope_head_blocks(rp), 1), rope.block[0], 0,
-             [q, k, v, pos, q_norm, k_norm, None, kc_, vc_, slots, rows], tmp_path)  # fmt: skip
-        out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
-        _run(direct.spec, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
-             [out_d, None, None, q, kc_, vc_, tables, pos, nblocks, 1], tmp_path)  # fmt: skip
+             [q_s, k.copy(), v.copy(), pos, q_norm, k_norm, None, kc_s, vc_s, slots, rows], tmp_path)  # fmt: skip
         ms = 2
         part_o = np.full((rows, heads, ms, hd), np.nan, np.float32)
         part_ml = np.full((rows, heads, ms, 2), np.nan, np.float32)
         _run(split.spec, (rows, kvh, ms), split.block[0], 0,
-             [None, part_o, part_ml, q, kc_, vc_, tables, pos, nblocks, ms], tmp_path)  # fmt: skip
+             [None, part_o, part_ml, q_s, kc_s, vc_s, tables, pos, half, ms], tmp_path)  # fmt: skip
         out_s = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
         _run(comb.spec, (rows, heads, 1), comb.block[0], 0, [out_s, part_o, part_ml, pos, ms], tmp_path)
-        assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
-        assert np.array_equal(out_d, out_s), (model, p0, int((out_d != out_s).sum()))
+        lib, types = cuda_emu.compile_any(render(direct.spec), direct.spec.entry, tmp_path)
+        for backwards in (False, True):
+            kc_d, vc_d = cache[0].copy(), cache[1].copy()
+            out_d = np.full((rows, dp["out_stride"]), 0x7FC0, np.uint16)
+            cuda_emu.launch_any(lib, types, (rows, kvh, dp["qsplit"]), direct.block[0], 0,
+                                [out_d, None, None, q.copy(), kc_d, vc_d, tables, pos, half, 1, k, v, q_norm,
+                                 k_norm, None, slots], blocks_reversed=backwards)  # fmt: skip
+            assert not np.isnan((out_d.astype(np.uint32) << 16).view(np.float32)).any()
+            assert np.array_equal(out_d, out_s), (model, p0, backwards, [int((out_d[r] != out_s[r]).sum()) for r in range(rows)], np.array_equal(kc_d, kc_s))
+            assert np.array_equal(kc_d, kc_s) and np.array_equal(vc_d, vc_s), (model, p0, backwards)
 
 
 @pytest.mark.parametrize(
@@ -304,3 +346,23 @@ def test_fused_norm_in_any_block_equals_the_rmsnorm_kernel(file_type, k, threads
         got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **base, bmax=1, prologue="norm",
                        x_stride=k, eps="1e-06", early_nw=True, stage_rounds=rounds)  # fmt: skip
         assert np.array_equal(got[0], want[r]), (file_type, r, int((got[0] != want[r]).sum()))
+
+
+@pytest.mark.parametrize("k", [576, 9216])
+def test_classic_gemv_norm_prologue_equals_the_rmsnorm_kernel(k, tmp_path):
+    """The classic (bf16) GEMV's norm prologue on three rows of a bucket (rows_inv_rms: at k = 576
+    one live round of the 1024 "threads", the other partial sums stored as 0; at 9216 every round,
+    two groups a "thread") against the rmsnorm kernel then the GEMV without it: the same bits."""
+    rng = np.random.default_rng(1)
+    n = 8
+    x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
+    nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    w = _bf16(rng.standard_normal((n, k)) * 0.05).reshape(-1)
+    xn = np.full((ROWS, k), 0x7FC0, np.uint16)
+    rs = kc.spec("rmsnorm", n=k, eps="1e-06", threads=kc.NORM_THREADS, residual=False)
+    _run(rs, (ROWS, 1, 1), kc.NORM_THREADS, 0, [xn, x, None, nw, ROWS], tmp_path)
+    p = kc.linear_params("bf16", n, k, {"gemv": {}, "gemv_coop": {}}, bmax=8)
+    assert not p.get("coop")
+    want = run_gemv(tmp_path, w, xn, ROWS, **p)
+    got = run_gemv(tmp_path, w, x, ROWS, nw, **{**p, "prologue": "norm", "x_stride": k, "eps": "1e-06"})
+    assert np.array_equal(got, want), int((got != want).sum())

@@ -340,16 +340,20 @@ def test_attention_table_first_on_every_decode_kernel():
 
 def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
     """decode_graph.early_trigger: every decode1 coop GEMV calls pdl_trigger() after its first loads
-    (entry name trigger1); the batch-8 GEMVs, the prefill and the other kernels do not."""
-    for on in (True, False):
-        plan = _q4_k_m_plan(f"decode_graph.early_trigger={str(on).lower()}")
+    (entry name trigger1), and with decode_graph.verify_sched a verify pass's bucket ones (VDECODE);
+    the plain batch-8 GEMVs, the prefill and the other kernels do not."""
+    from engine.ir import VDECODE
+
+    for on, vs in ((True, True), (True, False), (False, True)):
+        plan = _q4_k_m_plan(f"decode_graph.early_trigger={str(on).lower()}; decode_graph.verify_sched={str(vs).lower()}")
+        assert any(VDECODE in st.launches for st in plan.steps)
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 for la in launches:
                     if la.spec.template != "gemv":
                         assert not la.spec.params.get("trigger", False), la.spec.entry
                         continue
-                    want = on and la.spec.params["coop"] and mode == "decode1"
+                    want = on and la.spec.params["coop"] and (mode == "decode1" or (vs and mode == VDECODE))
                     assert la.spec.params.get("trigger", False) is want, (mode, la.spec.entry)
                     assert ("trigger1" in la.spec.entry) is want
                     if want:

@@ -75,24 +75,41 @@ def test_fused_rope_short_attention_is_not_used_for_verify_rows():
     assert not short_is_safe(plan({"short": ()}))  # rope folded into the short attention kernel
 
 
-def test_short_verify_rows_run_the_rope_kernel_then_the_direct_attention(fake):
-    """The h200 profile folds the short rope into the direct attention (unsafe for one sequence's
-    rows): a verify pass below split_kv_tokens takes the plan's VSHORT launches (the rope kernel,
-    then the direct attention without the rope, no combine); past it, the long launches."""
+def test_short_verify_rows_run_the_direct_attention_writing_earlier_rows_keys(fake):
+    """The h200 profile folds the short rope into the direct attention (its plain form unsafe for one
+    sequence's rows): a verify pass below split_kv_tokens takes the plan's VSHORT launches (the
+    rope-fused direct attention with vfresh, each block writing its sequence's earlier rows' keys
+    itself: no rope launch, no combine); past it, the long launches (the rope kernel, the split
+    attention, the combine)."""
     runner, drv = fake
     plan = runner.plan
     assert not short_is_safe(plan) and has_verify_short(plan)
     for st in plan.steps:
         if st.op.op == "attention":
-            assert st.launches["short"][0].spec.params.get("rope") and not st.launches[VSHORT][0].spec.params.get("rope")
-            assert st.launches[VSHORT][0].spec.params["direct"]
+            (short,), (vshort,) = st.launches["short"], st.launches[VSHORT]
+            assert short.spec.params["rope"] and not short.spec.params["vfresh"]
+            assert vshort.spec.params["rope"] and vshort.spec.params["direct"] and vshort.spec.params["vfresh"]
+            assert vshort.args == short.args  # (the same inputs: the raw k / v rows, slots, norms)
+        if st.op.op == "rope":
+            assert st.launches[VSHORT] == ()
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0])]) == [[0, 0, 0, 0, 0]]
     names = [b.fn.name for b in runner._graphs[(5, "greedy", True, True, "verify")][1]]
-    assert sum(n.startswith("rope") for n in names) == plan.dims["layers"]
-    assert not any(n.startswith("attention_combine") for n in names)
+    assert not any(n.startswith(("rope", "attention_combine")) for n in names)
+    assert sum("_vfresh" in n for n in names) == plan.dims["layers"]
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0, 0, 0, 0, 0]]
     names = [b.fn.name for b in runner._graphs[(5, "greedy", False, True, "verify")][1]]
     assert sum(n.startswith("attention_combine") for n in names) == plan.dims["layers"]
+    assert sum(n.startswith("rope") for n in names) == plan.dims["layers"]
+
+
+def test_the_verify_attention_holds_every_draft_row():
+    """A draft of MAX_SPEC_TOKENS tokens is that many rows before its last in one verify pass: the
+    VSHORT attention's blocks write (and read) that many earlier rows' keys (kernel_catalog
+    .VERIFY_FRESH_MAX: the param vfresh)."""
+    from engine import kernel_catalog as kc
+    from engine.spec.config import MAX_SPEC_TOKENS
+
+    assert kc.VERIFY_FRESH_MAX == MAX_SPEC_TOKENS
 
 
 def test_verify_passes_stay_below_the_wide_decode():

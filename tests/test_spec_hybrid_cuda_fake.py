@@ -77,6 +77,46 @@ def test_rows_by_draft_position_and_the_state_put_back(fake):
     assert copies == _slot_copies(runner, s0 + 3, 4)
 
 
+
+def test_sixteen_rows_verify_in_two_passes_below_the_wide_decode(fake):
+    """4 drafts of 3 tokens (16 rows) of the bf16 hybrid on the h200 profile (wide decode from 16
+    rows, GEMM rows without a batch-1 step's bits): two passes of 8 rows (narrow_rows), each laid
+    out by draft position, so ``read_logits`` after ``verify`` holds only the second pass's rows.
+    The fake device's logits row r holds row r's position: fixtures.verify_rows reads each pass's
+    rows back under their own (seq_id, position), where one read after the call (what the GPU test
+    of the verify rows did, failing at 16 rows with rel err ~1.4 and 1.0) gets other sequences'
+    rows and rows no pass wrote."""
+    from fixtures.verify_rows import verify_row_logits
+
+    runner, drv, _ = fake
+    runner.use_graphs = False
+    assert runner.plan.wide_rows == 16 and len(runner.spec_scratch()) >= 12
+    written = np.zeros((16, runner.plan.values["logits"].width), dtype=np.float32)
+
+    def read_value(name, rows):
+        n = len(runner._last_rows)
+        written[:n] = np.asarray(runner._views["positions"][:n], dtype=np.float32)[:, None]
+        return written[:rows].copy()
+
+    decode = runner._decode
+
+    def note_rows(rows, *a, **kw):
+        runner._last_rows = rows
+        return decode(rows, *a, **kw)
+
+    runner.read_value, runner._decode = read_value, note_rows
+    starts = [9, 30, 51, 72]
+    items = [_draft(i, [0, 0, 0], s, list(range(6 * i, 6 * i + 6)), i) for i, s in enumerate(starts)]
+    drv.launches.clear()
+    out, rows_of, passes = verify_row_logits(runner, items)
+    assert out == [[0, 0, 0, 0]] * 4 and passes == [8, 8]
+    assert [g for n, g, _ in drv.launches if n.startswith("argmax")] == [(8, 1, 1), (8, 1, 1)]
+    assert sorted(rows_of) == [(i, s + j) for i, s in enumerate(starts) for j in range(4)]
+    assert all(float(v[0]) == pos for (_, pos), v in rows_of.items())
+    once = runner.read_logits(16)  # one read after the call, rows by draft position over all 16
+    assert [float(once[j * 4 + i][0]) for i in range(4) for j in range(4)] != [s + j for s in starts for j in range(4)]
+
+
 def test_stateful_launches_bind_their_row_group(fake):
     runner, _, _ = fake
     runner.use_graphs = False

@@ -302,7 +302,8 @@ def report(res: dict) -> str:
     p = res["passes"]
     lines.append(
         f"passes (GPU us per replay; short_context {p['short_context']}; plain short launches safe for verify: "
-        f"{p['verify_short_ok']}, VSHORT launches: {p['verify_vshort']})"
+        f"{p['verify_short_ok']}, VSHORT launches: {p['verify_vshort']}); `verify` is the engine's pass, "
+        "`rows n` plain decode graphs of n rows (the long launches, no verify folding)"
     )
     for depth, rows in p["depths"].items():
         for name, r in rows.items():

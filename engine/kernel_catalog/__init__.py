@@ -76,6 +76,7 @@ from engine.kernel_catalog.layout import (  # noqa: F401
     COOP_TYPES,
     Q8X_FILE_TYPES,
     Q8X_TYPES,
+    VERIFY_FRESH_MAX,
     attention_prefill_smem,
     gemm_smem,
     gemm_wgmma_smem,

@@ -341,6 +341,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
             "table_first stages the table from the range's first key: not with a sliding window",
         )
         need(not p["l2_pf"] or (p["direct"] and p["mode"] == "decode"), "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
+        need(
+            not p["vfresh"] or (p["rope"] and p["direct"]),
+            "vfresh (a verify pass's earlier rows' keys) needs the direct kernel with the rope fused in",
+        )
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
             need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
             need(

@@ -76,7 +76,7 @@ P, I32 = "ptr", "i32"
 _OFF = dict.fromkeys
 _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {
-        "qsplit": 1, "v_stride": 0, "window": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
+        "qsplit": 1, "v_stride": 0, "window": 0, "vfresh": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
     },
     "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
     "attention_combine": {"window": 0, "fold": False},
@@ -267,7 +267,7 @@ KERNELS: dict[str, KernelDoc] = {
             heads=int, kv_heads=int, head_dim=int, block_size=int, split=int, scale=float, q_stride=int,
             out_stride=int, mode=str, direct=bool, warps=int, vec16=bool, rope=bool, rope_dim=int,
             theta=float, style=str, qk_norm=bool, eps=float, freq_factors=bool, kv_stride=int, qsplit=int,
-            v_stride=int, table_first=bool, trigger=bool, l2_pf=str, window=int,
+            v_stride=int, table_first=bool, trigger=bool, l2_pf=str, window=int, vfresh=int,
         ),
         # rope=true adds trailing k_in, v_in, q_norm, k_norm, freq, slots; l2_pf adds pf0, pf1 ...:
         # see kernel_args()
@@ -281,7 +281,7 @@ KERNELS: dict[str, KernelDoc] = {
         defaults={
             "vec16": False, "rope": False, "rope_dim": 0, "theta": 10000.0, "style": "neox", "qk_norm": False,
             "eps": 0.0, "freq_factors": False, "kv_stride": 0, "qsplit": 1, "v_stride": 0,
-            "table_first": False, "trigger": False, "l2_pf": "", "window": 0,
+            "table_first": False, "trigger": False, "l2_pf": "", "window": 0, "vfresh": 0,
         },
         # the fused rope's params name the entry only with rope (specs.spec)
         unnamed=("scale", "warps", "rope", "rope_dim", "theta", "style", "qk_norm", "eps", "freq_factors",

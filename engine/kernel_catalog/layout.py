@@ -168,6 +168,11 @@ def l2_pf_ranges(text: str) -> tuple[tuple[int, int, int], ...]:
 ATTENTION_ROPE_ARGS = ("k_in", "v_in", "q_norm", "k_norm", "freq", "slots")
 
 
+# a verify pass's rope-fused direct attention (param vfresh): the most earlier rows of a row's
+# sequence in the pass whose keys a block writes and reads itself (engine.spec.config's
+# MAX_SPEC_TOKENS drafts before the last row; tests/test_spec_cuda_fake.py checks the two agree)
+VERIFY_FRESH_MAX = 16
+
 # the rope spec params the rope-fused attention takes over (with rope=true)
 ATTENTION_ROPE_PARAMS = (
     "rope_dim",

@@ -95,6 +95,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window
             or (template == "attention_prefill" and key == "span")  # 0: no key split
+            or (template == "attention" and key == "vfresh")  # 0: not a verify pass's fused rope
         )
         if typ is int and norm[key] <= 0 and not zero_ok:
             raise _fail(template, f"param {key}={value!r} must be positive")

@@ -52,8 +52,11 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     t = ctx.tune("attention_decode")
     if mode in ("short", VSHORT):
         # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
-        # before this op may be folded in (the rope unit set rope_fused), never in a verify pass's
-        rope, rope_args = ctx.rope_fused.get(layer, ({}, ())) if mode == "short" else ({}, ())
+        # before this op may be folded in (the rope unit set rope_fused); in a verify pass's
+        # (VSHORT) each block then also writes the keys of its sequence's earlier rows (vfresh)
+        rope, rope_args = ctx.rope_fused.get(layer, ({}, ()))
+        if rope and mode == VSHORT:
+            rope = {**rope, "vfresh": kc.VERIFY_FRESH_MAX}
         warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
         qsplit = kc.direct_qsplit(heads // kvh, ctx.profile.tuning)
         spec = ctx.spec(

@@ -8,7 +8,7 @@ and scaling (Gemma 3: 10k on local layers, 1M on global ones). Must not import C
 from __future__ import annotations
 
 from engine import kernel_catalog as kc
-from engine.ir import NULL, ROWS, Arg, Launch, Value, val, wgt
+from engine.ir import NULL, ROWS, VSHORT, Arg, Launch, Value, val, wgt
 from engine.lowering.registry import register
 from engine.types import ConfigError
 
@@ -86,9 +86,10 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     # a window layer writes its KV through its own slots (the runner's window pool, or the slots)
     slots = Arg("input", "window_slots" if ctx.rope_window.get(layer) else "slots")
     freq = wgt(freq_w) if freq_w is not None else NULL
-    if mode == "short" and rope_fuses(ctx, q, k) and v.ld % 8 == 0:
+    if mode in ("short", VSHORT) and rope_fuses(ctx, q, k) and v.ld % 8 == 0:
         # short-context decode: the direct attention kernel that follows rotates q / k itself
-        # and writes the cache (the split kernels do not: every split block would redo the rope)
+        # and writes the cache (the split kernels do not: every split block would redo the rope);
+        # in a verify pass (VSHORT) also its earlier rows' keys (the attention's vfresh)
         fused = {key: params[key] for key in kc.ATTENTION_ROPE_PARAMS if key in params}
         extra = (val(k), val(v), *norms, freq, slots)
         ctx.rope_fused[layer] = ({"rope": True, **fused}, extra)

@@ -12,8 +12,10 @@ plain decode step at its position. The KV of every row is written by the rope ke
 attention kernel reads it, so row j sees rows < j of its own sequence. Where the plan folds the rope into the
 short-context attention kernel (``attention_decode.fuse_rope``), one kernel would both write and
 read those slots, so verification then uses the plan's verify launches (``engine.ir.VSHORT``: the
-rope kernel, then the direct attention without the rope), or the long-context launches where the
-plan has none (a hybrid's verify pass).
+rope-fused direct attention whose block for row j also rotates and writes the keys of its
+sequence's rows < j in the pass, the same bytes their own blocks write, and reads only what it
+wrote itself: kernels/attention.cu.j2 ``vfresh``), or the long-context launches where the plan has
+none (a hybrid's verify pass).
 
 A verify pass runs exactly its rows (``CudaRunner.verify_exact_rows``: a graph per row count, k + 1
 rows for one draft), not the bucket's: padding rows would run every GEMV and attention kernel for
@@ -59,10 +61,11 @@ def short_is_safe(plan: Any) -> bool:
 
 
 def has_verify_short(plan: Any) -> bool:
-    """Whether every rope step of the plan has verify launches (engine.ir.VSHORT) that write the KV
-    before the attention reads it: a verify pass below short_context then takes them."""
+    """Whether every rope step of the plan has verify launches (engine.ir.VSHORT: the rope folded
+    into the direct attention, each block writing its sequence's earlier rows' keys itself before
+    reading them) for a verify pass below short_context."""
     ropes = [st for st in plan.steps if st.op.op == "rope"]
-    return bool(ropes) and all(st.launches.get(VSHORT) for st in ropes)
+    return bool(ropes) and all(VSHORT in st.launches for st in ropes)
 
 
 def narrow_rows(plan: Any, max_rows: int) -> int:
@@ -205,6 +208,8 @@ def _verify_group_hybrid(r: Any, items: list[StepItem], short_ok: bool) -> list[
             )
         )
     snaps = [after.get(ij, -1) for ij in order]
+    # (never the VSHORT launches: their attention finds a row's earlier draft rows right before it,
+    # and these rows are laid out by draft position)
     ids = r._decode(rows, short_ok=short_ok, state_snap=snaps, groups=groups)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None

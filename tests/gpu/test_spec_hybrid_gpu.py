@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from fixtures.hybrid import write_qwen3_5_hf
+from fixtures.verify_rows import verify_row_logits
 
 from engine.bench import NullTokenizer
 from engine.types import GenerationRequest, SamplingParams
@@ -144,11 +145,13 @@ def test_greedy_with_speculation_equals_plain_greedy(hybrid, method, use_graphs)
 
 @pytest.mark.parametrize("rows", [2, 4])
 def test_verify_rows_and_restored_states_match_the_reference(hybrid, rows):
-    """One verify call of ``rows`` sequences with 3 drafts each (bucket 8: decode GEMVs; bucket 16:
-    the wide pass): every row's logits are the reference's for its prefix (the stateful launches
-    ran per draft position), and after acceptance (sequence i's draft is the reference's greedy
-    continuation with token i % 4 changed, so 0..3 accepted) a decode step from the restored
-    states gives the reference's logits again."""
+    """One verify call of ``rows`` sequences with 3 drafts each (8 rows: one pass of bucket 8, on the
+    decode GEMVs; 16 rows: past ``narrow_rows``, the largest bucket below the bf16 model's wide
+    decode, so two passes of 8 rows, each laid out by draft position; the logits are read after
+    each pass, fixtures.verify_rows): every row's logits are the reference's for its prefix (the
+    stateful launches ran per draft position), and after acceptance (sequence i's draft is the
+    reference's greedy continuation with token i % 4 changed, so 0..3 accepted) a decode step from
+    the restored states gives the reference's logits again."""
     import numpy as np
 
     from engine.reference import ReferenceRunner
@@ -171,13 +174,13 @@ def test_verify_rows_and_restored_states_match_the_reference(hybrid, rows):
         drafts.append(d)
     items = [StepItem(i, [seq[-1], *d], len(seq) - 1, tables[i], True, GREEDY, history=seq, state_slot=i, draft=d)
              for i, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
-    out = runner.verify(items)
-    logits = runner.read_logits(rows * (k + 1))
+    out, got_rows, passes = verify_row_logits(runner, items)
+    assert passes == [8] * (rows * (k + 1) // 8), passes  # (never the wide decode's GEMM rows)
     errs = []
     for i in range(rows):
         for j in range(k + 1):
             want = ref.forward_logits(seqs[i] + drafts[i][:j])[-1]
-            got = logits[j * rows + i]  # rows by draft position: every sequence's j-th, then j+1
+            got = got_rows[i, len(seqs[i]) - 1 + j]
             errs.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
     print(f"verify rows ({rows} sequences): logits rel err max {max(errs):.2e}; accepted {[len(o) - 1 for o in out]}")
     assert max(errs) < 3e-2, errs
