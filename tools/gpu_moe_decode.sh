@@ -10,8 +10,8 @@
 # bench: memra bench on it, decode at BATCHES (default 1,2,4,8,16,32), depth 0 and 4096
 # kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
-# ab:    memra bench --quick at BATCHES, the default then each batch-1 MoE variant (VARIANTS: lines
-#        of name=MEMRA_TUNE spec; none by default)
+# ab:    memra bench --quick at BATCHES, the default then each variant (VARIANTS: lines of
+#        name=MEMRA_TUNE spec; none by default), ROUNDS times alternating (default 1)
 # trace: tools/gpu_trace_decode.py --batch 1 over the same variants ($R/trace_*; not in the defaults)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
@@ -41,10 +41,12 @@ for stage in ${STAGES:-tests ckpt bench}; do
     grep -E "^\|" "$R/kernels.txt" || tail -5 "$R/kernels.txt"
     ;;
   ab)
-    bench ab_default --quick
-    while IFS= read -r v; do
-      [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}" --quick
-    done <<< "$VARIANTS"
+    for r in $(seq 1 "${ROUNDS:-1}"); do
+      bench "ab_default_r$r" --quick
+      while IFS= read -r v; do
+        [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}_r$r" --quick
+      done <<< "$VARIANTS"
+    done
     ;;
   trace)
     args=()
