@@ -180,10 +180,11 @@ def test_row_check_bounds_a_perturbed_row_and_not_a_faulty_one(tmp_path, monkeyp
     from fixtures import step_numerics
 
     ref, plan = _q4_k_m(tmp_path)
-    p, tok, _, want = _wide_case(ref, seed)
-    chk = row_check(ref, plan, p, tok, len(WIDE_PROMPT_SEEDS), seed, want)
-    _, ok = step_logits(ref, plan, p, tok, 24, jittered(np.random.default_rng(seed + 1), step_numerics.NOISE_REL))
+    p, tok, first, want = _wide_case(ref, seed)
+    chk = row_check(ref, plan, p, tok, len(WIDE_PROMPT_SEEDS), seed, want, first)
+    ok_first, ok = step_logits(ref, plan, p, tok, 24, jittered(np.random.default_rng(seed + 1), step_numerics.NOISE_REL), head_rows=20)
     assert _rel(ok, want) < chk.bound and chk.greedy_ok(int(np.argmax(ok)))
+    assert _rel(ok_first, first) < chk.first_bound and chk.greedy_ok(int(np.argmax(ok_first)), decode=False)
     experts, prev = step_numerics._Emu.experts, {}
 
     def faulty(self, s, o, layer, launches):

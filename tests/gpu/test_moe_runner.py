@@ -178,27 +178,32 @@ def test_wide_batch_decode_matches_the_emulated_rounding(moe):
     GEMMs, its bf16 P, bf16-decoded expert weights, int8 x of the dense GEMVs, bf16 activations):
     the row's logits within REF_FACTOR times the largest distance from the reference of that
     emulation under f32-level noise (the GPU's summation order lands a rounding-noise away from
-    the emulation: step_numerics), and its greedy tokens the emulation's (or a near tie). The
-    table printed gives each row's distances: GPU-reference, emulation-reference, the perturbed
-    emulations' range, GPU-emulation."""
+    the emulation: step_numerics), the prefill's last-row logits likewise, and its greedy tokens
+    the emulation's (or a near tie). The table printed gives each row's distances:
+    GPU-reference, emulation-reference, the perturbed emulations' range, GPU-emulation, and the
+    prefill row's."""
     from fixtures.step_numerics import row_check
 
     fmt, runner, ref = moe
     seqs = {i: _prompt(s, WIDE_PROMPT_LEN) for i, s in enumerate(WIDE_PROMPT_SEEDS)}
     tables = {i: [100 + i] for i in seqs}
     first = runner.step([StepItem(i, p, 0, tables[i], True, GREEDY) for i, p in seqs.items()])
+    got_first = np.array(runner.read_logits(len(seqs)))  # (the prefill's head rows, in item order)
     items = [StepItem(i, [t], len(seqs[i]), tables[i], True, GREEDY) for i, t in zip(seqs, first, strict=True)]
     toks = runner.step(items)
     got = np.array(runner.read_logits(len(items)))
     lines, bad = [], []
     for row, p in enumerate(seqs.values()):
+        want_first = np.asarray(ref.forward_logits(p)[-1], np.float64)
         want = np.asarray(ref.forward_logits(p + [first[row]])[-1], np.float64)
-        chk = row_check(ref, runner.plan, p, first[row], len(items), WIDE_PROMPT_SEEDS[row], want)
-        err = _rel(got[row], want)
+        chk = row_check(ref, runner.plan, p, first[row], len(items), WIDE_PROMPT_SEEDS[row], want, want_first)
+        err, err_first = _rel(got[row], want), _rel(got_first[row], want_first)
         lines.append(f"row {row:2d}: gpu-ref {err:.2e}  emu-ref {chk.emu_err:.2e}  perturbed-ref "
                      f"{min(chk.draw_errs):.2e}..{max(chk.draw_errs):.2e}  bound {chk.bound:.2e}  "
-                     f"gpu-emu {_rel(got[row], chk.last):.2e}")
-        if err > chk.bound or not chk.greedy_ok(first[row], decode=False) or not chk.greedy_ok(toks[row]):
+                     f"gpu-emu {_rel(got[row], chk.last):.2e} | prefill gpu-ref {err_first:.2e} "
+                     f"emu-ref {chk.first_err:.2e} bound {chk.first_bound:.2e}")
+        if err > chk.bound or err_first > chk.first_bound or not chk.greedy_ok(first[row], decode=False) \
+                or not chk.greedy_ok(toks[row]):
             bad.append((row, first[row], toks[row], lines[-1]))
     print(f"moe {fmt}: b20 decode rows\n" + "\n".join(lines))
     assert not bad, (fmt, bad)
