@@ -51,7 +51,7 @@ for stage in ${STAGES:-tests ckpt bench}; do
   trace)
     args=()
     while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "$VARIANTS"
-    timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" "${args[@]}" \
+    timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" ${args[@]+"${args[@]}"} \
       > "$R/trace.log" 2>&1
     tail -25 "$R/trace.log"
     ;;
