@@ -278,11 +278,10 @@ def expert_q8_kernel(
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
     ``expert_gemv_kernel``'s per-slot modes, on int8 x rows and dp4a) over a ``quant`` stack;
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
-    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` ((experts, normalize)): the
-    kernel routes each token from the router's f32 logits itself (as moe_topk): the glu writes
-    ids and weights, two more args (weights, logits) after rows; the down reads neither (one more
-    arg, logits) and issues its weight loads before pdl_wait (the logits are two launches old).
-    Raises ConfigError where ``q8_supported`` is false or the block shape is bad."""
+    rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` ((experts, normalize); glu only): the
+    kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
+    and weights, two more args (weights, logits) after rows. Raises ConfigError where
+    ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
     if not q8_supported(mode, quant, k, top_k) or n < 1:
@@ -296,6 +295,8 @@ def expert_q8_kernel(
     per_lane = -(-(k // seg) * (1 if mode == "glu" else top_k) // 32)
     pf = min(pf, per_lane)
     res = bool(residual) and mode == "down"
+    if route is not None and mode != "glu":
+        raise ConfigError("moe_gemv_q8: only the glu routes its token (route)")
     if route is not None and not top_k <= route[0] <= MAX_EXPERTS:
         raise ConfigError(f"moe_gemv_q8: routing in the kernel takes top_k..{MAX_EXPERTS} experts ({mode}, {route})")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
@@ -320,7 +321,6 @@ def expert_q8_kernel(
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
                 ("rows", "i32"))
-        args += (("logits", "ptr"),) if route is not None else ()
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
@@ -459,7 +459,8 @@ def moe_specs(
         for mode, n, k, res in (("glu", inter, hidden, False), ("down", hidden, inter, True)):
             if q8_supported(mode, q, k, top):
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res).spec)
-                route = (e, bool(dims.get("norm_topk_prob")))  # (batch 1: the token routed in the kernels)
+                # (batch 1: the glu routes its token, the down reads its ids and weights)
+                route = (e, bool(dims.get("norm_topk_prob"))) if mode == "glu" else None
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res, trigger=True, route=route).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)

@@ -290,10 +290,6 @@ class DecodeGraph(Knobs):
     pair_linears: bool = False
     pair_min_blocks: int = 0
     o_prefetch_next_kb: int = knob(0, non_negative)
-    # moe_down_route: batch 1, the moe_gemv_q8 down after the routing glu (engine.lowering.moe
-    # route_in_glu) routes its token from the router's logits itself, so its weight loads go out
-    # before its pdl_wait, under the glu's tail (off: it reads the glu's ids and weights)
-    moe_down_route: bool = False
     # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
     # (attention_decode.trigger_b1 and l2_prefetch_o, and
     # o_prefetch_next_kb) only on layers whose o projection weight has at least / at most

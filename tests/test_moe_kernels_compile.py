@@ -61,7 +61,8 @@ def _all_specs():
 def test_every_moe_kernel_renders_and_waits_first():
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     q8 = [s for s in moe_specs(d, ["q4_k", "q5_k", "q6_k"]) if s.template in ("moe_gemv_q8", "moe_router")]
-    assert any(s.params.get("route") and s.params.get("mode") == "down" for s in q8)  # (PDL_EARLIER)
+    assert any(s.params.get("route") and s.params.get("mode") == "glu" for s in q8)
+    assert not any(s.params.get("route") and s.params.get("mode") == "down" for s in q8)
     for s in _all_specs() + q8:
         src = render(s)
         assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry

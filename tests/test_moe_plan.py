@@ -248,31 +248,27 @@ def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
         assert downs == {"q4_k", "q6_k"} or len(downs) == 1
 
 
-def test_batch1_down_routes_itself():
-    """With decode_graph.moe_down_route (the h200 / h100 profiles) the batch-1 moe_gemv_q8 down
-    routes from the router's logits (one more arg); without it, the plain down reads the glu's ids
-    and weights; the batched per-slot down never routes."""
-    from engine.profile import with_tuning
-
-    def downs(prof):
-        plan = build_plan(g, d, g.quant("q4_k_m"), prof, tensor_dtypes={"exp_down@0": "q6_k"})
-        out = []
-        for st in (s for s in plan.steps if s.op.op == "moe_experts"):
-            _, down = st.launches["decode1"]
-            (router,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode1"]
-            assert not st.launches["decode"][1].spec.params["route"]
-            out.append((down, router))
-        return out
+def test_batch1_down_reads_the_routing_glus_ids():
+    """Only the routing glu routes: the batch-1 moe_gemv_q8 down after it (q4_k and q6_k stacks)
+    reads the ids and weights the glu wrote (7 args, no logits), as the batched per-slot down;
+    expert_q8_kernel takes no routing down."""
+    from engine.moe_kernels import expert_q8_kernel
+    from engine.types import ConfigError
 
     g = load_family("qwen3_moe")
     d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
-    h100 = get_profile("h100")
-    for down, router in downs(h100):
-        p = down.spec.params
-        assert p["route"] and (p["experts"], p["normalize"]) == (16, True) and down.args[-1] == router.args[2]
-        assert (p["warps"], p["rows_per_warp"]) == (8, 2) and down.grid[0] == -(-256 // 16) and down.block == (256,)
-    for down, router in downs(with_tuning(h100, "decode_graph.moe_down_route=false")):
+    plan = build_plan(g, d, g.quant("q4_k_m"), get_profile("h100"), tensor_dtypes={"exp_down@0": "q6_k"})
+    quants = set()
+    for st in (s for s in plan.steps if s.op.op == "moe_experts"):
+        glu, down = st.launches["decode1"]
+        (router,) = next(s for s in plan.steps if s.op.op == "moe_router" and s.layer == st.layer).launches["decode1"]
+        assert glu.spec.params["route"] and glu.args[4] == router.args[0]
         assert not down.spec.params["route"] and down.args[3:5] == router.args[:2] and len(down.args) == 7
+        assert not st.launches["decode"][1].spec.params["route"]
+        quants.add(down.spec.params["quant"])
+    assert quants == {"q4_k", "q6_k"}
+    with pytest.raises(ConfigError, match="only the glu routes"):
+        expert_q8_kernel("down", "q4_k", 256, 256, 4, route=(16, True))
 
 
 @pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])

@@ -139,10 +139,9 @@ def test_prepared_launch_builds_its_config_without_a_gpu():
 
 
 def test_a_body_marked_pdl_preload_counts_only_with_its_wait():
-    from fixtures.pdl import PDL_EARLIER, PDL_PRELOAD
+    from fixtures.pdl import PDL_PRELOAD
 
     src = 'extern "C" __global__ void k_1(float* a) {\n    %s\n    float w = a[0];\n    pdl_wait();\n}\n'
-    for marker in (PDL_PRELOAD, PDL_EARLIER):
-        assert waits_first(src % marker, "k_1")
-        assert not waits_first((src % marker).replace("pdl_wait();", ""), "k_1")
+    assert waits_first(src % PDL_PRELOAD, "k_1")
+    assert not waits_first((src % PDL_PRELOAD).replace("pdl_wait();", ""), "k_1")
     assert not waits_first(src % "// other comment", "k_1")

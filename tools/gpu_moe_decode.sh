@@ -10,14 +10,14 @@
 # bench: memra bench on it, decode at BATCHES (default 1,2,4,8,16,32), depth 0 and 4096
 # kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
-# ab:    memra bench --quick at BATCHES per batch-1 MoE variant (VARIANTS: name=MEMRA_TUNE spec;
-#        "default" first): the routing down (decode_graph.moe_down_route) on / off
+# ab:    memra bench --quick at BATCHES, the default then each variant (VARIANTS: lines of
+#        name=MEMRA_TUNE spec; none by default), ROUNDS times alternating (default 1)
 # trace: tools/gpu_trace_decode.py --batch 1 over the same variants ($R/trace_*; not in the defaults)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
 M=${MODEL:-/dev/shm/q30.gguf}; B=${BATCHES:-1,2,4,8,16,32}
-VARIANTS=${VARIANTS:-"nodown=decode_graph.moe_down_route=false"}
+VARIANTS=${VARIANTS:-}
 bench() {  # NAME [extra memra bench args]
   local name=$1; shift
   timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" "$@" \
@@ -41,15 +41,17 @@ for stage in ${STAGES:-tests ckpt bench}; do
     grep -E "^\|" "$R/kernels.txt" || tail -5 "$R/kernels.txt"
     ;;
   ab)
-    bench ab_default --quick
-    while IFS= read -r v; do
-      [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}" --quick
-    done <<< "$VARIANTS"
+    for r in $(seq 1 "${ROUNDS:-1}"); do
+      bench "ab_default_r$r" --quick
+      while IFS= read -r v; do
+        [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}_r$r" --quick
+      done <<< "$VARIANTS"
+    done
     ;;
   trace)
     args=()
     while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "$VARIANTS"
-    timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" "${args[@]}" \
+    timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" ${args[@]+"${args[@]}"} \
       > "$R/trace.log" 2>&1
     tail -25 "$R/trace.log"
     ;;

@@ -32,6 +32,7 @@ from fixtures.checkpoints import MIXES, mix_tensor_type  # noqa: E402
 
 from engine import nvrtc  # noqa: E402
 from engine.graph import load_family  # noqa: E402
+from engine.ir import launch_key  # noqa: E402
 from engine.model import dims_for_size  # noqa: E402
 from engine.plan import build_plan  # noqa: E402
 from engine.profile import get_profile, with_tuning  # noqa: E402
@@ -88,11 +89,11 @@ def mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
     for a plain type (the plan's nominal types)."""
     if quant not in MIXES:
         return {}
-    keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "exp_down")
     out = {k: mix_tensor_type(quant, k, 1) for k in keys}  # layer 1: the base type everywhere
     out.update({k: mix_tensor_type(quant, k, -1) for k in ("embed", "lm_head")})
     for layer in range(layers):
-        out.update({f"{k}@{layer}": t for k in ("wv", "w_down") if (t := mix_tensor_type(quant, k, layer)) != out[k]})
+        out.update({f"{k}@{layer}": t for k in ("wv", "w_down", "exp_down") if (t := mix_tensor_type(quant, k, layer)) != out[k]})
     return out
 
 
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="q4_k_m", help="a quant combo of the family YAML")
     ap.add_argument("--profile", default="h200")
     ap.add_argument("--tune", default="", help="MEMRA_TUNE-style overrides: 'section.knob=value; ...'")
-    ap.add_argument("--mode", default="decode1", help="the pass: decode1 (batch 1), decode, short, prefill")
+    ap.add_argument("--mode", default="decode1",
+                    help="the pass: decode1 (batch 1), short1 (batch 1 below the short context), decode, short, prefill")
     args = ap.parse_args(argv)
     graph = load_family(args.family)
     dims = dims_for_size(args.family, args.shape)
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict = {}
     order = []  # the pass's main-stream launches in order (a concurrent one runs beside, not after)
     for step in plan.steps:
-        for la in step.launches.get(args.mode, ()):
+        mode = launch_key(step.launches, "decode1", True) if args.mode == "short1" else args.mode
+        for la in step.launches.get(mode, ()):
             key = (la.spec, la.block, la.smem)
             if key not in seen:
                 seen[key] = f"{step.op.op} {','.join(step.op.outputs)}"

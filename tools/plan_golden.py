@@ -77,11 +77,11 @@ def combos() -> list[str]:
 def _mixed_dtypes(quant: str, layers: int) -> dict[str, str]:
     if quant not in MIXES:
         return {}
-    keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "exp_down")
     out = {k: mix_tensor_type(quant, k, 1) for k in keys}
     out.update({k: mix_tensor_type(quant, k, -1) for k in ("embed", "lm_head")})
     for layer in range(layers):
-        for k in ("wv", "w_down"):
+        for k in ("wv", "w_down", "exp_down"):
             if (t := mix_tensor_type(quant, k, layer)) != out[k]:
                 out[f"{k}@{layer}"] = t
     return out

@@ -121,11 +121,9 @@ def fold_router_norm(ctx, steps, weights, values) -> None:
 @post_pass(12)
 def route_in_glu(ctx, steps, weights, values) -> None:
     """Batch-1 decode: a moe_router launch whose ids and weights only the next moe_experts step of
-    its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no counter, fence and last block) and that glu routes each token in
-    its own blocks from them (``expert_q8_kernel`` route), writing the ids and weights; with
-    tuning decode_graph.moe_down_route a moe_gemv_q8 down after it routes each token from the
-    logits too, so its weight loads go out before its pdl_wait, under the glu's tail (only act
-    waits for the glu)."""
+    its layer reads, through a moe_gemv_q8 glu, stores only the logits (``route`` False: no
+    counter, fence and last block) and that glu routes each token in its own blocks from them
+    (``expert_q8_kernel`` route), writing the ids and weights the down after it reads."""
     for i, st in enumerate(steps):
         route = st.launches.get("decode1", ())
         if st.op.op != "moe_router" or len(route) != 1 or route[0].spec.template != "moe_router":
@@ -154,15 +152,7 @@ def route_in_glu(ctx, steps, weights, values) -> None:
                                  rows_per_warp=q["rows_per_warp"], prefetch=q["prefetch"])
         extra = (r.args[1], r.args[2])
         st.launches["decode1"] = (dataclasses.replace(r, spec=rk.spec),)
-        rest = list(nxt.launches["decode1"][1:])
-        down_route = ctx.graph_knob("moe_down_route")
-        if down_route and rest and rest[0].spec.template == "moe_gemv_q8" and rest[0].spec.params["mode"] == "down":
-            d = rest[0].spec.params  # (the down routes too: its weight loads before its pdl_wait)
-            dk = mk.expert_q8_kernel("down", d["quant"], d["n"], d["k"], d["top_k"], residual=d["residual"],
-                                     trigger=d["trigger"], route=(int(p["experts"]), p["normalize"]))
-            grid = (dk.grid(1)[0], *rest[0].grid[1:])
-            rest[0] = dataclasses.replace(rest[0], spec=dk.spec, grid=grid, block=dk.block[:1], args=rest[0].args + (r.args[2],))
-        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *rest)
+        nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
 
 
 def bind_experts(op, ws, ins, dims, value_for):

@@ -493,37 +493,6 @@ def test_q8_glu_routes_as_the_router_does(gk, glu_q):
     assert not np.isnan(outs[False][3]).any()
 
 
-@pytest.mark.parametrize("down_q", ["q6_k", "q4_k"])
-def test_q8_down_routes_as_the_glu_does(gk, down_q):
-    """Batch-1 down as the plan runs it after the routing glu (route_in_glu): moe_gemv_q8 down
-    routing the token from the router's logits itself (its weight loads before pdl_wait; ids and
-    weights never read: NaN / -7 here): out bitwise the plain down's with moe_topk's ids and
-    weights. Qwen3-30B-A3B shape (128 experts, top 8, hidden 2048, expert width 768; q6_k: two
-    chunks of segment loads a lane), 40 output rows."""
-    rng = np.random.default_rng()
-    experts, top_k, hidden, inter = 128, 8, 40, 768
-    raw, _ = stacked_weight(down_q, experts, hidden, inter, rng)
-    w = gk.raw(raw)
-    logits_h = rng.standard_normal((1, experts)).astype(np.float32)
-    logits = gk.f32(logits_h)
-    ids, wts = gk.i32(np.zeros((1, top_k))), gk.f32(np.zeros((1, top_k)))
-    gk.launch(topk_kernel(experts, top_k, True), [ids, wts, logits, 1], 1)
-    act = gk.bf(bf_round(rng.standard_normal((1, top_k, inter))))
-    res = bf_round(rng.standard_normal((1, hidden)))
-    outs = []
-    for route in (False, True):
-        out = gk.bf(res)  # (the residual aliases out, as in the plan)
-        if route:
-            k = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True, route=(experts, True))
-            gk.launch(k, [out, w, act, gk.i32(np.full((1, top_k), -7)), gk.nan_like((1, top_k), "f32"), out, 1, logits], 1)
-        else:
-            k = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True)
-            gk.launch(k, [out, w, act, ids, wts, out, 1], 1)
-        outs.append(gk.host(out))
-    assert np.isfinite(outs[1]).all()
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_sparse_mlp_end_to_end(gk):
     """logits -> moe_topk -> glu -> down(+ residual) against ops_ref_moe on the same routing."""
     rng = np.random.default_rng()
