@@ -199,11 +199,14 @@ def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = N
     return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
 
 
+@pytest.mark.parametrize("lanes", (1, 4))
 @pytest.mark.parametrize("qt", MMQ_TYPES)
-def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
-    """gemv_mmq1 (dp4a dots, one weight row a lane group) against the bmax-8 gemv_mmq on the same x
-    rows: the same output bits, at 1 row and at 2 and 4 rows a grid row, with its k split over warps
-    (wk 1, 2, 4) and blocks, a ring refill, the norm prologue and a residual; and against numpy."""
+def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
+    """gemv_mmq1 (dp4a dots; ``lanes`` lanes a weight row's k slice: 4 reduce their integer dots and
+    pass the row's f32 chain lane to lane) against the bmax-8 gemv_mmq on the same x rows: the same
+    output bits, at 1 row and at 2 and 4 rows a grid row, with its k split over warps (wk 1, 2, 4; the
+    slices of a warp unequal: groups idling through the last units) and blocks, a ring refill, the
+    norm prologue and a residual; and against numpy."""
     rng = np.random.default_rng(5)
     splits = ((4, 1, 2, 8), (1, 3, 4, 6), (4, 2, 3, 12), (2, 2, 1, 6))  # (wk, kparts, depth, units)
     for wk, kparts, depth, units in splits if qt == "q4_k" else splits[-1:]:  # (the split code: any type's)
@@ -213,7 +216,7 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
         p8 = dict(quant=qt, n=N, k=k, bmax=8, mt=1, wm=2, wk=wk, kparts=kparts, depth=2, residual=False,
                   out_dtype="f32", min_blocks=1, xstage=True, x_stride=0)  # fmt: skip
         p1 = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, warps=2, depth=depth, residual=False, out_dtype="f32",
-                  x_stride=0, prologue="none", eps=0.0)  # fmt: skip
+                  x_stride=0, prologue="none", eps=0.0, lanes=lanes)  # fmt: skip
         want = _run(p8, w, x)
         got = _run1(p1, w, x)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
         [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--mmq-variants 'depth=4']
-        [--json FILE]
+        [--mmq1-variants 'lanes=1;warps=16,depth=2'] [--json FILE]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -19,6 +19,8 @@ cycling through enough weight copies to defeat the 50 MB L2:
   both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
   turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at 1-4 rows ``mmq`` is
   gemv_mmq1 (dp4a dots, the bmax-8 kernel's bits), as the plan runs it, and ``mmq8`` the bmax-8 kernel;
+  ``--mmq1-variants`` times gemv_mmq1 geometries beside it (lanes, warps, depth, min_blocks: never
+  a row's bits);
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -87,6 +89,23 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
     return q
 
 
+def mmq1_variant(p1: dict, var: str) -> dict:
+    """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
+    depth, min_blocks) on the plan's ``p1``: a lanes override starts from that lanes' default warps
+    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH)."""
+    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS
+
+    over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
+    bad = set(over) - {"lanes", "warps", "depth", "min_blocks"}
+    if bad:
+        raise ValueError(f"unknown gemv_mmq1 variant keys {sorted(bad)}")
+    lanes = over.get("lanes", p1["lanes"])
+    base = dict(p1)
+    if lanes != p1["lanes"]:
+        base.update(lanes=lanes, warps=MMQ1_WARPS[lanes], depth=MMQ1_DEPTH[lanes][p1["quant"]])
+    return {**base, **over}
+
+
 class Bench:
     def __init__(self, cuda, builder, stream, iters: int):
         self.cuda, self.builder, self.stream, self.iters = cuda, builder, stream, iters
@@ -153,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         help="gemv_mmq param overrides timed beside the plan's, as --mma-variants (mt, wm, wk, kparts, "
         "depth, min_blocks): rows labelled mmq:<variant>",
     )  # fmt: skip
+    ap.add_argument(
+        "--mmq1-variants", default="",
+        help="gemv_mmq1 (1-4 rows) geometries timed beside the plan's, ';'-separated, each 'key=value,...' "
+        "over lanes (1 or 4), warps, depth, min_blocks (a lanes override starts from that lanes' default "
+        "warps and depth): rows labelled mmq1:<variant>",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -213,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=info.sm_count, bmax=bm1) if bm1 else None
             if p1 is not None:  # 1-4 rows: gemv_mmq1, as the plan runs it (the bmax-8 kernel: mmq8)
                 cands.append(("mmq", kc.choice("gemv_mmq1", **p1)))
+                for var in filter(None, args.mmq1_variants.split(";")):
+                    try:
+                        cands.append((f"mmq1:{var}", kc.choice("gemv_mmq1", **mmq1_variant(p1, var))))
+                    except (ConfigError, ValueError) as e:
+                        print(f"skip mmq1:{var} {qt} {n}x{k} b{b}: {e}")
             cands.append(mmq_row("mmq8" if p1 is not None else "mmq", p))
             if not p["xstage"]:
                 cands.append(("mmq-k", kc.choice("gemv_mmq", **p)))

@@ -74,8 +74,28 @@ def mmq1_smem(p: Mapping[str, Any]) -> int:
 # gemv_mmq1's launches of a decode linear: (bmax, fewest rows, most rows) -- batch 1 and the 2- and
 # 3-4-row passes (dp4a: cheaper than the mma's 8 columns there); the bmax-8 gemv_mmq from 5 rows
 MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
-MMQ1_WARPS = 4  # gemv_mmq1's block: 4 warps of 32 / wk rows
-MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2}  # units in flight per lane (72-136 bytes)
+# gemv_mmq1's geometry (never a row's bits): MMQ1_LANES lanes per (weight row, k slice) -- 4: each
+# reads a quarter of every 32-element block, the integer dots reduced over the four and the row's f32
+# chain passed lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the
+# weight; MMQ1_WARPS warps a block (32 / (wk lanes) rows each; the x staging is per block, so not
+# fewer rows a block than lanes=1's 4 warps had); MMQ1_DEPTH units in flight per lane (lanes=1:
+# 72-136 bytes a unit, lanes=4 a quarter of those and the unit's scales: as deep as 64 registers
+# hold without spills, ptxas sm_90); MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4, per
+# bmax (__launch_bounds__' min_blocks = MMQ1_SM_WARPS / warps: 32 warps, 64 registers a thread, at
+# batch 1, so that the 2560x9728 down projection's 480 blocks of 8 warps run in one wave; 24 warps,
+# 80 registers, for the 2 and 4 x rows' accumulators and dots)
+MMQ1_LANES = 4
+MMQ1_WARPS = {1: 4, 4: 8}
+MMQ1_DEPTH = {
+    1: {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2},
+    4: {"q4_k": 4, "q6_kr": 3, "q8_0r": 3, "q4_0r": 4, "q4_1r": 4},
+}
+MMQ1_SM_WARPS = {1: 32, 2: 24, 4: 24}
+
+
+def mmq1_tile_rows(p: Mapping[str, Any]) -> int:
+    """The weight rows of a gemv_mmq1 block: warps x 32 / (wk x lanes)."""
+    return p["warps"] * 32 // (p["wk"] * p["lanes"])
 
 
 def gemv_mmq1_params(
@@ -88,6 +108,7 @@ def gemv_mmq1_params(
     out_dtype: str = "bf16",
     x_stride: int = 0,
     bmax: int = 1,
+    lanes: int = MMQ1_LANES,
 ) -> dict[str, Any] | None:
     """The params of gemv_mmq1, the small-batch kernel (up to ``bmax`` rows: 1, 2, 4) giving the
     bmax-8 gemv_mmq's bits on a [n, k] weight (its k split, from gemv_mmq_params), or None where it
@@ -97,8 +118,9 @@ def gemv_mmq1_params(
     if p8 is None or p8["wk"] not in (1, 2, 4):
         return None
     p = dict(
-        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS, depth=MMQ1_DEPTH[quant],
-        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0, bmax=bmax,
+        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes],
+        depth=MMQ1_DEPTH[lanes][quant], residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none",
+        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=max(1, MMQ1_SM_WARPS[bmax] // MMQ1_WARPS[lanes]) if lanes > 1 else 1,
     )  # fmt: skip
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 

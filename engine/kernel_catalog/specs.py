@@ -20,7 +20,7 @@ from engine.kernel_catalog.contracts import (
     P,
 )
 from engine.kernel_catalog.gemv_mma import mma_smem
-from engine.kernel_catalog.gemv_mmq import mmq1_smem, mmq_smem
+from engine.kernel_catalog.gemv_mmq import mmq1_smem, mmq1_tile_rows, mmq_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
@@ -139,7 +139,9 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
         _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
     ),
     "gemv_mmq_x": lambda p, rows, **_: (_cdiv(p["k"], 8 * p["threads"]), rows, 1),
-    "gemv_mmq1": lambda p, rows, **_: (_cdiv(p["n"], p["warps"] * 32 // p["wk"]), _cdiv(rows, p["bmax"]), p["kparts"]),
+    "gemv_mmq1": lambda p, rows, **_: (
+        _cdiv(p["n"], mmq1_tile_rows(p)), _cdiv(rows, p["bmax"]), p["kparts"]
+    ),
     "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),
     "gemm": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1),
     "gemm_wgmma": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1),

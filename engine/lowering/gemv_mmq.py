@@ -81,7 +81,7 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 
         return None
     res = Arg("value", res_name) if res_name is not None else NULL
     args = (val(out), wgt(w), val(xv), res, ROWS)
-    tiles = cdiv(w.rows, p["warps"] * 32 // p["wk"])
+    tiles = cdiv(w.rows, kc.mmq1_tile_rows(p))
     if p["kparts"] > 1:
         ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
         ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))

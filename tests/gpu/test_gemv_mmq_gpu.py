@@ -157,7 +157,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
     """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column, quantising
     its own x, and gemv_mmq1, the batch-1 kernel the plan runs) and as rows of batches of 2, 3, 8,
     17, 32 and 64 (every bucket's kernel, from 17 rows on gemv_mmq_x's x; gemv_mmq1 at 2 and 4 rows
-    a grid row; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
+    a grid row, with 1 and 4 lanes a row's k slice; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
     k split over blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
@@ -168,19 +168,22 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p in specs.values()))
         x = bf_round(rng.standard_normal((64, k)))
         solo = {r: launch_mmq(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
-        p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32")
-        if p1 is not None:  # the small-batch kernel the plan runs (1, 2, 3-4 rows): the bmax-8 kernel's bits
+        for lanes in (1, 4):  # (a lane or four a row's k slice: the plan's geometry and the other)
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", lanes=lanes)
+            if p1 is None:
+                continue
+            # the small-batch kernel the plan runs (1, 2, 3-4 rows): the bmax-8 kernel's bits
             kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, "bmax": b}) for b in (1, 2, 4)])
             for r, want in solo.items():
                 got1, left = launch_mmq1(kernels, weights, p1, x[r : r + 1])
                 if left or not np.array_equal(got1[0].astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
-                    bad.append((qt, n, k, "gemv_mmq1", r, left, float(np.nanmax(np.abs(got1[0] - want)))))
+                    bad.append((qt, n, k, f"gemv_mmq1 lanes {lanes}", r, left, float(np.nanmax(np.abs(got1[0] - want)))))
             for bm, rows in ((2, 2), (4, 3), (4, 4), (2, 5)):
                 got1, left = launch_mmq1(kernels, weights, {**p1, "bmax": bm}, x[:rows])
                 for r, want in solo.items():
                     if r < rows and (left or not np.array_equal(got1[r].astype(np.float32).view(np.uint32),
                                                                 want.astype(np.float32).view(np.uint32))):  # fmt: skip
-                        bad.append((qt, n, k, f"gemv_mmq1 bmax {bm}", rows, r, left))
+                        bad.append((qt, n, k, f"gemv_mmq1 lanes {lanes} bmax {bm}", rows, r, left))
         for b, p in specs.items():
             got, left = launch_mmq(kernels, weights, p, x[:b])
             for r, want in solo.items():
