@@ -79,8 +79,8 @@ MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 # chain passed lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the
 # weight; MMQ1_WARPS warps a block (32 / (wk lanes) rows each; the x staging is per block, so not
 # fewer rows a block than lanes=1's 4 warps had); MMQ1_DEPTH units in flight per lane (lanes=1:
-# 72-136 bytes a unit, lanes=4 a quarter of those and the unit's scales: as deep as 64 registers
-# hold without spills, ptxas sm_90); MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4, per
+# 72-136 bytes a unit; lanes=4 a quarter of those, 16-32 bytes, and the unit's scales: as deep as
+# 64 registers hold at batch 1 without spills, ptxas sm_90, 48-64 bytes a lane); MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4, per
 # bmax (__launch_bounds__' min_blocks = MMQ1_SM_WARPS / warps: 32 warps, 64 registers a thread, at
 # batch 1, so that the 2560x9728 down projection's 480 blocks of 8 warps run in one wave; 24 warps,
 # 80 registers, for the 2 and 4 x rows' accumulators and dots)
@@ -88,7 +88,7 @@ MMQ1_LANES = 4
 MMQ1_WARPS = {1: 4, 4: 8}
 MMQ1_DEPTH = {
     1: {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2},
-    4: {"q4_k": 4, "q6_kr": 3, "q8_0r": 3, "q4_0r": 4, "q4_1r": 4},
+    4: {"q4_k": 3, "q6_kr": 2, "q8_0r": 2, "q4_0r": 3, "q4_1r": 3},
 }
 MMQ1_SM_WARPS = {1: 32, 2: 24, 4: 24}
 
