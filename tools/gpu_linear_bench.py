@@ -92,8 +92,9 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
 def mmq1_variant(p1: dict, var: str) -> dict:
     """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
     depth, min_blocks) on the plan's ``p1``: a lanes override starts from that lanes' default warps
-    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH)."""
-    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS
+    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks, where not named, follows the
+    warps (mmq1_min_blocks)."""
+    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_min_blocks
 
     over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
     bad = set(over) - {"lanes", "warps", "depth", "min_blocks"}
@@ -103,7 +104,10 @@ def mmq1_variant(p1: dict, var: str) -> dict:
     base = dict(p1)
     if lanes != p1["lanes"]:
         base.update(lanes=lanes, warps=MMQ1_WARPS[lanes], depth=MMQ1_DEPTH[lanes][p1["quant"]])
-    return {**base, **over}
+    q = {**base, **over}
+    if "min_blocks" not in over:
+        q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"])
+    return q
 
 
 class Bench:

@@ -93,6 +93,12 @@ MMQ1_DEPTH = {
 MMQ1_SM_WARPS = {1: 32, 2: 24, 4: 24}
 
 
+def mmq1_min_blocks(lanes: int, warps: int, bmax: int) -> int:
+    """gemv_mmq1's __launch_bounds__ minimum of resident blocks per SM: at lanes=4 those of
+    MMQ1_SM_WARPS[bmax] warps, at lanes=1 none (1)."""
+    return max(1, MMQ1_SM_WARPS[bmax] // warps) if lanes > 1 else 1
+
+
 def mmq1_tile_rows(p: Mapping[str, Any]) -> int:
     """The weight rows of a gemv_mmq1 block: warps x 32 / (wk x lanes)."""
     return p["warps"] * 32 // (p["wk"] * p["lanes"])
@@ -120,7 +126,7 @@ def gemv_mmq1_params(
     p = dict(
         quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes],
         depth=MMQ1_DEPTH[lanes][quant], residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none",
-        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=max(1, MMQ1_SM_WARPS[bmax] // MMQ1_WARPS[lanes]) if lanes > 1 else 1,
+        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=mmq1_min_blocks(lanes, MMQ1_WARPS[lanes], bmax),
     )  # fmt: skip
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 
