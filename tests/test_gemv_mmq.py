@@ -258,8 +258,9 @@ def test_the_batch1_silu_prologue_gives_the_silu_mul_kernels_bits():
     p1 = dict(quant="q4_k", n=N, k=k, wk=2, kparts=2, warps=2, depth=2, residual=False, out_dtype="f32",
               x_stride=0, prologue="none", eps=0.0, u_off=0)  # fmt: skip
     want = _run1(p1, w, xa)
-    got = _run1({**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k}, w, gu)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for lanes in (1, 4):
+        got = _run1({**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k, "lanes": lanes}, w, gu)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), lanes
     with pytest.raises(ConfigError, match="prologue silu"):
         kc.spec("gemv_mmq1", **{**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k + 8})
 
