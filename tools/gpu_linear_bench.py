@@ -313,17 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     # the summary: per type and batch, the weight-byte-weighted fraction over the shapes
     print("\nsummary: the shapes' weight bytes / their summed time, as % of copy bandwidth")
     kinds = sorted({r["kernel"] for r in rows_out})
-    print(f"{'type':>5} {'batch':>5} " + " ".join(f"{k:>8}" for k in kinds))
+    width = {k: max(8, len(k)) for k in kinds}  # (variant labels are long: each column as wide as its label)
+    print(f"{'type':>5} {'batch':>5} " + " ".join(f"{k:>{width[k]}}" for k in kinds))
     for ft in args.types.split(","):
         for b in batches:
             cells = []
             for kind in kinds:
                 rs = [r for r in rows_out if r["type"] == ft and r["batch"] == b and r["kernel"] == kind]
                 if not rs:
-                    cells.append(f"{'-':>8}")
+                    cells.append(f"{'-':>{width[kind]}}")
                     continue
                 by = sum(r["gbs"] * r["us"] for r in rs) / sum(r["us"] for r in rs)  # bytes / time
-                cells.append(f"{100 * by / copy_gbs:7.1f}%")
+                cells.append(f"{100 * by / copy_gbs:{width[kind] - 1}.1f}%")
             print(f"{ft:>5} {b:>5} " + " ".join(cells))
     if args.json:
         args.json.write_text(json.dumps({"device": info.name, "copy_gbs": copy_gbs, "rows": rows_out}, indent=1))
