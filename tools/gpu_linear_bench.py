@@ -91,13 +91,14 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
 
 def mmq1_variant(p1: dict, var: str) -> dict:
     """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
-    depth, min_blocks) on the plan's ``p1``: a lanes override starts from that lanes' default warps
+    depth, min_blocks, and wk / kparts: another k split, so not gemv_mmq's bits, a timing
+    experiment for the split gemv_mmq and gemv_mmq1 would share) on the plan's ``p1``: a lanes override starts from that lanes' default warps
     and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks, where not named, follows the
     warps (mmq1_min_blocks)."""
     from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_min_blocks
 
     over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
-    bad = set(over) - {"lanes", "warps", "depth", "min_blocks"}
+    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts"}
     if bad:
         raise ValueError(f"unknown gemv_mmq1 variant keys {sorted(bad)}")
     lanes = over.get("lanes", p1["lanes"])
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mmq1-variants", default="",
         help="gemv_mmq1 (1-4 rows) geometries timed beside the plan's, ';'-separated, each 'key=value,...' "
         "over lanes (1 or 4), warps, depth, min_blocks (a lanes override starts from that lanes' default "
-        "warps and depth): rows labelled mmq1:<variant>",
+        "warps and depth; min_blocks follows the warps where not named), wk, kparts (another k split: "
+        "timing only, not gemv_mmq's bits): rows labelled mmq1:<variant>",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
