@@ -58,7 +58,7 @@ def test_spec_rules_name_the_problem():
     with pytest.raises(ConfigError, match="exceed 227 KB"):
         kc.spec("gemv_mmq", **{**big, "k": 32768, "xstage": True})
     one = kc.gemv_mmq1_params("q4_k", 2560, 9728, sm_count=132)  # the batch-1 kernel: the bmax-8 split
-    assert (one["wk"], one["kparts"]) == (ok["wk"], ok["kparts"]) and kc.choice("gemv_mmq1", **one).smem == 3328 * 5 // 4
+    assert (one["wk"], one["kparts"]) == (ok["wk"], ok["kparts"]) and kc.choice("gemv_mmq1", **one).smem == 3328 * 5 // 4 + 4 * 128  # (lanes=4: + wk units)
     with pytest.raises(ConfigError, match="wk=3"):
         kc.spec("gemv_mmq1", **{**one, "wk": 3})
     assert kc.gemv_mmq_params("q4_k", 64, 768, 8)["wk"] == 3 and kc.gemv_mmq1_params("q4_k", 64, 768) is None

@@ -66,9 +66,10 @@ def gemv_mmq_params(
 
 
 def mmq1_smem(p: Mapping[str, Any]) -> int:
-    """gemv_mmq1's dynamic shared memory: its x row's k part as int8 and its blocks' scale pairs."""
+    """gemv_mmq1's dynamic shared memory: its x rows' k part as int8 and their blocks' scale pairs
+    (lanes=4: and wk units more, which the lanes past their slices' units read)."""
     kp = -(-(p["k"] // MMQ_UNIT) // p["kparts"]) * MMQ_UNIT
-    return p["bmax"] * (kp + kp // 4)
+    return p["bmax"] * (kp + kp // 4) + (MMQ_UNIT * p["wk"] if p.get("lanes", 1) == 4 else 0)
 
 
 # gemv_mmq1's launches of a decode linear: (bmax, fewest rows, most rows) -- batch 1 and the 2- and
