@@ -104,7 +104,7 @@ def mmq1_variant(p1: dict, var: str) -> dict:
     lanes = over.get("lanes", p1["lanes"])
     base = dict(p1)
     if lanes != p1["lanes"]:
-        base.update(lanes=lanes, warps=MMQ1_WARPS[lanes], depth=MMQ1_DEPTH[lanes][p1["quant"]])
+        base.update(lanes=lanes, warps=MMQ1_WARPS[lanes][p1["bmax"]], depth=MMQ1_DEPTH[lanes][p1["quant"]])
     q = {**base, **over}
     if "min_blocks" not in over:
         q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"])

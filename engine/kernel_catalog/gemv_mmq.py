@@ -76,22 +76,24 @@ def mmq1_smem(p: Mapping[str, Any]) -> int:
 # 3-4-row passes (dp4a: cheaper than the mma's 8 columns there); the bmax-8 gemv_mmq from 5 rows
 MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 # gemv_mmq1's geometry (never a row's bits): MMQ1_LANES lanes per (weight row, k slice) -- 4: each
-# reads a quarter of every 32-element block, the integer dots reduced over the four and the row's f32
-# chain passed lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the
-# weight; MMQ1_WARPS warps a block (32 / (wk lanes) rows each; the x staging is per block, so not
-# fewer rows a block than lanes=1's 4 warps had); MMQ1_DEPTH units in flight per lane (lanes=1:
-# 72-136 bytes a unit; lanes=4 a quarter of those, 16-32 bytes, and the unit's scales: as deep as
-# 64 registers hold at batch 1 without spills, ptxas sm_90, 48-64 bytes a lane); MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4, per
-# bmax (__launch_bounds__' min_blocks = MMQ1_SM_WARPS / warps: 32 warps, 64 registers a thread, at
-# batch 1, so that the 2560x9728 down projection's 480 blocks of 8 warps run in one wave; 24 warps,
-# 80 registers, for the 2 and 4 x rows' accumulators and dots)
+# reads 16-32 contiguous bytes of a unit and owns one of its four blocks, the row's f32 chain passed
+# lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the weight.
+# MMQ1_WARPS (lanes -> bmax -> warps a block; 32 / (wk lanes) rows a warp): every block stages and
+# quantises its x k part, some 145 instructions a thread per 8 elements (ptxas sm_90), so at least as
+# many rows a block as lanes=1's 4 warps had (at 8 warps, lanes=4, the staging was half the main
+# loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
+# 16-32 and the unit's scales: as deep as 64 registers hold without spills at batch 1, 48-64 bytes a
+# lane). MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4 per bmax (__launch_bounds__'
+# min_blocks = MMQ1_SM_WARPS / warps): 32 (64 registers a thread) at 1 and 2 x rows, so that the
+# 2560x9728 down projection's 240 blocks of 16 warps run in one wave; 24 warps of 80 registers for 4
+# x rows' accumulators and dots.
 MMQ1_LANES = 4
-MMQ1_WARPS = {1: 4, 4: 8}
+MMQ1_WARPS = {1: {1: 4, 2: 4, 4: 4}, 4: {1: 16, 2: 16, 4: 8}}
 MMQ1_DEPTH = {
     1: {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2},
     4: {"q4_k": 3, "q6_kr": 2, "q8_0r": 2, "q4_0r": 3, "q4_1r": 3},
 }
-MMQ1_SM_WARPS = {1: 32, 2: 24, 4: 24}
+MMQ1_SM_WARPS = {1: 32, 2: 32, 4: 24}
 
 
 def mmq1_min_blocks(lanes: int, warps: int, bmax: int) -> int:
@@ -125,9 +127,9 @@ def gemv_mmq1_params(
     if p8 is None or p8["wk"] not in (1, 2, 4):
         return None
     p = dict(
-        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes],
+        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes][bmax],
         depth=MMQ1_DEPTH[lanes][quant], residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none",
-        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=mmq1_min_blocks(lanes, MMQ1_WARPS[lanes], bmax),
+        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=mmq1_min_blocks(lanes, MMQ1_WARPS[lanes][bmax], bmax),
     )  # fmt: skip
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 
