@@ -209,7 +209,8 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
     norm prologue and a residual; and against numpy."""
     rng = np.random.default_rng(5)
     splits = ((4, 1, 2, 8), (1, 3, 4, 6), (4, 2, 3, 12), (2, 2, 1, 6))  # (wk, kparts, depth, units)
-    for wk, kparts, depth, units in splits if qt == "q4_k" else splits[-1:]:  # (the split code: any type's)
+    # (the split code: any type's; wk 1 and 2 for every type: a lane's read position steps by units)
+    for wk, kparts, depth, units in splits if qt == "q4_k" else (splits[1], splits[-1]):
         k = units * 128
         w, deq = _weight(qt, N, k, rng)
         x = _bf16(rng.standard_normal((1, k)) * 2.0)

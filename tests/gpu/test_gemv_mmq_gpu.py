@@ -76,7 +76,7 @@ def launch_mmq1(kernels, weights, p: dict, x: np.ndarray, nw: np.ndarray | None 
     count = None
     if p["kparts"] > 1:
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
-        tiles = -(-n // (p["warps"] * 32 // p["wk"])) * -(-rows // p["bmax"])
+        tiles = -(-n // kc.mmq1_tile_rows(p)) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
     if p["prologue"] == "norm":
         args["norm_w"] = upload(nw, "f32")
@@ -130,6 +130,28 @@ def test_gemv_mmq1_matches_numpy(kernels, weights, profile):
                 err = rel_err(got, quant.q8x_round_trip(x).astype(np.float64) @ deq.T)
                 if not (err < 1e-5 and not left and not np.isnan(got).any()):
                     bad.append((qt, n, k, err, left))
+    assert not bad, bad
+
+
+def test_gemv_mmq1_geometries_give_the_same_bits(kernels, weights, profile):
+    """gemv_mmq1's geometry (lanes, warps, depth, min_blocks: which lanes compute what) never a row's
+    bits: the plan's launch and the --mmq1-variants kinds of tools/gpu_linear_bench.py on the same x
+    rows, every type, a k split over blocks (2560x9728) and not, 1 and 3 rows (bmax 1 and 4)."""
+    rng = np.random.default_rng(3)
+    overs = ({"lanes": 1, "warps": 4, "depth": 2, "min_blocks": 1}, {"warps": 8, "min_blocks": 4},
+             {"warps": 32, "min_blocks": 1}, {"depth": 4, "min_blocks": 1})  # fmt: skip
+    bad = []
+    for qt in MMQ_TYPES:
+        for n, k in ((N, K), (2560, 9728)):
+            for bmax, rows in ((1, 1), (4, 3)):
+                p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", bmax=bmax)
+                kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, **o}) for o in ({}, *overs)])
+                x = bf_round(rng.standard_normal((rows, k)))
+                want, _ = launch_mmq1(kernels, weights, p1, x)
+                for o in overs:
+                    got, left = launch_mmq1(kernels, weights, {**p1, **o}, x)
+                    if left or not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                        bad.append((qt, n, k, bmax, o, left))
     assert not bad, bad
 
 
