@@ -223,6 +223,11 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)
         ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+        if lanes == 4 and kparts == 1 or (lanes == 4 and qt != "q4_k" and wk == 1):
+            # grid_cap: 2 blocks looping over the row tiles (10 at wk 4, 3 at wk 1; x staged once a block)
+            want1 = _run({**p8, "kparts": 1}, w, x) if kparts > 1 else want
+            got = _run1({**p1, "kparts": 1, "grid_cap": 2}, w, x)
+            assert np.array_equal(got.view(np.uint32), want1.view(np.uint32)), (qt, wk, "grid_cap")
     # 2 and 4 rows a grid row (3 rows: a partial second grid row at bmax 2, a partial one at 4)
     x3 = _bf16(rng.standard_normal((3, k)))
     want3 = _run(p8, w, x3)

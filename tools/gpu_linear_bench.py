@@ -89,16 +89,17 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
     return q
 
 
-def mmq1_variant(p1: dict, var: str) -> dict:
+def mmq1_variant(p1: dict, var: str, sm_count: int) -> dict:
     """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
-    depth, min_blocks, and wk / kparts: another k split, so not gemv_mmq's bits, a timing
-    experiment for the split gemv_mmq and gemv_mmq1 would share) on the plan's ``p1``: a lanes override starts from that lanes' default warps
-    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks, where not named, follows the
-    warps (mmq1_min_blocks)."""
-    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_min_blocks
+    depth, min_blocks, grid_cap (0: a block a row tile), and wk / kparts: another k split, so not
+    gemv_mmq's bits, a timing experiment for the split gemv_mmq and gemv_mmq1 would share) on the
+    plan's ``p1``: a lanes override starts from that lanes' default warps
+    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks and grid_cap, where not named,
+    follow the warps (mmq1_min_blocks, mmq1_grid_cap on ``sm_count`` SMs)."""
+    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_grid_cap, mmq1_min_blocks
 
     over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
-    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts"}
+    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts", "grid_cap"}
     if bad:
         raise ValueError(f"unknown gemv_mmq1 variant keys {sorted(bad)}")
     lanes = over.get("lanes", p1["lanes"])
@@ -108,6 +109,8 @@ def mmq1_variant(p1: dict, var: str) -> dict:
     q = {**base, **over}
     if "min_blocks" not in over:
         q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"])
+    if "grid_cap" not in over:  # (the blocks the SMs hold follow the warps and min_blocks)
+        q["grid_cap"] = mmq1_grid_cap(q, sm_count)
     return q
 
 
@@ -180,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mmq1-variants", default="",
         help="gemv_mmq1 (1-4 rows) geometries timed beside the plan's, ';'-separated, each 'key=value,...' "
-        "over lanes (1 or 4), warps, depth, min_blocks (a lanes override starts from that lanes' default "
-        "warps and depth; min_blocks follows the warps where not named), wk, kparts (another k split: "
-        "timing only, not gemv_mmq's bits): rows labelled mmq1:<variant>",
+        "over lanes (1 or 4), warps, depth, min_blocks, grid_cap (a lanes override starts from that lanes' "
+        "default warps and depth; min_blocks and grid_cap follow the warps where not named), wk, kparts "
+        "(another k split: timing only, not gemv_mmq's bits): rows labelled mmq1:<variant>",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 cands.append(("mmq", kc.choice("gemv_mmq1", **p1)))
                 for var in filter(None, args.mmq1_variants.split(";")):
                     try:
-                        cands.append((f"mmq1:{var}", kc.choice("gemv_mmq1", **mmq1_variant(p1, var))))
+                        cands.append((f"mmq1:{var}", kc.choice("gemv_mmq1", **mmq1_variant(p1, var, info.sm_count))))
                     except (ConfigError, ValueError) as e:
                         print(f"skip mmq1:{var} {qt} {n}x{k} b{b}: {e}")
             cands.append(mmq_row("mmq8" if p1 is not None else "mmq", p))

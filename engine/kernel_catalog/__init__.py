@@ -65,6 +65,7 @@ from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
     gemv_mmq_params,
     gemv_mmq_x_params,
     mmq1_folds,
+    mmq1_grid_x,
     mmq1_smem,
     mmq1_tile_rows,
     mmq_serves,

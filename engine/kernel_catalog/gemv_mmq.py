@@ -103,8 +103,24 @@ def mmq1_min_blocks(lanes: int, warps: int, bmax: int) -> int:
 
 
 def mmq1_tile_rows(p: Mapping[str, Any]) -> int:
-    """The weight rows of a gemv_mmq1 block: warps x 32 / (wk x lanes)."""
+    """The weight rows of a gemv_mmq1 row tile: warps x 32 / (wk x lanes)."""
     return p["warps"] * 32 // (p["wk"] * p["lanes"])
+
+
+def mmq1_grid_cap(p: Mapping[str, Any], sm_count: int = 0) -> int:
+    """gemv_mmq1's grid_cap for params ``p`` on ``sm_count`` SMs (132 where unknown): for a tall weight
+    at one k part (lanes=4) whose row tiles outnumber the blocks the SMs hold at once (min_blocks
+    each), that many blocks, each looping over row tiles with its x staged once (every block stages
+    its x: the tiles past one wave would stage it again); else 0 (a block a tile)."""
+    slots = p["min_blocks"] * (sm_count or 132)
+    tall = p["lanes"] == 4 and p["kparts"] == 1 and -(-p["n"] // mmq1_tile_rows(p)) > slots
+    return slots if tall else 0
+
+
+def mmq1_grid_x(p: Mapping[str, Any]) -> int:
+    """gemv_mmq1's blocks over the rows: one a row tile, at most grid_cap (which then loop over them)."""
+    tiles = -(-p["n"] // mmq1_tile_rows(p))
+    return min(tiles, p["grid_cap"]) if p.get("grid_cap") else tiles
 
 
 def gemv_mmq1_params(
@@ -130,7 +146,9 @@ def gemv_mmq1_params(
         quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes][bmax],
         depth=MMQ1_DEPTH[lanes][quant], residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none",
         eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=mmq1_min_blocks(lanes, MMQ1_WARPS[lanes][bmax], bmax),
+        grid_cap=0,
     )  # fmt: skip
+    p["grid_cap"] = mmq1_grid_cap(p, sm_count)
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 
 

@@ -92,7 +92,7 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 
     elif pro is not None:  # silu: x the gate|up row, up pro[1] elements after the gate
         p.update(prologue="silu", u_off=int(pro[1]), x_stride=xv.ld)
     spec = ctx.spec("gemv_mmq1", **p)
-    grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
+    grid = (kc.mmq1_grid_x(p), f"(n + {bmax - 1}) // {bmax}", p["kparts"])
     return Launch(spec, grid, (32 * p["warps"],), args, kc.mmq1_smem(p), min_rows=lo, max_rows=hi)
 
 
