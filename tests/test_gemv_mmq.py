@@ -240,8 +240,11 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
     # (the norm from the staging loads at one k part, from a pass of its own over the row at two)
     overs = ({"prologue": "norm", "eps": 1e-6}, {"prologue": "norm", "eps": 1e-6, "kparts": 1},
              {"residual": True, "out_dtype": "bf16"})  # (the staging and store code: any type's)
+    if lanes == 4:  # (grid_cap: blocks looping over row tiles, the norm and a residual in each)
+        overs += ({"prologue": "norm", "eps": 1e-6, "kparts": 1, "residual": True, "out_dtype": "bf16", "grid_cap": 2},)
     for over in overs if qt == "q4_k" else ():
-        want = _run({**p8, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
+        p8o = {**p8, **{key: v for key, v in over.items() if key != "grid_cap"}}
+        want = _run(p8o, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
         got = _run1({**p1, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, over)
 
