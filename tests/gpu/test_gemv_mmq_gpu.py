@@ -136,24 +136,23 @@ def test_gemv_mmq1_matches_numpy(kernels, weights, profile):
 def test_gemv_mmq1_geometries_give_the_same_bits(kernels, weights, profile):
     """gemv_mmq1's geometry (lanes, warps, depth, min_blocks, grid_cap: which lanes compute what) never a row's
     bits: the plan's launch and the --mmq1-variants kinds of tools/gpu_linear_bench.py on the same x
-    rows, every type, a k split over blocks (2560x9728) and not, 1 and 3 rows (bmax 1 and 4)."""
+    rows, every type, a k split over blocks (2560x9728, 1 row) and not (1 row, and 3 at bmax 4)."""
     rng = np.random.default_rng(3)
     overs = ({"lanes": 1, "warps": 4, "depth": 2, "min_blocks": 1}, {"warps": 8, "min_blocks": 4},
              {"warps": 32, "min_blocks": 1}, {"depth": 4, "min_blocks": 1})  # fmt: skip
     bad = []
     for qt in MMQ_TYPES:
-        for n, k in ((N, K), (2560, 9728)):
-            for bmax, rows in ((1, 1), (4, 3)):
-                p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", bmax=bmax)
-                # (one k part: 7 blocks looping over the row tiles)
-                ovs = (*overs, {"grid_cap": 7}) if p1["kparts"] == 1 else overs
-                kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, **o}) for o in ({}, *ovs)])
-                x = bf_round(rng.standard_normal((rows, k)))
-                want, _ = launch_mmq1(kernels, weights, p1, x)
-                for o in ovs:
-                    got, left = launch_mmq1(kernels, weights, {**p1, **o}, x)
-                    if left or not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
-                        bad.append((qt, n, k, bmax, o, left))
+        for n, k, bmax, rows in ((N, K, 1, 1), (N, K, 4, 3), (2560, 9728, 1, 1)):
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", bmax=bmax)
+            # (one k part: 7 blocks looping over the row tiles)
+            ovs = (*overs, {"grid_cap": 7}) if p1["kparts"] == 1 else overs
+            kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, **o}) for o in ({}, *ovs)])
+            x = bf_round(rng.standard_normal((rows, k)))
+            want, _ = launch_mmq1(kernels, weights, p1, x)
+            for o in ovs:
+                got, left = launch_mmq1(kernels, weights, {**p1, **o}, x)
+                if left or not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                    bad.append((qt, n, k, bmax, o, left))
     assert not bad, bad
 
 
