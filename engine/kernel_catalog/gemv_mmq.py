@@ -78,7 +78,8 @@ MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 # gemv_mmq1's geometry (never a row's bits): MMQ1_LANES lanes per (weight row, k slice) -- 4: each
 # reads 16-32 contiguous bytes of a unit and owns one of its four blocks, the row's f32 chain passed
 # lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the weight.
-# MMQ1_WARPS (lanes -> bmax -> warps a block; 32 / (wk lanes) rows a warp): every block stages and
+# MMQ1_WARPS (lanes -> bmax -> warps a block, fewer for a weight whose blocks would not cover the
+# SMs; 32 / (wk lanes) rows a warp): every block stages and
 # quantises its x k part, some 145 instructions a thread per 8 elements (ptxas sm_90), so at least as
 # many rows a block as lanes=1's 4 warps had (at 8 warps, lanes=4, the staging was half the main
 # loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
@@ -142,11 +143,15 @@ def gemv_mmq1_params(
     p8 = gemv_mmq_params(quant, n, k, 8, sm_count=sm_count, residual=residual, out_dtype=out_dtype, x_stride=x_stride)
     if p8 is None or p8["wk"] not in (1, 2, 4):
         return None
+    warps = MMQ1_WARPS[lanes][bmax]
+    # a small weight: fewer warps a block, down to 4, while its blocks would not cover the SMs (the
+    # same warps in all, over more SMs' load units)
+    while lanes == 4 and warps > 4 and -(-n // (warps * 8 // p8["wk"])) * p8["kparts"] < (sm_count or 132):
+        warps //= 2
     p = dict(
-        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS[lanes][bmax],
-        depth=MMQ1_DEPTH[lanes][quant], residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none",
-        eps=0.0, u_off=0, bmax=bmax, lanes=lanes, min_blocks=mmq1_min_blocks(lanes, MMQ1_WARPS[lanes][bmax], bmax),
-        grid_cap=0,
+        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=warps, depth=MMQ1_DEPTH[lanes][quant],
+        residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0, bmax=bmax,
+        lanes=lanes, min_blocks=mmq1_min_blocks(lanes, warps, bmax), grid_cap=0,
     )  # fmt: skip
     p["grid_cap"] = mmq1_grid_cap(p, sm_count)
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
