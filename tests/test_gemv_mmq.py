@@ -205,8 +205,8 @@ def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = N
     return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("lanes", (1, 4))
-@pytest.mark.parametrize("qt", MMQ_TYPES)
+# (lanes=1, the previous geometry: q4_k and q6_kr, whose staged-x reads cover the others')
+@pytest.mark.parametrize(("qt", "lanes"), [(qt, 4) for qt in MMQ_TYPES] + [("q4_k", 1), ("q6_kr", 1)])
 def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
     """gemv_mmq1 (dp4a dots; ``lanes`` lanes a weight row's k slice: 4 reduce their integer dots and
     pass the row's f32 chain lane to lane) against the bmax-8 gemv_mmq on the same x rows: the same
