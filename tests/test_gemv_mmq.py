@@ -470,3 +470,11 @@ def test_real_sizes_run_gemv_mmq1_at_batch1_with_the_norms_and_silus_folded():
         quant = [la for st in plan.steps if st.op.op == "linear" for la in st.launches["decode"]
                  if la.spec.template == "gemv_mmq_x"]  # fmt: skip
         assert len(quant) == 4 * 36 + 1 and all(la.min_rows == 9 for la in quant)
+    # decode_graph.early_trigger (h200): the batch-1 launches trigger the next kernel early, every
+    # grid being resident at once (the tall ones through grid_cap)
+    plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant("q4_0"), with_tuning(get_profile("h200"), MMQ_ALL),
+                      rope_style="neox")  # fmt: skip
+    assert mismatches(plan) == [], mismatches(plan)[:3]
+    one = [la.spec for st in plan.steps if st.op.op == "linear" for la in st.launches["decode1"]]
+    assert {s.template for s in one} == {"gemv_mmq1"} and all(s.params["trigger"] for s in one)
+    assert any(s.params["grid_cap"] for s in one)  # (the gate|up rows and the lm head)

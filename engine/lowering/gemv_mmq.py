@@ -68,7 +68,9 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
-def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 0, hi: int = 0) -> Launch | None:
+def mmq1_launch(
+    ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 0, hi: int = 0, trigger: bool = False
+) -> Launch | None:
     """The gemv_mmq1 launch of weight allocation ``w`` for passes of up to ``bmax`` rows (``lo`` ..
     ``hi``; the bmax-8 gemv_mmq's bits: the same k split), or None where it does not apply (the bmax-8
     gemv_mmq then runs those rows)."""
@@ -91,6 +93,8 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 
         args += (wgt(pro[1]),)
     elif pro is not None:  # silu: x the gate|up row, up pro[1] elements after the gate
         p.update(prologue="silu", u_off=int(pro[1]), x_stride=xv.ld)
+    if trigger and kc.mmq1_grid_x(p) * p["kparts"] <= p["min_blocks"] * ctx.profile.sm_count:
+        p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
     spec = ctx.spec("gemv_mmq1", **p)
     grid = (kc.mmq1_grid_x(p), f"(n + {bmax - 1}) // {bmax}", p["kparts"])
     return Launch(spec, grid, (32 * p["warps"],), args, kc.mmq1_smem(p), min_rows=lo, max_rows=hi)
@@ -105,7 +109,7 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     res = Arg("value", res_name) if residual else NULL
     xv, stride, pro = mmq_x(ctx, mode, ins, w.cols)
     if mode == "decode1":
-        one = mmq1_launch(ctx, op, out, w, xv, stride, pro)
+        one = mmq1_launch(ctx, op, out, w, xv, stride, pro, trigger=ctx.graph_knob("early_trigger"))
         if one is not None:
             return [one]
     if pro is not None and pro[0] == "silu":
