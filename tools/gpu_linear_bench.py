@@ -19,8 +19,8 @@ cycling through enough weight copies to defeat the 50 MB L2:
   both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
   turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at 1-4 rows ``mmq`` is
   gemv_mmq1 (dp4a dots, the bmax-8 kernel's bits), as the plan runs it, and ``mmq8`` the bmax-8 kernel;
-  ``--mmq1-variants`` times gemv_mmq1 geometries beside it (lanes, warps, depth, min_blocks: never
-  a row's bits);
+  ``--mmq1-variants`` times gemv_mmq1 geometries beside it (lanes, warps, depth, min_blocks,
+  grid_cap: never a row's bits; wk, kparts: another k split, timing only);
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -93,9 +93,9 @@ def mmq1_variant(p1: dict, var: str, sm_count: int) -> dict:
     """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
     depth, min_blocks, grid_cap (0: a block a row tile), and wk / kparts: another k split, so not
     gemv_mmq's bits, a timing experiment for the split gemv_mmq and gemv_mmq1 would share) on the
-    plan's ``p1``: a lanes override starts from that lanes' default warps
-    and depth (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks and grid_cap, where not named,
-    follow the warps (mmq1_min_blocks, mmq1_grid_cap on ``sm_count`` SMs)."""
+    plan's ``p1``: a lanes override starts from that lanes' default warps and depth
+    (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks and grid_cap, where not named, follow the
+    warps (mmq1_min_blocks, mmq1_grid_cap on ``sm_count`` SMs)."""
     from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_grid_cap, mmq1_min_blocks
 
     over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}

@@ -79,10 +79,9 @@ MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 # reads 16-32 contiguous bytes of a unit and owns one of its four blocks, the row's f32 chain passed
 # lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the weight.
 # MMQ1_WARPS (lanes -> bmax -> warps a block, fewer for a weight whose blocks would not cover the
-# SMs; 32 / (wk lanes) rows a warp): every block stages and
-# quantises its x k part, some 145 instructions a thread per 8 elements (ptxas sm_90), so at least as
-# many rows a block as lanes=1's 4 warps had (at 8 warps, lanes=4, the staging was half the main
-# loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
+# SMs; 32 / (wk lanes) rows a warp): every block stages and quantises its x k part, some 145
+# instructions a thread per 8 elements (ptxas sm_90), so at least as many rows a block as lanes=1's
+# 4 warps had (at 8 warps, lanes=4, the staging was half the main loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
 # 16-32 and the unit's scales: as deep as 64 registers hold without spills at batch 1, 48-64 bytes a
 # lane). MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4 per bmax (__launch_bounds__'
 # min_blocks = MMQ1_SM_WARPS / warps): 32 (64 registers a thread) at 1 and 2 x rows, so that the

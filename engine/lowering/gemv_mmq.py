@@ -19,8 +19,9 @@ silu_mul kernel's bits; kernel_catalog.mmq1_folds); the buckets keep their launc
 (another GEMV's glu) is read in place. A k split over blocks adds the f32 partial sums and per-tile
 counters as scratch (``mmq_part``, ``mmq_count``: the launches run one after another, each leaving
 its counters zero). Never forked onto the side stream (decode_graph.fork_linears): they share that
-scratch and may read the quantiser's. A batch-1 gemv_mmq1 whose grid is resident at once triggers the
-next kernel early under decode_graph.early_trigger (as the coop GEMVs). A helper of the ``linear`` unit. Must not import CUDA or numpy.
+scratch and may read the quantiser's. A batch-1 gemv_mmq1 whose grid is resident at once triggers
+the next kernel early under decode_graph.early_trigger (as the coop GEMVs). A helper of the
+``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
