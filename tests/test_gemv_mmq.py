@@ -205,8 +205,12 @@ def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = N
     return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
 
 
-# (lanes=1, the previous geometry: q4_k and q6_kr, whose staged-x reads cover the others')
-@pytest.mark.parametrize(("qt", "lanes"), [(qt, 4) for qt in MMQ_TYPES] + [("q4_k", 1), ("q6_kr", 1)])
+# (lanes=1, the previous geometry: q4_k and q6_kr, whose staged-x reads cover the others'; interleave
+# "4i": the three chain-term forms)
+@pytest.mark.parametrize(
+    ("qt", "lanes"),
+    [(qt, 4) for qt in MMQ_TYPES] + [("q4_k", 1), ("q6_kr", 1)] + [(qt, "4i") for qt in ("q4_k", "q6_kr", "q8_0r")],
+)
 def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
     """gemv_mmq1 (dp4a dots; ``lanes`` lanes a weight row's k slice: 4 reduce their integer dots and
     pass the row's f32 chain lane to lane) against the bmax-8 gemv_mmq on the same x rows: the same
@@ -223,7 +227,8 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
         p8 = dict(quant=qt, n=N, k=k, bmax=8, mt=1, wm=2, wk=wk, kparts=kparts, depth=2, residual=False,
                   out_dtype="f32", min_blocks=1, xstage=True, x_stride=0)  # fmt: skip
         p1 = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, warps=2, depth=depth, residual=False, out_dtype="f32",
-                  x_stride=0, prologue="none", eps=0.0, lanes=lanes)  # fmt: skip
+                  x_stride=0, prologue="none", eps=0.0, lanes=4 if lanes == "4i" else lanes,
+                  interleave=lanes == "4i")  # fmt: skip
         want = _run(p8, w, x)
         got = _run1(p1, w, x)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)

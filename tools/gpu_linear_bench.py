@@ -91,24 +91,34 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
 
 def mmq1_variant(p1: dict, var: str, sm_count: int) -> dict:
     """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
-    depth, min_blocks, grid_cap (0: a block a row tile), and wk / kparts: another k split, so not
+    depth, min_blocks, grid_cap (0: a block a row tile), interleave (1: from MMQ1_INTERLEAVE's warps
+    and depth), and wk / kparts: another k split, so not
     gemv_mmq's bits, a timing experiment for the split gemv_mmq and gemv_mmq1 would share) on the
     plan's ``p1``: a lanes override starts from that lanes' default warps and depth
     (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks and grid_cap, where not named, follow the
     warps (mmq1_min_blocks, mmq1_grid_cap on ``sm_count`` SMs)."""
-    from engine.kernel_catalog.gemv_mmq import MMQ1_DEPTH, MMQ1_WARPS, mmq1_grid_cap, mmq1_min_blocks
+    from engine.kernel_catalog.gemv_mmq import (
+        MMQ1_DEPTH,
+        MMQ1_INTERLEAVE,
+        MMQ1_WARPS,
+        mmq1_grid_cap,
+        mmq1_min_blocks,
+    )
 
     over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
-    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts", "grid_cap"}
+    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts", "grid_cap", "interleave"}
     if bad:
         raise ValueError(f"unknown gemv_mmq1 variant keys {sorted(bad)}")
     lanes = over.get("lanes", p1["lanes"])
     base = dict(p1)
     if lanes != p1["lanes"]:
         base.update(lanes=lanes, warps=MMQ1_WARPS[lanes][p1["bmax"]], depth=MMQ1_DEPTH[lanes][p1["quant"]])
+    if over.get("interleave"):  # (from its own defaults: a lanes=1 ring)
+        over["interleave"] = True
+        base.update(warps=MMQ1_INTERLEAVE["warps"], depth=MMQ1_INTERLEAVE["depth"])
     q = {**base, **over}
     if "min_blocks" not in over:
-        q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"])
+        q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"], q.get("interleave", False))
     if "grid_cap" not in over:  # (the blocks the SMs hold follow the warps and min_blocks)
         q["grid_cap"] = mmq1_grid_cap(q, sm_count)
     return q
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mmq1-variants", default="",
         help="gemv_mmq1 (1-4 rows) geometries timed beside the plan's, ';'-separated, each 'key=value,...' "
-        "over lanes (1 or 4), warps, depth, min_blocks, grid_cap (a lanes override starts from that lanes' "
+        "over lanes (1 or 4), warps, depth, min_blocks, grid_cap, interleave (a lanes override starts from that lanes' "
         "default warps and depth; min_blocks and grid_cap follow the warps where not named), wk, kparts "
         "(another k split: timing only, not gemv_mmq's bits): rows labelled mmq1:<variant>",
     )  # fmt: skip

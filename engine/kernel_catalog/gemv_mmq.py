@@ -94,12 +94,17 @@ MMQ1_DEPTH = {
     4: {"q4_k": 3, "q6_kr": 2, "q8_0r": 2, "q4_0r": 3, "q4_1r": 3},
 }
 MMQ1_SM_WARPS = {1: 32, 2: 32, 4: 24}
+# interleave (lanes=4, each lane decoding whole units with lanes=1's code, taken in turn by a group's
+# lanes; a variant the plan does not pick): its ring is lanes=1's, a unit deep, in 80 registers
+MMQ1_INTERLEAVE = {"warps": 8, "depth": 1, "sm_warps": 24}
 
 
-def mmq1_min_blocks(lanes: int, warps: int, bmax: int) -> int:
+def mmq1_min_blocks(lanes: int, warps: int, bmax: int, interleave: bool = False) -> int:
     """gemv_mmq1's __launch_bounds__ minimum of resident blocks per SM: at lanes=4 those of
-    MMQ1_SM_WARPS[bmax] warps, at lanes=1 none (1)."""
-    return max(1, MMQ1_SM_WARPS[bmax] // warps) if lanes > 1 else 1
+    MMQ1_SM_WARPS[bmax] warps (interleave: MMQ1_INTERLEAVE's), at lanes=1 none (1)."""
+    if lanes == 1:
+        return 1
+    return max(1, (MMQ1_INTERLEAVE["sm_warps"] if interleave else MMQ1_SM_WARPS[bmax]) // warps)
 
 
 def mmq1_tile_rows(p: Mapping[str, Any]) -> int:
@@ -113,7 +118,7 @@ def mmq1_grid_cap(p: Mapping[str, Any], sm_count: int = 0) -> int:
     each), that many blocks, each looping over row tiles with its x staged once (every block stages
     its x: the tiles past one wave would stage it again); else 0 (a block a tile)."""
     slots = p["min_blocks"] * (sm_count or 132)
-    tall = p["lanes"] == 4 and p["kparts"] == 1 and -(-p["n"] // mmq1_tile_rows(p)) > slots
+    tall = p["lanes"] == 4 and not p.get("interleave") and p["kparts"] == 1 and -(-p["n"] // mmq1_tile_rows(p)) > slots
     return slots if tall else 0
 
 
