@@ -134,12 +134,13 @@ def test_gemv_mmq1_matches_numpy(kernels, weights, profile):
 
 
 def test_gemv_mmq1_geometries_give_the_same_bits(kernels, weights, profile):
-    """gemv_mmq1's geometry (lanes, warps, depth, min_blocks, grid_cap: which lanes compute what) never a row's
+    """gemv_mmq1's geometry (lanes, interleave, warps, depth, min_blocks, grid_cap: which lanes compute what) never a row's
     bits: the plan's launch and the --mmq1-variants kinds of tools/gpu_linear_bench.py on the same x
     rows, every type, a k split over blocks (2560x9728, 1 row) and not (1 row, and 3 at bmax 4)."""
     rng = np.random.default_rng(3)
     overs = ({"lanes": 1, "warps": 4, "depth": 2, "min_blocks": 1}, {"warps": 8, "min_blocks": 4},
-             {"warps": 32, "min_blocks": 1}, {"depth": 4, "min_blocks": 1})  # fmt: skip
+             {"warps": 32, "min_blocks": 1}, {"depth": 4, "min_blocks": 1},
+             {"interleave": True, "warps": 8, "depth": 1, "min_blocks": 3})  # fmt: skip
     bad = []
     for qt in MMQ_TYPES:
         for n, k, bmax, rows in ((N, K, 1, 1), (N, K, 4, 3), (2560, 9728, 1, 1)):
