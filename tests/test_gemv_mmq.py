@@ -58,9 +58,15 @@ def test_spec_rules_name_the_problem():
     with pytest.raises(ConfigError, match="exceed 227 KB"):
         kc.spec("gemv_mmq", **{**big, "k": 32768, "xstage": True})
     one = kc.gemv_mmq1_params("q4_k", 2560, 9728, sm_count=132)  # the batch-1 kernel: the bmax-8 split
-    assert (one["wk"], one["kparts"]) == (ok["wk"], ok["kparts"]) and kc.choice("gemv_mmq1", **one).smem == 3328 * 5 // 4
+    assert (one["wk"], one["kparts"]) == (ok["wk"], ok["kparts"]) and kc.choice("gemv_mmq1", **one).smem == 3328 * 5 // 4 + 4 * 128  # (lanes=4: + wk units)
     with pytest.raises(ConfigError, match="wk=3"):
         kc.spec("gemv_mmq1", **{**one, "wk": 3})
+    for over, msg in ((dict(lanes=2), "lanes=2"), (dict(grid_cap=100), "grid_cap=100"), (dict(min_blocks=5), "exceed")):
+        with pytest.raises(ConfigError, match=msg):  # (grid_cap: this weight has 3 k parts)
+            kc.spec("gemv_mmq1", **{**one, **over})
+    tall = kc.gemv_mmq1_params("q4_k", 19456, 2560, sm_count=132)  # one k part, 608 row tiles of 32
+    assert (tall["kparts"], tall["grid_cap"]) == (1, tall["min_blocks"] * 132) and one["grid_cap"] == 0
+    assert kc.choice("gemv_mmq1", **tall).grid(1) == (264, 1, 1)
     assert kc.gemv_mmq_params("q4_k", 64, 768, 8)["wk"] == 3 and kc.gemv_mmq1_params("q4_k", 64, 768) is None
 
 
@@ -199,26 +205,40 @@ def _run1(p: dict, w: np.ndarray, x: np.ndarray, residual: np.ndarray | None = N
     return out if p["out_dtype"] == "f32" else (out.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("qt", MMQ_TYPES)
-def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
-    """gemv_mmq1 (dp4a dots, one weight row a lane group) against the bmax-8 gemv_mmq on the same x
-    rows: the same output bits, at 1 row and at 2 and 4 rows a grid row, with its k split over warps
-    (wk 1, 2, 4) and blocks, a ring refill, the norm prologue and a residual; and against numpy."""
+# (lanes=1, the previous geometry: q4_k and q6_kr, whose staged-x reads cover the others'; interleave
+# "4i": the three chain-term forms)
+@pytest.mark.parametrize(
+    ("qt", "lanes"),
+    [(qt, 4) for qt in MMQ_TYPES] + [("q4_k", 1), ("q6_kr", 1)] + [(qt, "4i") for qt in ("q4_k", "q6_kr", "q8_0r")],
+)
+def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt, lanes):
+    """gemv_mmq1 (dp4a dots; ``lanes`` lanes a weight row's k slice: 4 reduce their integer dots and
+    pass the row's f32 chain lane to lane) against the bmax-8 gemv_mmq on the same x rows: the same
+    output bits, at 1 row and at 2 and 4 rows a grid row, with its k split over warps (wk 1, 2, 4; the
+    slices of a warp unequal: groups idling through the last units) and blocks, a ring refill, the
+    norm prologue and a residual; and against numpy."""
     rng = np.random.default_rng(5)
     splits = ((4, 1, 2, 8), (1, 3, 4, 6), (4, 2, 3, 12), (2, 2, 1, 6))  # (wk, kparts, depth, units)
-    for wk, kparts, depth, units in splits if qt == "q4_k" else splits[-1:]:  # (the split code: any type's)
+    # (the split code: any type's; wk 1 and 2 for every type: a lane's read position steps by units)
+    for wk, kparts, depth, units in splits if qt == "q4_k" else (splits[1], splits[-1]):
         k = units * 128
         w, deq = _weight(qt, N, k, rng)
         x = _bf16(rng.standard_normal((1, k)) * 2.0)
         p8 = dict(quant=qt, n=N, k=k, bmax=8, mt=1, wm=2, wk=wk, kparts=kparts, depth=2, residual=False,
                   out_dtype="f32", min_blocks=1, xstage=True, x_stride=0)  # fmt: skip
         p1 = dict(quant=qt, n=N, k=k, wk=wk, kparts=kparts, warps=2, depth=depth, residual=False, out_dtype="f32",
-                  x_stride=0, prologue="none", eps=0.0)  # fmt: skip
+                  x_stride=0, prologue="none", eps=0.0, lanes=4 if lanes == "4i" else lanes,
+                  interleave=lanes == "4i")  # fmt: skip
         want = _run(p8, w, x)
         got = _run1(p1, w, x)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, wk, kparts)
         ref = quant.q8x_round_trip(x).astype(np.float64) @ deq.T
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+        if lanes == 4 and kparts == 1 or (lanes == 4 and qt != "q4_k" and wk == 1):
+            # grid_cap: 2 blocks looping over the row tiles (10 at wk 4, 3 at wk 1; x staged once a block)
+            want1 = _run({**p8, "kparts": 1}, w, x) if kparts > 1 else want
+            got = _run1({**p1, "kparts": 1, "grid_cap": 2}, w, x)
+            assert np.array_equal(got.view(np.uint32), want1.view(np.uint32)), (qt, wk, "grid_cap")
     # 2 and 4 rows a grid row (3 rows: a partial second grid row at bmax 2, a partial one at 4)
     x3 = _bf16(rng.standard_normal((3, k)))
     want3 = _run(p8, w, x3)
@@ -231,8 +251,11 @@ def test_the_batch1_kernel_gives_the_bmax8_kernels_bits(qt):
     # (the norm from the staging loads at one k part, from a pass of its own over the row at two)
     overs = ({"prologue": "norm", "eps": 1e-6}, {"prologue": "norm", "eps": 1e-6, "kparts": 1},
              {"residual": True, "out_dtype": "bf16"})  # (the staging and store code: any type's)
+    if lanes == 4:  # (grid_cap: blocks looping over row tiles, the norm and a residual in each)
+        overs += ({"prologue": "norm", "eps": 1e-6, "kparts": 1, "residual": True, "out_dtype": "bf16", "grid_cap": 2},)
     for over in overs if qt == "q4_k" else ():
-        want = _run({**p8, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
+        p8o = {**p8, **{key: v for key, v in over.items() if key != "grid_cap"}}
+        want = _run(p8o, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
         got = _run1({**p1, **over}, w, x, norm_w=nw, residual=rb if over.get("residual") else None)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (qt, over)
 
@@ -255,8 +278,9 @@ def test_the_batch1_silu_prologue_gives_the_silu_mul_kernels_bits():
     p1 = dict(quant="q4_k", n=N, k=k, wk=2, kparts=2, warps=2, depth=2, residual=False, out_dtype="f32",
               x_stride=0, prologue="none", eps=0.0, u_off=0)  # fmt: skip
     want = _run1(p1, w, xa)
-    got = _run1({**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k}, w, gu)
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for lanes in (1, 4):
+        got = _run1({**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k, "lanes": lanes}, w, gu)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), lanes
     with pytest.raises(ConfigError, match="prologue silu"):
         kc.spec("gemv_mmq1", **{**p1, "prologue": "silu", "x_stride": 2 * k, "u_off": k + 8})
 
@@ -451,3 +475,11 @@ def test_real_sizes_run_gemv_mmq1_at_batch1_with_the_norms_and_silus_folded():
         quant = [la for st in plan.steps if st.op.op == "linear" for la in st.launches["decode"]
                  if la.spec.template == "gemv_mmq_x"]  # fmt: skip
         assert len(quant) == 4 * 36 + 1 and all(la.min_rows == 9 for la in quant)
+    # decode_graph.early_trigger (h200): the batch-1 launches trigger the next kernel early, every
+    # grid being resident at once (the tall ones through grid_cap)
+    plan = build_plan(g, dims_for_size("qwen3", "qwen3-4b"), g.quant("q4_0"), with_tuning(get_profile("h200"), MMQ_ALL),
+                      rope_style="neox")  # fmt: skip
+    assert mismatches(plan) == [], mismatches(plan)[:3]
+    one = [la.spec for st in plan.steps if st.op.op == "linear" for la in st.launches["decode1"]]
+    assert {s.template for s in one} == {"gemv_mmq1"} and all(s.params["trigger"] for s in one)
+    assert any(s.params["grid_cap"] for s in one)  # (the gate|up rows and the lm head)

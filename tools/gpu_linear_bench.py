@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
         [--batches 1,2,4,8,...] [--iters 40] [--mma-variants 'depth=8;wk=2'] [--mmq-variants 'depth=4']
-        [--json FILE]
+        [--mmq1-variants 'lanes=1;warps=16,depth=2'] [--json FILE]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -19,6 +19,8 @@ cycling through enough weight copies to defeat the 50 MB L2:
   both timed, as a decode pass runs them; ``mmq-k``: the kernel alone); ``--mmq-variants`` may
   turn xstage off (``xstage=0``) to time the bmax-8 kernel on gemv_mmq_x's x; at 1-4 rows ``mmq`` is
   gemv_mmq1 (dp4a dots, the bmax-8 kernel's bits), as the plan runs it, and ``mmq8`` the bmax-8 kernel;
+  ``--mmq1-variants`` times gemv_mmq1 geometries beside it (lanes, warps, depth, min_blocks,
+  grid_cap: never a row's bits; wk, kparts: another k split, timing only);
 - ``gemv``: the GEMV the plan uses without gemv_mma (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
@@ -84,6 +86,41 @@ def mma_variant(qt: str, n: int, k: int, rows: int, var: str, sm_count: int) -> 
         q["xsm"] = kc.mma_xchunk(qt, k, q["bmax"], q["wk"], q["kparts"])
     if "min_blocks" not in over:  # (the warps of a block changed: the register bound follows)
         q["min_blocks"] = kc.mma_min_blocks(q["bmax"], q["wm"], q["wk"])
+    return q
+
+
+def mmq1_variant(p1: dict, var: str, sm_count: int) -> dict:
+    """The gemv_mmq1 params of --mmq1-variants entry ``var`` (``key=value,...`` over lanes, warps,
+    depth, min_blocks, grid_cap (0: a block a row tile), interleave (1: from MMQ1_INTERLEAVE's warps
+    and depth), and wk / kparts: another k split, so not
+    gemv_mmq's bits, a timing experiment for the split gemv_mmq and gemv_mmq1 would share) on the
+    plan's ``p1``: a lanes override starts from that lanes' default warps and depth
+    (kernel_catalog.MMQ1_WARPS / MMQ1_DEPTH); min_blocks and grid_cap, where not named, follow the
+    warps (mmq1_min_blocks, mmq1_grid_cap on ``sm_count`` SMs)."""
+    from engine.kernel_catalog.gemv_mmq import (
+        MMQ1_DEPTH,
+        MMQ1_INTERLEAVE,
+        MMQ1_WARPS,
+        mmq1_grid_cap,
+        mmq1_min_blocks,
+    )
+
+    over = {kv.split("=")[0].strip(): int(kv.split("=")[1]) for kv in var.split(",")}
+    bad = set(over) - {"lanes", "warps", "depth", "min_blocks", "wk", "kparts", "grid_cap", "interleave"}
+    if bad:
+        raise ValueError(f"unknown gemv_mmq1 variant keys {sorted(bad)}")
+    lanes = over.get("lanes", p1["lanes"])
+    base = dict(p1)
+    if lanes != p1["lanes"]:
+        base.update(lanes=lanes, warps=MMQ1_WARPS[lanes][p1["bmax"]], depth=MMQ1_DEPTH[lanes][p1["quant"]])
+    if over.get("interleave"):  # (from its own defaults: a lanes=1 ring)
+        over["interleave"] = True
+        base.update(warps=MMQ1_INTERLEAVE["warps"], depth=MMQ1_INTERLEAVE["depth"])
+    q = {**base, **over}
+    if "min_blocks" not in over:
+        q["min_blocks"] = mmq1_min_blocks(q["lanes"], q["warps"], q["bmax"], q.get("interleave", False))
+    if "grid_cap" not in over:  # (the blocks the SMs hold follow the warps and min_blocks)
+        q["grid_cap"] = mmq1_grid_cap(q, sm_count)
     return q
 
 
@@ -153,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         help="gemv_mmq param overrides timed beside the plan's, as --mma-variants (mt, wm, wk, kparts, "
         "depth, min_blocks): rows labelled mmq:<variant>",
     )  # fmt: skip
+    ap.add_argument(
+        "--mmq1-variants", default="",
+        help="gemv_mmq1 (1-4 rows) geometries timed beside the plan's, ';'-separated, each 'key=value,...' "
+        "over lanes (1 or 4), warps, depth, min_blocks, grid_cap, interleave (a lanes override starts from that lanes' "
+        "default warps and depth; min_blocks and grid_cap follow the warps where not named), wk, kparts "
+        "(another k split: timing only, not gemv_mmq's bits): rows labelled mmq1:<variant>",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -213,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=info.sm_count, bmax=bm1) if bm1 else None
             if p1 is not None:  # 1-4 rows: gemv_mmq1, as the plan runs it (the bmax-8 kernel: mmq8)
                 cands.append(("mmq", kc.choice("gemv_mmq1", **p1)))
+                for var in filter(None, args.mmq1_variants.split(";")):
+                    try:
+                        cands.append((f"mmq1:{var}", kc.choice("gemv_mmq1", **mmq1_variant(p1, var, info.sm_count))))
+                    except (ConfigError, ValueError) as e:
+                        print(f"skip mmq1:{var} {qt} {n}x{k} b{b}: {e}")
             cands.append(mmq_row("mmq8" if p1 is not None else "mmq", p))
             if not p["xstage"]:
                 cands.append(("mmq-k", kc.choice("gemv_mmq", **p)))
@@ -279,17 +328,18 @@ def main(argv: list[str] | None = None) -> int:
     # the summary: per type and batch, the weight-byte-weighted fraction over the shapes
     print("\nsummary: the shapes' weight bytes / their summed time, as % of copy bandwidth")
     kinds = sorted({r["kernel"] for r in rows_out})
-    print(f"{'type':>5} {'batch':>5} " + " ".join(f"{k:>8}" for k in kinds))
+    width = {k: max(8, len(k)) for k in kinds}  # (variant labels are long: each column as wide as its label)
+    print(f"{'type':>5} {'batch':>5} " + " ".join(f"{k:>{width[k]}}" for k in kinds))
     for ft in args.types.split(","):
         for b in batches:
             cells = []
             for kind in kinds:
                 rs = [r for r in rows_out if r["type"] == ft and r["batch"] == b and r["kernel"] == kind]
                 if not rs:
-                    cells.append(f"{'-':>8}")
+                    cells.append(f"{'-':>{width[kind]}}")
                     continue
                 by = sum(r["gbs"] * r["us"] for r in rs) / sum(r["us"] for r in rs)  # bytes / time
-                cells.append(f"{100 * by / copy_gbs:7.1f}%")
+                cells.append(f"{100 * by / copy_gbs:{width[kind] - 1}.1f}%")
             print(f"{ft:>5} {b:>5} " + " ".join(cells))
     if args.json:
         args.json.write_text(json.dumps({"device": info.name, "copy_gbs": copy_gbs, "rows": rows_out}, indent=1))

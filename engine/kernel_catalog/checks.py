@@ -220,6 +220,16 @@ def _check(template: str, p: dict[str, Any]) -> None:
         need(p["wk"] in (1, 2, 4), f"wk={p['wk']} must be 1, 2 or 4 (lanes of a warp per row)")
         need(p["bmax"] in (1, 2, 4), f"bmax={p['bmax']} must be 1, 2 or 4")
         need(1 <= p["warps"] <= 32, f"warps={p['warps']} must be 1..32")
+        need(p["lanes"] in (1, 4), f"lanes={p['lanes']} must be 1 or 4 (lanes per row and k slice)")
+        need(1 <= p["min_blocks"] * p["warps"] <= 64, f"min_blocks={p['min_blocks']} of {p['warps']} warps exceed an SM's 64")
+        need(
+            p["grid_cap"] == 0 or (p["grid_cap"] > 0 and p["lanes"] == 4 and p["kparts"] == 1),
+            f"grid_cap={p['grid_cap']} (blocks looping over the row tiles) needs lanes=4 and kparts=1",
+        )
+        need(
+            not p["interleave"] or (p["lanes"] == 4 and p["grid_cap"] == 0),
+            "interleave (a group's lanes taking its slice's units in turn) needs lanes=4 and no grid_cap",
+        )
         need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
         need(p["kparts"] <= p["k"] // 128, f"kparts={p['kparts']} must be at most k / 128")
         need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")

@@ -86,7 +86,10 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
         "min_blocks": 1, "xsm": 0,
     },
     "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0, "prologue": "none"},
-    "gemv_mmq1": {"kparts": 1, "x_stride": 0, "prologue": "none", "u_off": 0, "bmax": 1},
+    "gemv_mmq1": {
+        "kparts": 1, "x_stride": 0, "prologue": "none", "u_off": 0, "bmax": 1, "lanes": 1, "min_blocks": 1,
+        "grid_cap": 0, "trigger": False, "interleave": False,
+    },
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -165,16 +168,17 @@ KERNELS: dict[str, KernelDoc] = {
     "gemv_mmq1": KernelDoc(
         dict(
             quant=str, n=int, k=int, wk=int, kparts=int, warps=int, depth=int, residual=bool, out_dtype=str,
-            x_stride=int, prologue=str, eps=float, u_off=int, bmax=int,
+            x_stride=int, prologue=str, eps=float, u_off=int, bmax=int, lanes=int, min_blocks=int, grid_cap=int,
+            trigger=bool, interleave=bool,
         ),
         # kparts > 1 adds (part_sum, part_count), prologue "norm" then norm_w: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
-        "(ceil(n / (warps * 32 / wk)), ceil(rows / bmax), kparts)",
+        "(ceil(n / (warps * 32 / (wk * lanes))) (at most grid_cap), ceil(rows / bmax), kparts)",
         "(warps * 32,)",
         "dynamic bmax * kp * 5 / 4 (kp = ceil(k / 128 / kparts) * 128)",
         {"kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "prologue": "none", "eps": 0.0,
-         "u_off": 0, "bmax": 1},
+         "u_off": 0, "bmax": 1, "lanes": 1, "min_blocks": 1, "grid_cap": 0, "trigger": False, "interleave": False},
         unnamed=("eps",),
     ),
     "gemv_mmq_x": KernelDoc(

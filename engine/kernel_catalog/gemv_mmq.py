@@ -66,16 +66,66 @@ def gemv_mmq_params(
 
 
 def mmq1_smem(p: Mapping[str, Any]) -> int:
-    """gemv_mmq1's dynamic shared memory: its x row's k part as int8 and its blocks' scale pairs."""
+    """gemv_mmq1's dynamic shared memory: its x rows' k part as int8 and their blocks' scale pairs
+    (lanes=4: and wk units more, which the lanes past their slices' units read)."""
     kp = -(-(p["k"] // MMQ_UNIT) // p["kparts"]) * MMQ_UNIT
-    return p["bmax"] * (kp + kp // 4)
+    return p["bmax"] * (kp + kp // 4) + (MMQ_UNIT * p["wk"] if p.get("lanes", 1) == 4 else 0)
 
 
 # gemv_mmq1's launches of a decode linear: (bmax, fewest rows, most rows) -- batch 1 and the 2- and
 # 3-4-row passes (dp4a: cheaper than the mma's 8 columns there); the bmax-8 gemv_mmq from 5 rows
 MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
-MMQ1_WARPS = 4  # gemv_mmq1's block: 4 warps of 32 / wk rows
-MMQ1_DEPTH = {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2}  # units in flight per lane (72-136 bytes)
+# gemv_mmq1's geometry (never a row's bits): MMQ1_LANES lanes per (weight row, k slice) -- 4: each
+# reads 16-32 contiguous bytes of a unit and owns one of its four blocks, the row's f32 chain passed
+# lane to lane, so four times the warps of lanes=1 (a lane a row's slice) stream the weight.
+# MMQ1_WARPS (lanes -> bmax -> warps a block, fewer for a weight whose blocks would not cover the
+# SMs; 32 / (wk lanes) rows a warp): every block stages and quantises its x k part, some 145
+# instructions a thread per 8 elements (ptxas sm_90), so at least as many rows a block as lanes=1's
+# 4 warps had (at 8 warps, lanes=4, the staging was half the main loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
+# 16-32 and the unit's scales: as deep as 64 registers hold without spills at batch 1, 48-64 bytes a
+# lane). MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4 per bmax (__launch_bounds__'
+# min_blocks = MMQ1_SM_WARPS / warps): 32 (64 registers a thread) at 1 and 2 x rows, so that the
+# 2560x9728 down projection's 240 blocks of 16 warps run in one wave; 24 warps of 80 registers for 4
+# x rows' accumulators and dots.
+MMQ1_LANES = 4
+MMQ1_WARPS = {1: {1: 4, 2: 4, 4: 4}, 4: {1: 16, 2: 16, 4: 8}}
+MMQ1_DEPTH = {
+    1: {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2},
+    4: {"q4_k": 3, "q6_kr": 2, "q8_0r": 2, "q4_0r": 3, "q4_1r": 3},
+}
+MMQ1_SM_WARPS = {1: 32, 2: 32, 4: 24}
+# interleave (lanes=4, each lane decoding whole units with lanes=1's code, taken in turn by a group's
+# lanes; a variant the plan does not pick): its ring is lanes=1's, a unit deep, in 80 registers
+MMQ1_INTERLEAVE = {"warps": 8, "depth": 1, "sm_warps": 24}
+
+
+def mmq1_min_blocks(lanes: int, warps: int, bmax: int, interleave: bool = False) -> int:
+    """gemv_mmq1's __launch_bounds__ minimum of resident blocks per SM: at lanes=4 those of
+    MMQ1_SM_WARPS[bmax] warps (interleave: MMQ1_INTERLEAVE's), at lanes=1 none (1)."""
+    if lanes == 1:
+        return 1
+    return max(1, (MMQ1_INTERLEAVE["sm_warps"] if interleave else MMQ1_SM_WARPS[bmax]) // warps)
+
+
+def mmq1_tile_rows(p: Mapping[str, Any]) -> int:
+    """The weight rows of a gemv_mmq1 row tile: warps x 32 / (wk x lanes)."""
+    return p["warps"] * 32 // (p["wk"] * p["lanes"])
+
+
+def mmq1_grid_cap(p: Mapping[str, Any], sm_count: int = 0) -> int:
+    """gemv_mmq1's grid_cap for params ``p`` on ``sm_count`` SMs (132 where unknown): for a tall weight
+    at one k part (lanes=4) whose row tiles outnumber the blocks the SMs hold at once (min_blocks
+    each), that many blocks, each looping over row tiles with its x staged once (every block stages
+    its x: the tiles past one wave would stage it again); else 0 (a block a tile)."""
+    slots = p["min_blocks"] * (sm_count or 132)
+    tall = p["lanes"] == 4 and not p.get("interleave") and p["kparts"] == 1 and -(-p["n"] // mmq1_tile_rows(p)) > slots
+    return slots if tall else 0
+
+
+def mmq1_grid_x(p: Mapping[str, Any]) -> int:
+    """gemv_mmq1's blocks over the rows: one a row tile, at most grid_cap (which then loop over them)."""
+    tiles = -(-p["n"] // mmq1_tile_rows(p))
+    return min(tiles, p["grid_cap"]) if p.get("grid_cap") else tiles
 
 
 def gemv_mmq1_params(
@@ -88,6 +138,7 @@ def gemv_mmq1_params(
     out_dtype: str = "bf16",
     x_stride: int = 0,
     bmax: int = 1,
+    lanes: int = MMQ1_LANES,
 ) -> dict[str, Any] | None:
     """The params of gemv_mmq1, the small-batch kernel (up to ``bmax`` rows: 1, 2, 4) giving the
     bmax-8 gemv_mmq's bits on a [n, k] weight (its k split, from gemv_mmq_params), or None where it
@@ -96,10 +147,17 @@ def gemv_mmq1_params(
     p8 = gemv_mmq_params(quant, n, k, 8, sm_count=sm_count, residual=residual, out_dtype=out_dtype, x_stride=x_stride)
     if p8 is None or p8["wk"] not in (1, 2, 4):
         return None
+    warps = MMQ1_WARPS[lanes][bmax]
+    # a small weight: fewer warps a block, down to 4, while its blocks would not cover the SMs (the
+    # same warps in all, over more SMs' load units)
+    while lanes == 4 and warps > 4 and -(-n // (warps * 8 // p8["wk"])) * p8["kparts"] < (sm_count or 132):
+        warps //= 2
     p = dict(
-        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=MMQ1_WARPS, depth=MMQ1_DEPTH[quant],
+        quant=quant, n=n, k=k, wk=p8["wk"], kparts=p8["kparts"], warps=warps, depth=MMQ1_DEPTH[lanes][quant],
         residual=residual, out_dtype=out_dtype, x_stride=x_stride, prologue="none", eps=0.0, u_off=0, bmax=bmax,
+        lanes=lanes, min_blocks=mmq1_min_blocks(lanes, warps, bmax), grid_cap=0,
     )  # fmt: skip
+    p["grid_cap"] = mmq1_grid_cap(p, sm_count)
     return p if mmq1_smem(p) <= MMQ_XSTAGE_MAX else None
 
 

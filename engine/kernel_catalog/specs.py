@@ -21,7 +21,7 @@ from engine.kernel_catalog.contracts import (
     P,
 )
 from engine.kernel_catalog.gemv_mma import mma_smem
-from engine.kernel_catalog.gemv_mmq import mmq1_smem, mmq_smem
+from engine.kernel_catalog.gemv_mmq import mmq1_grid_x, mmq1_smem, mmq_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
@@ -89,7 +89,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
             (template == "gemv_mma" and key in ("x_stride", "glu", "xsm"))
-            or (template in ("gemv_mmq_x", "gemv_mmq", "gemv_mmq1") and key in ("x_stride", "glu", "u_off"))
+            or (template in ("gemv_mmq_x", "gemv_mmq", "gemv_mmq1") and key in ("x_stride", "glu", "u_off", "grid_cap"))
             or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
@@ -142,7 +142,9 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
         _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
     ),
     "gemv_mmq_x": lambda p, rows, **_: (_cdiv(p["k"], 8 * p["threads"]), rows, 1),
-    "gemv_mmq1": lambda p, rows, **_: (_cdiv(p["n"], p["warps"] * 32 // p["wk"]), _cdiv(rows, p["bmax"]), p["kparts"]),
+    "gemv_mmq1": lambda p, rows, **_: (
+        mmq1_grid_x(p), _cdiv(rows, p["bmax"]), p["kparts"]
+    ),
     "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),
     "gemm": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1),
     "gemm_wgmma": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1),

@@ -19,7 +19,9 @@ silu_mul kernel's bits; kernel_catalog.mmq1_folds); the buckets keep their launc
 (another GEMV's glu) is read in place. A k split over blocks adds the f32 partial sums and per-tile
 counters as scratch (``mmq_part``, ``mmq_count``: the launches run one after another, each leaving
 its counters zero). Never forked onto the side stream (decode_graph.fork_linears): they share that
-scratch and may read the quantiser's. A helper of the ``linear`` unit. Must not import CUDA or numpy.
+scratch and may read the quantiser's. A batch-1 gemv_mmq1 whose grid is resident at once triggers
+the next kernel early under decode_graph.early_trigger (as the coop GEMVs). A helper of the
+``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def mmq_quantise(ctx, mode, ins, cols: int, launches: list[Launch]) -> list[Laun
     return [Launch(spec, grid, (p["threads"],), args, min_rows=min(la.min_rows for la in readers))]
 
 
-def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 0, hi: int = 0) -> Launch | None:
+def mmq1_launch(
+    ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 0, hi: int = 0, trigger: bool = False
+) -> Launch | None:
     """The gemv_mmq1 launch of weight allocation ``w`` for passes of up to ``bmax`` rows (``lo`` ..
     ``hi``; the bmax-8 gemv_mmq's bits: the same k split), or None where it does not apply (the bmax-8
     gemv_mmq then runs those rows)."""
@@ -81,7 +85,7 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 
         return None
     res = Arg("value", res_name) if res_name is not None else NULL
     args = (val(out), wgt(w), val(xv), res, ROWS)
-    tiles = cdiv(w.rows, p["warps"] * 32 // p["wk"])
+    tiles = cdiv(w.rows, kc.mmq1_tile_rows(p))
     if p["kparts"] > 1:
         ctx.need_scratch(ScratchPlan("mmq_part", fixed=p["kparts"] * ctx.max_rows * w.rows * 4))
         ctx.need_scratch(ScratchPlan("mmq_count", fixed=tiles * cdiv(ctx.max_rows, bmax) * 4, fill="zero"))
@@ -91,8 +95,10 @@ def mmq1_launch(ctx, op, out, w, xv, stride: int, pro, bmax: int = 1, lo: int = 
         args += (wgt(pro[1]),)
     elif pro is not None:  # silu: x the gate|up row, up pro[1] elements after the gate
         p.update(prologue="silu", u_off=int(pro[1]), x_stride=xv.ld)
+    if trigger and kc.mmq1_grid_x(p) * p["kparts"] <= p["min_blocks"] * ctx.profile.sm_count:
+        p["trigger"] = True  # (decode_graph.early_trigger, as the batch-1 coop GEMVs: a resident grid)
     spec = ctx.spec("gemv_mmq1", **p)
-    grid = (tiles, f"(n + {bmax - 1}) // {bmax}", p["kparts"])
+    grid = (kc.mmq1_grid_x(p), f"(n + {bmax - 1}) // {bmax}", p["kparts"])
     return Launch(spec, grid, (32 * p["warps"],), args, kc.mmq1_smem(p), min_rows=lo, max_rows=hi)
 
 
@@ -105,7 +111,7 @@ def mmq_launches(ctx, op, mode, ins, out, w) -> list[Launch]:
     res = Arg("value", res_name) if residual else NULL
     xv, stride, pro = mmq_x(ctx, mode, ins, w.cols)
     if mode == "decode1":
-        one = mmq1_launch(ctx, op, out, w, xv, stride, pro)
+        one = mmq1_launch(ctx, op, out, w, xv, stride, pro, trigger=ctx.graph_knob("early_trigger"))
         if one is not None:
             return [one]
     if pro is not None and pro[0] == "silu":

@@ -76,7 +76,7 @@ def launch_mmq1(kernels, weights, p: dict, x: np.ndarray, nw: np.ndarray | None 
     count = None
     if p["kparts"] > 1:
         args["part_sum"] = poisoned((p["kparts"] * rows * n,), "f32")
-        tiles = -(-n // (p["warps"] * 32 // p["wk"])) * -(-rows // p["bmax"])
+        tiles = -(-n // kc.mmq1_tile_rows(p)) * -(-rows // p["bmax"])
         count = args["part_count"] = upload(np.zeros(tiles, np.int32), "i32")
     if p["prologue"] == "norm":
         args["norm_w"] = upload(nw, "f32")
@@ -133,6 +133,30 @@ def test_gemv_mmq1_matches_numpy(kernels, weights, profile):
     assert not bad, bad
 
 
+def test_gemv_mmq1_geometries_give_the_same_bits(kernels, weights, profile):
+    """gemv_mmq1's geometry (lanes, interleave, warps, depth, min_blocks, grid_cap: which lanes compute what) never a row's
+    bits: the plan's launch and the --mmq1-variants kinds of tools/gpu_linear_bench.py on the same x
+    rows, every type, a k split over blocks (2560x9728, 1 row) and not (1 row, and 3 at bmax 4)."""
+    rng = np.random.default_rng(3)
+    overs = ({"lanes": 1, "warps": 4, "depth": 2, "min_blocks": 1}, {"warps": 8, "min_blocks": 4},
+             {"warps": 32, "min_blocks": 1}, {"depth": 4, "min_blocks": 1},
+             {"interleave": True, "warps": 8, "depth": 1, "min_blocks": 3})  # fmt: skip
+    bad = []
+    for qt in MMQ_TYPES:
+        for n, k, bmax, rows in ((N, K, 1, 1), (N, K, 4, 3), (2560, 9728, 1, 1)):
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", bmax=bmax)
+            # (one k part: 7 blocks looping over the row tiles)
+            ovs = (*overs, {"grid_cap": 7}) if p1["kparts"] == 1 else overs
+            kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, **o}) for o in ({}, *ovs)])
+            x = bf_round(rng.standard_normal((rows, k)))
+            want, _ = launch_mmq1(kernels, weights, p1, x)
+            for o in ovs:
+                got, left = launch_mmq1(kernels, weights, {**p1, **o}, x)
+                if left or not np.array_equal(got.astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
+                    bad.append((qt, n, k, bmax, o, left))
+    assert not bad, bad
+
+
 def test_gemv_mmq_every_type_and_batch(kernels, weights, profile):
     cases = [(_params(qt, N, K, rows, profile, residual=rows % 2 == 0), rows) for qt in MMQ_TYPES for rows in BATCHES]
     cases += [({**_params(qt, N, K, rows, profile, out_dtype="f32"), "kparts": kp}, rows)
@@ -157,7 +181,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
     """Rows 0, 1, 7 and 16 of x alone (batch 1: the bmax-8 kernel with one live column, quantising
     its own x, and gemv_mmq1, the batch-1 kernel the plan runs) and as rows of batches of 2, 3, 8,
     17, 32 and 64 (every bucket's kernel, from 17 rows on gemv_mmq_x's x; gemv_mmq1 at 2 and 4 rows
-    a grid row; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
+    a grid row, with 1 and 4 lanes a row's k slice; f32 out, the unrounded sums): the same bits. (2560, 4096): the o projection's
     k split over blocks; (1024, 9728): a long k."""
     n, k = shape
     rng = np.random.default_rng(1)
@@ -168,19 +192,22 @@ def test_a_row_gets_the_same_bits_alone_and_in_every_batch(kernels, weights, pro
         kernels.prebuild(dict.fromkeys(kc.spec("gemv_mmq", **p) for p in specs.values()))
         x = bf_round(rng.standard_normal((64, k)))
         solo = {r: launch_mmq(kernels, weights, specs[1], x[r : r + 1])[0][0] for r in (0, 1, 7, 16)}
-        p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32")
-        if p1 is not None:  # the small-batch kernel the plan runs (1, 2, 3-4 rows): the bmax-8 kernel's bits
+        for lanes in (1, 4):  # (a lane or four a row's k slice: the plan's geometry and the other)
+            p1 = kc.gemv_mmq1_params(qt, n, k, sm_count=profile.sm_count, out_dtype="f32", lanes=lanes)
+            if p1 is None:
+                continue
+            # the small-batch kernel the plan runs (1, 2, 3-4 rows): the bmax-8 kernel's bits
             kernels.prebuild([kc.spec("gemv_mmq1", **{**p1, "bmax": b}) for b in (1, 2, 4)])
             for r, want in solo.items():
                 got1, left = launch_mmq1(kernels, weights, p1, x[r : r + 1])
                 if left or not np.array_equal(got1[0].astype(np.float32).view(np.uint32), want.astype(np.float32).view(np.uint32)):
-                    bad.append((qt, n, k, "gemv_mmq1", r, left, float(np.nanmax(np.abs(got1[0] - want)))))
+                    bad.append((qt, n, k, f"gemv_mmq1 lanes {lanes}", r, left, float(np.nanmax(np.abs(got1[0] - want)))))
             for bm, rows in ((2, 2), (4, 3), (4, 4), (2, 5)):
                 got1, left = launch_mmq1(kernels, weights, {**p1, "bmax": bm}, x[:rows])
                 for r, want in solo.items():
                     if r < rows and (left or not np.array_equal(got1[r].astype(np.float32).view(np.uint32),
                                                                 want.astype(np.float32).view(np.uint32))):  # fmt: skip
-                        bad.append((qt, n, k, f"gemv_mmq1 bmax {bm}", rows, r, left))
+                        bad.append((qt, n, k, f"gemv_mmq1 lanes {lanes} bmax {bm}", rows, r, left))
         for b, p in specs.items():
             got, left = launch_mmq(kernels, weights, p, x[:b])
             for r, want in solo.items():
