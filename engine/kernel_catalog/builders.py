@@ -47,7 +47,7 @@ def linear_params(
     ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
     st = STAGED_DEFAULT.get(quant, False)
     bmax = bmax or GEMV_MAX_BATCH
-    layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
+    layout = gemv_layout(quant, tuning, n=n, k=k)
     if layout.get("coop"):
         opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
     else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
@@ -230,7 +230,7 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
 LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
     type, else the classic gemv tuning, whose GEMVs with n <= gemv.short_n_max take
