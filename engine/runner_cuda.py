@@ -26,7 +26,7 @@ import numpy as np
 
 from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.ir import MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.ir import ACT_ITEMSIZE, MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
 from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
@@ -226,9 +226,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         self._value_ptr: dict[str, int] = {}
         self._value_rowbytes: dict[str, int] = {}
         for name, v in self.plan.values.items():
-            item = np.dtype(
-                {"f32": np.float32, "bf16": np.uint16, "f16": np.float16, "i32": np.int32}[v.dtype]
-            ).itemsize
+            item = ACT_ITEMSIZE[v.dtype]
             self._value_ptr[name] = self.arena.ptr + offs[v.buffer] + v.offset * item
             self._value_rowbytes[name] = v.ld * item
 
