@@ -267,12 +267,8 @@ class Engine(OverlapLoop):
         with self._lock:
             self.blocks.check_invariants()
             s = self.scheduler
-            assert all(a.seq_id < b.seq_id for a, b in zip(s.running, s.running[1:], strict=False)), (
-                "running not oldest-first"
-            )
-            assert all(a.seq_id < b.seq_id for a, b in zip(s.waiting, s.waiting[1:], strict=False)), (
-                "waiting not oldest-first"
-            )
+            for name, q in (("running", s.running), ("waiting", s.waiting)):
+                assert all(a.seq_id < b.seq_id for a, b in itertools.pairwise(q)), f"{name} not oldest-first"
             assert len(s.running) <= self.config.max_running, "more running sequences than max_running"
             for seq in s.running:
                 assert seq.running and self.blocks.has_seq(seq.seq_id), (
@@ -378,10 +374,14 @@ class Engine(OverlapLoop):
                 except queue.Empty:
                     break
                 if kind == "submit":
-                    with self._admit_lock:
-                        self._inbox_submits -= 1
-                    self._live[payload.request.request_id] = payload
+                    self._take_submit(payload)
                     self._finish(payload, reason, error=error)
+
+    def _take_submit(self, seq: Sequence) -> None:
+        """A submitted sequence leaves the inbox: it is live (engine thread) and no longer counted waiting."""
+        with self._admit_lock:
+            self._inbox_submits -= 1
+        self._live[seq.request.request_id] = seq
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -392,9 +392,7 @@ class Engine(OverlapLoop):
             block = False
             with self._lock:
                 if kind == "submit":
-                    with self._admit_lock:
-                        self._inbox_submits -= 1
-                    self._live[payload.request.request_id] = payload
+                    self._take_submit(payload)
                     self.scheduler.add(payload)
                     self._n["prompt"] += payload.prompt_len
                 elif kind == "abort":
