@@ -16,7 +16,6 @@ import numpy as np
 from gguf import quants as _gguf_quants
 
 from engine.storage import (
-    BLOCK_SIZES,
     PLANES,
     REPACKED_FROM,
     block,
@@ -26,11 +25,6 @@ from engine.storage import (
     row_bytes,
 )
 from engine.types import MemraError
-
-# BLOCK_SIZES, REPACKED_FROM, nbytes_for and row_bytes live in engine.storage; engine.plan,
-# engine.kernel_catalog, engine.runner_cuda and the tests still read them here
-__all__ = ["BLOCK_SIZES", "REPACKED_FROM", "dequantize", "nbytes_for", "q8x_round_trip", "quantize_reference",
-           "repack", "row_bytes", "unpack"]
 
 
 def _layout(layout: str, cols: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:

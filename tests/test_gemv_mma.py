@@ -17,7 +17,7 @@ from fixtures.decode_linear_checks import profiles_render_and_compile
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
-from engine import quant
+from engine import quant, storage
 from engine.kernel_catalog.contracts import MMA_UNIT
 from engine.render import render
 from engine.storage import BLOCK_SIZES
@@ -71,7 +71,7 @@ def _weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
         bits = (w.view(np.uint32) + 0x7FFF + ((w.view(np.uint32) >> 16) & 1)) >> 16
         raw = bits.astype(np.uint16).view(np.uint8).reshape(n, -1)
         return raw, quant.dequantize(raw.reshape(-1), "bf16", (n, k)).astype(np.float64)
-    ft = quant.REPACKED_FROM.get(qt, qt)
+    ft = storage.REPACKED_FROM.get(qt, qt)
     elems, _ = BLOCK_SIZES[ft]
     raw = random_blocks(ft, n * k // elems, seed=int(rng.integers(1 << 30))).reshape(n, -1)
     deq = quant.dequantize(raw.reshape(-1), ft, (n, k)).astype(np.float64)

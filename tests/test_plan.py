@@ -9,8 +9,8 @@ from engine.ir import describe, kernel_specs, storage_nbytes
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
-from engine.quant import row_bytes
 from engine.render import render
+from engine.storage import row_bytes
 from engine.types import ConfigError
 
 
@@ -975,7 +975,6 @@ def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(q
     file's embedding (the tied lm_head) is q8_0, and k = 576 is no q8_0r row: a classic GEMV, so the
     final norm keeps its launch (q8x_fuse looks through the tie to the embedding's type)."""
     from engine import kernel_catalog as kc
-    from engine import quant as q
 
     prof = get_profile("h200")
     assert {"q4_0", "q4_1"} <= set(prof.tune("gemv_coop")["types"])
@@ -984,8 +983,8 @@ def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(q
     assert mats.pop("embed").dtype == "q8_0"
     assert mats and all(w.dtype == layout for w in mats.values())
     for w in mats.values():
-        assert w.nbytes == w.rows * q.row_bytes(layout, w.cols) == storage_nbytes(layout, w.rows, w.cols)
-    assert q.row_bytes(layout, 576) == (368 if layout == "q4_1r" else 336)
+        assert w.nbytes == w.rows * row_bytes(layout, w.cols) == storage_nbytes(layout, w.rows, w.cols)
+    assert row_bytes(layout, 576) == (368 if layout == "q4_1r" else 336)
 
     def layer_launches(mode):
         return [
