@@ -390,7 +390,7 @@ def test_bench_window_tables_reuse_blocks_and_equal_one_pool(tiny):
     pooled = CudaRunner(tiny, num_blocks=64, max_model_len=512)
     try:
         assert pooled.window_kv_blocks > 0 and pooled.kv_window == 8
-        wt = runner_bench._window_tables(pooled, 1, len(ids), 37)[0]
+        wt = runner_bench._tables(pooled, 1, len(ids), 37)[1][0]
         assert len(wt) == 13 and len(set(wt)) < len(wt)  # blocks behind the window reused
         got = _teacher_forced_windowed(pooled, ids, table, wt)
         np.testing.assert_array_equal(got, want)
