@@ -2,8 +2,9 @@
 (``from engine import cuda`` ... ``cuda.alloc``; ``from engine import runner_bench as rb`` ...
 ``rb.run_all``) names something that module has. Much of that code runs only on a GPU machine
 (tools/, tests/gpu/), so a helper renamed or removed on the CPU side would otherwise surface there
-first. Parsed with ``ast``: names rebound in the file (a parameter or variable of the same name) are
-left out."""
+first. Likewise every name a ``from engine... import`` / ``from fixtures... import`` anywhere names.
+Parsed with ``ast``: names rebound in the file (a parameter or variable of the same name) are left
+out."""
 
 from __future__ import annotations
 
@@ -56,4 +57,25 @@ def test_every_engine_module_attribute_read_exists():
                 mod = importlib.import_module(aliases[node.value.id])
                 if isinstance(node.ctx, ast.Load) and not hasattr(mod, node.attr):
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_name_imported_from_engine_or_fixtures_exists():
+    """``from engine.x import name`` / ``from fixtures.x import name`` anywhere (function-level
+    imports of GPU-only tests and tools included) names something the module has, or a submodule."""
+    missing = []
+    for path in _files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if node.module.split(".")[0] not in ("engine", "fixtures"):
+                continue
+            mod = importlib.import_module(node.module)
+            for a in node.names:
+                if a.name == "*" or hasattr(mod, a.name):
+                    continue
+                try:
+                    importlib.import_module(f"{node.module}.{a.name}")
+                except ImportError:
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{a.name}")
     assert not missing, "\n".join(missing)
