@@ -93,7 +93,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=None, metavar="K", help="tokens drafted per step (default 4)")
 
 
-def _generate(engine: Any, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, out: Any = None):
+def _generate(engine: Any, prompt_ids: list[int], args: argparse.Namespace, out: Any = None):
     """Stream one request through the engine to ``out`` (default: the current ``sys.stdout``, looked
     up per call, not bound at import); returns (text, stats dict)."""
     out = out if out is not None else sys.stdout
@@ -182,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             prompt_ids = tokenizer.encode(text)
         else:
             prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-        _, stats = _generate(engine, tokenizer, prompt_ids, args)
+        _, stats = _generate(engine, prompt_ids, args)
     print()
     if args.stats:
         stats["backend"] = runner.backend
@@ -219,7 +219,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            reply, stats = _generate(engine, tokenizer, tokenizer.encode(text), args)
+            reply, stats = _generate(engine, tokenizer.encode(text), args)
             print()
             if args.stats:
                 print("memra: " + json.dumps(stats), file=sys.stderr)

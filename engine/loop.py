@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.block_manager import BlockManager, blocks_for, cache_salt_hash
+from engine.block_manager import BlockManager, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
 from engine.kv_groups import SPEC_HEADROOM, WindowedBlocks
 from engine.loop_overlap import OverlapLoop, overlap_capable
+from engine.request_check import check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
@@ -162,7 +163,9 @@ class Engine(OverlapLoop):
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Validate and enqueue a request; raises MemraError (context_length_exceeded, overloaded,
         tenant_limit, draining, engine_error, invalid_request_error)."""
-        max_tokens = self._validate(req)
+        b = self.blocks
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        max_tokens = check_request(req, self.runner.max_model_len, b.num_blocks, b.block_size, vocab)
         sampling = (
             req.sampling
             if req.sampling.seed is not None
@@ -267,12 +270,8 @@ class Engine(OverlapLoop):
         with self._lock:
             self.blocks.check_invariants()
             s = self.scheduler
-            assert all(a.seq_id < b.seq_id for a, b in zip(s.running, s.running[1:], strict=False)), (
-                "running not oldest-first"
-            )
-            assert all(a.seq_id < b.seq_id for a, b in zip(s.waiting, s.waiting[1:], strict=False)), (
-                "waiting not oldest-first"
-            )
+            for name, q in (("running", s.running), ("waiting", s.waiting)):
+                assert all(a.seq_id < b.seq_id for a, b in itertools.pairwise(q)), f"{name} not oldest-first"
             assert len(s.running) <= self.config.max_running, "more running sequences than max_running"
             for seq in s.running:
                 assert seq.running and self.blocks.has_seq(seq.seq_id), (
@@ -289,49 +288,6 @@ class Engine(OverlapLoop):
                 )
             owners = {seq.seq_id for seq in s.running}
             assert self.blocks.seq_ids() == owners, "block tables exist for sequences that are not running"
-
-    # ----- validation -----------------------------------------------------------------------------
-    def _validate(self, req: GenerationRequest) -> int:
-        """Check what can be checked without the engine thread; return the resolved max_tokens."""
-        n = len(req.prompt_ids)
-        limit = self.runner.max_model_len
-        kv_tokens = self.blocks.num_blocks * self.blocks.block_size
-        if n == 0:
-            raise MemraError("the prompt is empty", param="prompt")
-        vocab = getattr(self.tokenizer, "vocab_size", None)
-        if isinstance(vocab, int) and (min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab):
-            raise MemraError(
-                f"the prompt holds token ids outside the vocabulary [0, {vocab})", param="prompt"
-            )
-        if req.max_tokens is None:
-            max_tokens = min(limit, kv_tokens) - n
-            if max_tokens < 1:
-                raise MemraError(
-                    f"the prompt has {n} tokens, leaving no room to generate: the context length is {limit} "
-                    f"tokens and the KV cache holds {kv_tokens}",
-                    code="context_length_exceeded",
-                    param="messages",
-                )
-            return max_tokens
-        max_tokens = req.max_tokens
-        if max_tokens < 1:
-            raise MemraError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if n + max_tokens > limit:
-            raise MemraError(
-                f"this model's maximum context length is {limit} tokens, but the request needs "
-                f"{n + max_tokens} ({n} in the prompt + {max_tokens} max_tokens)",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
-        need = blocks_for(n + max_tokens, self.blocks.block_size)
-        if need > self.blocks.num_blocks:
-            raise MemraError(
-                f"the request needs {n + max_tokens} tokens ({n} in the prompt + {max_tokens} max_tokens) = "
-                f"{need} KV blocks, but the whole KV cache holds {self.blocks.num_blocks} blocks ({kv_tokens} tokens)",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
-        return max_tokens
 
     # ----- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -378,10 +334,14 @@ class Engine(OverlapLoop):
                 except queue.Empty:
                     break
                 if kind == "submit":
-                    with self._admit_lock:
-                        self._inbox_submits -= 1
-                    self._live[payload.request.request_id] = payload
+                    self._take_submit(payload)
                     self._finish(payload, reason, error=error)
+
+    def _take_submit(self, seq: Sequence) -> None:
+        """A submitted sequence leaves the inbox: it is live (engine thread) and no longer counted waiting."""
+        with self._admit_lock:
+            self._inbox_submits -= 1
+        self._live[seq.request.request_id] = seq
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -392,9 +352,7 @@ class Engine(OverlapLoop):
             block = False
             with self._lock:
                 if kind == "submit":
-                    with self._admit_lock:
-                        self._inbox_submits -= 1
-                    self._live[payload.request.request_id] = payload
+                    self._take_submit(payload)
                     self.scheduler.add(payload)
                     self._n["prompt"] += payload.prompt_len
                 elif kind == "abort":

@@ -181,9 +181,8 @@ def resolve_dims(
         )
 
     def _eval(d: DimSpec, expr: str) -> Any:
-        names = {}
         try:
-            return _cast(d, evaluate(expr, _LazyDims(get, names)), f"{graph.path}: dims.{d.name}")
+            return _cast(d, evaluate(expr, _LazyDims(get)), f"{graph.path}: dims.{d.name}")
         except KeyError as exc:
             raise ConfigError(f"{graph.path}: dims.{d.name}: {exc.args[0]!r} is not a dim") from exc
 
@@ -211,7 +210,7 @@ def resolve_dims(
 class _LazyDims(dict):
     """Mapping view used by ``evaluate``: missing names are resolved on demand."""
 
-    def __init__(self, get, cache):
+    def __init__(self, get):
         super().__init__()
         self._get = get
 

@@ -24,7 +24,6 @@ from functools import lru_cache
 DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
           "f16": 6, "f32": 7, "f64": 8, "bf16": 9}
 OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
-UNIQUE_ID_BYTES = 128
 INSTALL_HINT = "install memra's multigpu extra (pip install 'memra[multigpu]', the nvidia-nccl-cu13 wheel)"
 
 
@@ -34,10 +33,6 @@ class NcclUnavailable(RuntimeError):
 
 class NcclError(RuntimeError):
     """An NCCL call returned an error; the message is NCCL's."""
-
-
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
 def _find() -> str:
@@ -61,11 +56,8 @@ def library() -> ctypes.CDLL:
     p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     protos = {
         "ncclGetVersion": [ctypes.POINTER(i)],
-        "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
-        "ncclCommInitRank": [ctypes.POINTER(p), i, UniqueId, i],
         "ncclCommInitAll": [ctypes.POINTER(p), i, ctypes.POINTER(i)],
         "ncclCommDestroy": [p],
-        "ncclCommCount": [p, ctypes.POINTER(i)],
         "ncclAllReduce": [p, p, sz, i, i, p, p],
         "ncclSend": [p, sz, i, i, p, p],
         "ncclRecv": [p, sz, i, i, p, p],
@@ -93,13 +85,6 @@ def version() -> tuple[int, int, int]:
     return code // 10000, code % 10000 // 100, code % 100
 
 
-def unique_id() -> bytes:
-    """A fresh ncclUniqueId (rank 0 makes it, every rank of the communicator receives it)."""
-    uid = UniqueId()
-    _check(library().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-    return bytes(uid.internal)
-
-
 def _dtype(dtype: str) -> int:
     if dtype not in DTYPES:
         raise ValueError(f"NCCL dtype {dtype!r}; known: {', '.join(DTYPES)}")
@@ -107,18 +92,10 @@ def _dtype(dtype: str) -> int:
 
 
 class Communicator:
-    """One rank's ncclComm_t; make them with ``init_rank`` (one per process or thread) or
-    ``init_all`` (every device of this process at once)."""
+    """One rank's ncclComm_t; make them with ``init_all`` (every device of this process at once)."""
 
     def __init__(self, handle: int, rank: int, nranks: int):
         self.handle, self.rank, self.nranks = handle, rank, nranks
-
-    @classmethod
-    def init_rank(cls, nranks: int, uid: bytes, rank: int) -> Communicator:
-        """ncclCommInitRank on the current CUDA device (the caller's context is current)."""
-        comm = ctypes.c_void_p()
-        _check(library().ncclCommInitRank(ctypes.byref(comm), nranks, UniqueId(uid), rank), "ncclCommInitRank")
-        return cls(int(comm.value or 0), rank, nranks)
 
     @classmethod
     def init_all(cls, devices: list[int]) -> list[Communicator]:
@@ -156,5 +133,5 @@ def group_end() -> None:
 
 
 __all__ = [
-    "Communicator", "NcclError", "NcclUnavailable", "group_end", "group_start", "library", "unique_id", "version",
+    "Communicator", "NcclError", "NcclUnavailable", "group_end", "group_start", "library", "version",
 ]

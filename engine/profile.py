@@ -60,7 +60,6 @@ PROFILE_SCHEMA: dict[str, Field] = {
     ),
     "arch": Field(str, required=True, check=_arch),
     "sm_count": Field(int, default=0),
-    "memory_gb": Field(float, default=0.0),
     "memory_bandwidth_gbs": Field(float, required=True, check=tuning_mod.positive),
     "tensor_tflops_bf16": Field(float, required=True, check=tuning_mod.positive),
     "kv_memory_fraction": Field(float, default=0.85, check=_fraction),

@@ -16,7 +16,6 @@ import numpy as np
 from gguf import quants as _gguf_quants
 
 from engine.storage import (
-    BLOCK_SIZES,
     PLANES,
     REPACKED_FROM,
     block,
@@ -27,13 +26,8 @@ from engine.storage import (
 )
 from engine.types import MemraError
 
-# BLOCK_SIZES, REPACKED_FROM, nbytes_for and row_bytes live in engine.storage; engine.plan,
-# engine.kernel_catalog, engine.runner_cuda and the tests still read them here
-__all__ = ["BLOCK_SIZES", "REPACKED_FROM", "dequantize", "nbytes_for", "q8x_round_trip", "quantize_reference",
-           "repack", "row_bytes", "unpack"]
 
-
-def _layout(layout: str, rows: int, cols: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+def _layout(layout: str, cols: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
     if layout not in PLANES:
         raise MemraError(f"no device layout {layout!r}; known: {', '.join(REPACKED_FROM)}")
     elems, nbytes = block(REPACKED_FROM[layout])
@@ -44,7 +38,7 @@ def _layout(layout: str, rows: int, cols: int) -> tuple[int, int, tuple[tuple[in
 
 def repack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
     """File bytes of a [rows, cols] matrix (of type REPACKED_FROM[layout]) in device ``layout``."""
-    nb, nbytes, planes = _layout(layout, rows, cols)
+    nb, nbytes, planes = _layout(layout, cols)
     b = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     if b.size != rows * nb * nbytes:
         raise MemraError(
@@ -62,7 +56,7 @@ def repack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
 
 def unpack(raw: np.ndarray, layout: str, rows: int, cols: int) -> np.ndarray:
     """The inverse of ``repack``: device-layout bytes back to the file's block bytes."""
-    nb, nbytes, planes = _layout(layout, rows, cols)
+    nb, nbytes, planes = _layout(layout, cols)
     b = np.ascontiguousarray(raw).reshape(rows, -1).view(np.uint8)
     out, off = np.empty((rows, nb, nbytes), np.uint8), 0
     for a, e in planes:  # each plane back to its byte range of the block (planes need not be in order)

@@ -26,17 +26,18 @@ import numpy as np
 
 from engine import cuda, env
 from engine.compile import KernelBuilder
-from engine.ir import MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
+from engine.ir import ACT_ITEMSIZE, MASKED, PENALTY_CAPACITY, Launch, Plan, kernel_specs
 from engine.logit_prep import PrepBlock
 from engine.plan import build_plan
 from engine.profile import DeviceProfile, arch_number, select
 from engine.runner_kv import KvPools
 from engine.runner_overlap import OverlapLaunch
+from engine.runner_probes import RunnerProbes
 from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
 from engine.runner_tap import HiddenRows
 from engine.runner_weights import WeightLoading
-from engine.types import ConfigError, MemraError, StepItem
+from engine.types import ConfigError, StepItem
 from engine.weight_memory import check_fits, plan_weight_bytes
 
 log = logging.getLogger("memra.runner_cuda")
@@ -76,7 +77,7 @@ class _Bound:
     solo: cuda.PreparedLaunch | None = None  # the same launch on the main stream (tools time it alone)
 
 
-class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, OverlapLaunch):
+class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, OverlapLaunch, RunnerProbes):
     """The Runner protocol on a CUDA GPU (``backend == "cuda"``).
 
     ``model`` is an engine.model.LoadedModel. ``max_model_len`` caps the context (default: the
@@ -188,36 +189,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             mod = cuda.Module(k.cubin, k.spec.entry)
             self._modules.append(mod)
             self._fns[k.spec] = mod.function(k.spec.entry)
-        self._trace: cuda.DeviceBuffer | None = None
-        if env.MEMRA_TRACE.get():  # kernels built with the block timeline trace (engine.render)
-            self._trace = cuda.alloc(8 * (8 + 6 * TRACE_RECORDS))
-            self.trace_reset()
-            for mod in self._modules:
-                addr, _ = mod.global_address("memra_trace_buf")
-                cuda.htod(addr, np.array([self._trace.ptr], dtype=np.uint64))
-
-    def _trace_buffer(self) -> cuda.DeviceBuffer:
-        """The trace buffer, once both streams are idle (MEMRA_TRACE=1 builds only)."""
-        if self._trace is None:
-            raise MemraError("the kernels were not built with MEMRA_TRACE=1", code="invalid_request")
-        self.stream.synchronize()
-        self._side.synchronize()
-        return self._trace
-
-    def trace_reset(self) -> None:
-        """Empty the block timeline trace."""
-        cuda.htod(self._trace_buffer().ptr, np.array([0, TRACE_RECORDS] + [0] * 6, dtype=np.uint64))
-
-    def trace_read(self) -> np.ndarray:
-        """The block records written since trace_reset: u64 [n, 6] = (smid << 32 | entry tag, block,
-        start, pdl_wait return, mark, end), times in ns (kernels/_common.cuh.j2)."""
-        buf = self._trace_buffer()
-        head = cuda.dtoh(np.empty(8, dtype=np.uint64), buf.ptr)
-        n = int(min(head[0], TRACE_RECORDS))
-        recs = np.empty((n, 6), dtype=np.uint64)
-        if n:
-            cuda.dtoh(recs, buf.ptr + 64)
-        return recs
+        self._init_probes(cuda, self._modules)  # (engine.runner_probes: the MEMRA_TRACE buffer)
 
     def _alloc_arena(self) -> None:
         self.arena = cuda.alloc(self.plan.arena_bytes())
@@ -226,9 +198,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         self._value_ptr: dict[str, int] = {}
         self._value_rowbytes: dict[str, int] = {}
         for name, v in self.plan.values.items():
-            item = np.dtype(
-                {"f32": np.float32, "bf16": np.uint16, "f16": np.float16, "i32": np.int32}[v.dtype]
-            ).itemsize
+            item = ACT_ITEMSIZE[v.dtype]
             self._value_ptr[name] = self.arena.ptr + offs[v.buffer] + v.offset * item
             self._value_rowbytes[name] = v.ld * item
 
@@ -508,35 +478,6 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         ids = self._host_sample(hitems, ids, kind)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}
 
-    # ----------------------------------------------------------------------------- measurement
-
-    def copy_bandwidth_gbs(self, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-        """The device's memory bandwidth as a device-to-device copy of ``nbytes`` measures it: bytes
-        read + written / time, GB/s, the median of ``repeats`` copies after one warm-up, on this
-        runner's stream (the issue's roofline denominator; `memra bench` reports both it and the
-        profile's number). The size shrinks to an eighth of free memory where that is less, but not
-        below 256 MiB, so the copy stays several times the L2."""
-        free, _ = self.ctx.mem_info()
-        nbytes = max(min(nbytes, free // 8) // 4096 * 4096, 256 << 20)
-        src, dst = cuda.alloc(nbytes), cuda.alloc(nbytes)
-        start, end = cuda.Event(), cuda.Event()
-        try:
-            cuda.dtod(dst.ptr, src.ptr, nbytes, self.stream)
-            times = []
-            for _ in range(repeats):
-                start.record(self.stream)
-                cuda.dtod(dst.ptr, src.ptr, nbytes, self.stream)
-                end.record(self.stream)
-                end.synchronize()
-                times.append(end.elapsed_ms(start) / 1e3)
-        finally:
-            self.stream.synchronize()
-            start.destroy()
-            end.destroy()
-            src.free()
-            dst.free()
-        return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
-
     # ----------------------------------------------------------------------------- teardown
 
     def close(self) -> None:
@@ -565,9 +506,6 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             mod.unload()
         self._modules.clear()
         self._fns.clear()
-
-
-TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
 
 
 def _pdl_enabled(profile: DeviceProfile, compute_capability: tuple[int, int]) -> bool:

@@ -73,7 +73,6 @@ class Scheduled:
 @dataclass
 class SchedulerCounters:
     preemptions: int = 0
-    admissions: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
 
@@ -209,7 +208,6 @@ class Scheduler:
             if seq.cached_tokens is None:
                 seq.cached_tokens = min(hit, seq.prompt_len)
             c = self.counters
-            c.admissions += 1
             c.prefix_query_tokens += total
             c.prefix_hit_tokens += hit
             out.append(Scheduled(seq, seq.num_computed, n, n == seq.remaining))

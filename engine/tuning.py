@@ -136,10 +136,9 @@ class GemvCoop(Knobs):
     # (its block stages and quantises x anyway; the norm costs one more pass over x)
     q8x_fuse: bool = False
     # q8x: k split over q8x_ksplit warp groups of a block where the weight has n <=
-    # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights)
+    # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights), every q8x type
     q8x_ksplit: int = 1
     q8x_ksplit_max_n: int = 0
-    q8x_ksplit_types: list[str] = knob([])  # file types; empty: every q8x type
     # q8x on sm_90, batch 1: a block's row tile of up to this many KB bulk-copied into shared
     # memory (one copy, issued before the block waits for x; 0: off), where the resident
     # blocks hold every tile at once

@@ -32,7 +32,7 @@ from fixtures.checkpoints import Dims, to_bf16_bits, write_gemma3_safetensors, w
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
-from engine import quant
+from engine import quant, storage
 from engine.kernel_catalog.contracts import PAIR_PARTS
 from engine.render import render
 
@@ -121,7 +121,7 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
             assert (p1["quant"], p1["n"], p1["k"]) == (pn["quant"], pn["n"], pn["k"])
             n, k = min(p1["n"], 2 * max(p1["rows_per_block"], pn["rows_per_block"])), p1["k"]
             p1, pn = {**p1, "n": n}, {**pn, "n": n}
-            file_type = quant.REPACKED_FROM.get(p1["quant"], p1["quant"])
+            file_type = storage.REPACKED_FROM.get(p1["quant"], p1["quant"])
             elems = quant.block(file_type)[0]
             raw = random_blocks(file_type, n * k // elems, seed=checked)
             w = np.ascontiguousarray(quant.repack(raw, p1["quant"], n, k) if p1["quant"] != file_type else raw).reshape(-1)

@@ -77,7 +77,7 @@ def test_stats_decode_rate_uses_engine_time(monkeypatch):
         def flush(self):
             pass
 
-    _, stats = cli._generate(_Engine(evs), None, [1, 2, 3], args, out=_Out())
+    _, stats = cli._generate(_Engine(evs), [1, 2, 3], args, out=_Out())
     assert stats["decode_tok_s"] == pytest.approx(10.0)  # 7 tokens after the first over 0.7 s
 
 

@@ -139,7 +139,7 @@ def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
     from fixtures.checkpoints import write_llama_gguf, write_qwen3_moe_safetensors
 
     import engine.runner_cuda as rc
-    from engine import quant
+    from engine import quant, storage
     from engine.model import load_model
     from engine.plan import ROPE_FREQ
 
@@ -181,7 +181,7 @@ def test_weights_reach_the_device_byte_exact(tmp_path, monkeypatch, fmt):
             else:
                 parts.append(np.asarray(m.weights.raw(m.file_name(part, w.layer))).reshape(-1))
         want = np.concatenate(parts)
-        if w.dtype in quant.REPACKED_FROM:
+        if w.dtype in storage.REPACKED_FROM:
             want = quant.repack(want, w.dtype, w.rows, w.cols)
         got = bytes(mem.bufs[runner._weights[w.key].ptr][: w.nbytes])
         assert got == want.tobytes(), w.key

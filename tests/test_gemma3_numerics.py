@@ -25,7 +25,7 @@ from fixtures.checkpoints import to_bf16_bits, write_gemma3_safetensors
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
-from engine import quant
+from engine import quant, storage
 from engine.graph import load_family
 from engine.render import render
 from engine.types import ConfigError
@@ -182,7 +182,7 @@ def test_the_exact_gemvs_batch1_equal_their_bucket_rows(model, tmp_path, weight)
     assert not p1["q8x"] and not pn["q8x"] and (p1["quant"], p1["k"]) == (pn["quant"], pn["k"])
     n, k = 2 * max(p1["rows_per_block"], pn["rows_per_block"]), p1["k"]
     p1, pn = {**p1, "n": n}, {**pn, "n": n}
-    file_type = quant.REPACKED_FROM.get(p1["quant"], p1["quant"])
+    file_type = storage.REPACKED_FROM.get(p1["quant"], p1["quant"])
     raw = random_blocks(file_type, n * k // quant.block(file_type)[0], seed=4)
     w = np.ascontiguousarray(quant.repack(raw, p1["quant"], n, k) if p1["quant"] != file_type else raw).reshape(-1)
     x = to_bf16_bits((np.random.default_rng(5).standard_normal((3, k)) * 2).astype(np.float32)).reshape(3, k)

@@ -13,15 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures import cuda_emu
+from fixtures.decode_linear_checks import profiles_render_and_compile
 from fixtures.quant_blocks import random_blocks
-from test_kernels_compile import _nvrtc_ok
 
 from engine import kernel_catalog as kc
-from engine import quant
-from engine.compile import KernelBuilder
-from engine.kcache import KernelCache
+from engine import quant, storage
 from engine.kernel_catalog.contracts import MMA_UNIT
-from engine.profile import all_profiles
 from engine.render import render
 from engine.storage import BLOCK_SIZES
 from engine.types import ConfigError
@@ -74,7 +71,7 @@ def _weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
         bits = (w.view(np.uint32) + 0x7FFF + ((w.view(np.uint32) >> 16) & 1)) >> 16
         raw = bits.astype(np.uint16).view(np.uint8).reshape(n, -1)
         return raw, quant.dequantize(raw.reshape(-1), "bf16", (n, k)).astype(np.float64)
-    ft = quant.REPACKED_FROM.get(qt, qt)
+    ft = storage.REPACKED_FROM.get(qt, qt)
     elems, _ = BLOCK_SIZES[ft]
     raw = random_blocks(ft, n * k // elems, seed=int(rng.integers(1 << 30))).reshape(n, -1)
     deq = quant.dequantize(raw.reshape(-1), ft, (n, k)).astype(np.float64)
@@ -337,21 +334,8 @@ def test_q5_0r_rows_decode_as_gguf_in_the_embed_and_gemm_decoder():
 
 
 def test_every_profile_renders_and_the_primary_arch_compiles(tmp_path):
-    specs = []
-    for prof in all_profiles().values():
-        for bmax in (8, 16, 32, 64):
-            p = kc.gemv_mma_params("q4_k", 2560, 9728, bmax, sm_count=prof.sm_count, residual=True)
-            specs.append((prof.arch, kc.spec("gemv_mma", **p)))
-    for _, s in specs:
-        src = render(s)
-        assert f"{s.entry}(" in src and "{{" not in src
-    if not _nvrtc_ok():
-        pytest.skip("NVRTC or the CUDA headers are missing")
-    per_arch = {arch: s for arch, s in specs}  # one spec per arch (the template's only arch branch is PDL's)
-    for arch, s in per_arch.items():
-        KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
     types = [kc.spec("gemv_mma", **kc.gemv_mma_params(t, 1024, 2560 + 512, 64, out_dtype="f32")) for t in MMA_UNIT]
-    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(types, progress=None)
+    profiles_render_and_compile("gemv_mma", kc.gemv_mma_params, tmp_path, types)
 
 
 MMA_ALL = "gemv_mma.types=[bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0]"

@@ -14,15 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures import cuda_emu
+from fixtures.decode_linear_checks import profiles_render_and_compile
 from test_gemv_mma import _bf16, _weight
-from test_kernels_compile import _nvrtc_ok
 
 from engine import kernel_catalog as kc
 from engine import quant
-from engine.compile import KernelBuilder
-from engine.kcache import KernelCache
 from engine.kernel_catalog.contracts import MMQ_TYPES
-from engine.profile import all_profiles
 from engine.render import render
 from engine.types import ConfigError
 
@@ -328,23 +325,10 @@ def test_the_norm_prologue_gives_the_rmsnorm_kernels_bits():
 
 
 def test_every_profile_renders_and_every_type_compiles(tmp_path):
-    specs = []
-    for prof in all_profiles().values():
-        for bmax in (8, 16, 32, 64):
-            p = kc.gemv_mmq_params("q4_k", 2560, 9728, bmax, sm_count=prof.sm_count, residual=True)
-            specs.append((prof.arch, kc.spec("gemv_mmq", **p)))
-    for _, s in specs:
-        src = render(s)
-        assert f"{s.entry}(" in src and "{{" not in src
-    if not _nvrtc_ok():
-        pytest.skip("NVRTC or the CUDA headers are missing")
-    per_arch = {arch: s for arch, s in specs}  # one spec per arch (the template's only arch branch is PDL's)
-    for arch, s in per_arch.items():
-        KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all([s], progress=None)
     more = [kc.spec("gemv_mmq", **kc.gemv_mmq_params(t, 1024, 2560 + 512, b, out_dtype="f32")) for t in MMQ_TYPES
             for b in (8, 64)]  # fmt: skip
     more.append(kc.spec("gemv_mmq_x", **kc.gemv_mmq_x_params(2560)))
-    KernelBuilder("sm_90a", cache=KernelCache(tmp_path / "types"), no_compile=False).build_all(more, progress=None)
+    profiles_render_and_compile("gemv_mmq", kc.gemv_mmq_params, tmp_path, more)
 
 
 MMQ_ALL = "gemv_mmq.types=[q4_k, q6_k, q8_0, q4_0, q4_1]"

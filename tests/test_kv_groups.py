@@ -202,8 +202,7 @@ def _window_grow_failures(pool: int, running: int, chunk: int) -> tuple[list[boo
     requests of 5..45-token prompts, ``running`` at a time with ``chunk``-token prefill chunks, over
     a window pool of ``pool`` blocks (the full pool is ample)."""
     from fixtures.engine_waves import engine_for, run_waves
-
-    from engine.fake_runner import FakeRunner
+    from fixtures.fake_runner import FakeRunner
 
     runner = FakeRunner(num_blocks=1024, block_size=BS, max_model_len=256)
     runner.window_kv_blocks, runner.kv_window = pool, WINDOW

@@ -8,8 +8,8 @@ import time
 
 import pytest
 from fixtures.engine_waves import collect
+from fixtures.fake_runner import FakeRunner, FakeTokenizer
 
-from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.types import ConfigError, GenerationRequest, MemraError, SamplingParams
 

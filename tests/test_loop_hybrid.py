@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 from fixtures.engine_waves import serve_waves
+from fixtures.fake_runner import FakeTokenizer
 from fixtures.hybrid import write_qwen3_5_gguf, write_qwen3_5_hf
 
-from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.model import load_model
 from engine.reference import ReferenceRunner

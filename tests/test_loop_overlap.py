@@ -10,8 +10,8 @@ import random
 
 import pytest
 from fixtures.engine_waves import collect
+from fixtures.fake_runner import FakeRunner, FakeTokenizer
 
-from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.types import GenerationRequest, SamplingParams
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures.fake_runner import FakeRunner, FakeTokenizer
 
-from engine.fake_runner import FakeRunner, FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.types import GenerationRequest, SamplingParams
 

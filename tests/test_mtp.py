@@ -17,9 +17,9 @@ import json
 import numpy as np
 import pytest
 from fixtures.engine_waves import GREEDY, PROMPTS, serve_waves, tokens_of
+from fixtures.fake_runner import FakeTokenizer
 from fixtures.hybrid import write_hybrid_moe_hf, write_qwen3_5_hf
 
-from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.model import load_model
 from engine.reference import ReferenceRunner

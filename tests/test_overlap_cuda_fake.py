@@ -159,7 +159,8 @@ def test_launch_refuses_what_it_cannot_overlap_and_misuse_is_an_error(rec):
 
 
 def test_the_engine_steps_the_cuda_runner_through_launch_and_collect(rec):
-    from engine.fake_runner import FakeTokenizer
+    from fixtures.fake_runner import FakeTokenizer
+
     from engine.loop import Engine, EngineConfig
     from engine.types import GenerationRequest
 

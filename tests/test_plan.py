@@ -9,8 +9,8 @@ from engine.ir import describe, kernel_specs, storage_nbytes
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
-from engine.quant import row_bytes
 from engine.render import render
+from engine.storage import row_bytes
 from engine.types import ConfigError
 
 
@@ -767,25 +767,21 @@ def test_q8x_tile_loop_and_k_split_knobs_reach_the_plan():
     assert seen["split"] and seen["whole"], seen
 
 
-def test_q8x_ksplit_types_limits_the_k_split_to_those_file_types():
-    """gemv_coop.q8x_ksplit_types (file types): only the listed types' short-n q8x GEMVs split k;
-    without the list every q8x type does."""
+def test_q8x_ksplit_splits_every_q8x_types_short_gemvs():
+    """gemv_coop.q8x_ksplit with q8x_ksplit_max_n: the short-n q8x GEMVs of every q8x file type
+    split k (q8_0 and q4_k here), the taller ones do not."""
     from engine.profile import with_tuning
 
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
-    knobs = "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; gemv_coop.q8x_type_tuning={}"
-    for extra, splits in (
-        ("; gemv_coop.q8x_ksplit_types=[]", {"q8_0", "q4_k"}),
-        ("; gemv_coop.q8x_ksplit_types=[q8_0]", {"q8_0"}),
-    ):
-        prof = with_tuning(get_profile("h200"), knobs + extra)
-        for quant in ("q8_0", "q4_k_m"):
-            gemvs = [
-                la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))
-            ]
-            short = [p for p in gemvs if p["q8x"] and p["n"] <= 2560]
-            assert short and all((p["ksplit"] == 2) is (quant[:4] in splits) for p in short), (extra, quant)
+    prof = with_tuning(
+        get_profile("h200"), "gemv_coop.q8x_ksplit=2; gemv_coop.q8x_ksplit_max_n=2560; gemv_coop.q8x_type_tuning={}"
+    )
+    for quant in ("q8_0", "q4_k_m"):
+        gemvs = [la.spec.params for la in _decode_gemvs(build_plan(graph, dims, graph.quant(quant), prof))]
+        q8x = [p for p in gemvs if p["q8x"]]
+        assert {p["quant"] for p in q8x if p["n"] <= 2560} >= ({"q8_0r"} if quant == "q8_0" else {"q4_k"}), quant
+        assert q8x and all((p["ksplit"] == 2) is (p["n"] <= 2560) for p in q8x), quant
 
 
 def test_gemv_coop_repacks_q8_0_and_lowers_the_cooperative_gemv():
@@ -991,7 +987,6 @@ def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(q
     file's embedding (the tied lm_head) is q8_0, and k = 576 is no q8_0r row: a classic GEMV, so the
     final norm keeps its launch (q8x_fuse looks through the tie to the embedding's type)."""
     from engine import kernel_catalog as kc
-    from engine import quant as q
 
     prof = get_profile("h200")
     assert {"q4_0", "q4_1"} <= set(prof.tune("gemv_coop")["types"])
@@ -1000,8 +995,8 @@ def test_q4_smollm2_decodes_on_coop_q8x_gemvs_without_norm_launches_at_batch_1(q
     assert mats.pop("embed").dtype == "q8_0"
     assert mats and all(w.dtype == layout for w in mats.values())
     for w in mats.values():
-        assert w.nbytes == w.rows * q.row_bytes(layout, w.cols) == storage_nbytes(layout, w.rows, w.cols)
-    assert q.row_bytes(layout, 576) == (368 if layout == "q4_1r" else 336)
+        assert w.nbytes == w.rows * row_bytes(layout, w.cols) == storage_nbytes(layout, w.rows, w.cols)
+    assert row_bytes(layout, 576) == (368 if layout == "q4_1r" else 336)
 
     def layer_launches(mode):
         return [

@@ -18,9 +18,6 @@ QUANTS = list(F16_FIELDS)
 def test_storage_facts() -> None:
     from gguf.constants import GGML_QUANT_SIZES
 
-    from engine import storage
-
-    assert quant.BLOCK_SIZES is storage.BLOCK_SIZES and quant.row_bytes is storage.row_bytes
     assert set(storage.BLOCK_SIZES) == set(storage.FILE_TYPES) | set(storage.REPACKED_FROM)
     for name in storage.FILE_TYPES:
         assert storage.BLOCK_SIZES[name] == GGML_QUANT_SIZES[T[name.upper()]]
@@ -83,12 +80,12 @@ def test_q4_planar_repack_round_trips_and_dequantizes_like_gguf(layout: str, col
     d (d, m) plane, zero-padded to 16 bytes (k = 576, SmolLM2's hidden size: 368 bytes, not 360);
     repack / unpack round-trip the file bytes, and the device layout dequantises as gguf does the
     file's."""
-    file_type = quant.REPACKED_FROM[layout]
-    rows, (elems, nbytes) = 5, quant.BLOCK_SIZES[file_type]
+    file_type = storage.REPACKED_FROM[layout]
+    rows, (elems, nbytes) = 5, storage.BLOCK_SIZES[file_type]
     nb = cols // elems
     raw = random_blocks(file_type, rows * nb, seed=cols + len(layout))
     packed = quant.repack(raw, layout, rows, cols)
-    pitch = quant.row_bytes(layout, cols)
+    pitch = storage.row_bytes(layout, cols)
     assert pitch % 16 == 0 and pitch - nb * nbytes < 16 and packed.size == rows * pitch
     blocks, prow = raw.reshape(rows, nb, nbytes), packed.reshape(rows, pitch)
     scale = nbytes - 16  # the f16 d (q4_1: d, m) in front of each block's 16 qs bytes
@@ -105,7 +102,7 @@ def test_q4_planar_repack_round_trips_and_dequantizes_like_gguf(layout: str, col
 
 @pytest.mark.parametrize("dtype", QUANTS)
 def test_dequantize_shapes_random_blocks(dtype: str) -> None:
-    elems, _ = quant.BLOCK_SIZES[dtype]
+    elems, _ = storage.BLOCK_SIZES[dtype]
     raw = random_blocks(dtype, 4 * 6, seed=hash(dtype) % 1000)
     got = quant.dequantize(raw, dtype, (4, 6 * elems))
     assert got.dtype == np.float32 and got.shape == (4, 6 * elems)
@@ -125,7 +122,7 @@ def test_quantize_reference_round_trips(dtype: str) -> None:
     x = np.random.default_rng(1).normal(size=(4, 128)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
     ours = np.frombuffer(quant.quantize_reference(x, dtype), np.uint8)
-    assert ours.size == quant.nbytes_for(dtype, x.shape)
+    assert ours.size == storage.nbytes_for(dtype, x.shape)
     back = quant.dequantize(ours, dtype, x.shape)
     assert not back[0, :32].any()
     tol = {"q8_0": 0.02, "q5_0": 0.15, "q5_1": 0.15, "bf16": 0.01, "f16": 0.002}.get(dtype, 0.35)

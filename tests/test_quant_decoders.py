@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import quant
+from engine import quant, storage
 
 
 def _u16(b: np.ndarray, off: int) -> int:
@@ -97,7 +97,7 @@ def _q5_k(row: np.ndarray, u: int):
 @pytest.mark.parametrize("qt,fn", [("q5_0", _q5_0), ("q5_1", _q5_1), ("q4_k", _q4_k), ("q5_k", _q5_k)])
 def test_decode_unit_transliteration_matches_engine_quant(qt, fn):
     rng = np.random.default_rng(7)
-    elems, nbytes = quant.BLOCK_SIZES[qt]
+    elems, nbytes = storage.BLOCK_SIZES[qt]
     k = 512
     raw = rng.integers(0, 256, size=(k // elems, nbytes), dtype=np.uint8)
     f16_fields = {"q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2]}[qt]
@@ -135,8 +135,8 @@ def _q4_planar(layout: str, k: int):
 
 def _planar_row(layout: str, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """One random row of the file type, repacked to ``layout``: (device bytes, dequantised f32)."""
-    file_type = quant.REPACKED_FROM[layout]
-    _, nbytes = quant.BLOCK_SIZES[file_type]
+    file_type = storage.REPACKED_FROM[layout]
+    _, nbytes = storage.BLOCK_SIZES[file_type]
     raw = rng.integers(0, 256, size=(k // 32, nbytes), dtype=np.uint8)
     for off in (0, 2) if file_type == "q4_1" else (0,):
         raw[:, off : off + 2] = rng.uniform(-1.0, 1.0, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures.engine_probes import unpack_mask
+from fixtures.fake_runner import FakeTokenizer
 
-from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.sampling import apply_token_mask, sample_item, token_logprobs, validate_sampling
 from engine.types import GenerationRequest, MemraError, SamplingParams, StepItem

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from fixtures.fake_runner import FakeTokenizer
+
 from engine.block_manager import BlockManager, cache_salt_hash
-from engine.fake_runner import FakeTokenizer
 from engine.scheduler import Scheduler, Sequence
 from engine.stop import StopChecker, StopStrings
 from engine.types import GenerationRequest, SamplingParams

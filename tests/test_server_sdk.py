@@ -52,10 +52,10 @@ def fake_factory():
 
 
 class _ChatTokenizer:
-    """engine.fake_runner's tokenizer plus a plain chat template (what the server needs)."""
+    """tests/fixtures/fake_runner.py's tokenizer plus a plain chat template (what the server needs)."""
 
     def __init__(self):
-        from engine.fake_runner import FakeTokenizer as RunnerTokenizer
+        from fixtures.fake_runner import FakeTokenizer as RunnerTokenizer
 
         self._t = RunnerTokenizer()
         self.eos_token_ids = self._t.eos_token_ids
@@ -75,8 +75,9 @@ class _ChatTokenizer:
 
 
 def engine_loop_factory():
-    """The real engine loop (scheduler, paged KV, stop strings) over engine.fake_runner's FakeRunner."""
-    from engine.fake_runner import FakeRunner
+    """The real engine loop (scheduler, paged KV, stop strings) over tests/fixtures/fake_runner.py's FakeRunner."""
+    from fixtures.fake_runner import FakeRunner
+
     from engine.loop import Engine, EngineConfig
 
     tok = _ChatTokenizer()

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from fixtures.checkpoints import write_llama_safetensors
 from fixtures.engine_waves import PROMPTS as BASE_PROMPTS
+from fixtures.fake_runner import FakeTokenizer
 
 from engine.block_manager import BlockManager
-from engine.fake_runner import FakeTokenizer
 from engine.loop import Engine, EngineConfig
 from engine.sampling import filtered_probs, sample
 from engine.spec import accept as accept_mod

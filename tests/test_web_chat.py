@@ -1,7 +1,7 @@
 """The web chat page in a real headless Chromium (Debian's chromium + chromium-driver, driven by
 selenium): it loads, sends a message, renders the streamed answer with its token rate, and the stop
 button aborts a long answer, after which /metrics shows the request freed. The server is the real
-app and engine loop over engine.fake_runner (fast, no model). Skips when Chromium is not installed,
+app and engine loop over tests/fixtures/fake_runner.py (fast, no model). Skips when Chromium is not installed,
 except in CI (``CI`` set), where .ci/run installs it.
 """
 
@@ -29,10 +29,10 @@ if webdriver is None:
 
 
 class _Tok:
-    """engine.fake_runner's tokenizer plus a plain chat template."""
+    """tests/fixtures/fake_runner.py's tokenizer plus a plain chat template."""
 
     def __init__(self):
-        from engine.fake_runner import FakeTokenizer
+        from fixtures.fake_runner import FakeTokenizer
 
         self._t = FakeTokenizer()
         self.eos_token_ids = self._t.eos_token_ids
@@ -50,10 +50,10 @@ class _Tok:
 
 @pytest.fixture(scope="module")
 def page():
+    from fixtures.fake_runner import FakeRunner
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
-    from engine.fake_runner import FakeRunner
     from engine.loop import Engine, EngineConfig
 
     tok = _Tok()

@@ -1,5 +1,5 @@
 """What does the HTTP layer cost? The same closed batch through the engine loop and through
-`memra serve`'s app (waitress, SSE, detokenisation), on engine.fake_runner with a fixed step time.
+`memra serve`'s app (waitress, SSE, detokenisation), on tests/fixtures/fake_runner.py with a fixed step time.
 
 Usage: PYTHONPATH=. python tools/bench_http_overhead.py [--step-ms 25] [--concurrency 32]
 The fake runner sleeps ``--step-ms`` per step (releasing the GIL, like a GPU sync), so both paths
@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 import loadgen  # noqa: E402
+from fixtures.fake_runner import FakeRunner, FakeTokenizer  # noqa: E402
 from server_fakes import FakeTokenizer as CharTokenizer  # noqa: E402
 
 from engine.bench import bench_engine  # noqa: E402
-from engine.fake_runner import FakeRunner, FakeTokenizer  # noqa: E402
 from engine.loop import Engine, EngineConfig  # noqa: E402
 from engine.server.model_info import ModelInfo  # noqa: E402
 from engine.server.serve import run_server  # noqa: E402

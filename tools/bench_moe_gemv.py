@@ -70,13 +70,13 @@ def main() -> int:
             a = make_args(ids)
             kit.launch(k, a, t)  # build + warm + check it runs
             packed.append(cuda.KernelArgs([c for _, c in k.args], [getattr(v, "ptr", v) for v in a]))
-        fn = kit.fns[k.spec]
+        run = cuda.PreparedLaunch(kit.fns[k.spec], k.grid(t), k.block, k.smem, stream)
         times = []
         for _ in range(5):
             start, end = cuda.Event(), cuda.Event()
             start.record(stream)
             for r in range(args.reps):
-                cuda.launch(fn, k.grid(t), k.block, packed[r % len(packed)], k.smem, stream)
+                run(packed[r % len(packed)])
             end.record(stream)
             end.synchronize()
             times.append(end.elapsed_ms(start) * 1e3 / args.reps)

@@ -274,6 +274,7 @@ def main() -> int:
         (out / "gpu_runner_check.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
     from engine import runner_bench as bench_runner
+    from engine.bench import table
     from engine.model import load_model
     from engine.runner_cuda import CudaRunner
 
@@ -342,7 +343,7 @@ def main() -> int:
         if name in args.bench.split(","):
             stage(results, f"{name}:bench", lambda runner=runner: bench_runner.run_all(runner))
             if isinstance(results[f"{name}:bench"], list):
-                print(bench_runner.table(results[f"{name}:bench"], f"{name} (random bf16) on {runner.profile.name}"))
+                print(f"{name} (random bf16) on {runner.profile.name}\n" + table(results[f"{name}:bench"]))
         runner.close()
         holder.clear()
     (out / "gpu_runner_check.json").write_text(json.dumps(results, indent=1, default=str))
@@ -353,7 +354,7 @@ def main() -> int:
             lines.append(f"{k:<34} {status}")
     for k, v in results.items():
         if k.endswith(":bench") and isinstance(v, list):
-            lines.append(bench_runner.table(v, k))
+            lines += [k, table(v)]
     text = "\n".join(lines)
     (out / "gpu_runner_check.txt").write_text(text)
     print(text)

@@ -49,7 +49,7 @@ def linear_params(
     lets a bucket GEMV take the wsm row tile (coop_options)."""
     st = STAGED_DEFAULT.get(quant, False)
     bmax = bmax or GEMV_MAX_BATCH
-    layout = gemv_layout(quant, tuning, n=n, bmax=bmax, k=k)
+    layout = gemv_layout(quant, tuning, n=n, k=k)
     if layout.get("coop"):
         opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads, wsm_any=wsm_any)
     else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
@@ -111,8 +111,8 @@ def coop_options(
     - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
       COOP_Q8X_MAX. Then:
       - block shape q8x_threads / q8x_rows_per_warp where set (as threads / rows_per_block);
-      - k split over q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n and the
-        file type is in q8x_ksplit_types (empty: every type), in blocks of q8x_ksplit_threads;
+      - k split over q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n, in
+        blocks of q8x_ksplit_threads;
         the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
       - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
       - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
@@ -132,7 +132,7 @@ def coop_options(
     those warps (q4_k's 4 becomes 2 in 320-thread blocks).
     """
     c = tuning.get("gemv_coop") or {}
-    file_type = _COOP_FILE_TYPE.get(quant, quant)  # what the *_types knobs and q8x_type_tuning name
+    file_type = _COOP_FILE_TYPE.get(quant, quant)  # what q8x_type_tuning / q8x_tall_tuning name
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)
     per_type = (c.get("q8x_type_tuning") or {}).get(file_type) or {}
     c = {**c, **{key: v for key, v in per_type.items() if v}}
@@ -147,14 +147,12 @@ def coop_options(
         threads = forced or c.get("q8x_threads") or COOP_THREADS
         rpw = c.get("q8x_rows_per_warp") or 1
         ksplit = int(c.get("q8x_ksplit") or 1)
-        kst = c.get("q8x_ksplit_types") or ()
         if forced and ksplit > 1:  # the largest k split up to the tuning's that divides the warps
             ksplit = max(d for d in range(1, ksplit + 1) if (forced // 32) % d == 0)
         if (
             ksplit > 1
             and n
             and int(c.get("q8x_ksplit_min_n") or 0) <= n <= int(c.get("q8x_ksplit_max_n") or 0)
-            and (not kst or file_type in kst)
         ):
             out["ksplit"] = ksplit
             threads = forced or c.get("q8x_ksplit_threads") or threads
@@ -235,7 +233,7 @@ def q8x_applies(tuning: Mapping[str, Any], bmax: int, k: int, quant: str) -> boo
 LEGACY_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
-def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, bmax: int = 0, k: int = 0) -> dict[str, Any]:
+def gemv_layout(quant: str, tuning: Mapping[str, Any], *, n: int = 0, k: int = 0) -> dict[str, Any]:
     """threads / rows_per_block / unroll (and coop=True) of a decode gemv on a [n, k] weight
     uploaded as ``quant``: the warp-cooperative layout where tuning gemv_coop.types names the file
     type, else the classic gemv tuning, whose GEMVs with n <= gemv.short_n_max take

@@ -129,8 +129,8 @@ def random_weight(qt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]
     """(raw uint8 bytes [n, row_bytes] in device storage type ``qt``, its dequantisation f64 [n, k]):
     random blocks with sane f16 scales, dequantised by engine.quant (the reference); a repacked
     device layout (q8_0r ...) is the file type's weight repacked as at upload."""
-    if qt in quant.REPACKED_FROM:
-        raw, deq = random_weight(quant.REPACKED_FROM[qt], n, k, rng)
+    if qt in storage.REPACKED_FROM:
+        raw, deq = random_weight(storage.REPACKED_FROM[qt], n, k, rng)
         return quant.repack(raw, qt, n, k).reshape(n, -1), deq
     if qt in ("bf16", "f16", "f32"):
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)

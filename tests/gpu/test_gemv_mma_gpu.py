@@ -217,51 +217,18 @@ def test_plan_on_gemv_mma_matches_the_reference_and_batched_equals_solo(tmp_path
     alone, and rows of the 20- and 40-row steps run again alone (batch 1) give the same logits, bit
     for bit."""
     from fixtures.checkpoints import Dims, write_qwen3_safetensors, write_random_gguf
+    from fixtures.decode_linear_checks import plan_matches_the_reference_and_batched_equals_solo
 
     from engine.model import load_model
-    from engine.reference import ReferenceRunner
-    from engine.runner_cuda import CudaRunner
-    from engine.types import SamplingParams, StepItem
 
     monkeypatch.setenv("MEMRA_TUNE", MMA_ALL)
-    greedy = SamplingParams(temperature=0.0)
     if q == "bf16":
         path = write_qwen3_safetensors(tmp_path / "tiny", seed=7, **QWEN3_SPLIT_DIMS)
     else:
         dims = Dims(**(LLAMA_DIMS if family == "llama" else QWEN3_SPLIT_DIMS), vocab_size=768)
         path = write_random_gguf(tmp_path / f"tiny_{q}.gguf", family, dims, q, seed=7)
-    model = load_model(path)
-    runner = CudaRunner(model, num_blocks=256, max_model_len=256)
-    ref = ReferenceRunner(model, num_blocks=256, max_model_len=256)
-    try:
-        if family == "qwen3":  # (the k split over blocks, through the scratch)
-            assert [la for st in runner.plan.steps for la in st.launches["decode"]
-                    if la.spec.template == "gemv_mma" and la.spec.params["kparts"] > 1]  # fmt: skip
-        on = [[i for i, st in enumerate(runner.plan.steps) if st.op.op == "linear"
-               and any(la.spec.template == "gemv_mma" for la in st.launches[mode])] for mode in ("decode1", "decode")]
-        assert on[0] and on[0] == on[1], on  # (k = 576 rows of q4_0 / q4_1 / q8_0 keep the GEMV: not whole units)
-        vocab = int(runner.plan.dims["vocab"])
-        rng = np.random.default_rng(5)
-        errs, bits = [], []
-        for rows in (1, 3, 20, 40):
-            prompts = [[int(t) for t in rng.integers(3, vocab, 5 + i % 7)] for i in range(rows)]
-            tables = [list(range(4 * i, 4 * i + 4)) for i in range(rows)]
-            toks = [runner.step([StepItem(i, p, 0, tables[i], True, greedy)])[0] for i, p in enumerate(prompts)]
-            items = [StepItem(i, [toks[i]], len(p), tables[i], True, greedy) for i, p in enumerate(prompts)]
-            runner.step(items)
-            got = np.array(runner.read_logits(rows))
-            for i, p in enumerate(prompts):
-                want = ref.forward_logits(p + [toks[i]])[-1]
-                errs.append((rows, i, float(np.linalg.norm(got[i] - want) / np.linalg.norm(want))))
-            if rows >= 20:
-                for i in (0, 9, rows - 1):  # the same step again, alone (it rewrites the same KV slot)
-                    runner.step([items[i]])
-                    solo = np.array(runner.read_logits(1)[0])
-                    if not np.array_equal(solo, got[i]):
-                        bits.append((rows, i, int(np.count_nonzero(solo != got[i]))))
-        worst = max(e for _, _, e in errs)
-        print(f"{family} {q} on gemv_mma: logits rel err max {worst:.2e}, rows differing alone {bits}")
-        assert worst < 3e-2, sorted(errs, key=lambda e: -e[2])[:5]
-        assert not bits, bits
-    finally:
-        runner.close()
+    # the Qwen3s split k over blocks (through the scratch); k = 576 rows of q4_0 / q4_1 / q8_0 keep the
+    # GEMV (not whole units), so the linears on gemv_mma are the same at batch 1 and in the buckets
+    plan_matches_the_reference_and_batched_equals_solo(load_model(path), {"gemv_mma"},
+                                                       split="gemv_mma" if family == "qwen3" else None, tol=3e-2,
+                                                       label=f"{family} {q} on gemv_mma")  # fmt: skip

@@ -27,7 +27,7 @@ from gpu_harness import (
     uploaded_weights,
 )
 
-from engine import cuda, ops_ref, quant
+from engine import cuda, ops_ref, quant, storage
 from engine import kernel_catalog as kc
 from engine.profile import all_profiles
 from engine.types import ConfigError
@@ -108,7 +108,7 @@ def _gemv_specs_of(tuning: dict, sm_count: int) -> list[tuple]:
     the layout the tuning picks), every batch case, with no / the rmsnorm / the silu_mul prologue."""
     n, k = GEMV_SHAPE
     out = []
-    for ft in [t for t in kc.QUANTS if t not in quant.REPACKED_FROM]:
+    for ft in [t for t in kc.QUANTS if t not in storage.REPACKED_FROM]:
         qt = kc.upload_type(ft, k, tuning)
         for rows, bmax, residual, od in GEMV_CASES:
             try:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures.fake_runner import FakeTokenizer
 from test_runner_cuda import DIMS, write_tiny_llama
 
-from engine.fake_runner import FakeTokenizer
 from engine.types import GenerationRequest, SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -77,7 +77,7 @@ def test_quantised_gguf_logits_match_the_reference(tmp_path, family, q, layout):
         # the same with the norm weights read before pdl_wait and the k-split residual right after it
         "q8x_wsm_early": {**COOP, "q8x": True, "q8x_lanes_per_row": 8, "q8x_fuse": True, "q8x_wsm_kb": 200,
                           "q8x_blocks_per_sm": 1, "pipeline": True, "q8x_early_norm_w": True, "q8x_ksplit": 2,
-                          "q8x_ksplit_max_n": 1 << 20, "q8x_ksplit_types": ["q8_0"]},
+                          "q8x_ksplit_max_n": 1 << 20},
         "q8x_lanes4": {
             **COOP,
             "q8x": True,
