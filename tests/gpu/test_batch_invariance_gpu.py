@@ -78,7 +78,9 @@ def runner_of(model_of):
     def get(name: str):
         if name not in runners:
             model = model_of(name)
-            runners[name] = (model, CudaRunner(model, num_blocks=512, max_model_len=1024))
+            # one KV pool (window_kv_blocks=0): the items carry plain block tables; the window pool's
+            # own equality to one pool is tests/gpu/test_gemma3.py's
+            runners[name] = (model, CudaRunner(model, num_blocks=512, max_model_len=1024, window_kv_blocks=0))
         return runners[name]
 
     yield get
