@@ -58,12 +58,12 @@ def test_spec_rules_name_the_problem():
     assert (one["wk"], one["kparts"]) == (ok["wk"], ok["kparts"]) and kc.choice("gemv_mmq1", **one).smem == 3328 * 5 // 4 + 4 * 128  # (lanes=4: + wk units)
     with pytest.raises(ConfigError, match="wk=3"):
         kc.spec("gemv_mmq1", **{**one, "wk": 3})
-    for over, msg in ((dict(lanes=2), "lanes=2"), (dict(grid_cap=100), "grid_cap=100"), (dict(min_blocks=5), "exceed")):
+    for over, msg in ((dict(lanes=2), "lanes=2"), (dict(grid_cap=100), "grid_cap=100"), (dict(min_blocks=9), "exceed")):
         with pytest.raises(ConfigError, match=msg):  # (grid_cap: this weight has 3 k parts)
             kc.spec("gemv_mmq1", **{**one, **over})
-    tall = kc.gemv_mmq1_params("q4_k", 19456, 2560, sm_count=132)  # one k part, 608 row tiles of 32
+    tall = kc.gemv_mmq1_params("q4_k", 19456, 2560, sm_count=132)  # one k part, more row tiles than resident blocks
     assert (tall["kparts"], tall["grid_cap"]) == (1, tall["min_blocks"] * 132) and one["grid_cap"] == 0
-    assert kc.choice("gemv_mmq1", **tall).grid(1) == (264, 1, 1)
+    assert kc.choice("gemv_mmq1", **tall).grid(1) == (tall["min_blocks"] * 132, 1, 1) and tall["min_blocks"] * 132 < 19456 // kc.mmq1_tile_rows(tall)
     assert kc.gemv_mmq_params("q4_k", 64, 768, 8)["wk"] == 3 and kc.gemv_mmq1_params("q4_k", 64, 768) is None
 
 

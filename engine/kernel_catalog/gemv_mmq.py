@@ -84,11 +84,12 @@ MMQ1_BUCKETS = ((1, 0, 1), (2, 2, 2), (4, 3, 4))
 # 4 warps had (at 8 warps, lanes=4, the staging was half the main loop's instructions). MMQ1_DEPTH: units in flight per lane (lanes=1: 72-136 bytes a unit; lanes=4
 # 16-32 and the unit's scales: as deep as 64 registers hold without spills at batch 1, 48-64 bytes a
 # lane). MMQ1_SM_WARPS: the warps an SM holds at once at lanes=4 per bmax (__launch_bounds__'
-# min_blocks = MMQ1_SM_WARPS / warps): 32 (64 registers a thread) at 1 and 2 x rows, so that the
-# 2560x9728 down projection's 240 blocks of 16 warps run in one wave; 24 warps of 80 registers for 4
-# x rows' accumulators and dots.
+# min_blocks = MMQ1_SM_WARPS / warps): 32 (64 registers a thread) at 1 and 2 x rows; 24 warps of 80
+# registers for 4 x rows' accumulators and dots. 8 warps a block at every bmax: at batch 1 on an
+# H100 (tools/gpu_linear_bench.py --mmq1-variants, 2026-12-07) 8 warps beat 16 on q4_k / q6_k /
+# q8_0 (52.7 / 60.7 / 74.2 % of copy against 52.3 / 58.4 / 72.3 %).
 MMQ1_LANES = 4
-MMQ1_WARPS = {1: {1: 4, 2: 4, 4: 4}, 4: {1: 16, 2: 16, 4: 8}}
+MMQ1_WARPS = {1: {1: 4, 2: 4, 4: 4}, 4: {1: 8, 2: 8, 4: 8}}
 MMQ1_DEPTH = {
     1: {"q4_k": 2, "q6_kr": 2, "q8_0r": 1, "q4_0r": 2, "q4_1r": 2},
     4: {"q4_k": 3, "q6_kr": 2, "q8_0r": 2, "q4_0r": 3, "q4_1r": 3},
