@@ -7,7 +7,7 @@ is a ``KernelSpec`` plus grid, block, shared memory and symbolic ``Arg``s the ru
 bucket/chunk. Modes: ``decode1`` (batch 1, and the prefill head), ``decode`` (n rows, one token per
 sequence), ``prefill`` (n tokens of one sequence), ``short`` / ``short1`` (decode passes whose rows
 all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs),
-``vshort`` / ``vdecode`` (a speculative verify pass's, where a plan has them).
+``vshort`` (a speculative verify pass's short-context launches, where a plan has them).
 Imports only the DSL (engine.graph), KernelSpec and quant row sizes; everything above it
 (engine.lowering, engine.plan, engine.runner_cuda) imports it. Must not import CUDA or numpy.
 """
@@ -35,19 +35,14 @@ SHORT1 = "short1"
 # race on the rows' KV: the rope-fused direct attention with vfresh (kernels/attention.cu.j2: each
 # block also writes the keys of its sequence's earlier rows of the pass, then reads them), no rope
 VSHORT = "vshort"
-# the launches of a speculative verify pass (2 .. 8 rows of one sequence) lowered in the decode mode
-# with the rmsnorm / silu_mul folded into the bucket GEMVs' x loads as batch 1 folds them
-# (engine.lowering.context.Lowerer.verify_lowering): a verify pass is a few rows, where the separate
-# norm and silu launches cost more than each GEMV block normalising its rows
-VDECODE = "vdecode"
 
 
 def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
     VSHORT in a decode-mode verify pass (``verify``; lowered for the decode GEMVs' value layouts,
-    not a wide pass's) where it has that, else "short" where it has that; otherwise in a decode
-    verify pass VDECODE where the step has it; otherwise the mode itself."""
+    not a wide pass's) where it has that, else "short" where it has that; otherwise the mode
+    itself (a verify pass's GEMVs and norms are plain decode's launches)."""
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
@@ -55,8 +50,6 @@ def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool
             return VSHORT
         if "short" in launches:
             return "short"
-    if verify and mode == "decode" and VDECODE in launches:
-        return VDECODE
     return mode
 
 

@@ -21,7 +21,6 @@ from engine.graph import ModelGraph, Op, QuantCombo
 from engine.ir import (
     MODES,
     ROPE_FREQ,
-    VDECODE,
     VSHORT,
     WIDE,
     BufferPlan,
@@ -36,12 +35,6 @@ from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
 from engine.profile import DeviceProfile
 from engine.types import ConfigError
-
-# the ops of the graphs whose verify passes get VDECODE launches (a dense transformer: no recurrent
-# state or experts, whose verify passes run per position group or through their own kernels)
-VERIFY_FOLD_OPS = frozenset(
-    ("embed", "rmsnorm", "linear", "rope", "head_rmsnorm", "attention", "silu_mul", "gelu_tanh_mul", "add")
-)
 
 # ---------------------------------------------------------------------------------------------
 # building
@@ -252,15 +245,11 @@ def build_plan(
                 mma = kind == "rmsnorm" and mma_serves(profile.tuning, dt, cols)  # (gemv_mma: norm only)
                 if mmq_serves(profile.tuning, dt, cols):  # (gemv_mmq: where its batch-1 kernel stages x)
                     mma = mmq_stages(dt, cols) if kind == "rmsnorm" else mmq1_folds(dt, rows, cols, profile.sm_count)
-                if kind == "" and (mma_serves(profile.tuning, dt, cols) or mmq_serves(profile.tuning, dt, cols)):
-                    return False  # (a verify pass's buckets: gemv_mma / gemv_mmq fold no prologue there)
                 if id(o) in exact_ids or not (lowerer.q8x_decode(dt, cols) or mma):
                     return False
             return True
 
         lowerer.fusable1 = {k for k, kind in fusable.items() if all(q8x_reader(o, lay, kind) for o, lay in readers[k])}
-        if all(op.op in VERIFY_FOLD_OPS for op, _, _ in schedule):  # (no recurrent state, no experts)
-            lowerer.fusable_verify = {k for k in lowerer.fusable1 if all(q8x_reader(o, lay, "") for o, lay in readers[k])}
     if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
@@ -285,9 +274,6 @@ def build_plan(
             launches["short"] = tuple(lowerer.launches(op, layer, "short", ins, outs, ws))
             if profile.tune("attention_decode").get("fuse_rope"):  # (the verify pass's, unfused)
                 launches[VSHORT] = tuple(lowerer.launches(op, layer, VSHORT, ins, outs, ws))
-        if lowerer.fusable_verify:  # a verify pass's decode launches, norms folded (engine.ir.VDECODE)
-            with lowerer.verify_lowering():
-                launches[VDECODE] = tuple(lowerer.launches(op, layer, "decode", ins, outs, ws))
         steps.append(Step(op, layer, head, launches))
     lowerer.profile = profile
 

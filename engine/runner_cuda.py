@@ -397,7 +397,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
         read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's,
-        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE)."""
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT)."""
         key = (bucket, kind, short, io, *((groups,) if groups else ()), *(("verify",) if verify else ()))
         if key not in self._graphs:
             mode = _decode_mode(bucket, self.plan.wide_rows)

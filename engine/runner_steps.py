@@ -136,7 +136,7 @@ class StepLogic:
         """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
         run once per group of consecutive rows (a hybrid verify pass, one group per draft
         position, in order: engine.spec.cuda_verify), every other launch once over all rows.
-        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
         shape = self._shape(n, nseq, max_q)
         bound = []
         for step in self.plan.steps:
@@ -368,7 +368,7 @@ class StepLogic:
         launches run in, one after another (``groups``, the padding rows joining the last).
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
         a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
-        ``verify``: a verify pass's launches (engine.ir.VSHORT, VDECODE) where the plan has them."""
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)

@@ -155,11 +155,6 @@ class GemvCoop(Knobs):
     # q8x, batch 1: the gate|up GEMV (no k split, no wsm) stores silu(gate) * up itself (with
     # gemv.fuse_glu's pairing), so the down projection stages half the bytes and no silu
     q8x_glu: bool = False
-    # q8x, a speculative verify pass's bucket GEMVs (engine.ir.VDECODE): the block's x rows staged
-    # with up to this many rounds of loads in flight together (as many as bmax rows of k take: one
-    # L2 round trip where k + 1 rows are several rounds of the block's threads); 0 / 1: one round at
-    # a time, as plain bucket decode. The same bits (each 32-group is quantised alone)
-    q8x_verify_rounds: int = knob(0, non_negative)
 
 
 def mma_file_types(v: list) -> str | None:
@@ -278,14 +273,8 @@ class DecodeGraph(Knobs):
     # registers, and spills a q6_kr part: tools/kernel_resources.py)
     # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
     # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
-    # verify_sched: a speculative verify pass's bucket coop GEMVs (engine.ir.VDECODE) take the
-    # batch-1 GEMVs' scheduling, which leaves every row's bits as they are: pdl_trigger() once
-    # their first weight loads are out (as early_trigger) and the row tile bulk-copied into shared
-    # memory before pdl_wait (gemv_coop.q8x_wsm_kb's wsm, where every tile fits one round of
-    # resident blocks); plain bucket decode keeps its launches
     fork_linears: bool = False
     early_trigger: bool = False
-    verify_sched: bool = False
     pair_linears: bool = False
     pair_min_blocks: int = 0
     o_prefetch_next_kb: int = knob(0, non_negative)

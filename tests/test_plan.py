@@ -153,7 +153,7 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 flags = [la.concurrent for la in launches]
-                if step in qkv and mode in ("decode1", "decode", "vdecode"):  # (vdecode: a verify pass's)
+                if step in qkv and mode in ("decode1", "decode"):
                     assert flags == [False, on], (mode, flags)
                 else:
                     assert not any(flags), (step.op.op, step.op.outputs, mode)
@@ -300,15 +300,15 @@ def test_launch_key_picks_short1_then_short_then_the_mode():
 
 
 def test_launch_key_of_a_verify_pass():
-    """A verify pass takes VSHORT (short context) and VDECODE only in the decode mode they were
-    lowered for: a wide verify pass (16 rows and more where the plan has a wide mode) keeps its
-    own launches, "short" or the mode's (GPU: 16 verify rows of a hybrid read the decode GEMVs'
-    layouts through VSHORT and got logits off by 100 %)."""
-    from engine.ir import VDECODE, VSHORT, WIDE, launch_key
+    """A verify pass takes VSHORT (short context) only in the decode mode it was lowered for: a
+    wide verify pass (16 rows and more where the plan has a wide mode) keeps its own launches,
+    "short" or the mode's (GPU: 16 verify rows of a hybrid read the decode GEMVs' layouts through
+    VSHORT and got logits off by 100 %); past short context a verify pass runs plain decode's."""
+    from engine.ir import VSHORT, WIDE, launch_key
 
-    ls = {"decode": (), "short": (), VSHORT: (), VDECODE: (), WIDE: ()}
+    ls = {"decode": (), "short": (), VSHORT: (), WIDE: ()}
     assert launch_key(ls, "decode", True, verify=True) == VSHORT
-    assert launch_key(ls, "decode", False, verify=True) == VDECODE
+    assert launch_key(ls, "decode", False, verify=True) == "decode"
     assert launch_key(ls, WIDE, True, verify=True) == "short"
     assert launch_key(ls, WIDE, False, verify=True) == WIDE
     assert launch_key(ls, "decode", True) == "short"
@@ -340,20 +340,16 @@ def test_attention_table_first_on_every_decode_kernel():
 
 def test_early_trigger_marks_the_batch_1_coop_gemvs_only():
     """decode_graph.early_trigger: every decode1 coop GEMV calls pdl_trigger() after its first loads
-    (entry name trigger1), and with decode_graph.verify_sched a verify pass's bucket ones (VDECODE);
-    the plain batch-8 GEMVs, the prefill and the other kernels do not."""
-    from engine.ir import VDECODE
-
-    for on, vs in ((True, True), (True, False), (False, True)):
-        plan = _q4_k_m_plan(f"decode_graph.early_trigger={str(on).lower()}; decode_graph.verify_sched={str(vs).lower()}")
-        assert any(VDECODE in st.launches for st in plan.steps)
+    (entry name trigger1); the batch-8 GEMVs, the prefill and the other kernels do not."""
+    for on in (True, False):
+        plan = _q4_k_m_plan(f"decode_graph.early_trigger={str(on).lower()}")
         for step in plan.steps:
             for mode, launches in step.launches.items():
                 for la in launches:
                     if la.spec.template != "gemv":
                         assert not la.spec.params.get("trigger", False), la.spec.entry
                         continue
-                    want = on and la.spec.params["coop"] and (mode == "decode1" or (vs and mode == VDECODE))
+                    want = on and la.spec.params["coop"] and mode == "decode1"
                     assert la.spec.params.get("trigger", False) is want, (mode, la.spec.entry)
                     assert ("trigger1" in la.spec.entry) is want
                     if want:

@@ -11,10 +11,11 @@ The target: a round that verifies k drafted tokens and emits k + 1 costs at most
 * ``passes`` (GPU time only: CUDA events around back-to-back replays of one graph, inputs as the
   engine fills them, at each ``--depths`` context): ``plain b1`` (the batch-1 decode graph of a plain
   step), ``verify`` (the k + 1 rows of one sequence's draft as the engine runs them: a graph of
-  exactly k + 1 rows through the plan's verify launches, engine.ir.VDECODE with the norms folded
-  into the GEMVs and, below split_kv_tokens where the plan folds the rope into the short attention,
-  VSHORT; with its logits against the plain launches', ``max_abs_diff`` 0 where the bits agree),
-  ``verify unfolded`` (the same rows through the plain decode launches), ``verify before`` (those
+  exactly k + 1 rows through the plain decode launches and, below split_kv_tokens where the plan
+  folds the rope into the short attention, its verify launches, engine.ir.VSHORT; with its logits
+  against the plain launches', ``max_abs_diff`` 0 where the bits agree), ``verify unfolded`` (the
+  same rows through the plain decode launches: the rope kernel and the split attention below
+  split_kv_tokens too, the verify pass itself past it), ``verify before`` (those
   padded to the decode bucket: what verify ran before), ``short n`` (k + 1 rows through the plain
   short-context launches with the folded rope: timing only, the rows race on their KV), and
   ``rows n`` (plain decode graphs of n = 1 .. 8 rows, long launches: how a pass's cost grows with
@@ -303,7 +304,7 @@ def report(res: dict) -> str:
     lines.append(
         f"passes (GPU us per replay; short_context {p['short_context']}; plain short launches safe for verify: "
         f"{p['verify_short_ok']}, VSHORT launches: {p['verify_vshort']}); `verify` is the engine's pass, "
-        "`rows n` plain decode graphs of n rows (the long launches, no verify folding)"
+        "`rows n` plain decode graphs of n rows (the long launches)"
     )
     for depth, rows in p["depths"].items():
         for name, r in rows.items():

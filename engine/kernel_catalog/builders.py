@@ -42,16 +42,14 @@ def linear_params(
     bmax: int | None = None,
     sm_count: int = 0,
     threads: int = 0,
-    wsm_any: bool = False,
 ) -> dict[str, Any]:
     """A decode gemv's params for a weight uploaded as ``quant`` (a prologue may be added after);
-    ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape, ``wsm_any``
-    lets a bucket GEMV take the wsm row tile (coop_options)."""
+    ``sm_count`` sizes a capped coop grid, ``threads`` forces a coop q8x block shape (coop_options)."""
     st = STAGED_DEFAULT.get(quant, False)
     bmax = bmax or GEMV_MAX_BATCH
     layout = gemv_layout(quant, tuning, n=n, k=k)
     if layout.get("coop"):
-        opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads, wsm_any=wsm_any)
+        opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
     else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
         opts = {"prefetch": True} if tuning["gemv"].get("prefetch") and st else {}
     return dict(
@@ -101,7 +99,6 @@ def coop_options(
     n: int = 0,
     sm_count: int = 0,
     threads: int = 0,
-    wsm_any: bool = False,
 ) -> dict[str, Any]:
     """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
     all are off: the default entry names). The knobs are gemv_coop's; the file type's
@@ -120,11 +117,9 @@ def coop_options(
       - at bmax 1 q8x_b1_unroll segments in flight per lane and row instead of
         gemv_coop.unroll (q4_k: half as many
         steps, a q4_k segment being two loads), where k is at most q8x_b1_unroll_max_k (0: any k);
-      - wsm (bmax 1, or any bmax with ``wsm_any``: a verify pass's bucket GEMVs, tuning
-        decode_graph.verify_sched): the row tile bulk-copied into shared memory where it is at
-        most q8x_wsm_kb KB and the blocks that fit at once (the smaller of q8x_blocks_per_sm and
-        227 KB over the block's shared memory, per SM) hold every tile (of one grid row: a pass
-        of at most bmax rows). The same bits as without.
+      - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
+        KB and the blocks that fit at once (the smaller of q8x_blocks_per_sm and 227 KB over the
+        block's shared memory, per SM) hold every tile. The same bits as without.
     - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
 
     ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
@@ -180,7 +175,7 @@ def coop_options(
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
         wkb = int(c.get("q8x_wsm_kb") or 0)
-        if wkb and n and (bmax == 1 or wsm_any):  # the row tile in shared memory
+        if wkb and n and bmax == 1:  # the row tile in shared memory
             rpb = int(out.get("rows_per_block") or COOP_THREADS // 32)
             tile = rpb * row_bytes(quant, k)
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}

@@ -2,18 +2,15 @@
 
 A ``Lowerer`` holds the profile and dims, the scratch buffers the launches need, and the state that
 one op leaves for a later one (a decode rmsnorm / silu_mul folded into the GEMVs that read its
-output, a head_rmsnorm into the rope, a rope into the direct attention). ``verify_lowering`` lowers
-an op once more in the decode mode for a speculative verify pass (engine.ir.VDECODE), with the
-rmsnorm / silu_mul ops of ``fusable_verify`` folded into the bucket GEMVs and its own prologue
-state. ``launches`` dispatches an op to its registered unit. Kernel specs come from
-``engine.kernel_catalog.spec`` (it validates the params and names the entry point). Imports engine.ir, engine.kernel_catalog and the registry,
+output, a head_rmsnorm into the rope, a rope into the direct attention). ``launches`` dispatches an
+op to its registered unit. Kernel specs come from ``engine.kernel_catalog.spec`` (it validates the
+params and names the entry point). Imports engine.ir, engine.kernel_catalog and the registry,
 never a unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from engine import kernel_catalog as kc
@@ -61,11 +58,6 @@ class Lowerer:
         # readers (gemv_coop.q8x_fuse: every reader a batch-1 q8x GEMV; build_plan sets it) and
         # (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset) | ("glu", gate, 0)
         self.fusable1: set[tuple[int, int | None]] = set()
-        # ... and those folded into a verify pass's bucket GEMVs (build_plan: fusable1's whose every
-        # reader is a q8x GEMV); verify_pass: lowering the VDECODE launches (verify_lowering)
-        self.fusable_verify: set[tuple[int, int | None]] = set()
-        self.verify_pass = False
-        self._verify_state: tuple[dict, set, dict] = ({}, set(), {})  # its prologue, glu_done, pending_norm
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
         # set by build_plan: the sliding window of the attention each rope writes the cache for (0:
@@ -129,24 +121,7 @@ class Lowerer:
 
     def fused(self, op: Op, layer: int | None, mode: str) -> bool:
         """Whether the rmsnorm / silu_mul op runs inside its readers' GEMVs in this decode mode."""
-        if self.verify_pass:
-            return mode == "decode" and (id(op), layer) in self.fusable_verify
         return mode == "decode1" and (id(op), layer) in self.fusable1
-
-    @contextmanager
-    def verify_lowering(self) -> Iterator[None]:
-        """Lower in the decode mode for a verify pass (engine.ir.VDECODE): ``fused`` says yes for
-        ``fusable_verify``, and the state one op leaves for a later one (GEMV prologues, glu
-        epilogues, pending head norms) is the verify pass's own, kept across ops, apart from the
-        plain decode mode's."""
-        saved = (self.prologue, self.glu_done, self.pending_norm)
-        self.prologue, self.glu_done, self.pending_norm = self._verify_state
-        self.verify_pass = True
-        try:
-            yield
-        finally:
-            self.prologue, self.glu_done, self.pending_norm = saved
-            self.verify_pass = False
 
     def act_dtype(self, value: str) -> str:
         return self.value_dtypes.get(value) or ("f32" if value == "logits" else "bf16")

@@ -96,23 +96,17 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
             f"plan: fused {pro[0]} of width {pro[1].width} feeds a linear of k={w.cols}"
         )
     # the layout (classic, or warp-cooperative where tuning gemv_coop names the type) and its options
-    # a verify pass's bucket GEMVs scheduled as batch 1's (decode_graph.verify_sched: the same bits)
-    vsched = ctx.verify_pass and mode == "decode" and ctx.graph_knob("verify_sched")
     p = kc.linear_params(
         w.dtype, w.rows, w.cols, ctx.profile.tuning, residual=residual, out_dtype=out_dtype, bmax=bmax,
-        sm_count=ctx.profile.sm_count, threads=part_threads, wsm_any=vsched,
+        sm_count=ctx.profile.sm_count, threads=part_threads,
     )
     if p.get("coop"):
         if pp.get("prologue") != "norm":  # early norm weights: only a norm prologue has them
             p.pop("early_nw", None)
         if not residual:  # the early residual: only a GEMV that adds one
             p.pop("early_res", None)
-        if (mode == "decode1" or vsched) and ctx.graph_knob("early_trigger"):
+        if mode == "decode1" and ctx.graph_knob("early_trigger"):
             p["trigger"] = True  # the next kernel may launch once the first loads are out
-        rounds = int(ctx.tune("gemv_coop").get("q8x_verify_rounds") or 0)
-        if ctx.verify_pass and mode == "decode" and p.get("q8x") and rounds > 1:  # (a verify pass's x staging)
-            need = -(-bmax * w.cols // 8 // int(p["threads"]))
-            p["stage_rounds"] = max(int(p.get("stage_rounds", 1)), min(rounds, need))
         if (
             mode == "decode1"
             and p.get("q8x")

@@ -4,8 +4,9 @@ Each verify position becomes its own decode row: row j of a draft item runs toke
 at position ``start_pos + j`` over the item's block table. All rows of a step go through the
 runner's decode path at once (``CudaRunner._decode(verify=True)``: one captured CUDA graph of the
 pass's rows, with the pinned inputs copied in and the argmax ids copied out by the graph), through
-the bucket decode kernels, with the plan's verify launches where it has them (``engine.ir.VDECODE``:
-the rmsnorm / silu_mul folded into the bucket GEMVs as batch 1 folds them; ``VSHORT`` below). Passes
+the bucket decode kernels: its GEMVs and norms are plain decode's launches (the rmsnorm / silu_mul
+launches, then the bucket GEMVs; folding the norms into a verify pass's bucket GEMVs measured slower
+on an H100), its short-context attention the plan's verify launches (``VSHORT`` below). Passes
 stay below the wide decode (``narrow_rows``), and the bucket kernels give a row the bits of the
 batch-1 ones (tests/fixtures/batch_invariance.py checks), so a greedy row's argmax is that of the
 plain decode step at its position. The KV of every row is written by the rope kernel before the
