@@ -128,10 +128,12 @@ def test_batched_decode_rows_equal_solo_rows_bit_for_bit(runner_of, name, depths
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("depth", [8, 253, 300])
+@pytest.mark.parametrize("depth", [8, 253, 256, 300])
 def test_verify_rows_equal_plain_decode_steps_bit_for_bit(runner_of, name, depth):
     """Sequences A and B share a prompt: A decodes 4 plain batch-1 steps, B verifies A's tokens as
-    a draft in one pass (rows at depth .. depth + 3; 253 crosses 256 inside the draft)."""
+    a draft in one pass (rows at depth .. depth + 3; 253 crosses 256 inside the draft; at 256 the
+    rows after the first read keys of split 1 that the pass's rope kernel wrote, which the split
+    attention loads before its pdl_wait() unless it finds them: tests/test_attention_prewait_emu.py)."""
     model, runner = runner_of(name)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, min(_vocab(model), 30000), depth)]
