@@ -43,6 +43,8 @@ QWEN = Dims(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key
 LLAMA = dataclasses.replace(QWEN, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                             tie_word_embeddings=True)  # fmt: skip
 MODELS = {"qwen3-q4_k_m": ("qwen3", QWEN, "q4_k_m"), "llama-q4_1": ("llama", LLAMA, "q4_1")}
+GEMMA_MIX = {"wq": "q5_0", "wk": "q5_0", "w_gate": "q5_0", "w_up": "q5_0", "wo": "q4_k", "wv": "q8_0",
+             "w_down": "q6_k", "embed": "q8_0", "lm_head": "q8_0"}  # fmt: skip
 # inline PTX (bulk copies, PDL) the emulator cannot run; f32 outputs without the residual: the row
 # sums unrounded (a bf16 store would hide most last-bit differences of the k split)
 OFF = dict(wsm=False, trigger=False, l2_pf="", out_dtype="f32", residual=False, early_res=False)
@@ -63,6 +65,13 @@ def plans(tmp_path_factory):
                  intermediate_size=512, vocab_size=512)  # fmt: skip
     m = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma"), window=512, **gemma))
     out["gemma3-bf16"] = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
+    # the Gemma 3 270M Q4_K_M file's launches (plan only: the tests draw their own weights): q5_0
+    # q/k/gate/up, q4_k attn_output, q8_0 attn_v, q6_k ffn_down, the tied 262,144-row q8_0 head
+    m = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma270"), window=512,
+                                            **{**gemma, "intermediate_size": 2048}))  # fmt: skip
+    dims = {**m.dims, "vocab": 262144}
+    out["gemma3-q4_k_m_640"] = build_plan(m.graph, dims, m.graph.quant("q4_k_m_640"), get_profile("h100"), GEMMA_MIX,
+                                          m.rope_style)  # fmt: skip
     return out
 
 
@@ -110,7 +119,7 @@ def _layer0(plan, op):
     return [(i, st) for i, st in enumerate(plan.steps) if st.layer == 0 and st.op.op == op]
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-q4_k_m_640"])
 def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     plan = plans[model]
     rng = np.random.default_rng(0)
@@ -211,7 +220,7 @@ def test_verify_gemvs_with_folded_norms_equal_the_bucket_path(plans, model, rows
         assert "XG 96" in render(kc.spec("gemv", **{**gemvs_of_step(plan, "norm")[0], **OFF, "wsm": False}))
 
 
-@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16", "gemma3-q4_k_m_640"])
 def test_short_attention_equals_rope_split_attention_and_combine(plans, model, tmp_path):
     plan = plans[model]
     ((ia, att),) = _layer0(plan, "attention")
@@ -257,7 +266,7 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
 
 
-@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16", "gemma3-q4_k_m_640"])
 def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
     """A verify pass below split (VSHORT: no rope launch; the rope-fused direct attention with vfresh)
     over three rows of one sequence (positions p .. p + 2) and a fourth of another sequence, on a
