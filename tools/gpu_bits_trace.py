@@ -11,8 +11,8 @@ row, the first steps whose outputs differ between the two, with the launches eac
 ``batched``: one sequence per depth prefilled, the batch of their next tokens, then each row again
 alone (tests/gpu/test_batch_invariance_gpu.py's batched-vs-solo check). ``verify``: sequences A and
 B share a prompt of ``depth`` tokens; A decodes 4 plain steps, B verifies A's tokens in one pass
-(that test's verify-vs-plain check). ``--window-kv-blocks 0`` turns the window-layer KV pool off
-(window layers then read the block tables), to tell the pool from the kernels.
+(that test's verify-vs-plain check). One KV pool (``window_kv_blocks=0``: the items carry block
+tables only, as in that test).
 
 A step folded away in one of the passes (a norm fused into the next GEMV's prologue, the rope into
 the short attention) has no outputs of its own there and is not compared; a step's outputs that
@@ -108,7 +108,6 @@ def compare(plan, a, ran_a, row_a: int, b, ran_b, row_b: int, what: str, limit: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a checkpoint path, or smollm2 / gemma3-270m (the cached real files)")
-    ap.add_argument("--window-kv-blocks", type=int, default=None)
     sub = ap.add_subparsers(dest="case", required=True)
     b = sub.add_parser("batched")
     b.add_argument("--depths", default="5,60,200,250")
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.model)
     model = load_model(path)
     runner = CudaRunner(model, num_blocks=512, max_model_len=1024, use_graphs=False,
-                        window_kv_blocks=args.window_kv_blocks)  # fmt: skip
+                        window_kv_blocks=0)  # fmt: skip
     plan = runner.plan
     print(f"{args.model}: profile {plan.profile}, short_context {plan.short_context}")
     tr = Tracer(runner)
