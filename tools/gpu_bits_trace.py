@@ -105,6 +105,31 @@ def compare(plan, a, ran_a, row_a: int, b, ran_b, row_b: int, what: str, limit: 
     return not shown
 
 
+def compare_kv(runner, table_a, table_b, positions) -> bool:
+    """The K and V rows each layer holds for ``positions`` of the sequences at ``table_a`` (written
+    by plain steps) and ``table_b`` (by the verify pass): print the layers where they differ."""
+    from engine import cuda
+
+    d = runner.plan.dims
+    row = int(d["kv_heads"]) * int(d["head_dim"])
+    bs = runner.block_size
+    runner.stream.synchronize()
+    bad = []
+    for layer in sorted(runner._kv_index):
+        for ref in ("k", "v"):
+            base = runner._kv_ptr(layer, ref)
+            for p in positions:
+                got = []
+                for table in (table_a, table_b):
+                    host = np.empty(row, np.uint16)
+                    cuda.dtoh(host, base + (table[p // bs] * bs + p % bs) * row * 2)
+                    got.append(host)
+                if not np.array_equal(got[0], got[1]):
+                    bad.append(f"layer {layer} {ref} pos {p}: {int((got[0] != got[1]).sum())} of {row}")
+    print("  KV rows written by the plain steps vs the verify pass:", "; ".join(bad[:12]) if bad else "equal")
+    return not bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a checkpoint path, or smollm2 / gemma3-270m (the cached real files)")
@@ -169,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(4):
             ok &= compare(plan, plain[j][0], plain[j][1], 0, tv, rv, j, f"pos {depth + j} plain (A) vs verify row {j} (B)")
         print("verify accepted", out, "plain", toks[1:5])
+        ok &= compare_kv(runner, ta, tb_, range(depth, depth + 4))
     runner.close()
     print("ALL EQUAL" if ok else "DIFFERENCES FOUND")
     return 0 if ok else 1
