@@ -68,6 +68,8 @@ class Tracer:
 
         runner._bind = traced_bind
         runner._run = traced_run
+        runner._eager.clear()  # (passes bound before: bound again through traced_bind)
+        runner._prefill_bound.clear()
 
     def capture(self, rows: int, fn):
         self.on, self.rows, self.trace, self.ran = True, rows, [], {}
