@@ -15,9 +15,12 @@ in the PTX NVRTC makes of them (no GPU needed; skipped without NVRTC):
 The kernels: every decode launch (all batch-1, short, verify and bucket forms) of layer 0, a window
 layer and the head of the Gemma 3 270M Q4_K_M launch mix (q5_0, q4_k and q6_kr GEMVs with exact x,
 q8_0 v, the tall q8_0r head; head_dim 256 attention with q/k norms and a window) and of SmolLM2-135M
-Q4_1 (q4_1r coop q8x GEMVs, the classic q8_0 head, 9 / 3 heads of 64) on the h100 profile. On main
-the online softmax's ``l *= corr; l += p`` (every attention kernel), attention_combine's ``L += c``
-and the q4_k f32 GEMV's ``dl * dot_l - ml * sl + dhi * dot_h - mhi * sh`` failed it.
+Q4_1 (q4_1r coop q8x GEMVs, the classic q8_0 head, 9 / 3 heads of 64), and of a tiny Qwen3 q4_k_m
+GGUF (q4_k / q6_kr q8x GEMVs and pairs, the norm prologue, q/k norms) on the h100 profile. On main
+the online softmax's ``l *= corr; l += p`` (every attention kernel), attention_combine's ``L += c``,
+the q4_k GEMVs' ``dl * dot_l - ml * sl + dhi * dot_h - mhi * sh`` (f32 and q8x paths) and the
+norms' ``ss / K + eps`` (contracted where K is a power of two: the same bits, as ss / K is exact
+there, but spelt out too so that the check holds without exceptions) failed it.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def decode_specs(tmp_path_factory):
         nvrtc.include_dirs()
     except nvrtc.NvrtcUnavailable as exc:
         pytest.skip(str(exc))
-    from fixtures.checkpoints import write_gemma3_safetensors
+    from fixtures.checkpoints import Dims, write_gemma3_safetensors, write_random_gguf
 
     from engine.graph import load_family
     from engine.model import dims_for_size, load_model
@@ -100,8 +103,12 @@ def decode_specs(tmp_path_factory):
            "w_down": "q6_k", "embed": "q8_0", "lm_head": "q8_0"}  # fmt: skip
     gemma = build_plan(m.graph, {**m.dims, "vocab": 262144}, m.graph.quant("q4_k_m_640"), get_profile("h100"), mix,
                        m.rope_style)  # fmt: skip
+    qwen = Dims(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                intermediate_size=1536, vocab_size=768)  # fmt: skip
+    m = load_model(write_random_gguf(tmp_path_factory.mktemp("q4km") / "m.gguf", "qwen3", qwen, "q4_k_m", seed=3))
+    q4km = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
     specs = {}
-    for plan in (smol, gemma):
+    for plan in (smol, gemma, q4km):
         for st in plan.steps:
             if st.layer not in (0, 5, None):  # (gemma: layer 5 is a global one, 0 a window one)
                 continue
