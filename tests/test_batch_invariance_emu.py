@@ -10,6 +10,10 @@ collectives) on random inputs, each layer-0 step's batch-1 launches against its 
   split attention and attention_combine (decode) at contexts 1 .. 256: the same output bits and the
   same KV writes (also for a tiny Gemma 3: heads of 256, q/k head norms, window layers).
 
+Both also over the Gemma 3 270M Q4_K_M file's launches (a plan with its storage types and a
+262,144-row head; the tests draw their own weights): the classic q5_0 / q8_0 GEMVs, the exact-x
+q4_k and q6_kr ones, the tall q8_0r head, the head_dim-256 window attention.
+
 The GEMVs store f32 row sums without the residual here (a bf16 store hides most last-bit
 differences): on main the q6_k down projection (its k split over two warp groups in unroll-sized
 runs, batch-1 unroll 4 against 2) differs in 31 of 40 outputs. The attention outputs are bf16, so
