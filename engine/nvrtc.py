@@ -1,4 +1,4 @@
-"""The only module that calls NVRTC: CUDA C++ source -> cubin for one architecture.
+"""The only module that calls NVRTC: CUDA C++ source -> cubin (or PTX) for one architecture.
 
 CUDA headers (cuda_bf16.h, cuda_fp16.h ...) come from the nvidia-cuda-runtime wheel through
 cuda.pathfinder, or from a toolkit ($CUDA_HOME/include, /usr/local/cuda/include). Needs no GPU.
@@ -88,6 +88,18 @@ def compile_to_cubin(
 
     Raises NvrtcError carrying the log and ``source_path`` when compilation fails.
     """
+    return _compile(source, name, arch, options, source_path, ptx=False)
+
+
+def compile_to_ptx(source: str, name: str, arch: str, options: Sequence[str] = ()) -> str:
+    """The PTX NVRTC makes of ``source`` for virtual ``arch`` (e.g. ``compute_90a``): what its
+    front end emitted before ptxas (tests read which float operations it left unfused)."""
+    return _compile(source, name, arch, options, None, ptx=True)[0].rstrip(b"\x00").decode()
+
+
+def _compile(
+    source: str, name: str, arch: str, options: Sequence[str], source_path: Path | None, ptx: bool
+) -> tuple[bytes, str]:
     nvrtc = _nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
@@ -107,11 +119,12 @@ def compile_to_cubin(
         log = bytes(buf).rstrip(b"\x00").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise NvrtcError(f"NVRTC failed to compile {name} for {arch} ({result.name})", log, source_path)
-        err, size = nvrtc.nvrtcGetCUBINSize(prog)
-        _check(err, "nvrtcGetCUBINSize")
-        cubin = bytearray(size)
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        _check(err, "nvrtcGetCUBIN")
-        return bytes(cubin), log
+        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+        err, size = get_size(prog)
+        _check(err, get_size.__name__)
+        out = bytearray(size)
+        (err,) = get(prog, out)
+        _check(err, get.__name__)
+        return bytes(out), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)

@@ -10,6 +10,10 @@ collectives) on random inputs, each layer-0 step's batch-1 launches against its 
   split attention and attention_combine (decode) at contexts 1 .. 256: the same output bits and the
   same KV writes (also for a tiny Gemma 3: heads of 256, q/k head norms, window layers).
 
+Both also over the Gemma 3 270M Q4_K_M file's launches (a plan with its storage types and a
+262,144-row head; the tests draw their own weights): the classic q5_0 / q8_0 GEMVs, the exact-x
+q4_k and q6_kr ones, the tall q8_0r head, the head_dim-256 window attention.
+
 The GEMVs store f32 row sums without the residual here (a bf16 store hides most last-bit
 differences): on main the q6_k down projection (its k split over two warp groups in unroll-sized
 runs, batch-1 unroll 4 against 2) differs in 31 of 40 outputs. The attention outputs are bf16, so
@@ -42,6 +46,8 @@ QWEN = Dims(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key
 LLAMA = dataclasses.replace(QWEN, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                             tie_word_embeddings=True)  # fmt: skip
 MODELS = {"qwen3-q4_k_m": ("qwen3", QWEN, "q4_k_m"), "llama-q4_1": ("llama", LLAMA, "q4_1")}
+GEMMA_MIX = {"wq": "q5_0", "wk": "q5_0", "w_gate": "q5_0", "w_up": "q5_0", "wo": "q4_k", "wv": "q8_0",
+             "w_down": "q6_k", "embed": "q8_0", "lm_head": "q8_0"}  # fmt: skip
 # inline PTX (bulk copies, PDL) the emulator cannot run; f32 outputs without the residual: the row
 # sums unrounded (a bf16 store would hide most last-bit differences of the k split)
 OFF = dict(wsm=False, trigger=False, l2_pf="", out_dtype="f32", residual=False, early_res=False)
@@ -62,6 +68,13 @@ def plans(tmp_path_factory):
                  intermediate_size=512, vocab_size=512)  # fmt: skip
     m = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma"), window=512, **gemma))
     out["gemma3-bf16"] = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
+    # the Gemma 3 270M Q4_K_M file's launches (plan only: the tests draw their own weights): q5_0
+    # q/k/gate/up, q4_k attn_output, q8_0 attn_v, q6_k ffn_down, the tied 262,144-row q8_0 head
+    m = load_model(write_gemma3_safetensors(tmp_path_factory.mktemp("gemma270"), window=512,
+                                            **{**gemma, "intermediate_size": 2048}))  # fmt: skip
+    dims = {**m.dims, "vocab": 262144}
+    out["gemma3-q4_k_m_640"] = build_plan(m.graph, dims, m.graph.quant("q4_k_m_640"), get_profile("h100"), GEMMA_MIX,
+                                          m.rope_style)  # fmt: skip
     return out
 
 
@@ -100,7 +113,7 @@ def _layer0(plan, op):
     return [(i, st) for i, st in enumerate(plan.steps) if st.layer == 0 and st.op.op == op]
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-q4_k_m_640"])
 def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     plan = plans[model]
     rng = np.random.default_rng(0)
@@ -140,7 +153,7 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     assert checked >= 4
 
 
-@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16", "gemma3-q4_k_m_640"])
 def test_short_attention_equals_rope_split_attention_and_combine(plans, model, tmp_path):
     plan = plans[model]
     ((ia, att),) = _layer0(plan, "attention")
@@ -186,7 +199,7 @@ def test_short_attention_equals_rope_split_attention_and_combine(plans, model, t
         assert np.array_equal(out_d, out_s), (model, ctx, int((out_d != out_s).sum()))
 
 
-@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16"])
+@pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16", "gemma3-q4_k_m_640"])
 def test_verify_short_attention_equals_split_attention_and_combine(plans, model, tmp_path):
     """A verify pass below split (VSHORT: no rope launch; the rope-fused direct attention with vfresh)
     over three rows of one sequence (positions p .. p + 2) and a fourth of another sequence, on a

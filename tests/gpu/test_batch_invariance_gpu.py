@@ -70,7 +70,9 @@ MODELS = [*TINY, "llama-bf16", "smollm2", "gemma3"]
 @pytest.fixture(scope="module")
 def runner_of(model_of):
     """name -> (model, its CudaRunner), one runner per model for the module (each test prefills
-    the sequences it reads)."""
+    the sequences it reads). One KV pool (``window_kv_blocks=0``): these tests step the runner with
+    block tables alone, and a runner with a window pool (Gemma 3's default) refuses an item without
+    a window_table (engine.runner_kv)."""
     from engine.runner_cuda import CudaRunner
 
     runners: dict = {}
