@@ -29,7 +29,7 @@ from engine.ir import (
     Value,
     WeightPlan,
 )
-from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS, mma_serves, mmq1_folds, mmq_serves, mmq_stages
+from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS
 from engine.lowering.context import Lowerer
 from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
@@ -236,20 +236,17 @@ def build_plan(
     fusable = _prologue_fusable(schedule, readers)
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
 
-        def q8x_reader(o: Op, lay: int | None, kind: str) -> bool:
+        def q8x_reader(o: Op, lay: int | None) -> bool:
             for w in o.weights:
                 w = graph.tensors[w].tied_to if _tied(graph, w, d) else w  # a tied lm_head reads embed
                 shape = _tensor_shape(graph, w, d)
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
-                mma = kind == "rmsnorm" and mma_serves(profile.tuning, dt, cols)  # (gemv_mma: norm only)
-                if mmq_serves(profile.tuning, dt, cols):  # (gemv_mmq: where its batch-1 kernel stages x)
-                    mma = mmq_stages(dt, cols) if kind == "rmsnorm" else mmq1_folds(dt, rows, cols, profile.sm_count)
-                if id(o) in exact_ids or not (lowerer.q8x_decode(dt, cols) or mma):
+                if id(o) in exact_ids or not lowerer.q8x_decode(dt, cols):
                     return False
             return True
 
-        lowerer.fusable1 = {k for k, kind in fusable.items() if all(q8x_reader(o, lay, kind) for o, lay in readers[k])}
+        lowerer.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
     if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)
@@ -373,8 +370,8 @@ def _wide_decode_rows(
     with the gemm_decode tuning), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
     keep the GEMV, which reads them once per ``GEMV_MAX_BATCH`` rows)."""
     rows = GEMM_DECODE_MIN_ROWS
-    if max(profile.cuda_graph_batch_sizes) < rows or "bf16" in (profile.tune("gemv_mma").get("types") or ()):
-        return 0  # (gemv_mma serves every decode bucket of bf16 weights: a row's bits as at batch 1)
+    if max(profile.cuda_graph_batch_sizes) < rows:
+        return 0
     for op, _ in graph.ops():
         if op.op != "linear":
             continue

@@ -24,20 +24,17 @@ QUANT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "
 FILE_TYPES = FLOAT_TYPES + QUANT_TYPES
 
 #: device layout -> the file storage type it is repacked from (never in a file)
-REPACKED_FROM: dict[str, str] = {
-    "q8_0r": "q8_0", "q6_kr": "q6_k", "q4_0r": "q4_0", "q4_1r": "q4_1", "q5_0r": "q5_0",
-}
+REPACKED_FROM: dict[str, str] = {"q8_0r": "q8_0", "q6_kr": "q6_k", "q4_0r": "q4_0", "q4_1r": "q4_1"}
 #: the planes of each device layout: (start, end) byte ranges of one file block, in plane order
 PLANES: dict[str, tuple[tuple[int, int], ...]] = {
     "q8_0r": ((0, 2), (2, 34)),
     "q6_kr": ((0, 128), (128, 192), (192, 208), (208, 210)),
     "q4_0r": ((2, 18), (0, 2)),
     "q4_1r": ((4, 20), (0, 4)),
-    "q5_0r": ((6, 22), (2, 6), (0, 2)),
 }
 #: the device layouts whose rows are zero-padded to a multiple of 16 bytes (q8_0r pads its d plane,
 #: q8_0r_qs_offset, its K-byte qs plane then ending the row on a 16-byte boundary)
-PADDED_ROWS = ("q6_kr", "q4_0r", "q4_1r", "q5_0r")
+PADDED_ROWS = ("q6_kr", "q4_0r", "q4_1r")
 
 
 def ggml_type(dtype: str) -> GGMLQuantizationType:

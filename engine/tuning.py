@@ -6,8 +6,7 @@ family or knob, or a bad value, is a ConfigError naming the file and the key pat
 ``build(section, values)`` makes the frozen instance the lowering reads. An instance is also a
 read-only Mapping (``tuning["gemv"]["threads"]``, ``.get``), the form kernel_catalog reads.
 docs/kernels.md ("Tuning knobs") lists every knob a profile sets, with its measured gain. Imports
-only engine.schema and the catalog's Q8X_FILE_TYPES / MMA_FILE_TYPES / MMQ_FILE_TYPES. Must not
-import CUDA or numpy.
+only engine.schema and the catalog's Q8X_FILE_TYPES. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -19,11 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernel_catalog import (  # the file types a q8x GEMV / gemv_mma / gemv_mmq reads
-    MMA_FILE_TYPES,
-    MMQ_FILE_TYPES,
-    Q8X_FILE_TYPES,
-)
+from engine.kernel_catalog import Q8X_FILE_TYPES  # the file types a q8x GEMV reads
 from engine.schema import Field, ListOf, MapOf
 
 # the gemv_coop q8x knobs a file type may set for itself (gemv_coop.q8x_type_tuning; 0 keeps the
@@ -157,36 +152,6 @@ class GemvCoop(Knobs):
     q8x_glu: bool = False
 
 
-def mma_file_types(v: list) -> str | None:
-    bad = sorted(set(v) - set(MMA_FILE_TYPES))
-    return f"unknown file type(s) {bad}; gemv_mma reads {', '.join(MMA_FILE_TYPES)}" if bad else None
-
-
-@dataclass(frozen=True, eq=False)
-class GemvMma(Knobs):
-    # the tensor-core decode linear (kernels/gemv_mma.cu.j2) for the weights of these file storage
-    # types (bf16, q8_0, q4_k, q6_k, q4_0, q4_1, q5_0; uploaded as bf16, q8_0r, q4_k, q6_kr, q4_0r,
-    # q4_1r, q5_0r)
-    # in every decode pass, batch 1 included (one kernel and one k split per weight at every batch
-    # size: batched equal to solo), instead of the GEMVs (and, for bf16 models, the wide-decode GEMM)
-    types: list[str] = knob([], mma_file_types)
-
-
-def mmq_file_types(v: list) -> str | None:
-    bad = sorted(set(v) - set(MMQ_FILE_TYPES))
-    return f"unknown file type(s) {bad}; gemv_mmq reads {', '.join(MMQ_FILE_TYPES)}" if bad else None
-
-
-@dataclass(frozen=True, eq=False)
-class GemvMmq(Knobs):
-    # the int8 tensor-core decode linear (kernels/gemv_mmq.cu.j2, x quantised per 32 by
-    # gemv_mmq_x) for the weights of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1; uploaded
-    # as q4_k, q6_kr, q8_0r, q4_0r, q4_1r) in every decode pass, batch 1 included (one kernel and one k split per weight:
-    # batched equal to solo); it wins over gemv_mma.types where both name a type. In no profile
-    # until a GPU measurement earns it (tools/gpu_linear_bench.py rows mmq)
-    types: list[str] = knob([], mmq_file_types)
-
-
 @dataclass(frozen=True, eq=False)
 class Gemm(Knobs):
     # the prefill gemm (kernels/gemm.cu.j2; its fixed shape: engine.kernel_catalog.builders.GEMM_FIXED)
@@ -289,8 +254,6 @@ class DecodeGraph(Knobs):
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
-    "gemv_mma": GemvMma,
-    "gemv_mmq": GemvMmq,
     "gemm": Gemm,
     "gemm_wgmma": GemmWgmma,
     "gemm_decode": GemmDecode,

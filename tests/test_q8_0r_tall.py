@@ -66,14 +66,12 @@ def test_gemma_270m_head_and_embedding_share_one_q8_0r_allocation():
 @pytest.mark.parametrize("k", [640, 96, 2560])
 def test_q8_0r_specs_take_any_k_multiple_of_32(k):
     """The kernel catalog takes q8_0r rows of any k % 32 == 0 (embed, gemv coop and classic,
-    gemm, gemv_mma where k % 64 == 0: its q8_0r unit); the rendered decoders address the qs plane at the padded
-    offset (Q8R_QS: 48 for 640)."""
+    gemm); the rendered decoders address the qs plane at the padded offset (Q8R_QS: 48 for 640)."""
     t = get_profile("h100").tuning
     e = kc.spec("embed", quant="q8_0r", hidden=k, threads=256)
     g = kc.spec("gemv", **kc.linear_params("q8_0r", 4096, k, t, out_dtype="f32", bmax=1, sm_count=132))
     assert g.params["coop"]
     kc.spec("gemm", **kc.gemm_params(4096, k, t, quant="q8_0r"))
-    assert (kc.gemv_mma_params("q8_0r", 4096, k, 8) is None) == bool(k % 64)
     for s in (e, g):
         src = render(s)
         assert "#define Q8R_QS(k) (((size_t)(k) / 32 * 2 + 15) / 16 * 16)" in src

@@ -39,8 +39,6 @@ LATER: dict[str, str] = {
     "ops_ref_moe.py": "MoE",
     "weights/stacked.py": "MoE",
     "weight_memory.py": "MoE",
-    # batched quantised decode (issue #34's tensor-core decode linear)
-    "kernel_catalog/gemv_mma.py": "batched decode",
     # the DSL's growth for the new families (extends:, when-predicates, list dims, config forms)
     "graph_extends.py": "model families (DSL)",
     "dsl_expr.py": "model families (DSL)",

@@ -47,31 +47,6 @@ from engine.kernel_catalog.contracts import (  # noqa: F401
     ROPE_STYLES,
     STAGED_DEFAULT,
 )
-from engine.kernel_catalog.gemv_mma import (  # noqa: F401
-    MMA_BUCKETS,
-    MMA_FILE_TYPES,
-    gemv_mma_params,
-    mma_bmax,
-    mma_min_blocks,
-    mma_resident,
-    mma_serves,
-    mma_smem,
-    mma_xchunk,
-)
-from engine.kernel_catalog.gemv_mmq import (  # noqa: F401
-    MMQ1_BUCKETS,
-    MMQ_FILE_TYPES,
-    gemv_mmq1_params,
-    gemv_mmq_params,
-    gemv_mmq_x_params,
-    mmq1_folds,
-    mmq1_grid_x,
-    mmq1_smem,
-    mmq1_tile_rows,
-    mmq_serves,
-    mmq_smem,
-    mmq_stages,
-)
 from engine.kernel_catalog.layout import (  # noqa: F401
     ATTENTION_ROPE_PARAMS,
     COOP_Q8X_MAX,

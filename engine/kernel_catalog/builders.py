@@ -70,18 +70,9 @@ def upload_type(dtype: str, cols: int, tuning: Mapping[str, Any], rows: int = 0)
     cols % 256 == 0, or when the matrix has at least gemv_coop.q8_0r_min_rows rows (where set: a
     tall short-row matrix such as Gemma 3 270M's 262,144 x 640 tied head, whose q8_0r rows carry
     16 bytes of d-plane padding; ``rows`` 0: unknown, not tall); q6_k / q4_0 / q4_1 the row-planar
-    q6_kr / q4_0r / q4_1r (engine.quant.repack); q5_0 the row-planar q5_0r where gemv_mma reads it
-    (tuning gemv_mma.types, cols a multiple of its 128-element unit); q6_k / q8_0 / q4_0 / q4_1 the
-    row-planar layouts gemv_mmq reads where tuning gemv_mmq.types names them (cols whole 128-element
-    units); else the file's layout."""
-    mma = (tuning.get("gemv_mma") or {}).get("types") or ()
-    if dtype == "q5_0" and "q5_0" in mma and cols % 128 == 0:
-        return "q5_0r"  # (gemv_mma's q5_0 layout: whole 128-element units, so it serves every decode pass)
+    q6_kr / q4_0r / q4_1r (engine.quant.repack); else the file's layout."""
     c = tuning.get("gemv_coop") or {}
     layout = COOP_LAYOUTS.get(dtype)
-    mmq = (tuning.get("gemv_mmq") or {}).get("types") or ()
-    if dtype in mmq and layout in ("q6_kr", "q8_0r", "q4_0r", "q4_1r") and cols % 128 == 0:
-        return layout  # (gemv_mmq reads q6_k / q8_0 / q4_0 / q4_1 in these layouts: tuning gemv_mmq.types)
     if layout is None or dtype not in c.get("types", ()):
         return dtype
     if layout == "q8_0r" and cols % 256:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.kernel_catalog.contracts import GLU_ACTS, MMA_UNIT, MMQ_TYPES, QUANTS, ROPE_STYLES
-from engine.kernel_catalog.gemv_mma import SMEM_MAX, _x_rounds, mma_smem
-from engine.kernel_catalog.gemv_mmq import mmq1_smem, mmq_smem
+from engine.kernel_catalog.contracts import GLU_ACTS, QUANTS, ROPE_STYLES
 from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_TYPES,
@@ -165,86 +163,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
             f"{p['stages']} stages of {64 * mf * cons}x{tn} tiles need {gemm_wgmma_smem(p)} bytes of shared "
             f"memory, above {GEMM_SMEM_MAX}",
         )
-    if template == "gemv_mma":
-        q, bmax, mt, ue = p["quant"], p["bmax"], p["mt"], MMA_UNIT.get(p["quant"])
-        need(ue is not None, f"storage type {q!r} has no gemv_mma decoder; supported: {', '.join(MMA_UNIT)}")
-        need(ue is None or p["k"] % ue == 0, f"k={p['k']} must be a multiple of the {q} unit ({ue} elements)")
-        need(ue is None or p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
-        need(bmax in (8, 16, 32, 64), f"bmax={bmax} must be 8, 16, 32 or 64")
-        need(mt in (1, 2, 4), f"mt={mt} must be 1, 2 or 4")
-        wm, wk = p["wm"], p["wk"]
-        need(wm * wk <= 32, f"wm={wm} x wk={wk} warps exceed a block's 32")
-        need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
-        need(p["min_blocks"] * wm * wk <= 64, f"min_blocks={p['min_blocks']} of {wm * wk} warps exceed an SM's 64")
-        need(ue is None or p["kparts"] <= p["k"] // ue, f"kparts={p['kparts']} must be at most k / {ue}")
-        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
-        need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
-        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
-        need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
-        if ue is not None and p["xsm"]:
-            rounds = _x_rounds(q, p["k"], wk, p["kparts"])
-            need(p["xsm"] <= rounds, f"xsm={p['xsm']} exceeds the {rounds} unit rounds of a block's k part")
-            need(
-                mma_smem(p) <= SMEM_MAX,
-                f"xsm={p['xsm']}: x stages of {mma_smem(p)} bytes exceed a block's {SMEM_MAX} of shared memory",
-            )
-        if p["glu"]:
-            need(
-                p["n"] == 2 * p["glu"] and not p["residual"] and p["out_dtype"] == "bf16",
-                f"glu={p['glu']} needs n = 2 * glu (got {p['n']}), no residual, bf16 out",
-            )
-    if template == "gemv_mmq":
-        q, wm, wk = p["quant"], p["wm"], p["wk"]
-        need(q in MMQ_TYPES, f"storage type {q!r} has no gemv_mmq decoder; supported: {', '.join(MMQ_TYPES)}")
-        need(p["k"] % 128 == 0, f"k={p['k']} must be a multiple of gemv_mmq's 128-element unit")
-        need(q not in MMQ_TYPES or p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
-        need(p["bmax"] in (8, 16, 32, 64), f"bmax={p['bmax']} must be 8, 16, 32 or 64")
-        need(p["mt"] in (1, 2, 4), f"mt={p['mt']} must be 1, 2 or 4")
-        need(wm * wk <= 32, f"wm={wm} x wk={wk} warps exceed a block's 32")
-        need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
-        need(p["min_blocks"] * wm * wk <= 64, f"min_blocks={p['min_blocks']} of {wm * wk} warps exceed an SM's 64")
-        need(p["kparts"] <= p["k"] // 128, f"kparts={p['kparts']} must be at most k / 128")
-        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
-        need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
-        need(not p["xstage"] or p["bmax"] == 8, f"xstage needs bmax 8 (got {p['bmax']})")
-        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
-        need(not p["x_stride"] or p["xstage"], "x_stride is xstage's (gemv_mmq_x's rows are k apart)")
-        need(p["prologue"] in ("none", "norm"), f"prologue {p['prologue']!r} must be none or norm")
-        need(p["prologue"] == "none" or p["xstage"], "prologue norm needs xstage (the kernel stages x itself)")
-        need(mmq_smem(p) <= 227 * 1024, f"xstage: {mmq_smem(p)} bytes of shared memory exceed 227 KB (split k)")
-    if template == "gemv_mmq1":
-        q = p["quant"]
-        need(q in MMQ_TYPES, f"storage type {q!r} has no gemv_mmq1 decoder; supported: {', '.join(MMQ_TYPES)}")
-        need(p["k"] % 128 == 0, f"k={p['k']} must be a multiple of gemv_mmq's 128-element unit")
-        need(q not in MMQ_TYPES or p["k"] % QUANTS[q][0] == 0, f"row length {p['k']} is not a multiple of the {q} block")
-        need(p["wk"] in (1, 2, 4), f"wk={p['wk']} must be 1, 2 or 4 (lanes of a warp per row)")
-        need(p["bmax"] in (1, 2, 4), f"bmax={p['bmax']} must be 1, 2 or 4")
-        need(1 <= p["warps"] <= 32, f"warps={p['warps']} must be 1..32")
-        need(p["lanes"] in (1, 4), f"lanes={p['lanes']} must be 1 or 4 (lanes per row and k slice)")
-        need(1 <= p["min_blocks"] * p["warps"] <= 64, f"min_blocks={p['min_blocks']} of {p['warps']} warps exceed an SM's 64")
-        need(
-            p["grid_cap"] == 0 or (p["grid_cap"] > 0 and p["lanes"] == 4 and p["kparts"] == 1),
-            f"grid_cap={p['grid_cap']} (blocks looping over the row tiles) needs lanes=4 and kparts=1",
-        )
-        need(
-            not p["interleave"] or (p["lanes"] == 4 and p["grid_cap"] == 0),
-            "interleave (a group's lanes taking its slice's units in turn) needs lanes=4 and no grid_cap",
-        )
-        need(1 <= p["depth"] <= 8, f"depth={p['depth']} must be 1..8")
-        need(p["kparts"] <= p["k"] // 128, f"kparts={p['kparts']} must be at most k / 128")
-        need(p["out_dtype"] in ("bf16", "f32"), f"out_dtype {p['out_dtype']!r} must be bf16 or f32")
-        need(not (p["residual"] and p["out_dtype"] != "bf16"), "a residual needs a bf16 out")
-        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
-        need(p["prologue"] in ("none", "norm", "silu"), f"prologue {p['prologue']!r} must be none, norm or silu")
-        need(
-            p["prologue"] != "silu" or (p["u_off"] >= p["k"] and p["u_off"] % 8 == 0 and p["u_off"] + p["k"] <= p["x_stride"]),
-            f"prologue silu: up at u_off={p['u_off']} must follow the gate's k={p['k']} in the x row (x_stride "
-            f"{p['x_stride']}), 16-byte aligned",
-        )
-        need(mmq1_smem(p) <= 227 * 1024, f"{mmq1_smem(p)} bytes of shared memory exceed 227 KB (split k)")
-    if template == "gemv_mmq_x":
-        need(p["k"] % 32 == 0, f"k={p['k']} must be a multiple of 32 (the int8 x blocks)")
-        need(p["x_stride"] % 8 == 0, f"x_stride={p['x_stride']} must be a multiple of 8 (16-byte x loads)")
     if template == "gemm":
         q, wm, ks = p["quant"], p["warps_m"], p["split_k"]
         need(

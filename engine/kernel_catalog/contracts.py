@@ -14,20 +14,9 @@ from engine import storage
 # block or device layout's block (engine.storage), or 8 elements (one vector load) of a float type
 QUANTS: dict[str, tuple[int, int]] = {
     t: (8, 8 * storage.BLOCK_SIZES[t][1]) if t in storage.FLOAT_TYPES else storage.BLOCK_SIZES[t]
-    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_0r", "q5_1",
-              "q4_k", "q5_k", "q6_k", "q6_kr")
+    for t in ("bf16", "f16", "f32", "q8_0", "q8_0r", "q4_0", "q4_0r", "q4_1", "q4_1r", "q5_0", "q5_1", "q4_k",
+              "q5_k", "q6_k", "q6_kr")
 }
-
-# gemv_mma's storage types, with the elements of its unit (a warp's weight step per row: one 16-byte
-# load per lane and row, kernels/gemv_mma.cu.j2)
-MMA_UNIT: dict[str, int] = {
-    "bf16": 32, "q8_0r": 64, "q4_k": 128, "q6_kr": 128, "q4_0r": 128, "q4_1r": 128, "q5_0r": 128,
-}
-
-
-# gemv_mmq's storage types (kernels/gemv_mmq.cu.j2: int8 mma on 128-element units)
-MMQ_TYPES = ("q4_k", "q6_kr", "q8_0r", "q4_0r", "q4_1r")
-
 
 ROPE_STYLES = ("neox", "interleaved")
 GLU_ACTS = ("silu", "gelu_tanh")  # silu_mul's gate activations (SwiGLU, GeGLU with the tanh GELU)
@@ -40,8 +29,7 @@ LP_TOP = 20  # the logprobs kernel's top-k capacity: the most top_logprobs a row
 # gemv: stage unaligned GGUF blocks through shared memory (coalesced 16-byte loads) by default?
 STAGED_DEFAULT: dict[str, bool] = {
     "bf16": False, "f16": False, "f32": False, "q8_0": True, "q8_0r": False, "q4_0": True, "q4_0r": False,
-    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_0r": False, "q5_1": True, "q4_k": False, "q5_k": False,
-    "q6_k": True,
+    "q4_1": True, "q4_1r": False, "q5_0": True, "q5_1": True, "q4_k": False, "q5_k": False, "q6_k": True,
     "q6_kr": False,
 }
 
@@ -81,15 +69,6 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
     "attention_combine": {"window": 0, "fold": False},
     "rope": {"v_stride": 0},
-    "gemv_mma": {
-        "kparts": 1, "x_stride": 0, "glu": 0, "depth": 4, "prologue": "none", "trigger": False,
-        "min_blocks": 1, "xsm": 0,
-    },
-    "gemv_mmq": {"kparts": 1, "min_blocks": 1, "xstage": False, "x_stride": 0, "prologue": "none"},
-    "gemv_mmq1": {
-        "kparts": 1, "x_stride": 0, "prologue": "none", "u_off": 0, "bmax": 1, "lanes": 1, "min_blocks": 1,
-        "grid_cap": 0, "trigger": False, "interleave": False,
-    },
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
     "rmsnorm": {"x_dtype": "bf16"},
     "add": {"a_dtype": "bf16"},
@@ -128,66 +107,6 @@ KERNELS: dict[str, KernelDoc] = {
             "trigger": False, "early_nw": False, "early_res": False, "l2_pf": "",
         },
         unnamed=("eps", "grid_cap", "l2_pf"),
-    ),
-    "gemv_mma": KernelDoc(
-        dict(
-            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, x_stride=int, glu=int, prologue=str, eps=float, trigger=bool,
-            min_blocks=int, xsm=int,
-        ),
-        # kparts > 1 adds (part_sum, part_count), prologue "norm" then norm_w: kernel_args()
-        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
-        None,
-        "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
-        "(wm * wk * 32,)",
-        "static: the k groups' sums when wk > 1 (kernel_catalog.gemv_mma.mma_red_bytes; + 33 * bmax * 4 with "
-        "prologue norm); dynamic with "
-        "xsm > 0: the x stages, kernel_catalog.gemv_mma.mma_smem",
-        {"kparts": 1, "depth": 4, "residual": False, "out_dtype": "bf16", "x_stride": 0, "glu": 0,
-         "prologue": "none", "eps": 0.0, "trigger": False, "min_blocks": 1, "xsm": 0},
-        unnamed=("eps",),
-    ),
-    "gemv_mmq": KernelDoc(
-        dict(
-            quant=str, n=int, k=int, bmax=int, mt=int, wm=int, wk=int, kparts=int, depth=int, residual=bool,
-            out_dtype=str, min_blocks=int, xstage=bool, x_stride=int, prologue=str, eps=float,
-        ),
-        # kparts > 1 adds (part_sum, part_count); xstage takes x (bf16) for xq / xs; prologue "norm"
-        # then norm_w (f32): kernel_args();
-        # xq / xs: gemv_mmq_x's output
-        (("out", P), ("w", P), ("xq", P), ("xs", P), ("residual", P), ("rows", I32)),
-        None,
-        "(ceil(n / (16 * mt * wm)), ceil(rows / bmax), kparts)",
-        "(wm * wk * 32,)",
-        "static: wm * mt * bmax * 64 bytes when wk > 1; dynamic 8 * (kp + 32) + 2 * kp when xstage "
-        "(kp = ceil(k / 128 / kparts) * 128)",
-        {"kparts": 1, "depth": 2, "residual": False, "out_dtype": "bf16", "min_blocks": 1, "xstage": False,
-         "x_stride": 0, "prologue": "none", "eps": 0.0},
-        unnamed=("eps",),
-    ),
-    "gemv_mmq1": KernelDoc(
-        dict(
-            quant=str, n=int, k=int, wk=int, kparts=int, warps=int, depth=int, residual=bool, out_dtype=str,
-            x_stride=int, prologue=str, eps=float, u_off=int, bmax=int, lanes=int, min_blocks=int, grid_cap=int,
-            trigger=bool, interleave=bool,
-        ),
-        # kparts > 1 adds (part_sum, part_count), prologue "norm" then norm_w: kernel_args()
-        (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
-        None,
-        "(ceil(n / (warps * 32 / (wk * lanes))) (at most grid_cap), ceil(rows / bmax), kparts)",
-        "(warps * 32,)",
-        "dynamic bmax * kp * 5 / 4 (kp = ceil(k / 128 / kparts) * 128)",
-        {"kparts": 1, "residual": False, "out_dtype": "bf16", "x_stride": 0, "prologue": "none", "eps": 0.0,
-         "u_off": 0, "bmax": 1, "lanes": 1, "min_blocks": 1, "grid_cap": 0, "trigger": False, "interleave": False},
-        unnamed=("eps",),
-    ),
-    "gemv_mmq_x": KernelDoc(
-        dict(k=int, x_stride=int, threads=int),
-        (("xq", P), ("xs", P), ("x", P), ("rows", I32)),
-        None,
-        "(ceil(k / (8 * threads)), rows)",
-        "(threads,)",
-        defaults={"x_stride": 0},
     ),
     "gemm": KernelDoc(
         dict(

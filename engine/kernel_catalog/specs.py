@@ -20,8 +20,6 @@ from engine.kernel_catalog.contracts import (
     STAGED_DEFAULT,
     P,
 )
-from engine.kernel_catalog.gemv_mma import mma_smem
-from engine.kernel_catalog.gemv_mmq import mmq1_grid_x, mmq1_smem, mmq_smem
 from engine.kernel_catalog.layout import (
     ATTENTION_ROPE_ARGS,
     _cdiv,
@@ -88,9 +86,7 @@ def spec(template: str, **params: Any) -> KernelSpec:
         except (TypeError, ValueError):
             raise _fail(template, f"param {key}={value!r} is not a {typ.__name__}") from None
         zero_ok = (
-            (template == "gemv_mma" and key in ("x_stride", "glu", "xsm"))
-            or (template in ("gemv_mmq_x", "gemv_mmq", "gemv_mmq1") and key in ("x_stride", "glu", "u_off", "grid_cap"))
-            or (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
+            (template == "gemv" and key in ("x_stride", "u_off", "glu", "grid_cap", "min_blocks"))
             or (template == "attention" and key in ("rope_dim", "kv_stride") and not params.get("rope"))
             or key == "v_stride"  # rope / attention: 0 means v shares k's row stride
             or key == "window"  # attention kernels: 0 means no sliding window
@@ -135,16 +131,6 @@ class KernelChoice:
 # template -> grid(params, rows, **runtime) (KernelDoc.grid in code); every other template: a block per row
 _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
     "gemv": lambda p, rows, **_: (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1),
-    "gemv_mma": lambda p, rows, **_: (
-        _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
-    ),
-    "gemv_mmq": lambda p, rows, **_: (
-        _cdiv(p["n"], 16 * p["mt"] * p["wm"]), _cdiv(rows, p["bmax"]), p["kparts"]
-    ),
-    "gemv_mmq_x": lambda p, rows, **_: (_cdiv(p["k"], 8 * p["threads"]), rows, 1),
-    "gemv_mmq1": lambda p, rows, **_: (
-        mmq1_grid_x(p), _cdiv(rows, p["bmax"]), p["kparts"]
-    ),
     "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),
     "gemm": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, p["tile_m"]), 1),
     "gemm_wgmma": lambda p, rows, **_: (_cdiv(p["n"], p["tile_n"]), _cdiv(rows, gemm_wgmma_tile_m(p)), 1),
@@ -164,9 +150,6 @@ _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
 }
 # template -> threads per block; every other template: its ``threads`` param
 _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
-    "gemv_mma": lambda p: p["wm"] * p["wk"] * 32,
-    "gemv_mmq": lambda p: p["wm"] * p["wk"] * 32,
-    "gemv_mmq1": lambda p: p["warps"] * 32,
     "gemv_pair": lambda p: p["a_threads"],
     "gemm": lambda p: p["warps"] * 32,
     "gemm_wgmma": lambda p: (p["consumers"] + 1) * 128,
@@ -177,10 +160,7 @@ _BLOCK: dict[str, Callable[[dict[str, Any]], int]] = {
 # template -> dynamic shared memory bytes; every other template: none
 _SMEM: dict[str, Callable[[KernelSpec], int]] = {
     "gemv": lambda s: gemv_smem(s.params),
-    "gemv_mmq": lambda s: mmq_smem(s.params),
-    "gemv_mmq1": lambda s: mmq1_smem(s.params),
     "gemv_pair": pair_smem,
-    "gemv_mma": lambda s: mma_smem(s.params),
     "gemm": lambda s: gemm_smem(s.params),
     "gemm_wgmma": lambda s: gemm_wgmma_smem(s.params),
     "attention_prefill": lambda s: attention_prefill_smem(s.params),
@@ -210,17 +190,6 @@ def kernel_args(s: KernelSpec) -> tuple[tuple[str, str], ...]:
         return tuple((f"{x}{name}", c) for x, part in parts for name, c in kernel_args(part))
     args = KERNELS[s.template].args
     if s.template == "gemv" and s.params.get("prologue") == "norm":
-        args = args + (("norm_w", P),)
-    if s.template == "gemv_mmq" and s.params["xstage"]:  # (bf16 x, quantised in the kernel)
-        args = tuple(a for a in args if a[0] != "xs")
-        args = tuple(("x", P) if a[0] == "xq" else a for a in args)
-    if s.template in ("gemv_mmq", "gemv_mmq1") and s.params["kparts"] > 1:
-        args = args + (("part_sum", P), ("part_count", P))
-    if s.template in ("gemv_mmq", "gemv_mmq1") and s.params["prologue"] == "norm":
-        args = args + (("norm_w", P),)
-    if s.template == "gemv_mma" and s.params["kparts"] > 1:
-        args = args + (("part_sum", P), ("part_count", P))
-    if s.template == "gemv_mma" and s.params["prologue"] == "norm":
         args = args + (("norm_w", P),)
     if s.template == "attention_prefill" and s.params["partial"]:
         args = args + (("part_o", P), ("part_ml", P), ("max_splits", I32))

@@ -115,8 +115,6 @@ class Lowerer:
         (kernel_catalog.q8x_applies at bmax 1)."""
         if not kc.gemv_layout(dtype, self.profile.tuning).get("coop"):
             return False
-        if kc.mma_serves(self.profile.tuning, dtype, cols) or kc.mmq_serves(self.profile.tuning, dtype, cols):
-            return False  # gemv_mma / gemv_mmq serves it (engine.lowering.gemv_mma / gemv_mmq): no prologue
         return bool(kc.q8x_applies(self.profile.tuning, 1, cols, dtype))
 
     def fused(self, op: Op, layer: int | None, mode: str) -> bool:

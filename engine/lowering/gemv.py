@@ -4,9 +4,7 @@ One launch per weight allocation: the classic layout (tuning gemv) or the warp-c
 (tuning gemv_coop, q8x: int8 x rows and dp4a), with a prologue where a decode rmsnorm / silu_mul
 was folded into it (the Lowerer's ``prologue``), a glu epilogue on a gate|up GEMV whose silu_mul
 it replaces, and at batch 1 a q4_k_m layer's two q|k / v GEMVs as one gemv_pair launch (tuning
-decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). Weights that tuning
-gemv_mma.types names take the tensor-core kernel instead (engine.lowering.gemv_mma), and those that
-tuning gemv_mmq.types names the int8 one (engine.lowering.gemv_mmq; it wins where both do). A helper of the
+decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). A helper of the
 ``linear`` unit. Must not import CUDA or numpy.
 """
 
@@ -17,8 +15,6 @@ import dataclasses
 from engine import kernel_catalog as kc
 from engine.ir import NULL, ROWS, Arg, Launch, val, wgt
 from engine.lowering.context import PROLOGUE_MODES
-from engine.lowering.gemv_mma import MMA_MODES, mma_launches
-from engine.lowering.gemv_mmq import mmq_launches, mmq_quantise
 from engine.types import ConfigError
 
 
@@ -32,24 +28,10 @@ def gemv_signature(p: dict) -> tuple:
 
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
     # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
-    launches, col, mma = [], 0, False
-    mmq = []  # (gemv_mmq's launches: after their x quantiser, once for all the op's weights)
-    for i, w in enumerate(ws):
-        if mode in MMA_MODES and kc.mmq_serves(ctx.profile.tuning, w.dtype, w.cols):  # (tuning gemv_mmq.types)
-            mmq += mmq_launches(ctx, op, mode, ins, outs[col], w)
-            mma = True
-        elif mode in MMA_MODES and kc.mma_serves(ctx.profile.tuning, w.dtype, w.cols):  # (tuning gemv_mma.types)
-            glu = glu_for(ctx, op, layer, mode, w, op.attrs.get("residual") is not None, ctx.act_dtype(outs[col].name))
-            tag = f".{i}" if i and mode == "decode1" else ""  # (a forked launch's own scratch)
-            launches += mma_launches(ctx, op, layer, mode, ins, outs[col], w, glu, tag)
-            mma = True
-        else:
-            launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
+    launches, col = [], 0
+    for w in ws:
+        launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
-    if mmq:  # (never forked: a gemv_mmq launch may read its quantiser's scratch)
-        return mmq_quantise(ctx, mode, ins, ws[0].cols, mmq) + mmq + launches
-    if mma:  # no pair; forked at batch 1 only (a bucket's launches are one per row range)
-        return fork(ctx, mode, launches) if mode == "decode1" else launches
     paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
     if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
         launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])
