@@ -99,6 +99,7 @@ def test_tokenizer_matches_the_golden_ids(tok):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (50 s: in .ci/run's long step; the golden-file comparison above stays in README's command)
 def test_logits_match_live_transformers(gemma, golden_run):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
