@@ -1,7 +1,7 @@
 """The decode attention reads no key that the same pass writes before its pdl_wait() (issue #38, on
 the CPU: tests/fixtures/cuda_emu.py).
 
-A PDL launch may start before the kernel ahead of it (the rope's kv_write) has finished, and its
+A PDL launch may start before the kernel ahead of it (the rope's cache write) has finished, and its
 reads before pdl_wait() may see the memory from before that kernel's writes. The emulator models
 that (launch_any's ``stale``): each block reads the pass's KV slots as they were before the rope
 until its pdl_wait(), then as the rope left them. A verify pass's rows (one sequence at consecutive

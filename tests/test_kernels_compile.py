@@ -540,7 +540,6 @@ def _attention_variant_specs():
                     split=512,
                     q_stride=qs,
                     out_stride=heads * hd,
-                    mode="decode",
                     direct=direct,
                     warps=warps,
                     vec16=vec16,
@@ -558,7 +557,7 @@ def _attention_variant_specs():
     # direct decode (vec16 and scalar), the combine, the prefill with the K/V tile that fits
     common = dict(heads=4, kv_heads=1, head_dim=256, block_size=16, scale=0.0625, window=512)
     for direct, vec16, warps in ((True, True, 8), (False, True, 4), (True, False, 4), (False, False, 4)):
-        out.append(kc.spec("attention", **common, split=256, q_stride=1536, out_stride=1024, mode="decode",
+        out.append(kc.spec("attention", **common, split=256, q_stride=1536, out_stride=1024,
                            direct=direct, warps=warps, vec16=vec16, qsplit=4 if direct else 1))  # fmt: skip
     out.append(kc.spec("attention_combine", heads=4, head_dim=256, split=256, out_stride=1024, window=512))
     out.append(kc.spec("attention_prefill", **common, q_stride=1536, out_stride=1024, block_q=64, block_kv=32, warps=4))
@@ -586,7 +585,7 @@ def test_attention_prefill_contract():
     assert c.grid(300, max_q=130, nseq=3) == (3, 32, 3) and c.block == (128, 1, 1)
     assert c.smem == (64 + 4 * 64) * 136 * 2
     assert [a for a, _ in c.args][-2:] == ["seq_starts", "max_blocks"]
-    d = dict(p, split=512, out_stride=4096, mode="decode", direct=False, warps=4)
+    d = dict(p, split=512, out_stride=4096, direct=False, warps=4)
     assert "vec16" not in kc.spec("attention", **d).entry and kc.spec(
         "attention", **d, vec16=True
     ).entry.endswith("vec161")

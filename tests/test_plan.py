@@ -41,12 +41,12 @@ def test_qwen3_fuses_qkv_and_gate_up_and_orders_steps_layer_major():
     assert q.ld == k.ld == 4096
 
 
-def test_qwen3_head_norms_fuse_into_rope_with_kv_write():
+def test_qwen3_head_norms_fuse_into_rope():
     plan = plan_for("qwen3", "qwen3-0.6b")
     step_ops = [(s.op.op, len(s.launches["prefill"])) for s in plan.steps if s.layer == 0]
     assert ("head_rmsnorm", 0) in step_ops
     rope = next(s for s in plan.steps if s.layer == 3 and s.op.op == "rope").launches["prefill"][0]
-    assert rope.spec.params["qk_norm"] is True and rope.spec.params["kv_write"] is True
+    assert rope.spec.params["qk_norm"] is True
     assert rope.spec.params["q_stride"] == 4096
     weights = [a.ref for a in rope.args if a.kind == "weight"]
     assert weights == ["L3.q_norm", "L3.k_norm"]
@@ -442,7 +442,7 @@ def test_attention_decode_splits_prefill_flash_and_scratch_is_sized_by_context()
     plan = plan_for("qwen3", "qwen3-0.6b")
     step = next(s for s in plan.steps if s.layer == 0 and s.op.op == "attention")
     dec, comb = step.launches["decode"]
-    assert dec.spec.params["direct"] is False and dec.spec.params["mode"] == "decode"
+    assert dec.spec.params["direct"] is False
     assert comb.spec.template == "attention_combine"
     split = get_profile("h200").tune("attention_decode")["split_kv_tokens"]
     assert dec.grid_for({"n": 4, "max_ctx": 4096}) == (4, 8, 4096 // split)
@@ -608,7 +608,7 @@ def test_short_context_decode_uses_direct_attention_without_combine():
     plan = plan_for("llama", "smollm2-135m")
     step = next(s for s in plan.steps if s.op.op == "attention")
     (short,) = step.launches["short"]
-    assert short.spec.params["direct"] is True and short.spec.params["mode"] == "decode"
+    assert short.spec.params["direct"] is True
     assert plan.short_context == get_profile("h200").tune("attention_decode")["split_kv_tokens"]
     assert short.spec in kernel_specs(plan)
 
@@ -1057,7 +1057,6 @@ def test_direct_attention_splits_query_heads_over_grid_z():
             scale=0.1,
             q_stride=6144,
             out_stride=4096,
-            mode="decode",
             direct=True,
             warps=8,
             qsplit=3,

@@ -246,7 +246,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
         )
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
-        need(p["mode"] == "decode", f"mode {p['mode']!r} must be decode (prefill: attention_prefill)")
         group = p["heads"] // p["kv_heads"]
         need(
             p["qsplit"] == 1 or (p["direct"] and group % p["qsplit"] == 0),
@@ -268,13 +267,13 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not (p["window"] and p["table_first"]),
             "table_first stages the table from the range's first key: not with a sliding window",
         )
-        need(not p["l2_pf"] or (p["direct"] and p["mode"] == "decode"), "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
+        need(not p["l2_pf"] or p["direct"], "l2_pf (L2 prefetch of later weights) needs the direct decode kernel")
         need(
             not p["vfresh"] or (p["rope"] and p["direct"]),
             "vfresh (a verify pass's earlier rows' keys) needs the direct kernel with the rope fused in",
         )
         if p["rope"]:  # rope fused into decode attention (kernels/_rope.cuh.j2)
-            need(p["vec16"] and p["mode"] == "decode", "rope fusion needs vec16 decode attention")
+            need(p["vec16"], "rope fusion needs vec16 decode attention")
             need(
                 p["style"] in ROPE_STYLES,
                 f"rope style {p['style']!r} must be one of {', '.join(ROPE_STYLES)}",

@@ -164,7 +164,7 @@ KERNELS: dict[str, KernelDoc] = {
     "rope": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, rope_dim=int, theta=float, style=str, q_stride=int,
-            kv_stride=int, qk_norm=bool, eps=float, freq_factors=bool, kv_write=bool, threads=int,
+            kv_stride=int, qk_norm=bool, eps=float, freq_factors=bool, threads=int,
             v_stride=int,
         ),
         (
@@ -188,7 +188,7 @@ KERNELS: dict[str, KernelDoc] = {
     "attention": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, block_size=int, split=int, scale=float, q_stride=int,
-            out_stride=int, mode=str, direct=bool, warps=int, vec16=bool, rope=bool, rope_dim=int,
+            out_stride=int, direct=bool, warps=int, vec16=bool, rope=bool, rope_dim=int,
             theta=float, style=str, qk_norm=bool, eps=float, freq_factors=bool, kv_stride=int, qsplit=int,
             v_stride=int, table_first=bool, trigger=bool, l2_pf=str, window=int, vfresh=int,
         ),

@@ -78,7 +78,6 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         qk_norm=qn is not None,
         eps=repr(float(d["rms_eps"])),
         freq_factors=freq_w is not None,
-        kv_write=True,
         threads=t,
         **({"v_stride": v.ld} if v.ld != k.ld else {}),
     )

@@ -40,7 +40,7 @@ def decode_specs(profile, window: int) -> list:
     for H, KV, D in SHAPES:
         dims = dict(heads=H, kv_heads=KV, head_dim=D)
         for direct in (True, False):
-            p = attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
+            p = attention_params(dims, profile.tuning, bs, direct=direct,
                                     q_stride=(H + 2 * KV) * D, out_stride=H * D)  # fmt: skip
             p.update(window=window, table_first=False, scale=0.0625)
             out.append(kc.spec("attention", **p))

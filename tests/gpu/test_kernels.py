@@ -338,7 +338,7 @@ def test_decode_attention_profile_and_variants(kernels, profile):
     for H, KV, D in ((32, 8, 128), (9, 3, 64)):
         dims = dict(heads=H, kv_heads=KV, head_dim=D)
         for direct in (True, False):
-            p = attention_params(dims, profile.tuning, bs, mode="decode", direct=direct,
+            p = attention_params(dims, profile.tuning, bs, direct=direct,
                                     q_stride=(H + 2 * KV) * D, out_stride=H * D)
             specs.append(kc.spec("attention", **p))
     fused_rope = {"k_in", "slots"}

@@ -181,7 +181,7 @@ def test_tail_attention_at_depth(kernels, profile, shape):
     at = _Attn(kernels, profile, shape)
     dims = dict(heads=H, kv_heads=KV, head_dim=D)
     kernels.prebuild([at.plain.spec, at.single.spec, at.comb.spec] + [c.spec for c in at.part.values()])
-    dp = attention_params(dims, profile.tuning, bs, mode="decode", direct=False, q_stride=H * D, out_stride=H * D)
+    dp = attention_params(dims, profile.tuning, bs, direct=False, q_stride=H * D, out_stride=H * D)
     dec = kc.choice("attention", **dp)
     dcomb = kc.choice("attention_combine", heads=H, head_dim=D, split=dp["split"], out_stride=H * D)
     rng = np.random.default_rng(0)
