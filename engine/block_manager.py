@@ -13,7 +13,7 @@ Prefix-cache keys are chained over FULL blocks: ``hash_i = H(hash_{i-1}, tokens 
 A block is registered only by :meth:`BlockManager.commit`, i.e. after the step that wrote its KV.
 
 Hybrid models (recurrent state beside the KV) also get **state slots** (live states and prefix-cache
-snapshots): ``engine.state_slots.StateSlots``, a mixin of ``BlockManager``.
+snapshots): ``engine.state_slots.StateSlotLedger``, a mixin of ``BlockManager``.
 Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
 so a repeated or extended prompt hashes only its new blocks.
 Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` and
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_keys import ChainMemory, chain
-from engine.state_slots import StateSlots
+from engine.state_slots import StateSlotLedger
 
 _HASH_VERSION = b"memra-prefix-v1"
 RELEASED = -1  # a table entry whose block was released (before a sliding window: release_before)
@@ -73,7 +73,7 @@ class _SeqBlocks:
     released: int = 0  # leading table entries released (RELEASED): a sliding-window group's table
 
 
-class BlockManager(StateSlots):
+class BlockManager(StateSlotLedger):
     """Allocates KV blocks to sequences and keeps the prefix cache. Not thread-safe: one owner thread."""
 
     def __init__(

@@ -8,7 +8,7 @@ taken every ``snapshot_interval`` tokens and at the prompt's last cacheable bloc
 (``state_for_step``); when slots run out the least recently used unpinned snapshot is dropped
 (never a live state).
 
-``StateSlots`` is a mixin of ``BlockManager``: it keeps the slot accounting and reads the block
+``StateSlotLedger`` is a mixin of ``BlockManager``: it keeps the slot accounting and reads the block
 manager's ``_seqs`` (per-sequence ``state_slot`` / ``restore`` / ``pending``), ``_by_hash``,
 ``_hash``, ``block_size`` and ``enable_prefix_cache`` (the ``seq`` arguments are its
 ``_SeqBlocks``); the block manager calls ``_init_state_slots``, ``_commit_state``, ``_free_state``,
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 
-class StateSlots:
+class StateSlotLedger:
     """Live / snapshot / free state slots of a hybrid model's sequences (module docstring)."""
 
     def _init_state_slots(self, state_slots: int, snapshot_interval: int) -> None:
