@@ -62,7 +62,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         spec = ctx.spec(
             "attention",
             split=t["split_kv_tokens"],  # one staged table chunk
-                    direct=True,
+            direct=True,
             warps=warps,
             vec16=v16,
             qsplit=qsplit,
@@ -81,7 +81,7 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     spec = ctx.spec(
         "attention",
         split=split,
-            direct=False,
+        direct=False,
         warps=warps,
         vec16=v16,
         **common,
