@@ -92,7 +92,7 @@ def instrument() -> None:
         ("  template", gen, "chat_prompt"),
         ("  tokenise (encode_chat)", Tokenizer, "encode_chat"),
         ("engine.submit", loop.Engine, "submit"),
-        ("  validate", loop.Engine, "_validate"),
+        ("  validate", loop, "check_request"),
         ("schedule", sch.Scheduler, "schedule"),
         ("  blocks.allocate", bm.BlockManager, "allocate"),
         ("    prefix keys", pk.ChainMemory, "keys"),
