@@ -5,8 +5,7 @@ collectives) on random inputs, each layer-0 step's batch-1 launches against its 
 
 * every linear: the batch-1 GEMV (decode1: the rmsnorm or silu_mul folded into its x staging,
   q8x_b1_unroll, a gemv_pair's parts) on one row against the step before it (the rmsnorm /
-  silu_mul kernel) and the bmax-8 GEMV (decode) on three rows: the same output bits per row; where
-  the bucket GEMV folds that kernel in too (gemv_coop.q8x_fuse_decode_kb), it on the raw rows as well;
+  silu_mul kernel) and the bmax-8 GEMV (decode) on three rows: the same output bits per row;
 * the attention: the direct kernel with the rope folded in (short) against the rope kernel, the
   split attention and attention_combine (decode) at contexts 1 .. 256: the same output bits and the
   same KV writes (also for a tiny Gemma 3: heads of 256, q/k head norms, window layers).
@@ -118,7 +117,7 @@ def _layer0(plan, op):
 def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
     plan = plans[model]
     rng = np.random.default_rng(0)
-    checked = buckets = 0
+    checked = 0
     for i, st in _layer0(plan, "linear"):
         prev = plan.steps[i - 1]
         for p1, pn in zip(_gemvs(st.launches["decode1"]), _gemvs(st.launches["decode"]), strict=True):
@@ -130,37 +129,28 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
             raw = random_blocks(file_type, n * k // elems, seed=checked)
             w = np.ascontiguousarray(quant.repack(raw, p1["quant"], n, k) if p1["quant"] != file_type else raw).reshape(-1)
             pro = p1["prologue"]
-            assert pn["prologue"] in (pro, "none"), (model, i, pro, pn["prologue"])
-            # the kernel the prologue stands for: the decode step's own, else (folded in the
-            # bucket too: gemv_coop.q8x_fuse_decode_kb) the same kernel's prefill launch
-            (kern,) = prev.launches["decode"] or prev.launches["prefill"] if pro != "none" else (None,)
-            if pro == "norm":  # the rmsnorm kernel before a bucket GEMV without the prologue
+            if pro == "norm":  # decode: the rmsnorm kernel before the bucket GEMV
                 x = _bf16(rng.standard_normal((ROWS, k)) * rng.uniform(0.2, 4.0, (ROWS, 1)))
                 nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+                (rs,) = prev.launches["decode"]
                 xn = np.full((ROWS, k), 0x7FC0, np.uint16)
-                _run(kern.spec, (ROWS, 1, 1), kern.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
-            elif pro == "silu":  # the silu_mul kernel before it
+                _run(rs.spec, (ROWS, 1, 1), rs.block[0], 0, [xn, x, None, nw, ROWS], tmp_path)
+            elif pro == "silu":  # decode: the silu_mul kernel before it
                 x = _bf16(rng.standard_normal((ROWS, p1["x_stride"])) * 2.0)
                 nw = None
+                (sm,) = prev.launches["decode"]
                 xn = np.full((ROWS, k), 0x7FC0, np.uint16)
-                t = kern.block[0]
-                _run(kern.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * p1["u_off"], ROWS], tmp_path)
+                t = sm.block[0]
+                _run(sm.spec, (-(-k // 8 // t), ROWS, 1), t, 0, [xn, x, x.ctypes.data + 2 * p1["u_off"], ROWS], tmp_path)
             else:
                 x = xn = _bf16(rng.standard_normal((ROWS, k)))
                 nw = None
-            plain = {key: v for key, v in pn.items() if key not in ("eps", "u_off", "early_nw")}
-            want = run_gemv(tmp_path, w, xn, ROWS, **{**plain, "prologue": "none", "x_stride": 0})
-            if pn["prologue"] != "none":  # the bucket GEMV with the prologue: the kernel's bits
-                fused = run_gemv(tmp_path, w, x, ROWS, nw, **pn)
-                assert np.array_equal(fused, want), (model, i, pro, "bucket prologue", int((fused != want).sum()))
-                buckets += 1
+            want = run_gemv(tmp_path, w, xn, ROWS, **pn)
             for r in range(ROWS):
                 got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **p1)
                 assert np.array_equal(got[0], want[r]), (model, i, p1["quant"], pro, r, int((got[0] != want[r]).sum()))
             checked += 1
     assert checked >= 4
-    # the tiny models' matrices are all small: their buckets fold the norms and the silu_mul too
-    assert (buckets >= 3) if model in MODELS else buckets == 0, (model, buckets)
 
 
 @pytest.mark.parametrize("model", [*sorted(MODELS), "gemma3-bf16", "gemma3-q4_k_m_640"])

@@ -469,8 +469,7 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     """A llama q4_1 GGUF on the h200 profile: the runner repacks every matrix to q4_1r at upload (the
     16-byte padded pitch of k = 576: its byte count checked against the plan), a short batch-1 decode
     runs no rmsnorm / silu_mul kernel (q8x_fuse: the q8x GEMVs normalise while staging x; the final
-    norm is in the lm_head), and neither does a batch-3 decode (bucket 4: gemv_coop.q8x_fuse_decode_kb,
-    every matrix of this model is small): its GEMVs are batch 1's at bmax 8, prologues and all."""
+    norm is in the lm_head), and a batch-3 decode (bucket 4) keeps them."""
     from fixtures.checkpoints import Dims, write_random_gguf
 
     import engine.runner_cuda as rc
@@ -492,14 +491,8 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     assert not any(n.startswith(("rmsnorm__", "silu_mul__")) for n in one)
     drv.launches.clear()
     runner.step([StepItem(i, [5], 7, [2 * i], True, GREEDY) for i in range(3)])
-    three = [n for n, _, _ in drv.launches]
-    assert not any(n.startswith(("rmsnorm__", "silu_mul__")) for n in three)
-
-    def prologues(names):
-        return [n.split("_prologue")[1].split("_")[0] for n in names if n.startswith("gemv__")]
-
-    assert all("bmax8" in n for n in three if n.startswith("gemv__"))
-    assert prologues(three) == prologues(one) and "norm" in prologues(one) and "silu" in prologues(one)
+    wide = [n for n, _, _ in drv.launches]
+    assert any(n.startswith("rmsnorm__") for n in wide) and any(n.startswith("silu_mul__") for n in wide)
 
 
 @pytest.mark.parametrize("on", [False, True])
