@@ -28,7 +28,6 @@ from engine.ir import (
     Step,
     Value,
     WeightPlan,
-    storage_nbytes,
 )
 from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS
 from engine.lowering.context import Lowerer
@@ -236,27 +235,18 @@ def build_plan(
     readers: dict = {}
     fusable = _prologue_fusable(schedule, readers)
     if profile.tune("gemv_coop").get("q8x_fuse"):  # where every reader stages x itself anyway (batch 1)
-        bucket_kb = int(profile.tune("gemv_coop").get("q8x_fuse_decode_kb") or 0)
 
-        def q8x_reader(o: Op, lay: int | None, bucket: bool = False) -> bool:
-            nbytes = 0
+        def q8x_reader(o: Op, lay: int | None) -> bool:
             for w in o.weights:
                 w = graph.tensors[w].tied_to if _tied(graph, w, d) else w  # a tied lm_head reads embed
                 shape = _tensor_shape(graph, w, d)
                 cols, rows = shape[-1], (shape[0] if len(shape) == 2 else 0)
                 dt = lowerer.upload_type(_dtype_of(graph, quant, w, lay, tensor_dtypes), cols, rows)
-                if id(o) in exact_ids or not lowerer.q8x_decode(dt, cols, bucket=bucket):
+                if id(o) in exact_ids or not lowerer.q8x_decode(dt, cols):
                     return False
-                if bucket:
-                    try:
-                        nbytes += storage_nbytes(dt, rows, cols)
-                    except ConfigError:  # (no whole blocks: the plan names that itself)
-                        return False
-            return not bucket or nbytes <= bucket_kb * 1024
+            return True
 
         lowerer.fusable1 = {k for k in fusable if all(q8x_reader(o, lay) for o, lay in readers[k])}
-        # the decode buckets' too where every reader is a small q8x GEMV (gemv_coop.q8x_fuse_decode_kb)
-        lowerer.fusable_n = {k for k in lowerer.fusable1 if all(q8x_reader(o, lay, True) for o, lay in readers[k])}
     if profile.tune("gemv").get("fuse_glu"):
         lowerer.glu_ops = _glu_linears(schedule, fusable)
     wide_rows = _wide_decode_rows(graph, quant, d, profile, tensor_dtypes)

@@ -130,11 +130,6 @@ class GemvCoop(Knobs):
     # decode rmsnorm / silu_mul folded into their readers where every reader is a q8x GEMV
     # (its block stages and quantises x anyway; the norm costs one more pass over x)
     q8x_fuse: bool = False
-    # with q8x_fuse: the decode buckets (2 rows up to the wide ones, and a speculative verify
-    # pass) fold the same ops where every reader's weight holds at most this many KB (0: batch 1
-    # only): on a launch-bound small model a launch costs more than each block's extra pass over
-    # its x rows (on a 4B model batch 8 measured slower)
-    q8x_fuse_decode_kb: int = 0
     # q8x: k split over q8x_ksplit warp groups of a block where the weight has n <=
     # q8x_ksplit_max_n rows (more warps in flight per row on short-n weights), every q8x type
     q8x_ksplit: int = 1

@@ -58,9 +58,6 @@ class Lowerer:
         # readers (gemv_coop.q8x_fuse: every reader a batch-1 q8x GEMV; build_plan sets it) and
         # (mode, value) -> ("norm", x, norm weight) | ("silu", gate, up offset) | ("glu", gate, 0)
         self.fusable1: set[tuple[int, int | None]] = set()
-        # those also folded in the decode buckets (gemv_coop.q8x_fuse_decode_kb: every reader a
-        # small q8x GEMV at the bucket's bmax; the same bits, a row alone or in a bucket)
-        self.fusable_n: set[tuple[int, int | None]] = set()
         self.prologue: dict[tuple[str, str], tuple] = {}
         self.rope_v: dict[int | None, Value] = {}  # set by build_plan: the v each rope writes to the cache
         # set by build_plan: the sliding window of the attention each rope writes the cache for (0:
@@ -113,18 +110,16 @@ class Lowerer:
         """The device layout of a [rows, cols] matrix stored as ``dtype`` (kernel_catalog.upload_type)."""
         return kc.upload_type(dtype, cols, self.profile.tuning, rows)
 
-    def q8x_decode(self, dtype: str, cols: int, bucket: bool = False) -> bool:
-        """Whether the decode1 GEMV (``bucket``: the decode buckets' GEMV, at its bmax) on a
-        [*, cols] weight uploaded as ``dtype`` is a coop q8x GEMV (kernel_catalog.q8x_applies)."""
-        t = self.profile.tuning
-        if not kc.gemv_layout(dtype, t).get("coop"):
+    def q8x_decode(self, dtype: str, cols: int) -> bool:
+        """Whether the decode1 GEMV on a [*, cols] weight uploaded as ``dtype`` is a coop q8x GEMV
+        (kernel_catalog.q8x_applies at bmax 1)."""
+        if not kc.gemv_layout(dtype, self.profile.tuning).get("coop"):
             return False
-        return bool(kc.q8x_applies(t, kc.decode_bmax(dtype, cols, t) if bucket else 1, cols, dtype))
+        return bool(kc.q8x_applies(self.profile.tuning, 1, cols, dtype))
 
     def fused(self, op: Op, layer: int | None, mode: str) -> bool:
         """Whether the rmsnorm / silu_mul op runs inside its readers' GEMVs in this decode mode."""
-        key = (id(op), layer)
-        return (mode == "decode1" and key in self.fusable1) or (mode == "decode" and key in self.fusable_n)
+        return mode == "decode1" and (id(op), layer) in self.fusable1
 
     def act_dtype(self, value: str) -> str:
         return self.value_dtypes.get(value) or ("f32" if value == "logits" else "bf16")
