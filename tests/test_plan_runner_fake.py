@@ -433,6 +433,12 @@ def test_decode_profile_labels_follow_the_runner_bind_order(fake):
     from gpu_decode_profile import pass_labels, pass_weight_bytes
 
     runner, _ = fake
+    for mode, rows, short, verify in (("decode", 4, True, True), ("decode", 16, False, False)):
+        # (4 rows: a pass of Plan.b1_rows rows where the plan has it; 16: the bucket's launches)
+        bound = runner._bind_pass(mode, rows, rows, False, "greedy", short, verify=verify)
+        labels = pass_labels(runner, mode, short, "greedy", verify, rows=rows)
+        assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
+        assert len(pass_weight_bytes(runner, mode, short, "greedy", verify, rows=rows)) == len(labels)
     for short in (True, False):
         bound = runner._bind_pass("decode1", 1, 1, False, "greedy", short)
         labels = pass_labels(runner, "decode1", short, "greedy")

@@ -155,8 +155,8 @@ def kernel_breakdown(cuda, runner, k: int, depth: int, table: list[int], short: 
         pass_graph(runner, rows_of(depth, n, table), sh, True, ver)
         bound = runner._graphs[(n, "greedy", sh, True, *(("verify",) if ver else ()))][1]
         mode = _decode_mode(n, runner.plan.wide_rows)
-        labels = pass_labels(runner, mode, sh, "greedy", ver)
-        nbytes = pass_weight_bytes(runner, mode, sh, "greedy", ver)
+        labels = pass_labels(runner, mode, sh, "greedy", ver, rows=n)
+        nbytes = pass_weight_bytes(runner, mode, sh, "greedy", ver, rows=n)
         rows = breakdown(cuda, runner, bound, labels, nbytes, None)
         out[name] = {"kernel_sum_us": round(sum(r["total_us"] for r in rows), 1), "launches": rows}
     return out
