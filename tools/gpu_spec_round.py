@@ -370,7 +370,9 @@ def main() -> int:
         tok = load_tokenizer(model.weights)
     except Exception:  # a checkpoint without a tokenizer: ids only
         tok = NullTokenizer()
-    runner_args = {"max_model_len": 4096, "num_blocks": 2048}
+    # one KV pool (window_kv_blocks=0): the passes' rows carry plain block tables, which a runner
+    # with a sliding-window pool (Gemma 3's default) refuses (engine.runner_kv)
+    runner_args = {"max_model_len": 4096, "num_blocks": 2048, "window_kv_blocks": 0}
     runner = CudaRunner(model, **runner_args)
     res: dict = {"device": runner.ctx.info.name, "model": str(path), "k": args.k}
     depths = [int(d) for d in args.depths.split(",")]
