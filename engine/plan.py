@@ -6,7 +6,8 @@ weights are uploaded (q|k|v and gate|up fused into one matrix when their storage
 GGUF blocks uploaded as-is), which activation values share which arena buffer, which decode
 rmsnorm / silu_mul ops fold into the GEMVs that read them, and the schedule (layer-major); then
 each op is lowered by its unit of ``engine.lowering`` (registered by the YAML op name) in every
-mode (``engine.ir``), and the registered post-passes run. Must not import CUDA or numpy.
+mode (``engine.ir``), and the registered post-passes run; last, up to how many rows a decode pass
+runs the layers' batch-1 launches (``Plan.b1_rows``). Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
