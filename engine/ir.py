@@ -53,6 +53,17 @@ def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool
     return mode
 
 
+def pass_key(step: Any, mode: str, n: int, short: bool, verify: bool = False, b1_rows: int = 0) -> str:
+    """The launches key a decode pass of ``n`` rows in ``mode`` runs for ``step``: ``launch_key``,
+    except that a pass of 2 .. ``b1_rows`` rows (Plan.b1_rows) runs a layer step's batch-1
+    launches (decode1: one grid row per decode row, so each row gets the bits it gets alone) where
+    it would run the bucket's; its short / verify attention (and the head) stay as they are."""
+    key = launch_key(step.launches, mode, short, verify)
+    if key == "decode" and 1 < n <= b1_rows and not step.head and "decode1" in step.launches:
+        return "decode1"
+    return key
+
+
 def storage_nbytes(dtype: str, rows: int, cols: int) -> int:
     """Bytes of a row-major [rows, cols] tensor stored as ``dtype`` (cols a multiple of the block)."""
     if dtype not in BLOCK_SIZES:
@@ -228,6 +239,8 @@ class Plan:
     block_size: int
     graph_batch_sizes: tuple[int, ...]
     wide_rows: int = 0  # decode buckets of at least this many rows use the WIDE launches (0: none)
+    # decode passes of 2 .. b1_rows rows run the layers' decode1 launches (pass_key; 0: none)
+    b1_rows: int = 0
     states: tuple[StatePlan, ...] = ()  # per-slot recurrent state of the stateful ops (hybrids)
 
     def weight(self, key: str) -> WeightPlan:
@@ -300,6 +313,7 @@ def describe(plan: Plan) -> str:
     lines = [
         f"plan {plan.family} {plan.quant} on {plan.profile}: max_tokens={plan.max_tokens} block={plan.block_size}"
         + (f" wide_rows={plan.wide_rows}" if plan.wide_rows else "")
+        + (f" b1_rows={plan.b1_rows}" if plan.b1_rows else "")
     ]
     for w in plan.weights:
         lines.append(f"weight {w.key} {w.dtype} [{w.rows}, {w.cols}] {w.nbytes} B")

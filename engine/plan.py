@@ -6,7 +6,8 @@ weights are uploaded (q|k|v and gate|up fused into one matrix when their storage
 GGUF blocks uploaded as-is), which activation values share which arena buffer, which decode
 rmsnorm / silu_mul ops fold into the GEMVs that read them, and the schedule (layer-major); then
 each op is lowered by its unit of ``engine.lowering`` (registered by the YAML op name) in every
-mode (``engine.ir``), and the registered post-passes run. Must not import CUDA or numpy.
+mode (``engine.ir``), and the registered post-passes run; last, up to how many rows a decode pass
+runs the layers' batch-1 launches (``Plan.b1_rows``). Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -278,6 +279,7 @@ def build_plan(
         post(lowerer, steps, weights, values)
     if "logits" not in values:
         raise ConfigError(f"{graph.path}: graph never produces logits")
+    b1_rows = _b1_rows(profile, steps, weights, lowerer.states, wide_rows)
     sampling = lower_sampling(lowerer, values["logits"])
     return Plan(
         family=graph.family,
@@ -296,6 +298,7 @@ def build_plan(
         block_size=profile.kv_block_size,
         graph_batch_sizes=profile.cuda_graph_batch_sizes,
         wide_rows=wide_rows,
+        b1_rows=b1_rows,
         states=tuple(lowerer.states.values()),
     )
 
@@ -357,6 +360,29 @@ def _glu_linears(
         ):
             out.add((id(op), layer))
     return out
+
+
+# the kernels whose batch-1 launches take n decode rows as n grid rows (engine.ir.pass_key)
+_B1_ROWS_KERNELS = frozenset(
+    ("embed", "rmsnorm", "gemv", "gemv_pair", "rope", "attention", "attention_combine", "silu_mul", "add")
+)
+
+
+def _b1_rows(
+    profile: DeviceProfile, steps: list[Step], weights: Mapping[str, WeightPlan], states: Mapping, wide_rows: int
+) -> int:
+    """Plan.b1_rows: decode_graph.b1_rows where every layer matrix holds at most
+    decode_graph.b1_rows_kb KB and every layer launch of the batch-1 pass is one of
+    _B1_ROWS_KERNELS (no recurrent state, no experts), below the wide buckets; else 0."""
+    rows, kb = int(profile.tune("decode_graph").get("b1_rows") or 0), int(profile.tune("decode_graph").get("b1_rows_kb") or 0)
+    if rows < 2 or states:
+        return 0
+    if any(w.layer is not None and w.rows > 1 and w.nbytes > kb * 1024 for w in weights.values()):
+        return 0
+    for st in steps:
+        if not st.head and any(la.spec.template not in _B1_ROWS_KERNELS for la in st.launches.get("decode1", ())):
+            return 0
+    return min(rows, wide_rows - 1) if wide_rows else rows
 
 
 def _wide_decode_rows(

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine.block_manager import aligned_count
-from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
+from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
 from engine.sampling import penalty_entries, sample_item
 from engine.step_check import check_step_item
@@ -144,7 +144,10 @@ class StepLogic:
                 continue
             if mode == "prefill" and step.head:
                 continue
-            key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows) if head_only else mode, short, verify)
+            if head_only:
+                key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows), short, verify)
+            else:
+                key = pass_key(step, mode, n, short, verify, self.plan.b1_rows)
             for launch in step.launches[key]:
                 if not launch.runs_at(n):
                     continue

@@ -249,6 +249,13 @@ class DecodeGraph(Knobs):
     # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
     o_window_min_kb: int = knob(0, non_negative)
     o_window_max_kb: int = knob(0, non_negative)
+    # b1_rows: decode passes of 2 .. b1_rows rows (a speculative verify pass, the small buckets)
+    # run the batch-1 launches for every layer (the bmax-1 GEMVs, one grid row per decode row, with
+    # batch 1's folded norms and early triggers; the head keeps the bucket GEMV), where every layer
+    # matrix holds at most b1_rows_kb KB (each row's grid row then reads it from L2: launch-bound
+    # small models); a row gets batch 1's bits by construction (0: off)
+    b1_rows: int = knob(0, non_negative)
+    b1_rows_kb: int = knob(0, non_negative)
 
 
 SECTIONS: dict[str, type[Knobs]] = {

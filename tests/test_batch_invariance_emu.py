@@ -5,7 +5,9 @@ collectives) on random inputs, each layer-0 step's batch-1 launches against its 
 
 * every linear: the batch-1 GEMV (decode1: the rmsnorm or silu_mul folded into its x staging,
   q8x_b1_unroll, a gemv_pair's parts) on one row against the step before it (the rmsnorm /
-  silu_mul kernel) and the bmax-8 GEMV (decode) on three rows: the same output bits per row;
+  silu_mul kernel) and the bmax-8 GEMV (decode) on three rows: the same output bits per row; and
+  the batch-1 GEMV on the three rows at once (a grid row each, as a pass of Plan.b1_rows rows runs
+  it) gives each row its one-row bits;
 * the attention: the direct kernel with the rope folded in (short) against the rope kernel, the
   split attention and attention_combine (decode) at contexts 1 .. 256: the same output bits and the
   same KV writes (also for a tiny Gemma 3: heads of 256, q/k head norms, window layers).
@@ -146,9 +148,12 @@ def test_batch1_gemvs_equal_the_bucket_path_row_by_row(plans, model, tmp_path):
                 x = xn = _bf16(rng.standard_normal((ROWS, k)))
                 nw = None
             want = run_gemv(tmp_path, w, xn, ROWS, **pn)
+            # the batch-1 GEMV over all rows at once (a grid row each: a pass of Plan.b1_rows rows)
+            rows_b1 = run_gemv(tmp_path, w, x, ROWS, nw, **p1)
             for r in range(ROWS):
                 got = run_gemv(tmp_path, w, np.ascontiguousarray(x[r : r + 1]), 1, nw, **p1)
                 assert np.array_equal(got[0], want[r]), (model, i, p1["quant"], pro, r, int((got[0] != want[r]).sum()))
+                assert np.array_equal(rows_b1[r], got[0]), (model, i, p1["quant"], pro, r, "b1 rows")
             checked += 1
     assert checked >= 4
 

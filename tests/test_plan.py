@@ -1462,3 +1462,38 @@ def test_o_window_gates_the_attention_window_knobs_by_the_o_weight():
     attn, o_pf = window("qwen3-4b", "q8_0", "decode_graph.o_window_min_kb=0; decode_graph.o_window_max_kb=0")
     assert len(attn) == layers and all(p["l2_pf"].startswith("0:0:11141120") for p in attn)
     assert len(o_pf) == layers
+
+
+def test_b1_rows_small_plans_run_batch_1_layer_launches_in_small_passes():
+    """decode_graph.b1_rows / b1_rows_kb: Plan.b1_rows is the knob where every layer matrix holds at
+    most b1_rows_kb KB (SmolLM2-135M q4_1: gate|up 1,105 KB), else 0 (Qwen3-4B; or the knob off); a
+    pass of 2 .. b1_rows rows then takes each layer step's decode1 launches (engine.ir.pass_key)
+    and keeps the bucket's head, the short attention and a verify pass's VSHORT."""
+    from engine.ir import SHORT1, VSHORT, launch_key, pass_key
+    from engine.profile import with_tuning
+
+    prof = get_profile("h200")
+    assert prof.tune("decode_graph")["b1_rows"] == 8 and prof.tune("decode_graph")["b1_rows_kb"] == 2048
+    small = plan_for("llama", "smollm2-135m", "q4_1")
+    assert small.b1_rows == 8
+    assert plan_for("qwen3", "qwen3-4b", "q4_k_m").b1_rows == 0
+    graph = load_family("llama")
+    for spec in ("decode_graph.b1_rows=0", "decode_graph.b1_rows_kb=1024"):
+        plan = build_plan(graph, dims_for_size("llama", "smollm2-135m"), graph.quant("q4_1"), with_tuning(prof, spec))
+        assert plan.b1_rows == 0, spec
+    for st in small.steps:
+        for n in (2, 5, 8, 9):
+            for short, verify in ((False, False), (True, False), (True, True)):
+                key = pass_key(st, "decode", n, short, verify, small.b1_rows)
+                plain = launch_key(st.launches, "decode", short, verify)
+                if st.head or n > 8 or plain != "decode":
+                    assert key == plain
+                else:
+                    assert key == "decode1"
+                assert key not in (SHORT1,) and (key != VSHORT or verify)
+        assert pass_key(st, "decode1", 1, True, False, small.b1_rows) == launch_key(st.launches, "decode1", True)
+    # a 5-row pass: batch 1's launch count and one (the final norm the head's bucket GEMV reads)
+    def count(mode, n, short):
+        return sum(len(st.launches[pass_key(st, mode, n, short, False, small.b1_rows)]) for st in small.steps)
+
+    assert count("decode", 5, False) == count("decode1", 1, False) + 1

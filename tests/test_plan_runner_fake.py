@@ -433,6 +433,12 @@ def test_decode_profile_labels_follow_the_runner_bind_order(fake):
     from gpu_decode_profile import pass_labels, pass_weight_bytes
 
     runner, _ = fake
+    for mode, rows, short, verify in (("decode", 4, True, True), ("decode", 16, False, False)):
+        # (4 rows: a pass of Plan.b1_rows rows where the plan has it; 16: the bucket's launches)
+        bound = runner._bind_pass(mode, rows, rows, False, "greedy", short, verify=verify)
+        labels = pass_labels(runner, mode, short, "greedy", verify, rows=rows)
+        assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
+        assert len(pass_weight_bytes(runner, mode, short, "greedy", verify, rows=rows)) == len(labels)
     for short in (True, False):
         bound = runner._bind_pass("decode1", 1, 1, False, "greedy", short)
         labels = pass_labels(runner, "decode1", short, "greedy")
@@ -469,11 +475,14 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     """A llama q4_1 GGUF on the h200 profile: the runner repacks every matrix to q4_1r at upload (the
     16-byte padded pitch of k = 576: its byte count checked against the plan), a short batch-1 decode
     runs no rmsnorm / silu_mul kernel (q8x_fuse: the q8x GEMVs normalise while staging x; the final
-    norm is in the lm_head), and a batch-3 decode (bucket 4) keeps them."""
+    norm is in the lm_head). A batch-3 decode (bucket 4) runs the same layer launches (decode_graph.b1_rows:
+    the bmax-1 GEMVs, a grid row per row) and the bucket's head (its rmsnorm, then the bmax-8 GEMV);
+    with b1_rows off it runs the bucket's rmsnorm / silu_mul kernels and bmax-8 GEMVs throughout."""
     from fixtures.checkpoints import Dims, write_random_gguf
 
     import engine.runner_cuda as rc
     from engine.model import load_model
+    from engine.profile import with_tuning
 
     drv = FakeDriver()
     monkeypatch.setattr(rc, "cuda", drv.module())
@@ -490,9 +499,23 @@ def test_q4_1_gguf_uploads_row_planar_and_decodes_batch_1_without_norm_launches(
     assert gemvs and all("q41r" in n and "q8x1" in n for n in gemvs)  # the lm_head (tied embedding) too
     assert not any(n.startswith(("rmsnorm__", "silu_mul__")) for n in one)
     drv.launches.clear()
-    runner.step([StepItem(i, [5], 7, [2 * i], True, GREEDY) for i in range(3)])
+    rows3 = [StepItem(i, [5], 7, [2 * i], True, GREEDY) for i in range(3)]
+    assert runner.plan.b1_rows >= 4
+    runner.step(rows3)
+    three = [n for n, _, _ in drv.launches]
+    gemvs3 = [n for n in three if n.startswith("gemv__")]
+    head = "_n512_"  # (the tied head: vocab 512 rows)
+    assert {n for n in gemvs3 if head not in n} == {n for n in gemvs if head not in n}  # the layers: batch 1's
+    assert all("_bmax8_" in n for n in gemvs3 if head in n) and all("_bmax1_" in n for n in gemvs if head in n)
+    assert "_bmax8_" in gemvs3[-1] and [n for n in three if n.startswith("rmsnorm__")] and "silu_mul__" not in " ".join(three)
+    off = rc.CudaRunner(load_model(path), profile=with_tuning(runner.profile, "decode_graph.b1_rows=0"), num_blocks=64,
+                        max_model_len=512, builder=builder)  # fmt: skip
+    assert off.plan.b1_rows == 0
+    drv.launches.clear()
+    off.step(rows3)
     wide = [n for n, _, _ in drv.launches]
     assert any(n.startswith("rmsnorm__") for n in wide) and any(n.startswith("silu_mul__") for n in wide)
+    assert all("_bmax8_" in n for n in wide if n.startswith("gemv__"))
 
 
 @pytest.mark.parametrize("on", [False, True])
@@ -599,9 +622,17 @@ def test_forked_launches_run_on_a_side_stream_between_fork_and_join(tmp_path, mo
 def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monkeypatch):
     """decode_graph.pair_linears on a q4_k_m file: a batch-1 decode pass, graph and eager, launches
     one gemv_pair kernel per layer on the main stream with PDL (its entry waits first), its grid the
-    two parts' blocks, and nothing on the side stream; a batch-2 pass keeps the forked v GEMV."""
+    two parts' blocks, and nothing on the side stream; a batch-2 pass runs the same pair a grid row
+    per row (decode_graph.b1_rows: the tiny model's matrices are small), or with b1_rows off keeps
+    the bucket's forked v GEMV."""
     tune = "decode_graph.fork_linears=true; decode_graph.pair_linears=true"
+    off, drv, _ = _q4_k_m_fake(tmp_path, monkeypatch, tune + "; decode_graph.b1_rows=0")
+    assert off.plan.b1_rows == 0
+    two = [StepItem(0, [6], 8, [0], True, GREEDY), StepItem(1, [5], 3, [1], True, GREEDY)]
+    off.step(two)
+    assert any(o[0] == "launch" and o[1] == off._side.id for o in drv.order)
     runner, drv, dims = _q4_k_m_fake(tmp_path, monkeypatch, tune)
+    assert runner.plan.b1_rows >= 2
     side = runner._side.id
     pair = next(la for st in runner.plan.steps for la in st.launches["decode1"] if la.spec.template == "gemv_pair")
     for graphs in (True, False):
@@ -616,5 +647,8 @@ def test_paired_linears_launch_one_gemv_pair_per_layer_at_batch_1(tmp_path, monk
         assert not any(o[0] == "launch" and o[1] == side for o in drv.order)
     assert drv.pdl[pair.spec.entry] is True
     drv.order.clear()
-    runner.step([StepItem(0, [6], 8, [0], True, GREEDY), StepItem(1, [5], 3, [1], True, GREEDY)])
-    assert any(o[0] == "launch" and o[1] == side for o in drv.order)
+    drv.launches.clear()
+    runner.step(two)
+    assert not any(o[0] == "launch" and o[1] == side for o in drv.order)
+    pairs = [(g, b) for n, g, b in drv.launches if n.startswith("gemv_pair__")]
+    assert pairs and all(g == (want, 2, 1) and b == pair.block for g, b in pairs)

@@ -39,19 +39,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.ir import launch_key  # noqa: E402
+from engine.ir import pass_key  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 COPIES = 20
 
 
-def pass_labels(runner, mode: str, short: bool, sampling: str, verify: bool = False) -> list[str]:
-    """One label per launch of a decode pass, in CudaRunner._bind_pass order; the lm_head's
-    launches (their step writes the logits) are labelled ``head:``."""
+def pass_labels(runner, mode: str, short: bool, sampling: str, verify: bool = False, rows: int = 0) -> list[str]:
+    """One label per launch of a decode pass of ``rows`` rows (0: 1 in decode1, else the largest
+    bucket), in CudaRunner._bind_pass order (engine.ir.pass_key); the lm_head's launches (their
+    step writes the logits) are labelled ``head:``."""
     labels = []
+    n = rows or (1 if mode == "decode1" else max(runner.plan.graph_batch_sizes))
     for step in runner.plan.steps:
-        key = launch_key(step.launches, mode, short, verify)
+        key = pass_key(step, mode, n, short, verify, runner.plan.b1_rows)
         op = "head" if "logits" in step.op.outputs else step.op.op
         for launch in step.launches[key]:
             labels.append(f"{op}:{launch.spec.entry}")
@@ -60,12 +62,13 @@ def pass_labels(runner, mode: str, short: bool, sampling: str, verify: bool = Fa
     return labels
 
 
-def pass_weight_bytes(runner, mode: str, short: bool, sampling: str, verify: bool = False) -> list[int]:
+def pass_weight_bytes(runner, mode: str, short: bool, sampling: str, verify: bool = False, rows: int = 0) -> list[int]:
     """The weight bytes each launch of a decode pass reads (its weight args), in pass_labels order."""
     sizes = {w.key: w.nbytes for w in runner.plan.weights}
     out = []
+    n = rows or (1 if mode == "decode1" else max(runner.plan.graph_batch_sizes))
     for step in runner.plan.steps:
-        for launch in step.launches[launch_key(step.launches, mode, short, verify)]:
+        for launch in step.launches[pass_key(step, mode, n, short, verify, runner.plan.b1_rows)]:
             out.append(sum(sizes.get(a.ref, 0) for a in launch.args if a.kind == "weight"))
     return out + [0] * len(runner.plan.sampling[sampling])
 
@@ -162,8 +165,8 @@ def profile_variant(cuda, model, profile, batches, want_breakdown: bool) -> dict
             }
             if want_breakdown and batch == batches[0]:
                 mode = _decode_mode(bucket, runner.plan.wide_rows)
-                labels = pass_labels(runner, mode, True, "greedy")
-                nbytes = pass_weight_bytes(runner, mode, True, "greedy")
+                labels = pass_labels(runner, mode, True, "greedy", rows=bucket)
+                nbytes = pass_weight_bytes(runner, mode, True, "greedy", rows=bucket)
                 row["kernels"] = breakdown(cuda, runner, bound, labels, nbytes, copy_gbs)
                 row["kernel_sum_us"] = round(sum(k["total_us"] for k in row["kernels"]), 1)
             res[f"b{batch}"] = row

@@ -155,8 +155,8 @@ def kernel_breakdown(cuda, runner, k: int, depth: int, table: list[int], short: 
         pass_graph(runner, rows_of(depth, n, table), sh, True, ver)
         bound = runner._graphs[(n, "greedy", sh, True, *(("verify",) if ver else ()))][1]
         mode = _decode_mode(n, runner.plan.wide_rows)
-        labels = pass_labels(runner, mode, sh, "greedy", ver)
-        nbytes = pass_weight_bytes(runner, mode, sh, "greedy", ver)
+        labels = pass_labels(runner, mode, sh, "greedy", ver, rows=n)
+        nbytes = pass_weight_bytes(runner, mode, sh, "greedy", ver, rows=n)
         rows = breakdown(cuda, runner, bound, labels, nbytes, None)
         out[name] = {"kernel_sum_us": round(sum(r["total_us"] for r in rows), 1), "launches": rows}
     return out
@@ -370,7 +370,9 @@ def main() -> int:
         tok = load_tokenizer(model.weights)
     except Exception:  # a checkpoint without a tokenizer: ids only
         tok = NullTokenizer()
-    runner_args = {"max_model_len": 4096, "num_blocks": 2048}
+    # one KV pool (window_kv_blocks=0): the passes' rows carry plain block tables, which a runner
+    # with a sliding-window pool (Gemma 3's default) refuses (engine.runner_kv)
+    runner_args = {"max_model_len": 4096, "num_blocks": 2048, "window_kv_blocks": 0}
     runner = CudaRunner(model, **runner_args)
     res: dict = {"device": runner.ctx.info.name, "model": str(path), "k": args.k}
     depths = [int(d) for d in args.depths.split(",")]

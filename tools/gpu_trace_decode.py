@@ -133,7 +133,7 @@ def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | N
         wall = runner_bench.bench_decode(runner, batch, 0, steps=16, repeats=1)
         bucket = next(b for b in runner.plan.graph_batch_sizes if b >= batch)
         graph, bound = runner._graphs[(bucket, "greedy", True, True)]
-        labels = pass_labels(runner, _decode_mode(bucket, runner.plan.wide_rows), True, "greedy")
+        labels = pass_labels(runner, _decode_mode(bucket, runner.plan.wide_rows), True, "greedy", rows=bucket)
         launches = [(lab.split(":", 1)[1], int(np.prod(b.grid))) for lab, b in zip(labels, bound, strict=True)]
         traced_us = time_graph(cuda, graph, runner.stream, 20)
         runner.trace_reset()

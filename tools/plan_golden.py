@@ -139,7 +139,8 @@ def dump(plan) -> str:
     """The plan as text: everything the runner uses, kernel sources as hashes."""
     lines = [
         f"plan {plan.family} {plan.quant} {plan.profile} rope={plan.rope_style} max_tokens={plan.max_tokens} "
-        f"block={plan.block_size} short={plan.short_context} wide={plan.wide_rows} buckets={plan.graph_batch_sizes}",
+        f"block={plan.block_size} short={plan.short_context} wide={plan.wide_rows} buckets={plan.graph_batch_sizes}"
+        + (f" b1_rows={plan.b1_rows}" if plan.b1_rows else ""),
         f"dims {json.dumps(plan.dims, sort_keys=True, default=str)}",
     ]
     for w in plan.weights:
