@@ -20,6 +20,7 @@ import numpy as np
 from engine.block_manager import aligned_count
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key
 from engine.logit_prep import on_device
+from engine.runner_tail import prepare_tails, run_tails, split_item, tail_count
 from engine.sampling import penalty_entries, sample_item
 from engine.step_check import check_step_item
 from engine.types import MemraError, StepItem
@@ -171,23 +172,28 @@ class StepLogic:
         return bound
 
     def _prebind_warm_tails(self) -> None:
-        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 1 ..
-        block_size tokens of one sequence (a hit stops at least one token short, at a block
-        boundary; one prompt token left is a prefill too: ``is_decode_row``) and the batch-1 head,
-        so that no warm request pays for binding a new shape (issue #34: warm TTFT every time, not
-        only once its shape was seen). With graphs on, each tail's layers are also captured into a
-        CUDA graph (``_tail_graph``): a warm request then launches one graph instead of hundreds of
-        kernels from Python."""
+        """Bind and capture the passes a prefix-cache hit runs ahead of time, so that no warm
+        request pays for binding a new shape or capturing a graph (issue #34: warm TTFT every
+        time, not only once its shape was seen). A hit stops at a block boundary at least one token
+        short: its tail is the prompt's trailing partial block (1 .. block_size - 1 tokens), which
+        runs as decode rows (engine.runner_tail: their graphs captured by ``prepare_tails``), or,
+        for a prompt ending on a boundary, its last block, a prefill pass of block_size tokens
+        (bound, and captured into a CUDA graph with graphs on: ``_capture_tail``). Shorter prefill
+        passes of one sequence are bound too, and the batch-1 head."""
         t0 = time.perf_counter()
         for n in range(1, self.block_size + 1):
             bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)
             self._prefill_bound[("prefill", n, 1, n)] = bound
-            if self.use_graphs:
+            if self.use_graphs and n == self.block_size:
                 self._capture_tail(n, bound)
         for kind in ("greedy", "sample"):
             mode = _decode_mode(1, self.plan.wide_rows)
             self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
-        log.info("warm-prefix passes bound%s in %.3f s", " and captured" if self.use_graphs else "", time.perf_counter() - t0)
+        captured = prepare_tails(self)
+        log.info(
+            "warm-prefix passes bound%s in %.3f s (%d decode-row tail graphs)",
+            " and captured" if self.use_graphs else "", time.perf_counter() - t0, captured,
+        )
 
     def _capture_tail(self, n: int, bound: list[Any]) -> None:
         """Capture the layers of a one-sequence prefill pass of ``n`` tokens (the same launches as
@@ -210,8 +216,9 @@ class StepLogic:
         self._graphs[("tail", n)] = (self._captured(bound), bound)  # the bound args outlive the graph
 
     def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
-        """The layers of a prefill pass (inputs uploaded): a captured tail graph for one sequence's
-        1 .. block_size tokens (a prefix-cache hit's tail) when graphs are on, else eagerly."""
+        """The layers of a prefill pass (inputs uploaded): the captured tail graph for one sequence's
+        block_size tokens (a prefix-cache hit's tail when the prompt ends on a block boundary) when
+        graphs are on, else eagerly."""
         tail = self._graphs.get(("tail", n)) if nseq == 1 and self.use_graphs else None
         if tail is not None:
             tail[0].launch(self.stream)
@@ -226,15 +233,28 @@ class StepLogic:
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
+        parts: list[StepItem] = []  # the prefill items, less their prompt's trailing partial block
+        tails: list[int] = []  # items whose prompt's trailing partial block runs as decode rows
+        tail_of: list[int] = []
         for i, it in enumerate(items):
             self._check_item(it)
             if is_decode_row(it):
                 decode.append(i)
-            else:
+                continue
+            t = tail_count(it, self.block_size)
+            if t:
+                tails.append(i)
+                tail_of.append(t)
+            if t < len(it.token_ids):
                 prefill.append(i)
-        for sub in self._prefill_passes([items[i] for i in prefill]):
+                parts.append(split_item(it, t) if t else it)
+        for sub in self._prefill_passes(parts):
             for idx, tok in self._run_prefill_pass(sub).items():
                 out[prefill[idx]] = tok
+        if tails:
+            ids = run_tails(self, [(items[i], t) for i, t in zip(tails, tail_of, strict=True)])
+            for i, tok in zip(tails, ids, strict=True):
+                out[i] = tok
         limit = self._max_rows
         for lo in range(0, len(decode), limit):
             rows = decode[lo : lo + limit]
