@@ -66,6 +66,7 @@ class StepLogic:
     # a verify pass of n rows runs a graph of exactly n rows, not the bucket's (padding rows cost
     # GEMV and attention work; tools/gpu_spec_round.py times both)
     verify_exact_rows = True
+    _tail_keys: frozenset = frozenset()  # the prompt tails' hybrid graphs (engine.runner_tail.prepare_tails)
 
     def _rope_freq_factors(self) -> np.ndarray:
         """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
@@ -465,7 +466,10 @@ class StepLogic:
 
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the
-        GROUPINGS_KEPT most recently used, destroying the least recently used one's."""
+        GROUPINGS_KEPT most recently used, destroying the least recently used one's (never the
+        prompt tails' graphs, engine.runner_tail.prepare_tails: ``_tail_keys``)."""
+        if key in self._tail_keys:  # (a prompt tail's graph, captured ahead: kept for good)
+            return
         kept = getattr(self, "_groupings", None)
         if kept is None:
             kept = self._groupings = {}

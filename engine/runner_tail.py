@@ -172,7 +172,8 @@ def prepare_tails(r: Any) -> int:
     ``narrow_rows``) replays: each row count, greedy and sample, short and long context where the
     plan and ``max_model_len`` have both, with their pinned-input copies (the ``io`` graphs a plain
     step replays). The warm run before each capture writes only the sinks (padding rows; a hybrid's
-    states parked). Returns the graphs captured (0 without graphs)."""
+    states parked). A hybrid's are kept for good (``_tail_keys``: never dropped with the verify
+    groupings). Returns the graphs captured (0 without graphs)."""
     if not r.use_graphs:
         return 0
     short_ok, verify = _modes(r)
@@ -185,6 +186,8 @@ def prepare_tails(r: Any) -> int:
         for kind in KINDS:
             for short in classes:
                 key = (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(("verify",) if verify else ()))
+                if hybrid:  # (kept out of the verify groupings' LRU: StepLogic._keep_grouping)
+                    r._tail_keys = r._tail_keys | {key}
                 if key in r._graphs:
                     continue
                 r._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
