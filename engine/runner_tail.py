@@ -167,6 +167,17 @@ def _done(out: list[int | None], i: int, it: StepItem, last: StepItem, tok: int)
         it.logprobs_out = last.logprobs_out  # (the runner stored the row's logprobs in the row)
 
 
+def graph_key(r: Any, rows: int, kind: str, short: bool) -> tuple:
+    """The runner's ``_graphs`` key of a tail pass of ``rows`` rows (CudaRunner._graph's, io on)."""
+    hybrid = bool(r.num_state_slots)
+    return (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(() if hybrid else ("verify",)))
+
+
+def pass_is_short(r: Any, it: StepItem) -> bool:
+    """Whether the tail of ``it`` runs the short-context launches."""
+    return _is_short(r, it, _modes(r)[0])
+
+
 def prepare_tails(r: Any) -> int:
     """Capture the decode graphs every tail (1 .. block_size - 1 rows, in passes of at most
     ``narrow_rows``) replays: each row count, greedy and sample, short and long context where the
@@ -185,7 +196,7 @@ def prepare_tails(r: Any) -> int:
     for rows in range(1, min(r.block_size - 1, _limit(r)) + 1):
         for kind in KINDS:
             for short in classes:
-                key = (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(("verify",) if verify else ()))
+                key = graph_key(r, rows, kind, short)
                 if hybrid:  # (kept out of the verify groupings' LRU: StepLogic._keep_grouping)
                     r._tail_keys = r._tail_keys | {key}
                 if key in r._graphs:

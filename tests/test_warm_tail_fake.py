@@ -234,3 +234,27 @@ def test_tail_count_is_by_absolute_position():
     assert tail_count(it(0, 80, 71), bs) == 0  # a recompute past the prompt (preemption)
     assert tail_count(it(0, 71, 0), bs) == 0  # no prompt_len: a direct call (the MTP head, tools)
     assert tail_count(it(64, 7, 71, draft=(1,)), bs) == 0
+
+
+@pytest.mark.parametrize("chunk", [10, 32])
+def test_engine_warm_equals_cold_with_the_tail_on_decode_rows(chunk):
+    """Through the engine loop on fixtures.path_bits.PathBitsRunner (tokens change with the path
+    that computed each position): prompts whose trailing partial block the scheduler's chunks
+    reach whole or cut inside, cold and then warm, give the cold greedy tokens; every run computes
+    the prompt's full blocks as prefill and its trailing partial block as decode rows."""
+    from fixtures.engine_waves import serve_waves, tokens_of
+    from fixtures.path_bits import DECODE, PREFILL, PathBitsRunner
+
+    bs = 4
+    prompts = [[(5 * i + k) % 100 + 2 for i in range(n)] for k, n in enumerate((23, 27, 9, 3, 24))]
+    runner = PathBitsRunner(block_size=bs, chunk=chunk)
+    want = [runner.greedy(p, 6) for p in prompts]
+    outs, _ = serve_waves(runner, [prompts, prompts, prompts], max_tokens=6, vocab_size=128,
+                          prefill_chunk_tokens=chunk)  # fmt: skip
+    assert tokens_of(outs) == want * 3
+    cached = [c for _, c in outs]
+    assert cached[5:] == [n - 1 - (n - 1) % bs for p in prompts for n in [len(p)]] * 2  # the hits
+    for seq, pos, path in runner.paths:
+        n = len(prompts[seq % len(prompts)])
+        if pos < n:
+            assert path == (PREFILL if pos < n - n % bs else DECODE), (seq, pos, path)
