@@ -1,5 +1,5 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
-and decode rows, each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
+and decode rows (a prompt's trailing partial block as decode rows too: engine.runner_tail), each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
 ahead), the step's sampling kind (logit bias, constraint masks and logprobs packed for the device's
 token_mask and logprobs steps by engine.logit_prep), the sampled ids and logprobs read back (rows
 past the device buffers' capacity re-sampled on the host); speculative verify
@@ -35,10 +35,10 @@ PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequenc
 
 
 def is_decode_row(it: StepItem) -> bool:
-    """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's last
-    token left alone (a prefix hit or prefill chunks that stop one token short) is a one-row prefill,
-    so a warm or chunked prompt gets the bits of the cold pass (a decode row reduces otherwise:
-    GEMVs, not the prefill GEMM)."""
+    """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's
+    tokens are a prefill item, whose trailing partial block the runner also runs as decode rows
+    (engine.runner_tail, by absolute position: a warm or chunked prompt gets the bits of the cold
+    run, since a decode row reduces otherwise than a prefill pass: GEMVs, not the prefill GEMM)."""
     return len(it.token_ids) == 1 and it.start_pos > 0 and it.start_pos >= it.prompt_len
 
 
