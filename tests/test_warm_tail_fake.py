@@ -258,3 +258,33 @@ def test_engine_warm_equals_cold_with_the_tail_on_decode_rows(chunk):
         n = len(prompts[seq % len(prompts)])
         if pos < n:
             assert path == (PREFILL if pos < n - n % bs else DECODE), (seq, pos, path)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+def test_engine_runs_the_same_tail_rows_cold_and_warm(tmp_path, monkeypatch, hybrid):
+    """Through the engine loop on the fake driver: a 5-block + 7-token prompt, chunked, then sent
+    again; the cold run's last chunk and the warm hit's tail run the same seven decode rows (tokens,
+    positions), the warm one's first row restoring the snapshot at the cached boundary."""
+    from fixtures.engine_waves import serve_waves
+
+    runner, _, _ = _build(tmp_path, monkeypatch, hybrid)
+    runner.ctx.make_current = lambda: None  # (the engine thread makes the context current)
+    bs = runner.block_size
+    seen = []  # (rows: (token, position), the first row's state input) of every tail pass
+    decode = runner._decode
+
+    def spy(rows, *a, **k):
+        ids = decode(rows, *a, **k)
+        if any(r.start_pos < r.prompt_len for r in rows):
+            seen.append(([(r.token_ids[0], r.start_pos) for r in rows], int(runner._views["state_in"][0])))
+        return ids
+
+    runner._decode = spy
+    prompt = [(7 * i) % 300 + 3 for i in range(5 * bs + 7)]
+    outs, _ = serve_waves(runner, [[prompt], [prompt]], max_tokens=3, vocab_size=runner.plan.dims["vocab"],
+                          prefill_chunk_tokens=2 * bs)  # fmt: skip
+    assert [c for _, c in outs] == [0, 5 * bs]
+    (cold, cold_in), (warm, warm_in) = seen
+    assert cold == warm == [(t, 5 * bs + j) for j, t in enumerate(prompt[5 * bs :])]
+    if hybrid:
+        assert cold_in != warm_in and warm_in not in (-1, runner._state_sink)  # the live slot, then a snapshot
