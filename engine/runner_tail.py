@@ -65,9 +65,9 @@ def split_item(it: StepItem, tail: int) -> StepItem:
     )
 
 
-def _rows(it: StepItem, tail: int, hybrid: bool) -> tuple[list[StepItem], list[int]]:
+def _rows(it: StepItem, tail: int) -> tuple[list[StepItem], list[int]]:
     """Decode rows of the item's last ``tail`` tokens (the last row carries the item's sampling)
-    and, for a hybrid, each row's snapshot slot (-1: none)."""
+    and each row's state snapshot slot (-1: none; a hybrid's, from the item's snapshots)."""
     n = len(it.token_ids)
     first = n - tail
     snaps = dict(it.state_snapshots)
@@ -124,7 +124,7 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
     limit = _limit(r)
     pending: dict[bool, list[tuple[int, list[StepItem]]]] = {True: [], False: []}
     for i, (it, tail) in enumerate(tails):
-        rows, snaps = _rows(it, tail, hybrid)
+        rows, snaps = _rows(it, tail)
         if hybrid or len(rows) > limit:
             for lo in range(0, len(rows), limit):
                 part = rows[lo : lo + limit]
