@@ -1,6 +1,7 @@
 """The warm-prefix tail's captured graph on a real GPU (skipped without one): a prefix-cache hit's
-tail (2 .. block_size tokens of one sequence after its cached blocks) replayed from the graph the
-runner captured when it was built gives logits bit-identical to the same pass run eagerly, for a
+tail (2 .. block_size tokens of one sequence after its cached blocks: decode rows below a whole
+block, engine.runner_tail, a prefill pass for one) replayed from the graph the runner captured when
+it was built gives logits bit-identical to the same pass run eagerly, for a
 dense model (tiny Llama, bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state
 snapshot); and through the engine loop a repeated prompt hits and equals its uncached run."""
 
