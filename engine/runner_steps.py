@@ -1,5 +1,5 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
-and decode rows, each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
+and decode rows (a prompt's trailing partial block as decode rows too: engine.runner_tail), each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
 ahead), the step's sampling kind (logit bias, constraint masks and logprobs packed for the device's
 token_mask and logprobs steps by engine.logit_prep), the sampled ids and logprobs read back (rows
 past the device buffers' capacity re-sampled on the host); speculative verify
@@ -20,6 +20,7 @@ import numpy as np
 from engine.block_manager import aligned_count
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
+from engine.runner_tail import prepare_tails, run_tails, split_item, tail_count
 from engine.sampling import penalty_entries, sample_item
 from engine.step_check import check_step_item
 from engine.types import MemraError, StepItem
@@ -34,10 +35,10 @@ PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequenc
 
 
 def is_decode_row(it: StepItem) -> bool:
-    """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's last
-    token left alone (a prefix hit or prefill chunks that stop one token short) is a one-row prefill,
-    so a warm or chunked prompt gets the bits of the cold pass (a decode row reduces otherwise:
-    GEMVs, not the prefill GEMM)."""
+    """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's
+    tokens are a prefill item, whose trailing partial block the runner also runs as decode rows
+    (engine.runner_tail, by absolute position: a warm or chunked prompt gets the bits of the cold
+    run, since a decode row reduces otherwise than a prefill pass: GEMVs, not the prefill GEMM)."""
     return len(it.token_ids) == 1 and it.start_pos > 0 and it.start_pos >= it.prompt_len
 
 
@@ -65,6 +66,7 @@ class StepLogic:
     # a verify pass of n rows runs a graph of exactly n rows, not the bucket's (padding rows cost
     # GEMV and attention work; tools/gpu_spec_round.py times both)
     verify_exact_rows = True
+    _tail_keys: frozenset = frozenset()  # the prompt tails' hybrid graphs (engine.runner_tail.prepare_tails)
 
     def _rope_freq_factors(self) -> np.ndarray:
         """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
@@ -174,23 +176,28 @@ class StepLogic:
         return bound
 
     def _prebind_warm_tails(self) -> None:
-        """Bind the passes a prefix-cache hit runs ahead of time: the prefill of the last 1 ..
-        block_size tokens of one sequence (a hit stops at least one token short, at a block
-        boundary; one prompt token left is a prefill too: ``is_decode_row``) and the batch-1 head,
-        so that no warm request pays for binding a new shape (issue #34: warm TTFT every time, not
-        only once its shape was seen). With graphs on, each tail's layers are also captured into a
-        CUDA graph (``_tail_graph``): a warm request then launches one graph instead of hundreds of
-        kernels from Python."""
+        """Bind and capture the passes a prefix-cache hit runs ahead of time, so that no warm
+        request pays for binding a new shape or capturing a graph (issue #34: warm TTFT every
+        time, not only once its shape was seen). A hit stops at a block boundary at least one token
+        short: its tail is the prompt's trailing partial block (1 .. block_size - 1 tokens), which
+        runs as decode rows (engine.runner_tail: their graphs captured by ``prepare_tails``), or,
+        for a prompt ending on a boundary, its last block, a prefill pass of block_size tokens
+        (bound, and captured into a CUDA graph with graphs on: ``_capture_tail``). Shorter prefill
+        passes of one sequence are bound too, and the batch-1 head."""
         t0 = time.perf_counter()
         for n in range(1, self.block_size + 1):
             bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)
             self._prefill_bound[("prefill", n, 1, n)] = bound
-            if self.use_graphs:
+            if self.use_graphs and n == self.block_size:
                 self._capture_tail(n, bound)
         for kind in ("greedy", "sample"):
             mode = _decode_mode(1, self.plan.wide_rows)
             self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
-        log.info("warm-prefix passes bound%s in %.3f s", " and captured" if self.use_graphs else "", time.perf_counter() - t0)
+        captured = prepare_tails(self)
+        log.info(
+            "warm-prefix passes bound%s in %.3f s (%d decode-row tail graphs)",
+            " and captured" if self.use_graphs else "", time.perf_counter() - t0, captured,
+        )
 
     def _capture_tail(self, n: int, bound: list[Any]) -> None:
         """Capture the layers of a one-sequence prefill pass of ``n`` tokens (the same launches as
@@ -213,8 +220,9 @@ class StepLogic:
         self._graphs[("tail", n)] = (self._captured(bound), bound)  # the bound args outlive the graph
 
     def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
-        """The layers of a prefill pass (inputs uploaded): a captured tail graph for one sequence's
-        1 .. block_size tokens (a prefix-cache hit's tail) when graphs are on, else eagerly."""
+        """The layers of a prefill pass (inputs uploaded): the captured tail graph for one sequence's
+        block_size tokens (a prefix-cache hit's tail when the prompt ends on a block boundary) when
+        graphs are on, else eagerly."""
         tail = self._graphs.get(("tail", n)) if nseq == 1 and self.use_graphs else None
         if tail is not None:
             tail[0].launch(self.stream)
@@ -229,15 +237,28 @@ class StepLogic:
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
+        parts: list[StepItem] = []  # the prefill items, less their prompt's trailing partial block
+        tails: list[int] = []  # items whose prompt's trailing partial block runs as decode rows
+        tail_of: list[int] = []
         for i, it in enumerate(items):
             self._check_item(it)
             if is_decode_row(it):
                 decode.append(i)
-            else:
+                continue
+            t = tail_count(it, self.block_size)
+            if t:
+                tails.append(i)
+                tail_of.append(t)
+            if t < len(it.token_ids):
                 prefill.append(i)
-        for sub in self._prefill_passes([items[i] for i in prefill]):
+                parts.append(split_item(it, t) if t else it)
+        for sub in self._prefill_passes(parts):
             for idx, tok in self._run_prefill_pass(sub).items():
                 out[prefill[idx]] = tok
+        if tails:
+            ids = run_tails(self, [(items[i], t) for i, t in zip(tails, tail_of, strict=True)])
+            for i, tok in zip(tails, ids, strict=True):
+                out[i] = tok
         limit = self._max_rows
         for lo in range(0, len(decode), limit):
             rows = decode[lo : lo + limit]
@@ -448,7 +469,10 @@ class StepLogic:
 
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the
-        GROUPINGS_KEPT most recently used, destroying the least recently used one's."""
+        GROUPINGS_KEPT most recently used, destroying the least recently used one's (never the
+        prompt tails' graphs, engine.runner_tail.prepare_tails: ``_tail_keys``)."""
+        if key in self._tail_keys:  # (a prompt tail's graph, captured ahead: kept for good)
+            return
         kept = getattr(self, "_groupings", None)
         if kept is None:
             kept = self._groupings = {}

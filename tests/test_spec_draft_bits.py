@@ -4,8 +4,8 @@ generated token, and the first draft, in its prompt's prefill pass while the tar
 decode row). On ``fixtures.path_bits.PathBitsRunner``, whose tokens change with the path (prefill
 pass or decode row) that computed each position, as a GPU's bits do at a near tie: the target as
 its own draft is accepted whole, batched, over a warm prefix cache, chunked prompts and a prompt
-whose last token a prefix hit leaves alone (a one-row prefill, so a warm prompt gives the cold
-run's tokens); catch-ups past MAX_DECODE_CATCHUP run as one prefill chunk (one pass, not a step a
+whose last token a prefix hit leaves alone (the prompts' trailing partial blocks run as decode rows
+cold and warm, engine.runner_tail, so a warm prompt gives the cold run's tokens); catch-ups past MAX_DECODE_CATCHUP run as one prefill chunk (one pass, not a step a
 token)."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _waves(runner, waves, speculator=None, max_tokens=24, **kw):
 def test_self_draft_is_accepted_whole_cold_and_warm():
     """Two waves of the same prompts through one engine: the second hits the prefix cache the first
     wrote (so does the long prompt in the first: the prompts share their first tokens); the 9-token
-    prompt's hit leaves its last token alone, a one-row prefill. Both waves give the cold tokens."""
+    prompt's hit leaves its last token alone, a decode row as in the cold run. Both waves give the
+    cold tokens."""
     target = PathBitsRunner(block_size=BS, chunk=48)
     cold = [target.greedy(p, 24) for p in PROMPTS]
     draft = PathBitsRunner(block_size=BS, chunk=48)
@@ -48,11 +49,12 @@ def test_self_draft_is_accepted_whole_cold_and_warm():
     assert tokens_of(outs) == cold + cold
     assert stats.spec_draft_tokens > 100
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
-    # the draft ran prompt positions in prefill passes and every generated one as a decode row, as
-    # the target did
+    # the draft ran the prompt's full blocks in prefill passes, its trailing partial block and
+    # every generated position as decode rows, as the target did (engine.runner_tail)
     for runner in (draft, target):
         for seq, pos, path in runner.paths:
-            assert path == (PREFILL if pos < len(PROMPTS[seq % 4]) else DECODE), (seq, pos)
+            n = len(PROMPTS[seq % 4])
+            assert path == (PREFILL if pos < n - n % BS else DECODE), (seq, pos)
 
 
 def test_self_draft_solo_equals_batched():

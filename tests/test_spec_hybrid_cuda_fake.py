@@ -159,7 +159,7 @@ def test_graph_per_row_grouping_replayed(fake):
     captures, launches = drv.captures, drv.graph_launches
     assert runner.verify(items) == [[0, 0, 0], [0, 0]]
     assert drv.captures == captures and drv.graph_launches == launches + 1  # replayed, not recaptured
-    runner.verify([_draft(0, [0, 0, 0], 5, [0], 1)])  # another grouping: its own graph
+    runner.verify([_draft(0, [0, 0, 0], 5, [0], 1), _draft(1, [0], 3, [2], 0)])  # another grouping: its own graph
     assert drv.captures == captures + 1
     assert copies == []
 
@@ -169,13 +169,18 @@ def test_least_recently_used_groupings_are_dropped(fake, monkeypatch):
 
     runner, drv, _ = fake
     monkeypatch.setattr(rs, "GROUPINGS_KEPT", 2)
-    grouped = lambda: sorted(k[4] for k in runner._graphs if len(k) == 5)  # noqa: E731
+    tails = set(runner._graphs)  # the prompt tails' graphs (engine.runner_tail): never dropped
+    grouped = lambda: sorted(k[4] for k in runner._graphs if len(k) == 5 and k not in tails)  # noqa: E731
+    two = lambda k: [_draft(0, [0] * k, 5, [0], 1), _draft(1, [0], 3, [2], 0)]  # noqa: E731
     for k in (1, 2, 1, 3):
-        runner.verify([_draft(0, [0] * k, 5, [0], 1)])
-    assert grouped() == [(1, 1), (1, 1, 1, 1)]  # k = 2 (groups 1, 1, 2) went; k = 1 was used again
+        runner.verify(two(k))
+    assert grouped() == [(2, 2), (2, 2, 1, 3)]  # k = 2 (groups 2, 2, 4) went; k = 1 was used again
     captures = drv.captures
-    runner.verify([_draft(0, [0], 5, [0], 1)])
+    runner.verify(two(1))
     assert drv.captures == captures  # still there
+    for k in (1, 2, 3):  # one draft of k: groups (1, 1, ...), some of them a tail's graph, which stays
+        runner.verify([_draft(0, [0] * k, 5, [0], 1)])
+    assert tails <= set(runner._graphs)
 
 
 def test_passes_split_when_scratch_slots_run_out(fake, monkeypatch):

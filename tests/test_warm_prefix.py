@@ -42,27 +42,31 @@ def test_prefill_of_a_new_length_reuses_launch_configs_and_recent_shapes_stay_bo
     monkeypatch.setattr(rc.cuda, "PreparedLaunch", Counting)
     table = list(range(24))
 
-    def tail(n: int) -> list[int]:
-        return runner.step([StepItem(0, list(range(1, n + 1)), 300, table, True, base.GREEDY, prompt_len=300 + n)])
+    def tail(n: int) -> list[int]:  # a hit at a block boundary: its tail (engine.runner_tail)
+        return runner.step([StepItem(0, list(range(1, n + 1)), 320, table, True, base.GREEDY, prompt_len=320 + n)])
 
-    # every warm-prefix tail (1 .. block_size tokens after a hit) was bound when the runner was built
+    def prefill(n: int) -> list[int]:  # a prefill of n tokens (no prompt_len: every token a prefill row)
+        return runner.step([StepItem(0, list(range(1, n + 1)), 300, table, True, base.GREEDY)])
+
+    # every warm-prefix tail (1 .. block_size - 1 tokens as decode rows, or a whole last block's
+    # prefill) was bound and captured when the runner was built
     bound = _calls(lambda: tail(2))
     for n in range(1, runner.block_size + 1):
         tail(n)
     assert built == [] and runner.block_size == 16
     # a new length binds every launch, but most launch configurations are shared by geometry
-    fresh = _calls(lambda: tail(21))
+    fresh = _calls(lambda: prefill(21))
     first = len(built)
-    tail(23)
+    prefill(23)
     new = built[first:]
     assert new and all(23 in grid for _, grid in new), new  # only launches with one block per token
     assert bound * 3 < fresh, (bound, fresh)
     for n in range(100, 100 + PREFILL_SHAPES_KEPT + 8):  # more cold shapes than are kept
         runner.step([StepItem(1, list(range(1, n + 1)), 0, table, True, base.GREEDY)])
-    tail(25)  # a length first seen once the cache is full is kept all the same
-    assert _calls(lambda: tail(25)) * 3 < fresh
+    prefill(25)  # a length first seen once the cache is full is kept all the same
+    assert _calls(lambda: prefill(25)) * 3 < fresh
     before = len(built)
-    tail(25)
+    prefill(25)
     assert len(built) == before  # no new launch configuration at all
 
 

@@ -1,8 +1,10 @@
-"""The warm-prefix tail on CudaRunner's fake driver (no GPU): the prefill passes of one sequence's
-1 .. block_size tokens (what a prefix-cache hit leaves to run) are captured into CUDA graphs when
-the runner is built, from a warm run that writes only the sinks; a warm request then replays one
-graph for its layers (the head stays eager) and uploads inputs sized by its new tokens, never by
-the cached prompt."""
+"""The warm-prefix tail on CudaRunner's fake driver (no GPU; engine.runner_tail): what a prefix-cache
+hit leaves to run is the prompt's trailing partial block (1 .. block_size - 1 tokens), run as decode
+rows of one sequence, or for a prompt ending on a block boundary its last block, a prefill of
+block_size tokens. The graphs of both are captured when the runner is built, from warm runs that
+write only the sinks; a warm request then replays one graph (inputs and sampled id copied by the
+graph itself) and uploads inputs sized by its new tokens, never by the cached prompt; a cold prompt
+runs the same positions as the same decode rows after the prefill of its full blocks."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from fixtures.hybrid import write_qwen3_5_hf
 from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 from test_runner_cuda import write_tiny_llama
 
-from engine.types import StepItem
+from engine.runner_tail import tail_count
+from engine.types import SamplingParams, StepItem
 
 
 def _build(tmp_path, monkeypatch, hybrid: bool):
@@ -53,14 +56,29 @@ def _view(runner, raw: np.ndarray, name: str, dtype, n: int) -> np.ndarray:
     return raw[off : off + n * np.dtype(dtype).itemsize].view(dtype)
 
 
+def _spy_decode(runner) -> list[list[StepItem]]:
+    """The rows of every decode pass the runner runs from now on."""
+    passes: list[list[StepItem]] = []
+    decode = runner._decode
+    runner._decode = lambda rows, *a, **k: passes.append(list(rows)) or decode(rows, *a, **k)
+    return passes
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
 def test_tails_are_captured_from_a_warm_run_into_the_sinks(tmp_path, monkeypatch, hybrid):
     runner, drv, events = _build(tmp_path, monkeypatch, hybrid)
     bs = runner.block_size
-    assert sorted(k[1] for k in runner._graphs if k[0] == "tail") == list(range(1, bs + 1))
-    assert drv.captures == bs
-    for n in range(1, bs + 1):  # the graph keeps the very launches the eager pass of n tokens runs
-        assert runner._graphs[("tail", n)][1] is runner._prefill_bound[("prefill", n, 1, n)]
+    assert [k[1] for k in runner._graphs if k[0] == "tail"] == [bs]  # a whole last block: a prefill
+    assert runner._graphs[("tail", bs)][1] is runner._prefill_bound[("prefill", bs, 1, bs)]
+    rows = [k for k in runner._graphs if k[0] != "tail"]  # the decode-row tails': every row count
+    limit = 8  # (the bf16 plans' wide decode: passes of at most 8 rows, engine.spec.cuda_verify.narrow_rows)
+    assert {k[0] for k in rows} == set(range(1, limit + 1)) and {k[1] for k in rows} == {"greedy", "sample"}
+    assert all(k[3] for k in rows)  # the io graphs a plain step replays
+    if hybrid:
+        assert all(k[4] == (1,) * k[0] for k in rows) and runner._tail_keys == set(rows)
+    else:
+        assert all(k[-1] == "verify" for k in rows)
+    assert drv.captures == len(rows) + 1
     # every launch that ran while building (not those recorded into a graph) read inputs that
     # write only the sinks
     last, launched = None, 0
@@ -76,7 +94,7 @@ def test_tails_are_captured_from_a_warm_run_into_the_sinks(tmp_path, monkeypatch
             if hybrid:
                 assert _view(runner, last, "state_in", np.int32, 1)[0] == -1
                 assert _view(runner, last, "state_out", np.int32, 1)[0] == runner._state_sink
-                assert (_view(runner, last, "state_snap", np.int32, bs) == -1).all()
+                assert _view(runner, last, "state_snap", np.int32, 1)[0] == -1
     assert launched > 0
 
 
@@ -85,50 +103,188 @@ def test_a_warm_tail_replays_its_graph_and_uploads_by_new_tokens(tmp_path, monke
     runner, drv, events = _build(tmp_path, monkeypatch, hybrid)
     bs = runner.block_size
     state = dict(state_slot=2, state_restore=4) if hybrid else {}
+    passes = _spy_decode(runner)
     uploads = []
     for depth in (4 * bs, 200 * bs):  # the same 5-token tail after 64 and after 3,200 cached tokens
         drv.reset()
         events.clear()
         table = list(range(depth // bs + 1))
-        item = StepItem(0, [7, 8, 9, 10, 11], depth, table, True, GREEDY, history=[1] * (depth + 5), **state)
+        item = StepItem(0, [7, 8, 9, 10, 11], depth, table, True, GREEDY, history=[1] * (depth + 5),
+                        prompt_len=depth + 5, **state)  # fmt: skip
         assert runner.step([item]) == [0]
-        assert drv.graph_launches == 1 and drv.captures == 0
-        names = [n for n, _, _ in drv.launches]
-        assert names and not any(n.startswith(("embed", "attention_prefill", "gated_delta", "causal_conv")) for n in names)
-        assert names[-1].startswith("argmax")  # only the head and its sampler launch from Python
+        assert drv.graph_launches == 1 and drv.captures == 0 and not drv.launches  # one graph, nothing else
         uploads.append(sum(drv.h2d))
-        raw = next(ev[2] for ev in events if ev[0] == "htod" and ev[1] == runner._in_dev.ptr)
-        assert _view(runner, raw, "positions", np.int32, 5).tolist() == list(range(depth, depth + 5))
-        assert _view(runner, raw, "slots", np.int32, 5).tolist() == [
-            table[p // bs] * bs + p % bs for p in range(depth, depth + 5)
-        ]
-        if hybrid:
-            assert _view(runner, raw, "state_in", np.int32, 1)[0] == 4
-            assert _view(runner, raw, "state_out", np.int32, 1)[0] == 2
+        v = runner._views
+        assert v["tokens"][:5].tolist() == [7, 8, 9, 10, 11]
+        assert v["positions"][:5].tolist() == list(range(depth, depth + 5))
+        assert v["slots"][:5].tolist() == [table[p // bs] * bs + p % bs for p in range(depth, depth + 5)]
+        assert [r.sample for r in passes[-1]] == [False] * 4 + [True]  # the last row samples
+        if hybrid:  # the snapshot restored into the first row, the live slot after it
+            assert v["state_in"][:5].tolist() == [4, 2, 2, 2, 2]
+            assert v["state_out"][:5].tolist() == [2] * 5 and v["state_snap"][:5].tolist() == [-1] * 5
     assert uploads[0] == uploads[1]  # the cached prompt's length changes no upload
-    # graphs off (or a tail longer than a block): the same pass eagerly
+    # graphs off: the same rows eagerly, through the decode launches
     drv.reset()
     runner.use_graphs = False
-    runner.step([StepItem(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5)), True, GREEDY, **state)])
-    assert drv.graph_launches == 0 and any(n.startswith("attention_prefill") for n, _, _ in drv.launches)
+    runner.step([StepItem(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5)), True, GREEDY, prompt_len=4 * bs + 5, **state)])
+    names = [n for n, _, _ in drv.launches]
+    assert drv.graph_launches == 0 and names and not any(n.startswith("attention_prefill") for n in names)
+    assert len(passes[-1]) == 5
 
 
-def test_a_one_token_prompt_tail_is_a_prefill_and_a_generated_token_a_decode_row(tmp_path, monkeypatch):
-    """A hit that leaves the prompt's last token alone runs it as a one-row prefill (its tail graph
-    and the prefill head), as the cold pass computed it; the same token past the prompt is a decode
-    row (the decode graph, no prefill head)."""
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+def test_a_cold_prompt_runs_its_trailing_partial_block_as_the_warm_rows(tmp_path, monkeypatch, hybrid):
+    """The cold prompt: a prefill pass of its full blocks (a hybrid's snapshot at the boundary
+    taken there), then the same five decode rows a warm hit runs, with the same inputs."""
+    runner, drv, events = _build(tmp_path, monkeypatch, hybrid)
+    bs = runner.block_size
+    prompt = list(range(3, 3 + 4 * bs + 5))
+    table = list(range(5))
+    passes = _spy_decode(runner)
+    prefills = []
+    pre = runner._run_prefill_pass
+    runner._run_prefill_pass = lambda segs: prefills.append([(lo, hi, it) for _, it, lo, hi in segs]) or pre(segs)
+    cold = dict(state_slot=2, state_snapshots=((4 * bs, 4),)) if hybrid else {}
+    drv.reset()
+    assert runner.step([StepItem(0, prompt, 0, table, True, GREEDY, prompt_len=len(prompt), **cold)]) == [0]
+    ((lo, hi, part),) = prefills[0]
+    assert (lo, hi, part.sample, len(part.token_ids)) == (0, 4 * bs, False, 4 * bs)
+    assert any(n.startswith("attention_prefill") for n, _, _ in drv.launches) and drv.graph_launches == 1
+    if hybrid:
+        assert part.state_snapshots == ((4 * bs, 4),)
+    v = runner._views
+    cold_rows = [(r.token_ids[0], r.start_pos, r.sample) for r in passes[-1]]
+    cold_inputs = [v[n][:5].tolist() for n in ("tokens", "positions", "slots")]
+    if hybrid:
+        assert v["state_in"][:5].tolist() == [2] * 5  # (the prefill part left the state in the live slot)
+    warm = dict(state_slot=2, state_restore=4) if hybrid else {}
+    runner.step([StepItem(0, prompt[4 * bs :], 4 * bs, table, True, GREEDY, prompt_len=len(prompt), **warm)])
+    assert [(r.token_ids[0], r.start_pos, r.sample) for r in passes[-1]] == cold_rows
+    assert [v[n][:5].tolist() for n in ("tokens", "positions", "slots")] == cold_inputs
+
+
+def test_a_prompt_ending_on_a_block_boundary_runs_its_last_block_as_a_prefill(tmp_path, monkeypatch):
+    """A hit on a prompt of whole blocks leaves its last block: the prefill tail graph (block_size
+    rows), then the batch-1 head eagerly; a one-token tail is a one-row decode pass (its graph)."""
     runner, drv, _ = _build(tmp_path, monkeypatch, False)
     bs = runner.block_size
     depth = 4 * bs
-    table = list(range(depth // bs + 1))
+    table = list(range(depth // bs + 2))
+    passes = _spy_decode(runner)
+    drv.reset()
+    runner.step([StepItem(0, list(range(3, 3 + bs)), depth, table, True, GREEDY, prompt_len=depth + bs)])
+    assert drv.graph_launches == 1 and not passes
+    assert [n for n, _, _ in drv.launches][-1].startswith("argmax")  # the head, eagerly after the tail graph
     drv.reset()
     runner.step([StepItem(0, [7], depth, table, True, GREEDY, history=[1] * depth + [7], prompt_len=depth + 1)])
-    assert drv.graph_launches == 1 and runner._graphs[("tail", 1)][0] is not None
-    assert [n for n, _, _ in drv.launches][-1].startswith("argmax")  # the head, eagerly after the tail graph
+    assert drv.graph_launches == 1 and drv.captures == 0 and not drv.launches
+    assert [(r.start_pos, r.sample) for r in passes[-1]] == [(depth, True)]
     row = StepItem(0, [7], depth, table, True, GREEDY, history=[1] * depth + [7], prompt_len=depth)
     drv.reset()
-    runner.step([row])  # (the decode graph's capture: a warm run of its launches, then the capture)
-    assert not any(n.startswith("attention_prefill") for n, _, _ in drv.launches)
+    runner.step([row])  # a generated token: a plain decode row (its bucket graph: captured now)
+    assert drv.captures == 1 and not any(n.startswith("attention_prefill") for n, _, _ in drv.launches)
+
+
+def test_a_tail_longer_than_a_verify_pass_runs_in_several(tmp_path, monkeypatch):
+    """A 13-token tail of a bf16 plan (passes below its wide decode: 8 rows) runs 8 rows, then 5,
+    both replayed from graphs; two warm tails of one step share passes up to 8 rows."""
+    runner, drv, _ = _build(tmp_path, monkeypatch, False)
+    bs = runner.block_size
+    passes = _spy_decode(runner)
     drv.reset()
-    runner.step([row])
-    assert drv.graph_launches == 1 and not drv.launches  # the batch-1 decode graph alone
+    item = StepItem(0, list(range(3, 16)), 4 * bs, list(range(5)), True, GREEDY, prompt_len=4 * bs + 13)
+    runner.step([item])
+    assert [len(p) for p in passes] == [8, 5] and drv.captures == 0 and drv.graph_launches == 2
+    assert [r.start_pos for p in passes for r in p] == list(range(4 * bs, 4 * bs + 13))
+    passes.clear()
+    a = StepItem(1, [5, 6, 7], 4 * bs, list(range(10, 15)), True, GREEDY, prompt_len=4 * bs + 3)
+    b = StepItem(2, [8, 9, 10, 11], 2 * bs, list(range(20, 23)), True, GREEDY, prompt_len=2 * bs + 4)
+    c = StepItem(3, [1, 2, 3, 4, 5], 3 * bs, list(range(30, 34)), True, GREEDY, prompt_len=3 * bs + 5)
+    assert runner.step([a, b, c]) == [0, 0, 0]
+    assert [[r.seq_id for r in p] for p in passes] == [[1, 1, 1, 2, 2, 2, 2], [3] * 5]
+
+
+def test_the_last_row_carries_the_item_s_sampling_and_logprobs(tmp_path, monkeypatch):
+    runner, drv, _ = _build(tmp_path, monkeypatch, False)
+    bs = runner.block_size
+    passes = _spy_decode(runner)
+    hot = SamplingParams(temperature=0.7, seed=3, logprobs=2)
+    item = StepItem(0, [5, 6, 7], 4 * bs, list(range(5)), True, hot, history=[1] * (4 * bs + 3),
+                    prompt_len=4 * bs + 3, num_generated=0)  # fmt: skip
+    assert runner.step([item]) == [0]
+    rows = passes[-1]
+    assert [r.sampling for r in rows[:2]] == [GREEDY, GREEDY] and rows[2].sampling is hot
+    assert rows[2].history is item.history and [r.sample for r in rows] == [False, False, True]
+    assert item.logprobs_out == (0.0, [(0, 0.0), (0, 0.0)])  # (the fake device's logprobs, into the item)
+
+
+def test_tail_count_is_by_absolute_position():
+    def it(start, n, prompt_len, **kw):
+        return StepItem(0, [1] * n, start, [0], True, GREEDY, prompt_len=prompt_len, **kw)
+
+    bs = 16
+    assert tail_count(it(64, 7, 71), bs) == 7  # a warm hit's tail
+    assert tail_count(it(0, 71, 71), bs) == 7  # the cold prompt: the same positions
+    assert tail_count(it(60, 11, 71), bs) == 7  # a chunk across the boundary
+    assert tail_count(it(66, 5, 71), bs) == 5  # a chunk inside the partial block
+    assert tail_count(it(0, 64, 71), bs) == 0  # a chunk that ends at the boundary
+    assert tail_count(it(0, 10, 10), bs) == 10  # a prompt shorter than a block: all of it
+    assert tail_count(it(48, 16, 64), bs) == 0  # a prompt ending on a boundary: its last block prefills
+    assert tail_count(it(71, 1, 71), bs) == 0  # a generated token: a decode row
+    assert tail_count(it(0, 80, 71), bs) == 0  # a recompute past the prompt (preemption)
+    assert tail_count(it(0, 71, 0), bs) == 0  # no prompt_len: a direct call (the MTP head, tools)
+    assert tail_count(it(64, 7, 71, draft=(1,)), bs) == 0
+
+
+@pytest.mark.parametrize("chunk", [10, 32])
+def test_engine_warm_equals_cold_with_the_tail_on_decode_rows(chunk):
+    """Through the engine loop on fixtures.path_bits.PathBitsRunner (tokens change with the path
+    that computed each position): prompts whose trailing partial block the scheduler's chunks
+    reach whole or cut inside, cold and then warm, give the cold greedy tokens; every run computes
+    the prompt's full blocks as prefill and its trailing partial block as decode rows."""
+    from fixtures.engine_waves import serve_waves, tokens_of
+    from fixtures.path_bits import DECODE, PREFILL, PathBitsRunner
+
+    bs = 4
+    prompts = [[(5 * i + k) % 100 + 2 for i in range(n)] for k, n in enumerate((23, 27, 9, 3, 24))]
+    runner = PathBitsRunner(block_size=bs, chunk=chunk)
+    want = [runner.greedy(p, 6) for p in prompts]
+    outs, _ = serve_waves(runner, [prompts, prompts, prompts], max_tokens=6, vocab_size=128,
+                          prefill_chunk_tokens=chunk)  # fmt: skip
+    assert tokens_of(outs) == want * 3
+    cached = [c for _, c in outs]
+    assert cached[5:] == [n - 1 - (n - 1) % bs for p in prompts for n in [len(p)]] * 2  # the hits
+    for seq, pos, path in runner.paths:
+        n = len(prompts[seq % len(prompts)])
+        if pos < n:
+            assert path == (PREFILL if pos < n - n % bs else DECODE), (seq, pos, path)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+def test_engine_runs_the_same_tail_rows_cold_and_warm(tmp_path, monkeypatch, hybrid):
+    """Through the engine loop on the fake driver: a 5-block + 7-token prompt, chunked, then sent
+    again; the cold run's last chunk and the warm hit's tail run the same seven decode rows (tokens,
+    positions), the warm one's first row restoring the snapshot at the cached boundary."""
+    from fixtures.engine_waves import serve_waves
+
+    runner, _, _ = _build(tmp_path, monkeypatch, hybrid)
+    runner.ctx.make_current = lambda: None  # (the engine thread makes the context current)
+    bs = runner.block_size
+    seen = []  # (rows: (token, position), the first row's state input) of every tail pass
+    decode = runner._decode
+
+    def spy(rows, *a, **k):
+        ids = decode(rows, *a, **k)
+        if any(r.start_pos < r.prompt_len for r in rows):
+            seen.append(([(r.token_ids[0], r.start_pos) for r in rows], int(runner._views["state_in"][0])))
+        return ids
+
+    runner._decode = spy
+    prompt = [(7 * i) % 300 + 3 for i in range(5 * bs + 7)]
+    outs, _ = serve_waves(runner, [[prompt], [prompt]], max_tokens=3, vocab_size=runner.plan.dims["vocab"],
+                          prefill_chunk_tokens=2 * bs)  # fmt: skip
+    assert [c for _, c in outs] == [0, 5 * bs]
+    (cold, cold_in), (warm, warm_in) = seen
+    assert cold == warm == [(t, 5 * bs + j) for j, t in enumerate(prompt[5 * bs :])]
+    if hybrid:
+        assert cold_in != warm_in and warm_in not in (-1, runner._state_sink)  # the live slot, then a snapshot

@@ -3,11 +3,13 @@ tokens of one sequence after ``--depths`` cached tokens), on the GPU machine.
 
     PYTHONPATH=. python tools/gpu_warm_tail.py MODEL [--depths 1024,4096,16384] [--tail 7] [--json F]
 
-For each depth: ``runner.step`` of the tail item end to end (host prep + upload + layers + head +
-the sampled id read back), with the layers replayed from the captured tail graph and run eagerly;
-the eager launch loop's host time; the layers' GPU time (graph replay, events); and the layers'
-GPU time per kernel template (each template's launches of the pass captured alone and replayed),
-so a template whose cost grows with the depth (the prefill attention over the cached keys) shows.
+For each depth: ``runner.step`` of the tail item end to end (host prep + upload + pass + the
+sampled id read back): as the engine runs it (the prompt's trailing partial block as decode rows,
+engine.runner_tail: its captured graph, and eagerly) and as a prefill pass of the same tokens (the
+path before; its layers eager, the head after them); the GPU time of that prefill pass's layers
+and of the decode rows' graph (replay, events), each per kernel template (each template's
+launches captured alone and replayed), so a template whose cost grows with the depth shows; the
+decode rows' eager launch loop's host time.
 The KV and recurrent state are whatever the cache holds (timing only: the tail's tokens, positions,
 block table and state slots are real). Must not be imported by the engine.
 """
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import cuda  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.runner_cuda import CudaRunner  # noqa: E402
+from engine.runner_tail import graph_key, pass_is_short, tail_count  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,25 +79,38 @@ def measure(runner, depth: int, tail: int) -> dict:
     bs = runner.block_size
     table = list(range(-(-(depth + tail) // bs)))
     state = dict(state_slot=0, state_restore=1) if runner.num_state_slots else {}
-    item = StepItem(0, list(range(3, 3 + tail)), depth, table, True, GREEDY, history=[3] * (depth + tail), **state)
-    row = {"depth": depth, "tail": tail}
+    toks = list(range(3, 3 + tail))
+    kw = dict(history=[3] * (depth + tail), **state)
+    item = StepItem(0, toks, depth, table, True, GREEDY, prompt_len=depth + tail, **kw)  # a warm hit's tail
+    pre = StepItem(0, toks, depth, table, True, GREEDY, **kw)  # (no prompt_len: the same tokens as a prefill)
+    row = {"depth": depth, "tail": tail, "decode_rows": tail_count(item, bs)}
     runner.use_graphs = True
     row["step_graph_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
+    row["step_prefill_ms"] = round(wall_ms(lambda: runner.step([pre])), 3)  # the path before engine.runner_tail
     runner.use_graphs = False
     row["step_eager_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
     runner.use_graphs = True
+    # the prefill pass's layers (its inputs uploaded by a step of it)
+    runner.step([pre])
     bound = runner._prefill_pass_bound(tail, 1, tail)
     runner.stream.synchronize()
-    t0 = time.perf_counter()
-    runner._run(bound)
-    row["eager_launch_host_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
-    row["launches"] = len(bound)
+    row["prefill_launches"] = len(bound)
+    row["prefill_layers_gpu_ms"] = round(gpu_ms(runner.stream, lambda: runner._run(bound)), 3)
+    row["prefill_per_template_gpu_ms"] = per_template(runner, bound)
+    # the decode rows' pass: its captured graph (inputs in, sampled id out) and its launches
+    runner.step([item])
+    graph = runner._graphs.get(graph_key(runner, tail, "greedy", pass_is_short(runner, item)))
+    if graph is None:
+        return row
     runner.stream.synchronize()
-    row["layers_gpu_eager_ms"] = round(gpu_ms(runner.stream, lambda: runner._run(bound)), 3)
-    graph = runner._graphs.get(("tail", tail))
-    if graph is not None:
-        row["layers_gpu_graph_ms"] = round(gpu_ms(runner.stream, lambda: graph[0].launch(runner.stream)), 3)
-    row["per_template_gpu_ms"] = per_template(runner, bound)
+    row["rows_graph_gpu_ms"] = round(gpu_ms(runner.stream, lambda: graph[0].launch(runner.stream)), 3)
+    rows = graph[1]
+    t0 = time.perf_counter()
+    runner._run(rows)
+    row["rows_eager_launch_host_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+    row["rows_launches"] = len(rows)
+    runner.stream.synchronize()
+    row["rows_per_template_gpu_ms"] = per_template(runner, rows)
     return row
 
 

@@ -6,7 +6,9 @@ per draft step, all rows of a draft step batched together. The catch-up runs eac
 the target ran it, so that a draft model that is the target itself computes every proposed token
 with the target's bits (a CUDA prefill pass and a decode row reduce differently; tests/fixtures/
 batch_invariance.py makes decode rows of any batch, and the verify rows, bit-equal to batch-1 decode
-rows): the prompt's positions (below ``prompt_len``) as prefill, in one chunk; every later position,
+rows): the prompt's positions (below ``prompt_len``) in one chunk, which carries ``prompt_len`` so
+the runner computes the prompt's trailing partial block as decode rows as the target's did
+(engine.runner_tail), the rest as prefill; every later position,
 the row's last token included (the target runs it as a decode row this step), as a one-token
 decode row, so a CUDA draft replays its decode graphs. A catch-up of more than MAX_DECODE_CATCHUP generated
 tokens (a row that did not speculate for a while: a large batch, a low acceptance rate) runs all
@@ -136,7 +138,7 @@ class DraftModelProposer:
             items = []
             for _i, r, row, _k, chunks in active:
                 toks = chunks.pop(0) if chunks else [out[_i].tokens[-1]]
-                items.append(self._item(r.seq_id, toks, len(row.done), row.done, not chunks, row.snaps))
+                items.append(self._item(r.seq_id, toks, len(row.done), row.done, not chunks, row.snaps, r.prompt_len))
                 row.done.extend(toks)
             ids = self.runner.step(items)
             keep = []
@@ -158,6 +160,7 @@ class DraftModelProposer:
         history: Sequence[int],
         sample: bool = True,
         snaps: dict[int, int] | None = None,
+        prompt_len: int = 0,
     ) -> StepItem:
         slot = snap = None
         if self.hybrid:
@@ -171,6 +174,7 @@ class DraftModelProposer:
             sample=sample,
             sampling=_GREEDY,
             history=history,
+            prompt_len=prompt_len,  # (the runner runs the prompt's trailing partial block as the target does)
             state_slot=slot,
             state_snapshots=((len(tokens), snap),) if snap is not None else (),
         )

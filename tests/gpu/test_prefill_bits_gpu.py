@@ -8,9 +8,9 @@ kernel's tile loads), each case comparing the first token's logits and six greed
 
 * a prompt packed with another one in one pass equals the prompt alone (both passes below 256 rows;
   and, as its own case, a packed pass of 256 rows or more, across the GEMM switch);
-* a prefix-cache hit's tail (1 .. 16 tokens, one pass over the cached blocks; one prompt token is a
-  one-row prefill, engine.runner_steps.is_decode_row) equals the cold pass, below and across the
-  switch (a 300-token cold pass against its 12-token tail).
+* a prefix-cache hit's tail (1 .. 16 tokens, one pass over the cached blocks; a prompt's trailing
+  partial block runs as decode rows in both, engine.runner_tail, a whole last block as a prefill)
+  equals the cold pass, below and across the switch (a 300-token cold pass against its 12-token tail).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.runner_tail import tail_count
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -54,10 +55,15 @@ def run(runner, items: list[StepItem], seq: int) -> list[np.ndarray]:
     alone: its head logits and each step's."""
     heads = [j for j, it in enumerate(items) if it.sample]  # (a prefill pass's head rows, in item order)
     toks = runner.step(items)
-    logits = runner.read_logits(len(heads))
     i = [items[j].seq_id for j in heads].index(seq)
     it = items[heads[i]]
-    out, tok, pos = [logits[i].copy()], toks[heads[i]], it.start_pos + len(it.token_ids)
+    tails = [tail_count(items[j], runner.block_size) for j in heads]
+    if any(tails):  # the prompts' trailing partial blocks ran last, as decode rows of one pass
+        logits = runner.read_logits(sum(tails))  # (engine.runner_tail): the item's last row samples
+        row = sum(tails[: i + 1]) - 1
+    else:
+        logits, row = runner.read_logits(len(heads)), i
+    out, tok, pos = [logits[row].copy()], toks[heads[i]], it.start_pos + len(it.token_ids)
     for _ in range(STEPS):
         tok = runner.step([StepItem(seq, [tok], pos, it.block_table, True, GREEDY)])[0]
         out.append(runner.read_logits(1)[0].copy())
@@ -67,9 +73,9 @@ def run(runner, items: list[StepItem], seq: int) -> list[np.ndarray]:
 
 def cold(runner, prompt: list[int], seq: int, others: list[list[int]] = ()) -> list[np.ndarray]:
     blocks = (len(prompt) + STEPS) // 16 + 1
-    items = [StepItem(seq, prompt, 0, Tables.take(blocks), True, GREEDY)]
+    items = [StepItem(seq, prompt, 0, Tables.take(blocks), True, GREEDY, prompt_len=len(prompt))]
     for j, p in enumerate(others):
-        items.append(StepItem(seq + 100 + j, p, 0, Tables.take(len(p) // 16 + 1), True, GREEDY))
+        items.append(StepItem(seq + 100 + j, p, 0, Tables.take(len(p) // 16 + 1), True, GREEDY, prompt_len=len(p)))
     return run(runner, items, seq)
 
 

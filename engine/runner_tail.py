@@ -1,0 +1,208 @@
+"""A prompt's trailing partial KV block run as decode rows on the CUDA runner (issue #34: warm-prefix TTFT).
+
+A prefix-cache hit stops at a block boundary, so a warm request's new tokens are the prompt's
+trailing partial block (1 .. block_size - 1 tokens; none when the prompt ends on a boundary). A
+prefill pass of so few rows costs about as much as one of a few hundred (its GEMMs decode the
+weights in their tile loads whatever the row count), so those tokens run instead as rows of one
+sequence through the plain decode launches, the way a speculative verify pass runs a draft's
+k + 1 positions (engine.spec.cuda_verify: one pass of exactly that many rows, the plan's verify
+launches below short_context where it has them; a hybrid's stateful launches once per row, in
+order, each row reading the state the row before wrote). The rule is by absolute position, the
+same for a cold prompt: its positions from the last block boundary below ``prompt_len`` to the end
+of the prompt are decode rows, whichever prefill chunk holds them, so a warm request computes every
+position exactly as the cold run did and its output equals the cold output bit for bit. Blocks the
+prefix cache keeps are full prompt blocks, so they only ever hold prefill-computed KV.
+
+``tail_count`` is the rule (pure; tests/fixtures/path_bits.py dispatches with it too),
+``run_tails`` runs the tails of a step's items after their prefill parts, ``prepare_tails``
+captures the CUDA graphs of every tail length when the runner is built (engine.runner_steps
+``_prebind_warm_tails``), so no warm request pays for a capture.
+
+Reaches the driver only through the runner's methods; must not import CUDA or engine.runner_cuda.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from engine.spec.cuda_verify import has_verify_short, narrow_rows, short_is_safe
+from engine.types import SamplingParams, StepItem
+
+_GREEDY = SamplingParams(temperature=0.0)
+KINDS = ("greedy", "sample")  # the sampling kinds whose tail graphs are captured ahead
+
+
+def tail_count(it: StepItem, block_size: int) -> int:
+    """How many of a prefill item's last tokens are its prompt's trailing partial block (positions
+    from the last block boundary below ``prompt_len`` to it), run as decode rows. 0 for a decode
+    row, a draft, an item reaching past its prompt (a preempted sequence's recompute), a prompt
+    that ends on a block boundary, and an item that does not say where its prompt ends
+    (``prompt_len`` 0: a direct runner call such as the MTP head's, engine.spec.mtp_cuda, which
+    feeds its pass rows values of its own, or a tool's; it runs as prefill, its head on row 0)."""
+    n = len(it.token_ids)
+    end = it.start_pos + n
+    prompt = it.prompt_len
+    if it.draft or n == 0 or end > prompt:
+        return 0
+    boundary = prompt - prompt % block_size
+    if boundary == prompt or end <= boundary:
+        return 0
+    return end - max(boundary, it.start_pos)
+
+
+def split_item(it: StepItem, tail: int) -> StepItem:
+    """The prefill part of an item whose last ``tail`` tokens run as decode rows: the tokens before
+    them, sampling nothing, with the state snapshots that fall inside it."""
+    keep = len(it.token_ids) - tail
+    return replace(
+        it,
+        token_ids=it.token_ids[:keep],
+        sample=False,
+        allowed=None,
+        state_snapshots=tuple((n, s) for n, s in it.state_snapshots if n <= keep),
+    )
+
+
+def _rows(it: StepItem, tail: int) -> tuple[list[StepItem], list[int]]:
+    """Decode rows of the item's last ``tail`` tokens (the last row carries the item's sampling)
+    and each row's state snapshot slot (-1: none; a hybrid's, from the item's snapshots)."""
+    n = len(it.token_ids)
+    first = n - tail
+    snaps = dict(it.state_snapshots)
+    rows, snap = [], []
+    for j in range(first, n):
+        last = j == n - 1
+        row = StepItem(
+            it.seq_id,
+            [it.token_ids[j]],
+            it.start_pos + j,
+            it.block_table,
+            it.sample and last,
+            it.sampling if last else _GREEDY,
+            history=it.history if last else (),
+            prompt_len=it.prompt_len,
+            num_generated=it.num_generated if last else 0,
+            allowed=it.allowed if last else None,
+            state_slot=it.state_slot,
+            state_restore=it.state_restore if j == 0 else None,  # (else the prefill part restored it)
+            window_table=it.window_table,
+        )
+        rows.append(row)
+        snap.append(snaps.get(j + 1, -1))
+    return rows, snap
+
+
+def _limit(r: Any) -> int:
+    return min(narrow_rows(r.plan, r._max_rows), r._max_rows)
+
+
+def _modes(r: Any) -> tuple[bool, bool]:
+    """(short_ok, verify) of a tail pass: a dense plan's verify launches (cuda_verify's rule); a
+    hybrid's plain decode launches, short context only where the plan's rope is not folded into
+    the attention."""
+    safe = short_is_safe(r.plan)
+    if r.num_state_slots:
+        return safe, False
+    return safe or has_verify_short(r.plan), True
+
+
+def _is_short(r: Any, it: StepItem, short_ok: bool) -> bool:
+    return short_ok and it.start_pos + len(it.token_ids) - 1 < r.plan.short_context
+
+
+def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]:
+    """Run each item's last ``tail`` tokens (its prefill part already ran) as decode rows; returns
+    each item's sampled id (None where it samples nothing). A dense plan packs the tails of one
+    context class (all rows below short_context or not, as the item alone would run) into passes
+    of at most ``narrow_rows`` rows; a tail longer than that, and a hybrid's every tail, runs alone,
+    in consecutive passes of that many rows."""
+    out: list[int | None] = [None] * len(tails)
+    short_ok, verify = _modes(r)
+    hybrid = bool(r.num_state_slots)
+    limit = _limit(r)
+    pending: dict[bool, list[tuple[int, list[StepItem]]]] = {True: [], False: []}
+    for i, (it, tail) in enumerate(tails):
+        rows, snaps = _rows(it, tail)
+        if hybrid or len(rows) > limit:
+            for lo in range(0, len(rows), limit):
+                part = rows[lo : lo + limit]
+                groups = (1,) * len(part) if hybrid else ()
+                ids = r._decode(
+                    part,
+                    short_ok=short_ok,
+                    state_snap=snaps[lo : lo + limit] if hybrid else None,
+                    groups=groups,
+                    exact=True,
+                    verify=verify,
+                )
+            _done(out, i, it, rows[-1], ids[-1])
+            continue
+        short = _is_short(r, it, short_ok)
+        batch = pending[short]
+        if batch and sum(len(rs) for _, rs in batch) + len(rows) > limit:
+            _run_batch(r, batch, out, tails, short_ok, verify)
+            batch.clear()
+        batch.append((i, rows))
+    for batch in pending.values():
+        if batch:
+            _run_batch(r, batch, out, tails, short_ok, verify)
+    return out
+
+
+def _run_batch(r: Any, batch: list[tuple[int, list[StepItem]]], out: list[int | None],
+               tails: Sequence[tuple[StepItem, int]], short_ok: bool, verify: bool) -> None:
+    rows = [row for _, rs in batch for row in rs]
+    ids = r._decode(rows, short_ok=short_ok, exact=True, verify=verify)
+    at = 0
+    for i, rs in batch:
+        at += len(rs)
+        _done(out, i, tails[i][0], rs[-1], ids[at - 1])
+
+
+def _done(out: list[int | None], i: int, it: StepItem, last: StepItem, tok: int) -> None:
+    if it.sample:
+        out[i] = tok
+        it.logprobs_out = last.logprobs_out  # (the runner stored the row's logprobs in the row)
+
+
+def graph_key(r: Any, rows: int, kind: str, short: bool) -> tuple:
+    """The runner's ``_graphs`` key of a tail pass of ``rows`` rows (CudaRunner._graph's, io on)."""
+    hybrid = bool(r.num_state_slots)
+    return (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(() if hybrid else ("verify",)))
+
+
+def pass_is_short(r: Any, it: StepItem) -> bool:
+    """Whether the tail of ``it`` runs the short-context launches."""
+    return _is_short(r, it, _modes(r)[0])
+
+
+def prepare_tails(r: Any) -> int:
+    """Capture the decode graphs every tail (1 .. block_size - 1 rows, in passes of at most
+    ``narrow_rows``) replays: each row count, greedy and sample, short and long context where the
+    plan and ``max_model_len`` have both, with their pinned-input copies (the ``io`` graphs a plain
+    step replays). The warm run before each capture writes only the sinks (padding rows; a hybrid's
+    states parked). A hybrid's are kept for good (``_tail_keys``: never dropped with the verify
+    groupings). Returns the graphs captured (0 without graphs)."""
+    if not r.use_graphs:
+        return 0
+    short_ok, verify = _modes(r)
+    hybrid = bool(r.num_state_slots)
+    classes = [s for s in (True, False) if (s and short_ok) or (not s and r.max_model_len > r.plan.short_context)]
+    if not short_ok:
+        classes = [False]
+    done = 0
+    for rows in range(1, min(r.block_size - 1, _limit(r)) + 1):
+        for kind in KINDS:
+            for short in classes:
+                key = graph_key(r, rows, kind, short)
+                if hybrid:  # (kept out of the verify groupings' LRU: StepLogic._keep_grouping)
+                    r._tail_keys = r._tail_keys | {key}
+                if key in r._graphs:
+                    continue
+                r._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
+                r._graph(rows, kind, short, io=True, groups=(1,) * rows if hybrid else (), verify=verify)
+                done += 1
+    r.stream.synchronize()
+    return done

@@ -1,0 +1,161 @@
+"""A prompt's trailing partial block as decode rows on a real GPU (skipped without one; issue #34
+item 4, engine.runner_tail): a cold prompt and its warm repeat (the cached blocks, then only the
+tail) give the same sampled token and the same logits bits (np.array_equal of the f32 logits),
+then the same logits for six greedy decode steps (so the KV the tail wrote is compared too); the
+tail's rows equal plain batch-1 decode steps of the same tokens bit for bit (so the tail path is
+as right as decode, which the model tests check against the reference); and through the engine
+loop a repeated prompt hits the cache and returns the uncached run's tokens. On a random q4_k_m
+Qwen3 GGUF, random q4_k_m Qwen3.5 and Qwen3.5-MoE hybrid GGUFs (the tail's rows through the
+stateful launches one by one, the warm run restoring the snapshot at the cached boundary; the MoE
+one not against batch-1 steps: its decode rows are not claimed batch-invariant) and a tiny bf16
+Llama (whose wide decode makes a tail of more than ``narrow_rows`` rows run in several passes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures.checkpoints import write_random_gguf
+from fixtures.hybrid import write_random_hybrid_gguf
+from fixtures.hybrid_case import GGUF_DIMS, GGUF_MOE
+from test_quant_models import DIMS as QWEN_DIMS
+from test_runner_cuda import write_tiny_llama
+
+from engine.types import SamplingParams, StepItem
+
+GREEDY = SamplingParams(temperature=0.0)
+STEPS = 6
+MODELS = ["qwen3-q4_k_m", "qwen3_5-q4_k_m", "qwen3_5_moe-q4_k_m", "llama-bf16"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tail_runner(request, tmp_path_factory):
+    from engine.model import load_model
+    from engine.runner_cuda import CudaRunner
+
+    name = request.param
+    d = tmp_path_factory.mktemp(name)
+    slots = {}
+    if name == "qwen3-q4_k_m":
+        path = write_random_gguf(d / "m.gguf", "qwen3", QWEN_DIMS, "q4_k_m", seed=5)
+    elif name.startswith("qwen3_5"):
+        moe = GGUF_MOE if "moe" in name else None
+        path = write_random_hybrid_gguf(d / "m.gguf", quant="q4_k_m", seed=7, moe=moe, **GGUF_DIMS)
+        slots = dict(state_slots=16)
+    else:
+        write_tiny_llama(d / "m")
+        path = d / "m"
+    runner = CudaRunner(load_model(path), num_blocks=512, max_model_len=2048, **slots)
+    yield name, runner
+    runner.close()
+
+
+class Tables:
+    used = 0
+
+    @classmethod
+    def take(cls, n: int) -> list[int]:
+        cls.used += n
+        if cls.used > 512:
+            cls.used = n
+        return list(range(cls.used - n, cls.used))
+
+
+def _prompt(runner, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, runner.plan.dims["vocab"], n)]
+
+
+def _decode(runner, seq: int, tok: int, pos: int, table: list[int], state: dict) -> list[np.ndarray]:
+    out = []
+    for _ in range(STEPS):
+        tok = runner.step([StepItem(seq, [tok], pos, table, True, GREEDY, state_slot=state.get("state_slot"))])[0]
+        out.append(runner.read_logits(1)[0].copy())
+        pos += 1
+    return out
+
+
+def _last_pass(runner, tail: int) -> int:
+    """The first tail row of the tail's last decode pass (passes of at most narrow_rows rows)."""
+    from engine.spec.cuda_verify import narrow_rows
+
+    limit = min(narrow_rows(runner.plan, runner._max_rows), runner._max_rows)
+    return (tail - 1) // limit * limit
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("tail", [1, 7, 15])
+@pytest.mark.parametrize("depth_blocks", [4, 70])  # below and past split_kv_tokens (256): short and long launches
+def test_warm_tail_equals_the_cold_prompt_bit_for_bit(tail_runner, tail, depth_blocks):
+    name, runner = tail_runner
+    bs = runner.block_size
+    assert tail < bs
+    hybrid = bool(runner.num_state_slots)
+    depth = depth_blocks * bs
+    n = depth + tail
+    prompt = _prompt(runner, n, depth + tail)
+    blocks = (n + STEPS) // bs + 1
+    cold_table = Tables.take(blocks)
+    cold_state = dict(state_slot=0, state_snapshots=((depth, 1),)) if hybrid else {}
+    cold_item = StepItem(10, prompt, 0, cold_table, True, GREEDY, history=prompt, prompt_len=n, **cold_state)
+    lo = _last_pass(runner, tail)
+    tok_c = runner.step([cold_item])[0]
+    logits_c = runner.read_logits(tail - lo)[-1].copy()  # (the last tail pass's last row samples)
+    after_c = _decode(runner, 10, tok_c, n, cold_table, cold_state)
+    # the warm repeat: the cold run's full blocks (the prefix cache's), a fresh block for the tail
+    warm_table = cold_table[:depth_blocks] + Tables.take(blocks - depth_blocks)
+    warm_state = dict(state_slot=2, state_restore=1) if hybrid else {}
+    warm_item = StepItem(11, prompt[depth:], depth, warm_table, True, GREEDY, history=prompt, prompt_len=n,
+                         **warm_state)  # fmt: skip
+    tok_w = runner.step([warm_item])[0]
+    logits_w = runner.read_logits(tail - lo)[-1].copy()
+    after_w = _decode(runner, 11, tok_w, n, warm_table, warm_state)
+    assert tok_w == tok_c, name
+    assert _bits_equal(logits_w, logits_c), (name, float(np.abs(logits_w - logits_c).max()))
+    for i, (a, b) in enumerate(zip(after_c, after_w, strict=True)):
+        assert _bits_equal(a, b), (name, "decode step", i, float(np.abs(a - b).max()))
+
+
+@pytest.mark.parametrize(("tail", "depth_blocks"), [(3, 4), (15, 30)])
+def test_tail_rows_equal_plain_decode_steps(tail_runner, tail, depth_blocks):
+    """The tail's rows are the plain batch-1 decode steps of its tokens, bit for bit: the prompt's
+    full blocks prefilled, then the tail as one warm item against the same tokens decoded one at a
+    time (items with no ``prompt_len``: decode rows), each step's logits against the tail row's."""
+    name, runner = tail_runner
+    if "moe" in name:
+        pytest.skip("MoE decode rows are not claimed batch-invariant (tests/gpu/test_batch_invariance_gpu.py has none)")
+    bs = runner.block_size
+    hybrid = bool(runner.num_state_slots)
+    depth = depth_blocks * bs
+    n = depth + tail
+    prompt = _prompt(runner, n, 100 + tail)
+    table = Tables.take(n // bs + 1)
+    st = dict(state_slot=3, state_snapshots=((depth, 4),)) if hybrid else {}
+    runner.step([StepItem(20, prompt[:depth], 0, table, False, GREEDY, **st)])
+    rows_state = dict(state_slot=5, state_restore=4) if hybrid else {}
+    runner.step([StepItem(21, prompt[depth:], depth, table, True, GREEDY, history=prompt, prompt_len=n, **rows_state)])
+    lo = _last_pass(runner, tail)  # (the rows of the last pass are the ones left to read)
+    rows = runner.read_logits(tail - lo).copy()
+    one_state = dict(state_slot=6) if hybrid else {}
+    for j in range(tail):
+        extra = dict(one_state, state_restore=4) if hybrid and j == 0 else one_state
+        runner.step([StepItem(22, [prompt[depth + j]], depth + j, table, True, GREEDY, **extra)])
+        if j >= lo:
+            got = runner.read_logits(1)[0]
+            assert _bits_equal(got, rows[j - lo]), (name, j, float(np.abs(got - rows[j - lo]).max()))
+
+
+@pytest.mark.parametrize("tail", [5, 13])
+def test_engine_repeat_hits_and_equals_uncached(tail_runner, tail):
+    from fixtures.engine_waves import serve_waves
+
+    name, runner = tail_runner
+    bs = runner.block_size
+    prompt = _prompt(runner, 40 * bs + tail, 7 + tail)
+    kw = dict(max_tokens=8, vocab_size=runner.plan.dims["vocab"], prefill_chunk_tokens=8 * bs, max_step_tokens=512)
+    ((cold, _),) = serve_waves(runner, [[prompt]], enable_prefix_cache=False, **kw)[0]
+    runs, _ = serve_waves(runner, [[prompt], [prompt], [prompt]], **kw)
+    assert runs[0] == (cold, 0)
+    for toks, cached in runs[1:]:
+        assert cached == 40 * bs and toks == cold, name
