@@ -153,6 +153,18 @@ class GemvCoop(Knobs):
 
 
 @dataclass(frozen=True, eq=False)
+class GemvMmq(Knobs):
+    # the bucket decode GEMVs (2+ rows) of these file storage types (q4_k) on the int8 tensor
+    # cores (kernels/_gemv_mmq.cuh.j2) where their q8x coop layout allows it: each row's bits those
+    # of its batch-1 coop GEMV; bmax x rows a block (halved while the block's shared memory would
+    # not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in flight per warp
+    types: list[str] = knob([])
+    threads: int = knob(256, positive)
+    bmax: int = knob(16, positive)
+    depth: int = knob(4, positive)
+
+
+@dataclass(frozen=True, eq=False)
 class Gemm(Knobs):
     # the prefill gemm (kernels/gemm.cu.j2; its fixed shape: engine.kernel_catalog.builders.GEMM_FIXED)
     tile_k: int = knob(32, positive)
@@ -254,6 +266,7 @@ class DecodeGraph(Knobs):
 SECTIONS: dict[str, type[Knobs]] = {
     "gemv": Gemv,
     "gemv_coop": GemvCoop,
+    "gemv_mmq": GemvMmq,
     "gemm": Gemm,
     "gemm_wgmma": GemmWgmma,
     "gemm_decode": GemmDecode,

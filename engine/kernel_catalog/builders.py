@@ -13,6 +13,7 @@ from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_Q8X_MAX,
     COOP_TYPES,
+    GEMV_XSMEM_MAX,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
@@ -180,6 +181,37 @@ def coop_options(
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
             out["tile_pf"] = True
     return out
+
+
+def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
+    where tuning gemv_mmq.types names its file type, else None: the same quant, shape, lanes, k
+    split and x staging (a row's bits are the batch-1 GEMV's), in blocks of gemv_mmq.threads of
+    16-row warp tiles (as few tiles as let their warps divide the virtual lanes), gemv_mmq.bmax x
+    rows a block (halved, down to 8, until its shared memory fits GEMV_XSMEM_MAX), gemv_mmq.depth
+    segments in flight. None where the layout does not apply (not q8x, glu, bmax 8 too large)."""
+    m = tuning.get("gemv_mmq") or {}
+    file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
+    if file_type not in m.get("types", ()) or p["quant"] != "q4_k" or not (p.get("coop") and p.get("q8x")):
+        return None
+    if p.get("glu"):
+        return None
+    lanes, ksplit = int(p.get("lanes") or 32), int(p.get("ksplit") or 1)
+    vl, threads = lanes * ksplit, int(m.get("threads") or 256)
+    warps = threads // 32
+    tiles = next((t for t in range(1, warps + 1) if warps % t == 0 and vl % (warps // t) == 0), 0)
+    if not tiles:
+        return None
+    q = dict(
+        p, mma=True, lanes=lanes, ksplit=ksplit, threads=threads, rows_per_block=16 * tiles, unroll=int(m.get("depth") or 4),
+        pipeline=False, tile_pf=False, grid_cap=0, wsm=False, trigger=False, early_nw=False,
+        early_res=False, min_blocks=0, l2_pf="",
+    )  # fmt: skip
+    bmax = max(8, int(m.get("bmax") or 16) // 8 * 8)
+    while bmax > 8 and gemv_smem({**q, "bmax": bmax}) > GEMV_XSMEM_MAX:
+        bmax //= 2
+    q["bmax"] = bmax
+    return q if gemv_smem(q) <= GEMV_XSMEM_MAX else None
 
 
 def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> bool:

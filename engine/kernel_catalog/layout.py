@@ -61,6 +61,8 @@ Q8X_FILE_TYPES = tuple(_COOP_FILE_TYPE.get(t, t) for t in Q8X_TYPES)
 def gemv_smem(p: Mapping[str, Any]) -> int:
     """The gemv's dynamic shared memory: q8x's int8 x rows (and the wsm row tile); else 0."""
     bmax, k = int(p["bmax"]), int(p["k"])
+    if p.get("mma"):
+        return mma_smem(p)
     if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
         x = bmax * k * 3 // 2
         if not p.get("wsm"):
@@ -68,6 +70,17 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
         # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
         return (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
     return 0
+
+
+def mma_smem(p: Mapping[str, Any]) -> int:
+    """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XDS, XGS, PART_OFF):
+    bmax int8 x rows of k + 32 bytes, their (dx, dx * sum q) float2 rows of k / 16 + 4, a float4
+    per 64-element segment in rows of 8 * ceil(segments / 8) + 1, and the virtual lanes' partial
+    sums, f32 [lanes * ksplit][rows_per_block][bmax]."""
+    bmax, k = int(p["bmax"]), int(p["k"])
+    nseg = k // 64
+    x = bmax * ((k + 32) + (k // 16 + 4) * 8 + ((nseg + 7) // 8 * 8 + 1) * 16)
+    return x + int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
 
 
 def gemv_grid_x(p: Mapping[str, Any]) -> int:

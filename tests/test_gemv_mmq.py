@@ -1,0 +1,149 @@
+"""The int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2, gemv spec mma=true) without a GPU
+(issue #34 item 1): its params and rules, NVRTC compiles of the specs the h100 / h200 profiles
+would take with gemv_mmq.types = [q4_k], and, under the CPU emulator (tests/fixtures/cuda_emu.py:
+the block's threads as fibers, the int8 mma as a warp collective), every output row of it equal
+bit for bit to the batch-1 coop q8x GEMV on that row alone: with and without the coop kernel's k
+split (virtual lanes without a segment, lanes with one segment fewer), a row tail, the norm
+prologue with the residual, the silu prologue, 3 to 17 rows (one or two n tiles, two grid rows),
+the block's threads in both orders. tests/gpu/test_gemv_mmq_gpu.py checks the same on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures import cuda_emu
+from fixtures.checkpoints import to_bf16_bits
+from fixtures.quant_blocks import random_blocks
+
+from engine import kernel_catalog as kc
+from engine.profile import all_profiles
+from engine.render import render
+from engine.types import ConfigError
+
+# batch-1 knobs the emulator cannot run (inline PTX) or that only reorder loads: the same bits
+OFF = dict(wsm=False, trigger=False, l2_pf="", early_res=False)
+
+
+def _tuning(profile: str = "h100", ksplit: bool = True) -> dict:
+    t = dict(all_profiles()[profile].tuning)
+    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k"]}
+    if not ksplit:  # (no weight is short enough for the coop k split)
+        t["gemv_coop"] = {**dict(t["gemv_coop"]), "q8x_ksplit_max_n": 0}
+    return t
+
+
+def _pro(pro: str, k: int) -> dict:
+    if pro == "norm":
+        return dict(prologue="norm", x_stride=k, eps=1e-6)
+    if pro == "silu":
+        return dict(prologue="silu", x_stride=2 * k, u_off=k)
+    return {}
+
+
+def _pair(tuning: dict, n: int, k: int, pro: str, residual: bool, od: str):
+    """(batch-1 coop spec, mma spec) of one case."""
+    kw = dict(residual=residual, out_dtype=od, sm_count=132)
+    b1 = kc.linear_params("q4_k", n, k, tuning, bmax=1, **kw)
+    if pro != "norm":
+        b1.pop("early_nw", None)
+    bucket = kc.linear_params("q4_k", n, k, tuning, bmax=kc.decode_bmax("q4_k", k, tuning), **kw)
+    mma = kc.mma_params(bucket, tuning)
+    assert mma is not None
+    return kc.spec("gemv", **{**b1, **OFF, **_pro(pro, k)}), kc.spec("gemv", **mma, **_pro(pro, k))
+
+
+def test_mma_params_follow_the_bucket_coop_signature():
+    t = _tuning()
+    for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)):
+        bucket = kc.linear_params("q4_k", n, k, t, bmax=kc.decode_bmax("q4_k", k, t), sm_count=132)
+        m = kc.mma_params(bucket, t)
+        assert m is not None and m["mma"] and m["coop"] and m["q8x"]
+        # the per-row bits: the same coop signature (lanes, k split) as the batch-1 GEMV's
+        assert (m.get("lanes", 32), m.get("ksplit", 1)) == (bucket.get("lanes", 32), bucket.get("ksplit", 1))
+        assert m["rows_per_block"] % 16 == 0 and m["bmax"] % 8 == 0
+        assert kc.gemv_smem(m) <= kc.layout.GEMV_XSMEM_MAX
+        c = kc.choice("gemv", **m)
+        assert c.grid(33) == (-(-n // m["rows_per_block"]), -(-33 // m["bmax"]), 1) and c.smem == kc.gemv_smem(m)
+    assert kc.mma_params(kc.linear_params("q4_k", 2560, 9728, t, bmax=4, sm_count=132), t)["bmax"] == 8  # 16 do not fit
+    off = dict(all_profiles()["h100"].tuning)  # gemv_mmq.types empty: no mma spec
+    assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, off, bmax=8), off) is None
+    assert kc.mma_params(kc.linear_params("q6_kr", 6144, 2560, t, bmax=8), t) is None
+    base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
+    with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
+        kc.spec("gemv", **{**base, "bmax": 12})
+    with pytest.raises(ConfigError, match="mma gemv: no glu"):
+        kc.spec("gemv", **{**base, "wsm": True})
+
+
+def _nvrtc_ok() -> bool:
+    try:
+        from engine import nvrtc
+
+        nvrtc.version()
+        nvrtc.include_dirs()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_mma_specs_compile_for_the_hopper_profiles(tmp_path):
+    from engine.compile import KernelBuilder
+    from engine.kcache import KernelCache
+
+    for profile in ("h100", "h200"):
+        t = _tuning(profile)
+        specs = [_pair(t, 6144, 2560, "norm", True, "bf16")[1], _pair(t, 2560, 9728, "silu", False, "bf16")[1]]
+        arch = all_profiles()[profile].arch
+        stats = KernelBuilder(arch, cache=KernelCache(tmp_path / profile), no_compile=False).build_all(specs, progress=None)
+        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+
+
+def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False) -> np.ndarray:
+    """The spec's output bits [rows, n] (f32 as uint32, bf16 as uint16) under the CPU emulator."""
+    p = spec.params
+    n = p["n"]
+    if p["out_dtype"] == "f32":
+        out = np.full((rows, n), np.nan, np.float32)
+    else:
+        out = res.copy() if p["residual"] else np.full((rows, n), 0x7FC0, np.uint16)
+    args = [out, w, x, out if p["residual"] else None, rows] + ([nw] if p["prologue"] == "norm" else [])
+    lib, types = cuda_emu.compile_any(render(spec), spec.entry, tmp_path)
+    grid = (kc.gemv_grid_x(p), -(-rows // p["bmax"]), 1)
+    cuda_emu.launch_any(lib, types, grid, p["threads"], kc.gemv_smem(p), args, reverse=reverse)
+    return out.view(np.uint32) if p["out_dtype"] == "f32" else out
+
+
+# (n, k, coop k split, prologue, residual, out dtype, rows): n 40 = two full 16-row warp tiles and
+# a tail of 8; k 512 with the k split: 8 segments for 32 virtual lanes; k 2560: 40 for 32
+# (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences)
+CASES = [
+    (40, 512, True, "none", False, "f32", 10),
+    (40, 2560, True, "norm", False, "f32", 3),
+    (40, 2560, True, "none", True, "bf16", 5),
+    (40, 1024, False, "none", False, "f32", 17),
+    (40, 1024, False, "silu", False, "f32", 9),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-ks{int(c[2])}-{c[3]}-r{c[6]}")
+def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
+    n, k, ksplit, pro, residual, od, rows = case
+    t = _tuning(ksplit=ksplit)
+    b1, mma = _pair(t, n, k, pro, residual, od)
+    assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
+    rng = np.random.default_rng(n + k + rows)
+    w = np.ascontiguousarray(random_blocks("q4_k", n * k // 256, seed=k).reshape(-1))
+    xs = b1.params["x_stride"] or k
+    x = to_bf16_bits(np.ascontiguousarray(rng.standard_normal((rows, xs)) * rng.uniform(0.2, 4.0, (rows, 1)), np.float32))
+    x = x.reshape(rows, xs)
+    nw = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    res = to_bf16_bits(rng.standard_normal((rows, n)).astype(np.float32)).reshape(rows, n)
+    got = _emu(mma, x, rows, w, res, nw, tmp_path)
+    assert np.array_equal(got, _emu(mma, x, rows, w, res, nw, tmp_path, reverse=True)), "a shared-memory race"
+    for r in range(rows):
+        want = _emu(b1, np.ascontiguousarray(x[r : r + 1]), 1, w, np.ascontiguousarray(res[r : r + 1]), nw, tmp_path)
+        assert not np.isnan(want.view(np.float32) if od == "f32" else 0).any()
+        diff = np.flatnonzero(got[r] != want[0])
+        assert diff.size == 0, (case, r, diff.size, diff[:8])
