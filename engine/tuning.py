@@ -157,11 +157,14 @@ class GemvMmq(Knobs):
     # the bucket decode GEMVs (2+ rows) of these file storage types (q4_k) on the int8 tensor
     # cores (kernels/_gemv_mmq.cuh.j2) where their q8x coop layout allows it: each row's bits those
     # of its batch-1 coop GEMV; bmax x rows a block (halved while the block's shared memory would
-    # not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in flight per warp
+    # not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in flight per warp;
+    # blocks_per_sm > 0: at most that many blocks per SM, each looping over row tiles (it stages
+    # and quantises its x rows once for all of them; the runner fits the grid to the resident blocks)
     types: list[str] = knob([])
     threads: int = knob(256, positive)
     bmax: int = knob(16, positive)
     depth: int = knob(4, positive)
+    blocks_per_sm: int = knob(0, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

@@ -72,6 +72,7 @@ def test_mma_params_follow_the_bucket_coop_signature():
     base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
     with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
         kc.spec("gemv", **{**base, "bmax": 12})
+    assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), {**t, "gemv_mmq": {**t["gemv_mmq"], "blocks_per_sm": 2}}, 132)["grid_cap"] == 264
     with pytest.raises(ConfigError, match="mma gemv: no glu"):
         kc.spec("gemv", **{**base, "wsm": True})
 
@@ -117,9 +118,11 @@ def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False)
 
 # (n, k, coop k split, prologue, residual, out dtype, rows): n 40 = two full 16-row warp tiles and
 # a tail of 8; k 512 with the k split: 8 segments for 32 virtual lanes; k 2560: 40 for 32
-# (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences)
+# (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences); the first one
+# with its grid capped at one block (three row tiles, x staged once)
 CASES = [
     (40, 512, True, "none", False, "f32", 10),
+    (40, 2560, True, "none", False, "f32", 10),
     (40, 2560, True, "norm", False, "f32", 3),
     (40, 2560, True, "none", True, "bf16", 5),
     (40, 1024, False, "none", False, "f32", 17),
@@ -132,6 +135,8 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
     n, k, ksplit, pro, residual, od, rows = case
     t = _tuning(ksplit=ksplit)
     b1, mma = _pair(t, n, k, pro, residual, od)
+    if case == CASES[0]:
+        mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1})
     assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
     rng = np.random.default_rng(n + k + rows)
     w = np.ascontiguousarray(random_blocks("q4_k", n * k // 256, seed=k).reshape(-1))

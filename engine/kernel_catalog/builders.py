@@ -183,13 +183,14 @@ def coop_options(
     return out
 
 
-def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any]) -> dict[str, Any] | None:
+def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0) -> dict[str, Any] | None:
     """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
     where tuning gemv_mmq.types names its file type, else None: the same quant, shape, lanes, k
     split and x staging (a row's bits are the batch-1 GEMV's), in blocks of gemv_mmq.threads of
     16-row warp tiles (as few tiles as let their warps divide the virtual lanes), gemv_mmq.bmax x
     rows a block (halved, down to 8, until its shared memory fits GEMV_XSMEM_MAX), gemv_mmq.depth
-    segments in flight. None where the layout does not apply (not q8x, glu, bmax 8 too large)."""
+    segments in flight, the grid capped at gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both
+    are set (each block then loops over row tiles). None where the layout does not apply (not q8x, glu, bmax 8 too large)."""
     m = tuning.get("gemv_mmq") or {}
     file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
     if file_type not in m.get("types", ()) or p["quant"] != "q4_k" or not (p.get("coop") and p.get("q8x")):
@@ -204,7 +205,7 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any]) -> dict[str, Any
         return None
     q = dict(
         p, mma=True, lanes=lanes, ksplit=ksplit, threads=threads, rows_per_block=16 * tiles, unroll=int(m.get("depth") or 4),
-        pipeline=False, tile_pf=False, grid_cap=0, wsm=False, trigger=False, early_nw=False,
+        pipeline=False, tile_pf=False, grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count, wsm=False, trigger=False, early_nw=False,
         early_res=False, min_blocks=0, l2_pf="",
     )  # fmt: skip
     bmax = max(8, int(m.get("bmax") or 16) // 8 * 8)

@@ -297,8 +297,8 @@ def _check_mma(p: dict, need) -> None:
     warps, vl = p["threads"] // 32, p["lanes"] * p["ksplit"]
     need(p["quant"] == "q4_k" and p["q8x"], f"mma gemv: q4_k with q8x only, got {p['quant']!r}")
     need(
-        not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["grid_cap"] or p["trigger"]),
-        "mma gemv: no glu, wsm, tile_pf, l2_pf, grid_cap or trigger",
+        not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["trigger"]),
+        "mma gemv: no glu, wsm, tile_pf, l2_pf or trigger",
     )
     need(p["bmax"] % 8 == 0, f"mma gemv: bmax={p['bmax']} must be a multiple of 8 (the mma's n tiles)")
     rpb = p["rows_per_block"]

@@ -73,14 +73,16 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
 
 
 def mma_smem(p: Mapping[str, Any]) -> int:
-    """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XDS, XGS, PART_OFF):
-    bmax int8 x rows of k + 32 bytes, their (dx, dx * sum q) float2 rows of k / 16 + 4, a float4
-    per 64-element segment in rows of 8 * ceil(segments / 8) + 1, and the virtual lanes' partial
-    sums, f32 [lanes * ksplit][rows_per_block][bmax]."""
+    """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
+    rows of k + 32 bytes, a float4 per 64-element segment in rows of 8 * ceil(segments / 8) + 1,
+    then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
+    lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
+    the other)."""
     bmax, k = int(p["bmax"]), int(p["k"])
     nseg = k // 64
-    x = bmax * ((k + 32) + (k // 16 + 4) * 8 + ((nseg + 7) // 8 * 8 + 1) * 16)
-    return x + int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
+    x = bmax * ((k + 32) + ((nseg + 7) // 8 * 8 + 1) * 16)
+    part = int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
+    return x + max(bmax * (k // 16 + 4) * 8, part)
 
 
 def gemv_grid_x(p: Mapping[str, Any]) -> int:
