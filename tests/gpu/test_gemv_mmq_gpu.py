@@ -28,9 +28,14 @@ ROWS = (2, 8, 16, 32)
 VARIANTS = (("none", False, "f32"), ("norm", True, "bf16"), ("silu", False, "bf16"))
 
 
-def _tuning(profile) -> dict:
+# gemv_mmq knobs: the profile's (one block per row tile), and a grid capped at one block per SM
+# (each block stages x once and loops over row tiles) with 32 x rows a block (four n tiles)
+KNOBS = ({}, {"blocks_per_sm": 1, "bmax": 32})
+
+
+def _tuning(profile, knobs: dict) -> dict:
     t = dict(profile.tuning)
-    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k"]}
+    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k"], **knobs}
     return t
 
 
@@ -44,7 +49,7 @@ def _specs(tuning: dict, sm_count: int, n: int, k: int, pro: str, residual: bool
     kw = dict(residual=residual, out_dtype=od, sm_count=sm_count)
     b1 = kc.linear_params("q4_k", n, k, tuning, bmax=1, **kw)
     bucket = kc.linear_params("q4_k", n, k, tuning, bmax=kc.decode_bmax("q4_k", k, tuning), **kw)
-    mma = kc.mma_params(bucket, tuning)
+    mma = kc.mma_params(bucket, tuning, sm_count)
     assert mma is not None, (n, k)
     for p in (b1, bucket):  # (batch-1 only knobs that the plan drops without a residual / norm)
         if pro != "norm":
@@ -90,10 +95,11 @@ def _run(kernels, spec, rows: int, w, x: DeviceArray, xs: int, res_host, nw, n: 
     return _bits(out, (rows, n), od)
 
 
-def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device):
+@pytest.mark.parametrize("knobs", KNOBS, ids=["tile_per_block", "capped_bmax32"])
+def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, knobs):
     if device.compute_capability[0] < 8:
         pytest.skip("mma.sync m16n8k32 int8 needs sm_80+")
-    tuning = _tuning(profile)
+    tuning = _tuning(profile, knobs)
     cases = _cases(tuning, device.sm_count)
     kernels.prebuild(s for *_, specs in cases for s in specs)
     rng = np.random.default_rng(34)
