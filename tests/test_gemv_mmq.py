@@ -17,6 +17,7 @@ from fixtures.checkpoints import to_bf16_bits
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
+from engine import quant
 from engine.profile import all_profiles
 from engine.render import render
 from engine.types import ConfigError
@@ -27,7 +28,7 @@ OFF = dict(wsm=False, trigger=False, l2_pf="", early_res=False)
 
 def _tuning(profile: str = "h100", ksplit: bool = True) -> dict:
     t = dict(all_profiles()[profile].tuning)
-    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k"]}
+    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k", "q6_k"]}
     if not ksplit:  # (no weight is short enough for the coop k split)
         t["gemv_coop"] = {**dict(t["gemv_coop"]), "q8x_ksplit_max_n": 0}
     return t
@@ -41,13 +42,13 @@ def _pro(pro: str, k: int) -> dict:
     return {}
 
 
-def _pair(tuning: dict, n: int, k: int, pro: str, residual: bool, od: str):
+def _pair(tuning: dict, n: int, k: int, pro: str, residual: bool, od: str, qt: str = "q4_k"):
     """(batch-1 coop spec, mma spec) of one case."""
     kw = dict(residual=residual, out_dtype=od, sm_count=132)
-    b1 = kc.linear_params("q4_k", n, k, tuning, bmax=1, **kw)
+    b1 = kc.linear_params(qt, n, k, tuning, bmax=1, **kw)
     if pro != "norm":
         b1.pop("early_nw", None)
-    bucket = kc.linear_params("q4_k", n, k, tuning, bmax=kc.decode_bmax("q4_k", k, tuning), **kw)
+    bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), **kw)
     mma = kc.mma_params(bucket, tuning)
     assert mma is not None
     return kc.spec("gemv", **{**b1, **OFF, **_pro(pro, k)}), kc.spec("gemv", **mma, **_pro(pro, k))
@@ -68,7 +69,7 @@ def test_mma_params_follow_the_bucket_coop_signature():
     assert kc.mma_params(kc.linear_params("q4_k", 2560, 9728, t, bmax=4, sm_count=132), t)["bmax"] == 8  # 16 do not fit
     off = dict(all_profiles()["h100"].tuning)  # gemv_mmq.types empty: no mma spec
     assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, off, bmax=8), off) is None
-    assert kc.mma_params(kc.linear_params("q6_kr", 6144, 2560, t, bmax=8), t) is None
+    assert kc.mma_params(kc.linear_params("q8_0r", 6144, 2560, t, bmax=8), t) is None
     base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
     with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
         kc.spec("gemv", **{**base, "bmax": 12})
@@ -116,30 +117,36 @@ def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False)
     return out.view(np.uint32) if p["out_dtype"] == "f32" else out
 
 
-# (n, k, coop k split, prologue, residual, out dtype, rows): n 40 = two full 16-row warp tiles and
+# (n, k, coop k split, prologue, residual, out dtype, rows, type): n 40 = two full 16-row warp tiles and
 # a tail of 8; k 512 with the k split: 8 segments for 32 virtual lanes; k 2560: 40 for 32
 # (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences); the first one
 # with its grid capped at one block (three row tiles, x staged once)
 CASES = [
-    (40, 512, True, "none", False, "f32", 10),
-    (40, 2560, True, "none", False, "f32", 10),
-    (40, 2560, True, "norm", False, "f32", 3),
-    (40, 2560, True, "none", True, "bf16", 5),
-    (40, 1024, False, "none", False, "f32", 17),
-    (40, 1024, False, "silu", False, "f32", 9),
+    (40, 512, True, "none", False, "f32", 10, "q4_k"),
+    (40, 2560, True, "none", False, "f32", 10, "q4_k"),
+    (40, 2560, True, "norm", False, "f32", 3, "q4_k"),
+    (40, 2560, True, "none", True, "bf16", 5, "q4_k"),
+    (40, 1024, False, "none", False, "f32", 17, "q4_k"),
+    (40, 1024, False, "silu", False, "f32", 9, "q4_k"),
+    # q6_kr (lanes 16, the k split 2): k 512 = 16 segments for 32 virtual lanes, 2560 = 80
+    (40, 512, True, "none", False, "f32", 10, "q6_kr"),
+    (40, 2560, True, "norm", False, "f32", 3, "q6_kr"),
+    (40, 1024, False, "silu", False, "f32", 9, "q6_kr"),
+    (40, 1024, False, "none", True, "bf16", 17, "q6_kr"),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-ks{int(c[2])}-{c[3]}-r{c[6]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[7]}-{c[0]}x{c[1]}-ks{int(c[2])}-{c[3]}-r{c[6]}")
 def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
-    n, k, ksplit, pro, residual, od, rows = case
+    n, k, ksplit, pro, residual, od, rows, qt = case
     t = _tuning(ksplit=ksplit)
-    b1, mma = _pair(t, n, k, pro, residual, od)
+    b1, mma = _pair(t, n, k, pro, residual, od, qt)
     if case == CASES[0]:
         mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1})
     assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
     rng = np.random.default_rng(n + k + rows)
-    w = np.ascontiguousarray(random_blocks("q4_k", n * k // 256, seed=k).reshape(-1))
+    raw = random_blocks("q4_k" if qt == "q4_k" else "q6_k", n * k // 256, seed=k)
+    w = np.ascontiguousarray((raw if qt == "q4_k" else quant.repack(raw, qt, n, k)).reshape(-1))
     xs = b1.params["x_stride"] or k
     x = to_bf16_bits(np.ascontiguousarray(rng.standard_normal((rows, xs)) * rng.uniform(0.2, 4.0, (rows, 1)), np.float32))
     x = x.reshape(rows, xs)

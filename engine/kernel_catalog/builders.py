@@ -183,17 +183,22 @@ def coop_options(
     return out
 
 
+# the upload types the mma gemv decodes (kernels/_gemv_mmq.cuh.j2)
+MMA_TYPES = ("q4_k", "q6_kr")
+
+
 def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0) -> dict[str, Any] | None:
     """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
-    where tuning gemv_mmq.types names its file type, else None: the same quant, shape, lanes, k
-    split and x staging (a row's bits are the batch-1 GEMV's), in blocks of gemv_mmq.threads of
-    16-row warp tiles (as few tiles as let their warps divide the virtual lanes), gemv_mmq.bmax x
-    rows a block (halved, down to 8, until its shared memory fits GEMV_XSMEM_MAX), gemv_mmq.depth
-    segments in flight, the grid capped at gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both
-    are set (each block then loops over row tiles). None where the layout does not apply (not q8x, glu, bmax 8 too large)."""
+    where tuning gemv_mmq.types names its file type (the types of MMA_TYPES: q4_k, q6_k), else
+    None: the same quant, shape, lanes, k split and x staging (a row's bits are the batch-1
+    GEMV's), in blocks of gemv_mmq.threads of 16-row warp tiles (as few tiles as let their warps
+    divide the virtual lanes), gemv_mmq.bmax x rows a block (halved, down to 8, until its shared
+    memory fits GEMV_XSMEM_MAX), gemv_mmq.depth segments in flight, the grid capped at
+    gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both are set (each block then loops over
+    row tiles). None where the layout does not apply (not q8x, glu, bmax 8 too large)."""
     m = tuning.get("gemv_mmq") or {}
     file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
-    if file_type not in m.get("types", ()) or p["quant"] != "q4_k" or not (p.get("coop") and p.get("q8x")):
+    if file_type not in m.get("types", ()) or p["quant"] not in MMA_TYPES or not (p.get("coop") and p.get("q8x")):
         return None
     if p.get("glu"):
         return None

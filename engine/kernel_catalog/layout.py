@@ -74,13 +74,15 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
 
 def mma_smem(p: Mapping[str, Any]) -> int:
     """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
-    rows of k + 32 bytes, a float4 per 64-element segment in rows of 8 * ceil(segments / 8) + 1,
+    rows of k + 32 bytes (q6_kr: + 16), a float4 per segment (64 elements; q6_kr 32) in rows of 8 *
+    ceil(segments / 8) + 1,
     then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
     lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
     the other)."""
     bmax, k = int(p["bmax"]), int(p["k"])
-    nseg = k // 64
-    x = bmax * ((k + 32) + ((nseg + 7) // 8 * 8 + 1) * 16)
+    q6 = p["quant"] == "q6_kr"  # (32-element segments, 4-byte B loads)
+    nseg = k // (32 if q6 else 64)
+    x = bmax * ((k + (16 if q6 else 32)) + ((nseg + 7) // 8 * 8 + 1) * 16)
     part = int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
     return x + max(bmax * (k // 16 + 4) * 8, part)
 

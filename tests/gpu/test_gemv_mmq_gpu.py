@@ -2,14 +2,16 @@
 bit for bit, on a real GPU (skipped without one; issue #34 item 1).
 
 For random q4_k weights of the Qwen3-4B shapes (q|k|v 6144 x 2560, gate|up 19456 x 2560, the k-split
-o 2560 x 4096 and down 2560 x 9728, and a k-split 1003 x 2560 with a row tail) and random x rows,
+o 2560 x 4096 and down 2560 x 9728, and a k-split 1003 x 2560 with a row tail), random q6_kr ones
+(a q4_k_m file's q6_k v 1024 x 2560 and down 2560 x 9728, and 6144 x 2560 without the k split)
+and random x rows,
 every output of the mma kernel run over 2, 8, 16 and 32 rows must have the bits of the batch-1
 coop GEMV (the plan's decode1 spec: linear_params at bmax 1) run on that row alone: with no
 prologue and f32 out (the row sums unrounded), with the rmsnorm prologue and the residual (bf16
 out), and on the down shape with the silu_mul prologue. The current bucket coop GEMV (bmax
 decode_bmax) is checked the same way as a control: if it differs too, the harness is wrong, not
-the new kernel. The mma specs are the ones the plan takes with gemv_mmq.types = [q4_k] on this
-device's profile.
+the new kernel. The mma specs are the ones the plan takes with gemv_mmq.types = [q4_k, q6_k] on
+this device's profile.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ import pytest
 from fixtures.quant_blocks import random_blocks
 from gpu_harness import DeviceArray, upload
 
-from engine import cuda, storage
+from engine import cuda, quant, storage
 from engine import kernel_catalog as kc
 
-SHAPES = ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728), (1003, 2560))
+SHAPES = {
+    "q4_k": ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728), (1003, 2560)),
+    "q6_kr": ((1024, 2560), (2560, 9728), (6144, 2560)),
+}
 ROWS = (2, 8, 16, 32)
 # (prologue, residual, out dtype)
 VARIANTS = (("none", False, "f32"), ("norm", True, "bf16"), ("silu", False, "bf16"))
@@ -35,11 +40,11 @@ KNOBS = ({}, {"blocks_per_sm": 1, "bmax": 32})
 
 def _tuning(profile, knobs: dict) -> dict:
     t = dict(profile.tuning)
-    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k"], **knobs}
+    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k", "q6_k"], **knobs}
     return t
 
 
-def _specs(tuning: dict, sm_count: int, n: int, k: int, pro: str, residual: bool, od: str):
+def _specs(tuning: dict, sm_count: int, qt: str, n: int, k: int, pro: str, residual: bool, od: str):
     """(batch-1 coop, bucket coop, mma) gemv specs of one case."""
     extra: dict = {}
     if pro == "norm":
@@ -47,8 +52,8 @@ def _specs(tuning: dict, sm_count: int, n: int, k: int, pro: str, residual: bool
     elif pro == "silu":
         extra = dict(prologue="silu", x_stride=2 * k, u_off=k)
     kw = dict(residual=residual, out_dtype=od, sm_count=sm_count)
-    b1 = kc.linear_params("q4_k", n, k, tuning, bmax=1, **kw)
-    bucket = kc.linear_params("q4_k", n, k, tuning, bmax=kc.decode_bmax("q4_k", k, tuning), **kw)
+    b1 = kc.linear_params(qt, n, k, tuning, bmax=1, **kw)
+    bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), **kw)
     mma = kc.mma_params(bucket, tuning, sm_count)
     assert mma is not None, (n, k)
     for p in (b1, bucket):  # (batch-1 only knobs that the plan drops without a residual / norm)
@@ -61,11 +66,12 @@ def _specs(tuning: dict, sm_count: int, n: int, k: int, pro: str, residual: bool
 
 def _cases(tuning: dict, sm_count: int) -> list[tuple]:
     out = []
-    for n, k in SHAPES:
-        for pro, residual, od in VARIANTS:
-            if pro == "silu" and k != 9728:
-                continue
-            out.append((n, k, pro, residual, od, _specs(tuning, sm_count, n, k, pro, residual, od)))
+    for qt, shapes in SHAPES.items():
+        for n, k in shapes:
+            for pro, residual, od in VARIANTS:
+                if pro == "silu" and k != 9728:
+                    continue
+                out.append((qt, n, k, pro, residual, od, _specs(tuning, sm_count, qt, n, k, pro, residual, od)))
     return out
 
 
@@ -104,9 +110,12 @@ def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, knobs):
     kernels.prebuild(s for *_, specs in cases for s in specs)
     rng = np.random.default_rng(34)
     bad, control = [], []
-    for n, k, pro, residual, od, (b1, bucket, mma) in cases:
-        raw = random_blocks("q4_k", n * k // 256, seed=n + k).reshape(n, -1)
-        assert raw.shape[1] == storage.row_bytes("q4_k", k)
+    for qt, n, k, pro, residual, od, (b1, bucket, mma) in cases:
+        if qt == "q4_k":
+            raw = random_blocks("q4_k", n * k // 256, seed=n + k).reshape(n, -1)
+        else:
+            raw = quant.repack(random_blocks("q6_k", n * k // 256, seed=n + k), qt, n, k).reshape(n, -1)
+        assert raw.shape[1] == storage.row_bytes(qt, k)
         w = upload(raw, "u8")
         xs = b1.params["x_stride"] or k
         nw = upload(rng.uniform(0.5, 1.5, k).astype(np.float32), "f32")
@@ -117,7 +126,7 @@ def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, knobs):
             ref = _run(kernels, b1, rows, w, x, xs, res, nw, n, od, per_row=True)
             got = _run(kernels, mma, rows, w, x, xs, res, nw, n, od, per_row=False)
             ctl = _run(kernels, bucket, rows, w, x, xs, res, nw, n, od, per_row=False)
-            tag = f"{n}x{k} {pro} res={residual} {od} rows={rows}"
+            tag = f"{qt} {n}x{k} {pro} res={residual} {od} rows={rows}"
             if not np.array_equal(got, ref):
                 diff = np.argwhere(got != ref)
                 bad.append(f"{tag}: {len(diff)} of {got.size} outputs differ, first at (row, col) {tuple(diff[0])}")
