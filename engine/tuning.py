@@ -159,12 +159,13 @@ class GemvMmq(Knobs):
     # of its batch-1 coop GEMV; bmax x rows a block (halved while the block's shared memory would
     # not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in flight per warp;
     # blocks_per_sm > 0: at most that many blocks per SM, each looping over row tiles (it stages
-    # and quantises its x rows once for all of them; the runner fits the grid to the resident blocks)
+    # and quantises its x rows once for all of them, which every block does: 0, a block per
+    # 16-row tile, stages them n / 16 times; the runner fits the grid to the resident blocks)
     types: list[str] = knob([])
     threads: int = knob(256, positive)
     bmax: int = knob(16, positive)
     depth: int = knob(4, positive)
-    blocks_per_sm: int = knob(0, non_negative)
+    blocks_per_sm: int = knob(1, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

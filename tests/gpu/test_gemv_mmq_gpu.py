@@ -33,9 +33,9 @@ ROWS = (2, 8, 16, 32)
 VARIANTS = (("none", False, "f32"), ("norm", True, "bf16"), ("silu", False, "bf16"))
 
 
-# gemv_mmq knobs: the profile's (one block per row tile), and a grid capped at one block per SM
-# (each block stages x once and loops over row tiles) with 32 x rows a block (four n tiles)
-KNOBS = ({}, {"blocks_per_sm": 1, "bmax": 32})
+# gemv_mmq knobs: one block per row tile, and the defaults' grid capped at one block per SM (each
+# block stages x once and loops over row tiles) with 32 x rows a block (four n tiles)
+KNOBS = ({"blocks_per_sm": 0}, {"blocks_per_sm": 1, "bmax": 32})
 
 
 def _tuning(profile, knobs: dict) -> dict:
