@@ -90,16 +90,20 @@ def _nvrtc_ok() -> bool:
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
-def test_mma_specs_compile_for_the_hopper_profiles(tmp_path):
+def test_mma_specs_compile_for_the_profiles(tmp_path):
+    """The h100 / h200 specs (q4_k and q6_kr); the h100 ones also for the oldest and the newest
+    profile arch (the int8 mma.sync is sm_80+; no other profile has q8x GEMVs for it yet)."""
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
 
+    archs = sorted({p.arch for p in all_profiles().values()}, key=lambda a: int(a[3:].rstrip("a")))
     for profile in ("h100", "h200"):
         t = _tuning(profile)
-        specs = [_pair(t, 6144, 2560, "norm", True, "bf16")[1], _pair(t, 2560, 9728, "silu", False, "bf16")[1]]
-        arch = all_profiles()[profile].arch
-        stats = KernelBuilder(arch, cache=KernelCache(tmp_path / profile), no_compile=False).build_all(specs, progress=None)
-        assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+        specs = [_pair(t, 6144, 2560, "norm", True, "bf16")[1], _pair(t, 2560, 9728, "silu", False, "bf16")[1],
+                 _pair(t, 1024, 2560, "none", True, "bf16", "q6_kr")[1]]  # fmt: skip
+        for arch in [all_profiles()[profile].arch] + ([archs[0], archs[-1]] if profile == "h100" else []):
+            stats = KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all(specs, progress=None)
+            assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
 
 
 def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False) -> np.ndarray:
