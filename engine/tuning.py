@@ -166,6 +166,9 @@ class GemvMmq(Knobs):
     bmax: int = knob(16, positive)
     depth: int = knob(4, positive)
     blocks_per_sm: int = knob(1, non_negative)
+    # x staging: this many rounds of THREADS 8-element groups' loads in flight before quantising
+    # them (1 .. 8; a round each is an L2 round trip per round: 20 of them for 16 rows of 2560)
+    stage_rounds: int = knob(8, positive)
 
 
 @dataclass(frozen=True, eq=False)

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
         for var in [v for v in args.mma.split(",") if v] if b > 1 else []:
             th, bm, dp, bps = (int(v) for v in var.split("/"))
-            mt = {**dict(tuning), "gemv_mmq": {"types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps}}
+            mq = {**dict(tuning["gemv_mmq"]), "types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps}
+            mt = {**dict(tuning), "gemv_mmq": mq}
             bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
             m = kc.mma_params(bucket, mt, info.sm_count)
             if m is not None:
