@@ -169,6 +169,9 @@ class GemvMmq(Knobs):
     # x staging: this many rounds of THREADS 8-element groups' loads in flight before quantising
     # them (1 .. 8; a round each is an L2 round trip per round: 20 of them for 16 rows of 2560)
     stage_rounds: int = knob(8, positive)
+    # __launch_bounds__ minimum of resident blocks per SM (0: none): registers capped so that
+    # this many blocks of `threads` fit
+    min_blocks: int = knob(0, non_negative)
 
 
 @dataclass(frozen=True, eq=False)
