@@ -54,6 +54,17 @@ def _pair(tuning: dict, n: int, k: int, pro: str, residual: bool, od: str, qt: s
     return kc.spec("gemv", **{**b1, **OFF, **_pro(pro, k)}), kc.spec("gemv", **mma, **_pro(pro, k))
 
 
+def test_mma_kernel_waits_before_touching_memory_written_by_others():
+    """Only weights before pdl_wait() (the PDL_PRELOAD contract its spec's pdl field claims)."""
+    from fixtures.pdl import waits_first
+
+    t = _tuning()
+    for pro in ("none", "norm", "silu"):
+        for qt in ("q4_k", "q6_kr"):
+            s = _pair(t, 2560, 9728, pro, pro == "norm", "bf16", qt)[1]
+            assert s.pdl and waits_first(render(s), s.entry), s.entry
+
+
 def test_mma_params_follow_the_bucket_coop_signature():
     t = _tuning()
     for n, k in ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728)):
