@@ -172,6 +172,9 @@ class GemvMmq(Knobs):
     # __launch_bounds__ minimum of resident blocks per SM (0: none): registers capped so that
     # this many blocks of `threads` fit
     min_blocks: int = knob(0, non_negative)
+    # a block's first l2_tiles row tiles prefetched into L2 before it waits for x and stages it
+    # (a hint: the weight stream runs while x is quantised; 0: none)
+    l2_tiles: int = knob(2, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

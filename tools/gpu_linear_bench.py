@@ -12,9 +12,10 @@ cycling through enough weight copies to defeat the 50 MB L2:
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type;
-- ``mma T/B/D/S[/M]`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k, q6_k):
-  the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) with gemv_mmq threads T, bmax B,
-  depth D, blocks_per_sm S (0: one block per row tile) and min_blocks M, one column per variant.
+- ``mma T/B/D/S[/M[/L]]`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k,
+  q6_k): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) with gemv_mmq threads T, bmax
+  B, depth D, blocks_per_sm S (0: one block per row tile), min_blocks M and l2_tiles L (the
+  section's defaults where left out), one column per variant.
 
 Each row prints the time, the weight bytes / time in GB/s and that as a fraction of the measured
 device-to-device copy bandwidth (bytes read + written per second, the profile's
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="", help="default: the profile's CUDA-graph buckets")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--mma", default="", help="mma bucket GEMV variants T/B/D/S[/M] (threads/bmax/depth/blocks_per_sm[/min_blocks]), comma-separated")
+    ap.add_argument("--mma", default="", help="mma bucket GEMV variants T/B/D/S[/M[/L]] (threads/bmax/depth/blocks_per_sm[/min_blocks[/l2_tiles]]), comma-separated")
     args = ap.parse_args(argv)
 
     from engine import cuda, storage
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
         for var in [v for v in args.mma.split(",") if v] if b > 1 else []:
-            th, bm, dp, bps, *mb = (int(v) for v in var.split("/"))
-            mq = {**dict(tuning["gemv_mmq"]), "types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps,
-                  "min_blocks": mb[0] if mb else 0}  # fmt: skip
+            th, bm, dp, bps, *more = (int(v) for v in var.split("/"))
+            mq = {**dict(tuning["gemv_mmq"]), "types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps}
+            mq.update(dict(zip(("min_blocks", "l2_tiles"), more, strict=False)))
             mt = {**dict(tuning), "gemv_mmq": mq}
             bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
             m = kc.mma_params(bucket, mt, info.sm_count)

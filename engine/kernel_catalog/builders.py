@@ -196,7 +196,7 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 
     memory fits GEMV_XSMEM_MAX), gemv_mmq.depth segments in flight, the grid capped at
     gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both are set (each block then loops over
     row tiles), gemv_mmq.stage_rounds rounds of x loads in flight while staging, gemv_mmq.min_blocks
-    as the __launch_bounds__ minimum. None where the
+    as the __launch_bounds__ minimum, gemv_mmq.l2_tiles row tiles prefetched into L2. None where the
     layout does not apply (not q8x, glu, bmax 8 too large)."""
     m = tuning.get("gemv_mmq") or {}
     file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
@@ -214,7 +214,7 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 
         p, mma=True, lanes=lanes, ksplit=ksplit, threads=threads, rows_per_block=16 * tiles, unroll=int(m.get("depth") or 4),
         pipeline=False, tile_pf=False, grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count, wsm=False, trigger=False, early_nw=False,
         early_res=False, min_blocks=int(m.get("min_blocks") or 0), l2_pf="",
-        stage_rounds=min(8, int(m.get("stage_rounds") or 1)),
+        stage_rounds=min(8, int(m.get("stage_rounds") or 1)), l2_tiles=int(m.get("l2_tiles") or 0),
     )  # fmt: skip
     bmax = max(8, int(m.get("bmax") or 16) // 8 * 8)
     while bmax > 8 and gemv_smem({**q, "bmax": bmax}) > GEMV_XSMEM_MAX:

@@ -114,6 +114,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 not p["coop"] or (p["ksplit"] == 1 and not p["wsm"]),
                 "glu: a coop gemv without ksplit or wsm (a tile's rows are two ranges)",
             )
+        need(not p["l2_tiles"] or p["mma"], "l2_tiles (the first row tiles into L2 before pdl_wait) is an mma option")
         if p["coop"]:
             need(
                 q in COOP_TYPES,
