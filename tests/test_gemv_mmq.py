@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fixtures import cuda_emu
-from fixtures.checkpoints import to_bf16_bits
+from fixtures.checkpoints import mix_tensor_type, to_bf16_bits
 from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
@@ -174,3 +174,43 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
         assert not np.isnan(want.view(np.float32) if od == "f32" else 0).any()
         diff = np.flatnonzero(got[r] != want[0])
         assert diff.size == 0, (case, r, diff.size, diff[:8])
+
+
+def test_the_knob_takes_the_bucket_q4_k_and_q6_k_gemvs_of_a_plan_and_only_those():
+    """gemv_mmq.types=[q4_k, q6_k] (MEMRA_TUNE-style, as a profile would set it) on a Qwen3-4B
+    q4_k_m plan: every bucket decode GEMV of a q4_k / q6_kr weight with q8x x rows is an mma spec
+    (the bucket coop spec's k split and lanes, its own bmax in grid.y, its capped grid fitted to the
+    resident blocks), the batch-1 launches (decode1, gemv_pair parts) are the plan's without the
+    knob, and without the knob no launch is an mma spec."""
+    from engine.graph import load_family
+    from engine.model import dims_for_size
+    from engine.plan import build_plan
+    from engine.profile import get_profile, with_tuning
+
+    graph = load_family("qwen3")
+    dims = dims_for_size("qwen3", "qwen3-4b")
+    base = get_profile("h100")
+    on = with_tuning(base, "gemv_mmq.types=[q4_k, q6_k]")
+    # the q4_k_m mix: q6_k v / down in even layers, q6_k head (tests/fixtures/checkpoints)
+    dtypes = {k: mix_tensor_type("q4_k_m", k, 1) for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    dtypes.update({k: mix_tensor_type("q4_k_m", k, -1) for k in ("embed", "lm_head")})
+    dtypes.update({f"{k}@{i}": "q6_k" for k in ("wv", "w_down") for i in range(0, dims["layers"], 2)})
+    plans = {name: build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes,
+                              rope_style=graph.rope_style["gguf"]) for name, prof in (("off", base), ("on", on))}  # fmt: skip
+
+    def launches(plan, mode):
+        return [la for st in plan.steps for la in st.launches.get(mode, ()) if la.spec.template in ("gemv", "gemv_pair")]
+
+    assert not any(la.spec.params.get("mma") for mode in ("decode1", "decode") for la in launches(plans["off"], mode))
+    assert [la.spec for la in launches(plans["on"], "decode1")] == [la.spec for la in launches(plans["off"], "decode1")]
+    seen = set()
+    for la_on, la_off in zip(launches(plans["on"], "decode"), launches(plans["off"], "decode"), strict=True):
+        p, q = la_on.spec.params, la_off.spec.params
+        if q["quant"] in ("q4_k", "q6_kr") and q["q8x"]:
+            assert p["mma"] and (p["lanes"], p["ksplit"], p["n"], p["k"]) == (q["lanes"], q["ksplit"], q["n"], q["k"])
+            assert la_on.grid == (kc.gemv_grid_x(p), f"(n + {p['bmax'] - 1}) // {p['bmax']}") and la_on.fit_grid
+            assert p["grid_cap"] == on.sm_count and la_on.smem == kc.gemv_smem(p)
+            seen.add(p["quant"])
+        else:
+            assert la_on.spec == la_off.spec
+    assert seen == {"q4_k", "q6_kr"}
