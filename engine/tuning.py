@@ -163,7 +163,7 @@ class GemvMmq(Knobs):
     # 16-row tile, stages them n / 16 times; the runner fits the grid to the resident blocks)
     types: list[str] = knob([])
     threads: int = knob(256, positive)
-    bmax: int = knob(16, positive)
+    bmax: int = knob(32, positive)
     depth: int = knob(4, positive)
     blocks_per_sm: int = knob(1, non_negative)
     # x staging: this many rounds of THREADS 8-element groups' loads in flight before quantising

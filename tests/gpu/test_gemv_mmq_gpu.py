@@ -33,9 +33,10 @@ ROWS = (2, 8, 16, 32)
 VARIANTS = (("none", False, "f32"), ("norm", True, "bf16"), ("silu", False, "bf16"))
 
 
-# gemv_mmq knobs: one block per row tile, and the defaults' grid capped at one block per SM (each
-# block stages x once and loops over row tiles) with 32 x rows a block (four n tiles)
-KNOBS = ({"blocks_per_sm": 0}, {"blocks_per_sm": 1, "bmax": 32})
+# gemv_mmq knobs: one block per row tile with 16 x rows a block, and the defaults: the grid capped
+# at one block per SM (each block stages x once and loops over row tiles), 32 x rows a block (four
+# n tiles) where they fit
+KNOBS = ({"blocks_per_sm": 0, "bmax": 16}, {})
 
 
 def _tuning(profile, knobs: dict) -> dict:
