@@ -28,7 +28,7 @@ OFF = dict(wsm=False, trigger=False, l2_pf="", early_res=False)
 
 def _tuning(profile: str = "h100", ksplit: bool = True) -> dict:
     t = dict(all_profiles()[profile].tuning)
-    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k", "q6_k"]}
+    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k", "q6_k", "q8_0"]}
     if not ksplit:  # (no weight is short enough for the coop k split)
         t["gemv_coop"] = {**dict(t["gemv_coop"]), "q8x_ksplit_max_n": 0}
     return t
@@ -80,7 +80,8 @@ def test_mma_params_follow_the_bucket_coop_signature():
     assert kc.mma_params(kc.linear_params("q4_k", 2560, 9728, t, bmax=4, sm_count=132), t)["bmax"] == 8  # 16 do not fit
     off = dict(all_profiles()["h100"].tuning)  # gemv_mmq.types empty: no mma spec
     assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, off, bmax=8), off) is None
-    assert kc.mma_params(kc.linear_params("q8_0r", 6144, 2560, t, bmax=8), t) is None
+    t4 = {**t, "gemv_mmq": {**t["gemv_mmq"], "types": ["q4_0"]}}  # (no mma decoder for q4_0r)
+    assert kc.linear_params("q4_0r", 6144, 2560, t4, bmax=8)["q8x"] and kc.mma_params(kc.linear_params("q4_0r", 6144, 2560, t4, bmax=8), t4) is None
     base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
     with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
         kc.spec("gemv", **{**base, "bmax": 12})
@@ -148,6 +149,11 @@ CASES = [
     (40, 2560, True, "norm", False, "f32", 3, "q6_kr"),
     (40, 1024, False, "silu", False, "f32", 9, "q6_kr"),
     (40, 1024, False, "none", True, "bf16", 17, "q6_kr"),
+    # q8_0r (lanes 32, the k split 2): k 512 = 32 segments for 64 virtual lanes
+    (40, 512, True, "none", False, "f32", 10, "q8_0r"),
+    (40, 2560, True, "norm", False, "f32", 3, "q8_0r"),
+    (40, 1024, False, "silu", False, "f32", 9, "q8_0r"),
+    (40, 1024, False, "none", True, "bf16", 17, "q8_0r"),
 ]
 
 
@@ -160,8 +166,9 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
         mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1})
     assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
     rng = np.random.default_rng(n + k + rows)
-    raw = random_blocks("q4_k" if qt == "q4_k" else "q6_k", n * k // 256, seed=k)
-    w = np.ascontiguousarray((raw if qt == "q4_k" else quant.repack(raw, qt, n, k)).reshape(-1))
+    ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0"}[qt]
+    raw = random_blocks(ft, n * k // quant.block(ft)[0], seed=k)
+    w = np.ascontiguousarray((raw if qt == ft else quant.repack(raw, qt, n, k)).reshape(-1))
     xs = b1.params["x_stride"] or k
     x = to_bf16_bits(np.ascontiguousarray(rng.standard_normal((rows, xs)) * rng.uniform(0.2, 4.0, (rows, 1)), np.float32))
     x = x.reshape(rows, xs)

@@ -74,15 +74,14 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
 
 def mma_smem(p: Mapping[str, Any]) -> int:
     """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
-    rows of k + 32 bytes (q6_kr: + 16), a float4 per segment (64 elements; q6_kr 32) in rows of 8 *
-    ceil(segments / 8) + 1,
+    rows of k + 32 bytes (q6_kr, q8_0r: + 16), a float4 per segment (64 elements; q6_kr 32; q8_0r 16
+    and a float) in rows of 8 * ceil(segments / 8) + 1,
     then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
     lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
     the other)."""
-    bmax, k = int(p["bmax"]), int(p["k"])
-    q6 = p["quant"] == "q6_kr"  # (32-element segments, 4-byte B loads)
-    nseg = k // (32 if q6 else 64)
-    x = bmax * ((k + (16 if q6 else 32)) + ((nseg + 7) // 8 * 8 + 1) * 16)
+    bmax, k, q = int(p["bmax"]), int(p["k"]), p["quant"]
+    seg = {"q6_kr": 32, "q8_0r": 16}.get(q, 64)  # (q6_kr, q8_0r: 4-byte B loads; q8_0r: a float a segment)
+    x = bmax * ((k + (32 if seg == 64 else 16)) + ((k // seg + 7) // 8 * 8 + 1) * (4 if seg == 16 else 16))
     part = int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
     return x + max(bmax * (k // 16 + 4) * 8, part)
 
