@@ -28,9 +28,12 @@ OFF = dict(wsm=False, trigger=False, l2_pf="", early_res=False)
 
 def _tuning(profile: str = "h100", ksplit: bool = True) -> dict:
     t = dict(all_profiles()[profile].tuning)
-    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k", "q6_k", "q8_0"]}
+    t["gemv_mmq"] = {**dict(t["gemv_mmq"]), "types": ["q4_k", "q6_k", "q8_0", "q4_0", "q4_1"]}
     if not ksplit:  # (no weight is short enough for the coop k split)
         t["gemv_coop"] = {**dict(t["gemv_coop"]), "q8x_ksplit_max_n": 0}
+    else:  # (q4_0 / q4_1 split k from n 2048 on: here from the general 0)
+        per_type = {ft: {**v, "q8x_ksplit_min_n": 0} for ft, v in dict(t["gemv_coop"]["q8x_type_tuning"]).items()}
+        t["gemv_coop"] = {**dict(t["gemv_coop"]), "q8x_type_tuning": per_type}
     return t
 
 
@@ -80,8 +83,9 @@ def test_mma_params_follow_the_bucket_coop_signature():
     assert kc.mma_params(kc.linear_params("q4_k", 2560, 9728, t, bmax=4, sm_count=132), t)["bmax"] == 8  # 16 do not fit
     off = dict(all_profiles()["h100"].tuning)  # gemv_mmq.types empty: no mma spec
     assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, off, bmax=8), off) is None
-    t4 = {**t, "gemv_mmq": {**t["gemv_mmq"], "types": ["q4_0"]}}  # (no mma decoder for q4_0r)
-    assert kc.linear_params("q4_0r", 6144, 2560, t4, bmax=8)["q8x"] and kc.mma_params(kc.linear_params("q4_0r", 6144, 2560, t4, bmax=8), t4) is None
+    t4 = {**t, "gemv_mmq": {**t["gemv_mmq"], "types": ["q4_0"]}}  # (q4_k not named)
+    assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t4, bmax=8), t4) is None
+    assert kc.mma_params(kc.linear_params("q4_0r", 6144, 2560, t4, bmax=8), t4)["mma"]
     base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
     with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
         kc.spec("gemv", **{**base, "bmax": 12})
@@ -154,6 +158,12 @@ CASES = [
     (40, 2560, True, "norm", False, "f32", 3, "q8_0r"),
     (40, 1024, False, "silu", False, "f32", 9, "q8_0r"),
     (40, 1024, False, "none", True, "bf16", 17, "q8_0r"),
+    # q4_0r / q4_1r (lanes 32, the k split 2)
+    (40, 512, False, "none", False, "f32", 10, "q4_0r"),
+    (40, 512, True, "norm", False, "f32", 3, "q4_0r"),
+    (40, 1024, False, "silu", False, "f32", 9, "q4_1r"),
+    (40, 512, True, "none", False, "f32", 17, "q4_1r"),
+    (40, 1024, False, "none", True, "bf16", 5, "q4_1r"),
 ]
 
 
@@ -166,7 +176,7 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
         mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1})
     assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
     rng = np.random.default_rng(n + k + rows)
-    ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0"}[qt]
+    ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0", "q4_0r": "q4_0", "q4_1r": "q4_1"}[qt]
     raw = random_blocks(ft, n * k // quant.block(ft)[0], seed=k)
     w = np.ascontiguousarray((raw if qt == ft else quant.repack(raw, qt, n, k)).reshape(-1))
     xs = b1.params["x_stride"] or k

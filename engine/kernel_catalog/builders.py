@@ -14,6 +14,7 @@ from engine.kernel_catalog.layout import (
     COOP_Q8X_MAX,
     COOP_TYPES,
     GEMV_XSMEM_MAX,
+    MMA_TYPES,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
@@ -183,13 +184,9 @@ def coop_options(
     return out
 
 
-# the upload types the mma gemv decodes (kernels/_gemv_mmq.cuh.j2)
-MMA_TYPES = ("q4_k", "q6_kr", "q8_0r")
-
-
 def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0) -> dict[str, Any] | None:
     """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
-    where tuning gemv_mmq.types names its file type (the types of MMA_TYPES: q4_k, q6_k, q8_0), else
+    where tuning gemv_mmq.types names its file type (MMA_TYPES: q4_k, q6_k, q8_0, q4_0, q4_1), else
     None: the same quant, shape, lanes, k split and x staging (a row's bits are the batch-1
     GEMV's), in blocks of gemv_mmq.threads of 16-row warp tiles (as few tiles as let their warps
     divide the virtual lanes), gemv_mmq.bmax x rows a block (halved, down to 8, until its shared

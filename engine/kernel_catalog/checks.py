@@ -12,6 +12,7 @@ from engine.kernel_catalog.layout import (
     COOP_TYPES,
     GEMM_SMEM_MAX,
     GEMV_XSMEM_MAX,
+    MMA_TYPES,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _fail,
@@ -293,10 +294,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
 
 
 def _check_mma(p: dict, need) -> None:
-    """The mma gemv's shape rules (kernels/_gemv_mmq.cuh.j2): q4_k / q6_kr / q8_0r q8x, 16-row warp tiles whose
+    """The mma gemv's shape rules (kernels/_gemv_mmq.cuh.j2): an MMA_TYPES q8x spec, 16-row warp tiles whose
     warps split the virtual lanes evenly, bmax a multiple of 8."""
     warps, vl = p["threads"] // 32, p["lanes"] * p["ksplit"]
-    need(p["quant"] in ("q4_k", "q6_kr", "q8_0r") and p["q8x"], f"mma gemv: q4_k, q6_kr or q8_0r with q8x only, got {p['quant']!r}")
+    need(p["quant"] in MMA_TYPES and p["q8x"], f"mma gemv: {', '.join(MMA_TYPES)} with q8x only, got {p['quant']!r}")
     need(
         not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["trigger"]),
         "mma gemv: no glu, wsm, tile_pf, l2_pf or trigger",

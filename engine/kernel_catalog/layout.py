@@ -38,6 +38,8 @@ COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
 # (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
 Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
+# the upload types the mma bucket gemv decodes (kernels/_gemv_mmq.cuh.j2)
+MMA_TYPES = ("q4_k", "q6_kr", "q8_0r", "q4_0r", "q4_1r")
 
 
 COOP_Q8X_MAX = 64 * 1024
@@ -74,14 +76,15 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
 
 def mma_smem(p: Mapping[str, Any]) -> int:
     """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
-    rows of k + 32 bytes (q6_kr, q8_0r: + 16), a float4 per segment (64 elements; q6_kr 32; q8_0r 16
-    and a float) in rows of 8 * ceil(segments / 8) + 1,
+    rows of k + 32 bytes (the others: + 16), a float4 per segment (64 elements; q6_kr 32; q8_0r 16
+    and a float; q4_0r / q4_1r 32 and a float2) in rows of 8 * ceil(segments / 8) + 1,
     then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
     lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
     the other)."""
     bmax, k, q = int(p["bmax"]), int(p["k"]), p["quant"]
-    seg = {"q6_kr": 32, "q8_0r": 16}.get(q, 64)  # (q6_kr, q8_0r: 4-byte B loads; q8_0r: a float a segment)
-    x = bmax * ((k + (32 if seg == 64 else 16)) + ((k // seg + 7) // 8 * 8 + 1) * (4 if seg == 16 else 16))
+    seg = {"q6_kr": 32, "q8_0r": 16, "q4_0r": 32, "q4_1r": 32}.get(q, 64)  # (all but q4_k: 4-byte B loads)
+    per_seg = {"q8_0r": 4, "q4_0r": 8, "q4_1r": 8}.get(q, 16)  # a float4 a segment, a float (q8_0r), a float2
+    x = bmax * ((k + (32 if seg == 64 else 16)) + ((k // seg + 7) // 8 * 8 + 1) * per_seg)
     part = int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
     return x + max(bmax * (k // 16 + 4) * 8, part)
 

@@ -4,14 +4,14 @@ bit for bit, on a real GPU (skipped without one; issue #34 item 1).
 For random q4_k weights of the Qwen3-4B shapes (q|k|v 6144 x 2560, gate|up 19456 x 2560, the k-split
 o 2560 x 4096 and down 2560 x 9728, and a k-split 1003 x 2560 with a row tail), random q6_kr ones
 (a q4_k_m file's q6_k v 1024 x 2560 and down 2560 x 9728, and 6144 x 2560 without the k split),
-random q8_0r ones (6144 x 2560, the k-split 2560 x 9728) and random x rows,
+random q8_0r, q4_0r and q4_1r ones (6144 x 2560, the k-split 2560 x 9728) and random x rows,
 every output of the mma kernel run over 2, 8, 16 and 32 rows must have the bits of the batch-1
 coop GEMV (the plan's decode1 spec: linear_params at bmax 1) run on that row alone: with no
 prologue and f32 out (the row sums unrounded), with the rmsnorm prologue and the residual (bf16
 out), and on the down shape with the silu_mul prologue. The current bucket coop GEMV (bmax
 decode_bmax) is checked the same way as a control: if it differs too, the harness is wrong, not
-the new kernel. The mma specs are the ones the plan takes with gemv_mmq.types = [q4_k, q6_k, q8_0]
-on this device's profile.
+the new kernel. The mma specs are the ones the plan takes with gemv_mmq.types = [q4_k, q6_k, q8_0,
+q4_0, q4_1] on this device's profile.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ SHAPES = {
     "q4_k": ((6144, 2560), (19456, 2560), (2560, 4096), (2560, 9728), (1003, 2560)),
     "q6_kr": ((1024, 2560), (2560, 9728), (6144, 2560)),
     "q8_0r": ((6144, 2560), (2560, 9728)),
+    "q4_0r": ((6144, 2560), (2560, 9728)),
+    "q4_1r": ((6144, 2560), (2560, 9728)),
 }
 ROWS = (2, 8, 16, 32)
 # (prologue, residual, out dtype)
@@ -42,7 +44,7 @@ KNOBS = ({"blocks_per_sm": 0, "bmax": 16}, {})
 
 def _tuning(profile, knobs: dict) -> dict:
     t = dict(profile.tuning)
-    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k", "q6_k", "q8_0"], **knobs}
+    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k", "q6_k", "q8_0", "q4_0", "q4_1"], **knobs}
     return t
 
 
@@ -113,7 +115,7 @@ def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, knobs):
     rng = np.random.default_rng(34)
     bad, control = [], []
     for qt, n, k, pro, residual, od, (b1, bucket, mma) in cases:
-        ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0"}[qt]
+        ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0", "q4_0r": "q4_0", "q4_1r": "q4_1"}[qt]
         raw = random_blocks(ft, n * k // quant.block(ft)[0], seed=n + k)
         raw = (raw if qt == ft else quant.repack(raw, qt, n, k)).reshape(n, -1)
         assert raw.shape[1] == storage.row_bytes(qt, k)
