@@ -154,10 +154,11 @@ class GemvCoop(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class GemvMmq(Knobs):
-    # the bucket decode GEMVs (2+ rows) of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1) on the int8 tensor
-    # cores (kernels/_gemv_mmq.cuh.j2) where their q8x coop layout allows it: each row's bits those
-    # of its batch-1 coop GEMV; bmax x rows a block (halved while the block's shared memory would
-    # not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in flight per warp;
+    # the bucket decode GEMVs (2+ rows) of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1)
+    # on the int8 tensor cores (kernels/_gemv_mmq.cuh.j2) where their q8x coop layout allows it:
+    # each row's bits those of its batch-1 coop GEMV; bmax x rows a block (halved while the block's
+    # shared memory would not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in
+    # flight per warp;
     # blocks_per_sm > 0: at most that many blocks per SM, each looping over row tiles (it stages
     # and quantises its x rows once for all of them, which every block does: 0, a block per
     # 16-row tile, stages them n / 16 times; the runner fits the grid to the resident blocks)

@@ -208,12 +208,21 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 
     if not tiles:
         return None
     q = dict(
-        p, mma=True, lanes=lanes, ksplit=ksplit, threads=threads, rows_per_block=16 * tiles, unroll=int(m.get("depth") or 4),
-        pipeline=False, tile_pf=False, grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count, wsm=False, trigger=False, early_nw=False,
-        early_res=False, min_blocks=int(m.get("min_blocks") or 0), l2_pf="",
-        stage_rounds=min(8, int(m.get("stage_rounds") or 1)), l2_tiles=int(m.get("l2_tiles") or 0),
-    )  # fmt: skip
-    bmax = max(8, int(m.get("bmax") or 16) // 8 * 8)
+        p,
+        mma=True,
+        lanes=lanes,
+        ksplit=ksplit,
+        threads=threads,
+        rows_per_block=16 * tiles,
+        unroll=int(m.get("depth") or 4),  # (segments in flight per warp)
+        grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count,
+        min_blocks=int(m.get("min_blocks") or 0),
+        stage_rounds=min(8, int(m.get("stage_rounds") or 1)),
+        l2_tiles=int(m.get("l2_tiles") or 0),
+        # (the coop layout's batch-1 and pipelining options: not this kernel's)
+        pipeline=False, tile_pf=False, wsm=False, trigger=False, early_nw=False, early_res=False, l2_pf="",
+    )
+    bmax = max(8, int(m.get("bmax") or 32) // 8 * 8)
     while bmax > 8 and gemv_smem({**q, "bmax": bmax}) > GEMV_XSMEM_MAX:
         bmax //= 2
     q["bmax"] = bmax

@@ -76,9 +76,9 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
 
 def mma_smem(p: Mapping[str, Any]) -> int:
     """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
-    rows of k + 32 bytes (the others: + 16), a float4 per segment (64 elements; q6_kr 32; q8_0r 16
-    and a float; q4_0r / q4_1r 32 and a float2) in rows of 8 * ceil(segments / 8) + 1,
-    then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
+    rows of k + 32 bytes (q4_k; the other types k + 16), per x row a float4 per segment (q4_k 64
+    elements, q6_kr 32), a float (q8_0r, 16) or a float2 (q4_0r / q4_1r, 32) in rows of 8 *
+    ceil(segments / 8) + 1, then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
     lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
     the other)."""
     bmax, k, q = int(p["bmax"]), int(p["k"]), p["quant"]

@@ -4,9 +4,9 @@ One launch per weight allocation: the classic layout (tuning gemv) or the warp-c
 (tuning gemv_coop, q8x: int8 x rows and dp4a; in bucket decode, for the types tuning gemv_mmq
 names, the int8 tensor-core GEMV with the same per-row bits: kernel_catalog.mma_params), with a
 prologue where a decode rmsnorm / silu_mul was folded into it (the Lowerer's ``prologue``), a glu
-epilogue on a gate|up GEMV whose silu_mul it replaces, and at batch 1 a q4_k_m layer's two q|k / v GEMVs as one gemv_pair launch (tuning
-decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). A helper of the
-``linear`` unit. Must not import CUDA or numpy.
+epilogue on a gate|up GEMV whose silu_mul it replaces, and at batch 1 a q4_k_m layer's two q|k / v
+GEMVs as one gemv_pair launch (tuning decode_graph.pair_linears) or on two streams
+(decode_graph.fork_linears). A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
