@@ -140,7 +140,7 @@ def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False)
 # (n, k, coop k split, prologue, residual, out dtype, rows, type): n 40 = two full 16-row warp tiles and
 # a tail of 8; k 512 with the k split: 8 segments for 32 virtual lanes; k 2560: 40 for 32
 # (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences); the first one
-# with its grid capped at one block (three row tiles, x staged once)
+# with its grid capped at one block (three row tiles, x staged once) and 8 x rows a block
 CASES = [
     (40, 512, True, "none", False, "f32", 10, "q4_k"),
     (40, 2560, True, "none", False, "f32", 10, "q4_k"),
@@ -172,8 +172,8 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
     n, k, ksplit, pro, residual, od, rows, qt = case
     t = _tuning(ksplit=ksplit)
     b1, mma = _pair(t, n, k, pro, residual, od, qt)
-    if case == CASES[0]:
-        mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1})
+    if case == CASES[0]:  # one block over the three row tiles, 8 x rows a block: two grid rows
+        mma = kc.spec("gemv", **{**mma.params, "grid_cap": 1, "bmax": 8})
     assert (b1.params["ksplit"] > 1) == ksplit and b1.params["lanes"] == mma.params["lanes"]
     rng = np.random.default_rng(n + k + rows)
     ft = {"q4_k": "q4_k", "q6_kr": "q6_k", "q8_0r": "q8_0", "q4_0r": "q4_0", "q4_1r": "q4_1"}[qt]
