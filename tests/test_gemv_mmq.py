@@ -231,3 +231,19 @@ def test_the_knob_takes_the_bucket_q4_k_and_q6_k_gemvs_of_a_plan_and_only_those(
         else:
             assert la_on.spec == la_off.spec
     assert seen == {"q4_k", "q6_kr"}
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
+def test_mma_kernels_leave_no_product_to_fuse():
+    """As tests/test_fp_contraction.py holds the plans' decode kernels: no plain product that NVVM
+    or ptxas could fuse into an FFMA (the mma kernel and its batch-1 twin compile separately)."""
+    from test_fp_contraction import _ptx, contracted, fusable_pairs
+
+    t = _tuning()
+    bad = {}
+    for qt, pro in (("q4_k", "norm"), ("q6_kr", "silu"), ("q8_0r", "norm"), ("q4_0r", "none"), ("q4_1r", "norm")):
+        s = _pair(t, 2560, 9728 if pro == "silu" else 2560, pro, pro == "norm", "bf16", qt)[1]
+        ptx = _ptx(s, True)
+        if fusable_pairs(ptx) or contracted(ptx, _ptx(s, False)):
+            bad[s.entry] = fusable_pairs(ptx)[:2]
+    assert not bad, bad
