@@ -107,7 +107,7 @@ def _nvrtc_ok() -> bool:
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")
 def test_mma_specs_compile_for_the_profiles(tmp_path):
-    """The h100 / h200 specs (q4_k and q6_kr); the h100 ones also for the oldest and the newest
+    """The h100 / h200 specs (q4_k and q6_kr); an h100 one also for the oldest and the newest
     profile arch (the int8 mma.sync is sm_80+; no other profile has q8x GEMVs for it yet)."""
     from engine.compile import KernelBuilder
     from engine.kcache import KernelCache
@@ -118,8 +118,9 @@ def test_mma_specs_compile_for_the_profiles(tmp_path):
         specs = [_pair(t, 6144, 2560, "norm", True, "bf16")[1], _pair(t, 2560, 9728, "silu", False, "bf16")[1],
                  _pair(t, 1024, 2560, "none", True, "bf16", "q6_kr")[1]]  # fmt: skip
         for arch in [all_profiles()[profile].arch] + ([archs[0], archs[-1]] if profile == "h100" else []):
-            stats = KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all(specs, progress=None)
-            assert stats.compiled + stats.hits == len(specs) and all(k.cubin for k in stats.kernels)
+            some = specs if arch == all_profiles()[profile].arch else specs[:1]
+            stats = KernelBuilder(arch, cache=KernelCache(tmp_path / arch), no_compile=False).build_all(some, progress=None)
+            assert stats.compiled + stats.hits == len(some) and all(k.cubin for k in stats.kernels)
 
 
 def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False) -> np.ndarray:
@@ -140,7 +141,8 @@ def _emu(spec, x, rows: int, w, res=None, nw=None, tmp_path=None, reverse=False)
 # (n, k, coop k split, prologue, residual, out dtype, rows, type): n 40 = two full 16-row warp tiles and
 # a tail of 8; k 512 with the k split: 8 segments for 32 virtual lanes; k 2560: 40 for 32
 # (f32 out: the row sums unrounded; a bf16 store hides most last-bit differences); the first one
-# with its grid capped at one block (three row tiles, x staged once) and 8 x rows a block
+# with its grid capped at one block (three row tiles, x staged once) and 8 x rows a block; the
+# residual's path (bf16 out) is the types' common code: checked on q4_k
 CASES = [
     (40, 512, True, "none", False, "f32", 10, "q4_k"),
     (40, 2560, True, "none", False, "f32", 10, "q4_k"),
@@ -152,18 +154,15 @@ CASES = [
     (40, 512, True, "none", False, "f32", 10, "q6_kr"),
     (40, 2560, True, "norm", False, "f32", 3, "q6_kr"),
     (40, 1024, False, "silu", False, "f32", 9, "q6_kr"),
-    (40, 1024, False, "none", True, "bf16", 17, "q6_kr"),
     # q8_0r (lanes 32, the k split 2): k 512 = 32 segments for 64 virtual lanes
     (40, 512, True, "none", False, "f32", 10, "q8_0r"),
     (40, 2560, True, "norm", False, "f32", 3, "q8_0r"),
     (40, 1024, False, "silu", False, "f32", 9, "q8_0r"),
-    (40, 1024, False, "none", True, "bf16", 17, "q8_0r"),
     # q4_0r / q4_1r (lanes 32, the k split 2)
     (40, 512, False, "none", False, "f32", 10, "q4_0r"),
     (40, 512, True, "norm", False, "f32", 3, "q4_0r"),
     (40, 1024, False, "silu", False, "f32", 9, "q4_1r"),
     (40, 512, True, "none", False, "f32", 17, "q4_1r"),
-    (40, 1024, False, "none", True, "bf16", 5, "q4_1r"),
 ]
 
 
