@@ -1,7 +1,7 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE]
+        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma 256/16/4/0,256/16/4/1,...]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -11,7 +11,11 @@ cycling through enough weight copies to defeat the 50 MB L2:
 - ``gemv``: the GEMV the plan uses (gemv.max_batch rows per weight pass) and, at
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
-  gemm_decode.min_rows rows, where it has a decoder for the type.
+  gemm_decode.min_rows rows, where it has a decoder for the type;
+- ``mma T/B/D/S[/M[/L]]`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k,
+  q6_k): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) with gemv_mmq threads T, bmax
+  B, depth D, blocks_per_sm S (0: one block per row tile), min_blocks M and l2_tiles L (the
+  section's defaults where left out), one column per variant.
 
 Each row prints the time, the weight bytes / time in GB/s and that as a fraction of the measured
 device-to-device copy bandwidth (bytes read + written per second, the profile's
@@ -55,8 +59,9 @@ def copy_bandwidth(cuda, stream) -> float:
 
 
 class Bench:
-    def __init__(self, cuda, builder, stream, iters: int):
+    def __init__(self, cuda, builder, stream, iters: int, sm_count: int = 0):
         self.cuda, self.builder, self.stream, self.iters = cuda, builder, stream, iters
+        self.sm_count = sm_count
         self._fns: dict = {}
         self._mods: list = []
 
@@ -75,7 +80,12 @@ class Bench:
         for w in copies:
             vals = [w.ptr if name == "w" else args[name] for name, _ in choice.args]
             packed.append(cuda.KernelArgs([kind for _, kind in choice.args], vals))
-        run = cuda.PreparedLaunch(fn, choice.grid(rows), choice.block, choice.smem, self.stream)
+        grid = choice.grid(rows)
+        if choice.spec.params.get("mma") and choice.spec.params.get("grid_cap"):
+            # as the runner binds a capped mma grid (fit_grid): at most the resident blocks in all
+            per_sm = max(1, fn.resident_blocks(choice.block[0], choice.smem))
+            grid = (min(grid[0], max(1, per_sm * self.sm_count // (grid[1] * grid[2]))), *grid[1:])
+        run = cuda.PreparedLaunch(fn, grid, choice.block, choice.smem, self.stream)
         for i in range(3):
             run(packed[i % len(packed)])
         e0, e1 = cuda.Event(), cuda.Event()
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="", help="default: the profile's CUDA-graph buckets")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--mma", default="", help="mma bucket GEMV variants T/B/D/S[/M[/L]] (threads/bmax/depth/blocks_per_sm[/min_blocks[/l2_tiles]]), comma-separated")
     args = ap.parse_args(argv)
 
     from engine import cuda, storage
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = cuda.Stream()
     copy_gbs = copy_bandwidth(cuda, stream)
     builder = KernelBuilder(prof.arch, cache=KernelCache(Path(tempfile.mkdtemp(prefix="memra-linbench-"))), no_compile=False)
-    bench = Bench(cuda, builder, stream, args.iters)
+    bench = Bench(cuda, builder, stream, args.iters, info.sm_count)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else list(prof.cuda_graph_batch_sizes)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
@@ -123,10 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     rows_out = []
 
-    def candidates(qt: str, n: int, k: int, b: int) -> list:
+    def candidates(ft: str, qt: str, n: int, k: int, b: int) -> list:
         cands = []
         p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
+        for var in [v for v in args.mma.split(",") if v] if b > 1 else []:
+            th, bm, dp, bps, *more = (int(v) for v in var.split("/"))
+            mq = {**dict(tuning["gemv_mmq"]), "types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps}
+            mq.update(dict(zip(("min_blocks", "l2_tiles"), more, strict=False)))
+            mt = {**dict(tuning), "gemv_mmq": mq}
+            bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
+            m = kc.mma_params(bucket, mt, info.sm_count)
+            if m is not None:
+                cands.append((f"mma {var}", kc.choice("gemv", **m)))
         if "gemm_decode" in tuning and b >= int(tuning["gemm_decode"].get("min_rows", 16)):
             try:  # the wide-decode GEMM (bf16 buckets >= gemm_decode.min_rows)
                 p = kc.gemm_params(n, k, tuning, quant=qt, section="gemm_decode")
@@ -144,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 (a k the type's blocks do not divide)
                 print(f"skip {ft} {n}x{k}: {e}")
                 continue
-            work.append((ft, qt, n, k, nbytes, [(b, candidates(qt, n, k, b)) for b in batches]))
+            work.append((ft, qt, n, k, nbytes, [(b, candidates(ft, qt, n, k, b)) for b in batches]))
     specs = [c.spec for *_, per in work for _, cands in per for _, c in cands]
     print(builder.build_all(specs, progress=None).summary(), flush=True)
     for ft, qt, n, k, nbytes, per in work:

@@ -34,6 +34,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     gemm_wgmma_params,
     gemv_layout,
     linear_params,
+    mma_params,
     one_round,
     prefill_block_kv,
     q8x_applies,

@@ -13,6 +13,8 @@ from engine.kernel_catalog.layout import (
     COOP_LAYOUTS,
     COOP_Q8X_MAX,
     COOP_TYPES,
+    GEMV_XSMEM_MAX,
+    MMA_TYPES,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _cdiv,
@@ -180,6 +182,51 @@ def coop_options(
         if c.get("tile_prefetch") and not out.get("wsm"):  # (wsm: the next tile is a bulk copy)
             out["tile_pf"] = True
     return out
+
+
+def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0) -> dict[str, Any] | None:
+    """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
+    where tuning gemv_mmq.types names its file type (MMA_TYPES: q4_k, q6_k, q8_0, q4_0, q4_1), else
+    None: the same quant, shape, lanes, k split and x staging (a row's bits are the batch-1
+    GEMV's), in blocks of gemv_mmq.threads of 16-row warp tiles (as few tiles as let their warps
+    divide the virtual lanes), gemv_mmq.bmax x rows a block (halved, down to 8, until its shared
+    memory fits GEMV_XSMEM_MAX), gemv_mmq.depth segments in flight, the grid capped at
+    gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both are set (each block then loops over
+    row tiles), gemv_mmq.stage_rounds rounds of x loads in flight while staging, gemv_mmq.min_blocks
+    as the __launch_bounds__ minimum, gemv_mmq.l2_tiles row tiles prefetched into L2. None where the
+    layout does not apply (not q8x, glu, bmax 8 too large)."""
+    m = tuning.get("gemv_mmq") or {}
+    file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
+    if file_type not in m.get("types", ()) or p["quant"] not in MMA_TYPES or not (p.get("coop") and p.get("q8x")):
+        return None
+    if p.get("glu"):
+        return None
+    lanes, ksplit = int(p.get("lanes") or 32), int(p.get("ksplit") or 1)
+    vl, threads = lanes * ksplit, int(m.get("threads") or 256)
+    warps = threads // 32
+    tiles = next((t for t in range(1, warps + 1) if warps % t == 0 and vl % (warps // t) == 0), 0)
+    if not tiles:
+        return None
+    q = dict(
+        p,
+        mma=True,
+        lanes=lanes,
+        ksplit=ksplit,
+        threads=threads,
+        rows_per_block=16 * tiles,
+        unroll=int(m.get("depth") or 4),  # (segments in flight per warp)
+        grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count,
+        min_blocks=int(m.get("min_blocks") or 0),
+        stage_rounds=min(8, int(m.get("stage_rounds") or 1)),
+        l2_tiles=int(m.get("l2_tiles") or 0),
+        # (the coop layout's batch-1 and pipelining options: not this kernel's)
+        pipeline=False, tile_pf=False, wsm=False, trigger=False, early_nw=False, early_res=False, l2_pf="",
+    )
+    bmax = max(8, int(m.get("bmax") or 32) // 8 * 8)
+    while bmax > 8 and gemv_smem({**q, "bmax": bmax}) > GEMV_XSMEM_MAX:
+        bmax //= 2
+    q["bmax"] = bmax
+    return q if gemv_smem(q) <= GEMV_XSMEM_MAX else None
 
 
 def one_round(tuning: Mapping[str, Any], smem: int, blocks: int, sm_count: int) -> bool:

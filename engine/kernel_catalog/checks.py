@@ -12,6 +12,7 @@ from engine.kernel_catalog.layout import (
     COOP_TYPES,
     GEMM_SMEM_MAX,
     GEMV_XSMEM_MAX,
+    MMA_TYPES,
     Q8X_TYPES,
     WSM_SMEM_MAX,
     _fail,
@@ -20,6 +21,7 @@ from engine.kernel_catalog.layout import (
     gemm_wgmma_smem,
     gemv_smem,
     l2_pf_ranges,
+    mma_smem,
 )
 
 
@@ -113,6 +115,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 not p["coop"] or (p["ksplit"] == 1 and not p["wsm"]),
                 "glu: a coop gemv without ksplit or wsm (a tile's rows are two ranges)",
             )
+        need(not p["l2_tiles"] or p["mma"], "l2_tiles (the first row tiles into L2 before pdl_wait) is an mma option")
         if p["coop"]:
             need(
                 q in COOP_TYPES,
@@ -128,7 +131,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             )
             groups = warps // p["ksplit"] * (32 // p["lanes"])  # lanes and ksplit are checked by now
             need(
-                warps % p["ksplit"] == 0 and p["rows_per_block"] % groups == 0,
+                p["mma"] or (warps % p["ksplit"] == 0 and p["rows_per_block"] % groups == 0),
                 f"coop gemv: rows_per_block={p['rows_per_block']} must be a multiple of threads/32={warps} "
                 f"/ ksplit={p['ksplit']} x 32 / lanes={p['lanes']} (the row groups; ksplit must divide threads/32)",
             )
@@ -136,7 +139,10 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 not p["q8x"] or q in Q8X_TYPES,
                 f"coop gemv: q8x (int8 x rows) is for {', '.join(Q8X_TYPES)}, got {q!r}",
             )
+            if p["mma"]:  # kernels/_gemv_mmq.cuh.j2
+                _check_mma(p, need)
         else:
+            need(not p["mma"], "mma is a coop q8x option (coop=true)")
             need(
                 p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
                 f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
@@ -285,3 +291,22 @@ def _check(template: str, p: dict[str, Any]) -> None:
             need(p["kv_stride"] % 8 == 0, "rope fusion needs kv_stride a multiple of 8")
             need(p["v_stride"] % 8 == 0, "rope fusion needs v_stride a multiple of 8")
             need(not p["qk_norm"] or p["eps"] > 0, "qk_norm needs eps > 0")
+
+
+def _check_mma(p: dict, need) -> None:
+    """The mma gemv's shape rules (kernels/_gemv_mmq.cuh.j2): an MMA_TYPES q8x spec, 16-row warp tiles whose
+    warps split the virtual lanes evenly, bmax a multiple of 8."""
+    warps, vl = p["threads"] // 32, p["lanes"] * p["ksplit"]
+    need(p["quant"] in MMA_TYPES and p["q8x"], f"mma gemv: {', '.join(MMA_TYPES)} with q8x only, got {p['quant']!r}")
+    need(
+        not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["trigger"]),
+        "mma gemv: no glu, wsm, tile_pf, l2_pf or trigger",
+    )
+    need(p["bmax"] % 8 == 0, f"mma gemv: bmax={p['bmax']} must be a multiple of 8 (the mma's n tiles)")
+    rpb = p["rows_per_block"]
+    need(
+        rpb % 16 == 0 and warps % (rpb // 16) == 0 and vl % (warps // (rpb // 16)) == 0,
+        f"mma gemv: rows_per_block={rpb} must be 16 per warp tile, the tiles dividing threads/32={warps} "
+        f"and their warps dividing lanes * ksplit = {vl}",
+    )
+    need(mma_smem(p) <= WSM_SMEM_MAX, f"mma gemv: {mma_smem(p)} bytes of shared memory exceed {WSM_SMEM_MAX}")

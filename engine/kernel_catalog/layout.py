@@ -38,6 +38,8 @@ COOP_TYPES = ("bf16", "q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
 # coop types with a __dp4a path on int8-quantised x rows (gemv_coop.q8x), and its shared memory cap
 # (bmax * k * 3 / 2 bytes; above it a spec keeps the f32 path: fewer resident blocks would starve it)
 Q8X_TYPES = ("q4_k", "q8_0r", "q6_kr", "q4_0r", "q4_1r")
+# the upload types the mma bucket gemv decodes (kernels/_gemv_mmq.cuh.j2)
+MMA_TYPES = ("q4_k", "q6_kr", "q8_0r", "q4_0r", "q4_1r")
 
 
 COOP_Q8X_MAX = 64 * 1024
@@ -61,6 +63,8 @@ Q8X_FILE_TYPES = tuple(_COOP_FILE_TYPE.get(t, t) for t in Q8X_TYPES)
 def gemv_smem(p: Mapping[str, Any]) -> int:
     """The gemv's dynamic shared memory: q8x's int8 x rows (and the wsm row tile); else 0."""
     bmax, k = int(p["bmax"]), int(p["k"])
+    if p.get("mma"):
+        return mma_smem(p)
     if p.get("q8x"):  # int8 x rows + a (dx, dx * sum q) float2 per 16 elements
         x = bmax * k * 3 // 2
         if not p.get("wsm"):
@@ -68,6 +72,21 @@ def gemv_smem(p: Mapping[str, Any]) -> int:
         # + the row tile at the next 128-byte boundary (kernels/_gemv_coop.cuh.j2: WSM_OFF)
         return (x + 127) // 128 * 128 + int(p["rows_per_block"]) * row_bytes(p["quant"], k)
     return 0
+
+
+def mma_smem(p: Mapping[str, Any]) -> int:
+    """The mma gemv's dynamic shared memory (kernels/_gemv_mmq.cuh.j2: XQS, XGS, XDS): bmax int8 x
+    rows of k + 32 bytes (q4_k; the other types k + 16), per x row a float4 per segment (q4_k 64
+    elements, q6_kr 32), a float (q8_0r, 16) or a float2 (q4_0r / q4_1r, 32) in rows of 8 *
+    ceil(segments / 8) + 1, then the larger of the staging's (dx, dx * sum q) float2 rows of k / 16 + 4 and the virtual
+    lanes' partial sums, f32 [lanes * ksplit][rows_per_block][bmax] (the same bytes, one after
+    the other)."""
+    bmax, k, q = int(p["bmax"]), int(p["k"]), p["quant"]
+    seg = {"q6_kr": 32, "q8_0r": 16, "q4_0r": 32, "q4_1r": 32}.get(q, 64)  # (all but q4_k: 4-byte B loads)
+    per_seg = {"q8_0r": 4, "q4_0r": 8, "q4_1r": 8}.get(q, 16)  # a float4 a segment, a float (q8_0r), a float2
+    x = bmax * ((k + (32 if seg == 64 else 16)) + ((k // seg + 7) // 8 * 8 + 1) * per_seg)
+    part = int(p.get("lanes") or 32) * int(p.get("ksplit") or 1) * int(p["rows_per_block"]) * bmax * 4
+    return x + max(bmax * (k // 16 + 4) * 8, part)
 
 
 def gemv_grid_x(p: Mapping[str, Any]) -> int:

@@ -1,11 +1,12 @@
 """The GEMV lowering of linear layers in decode passes (kernels/gemv.cu.j2, gemv_pair.cu.j2).
 
 One launch per weight allocation: the classic layout (tuning gemv) or the warp-cooperative one
-(tuning gemv_coop, q8x: int8 x rows and dp4a), with a prologue where a decode rmsnorm / silu_mul
-was folded into it (the Lowerer's ``prologue``), a glu epilogue on a gate|up GEMV whose silu_mul
-it replaces, and at batch 1 a q4_k_m layer's two q|k / v GEMVs as one gemv_pair launch (tuning
-decode_graph.pair_linears) or on two streams (decode_graph.fork_linears). A helper of the
-``linear`` unit. Must not import CUDA or numpy.
+(tuning gemv_coop, q8x: int8 x rows and dp4a; in bucket decode, for the types tuning gemv_mmq
+names, the int8 tensor-core GEMV with the same per-row bits: kernel_catalog.mma_params), with a
+prologue where a decode rmsnorm / silu_mul was folded into it (the Lowerer's ``prologue``), a glu
+epilogue on a gate|up GEMV whose silu_mul it replaces, and at batch 1 a q4_k_m layer's two q|k / v
+GEMVs as one gemv_pair launch (tuning decode_graph.pair_linears) or on two streams
+(decode_graph.fork_linears). A helper of the ``linear`` unit. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
@@ -103,16 +104,22 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
+    mma = None
+    if mode != "decode1" and p.get("q8x") and not pp.get("glu"):
+        # a bucket GEMV on the int8 tensor cores (tuning gemv_mmq.types), the batch-1 bits per row
+        mma = kc.mma_params(p, ctx.profile.tuning, ctx.profile.sm_count)
+        p = mma or p
     spec = ctx.spec("gemv", **p, **pp)
     res = Arg("value", res_name) if residual else NULL
     args = (val(out), wgt(w), val(xv), res, ROWS) + extra
-    grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bmax - 1}) // {bmax}")
+    bm = spec.params["bmax"]  # (the mma GEMV's own)
+    grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bm - 1}) // {bm}")
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
     smem = kc.gemv_smem(spec.params)
     # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
     fit = bool(spec.params.get("grid_cap")) and bool(
-        ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
+        mma or ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
     )
     return Launch(spec, grid, (spec.params["threads"],), args, smem, fit_grid=fit)
 
