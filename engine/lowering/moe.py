@@ -30,7 +30,7 @@ from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
-from engine.lowering.registry import post_pass, register
+from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
 
 RPB = 4  # warps (output rows) per block of the expert GEMVs
@@ -171,6 +171,23 @@ def lower_experts(ctx, op, layer, mode, ins, outs, ws):
     routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
     shared_mode = "decode" if mode == WIDE else mode  # (the shared expert's GEMVs as in batched decode)
     return routed + (shared_expert(ctx, layer, shared_mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+
+
+@register("shared_gate", bind=same_width, attrs=("residual",))
+def lower_shared_gate(ctx, op, layer, mode, ins, outs, ws):
+    """out += sigmoid(h . gate) * y in place (moe_shared): the graph's ``residual`` is its output."""
+    h, y = ins
+    out, gate = outs[0], ws[0]
+    if op.attrs.get("residual") != op.outputs[0]:
+        raise ConfigError(f"plan: shared_gate adds into its output in place: residual must be {op.outputs[0]!r}")
+    if y.width != h.width or out.width != h.width:
+        raise ConfigError(f"plan: shared_gate reads h of width {h.width}, y of {y.width}, writes {out.width}")
+    if gate.rows != 1 or gate.cols != h.width or gate.dtype != "f32":
+        raise ConfigError(f"plan: the shared expert gate {gate.key} must be an f32 vector of {h.width}")
+    if h.ld != h.width or y.ld != y.width or out.ld != out.width:
+        raise ConfigError("plan: shared_gate reads and writes unstrided rows (moe_shared)")
+    k = mk.shared_kernel(h.width)
+    return [Launch(k.spec, ("n",), k.block[:1], (val(out), val(y), val(h), wgt(gate), ROWS))]
 
 
 def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
