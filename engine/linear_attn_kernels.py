@@ -62,6 +62,8 @@ STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("sta
 # the arguments of both delta-rule kernels (gated_delta_rule and gated_delta_chunk take the same)
 DELTA_ARGS = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
               *STATE_ARGS, ("rows", "i32"))
+# gated_delta_rule with the gated norm fused in (``norm``): its output, z, weight and per-(row, head) counter
+DELTA_NORM_ARGS = (*DELTA_ARGS[:-1], ("nout", "ptr"), ("z", "ptr"), ("nw", "ptr"), ("cnt", "ptr"), ("rows", "i32"))
 # gated_delta_chunk also reads each token's position (its chunks end at multiples of the chunk)
 CHUNK_ARGS = (*DELTA_ARGS[:-1], ("positions", "ptr"), ("rows", "i32"))
 
@@ -146,10 +148,13 @@ def delta_rule_kernel(
     v_tiled: bool,
     varlen: bool,
     max_threads: int = DELTA_DECODE_THREADS,
+    norm: tuple[int, int, float] | None = None,
 ) -> HybridKernel:
     """gated_delta_rule: one block per (sequence, v head, slice of ``v_block`` state columns) with
     v_block * ksplit threads, thread (j, s) holding column j's rows s * k_dim/ksplit .. in
-    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs)."""
+    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs).
+    ``norm`` (z_stride, nout_stride, eps), decode only: the gated_rmsnorm after it fused in (the
+    last block of each head applies it; args DELTA_NORM_ARGS, a zeroed int32 counter per (row, v head))."""
     if v_heads % k_heads or k_dim % 32 and k_dim not in (8, 16) or v_dim < 1 or v_dim > 1024:
         raise ConfigError(f"gated_delta_rule: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
     v_block = 32 if v_dim % 32 == 0 else v_dim
@@ -162,12 +167,21 @@ def delta_rule_kernel(
     _check_qkv_stride("gated_delta_rule", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "ksplit": ksplit,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
-              "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "norm": norm is not None}
+    extra = {}
+    if norm is not None:
+        if varlen:
+            raise ConfigError("gated_delta_rule: the fused gated norm is for decode (one token per sequence)")
+        z_stride, nout_stride, eps = norm
+        if z_stride < v_heads * v_dim or nout_stride < v_heads * v_dim:
+            raise ConfigError(f"gated_delta_rule: norm strides z {z_stride}, out {nout_stride} narrower than {v_heads} x {v_dim}")
+        params.update(z_stride=int(z_stride), nout_stride=int(nout_stride), eps=repr(float(eps)))
+        extra = {"zs": int(z_stride), "ns": int(nout_stride), "eps": repr(float(eps))}
     name = entry_name("gated_delta_rule", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, qs=qkv_stride,
-                      bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen))
+                      bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen), **extra)
     return HybridKernel(
         KernelSpec("gated_delta_rule", name, params, pdl=True),
-        DELTA_ARGS,
+        DELTA_NORM_ARGS if norm is not None else DELTA_ARGS,
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (threads, 1, 1),
     )

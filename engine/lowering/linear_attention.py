@@ -6,16 +6,19 @@ gated_delta_chunk where the prefill form is "chunked" (the default; see
 engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape with a chunk
 that divides the KV block size: its chunks end at absolute multiples of the chunk, so every
 prefix-cache snapshot ends one), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul`` and
-``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
-Must not import CUDA or numpy.
+``unpack_qkvz_ba``. The post-pass ``fold_gated_norm`` folds a decode pass's gated_rmsnorm into the
+gated_delta_rule launch before it. Kernel specs and argument lists come from
+engine.linear_attn_kernels. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine import linear_attn_kernels as lk
-from engine.ir import Arg, Launch, StatePlan, val, wgt
+from engine.ir import Arg, Launch, ScratchPlan, StatePlan, val, wgt
 from engine.kernel_catalog import ELEMENTWISE_THREADS
-from engine.lowering.registry import register, same_width
+from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
 
 PREFILL = "prefill"
@@ -120,6 +123,43 @@ def lower_gated_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     k = lk.gated_rmsnorm_kernel(x.width // hd, hd, x.ld, z.ld, out.ld, float(ctx.dims["rms_eps"]))
     named = {"out": val(out), "x": val(x), "z": val(z), "w": wgt(w), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
+
+
+DECODE_MODES = ("decode1", "decode")  # (wide decode buckets take the decode launches)
+
+
+@post_pass(14)
+def fold_gated_norm(ctx, steps, weights, values) -> None:
+    """Decode passes: a gated_rmsnorm step right after the gated_delta_rule step of its layer that
+    normalises that step's output, both one launch each: the norm goes into the delta rule's
+    ``norm`` form (its last block per (row, head) applies the same arithmetic to the same stored
+    values: the same bits, one launch fewer). Prefill keeps both."""
+    for prev, st in zip(steps, steps[1:], strict=False):
+        if st.op.op != "gated_rmsnorm" or prev.op.op != "gated_delta_rule" or prev.layer != st.layer:
+            continue
+        if st.op.inputs[0] != prev.op.outputs[0]:
+            continue
+        for mode in DECODE_MODES:
+            delta, norm = prev.launches.get(mode, ()), st.launches.get(mode, ())
+            if len(delta) != 1 or len(norm) != 1 or delta[0].spec.template != "gated_delta_rule":
+                continue
+            d, n = delta[0], norm[0]
+            p, q = d.spec.params, n.spec.params
+            if p["varlen"] or p["norm"] or q["heads"] != p["v_heads"] or q["head_dim"] != p["v_dim"]:
+                continue
+            if n.args[1] != d.args[0] or q["x_stride"] != p["out_stride"]:  # (norm x = the rule's out)
+                continue
+            threads = d.block[0]
+            k = lk.delta_rule_kernel(p["k_heads"], p["v_heads"], p["k_dim"], p["v_dim"], p["qkv_stride"], p["b_stride"],
+                                     p["a_stride"], p["out_stride"], p["v_tiled"], False, threads,
+                                     norm=(q["z_stride"], q["out_stride"], float(q["eps"])))
+            if k.block[:1] != tuple(d.block):
+                continue
+            ctx.need_scratch(ScratchPlan("delta_norm_count", fixed=4 * ctx.max_tokens * p["v_heads"], fill="zero"))
+            out_, _x, z, w, _rows = n.args
+            args = d.args[:-1] + (out_, z, w, Arg("scratch", "delta_norm_count"), d.args[-1])
+            prev.launches[mode] = (dataclasses.replace(d, spec=k.spec, args=args),)
+            st.launches[mode] = ()
 
 
 def bind_split(op, ws, ins, dims, value_for):
