@@ -273,6 +273,7 @@ def expert_q8_kernel(
     residual: bool = False,
     trigger: bool = False,
     route: tuple[int, bool] | None = None,
+    shared: int = 0,
     **tuning: Any,
 ) -> MoeKernel:
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
@@ -280,7 +281,9 @@ def expert_q8_kernel(
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
     rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` ((experts, normalize); glu only): the
     kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
-    and weights, two more args (weights, logits) after rows. Raises ConfigError where
+    and weights, two more args (weights, logits) after rows. ``shared`` (down only: moe_shared's
+    threads, which the block's must equal): the gated shared expert's add folded in (three more
+    args, y, h, gate, before rows; the bits moe_shared stores). Raises ConfigError where
     ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
@@ -299,10 +302,12 @@ def expert_q8_kernel(
         raise ConfigError("moe_gemv_q8: only the glu routes its token (route)")
     if route is not None and not top_k <= route[0] <= MAX_EXPERTS:
         raise ConfigError(f"moe_gemv_q8: routing in the kernel takes top_k..{MAX_EXPERTS} experts ({mode}, {route})")
+    if shared and (mode != "down" or shared != 32 * warps):
+        raise ConfigError(f"moe_gemv_q8: the shared expert's gate folds into a down of {shared} threads ({mode}, {32 * warps})")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
-              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None}
+              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None, "shared": bool(shared)}
     name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
-            **({"tr": 1} if trigger else {})}
+            **({"sh": 1} if shared else {}), **({"tr": 1} if trigger else {})}
     if route is not None:
         params.update(experts=int(route[0]), normalize=bool(route[1]))
         name.update(route=f"e{int(route[0])}n{int(bool(route[1]))}")
@@ -320,7 +325,7 @@ def expert_q8_kernel(
         args += (("weights", "ptr"), ("logits", "ptr")) if route is not None else ()
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
-                ("rows", "i32"))
+                *((("y", "ptr"), ("h", "ptr"), ("gate", "ptr")) if shared else ()), ("rows", "i32"))
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 

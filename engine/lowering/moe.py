@@ -155,6 +155,41 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
 
 
+@post_pass(13)
+def shared_into_down(ctx, steps, weights, values) -> None:
+    """Batch-1 decode: a shared_gate step (moe_shared) after the moe_experts step of its layer whose
+    last launch is moe_gemv_q8's down with the residual into the same value, no step between them
+    reading or writing that value: the down moves to the shared_gate step as its ``shared`` form
+    (moe_shared's gate and add in its epilogue, the same bits) and moe_shared's launch goes."""
+    for i, st in enumerate(steps):
+        gate = st.launches.get("decode1", ())
+        if st.op.op != "shared_gate" or len(gate) != 1 or gate[0].spec.template != "moe_shared":
+            continue
+        j = next((j for j in range(i - 1, -1, -1) if steps[j].op.op == "moe_experts"), None)
+        if j is None or steps[j].layer != st.layer:
+            continue
+        ex = steps[j]
+        routed = ex.launches.get("decode1", ())
+        if not routed or routed[-1].spec.template != "moe_gemv_q8":
+            continue
+        d, g = routed[-1], gate[0]
+        p = d.spec.params
+        if p["mode"] != "down" or not p["residual"] or p["shared"] or d.args[0] != g.args[0] or d.args[5] != g.args[0]:
+            continue
+        out = g.args[0].ref
+        between = steps[j + 1 : i]
+        if any(out in (*s.op.inputs, *s.op.outputs, s.op.attrs.get("residual")) for s in between):
+            continue
+        threads = int(g.spec.params["threads"])
+        if threads != 32 * int(p["warps"]):
+            continue
+        k = mk.expert_q8_kernel("down", p["quant"], p["n"], p["k"], p["top_k"], residual=True, trigger=p["trigger"],
+                                shared=threads, warps=p["warps"], rows_per_warp=p["rows_per_warp"], prefetch=p["prefetch"])
+        y, h, gw = g.args[1:4]
+        ex.launches["decode1"] = routed[:-1]
+        st.launches["decode1"] = (dataclasses.replace(d, spec=k.spec, args=d.args[:-1] + (y, h, gw, d.args[-1])),)
+
+
 def bind_experts(op, ws, ins, dims, value_for):
     out = [value_for(op.outputs[0], ins[0].width)]
     if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs

@@ -1,0 +1,70 @@
+"""The MoE hybrid's batch-1 decode plan without a GPU (issue #36: launches per layer): Qwen3.6-35B-A3B
+q4_k_m on the h100 profile runs 9 decode1 launches per Gated-DeltaNet layer and 12 per gated
+attention layer (the shared expert as plain ops, its gate|up one GEMV, silu_mul folded into the down
+GEMV, moe_shared folded into the routed down: engine.lowering.moe.shared_into_down; the gated norm
+folded into the delta rule: engine.lowering.linear_attention.fold_gated_norm); the batched decode and
+prefill keep moe_shared and gated_rmsnorm; the shared_gate op's reference is moe_experts' shared term."""
+
+from __future__ import annotations
+
+import numpy as np
+from fixtures.checkpoints import mix_tensor_type
+
+from engine.graph import load_family
+from engine.model import dims_for_size
+from engine.ops_ref_moe import moe_experts, shared_gate, swiglu_ffn
+from engine.plan import build_plan
+from engine.profile import get_profile
+
+
+def _plan(profile="h100", quant="q4_k_m"):
+    g = load_family("qwen3_5_moe")
+    d = dims_for_size("qwen3_5_moe", "qwen3.6-35b-a3b")
+    d["layers"], d["layer_types"] = 4, d["layer_types"][:4]
+    types = {f"exp_down@{i}": mix_tensor_type(quant, "exp_down", i) for i in range(4)} if quant == "q4_k_m" else {}
+    return build_plan(g, d, g.quant(quant), get_profile(profile), types, rope_style="neox")
+
+
+def _launches(plan, layer, mode):
+    return [la.spec.template for st in plan.steps if st.layer == layer for la in st.launches[mode]]
+
+
+def test_batch1_launches_per_layer_kind():
+    plan = _plan()
+    linear, full = _launches(plan, 0, "decode1"), _launches(plan, 3, "decode1")
+    moe = ["moe_router", "moe_gemv_q8", "gemv", "gemv", "moe_gemv_q8"]
+    assert linear == ["gemv", "causal_conv1d", "gated_delta_rule", "gemv", *moe], linear
+    assert full == ["gemv", "split_heads", "rope", "attention", "attention_combine", "sigmoid_mul", "gemv", *moe], full
+    gate = next(st for st in plan.steps if st.op.op == "shared_gate" and st.layer == 0)
+    (down,) = gate.launches["decode1"]
+    assert down.spec.params["mode"] == "down" and down.spec.params["shared"] and down.spec.params["residual"]
+    assert [a.ref for a in down.args[6:9]] == ["sy", "h", "L0.sh_gate_inp"]
+    glu_up = next(st for st in plan.steps if st.op.op == "linear" and st.layer == 0 and st.op.outputs == ("sg", "su"))
+    assert plan.weight(glu_up.launches["decode1"][0].args[1].ref).parts == ("sh_gate", "sh_up")
+    # the batched decode and prefill: moe_shared and gated_rmsnorm launches of their own
+    for mode in ("decode", "prefill"):
+        assert "moe_shared" in _launches(plan, 0, mode)
+    assert "gated_rmsnorm" in _launches(plan, 0, "prefill") and "gated_rmsnorm" not in _launches(plan, 0, "decode")
+
+
+def test_shared_gate_stays_apart_without_the_int8_down():
+    """bf16 experts (moe_gemv's down, no shared form): moe_shared keeps its launch at batch 1."""
+    plan = _plan(quant="bf16")
+    assert _launches(plan, 0, "decode1")[-1] == "moe_shared"
+
+
+def test_shared_gate_reference_is_moe_experts_shared_term():
+    rng = np.random.default_rng(0)
+    t, hdim, e, inter, k = 3, 16, 4, 8, 2
+    h = rng.standard_normal((t, hdim)).astype(np.float32)
+    g, u = (rng.standard_normal((e, inter, hdim)).astype(np.float32) for _ in range(2))
+    d = rng.standard_normal((e, hdim, inter)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]])
+    wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+    sh = (rng.standard_normal((5, hdim)), rng.standard_normal((5, hdim)), rng.standard_normal((hdim, 5)), rng.standard_normal(hdim))
+    sh = tuple(np.asarray(x, np.float32) for x in sh)
+    res = rng.standard_normal((t, hdim)).astype(np.float32)
+    want = moe_experts(h, ids, wts, g, u, d, sh, residual=res)
+    routed = moe_experts(h, ids, wts, g, u, d, residual=res)
+    got = shared_gate(h, swiglu_ffn(h, sh[0], sh[1], sh[2]), sh[3].reshape(1, -1), routed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
