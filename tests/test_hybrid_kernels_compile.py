@@ -81,10 +81,13 @@ def test_every_hybrid_size_plans_on_every_profile():
         # (the chunked kernel also reads positions; rows: nseq, n)
         base = len(lk.DELTA_ARGS) - 1  # (decode: the gated norm after it fused in, its four args before rows)
         assert dec.spec.template == "gated_delta_rule" and tuple(a for a in pre.args if a.ref != "positions")[:-1] == dec.args[:base]
-        assert dec.spec.params["norm"] and dec.args[base + 2] == Arg("weight", "L0.la_norm")
-        gnorm = plan.steps[plan.steps.index(step) + 1]
-        assert gnorm.op.op == "gated_rmsnorm" and not gnorm.launches["decode"] and not gnorm.launches["decode1"]
-        assert [la.spec.template for la in gnorm.launches["prefill"]] == ["gated_rmsnorm"]
+        assert dec.spec.params["norm"] and dec.spec.params["conv"] == d["lin_conv_kernel"]
+        assert dec.args[base : base + 2] == (Arg("weight", "L0.la_conv"), Arg("state", "L0.causal_conv1d"))
+        assert dec.args[base + 5] == Arg("weight", "L0.la_norm")
+        at = plan.steps.index(step)
+        for st, name in ((plan.steps[at - 1], "causal_conv1d"), (plan.steps[at + 1], "gated_rmsnorm")):
+            assert st.op.op == name and not st.launches["decode"] and not st.launches["decode1"]
+            assert [la.spec.template for la in st.launches["prefill"]] == [name]
         if chunked:  # its chunks divide the KV block: the prefix cache's snapshots end chunks
             assert plan.block_size % pre.spec.params["chunk"] == 0 and Arg("input", "positions") in pre.args
         assert pre.smem <= lk.DELTA_CHUNK_SMEM and (pre.smem > 0) == chunked
@@ -130,6 +133,10 @@ def test_builders_check_their_inputs():
     assert nk.args == lk.DELTA_NORM_ARGS and nk.block == k.block and nk.spec.entry != k.spec.entry
     with pytest.raises(ConfigError, match="decode"):
         lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, norm=(12352, 4096, 1e-6))
+    ck = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, False, norm=(12352, 4096, 1e-6), conv=4)
+    assert ck.args == (*k.args[:-1], *lk.CONV_ARGS, *lk.NORM_ARGS, k.args[-1])
+    with pytest.raises(ConfigError, match="fused conv"):
+        lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, conv=4)
     with pytest.raises(ConfigError, match="norm strides"):
         lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, False, norm=(2048, 4096, 1e-6))
     c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)

@@ -6,8 +6,8 @@ gated_delta_chunk where the prefill form is "chunked" (the default; see
 engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape with a chunk
 that divides the KV block size: its chunks end at absolute multiples of the chunk, so every
 prefix-cache snapshot ends one), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul`` and
-``unpack_qkvz_ba``. The post-pass ``fold_gated_norm`` folds a decode pass's gated_rmsnorm into the
-gated_delta_rule launch before it. Kernel specs and argument lists come from
+``unpack_qkvz_ba``. The post-pass ``fold_delta_neighbours`` folds a decode pass's causal_conv1d and
+gated_rmsnorm into the gated_delta_rule launch between them. Kernel specs and argument lists come from
 engine.linear_attn_kernels. Must not import CUDA or numpy.
 """
 
@@ -128,38 +128,86 @@ def lower_gated_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
 DECODE_MODES = ("decode1", "decode")  # (wide decode buckets take the decode launches)
 
 
+def _readers(steps, i: int, name: str) -> list:
+    """The steps after steps[i] that read value ``name`` before a step writes it again."""
+    out = []
+    for st in steps[i + 1 :]:
+        if name in st.op.inputs or name == st.op.attrs.get("residual"):
+            out.append(st)
+        if name in st.op.outputs:
+            break
+    return out
+
+
 @post_pass(14)
-def fold_gated_norm(ctx, steps, weights, values) -> None:
-    """Decode passes: a gated_rmsnorm step right after the gated_delta_rule step of its layer that
-    normalises that step's output, both one launch each: the norm goes into the delta rule's
-    ``norm`` form (its last block per (row, head) applies the same arithmetic to the same stored
-    values: the same bits, one launch fewer). Prefill keeps both."""
-    for prev, st in zip(steps, steps[1:], strict=False):
-        if st.op.op != "gated_rmsnorm" or prev.op.op != "gated_delta_rule" or prev.layer != st.layer:
+def fold_delta_neighbours(ctx, steps, weights, values) -> None:
+    """Decode passes: the gated_delta_rule launch takes in the causal_conv1d right before it (in
+    place on the q|k|v it alone reads) and the gated_rmsnorm right after it (of its output), each
+    one launch in its own step: the rule's ``conv`` and ``norm`` forms, which apply those kernels'
+    arithmetic to the same values (the same bits), two launches fewer per layer. Prefill keeps
+    all three."""
+    for i, st in enumerate(steps):
+        if st.op.op != "gated_delta_rule":
             continue
-        if st.op.inputs[0] != prev.op.outputs[0]:
-            continue
+        prev, nxt = steps[i - 1] if i else None, steps[i + 1] if i + 1 < len(steps) else None
+        conv_ok = (prev is not None and prev.op.op == "causal_conv1d" and prev.layer == st.layer
+                   and prev.op.outputs[0] == st.op.inputs[0] and _readers(steps, i - 1, prev.op.outputs[0]) == [st])
+        norm_ok = (nxt is not None and nxt.op.op == "gated_rmsnorm" and nxt.layer == st.layer
+                   and nxt.op.inputs[0] == st.op.outputs[0])
         for mode in DECODE_MODES:
-            delta, norm = prev.launches.get(mode, ()), st.launches.get(mode, ())
-            if len(delta) != 1 or len(norm) != 1 or delta[0].spec.template != "gated_delta_rule":
+            own = st.launches.get(mode, ())
+            if len(own) != 1 or own[0].spec.template != "gated_delta_rule" or own[0].spec.params["varlen"]:
                 continue
-            d, n = delta[0], norm[0]
-            p, q = d.spec.params, n.spec.params
-            if p["varlen"] or p["norm"] or q["heads"] != p["v_heads"] or q["head_dim"] != p["v_dim"]:
+            d = own[0]
+            p = d.spec.params
+            conv = _conv_fold(prev.launches.get(mode, ()), d) if conv_ok else None
+            norm = _norm_fold(nxt.launches.get(mode, ()), d) if norm_ok else None
+            if conv is None and norm is None:
                 continue
-            if n.args[1] != d.args[0] or q["x_stride"] != p["out_stride"]:  # (norm x = the rule's out)
-                continue
-            threads = d.block[0]
             k = lk.delta_rule_kernel(p["k_heads"], p["v_heads"], p["k_dim"], p["v_dim"], p["qkv_stride"], p["b_stride"],
-                                     p["a_stride"], p["out_stride"], p["v_tiled"], False, threads,
-                                     norm=(q["z_stride"], q["out_stride"], float(q["eps"])))
+                                     p["a_stride"], p["out_stride"], p["v_tiled"], False, d.block[0],
+                                     norm=norm[0] if norm else None, conv=conv[0] if conv else 0)
             if k.block[:1] != tuple(d.block):
                 continue
-            ctx.need_scratch(ScratchPlan("delta_norm_count", fixed=4 * ctx.max_tokens * p["v_heads"], fill="zero"))
-            out_, _x, z, w, _rows = n.args
-            args = d.args[:-1] + (out_, z, w, Arg("scratch", "delta_norm_count"), d.args[-1])
-            prev.launches[mode] = (dataclasses.replace(d, spec=k.spec, args=args),)
-            st.launches[mode] = ()
+            args = d.args[:-1]
+            if conv:
+                ctx.need_scratch(ScratchPlan("delta_conv_count", fixed=4 * ctx.max_tokens * p["k_heads"], fill="zero"))
+                args += (*conv[1], Arg("scratch", "delta_conv_count"))
+                prev.launches[mode] = ()
+            if norm:
+                ctx.need_scratch(ScratchPlan("delta_norm_count", fixed=4 * ctx.max_tokens * p["v_heads"], fill="zero"))
+                args += (*norm[1], Arg("scratch", "delta_norm_count"))
+                nxt.launches[mode] = ()
+            st.launches[mode] = (dataclasses.replace(d, spec=k.spec, args=args + d.args[-1:]),)
+
+
+def _conv_fold(launches, d):
+    """(taps, (weight, state) args) of a decode causal_conv1d launch the delta rule ``d`` can take
+    in: in place on the q|k|v columns the rule reads, at its stride, over its channels; else None."""
+    if len(launches) != 1 or launches[0].spec.template != "causal_conv1d":
+        return None
+    c, p = launches[0], d.spec.params
+    q = c.spec.params
+    out_, x, w, state, sin, sout, snap, starts, _rows = c.args
+    channels = 2 * p["k_heads"] * p["k_dim"] + p["v_heads"] * p["v_dim"]
+    if q["varlen"] or out_ != x or x != d.args[1] or q["x_stride"] != p["qkv_stride"] or q["out_stride"] != p["qkv_stride"]:
+        return None
+    if q["channels"] != channels or (sin, sout, snap, starts) != d.args[7:11]:
+        return None
+    return int(q["kernel"]), (w, state)
+
+
+def _norm_fold(launches, d):
+    """((z_stride, out_stride, eps), (out, z, weight) args) of a decode gated_rmsnorm launch over
+    the delta rule ``d``'s output, heads and head size; else None."""
+    if len(launches) != 1 or launches[0].spec.template != "gated_rmsnorm":
+        return None
+    n, p = launches[0], d.spec.params
+    q = n.spec.params
+    if q["heads"] != p["v_heads"] or q["head_dim"] != p["v_dim"] or n.args[1] != d.args[0] or q["x_stride"] != p["out_stride"]:
+        return None
+    out_, _x, z, w, _rows = n.args
+    return (q["z_stride"], q["out_stride"], float(q["eps"])), (out_, z, w)
 
 
 def bind_split(op, ws, ins, dims, value_for):
