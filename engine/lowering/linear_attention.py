@@ -50,6 +50,11 @@ def _rows(mode: str) -> str:
     return "nseq" if mode == PREFILL else "n"
 
 
+def _trigger(ctx, mode: str) -> bool:
+    """Batch-1 decode's early pdl_trigger() (decode_graph.early_trigger, as the GEMVs: bit-neutral)."""
+    return mode == "decode1" and ctx.graph_knob("early_trigger")
+
+
 def _d(ctx, key: str) -> int:
     if key not in ctx.dims:
         raise ConfigError(f"plan: the hybrid ops need the dim {key!r}")
@@ -97,7 +102,8 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
         k = lk.delta_chunk_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, True, block=block)
     else:
         threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS
-        k = lk.delta_rule_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, mode == PREFILL, threads)
+        k = lk.delta_rule_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, mode == PREFILL, threads,
+                                 trigger=_trigger(ctx, mode))
     rows = _rows(mode)
     named = {
         "out": val(out),
@@ -166,7 +172,7 @@ def fold_delta_neighbours(ctx, steps, weights, values) -> None:
                 continue
             k = lk.delta_rule_kernel(p["k_heads"], p["v_heads"], p["k_dim"], p["v_dim"], p["qkv_stride"], p["b_stride"],
                                      p["a_stride"], p["out_stride"], p["v_tiled"], False, d.block[0],
-                                     norm=norm[0] if norm else None, conv=conv[0] if conv else 0)
+                                     norm=norm[0] if norm else None, conv=conv[0] if conv else 0, trigger=p["trigger"])
             if k.block[:1] != tuple(d.block):
                 continue
             args = d.args[:-1]
@@ -224,7 +230,7 @@ def lower_split(ctx, op, layer, mode, ins, outs, ws):
     a, b = outs
     if a.width % hd:
         raise ConfigError(f"plan: split_heads output width {a.width} is not a whole number of heads of {hd}")
-    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ELEMENTWISE_THREADS)
+    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ELEMENTWISE_THREADS, trigger=_trigger(ctx, mode))
     named = {"a": val(a), "b": val(b), "x": val(x), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 
@@ -235,7 +241,7 @@ def lower_sigmoid_mul(ctx, op, layer, mode, ins, outs, ws):
     out = outs[0]
     if g.width != x.width:
         raise ConfigError(f"plan: sigmoid_mul of {x.name} ({x.width}) by {g.name} ({g.width})")
-    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ELEMENTWISE_THREADS)
+    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ELEMENTWISE_THREADS, trigger=_trigger(ctx, mode))
     named = {"out": val(out), "x": val(x), "gate": val(g), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 
