@@ -8,6 +8,7 @@ the batched decode keeps moe_shared, prefill moe_shared, causal_conv1d and gated
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fixtures.checkpoints import mix_tensor_type
 
 from engine.graph import load_family
@@ -69,3 +70,18 @@ def test_shared_gate_reference_is_moe_experts_shared_term():
     routed = moe_experts(h, ids, wts, g, u, d, residual=res)
     got = shared_gate(h, swiglu_ffn(h, sh[0], sh[1], sh[2]), sh[3].reshape(1, -1), routed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_reads_the_shared_expert_whole_and_the_routed_ones_by_share():
+    """engine.runner_bench counts the stacked experts at top_k / E (the routed down too, though its
+    batch-1 launch runs in the shared_gate step) and the shared expert's matrices whole."""
+    from engine.runner_bench import expert_weight_keys, streamed_weight_bytes
+
+    plan = _plan()
+    assert expert_weight_keys(plan) == {f"L{i}.exp_{p}" for i in range(4) for p in ("gate", "up", "down")}
+    share = plan.dims["experts_used"] / plan.dims["experts"]
+    stacked = sum(w.nbytes for w in plan.weights if "exp_" in w.key)
+    rest = sum(w.nbytes for w in plan.weights if "exp_" not in w.key and w.key != "embed")
+    embed_row = plan.weight("embed").cols * 2
+    assert streamed_weight_bytes(plan, 1) == pytest.approx(rest + stacked * share + embed_row, abs=64)
+    assert any(w.key == "L0.sh_gate|sh_up" for w in plan.weights)
