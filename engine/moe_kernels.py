@@ -467,6 +467,10 @@ def moe_specs(
                 # (batch 1: the glu routes its token, the down reads its ids and weights)
                 route = (e, bool(dims.get("norm_topk_prob"))) if mode == "glu" else None
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res, trigger=True, route=route).spec)
+                sh = shared_kernel(hidden)
+                if mode == "down" and dims.get("shared_intermediate") and expert_q8_kernel(mode, q, n, k, top).block == sh.block:
+                    # (batch 1: the shared expert's gate and add folded in: engine.lowering.moe.shared_into_down)
+                    specs.append(expert_q8_kernel(mode, q, n, k, top, residual=True, trigger=True, shared=sh.block[0]).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
             if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
@@ -481,4 +485,6 @@ def moe_specs(
                 pass
     specs.append(sort_kernel(e, top, int(GEMM_DEFAULTS["tile_m"])).spec)
     specs.append(combine_kernel(hidden, top).spec)
+    if dims.get("shared_intermediate"):
+        specs.append(shared_kernel(hidden).spec)
     return list(dict.fromkeys(specs))
