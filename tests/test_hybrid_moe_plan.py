@@ -85,3 +85,34 @@ def test_bench_reads_the_shared_expert_whole_and_the_routed_ones_by_share():
     embed_row = plan.weight("embed").cols * 2
     assert streamed_weight_bytes(plan, 1) == pytest.approx(rest + stacked * share + embed_row, abs=64)
     assert any(w.key == "L0.sh_gate|sh_up" for w in plan.weights)
+
+
+def test_the_folded_moe_hybrid_binds_and_steps_on_the_fake_driver(tmp_path, monkeypatch):
+    """The tiny q4_k_m Qwen3.5-MoE GGUF of the GPU tests on CudaRunner over the fake driver: the
+    fused sh_gate|sh_up weight uploads, every folded launch binds (the delta rule's conv / norm
+    args and counters, the shared down's y / h / gate), and a prefill then batch-1 and batch-2
+    decode steps launch no causal_conv1d, gated_rmsnorm or (batch 1) moe_shared."""
+    from fixtures import hybrid_case as case
+    from fixtures.hybrid import write_random_hybrid_gguf
+    from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.types import StepItem
+
+    drv = FakeDriver()
+    monkeypatch.setattr(rc, "cuda", drv.module())
+    path = write_random_hybrid_gguf(tmp_path / "m.gguf", quant="q4_k_m", moe=case.GGUF_MOE, seed=case.SEED, **case.GGUF_DIMS)
+    runner = rc.CudaRunner(load_model(path), num_blocks=64, max_model_len=512, builder=fake_builder(tmp_path), state_slots=4)
+    runner.use_graphs = False
+    assert runner.plan.weight("L0.sh_gate|sh_up").parts == ("sh_gate", "sh_up")
+    runner.step([StepItem(0, list(range(3, 12)), 0, [0], True, GREEDY, state_slot=0)])
+    for rows in (1, 2):
+        drv.launches.clear()
+        items = [StepItem(i, [5], 9, [i], True, GREEDY, state_slot=i) for i in range(rows)]
+        runner.step(items)
+        names = [n.split("__")[0] for n, _, _ in drv.launches]
+        assert "gated_delta_rule" in names and not {"causal_conv1d", "gated_rmsnorm"} & set(names)
+        assert ("moe_shared" in names) is (rows > 1), names
+        assert sum(n.startswith("moe_gemv_q8_down") and "_sh1" in n for n, _, _ in drv.launches) == (
+            0 if rows > 1 else runner.plan.dims["layers"])
