@@ -29,8 +29,8 @@ def _run(k, grid, args, tmp_path, **kw):
     cuda_emu.launch_any(lib, types, grid, k.block[0], k.smem, args, **kw)
 
 
-@pytest.mark.parametrize("tiled", [False, True])
-def test_delta_rule_conv_and_norm_forms_store_the_kernels_bits(tmp_path, tiled):
+@pytest.mark.parametrize("tiled,conv_on,norm_on", [(False, True, True), (True, True, True), (False, True, False), (True, False, True)])
+def test_delta_rule_conv_and_norm_forms_store_the_kernels_bits(tmp_path, tiled, conv_on, norm_on):
     rng = np.random.default_rng(3)
     kh, vh, kd, vd, ck, eps, rows = 2, 4, 32, 64, 4, 1e-6, 3
     qkv_w = 2 * kh * kd + vh * vd
@@ -51,21 +51,25 @@ def test_delta_rule_conv_and_norm_forms_store_the_kernels_bits(tmp_path, tiled):
     conv = lk.conv1d_kernel(qkv_w, ck, qs, qs, False)
     plain = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, os_, tiled, False)
     norm = lk.gated_rmsnorm_kernel(vh, vd, os_, zs, os_, eps)
-    fused = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, os_, tiled, False, norm=(zs, os_, eps), conv=ck, trigger=True)
+    fused = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, os_, tiled, False, norm=(zs, os_, eps) if norm_on else None,
+                                 conv=ck if conv_on else 0, trigger=True)
     grid = plain.grid(rows)
     # apart
     x, out, st, cst = qkv.copy(), np.full((rows, os_), 0x7FC0, np.uint16), state0.copy(), cstate0.copy()
-    _run(conv, conv.grid(rows), [x, x, cw, cst, ins, outs, snap, starts, rows], tmp_path)
+    if conv_on:
+        _run(conv, conv.grid(rows), [x, x, cw, cst, ins, outs, snap, starts, rows], tmp_path)
     _run(plain, grid, [out, x, b, a, A, dt, st, ins, outs, snap, starts, rows], tmp_path)
-    _run(norm, norm.grid(rows), [out, out, z, w, rows], tmp_path)
+    if norm_on:
+        _run(norm, norm.grid(rows), [out, out, z, w, rows], tmp_path)
     want = (out, st, cst)
-    assert not (out == 0x7FC0).any() and not np.array_equal(cst, cstate0)
+    assert not (out == 0x7FC0).any() and np.array_equal(cst, cstate0) is not conv_on
     for blocks_reversed in (False, True):
         x, st, cst = qkv.copy(), state0.copy(), cstate0.copy()
         out = np.full((rows, os_), 0x7FC0, np.uint16)
         ccnt, cnt = np.zeros(rows * kh, np.int32), np.zeros(rows * vh, np.int32)
-        _run(fused, grid, [out, x, b, a, A, dt, st, ins, outs, snap, starts, cw, cst, ccnt, out, z, w, cnt, rows],
-             tmp_path, blocks_reversed=blocks_reversed)
+        args = [out, x, b, a, A, dt, st, ins, outs, snap, starts, *((cw, cst, ccnt) if conv_on else ()),
+                *((out, z, w, cnt) if norm_on else ()), rows]
+        _run(fused, grid, args, tmp_path, blocks_reversed=blocks_reversed)
         for got, exp in zip((out, st, cst), want, strict=True):
             assert np.array_equal(got, exp), blocks_reversed
         assert np.array_equal(x, qkv) and not ccnt.any() and not cnt.any()
