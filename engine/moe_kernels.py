@@ -329,16 +329,21 @@ def expert_q8_kernel(
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
-def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256) -> MoeKernel:
+def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256, shared: int = 0) -> MoeKernel:
     """moe_combine: out [rows, n] = the router-weighted sum of the f32 ``partial`` rows that
-    ``down_grouped`` wrote (+ residual, which may alias out)."""
+    ``down_grouped`` wrote (+ residual, which may alias out). ``shared`` (moe_shared's threads,
+    which must be ``threads``): the gated shared expert's add folded in (three more args, y, h,
+    gate, before rows; the bits moe_shared stores)."""
     if not 0 < top_k <= 32 or n < 1 or threads not in (64, 128, 256, 512, 1024):
         raise ConfigError(f"moe_combine: bad shape n={n} top_k={top_k} threads={threads}")
-    params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads}
-    name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {})}
+    if shared and shared != threads:
+        raise ConfigError(f"moe_combine: the shared expert's gate folds into a combine of {shared} threads, not {threads}")
+    params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads, "shared": bool(shared)}
+    name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {}), **({"sh": 1} if shared else {})}
     return MoeKernel(
         KernelSpec("moe_combine", entry_name("moe_combine", **name), params, pdl=True),
-        (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
+        (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
+         *((("y", "ptr"), ("h", "ptr"), ("gate", "ptr")) if shared else ()), ("rows", "i32")),
         lambda rows, **_: (-(-n // threads), rows, 1),
         (threads, 1, 1),
     )
@@ -485,6 +490,6 @@ def moe_specs(
                 pass
     specs.append(sort_kernel(e, top, int(GEMM_DEFAULTS["tile_m"])).spec)
     specs.append(combine_kernel(hidden, top).spec)
-    if dims.get("shared_intermediate"):
-        specs.append(shared_kernel(hidden).spec)
+    if dims.get("shared_intermediate"):  # (moe_shared, and folded into the batched decode's combine)
+        specs += [shared_kernel(hidden).spec, combine_kernel(hidden, top, shared=shared_kernel(hidden).block[0]).spec]
     return list(dict.fromkeys(specs))

@@ -3,8 +3,8 @@ the GPU proof is tests/gpu/test_hybrid_kernels.py and tests/gpu/test_moe_kernels
 ``conv`` and ``norm`` forms store the bits of causal_conv1d (in place), gated_delta_rule and
 gated_rmsnorm run apart (output, delta-rule state, conv state in the live slots, in place or not,
 and a snapshot), with the blocks in either order (the last block of a head / k head differs), and
-leave their counters at zero; moe_gemv_q8's ``shared`` down stores the bits of the plain down then
-moe_shared."""
+leave their counters at zero; moe_gemv_q8's ``shared`` down and moe_combine's ``shared`` form store
+the bits of the plain kernel then moe_shared."""
 
 from __future__ import annotations
 
@@ -96,4 +96,22 @@ def test_shared_down_stores_the_plain_down_then_moe_shareds_bits(tmp_path, quant
     _run(shared, shared.grid(rows), [want, y, h, gate, rows], tmp_path)
     got = res.copy()
     _run(fused, fused.grid(rows), [got, raw, act, ids, wts, got, y, h, gate, rows], tmp_path)
+    assert np.array_equal(got, want) and not np.array_equal(want, res)
+
+
+def test_shared_combine_stores_the_plain_combine_then_moe_shareds_bits(tmp_path):
+    rng = np.random.default_rng(6)
+    hidden, top_k, rows = 512, 3, 3
+    partial = rng.standard_normal((rows, top_k, hidden)).astype(np.float32)
+    wts = rng.uniform(0.1, 1.0, (rows, top_k)).astype(np.float32)
+    res = _bf16(rng.standard_normal((rows, hidden)))
+    y, h = _bf16(rng.standard_normal((rows, hidden))), _bf16(rng.standard_normal((rows, hidden)) * 0.5)
+    gate = (rng.standard_normal(hidden) * 0.05).astype(np.float32)
+    plain, shared = mk.combine_kernel(hidden, top_k), mk.shared_kernel(hidden)
+    fused = mk.combine_kernel(hidden, top_k, shared=256)
+    want = res.copy()
+    _run(plain, plain.grid(rows), [want, partial, wts, want, rows], tmp_path)
+    _run(shared, shared.grid(rows), [want, y, h, gate, rows], tmp_path)
+    got = res.copy()
+    _run(fused, fused.grid(rows), [got, partial, wts, got, y, h, gate, rows], tmp_path)
     assert np.array_equal(got, want) and not np.array_equal(want, res)

@@ -3,7 +3,8 @@ q4_k_m on the h100 profile runs 8 decode1 launches per Gated-DeltaNet layer and 
 attention layer (the shared expert as plain ops, its gate|up one GEMV, silu_mul folded into the down
 GEMV, moe_shared folded into the routed down: engine.lowering.moe.shared_into_down; the gated norm
 and the causal conv folded into the delta rule: engine.lowering.linear_attention.fold_delta_neighbours);
-the batched decode keeps moe_shared, prefill moe_shared, causal_conv1d and gated_rmsnorm; the shared_gate op's reference is moe_experts' shared term."""
+the batched decode's per-slot down and moe_combine take moe_shared in too; prefill keeps moe_shared,
+causal_conv1d and gated_rmsnorm; the shared_gate op's reference is moe_experts' shared term."""
 
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ def test_batch1_launches_per_layer_kind():
     assert [a.ref for a in down.args[6:9]] == ["sy", "h", "L0.sh_gate_inp"]
     glu_up = next(st for st in plan.steps if st.op.op == "linear" and st.layer == 0 and st.op.outputs == ("sg", "su"))
     assert plan.weight(glu_up.launches["decode1"][0].args[1].ref).parts == ("sh_gate", "sh_up")
-    # the batched decode and prefill: moe_shared and gated_rmsnorm launches of their own
-    for mode in ("decode", "prefill"):
-        assert "moe_shared" in _launches(plan, 0, mode)
+    # the batched decode: the per-slot down (up to 4 rows) and moe_combine (from 5) in their shared
+    # form in the shared_gate step; prefill keeps moe_shared, gated_rmsnorm and causal_conv1d
+    batched = [(la.spec.template, la.spec.params["shared"], la.min_rows, la.max_rows) for la in gate.launches["decode"]]
+    assert batched == [("moe_gemv_q8", True, 0, 4), ("moe_combine", True, 5, 0)], batched
+    assert "moe_shared" not in _launches(plan, 0, "decode") and "moe_shared" in _launches(plan, 0, "prefill")
     for name in ("gated_rmsnorm", "causal_conv1d"):
         assert name in _launches(plan, 0, "prefill") and name not in _launches(plan, 0, "decode")
 
@@ -91,7 +94,8 @@ def test_the_folded_moe_hybrid_binds_and_steps_on_the_fake_driver(tmp_path, monk
     """The tiny q4_k_m Qwen3.5-MoE GGUF of the GPU tests on CudaRunner over the fake driver: the
     fused sh_gate|sh_up weight uploads, every folded launch binds (the delta rule's conv / norm
     args and counters, the shared down's y / h / gate), and a prefill then batch-1 and batch-2
-    decode steps launch no causal_conv1d, gated_rmsnorm or (batch 1) moe_shared."""
+    decode steps of 1, 2 and 6 rows launch no causal_conv1d, gated_rmsnorm or moe_shared (the
+    per-slot down's and, at 6 rows, moe_combine's shared forms instead)."""
     from fixtures import hybrid_case as case
     from fixtures.hybrid import write_random_hybrid_gguf
     from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
@@ -107,12 +111,13 @@ def test_the_folded_moe_hybrid_binds_and_steps_on_the_fake_driver(tmp_path, monk
     runner.use_graphs = False
     assert runner.plan.weight("L0.sh_gate|sh_up").parts == ("sh_gate", "sh_up")
     runner.step([StepItem(0, list(range(3, 12)), 0, [0], True, GREEDY, state_slot=0)])
-    for rows in (1, 2):
+    layers = runner.plan.dims["layers"]
+    for rows in (1, 2, 6):
         drv.launches.clear()
-        items = [StepItem(i, [5], 9, [i], True, GREEDY, state_slot=i) for i in range(rows)]
+        items = [StepItem(i, [5], 9, [i], True, GREEDY, state_slot=i % 4) for i in range(rows)]
         runner.step(items)
         names = [n.split("__")[0] for n, _, _ in drv.launches]
-        assert "gated_delta_rule" in names and not {"causal_conv1d", "gated_rmsnorm"} & set(names)
-        assert ("moe_shared" in names) is (rows > 1), names
-        assert sum(n.startswith("moe_gemv_q8_down") and "_sh1" in n for n, _, _ in drv.launches) == (
-            0 if rows > 1 else runner.plan.dims["layers"])
+        assert "gated_delta_rule" in names and not {"causal_conv1d", "gated_rmsnorm", "moe_shared"} & set(names)
+        folded = [n.split("__")[0] for n, _, _ in drv.launches if "_sh1" in n]
+        kind = "moe_combine" if rows > 4 else "moe_gemv_q8_down"
+        assert len(folded) == layers and all(n.startswith(kind) for n in folded), folded

@@ -16,7 +16,9 @@ once for all its tokens; grid y min(E, n * top_k)) and moe_combine (the router-w
 average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the device, moe_gemm
 glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down
 and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
-GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). ``shared_gate``
+runs moe_shared for a shared expert the graph writes as plain ops; in decode passes the post-pass
+shared_into_down folds it into the routed down / moe_combine. Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 
@@ -157,37 +159,67 @@ def route_in_glu(ctx, steps, weights, values) -> None:
 
 @post_pass(13)
 def shared_into_down(ctx, steps, weights, values) -> None:
-    """Batch-1 decode: a shared_gate step (moe_shared) after the moe_experts step of its layer whose
-    last launch is moe_gemv_q8's down with the residual into the same value, no step between them
-    reading or writing that value: the down moves to the shared_gate step as its ``shared`` form
-    (moe_shared's gate and add in its epilogue, the same bits) and moe_shared's launch goes."""
+    """Decode passes: a shared_gate step (moe_shared) after the moe_experts step of its layer, no
+    step between them reading or writing its output: the launches that store the routed sum into
+    that value (moe_gemv_q8's per-slot down, moe_combine) move to the shared_gate step in their
+    ``shared`` form (moe_shared's gate and add in their epilogue, the same bits) and moe_shared's
+    launch goes, where the moved launches cover every row count of the pass (batch 1: the down;
+    batched: the per-slot down up to SLOT_ROWS rows, moe_combine above)."""
     for i, st in enumerate(steps):
-        gate = st.launches.get("decode1", ())
-        if st.op.op != "shared_gate" or len(gate) != 1 or gate[0].spec.template != "moe_shared":
+        if st.op.op != "shared_gate":
             continue
         j = next((j for j in range(i - 1, -1, -1) if steps[j].op.op == "moe_experts"), None)
         if j is None or steps[j].layer != st.layer:
             continue
         ex = steps[j]
-        routed = ex.launches.get("decode1", ())
-        if not routed or routed[-1].spec.template != "moe_gemv_q8":
-            continue
-        d, g = routed[-1], gate[0]
-        p = d.spec.params
-        if p["mode"] != "down" or not p["residual"] or p["shared"] or d.args[0] != g.args[0] or d.args[5] != g.args[0]:
-            continue
-        out = g.args[0].ref
-        between = steps[j + 1 : i]
-        if any(out in (*s.op.inputs, *s.op.outputs, s.op.attrs.get("residual")) for s in between):
-            continue
-        threads = int(g.spec.params["threads"])
+        for mode in ("decode1", "decode"):
+            gate = st.launches.get(mode, ())
+            if len(gate) != 1 or gate[0].spec.template != "moe_shared" or gate[0].min_rows or gate[0].max_rows:
+                continue
+            g = gate[0]
+            out = g.args[0]
+            if any(out.ref in (*s.op.inputs, *s.op.outputs, s.op.attrs.get("residual")) for s in steps[j + 1 : i]):
+                continue
+            threads = int(g.spec.params["threads"])
+            moved = {k: la for k, la in enumerate(ex.launches.get(mode, ())) if _shared_form(la, out, threads)}
+            spans = sorted((la.min_rows, la.max_rows) for la in moved.values())
+            if not spans or not _covers(spans):
+                continue
+            y, h, gw = g.args[1:4]
+            ex.launches[mode] = tuple(la for k, la in enumerate(ex.launches[mode]) if k not in moved)
+            st.launches[mode] = tuple(
+                dataclasses.replace(la, spec=_shared_form(la, out, threads), args=la.args[:-1] + (y, h, gw, la.args[-1]))
+                for la in moved.values()
+            )
+
+
+def _shared_form(la: Launch, out: Arg, threads: int):
+    """The ``shared`` form's spec of a launch that stores the routed sum plus the residual into
+    ``out`` (moe_gemv_q8 down, moe_combine) in blocks of moe_shared's ``threads``; else None."""
+    p = la.spec.params
+    if la.args[0] != out or la.args[-1] != ROWS:
+        return None
+    if la.spec.template == "moe_gemv_q8" and p["mode"] == "down" and p["residual"] and la.args[5] == out:
         if threads != 32 * int(p["warps"]):
-            continue
-        k = mk.expert_q8_kernel("down", p["quant"], p["n"], p["k"], p["top_k"], residual=True, trigger=p["trigger"],
-                                shared=threads, warps=p["warps"], rows_per_warp=p["rows_per_warp"], prefetch=p["prefetch"])
-        y, h, gw = g.args[1:4]
-        ex.launches["decode1"] = routed[:-1]
-        st.launches["decode1"] = (dataclasses.replace(d, spec=k.spec, args=d.args[:-1] + (y, h, gw, d.args[-1])),)
+            return None
+        return mk.expert_q8_kernel("down", p["quant"], p["n"], p["k"], p["top_k"], residual=True, trigger=p["trigger"],
+                                   shared=threads, warps=p["warps"], rows_per_warp=p["rows_per_warp"],
+                                   prefetch=p["prefetch"]).spec
+    if la.spec.template == "moe_combine" and p["residual"] and la.args[3] == out and int(p["threads"]) == threads:
+        return mk.combine_kernel(p["n"], p["top_k"], True, threads, shared=threads).spec
+    return None
+
+
+def _covers(spans: list[tuple[int, int]]) -> bool:
+    """Whether the (min_rows, max_rows) bounds (0: none), sorted, cover every row count from 1 up."""
+    nxt = 1
+    for lo, hi in spans:
+        if lo > nxt:
+            return False
+        if not hi:
+            return True
+        nxt = max(nxt, hi + 1)
+    return False
 
 
 def bind_experts(op, ws, ins, dims, value_for):

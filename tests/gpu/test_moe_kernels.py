@@ -561,3 +561,23 @@ def test_q8_down_with_the_shared_gate_folded_in_stores_moe_shareds_bits(gk, down
         gk.launch(fused, [got, wd, act, ids, w, got, y, h, gate, rows], rows)
         assert not np.isnan(gk.host(want)).any()
         np.testing.assert_array_equal(gk.host(got), gk.host(want))
+
+
+def test_combine_with_the_shared_gate_folded_in_stores_moe_shareds_bits(gk):
+    """moe_combine's ``shared`` form (the batched decode buckets: engine.lowering.moe.shared_into_down)
+    against the plain combine (+ residual in place) then moe_shared, Qwen3.6-35B-A3B's hidden 2048,
+    top 8, 5 rows: the same out bits."""
+    rng = np.random.default_rng()
+    hidden, top_k, rows = 2048, 8, 5
+    partial = gk.f32(rng.standard_normal((rows, top_k, hidden)))
+    w = gk.f32(rng.uniform(0.1, 1.0, (rows, top_k)))
+    res = bf_round(rng.standard_normal((rows, hidden)))
+    y, h = gk.bf(bf_round(rng.standard_normal((rows, hidden)))), gk.bf(bf_round(rng.standard_normal((rows, hidden)) * 0.5))
+    gate = gk.f32(rng.standard_normal(hidden) * 0.05)
+    want = gk.bf(res)
+    gk.launch(combine_kernel(hidden, top_k), [want, partial, w, want, rows], rows)
+    gk.launch(shared_kernel(hidden), [want, y, h, gate, rows], rows)
+    got = gk.bf(res)
+    gk.launch(combine_kernel(hidden, top_k, shared=256), [got, partial, w, got, y, h, gate, rows], rows)
+    assert not np.isnan(gk.host(want)).any()
+    np.testing.assert_array_equal(gk.host(got), gk.host(want))
