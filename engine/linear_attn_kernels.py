@@ -62,6 +62,11 @@ STATE_ARGS = (("state", "ptr"), ("state_in", "ptr"), ("state_out", "ptr"), ("sta
 # the arguments of both delta-rule kernels (gated_delta_rule and gated_delta_chunk take the same)
 DELTA_ARGS = (("out", "ptr"), ("qkv", "ptr"), ("b", "ptr"), ("a", "ptr"), ("A", "ptr"), ("dt_bias", "ptr"),
               *STATE_ARGS, ("rows", "i32"))
+# gated_delta_rule's fused forms add, before rows: the conv (``conv``: its weight, state, per-(row,
+# k head) counter), then the gated norm (``norm``: its output, z, weight, per-(row, v head) counter)
+CONV_ARGS = (("cw", "ptr"), ("cstate", "ptr"), ("ccnt", "ptr"))
+NORM_ARGS = (("nout", "ptr"), ("z", "ptr"), ("nw", "ptr"), ("cnt", "ptr"))
+DELTA_NORM_ARGS = (*DELTA_ARGS[:-1], *NORM_ARGS, DELTA_ARGS[-1])
 # gated_delta_chunk also reads each token's position (its chunks end at multiples of the chunk)
 CHUNK_ARGS = (*DELTA_ARGS[:-1], ("positions", "ptr"), ("rows", "i32"))
 
@@ -146,10 +151,18 @@ def delta_rule_kernel(
     v_tiled: bool,
     varlen: bool,
     max_threads: int = DELTA_DECODE_THREADS,
+    norm: tuple[int, int, float] | None = None,
+    conv: int = 0,
+    trigger: bool = False,
 ) -> HybridKernel:
     """gated_delta_rule: one block per (sequence, v head, slice of ``v_block`` state columns) with
     v_block * ksplit threads, thread (j, s) holding column j's rows s * k_dim/ksplit .. in
-    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs)."""
+    registers (the columns are independent: slicing them spreads a batch-1 step over more SMs).
+    ``norm`` (z_stride, nout_stride, eps), decode only: the gated_rmsnorm after it fused in (the
+    last block of each head applies it; args DELTA_NORM_ARGS, a zeroed int32 counter per (row, v head)).
+    ``conv`` (its taps), decode only: the causal_conv1d before it fused in (three more args after
+    seq_starts, CONV_ARGS: its weight, its state, a zeroed int32 counter per (row, k head)).
+    ``trigger``: pdl_trigger() once the first loads are out (batch 1, decode_graph.early_trigger)."""
     if v_heads % k_heads or k_dim % 32 and k_dim not in (8, 16) or v_dim < 1 or v_dim > 1024:
         raise ConfigError(f"gated_delta_rule: bad head shape k_heads={k_heads} v_heads={v_heads} k_dim={k_dim} v_dim={v_dim}")
     v_block = 32 if v_dim % 32 == 0 else v_dim
@@ -162,12 +175,28 @@ def delta_rule_kernel(
     _check_qkv_stride("gated_delta_rule", qkv_stride, k_heads, k_dim, v_heads, v_dim)
     params = {"k_heads": k_heads, "v_heads": v_heads, "k_dim": k_dim, "v_dim": v_dim, "v_block": v_block, "ksplit": ksplit,
               "qkv_stride": qkv_stride, "b_stride": b_stride, "a_stride": a_stride, "out_stride": out_stride,
-              "v_tiled": bool(v_tiled), "varlen": bool(varlen)}
+              "v_tiled": bool(v_tiled), "varlen": bool(varlen), "norm": norm is not None, "conv": int(conv),
+              "trigger": bool(trigger)}
+    extra = {}
+    if conv:
+        if varlen or not 2 <= conv <= 8:
+            raise ConfigError(f"gated_delta_rule: the fused conv is for decode, 2..8 taps (varlen {varlen}, taps {conv})")
+        extra["cv"] = int(conv)
+    if norm is not None:
+        if varlen:
+            raise ConfigError("gated_delta_rule: the fused gated norm is for decode (one token per sequence)")
+        z_stride, nout_stride, eps = norm
+        if z_stride < v_heads * v_dim or nout_stride < v_heads * v_dim:
+            raise ConfigError(f"gated_delta_rule: norm strides z {z_stride}, out {nout_stride} narrower than {v_heads} x {v_dim}")
+        params.update(z_stride=int(z_stride), nout_stride=int(nout_stride), eps=repr(float(eps)))
+        extra.update(zs=int(z_stride), ns=int(nout_stride), eps=repr(float(eps)))
+    if trigger:
+        extra["tr"] = 1
     name = entry_name("gated_delta_rule", kh=k_heads, vh=v_heads, kd=k_dim, vd=v_dim, qs=qkv_stride,
-                      bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen))
+                      bs=b_stride, as_=a_stride, os=out_stride, ti=int(v_tiled), vl=int(varlen), **extra)
     return HybridKernel(
         KernelSpec("gated_delta_rule", name, params, pdl=True),
-        DELTA_ARGS,
+        (*DELTA_ARGS[:-1], *(CONV_ARGS if conv else ()), *(NORM_ARGS if norm is not None else ()), DELTA_ARGS[-1]),
         lambda rows, **_: (rows, v_heads, v_dim // v_block),
         (threads, 1, 1),
     )
@@ -285,13 +314,17 @@ def gated_rmsnorm_kernel(
     )
 
 
-def split_heads_kernel(heads: int, head_dim: int, in_stride: int, a_stride: int, b_stride: int, threads: int = 256) -> HybridKernel:
-    """split_heads: x [T, heads * 2 * head_dim] (per head [a_h | b_h]) -> a, b [T, heads * head_dim]."""
+def split_heads_kernel(
+    heads: int, head_dim: int, in_stride: int, a_stride: int, b_stride: int, threads: int = 256, trigger: bool = False
+) -> HybridKernel:
+    """split_heads: x [T, heads * 2 * head_dim] (per head [a_h | b_h]) -> a, b [T, heads * head_dim];
+    ``trigger``: pdl_trigger() at once (batch 1)."""
     if heads < 1 or head_dim < 1 or not _threads_ok(threads):
         raise ConfigError(f"split_heads: bad shape heads={heads} head_dim={head_dim} threads={threads}")
     params = {"heads": heads, "head_dim": head_dim, "in_stride": in_stride, "a_stride": a_stride,
-              "b_stride": b_stride, "threads": threads}
-    name = entry_name("split_heads", h=heads, d=head_dim, xs=in_stride, as_=a_stride, bs=b_stride, t=threads)
+              "b_stride": b_stride, "threads": threads, "trigger": bool(trigger)}
+    name = entry_name("split_heads", h=heads, d=head_dim, xs=in_stride, as_=a_stride, bs=b_stride, t=threads,
+                      **({"tr": 1} if trigger else {}))
     n = heads * head_dim
     return HybridKernel(
         KernelSpec("split_heads", name, params, pdl=True),
@@ -301,12 +334,16 @@ def split_heads_kernel(heads: int, head_dim: int, in_stride: int, a_stride: int,
     )
 
 
-def sigmoid_mul_kernel(n: int, x_stride: int, g_stride: int, out_stride: int, threads: int = 256) -> HybridKernel:
-    """sigmoid_mul: out [T, n] = x * sigmoid(gate) (out may alias x)."""
+def sigmoid_mul_kernel(
+    n: int, x_stride: int, g_stride: int, out_stride: int, threads: int = 256, trigger: bool = False
+) -> HybridKernel:
+    """sigmoid_mul: out [T, n] = x * sigmoid(gate) (out may alias x); ``trigger``: pdl_trigger() at
+    once (batch 1)."""
     if n < 1 or not _threads_ok(threads):
         raise ConfigError(f"sigmoid_mul: bad shape n={n} threads={threads}")
-    params = {"n": n, "x_stride": x_stride, "g_stride": g_stride, "out_stride": out_stride, "threads": threads}
-    name = entry_name("sigmoid_mul", n=n, xs=x_stride, gs=g_stride, os=out_stride, t=threads)
+    params = {"n": n, "x_stride": x_stride, "g_stride": g_stride, "out_stride": out_stride, "threads": threads,
+              "trigger": bool(trigger)}
+    name = entry_name("sigmoid_mul", n=n, xs=x_stride, gs=g_stride, os=out_stride, t=threads, **({"tr": 1} if trigger else {}))
     return HybridKernel(
         KernelSpec("sigmoid_mul", name, params, pdl=True),
         (("out", "ptr"), ("x", "ptr"), ("gate", "ptr"), ("rows", "i32")),

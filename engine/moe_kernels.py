@@ -273,6 +273,7 @@ def expert_q8_kernel(
     residual: bool = False,
     trigger: bool = False,
     route: tuple[int, bool] | None = None,
+    shared: int = 0,
     **tuning: Any,
 ) -> MoeKernel:
     """moe_gemv_q8 ``mode`` ("glu" or "down", the same arguments and results as
@@ -280,7 +281,9 @@ def expert_q8_kernel(
     ``tuning`` (warps, rows_per_warp, prefetch) over Q8_TYPE_DEFAULTS and Q8_DEFAULTS[mode]. Grid (ceil(n / (warps *
     rows_per_warp)), rows * top_k (glu) or rows (down)). ``route`` ((experts, normalize); glu only): the
     kernel routes each token from the router's f32 logits itself (as moe_topk) and writes ids
-    and weights, two more args (weights, logits) after rows. Raises ConfigError where
+    and weights, two more args (weights, logits) after rows. ``shared`` (down only: moe_shared's
+    threads, which the block's must equal): the gated shared expert's add folded in (three more
+    args, y, h, gate, before rows; the bits moe_shared stores). Raises ConfigError where
     ``q8_supported`` is false or the block shape is bad."""
     if mode not in ("glu", "down"):
         raise ConfigError(f"moe_gemv_q8: mode {mode!r} must be glu or down")
@@ -299,10 +302,12 @@ def expert_q8_kernel(
         raise ConfigError("moe_gemv_q8: only the glu routes its token (route)")
     if route is not None and not top_k <= route[0] <= MAX_EXPERTS:
         raise ConfigError(f"moe_gemv_q8: routing in the kernel takes top_k..{MAX_EXPERTS} experts ({mode}, {route})")
+    if shared and (mode != "down" or shared != 32 * warps):
+        raise ConfigError(f"moe_gemv_q8: the shared expert's gate folds into a down of {shared} threads ({mode}, {32 * warps})")
     params = {"mode": mode, "quant": quant, "n": n, "k": k, "top_k": top_k, "warps": warps, "rows_per_warp": rpw,
-              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None}
+              "prefetch": pf, "residual": res, "trigger": bool(trigger), "route": route is not None, "shared": bool(shared)}
     name = {"n": n, "k": k, "top": top_k, "w": warps, "r": rpw, "pf": pf, **({"res": 1} if res else {}),
-            **({"tr": 1} if trigger else {})}
+            **({"sh": 1} if shared else {}), **({"tr": 1} if trigger else {})}
     if route is not None:
         params.update(experts=int(route[0]), normalize=bool(route[1]))
         name.update(route=f"e{int(route[0])}n{int(bool(route[1]))}")
@@ -320,20 +325,25 @@ def expert_q8_kernel(
         args += (("weights", "ptr"), ("logits", "ptr")) if route is not None else ()
     else:
         args = (("out", "ptr"), ("w", "ptr"), ("act", "ptr"), ("ids", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
-                ("rows", "i32"))
+                *((("y", "ptr"), ("h", "ptr"), ("gate", "ptr")) if shared else ()), ("rows", "i32"))
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
-def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256) -> MoeKernel:
+def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256, shared: int = 0) -> MoeKernel:
     """moe_combine: out [rows, n] = the router-weighted sum of the f32 ``partial`` rows that
-    ``down_grouped`` wrote (+ residual, which may alias out)."""
+    ``down_grouped`` wrote (+ residual, which may alias out). ``shared`` (moe_shared's threads,
+    which must be ``threads``): the gated shared expert's add folded in (three more args, y, h,
+    gate, before rows; the bits moe_shared stores)."""
     if not 0 < top_k <= 32 or n < 1 or threads not in (64, 128, 256, 512, 1024):
         raise ConfigError(f"moe_combine: bad shape n={n} top_k={top_k} threads={threads}")
-    params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads}
-    name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {})}
+    if shared and shared != threads:
+        raise ConfigError(f"moe_combine: the shared expert's gate folds into a combine of {shared} threads, not {threads}")
+    params = {"n": n, "top_k": top_k, "residual": bool(residual), "threads": threads, "shared": bool(shared)}
+    name = {"n": n, "top": top_k, "t": threads, **({"res": 1} if residual else {}), **({"sh": 1} if shared else {})}
     return MoeKernel(
         KernelSpec("moe_combine", entry_name("moe_combine", **name), params, pdl=True),
-        (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"), ("rows", "i32")),
+        (("out", "ptr"), ("partial", "ptr"), ("weights", "ptr"), ("residual", "ptr"),
+         *((("y", "ptr"), ("h", "ptr"), ("gate", "ptr")) if shared else ()), ("rows", "i32")),
         lambda rows, **_: (-(-n // threads), rows, 1),
         (threads, 1, 1),
     )
@@ -462,6 +472,10 @@ def moe_specs(
                 # (batch 1: the glu routes its token, the down reads its ids and weights)
                 route = (e, bool(dims.get("norm_topk_prob"))) if mode == "glu" else None
                 specs.append(expert_q8_kernel(mode, q, n, k, top, residual=res, trigger=True, route=route).spec)
+                sh = shared_kernel(hidden)
+                if mode == "down" and dims.get("shared_intermediate") and expert_q8_kernel(mode, q, n, k, top).block == sh.block:
+                    # (batch 1: the shared expert's gate and add folded in: engine.lowering.moe.shared_into_down)
+                    specs.append(expert_q8_kernel(mode, q, n, k, top, residual=True, trigger=True, shared=sh.block[0]).spec)
         for mode, n, k in (("glu_grouped", inter, hidden), ("down_grouped", hidden, inter)):
             specs.append(expert_gemv_kernel(mode, q, n, k, top, rows_per_block, experts=e, max_slots=max_slots).spec)
             if q8_supported(mode.split("_")[0], q, k, top):  # (beside moe_gemv_q8's per-slot kernels)
@@ -476,4 +490,6 @@ def moe_specs(
                 pass
     specs.append(sort_kernel(e, top, int(GEMM_DEFAULTS["tile_m"])).spec)
     specs.append(combine_kernel(hidden, top).spec)
+    if dims.get("shared_intermediate"):  # (moe_shared, and folded into the batched decode's combine)
+        specs += [shared_kernel(hidden).spec, combine_kernel(hidden, top, shared=shared_kernel(hidden).block[0]).spec]
     return list(dict.fromkeys(specs))

@@ -84,3 +84,14 @@ def moe_experts(
     if residual is not None:
         out += residual
     return out.astype(F32, copy=False)
+
+
+def shared_gate(h: np.ndarray, y: np.ndarray, gate_inp: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """``sigmoid(h[t] . gate_inp) * y[t]`` (+ ``residual[t]``): a shared expert's output ``y`` (its
+    SwiGLU run as plain linear / silu_mul ops) gated as ``moe_experts`` gates its ``shared`` term;
+    ``gate_inp`` [H] or [1, H]."""
+    h = np.asarray(h, dtype=F32)
+    out = np.asarray(y, dtype=F32) * sigmoid(h @ np.asarray(gate_inp, dtype=F32).reshape(-1))[:, None]
+    if residual is not None:
+        out = out + np.asarray(residual, dtype=F32)
+    return out.astype(F32, copy=False)

@@ -79,7 +79,15 @@ def test_every_hybrid_size_plans_on_every_profile():
         chunked = not combo.endswith("+recurrent")
         assert pre.spec.template == ("gated_delta_chunk" if chunked else "gated_delta_rule")
         # (the chunked kernel also reads positions; rows: nseq, n)
-        assert dec.spec.template == "gated_delta_rule" and tuple(a for a in pre.args if a.ref != "positions")[:-1] == dec.args[:-1]
+        base = len(lk.DELTA_ARGS) - 1  # (decode: the gated norm after it fused in, its four args before rows)
+        assert dec.spec.template == "gated_delta_rule" and tuple(a for a in pre.args if a.ref != "positions")[:-1] == dec.args[:base]
+        assert dec.spec.params["norm"] and dec.spec.params["conv"] == d["lin_conv_kernel"]
+        assert dec.args[base : base + 2] == (Arg("weight", "L0.la_conv"), Arg("state", "L0.causal_conv1d"))
+        assert dec.args[base + 5] == Arg("weight", "L0.la_norm")
+        at = plan.steps.index(step)
+        for st, name in ((plan.steps[at - 1], "causal_conv1d"), (plan.steps[at + 1], "gated_rmsnorm")):
+            assert st.op.op == name and not st.launches["decode"] and not st.launches["decode1"]
+            assert [la.spec.template for la in st.launches["prefill"]] == [name]
         if chunked:  # its chunks divide the KV block: the prefix cache's snapshots end chunks
             assert plan.block_size % pre.spec.params["chunk"] == 0 and Arg("input", "positions") in pre.args
         assert pre.smem <= lk.DELTA_CHUNK_SMEM and (pre.smem > 0) == chunked
@@ -121,6 +129,16 @@ def test_builders_check_their_inputs():
     assert lk.delta_chunk_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, True, block=32).spec.params["chunk"] == 32
     assert not lk.delta_chunk_fits(16, 32, 128, 128, block=8)  # no chunk divides it: the recurrent prefill
     assert lk.delta_chunk_kernel(2, 4, 16, 16, 256, 4, 4, 64, True, True).spec.params["chunk"] == 64
+    nk = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, False, norm=(12352, 4096, 1e-6))
+    assert nk.args == lk.DELTA_NORM_ARGS and nk.block == k.block and nk.spec.entry != k.spec.entry
+    with pytest.raises(ConfigError, match="decode"):
+        lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, norm=(12352, 4096, 1e-6))
+    ck = lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, False, norm=(12352, 4096, 1e-6), conv=4)
+    assert ck.args == (*k.args[:-1], *lk.CONV_ARGS, *lk.NORM_ARGS, k.args[-1])
+    with pytest.raises(ConfigError, match="fused conv"):
+        lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, True, conv=4)
+    with pytest.raises(ConfigError, match="norm strides"):
+        lk.delta_rule_kernel(16, 32, 128, 128, 12352, 32, 32, 4096, False, False, norm=(2048, 4096, 1e-6))
     c = lk.conv1d_kernel(8192, 4, 12352, 12352, False)
     assert c.grid(5) == (64, 5, 1) and [n for n, _ in c.args][-6:] == [
         "state", "state_in", "state_out", "state_snap", "seq_starts", "rows"]

@@ -20,6 +20,7 @@ from engine.moe_kernels import (
     combine_kernel,
     expert_gemm_kernel,
     expert_gemv_kernel,
+    expert_q8_kernel,
     gemm_max_tiles,
     moe_specs,
     q8round_kernel,
@@ -47,6 +48,9 @@ def _all_specs():
         specs.append(expert_gemv_kernel("down_grouped", q, 2048, 768, 8, experts=128, max_slots=256).spec)
     specs += [combine_kernel(2048, 8).spec, combine_kernel(64, 2, residual=False, threads=64).spec]
     specs += [shared_kernel(2048).spec, q8round_kernel(2048, 4608).spec, q8round_kernel(768, 768, row_mult=8).spec]
+    # (Qwen3.6-35B-A3B's batch-1 routed down with the shared expert's gate folded in)
+    specs += [expert_q8_kernel("down", q, 2048, 512, 8, residual=True, trigger=True, shared=256).spec for q in ("q4_k", "q6_k")]
+    specs.append(combine_kernel(2048, 8, shared=256).spec)
     specs += [sort_kernel(128, 8, 64).spec, sort_kernel(8, 2, 16, threads=256).spec]
     for q in GEMM_QUANTS:
         specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128).spec)
@@ -63,7 +67,12 @@ def test_every_moe_kernel_renders_and_waits_first():
     q8 = [s for s in moe_specs(d, ["q4_k", "q5_k", "q6_k"]) if s.template in ("moe_gemv_q8", "moe_router")]
     assert any(s.params.get("route") and s.params.get("mode") == "glu" for s in q8)
     assert not any(s.params.get("route") and s.params.get("mode") == "down" for s in q8)
-    for s in _all_specs() + q8:
+    d36 = dims_for_size("qwen3_5_moe", "qwen3.6-35b-a3b")
+    q36 = [s for s in moe_specs(d36, ["q4_k", "q6_k"]) if s.template in ("moe_gemv_q8", "moe_shared", "moe_combine")]
+    assert any(s.template == "moe_combine" and s.params["shared"] for s in q36)
+    assert {s.params["quant"] for s in q36 if s.template == "moe_gemv_q8" and s.params["shared"]} == {"q4_k", "q6_k"}
+    assert any(s.template == "moe_shared" for s in q36) and not any(s.params.get("shared") for s in q8)
+    for s in _all_specs() + q8 + q36:
         src = render(s)
         assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry
     down = render(expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True).spec)

@@ -68,8 +68,10 @@ def test_rows_by_draft_position_and_the_state_put_back(fake):
     # every stateful launch once per position group (2, 2, 1, then the last row with 2 padding rows)
     layers = sum(1 for sp in runner.plan.states if sp.name.endswith("gated_delta_rule"))
     delta = [g[0] for n, g, _ in drv.launches if n.startswith("gated_delta_rule")]
-    conv = [g[1] for n, g, _ in drv.launches if n.startswith("causal_conv1d")]
-    assert delta == [2, 2, 1, 3] * layers and conv == [2, 2, 1, 3] * layers
+    assert delta == [2, 2, 1, 3] * layers
+    # (a decode pass's conv runs inside the delta rule's launches: engine.lowering.linear_attention)
+    assert all("_cv" in n for n, _, _ in drv.launches if n.startswith("gated_delta_rule"))
+    assert not any(n.startswith(("causal_conv1d", "gated_rmsnorm")) for n, _, _ in drv.launches)
     argmax = [g for n, g, _ in drv.launches if n.startswith("argmax")]
     assert argmax == [(8, 1, 1)]  # one sampler over every row
     # a accepted everything (its live slot holds the state after its last token); b goes back to

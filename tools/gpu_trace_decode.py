@@ -1,7 +1,7 @@
 """A decode step's timeline, block by block, on the GPU machine.
 
     PYTHONPATH=. python tools/gpu_trace_decode.py --model /dev/shm/q4b_q4_k_m.gguf --out $OUT \
-        [--variant NAME='section.knob=value; ...'] [--batch 1] [--replays 3]
+        [--variant NAME='section.knob=value; ...'] [--without POST_PASS] [--batch 1] [--replays 3]
 
 Builds every kernel with the block timeline trace (MEMRA_TRACE=1: kernels/_common.cuh.j2 records,
 per block, its SM, start, pdl_wait return, a mark (the coop GEMV: x staged, or with wsm its tile
@@ -17,7 +17,9 @@ from the replay's first block start):
   on the main stream (the dependency's cost), ``body``: its last end minus its first wait return.
 
 and a summary per label (count, mean body / gap / span), the step's span, and the sum of the
-gaps. The trace adds a __syncthreads and a few timer reads per block, so its step is a little
+gaps. ``--without NAME`` (repeatable) adds a variant planned without that lowering post-pass
+(engine.lowering.registry.POST_PASSES: e.g. fold_delta_neighbours, shared_into_down), to measure
+what a fusion is worth on the same machine. The trace adds a __syncthreads and a few timer reads per block, so its step is a little
 slower than the untraced one (``--replays`` also prints both). Writes trace.txt and trace.json.
 Must not be imported by the engine.
 """
@@ -190,6 +192,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", "trace_out"))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC")
+    ap.add_argument("--without", action="append", default=[], metavar="POST_PASS",
+                    help="also trace a variant planned without this lowering post-pass")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--replays", type=int, default=3)
     args = ap.parse_args()
@@ -205,13 +209,25 @@ def main() -> int:
     base = select(cuda.detect_devices()[0])
     model = load_model(Path(args.model))
     results, texts = {}, []
-    for name, spec in [("default", "")] + [tuple(v.split("=", 1)) for v in args.variant]:
+    import engine.lowering  # noqa: F401  (every unit and post-pass registered)
+    from engine.lowering.registry import POST_PASSES
+
+    variants = [("default", "", "")] + [(*v.split("=", 1), "") for v in args.variant]
+    variants += [(f"without_{p}", "", p) for p in args.without]
+    for name, spec, without in variants:
         t0 = time.perf_counter()
+        saved = list(POST_PASSES)
         try:
+            if without:
+                if not any(fn.__name__ == without for _, fn in POST_PASSES):
+                    raise ValueError(f"no post-pass {without!r} (known: {', '.join(fn.__name__ for _, fn in POST_PASSES)})")
+                POST_PASSES[:] = [(o, fn) for o, fn in POST_PASSES if fn.__name__ != without]
             prof = with_tuning(base, spec) if spec.strip() else base
             res = trace_variant(cuda, model, prof, args.batch, args.replays, out / f"records_{name}.npz")
         except Exception as exc:  # one variant's failure must not lose the others
             res = {"error": f"{type(exc).__name__}: {exc}"[:400], "traced_graph_us": None, "records": 0, "wall_tok_s": None}
+        finally:
+            POST_PASSES[:] = saved
         results[name] = res
         texts.append(report(name, res))
         print(f"[{time.perf_counter() - t0:6.1f} s] {name}", flush=True)

@@ -6,16 +6,19 @@ gated_delta_chunk where the prefill form is "chunked" (the default; see
 engine.linear_attn_kernels.delta_prefill_form) and delta_chunk_fits the head shape with a chunk
 that divides the KV block size: its chunks end at absolute multiples of the chunk, so every
 prefix-cache snapshot ends one), ``gated_rmsnorm``, ``split_heads``, ``sigmoid_mul`` and
-``unpack_qkvz_ba``. Kernel specs and argument lists come from engine.linear_attn_kernels.
-Must not import CUDA or numpy.
+``unpack_qkvz_ba``. The post-pass ``fold_delta_neighbours`` folds a decode pass's causal_conv1d and
+gated_rmsnorm into the gated_delta_rule launch between them. Kernel specs and argument lists come from
+engine.linear_attn_kernels. Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine import linear_attn_kernels as lk
-from engine.ir import Arg, Launch, StatePlan, val, wgt
+from engine.ir import Arg, Launch, ScratchPlan, StatePlan, val, wgt
 from engine.kernel_catalog import ELEMENTWISE_THREADS
-from engine.lowering.registry import register, same_width
+from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
 
 PREFILL = "prefill"
@@ -45,6 +48,11 @@ def _state_args(name: str) -> dict[str, Arg]:
 def _rows(mode: str) -> str:
     """The stateful kernels run one block row per sequence: prefill's sequences, else decode rows."""
     return "nseq" if mode == PREFILL else "n"
+
+
+def _trigger(ctx, mode: str) -> bool:
+    """Batch-1 decode's early pdl_trigger() (decode_graph.early_trigger, as the GEMVs: bit-neutral)."""
+    return mode == "decode1" and ctx.graph_knob("early_trigger")
 
 
 def _d(ctx, key: str) -> int:
@@ -94,7 +102,8 @@ def lower_delta(ctx, op, layer, mode, ins, outs, ws):
         k = lk.delta_chunk_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, True, block=block)
     else:
         threads = lk.DELTA_PREFILL_THREADS if mode == PREFILL else lk.DELTA_DECODE_THREADS
-        k = lk.delta_rule_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, mode == PREFILL, threads)
+        k = lk.delta_rule_kernel(kh, vh, kd, vd, qkv.ld, b.ld, a.ld, out.ld, tiled, mode == PREFILL, threads,
+                                 trigger=_trigger(ctx, mode))
     rows = _rows(mode)
     named = {
         "out": val(out),
@@ -122,6 +131,91 @@ def lower_gated_rmsnorm(ctx, op, layer, mode, ins, outs, ws):
     return [_launch(k, "n", named)]
 
 
+DECODE_MODES = ("decode1", "decode")  # (wide decode buckets take the decode launches)
+
+
+def _readers(steps, i: int, name: str) -> list:
+    """The steps after steps[i] that read value ``name`` before a step writes it again."""
+    out = []
+    for st in steps[i + 1 :]:
+        if name in st.op.inputs or name == st.op.attrs.get("residual"):
+            out.append(st)
+        if name in st.op.outputs:
+            break
+    return out
+
+
+@post_pass(14)
+def fold_delta_neighbours(ctx, steps, weights, values) -> None:
+    """Decode passes: the gated_delta_rule launch takes in the causal_conv1d right before it (in
+    place on the q|k|v it alone reads) and the gated_rmsnorm right after it (of its output), each
+    one launch in its own step: the rule's ``conv`` and ``norm`` forms, which apply those kernels'
+    arithmetic to the same values (the same bits), two launches fewer per layer. Prefill keeps
+    all three."""
+    for i, st in enumerate(steps):
+        if st.op.op != "gated_delta_rule":
+            continue
+        prev, nxt = steps[i - 1] if i else None, steps[i + 1] if i + 1 < len(steps) else None
+        conv_ok = (prev is not None and prev.op.op == "causal_conv1d" and prev.layer == st.layer
+                   and prev.op.outputs[0] == st.op.inputs[0] and _readers(steps, i - 1, prev.op.outputs[0]) == [st])
+        norm_ok = (nxt is not None and nxt.op.op == "gated_rmsnorm" and nxt.layer == st.layer
+                   and nxt.op.inputs[0] == st.op.outputs[0])
+        for mode in DECODE_MODES:
+            own = st.launches.get(mode, ())
+            if len(own) != 1 or own[0].spec.template != "gated_delta_rule" or own[0].spec.params["varlen"]:
+                continue
+            d = own[0]
+            p = d.spec.params
+            conv = _conv_fold(prev.launches.get(mode, ()), d) if conv_ok else None
+            norm = _norm_fold(nxt.launches.get(mode, ()), d) if norm_ok else None
+            if conv is None and norm is None:
+                continue
+            k = lk.delta_rule_kernel(p["k_heads"], p["v_heads"], p["k_dim"], p["v_dim"], p["qkv_stride"], p["b_stride"],
+                                     p["a_stride"], p["out_stride"], p["v_tiled"], False, d.block[0],
+                                     norm=norm[0] if norm else None, conv=conv[0] if conv else 0, trigger=p["trigger"])
+            if k.block[:1] != tuple(d.block):
+                continue
+            args = d.args[:-1]
+            if conv:
+                ctx.need_scratch(ScratchPlan("delta_conv_count", fixed=4 * ctx.max_tokens * p["k_heads"], fill="zero"))
+                args += (*conv[1], Arg("scratch", "delta_conv_count"))
+                prev.launches[mode] = ()
+            if norm:
+                ctx.need_scratch(ScratchPlan("delta_norm_count", fixed=4 * ctx.max_tokens * p["v_heads"], fill="zero"))
+                args += (*norm[1], Arg("scratch", "delta_norm_count"))
+                nxt.launches[mode] = ()
+            st.launches[mode] = (dataclasses.replace(d, spec=k.spec, args=args + d.args[-1:]),)
+
+
+def _conv_fold(launches, d):
+    """(taps, (weight, state) args) of a decode causal_conv1d launch the delta rule ``d`` can take
+    in: in place on the q|k|v columns the rule reads, at its stride, over its channels; else None."""
+    if len(launches) != 1 or launches[0].spec.template != "causal_conv1d":
+        return None
+    c, p = launches[0], d.spec.params
+    q = c.spec.params
+    out_, x, w, state, sin, sout, snap, starts, _rows = c.args
+    channels = 2 * p["k_heads"] * p["k_dim"] + p["v_heads"] * p["v_dim"]
+    if q["varlen"] or out_ != x or x != d.args[1] or q["x_stride"] != p["qkv_stride"] or q["out_stride"] != p["qkv_stride"]:
+        return None
+    if q["channels"] != channels or (sin, sout, snap, starts) != d.args[7:11]:
+        return None
+    return int(q["kernel"]), (w, state)
+
+
+def _norm_fold(launches, d):
+    """((z_stride, out_stride, eps), (out, z, weight) args) of a decode gated_rmsnorm launch over
+    the delta rule ``d``'s output, heads and head size; else None."""
+    if len(launches) != 1 or launches[0].spec.template != "gated_rmsnorm":
+        return None
+    n, p = launches[0], d.spec.params
+    q = n.spec.params
+    if q["heads"] != p["v_heads"] or q["head_dim"] != p["v_dim"] or n.args[1] != d.args[0] or q["x_stride"] != p["out_stride"]:
+        return None
+    out_, _x, z, w, _rows = n.args
+    return (q["z_stride"], q["out_stride"], float(q["eps"])), (out_, z, w)
+
+
 def bind_split(op, ws, ins, dims, value_for):
     parts = len(op.outputs)
     if parts != 2 or ins[0].width % 2:
@@ -136,7 +230,7 @@ def lower_split(ctx, op, layer, mode, ins, outs, ws):
     a, b = outs
     if a.width % hd:
         raise ConfigError(f"plan: split_heads output width {a.width} is not a whole number of heads of {hd}")
-    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ELEMENTWISE_THREADS)
+    k = lk.split_heads_kernel(a.width // hd, hd, x.ld, a.ld, b.ld, ELEMENTWISE_THREADS, trigger=_trigger(ctx, mode))
     named = {"a": val(a), "b": val(b), "x": val(x), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 
@@ -147,7 +241,7 @@ def lower_sigmoid_mul(ctx, op, layer, mode, ins, outs, ws):
     out = outs[0]
     if g.width != x.width:
         raise ConfigError(f"plan: sigmoid_mul of {x.name} ({x.width}) by {g.name} ({g.width})")
-    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ELEMENTWISE_THREADS)
+    k = lk.sigmoid_mul_kernel(x.width, x.ld, g.ld, out.ld, ELEMENTWISE_THREADS, trigger=_trigger(ctx, mode))
     named = {"out": val(out), "x": val(x), "gate": val(g), "rows": Arg("shape", "n", "i32")}
     return [_launch(k, "n", named)]
 

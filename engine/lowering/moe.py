@@ -16,7 +16,9 @@ once for all its tokens; grid y min(E, n * top_k)) and moe_combine (the router-w
 average, the tensor-core grouped GEMM (moe_sort groups the pairs by expert on the device, moe_gemm
 glu and down per expert row tile) and moe_combine. A shared expert (seven weights: gate, up, down
 and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
-GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). Kernel specs and argument lists come from
+GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). ``shared_gate``
+runs moe_shared for a shared expert the graph writes as plain ops; in decode passes the post-pass
+shared_into_down folds it into the routed down / moe_combine. Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 
@@ -30,7 +32,7 @@ from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.kernel_catalog import ELEMENTWISE_THREADS
 from engine.lowering.gemv import gemv_launch
 from engine.lowering.linear import linear_gemm
-from engine.lowering.registry import post_pass, register
+from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
 
 RPB = 4  # warps (output rows) per block of the expert GEMVs
@@ -155,6 +157,71 @@ def route_in_glu(ctx, steps, weights, values) -> None:
         nxt.launches["decode1"] = (dataclasses.replace(g, spec=gk.spec, args=g.args + extra), *nxt.launches["decode1"][1:])
 
 
+@post_pass(13)
+def shared_into_down(ctx, steps, weights, values) -> None:
+    """Decode passes: a shared_gate step (moe_shared) after the moe_experts step of its layer, no
+    step between them reading or writing its output: the launches that store the routed sum into
+    that value (moe_gemv_q8's per-slot down, moe_combine) move to the shared_gate step in their
+    ``shared`` form (moe_shared's gate and add in their epilogue, the same bits) and moe_shared's
+    launch goes, where the moved launches cover every row count of the pass (batch 1: the down;
+    batched: the per-slot down up to SLOT_ROWS rows, moe_combine above)."""
+    for i, st in enumerate(steps):
+        if st.op.op != "shared_gate":
+            continue
+        j = next((j for j in range(i - 1, -1, -1) if steps[j].op.op == "moe_experts"), None)
+        if j is None or steps[j].layer != st.layer:
+            continue
+        ex = steps[j]
+        for mode in ("decode1", "decode"):
+            gate = st.launches.get(mode, ())
+            if len(gate) != 1 or gate[0].spec.template != "moe_shared" or gate[0].min_rows or gate[0].max_rows:
+                continue
+            g = gate[0]
+            out = g.args[0]
+            if any(out.ref in (*s.op.inputs, *s.op.outputs, s.op.attrs.get("residual")) for s in steps[j + 1 : i]):
+                continue
+            threads = int(g.spec.params["threads"])
+            moved = {k: la for k, la in enumerate(ex.launches.get(mode, ())) if _shared_form(la, out, threads)}
+            spans = sorted((la.min_rows, la.max_rows) for la in moved.values())
+            if not spans or not _covers(spans):
+                continue
+            y, h, gw = g.args[1:4]
+            ex.launches[mode] = tuple(la for k, la in enumerate(ex.launches[mode]) if k not in moved)
+            st.launches[mode] = tuple(
+                dataclasses.replace(la, spec=_shared_form(la, out, threads), args=la.args[:-1] + (y, h, gw, la.args[-1]))
+                for la in moved.values()
+            )
+
+
+def _shared_form(la: Launch, out: Arg, threads: int):
+    """The ``shared`` form's spec of a launch that stores the routed sum plus the residual into
+    ``out`` (moe_gemv_q8 down, moe_combine) in blocks of moe_shared's ``threads``; else None."""
+    p = la.spec.params
+    if la.args[0] != out or la.args[-1] != ROWS:
+        return None
+    if la.spec.template == "moe_gemv_q8" and p["mode"] == "down" and p["residual"] and la.args[5] == out:
+        if threads != 32 * int(p["warps"]):
+            return None
+        return mk.expert_q8_kernel("down", p["quant"], p["n"], p["k"], p["top_k"], residual=True, trigger=p["trigger"],
+                                   shared=threads, warps=p["warps"], rows_per_warp=p["rows_per_warp"],
+                                   prefetch=p["prefetch"]).spec
+    if la.spec.template == "moe_combine" and p["residual"] and la.args[3] == out and int(p["threads"]) == threads:
+        return mk.combine_kernel(p["n"], p["top_k"], True, threads, shared=threads).spec
+    return None
+
+
+def _covers(spans: list[tuple[int, int]]) -> bool:
+    """Whether the (min_rows, max_rows) bounds (0: none), sorted, cover every row count from 1 up."""
+    nxt = 1
+    for lo, hi in spans:
+        if lo > nxt:
+            return False
+        if not hi:
+            return True
+        nxt = max(nxt, hi + 1)
+    return False
+
+
 def bind_experts(op, ws, ins, dims, value_for):
     out = [value_for(op.outputs[0], ins[0].width)]
     if len(ws) == 7:  # the shared expert's gate, up, SwiGLU and down outputs
@@ -171,6 +238,23 @@ def lower_experts(ctx, op, layer, mode, ins, outs, ws):
     routed = routed_experts(ctx, op, mode, ins, outs[0], ws[:3])
     shared_mode = "decode" if mode == WIDE else mode  # (the shared expert's GEMVs as in batched decode)
     return routed + (shared_expert(ctx, layer, shared_mode, ins[0], outs, ws[3:]) if len(ws) == 7 else [])
+
+
+@register("shared_gate", bind=same_width, attrs=("residual",))
+def lower_shared_gate(ctx, op, layer, mode, ins, outs, ws):
+    """out += sigmoid(h . gate) * y in place (moe_shared): the graph's ``residual`` is its output."""
+    h, y = ins
+    out, gate = outs[0], ws[0]
+    if op.attrs.get("residual") != op.outputs[0]:
+        raise ConfigError(f"plan: shared_gate adds into its output in place: residual must be {op.outputs[0]!r}")
+    if y.width != h.width or out.width != h.width:
+        raise ConfigError(f"plan: shared_gate reads h of width {h.width}, y of {y.width}, writes {out.width}")
+    if gate.rows != 1 or gate.cols != h.width or gate.dtype != "f32":
+        raise ConfigError(f"plan: the shared expert gate {gate.key} must be an f32 vector of {h.width}")
+    if h.ld != h.width or y.ld != y.width or out.ld != out.width:
+        raise ConfigError("plan: shared_gate reads and writes unstrided rows (moe_shared)")
+    k = mk.shared_kernel(h.width)
+    return [Launch(k.spec, ("n",), k.block[:1], (val(out), val(y), val(h), wgt(gate), ROWS))]
 
 
 def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:

@@ -1,6 +1,8 @@
 """Mixture-of-experts ops: ``moe_router`` (top-k softmax routing) and ``moe_experts`` (the routed
-SwiGLU experts over stacked weights, with an optional sigmoid-gated shared expert), each an OpDef
-plus its numpy reference over ``engine.ops_ref_moe``. Must not import CUDA.
+SwiGLU experts over stacked weights, with an optional sigmoid-gated shared expert) and
+``shared_gate`` (a shared expert's sigmoid gate: the families whose graph runs the shared SwiGLU as
+plain linear / silu_mul ops), each an OpDef plus its numpy reference over ``engine.ops_ref_moe``.
+Must not import CUDA.
 
 The two ops are split where a GPU splits them: the router writes fixed-size ``[tokens, top_k]``
 expert ids and weights (device-side, no host synchronisation), the experts op reads them. Qwen3-MoE
@@ -38,6 +40,12 @@ def _moe_experts(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = ops_ref_moe.moe_experts(h, ids, weights, w[0], w[1], w[2], shared, res)
 
 
+def _shared_gate(s: RefStep, o, layer) -> None:
+    h, y = (s.env[n] for n in o.inputs)
+    res = s.env[o.attrs["residual"]] if "residual" in o.attrs else None
+    s.env[o.outputs[0]] = ops_ref_moe.shared_gate(h, y, s.weight(o.weights[0], layer), res)
+
+
 define(
     "moe_router",
     OpDef(
@@ -60,4 +68,9 @@ define(
         weight_counts=(3, 7),
     ),
     _moe_experts,
+)
+define(
+    "shared_gate",
+    OpDef(2, 1, (1, 1), {"residual": "value"}, doc="out = sigmoid(h . gate) * y (+ residual): a shared expert's gate"),
+    _shared_gate,
 )

@@ -127,6 +127,71 @@ def test_gated_delta_rule(kernels, varlen, lens, kh, vh, kd, vd, tiled, threads)
     assert rel_err(st, want_state) < 1e-4
 
 
+@pytest.mark.parametrize("conv,norm", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("rows,tiled,alias,heads", [(1, False, True, "q36"), (3, True, True, "q36"), (2, False, False, "q36"),
+                                                    (3, True, True, "tiny")])
+def test_gated_delta_rule_with_its_neighbours_fused_stores_their_bits(kernels, conv, norm, rows, tiled, alias, heads):
+    """The decode delta rule's ``conv`` and ``norm`` forms (engine.lowering.linear_attention.
+    fold_delta_neighbours) against causal_conv1d (in place), gated_delta_rule and gated_rmsnorm
+    apart, at Qwen3.6-35B-A3B's heads (a q / k conv channel read by 8 blocks) and the tiny GPU
+    models' (by 4): the same output, delta-rule state and conv state bits (live slots, in place or
+    not, and snapshots), twice in a row (the per-(row, head) counters back to zero after each launch)."""
+    rng = np.random.default_rng()
+    kh, vh, kd, vd = (16, 32, 128, 128) if heads == "q36" else (2, 4, 32, 64)
+    ck, eps = 4, 1e-6
+    qkv_w = 2 * kh * kd + vh * vd
+    qs, bs, zs, os_ = qkv_w + 8, vh + 4, vh * vd + 32, vh * vd
+    qkv = rng.standard_normal((rows, qs)).astype(np.float32)
+    b, a = (rng.standard_normal((rows, bs)).astype(np.float32) for _ in range(2))
+    A = -np.exp(rng.uniform(-2, 1.5, vh)).astype(np.float32)
+    dt = (0.5 * rng.standard_normal(vh)).astype(np.float32)
+    z = rng.standard_normal((rows, zs)).astype(np.float32)
+    w = (1 + 0.2 * rng.standard_normal(vd)).astype(np.float32)
+    cw = (0.5 * rng.standard_normal((qkv_w, ck))).astype(np.float32)
+    state0 = (rng.standard_normal((SLOTS, vh, kd, vd)) * 0.1).astype(np.float32)
+    cstate0 = rng.standard_normal((SLOTS, qkv_w, ck - 1)).astype(np.float32)
+    ins, outs = _state_io(rng, rows)
+    snap = _snaps(rng, rows, outs, ins)
+    starts, _ = _seqs([1] * rows)
+    io = dict(state_in=upload(ins, "i32"), state_out=upload(outs, "i32"), state_snap=upload(snap, "i32"),
+              seq_starts=upload(starts, "i32"), rows=rows)
+    common = dict(b=upload(b, "bf16"), a=upload(a, "bf16"), A=upload(A, "f32"), dt_bias=upload(dt, "f32"), **io)
+    dz, dw, dcw = upload(z, "bf16"), upload(w, "f32"), upload(cw, "f32")
+    conv_k = lk.conv1d_kernel(qkv_w, ck, qs, qs, False)
+    plain = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, os_, tiled, False)
+    norm_k = lk.gated_rmsnorm_kernel(vh, vd, os_, zs, os_, eps)
+    fused = lk.delta_rule_kernel(kh, vh, kd, vd, qs, bs, bs, os_, tiled, False, norm=(zs, os_, eps) if norm else None,
+                                 conv=ck if conv else 0)
+    assert fused.block == plain.block and fused.grid(rows) == plain.grid(rows)
+    # apart: conv (in place on qkv) if fused, the rule, the norm (in place) if fused
+    dqkv, dout, dstate, dcstate = upload(qkv, "bf16"), poisoned((rows, os_)), upload(state0, "f32"), upload(cstate0, "f32")
+    if conv:
+        kernels.launch(conv_k, rows, out=dqkv, x=dqkv, w=dcw, state=dcstate, **io)
+    kernels.launch(plain, rows, out=dout, qkv=dqkv, state=dstate, **common)
+    raw = dout.get()
+    if norm:
+        kernels.launch(norm_k, rows, out=dout, x=dout, z=dz, w=dw, rows=rows)
+    want, want_state, want_cstate = dout.get(), dstate.get(), dcstate.get()
+    assert np.isfinite(want).all()
+    if norm:
+        np.testing.assert_allclose(want, L.gated_rmsnorm(raw, bf_round(z[:, : vh * vd]), w, eps, vd), rtol=2e-2, atol=2e-2)
+    ccnt, cnt = upload(np.zeros(rows * kh, np.int32), "i32"), upload(np.zeros(rows * vh, np.int32), "i32")
+    for _ in range(2):
+        dqkv, dout, dstate, dcstate = upload(qkv, "bf16"), poisoned((rows, os_)), upload(state0, "f32"), upload(cstate0, "f32")
+        nout = dout if alias else poisoned((rows, os_))
+        extra = dict(cw=dcw, cstate=dcstate, ccnt=ccnt) if conv else {}
+        if norm:
+            extra.update(nout=nout, z=dz, nw=dw, cnt=cnt)
+        kernels.launch(fused, rows, out=dout, qkv=dqkv, state=dstate, **common, **extra)
+        assert np.array_equal((nout if norm else dout).get(), want) and np.array_equal(dstate.get(), want_state)
+        assert np.array_equal(dcstate.get(), want_cstate)
+        if norm and not alias:
+            assert np.array_equal(dout.get(), raw)  # (the rule's own output left as stored)
+        if conv:
+            assert np.array_equal(dqkv.get(), bf_round(qkv))  # (the raw projections left as they were)
+        assert not ccnt.get().any() and not cnt.get().any()
+
+
 def test_gated_rmsnorm(kernels):
     rng = np.random.default_rng()
     t, heads, hd = 5, 4, 64

@@ -532,3 +532,52 @@ def test_shared_expert_gate_and_add(gk):
     gk.launch(shared_kernel(hidden), [out, gk.bf(y), gk.bf(x), gk.f32(gate), rows], rows)
     want = base + y / (1 + np.exp(-(x @ gate.astype(np.float64))))[:, None]
     assert rel_err(gk.host(out), want) < 1e-2
+
+
+@pytest.mark.parametrize("down_q", ["q4_k", "q6_k"])
+def test_q8_down_with_the_shared_gate_folded_in_stores_moe_shareds_bits(gk, down_q):
+    """Batch 1 as engine.lowering.moe.shared_into_down plans it (Qwen3.6-35B-A3B: hidden 2048,
+    moe_intermediate 512, top 8; 16 experts here): moe_gemv_q8 down in its ``shared`` form against
+    the plain down (+ residual in place) then moe_shared: the same out bits, for 1 and 3 rows."""
+    rng = np.random.default_rng()
+    e, hidden, inter, top_k = 16, 2048, 512, 8
+    wd_raw, _ = stacked_weight(down_q, e, hidden, inter, rng)
+    wd = gk.raw(wd_raw)
+    plain = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True)
+    fused = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True, shared=256)
+    shared = shared_kernel(hidden)
+    assert fused.block == plain.block == shared.block and fused.spec.entry != plain.spec.entry
+    for rows in (1, 3):
+        ids = gk.i32(_ids(rng, rows, e, top_k))
+        act = gk.bf(bf_round(rng.standard_normal((rows, top_k, inter))))
+        w = gk.f32(rng.uniform(0.1, 1.0, (rows, top_k)))
+        res = bf_round(rng.standard_normal((rows, hidden)))
+        y, h = gk.bf(bf_round(rng.standard_normal((rows, hidden)))), gk.bf(bf_round(rng.standard_normal((rows, hidden)) * 0.5))
+        gate = gk.f32(rng.standard_normal(hidden) * 0.05)
+        want = gk.bf(res)
+        gk.launch(plain, [want, wd, act, ids, w, want, rows], rows)
+        gk.launch(shared, [want, y, h, gate, rows], rows)
+        got = gk.bf(res)
+        gk.launch(fused, [got, wd, act, ids, w, got, y, h, gate, rows], rows)
+        assert not np.isnan(gk.host(want)).any()
+        np.testing.assert_array_equal(gk.host(got), gk.host(want))
+
+
+def test_combine_with_the_shared_gate_folded_in_stores_moe_shareds_bits(gk):
+    """moe_combine's ``shared`` form (the batched decode buckets: engine.lowering.moe.shared_into_down)
+    against the plain combine (+ residual in place) then moe_shared, Qwen3.6-35B-A3B's hidden 2048,
+    top 8, 5 rows: the same out bits."""
+    rng = np.random.default_rng()
+    hidden, top_k, rows = 2048, 8, 5
+    partial = gk.f32(rng.standard_normal((rows, top_k, hidden)))
+    w = gk.f32(rng.uniform(0.1, 1.0, (rows, top_k)))
+    res = bf_round(rng.standard_normal((rows, hidden)))
+    y, h = gk.bf(bf_round(rng.standard_normal((rows, hidden)))), gk.bf(bf_round(rng.standard_normal((rows, hidden)) * 0.5))
+    gate = gk.f32(rng.standard_normal(hidden) * 0.05)
+    want = gk.bf(res)
+    gk.launch(combine_kernel(hidden, top_k), [want, partial, w, want, rows], rows)
+    gk.launch(shared_kernel(hidden), [want, y, h, gate, rows], rows)
+    got = gk.bf(res)
+    gk.launch(combine_kernel(hidden, top_k, shared=256), [got, partial, w, got, y, h, gate, rows], rows)
+    assert not np.isnan(gk.host(want)).any()
+    np.testing.assert_array_equal(gk.host(got), gk.host(want))
