@@ -25,14 +25,16 @@ log = logging.getLogger("memra.bench")
 
 
 def expert_weight_keys(plan: Any) -> set[str]:
-    """The plan weights the moe_experts steps read (the stacked expert matrices)."""
+    """The plan weights of the moe_experts steps' stacked expert matrices (their first three
+    weights: a seven-weight step's shared expert is dense, read whole every step; and a launch
+    may run in a later step: engine.lowering.moe.shared_into_down)."""
+    keys = {w.key for w in getattr(plan, "weights", ())}
     return {
-        a.ref
+        f"L{st.layer}.{name}"
         for st in getattr(plan, "steps", ())
         if st.op.op == "moe_experts"
-        for la in st.launches.get("decode1", ())
-        for a in la.args
-        if a.kind == "weight"
+        for name in st.op.weights[:3]
+        if f"L{st.layer}.{name}" in keys
     }
 
 
