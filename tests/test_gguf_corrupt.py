@@ -84,3 +84,42 @@ def test_truncated_in_metadata_names_the_field(tmp_path):
     at = data.index(b"llama.block_count")
     assert "'llama.block_count'" in _error(p, data[: at + len(b"llama.block_count") + 2])  # value cut
     assert "metadata field #2" in _error(p, data[: at + 10])  # the key itself cut: its index
+
+
+def _write_arrays(path: Path) -> bytes:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["a", "bé", "", "<|x|>", "ü" * 40])
+    w.add_array("tokenizer.ggml.token_type", [1, 2, 3, 1, 6])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3.0, 0.0, 7.5])
+    w.add_array("empty.strings", [])
+    w.add_array("nested", [[1, 2], [3]])
+    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
+    # engine.weights.gguf_reader parses arrays without gguf's per-element views: the same contents
+    # and types as gguf.GGUFReader for strings, numbers, an empty and a nested array
+    p = tmp_path / "arr.gguf"
+    _write_arrays(p)
+    ref = gguf.GGUFReader(str(p), "r")
+    src = GGUFSource(p)
+    for key, field in ref.fields.items():
+        if not key.startswith("GGUF."):
+            assert src.metadata[key] == field.contents(), key
+    assert src.metadata["tokenizer.ggml.tokens"] == ["a", "bé", "", "<|x|>", "ü" * 40]
+    assert src.metadata["tokenizer.ggml.token_type"] == [1, 2, 3, 1, 6]
+
+
+def test_corrupt_string_in_an_array_names_the_field(tmp_path):
+    p = tmp_path / "arr2.gguf"
+    data = bytearray(_write_arrays(p))
+    at = data.index("ü".encode() * 40) - 8  # the last token's u64 length
+    assert struct.unpack_from("<Q", data, at)[0] == 80
+    struct.pack_into("<Q", data, at, 2**40)
+    msg = _error(p, bytes(data))
+    assert "'tokenizer.ggml.tokens'" in msg and "string #4" in msg

@@ -168,6 +168,13 @@ def test_shared_expert_lowering(tmp_path, monkeypatch):
         assert last.args[:4] == (Arg("value", "x"), Arg("value", "x.shared_out"), Arg("value", "h"), Arg("weight", "L0.sh_gate_inp"))
         assert plan.weight("L0.sh_gate_inp").dtype == "f32" and plan.values["x.shared_act"].width == 128
         assert all(s.layer != 1 for s in plan.steps if s.op.op == "moe_experts")
+        # the bench's active-expert bytes: the three stacked expert matrices, not the shared
+        # expert (dense, read whole every step)
+        from engine.runner_bench import expert_weight_keys
+
+        keys = expert_weight_keys(plan)
+        assert "L0.exp_gate" in keys and "L0.exp_down" in keys, keys
+        assert not any(".sh_" in k for k in keys), keys
 
 
 def test_bench_counts_the_bytes_and_flops_a_moe_step_uses():

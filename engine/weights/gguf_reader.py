@@ -8,6 +8,7 @@ Must not import CUDA or engine modules beyond engine.weights.source/engine.stora
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ def split_files(path: Path) -> list[Path]:
     if missing:
         raise MemraError(f"{path}: split GGUF is missing shard(s) {', '.join(missing)} in {path.parent}")
     return files
+
+
+_U64 = struct.Struct("<Q")
+_ARRAY = 9  # gguf.GGUFValueType.ARRAY
+_SCALAR_OR_STRING = frozenset((0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12))  # GGUFValueType values but ARRAY
 
 
 class _Corrupt(Exception):
@@ -61,6 +67,43 @@ def _checked_reader_class() -> type:
             if n > 65536:
                 raise _Corrupt(f"{what}: name length {n} is corrupt")
             return bytes(self._get(offs + 8, np.uint8, n)).decode("utf-8", "replace")
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            # an array (a tokenizer's vocabulary, merges, token types: ~450k elements) read without
+            # gguf's per-element numpy memmap views (seconds of a server's start): numbers as one
+            # view, strings as slices of one memoryview of the map; the field's contents() is the
+            # same list
+            if int(raw_type) != _ARRAY or self.byte_order == "S":
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            sub = gguf.GGUFValueType(int(itype[0])) if int(itype[0]) in _SCALAR_OR_STRING else None
+            nptype = self.gguf_scalar_to_np.get(sub) if sub is not None else None
+            if nptype is not None:  # numbers (token types, scores): one view of them all, not one each
+                vals = self._get(orig_offs + 12, nptype, int(alen[0]))
+                n = len(vals)
+                return 12 + int(vals.nbytes), [itype, alen, vals], [2] if n else [], [gguf.GGUFValueType.ARRAY] + ([sub] if n else [])
+            if sub != gguf.GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            buf = memoryview(self.data).cast("B")
+            size = len(buf)
+            parts: list[Any] = [itype, alen]
+            idxs: list[int] = []
+            offs = orig_offs + 12
+            for i in range(int(alen[0])):
+                if offs + 8 > size:
+                    raise _Corrupt(f"{self._where}: string #{i} needs bytes {offs}..{offs + 8} but the file has {size}")
+                end = offs + 8 + _U64.unpack_from(buf, offs)[0]
+                if end > size:
+                    raise _Corrupt(
+                        f"{self._where}: string #{i} needs bytes {offs + 8}..{end} but the file has {size} "
+                        "(a length is corrupt, or the file is truncated)"
+                    )
+                parts += (buf[offs : offs + 8], buf[offs + 8 : end])
+                idxs.append(len(parts) - 1)
+                offs = end
+            types = [gguf.GGUFValueType.ARRAY] + ([gguf.GGUFValueType.STRING] if idxs else [])
+            return offs - orig_offs, parts, idxs, types
 
         def _build_fields(self, offs, count):
             for i in range(int(count)):
