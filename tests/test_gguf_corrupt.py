@@ -13,11 +13,15 @@ from engine.types import MemraError
 from engine.weights.gguf_reader import GGUFSource
 
 
-def _write(path: Path) -> bytes:
+def _write(path: Path, metadata=None) -> bytes:
+    """A tiny GGUF: the default metadata and two tensors, or ``metadata(writer)`` and one tensor."""
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_string("general.name", "tiny")
-    w.add_uint32("llama.block_count", 1)
-    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    if metadata is None:
+        w.add_string("general.name", "tiny")
+        w.add_uint32("llama.block_count", 1)
+        w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    else:
+        metadata(w)
     w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -86,26 +90,19 @@ def test_truncated_in_metadata_names_the_field(tmp_path):
     assert "metadata field #2" in _error(p, data[: at + 10])  # the key itself cut: its index
 
 
-def _write_arrays(path: Path) -> bytes:
-    w = gguf.GGUFWriter(str(path), "llama")
+def _arrays(w) -> None:
     w.add_array("tokenizer.ggml.tokens", ["a", "bé", "", "<|x|>", "ü" * 40])
     w.add_array("tokenizer.ggml.token_type", [1, 2, 3, 1, 6])
     w.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3.0, 0.0, 7.5])
     w.add_array("empty.strings", [])
     w.add_array("nested", [[1, 2], [3]])
-    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path.read_bytes()
 
 
 def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
     # engine.weights.gguf_reader parses arrays without gguf's per-element views: the same contents
     # and types as gguf.GGUFReader for strings, numbers, an empty and a nested array
     p = tmp_path / "arr.gguf"
-    _write_arrays(p)
+    _write(p, _arrays)
     ref = gguf.GGUFReader(str(p), "r")
     src = GGUFSource(p)
     for key, field in ref.fields.items():
@@ -117,7 +114,7 @@ def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
 
 def test_corrupt_string_in_an_array_names_the_field(tmp_path):
     p = tmp_path / "arr2.gguf"
-    data = bytearray(_write_arrays(p))
+    data = bytearray(_write(p, _arrays))
     at = data.index("ü".encode() * 40) - 8  # the last token's u64 length
     assert struct.unpack_from("<Q", data, at)[0] == 80
     struct.pack_into("<Q", data, at, 2**40)

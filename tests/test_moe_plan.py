@@ -146,6 +146,7 @@ def test_shared_expert_lowering(tmp_path, monkeypatch):
     from test_moe_load import SHARED_FAMILY
 
     from engine import paths
+    from engine.runner_bench import expert_weight_keys
 
     root = tmp_path / "models"
     shutil.copytree(paths.models_dir(), root)
@@ -170,8 +171,6 @@ def test_shared_expert_lowering(tmp_path, monkeypatch):
         assert all(s.layer != 1 for s in plan.steps if s.op.op == "moe_experts")
         # the bench's active-expert bytes: the three stacked expert matrices, not the shared
         # expert (dense, read whole every step)
-        from engine.runner_bench import expert_weight_keys
-
         keys = expert_weight_keys(plan)
         assert "L0.exp_gate" in keys and "L0.exp_down" in keys, keys
         assert not any(".sh_" in k for k in keys), keys

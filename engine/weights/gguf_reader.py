@@ -36,8 +36,6 @@ def split_files(path: Path) -> list[Path]:
 
 
 _U64 = struct.Struct("<Q")
-_ARRAY = 9  # gguf.GGUFValueType.ARRAY
-_SCALAR_OR_STRING = frozenset((0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12))  # GGUFValueType values but ARRAY
 
 
 class _Corrupt(Exception):
@@ -73,17 +71,20 @@ def _checked_reader_class() -> type:
             # gguf's per-element numpy memmap views (seconds of a server's start): numbers as one
             # view, strings as slices of one memoryview of the map; the field's contents() is the
             # same list
-            if int(raw_type) != _ARRAY or self.byte_order == "S":
+            vt = gguf.GGUFValueType
+            if int(raw_type) != vt.ARRAY or self.byte_order == "S":
                 return super()._get_field_parts(orig_offs, raw_type)
             itype = self._get(orig_offs, np.uint32)
             alen = self._get(orig_offs + 4, np.uint64)
-            sub = gguf.GGUFValueType(int(itype[0])) if int(itype[0]) in _SCALAR_OR_STRING else None
-            nptype = self.gguf_scalar_to_np.get(sub) if sub is not None else None
+            if int(itype[0]) not in {v.value for v in vt}:  # gguf's own error for an unknown type
+                return super()._get_field_parts(orig_offs, raw_type)
+            sub = vt(int(itype[0]))
+            nptype = self.gguf_scalar_to_np.get(sub)
             if nptype is not None:  # numbers (token types, scores): one view of them all, not one each
                 vals = self._get(orig_offs + 12, nptype, int(alen[0]))
                 n = len(vals)
-                return 12 + int(vals.nbytes), [itype, alen, vals], [2] if n else [], [gguf.GGUFValueType.ARRAY] + ([sub] if n else [])
-            if sub != gguf.GGUFValueType.STRING:
+                return 12 + int(vals.nbytes), [itype, alen, vals], [2] if n else [], [vt.ARRAY] + ([sub] if n else [])
+            if sub != vt.STRING:  # (an array of arrays)
                 return super()._get_field_parts(orig_offs, raw_type)
             buf = memoryview(self.data).cast("B")
             size = len(buf)
@@ -102,7 +103,7 @@ def _checked_reader_class() -> type:
                 parts += (buf[offs : offs + 8], buf[offs + 8 : end])
                 idxs.append(len(parts) - 1)
                 offs = end
-            types = [gguf.GGUFValueType.ARRAY] + ([gguf.GGUFValueType.STRING] if idxs else [])
+            types = [vt.ARRAY] + ([vt.STRING] if idxs else [])
             return offs - orig_offs, parts, idxs, types
 
         def _build_fields(self, offs, count):
