@@ -49,12 +49,11 @@ def _full_dims(dims: Mapping[str, Any]) -> dict[str, Any]:
     d.setdefault("head_dim", d["hidden"] // d["heads"])
     d.setdefault("q_dim", d["heads"] * d["head_dim"])
     d.setdefault("kv_dim", d["kv_heads"] * d["head_dim"])
-    d.setdefault("rope_dim", d["head_dim"])
     d.setdefault("rms_eps", 1e-5)
     d.setdefault("rope_theta", 10000.0)
     d.setdefault("rope_scaling", None)
     d.setdefault("tie_embeddings", False)
-    if d.get("rope_dim") in (None, 0):
+    if d.get("rope_dim") in (None, 0):  # (missing, or null in the config)
         d["rope_dim"] = d["head_dim"]
     return d
 
