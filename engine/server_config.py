@@ -269,10 +269,6 @@ def add_key(
     return key, entry
 
 
-def list_keys(path: str | os.PathLike) -> list[ApiKey]:
-    return read_keys(path)
-
-
 def revoke_key(path: str | os.PathLike, key_id: str) -> ApiKey:
     """Remove the entry whose id (or sha256) is ``key_id``; raises ConfigError when none matches."""
     keys = read_keys(path)
