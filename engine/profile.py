@@ -81,7 +81,6 @@ class DeviceProfile:
     compute_capability: str
     name_patterns: tuple[str, ...]
     generic: bool
-    description: str
     sm_count: int
     memory_bandwidth_gbs: float
     tensor_tflops_bf16: float
@@ -123,7 +122,7 @@ def load_profile(path: Path, _chain: tuple[str, ...] = ()) -> DeviceProfile:
             f"{path}: tuning.gemm_wgmma.enabled: wgmma and setmaxnreg exist on sm_90a only, "
             f"but arch is {data['arch']}"
         )
-    same = ("name", "arch", "generic", "description", "sm_count", "kv_block_size", "prefill_chunk_tokens",
+    same = ("name", "arch", "generic", "sm_count", "kv_block_size", "prefill_chunk_tokens",
             "max_running", "programmatic_launch", "base")  # fmt: skip
     return DeviceProfile(
         path=path,
