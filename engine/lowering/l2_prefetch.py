@@ -1,8 +1,8 @@
 """Lowering post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches (tuning
-attention_decode.l2_prefetch_o and decode_graph.o_prefetch_next_kb, inside the o window: docs/kernels.md,
-"The o window" and the `l2_pf` option before it). Each pass sets a kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges)
-and appends the weights it names to the launch's args as pointer args pf0, pf1 ... Must not import
-CUDA or numpy.
+attention_decode.l2_prefetch_o and decode_graph.o_prefetch_next_kb, inside the o window:
+docs/kernels.md, "The o window" and the ``l2_pf`` option before it). Each pass sets a kernel's
+``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the weights it names to the launch's
+args as pointer args pf0, pf1 ... Must not import CUDA or numpy.
 """
 
 from __future__ import annotations
