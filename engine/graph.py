@@ -91,7 +91,6 @@ class MtpGraph:
 class ModelGraph:
     family: str
     path: Path
-    description: str
     hf_architectures: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
     dims: dict[str, DimSpec]
@@ -474,7 +473,6 @@ def _load_family(name: str, root: str) -> ModelGraph:
     return ModelGraph(
         family=raw["family"],
         path=file,
-        description=raw["description"],
         hf_architectures=tuple(raw["matches"]["hf_architectures"]),
         gguf_architectures=tuple(raw["matches"]["gguf_architectures"]),
         dims=dims,

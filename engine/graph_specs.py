@@ -136,16 +136,11 @@ def parse_dims(raw: dict, file: Path) -> dict[str, DimSpec]:
             name=name,
             hf=hf_keys[0] if hf_keys else None,
             hf_alternatives=tuple(hf_keys[1:]),
-            gguf_default=spec.get("gguf_default"),
             has_gguf_default="gguf_default" in spec,
-            gguf=spec.get("gguf"),
-            default=spec.get("default"),
             has_default="default" in spec,
             type=spec["type"],
-            expr=spec.get("expr"),
             from_tensor=(ft[0], ft[1]) if ft else None,
-            gguf_from_missing=spec.get("gguf_from_missing"),
-            pattern=spec.get("pattern"),
+            **{k: spec.get(k) for k in ("gguf", "default", "gguf_default", "expr", "gguf_from_missing", "pattern")},
         )
     for name, d in dims.items():
         if d.pattern and d.pattern["interval"] not in dims:
@@ -171,16 +166,13 @@ def parse_tensors(raw: dict, file: Path, dims: dict) -> dict[str, TensorSpec]:
             raise fail(file, f"{where}.layers", f"{spec['layers']!r} is not a dim of this family")
         tensors[name] = TensorSpec(
             name=name,
-            hf=spec.get("hf"),
-            gguf=spec.get("gguf"),
             kind=spec["kind"],
             shape=tuple(spec["shape"]) if spec.get("shape") else None,
-            tied_to=spec.get("tied_to"),
             optional=spec["optional"],
             transform=dict(spec.get("transform") or {}),
             shapes={"gguf": tuple(spec["shape_gguf"])} if spec.get("shape_gguf") else {},
             layers=spec.get("layers", "layers"),
-            stack=spec.get("stack"),
+            **{k: spec.get(k) for k in ("hf", "gguf", "tied_to", "stack")},
         )
         if spec.get("stack") is not None:
             if spec["stack"] not in dims:

@@ -306,27 +306,3 @@ def wgt(weight: WeightPlan) -> Arg:
 
 NULL = Arg("const", 0, "ptr")
 ROWS = Arg("shape", "n", "i32")
-
-
-def describe(plan: Plan) -> str:
-    """A stable text rendering (golden tests, `memra plan`): weights, buffers, steps, kernels."""
-    lines = [
-        f"plan {plan.family} {plan.quant} on {plan.profile}: max_tokens={plan.max_tokens} block={plan.block_size}"
-        + (f" wide_rows={plan.wide_rows}" if plan.wide_rows else "")
-        + (f" b1_rows={plan.b1_rows}" if plan.b1_rows else "")
-    ]
-    for w in plan.weights:
-        lines.append(f"weight {w.key} {w.dtype} [{w.rows}, {w.cols}] {w.nbytes} B")
-    for b in plan.buffers:
-        lines.append(f"buffer {b.name} {b.dtype} x{b.width}")
-    for s in plan.steps:
-        where = f"L{s.layer}" if s.layer is not None else ("head" if s.head else "pre")
-        for mode in MODES + ((WIDE,) if plan.wide_rows else ()):
-            names = ",".join(launch.spec.entry for launch in s.launches.get(mode, ()))
-            lines.append(f"step {where} {s.op.op} {mode}: {names}")
-    for st in plan.states:
-        lines.append(f"state {st.name} {st.slot_bytes} B/slot")
-    for kind, launches in plan.sampling.items():
-        lines.append(f"sampling {kind}: {','.join(launch.spec.entry for launch in launches)}")
-    return "\n".join(lines)
-

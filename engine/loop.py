@@ -139,9 +139,9 @@ class Engine(OverlapLoop):
         self._thread: threading.Thread | None = None
         self._live: dict[str, Sequence] = {}  # engine thread only
         self._cancel_at: float | None = None
-        self._n = dict.fromkeys(
-            ("steps", "step_failures", "prompt", "generated", "finished", "aborted", "errors"), 0
-        )
+        # EngineStats' counters, by their field names
+        self._n = dict.fromkeys(("steps", "step_failures", "prompt_tokens_total", "generated_tokens_total",
+                                 "finished", "aborted", "errors"), 0)  # fmt: skip
 
     # ----- public API -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -248,14 +248,8 @@ class Engine(OverlapLoop):
                 prefix_query_tokens=c.prefix_query_tokens,
                 prefix_hit_tokens=c.prefix_hit_tokens,
                 prefix_evictions=b.evictions,
-                steps=self._n["steps"],
-                step_failures=self._n["step_failures"],
-                prompt_tokens_total=self._n["prompt"],
-                generated_tokens_total=self._n["generated"],
                 preemptions=c.preemptions,
-                finished=self._n["finished"],
-                aborted=self._n["aborted"],
-                errors=self._n["errors"],
+                **self._n,
                 healthy=self.healthy,
                 draining=self._draining,
                 state_slots_total=b.state_slots,
@@ -354,7 +348,7 @@ class Engine(OverlapLoop):
                 if kind == "submit":
                     self._take_submit(payload)
                     self.scheduler.add(payload)
-                    self._n["prompt"] += payload.prompt_len
+                    self._n["prompt_tokens_total"] += payload.prompt_len
                 elif kind == "abort":
                     seq = self._live.get(payload)
                     if seq is not None:
@@ -472,7 +466,7 @@ class Engine(OverlapLoop):
         constraint = seq.request.constraint
         for token in tokens:  # stop at the first token that ends the request; drop the rest
             seq.token_ids.append(token)
-            self._n["generated"] += 1
+            self._n["generated_tokens_total"] += 1
             if constraint is not None:
                 constraint.advance(token)
             text, reason = st.stop.push(token)

@@ -1,23 +1,12 @@
 """Overlapped decode steps for the engine loop (``EngineConfig.overlap``): while the runner runs
-decode step n, the engine thread schedules step n+1 and queues it, so the device never waits for
-the host between decode steps.
+decode step n, the engine thread schedules step n+1 and queues it (its input tokens step n's
+sampled ids, still on the device: ``StepItem.prev_row``), then reads step n's tokens.
 
-Step n's sampled ids stay on the device and are step n+1's input tokens (``StepItem.prev_row``);
-the host reads them one step later, then appends, detokenises, checks stops and streams them as a
-synchronous step would. A request that stopped at step n (EOS, a stop string, an abort) has had one
-more position run at step n+1: that row's token is dropped, and its KV went to the request's own
-uncommitted tail block (a block is committed only once every position in it is below
-``num_computed``), freed with the rest of its blocks; a later step that gets the block runs after
-n+1 on the runner's one stream. A request that reaches ``max_tokens`` or the context at step n is
-left out of step n+1 (its end is known ahead), so no step runs past its limits.
-
-Only a batch of plain decode rows overlaps: every running sequence is a decode row sampled without
-a constraint, logit bias, logprobs or penalties, and the runner's ``can_launch`` accepts the items.
-Anything else (a prefill chunk, a request that may be admitted now, a block that cannot be grown,
-speculative decoding, a hybrid or sliding-window model) first collects the step in flight and
-then runs synchronously, so greedy and seeded output is the same with the
-overlap on or off. ``OverlapLoop`` is a base class of engine.loop.Engine; must not import
-engine.loop, numpy or CUDA.
+Only a batch of plain decode rows overlaps; anything else collects the step in flight and runs
+synchronously, and a request that stopped at step n has its step n+1 row dropped, so greedy and
+seeded output is the same with the overlap on or off (docs/engine-loop.md, "Overlapped decode
+steps"). ``OverlapLoop`` is a base class of engine.loop.Engine; must not import engine.loop, numpy
+or CUDA.
 """
 
 from __future__ import annotations

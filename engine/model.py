@@ -232,13 +232,9 @@ def dims_for_size(family: str, size: str) -> dict[str, Any]:
         raise ConfigError(f"{graph.path}: sizes: no size {size!r}; available: {', '.join(graph.sizes)}")
     meta = dict(graph.sizes[size])
     # sizes use dim names directly: present them as an "hf" config keyed by each dim's hf field
-    fake = {}
-    for name, value in meta.items():
-        d = graph.dims[name]
-        fake[d.hf or name] = value
-    spec_graph = graph
-    dims = resolve_dims(spec_graph, "hf", fake, f"{graph.path}: sizes.{size}")
-    dims.update({k: v for k, v in meta.items()})
+    fake = {graph.dims[name].hf or name: value for name, value in meta.items()}
+    dims = resolve_dims(graph, "hf", fake, f"{graph.path}: sizes.{size}")
+    dims.update(meta)
     return dims
 
 

@@ -50,12 +50,11 @@ def _full_dims(dims: Mapping[str, Any]) -> dict[str, Any]:
     d.setdefault("head_dim", d["hidden"] // d["heads"])
     d.setdefault("q_dim", d["heads"] * d["head_dim"])
     d.setdefault("kv_dim", d["kv_heads"] * d["head_dim"])
-    d.setdefault("rope_dim", d["head_dim"])
     d.setdefault("rms_eps", 1e-5)
     d.setdefault("rope_theta", 10000.0)
     d.setdefault("rope_scaling", None)
     d.setdefault("tie_embeddings", False)
-    if d.get("rope_dim") in (None, 0):
+    if d.get("rope_dim") in (None, 0):  # (missing, or null in the config)
         d["rope_dim"] = d["head_dim"]
     return d
 
@@ -94,16 +93,13 @@ def build_plan(
     profile: DeviceProfile,
     tensor_dtypes: Mapping[str, str] | None = None,
     rope_style: str = "neox",
-    prefill_linear: str = "gemm",
     delta_prefill: str = "",
 ) -> Plan:
     """Lower ``graph`` for ``profile``.
 
     ``tensor_dtypes`` maps ``"<tensor key>@<layer>"`` (or ``"<tensor key>"`` for all layers) to the
     storage type read from a file; without it each tensor takes its combo's first allowed type and
-    vectors are f32. ``prefill_linear``:
-    "gemm" (tensor cores; quantised weights dequantised to a bf16 scratch first) or "gemv" (the
-    decode kernel over row groups; slower, a fallback). ``delta_prefill``: the hybrids' gated delta
+    vectors are f32. ``delta_prefill``: the hybrids' gated delta
     rule in prefill, "recurrent" or "chunked" ("": engine.linear_attn_kernels.DELTA_PREFILL_DEFAULT). The graph's ``inputs`` (activation values
     it reads but no op writes, {name: width expression}) get values of their own buffers: the
     runner writes their rows before a pass (the MTP head's ``eh``, engine.spec.mtp_cuda). Raises
@@ -112,7 +108,7 @@ def build_plan(
     d = _full_dims(dims)
     chunk = profile.prefill_chunk_tokens
     max_tokens = max(chunk, max(profile.cuda_graph_batch_sizes))
-    lowerer = Lowerer(profile, d, rope_style, max_tokens, prefill_linear, delta_prefill)
+    lowerer = Lowerer(profile, d, rope_style, max_tokens, delta_prefill)
     ops = graph.ops()
     last_layer_index = max((i for i, (_, per) in enumerate(ops) if per), default=-1)
 

@@ -81,7 +81,6 @@ class DeviceProfile:
     compute_capability: str
     name_patterns: tuple[str, ...]
     generic: bool
-    description: str
     sm_count: int
     memory_bandwidth_gbs: float
     tensor_tflops_bf16: float
@@ -123,25 +122,16 @@ def load_profile(path: Path, _chain: tuple[str, ...] = ()) -> DeviceProfile:
             f"{path}: tuning.gemm_wgmma.enabled: wgmma and setmaxnreg exist on sm_90a only, "
             f"but arch is {data['arch']}"
         )
+    same = ("name", "arch", "generic", "sm_count", "kv_block_size", "prefill_chunk_tokens",
+            "max_running", "programmatic_launch", "base")  # fmt: skip
     return DeviceProfile(
-        name=data["name"],
         path=path,
-        arch=data["arch"],
         compute_capability=data["match"]["compute_capability"],
         name_patterns=tuple(data["match"]["names"]),
-        generic=data["generic"],
-        description=data["description"],
-        sm_count=data["sm_count"],
-        memory_bandwidth_gbs=float(data["memory_bandwidth_gbs"]),
-        tensor_tflops_bf16=float(data["tensor_tflops_bf16"]),
-        kv_memory_fraction=float(data["kv_memory_fraction"]),
-        kv_block_size=data["kv_block_size"],
-        prefill_chunk_tokens=data["prefill_chunk_tokens"],
-        max_running=data["max_running"],
         cuda_graph_batch_sizes=tuple(sizes),
         tuning=tuning,
-        programmatic_launch=data["programmatic_launch"],
-        base=data["base"],
+        **{k: data[k] for k in same},
+        **{k: float(data[k]) for k in ("memory_bandwidth_gbs", "tensor_tflops_bf16", "kv_memory_fraction")},
     )
 
 

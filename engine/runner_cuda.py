@@ -1,16 +1,11 @@
 """CudaRunner: executes a Plan on one GPU over a paged bf16 KV cache; decode is CUDA-graph replay.
 
-Weights are uploaded as the plan says (fused q|k|v and gate|up, raw GGUF blocks, bf16 as bf16,
-norm vectors as f32). One activation arena holds every plan buffer for the largest step; the KV
-cache takes ``profile.kv_memory_fraction`` of the memory left after that. A step runs its prefill
-items eagerly (one chunk at a time, the head on the last row only; one sequence's 1..block_size
-tokens, a prefix hit's tail, replay a graph captured at build), then the decode rows through
-the CUDA graph of the smallest batch bucket that holds them (padded rows write to a reserved sink
-block). A decode step is one graph launch that copies the packed inputs in and the sampled ids out
-(an overlapped one is queued without the wait, its input ids the last one's: engine.runner_overlap).
-Logit bias, constraint masks and logprobs are computed on the device (engine.logit_prep packs them
-beside the inputs; a masked or penalised step uploads its entries with a second copy); steps with
-more logprobs rows, penalty or bias entries than the buffers hold sample them on the host.
+Weights are uploaded as the plan says; one activation arena holds every plan buffer for the largest
+step and the KV cache takes ``profile.kv_memory_fraction`` of the memory left. A step runs its
+prefill items eagerly (a prefix hit's tail replays a graph captured at build), then the decode rows
+through the graph of the smallest batch bucket that holds them (padded rows write to a sink
+block); logit bias, constraint masks and logprobs are computed on the device where the buffers
+hold them, else on the host (docs/cuda-runtime.md, "engine/runner_cuda.py").
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """CudaRunner's overlapped decode steps (engine.types.OverlapRunner, engine.loop_overlap): ``launch``
 queues a decode step on the runner's stream and returns at once; ``collect`` waits for it.
 
-A launched step: the packed inputs go up (one H2D from the pinned block), the rows whose input token
-the previous launch sampled (``StepItem.prev_row``) get it by device-to-device copies from that
-launch's ids (one copy per run of consecutive rows), an event marks the pinned inputs as read, the
-bucket's decode graph runs (the one without copies of its own, the same kernels as a synchronous
-step's, so the same bits), and the sampled ids are copied on the device for the next launch and to
-one of two pinned output slots, then an event marks the step done. Before writing the pinned inputs
-of the next launch the host waits for the "inputs read" event of the last one (the previous step's
-kernels run meanwhile). Only decode rows whose next token needs nothing from the host launch:
-greedy or plain sampling, no penalties, logit bias, constraint mask or logprobs, no recurrent state,
-no hidden-state tap. ``OverlapLaunch`` is a base class of CudaRunner, which passes in the
-engine.cuda module it drives; must not import CUDA (neither cuda-python nor engine.cuda).
+A launched step runs the bucket's decode graph without io copies (the same kernels as a synchronous
+step's, so the same bits); rows with ``StepItem.prev_row`` take their input token from the previous
+launch's ids on the device, and the host rewrites the pinned inputs only after the last launch's
+"inputs read" event (docs/cuda-runtime.md). Only decode rows whose next token needs nothing from the
+host launch. ``OverlapLaunch`` is a base class of CudaRunner, which passes in the engine.cuda module
+it drives; must not import CUDA (neither cuda-python nor engine.cuda).
 """
 
 from __future__ import annotations

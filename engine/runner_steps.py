@@ -32,6 +32,9 @@ _STATE_ROWS = frozenset(("state_in", "state_out", "state_snap"))  # per-row stat
 _CLEARED = object()  # _row_sampling: the row holds the padding rows' neutral sampling fields
 GROUPINGS_KEPT = 32  # hybrid verify passes' row groupings kept bound / captured (LRU)
 PREFILL_SHAPES_KEPT = 64  # bound prefill passes kept (LRU), by (tokens, sequences, longest chunk)
+# a row's sampling inputs, and their values in padding rows (greedy, no filters, no penalties)
+_SAMPLING_VIEWS = ("temperature", "top_p", "top_k", "min_p", "seeds", "presence", "frequency", "repetition")
+_NEUTRAL_SAMPLING = (0.0, 1.0, 0, 0.0, 0, 0.0, 0.0, 1.0)
 
 
 def is_decode_row(it: StepItem) -> bool:
@@ -293,35 +296,24 @@ class StepLogic:
         )
 
     def _fill_sampling(self, row: int, it: StepItem) -> None:
-        v = self._views
         s = it.sampling
-        v["counters"][row] = it.num_generated
-        if self._row_sampling[row] is s:  # the same (frozen) params as this row's last write
-            return
-        self._row_sampling[row] = s
-        v["temperature"][row] = s.temperature
-        v["top_p"][row] = s.top_p
-        v["top_k"][row] = s.top_k
-        v["min_p"][row] = s.min_p
-        v["seeds"][row] = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
-        v["presence"][row] = s.presence_penalty
-        v["frequency"][row] = s.frequency_penalty
-        v["repetition"][row] = s.repetition_penalty
+        self._views["counters"][row] = it.num_generated
+        if self._row_sampling[row] is not s:  # else the same (frozen) params as this row's last write
+            self._row_sampling[row] = s
+            seed = (s.seed or 0) & 0xFFFFFFFFFFFFFFFF
+            fields = (s.temperature, s.top_p, s.top_k, s.min_p, seed, s.presence_penalty, s.frequency_penalty,
+                      s.repetition_penalty)  # fmt: skip
+            self._write_sampling(row, fields)
 
     def _clear_sampling(self, row: int) -> None:
-        v = self._views
-        v["counters"][row] = 0
-        if self._row_sampling[row] is _CLEARED:
-            return
-        self._row_sampling[row] = _CLEARED
-        v["temperature"][row] = 0.0
-        v["top_p"][row] = 1.0
-        v["top_k"][row] = 0
-        v["min_p"][row] = 0.0
-        v["seeds"][row] = 0
-        v["presence"][row] = 0.0
-        v["frequency"][row] = 0.0
-        v["repetition"][row] = 1.0
+        self._views["counters"][row] = 0
+        if self._row_sampling[row] is not _CLEARED:
+            self._row_sampling[row] = _CLEARED
+            self._write_sampling(row, _NEUTRAL_SAMPLING)
+
+    def _write_sampling(self, row: int, fields: Sequence[Any]) -> None:
+        for name, value in zip(_SAMPLING_VIEWS, fields, strict=True):
+            self._views[name][row] = value
 
     def _sampling_kind(self, items: Sequence[StepItem]) -> str:
         """greedy / sample / penalised (the penalty entries are written to the pinned inputs), as

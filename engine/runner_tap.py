@@ -2,15 +2,12 @@
 set (``runner.hidden_tap``), every pass records, per item, the target's final-normed hidden state
 of each position it ran.
 
-The plan's head may fold the final RMSNorm into the lm_head GEMV, and a prefill pass runs the head
-on each item's last row only, so the normed rows do not exist on the device for every position.
-The tap instead reads back the final norm's input (the residual stream after the last layer, every
-row of the pass: a prefill pass before the head's gather moves rows) and applies the norm on the
-host in f32 with the checkpoint's norm weight: the value the reference computes from the same
-residual. One extra device-to-host copy of rows x hidden a pass, only while a tap is set.
-``write_value`` fills an input value's rows from the host (the CUDA MTP head's input).
-``HiddenRows`` is a CudaRunner base class; the copies go through ``CudaRunner.read_value`` and the
-driver module CudaRunner hands its state arrays (engine.runner_state). Must not import CUDA.
+The head may fold the final RMSNorm into the lm_head GEMV and runs on each prefill item's last row
+only, so the tap reads back the final norm's input (every row of the pass) and applies the norm on
+the host in f32, as the reference does. ``write_value`` fills an input value's rows from the host
+(the CUDA MTP head's input). ``HiddenRows`` is a CudaRunner base class; the copies go through
+``CudaRunner.read_value`` and the driver module CudaRunner hands its state arrays
+(engine.runner_state). Must not import CUDA.
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ class WeightLoading:
     def _upload_weights(self, cuda: Any) -> None:
         m = self.model
         self._weights: dict[str, Any] = {}  # key -> cuda.DeviceBuffer
-        # weights stored as the device reads them go straight from the file (engine.upload: pinned
-        # staging, parallel reads, no mapping); vectors and repacked layouts through numpy
         files = FileUploader(cuda, self.stream)
         for w in bar(self.plan.weights, "memra: loading weights", unit="tensor"):
             if w.key == ROPE_FREQ:
@@ -37,12 +35,7 @@ class WeightLoading:
                 continue
             ranges = self._file_ranges(w)
             if ranges is not None:
-                if sum(n for *_, n in ranges) != w.nbytes:
-                    raise MemraError(
-                        f"{m.path}: weight {w.key} has {sum(n for *_, n in ranges)} bytes, the plan "
-                        f"expects {w.nbytes}",
-                        code="invalid_model",
-                    )
+                _check_size(m, w, sum(n for *_, n in ranges))
                 buf = self._weights[w.key] = cuda.alloc(w.nbytes)
                 at = 0
                 for path, off, n in ranges:
@@ -69,11 +62,7 @@ class WeightLoading:
             data = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
             if w.dtype in storage.REPACKED_FROM:  # a device layout the plan chose (e.g. q8_0r)
                 data = quant.repack(data, w.dtype, w.rows, w.cols)
-            if data.nbytes != w.nbytes:
-                raise MemraError(
-                    f"{m.path}: weight {w.key} has {data.nbytes} bytes, the plan expects {w.nbytes}",
-                    code="invalid_model",
-                )
+            _check_size(m, w, data.nbytes)
             buf = cuda.alloc(w.nbytes)
             cuda.htod(buf.ptr, np.ascontiguousarray(data))  # synchronous: the source is read
             self._weights[w.key] = buf
@@ -109,3 +98,8 @@ class WeightLoading:
                 return None
             ranges += got
         return ranges
+
+
+def _check_size(m: Any, w: Any, nbytes: int) -> None:
+    if nbytes != w.nbytes:
+        raise MemraError(f"{m.path}: weight {w.key} has {nbytes} bytes, the plan expects {w.nbytes}", code="invalid_model")

@@ -1,16 +1,10 @@
 """Host-side token sampling: SamplingParams validation and the numpy sampler (reference semantics).
 
-``sample_item`` (what runners call) first adds the request's logit bias and masks the tokens a
-constraint forbids (``StepItem.allowed``, a packed bitmask), then calls ``sample``, and records the
-log probabilities the request asked for: those of the model's raw distribution, log_softmax of the
-unmodified logits, as vLLM reports them by default.
-
-``sample`` applies, in order: repetition penalty (prompt + generated tokens, Hugging Face
-semantics), presence/frequency penalties (generated tokens, OpenAI semantics), greedy argmax when
-``temperature == 0``, else temperature, top-k, top-p, min-p and one draw from a counter-based
-random stream keyed by ``(seed, num_generated)``, so a request's randomness never depends on what it
-is batched with or on how its prompt was chunked. A device sampler must reproduce these semantics.
-
+``sample_item`` (what runners call) adds the request's logit bias, masks the tokens a constraint
+forbids (``StepItem.allowed``), calls ``sample`` and records the logprobs of the raw distribution
+(log_softmax of the unmodified logits, as vLLM reports them). ``sample``: penalties, then greedy or
+temperature / top-k / top-p / min-p and one draw keyed by ``(seed, num_generated)``, in the order
+docs/reference-backend.md gives; a device sampler must reproduce these semantics.
 Must not import CUDA or any engine module other than ``engine.types``.
 """
 

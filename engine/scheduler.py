@@ -1,23 +1,9 @@
 """Continuous-batching scheduler: which sequences run in the next step, and which tokens of each.
 
-Policy per step (see docs/engine-loop.md):
-
-1. decode rows of running sequences, oldest first, one token each; when a row needs a new KV block
-   and none is left, the YOUNGEST running sequence is preempted (recompute: blocks released, its
-   written full blocks stay in the prefix cache, it goes back to the head of the waiting queue);
-2. prefill chunks of running sequences still prefilling, oldest first, under
-   ``prefill_chunk_tokens`` (and ``max_step_tokens`` overall);
-3. admission of waiting sequences strictly in arrival order (the oldest waiting request is never
-   overtaken, so nobody starves), each needing blocks for its whole known sequence plus one block of
-   headroom; skipped in a step that preempted (no thrashing) and in one where a running prefill
-   waits for sliding-window blocks (engine.kv_groups: no newcomer takes the blocks it waits for).
-
-A prefill chunk that does not finish its sequence ends at an absolute position that is a multiple
-of ``state_align`` (a hybrid runner's chunked delta rule grid, engine.linear_attn_kernels
-.state_align; 1 elsewhere): a chunk with no such position in its budget waits for the next step.
-So a prompt resumed from a prefix-cache snapshot computes the cold run's bits.
-
-Every running sequence holds blocks for all of its known tokens, so only decode rows allocate.
+Per step: decode rows oldest first (a row that cannot grow preempts the youngest, by recompute),
+then prefill chunks within ``prefill_chunk_tokens`` (a chunk that does not finish its sequence ends
+on the runner's ``state_align`` grid), then admission strictly in arrival order with one block of
+headroom; the rules and their reasons are in docs/engine-loop.md ("Scheduling policy").
 Pure Python: must not import numpy, CUDA or the loop.
 """
 

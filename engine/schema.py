@@ -98,9 +98,7 @@ def _check(value: Any, kind: Any, file: str, path: str) -> Any:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, bool) and bool not in kinds:
-        raise fail(file, path, f"expected {_type_name(kind)}, got {_got(value)}")
-    if not isinstance(value, kinds):
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise fail(file, path, f"expected {_type_name(kind)}, got {_got(value)}")
     return value
 

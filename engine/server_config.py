@@ -1,29 +1,7 @@
 """HTTP server configuration from TOML (+ MEMRA_MODELS), and the API-key file (add/list/revoke).
 
-Server TOML (every key optional)::
-
-    [server]
-    host = "127.0.0.1"          port = 8000
-    max_body_bytes = 4194304    max_json_depth = 64
-    keepalive_s = 5.0           drain_timeout_s = 30.0
-    max_running = 64            max_waiting = 64       # HTTP admission: running + waiting
-    threads = 0                 # 0: max_running + max_waiting + 16
-    connection_limit = 4096     request_timeout_s = 10.0   idle_timeout_s = 30.0
-    max_prompt_bytes = 0        # 0: 16 bytes per token of context
-    tokenizer_threads = 1       malloc_arena_max = 2
-    retry_after_s = 1           keys_file = "keys.toml"  # relative to this file
-    speculative = "ngram"       spec_tokens = 4        # or "draft:PATH" / "mtp" (docs/speculative.md)
-    [models]
-    smol = "/models/SmolLM2-135M-Instruct-Q4_1.gguf"
-
-Keys file (written by ``add_key``/``revoke_key``; keys stored only as sha256)::
-
-    [[key]]
-    id = "key_1a2b3c4d"  sha256 = "<hex>"  tenant = "acme"
-    max_concurrency = 4  cache_salt = "acme"  created = 1733150000
-    requests_per_minute = 0  tokens_per_minute = 0     # 0: unlimited
-
-Must not import the engine loop, falcon or waitress.
+Every ``[server]`` key is a ``ServerConfig`` field; the file formats (server TOML, keys file with
+sha256 hashes only) are shown in docs/serving.md. Must not import the engine loop, falcon or waitress.
 """
 
 from __future__ import annotations
@@ -289,10 +267,6 @@ def add_key(
     )
     write_keys(path, keys + [entry])
     return key, entry
-
-
-def list_keys(path: str | os.PathLike) -> list[ApiKey]:
-    return read_keys(path)
 
 
 def revoke_key(path: str | os.PathLike, key_id: str) -> ApiKey:

@@ -1,12 +1,8 @@
 """Recurrent-state slots of a hybrid model's sequences (engine.block_manager.BlockManager's part).
 
-A hybrid model (recurrent state beside the KV) gets ``state_slots`` slots from the runner; each is
-one running sequence's live state, a prefix-cache **snapshot** (the state after the last token of a
-cached block, attached to that block) or free. A prefix hit ends at the deepest hit block that has a
-snapshot, and the sequence's first step restores it (pinned until that step commits). Snapshots are
-taken every ``snapshot_interval`` tokens and at the prompt's last cacheable block boundary
-(``state_for_step``); when slots run out the least recently used unpinned snapshot is dropped
-(never a live state).
+Each slot is one running sequence's live state, a prefix-cache snapshot attached to a cached block,
+or free; when slots run out the least recently used unpinned snapshot is dropped, never a live state
+(docs/engine-loop.md, "Recurrent state").
 
 ``StateSlotLedger`` is a mixin of ``BlockManager``: it keeps the slot accounting and reads the block
 manager's ``_seqs`` (per-sequence ``state_slot`` / ``restore`` / ``pending``), ``_by_hash``,

@@ -252,27 +252,19 @@ class AttentionDecode(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class DecodeGraph(Knobs):
-    # the decode pass's launch order: fork_linears runs the launches of one linear op's separately
-    # stored weights (a q4_k_m file's q|k and its q6_k v) on a second stream, concurrently (they
-    # read the same x and write their own outputs; the next op waits for both)
-    # early_trigger: the batch-1 coop GEMVs call pdl_trigger() once their first weight loads are
-    # out, so the next kernel's blocks may launch and start their own loads while they run
-    # pair_linears: a batch-1 linear op's two coop GEMVs (a q4_k_m layer's q|k and v) as one
-    # launch of kernels/gemv_pair.cu.j2 (before fork_linears, which then has nothing to fork);
-    # pair_min_blocks: its __launch_bounds__
-    # minimum blocks per SM (0: none; ptxas then still aims at 3 blocks of 320 threads, 64
-    # registers, and spills a q6_kr part: tools/kernel_resources.py)
-    # o_prefetch_next_kb: the batch-1 GEMV of each layer's o projection prefetches the first KB of
-    # the gate|up weight into L2 once its own row tile has landed (off: 0; nineteenth session)
+    # the launches of a linear op's separately stored weights (a q4_k_m q|k and its q6_k v) on a
+    # second stream, concurrently (they read the same x; the next op waits for both)
     fork_linears: bool = False
+    # batch-1 coop GEMVs call pdl_trigger() once their first weight loads are out
     early_trigger: bool = False
+    # a batch-1 linear op's two coop GEMVs as one kernels/gemv_pair.cu.j2 launch, with this
+    # __launch_bounds__ minimum of blocks per SM (0: none)
     pair_linears: bool = False
     pair_min_blocks: int = 0
+    # the batch-1 o GEMV prefetches the first KB of the gate|up weight into L2 (0: off)
     o_prefetch_next_kb: int = knob(0, non_negative)
-    # o_window_min_kb / o_window_max_kb: the batch-1 attention-window changes
-    # (attention_decode.trigger_b1 and l2_prefetch_o, and
-    # o_prefetch_next_kb) only on layers whose o projection weight has at least / at most
-    # this many KB (0: no bound); the window hides a few MB of prefetch, not a q8_0 or bf16 o
+    # the batch-1 attention-window changes (attention_decode.trigger_b1, l2_prefetch_o and
+    # o_prefetch_next_kb) only on layers whose o weight has at least / at most this many KB (0: no bound)
     o_window_min_kb: int = knob(0, non_negative)
     o_window_max_kb: int = knob(0, non_negative)
     # b1_rows: decode passes of 2 .. b1_rows rows (a speculative verify pass, the small buckets)

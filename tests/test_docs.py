@@ -1,4 +1,4 @@
-"""Docs that must stay true to the code: the env-var table and the module structure page."""
+"""Docs that must stay true to the code: the env-var table, the op table and the module structure page."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ def test_flags_doc_lists_every_env_var():
     text = (ROOT / "docs" / "flags.md").read_text()
     documented = set(re.findall(r"^\| `(MEMRA_[A-Z_]+)`", text, flags=re.M))
     assert documented == set(env.REGISTRY), (documented ^ set(env.REGISTRY))
+
+
+def test_dsl_doc_describes_every_op():
+    from engine.ops import OPS
+
+    text = (ROOT / "docs" / "dsl.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", text, flags=re.M))
+    assert set(OPS) <= documented, f"docs/dsl.md's op table lacks {sorted(set(OPS) - documented)}"
 
 
 def test_structure_doc_lists_every_module():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.graph import load_family
-from engine.ir import describe, kernel_specs, storage_nbytes
+from engine.ir import kernel_specs, storage_nbytes
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
@@ -413,14 +413,11 @@ def test_every_real_template_spec_renders(family, size, quant):
         assert spec.entry in src
 
 
-def test_arena_and_describe_are_stable():
+def test_arena_offsets_are_aligned():
     plan = plan_for("qwen3", "qwen3-0.6b")
     offs = plan.buffer_offsets()
     assert all(o % 256 == 0 for o in offs.values())
     assert plan.arena_bytes() >= sum(b.nbytes(plan.max_tokens) for b in plan.buffers)
-    text = describe(plan)
-    assert text == describe(plan_for("qwen3", "qwen3-0.6b"))
-    assert "weight L0.wq|wk|wv bf16 [4096, 1024]" in text
 
 
 def test_missing_dims_and_unknown_storage_fail_clearly():

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from engine.server.auth import Keyring, presented_key
-from engine.server_config import add_key, hash_key, list_keys, load_server_config, read_keys, revoke_key
+from engine.server_config import add_key, hash_key, load_server_config, read_keys, revoke_key
 from engine.types import ConfigError
 
 
@@ -55,7 +55,7 @@ def test_keys_add_list_revoke(tmp_path):
     text = kf.read_text()
     assert key not in text and hash_key(key) in text  # only the hash is stored
     assert oct(os.stat(kf).st_mode & 0o777) == "0o600"
-    keys = list_keys(kf)
+    keys = read_keys(kf)
     assert [(k.tenant, k.max_concurrency, k.cache_salt) for k in keys] == [
         ("acme", 3, "acme"),
         ("beta", 0, "s"),

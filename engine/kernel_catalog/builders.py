@@ -94,31 +94,11 @@ def coop_options(
     threads: int = 0,
 ) -> dict[str, Any]:
     """The coop gemv's switches for one spec on a [n, k] weight uploaded as ``quant`` (empty where
-    all are off: the default entry names). The knobs are gemv_coop's; the file type's
-    q8x_type_tuning entry overrides the general ones, and on a weight of at least q8x_tall_min_n
-    rows (``n``) of at most q8x_tall_max_k values (0: any) its q8x_tall_tuning entry overrides both.
-
-    - q8x (int8 x rows, dp4a) where gemv_coop.q8x asks, the type has a dp4a path and the x rows fit
-      COOP_Q8X_MAX. Then:
-      - block shape q8x_threads / q8x_rows_per_warp where set (as threads / rows_per_block);
-      - k split over q8x_ksplit warp groups where q8x_ksplit_min_n <= n <= q8x_ksplit_max_n, in
-        blocks of q8x_ksplit_threads;
-        the weights without it take q8x_b1_rows_per_warp rows per warp at bmax 1;
-      - q8x_lanes_per_row lanes per row (32 / lanes lane groups per warp, rpw rows each);
-      - the grid capped at q8x_blocks_per_sm * sm_count blocks, each looping over row tiles;
-      - Q8X_STAGE_ROUNDS rounds of x loads in flight while staging;
-      - at bmax 1 q8x_b1_unroll segments in flight per lane and row instead of
-        gemv_coop.unroll (q4_k: half as many
-        steps, a q4_k segment being two loads), where k is at most q8x_b1_unroll_max_k (0: any k);
-      - wsm (bmax 1): the row tile bulk-copied into shared memory where it is at most q8x_wsm_kb
-        KB and the blocks that fit at once (the smaller of q8x_blocks_per_sm and 227 KB over the
-        block's shared memory, per SM) hold every tile. The same bits as without.
-    - pipeline where gemv_coop.pipeline asks; tile_pf where tile_prefetch does too (not with wsm).
-
-    ``threads`` (q8x): the block shape of another GEMV to share a launch with (a gemv_pair part)
-    instead of the tuning's; the k split is then the largest up to the tuning's that divides
-    those warps (q4_k's 4 becomes 2 in 320-thread blocks).
-    """
+    all are off: the default entry names), from gemv_coop's knobs (tuning.GemvCoop says what each
+    does); the file type's q8x_type_tuning entry overrides the general ones, and on a tall weight
+    (q8x_tall_min_n / q8x_tall_max_k) its q8x_tall_tuning entry overrides both. ``threads`` (q8x):
+    the block shape of another GEMV to share a launch with (a gemv_pair part) instead of the
+    tuning's; the k split is then the largest up to the tuning's that divides those warps."""
     c = tuning.get("gemv_coop") or {}
     file_type = _COOP_FILE_TYPE.get(quant, quant)  # what q8x_type_tuning / q8x_tall_tuning name
     # the file type's own q8x block shape (gemv_coop.q8x_type_tuning; 0 keeps the general knob)

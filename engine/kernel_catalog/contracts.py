@@ -1,4 +1,4 @@
-"""Kernel contracts: every template's params, argument list and launch shape in words (``KERNELS``),
+"""Kernel contracts: every template's params and argument list (``KERNELS``),
 the storage types the kernels decode, and the entry-name rules. Part of engine.kernel_catalog. Must
 not import CUDA or numpy (the block sizes are engine.storage's).
 """
@@ -38,15 +38,12 @@ STAGED_DEFAULT: dict[str, bool] = {
 class KernelDoc:
     """A template's contract: ``params`` (name -> python type) and ``args`` ((name, ctype) in
     order; ctype is an engine.cuda.ARG_FORMATS key: ptr, i32, f32...), ``name`` the params that
-    form the entry name (None: every param but the ``unnamed`` ones), ``grid``/``block``/``smem``
-    in words (the builders below compute them)."""
+    form the entry name (None: every param but the ``unnamed`` ones). Its grid, block and shared
+    memory are computed by engine.kernel_catalog.specs.choice (docs/kernels.md lists them)."""
 
     params: dict[str, type]
     args: tuple[tuple[str, str], ...]
     name: tuple[str, ...] | None
-    grid: str
-    block: str
-    smem: str = "static only"
     defaults: dict[str, Any] | None = None  # optional params, filled in by spec()
     pdl: bool = True  # the body opens with pdl_wait() (or PDL_PRELOAD): KernelSpec.pdl
     unnamed: tuple[str, ...] = ()
@@ -96,9 +93,6 @@ KERNELS: dict[str, KernelDoc] = {
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
         None,
         # grid_cap is launch-only (a coop block loops over its row tiles): not in the name
-        "(min(ceil(n / rows_per_block), grid_cap or inf), ceil(rows / bmax))",
-        "(threads,)",
-        "static: 1 KB reduction (+ warps * (chunk + 32) bytes when stage); dynamic bmax * k * 3 / 2 when q8x",
         # stage None: STAGED_DEFAULT[quant]; x_stride 0: k
         {
             "stage": None, "unroll": 2, "prologue": "none", "x_stride": 0, "eps": 0.0, "u_off": 0,
@@ -115,10 +109,6 @@ KERNELS: dict[str, KernelDoc] = {
         ),
         (("out", P), ("a", P), ("w", P), ("residual", P), ("rows", I32)),
         None,
-        "(ceil(n / tile_n), ceil(rows / tile_m))",
-        "(warps * 32,)",
-        "max(stages * (tile_m + tile_n) * (tile_k + (0 if swizzle else 8)) * 2,"
-        " (split_k - 1) * tile_m * tile_n * 4) bytes dynamic (opt-in above 48 KB)",
         {
             "warps_m": 2, "split_k": 1, "out_dtype": "bf16", "quant": "bf16", "swizzle": False,
             "fragbuf": False,
@@ -132,33 +122,24 @@ KERNELS: dict[str, KernelDoc] = {
         # tmap_a / tmap_w: device pointers to CUtensorMaps (plan Arg kind "tmap")
         (("out", P), ("tmap_a", P), ("tmap_w", P), ("residual", P), ("rows", I32)),
         None,
-        "(ceil(n / tile_n), ceil(rows / (64 * m_frags * consumers)))",
-        "((consumers + 1) * 128,)",
-        "stages * (64 * m_frags * consumers + tile_n) * 128 + 1024 bytes dynamic (opt-in above 48 KB)",
         {"out_dtype": "bf16", "raster": True, "maxnreg": True},
     ),
     "rmsnorm": KernelDoc(
         dict(n=int, eps=float, threads=int, residual=bool, x_dtype=str),
         (("out", P), ("x", P), ("r", P), ("w", P), ("rows", I32)),
         None,
-        "(rows,)",
-        "(threads,)",
         defaults={"x_dtype": "bf16"},
     ),
     "embed": KernelDoc(
         dict(quant=str, hidden=int, threads=int, scale=float, out_dtype=str),
         (("out", P), ("table", P), ("ids", P), ("rows", I32)),
         None,
-        "(rows,)",
-        "(threads,)",
         defaults={"scale": 1.0, "out_dtype": "bf16"},
     ),
     "add": KernelDoc(
         dict(n=int, a_stride=int, b_stride=int, threads=int, a_dtype=str),
         (("out", P), ("a", P), ("b", P), ("rows", I32)),
         None,
-        "(ceil(n / (8 * threads)), rows)",
-        "(threads,)",
         defaults={"a_dtype": "bf16"},
     ),
     "rope": KernelDoc(
@@ -172,8 +153,6 @@ KERNELS: dict[str, KernelDoc] = {
             ("k_cache", P), ("v_cache", P), ("slots", P), ("rows", I32),
         ),
         None,
-        "(rows, ceil((heads + 2 * kv_heads) / (threads / 32)))",
-        "(threads,)",
         defaults={"v_stride": 0},
         unnamed=("theta", "eps", "freq_factors", "threads"),
     ),
@@ -181,8 +160,6 @@ KERNELS: dict[str, KernelDoc] = {
         dict(inter=int, in_stride=int, threads=int, act=str),
         (("out", P), ("g", P), ("u", P), ("rows", I32)),
         None,
-        "(ceil(inter / (8 * threads)), rows)",
-        "(threads,)",
         defaults={"act": "silu"},
     ),
     "attention": KernelDoc(
@@ -199,8 +176,6 @@ KERNELS: dict[str, KernelDoc] = {
             ("block_tables", P), ("positions", P), ("max_blocks", I32), ("max_splits", I32),
         ),
         None,
-        "(rows, kv_heads, qsplit if direct else max_splits)",
-        "(warps * 32,)",
         defaults={
             "vec16": False, "rope": False, "rope_dim": 0, "theta": 10000.0, "style": "neox", "qk_norm": False,
             "eps": 0.0, "freq_factors": False, "kv_stride": 0, "qsplit": 1, "v_stride": 0,
@@ -221,8 +196,6 @@ KERNELS: dict[str, KernelDoc] = {
             ("seq_starts", P), ("max_blocks", I32),
         ),
         None,
-        "(ceil(max_q / (gqa ? 16 : block_q)), gqa ? kv_heads : heads, nseq * (partial ? max_splits : 1))",
-        "(warps * 32,)",
         defaults={"window": 0, "span": 0, "partial": False, "gqa": False},
         unnamed=("scale", "warps"),
     ),
@@ -230,16 +203,12 @@ KERNELS: dict[str, KernelDoc] = {
         dict(heads=int, head_dim=int, split=int, out_stride=int, window=int, fold=bool),
         (("out", P), ("part_o", P), ("part_ml", P), ("positions", P), ("max_splits", I32)),
         None,
-        "(rows, heads)",
-        "(head_dim,)",
         defaults={"window": 0, "fold": False},
     ),
     "argmax": KernelDoc(
         dict(vocab=int, ld=int, threads=int),
         (("out", P), ("logits", P), ("rows", I32)),
         None,
-        "(rows,)",
-        "(threads,)",
     ),
     "sample": KernelDoc(
         dict(vocab=int, ld=int, threads=int),
@@ -248,8 +217,6 @@ KERNELS: dict[str, KernelDoc] = {
             ("seed", P), ("step", P), ("rows", I32),
         ),
         None,
-        "(rows,)",
-        "(threads,)",
     ),
     "token_mask": KernelDoc(
         dict(vocab=int, ld=int, threads=int),
@@ -258,15 +225,11 @@ KERNELS: dict[str, KernelDoc] = {
             ("raw", P), ("rows", I32),
         ),
         None,
-        "(rows,)",
-        "(threads,)",
     ),
     "logprobs": KernelDoc(
         dict(vocab=int, threads=int, top=int),
         (("raw", P), ("lp_slot", P), ("lp_k", P), ("ids", P), ("top_ids", P), ("vals", P), ("rows", I32)),
         None,
-        "(rows,)",
-        "(threads,)",
     ),
     "penalties": KernelDoc(
         dict(ld=int, threads=int),
@@ -275,8 +238,6 @@ KERNELS: dict[str, KernelDoc] = {
             ("capacity", I32),
         ),
         None,
-        "(PENALTY_BLOCKS,)  (a grid-stride loop over the entry count read from entries[0])",
-        "(threads,)",
     ),
 }
 
@@ -294,8 +255,5 @@ KERNELS["gemv_pair"] = KernelDoc(
     # each part's gemv args, a's then b's (a norm prologue adds its norm_w): kernel_args()
     tuple((f"{x}{name}", c) for x in PAIR_PARTS for name, c in KERNELS["gemv"].args),
     (),  # named by pair_spec: both parts' type and shape, and a hash of their entries
-    "(blocks_a + blocks_b, ceil(rows / bmax))  (pair_spec: each part one block per row tile)",
-    "(a_threads,)  (both parts' threads)",
-    "dynamic: the larger part's (gemv_smem)",
     {f"{x}{k}": v for x in PAIR_PARTS for k, v in (KERNELS["gemv"].defaults or {}).items()},
 )

@@ -128,7 +128,7 @@ class KernelChoice:
     smem: int = 0
 
 
-# template -> grid(params, rows, **runtime) (KernelDoc.grid in code); every other template: a block per row
+# template -> grid(params, rows, **runtime); every other template: a block per row
 _GRID: dict[str, Callable[..., tuple[int, int, int]]] = {
     "gemv": lambda p, rows, **_: (gemv_grid_x(p), _cdiv(rows, p["bmax"]), 1),
     "gemv_pair": lambda p, rows, **_: (p["blocks_a"] + p["blocks_b"], _cdiv(rows, p["a_bmax"]), 1),

@@ -50,6 +50,10 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
     if mode == "prefill":
         return _prefill(ctx, q, out, heads, hd, common, cache)
     t = ctx.tune("attention_decode")
+    # the direct kernel's warps in the split kernel too: a row below split then sums its keys in the
+    # same order in either kernel (attention_combine passes a lone split's partial through), so a
+    # verify or batch row gets the bits the same row decoded alone does, whichever of the two it takes
+    warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
     if mode in ("short", VSHORT):
         # direct: one block per (row, kv head) covers the whole key range, no combine; the rope
         # before this op may be folded in (the rope unit set rope_fused); in a verify pass's
@@ -57,7 +61,6 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         rope, rope_args = ctx.rope_fused.get(layer, ({}, ()))
         if rope and mode == VSHORT:
             rope = {**rope, "vfresh": kc.VERIFY_FRESH_MAX}
-        warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
         qsplit = kc.direct_qsplit(heads // kvh, ctx.profile.tuning)
         spec = ctx.spec(
             "attention",
@@ -73,10 +76,6 @@ def lower(ctx, op, layer, mode, ins, outs, ws):
         )
         args = (val(out), NULL, NULL, val(q)) + cache + (Arg("const", 1, "i32"),) + rope_args
         return [Launch(spec, ("n", kvh, qsplit), (32 * warps,), args)]
-    # the direct kernel's warps: a row below split then sums its keys in the same order in either
-    # kernel (attention_combine passes a lone split's partial through), so a verify or batch row
-    # gets the bits the same row decoded alone does, whichever of the two it takes
-    warps = kc.attention_warps(t.get("direct_warps") or kc.DECODE_WARPS, heads // kvh, hd)
     split = t["split_kv_tokens"]
     spec = ctx.spec(
         "attention",

@@ -35,14 +35,10 @@ class Lowerer:
         dims: Mapping[str, Any],
         rope_style: str,
         max_tokens: int = 2048,
-        prefill_linear: str = "gemm",
         delta_prefill: str = "",
     ):
-        if prefill_linear not in ("gemm", "gemv"):
-            raise ConfigError(f"plan: prefill_linear must be gemm or gemv, got {prefill_linear!r}")
         self.max_tokens = max_tokens
         self.max_rows = max(profile.cuda_graph_batch_sizes)
-        self.prefill_linear = prefill_linear
         # the gated delta rule's prefill form ("" = the default; the unit resolves it through
         # engine.linear_attn_kernels.delta_prefill_form)
         self.delta_prefill = delta_prefill

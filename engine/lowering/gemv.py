@@ -126,17 +126,10 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
 
 def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch | None:
     """A batch-1 linear op's two GEMV launches as one gemv_pair launch (tuning
-    decode_graph.pair_linears; kernels/gemv_pair.cu.j2), or None where they stay apart.
-
-    The two separately stored weights of a q4_k_m layer's q|k and v read the same x: as one
-    grid they stream side by side with no stream fork or join, and the next kernel launches
-    early behind them. The second part is re-planned in the first's block shape. Pairs only
-    coop q8x GEMVs without a residual, glu or a tile loop, and only where
-    every block of the pair is resident at once when a part copies its row tile to shared
-    memory (wsm: a block waiting for a slot would wait for its copy). Where the second part's k
-    split changes in the first's block shape, the bucket GEMV of that weight takes the same shape
-    (``bucket_like_pair``), so a row gets the same bits in both. decode_graph.pair_min_blocks
-    sets the kernel's __launch_bounds__ minimum of blocks per SM."""
+    decode_graph.pair_linears; kernels/gemv_pair.cu.j2), or None where they stay apart: only coop
+    q8x GEMVs without a residual, glu or a tile loop, the second re-planned in the first's block
+    shape (``bucket_like_pair`` gives the bucket GEMV the same shape), and with wsm only where every
+    block of the pair is resident at once (docs/kernels.md, "Two GEMVs in one launch")."""
     if mode != "decode1" or len(launches) != 2 or not ctx.graph_knob("pair_linears"):
         return None
     a = launches[0]

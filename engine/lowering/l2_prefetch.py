@@ -1,12 +1,8 @@
-"""Lowering post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches.
-
-The knobs (docs/kernels.md, "attention option l2_pf"; the h200 profile turns on the attention's o
-prefetch and the o GEMV's, inside the o window): attention_decode.l2_prefetch_o (the direct
-attention prefetches its layer's o weight),
-decode_graph.o_prefetch_next_kb (the o GEMV prefetches the gate|up's first bytes), both only on
-layers inside decode_graph.o_window_min_kb / o_window_max_kb (Lowerer.o_window). Each pass sets a
-kernel's ``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the weights it names to the
-launch's args as pointer args pf0, pf1 ... Must not import CUDA or numpy.
+"""Lowering post-passes that add L2 prefetch ranges to a lowered plan's batch-1 launches (tuning
+attention_decode.l2_prefetch_o and decode_graph.o_prefetch_next_kb, inside the o window:
+docs/kernels.md, "The o window" and the ``l2_pf`` option before it). Each pass sets a kernel's
+``l2_pf`` param (kernel_catalog.l2_pf_ranges) and appends the weights it names to the launch's
+args as pointer args pf0, pf1 ... Must not import CUDA or numpy.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def bind(op, ws, ins, dims, value_for):
 def lower(ctx, op, layer, mode, ins, outs, ws):
     if mode == WIDE:
         return linear_gemm(ctx, op, mode, ins, outs, ws, section="gemm_decode")
-    if mode == "prefill" and ctx.prefill_linear == "gemm":
+    if mode == "prefill":
         return linear_gemm(ctx, op, mode, ins, outs, ws)
     return linear_gemv(ctx, op, mode, ins, outs, ws, layer)
 

@@ -267,7 +267,7 @@ def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
     plain = SimpleNamespace(op="linear", attrs={})  # the shared projections add no residual
 
     def linear(x, o, w):
-        if mode == "prefill" and ctx.prefill_linear == "gemm":
+        if mode == "prefill":
             return linear_gemm(ctx, plain, mode, [x], [o], [w])
         return [gemv_launch(ctx, plain, layer, mode, [x], o, w)]
 

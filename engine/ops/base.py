@@ -18,13 +18,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class OpDef:
-    """Arity rules for one op: how many inputs/outputs/weights and which attributes it takes."""
+    """Arity rules for one op: how many inputs/outputs/weights and which attributes it takes (what it
+    computes: docs/dsl.md's op table)."""
 
     inputs: int | None  # None: any number >= 1
     outputs: int | None  # None: same as the number of weights
     weights: tuple[int, int]  # (min, max)
     attrs: dict[str, str] = field(default_factory=dict)  # attr -> "value" | "tensor" | "dim"
-    doc: str = ""
     # Recurrent state the op keeps per sequence (hybrid families): dims -> the state's shape, one
     # float32 array of that shape per layer the op runs in and per state slot (engine.reference).
     state: Callable[[dict[str, Any]], tuple[int, ...]] | None = None

@@ -1,5 +1,6 @@
 """The dense decoder's ops (Llama, Qwen3, Gemma): embed, rmsnorm, head_rmsnorm, linear, rope,
-attention, silu_mul, concat — each an OpDef plus its numpy reference over ``engine.ops_ref``.
+attention, silu_mul, concat — each an OpDef plus its numpy reference over ``engine.ops_ref``
+(what each computes: docs/dsl.md's op table).
 
 Optional attributes name dims (``kind "dim"``; layers that differ run their own op, gated by ``when``):
 embed ``scale``, the norms' weight ``offset``, rope ``theta``/``scaling``, attention
@@ -85,50 +86,11 @@ def _silu_mul(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = ops_ref.silu_mul(s.env[o.inputs[0]], s.env[o.inputs[1]])
 
 
-define(
-    "embed",
-    OpDef(1, 1, (1, 1), {"scale": "dim"}, doc="out[t] = table[ids[t]] (dequantised) (* scale)"),
-    _embed,
-)
-define(
-    "rmsnorm",
-    OpDef(
-        1, 1, (1, 1), {"offset": "dim"}, doc="out = x / sqrt(mean(x^2) + rms_eps) * (offset + w) over the hidden axis"
-    ),
-    _rmsnorm,
-)
-define(
-    "head_rmsnorm",
-    OpDef(1, 1, (1, 1), {"offset": "dim"}, doc="rmsnorm over each head_dim slice (Qwen3/Gemma q/k norm)"),
-    _head_rmsnorm,
-)
-define(
-    "linear",
-    OpDef(1, None, (1, 8), {"residual": "value"}, doc="out_i = x @ W_i^T (+ residual); several weights fuse"),
-    _linear,
-)
-define(
-    "rope",
-    OpDef(
-        2,
-        2,
-        (0, 0),
-        {"freq_factors": "tensor", "theta": "dim", "scaling": "dim"},
-        doc="rotary embedding of q and k at each token's position (theta/scaling: dims, default rope_theta/rope_scaling)",
-    ),
-    _rope,
-)
-define(
-    "attention",
-    OpDef(
-        3,
-        1,
-        (0, 0),
-        {"window": "dim", "scale": "dim"},
-        doc="causal GQA attention over the KV cache (k, v appended first); window: sliding window in "
-        "keys (0: none); scale: default 1/sqrt(head_dim)",
-    ),
-    _attention,
-)
-define("silu_mul", OpDef(2, 1, (0, 0), doc="out = silu(g) * u"), _silu_mul)
-define("concat", OpDef(2, 1, (0, 0), doc="out = [a | b] along the feature axis (the MTP head's fc input)"), _concat)
+define("embed", OpDef(1, 1, (1, 1), {"scale": "dim"}), _embed)
+define("rmsnorm", OpDef(1, 1, (1, 1), {"offset": "dim"}), _rmsnorm)
+define("head_rmsnorm", OpDef(1, 1, (1, 1), {"offset": "dim"}), _head_rmsnorm)
+define("linear", OpDef(1, None, (1, 8), {"residual": "value"}), _linear)
+define("rope", OpDef(2, 2, (0, 0), {"freq_factors": "tensor", "theta": "dim", "scaling": "dim"}), _rope)
+define("attention", OpDef(3, 1, (0, 0), {"window": "dim", "scale": "dim"}), _attention)
+define("silu_mul", OpDef(2, 1, (0, 0)), _silu_mul)
+define("concat", OpDef(2, 1, (0, 0)), _concat)

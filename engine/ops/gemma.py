@@ -18,5 +18,5 @@ def _add(s: RefStep, o, layer) -> None:
     s.env[o.outputs[0]] = s.env[o.inputs[0]] + s.env[o.inputs[1]]
 
 
-define("gelu_tanh_mul", OpDef(2, 1, (0, 0), doc="out = gelu_tanh(g) * u (GeGLU, tanh approximation)"), _gelu_tanh_mul)
-define("add", OpDef(2, 1, (0, 0), doc="out = a + b"), _add)
+define("gelu_tanh_mul", OpDef(2, 1, (0, 0)), _gelu_tanh_mul)
+define("add", OpDef(2, 1, (0, 0)), _add)

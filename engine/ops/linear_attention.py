@@ -104,7 +104,6 @@ define(
         1,
         1,
         (1, 1),
-        doc="depthwise causal conv over [K-1 previous inputs ++ x] (state: the last K-1 inputs), then silu",
         state=_conv_state,
     ),
     _conv,
@@ -115,25 +114,11 @@ define(
         3,
         1,
         (2, 2),
-        doc="[qkv, b, a] with weights [A, dt_bias]: l2norm q/k, g = A*softplus(a+dt_bias), beta = sigmoid(b), "
-        "S = exp(g) S + k (beta (v - S^T k))^T, o = S^T q / sqrt(dk) (state: S [v_heads, k_dim, v_dim])",
         state=_delta_state,
     ),
     _delta,
 )
-define(
-    "unpack_qkvz_ba",
-    OpDef(2, 4, (0, 0), doc="[qkvz, ba] (Qwen3-Next's per-k-head fused projections) -> [qkv, z, b, a]"),
-    _unpack_qkvz_ba,
-)
-define(
-    "gated_rmsnorm",
-    OpDef(2, 1, (1, 1), doc="[x, z]: rmsnorm of each lin_v_dim slice of x, times w, times silu(z)"),
-    _gated_rmsnorm,
-)
-define(
-    "split_heads",
-    OpDef(1, 2, (0, 0), doc="[x] -> [a, b]: each head's [a_h | b_h] (2 * head_dim) slice split in two (q and gate)"),
-    _split_heads,
-)
-define("sigmoid_mul", OpDef(2, 1, (0, 0), doc="out = x * sigmoid(gate)"), _sigmoid_mul)
+define("unpack_qkvz_ba", OpDef(2, 4, (0, 0)), _unpack_qkvz_ba)
+define("gated_rmsnorm", OpDef(2, 1, (1, 1)), _gated_rmsnorm)
+define("split_heads", OpDef(1, 2, (0, 0)), _split_heads)
+define("sigmoid_mul", OpDef(2, 1, (0, 0)), _sigmoid_mul)

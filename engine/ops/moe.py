@@ -53,7 +53,6 @@ define(
         2,
         (1, 1),
         {"top_k": "dim", "normalize": "dim"},
-        doc="[ids, weights] = top_k(softmax(h @ router^T)) per token; weights / sum when `normalize`",
     ),
     _moe_router,
 )
@@ -64,7 +63,6 @@ define(
         1,
         (3, 7),
         {"residual": "value"},
-        doc="out = sum_j w_j * down_e(silu(gate_e h) * up_e h) (+ sigmoid(h.g) * shared(h)) (+ residual)",
         weight_counts=(3, 7),
     ),
     _moe_experts,

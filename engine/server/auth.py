@@ -24,7 +24,6 @@ class Tenant:
     name: str
     max_concurrency: int = 0
     cache_salt: str = ""
-    key_id: str = ""
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
 
@@ -87,7 +86,6 @@ class Keyring:
             found.tenant,
             found.max_concurrency,
             found.cache_salt,
-            found.id,
             found.requests_per_minute,
             found.tokens_per_minute,
         )

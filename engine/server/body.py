@@ -13,6 +13,11 @@ from .errors import ApiError, bad_request
 MAX_INT_DIGITS = 40
 
 
+def too_large(limit: int) -> ApiError:
+    """The 413 of a body over ``limit`` bytes (announced by Content-Length, or read)."""
+    return ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large", anthropic_type="request_too_large")
+
+
 def _parse_int(s: str) -> int:
     if len(s.lstrip("-")) > MAX_INT_DIGITS:
         raise ValueError(f"integer with {len(s)} digits is too large")
@@ -55,12 +60,7 @@ def _check(value: object, max_depth: int) -> None:
 def parse_json_body(raw: bytes, *, max_bytes: int, max_depth: int) -> dict:
     """Decode ``raw`` into a JSON object. Raises ApiError 413/400 naming the problem."""
     if len(raw) > max_bytes:
-        raise ApiError(
-            413,
-            f"request body exceeds {max_bytes} bytes",
-            code="request_too_large",
-            anthropic_type="request_too_large",
-        )
+        raise too_large(max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

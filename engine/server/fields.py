@@ -15,23 +15,6 @@ MAX_STOP_LEN = 512
 MISSING = object()
 
 
-def get_number(
-    body: dict, p: str, default, *, lo: float, hi: float, integer: bool = False, lo_open: bool = False
-):
-    v = body.get(p, MISSING)
-    if v is MISSING or v is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if integer and isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise type_error(p, kind, v)
-    if v < lo or v > hi or (lo_open and v == lo):
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {hi}, got {v}", p, "invalid_value")
-    return int(v) if integer else float(v)
-
-
 @dataclass(frozen=True)
 class Num:
     """A numeric field: its value when absent or null, its range (``lo`` excluded when ``lo_open``)."""
@@ -42,8 +25,19 @@ class Num:
     integer: bool = False
     lo_open: bool = False
 
-    def read(self, body: dict, name: str):
-        return get_number(body, name, self.default, lo=self.lo, hi=self.hi, integer=self.integer, lo_open=self.lo_open)
+    def read(self, body: dict, p: str):
+        v = body.get(p, MISSING)
+        if v is MISSING or v is None:
+            return self.default
+        kind = "an integer" if self.integer else "a number"
+        if self.integer and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int if self.integer else (int, float)):
+            raise type_error(p, kind, v)
+        if v < self.lo or v > self.hi or (self.lo_open and v == self.lo):
+            lo_s = f"> {self.lo}" if self.lo_open else f">= {self.lo}"
+            raise bad_request(f"`{p}` must be {kind} {lo_s} and <= {self.hi}, got {v}", p, "invalid_value")
+        return int(v) if self.integer else float(v)
 
 
 TOKENS = Num(None, 1, 1 << 31, integer=True)  # a token count (max_tokens and its aliases)

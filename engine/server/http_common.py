@@ -15,8 +15,7 @@ import falcon
 from engine.types import TokenEvent
 
 from . import sse
-from .body import parse_json_body
-from .errors import ApiError
+from .body import parse_json_body, too_large
 from .generation import Run, RunGroup, chat_ids, check_model, constraint_factory, error_of
 from .state import AppState
 
@@ -24,12 +23,7 @@ from .state import AppState
 def read_json(req: falcon.Request, state: AppState) -> dict:
     limit = state.config.max_body_bytes
     if req.content_length is not None and req.content_length > limit:
-        raise ApiError(
-            413,
-            f"request body exceeds {limit} bytes",
-            code="request_too_large",
-            anthropic_type="request_too_large",
-        )
+        raise too_large(limit)
     raw = req.bounded_stream.read(limit + 1)
     return parse_json_body(raw, max_bytes=limit, max_depth=state.config.max_json_depth)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.backend import StackFlags, load_stack
 from engine.server.model_info import ModelInfo
-from engine.server_config import ServerConfig, add_key, list_keys, load_server_config, read_keys, revoke_key
+from engine.server_config import ServerConfig, add_key, load_server_config, read_keys, revoke_key
 from engine.types import ConfigError, MemraError
 
 DEFAULT_ALIAS = "default"
@@ -186,7 +186,7 @@ def keys_from_cli(args: argparse.Namespace) -> int:
         print(f"added {entry.id} for tenant {entry.tenant} to {path}")
         print(f"key (shown once, store it now): {key}")
     elif args.action == "list":
-        keys = list_keys(path) if path.exists() else []
+        keys = read_keys(path)  # (a missing file: none)
         if not keys:
             print(f"no keys in {path}")
         for k in keys:

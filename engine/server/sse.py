@@ -38,7 +38,7 @@ class ClosingStream:
         self,
         chunks: Iterator[bytes],
         on_close: Callable[[], None],
-        on_error: Callable[[BaseException], bytes] | None = None,
+        on_error: Callable[[BaseException], bytes],
     ):
         self._chunks = chunks
         self._on_close = on_close
@@ -59,8 +59,6 @@ class ClosingStream:
         except Exception as exc:  # a bug mid-stream: tell the client in-band instead of cutting the socket
             log.exception("error while streaming a response")
             self._failed = True
-            if self._on_error is None:
-                raise
             return self._on_error(exc)
 
     def close(self) -> None:

@@ -1,12 +1,9 @@
 """HiddenTap: the target's hidden states per sequence and position, kept for the MTP head.
 
-A runner with a tap (``runner.hidden_tap``) records, after every item it runs, the rows of one
-graph value (the MTP section's ``hidden_from``) for the item's positions. A later write at position
-p drops the rows from p on first (a verify step's rejected positions are rewritten by the next
-step), so the rows below a sequence's computed length are always those of its accepted tokens. The
-MTP proposer takes the rows it has not consumed yet; a sequence keeps at most ``max_rows``
-unconsumed rows (the oldest go: the head then attends over fewer earlier positions, which changes
-drafts, never the output). Holds numpy arrays but does no math; must not import CUDA.
+A runner with a tap (``runner.hidden_tap``) records, after every item it runs, the rows of the MTP
+section's ``hidden_from`` value for the item's positions; a write at position p first drops the
+rows from p on, so rows below a sequence's computed length are those of its accepted tokens
+(docs/speculative.md, "MTP heads"). Holds numpy arrays but does no math; must not import CUDA.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """MtpHeadCuda: a family's multi-token-prediction head on the GPU beside a CUDA target, with its
 own plan, weights, KV cache and decode graphs (a second CudaRunner in the same primary context).
 
-The ``mtp`` graph is split at its ``concat``: the ops before it (the embedding of token t+1, its
-RMSNorm, the RMSNorm of the target's hidden state at t, the concatenation) are a few vector ops per
-row and run on the host; their result, the ``eh`` rows [embedding | hidden], is written into the
-head runner's input value ``eh`` (``ModelGraph.inputs``, ``CudaRunner.write_value``) before each
-pass. Everything after it (the fc, the gated-attention decoder layer with its own KV, the final
-norm, the lm_head and the argmax) is lowered by the ordinary units into the head runner's plan: a
-chunk of positions runs as a prefill pass, each further draft as a batch-1 decode graph replay.
-The head's own hidden output (``hidden_out``, after its final norm) is its final norm's input read
-back and normalised on the host (engine.runner_tap), fed back as the next draft's hidden state.
-
-``forward`` has MtpHeadReference's contract (the draft token, None for the logits, which the
-proposer never reads, and the hidden output). The head uploads its own copy of the lm_head (tied
-to the embedding on Qwen3.5): about vocab x hidden bf16 bytes of device memory more than the
-target. Must not import CUDA directly (the head runner is a CudaRunner).
+The ``mtp`` graph is split at its ``concat``: the few vector ops before it run on the host and
+their ``eh`` rows are written into the head runner's input value (``CudaRunner.write_value``);
+everything after it is lowered by the ordinary units (docs/speculative.md, "MTP on the cuda
+backend"). ``forward`` has MtpHeadReference's contract (the draft token, None for the logits, which
+the proposer never reads, and the hidden output). Must not import CUDA directly (the head runner
+is a CudaRunner).
 """
 
 from __future__ import annotations

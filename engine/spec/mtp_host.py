@@ -1,14 +1,9 @@
 """HeadWeights: what MtpHeadReference reads from its target (dims, the head's tensors as float32,
 rope tables) for a target that is not a ReferenceRunner: the CUDA runner, whose weights live on the
-device. It loads only the tensors the ``mtp`` graph runs (the head's own, the embedding and the
-lm_head; or only ``names``) from the checkpoint, so the MTP head runs in numpy on the host beside
-a GPU target (or, for the CUDA head, engine.spec.mtp_cuda, its host-side input rows).
-
-The CUDA backend falls back to it where the head's graph does not fit engine.spec.mtp_cuda's
-split: the target verifies on the GPU and exposes its final-normed hidden rows
-(engine.runner_tap); the head (one decoder layer, its fc and the lm_head GEMV per draft) runs on
-the host. Drafts never change the output, only how many are accepted; on real vocabularies the
-host lm_head makes each draft cost milliseconds (docs/speculative.md). Must not import CUDA.
+device. It loads only the tensors the ``mtp`` graph runs (or only ``names``) from the checkpoint:
+the numpy head on the host beside a GPU target where the head's graph does not fit
+engine.spec.mtp_cuda's split, and the CUDA head's host-side input rows (docs/speculative.md).
+Must not import CUDA.
 """
 
 from __future__ import annotations
