@@ -69,6 +69,6 @@ define(
 )
 define(
     "shared_gate",
-    OpDef(2, 1, (1, 1), {"residual": "value"}, doc="out = sigmoid(h . gate) * y (+ residual): a shared expert's gate"),
+    OpDef(2, 1, (1, 1), {"residual": "value"}),
     _shared_gate,
 )
