@@ -375,7 +375,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         self.stream.synchronize()
 
     def read_logits(self, rows: int) -> np.ndarray:
-        """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0)."""
+        """The last pass's logits [rows, vocab] as f32 (rows from 0; a prefill's head is row 0, a prompt
+        tail's (engine.runner_tail) last row is row tail - 1)."""
         return self.read_value("logits", rows)
 
     def read_value(self, name: str, rows: int) -> np.ndarray:

@@ -13,7 +13,9 @@ from fixtures.engine_probes import unpack_mask
 from runner_harness import tiny_llama_runner
 
 import engine.runner_steps as rs
+from engine.runner_tail import tail_count
 from engine.sampling import token_logprobs
+from engine.spec.cuda_verify import narrow_rows
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -80,4 +82,8 @@ def test_prefill_head_logprobs(runner, where):
     assert tok in (11, 12) and item.logprobs_out is not None and item.logprobs_out[1] == []
     plain = StepItem(0, prompt, 0, [50, 51], True, GREEDY, prompt, 20, 0)
     runner.step([plain])
-    assert item.logprobs_out[0] == pytest.approx(token_logprobs(runner.read_logits(1)[0], tok, 0)[0], abs=1e-4)
+    tail = tail_count(plain, runner.block_size)  # the prompt's last rows run as decode rows, in passes of `limit`
+    limit = min(narrow_rows(runner.plan, runner._max_rows), runner._max_rows)
+    head = (tail - 1) % limit if tail else 0  # the last pass's row of the prompt's last token
+    logits = runner.read_logits(head + 1)[head]
+    assert item.logprobs_out[0] == pytest.approx(token_logprobs(logits, tok, 0)[0], abs=1e-4)
