@@ -73,6 +73,9 @@ class FakeDriver:
             def mem_info(self):
                 return (100 << 30, 141 << 30)
 
+            def make_current(self):  # (the engine loop steps from its own thread)
+                pass
+
             def synchronize(self):
                 pass
 

@@ -3,6 +3,7 @@ runner whose step costs nothing, with the word-level tokenizer of tools/make_che
 a word) and its ChatML template; tools/loadgen.py's client sends each prompt once cold, then again.
 
     PYTHONPATH=. python tools/warm_prefix_host.py [--words 1000,16000] [--repeats 3] [--hybrid]
+    PYTHONPATH=. python tools/warm_prefix_host.py --gguf --words 160,640,2540   (~1k / 4k / 16k tokens)
 
 Prints, per prompt length, the client's TTFT of every send and, for the last warm send, each
 stage's milliseconds (perf_counter around the function that does it; nested stages indented): the
@@ -85,7 +86,51 @@ class _Source:  # what engine.tokenizer reads of an HF checkpoint directory
         self.path, self.metadata, self.format = d, {}, "safetensors"
 
 
-def instrument() -> None:
+def fake_cuda_runner(d: Path, max_len: int):
+    """(runner, tokenizer): a CudaRunner over a tiny Qwen3 q4_k_m GGUF with the byte-level tokenizer
+    of make_checkpoint's GGUFs, on the fake driver (kernels not compiled, launches recorded only)."""
+    from fixtures.checkpoints import Dims, write_random_gguf
+    from test_plan_runner_fake import FakeDriver, fake_builder
+
+    import engine.runner_cuda as rc
+    from engine.model import load_model
+    from engine.tokenizer import load_tokenizer
+
+    rc.cuda = FakeDriver().module()
+    dims = Dims(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                intermediate_size=768, vocab_size=512, max_position_embeddings=max_len)  # fmt: skip
+    model = load_model(write_random_gguf(d / "m.gguf", "qwen3", dims, "q4_k_m", seed=3))
+    runner = rc.CudaRunner(model, num_blocks=4 * max_len // 16, max_model_len=max_len, builder=fake_builder(d))
+    items: list[list[tuple[int, int]]] = []
+    step = runner.step
+
+    def recorded(its):
+        items.append([(len(it.token_ids), it.start_pos) for it in its])
+        return step(its)
+
+    runner.step, runner.items = recorded, items
+    tok = load_tokenizer(model.weights)
+    word = tok.encode("a")[0]  # (the fake driver's sampled ids are 0, a special token: no text)
+    read = runner._read_ids
+    runner._read_ids = lambda rows, copied=False: read(rows, copied) * 0 + word
+    return runner, tok
+
+
+def instrument(cuda: bool) -> None:
+    runner_stages = ()
+    if cuda:
+        import engine.runner_cuda as rc
+        import engine.runner_steps as rs
+
+        runner_stages = (
+            ("    check items", rs.StepLogic, "_check_item"),
+            ("    run_tails", rs, "run_tails"),
+            ("      fill decode rows", rs.StepLogic, "_fill_decode"),
+            ("      sampling kind (penalties)", rs.StepLogic, "_sampling_kind"),
+            ("      launch (graph replay)", rs.StepLogic, "_launch_decode_pass"),
+            ("      read ids", rs.StepLogic, "_read_ids"),
+            ("    prefill pass", rc.CudaRunner, "_run_prefill_pass"),
+        )
     for name, owner, attr in (
         ("read and parse the JSON body", hc, "read_json"),
         ("chat_ids (escape, template, tokenise)", hc, "chat_ids"),
@@ -98,6 +143,7 @@ def instrument() -> None:
         ("    prefix keys", pk.ChainMemory, "keys"),
         ("step item", loop.Engine, "_item"),
         ("runner.step", NullRunner, "step"),
+        *runner_stages,
         ("advance (commit, detokenise)", loop.Engine, "_advance"),
         ("  blocks.commit", bm.BlockManager, "commit"),
         ("blocks.free", bm.BlockManager, "free"),
@@ -110,14 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", default="1000,16000")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hybrid", action="store_true")
+    ap.add_argument("--gguf", action="store_true", help="byte-level GGUF tokenizer, CUDA runner on a fake driver")
     ap.add_argument("--port", type=int, default=8311)
     args = ap.parse_args(argv)
     lengths = [int(w) for w in args.words.split(",")]
     d = Path(tempfile.mkdtemp())
-    write_tokenizer_files(d, words_vocab=151936)
-    tok = _hf_tokenizer(_Source(d))
-    runner = NullRunner(max(lengths) + 1024, args.hybrid)
-    instrument()
+    max_len = 8 * max(lengths) + 1024 if args.gguf else max(lengths) + 1024
+    if args.gguf:
+        runner, tok = fake_cuda_runner(d, max_len)
+        timed("runner.step", runner, "step")
+    else:
+        write_tokenizer_files(d, words_vocab=151936)
+        tok = _hf_tokenizer(_Source(d))
+        runner = NullRunner(max_len, args.hybrid)
+    instrument(args.gguf)
 
     engine_ref = []
 
