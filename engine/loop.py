@@ -27,7 +27,7 @@ from engine.block_manager import BlockManager, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
 from engine.kv_groups import SPEC_HEADROOM, WindowedBlocks
 from engine.loop_overlap import OverlapLoop, overlap_capable
-from engine.request_check import check_request
+from engine.request_check import CheckedPrompts, check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
 from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
@@ -128,6 +128,8 @@ class Engine(OverlapLoop):
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()  # engine state (scheduler, blocks, counters) vs stats/invariants
         self._admit_lock = threading.Lock()  # submit-side bookkeeping below
+        vocab = getattr(tokenizer, "vocab_size", None)  # prompts found inside it: checked again by new ids only
+        self._checked = CheckedPrompts(vocab) if isinstance(vocab, int) else None
         self._seq_ids = itertools.count()
         self._handles: dict[str, RequestHandle] = {}  # in flight: submitted, no final event yet
         self._tenant_inflight: dict[str, int] = {}
@@ -165,7 +167,7 @@ class Engine(OverlapLoop):
         tenant_limit, draining, engine_error, invalid_request_error)."""
         b = self.blocks
         vocab = getattr(self.tokenizer, "vocab_size", None)
-        max_tokens = check_request(req, self.runner.max_model_len, b.num_blocks, b.block_size, vocab)
+        max_tokens = check_request(req, self.runner.max_model_len, b.num_blocks, b.block_size, vocab, self._checked)
         sampling = (
             req.sampling
             if req.sampling.seed is not None

@@ -390,3 +390,64 @@ def test_a_warm_16k_token_chat_request_through_the_server_encodes_hashes_and_run
     assert warm.cached_tokens == 16000
     assert seg.misses == misses and keys.hashed_blocks == hashed  # nothing encoded or hashed again
     assert runner.items == [(5, 16000)]  # the tail after the last cached block only
+
+
+def test_checked_prompts_range_check_only_ids_past_a_remembered_prompt():
+    import pytest
+
+    from engine.request_check import CheckedPrompts, check_request
+    from engine.types import GenerationRequest, MemraError, SamplingParams
+
+    memo = CheckedPrompts(vocab=1000, max_tokens=40_000, max_entries=4)
+    p = [(i * 37) % 1000 for i in range(16_000)]
+    assert memo.in_vocab(p) and memo.checked_ids == 16_000
+    assert memo.in_vocab(list(p)) and memo.checked_ids == 16_000  # the same prompt again: no id checked
+    # a bad id after a remembered prefix is still found, and such a prompt is not remembered
+    assert not memo.in_vocab(p + [1000]) and not memo.in_vocab(p + [-1])
+    assert not memo.in_vocab(p + [1000]) and memo.checked_ids == 16_000 + 3
+    # a next turn checks its new ids (and replaces the prompt it extends)
+    assert memo.in_vocab(tuple(p) + (5, 6)) and memo.checked_ids == 16_005
+    assert memo.in_vocab(p + [5, 6, 7]) and memo.checked_ids == 16_006 and len(memo._entries) == 1
+    # same first and last ids, a different middle: every id checked
+    q = p + [5, 6, 7]
+    q[5000] = 999_999
+    assert not memo.in_vocab(q) and memo.checked_ids == 16_006 + 16_003
+    assert memo.in_vocab([0]) and memo.in_vocab([0, 999])  # one-id prompts, and one that extends it
+    # bounded: past max_tokens the least recently used prompts are dropped
+    for s in range(4):
+        memo.in_vocab([(i * 13 + s) % 1000 for i in range(15_000)])
+    assert memo._tokens <= 40_000 and len(memo._entries) <= 4
+    before = memo.checked_ids
+    assert memo.in_vocab(p) and memo.checked_ids == before + 16_000  # (dropped: checked in full again)
+
+    def req(ids):
+        return GenerationRequest(request_id="r", prompt_ids=ids, sampling=SamplingParams(0.0), max_tokens=1)
+
+    for check in (None, memo, CheckedPrompts(vocab=999)):  # (a memo of another vocabulary is not used)
+        assert check_request(req(p), 20_000, 2000, 16, 1000, check) == 1
+        with pytest.raises(MemraError, match=r"outside the vocabulary \[0, 1000\)") as e:
+            check_request(req(p + [1000]), 20_000, 2000, 16, 1000, check)
+        assert e.value.param == "prompt"
+
+
+def test_an_engine_checks_a_warm_prompt_by_its_new_ids_and_still_refuses_bad_ones():
+    import pytest
+
+    from engine.loop import Engine
+    from engine.types import GenerationRequest, MemraError, SamplingParams
+
+    tok = _NullTok()
+    tok.vocab_size = 32_000
+    eng = Engine(_StubRunner(), tok)
+    p = [(i * 7919) % 30000 + 5 for i in range(15_000)]
+
+    def submit(ids, rid):
+        return eng.submit(GenerationRequest(request_id=rid, prompt_ids=ids, sampling=SamplingParams(0.0), max_tokens=1))
+
+    submit(p, "a")
+    checked = eng._checked.checked_ids
+    submit(list(p), "b")
+    submit(p + [7, 8], "c")
+    assert eng._checked.checked_ids - checked == 2  # the prompt again: nothing; its next turn: 2 ids
+    with pytest.raises(MemraError, match="outside the vocabulary"):
+        submit(p + [32_000], "d")
