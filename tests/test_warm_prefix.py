@@ -382,13 +382,18 @@ def test_a_warm_16k_token_chat_request_through_the_server_encodes_hashes_and_run
             cold = send()
             assert cold.prompt_tokens == 16005 and cold.cached_tokens == 0
             seg, keys = tok._segments, eng.blocks.keys
-            misses, hashed = seg.misses, keys.hashed_blocks
+            misses, hashed, checked = seg.misses, keys.hashed_blocks, eng._checked.checked_ids
             runner.items.clear()
             warm = send()
     finally:
         eng.shutdown(5)
     assert warm.cached_tokens == 16000
     assert seg.misses == misses and keys.hashed_blocks == hashed  # nothing encoded or hashed again
+    assert eng._checked.checked_ids == checked  # no id range-checked again (engine.request_check)
+    # the cached pieces hold one int object per id (a hit is a pointer copy, not 16k new ints)
+    pieces = list(seg._lru.values())
+    assert pieces and all(type(ids) is tuple for ids in pieces)
+    assert all(i is seg._canon(i) for ids in pieces for i in ids)
     assert runner.items == [(5, 16000)]  # the tail after the last cached block only
 
 
