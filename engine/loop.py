@@ -439,6 +439,7 @@ class Engine(OverlapLoop):
             sampling=seq.sampling,
             history=seq.token_ids,  # live list, valid for the duration of the step
             prompt_len=seq.prompt_len,
+            prompt_memo=seq.prompt_memo,
             num_generated=seq.num_generated,
             allowed=constraint.allowed() if constraint is not None and s.sample else None,
             state_slot=slot,

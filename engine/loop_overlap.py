@@ -183,6 +183,7 @@ class OverlapLoop:
                     sampling=seq.sampling,
                     history=seq.token_ids,
                     prompt_len=seq.prompt_len,
+                    prompt_memo=seq.prompt_memo,
                     num_generated=seq.num_generated + 1,
                     prev_row=r,
                 )

@@ -345,7 +345,7 @@ class StepLogic:
         for r, it in enumerate(items):
             if not it.sampling.uses_penalties or r in skip:
                 continue
-            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab)
+            toks, info = penalty_entries(it.sampling, it.history, it.prompt_len, vocab, it.prompt_memo)
             parts.append((r, toks, info))
             total += toks.size
         if total > PENALTY_CAPACITY:

@@ -83,6 +83,7 @@ def _rows(it: StepItem, tail: int) -> tuple[list[StepItem], list[int]]:
             it.sampling if last else _GREEDY,
             history=it.history if last else (),
             prompt_len=it.prompt_len,
+            prompt_memo=it.prompt_memo if last else None,
             num_generated=it.num_generated if last else 0,
             allowed=it.allowed if last else None,
             state_slot=it.state_slot,

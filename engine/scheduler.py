@@ -10,7 +10,7 @@ Pure Python: must not import numpy, CUDA or the loop.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_manager import BlockManager, aligned_count, blocks_for
@@ -32,6 +32,7 @@ class Sequence:
     cached_tokens: int | None = None  # prefix hit at first admission (usage.cached_tokens)
     running: bool = False
     state: Any = None  # loop-side state (handle, stop checker, timings)
+    prompt_memo: dict = field(default_factory=dict)  # StepItem.prompt_memo: the runner's, per sequence
 
     @property
     def num_generated(self) -> int:

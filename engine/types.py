@@ -125,6 +125,10 @@ class StepItem:
     # for its row ``prev_row``, still on the device; ``token_ids`` then holds one placeholder (-1) and
     # ``history`` ends before that token (the host learns it one step later).
     prev_row: int | None = None
+    # Values the runner derives from the sequence's prompt (``history[:prompt_len]``, fixed for the
+    # sequence), kept for its later steps: the penalties' distinct prompt ids (engine.sampling
+    # .penalty_entries). The engine gives each sequence one dict; None: derived again each step.
+    prompt_memo: dict | None = None
 
 
 class TokenConstraint(Protocol):

@@ -205,3 +205,41 @@ def test_penalty_entries_reproduce_apply_penalties():
             atol=1e-6,
         )
     assert len(seen_kinds) == 8
+
+
+def test_penalty_entries_with_a_prompt_memo_equal_them_without_and_read_only_generated_ids():
+    """A sequence's memo (StepItem.prompt_memo) keeps its prompt's distinct ids: every later step
+    gives the same entries as a step without it, and reads no prompt id again (slices recorded)."""
+    from engine.sampling import penalty_entries
+
+    class Spy(list):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.read: list[tuple[int, int]] = []
+
+        def __getitem__(self, k):
+            if isinstance(k, slice):
+                start, stop, _ = k.indices(len(self))
+                self.read.append((start, stop))
+            return super().__getitem__(k)
+
+    rng = np.random.default_rng(11)
+    vocab = 700
+    for trial in range(40):
+        kw = {"repetition_penalty": 1.3}
+        if trial % 2:
+            kw["frequency_penalty"] = 0.4
+        params = SamplingParams(temperature=1.0, **kw)
+        prompt_len = int(rng.integers(0, 3000))
+        hist = Spy(int(t) for t in rng.integers(-3, vocab + 3, prompt_len))  # (ids outside the vocabulary too)
+        memo: dict = {}
+        for step in range(12):
+            hist.read.clear()
+            got = penalty_entries(params, hist, prompt_len, vocab, memo)
+            want = penalty_entries(params, list(hist), prompt_len, vocab)
+            assert all(np.array_equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+            h = np.asarray(list(hist), dtype=np.int64)
+            assert np.array_equal(got[0], np.unique(h[(h >= 0) & (h < vocab)]).astype(np.int32))
+            if step:  # the prompt's ids are read on the first step only
+                assert all(start >= prompt_len for start, stop in hist.read if stop > start), hist.read
+            hist.append(int(rng.integers(0, vocab)))

@@ -456,3 +456,34 @@ def test_an_engine_checks_a_warm_prompt_by_its_new_ids_and_still_refuses_bad_one
     assert eng._checked.checked_ids - checked == 2  # the prompt again: nothing; its next turn: 2 ids
     with pytest.raises(MemraError, match="outside the vocabulary"):
         submit(p + [32_000], "d")
+
+
+def test_each_sequence_gives_its_steps_one_prompt_memo_and_a_tails_last_row_carries_it():
+    from engine.loop import Engine
+    from engine.runner_tail import _rows
+    from engine.types import GenerationRequest, SamplingParams
+
+    class Recording(_StubRunner):
+        def __init__(self):
+            self.items = []
+
+        def step(self, items):
+            self.items += items
+            return super().step(items)
+
+    runner = Recording()
+    eng = Engine(runner, _NullTok())
+    sp = SamplingParams(0.0, repetition_penalty=1.2)
+    for rid, n in (("a", 100), ("b", 40)):
+        eng.submit(GenerationRequest(request_id=rid, prompt_ids=list(range(5, 5 + n)), sampling=sp, max_tokens=4))
+    eng._drain_inbox(False)
+    while eng.scheduler.has_work():
+        eng._step()
+    memos = {}
+    for it in runner.items:
+        assert isinstance(it.prompt_memo, dict)
+        assert memos.setdefault(it.seq_id, it.prompt_memo) is it.prompt_memo  # one per sequence
+    assert len(memos) == 2 and len({id(m) for m in memos.values()}) == 2
+    it = runner.items[0]
+    rows, _ = _rows(it, 3)
+    assert rows[-1].prompt_memo is it.prompt_memo and all(r.prompt_memo is None for r in rows[:-1])
