@@ -2,6 +2,8 @@
 tokens of one sequence after ``--depths`` cached tokens), on the GPU machine.
 
     PYTHONPATH=. python tools/gpu_warm_tail.py MODEL [--depths 1024,4096,16384] [--tail 7] [--json F]
+    ... --depths 1040,4000,15920 --tail 7,4,9 --max-model-len 0   (tools/warm_prefix.py's 160 / 640 /
+        2540-word prompts on the GGUFs' byte-level vocabulary, in a runner sized as `memra serve`'s)
 
 For each depth: ``runner.step`` of the tail item end to end (host prep + upload + pass + the
 sampled id read back): as the engine runs it (the prompt's trailing partial block as decode rows,
@@ -118,17 +120,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--depths", default="1024,4096,16384")
-    ap.add_argument("--tail", type=int, default=7)
+    ap.add_argument("--tail", default="7", help="tail tokens: one for every depth, or one per depth (7,4,9)")
+    ap.add_argument("--max-model-len", type=int, default=-1,
+                    help="the runner's context (-1: the deepest depth + 1024; 0: the model's own, as memra serve)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     model = load_model(args.model)
     t0 = time.perf_counter()
-    runner = CudaRunner(model, max_model_len=max(depths) + 1024, state_slots=4)  # (a dense model has none)
+    tails = [int(t) for t in args.tail.split(",")]
+    if len(tails) not in (1, len(depths)):
+        raise SystemExit("gpu_warm_tail: --tail gives one count or one per depth")
+    tails = tails * len(depths) if len(tails) == 1 else tails
+    mml = max(depths) + 1024 if args.max_model_len < 0 else (args.max_model_len or None)
+    runner = CudaRunner(model, max_model_len=mml, state_slots=4)  # (a dense model has none)
     print(f"runner built in {time.perf_counter() - t0:.2f} s ({runner.ctx.info.name})", flush=True)
     rows = []
-    for d in depths:
-        row = measure(runner, d, args.tail)
+    for d, tail in zip(depths, tails, strict=True):
+        row = measure(runner, d, tail)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
