@@ -487,3 +487,30 @@ def test_each_sequence_gives_its_steps_one_prompt_memo_and_a_tails_last_row_carr
     it = runner.items[0]
     rows, _ = _rows(it, 3)
     assert rows[-1].prompt_memo is it.prompt_memo and all(r.prompt_memo is None for r in rows[:-1])
+
+
+def test_a_warm_prompts_engine_work_makes_the_same_python_calls_at_1k_and_16k_tokens():
+    """Admission, validation, scheduling, the step item, the tokens' bookkeeping and the release of
+    a prompt sent again: the Python calls (cProfile's count, not time) do not grow with the prompt,
+    so a per-token or per-block Python function (a generator, a helper called in a loop) shows here."""
+    from engine.loop import Engine
+    from engine.types import GenerationRequest, SamplingParams
+
+    eng = Engine(_StubRunner(), _NullTok())
+    counter = iter(range(10**6))
+
+    def send(prompt):
+        eng.submit(GenerationRequest(request_id=str(next(counter)), prompt_ids=prompt, sampling=SamplingParams(0.0),
+                                     max_tokens=1))  # fmt: skip
+        eng._drain_inbox(False)
+        while eng.scheduler.has_work():
+            eng._step()
+
+    calls = []
+    for n in (1000 + 5, 16000 + 5):  # (the same 5-token tail after the cached blocks)
+        p = [(i * 7919 + n) % 30000 + 5 for i in range(n)]
+        send(p)  # cold
+        send(list(p))
+        calls.append(_calls(lambda p=p: send(list(p))))
+    assert calls[0] == calls[1], calls
+    eng.check_invariants()
