@@ -11,7 +11,8 @@ and then only whole texts are cached.
 
 Cached ids are tuples of one shared int object per vocabulary id (``_canonical_ints``): a hit's copy
 into the caller's list is a pointer copy (a 16k-token prompt of ids past 256: ~0.02 ms, against
-~0.35 ms to make ints out of an ``array``), at 8 bytes a cached id plus one int per vocabulary entry (a 152k vocabulary: 6 MB).
+~0.35 ms to make ints out of an ``array``), at 8 bytes a cached id plus one int per vocabulary
+entry (a 152k vocabulary: 6 MB).
 Must not import numpy, CUDA or other engine modules.
 """
 
