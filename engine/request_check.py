@@ -8,7 +8,8 @@ The vocabulary check costs in proportion to the ids not seen before (issue #34: 
 costs O(new tokens)): ``CheckedPrompts`` keeps recent prompts that passed it, and a prompt that
 starts with one (the same prompt sent again, a conversation's next turn) checks only the ids after
 it. Comparing a remembered prefix (C-level list equality) costs about a tenth of what min/max over
-the same ids does.
+the same ids does. Prompts are remembered per tenant and cache salt, as the prefix cache keys its
+blocks, so one tenant's check time never tells whether another sent a prompt.
 
 Must not import CUDA, numpy or any runner.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from engine.block_manager import blocks_for
 from engine.types import GenerationRequest, MemraError
@@ -26,7 +28,8 @@ from engine.types import GenerationRequest, MemraError
 class CheckedPrompts:
     """Recent prompts whose ids all lie inside the vocabulary ``[0, vocab)`` (one vocabulary per
     instance: the engine's), least recently used dropped past ``max_tokens`` remembered ids or
-    ``max_entries`` prompts. ``checked_ids`` counts the ids range-checked (the tests' counter).
+    ``max_entries`` prompts, each under its ``scope`` (the tenant and cache salt: a prompt only
+    reuses its own scope's). ``checked_ids`` counts the ids range-checked (the tests' counter).
     Thread-safe (requests are submitted from the server's threads)."""
 
     def __init__(self, vocab: int, max_tokens: int = 1 << 18, max_entries: int = 64):
@@ -34,23 +37,30 @@ class CheckedPrompts:
         self.max_tokens = max_tokens
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()
         self._tokens = 0
         self._ids = 0
         self.checked_ids = 0
 
-    def in_vocab(self, ids: Sequence[int]) -> bool:
+    def in_vocab(self, ids: Sequence[int], scope: Any = None) -> bool:
         """Whether every id of ``ids`` lies in ``[0, vocab)``; checks only the ids after the longest
-        remembered prompt that ``ids`` starts with, and remembers ``ids`` when they pass."""
+        prompt remembered under ``scope`` that ``ids`` starts with, and remembers ``ids`` when they
+        pass."""
         if not isinstance(ids, list):
             ids = list(ids)  # (list == tuple is never true)
         n = len(ids)
         with self._lock:
             done, best_id = 0, None
-            for eid, prev in reversed(self._entries.items()):
+            for eid, (sc, prev) in reversed(self._entries.items()):
                 m = len(prev)
                 # (first and last ids before the slice: a mismatch rarely pays for the comparison)
-                if done < m <= n and prev[0] == ids[0] and prev[-1] == ids[m - 1] and (ids == prev if m == n else ids[:m] == prev):
+                if (
+                    sc == scope
+                    and done < m <= n
+                    and prev[0] == ids[0]
+                    and prev[-1] == ids[m - 1]
+                    and (ids == prev if m == n else ids[:m] == prev)
+                ):
                     done, best_id = m, eid
                     if m == n:
                         break
@@ -61,19 +71,19 @@ class CheckedPrompts:
             if rest and (min(rest) < 0 or max(rest) >= self.vocab):
                 return False
             if done < n:
-                self._remember(list(ids), best_id)
+                self._remember(scope, list(ids), best_id)
             return True
 
-    def _remember(self, ids: list[int], extends: int | None) -> None:
+    def _remember(self, scope: Any, ids: list[int], extends: int | None) -> None:
         if len(ids) > self.max_tokens // 2:
             return
         if extends is not None:  # the prompt it extends is redundant now
-            self._tokens -= len(self._entries.pop(extends))
+            self._tokens -= len(self._entries.pop(extends)[1])
         self._ids += 1
-        self._entries[self._ids] = ids
+        self._entries[self._ids] = (scope, ids)
         self._tokens += len(ids)
         while self._tokens > self.max_tokens or len(self._entries) > self.max_entries:
-            self._tokens -= len(self._entries.popitem(last=False)[1])
+            self._tokens -= len(self._entries.popitem(last=False)[1][1])
 
 
 def check_request(
@@ -95,7 +105,7 @@ def check_request(
     if isinstance(vocab, int):
         ids = req.prompt_ids
         if checked is not None and checked.vocab == vocab:
-            ok = checked.in_vocab(ids)
+            ok = checked.in_vocab(ids, (req.tenant, req.cache_salt))
         else:
             ok = min(ids) >= 0 and max(ids) < vocab
         if not ok:

@@ -418,6 +418,11 @@ def test_checked_prompts_range_check_only_ids_past_a_remembered_prompt():
     q[5000] = 999_999
     assert not memo.in_vocab(q) and memo.checked_ids == 16_006 + 16_003
     assert memo.in_vocab([0]) and memo.in_vocab([0, 999])  # one-id prompts, and one that extends it
+    # scoped (tenant, cache salt): another scope's prompt shortens no check
+    before = memo.checked_ids
+    assert memo.in_vocab(p + [5, 6, 7], ("b", "")) and memo.checked_ids == before + 16_003
+    assert memo.in_vocab(p + [5, 6, 7], ("b", "")) and memo.checked_ids == before + 16_003
+    assert memo.in_vocab(p + [5, 6, 7], ("b", "s")) and memo.checked_ids == before + 2 * 16_003
     # bounded: past max_tokens the least recently used prompts are dropped
     for s in range(4):
         memo.in_vocab([(i * 13 + s) % 1000 for i in range(15_000)])
@@ -456,6 +461,10 @@ def test_an_engine_checks_a_warm_prompt_by_its_new_ids_and_still_refuses_bad_one
     assert eng._checked.checked_ids - checked == 2  # the prompt again: nothing; its next turn: 2 ids
     with pytest.raises(MemraError, match="outside the vocabulary"):
         submit(p + [32_000], "d")
+    checked = eng._checked.checked_ids
+    eng.submit(GenerationRequest(request_id="e", prompt_ids=list(p), sampling=SamplingParams(0.0), max_tokens=1,
+                                 tenant="other"))  # fmt: skip
+    assert eng._checked.checked_ids - checked == len(p)  # another tenant's prompt: checked in full
 
 
 def test_each_sequence_gives_its_steps_one_prompt_memo_and_a_tails_last_row_carries_it():
