@@ -2,8 +2,9 @@
 tokens of one sequence after ``--depths`` cached tokens), on the GPU machine.
 
     PYTHONPATH=. python tools/gpu_warm_tail.py MODEL [--depths 1024,4096,16384] [--tail 7] [--json F]
-    ... --depths 1040,4000,15920 --tail 7,4,9 --max-model-len 0   (tools/warm_prefix.py's 160 / 640 /
-        2540-word prompts on the GGUFs' byte-level vocabulary, in a runner sized as `memra serve`'s)
+    ... --depths 1040,4000,15920 --tail 7,4,9 --max-model-len 0 --idle-ms 5   (tools/warm_prefix.py's
+        160 / 640 / 2540-word prompts on the GGUFs' byte-level vocabulary, in a runner sized as `memra
+        serve`'s; each step also timed after 5 ms of GPU idle, about what a warm send finds)
 
 For each depth: ``runner.step`` of the tail item end to end (host prep + upload + pass + the
 sampled id read back): as the engine runs it (the prompt's trailing partial block as decode rows,
@@ -52,9 +53,12 @@ def gpu_ms(stream, fn, reps: int = 10) -> float:
     return ms
 
 
-def wall_ms(fn, reps: int = 7) -> float:
+def wall_ms(fn, reps: int = 7, idle_s: float = 0.0) -> float:
+    """Median wall milliseconds of ``fn``; ``idle_s``: each call after that long with the GPU idle."""
     out = []
     for _ in range(reps):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         fn()
         out.append(1e3 * (time.perf_counter() - t0))
@@ -77,7 +81,7 @@ def per_template(runner, bound) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def measure(runner, depth: int, tail: int) -> dict:
+def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     bs = runner.block_size
     table = list(range(-(-(depth + tail) // bs)))
     state = dict(state_slot=0, state_restore=1) if runner.num_state_slots else {}
@@ -88,6 +92,8 @@ def measure(runner, depth: int, tail: int) -> dict:
     row = {"depth": depth, "tail": tail, "decode_rows": tail_count(item, bs)}
     runner.use_graphs = True
     row["step_graph_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
+    if idle_ms:  # as a warm request finds it: the GPU idle since the last send (clocks, caches)
+        row["step_graph_after_idle_ms"] = round(wall_ms(lambda: runner.step([item]), idle_s=idle_ms / 1e3), 3)
     row["step_prefill_ms"] = round(wall_ms(lambda: runner.step([pre])), 3)  # the path before engine.runner_tail
     runner.use_graphs = False
     row["step_eager_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
@@ -123,6 +129,8 @@ def main() -> int:
     ap.add_argument("--tail", default="7", help="tail tokens: one for every depth, or one per depth (7,4,9)")
     ap.add_argument("--max-model-len", type=int, default=-1,
                     help="the runner's context (-1: the deepest depth + 1024; 0: the model's own, as memra serve)")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="also time the tail's step after this long idle (step_graph_after_idle_ms)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
@@ -137,7 +145,7 @@ def main() -> int:
     print(f"runner built in {time.perf_counter() - t0:.2f} s ({runner.ctx.info.name})", flush=True)
     rows = []
     for d, tail in zip(depths, tails, strict=True):
-        row = measure(runner, d, tail)
+        row = measure(runner, d, tail, args.idle_ms)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
