@@ -155,10 +155,10 @@ class GemvCoop(Knobs):
 @dataclass(frozen=True, eq=False)
 class GemvMmq(Knobs):
     # the bucket decode GEMVs of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1) on the
-    # int8 tensor cores (kernels/_gemv_mmq.cuh.j2, its fixed shape: engine.kernel_catalog.builders
-    # .MMA_FIXED) where their q8x coop layout allows it, each row's bits those of its batch-1 coop
-    # GEMV; only in decode passes of at least min_rows rows (0: every bucket pass; smaller passes
-    # keep the bucket coop GEMV)
+    # int8 tensor cores (kernels/_gemv_mmq.cuh.j2; its fixed shape: kernel_catalog.MMA_FIXED)
+    # where their q8x coop layout allows it, each row's bits those of its batch-1 coop GEMV; only
+    # in decode passes of at least min_rows rows (0: every bucket pass; smaller passes keep the
+    # bucket coop GEMV)
     types: list[str] = knob([], q8x_file_types)
     min_rows: int = knob(0, non_negative)
 
