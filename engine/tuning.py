@@ -154,28 +154,13 @@ class GemvCoop(Knobs):
 
 @dataclass(frozen=True, eq=False)
 class GemvMmq(Knobs):
-    # the bucket decode GEMVs (2+ rows) of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1)
-    # on the int8 tensor cores (kernels/_gemv_mmq.cuh.j2) where their q8x coop layout allows it:
-    # each row's bits those of its batch-1 coop GEMV; bmax x rows a block (halved while the block's
-    # shared memory would not fit), 16 weight rows a warp, blocks of `threads`, `depth` segments in
-    # flight per warp;
-    # blocks_per_sm > 0: at most that many blocks per SM, each looping over row tiles (it stages
-    # and quantises its x rows once for all of them, which every block does: 0, a block per
-    # 16-row tile, stages them n / 16 times; the runner fits the grid to the resident blocks)
-    types: list[str] = knob([])
-    threads: int = knob(256, positive)
-    bmax: int = knob(32, positive)
-    depth: int = knob(4, positive)
-    blocks_per_sm: int = knob(1, non_negative)
-    # x staging: this many rounds of THREADS 8-element groups' loads in flight before quantising
-    # them (1 .. 8; a round each is an L2 round trip per round: 20 of them for 16 rows of 2560)
-    stage_rounds: int = knob(8, positive)
-    # __launch_bounds__ minimum of resident blocks per SM (0: none): registers capped so that
-    # this many blocks of `threads` fit
-    min_blocks: int = knob(0, non_negative)
-    # a block's first l2_tiles row tiles prefetched into L2 before it waits for x and stages it
-    # (a hint: the weight stream runs while x is quantised; 0: none)
-    l2_tiles: int = knob(2, non_negative)
+    # the bucket decode GEMVs of these file storage types (q4_k, q6_k, q8_0, q4_0, q4_1) on the
+    # int8 tensor cores (kernels/_gemv_mmq.cuh.j2; its fixed shape: kernel_catalog.MMA_FIXED)
+    # where their q8x coop layout allows it, each row's bits those of its batch-1 coop GEMV; only
+    # in decode passes of at least min_rows rows (0: every bucket pass; smaller passes keep the
+    # bucket coop GEMV)
+    types: list[str] = knob([], q8x_file_types)
+    min_rows: int = knob(0, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

@@ -101,7 +101,8 @@ def test_the_norm_prologue_and_the_rmsnorm_kernel_sum_over_the_same_threads():
 
 def test_mismatches_names_a_bit_changing_knob(models):
     """The check itself: a plan whose batch-1 attention runs other warps than the bucket's, or
-    whose batch-1 GEMV splits k over other warp groups, is reported."""
+    whose batch-1 GEMV (or a bucket GEMV of 32 rows and more only) splits k over other warp
+    groups, is reported."""
     m = models["qwen3-q4_k_m"]
     plan = build_plan(m.graph, m.dims, m.quant, get_profile("h100"), m.tensor_dtypes, m.rope_style)
     assert mismatches(plan) == []
@@ -115,6 +116,16 @@ def test_mismatches_names_a_bit_changing_knob(models):
     p = la.spec.params
     spec = dataclasses.replace(la.spec, params={**p, "ksplit": p["ksplit"] + 1} if p["coop"] else {**p, "threads": 2 * p["threads"]})
     steps[j].launches["decode1"] = (dataclasses.replace(la, spec=spec), *steps[j].launches["decode1"][1:])
+    # the bucket launch of 32 rows and more (gemv_mmq.min_rows: the int8 tensor-core GEMV)
+    h = next(h for h, st in enumerate(steps) if h != j and any(la.spec.params.get("mma") for la in st.launches.get("decode", ())))
+    las = steps[h].launches["decode"]
+    e = next(e for e, la in enumerate(las) if la.spec.params.get("mma"))
+    assert las[e].min_rows == 32 and any(la.max_rows == 31 for la in las)
+    p = las[e].spec.params
+    spec = dataclasses.replace(las[e].spec, params={**p, "ksplit": p["ksplit"] + 1})
+    steps[h].launches["decode"] = (*las[:e], dataclasses.replace(las[e], spec=spec), *las[e + 1 :])
     lines = mismatches(dataclasses.replace(plan, steps=tuple(steps)))
     assert any(f"step {i} " in x and "short" in x for x in lines), lines
     assert any(f"step {j} " in x and "decode1" in x for x in lines), lines
+    assert any(f"step {h} " in x and "decode at 32 rows" in x for x in lines), lines
+    assert not any(f"step {h} " in x and "decode at 16 rows" in x for x in lines), lines

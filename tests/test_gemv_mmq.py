@@ -81,7 +81,7 @@ def test_mma_params_follow_the_bucket_coop_signature():
         c = kc.choice("gemv", **m)
         assert c.grid(33) == (-(-n // m["rows_per_block"]), -(-33 // m["bmax"]), 1) and c.smem == kc.gemv_smem(m)
     assert kc.mma_params(kc.linear_params("q4_k", 2560, 9728, t, bmax=4, sm_count=132), t)["bmax"] == 8  # 16 do not fit
-    off = dict(all_profiles()["h100"].tuning)  # gemv_mmq.types empty: no mma spec
+    off = {**t, "gemv_mmq": {**t["gemv_mmq"], "types": []}}  # gemv_mmq.types empty: no mma spec
     assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, off, bmax=8), off) is None
     t4 = {**t, "gemv_mmq": {**t["gemv_mmq"], "types": ["q4_0"]}}  # (q4_k not named)
     assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t4, bmax=8), t4) is None
@@ -89,7 +89,12 @@ def test_mma_params_follow_the_bucket_coop_signature():
     base = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t)
     with pytest.raises(ConfigError, match="bmax=12 must be a multiple of 8"):
         kc.spec("gemv", **{**base, "bmax": 12})
-    assert kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), {**t, "gemv_mmq": {**t["gemv_mmq"], "blocks_per_sm": 2}}, 132)["grid_cap"] == 264
+    # MMA_FIXED: blocks of 256, 32 x rows, the grid capped at one block per SM (none: SMs unknown)
+    fixed = kc.mma_params(kc.linear_params("q4_k", 6144, 2560, t, bmax=8), t, 132)
+    assert (fixed["threads"], fixed["bmax"], fixed["unroll"], fixed["stage_rounds"], fixed["grid_cap"]) == (256, 32, 4, 8, 132)
+    assert base["grid_cap"] == 0 and not fixed["min_blocks"]
+    with pytest.raises(ConfigError, match="mma gemv: no glu, wsm, tile_pf, l2_pf, trigger or min_blocks"):
+        kc.spec("gemv", **{**base, "min_blocks": 2})
     with pytest.raises(ConfigError, match="mma gemv: no glu"):
         kc.spec("gemv", **{**base, "wsm": True})
 
@@ -192,12 +197,9 @@ def test_mma_rows_equal_the_batch1_coop_gemv_under_the_emulator(case, tmp_path):
         assert diff.size == 0, (case, r, diff.size, diff[:8])
 
 
-def test_the_knob_takes_the_bucket_q4_k_and_q6_k_gemvs_of_a_plan_and_only_those():
-    """gemv_mmq.types=[q4_k, q6_k] (MEMRA_TUNE-style, as a profile would set it) on a Qwen3-4B
-    q4_k_m plan: every bucket decode GEMV of a q4_k / q6_kr weight with q8x x rows is an mma spec
-    (the bucket coop spec's k split and lanes, its own bmax in grid.y, its capped grid fitted to the
-    resident blocks), the batch-1 launches (decode1, gemv_pair parts) are the plan's without the
-    knob, and without the knob no launch is an mma spec."""
+def _qwen3_4b_q4_k_m_plans(**profiles) -> dict:
+    """Qwen3-4B q4_k_m plans (the q4_k_m mix: q6_k v / down in even layers, q6_k head;
+    tests/fixtures/checkpoints) for h100 with each MEMRA_TUNE-style tuning given."""
     from engine.graph import load_family
     from engine.model import dims_for_size
     from engine.plan import build_plan
@@ -205,31 +207,82 @@ def test_the_knob_takes_the_bucket_q4_k_and_q6_k_gemvs_of_a_plan_and_only_those(
 
     graph = load_family("qwen3")
     dims = dims_for_size("qwen3", "qwen3-4b")
-    base = get_profile("h100")
-    on = with_tuning(base, "gemv_mmq.types=[q4_k, q6_k]")
-    # the q4_k_m mix: q6_k v / down in even layers, q6_k head (tests/fixtures/checkpoints)
     dtypes = {k: mix_tensor_type("q4_k_m", k, 1) for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     dtypes.update({k: mix_tensor_type("q4_k_m", k, -1) for k in ("embed", "lm_head")})
     dtypes.update({f"{k}@{i}": "q6_k" for k in ("wv", "w_down") for i in range(0, dims["layers"], 2)})
-    plans = {name: build_plan(graph, dims, graph.quant("q4_k_m"), prof, tensor_dtypes=dtypes,
-                              rope_style=graph.rope_style["gguf"]) for name, prof in (("off", base), ("on", on))}  # fmt: skip
+    return {name: build_plan(graph, dims, graph.quant("q4_k_m"), with_tuning(get_profile("h100"), tune),
+                             tensor_dtypes=dtypes, rope_style=graph.rope_style["gguf"])
+            for name, tune in profiles.items()}  # fmt: skip
 
-    def launches(plan, mode):
-        return [la for st in plan.steps for la in st.launches.get(mode, ()) if la.spec.template in ("gemv", "gemv_pair")]
 
-    assert not any(la.spec.params.get("mma") for mode in ("decode1", "decode") for la in launches(plans["off"], mode))
-    assert [la.spec for la in launches(plans["on"], "decode1")] == [la.spec for la in launches(plans["off"], "decode1")]
+def _gemvs(plan, mode):
+    return [la for st in plan.steps for la in st.launches.get(mode, ()) if la.spec.template in ("gemv", "gemv_pair")]
+
+
+def test_the_knob_takes_the_bucket_q4_k_and_q6_k_gemvs_of_a_plan_and_only_those():
+    """gemv_mmq.types=[q4_k, q6_k], min_rows 0 on a Qwen3-4B q4_k_m plan: every bucket decode GEMV
+    of a q4_k / q6_kr weight with q8x x rows is an mma spec at every row count (the bucket coop
+    spec's k split and lanes, its own bmax in grid.y, its capped grid fitted to the resident
+    blocks), the batch-1 launches (decode1, gemv_pair parts) are the plan's without the knob, and
+    without the knob no launch is an mma spec."""
+    from engine.profile import get_profile
+
+    plans = _qwen3_4b_q4_k_m_plans(off="gemv_mmq.types=[]", on="gemv_mmq.types=[q4_k, q6_k]; gemv_mmq.min_rows=0")
+    sm_count = get_profile("h100").sm_count
+    assert not any(la.spec.params.get("mma") for mode in ("decode1", "decode") for la in _gemvs(plans["off"], mode))
+    assert [la.spec for la in _gemvs(plans["on"], "decode1")] == [la.spec for la in _gemvs(plans["off"], "decode1")]
     seen = set()
-    for la_on, la_off in zip(launches(plans["on"], "decode"), launches(plans["off"], "decode"), strict=True):
+    for la_on, la_off in zip(_gemvs(plans["on"], "decode"), _gemvs(plans["off"], "decode"), strict=True):
         p, q = la_on.spec.params, la_off.spec.params
+        assert (la_on.min_rows, la_on.max_rows) == (0, 0)
         if q["quant"] in ("q4_k", "q6_kr") and q["q8x"]:
             assert p["mma"] and (p["lanes"], p["ksplit"], p["n"], p["k"]) == (q["lanes"], q["ksplit"], q["n"], q["k"])
             assert la_on.grid == (kc.gemv_grid_x(p), f"(n + {p['bmax'] - 1}) // {p['bmax']}") and la_on.fit_grid
-            assert p["grid_cap"] == on.sm_count and la_on.smem == kc.gemv_smem(p)
+            assert p["grid_cap"] == sm_count and la_on.smem == kc.gemv_smem(p) and la_on.args == la_off.args
             seen.add(p["quant"])
         else:
             assert la_on.spec == la_off.spec
     assert seen == {"q4_k", "q6_kr"}
+
+
+def test_min_rows_keeps_the_smaller_buckets_launches_as_they_are_without_the_knob():
+    """The h100 profile's gemv_mmq (every type, min_rows 32) against the same profile without it
+    (types []): every launch of every step and mode but decode is the same, and so is every decode
+    launch a pass of 1 .. 31 rows runs (the same spec, so the same rendered kernel; the coop GEMVs
+    only bounded to 31 rows); a pass of 32 rows and more runs the mma GEMV in place of each coop
+    q8x GEMV of an MMA type (its lanes, k split, shape and args; a concurrent one stays so), and
+    every other launch as it is."""
+    import dataclasses
+
+    from engine.profile import get_profile
+
+    assert dict(get_profile("h100").tuning["gemv_mmq"])["min_rows"] == 32
+    plans = _qwen3_4b_q4_k_m_plans(off="gemv_mmq.types=[]", on="")
+    on, off = plans["on"], plans["off"]
+    assert on.graph_batch_sizes == off.graph_batch_sizes and 32 in on.graph_batch_sizes
+    swapped = 0
+    for s_on, s_off in zip(on.steps, off.steps, strict=True):
+        assert s_on.launches.keys() == s_off.launches.keys()
+        for mode, las in s_on.launches.items():
+            if mode != "decode":
+                assert las == s_off.launches[mode], mode
+        for n in on.graph_batch_sizes:
+            got = [la for la in s_on.launches.get("decode", ()) if la.runs_at(n)]
+            want = [la for la in s_off.launches.get("decode", ()) if la.runs_at(n)]
+            if n < 32:
+                assert [dataclasses.replace(la, max_rows=0) if la.max_rows == 31 else la for la in got] == want
+                continue
+            assert len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                p, q = a.spec.params, b.spec.params
+                if a == b:
+                    assert not (q.get("q8x") and q["quant"] in kc.MMA_TYPES and not q["glu"])
+                    continue
+                assert p["mma"] and a.min_rows == 32 and b.max_rows == 0 and a.concurrent == b.concurrent
+                assert (p["quant"], p["n"], p["k"], p["lanes"], p["ksplit"]) == (q["quant"], q["n"], q["k"], q["lanes"], q["ksplit"])
+                assert a.args == b.args
+                swapped += n == 32
+    assert swapped == 5 * 36 + 1, swapped  # (q|k, v, o, gate|up, down: every layer's, and the head)
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or CUDA headers not available")

@@ -110,7 +110,7 @@ def test_unequal_storage_types_fuse_runs_of_equal_ones():
     keys = {w.key for w in plan.weights}
     assert "L0.wq|wk" in keys and "L0.wq" not in keys and "L0.wv" in keys and "L0.w_gate|w_up" in keys
     linear = next(s for s in plan.steps if s.layer == 0 and s.op.op == "linear")
-    assert len(linear.launches["decode"]) == 2  # wq|wk, then wv
+    assert len(_at(linear.launches["decode"])) == len(_at(linear.launches["decode"], 32)) == 2  # wq|wk, then wv
     q, k, v = (plan.values[n] for n in linear.op.outputs)
     assert q.buffer == k.buffer != v.buffer and q.ld == k.ld == q.width + k.width and v.ld == v.width
     rope = next(s for s in plan.steps if s.layer == 0 and s.op.op == "rope")
@@ -154,7 +154,8 @@ def test_fork_linears_marks_a_split_linears_later_launches_concurrent():
             for mode, launches in step.launches.items():
                 flags = [la.concurrent for la in launches]
                 if step in qkv and mode in ("decode1", "decode"):
-                    assert flags == [False, on], (mode, flags)
+                    for rows in (8, 32):  # (the coop and the mma bucket GEMVs alike)
+                        assert [la.concurrent for la in _at(launches, rows)] == [False, on], (mode, rows)
                 else:
                     assert not any(flags), (step.op.op, step.op.outputs, mode)
 
@@ -186,7 +187,7 @@ def test_pair_linears_runs_q_k_and_v_as_one_launch_at_batch_1():
         assert pair.args == qk.args + v.args and len(kc.kernel_args(pair.spec)) == len(pair.args)
         assert pair.smem == max(kc.gemv_smem(a.params), kc.gemv_smem(b.params)) == qk.smem
         assert [la.spec for la in t.launches["decode"]] == [la.spec for la in s.launches["decode"]]
-        assert [la.concurrent for la in t.launches["decode"]] == [False, True]
+        assert [la.concurrent for la in _at(t.launches["decode"])] == [la.concurrent for la in _at(t.launches["decode"], 32)] == [False, True]
         assert t.launches["prefill"] == s.launches["prefill"]
     assert not any(la.spec.template == "gemv_pair" for st in apart.steps for la in st.launches["decode1"])
     spec = qkv[0][1].launches["decode1"][0].spec
@@ -657,10 +658,17 @@ def test_the_h200_profile_keeps_separate_norm_kernels_and_folds_silu_into_gate_u
 
 
 def _decode_gemvs(plan):
-    """Every decode1 / decode GEMV launch of a plan."""
+    """Every decode1 / decode GEMV launch of a plan but the mma bucket GEMVs of gemv_mmq.min_rows
+    rows and more (tests/test_gemv_mmq.py)."""
     for step in plan.steps:
         for mode in ("decode1", "decode"):
-            yield from (la for la in step.launches[mode] if la.spec.template == "gemv")
+            yield from (la for la in step.launches[mode] if la.spec.template == "gemv" and not la.spec.params["mma"])
+
+
+def _at(launches, rows: int = 8) -> list:
+    """The launches a pass of ``rows`` rows runs (Launch.runs_at: from gemv_mmq.min_rows rows the
+    mma bucket GEMVs in place of the coop ones)."""
+    return [la for la in launches if la.runs_at(rows)]
 
 
 def test_gemv_prefetch_knob_reaches_the_staged_decode_launches():
@@ -907,7 +915,7 @@ def test_q8x_glu_pairs_gate_and_up_rows_in_the_batch1_coop_gemv(quant):
         assert g.spec.params["glu"] == (inter if glu else 0) and g.spec.params["q8x"]
         assert dn.spec.params["prologue"] == ("none" if glu else "silu")
         assert dn.spec.params["x_stride"] == 2 * inter and dn.args[2].ref == g.args[0].ref
-        (g8,) = gate_up.launches["decode"]
+        (g8,) = _at(gate_up.launches["decode"])
         assert not g8.spec.params["glu"]
         if glu:
             tiles = -(-inter // (g.spec.params["rows_per_block"] // 2))
@@ -950,7 +958,7 @@ def test_q8x_fuse_folds_rmsnorm_into_q8x_readers_only():
                 la.spec.params
                 for st in plan.steps
                 if st.layer == 0
-                for la in st.launches[mode]
+                for la in _at(st.launches[mode])
                 if la.spec.template == "gemv"
             ]
             kst = c.get("q8x_ksplit_threads") or c["q8x_threads"]  # the k-split (o, down) blocks
@@ -1099,7 +1107,8 @@ def test_long_quantised_prefill_chunks_dequantise_and_run_the_wgmma_gemm():
     assert wg.args[2].ref == ("scratch", "dequant", wg.spec.params["tile_n"], 2560, 9728)
     assert wg.spec.params["residual"] and fused.spec.params["quant"] == "q8_0r"
     assert next(sp for sp in plan.scratch if sp.name == "dequant").fixed >= 19456 * 2560 * 2
-    assert all(not la.min_rows and not la.max_rows for la in down.launches["decode"])
+    for n in (1, 8, 32, 128):  # decode: one GEMV at every row count, no dequantisation
+        assert [la.spec.template for la in _at(down.launches["decode"], n)] == ["gemv"], n
     graph = load_family("qwen3")
     off = with_tuning(prof, "gemm_wgmma.dequant_min_rows=0")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant("q8_0"), off)
@@ -1491,6 +1500,6 @@ def test_b1_rows_small_plans_run_batch_1_layer_launches_in_small_passes():
         assert pass_key(st, "decode1", 1, True, False, small.b1_rows) == launch_key(st.launches, "decode1", True)
     # a 5-row pass: batch 1's launch count and one (the final norm the head's bucket GEMV reads)
     def count(mode, n, short):
-        return sum(len(st.launches[pass_key(st, mode, n, short, False, small.b1_rows)]) for st in small.steps)
+        return sum(len(_at(st.launches[pass_key(st, mode, n, short, False, small.b1_rows)], n)) for st in small.steps)
 
     assert count("decode", 5, False) == count("decode1", 1, False) + 1

@@ -526,7 +526,7 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     """gemv_coop.q8x_resident_grid: the plan marks the capped q8x GEMV launches fit_grid, and the
     runner binds them with grid.x = min(the plan's grid, resident blocks per SM (the driver's
     occupancy query, once per kernel) x SMs); other launches, and every launch without the knob,
-    keep the plan's grid."""
+    keep the plan's grid (but the mma bucket GEMVs, always fitted)."""
     from fixtures.checkpoints import Dims, write_random_gguf
 
     import engine.runner_cuda as rc
@@ -545,8 +545,8 @@ def test_resident_grid_fits_capped_gemv_grids_to_the_blocks_that_fit(tmp_path, m
     launches = {la.spec.entry: la for st in runner.plan.steps for la in st.launches["decode1"]}
     fit = {e for e, la in launches.items() if la.fit_grid}
     assert bool(fit) is on and all(launches[e].spec.params["grid_cap"] for e in fit)
-    assert all(
-        la.fit_grid == bool(on and la.spec.params.get("grid_cap"))
+    assert all(  # (the mma bucket GEMVs of gemv_mmq.min_rows rows and more: always)
+        la.fit_grid == bool((on or la.spec.params["mma"]) and la.spec.params.get("grid_cap"))
         for st in runner.plan.steps
         for m in ("decode1", "decode")
         for la in st.launches[m]

@@ -1,7 +1,7 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma 256/16/4/0,256/16/4/1,...]
+        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma]
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -12,10 +12,10 @@ cycling through enough weight copies to defeat the 50 MB L2:
   batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type;
-- ``mma T/B/D/S[/M[/L]]`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k,
-  q6_k): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) with gemv_mmq threads T, bmax
-  B, depth D, blocks_per_sm S (0: one block per row tile), min_blocks M and l2_tiles L (the
-  section's defaults where left out), one column per variant.
+- ``mma`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k, q6_k, q8_0, q4_0,
+  q4_1): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) as the plan builds it
+  (kernel_catalog.MMA_FIXED), at every batch (the profile's gemv_mmq.min_rows picks the buckets
+  that run it in a plan).
 
 Each row prints the time, the weight bytes / time in GB/s and that as a fraction of the measured
 device-to-device copy bandwidth (bytes read + written per second, the profile's
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="", help="default: the profile's CUDA-graph buckets")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--mma", default="", help="mma bucket GEMV variants T/B/D/S[/M[/L]] (threads/bmax/depth/blocks_per_sm[/min_blocks[/l2_tiles]]), comma-separated")
+    ap.add_argument("--mma", action="store_true", help="also time the int8 tensor-core bucket GEMV (batch > 1)")
     args = ap.parse_args(argv)
 
     from engine import cuda, storage
@@ -138,15 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         cands = []
         p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
-        for var in [v for v in args.mma.split(",") if v] if b > 1 else []:
-            th, bm, dp, bps, *more = (int(v) for v in var.split("/"))
-            mq = {**dict(tuning["gemv_mmq"]), "types": [ft], "threads": th, "bmax": bm, "depth": dp, "blocks_per_sm": bps}
-            mq.update(dict(zip(("min_blocks", "l2_tiles"), more, strict=False)))
-            mt = {**dict(tuning), "gemv_mmq": mq}
+        if args.mma and b > 1:
+            mt = {**dict(tuning), "gemv_mmq": {**dict(tuning["gemv_mmq"]), "types": [ft]}}
             bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
             m = kc.mma_params(bucket, mt, info.sm_count)
             if m is not None:
-                cands.append((f"mma {var}", kc.choice("gemv", **m)))
+                cands.append(("mma", kc.choice("gemv", **m)))
         if "gemm_decode" in tuning and b >= int(tuning["gemm_decode"].get("min_rows", 16)):
             try:  # the wide-decode GEMM (bf16 buckets >= gemm_decode.min_rows)
                 p = kc.gemm_params(n, k, tuning, quant=qt, section="gemm_decode")
@@ -199,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     # the summary: per type and batch, the weight-byte-weighted fraction over the shapes
     print("\nsummary: the shapes' weight bytes / their summed time, as % of copy bandwidth")
     kinds = sorted({r["kernel"] for r in rows_out})
-    width = {k: max(8, len(k)) for k in kinds}  # (variant labels are long: each column as wide as its label)
+    width = {k: max(8, len(k)) for k in kinds}  # (each column as wide as its label)
     print(f"{'type':>5} {'batch':>5} " + " ".join(f"{k:>{width[k]}}" for k in kinds))
     for ft in args.types.split(","):
         for b in batches:

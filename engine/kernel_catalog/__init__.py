@@ -22,6 +22,7 @@ from engine.kernel_catalog.builders import (  # noqa: F401
     GEMM_WGMMA_TILE,
     GEMM_WGMMA_WIDE,
     GEMV_ROWS_PER_BLOCK,
+    MMA_FIXED,
     NORM_THREADS,
     PREFILL_BLOCK_Q,
     PREFILL_WARPS,

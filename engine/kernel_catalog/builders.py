@@ -164,17 +164,23 @@ def coop_options(
     return out
 
 
+# the mma bucket gemv's fixed shape (kernels/_gemv_mmq.cuh.j2): blocks of `threads`, `bmax` x rows a
+# block (halved, down to 8, while its shared memory would exceed GEMV_XSMEM_MAX), `unroll`
+# segments in flight per warp, `blocks_per_sm` blocks per SM (each stages and quantises its x rows
+# once and loops over row tiles; the runner fits the grid to the resident blocks), `stage_rounds`
+# rounds of x loads in flight while staging (the template also prefetches a block's first two row
+# tiles into L2 before it waits for x)
+MMA_FIXED = {"threads": 256, "bmax": 32, "unroll": 4, "blocks_per_sm": 1, "stage_rounds": 8}
+
+
 def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 0) -> dict[str, Any] | None:
     """The mma gemv's params (kernels/_gemv_mmq.cuh.j2) for the bucket coop q8x gemv params ``p``
     where tuning gemv_mmq.types names its file type (MMA_TYPES: q4_k, q6_k, q8_0, q4_0, q4_1), else
     None: the same quant, shape, lanes, k split and x staging (a row's bits are the batch-1
-    GEMV's), in blocks of gemv_mmq.threads of 16-row warp tiles (as few tiles as let their warps
-    divide the virtual lanes), gemv_mmq.bmax x rows a block (halved, down to 8, until its shared
-    memory fits GEMV_XSMEM_MAX), gemv_mmq.depth segments in flight, the grid capped at
-    gemv_mmq.blocks_per_sm * ``sm_count`` blocks where both are set (each block then loops over
-    row tiles), gemv_mmq.stage_rounds rounds of x loads in flight while staging, gemv_mmq.min_blocks
-    as the __launch_bounds__ minimum, gemv_mmq.l2_tiles row tiles prefetched into L2. None where the
-    layout does not apply (not q8x, glu, bmax 8 too large)."""
+    GEMV's), in MMA_FIXED's blocks of 16-row warp tiles (as few tiles as let their warps divide the
+    virtual lanes), the grid capped at MMA_FIXED blocks_per_sm * ``sm_count`` blocks (none where
+    the SM count is unknown, 0). None where the layout does not apply (not q8x, glu, bmax 8 too
+    large). Which passes take it (gemv_mmq.min_rows): engine.lowering.gemv."""
     m = tuning.get("gemv_mmq") or {}
     file_type = _COOP_FILE_TYPE.get(p["quant"], p["quant"])
     if file_type not in m.get("types", ()) or p["quant"] not in MMA_TYPES or not (p.get("coop") and p.get("q8x")):
@@ -182,7 +188,7 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 
     if p.get("glu"):
         return None
     lanes, ksplit = int(p.get("lanes") or 32), int(p.get("ksplit") or 1)
-    vl, threads = lanes * ksplit, int(m.get("threads") or 256)
+    vl, threads = lanes * ksplit, MMA_FIXED["threads"]
     warps = threads // 32
     tiles = next((t for t in range(1, warps + 1) if warps % t == 0 and vl % (warps // t) == 0), 0)
     if not tiles:
@@ -194,15 +200,14 @@ def mma_params(p: Mapping[str, Any], tuning: Mapping[str, Any], sm_count: int = 
         ksplit=ksplit,
         threads=threads,
         rows_per_block=16 * tiles,
-        unroll=int(m.get("depth") or 4),  # (segments in flight per warp)
-        grid_cap=int(m.get("blocks_per_sm") or 0) * sm_count,
-        min_blocks=int(m.get("min_blocks") or 0),
-        stage_rounds=min(8, int(m.get("stage_rounds") or 1)),
-        l2_tiles=int(m.get("l2_tiles") or 0),
+        unroll=MMA_FIXED["unroll"],  # (segments in flight per warp)
+        grid_cap=MMA_FIXED["blocks_per_sm"] * sm_count,
+        min_blocks=0,
+        stage_rounds=MMA_FIXED["stage_rounds"],
         # (the coop layout's batch-1 and pipelining options: not this kernel's)
         pipeline=False, tile_pf=False, wsm=False, trigger=False, early_nw=False, early_res=False, l2_pf="",
     )
-    bmax = max(8, int(m.get("bmax") or 32) // 8 * 8)
+    bmax = MMA_FIXED["bmax"]
     while bmax > 8 and gemv_smem({**q, "bmax": bmax}) > GEMV_XSMEM_MAX:
         bmax //= 2
     q["bmax"] = bmax

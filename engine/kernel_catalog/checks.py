@@ -115,7 +115,6 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 not p["coop"] or (p["ksplit"] == 1 and not p["wsm"]),
                 "glu: a coop gemv without ksplit or wsm (a tile's rows are two ranges)",
             )
-        need(not p["l2_tiles"] or p["mma"], "l2_tiles (the first row tiles into L2 before pdl_wait) is an mma option")
         if p["coop"]:
             need(
                 q in COOP_TYPES,
@@ -299,8 +298,8 @@ def _check_mma(p: dict, need) -> None:
     warps, vl = p["threads"] // 32, p["lanes"] * p["ksplit"]
     need(p["quant"] in MMA_TYPES and p["q8x"], f"mma gemv: {', '.join(MMA_TYPES)} with q8x only, got {p['quant']!r}")
     need(
-        not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["trigger"]),
-        "mma gemv: no glu, wsm, tile_pf, l2_pf or trigger",
+        not (p["glu"] or p["wsm"] or p["tile_pf"] or p["l2_pf"] or p["trigger"] or p["min_blocks"]),
+        "mma gemv: no glu, wsm, tile_pf, l2_pf, trigger or min_blocks",
     )
     need(p["bmax"] % 8 == 0, f"mma gemv: bmax={p['bmax']} must be a multiple of 8 (the mma's n tiles)")
     rpb = p["rows_per_block"]

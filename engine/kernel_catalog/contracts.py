@@ -71,7 +71,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "add": {"a_dtype": "bf16"},
     "silu_mul": {"act": "silu"},
     "gemv": {
-        "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0, "l2_tiles": 0,
+        "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0,
         **_OFF(
             ("prefetch", "coop", "pipeline", "q8x", "tile_pf", "wsm", "trigger", "early_nw", "early_res", "mma"), False
         ),
@@ -87,7 +87,7 @@ KERNELS: dict[str, KernelDoc] = {
             stage=bool, unroll=int, prologue=str, x_stride=int, eps=float, u_off=int, prefetch=bool,
             coop=bool, pipeline=bool, glu=int, q8x=bool, ksplit=int, grid_cap=int, stage_rounds=int,
             tile_pf=bool, min_blocks=int, lanes=int, wsm=bool, trigger=bool, early_nw=bool, early_res=bool,
-            l2_pf=str, mma=bool, l2_tiles=int,
+            l2_pf=str, mma=bool,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), l2_pf pf0, pf1 ..: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -98,7 +98,7 @@ KERNELS: dict[str, KernelDoc] = {
             "stage": None, "unroll": 2, "prologue": "none", "x_stride": 0, "eps": 0.0, "u_off": 0,
             "prefetch": False, "coop": False, "pipeline": False, "glu": 0, "q8x": False, "ksplit": 1,
             "grid_cap": 0, "stage_rounds": 1, "tile_pf": False, "min_blocks": 0, "lanes": 32, "wsm": False,
-            "trigger": False, "early_nw": False, "early_res": False, "l2_pf": "", "mma": False, "l2_tiles": 0,
+            "trigger": False, "early_nw": False, "early_res": False, "l2_pf": "", "mma": False,
         },
         unnamed=("eps", "grid_cap", "l2_pf"),
     ),

@@ -2,7 +2,8 @@
 
 One launch per weight allocation: the classic layout (tuning gemv) or the warp-cooperative one
 (tuning gemv_coop, q8x: int8 x rows and dp4a; in bucket decode, for the types tuning gemv_mmq
-names, the int8 tensor-core GEMV with the same per-row bits: kernel_catalog.mma_params), with a
+names, the int8 tensor-core GEMV with the same per-row bits, kernel_catalog.mma_params, from
+gemv_mmq.min_rows rows: two launches, each bounded to its passes' row counts), with a
 prologue where a decode rmsnorm / silu_mul was folded into it (the Lowerer's ``prologue``), a glu
 epilogue on a gate|up GEMV whose silu_mul it replaces, and at batch 1 a q4_k_m layer's two q|k / v
 GEMVs as one gemv_pair launch (tuning decode_graph.pair_linears) or on two streams
@@ -28,33 +29,54 @@ def gemv_signature(p: dict) -> tuple:
 
 
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):
-    # one launch per weight allocation; a fused allocation writes its outputs' shared buffer
-    launches, col = [], 0
+    # the launches of each weight allocation; a fused allocation writes its outputs' shared buffer
+    per_w, col = [], 0
     for w in ws:
-        launches.append(gemv_launch(ctx, op, layer, mode, ins, outs[col], w))
+        per_w.append(gemv_launches(ctx, op, layer, mode, ins, outs[col], w))
         col += len(w.parts)
-    paired = pair(ctx, op, layer, mode, ins, outs, ws, launches)
-    if paired is None and mode != "decode1" and len(launches) == 2 and ctx.graph_knob("pair_linears"):
-        launches[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, launches[1])
-    return [paired] if paired is not None else fork(ctx, mode, launches)
+    paired = pair(ctx, op, layer, mode, ins, outs, ws, [la for las in per_w for la in las])
+    if paired is None and mode != "decode1" and len(per_w) == 2 and ctx.graph_knob("pair_linears"):
+        per_w[1] = bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, per_w[1])
+    return [paired] if paired is not None else fork(ctx, mode, per_w)
 
 
-def bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, second: Launch) -> Launch:
+def bucket_like_pair(ctx, op, layer, mode, ins, outs, ws, second: list[Launch]) -> list[Launch]:
     """A bucket decode's second GEMV of a linear that pairs at batch 1, in the pair's block shape:
     the batch-1 pair re-plans that part in its first part's blocks, which can take another k split
     (q4_k's 4 becomes 2 in 320-thread blocks), and a row must get the same bits in a bucket as
-    alone (tests/fixtures/batch_invariance.py). Else (no pair, or the same reduction) ``second`` as it is."""
+    alone (tests/fixtures/batch_invariance.py). Else (no pair, or the same reduction) ``second`` as
+    it is (the weight's launches: an mma one has its coop twin's reduction)."""
     one = [gemv_launch(ctx, op, layer, "decode1", ins, outs[0], ws[0]),
            gemv_launch(ctx, op, layer, "decode1", ins, outs[len(ws[0].parts)], ws[1])]  # fmt: skip
     paired = pair(ctx, op, layer, "decode1", ins, outs, ws, one)
-    if paired is None or gemv_signature(kc.pair_parts(paired.spec)[1].params) == gemv_signature(second.spec.params):
+    if paired is None or gemv_signature(kc.pair_parts(paired.spec)[1].params) == gemv_signature(second[0].spec.params):
         return second
-    return gemv_launch(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=one[0].block[0])
+    return gemv_launches(ctx, op, layer, mode, ins, outs[len(ws[0].parts)], ws[1], part_threads=one[0].block[0])
+
+
+def gemv_launches(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> list[Launch]:
+    """``gemv_launch``'s launch and, in bucket decode (mode "decode") where tuning gemv_mmq takes the weight
+    (kernel_catalog.mma_params of that coop q8x spec), the int8 tensor-core GEMV with its per-row
+    bits: for every pass (gemv_mmq.min_rows 0 or 1) in its place, else for passes of min_rows rows
+    and more (the runner binds a launch only at the row counts it ``runs_at``), the coop GEMV for
+    the passes below, as it is without the knob."""
+    la = gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads)
+    if mode != "decode":  # (decode1, prefill: the coop GEMV alone)
+        return [la]
+    mma = kc.mma_params(la.spec.params, ctx.profile.tuning, ctx.profile.sm_count)
+    if mma is None:
+        return [la]
+    ml = spec_launch(ctx, ctx.spec("gemv", **mma), la.args)
+    rows = int(ctx.tune("gemv_mmq").get("min_rows") or 0)
+    if rows <= 1:
+        return [ml]
+    return [dataclasses.replace(la, max_rows=rows - 1), dataclasses.replace(ml, min_rows=rows)]
 
 
 def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Launch:
     """The GEMV launch of weight allocation ``w`` writing ``out`` (``part_threads``: a coop q8x
-    layout in blocks of that many threads, for a gemv_pair part; 0: the tuning's)."""
+    layout in blocks of that many threads, for a gemv_pair part; 0: the tuning's): classic or coop,
+    never the mma GEMV (``gemv_launches``)."""
     res_name = op.attrs.get("residual")
     residual = res_name is not None
     out_dtype = ctx.act_dtype(out.name)
@@ -104,24 +126,23 @@ def gemv_launch(ctx, op, layer, mode, ins, out, w, part_threads: int = 0) -> Lau
         glu = glu_for(ctx, op, layer, mode, w, residual, out_dtype)  # a classic-layout epilogue
         if glu:
             pp["glu"] = glu
-    mma = None
-    if mode != "decode1" and p.get("q8x") and not pp.get("glu"):
-        # a bucket GEMV on the int8 tensor cores (tuning gemv_mmq.types), the batch-1 bits per row
-        mma = kc.mma_params(p, ctx.profile.tuning, ctx.profile.sm_count)
-        p = mma or p
     spec = ctx.spec("gemv", **p, **pp)
     res = Arg("value", res_name) if residual else NULL
-    args = (val(out), wgt(w), val(xv), res, ROWS) + extra
-    bm = spec.params["bmax"]  # (the mma GEMV's own)
-    grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bm - 1}) // {bm}")
     if spec.params.get("glu"):
         ctx.glu_done.add((mode, out.name))
-    smem = kc.gemv_smem(spec.params)
-    # a capped coop grid loops over row tiles: the runner may fit it to the resident blocks
+    return spec_launch(ctx, spec, (val(out), wgt(w), val(xv), res, ROWS) + extra)
+
+
+def spec_launch(ctx, spec, args: tuple) -> Launch:
+    """The launch of gemv ``spec``: a grid row per ``bmax`` rows (the mma GEMV's own bmax); a capped
+    grid (grid_cap: its blocks loop over row tiles) fitted by the runner to the resident blocks
+    (always for the mma GEMV, the coop one with gemv_coop.q8x_resident_grid)."""
+    bm = spec.params["bmax"]
+    grid: tuple = (kc.gemv_grid_x(spec.params), f"(n + {bm - 1}) // {bm}")
     fit = bool(spec.params.get("grid_cap")) and bool(
-        mma or ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
+        spec.params["mma"] or ctx.profile.tune("gemv_coop").get("q8x_resident_grid")
     )
-    return Launch(spec, grid, (spec.params["threads"],), args, smem, fit_grid=fit)
+    return Launch(spec, grid, (spec.params["threads"],), args, kc.gemv_smem(spec.params), fit_grid=fit)
 
 
 def pair(ctx, op, layer, mode, ins, outs, ws, launches: list[Launch]) -> Launch | None:
@@ -158,14 +179,15 @@ def pairable(p: dict) -> bool:
     return bool(p.get("coop") and p.get("q8x")) and not p["residual"] and not p["glu"]
 
 
-def fork(ctx, mode: str, launches: list[Launch]) -> list[Launch]:
-    """A decode linear's launches after the first marked concurrent (tuning
-    decode_graph.fork_linears): one per separately stored weight (q|k and v of a q4_k_m file),
-    all reading the same x. Not in prefill."""
+def fork(ctx, mode: str, per_w: list[list[Launch]]) -> list[Launch]:
+    """A decode linear's launches, per separately stored weight (q|k and v of a q4_k_m file), all
+    reading the same x; the weights' after the first marked concurrent (tuning
+    decode_graph.fork_linears; a weight's launches for different row counts never run together).
+    Not in prefill."""
     on = ctx.graph_knob("fork_linears")
-    if not on or mode == "prefill" or len(launches) < 2:
-        return launches
-    return [launches[0], *(dataclasses.replace(la, concurrent=True) for la in launches[1:])]
+    if not on or mode == "prefill" or len(per_w) < 2:
+        return [la for las in per_w for la in las]
+    return [*per_w[0], *(dataclasses.replace(la, concurrent=True) for las in per_w[1:] for la in las)]
 
 
 def glu_for(ctx, op, layer, mode, w, residual: bool, out_dtype: str, rpb: int = 0) -> int:

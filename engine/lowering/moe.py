@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from engine import moe_kernels as mk
 from engine.ir import NULL, ROWS, WIDE, Arg, Launch, ScratchPlan, cdiv, val, wgt
 from engine.kernel_catalog import ELEMENTWISE_THREADS
-from engine.lowering.gemv import gemv_launch
+from engine.lowering.gemv import gemv_launches
 from engine.lowering.linear import linear_gemm
 from engine.lowering.registry import post_pass, register, same_width
 from engine.types import ConfigError
@@ -84,11 +84,11 @@ def lower_router(ctx, op, layer, mode, ins, outs, ws):
         grid = (cdiv(w.rows, ROUTER_ROWS), f"(n + {ROUTER_TOKENS - 1}) // {ROUTER_TOKENS}")
         args = (val(ids), val(weights), val(logits), val(ins[0]), wgt(w), Arg("scratch", "moe_route_count"), ROWS)
         return [Launch(r.spec, grid, r.block[:1], args)]
-    gemv = gemv_launch(ctx, op, layer, mode, ins, logits, w)
+    gemv = gemv_launches(ctx, op, layer, mode, ins, logits, w)
     k = mk.topk_kernel(w.rows, top_k, normalize, TOPK_WARPS)
     grid = (f"(n + {TOPK_WARPS - 1}) // {TOPK_WARPS}",)
     topk = Launch(k.spec, grid, k.block[:1], (val(ids), val(weights), val(logits), ROWS))
-    return [gemv, topk]
+    return [*gemv, topk]
 
 
 @post_pass(10)
@@ -269,7 +269,7 @@ def shared_expert(ctx, layer, mode, h, outs, ws) -> list[Launch]:
     def linear(x, o, w):
         if mode == "prefill":
             return linear_gemm(ctx, plain, mode, [x], [o], [w])
-        return [gemv_launch(ctx, plain, layer, mode, [x], o, w)]
+        return gemv_launches(ctx, plain, layer, mode, [x], o, w)
 
     t = ELEMENTWISE_THREADS
     silu = ctx.spec("silu_mul", inter=g.width, in_stride=g.ld, threads=t)

@@ -13,7 +13,9 @@ a tiny bf16 Llama, and the real SmolLM2 Q4_1 and Gemma 3 270M Q4_K_M files where
 * the k + 1 verify rows of a draft equal the plain batch-1 decode steps at the same positions,
   below, across and past 256;
 * the target's recorded greedy continuation fed back as the draft (tools/bench_spec.py's replay)
-  is accepted whole on both bench_spec workloads' kinds of prompt, alone and batched.
+  is accepted whole on both bench_spec workloads' kinds of prompt, alone and batched;
+* 33 rows (the 48-row bucket: on h100 / h200 the int8 tensor-core bucket GEMVs, gemv_mmq.min_rows
+  32) equal the same rows decoded one at a time.
 """
 
 from __future__ import annotations
@@ -94,12 +96,12 @@ def _vocab(model) -> int:
     return int(model.dims["vocab"])
 
 
-def _prefill(runner, model, depths, seed=0):
-    """One sequence per depth, prefilled to it (its own table); their first tokens."""
+def _prefill(runner, model, depths, seed=0, blocks=40):
+    """One sequence per depth, prefilled to it (its own table of ``blocks`` blocks); their first tokens."""
     rng = np.random.default_rng(seed)
     tables, firsts = [], []
     for i, d in enumerate(depths):
-        table = list(range(i * 40, i * 40 + 40))
+        table = list(range(i * blocks, i * blocks + blocks))
         prompt = [int(t) for t in rng.integers(3, min(_vocab(model), 30000), d)]
         firsts.append(runner.step([StepItem(i, prompt, 0, table, True, GREEDY)])[0])
         tables.append(table)
@@ -125,6 +127,34 @@ def test_batched_decode_rows_equal_solo_rows_bit_for_bit(runner_of, name, depths
         solo.append(np.array(runner.read_logits(1)[0]))
     report = [f"depth {d}: {_diff(batched[i], solo[i])}" for i, d in enumerate(depths)]
     print(name, "; ".join(report))
+    assert all(np.array_equal(batched[i], solo[i]) for i in range(len(items))), report
+    assert batched_ids == solo_ids
+
+
+# 33 rows: the 48-row bucket, where the h100 / h200 profiles run the int8 tensor-core bucket GEMVs
+# (gemv_mmq.min_rows 32) in place of the coop ones
+WIDE_DEPTHS = tuple(3 + 7 * i for i in range(33))
+
+
+@pytest.mark.parametrize("name", [*TINY])
+def test_a_bucket_of_32_rows_and_more_equals_solo_rows_bit_for_bit(runner_of, name):
+    """33 rows decoded together (on h100 / h200: the mma bucket GEMVs) equal each row decoded
+    alone (the batch-1 launches), logits bit for bit and the greedy ids."""
+    model, runner = runner_of(name)
+    bucket = runner._bucket_of[len(WIDE_DEPTHS)]
+    mma = [la for st in runner.plan.steps for la in st.launches.get("decode", ()) if la.spec.params.get("mma") and la.runs_at(bucket)]
+    if runner.profile.name in ("h100", "h200"):
+        assert mma, f"{name}: no mma bucket GEMV in the {bucket}-row pass"
+    tables, firsts = _prefill(runner, model, WIDE_DEPTHS, seed=1, blocks=15)
+    items = [StepItem(i, [t], d, tables[i], True, GREEDY) for i, (d, t) in enumerate(zip(WIDE_DEPTHS, firsts, strict=True))]
+    batched_ids = runner.step(items)
+    batched = np.array(runner.read_logits(len(items)))
+    solo, solo_ids = [], []
+    for it in items:
+        solo_ids.append(runner.step([it])[0])
+        solo.append(np.array(runner.read_logits(1)[0]))
+    report = [f"depth {d}: {_diff(batched[i], solo[i])}" for i, d in enumerate(WIDE_DEPTHS)]
+    print(name, f"{len(mma)} mma launches in the {bucket}-row pass;", "; ".join(r for r in report if not r.endswith("equal")) or "all equal")
     assert all(np.array_equal(batched[i], solo[i]) for i in range(len(items))), report
     assert batched_ids == solo_ids
 

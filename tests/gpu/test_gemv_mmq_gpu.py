@@ -11,7 +11,8 @@ prologue and f32 out (the row sums unrounded), with the rmsnorm prologue and the
 out), and on the down shape with the silu_mul prologue. The current bucket coop GEMV (bmax
 decode_bmax) is checked the same way as a control: if it differs too, the harness is wrong, not
 the new kernel. The mma specs are the ones the plan takes with gemv_mmq.types = [q4_k, q6_k, q8_0,
-q4_0, q4_1] on this device's profile.
+q4_0, q4_1] on this device's profile (the h100 / h200 ones: from 32 rows), and the same with one
+block per row tile and 16 x rows a block.
 """
 
 from __future__ import annotations
@@ -36,20 +37,21 @@ ROWS = (2, 8, 16, 32)
 VARIANTS = (("none", False, "f32"), ("norm", True, "bf16"), ("silu", False, "bf16"))
 
 
-# gemv_mmq knobs: one block per row tile with 16 x rows a block, and the defaults: the grid capped
-# at one block per SM (each block stages x once and loops over row tiles), 32 x rows a block (four
-# n tiles) where they fit
-KNOBS = ({"blocks_per_sm": 0, "bmax": 16}, {})
+# the mma spec's launch shape: the plan's (MMA_FIXED: the grid capped at one block per SM, each
+# block staging x once and looping over row tiles; 32 x rows a block, four n tiles, where they
+# fit), and one block per row tile (no SM count) with 16 x rows a block (a longer k's halved bmax)
+SHAPES_MMA = ({}, {"grid_cap": 0, "bmax": 16})
 
 
-def _tuning(profile, knobs: dict) -> dict:
+def _tuning(profile) -> dict:
     t = dict(profile.tuning)
-    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k", "q6_k", "q8_0", "q4_0", "q4_1"], **knobs}
+    t["gemv_mmq"] = {**dict(t.get("gemv_mmq") or {}), "types": ["q4_k", "q6_k", "q8_0", "q4_0", "q4_1"]}
     return t
 
 
-def _specs(tuning: dict, sm_count: int, qt: str, n: int, k: int, pro: str, residual: bool, od: str):
-    """(batch-1 coop, bucket coop, mma) gemv specs of one case."""
+def _specs(tuning: dict, sm_count: int, qt: str, n: int, k: int, pro: str, residual: bool, od: str, shape: dict):
+    """(batch-1 coop, bucket coop, mma) gemv specs of one case (``shape``: the mma spec's
+    SHAPES_MMA entry over the plan's)."""
     extra: dict = {}
     if pro == "norm":
         extra = dict(prologue="norm", x_stride=k, eps=1e-6)
@@ -60,6 +62,7 @@ def _specs(tuning: dict, sm_count: int, qt: str, n: int, k: int, pro: str, resid
     bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), **kw)
     mma = kc.mma_params(bucket, tuning, sm_count)
     assert mma is not None, (n, k)
+    mma = {**mma, **{key: min(v, mma[key]) if key == "bmax" else v for key, v in shape.items()}}
     for p in (b1, bucket):  # (batch-1 only knobs that the plan drops without a residual / norm)
         if pro != "norm":
             p.pop("early_nw", None)
@@ -68,14 +71,14 @@ def _specs(tuning: dict, sm_count: int, qt: str, n: int, k: int, pro: str, resid
     return [kc.spec("gemv", **p, **extra) for p in (b1, bucket, mma)]
 
 
-def _cases(tuning: dict, sm_count: int) -> list[tuple]:
+def _cases(tuning: dict, sm_count: int, shape: dict) -> list[tuple]:
     out = []
     for qt, shapes in SHAPES.items():
         for n, k in shapes:
             for pro, residual, od in VARIANTS:
                 if pro == "silu" and k != 9728:
                     continue
-                out.append((qt, n, k, pro, residual, od, _specs(tuning, sm_count, qt, n, k, pro, residual, od)))
+                out.append((qt, n, k, pro, residual, od, _specs(tuning, sm_count, qt, n, k, pro, residual, od, shape)))
     return out
 
 
@@ -105,12 +108,12 @@ def _run(kernels, spec, rows: int, w, x: DeviceArray, xs: int, res_host, nw, n: 
     return _bits(out, (rows, n), od)
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=["tile_per_block", "capped_bmax32"])
-def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, knobs):
+@pytest.mark.parametrize("shape", SHAPES_MMA, ids=["plan", "tile_per_block_bmax16"])
+def test_mma_bucket_gemv_rows_equal_batch1(kernels, profile, device, shape):
     if device.compute_capability[0] < 8:
         pytest.skip("mma.sync m16n8k32 int8 needs sm_80+")
-    tuning = _tuning(profile, knobs)
-    cases = _cases(tuning, device.sm_count)
+    tuning = _tuning(profile)
+    cases = _cases(tuning, device.sm_count, shape)
     kernels.prebuild(s for *_, specs in cases for s in specs)
     rng = np.random.default_rng(34)
     bad, control = [], []
