@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -270,14 +270,17 @@ class StepLogic:
                 out[i] = tok if items[i].sample else None
         return out
 
-    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+    verify_during = True  # verify(items, during=) calls ``during`` while its first pass runs
+
+    def verify(self, items: Sequence[StepItem], during: Callable[[], None] | None = None) -> list[list[int]]:
         """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
-        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``.
+        ``during`` runs on the host once the first verify pass is queued, before the wait for it."""
         from engine.spec.cuda_verify import verify
 
         self._ensure_context()
         self._sync_step_allowed()
-        return verify(self, items)
+        return verify(self, items, during)
 
     def prepare_verify(self, k: int) -> int:
         """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare)."""
@@ -377,6 +380,7 @@ class StepLogic:
         groups: tuple[int, ...] = (),
         exact: bool = False,
         verify: bool = False,
+        during: Callable[[], None] | None = None,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
@@ -384,7 +388,8 @@ class StepLogic:
         launches run in, one after another (``groups``, the padding rows joining the last).
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
         a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
-        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them;
+        ``during``: host work run once the pass is queued, before the wait for it."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
@@ -398,6 +403,8 @@ class StepLogic:
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
         self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify)
+        if during is not None:
+            during()
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
