@@ -327,6 +327,10 @@ class StepLogic:
         the host from its logits after a plain sample pass. With more than LP_SLOTS logprobs rows,
         those rows (``_host_rows``) get no device entries, so their logits stay raw, and are
         re-sampled on the host."""
+        s = items[0].sampling
+        if not s.needs_host and not s.uses_penalties and all(it.sampling is s and it.allowed is None for it in items):
+            self._host_rows = []  # (one plain params object, no mask: a verify pass's rows, a solo step)
+            return "greedy" if s.greedy else "sample"
         lp_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
         device_lp = len(lp_rows) <= LP_SLOTS
         self._host_rows = [] if device_lp else lp_rows
@@ -434,23 +438,30 @@ class StepLogic:
         v = self._views
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
-        lens, sink = self._table_len, self._sink_block
+        lens, sink, bs = self._table_len, self._sink_block, self.block_size
+        tokens, positions, slots = v["tokens"], v["positions"], v["slots"]
         prev = None  # the last row's block table (a verify pass's rows share their sequence's)
+        run = k = 0  # the first row of the rows sharing ``prev``, and its length: one copy for them
         for r, it in enumerate(items):
             pos = it.start_pos
-            v["tokens"][r] = it.token_ids[0]
-            v["positions"][r] = pos
+            tokens[r] = it.token_ids[0]
+            positions[r] = pos
             bt = it.block_table
-            k = min(len(bt), ld)
-            tables[r, :k] = tables[r - 1, :k] if bt is prev else bt[:k]
-            prev = bt
+            if bt is not prev:
+                if r - run > 1:
+                    tables[run + 1 : r, :k] = tables[run, :k]
+                k = min(len(bt), ld)
+                tables[r, :k] = bt[:k]
+                run, prev = r, bt
             if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
                 tables[r, k : lens[r]] = sink
             lens[r] = k
-            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            slots[r] = bt[pos // bs] * bs + pos % bs
             if self.window_kv_blocks:
                 self._fill_window(r, r, it, np.array([pos]))
             self._fill_sampling(r, it)
+        if n - run > 1:
+            tables[run + 1 : n, :k] = tables[run, :k]
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
             v["positions"][r] = 0
