@@ -18,7 +18,10 @@ attach (policy, proposer, blocks), runner host (the verify call less the wait an
 apply (accept bookkeeping, KV rollback, detokenisation, events), with the host work the engine
 does while the pass runs (``in pass``: engine.loop_stream) counted apart; then the
 replay speedup (off round wall x tokens per round / replay round wall) against 0.8 x (k + 1).
-``--profile`` prints the cProfile top of one replay request. Must not be imported by the engine.
+``--threaded N`` also runs N requests a mode through the engine's own thread with a client reading
+the events (tools/bench_spec.py's run_one: decode tok/s between the first and the last event),
+the modes interleaved, and prints the medians. ``--profile`` prints the cProfile top of one
+replay request. Must not be imported by the engine.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 import numpy as np  # noqa: E402
+from bench_spec import run_one  # noqa: E402
 
 from engine.spec.proposer import Draft  # noqa: E402
 from engine.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -66,7 +70,7 @@ class ReplayProposer:
 
 class FakeDevice:
     """The runner's decode passes write the text's next tokens and take
-    ``plain_us`` / ``verify_us``; the stream's synchronisation waits for its end (spinning)."""
+    ``plain_us`` / ``verify_us``; the stream's synchronisation waits for its end (spinning, the GIL let go)."""
 
     def __init__(self, runner, script: np.ndarray, plain_us: float, verify_us: float):
         self.runner, self.script = runner, script
@@ -85,8 +89,9 @@ class FakeDevice:
         sync = type(runner.stream).synchronize
 
         def synchronize(stream):
-            while time.perf_counter() < self.busy_until:
-                pass
+            # (the GIL is let go while waiting, as the driver's synchronisation does)
+            while (left := self.busy_until - time.perf_counter()) > 0:
+                time.sleep(left - 2e-4 if left > 4e-4 else 0)
             return sync(stream)
 
         type(runner.stream).synchronize = synchronize
@@ -182,6 +187,7 @@ def main() -> int:
     ap.add_argument("--plain-us", type=float, default=556.0)
     ap.add_argument("--verify-us", type=float, default=705.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--threaded", type=int, default=0, metavar="N", help="also N requests per mode through the engine thread")
     args = ap.parse_args()
 
     from test_plan_runner_fake import FakeDriver, fake_builder
@@ -208,7 +214,9 @@ def main() -> int:
     prompt = [int(t) for t in script[: args.prompt_tokens]]
     cont = [int(t) for t in script[args.prompt_tokens : args.prompt_tokens + args.max_tokens]]
     runner.prepare_verify(args.k)
+    runner.ctx.make_current = lambda: None  # (the fake context, for the engine thread)
     rows = {}
+    threaded: dict[str, list[float]] = {"off": [], "replay": []}
     for mode in ("off", "replay"):
         spec = None
         if mode == "replay":
@@ -226,6 +234,19 @@ def main() -> int:
             prof = cProfile.Profile()
             run_mode(engine, runner, prompt, args.max_tokens, cont, prof)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    engines = {}
+    for mode in ("off", "replay") if args.threaded else ():
+        spec = Speculator(ReplayProposer(len(prompt), cont), SpecConfig("ngram", k=args.k)) if mode == "replay" else None
+        engines[mode] = Engine(runner, tok, EngineConfig(overlap=False), speculator=spec)
+        engines[mode].start()
+    try:
+        for _ in range(args.threaded):  # (the modes interleaved: the machine's load hits both)
+            for mode, engine in engines.items():
+                toks, secs = run_one(engine, prompt, args.max_tokens)
+                threaded[mode].append((len(toks) - 1) / secs)
+    finally:
+        for engine in engines.values():
+            engine.shutdown(5)
     off, on = rows["off"], rows["replay"]
     speedup = off["round_us"] * on["tokens_per_round"] / on["round_us"]
     print(f"model {path.name}, k={args.k}, GPU pass: plain {args.plain_us:.0f} us, verify {args.verify_us:.0f} us (emulated)")
@@ -233,6 +254,12 @@ def main() -> int:
         split = "  ".join(f"{k} {v:.1f}" for k, v in r["split"].items())
         print(f"  {mode:<7} {r['round_us']:8.1f} us/round  {r['tokens_per_round']:.2f} tok/round  | {split}")
     print(f"  replay speedup {speedup:.2f}x (target {0.8 * (args.k + 1):.1f}x)")
+    if args.threaded:
+        off_s, on_s = (statistics.median(threaded[m]) for m in ("off", "replay"))
+        print(
+            f"  engine thread + client (tools/bench_spec.py's measure, median of {args.threaded}): off {off_s:.1f} tok/s, "
+            f"replay {on_s:.1f} tok/s, {on_s / off_s:.2f}x"
+        )
     return 0
 
 
