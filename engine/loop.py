@@ -340,6 +340,8 @@ class Engine(OverlapLoop, StreamLater):
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
+            if not block and not self._inbox.qsize():  # (cheaper than get_nowait's Empty, every step)
+                return
             try:
                 kind, payload = self._inbox.get() if block else self._inbox.get_nowait()
             except queue.Empty:
