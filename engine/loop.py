@@ -27,6 +27,7 @@ from engine.block_manager import BlockManager, cache_salt_hash
 from engine.engine_config import EngineConfig, EngineStats
 from engine.kv_groups import SPEC_HEADROOM, WindowedBlocks
 from engine.loop_overlap import OverlapLoop, overlap_capable
+from engine.loop_stream import StreamLater
 from engine.request_check import CheckedPrompts, check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
@@ -67,7 +68,7 @@ class _ReqState:
     first_event_sent: bool = False
 
 
-class Engine(OverlapLoop):
+class Engine(OverlapLoop, StreamLater):
     """The public engine API (see docs/engine-loop.md). All methods but the loop are thread-safe."""
 
     def __init__(
@@ -341,6 +342,8 @@ class Engine(OverlapLoop):
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
+            if not block and not self._inbox.qsize():  # (cheaper than get_nowait's Empty, every step)
+                return
             try:
                 kind, payload = self._inbox.get() if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -385,6 +388,7 @@ class Engine(OverlapLoop):
         except Exception as exc:
             self._fail_step(batch, exc)
         else:
+            self._stream_deferred()  # (the runner did not call it: engine.loop_stream)
             self._apply(batch, items, sampled)
         if self.on_step is not None:
             self.on_step(self)
@@ -419,7 +423,7 @@ class Engine(OverlapLoop):
         """One runner call; per item the tokens it emits ([] for a prefill chunk that samples nothing).
         A step with speculative drafts goes through ``runner.verify`` (1..k+1 tokens per draft row)."""
         if any(it.draft for it in items):
-            return self.spec.verify(self.runner, batch, items)
+            return self.spec.verify(self.runner, batch, items, during=self._stream_deferred)
         sampled = self.runner.step(items)
         if len(sampled) != len(items):
             raise RuntimeError(f"runner returned {len(sampled)} results for {len(items)} items")
@@ -458,12 +462,10 @@ class Engine(OverlapLoop):
             seq.num_computed = s.start + s.count
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
             return
+        if it is not None and it.draft and self._advance_later(s, tokens, it):
+            return  # text and events while the next round's pass runs (engine.loop_stream)
         st: _ReqState = seq.state
-        if st.stop is None:
-            req = seq.request
-            eos = frozenset() if req.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
-            decoder = self.tokenizer.incremental_decoder(skip_special_tokens=True)
-            st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
+        stop = self._stop_of(seq)
         texts: list[str] = []
         reason = None
         constraint = seq.request.constraint
@@ -472,11 +474,11 @@ class Engine(OverlapLoop):
             self._n["generated_tokens_total"] += 1
             if constraint is not None:
                 constraint.advance(token)
-            text, reason = st.stop.push(token)
+            text, reason = stop.push(token)
             if reason is None and (
                 seq.num_generated >= seq.max_tokens or len(seq.token_ids) >= self.runner.max_model_len
             ):
-                tail, matched = st.stop.finish()
+                tail, matched = stop.finish()
                 text += tail
                 reason = "stop" if matched else "length"
             texts.append(text)
@@ -519,8 +521,10 @@ class Engine(OverlapLoop):
     ) -> None:
         """Remove the sequence, free its blocks, release its limits, then push its final event."""
         rid = seq.request.request_id
-        if self._live.pop(rid, None) is None:
+        if self._live.get(rid) is not seq:
             return
+        self._stream_deferred(locked=True)  # (its earlier tokens' events first: engine.loop_stream)
+        del self._live[rid]
         self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq.seq_id)

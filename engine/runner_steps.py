@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -270,14 +270,17 @@ class StepLogic:
                 out[i] = tok if items[i].sample else None
         return out
 
-    def verify(self, items: Sequence[StepItem]) -> list[list[int]]:
+    verify_during = True  # verify(items, during=) calls ``during`` while its first pass runs
+
+    def verify(self, items: Sequence[StepItem], during: Callable[[], None] | None = None) -> list[list[int]]:
         """Runner.verify (engine.types.VerifyingRunner): each draft item's k+1 positions run as
-        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``."""
+        decode rows of one bucket graph (engine.spec.cuda_verify); other items as in ``step``.
+        ``during`` runs on the host once the first verify pass is queued, before the wait for it."""
         from engine.spec.cuda_verify import verify
 
         self._ensure_context()
         self._sync_step_allowed()
-        return verify(self, items)
+        return verify(self, items, during)
 
     def prepare_verify(self, k: int) -> int:
         """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare)."""
@@ -324,6 +327,10 @@ class StepLogic:
         the host from its logits after a plain sample pass. With more than LP_SLOTS logprobs rows,
         those rows (``_host_rows``) get no device entries, so their logits stay raw, and are
         re-sampled on the host."""
+        s = items[0].sampling
+        if not s.needs_host and not s.uses_penalties and all(it.sampling is s and it.allowed is None for it in items):
+            self._host_rows = []  # (one plain params object, no mask: a verify pass's rows, a solo step)
+            return "greedy" if s.greedy else "sample"
         lp_rows = [r for r, it in enumerate(items) if _wants_logprobs(it)]
         device_lp = len(lp_rows) <= LP_SLOTS
         self._host_rows = [] if device_lp else lp_rows
@@ -377,6 +384,7 @@ class StepLogic:
         groups: tuple[int, ...] = (),
         exact: bool = False,
         verify: bool = False,
+        during: Callable[[], None] | None = None,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
@@ -384,7 +392,8 @@ class StepLogic:
         launches run in, one after another (``groups``, the padding rows joining the last).
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
         a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
-        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them;
+        ``during``: host work run once the pass is queued, before the wait for it."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
@@ -398,6 +407,8 @@ class StepLogic:
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
         self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify)
+        if during is not None:
+            during()
         ids = self._read_ids(n, copied=io).tolist()
         self._tap_decode(items)
         return self._host_sample(items, ids, kind)
@@ -427,23 +438,30 @@ class StepLogic:
         v = self._views
         ld = self._table_ld
         tables = self._tables[: bucket * ld].reshape(bucket, ld)
-        lens, sink = self._table_len, self._sink_block
+        lens, sink, bs = self._table_len, self._sink_block, self.block_size
+        tokens, positions, slots = v["tokens"], v["positions"], v["slots"]
         prev = None  # the last row's block table (a verify pass's rows share their sequence's)
+        run = k = 0  # the first row of the rows sharing ``prev``, and its length: one copy for them
         for r, it in enumerate(items):
             pos = it.start_pos
-            v["tokens"][r] = it.token_ids[0]
-            v["positions"][r] = pos
+            tokens[r] = it.token_ids[0]
+            positions[r] = pos
             bt = it.block_table
-            k = min(len(bt), ld)
-            tables[r, :k] = tables[r - 1, :k] if bt is prev else bt[:k]
-            prev = bt
+            if bt is not prev:
+                if r - run > 1:
+                    tables[run + 1 : r, :k] = tables[run, :k]
+                k = min(len(bt), ld)
+                tables[r, :k] = bt[:k]
+                run, prev = r, bt
             if lens[r] > k:  # a shorter table than this row's last one: the rest back to the sink
                 tables[r, k : lens[r]] = sink
             lens[r] = k
-            v["slots"][r] = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+            slots[r] = bt[pos // bs] * bs + pos % bs
             if self.window_kv_blocks:
                 self._fill_window(r, r, it, np.array([pos]))
             self._fill_sampling(r, it)
+        if n - run > 1:
+            tables[run + 1 : n, :k] = tables[run, :k]
         for r in range(n, bucket):  # padding rows: token 0 at position 0 of the sink block
             v["tokens"][r] = 0
             v["positions"][r] = 0

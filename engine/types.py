@@ -175,7 +175,9 @@ class VerifyingRunner(Runner, Protocol):
     positions back (block manager truncation); a runner with per-sequence state beside the paged KV
     (recurrent layers) either has ``verify_restores_state = True`` (its verify leaves the state at
     the last accepted position) or implements ``spec_rollback(seq_id, num_tokens)``
-    (docs/speculative.md, "One step").
+    (docs/speculative.md, "One step"). A runner whose pass runs asynchronously may set
+    ``verify_during = True`` and take ``verify(items, during=f)``: it calls ``f()`` once, after
+    queueing its first verify pass and before waiting for it (engine.loop_stream).
     """
 
     def verify(self, items: Sequence[StepItem]) -> list[list[int]]: ...

@@ -173,3 +173,17 @@ def test_build_speculator_captures_the_verify_graphs_ahead(fake):
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0]), _draft_item(2, [0, 0], 9, [2])]) == [[0] * 5, [0] * 3]
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0] * 5]
     assert drv.captures == 7
+
+
+def test_verify_rows_tables_equal_a_fresh_fill_after_longer_tables(fake):
+    """The rows of one draft share its block table (one copy for the run of them): after a pass
+    whose rows had longer tables, every row's table is its item's, the rest at the sink."""
+    runner, _ = fake
+    ld, sink = runner._table_ld, runner._sink_block
+    runner.verify([_draft_item(0, [0, 0, 0], 40, [1, 2, 3]), _draft_item(1, [0, 0], 33, [4, 5, 6])])
+    items = [_draft_item(2, [0, 0], 9, [7]), _draft_item(3, [0, 0, 0], 20, [8, 9])]
+    runner.verify(items)
+    want = [[7]] * 3 + [[8, 9]] * 4
+    tables = runner._tables[: 7 * ld].reshape(7, ld)
+    for r, bt in enumerate(want):
+        assert tables[r, : len(bt)].tolist() == bt and (tables[r, len(bt) :] == sink).all()

@@ -60,7 +60,8 @@ def test_a_speculative_round_is_one_graph_replay_and_one_sync(fake):
     assert on["spec_accepted_tokens"] == on["spec_draft_tokens"] == 32
     assert on["per_round"] == {"graph launch": 1.0, "synchronize": 1.0}  # no eager launch, no copy
     assert off["per_round"] == {"graph launch": 1.0, "synchronize": 1.0}
-    assert set(on["split_us"]) == {"schedule", "attach", "runner host", "device wait", "apply", "loop other"}
+    assert set(on["split_us"]) == {"schedule", "attach", "runner host", "device wait", "apply", "loop other", "in pass"}
+    assert on["split_us"]["in pass"] > 0  # (the detokenisation and events inside the next pass)
     assert "plain steps" in tool.report({"device": "fake", "model": "m", "k": 4, "passes": {
         "short_context": 256, "verify_short_ok": False, "verify_vshort": True, "depths": {}}, "round": res})
 

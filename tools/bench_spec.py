@@ -71,17 +71,20 @@ class ReplayProposer:
 
     def __init__(self, recorded: dict[tuple[int, ...], list[int]]):
         self.recorded = recorded
+        self._by_seq: dict[int, list[int]] = {}  # (the prompt looked up once a request, not a round)
 
     def propose(self, requests):
         out = []
         for r in requests:
-            cont = self.recorded.get(tuple(r.tokens[: r.prompt_len]), [])
+            cont = self._by_seq.get(r.seq_id)
+            if cont is None:
+                cont = self._by_seq[r.seq_id] = self.recorded.get(tuple(r.tokens[: r.prompt_len]), [])
             done = len(r.tokens) - r.prompt_len
-            out.append(Draft(list(cont[done : done + r.k])))
+            out.append(Draft(cont[done : done + r.k]))
         return out
 
     def release(self, seq_id: int) -> None:
-        pass
+        self._by_seq.pop(seq_id, None)
 
 
 def run_one(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:

@@ -26,7 +26,8 @@ The target: a round that verifies k drafted tokens and emits k + 1 costs at most
   off, then on with the off run's own continuation as the draft (100 % acceptance): per round the
   wall time split into schedule, attach (policy, proposer, blocks), verify on the host, the wait for
   the device (the stream synchronisations), apply (append, detokenise, stop checks, events, KV
-  rollback) and the rest of the loop, with graph replays, host<->device copies and synchronisations
+  rollback) and the rest of the loop, and apart ``in pass`` (the previous round's text and events,
+  streamed while the pass runs: engine.loop_stream), with graph replays, host<->device copies and synchronisations
   counted per round; against the plain step's wall time, the round in plain steps and the speedup
   (``overlap``: plain decode with EngineConfig.overlap, for reference).
 
@@ -208,6 +209,7 @@ class Probe:
         self._wrap(e, "_apply", "apply")
         if e.spec is not None:
             self._wrap(e.spec, "attach", "attach")
+            self._wrap(e, "_stream_deferred", "in pass")
         self._wrap(e, "_run_step", "runner")
         self._wrap(r.stream, "synchronize", "wait", count="synchronize")
         self._wrap(cuda.Graph, "launch", count="graph launch")
@@ -270,14 +272,16 @@ def engine_round(cuda, runner, tok, prompt: list[int], k: int, max_tokens: int) 
         ph = dict(probe.phase)
         wait = ph.pop("wait", 0.0)
         runner_s = ph.pop("runner", 0.0)
+        inpass = ph.pop("in pass", 0.0)  # (the previous round's events, streamed while the pass runs)
         split = {
             "schedule": ph.get("schedule", 0.0),
             "attach": ph.get("attach", 0.0),
-            "runner host": runner_s - wait,
+            "runner host": runner_s - wait - inpass,
             "device wait": wait,
             "apply": ph.get("apply", 0.0),
         }
-        split["loop other"] = total - sum(split.values())
+        split["loop other"] = total - sum(split.values()) - inpass
+        split["in pass"] = inpass
         row = {
             "tokens": len(toks) - 1,
             "rounds": rounds,

@@ -45,7 +45,7 @@ through the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.ir import VSHORT
@@ -99,8 +99,9 @@ def prepare(runner: Any, k: int, max_drafts: int = 8) -> int:
     return done
 
 
-def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
-    """CudaRunner.verify: plain items through ``runner.step``, draft items as decode rows."""
+def verify(runner: Any, items: Sequence[StepItem], during: Callable[[], None] | None = None) -> list[list[int]]:
+    """CudaRunner.verify: plain items through ``runner.step``, draft items as decode rows;
+    ``during`` runs once the first verify pass is queued, before the wait for it."""
     out: list[list[int]] = [[] for _ in items]
     plain = [i for i, it in enumerate(items) if not it.draft]
     drafts = [i for i, it in enumerate(items) if it.draft]
@@ -133,9 +134,9 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
         n = len(items[i].token_ids) if i >= 0 else 0
         full = rows + n > limit or (hybrid and scratch + n - 1 > scratch_slots)
         if group and (i < 0 or full):
-            for j, toks in zip(group, run_group(runner, [items[j] for j in group], safe), strict=True):
+            for j, toks in zip(group, run_group(runner, [items[j] for j in group], safe, during), strict=True):
                 out[j] = toks
-            group, rows, scratch = [], 0, 0
+            group, rows, scratch, during = [], 0, 0, None
         if i >= 0:
             if hybrid and n - 1 > scratch_slots:
                 raise MemraError(
@@ -149,7 +150,7 @@ def verify(runner: Any, items: Sequence[StepItem]) -> list[list[int]]:
     return out
 
 
-def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[int]]:
+def _verify_group(r: Any, items: list[StepItem], short_ok: bool, during: Callable[[], None] | None) -> list[list[int]]:
     rows: list[StepItem] = []
     spans = []
     for it in items:
@@ -161,7 +162,7 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
             )
         spans.append((lo + len(it.token_ids) - len(it.draft) - 1, len(rows)))
     vshort = not short_ok and r._verify_vshort  # (the rope kernel, then the unfused direct attention)
-    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=True)
+    ids = r._decode(rows, short_ok=short_ok or vshort, exact=r.verify_exact_rows, verify=True, during=during)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []
@@ -173,7 +174,9 @@ def _verify_group(r: Any, items: list[StepItem], short_ok: bool) -> list[list[in
     return out
 
 
-def _verify_group_hybrid(r: Any, items: list[StepItem], short_ok: bool) -> list[list[int]]:
+def _verify_group_hybrid(
+    r: Any, items: list[StepItem], short_ok: bool, during: Callable[[], None] | None
+) -> list[list[int]]:
     """A hybrid's draft items in one decode pass, rows grouped by draft position (module docstring),
     then each sequence's state put back to its last accepted position."""
     ks = [len(it.draft) for it in items]
@@ -211,7 +214,7 @@ def _verify_group_hybrid(r: Any, items: list[StepItem], short_ok: bool) -> list[
     snaps = [after.get(ij, -1) for ij in order]
     # (never the VSHORT launches: their attention finds a row's earlier draft rows right before it,
     # and these rows are laid out by draft position)
-    ids = r._decode(rows, short_ok=short_ok, state_snap=snaps, groups=groups)
+    ids = r._decode(rows, short_ok=short_ok, state_snap=snaps, groups=groups, during=during)
     host = any(not it.sampling.greedy or it.sampling.uses_penalties for it in items)
     logits = r.read_logits(len(rows)) if host else None
     out = []

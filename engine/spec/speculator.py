@@ -130,9 +130,10 @@ class Speculator:
                     continue
                 covered = _covered(blocks, seq.seq_id)
                 need = blocks_for(seq.num_computed + 1 + len(toks), bs) - covered
-                if need > 0 and (blocks.num_available - need < running or not blocks.grow(
+                grown = need > 0 and blocks.num_available - need >= running and blocks.grow(
                     seq.seq_id, seq.num_computed + 1 + len(toks)
-                )):
+                )
+                if need > 0 and not grown:
                     toks = toks[: max(0, covered * bs - seq.num_computed - 1)]
                 if not toks:
                     continue
@@ -140,13 +141,21 @@ class Speculator:
                 it.token_ids = [*it.token_ids, *toks]
                 it.draft = toks
                 it.draft_probs = d.probs[: len(toks)] if d.probs is not None else None
-                it.block_table = list(blocks.table(seq.seq_id))
-                if it.window_table is not None:  # (engine.kv_groups: the window group grew too)
-                    it.window_table = list(blocks.window_table(seq.seq_id))
+                if grown:  # (else the item's copy of the tables, engine.loop._item, still holds)
+                    it.block_table = list(blocks.table(seq.seq_id))
+                    if it.window_table is not None:  # (engine.kv_groups: the window group grew too)
+                        it.window_table = list(blocks.window_table(seq.seq_id))
 
-    def verify(self, runner: Any, batch: Sequence[Any], items: list[StepItem]) -> list[list[int]]:
-        """``runner.verify(items)``, checked: per item 1..k+1 tokens when it samples, else none."""
-        out = runner.verify(items)
+    def verify(self, runner: Any, batch: Sequence[Any], items: list[StepItem], during: Any = None) -> list[list[int]]:
+        """``runner.verify(items)``, checked: per item 1..k+1 tokens when it samples, else none.
+        ``during``: host work for the time the pass runs on the device (engine.loop_stream), given
+        to a runner whose ``verify_during`` is true (it calls it once the pass is queued, before
+        waiting for it); other runners' passes are done when ``verify`` returns, and the caller
+        runs it then."""
+        if during is not None and getattr(runner, "verify_during", False):
+            out = runner.verify(items, during=during)
+        else:
+            out = runner.verify(items)
         if len(out) != len(items):
             raise RuntimeError(f"runner returned {len(out)} results for {len(items)} items")
         res = []
