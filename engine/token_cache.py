@@ -2,6 +2,11 @@
 piece's ids come from a bounded LRU, so a prompt sent again, or a conversation that grew by one turn,
 only encodes what was not seen before.
 
+Pieces are cached under a ``scope`` (the server passes the tenant and cache salt, as the prefix
+cache keys its blocks; ``None``, the default, for the CLI and other single-user callers): one LRU
+keyed by (scope, piece) under one global bound, so a piece found in the cache is one its own scope
+encoded, and one tenant's tokenisation time never tells whether another sent the same text.
+
 Cutting at a special token is exact because the tokenizers library cuts there itself: it splits
 the input on its added tokens before normalising and pre-tokenising each piece on its own. Only
 added tokens without lstrip/rstrip/single_word/normalized are cut at (the others stay inside their
@@ -36,8 +41,8 @@ _PROBES = (
 
 class SegmentEncoder:
     """``encode(text) -> ids`` equal to ``hf.encode(text, add_special_tokens=False).ids``, with the
-    ids of pieces between special tokens cached (least recently used dropped past ``max_tokens``
-    cached ids in all). ``split=False``: whole texts are the pieces (never cut at special tokens; for
+    ids of pieces between special tokens cached per ``scope`` (least recently used dropped past
+    ``max_tokens`` cached ids or ``max_entries`` pieces, all scopes together). ``split=False``: whole texts are the pieces (never cut at special tokens; for
     a tokenizer that reads special-token strings as text). Thread-safe."""
 
     def __init__(self, hf: Any, max_tokens: int = 1 << 20, max_entries: int = 1 << 16, *, split: bool = True):
@@ -45,7 +50,7 @@ class SegmentEncoder:
         self.max_tokens = max_tokens
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lru: OrderedDict[tuple[Any, str], tuple[int, ...]] = OrderedDict()
         self._canon = _canonical_ints(hf.get_vocab_size(with_added_tokens=True)).__getitem__
         self._cached_tokens = 0
         self.hits = self.misses = 0
@@ -62,9 +67,10 @@ class SegmentEncoder:
         if self._split is not None and not self._probe():
             self._split = None  # pieces do not encode alone as they do in context: whole texts only
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, scope: Any = None) -> list[int]:
+        """The ids of ``text``, reusing only pieces cached under ``scope`` (any hashable value)."""
         if self._split is None:
-            ids = self._piece(text)
+            ids = self._piece(text, scope)
             return ids if isinstance(ids, list) else list(ids)
         out: list[int] = []
         start = 0
@@ -73,19 +79,20 @@ class SegmentEncoder:
             if tid is None:
                 continue  # an added token with stripping rules: left inside its piece
             if m.start() > start:
-                out += self._piece(text[start : m.start()])
+                out += self._piece(text[start : m.start()], scope)
             out.append(tid)
             start = m.end()
         if start < len(text):
-            out += self._piece(text[start:])
+            out += self._piece(text[start:], scope)
         return out
 
-    def _piece(self, text: str) -> Sequence[int]:
-        """The ids of one piece: the cached tuple (shared: never mutate it) or a new list."""
+    def _piece(self, text: str, scope: Any) -> Sequence[int]:
+        """The ids of one piece: the tuple cached under ``scope`` (shared: never mutate it) or a new list."""
+        key = (scope, text)
         with self._lock:
-            ids = self._lru.get(text)
+            ids = self._lru.get(key)
             if ids is not None:
-                self._lru.move_to_end(text)
+                self._lru.move_to_end(key)
                 self.hits += 1
                 return ids
             self.misses += 1
@@ -96,8 +103,8 @@ class SegmentEncoder:
             except IndexError:  # (an id past the reported vocabulary: its own ints)
                 kept = tuple(got)
             with self._lock:
-                if text not in self._lru:
-                    self._lru[text] = kept
+                if key not in self._lru:
+                    self._lru[key] = kept
                     self._cached_tokens += len(got)
                     while self._cached_tokens > self.max_tokens or len(self._lru) > self.max_entries:
                         _, old = self._lru.popitem(last=False)

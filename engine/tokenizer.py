@@ -130,7 +130,7 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-        self._segments = SegmentEncoder(tk)  # a prompt sent again costs only its new pieces
+        self._segments = SegmentEncoder(tk)  # a prompt sent again (same scope) costs only its new pieces
         added = tk.get_added_tokens_decoder()
         specials = {t.content: i for i, t in added.items() if t.special and t.content}
         self._special_ids = specials
@@ -146,9 +146,10 @@ class Tokenizer:
         self._text_segments: SegmentEncoder | None = None  # its piece cache (escaped text)
         self._clone_lock = threading.Lock()
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted."""
-        ids = self._segments.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False, scope: Any = None) -> list[int]:
+        """Token ids of ``text``; special-token strings in it map to their ids. BOS only if asked and wanted.
+        ``scope``: whose piece cache to reuse (the server's tenant and cache salt; None: the default)."""
+        ids = self._segments.encode(text, scope)
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
@@ -172,18 +173,18 @@ class Tokenizer:
                 self._text_segments = SegmentEncoder(tk, split=False)
             return self._text_tk
 
-    def _encode_text(self, part: str) -> list[int]:
-        """``part`` tokenised with special-token strings read as text, from the piece cache."""
+    def _encode_text(self, part: str, scope: Any = None) -> list[int]:
+        """``part`` tokenised with special-token strings read as text, from ``scope``'s piece cache."""
         if self._text_segments is None:
             self._text_tokenizer()
-        return self._text_segments.encode(part)  # type: ignore[union-attr]
+        return self._text_segments.encode(part, scope)  # type: ignore[union-attr]
 
-    def encode_chat(self, text: str) -> list[int]:
+    def encode_chat(self, text: str, scope: Any = None) -> list[int]:
         """Ids of a rendered chat prompt: special tokens the template wrote become their ids; text
         escaped by ``escape_specials`` (and every other piece) is tokenised as plain text. Identical to
-        ``encode`` when nothing was escaped."""
+        ``encode`` when nothing was escaped. ``scope`` as for ``encode``."""
         if self._special_re is None or CONTENT_MARK not in text:
-            return self.encode(text)  # nothing escaped: exactly the tokenizer's own splitting
+            return self.encode(text, scope=scope)  # nothing escaped: exactly the tokenizer's own splitting
         parts = self._special_re.split(text)
         for i in range(1, len(parts), 2):  # AddedToken lstrip/rstrip absorb neighbouring whitespace
             strip_l, strip_r = self._special_strip.get(parts[i], (False, False))
@@ -197,7 +198,7 @@ class Tokenizer:
                 ids.append(self._special_ids[part])
             elif part:
                 part = _MARK_RUN.sub(lambda m: CONTENT_MARK if len(m.group(0)) == 2 else "", part)
-                ids.extend(self._encode_text(part))
+                ids.extend(self._encode_text(part, scope))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -17,7 +17,7 @@ class FakeTokenizer:
     eos_token_ids = [0]
     vocab_size = 0x110000
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, scope=None) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids) -> str:

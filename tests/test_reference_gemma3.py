@@ -284,7 +284,7 @@ def test_completions_prompt_gets_the_models_bos():
     from engine.server_config import ServerConfig
 
     class BosTokenizer(FakeTokenizer):
-        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        def encode(self, text: str, add_special_tokens: bool = False, scope=None) -> list[int]:
             return ([2] if add_special_tokens else []) + super().encode(text)
 
     engine = FakeEngine()

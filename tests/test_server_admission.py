@@ -52,7 +52,7 @@ def test_requests_waiting_for_the_tokenizer_count_against_the_queue():
     gate = threading.Event()
 
     class Slow(FakeTokenizer):
-        def encode(self, text, add_special_tokens=False):
+        def encode(self, text, add_special_tokens=False, scope=None):
             gate.wait(5)
             return super().encode(text, add_special_tokens)
 
@@ -110,7 +110,7 @@ def test_prompt_bytes_bounded_before_tokenising():
     class Counting(FakeTokenizer):
         calls = 0
 
-        def encode(self, text, add_special_tokens=False):
+        def encode(self, text, add_special_tokens=False, scope=None):
             Counting.calls += 1
             return super().encode(text, add_special_tokens)
 

@@ -64,7 +64,7 @@ class _ChatTokenizer:
     def __getattr__(self, name):
         return getattr(self._t, name)
 
-    def encode(self, text, add_special_tokens=False):
+    def encode(self, text, add_special_tokens=False, scope=None):
         return self._t.encode(text)
 
     def apply_chat_template(self, messages, *, tools=None, add_generation_prompt=True, **kw):

@@ -163,4 +163,4 @@ class CountTokens(Resource):
         st.require_ready()
         spec = parse_anthropic(read_json(req, st), count_only=True)
         check_model(st, spec.model)
-        send_json(resp, {"input_tokens": len(chat_ids(st, spec))})
+        send_json(resp, {"input_tokens": len(chat_ids(st, spec, req.context.tenant))})

@@ -85,29 +85,50 @@ def check_prompt_bytes(state: AppState, n: int, param: str) -> None:
         )
 
 
-def chat_ids(state: AppState, spec: ChatSpec) -> list[int]:
+def cache_salt(tenant: Tenant, request_salt: str = "") -> str:
+    """The prefix-cache salt of a request: its tenant's, then the request's own ``cache_salt``."""
+    return f"{tenant.cache_salt}\x1f{request_salt}" if request_salt else tenant.cache_salt
+
+
+def cache_scope(tenant: Tenant, request_salt: str = "") -> tuple[str, str]:
+    """Whose caches a request may reuse: (tenant, cache salt), as the prefix cache keys its blocks.
+    The tokenizer's piece cache is scoped by it too, so tokenisation time tells one tenant nothing
+    of another's prompts."""
+    return (tenant.name, cache_salt(tenant, request_salt))
+
+
+def chat_ids(state: AppState, spec: ChatSpec, tenant: Tenant) -> list[int]:
     """Token ids of the rendered chat prompt: size-checked first, then rendered and tokenised on the
-    dedicated tokenizer pool; special tokens inside client text are tokenised as text. Sets
-    ``spec.prompt_text`` (the reasoning split and grammar phases read where the prompt ends)."""
+    dedicated tokenizer pool (reusing only ``tenant``'s cached pieces); special tokens inside client
+    text are tokenised as text. Sets ``spec.prompt_text`` (the reasoning split and grammar phases
+    read where the prompt ends)."""
     n = _text_bytes((spec.messages, spec.tools, spec.template_kwargs))
     check_prompt_bytes(state, n, "messages")
+    scope = cache_scope(tenant, spec.cache_salt)
 
     def work() -> list[int]:
         text = chat_prompt(state, spec)
         check_prompt_bytes(state, len(text.encode("utf-8", "surrogatepass")), "messages")
         spec.prompt_text = text
-        return encode(state, text, chat=True)
+        return encode(state, text, chat=True, scope=scope)
 
     with state.admission.preparing():
         return state.tokenize_pool.run(work, size=n)
 
 
-def text_ids(state: AppState, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
-    """Token ids of a raw prompt (completions, /tokenize), size-checked before the tokenizer pool runs."""
+def text_ids(
+    state: AppState,
+    text: str,
+    scope: tuple[str, str],
+    param: str = "prompt",
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of a raw prompt (completions, /tokenize), size-checked before the tokenizer pool runs;
+    ``scope`` (``cache_scope``): whose cached pieces it may reuse."""
     n = len(text.encode("utf-8", "surrogatepass"))
     check_prompt_bytes(state, n, param)
     with state.admission.preparing():
-        return state.tokenize_pool.run(encode, state, text, param, add_special_tokens, size=n)
+        return state.tokenize_pool.run(encode, state, text, param, add_special_tokens, False, scope, size=n)
 
 
 def chat_prompt(state: AppState, spec: ChatSpec) -> str:
@@ -135,15 +156,23 @@ def chat_prompt(state: AppState, spec: ChatSpec) -> str:
 
 
 def encode(
-    state: AppState, text: str, param: str = "messages", add_special_tokens: bool = False, chat: bool = False
+    state: AppState,
+    text: str,
+    param: str = "messages",
+    add_special_tokens: bool = False,
+    chat: bool = False,
+    scope: tuple[str, str] | None = None,
 ) -> list[int]:
     """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it (a raw completion
     prompt; a rendered chat template carries its own). ``chat``: a rendered template, through the
-    tokenizer's ``encode_chat`` where it has one (escaped client text read back as text)."""
+    tokenizer's ``encode_chat`` where it has one (escaped client text read back as text). ``scope``
+    (``cache_scope``): the piece cache the tokenizer may reuse."""
     tok = state.tokenizer
     enc = getattr(tok, "encode_chat", None) if chat else None
     try:
-        return list(enc(text) if enc is not None else tok.encode(text, add_special_tokens=add_special_tokens))
+        if enc is not None:
+            return list(enc(text, scope=scope))
+        return list(tok.encode(text, add_special_tokens=add_special_tokens, scope=scope))
     except (ValueError, UnicodeError) as exc:  # a tokenizer that cannot represent the text
         raise bad_request(f"the prompt cannot be tokenized: {exc}", param) from None
 
@@ -258,9 +287,7 @@ class Run:
         # buckets, charged to choice 0; every choice holds its own in-flight slot
         first = self.index == 0
         st.acquire(self.tenant, len(self.prompt_ids) if first else 0, self, new_request=first)
-        salt = self.tenant.cache_salt
-        if self.spec.cache_salt:
-            salt = f"{salt}\x1f{self.spec.cache_salt}"
+        salt = cache_salt(self.tenant, self.spec.cache_salt)
         sampling = with_defaults(
             self.spec.sampling, self.spec.sampling_given, dict(st.model_info.generation_defaults)
         )

@@ -15,6 +15,7 @@ import falcon
 from engine.types import TokenEvent
 
 from . import sse
+from .auth import Tenant
 from .body import parse_json_body, too_large
 from .generation import Run, RunGroup, chat_ids, check_model, constraint_factory, error_of
 from .state import AppState
@@ -131,15 +132,16 @@ class GenerateResource(Resource):
     id_prefix = ""
     stream_error: Callable[[BaseException], bytes] = staticmethod(sse.openai_stream_error)
 
-    def prompt_ids(self, spec) -> list[int]:
-        return chat_ids(self.state, spec)  # sets spec.prompt_text (reasoning split, grammar phases)
+    def prompt_ids(self, spec, tenant: Tenant) -> list[int]:
+        """``spec``'s prompt ids, tokenised in ``tenant``'s cache scope."""
+        return chat_ids(self.state, spec, tenant)  # sets spec.prompt_text (reasoning split, grammar phases)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         st = self.state
         st.require_ready()
         spec = self.parse(read_json(req, st))
         check_model(st, spec.model)
-        ids = self.prompt_ids(spec)
+        ids = self.prompt_ids(spec, req.context.tenant)
         constraint = constraint_factory(st, spec)
         group = start_group(st, req, spec, ids, param=self.param, id_prefix=self.id_prefix, constraint=constraint)
         if spec.stream:  # the group is closed when the stream ends or the client goes away

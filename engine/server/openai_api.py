@@ -12,9 +12,10 @@ import falcon
 from engine.types import TokenEvent
 
 from . import sse
+from .auth import Tenant
 from .chat_output import ChatOutput
 from .errors import ApiError
-from .generation import Run, RunGroup, error_of, interleave, text_ids
+from .generation import Run, RunGroup, cache_scope, error_of, interleave, text_ids
 from .http_common import GenerateResource, Resource, send_json, usage_openai
 from .logprobs import chat_content, completion_logprobs
 from .schemas import ChatSpec, CompletionSpec, GenSpec, parse_chat, parse_completion
@@ -162,9 +163,10 @@ class Completions(_OpenAIGeneration):
     param, id_prefix = "prompt", "cmpl-"
     obj = chunk_obj = "text_completion"
 
-    def prompt_ids(self, spec: CompletionSpec) -> list[int]:
+    def prompt_ids(self, spec: CompletionSpec, tenant: Tenant) -> list[int]:
         if isinstance(spec.prompt, str):  # BOS, as `memra run` does
-            return text_ids(self.state, spec.prompt, "prompt", add_special_tokens=True)
+            scope = cache_scope(tenant, spec.cache_salt)
+            return text_ids(self.state, spec.prompt, scope, "prompt", add_special_tokens=True)
         vocab = int(getattr(self.state.tokenizer, "vocab_size", 1 << 31))
         if max(spec.prompt) >= vocab:
             raise ApiError(

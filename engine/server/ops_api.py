@@ -8,8 +8,8 @@ from __future__ import annotations
 import falcon
 
 from .errors import ApiError, bad_request
-from .fields import get_bool
-from .generation import chat_ids, text_ids
+from .fields import get_bool, get_str
+from .generation import cache_scope, chat_ids, text_ids
 from .http_common import Resource, read_json, send_json
 from .metrics import CONTENT_TYPE
 from .schemas import parse_chat
@@ -104,14 +104,16 @@ class Tokenize(Resource):
         st = self.state
         st.require_ready()
         body = read_json(req, st)
+        tenant = req.context.tenant  # tokenised in its cache scope, as its generations are
         if "messages" in body:
-            ids = chat_ids(st, parse_chat(body))
+            ids = chat_ids(st, parse_chat(body), tenant)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("`prompt` (string) or `messages` is required", "prompt")
             special = get_bool(body, "add_special_tokens", False)
-            ids = text_ids(st, prompt, "prompt", add_special_tokens=special)
+            scope = cache_scope(tenant, get_str(body, "cache_salt", "", max_len=256) or "")
+            ids = text_ids(st, prompt, scope, "prompt", add_special_tokens=special)
         send_json(resp, {"tokens": ids, "count": len(ids), "max_model_len": st.model_info.context_length})
 
 
