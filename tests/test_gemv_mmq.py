@@ -18,6 +18,7 @@ from fixtures.quant_blocks import random_blocks
 
 from engine import kernel_catalog as kc
 from engine import quant
+from engine.kernel_catalog.layout import MMA_TYPES
 from engine.profile import all_profiles
 from engine.render import render
 from engine.types import ConfigError
@@ -276,7 +277,7 @@ def test_min_rows_keeps_the_smaller_buckets_launches_as_they_are_without_the_kno
             for a, b in zip(got, want, strict=True):
                 p, q = a.spec.params, b.spec.params
                 if a == b:
-                    assert not (q.get("q8x") and q["quant"] in kc.MMA_TYPES and not q["glu"])
+                    assert not (q.get("q8x") and q["quant"] in MMA_TYPES and not q["glu"])
                     continue
                 assert p["mma"] and a.min_rows == 32 and b.max_rows == 0 and a.concurrent == b.concurrent
                 assert (p["quant"], p["n"], p["k"], p["lanes"], p["ksplit"]) == (q["quant"], q["n"], q["k"], q["lanes"], q["ksplit"])
