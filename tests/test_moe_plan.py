@@ -338,3 +338,61 @@ def test_moe_launch_args_match_the_kernel_parameters(profile):
                 params = _params_of(render(la.spec), la.spec.entry)
                 assert [("*" in p) for p in params] == [a.ctype == "ptr" for a in la.args], la.spec.entry
     assert len(seen) >= 12
+
+
+def _b1_layer_launches(plan, layer: int, short: bool) -> list[str]:
+    """The (template, mode) of each launch a batch-1 decode pass runs for one layer's steps."""
+    from engine.ir import pass_key
+
+    out = []
+    for st in plan.steps:
+        if st.layer != layer:
+            continue
+        key = pass_key(st, "decode1", 1, short, b1_rows=plan.b1_rows)
+        out += [(la.spec.template, la.spec.params.get("mode")) for la in st.launches.get(key, ()) if la.runs_at(1)]
+    return out
+
+
+def test_qwen3_30b_a3b_batch1_layer_launches(monkeypatch):
+    """The batch-1 decode launches of each Qwen3-30B-A3B q4_k_m layer on the h100 profile, as the
+    file tools/make_checkpoint.py writes (q6_k v and expert down in even layers; issue #35's launch
+    count): 6 below the short-context bound (the rope in the direct attention), 8 past it; the MoE
+    MLP is three (the router with the rmsnorm folded in, the routing glu, the down that sums the
+    slots and adds the residual), each with its early pdl_trigger(). Without the post-pass
+    fold_router_norm the rmsnorm launch comes back; without route_in_glu the router routes itself
+    again (same count)."""
+    import sys
+    from pathlib import Path
+
+    from engine.lowering import registry
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import plan_golden
+
+    def plan_without(*names):
+        kept = [(o, fn) for o, fn in registry.POST_PASSES if fn.__name__ not in names]
+        monkeypatch.setattr("engine.plan.POST_PASSES", kept)
+        return plan_golden.plan_of("qwen3_moe/qwen3-30b-a3b/q4_k_m/h100")
+
+    plan = plan_without()
+    mlp = [("moe_router", None), ("moe_gemv_q8", "glu"), ("moe_gemv_q8", "down")]
+    layers = 1 + max(st.layer for st in plan.steps if st.layer is not None)
+    assert layers == 48
+    for i in range(layers):
+        qkv = ("gemv_pair", None)  # (q|k and v, the attention rmsnorm in its prologue)
+        assert _b1_layer_launches(plan, i, True) == [qkv, ("attention", None), ("gemv", None), *mlp], i
+        assert _b1_layer_launches(plan, i, False) == [qkv, ("rope", None), ("attention", None),
+                                                      ("attention_combine", None), ("gemv", None), *mlp], i
+        moe = [st for st in plan.steps if st.layer == i and st.op.op in ("moe_router", "moe_experts")]
+        (router,), (glu, down) = (st.launches["decode1"] for st in moe)
+        assert router.spec.params["trigger"] and glu.spec.params["trigger"] and down.spec.params["trigger"]
+        assert not router.spec.params["route"] and glu.spec.params["route"] and down.spec.params["residual"]
+
+    unfolded = plan_without("fold_router_norm")
+    assert _b1_layer_launches(unfolded, 0, True) == [("gemv_pair", None), ("attention", None), ("gemv", None),
+                                                     ("rmsnorm", None), *mlp]
+    unrouted = plan_without("route_in_glu")
+    assert _b1_layer_launches(unrouted, 0, True) == _b1_layer_launches(plan, 0, True)
+    (router,), (glu, _) = (st.launches["decode1"] for st in unrouted.steps
+                           if st.layer == 0 and st.op.op in ("moe_router", "moe_experts"))
+    assert router.spec.params["route"] and not glu.spec.params.get("route")
