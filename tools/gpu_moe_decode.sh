@@ -12,12 +12,14 @@
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
 # ab:    memra bench --quick at BATCHES, the default then each variant (VARIANTS: lines of
 #        name=MEMRA_TUNE spec; none by default), ROUNDS times alternating (default 1)
-# trace: tools/gpu_trace_decode.py --batch 1 over the same variants ($R/trace_*; not in the defaults)
+# trace: tools/gpu_trace_decode.py --batch 1 over the same variants and, for each lowering post-pass
+#        named in WITHOUT (space-separated, e.g. "fold_router_norm route_in_glu"), one planned
+#        without it ($R/trace_*; not in the defaults)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
 M=${MODEL:-/dev/shm/q30.gguf}; B=${BATCHES:-1,2,4,8,16,32}
-VARIANTS=${VARIANTS:-}
+VARIANTS=${VARIANTS:-}; WITHOUT=${WITHOUT:-}
 bench() {  # NAME [extra memra bench args]
   local name=$1; shift
   timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" "$@" \
@@ -51,6 +53,7 @@ for stage in ${STAGES:-tests ckpt bench}; do
   trace)
     args=()
     while IFS= read -r v; do [ -n "$v" ] && args+=(--variant "$v"); done <<< "$VARIANTS"
+    for p in $WITHOUT; do args+=(--without "$p"); done
     timeout 400 python3 tools/gpu_trace_decode.py --model "$M" --batch 1 --out "$R/trace" ${args[@]+"${args[@]}"} \
       > "$R/trace.log" 2>&1
     tail -25 "$R/trace.log"
