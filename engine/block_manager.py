@@ -234,14 +234,11 @@ class BlockManager(StateSlotLedger):
         cache (LRU), the others are free. Returns how many blocks were released."""
         seq = self._seqs[seq_id]
         upto = min(num_blocks, seq.committed)
-        n = 0
-        for i in range(seq.released, upto):
-            b, seq.table[i] = seq.table[i], RELEASED
-            if b != RELEASED:
-                self._drop_ref(b)
-                n += 1
+        dropped = [b for b in seq.table[seq.released : upto] if b != RELEASED]
+        seq.table[seq.released : upto] = [RELEASED] * max(0, upto - seq.released)
+        self._drop_refs(dropped)
         seq.released = max(seq.released, upto)
-        return n
+        return len(dropped)
 
     def live_blocks(self, seq_id: int) -> int:
         """The blocks the sequence holds (its table less the released entries)."""
@@ -354,7 +351,8 @@ class BlockManager(StateSlotLedger):
             ref[b] = r + 1
 
     def _drop_refs(self, blocks: Iterable[int]) -> None:
-        """``_drop_ref`` of each block in order, RELEASED entries skipped (inlined: see _take_refs)."""
+        """One reference less to each block in order, RELEASED entries skipped; at none a block is cached
+        (LRU tail) if it has a key, else free (locals, no call per block: see _take_refs)."""
         ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
         for b in blocks:
             if b == RELEASED:
@@ -366,15 +364,6 @@ class BlockManager(StateSlotLedger):
                     lru[b] = None
                 else:
                     free.append(b)
-
-    def _drop_ref(self, b: int) -> None:
-        """One reference less; at none the block is cached (LRU tail) if it has a key, else free."""
-        self._ref[b] -= 1
-        if self._ref[b] == 0:
-            if self._hash[b] is not None:
-                self._lru[b] = None
-            else:
-                self._free.append(b)
 
     def _take_fresh(self) -> int:
         if self._free:
