@@ -415,9 +415,7 @@ class Engine(OverlapLoop, StreamLater):
                 try:
                     self._advance(s, tokens, it)
                 except Exception as exc:  # e.g. the tokenizer rejects a token: fail this request only
-                    log.exception("post-processing failed for request %s", s.seq.request.request_id)
-                    err = MemraError(f"the engine failed while decoding this request: {exc}", code="engine_error")
-                    self._finish(s.seq, "error", error=err)
+                    self._decoding_failed(s.seq, exc)
 
     def _run_step(self, batch: list[Scheduled], items: list[StepItem]) -> list[list[int]]:
         """One runner call; per item the tokens it emits ([] for a prefill chunk that samples nothing).

@@ -42,6 +42,14 @@ class StreamLater:
             st.stop = StopChecker(decoder, req.stop, eos | frozenset(req.stop_token_ids))
         return st.stop
 
+    def _decoding_failed(self, seq: Any, exc: Exception) -> None:
+        """Fail this request only (e.g. the tokenizer rejects a token), from inside the except block
+        (the log carries the traceback); the caller holds the state lock."""
+        rid = seq.request.request_id
+        log.exception("post-processing failed for request %s", rid)
+        err = MemraError(f"the engine failed while decoding this request: {exc}", code="engine_error")
+        self._finish(seq, "error", error=err)
+
     def _advance_later(self, s: Scheduled, tokens: list[int], it: StepItem) -> bool:
         """A verified row's tokens, their text and events left to ``_stream_deferred``; False
         (nothing done) where one of them could end the request, or the request has stop strings
@@ -83,13 +91,11 @@ class StreamLater:
             try:
                 texts = [st.stop.push(t)[0] for t in tokens]
             except Exception as exc:
-                log.exception("post-processing failed for request %s", rid)
-                err = MemraError(f"the engine failed while decoding this request: {exc}", code="engine_error")
                 if locked:
-                    self._finish(seq, "error", error=err)
+                    self._decoding_failed(seq, exc)
                 else:
                     with self._lock:
-                        self._finish(seq, "error", error=err)
+                        self._decoding_failed(seq, exc)
                 continue
             put = st.handle._events.put
             for token, text in zip(tokens, texts, strict=True):
