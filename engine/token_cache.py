@@ -42,8 +42,9 @@ _PROBES = (
 class SegmentEncoder:
     """``encode(text) -> ids`` equal to ``hf.encode(text, add_special_tokens=False).ids``, with the
     ids of pieces between special tokens cached per ``scope`` (least recently used dropped past
-    ``max_tokens`` cached ids or ``max_entries`` pieces, all scopes together). ``split=False``: whole texts are the pieces (never cut at special tokens; for
-    a tokenizer that reads special-token strings as text). Thread-safe."""
+    ``max_tokens`` cached ids or ``max_entries`` pieces, all scopes together). ``split=False``:
+    whole texts are the pieces (never cut at special tokens; for a tokenizer that reads
+    special-token strings as text). Thread-safe."""
 
     def __init__(self, hf: Any, max_tokens: int = 1 << 20, max_entries: int = 1 << 16, *, split: bool = True):
         self.hf = hf
