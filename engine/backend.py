@@ -204,12 +204,16 @@ def load_stack(model_arg: str | None, flags: StackFlags = StackFlags(), **runner
     t0 = time.perf_counter()
     print(f"memra: loading {path}", file=sys.stderr)
     model = load_model(path, quant=flags.quant)
+    t1 = time.perf_counter()
     tokenizer = load_tokenizer(model.weights)
+    t2 = time.perf_counter()
     kwargs = {k: v for k, v in {"window_kv_blocks": flags.window_kv_blocks, **runner_kwargs}.items() if v is not None}
     runner = create_runner(model, flags.backend, flags.device_profile, devices=flags.devices, split=flags.split, **kwargs)
+    t3 = time.perf_counter()
     print(
         f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
-        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
+        f"{runner.backend} backend, ready in {t3 - t0:.1f} s: model {t1 - t0:.2f} s, tokenizer {t2 - t1:.2f} s, "
+        f"runner {t3 - t2:.2f} s",
         file=sys.stderr,
     )
     return model, tokenizer, runner

@@ -62,7 +62,8 @@ def build_engine(
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running)
+    # (the CUDA runner's graph captures run on the engine thread after ready: engine.runner_warm)
+    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running, defer_warm_up=True)
     speculator = build_speculator(spec, model, runner, device_profile=flags.device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}

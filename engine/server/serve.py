@@ -7,6 +7,7 @@ Must not import CUDA or numpy; the model is loaded only through the ``load_model
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -81,6 +82,28 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
     return clean
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where that is not known."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # (field 22, starttime)
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _since_start(loading: float, engine: Any) -> str:
+    """The ready line's tail: the time since the process started and the part of it before loading
+    (imports, CLI, server build), and whether the runner's warm-up still runs in the background."""
+    age = process_age()
+    out = f", {age:.2f} s after the process started ({max(age - loading, 0.0):.2f} s before loading)" if age else ""
+    if getattr(engine, "warming_up", False):
+        out += "; graph captures continue in the background, between requests"
+    return out
+
+
 def run_server(
     config: ServerConfig,
     load_model: Callable[[], tuple[Any, Any, Any]],
@@ -119,7 +142,8 @@ def run_server(
             stop.set()
             return
         state.attach(engine, tokenizer, info)
-        log.info("model %s ready in %.1f s (%s backend)", info.id, time.monotonic() - t0, info.backend)
+        log.info("model %s ready in %.1f s (%s backend)%s", info.id, time.monotonic() - t0, info.backend,
+                 _since_start(time.monotonic() - t0, engine))  # fmt: skip
 
     def on_signal(signum, frame) -> None:
         if stop.is_set() or state.draining:
