@@ -183,7 +183,8 @@ class StepLogic:
         or with ``defer`` by the engine thread once the server is ready (``background_work``)."""
         self._deferred: list[Callable[[], Any]] = []
         if defer:
-            self._deferred.append(lambda: warm_units(self))
+            units = warm_units(self)  # (now: a hybrid's tail graph keys registered at build)
+            self._deferred.append(lambda: units)
         else:
             run_now(self)
 

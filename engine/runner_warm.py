@@ -38,8 +38,12 @@ def warm_units(r: Any) -> Units:
     which runs as decode rows (engine.runner_tail: their graphs, ``tail_captures``), or, for a
     prompt ending on a boundary, its last block, a prefill pass of block_size tokens (bound, and
     captured into a CUDA graph with graphs on: ``capture_prefill_tail``). Shorter prefill passes of
-    one sequence are bound too, and the batch-1 head. A shape a request bound first is kept as it is."""
-    tails = tail_captures(r)  # (a hybrid's tail keys registered now, before any request runs)
+    one sequence are bound too, and the batch-1 head. A shape a request bound first is kept as it is.
+    A hybrid's tail graph keys are registered by this call (``tail_captures``), before any request runs."""
+    return _units(r, tail_captures(r))
+
+
+def _units(r: Any, tails: Units) -> Units:
     for n in range(1, r.block_size + 1):
         key = ("prefill", n, 1, n)
         bound = r._prefill_bound.get(key)

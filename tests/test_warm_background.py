@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from fixtures.engine_waves import engine_for
 from fixtures.fake_runner import FakeRunner
+from fixtures.hybrid import write_qwen3_5_hf
 from test_plan_runner_fake import GREEDY, FakeDriver, fake_builder
 from test_runner_cuda import write_tiny_llama
 
@@ -118,8 +119,9 @@ def test_a_failed_unit_ends_the_background_work_but_not_the_engine():
 # ----- the CUDA runner on the fake driver
 
 
-def _cuda(tmp_path, monkeypatch, defer: bool):
-    """(runner, driver, launches): launches are (kernel, packed argument bytes, in a capture)."""
+def _cuda(tmp_path, monkeypatch, defer: bool, hybrid: bool = False):
+    """(runner, driver, launches): launches are (kernel, packed argument bytes, in a capture); a
+    tiny llama, or a tiny Qwen3.5 hybrid."""
     import engine.runner_cuda as rc
     from engine.model import load_model
 
@@ -135,16 +137,26 @@ def _cuda(tmp_path, monkeypatch, defer: bool):
 
     mod.PreparedLaunch = RecPrepared
     monkeypatch.setattr(rc, "cuda", mod)
-    write_tiny_llama(tmp_path / "m")
-    runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=300, max_model_len=4096,
-                           builder=fake_builder(tmp_path), defer_warm_up=defer)  # fmt: skip
+    if hybrid:
+        path = write_qwen3_5_hf(tmp_path / "m", bf16=True, hidden_size=128, intermediate_size=256,
+                                linear_key_head_dim=32, linear_value_head_dim=32)
+        runner = rc.CudaRunner(load_model(path), num_blocks=300, max_model_len=4096,
+                               builder=fake_builder(tmp_path), state_slots=6, defer_warm_up=defer)
+    else:
+        write_tiny_llama(tmp_path / "m")
+        runner = rc.CudaRunner(load_model(tmp_path / "m"), num_blocks=300, max_model_len=4096,
+                               builder=fake_builder(tmp_path), defer_warm_up=defer)  # fmt: skip
     return runner, drv, launches
 
 
-def test_a_deferred_runner_captures_nothing_when_built_and_the_same_graphs_in_the_background(tmp_path, monkeypatch):
-    eager, _, _ = _cuda(tmp_path / "a", monkeypatch, defer=False)
-    runner, drv, _ = _cuda(tmp_path / "b", monkeypatch, defer=True)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
+def test_a_deferred_runner_captures_nothing_when_built_and_the_same_graphs_in_the_background(
+    tmp_path, monkeypatch, hybrid
+):
+    eager, _, _ = _cuda(tmp_path / "a", monkeypatch, defer=False, hybrid=hybrid)
+    runner, drv, _ = _cuda(tmp_path / "b", monkeypatch, defer=True, hybrid=hybrid)
     assert drv.captures == 0 and not runner._graphs and not runner._prefill_bound
+    assert runner._tail_keys == eager._tail_keys  # (a hybrid's, registered at build: out of the LRU)
     work = runner.background_work()
     assert runner.background_work() is None  # (handed out once)
     assert sum(work) == drv.captures == len(runner._graphs) > 0
