@@ -14,6 +14,7 @@ from typing import Any
 
 from engine import env
 from engine.profile import DeviceProfile, select
+from engine.progress import process_age
 from engine.types import DeviceInfo, MemraError
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -202,7 +203,8 @@ def load_stack(model_arg: str | None, flags: StackFlags = StackFlags(), **runner
 
     path = resolve_model_path(model_arg)
     t0 = time.perf_counter()
-    print(f"memra: loading {path}", file=sys.stderr)
+    age = process_age()
+    print(f"memra: loading {path}" + (f" ({age:.2f} s after the process started)" if age is not None else ""), file=sys.stderr)
     model = load_model(path, quant=flags.quant)
     t1 = time.perf_counter()
     tokenizer = load_tokenizer(model.weights)

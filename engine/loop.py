@@ -79,6 +79,7 @@ class Engine(OverlapLoop, StreamLater):
         *,
         on_step: Callable[[Engine], None] | None = None,
         speculator: Any = None,
+        hold_background: bool = False,
     ):
         config.validate()
         self.runner = runner
@@ -143,6 +144,9 @@ class Engine(OverlapLoop, StreamLater):
         self._live: dict[str, Sequence] = {}  # engine thread only
         work = getattr(runner, "background_work", None)  # (engine thread only: it runs on the device)
         self._warm: Iterator[Any] | None = work() if callable(work) else None
+        self._warm_go = threading.Event()  # hold_background: set by start_background (the server once ready)
+        if not hold_background:
+            self._warm_go.set()
         self._cancel_at: float | None = None
         # EngineStats' counters, by their field names
         self._n = dict.fromkeys(("steps", "step_failures", "prompt_tokens_total", "generated_tokens_total",
@@ -156,6 +160,13 @@ class Engine(OverlapLoop, StreamLater):
                 return
             self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
             self._thread.start()
+
+    def start_background(self) -> None:
+        """Let the engine thread run the runner's background work (an Engine built with
+        ``hold_background``: `memra serve` calls it once /ready answers 200)."""
+        if not self._warm_go.is_set():
+            self._warm_go.set()
+            self._inbox.put(("wake", None))  # (an idle engine thread waits on its inbox)
 
     @property
     def warming_up(self) -> bool:
@@ -299,7 +310,7 @@ class Engine(OverlapLoop, StreamLater):
         try:
             while True:
                 idle = not self.scheduler.has_work() and self._pending is None
-                warm = idle and self._warm is not None  # (no waiting for the inbox while there is some)
+                warm = idle and self._warm is not None and self._warm_go.is_set()  # (then no wait on the inbox)
                 self._drain_inbox(block=idle and not warm and self._cancel_at is None)
                 if self._cancel_at is not None and (
                     not self.scheduler.has_work() or time.monotonic() >= self._cancel_at

@@ -241,3 +241,25 @@ def test_the_engine_thread_runs_the_cuda_runner_s_work_after_start(tmp_path, mon
         assert len(toks) == 6
     finally:
         e.shutdown()
+
+
+def test_held_background_work_waits_for_start_background():
+    """`memra serve` builds its Engine with ``hold_background`` and starts the work once /ready answers."""
+    from fixtures.fake_runner import FakeTokenizer
+
+    from engine.loop import Engine, EngineConfig
+
+    runner = WarmingRunner(units=3)
+    e = Engine(runner, FakeTokenizer(eos_token_ids=frozenset()), EngineConfig(), hold_background=True)
+    try:
+        e.start()
+        assert _generate(e, "r", [5, 6, 7])[0]  # (requests run meanwhile)
+        time.sleep(0.1)
+        assert not runner.unit_spans and e.warming_up
+        e.start_background()
+        deadline = time.monotonic() + 5
+        while e.warming_up and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(runner.unit_spans) == 3 and not e.warming_up
+    finally:
+        e.shutdown()

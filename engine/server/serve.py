@@ -7,13 +7,13 @@ Must not import CUDA or numpy; the model is loaded only through the ``load_model
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.progress import process_age
 from engine.server_config import ServerConfig
 from engine.types import MemraError
 
@@ -82,23 +82,11 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
     return clean
 
 
-def process_age() -> float | None:
-    """Seconds since this process started (Linux: /proc), None where that is not known."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # (field 22, starttime)
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _since_start(loading: float, engine: Any) -> str:
-    """The ready line's tail: the time since the process started and the part of it before loading
-    (imports, CLI, server build), and whether the runner's warm-up still runs in the background."""
+def _since_start(engine: Any) -> str:
+    """The ready line's tail: the time since the process started (the part before loading is on
+    the "memra: loading" line), and whether the runner's graph captures follow in the background."""
     age = process_age()
-    out = f", {age:.2f} s after the process started ({max(age - loading, 0.0):.2f} s before loading)" if age else ""
+    out = f", {age:.2f} s after the process started" if age is not None else ""
     if getattr(engine, "warming_up", False):
         out += "; graph captures continue in the background, between requests"
     return out
@@ -132,7 +120,7 @@ def run_server(
     result: dict[str, Any] = {"code": 0, "error": None}
 
     def load() -> None:
-        t0 = time.monotonic()
+        t0 = getattr(load_model, "started", None) or time.monotonic()  # (a load begun before: _EarlyLoad)
         try:
             engine, tokenizer, info = load_model()
         except Exception as exc:
@@ -142,8 +130,11 @@ def run_server(
             stop.set()
             return
         state.attach(engine, tokenizer, info)
+        start = getattr(engine, "start_background", None)
+        if callable(start):  # (an engine built with hold_background: its captures run from now on)
+            start()
         log.info("model %s ready in %.1f s (%s backend)%s", info.id, time.monotonic() - t0, info.backend,
-                 _since_start(time.monotonic() - t0, engine))  # fmt: skip
+                 _since_start(engine))  # fmt: skip
 
     def on_signal(signum, frame) -> None:
         if stop.is_set() or state.draining:
