@@ -1,6 +1,6 @@
 """`memra serve`'s way to the model load imports nothing heavy it does not need (issue #34: warm
-HTTP-ready): the CLI, the server's build and the loader thread up to ``load_model`` run in a fresh
-interpreter, which reports the modules imported by then. Never torch / transformers (references
+HTTP-ready): the CLI, the server's imports and the loader thread up to ``load_model`` run in a
+fresh interpreter, which reports the modules imported by then. Never torch / transformers (references
 only), never the gguf package on a safetensors model (engine.storage's block table is written
 out; engine.quant imports it when a GGUF tensor is dequantised), never cuda-python, the NVRTC
 wrapper or the CUDA runner before the runner is built."""
@@ -19,12 +19,18 @@ HEAVY = ("torch", "transformers", "gguf", "cuda", "engine.cuda", "engine.nvrtc",
          "engine.compile", "scipy", "sentencepiece")  # fmt: skip
 
 _PROBE = """
-import json, os, sys
+import json, os, sys, threading
 import engine.model
-def stop(path, *a, **k):
+import engine.server.serve as srv
+reached = threading.Event()
+def load_model(path, *a, **k):  # (the loader thread, started before the server's import: park it)
+    reached.set()
+    threading.Event().wait()
+def run_server(cfg, load, **k):  # (the server's modules are imported by now)
+    assert reached.wait(60)
     print("MODULES " + json.dumps(sorted(sys.modules)), flush=True)
     os._exit(0)
-engine.model.load_model = stop
+engine.model.load_model, srv.run_server = load_model, run_server
 from engine.cli import main
 main(["serve", sys.argv[1], "--backend", "cuda", "--port", "0"])
 """
