@@ -42,7 +42,8 @@ def _runner_kwargs(monkeypatch, argv) -> dict:
     """The keyword arguments ``memra ...argv`` builds its runner with (the build is stopped there)."""
     seen: dict = {}
 
-    def create_runner(model, backend_name="auto", device_profile=None, devices=None, split=None, **kwargs):
+    def create_runner(model, backend_name="auto", device_profile=None, devices=None, split=None, detected=None,
+                      **kwargs):  # fmt: skip
         seen.update(kwargs)
         raise _Stop("stopped at the runner")
 

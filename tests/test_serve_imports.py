@@ -2,8 +2,9 @@
 HTTP-ready): the CLI, the server's imports and the loader thread up to ``load_model`` run in a
 fresh interpreter, which reports the modules imported by then. Never torch / transformers (references
 only), never the gguf package on a safetensors model (engine.storage's block table is written
-out; engine.quant imports it when a GGUF tensor is dequantised), never cuda-python, the NVRTC
-wrapper or the CUDA runner before the runner is built."""
+out; engine.quant imports it when a GGUF tensor is dequantised), never the NVRTC wrapper, the kernel
+builder or the CUDA runner before the runner is built (cuda-python itself is imported as loading
+starts, by engine.backend.detect_soon's thread: the driver's init overlaps the model's metadata)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.storage import BLOCK_SIZES, FILE_TYPES, ggml_type
+from engine.types import MemraError
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "transformers", "gguf", "cuda", "engine.cuda", "engine.nvrtc", "engine.runner_cuda",
-         "engine.compile", "scipy", "sentencepiece")  # fmt: skip
+HEAVY = ("torch", "transformers", "gguf", "engine.nvrtc", "engine.runner_cuda", "engine.compile", "scipy",
+         "sentencepiece")  # fmt: skip
 
 _PROBE = """
 import json, os, sys, threading
@@ -52,3 +56,37 @@ def test_the_written_out_block_table_is_gguf_s():
 
     for t in FILE_TYPES:
         assert BLOCK_SIZES[t] == tuple(GGML_QUANT_SIZES[ggml_type(t)]), t
+
+
+def test_load_stack_detects_devices_once_while_the_model_loads(monkeypatch, tmp_path):
+    """load_stack begins the device detection (cuInit) before it reads the model and hands the
+    result to create_runner, which does not detect again."""
+    import threading
+
+    from engine import backend
+    from engine import model as model_mod
+
+    calls, order = [], []
+    started = threading.Event()
+
+    def detect():
+        calls.append(threading.current_thread().name)
+        started.set()
+        return backend.Detected([], "no driver")
+
+    def load_model(path, quant=None):
+        order.append(("model", started.wait(10)))  # (detection begun by now, in its own thread)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(backend, "detect", detect)
+    monkeypatch.setattr(model_mod, "load_model", load_model)
+    (tmp_path / "m").mkdir()
+    try:
+        backend.load_stack(str(tmp_path / "m"))
+    except RuntimeError:
+        pass
+    assert order == [("model", True)] and calls == ["cuda-detect"]
+    monkeypatch.setattr(backend, "detect", lambda: calls.append("again") or backend.Detected([], "x"))
+    with pytest.raises(MemraError, match=r"no CUDA device found \(found earlier\)"):
+        backend.create_runner(None, "cuda", detected=lambda: backend.Detected([], "found earlier"))
+    assert calls == ["cuda-detect"]  # (not detected again)
