@@ -120,7 +120,7 @@ class _EarlyLoad:
     def _run(self) -> None:
         try:
             self._out = self._load()
-        except BaseException as exc:  # (re-raised by result, in run_server's loader thread)
+        except BaseException as exc:  # (re-raised when called: in run_server's loader thread)
             self._exc = exc
 
     def __call__(self) -> Any:
