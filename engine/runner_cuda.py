@@ -469,10 +469,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
                     cuda.dtod(ptr + r * rowbytes, ptr + src * rowbytes, rowbytes, self.stream)
         k = len(heads)
         launch_kind = "sample" if kind == "host" else kind
-        hkey = ("head", k, launch_kind)
-        if hkey not in self._eager:
-            self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
-        self._run(self._eager[hkey])
+        self._run(self._head_bound(k, launch_kind))
         ids = self._read_ids(k).tolist()
         ids = self._host_sample(hitems, ids, kind)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}

@@ -194,6 +194,13 @@ class StepLogic:
         work, self._deferred = self._deferred, []
         return background(self, work) if work else None
 
+    def _head_bound(self, k: int, kind: str) -> list[Any]:
+        """The bound head pass of ``k`` rows and sampling ``kind`` (bound on first use, kept)."""
+        key = ("head", k, kind)
+        if key not in self._eager:
+            self._eager[key] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, kind)
+        return self._eager[key]
+
     def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
         """The layers of a prefill pass (inputs uploaded): the captured tail graph for one sequence's
         block_size tokens (a prefix-cache hit's tail when the prompt ends on a block boundary) when

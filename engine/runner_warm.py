@@ -54,12 +54,8 @@ def _units(r: Any, tails: Units) -> Units:
             capture_prefill_tail(r, n, bound)
             captured = 1
         yield captured
-    from engine.runner_steps import _decode_mode
-
     for kind in ("greedy", "sample"):
-        key = ("head", 1, kind)
-        if key not in r._eager:
-            r._eager[key] = r._bind_pass(_decode_mode(1, r.plan.wide_rows), 1, 1, True, kind)
+        r._head_bound(1, kind)
     yield 0
     yield from tails
 
