@@ -39,7 +39,7 @@ for stage in ${STAGES:-bf16 q4km serve}; do
       echo "$start HTTP-ready $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b - a}') s, RSS $(ps -o rss= -p $pid) KiB" | tee -a "$R/serve.txt"
       # the captures after ready (engine.runner_warm): wait for them, so the rows below measure the same server
       for i in $(seq 1 400); do grep -q "background warm-up done\|background warm-up failed" "$R/serve_$start.log" && break; sleep 0.05; done
-      grep -E "kernels:|runner ready in|backend, ready in|model .* ready in|warm-prefix passes|background warm-up" "$R/serve_$start.log" \
+      grep -E "memra: loading|kernels:|runner ready in|backend, ready in|model .* ready in|warm-prefix passes|background warm-up" "$R/serve_$start.log" \
         | sed "s/^/  $start log: /" | tee -a "$R/serve.txt"
       [ $start = warm ] && break
       kill -TERM $pid; wait $pid
