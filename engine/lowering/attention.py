@@ -3,8 +3,11 @@
 prefill: flash attention on tensor cores (kernels/attention_prefill.cu.j2; with the tuning's span,
 the key split: short passes as one block per span + attention_combine's fold); decode: split-KV
 partials + combine (kernels/attention.cu.j2, attention_combine.cu.j2); short (every row below
-split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it. A
-post-pass, ``trigger_short1`` (tuning attention_decode.trigger_b1). Must not import CUDA or numpy."""
+split_kv_tokens): the direct kernel, with the rope folded in where the rope unit left it; TAIL
+(a prompt tail's decode pass past short_context, engine.runner_tail; dense plans with the span):
+the key split's partial launch on the decode pass's rows + the fold. Post-passes:
+``trigger_short1`` (tuning attention_decode.trigger_b1), ``tail_attention`` (the TAIL launches).
+Must not import CUDA or numpy."""
 
 from __future__ import annotations
 
