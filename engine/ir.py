@@ -41,6 +41,9 @@ VSHORT = "vshort"
 # the decode pass's rows (each sequence's K/V read once for all of its tail rows, not once a row)
 # + attention_combine's fold; never an ordinary decode or verify pass's
 TAIL = "tail"
+# the sequences (tails) one TAIL pass holds at most: its partial launch's grid has this many per span
+# (a decode pass's rows bound as min(n, TAIL_SEQS) sequences; engine.runner_tail packs up to it)
+TAIL_SEQS = 4
 
 
 def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False, tail: bool = False) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine.block_manager import aligned_count
-from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key, pass_key
+from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, TAIL_SEQS, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
 from engine.runner_tail import prepare_tails, run_tails, split_item, tail_count
 from engine.sampling import penalty_entries, sample_item
@@ -145,7 +145,8 @@ class StepLogic:
         position, in order: engine.spec.cuda_verify), every other launch once over all rows.
         ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them;
         ``tail``: a prompt tail's pass, its attention past short_context the TAIL launches."""
-        shape = self._shape(n, nseq, max_q)
+        # a TAIL pass's sequences: at most TAIL_SEQS (its partial launch's grid; no other decode launch reads nseq)
+        shape = self._shape(n, min(nseq, TAIL_SEQS) if tail else nseq, max_q)
         bound = []
         for step in self.plan.steps:
             if head_only and not step.head:
@@ -491,8 +492,9 @@ class StepLogic:
     def _fill_seq_starts(self, items: Sequence[StepItem], bucket: int) -> None:
         """A prompt tail's pass (TAIL attention, engine.lowering.attention): ``seq_starts`` as a
         prefill pass's, its sequences the runs of consecutive rows of one sequence at consecutive
-        positions (run_tails packs each tail's rows in order), each padding row one of its own, the
-        entries past them up to ``bucket`` (the grid's sequences) empty at ``bucket``."""
+        positions (run_tails packs each tail's rows in order, at most TAIL_SEQS tails: the grid's
+        sequences), the padding rows (a capture's warm run: every row at position 0 of the sink
+        block) one more, whose rows read the sink block only; the entries past them empty."""
         ss = self._views["seq_starts"]
         s, prev = 0, None
         for r, it in enumerate(items):
@@ -501,8 +503,12 @@ class StepLogic:
                 s += 1
             prev = it
         n = len(items)
-        ss[s : s + bucket - n] = np.arange(n, bucket)
-        ss[s + bucket - n : bucket + 1] = bucket
+        if n < bucket:
+            ss[s] = n
+            s += 1
+        if s > min(bucket, TAIL_SEQS):
+            raise MemraError(f"a prompt-tail pass of {s} sequences (at most {TAIL_SEQS})", code="internal_error")
+        ss[s : bucket + 1] = bucket
 
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the

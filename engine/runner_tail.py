@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.ir import TAIL
+from engine.ir import TAIL, TAIL_SEQS
 from engine.spec.cuda_verify import has_verify_short, narrow_rows, short_is_safe
 from engine.types import SamplingParams, StepItem
 
@@ -140,8 +140,8 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
     each item's sampled id (None where it samples nothing). A dense plan packs the tails of one
     context class (all rows below short_context or not, as the item alone would run) into passes
     of at most ``_limit`` rows; a tail longer than that, and a hybrid's every tail, runs alone,
-    in consecutive passes of that many rows. A dense plan's passes past short_context run the TAIL
-    attention (``tail``: rows of one sequence through the key split, whichever tails share the
+    in consecutive passes of that many rows. A dense plan's passes past short_context (at most
+    TAIL_SEQS tails each) run the TAIL attention (``tail``: rows of one sequence through the key split, whichever tails share the
     pass: a tail packed with others gets the bits it gets alone)."""
     out: list[int | None] = [None] * len(tails)
     short_ok, verify = _modes(r)
@@ -167,7 +167,8 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
             _done(out, i, it, rows[-1], ids[-1])
             continue
         batch = pending[short]
-        if batch and sum(len(rs) for _, rs in batch) + len(rows) > limit:
+        full = _uses_tail(r, short) and len(batch) == TAIL_SEQS  # (the TAIL launch's sequences)
+        if batch and (full or sum(len(rs) for _, rs in batch) + len(rows) > limit):
             _run_batch(r, batch, out, tails, short_ok, verify)
             batch.clear()
         batch.append((i, rows))

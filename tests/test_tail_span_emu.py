@@ -2,7 +2,8 @@
 split's partial launch with ``row_tables`` + attention_combine's fold; engine.runner_tail) run by
 the CPU emulator (tests/fixtures/cuda_emu.py) with the launches of a real plan (a tiny Llama on the
 h200 profile with a span of 32 keys) on a random paged cache laid out as a decode pass fills it:
-a block table per row, ``seq_starts`` as StepLogic._fill_seq_starts writes them, padding rows at
+a block table per row, ``seq_starts`` as StepLogic._fill_seq_starts writes them (the grid's
+sequences as a TAIL pass binds them: min(rows, TAIL_SEQS)), padding rows (one more sequence) at
 position 0 of a NaN sink block (their rows are not read). Each tail's rows equal, bit for bit, the same rows of the cold
 prefill pass over the whole prompt (the single folding launch) and of the tail alone in its pass
 (batched == solo), and agree with engine.ops_ref; with and without a sliding window. Outputs and
@@ -20,7 +21,7 @@ from test_attention_span_emu import BS, NAN_BF16, Q_STRIDE, _Case, _check_ref, _
 
 from engine import kernel_catalog as kc
 from engine.graph import load_family
-from engine.ir import TAIL
+from engine.ir import TAIL, TAIL_SEQS
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile, with_tuning
@@ -80,7 +81,7 @@ def _tail_pass(case: _Case, tails, launches, tmp, max_ctx: int, pad: int = 0) ->
     pos = np.array([it.start_pos for it in items] + [0] * pad, np.int32)
     bufs = {"q": np.ascontiguousarray(np.stack(q)), "positions": pos, "seq_starts": _seq_starts(items, rows),
             "block_tables": np.ascontiguousarray(np.stack(tables))}  # fmt: skip
-    shape = {"n": rows, "nseq": rows, "max_q": 1, "max_blocks": ld, "block_size": BS, "max_ctx": max_ctx}
+    shape = {"n": rows, "nseq": min(rows, TAIL_SEQS), "max_q": 1, "max_blocks": ld, "block_size": BS, "max_ctx": max_ctx}
     out = np.full((rows, launches[1].spec.params["out_stride"]), NAN_BF16, np.uint16)
     scratch = {}
     for la in launches:

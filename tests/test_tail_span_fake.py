@@ -15,7 +15,7 @@ import pytest
 from test_plan_runner_fake import GREEDY
 from test_warm_tail_fake import _build, _spy_decode
 
-from engine.ir import TAIL
+from engine.ir import TAIL, TAIL_SEQS
 from engine.runner_tail import graph_key, has_tail_attention
 from engine.types import StepItem
 
@@ -80,7 +80,7 @@ def test_a_tail_past_short_context_runs_the_span_attention(tmp_path, monkeypatch
     assert runner.step([item]) == [0]
     assert len(passes) == 1 and len(passes[0]) == 5
     ss = runner._views["seq_starts"][:6].tolist()
-    assert ss == [0, 5, 5, 5, 5, 5]  # one sequence of five rows, the grid's four others empty
+    assert ss == [0, 5, 5, 5, 5, 5]  # one sequence of five rows, the grid's others empty
     if graphs:
         assert drv.graph_launches == 1 and drv.captures == 0  # its graph, captured ahead
         assert graph_key(runner, 5, "greedy", False) in runner._graphs
@@ -89,7 +89,8 @@ def test_a_tail_past_short_context_runs_the_span_attention(tmp_path, monkeypatch
     splits = -(-runner.max_model_len // plan_span(runner))
     layers = runner.plan.dims["layers"]
     grids = [g for n, g, _ in drv.launches if n.startswith("attention_prefill")]
-    assert len(grids) == layers and all(g == (1, runner.plan.dims["kv_heads"], 5 * splits) for g in grids)
+    seqs = min(5, TAIL_SEQS)  # (the grid's sequences)
+    assert len(grids) == layers and all(g == (1, runner.plan.dims["kv_heads"], seqs * splits) for g in grids)
     # the same tail at a short depth: the direct decode kernel, no span launch
     drv.reset()
     runner.step([_item(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5)))])
@@ -110,6 +111,10 @@ def test_packed_tails_fill_one_sequence_each(tmp_path, monkeypatch):
     assert [[r.seq_id for r in p] for p in passes] == [[1, 1, 1, 2, 3, 3, 3, 3]]
     assert runner._views["seq_starts"][:9].tolist() == [0, 3, 4, 8, 8, 8, 8, 8, 8]
     assert _kinds(drv) == {"span", "fold"}
+    splits = -(-runner.max_model_len // plan_span(runner))
+    assert {g for n, g, _ in drv.launches if n.startswith("attention_prefill")} == {
+        (1, runner.plan.dims["kv_heads"], TAIL_SEQS * splits)
+    }
     # each row's block table is its item's (a sequence reads its first row's: row_tables)
     ld = runner._table_ld
     tables = runner._tables[: 8 * ld].reshape(8, ld)
@@ -132,16 +137,38 @@ def test_decode_rows_and_verify_passes_past_short_context_keep_the_decode_attent
     assert _kinds(drv) == {"split", "combine"}
 
 
-def test_padding_rows_of_a_captured_tail_are_sequences_of_their_own(tmp_path, monkeypatch):
+def test_more_tails_than_a_tail_pass_holds_run_in_more_passes(tmp_path, monkeypatch):
+    """Six one-token tails past short_context: passes of at most TAIL_SEQS tails (the grid's
+    sequences); below short_context the same six share one pass."""
+    runner, drv, _ = _build(tmp_path, monkeypatch, False)
+    bs = runner.block_size
+    runner.use_graphs = False
+    passes = _spy_decode(runner)
+    deep = [_item(s, [5], (30 + s) * bs, list(range(40 * s, 40 * s + 32 + s))) for s in range(6)]
+    runner.step(deep)
+    assert [len(p) for p in passes] == [TAIL_SEQS, 6 - TAIL_SEQS]
+    passes.clear()
+    runner.step([_item(s, [5], 2 * bs, list(range(4 * s, 4 * s + 3))) for s in range(6)])
+    assert [len(p) for p in passes] == [6]
+    rows = [StepItem(s, [5], 400, list(range(30)), False, GREEDY) for s in range(TAIL_SEQS + 1)]
+    runner._fill_decode(rows, None, (), len(rows))
+    with pytest.raises(Exception, match="sequences"):
+        runner._fill_seq_starts(rows, len(rows))
+
+
+def test_padding_rows_of_a_captured_tail_are_one_sequence(tmp_path, monkeypatch):
     """prepare_tails' warm run before each capture: every row a padding row at position 0 of the
-    sink block, each one sequence (a decode pass's positions are not consecutive there)."""
+    sink block, all one sequence (its rows read the sink block's keys only: the KV cache starts
+    zeroed, the padding rows write its slot 0)."""
     runner, _, _ = _build(tmp_path, monkeypatch, False)
     runner._fill_decode([], None, (), 4)
     runner._fill_seq_starts([], 4)
-    assert runner._views["seq_starts"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert runner._views["seq_starts"][:5].tolist() == [0, 4, 4, 4, 4]
+    ld = runner._table_ld
+    assert (runner._tables[: 4 * ld] == runner._sink_block).all()
     items = [_item(9, [1, 2], 20 * 16, list(range(22)))]
     rows = [StepItem(9, [t], 320 + j, items[0].block_table, False, GREEDY, prompt_len=322) for j, t in enumerate((1, 2))]
     runner._fill_decode(rows, None, (), 4)
     runner._fill_seq_starts(rows, 4)
-    assert runner._views["seq_starts"][:5].tolist() == [0, 2, 3, 4, 4]
+    assert runner._views["seq_starts"][:5].tolist() == [0, 2, 4, 4, 4]
     assert np.all(runner._views["positions"][2:4] == 0)

@@ -166,9 +166,10 @@ def _tail(ctx, q: Value, out: Value, heads: int, hd: int, common: dict, cache: t
     split's partial launch + the fold, as a prefix hit's tail prefill runs them: a sequence's K/V
     read once per span for all of its rows (the decode kernel reads them once a row). The pass is
     a decode pass: block tables one per row (``row_tables``: a sequence reads its first row's),
-    ``seq_starts`` filled by the runner (engine.runner_steps ``_fill_seq_starts``), a grid over all
-    ``n`` rows as sequences of at most ``n`` rows (the empty ones exit). At most ``split_rows``
-    rows (the partials' scratch): the runner packs tail passes up to that (``max_rows``)."""
+    ``seq_starts`` filled by the runner (engine.runner_steps ``_fill_seq_starts``), a grid over the
+    ``n`` rows as ``nseq`` sequences (a TAIL pass binds min(n, engine.ir.TAIL_SEQS); empty ones
+    exit). At most ``split_rows`` rows (the partials' scratch): the runner packs tail passes up to
+    that (``max_rows``)."""
     rows = int(ctx.tune("attention_prefill")["split_rows"])
     pspec, pgx, pgy, threads = _span_partial(ctx, hd, common, "n", row_tables=True)
     part, splits, comb = _span_scratch(ctx, out, heads, hd, common["window"])

@@ -31,6 +31,7 @@ from test_kernels import PagedCache
 
 from engine import cuda, ops_ref
 from engine import kernel_catalog as kc
+from engine.ir import TAIL_SEQS
 
 SHAPES = [(16, 4, 256), (32, 8, 128)]
 SHAPE_IDS = ["qwen3.5-4b", "qwen3-4b"]
@@ -115,7 +116,7 @@ class _Attn:
     def tail_launches(self, q, pos, tables: np.ndarray, starts: list[int], cache, rows, max_ctx):
         """The TAIL launches of a decode pass of ``rows`` rows: ``tables`` one per row, ``starts`` the
         sequences' first rows (engine.runner_steps _fill_seq_starts: the grid's other sequences
-        empty), nseq = rows as the runner binds a decode pass."""
+        empty), nseq = min(rows, TAIL_SEQS) as the runner binds a TAIL pass."""
         splits = -(-max_ctx // self.span)
         ss = np.full(rows + 1, rows, np.int32)
         ss[: len(starts)] = starts
@@ -125,7 +126,7 @@ class _Attn:
                     seq_starts=upload(ss, "i32"), max_blocks=tables.shape[1], part_o=part_o, part_ml=part_ml,
                     max_splits=splits)  # fmt: skip
         cargs = dict(out=out, part_o=part_o, part_ml=part_ml, positions=pos, max_splits=splits)
-        return out, [(self.tail, rows, {"max_q": rows, "nseq": rows, "max_splits": splits}, args),
+        return out, [(self.tail, rows, {"max_q": rows, "nseq": min(rows, TAIL_SEQS), "max_splits": splits}, args),
                      (self.comb, rows, {}, cargs)]  # fmt: skip
 
     def run(self, launches) -> None:
@@ -165,7 +166,7 @@ def test_split_tail_has_the_cold_rows_bits(kernels, profile, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_tail_pass_form_has_the_cold_rows_bits(kernels, profile, shape):
     """The TAIL form (a prompt tail's decode pass: a block table per row, the rows of two tails
-    packed, the grid's sequences one per row): each tail's rows have the bits of the cold pass
+    packed, the grid's sequences as a TAIL pass binds them): each tail's rows have the bits of the cold pass
     over its whole prompt and of the tail alone in its pass; timings (printed) at 16k against the
     decode split attention + combine, which the tail rows ran before."""
     H, KV, D = shape
