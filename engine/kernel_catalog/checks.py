@@ -249,6 +249,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["gqa"] or (p["partial"] and p["warps"] == p["heads"] // p["kv_heads"]),
             "gqa (a block per kv head) needs partial and warps = heads / kv_heads",
         )
+        need(not p["row_tables"] or p["partial"], "row_tables (a decode pass's tables) needs partial")
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
         group = p["heads"] // p["kv_heads"]

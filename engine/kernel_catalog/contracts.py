@@ -63,7 +63,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {
         "qsplit": 1, "v_stride": 0, "window": 0, "vfresh": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
     },
-    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
+    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False, "row_tables": False},
     "attention_combine": {"window": 0, "fold": False},
     "rope": {"v_stride": 0},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
@@ -188,7 +188,7 @@ KERNELS: dict[str, KernelDoc] = {
     "attention_prefill": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, block_size=int, scale=float, q_stride=int, out_stride=int,
-            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool,
+            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool, row_tables=bool,
         ),
         # partial adds (part_o, part_ml, max_splits): kernel_args()
         (
@@ -196,7 +196,7 @@ KERNELS: dict[str, KernelDoc] = {
             ("seq_starts", P), ("max_blocks", I32),
         ),
         None,
-        defaults={"window": 0, "span": 0, "partial": False, "gqa": False},
+        defaults={"window": 0, "span": 0, "partial": False, "gqa": False, "row_tables": False},
         unnamed=("scale", "warps"),
     ),
     "attention_combine": KernelDoc(
