@@ -533,4 +533,14 @@ def moe_specs(
     specs.append(combine_kernel(hidden, top).spec)
     if dims.get("shared_intermediate"):  # (moe_shared, and folded into the batched decode's combine)
         specs += [shared_kernel(hidden).spec, combine_kernel(hidden, top, shared=shared_kernel(hidden).block[0]).spec]
+    # batch 1: the routing glu and the down in one launch (engine.lowering.moe.fuse_glu_down), any two types
+    route = (e, bool(dims.get("norm_topk_prob")))
+    for qg in (q for q in quants if q8_supported("glu", q, hidden, top)):
+        glu = expert_q8_kernel("glu", qg, inter, hidden, top, trigger=True, route=route).spec
+        for qd in (q for q in quants if q8_supported("down", q, inter, top)):
+            down = expert_q8_kernel("down", qd, hidden, inter, top, residual=True, trigger=True).spec
+            try:
+                specs.append(glu_down_kernel(glu, down).spec)
+            except ConfigError:  # (rows per block that the down's warps do not divide: the two launches)
+                pass
     return list(dict.fromkeys(specs))

@@ -114,6 +114,9 @@ def test_glu_down_kernel_checks_the_pair():
     body = src[src.index(cuda_emu.END_COMMON) :]
     assert "namespace memra_glu" in body and "namespace memra_down" in body and body.count("pdl_wait();") == 1
     assert waits_first(src, k.spec.entry) and body.count("pdl_trigger();") == 2  # (each part's, after its first loads)
+    # the down part stages act through L2 (other blocks of the launch stored it), the glu part x as its kernel
+    glu_ns, down_ns = body.split("namespace memra_down", 1)
+    assert "raw[j] = __ldcg(" in down_ns and "raw[j] = __ldg(" in glu_ns and "__ldcg(" not in glu_ns.split("route_token")[0]
     bad = [
         (down.spec, glu.spec),
         (glu.spec, mk.expert_q8_kernel("down", "q4_k", 2048, 512, 8, residual=True).spec),  # k is not the glu's n
