@@ -8,7 +8,8 @@ kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by t
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
 (token, slot) row: batch-1 decode; ``expert_q8_kernel`` (kernels/moe_gemv_q8.cu.j2) runs those two
 modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
-the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
+the router's logits itself), and ``glu_down_kernel`` (kernels/moe_glu_down.cu.j2) its glu then down in
+one launch (roles by ticket, the down blocks waiting on the glu blocks' count). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
 the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode;
 ``q8round_kernel`` (kernels/moe_q8round.cu.j2) rounds their x once a step where they take it int8-rounded. Together

@@ -18,7 +18,8 @@ glu and down per expert row tile) and moe_combine. A shared expert (seven weight
 and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
 GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). ``shared_gate``
 runs moe_shared for a shared expert the graph writes as plain ops; in decode passes the post-pass
-shared_into_down folds it into the routed down / moe_combine. Kernel specs and argument lists come from
+shared_into_down folds it into the routed down / moe_combine; at batch 1 the post-pass fuse_glu_down
+runs moe_gemv_q8's glu and down as one moe_glu_down launch. Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 

@@ -515,9 +515,10 @@ def test_q8_glu_and_down_in_one_launch_store_the_two_kernels_bits(gk, down_q, ro
         logits = gk.f32(rng.standard_normal((rows, e)))
         ids0, w0 = _ids(rng, rows, e, top_k), rng.uniform(0.1, 1.0, (rows, top_k))
 
-        def fresh():
+        def fresh(rows=rows, ids0=ids0, w0=w0, res=res):  # act poisoned, ids / weights (poisoned where the glu routes), out
             ids = gk.i32(np.full((rows, top_k), -7)) if route else gk.i32(ids0)
-            return gk.nan_like((rows, top_k, inter)), ids, gk.nan_like((rows, top_k), "f32") if route else gk.f32(w0), gk.bf(res)
+            wts = gk.nan_like((rows, top_k), "f32") if route else gk.f32(w0)
+            return gk.nan_like((rows, top_k, inter)), ids, wts, gk.bf(res)
 
         act, ids, wts, out = fresh()
         gk.launch(glu, [act, wg, wu, x, ids, rows, *((wts, logits) if route else ())], rows)
