@@ -1,0 +1,92 @@
+"""The bf16 bucket GEMV (kernels/_gemv_rows.cuh.j2: rows_per_warp rows a warp) gives every row the
+batch-1 GEMV's bits, on the CPU (tests/fixtures/cuda_emu.py runs the rendered kernels under g++).
+
+The specs are kernel_catalog.linear_params' at bmax 1 and bmax 8 for one bf16 weight: the bucket
+one has rows_per_warp > 1 and the batch-1 one a warp a row. Each is run on 1..8 x rows (a pass of
+that many rows in the bmax-8 grid row) against the batch-1 GEMV on each row alone: the same output
+bits, with and without the residual, f32 and bf16 outputs, the norm and silu prologues and the glu
+epilogue, on an n that leaves the last block a column tail and a k whose units leave the lanes
+uneven steps. Random weights; the outputs start NaN, so a column or row no block stores fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixtures import cuda_emu
+from fixtures.checkpoints import to_bf16_bits
+
+from engine import kernel_catalog as kc
+from engine.profile import get_profile
+from engine.render import render
+
+N, K = 37, 1160  # 37 rows: the bucket's 16-row blocks end in a 5-row tail; 145 units: 2 .. 3 a lane
+
+
+def _bf16(x) -> np.ndarray:
+    return to_bf16_bits(np.ascontiguousarray(x, np.float32)).reshape(np.shape(x))
+
+
+class Gemv:
+    """One rendered gemv spec, compiled once, launched on any number of x rows."""
+
+    def __init__(self, spec, tmp_path):
+        self.p = spec.params
+        self.lib, self.types = cuda_emu.compile_any(render(spec), spec.entry, tmp_path)
+
+    def __call__(self, w, x, rows, residual=None, norm_w=None):
+        p = self.p
+        if residual is not None:  # (the residual aliases out, as in the plans)
+            out = residual.copy()
+        elif p["out_dtype"] == "f32":
+            out = np.full((rows, p["n"]), np.nan, np.float32)
+        else:
+            out = np.full((rows, p["n"]), 0x7FC0, np.uint16)  # bf16 NaN
+        args = [out, w, x, out if residual is not None else None, rows]
+        if p["prologue"] == "norm":
+            args.append(norm_w)
+        grid = (kc.gemv_grid_x(p), -(-rows // p["bmax"]), 1)
+        cuda_emu.launch_any(self.lib, self.types, grid, p["threads"], kc.gemv_smem(p), args)
+        return out
+
+
+def _specs(residual: bool, out_dtype: str, extra: dict) -> tuple:
+    t = get_profile("h100").tuning
+    n = extra.pop("n", N)
+    one, bucket = (
+        kc.spec("gemv", **{**kc.linear_params("bf16", n, K, t, residual=residual, out_dtype=out_dtype, bmax=b), **extra})
+        for b in (1, 8)
+    )
+    assert bucket.params["rows_per_warp"] > 1 and one.params["rows_per_warp"] == 1
+    return one, bucket
+
+
+CASES = {
+    "plain-f32": (False, "f32", {}),
+    "residual": (True, "bf16", {}),
+    "norm": (False, "bf16", {"prologue": "norm", "x_stride": K, "eps": 1e-6}),
+    "silu": (False, "f32", {"prologue": "silu", "x_stride": 2 * K, "u_off": K}),
+    "glu": (False, "bf16", {"glu": 42, "n": 84}),  # 6 blocks of 8 pairs: a 2-pair tail
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bucket_rows_equal_the_batch1_gemv(case, tmp_path):
+    residual, out_dtype, extra = CASES[case]
+    one, bucket = _specs(residual, out_dtype, dict(extra))
+    p = bucket.params
+    n, xs = p["n"], p["x_stride"] or K
+    rng = np.random.default_rng(3)
+    w = _bf16(rng.standard_normal((n, K)) * 0.05).reshape(-1)
+    x = _bf16(rng.standard_normal((8, xs)) * rng.uniform(0.3, 3.0, (8, 1)))
+    nw = (1.0 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    res = _bf16(rng.standard_normal((8, n))) if residual else None
+    g1, gb = Gemv(one, tmp_path), Gemv(bucket, tmp_path)
+    solo = [g1(w, np.ascontiguousarray(x[r : r + 1]), 1, None if res is None else res[r : r + 1], nw)[0] for r in range(8)]
+    cols = n // 2 if p["glu"] else n  # (glu: silu(gate) * up in the gate half; the up half is not written)
+    for rows in (8, 5, 2):
+        got = gb(w, np.ascontiguousarray(x[:rows]), rows, None if res is None else np.ascontiguousarray(res[:rows]), nw)
+        for r in range(rows):
+            a, b = got[r, :cols], solo[r][:cols]
+            assert not np.isnan(a if a.dtype == np.float32 else (a.astype(np.uint32) << 16).view(np.float32)).any()
+            assert np.array_equal(a, b), (case, rows, r, int((a != b).sum()))
