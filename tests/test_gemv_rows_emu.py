@@ -1,12 +1,13 @@
 """The bf16 bucket GEMV (kernels/_gemv_rows.cuh.j2: rows_per_warp rows a warp) gives every row the
 batch-1 GEMV's bits, on the CPU (tests/fixtures/cuda_emu.py runs the rendered kernels under g++).
 
-The specs are kernel_catalog.linear_params' at bmax 1 and bmax 8 for one bf16 weight: the bucket
-one has rows_per_warp > 1 and the batch-1 one a warp a row. Each is run on 1..8 x rows (a pass of
-that many rows in the bmax-8 grid row) against the batch-1 GEMV on each row alone: the same output
-bits, with and without the residual, f32 and bf16 outputs, the norm and silu prologues and the glu
-epilogue, on an n that leaves the last block a column tail and a k whose units leave the lanes
-uneven steps. Random weights; the outputs start NaN, so a column or row no block stores fails.
+The specs are kernel_catalog.linear_params' at bmax 1 and bmax 8 for one bf16 weight on the h100
+profile: the bucket one has rows_per_warp > 1, the batch-1 one a warp a row. The bucket one runs
+on 13, 8, 5, 2 and 1 x rows (passes of that many rows: 13 takes a second grid row of 5) against
+the batch-1 GEMV on each row alone: the same output bits, with and without the residual, f32 and
+bf16 outputs, the norm and silu prologues and the glu epilogue, on an n that leaves the last block
+a column tail and a k whose units give the lanes 2 or 3 each. Random weights; the outputs start
+NaN, so a column or row no block stores fails.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def _specs(residual: bool, out_dtype: str, extra: dict) -> tuple:
     t = get_profile("h100").tuning
     n = extra.pop("n", N)
     one, bucket = (
-        kc.spec("gemv", **{**kc.linear_params("bf16", n, K, t, residual=residual, out_dtype=out_dtype, bmax=b), **extra})
+        kc.spec(
+            "gemv",
+            **{**kc.linear_params("bf16", n, K, t, residual=residual, out_dtype=out_dtype, bmax=b), **extra},
+        )
         for b in (1, 8)
     )
     assert bucket.params["rows_per_warp"] > 1 and one.params["rows_per_warp"] == 1
@@ -78,15 +82,26 @@ def test_bucket_rows_equal_the_batch1_gemv(case, tmp_path):
     n, xs = p["n"], p["x_stride"] or K
     rng = np.random.default_rng(3)
     w = _bf16(rng.standard_normal((n, K)) * 0.05).reshape(-1)
-    x = _bf16(rng.standard_normal((8, xs)) * rng.uniform(0.3, 3.0, (8, 1)))
+    x = _bf16(rng.standard_normal((13, xs)) * rng.uniform(0.3, 3.0, (13, 1)))
     nw = (1.0 + 0.2 * rng.standard_normal(K)).astype(np.float32)
-    res = _bf16(rng.standard_normal((8, n))) if residual else None
+    res = _bf16(rng.standard_normal((13, n))) if residual else None
     g1, gb = Gemv(one, tmp_path), Gemv(bucket, tmp_path)
-    solo = [g1(w, np.ascontiguousarray(x[r : r + 1]), 1, None if res is None else res[r : r + 1], nw)[0] for r in range(8)]
+    solo = [
+        g1(w, np.ascontiguousarray(x[r : r + 1]), 1, None if res is None else res[r : r + 1], nw)[0]
+        for r in range(13)
+    ]
     cols = n // 2 if p["glu"] else n  # (glu: silu(gate) * up in the gate half; the up half is not written)
-    for rows in (8, 5, 2):
-        got = gb(w, np.ascontiguousarray(x[:rows]), rows, None if res is None else np.ascontiguousarray(res[:rows]), nw)
+    for rows in (13, 8, 5, 2, 1):  # (13: a second grid row of 5)
+        got = gb(
+            w,
+            np.ascontiguousarray(x[:rows]),
+            rows,
+            None if res is None else np.ascontiguousarray(res[:rows]),
+            nw,
+        )
         for r in range(rows):
             a, b = got[r, :cols], solo[r][:cols]
-            assert not np.isnan(a if a.dtype == np.float32 else (a.astype(np.uint32) << 16).view(np.float32)).any()
+            assert not np.isnan(
+                a if a.dtype == np.float32 else (a.astype(np.uint32) << 16).view(np.float32)
+            ).any()
             assert np.array_equal(a, b), (case, rows, r, int((a != b).sum()))
