@@ -18,10 +18,14 @@ from fixtures import cuda_emu
 from fixtures.checkpoints import to_bf16_bits
 
 from engine import kernel_catalog as kc
+from engine.lowering.gemv import gemv_signature
 from engine.profile import get_profile
 from engine.render import render
 
-N, K = 37, 1160  # 37 rows: the bucket's 4-row blocks end in a 1-row tail; 145 units: 2 .. 3 a lane
+# n = 1030 (over the h100 profile's short_n_max: 256-thread batch-1 blocks, 2 warps a row, 64-thread
+# bucket blocks) leaves the bucket's 4-row blocks a 2-row tail; n = 37 (a short weight: 512-thread
+# batch-1 blocks, 4 warps a row, 128-thread bucket blocks) a 1-row tail; k: 145 units, 2 or 3 a lane
+N, N_SHORT, K = 1030, 37, 1160
 
 
 def _bf16(x) -> np.ndarray:
@@ -62,15 +66,19 @@ def _specs(residual: bool, out_dtype: str, extra: dict) -> tuple:
         for b in (1, 8)
     )
     assert bucket.params["rows_per_warp"] > 1 and one.params["rows_per_warp"] == 1
+    assert gemv_signature(bucket.params) == gemv_signature(one.params)  # (the same warps per row)
+    assert bucket.params["threads"] == (128 if n <= 1024 else 64), bucket.params  # (both block shapes)
     return one, bucket
 
 
 CASES = {
     "plain-f32": (False, "f32", {}),
+    "short-n-f32": (False, "f32", {"n": N_SHORT}),
     "residual": (True, "bf16", {}),
-    "norm": (False, "f32", {"prologue": "norm", "x_stride": K, "eps": 1e-6}),
-    "silu": (False, "f32", {"prologue": "silu", "x_stride": 2 * K, "u_off": K}),
-    "glu": (False, "bf16", {"glu": 41, "n": 82}),  # 21 blocks of 2 pairs: a 1-pair tail
+    "norm": (False, "f32", {"prologue": "norm", "x_stride": K, "eps": 1e-6, "n": N_SHORT}),
+    "silu": (False, "f32", {"prologue": "silu", "x_stride": 2 * K, "u_off": K, "n": N_SHORT}),
+    "glu": (False, "bf16", {"glu": 517, "n": 1034}),  # 2 pairs a block: a 1-pair tail
+    "short-n-glu": (False, "bf16", {"glu": 41, "n": 82}),
 }
 
 
