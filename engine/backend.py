@@ -7,13 +7,16 @@ picked and why on stderr. Must not import cuda.bindings directly (engine.cuda do
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from engine import env
 from engine.profile import DeviceProfile, select
+from engine.progress import process_age
 from engine.types import DeviceInfo, MemraError
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -35,6 +38,28 @@ def detect() -> Detected:
         return Detected(cuda.detect_devices())
     except Exception as exc:
         return Detected([], str(exc))
+
+
+def detect_soon() -> Callable[[], Detected]:
+    """``detect()`` begun in a thread now, so the driver's initialisation (cuInit leaves the GIL)
+    overlaps what the caller does next (``load_stack``: the model's metadata and the tokenizer);
+    the returned callable waits for its result."""
+    out: list[Detected] = []
+
+    def run() -> None:
+        try:
+            out.append(detect())
+        except BaseException as exc:  # (detect itself never raises; a broken import might)
+            out.append(Detected([], f"device detection failed: {exc}"))
+
+    thread = threading.Thread(target=run, daemon=True, name="cuda-detect")
+    thread.start()
+
+    def wait() -> Detected:
+        thread.join()
+        return out[0]
+
+    return wait
 
 
 def choose_profile(device: DeviceInfo, override: str | None = None) -> DeviceProfile:
@@ -136,12 +161,14 @@ def create_runner(
     device_profile: str | None = None,
     devices: str | None = None,
     split: str | None = None,
+    detected: Callable[[], Detected] | None = None,
     **kwargs: Any,
 ):
     """A Runner for ``model`` (engine.model.LoadedModel) on the requested backend; ``devices`` ("0,1")
     and ``split`` ("pp" | "tp") split it over several devices (engine.placement). ``kwargs`` go to
     the CUDA runner (``window_kv_blocks``, ``max_running`` ... : engine.runner_cuda.CudaRunner); the
-    reference takes ``num_blocks``, ``max_model_len`` and an explicit ``window_kv_blocks``."""
+    reference takes ``num_blocks``, ``max_model_len`` and an explicit ``window_kv_blocks``.
+    ``detected``: the devices found by a ``detect_soon()`` begun earlier (else ``detect()`` now)."""
     if backend not in BACKENDS:
         raise MemraError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", param="backend")
     if split is not None or (devices is not None and "," in devices):
@@ -149,7 +176,7 @@ def create_runner(
     if devices not in (None, "0"):
         raise MemraError(f"--devices {devices}: one device other than 0 is not supported yet; use CUDA_VISIBLE_DEVICES", param="devices")
     if backend in ("auto", "cuda"):
-        found = detect()
+        found = detected() if detected is not None else detect()
         if found.devices:
             profile = choose_profile(found.devices[0], device_profile)
             from engine.runner_cuda import CudaRunner
@@ -202,14 +229,23 @@ def load_stack(model_arg: str | None, flags: StackFlags = StackFlags(), **runner
 
     path = resolve_model_path(model_arg)
     t0 = time.perf_counter()
-    print(f"memra: loading {path}", file=sys.stderr)
+    one_gpu = flags.backend in ("auto", "cuda") and flags.split is None and flags.devices in (None, "0")
+    soon = detect_soon() if one_gpu else None  # (the driver's init meanwhile: create_runner waits for it)
+    age = process_age()
+    print(f"memra: loading {path}" + (f" ({age:.2f} s after the process started)" if age is not None else ""), file=sys.stderr)
     model = load_model(path, quant=flags.quant)
+    t1 = time.perf_counter()
     tokenizer = load_tokenizer(model.weights)
+    t2 = time.perf_counter()
     kwargs = {k: v for k, v in {"window_kv_blocks": flags.window_kv_blocks, **runner_kwargs}.items() if v is not None}
-    runner = create_runner(model, flags.backend, flags.device_profile, devices=flags.devices, split=flags.split, **kwargs)
+    runner = create_runner(
+        model, flags.backend, flags.device_profile, devices=flags.devices, split=flags.split, detected=soon, **kwargs
+    )
+    t3 = time.perf_counter()
     print(
         f"memra: {model.graph.family} model, {model.dims['layers']} layers, quant {model.quant.name}, "
-        f"{runner.backend} backend, ready in {time.perf_counter() - t0:.1f} s",
+        f"{runner.backend} backend, ready in {t3 - t0:.1f} s: model {t1 - t0:.2f} s, tokenizer {t2 - t1:.2f} s, "
+        f"runner {t3 - t2:.2f} s",
         file=sys.stderr,
     )
     return model, tokenizer, runner

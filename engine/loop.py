@@ -79,6 +79,7 @@ class Engine(OverlapLoop, StreamLater):
         *,
         on_step: Callable[[Engine], None] | None = None,
         speculator: Any = None,
+        hold_background: bool = False,
     ):
         config.validate()
         self.runner = runner
@@ -141,6 +142,11 @@ class Engine(OverlapLoop, StreamLater):
         self._crash: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._live: dict[str, Sequence] = {}  # engine thread only
+        work = getattr(runner, "background_work", None)  # (engine thread only: it runs on the device)
+        self._warm: Iterator[Any] | None = work() if callable(work) else None
+        self._warm_go = threading.Event()  # hold_background: set by start_background (the server once ready)
+        if not hold_background:
+            self._warm_go.set()
         self._cancel_at: float | None = None
         # EngineStats' counters, by their field names
         self._n = dict.fromkeys(("steps", "step_failures", "prompt_tokens_total", "generated_tokens_total",
@@ -154,6 +160,18 @@ class Engine(OverlapLoop, StreamLater):
                 return
             self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
             self._thread.start()
+
+    def start_background(self) -> None:
+        """Let the engine thread run the runner's background work (an Engine built with
+        ``hold_background``: `memra serve` calls it once /ready answers 200)."""
+        if not self._warm_go.is_set():
+            self._warm_go.set()
+            self._inbox.put(("wake", None))  # (an idle engine thread waits on its inbox)
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the runner's background work (graph captures between requests) is still to run."""
+        return self._warm is not None
 
     @property
     def alive(self) -> bool:
@@ -292,13 +310,16 @@ class Engine(OverlapLoop, StreamLater):
         try:
             while True:
                 idle = not self.scheduler.has_work() and self._pending is None
-                self._drain_inbox(block=idle and self._cancel_at is None)
+                warm = idle and self._warm is not None and self._warm_go.is_set()  # (then no wait on the inbox)
+                self._drain_inbox(block=idle and not warm and self._cancel_at is None)
                 if self._cancel_at is not None and (
                     not self.scheduler.has_work() or time.monotonic() >= self._cancel_at
                 ):
                     break
                 if self.scheduler.has_work() or self._pending is not None:
                     self._step()
+                elif warm:
+                    self._warm_one()
         except BaseException as exc:  # a fatal runner error or a bug in the loop
             log.exception("engine loop stopped")
             self._crash = exc
@@ -308,6 +329,22 @@ class Engine(OverlapLoop, StreamLater):
             with self._admit_lock:
                 self._closed = True
             self._close_out(reason)
+
+    def _warm_one(self) -> None:
+        """One unit of the runner's background work (``runner.background_work()``: graphs captured
+        after the server is ready, engine.runner_warm), run only while no request is scheduled, so a
+        request that arrives meanwhile waits for at most this unit. A failed unit ends the
+        background work (a request then binds or captures what it needs itself); a fatal one
+        stops the engine as a step's would."""
+        try:
+            next(self._warm)
+        except StopIteration:
+            self._warm = None
+        except Exception as exc:
+            if getattr(exc, "fatal", False):
+                raise
+            log.exception("background warm-up failed; requests capture what they need themselves")
+            self._warm = None
 
     def _close_out(self, reason: str) -> None:
         """End every request still known (live or in the inbox) with ``reason``."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from gguf import quants as _gguf_quants
 
 from engine.storage import (
     PLANES,
@@ -83,6 +82,8 @@ def dequantize(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> np.ndarray:
     if dtype in REPACKED_FROM:
         b, dtype = unpack(b, dtype, rows, shape[-1]), REPACKED_FROM[dtype]
     # one row of every block: gguf.quants works in groups of 16 rows, one Python call per group
+    from gguf import quants as _gguf_quants  # (imported when first needed: a GGUF model's)
+
     out = _gguf_quants.dequantize(b.reshape(1, -1), ggml_type(dtype)).astype(np.float32, copy=False)
     if np.shares_memory(out, raw):  # f32 is a view of the bytes: the caller gets its own array
         out = out.copy()
@@ -107,6 +108,8 @@ def quantize_reference(x: np.ndarray, dtype: str) -> bytes:
     elems, _ = block(dtype)
     if x.ndim == 0 or x.shape[-1] % elems:
         raise MemraError(f"cannot quantise shape {x.shape} to {dtype}: last dim must be a multiple of {elems}")
+    from gguf import quants as _gguf_quants
+
     return np.ascontiguousarray(_gguf_quants.quantize(x, ggml_type(dtype))).tobytes()
 
 

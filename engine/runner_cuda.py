@@ -2,7 +2,7 @@
 
 Weights are uploaded as the plan says; one activation arena holds every plan buffer for the largest
 step and the KV cache takes ``profile.kv_memory_fraction`` of the memory left. A step runs its
-prefill items eagerly (a prefix hit's tail replays a graph captured at build), then the decode rows
+prefill items eagerly (a prefix hit's tail replays a graph captured ahead: engine.runner_warm), then the decode rows
 through the graph of the smallest batch bucket that holds them (padded rows write to a sink
 block); logit bias, constraint masks and logprobs are computed on the device where the buffers
 hold them, else on the host (docs/cuda-runtime.md, "engine/runner_cuda.py").
@@ -85,6 +85,8 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
     an engine of ``max_running`` sequences and ``prefill_chunk_tokens`` prefill tokens a step
     (default: the profile's), N > 0 takes N blocks, 0 keeps one pool (items then need no
     ``window_table``). ``delta_prefill``: build_plan's (tests and benches compare the forms).
+    ``defer_warm_up``: the warm-prefix passes' binds and graph captures are left to the engine
+    thread (``background_work``, engine.runner_warm) instead of run here (`memra serve`: ready sooner).
     """
 
     backend = "cuda"
@@ -103,6 +105,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
         max_running: int | None = None,
         prefill_chunk_tokens: int | None = None,
         delta_prefill: str = "",
+        defer_warm_up: bool = False,
     ):
         t0 = time.perf_counter()
         self.ctx = cuda.Context(device)
@@ -161,7 +164,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             for a in la.args
         )
         self._tail_attention = has_tail_attention(self.plan)
-        self._prebind_warm_tails()
+        self._warm_up(defer_warm_up)
 
     # ----------------------------------------------------------------------------- setup
 
@@ -473,10 +476,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
                     cuda.dtod(ptr + r * rowbytes, ptr + src * rowbytes, rowbytes, self.stream)
         k = len(heads)
         launch_kind = "sample" if kind == "host" else kind
-        hkey = ("head", k, launch_kind)
-        if hkey not in self._eager:
-            self._eager[hkey] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, launch_kind)
-        self._run(self._eager[hkey])
+        self._run(self._head_bound(k, launch_kind))
         ids = self._read_ids(k).tolist()
         ids = self._host_sample(hitems, ids, kind)
         return {idx: tok for (idx, _, _), tok in zip(heads, ids, strict=True)}

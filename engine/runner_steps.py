@@ -11,8 +11,7 @@ module never touches the driver. Must not import CUDA.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,8 @@ import numpy as np
 from engine.block_manager import aligned_count
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, TAIL_SEQS, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
-from engine.runner_tail import prepare_tails, run_tails, split_item, tail_count
+from engine.runner_tail import run_tails, split_item, tail_count
+from engine.runner_warm import background, run_now, warm_units
 from engine.sampling import penalty_entries, sample_item
 from engine.step_check import check_step_item
 from engine.types import MemraError, StepItem
@@ -69,7 +69,7 @@ class StepLogic:
     # a verify pass of n rows runs a graph of exactly n rows, not the bucket's (padding rows cost
     # GEMV and attention work; tools/gpu_spec_round.py times both)
     verify_exact_rows = True
-    _tail_keys: frozenset = frozenset()  # the prompt tails' hybrid graphs (engine.runner_tail.prepare_tails)
+    _tail_keys: frozenset = frozenset()  # the prompt tails' hybrid graphs (engine.runner_tail.tail_captures)
     _tail_attention = False  # the plan has TAIL attention launches (engine.runner_tail.has_tail_attention)
 
     def _rope_freq_factors(self) -> np.ndarray:
@@ -182,49 +182,28 @@ class StepLogic:
             del self._prefill_bound[next(iter(self._prefill_bound))]
         return bound
 
-    def _prebind_warm_tails(self) -> None:
-        """Bind and capture the passes a prefix-cache hit runs ahead of time, so that no warm
-        request pays for binding a new shape or capturing a graph (issue #34: warm TTFT every
-        time, not only once its shape was seen). A hit stops at a block boundary at least one token
-        short: its tail is the prompt's trailing partial block (1 .. block_size - 1 tokens), which
-        runs as decode rows (engine.runner_tail: their graphs captured by ``prepare_tails``), or,
-        for a prompt ending on a boundary, its last block, a prefill pass of block_size tokens
-        (bound, and captured into a CUDA graph with graphs on: ``_capture_tail``). Shorter prefill
-        passes of one sequence are bound too, and the batch-1 head."""
-        t0 = time.perf_counter()
-        for n in range(1, self.block_size + 1):
-            bound = self._bind_pass("prefill", n, 1, False, "", max_q=n)
-            self._prefill_bound[("prefill", n, 1, n)] = bound
-            if self.use_graphs and n == self.block_size:
-                self._capture_tail(n, bound)
-        for kind in ("greedy", "sample"):
-            mode = _decode_mode(1, self.plan.wide_rows)
-            self._eager[("head", 1, kind)] = self._bind_pass(mode, 1, 1, True, kind)
-        captured = prepare_tails(self)
-        log.info(
-            "warm-prefix passes bound%s in %.3f s (%d decode-row tail graphs)",
-            " and captured" if self.use_graphs else "", time.perf_counter() - t0, captured,
-        )
+    def _warm_up(self, defer: bool) -> None:
+        """The passes a prefix-cache hit runs, bound and captured ahead (engine.runner_warm): now,
+        or with ``defer`` by the engine thread once the server is ready (``background_work``)."""
+        self._deferred: list[Callable[[], Any]] = []
+        if defer:
+            units = warm_units(self)  # (now: a hybrid's tail graph keys registered at build)
+            self._deferred.append(lambda: units)
+        else:
+            run_now(self)
 
-    def _capture_tail(self, n: int, bound: list[Any]) -> None:
-        """Capture the layers of a one-sequence prefill pass of ``n`` tokens (the same launches as
-        the eager pass, so its results are bit-identical): first one warm run outside the capture
-        (lazy module loading) whose inputs write only the sinks (KV into the sink block, state
-        from zeros into the sink slot), then the capture. The pass reads its tokens, positions,
-        slots, block table and state slots from the packed inputs, uploaded before each launch."""
-        v, bs = self._views, self.block_size
-        v["tokens"][:n] = 0
-        v["positions"][:n] = np.arange(n)
-        v["slots"][:n] = self._sink_block * bs + np.arange(n) % bs
-        v["seq_starts"][:2] = (0, n)
-        self._tables[: self._table_ld] = self._sink_block
-        self._table_len[0] = 0
-        for r in range(n):
-            self._pad_window(r)
-        with self._states_parked(bs, ""):  # (every row a tail can have)
-            self._upload_inputs(1)
-            self._run(bound)
-        self._graphs[("tail", n)] = (self._captured(bound), bound)  # the bound args outlive the graph
+    def background_work(self) -> Iterator[int] | None:
+        """The deferred ahead-of-time work (engine.runner_warm.background: one unit per ``next``,
+        run by the engine thread between requests), handed out once; None when there is none."""
+        work, self._deferred = self._deferred, []
+        return background(self, work) if work else None
+
+    def _head_bound(self, k: int, kind: str) -> list[Any]:
+        """The bound head pass of ``k`` rows and sampling ``kind`` (bound on first use, kept)."""
+        key = ("head", k, kind)
+        if key not in self._eager:
+            self._eager[key] = self._bind_pass(_decode_mode(k, self.plan.wide_rows), k, k, True, kind)
+        return self._eager[key]
 
     def _run_prefill_layers(self, n: int, nseq: int, max_q: int) -> None:
         """The layers of a prefill pass (inputs uploaded): the captured tail graph for one sequence's
@@ -287,9 +266,14 @@ class StepLogic:
         return verify(self, items, during)
 
     def prepare_verify(self, k: int) -> int:
-        """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare)."""
-        from engine.spec.cuda_verify import prepare
+        """Capture the verify graphs of drafts up to ``k`` tokens ahead (engine.spec.cuda_verify.prepare);
+        a runner built with ``defer_warm_up`` whose background work is not handed out yet queues
+        them there instead (0 now)."""
+        from engine.spec.cuda_verify import prepare, verify_captures
 
+        if self._deferred:
+            self._deferred.append(lambda: verify_captures(self, k))
+            return 0
         self._ensure_context()
         return prepare(self, k)
 
@@ -513,7 +497,7 @@ class StepLogic:
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the
         GROUPINGS_KEPT most recently used, destroying the least recently used one's (never the
-        prompt tails' graphs, engine.runner_tail.prepare_tails: ``_tail_keys``)."""
+        prompt tails' graphs, engine.runner_tail.tail_captures: ``_tail_keys``)."""
         if key in self._tail_keys:  # (a prompt tail's graph, captured ahead: kept for good)
             return
         kept = getattr(self, "_groupings", None)

@@ -18,16 +18,17 @@ position exactly as the cold run did and its output equals the cold output bit f
 prefix cache keeps are full prompt blocks, so they only ever hold prefill-computed KV.
 
 ``tail_count`` is the rule (pure; tests/fixtures/path_bits.py dispatches with it too),
-``run_tails`` runs the tails of a step's items after their prefill parts, ``prepare_tails``
-captures the CUDA graphs of every tail length when the runner is built (engine.runner_steps
-``_prebind_warm_tails``), so no warm request pays for a capture.
+``run_tails`` runs the tails of a step's items after their prefill parts, ``tail_captures``
+captures the CUDA graphs of every tail length one at a time (engine.runner_steps ``warm_up``: when
+the runner is built, or by the engine thread after the server is ready, between requests), so no
+warm request pays for a capture; one that comes first captures its graph itself.
 
 Reaches the driver only through the runner's methods; must not import CUDA or engine.runner_cuda.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -206,34 +207,41 @@ def pass_is_short(r: Any, it: StepItem) -> bool:
     return _is_short(r, it, _modes(r)[0])
 
 
-def prepare_tails(r: Any) -> int:
+def tail_captures(r: Any) -> Iterator[int]:
     """Capture the decode graphs every tail (1 .. block_size - 1 rows, in passes of at most
-    ``_limit``) replays (past short_context with the TAIL attention where the plan has it): each row count, greedy and sample, short and long context where the
-    plan and ``max_model_len`` have both, with their pinned-input copies (the ``io`` graphs a plain
-    step replays). The warm run before each capture writes only the sinks (padding rows; a hybrid's
-    states parked). A hybrid's are kept for good (``_tail_keys``: never dropped with the verify
-    groupings). Returns the graphs captured (0 without graphs)."""
+    ``_limit``) replays (past short_context with the TAIL attention where the plan has it), one per ``next`` (yields 1 after each capture): each row count,
+    greedy and sample, short and long context where the plan and ``max_model_len`` have both, with
+    their pinned-input copies (the ``io`` graphs a plain step replays). The warm run before each
+    capture writes only the sinks (padding rows; a hybrid's states parked), and each capture is
+    whole in one ``next``, so steps may run between two (engine.loop's background warm-up). A key a
+    request captured meanwhile (``CudaRunner._graph`` captures on first use) is skipped. A hybrid's
+    are kept for good (``_tail_keys``, set by this call: never dropped with the verify
+    groupings). Nothing without graphs."""
     if not r.use_graphs:
-        return 0
+        return iter(())
     short_ok, verify = _modes(r)
     hybrid = bool(r.num_state_slots)
     classes = [s for s in (True, False) if (s and short_ok) or (not s and r.max_model_len > r.plan.short_context)]
     if not short_ok:
         classes = [False]
-    done = 0
-    for short in classes:
-        for rows in range(1, min(r.block_size - 1, _limit(r, short)) + 1):
-            for kind in KINDS:
-                key = graph_key(r, rows, kind, short)
-                if hybrid:  # (kept out of the verify groupings' LRU: StepLogic._keep_grouping)
-                    r._tail_keys = r._tail_keys | {key}
-                if key in r._graphs:
-                    continue
-                r._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
-                tail = _uses_tail(r, short)
-                if tail:  # (each padding row a sequence of its own)
-                    r._fill_seq_starts([], rows)
-                r._graph(rows, kind, short, io=True, groups=(1,) * rows if hybrid else (), verify=verify, tail=tail)
-                done += 1
-    r.stream.synchronize()
-    return done
+    todo = [
+        (rows, kind, short, graph_key(r, rows, kind, short))
+        for short in classes
+        for rows in range(1, min(r.block_size - 1, _limit(r, short)) + 1)
+        for kind in KINDS
+    ]
+    if hybrid:  # (now, before any request runs: kept out of the verify groupings' LRU, _keep_grouping)
+        r._tail_keys = r._tail_keys | {key for *_, key in todo}
+    return _capture(r, todo, hybrid, verify)
+
+
+def _capture(r: Any, todo: list[tuple[int, str, bool, tuple]], hybrid: bool, verify: bool) -> Iterator[int]:
+    for rows, kind, short, key in todo:
+        if key in r._graphs:
+            continue
+        r._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
+        tail = _uses_tail(r, short)
+        if tail:  # (the padding rows one sequence of their own)
+            r._fill_seq_starts([], rows)
+        r._graph(rows, kind, short, io=True, groups=(1,) * rows if hybrid else (), verify=verify, tail=tail)
+        yield 1

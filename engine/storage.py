@@ -1,8 +1,9 @@
 """Storage-type facts in one place: the GGUF storage types memra reads, their block sizes, and the
 device layouts some of them are repacked into at upload.
 
-File types are GGUF's (lower-case ggml names); their (elements, bytes) per block come from the gguf
-package's own table (``gguf.constants.GGML_QUANT_SIZES``). Device layouts are memra's: which file
+File types are GGUF's (lower-case ggml names); their (elements, bytes) per block are the gguf
+package's own table (``gguf.constants.GGML_QUANT_SIZES``, written out here: importing this module
+does not import gguf). Device layouts are memra's: which file
 type each is made from, the byte planes a file block is split into, and the 16-byte row padding
 (``engine.quant.repack`` does the repacking); docs/weights-and-tokenizers.md ("Block layouts")
 gives every layout bit by bit. Must not import numpy, CUDA or other engine modules except
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from typing import Any
 
 from engine.types import MemraError
 
@@ -37,14 +37,23 @@ PLANES: dict[str, tuple[tuple[int, int], ...]] = {
 PADDED_ROWS = ("q6_kr", "q4_0r", "q4_1r")
 
 
-def ggml_type(dtype: str) -> GGMLQuantizationType:
-    """The gguf package's enum member of a file type (``q4_k`` -> ``GGMLQuantizationType.Q4_K``)."""
+def ggml_type(dtype: str) -> Any:
+    """The gguf package's enum member of a file type (``q4_k`` -> ``GGMLQuantizationType.Q4_K``);
+    the package is imported here, when first needed (not on `memra serve`'s way to a safetensors model)."""
+    from gguf.constants import GGMLQuantizationType
+
     return GGMLQuantizationType[dtype.upper()]
 
 
-#: dtype -> (elements per block, bytes per block): gguf's table for file types (floats are
-#: 1-element blocks); a device layout keeps its file type's blocks (its rows may be padded)
-BLOCK_SIZES: dict[str, tuple[int, int]] = {t: tuple(GGML_QUANT_SIZES[ggml_type(t)]) for t in FILE_TYPES}
+#: dtype -> (elements per block, bytes per block) of the file types: gguf's table
+#: (``gguf.constants.GGML_QUANT_SIZES``, tests/test_storage_import.py checks they agree; written out
+#: so importing this module does not import gguf); floats are 1-element blocks. A device layout
+#: keeps its file type's blocks (its rows may be padded)
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+    "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+}  # fmt: skip
 BLOCK_SIZES.update({layout: BLOCK_SIZES[file_type] for layout, file_type in REPACKED_FROM.items()})
 
 

@@ -42,7 +42,8 @@ def _runner_kwargs(monkeypatch, argv) -> dict:
     """The keyword arguments ``memra ...argv`` builds its runner with (the build is stopped there)."""
     seen: dict = {}
 
-    def create_runner(model, backend_name="auto", device_profile=None, devices=None, split=None, **kwargs):
+    def create_runner(model, backend_name="auto", device_profile=None, devices=None, split=None, detected=None,
+                      **kwargs):  # fmt: skip
         seen.update(kwargs)
         raise _Stop("stopped at the runner")
 
@@ -69,9 +70,10 @@ def test_serve_sizes_the_window_pool_for_its_max_running(monkeypatch, tmp_path, 
     cfg = tmp_path / "memra.toml"
     cfg.write_text("[server]\nmax_running = 12\n")
     got = _runner_kwargs(monkeypatch, ["serve", str(tiny_qwen3_dir), "--config", str(cfg), "--window-kv-blocks", "0"])
-    assert got == {"window_kv_blocks": 0, "max_running": 12}
+    # (defer_warm_up: the CUDA runner's graph captures run after /ready, engine.runner_warm)
+    assert got == {"window_kv_blocks": 0, "max_running": 12, "defer_warm_up": True}
     got = _runner_kwargs(monkeypatch, ["serve", str(tiny_qwen3_dir), "--config", str(cfg)])
-    assert got == {"max_running": 12}  # (None: the runner's automatic size)
+    assert got == {"max_running": 12, "defer_warm_up": True}  # (None: the runner's automatic size)
 
 
 def test_bench_passes_the_flag_and_its_engine_chunk(monkeypatch, tiny_qwen3_dir):

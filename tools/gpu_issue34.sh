@@ -5,7 +5,8 @@
 # bf16:  memra bench on the Qwen3-4B-shaped bf16 checkpoint: decode at every CUDA-graph bucket,
 #        depth 0 and 4096, prefill, the copy roofline, RSS after load (memory rows)
 # q4km:  the same on a random-block q4_k_m GGUF of that shape
-# serve: memra serve on the bf16 checkpoint: warm HTTP-ready (second start, kernel cache warm),
+# serve: memra serve on the bf16 checkpoint: warm HTTP-ready (second start, kernel cache warm), the
+#        server's lines on where the start's time went and on the graph captures it runs after ready,
 #        loadgen c=32 441-word prompts 128 tokens (warm-up run, then the measured one), warm-prefix
 #        TTFT at 1k/4k/15k words (tools/warm_prefix.py, every send), idle RSS from /metrics
 # Results under $OUT/$LABEL/; the checkpoints stay in /dev/shm between calls on a warm machine.
@@ -36,6 +37,10 @@ for stage in ${STAGES:-bf16 q4km serve}; do
       pid=$!
       for i in $(seq 1 2400); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.05; done
       echo "$start HTTP-ready $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b - a}') s, RSS $(ps -o rss= -p $pid) KiB" | tee -a "$R/serve.txt"
+      # the captures after ready (engine.runner_warm): wait for them, so the rows below measure the same server
+      for i in $(seq 1 400); do grep -q "background warm-up done\|background warm-up failed" "$R/serve_$start.log" && break; sleep 0.05; done
+      grep -E "memra: loading|kernels:|runner ready in|backend, ready in|model .* ready in|warm-prefix passes|background warm-up" "$R/serve_$start.log" \
+        | sed "s/^/  $start log: /" | tee -a "$R/serve.txt"
       [ $start = warm ] && break
       kill -TERM $pid; wait $pid
     done

@@ -1,8 +1,9 @@
 """`memra serve` and `memra keys`: turn CLI flags + memra.toml into a running server.
 
-Builds the model -> tokenizer -> runner -> Engine stack in the loader thread that run_server
-starts (so /health says "loading" meanwhile), and maps API-key tenants to engine concurrency
-limits. Must not import CUDA.
+Builds the model -> tokenizer -> runner -> Engine stack in a loader thread started before the HTTP
+server is imported and built (they overlap; run_server's loader thread waits for it, so /health
+says "loading" meanwhile), with the runner's graph captures held until /ready answers, and maps
+API-key tenants to engine concurrency limits. Must not import CUDA.
 """
 
 from __future__ import annotations
@@ -51,18 +52,21 @@ def build_engine(
     flags: StackFlags = StackFlags(),
     spec: Any = None,
     model_defaults: bool = True,
+    hold_background: bool = False,
 ):
     """(Engine, Tokenizer, ModelInfo) ready to serve; used by `memra serve` and the server tests.
     ``flags``: backend, device and runner flags (``window_kv_blocks`` None: the window pool sized for
     ``cfg.max_running`` sequences and the profile's prefill chunk; ``overlap``: EngineConfig.overlap).
     ``spec``: an engine.spec.config.SpecConfig (speculative decoding) or None.
     ``model_defaults``: requests that omit a sampling parameter get the model's own value
-    (generation_config.json / GGUF general.sampling.*)."""
+    (generation_config.json / GGUF general.sampling.*). ``hold_background``: the runner's background
+    work (graph captures, engine.runner_warm) waits for ``engine.start_background()``."""
     from engine.gen_defaults import model_generation_defaults
     from engine.loop import Engine, EngineConfig
     from engine.spec.build import build_speculator
 
-    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running)
+    # (the CUDA runner's graph captures run on the engine thread after ready: engine.runner_warm)
+    model, tokenizer, runner = load_stack(model_arg, flags, max_running=cfg.max_running, defer_warm_up=True)
     speculator = build_speculator(spec, model, runner, device_profile=flags.device_profile)
     keys = read_keys(cfg.keys_file) if cfg.keys_file else list(cfg.keys)
     limits = {k.tenant: k.max_concurrency for k in keys if k.max_concurrency > 0}
@@ -80,6 +84,7 @@ def build_engine(
             overlap=flags.overlap,
         ),
         speculator=speculator,
+        hold_background=hold_background,
     )
     engine.start()
     model_id = model.path.stem if model.path.suffix == ".gguf" else model.path.name
@@ -99,8 +104,33 @@ def build_engine(
     return engine, tokenizer, info
 
 
+class _EarlyLoad:
+    """``load()`` run in a thread from now on; calling the object waits for it (its exception re-raised):
+    `memra serve` starts loading the model before it imports and builds the HTTP server, so the two
+    overlap where loading leaves the GIL (the driver's init, the weight upload)."""
+
+    def __init__(self, load: Any):
+        import threading
+
+        self._load, self._out, self._exc = load, None, None
+        self.started = time.monotonic()  # (run_server's ready line counts from here)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="model-load-early")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out = self._load()
+        except BaseException as exc:  # (re-raised when called: in run_server's loader thread)
+            self._exc = exc
+
+    def __call__(self) -> Any:
+        self._thread.join()
+        if self._exc is not None:
+            raise self._exc
+        return self._out
+
+
 def serve_from_cli(args: argparse.Namespace) -> int:
-    from engine.server.serve import run_server
     from engine.spec.config import parse_speculative
 
     cfg = load_server_config(
@@ -124,9 +154,17 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         model_arg = str(default_model_path())
     print(f"memra: serving on http://{cfg.host}:{cfg.port} (loading {model_arg})", file=sys.stderr)
     use_defaults = getattr(args, "generation_config", "auto") != "none"
+    from engine.server.tokenize_pool import limit_malloc_arenas
+
+    limit_malloc_arenas(cfg.malloc_arena_max)  # (before the loading starts threads: run_server's rule)
+    early = _EarlyLoad(
+        lambda: build_engine(model_arg, aliases, cfg, flags, spec, model_defaults=use_defaults, hold_background=True)
+    )
+    from engine.server.serve import run_server
+
     return run_server(
         cfg,
-        lambda: build_engine(model_arg, aliases, cfg, flags, spec, model_defaults=use_defaults),
+        early,  # (waits for the load; the background work starts once /ready answers: run_server)
         raise_load_error=True,  # a bad model: exit non-zero with the one-line error `memra run` gives
     )
 

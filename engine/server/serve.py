@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.progress import process_age
 from engine.server_config import ServerConfig
 from engine.types import MemraError
 
@@ -81,6 +82,16 @@ def drain_and_stop(state: AppState, timeout_s: float) -> bool:
     return clean
 
 
+def _since_start(engine: Any) -> str:
+    """The ready line's tail: the time since the process started (the part before loading is on
+    the "memra: loading" line), and whether the runner's graph captures follow in the background."""
+    age = process_age()
+    out = f", {age:.2f} s after the process started" if age is not None else ""
+    if getattr(engine, "warming_up", False):
+        out += "; graph captures continue in the background, between requests"
+    return out
+
+
 def run_server(
     config: ServerConfig,
     load_model: Callable[[], tuple[Any, Any, Any]],
@@ -109,7 +120,7 @@ def run_server(
     result: dict[str, Any] = {"code": 0, "error": None}
 
     def load() -> None:
-        t0 = time.monotonic()
+        t0 = getattr(load_model, "started", None) or time.monotonic()  # (a load begun before: _EarlyLoad)
         try:
             engine, tokenizer, info = load_model()
         except Exception as exc:
@@ -119,7 +130,11 @@ def run_server(
             stop.set()
             return
         state.attach(engine, tokenizer, info)
-        log.info("model %s ready in %.1f s (%s backend)", info.id, time.monotonic() - t0, info.backend)
+        start = getattr(engine, "start_background", None)
+        if callable(start):  # (an engine built with hold_background: its captures run from now on)
+            start()
+        log.info("model %s ready in %.1f s (%s backend)%s", info.id, time.monotonic() - t0, info.backend,
+                 _since_start(engine))  # fmt: skip
 
     def on_signal(signum, frame) -> None:
         if stop.is_set() or state.draining:

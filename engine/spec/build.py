@@ -82,7 +82,7 @@ def build_speculator(
     if not callable(getattr(runner, "verify", None)):
         raise ConfigError(f"--speculative: the {runner.backend} runner cannot verify drafts")
     prepare = getattr(runner, "prepare_verify", None)
-    if callable(prepare):  # (the CUDA runner: its verify graphs captured now, not in a round)
+    if callable(prepare):  # (the CUDA runner: its verify graphs captured ahead, not in a round)
         prepare(cfg.k)
     if cfg.method == "ngram":
         return Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg)

@@ -45,7 +45,7 @@ through the runner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.ir import VSHORT
@@ -81,22 +81,31 @@ def narrow_rows(plan: Any, max_rows: int) -> int:
 
 def prepare(runner: Any, k: int, max_drafts: int = 8) -> int:
     """Capture ahead the verify graphs that drafts of up to ``k`` tokens may replay (CudaRunner
-    .prepare_verify, from engine.spec.build): every row count from 2 up to ``max_drafts`` drafts of
-    k tokens (at most ``narrow_rows``), short and long context, so no round pays for a capture. The
-    warm run before each capture writes only the sink block (padding rows). Not for hybrids (their
-    graphs are per row grouping) or without graphs. Returns the graphs captured."""
+    .prepare_verify, from engine.spec.build): ``verify_captures`` run through. Returns the graphs
+    captured."""
+    done = sum(verify_captures(runner, k, max_drafts))
+    if done:
+        runner.stream.synchronize()
+    return done
+
+
+def verify_captures(runner: Any, k: int, max_drafts: int = 8) -> Iterator[int]:
+    """The verify graphs that drafts of up to ``k`` tokens may replay, one capture per ``next``
+    (yields 1 after each): every row count from 2 up to ``max_drafts`` drafts of k tokens (at most
+    ``narrow_rows``), short and long context, so no round pays for a capture. The warm run before
+    each capture writes only the sink block (padding rows); a graph a round captured first is
+    skipped. Not for hybrids (their graphs are per row grouping) or without graphs."""
     if not runner.use_graphs or getattr(runner, "num_state_slots", 0):
-        return 0
+        return
     most = min(narrow_rows(runner.plan, runner._max_rows), max_drafts * (k + 1))
     vshort = short_is_safe(runner.plan) or has_verify_short(runner.plan)
-    done = 0
     for rows in range(2, most + 1):
         for short in (True, False) if vshort else (False,):
+            if (rows, "greedy", short, True, "verify") in runner._graphs:  # (CudaRunner._graph's key)
+                continue
             runner._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
             runner._graph(rows, "greedy", short, io=True, verify=True)
-            done += 1
-    runner.stream.synchronize()
-    return done
+            yield 1
 
 
 def verify(runner: Any, items: Sequence[StepItem], during: Callable[[], None] | None = None) -> list[list[int]]:
