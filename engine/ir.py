@@ -7,7 +7,8 @@ is a ``KernelSpec`` plus grid, block, shared memory and symbolic ``Arg``s the ru
 bucket/chunk. Modes: ``decode1`` (batch 1, and the prefill head), ``decode`` (n rows, one token per
 sequence), ``prefill`` (n tokens of one sequence), ``short`` / ``short1`` (decode passes whose rows
 all sit below ``Plan.short_context``), ``decode_wide`` (large decode buckets as GEMMs),
-``vshort`` (a speculative verify pass's short-context launches, where a plan has them).
+``vshort`` (a speculative verify pass's short-context launches, where a plan has them), ``tail``
+(the attention of a prompt tail's decode pass past short_context, where a plan has it).
 Imports only the DSL (engine.graph), KernelSpec and quant row sizes; everything above it
 (engine.lowering, engine.plan, engine.runner_cuda) imports it. Must not import CUDA or numpy.
 """
@@ -35,14 +36,25 @@ SHORT1 = "short1"
 # race on the rows' KV: the rope-fused direct attention with vfresh (kernels/attention.cu.j2: each
 # block also writes the keys of its sequence's earlier rows of the pass, then reads them), no rope
 VSHORT = "vshort"
+# the attention launches of a prompt tail's decode pass past short_context (engine.runner_tail; a
+# dense plan with the prefill key split): the prefill flash attention's per-span partial launch on
+# the decode pass's rows (each sequence's K/V read once for all of its tail rows, not once a row)
+# + attention_combine's fold; never an ordinary decode or verify pass's
+TAIL = "tail"
+# the sequences (tails) one TAIL pass holds at most: its partial launch's grid has this many per span
+# (a decode pass's rows bound as min(n, TAIL_SEQS) sequences; engine.runner_tail packs up to it)
+TAIL_SEQS = 4
 
 
-def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False) -> str:
+def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool = False, tail: bool = False) -> str:
     """The key of a step's ``launches`` that a pass in ``mode`` runs: in a short-context decode
     pass (every row's position below Plan.short_context), SHORT1 at batch 1 where the step has it,
     VSHORT in a decode-mode verify pass (``verify``; lowered for the decode GEMVs' value layouts,
-    not a wide pass's) where it has that, else "short" where it has that; otherwise the mode
-    itself (a verify pass's GEMVs and norms are plain decode's launches)."""
+    not a wide pass's) where it has that, else "short" where it has that; in a prompt tail's pass
+    past short_context (``tail``) TAIL where the step has it; otherwise the mode itself (a verify
+    pass's GEMVs and norms are plain decode's launches)."""
+    if tail and not short and TAIL in launches:
+        return TAIL
     if short:
         if mode == "decode1" and SHORT1 in launches:
             return SHORT1
@@ -53,12 +65,14 @@ def launch_key(launches: Mapping[str, Any], mode: str, short: bool, verify: bool
     return mode
 
 
-def pass_key(step: Any, mode: str, n: int, short: bool, verify: bool = False, b1_rows: int = 0) -> str:
+def pass_key(
+    step: Any, mode: str, n: int, short: bool, verify: bool = False, b1_rows: int = 0, tail: bool = False
+) -> str:
     """The launches key a decode pass of ``n`` rows in ``mode`` runs for ``step``: ``launch_key``,
     except that a pass of 2 .. ``b1_rows`` rows (Plan.b1_rows) runs a layer step's batch-1
     launches (decode1: one grid row per decode row, so each row gets the bits it gets alone) where
-    it would run the bucket's; its short / verify attention (and the head) stay as they are."""
-    key = launch_key(step.launches, mode, short, verify)
+    it would run the bucket's; its short / verify / tail attention (and the head) stay as they are."""
+    key = launch_key(step.launches, mode, short, verify, tail)
     if key == "decode" and 1 < n <= b1_rows and not step.head and "decode1" in step.launches:
         return "decode1"
     return key

@@ -30,6 +30,7 @@ from engine.runner_overlap import OverlapLaunch
 from engine.runner_probes import RunnerProbes
 from engine.runner_state import StateSlots, state_inputs
 from engine.runner_steps import _CLEARED, StepLogic, _decode_mode  # noqa: F401  (tools import _decode_mode here)
+from engine.runner_tail import has_tail_attention
 from engine.runner_tap import HiddenRows
 from engine.runner_weights import WeightLoading
 from engine.types import ConfigError, StepItem
@@ -162,6 +163,7 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             for la in st.launches.get("prefill", ())
             for a in la.args
         )
+        self._tail_attention = has_tail_attention(self.plan)
         self._warm_up(defer_warm_up)
 
     # ----------------------------------------------------------------------------- setup
@@ -392,15 +394,20 @@ class CudaRunner(StepLogic, HiddenRows, WeightLoading, StateSlots, KvPools, Over
             host = (host.astype(np.uint32) << 16).view(np.float32)
         return host[:, v.offset : v.offset + v.width].astype(np.float32)
 
-    def _graph(self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple = (), verify: bool = False) -> cuda.Graph:
+    def _graph(
+        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple = (), verify: bool = False,
+        tail: bool = False,
+    ) -> cuda.Graph:
         """The decode graph of a bucket / sampling kind / context class; ``io``: it also copies the
         bucket's pinned inputs to the device first and the sampled ids back last (memcpy nodes that
         read / write the pinned host buffer when the graph runs); ``groups``: a hybrid verify pass's,
-        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT)."""
-        key = (bucket, kind, short, io, *((groups,) if groups else ()), *(("verify",) if verify else ()))
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT), ``tail``: a prompt
+        tail's pass past short_context (engine.ir.TAIL attention; its seq_starts filled)."""
+        key = (bucket, kind, short, io, *((groups,) if groups else ()), *(("verify",) if verify else ()),
+               *(("tail",) if tail else ()))  # fmt: skip
         if key not in self._graphs:
             mode = _decode_mode(bucket, self.plan.wide_rows)
-            bound = self._bind_pass(mode, bucket, bucket, False, kind, short, groups=groups, verify=verify)
+            bound = self._bind_pass(mode, bucket, bucket, False, kind, short, groups=groups, verify=verify, tail=tail)
             with self._states_parked(bucket, kind):  # (a hybrid's warm run must not advance its state)
                 if io or self.num_state_slots:
                     self._upload_inputs(bucket, kind)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine.block_manager import aligned_count
-from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, WIDE, Arg, launch_key, pass_key
+from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, TAIL_SEQS, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
 from engine.runner_tail import run_tails, split_item, tail_count
 from engine.runner_warm import background, run_now, warm_units
@@ -70,6 +70,7 @@ class StepLogic:
     # GEMV and attention work; tools/gpu_spec_round.py times both)
     verify_exact_rows = True
     _tail_keys: frozenset = frozenset()  # the prompt tails' hybrid graphs (engine.runner_tail.tail_captures)
+    _tail_attention = False  # the plan has TAIL attention launches (engine.runner_tail.has_tail_attention)
 
     def _rope_freq_factors(self) -> np.ndarray:
         """f32 divisors ff with theta^(-2i/d) / ff = the reference's scaled inverse frequencies."""
@@ -137,12 +138,15 @@ class StepLogic:
         max_q: int = 1,
         groups: tuple[int, ...] = (),
         verify: bool = False,
+        tail: bool = False,
     ) -> list[Any]:  # (engine.runner_cuda._Bound)
         """The bound launches of a pass. ``groups`` (a decode pass): launches with recurrent state
         run once per group of consecutive rows (a hybrid verify pass, one group per draft
         position, in order: engine.spec.cuda_verify), every other launch once over all rows.
-        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them."""
-        shape = self._shape(n, nseq, max_q)
+        ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them;
+        ``tail``: a prompt tail's pass, its attention past short_context the TAIL launches."""
+        # a TAIL pass's sequences: at most TAIL_SEQS (its partial launch's grid; no other decode launch reads nseq)
+        shape = self._shape(n, min(nseq, TAIL_SEQS) if tail else nseq, max_q)
         bound = []
         for step in self.plan.steps:
             if head_only and not step.head:
@@ -152,7 +156,7 @@ class StepLogic:
             if head_only:
                 key = launch_key(step.launches, _decode_mode(n, self.plan.wide_rows), short, verify)
             else:
-                key = pass_key(step, mode, n, short, verify, self.plan.b1_rows)
+                key = pass_key(step, mode, n, short, verify, self.plan.b1_rows, tail)
             for launch in step.launches[key]:
                 if not launch.runs_at(n):
                     continue
@@ -369,6 +373,7 @@ class StepLogic:
         exact: bool = False,
         verify: bool = False,
         during: Callable[[], None] | None = None,
+        tail: bool = False,
     ) -> list[int]:
         """Decode rows through the bucket's graph; ``short_ok=False`` keeps the long-context
         launches (speculative verify rows of one sequence, engine.spec.cuda_verify). A hybrid
@@ -377,12 +382,18 @@ class StepLogic:
         ``exact``: a pass of exactly ``len(items)`` rows (a graph per row count, no padding rows:
         a verify pass of k + 1 rows, engine.spec.cuda_verify) instead of the bucket's;
         ``verify``: a verify pass's short-context launches (engine.ir.VSHORT) where the plan has them;
-        ``during``: host work run once the pass is queued, before the wait for it."""
+        ``during``: host work run once the pass is queued, before the wait for it; ``tail``: a
+        prompt tail's pass (engine.runner_tail): past short_context, where the plan has them, its
+        attention runs the TAIL launches (the key split's partials over each sequence's rows,
+        ``_fill_seq_starts``)."""
         n = len(items)
         bucket, groups = self._fill_decode(items, state_snap, groups, n if exact else 0)
         kind = self._sampling_kind(items)
         launch_kind = "sample" if kind == "host" else kind
         short = short_ok and max(it.start_pos for it in items) < self.plan.short_context
+        tail = tail and not short and self._tail_attention
+        if tail:
+            self._fill_seq_starts(items, bucket)
         # a graph without penalty or token_mask entries copies the inputs in and the sampled ids
         # out itself (pinned host memory): one driver call per step, then the wait
         io = self.use_graphs and not ("penalised" in kind or kind.startswith(MASKED))
@@ -390,7 +401,7 @@ class StepLogic:
             self._upload_inputs(bucket, kind)
         if groups:
             self._keep_grouping((bucket, launch_kind, short, io, groups))
-        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify)
+        self._launch_decode_pass(bucket, launch_kind, short, io=io, groups=groups, verify=verify, tail=tail)
         if during is not None:
             during()
         ids = self._read_ids(n, copied=io).tolist()
@@ -398,17 +409,18 @@ class StepLogic:
         return self._host_sample(items, ids, kind)
 
     def _launch_decode_pass(
-        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = (), verify: bool = False
+        self, bucket: int, kind: str, short: bool, io: bool = False, groups: tuple[int, ...] = (), verify: bool = False,
+        tail: bool = False,
     ) -> None:
         """Run the bucket's decode pass on the stream: its CUDA graph, or eagerly without graphs."""
         if self.use_graphs:
-            self._graph(bucket, kind, short, io=io, groups=groups, verify=verify).launch(self.stream)
+            self._graph(bucket, kind, short, io=io, groups=groups, verify=verify, tail=tail).launch(self.stream)
             return
-        key = ("decode", bucket, kind, short, groups, *(("verify",) if verify else ()))
+        key = ("decode", bucket, kind, short, groups, *(("verify",) if verify else ()), *(("tail",) if tail else ()))
         if key not in self._eager:
-            self._eager[key] = self._bind_pass(
-                _decode_mode(bucket, self.plan.wide_rows), bucket, bucket, False, kind, short, groups=groups, verify=verify
-            )
+            mode = _decode_mode(bucket, self.plan.wide_rows)
+            self._eager[key] = self._bind_pass(mode, bucket, bucket, False, kind, short, groups=groups, verify=verify,
+                                               tail=tail)  # fmt: skip
         self._run(self._eager[key])
 
     def _fill_decode(
@@ -460,6 +472,27 @@ class StepLogic:
             v["state_snap"][:n] = state_snap
             groups = (*groups[:-1], groups[-1] + bucket - n)
         return bucket, groups
+
+    def _fill_seq_starts(self, items: Sequence[StepItem], bucket: int) -> None:
+        """A prompt tail's pass (TAIL attention, engine.lowering.attention): ``seq_starts`` as a
+        prefill pass's, its sequences the runs of consecutive rows of one sequence at consecutive
+        positions (run_tails packs each tail's rows in order, at most TAIL_SEQS tails: the grid's
+        sequences), the padding rows (a capture's warm run: every row at position 0 of the sink
+        block) one more, whose rows read the sink block only; the entries past them empty."""
+        ss = self._views["seq_starts"]
+        s, prev = 0, None
+        for r, it in enumerate(items):
+            if prev is None or it.seq_id != prev.seq_id or it.start_pos != prev.start_pos + 1:
+                ss[s] = r
+                s += 1
+            prev = it
+        n = len(items)
+        if n < bucket:
+            ss[s] = n
+            s += 1
+        if s > min(bucket, TAIL_SEQS):
+            raise MemraError(f"a prompt-tail pass of {s} sequences (at most {TAIL_SEQS})", code="internal_error")
+        ss[s : bucket + 1] = bucket
 
     def _keep_grouping(self, key: tuple) -> None:
         """Hybrid verify passes get a graph (or bound eager pass) per row grouping: keep the

@@ -7,7 +7,11 @@ weights in their tile loads whatever the row count), so those tokens run instead
 sequence through the plain decode launches, the way a speculative verify pass runs a draft's
 k + 1 positions (engine.spec.cuda_verify: one pass of exactly that many rows, the plan's verify
 launches below short_context where it has them; a hybrid's stateful launches once per row, in
-order, each row reading the state the row before wrote). The rule is by absolute position, the
+order, each row reading the state the row before wrote). Past the plan's ``short_context`` a dense
+plan's tail pass runs its attention as the prefill key split's per-span partials + fold (the TAIL
+launches, engine.lowering.attention: each sequence's K/V read once per span for all of its rows,
+where the decode kernel reads them once a row), so those rows agree with plain decode rows to
+rounding, not bit for bit; a hybrid's keep the decode launches. The rule is by absolute position, the
 same for a cold prompt: its positions from the last block boundary below ``prompt_len`` to the end
 of the prompt are decode rows, whichever prefill chunk holds them, so a warm request computes every
 position exactly as the cold run did and its output equals the cold output bit for bit. Blocks the
@@ -28,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from engine.ir import TAIL, TAIL_SEQS
 from engine.spec.cuda_verify import has_verify_short, narrow_rows, short_is_safe
 from engine.types import SamplingParams, StepItem
 
@@ -96,8 +101,25 @@ def _rows(it: StepItem, tail: int) -> tuple[list[StepItem], list[int]]:
     return rows, snap
 
 
-def _limit(r: Any) -> int:
-    return min(narrow_rows(r.plan, r._max_rows), r._max_rows)
+def has_tail_attention(plan: Any) -> bool:
+    """Whether the plan's attention steps have TAIL launches (a dense plan with the prefill key
+    split: engine.lowering.attention.tail_attention)."""
+    return any(TAIL in st.launches for st in plan.steps)
+
+
+def _limit(r: Any, short: bool = True) -> int:
+    """The most rows of a tail pass: ``narrow_rows``; past short_context with the TAIL attention,
+    at most its launches' ``max_rows`` (the key split's partials scratch: split_rows rows)."""
+    limit = min(narrow_rows(r.plan, r._max_rows), r._max_rows)
+    if short or not r._tail_attention:
+        return limit
+    bounds = [la.max_rows for st in r.plan.steps for la in st.launches.get(TAIL, ()) if la.max_rows]
+    return min([limit, *bounds])
+
+
+def _uses_tail(r: Any, short: bool) -> bool:
+    """Whether a tail pass of this context class runs the TAIL attention."""
+    return not short and bool(r._tail_attention) and not r.num_state_slots
 
 
 def _modes(r: Any) -> tuple[bool, bool]:
@@ -118,15 +140,18 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
     """Run each item's last ``tail`` tokens (its prefill part already ran) as decode rows; returns
     each item's sampled id (None where it samples nothing). A dense plan packs the tails of one
     context class (all rows below short_context or not, as the item alone would run) into passes
-    of at most ``narrow_rows`` rows; a tail longer than that, and a hybrid's every tail, runs alone,
-    in consecutive passes of that many rows."""
+    of at most ``_limit`` rows; a tail longer than that, and a hybrid's every tail, runs alone,
+    in consecutive passes of that many rows. A dense plan's passes past short_context (at most
+    TAIL_SEQS tails each) run the TAIL attention (``tail``: rows of one sequence through the key split, whichever tails share the
+    pass: a tail packed with others gets the bits it gets alone)."""
     out: list[int | None] = [None] * len(tails)
     short_ok, verify = _modes(r)
     hybrid = bool(r.num_state_slots)
-    limit = _limit(r)
     pending: dict[bool, list[tuple[int, list[StepItem]]]] = {True: [], False: []}
     for i, (it, tail) in enumerate(tails):
         rows, snaps = _rows(it, tail)
+        short = _is_short(r, it, short_ok)
+        limit = _limit(r, short)
         if hybrid or len(rows) > limit:
             for lo in range(0, len(rows), limit):
                 part = rows[lo : lo + limit]
@@ -138,12 +163,13 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
                     groups=groups,
                     exact=True,
                     verify=verify,
+                    tail=not hybrid,
                 )
             _done(out, i, it, rows[-1], ids[-1])
             continue
-        short = _is_short(r, it, short_ok)
         batch = pending[short]
-        if batch and sum(len(rs) for _, rs in batch) + len(rows) > limit:
+        full = _uses_tail(r, short) and len(batch) == TAIL_SEQS  # (the TAIL launch's sequences)
+        if batch and (full or sum(len(rs) for _, rs in batch) + len(rows) > limit):
             _run_batch(r, batch, out, tails, short_ok, verify)
             batch.clear()
         batch.append((i, rows))
@@ -156,7 +182,7 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
 def _run_batch(r: Any, batch: list[tuple[int, list[StepItem]]], out: list[int | None],
                tails: Sequence[tuple[StepItem, int]], short_ok: bool, verify: bool) -> None:
     rows = [row for _, rs in batch for row in rs]
-    ids = r._decode(rows, short_ok=short_ok, exact=True, verify=verify)
+    ids = r._decode(rows, short_ok=short_ok, exact=True, verify=verify, tail=True)
     at = 0
     for i, rs in batch:
         at += len(rs)
@@ -172,7 +198,8 @@ def _done(out: list[int | None], i: int, it: StepItem, last: StepItem, tok: int)
 def graph_key(r: Any, rows: int, kind: str, short: bool) -> tuple:
     """The runner's ``_graphs`` key of a tail pass of ``rows`` rows (CudaRunner._graph's, io on)."""
     hybrid = bool(r.num_state_slots)
-    return (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(() if hybrid else ("verify",)))
+    return (rows, kind, short, True, *(((1,) * rows,) if hybrid else ()), *(() if hybrid else ("verify",)),
+            *(("tail",) if _uses_tail(r, short) else ()))  # fmt: skip
 
 
 def pass_is_short(r: Any, it: StepItem) -> bool:
@@ -182,7 +209,7 @@ def pass_is_short(r: Any, it: StepItem) -> bool:
 
 def tail_captures(r: Any) -> Iterator[int]:
     """Capture the decode graphs every tail (1 .. block_size - 1 rows, in passes of at most
-    ``narrow_rows``) replays, one per ``next`` (yields 1 after each capture): each row count,
+    ``_limit``) replays (past short_context with the TAIL attention where the plan has it), one per ``next`` (yields 1 after each capture): each row count,
     greedy and sample, short and long context where the plan and ``max_model_len`` have both, with
     their pinned-input copies (the ``io`` graphs a plain step replays). The warm run before each
     capture writes only the sinks (padding rows; a hybrid's states parked), and each capture is
@@ -199,9 +226,9 @@ def tail_captures(r: Any) -> Iterator[int]:
         classes = [False]
     todo = [
         (rows, kind, short, graph_key(r, rows, kind, short))
-        for rows in range(1, min(r.block_size - 1, _limit(r)) + 1)
-        for kind in KINDS
         for short in classes
+        for rows in range(1, min(r.block_size - 1, _limit(r, short)) + 1)
+        for kind in KINDS
     ]
     if hybrid:  # (now, before any request runs: kept out of the verify groupings' LRU, _keep_grouping)
         r._tail_keys = r._tail_keys | {key for *_, key in todo}
@@ -213,5 +240,8 @@ def _capture(r: Any, todo: list[tuple[int, str, bool, tuple]], hybrid: bool, ver
         if key in r._graphs:
             continue
         r._fill_decode([], None, (), rows)  # every row a padding row (the sink block)
-        r._graph(rows, kind, short, io=True, groups=(1,) * rows if hybrid else (), verify=verify)
+        tail = _uses_tail(r, short)
+        if tail:  # (the padding rows one sequence of their own)
+            r._fill_seq_starts([], rows)
+        r._graph(rows, kind, short, io=True, groups=(1,) * rows if hybrid else (), verify=verify, tail=tail)
         yield 1

@@ -158,21 +158,26 @@ def test_masked_and_logprobs_rows_beside_draft_rows(fake):
 def test_build_speculator_captures_the_verify_graphs_ahead(fake):
     """build_speculator on the CUDA runner captures every verify graph a round may replay (2 .. 8
     rows, short and long, from padding rows at the sink block), so no round captures one. (Here
-    the runner's build already captured them: a prompt's trailing partial block replays the same
-    graphs, engine.runner_tail; without those, build_speculator captures them.)"""
+    the runner's build already captured the short ones: a prompt's trailing partial block below
+    short_context replays the same graphs, engine.runner_tail; past it a tail's pass runs the TAIL
+    attention, graphs of its own, so build_speculator captures the long ones.)"""
     from engine.spec.build import build_speculator
     from engine.spec.config import SpecConfig
 
     runner, drv = fake
     want = {(n, "greedy", s) for n in range(2, 9) for s in (True, False)}
+    built = {k[:3] for k in runner._graphs if k[-1] == "verify"}
+    assert built & want == {w for w in want if w[2]}  # (the "tail" ones end otherwise)
     for key in [k for k in runner._graphs if k[-1] == "verify" and k[:3] in want][::2]:
         runner._graphs.pop(key)  # half of them left to capture
+    missing = want - {k[:3] for k in runner._graphs if k[-1] == "verify"}
+    assert len(missing) == 4 + 7
     build_speculator(SpecConfig("ngram", k=4), None, runner)
-    assert drv.captures == 7
+    assert drv.captures == len(missing)
     assert want <= {key[:3] for key in runner._graphs if key[-1] == "verify"}
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 5, [0]), _draft_item(2, [0, 0], 9, [2])]) == [[0] * 5, [0] * 3]
     assert runner.verify([_draft_item(0, [0, 0, 0, 0], 300, list(range(20)))]) == [[0] * 5]
-    assert drv.captures == 7
+    assert drv.captures == len(missing)
 
 
 def test_verify_rows_tables_equal_a_fresh_fill_after_longer_tables(fake):

@@ -326,13 +326,14 @@ def test_a_warm_tail_step_does_the_same_python_work_after_64_or_16k_cached_token
 
     runner.step([tail(64)])  # (first use of the head's launches)
     counts, uploads = [], []
-    for depth in (64, 16000):
+    # below short_context (256) and past it (a dense plan's TAIL attention: seq_starts filled too)
+    for depth in (64, 128, 320, 16000):
         item = tail(depth)
         drv.reset()
         counts.append(_calls(lambda it=item: runner.step([it])))
         uploads.append(sum(drv.h2d))
         assert drv.graph_launches == 1
-    assert counts[0] == counts[1] and uploads[0] == uploads[1], (counts, uploads)
+    assert counts[0] == counts[1] and counts[2] == counts[3] and len(set(uploads)) == 1, (counts, uploads)
 
 
 def test_a_warm_16k_token_chat_request_through_the_server_encodes_hashes_and_runs_only_new_work(tmp_path):

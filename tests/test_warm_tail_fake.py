@@ -76,8 +76,9 @@ def test_tails_are_captured_from_a_warm_run_into_the_sinks(tmp_path, monkeypatch
     assert all(k[3] for k in rows)  # the io graphs a plain step replays
     if hybrid:
         assert all(k[4] == (1,) * k[0] for k in rows) and runner._tail_keys == set(rows)
-    else:
-        assert all(k[-1] == "verify" for k in rows)
+    else:  # past short_context (a long class: max_model_len 4096) the TAIL attention's graphs
+        assert all(k[4] == "verify" and (k[-1] == "tail") == (not k[2]) for k in rows)
+        assert {k[2] for k in rows} == {True, False}
     assert drv.captures == len(rows) + 1
     # every launch that ran while building (not those recorded into a graph) read inputs that
     # write only the sinks

@@ -11,7 +11,8 @@
 # kernels: the batch-1 expert GEMVs alone at the Qwen3-30B-A3B shape, moe_gemv against the
 #        moe_gemv_q8 block shapes (tools/bench_moe_gemv.py; not in the default stages)
 # ab:    memra bench --quick at BATCHES, the default then each variant (VARIANTS: lines of
-#        name=MEMRA_TUNE spec; none by default), ROUNDS times alternating (default 1)
+#        name=MEMRA_TUNE spec; none by default) and each plan without a post-pass named in WITHOUT,
+#        ROUNDS times alternating (default 1)
 # trace: tools/gpu_trace_decode.py --batch 1 over the same variants and, for each lowering post-pass
 #        named in WITHOUT (space-separated, e.g. "fold_router_norm route_in_glu"), one planned
 #        without it ($R/trace_*; not in the defaults)
@@ -20,9 +21,19 @@ OUT=${OUT:-/tmp/gpu_out}; R="$OUT/moe"; mkdir -p "$R"
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MEMRA_CACHE_DIR=${MEMRA_CACHE_DIR:-/dev/shm/mcache}
 M=${MODEL:-/dev/shm/q30.gguf}; B=${BATCHES:-1,2,4,8,16,32}
 VARIANTS=${VARIANTS:-}; WITHOUT=${WITHOUT:-}
-bench() {  # NAME [extra memra bench args]
+# memra bench in this process, planned without the lowering post-pass named in argv[1] (none: "")
+BENCH_PY='import sys
+import engine.lowering  # (every unit and post-pass registered)
+from engine.lowering.registry import POST_PASSES
+skip = sys.argv.pop(1)
+if skip and not any(fn.__name__ == skip for _, fn in POST_PASSES):
+    sys.exit(f"no post-pass {skip!r}")
+POST_PASSES[:] = [(o, fn) for o, fn in POST_PASSES if fn.__name__ != skip]
+from engine.cli import main
+sys.exit(main(sys.argv[1:]))'
+bench() {  # NAME [extra memra bench args]; WITHOUT_PASS: a lowering post-pass the plan leaves out
   local name=$1; shift
-  timeout 300 python3 -m engine.cli bench "$M" --backend cuda --batches "$B" "$@" \
+  timeout 300 python3 -c "$BENCH_PY" "${WITHOUT_PASS:-}" bench "$M" --backend cuda --batches "$B" "$@" \
     --json "$R/bench_$name.json" > "$R/bench_$name.txt" 2>&1
   grep -E "^decode|^prefill" "$R/bench_$name.txt" | sed "s/^/$name /"
 }
@@ -48,6 +59,7 @@ for stage in ${STAGES:-tests ckpt bench}; do
       while IFS= read -r v; do
         [ -n "$v" ] && MEMRA_TUNE="${v#*=}" bench "ab_${v%%=*}_r$r" --quick
       done <<< "$VARIANTS"
+      for p in $WITHOUT; do WITHOUT_PASS=$p bench "ab_without_${p}_r$r" --quick; done
     done
     ;;
   trace)

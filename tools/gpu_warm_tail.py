@@ -12,7 +12,10 @@ engine.runner_tail: its captured graph, and eagerly) and as a prefill pass of th
 path before; its layers eager, the head after them); the GPU time of that prefill pass's layers
 and of the decode rows' graph (replay, events), each per kernel template (each template's
 launches captured alone and replayed), so a template whose cost grows with the depth shows; the
-decode rows' eager launch loop's host time.
+decode rows' eager launch loop's host time. Past short_context a dense plan's tail pass runs its
+attention as the key split's partials (engine.ir.TAIL); the same rows' pass with the split decode
+attention (what the tail rows ran before it: a verify pass's graph of as many rows) is timed beside
+it (``rows_decode_attention_*``), on the same machine and KV.
 The KV and recurrent state are whatever the cache holds (timing only: the tail's tokens, positions,
 block table and state slots are real). Must not be imported by the engine.
 """
@@ -107,9 +110,12 @@ def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     row["prefill_per_template_gpu_ms"] = per_template(runner, bound)
     # the decode rows' pass: its captured graph (inputs in, sampled id out) and its launches
     runner.step([item])
-    graph = runner._graphs.get(graph_key(runner, tail, "greedy", pass_is_short(runner, item)))
+    short = pass_is_short(runner, item)
+    key = graph_key(runner, tail, "greedy", short)
+    graph = runner._graphs.get(key)
     if graph is None:
         return row
+    row["rows_attention"] = "tail" if "tail" in key else "decode"
     runner.stream.synchronize()
     row["rows_graph_gpu_ms"] = round(gpu_ms(runner.stream, lambda: graph[0].launch(runner.stream)), 3)
     rows = graph[1]
@@ -119,6 +125,13 @@ def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     row["rows_launches"] = len(rows)
     runner.stream.synchronize()
     row["rows_per_template_gpu_ms"] = per_template(runner, rows)
+    if "tail" in key:  # the same rows through the split decode attention (the pass before TAIL)
+        runner.step([item])  # (its inputs in the pinned block again)
+        old = runner._graph(tail, "greedy", False, io=True, verify=True)
+        runner.stream.synchronize()
+        row["rows_decode_attention_graph_gpu_ms"] = round(gpu_ms(runner.stream, lambda: old.launch(runner.stream)), 3)
+        bound = runner._graphs[(tail, "greedy", False, True, "verify")][1]
+        row["rows_decode_attention_per_template_gpu_ms"] = per_template(runner, bound)
     return row
 
 

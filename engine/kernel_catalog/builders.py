@@ -27,6 +27,10 @@ from engine.storage import row_bytes
 # serves up to GEMV_MAX_BATCH rows (wider decode batches take it more than once, or gemm_decode);
 # the warp-cooperative layout's blocks are COOP_THREADS threads
 GEMV_THREADS, GEMV_ROWS_PER_BLOCK, GEMV_UNROLL, GEMV_MAX_BATCH = 256, 4, 2, 8
+# the classic bf16 bucket GEMVs (bmax > 1): each warp owns this many rows (kernels/_gemv_rows.cuh.j2),
+# a block the batch-1 GEMV's warps per row over them (its bits per row): small blocks, so that the
+# few hundred blocks of a short weight (n = 2560: 640) spread evenly over the SMs
+GEMV_BF16_BUCKET_ROWS_PER_WARP = 4
 COOP_THREADS = 128
 # q8x staging: file type -> (rounds of x loads issued before quantising them, from this k up); the
 # q8_0 down projection's 9728-element x in two rounds (the H200 profile's old per-type knob)
@@ -54,6 +58,10 @@ def linear_params(
         opts = coop_options(tuning, bmax, k, quant, n=n, sm_count=sm_count, threads=threads)
     else:  # the classic layout: gemv.prefetch on the staged path (left out of the entry name when off)
         opts = {"prefetch": True} if tuning["gemv"].get("prefetch") and st else {}
+        if quant == "bf16" and bmax > 1:  # rows_per_warp rows a warp, a block a row group: the same bits
+            wpr = layout["threads"] // 32 // layout["rows_per_block"]
+            rpw = GEMV_BF16_BUCKET_ROWS_PER_WARP
+            opts.update(rows_per_warp=rpw, rows_per_block=rpw, threads=32 * wpr)
     return dict(
         {**layout, **opts},
         stage=False if layout.get("coop") else st,

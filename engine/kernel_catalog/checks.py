@@ -116,6 +116,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 "glu: a coop gemv without ksplit or wsm (a tile's rows are two ranges)",
             )
         if p["coop"]:
+            need(p["rows_per_warp"] == 1, "rows_per_warp is a classic-layout option (coop=false)")
             need(
                 q in COOP_TYPES,
                 f"coop gemv: storage type {q!r} has no warp-cooperative decoder; supported: {', '.join(COOP_TYPES)}",
@@ -142,9 +143,15 @@ def _check(template: str, p: dict[str, Any]) -> None:
                 _check_mma(p, need)
         else:
             need(not p["mma"], "mma is a coop q8x option (coop=true)")
+            rpw = p["rows_per_warp"]
             need(
-                p["rows_per_block"] <= warps and warps % p["rows_per_block"] == 0,
-                f"rows_per_block={p['rows_per_block']} must divide threads/32={warps}",
+                rpw == 1 or (q == "bf16" and not p["stage"]),
+                f"rows_per_warp={rpw}: more than one row a warp is the unstaged bf16 path's",
+            )
+            groups = p["rows_per_block"] // rpw if rpw >= 1 and p["rows_per_block"] % rpw == 0 else 0
+            need(
+                0 < groups <= warps and warps % groups == 0,
+                f"rows_per_block={p['rows_per_block']} / rows_per_warp={rpw} must divide threads/32={warps}",
             )
             need(
                 p["ksplit"] == 1 and p["grid_cap"] == 0 and p["lanes"] == 32,
@@ -249,6 +256,7 @@ def _check(template: str, p: dict[str, Any]) -> None:
             not p["gqa"] or (p["partial"] and p["warps"] == p["heads"] // p["kv_heads"]),
             "gqa (a block per kv head) needs partial and warps = heads / kv_heads",
         )
+        need(not p["row_tables"] or p["partial"], "row_tables (a decode pass's tables) needs partial")
     if template == "attention":
         need(p["heads"] % p["kv_heads"] == 0, "heads must be a multiple of kv_heads")
         group = p["heads"] // p["kv_heads"]

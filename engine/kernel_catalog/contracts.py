@@ -63,7 +63,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "attention": {
         "qsplit": 1, "v_stride": 0, "window": 0, "vfresh": 0, **_OFF(("vec16", "rope", "table_first", "trigger"), False),
     },
-    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False},
+    "attention_prefill": {"window": 0, "span": 0, "partial": False, "gqa": False, "row_tables": False},
     "attention_combine": {"window": 0, "fold": False},
     "rope": {"v_stride": 0},
     "embed": {"scale": "1.0", "out_dtype": "bf16"},
@@ -71,7 +71,7 @@ _DEFAULT_NAME: dict[str, dict[str, Any]] = {
     "add": {"a_dtype": "bf16"},
     "silu_mul": {"act": "silu"},
     "gemv": {
-        "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0,
+        "ksplit": 1, "stage_rounds": 1, "min_blocks": 0, "lanes": 32, "glu": 0, "rows_per_warp": 1,
         **_OFF(
             ("prefetch", "coop", "pipeline", "q8x", "tile_pf", "wsm", "trigger", "early_nw", "early_res", "mma"), False
         ),
@@ -87,7 +87,7 @@ KERNELS: dict[str, KernelDoc] = {
             stage=bool, unroll=int, prologue=str, x_stride=int, eps=float, u_off=int, prefetch=bool,
             coop=bool, pipeline=bool, glu=int, q8x=bool, ksplit=int, grid_cap=int, stage_rounds=int,
             tile_pf=bool, min_blocks=int, lanes=int, wsm=bool, trigger=bool, early_nw=bool, early_res=bool,
-            l2_pf=str, mma=bool,
+            l2_pf=str, mma=bool, rows_per_warp=int,
         ),
         # prologue "norm" adds a trailing ("norm_w", P), l2_pf pf0, pf1 ..: kernel_args()
         (("out", P), ("w", P), ("x", P), ("residual", P), ("rows", I32)),
@@ -99,6 +99,7 @@ KERNELS: dict[str, KernelDoc] = {
             "prefetch": False, "coop": False, "pipeline": False, "glu": 0, "q8x": False, "ksplit": 1,
             "grid_cap": 0, "stage_rounds": 1, "tile_pf": False, "min_blocks": 0, "lanes": 32, "wsm": False,
             "trigger": False, "early_nw": False, "early_res": False, "l2_pf": "", "mma": False,
+            "rows_per_warp": 1,
         },
         unnamed=("eps", "grid_cap", "l2_pf"),
     ),
@@ -188,7 +189,7 @@ KERNELS: dict[str, KernelDoc] = {
     "attention_prefill": KernelDoc(
         dict(
             heads=int, kv_heads=int, head_dim=int, block_size=int, scale=float, q_stride=int, out_stride=int,
-            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool,
+            block_q=int, block_kv=int, warps=int, window=int, span=int, partial=bool, gqa=bool, row_tables=bool,
         ),
         # partial adds (part_o, part_ml, max_splits): kernel_args()
         (
@@ -196,7 +197,7 @@ KERNELS: dict[str, KernelDoc] = {
             ("seq_starts", P), ("max_blocks", I32),
         ),
         None,
-        defaults={"window": 0, "span": 0, "partial": False, "gqa": False},
+        defaults={"window": 0, "span": 0, "partial": False, "gqa": False, "row_tables": False},
         unnamed=("scale", "warps"),
     ),
     "attention_combine": KernelDoc(

@@ -25,7 +25,7 @@ def gemv_signature(p: dict) -> tuple:
     tail = (p["quant"], p["n"], p["k"], p["residual"], p["out_dtype"])  # (glu: silu_mul's bits)
     if p["coop"]:
         return ("coop", p["q8x"], p["ksplit"], p["lanes"], *tail)
-    return ("classic", p["threads"] // 32 // p["rows_per_block"], *tail)
+    return ("classic", p["threads"] // 32 // (p["rows_per_block"] // p.get("rows_per_warp", 1)), *tail)
 
 
 def linear_gemv(ctx, op, mode, ins, outs, ws, layer=None):

@@ -31,6 +31,7 @@ from test_kernels import PagedCache
 
 from engine import cuda, ops_ref
 from engine import kernel_catalog as kc
+from engine.ir import TAIL_SEQS
 
 SHAPES = [(16, 4, 256), (32, 8, 128)]
 SHAPE_IDS = ["qwen3.5-4b", "qwen3-4b"]
@@ -91,6 +92,8 @@ class _Attn:
                                      partial=True, gqa=True)  # fmt: skip
         self.comb = kc.choice("attention_combine", heads=H, head_dim=D, split=self.span, out_stride=H * D, window=window,
                               fold=True)  # fmt: skip
+        # a prompt tail's decode pass (engine.ir.TAIL): the gqa form reading a block table per row
+        self.tail = kc.choice("attention_prefill", **{**self.part["gqa"].spec.params, "row_tables": True})
 
     def single_launch(self, c, q, pos, cache, rows):
         out = poisoned((rows, self.H * self.D))
@@ -109,6 +112,22 @@ class _Attn:
                     part_o=part_o, part_ml=part_ml, max_splits=splits)  # fmt: skip
         cargs = dict(out=out, part_o=part_o, part_ml=part_ml, positions=pos, max_splits=splits)
         return out, [(c, rows, {"max_q": rows, "nseq": 1, "max_splits": splits}, args), (self.comb, rows, {}, cargs)]
+
+    def tail_launches(self, q, pos, tables: np.ndarray, starts: list[int], cache, rows, max_ctx):
+        """The TAIL launches of a decode pass of ``rows`` rows: ``tables`` one per row, ``starts`` the
+        sequences' first rows (engine.runner_steps _fill_seq_starts: the grid's other sequences
+        empty), nseq = min(rows, TAIL_SEQS) as the runner binds a TAIL pass."""
+        splits = -(-max_ctx // self.span)
+        ss = np.full(rows + 1, rows, np.int32)
+        ss[: len(starts)] = starts
+        out = poisoned((rows, self.H * self.D))
+        part_o, part_ml = poisoned((rows, self.H, splits, self.D), "f32"), poisoned((rows, self.H, splits, 2), "f32")
+        args = dict(out=0, q=q, k_cache=cache.kd, v_cache=cache.vd, block_tables=upload(tables, "i32"), positions=pos,
+                    seq_starts=upload(ss, "i32"), max_blocks=tables.shape[1], part_o=part_o, part_ml=part_ml,
+                    max_splits=splits)  # fmt: skip
+        cargs = dict(out=out, part_o=part_o, part_ml=part_ml, positions=pos, max_splits=splits)
+        return out, [(self.tail, rows, {"max_q": rows, "nseq": min(rows, TAIL_SEQS), "max_splits": splits}, args),
+                     (self.comb, rows, {}, cargs)]  # fmt: skip
 
     def run(self, launches) -> None:
         for c, rows, grid_kw, args in launches:
@@ -142,6 +161,71 @@ def test_split_tail_has_the_cold_rows_bits(kernels, profile, shape):
             want = cache.ref(0, bf_round(qh[lo:hi]).reshape(hi - lo, H, D), lo, D**-0.5)
             assert rel_err(got[lo:hi], want) <= 1e-2, (shape, depth, lo)
         assert not np.isnan(got).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_tail_pass_form_has_the_cold_rows_bits(kernels, profile, shape):
+    """The TAIL form (a prompt tail's decode pass: a block table per row, the rows of two tails
+    packed, the grid's sequences as a TAIL pass binds them): each tail's rows have the bits of the cold pass
+    over its whole prompt and of the tail alone in its pass; timings (printed) at 16k against the
+    decode split attention + combine, which the tail rows ran before."""
+    H, KV, D = shape
+    at = _Attn(kernels, profile, shape)
+    rng = np.random.default_rng(6)
+    bs = profile.kv_block_size
+    ends = [16384 + 3 * bs + 13, 2000 + 7]
+    tails = [13, 7]
+    cache = PagedCache(rng, ends, KV, D, bs)
+    qs = [_qs(rng, n, H * D) for n in ends]
+    colds = []
+    for s, n in enumerate(ends):
+        one = PagedCache.__new__(PagedCache)  # sequence s's table alone (single_launch reads row 0)
+        one.kd, one.vd, one.td, one.tables = cache.kd, cache.vd, upload(cache.tables[s : s + 1], "i32"), cache.tables[s:]
+        cold, launches = at.single_launch(at.single, upload(qs[s], "bf16"), upload(np.arange(n, dtype=np.int32), "i32"),
+                                          one, n)  # fmt: skip
+        at.run(launches)
+        colds.append(_bits(cold)[n - tails[s] :])
+    rows = sum(tails)
+    qt = np.concatenate([q[-t:] for q, t in zip(qs, tails, strict=True)])
+    pos = np.concatenate([np.arange(n - t, n, dtype=np.int32) for n, t in zip(ends, tails, strict=True)])
+    tables = np.concatenate([np.repeat(cache.tables[s : s + 1], t, axis=0) for s, t in enumerate(tails)])
+    packed, lt = at.tail_launches(upload(qt, "bf16"), upload(pos, "i32"), tables, [0, tails[0], rows], cache, rows,
+                                  max_ctx=32768)  # fmt: skip
+    at.run(lt)
+    got = _bits(packed)
+    assert np.array_equal(got[: tails[0]], colds[0]) and np.array_equal(got[tails[0] :], colds[1]), shape
+    lo = 0
+    for s, t in enumerate(tails):
+        solo, ls = at.tail_launches(upload(qt[lo : lo + t], "bf16"), upload(pos[lo : lo + t], "i32"), tables[lo : lo + t],
+                                    [0, t], cache, t, max_ctx=32768)  # fmt: skip
+        at.run(ls)
+        assert np.array_equal(_bits(solo), got[lo : lo + t]), (shape, s)
+        want = cache.ref(s, bf_round(qt[lo : lo + t]).reshape(t, H, D), ends[s] - t, D**-0.5)
+        assert rel_err(solo.get(), want) <= 1e-2, (shape, s)
+        lo += t
+    # timing at 16k: the first tail alone, the TAIL form against the decode split attention
+    t = tails[0]
+    q1, p1 = upload(qt[:t], "bf16"), upload(pos[:t], "i32")
+    _, ls = at.tail_launches(q1, p1, tables[:t], [0, t], cache, t, max_ctx=32768)
+    dims = dict(heads=H, kv_heads=KV, head_dim=D)
+    dp = attention_params(dims, profile.tuning, bs, direct=False, q_stride=H * D, out_stride=H * D)
+    dec = kc.choice("attention", **dp)
+    dcomb = kc.choice("attention_combine", heads=H, head_dim=D, split=dp["split"], out_stride=H * D)
+    splits = -(-32768 // dp["split"])
+    part_o, part_ml = poisoned((t, H, splits, D), "f32"), poisoned((t, H, splits, 2), "f32")
+    out_d = poisoned((t, H * D))
+    dargs = dict(q=q1, positions=p1, k_cache=cache.kd, v_cache=cache.vd, out=out_d, part_o=part_o, part_ml=part_ml,
+                 max_splits=splits, block_tables=upload(tables[:t], "i32"), max_blocks=tables.shape[1])  # fmt: skip
+    for name, _ in kc.kernel_args(dec.spec):
+        if name.startswith("pf"):
+            dargs[name] = cache.kd
+    cargs = dict(out=out_d, part_o=part_o, part_ml=part_ml, positions=p1, max_splits=splits)
+    ld = [(dec, t, {"max_splits": splits}, {n: dargs[n] for n, _ in dec.args}), (dcomb, t, {}, cargs)]
+    at.run(ld)
+    assert rel_err(out_d.get(), cache.ref(0, bf_round(qt[:t]).reshape(t, H, D), ends[0] - t, D**-0.5)) <= 1e-2
+    mt, md = _ms(kernels, ls), _ms(kernels, ld)
+    print(f"\nTAIL pass {H}x{KV}x{D} {t} rows at depth {ends[0] - t}: span {at.span} partials+fold {mt * 1e3:7.1f} us, "
+          f"decode split+combine {md * 1e3:7.1f} us (x{md / mt:4.1f}, {profile.name})")  # fmt: skip
 
 
 def test_split_tail_window_has_the_cold_rows_bits(kernels, profile):
