@@ -15,7 +15,10 @@ model's MTP head, k); ``replay`` (the target's own
 recorded greedy continuation fed as the draft: 100 % acceptance, so its speedup over ``off`` bounds
 the verification overhead, target >= 0.8 x (k+1)). Decode tok/s = (tokens - 1) / (last token time -
 first token time), summed over the workload's prompts; every mode's tokens are checked equal to
-``off``'s (greedy exactness). Prints a table last; ``--json`` writes every figure.
+``off``'s (greedy exactness). ``--rounds N`` (default 3) runs every mode N times, interleaved (off,
+ngram, replay, off, ...), so drift on the machine touches every mode alike; a mode's tok/s is its
+fastest round's (noise only adds time) and the table shows the slowest round's beside it. Prints a
+table last; ``--json`` writes every figure (each round's tok/s too).
 Must not be imported by the engine.
 """
 
@@ -105,7 +108,49 @@ def run_one(engine, prompt: list[int], max_tokens: int) -> tuple[list[int], floa
     return toks, (last - first) if first is not None and last is not None else 0.0
 
 
-def main() -> int:
+def run_mode(mode, cfg, k, max_tokens, model, runner, tok, prompts, recorded) -> list[dict]:
+    """One round of one mode: an engine with its speculator, a warm-up request, then each workload's
+    prompts; ``off`` records each prompt's tokens (the first round's), the others are checked
+    against them. A row per workload: tokens, tok/s, exact and the speculation counters."""
+    from engine.loop import Engine
+    from engine.spec.build import build_speculator
+    from engine.spec.config import SpecConfig
+    from engine.spec.speculator import Speculator, summary
+
+    if mode == "replay":
+        spec = Speculator(ReplayProposer(recorded), SpecConfig("ngram", k=k))
+    else:
+        spec = build_speculator(cfg, model, runner) if cfg is not None else None
+    engine = Engine(runner, tok, speculator=spec)
+    engine.start()
+    rows = []
+    try:
+        run_one(engine, prompts["unsuited"][0], 8)  # warm-up: graph capture, caches
+        base = engine.stats()
+        for w, ps in prompts.items():
+            n_tok, secs, exact = 0, 0.0, True
+            for p in ps:
+                toks, dt = run_one(engine, p, max_tokens)
+                if mode == "off" and tuple(p) not in recorded:
+                    recorded[tuple(p)] = toks
+                else:
+                    exact &= toks == recorded[tuple(p)]
+                n_tok += max(0, len(toks) - 1)
+                secs += dt
+            after = engine.stats()
+            delta = argparse.Namespace(
+                **{k: getattr(after, k) - getattr(base, k) for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows")}
+            )
+            base = after
+            row = {"mode": mode, "workload": w, "tokens": n_tok, "tok_s": n_tok / secs if secs else 0.0, "exact": exact}
+            row.update(summary(delta))
+            rows.append(row)
+    finally:
+        engine.shutdown(10)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?")
     ap.add_argument("--backend", default="auto")
@@ -113,15 +158,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--draft", default=None, help="a draft model path (adds the draft mode)")
     ap.add_argument("--mtp", action="store_true", help="add the mtp mode (a model with an MTP head)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode (the fastest is reported)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     from engine.backend import create_runner, resolve_model_path
-    from engine.loop import Engine
     from engine.model import load_model
-    from engine.spec.build import build_speculator
     from engine.spec.config import SpecConfig
-    from engine.spec.speculator import Speculator, summary
     from engine.tokenizer import load_tokenizer
 
     path = resolve_model_path(args.model)
@@ -141,49 +186,28 @@ def main() -> int:
     results: dict = {"model": str(path), "backend": runner.backend, "k": args.k, "workloads": {}}
     device = getattr(getattr(runner, "ctx", None), "info", None)
     results["device"] = getattr(device, "name", runner.backend)
-    rows = []
-    for mode, cfg in modes:
-        if mode == "replay":
-            spec = Speculator(ReplayProposer(recorded), SpecConfig("ngram", k=args.k))
-        else:
-            spec = build_speculator(cfg, model, runner) if cfg is not None else None
-        engine = Engine(runner, tok, speculator=spec)
-        engine.start()
-        try:
-            run_one(engine, prompts["unsuited"][0], 8)  # warm-up: graph capture, caches
-            base = engine.stats()
-            for w, ps in prompts.items():
-                n_tok, secs, exact = 0, 0.0, True
-                for p in ps:
-                    toks, dt = run_one(engine, p, args.max_tokens)
-                    if mode == "off":
-                        recorded[tuple(p)] = toks
-                    else:
-                        exact &= toks == recorded[tuple(p)]
-                    n_tok += max(0, len(toks) - 1)
-                    secs += dt
-                after = engine.stats()
-                delta = argparse.Namespace(
-                    **{k: getattr(after, k) - getattr(base, k) for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows")}
-                )
-                base = after
-                row = {"mode": mode, "workload": w, "tokens": n_tok, "tok_s": n_tok / secs if secs else 0.0, "exact": exact}
-                row.update(summary(delta))
-                rows.append(row)
-        finally:
-            engine.shutdown(10)
+    best: dict[tuple[str, str], dict] = {}  # each (mode, workload)'s fastest round
+    for _ in range(args.rounds):
+        for mode, cfg in modes:
+            for row in run_mode(mode, cfg, args.k, args.max_tokens, model, runner, tok, prompts, recorded):
+                kept = best.setdefault((row["mode"], row["workload"]), {**row, "rounds_tok_s": []})
+                kept["rounds_tok_s"].append(row["tok_s"])
+                kept["exact"] &= row["exact"]
+                if row["tok_s"] >= max(kept["rounds_tok_s"]):
+                    kept.update({k: v for k, v in row.items() if k != "exact"})
+    rows = list(best.values())
     off = {r["workload"]: r["tok_s"] for r in rows if r["mode"] == "off"}
     for r in rows:
         r["speedup"] = r["tok_s"] / off[r["workload"]] if off.get(r["workload"]) else None
     results["rows"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"device {results['device']} ({runner.backend}), model {path.name}, k={args.k}")
-    print(f"{'mode':<7} {'workload':<9} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} exact")
+    print(f"device {results['device']} ({runner.backend}), model {path.name}, k={args.k}, best of {args.rounds} rounds")
+    print(f"{'mode':<7} {'workload':<9} {'tok/s':>9} {'slowest':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} exact")
     for r in rows:
         rate, mean = r["spec_acceptance_rate"], r["spec_mean_accepted_length"]
         print(
-            f"{r['mode']:<7} {r['workload']:<9} {r['tok_s']:>9.1f} {r['speedup']:>7.2f}x "
+            f"{r['mode']:<7} {r['workload']:<9} {r['tok_s']:>9.1f} {min(r['rounds_tok_s']):>9.1f} {r['speedup']:>7.2f}x "
             f"{'-' if rate is None else f'{100 * rate:.0f}%':>7} {'-' if mean is None else f'{mean:.2f}':>8} "
             f"{'yes' if r['exact'] else 'NO'}"
         )
