@@ -7,7 +7,9 @@
 # q4km:  the same on a random-block q4_k_m GGUF of that shape
 # serve: memra serve on the bf16 checkpoint: warm HTTP-ready (second start, kernel cache warm), the
 #        server's lines on where the start's time went and on the graph captures it runs after ready,
-#        loadgen c=32 441-word prompts 128 tokens (warm-up run, then the measured one), warm-prefix
+#        loadgen c=32 441-word prompts 128 tokens: a warm-up run (seed 1), the measured cold run (seed
+#        2: prompts the prefix cache has not seen) and the same prompts again (every prompt a prefix
+#        hit but its trailing partial block: the c=32 warm row), warm-prefix
 #        TTFT at 1k/4k/15k words (tools/warm_prefix.py, every send), idle RSS from /metrics
 # Results under $OUT/$LABEL/; the checkpoints stay in /dev/shm between calls on a warm machine.
 # A "before" tree without tools/warm_prefix.py or the RSS rows: copy this script and
@@ -45,9 +47,10 @@ for stage in ${STAGES:-bf16 q4km serve}; do
       kill -TERM $pid; wait $pid
     done
     curl -s localhost:8123/metrics | grep -E "^(process_resident_memory_bytes|memra_process_peak_resident_bytes)" | tee -a "$R/serve.txt"
-    for run in warm measured; do
-      timeout 120 python3 tools/loadgen.py --url http://127.0.0.1:8123 --requests 32 --concurrency 32 \
-        --prompt-words 441 --max-tokens 128 --temperature 0 --ignore-eos --json "$R/loadgen_$run.json" >> "$R/serve.txt" 2>&1
+    for run in warmup:1 cold:2 hit:2; do
+      echo "loadgen ${run%%:*} (seed ${run#*:})" >> "$R/serve.txt"
+      timeout 120 python3 tools/loadgen.py --url http://127.0.0.1:8123 --requests 32 --concurrency 32 --seed ${run#*:} \
+        --prompt-words 441 --max-tokens 128 --temperature 0 --ignore-eos --json "$R/loadgen_${run%%:*}.json" >> "$R/serve.txt" 2>&1
     done
     timeout 200 python3 tools/warm_prefix.py --url http://127.0.0.1:8123 --words 1000,4000,15000 --repeats 5 \
       --json "$R/warm_prefix.json" >> "$R/serve.txt" 2>&1
