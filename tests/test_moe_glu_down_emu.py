@@ -32,7 +32,10 @@ def _lib(k, tmp_path):
     return cuda_emu.compile_any(render(k.spec), k.spec.entry, tmp_path)
 
 
-@pytest.mark.parametrize("down_q,route,rows", [("q6_k", True, 2), ("q4_k", True, 1), ("q4_k", False, 2)])
+@pytest.mark.parametrize(
+    "down_q,route,rows",
+    [("q6_k", True, 2), pytest.param("q4_k", True, 1, marks=pytest.mark.long), pytest.param("q4_k", False, 2, marks=pytest.mark.long)],
+)  # (the long ones run in .ci/run's long step)
 def test_fused_glu_down_stores_the_two_kernels_bits(tmp_path, down_q, route, rows):
     rng = np.random.default_rng(7)
     wg = random_blocks("q4_k", E * INTER * HIDDEN // 256, seed=1).reshape(E * INTER, -1)
