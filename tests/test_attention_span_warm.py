@@ -26,14 +26,16 @@ from engine.profile import get_profile, with_tuning
 SPLIT_ROWS = 16
 
 
-def _plan(span: int, window: int = 0):
+def _plan(span: int, window: int = 0, key: str = "prefill"):
+    """The attention step's ``key`` launches (and the plan's scratch) of a one-layer bf16 SmolLM2-shaped
+    plan with the key split ``span``; ``window``: the same launches with a sliding window."""
     g = load_family("llama")
     d = dict(dims_for_size("llama", "smollm2-135m"))
     d.update(hidden=128, heads=4, kv_heads=2, head_dim=32, layers=1, intermediate=256, vocab=384, rope_dim=32,
              q_dim=128, kv_dim=64)  # fmt: skip
     tune = f"attention_prefill.span={span}; attention_prefill.block_kv=16; attention_prefill.split_rows={SPLIT_ROWS}"
     plan = build_plan(g, d, g.quant("bf16"), with_tuning(get_profile("h200"), tune))
-    launches = next(s for s in plan.steps if s.op.op == "attention").launches["prefill"]
+    launches = next(s for s in plan.steps if s.op.op == "attention").launches[key]
     if window:  # the same launches with a sliding window (Gemma's local layers, any family's window attribute)
         launches = tuple(dataclasses.replace(la, spec=kc.spec(la.spec.template, **{**la.spec.params, "window": window}))
                          for la in launches)  # fmt: skip

@@ -18,33 +18,21 @@ import numpy as np
 import pytest
 from fixtures import cuda_emu
 from test_attention_span_emu import BS, NAN_BF16, Q_STRIDE, _Case, _check_ref, _single, _spec
+from test_attention_span_warm import _plan
 
 from engine import kernel_catalog as kc
-from engine.graph import load_family
 from engine.ir import TAIL, TAIL_SEQS
-from engine.model import dims_for_size
-from engine.plan import build_plan
-from engine.profile import get_profile, with_tuning
 from engine.render import render
 from engine.runner_steps import StepLogic
 from engine.types import SamplingParams, StepItem
 
-SPAN, SPLIT_ROWS = 32, 16
+SPAN = 32
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def _tail_launches(window: int):
-    g = load_family("llama")
-    d = dict(dims_for_size("llama", "smollm2-135m"))
-    d.update(hidden=128, heads=4, kv_heads=2, head_dim=32, layers=1, intermediate=256, vocab=384, rope_dim=32,
-             q_dim=128, kv_dim=64)  # fmt: skip
-    tune = f"attention_prefill.span={SPAN}; attention_prefill.block_kv=16; attention_prefill.split_rows={SPLIT_ROWS}"
-    plan = build_plan(g, d, g.quant("bf16"), with_tuning(get_profile("h200"), tune))
-    launches = next(s for s in plan.steps if s.op.op == "attention").launches[TAIL]
+    launches, _ = _plan(SPAN, window, TAIL)
     assert launches[0].spec.params["q_stride"] == Q_STRIDE and launches[0].spec.params["block_size"] == BS
-    if window:
-        launches = tuple(dataclasses.replace(la, spec=kc.spec(la.spec.template, **{**la.spec.params, "window": window}))
-                         for la in launches)  # fmt: skip
     return launches
 
 
