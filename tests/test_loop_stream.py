@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.fake_runner import FakeTokenizer
+from test_spec import spec_engine
 
 from engine.loop import Engine, EngineConfig
 from engine.reference import ReferenceRunner
@@ -58,13 +59,7 @@ def run(model, reqs, spec_dir=None):
     """Events per request: (token_ids, text, finish_reason, completion tokens)."""
     runner = DuringRunner(model, num_blocks=64, block_size=4, max_model_len=128)
     spec = SpecConfig("draft", str(spec_dir), k=4) if spec_dir is not None else None
-    e = Engine(
-        runner,
-        FakeTokenizer(eos_token_ids=frozenset()),
-        EngineConfig(),
-        on_step=lambda e: e.check_invariants(),
-        speculator=build_speculator(spec, model, runner),
-    )
+    e = spec_engine(runner, model, spec)
     try:
         handles = [e.submit(r) for r in reqs]
         runner.handles = handles

@@ -54,19 +54,24 @@ def other_draft(tmp_path_factory) -> Path:
     return write_llama_safetensors(tmp_path_factory.mktemp("tiny_draft"), seed=1)
 
 
+def spec_engine(runner, model, spec, cfg: EngineConfig | None = None) -> Engine:
+    """An engine over ``runner`` with ``spec``'s speculator (None: off), a tokenizer without EOS, and
+    the block invariants checked after every step."""
+    return Engine(
+        runner,
+        FakeTokenizer(eos_token_ids=frozenset()),
+        cfg or EngineConfig(),
+        on_step=lambda e: e.check_invariants(),
+        speculator=build_speculator(spec, model, runner),
+    )
+
+
 def run(model, prompts, spec=None, *, sampling=GREEDY, max_tokens=24, num_blocks=64, seeds=None, opt_out=(), **cfg):
     """Submit every prompt at once; return (token lists, EngineStats)."""
     from engine.reference import ReferenceRunner
 
     runner = ReferenceRunner(model, num_blocks=num_blocks, block_size=4, max_model_len=128)
-    speculator = build_speculator(spec, model, runner)
-    e = Engine(
-        runner,
-        FakeTokenizer(eos_token_ids=frozenset()),
-        EngineConfig(**cfg),
-        on_step=lambda e: e.check_invariants(),
-        speculator=speculator,
-    )
+    e = spec_engine(runner, model, spec, EngineConfig(**cfg))
     try:
         handles = []
         for i, p in enumerate(prompts):
@@ -355,14 +360,8 @@ def test_random_load_with_speculation_aborts_and_preemption(model, tiny_llama_di
     lens = [rng.randrange(1, 30) for _ in prompts]
     runner = ReferenceRunner(model, num_blocks=24, block_size=4, max_model_len=128)
     path = tiny_llama_dir if draft == "self" else other_draft
-    spec = build_speculator(SpecConfig("draft", str(path), k=4, max_batch=6), model, runner)
-    e = Engine(
-        runner,
-        FakeTokenizer(eos_token_ids=frozenset()),
-        EngineConfig(max_running=8, prefill_chunk_tokens=8, max_step_tokens=24),
-        on_step=lambda e: e.check_invariants(),
-        speculator=spec,
-    )
+    spec = SpecConfig("draft", str(path), k=4, max_batch=6)
+    e = spec_engine(runner, model, spec, EngineConfig(max_running=8, prefill_chunk_tokens=8, max_step_tokens=24))
     handles = [
         e.submit(GenerationRequest(f"q{i}", p, GREEDY, max_tokens=n, ignore_eos=True, speculative=i % 5 != 0))
         for i, (p, n) in enumerate(zip(prompts, lens, strict=True))
@@ -431,13 +430,7 @@ def test_constrained_biased_and_logprobs_requests_beside_speculation_match_plain
             return verify(items)
 
         monkeypatch.setattr(runner, "verify", spy)
-        e = Engine(
-            runner,
-            FakeTokenizer(eos_token_ids=frozenset()),
-            EngineConfig(),
-            on_step=lambda e: e.check_invariants(),
-            speculator=build_speculator(spec, model, runner),
-        )
+        e = spec_engine(runner, model, spec)
         constraint = _EveryThird(vocab)
         top = max(range(vocab), key=lambda t: t % 7)  # some token the model would not pick on its own
         shaped = [
