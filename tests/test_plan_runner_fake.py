@@ -46,7 +46,7 @@ class FakeDriver:
 
     def reset(self) -> None:
         """Forget what was recorded so far: a test calls it after building the runner, whose
-        construction already captures the warm-prefix tail graphs (runner_steps._capture_tail)."""
+        construction already captures the warm-prefix tail graphs (engine.runner_warm.capture_prefill_tail)."""
         self.launches.clear()
         self.h2d.clear()
         self.h2d_graph.clear()

@@ -157,7 +157,7 @@ def test_more_tails_than_a_tail_pass_holds_run_in_more_passes(tmp_path, monkeypa
 
 
 def test_padding_rows_of_a_captured_tail_are_one_sequence(tmp_path, monkeypatch):
-    """prepare_tails' warm run before each capture: every row a padding row at position 0 of the
+    """runner_tail.tail_captures' warm run before each capture: every row a padding row at position 0 of the
     sink block, all one sequence (its rows read the sink block's keys only: the KV cache starts
     zeroed, the padding rows write its slot 0)."""
     runner, _, _ = _build(tmp_path, monkeypatch, False)
