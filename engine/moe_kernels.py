@@ -8,8 +8,7 @@ kernels/moe_gemv.cu.j2, GEMVs over stacked [E, N, K] expert weights indexed by t
 weighted by the router and summed over the chosen experts, plus the residual), one warp per
 (token, slot) row: batch-1 decode; ``expert_q8_kernel`` (kernels/moe_gemv_q8.cu.j2) runs those two
 modes on int8 x rows and dp4a for q4_k / q5_k / q6_k stacks (its glu optionally routing the token from
-the router's logits itself), and ``glu_down_kernel`` (kernels/moe_glu_down.cu.j2) its glu then down in
-one launch (roles by ticket, the down blocks waiting on the glu blocks' count). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
+the router's logits itself). The grouped modes ``glu_grouped`` / ``down_grouped`` (+
 ``combine_kernel``, kernels/moe_combine.cu.j2) run one block per (row tile, chosen expert) that reads
 the expert's rows once for all the tokens routed to it (grid y ``grouped_grid_y``): batched decode;
 ``q8round_kernel`` (kernels/moe_q8round.cu.j2) rounds their x once a step where they take it int8-rounded. Together
@@ -51,8 +50,6 @@ KERNELS = {
     "(weighted sum), per (token, slot) or grouped by expert",
     "moe_gemv_q8": "the per-slot expert GEMVs (glu, down) on int8 x rows and dp4a, warp-cooperative segments: "
     "batch-1 decode over q4_k / q5_k / q6_k stacks",
-    "moe_glu_down": "the batch-1 per-slot glu then down of moe_gemv_q8 in one launch: blocks take tickets, the down "
-    "blocks wait on a counter for the glu blocks (batch-1 decode)",
     "moe_combine": "the grouped down projection's weighted sum over each token's slots (+ residual)",
     "moe_q8round": "bf16 rows rounded as moe_gemv_q8 stages them (int8 per 32 values, as f32), once a step for "
     "the grouped GEMVs' q8x_round mode",
@@ -332,45 +329,6 @@ def expert_q8_kernel(
     return MoeKernel(spec, args, grid, (32 * warps, 1, 1))
 
 
-def glu_down_kernel(glu: KernelSpec, down: KernelSpec) -> MoeKernel:
-    """moe_glu_down: the moe_gemv_q8 ``glu`` spec then the ``down`` spec (their params, with or
-    without the glu's ``route``) in one launch of the down's block shape, the glu's rows per block
-    kept (its warps set to the down's, rows_per_warp scaled: the same bits, a row's sum does not
-    depend on the block shape). Args (out, wg, wu, wd, x, act, ids, weights, residual[, logits],
-    count, rows); count: GLU_DOWN_COUNTER_BYTES of zeroed scratch the kernel resets itself. Raises
-    ConfigError where the two do not fit together (not moe_gemv_q8 glu then down of one top_k and
-    the glu's n the down's k, the down in its ``shared`` form, rows per block not a whole number of
-    the down's warps)."""
-    g, d = glu.params, down.params
-    if (glu.template, down.template) != ("moe_gemv_q8", "moe_gemv_q8") or (g["mode"], d["mode"]) != ("glu", "down"):
-        raise ConfigError(f"moe_glu_down: fuses moe_gemv_q8 glu then down, not {glu.entry} then {down.entry}")
-    if g["top_k"] != d["top_k"] or g["n"] != d["k"] or d["shared"] or d["route"]:
-        raise ConfigError(f"moe_glu_down: {glu.entry} and {down.entry} do not chain (top_k, the glu's n as the down's k, "
-                          "no shared form)")
-    warps, per_block = int(d["warps"]), int(g["warps"]) * int(g["rows_per_warp"])
-    if per_block % warps:
-        raise ConfigError(f"moe_glu_down: the glu's {per_block} rows per block over the down's {warps} warps")
-    gk = expert_q8_kernel("glu", g["quant"], g["n"], g["k"], g["top_k"], trigger=g["trigger"],
-                          route=(g["experts"], g["normalize"]) if g["route"] else None, warps=warps,
-                          rows_per_warp=per_block // warps, prefetch=g["prefetch"])
-    gp = gk.spec.params
-    dp = {**d, **({"route": True, "experts": g["experts"], "normalize": g["normalize"]} if g["route"] else {})}
-    top_k = int(g["top_k"])
-    glu_blocks, down_blocks = -(-int(g["n"]) // per_block), -(-int(d["n"]) // (warps * int(d["rows_per_warp"])))
-    params = {**{f"g_{k}": v for k, v in gp.items()}, **{f"d_{k}": v for k, v in dp.items()},
-              "glu_blocks": glu_blocks, "down_blocks": down_blocks, "top_k": top_k, "threads": 32 * warps}
-    tail = gk.spec.entry.removeprefix("moe_gemv_q8_glu_") + "__" + down.entry.removeprefix("moe_gemv_q8_down_")
-    spec = KernelSpec("moe_glu_down", f"moe_glu_down_{tail}", params, pdl=True)
-    args = (("out", "ptr"), ("wg", "ptr"), ("wu", "ptr"), ("wd", "ptr"), ("x", "ptr"), ("act", "ptr"), ("ids", "ptr"),
-            ("weights", "ptr"), ("residual", "ptr"), *((("logits", "ptr"),) if g["route"] else ()), ("count", "ptr"),
-            ("rows", "i32"))
-    per_row = glu_blocks * top_k + down_blocks
-    return MoeKernel(spec, args, lambda rows, **_: (per_row * rows, 1, 1), (32 * warps, 1, 1))
-
-
-GLU_DOWN_COUNTER_BYTES = 12  # moe_glu_down's tickets, glu blocks done, other blocks finished (u32 each)
-
-
 def combine_kernel(n: int, top_k: int, residual: bool = True, threads: int = 256, shared: int = 0) -> MoeKernel:
     """moe_combine: out [rows, n] = the router-weighted sum of the f32 ``partial`` rows that
     ``down_grouped`` wrote (+ residual, which may alias out). ``shared`` (moe_shared's threads,
@@ -534,14 +492,4 @@ def moe_specs(
     specs.append(combine_kernel(hidden, top).spec)
     if dims.get("shared_intermediate"):  # (moe_shared, and folded into the batched decode's combine)
         specs += [shared_kernel(hidden).spec, combine_kernel(hidden, top, shared=shared_kernel(hidden).block[0]).spec]
-    # batch 1: the routing glu and the down in one launch (engine.lowering.moe.fuse_glu_down), any two types
-    route = (e, bool(dims.get("norm_topk_prob")))
-    for qg in (q for q in quants if q8_supported("glu", q, hidden, top)):
-        glu = expert_q8_kernel("glu", qg, inter, hidden, top, trigger=True, route=route).spec
-        for qd in (q for q in quants if q8_supported("down", q, inter, top)):
-            down = expert_q8_kernel("down", qd, hidden, inter, top, residual=True, trigger=True).spec
-            try:
-                specs.append(glu_down_kernel(glu, down).spec)
-            except ConfigError:  # (rows per block that the down's warps do not divide: the two launches)
-                pass
     return list(dict.fromkeys(specs))

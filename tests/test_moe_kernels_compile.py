@@ -1,5 +1,4 @@
-"""The MoE kernels (kernels/moe_topk.cu.j2, moe_gemv.cu.j2, moe_combine.cu.j2, moe_shared.cu.j2,
-moe_glu_down.cu.j2 with its two moe_gemv_q8 parts) render for every storage type
+"""The MoE kernels (kernels/moe_topk.cu.j2, moe_gemv.cu.j2, moe_combine.cu.j2, moe_shared.cu.j2) render for every storage type
 and mode, open with pdl_wait(), and compile with NVRTC for every device profile's arch (no GPU).
 
 Every storage type's decoder compiles for the primary arch (sm_90a, in the glu kernel; down for the
@@ -23,7 +22,6 @@ from engine.moe_kernels import (
     expert_gemv_kernel,
     expert_q8_kernel,
     gemm_max_tiles,
-    glu_down_kernel,
     moe_specs,
     q8round_kernel,
     router_counters,
@@ -39,11 +37,6 @@ from engine.types import ConfigError
 PRIMARY_ARCH = "sm_90a"
 
 
-# Qwen3-30B-A3B q4_k_m's batch-1 MoE launch: the routing q4_k glu and a q6_k down in one (moe_glu_down)
-_GLU_DOWN = glu_down_kernel(expert_q8_kernel("glu", "q4_k", 768, 2048, 8, trigger=True, route=(128, True)).spec,
-                            expert_q8_kernel("down", "q6_k", 2048, 768, 8, residual=True, trigger=True).spec).spec
-
-
 def _all_specs():
     specs = [topk_kernel(128, 8, True).spec, topk_kernel(60, 4, False, warps=2).spec]
     for q in GEMV_QUANTS:
@@ -57,7 +50,7 @@ def _all_specs():
     specs += [shared_kernel(2048).spec, q8round_kernel(2048, 4608).spec, q8round_kernel(768, 768, row_mult=8).spec]
     # (Qwen3.6-35B-A3B's batch-1 routed down with the shared expert's gate folded in)
     specs += [expert_q8_kernel("down", q, 2048, 512, 8, residual=True, trigger=True, shared=256).spec for q in ("q4_k", "q6_k")]
-    specs += [combine_kernel(2048, 8, shared=256).spec, _GLU_DOWN]
+    specs.append(combine_kernel(2048, 8, shared=256).spec)
     specs += [sort_kernel(128, 8, 64).spec, sort_kernel(8, 2, 16, threads=256).spec]
     for q in GEMM_QUANTS:
         specs.append(expert_gemm_kernel("glu", q, 768, 2048, 8, 128).spec)
@@ -79,10 +72,7 @@ def test_every_moe_kernel_renders_and_waits_first():
     assert any(s.template == "moe_combine" and s.params["shared"] for s in q36)
     assert {s.params["quant"] for s in q36 if s.template == "moe_gemv_q8" and s.params["shared"]} == {"q4_k", "q6_k"}
     assert any(s.template == "moe_shared" for s in q36) and not any(s.params.get("shared") for s in q8)
-    fused = [s for s in moe_specs(d, ["q4_k", "q5_k", "q6_k"]) if s.template == "moe_glu_down"]
-    assert {(s.params["g_quant"], s.params["d_quant"]) for s in fused} == {(g, dq) for g in ("q4_k", "q5_k", "q6_k")
-                                                                           for dq in ("q4_k", "q5_k", "q6_k")}
-    for s in _all_specs() + q8 + q36 + fused:
+    for s in _all_specs() + q8 + q36:
         src = render(s)
         assert f"{s.entry}(" in src and waits_first(src, s.entry), s.entry
     down = render(expert_gemv_kernel("down", "q4_k", 2048, 768, 8, residual=True).spec)
@@ -104,7 +94,7 @@ def test_builders_check_their_inputs():
         k.grid(9000)
     d = dims_for_size("qwen3_moe", "qwen3-30b-a3b")
     specs = moe_specs(d, ["q4_k", "q6_k", "q8_0", "bf16"])
-    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 6 + 2 + 2 + 2 * 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
+    assert len(specs) == 1 + 6 + 4 * 6 + 2 * 6 + 2 + 2 and specs[0].params == {"experts": 128, "top_k": 8, "normalize": True, "warps": 4}
     assert [(s.params["wdtype"], s.params["norm"], s.params["route"]) for s in specs[1:7]] == [
         (w, norm, route) for w in ("f32", "bf16") for norm, route in ((False, True), (True, True), (True, False))]
     g = expert_gemv_kernel("down_grouped", "q4_k", 2048, 768, 8, experts=128, max_slots=256)
@@ -188,7 +178,6 @@ def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
         expert_gemm_kernel("glu", "q4_k", 768, 2048, 8, 128).spec,
         expert_gemm_kernel("down", "bf16", 2048, 768, 8, 128).spec,
         expert_gemm_kernel("glu", "q6_k", 768, 2048, 8, 128, tile_m=16, warps_m=1).spec,
-        _GLU_DOWN,
     ]
     for arch in archs:
         specs = full if arch == PRIMARY_ARCH else one_each

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from engine.graph import load_family
-from engine.ir import NULL, ROWS, Arg, kernel_specs
+from engine.ir import NULL, Arg, kernel_specs
 from engine.model import dims_for_size
 from engine.plan import build_plan
 from engine.profile import get_profile
@@ -24,14 +24,6 @@ def _plan(quant: str = "q4_k_m", profile: str = "h200", dtypes=None, **over):
     g = load_family("qwen3_moe")
     d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL, **over}
     return g, d, build_plan(g, d, g.quant(quant), get_profile(profile), tensor_dtypes=dtypes)
-
-
-def _without(monkeypatch, *names):
-    """Plans from here on leave out the lowering post-passes ``names``."""
-    from engine.lowering import registry
-
-    kept = [(o, fn) for o, fn in registry.POST_PASSES if fn.__name__ not in names]
-    monkeypatch.setattr("engine.plan.POST_PASSES", kept)
 
 
 def _ops_by_layer(plan) -> dict[int, list[str]]:
@@ -124,8 +116,8 @@ def test_expert_stacks_keep_their_file_blocks():
     assert (w["L0.exp_down"].dtype, w["L2.exp_down"].dtype, w["L0.exp_gate"].dtype) == ("q6_k", "q4_k", "q4_k")
     assert (w["L0.exp_gate"].rows, w["L0.exp_gate"].cols) == (16 * 256, 256)
     assert w["L1.w_down"].dtype == "q6_kr"
-    (b1,) = next(s for s in plan.steps if s.op.op == "moe_experts" and s.layer == 0).launches["decode1"]
-    assert (b1.spec.template, b1.spec.params["g_quant"], b1.spec.params["d_quant"]) == ("moe_glu_down", "q4_k", "q6_k")
+    down0 = next(s for s in plan.steps if s.op.op == "moe_experts" and s.layer == 0).launches["decode1"][1]
+    assert down0.spec.params["quant"] == "q6_k"
     assert w["L0.router"].dtype == "f32"
     # the plan's weight bytes are what weight_memory counts (the runner's fit check)
     from engine import kernel_catalog as kc
@@ -143,7 +135,7 @@ def test_every_moe_spec_renders():
     _, _, plan = _plan("q4_k_m", profile="h100")
     specs = [s for s in kernel_specs(plan) if s.template.startswith("moe_")]
     assert {s.template for s in specs} == {"moe_topk", "moe_router", "moe_gemv", "moe_gemv_q8", "moe_combine", "moe_sort",
-                                           "moe_gemm", "moe_q8round", "moe_glu_down"}
+                                           "moe_gemm", "moe_q8round"}
     for s in specs:
         assert f"{s.entry}(" in render(s)
 
@@ -235,11 +227,10 @@ def test_grouped_buckets_round_x_where_the_per_slot_kernels_are_q8():
             assert sizes["moe_xq"] == glu.max_rows * 256 * 4 and sizes["moe_actq"] == glu.max_rows * 4 * 256 * 4
 
 
-def test_q4_k_m_per_slot_experts_take_the_q8x_kernels(monkeypatch):
+def test_q4_k_m_per_slot_experts_take_the_q8x_kernels():
     """q4_k gate / up and q4_k or q6_k down stacks: batch 1 (and the per-slot batched buckets) run
     moe_gemv_q8 with moe_gemv's arguments, a grid of warps x rows_per_warp rows per block; a
-    profile without q8x keeps moe_gemv. (Batch 1 before fuse_glu_down puts the two in one launch.)"""
-    _without(monkeypatch, "fuse_glu_down")
+    profile without q8x keeps moe_gemv."""
     for profile, template in (("h100", "moe_gemv_q8"), ("generic-sm80", "moe_gemv")):
         _, _, plan = _plan("q4_k_m", profile=profile)
         downs = set()
@@ -265,14 +256,13 @@ def test_q4_k_m_per_slot_experts_take_the_q8x_kernels(monkeypatch):
         assert downs == {"q4_k", "q6_k"} or len(downs) == 1
 
 
-def test_batch1_down_reads_the_routing_glus_ids(monkeypatch):
+def test_batch1_down_reads_the_routing_glus_ids():
     """Only the routing glu routes: the batch-1 moe_gemv_q8 down after it (q4_k and q6_k stacks)
     reads the ids and weights the glu wrote (7 args, no logits), as the batched per-slot down;
-    expert_q8_kernel takes no routing down. (Before fuse_glu_down.)"""
+    expert_q8_kernel takes no routing down."""
     from engine.moe_kernels import expert_q8_kernel
     from engine.types import ConfigError
 
-    _without(monkeypatch, "fuse_glu_down")
     g = load_family("qwen3_moe")
     d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
     plan = build_plan(g, d, g.quant("q4_k_m"), get_profile("h100"), tensor_dtypes={"exp_down@0": "q6_k"})
@@ -287,40 +277,6 @@ def test_batch1_down_reads_the_routing_glus_ids(monkeypatch):
     assert quants == {"q4_k", "q6_k"}
     with pytest.raises(ConfigError, match="only the glu routes"):
         expert_q8_kernel("down", "q4_k", 256, 256, 4, route=(16, True))
-
-
-@pytest.mark.parametrize("profile", ["h100", "h200"])
-def test_batch1_glu_and_down_fuse_into_one_launch(monkeypatch, profile):
-    """fuse_glu_down: each sparse layer's batch-1 moe_gemv_q8 glu (routing) and down (q4_k and
-    q6_k stacks) become one moe_glu_down launch of the two specs (glu_down_kernel), the down's
-    block, a grid of (glu blocks x top_k + down blocks) per row, the two launches' arguments and
-    the zeroed counters; the batched buckets keep their launches; moe_gemv (no q8x) is not fused."""
-    from engine.moe_kernels import GLU_DOWN_COUNTER_BYTES, glu_down_kernel
-
-    dtypes = {"exp_down@0": "q6_k"}
-    fused = _plan("q4_k_m", profile=profile, dtypes=dtypes)[2]
-    _without(monkeypatch, "fuse_glu_down")
-    plain = _plan("q4_k_m", profile=profile, dtypes=dtypes)[2]
-    quants = set()
-    for a, b in zip(fused.steps, plain.steps, strict=True):
-        if a.op.op != "moe_experts":
-            assert a.launches == b.launches
-            continue
-        (f,), (glu, down) = a.launches["decode1"], b.launches["decode1"]
-        k = glu_down_kernel(glu.spec, down.spec)
-        assert f.spec == k.spec and f.block == down.block == k.block[:1] and f.grid == (f"{k.grid(1)[0]} * n",)
-        assert f.grid_for({"n": 1}) == (256 // 16 * 4 + 256 // 16,)  # 16 glu rows a block, 4 slots; 16 down rows
-        assert f.args == (down.args[0], *glu.args[1:3], down.args[1], glu.args[3], glu.args[0], glu.args[4], glu.args[6],
-                          down.args[5], glu.args[7], Arg("scratch", "moe_glu_down_count"), ROWS)
-        assert {k: a.launches[k] for k in a.launches if k != "decode1"} == {k: b.launches[k] for k in b.launches if k != "decode1"}
-        quants.add(f.spec.params["d_quant"])
-    assert quants == {"q4_k", "q6_k"}
-    (count,) = [sp for sp in fused.scratch if sp.name == "moe_glu_down_count"]
-    assert count.fill == "zero" and count.fixed == GLU_DOWN_COUNTER_BYTES == 12
-    assert "moe_glu_down_count" not in {sp.name for sp in plain.scratch}
-    unfused = _plan("q4_k_m", profile="generic-sm80")[2]  # (moe_gemv's f32 kernels, no q8x)
-    assert all(la.spec.template == "moe_gemv" for st in unfused.steps if st.op.op == "moe_experts"
-               for la in st.launches["decode1"])
 
 
 @pytest.mark.parametrize("quant", ["bf16", "q4_k_m"])
@@ -400,12 +356,11 @@ def _b1_layer_launches(plan, layer: int, short: bool) -> list[str]:
 def test_qwen3_30b_a3b_batch1_layer_launches(monkeypatch):
     """The batch-1 decode launches of each Qwen3-30B-A3B q4_k_m layer on the h100 profile, as the
     file tools/make_checkpoint.py writes (q6_k v and expert down in even layers; issue #35's launch
-    count): 5 below the short-context bound (the rope in the direct attention), 7 past it; the MoE
-    MLP is two (the router with the rmsnorm folded in, then moe_glu_down: the routing glu and the
-    down that sums the slots and adds the residual in one launch), each part with its early
-    pdl_trigger(). Without the post-pass fuse_glu_down the glu and the down are two launches (6
-    and 8); without fold_router_norm the rmsnorm launch comes back; without route_in_glu the
-    router routes itself again (same count)."""
+    count): 6 below the short-context bound (the rope in the direct attention), 8 past it; the MoE
+    MLP is three (the router with the rmsnorm folded in, the routing glu, the down that sums the
+    slots and adds the residual), each with its early pdl_trigger(). Without the post-pass
+    fold_router_norm the rmsnorm launch comes back; without route_in_glu the router routes itself
+    again (same count)."""
     import sys
     from pathlib import Path
 
@@ -420,30 +375,24 @@ def test_qwen3_30b_a3b_batch1_layer_launches(monkeypatch):
         return plan_golden.plan_of("qwen3_moe/qwen3-30b-a3b/q4_k_m/h100")
 
     plan = plan_without()
-    mlp = [("moe_router", None), ("moe_glu_down", None)]
-    apart = [("moe_router", None), ("moe_gemv_q8", "glu"), ("moe_gemv_q8", "down")]
-    qkv = ("gemv_pair", None)  # (q|k and v, the attention rmsnorm in its prologue)
+    mlp = [("moe_router", None), ("moe_gemv_q8", "glu"), ("moe_gemv_q8", "down")]
     layers = 1 + max(st.layer for st in plan.steps if st.layer is not None)
     assert layers == 48
     for i in range(layers):
+        qkv = ("gemv_pair", None)  # (q|k and v, the attention rmsnorm in its prologue)
         assert _b1_layer_launches(plan, i, True) == [qkv, ("attention", None), ("gemv", None), *mlp], i
         assert _b1_layer_launches(plan, i, False) == [qkv, ("rope", None), ("attention", None),
                                                       ("attention_combine", None), ("gemv", None), *mlp], i
         moe = [st for st in plan.steps if st.layer == i and st.op.op in ("moe_router", "moe_experts")]
-        (router,), (fused,) = (st.launches["decode1"] for st in moe)
-        p = fused.spec.params
-        assert router.spec.params["trigger"] and p["g_trigger"] and p["d_trigger"] and p["d_residual"]
-        assert not router.spec.params["route"] and p["g_route"] and p["d_route"]
-        assert p["d_quant"] == ("q6_k" if i % 2 == 0 else "q4_k") and fused.grid_for({"n": 1}) == (768 // 16 * 8 + 2048 // 16,)
+        (router,), (glu, down) = (st.launches["decode1"] for st in moe)
+        assert router.spec.params["trigger"] and glu.spec.params["trigger"] and down.spec.params["trigger"]
+        assert not router.spec.params["route"] and glu.spec.params["route"] and down.spec.params["residual"]
 
-    apart_plan = plan_without("fuse_glu_down")
-    assert _b1_layer_launches(apart_plan, 0, True) == [qkv, ("attention", None), ("gemv", None), *apart]
-    assert _b1_layer_launches(apart_plan, 0, False) == [qkv, ("rope", None), ("attention", None),
-                                                        ("attention_combine", None), ("gemv", None), *apart]
     unfolded = plan_without("fold_router_norm")
-    assert _b1_layer_launches(unfolded, 0, True) == [qkv, ("attention", None), ("gemv", None), ("rmsnorm", None), *mlp]
+    assert _b1_layer_launches(unfolded, 0, True) == [("gemv_pair", None), ("attention", None), ("gemv", None),
+                                                     ("rmsnorm", None), *mlp]
     unrouted = plan_without("route_in_glu")
     assert _b1_layer_launches(unrouted, 0, True) == _b1_layer_launches(plan, 0, True)
-    (router,), (fused,) = (st.launches["decode1"] for st in unrouted.steps
+    (router,), (glu, _) = (st.launches["decode1"] for st in unrouted.steps
                            if st.layer == 0 and st.op.op in ("moe_router", "moe_experts"))
-    assert router.spec.params["route"] and not fused.spec.params["g_route"] and not fused.spec.params.get("d_route")
+    assert router.spec.params["route"] and not glu.spec.params.get("route")

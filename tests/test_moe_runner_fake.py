@@ -96,10 +96,10 @@ def test_a_model_that_does_not_fit_fails_before_allocating(moe_model, monkeypatc
 
 
 def test_q4_k_m_batch1_routing_glu_binds(monkeypatch, tmp_path):
-    """A q4_k_m model's batch-1 decode step (moe_glu_down: the routing glu of the post-pass
-    route_in_glu and the down, one launch by fuse_glu_down): every launch binds, each sparse
-    layer's one launch routes, with no moe_gemv_q8 of its own; a bucket-8 step binds the grouped
-    GEMVs and their moe_q8round launches (h, then act, rounded once)."""
+    """A q4_k_m model's batch-1 decode step (moe_gemv_q8: the routing glu of the post-pass
+    route_in_glu, then the plain down reading its ids and weights): every launch binds, each
+    sparse layer's glu routes and its down does not; a bucket-8 step binds the grouped GEMVs and
+    their moe_q8round launches (h, then act, rounded once)."""
     model = load_model(write_qwen3_moe_gguf(tmp_path / "m.gguf", quant="q4_k_m", seed=3, **DIMS))
     drv = FakeDriver()
     runner = _runner(monkeypatch, tmp_path, model, drv)
@@ -108,8 +108,8 @@ def test_q4_k_m_batch1_routing_glu_binds(monkeypatch, tmp_path):
     runner.use_graphs = False
     runner.step([StepItem(0, [5], 7, [0], True, GREEDY)])
     names = [n for n, _, _ in drv.launches]
-    assert sum(n.startswith("moe_glu_down_") and "route" in n for n in names) == 2, names
-    assert not any(n.startswith("moe_gemv_q8_") for n in names), names
+    assert sum(n.startswith("moe_gemv_q8_glu_") and "route" in n for n in names) == 2, names
+    assert sum(n.startswith("moe_gemv_q8_down_") and "route" not in n for n in names) == 2, names
     drv.launches.clear()
     runner.step([StepItem(i, [5], 7 + i % 3, [i], True, GREEDY) for i in range(6)])  # bucket 8: grouped, q8x_round
     names = [n for n, _, _ in drv.launches]

@@ -18,8 +18,7 @@ glu and down per expert row tile) and moe_combine. A shared expert (seven weight
 and the f32 gate vector) runs after them through the dense linear paths (GEMVs in decode, the
 GEMM in prefill), silu_mul and moe_shared (out += sigmoid(h . gate) * shared). ``shared_gate``
 runs moe_shared for a shared expert the graph writes as plain ops; in decode passes the post-pass
-shared_into_down folds it into the routed down / moe_combine; at batch 1 the post-pass fuse_glu_down
-runs moe_gemv_q8's glu and down as one moe_glu_down launch. Kernel specs and argument lists come from
+shared_into_down folds it into the routed down / moe_combine. Kernel specs and argument lists come from
 engine.moe_kernels. Must not import CUDA or numpy.
 """
 
@@ -192,37 +191,6 @@ def shared_into_down(ctx, steps, weights, values) -> None:
                 dataclasses.replace(la, spec=_shared_form(la, out, threads), args=la.args[:-1] + (y, h, gw, la.args[-1]))
                 for la in moved.values()
             )
-
-
-@post_pass(14)
-def fuse_glu_down(ctx, steps, weights, values) -> None:
-    """Batch-1 decode: a moe_experts step whose decode1 launches are moe_gemv_q8's glu then its
-    down (the down still in the step: no shared form) runs them as one moe_glu_down launch (blocks
-    take tickets; the down blocks wait on a counter for the glu blocks; the same bits), its
-    counters in the zeroed scratch ``moe_glu_down_count``, which the kernel resets (one for every
-    layer: each launch waits for the kernel before it, so the layer before has finished)."""
-    for st in steps:
-        las = st.launches.get("decode1", ())
-        if st.op.op != "moe_experts" or len(las) < 2:
-            continue
-        g, d = las[0], las[1]
-        if g.spec.template != "moe_gemv_q8" or d.spec.template != "moe_gemv_q8" or g.min_rows or g.max_rows:
-            continue
-        if d.min_rows or d.max_rows or g.args[0] != d.args[2] or g.args[4] != d.args[3]:
-            continue
-        try:
-            k = mk.glu_down_kernel(g.spec, d.spec)
-        except ConfigError:
-            continue
-        ctx.need_scratch(ScratchPlan("moe_glu_down_count", fixed=mk.GLU_DOWN_COUNTER_BYTES, fill="zero"))
-        act, wg, wu, x, ids = g.args[:5]
-        out, wd, _, _, wts, res = d.args[:6]
-        if g.spec.params["route"] and g.args[6] != wts:  # (the routing glu writes the weights the down reads)
-            continue
-        logits = g.args[7:8] if g.spec.params["route"] else ()
-        per_row = k.grid(1)[0]
-        args = (out, wg, wu, wd, x, act, ids, wts, res, *logits, Arg("scratch", "moe_glu_down_count"), ROWS)
-        st.launches["decode1"] = (Launch(k.spec, (f"{per_row} * n",), k.block[:1], args), *las[2:])
 
 
 def _shared_form(la: Launch, out: Arg, threads: int):

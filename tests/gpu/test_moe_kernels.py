@@ -19,7 +19,6 @@ from engine.moe_kernels import (
     combine_kernel,
     expert_gemv_kernel,
     expert_q8_kernel,
-    glu_down_kernel,
     router_kernel,
     shared_kernel,
     topk_kernel,
@@ -492,45 +491,6 @@ def test_q8_glu_routes_as_the_router_does(gk, glu_q):
     for a, b in zip(outs[True], outs[False], strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.isnan(outs[False][3]).any()
-
-
-@pytest.mark.parametrize("down_q,route", [("q6_k", True), ("q4_k", True), ("q4_k", False)])
-def test_q8_glu_and_down_in_one_launch_store_the_two_kernels_bits(gk, down_q, route):
-    """Batch 1 as engine.lowering.moe.fuse_glu_down plans it (Qwen3-30B-A3B: hidden 2048,
-    moe_intermediate 768, top 8; 16 experts here): moe_glu_down (roles by ticket, the down blocks
-    waiting on the glu blocks' counter) against moe_gemv_q8 glu (routing its token from the logits,
-    or reading ids) then down: act, ids, weights and out bitwise, for 1 and 6 rows (6: 3072 blocks,
-    more than are resident at once), three launches on the same counters, which each leaves at 0."""
-    rng = np.random.default_rng()
-    e, hidden, inter, top_k = 16, 2048, 768, 8
-    wg, wu = (gk.raw(stacked_weight("q4_k", e, inter, hidden, rng)[0]) for _ in range(2))
-    wd = gk.raw(stacked_weight(down_q, e, hidden, inter, rng)[0])
-    glu = expert_q8_kernel("glu", "q4_k", inter, hidden, top_k, trigger=True, route=(e, True) if route else None)
-    down = expert_q8_kernel("down", down_q, hidden, inter, top_k, residual=True, trigger=True)
-    fused = glu_down_kernel(glu.spec, down.spec)
-    count = gk.i32(np.zeros(3))
-    for rows in (1, 6):
-        x = gk.bf(bf_round(rng.standard_normal((rows, hidden))))
-        res = bf_round(rng.standard_normal((rows, hidden)))
-        logits = gk.f32(rng.standard_normal((rows, e)))
-        ids0, w0 = _ids(rng, rows, e, top_k), rng.uniform(0.1, 1.0, (rows, top_k))
-
-        def fresh(rows=rows, ids0=ids0, w0=w0, res=res):  # act poisoned, ids / weights (poisoned where the glu routes), out
-            ids = gk.i32(np.full((rows, top_k), -7)) if route else gk.i32(ids0)
-            wts = gk.nan_like((rows, top_k), "f32") if route else gk.f32(w0)
-            return gk.nan_like((rows, top_k, inter)), ids, wts, gk.bf(res)
-
-        act, ids, wts, out = fresh()
-        gk.launch(glu, [act, wg, wu, x, ids, rows, *((wts, logits) if route else ())], rows)
-        gk.launch(down, [out, wd, act, ids, wts, out, rows], rows)
-        want = [gk.host(a) for a in (act, ids, wts, out)]
-        assert not np.isnan(want[0]).any() and not np.isnan(want[3]).any() and (want[1] >= 0).all()
-        for _ in range(3):
-            act, ids, wts, out = fresh()
-            gk.launch(fused, [out, wg, wu, wd, x, act, ids, wts, out, *((logits,) if route else ()), count, rows], rows)
-            for got, exp in zip((act, ids, wts, out), want, strict=True):
-                np.testing.assert_array_equal(gk.host(got), exp)
-            assert gk.host(count).tolist() == [0, 0, 0]
 
 
 def test_sparse_mlp_end_to_end(gk):
