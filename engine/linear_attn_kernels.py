@@ -47,9 +47,8 @@ KERNELS = {
 DELTA_DECODE_THREADS = 256
 DELTA_PREFILL_THREADS = 128
 # the prefill form of gated_delta_rule: "recurrent" (token by token) or "chunked" (gated_delta_chunk,
-# where its head shape fits: delta_chunk_fits). Chunked by default: prefill 512 on Qwen3.5-4B q4_k_m
-# 18 579 -> 24 253 tok/s (H100, chunks of 32: docs/PERFORMANCE.md; 16 now, the chunk dividing the
-# profiles' KV blocks of 16), its output the bf16-rounded exact one as the recurrent kernel's
+# where its head shape fits: delta_chunk_fits). Chunked by default: its prefill is faster
+# (docs/PERFORMANCE.md), its output the bf16-rounded exact one as the recurrent kernel's
 # (tests/test_delta_chunk.py); its chunks end at absolute positions that are multiples of the chunk,
 # so a prefix hit resumed at a block boundary computes the cold run's bits (state_align,
 # tests/test_delta_chunk_warm.py)

@@ -92,8 +92,9 @@ class Gemv(Knobs):
     # the staged path (q8_0, q4_0, q4_1, q6_k rows): the next chunk's loads in flight while the
     # current one is decoded
     prefetch: bool = False
-    # the batch-1 GEMVs of weights with n <= short_n_max rows (o, down of a small model) in
-    # blocks of b1_short_n_threads (0: threads): more warps per row on a long k
+    # the GEMVs of weights with n <= short_n_max rows (o, down of a small model) in blocks of
+    # b1_short_n_threads (0: threads), at every batch size (batch-invariant bits): more warps per
+    # row on a long k
     b1_short_n_threads: int = 0
     short_n_max: int = 0
 

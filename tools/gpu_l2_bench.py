@@ -17,8 +17,8 @@ plain buffer of each --sizes MB, the median of --reps runs, time of the stream k
   projection's row tiles: 46 KB each for the Qwen3-4B q4_k o weight, 6 MB), cold and after a bulk
   prefetch and a 3 us idle window (sizes up to 28 MB: 224 KB of shared memory a block);
 - ``beside``: after a flush, one kernel that prefetches the buffer (bulk, its blocks' share)
-  while it streams another 28 MB buffer (the thirteenth session's "prefetch the next GEMV's
-  weights" shape), then the stream: the time of both kernels against the two streams cold.
+  while it streams another 28 MB buffer (the shape of "prefetch the next GEMV's
+  weights"), then the stream: the time of both kernels against the two streams cold.
 
 A stream at the ``warm`` rate after ``pf`` says the prefetch lands in time and is hit; near
 ``cold`` says it does not. Writes l2.txt (and prints it). Must not be imported by the engine.

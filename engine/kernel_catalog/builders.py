@@ -33,7 +33,7 @@ GEMV_THREADS, GEMV_ROWS_PER_BLOCK, GEMV_UNROLL, GEMV_MAX_BATCH = 256, 4, 2, 8
 GEMV_BF16_BUCKET_ROWS_PER_WARP = 4
 COOP_THREADS = 128
 # q8x staging: file type -> (rounds of x loads issued before quantising them, from this k up); the
-# q8_0 down projection's 9728-element x in two rounds (the H200 profile's old per-type knob)
+# q8_0 down projection's 9728-element x in two rounds
 Q8X_STAGE_ROUNDS = {"q8_0": (2, 8192)}
 
 
@@ -162,7 +162,7 @@ def coop_options(
             wp = {"q8x": True, "wsm": True, "bmax": bmax, "k": k, "rows_per_block": rpb, "quant": quant}
             smem = gemv_smem(wp)
             # every tile in one round of resident blocks (a block with a second tile would wait
-            # for its copy after the first: the gate|up GEMV was slower so, 11.5 -> 12.4 us)
+            # for its copy after the first)
             if tile <= wkb * 1024 and one_round(tuning, smem, _cdiv(n, rpb), sm_count):
                 out["wsm"] = True
     if c.get("pipeline"):
