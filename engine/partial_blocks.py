@@ -62,13 +62,12 @@ class PartialBlocks:
     def _register_partial(self, block: int, prev: bytes, tokens: tuple[int, ...]) -> None:
         """Remember ``block`` as holding the KV of ``tokens`` after chain key ``prev``, unless an
         entry already covers them; entries whose tokens are a prefix of these are dropped."""
-        entries = self._partials.setdefault(prev, {})
-        for b, toks in list(entries.items()):
+        for b, toks in list(self._partials.get(prev, {}).items()):
             if toks[: len(tokens)] == tokens:
                 return  # (the same prompt again: the entry it copied from still lives)
             if tokens[: len(toks)] == toks:
                 self._forget_partial(b)
-        entries[block] = tokens
+        self._partials.setdefault(prev, {})[block] = tokens
         self._partial_of[block] = (prev, tokens)
 
     def _unmap_partial(self, block: int) -> None:
