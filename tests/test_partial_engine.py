@@ -12,7 +12,7 @@ import pytest
 from fixtures.engine_waves import serve_waves
 from fixtures.fake_runner import FakeRunner
 
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -99,9 +99,9 @@ def test_copy_blocks_copies_one_block_of_every_layer(tail_runner, monkeypatch):
     fam, runner = tail_runner
     per, pitch, n = runner._kv_block_bytes, runner._kv_layer_bytes, runner.kv.nbytes
     pairs = [(3, 7), (7, 9), (20, 3)]
-    for max_pitch in (None, 0):
-        if max_pitch is not None:
-            monkeypatch.setattr(cuda, "_max_pitch", lambda: max_pitch)
+    for two_d in (True, False):
+        if not two_d:
+            monkeypatch.setattr(cuda, "_max_pitch", lambda: 0)
         before = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
         cuda.htod(runner.kv.ptr, before)
         runner.copy_blocks(pairs)
@@ -110,7 +110,7 @@ def test_copy_blocks_copies_one_block_of_every_layer(tail_runner, monkeypatch):
         want = before.reshape(-1, pitch).copy()
         for src, dst in pairs:
             want[:, dst * per : (dst + 1) * per] = want[:, src * per : (src + 1) * per]
-        assert np.array_equal(after, want.reshape(-1)), (fam, max_pitch)
+        assert np.array_equal(after, want.reshape(-1)), (fam, two_d)
     cuda.memset(runner.kv.ptr, 0, n)
 
 
