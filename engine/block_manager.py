@@ -179,11 +179,7 @@ class BlockManager(StateSlotLedger, PartialBlocks):
         hits, keys = self._match(token_ids, salt)
         if max_hit_tokens is not None:
             hits = hits[: max_hit_tokens // self.block_size]
-        bs = self.block_size
-        partial = prompt and self.partial_blocks and len(token_ids) % bs != 0
-        src, extra = None, 0
-        if partial and len(hits) == len(token_ids) // bs and max_hit_tokens is None:
-            src, extra = self._partial_match(keys[-1] if hits else salt, token_ids[len(hits) * bs :])
+        partial, src, extra = self._partial_hit(token_ids, salt, hits, keys, prompt and max_hit_tokens is None)
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
         from_lru = list(map(self._ref.__getitem__, hits)).count(0)  # (C loops: a hit costs ~blocks x 10 ns)
         pin = src is not None and not self._ref[src]  # a cached source: kept out of this allocation's reach
@@ -351,11 +347,7 @@ class BlockManager(StateSlotLedger, PartialBlocks):
                     self._by_hash[key] = block
         seq.committed = max(seq.committed, full)
         if seq.partial_at and num_computed >= seq.partial_at:
-            end, seq.partial_at = seq.partial_at, 0
-            start = end - end % bs
-            if len(seq.hashes) >= start // bs and len(seq.table) > start // bs:
-                prev = seq.hashes[start // bs - 1] if start else seq.salt
-                self._register_partial(seq.table[start // bs], prev, tuple(token_ids[start:end]))
+            self._register_tail(seq, token_ids)
         if self.state_slots:
             self._commit_state(seq, num_computed)
 

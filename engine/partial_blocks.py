@@ -22,6 +22,7 @@ reusing it drops the entry. Pure Python: must not import numpy, CUDA or other en
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], cap: int) -> int:
@@ -46,6 +47,29 @@ class PartialBlocks:
         self.partial_hit_tokens = 0
 
     # ----- lookup and registration ----------------------------------------------------------------
+    def _partial_hit(
+        self, token_ids: Sequence[int], salt: bytes, hits: list[int], keys: list[bytes], prompt: bool
+    ) -> tuple[bool, int | None, int]:
+        """(whether the sequence's trailing partial block is registered once written, the entry's
+        block it copies or None, the tokens that gives) for an allocation whose full-block ``hits``
+        and ``keys`` are ``_match``'s; ``prompt``: ``token_ids`` is a whole prompt (allocate's)."""
+        bs = self.block_size  # type: ignore[attr-defined]
+        if not (prompt and self.partial_blocks and len(token_ids) % bs):
+            return False, None, 0
+        if len(hits) < len(token_ids) // bs:
+            return True, None, 0
+        return (True, *self._partial_match(keys[-1] if hits else salt, token_ids[len(hits) * bs :]))
+
+    def _register_tail(self, seq: Any, token_ids: Sequence[int]) -> None:
+        """The commit that wrote ``seq``'s whole prompt (``partial_at`` tokens): its trailing
+        partial block becomes an entry."""
+        bs = self.block_size  # type: ignore[attr-defined]
+        end, seq.partial_at = seq.partial_at, 0
+        start = end - end % bs
+        if len(seq.hashes) >= start // bs and len(seq.table) > start // bs:
+            prev = seq.hashes[start // bs - 1] if start else seq.salt
+            self._register_partial(seq.table[start // bs], prev, tuple(token_ids[start:end]))
+
     def _partial_match(self, prev: bytes, rest: Sequence[int]) -> tuple[int | None, int]:
         """(block, tokens): the entry after chain key ``prev`` sharing the most leading tokens with
         ``rest`` (the prompt's partial block), at most ``len(rest) - 1`` of them; (None, 0) if none."""
