@@ -5,8 +5,9 @@ is free, cached (a committed full block in the LRU) or used; prefix keys are cha
 blocks from a (tenant, cache_salt) salt, and a block is registered only by ``commit``, after the
 step that wrote its KV (docs/engine-loop.md: "Block manager and its invariants", "Prefix-cache
 keying"). A hybrid's state slots are ``engine.state_slots.StateSlotLedger``, a mixin of
-``BlockManager``. Pure Python: must not import numpy, CUDA or other engine modules
-(``engine.prefix_keys`` and ``engine.state_slots`` aside).
+``BlockManager``; the cache's entries for a prompt's trailing partial block are
+``engine.partial_blocks.PartialBlocks``, another. Pure Python: must not import numpy, CUDA or other
+engine modules (``engine.prefix_keys``, ``engine.partial_blocks`` and ``engine.state_slots`` aside).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.partial_blocks import PartialBlocks
 from engine.prefix_keys import ChainMemory, chain
 from engine.state_slots import StateSlotLedger
 
@@ -60,9 +62,10 @@ class _SeqBlocks:
     restore: int | None = None  # pinned snapshot slot its first step starts from
     pending: list[tuple[int, int]] = field(default_factory=list)  # (position, slot) being snapshotted
     released: int = 0  # leading table entries released (RELEASED): a sliding-window group's table
+    partial_at: int = 0  # its prompt length, while its trailing partial block waits to be registered
 
 
-class BlockManager(StateSlotLedger):
+class BlockManager(StateSlotLedger, PartialBlocks):
     """Allocates KV blocks to sequences and keeps the prefix cache. Not thread-safe: one owner thread."""
 
     def __init__(
@@ -73,6 +76,7 @@ class BlockManager(StateSlotLedger):
         *,
         state_slots: int = 0,
         snapshot_interval: int = 0,
+        partial_blocks: bool = False,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -83,6 +87,8 @@ class BlockManager(StateSlotLedger):
                 f"snapshot_interval must be a multiple of the block size {block_size}, got {snapshot_interval}"
             )
         self._init_state_slots(state_slots, snapshot_interval or block_size)
+        # (a hybrid resumes from state snapshots at block boundaries: no partial entries)
+        self._init_partials(partial_blocks and enable_prefix_cache and not state_slots)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -156,21 +162,29 @@ class BlockManager(StateSlotLedger):
         *,
         headroom_blocks: int = 0,
         max_hit_tokens: int | None = None,
+        prompt: bool = False,
     ) -> int | None:
         """Give a new sequence a table covering all of ``token_ids``, reusing cached prefix blocks
         (at most ``max_hit_tokens`` positions of them where given).
 
-        Succeeds only if, after the allocation, ``headroom_blocks`` more blocks would still be
-        available. Returns the number of prefix-hit tokens (KV already present), or ``None`` when the
-        blocks are not there (then nothing changed).
+        ``prompt``: ``token_ids`` is the request's whole prompt and nothing more (not a preempted
+        sequence's recompute), so its trailing partial block may hit a partial entry (a copy of the
+        entry's block, queued for ``take_copies``) and is registered as one once written
+        (engine.partial_blocks; with ``partial_blocks`` on). Succeeds only if, after the allocation,
+        ``headroom_blocks`` more blocks would still be available. Returns the number of prefix-hit
+        tokens (KV already present), or ``None`` when the blocks are not there (then nothing changed).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         hits, keys = self._match(token_ids, salt)
         if max_hit_tokens is not None:
             hits = hits[: max_hit_tokens // self.block_size]
+        partial, src, extra = self._partial_hit(token_ids, salt, hits, keys, prompt and max_hit_tokens is None)
         needed_new = blocks_for(len(token_ids), self.block_size) - len(hits)
         from_lru = list(map(self._ref.__getitem__, hits)).count(0)  # (C loops: a hit costs ~blocks x 10 ns)
+        pin = src is not None and not self._ref[src]  # a cached source: kept out of this allocation's reach
+        if pin and self.num_available - from_lru - 1 < needed_new + headroom_blocks:
+            src, extra, pin = None, 0, False
         if self.num_available - from_lru < needed_new + headroom_blocks:
             return None
         restore = self._snap_of_block[hits[-1]] if self.state_slots and hits else None
@@ -185,10 +199,18 @@ class BlockManager(StateSlotLedger):
             seq.state_slot = self._take_state_slot()
         self._take_refs(hits)  # first, so the fresh allocations below cannot evict them
         seq.committed = len(hits)
+        if pin:
+            del self._lru[src]  # type: ignore[arg-type]
         for _ in range(needed_new):
             seq.table.append(self._take_fresh())
+        if pin:
+            self._lru[src] = None  # type: ignore[index]  # (most recently used)
+        if src is not None:
+            self._copies.append((seq_id, src, seq.table[seq.committed]))  # (hits is the table itself)
+            self.partial_hit_tokens += extra
+        seq.partial_at = len(token_ids) if partial else 0
         self._seqs[seq_id] = seq
-        return seq.committed * self.block_size
+        return seq.committed * self.block_size + extra
 
     # ----- sliding-window groups (engine.kv_groups) ----------------------------------------------
     def window_hit(self, token_ids: Sequence[int], salt: bytes, max_tokens: int, window: int) -> int:
@@ -275,6 +297,8 @@ class BlockManager(StateSlotLedger):
         del seq.table[keep:]
         for b in reversed(dropped):
             self._ref[b] -= 1
+            if b in self._partial_of:  # (never a prompt's block: a rollback keeps the prompt)
+                self._unmap_partial(b)
             assert self._ref[b] == 0 and self._hash[b] is None, f"rolled-back block {b} is shared or cached"
             self._free.appendleft(b)  # reused first: it is likely warm in the runner's caches
         return len(dropped)
@@ -322,6 +346,8 @@ class BlockManager(StateSlotLedger):
                     self._hash[block] = key
                     self._by_hash[key] = block
         seq.committed = max(seq.committed, full)
+        if seq.partial_at and num_computed >= seq.partial_at:
+            self._register_tail(seq, token_ids)
         if self.state_slots:
             self._commit_state(seq, num_computed)
 
@@ -338,6 +364,7 @@ class BlockManager(StateSlotLedger):
             self.keys.remember(seq.salt, seq.tokens, seq.hashes)  # turn may extend it
         if self.state_slots:
             self._free_state(seq)
+        self._drop_copies(seq_id)
         self._drop_refs(reversed(seq.table))
 
     # ----- internals ------------------------------------------------------------------------------
@@ -352,15 +379,15 @@ class BlockManager(StateSlotLedger):
 
     def _drop_refs(self, blocks: Iterable[int]) -> None:
         """One reference less to each block in order, RELEASED entries skipped; at none a block is cached
-        (LRU tail) if it has a key, else free (locals, no call per block: see _take_refs)."""
-        ref, hashes, lru, free = self._ref, self._hash, self._lru, self._free
+        (LRU tail) if it has a key or a partial entry, else free (locals, no call per block: see _take_refs)."""
+        ref, hashes, lru, free, partial = self._ref, self._hash, self._lru, self._free, self._partial_of
         for b in blocks:
             if b == RELEASED:
                 continue
             r = ref[b] - 1
             ref[b] = r
             if not r:
-                if hashes[b] is not None:
+                if hashes[b] is not None or b in partial:
                     lru[b] = None
                 else:
                     free.append(b)
@@ -370,8 +397,11 @@ class BlockManager(StateSlotLedger):
             block = self._free.popleft()
         elif self._lru:
             block, _ = self._lru.popitem(last=False)
-            del self._by_hash[self._hash[block]]  # type: ignore[arg-type]
-            self._hash[block] = None
+            if self._hash[block] is not None:
+                del self._by_hash[self._hash[block]]  # type: ignore[arg-type]
+                self._hash[block] = None
+            if block in self._partial_of:
+                self._unmap_partial(block)
             self.evictions += 1
             if block in self._snap_of_block:
                 self._drop_snapshot(self._snap_of_block[block])
@@ -415,12 +445,14 @@ class BlockManager(StateSlotLedger):
             else:
                 in_free, in_lru = b in free_set, b in lru_set
                 assert in_free != in_lru, f"block {b}: unreferenced but free={in_free} cached={in_lru}"
-                assert in_lru == (self._hash[b] is not None), f"block {b}: cached state and hash disagree"
+                keyed = self._hash[b] is not None or b in self._partial_of
+                assert in_lru == keyed, f"block {b}: cached state and keys disagree"
         assert used + len(free_set) + len(lru_set) == n, "free + cached + used != total"
         for h, b in self._by_hash.items():
             assert self._hash[b] == h, f"hash map points at block {b} holding a different key"
         assert sum(1 for h in self._hash if h is not None) == len(self._by_hash), "unmapped hashed block"
         for b in free_set:
             assert self._hash[b] is None, f"free block {b} still has a hash"
+        self._check_partial_invariants()
         if self.state_slots:
             self._check_state_invariants()

@@ -206,6 +206,37 @@ def dtod(dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
     _call_on(stream, "cuMemcpyDtoD", dst, src, nbytes)
 
 
+@cache
+def _max_pitch() -> int:
+    """The current context's device's largest pitch a 2D copy takes (CU_DEVICE_ATTRIBUTE_MAX_PITCH)."""
+    return _attr(_call("cuCtxGetDevice"), "CU_DEVICE_ATTRIBUTE_MAX_PITCH")
+
+
+@lru_cache(maxsize=8)
+def _copy_2d(width: int, rows: int, pitch: int) -> Any:
+    drv = _driver()
+    c = drv.CUDA_MEMCPY2D()
+    c.srcMemoryType = c.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    c.srcPitch = c.dstPitch = pitch
+    c.WidthInBytes, c.Height = width, rows
+    return c
+
+
+def dtod_rows(dst: int, src: int, width: int, rows: int, pitch: int, stream: Stream | None = None) -> None:
+    """Copy ``rows`` rows of ``width`` bytes, ``pitch`` bytes apart on both sides, from ``src`` to
+    ``dst`` (device to device): one cuMemcpy2D (e.g. one KV block of every layer of a pool), or
+    one cuMemcpyDtoD a row where the pitch is past the device's 2D limit."""
+    if width > pitch:
+        raise ValueError(f"dtod_rows: width {width} > pitch {pitch}")
+    if rows > 1 and pitch <= _max_pitch():
+        c = _copy_2d(width, rows, pitch)  # (the driver reads it at the call: reused, ~8 us a build)
+        c.srcDevice, c.dstDevice = src, dst
+        _call_on(stream, "cuMemcpy2D", c)
+        return
+    for r in range(rows):
+        dtod(dst + r * pitch, src + r * pitch, width, stream)
+
+
 class PinnedBuffer:
     """Page-locked host memory (cuMemHostAlloc) viewed as a numpy array: fast, truly async copies.
 

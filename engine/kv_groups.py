@@ -74,8 +74,9 @@ class WindowedBlocks:
 
     # ----- driven together --------------------------------------------------------------------
     def allocate(
-        self, seq_id: int, token_ids: Sequence[int], salt: bytes, *, headroom_blocks: int = 0
+        self, seq_id: int, token_ids: Sequence[int], salt: bytes, *, headroom_blocks: int = 0, prompt: bool = False
     ) -> int | None:
+        """BlockManager.allocate over both groups (no partial entries: ``prompt`` is not used)."""
         full_hit = len(self.full.match_prefix(token_ids, salt)) * self.full.block_size
         hit = self.window_group.window_hit(token_ids, salt, full_hit, self.window)
         got = self.full.allocate(seq_id, token_ids, salt, headroom_blocks=headroom_blocks, max_hit_tokens=hit)

@@ -31,7 +31,16 @@ from engine.loop_stream import StreamLater
 from engine.request_check import CheckedPrompts, check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
-from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
+from engine.types import (
+    ConfigError,
+    CopyingRunner,
+    GenerationRequest,
+    MemraError,
+    Runner,
+    StepItem,
+    TokenEvent,
+    Usage,
+)
 
 log = logging.getLogger("memra.engine")
 
@@ -92,14 +101,17 @@ class Engine(OverlapLoop, StreamLater):
                 f"engine config: state_snapshot_tokens ({config.state_snapshot_tokens}) must be a multiple "
                 f"of the KV block size ({runner.block_size})"
             )
+        window_blocks = int(getattr(runner, "window_kv_blocks", 0) or 0)
         self.blocks = BlockManager(
             runner.num_blocks,
             runner.block_size,
             config.enable_prefix_cache,
             state_slots=state_slots,
             snapshot_interval=config.state_snapshot_tokens,
+            # a prompt's trailing partial block cached (engine.partial_blocks): on a runner that
+            # copies blocks, with one KV group (a window pool's blocks are not copied)
+            partial_blocks=isinstance(runner, CopyingRunner) and not window_blocks,
         )
-        window_blocks = int(getattr(runner, "window_kv_blocks", 0) or 0)
         if window_blocks:  # the window layers' KV in their own pool, released behind the window
             window_group = BlockManager(window_blocks, runner.block_size, config.enable_prefix_cache)
             step = min(config.prefill_chunk_tokens, config.max_step_tokens) + SPEC_HEADROOM
@@ -412,6 +424,9 @@ class Engine(OverlapLoop, StreamLater):
             batch = self.scheduler.schedule()
             self._waiting_seen = len(self.scheduler.waiting)
             items = [self._item(s) for s in batch]
+            copies = self.blocks.take_copies()
+        if copies:  # partial-block hits' KV, copied before the step that reads it (engine.partial_blocks)
+            self.runner.copy_blocks(copies)  # type: ignore[attr-defined]
         if not batch:  # cannot happen with a consistent scheduler; avoid a busy spin if it does
             time.sleep(0.001)
         return batch, items

@@ -200,6 +200,12 @@ class ReferenceRunner(ScratchRuns):
     def _new_states(self, slots: int) -> dict[tuple[str, int], np.ndarray]:
         return {key: np.zeros((slots, *shape), np.float32) for key, shape in self._state_shapes.items()}
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """CopyingRunner.copy_blocks: each destination block's K and V (every layer) from its source's, in order."""
+        for src, dst in pairs:
+            self.k_cache[:, dst] = self.k_cache[:, src]
+            self.v_cache[:, dst] = self.v_cache[:, src]
+
     def copy_state(self, src: int, dst: int) -> None:
         """Copy every layer's recurrent state of slot ``src`` into slot ``dst``."""
         for arr in self.states.values():

@@ -105,6 +105,7 @@ class KvPools:
         if kv_blocks < 1:
             raise MemraError("not enough free GPU memory for one KV cache block", code="out_of_memory")
         self._kv_layer_bytes = (int(kv_blocks) + 1) * per_layer  # + the padding sink
+        self._kv_block_bytes, self._kv_cuda = per_layer, cuda
         self.kv = cuda.alloc(self._kv_layer_bytes * 2 * max(1, len(full)))
         cuda.memset(self.kv.ptr, 0, self.kv.nbytes)
         self._kv_index = {layer: (0, i) for i, layer in enumerate(full)}
@@ -128,6 +129,21 @@ class KvPools:
             len(full),
             f"; window pool (window {window}): {window_blocks} blocks for {len(win)} layers" if win else "",
         )
+
+    def copy_blocks(self, pairs: Any) -> None:
+        """CopyingRunner.copy_blocks (a partial-block prefix hit, engine.partial_blocks): per pair,
+        in order on the step stream, one strided copy of the block's K and V in every layer of the
+        full pool (``cuda.dtod_rows``: the pool is 2 x layers regions ``_kv_layer_bytes`` apart, a
+        block ``per_layer`` bytes at the same offset in each). A window pool's blocks are never
+        copied (the engine keeps no partial entries with one)."""
+        if self.kv_win is not None:
+            raise MemraError("copy_blocks: a runner with a window KV pool does not copy blocks", code="internal_error")
+        per, rows = self._kv_block_bytes, 2 * max(1, len(self.kv_full_layers))
+        for src, dst in pairs:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise MemraError(f"copy_blocks: block {src} -> {dst} out of range", code="internal_error")
+            base = self.kv.ptr
+            self._kv_cuda.dtod_rows(base + dst * per, base + src * per, per, rows, self._kv_layer_bytes, self.stream)
 
     def _kv_ptr(self, layer: int, ref: str) -> int:
         """The device address of ``layer``'s K (``ref`` "k") or V cache, in its pool."""

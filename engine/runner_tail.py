@@ -14,8 +14,11 @@ where the decode kernel reads them once a row), so those rows agree with plain d
 rounding, not bit for bit; a hybrid's keep the decode launches. The rule is by absolute position, the
 same for a cold prompt: its positions from the last block boundary below ``prompt_len`` to the end
 of the prompt are decode rows, whichever prefill chunk holds them, so a warm request computes every
-position exactly as the cold run did and its output equals the cold output bit for bit. Blocks the
-prefix cache keeps are full prompt blocks, so they only ever hold prefill-computed KV.
+position exactly as the cold run did and its output equals the cold output bit for bit. The
+prefix cache's full blocks hold prefill-computed KV; its partial entries (engine.partial_blocks) a
+prompt tail's decode-row KV, so a prompt sent again copies all but its last position and runs that
+one as a tail of one row (decode rows are row-count invariant: the verify launches, the TAIL
+attention by absolute position).
 
 ``tail_count`` is the rule (pure; tests/fixtures/path_bits.py dispatches with it too),
 ``run_tails`` runs the tails of a step's items after their prefill parts, ``tail_captures``

@@ -181,7 +181,9 @@ class Scheduler:
             # One block of headroom for decode growth, unless the sequence can never grow past this.
             max_blocks = blocks_for(seq.prompt_len + seq.max_tokens, self.blocks.block_size)
             headroom = 1 if blocks_for(total, self.blocks.block_size) < max_blocks else 0
-            hit = self.blocks.allocate(seq.seq_id, seq.token_ids, seq.salt, headroom_blocks=headroom)
+            hit = self.blocks.allocate(
+                seq.seq_id, seq.token_ids, seq.salt, headroom_blocks=headroom, prompt=total == seq.prompt_len
+            )
             if hit is None:
                 break  # the oldest waits for space; younger ones must not jump ahead
             n = self._take(hit, total - hit, prefill)

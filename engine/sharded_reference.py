@@ -220,6 +220,11 @@ class ShardedReference(ScratchRuns):
     def _run_item(self, item: StepItem) -> np.ndarray:
         return self._forward(item.token_ids, item.start_pos, item.block_table, self._caches(), False, self._states(item))
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """CopyingRunner.copy_blocks on every rank's cache."""
+        for r in self.ranks:
+            r.copy_blocks(pairs)
+
     def copy_state(self, src: int, dst: int) -> None:
         for r in self.ranks:
             if r.num_state_slots:

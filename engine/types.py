@@ -184,6 +184,19 @@ class VerifyingRunner(Runner, Protocol):
 
 
 @runtime_checkable
+class CopyingRunner(Runner, Protocol):
+    """A Runner that copies KV blocks: the prefix cache's partial-block hits (engine.partial_blocks).
+
+    ``copy_blocks(pairs)`` makes, in order, each destination block's KV (every layer's K and V, all
+    of its slots) a copy of the source block's, before any step called after it reads or writes
+    them (a device runner queues the copies on its step stream). Called between steps, never while
+    an overlapped launch is uncollected.
+    """
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+
+@runtime_checkable
 class OverlapRunner(Runner, Protocol):
     """A Runner that can queue a decode step without waiting for it (engine.loop_overlap).
 

@@ -43,6 +43,7 @@ class FakeDriver:
         self.streams = 0
         # ("launch", stream id, kernel) and ("wait", waiting stream id, recording stream id), in order
         self.order: list[tuple] = []
+        self.row_copies: list[tuple] = []  # (dst, src, width, rows, pitch, on a stream) of each dtod_rows
 
     def reset(self) -> None:
         """Forget what was recorded so far: a test calls it after building the runner, whose
@@ -178,6 +179,9 @@ class FakeDriver:
         )
         m.dtoh = lambda host, ptr, stream=None: host
         m.dtod = lambda *a, **k: None
+        m.dtod_rows = lambda dst, src, width, rows, pitch, stream=None: fake.row_copies.append(
+            (dst, src, width, rows, pitch, stream is not None)
+        )
         m.TENSOR_MAP_BYTES = real_cuda.TENSOR_MAP_BYTES
         m.tensor_map_bf16 = lambda ptr, rows, cols, row_bytes, box_rows: (
             fake.tensor_maps.append((ptr, rows, cols, row_bytes, box_rows))

@@ -130,3 +130,16 @@ def test_pp_of_a_hybrid_keeps_each_stage_state(tmp_path):
     assert outs[0] == outs[1]
     with pytest.raises(Exception, match="no tensor-parallel rule"):
         plan_placement(m.graph, m.dims, "tp", [0, 1], tensor_dtypes=m.tensor_dtypes)
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_a_partial_block_hit_copies_every_rank_s_block(models, split):
+    """engine.partial_blocks on the sharded reference: the same prompt again copies its cached
+    partial block on every rank (copy_blocks) and gives the unsharded greedy tokens."""
+    from fixtures.engine_waves import serve_waves
+
+    m, _, _, want = models["qwen3"]
+    pl = plan_placement(m.graph, m.dims, split, [0, 1], tensor_dtypes=m.tensor_dtypes)
+    sr = ShardedReference(m, pl, **KW)
+    outs, _ = serve_waves(sr, [[PROMPT], [PROMPT]], max_tokens=6, vocab_size=int(m.dims["vocab"]))
+    assert outs == [(want, 0), (want, len(PROMPT) - 1)]

@@ -119,6 +119,26 @@ def test_tail_rows_equal_the_cold_pass_and_their_solo_pass(tmp_path, window):
                 row += n
 
 
+def test_a_partial_hit_s_one_row_pass_equals_that_row_of_the_cold_tail_pass(tmp_path):
+    """engine.partial_blocks: a prompt sent again copies its trailing partial block's KV and runs
+    its last position alone; that row (a pass of one row, or of each sequence's last row) equals,
+    bit for bit, the same row of the cold run's tail pass (the whole trailing partial block's
+    rows) and of the cold prefill pass."""
+    rng = np.random.default_rng(21)
+    case = _Case(rng, [150, 75, 120])
+    launches = _tail_launches(0)
+    cold = _single(case, [(0, 0, 150), (1, 0, 75), (2, 0, 120)], _spec(SPAN, False, 0), tmp_path)
+    at = {0: 0, 1: 150, 2: 225}
+    tails = [(0, 144, 6), (1, 64, 11), (2, 112, 8)]  # each prompt's trailing partial block
+    cold_tail = _tail_pass(case, tails, launches, tmp_path, max_ctx=160)
+    last = np.cumsum([n for *_, n in tails]) - 1
+    warm = _tail_pass(case, [(s, p0 + n - 1, 1) for s, p0, n in tails], launches, tmp_path, max_ctx=160)
+    for i, (s, p0, n) in enumerate(tails):
+        solo = _tail_pass(case, [(s, p0 + n - 1, 1)], launches, tmp_path, max_ctx=160)
+        assert np.array_equal(solo[0], cold_tail[last[i]]) and np.array_equal(warm[i], solo[0]), s
+        assert np.array_equal(solo[0], cold[at[s] + p0 + n - 1]), s
+
+
 def test_a_tail_pass_reads_each_sequence_s_first_row_table(tmp_path):
     """The control: without row_tables the kernel reads table row s (a prefill pass's layout), so
     the second tail of a packed pass reads the first tail's rows' table and gets other values."""

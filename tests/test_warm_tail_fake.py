@@ -254,7 +254,9 @@ def test_engine_warm_equals_cold_with_the_tail_on_decode_rows(chunk):
                           prefill_chunk_tokens=chunk)  # fmt: skip
     assert tokens_of(outs) == want * 3
     cached = [c for _, c in outs]
-    assert cached[5:] == [n - 1 - (n - 1) % bs for p in prompts for n in [len(p)]] * 2  # the hits
+    # the hits: every token but the last (the trailing partial block's copied: engine.partial_blocks),
+    # or up to the last block boundary for a prompt ending on one
+    assert cached[5:] == [n - 1 if n % bs else n - bs for p in prompts for n in [len(p)]] * 2
     for seq, pos, path in runner.paths:
         n = len(prompts[seq % len(prompts)])
         if pos < n:
@@ -264,11 +266,13 @@ def test_engine_warm_equals_cold_with_the_tail_on_decode_rows(chunk):
 @pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "qwen3_5"])
 def test_engine_runs_the_same_tail_rows_cold_and_warm(tmp_path, monkeypatch, hybrid):
     """Through the engine loop on the fake driver: a 5-block + 7-token prompt, chunked, then sent
-    again; the cold run's last chunk and the warm hit's tail run the same seven decode rows (tokens,
-    positions), the warm one's first row restoring the snapshot at the cached boundary."""
+    again; the warm hit's tail runs the cold run's last decode rows (tokens, positions): the dense
+    model's its last row only, after one copy of the cached partial block (engine.partial_blocks:
+    one strided copy of the block in every layer's K and V, on the step stream), the hybrid's
+    (no partial entries) all seven, its first row restoring the snapshot at the cached boundary."""
     from fixtures.engine_waves import serve_waves
 
-    runner, _, _ = _build(tmp_path, monkeypatch, hybrid)
+    runner, drv, _ = _build(tmp_path, monkeypatch, hybrid)
     runner.ctx.make_current = lambda: None  # (the engine thread makes the context current)
     bs = runner.block_size
     seen = []  # (rows: (token, position), the first row's state input) of every tail pass
@@ -284,8 +288,15 @@ def test_engine_runs_the_same_tail_rows_cold_and_warm(tmp_path, monkeypatch, hyb
     prompt = [(7 * i) % 300 + 3 for i in range(5 * bs + 7)]
     outs, _ = serve_waves(runner, [[prompt], [prompt]], max_tokens=3, vocab_size=runner.plan.dims["vocab"],
                           prefill_chunk_tokens=2 * bs)  # fmt: skip
-    assert [c for _, c in outs] == [0, 5 * bs]
     (cold, cold_in), (warm, warm_in) = seen
-    assert cold == warm == [(t, 5 * bs + j) for j, t in enumerate(prompt[5 * bs :])]
+    assert cold == [(t, 5 * bs + j) for j, t in enumerate(prompt[5 * bs :])]
+    if not hybrid:
+        assert [c for _, c in outs] == [0, 5 * bs + 6] and warm == cold[-1:]
+        (dst, src, width, rows, pitch, on_stream), = drv.row_copies
+        per, layers = runner._kv_block_bytes, len(runner.kv_full_layers)
+        assert (width, rows, pitch, on_stream) == (per, 2 * layers, runner._kv_layer_bytes, True)
+        assert (dst - runner.kv.ptr) % per == 0 and (src - runner.kv.ptr) % per == 0 and dst != src
+        return
+    assert [c for _, c in outs] == [0, 5 * bs] and warm == cold and not drv.row_copies
     if hybrid:
         assert cold_in != warm_in and warm_in not in (-1, runner._state_sink)  # the live slot, then a snapshot

@@ -68,19 +68,50 @@ def test_tail_graph_logits_equal_the_eager_pass(tail_runner, tail):
     assert np.array_equal(logits_graph.view(np.uint32), logits_eager.view(np.uint32)), fam
 
 
-def test_engine_repeat_hits_and_equals_uncached(tail_runner):
+@pytest.mark.parametrize("blocks", [8, 30])
+def test_engine_repeat_hits_and_equals_uncached(tail_runner, blocks):
+    """A repeated prompt of 8 / 30 blocks + 7 tokens (the tiny Llama's tail rows below its
+    short_context of 256 tokens: the verify launches; past it: the TAIL attention's key split):
+    the dense model's hit takes its partial block's first 6 tokens too (a copy of the cached
+    block, engine.partial_blocks) and runs one decode row, the hybrid's stops at the boundary and
+    runs seven; both give the uncached run's tokens, every time."""
     from fixtures.engine_waves import serve_waves
 
     fam, runner = tail_runner
     bs = runner.block_size
     vocab = runner.plan.dims["vocab"]
-    prompt = [int(t) for t in np.random.default_rng(9).integers(3, vocab, 30 * bs + 7)]
+    prompt = [int(t) for t in np.random.default_rng(9 + blocks).integers(3, vocab, blocks * bs + 7)]
     kw = dict(max_tokens=8, vocab_size=vocab, prefill_chunk_tokens=8 * bs, max_step_tokens=512)
     (cold, _), = serve_waves(runner, [[prompt]], enable_prefix_cache=False, **kw)[0]
     runs, _ = serve_waves(runner, [[prompt], [prompt], [prompt]], **kw)
     assert runs[0] == (cold, 0)
-    for toks, cached in runs[1:]:  # a 7-token tail after 30 cached blocks: the tail graph, every time
-        assert cached == 30 * bs and toks == cold, fam
+    hit = blocks * bs + (6 if fam == "llama" else 0)
+    for toks, cached in runs[1:]:  # the tail graph (1 or 7 rows), every time
+        assert cached == hit and toks == cold, fam
+
+
+def test_copy_blocks_copies_one_block_of_every_layer(tail_runner, monkeypatch):
+    """CudaRunner.copy_blocks (engine.runner_kv): in order, each destination block's K and V in
+    every layer become the source's, nothing else changes; through one 2D copy, and through one
+    copy a row where the pitch is past the device's 2D limit."""
+    from engine import cuda
+
+    fam, runner = tail_runner
+    per, pitch, n = runner._kv_block_bytes, runner._kv_layer_bytes, runner.kv.nbytes
+    pairs = [(3, 7), (7, 9), (20, 3)]
+    for two_d in (True, False):
+        if not two_d:
+            monkeypatch.setattr(cuda, "_max_pitch", lambda: 0)
+        before = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+        cuda.htod(runner.kv.ptr, before)
+        runner.copy_blocks(pairs)
+        runner.stream.synchronize()
+        after = cuda.dtoh(np.empty(n, np.uint8), runner.kv.ptr)
+        want = before.reshape(-1, pitch).copy()
+        for src, dst in pairs:
+            want[:, dst * per : (dst + 1) * per] = want[:, src * per : (src + 1) * per]
+        assert np.array_equal(after, want.reshape(-1)), (fam, two_d)
+    cuda.memset(runner.kv.ptr, 0, n)
 
 
 @pytest.mark.parametrize("tail", [7, 16])
