@@ -31,16 +31,8 @@ from engine.loop_stream import StreamLater
 from engine.request_check import CheckedPrompts, check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
-from engine.types import (
-    ConfigError,
-    CopyingRunner,
-    GenerationRequest,
-    MemraError,
-    Runner,
-    StepItem,
-    TokenEvent,
-    Usage,
-)
+from engine.types import ConfigError, CopyingRunner, GenerationRequest, MemraError, Runner
+from engine.types import StepItem, TokenEvent, Usage
 
 log = logging.getLogger("memra.engine")
 
@@ -108,8 +100,7 @@ class Engine(OverlapLoop, StreamLater):
             config.enable_prefix_cache,
             state_slots=state_slots,
             snapshot_interval=config.state_snapshot_tokens,
-            # a prompt's trailing partial block cached (engine.partial_blocks): on a runner that
-            # copies blocks, with one KV group (a window pool's blocks are not copied)
+            # trailing partial blocks cached (engine.partial_blocks) where the runner copies blocks, one pool
             partial_blocks=isinstance(runner, CopyingRunner) and not window_blocks,
         )
         if window_blocks:  # the window layers' KV in their own pool, released behind the window
