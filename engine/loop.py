@@ -31,8 +31,7 @@ from engine.loop_stream import StreamLater
 from engine.request_check import CheckedPrompts, check_request
 from engine.scheduler import Scheduled, Scheduler, Sequence
 from engine.stop import StopChecker
-from engine.types import ConfigError, CopyingRunner, GenerationRequest, MemraError, Runner
-from engine.types import StepItem, TokenEvent, Usage
+from engine.types import ConfigError, GenerationRequest, MemraError, Runner, StepItem, TokenEvent, Usage
 
 log = logging.getLogger("memra.engine")
 
@@ -100,8 +99,9 @@ class Engine(OverlapLoop, StreamLater):
             config.enable_prefix_cache,
             state_slots=state_slots,
             snapshot_interval=config.state_snapshot_tokens,
-            # trailing partial blocks cached (engine.partial_blocks) where the runner copies blocks, one pool
-            partial_blocks=isinstance(runner, CopyingRunner) and not window_blocks,
+            # trailing partial blocks cached (engine.partial_blocks) where the runner copies blocks
+            # (engine.types.CopyingRunner), one pool
+            partial_blocks=callable(getattr(runner, "copy_blocks", None)) and not window_blocks,
         )
         if window_blocks:  # the window layers' KV in their own pool, released behind the window
             window_group = BlockManager(window_blocks, runner.block_size, config.enable_prefix_cache)
