@@ -1,7 +1,8 @@
 """tools/gpu_linear_bench.py on the fake driver of tests/test_plan_runner_fake.py (no GPU, no
 compile): a bucket row times the GEMV the plan runs, at kernel_catalog.decode_bmax rows a grid row
 (the q4_k down projection's k = 9728: 4 rows of int8 x, not GEMV_MAX_BATCH rows of f32 x), its
-capped grid fitted to the resident blocks as the runner fits it (gemv_coop.q8x_resident_grid)."""
+capped grid fitted to the resident blocks as the runner fits it (gemv_coop.q8x_resident_grid); a
+--variants entry times that GEMV with a spec param changed."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def test_bucket_rows_time_the_plans_gemv(tmp_path, monkeypatch):
     )  # fmt: skip
     out = tmp_path / "rows.json"
     assert _tool().main(["--types", "q4_k", "--shapes", "2560x9728", "--batches", "1,2", "--iters", "2",
-                         "--json", str(out)]) == 0  # fmt: skip
-    rows = {r["batch"]: r for r in json.loads(out.read_text())["rows"]}
+                         "--variants", "u4=unroll:4", "--json", str(out)]) == 0  # fmt: skip
+    got = json.loads(out.read_text())["rows"]
+    rows = {r["batch"]: r for r in got if r["kernel"].startswith("gemv") and ":" not in r["kernel"]}
     tuning = get_profile("h200").tuning  # (the fake device is an H200)
     want = kc.linear_params("q4_k", 2560, 9728, tuning, bmax=kc.decode_bmax("q4_k", 9728, tuning), sm_count=132)
     assert want["q8x"] and want["bmax"] == 4
@@ -57,3 +59,6 @@ def test_bucket_rows_time_the_plans_gemv(tmp_path, monkeypatch):
     # the bucket launch's grid: the capped grid fitted to 4 resident blocks an SM (the fake's)
     grids = {grid for name, grid, _ in drv.launches if name == rows[2]["entry"]}
     assert grids == {(min(kc.gemv_grid_x(want), 4 * 132), 1, 1)}, grids
+    # --variants: the same GEMV with a spec param changed, at the bucket batches only
+    (var,) = [r for r in got if r["kernel"] == "gemv:u4"]
+    assert var["batch"] == 2 and var["entry"] == kc.spec("gemv", **{**want, "unroll": 4}).entry

@@ -1,7 +1,7 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma]
+        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma] [--variants 'NAME=key:value,..;..']
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
@@ -13,6 +13,10 @@ cycling through enough weight copies to defeat the 50 MB L2:
   batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type;
+- ``gemv:NAME`` (--variants 'NAME=key:value,..;..', batch > 1): the plan's bucket GEMV with those
+  spec params changed (``min_blocks:0``, ``unroll:4``, ``bmax:16``, ``rows_per_block:80``: the
+  same per-row bits where kernel_catalog accepts them), so one device call measures alternatives
+  before a knob or a path change is made of them;
 - ``mma`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k, q6_k, q8_0, q4_0,
   q4_1): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) as the plan builds it
   (kernel_catalog.MMA_FIXED), at every batch (the profile's gemv_mmq.min_rows picks the buckets
@@ -101,6 +105,19 @@ class Bench:
         return e1.elapsed_ms(e0) * 1e3 / self.iters
 
 
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'NAME=key:value,key:value;NAME2=..' -> [(NAME, {key: value})], values as int, bool or str."""
+    out = []
+    for part in filter(None, (t.strip() for t in text.split(";"))):
+        name, _, body = part.partition("=")
+        over: dict = {}
+        for kv in filter(None, body.split(",")):
+            key, _, v = kv.partition(":")
+            over[key.strip()] = {"true": True, "false": False}.get(v.strip(), int(v) if v.strip().lstrip("-").isdigit() else v.strip())
+        out.append((name.strip(), over))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=TYPES)
@@ -109,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--mma", action="store_true", help="also time the int8 tensor-core bucket GEMV (batch > 1)")
+    ap.add_argument("--variants", default="", help="bucket GEMV spec variants (batch > 1), 'NAME=key:value,..;..'")
     args = ap.parse_args(argv)
 
     from engine import cuda, storage
@@ -138,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     out = cuda.alloc(max_rows * nmax * 4)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     rows_out = []
+    variants = parse_variants(args.variants)
 
     def candidates(ft: str, qt: str, n: int, k: int, b: int) -> list:
         cands = []
@@ -146,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         bmax = 1 if b == 1 else kc.decode_bmax(qt, k, tuning)
         p = kc.linear_params(qt, n, k, tuning, bmax=bmax, sm_count=info.sm_count)
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
+        for name, over in variants if b > 1 else ():
+            try:  # the plan's bucket GEMV with some spec params changed (a spec check may refuse it)
+                cands.append((f"gemv:{name}", kc.choice("gemv", **{**p, **over})))
+            except ConfigError as e:
+                print(f"skip {ft} {n}x{k} b{b} gemv:{name}: {e}")
         if args.mma and b > 1:
             mt = {**dict(tuning), "gemv_mmq": {**dict(tuning["gemv_mmq"]), "types": [ft]}}
             bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
