@@ -1,17 +1,22 @@
 """Time the decode linear kernels per (storage type, shape, batch) against the copy bandwidth.
 
     PYTHONPATH=. python tools/gpu_linear_bench.py [--types bf16,q4_k,...] [--shapes 6144x2560,...]
-        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma]
+        [--batches 1,2,4,8,...] [--iters 40] [--json FILE] [--mma] [--variants 'NAME=key:value,..;..']
 
 For every storage type (uploaded in the layout the device profile picks: q8_0 -> q8_0r ...), every
 weight shape NxK (out rows x in; default the Qwen3-4B linears: q|k|v, o, gate|up, down) and every
 batch (default: the profile's CUDA-graph buckets) it times, with CUDA events over --iters launches
 cycling through enough weight copies to defeat the 50 MB L2:
 
-- ``gemv``: the GEMV the plan uses (gemv.max_batch rows per weight pass) and, at
-  batch 1, the tuned batch-1 GEMV (no rmsnorm prologue, no pair);
+- ``gemv``: the GEMV the plan uses (kernel_catalog.decode_bmax rows per weight pass, a capped
+  coop grid fitted to the resident blocks as the runner fits it) and, at batch 1, the tuned
+  batch-1 GEMV (no rmsnorm prologue, no pair);
 - ``gemm``: the mma.sync GEMM with the gemm_decode tiling (bf16 wide buckets before), from
   gemm_decode.min_rows rows, where it has a decoder for the type;
+- ``gemv:NAME`` (--variants 'NAME=key:value,..;..', batch > 1): the plan's bucket GEMV with those
+  spec params changed (``min_blocks:0``, ``unroll:4``, ``bmax:16``, ``rows_per_block:80``: the
+  same per-row bits where kernel_catalog accepts them), so one device call measures alternatives
+  before a knob or a path change is made of them;
 - ``mma`` (--mma, batch > 1, the types kernel_catalog.mma_params takes: q4_k, q6_k, q8_0, q4_0,
   q4_1): the int8 tensor-core bucket GEMV (kernels/_gemv_mmq.cuh.j2) as the plan builds it
   (kernel_catalog.MMA_FIXED), at every batch (the profile's gemv_mmq.min_rows picks the buckets
@@ -59,9 +64,10 @@ def copy_bandwidth(cuda, stream) -> float:
 
 
 class Bench:
-    def __init__(self, cuda, builder, stream, iters: int, sm_count: int = 0):
+    def __init__(self, cuda, builder, stream, iters: int, sm_count: int = 0, fit_coop: bool = False):
         self.cuda, self.builder, self.stream, self.iters = cuda, builder, stream, iters
         self.sm_count = sm_count
+        self.fit_coop = fit_coop  # (gemv_coop.q8x_resident_grid: capped coop grids fitted too)
         self._fns: dict = {}
         self._mods: list = []
 
@@ -81,8 +87,10 @@ class Bench:
             vals = [w.ptr if name == "w" else args[name] for name, _ in choice.args]
             packed.append(cuda.KernelArgs([kind for _, kind in choice.args], vals))
         grid = choice.grid(rows)
-        if choice.spec.params.get("mma") and choice.spec.params.get("grid_cap"):
-            # as the runner binds a capped mma grid (fit_grid): at most the resident blocks in all
+        p = choice.spec.params
+        if p.get("grid_cap") and (p.get("mma") or (self.fit_coop and p.get("coop"))):
+            # as the runner binds a capped grid (Launch.fit_grid: the mma GEMV's, the coop one's
+            # with gemv_coop.q8x_resident_grid): at most the resident blocks in all
             per_sm = max(1, fn.resident_blocks(choice.block[0], choice.smem))
             grid = (min(grid[0], max(1, per_sm * self.sm_count // (grid[1] * grid[2]))), *grid[1:])
         run = cuda.PreparedLaunch(fn, grid, choice.block, choice.smem, self.stream)
@@ -97,6 +105,19 @@ class Bench:
         return e1.elapsed_ms(e0) * 1e3 / self.iters
 
 
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'NAME=key:value,key:value;NAME2=..' -> [(NAME, {key: value})], values as int, bool or str."""
+    out = []
+    for part in filter(None, (t.strip() for t in text.split(";"))):
+        name, _, body = part.partition("=")
+        over: dict = {}
+        for kv in filter(None, body.split(",")):
+            key, _, v = kv.partition(":")
+            over[key.strip()] = {"true": True, "false": False}.get(v.strip(), int(v) if v.strip().lstrip("-").isdigit() else v.strip())
+        out.append((name.strip(), over))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=TYPES)
@@ -105,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--mma", action="store_true", help="also time the int8 tensor-core bucket GEMV (batch > 1)")
+    ap.add_argument("--variants", default="", help="bucket GEMV spec variants (batch > 1), 'NAME=key:value,..;..'")
     args = ap.parse_args(argv)
 
     from engine import cuda, storage
@@ -121,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = cuda.Stream()
     copy_gbs = copy_bandwidth(cuda, stream)
     builder = KernelBuilder(prof.arch, cache=KernelCache(Path(tempfile.mkdtemp(prefix="memra-linbench-"))), no_compile=False)
-    bench = Bench(cuda, builder, stream, args.iters, info.sm_count)
+    fit_coop = bool((tuning.get("gemv_coop") or {}).get("q8x_resident_grid"))
+    bench = Bench(cuda, builder, stream, args.iters, info.sm_count, fit_coop)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else list(prof.cuda_graph_batch_sizes)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
@@ -133,11 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     out = cuda.alloc(max_rows * nmax * 4)
     print(f"{info.name} ({prof.name}, {info.sm_count} SMs): device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
     rows_out = []
+    variants = parse_variants(args.variants)
 
     def candidates(ft: str, qt: str, n: int, k: int, b: int) -> list:
         cands = []
-        p = kc.linear_params(qt, n, k, tuning, bmax=1 if b == 1 else None, sm_count=info.sm_count)
+        # (a bucket GEMV takes the plan's bmax: fewer rows a grid row where its int8 x rows would
+        # not fit at GEMV_MAX_BATCH, as the down projection's k = 9728)
+        bmax = 1 if b == 1 else kc.decode_bmax(qt, k, tuning)
+        p = kc.linear_params(qt, n, k, tuning, bmax=bmax, sm_count=info.sm_count)
         cands.append(("gemv" if b > 1 else "gemv b1", kc.choice("gemv", **p)))
+        for name, over in variants if b > 1 else ():
+            try:  # the plan's bucket GEMV with some spec params changed (a spec check may refuse it)
+                cands.append((f"gemv:{name}", kc.choice("gemv", **{**p, **over})))
+            except ConfigError as e:
+                print(f"skip {ft} {n}x{k} b{b} gemv:{name}: {e}")
         if args.mma and b > 1:
             mt = {**dict(tuning), "gemv_mmq": {**dict(tuning["gemv_mmq"]), "types": [ft]}}
             bucket = kc.linear_params(qt, n, k, tuning, bmax=kc.decode_bmax(qt, k, tuning), sm_count=info.sm_count)
