@@ -35,10 +35,6 @@ COOP_THREADS = 128
 # q8x staging: file type -> (rounds of x loads issued before quantising them, from this k up); the
 # q8_0 down projection's 9728-element x in two rounds
 Q8X_STAGE_ROUNDS = {"q8_0": (2, 8192)}
-# the q4_k bucket q8x GEMVs without a k split (bmax > 1): registers capped at this many a thread
-# (min_blocks), as many blocks an SM as they had before their nibble masks left the row loop (64
-# registers, 3 blocks of 320 threads; the masks held once per segment took them to 72-76 and 2)
-Q4K_BUCKET_REGS = 64
 
 
 def linear_params(
@@ -156,8 +152,6 @@ def coop_options(
             out["stage_rounds"] = rounds
         if c.get("q8x_early_norm_w") and bmax == 1:
             out["early_nw"] = True  # (the kernel uses it only with the norm from the staging loads)
-        if bmax > 1 and file_type == "q4_k" and ksplit == 1 and 65536 // (threads * Q4K_BUCKET_REGS) > 1:
-            out["min_blocks"] = 65536 // (threads * Q4K_BUCKET_REGS)
         if bmax == 1 and ksplit > 1:
             # a block reads its first tile's residual right after pdl_wait, not with its last store
             out["early_res"] = True  # (read by the k-split epilogue; the plan keeps it where a residual is)
