@@ -28,7 +28,7 @@ from engine.types import MemraError
 # option is given; .ci/run runs each as a step of its own after README's test command
 OPT_IN = {
     "compile_matrix": ("--compile-matrix", "every kernel variant x every profile arch, every family's warmup"),
-    "long": ("--long", "minutes on the reference backend: server load, structured output, real-file numerics"),
+    "long": ("--long", "minutes on the reference backend (server load, structured output, real-file numerics) and the cases README's run leaves out"),
 }
 
 
