@@ -8,8 +8,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-from fixtures.checkpoints import (
+# numpy's OpenBLAS runs one thread per process (set before anything imports numpy, and inherited by
+# the memra subprocesses the tests start): the reference backend's matmuls are decode-sized, and on
+# CI's 2 cores a second BLAS thread spin-waits against the other process of a test (the served
+# backend against its client, loadgen) — measured 10x slower per SmolLM2 pass than one thread
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from fixtures.checkpoints import (  # noqa: E402
     write_llama_gguf,
     write_llama_safetensors,
     write_qwen3_gguf,
@@ -22,7 +28,7 @@ from engine.types import MemraError
 # option is given; .ci/run runs each as a step of its own after README's test command
 OPT_IN = {
     "compile_matrix": ("--compile-matrix", "every kernel variant x every profile arch, every family's warmup"),
-    "long": ("--long", "minutes on the reference backend: server load, structured output, real-file numerics"),
+    "long": ("--long", "minutes on the reference backend (server load, structured output, real-file numerics) and the cases README's run leaves out"),
 }
 
 

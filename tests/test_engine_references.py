@@ -9,6 +9,7 @@ out."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -19,10 +20,17 @@ def _files() -> list[Path]:
     return sorted([*ROOT.glob("engine/**/*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("tests/**/*.py")])
 
 
-def _engine_modules(tree: ast.AST) -> dict[str, str]:
+@functools.cache
+def _parsed() -> list[tuple[Path, list[ast.AST]]]:
+    """Every file with all the nodes of its tree (``ast.walk``'s order), parsed and walked once for
+    both tests."""
+    return [(path, list(ast.walk(ast.parse(path.read_text(), str(path))))) for path in _files()]
+
+
+def _engine_modules(nodes: list[ast.AST]) -> dict[str, str]:
     """alias -> engine module for each ``from engine[.pkg] import mod [as alias]`` naming a module."""
     out: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "engine":
             for a in node.names:
                 full = f"{node.module}.{a.name}"
@@ -34,10 +42,10 @@ def _engine_modules(tree: ast.AST) -> dict[str, str]:
     return out
 
 
-def _rebound(tree: ast.AST) -> set[str]:
+def _rebound(nodes: list[ast.AST]) -> set[str]:
     """Names the file also binds otherwise: parameters, assignment targets, loop and with targets."""
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.arg):
             out.add(node.arg)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -47,12 +55,11 @@ def _rebound(tree: ast.AST) -> set[str]:
 
 def test_every_engine_module_attribute_read_exists():
     missing = []
-    for path in _files():
-        tree = ast.parse(path.read_text(), str(path))
-        aliases = _engine_modules(tree)
-        for name in set(aliases) & _rebound(tree):
+    for path, nodes in _parsed():
+        aliases = _engine_modules(nodes)
+        for name in set(aliases) & _rebound(nodes):
             del aliases[name]
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 mod = importlib.import_module(aliases[node.value.id])
                 if isinstance(node.ctx, ast.Load) and not hasattr(mod, node.attr):
@@ -64,8 +71,8 @@ def test_every_name_imported_from_engine_or_fixtures_exists():
     """``from engine.x import name`` / ``from fixtures.x import name`` anywhere (function-level
     imports of GPU-only tests and tools included) names something the module has, or a submodule."""
     missing = []
-    for path in _files():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path, nodes in _parsed():
+        for node in nodes:
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
                 continue
             if node.module.split(".")[0] not in ("engine", "fixtures"):

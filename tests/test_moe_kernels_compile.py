@@ -152,6 +152,7 @@ def test_grouped_gemm_builders():
     assert sort_kernel(128, 8, 64).grid(4096) == (1, 1, 1)
 
 
+@pytest.mark.compile_matrix  # (.ci/run's compile step; README's run compiles the MoE plans' kernels: test_moe_warmup)
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC or the CUDA headers are not available")
 def test_moe_kernels_compile_for_every_profile_arch(tmp_path):
     archs = sorted({p.arch for p in all_profiles().values()})

@@ -55,6 +55,7 @@ def test_logits_match_golden(smol):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (transformers dequantising the GGUF: in .ci/run's long step; test_logits_match_golden stays in README's run)
 def test_logits_match_live_transformers(smol):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

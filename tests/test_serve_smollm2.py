@@ -1,8 +1,8 @@
 """The real thing: `memra serve` (subprocess, waitress, loopback) on the numpy reference backend (or
 the one MEMRA_TEST_BACKEND names: tools/gpu_serve_check.sh runs it with cuda)
 with the real SmolLM2-135M-Instruct GGUF, driven by the official openai and anthropic SDKs, then a
-load test (64 requests, 16 concurrent, 19 disconnected mid-stream after 1-4 chunks) after which
-every KV block is free again.
+load test (24 requests, 16 concurrent, 5 disconnected mid-stream after 1-3 chunks; 64 with 19
+disconnected after 1-4 chunks in .ci/run's long step) after which every KV block is free again.
 """
 
 from __future__ import annotations
@@ -220,9 +220,15 @@ def test_auth_and_context_errors(server):
     assert e.value.param == "n"  # 1..16 choices
 
 
-def test_load_with_disconnects_frees_every_block(server):
-    # 64 streaming requests, 16 at a time (the server's max_running: every wave fills the batch);
-    # loadgen's seed-0 plan hangs up 19 of them after 1, 2, 3 and 4 chunks (10 / 4 / 3 / 2)
+# loadgen's seed-0 plan for 64 requests hangs up 19 of them after 1, 2, 3 and 4 chunks (10 / 4 / 3 / 2),
+# for 24 requests 5 (after 1, 2, 2, 3, 3 chunks): on the reference backend README's run the 24, .ci/run's
+# long step the 64 (tools/gpu_serve_check.sh runs both with cuda)
+LOADS = [(24, 4), pytest.param(64, 15, marks=pytest.mark.long) if BACKEND == "reference" else (64, 15)]
+
+
+@pytest.mark.parametrize("requests,hung_up", LOADS)
+def test_load_with_disconnects_frees_every_block(server, requests, hung_up):
+    # streaming requests, 16 at a time (the server's max_running: every wave fills the batch)
     out = subprocess.run(
         [
             sys.executable,
@@ -232,7 +238,7 @@ def test_load_with_disconnects_frees_every_block(server):
             "--api-key",
             server["key"],
             "--requests",
-            "64",
+            str(requests),
             "--concurrency",
             "16",
             "--disconnect-fraction",
@@ -253,10 +259,10 @@ def test_load_with_disconnects_frees_every_block(server):
         timeout=1000,
     )
     summary = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
-    assert summary["requests"] == 64
+    assert summary["requests"] == requests
     assert not any(str(k).startswith("5") or "50" in str(k) for k in summary["errors"]), summary["errors"]
-    assert summary["disconnected"] >= 15, summary
-    assert summary["ok"] == 64, summary  # loadgen counts a deliberate hang-up as ok
+    assert summary["disconnected"] >= hung_up, summary
+    assert summary["ok"] == requests, summary  # loadgen counts a deliberate hang-up as ok
     deadline = time.time() + 30
     while True:
         status, kv = _get(server["base"] + "/admin/kv", server["key"])
