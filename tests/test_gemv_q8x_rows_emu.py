@@ -71,7 +71,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-ks{int(c[3])}-r{c[4]}")
+# README's run: one case a type (two grid rows, a k split where the type has one); the rest in the long step
+README_CASES = {("q4_k", 44, 512, False, 16), ("q6_kr", 20, 1024, True, 16), ("q8_0r", 20, 1024, True, 11),
+                ("q4_0r", 36, 512, True, 6), ("q4_1r", 20, 512, True, 16)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c if c in README_CASES else pytest.param(c, marks=pytest.mark.long) for c in CASES],
+    ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-ks{int(c[3])}-r{c[4]}",
+)
 def test_bucket_rows_equal_batch1_and_the_reference(case, tmp_path):
     qt, n, k, ksplit, rows = case
     b1, bucket = _specs(qt, n, k, ksplit)
