@@ -115,3 +115,22 @@ def test_q4_k_m_batch1_routing_glu_binds(monkeypatch, tmp_path):
     names = [n for n, _, _ in drv.launches]
     assert sum(n.startswith("moe_q8round") for n in names) == 4 and sum("grouped" in n for n in names) == 4, names
     runner.close()
+
+
+def test_decode_profile_labels_match_the_bound_pass_at_every_bucket(moe_model, monkeypatch, tmp_path):
+    """tools/gpu_decode_profile.pass_labels (gpu_trace_decode's launch names) skips the launches a
+    pass of its rows does not run (Launch.runs_at: the per-slot MoE kernels up to 4 rows, the
+    grouped ones above), as CudaRunner binds the pass."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from gpu_decode_profile import pass_labels, pass_weight_bytes
+
+    runner = _runner(monkeypatch, tmp_path, moe_model, FakeDriver())
+    for rows in (4, 8):
+        bound = runner._bind_pass("decode", rows, rows, False, "greedy", True)
+        labels = pass_labels(runner, "decode", True, "greedy", rows=rows)
+        assert [lb.split(":", 1)[1] for lb in labels] == [b.fn.name for b in bound]
+        assert len(pass_weight_bytes(runner, "decode", True, "greedy", rows=rows)) == len(labels)
+    runner.close()

@@ -56,7 +56,8 @@ def pass_labels(runner, mode: str, short: bool, sampling: str, verify: bool = Fa
         key = pass_key(step, mode, n, short, verify, runner.plan.b1_rows)
         op = "head" if "logits" in step.op.outputs else step.op.op
         for launch in step.launches[key]:
-            labels.append(f"{op}:{launch.spec.entry}")
+            if launch.runs_at(n):  # (as CudaRunner binds a pass: engine.runner_steps)
+                labels.append(f"{op}:{launch.spec.entry}")
     for launch in runner.plan.sampling[sampling]:
         labels.append(f"sample:{launch.spec.entry}")
     return labels
@@ -69,7 +70,8 @@ def pass_weight_bytes(runner, mode: str, short: bool, sampling: str, verify: boo
     n = rows or (1 if mode == "decode1" else max(runner.plan.graph_batch_sizes))
     for step in runner.plan.steps:
         for launch in step.launches[pass_key(step, mode, n, short, verify, runner.plan.b1_rows)]:
-            out.append(sum(sizes.get(a.ref, 0) for a in launch.args if a.kind == "weight"))
+            if launch.runs_at(n):
+                out.append(sum(sizes.get(a.ref, 0) for a in launch.args if a.kind == "weight"))
     return out + [0] * len(runner.plan.sampling[sampling])
 
 
