@@ -160,3 +160,17 @@ def uploaded_weights(seed: int):
         return cache[qt, n, k]
 
     return get
+
+
+def gemv_rows_bits(kernels: Kernels, spec, w, x: DeviceArray, res: np.ndarray, per_row: bool) -> np.ndarray:
+    """The output bits [rows, n] of the gemv ``spec`` over x's rows: one launch of all of them, or
+    one launch per row (the batch-1 reference); l2-prefetch args get any bytes (the weight's)."""
+    p = spec.params
+    rows, n, k, od = x.shape[0], p["n"], p["k"], p["out_dtype"]
+    out = DeviceArray((rows, n), od).put(res if p["residual"] else np.full((rows, n), np.nan, np.float32))
+    c = kc.choice("gemv", **p)
+    extra = {name: w.ptr for name, _ in c.args if name.startswith("pf")}
+    for r0, nr in [(r, 1) for r in range(rows)] if per_row else [(0, rows)]:
+        o = out.at(r0 * n)
+        kernels.launch(c, nr, out=o, w=w, x=x.at(r0 * k), residual=o if p["residual"] else 0, rows=nr, **extra)
+    return cuda.dtoh(np.empty(out.shape, dtype=np.uint32 if od == "f32" else np.uint16), out.ptr)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_harness import DeviceArray, bf_round, rel_err, upload, uploaded_weights
+from gpu_harness import bf_round, gemv_rows_bits, rel_err, upload, uploaded_weights
 
-from engine import cuda, quant
 from engine import kernel_catalog as kc
+from engine import quant
 
 # (device layout, n, k, residual, out dtype)
 CASES = (
@@ -42,23 +42,6 @@ def weights():
     return uploaded_weights(23)
 
 
-def _bits(arr: DeviceArray, od: str) -> np.ndarray:
-    return cuda.dtoh(np.empty(arr.shape, dtype=np.uint32 if od == "f32" else np.uint16), arr.ptr)
-
-
-def _run(kernels, spec, w, x: DeviceArray, res: np.ndarray, per_row: bool) -> np.ndarray:
-    """The output bits [rows, n] of ``spec`` over x's rows: one launch, or one launch per row."""
-    p = spec.params
-    rows, n, k, od = x.shape[0], p["n"], p["k"], p["out_dtype"]
-    out = DeviceArray((rows, n), od).put(res if p["residual"] else np.full((rows, n), np.nan, np.float32))
-    c = kc.choice("gemv", **p)
-    for r0, nr in [(r, 1) for r in range(rows)] if per_row else [(0, rows)]:
-        o = out.at(r0 * n)
-        extra = {name: w.ptr for name, _ in c.args if name.startswith("pf")}  # (l2 prefetch: any bytes)
-        kernels.launch(c, nr, out=o, w=w, x=x.at(r0 * k), residual=o if p["residual"] else 0, rows=nr, **extra)
-    return _bits(out, od)
-
-
 @pytest.mark.parametrize("case", CASES, ids=[f"{q}-{n}x{k}{'-res' if r else ''}-{od}" for q, n, k, r, od in CASES])
 def test_quantised_bucket_gemv_rows_equal_batch1_and_numpy(kernels, profile, device, weights, case):
     qt, n, k, residual, od = case
@@ -79,8 +62,8 @@ def test_quantised_bucket_gemv_rows_equal_batch1_and_numpy(kernels, profile, dev
         xh = bf_round(rng.standard_normal((rows, k)) * rng.uniform(0.2, 4.0, (rows, 1)))
         res = bf_round(rng.standard_normal((rows, n)))
         x = upload(xh, "bf16")
-        ref = _run(kernels, b1, w, x, res, per_row=True)
-        got = _run(kernels, bucket, w, x, res, per_row=False)
+        ref = gemv_rows_bits(kernels, b1, w, x, res, per_row=True)
+        got = gemv_rows_bits(kernels, bucket, w, x, res, per_row=False)
         diff = np.argwhere(got != ref)
         assert not diff.size, f"rows={rows}: {len(diff)} of {got.size} outputs differ, first at {tuple(diff[0])}"
         vals = got.view(np.float32) if od == "f32" else (got.astype(np.uint32) << 16).view(np.float32)

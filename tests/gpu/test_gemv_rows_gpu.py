@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_harness import DeviceArray, bf_round, rel_err, upload, uploaded_weights
+from gpu_harness import bf_round, gemv_rows_bits, rel_err, upload, uploaded_weights
 
-from engine import cuda
 from engine import kernel_catalog as kc
 
 # (n, k, residual, out dtype, glu)
@@ -27,22 +26,6 @@ CASES = (
     (1003, 2560, False, "f32", 0),
 )
 ROWS = (1, 2, 3, 5, 8, 13)
-
-
-def _bits(arr: DeviceArray, od: str) -> np.ndarray:
-    return cuda.dtoh(np.empty(arr.shape, dtype=np.uint32 if od == "f32" else np.uint16), arr.ptr)
-
-
-def _run(kernels, spec, w, x: DeviceArray, res: np.ndarray, per_row: bool) -> np.ndarray:
-    """The output bits [rows, n] of ``spec`` over x's rows: one launch, or one launch per row."""
-    p = spec.params
-    rows, n, k, od = x.shape[0], p["n"], p["k"], p["out_dtype"]
-    out = DeviceArray((rows, n), od).put(res if p["residual"] else np.full((rows, n), np.nan, np.float32))
-    c = kc.choice("gemv", **p)
-    for r0, nr in [(r, 1) for r in range(rows)] if per_row else [(0, rows)]:
-        o = out.at(r0 * n)
-        kernels.launch(c, nr, out=o, w=w, x=x.at(r0 * k), residual=o if p["residual"] else 0, rows=nr)
-    return _bits(out, od)
 
 
 @pytest.mark.parametrize(
@@ -66,8 +49,8 @@ def test_bf16_bucket_gemv_rows_equal_batch1(kernels, profile, device, case):
         xh = bf_round(rng.standard_normal((rows, k)))
         res = bf_round(rng.standard_normal((rows, n)))
         x = upload(xh, "bf16")
-        ref = _run(kernels, b1, w, x, res, per_row=True)[:, :cols]
-        got = _run(kernels, bucket, w, x, res, per_row=False)[:, :cols]
+        ref = gemv_rows_bits(kernels, b1, w, x, res, per_row=True)[:, :cols]
+        got = gemv_rows_bits(kernels, bucket, w, x, res, per_row=False)[:, :cols]
         diff = np.argwhere(got != ref)
         assert not diff.size, (
             f"rows={rows}: {len(diff)} of {got.size} outputs differ, first at {tuple(diff[0])}"
