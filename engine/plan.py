@@ -30,7 +30,7 @@ from engine.ir import (
     Value,
     WeightPlan,
 )
-from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS
+from engine.kernel_catalog import GEMM_DECODE_MIN_ROWS, QUANTS
 from engine.lowering.context import Lowerer
 from engine.lowering.registry import POST_PASSES, lowering_for
 from engine.lowering.sampling import lower_sampling
@@ -388,20 +388,24 @@ def _wide_decode_rows(
     profile: DeviceProfile,
     tensor_dtypes: Mapping[str, str] | None,
 ) -> int:
-    """The smallest decode bucket that runs its linear layers as GEMMs (``GEMM_DECODE_MIN_ROWS``,
-    with the gemm_decode tuning), or 0 when no bucket that large exists or a matrix is not bf16 (quantised weights
-    keep the GEMV, which reads them once per ``GEMV_MAX_BATCH`` rows)."""
+    """The smallest decode bucket that runs its linear layers as GEMMs, or 0 for none: a plan of bf16
+    weights from ``GEMM_DECODE_MIN_ROWS`` rows, one with quantised weights (every one a storage type
+    the gemm decodes) from tuning ``gemm_decode.quant_min_rows`` (0: they keep the GEMV, which reads
+    them once per ``GEMV_MAX_BATCH`` rows); 0 too when no bucket that large exists."""
     rows = GEMM_DECODE_MIN_ROWS
-    if max(profile.cuda_graph_batch_sizes) < rows:
-        return 0
+    q_rows = int(profile.tune("gemm_decode").get("quant_min_rows") or 0)
     for op, _ in graph.ops():
         if op.op != "linear":
             continue
         for key in op.weights:
             for layer in (lay for lay in range(int(d["layers"])) if graph.op_runs(op, d, lay)):
-                if _dtype_of(graph, quant, key, layer, tensor_dtypes) != "bf16":
+                dtype = _dtype_of(graph, quant, key, layer, tensor_dtypes)
+                if dtype == "bf16":
+                    continue
+                if not q_rows or dtype not in QUANTS:
                     return 0
-    return rows
+                rows = q_rows
+    return rows if max(profile.cuda_graph_batch_sizes) >= rows else 0
 
 
 def _needs_freq_factors(

@@ -196,6 +196,9 @@ class GemmDecode(Knobs):
     split_k: int = knob(4, positive)
     swizzle: bool = False
     fragbuf: bool = False  # register double-buffered fragments
+    # decode buckets of at least this many rows run quantised linears (GEMM-decodable storage types)
+    # as these GEMMs too, dequantising each weight once per bucket (0: quantised weights keep the GEMV)
+    quant_min_rows: int = knob(0, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

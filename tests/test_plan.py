@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.graph import load_family
@@ -622,8 +624,28 @@ def test_wide_decode_buckets_run_bf16_linear_layers_as_gemms():
             assert wide and set(wide) == {"gemm"}, step.op
         if step.op.op in ("rmsnorm", "silu_mul"):  # materialised: the GEMMs read them
             assert wide == [step.op.op], step.op
-    # quantised matrices keep the GEMV in every bucket
+    # quantised matrices keep the GEMV in every bucket, unless gemm_decode.quant_min_rows says
     assert plan_for("qwen3", "qwen3-4b", "q8_0").wide_rows == 0
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m", "q6_k"])
+def test_quant_min_rows_runs_quantised_decode_buckets_as_dequantising_gemms(quant):
+    from engine.ir import WIDE
+    prof = with_tuning(get_profile("h100"), "gemm_decode.quant_min_rows=8")
+    graph = load_family("qwen3")
+    plan = build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), prof)
+    assert plan.wide_rows == 8
+    stored = {w.key: w.dtype for w in plan.weights}
+    for step in plan.steps:
+        if step.op.op == "linear" and step.op.outputs != ("logits",):
+            (gemm,) = step.launches[WIDE]
+            assert gemm.spec.template == "gemm"
+            (w,) = [a.ref for a in gemm.args if a.kind == "weight"]
+            assert gemm.spec.params["quant"] == stored[w] != "bf16"
+            assert gemm.spec.params["tile_m"] == prof.tune("gemm_decode")["tile_m"]
+    # a bucket list that stops below it: no wide bucket
+    short = dataclasses.replace(prof, cuda_graph_batch_sizes=(1, 2, 4))
+    assert build_plan(graph, dims_for_size("qwen3", "qwen3-4b"), graph.quant(quant), short).wide_rows == 0
 
 
 def test_prologue_fusion_only_when_every_reader_is_a_linear_x():
@@ -1128,8 +1150,6 @@ def test_q8x_type_tuning_gives_a_file_type_its_own_block_shape():
     and q6_k weights keep the general q8x_threads; zero fields keep the general knob; an unknown file
     type is a ConfigError naming it."""
     from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
     prof = with_tuning(get_profile("h200"), "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512}}")
     general = prof.tuning["gemv_coop"]["q8x_threads"]
     assert general and general != 512
@@ -1193,8 +1213,6 @@ def test_q8x_ksplit_threads_and_b1_rows_per_warp_shape_the_q8_0_tiles():
     q8x_b1_rows_per_warp: the bmax-1 GEMVs without the k split take that many rows per warp, the
     bmax-8 ones and the k-split ones keep q8x_rows_per_warp; both apply per file type."""
     from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
     prof = with_tuning(
         get_profile("h200"),
         "gemv_coop.q8x_type_tuning={q8_0: {q8x_threads: 512, q8x_b1_rows_per_warp: 1, q8x_ksplit_threads: 640}}",
@@ -1296,8 +1314,6 @@ def test_b1_short_n_threads_give_short_weights_wider_blocks_at_every_batch():
     one row group of them, rows_per_warp rows a warp); the longer ones (qkv, gate|up, lm_head) and
     the coop layout keep theirs."""
     from engine import kernel_catalog as kc
-    from engine.profile import with_tuning
-
     prof = with_tuning(get_profile("h200"), "gemv.b1_short_n_threads=512; gemv.short_n_max=1024")
     graph = load_family("qwen3")
     plan = build_plan(graph, dims_for_size("qwen3", "qwen3-0.6b"), graph.quant("bf16"), prof)
