@@ -199,6 +199,9 @@ class GemmDecode(Knobs):
     # decode buckets of at least this many rows run quantised linears (GEMM-decodable storage types)
     # as these GEMMs too, dequantising each weight once per bucket (0: quantised weights keep the GEMV)
     quant_min_rows: int = knob(0, non_negative)
+    # MoE decode buckets of at least this many rows run the experts as the grouped tensor-core GEMM
+    # (moe_sort + moe_gemm; 0: from engine.lowering.moe.GEMM_TOKENS_PER_EXPERT tokens per expert)
+    moe_min_rows: int = knob(0, non_negative)
 
 
 @dataclass(frozen=True, eq=False)

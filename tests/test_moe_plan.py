@@ -321,6 +321,19 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
                 assert ran[-1] == ("moe_combine", None) and len(ran) == (grouped if rows < cut else 4), (rows, ran)
 
 
+def test_moe_min_rows_moves_the_grouped_gemm_down_to_that_bucket():
+    from engine.profile import with_tuning
+
+    g = load_family("qwen3_moe")
+    d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
+    plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "gemm_decode.moe_min_rows=8"))
+    experts = next(s for s in plan.steps if s.op.op == "moe_experts")
+    for rows, want in ((4, "moe_gemv_q8"), (8, "moe_gemm"), (16, "moe_gemm")):
+        ran = {la.spec.template for la in experts.launches["decode"] if la.runs_at(rows)}
+        assert want in ran and ("moe_gemm" in ran) is (rows >= 8), (rows, ran)
+        assert "moe_gemv" not in ran or rows < 8, (rows, ran)  # (the grouped GEMVs only below it)
+
+
 @pytest.mark.parametrize("profile", ["h100", "generic-sm80"])
 def test_moe_launch_args_match_the_kernel_parameters(profile):
     """Every MoE launch of a q4_k_m plan passes as many arguments as its rendered kernel takes,

@@ -412,7 +412,8 @@ def grouped_gemm(ctx, mode, h, ids, weights, out, res, act, ws, experts) -> list
     perm, tiles_arg, partial = Arg("scratch", "moe_perm"), Arg("scratch", "moe_tiles"), Arg("scratch", "moe_partial")
     comb = mk.combine_kernel(hidden, top_k, residual=res is not NULL)
     gy = mk.gemm_grid_y(top_k, experts, bm)
-    rows = {} if mode == "prefill" else {"min_rows": max(2, -(-GEMM_TOKENS_PER_EXPERT * experts // top_k))}
+    least = int(ctx.tune("gemm_decode").get("moe_min_rows") or 0) or -(-GEMM_TOKENS_PER_EXPERT * experts // top_k)
+    rows = {} if mode == "prefill" else {"min_rows": max(2, least)}
     return [
         Launch(sort.spec, (1,), sort.block[:1], (perm, tiles_arg, val(ids), ROWS), **rows),
         Launch(glu.spec, (cdiv(inter, glu.spec.params["tile_n"] // 2), gy), glu.block[:1],
