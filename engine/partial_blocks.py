@@ -27,6 +27,7 @@ not end on a block boundary.
 An unreferenced block with a partial entry is cached (LRU, evictable) like a full cached block;
 reusing it drops the entry. Pure Python: must not import numpy, CUDA or other engine modules.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

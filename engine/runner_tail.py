@@ -40,6 +40,7 @@ requests), so no warm request pays for a capture; one that comes first captures 
 
 Reaches the driver only through the runner's methods; must not import CUDA or engine.runner_cuda.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence

@@ -5,6 +5,7 @@ run computes by prefill, as the entry's prompt did: never the entry's last posit
 tail, engine.runner_tail) nor its own last; salts, block-boundary prompts, recomputes, one-token
 entries and hybrids get none; eviction, disconnects, rollback and fork keep the invariants
 (check_invariants after every operation)."""
+
 from __future__ import annotations
 
 import pytest

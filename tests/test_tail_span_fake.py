@@ -9,6 +9,7 @@ called with the tails' lengths here). Short-context tails, ordinary decode rows 
 short_context and speculative verify passes keep their launches; a hybrid plan has no TAIL
 launches. The numbers (warm == cold, batched == solo, rows vs the reference) are checked on the
 emulator (tests/test_tail_span_emu.py) and the GPU (tests/gpu/test_warm_tail_rows_gpu.py)."""
+
 from __future__ import annotations
 
 import numpy as np

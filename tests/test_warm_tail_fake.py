@@ -8,6 +8,7 @@ are captured when the runner is built, from warm runs that write only the sinks;
 then replays one graph (inputs and sampled id copied by the graph itself) and uploads inputs sized
 by its new tokens, never by the cached prompt; a cold prompt runs the same tail rows as the same
 decode rows after the prefill of everything before them."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ built gives logits bit-identical to the same pass run eagerly, for a dense model
 bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state snapshot); and through the
 engine loop a repeated prompt, and prompts that extend or cut a cached prompt inside its last
 block, hit and equal their uncached runs."""
+
 from __future__ import annotations
 
 import numpy as np

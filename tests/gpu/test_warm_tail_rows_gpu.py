@@ -17,6 +17,7 @@ GGUFs (the tail's rows through the stateful launches one by one, the warm run re
 snapshot at the cached boundary; the MoE one not against batch-1 steps: its decode rows are not
 claimed batch-invariant) and a tiny bf16 Llama (whose wide decode makes a hybrid-style tail of
 more than ``narrow_rows`` rows run in several passes)."""
+
 from __future__ import annotations
 
 import numpy as np
