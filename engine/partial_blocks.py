@@ -5,15 +5,24 @@ The full-block cache stops at the last block boundary of a prompt, so a prompt s
 recompute its trailing partial block (up to block_size - 1 tokens). A partial entry remembers the
 block that holds those positions' KV, keyed by the chain key of the full blocks before it (so
 tenant-salted like them) and the exact tokens of the partial block. Its owner only ever writes
-slots past them, so the entry's slots never change while the block lives. A new prompt whose full
-blocks all hit and whose partial block starts with some of an entry's tokens (at least one, and at
-least one of its own left to run) takes a *copy* of the entry's block (a fresh block; the runner
-copies the KV on the device before the step: ``take_copies``), since it writes its own slots in
-it. Only prompts whose trailing positions run as a prompt tail's decode rows are registered or
-hit (engine.runner_tail: positions from the last block boundary below ``prompt_len``), so the
-copied KV holds the bits a cold run computes there: a registered sequence was admitted with only
-its prompt and its block is its prompt's last (not a preempted sequence's recompute), a hitting
-prompt does not end on a block boundary.
+slots past them, so the entry's slots never change while the block lives.
+
+What a copy may take follows engine.runner_tail's rule for a dense plan (partial entries exist
+only there: not for a hybrid's state slots or a sliding-window pool): a cold prompt runs every
+position in the prefill pass but its last, a decode row, so an entry of L tokens holds
+prefill-computed KV at its first L - 1 positions and a decode row's at its last. A new prompt
+whose full blocks all hit and whose partial block starts with some of an entry's tokens takes a
+*copy* of the entry's block (a fresh block; the runner copies the KV on the device before the
+step: ``take_copies``), since it writes its own slots in it, and skips the positions it shares
+with the entry, at most the entry's first L - 1 and at most all of its own but its last (at least
+one, else no copy): every one of them its own cold run would compute by prefill too, from the
+same tokens after the same prefix, so the copied KV holds the cold run's bits (a prefill row's
+KV does not depend on the pass or chunk it ran in). The entry's last position is never copied:
+a prompt that extends the entry's tokens computes it by prefill, and the same prompt again, whose
+last position it is, recomputes it as its one-row tail anyway. So an entry of one token gives
+nothing to copy and is not registered. A registered sequence was admitted with only its prompt
+and its block is its prompt's last (not a preempted sequence's recompute); a hitting prompt does
+not end on a block boundary.
 
 An unreferenced block with a partial entry is cached (LRU, evictable) like a full cached block;
 reusing it drops the entry. Pure Python: must not import numpy, CUDA or other engine modules.
@@ -72,20 +81,24 @@ class PartialBlocks:
 
     def _partial_match(self, prev: bytes, rest: Sequence[int]) -> tuple[int | None, int]:
         """(block, tokens): the entry after chain key ``prev`` sharing the most leading tokens with
-        ``rest`` (the prompt's partial block), at most ``len(rest) - 1`` of them; (None, 0) if none."""
+        ``rest`` (the prompt's partial block), at most ``len(rest) - 1`` of them and at most the
+        entry's tokens less its last (a decode row's KV: the module docstring); (None, 0) if none."""
         entries = self._partials.get(prev)
         if not entries:
             return None, 0
         best, src = 0, None
         for block, toks in entries.items():
-            n = common_prefix(toks, rest, len(rest) - 1)
+            n = common_prefix(toks, rest, min(len(rest), len(toks)) - 1)
             if n > best:
                 best, src = n, block
         return src, best
 
     def _register_partial(self, block: int, prev: bytes, tokens: tuple[int, ...]) -> None:
-        """Remember ``block`` as holding the KV of ``tokens`` after chain key ``prev``, unless an
-        entry already covers them; entries whose tokens are a prefix of these are dropped."""
+        """Remember ``block`` as holding the KV of ``tokens`` after chain key ``prev``, unless it
+        gives nothing to copy (one token) or an entry already covers them; entries whose tokens are
+        a prefix of these are dropped (a prefix's copyable positions are these' too)."""
+        if len(tokens) < 2:
+            return
         for b, toks in list(self._partials.get(prev, {}).items()):
             if toks[: len(tokens)] == tokens:
                 return  # (the same prompt again: the entry it copied from still lives)
@@ -127,7 +140,7 @@ class PartialBlocks:
             assert entries, "an empty partial-entry map"
             for b, toks in entries.items():
                 assert self._partial_of.get(b) == (prev, toks), f"block {b}: partial maps disagree"
-                assert 0 < len(toks) < self.block_size, f"block {b}: partial entry of {len(toks)} tokens"  # type: ignore[attr-defined]
+                assert 1 < len(toks) < self.block_size, f"block {b}: partial entry of {len(toks)} tokens"  # type: ignore[attr-defined]
                 n += 1
         assert n == len(self._partial_of), "a partial entry is in one map only"
         free = set(self._free)  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """The CUDA runner's step logic on the host: a step's items checked and split into prefill passes
-and decode rows (a prompt's trailing partial block as decode rows too: engine.runner_tail), each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
+and decode rows (a prompt's tail as decode rows too, its last position or, for a hybrid, its
+trailing partial block: engine.runner_tail), each row's sampling fields, the launches of a pass bound to a shape (prefill shapes in an LRU, the warm-prefix tails bound
 ahead), the step's sampling kind (logit bias, constraint masks and logprobs packed for the device's
 token_mask and logprobs steps by engine.logit_prep), the sampled ids and logprobs read back (rows
 past the device buffers' capacity re-sampled on the host); speculative verify
@@ -19,7 +20,7 @@ import numpy as np
 from engine.block_manager import aligned_count
 from engine.ir import LOGPROBS, LP_SLOTS, MASKED, PENALTY_CAPACITY, TAIL_SEQS, WIDE, Arg, launch_key, pass_key
 from engine.logit_prep import on_device
-from engine.runner_tail import run_tails, split_item, tail_count
+from engine.runner_tail import run_tails, split_item, tail_count, whole_block_tails
 from engine.runner_warm import background, run_now, warm_units
 from engine.sampling import penalty_entries, sample_item
 from engine.step_check import check_step_item
@@ -39,8 +40,8 @@ _NEUTRAL_SAMPLING = (0.0, 1.0, 0, 0.0, 0, 0.0, 0.0, 1.0)
 
 def is_decode_row(it: StepItem) -> bool:
     """Whether ``step`` runs the item as a decode row: one token past the prompt. A prompt's
-    tokens are a prefill item, whose trailing partial block the runner also runs as decode rows
-    (engine.runner_tail, by absolute position: a warm or chunked prompt gets the bits of the cold
+    tokens are a prefill item, whose tail (its last position; a hybrid's trailing partial block)
+    the runner also runs as decode rows (engine.runner_tail, by absolute position: a warm or chunked prompt gets the bits of the cold
     run, since a decode row reduces otherwise than a prefill pass: GEMVs, not the prefill GEMM)."""
     return len(it.token_ids) == 1 and it.start_pos > 0 and it.start_pos >= it.prompt_len
 
@@ -223,15 +224,16 @@ class StepLogic:
         out: list[int | None] = [None] * len(items)
         decode: list[int] = []
         prefill: list[int] = []
-        parts: list[StepItem] = []  # the prefill items, less their prompt's trailing partial block
-        tails: list[int] = []  # items whose prompt's trailing partial block runs as decode rows
+        parts: list[StepItem] = []  # the prefill items, less their prompt's tail
+        tails: list[int] = []  # items whose prompt's tail runs as decode rows (engine.runner_tail)
         tail_of: list[int] = []
+        whole = whole_block_tails(self)
         for i, it in enumerate(items):
             self._check_item(it)
             if is_decode_row(it):
                 decode.append(i)
                 continue
-            t = tail_count(it, self.block_size)
+            t = tail_count(it, self.block_size, whole)
             if t:
                 tails.append(i)
                 tail_of.append(t)

@@ -1,30 +1,42 @@
-"""A prompt's trailing partial KV block run as decode rows on the CUDA runner (issue #34: warm-prefix TTFT).
+"""A prompt's last positions run as decode rows on the CUDA runner (issue #34: cold and warm-prefix TTFT).
 
-A prefix-cache hit stops at a block boundary, so a warm request's new tokens are the prompt's
-trailing partial block (1 .. block_size - 1 tokens; none when the prompt ends on a boundary). A
-prefill pass of so few rows costs about as much as one of a few hundred (its GEMMs decode the
-weights in their tile loads whatever the row count), so those tokens run instead as rows of one
-sequence through the plain decode launches, the way a speculative verify pass runs a draft's
-k + 1 positions (engine.spec.cuda_verify: one pass of exactly that many rows, the plan's verify
-launches below short_context where it has them; a hybrid's stateful launches once per row, in
-order, each row reading the state the row before wrote). Past the plan's ``short_context`` a dense
-plan's tail pass runs its attention as the prefill key split's per-span partials + fold (the TAIL
-launches, engine.lowering.attention: each sequence's K/V read once per span for all of its rows,
-where the decode kernel reads them once a row), so those rows agree with plain decode rows to
-rounding, not bit for bit; a hybrid's keep the decode launches. The rule is by absolute position, the
-same for a cold prompt: its positions from the last block boundary below ``prompt_len`` to the end
-of the prompt are decode rows, whichever prefill chunk holds them, so a warm request computes every
-position exactly as the cold run did and its output equals the cold output bit for bit. The
-prefix cache's full blocks hold prefill-computed KV; its partial entries (engine.partial_blocks) a
-prompt tail's decode-row KV, so a prompt sent again copies all but its last position and runs that
-one as a tail of one row (decode rows are row-count invariant: the verify launches, the TAIL
-attention by absolute position).
+A prefill pass of a few rows costs about as much as one of a few hundred (its GEMMs decode the
+weights in their tile loads whatever the row count), and a decode row reduces otherwise than a
+prefill pass (GEMVs, not the prefill GEMM), so the same position gets other bits from each. A
+prompt's *tail* is the positions the runner runs as decode rows, after the prefill passes, by a
+rule of absolute position that a cold prompt, a chunked one and a prefix-cache hit all follow, so
+a warm request computes every position exactly as the cold run did and its output equals the cold
+output bit for bit (``tail_count``):
+
+- a dense plan (no recurrent state, no sliding-window pool: ``whole_block_tails`` false): only
+  the prompt's last position, where the prompt does not end on a block boundary; every other
+  prompt position runs in the prefill pass. The prefix cache's partial entries
+  (engine.partial_blocks) then hold prefill-computed KV at all but their prompt's last position,
+  which another prompt copies wherever its own cold run computes the position by prefill too (never
+  the entry's last, a decode row's: a prompt sent again copies all but its last position and runs
+  that one as a tail of one row).
+- a hybrid (Gated DeltaNet: its prefix hits restore a state snapshot at a block boundary, never
+  in between) and a plan with a sliding-window pool (no partial entries): the prompt's trailing
+  partial block, positions from the last block boundary below ``prompt_len`` to the end of the
+  prompt, whichever prefill chunk holds them, so a hit that stops at the boundary runs its few
+  new tokens as decode rows rather than a prefill pass.
+
+Tails run as rows of one sequence through the plain decode launches, the way a speculative verify
+pass runs a draft's k + 1 positions (engine.spec.cuda_verify: one pass of exactly that many rows,
+the plan's verify launches below short_context where it has them; a hybrid's stateful launches
+once per row, in order, each row reading the state the row before wrote). Past the plan's
+``short_context`` a dense plan's tail pass runs its attention as the prefill key split's per-span
+partials + fold (the TAIL launches, engine.lowering.attention: each sequence's K/V read once per
+span for all of its rows, where the decode kernel reads them once a row), so those rows agree with
+plain decode rows to rounding, not bit for bit; a hybrid's keep the decode launches. Decode rows
+are row-count invariant (the verify launches, the TAIL attention by absolute position), so a tail
+packed with other prompts' tails gets the bits it gets alone.
 
 ``tail_count`` is the rule (pure; tests/fixtures/path_bits.py dispatches with it too),
 ``run_tails`` runs the tails of a step's items after their prefill parts, ``tail_captures``
-captures the CUDA graphs of every tail length one at a time (engine.runner_steps ``warm_up``: when
-the runner is built, or by the engine thread after the server is ready, between requests), so no
-warm request pays for a capture; one that comes first captures its graph itself.
+captures the CUDA graphs of every tail pass length one at a time (engine.runner_steps
+``warm_up``: when the runner is built, or by the engine thread after the server is ready, between
+requests), so no warm request pays for a capture; one that comes first captures its graph itself.
 
 Reaches the driver only through the runner's methods; must not import CUDA or engine.runner_cuda.
 """
@@ -43,13 +55,22 @@ _GREEDY = SamplingParams(temperature=0.0)
 KINDS = ("greedy", "sample")  # the sampling kinds whose tail graphs are captured ahead
 
 
-def tail_count(it: StepItem, block_size: int) -> int:
-    """How many of a prefill item's last tokens are its prompt's trailing partial block (positions
-    from the last block boundary below ``prompt_len`` to it), run as decode rows. 0 for a decode
-    row, a draft, an item reaching past its prompt (a preempted sequence's recompute), a prompt
-    that ends on a block boundary, and an item that does not say where its prompt ends
-    (``prompt_len`` 0: a direct runner call such as the MTP head's, engine.spec.mtp_cuda, which
-    feeds its pass rows values of its own, or a tool's; it runs as prefill, its head on row 0)."""
+def whole_block_tails(r: Any) -> bool:
+    """Whether the runner's prompt tails are whole trailing partial blocks (``tail_count``): a
+    hybrid's (recurrent state slots) and with a sliding-window pool; else its last position only."""
+    return bool(getattr(r, "num_state_slots", 0) or getattr(r, "window_kv_blocks", 0))
+
+
+def tail_count(it: StepItem, block_size: int, whole_block: bool) -> int:
+    """How many of a prefill item's last tokens are its prompt's tail, run as decode rows (the
+    module docstring): where the prompt does not end on a block boundary, its last position
+    (``whole_block`` false: a dense plan's rule) or its trailing partial block, positions from the
+    last block boundary below ``prompt_len`` to it (``whole_block``: a hybrid's, a window pool's).
+    0 for a decode row, a draft, an item reaching past its prompt (a preempted sequence's
+    recompute), an item that ends before its tail, a prompt that ends on a block boundary, and an
+    item that does not say where its prompt ends (``prompt_len`` 0: a direct runner call such as
+    the MTP head's, engine.spec.mtp_cuda, which feeds its pass rows values of its own, or a
+    tool's; it runs as prefill, its head on row 0)."""
     n = len(it.token_ids)
     end = it.start_pos + n
     prompt = it.prompt_len
@@ -58,6 +79,8 @@ def tail_count(it: StepItem, block_size: int) -> int:
     boundary = prompt - prompt % block_size
     if boundary == prompt or end <= boundary:
         return 0
+    if not whole_block:
+        return 1 if end == prompt else 0
     return end - max(boundary, it.start_pos)
 
 
@@ -143,10 +166,11 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
     """Run each item's last ``tail`` tokens (its prefill part already ran) as decode rows; returns
     each item's sampled id (None where it samples nothing). A dense plan packs the tails of one
     context class (all rows below short_context or not, as the item alone would run) into passes
-    of at most ``_limit`` rows; a tail longer than that, and a hybrid's every tail, runs alone,
-    in consecutive passes of that many rows. A dense plan's passes past short_context (at most
-    TAIL_SEQS tails each) run the TAIL attention (``tail``: rows of one sequence through the key split, whichever tails share the
-    pass: a tail packed with others gets the bits it gets alone)."""
+    of at most ``_pack_rows`` rows; a tail longer than ``_limit``, and a hybrid's every tail, runs
+    alone, in consecutive passes of that many rows. A dense plan's passes past short_context (at
+    most TAIL_SEQS tails each) run the TAIL attention (``tail``: rows of one sequence through the
+    key split, whichever tails share the pass: a tail packed with others gets the bits it gets
+    alone)."""
     out: list[int | None] = [None] * len(tails)
     short_ok, verify = _modes(r)
     hybrid = bool(r.num_state_slots)
@@ -172,7 +196,7 @@ def run_tails(r: Any, tails: Sequence[tuple[StepItem, int]]) -> list[int | None]
             continue
         batch = pending[short]
         full = _uses_tail(r, short) and len(batch) == TAIL_SEQS  # (the TAIL launch's sequences)
-        if batch and (full or sum(len(rs) for _, rs in batch) + len(rows) > limit):
+        if batch and (full or sum(len(rs) for _, rs in batch) + len(rows) > _pack_rows(r, short)):
             _run_batch(r, batch, out, tails, short_ok, verify)
             batch.clear()
         batch.append((i, rows))
@@ -210,16 +234,35 @@ def pass_is_short(r: Any, it: StepItem) -> bool:
     return _is_short(r, it, _modes(r)[0])
 
 
+def tail_rows(r: Any, short: bool) -> int:
+    """The row counts 1 .. this of the tail passes of a context class whose graphs are captured
+    ahead (``tail_captures``): ``_limit``, and at most block_size - 1 (a whole trailing partial
+    block's rows; where a tail is the prompt's last position only, the one-row tails a pass packs,
+    so start-up captures no more graphs than the whole-block rule did), with the TAIL attention at
+    most TAIL_SEQS (its sequences, one a one-row tail)."""
+    rows = min(r.block_size - 1, _limit(r, short))
+    if not whole_block_tails(r) and _uses_tail(r, short):
+        rows = min(rows, TAIL_SEQS)
+    return rows
+
+
+def _pack_rows(r: Any, short: bool) -> int:
+    """The most rows ``run_tails`` packs into one pass of a context class: ``tail_rows`` for one-row
+    tails (every pass a captured graph), ``_limit`` for whole trailing partial blocks (as many
+    tails as fit)."""
+    return _limit(r, short) if whole_block_tails(r) else tail_rows(r, short)
+
+
 def tail_captures(r: Any) -> Iterator[int]:
-    """Capture the decode graphs every tail (1 .. block_size - 1 rows, in passes of at most
-    ``_limit``) replays (past short_context with the TAIL attention where the plan has it), one per ``next`` (yields 1 after each capture): each row count,
-    greedy and sample, short and long context where the plan and ``max_model_len`` have both, with
-    their pinned-input copies (the ``io`` graphs a plain step replays). The warm run before each
-    capture writes only the sinks (padding rows; a hybrid's states parked), and each capture is
-    whole in one ``next``, so steps may run between two (engine.loop's background warm-up). A key a
-    request captured meanwhile (``CudaRunner._graph`` captures on first use) is skipped. A hybrid's
-    are kept for good (``_tail_keys``, set by this call: never dropped with the verify
-    groupings). Nothing without graphs."""
+    """Capture the decode graphs every tail pass replays (``tail_rows``: each row count from 1,
+    past short_context with the TAIL attention where the plan has it), one per ``next`` (yields 1
+    after each): each row count, greedy and sample, short and long context where the plan and
+    ``max_model_len`` have both, with their pinned-input copies (the ``io`` graphs a plain step
+    replays). The warm run before each capture writes only the sinks (padding rows; a hybrid's
+    states parked), and each capture is whole in one ``next``, so steps may run between two
+    (engine.loop's background warm-up). A key a request captured meanwhile (``CudaRunner._graph``
+    captures on first use) is skipped. A hybrid's are kept for good (``_tail_keys``, set by this
+    call: never dropped with the verify groupings). Nothing without graphs."""
     if not r.use_graphs:
         return iter(())
     short_ok, verify = _modes(r)
@@ -230,7 +273,7 @@ def tail_captures(r: Any) -> Iterator[int]:
     todo = [
         (rows, kind, short, graph_key(r, rows, kind, short))
         for short in classes
-        for rows in range(1, min(r.block_size - 1, _limit(r, short)) + 1)
+        for rows in range(1, tail_rows(r, short) + 1)
         for kind in KINDS
     ]
     if hybrid:  # (now, before any request runs: kept out of the verify groupings' LRU, _keep_grouping)

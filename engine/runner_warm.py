@@ -33,12 +33,14 @@ Units = Iterator[int]
 
 
 def warm_units(r: Any) -> Units:
-    """The passes a prefix-cache hit runs, one unit each. A hit stops at a block boundary at least
-    one token short: its tail is the prompt's trailing partial block (1 .. block_size - 1 tokens),
-    which runs as decode rows (engine.runner_tail: their graphs, ``tail_captures``), or, for a
-    prompt ending on a boundary, its last block, a prefill pass of block_size tokens (bound, and
-    captured into a CUDA graph with graphs on: ``capture_prefill_tail``). Shorter prefill passes of
-    one sequence are bound too, and the batch-1 head. A shape a request bound first is kept as it is.
+    """The passes a prefix-cache hit runs, one unit each. A hit leaves at most a block's tokens
+    and at least one: the prompt's tail runs as decode rows (engine.runner_tail: its last position,
+    or a hybrid's trailing partial block; their graphs, ``tail_captures``) after a one-sequence
+    prefill pass of the tokens before it that the hit did not copy (a partial-block copy,
+    engine.partial_blocks, leaves none), or, for a prompt ending on a boundary, its last block, a
+    prefill pass of block_size tokens (bound, and captured into a CUDA graph with graphs on:
+    ``capture_prefill_tail``). Those prefill passes of 1 .. block_size tokens of one sequence are
+    bound, and the batch-1 head. A shape a request bound first is kept as it is.
     A hybrid's tail graph keys are registered by this call (``tail_captures``), before any request runs."""
     return _units(r, tail_captures(r))
 

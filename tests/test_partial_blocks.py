@@ -1,8 +1,10 @@
 """The prefix cache's partial entries (engine.partial_blocks) at the block-manager level: a prompt's
 trailing partial block is registered once written, a prompt sent again (or one extending those
-tokens inside the block) takes a copy of it, leaving one token to run; salts, block-boundary
-prompts, recomputes and hybrids get none; eviction, disconnects, rollback and fork keep the
-invariants (check_invariants after every operation)."""
+tokens inside the block, or a shorter one) takes a copy of it and skips only positions its own cold
+run computes by prefill, as the entry's prompt did: never the entry's last position (its decode-row
+tail, engine.runner_tail) nor its own last; salts, block-boundary prompts, recomputes, one-token
+entries and hybrids get none; eviction, disconnects, rollback and fork keep the invariants
+(check_invariants after every operation)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def test_a_prompt_sent_again_copies_its_partial_block_and_runs_one_token():
 def test_extensions_inside_the_block_divergence_and_what_gets_no_hit():
     bm = _bm(32)
     _run(bm, 1, P)
-    assert _run(bm, 2, P + [11]) == 10  # extends it inside the block: both cached tokens
+    # extends it inside the block: the entry's first token (position 8, prefill in both), not its
+    # last (position 9: the entry's decode-row tail, a prefill row in this prompt's cold run)
+    assert _run(bm, 2, P + [11]) == 9
     bm.take_copies()
     assert _run(bm, 3, P[:9] + [77, 78]) == 9  # shares one token of the block
     bm.take_copies()
@@ -64,18 +68,38 @@ def test_extensions_inside_the_block_divergence_and_what_gets_no_hit():
     bm.check_invariants()
 
 
+def test_a_copy_stops_before_the_entry_s_last_and_the_prompt_s_last_token():
+    """Against an entry of 3 tokens (positions 8, 9 prefill in its cold run, 10 its tail), a prompt
+    extending it copies 8 and 9; the same prompt again 8 and 9; a shorter one sharing 2 tokens 8
+    (its own 9 is its tail); the extension's entry (4 tokens) then serves the first prompt 8 and 9
+    and the extension again 8, 9 and 10 (a prefill row there)."""
+    bm = BlockManager(32, 8, partial_blocks=True)  # (8-token blocks: one full block, then the entry)
+    long = P[:8] + [9, 10, 11]
+    _run(bm, 1, long)
+    assert _run(bm, 2, long + [12]) == 10
+    bm.take_copies()
+    assert list(bm._partial_of.values())[-1][1] == (9, 10, 11, 12)  # (it replaced the entry it extends)
+    assert _run(bm, 3, long) == 10
+    assert _run(bm, 4, P[:8] + [9, 10]) == 9
+    assert _run(bm, 5, long + [12]) == 11
+    bm.check_invariants()
+
+
 def test_only_prompts_register_and_a_longer_entry_replaces_its_prefix():
     bm = _bm(32)
     bm.allocate(1, P, SALT)  # a recompute: no entry
     bm.commit(1, P, len(P))
     assert not bm._partial_of
-    _run(bm, 2, P[:9])  # one token in the partial block
+    _run(bm, 9, P[:9])  # one token in the partial block: its decode-row tail, nothing to copy
+    assert not bm._partial_of
+    _run(bm, 2, P[:8] + [9, 30])  # two tokens in the partial block
     first = bm.table(2)[2]
-    assert bm._partial_of[first][1] == (9,)
+    assert bm._partial_of[first][1] == (9, 30)
     bm.free(2)
-    _run(bm, 3, P[:8] + [9, 10, 11])  # its entry (9, 10, 11) covers the first one's
+    bm.free(9)
+    assert _run(bm, 3, P[:8] + [9, 30, 11]) == 9  # its entry (9, 30, 11) covers the first one's
     assert bm.take_copies()  # (it hit the first one's token)
-    assert list(bm._partial_of.values()) == [(bm._seqs[3].hashes[1], (9, 10, 11))]
+    assert list(bm._partial_of.values()) == [(bm._seqs[3].hashes[1], (9, 30, 11))]
     assert first in bm._free  # the replaced entry's block had no other key: free again
     bm.check_invariants()
 

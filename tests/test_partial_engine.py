@@ -90,3 +90,25 @@ def test_a_repeated_prompt_through_the_server_on_the_reference_hits_its_partial_
     assert rows[0] == (1, n - 1) and len(copies) == 1  # one prefill row, one block copied
     assert eng.stats().prefix_hit_tokens >= n - 1
     assert "memra_cached_prompt_tokens_total" in metrics
+
+
+def test_longer_and_shorter_prompts_over_a_cached_partial_block_on_the_reference(tiny_llama_dir):
+    """The numpy reference through the engine (16-token blocks): a prompt of 2 blocks + 6 tokens,
+    then it extended by 4 tokens inside its last block, cut to 3 tokens into it, and again: each
+    copies the cached partial block's positions its own cold run computes by prefill (never the
+    cached prompt's last, its decode-row tail, nor its own last) and gives its uncached run's greedy
+    tokens (the reference's bits follow its passes' row counts, so tokens, not logits:
+    docs/engine-loop.md, "Partial blocks")."""
+    from engine.model import load_model
+    from engine.reference import ReferenceRunner
+
+    model = load_model(tiny_llama_dir)
+    runner = ReferenceRunner(model, num_blocks=64, block_size=16, max_model_len=128)
+    vocab = int(model.dims["vocab"])
+    a = [(37 * i) % (vocab - 3) + 3 for i in range(42)]
+    prompts = [a[:38], a, a[:35], a[:38]]
+    cold = [serve_waves(runner, [[p]], max_tokens=6, vocab_size=vocab, enable_prefix_cache=False)[0][0][0]
+            for p in prompts]  # fmt: skip
+    outs, stats = serve_waves(runner, [[p] for p in prompts], max_tokens=6, vocab_size=vocab)
+    assert [t for t, _ in outs] == cold
+    assert [c for _, c in outs] == [0, 37, 34, 37] and stats.prefix_hit_tokens == 37 + 34 + 37

@@ -4,8 +4,8 @@ generated token, and the first draft, in its prompt's prefill pass while the tar
 decode row). On ``fixtures.path_bits.PathBitsRunner``, whose tokens change with the path (prefill
 pass or decode row) that computed each position, as a GPU's bits do at a near tie: the target as
 its own draft is accepted whole, batched, over a warm prefix cache, chunked prompts and a prompt
-whose last token a prefix hit leaves alone (the prompts' trailing partial blocks run as decode rows
-cold and warm, engine.runner_tail, so a warm prompt gives the cold run's tokens); catch-ups past MAX_DECODE_CATCHUP run as one prefill chunk (one pass, not a step a
+whose last token a prefix hit leaves alone (the prompts' last tokens run as decode rows cold and
+warm, engine.runner_tail, so a warm prompt gives the cold run's tokens); catch-ups past MAX_DECODE_CATCHUP run as one prefill chunk (one pass, not a step a
 token)."""
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def test_self_draft_is_accepted_whole_cold_and_warm():
     assert tokens_of(outs) == cold + cold
     assert stats.spec_draft_tokens > 100
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
-    # the draft ran the prompt's full blocks in prefill passes, its trailing partial block and
-    # every generated position as decode rows, as the target did (engine.runner_tail)
+    # the draft ran the prompt but its tail (its last token, where it does not end on a block
+    # boundary) in prefill passes, the tail and every generated position as decode rows, as the
+    # target did (engine.runner_tail)
     for runner in (draft, target):
         for seq, pos, path in runner.paths:
             n = len(PROMPTS[seq % 4])
-            assert path == (PREFILL if pos < n - n % BS else DECODE), (seq, pos)
+            assert path == (PREFILL if pos < runner.tail_start(n) else DECODE), (seq, pos)
 
 
 def test_self_draft_solo_equals_batched():

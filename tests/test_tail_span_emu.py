@@ -120,10 +120,10 @@ def test_tail_rows_equal_the_cold_pass_and_their_solo_pass(tmp_path, window):
 
 
 def test_a_partial_hit_s_one_row_pass_equals_that_row_of_the_cold_tail_pass(tmp_path):
-    """engine.partial_blocks: a prompt sent again copies its trailing partial block's KV and runs
-    its last position alone; that row (a pass of one row, or of each sequence's last row) equals,
-    bit for bit, the same row of the cold run's tail pass (the whole trailing partial block's
-    rows) and of the cold prefill pass."""
+    """A prompt's last position as a tail pass row of its own (engine.runner_tail's dense rule,
+    cold or after a partial-block copy, engine.partial_blocks; a pass of one row, or of each
+    sequence's last row) equals, bit for bit, the same row of a pass of the whole trailing partial
+    block's rows (a sliding-window pool's rule) and of the cold prefill pass."""
     rng = np.random.default_rng(21)
     case = _Case(rng, [150, 75, 120])
     launches = _tail_launches(0)

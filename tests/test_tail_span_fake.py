@@ -3,10 +3,12 @@ engine.ir.TAIL): a dense plan with the prefill key split runs the tail rows' att
 split's partial launch (attention_prefill, ``partial`` + ``row_tables``: block tables one per row,
 as a decode pass fills them) + attention_combine's fold, the rest of the pass as the decode
 launches; ``seq_starts`` hold the pass's sequences (each tail's rows, the padding rows one each,
-empty sequences to the grid's end). Short-context tails, ordinary decode rows past short_context
-and speculative verify passes keep their launches; a hybrid plan has no TAIL launches. The numbers
-(warm == cold, batched == solo, rows vs the reference) are checked on the emulator
-(tests/test_tail_span_emu.py) and the GPU (tests/gpu/test_warm_tail_rows_gpu.py)."""
+empty sequences to the grid's end): one row a tail under the dense rule (a prompt's last token),
+several for a whole trailing partial block (a plan with a sliding-window pool; ``run_tails``
+called with the tails' lengths here). Short-context tails, ordinary decode rows past
+short_context and speculative verify passes keep their launches; a hybrid plan has no TAIL
+launches. The numbers (warm == cold, batched == solo, rows vs the reference) are checked on the
+emulator (tests/test_tail_span_emu.py) and the GPU (tests/gpu/test_warm_tail_rows_gpu.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from test_plan_runner_fake import GREEDY
 from test_warm_tail_fake import _build, _spy_decode
 
 from engine.ir import TAIL, TAIL_SEQS
-from engine.runner_tail import graph_key, has_tail_attention
+from engine.runner_tail import graph_key, has_tail_attention, run_tails
 from engine.types import StepItem
 
 
@@ -77,14 +79,17 @@ def test_a_tail_past_short_context_runs_the_span_attention(tmp_path, monkeypatch
     assert deep > short
     drv.reset()
     item = _item(0, [7, 8, 9, 10, 11], deep, list(range(deep // bs + 1)))
-    assert runner.step([item]) == [0]
+    if graphs:  # the dense rule: the item's last token, a one-row pass
+        assert runner.step([item]) == [0]
+        assert len(passes) == 1 and len(passes[0]) == 1
+        assert runner._views["seq_starts"][:2].tolist() == [0, 1]
+        assert drv.graph_launches == 1 and drv.captures == 0  # its graph, captured ahead
+        assert graph_key(runner, 1, "greedy", False) in runner._graphs
+        return
+    assert run_tails(runner, [(item, 5)]) == [0]  # (five rows of one sequence: a whole-block tail)
     assert len(passes) == 1 and len(passes[0]) == 5
     ss = runner._views["seq_starts"][:6].tolist()
     assert ss == [0, 5, 5, 5, 5, 5]  # one sequence of five rows, the grid's others empty
-    if graphs:
-        assert drv.graph_launches == 1 and drv.captures == 0  # its graph, captured ahead
-        assert graph_key(runner, 5, "greedy", False) in runner._graphs
-        return
     assert _kinds(drv) == {"span", "fold"}
     splits = -(-runner.max_model_len // plan_span(runner))
     layers = runner.plan.dims["layers"]
@@ -93,7 +98,7 @@ def test_a_tail_past_short_context_runs_the_span_attention(tmp_path, monkeypatch
     assert len(grids) == layers and all(g == (1, runner.plan.dims["kv_heads"], seqs * splits) for g in grids)
     # the same tail at a short depth: the direct decode kernel, no span launch
     drv.reset()
-    runner.step([_item(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5)))])
+    run_tails(runner, [(_item(0, [7, 8, 9, 10, 11], 4 * bs, list(range(5))), 5)])
     assert _kinds(drv) == {"direct"}
 
 
@@ -107,7 +112,10 @@ def test_packed_tails_fill_one_sequence_each(tmp_path, monkeypatch):
     b = _item(2, [8], 40 * bs, list(range(40, 81)))
     c = _item(3, [1, 2, 3, 4], 50 * bs, list(range(90, 141)))
     drv.reset()
-    assert runner.step([a, b, c]) == [0, 0, 0]
+    import engine.runner_tail as rt
+
+    monkeypatch.setattr(rt, "whole_block_tails", lambda r: True)  # (a window pool's rule: packs by _limit)
+    assert run_tails(runner, [(a, 3), (b, 1), (c, 4)]) == [0, 0, 0]
     assert [[r.seq_id for r in p] for p in passes] == [[1, 1, 1, 2, 3, 3, 3, 3]]
     assert runner._views["seq_starts"][:9].tolist() == [0, 3, 4, 8, 8, 8, 8, 8, 8]
     assert _kinds(drv) == {"span", "fold"}

@@ -7,10 +7,11 @@ tokens of one sequence after ``--depths`` cached tokens), on the GPU machine.
         serve`'s; each step also timed after 5 ms of GPU idle, about what a warm send finds)
 
 For each depth: ``runner.step`` of the tail item end to end (host prep + upload + pass + the
-sampled id read back): as the engine runs it (the prompt's trailing partial block as decode rows,
-engine.runner_tail: its captured graph, and eagerly) and as a prefill pass of the same tokens (the
-path before; its layers eager, the head after them); the GPU time of that prefill pass's layers
-and of the decode rows' graph (replay, events), each per kernel template (each template's
+sampled id read back): as the engine runs it (the prompt's tail as decode rows, engine.runner_tail:
+its last token, a hybrid's trailing partial block, from its captured graph, and eagerly; a dense
+model's tokens before it a prefill pass) and as a prefill pass of all the tokens (the path before;
+its layers eager, the head after them); the GPU time of that prefill pass's layers and of the
+decode rows' graph (replay, events), each per kernel template (each template's
 launches captured alone and replayed), so a template whose cost grows with the depth shows; the
 decode rows' eager launch loop's host time. Past short_context a dense plan's tail pass runs its
 attention as the key split's partials (engine.ir.TAIL); the same rows' pass with the split decode
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import cuda  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.runner_cuda import CudaRunner  # noqa: E402
-from engine.runner_tail import graph_key, pass_is_short, tail_count  # noqa: E402
+from engine.runner_tail import graph_key, pass_is_short, tail_count, whole_block_tails  # noqa: E402
 from engine.types import SamplingParams, StepItem  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -92,7 +93,8 @@ def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     kw = dict(history=[3] * (depth + tail), **state)
     item = StepItem(0, toks, depth, table, True, GREEDY, prompt_len=depth + tail, **kw)  # a warm hit's tail
     pre = StepItem(0, toks, depth, table, True, GREEDY, **kw)  # (no prompt_len: the same tokens as a prefill)
-    row = {"depth": depth, "tail": tail, "decode_rows": tail_count(item, bs)}
+    n = tail_count(item, bs, whole_block_tails(runner))
+    row = {"depth": depth, "tail": tail, "decode_rows": n}
     runner.use_graphs = True
     row["step_graph_ms"] = round(wall_ms(lambda: runner.step([item])), 3)
     if idle_ms:  # as a warm request finds it: the GPU idle since the last send (clocks, caches)
@@ -111,7 +113,7 @@ def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     # the decode rows' pass: its captured graph (inputs in, sampled id out) and its launches
     runner.step([item])
     short = pass_is_short(runner, item)
-    key = graph_key(runner, tail, "greedy", short)
+    key = graph_key(runner, n, "greedy", short)
     graph = runner._graphs.get(key)
     if graph is None:
         return row
@@ -127,10 +129,10 @@ def measure(runner, depth: int, tail: int, idle_ms: float = 0.0) -> dict:
     row["rows_per_template_gpu_ms"] = per_template(runner, rows)
     if "tail" in key:  # the same rows through the split decode attention (the pass before TAIL)
         runner.step([item])  # (its inputs in the pinned block again)
-        old = runner._graph(tail, "greedy", False, io=True, verify=True)
+        old = runner._graph(n, "greedy", False, io=True, verify=True)
         runner.stream.synchronize()
         row["rows_decode_attention_graph_gpu_ms"] = round(gpu_ms(runner.stream, lambda: old.launch(runner.stream)), 3)
-        bound = runner._graphs[(tail, "greedy", False, True, "verify")][1]
+        bound = runner._graphs[(n, "greedy", False, True, "verify")][1]
         row["rows_decode_attention_per_template_gpu_ms"] = per_template(runner, bound)
     return row
 

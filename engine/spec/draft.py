@@ -7,7 +7,7 @@ the target ran it, so that a draft model that is the target itself computes ever
 with the target's bits (a CUDA prefill pass and a decode row reduce differently; tests/fixtures/
 batch_invariance.py makes decode rows of any batch, and the verify rows, bit-equal to batch-1 decode
 rows): the prompt's positions (below ``prompt_len``) in one chunk, which carries ``prompt_len`` so
-the runner computes the prompt's trailing partial block as decode rows as the target's did
+the runner computes the prompt's tail as decode rows as the target's did
 (engine.runner_tail), the rest as prefill; every later position,
 the row's last token included (the target runs it as a decode row this step), as a one-token
 decode row, so a CUDA draft replays its decode graphs. A catch-up of more than MAX_DECODE_CATCHUP generated
@@ -174,7 +174,7 @@ class DraftModelProposer:
             sample=sample,
             sampling=_GREEDY,
             history=history,
-            prompt_len=prompt_len,  # (the runner runs the prompt's trailing partial block as the target does)
+            prompt_len=prompt_len,  # (the runner runs the prompt's tail as the target does)
             state_slot=slot,
             state_snapshots=((len(tokens), snap),) if snap is not None else (),
         )

@@ -8,9 +8,12 @@ kernel's tile loads), each case comparing the first token's logits and six greed
 
 * a prompt packed with another one in one pass equals the prompt alone (both passes below 256 rows;
   and, as its own case, a packed pass of 256 rows or more, across the GEMM switch);
-* a prefix-cache hit's tail (1 .. 16 tokens, one pass over the cached blocks; a prompt's trailing
-  partial block runs as decode rows in both, engine.runner_tail, a whole last block as a prefill)
-  equals the cold pass, below and across the switch (a 300-token cold pass against its 12-token tail).
+* a prefix-cache hit's tail (1 .. 16 tokens, one pass over the cached blocks; a prompt's last
+  token runs as a decode row in both, engine.runner_tail, the tokens before it and a whole last
+  block as a prefill) equals the cold pass, below and across the switch (a 300-token cold pass,
+  299 prefill rows, against its 12-token tail, 11 prefill rows: the prefill KV of a position does
+  not depend on the pass it ran in, which the partial-block copies, engine.partial_blocks, and
+  the full blocks' rely on).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.runner_tail import tail_count
+from engine.runner_tail import tail_count, whole_block_tails
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -57,8 +60,8 @@ def run(runner, items: list[StepItem], seq: int) -> list[np.ndarray]:
     toks = runner.step(items)
     i = [items[j].seq_id for j in heads].index(seq)
     it = items[heads[i]]
-    tails = [tail_count(items[j], runner.block_size) for j in heads]
-    if any(tails):  # the prompts' trailing partial blocks ran last, as decode rows of one pass
+    tails = [tail_count(items[j], runner.block_size, whole_block_tails(runner)) for j in heads]
+    if any(tails):  # the prompts' last tokens ran last, as decode rows of one pass
         logits = runner.read_logits(sum(tails))  # (engine.runner_tail): the item's last row samples
         row = sum(tails[: i + 1]) - 1
     else:

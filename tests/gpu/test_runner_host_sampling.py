@@ -13,7 +13,7 @@ from fixtures.engine_probes import unpack_mask
 from runner_harness import tiny_llama_runner
 
 import engine.runner_steps as rs
-from engine.runner_tail import tail_count
+from engine.runner_tail import tail_count, whole_block_tails
 from engine.sampling import token_logprobs
 from engine.spec.cuda_verify import narrow_rows
 from engine.types import SamplingParams, StepItem
@@ -82,7 +82,7 @@ def test_prefill_head_logprobs(runner, where):
     assert tok in (11, 12) and item.logprobs_out is not None and item.logprobs_out[1] == []
     plain = StepItem(0, prompt, 0, [50, 51], True, GREEDY, prompt, 20, 0)
     runner.step([plain])
-    tail = tail_count(plain, runner.block_size)  # the prompt's last rows run as decode rows, in passes of `limit`
+    tail = tail_count(plain, runner.block_size, whole_block_tails(runner))  # (decode rows, in passes of `limit`)
     limit = min(narrow_rows(runner.plan, runner._max_rows), runner._max_rows)
     head = (tail - 1) % limit if tail else 0  # the last pass's row of the prompt's last token
     logits = runner.read_logits(head + 1)[head]

@@ -1,6 +1,7 @@
 """The warm-prefix captures after ready on a real GPU (skipped without one; engine.runner_warm): a
 runner built with ``defer_warm_up`` serves a prefix-cache hit's tail before its background work ran
-(a trailing partial block: its decode-row graph captured by the request itself; a whole last block:
+(5 tokens into a block: its decode-row graph, the dense model's last token's or the hybrid's
+trailing partial block's, captured by the request itself; a whole last block:
 the prefill's bound launches run eagerly) with logits bit-identical to the same tail after the work
 ran (the graph the work captured, or the request's own, replayed), for a dense model (tiny Llama,
 bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state snapshot)."""
@@ -12,6 +13,7 @@ import pytest
 from fixtures.hybrid import write_qwen3_5_hf
 from test_runner_cuda import write_tiny_llama
 
+from engine.runner_tail import tail_count, whole_block_tails
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -51,7 +53,8 @@ def test_a_tail_before_the_background_work_equals_it_after(fam, tmp_path):
             item = StepItem(1, prompt[depth : depth + n], depth, table, True, GREEDY, history=prompt[: depth + n],
                             prompt_len=depth + n, **warm)  # fmt: skip
             ids = runner.step([item])
-            return ids, runner.read_logits(1 if n == bs else n)[-1:].copy()
+            rows = tail_count(item, bs, whole_block_tails(runner)) or 1  # (the last pass's: the dense model's one)
+            return ids, runner.read_logits(rows)[-1:].copy()
 
         before = {n: tail(n) for n in (5, bs)}
         captured = dict(runner._graphs)  # (the 5-token tail's decode-row graph, captured by the request)

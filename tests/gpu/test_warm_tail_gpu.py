@@ -1,9 +1,11 @@
 """The warm-prefix tail's captured graph on a real GPU (skipped without one): a prefix-cache hit's
-tail (2 .. block_size tokens of one sequence after its cached blocks: decode rows below a whole
-block, engine.runner_tail, a prefill pass for one) replayed from the graph the runner captured when
-it was built gives logits bit-identical to the same pass run eagerly, for a
-dense model (tiny Llama, bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state
-snapshot); and through the engine loop a repeated prompt hits and equals its uncached run."""
+tail (2 .. block_size tokens of one sequence after its cached blocks: engine.runner_tail's decode
+rows, a dense model's last token after a prefill of the others, a hybrid's every token, below a
+whole block; a prefill pass for one) replayed from the graph the runner captured when it was
+built gives logits bit-identical to the same pass run eagerly, for a dense model (tiny Llama,
+bf16) and a hybrid (tiny Qwen3.5, bf16: the tail restores a state snapshot); and through the
+engine loop a repeated prompt, and prompts that extend or cut a cached prompt inside its last
+block, hit and equal their uncached runs."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from fixtures.hybrid import write_qwen3_5_hf
 from test_runner_cuda import write_tiny_llama
 
+from engine.runner_tail import graph_key, pass_is_short, tail_count, whole_block_tails
 from engine.types import SamplingParams, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -53,10 +56,15 @@ def test_tail_graph_logits_equal_the_eager_pass(tail_runner, tail):
     warm = dict(state_slot=2, state_restore=1) if hybrid else {}
     item = StepItem(1, prompt[depth:], depth, table[:blocks], True, GREEDY, history=prompt, prompt_len=depth + tail,
                     **warm)  # fmt: skip
-    # a whole block: the captured prefill tail graph; fewer tokens: decode rows (engine.runner_tail),
-    # their graph captured ahead too, the last row sampling
-    rows = 1 if tail == bs else tail
-    assert ("tail", tail) in runner._graphs if tail == bs else any(k[0] == tail for k in runner._graphs)
+    # a whole block: the captured prefill tail graph; fewer tokens: decode rows (engine.runner_tail:
+    # the dense model's last token, the hybrid's every one), their graph captured ahead too, the
+    # last row sampling
+    rows = tail_count(item, bs, whole_block_tails(runner)) or 1
+    assert rows == (1 if tail == bs or not hybrid else tail)
+    if tail == bs:
+        assert ("tail", tail) in runner._graphs
+    else:
+        assert graph_key(runner, rows, "greedy", pass_is_short(runner, item)) in runner._graphs
     runner.use_graphs = True
     ids_graph = runner.step([item])
     logits_graph = runner.read_logits(rows)[-1:]
@@ -73,8 +81,8 @@ def test_engine_repeat_hits_and_equals_uncached(tail_runner, blocks):
     """A repeated prompt of 8 / 30 blocks + 7 tokens (the tiny Llama's tail rows below its
     short_context of 256 tokens: the verify launches; past it: the TAIL attention's key split):
     the dense model's hit takes its partial block's first 6 tokens too (a copy of the cached
-    block, engine.partial_blocks) and runs one decode row, the hybrid's stops at the boundary and
-    runs seven; both give the uncached run's tokens, every time."""
+    block, engine.partial_blocks) and runs one decode row (as its cold run does), the hybrid's stops
+    at the boundary and runs seven; both give the uncached run's tokens, every time."""
     from fixtures.engine_waves import serve_waves
 
     fam, runner = tail_runner
@@ -88,6 +96,29 @@ def test_engine_repeat_hits_and_equals_uncached(tail_runner, blocks):
     hit = blocks * bs + (6 if fam == "llama" else 0)
     for toks, cached in runs[1:]:  # the tail graph (1 or 7 rows), every time
         assert cached == hit and toks == cold, fam
+
+
+@pytest.mark.parametrize("blocks", [8, 30])
+def test_engine_partial_hits_of_longer_and_shorter_prompts_equal_uncached(tail_runner, blocks):
+    """A prompt A of 8 / 30 blocks + 5 tokens, then A extended by 3 tokens inside its last block, A
+    cut to 3 tokens into it, and A again: the dense model's hits copy the positions of the cached
+    partial block that each prompt's own cold run computes by prefill (engine.partial_blocks: A's
+    first 4, never its last, a decode row; then the extension's entry), the hybrid's stop at the
+    boundary; each gives its uncached run's tokens."""
+    from fixtures.engine_waves import serve_waves
+
+    fam, runner = tail_runner
+    bs = runner.block_size
+    vocab = runner.plan.dims["vocab"]
+    depth = blocks * bs
+    a = [int(t) for t in np.random.default_rng(40 + blocks).integers(3, vocab, depth + 8)]
+    prompts = [a[: depth + 5], a, a[: depth + 3], a[: depth + 5]]
+    kw = dict(max_tokens=8, vocab_size=vocab, prefill_chunk_tokens=8 * bs, max_step_tokens=512)
+    cold = [serve_waves(runner, [[p]], enable_prefix_cache=False, **kw)[0][0][0] for p in prompts]
+    runs, _ = serve_waves(runner, [[p] for p in prompts], **kw)
+    assert [toks for toks, _ in runs] == cold, fam
+    want = [0, depth + 4, depth + 2, depth + 4] if fam == "llama" else [0, depth, depth, depth]
+    assert [cached for _, cached in runs] == want, fam
 
 
 def test_copy_blocks_copies_one_block_of_every_layer(tail_runner, monkeypatch):
