@@ -12,7 +12,7 @@ from engine.graph import load_family
 from engine.ir import NULL, Arg, kernel_specs
 from engine.model import dims_for_size
 from engine.plan import build_plan
-from engine.profile import get_profile
+from engine.profile import get_profile, with_tuning
 from engine.weight_memory import plan_weight_bytes, weight_bytes
 
 # a small qwen3-30b-a3b: 3 layers, the middle one dense (mlp_only_layers), k-quant friendly widths
@@ -20,10 +20,11 @@ SMALL = dict(hidden=256, layers=3, heads=4, kv_heads=2, head_dim=64, rope_dim=64
              intermediate=512, moe_intermediate=256, experts=16, experts_used=4, vocab=512, mlp_only_layers=[1])
 
 
-def _plan(quant: str = "q4_k_m", profile: str = "h200", dtypes=None, **over):
+def _plan(quant: str = "q4_k_m", profile: str = "h200", dtypes=None, tune: str = "", **over):
     g = load_family("qwen3_moe")
     d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL, **over}
-    return g, d, build_plan(g, d, g.quant(quant), get_profile(profile), tensor_dtypes=dtypes)
+    prof = with_tuning(get_profile(profile), tune) if tune else get_profile(profile)
+    return g, d, build_plan(g, d, g.quant(quant), prof, tensor_dtypes=dtypes)
 
 
 def _ops_by_layer(plan) -> dict[int, list[str]]:
@@ -283,7 +284,9 @@ def test_batch1_down_reads_the_routing_glus_ids():
 def test_decode_buckets_switch_to_the_grouped_gemm(quant):
     from engine.ir import WIDE
 
-    _, _, plan = _plan(quant)  # bf16: the h200 profile's wide decode buckets exist; q4_k_m: none
+    # the default thresholds (h200 moves both: test_moe_min_rows_...): bf16's wide decode buckets
+    # exist, q4_k_m's none; the GEMM from 4 tokens per expert
+    _, _, plan = _plan(quant, tune="gemm_decode.moe_min_rows=0; gemm_decode.quant_min_rows=0")
     assert bool(plan.wide_rows) is (quant == "bf16")
     experts = next(s for s in plan.steps if s.op.op == "moe_experts")
     cut = 4 * 16 // 4  # GEMM_TOKENS_PER_EXPERT tokens per expert on average: 16 experts, top 4
@@ -322,8 +325,6 @@ def test_decode_buckets_switch_to_the_grouped_gemm(quant):
 
 
 def test_moe_min_rows_moves_the_grouped_gemm_down_to_that_bucket():
-    from engine.profile import with_tuning
-
     g = load_family("qwen3_moe")
     d = {**dims_for_size("qwen3_moe", "qwen3-30b-a3b"), **SMALL}
     plan = build_plan(g, d, g.quant("q4_k_m"), with_tuning(get_profile("h100"), "gemm_decode.moe_min_rows=8"))

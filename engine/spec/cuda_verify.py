@@ -71,8 +71,8 @@ def has_verify_short(plan: Any) -> bool:
 
 def narrow_rows(plan: Any, max_rows: int) -> int:
     """The most rows a verify pass takes at once: the largest decode bucket below the wide decode
-    (``plan.wide_rows``: bf16 weights as GEMMs, whose rows do not get a batch-1 step's bits), so
-    several drafts of a bf16 model verify in more passes rather than inexactly; ``max_rows``
+    (``plan.wide_rows``: linears as GEMMs, whose rows do not get a batch-1 step's bits), so
+    several drafts verify in more passes rather than inexactly; ``max_rows``
     where the plan has no wide decode. A single draft longer than that still runs, alone."""
     wide = int(getattr(plan, "wide_rows", 0) or 0)
     below = [b for b in getattr(plan, "graph_batch_sizes", ()) if b < wide] if wide else []
