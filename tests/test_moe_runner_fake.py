@@ -39,6 +39,8 @@ def moe_model(request, tmp_path, monkeypatch):
 def _runner(monkeypatch, tmp_path, model, drv):
     import engine.runner_cuda as rc
 
+    # the grouped GEMVs in the 8-row bucket (the h100 / h200 profiles run the grouped GEMM there)
+    monkeypatch.setenv("MEMRA_TUNE", "gemm_decode.moe_min_rows=0")
     monkeypatch.setattr(rc, "cuda", drv.module())
     runner = rc.CudaRunner(model, num_blocks=32, max_model_len=256, builder=fake_builder(tmp_path))
     drv.reset()
