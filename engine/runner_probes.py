@@ -14,7 +14,7 @@ import numpy as np
 from engine import env
 from engine.types import MemraError
 
-TRACE_RECORDS = 1 << 20  # block records the MEMRA_TRACE buffer holds
+TRACE_RECORDS = 1 << 22  # block records the MEMRA_TRACE buffer holds (192 MB, allocated only under MEMRA_TRACE)
 
 
 class RunnerProbes:

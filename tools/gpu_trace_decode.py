@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.render import trace_tag  # noqa: E402  (the tag each traced kernel's records carry)
+from engine.runner_probes import TRACE_RECORDS  # noqa: E402  (the trace buffer's capacity)
 
 
 def split_launches(recs: np.ndarray, launches: list[tuple[str, int]], replays: int) -> list[np.ndarray] | str:
@@ -138,13 +139,18 @@ def trace_variant(cuda, model, profile, batch: int, replays: int, save: Path | N
         labels = pass_labels(runner, _decode_mode(bucket, runner.plan.wide_rows), True, "greedy", rows=bucket)
         launches = [(lab.split(":", 1)[1], int(np.prod(b.grid))) for lab, b in zip(labels, bound, strict=True)]
         traced_us = time_graph(cuda, graph, runner.stream, 20)
+        per_pass = sum(blocks for _, blocks in launches)
+        if per_pass > TRACE_RECORDS:
+            raise SystemExit(f"one pass runs {per_pass} blocks, more than the trace buffer's {TRACE_RECORDS} records")
+        replays = min(replays, TRACE_RECORDS // per_pass)  # (a wide MoE pass fills the buffer in a few)
         runner.trace_reset()
         for _ in range(replays):
             graph.launch(runner.stream)
         recs = runner.trace_read()
     finally:
         runner.close()
-    res = {"wall_tok_s": round(wall["tok_s"], 1), "traced_graph_us": round(traced_us, 1), "records": len(recs)}
+    res = {"wall_tok_s": round(wall["tok_s"], 1), "traced_graph_us": round(traced_us, 1), "records": len(recs),
+           "replays": replays}
     if save is not None:  # the raw records and the pass's launches, for a closer look
         np.savez_compressed(save, records=recs, entries=np.array([e for e, _ in launches]), labels=np.array(labels))
     parts = split_launches(recs, launches, replays)
