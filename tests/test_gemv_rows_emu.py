@@ -82,7 +82,7 @@ CASES = {
 }
 
 
-LONG = {"short-n-f32", "norm", "silu", "short-n-glu"}  # (README's run keeps one case per path: .ci/run's long step runs these)
+LONG = {"short-n-f32", "norm", "silu", "short-n-glu", "residual", "glu"}  # (.ci/run's long step runs these; README's run the plain one)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in sorted(CASES)])
