@@ -11,29 +11,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from fixtures.checkpoints import Dims, write_random_gguf
+from fixtures.checkpoints import write_random_gguf
+from runner_harness import GREEDY, rel
+from test_quant_models import DIMS, LLAMA_DIMS
 
 from engine import cuda
 from engine.ir import WIDE
-from engine.types import SamplingParams, StepItem
+from engine.types import StepItem
 
-GREEDY = SamplingParams(temperature=0.0)
 ROWS = 5  # the 8-row bucket
-DIMS = Dims(
-    hidden_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=768,
-)
-LLAMA_DIMS = dataclasses.replace(DIMS, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                                 tie_word_embeddings=True)  # fmt: skip
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize(
@@ -72,7 +58,7 @@ def test_wide_quantised_bucket_rows_match_the_reference(tmp_path, family, q):
         for i, it in enumerate(items):
             want = ref.forward_logits(prompts[i] + [firsts[i]])[-1]
             assert np.isfinite(wide[i]).all() and np.any(wide[i] != 0), i
-            errs.append(_rel(wide[i], want))
+            errs.append(rel(wide[i], want))
             solo = runner.step([it])[0]  # the same position alone: batch 1's GEMVs
             if solo != ids[i]:
                 flips += 1
