@@ -132,6 +132,7 @@ def _unfused(item) -> tuple[str, list[str]] | None:
     return None
 
 
+@pytest.mark.long  # (six seconds of compiles: .ci/run's long step)
 def test_decode_kernels_leave_no_product_to_fuse(decode_specs):
     # (NVRTC releases the GIL: a thread per core, as KernelBuilder.build_all compiles)
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
